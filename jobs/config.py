@@ -1,0 +1,293 @@
+"""The one config tree: `configs/NAME.yaml` plus command-line overrides, read once.
+
+The trainer's sections (run, model, parallel, data, train, checkpoint, logging)
+are defined in `trainer.config` (which imports no torch) so that the image reads
+the frozen `config.yaml` into the very same dataclasses; the host adds slurm,
+container, launch and image here. Nothing downstream reads raw dicts.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from trainer.config import (
+    CheckpointSection,
+    ConfigError,
+    DataSection,
+    LoggingSection,
+    ModelSection,
+    ParallelSection,
+    RunSection,
+    TrainSection,
+    _require,
+    check_trainer_sections,
+    from_dict,
+    to_dict,
+)
+
+# Slurm job names, file names and EDF names all come from run names.
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+SAFE_NAME_RULE = "use 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
+TIME_RE = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass
+class SlurmSection:
+    nodes: int = 1
+    gpus_per_node: int = 4
+    cpus_per_task: int = 8
+    time: str = "01:00:00"
+    account: Optional[str] = None
+    partition: Optional[str] = None
+    qos: Optional[str] = None
+    email: Optional[str] = None
+    mem: Optional[str] = None
+    # Relative to the run directory; %j is the job id (known before the log is read).
+    output: str = "logs/%j.out"
+    error: str = "logs/%j.err"
+    # Seconds before the time limit at which the batch script is warned (USR1):
+    # the trainer saves at the step boundary and the job requeues itself.
+    signal_seconds: int = 300
+    requeue: bool = True
+    extra: list[str] = field(default_factory=list)
+
+    def check(self, where: str) -> None:
+        _require(self.nodes > 0, f"{where}.nodes", f"must be > 0, got {self.nodes}")
+        _require(self.gpus_per_node >= 0, f"{where}.gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
+        _require(self.cpus_per_task > 0, f"{where}.cpus_per_task", f"must be > 0, got {self.cpus_per_task}")
+        _require(bool(TIME_RE.match(self.time)), f"{where}.time",
+                 f"{self.time!r} is not a Slurm time: use HH:MM:SS, MM, or D-HH:MM:SS")
+        _require(self.signal_seconds >= 0, f"{where}.signal_seconds", "must be >= 0 (0 disables the warning)")
+        for name in ("output", "error"):
+            value = getattr(self, name)
+            _require(bool(value) and "\n" not in value and not value.startswith("/")
+                     and ".." not in Path(value).parts, f"{where}.{name}",
+                     f"must be a path inside the run directory such as logs/%j.out, got {value!r}")
+        for i, opt in enumerate(self.extra):
+            _require(opt.startswith("--") and "\n" not in opt, f"{where}.extra[{i}]",
+                     f"must be one long sbatch option such as --exclusive or --mem=0, got {opt!r}")
+        for name in ("account", "partition", "qos", "email", "mem"):
+            value = getattr(self, name)
+            _require(value is None or (bool(value) and "\n" not in value and (name == "partition" or "," not in value)),
+                     f"{where}.{name}", f"must be a single line without commas, got {value!r}")
+
+    def time_seconds(self) -> int:
+        days, _, rest = self.time.rpartition("-")
+        parts = [int(p) for p in rest.split(":")]
+        if days:  # D-HH[:MM[:SS]]
+            parts += [0] * (3 - len(parts))
+            h, m, s = parts
+        elif len(parts) == 1:  # MM
+            h, m, s = 0, parts[0], 0
+        elif len(parts) == 2:  # MM:SS
+            h, m, s = 0, *parts
+        else:
+            h, m, s = parts
+        return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+
+
+@dataclass
+class ContainerSection:
+    """How tasks run: in a Container Engine environment (`edf`), through pyxis
+    flags (`pyxis`), or directly on the node (`none`)."""
+
+    runtime: Literal["edf", "pyxis", "none"] = "edf"
+    # A squashfs file (absolute or ./-relative) or a registry reference.
+    image: str = ""
+    mounts: list[str] = field(default_factory=list)
+    workdir: Optional[str] = None
+    writable: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    entrypoint: bool = False
+    base_environment: list[str] = field(default_factory=list)
+    # Name under which `slipway edf --install` puts the EDF in EDF_PATH; default: the run name.
+    edf_name: Optional[str] = None
+    mount_home: bool = False
+
+    def check(self, where: str) -> None:
+        if self.runtime != "none":
+            _require(bool(self.image), f"{where}.image",
+                     f"runtime {self.runtime} needs an image: a squashfs path (run `make image`) or a "
+                     "registry reference such as nvcr.io#nvidia/pytorch:25.01-py3")
+        if self.image and is_local_image(self.image):
+            _require(self.image.startswith(("/", "./")), f"{where}.image",
+                     f"squashfs path {self.image!r} must be absolute or start with ./ "
+                     "(otherwise pyxis and the Container Engine read it as a registry image)")
+        for key in self.env:
+            _require(bool(ENV_NAME.match(key)), f"{where}.env.{key}",
+                     "is not a valid environment variable name (letters, digits, _; not starting with a digit)")
+        for i, mount in enumerate(self.mounts):
+            src = mount.split(":", 1)[0]
+            _require(bool(src) and "," not in mount and "\n" not in mount, f"{where}.mounts[{i}]",
+                     f"must be SRC[:DST[:FLAGS]] without commas, got {mount!r}")
+        if self.edf_name is not None:
+            _require(bool(SAFE_NAME.match(self.edf_name)), f"{where}.edf_name",
+                     f"{self.edf_name!r} is not a safe name: {SAFE_NAME_RULE}")
+
+
+def is_local_image(image: str) -> bool:
+    """A squashfs file rather than a registry reference."""
+    return image.endswith((".sqsh", ".squashfs")) or image.startswith(("/", "./", "../"))
+
+
+@dataclass
+class LaunchSection:
+    """How the training command starts inside the allocation."""
+
+    # torchrun: one task per node, c10d rendezvous; srun: one task per process,
+    # RANK/LOCAL_RANK/WORLD_SIZE mapped from SLURM_*.
+    launcher: Literal["torchrun", "srun"] = "torchrun"
+    # Processes per node; default: gpus_per_node (or 1 without GPUs).
+    procs_per_node: Optional[int] = None
+    # The interpreter that runs the trainer; default: python3 in a container,
+    # this environment's own interpreter with runtime none.
+    python: Optional[str] = None
+    # Replace the trainer with another command (a list of arguments).
+    command: list[str] = field(default_factory=list)
+    pre_launch: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    debug: bool = False
+    hf_home: Optional[str] = None
+
+    def check(self, where: str) -> None:
+        _require(self.procs_per_node is None or self.procs_per_node > 0, f"{where}.procs_per_node",
+                 f"must be > 0, got {self.procs_per_node}")
+        for key in self.env:
+            _require(bool(ENV_NAME.match(key)), f"{where}.env.{key}",
+                     "is not a valid environment variable name (letters, digits, _; not starting with a digit)")
+        for key, value in self.env.items():
+            _require(not re.search(r"(API_KEY|TOKEN|SECRET|PASSWORD)", key), f"{where}.env.{key}",
+                     "looks like a secret: export it in your shell before submitting instead; "
+                     "slipway never writes secrets into the run directory")
+
+
+@dataclass
+class ImageSection:
+    """How `make image` builds the training image."""
+
+    dockerfile: str = "containers/Dockerfile"
+    base_image: str = "nvcr.io/nvidia/pytorch:25.01-py3"
+    name: str = "slipway"
+    output_dir: str = "images"
+    flash_attn: bool = True
+    build_args: dict[str, str] = field(default_factory=dict)
+    network_host: bool = False
+    isolation: Optional[Literal["chroot", "oci", "rootless"]] = None
+    wheelhouse: Optional[str] = None
+    squash_options: str = "-comp zstd -Xcompression-level 3 -b 1M"
+    build_on: Literal["local", "compute"] = "local"
+
+
+@dataclass
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    slurm: SlurmSection = field(default_factory=SlurmSection)
+    container: ContainerSection = field(default_factory=ContainerSection)
+    launch: LaunchSection = field(default_factory=LaunchSection)
+    image: ImageSection = field(default_factory=ImageSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def check(self, where: str) -> None:
+        _require(bool(SAFE_NAME.match(self.run.name)), "run.name",
+                 f"{self.run.name!r} is not a safe run name: {SAFE_NAME_RULE}")
+        if self.launch.python is None:
+            self.launch.python = sys.executable if self.container.runtime == "none" else "python3"
+        if self.launch.procs_per_node is None:
+            self.launch.procs_per_node = self.slurm.gpus_per_node or 1
+        p, world = self.parallel, self.world_size
+        if not self.launch.command:
+            _require(p.world_size == world, "parallel",
+                     f"dp({p.dp}) x tp({p.tp}) x pp({p.pp}) = {p.world_size} != nodes({self.slurm.nodes}) x "
+                     f"procs_per_node({self.launch.procs_per_node}) = {world}: change slurm.nodes, "
+                     "slurm.gpus_per_node (or launch.procs_per_node) or parallel.dp/tp/pp so they match")
+            check_trainer_sections(self)
+        if self.slurm.gpus_per_node:
+            _require(self.launch.procs_per_node <= self.slurm.gpus_per_node, "launch.procs_per_node",
+                     f"{self.launch.procs_per_node} processes per node but only slurm.gpus_per_node("
+                     f"{self.slurm.gpus_per_node}) GPUs: lower procs_per_node or raise gpus_per_node")
+
+    @property
+    def world_size(self) -> int:
+        return self.slurm.nodes * self.launch.procs_per_node
+
+
+def parse_value(text: str) -> Any:
+    """An override's value, read as a YAML scalar or flow list (`[a, b]`)."""
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(raw: dict, dotted: str, value: Any) -> None:
+    """Set `section.key[.sub]` in the raw tree; errors name the bad key."""
+    parts = dotted.split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(dotted, "an override must look like section.key=value, e.g. train.steps=100")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section; cannot set a key inside it")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict[str, Any] | None = None) -> Config:
+    """Read `configs/NAME.yaml` (or a path), apply `key=value` overrides, validate.
+
+    `sets` holds overrides already split into dotted key and typed value (the CLI's named flags).
+    """
+    path = resolve_config_path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"{path} must hold a mapping of sections such as run:, slurm:, model:")
+    raw = copy.deepcopy(raw)
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(item, "an override must look like section.key=value, e.g. train.steps=100")
+        apply_override(raw, key.strip(), parse_value(value))
+    for key, value in (sets or {}).items():
+        apply_override(raw, key, value)
+    run = raw.setdefault("run", {}) if isinstance(raw.get("run", {}), dict) else raw["run"]
+    if isinstance(run, dict) and not run.get("name"):
+        run["name"] = path.stem
+    return from_dict(Config, raw)
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """`tiny_cpu`, `configs/tiny_cpu.yaml` or any path to a YAML file."""
+    candidates = [Path(name)]
+    if not str(name).endswith((".yaml", ".yml")):
+        candidates += [Path("configs") / f"{name}.yaml", Path(f"{name}.yaml")]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in Path("configs").glob("*.yaml")) if Path("configs").is_dir() else []
+    hint = f"; known configs: {', '.join(known)}" if known else ""
+    raise ConfigError("CONFIG", f"no config file {name!r} (looked for {', '.join(map(str, candidates))}){hint}")
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config exactly as the job reads it."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False, width=1000)

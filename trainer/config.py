@@ -1,0 +1,419 @@
+"""The trainer's half of the one config tree, and the schema machinery both halves use.
+
+This module imports neither torch nor the host side: the host (`jobs.config`)
+builds the full tree from these sections plus its own (slurm, container,
+launch, image), and the trainer reads the same YAML file back into the same
+dataclasses inside the image. Every field is typed; unknown keys, wrong types
+and impossible combinations raise `ConfigError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad user input: one line naming the field, the rule and the fix."""
+
+    def __init__(self, field_path: str, message: str):
+        self.field = field_path
+        super().__init__(f"{field_path}: {message}" if field_path else message)
+
+
+# --------------------------------------------------------------------------
+# Schema machinery: a dict from YAML into nested dataclasses, strictly.
+# Written by hand (rather than dacite/pydantic) because the image must not
+# need extra packages and every error must carry the dotted field path and
+# the list of valid keys.
+# --------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp) if a is not type(None)) + " or null"
+    if origin is list:
+        return f"list of {_type_name(get_args(tp)[0])}"
+    if origin is dict:
+        return f"mapping of {_type_name(get_args(tp)[1])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, where)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise ConfigError(where, f"expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise ConfigError(where, f"must be one of {', '.join(repr(a) for a in get_args(tp))}, got {value!r}")
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(where, f"expected a list, got {value!r}")
+        return [_convert(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        _, val_tp = get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(where, f"expected a mapping, got {value!r}")
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(where, f"keys must be strings, got {k!r}")
+            out[k] = _convert(val_tp, v, f"{where}.{k}")
+        return out
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(where, f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(where, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 reads 1e-3 (no dot) as a string; accept what is clearly a number.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(where, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(where, f"expected a string, got {value!r}")
+    if tp is Any:
+        return value
+    raise TypeError(f"unsupported config type {tp!r} at {where}")
+
+
+def from_dict(cls: type, data: Any, where: str = "") -> Any:
+    """Build dataclass `cls` from `data`, rejecting unknown keys and wrong types."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(where or cls.__name__, f"expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = unknown[0]
+        path = f"{where}.{key}" if where else str(key)
+        raise ConfigError(path, f"unknown key; valid keys of {where or 'the config'} are: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        path = f"{where}.{name}" if where else name
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], path)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(path, "is required")
+    obj = cls(**kwargs)
+    check = getattr(obj, "check", None)
+    if check is not None:
+        check(where)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """The plain-YAML form of a section tree (what `config.yaml` holds)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, list):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def _require(cond: bool, where: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(where, message)
+
+
+def _positive(obj: Any, where: str, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(value is not None and value > 0, f"{where}.{name}", f"must be > 0, got {value!r}")
+
+
+# --------------------------------------------------------------------------
+# Trainer sections.
+# --------------------------------------------------------------------------
+
+# The CSCS tutorial's 109M Llama is `tiny`; the others follow common Llama shapes.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=768, intermediate_size=1536, num_layers=12, num_heads=12,
+                 num_kv_heads=12, vocab_size=50257, max_position_embeddings=512,
+                 tie_embeddings=True),
+    "small": dict(hidden_size=1024, intermediate_size=2816, num_layers=24, num_heads=16,
+                  num_kv_heads=8, vocab_size=50257, max_position_embeddings=2048,
+                  tie_embeddings=True),
+    "base": dict(hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
+                 num_kv_heads=4, vocab_size=32000, max_position_embeddings=2048,
+                 tie_embeddings=False),
+    "large": dict(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
+                  num_kv_heads=32, vocab_size=32000, max_position_embeddings=4096,
+                  tie_embeddings=False),
+}
+_DIMENSIONS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+               "vocab_size", "max_position_embeddings")
+
+
+@dataclass
+class RunSection:
+    name: str = ""
+    project: str = "slipway"
+    seed: int = 42
+
+
+@dataclass
+class ModelSection:
+    """Llama decoder dimensions. `size` names a preset; any dimension given
+    beside it overrides the preset; `size: custom` needs every dimension."""
+
+    size: Literal["tiny", "small", "base", "large", "custom"] = "tiny"
+    hidden_size: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    num_layers: Optional[int] = None
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    vocab_size: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    tie_embeddings: Optional[bool] = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    init_std: float = 0.025
+    attention: Literal["auto", "flash", "sdpa"] = "auto"
+    init_from_hf: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        preset = MODEL_PRESETS.get(self.size, {})
+        for key, value in preset.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        if self.tie_embeddings is None:
+            self.tie_embeddings = False
+
+    def check(self, where: str) -> None:
+        if self.size == "custom":
+            missing = [d for d in _DIMENSIONS if getattr(self, d) is None]
+            _require(not missing, f"{where}.{missing[0] if missing else ''}",
+                     f"model.size is custom, so {', '.join(missing)} must be set (or pick a preset: "
+                     f"{', '.join(MODEL_PRESETS)})")
+        _positive(self, where, *_DIMENSIONS)
+        _require(self.hidden_size % self.num_heads == 0, f"{where}.num_heads",
+                 f"hidden_size({self.hidden_size}) must be divisible by num_heads({self.num_heads})")
+        _require(self.num_heads % self.num_kv_heads == 0, f"{where}.num_kv_heads",
+                 f"num_heads({self.num_heads}) must be divisible by num_kv_heads({self.num_kv_heads})")
+        _require((self.hidden_size // self.num_heads) % 2 == 0, f"{where}.num_heads",
+                 f"head dimension hidden_size/num_heads = {self.hidden_size // self.num_heads} must be even "
+                 "for rotary embeddings")
+        _require(self.init_std > 0, f"{where}.init_std", f"must be > 0, got {self.init_std}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included once when tied)."""
+        h, i, layers, v = self.hidden_size, self.intermediate_size, self.num_layers, self.vocab_size
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
+        embed = v * h * (1 if self.tie_embeddings else 2)
+        return layers * per_layer + embed + h
+
+
+@dataclass
+class ParallelSection:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    sequence_parallel: bool = False
+    pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+
+    def check(self, where: str) -> None:
+        _positive(self, where, "dp", "tp", "pp")
+        if self.dp_mode == "ddp":
+            _require(self.zero_stage == 0, f"{where}.zero_stage",
+                     f"dp_mode ddp replicates everything, so zero_stage must be 0 (got {self.zero_stage}); "
+                     "use dp_mode fsdp for ZeRO 1-3")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass
+class DataSection:
+    """Hugging Face dataset by name or a local path (saved dataset, parquet,
+    jsonl or text files); tokenizer by name or local path. `builtin` is the
+    corpus and tokenizer that ship with the project (no network)."""
+
+    dataset: str = "builtin"
+    dataset_config: Optional[str] = None
+    split: str = "train"
+    text_column: str = "text"
+    tokenizer: str = "builtin"
+    seq_len: int = 512
+    validation_split: Optional[str] = None
+    validation_fraction: float = 0.01
+    cache_dir: Optional[str] = None
+    num_proc: int = 0
+
+    def check(self, where: str) -> None:
+        _positive(self, where, "seq_len")
+        _require(0.0 <= self.validation_fraction < 0.5, f"{where}.validation_fraction",
+                 f"must be in [0, 0.5), got {self.validation_fraction}")
+        _require(self.num_proc >= 0, f"{where}.num_proc", f"must be >= 0 (0 = all cores), got {self.num_proc}")
+
+
+@dataclass
+class TrainSection:
+    steps: int = 1500
+    micro_batch_size: int = 64
+    grad_accum_steps: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-5
+    warmup_steps: int = 150
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    compile: bool = False
+    eval_interval: int = 0
+    eval_batches: int = 4
+    script: Optional[str] = None
+
+    def check(self, where: str) -> None:
+        _positive(self, where, "steps", "micro_batch_size", "grad_accum_steps", "lr", "eval_batches")
+        _require(0 <= self.min_lr <= self.lr, f"{where}.min_lr",
+                 f"must be between 0 and lr({self.lr}), got {self.min_lr}")
+        _require(0 <= self.warmup_steps <= self.steps, f"{where}.warmup_steps",
+                 f"must be between 0 and steps({self.steps}), got {self.warmup_steps}")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            _require(0 <= value < 1, f"{where}.{name}", f"must be in [0, 1), got {value}")
+        _require(self.eps > 0 and self.weight_decay >= 0 and self.grad_clip >= 0, f"{where}.eps",
+                 "eps must be > 0, weight_decay and grad_clip >= 0 (grad_clip 0 disables clipping)")
+        _require(self.eval_interval >= 0, f"{where}.eval_interval",
+                 f"must be >= 0 (0 disables evaluation), got {self.eval_interval}")
+        _require(all(math.isfinite(getattr(self, n)) for n in ("lr", "min_lr", "eps")), f"{where}.lr",
+                 "lr, min_lr and eps must be finite numbers")
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = 1500
+    keep_last: int = 2
+    save_initial: bool = False
+    async_save: bool = False
+    dir: str = "checkpoints"
+
+    def check(self, where: str) -> None:
+        _positive(self, where, "interval", "keep_last")
+
+
+@dataclass
+class LoggingSection:
+    interval: int = 1
+    wandb: bool = False
+    profiler: bool = False
+    profiler_steps: list[int] = field(default_factory=lambda: [5, 8])
+    level: Literal["debug", "info", "warning"] = "info"
+
+    def check(self, where: str) -> None:
+        _positive(self, where, "interval")
+        _require(len(self.profiler_steps) == 2 and 0 <= self.profiler_steps[0] < self.profiler_steps[1],
+                 f"{where}.profiler_steps", f"must be [first, last] with first < last, got {self.profiler_steps}")
+
+
+@dataclass
+class TrainerConfig:
+    """What the trainer reads from `runs/RUN/config.yaml`; host sections are skipped."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def check(self, where: str) -> None:
+        check_trainer_sections(self)
+
+
+def check_trainer_sections(cfg: Any) -> None:
+    """Rules across trainer sections; `cfg` is a TrainerConfig or the host's full tree."""
+    m, p = cfg.model, cfg.parallel
+    _require(m.num_heads % p.tp == 0, "parallel.tp",
+             f"model.num_heads({m.num_heads}) must be divisible by parallel.tp({p.tp}): "
+             f"pick tp from {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}")
+    _require(m.num_kv_heads % p.tp == 0, "parallel.tp",
+             f"model.num_kv_heads({m.num_kv_heads}) must be divisible by parallel.tp({p.tp})")
+    _require(m.intermediate_size % p.tp == 0, "parallel.tp",
+             f"model.intermediate_size({m.intermediate_size}) must be divisible by parallel.tp({p.tp})")
+    _require(m.num_layers >= p.pp, "parallel.pp",
+             f"model.num_layers({m.num_layers}) must be >= parallel.pp({p.pp}): each stage needs a layer")
+    if p.pp > 1:
+        _require(not m.tie_embeddings, "model.tie_embeddings",
+                 f"tied embeddings live on the first and last pipeline stage at once; with parallel.pp({p.pp}) "
+                 "set model.tie_embeddings: false or parallel.pp: 1")
+        _require(cfg.train.grad_accum_steps >= p.pp, "train.grad_accum_steps",
+                 f"pipeline parallelism splits the batch into grad_accum_steps micro batches; "
+                 f"grad_accum_steps({cfg.train.grad_accum_steps}) must be >= parallel.pp({p.pp})")
+    if p.sequence_parallel:
+        _require(cfg.data.seq_len % p.tp == 0, "data.seq_len",
+                 f"sequence_parallel needs data.seq_len({cfg.data.seq_len}) divisible by parallel.tp({p.tp})")
+    _require(cfg.data.seq_len <= m.max_position_embeddings, "data.seq_len",
+             f"data.seq_len({cfg.data.seq_len}) exceeds model.max_position_embeddings"
+             f"({m.max_position_embeddings}): lower seq_len or raise max_position_embeddings")
+
+
+HOST_SECTIONS = ("slurm", "container", "launch", "image")
+
+
+def load_trainer_config(path: str | Path) -> TrainerConfig:
+    """Read the trainer's sections of a resolved config (the host ones are the host's business)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError("", f"config file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"{path} must hold a mapping of sections")
+    return from_dict(TrainerConfig, {k: v for k, v in raw.items() if k not in HOST_SECTIONS})
