@@ -1,0 +1,323 @@
+"""The run directory, the unit of reproducibility, and everything that submits into it.
+
+`runs/RUN/` holds the resolved `config.yaml` the job reads, `env.toml`,
+`job.sbatch`, `manifest.json` (git state, image, submit times, job ids), the
+Slurm logs, `events.log` written by the batch script, and what the trainer
+writes (metrics, checkpoints). Files are written atomically; a new run
+directory appears only once complete; a run is never silently overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, TextIO
+
+from plumbum import local
+from plumbum.commands.processes import ProcessExecutionError
+
+from jobs import slurm
+from jobs.config import Config, dump_config, is_local_image, load_config
+from jobs.sbatch import RunPaths, render_sbatch
+from trainer.config import ConfigError
+
+MANIFEST = "manifest.json"
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write `text` to `path` so a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def git_state(project_dir: Path) -> dict:
+    """Commit and dirty flag of the project, or nulls outside a git checkout."""
+    if not shutil.which("git"):
+        return {"commit": None, "dirty": None}
+    git = local["git"]["-C", str(project_dir)]
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+        return {"commit": commit, "dirty": dirty}
+    except ProcessExecutionError:
+        return {"commit": None, "dirty": None}
+
+
+@dataclass
+class Run:
+    """A run directory on disk."""
+
+    paths: RunPaths
+
+    @property
+    def dir(self) -> Path:
+        return self.paths.run_dir
+
+    @property
+    def name(self) -> str:
+        return self.dir.name
+
+    def manifest(self) -> dict:
+        try:
+            return json.loads((self.dir / MANIFEST).read_text())
+        except FileNotFoundError:
+            return {}
+
+    def job_ids(self) -> list[str]:
+        return [s["job_id"] for s in self.manifest().get("submissions", []) if s.get("job_id")]
+
+    def config(self) -> Config:
+        return load_config(self.paths.config)
+
+    def log_path(self, job_id: str, stream: str = "output") -> Path:
+        """Where Slurm writes job `job_id`'s log: fixed by the config before submission."""
+        cfg = self.config()
+        pattern = cfg.slurm.output if stream == "output" else cfg.slurm.error
+        expanded = pattern.replace("%%", "\0").replace("%j", job_id).replace("%x", cfg.run.name).replace("\0", "%")
+        return self.dir / expanded
+
+    def events(self) -> list[str]:
+        try:
+            return (self.dir / "events.log").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+
+    def last_metrics(self) -> dict | None:
+        path = self.dir / "metrics.jsonl"
+        try:
+            with path.open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 8192))
+                lines = f.read().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            return None
+        for line in reversed(lines):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+        return None
+
+
+def runs_root(project_dir: Path) -> Path:
+    return Path(os.environ.get("SLIPWAY_RUNS", project_dir / "runs")).absolute()
+
+
+def find_run(name: str, project_dir: Path) -> Run:
+    run_dir = runs_root(project_dir) / name
+    if not (run_dir / MANIFEST).is_file():
+        known = list_runs(project_dir)
+        hint = f"; runs: {', '.join(r.name for r in known[-8:])}" if known else ""
+        raise ConfigError("RUN", f"no run {name!r} in {runs_root(project_dir)}{hint}")
+    return Run(RunPaths(run_dir, project_dir))
+
+
+def list_runs(project_dir: Path) -> list[Run]:
+    root = runs_root(project_dir)
+    if not root.is_dir():
+        return []
+    found = [Run(RunPaths(p, project_dir)) for p in root.iterdir() if (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda r: (r.manifest().get("created", ""), r.name))
+
+
+def check_submittable(cfg: Config) -> None:
+    """What must hold on disk at submission (not for a dry run, which may render elsewhere)."""
+    c = cfg.container
+    if c.runtime != "none" and is_local_image(c.image):
+        image = Path(os.path.expandvars(c.image))
+        if not image.exists():
+            raise ConfigError("container.image", f"squashfs {c.image} does not exist: run `make image` "
+                                                 "(it prints the path) or set container.image")
+    for i, mount in enumerate(c.mounts):
+        src = os.path.expandvars(mount.split(":", 1)[0])
+        if "$" in src:
+            raise ConfigError(f"container.mounts[{i}]", f"{mount!r} uses a variable that is not set here: "
+                                                        "export it or write the path out")
+        if not Path(src).exists():
+            raise ConfigError(f"container.mounts[{i}]", f"mount source {src} does not exist on this node")
+    if cfg.train.script:
+        script = Path(cfg.train.script)
+        if not script.is_file():
+            raise ConfigError("train.script", f"training script {script} does not exist")
+
+
+def render_run_files(cfg: Config, paths: RunPaths) -> dict[str, str]:
+    """Every generated file of a run, by name (nothing written yet)."""
+    files = {"config.yaml": dump_config(cfg), "job.sbatch": render_sbatch(cfg, paths)}
+    if cfg.container.runtime != "none":
+        from edf import Environment, render_edf
+
+        files["env.toml"] = render_edf(Environment.from_container(cfg.container))
+    return files
+
+
+def _image_record(cfg: Config) -> dict:
+    image = cfg.container.image
+    record: dict = {"reference": image or None}
+    if image and is_local_image(image):
+        path = Path(os.path.expandvars(image))
+        record["path"] = str(path.absolute())
+        record["resolved"] = str(path.resolve()) if path.exists() else None
+    return record
+
+
+def prepare_run(cfg: Config, project_dir: Path, *, force: bool = False) -> tuple[Run, bool]:
+    """Create or reuse `runs/RUN/`; returns (run, created).
+
+    Same run name and same resolved config: the run resumes (files refreshed).
+    A different config is refused unless `force`, and then the old config is
+    kept in `history/`.
+    """
+    paths = RunPaths(runs_root(project_dir) / cfg.run.name, project_dir.absolute())
+    files = render_run_files(cfg, paths)
+    run = Run(paths)
+    if (paths.run_dir / MANIFEST).is_file():
+        old = (paths.run_dir / "config.yaml").read_text() if paths.config.exists() else ""
+        if old != files["config.yaml"]:
+            if not force:
+                raise ConfigError("run.name", f"run {cfg.run.name} exists with a different config "
+                                              f"({paths.config}): pick another --run-name, or pass --force to "
+                                              "replace its config (the old one is kept in history/)")
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+            write_atomic(paths.run_dir / "history" / f"config-{stamp}.yaml", old)
+        for name, text in files.items():
+            write_atomic(paths.run_dir / name, text, 0o755 if name == "job.sbatch" else 0o644)
+        return run, False
+    root = paths.run_dir.parent
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.run.name}.", suffix=".tmp", dir=root))
+    try:
+        for name, text in files.items():
+            write_atomic(tmp / name, text, 0o755 if name == "job.sbatch" else 0o644)
+        (tmp / "logs").mkdir()
+        manifest = {
+            "run": cfg.run.name,
+            "created": now(),
+            "project_dir": str(paths.project_dir),
+            "git": git_state(project_dir),
+            "image": _image_record(cfg),
+            "runtime": cfg.container.runtime,
+            "launcher": cfg.launch.launcher,
+            "config_sha256": hashlib.sha256(files["config.yaml"].encode()).hexdigest(),
+            "submissions": [],
+        }
+        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        try:
+            # rename(2) onto a missing name: two submissions racing for one name cannot both win.
+            os.rename(tmp, paths.run_dir)
+        except OSError:
+            raise ConfigError("run.name", f"run {cfg.run.name} was created by another submission just now: "
+                                          "submit again to resume it, or pick another --run-name") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return run, True
+
+
+def record_submission(run: Run, job_id: str, cfg: Config) -> None:
+    manifest = run.manifest()
+    manifest.setdefault("submissions", []).append({
+        "job_id": job_id, "submitted": now(), "git": git_state(run.paths.project_dir),
+        "image": _image_record(cfg),
+        "script_sha256": hashlib.sha256(run.paths.script.read_bytes()).hexdigest(),
+    })
+    write_atomic(run.dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+
+
+def submit(cfg: Config, project_dir: Path, *, force: bool = False) -> tuple[Run, str]:
+    """Write the run directory and `sbatch` it; returns (run, job id)."""
+    check_submittable(cfg)
+    run, created = prepare_run(cfg, project_dir, force=force)
+    try:
+        job_id = slurm.sbatch(run.paths.script, cwd=run.paths.project_dir)
+    except slurm.SlurmError:
+        if created:  # nothing ran: leave no trace of a run that never was
+            shutil.rmtree(run.dir, ignore_errors=True)
+        raise
+    record_submission(run, job_id, cfg)
+    return run, job_id
+
+
+class _Tail:
+    """Follows one growing file from its start."""
+
+    def __init__(self, path: Path, out: TextIO):
+        self.path, self.out, self.pos = path, out, 0
+
+    def pump(self) -> None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.pos)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        if chunk:
+            self.pos += len(chunk)
+            self.out.write(chunk.decode(errors="replace"))
+            self.out.flush()
+
+
+def follow(run: Run, job_id: str, *, interval: float = 1.0, on_state: Callable[[str], None] | None = None,
+           out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Print job `job_id`'s output and error logs as they grow until the job ends; its exit code.
+
+    The log paths are known before the job starts, so nothing can be missed
+    between submission and the first line.
+    """
+    tails = [_Tail(run.log_path(job_id, "output"), out)]
+    err_path = run.log_path(job_id, "error")
+    if err_path != tails[0].path:
+        tails.append(_Tail(err_path, err))
+    last_state = None
+    gone = 0
+    while True:
+        for t in tails:
+            t.pump()
+        info = slurm.job_info(job_id)
+        state = info.state if info else "UNKNOWN"
+        if state != last_state and on_state:
+            on_state(state)
+        last_state = state
+        if info is not None and not info.active:
+            time.sleep(interval)  # the last lines may land just after the state changes
+            for t in tails:
+                t.pump()
+            code = info.return_code
+            return code if code is not None else (0 if state.startswith("COMPLETED") else 1)
+        if info is None:
+            gone += 1
+            if gone > 5:  # slurmctld forgot the job and there is no accounting
+                for t in tails:
+                    t.pump()
+                return _exit_from_events(run, job_id)
+        time.sleep(interval)
+
+
+def _exit_from_events(run: Run, job_id: str) -> int:
+    for line in reversed(run.events()):
+        parts = line.split()
+        if len(parts) >= 5 and parts[2] == job_id and parts[3:5] == ["end", "exit"]:
+            return int(parts[5]) if len(parts) > 5 and parts[5].isdigit() else 1
+    return 1

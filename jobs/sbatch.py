@@ -1,0 +1,284 @@
+"""The batch script: one pure render function for every runtime and launcher.
+
+Every config value that reaches the script goes through `shlex.quote` (or
+`shell_value`, which keeps `${VAR}` references and quotes everything else), so
+no run name, path or env value can ever run a command.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobs.config import Config
+from trainer.config import ConfigError
+
+# Exit code with which the trainer says "saved, requeue me" (EX_TEMPFAIL).
+REQUEUE_EXIT = 75
+# The file the batch script creates when Slurm warns of the time limit; the
+# trainer checks it after every step (signals do not cross torchrun reliably).
+STOP_FILE = "stop-requested"
+HEARTBEAT_SECONDS = 60
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}")
+
+
+def shell_value(text: str) -> str:
+    """Quote `text` for bash, keeping `${VAR}` and `${VAR:-default}` as expansions.
+
+    Only those two forms expand (the default itself is quoted); `$(...)`,
+    backticks and everything else stay literal.
+    """
+    if "\n" in text or "\0" in text:
+        raise ConfigError("", f"value {text!r} contains a newline or NUL, which cannot be passed safely")
+    parts, pos = [], 0
+    for m in _VAR.finditer(text):
+        if m.start() > pos:
+            parts.append(shlex.quote(text[pos:m.start()]))
+        name, default = m.group(1), m.group(2)
+        parts.append(f'"${{{name}}}"' if default is None else f'"${{{name}:-"{shlex.quote(default[2:])}"}}"')
+        pos = m.end()
+    if pos < len(text) or not parts:
+        parts.append(shlex.quote(text[pos:]))
+    return "".join(parts)
+
+
+def sbatch_quote(value: str) -> str:
+    """A value for an `#SBATCH` line: sbatch splits those lines itself (not a shell),
+    honouring double quotes and backslash escapes."""
+    if "\n" in value:
+        raise ConfigError("", f"value {value!r} contains a newline and cannot go into an #SBATCH line")
+    if re.fullmatch(r"[A-Za-z0-9_.,:@%/+=-]+", value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Absolute paths the script needs; fixed before submission."""
+
+    run_dir: Path
+    project_dir: Path
+
+    @property
+    def config(self) -> Path:
+        return self.run_dir / "config.yaml"
+
+    @property
+    def env_toml(self) -> Path:
+        return self.run_dir / "env.toml"
+
+    @property
+    def script(self) -> Path:
+        return self.run_dir / "job.sbatch"
+
+
+def task_command(cfg: Config, paths: RunPaths) -> list[str]:
+    """What each rank runs: the trainer, a custom training script, or `launch.command`."""
+    if cfg.launch.command:
+        return list(cfg.launch.command)
+    if cfg.train.script:
+        script = Path(cfg.train.script)
+        if not script.is_absolute():
+            script = paths.project_dir / script
+        return [cfg.launch.python, str(script), "--config", str(paths.config)]
+    return [cfg.launch.python, "-m", "trainer", "--config", str(paths.config)]
+
+
+def torchrun_argv(cfg: Config, *, nnodes: str, rdzv: list[str]) -> list[str]:
+    """`python -m torch.distributed.run` (an absolute interpreter: the image's PATH may not
+    reach srun, see pyxis), then the task command without its interpreter."""
+    return [cfg.launch.python, "-m", "torch.distributed.run", _Expand(f"--nnodes={nnodes}") if "$" in nnodes else f"--nnodes={nnodes}",
+            f"--nproc-per-node={cfg.launch.procs_per_node}", *rdzv, "--max-restarts=0"]
+
+
+def local_argv(cfg: Config, paths: RunPaths) -> list[str]:
+    """The same launch as on the cluster, on this machine: `torchrun --standalone`."""
+    cmd = task_command(cfg, paths)
+    if cfg.launch.procs_per_node == 1 and cfg.slurm.nodes == 1:
+        return cmd
+    if cmd[0] != cfg.launch.python:
+        raise ConfigError("launch.command", "a custom command cannot be spread over processes by torchrun; "
+                                            "start it with launch.python or set launch.procs_per_node: 1")
+    return torchrun_argv(cfg, nnodes="1", rdzv=["--standalone"]) + cmd[1:]
+
+
+def _omp_threads(cfg: Config) -> int:
+    per_task = cfg.launch.procs_per_node if cfg.launch.launcher == "torchrun" else 1
+    return max(1, cfg.slurm.cpus_per_task // per_task)
+
+
+def _header(cfg: Config, paths: RunPaths) -> list[str]:
+    s = cfg.slurm
+    tasks = 1 if cfg.launch.launcher == "torchrun" else cfg.launch.procs_per_node
+    opts = [f"--job-name={cfg.run.name}", f"--nodes={s.nodes}", f"--ntasks-per-node={tasks}",
+            f"--cpus-per-task={s.cpus_per_task}"]
+    if s.gpus_per_node:
+        opts.append(f"--gpus-per-node={s.gpus_per_node}")
+    opts.append(f"--time={s.time}")
+    for name in ("account", "partition", "qos", "mem"):
+        if getattr(s, name):
+            opts.append(f"--{name}={sbatch_quote(getattr(s, name))}")
+    if s.email:
+        opts += [f"--mail-user={sbatch_quote(s.email)}", "--mail-type=END,FAIL"]
+    opts += [f"--output={sbatch_quote(str(paths.run_dir / s.output))}",
+             f"--error={sbatch_quote(str(paths.run_dir / s.error))}",
+             "--open-mode=append"]
+    if s.signal_seconds:
+        # B: only the batch shell gets it; it tells the trainer through STOP_FILE.
+        opts.append(f"--signal=B:USR1@{s.signal_seconds}")
+    opts.append("--requeue" if s.requeue else "--no-requeue")
+    opts += [sbatch_quote(o) for o in s.extra]
+    return ["#!/bin/bash", f"# slipway run {cfg.run.name}: generated, edit configs/ instead"] + \
+        [f"#SBATCH {o}" for o in opts]
+
+
+def _environment(cfg: Config, paths: RunPaths) -> list[str]:
+    debug = cfg.launch.debug
+    hf_home = shell_value(cfg.launch.hf_home) if cfg.launch.hf_home else \
+        '"${HF_HOME:-' + shlex.quote(str(paths.project_dir / ".cache" / "huggingface")) + '}"'
+    lines = [
+        "# Rendezvous: the first host of the allocation, never `hostname --ip-address`.",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# A port from the job id, below the ephemeral range, moved on while one is taken.",
+        "MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 12000 ))",
+        'while (exec 3<>"/dev/tcp/$MASTER_ADDR/$MASTER_PORT") 2>/dev/null; do MASTER_PORT=$(( MASTER_PORT + 1 )); done',
+        "export MASTER_ADDR MASTER_PORT",
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+        f"export HF_HOME={hf_home}",
+        "# Secrets stay in the environment they came from; nothing is written to disk.",
+        'if [ -n "${WANDB_API_KEY:-}" ]; then export WANDB_MODE="${WANDB_MODE:-online}"; '
+        "else export WANDB_MODE=offline; fi",
+        f"export NCCL_DEBUG={'INFO' if debug else '${NCCL_DEBUG:-WARN}'}",
+        "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        "export PYTHONFAULTHANDLER=1",
+        "export PYTHONUNBUFFERED=1",
+        f"export OMP_NUM_THREADS={_omp_threads(cfg)}",
+        f"export SLIPWAY_RUN_DIR={shlex.quote(str(paths.run_dir))}",
+    ]
+    if debug:
+        lines += ["export CUDA_LAUNCH_BLOCKING=1", "export TORCH_DISTRIBUTED_DEBUG=DETAIL",
+                  "export NCCL_DEBUG_SUBSYS=INIT,NET"]
+    for key, value in cfg.launch.env.items():
+        lines.append(f"export {key}={shell_value(value)}")
+    return lines
+
+
+def _container_args(cfg: Config, paths: RunPaths) -> tuple[list[str], list[str]]:
+    """(srun arguments, export lines) for the runtime."""
+    runtime = cfg.container.runtime
+    if runtime == "edf":
+        # The absolute path: srun resolves a bare name through EDF_PATH instead.
+        return [f"--environment={paths.env_toml}"], []
+    if runtime == "pyxis":
+        from edf import Environment, to_pyxis_args
+
+        pyxis = to_pyxis_args(Environment.from_container(cfg.container))
+        exports = [f"export {name}={shell_value(value)}" for name, value in pyxis.exports]
+        return list(pyxis.args), exports
+    return [], []
+
+
+class _Expand(str):
+    """A word of our own making that bash must expand (`$MASTER_ADDR`...): double-quoted."""
+
+
+def _words(argv: list[str]) -> str:
+    return " ".join(f'"{a}"' if isinstance(a, _Expand) else shlex.quote(a) for a in argv)
+
+
+def _launch(cfg: Config, paths: RunPaths, container: list[str]) -> str:
+    """The `srun` line that starts every rank, backgrounded."""
+    cmd = task_command(cfg, paths)
+    srun = ["srun", "--kill-on-bad-exit=1", "--wait=60", f"--cpus-per-task={cfg.slurm.cpus_per_task}",
+            f"--nodes={cfg.slurm.nodes}"]
+    if cfg.launch.launcher == "torchrun":
+        if cmd[0] != cfg.launch.python:
+            raise ConfigError("launch.command", "with launcher torchrun the command must start with launch.python "
+                                                f"({cfg.launch.python}); use launcher srun for other programs")
+        rdzv = [_Expand("--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT"), _Expand("--rdzv-id=$SLURM_JOB_ID"),
+                "--rdzv-backend=c10d"]
+        argv = torchrun_argv(cfg, nnodes=_Expand("$SLURM_NNODES"), rdzv=rdzv) + cmd[1:]
+        return f"{_words(srun + ['--ntasks-per-node=1'] + container)} \\\n  {_words(argv)} &"
+    # One task per process: the rank variables come from Slurm's own.
+    mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
+              'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; exec "$@"')
+    srun += [f"--ntasks-per-node={cfg.launch.procs_per_node}"] + container
+    return f"{_words(srun)} \\\n  {_words(['bash', '-c', mapper, 'slipway-task', *cmd])} &"
+
+
+def render_sbatch(cfg: Config, paths: RunPaths) -> str:
+    """The whole batch script for `cfg`, reading and writing only inside `paths.run_dir`."""
+    q = shlex.quote
+    run_dir = q(str(paths.run_dir))
+    container, exports = _container_args(cfg, paths)
+    lines = _header(cfg, paths) + ["", "set -euo pipefail"]
+    if cfg.launch.debug:
+        lines.append("set -x")
+    lines += [
+        f"RUN_DIR={run_dir}",
+        f"cd {q(str(paths.project_dir))}",
+        'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/gutil"',
+        'rm -f "$RUN_DIR/' + STOP_FILE + '"',
+        'event() { printf \'%s job %s %s\\n\' "$(date --iso-8601=seconds)" "$SLURM_JOB_ID" "$*" >> "$RUN_DIR/events.log"; }',
+        'event "start on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0})"',
+        "",
+        *_environment(cfg, paths),
+        *exports,
+        "",
+        "# Background helpers, ended by the trap whatever happens.",
+        "HELPER_PIDS=()",
+        'SRUN_PID=""',
+        'STOP_REQUESTED=0',
+        "cleanup() {",
+        "  rc=$?",
+        '  for pid in "${HELPER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done',
+        '  event "end exit $rc"',
+        "}",
+        "trap cleanup EXIT",
+        "# Slurm's warning before the time limit: ask the trainer to save at the step boundary.",
+        "on_warning() {",
+        "  STOP_REQUESTED=1",
+        '  event "time limit warning: stop requested"',
+        '  touch "$RUN_DIR/' + STOP_FILE + '"',
+        "}",
+        "trap on_warning USR1",
+        f'( while sleep {HEARTBEAT_SECONDS}; do date --iso-8601=seconds > "$RUN_DIR/heartbeat"; done ) &',
+        'HELPER_PIDS+=("$!")',
+        'date --iso-8601=seconds > "$RUN_DIR/heartbeat"',
+    ]
+    if cfg.slurm.gpus_per_node:
+        monitor = ('command -v nvidia-smi >/dev/null || exit 0; '
+                   'exec nvidia-smi dmon --delay 15 --select pumt --options DT --filename "$1/gutil/$(hostname).gutil"')
+        lines += [
+            "# GPU use per node (power, utilisation, memory, temperature) beside the training step.",
+            f"srun --overlap --nodes={cfg.slurm.nodes} --ntasks-per-node=1 --cpus-per-task=1 "
+            f"bash -c {q(monitor)} slipway-gutil \"$RUN_DIR\" &",
+            'HELPER_PIDS+=("$!")',
+        ]
+    if cfg.launch.pre_launch:
+        lines += ["", "# Pre-launch commands from launch.pre_launch (run as written, on the first node)."]
+        lines += list(cfg.launch.pre_launch)
+    lines += [
+        "",
+        "# The training step, in the background so the warning trap runs at once.",
+        _launch(cfg, paths, container),
+        'SRUN_PID=$!',
+        'set +e',
+        'wait "$SRUN_PID"; rc=$?',
+        '# A trap interrupts `wait`: keep waiting for the step itself.',
+        'while kill -0 "$SRUN_PID" 2>/dev/null; do wait "$SRUN_PID"; rc=$?; done',
+        'set -e',
+        f'if [ "$STOP_REQUESTED" = 1 ] || [ "$rc" = {REQUEUE_EXIT} ]; then',
+    ]
+    if cfg.slurm.requeue:
+        lines += [
+            '  event "saved after stop request (step exit $rc): requeueing"',
+            '  scontrol requeue "$SLURM_JOB_ID"',
+            "  exit 0",
+        ]
+    else:
+        lines += ['  event "saved after stop request (step exit $rc); slurm.requeue is off"', f"  exit {REQUEUE_EXIT}"]
+    lines += ["fi", 'exit "$rc"', ""]
+    return "\n".join(lines)

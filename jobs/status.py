@@ -1,0 +1,105 @@
+"""`slipway status`, `logs` and `cancel`: what became of a run's jobs."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from jobs import runs, slurm
+from trainer.config import ConfigError
+
+
+def _last_event(run: runs.Run, job_id: str | None) -> str:
+    for line in reversed(run.events()):
+        parts = line.split(maxsplit=3)
+        if len(parts) == 4 and (job_id is None or parts[2] == job_id):
+            return parts[3]
+    return ""
+
+
+def _progress(run: runs.Run) -> str:
+    m = run.last_metrics()
+    if not m:
+        return ""
+    loss = m.get("loss")
+    return f"step {m.get('step')}" + (f", loss {loss:.3f}" if isinstance(loss, (int, float)) else "")
+
+
+def _job_row(run: runs.Run, job_id: str | None) -> tuple[str, str, str, str, str]:
+    if job_id is None:
+        return ("local", "", "", "", _last_event(run, "local"))
+    info = slurm.job_info(job_id) if slurm.available("scontrol") or slurm.available("sacct") else None
+    if info is None:
+        event = _last_event(run, job_id)
+        state = "ENDED" if event.startswith("end exit") else "UNKNOWN"
+        return (job_id, state, event.removeprefix("end exit ") if state == "ENDED" else "", "", event)
+    reason = info.reason if info.reason not in ("None", "") else ""
+    return (job_id, info.state, info.exit_code, info.elapsed, reason or _last_event(run, job_id))
+
+
+def show_status(project_dir, run_name: str | None, console) -> int:
+    from rich.table import Table
+
+    if run_name:
+        run = runs.find_run(run_name, project_dir)
+        table = Table(title=f"run {run.name}  {_progress(run)}", title_justify="left")
+        for col in ("job", "state", "exit", "elapsed", "last event / reason"):
+            table.add_column(col)
+        subs = run.manifest().get("submissions", [])
+        for sub in subs:
+            table.add_row(*_job_row(run, sub.get("job_id")))
+        console.print(table)
+        return 0
+    found = runs.list_runs(project_dir)
+    if not found:
+        console.print(f"no runs in {runs.runs_root(project_dir)}: `slipway submit CONFIG` makes one")
+        return 0
+    table = Table(title=f"runs in {runs.runs_root(project_dir)}", title_justify="left")
+    for col in ("run", "jobs", "latest job", "state", "exit", "progress", "last event / reason"):
+        table.add_column(col)
+    for run in found:
+        subs = run.manifest().get("submissions", [])
+        if subs:
+            job, state, code, _, event = _job_row(run, subs[-1].get("job_id"))
+        else:
+            job, state, code, event = "", "not submitted", "", ""
+        table.add_row(run.name, str(len(subs)), job, state, code, _progress(run), event)
+    console.print(table)
+    return 0
+
+
+def _latest_job(run: runs.Run) -> str:
+    ids = run.job_ids()
+    if not ids:
+        raise ConfigError("RUN", f"run {run.name} has no Slurm job yet: `slipway submit` it first")
+    return ids[-1]
+
+
+def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> int:
+    job_id = job_id or _latest_job(run)
+    if follow:
+        return runs.follow(run, job_id)
+    path = run.log_path(job_id, stream)
+    if not path.exists():
+        info = slurm.job_info(job_id)
+        state = info.state if info else "unknown"
+        raise ConfigError("RUN", f"no log yet at {path} (job {job_id} is {state})")
+    with path.open("rb") as f:
+        sys.stdout.buffer.write(f.read())
+    return 0
+
+
+def cancel(run: runs.Run, console) -> int:
+    active = [j for j in run.job_ids() if (info := slurm.job_info(j)) is not None and info.active]
+    if not active:
+        console.print(f"run {run.name} has no active job")
+        return 0
+    slurm.scancel(active)
+    with (run.dir / "events.log").open("a") as f:
+        for job in active:
+            f.write(f"{runs.now()} job {job} cancelled by slipway cancel\n")
+    deadline = time.time() + 30
+    while time.time() < deadline and any((i := slurm.job_info(j)) is not None and i.active for j in active):
+        time.sleep(0.5)
+    console.print(f"cancelled {', '.join(active)}")
+    return 0
