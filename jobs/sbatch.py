@@ -21,14 +21,15 @@ REQUEUE_EXIT = 75
 # trainer checks it after every step (signals do not cross torchrun reliably).
 STOP_FILE = "stop-requested"
 HEARTBEAT_SECONDS = 60
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}")
+# `${VAR}` or `${VAR:-default}` with a default that is literal inside double quotes.
+_VAR = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-[A-Za-z0-9_./:@%+=, -]*)?\}")
 
 
 def shell_value(text: str) -> str:
     """Quote `text` for bash, keeping `${VAR}` and `${VAR:-default}` as expansions.
 
-    Only those two forms expand (the default itself is quoted); `$(...)`,
-    backticks and everything else stay literal.
+    Only those two forms expand (a default only of characters that are literal
+    in double quotes); `$(...)`, backticks and everything else stay literal.
     """
     if "\n" in text or "\0" in text:
         raise ConfigError("", f"value {text!r} contains a newline or NUL, which cannot be passed safely")
@@ -36,8 +37,7 @@ def shell_value(text: str) -> str:
     for m in _VAR.finditer(text):
         if m.start() > pos:
             parts.append(shlex.quote(text[pos:m.start()]))
-        name, default = m.group(1), m.group(2)
-        parts.append(f'"${{{name}}}"' if default is None else f'"${{{name}:-"{shlex.quote(default[2:])}"}}"')
+        parts.append(f'"{m.group(0)}"')
         pos = m.end()
     if pos < len(text) or not parts:
         parts.append(shlex.quote(text[pos:]))

@@ -320,8 +320,7 @@ class TrainSection:
         _positive(self, where, "steps", "micro_batch_size", "grad_accum_steps", "lr", "eval_batches")
         _require(0 <= self.min_lr <= self.lr, f"{where}.min_lr",
                  f"must be between 0 and lr({self.lr}), got {self.min_lr}")
-        _require(0 <= self.warmup_steps <= self.steps, f"{where}.warmup_steps",
-                 f"must be between 0 and steps({self.steps}), got {self.warmup_steps}")
+        _require(self.warmup_steps >= 0, f"{where}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             _require(0 <= value < 1, f"{where}.{name}", f"must be in [0, 1), got {value}")

@@ -1,0 +1,77 @@
+# slipway: build the training image, launch it across Slurm nodes.
+# Every target runs from the project's own virtual environment (.venv).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+CONFIG ?= tiny_cpu
+ARGS   ?=
+NODES  ?= 2
+STAMP  := $(VENV)/.installed
+
+.PHONY: help setup local test test-fast submit dry-run shell image image-prune status doctor edf \
+        cluster-up cluster-down bench clean
+
+help:
+	@echo "make local [CONFIG=tiny_cpu]         train on this machine (no Slurm, no container)"
+	@echo "make test                            the whole test suite (starts its own Slurm)"
+	@echo "make image [CONFIG=...] [BASE_IMAGE=...]  podman build + enroot import -> images/*.sqsh"
+	@echo "make submit CONFIG=tiny_wikitext [ARGS='--nodes 2 train.steps=100']"
+	@echo "make shell CONFIG=...                interactive srun --pty bash in the image"
+	@echo "make status | doctor CONFIG=... | edf CONFIG=... | cluster-up | cluster-down | bench"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[trainer,test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+local: $(STAMP)
+	$(PY) -m jobs local $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slurm and not podman and not multiproc" $(ARGS)
+
+submit: $(STAMP)
+	$(PY) -m jobs submit $(CONFIG) $(ARGS)
+
+dry-run: $(STAMP)
+	$(PY) -m jobs submit $(CONFIG) --dry-run $(ARGS)
+
+shell: $(STAMP)
+	$(PY) -m jobs shell $(CONFIG) $(ARGS)
+
+image: $(STAMP)
+	$(PY) -m containers build $(CONFIG) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(ARGS)
+
+image-prune: $(STAMP)
+	$(PY) -m containers prune $(CONFIG) $(ARGS)
+
+status: $(STAMP)
+	$(PY) -m jobs status $(ARGS)
+
+doctor: $(STAMP)
+	$(PY) -m jobs doctor $(CONFIG) $(ARGS)
+
+edf: $(STAMP)
+	$(PY) -m jobs edf $(CONFIG) $(ARGS)
+
+# A real Slurm cluster of $(NODES) nodes on this machine (root; Debian slurm-wlm + munge).
+cluster-up: $(STAMP)
+	$(PY) tests/cluster.py up --nodes $(NODES)
+	@echo "export SLURM_CONF=$$($(PY) tests/cluster.py env | sed -n 's/^SLURM_CONF=//p')"
+
+cluster-down: $(STAMP)
+	$(PY) tests/cluster.py down
+
+bench: $(STAMP)
+	$(PY) bench/submit.py
+	$(PY) bench/data.py
+
+clean:
+	rm -rf .pytest_cache build *.egg-info

@@ -1,0 +1,45 @@
+"""Shared fixtures. The real local Slurm cluster lives in tests/cluster.py."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+def assert_golden(name: str, text: str) -> None:
+    """Compare `text` with tests/golden/NAME; UPDATE_GOLDEN=1 rewrites it."""
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN") == "1" or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        if os.environ.get("UPDATE_GOLDEN") != "1":
+            pytest.fail(f"golden file {path} did not exist; written now, check it in")
+    expected = path.read_text()
+    if text != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True),
+                                            f"golden/{name}", "rendered"))
+        pytest.fail(f"rendered output differs from golden/{name} (UPDATE_GOLDEN=1 to accept):\n{diff}")
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch) -> Path:
+    """A project directory with a hostile name (spaces, quotes, `$()`) holding configs/."""
+    proj = tmp_path / "my proj 'q' \"dq\" $(touch pwned)"
+    (proj / "configs").mkdir(parents=True)
+    for cfg in (ROOT / "configs").glob("*.yaml"):
+        (proj / "configs" / cfg.name).write_text(cfg.read_text())
+    monkeypatch.chdir(proj)
+    monkeypatch.setenv("SLIPWAY_PROJECT", str(proj))
+    monkeypatch.delenv("SLIPWAY_RUNS", raising=False)
+    return proj
+
+
+def tree(path: Path) -> list[str]:
+    """Every file and directory under `path`, for "nothing was written" checks."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))

