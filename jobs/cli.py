@@ -63,10 +63,11 @@ BOOL_FLAGS = [
 ]
 
 
-class CliError(Exception):
-    def __init__(self, message: str, code: int = 2):
-        super().__init__(message)
-        self.code = code
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, like every other slipway error."""
+
+    def error(self, message: str):
+        self.exit(2, f"slipway: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -215,7 +216,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="slipway",
         description="Build the training image and launch it across Slurm nodes, from one config in configs/.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -278,7 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Overrides may come after flags (`--nodes 2 train.steps=5`): collect the strays.
+    args, extra = parser.parse_known_args(argv)
+    strays = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if strays:
+        parser.error(f"unrecognized arguments: {' '.join(strays)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     if getattr(args, "config", None) is None and args.command == "doctor":
         args.overrides = []
     from jobs.slurm import SlurmError

@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from edf.environment import ENV_NAME, is_local_image
 from trainer.config import (
     CheckpointSection,
     ConfigError,
@@ -36,7 +37,6 @@ from trainer.config import (
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 SAFE_NAME_RULE = "use 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
 TIME_RE = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass
@@ -104,39 +104,31 @@ class ContainerSection:
     image: str = ""
     mounts: list[str] = field(default_factory=list)
     workdir: Optional[str] = None
-    writable: bool = True
+    # Unset booleans mean "the base environments' value, else the runtime's default"
+    # (writable true, entrypoint false, home not mounted).
+    writable: Optional[bool] = None
     env: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
-    entrypoint: bool = False
+    entrypoint: Optional[bool] = None
     base_environment: list[str] = field(default_factory=list)
     # Name under which `slipway edf --install` puts the EDF in EDF_PATH; default: the run name.
     edf_name: Optional[str] = None
-    mount_home: bool = False
+    # pyxis only (--[no-]container-mount-home); an EDF mounts ${HOME} through `mounts`.
+    mount_home: Optional[bool] = None
 
     def check(self, where: str) -> None:
         if self.runtime != "none":
             _require(bool(self.image), f"{where}.image",
                      f"runtime {self.runtime} needs an image: a squashfs path (run `make image`) or a "
                      "registry reference such as nvcr.io#nvidia/pytorch:25.01-py3")
-        if self.image and is_local_image(self.image):
-            _require(self.image.startswith(("/", "./")), f"{where}.image",
-                     f"squashfs path {self.image!r} must be absolute or start with ./ "
-                     "(otherwise pyxis and the Container Engine read it as a registry image)")
-        for key in self.env:
-            _require(bool(ENV_NAME.match(key)), f"{where}.env.{key}",
-                     "is not a valid environment variable name (letters, digits, _; not starting with a digit)")
-        for i, mount in enumerate(self.mounts):
-            src = mount.split(":", 1)[0]
-            _require(bool(src) and "," not in mount and "\n" not in mount, f"{where}.mounts[{i}]",
-                     f"must be SRC[:DST[:FLAGS]] without commas, got {mount!r}")
+            _require(self.runtime == "pyxis" or self.mount_home is None, f"{where}.mount_home",
+                     "is a pyxis flag with no EDF key: add ${HOME} to container.mounts instead")
+            from edf import Environment
+
+            Environment.from_container(self)  # every EDF rule, errors naming container.*
         if self.edf_name is not None:
             _require(bool(SAFE_NAME.match(self.edf_name)), f"{where}.edf_name",
                      f"{self.edf_name!r} is not a safe name: {SAFE_NAME_RULE}")
-
-
-def is_local_image(image: str) -> bool:
-    """A squashfs file rather than a registry reference."""
-    return image.endswith((".sqsh", ".squashfs")) or image.startswith(("/", "./", "../"))
 
 
 @dataclass
@@ -186,6 +178,17 @@ class ImageSection:
     squash_options: str = "-comp zstd -Xcompression-level 3 -b 1M"
     build_on: Literal["local", "compute"] = "local"
 
+    def check(self, where: str) -> None:
+        # podman repository names are lowercase; the name also names files in output_dir.
+        _require(bool(re.match(r"^[a-z0-9][a-z0-9._-]{0,63}$", self.name)), f"{where}.name",
+                 f"{self.name!r} is not a valid image name: use 1-64 lowercase letters, digits, '.', '_' or '-'")
+        _require(bool(self.base_image) and "\n" not in self.base_image, f"{where}.base_image",
+                 "must name an image, e.g. nvcr.io/nvidia/pytorch:25.01-py3 or localhost/NAME:TAG")
+        for key, value in self.build_args.items():
+            _require(bool(ENV_NAME.match(key)) and "\n" not in str(value), f"{where}.build_args.{key}",
+                     "build arg names are letters, digits and _ (not starting with a digit); values one line")
+        _require("\n" not in self.squash_options, f"{where}.squash_options", "must be one line of mksquashfs options")
+
 
 @dataclass
 class Config:
@@ -233,11 +236,21 @@ def parse_value(text: str) -> Any:
         return text
 
 
+# Mappings whose keys may hold dots themselves (annotations such as com.hooks.x.enabled).
+MAP_FIELDS = ("container.env", "container.annotations", "launch.env", "image.build_args")
+
+
 def apply_override(raw: dict, dotted: str, value: Any) -> None:
     """Set `section.key[.sub]` in the raw tree; errors name the bad key."""
     parts = dotted.split(".")
     if len(parts) < 2 or not all(parts):
         raise ConfigError(dotted, "an override must look like section.key=value, e.g. train.steps=100")
+    for map_field in MAP_FIELDS:
+        prefix = map_field.split(".")
+        if parts[:2] == prefix and len(parts) > 2:
+            parts = prefix + [".".join(parts[2:])]
+            value = value if isinstance(value, str) else ("true" if value is True else "false" if value is False
+                                                          else str(value))
     node = raw
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)

@@ -9,6 +9,7 @@ directory appears only once complete; a run is never silently overwritten.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,28 +29,13 @@ from jobs import slurm
 from jobs.config import Config, dump_config, is_local_image, load_config
 from jobs.sbatch import RunPaths, render_sbatch
 from trainer.config import ConfigError
+from trainer.fs import write_atomic
 
 MANIFEST = "manifest.json"
 
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write `text` to `path` so a reader sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def git_state(project_dir: Path) -> dict:
@@ -255,6 +241,8 @@ def submit(cfg: Config, project_dir: Path, *, force: bool = False) -> tuple[Run,
     except slurm.SlurmError:
         if created:  # nothing ran: leave no trace of a run that never was
             shutil.rmtree(run.dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                run.dir.parent.rmdir()  # only if that left it empty
         raise
     record_submission(run, job_id, cfg)
     return run, job_id

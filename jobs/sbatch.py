@@ -136,8 +136,9 @@ def _header(cfg: Config, paths: RunPaths) -> list[str]:
 
 def _environment(cfg: Config, paths: RunPaths) -> list[str]:
     debug = cfg.launch.debug
-    hf_home = shell_value(cfg.launch.hf_home) if cfg.launch.hf_home else \
-        '"${HF_HOME:-' + shlex.quote(str(paths.project_dir / ".cache" / "huggingface")) + '}"'
+    # The user's HF_HOME wins over the project's cache; a config value wins over both.
+    hf_home = f"export HF_HOME={shell_value(cfg.launch.hf_home)}" if cfg.launch.hf_home else \
+        f'[ -n "${{HF_HOME:-}}" ] || export HF_HOME={shlex.quote(str(paths.project_dir / ".cache" / "huggingface"))}'
     lines = [
         "# Rendezvous: the first host of the allocation, never `hostname --ip-address`.",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -146,7 +147,7 @@ def _environment(cfg: Config, paths: RunPaths) -> list[str]:
         'while (exec 3<>"/dev/tcp/$MASTER_ADDR/$MASTER_PORT") 2>/dev/null; do MASTER_PORT=$(( MASTER_PORT + 1 )); done',
         "export MASTER_ADDR MASTER_PORT",
         "export CUDA_DEVICE_MAX_CONNECTIONS=1",
-        f"export HF_HOME={hf_home}",
+        hf_home,
         "# Secrets stay in the environment they came from; nothing is written to disk.",
         'if [ -n "${WANDB_API_KEY:-}" ]; then export WANDB_MODE="${WANDB_MODE:-online}"; '
         "else export WANDB_MODE=offline; fi",
@@ -165,8 +166,21 @@ def _environment(cfg: Config, paths: RunPaths) -> list[str]:
     return lines
 
 
+class _Expand(str):
+    """A word of our own making that bash must expand (`$MASTER_ADDR`...): double-quoted."""
+
+
+class _Value(str):
+    """A config value in which `${VAR}` expands and nothing else: `shell_value`."""
+
+
+def _words(argv: list[str]) -> str:
+    return " ".join(f'"{a}"' if isinstance(a, _Expand) else shell_value(a) if isinstance(a, _Value)
+                    else shlex.quote(a) for a in argv)
+
+
 def _container_args(cfg: Config, paths: RunPaths) -> tuple[list[str], list[str]]:
-    """(srun arguments, export lines) for the runtime."""
+    """(srun arguments, NAME=value words set for the srun line only) for the runtime."""
     runtime = cfg.container.runtime
     if runtime == "edf":
         # The absolute path: srun resolves a bare name through EDF_PATH instead.
@@ -175,22 +189,17 @@ def _container_args(cfg: Config, paths: RunPaths) -> tuple[list[str], list[str]]
         from edf import Environment, to_pyxis_args
 
         pyxis = to_pyxis_args(Environment.from_container(cfg.container))
-        exports = [f"export {name}={shell_value(value)}" for name, value in pyxis.exports]
-        return list(pyxis.args), exports
+        # --container-env passes these from srun's environment; set them for srun alone
+        # so the host commands of the script keep their own (LD_LIBRARY_PATH, PATH...).
+        assigns = [f"{name}={shell_value(value)}" for name, value in pyxis.exports]
+        return [_Value(a) for a in pyxis.args], assigns
     return [], []
 
 
-class _Expand(str):
-    """A word of our own making that bash must expand (`$MASTER_ADDR`...): double-quoted."""
-
-
-def _words(argv: list[str]) -> str:
-    return " ".join(f'"{a}"' if isinstance(a, _Expand) else shlex.quote(a) for a in argv)
-
-
-def _launch(cfg: Config, paths: RunPaths, container: list[str]) -> str:
+def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[str]) -> str:
     """The `srun` line that starts every rank, backgrounded."""
     cmd = task_command(cfg, paths)
+    prefix = "".join(f"{a} " for a in assigns)
     srun = ["srun", "--kill-on-bad-exit=1", "--wait=60", f"--cpus-per-task={cfg.slurm.cpus_per_task}",
             f"--nodes={cfg.slurm.nodes}"]
     if cfg.launch.launcher == "torchrun":
@@ -200,19 +209,19 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str]) -> str:
         rdzv = [_Expand("--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT"), _Expand("--rdzv-id=$SLURM_JOB_ID"),
                 "--rdzv-backend=c10d"]
         argv = torchrun_argv(cfg, nnodes=_Expand("$SLURM_NNODES"), rdzv=rdzv) + cmd[1:]
-        return f"{_words(srun + ['--ntasks-per-node=1'] + container)} \\\n  {_words(argv)} &"
+        return f"{prefix}{_words(srun + ['--ntasks-per-node=1'] + container)} \\\n  {_words(argv)} &"
     # One task per process: the rank variables come from Slurm's own.
     mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
               'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; exec "$@"')
     srun += [f"--ntasks-per-node={cfg.launch.procs_per_node}"] + container
-    return f"{_words(srun)} \\\n  {_words(['bash', '-c', mapper, 'slipway-task', *cmd])} &"
+    return f"{prefix}{_words(srun)} \\\n  {_words(['bash', '-c', mapper, 'slipway-task', *cmd])} &"
 
 
 def render_sbatch(cfg: Config, paths: RunPaths) -> str:
     """The whole batch script for `cfg`, reading and writing only inside `paths.run_dir`."""
     q = shlex.quote
     run_dir = q(str(paths.run_dir))
-    container, exports = _container_args(cfg, paths)
+    container, assigns = _container_args(cfg, paths)
     lines = _header(cfg, paths) + ["", "set -euo pipefail"]
     if cfg.launch.debug:
         lines.append("set -x")
@@ -225,12 +234,11 @@ def render_sbatch(cfg: Config, paths: RunPaths) -> str:
         'event "start on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0})"',
         "",
         *_environment(cfg, paths),
-        *exports,
         "",
         "# Background helpers, ended by the trap whatever happens.",
         "HELPER_PIDS=()",
         'SRUN_PID=""',
-        'STOP_REQUESTED=0',
+        'STOP_REQUESTED=0 TRAPPED=0',
         "cleanup() {",
         "  rc=$?",
         '  for pid in "${HELPER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done',
@@ -239,7 +247,7 @@ def render_sbatch(cfg: Config, paths: RunPaths) -> str:
         "trap cleanup EXIT",
         "# Slurm's warning before the time limit: ask the trainer to save at the step boundary.",
         "on_warning() {",
-        "  STOP_REQUESTED=1",
+        "  STOP_REQUESTED=1 TRAPPED=1",
         '  event "time limit warning: stop requested"',
         '  touch "$RUN_DIR/' + STOP_FILE + '"',
         "}",
@@ -263,12 +271,17 @@ def render_sbatch(cfg: Config, paths: RunPaths) -> str:
     lines += [
         "",
         "# The training step, in the background so the warning trap runs at once.",
-        _launch(cfg, paths, container),
+        _launch(cfg, paths, container, assigns),
         'SRUN_PID=$!',
         'set +e',
-        'wait "$SRUN_PID"; rc=$?',
-        '# A trap interrupts `wait`: keep waiting for the step itself.',
-        'while kill -0 "$SRUN_PID" 2>/dev/null; do wait "$SRUN_PID"; rc=$?; done',
+        '# A trap interrupts `wait`; then wait again for the step itself.',
+        'while :; do',
+        '  TRAPPED=0',
+        '  wait "$SRUN_PID"; rc=$?',
+        '  [ "$TRAPPED" = 1 ] || break',
+        '  kill -0 "$SRUN_PID" 2>/dev/null && continue',
+        '  wait "$SRUN_PID" 2>/dev/null; again=$?; [ "$again" = 127 ] || rc=$again; break',
+        'done',
         'set -e',
         f'if [ "$STOP_REQUESTED" = 1 ] || [ "$rc" = {REQUEUE_EXIT} ]; then',
     ]

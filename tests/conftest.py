@@ -43,3 +43,6 @@ def project(tmp_path: Path, monkeypatch) -> Path:
 def tree(path: Path) -> list[str]:
     """Every file and directory under `path`, for "nothing was written" checks."""
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+from slurm_fixtures import slurm_cluster, slurm_env  # noqa: E402,F401  (a real local Slurm)

@@ -106,6 +106,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, bool):  # `enabled: true` for an annotation means the string "true"
+            return "true" if value else "false"
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(where, f"expected a string, got {value!r}")

@@ -1,0 +1,82 @@
+"""python -m containers build|show|prune: the image from the command line.
+
+    python -m containers build CONFIG [KEY=VALUE ...] [--no-import] [--force] [--base-image X] [--here]
+    python -m containers show CONFIG [KEY=VALUE ...]
+    python -m containers prune [CONFIG] [--keep N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from rich.console import Console
+
+from containers.image import build_image, current_image, human, image_plan, prune_images
+from containers.tools import ToolError
+from trainer.config import ConfigError
+
+
+def _config(name: str | None, overrides: list[str], base_image: str | None = None):
+    from jobs.config import Config, load_config
+
+    sets = {"image.base_image": base_image} if base_image else None
+    return load_config(name, overrides, sets) if name else Config()
+
+
+def _show(cfg, console: Console) -> None:
+    plan = image_plan(cfg)
+    record = current_image(cfg)
+    console.print(f"hash      {plan.hash}", highlight=False)
+    console.print(f"tag       {plan.tag}", highlight=False)
+    exists = f"exists, {human(plan.squashfs.stat().st_size)}" if plan.exists else "not built"
+    console.print(f"squashfs  {plan.squashfs} ({exists})", highlight=False)
+    current = f"{record['squashfs']} (hash {record['hash'][:12]})" if record else "none"
+    console.print(f"current   {plan.link} -> {current}", highlight=False)
+    console.print(f"context   {len(plan.files)} files", highlight=False)
+    console.print(f"podman    {shlex.join(plan.podman_argv)}", highlight=False, markup=False, soft_wrap=True)
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.enroot_env.items())
+    console.print(f"enroot    {env} {shlex.join(plan.enroot_argv)}", highlight=False, markup=False, soft_wrap=True)
+    if plan.srun_argv:
+        console.print(f"srun      {shlex.join(plan.srun_argv)}", highlight=False, markup=False, soft_wrap=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m containers", description="Build and manage the training image.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="podman build + enroot import, unless the squashfs for this tree exists")
+    b.add_argument("config")
+    b.add_argument("overrides", nargs="*", help="section.key=value")
+    b.add_argument("--no-import", action="store_true", help="stop after podman build")
+    b.add_argument("--force", action="store_true", help="rebuild without layer cache and reimport")
+    b.add_argument("--base-image", help="override image.base_image")
+    b.add_argument("--here", action="store_true", help="build on this machine even if image.build_on is compute")
+    s = sub.add_parser("show", help="hash, tag, squashfs and the exact commands, running nothing")
+    s.add_argument("config")
+    s.add_argument("overrides", nargs="*")
+    p = sub.add_parser("prune", help="remove old images (keeps the current one)")
+    p.add_argument("config", nargs="?")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--keep", type=int, default=1, help="squashfs files to keep, the current one included")
+    args = parser.parse_args(argv)
+    console = Console()
+    try:
+        if args.cmd == "build":
+            cfg = _config(args.config, args.overrides, args.base_image)
+            build_image(cfg, force=args.force, do_import=not args.no_import, console=console, here=args.here)
+        elif args.cmd == "show":
+            _show(_config(args.config, args.overrides), console)
+        else:
+            prune_images(_config(args.config, args.overrides), keep=args.keep, console=console)
+    except (ConfigError, ToolError) as exc:
+        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
+        return 2 if isinstance(exc, ConfigError) else 1
+    except KeyboardInterrupt:
+        Console(stderr=True).print("[red]interrupted[/]: no partial squashfs was left under a final name")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

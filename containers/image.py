@@ -1,0 +1,676 @@
+"""Build the training image with podman, import it into a squashfs with enroot.
+
+The image is content-addressed: a hash of the Dockerfile, the build args and
+every file of the build context names both the podman tag
+(`localhost/NAME:HASH12`) and the squashfs (`OUTPUT_DIR/NAME-HASH12.sqsh`), so an
+unchanged tree finds its squashfs and returns at once, without podman. The
+build context is assembled from exactly the files that are hashed (`src/` and
+`wheels/`, see containers/Dockerfile), so nothing outside it can change the
+image nor its hash.
+
+Each build records itself in `NAME-HASH12.json` beside the squashfs and, once
+current, in `NAME.json`; `NAME.sqsh` is a symlink to the current squashfs,
+replaced atomically, so configs can name one stable path. The squashfs under
+its final name only ever appears by rename from a temporary file.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from rich.console import Console
+from rich.markup import escape
+
+from containers.pip_requirements import toml_loads
+from containers.storage import check_storage_conf
+from containers.tools import Enroot, Podman, Tail, ToolError, git_commit, squashfs_ok, stream, which
+from trainer.config import ConfigError
+
+if TYPE_CHECKING:
+    from jobs.config import Config, ImageSection
+
+HASH_SCHEME = "slipway-image-v1"
+# What goes into the image under src/ (the repository layout, see the Dockerfile).
+CONTEXT_FILES = ("pyproject.toml", "README.md", "LICENSE")
+CONTEXT_DIRS = ("trainer", "jobs", "edf", "containers", "configs")
+SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".ipynb_checkpoints"}
+SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
+WHEEL_SUFFIXES = (".whl", ".tar.gz", ".zip")
+# Build args that label the image without changing its contents: not hashed,
+# so a new commit with the same files reuses the image.
+UNHASHED_ARGS = ("GIT_COMMIT",)
+# enroot unpacks the image (its uncompressed size) before squashing it to about half.
+SQUASH_RATIO = 0.5
+
+
+def project_root() -> Path:
+    """The checkout that holds containers/ (and the Dockerfile's sources)."""
+    here = Path(__file__).resolve().parents[1]
+    return here if (here / "pyproject.toml").is_file() else Path.cwd()
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# ---------------------------------------------------------------- the build context
+
+
+@dataclass(frozen=True)
+class ContextFile:
+    dest: str  # path inside the build context, e.g. src/trainer/model.py
+    src: Path  # the file on this machine
+
+
+def _resolve(root: Path, path: str) -> Path:
+    p = Path(os.path.expandvars(os.path.expanduser(path)))
+    return p if p.is_absolute() else root / p
+
+
+def context_files(root: Path, image: "ImageSection") -> list[ContextFile]:
+    """Exactly the files the build context holds, sorted by destination."""
+    files = [ContextFile(f"src/{name}", root / name) for name in CONTEXT_FILES if (root / name).is_file()]
+    for top in CONTEXT_DIRS:
+        for dirpath, dirnames, filenames in os.walk(root / top):
+            dirnames[:] = sorted(d for d in dirnames
+                                 if d not in SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info"))
+            for name in sorted(filenames):
+                if name.startswith(".") or name.endswith(SKIP_SUFFIXES):
+                    continue
+                path = Path(dirpath) / name
+                if path.is_file():
+                    files.append(ContextFile(f"src/{path.relative_to(root).as_posix()}", path))
+    if image.wheelhouse:
+        wheels = _resolve(root, image.wheelhouse)
+        if not wheels.is_dir():
+            raise ConfigError("image.wheelhouse", f"{wheels} is not a directory: fill one on a machine with "
+                              "internet (`pip download -d DIR ...`) or unset image.wheelhouse")
+        files += [ContextFile(f"wheels/{p.name}", p) for p in sorted(wheels.iterdir())
+                  if p.is_file() and p.name.endswith(WHEEL_SUFFIXES)]
+    return sorted(files, key=lambda f: f.dest)
+
+
+class HashCache:
+    """sha256 of files, remembered by (size, mtime, inode) like git's index, so
+    a no-op build rereads no wheelhouse. Entries younger than 2 s are not kept
+    (a same-second edit could go unseen)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.changed = False
+        try:
+            self.entries: dict[str, list] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+
+    def digest(self, path: Path) -> str:
+        st = path.stat()
+        key, stamp = str(path.resolve()), [st.st_size, st.st_mtime_ns, st.st_ino]
+        hit = self.entries.get(key)
+        if hit and hit[:3] == stamp:
+            return hit[3]
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        digest = h.hexdigest()
+        if time.time_ns() - st.st_mtime_ns > 2_000_000_000:
+            self.entries[key] = [*stamp, digest]
+            self.changed = True
+        return digest
+
+    def save(self) -> None:
+        if self.changed and self.path.parent.is_dir():
+            _write_atomic(self.path, json.dumps(self.entries))
+            self.changed = False
+
+
+def content_hash(*, dockerfile: str, build_args: dict[str, str], squash_options: str,
+                 files: list[ContextFile], cache: HashCache) -> str:
+    h = hashlib.sha256()
+
+    def add(*parts: str) -> None:
+        h.update(("\0".join(parts) + "\n").encode())
+
+    add(HASH_SCHEME)
+    add("dockerfile", hashlib.sha256(dockerfile.encode()).hexdigest())
+    for key in sorted(build_args):
+        if key not in UNHASHED_ARGS:
+            add("arg", key, build_args[key])
+    add("squash", squash_options)
+    for f in files:
+        add("file", f.dest, "x" if os.access(f.src, os.X_OK) else "-", cache.digest(f.src))
+    return h.hexdigest()
+
+
+def materialize_context(files: list[ContextFile], dest: Path) -> None:
+    """Lay the context out under `dest` (wheels hard-linked where possible)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    (dest / "wheels").mkdir(parents=True)
+    for f in files:
+        target = dest / f.dest
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if f.dest.startswith("wheels/"):
+            try:
+                os.link(f.src, target)
+                continue
+            except OSError:
+                pass
+        shutil.copy2(f.src, target)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass
+class ImagePlan:
+    """Everything a build would do, computed without running podman."""
+
+    name: str
+    hash: str
+    tag: str
+    root: Path
+    output_dir: Path
+    dockerfile: Path
+    files: list[ContextFile]
+    build_args: dict[str, str]
+    squash_options: str
+    squashfs: Path  # OUTPUT_DIR/NAME-HASH12.sqsh
+    temp_squashfs: Path  # where enroot writes before the rename
+    link: Path  # OUTPUT_DIR/NAME.sqsh -> the current squashfs
+    record: Path  # OUTPUT_DIR/NAME.json: the current image
+    sidecar: Path  # OUTPUT_DIR/NAME-HASH12.json: this image
+    log: Path
+    context_dir: Path
+    podman_argv: list[str]
+    enroot_argv: list[str]
+    enroot_env: dict[str, str]
+    enroot_mount: bool
+    build_on: str = "local"
+    srun_argv: Optional[list[str]] = None
+    frozen_config: Optional[Path] = None
+
+    @property
+    def hash12(self) -> str:
+        return self.hash[:12]
+
+    @property
+    def exists(self) -> bool:
+        return self.squashfs.is_file()
+
+
+def project_version(root: Path) -> str:
+    try:
+        return str(toml_loads((root / "pyproject.toml").read_text())["project"]["version"])
+    except (OSError, KeyError, ValueError):
+        return "unknown"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+
+
+def image_plan(cfg: "Config", *, root: Path | None = None, force: bool = False, do_import: bool = True,
+               enroot_mount: bool | None = None, git: bool = True) -> ImagePlan:
+    """Hash, tag, paths and the exact podman / enroot / srun command lines.
+
+    `enroot_mount`: whether to pass `-x mount`; None asks the installed enroot.
+    """
+    image = cfg.image
+    root = (root or project_root()).resolve()
+    dockerfile = _resolve(root, image.dockerfile)
+    if not dockerfile.is_file():
+        raise ConfigError("image.dockerfile", f"{dockerfile} does not exist (default: containers/Dockerfile)")
+    out = _resolve(root, image.output_dir)
+    files = context_files(root, image)
+    cache = HashCache(out / ".hashcache.json")
+    wheels = [f for f in files if f.dest.startswith("wheels/")]
+    wheel_digest = hashlib.sha256("".join(f"{f.dest} {cache.digest(f.src)}\n" for f in wheels).encode()).hexdigest()
+    build_args = {
+        "BASE_IMAGE": image.base_image,
+        "FLASH_ATTN": "1" if image.flash_attn else "0",
+        "WHEELHOUSE": "offline" if image.wheelhouse else "",
+        "WHEELHOUSE_DIGEST": wheel_digest[:16] if wheels else "",
+        "SLIPWAY_VERSION": project_version(root),
+    }
+    user_args = {k: str(v) for k, v in image.build_args.items()}
+    build_args.update(user_args)
+    build_args["GIT_COMMIT"] = user_args.get("GIT_COMMIT") or (git_commit(root) if git else "unknown")
+    digest = content_hash(dockerfile=dockerfile.read_text(), build_args=build_args,
+                          squash_options=image.squash_options, files=files, cache=cache)
+    cache.save()
+    h12 = digest[:12]
+    tag = f"localhost/{image.name}:{h12}"
+    context_dir = out / f".context-{h12}"
+    squashfs = out / f"{image.name}-{h12}.sqsh"
+    temp = out / f".{squashfs.name}.tmp-{_host()}-{os.getpid()}"
+    if enroot_mount is None:
+        enroot = Enroot.find()
+        enroot_mount = enroot.supports_mount() if enroot else False
+    plan = ImagePlan(
+        name=image.name, hash=digest, tag=tag, root=root, output_dir=out, dockerfile=dockerfile, files=files,
+        build_args=build_args, squash_options=image.squash_options, squashfs=squashfs, temp_squashfs=temp,
+        link=out / f"{image.name}.sqsh", record=out / f"{image.name}.json",
+        sidecar=out / f"{image.name}-{h12}.json", log=out / "logs" / f"{image.name}-{h12}.log",
+        context_dir=context_dir,
+        podman_argv=Podman.build_argv(tag=tag, dockerfile=dockerfile, context=context_dir, build_args=build_args,
+                                      network_host=image.network_host, isolation=image.isolation, no_cache=force),
+        enroot_argv=Enroot.import_argv(output=temp, uri=f"podman://{tag}", mount=enroot_mount),
+        enroot_env=Enroot.import_env(image.squash_options), enroot_mount=enroot_mount, build_on=image.build_on,
+    )
+    if image.build_on == "compute":
+        plan.frozen_config = out / f".build-{h12}.yaml"
+        plan.srun_argv = compute_argv(cfg, plan.frozen_config, force=force, do_import=do_import)
+    return plan
+
+
+def compute_argv(cfg: "Config", frozen_config: Path, *, force: bool, do_import: bool) -> list[str]:
+    """One srun that builds and imports on a compute node (podman storage on
+    /dev/shm lives only as long as the allocation)."""
+    from jobs.slurm import srun_argv
+
+    s = cfg.slurm
+    argv = srun_argv(nodes=1, ntasks_per_node=1, cpus_per_task=s.cpus_per_task, gpus_per_node=0, time=s.time,
+                     account=s.account, partition=s.partition, pty=False, extra=["--job-name=slipway-image"])
+    argv += [sys.executable, "-m", "containers", "build", "--here", str(frozen_config)]
+    return argv + (["--force"] if force else []) + ([] if do_import else ["--no-import"])
+
+
+# ---------------------------------------------------------------- records
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _point_link(link: Path, target: Path) -> None:
+    """Atomically make `link` a (relative) symlink to `target`."""
+    if link.exists() and not link.is_symlink():
+        raise ToolError(f"{link} is a regular file, not slipway's link to the current image: move it away "
+                        f"(slipway keeps {link.name} as a symlink to {link.stem}-HASH.sqsh)")
+    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(target, link.parent), tmp)
+    os.replace(tmp, link)
+
+
+def _make_current(plan: ImagePlan, record: dict) -> None:
+    _write_atomic(plan.record, json.dumps(record, indent=2) + "\n")
+    _point_link(plan.link, plan.squashfs)
+
+
+def _record(plan: ImagePlan, *, image_id: str | None, enroot_version: str | None) -> dict:
+    return {
+        "name": plan.name,
+        "hash": plan.hash,
+        "tag": plan.tag,
+        "squashfs": str(plan.squashfs.resolve()),
+        "size_bytes": plan.squashfs.stat().st_size,
+        "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "base_image": plan.build_args.get("BASE_IMAGE"),
+        "git_commit": plan.build_args.get("GIT_COMMIT"),
+        "build_args": plan.build_args,
+        "squash_options": plan.squash_options,
+        "podman_image_id": image_id,
+        "enroot_version": enroot_version,
+        "enroot_mount": plan.enroot_mount,
+    }
+
+
+def current_image(cfg: "Config", *, root: Path | None = None) -> dict | None:
+    """The record of the current image (`OUTPUT_DIR/NAME.json`), or None."""
+    root = (root or project_root()).resolve()
+    return _read_json(_resolve(root, cfg.image.output_dir) / f"{cfg.image.name}.json")
+
+
+def resolve_image(cfg: "Config", *, root: Path | None = None) -> Path | None:
+    """The current squashfs as an absolute path with the link resolved, or None."""
+    root = (root or project_root()).resolve()
+    record = current_image(cfg, root=root)
+    if record and Path(record.get("squashfs", "")).is_file():
+        return Path(record["squashfs"]).resolve()
+    link = _resolve(root, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
+    return link.resolve() if link.is_file() else None
+
+
+# ---------------------------------------------------------------- build and import
+
+
+@dataclass
+class ImageResult:
+    plan: ImagePlan
+    squashfs: Optional[Path]  # None with do_import=False
+    built: bool  # podman build ran
+    imported: bool  # enroot import ran
+    seconds: float
+    record: Optional[dict] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def size(self) -> int | None:
+        return self.squashfs.stat().st_size if self.squashfs and self.squashfs.is_file() else None
+
+
+_PULL_ERRORS = re.compile(r"creating build container|initializing source|pull access denied|manifest unknown|"
+                          r"unable to pull|pinging container registry|requested access to the resource is denied|"
+                          r"short-name .* did not resolve|reading manifest|repository .* not found", re.I)
+_NO_SPACE = re.compile(r"no space left on device", re.I)
+
+
+def _diagnose_build(tail: Tail, plan: ImagePlan, rc: int) -> str:
+    text = tail.text()
+    errors = [l for l in tail.lines if re.search(r"error|failed|denied", l, re.I)]
+    last_error = (errors[-1] if errors else (tail.lines[-1] if tail.lines else "")).strip()[:300]
+    steps = [l for l in tail.lines if l.startswith("STEP ")]
+    base = plan.build_args.get("BASE_IMAGE")
+    if _NO_SPACE.search(text):
+        return (f"podman build ran out of disk: free space where podman keeps its storage (graphroot in "
+                f"storage.conf) or move it to a larger local disk; log: {plan.log}")
+    if _PULL_ERRORS.search(text) and not steps[1:]:
+        return (f"podman could not pull the base image {base}: {last_error}. Fix: check the network (on CSCS set "
+                f"image.network_host: true), log in (`podman login nvcr.io`), or set image.base_image to an image "
+                f"podman has locally; log: {plan.log}")
+    where = steps[-1][:120] if steps else "the start"
+    hint = ""
+    if "flash-attn" in where or "flash_attn" in text:
+        hint = " (flash-attn needs a CUDA base: set image.flash_attn: false for a CPU base)"
+    return f"podman build failed at {where} (exit {rc}): {last_error}{hint}; full log: {plan.log}"
+
+
+def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
+    materialize_context(plan.files, plan.context_dir)
+    plan.log.parent.mkdir(parents=True, exist_ok=True)
+    tail = Tail(60)
+    console.print(f"[bold]podman build[/] {plan.tag}  (base {escape(str(plan.build_args.get('BASE_IMAGE')))}, "
+                  f"{len(plan.files)} context files, log {escape(str(plan.log))})", highlight=False)
+    try:
+        with plan.log.open("w") as log, console.status("podman build") as status:
+            log.write("$ " + " ".join(plan.podman_argv) + "\n")
+
+            pending: list[str] = []  # a STEP line, printed once we know whether it was cached
+
+            def flush(suffix: str = "") -> None:
+                if pending:
+                    step = " ".join(pending.pop().split())
+                    console.print(f"  [cyan]{escape(step)}[/]{suffix}", no_wrap=True, overflow="ellipsis",
+                                  highlight=False)
+
+            def on_line(line: str) -> None:
+                log.write(line + "\n")
+                tail(line)
+                if line.startswith("STEP "):
+                    flush()
+                    pending.append(line)
+                elif line.startswith("--> Using cache"):
+                    flush(" [dim](cached)[/]")
+                else:
+                    flush()
+                    if "smoke ok" in line or line.startswith(("pip_requirements:", "flash-attn")):
+                        console.print(f"    {escape(line)}", no_wrap=True, overflow="ellipsis", highlight=False)
+                status.update(f"podman build: {escape(line[:100])}")
+
+            rc = podman.build(plan.podman_argv, on_line)
+            flush()
+    finally:
+        shutil.rmtree(plan.context_dir, ignore_errors=True)
+    if rc != 0:
+        console.print("\n".join(list(tail.lines)[-15:]), style="red", highlight=False, markup=False)
+        raise ToolError(_diagnose_build(tail, plan, rc))
+
+
+def check_free_space(*, image_size: int, output_dir: Path, temp_dir: Path | None) -> None:
+    """Room for the squashfs (about half the image) and, unless enroot mounts
+    the image (`-x mount`), for the unpacked image in enroot's temp dir."""
+    needs: dict[int, list] = {}
+    for path, need, what in ((output_dir, int(image_size * SQUASH_RATIO), "the squashfs"),
+                             (temp_dir, image_size, "the image unpacked by enroot")):
+        if path is None:
+            continue
+        probe = path
+        while not probe.exists():
+            probe = probe.parent
+        dev = probe.stat().st_dev
+        entry = needs.setdefault(dev, [probe, 0, []])
+        entry[1] += need
+        entry[2].append(f"{what} in {path}")
+    for probe, need, whats in needs.values():
+        free = shutil.disk_usage(probe).free
+        if free < need:
+            raise ToolError(f"not enough disk for enroot import: ~{human(need)} needed for {' and '.join(whats)}, "
+                            f"{human(free)} free: free space, set ENROOT_TEMP_PATH to a larger local disk, or "
+                            "change image.output_dir")
+
+
+def stale_temps(output_dir: Path, glob: str) -> list[Path]:
+    """Leftovers of interrupted imports (`.NAME-HASH12.sqsh.tmp-HOST-PID`): this
+    host's whose process is gone, or another host's older than a day."""
+    host, stale = _host(), []
+    for tmp in output_dir.glob(glob):
+        tmp_host, _, pid = tmp.name.rsplit(".tmp-", 1)[-1].rpartition("-")
+        if tmp_host == host and pid.isdigit():
+            alive = int(pid) != os.getpid() and _pid_alive(int(pid))
+        else:
+            alive = time.time() - tmp.stat().st_mtime < 86400
+        if not alive:
+            stale.append(tmp)
+    return stale
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Console) -> list[str]:
+    notes: list[str] = []
+    size = podman.image_size(plan.tag)
+    if size:
+        check_free_space(image_size=size, output_dir=plan.output_dir,
+                         temp_dir=None if plan.enroot_mount else Enroot.temp_dir())
+    for stale in stale_temps(plan.output_dir, f".{plan.squashfs.name}.tmp-*"):
+        stale.unlink(missing_ok=True)
+    tmp = plan.temp_squashfs
+    tmp.unlink(missing_ok=True)
+    tail = Tail(40)
+    console.print(f"[bold]enroot import[/] {'-x mount ' if plan.enroot_mount else ''}podman://{plan.tag}"
+                  f"  (ENROOT_SQUASH_OPTIONS={escape(repr(plan.squash_options))}"
+                  f"{', image ' + human(size) if size else ''})", highlight=False)
+    try:
+        with plan.log.open("a") as log, console.status("enroot import") as status:
+            log.write("$ " + " ".join(f"{k}={v!r}" for k, v in plan.enroot_env.items()) + " "
+                      + " ".join(plan.enroot_argv) + "\n")
+
+            def on_line(line: str) -> None:
+                log.write(line + "\n")
+                tail(line)
+                status.update(f"enroot import: {escape(line[:100])}")
+
+            rc = enroot.import_(plan.enroot_argv, plan.enroot_env, on_line)
+        if rc != 0:
+            # CSCS's enroot can exit non-zero after a complete write (cleanup
+            # errors): keep the file only if its tables read back whole.
+            if tmp.is_file() and squashfs_ok(tmp):
+                notes.append(f"enroot exited {rc} but the squashfs reads back whole: kept")
+                console.print(f"[yellow]warning:[/] {escape(notes[-1])}")
+            else:
+                text = tail.text()
+                if _NO_SPACE.search(text):
+                    raise ToolError(f"enroot import ran out of disk: free space in {plan.output_dir} and "
+                                    f"{Enroot.temp_dir()} (ENROOT_TEMP_PATH); log: {plan.log}")
+                last = tail.lines[-1].strip()[:300] if tail.lines else ""
+                raise ToolError(f"enroot import failed (exit {rc}): {last}; the podman image {plan.tag} is built, "
+                                f"rerun to retry the import; log: {plan.log}")
+        if not tmp.is_file():
+            raise ToolError(f"enroot import exited {rc} without writing {tmp}; log: {plan.log}")
+        os.replace(tmp, plan.squashfs)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return notes
+
+
+def _build_on_compute(plan: ImagePlan, cfg: "Config", console: Console) -> None:
+    from jobs.config import dump_config
+
+    if which("srun") is None:
+        raise ToolError("srun not found: image.build_on: compute builds through Slurm; run on a login node or set "
+                        "image.build_on: local")
+    assert plan.frozen_config is not None and plan.srun_argv is not None
+    plan.output_dir.mkdir(parents=True, exist_ok=True)
+    frozen = copy.deepcopy(cfg)
+    frozen.image.build_on = "local"  # the inner build runs where it is
+    try:
+        _write_atomic(plan.frozen_config, dump_config(frozen))
+        console.print("[bold]srun[/] " + escape(shlex.join(plan.srun_argv[1:])), highlight=False)
+        rc = stream([which("srun"), *plan.srun_argv[1:]],
+                    lambda line: console.print(line, highlight=False, markup=False), cwd=plan.root)
+    finally:
+        plan.frozen_config.unlink(missing_ok=True)
+    if rc != 0:
+        raise ToolError(f"the image build on the compute node failed (srun exit {rc}): see the output above")
+
+
+def build_image(cfg: "Config", *, force: bool = False, do_import: bool = True, console: Console | None = None,
+                root: Path | None = None, here: bool = False) -> ImageResult:
+    """Build (podman) and import (enroot) the image unless its squashfs exists.
+
+    `force`: rebuild without podman's layer cache and reimport. `here`: build on
+    this machine even when image.build_on is compute (what the srun runs).
+    """
+    console = console or Console()
+    t0 = time.perf_counter()
+    plan = image_plan(cfg, root=root, force=force, do_import=do_import)
+    plan.output_dir.mkdir(parents=True, exist_ok=True)
+
+    if do_import and plan.exists and not force:
+        record = _read_json(plan.sidecar) or _record(plan, image_id=None, enroot_version=None)
+        current = _read_json(plan.record)
+        if not current or current.get("hash") != plan.hash or not plan.link.is_symlink() \
+                or plan.link.resolve() != plan.squashfs.resolve():
+            _make_current(plan, record)
+        console.print(f"image up to date: {plan.squashfs} ({human(plan.squashfs.stat().st_size)}, "
+                      f"tag {plan.tag})", highlight=False, markup=False)
+        return ImageResult(plan, plan.squashfs, built=False, imported=False, seconds=time.perf_counter() - t0,
+                           record=record)
+
+    if plan.build_on == "compute" and not here:
+        _build_on_compute(plan, cfg, console)
+        record = _read_json(plan.sidecar)
+        return ImageResult(plan, plan.squashfs if plan.exists else None, built=True, imported=plan.exists,
+                           seconds=time.perf_counter() - t0, record=record)
+
+    podman = Podman.find()
+    enroot = Enroot.find() if do_import else None
+    if do_import and enroot is None:
+        console.print("[yellow]warning:[/] enroot not found: the podman image will be built, the import skipped")
+    for check in check_storage_conf():
+        if not check.ok:
+            console.print(f"[yellow]warning:[/] {escape(check.what)}: {escape(check.fix or '')}", highlight=False)
+
+    built = False
+    if force or not podman.image_exists(plan.tag):
+        _podman_build(plan, podman, console)
+        built = True
+    else:
+        console.print(f"podman image {plan.tag} exists: not rebuilding")
+    if not do_import:
+        console.print(f"[green]built[/] {plan.tag} ({time.perf_counter() - t0:.1f} s); import skipped (--no-import)")
+        return ImageResult(plan, None, built=built, imported=False, seconds=time.perf_counter() - t0)
+    if enroot is None:
+        raise ToolError(f"enroot not found: install enroot (https://github.com/NVIDIA/enroot) or run `make image` "
+                        f"on a node that has it; the podman image {plan.tag} is built")
+
+    notes = _enroot_import(plan, enroot, podman, console)
+    record = _record(plan, image_id=podman.image_id(plan.tag), enroot_version=enroot.version())
+    _write_atomic(plan.sidecar, json.dumps(record, indent=2) + "\n")
+    _make_current(plan, record)
+    seconds = time.perf_counter() - t0
+    console.print(f"[green]image ready[/]: {escape(str(plan.squashfs))} ({human(record['size_bytes'])}) in "
+                  f"{seconds:.0f} s; {escape(plan.link.name)} -> {escape(plan.squashfs.name)}", highlight=False)
+    return ImageResult(plan, plan.squashfs, built=built, imported=True, seconds=seconds, record=record, notes=notes)
+
+
+# ---------------------------------------------------------------- prune
+
+_IMAGE_FILE = r"{name}-(?P<h>[0-9a-f]{{12}})\.sqsh"
+
+
+def prune_images(cfg: "Config", keep: int = 1, *, root: Path | None = None,
+                 console: Console | None = None) -> list[Path]:
+    """Remove all but the current image and the newest others, up to `keep`
+    squashfs files in all, with their records, logs and podman tags."""
+    if keep < 1:
+        raise ConfigError("--keep", f"must be >= 1 (the current image is always kept), got {keep}")
+    console = console or Console()
+    root = (root or project_root()).resolve()
+    out = _resolve(root, cfg.image.output_dir)
+    name = cfg.image.name
+    pattern = re.compile(_IMAGE_FILE.format(name=re.escape(name)))
+    images = sorted((p for p in out.glob(f"{name}-*.sqsh") if pattern.fullmatch(p.name) and not p.is_symlink()),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    current = resolve_image(cfg, root=root)
+    kept = [p for p in images if current and p.resolve() == current]
+    kept += [p for p in images if p not in kept][: keep - len(kept)]
+    removed: list[Path] = []
+    for img in images:
+        if img in kept:
+            continue
+        h12 = pattern.fullmatch(img.name).group("h")
+        size = img.stat().st_size
+        for path in (img, out / f"{name}-{h12}.json", out / "logs" / f"{name}-{h12}.log"):
+            if path.exists():
+                path.unlink()
+                removed.append(path)
+        console.print(f"removed {img} ({human(size)})", highlight=False, markup=False)
+    # Leftovers of interrupted builds and imports.
+    old = time.time() - 86400
+    leftovers = [p for p in [*out.glob(".context-*"), *out.glob(".build-*.yaml")] if p.stat().st_mtime < old]
+    for leftover in leftovers + stale_temps(out, f".{name}-*.sqsh.tmp-*"):
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        removed.append(leftover)
+        console.print(f"removed {leftover}", highlight=False, markup=False)
+    if Podman.available():
+        podman = Podman.find()
+        keep_tags = {f"localhost/{name}:{pattern.fullmatch(p.name).group('h')}" for p in kept}
+        try:
+            keep_tags.add(image_plan(cfg, root=root, enroot_mount=False, git=False).tag)
+        except (ConfigError, ToolError):
+            pass
+        for tag in podman.tags(f"localhost/{name}"):
+            if tag not in keep_tags and podman.untag(tag):
+                console.print(f"removed podman tag {tag}", highlight=False, markup=False)
+    if not removed:
+        console.print(f"nothing to prune: {len(kept)} image(s) kept in {out}", highlight=False, markup=False)
+    return removed

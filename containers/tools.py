@@ -1,0 +1,224 @@
+"""One wrapper per external tool the image build drives: podman, enroot, git.
+
+Every command line is built by a pure function (`*_argv`) that tests read, and run
+through plumbum where the tool exists. Tools are looked up on the PATH of
+`os.environ` at call time (not plumbum's snapshot of it), and children get a copy
+of `os.environ`, so a test can put a stand-in first on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from plumbum import local
+from plumbum.commands.processes import ProcessExecutionError
+
+ENROOT_URL = "https://github.com/NVIDIA/enroot"
+PODMAN_URL = "https://podman.io/docs/installation"
+
+
+class ToolError(RuntimeError):
+    """An external tool is missing or failed; the message says what to do next."""
+
+
+def which(name: str) -> Optional[str]:
+    return shutil.which(name, path=os.environ.get("PATH"))
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra or {})
+    return env
+
+
+def _capture(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run a short command; return (exit code, stdout+stderr)."""
+    cmd = local[argv[0]][argv[1:]]
+    proc = cmd.popen(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(env))
+    out, _ = proc.communicate()
+    return proc.returncode, out.decode(errors="replace")
+
+
+def stream(argv: list[str], on_line: Callable[[str], None], *, env: dict[str, str] | None = None,
+           cwd: Path | None = None) -> int:
+    """Run a long command, handing each output line (stdout and stderr, split on
+    newlines and carriage returns) to `on_line`; return the exit code. Ctrl-C
+    stops the child before re-raising."""
+    cmd = local[argv[0]][argv[1:]]
+    proc = cmd.popen(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(env), cwd=str(cwd) if cwd else None)
+    try:
+        assert proc.stdout is not None
+        buf = b""
+        while chunk := proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096):
+            buf += chunk
+            *lines, buf = re.split(rb"\r\n|\r|\n", buf)
+            for line in lines:
+                if line.strip():
+                    on_line(line.decode(errors="replace"))
+        if buf.strip():
+            on_line(buf.decode(errors="replace"))
+        return proc.wait()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+
+
+class Tail:
+    """The last lines of a command's output, for error messages."""
+
+    def __init__(self, n: int = 40):
+        self.lines: deque[str] = deque(maxlen=n)
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+
+    def text(self, n: int | None = None) -> str:
+        lines = list(self.lines)[-(n or len(self.lines)):]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- podman
+
+
+@dataclass
+class Podman:
+    exe: str = "podman"
+
+    @staticmethod
+    def available() -> bool:
+        return which("podman") is not None
+
+    @classmethod
+    def find(cls) -> "Podman":
+        path = which("podman")
+        if path is None:
+            raise ToolError(f"podman not found on PATH: install podman ({PODMAN_URL}) or build on a node that has "
+                            "it (image.build_on: compute runs the build through srun on a compute node)")
+        return cls(path)
+
+    @staticmethod
+    def build_argv(*, tag: str, dockerfile: Path, context: Path, build_args: dict[str, str],
+                   network_host: bool = False, isolation: str | None = None, no_cache: bool = False) -> list[str]:
+        argv = ["podman", "build", "-f", str(dockerfile), "-t", tag]
+        for key, value in build_args.items():
+            argv += ["--build-arg", f"{key}={value}"]
+        if network_host:
+            argv.append("--network=host")
+        if isolation:
+            argv.append(f"--isolation={isolation}")
+        if no_cache:
+            argv.append("--no-cache")
+        return argv + [str(context)]
+
+    def _argv(self, argv: list[str]) -> list[str]:
+        return [self.exe, *argv[1:]]
+
+    def build(self, argv: list[str], on_line: Callable[[str], None]) -> int:
+        return stream(self._argv(argv), on_line)
+
+    def image_exists(self, tag: str) -> bool:
+        return _capture([self.exe, "image", "exists", tag])[0] == 0
+
+    def image_size(self, tag: str) -> int | None:
+        """Uncompressed size in bytes (what enroot unpacks before squashing)."""
+        rc, out = _capture([self.exe, "image", "inspect", "--format", "{{.Size}}", tag])
+        return int(out.strip()) if rc == 0 and out.strip().isdigit() else None
+
+    def image_id(self, tag: str) -> str | None:
+        rc, out = _capture([self.exe, "image", "inspect", "--format", "{{.Id}}", tag])
+        return out.strip() or None if rc == 0 else None
+
+    def tags(self, repository: str) -> list[str]:
+        """`localhost/NAME:TAG` references of one repository."""
+        rc, out = _capture([self.exe, "images", "--format", "{{.Repository}}:{{.Tag}}",
+                            "--filter", f"reference={repository}"])
+        if rc != 0:
+            return []
+        return sorted({line.strip() for line in out.splitlines() if line.strip().startswith(repository + ":")})
+
+    def untag(self, tag: str) -> bool:
+        """Remove one tag (the layers go when no other tag uses them)."""
+        return _capture([self.exe, "rmi", tag])[0] == 0
+
+
+# ---------------------------------------------------------------- enroot
+
+# CSCS's enroot lists `-x, --... mount` among import's options; upstream has no -x.
+_MOUNT_OPTION = re.compile(r"^\s*-x\b", re.MULTILINE)
+
+
+@dataclass
+class Enroot:
+    exe: str = "enroot"
+
+    @staticmethod
+    def available() -> bool:
+        return which("enroot") is not None
+
+    @classmethod
+    def find(cls) -> "Enroot | None":
+        path = which("enroot")
+        return cls(path) if path else None
+
+    def import_help(self) -> str:
+        return _capture([self.exe, "import", "--help"])[1]
+
+    def version(self) -> str:
+        rc, out = _capture([self.exe, "version"])
+        return out.strip() if rc == 0 else "unknown"
+
+    def supports_mount(self) -> bool:
+        """Whether `enroot import -x mount` exists (CSCS's build; not upstream)."""
+        return bool(_MOUNT_OPTION.search(self.import_help()))
+
+    @staticmethod
+    def import_argv(*, output: Path, uri: str, mount: bool) -> list[str]:
+        return ["enroot", "import", *(["-x", "mount"] if mount else []), "-o", str(output), uri]
+
+    @staticmethod
+    def import_env(squash_options: str) -> dict[str, str]:
+        return {"ENROOT_SQUASH_OPTIONS": squash_options}
+
+    @staticmethod
+    def temp_dir() -> Path:
+        """Where enroot unpacks the image before squashing it."""
+        return Path(os.environ.get("ENROOT_TEMP_PATH") or os.environ.get("TMPDIR") or "/tmp")
+
+    def import_(self, argv: list[str], env: dict[str, str], on_line: Callable[[str], None]) -> int:
+        return stream([self.exe, *argv[1:]], on_line, env=env)
+
+
+def squashfs_ok(path: Path) -> bool:
+    """A whole squashfs file: its directory table (at the end) lists."""
+    tool = which("unsquashfs")
+    if tool is None:
+        return path.is_file() and path.stat().st_size > 0
+    return _capture([tool, "-l", str(path)])[0] == 0
+
+
+# ---------------------------------------------------------------- git
+
+
+def git_commit(root: Path) -> str:
+    """HEAD's commit, `-dirty` when tracked files differ; `unknown` outside git."""
+    git = which("git")
+    if git is None:
+        return "unknown"
+    try:
+        with local.cwd(root):
+            commit = local[git]("rev-parse", "HEAD").strip()
+            dirty = local[git]("status", "--porcelain", "--untracked-files=no").strip()
+    except ProcessExecutionError:
+        return "unknown"
+    return commit + ("-dirty" if dirty else "")

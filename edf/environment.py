@@ -1,0 +1,345 @@
+"""The one container environment model, and every rule it must satisfy.
+
+`Environment` holds what an EDF holds (image, mounts, workdir, writable, env,
+annotations, entrypoint, base_environment) plus `mount_home`, which only
+pyxis has. Strings are kept in EDF syntax: `${VAR}` and `${VAR:-default}` are
+left for the Container Engine (or, under pyxis, the batch script) to expand,
+`$$` is a literal `$`. The rules are those of the CSCS EDF reference
+(eth-cscs/cscs-docs `docs/software/container-engine/edf.md`); the mount flags
+are the ones enroot's mount helper accepts for a bind mount (NVIDIA/enroot
+`bin/enroot-mount.c`), since both the Container Engine and pyxis hand them on.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Union
+
+from trainer.config import ConfigError
+
+if TYPE_CHECKING:  # the host-side config; imported lazily to keep edf a lower layer
+    from jobs.config import ContainerSection
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ANNOTATION_KEY = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}")
+
+# Bind-mount options of enroot's mount helper (what pyxis and the Container
+# Engine pass them to), plus `sqsh`, which the Container Engine alone takes
+# as the only flag of a squashfs mount.
+BIND_FLAGS = frozenset({
+    "ro", "rw", "bind", "rbind",
+    "private", "rprivate", "shared", "rshared", "slave", "rslave", "unbindable", "runbindable",
+    "nosuid", "suid", "nodev", "dev", "noexec", "exec",
+    "noatime", "atime", "nodiratime", "diratime", "relatime", "norelatime", "strictatime", "nostrictatime",
+    "lazytime", "nolazytime", "sync", "async", "dirsync", "silent", "loud",
+    "x-create=dir", "x-create=file", "x-create=auto",
+})
+SQSH = "sqsh"
+MOUNT_FLAGS = BIND_FLAGS | {SQSH}
+
+
+# --------------------------------------------------------------------------
+# `${VAR}` syntax
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """`${NAME}` or `${NAME:-default}` inside a value."""
+
+    name: str
+    text: str  # exactly as written
+
+
+def split_expansions(value: str, where: str) -> list[Union[str, Expansion]]:
+    """`value` as literal text (with `$$` already read as `$`) and expansions.
+
+    A `$` followed by neither `$` nor `{` is literal text, as in the shell.
+    """
+    pieces: list[Union[str, Expansion]] = []
+    literal: list[str] = []
+    i = 0
+    while i < len(value):
+        j = value.find("$", i)
+        if j < 0:
+            literal.append(value[i:])
+            break
+        literal.append(value[i:j])
+        nxt = value[j + 1: j + 2]
+        if nxt == "$":
+            literal.append("$")
+            i = j + 2
+        elif nxt == "{":
+            m = EXPANSION.match(value, j)
+            if m is None:
+                bad = value[j: value.find("}", j) + 1 or len(value)]
+                raise ConfigError(where, f"{bad!r} in {value!r} is not a valid expansion: write ${{NAME}} or "
+                                         "${NAME:-default}, or $${ for a literal '${'")
+            if "".join(literal):
+                pieces.append("".join(literal))
+            literal = []
+            pieces.append(Expansion(m.group(1), m.group(0)))
+            i = m.end()
+        else:
+            literal.append("$")
+            i = j + 1
+    if "".join(literal):
+        pieces.append("".join(literal))
+    return pieces
+
+
+def references(value: str, where: str) -> list[str]:
+    """The variable names `value` expands."""
+    return [p.name for p in split_expansions(value, where) if isinstance(p, Expansion)]
+
+
+def _split_outside_braces(text: str, sep: str) -> list[str]:
+    """`text.split(sep)`, except inside `${...}` (a default may hold a ':')."""
+    parts, current, depth, i = [], [], 0, 0
+    while i < len(text):
+        if text.startswith("${", i):
+            depth += 1
+            current.append("${")
+            i += 2
+            continue
+        ch = text[i]
+        if ch == "}" and depth:
+            depth -= 1
+        if ch == sep and not depth:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+        i += 1
+    parts.append("".join(current))
+    return parts
+
+
+def check_path(value: str, where: str, what: str) -> None:
+    """A host or container path: absolute, `./`-relative, or starting with a variable."""
+    if not value:
+        raise ConfigError(where, f"{what} is empty: give an absolute path or one starting with ./")
+    if "\0" in value or "\n" in value:
+        raise ConfigError(where, f"{what} {value!r} contains a newline or NUL: use a plain path")
+    if value.startswith(("/", "./", "${")):
+        return
+    if value.startswith("~"):
+        raise ConfigError(where, f"{what} {value!r} starts with ~, which is not expanded: write ${{HOME}}{value[1:]}")
+    fix = "./" + value if value not in (".", "") else "./"
+    raise ConfigError(where, f"relative {what} {value!r} must start with ./ (the Container Engine resolves it "
+                             f"against the directory srun runs in): write {fix!r}")
+
+
+# --------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One `SRC:DST[:FLAGS]` entry; `SRC` alone means `SRC:SRC`."""
+
+    src: str
+    dst: str
+    flags: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flags", tuple(self.flags))
+
+    @classmethod
+    def parse(cls, text: str, where: str = "mounts") -> "Mount":
+        if not isinstance(text, str):
+            raise ConfigError(where, f"expected a string SRC[:DST[:FLAGS]], got {text!r}")
+        parts = _split_outside_braces(text, ":")
+        if len(parts) > 3:
+            raise ConfigError(where, f"{text!r} has {len(parts)} ':'-separated parts: use SRC[:DST[:FLAGS]] "
+                                     "(a path containing ':' cannot be mounted this way)")
+        src = parts[0]
+        dst = parts[1] if len(parts) > 1 else src
+        flags: tuple[str, ...] = ()
+        if len(parts) == 3:
+            if not parts[2]:
+                raise ConfigError(where, f"{text!r} ends with an empty FLAGS part: drop the trailing ':' "
+                                         "or give flags such as ro or ro+private")
+            flags = tuple(parts[2].split("+"))
+        mount = cls(src, dst, flags)
+        mount.check(where)
+        return mount
+
+    def spec(self) -> str:
+        """The canonical `SRC[:DST[:FLAGS]]` text (short form when DST is SRC)."""
+        if self.src == self.dst and not self.flags:
+            return self.src
+        text = f"{self.src}:{self.dst}"
+        return f"{text}:{'+'.join(self.flags)}" if self.flags else text
+
+    def check(self, where: str) -> None:
+        for what, path in (("mount source", self.src), ("mount destination", self.dst)):
+            if not isinstance(path, str):
+                raise ConfigError(where, f"{what} must be a string, got {path!r}")
+            check_path(path, where, what)
+            if len(_split_outside_braces(path, ":")) > 1:
+                raise ConfigError(where, f"{what} {path!r} contains ':', which separates SRC:DST:FLAGS: "
+                                         "mount a parent directory instead")
+            split_expansions(path, where)
+        for flag in self.flags:
+            if flag not in MOUNT_FLAGS:
+                raise ConfigError(where, f"mount flag {flag!r} is not one of {', '.join(sorted(MOUNT_FLAGS))}: "
+                                         "join several with '+', e.g. ro+private")
+        if SQSH in self.flags and len(self.flags) > 1:
+            raise ConfigError(where, f"flag 'sqsh' mounts a squashfs file and must be the only flag, got "
+                                     f"{'+'.join(self.flags)!r}: write SRC:DST:sqsh")
+        if len(set(self.flags)) != len(self.flags):
+            raise ConfigError(where, f"flags {'+'.join(self.flags)!r} repeat a flag: give each once")
+
+
+@dataclass
+class Environment:
+    """A container environment, renderable as an EDF or as pyxis `srun` flags.
+
+    `None` (and `""` for image, empty collections) means "not specified": the
+    base environments' value, else the runtime's default, applies.
+    """
+
+    image: str = ""
+    mounts: list[Mount] = field(default_factory=list)
+    workdir: Optional[str] = None
+    writable: Optional[bool] = None
+    # Values in EDF syntax; "" unsets the variable (Container Engine).
+    env: dict[str, str] = field(default_factory=dict)
+    # Flat dotted keys, e.g. "com.hooks.aws_ofi_nccl.enabled" -> "true".
+    annotations: dict[str, str] = field(default_factory=dict)
+    entrypoint: Optional[bool] = None
+    base_environment: list[str] = field(default_factory=list)
+    # pyxis only (--[no-]container-mount-home); not part of an EDF.
+    mount_home: Optional[bool] = None
+    # Where errors point: "container." (the config), "" (EDF text) or "FILE:".
+    origin: str = field(default="", compare=False, repr=False)
+    # The file it was read from, if any (relative base paths do not use it:
+    # like the Container Engine, they start from the working directory).
+    source: Optional[Path] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Mount specs given as text ("SRC[:DST[:FLAGS]]") are parsed here.
+        self.mounts = [Mount.parse(m, f"{self.origin}mounts[{i}]") if isinstance(m, str) else m
+                       for i, m in enumerate(self.mounts)]
+
+    @classmethod
+    def from_container(cls, section: "ContainerSection") -> "Environment":
+        """The environment `container:` describes, validated (errors name `container.*`)."""
+        env = cls(
+            image=section.image,
+            mounts=list(section.mounts),
+            workdir=section.workdir,
+            writable=section.writable,
+            env=dict(section.env),
+            annotations=dict(section.annotations),
+            entrypoint=section.entrypoint,
+            base_environment=list(section.base_environment),
+            mount_home=section.mount_home,
+            origin="container.",
+        )
+        env.check()
+        return env
+
+    def check(self) -> None:
+        """Every rule of the EDF reference; raises `ConfigError` naming the key."""
+        w = self.origin
+        _check_image(self.image, f"{w}image")
+        if self.workdir is not None:
+            _require_str(self.workdir, f"{w}workdir")
+            check_path(self.workdir, f"{w}workdir", "workdir")
+            split_expansions(self.workdir, f"{w}workdir")
+        for name in ("writable", "entrypoint", "mount_home"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{w}{name}", f"expected true or false, got {value!r}")
+        for i, mount in enumerate(self.mounts):
+            if not isinstance(mount, Mount):
+                raise ConfigError(f"{w}mounts[{i}]", f"expected a Mount, got {mount!r}: use Mount.parse")
+            mount.check(f"{w}mounts[{i}]")
+        for i, base in enumerate(self.base_environment):
+            _check_base_entry(base, f"{w}base_environment[{i}]")
+        self._check_env()
+        self._check_annotations()
+
+    def _check_env(self) -> None:
+        w = self.origin
+        for key, value in self.env.items():
+            where = f"{w}env.{key}"
+            if not isinstance(key, str) or not ENV_NAME.match(key):
+                raise ConfigError(where, "is not a valid environment variable name (letters, digits, _; "
+                                         "not starting with a digit)")
+            _require_str(value, where)
+            if "\0" in value:
+                raise ConfigError(where, f"value {value!r} contains a NUL byte, which no environment can hold")
+            for ref in references(value, where):
+                if ref != key and ref in self.env:
+                    raise ConfigError(where, f"refers to ${{{ref}}}, which is set in [env]; [env] entries can only "
+                                             f"use host variables: write {ref}'s value into {key} directly, "
+                                             f"or export {ref} before srun instead of setting it in [env]")
+
+    def _check_annotations(self) -> None:
+        w = self.origin
+        keys = set(self.annotations)
+        for key, value in self.annotations.items():
+            where = f"{w}annotations.{key}"
+            if not isinstance(key, str) or not ANNOTATION_KEY.match(key):
+                raise ConfigError(where, "is not a valid annotation key: use dotted names of letters, digits, "
+                                         "'_' and '-', such as com.hooks.aws_ofi_nccl.enabled")
+            _require_str(value, where, example='"true"')
+            split_expansions(value, where)
+            prefix = key + "."
+            clash = next((k for k in sorted(keys) if k.startswith(prefix)), None)
+            if clash is not None:
+                raise ConfigError(where, f"is both a value and the table holding {clash!r}: keep one of them")
+
+
+def _require_str(value: object, where: str, example: str = "") -> None:
+    if not isinstance(value, str):
+        hint = f" such as {example}" if example else ""
+        raise ConfigError(where, f"expected a string{hint}, got {value!r}")
+
+
+def is_local_image(image: str) -> bool:
+    """A squashfs file rather than a registry reference."""
+    return image.endswith((".sqsh", ".squashfs")) or image.startswith(("/", "./", "../", "~", "${"))
+
+
+def _check_image(image: str, where: str) -> None:
+    _require_str(image, where)
+    if not image:
+        return
+    if "\n" in image or "\0" in image:
+        raise ConfigError(where, f"{image!r} contains a newline or NUL: give one image")
+    split_expansions(image, where)
+    if is_local_image(image):
+        if not image.startswith(("/", "./", "${")):
+            fix = "${HOME}" + image[1:] if image.startswith("~") else "./" + image
+            raise ConfigError(where, f"squashfs path {image!r} must be absolute or start with ./, otherwise pyxis "
+                                     f"and the Container Engine read it as a registry image (pyxis #127): "
+                                     f"write {fix!r}")
+        return
+    if any(c.isspace() for c in image):
+        raise ConfigError(where, f"registry reference {image!r} contains whitespace: use "
+                                 "[USER@][REGISTRY#]IMAGE[:TAG]")
+    head = image.split("@", 1)[-1]
+    first = head.split("/", 1)[0]
+    if "#" not in head and "/" in head and ("." in first or ":" in first or first == "localhost"):
+        raise ConfigError(where, f"{image!r} names a registry with '/', which enroot reads as a Docker Hub "
+                                 f"image: separate the registry with '#', e.g. {first}#{head.split('/', 1)[1]}")
+
+
+def _check_base_entry(base: str, where: str) -> None:
+    _require_str(base, where)
+    if not base:
+        raise ConfigError(where, "is empty: give an EDF name from EDF_PATH or a path to a .toml file")
+    split_expansions(base, where)
+    if "/" in base:
+        check_path(base, where, "base environment path")
+    elif base.endswith(".toml"):
+        raise ConfigError(where, f"{base!r}: a bare name is looked up as NAME.toml in EDF_PATH, so drop the "
+                                 f".toml ({base[:-5]!r}) or give a path ('./{base}')")

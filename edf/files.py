@@ -1,0 +1,293 @@
+"""EDF files: the environment as TOML and back, base environments, EDF_PATH.
+
+One render function (`render_edf`, through tomli-w) and one parser
+(`parse_edf`, through tomllib) such that `parse_edf(render_edf(env)) == env`
+and `render_edf(parse_edf(text))` is the canonical form of `text`. The
+canonical form writes annotations as nested tables
+(`[annotations.com.hooks.aws_ofi_nccl]`), which the EDF reference declares
+equivalent to the dotted keys people write by hand; both are read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import tomli_w
+
+from edf.environment import Environment, Expansion, Mount, split_expansions
+from trainer.config import ConfigError
+from trainer.fs import write_atomic
+
+TOP_KEYS = ("base_environment", "image", "workdir", "entrypoint", "writable", "mounts", "env", "annotations")
+MAX_BASE_DEPTH = 10  # "Supports up to 10 levels of recursion" (EDF reference)
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+# --------------------------------------------------------------------------
+# Render and parse
+# --------------------------------------------------------------------------
+
+
+def render_edf(env: Environment) -> str:
+    """The EDF for `env`, unspecified keys left out. `mount_home` (pyxis only) is not part of it."""
+    env.check()
+    doc: dict[str, Any] = {}
+    if env.base_environment:
+        doc["base_environment"] = list(env.base_environment)
+    if env.image:
+        doc["image"] = env.image
+    if env.workdir is not None:
+        doc["workdir"] = env.workdir
+    if env.entrypoint is not None:
+        doc["entrypoint"] = env.entrypoint
+    if env.writable is not None:
+        doc["writable"] = env.writable
+    if env.mounts:
+        doc["mounts"] = [m.spec() for m in env.mounts]
+    if env.env:
+        doc["env"] = dict(env.env)
+    if env.annotations:
+        doc["annotations"] = _nest(env.annotations)
+    return tomli_w.dumps(doc)
+
+
+def _nest(flat: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def parse_edf(source: Union[str, os.PathLike]) -> Environment:
+    """An EDF back into the model, validated.
+
+    `source` is a path (a `Path`, or a one-line string without '=') or the
+    TOML text itself. Errors name the file (if any) and the key.
+    """
+    path: Optional[Path] = None
+    if isinstance(source, os.PathLike) or ("\n" not in source and "=" not in source and source.strip()):
+        path = Path(source)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(str(path), "no such EDF file: check the path, or pass the TOML text itself") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(str(path), f"cannot read this EDF: {exc}") from None
+    else:
+        text = str(source)
+    origin = f"{path}:" if path is not None else ""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path) if path else "EDF", f"not valid TOML: {exc}") from None
+    env = from_document(doc, origin)
+    env.source = path
+    return env
+
+
+def from_document(doc: dict[str, Any], origin: str = "") -> Environment:
+    """The model from a parsed EDF table; `origin` prefixes the keys in errors."""
+    unknown = [k for k in doc if k not in TOP_KEYS]
+    if unknown:
+        raise ConfigError(f"{origin}{unknown[0]}", f"unknown EDF key{'s' if len(unknown) > 1 else ''} "
+                                                   f"{', '.join(map(repr, unknown))}; valid keys: {', '.join(TOP_KEYS)}")
+
+    def get(key: str, types: tuple[type, ...], expected: str) -> Any:
+        value = doc.get(key)
+        if value is not None and not isinstance(value, types):
+            raise ConfigError(f"{origin}{key}", f"expected {expected}, got {value!r}")
+        return value
+
+    base = get("base_environment", (str, list), "a string or an array of strings")
+    if isinstance(base, str):
+        base = [base] if base else []
+    for i, entry in enumerate(base or []):
+        if not isinstance(entry, str):
+            raise ConfigError(f"{origin}base_environment[{i}]", f"expected a string, got {entry!r}")
+    mounts = get("mounts", (list,), 'an array of "SRC:DST[:FLAGS]" strings') or []
+    env_table = get("env", (dict,), "a table of strings") or {}
+    for key, value in env_table.items():
+        if not isinstance(value, str):
+            raise ConfigError(f"{origin}env.{key}", f'expected a string ("" unsets the variable), got {value!r}')
+    env = Environment(
+        image=get("image", (str,), "a string") or "",
+        mounts=[Mount.parse(m, f"{origin}mounts[{i}]") for i, m in enumerate(mounts)],
+        workdir=get("workdir", (str,), "a string"),
+        writable=get("writable", (bool,), "true or false"),
+        env=dict(env_table),
+        annotations=_flatten(get("annotations", (dict,), "a table") or {}, f"{origin}annotations"),
+        entrypoint=get("entrypoint", (bool,), "true or false"),
+        base_environment=list(base or []),
+        origin=origin,
+    )
+    env.check()
+    return env
+
+
+def _flatten(table: dict[str, Any], where: str, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in table.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, where, f"{full}."))
+        elif isinstance(value, str):
+            out[full] = value
+        else:
+            raise ConfigError(f"{where}.{full}", f'expected a string such as "true", got {value!r}')
+    return out
+
+
+# --------------------------------------------------------------------------
+# EDF_PATH and base environments
+# --------------------------------------------------------------------------
+
+
+def edf_search_path(edf_path: Optional[str] = None) -> list[Path]:
+    """The EDF search directories: `edf_path` or $EDF_PATH (colon-separated), default ~/.edf."""
+    value = os.environ.get("EDF_PATH") if edf_path is None else str(edf_path)
+    if not value:
+        return [Path.home() / ".edf"]
+    dirs = []
+    for entry in value.split(":"):
+        if not entry:
+            continue
+        if not os.path.isabs(entry):
+            raise ConfigError("EDF_PATH", f"entry {entry!r} is not absolute: the Container Engine takes only "
+                                          "absolute directories in EDF_PATH")
+        dirs.append(Path(entry))
+    return dirs or [Path.home() / ".edf"]
+
+
+def expand_host(value: str, where: str, environ: Optional[dict[str, str]] = None) -> str:
+    """`value` with `${VAR}` taken from the host environment, as the Container Engine does."""
+    environ = os.environ if environ is None else environ
+    out = []
+    for piece in split_expansions(value, where):
+        if not isinstance(piece, Expansion):
+            out.append(piece)
+        elif piece.name in environ:
+            out.append(environ[piece.name])
+        elif ":-" in piece.text:
+            out.append(piece.text[len(piece.name) + 4: -1])
+        else:
+            raise ConfigError(where, f"${{{piece.name}}} is not set in this environment: export it, or write "
+                                     f"${{{piece.name}:-}} for an empty default")
+    return "".join(out)
+
+
+def find_edf(entry: str, where: str = "environment", edf_path: Optional[str] = None) -> Path:
+    """The file `srun --environment=ENTRY` would use: a path, or NAME.toml in EDF_PATH."""
+    name = expand_host(entry, where)
+    if "/" in name:
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(where, f"no EDF file {str(path)!r} (relative paths start from {os.getcwd()!r})")
+        return path
+    dirs = edf_search_path(edf_path)
+    for directory in dirs:
+        candidate = directory / f"{name}.toml"
+        if candidate.is_file():
+            return candidate
+    searched = ":".join(map(str, dirs))
+    raise ConfigError(where, f"no EDF named {name!r} ({name}.toml) in EDF_PATH {searched!r}: "
+                             "install it with `slipway edf --install` or give a path")
+
+
+def resolve_base(env: Environment, edf_path: Optional[str] = None) -> Environment:
+    """`env` with its `base_environment` chain loaded and merged (what the Container
+    Engine evaluates): bases in order, then `env` itself; a later scalar wins, later
+    mounts and env entries are appended. `edf_path` defaults to $EDF_PATH, then ~/.edf."""
+    stack = (env.source.resolve(),) if env.source is not None else ()
+    return _resolve(env, edf_path, stack, 0)
+
+
+def _resolve(env: Environment, edf_path: Optional[str], stack: tuple[Path, ...], depth: int) -> Environment:
+    if not env.base_environment:
+        return env
+    merged = Environment()
+    for i, entry in enumerate(env.base_environment):
+        where = f"{env.origin}base_environment[{i}]"
+        path = find_edf(entry, where, edf_path)
+        real = path.resolve()
+        if real in stack:
+            chain = " -> ".join(p.name for p in (*stack[stack.index(real):], real))
+            raise ConfigError(where, f"base_environment cycle {chain}: remove one of these references")
+        if depth >= MAX_BASE_DEPTH:
+            raise ConfigError(where, f"base environments nest deeper than {MAX_BASE_DEPTH} levels (the Container "
+                                     "Engine's limit): flatten the chain")
+        merged = _merge(merged, _resolve(parse_edf(path), edf_path, (*stack, real), depth + 1))
+    result = _merge(merged, replace(env, base_environment=[]))
+    result.origin, result.source = env.origin, env.source
+    result.check()  # [env] entries may now refer to entries from a base
+    return result
+
+
+def _merge(base: Environment, child: Environment) -> Environment:
+    def pick(name: str) -> Any:
+        value = getattr(child, name)
+        return getattr(base, name) if value is None else value
+
+    env = {k: v for k, v in base.env.items() if k not in child.env}
+    env.update(child.env)
+    return Environment(
+        image=child.image or base.image,
+        mounts=base.mounts + [m for m in child.mounts if m not in base.mounts],
+        workdir=pick("workdir"),
+        writable=pick("writable"),
+        env=env,
+        annotations={**base.annotations, **child.annotations},
+        entrypoint=pick("entrypoint"),
+        base_environment=[],
+        mount_home=pick("mount_home"),
+    )
+
+
+# --------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------
+
+
+def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = False) -> Path:
+    """Write `render_edf(env)` to `path` atomically (temporary file + rename).
+
+    The same content already there is left alone; different content is
+    refused unless `force`.
+    """
+    path = Path(path)
+    text = render_edf(env)
+    if path.is_dir():
+        raise ConfigError(str(path), "is a directory: give the EDF file's path, e.g. env.toml")
+    if path.exists():
+        try:
+            current: Optional[str] = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            current = None
+        if current == text:
+            return path
+        if not force:
+            raise ConfigError(str(path), "already exists with different content: pass --force to overwrite it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, text)
+    return path
+
+
+def install_edf(env: Environment, name: str, edf_path: Optional[str] = None, force: bool = False) -> Path:
+    """Write the EDF as NAME.toml into the first EDF_PATH directory (created if
+    missing), so that `srun --environment=NAME` finds it."""
+    if not SAFE_NAME.match(name) or name.endswith(".toml"):
+        raise ConfigError("container.edf_name", f"{name!r} is not a safe EDF name: use 1-100 letters, digits, "
+                                                "'.', '_' or '-', starting with a letter or digit, without .toml")
+    directory = edf_search_path(edf_path)[0]
+    directory.mkdir(parents=True, exist_ok=True)
+    return write_edf(env, directory / f"{name}.toml", force=force)

@@ -1,0 +1,141 @@
+"""The environment as pyxis `srun` flags (NVIDIA/pyxis README, args.c).
+
+pyxis has no EDF: the image, mounts (`SRC[:DST[:FLAGS]]`, comma-separated,
+flags joined with '+'), workdir, writable and entrypoint become flags;
+`[env]` becomes variables the batch script exports before `srun` plus
+`--container-env=NAME,...`, which makes pyxis keep those host values over the
+image's (as the Container Engine's `[env]` does). Annotations drive Container
+Engine hooks and have no pyxis flag, except `com.pyxis.entrypoint_log`.
+
+Every string returned (flag values and export values) is shell text in which
+only `${NAME}` and `${NAME:-default}` are expansions and everything else is
+literal: quote it with `jobs.sbatch.shell_value`, not `shlex.quote`, so the
+batch script expands what the Container Engine would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from edf.environment import EXPANSION, SQSH, Environment, Expansion, split_expansions
+from edf.files import resolve_base
+from trainer.config import ConfigError
+
+ENTRYPOINT_LOG = "com.pyxis.entrypoint_log"
+
+
+@dataclass(frozen=True)
+class PyxisArgs:
+    """What the batch script needs for one pyxis `srun`."""
+
+    args: list[str] = field(default_factory=list)  # the --container-* flags, in order
+    exports: list[tuple[str, str]] = field(default_factory=list)  # (NAME, value) to export before srun
+    warnings: list[str] = field(default_factory=list)  # what pyxis cannot do as the EDF would
+
+
+def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> PyxisArgs:
+    """The `srun` flags for `env`, its `base_environment` resolved first (see `resolve_base`).
+
+    Unspecified values get the Container Engine's defaults explicitly, so that
+    both runtimes behave alike whatever the site's pyxis configuration:
+    writable, no entrypoint, home not mounted.
+    """
+    if env.base_environment:
+        env = resolve_base(env, edf_path)
+    env.check()
+    w = env.origin
+    if not env.image:
+        raise ConfigError(f"{w}image", "pyxis needs an image: a squashfs path (absolute or ./) or a registry "
+                                       "reference such as nvcr.io#nvidia/pytorch:25.01-py3")
+    args = [f"--container-image={to_shell(env.image, f'{w}image')}"]
+    if env.mounts:
+        args.append("--container-mounts=" + ",".join(_mount(env, i) for i in range(len(env.mounts))))
+    if env.workdir is not None:
+        args.append(f"--container-workdir={to_shell(env.workdir, f'{w}workdir')}")
+    args.append("--container-readonly" if env.writable is False else "--container-writable")
+    exports, warnings = _exports(env)
+    if exports:
+        args.append("--container-env=" + ",".join(name for name, _ in exports))
+    args.append("--container-mount-home" if env.mount_home else "--no-container-mount-home")
+    args.append("--container-entrypoint" if env.entrypoint else "--no-container-entrypoint")
+    for key, value in env.annotations.items():
+        if key == ENTRYPOINT_LOG and value in ("true", "false"):
+            if value == "true":
+                args.append("--container-entrypoint-log")
+            continue
+        warnings.append(f"{w}annotations.{key} = {value!r} has no pyxis equivalent and is dropped "
+                        "(only the Container Engine runs its hooks)")
+    return PyxisArgs(args, exports, warnings)
+
+
+def pyxis_exports(env: Environment, edf_path: Optional[str] = None) -> list[tuple[str, str]]:
+    """The (NAME, value) pairs to export before `srun` (the same as `to_pyxis_args(env).exports`)."""
+    return to_pyxis_args(env, edf_path).exports
+
+
+def _mount(env: Environment, i: int) -> str:
+    where, mount = f"{env.origin}mounts[{i}]", env.mounts[i]
+    if SQSH in mount.flags:
+        raise ConfigError(where, f"pyxis cannot mount a squashfs file ({mount.spec()!r} has flag sqsh): "
+                                 "use container.runtime edf, or mount the directory it was made from")
+    spec = mount.spec()
+    if "," in spec:
+        raise ConfigError(where, f"{spec!r} contains ',', which separates pyxis mounts: mount a parent "
+                                 "directory without ',' in its path")
+    return to_shell(spec, where)
+
+
+def _exports(env: Environment) -> tuple[list[tuple[str, str]], list[str]]:
+    exports, warnings = [], []
+    for key, value in env.env.items():
+        where = f"{env.origin}env.{key}"
+        if "\n" in value:
+            raise ConfigError(where, f"value {value!r} contains a newline, which pyxis cannot receive through the "
+                                     "batch script: use container.runtime edf, or drop the newline")
+        exports.append((key, to_shell(value, where)))
+        if value == "":
+            warnings.append(f"{where} is empty: the Container Engine unsets it, pyxis sets it to an empty string")
+        refs = [p.name for p in split_expansions(value, where) if isinstance(p, Expansion)]
+        if refs:
+            names = ", ".join(f"${{{r}}}" for r in refs)
+            warnings.append(f"{where} uses {names}: pyxis takes it from the batch script's environment, the "
+                            "Container Engine from the image's environment first")
+    return exports, warnings
+
+
+def to_shell(value: str, where: str) -> str:
+    """EDF text as shell text: `$$` becomes `$`; `${NAME}` stays an expansion.
+
+    A literal `${` (written `$${` in an EDF) cannot be told apart from an
+    expansion in the batch script, so it is an error here.
+    """
+    pieces = split_expansions(value, where)
+    text = "".join(p.text if isinstance(p, Expansion) else p for p in pieces)
+    if _shell_pieces(text) != _normal(pieces):
+        raise ConfigError(where, f"{value!r} holds a literal '${{' (written $${{), which the batch script would "
+                                 "expand: pyxis cannot pass it; use container.runtime edf")
+    return text
+
+
+def _shell_pieces(text: str) -> list[Union[str, Expansion]]:
+    pieces: list[Union[str, Expansion]] = []
+    pos = 0
+    for m in EXPANSION.finditer(text):
+        if m.start() > pos:
+            pieces.append(text[pos:m.start()])
+        pieces.append(Expansion(m.group(1), m.group(0)))
+        pos = m.end()
+    if pos < len(text):
+        pieces.append(text[pos:])
+    return pieces
+
+
+def _normal(pieces: list[Union[str, Expansion]]) -> list[Union[str, Expansion]]:
+    out: list[Union[str, Expansion]] = []
+    for piece in pieces:
+        if isinstance(piece, str) and out and isinstance(out[-1], str):
+            out[-1] += piece
+        elif piece != "":
+            out.append(piece)
+    return out

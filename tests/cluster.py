@@ -1,0 +1,513 @@
+#!/usr/bin/env python3
+"""A real Slurm cluster on this machine: munged, slurmctld and N slurmd "nodes".
+
+Each node is a slurmd in its own network namespace (a veth on a bridge, an
+address from a private /24, its name in /etc/hosts) and its own UTS namespace
+(hostname ``nodeK``), so a multi-node job sees distinct hosts the way it would
+on a real cluster: torchrun's c10d rendezvous picks the agent that hosts the
+store by comparing the endpoint with the local hostname, and gloo resolves the
+hostname to pick its address. slurmctld runs in the root network namespace,
+reachable from the nodes as ``slipway-ctl`` (the bridge's address).
+
+Everything the cluster writes (slurm.conf, munge key and socket, spool, state,
+logs, pid files) lives in one state dir. The processes it starts are recorded
+in /run/slipway-slurm/NAME.json and stopped by those ids (never by name); a
+later ``up`` first tears down whatever an earlier run under the same NAME left
+(processes, namespaces, links, the /etc/hosts block), so a crashed test
+session does not wedge the next one. One cluster per NAME per machine.
+
+Accounting is off (Debian's build has no ``none`` plugins for accounting
+storage or job completion, and slurmctld dies on them): ``sacct`` does not
+work; ``squeue`` and ``scontrol show job`` do, and a finished job stays
+visible to them for MinJobAge (300 s).
+
+    python tests/cluster.py up --nodes 2         # prints the SLURM_CONF to use
+    eval "$(python tests/cluster.py env)"; sbatch -N2 job.sh
+    python tests/cluster.py status
+    python tests/cluster.py down
+
+Needs root, slurm-wlm (slurmctld, slurmd, client commands), munge, iproute2,
+util-linux (nsenter, unshare). Standard library only: runs with any python3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for cluster_host, however we are run
+from cluster_host import (HOSTS, NETNS_DIR, ClusterError, alive, check_subnet_free,  # noqa: E402
+                          leftovers, locked, network_up, our_links, our_netns, proc_stat,
+                          read_registry, registry_path, set_hosts_block, split_hosts, teardown,
+                          write_atomic)
+
+__all__ = ["ClusterError", "ClusterSpec", "LocalSlurmCluster", "alive", "default_state_dir",
+           "leftovers", "read_registry", "render_slurm_conf", "spec_of_running", "teardown",
+           "unavailable_reason"]
+
+STATE_MARKER = ".slipway-slurm"  # a state dir `up` may wipe carries this file
+DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "squeue", "scontrol")
+TOOLS = ("ip", "nsenter", "unshare", "hostname")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """What to start. The defaults are the cluster tests and `make` targets use."""
+
+    state_dir: Path
+    nodes: int = 2
+    cpus: int = 4  # per node; more than the machine's cores is fine (config_overrides)
+    memory_mb: int = 2048  # per node; not enforced (CR_Core, task/none)
+    name: str = "slpw"  # prefix of namespaces, links, the /etc/hosts block, the registry
+    node_prefix: str = "node"
+    ctl_host: str = "slipway-ctl"
+    subnet: str = "10.213.0"  # a /24: .1 is the controller (the bridge), .(10+K) node K
+    ctld_port: int = 6917
+    slurmd_port: int = 6918
+    partition: str = "debug"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
+        if not 1 <= self.nodes <= 200:
+            raise ClusterError(f"nodes={self.nodes}: choose 1..200 (addresses .11-.210 of the /24)")
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", self.name):
+            raise ClusterError(f"name={self.name!r}: use 1-8 lowercase letters/digits "
+                               "(it prefixes interface names, which are capped at 15 chars)")
+        if not re.fullmatch(r"(25[0-5]|2[0-4]\d|1?\d?\d)(\.(25[0-5]|2[0-4]\d|1?\d?\d)){2}", self.subnet):
+            raise ClusterError(f"subnet={self.subnet!r}: give the first three octets of a /24, e.g. 10.213.0")
+        for host in (self.node_prefix, self.ctl_host):
+            if not re.fullmatch(r"[a-z][a-z0-9-]*", host):
+                raise ClusterError(f"host name {host!r}: use lowercase letters, digits and '-'")
+        # slurm.conf has no quoting: a path with blanks, '#' or '=' would be cut there.
+        if re.search(r"[\s#=\"'\\]", str(self.state_dir)):
+            raise ClusterError(f"state dir {str(self.state_dir)!r} holds a character slurm.conf cannot "
+                               "carry (blank, #, =, quote, backslash): pick a plain path")
+        if len(str(self.munge_socket)) > 100:
+            raise ClusterError(f"state dir {self.state_dir} is too long for a unix socket path "
+                               f"({self.munge_socket}): pick a shorter one")
+
+    # names and addresses
+    @property
+    def node_names(self) -> list[str]:
+        return [f"{self.node_prefix}{k}" for k in range(1, self.nodes + 1)]
+
+    @property
+    def ctl_addr(self) -> str:
+        return f"{self.subnet}.1"
+
+    def node_addr(self, k: int) -> str:
+        return f"{self.subnet}.{10 + k}"
+
+    def netns(self, k: int) -> str:
+        return f"{self.name}-{self.node_prefix}{k}"
+
+    def veth(self, k: int) -> str:
+        return f"{self.name}-v{k}"
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.name}-br"
+
+    # files
+    @property
+    def conf(self) -> Path:
+        return self.state_dir / "slurm.conf"
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.state_dir / "munge" / "munge.socket"
+
+    @property
+    def munge_key(self) -> Path:
+        return self.state_dir / "munge" / "munge.key"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "log"
+
+    def hosts_lines(self) -> list[str]:
+        return [f"{self.ctl_addr}\t{self.ctl_host}"] + [
+            f"{self.node_addr(k)}\t{n}" for k, n in enumerate(self.node_names, 1)]
+
+
+def render_slurm_conf(spec: ClusterSpec) -> str:
+    """slurm.conf for `spec`: the settings lab.md found working, short timeouts for fast tests."""
+    s = spec.state_dir
+    nodes = "\n".join(
+        f"NodeName={n} NodeHostname={n} NodeAddr={spec.node_addr(k)} CPUs={spec.cpus} "
+        f"RealMemory={spec.memory_mb} State=UNKNOWN"
+        for k, n in enumerate(spec.node_names, 1))
+    return f"""\
+# Written by tests/cluster.py for a local test cluster; rewritten on every `up`.
+ClusterName=slipway
+SlurmctldHost={spec.ctl_host}({spec.ctl_addr})
+SlurmctldPort={spec.ctld_port}
+SlurmdPort={spec.slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# Our own munged, so a system munged (and its key) is left alone.
+AuthInfo=socket={spec.munge_socket}
+StateSaveLocation={s}/ctld
+SlurmdSpoolDir={s}/spool/%n
+SlurmctldPidFile={s}/run/slurmctld.pid
+SlurmdPidFile={s}/run/slurmd-%n.pid
+SlurmctldLogFile={s}/log/slurmctld.log
+SlurmdLogFile={s}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+# No cgroups: processes are tracked by parentage, tasks are not bound.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+# Trust the CPUs/RealMemory below even where the machine has fewer.
+SlurmdParameters=config_overrides
+MpiDefault=none
+MailProg=/bin/true
+JobRequeue=1
+KillOnBadExit=1
+ReturnToService=2
+SlurmctldTimeout=10
+SlurmdTimeout=30
+MessageTimeout=10
+KillWait=5
+InactiveLimit=0
+MinJobAge=300
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+# Accounting is off: AccountingStorageType and JobCompType are left out (Debian's
+# build lacks their none plugins). sacct does not work; squeue and scontrol do.
+{nodes}
+PartitionName={spec.partition} Nodes={",".join(spec.node_names)} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def unavailable_reason() -> str | None:
+    """Why a local cluster cannot start here (None if it can): for skips."""
+    if os.geteuid() != 0:
+        return "the local Slurm cluster needs root (network namespaces, /etc/hosts)"
+    missing = [b for b in DAEMONS + TOOLS if shutil.which(b) is None]
+    if missing:
+        return (f"missing {', '.join(missing)}: install Debian's slurm-wlm, munge, iproute2, "
+                "util-linux to run the local Slurm cluster")
+    return None
+
+
+# ---------------------------------------------------------------- the cluster
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no file)"
+
+
+class LocalSlurmCluster:
+    """A munged, a slurmctld and `spec.nodes` slurmds, each node in its own namespaces."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self._children: list[subprocess.Popen] = []
+
+    # -- what clients use
+    def env(self) -> dict[str, str]:
+        """Environment for sbatch/squeue/scontrol/scancel/srun to reach this cluster."""
+        return {"SLURM_CONF": str(self.spec.conf)}
+
+    @property
+    def node_names(self) -> list[str]:
+        return self.spec.node_names
+
+    @property
+    def partition(self) -> str:
+        return self.spec.partition
+
+    def run(self, *argv: str, cwd: Path | None = None, check: bool = True,
+            timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run a Slurm client command against this cluster."""
+        res = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                             env={**os.environ, **self.env()})
+        if check and res.returncode != 0:
+            raise ClusterError(f"`{shlex.join(argv)}` failed ({res.returncode}): "
+                               f"{res.stderr.strip() or res.stdout.strip()}")
+        return res
+
+    def sbatch(self, script: Path, *args: str, cwd: Path | None = None) -> str:
+        """Submit `script`; return the job id."""
+        out = self.run("sbatch", "--parsable", *args, str(script), cwd=cwd or Path(script).parent)
+        return out.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (JobState, ExitCode, NodeList, StdOut, ...)."""
+        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+    def wait(self, job_id: str, timeout: float = 120) -> dict[str, str]:
+        """Wait until `job_id` has ended; return its last `scontrol show job` record.
+        On timeout the job is cancelled and ClusterError says where it was stuck."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job(job_id)
+            if info.get("JobState") not in {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING",
+                                            "REQUEUED", "RESIZING", "SUSPENDED"}:
+                return info
+            if time.monotonic() > deadline:
+                self.run("scancel", job_id, check=False)
+                raise ClusterError(f"job {job_id} still {info.get('JobState')} "
+                                   f"({info.get('Reason')}) after {timeout:.0f} s; cancelled. "
+                                   f"Its output: {info.get('StdOut')}\n{self.log_tails()}")
+            time.sleep(0.25)
+
+    def node_states(self) -> dict[str, str]:
+        out = self.run("sinfo", "-h", "-N", "-p", self.spec.partition, "-o", "%N %T",
+                       check=False, timeout=15).stdout
+        return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
+
+    def log_tails(self, lines: int = 25) -> str:
+        logs = [self.spec.log_dir / "munged.out", self.spec.log_dir / "slurmctld.log",
+                self.spec.log_dir / "slurmctld.out"]
+        for n in self.node_names:
+            logs += [self.spec.log_dir / f"slurmd-{n}.log", self.spec.log_dir / f"slurmd-{n}.out"]
+        return "\n".join(f"--- {p}:\n{_tail(p, lines)}" for p in logs if p.exists())
+
+    # -- lifecycle
+    def up(self, timeout: float = 60) -> "LocalSlurmCluster":
+        """Start the cluster (after tearing down leftovers under the same name);
+        return once every node is idle."""
+        spec = self.spec
+        reason = unavailable_reason()
+        if reason:
+            raise ClusterError(reason)
+        old = read_registry(spec.name)
+        if old or our_netns(spec.name) or our_links(spec.name):
+            print(f"cluster.py: tearing down an earlier cluster {spec.name!r} "
+                  f"({(old or {}).get('state_dir', 'unrecorded')})", file=sys.stderr)
+        teardown(spec.name)
+        self._check_hosts_free()
+        check_subnet_free(spec.subnet, spec.name)
+        self._prepare_state_dir()
+        self._record([])  # from here on a crash leaves something teardown() finds
+        try:
+            network_up(spec.bridge, spec.ctl_addr,
+                       [(spec.netns(k), spec.veth(k), spec.node_addr(k)) for k in range(1, spec.nodes + 1)])
+            set_hosts_block(spec.name, spec.hosts_lines())
+            self._start_munged()
+            self._start("slurmctld", self._in_uts(spec.ctl_host, "slurmctld", "-D", "-f", str(spec.conf)),
+                        "slurmctld.out")
+            for k, node in enumerate(spec.node_names, 1):
+                argv = ["nsenter", f"--net={NETNS_DIR / spec.netns(k)}",
+                        *self._in_uts(node, "slurmd", "-D", "-N", node, "-f", str(spec.conf))]
+                self._start(f"slurmd {node}", argv, f"slurmd-{node}.out")
+            self._wait_ready(timeout)
+        except BaseException as e:
+            tails = self.log_tails()
+            self.down(check=False)  # logs stay in the state dir
+            if isinstance(e, ClusterError):
+                raise ClusterError(f"{e}\nlogs in {spec.log_dir}:\n{tails}") from None
+            raise
+        return self
+
+    def down(self, check: bool = True) -> None:
+        """Stop this cluster's processes by id, remove its namespaces, links and
+        /etc/hosts block. Logs stay in the state dir. With `check`, raise if
+        anything is left."""
+        procs = teardown(self.spec.name)
+        procs += [(p.pid, None) for p in self._children]
+        for p in self._children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=1)
+        self._children.clear()
+        if check:
+            left = leftovers(self.spec.name, self.spec.state_dir, procs)
+            if left:
+                raise ClusterError(f"cluster {self.spec.name} is not fully down: {', '.join(left)}")
+
+    def status(self) -> dict:
+        reg = read_registry(self.spec.name)
+        if reg is None:
+            return {"name": self.spec.name, "up": False}
+        procs = [{"role": p["role"], "pid": p["pid"], "alive": alive(p["pid"], p["start"])}
+                 for p in reg["processes"]]
+        ctld = any(p["alive"] for p in procs if p["role"] == "slurmctld")
+        return {"name": self.spec.name, "up": bool(procs) and all(p["alive"] for p in procs),
+                "state_dir": reg["state_dir"],
+                "env": self.env(), "processes": procs, "nodes": self.node_states() if ctld else {}}
+
+    def pids(self) -> list[tuple[int, int]]:
+        """(pid, start time) of the daemons this cluster started."""
+        reg = read_registry(self.spec.name) or {}
+        return [(p["pid"], p["start"]) for p in reg.get("processes", [])]
+
+    # -- internals
+    def _prepare_state_dir(self) -> None:
+        s = self.spec.state_dir
+        if s.exists() and any(s.iterdir()) and not (s / STATE_MARKER).exists():
+            raise ClusterError(f"state dir {s} is not empty and was not made by tests/cluster.py: "
+                               "point --state-dir at a new or empty directory")
+        for sub in ("ctld", "spool", "run", "log"):
+            shutil.rmtree(s / sub, ignore_errors=True)
+        for sub in ("ctld", "run", "log", *(f"spool/{n}" for n in self.node_names)):
+            (s / sub).mkdir(parents=True, exist_ok=True)
+        (s / STATE_MARKER).touch()
+        munge = s / "munge"
+        munge.mkdir(exist_ok=True)
+        munge.chmod(0o755)  # munged wants its socket dir searchable by all, writable by none
+        if not self.spec.munge_key.exists():  # our own key: /etc/munge is never touched
+            fd = os.open(self.spec.munge_key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(128))
+        self.spec.conf.write_text(render_slurm_conf(self.spec))
+        with contextlib.suppress(KeyError, ImportError):  # the default munged location, for munge tools
+            import pwd
+            pw = pwd.getpwnam("munge")
+            Path("/run/munge").mkdir(mode=0o755, exist_ok=True)
+            os.chown("/run/munge", pw.pw_uid, pw.pw_gid)
+
+    def _check_hosts_free(self) -> None:
+        ours = {line.split()[1] for line in self.spec.hosts_lines()}
+        outside, _ = split_hosts(HOSTS.read_text(), self.spec.name)
+        taken = sorted({n for line in outside for n in line.split("#")[0].split()[1:] if n in ours})
+        if taken:
+            raise ClusterError(f"{HOSTS} already maps {', '.join(taken)} outside this cluster's block "
+                               "(another cluster, or a real host): bring that down or change the names")
+
+    @staticmethod
+    def _in_uts(hostname: str, *argv: str) -> list[str]:
+        """argv run in a new UTS namespace whose hostname is `hostname` (exec keeps the pid)."""
+        return ["unshare", "--uts", "--", "sh", "-c",
+                f"hostname {shlex.quote(hostname)} && exec {shlex.join(argv)}"]
+
+    def _record(self, processes: list[dict]) -> None:
+        with locked():
+            write_atomic(registry_path(self.spec.name), json.dumps(
+                {"state_dir": str(self.spec.state_dir), "conf": str(self.spec.conf),
+                 "spec": {**dataclasses.asdict(self.spec), "state_dir": str(self.spec.state_dir)},
+                 "processes": processes}, indent=1))
+
+    def _start(self, role: str, argv: list[str], log: str) -> subprocess.Popen:
+        with open(self.spec.log_dir / log, "ab") as out:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env={**os.environ, **self.env()})
+        self._children.append(proc)
+        st = proc_stat(proc.pid)
+        reg = read_registry(self.spec.name) or {"processes": []}
+        self._record(reg["processes"] + [{"role": role, "pid": proc.pid, "start": st[1] if st else None,
+                                          "argv": argv}])
+        return proc
+
+    def _start_munged(self) -> None:
+        s = self.spec
+        proc = self._start("munged", [
+            # --force: a pytest tmp dir sits under a 0700 dir, which munged would refuse
+            # for its socket; every client here is root, so it can still connect.
+            "munged", "--foreground", "--force", f"--socket={s.munge_socket}", f"--key-file={s.munge_key}",
+            f"--pid-file={s.state_dir / 'run' / 'munged.pid'}", f"--log-file={s.log_dir / 'munged.log'}",
+            f"--seed-file={s.state_dir / 'munge' / 'munged.seed'}"], "munged.out")
+        deadline = time.monotonic() + 10
+        while not s.munge_socket.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise ClusterError(f"munged did not create {s.munge_socket}")
+            time.sleep(0.05)
+
+    def _wait_ready(self, timeout: float) -> None:
+        s = self.spec
+        deadline = time.monotonic() + timeout
+        states: dict[str, str] = {}
+        ctld_up = False
+        while time.monotonic() < deadline:
+            dead = [p.args for p in self._children if p.poll() is not None]
+            if dead:
+                raise ClusterError(f"a daemon exited during start: {shlex.join(dead[0])}")
+            if not ctld_up:  # sinfo is slow to give up on a controller that is not listening yet
+                with contextlib.suppress(OSError), socket.create_connection((s.ctl_addr, s.ctld_port), 0.5):
+                    ctld_up = True
+            if ctld_up:
+                states = self.node_states()
+                if sorted(states) == sorted(self.node_names) and set(states.values()) == {"idle"}:
+                    return
+            time.sleep(0.2)
+        raise ClusterError(f"nodes not idle after {timeout:.0f} s (controller "
+                           f"{'listening' if ctld_up else 'not listening'}; sinfo: {states or 'nothing'})")
+
+
+# ---------------------------------------------------------------- command line
+
+def default_state_dir(purpose: str = "") -> Path:
+    """/tmp/slipway-slurm-UID (the command line's), /tmp/slipway-slurm-UID-PURPOSE for others."""
+    return Path(tempfile.gettempdir()) / "-".join(filter(None, ["slipway-slurm", str(os.getuid()), purpose]))
+
+
+def spec_of_running(name: str = "slpw") -> ClusterSpec | None:
+    """The spec of the cluster `name` that is up (as recorded by its `up`), None if none is."""
+    reg = read_registry(name)
+    return ClusterSpec(**reg["spec"]) if reg and "spec" in reg else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tests/cluster.py", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start a cluster (tearing down an earlier one of the same name)")
+    up.add_argument("--nodes", type=int, default=2)
+    up.add_argument("--cpus", type=int, default=4, help="CPUs each node declares (default 4)")
+    up.add_argument("--state-dir", default=None,
+                    help=f"default {default_state_dir()} (-NAME appended for another --name)")
+    up.add_argument("--subnet", default="10.213.0", help="first three octets of a private /24")
+    up.add_argument("--ctld-port", type=int, default=6917)
+    up.add_argument("--slurmd-port", type=int, default=6918)
+    up.add_argument("--timeout", type=float, default=60, help="seconds to wait for idle nodes")
+    sub.add_parser("down", help="stop it: processes by id, namespaces, links, /etc/hosts block")
+    sub.add_parser("status", help="its processes and node states, as JSON (exit 1 if not up)")
+    sub.add_parser("env", help="the export line for client commands")
+    for p in sub.choices.values():
+        p.add_argument("--name", default="slpw", help="cluster name (prefix of namespaces and links)")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "up":
+            state_dir = args.state_dir or default_state_dir("" if args.name == "slpw" else args.name)
+            spec = ClusterSpec(state_dir=Path(state_dir), nodes=args.nodes,
+                               cpus=args.cpus, name=args.name, subnet=args.subnet,
+                               ctld_port=args.ctld_port, slurmd_port=args.slurmd_port)
+            t0 = time.monotonic()
+            LocalSlurmCluster(spec).up(timeout=args.timeout)
+            print(f"# {spec.nodes} nodes ({', '.join(spec.node_names)}) idle in partition "
+                  f"{spec.partition} after {time.monotonic() - t0:.1f} s; logs in {spec.log_dir}",
+                  file=sys.stderr)
+            print(f"export SLURM_CONF={shlex.quote(str(spec.conf))}")
+        elif args.cmd == "down":
+            spec = spec_of_running(args.name)
+            procs = teardown(args.name)
+            left = leftovers(args.name, spec.state_dir if spec else None, procs)
+            if left:
+                raise ClusterError(f"not fully down: {', '.join(left)}")
+        elif args.cmd == "status":
+            spec = spec_of_running(args.name)
+            status = LocalSlurmCluster(spec).status() if spec else {"name": args.name, "up": False}
+            print(json.dumps(status, indent=1))
+            return 0 if status["up"] else 1
+        elif args.cmd == "env":
+            spec = spec_of_running(args.name)
+            if spec is None:
+                raise ClusterError(f"no cluster {args.name!r} is up: run `python tests/cluster.py up`")
+            print(f"export SLURM_CONF={shlex.quote(str(spec.conf))}")
+    except ClusterError as e:
+        print(f"cluster.py {args.cmd}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

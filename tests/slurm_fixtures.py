@@ -1,0 +1,65 @@
+"""pytest fixtures for the real local Slurm cluster of tests/cluster.py.
+
+tests/conftest.py makes them available to every test module:
+
+    from slurm_fixtures import slurm_cluster, slurm_env  # noqa: F401
+
+`slurm_cluster` (session): a 2-node cluster (node1, node2; partition `debug`,
+the default; 4 CPUs each; state and logs in /tmp/slipway-slurm-UID-pytest),
+started once and stopped by the ids it started at the end of the session (and
+at interpreter exit if the session dies first). It takes over from any
+cluster `tests/cluster.py up` started: one cluster per machine.
+Client commands reach it with `slurm_cluster.env()` = {"SLURM_CONF": ...}.
+`slurm_env` (function): the same, set in os.environ for one test.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster import ClusterSpec, LocalSlurmCluster, default_state_dir, unavailable_reason  # noqa: E402
+
+SLURM_NODES = 2
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[LocalSlurmCluster]:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    # One cluster per session even if this fixture is defined twice (imported by
+    # conftest.py and by a test module): they share it through the config object.
+    shared = getattr(request.config, "_slipway_slurm_cluster", None)
+    if shared is None:
+        # Not a pytest tmp dir: pytest deletes all but the 3 newest basetemps when a
+        # session starts, so a concurrent pytest run could remove a live cluster's
+        # conf and munge socket. This one is wiped at each start; its logs stay.
+        cluster = LocalSlurmCluster(ClusterSpec(state_dir=default_state_dir("pytest"),
+                                                nodes=SLURM_NODES))
+        atexit.register(cluster.down, check=False)
+        cluster.up()
+        shared = request.config._slipway_slurm_cluster = [cluster, 0]
+    shared[1] += 1
+    try:
+        yield shared[0]
+    finally:
+        shared[1] -= 1
+        if shared[1] == 0:
+            del request.config._slipway_slurm_cluster
+            shared[0].down()
+            atexit.unregister(shared[0].down)
+
+
+@pytest.fixture
+def slurm_env(slurm_cluster: LocalSlurmCluster, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """SLURM_CONF in os.environ for this test, so plain `sbatch`/`squeue` reach the cluster."""
+    env = slurm_cluster.env()
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env

@@ -1,0 +1,151 @@
+"""Submission on a real Slurm (Debian slurm-wlm started by the tests): run directory,
+status, logs, cancel, --show-logs exit codes, resubmission, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import tree
+
+PY = sys.executable
+
+
+def slipway(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def task(code: str) -> list[str]:
+    """Overrides that make each rank run a small Python program instead of the trainer."""
+    return ["launch.launcher=srun", f"launch.command=[{PY}, -c, {json.dumps(code)}]"]
+
+
+WRITE_RANK = ("import os, socket, pathlib; d = pathlib.Path(os.environ['SLIPWAY_RUN_DIR']); "
+              "(d / f\"rank{os.environ['RANK']}\").write_text(socket.gethostname() + ' ' + "
+              "os.environ['WORLD_SIZE'] + ' ' + os.environ['LOCAL_RANK']); print('hello from', os.environ['RANK'])")
+
+
+# ------------------------------------------------------------------ no Slurm needed
+
+
+def test_dry_run_writes_nothing(project):
+    before = tree(project)
+    r = slipway("submit", "tiny_cpu", "--dry-run", "--run-name", "dry")
+    assert r.returncode == 0, r.stderr
+    assert "#SBATCH --job-name=dry" in r.stdout and "nothing written" in r.stdout
+    assert tree(project) == before
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--run-name", "x$(touch pwned)"], "run.name"),
+    (["--dp", "3"], "parallel"),
+    (["train.nope=1"], "train.nope"),
+    (["--runtime", "edf", "--image", "/nonexistent/x.sqsh"], "container.image"),
+    (["--runtime", "edf", "--image", "rel/x.sqsh"], "container.image"),
+    (["container.runtime=pyxis", "container.image=nvcr.io#nvidia/pytorch:25.01-py3",
+      "container.mounts=[/nonexistent-src:/d]"],
+     "container.mounts[0]"),
+    (["--tp", "3", "--dp", "1", "launch.procs_per_node=3"], "parallel.tp"),
+])
+def test_bad_input_one_line_exit_2_nothing_written(project, args, field):
+    before = tree(project)
+    r = slipway("submit", "tiny_cpu", *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"slipway: error: {field}"), r.stderr
+    assert tree(project) == before
+    assert not list(project.parent.rglob("pwned"))
+
+
+def test_edf_command_writes_and_installs(project, tmp_path):
+    edf_dir = tmp_path / "edf home"
+    env = {"EDF_PATH": f"{edf_dir}:/elsewhere"}
+    args = ["edf", "tiny_cpu", "container.runtime=edf", "container.image=/img.sqsh", "--run-name", "e1"]
+    r = slipway(*args, "--install", env=env)
+    assert r.returncode == 0, r.stderr
+    assert (project / "runs" / "e1" / "env.toml").read_text() == (edf_dir / "e1.toml").read_text()
+    r = slipway(*args, "container.workdir=/w", "--install", env=env)
+    assert r.returncode == 2 and "--force" in r.stderr
+    assert slipway(*args, "container.workdir=/w", "--install", "--force", env=env).returncode == 0
+    assert 'workdir = "/w"' in (edf_dir / "e1.toml").read_text()
+
+
+# ------------------------------------------------------------------ a real Slurm
+
+
+@pytest.mark.slurm
+def test_submit_runs_and_shows_logs(project, slurm_env):
+    r = slipway("submit", "tiny_cpu", "--run-name", "hello", "--nodes", "2", *task(WRITE_RANK), "--show-logs")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    run_dir = project / "runs" / "hello"
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    job_id = manifest["submissions"][0]["job_id"]
+    assert job_id in r.stdout and "hello from 3" in r.stdout
+    ranks = {p.name: p.read_text().split() for p in run_dir.glob("rank*")}
+    assert sorted(ranks) == ["rank0", "rank1", "rank2", "rank3"]
+    assert {v[0] for v in ranks.values()} == {"node1", "node2"} and {v[1] for v in ranks.values()} == {"4"}
+    for name in ("config.yaml", "job.sbatch", "manifest.json", "events.log", "heartbeat", f"logs/{job_id}.out"):
+        assert (run_dir / name).exists(), name
+    assert manifest["git"].keys() == {"commit", "dirty"} and manifest["runtime"] == "none"
+    assert f"job {job_id} end exit 0" in (run_dir / "events.log").read_text()
+    assert not list(project.parent.rglob("pwned"))
+
+    logs = slipway("logs", "hello")
+    assert logs.returncode == 0 and "hello from 0" in logs.stdout
+    status = slipway("status", "hello")
+    assert status.returncode == 0 and job_id in status.stdout and "COMPLETED" in status.stdout
+
+    # The same run name and config again: a resumption, a second job id in the manifest.
+    again = slipway("submit", "tiny_cpu", "--run-name", "hello", "--nodes", "2", *task(WRITE_RANK), "--show-logs")
+    assert again.returncode == 0, again.stderr
+    jobs = [s["job_id"] for s in json.loads((run_dir / "manifest.json").read_text())["submissions"]]
+    assert len(jobs) == 2 and jobs[0] == job_id and "resubmitted" in again.stdout
+    # A different config under the same name is refused, then accepted with --force (old config kept).
+    other = slipway("submit", "tiny_cpu", "--run-name", "hello", "--nodes", "2", *task(WRITE_RANK), "--seed", "7")
+    assert other.returncode == 2 and "--force" in other.stderr
+    forced = slipway("submit", "tiny_cpu", "--run-name", "hello", "--nodes", "2", *task(WRITE_RANK), "--seed", "7",
+                     "--force", "--show-logs")
+    assert forced.returncode == 0, forced.stderr
+    assert len(list((run_dir / "history").glob("config-*.yaml"))) == 1
+
+
+@pytest.mark.slurm
+def test_show_logs_exit_code_is_the_jobs(project, slurm_env):
+    r = slipway("submit", "tiny_cpu", "--run-name", "fails", *task("import sys; print('bye'); sys.exit(3)"),
+                "--show-logs")
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "bye" in r.stdout
+    status = slipway("status")
+    assert status.returncode == 0 and "fails" in status.stdout and "FAILED" in status.stdout
+
+
+@pytest.mark.slurm
+def test_cancel(project, slurm_env):
+    r = slipway("submit", "tiny_cpu", "--run-name", "sleeper", *task("import time; print('up', flush=True); "
+                                                                      "time.sleep(600)"))
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().splitlines()[-1]
+    log = project / "runs" / "sleeper" / "logs" / f"{job_id}.out"
+    deadline = time.time() + 60
+    while time.time() < deadline and "up" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.5)
+    assert "RUNNING" in slipway("status", "sleeper").stdout
+    c = slipway("cancel", "sleeper")
+    assert c.returncode == 0 and job_id in c.stdout
+    assert "CANCELLED" in slipway("status", "sleeper").stdout
+    assert "no active job" in slipway("cancel", "sleeper").stdout
+
+
+@pytest.mark.slurm
+def test_sbatch_rejection_leaves_no_run(project, slurm_env):
+    before = tree(project)
+    r = slipway("submit", "tiny_cpu", "--run-name", "nopart", "--partition", "nosuchpartition")
+    assert r.returncode == 1 and "sbatch failed" in r.stderr
+    assert tree(project) == before

@@ -1,0 +1,444 @@
+"""Distributed checkpoints: exact round trips, pruning, atomicity under SIGKILL, resharding.
+
+The file doubles as the worker script of its multi-process tests:
+`python -m torch.distributed.run --nproc-per-node 2 tests/test_trainer_checkpoint.py MODE DIR`
+and `python tests/test_trainer_checkpoint.py slow-save DIR`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # when run as a worker script
+    sys.path.insert(0, str(ROOT))
+
+from trainer.checkpoint import (  # noqa: E402
+    Checkpointer,
+    ModelState,
+    OptimizerState,
+    RNGState,
+    complete_steps,
+    step_dir,
+)
+from trainer.config import CheckpointSection  # noqa: E402
+
+VOCAB, DIM = 32, 16
+
+
+# --------------------------------------------------------------------------
+# A stand-in with the trainer model's names (the checkpointer knows no model).
+# --------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(DIM)
+        self.feed_forward = nn.ModuleDict({w: nn.Linear(DIM, DIM, bias=False) for w in ("w1", "w2", "w3")})
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        ff = self.feed_forward
+        h = self.attention_norm(x_BTD)
+        return x_BTD + ff["w2"](nn.functional.silu(ff["w1"](h)) * ff["w3"](h))
+
+
+class Tiny(nn.Module):
+    def __init__(self, num_layers: int = 2, tie: bool = False) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(num_layers)})
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+        if tie:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens_BT)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+class DataPosition:
+    """A data-sampler-like Stateful holding non-tensor state."""
+
+    def __init__(self) -> None:
+        self.epoch, self.index, self.order = 0, 0, [3, 1, 2]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "order": list(self.order)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch, self.index, self.order = sd["epoch"], sd["index"], list(sd["order"])
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (2, 5), generator=g)
+    loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def make(seed: int = 0, tie: bool = False, lr: float = 1e-2):
+    torch.manual_seed(seed)
+    model = Tiny(tie=tie)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def states_of(model, opt, sched, data=None, rng=True) -> dict:
+    states = {"model": ModelState([model]), "optimizer": OptimizerState([model], [opt]), "lr_scheduler": sched}
+    if data is not None:
+        states["data"] = data
+    if rng:
+        states["rng"] = RNGState()
+    return states
+
+
+def snapshot(model, opt) -> dict:
+    """Model and flattened optimizer state, cloned (what must come back exactly)."""
+    out = {}
+    for key, sd in (("model", ModelState([model]).state_dict()), ("optimizer", OptimizerState([model], [opt]).state_dict())):
+        for name, value in sd.items():
+            out[f"{key}.{name}"] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def next_randoms() -> tuple:
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
+def ckpt_cfg(**kw) -> CheckpointSection:
+    return CheckpointSection(**{"keep_last": 2, **kw})
+
+
+# --------------------------------------------------------------------------
+# Single process.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_round_trip_restores_everything_exactly(tmp_path, async_save):
+    model, opt, sched = make(seed=0, tie=True)
+    data = DataPosition()
+    for step in (1, 2):
+        train_step(model, opt, seed=step)
+        sched.step()
+    data.epoch, data.index, data.order = 1, 7, [2, 3, 1]
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+
+    ck = Checkpointer(tmp_path, ckpt_cfg(async_save=async_save))
+    ck.save(2, states_of(model, opt, sched, data))
+    expected, expected_sched = snapshot(model, opt), sched.state_dict()
+    expected_randoms = next_randoms()
+    train_step(model, opt, seed=3)  # what training does next, from the saved point
+    after_one_more = snapshot(model, opt)
+    ck.close()
+    assert ck.latest_step() == 2
+
+    model2, opt2, sched2 = make(seed=1, tie=True)
+    data2 = DataPosition()
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    step = Checkpointer(tmp_path, ckpt_cfg()).load_latest(states_of(model2, opt2, sched2, data2))
+    assert step == 2
+    assert next_randoms() == expected_randoms
+    assert_same(snapshot(model2, opt2), expected)
+    assert sched2.state_dict() == expected_sched and sched2.get_last_lr() == sched.get_last_lr()
+    assert data2.state_dict() == {"epoch": 1, "index": 7, "order": [2, 3, 1]}
+    assert model2.output.weight is model2.tok_embeddings.weight  # the tie survives loading
+    train_step(model2, opt2, seed=3)
+    assert_same(snapshot(model2, opt2), after_one_more)
+
+
+def test_trainer_model_round_trip(tmp_path):
+    """The real Transformer: weights only (rotary tables are recomputed, never saved), tie intact."""
+    from trainer.config import ModelSection
+    from trainer.model import Transformer
+
+    cfg = ModelSection(size="custom", hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                       num_kv_heads=2, vocab_size=40, max_position_embeddings=8, tie_embeddings=True)
+    model = Transformer(cfg)
+    Checkpointer(tmp_path, ckpt_cfg()).save(1, {"model": ModelState([model])})
+    other = Transformer(cfg)
+    other.init_weights(seed=1)
+    assert Checkpointer(tmp_path, ckpt_cfg()).load_latest({"model": ModelState([other])}) == 1
+    assert_same(other.state_dict(), model.state_dict())
+    assert other.output.weight is other.tok_embeddings.weight
+    assert "rope_cos" not in ModelState([model]).state_dict()
+
+
+def test_empty_dir_loads_nothing(tmp_path):
+    model, opt, sched = make()
+    before = snapshot(model, opt)
+    ck = Checkpointer(tmp_path / "missing", ckpt_cfg())
+    assert ck.latest_step() is None
+    assert ck.load_latest({"model": ModelState([model])}) == 0
+    assert_same(snapshot(model, opt), before)
+
+
+def test_save_initial_keeps_a_fresh_optimizer_fresh(tmp_path):
+    """save(0) before any step must not advance Adam's step counter (bias correction)."""
+    model, opt, sched = make(seed=0)
+    reference, ref_opt, _ = make(seed=0)
+    Checkpointer(tmp_path, ckpt_cfg()).save(0, states_of(model, opt, sched))
+    assert complete_steps(tmp_path) == [0]
+    train_step(model, opt, seed=1)
+    train_step(reference, ref_opt, seed=1)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_keep_last_prunes_and_never_overwrites(tmp_path, caplog):
+    model, opt, sched = make()
+    ck = Checkpointer(tmp_path, ckpt_cfg(keep_last=2))
+    for step in (0, 5, 10, 15):
+        train_step(model, opt, seed=step)
+        ck.save(step, states_of(model, opt, sched))
+    assert complete_steps(tmp_path) == [10, 15]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000010", "step-000015"]
+    meta = json.loads((step_dir(tmp_path, 15) / "COMPLETE").read_text())
+    assert meta["step"] == 15 and meta["world_size"] == 1
+
+    marker = step_dir(tmp_path, 15) / "COMPLETE"
+    before = marker.stat().st_mtime_ns
+    ck.save(15, states_of(model, opt, sched))
+    assert "already exists" in caplog.text and marker.stat().st_mtime_ns == before
+
+    (tmp_path / "step-000020").mkdir()  # not ours: refuse clearly rather than clobber or skip
+    with pytest.raises(RuntimeError, match="step-000020 exists but is not a complete"):
+        ck.save(20, states_of(model, opt, sched))
+    assert ck.latest_step() == 15
+
+
+def test_async_save_is_visible_only_once_finished(tmp_path):
+    model, opt, sched = make()
+    ck = Checkpointer(tmp_path, ckpt_cfg(async_save=True))
+    ck.save(1, states_of(model, opt, sched))
+    assert ck.latest_step() is None  # committed by the next save or close()
+    train_step(model, opt, seed=1)
+    expected = snapshot(model, opt)
+    ck.save(2, states_of(model, opt, sched))
+    assert ck.latest_step() == 1
+    with torch.no_grad():  # training goes on while the files are written: the staged copy is unaffected
+        for p in model.parameters():
+            p.add_(1.0)
+    ck.close()
+    assert complete_steps(tmp_path) == [1, 2]
+    model2, opt2, sched2 = make(seed=3)
+    assert Checkpointer(tmp_path, ckpt_cfg()).load_latest(states_of(model2, opt2, sched2)) == 2
+    assert_same(snapshot(model2, opt2), expected)
+
+
+def test_final_save_is_synchronous(tmp_path):
+    model, opt, sched = make()
+    ck = Checkpointer(tmp_path, ckpt_cfg(async_save=True))
+    ck.save(3, states_of(model, opt, sched), final=True)
+    assert ck.latest_step() == 3
+    assert json.loads((step_dir(tmp_path, 3) / "COMPLETE").read_text())["final"] is True
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint_intact(tmp_path):
+    ready = tmp_path / "writing"
+    proc = subprocess.Popen([sys.executable, __file__, "slow-save", str(tmp_path)], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"worker did not reach the slow save:\n{proc.communicate()[0].decode()}")
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    partial = tmp_path / "ckpt" / ".tmp-step-000002"
+    assert any(partial.glob("*.distcp")) and not (partial / "COMPLETE").exists()
+    assert not step_dir(tmp_path / "ckpt", 2).exists()
+    ck = Checkpointer(tmp_path / "ckpt", ckpt_cfg())
+    assert ck.latest_step() == 1
+
+    model2, opt2, sched2 = make(seed=7)
+    assert ck.load_latest(states_of(model2, opt2, sched2, rng=False)) == 1
+    assert_same(snapshot(model2, opt2), torch.load(tmp_path / "step1.pt"))
+
+    ck.save(3, states_of(model2, opt2, sched2, rng=False))  # a successful save cleans the leftover
+    assert not partial.exists() and complete_steps(tmp_path / "ckpt") == [1, 3]
+
+
+def _slow_save_worker(root: Path) -> None:
+    """Save step 1, then hang inside step 2's write (after the shards, before .metadata)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    ck = Checkpointer(root / "ckpt", ckpt_cfg())
+    model, opt, sched = make(seed=0)
+    train_step(model, opt, seed=1)
+    ck.save(1, states_of(model, opt, sched, rng=False))
+    torch.save(snapshot(model, opt), root / "step1.pt")
+    original = FileSystemWriter.write_data
+
+    def write_then_hang(self, plan, planner):
+        fut = original(self, plan, planner)
+        fut.wait()
+        (root / "writing").touch()
+        time.sleep(600)
+        return fut
+
+    FileSystemWriter.write_data = write_then_hang
+    train_step(model, opt, seed=2)
+    ck.save(2, states_of(model, opt, sched, rng=False))
+
+
+# --------------------------------------------------------------------------
+# Two processes (gloo): save in one layout, load in another.
+# --------------------------------------------------------------------------
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    return env
+
+
+def _torchrun(mode: str, root: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           __file__, mode, str(root)]
+    result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+
+
+@pytest.mark.multiproc
+def test_reshard_fsdp2_tp_and_pipeline_stages(tmp_path):
+    """1 process saves -> 2-rank FSDP2 loads and trains, saves async -> 2-rank TP loads, saves
+    -> 1 process loads (each); 2 pipeline-like stages (each rank holds some layers) save -> 1 process loads the full model."""
+    model, opt, sched = make(seed=0)
+    train_step(model, opt, seed=1)
+    Checkpointer(tmp_path / "fsdp", ckpt_cfg()).save(1, states_of(model, opt, sched, rng=False))
+    torch.save(snapshot(model, opt), tmp_path / "ref1.pt")
+
+    _torchrun("fsdp", tmp_path)
+
+    model2, opt2, sched2 = make(seed=5)
+    assert Checkpointer(tmp_path / "fsdp", ckpt_cfg()).load_latest(states_of(model2, opt2, sched2, rng=False)) == 2
+    assert_same(snapshot(model2, opt2), torch.load(tmp_path / "ref2.pt"))
+    assert sched2.last_epoch == 1
+
+    model4, opt4, sched4 = make(seed=8)
+    assert Checkpointer(tmp_path / "tp", ckpt_cfg()).load_latest(states_of(model4, opt4, sched4, rng=False)) == 3
+    assert_same(snapshot(model4, opt4), torch.load(tmp_path / "ref2.pt"))
+
+    model3, opt3, sched3 = make(seed=6)
+    assert Checkpointer(tmp_path / "pp", ckpt_cfg()).load_latest(states_of(model3, opt3, sched3, rng=False)) == 4
+    stages = {**torch.load(tmp_path / "stage0.pt"), **torch.load(tmp_path / "stage1.pt")}
+    assert_same(snapshot(model3, opt3), stages)
+
+
+def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The whole model and optimizer state gathered from shards (rank 0 gets it), like `snapshot`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    full_opts = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
+    out = {f"model.{k}": v for k, v in get_model_state_dict(model, options=full_opts).items()}
+    out.update({f"optimizer.{k}": v for k, v in get_optimizer_state_dict(model, opt, options=full_opts).items()})
+    return out
+
+
+def _fsdp_worker(root: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    rank = dist.get_rank()
+    model, opt, sched = make(seed=10 + rank)  # wrong weights on purpose: loading must fix them
+    for layer in model.layers.values():
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    ck = Checkpointer(root / "fsdp", ckpt_cfg(async_save=True))
+    assert ck.load_latest(states_of(model, opt, sched, rng=False)) == 1
+
+    got = _full(model, opt)
+    if rank == 0:
+        assert_same(got, torch.load(root / "ref1.pt"))
+    train_step(model, opt, seed=20 + rank)  # each rank its own batch, as data parallelism does
+    sched.step()
+    random.seed(100 + rank), np.random.seed(100 + rank), torch.manual_seed(100 + rank)
+    ck.save(2, states_of(model, opt, sched))
+    expected_randoms = next_randoms()
+    got = _full(model, opt)
+    if rank == 0:
+        torch.save(got, root / "ref2.pt")
+    ck.close()
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)  # the same on both ranks now
+    assert ck.load_latest({"rng": RNGState()}) == 2
+    assert next_randoms() == expected_randoms, f"rank {rank} did not get its own RNG streams back"
+
+    # Tensor parallel (DTensor shards of w1/w3 by rows, w2 by columns) loads what FSDP2 saved,
+    # then saves it again for the single process to load.
+    model, _, _ = make(seed=30)
+    plan = {f"layers.{i}.feed_forward.{w}": RowwiseParallel() if w == "w2" else ColwiseParallel()
+            for i in range(2) for w in ("w1", "w2", "w3")}
+    parallelize_module(model, init_device_mesh("cpu", (2,)), plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    assert Checkpointer(root / "fsdp", ckpt_cfg()).load_latest(states_of(model, opt, sched, rng=False)) == 2
+    got = _full(model, opt)
+    if rank == 0:
+        assert_same(got, torch.load(root / "ref2.pt"))
+    Checkpointer(root / "tp", ckpt_cfg()).save(3, states_of(model, opt, sched, rng=False))
+
+    # Pipeline-like: rank 0 holds the embeddings and layer 0, rank 1 layer 1 and the head,
+    # under the full model's names; each has its own optimizer over what it holds.
+    model, _, _ = make(seed=0)
+    drop = ("1", "norm", "output") if rank == 0 else ("0", "tok_embeddings")
+    for name in drop:
+        if name in model.layers:
+            del model.layers[name]
+        else:
+            delattr(model, name)
+    stage_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sum(p.square().sum() for p in model.parameters()).backward()
+    stage_opt.step()
+    stage_opt.zero_grad()
+    sched = torch.optim.lr_scheduler.LambdaLR(stage_opt, lambda s: 1.0 / (1 + s))
+    Checkpointer(root / "pp", ckpt_cfg()).save(4, states_of(model, stage_opt, sched, rng=False))
+    torch.save(snapshot(model, stage_opt), root / f"stage{rank}.pt")
+
+
+if __name__ == "__main__":
+    mode, where = sys.argv[1], Path(sys.argv[2])
+    if mode == "slow-save":
+        _slow_save_worker(where)
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        try:
+            {"fsdp": _fsdp_worker}[mode](where)
+        finally:
+            dist.destroy_process_group()

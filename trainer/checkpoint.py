@@ -1,0 +1,421 @@
+"""Distributed checkpoints: DCP shards in atomic, pruned step directories.
+
+Layout of `ckpt_dir` (shared by every node):
+
+    step-000100/            a complete checkpoint (only complete ones have this name)
+        .metadata           DCP's index of the shards
+        __0_0.distcp ...    DCP shards, one or more files per rank
+        rank-00000.pt ...   rank-local states (RNG, per-rank data position), one file per rank
+        COMPLETE            JSON written last, before the rename: step, world size, time
+    .tmp-step-000200/       a save in progress, or the remains of a crash: never loaded
+
+A save writes everything into `.tmp-step-N/`, all ranks meet at a barrier,
+then rank 0 writes `COMPLETE` and renames the directory to `step-N/` (one
+`rename(2)`, then an fsync of the parent). A crash at any point leaves the
+previous checkpoints as they were; the next successful save deletes the
+leftovers. Old checkpoints are pruned the same way round: renamed out of the
+`step-*` namespace first, deleted after, so a half-deleted one is never seen.
+
+DCP (`torch.distributed.checkpoint`) stores every tensor under its full-model
+name with its shard offsets, so a checkpoint saved by one layout (FSDP2, TP
+DTensors, pipeline stages that each hold some layers, DDP, one process) loads
+into any other. What differs per rank and is not a shard of anything (RNG
+streams) goes beside the shards in one file per rank instead: a state object
+with `rank_local = True` (see `RNGState`) takes that path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from trainer.config import CheckpointSection
+
+log = logging.getLogger(__name__)
+
+STEP_PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+MARKER = "COMPLETE"
+FORMAT = "slipway-dcp-1"
+MODEL_KEY = "model"  # the training loop saves ModelState under this key; export reads it back
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+# --------------------------------------------------------------------------
+# The directory layout, readable without a process group (hf.py uses it too).
+# --------------------------------------------------------------------------
+
+
+def step_dir(ckpt_dir: Path, step: int) -> Path:
+    return Path(ckpt_dir) / f"{STEP_PREFIX}{step:06d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / MARKER).is_file() and (path / ".metadata").is_file()
+
+
+def complete_steps(ckpt_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints in `ckpt_dir`, ascending."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    steps = []
+    for entry in ckpt_dir.iterdir():
+        match = _STEP_RE.match(entry.name)
+        if match and entry.is_dir() and is_complete(entry):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some network filesystems refuse fsync on a directory; rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, write) -> None:
+    """Write `path` through a temporary name, fsynced, then renamed into place."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def read_model_weights(path: Path, key: str = MODEL_KEY) -> dict[str, torch.Tensor]:
+    """The full (unsharded) `key.*` tensors of checkpoint directory `path`, on the CPU, read by
+    this one process without a process group; the optimizer's entries are not read."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a DCP checkpoint (no .metadata inside)")
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    prefix = f"{key}."
+    full = {name: torch.empty(md.size, dtype=md.properties.dtype)
+            for name, md in metadata.state_dict_metadata.items()
+            if name.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    if not full:
+        raise ValueError(f"{path} holds no {prefix}* tensors; it has "
+                         f"{', '.join(sorted(metadata.state_dict_metadata)[:5])} ...")
+    _quiet_single_process()
+    dcp.load(full, checkpoint_id=path, no_dist=True)
+    return {name.removeprefix(prefix): value for name, value in full.items()}
+
+
+# --------------------------------------------------------------------------
+# Stateful wrappers the training loop hands to the Checkpointer.
+# --------------------------------------------------------------------------
+
+
+class ModelState:
+    """The model's parameters under full-model names, whatever the parallel layout.
+
+    `model_parts` is one module, or one per pipeline stage held by this rank;
+    each part contributes the names it holds, and loading sets each part from
+    the names it has (strict=False: a stage lacks the other stages' layers;
+    DCP itself fails on a name the checkpoint lacks)."""
+
+    def __init__(self, model_parts: list[nn.Module]):
+        self.model_parts = list(model_parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part in self.model_parts:
+            out.update(get_model_state_dict(part))
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part in self.model_parts:
+            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+
+
+class OptimizerState:
+    """Optimizer state flattened to full-model parameter names (`state.<fqn>.exp_avg`,
+    `param_groups.<fqn>.lr`), so it reshards like the model. One optimizer per model part."""
+
+    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def __init__(self, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+        if len(model_parts) != len(optimizers):
+            raise ValueError(f"OptimizerState needs one optimizer per model part: got {len(model_parts)} "
+                             f"parts and {len(optimizers)} optimizers")
+        self.model_parts = list(model_parts)
+        self.optimizers = list(optimizers)
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part, opt in zip(self.model_parts, self.optimizers):
+            fresh = not opt.state
+            sd = get_optimizer_state_dict(part, opt, options=self._OPTIONS)
+            if fresh:
+                # DCP materialises an empty Adam state by one step with zero grads and lr 0,
+                # which leaves `step` at 1 and would shift bias correction after a
+                # save_initial; put the counter back to where a fresh optimizer starts.
+                _reset_step_counters(opt)
+                sd = get_optimizer_state_dict(part, opt, options=self._OPTIONS)
+            out.update(sd)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part, opt in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(part, opt, state_dict, options=self._OPTIONS)
+
+
+def _reset_step_counters(opt: torch.optim.Optimizer) -> None:
+    for state in opt.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = type(step)(0)
+
+
+class RNGState:
+    """This rank's random streams: Python `random`, numpy's global one (if numpy is
+    installed), torch CPU, and the current CUDA device's (if CUDA is in use).
+
+    `rank_local = True`: the Checkpointer saves it to this rank's own file beside
+    the shards, so each rank gets exactly its own streams back."""
+
+    rank_local = True
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            state["numpy"] = np.random.get_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        random.setstate(state_dict["python"])
+        torch.set_rng_state(state_dict["torch"])
+        if "numpy" in state_dict:
+            import numpy as np
+
+            np.random.set_state(state_dict["numpy"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state_dict["cuda"])
+
+
+# --------------------------------------------------------------------------
+# The Checkpointer.
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    """An async save whose shards are still being written."""
+
+    future: Future
+    step: int
+    tmp: Path
+    final: bool
+
+
+class Checkpointer:
+    """Saves and loads `dict[str, Stateful]` at `ckpt_dir/step-NNNNNN/`.
+
+    Every method is collective: when a process group exists, all ranks call it
+    in the same order. Rank 0 alone touches directory names; every rank writes
+    its own shards and its rank-local file."""
+
+    def __init__(self, ckpt_dir: Path, cfg: CheckpointSection):
+        self.dir = Path(ckpt_dir)
+        self.cfg = cfg
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        # A group of our own, on gloo: async saves gather plans from a background
+        # thread (they must not share a group with the training's collectives),
+        # and barriers and small broadcasts then need no accelerator.
+        self._pg = dist.new_group(backend="gloo") if self.distributed else None
+        if not self.distributed:
+            _quiet_single_process()
+        self._pending: _Pending | None = None
+
+    # ---- reading ------------------------------------------------------------
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step as this process sees the directory."""
+        steps = complete_steps(self.dir)
+        return steps[-1] if steps else None
+
+    def load_latest(self, states: dict[str, Any]) -> int:
+        """Load the newest complete checkpoint into `states` in place; return its step (0 if none)."""
+        self._wait_pending()
+        step = self._from_rank0(self.latest_step())
+        if step is None:
+            return 0
+        path = step_dir(self.dir, step)
+        shared, local = _split(states)
+        if shared:
+            dcp.load(shared, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed)
+        self._load_rank_local(path, local)
+        log.info("loaded checkpoint %s", path)
+        return step
+
+    # ---- writing ------------------------------------------------------------
+
+    def save(self, step: int, states: dict[str, Any], final: bool = False) -> None:
+        """Save `states` as checkpoint `step`. With `checkpoint.async_save` this returns once
+        the state is staged in memory and the files are written in the background (finished
+        by the next save or `close()`); `final=True` always saves synchronously."""
+        if step < 0:
+            raise ValueError(f"checkpoint step must be >= 0, got {step}")
+        self._wait_pending()
+        final_path = step_dir(self.dir, step)
+        tmp = self.dir / f"{TMP_PREFIX}{final_path.name}"
+        status = self._from_rank0(_dir_status(final_path) if self.rank == 0 else None)
+        if status == "complete":
+            log.warning("checkpoint %s already exists and is complete; not overwriting it", final_path)
+            return
+        if status == "foreign":
+            raise RuntimeError(f"{final_path} exists but is not a complete slipway checkpoint (no {MARKER} "
+                               "or .metadata inside), so it was not written here: move it away and save again")
+        if self.rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        self._barrier()
+        shared, local = _split(states)
+        self._save_rank_local(tmp, local)
+        if self.cfg.async_save and not final:
+            response = dcp.async_save(shared, checkpoint_id=tmp, process_group=self._pg,
+                                      no_dist=not self.distributed)
+            future = getattr(response, "upload_completion", response)
+            self._pending = _Pending(future, step, tmp, final)
+            return
+        dcp.save(shared, checkpoint_id=tmp, process_group=self._pg, no_dist=not self.distributed)
+        self._commit(step, tmp, final)
+
+    def close(self) -> None:
+        """Wait for an async save still in flight and make it visible."""
+        self._wait_pending()
+
+    # ---- internals ----------------------------------------------------------
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.future.result()  # re-raises a failed background write; the .tmp dir then stays unused
+        self._commit(pending.step, pending.tmp, pending.final)
+
+    def _commit(self, step: int, tmp: Path, final: bool) -> None:
+        """Every rank's files are in `tmp`: rank 0 marks it complete and renames it into place."""
+        self._barrier()
+        if self.rank == 0:
+            meta = {"format": FORMAT, "step": step, "world_size": self.world_size, "final": final,
+                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__}
+            _write_durably(tmp / MARKER, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+            _fsync_dir(tmp)
+            final_path = step_dir(self.dir, step)
+            os.replace(tmp, final_path)
+            _fsync_dir(self.dir)
+            log.info("saved checkpoint %s", final_path)
+            self._prune()
+        self._barrier()
+
+    def _prune(self) -> None:
+        """Rank 0: keep the newest `keep_last` checkpoints; delete crash leftovers."""
+        for step in complete_steps(self.dir)[:-self.cfg.keep_last]:
+            old = step_dir(self.dir, step)
+            doomed = self.dir / f"{TMP_PREFIX}old-{old.name}"
+            os.replace(old, doomed)  # out of the step-* namespace first: never seen half deleted
+        _fsync_dir(self.dir)
+        for entry in self.dir.iterdir():
+            if entry.name.startswith(TMP_PREFIX):
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+    def _save_rank_local(self, tmp: Path, local: dict[str, Any]) -> None:
+        if not local:
+            return
+        payload = {name: obj.state_dict() for name, obj in local.items()}
+        _write_durably(tmp / f"rank-{self.rank:05d}.pt", lambda f: torch.save(payload, f))
+
+    def _load_rank_local(self, path: Path, local: dict[str, Any]) -> None:
+        if not local:
+            return
+        file = path / f"rank-{self.rank:05d}.pt"
+        if not file.is_file():
+            log.warning("%s has no rank-local state for rank %d (saved with %s ranks?); %s keep their "
+                        "current values", path, self.rank, _saved_world_size(path), ", ".join(local))
+            return
+        payload = torch.load(file, weights_only=False)  # our own file: RNG states are Python tuples
+        for name, obj in local.items():
+            if name in payload:
+                obj.load_state_dict(payload[name])
+            else:
+                log.warning("%s holds no %r for rank %d; it keeps its current value", file, name, self.rank)
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self._pg)
+
+    def _from_rank0(self, value: Any) -> Any:
+        """Rank 0's answer, for decisions every rank must take alike (the shared
+        filesystem's metadata cache may differ between nodes)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        return box[0]
+
+
+def _split(states: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    shared = {k: v for k, v in states.items() if not getattr(v, "rank_local", False)}
+    local = {k: v for k, v in states.items() if getattr(v, "rank_local", False)}
+    return shared, local
+
+
+def _quiet_single_process() -> None:
+    """DCP warns on every call without a process group (async saves from their own thread,
+    so a catch_warnings block cannot hold it); one process is a supported layout here."""
+    warnings.filterwarnings("ignore", message=r"torch\.distributed is .*single process", category=UserWarning)
+
+
+def _dir_status(path: Path) -> str:
+    if not path.exists():
+        return "absent"
+    return "complete" if is_complete(path) else "foreign"
+
+
+def _saved_world_size(path: Path) -> Any:
+    try:
+        return json.loads((path / MARKER).read_text())["world_size"]
+    except (OSError, ValueError, KeyError):
+        return "?"

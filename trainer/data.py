@@ -1,0 +1,208 @@
+"""The trainer's data: tokenized once into a shared cache, cut into windows, sharded by dp rank.
+
+    train, val, vocab_size = build_data(cfg, run_dir, dp_rank, dp_size)
+    inputs_BT, targets_BT = train.next_batch()       # torch.long [B, T]
+    state = train.state_dict(); train.load_state_dict(state)
+
+Every rank calls `build_data`. Global rank 0 (env `RANK`) tokenizes the
+dataset into `data.cache_dir` once (see `trainer.data_cache`); every rank
+then maps the same file read-only.
+
+The token stream is cut into windows of `seq_len + 1` tokens with stride
+`seq_len` (inputs are a window's first T tokens, targets its last T).
+Global sample g is window `perm_e[g % n]` of epoch `e = g // n`, where
+`perm_e` is a permutation of the n windows seeded by `run.seed + e`. A
+step takes the next `B * dp_size` global samples (B = micro batch size),
+and dp rank r gets the contiguous chunk `[r * B, (r + 1) * B)` of them: so a
+single process with micro batch `B * dp_size` sees exactly rank 0's samples,
+then rank 1's, and so on, in that order. The state is the number of global
+samples consumed, which does not depend on dp_size.
+
+Validation is `data.validation_split` when given (a split name; for local
+file datasets a path), else the last `data.validation_fraction` of the
+token stream, held out from training (training windows end before it). It
+is read in order, unshuffled; `reset()` returns to its start, so calling it
+before each evaluation scores the same batches every time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.config import ConfigError, DataSection, TrainerConfig
+from trainer.data_cache import TokenFile, ensure_tokens
+from trainer.data_sources import (TextSource, is_single_split, load_tokenizer, looks_local, resolve_source,
+                                  resolve_tokenizer)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Sampler", "build_data", "check_vocab_size", "default_cache_dir", "load_tokenizer", "resolve_cache_dir"]
+
+
+class Sampler:
+    """Windows of one token range, in a seeded order per epoch, this dp rank's share of each step."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 seed: int = 0, shuffle: bool = True, name: str = "train"):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank({dp_rank}) must be in [0, dp_size({dp_size}))")
+        self.tokens, self.name = tokens, name
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed, self.shuffle = seed, shuffle
+        self.n_windows = (len(tokens) - 1) // seq_len
+        if self.n_windows < 1:
+            raise ValueError(f"{name}: {len(tokens)} tokens hold no window of seq_len + 1 = {seq_len + 1}")
+        self.consumed_samples = 0
+        self._perm: tuple[int, torch.Tensor | None] = (-1, None)
+
+    # Sizes the loop may want.
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.dp_size
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Input tokens in one `next_batch()` of this rank."""
+        return self.batch_size * self.seq_len
+
+    @property
+    def global_tokens_per_batch(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Whole global batches in one pass over the windows (at least 1)."""
+        return max(1, self.n_windows // self.global_batch_size)
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed_samples // self.n_windows
+
+    def _window_ids(self, start: int, count: int) -> np.ndarray:
+        """Window ids of global samples [start, start + count), across epoch boundaries."""
+        out = np.empty(count, dtype=np.int64)
+        done = 0
+        while done < count:
+            g = start + done
+            epoch, pos = divmod(g, self.n_windows)
+            take = min(count - done, self.n_windows - pos)
+            if self.shuffle:
+                out[done:done + take] = self._permutation(epoch)[pos:pos + take].numpy()
+            else:
+                out[done:done + take] = np.arange(pos, pos + take)
+            done += take
+        return out
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self._perm[0] != epoch:
+            gen = torch.Generator().manual_seed((self.seed + epoch) % (1 << 63))
+            self._perm = (epoch, torch.randperm(self.n_windows, generator=gen))
+        return self._perm[1]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (inputs_BT, targets_BT) of the next global batch, torch.long on the CPU."""
+        first = self.consumed_samples + self.dp_rank * self.batch_size
+        ids = self._window_ids(first, self.batch_size)
+        offsets_B1 = (ids * self.seq_len)[:, None] + np.arange(self.seq_len + 1)[None, :]
+        window_BT1 = torch.from_numpy(self.tokens[offsets_B1].astype(np.int64))
+        self.consumed_samples += self.global_batch_size
+        return window_BT1[:, :-1].contiguous(), window_BT1[:, 1:].contiguous()
+
+    def reset(self) -> None:
+        self.consumed_samples = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed_samples": self.consumed_samples, "epoch": self.epoch, "n_windows": self.n_windows,
+                "seq_len": self.seq_len, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("n_windows", "seq_len", "seed"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"{self.name} data state was saved with {key}={state[key]}, this run has "
+                                 f"{getattr(self, key)}: the data or config changed since the checkpoint, so "
+                                 "resuming would not replay the same samples")
+        self.consumed_samples = int(state["consumed_samples"])
+
+    def __repr__(self) -> str:
+        return (f"Sampler({self.name}: {self.n_windows:,} windows of {self.seq_len}+1, batch {self.batch_size} "
+                f"x dp {self.dp_size}, rank {self.dp_rank}, consumed {self.consumed_samples:,})")
+
+
+def default_cache_dir(run_dir: Path) -> Path:
+    """`<run_dir>/../../.cache/tokens`: for `runs/RUN` that is `.cache/tokens`
+    beside `runs/`, so every run of a project shares one cache (independent
+    of HF_HOME, which only holds hub downloads)."""
+    return Path(run_dir).resolve().parent.parent / ".cache" / "tokens"
+
+
+def resolve_cache_dir(data: DataSection, run_dir: Path) -> Path:
+    """`data.cache_dir` (`~` and `$VARS` expanded, relative to the working
+    directory) or `default_cache_dir(run_dir)`."""
+    if data.cache_dir:
+        return Path(os.path.expanduser(os.path.expandvars(data.cache_dir))).resolve()
+    return default_cache_dir(run_dir)
+
+
+def check_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int, tokenizer: str = "") -> None:
+    """The embedding must have a row for every token id the tokenizer emits."""
+    if model_vocab_size < tokenizer_vocab_size:
+        raise ConfigError("model.vocab_size",
+                          f"{model_vocab_size} is smaller than the vocabulary of data.tokenizer "
+                          f"'{tokenizer}' ({tokenizer_vocab_size}): set model.vocab_size >= {tokenizer_vocab_size}")
+
+
+def _validation_source(data: DataSection, train: TextSource) -> TextSource:
+    split = data.validation_split or ""
+    if is_single_split(train):
+        if not looks_local(split):
+            raise ConfigError("data.validation_split",
+                              f"'{split}' is a split name, but data.dataset '{data.dataset}' has a single split; "
+                              "give a path to validation files, or use data.validation_fraction")
+        return resolve_source(split, None, "train", data.text_column, field="data.validation_split")
+    return resolve_source(data.dataset, data.dataset_config, split, data.text_column, field="data.validation_split")
+
+
+def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) -> tuple[Sampler, Sampler | None, int]:
+    """(train sampler, validation sampler or None, tokenizer vocabulary size) for this dp rank."""
+    data, batch = cfg.data, cfg.train.micro_batch_size
+    cache_dir = resolve_cache_dir(data, run_dir)
+    tokenizer = resolve_tokenizer(data.tokenizer)
+    train_source = resolve_source(data.dataset, data.dataset_config, data.split, data.text_column)
+    val_source = _validation_source(data, train_source) if data.validation_split else None
+    train = ensure_tokens(train_source, tokenizer, cache_dir, num_proc=data.num_proc)
+    check_vocab_size(cfg.model.vocab_size, train.vocab_size, data.tokenizer)
+    train_tokens, val_tokens = train.tokens, None
+    if val_source is not None:
+        val_tokens = ensure_tokens(val_source, tokenizer, cache_dir, num_proc=data.num_proc).tokens
+    elif data.validation_fraction > 0:
+        n_val = int(len(train.tokens) * data.validation_fraction)
+        if n_val < data.seq_len + 1:
+            raise ConfigError("data.validation_fraction",
+                              f"{data.validation_fraction} of {len(train.tokens):,} tokens is {n_val}, less than one "
+                              f"window of data.seq_len + 1 = {data.seq_len + 1}: raise it, lower data.seq_len, "
+                              "or set it to 0 to skip validation")
+        train_tokens, val_tokens = train.tokens[:-n_val], train.tokens[-n_val:]
+    _check_windows(train_tokens, data, train, "data.dataset")
+    train_sampler = Sampler(train_tokens, data.seq_len, batch, dp_rank, dp_size, seed=cfg.run.seed)
+    val_sampler = None
+    if val_tokens is not None:
+        _check_windows(val_tokens, data, train, "data.validation_split")
+        val_sampler = Sampler(val_tokens, data.seq_len, batch, dp_rank, dp_size, shuffle=False, name="validation")
+    if int(os.environ.get("RANK", "0")) == 0:
+        log.info("data: %s; train %s windows, validation %s; tokens %s", train.index["source"],
+                 f"{train_sampler.n_windows:,}", f"{val_sampler.n_windows:,} windows" if val_sampler else "none",
+                 train.path)
+    return train_sampler, val_sampler, train.vocab_size
+
+
+def _check_windows(tokens: np.ndarray, data: DataSection, cache: TokenFile, where: str) -> None:
+    if len(tokens) < data.seq_len + 1:
+        raise ConfigError(where, f"{len(tokens):,} tokens hold no window of data.seq_len + 1 = {data.seq_len + 1} "
+                          f"({cache.index['source']}): lower data.seq_len or use more data")

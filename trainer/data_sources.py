@@ -1,0 +1,411 @@
+"""Where the training text comes from, and the tokenizer that cuts it.
+
+`resolve_source` and `resolve_tokenizer` are cheap and run on every rank:
+they check paths and splits and compute each input's identity (what the
+token cache key hashes) without reading the data. Only the one process that
+tokenizes calls `TextSource.batches` and `load_tokenizer`.
+
+Datasets (`data.dataset`):
+- `builtin`: `assets/corpus.jsonl.gz`, real English prose shipped with slipway.
+- a local path: a `save_to_disk` directory (Dataset or DatasetDict), or
+  parquet, JSON Lines / JSON-array, or `.txt` files (`.gz` allowed for the
+  text formats), given as one file, a directory of them, or a glob. A `.txt`
+  file holds one document per blank-line-separated paragraph.
+- anything else is a Hugging Face hub name for `datasets.load_dataset`
+  (`wikitext` with `data.dataset_config: wikitext-103-v1`).
+Local paths never touch the network. Empty documents are skipped.
+
+Tokenizers (`data.tokenizer`): `builtin`, a `tokenizer.json` file, a directory
+holding one (or a saved transformers tokenizer), or a hub name (`gpt2`).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import io
+import json
+import os
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from trainer.config import ConfigError
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+BUILTIN = "builtin"
+BUILTIN_CORPUS = ASSETS / "corpus.jsonl.gz"
+BUILTIN_TOKENIZER = ASSETS / "tokenizer.json"
+# Formats by suffix; the text formats may also end in .gz.
+FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# Document separators to look for, most common first.
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
+BATCH_CHARS = 1 << 21  # ~2 MB of text per encode_batch call keeps every core busy
+
+
+def _expand(spec: str) -> str:
+    return os.path.expanduser(os.path.expandvars(spec))
+
+
+def _file_format(path: Path) -> str | None:
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        fmt = FORMATS.get(Path(name[:-3]).suffix)
+        return fmt if fmt in ("text", "json") else None
+    return FORMATS.get(path.suffix.lower())
+
+
+def _stat_identity(paths: list[Path]) -> list[list[Any]]:
+    """Size and mtime of each file: cheap, and changes whenever the data does."""
+    out = []
+    for p in paths:
+        st = p.stat()
+        out.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _slug(text: str) -> str:
+    keep = "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
+    return "-".join(filter(None, keep.split("-")))[:60] or "data"
+
+
+def looks_local(spec: str) -> bool:
+    """A path rather than a hub name: it exists, is explicitly a path, has a
+    known suffix, or is a glob. (`org/name` alone is a hub name.)"""
+    expanded = _expand(spec)
+    return (Path(expanded).exists() or spec.startswith(("/", "./", "../", "~", "$"))
+            or any(c in spec for c in "*?[") or _file_format(Path(expanded)) is not None)
+
+
+# --------------------------------------------------------------------------
+# Datasets
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """One split of one dataset, ready to be read by the tokenizing process."""
+
+    kind: str  # "files", "saved" or "hub"
+    description: str
+    slug: str
+    identity: dict[str, Any]
+    column: str
+    field: str = "data.dataset"
+    files: tuple[Path, ...] = ()
+    fmt: str = ""
+    name: str = ""  # hub name or saved directory
+    config: str | None = None
+    split: str = "train"
+    total_bytes: int = dataclasses.field(default=0, compare=False)
+
+    def batches(self) -> Iterator[tuple[list[str], int]]:
+        """Lists of non-empty documents, each with the progress it stands for
+        (bytes read for files, rows for datasets)."""
+        if self.kind == "files":
+            reader = {"text": _read_text, "json": _read_json, "parquet": _read_parquet}[self.fmt]
+            rows: Iterator[tuple[str | None, int]] = (r for f in self.files for r in reader(f, self.column))
+        else:
+            rows = _read_dataset(self._load_dataset(), self.column, self.description)
+        batch: list[str] = []
+        chars = units = 0
+        for text, unit in rows:
+            units += unit
+            if text and not text.isspace():
+                batch.append(text)
+                chars += len(text)
+            if chars >= BATCH_CHARS:
+                yield batch, units
+                batch, chars, units = [], 0, 0
+        if batch or units:
+            yield batch, units
+
+    @property
+    def progress_total(self) -> tuple[int | None, str]:
+        if self.kind == "files":
+            return self.total_bytes, "bytes"
+        return None, "rows"
+
+    def _load_dataset(self) -> Any:
+        import datasets
+
+        if self.kind == "saved":
+            ds = datasets.load_from_disk(self.name)
+            return ds[self.split] if isinstance(ds, datasets.DatasetDict) else ds
+        try:
+            return datasets.load_dataset(self.name, self.config, split=self.split)
+        except ValueError as exc:  # unknown split or config
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            where = "data.split" if "split" in first.lower() else "data.dataset_config"
+            raise ConfigError(where, f"{self.description}: {first}") from None
+        except Exception as exc:  # network, missing dataset, offline without a cache
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ConfigError(self.field, f"could not load '{self.name}' from the Hugging Face hub "
+                              f"({type(exc).__name__}: {first}); check the name and network access (offline: "
+                              "HF_HUB_OFFLINE=1 with HF_HOME holding it), or give a local path") from None
+
+
+def _column_error(column: str, columns: list[str], where: str) -> ConfigError:
+    return ConfigError("data.text_column",
+                       f"column '{column}' not in {where} (columns: {', '.join(columns) or 'none'})")
+
+
+class _TextFile:
+    """A text file (gzip or not) that also tells how many bytes of the file
+    on disk have been read, for an honest progress bar."""
+
+    def __init__(self, path: Path):
+        self.raw = open(path, "rb")
+        stream: Any = gzip.GzipFile(fileobj=self.raw) if path.name.lower().endswith(".gz") else self.raw
+        self.text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
+        self._pos = 0
+
+    def advance(self) -> int:
+        now = self.raw.tell()
+        delta, self._pos = now - self._pos, now
+        return delta
+
+    def __enter__(self) -> "_TextFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.text.close()
+        self.raw.close()
+
+
+def _read_text(path: Path, column: str) -> Iterator[tuple[str | None, int]]:
+    """Blank-line-separated paragraphs, each a document."""
+    lines: list[str] = []
+    with _TextFile(path) as f:
+        for line in f.text:
+            if line.strip():
+                lines.append(line)
+            elif lines:
+                yield "".join(lines).rstrip("\n"), f.advance()
+                lines = []
+        yield ("".join(lines).rstrip("\n") if lines else None), f.advance()
+
+
+def _pick(record: Any, column: str, where: str) -> str | None:
+    if not isinstance(record, dict):
+        raise ConfigError("data.dataset", f"{where}: expected a JSON object per record, got {type(record).__name__}")
+    if column not in record:
+        raise _column_error(column, list(record), where)
+    value = record[column]
+    if value is not None and not isinstance(value, str):
+        raise ConfigError("data.text_column", f"{where}: column '{column}' holds {type(value).__name__}, not text")
+    return value
+
+
+def _read_json(path: Path, column: str) -> Iterator[tuple[str | None, int]]:
+    """JSON Lines, or one JSON array of objects."""
+    with _TextFile(path) as f:
+        if f.text.read(4096).lstrip()[:1] == "[":
+            f.text.seek(0)
+            records = json.loads(f.text.read())
+            for i, record in enumerate(records):
+                yield _pick(record, column, f"{path} item {i}"), 0
+            yield None, path.stat().st_size
+            return
+    with _TextFile(path) as f:
+        for lineno, line in enumerate(f.text, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError("data.dataset", f"{path} line {lineno} is not JSON ({exc.msg})") from None
+            yield _pick(record, column, str(path) if lineno == 1 else f"{path} line {lineno}"), f.advance()
+        yield None, f.advance()
+
+
+def _read_parquet(path: Path, column: str) -> Iterator[tuple[str | None, int]]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    names = pf.schema_arrow.names
+    if column not in names:
+        raise _column_error(column, names, str(path))
+    per_row = path.stat().st_size / max(pf.metadata.num_rows, 1)
+    for batch in pf.iter_batches(columns=[column], batch_size=4096):
+        values = batch.column(0).to_pylist()
+        for v in values:
+            yield v, 0
+        yield None, int(per_row * len(values))
+
+
+def _read_dataset(ds: Any, column: str, description: str) -> Iterator[tuple[str | None, int]]:
+    if column not in ds.column_names:
+        raise _column_error(column, list(ds.column_names), description)
+    for start in range(0, len(ds), 4096):
+        values = ds[start:start + 4096][column]
+        for v in values:
+            yield v, 1
+
+
+def resolve_source(spec: str, config: str | None, split: str, column: str,
+                   field: str = "data.dataset") -> TextSource:
+    """The dataset `spec` names, checked without reading it (cheap, every rank)."""
+    if spec == BUILTIN:
+        return TextSource(kind="files", description="builtin corpus (trainer/assets/corpus.jsonl.gz)",
+                          slug="builtin", column=column, field=field, files=(BUILTIN_CORPUS,), fmt="json",
+                          identity={"kind": "builtin", "sha256": sha256_file(BUILTIN_CORPUS), "column": column},
+                          total_bytes=BUILTIN_CORPUS.stat().st_size)
+    if not looks_local(spec):
+        desc = f"{spec}{'/' + config if config else ''}[{split}]"
+        return TextSource(kind="hub", description=desc, slug=_slug(f"{spec}-{config or ''}-{split}"), column=column,
+                          field=field, name=spec, config=config, split=split,
+                          identity={"kind": "hub", "name": spec, "config": config, "split": split, "column": column})
+    path = Path(_expand(spec))
+    if any(c in spec for c in "*?["):
+        files = [Path(p) for p in sorted(glob.glob(str(path), recursive=True)) if Path(p).is_file()]
+        if not files:
+            raise ConfigError(field, f"no files match '{spec}' (working directory {os.getcwd()})")
+    elif not path.exists():
+        raise ConfigError(field, f"path '{spec}' does not exist (working directory {os.getcwd()}); "
+                          "give an existing file, directory or glob, 'builtin', or a hub dataset name")
+    elif path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        return _saved_source(path, spec, split, column, field)
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+                       and _file_format(p))
+        if not files:
+            raise ConfigError(field, f"directory '{spec}' holds no .parquet, .jsonl, .json or .txt files "
+                              "and is not a save_to_disk dataset")
+    else:
+        files = [path]
+    formats = {_file_format(p) for p in files}
+    if None in formats:
+        bad = next(p for p in files if _file_format(p) is None)
+        raise ConfigError(field, f"'{bad}' is not a supported file type (.parquet, .jsonl, .json, .txt, "
+                          "and .jsonl.gz, .json.gz, .txt.gz)")
+    if len(formats) > 1:
+        raise ConfigError(field, f"'{spec}' mixes file types ({', '.join(sorted(formats))}); point it at one kind")
+    (fmt,) = formats
+    total = sum(p.stat().st_size for p in files)
+    return TextSource(kind="files", description=f"{spec} ({len(files)} {fmt} file{'s' * (len(files) > 1)})",
+                      slug=_slug(path.name.split("*")[0] or path.parent.name), column=column, field=field,
+                      files=tuple(files), fmt=fmt, total_bytes=total,
+                      identity={"kind": "files", "format": fmt, "files": _stat_identity(files), "column": column})
+
+
+def _saved_source(path: Path, spec: str, split: str, column: str, field: str) -> TextSource:
+    dict_file = path / "dataset_dict.json"
+    if dict_file.exists():
+        splits = json.loads(dict_file.read_text()).get("splits", [])
+        if split not in splits:
+            where = "data.validation_split" if field == "data.validation_split" else "data.split"
+            raise ConfigError(where, f"split '{split}' not in the saved dataset '{spec}' (splits: {', '.join(splits)})")
+        files = sorted(p for p in (path / split).rglob("*") if p.is_file())
+    else:
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        split = ""
+    return TextSource(kind="saved", description=f"{spec}{f'[{split}]' if split else ''} (save_to_disk)",
+                      slug=_slug(f"{path.name}-{split}"), column=column, field=field, name=str(path),
+                      split=split,
+                      identity={"kind": "saved", "split": split, "files": _stat_identity(files), "column": column})
+
+
+def is_single_split(source: TextSource) -> bool:
+    """Files and a lone saved Dataset have one split; a validation split must then be a path."""
+    return source.kind == "files" or (source.kind == "saved" and not source.split)
+
+
+# --------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    spec: str
+    description: str
+    identity: dict[str, Any]
+    path: Path | None = None  # a tokenizer.json, or a directory for transformers
+
+
+def resolve_tokenizer(spec: str) -> TokenizerSpec:
+    """The tokenizer `spec` names, identified by content (local) or by name (hub)."""
+    if spec == BUILTIN:
+        return TokenizerSpec(spec, "builtin (trainer/assets/tokenizer.json)",
+                             {"kind": "builtin", "sha256": sha256_file(BUILTIN_TOKENIZER)}, BUILTIN_TOKENIZER)
+    path = Path(_expand(spec))
+    if not path.exists():
+        if looks_local(spec) or spec.endswith(".json"):
+            raise ConfigError("data.tokenizer", f"path '{spec}' does not exist (working directory {os.getcwd()}); "
+                              "give a tokenizer.json, a directory holding one, 'builtin', or a hub name like gpt2")
+        return TokenizerSpec(spec, f"{spec} (Hugging Face hub)", {"kind": "hub", "name": spec})
+    if path.is_dir():
+        if (path / "tokenizer.json").exists():
+            path = path / "tokenizer.json"
+        else:
+            files = sorted(p for p in path.iterdir() if p.is_file())
+            if not files:
+                raise ConfigError("data.tokenizer", f"directory '{spec}' is empty; it needs a tokenizer.json")
+            return TokenizerSpec(spec, f"{spec} (transformers, local)",
+                                 {"kind": "dir", "files": {p.name: sha256_file(p) for p in files}}, path)
+    return TokenizerSpec(spec, str(path), {"kind": "file", "sha256": sha256_file(path)}, path)
+
+
+def load_tokenizer(spec: TokenizerSpec | str) -> Any:
+    """A `tokenizers.Tokenizer` (fast, with a parallel `encode_batch`)."""
+    from tokenizers import Tokenizer
+
+    if isinstance(spec, str):
+        spec = resolve_tokenizer(spec)
+    if spec.path is not None and spec.path.is_file():
+        try:
+            return Tokenizer.from_file(str(spec.path))
+        except Exception as exc:
+            raise ConfigError("data.tokenizer", f"'{spec.path}' is not a tokenizers JSON file "
+                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    if spec.path is not None:
+        return _transformers_tokenizer(str(spec.path), spec.spec, local=True)
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Tokenizer.from_file(hf_hub_download(spec.spec, "tokenizer.json"))
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if type(exc).__name__ in ("EntryNotFoundError", "RemoteEntryNotFoundError"):  # vocab.json + merges.txt
+            return _transformers_tokenizer(spec.spec, spec.spec, local=False)
+        raise ConfigError("data.tokenizer", f"could not load tokenizer '{spec.spec}' from the Hugging Face hub "
+                          f"({type(exc).__name__}: {first}); check the name and network access (offline: "
+                          "HF_HUB_OFFLINE=1 with HF_HOME holding it), or give a local tokenizer.json") from None
+
+
+def _transformers_tokenizer(where: str, spec: str, local: bool) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError("data.tokenizer", f"'{spec}' has no tokenizer.json and transformers is not installed "
+                          "to convert it; save it as tokenizer.json (tokenizers library)") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(where, local_files_only=local)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError("data.tokenizer", f"could not load tokenizer '{spec}': {first}") from None
+    if not getattr(tok, "is_fast", False):
+        raise ConfigError("data.tokenizer", f"'{spec}' has only a slow (Python) tokenizer; convert it to a "
+                          "tokenizer.json with the tokenizers library")
+    return tok.backend_tokenizer
+
+
+def eos_id(tokenizer: Any, spec: str = "") -> int:
+    """The id that separates documents in the token stream."""
+    for token in EOS_CANDIDATES:
+        tid = tokenizer.token_to_id(token)
+        if tid is not None:
+            return tid
+    raise ConfigError("data.tokenizer", f"tokenizer '{spec}' has none of the end-of-text tokens "
+                      f"{', '.join(EOS_CANDIDATES)}, so documents cannot be separated; add one as a special token")

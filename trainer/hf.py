@@ -1,0 +1,391 @@
+"""Hugging Face Llama interop: initialise from an HF checkpoint, export to one.
+
+Names map one to one (torchtitan's `state_dict_adapter` pattern):
+
+    model.embed_tokens.weight                 tok_embeddings.weight
+    model.layers.N.self_attn.{q,k,v,o}_proj   layers.N.attention.w{q,k,v,o}
+    model.layers.N.mlp.gate_proj / up_proj    layers.N.feed_forward.w1 / w3
+    model.layers.N.mlp.down_proj              layers.N.feed_forward.w2
+    model.layers.N.input_layernorm            layers.N.attention_norm
+    model.layers.N.post_attention_layernorm   layers.N.ffn_norm
+    model.norm.weight                         norm.weight
+    lm_head.weight                            output.weight (absent when tied)
+
+Our rotary embeddings use HF's rotate_half layout (see trainer/model.py), so
+q/k weights need no permutation; the tests compare logits with transformers.
+
+Command line (one-line errors, exit status 2 on bad input):
+
+    python -m trainer.hf export --run RUN_DIR [--step N] --out DIR [--dtype bfloat16]
+    python -m trainer.hf inspect HF_DIR      # prints a `model:` section for a config
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+import yaml
+from torch import nn
+
+from trainer.checkpoint import read_model_weights
+from trainer.config import ConfigError, ModelSection
+
+WHERE = "model.init_from_hf"
+INDEX = "model.safetensors.index.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_SHARD_BYTES = 5 * 2**30  # what transformers' save_pretrained uses
+
+_TOP_LEVEL = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+              "lm_head.weight": "output.weight"}
+_IN_LAYER = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
+             "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
+             "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+             "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
+             "post_attention_layernorm": "ffn_norm"}
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+_OUR_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.weight$")
+# HF config.json key -> ModelSection field, compared before any weight is read.
+_MATCHED = (("hidden_size", "hidden_size"), ("intermediate_size", "intermediate_size"),
+            ("num_hidden_layers", "num_layers"), ("num_attention_heads", "num_heads"),
+            ("num_key_value_heads", "num_kv_heads"), ("vocab_size", "vocab_size"),
+            ("rope_theta", "rope_theta"), ("rms_norm_eps", "rms_norm_eps"),
+            ("tie_word_embeddings", "tie_embeddings"))
+
+
+# --------------------------------------------------------------------------
+# Names.
+# --------------------------------------------------------------------------
+
+
+def hf_to_ours(name: str) -> Optional[str]:
+    """Our name for an HF tensor name; None for what we do not keep (rotary caches)."""
+    if name in _TOP_LEVEL:
+        return _TOP_LEVEL[name]
+    match = _HF_LAYER_RE.match(name)
+    if match and match.group(2) in _IN_LAYER:
+        return f"layers.{match.group(1)}.{_IN_LAYER[match.group(2)]}.weight"
+    if name.endswith("rotary_emb.inv_freq"):  # recomputed, stored by old transformers versions
+        return None
+    raise ConfigError(WHERE, f"unexpected tensor {name!r} in the HF checkpoint: not a Llama weight "
+                             "(biases, other architectures and quantised weights are not supported)")
+
+
+def ours_to_hf(name: str) -> str:
+    for hf, ours in _TOP_LEVEL.items():
+        if name == ours:
+            return hf
+    match = _OUR_LAYER_RE.match(name)
+    if match:
+        for hf, ours in _IN_LAYER.items():
+            if match.group(2) == ours:
+                return f"model.layers.{match.group(1)}.{hf}.weight"
+    raise ValueError(f"{name!r} is not a weight of trainer.model.Transformer")
+
+
+def expected_shapes(cfg: ModelSection) -> dict[str, tuple[int, ...]]:
+    """Every weight of the full model (output.weight only when untied), by our names."""
+    h, i, v, kv = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (v, h), "norm.weight": (h,)}
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (v, h)
+    per_layer = {"attention_norm": (h,), "attention.wq": (h, h), "attention.wk": (kv, h),
+                 "attention.wv": (kv, h), "attention.wo": (h, h), "ffn_norm": (h,),
+                 "feed_forward.w1": (i, h), "feed_forward.w3": (i, h), "feed_forward.w2": (h, i)}
+    for layer in range(cfg.num_layers):
+        for name, shape in per_layer.items():
+            shapes[f"layers.{layer}.{name}.weight"] = shape
+    return shapes
+
+
+def _check_complete(weights: dict[str, torch.Tensor], cfg: ModelSection, source: str) -> None:
+    expected = expected_shapes(cfg)
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected) - {"output.weight"})
+    if missing or extra:
+        what = (f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing
+                else f"has extra {', '.join(extra[:4])}")
+        raise ConfigError(WHERE, f"{source} {what} for a model with num_layers {cfg.num_layers}, "
+                                 f"tie_embeddings {cfg.tie_embeddings}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ConfigError(WHERE, f"{source}: {name} has shape {tuple(weights[name].shape)}, the model "
+                                     f"section implies {shape}")
+
+
+# --------------------------------------------------------------------------
+# config.json.
+# --------------------------------------------------------------------------
+
+
+def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    """config.json of a local Llama checkpoint, with transformers' defaults filled in."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise ConfigError(WHERE, f"{hf_dir} is not a local directory: download the model first "
+                                 f"(huggingface-cli download NAME --local-dir DIR) and point at DIR")
+    path = hf_dir / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(WHERE, f"{hf_dir} has no config.json: point at a Hugging Face model directory "
+                                 "(config.json and *.safetensors)") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(WHERE, f"{path} is not valid JSON: {exc}") from None
+    if raw.get("model_type") != "llama":
+        raise ConfigError(WHERE, f"{path}: model_type is {raw.get('model_type')!r}, only 'llama' "
+                                 "(LlamaForCausalLM) checkpoints map onto this model")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(WHERE, f"{path}: rope scaling {rope_type!r} is not implemented here; only plain "
+                                 "rotary embeddings (rope_type default) are")
+    for key, allowed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if raw.get(key, allowed) != allowed:
+            raise ConfigError(WHERE, f"{path}: {key} is {raw[key]!r}; this model needs {allowed!r}")
+    cfg = dict(raw)
+    cfg["num_key_value_heads"] = raw.get("num_key_value_heads") or raw["num_attention_heads"]
+    cfg["rope_theta"] = float(raw.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    cfg["rms_norm_eps"] = float(raw.get("rms_norm_eps", 1e-6))
+    cfg["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
+    cfg["max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
+    head_dim = raw.get("head_dim")
+    if head_dim is not None and head_dim != raw["hidden_size"] // raw["num_attention_heads"]:
+        raise ConfigError(WHERE, f"{path}: head_dim {head_dim} != hidden_size / num_attention_heads; "
+                                 "this model derives the head size from hidden_size")
+    return cfg
+
+
+def model_section_from_hf(hf_dir: Path) -> dict[str, Any]:
+    """The `model:` section that matches an HF checkpoint (for a run config)."""
+    hf = read_hf_config(hf_dir)
+    section: dict[str, Any] = {"size": "custom"}
+    for hf_key, ours in _MATCHED:
+        section[ours] = hf[hf_key]
+    section["max_position_embeddings"] = hf["max_position_embeddings"]
+    section["init_from_hf"] = str(hf_dir)
+    return section
+
+
+def check_matches(hf_dir: Path, cfg: ModelSection) -> dict[str, Any]:
+    """Raise ConfigError naming the first dimension where config.json and `cfg` differ."""
+    hf = read_hf_config(hf_dir)
+    for hf_key, ours in _MATCHED:
+        theirs, mine = hf[hf_key], getattr(cfg, ours)
+        same = math.isclose(theirs, mine, rel_tol=1e-9) if isinstance(mine, float) else theirs == mine
+        if not same:
+            raise ConfigError(WHERE, f"{hf_dir}: {hf_key} {theirs} in config.json != model.{ours} {mine}; "
+                                     f"set model.{ours}: {theirs} (`python -m trainer.hf inspect {hf_dir}` "
+                                     "prints the whole section)")
+    return hf
+
+
+def hf_config_dict(cfg: ModelSection, dtype: torch.dtype) -> dict[str, Any]:
+    """config.json for LlamaForCausalLM (read by transformers 4.x and 5.x alike)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
+        "rope_scaling": None, "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        "initializer_range": cfg.init_std, "pretraining_tp": 1, "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+# --------------------------------------------------------------------------
+# Loading an HF checkpoint into our model.
+# --------------------------------------------------------------------------
+
+
+def _safetensors_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / INDEX
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [hf_dir / n for n in names]
+    elif (hf_dir / "model.safetensors").is_file():
+        files = [hf_dir / "model.safetensors"]
+    else:
+        files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        bins = "; it has only PyTorch .bin files: re-save it with save_pretrained(safe_serialization=True)" \
+            if any(hf_dir.glob("*.bin")) else ""
+        raise ConfigError(WHERE, f"{hf_dir} holds no *.safetensors weights{bins}")
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(WHERE, f"{hf_dir / INDEX} names {f.name}, which is missing")
+    return files
+
+
+def read_hf_weights(hf_dir: Path, cfg: ModelSection) -> dict[str, torch.Tensor]:
+    """Every weight of a local HF Llama checkpoint, by our names, on the CPU."""
+    from safetensors import safe_open
+
+    hf_dir = Path(hf_dir)
+    check_matches(hf_dir, cfg)
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(hf_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                ours = hf_to_ours(hf_name)
+                if ours is not None and not (ours == "output.weight" and cfg.tie_embeddings):
+                    weights[ours] = f.get_tensor(hf_name)
+    _check_complete(weights, cfg, str(hf_dir))
+    return weights
+
+
+def load_hf_into(model: nn.Module, hf_dir: Path, cfg: ModelSection) -> None:
+    """Copy an HF Llama checkpoint into `model` in place (cast to its parameter dtype).
+
+    `model` is materialised (not on the meta device); it may be a pipeline stage
+    (it takes the names it has) or already sharded (FSDP2/TP DTensors: every rank
+    calls this and keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("load_hf_into needs a materialised model: call model.to_empty(device=...) first")
+    weights = read_hf_weights(hf_dir, cfg)
+    if cfg.tie_embeddings:
+        weights["output.weight"] = weights["tok_embeddings.weight"]
+    wanted = model.state_dict()  # persistent entries only; a pipeline stage holds some
+    unknown = sorted(set(wanted) - set(weights))
+    if unknown:
+        raise ConfigError(WHERE, f"the model has {', '.join(unknown[:4])}, which an HF Llama checkpoint "
+                                 "does not provide")
+    subset = {name: weights[name].to(wanted[name].dtype) for name in wanted}
+    set_model_state_dict(model, subset, options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+# --------------------------------------------------------------------------
+# Exporting to an HF checkpoint.
+# --------------------------------------------------------------------------
+
+
+def export_hf(source: Path | nn.Module, out_dir: Path, cfg: ModelSection, *, dtype: torch.dtype | None = None,
+              overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write `out_dir` as an HF LlamaForCausalLM checkpoint (config.json + safetensors)
+    from a checkpoint step directory or from an unsharded model. The directory
+    appears whole (written beside it, then renamed) or not at all."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists: pick another --out or pass --overwrite")
+    if isinstance(source, nn.Module):
+        weights = {k: v.detach() for k, v in source.state_dict().items()}
+    else:
+        weights = read_model_weights(Path(source))
+    if cfg.tie_embeddings:
+        weights.pop("output.weight", None)
+    _check_complete(weights, cfg, str(source) if not isinstance(source, nn.Module) else "the model")
+    dtype = dtype or weights["tok_embeddings.weight"].dtype
+    hf = {ours_to_hf(name): weights[name].to("cpu", dtype).contiguous() for name in expected_shapes(cfg)}
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _write_safetensors(tmp, hf, max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n")
+        _replace_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _write_safetensors(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+    from safetensors.torch import save_file
+
+    shards = list(_shards(tensors, max_shard_bytes))
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > max_bytes:
+            yield shard
+            shard, size = {}, 0
+        shard[name] = t
+        size += nbytes
+    yield shard
+
+
+def _replace_dir(new: Path, dest: Path) -> None:
+    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(new, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# Command line.
+# --------------------------------------------------------------------------
+
+
+def _export_run(run_dir: Path, step: Optional[int], out: Path, dtype: Optional[str], overwrite: bool) -> str:
+    from trainer.checkpoint import complete_steps, step_dir
+    from trainer.config import load_trainer_config
+
+    cfg = load_trainer_config(run_dir / "config.yaml")
+    ckpt_dir = run_dir / cfg.checkpoint.dir
+    steps = complete_steps(ckpt_dir)
+    if not steps:
+        raise ConfigError("", f"{ckpt_dir} holds no complete checkpoint: train (or wait for a save) first")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ConfigError("", f"no complete checkpoint for step {step} in {ckpt_dir}; complete steps: "
+                              f"{', '.join(map(str, steps))}")
+    export_hf(step_dir(ckpt_dir, step), out, cfg.model, dtype=DTYPES[dtype] if dtype else None,
+              overwrite=overwrite)
+    return f"wrote {out} from {step_dir(ckpt_dir, step)}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.hf", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    exp = sub.add_parser("export", help="write a run's checkpoint as an HF Llama directory")
+    exp.add_argument("--run", type=Path, required=True, help="the run directory (holds config.yaml)")
+    exp.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+    exp.add_argument("--out", type=Path, required=True, help="output directory (must not exist)")
+    exp.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: as saved)")
+    exp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    ins = sub.add_parser("inspect", help="print the model section matching an HF Llama directory")
+    ins.add_argument("hf_dir", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "export":
+            print(_export_run(args.run, args.step, args.out, args.dtype, args.overwrite))
+        else:
+            print(yaml.safe_dump({"model": model_section_from_hf(args.hf_dir)}, sort_keys=False), end="")
+    except (ConfigError, FileExistsError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""What a run reports: the console line, run_dir/metrics.jsonl, Weights &
+Biases, and torch profiler traces. Only rank 0 writes metrics; every rank
+may write a profiler trace."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import resource
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from trainer.config import LoggingSection, TrainerConfig, to_dict
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 peak FLOP/s by CUDA device name; the first matching entry wins.
+# MFU is reported against these even for fp32 runs (torchtitan's convention).
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM
+    ("A100", 312e12),
+)
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """None on CPU or on an unknown GPU: MFU is then null."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """CUDA: the allocator's peak; CPU: the process's maximum resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss_kib / 2**20
+
+
+def setup_logging(level: str, rank: int) -> None:
+    """The `trainer` loggers: rank 0 at the configured level, the others only
+    warnings and errors. The root logger is left alone (tests, embedding apps)."""
+    logger = logging.getLogger("trainer")
+    logger.setLevel(getattr(logging, level.upper()) if rank == 0 else logging.WARNING)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        logger.addHandler(handler)
+    for handler in logger.handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
+                                               datefmt="%H:%M:%S"))
+
+
+class MetricsLogger:
+    def __init__(self, cfg: TrainerConfig, run_dir: Path, rank: int, world_size: int, device: torch.device,
+                 flops_per_token: int):
+        self.enabled = rank == 0
+        self.world_size = world_size
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops(device)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a") if self.enabled else None
+        self._console = _console() if self.enabled else None
+        self._wandb = _init_wandb(cfg, run_dir) if self.enabled and cfg.logging.wandb else None
+
+    def log_train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, elapsed_s: float,
+                  steps: int, data_s: float) -> None:
+        """`tokens` processed by all ranks over the last `steps` steps, which took `elapsed_s`."""
+        if not self.enabled:
+            return
+        tps = tokens / elapsed_s
+        tps_device = tps / self.world_size
+        tflops = self.flops_per_token * tps_device / 1e12
+        record = {
+            "kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_s": tps, "tokens_per_s_per_device": tps_device, "tflops_per_device": tflops,
+            "mfu": tflops * 1e12 / self.peak if self.peak else None,
+            "step_time_s": elapsed_s / steps, "data_time_s": data_s / steps,
+            "peak_memory_gib": peak_memory_gib(self.device),
+        }
+        mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
+        self._print(f"[bold]step {step}[/] [green]loss {loss:.4f}[/] lr {lr:.2e} gnorm {grad_norm:.3f} "
+                    f"[cyan]{tps:,.0f} tok/s[/] ({tps_device:,.0f}/dev) {tflops:.2f} TFLOP/s mfu {mfu} "
+                    f"step {record['step_time_s']:.3f}s data {record['data_time_s']:.3f}s "
+                    f"mem {record['peak_memory_gib']:.2f}GiB")
+        self._write(record)
+
+    def log_eval(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        self._print(f"[bold]step {step}[/] [magenta]eval loss {loss:.4f}[/]")
+        self._write({"kind": "eval", "step": step, "eval_loss": loss})
+
+    def _print(self, line: str) -> None:
+        if self._console is not None:
+            self._console.print(line)
+        else:
+            print(re.sub(r"\[/?[a-z ]*\]", "", line), flush=True)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k not in ("kind", "step") and v is not None},
+                            step=record["step"])
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _console():
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console(highlight=False, soft_wrap=True)
+
+
+def _init_wandb(cfg: TrainerConfig, run_dir: Path):
+    try:
+        import wandb
+    except ImportError:
+        log.warning("logging.wandb is true but wandb is not installed: not logging to Weights & Biases")
+        return None
+    # Without an API key, log offline (sync later with `wandb sync`); the key is never written down.
+    mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return wandb.init(project=cfg.run.project, name=cfg.run.name or run_dir.name, dir=str(run_dir),
+                      config=to_dict(cfg), mode=mode)
+
+
+class StepProfiler:
+    """torch.profiler over optimizer steps profiler_steps[0]..profiler_steps[1]
+    (inclusive), a Chrome trace per rank in run_dir/profiler/."""
+
+    def __init__(self, cfg: LoggingSection, run_dir: Path, rank: int):
+        self.enabled = cfg.profiler
+        self.first, self.last = cfg.profiler_steps
+        self.out_dir = run_dir / "profiler"
+        self.rank = rank
+        self._prof: Optional[torch.profiler.profile] = None
+
+    def begin(self, step: int) -> None:
+        if self.enabled and step == self.first and self._prof is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities, record_shapes=True)
+            self._prof.__enter__()
+
+    def end(self, step: int) -> None:
+        if self._prof is not None and step >= self.last:
+            self.close()
+
+    def close(self) -> None:
+        if self._prof is None:
+            return
+        self._prof.__exit__(None, None, None)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"steps{self.first}-{self.last}_rank{self.rank}.json"
+        self._prof.export_chrome_trace(str(path))
+        log.info("profiler trace written to %s", path)
+        self._prof = None
+        self.enabled = False

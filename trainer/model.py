@@ -1,0 +1,248 @@
+"""The Llama decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Module names are a contract (checkpoints and the HF adapter are written
+against them): `tok_embeddings`, `layers.{i}.attention_norm`,
+`layers.{i}.attention.{wq,wk,wv,wo}`, `layers.{i}.ffn_norm`,
+`layers.{i}.feed_forward.{w1,w2,w3}` (gate, down, up), `norm`, `output`.
+No biases anywhere. `layers` is a ModuleDict keyed by the global layer index,
+so a pipeline stage that deletes the layers it does not own keeps the
+full-model names (checkpoints stay layout-independent).
+
+Rotary embeddings use the Hugging Face "rotate_half" layout (the first and
+second halves of each head are the two rotation coordinates), so HF Llama
+`q_proj`/`k_proj` weights map onto `wq`/`wk` without any permutation.
+
+A pipeline stage may have `tok_embeddings`, `norm` and `output` set to None:
+it then takes hidden states in and/or hands hidden states on (as torchtitan).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.config import ConfigError, ModelSection
+
+log = logging.getLogger(__name__)
+
+try:  # flash-attn is only in the GPU image
+    from flash_attn import flash_attn_func
+except ImportError:  # pragma: no cover - depends on the image
+    flash_attn_func = None
+
+
+def select_attention(cfg: ModelSection, device: torch.device, dtype: torch.dtype) -> str:
+    """'flash' or 'sdpa': flash-attn needs the package, a CUDA device and a 16-bit dtype."""
+    usable = flash_attn_func is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    if cfg.attention == "flash" and not usable:
+        why = ("flash-attn is not installed" if flash_attn_func is None
+               else f"it needs a CUDA device and bf16/fp16, got {device.type} with {dtype}")
+        raise ConfigError("model.attention", f"is flash but {why}: set model.attention to auto or sdpa")
+    if cfg.attention == "sdpa":
+        return "sdpa"
+    return "flash" if usable else "sdpa"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype: bf16 variance is too coarse.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [max_positions, head_dim] in the rotate_half layout."""
+    inv_freq_F = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles_PF = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq_F)
+    angles_PD = torch.cat([angles_PF, angles_PF], dim=-1)
+    return angles_PD.cos(), angles_PD.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x_BTHD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_TD[None, :, None, :], sin_TD[None, :, None, :]
+    return (x_BTHD.float() * cos + _rotate_half(x_BTHD.float()) * sin).type_as(x_BTHD)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelSection, attn_impl: str):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.attn_impl = attn_impl
+        kv_dim = cfg.num_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden_size, kv_dim, bias=False)
+        self.wo = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        # Head counts come from the projection shapes, so a tensor-parallel
+        # shard (wq/wk/wv column-split) sees its local n_heads // tp heads.
+        q_BTHD = self.wq(x_BTD).view(B, T, -1, self.head_dim)
+        k_BTKD = self.wk(x_BTD).view(B, T, -1, self.head_dim)
+        v_BTKD = self.wv(x_BTD).view(B, T, -1, self.head_dim)
+        q_BTHD = apply_rope(q_BTHD, cos[:T], sin[:T])
+        k_BTKD = apply_rope(k_BTKD, cos[:T], sin[:T])
+        if self.attn_impl == "flash":
+            out_BTHD = flash_attn_func(q_BTHD, k_BTKD, v_BTKD, causal=True)  # handles GQA itself
+        else:
+            out_BHTD = F.scaled_dot_product_attention(
+                q_BTHD.transpose(1, 2), k_BTKD.transpose(1, 2), v_BTKD.transpose(1, 2),
+                is_causal=True, enable_gqa=True)
+            out_BTHD = out_BHTD.transpose(1, 2)
+        return self.wo(out_BTHD.reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down."""
+
+    def __init__(self, cfg: ModelSection):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.w3 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_BTD)) * self.w3(x_BTD))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelSection, attn_impl: str):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention = Attention(cfg, attn_impl)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, h_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h_BTD = h_BTD + self.attention(self.attention_norm(h_BTD), cos, sin)
+        return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelSection, attn_impl: str = "sdpa"):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, attn_impl) for i in range(cfg.num_layers)})
+        self.norm: Optional[RMSNorm] = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.output: Optional[nn.Linear] = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: recomputed on load, never in checkpoints.
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if self.rope_cos.device.type != "meta":
+            self.init_weights(seed=0)
+
+    def forward(self, tokens_or_h: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] (first stage) or hidden states [B, T, D] -> logits [B, T, V] (last stage) or hidden."""
+        h_BTD = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
+        for layer in self.layers.values():
+            h_BTD = layer(h_BTD, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            h_BTD = self.norm(h_BTD)
+        return self.output(h_BTD) if self.output is not None else h_BTD
+
+    # ------------------------------------------------------------------
+    # Initialisation that does not depend on the parallel layout.
+    # ------------------------------------------------------------------
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_position_embeddings, self.cfg.rope_theta)
+        self.rope_cos = cos.to(device)
+        self.rope_sin = sin.to(device)
+
+    def init_std(self, fqn: str) -> Optional[float]:
+        """normal(0, init_std) everywhere; residual output projections (wo, w2)
+        scaled by 1/sqrt(2 * num_layers) (GPT-2); None means ones (norms)."""
+        if fqn.endswith("norm.weight"):
+            return None
+        if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            return self.cfg.init_std / math.sqrt(2 * self.cfg.num_layers)
+        return self.cfg.init_std
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter (plain, tensor-parallel or FSDP-sharded DTensor)
+        with the values the full, unsharded model would get for `seed`.
+
+        Values come from a generator seeded by (seed, parameter name, block of
+        rows), on the CPU, and each rank fills only its own shard: the same seed
+        gives the same model on 1 process or any dp/tp/pp layout, CPU or GPU.
+        """
+        for fqn, param in self.named_parameters():  # tied weights appear once
+            std = self.init_std(fqn)
+            local = _local_tensor(param)
+            if std is None:
+                local.fill_(1.0)
+                continue
+            shape, offset = _global_offset(param)
+            local.copy_(_seeded_normal(seed, fqn, param.shape, offset, shape, std))
+        self.init_buffers(self.rope_cos.device)
+
+
+_INIT_BLOCK_ROWS = 256
+
+
+def _seeded_normal(seed: int, fqn: str, full_shape: torch.Size, offset: tuple[int, ...],
+                   local_shape: tuple[int, ...], std: float) -> torch.Tensor:
+    """Rows [offset[0], offset[0] + local_shape[0]) of a normal(0, std) tensor of
+    `full_shape`, generated in fixed blocks of rows so a shard costs about its own size."""
+    r0, r1 = offset[0], offset[0] + local_shape[0]
+    cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:]))
+    pieces = []
+    name_key = zlib.crc32(fqn.encode())
+    for block in range(r0 // _INIT_BLOCK_ROWS, -(-r1 // _INIT_BLOCK_ROWS)):
+        b0 = block * _INIT_BLOCK_ROWS
+        rows = min(_INIT_BLOCK_ROWS, full_shape[0] - b0)
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + name_key) * 65_537 + block)
+        values = torch.randn((rows, *full_shape[1:]), generator=gen, dtype=torch.float32) * std
+        pieces.append(values[(slice(max(r0, b0) - b0, min(r1, b0 + rows) - b0), *cols)])
+    return torch.cat(pieces) if pieces else torch.empty(local_shape)
+
+
+def _local_tensor(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _global_offset(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, offset into the full tensor) of this rank's shard."""
+    if isinstance(param, DTensor):  # tensor-parallel and/or FSDP2-sharded
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return tuple(shape), tuple(offset)
+    return tuple(param.shape), (0,) * param.dim()
+
+
+def num_flops_per_token(cfg: ModelSection, seq_len: int) -> int:
+    """Training FLOPs per token, torchtitan's convention: 6 * N + 12 * L * H * Q * T.
+
+    N counts the parameters that do a matmul per token: every layer plus the
+    output projection (vocab x hidden), not the input embedding (a lookup);
+    with tied embeddings the shared matrix is counted once, as the output.
+    6 = forward (2) + backward (4) FLOPs per parameter; 12 * L * H * Q * T is
+    the attention score and value matmuls (H heads of size Q, context T).
+    """
+    n_matmul = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1)
+    return 6 * n_matmul + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+

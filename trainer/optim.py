@@ -1,0 +1,97 @@
+"""AdamW, the learning-rate schedule, and gradient clipping across all shards."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from trainer.config import TrainSection
+
+log = logging.getLogger(__name__)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (not on norms and biases, the 1-D parameters).
+
+    Groups are also split by DTensor-ness: a foreach/fused kernel cannot mix
+    DTensor and plain tensors (tensor parallel leaves norms plain without
+    sequence parallel)."""
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = defaultdict(list)
+    for param in model.parameters():  # shared (tied) parameters appear once
+        if param.requires_grad:
+            groups[(param.dim() >= 2, isinstance(param, DTensor))].append(param)
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0}
+            for (decay, _), params in sorted(groups.items())]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainSection, device: torch.device) -> torch.optim.Optimizer:
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    groups = param_groups(model, cfg.weight_decay)
+    if device.type == "cuda":
+        try:
+            return torch.optim.AdamW(groups, fused=True, **kwargs)
+        except (RuntimeError, TypeError) as exc:  # fused not supported for this dtype/tensor type
+            log.info("fused AdamW unavailable (%s); using foreach", exc)
+    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def lr_factor(step: int, cfg: TrainSection) -> float:
+    """lr(step) / lr for optimizer step `step` (1-based): linear warmup over
+    warmup_steps, then decay (cosine, linear or constant) to min_lr at `steps`."""
+    if cfg.warmup_steps > 0 and step <= cfg.warmup_steps:
+        return step / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    if cfg.decay == "constant":
+        return 1.0
+    if cfg.decay == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return (cfg.min_lr + (cfg.lr - cfg.min_lr) * shape) / cfg.lr
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainSection) -> LambdaLR:
+    """LambdaLR counts completed steps from 0, so step i+1 uses lr_factor(i + 1).
+    It is Stateful (state_dict/load_state_dict) as a checkpoint wants."""
+    return LambdaLR(optimizer, lambda done: lr_factor(done + 1, cfg))
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
+                    pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Clip gradients to a global L2 norm (max_norm 0 only measures it) and
+    return the norm, the same on every rank and for every parallel layout.
+
+    DTensor gradients (FSDP, TP) are grouped by mesh and placements and their
+    norms made whole with full_tensor(); plain ones (DDP, or norms under TP
+    without sequence parallel) are already whole. Pipeline stages each hold
+    different parameters, so their squared norms are summed across the pp
+    group (torchtitan's clip_grad_norm_ with pp_mesh)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else None
+        groups[key].append(grad)
+    device = grads[0].device if grads else torch.device("cpu")
+    total_sq = torch.zeros((), device=device, dtype=torch.float32)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total_sq = total_sq + norm.float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
+    total = total_sq.sqrt()
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        torch._foreach_mul_(local, coef.to(local[0].device))
+    return total

@@ -1,0 +1,428 @@
+"""Process groups, the device mesh, and how the model is split across it.
+
+All mesh arithmetic lives here (`ParallelDims`): the world is a 3-D mesh
+("pp", "dp", "tp") with tp innermost, so tensor-parallel peers are neighbouring
+ranks (on one node with one GPU per rank). The model is always built the same
+way, whatever the layout (torchtitan's parallelize.py):
+
+    meta-device Transformer -> keep this pipeline stage's layers -> tensor
+    parallel (DTensor) -> torch.compile per block -> FSDP2 -> allocate on the
+    device -> seeded init of each rank's shard -> (DDP wraps last)
+
+and `build_runner` gives the forward/backward for one optimizer step, either
+plain gradient accumulation or a pipeline schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainer.config import ConfigError, ParallelSection, TrainerConfig
+from trainer.model import Transformer, select_attention
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs_BT, targets_BT)
+
+
+# --------------------------------------------------------------------------
+# Processes: torchrun, srun, or one plain process.
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    owns_group: bool  # we created the process group, so we destroy it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_from_slurm() -> None:
+    """srun starts one task per process and sets SLURM_*; torch wants RANK & co."""
+    for torch_name, slurm_name in (("RANK", "SLURM_PROCID"), ("LOCAL_RANK", "SLURM_LOCALID"),
+                                   ("WORLD_SIZE", "SLURM_NTASKS")):
+        if torch_name not in os.environ and slurm_name in os.environ:
+            os.environ[torch_name] = os.environ[slurm_name]
+
+
+def init_distributed() -> DistEnv:
+    """Join (or create) the default process group: nccl on CUDA, gloo on CPU."""
+    _env_from_slurm()
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    owns = False
+    if world_size > 1 and not dist.is_initialized():
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise ConfigError("launch", f"WORLD_SIZE is {world_size} but {' and '.join(missing)} is not set: "
+                              "launch with torchrun, or export them in the batch script before srun")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                                device_id=device if device.type == "cuda" else None)
+        owns = True
+    elif dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    return DistEnv(rank, local_rank, world_size, device, owns)
+
+
+def destroy_distributed(env: DistEnv) -> None:
+    if env.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed_session() -> Iterator[DistEnv]:
+    env = init_distributed()
+    try:
+        yield env
+    finally:
+        destroy_distributed(env)
+
+
+# --------------------------------------------------------------------------
+# The mesh.
+# --------------------------------------------------------------------------
+
+MESH_DIMS = ("pp", "dp", "tp")  # tp innermost: tensor-parallel peers are neighbouring ranks
+
+
+@dataclass
+class ParallelDims:
+    cfg: ParallelSection
+    world_size: int
+    mesh: Optional[DeviceMesh] = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: ParallelSection, world_size: int) -> "ParallelDims":
+        if cfg.world_size != world_size:
+            raise ConfigError("parallel", f"dp({cfg.dp}) x tp({cfg.tp}) x pp({cfg.pp}) = {cfg.world_size} != "
+                              f"world size {world_size}: launch {cfg.world_size} processes "
+                              f"or change parallel.dp/tp/pp so that their product is {world_size}")
+        if cfg.tp > 1 and cls._replicated(cfg):
+            raise ConfigError("parallel.dp_mode", f"DDP (dp_mode ddp or zero_stage 0) cannot reduce tensor-parallel "
+                              f"parameters and tp is {cfg.tp}: use dp_mode fsdp with zero_stage 1, 2 or 3")
+        return cls(cfg, world_size)
+
+    @staticmethod
+    def _replicated(cfg: ParallelSection) -> bool:
+        return cfg.dp_mode == "ddp" or cfg.zero_stage == 0
+
+    def build_mesh(self, device_type: str) -> Optional[DeviceMesh]:
+        if self.world_size > 1:
+            self.mesh = init_device_mesh(device_type, (self.cfg.pp, self.cfg.dp, self.cfg.tp), mesh_dim_names=MESH_DIMS)
+        return self.mesh
+
+    @property
+    def dp(self) -> int:
+        return self.cfg.dp
+
+    @property
+    def tp(self) -> int:
+        return self.cfg.tp
+
+    @property
+    def pp(self) -> int:
+        return self.cfg.pp
+
+    @property
+    def ddp(self) -> bool:
+        """Replicated data parallel (DDP) rather than FSDP2."""
+        return self._replicated(self.cfg)
+
+    def submesh(self, name: str) -> Optional[DeviceMesh]:
+        return self.mesh[name] if self.mesh is not None and getattr(self, name) > 1 else None
+
+    def local_rank(self, name: str) -> int:
+        sub = self.submesh(name)
+        return sub.get_local_rank() if sub is not None else 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.local_rank("dp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.local_rank("pp")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def pp_group(self) -> Optional[dist.ProcessGroup]:
+        sub = self.submesh("pp")
+        return sub.get_group() if sub is not None else None
+
+
+# --------------------------------------------------------------------------
+# Pipeline split, tensor parallel, data parallel.
+# --------------------------------------------------------------------------
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """Contiguous layer ranges per stage, the first stages taking one extra when uneven."""
+    sizes = [num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp)]
+    starts = [sum(sizes[:s]) for s in range(pp)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def split_for_stage(model: Transformer, stage: int, pp: int) -> None:
+    """Delete what this stage does not run; names of what is left stay full-model names."""
+    keep = {str(i) for i in stage_layers(len(model.layers), pp)[stage]}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != pp - 1:
+        model.norm = None
+        model.output = None
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Megatron-style tensor parallel: q/k/v and gate/up split by columns (heads,
+    hidden units), o and down by rows; with sequence parallel the norms and the
+    residual stream are split along the sequence (torchtitan's plan).
+
+    Logits are gathered whole (output_layouts Replicate) so the ordinary loss
+    works; loss-parallel would save memory for large vocabularies.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    residual = Shard(1) if sequence_parallel else Replicate()
+    top_plan = {}
+    if model.tok_embeddings is not None:
+        top_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if model.norm is not None and sequence_parallel:
+        top_plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        top_plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+    parallelize_module(model, tp_mesh, top_plan)
+    for layer in model.layers.values():
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=residual),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        }
+        if sequence_parallel:
+            plan.update({
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                desired_input_layouts=(Replicate(), None, None)),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(layer, tp_mesh, plan)
+    _retie(model)
+
+
+def _retie(model: Transformer) -> None:
+    """Sharding or materialising the embedding and the output separately gives
+    two parameters; tied embeddings must stay one (both are Shard(0) under TP)."""
+    if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, param_dtype: torch.dtype) -> None:
+    """FSDP2 per block, then the root (embeddings, final norm, output).
+
+    FSDP2 always shards parameters, gradients and optimizer state; the ZeRO
+    stage only picks whether parameters are resharded after the forward:
+    3 frees them (all-gathered again for the backward), 1 and 2 keep them
+    unsharded until after the backward (one all-gather per step, more memory).
+    So zero_stage 1 and 2 are an approximation: both behave like ZeRO-2.
+    Parameters stay fp32 (the optimizer's master copy); compute is in
+    `param_dtype`, gradients are reduced in fp32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    reshard = zero_stage == 3
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
+                                   device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def build_model(cfg: TrainerConfig, dims: ParallelDims, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """This rank's part of the model, sharded, on `device`, initialised from cfg.run.seed."""
+    attn = select_attention(cfg.model, device, dtype)
+    log.info("attention: %s", "flash-attn" if attn == "flash" else "torch scaled_dot_product_attention")
+    with torch.device("meta"):
+        model = Transformer(cfg.model, attn)
+    if dims.pp > 1:
+        split_for_stage(model, dims.pp_rank, dims.pp)
+    if dims.tp > 1:
+        apply_tp(model, dims.submesh("tp"), cfg.parallel.sequence_parallel)
+    if cfg.train.compile:
+        for layer in model.layers.values():
+            layer.compile()  # in place: parameter names keep no _orig_mod prefix
+    if dims.dp > 1 and not dims.ddp:
+        apply_fsdp(model, dims.submesh("dp"), cfg.parallel.zero_stage, dtype)
+    model.to_empty(device=device)
+    _retie(model)
+    model.init_weights(cfg.run.seed)
+    if dims.dp > 1 and dims.ddp:
+        return apply_ddp(model, dims.submesh("dp"), device)
+    return model
+
+
+# --------------------------------------------------------------------------
+# One optimizer step's forward and backward.
+# --------------------------------------------------------------------------
+
+
+def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(0, 1))
+
+
+class Runner:
+    """Forward and backward over the micro batches of one step. The returned
+    loss is the mean over micro batches on ranks that compute it (the last
+    pipeline stage); other ranks return zero (see `global_mean`)."""
+
+    can_eval = True
+
+    def train_step(self, batches: list[Batch]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def eval_step(self, batches: list[Batch]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class AccumulationRunner(Runner):
+    """No pipeline: run the micro batches one after another, loss / n each."""
+
+    def __init__(self, model: nn.Module, autocast_dtype: Optional[torch.dtype], device: torch.device):
+        self.model = model
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self, batches: list[Batch]) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        no_sync = getattr(self.model, "no_sync", None)  # DDP: all-reduce on the last micro batch only
+        for i, (inputs_BT, targets_BT) in enumerate(batches):
+            sync = no_sync is None or i == len(batches) - 1
+            with contextlib.nullcontext() if sync else no_sync():
+                with self._autocast():
+                    loss = cross_entropy(self.model(inputs_BT), targets_BT) / len(batches)
+                loss.backward()
+            total += loss.detach()
+        return total
+
+    @torch.no_grad()
+    def eval_step(self, batches: list[Batch]) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        with self._autocast():
+            for inputs_BT, targets_BT in batches:
+                total += cross_entropy(self.model(inputs_BT), targets_BT) / len(batches)
+        return total
+
+
+class PipelineRunner(Runner):
+    """One stage per rank; the schedule splits the concatenated micro batches
+    back into n_microbatches = grad_accum_steps and scales gradients by 1/n."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, n_microbatches: int, device: torch.device,
+                 autocast_dtype: Optional[torch.dtype]):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.dims = dims
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        stage = PipelineStage(model, dims.pp_rank, dims.pp, device, group=dims.pp_group)
+        schedule_cls = Schedule1F1B if dims.cfg.pp_schedule == "1f1b" else ScheduleGPipe
+        self.schedule = schedule_cls(stage, n_microbatches=n_microbatches, loss_fn=cross_entropy)
+        self.can_eval = hasattr(self.schedule, "eval")  # forward-only schedules: torch >= 2.9
+
+    def _run(self, fn: Callable, batches: list[Batch]) -> torch.Tensor:
+        inputs_BT = torch.cat([b[0] for b in batches])
+        targets_BT = torch.cat([b[1] for b in batches])
+        losses: list[torch.Tensor] = []
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
+                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        with autocast:
+            if self.dims.is_first_stage:
+                fn(inputs_BT)
+            elif self.dims.is_last_stage:
+                fn(target=targets_BT, losses=losses)
+            else:
+                fn()
+        if self.dims.is_last_stage:
+            return torch.stack([loss.detach().float() for loss in losses]).mean()
+        return torch.zeros((), device=self.device)
+
+    def train_step(self, batches: list[Batch]) -> torch.Tensor:
+        return self._run(self.schedule.step, batches)
+
+    @torch.no_grad()
+    def eval_step(self, batches: list[Batch]) -> torch.Tensor:
+        return self._run(self.schedule.eval, batches)
+
+
+def build_runner(model: nn.Module, dims: ParallelDims, cfg: TrainerConfig, device: torch.device,
+                 dtype: torch.dtype) -> Runner:
+    # FSDP2 casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does.
+    fsdp = dims.dp > 1 and not dims.ddp
+    autocast_dtype = dtype if dtype != torch.float32 and not fsdp else None
+    if dims.pp > 1:
+        return PipelineRunner(model, dims, cfg.train.grad_accum_steps, device, autocast_dtype)
+    return AccumulationRunner(model, autocast_dtype, device)
+
+
+def global_mean(local: torch.Tensor, dims: ParallelDims) -> float:
+    """Mean over data-parallel ranks of a value held by last-stage ranks (0 elsewhere);
+    every tp peer holds the same value, so divide the world sum by dp x tp."""
+    value = local.detach().float().clone()
+    if dist.is_initialized() and dims.world_size > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dims.dp * dims.tp
+    return value.item()

@@ -1,0 +1,209 @@
+"""The training loop: `python -m trainer --config runs/RUN/config.yaml`.
+
+`train(cfg, run_dir)` reads top to bottom: processes and mesh, data, model,
+optimizer, checkpoint resume, then the steps (forward/backward, clip, step,
+log, evaluate, checkpoint, stop on a signal). The run directory is the config
+file's directory; metrics.jsonl, checkpoints/ and profiler/ go there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import ConfigError, TrainerConfig, load_trainer_config
+from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
+from trainer.model import num_flops_per_token
+from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from trainer.parallel import (Batch, ParallelDims, Runner, build_model, build_runner, distributed_session,
+                              global_mean, resolve_dtype)
+from trainer.state import TrainState, build_states
+
+log = logging.getLogger(__name__)
+
+EX_TEMPFAIL = 75  # "requeue me": stopped by a signal after saving a checkpoint
+
+
+class Sampler(Protocol):
+    def next_batch(self) -> Batch: ...  # (inputs_BT, targets_BT), [micro_batch_size, seq_len] int64
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+# build_data(cfg, run_dir, dp_rank, dp_size) -> (train, val or None, tokenizer vocab size)
+DataBuilder = Callable[[TrainerConfig, Path, int, int], tuple[Sampler, Optional[Sampler], int]]
+
+
+@dataclass
+class TrainResult:
+    step: int  # the last completed optimizer step
+    loss: Optional[float]  # the last logged training loss (mean over dp ranks)
+    requeue: bool  # stopped early by SIGUSR1/SIGTERM; exit EX_TEMPFAIL
+
+
+def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None) -> TrainResult:
+    run_dir = Path(run_dir)
+    with distributed_session() as env:
+        setup_logging(cfg.logging.level, env.rank)
+        dims = ParallelDims.from_config(cfg.parallel, env.world_size)
+        dims.build_mesh(env.device.type)
+        dtype = resolve_dtype(cfg.train.dtype, env.device)
+        torch.manual_seed(cfg.run.seed)
+        log.info("world %d = pp %d x dp %d x tp %d on %s, %s", env.world_size, dims.pp, dims.dp, dims.tp,
+                 env.device, dtype)
+
+        train_data, val_data, vocab_size = (data or _default_data())(cfg, run_dir, dims.dp_rank, dims.dp)
+        if vocab_size > cfg.model.vocab_size:
+            raise ConfigError("model.vocab_size", f"the tokenizer has {vocab_size} tokens but model.vocab_size is "
+                              f"{cfg.model.vocab_size}: set model.vocab_size >= {vocab_size}")
+        model = build_model(cfg, dims, env.device, dtype)
+        runner = build_runner(model, dims, cfg, env.device, dtype)
+        optimizer = build_optimizer(model, cfg.train, env.device)
+        lr_scheduler = build_lr_scheduler(optimizer, cfg.train)
+        state = TrainState()
+        states = build_states(model, optimizer, lr_scheduler, train_data, state)
+
+        checkpointer = _checkpointer(cfg, run_dir)
+        if checkpointer is not None:
+            state.step = checkpointer.load_latest(states)
+            if state.step == 0 and cfg.checkpoint.save_initial:
+                checkpointer.save(0, states)
+        metrics = MetricsLogger(cfg, run_dir, env.rank, env.world_size, env.device,
+                                num_flops_per_token(cfg.model, cfg.data.seq_len))
+        profiler = StepProfiler(cfg.logging, run_dir, env.rank)
+        stop = StopSignal()
+        accum = cfg.train.grad_accum_steps
+        tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len * accum * dims.dp
+        val_start = copy.deepcopy(val_data.state_dict()) if val_data is not None else None
+        result = TrainResult(state.step, None, requeue=False)
+        window_start, window_steps, data_s = time.perf_counter(), 0, 0.0
+        try:
+            while state.step < cfg.train.steps:
+                state.step += 1
+                profiler.begin(state.step)
+                t0 = time.perf_counter()
+                batches = _next_batches(train_data, accum, env.device)
+                data_s += time.perf_counter() - t0
+                loss = runner.train_step(batches)
+                grad_norm = clip_grad_norm_(model.parameters(), cfg.train.grad_clip, dims.pp_group)
+                lr = lr_scheduler.get_last_lr()[0]
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                profiler.end(state.step)
+                window_steps += 1
+
+                last = state.step == cfg.train.steps
+                if state.step % cfg.logging.interval == 0 or last:
+                    result.loss = global_mean(loss, dims)  # also waits for the device: the timing is honest
+                    elapsed = time.perf_counter() - window_start
+                    metrics.log_train(state.step, result.loss, lr, grad_norm.item(), tokens_per_step * window_steps,
+                                      elapsed, window_steps, data_s)
+                    window_start, window_steps, data_s = time.perf_counter(), 0, 0.0
+                if val_data is not None and cfg.train.eval_interval and state.step % cfg.train.eval_interval == 0:
+                    metrics.log_eval(state.step, evaluate(runner, val_data, val_start, cfg, dims, env.device))
+                result.step, result.requeue = state.step, stop.agreed(env.device)
+                if checkpointer is not None and (last or result.requeue
+                                                 or state.step % cfg.checkpoint.interval == 0):
+                    checkpointer.save(state.step, states, final=last)
+                if result.requeue:
+                    log.warning("stopping after step %d on %s: exit %d to be requeued", state.step,
+                                stop.received, EX_TEMPFAIL)
+                    break
+        finally:
+            stop.restore()
+            profiler.close()
+            metrics.close()
+            if checkpointer is not None:
+                checkpointer.close()
+        return result
+
+
+def evaluate(runner: Runner, val_data: Sampler, val_start: dict, cfg: TrainerConfig, dims: ParallelDims,
+             device: torch.device) -> float:
+    """Mean loss over eval_batches global batches, the same ones every time."""
+    if not runner.can_eval:
+        log.warning("evaluation skipped: this torch has no forward-only pipeline schedule")
+        return float("nan")
+    val_data.load_state_dict(copy.deepcopy(val_start))
+    total = torch.zeros((), device=device)
+    for _ in range(cfg.train.eval_batches):
+        total += runner.eval_step(_next_batches(val_data, cfg.train.grad_accum_steps, device))
+    return global_mean(total / cfg.train.eval_batches, dims)
+
+
+def _next_batches(sampler: Sampler, n: int, device: torch.device) -> list[Batch]:
+    batches = [sampler.next_batch() for _ in range(n)]
+    return [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
+
+
+class StopSignal:
+    """SIGUSR1 (Slurm's warning before the time limit) or SIGTERM (preemption,
+    scancel): finish the step, save, exit EX_TEMPFAIL. The handler only sets a
+    flag; ranks agree on it after every step (all-reduce max) so that all stop
+    on the same step, whichever of them got the signal."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: Optional[str] = None
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor(float(self.received is not None), device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and self.received is None:
+                self.received = "a signal on another rank"
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _default_data() -> DataBuilder:
+    from trainer.data import build_data
+
+    return build_data
+
+
+def _checkpointer(cfg: TrainerConfig, run_dir: Path):
+    try:
+        from trainer.checkpoint import Checkpointer
+    except ModuleNotFoundError as exc:  # TODO(lead): drop this guard once trainer/checkpoint.py is in
+        if exc.name != "trainer.checkpoint":
+            raise
+        log.warning("trainer.checkpoint is not available: training without checkpoints")
+        return None
+    return Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint)
+
+
+def main(argv: Optional[list[str]] = None, data: Optional[DataBuilder] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description="Train the Llama decoder of a run.")
+    parser.add_argument("--config", required=True, type=Path, help="runs/RUN/config.yaml (its folder is the run)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_trainer_config(args.config)
+        result = train(cfg, args.config.resolve().parent, data=data)
+    except ConfigError as exc:
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # one line, not one per rank
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return EX_TEMPFAIL if result.requeue else 0
