@@ -11,13 +11,10 @@ from jobs.config import Config, is_local_image
 from trainer.config import ConfigError
 
 
-def _storage_conf() -> tuple[bool, str]:
-    try:
-        from containers.image import check_storage_conf
-    except ImportError:
-        return True, "podman storage.conf not checked (containers package unavailable)"
-    ok, lines = check_storage_conf()
-    return ok, "; ".join(lines)
+def _storage_conf() -> list[tuple[str, bool, str]]:
+    from containers.storage import check_storage_conf
+
+    return [("podman storage", c.ok, c.what + (f": {c.fix}" if c.fix else "")) for c in check_storage_conf()]
 
 
 def checks(cfg: Config | None, project_dir: Path) -> list[tuple[str, bool, str]]:
@@ -32,8 +29,7 @@ def checks(cfg: Config | None, project_dir: Path) -> list[tuple[str, bool, str]]
         podman = shutil.which("podman")
         out.append(("podman", podman is not None, podman or "podman not found: needed by `make image`"))
         if podman:
-            ok, detail = _storage_conf()
-            out.append(("podman storage", ok, detail))
+            out += _storage_conf()
         enroot = shutil.which("enroot")
         out.append(("enroot", enroot is not None, enroot or "enroot not found: `make image` builds the podman "
                                                            "image but cannot import it to squashfs here"))

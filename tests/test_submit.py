@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -149,3 +150,32 @@ def test_sbatch_rejection_leaves_no_run(project, slurm_env):
     r = slipway("submit", "tiny_cpu", "--run-name", "nopart", "--partition", "nosuchpartition")
     assert r.returncode == 1 and "sbatch failed" in r.stderr
     assert tree(project) == before
+
+
+def test_shell_command_line(project, tmp_path):
+    r = slipway("shell", "tiny_cpu", "container.runtime=edf", "container.image=/img.sqsh", "--run-name", "sh",
+                "--account", "a-01", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    env_toml = project / "runs" / "sh" / "env.toml"
+    assert shlex.split(r.stdout) == ["srun", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1",
+                                     "--time=00:30:00", "--account=a-01", "--pty", f"--environment={env_toml}", "bash"]
+    assert env_toml.read_text().startswith('image = "/img.sqsh"')
+    r = slipway("shell", "tiny_cpu", "container.runtime=pyxis", "container.image=nvcr.io#nvidia/pytorch:25.01-py3",
+                "--dry-run")
+    assert "--container-image=nvcr.io#nvidia/pytorch:25.01-py3" in r.stdout and "--pty" in r.stdout
+
+
+@pytest.mark.slurm
+def test_shell_runs_in_the_allocation(project, slurm_env):
+    r = slipway("shell", "tiny_cpu", "--command", "bash", "-c", "echo on $(hostname) as $SLURM_JOB_ID")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("on node1 as ")
+
+
+@pytest.mark.slurm
+def test_doctor(project, slurm_env):
+    r = slipway("doctor", "tiny_cpu")
+    assert "ok   sbatch" in r.stdout and "ok   parallel layout" in r.stdout
+    r = slipway("doctor", "tiny_cpu", "container.runtime=edf", "container.image=./images/missing.sqsh")
+    assert r.returncode == 1
+    assert "fail image and mounts: container.image: squashfs ./images/missing.sqsh does not exist" in r.stdout
