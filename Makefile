@@ -8,6 +8,8 @@ CONFIG ?= tiny_cpu
 ARGS   ?=
 NODES  ?= 2
 STAMP  := $(VENV)/.installed
+# Which torch `make setup` installs first (CI pins the CPU build it carries).
+TORCH_SPEC ?= torch
 
 .PHONY: help setup local test test-fast submit dry-run shell image image-prune status doctor edf \
         cluster-up cluster-down bench clean
@@ -23,6 +25,7 @@ help:
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
 	$(PY) -m pip install --quiet -e '.[trainer,test]'
 	touch $(STAMP)
 

@@ -12,6 +12,7 @@ import shlex
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from containers.image import build_image, current_image, human, image_plan, prune_images
 from containers.tools import ToolError
@@ -28,13 +29,13 @@ def _config(name: str | None, overrides: list[str], base_image: str | None = Non
 def _show(cfg, console: Console) -> None:
     plan = image_plan(cfg)
     record = current_image(cfg)
-    console.print(f"hash      {plan.hash}", highlight=False)
-    console.print(f"tag       {plan.tag}", highlight=False)
+    console.print(f"hash      {plan.hash}", highlight=False, markup=False, soft_wrap=True)
+    console.print(f"tag       {plan.tag}", highlight=False, markup=False, soft_wrap=True)
     exists = f"exists, {human(plan.squashfs.stat().st_size)}" if plan.exists else "not built"
-    console.print(f"squashfs  {plan.squashfs} ({exists})", highlight=False)
+    console.print(f"squashfs  {plan.squashfs} ({exists})", highlight=False, markup=False, soft_wrap=True)
     current = f"{record['squashfs']} (hash {record['hash'][:12]})" if record else "none"
-    console.print(f"current   {plan.link} -> {current}", highlight=False)
-    console.print(f"context   {len(plan.files)} files", highlight=False)
+    console.print(f"current   {plan.link} -> {current}", highlight=False, markup=False, soft_wrap=True)
+    console.print(f"context   {len(plan.files)} files", highlight=False, markup=False, soft_wrap=True)
     console.print(f"podman    {shlex.join(plan.podman_argv)}", highlight=False, markup=False, soft_wrap=True)
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.enroot_env.items())
     console.print(f"enroot    {env} {shlex.join(plan.enroot_argv)}", highlight=False, markup=False, soft_wrap=True)
@@ -59,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", nargs="?")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--keep", type=int, default=1, help="squashfs files to keep, the current one included")
-    args = parser.parse_args(argv)
+    # Overrides may come after options (`build tiny_cpu --force image.flash_attn=false`).
+    args, extra = parser.parse_known_args(argv)
+    unknown = [e for e in extra if e.startswith("-") or "=" not in e]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*getattr(args, "overrides", []), *extra]
     console = Console()
     try:
         if args.cmd == "build":
@@ -70,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             prune_images(_config(args.config, args.overrides), keep=args.keep, console=console)
     except (ConfigError, ToolError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
+        Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2 if isinstance(exc, ConfigError) else 1
     except KeyboardInterrupt:
         Console(stderr=True).print("[red]interrupted[/]: no partial squashfs was left under a final name")

@@ -34,32 +34,26 @@ from typing import TYPE_CHECKING, Optional
 from rich.console import Console
 from rich.markup import escape
 
-from containers.pip_requirements import toml_loads
+from containers.context import (
+    ContextFile,
+    HashCache,
+    content_hash,
+    context_files,
+    materialize_context,
+    project_root,
+    project_version,
+    resolve_path,
+)
 from containers.storage import check_storage_conf
 from containers.tools import Enroot, Podman, Tail, ToolError, git_commit, squashfs_ok, stream, which
 from trainer.config import ConfigError
+from trainer.fs import write_atomic
 
 if TYPE_CHECKING:
-    from jobs.config import Config, ImageSection
+    from jobs.config import Config
 
-HASH_SCHEME = "slipway-image-v1"
-# What goes into the image under src/ (the repository layout, see the Dockerfile).
-CONTEXT_FILES = ("pyproject.toml", "README.md", "LICENSE")
-CONTEXT_DIRS = ("trainer", "jobs", "edf", "containers", "configs")
-SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".ipynb_checkpoints"}
-SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
-WHEEL_SUFFIXES = (".whl", ".tar.gz", ".zip")
-# Build args that label the image without changing its contents: not hashed,
-# so a new commit with the same files reuses the image.
-UNHASHED_ARGS = ("GIT_COMMIT",)
 # enroot unpacks the image (its uncompressed size) before squashing it to about half.
 SQUASH_RATIO = 0.5
-
-
-def project_root() -> Path:
-    """The checkout that holds containers/ (and the Dockerfile's sources)."""
-    here = Path(__file__).resolve().parents[1]
-    return here if (here / "pyproject.toml").is_file() else Path.cwd()
 
 
 def human(n: float) -> str:
@@ -68,113 +62,6 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-# ---------------------------------------------------------------- the build context
-
-
-@dataclass(frozen=True)
-class ContextFile:
-    dest: str  # path inside the build context, e.g. src/trainer/model.py
-    src: Path  # the file on this machine
-
-
-def _resolve(root: Path, path: str) -> Path:
-    p = Path(os.path.expandvars(os.path.expanduser(path)))
-    return p if p.is_absolute() else root / p
-
-
-def context_files(root: Path, image: "ImageSection") -> list[ContextFile]:
-    """Exactly the files the build context holds, sorted by destination."""
-    files = [ContextFile(f"src/{name}", root / name) for name in CONTEXT_FILES if (root / name).is_file()]
-    for top in CONTEXT_DIRS:
-        for dirpath, dirnames, filenames in os.walk(root / top):
-            dirnames[:] = sorted(d for d in dirnames
-                                 if d not in SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info"))
-            for name in sorted(filenames):
-                if name.startswith(".") or name.endswith(SKIP_SUFFIXES):
-                    continue
-                path = Path(dirpath) / name
-                if path.is_file():
-                    files.append(ContextFile(f"src/{path.relative_to(root).as_posix()}", path))
-    if image.wheelhouse:
-        wheels = _resolve(root, image.wheelhouse)
-        if not wheels.is_dir():
-            raise ConfigError("image.wheelhouse", f"{wheels} is not a directory: fill one on a machine with "
-                              "internet (`pip download -d DIR ...`) or unset image.wheelhouse")
-        files += [ContextFile(f"wheels/{p.name}", p) for p in sorted(wheels.iterdir())
-                  if p.is_file() and p.name.endswith(WHEEL_SUFFIXES)]
-    return sorted(files, key=lambda f: f.dest)
-
-
-class HashCache:
-    """sha256 of files, remembered by (size, mtime, inode) like git's index, so
-    a no-op build rereads no wheelhouse. Entries younger than 2 s are not kept
-    (a same-second edit could go unseen)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.changed = False
-        try:
-            self.entries: dict[str, list] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            self.entries = {}
-
-    def digest(self, path: Path) -> str:
-        st = path.stat()
-        key, stamp = str(path.resolve()), [st.st_size, st.st_mtime_ns, st.st_ino]
-        hit = self.entries.get(key)
-        if hit and hit[:3] == stamp:
-            return hit[3]
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        digest = h.hexdigest()
-        if time.time_ns() - st.st_mtime_ns > 2_000_000_000:
-            self.entries[key] = [*stamp, digest]
-            self.changed = True
-        return digest
-
-    def save(self) -> None:
-        if self.changed and self.path.parent.is_dir():
-            _write_atomic(self.path, json.dumps(self.entries))
-            self.changed = False
-
-
-def content_hash(*, dockerfile: str, build_args: dict[str, str], squash_options: str,
-                 files: list[ContextFile], cache: HashCache) -> str:
-    h = hashlib.sha256()
-
-    def add(*parts: str) -> None:
-        h.update(("\0".join(parts) + "\n").encode())
-
-    add(HASH_SCHEME)
-    add("dockerfile", hashlib.sha256(dockerfile.encode()).hexdigest())
-    for key in sorted(build_args):
-        if key not in UNHASHED_ARGS:
-            add("arg", key, build_args[key])
-    add("squash", squash_options)
-    for f in files:
-        add("file", f.dest, "x" if os.access(f.src, os.X_OK) else "-", cache.digest(f.src))
-    return h.hexdigest()
-
-
-def materialize_context(files: list[ContextFile], dest: Path) -> None:
-    """Lay the context out under `dest` (wheels hard-linked where possible)."""
-    if dest.exists():
-        shutil.rmtree(dest)
-    (dest / "wheels").mkdir(parents=True)
-    for f in files:
-        target = dest / f.dest
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if f.dest.startswith("wheels/"):
-            try:
-                os.link(f.src, target)
-                continue
-            except OSError:
-                pass
-        shutil.copy2(f.src, target)
 
 
 # ---------------------------------------------------------------- the plan
@@ -217,13 +104,6 @@ class ImagePlan:
         return self.squashfs.is_file()
 
 
-def project_version(root: Path) -> str:
-    try:
-        return str(toml_loads((root / "pyproject.toml").read_text())["project"]["version"])
-    except (OSError, KeyError, ValueError):
-        return "unknown"
-
-
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
 
@@ -236,10 +116,10 @@ def image_plan(cfg: "Config", *, root: Path | None = None, force: bool = False, 
     """
     image = cfg.image
     root = (root or project_root()).resolve()
-    dockerfile = _resolve(root, image.dockerfile)
+    dockerfile = resolve_path(root, image.dockerfile)
     if not dockerfile.is_file():
         raise ConfigError("image.dockerfile", f"{dockerfile} does not exist (default: containers/Dockerfile)")
-    out = _resolve(root, image.output_dir)
+    out = resolve_path(root, image.output_dir)
     files = context_files(root, image)
     cache = HashCache(out / ".hashcache.json")
     wheels = [f for f in files if f.dest.startswith("wheels/")]
@@ -297,12 +177,6 @@ def compute_argv(cfg: "Config", frozen_config: Path, *, force: bool, do_import: 
 # ---------------------------------------------------------------- records
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _read_json(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
@@ -323,7 +197,7 @@ def _point_link(link: Path, target: Path) -> None:
 
 
 def _make_current(plan: ImagePlan, record: dict) -> None:
-    _write_atomic(plan.record, json.dumps(record, indent=2) + "\n")
+    write_atomic(plan.record, json.dumps(record, indent=2) + "\n")
     _point_link(plan.link, plan.squashfs)
 
 
@@ -348,7 +222,7 @@ def _record(plan: ImagePlan, *, image_id: str | None, enroot_version: str | None
 def current_image(cfg: "Config", *, root: Path | None = None) -> dict | None:
     """The record of the current image (`OUTPUT_DIR/NAME.json`), or None."""
     root = (root or project_root()).resolve()
-    return _read_json(_resolve(root, cfg.image.output_dir) / f"{cfg.image.name}.json")
+    return _read_json(resolve_path(root, cfg.image.output_dir) / f"{cfg.image.name}.json")
 
 
 def resolve_image(cfg: "Config", *, root: Path | None = None) -> Path | None:
@@ -357,7 +231,7 @@ def resolve_image(cfg: "Config", *, root: Path | None = None) -> Path | None:
     record = current_image(cfg, root=root)
     if record and Path(record.get("squashfs", "")).is_file():
         return Path(record["squashfs"]).resolve()
-    link = _resolve(root, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
+    link = resolve_path(root, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
     return link.resolve() if link.is_file() else None
 
 
@@ -373,6 +247,7 @@ class ImageResult:
     seconds: float
     record: Optional[dict] = None
     notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, build, import
 
     @property
     def size(self) -> int | None:
@@ -382,13 +257,17 @@ class ImageResult:
 _PULL_ERRORS = re.compile(r"creating build container|initializing source|pull access denied|manifest unknown|"
                           r"unable to pull|pinging container registry|requested access to the resource is denied|"
                           r"short-name .* did not resolve|reading manifest|repository .* not found", re.I)
+_PODMAN_TRAILER = re.compile(r"^(subprocess exited with status|Error: building at STEP|error building at STEP)")
 _NO_SPACE = re.compile(r"no space left on device", re.I)
 
 
 def _diagnose_build(tail: Tail, plan: ImagePlan, rc: int) -> str:
     text = tail.text()
-    errors = [l for l in tail.lines if re.search(r"error|failed|denied", l, re.I)]
-    last_error = (errors[-1] if errors else (tail.lines[-1] if tail.lines else "")).strip()[:300]
+    # podman's own trailer ("subprocess exited with status 1", "Error: building at STEP ...") says
+    # nothing; the cause is the last error-like line before it (a traceback's last line, pip's ERROR).
+    lines = [l for l in tail.lines if not _PODMAN_TRAILER.match(l)]
+    errors = [l for l in lines if re.search(r"error|failed|denied|no such host", l, re.I)]
+    last_error = (errors[-1] if errors else (lines[-1] if lines else "")).strip()[:300]
     steps = [l for l in tail.lines if l.startswith("STEP ")]
     base = plan.build_args.get("BASE_IMAGE")
     if _NO_SPACE.search(text):
@@ -398,10 +277,10 @@ def _diagnose_build(tail: Tail, plan: ImagePlan, rc: int) -> str:
         return (f"podman could not pull the base image {base}: {last_error}. Fix: check the network (on CSCS set "
                 f"image.network_host: true), log in (`podman login nvcr.io`), or set image.base_image to an image "
                 f"podman has locally; log: {plan.log}")
-    where = steps[-1][:120] if steps else "the start"
+    where = " ".join(steps[-1].split())[:100] if steps else "the start"
     hint = ""
-    if "flash-attn" in where or "flash_attn" in text:
-        hint = " (flash-attn needs a CUDA base: set image.flash_attn: false for a CPU base)"
+    if steps and "flash-attn" in steps[-1] and "image.flash_attn: false" not in last_error:
+        hint = " (flash-attn builds against the base's torch and CUDA: image.flash_attn: false for a CPU base)"
     return f"podman build failed at {where} (exit {rc}): {last_error}{hint}; full log: {plan.log}"
 
 
@@ -420,8 +299,9 @@ def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
             def flush(suffix: str = "") -> None:
                 if pending:
                     step = " ".join(pending.pop().split())
-                    console.print(f"  [cyan]{escape(step)}[/]{suffix}", no_wrap=True, overflow="ellipsis",
-                                  highlight=False)
+                    room = max(console.width - 4 - len(suffix), 20)
+                    step = step if len(step) <= room else step[: room - 1] + "…"
+                    console.print(f"  {step}{suffix}", style="cyan", no_wrap=True, highlight=False, markup=False)
 
             def on_line(line: str) -> None:
                 log.write(line + "\n")
@@ -430,7 +310,7 @@ def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
                     flush()
                     pending.append(line)
                 elif line.startswith("--> Using cache"):
-                    flush(" [dim](cached)[/]")
+                    flush(" (cached)")
                 else:
                     flush()
                     if "smoke ok" in line or line.startswith(("pip_requirements:", "flash-attn")):
@@ -552,7 +432,7 @@ def _build_on_compute(plan: ImagePlan, cfg: "Config", console: Console) -> None:
     frozen = copy.deepcopy(cfg)
     frozen.image.build_on = "local"  # the inner build runs where it is
     try:
-        _write_atomic(plan.frozen_config, dump_config(frozen))
+        write_atomic(plan.frozen_config, dump_config(frozen))
         console.print("[bold]srun[/] " + escape(shlex.join(plan.srun_argv[1:])), highlight=False)
         rc = stream([which("srun"), *plan.srun_argv[1:]],
                     lambda line: console.print(line, highlight=False, markup=False), cwd=plan.root)
@@ -573,6 +453,7 @@ def build_image(cfg: "Config", *, force: bool = False, do_import: bool = True, c
     t0 = time.perf_counter()
     plan = image_plan(cfg, root=root, force=force, do_import=do_import)
     plan.output_dir.mkdir(parents=True, exist_ok=True)
+    timings = {"plan": time.perf_counter() - t0}
 
     if do_import and plan.exists and not force:
         record = _read_json(plan.sidecar) or _record(plan, image_id=None, enroot_version=None)
@@ -583,7 +464,7 @@ def build_image(cfg: "Config", *, force: bool = False, do_import: bool = True, c
         console.print(f"image up to date: {plan.squashfs} ({human(plan.squashfs.stat().st_size)}, "
                       f"tag {plan.tag})", highlight=False, markup=False)
         return ImageResult(plan, plan.squashfs, built=False, imported=False, seconds=time.perf_counter() - t0,
-                           record=record)
+                           record=record, timings=timings)
 
     if plan.build_on == "compute" and not here:
         _build_on_compute(plan, cfg, console)
@@ -601,25 +482,31 @@ def build_image(cfg: "Config", *, force: bool = False, do_import: bool = True, c
 
     built = False
     if force or not podman.image_exists(plan.tag):
+        t1 = time.perf_counter()
         _podman_build(plan, podman, console)
+        timings["build"] = time.perf_counter() - t1
         built = True
     else:
         console.print(f"podman image {plan.tag} exists: not rebuilding")
     if not do_import:
         console.print(f"[green]built[/] {plan.tag} ({time.perf_counter() - t0:.1f} s); import skipped (--no-import)")
-        return ImageResult(plan, None, built=built, imported=False, seconds=time.perf_counter() - t0)
+        return ImageResult(plan, None, built=built, imported=False, seconds=time.perf_counter() - t0,
+                           timings=timings)
     if enroot is None:
         raise ToolError(f"enroot not found: install enroot (https://github.com/NVIDIA/enroot) or run `make image` "
                         f"on a node that has it; the podman image {plan.tag} is built")
 
+    t1 = time.perf_counter()
     notes = _enroot_import(plan, enroot, podman, console)
+    timings["import"] = time.perf_counter() - t1
     record = _record(plan, image_id=podman.image_id(plan.tag), enroot_version=enroot.version())
-    _write_atomic(plan.sidecar, json.dumps(record, indent=2) + "\n")
+    write_atomic(plan.sidecar, json.dumps(record, indent=2) + "\n")
     _make_current(plan, record)
     seconds = time.perf_counter() - t0
     console.print(f"[green]image ready[/]: {escape(str(plan.squashfs))} ({human(record['size_bytes'])}) in "
                   f"{seconds:.0f} s; {escape(plan.link.name)} -> {escape(plan.squashfs.name)}", highlight=False)
-    return ImageResult(plan, plan.squashfs, built=built, imported=True, seconds=seconds, record=record, notes=notes)
+    return ImageResult(plan, plan.squashfs, built=built, imported=True, seconds=seconds, record=record, notes=notes,
+                       timings=timings)
 
 
 # ---------------------------------------------------------------- prune
@@ -635,7 +522,7 @@ def prune_images(cfg: "Config", keep: int = 1, *, root: Path | None = None,
         raise ConfigError("--keep", f"must be >= 1 (the current image is always kept), got {keep}")
     console = console or Console()
     root = (root or project_root()).resolve()
-    out = _resolve(root, cfg.image.output_dir)
+    out = resolve_path(root, cfg.image.output_dir)
     name = cfg.image.name
     pattern = re.compile(_IMAGE_FILE.format(name=re.escape(name)))
     images = sorted((p for p in out.glob(f"{name}-*.sqsh") if pattern.fullmatch(p.name) and not p.is_symlink()),
@@ -668,9 +555,12 @@ def prune_images(cfg: "Config", keep: int = 1, *, root: Path | None = None,
             keep_tags.add(image_plan(cfg, root=root, enroot_mount=False, git=False).tag)
         except (ConfigError, ToolError):
             pass
-        for tag in podman.tags(f"localhost/{name}"):
-            if tag not in keep_tags and podman.untag(tag):
-                console.print(f"removed podman tag {tag}", highlight=False, markup=False)
+        untagged = [tag for tag in podman.tags(f"localhost/{name}") if tag not in keep_tags and podman.untag(tag)]
+        for tag in untagged:
+            console.print(f"removed podman tag {tag}", highlight=False, markup=False)
+        if untagged:
+            console.print("podman keeps their unshared layers as build cache: `podman image prune` frees them",
+                          highlight=False, markup=False)
     if not removed:
         console.print(f"nothing to prune: {len(kept)} image(s) kept in {out}", highlight=False, markup=False)
     return removed

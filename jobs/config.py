@@ -164,18 +164,31 @@ class LaunchSection:
 
 @dataclass
 class ImageSection:
-    """How `make image` builds the training image."""
+    """How `make image` builds the training image (containers/image.py).
+
+    Relative paths are relative to the checkout. The tag is localhost/NAME:HASH12
+    and the squashfs OUTPUT_DIR/NAME-HASH12.sqsh, HASH a hash of the Dockerfile,
+    the build args and the files copied in; OUTPUT_DIR/NAME.sqsh links to the
+    current one.
+    """
 
     dockerfile: str = "containers/Dockerfile"
+    # Keep in sync with containers/Dockerfile's ARG BASE_IMAGE.
     base_image: str = "nvcr.io/nvidia/pytorch:25.01-py3"
     name: str = "slipway"
     output_dir: str = "images"
+    # Build flash-attn against the base's torch and CUDA; false for bases without CUDA.
     flash_attn: bool = True
+    # Extra `--build-arg`s (e.g. MAX_JOBS, FLASH_ATTN_VERSION, SMOKE); they override slipway's own.
     build_args: dict[str, str] = field(default_factory=dict)
+    # podman build --network=host (needed on CSCS).
     network_host: bool = False
     isolation: Optional[Literal["chroot", "oci", "rootless"]] = None
+    # A directory of wheels: pip installs from it alone (--no-index), for nodes without internet.
     wheelhouse: Optional[str] = None
+    # ENROOT_SQUASH_OPTIONS for enroot import (RHEL9's mksquashfs has no lzo, enroot's default).
     squash_options: str = "-comp zstd -Xcompression-level 3 -b 1M"
+    # compute: build and import inside one srun (podman storage on /dev/shm dies with the job).
     build_on: Literal["local", "compute"] = "local"
 
     def check(self, where: str) -> None:

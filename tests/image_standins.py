@@ -10,7 +10,8 @@ $ENROOT_SQUASH_OPTIONS`) so the rest of the flow runs on a real image.
 Behaviour is chosen through the environment at call time:
   FAKE_ENROOT_MOUNT=1     enroot's import --help lists `-x` (CSCS's build)
   FAKE_ENROOT_MODE        ok (default: write a small file), fail (half a file,
-                          exit 1), exit127 (a whole squashfs, then exit 127),
+                          exit 1), hang (half a file, then sleep), exit127 (a
+                          whole squashfs, then exit 127),
                           real (the podman export + mksquashfs described above)
   FAKE_PODMAN_FAIL=pull   podman build fails as when the base cannot be pulled
 """
@@ -85,6 +86,11 @@ mode = os.environ.get("FAKE_ENROOT_MODE", "ok")
 print("[INFO] Fetching image " + uri, flush=True)
 if mode == "ok":
     out.write_bytes(b"hsqs" + b"\\0" * 1000)
+elif mode == "hang":
+    import time
+    out.write_bytes(b"hsqs-half")
+    print("[INFO] Creating squashfs filesystem...", flush=True)
+    time.sleep(120)
 elif mode == "fail":
     out.write_bytes(b"hsqs-half")
     print("[ERROR] mksquashfs: write failed")

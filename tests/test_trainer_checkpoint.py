@@ -114,8 +114,9 @@ def states_of(model, opt, sched, data=None, rng=True) -> dict:
 def snapshot(model, opt) -> dict:
     """Model and flattened optimizer state, cloned (what must come back exactly)."""
     out = {}
-    for key, sd in (("model", ModelState([model]).state_dict()), ("optimizer", OptimizerState([model], [opt]).state_dict())):
-        for name, value in sd.items():
+    parts = {"model": ModelState([model]), "optimizer": OptimizerState([model], [opt])}
+    for key, state in parts.items():
+        for name, value in state.state_dict().items():
             out[f"{key}.{name}"] = value.detach().clone() if isinstance(value, torch.Tensor) else value
     return out
 
@@ -358,7 +359,8 @@ def test_reshard_fsdp2_tp_and_pipeline_stages(tmp_path):
 
 def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     """The whole model and optimizer state gathered from shards (rank 0 gets it), like `snapshot`."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
 
     full_opts = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
     out = {f"model.{k}": v for k, v in get_model_state_dict(model, options=full_opts).items()}

@@ -380,7 +380,7 @@ def test_state_dict_round_trip_reproduces_the_next_batches(tmp_path):
     expected = [first.next_batch() for _ in range(80)]  # crosses an epoch boundary
     resumed, _, _ = build_data(cfg, tmp_path, 0, 1)
     resumed.load_state_dict(state)
-    for (x, y), (rx, ry) in zip(expected, [resumed.next_batch() for _ in range(80)]):
+    for (x, y), (rx, ry) in zip(expected, [resumed.next_batch() for _ in range(80)], strict=True):
         assert torch.equal(x, rx) and torch.equal(y, ry)
     assert resumed.state_dict() == first.state_dict() and resumed.epoch >= 1
     cfg.data.seq_len = 8
@@ -477,3 +477,41 @@ def test_other_bad_inputs(tmp_path):
     (tmp_path / "d.csv").write_text("text\nhello\n")
     err = _one_line_error(config(tmp_path, dataset=str(tmp_path / "d.csv")), tmp_path)
     assert err.field == "data.dataset" and "not a supported file type" in str(err)
+
+
+# --------------------------------------------------------------------------
+# Hub names, offline: from the local Hugging Face cache, or a clear error
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch) -> Path:
+    """An empty HF hub cache in offline mode (no network is tried)."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    datasets = pytest.importorskip("datasets")
+    cache = tmp_path / "hf hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_hub_tokenizer_by_name_from_the_local_cache(tmp_path, offline_hub):
+    repo = offline_hub / "models--acme--tok"
+    (repo / "snapshots" / ("a" * 40)).mkdir(parents=True)
+    shutil.copy(BUILTIN_TOKENIZER, repo / "snapshots" / ("a" * 40) / "tokenizer.json")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    cfg = config(tmp_path, dataset=str(write_jsonl(tmp_path / "d.jsonl", DOCS)), tokenizer="acme/tok")
+    train, _, vocab = build_data(cfg, tmp_path, 0, 1)
+    assert vocab == 4096
+    np.testing.assert_array_equal(all_tokens(train), expected_stream(DOCS))
+
+
+def test_hub_names_that_cannot_be_loaded(tmp_path, offline_hub):
+    err = _one_line_error(config(tmp_path, dataset="no-such-dataset-xyz"), tmp_path)
+    assert err.field == "data.dataset" and "could not load 'no-such-dataset-xyz' from the Hugging Face hub" in str(err)
+    data = str(write_jsonl(tmp_path / "d.jsonl", DOCS))
+    err = _one_line_error(config(tmp_path, dataset=data, tokenizer="acme/missing"), tmp_path)
+    assert err.field == "data.tokenizer" and "HF_HUB_OFFLINE=1" in str(err)

@@ -62,7 +62,8 @@ def load_ours(path: Path) -> Transformer:
     return model
 
 
-@pytest.mark.parametrize("tie,kv_heads", [(True, 2), (False, 2), (False, 4)], ids=["tied-gqa", "untied-gqa", "untied-mha"])
+@pytest.mark.parametrize("tie,kv_heads", [(True, 2), (False, 2), (False, 4)],
+                         ids=["tied-gqa", "untied-gqa", "untied-mha"])
 def test_load_and_export_give_transformers_logits(tmp_path, tie, kv_heads):
     hf = make_hf(tmp_path / "hf", tie, kv_heads)
     ours = load_ours(tmp_path / "hf")

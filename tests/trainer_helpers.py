@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -69,8 +70,12 @@ class SyntheticSampler:
         self.shape = (micro_batch_size, seq_len)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed = 0
+        # Tests that must catch a run mid-way slow it down (seconds per micro batch).
+        self.delay_s = float(os.environ.get("SLIPWAY_TEST_BATCH_DELAY", "0"))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         index = self.consumed * self.dp_size + self.dp_rank
         self.consumed += 1
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)

@@ -26,6 +26,7 @@ with `rank_local = True` (see `RNGState`) takes that path.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer.config import CheckpointSection
+from trainer.fs import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +99,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _write_durably(path: Path, write) -> None:
-    """Write `path` through a temporary name, fsynced, then renamed into place."""
-    part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
 
 
 def read_model_weights(path: Path, key: str = MODEL_KEY) -> dict[str, torch.Tensor]:
@@ -242,14 +234,13 @@ class _Pending:
     future: Future
     step: int
     tmp: Path
-    final: bool
 
 
 class Checkpointer:
     """Saves and loads `dict[str, Stateful]` at `ckpt_dir/step-NNNNNN/`.
 
-    Every method is collective: when a process group exists, all ranks call it
-    in the same order. Rank 0 alone touches directory names; every rank writes
+    Every rank constructs it and calls every method (all are collective when a
+    process group exists), in the same order. Rank 0 alone touches directory names; every rank writes
     its own shards and its rank-local file."""
 
     def __init__(self, ckpt_dir: Path, cfg: CheckpointSection):
@@ -290,9 +281,11 @@ class Checkpointer:
     # ---- writing ------------------------------------------------------------
 
     def save(self, step: int, states: dict[str, Any], final: bool = False) -> None:
-        """Save `states` as checkpoint `step`. With `checkpoint.async_save` this returns once
-        the state is staged in memory and the files are written in the background (finished
-        by the next save or `close()`); `final=True` always saves synchronously."""
+        """Save `states` as checkpoint `step` (0 included, for save_initial). With
+        `checkpoint.async_save` this returns once the state is staged in CPU memory and the
+        files are written in the background, made visible by the next save or `close()`;
+        `final=True` always saves synchronously. A complete checkpoint of the same step is
+        never overwritten: the save is skipped with a warning."""
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
         self._wait_pending()
@@ -317,7 +310,7 @@ class Checkpointer:
             response = dcp.async_save(shared, checkpoint_id=tmp, process_group=self._pg,
                                       no_dist=not self.distributed)
             future = getattr(response, "upload_completion", response)
-            self._pending = _Pending(future, step, tmp, final)
+            self._pending = _Pending(future, step, tmp)
             return
         dcp.save(shared, checkpoint_id=tmp, process_group=self._pg, no_dist=not self.distributed)
         self._commit(step, tmp, final)
@@ -333,7 +326,7 @@ class Checkpointer:
         if pending is None:
             return
         pending.future.result()  # re-raises a failed background write; the .tmp dir then stays unused
-        self._commit(pending.step, pending.tmp, pending.final)
+        self._commit(pending.step, pending.tmp, final=False)
 
     def _commit(self, step: int, tmp: Path, final: bool) -> None:
         """Every rank's files are in `tmp`: rank 0 marks it complete and renames it into place."""
@@ -341,7 +334,7 @@ class Checkpointer:
         if self.rank == 0:
             meta = {"format": FORMAT, "step": step, "world_size": self.world_size, "final": final,
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__}
-            _write_durably(tmp / MARKER, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+            write_atomic(tmp / MARKER, json.dumps(meta, indent=1) + "\n")
             _fsync_dir(tmp)
             final_path = step_dir(self.dir, step)
             os.replace(tmp, final_path)
@@ -364,8 +357,9 @@ class Checkpointer:
     def _save_rank_local(self, tmp: Path, local: dict[str, Any]) -> None:
         if not local:
             return
-        payload = {name: obj.state_dict() for name, obj in local.items()}
-        _write_durably(tmp / f"rank-{self.rank:05d}.pt", lambda f: torch.save(payload, f))
+        buffer = io.BytesIO()
+        torch.save({name: obj.state_dict() for name, obj in local.items()}, buffer)
+        write_atomic(tmp / f"rank-{self.rank:05d}.pt", buffer.getvalue())
 
     def _load_rank_local(self, path: Path, local: dict[str, Any]) -> None:
         if not local:

@@ -36,9 +36,15 @@ import numpy as np
 import torch
 
 from trainer.config import ConfigError, DataSection, TrainerConfig
-from trainer.data_cache import TokenFile, ensure_tokens
-from trainer.data_sources import (TextSource, is_single_split, load_tokenizer, looks_local, resolve_source,
-                                  resolve_tokenizer)
+from trainer.data_cache import ensure_tokens
+from trainer.data_sources import (
+    TextSource,
+    is_single_split,
+    load_tokenizer,
+    looks_local,
+    resolve_source,
+    resolve_tokenizer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +186,9 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
     check_vocab_size(cfg.model.vocab_size, train.vocab_size, data.tokenizer)
     train_tokens, val_tokens = train.tokens, None
     if val_source is not None:
-        val_tokens = ensure_tokens(val_source, tokenizer, cache_dir, num_proc=data.num_proc).tokens
+        val = ensure_tokens(val_source, tokenizer, cache_dir, num_proc=data.num_proc)
+        val_tokens = val.tokens
+        _check_windows(val_tokens, data.seq_len, val.index["source"], "data.validation_split")
     elif data.validation_fraction > 0:
         n_val = int(len(train.tokens) * data.validation_fraction)
         if n_val < data.seq_len + 1:
@@ -189,20 +197,19 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
                               f"window of data.seq_len + 1 = {data.seq_len + 1}: raise it, lower data.seq_len, "
                               "or set it to 0 to skip validation")
         train_tokens, val_tokens = train.tokens[:-n_val], train.tokens[-n_val:]
-    _check_windows(train_tokens, data, train, "data.dataset")
+    _check_windows(train_tokens, data.seq_len, train.index["source"], "data.dataset")
     train_sampler = Sampler(train_tokens, data.seq_len, batch, dp_rank, dp_size, seed=cfg.run.seed)
     val_sampler = None
     if val_tokens is not None:
-        _check_windows(val_tokens, data, train, "data.validation_split")
         val_sampler = Sampler(val_tokens, data.seq_len, batch, dp_rank, dp_size, shuffle=False, name="validation")
     if int(os.environ.get("RANK", "0")) == 0:
-        log.info("data: %s; train %s windows, validation %s; tokens %s", train.index["source"],
+        log.info("%s; train %s windows, validation %s; tokens %s", train.index["source"],
                  f"{train_sampler.n_windows:,}", f"{val_sampler.n_windows:,} windows" if val_sampler else "none",
                  train.path)
     return train_sampler, val_sampler, train.vocab_size
 
 
-def _check_windows(tokens: np.ndarray, data: DataSection, cache: TokenFile, where: str) -> None:
-    if len(tokens) < data.seq_len + 1:
-        raise ConfigError(where, f"{len(tokens):,} tokens hold no window of data.seq_len + 1 = {data.seq_len + 1} "
-                          f"({cache.index['source']}): lower data.seq_len or use more data")
+def _check_windows(tokens: np.ndarray, seq_len: int, source: str, where: str) -> None:
+    if len(tokens) < seq_len + 1:
+        raise ConfigError(where, f"{len(tokens):,} tokens of {source} hold no window of data.seq_len + 1 = "
+                          f"{seq_len + 1}: lower data.seq_len or use more data")

@@ -38,14 +38,16 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
 from trainer.config import ConfigError
 from trainer.data_sources import TextSource, TokenizerSpec, eos_id, load_tokenizer
+from trainer.fs import write_atomic
 
 FORMAT_VERSION = 1
 HEARTBEAT_S = 10.0
@@ -117,30 +119,23 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _host_tag() -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())
+
+
 def _tmp_name(path: Path) -> Path:
-    """A temporary name beside `path` that says who writes it (host, pid)."""
-    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())
-    return path.with_name(f"{path.name}.tmp.{host}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    """A temporary name beside `path` that says who writes it: NAME.tmp.HOST.PID.RANDOM."""
+    return path.with_name(f"{path.name}.tmp.{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
 
 
 def _sweep_tmp(paths: CachePaths) -> None:
     """Remove what killed writers left: their pid is gone on this host, or it is a day old."""
-    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())
-    for tmp in paths.dir.glob(f"{paths.stem}.*.tmp.*"):
-        parts = tmp.name.rsplit(".", 3)
-        with contextlib.suppress(OSError, ValueError):
-            dead = parts[1] == host and not _pid_alive(int(parts[2]))
+    for tmp in [*paths.dir.glob(f"{paths.stem}.*.tmp.*"), *paths.dir.glob(f".{paths.stem}.*.tmp")]:
+        _, host, pid, _ = (tmp.name.rsplit(".", 3) + ["", "", "", ""])[:4]
+        with contextlib.suppress(OSError):
+            dead = host == _host_tag() and pid.isdigit() and not _pid_alive(int(pid))
             if dead or time.time() - tmp.stat().st_mtime > 86400:
                 tmp.unlink()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = _tmp_name(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -323,7 +318,7 @@ def _write(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, num_
         if launch and isinstance(exc, Exception):
             field = exc.field if isinstance(exc, ConfigError) else ""
             message = str(exc).removeprefix(f"{field}: ") if field else f"{type(exc).__name__}: {exc}"
-            _write_atomic(paths.error, json.dumps({"field": field, "message": message, "launch": launch}).encode())
+            write_atomic(paths.error, json.dumps({"field": field, "message": message, "launch": launch}))
         raise
     found = open_tokens(paths)
     if found is None or found.index != index:
@@ -334,7 +329,7 @@ def _write(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, num_
 
 def write_tokens(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, num_proc: int = 0) -> dict:
     """Tokenize `source` into `paths.bin` and `paths.index`, atomically. Returns the index."""
-    threads = num_proc or os.cpu_count() or 1
+    threads = num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))  # tokenizers' pool, before its first use
     tok = load_tokenizer(tokenizer)
     eos = eos_id(tok, tokenizer.spec)
@@ -342,6 +337,7 @@ def write_tokens(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     tmp = _tmp_name(paths.bin)
+    _log(f"data: tokenizing {source.description} with {tokenizer.description} ({threads} threads) -> {paths.bin}")
     n_tokens = n_docs = n_chars = 0
     start = time.perf_counter()
     try:
@@ -368,7 +364,7 @@ def write_tokens(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths
              "tokenizer": tokenizer.description, "inputs": {"source": source.identity,
                                                           "tokenizer": tokenizer.identity},
              "seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    _write_atomic(paths.index, json.dumps(index, indent=1).encode())
+    write_atomic(paths.index, json.dumps(index, indent=1))
     _fsync_dir(paths.dir)
     _log(f"data: tokenized {source.description}: {n_docs:,} documents, {n_tokens:,} tokens in {seconds:.1f}s "
          f"({n_chars / max(seconds, 1e-9) / 1e6:.1f} M chars/s) -> {paths.bin}")
@@ -384,34 +380,39 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _bar_library() -> str:
+    """'rich' or 'tqdm' when stderr is a terminal and one is installed, else '' (plain log lines)."""
+    if not sys.stderr.isatty():
+        return ""
+    for name in ("rich", "tqdm"):
+        with contextlib.suppress(ImportError):
+            __import__(name)
+            return name
+    return ""
+
+
 @contextlib.contextmanager
 def _progress(source: TextSource) -> Iterator[Any]:
+    """Yields `advance(units, tokens_so_far)`."""
     total, unit = source.progress_total
-    label = f"tokenizing {source.description}"
-    if sys.stderr.isatty():
-        try:
-            from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeElapsedColumn, TimeRemainingColumn)
-        except ImportError:
-            pass
-        else:
-            count = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
-            with Progress(TextColumn("{task.description}"), BarColumn(), count, TextColumn("{task.fields[tok]}"),
-                          TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
-                          transient=False) as bar:
-                task = bar.add_task(label, total=total, tok="")
-                yield lambda n, tokens: bar.update(task, advance=n, tok=f"{tokens:,} tokens")
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            pass
-        else:
-            with tqdm(total=total, desc=label, unit="B" if unit == "bytes" else " rows", unit_scale=True) as bar:
-                yield lambda n, tokens: bar.update(n)
-            return
-    _log(f"data: {label} ...")
+    library = _bar_library()
+    if library == "rich":
+        import rich.console as rc
+        import rich.progress as rp
+
+        count = rp.DownloadColumn() if unit == "bytes" else rp.MofNCompleteColumn()
+        columns = (rp.TextColumn("tokenizing"), rp.BarColumn(), count, rp.TextColumn("{task.fields[tok]}"),
+                   rp.TimeElapsedColumn(), rp.TimeRemainingColumn())
+        with rp.Progress(*columns, console=rc.Console(stderr=True)) as bar:
+            task = bar.add_task("tokenizing", total=total, tok="")
+            yield lambda n, tokens: bar.update(task, advance=n, tok=f"{tokens:,} tokens")
+        return
+    if library == "tqdm":
+        from tqdm import tqdm
+
+        with tqdm(total=total, desc="tokenizing", unit="B" if unit == "bytes" else " rows", unit_scale=True) as t:
+            yield lambda n, tokens: t.update(n)
+        return
     done, last = 0, time.monotonic()
 
     def advance(n: int, tokens: int) -> None:

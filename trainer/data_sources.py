@@ -21,16 +21,17 @@ holding one (or a saved transformers tokenizer), or a hub name (`gpt2`).
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import gzip
 import hashlib
 import io
 import json
 import os
-import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from trainer.config import ConfigError
 
@@ -146,7 +147,8 @@ class TextSource:
             return datasets.load_dataset(self.name, self.config, split=self.split)
         except ValueError as exc:  # unknown split or config
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            where = "data.split" if "split" in first.lower() else "data.dataset_config"
+            split_field = "data.validation_split" if self.field == "data.validation_split" else "data.split"
+            where = split_field if "split" in first.lower() else "data.dataset_config"
             raise ConfigError(where, f"{self.description}: {first}") from None
         except Exception as exc:  # network, missing dataset, offline without a cache
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -175,7 +177,7 @@ class _TextFile:
         delta, self._pos = now - self._pos, now
         return delta
 
-    def __enter__(self) -> "_TextFile":
+    def __enter__(self) -> _TextFile:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -35,6 +35,7 @@ from typing import Any, Iterator, Optional
 import torch
 import yaml
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import read_model_weights
 from trainer.config import ConfigError, ModelSection
@@ -109,7 +110,7 @@ def expected_shapes(cfg: ModelSection) -> dict[str, tuple[int, ...]]:
 def _check_complete(weights: dict[str, torch.Tensor], cfg: ModelSection, source: str) -> None:
     expected = expected_shapes(cfg)
     missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected) - {"output.weight"})
+    extra = sorted(set(weights) - set(expected))
     if missing or extra:
         what = (f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing
                 else f"has extra {', '.join(extra[:4])}")
@@ -140,6 +141,10 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
                                  "(config.json and *.safetensors)") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(WHERE, f"{path} is not valid JSON: {exc}") from None
+    required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [k for k in required if not isinstance(raw.get(k), int)]
+    if missing:
+        raise ConfigError(WHERE, f"{path} lacks integer {', '.join(missing)}: not a Llama config.json")
     if raw.get("model_type") != "llama":
         raise ConfigError(WHERE, f"{path}: model_type is {raw.get('model_type')!r}, only 'llama' "
                                  "(LlamaForCausalLM) checkpoints map onto this model")
@@ -281,6 +286,9 @@ def export_hf(source: Path | nn.Module, out_dir: Path, cfg: ModelSection, *, dty
         raise FileExistsError(f"{out_dir} already exists: pick another --out or pass --overwrite")
     if isinstance(source, nn.Module):
         weights = {k: v.detach() for k, v in source.state_dict().items()}
+        if any(isinstance(v, DTensor) for v in weights.values()):
+            raise ValueError("export_hf takes an unsharded model; export a sharded one from its "
+                             "checkpoint directory (python -m trainer.hf export --run RUN_DIR)")
     else:
         weights = read_model_weights(Path(source))
     if cfg.tie_embeddings:

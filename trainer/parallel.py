@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.config import ConfigError, ParallelSection, TrainerConfig
-from trainer.model import Transformer, select_attention
+from trainer.model import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,6 @@ class DistEnv:
     world_size: int
     device: torch.device
     owns_group: bool  # we created the process group, so we destroy it
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def _env_from_slurm() -> None:
@@ -76,7 +72,8 @@ def init_distributed() -> DistEnv:
     if world_size > 1 and not dist.is_initialized():
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
-            raise ConfigError("launch", f"WORLD_SIZE is {world_size} but {' and '.join(missing)} is not set: "
+            verb = "is" if len(missing) == 1 else "are"
+            raise ConfigError("launch", f"WORLD_SIZE is {world_size} but {' and '.join(missing)} {verb} not set: "
                               "launch with torchrun, or export them in the batch script before srun")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
                                 device_id=device if device.type == "cuda" else None)
@@ -119,9 +116,12 @@ class ParallelDims:
             raise ConfigError("parallel", f"dp({cfg.dp}) x tp({cfg.tp}) x pp({cfg.pp}) = {cfg.world_size} != "
                               f"world size {world_size}: launch {cfg.world_size} processes "
                               f"or change parallel.dp/tp/pp so that their product is {world_size}")
-        if cfg.tp > 1 and cls._replicated(cfg):
-            raise ConfigError("parallel.dp_mode", f"DDP (dp_mode ddp or zero_stage 0) cannot reduce tensor-parallel "
-                              f"parameters and tp is {cfg.tp}: use dp_mode fsdp with zero_stage 1, 2 or 3")
+        if cls._replicated(cfg) and cfg.dp > 1 and (cfg.tp > 1 or cfg.pp > 1):
+            # DDP cannot reduce DTensor (tensor-parallel) gradients, and its bucket
+            # rebuild breaks on a pipeline's several backwards per step (torchtitan
+            # also keeps DDP 1-D).
+            raise ConfigError("parallel.dp_mode", f"DDP (dp_mode ddp or zero_stage 0) is data parallel only, but "
+                              f"tp is {cfg.tp} and pp is {cfg.pp}: use dp_mode fsdp with zero_stage 1, 2 or 3")
         return cls(cfg, world_size)
 
     @staticmethod
@@ -287,12 +287,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-def build_model(cfg: TrainerConfig, dims: ParallelDims, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """This rank's part of the model, sharded, on `device`, initialised from cfg.run.seed."""
-    attn = select_attention(cfg.model, device, dtype)
-    log.info("attention: %s", "flash-attn" if attn == "flash" else "torch scaled_dot_product_attention")
+def build_model(cfg: TrainerConfig, dims: ParallelDims, device: torch.device, dtype: torch.dtype,
+                attn_impl: str = "sdpa") -> nn.Module:
+    """This rank's part of the model, sharded, on `device`, initialised from cfg.run.seed.
+    `attn_impl` is what model.select_attention chose ("flash" or "sdpa")."""
     with torch.device("meta"):
-        model = Transformer(cfg.model, attn)
+        model = Transformer(cfg.model, attn_impl)
     if dims.pp > 1:
         split_for_stage(model, dims.pp_rank, dims.pp)
     if dims.tp > 1:

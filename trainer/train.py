@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from trainer.config import ConfigError, TrainerConfig, load_trainer_config
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
-from trainer.model import num_flops_per_token
+from trainer.model import num_flops_per_token, select_attention
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from trainer.parallel import (Batch, ParallelDims, Runner, build_model, build_runner, distributed_session,
                               global_mean, resolve_dtype)
@@ -61,15 +61,20 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
         dims = ParallelDims.from_config(cfg.parallel, env.world_size)
         dims.build_mesh(env.device.type)
         dtype = resolve_dtype(cfg.train.dtype, env.device)
+        attn_impl = select_attention(cfg.model, env.device, dtype)  # a config error: before the data work
         torch.manual_seed(cfg.run.seed)
-        log.info("world %d = pp %d x dp %d x tp %d on %s, %s", env.world_size, dims.pp, dims.dp, dims.tp,
-                 env.device, dtype)
+        accum = cfg.train.grad_accum_steps
+        tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len * accum * dims.dp
+        log.info("world %d = pp %d x dp %d x tp %d on %s, %s, attention %s; global batch = micro_batch_size(%d) x "
+                 "grad_accum_steps(%d) x dp(%d) windows of %d = %d tokens", env.world_size, dims.pp, dims.dp, dims.tp,
+                 env.device, dtype, attn_impl, cfg.train.micro_batch_size, accum, dims.dp, cfg.data.seq_len,
+                 tokens_per_step)
 
         train_data, val_data, vocab_size = (data or _default_data())(cfg, run_dir, dims.dp_rank, dims.dp)
         if vocab_size > cfg.model.vocab_size:
             raise ConfigError("model.vocab_size", f"the tokenizer has {vocab_size} tokens but model.vocab_size is "
                               f"{cfg.model.vocab_size}: set model.vocab_size >= {vocab_size}")
-        model = build_model(cfg, dims, env.device, dtype)
+        model = build_model(cfg, dims, env.device, dtype, attn_impl)
         runner = build_runner(model, dims, cfg, env.device, dtype)
         optimizer = build_optimizer(model, cfg.train, env.device)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.train)
@@ -85,8 +90,9 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
                                 num_flops_per_token(cfg.model, cfg.data.seq_len))
         profiler = StepProfiler(cfg.logging, run_dir, env.rank)
         stop = StopSignal()
-        accum = cfg.train.grad_accum_steps
-        tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len * accum * dims.dp
+        evaluating = val_data is not None and cfg.train.eval_interval > 0 and runner.can_eval
+        if val_data is not None and cfg.train.eval_interval > 0 and not runner.can_eval:
+            log.warning("evaluation off: this torch has no forward-only pipeline schedule (torch >= 2.9 has)")
         val_start = copy.deepcopy(val_data.state_dict()) if val_data is not None else None
         result = TrainResult(state.step, None, requeue=False)
         window_start, window_steps, data_s = time.perf_counter(), 0, 0.0
@@ -113,12 +119,14 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
                     metrics.log_train(state.step, result.loss, lr, grad_norm.item(), tokens_per_step * window_steps,
                                       elapsed, window_steps, data_s)
                     window_start, window_steps, data_s = time.perf_counter(), 0, 0.0
-                if val_data is not None and cfg.train.eval_interval and state.step % cfg.train.eval_interval == 0:
+                t_aside = time.perf_counter()  # evaluation and saving are not training time
+                if evaluating and state.step % cfg.train.eval_interval == 0:
                     metrics.log_eval(state.step, evaluate(runner, val_data, val_start, cfg, dims, env.device))
-                result.step, result.requeue = state.step, stop.agreed(env.device)
+                result.step, result.requeue = state.step, stop.agreed(env.device) and not last
                 if checkpointer is not None and (last or result.requeue
                                                  or state.step % cfg.checkpoint.interval == 0):
                     checkpointer.save(state.step, states, final=last)
+                window_start += time.perf_counter() - t_aside
                 if result.requeue:
                     log.warning("stopping after step %d on %s: exit %d to be requeued", state.step,
                                 stop.received, EX_TEMPFAIL)
@@ -135,9 +143,6 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
 def evaluate(runner: Runner, val_data: Sampler, val_start: dict, cfg: TrainerConfig, dims: ParallelDims,
              device: torch.device) -> float:
     """Mean loss over eval_batches global batches, the same ones every time."""
-    if not runner.can_eval:
-        log.warning("evaluation skipped: this torch has no forward-only pipeline schedule")
-        return float("nan")
     val_data.load_state_dict(copy.deepcopy(val_start))
     total = torch.zeros((), device=device)
     for _ in range(cfg.train.eval_batches):

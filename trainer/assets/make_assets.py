@@ -13,6 +13,7 @@ Outputs, beside this file:
   documents are shuffled with a fixed seed so a held-out tail is a fair sample.
 - tokenizer.json: byte-level BPE with `VOCAB_SIZE` entries, trained on the
   corpus, whose only special token is `<|endoftext|>` (the document separator).
+- LICENSE-Python.txt: CPython's LICENSE, which the PSF License asks to retain.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def main() -> None:
     with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints
         docs = collect_documents()
     write_corpus(docs, HERE / "corpus.jsonl.gz")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    license_file = next(p for p in (stdlib / "LICENSE.txt", stdlib.parent / "LICENSE.txt") if p.exists())
+    (HERE / "LICENSE-Python.txt").write_bytes(license_file.read_bytes())
     tok = train_tokenizer([d["text"] for d in docs])
     tok.save(str(HERE / "tokenizer.json"), pretty=False)
     n_chars = sum(len(d["text"]) for d in docs)

@@ -1,0 +1,159 @@
+"""The build context: exactly which files go into the image, and their hash.
+
+The context is assembled from the same list that is hashed, so a file outside
+it (runs/, tests/, caches) can change neither the image nor its tag. Layout
+(what containers/Dockerfile expects):
+
+    src/     pyproject.toml, README.md, LICENSE, trainer/ jobs/ edf/ containers/ configs/
+    wheels/  the offline wheelhouse (image.wheelhouse), empty without one
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from containers.pip_requirements import toml_loads
+from trainer.config import ConfigError
+from trainer.fs import write_atomic
+
+if TYPE_CHECKING:
+    from jobs.config import ImageSection
+
+HASH_SCHEME = "slipway-image-v1"
+# What goes into the image under src/ (the repository layout, see the Dockerfile).
+CONTEXT_FILES = ("pyproject.toml", "README.md", "LICENSE")
+CONTEXT_DIRS = ("trainer", "jobs", "edf", "containers", "configs")
+SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".ipynb_checkpoints"}
+SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
+WHEEL_SUFFIXES = (".whl", ".tar.gz", ".zip")
+# Build args that label the image without changing its contents: not hashed,
+# so a new commit with the same files reuses the image.
+UNHASHED_ARGS = ("GIT_COMMIT",)
+
+
+def project_root() -> Path:
+    """The checkout that holds containers/ (and the Dockerfile's sources)."""
+    here = Path(__file__).resolve().parents[1]
+    return here if (here / "pyproject.toml").is_file() else Path.cwd()
+
+
+# ---------------------------------------------------------------- the build context
+
+
+@dataclass(frozen=True)
+class ContextFile:
+    dest: str  # path inside the build context, e.g. src/trainer/model.py
+    src: Path  # the file on this machine
+
+
+def resolve_path(root: Path, path: str) -> Path:
+    p = Path(os.path.expandvars(os.path.expanduser(path)))
+    return p if p.is_absolute() else root / p
+
+
+def context_files(root: Path, image: "ImageSection") -> list[ContextFile]:
+    """Exactly the files the build context holds, sorted by destination."""
+    files = [ContextFile(f"src/{name}", root / name) for name in CONTEXT_FILES if (root / name).is_file()]
+    for top in CONTEXT_DIRS:
+        for dirpath, dirnames, filenames in os.walk(root / top):
+            dirnames[:] = sorted(d for d in dirnames
+                                 if d not in SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info"))
+            for name in sorted(filenames):
+                if name.startswith(".") or name.endswith(SKIP_SUFFIXES):
+                    continue
+                path = Path(dirpath) / name
+                if path.is_file():
+                    files.append(ContextFile(f"src/{path.relative_to(root).as_posix()}", path))
+    if image.wheelhouse:
+        wheels = resolve_path(root, image.wheelhouse)
+        if not wheels.is_dir():
+            raise ConfigError("image.wheelhouse", f"{wheels} is not a directory: fill one on a machine with "
+                              "internet (`pip download -d DIR ...`) or unset image.wheelhouse")
+        files += [ContextFile(f"wheels/{p.name}", p) for p in sorted(wheels.iterdir())
+                  if p.is_file() and p.name.endswith(WHEEL_SUFFIXES)]
+    return sorted(files, key=lambda f: f.dest)
+
+
+class HashCache:
+    """sha256 of files, remembered by (size, mtime, inode) like git's index, so
+    a no-op build rereads no wheelhouse. Entries younger than 2 s are not kept
+    (a same-second edit could go unseen)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.changed = False
+        try:
+            self.entries: dict[str, list] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+
+    def digest(self, path: Path) -> str:
+        st = path.stat()
+        key, stamp = str(path.resolve()), [st.st_size, st.st_mtime_ns, st.st_ino]
+        hit = self.entries.get(key)
+        if hit and hit[:3] == stamp:
+            return hit[3]
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        digest = h.hexdigest()
+        if time.time_ns() - st.st_mtime_ns > 2_000_000_000:
+            self.entries[key] = [*stamp, digest]
+            self.changed = True
+        return digest
+
+    def save(self) -> None:
+        if self.changed and self.path.parent.is_dir():
+            self.entries = {k: v for k, v in self.entries.items() if os.path.exists(k)}
+            write_atomic(self.path, json.dumps(self.entries))
+            self.changed = False
+
+
+def content_hash(*, dockerfile: str, build_args: dict[str, str], squash_options: str,
+                 files: list[ContextFile], cache: HashCache) -> str:
+    h = hashlib.sha256()
+
+    def add(*parts: str) -> None:
+        h.update(("\0".join(parts) + "\n").encode())
+
+    add(HASH_SCHEME)
+    add("dockerfile", hashlib.sha256(dockerfile.encode()).hexdigest())
+    for key in sorted(build_args):
+        if key not in UNHASHED_ARGS:
+            add("arg", key, build_args[key])
+    add("squash", squash_options)
+    for f in files:
+        add("file", f.dest, "x" if os.access(f.src, os.X_OK) else "-", cache.digest(f.src))
+    return h.hexdigest()
+
+
+def materialize_context(files: list[ContextFile], dest: Path) -> None:
+    """Lay the context out under `dest` (wheels hard-linked where possible)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    (dest / "wheels").mkdir(parents=True)
+    for f in files:
+        target = dest / f.dest
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if f.dest.startswith("wheels/"):
+            try:
+                os.link(f.src, target)
+                continue
+            except OSError:
+                pass
+        shutil.copy2(f.src, target)
+
+
+def project_version(root: Path) -> str:
+    try:
+        return str(toml_loads((root / "pyproject.toml").read_text())["project"]["version"])
+    except (OSError, KeyError, ValueError):
+        return "unknown"

@@ -1,0 +1,257 @@
+"""Single-process unit tests: the Llama decoder, its initialisation, the
+optimizer pieces, the mesh arithmetic and the image smoke test."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.config import ConfigError, ModelSection, ParallelSection, TrainSection
+from trainer.model import Transformer, _seeded_normal, num_flops_per_token, select_attention
+from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor, param_groups
+from trainer.parallel import ParallelDims, split_for_stage, stage_layers
+
+from trainer_helpers import TINY_MODEL
+
+
+def model_cfg(**overrides) -> ModelSection:
+    cfg = ModelSection(**{**TINY_MODEL, **overrides})
+    cfg.check("model")
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return Transformer(model_cfg())
+
+
+# ---- the model --------------------------------------------------------------
+
+
+def test_module_names_are_the_checkpoint_contract(model):
+    names = set(dict(model.named_parameters()))
+    layer = {f"layers.0.{n}.weight" for n in ("attention_norm", "attention.wq", "attention.wk", "attention.wv",
+                                               "attention.wo", "ffn_norm", "feed_forward.w1", "feed_forward.w2",
+                                               "feed_forward.w3")}
+    assert layer | {"tok_embeddings.weight", "norm.weight", "output.weight"} <= names
+    assert not [n for n in names if n.endswith("bias")]
+    assert list(model.layers.keys()) == ["0", "1", "2", "3"]
+    assert not [n for n in model.state_dict() if "rope" in n]  # buffers are not checkpointed
+
+
+def test_logits_shape(model):
+    tokens_BT = torch.randint(0, 256, (3, 17))
+    assert model(tokens_BT).shape == (3, 17, 256)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_param_count_matches_config(tied):
+    cfg = model_cfg(tie_embeddings=tied)
+    m = Transformer(cfg)
+    assert sum(p.numel() for p in m.parameters()) == cfg.num_params()
+    assert (m.output.weight is m.tok_embeddings.weight) == tied
+
+
+def test_gqa_shapes(model):
+    attn = model.layers["0"].attention
+    assert attn.wq.weight.shape == (64, 64)
+    assert attn.wk.weight.shape == attn.wv.weight.shape == (2 * 16, 64)  # 2 kv heads of 16
+
+
+def test_attention_matches_reference_gqa(model):
+    """SDPA with enable_gqa equals explicit causal softmax attention with kv heads repeated."""
+    attn = model.layers["1"].attention
+    x_BTD = torch.randn(2, 9, 64)
+    cos, sin = model.rope_cos, model.rope_sin
+    from trainer.model import apply_rope
+
+    q = apply_rope(attn.wq(x_BTD).view(2, 9, 4, 16), cos[:9], sin[:9]).transpose(1, 2)
+    k = apply_rope(attn.wk(x_BTD).view(2, 9, 2, 16), cos[:9], sin[:9]).transpose(1, 2)
+    v = attn.wv(x_BTD).view(2, 9, 2, 16).transpose(1, 2)
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = q @ k.transpose(-1, -2) / 4.0
+    scores = scores.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+    expected = attn.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 9, 64))
+    torch.testing.assert_close(attn(x_BTD, cos, sin), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_masking(model):
+    tokens_BT = torch.randint(0, 256, (1, 12))
+    changed = tokens_BT.clone()
+    changed[0, 7] = (changed[0, 7] + 1) % 256
+    a, b = model(tokens_BT), model(changed)
+    torch.testing.assert_close(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def test_matches_hugging_face_llama():
+    """Same weights, same logits as transformers' LlamaForCausalLM: the rotary layout
+    is HF's rotate_half, so HF q_proj/k_proj map onto wq/wk without permutation."""
+    transformers = pytest.importorskip("transformers")
+    cfg = model_cfg()
+    ours = Transformer(cfg)
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    names = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+             "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
+             "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
+             "post_attention_layernorm": "ffn_norm"}
+    src = dict(ours.named_parameters())
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            key = (name.replace("model.embed_tokens", "tok_embeddings").replace("model.norm", "norm")
+                   .replace("lm_head", "output").replace("model.layers", "layers"))
+            for hf_name, our_name in names.items():
+                key = key.replace(hf_name, our_name)
+            param.copy_(src[key])
+    tokens_BT = torch.randint(0, cfg.vocab_size, (2, 20))
+    torch.testing.assert_close(ours(tokens_BT), hf(tokens_BT).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_init_is_seeded_and_scaled():
+    cfg = model_cfg(num_layers=8, init_std=0.05)
+    a, b = Transformer(cfg), Transformer(cfg)
+    a.init_weights(seed=3)
+    b.init_weights(seed=3)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    b.init_weights(seed=4)
+    assert not torch.equal(a.tok_embeddings.weight, b.tok_embeddings.weight)
+    assert a.layers["0"].attention_norm.weight.eq(1).all()
+    assert a.layers["0"].feed_forward.w1.weight.std().item() == pytest.approx(0.05, rel=0.05)
+    assert a.layers["0"].feed_forward.w2.weight.std().item() == pytest.approx(0.05 / 4, rel=0.05)  # 1/sqrt(2*8)
+
+
+def test_init_shards_are_slices_of_the_full_tensor():
+    """What a rank generates for its shard equals that slice of the unsharded init."""
+    full = _seeded_normal(5, "w", torch.Size([600, 10]), (0, 0), (600, 10), 1.0)
+    shard = _seeded_normal(5, "w", torch.Size([600, 10]), (250, 3), (300, 4), 1.0)
+    torch.testing.assert_close(shard, full[250:550, 3:7], rtol=0, atol=0)
+    assert not torch.equal(full, _seeded_normal(5, "v", torch.Size([600, 10]), (0, 0), (600, 10), 1.0))
+
+
+def test_num_flops_per_token():
+    cfg = model_cfg()
+    n_matmul = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # without the input embedding
+    assert num_flops_per_token(cfg, 32) == 6 * n_matmul + 12 * 4 * 4 * 16 * 32
+    tied = model_cfg(tie_embeddings=True)
+    assert num_flops_per_token(tied, 32) == 6 * tied.num_params() + 12 * 4 * 4 * 16 * 32
+
+
+def test_attention_choice_on_cpu():
+    assert select_attention(model_cfg(), torch.device("cpu"), torch.float32) == "sdpa"
+    with pytest.raises(ConfigError, match="model.attention: is flash but"):
+        select_attention(model_cfg(attention="flash"), torch.device("cpu"), torch.float32)
+
+
+# ---- optimizer pieces -------------------------------------------------------
+
+
+def test_no_weight_decay_on_norms(model):
+    groups = param_groups(model, 0.1)
+    for group in groups:
+        assert all((p.dim() >= 2) == (group["weight_decay"] == 0.1) for p in group["params"])
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+
+
+def test_lr_schedule():
+    cfg = TrainSection(steps=100, warmup_steps=10, lr=1.0, min_lr=0.1, decay="cosine")
+    assert lr_factor(1, cfg) == pytest.approx(0.1)
+    assert lr_factor(10, cfg) == pytest.approx(1.0)
+    assert lr_factor(55, cfg) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
+    assert lr_factor(100, cfg) == pytest.approx(0.1)
+    linear = TrainSection(steps=100, warmup_steps=0, lr=1.0, min_lr=0.0, decay="linear")
+    assert lr_factor(50, linear) == pytest.approx(0.5)
+    assert lr_factor(77, TrainSection(steps=100, warmup_steps=10, decay="constant")) == 1.0
+    # The scheduler applies factor(step) during optimizer step `step` and round-trips its state.
+    m = torch.nn.Linear(2, 2)
+    opt = build_optimizer(m, cfg, torch.device("cpu"))
+    sched = build_lr_scheduler(opt, cfg)
+    seen = []
+    for _ in range(12):
+        seen.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert seen[0] == pytest.approx(0.1) and seen[9] == pytest.approx(1.0)
+    fresh = build_lr_scheduler(build_optimizer(m, cfg, torch.device("cpu")), cfg)
+    fresh.load_state_dict(sched.state_dict())
+    assert fresh.get_last_lr() == sched.get_last_lr()
+
+
+def test_clip_grad_norm_matches_torch():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    (a(torch.randn(4, 8)).pow(2).sum() * 100).backward()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        pb.grad = pa.grad.clone()
+    ours = clip_grad_norm_(a.parameters(), 0.5)
+    theirs = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.5)
+    torch.testing.assert_close(ours, theirs)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad)
+    assert math.isclose(clip_grad_norm_(a.parameters(), 0).item(), 0.5, rel_tol=1e-4)  # 0 only measures
+
+
+# ---- mesh arithmetic ---------------------------------------------------------
+
+
+def test_world_size_mismatch_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"dp\(2\) x tp\(2\) x pp\(2\) = 8 != world size 4"):
+        ParallelDims.from_config(ParallelSection(dp=2, tp=2, pp=2), 4)
+    for tp, pp in ((2, 1), (1, 2)):
+        with pytest.raises(ConfigError, match="DDP .* is data parallel only.*use dp_mode fsdp"):
+            ParallelDims.from_config(ParallelSection(dp=2, tp=tp, pp=pp, dp_mode="ddp", zero_stage=0), 4)
+    dims = ParallelDims.from_config(ParallelSection(dp=2, tp=2), 4)
+    assert (dims.dp, dims.tp, dims.pp, dims.dp_rank) == (2, 2, 1, 0)
+    assert dims.is_first_stage and dims.is_last_stage
+
+
+def test_pipeline_split_keeps_full_model_names():
+    assert [list(r) for r in stage_layers(5, 2)] == [[0, 1, 2], [3, 4]]
+    first, last = Transformer(model_cfg()), Transformer(model_cfg())
+    split_for_stage(first, 0, 2)
+    split_for_stage(last, 1, 2)
+    assert list(first.layers.keys()) == ["0", "1"] and first.output is None and first.norm is None
+    assert list(last.layers.keys()) == ["2", "3"] and last.tok_embeddings is None
+    assert "layers.2.attention.wq.weight" in dict(last.named_parameters())
+    hidden_BTD = first(torch.randint(0, 256, (2, 8)))
+    assert hidden_BTD.shape == (2, 8, 64) and last(hidden_BTD).shape == (2, 8, 256)
+
+
+def test_smoke_module_passes(capsys):
+    from trainer.smoke import main
+
+    assert main() == 0
+    assert capsys.readouterr().out.startswith("smoke ok: loss ")
+
+
+def test_loss_is_cross_entropy_on_flattened_tokens():
+    from trainer.parallel import cross_entropy
+
+    logits_BTV, targets_BT = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
+    torch.testing.assert_close(cross_entropy(logits_BTV, targets_BT),
+                               F.cross_entropy(logits_BTV.reshape(6, 5), targets_BT.reshape(6)))
+
+
+def test_srun_environment_is_mapped(monkeypatch):
+    """srun sets SLURM_PROCID/LOCALID/NTASKS; torch's RANK/LOCAL_RANK/WORLD_SIZE come from them."""
+    import os
+
+    from trainer.parallel import init_distributed
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                       "MASTER_"))}
+    monkeypatch.setattr(os, "environ", {**clean, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"})
+    env = init_distributed()
+    assert (env.rank, env.local_rank, env.world_size, env.owns_group) == (0, 0, 1, False)
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("0", "0", "1")
+    monkeypatch.setattr(os, "environ", {**clean, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2"})
+    with pytest.raises(ConfigError, match="MASTER_ADDR and MASTER_PORT are not set"):
+        init_distributed()
