@@ -13,13 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.config import Config
-from trainer.config import ConfigError
-
-# Exit code with which the trainer says "saved, requeue me" (EX_TEMPFAIL).
-REQUEUE_EXIT = 75
-# The file the batch script creates when Slurm warns of the time limit; the
-# trainer checks it after every step (signals do not cross torchrun reliably).
-STOP_FILE = "stop-requested"
+from trainer.config import REQUEUE_EXIT, STOP_FILE, ConfigError
 HEARTBEAT_SECONDS = 60
 # `${VAR}` or `${VAR:-default}` with a default that is literal inside double quotes.
 _VAR = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-[A-Za-z0-9_./:@%+=, -]*)?\}")

@@ -157,6 +157,18 @@ def test_sigusr1_stops_with_exit_75_and_resumes(runs, tmp_path):
     _assert_same_run(config.parent, runs / "single")
 
 
+def test_stop_file_stops_after_the_step_and_saves(tmp_path):
+    """The batch script's answer to Slurm's warning (torchrun keeps SIGUSR1 from the workers)."""
+    from trainer.config import STOP_FILE
+    from trainer.train import main
+
+    config = write_run(tmp_path, "warned", tiny_config())
+    (config.parent / STOP_FILE).touch()
+    assert main(["--config", str(config)], data=synthetic_data) == 75
+    assert [r["step"] for r in read_metrics(config.parent)] == [1]
+    assert (config.parent / "checkpoints" / "step-000001" / "COMPLETE").exists()
+
+
 # ---- bad configs: exit 2, one line ------------------------------------------------
 
 

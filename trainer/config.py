@@ -405,6 +405,12 @@ def check_trainer_sections(cfg: Any) -> None:
 
 HOST_SECTIONS = ("slurm", "container", "launch", "image")
 
+# The contract between the batch script and the trainer: on Slurm's time-limit
+# warning the script creates STOP_FILE in the run directory; the trainer saves
+# at the step boundary and exits REQUEUE_EXIT (EX_TEMPFAIL), "requeue me".
+STOP_FILE = "stop-requested"
+REQUEUE_EXIT = 75
+
 
 def load_trainer_config(path: str | Path) -> TrainerConfig:
     """Read the trainer's sections of a resolved config (the host ones are the host's business)."""

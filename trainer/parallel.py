@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -305,6 +306,10 @@ def build_model(cfg: TrainerConfig, dims: ParallelDims, device: torch.device, dt
     model.to_empty(device=device)
     _retie(model)
     model.init_weights(cfg.run.seed)
+    if cfg.model.init_from_hf:  # full fine-tuning from a local Hugging Face Llama
+        from trainer.hf import load_hf_into
+
+        load_hf_into(model, Path(cfg.model.init_from_hf), cfg.model)
     if dims.dp > 1 and dims.ddp:
         return apply_ddp(model, dims.submesh("dp"), device)
     return model

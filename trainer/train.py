@@ -22,17 +22,17 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from trainer.config import ConfigError, TrainerConfig, load_trainer_config
+from trainer.config import REQUEUE_EXIT, STOP_FILE, ConfigError, TrainerConfig, load_trainer_config
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
 from trainer.model import num_flops_per_token, select_attention
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from trainer.parallel import (Batch, ParallelDims, Runner, build_model, build_runner, distributed_session,
                               global_mean, resolve_dtype)
-from trainer.state import TrainState, build_states
+from trainer.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState
 
 log = logging.getLogger(__name__)
 
-EX_TEMPFAIL = 75  # "requeue me": stopped by a signal after saving a checkpoint
+EX_TEMPFAIL = REQUEUE_EXIT  # "requeue me": stopped by a signal after saving a checkpoint
 
 
 class Sampler(Protocol):
@@ -79,17 +79,20 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
         optimizer = build_optimizer(model, cfg.train, env.device)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.train)
         state = TrainState()
-        states = build_states(model, optimizer, lr_scheduler, train_data, state)
-
-        checkpointer = _checkpointer(cfg, run_dir)
-        if checkpointer is not None:
-            state.step = checkpointer.load_latest(states)
-            if state.step == 0 and cfg.checkpoint.save_initial:
-                checkpointer.save(0, states)
+        # What a checkpoint holds; model and optimizer under full-model names, so any
+        # dp/tp/pp layout can load what another saved.
+        states = {"model": ModelState([model]), "optimizer": OptimizerState([model], [optimizer]),
+                  "lr_scheduler": lr_scheduler, "data": train_data, "train_state": state, "rng": RNGState()}
+        checkpointer = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint)
+        state.step = checkpointer.load_latest(states)
+        if state.step:
+            log.info("resumed from step %d of %s", state.step, run_dir / cfg.checkpoint.dir)
+        elif cfg.checkpoint.save_initial:
+            checkpointer.save(0, states)
         metrics = MetricsLogger(cfg, run_dir, env.rank, env.world_size, env.device,
                                 num_flops_per_token(cfg.model, cfg.data.seq_len))
         profiler = StepProfiler(cfg.logging, run_dir, env.rank)
-        stop = StopSignal()
+        stop = StopSignal(run_dir / STOP_FILE)
         evaluating = val_data is not None and cfg.train.eval_interval > 0 and runner.can_eval
         if val_data is not None and cfg.train.eval_interval > 0 and not runner.can_eval:
             log.warning("evaluation off: this torch has no forward-only pipeline schedule (torch >= 2.9 has)")
@@ -123,8 +126,7 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
                 if evaluating and state.step % cfg.train.eval_interval == 0:
                     metrics.log_eval(state.step, evaluate(runner, val_data, val_start, cfg, dims, env.device))
                 result.step, result.requeue = state.step, stop.agreed(env.device) and not last
-                if checkpointer is not None and (last or result.requeue
-                                                 or state.step % cfg.checkpoint.interval == 0):
+                if last or result.requeue or state.step % cfg.checkpoint.interval == 0:
                     checkpointer.save(state.step, states, final=last)
                 window_start += time.perf_counter() - t_aside
                 if result.requeue:
@@ -135,8 +137,7 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
             stop.restore()
             profiler.close()
             metrics.close()
-            if checkpointer is not None:
-                checkpointer.close()
+            checkpointer.close()
         return result
 
 
@@ -155,22 +156,39 @@ def _next_batches(sampler: Sampler, n: int, device: torch.device) -> list[Batch]
     return [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
 
 
+class TrainState:
+    """The optimizer step count (the same on every rank)."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.step = int(state_dict["step"])
+
+
 class StopSignal:
-    """SIGUSR1 (Slurm's warning before the time limit) or SIGTERM (preemption,
-    scancel): finish the step, save, exit EX_TEMPFAIL. The handler only sets a
-    flag; ranks agree on it after every step (all-reduce max) so that all stop
-    on the same step, whichever of them got the signal."""
+    """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (preemption,
+    scancel), or the batch script's stop file (torchrun does not pass SIGUSR1
+    on to its workers): finish the step, save, exit EX_TEMPFAIL. The handler
+    only sets a flag; ranks agree on it after every step (all-reduce max) so
+    that all stop on the same step, whichever of them saw it."""
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, stop_file: Path):
         self.received: Optional[str] = None
+        self.stop_file = stop_file
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum: int, frame) -> None:
         self.received = signal.Signals(signum).name
 
     def agreed(self, device: torch.device) -> bool:
+        if self.received is None and self.stop_file.exists():
+            self.received = f"the stop file {self.stop_file.name}"
         flag = torch.tensor(float(self.received is not None), device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -187,17 +205,6 @@ def _default_data() -> DataBuilder:
     from trainer.data import build_data
 
     return build_data
-
-
-def _checkpointer(cfg: TrainerConfig, run_dir: Path):
-    try:
-        from trainer.checkpoint import Checkpointer
-    except ModuleNotFoundError as exc:  # TODO(lead): drop this guard once trainer/checkpoint.py is in
-        if exc.name != "trainer.checkpoint":
-            raise
-        log.warning("trainer.checkpoint is not available: training without checkpoints")
-        return None
-    return Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint)
 
 
 def main(argv: Optional[list[str]] = None, data: Optional[DataBuilder] = None) -> int:
