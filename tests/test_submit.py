@@ -179,3 +179,16 @@ def test_doctor(project, slurm_env):
     r = slipway("doctor", "tiny_cpu", "container.runtime=edf", "container.image=./images/missing.sqsh")
     assert r.returncode == 1
     assert "fail image and mounts: container.image: squashfs ./images/missing.sqsh does not exist" in r.stdout
+
+
+def test_plot(project):
+    run = project / "runs" / "p1"
+    run.mkdir(parents=True)
+    (run / "manifest.json").write_text("{}")
+    assert slipway("plot", "p1").returncode == 2  # no metrics yet: one line, exit 2
+    lines = [{"kind": "train", "step": s, "loss": 5 - s / 10, "tokens_per_s": 1000.0, "mfu": None} for s in (1, 2, 3)]
+    lines.append({"kind": "eval", "step": 3, "eval_loss": 4.5})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    r = slipway("plot", "p1")
+    assert r.returncode == 0, r.stderr
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
