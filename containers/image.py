@@ -47,7 +47,7 @@ from containers.context import (
 from containers.storage import check_storage_conf
 from containers.tools import Enroot, Podman, Tail, ToolError, git_commit, squashfs_ok, stream, which
 from trainer.config import ConfigError
-from trainer.fs import write_atomic
+from trainer.fs import pid_alive, write_atomic
 
 if TYPE_CHECKING:
     from jobs.config import Config
@@ -356,22 +356,12 @@ def stale_temps(output_dir: Path, glob: str) -> list[Path]:
     for tmp in output_dir.glob(glob):
         tmp_host, _, pid = tmp.name.rsplit(".tmp-", 1)[-1].rpartition("-")
         if tmp_host == host and pid.isdigit():
-            alive = int(pid) != os.getpid() and _pid_alive(int(pid))
+            alive = int(pid) != os.getpid() and pid_alive(int(pid))
         else:
             alive = time.time() - tmp.stat().st_mtime < 86400
         if not alive:
             stale.append(tmp)
     return stale
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Console) -> list[str]:

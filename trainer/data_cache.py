@@ -47,7 +47,7 @@ import numpy as np
 
 from trainer.config import ConfigError
 from trainer.data_sources import TextSource, TokenizerSpec, eos_id, load_tokenizer
-from trainer.fs import write_atomic
+from trainer.fs import pid_alive, write_atomic
 
 FORMAT_VERSION = 1
 HEARTBEAT_S = 10.0
@@ -109,16 +109,6 @@ def _launch_id() -> str:
     return "/".join(ids) if any(ids) else ""
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _host_tag() -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())
 
@@ -133,7 +123,7 @@ def _sweep_tmp(paths: CachePaths) -> None:
     for tmp in [*paths.dir.glob(f"{paths.stem}.*.tmp.*"), *paths.dir.glob(f".{paths.stem}.*.tmp")]:
         _, host, pid, _ = (tmp.name.rsplit(".", 3) + ["", "", "", ""])[:4]
         with contextlib.suppress(OSError):
-            dead = host == _host_tag() and pid.isdigit() and not _pid_alive(int(pid))
+            dead = host == _host_tag() and pid.isdigit() and not pid_alive(int(pid))
             if dead or time.time() - tmp.stat().st_mtime > 86400:
                 tmp.unlink()
 
@@ -214,7 +204,7 @@ class LockWatch:
         if sig != self._sig:
             self._sig, self._changed = sig, time.monotonic()
         info = read_lock(self.path)
-        if info and info.get("host") == _host() and not _pid_alive(int(info.get("pid", -1))):
+        if info and info.get("host") == _host() and not pid_alive(int(info.get("pid", -1))):
             return "dead"
         return "stale" if time.monotonic() - self._changed > self.stale_s else "alive"
 

@@ -26,3 +26,14 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644) 
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (a stale lock or temp file's writer)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, someone else's
+        return True
+    return True
