@@ -199,12 +199,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return status.cancel(run, console=_console())
 
 
-def cmd_image(args: argparse.Namespace) -> int:
-    from containers.__main__ import main as containers_main
-
-    return containers_main(args.rest)
-
-
 def cmd_plot(args: argparse.Namespace) -> int:
     from jobs import runs
     from trainer.plot import plot_run
@@ -266,9 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN")
     p.set_defaults(func=cmd_cancel)
 
-    p = sub.add_parser("image", help="build / show / prune the training image (podman + enroot)", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_image)
+    # Listed for --help; `main` hands `slipway image ...` to `python -m containers` before parsing.
+    sub.add_parser("image", help="build / show / prune the training image (podman + enroot); see image --help")
 
     p = sub.add_parser("plot", help="loss and throughput curves of a run as a PNG")
     p.add_argument("run", metavar="RUN")
@@ -278,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["image"]:  # the image commands parse their own arguments (python -m containers)
+        from containers.__main__ import main as containers_main
+
+        return containers_main(argv[1:])
     parser = build_parser()
     # Overrides may come after flags (`--nodes 2 train.steps=5`): collect the strays.
     args, extra = parser.parse_known_args(argv)

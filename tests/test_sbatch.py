@@ -113,3 +113,10 @@ def test_sbatch_header_parses_with_real_sbatch(tmp_path):
     """sbatch --test-only needs a controller; at least check that sbatch reads our header options."""
     text = render_sbatch(config("none", "torchrun"), PATHS)
     assert text.count("#SBATCH") >= 10
+
+
+def test_custom_training_script_is_launched_the_same_way():
+    cfg = config("none", "torchrun", **{"train.script": "scripts/my train.py"})
+    text = render_sbatch(cfg, PATHS)
+    assert "-m torch.distributed.run" in text
+    assert "'/scratch/u s'\"'\"'er/proj $(x)/scripts/my train.py' --config" in text

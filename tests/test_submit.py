@@ -192,3 +192,8 @@ def test_plot(project):
     r = slipway("plot", "p1")
     assert r.returncode == 0, r.stderr
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_image_subcommand_reaches_the_image_tool(project):
+    r = slipway("image", "--help")
+    assert r.returncode == 0 and "build" in r.stdout and "prune" in r.stdout
