@@ -67,7 +67,7 @@ edf: $(STAMP)
 # A real Slurm cluster of $(NODES) nodes on this machine (root; Debian slurm-wlm + munge).
 cluster-up: $(STAMP)
 	$(PY) tests/cluster.py up --nodes $(NODES)
-	@echo "export SLURM_CONF=$$($(PY) tests/cluster.py env | sed -n 's/^SLURM_CONF=//p')"
+	@echo 'point Slurm commands at it with: eval "$$($(PY) tests/cluster.py env)"' 
 
 cluster-down: $(STAMP)
 	$(PY) tests/cluster.py down
