@@ -85,7 +85,10 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
                   "lr_scheduler": lr_scheduler, "data": train_data, "train_state": state, "rng": RNGState()}
         checkpointer = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint)
         state.step = checkpointer.load_latest(states)
-        if state.step:
+        if state.step >= cfg.train.steps and env.rank == 0:
+            log.warning("this run already reached train.steps=%d (checkpoint at step %d): nothing to train; "
+                        "raise train.steps (with --force) or pick another --run-name", cfg.train.steps, state.step)
+        elif state.step and state.step < cfg.train.steps:
             log.info("resumed from step %d of %s", state.step, run_dir / cfg.checkpoint.dir)
         elif cfg.checkpoint.save_initial:
             checkpointer.save(0, states)
