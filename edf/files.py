@@ -10,10 +10,8 @@ equivalent to the dotted keys people write by hand; both are read.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import tempfile
 import tomllib
 from dataclasses import replace
 from pathlib import Path

@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from edf.environment import ENV_NAME, is_local_image
+from edf.environment import ENV_NAME
 from trainer.config import (
     CheckpointSection,
     ConfigError,

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from jobs import runs
-from jobs.config import Config, is_local_image
+from jobs.config import Config
 from trainer.config import ConfigError
 
 

@@ -26,7 +26,8 @@ from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
 from jobs import slurm
-from jobs.config import Config, dump_config, is_local_image, load_config
+from edf.environment import is_local_image
+from jobs.config import Config, dump_config, load_config
 from jobs.sbatch import RunPaths, render_sbatch
 from trainer.config import ConfigError
 from trainer.fs import write_atomic

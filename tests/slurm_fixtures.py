@@ -29,31 +29,21 @@ SLURM_NODES = 2
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[LocalSlurmCluster]:
+def slurm_cluster() -> Iterator[LocalSlurmCluster]:
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    # One cluster per session even if this fixture is defined twice (imported by
-    # conftest.py and by a test module): they share it through the config object.
-    shared = getattr(request.config, "_slipway_slurm_cluster", None)
-    if shared is None:
-        # Not a pytest tmp dir: pytest deletes all but the 3 newest basetemps when a
-        # session starts, so a concurrent pytest run could remove a live cluster's
-        # conf and munge socket. This one is wiped at each start; its logs stay.
-        cluster = LocalSlurmCluster(ClusterSpec(state_dir=default_state_dir("pytest"),
-                                                nodes=SLURM_NODES))
-        atexit.register(cluster.down, check=False)
-        cluster.up()
-        shared = request.config._slipway_slurm_cluster = [cluster, 0]
-    shared[1] += 1
+    # Not a pytest tmp dir: pytest deletes all but the 3 newest basetemps when a
+    # session starts, so a concurrent pytest run could remove a live cluster's
+    # conf and munge socket. This one is wiped at each start; its logs stay.
+    cluster = LocalSlurmCluster(ClusterSpec(state_dir=default_state_dir("pytest"), nodes=SLURM_NODES))
+    atexit.register(cluster.down, check=False)
+    cluster.up()
     try:
-        yield shared[0]
+        yield cluster
     finally:
-        shared[1] -= 1
-        if shared[1] == 0:
-            del request.config._slipway_slurm_cluster
-            shared[0].down()
-            atexit.unregister(shared[0].down)
+        cluster.down()
+        atexit.unregister(cluster.down)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from slurm_fixtures import slurm_cluster  # noqa: F401  (also offered by conftest.py)
 import cluster_host
 from cluster import (ClusterError, ClusterSpec, LocalSlurmCluster, alive, leftovers, read_registry,
                      render_slurm_conf, unavailable_reason)

@@ -9,7 +9,6 @@ import shlex
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
