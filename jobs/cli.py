@@ -141,7 +141,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     from jobs import local
 
     cfg = load(args)
-    return local.run_local(cfg, project_dir(), force=args.force, console=_console())
+    named = getattr(args, "set:run.name") is not None or any(o.startswith("run.name=") for o in args.overrides)
+    return local.run_local(cfg, project_dir(), force=args.force, console=_console(), rename=not named)
 
 
 def cmd_edf(args: argparse.Namespace) -> int:

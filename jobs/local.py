@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -36,13 +37,35 @@ def _event(run: runs.Run, text: str) -> None:
         f.write(f"{runs.now()} job local {text}\n")
 
 
-def run_local(cfg: Config, project_dir: Path, *, force: bool, console) -> int:
-    """Create or resume the run directory and train here; the output also goes to logs/local-*.out."""
-    if cfg.slurm.nodes != 1:
-        from trainer.config import ConfigError
+def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
+    """`cfg` as it runs on this machine: the whole dp x tp x pp layout as processes of one
+    node, on its CPUs (gloo), with this environment's Python and no container; what changed.
 
-        raise ConfigError("slurm.nodes", f"a local run uses this machine only, but slurm.nodes is "
-                                         f"{cfg.slurm.nodes}: pass --nodes 1 (and adjust parallel.dp/tp/pp)")
+    A cluster config trained here gets its own run directory (`NAME-local`, unless the user
+    named the run) so a trial never mixes its checkpoints into the cluster run's."""
+    local = copy.deepcopy(cfg)
+    changed = []
+    world = cfg.parallel.world_size if not cfg.launch.command else cfg.world_size
+    if cfg.slurm.nodes != 1 or cfg.launch.procs_per_node != world:
+        changed.append(f"{cfg.slurm.nodes} node(s) x {cfg.launch.procs_per_node} -> 1 x {world} processes")
+    if cfg.slurm.gpus_per_node:
+        changed.append(f"{cfg.slurm.gpus_per_node} GPUs per node -> this machine's CPUs")
+    if cfg.container.runtime != "none":
+        changed.append(f"runtime {cfg.container.runtime} -> none (this environment's Python)")
+    local.slurm.nodes, local.slurm.gpus_per_node = 1, 0
+    local.launch.procs_per_node = world
+    local.container.runtime = "none"
+    local.launch.python = sys.executable
+    if changed and rename:
+        local.run.name = f"{cfg.run.name}-local"
+    return local, changed
+
+
+def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True) -> int:
+    """Create or resume the run directory and train here; the output also goes to logs/local-*.out."""
+    cfg, changed = local_view(cfg, rename=rename)
+    if changed:
+        console.print(f"[dim]on this machine: {'; '.join(changed)}[/]", soft_wrap=True)
     run, created = runs.prepare_run(cfg, project_dir, force=force)
     argv = local_argv(cfg, run.paths)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
