@@ -66,11 +66,11 @@ edf: $(STAMP)
 
 # A real Slurm cluster of $(NODES) nodes on this machine (root; Debian slurm-wlm + munge).
 cluster-up: $(STAMP)
-	$(PY) tests/cluster.py up --nodes $(NODES)
-	@echo 'point Slurm commands at it with: eval "$$($(PY) tests/cluster.py env)"' 
+	$(PY) -m jobs cluster up --nodes $(NODES)
+	@echo 'point Slurm commands at it with: eval "$$($(VENV)/bin/slipway cluster env)"'
 
 cluster-down: $(STAMP)
-	$(PY) tests/cluster.py down
+	$(PY) -m jobs cluster down
 
 bench: $(STAMP)
 	$(PY) bench/submit.py

@@ -1,4 +1,4 @@
-"""End to end on the local Slurm cluster of tests/cluster.py: the time from
+"""End to end on the local Slurm cluster of `slipway cluster`: the time from
 `slipway submit` to the first training step (the first metrics.jsonl line), and
 weak scaling from 1 to 2 nodes (the same per-process batch; tokens/s per process
 at 2 nodes divided by tokens/s per process at 1 node).
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from cluster import ClusterSpec, LocalSlurmCluster, default_state_dir  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from jobs.cluster import ClusterSpec, LocalSlurmCluster, default_state_dir  # noqa: E402
 
 MODEL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=4",
          "model.num_kv_heads=2", "data.seq_len=64", "model.max_position_embeddings=64",

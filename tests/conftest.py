@@ -1,4 +1,4 @@
-"""Shared fixtures. The real local Slurm cluster lives in tests/cluster.py."""
+"""Shared fixtures. The real local Slurm cluster is `slipway cluster` (jobs/cluster.py)."""
 
 from __future__ import annotations
 

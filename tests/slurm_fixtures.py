@@ -1,4 +1,4 @@
-"""pytest fixtures for the real local Slurm cluster of tests/cluster.py.
+"""pytest fixtures for the real local Slurm cluster of jobs/cluster.py (`slipway cluster`).
 
 tests/conftest.py makes them available to every test module:
 
@@ -8,7 +8,7 @@ tests/conftest.py makes them available to every test module:
 the default; 4 CPUs each; state and logs in /tmp/slipway-slurm-UID-pytest),
 started once and stopped by the ids it started at the end of the session (and
 at interpreter exit if the session dies first). It takes over from any
-cluster `tests/cluster.py up` started: one cluster per machine.
+cluster `slipway cluster up` started: one cluster per machine.
 Client commands reach it with `slurm_cluster.env()` = {"SLURM_CONF": ...}.
 `slurm_env` (function): the same, set in os.environ for one test.
 """
@@ -16,14 +16,12 @@ Client commands reach it with `slurm_cluster.env()` = {"SLURM_CONF": ...}.
 from __future__ import annotations
 
 import atexit
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import ClusterSpec, LocalSlurmCluster, default_state_dir, unavailable_reason  # noqa: E402
+from jobs.cluster import ClusterSpec, LocalSlurmCluster, default_state_dir, unavailable_reason  # noqa: E402
 
 SLURM_NODES = 2
 

@@ -1,4 +1,4 @@
-"""The real local Slurm cluster (tests/cluster.py): it starts, runs multi-node
+"""The real local Slurm cluster (`slipway cluster`, jobs/cluster.py): it starts, runs multi-node
 jobs on distinct hosts, carries a torchrun c10d + gloo job across 2 nodes, and
 leaves nothing behind."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import cluster_host
-from cluster import (ClusterError, ClusterSpec, LocalSlurmCluster, alive, leftovers, read_registry,
+from jobs import cluster_host
+from jobs.cluster import (ClusterError, ClusterSpec, LocalSlurmCluster, alive, leftovers, read_registry,
                      render_slurm_conf, unavailable_reason)
 
 pytestmark = [pytest.mark.slurm,

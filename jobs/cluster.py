@@ -21,13 +21,13 @@ storage or job completion, and slurmctld dies on them): ``sacct`` does not
 work; ``squeue`` and ``scontrol show job`` do, and a finished job stays
 visible to them for MinJobAge (300 s).
 
-    python tests/cluster.py up --nodes 2         # prints the SLURM_CONF to use
-    eval "$(python tests/cluster.py env)"; sbatch -N2 job.sh
-    python tests/cluster.py status
-    python tests/cluster.py down
+    slipway cluster up --nodes 2                 # prints the SLURM_CONF to use
+    eval "$(slipway cluster env)"; sbatch -N2 job.sh
+    slipway cluster status
+    slipway cluster down
 
 Needs root, slurm-wlm (slurmctld, slurmd, client commands), munge, iproute2,
-util-linux (nsenter, unshare). Standard library only: runs with any python3.
+util-linux (nsenter, unshare). The test suite starts its own (tests/slurm_fixtures.py).
 """
 
 from __future__ import annotations
@@ -47,11 +47,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # for cluster_host, however we are run
-from cluster_host import (HOSTS, NETNS_DIR, ClusterError, alive, check_subnet_free,  # noqa: E402
-                          leftovers, locked, network_up, our_links, our_netns, proc_stat,
-                          read_registry, registry_path, set_hosts_block, split_hosts, teardown,
-                          write_atomic)
+from jobs.cluster_host import (HOSTS, NETNS_DIR, ClusterError, alive, check_subnet_free, leftovers, locked,
+                               network_up, our_links, our_netns, proc_stat, read_registry, registry_path,
+                               set_hosts_block, split_hosts, teardown, write_atomic)
 
 __all__ = ["ClusterError", "ClusterSpec", "LocalSlurmCluster", "alive", "default_state_dir",
            "leftovers", "read_registry", "render_slurm_conf", "spec_of_running", "teardown",
@@ -150,7 +148,7 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         f"RealMemory={spec.memory_mb} State=UNKNOWN"
         for k, n in enumerate(spec.node_names, 1))
     return f"""\
-# Written by tests/cluster.py for a local test cluster; rewritten on every `up`.
+# Written by `slipway cluster up` for a local test cluster; rewritten on every `up`.
 ClusterName=slipway
 SlurmctldHost={spec.ctl_host}({spec.ctl_addr})
 SlurmctldPort={spec.ctld_port}
@@ -294,7 +292,7 @@ class LocalSlurmCluster:
             raise ClusterError(reason)
         old = read_registry(spec.name)
         if old or our_netns(spec.name) or our_links(spec.name):
-            print(f"cluster.py: tearing down an earlier cluster {spec.name!r} "
+            print(f"slipway cluster: tearing down an earlier cluster {spec.name!r} "
                   f"({(old or {}).get('state_dir', 'unrecorded')})", file=sys.stderr)
         teardown(spec.name)
         self._check_hosts_free()
@@ -356,7 +354,7 @@ class LocalSlurmCluster:
     def _prepare_state_dir(self) -> None:
         s = self.spec.state_dir
         if s.exists() and any(s.iterdir()) and not (s / STATE_MARKER).exists():
-            raise ClusterError(f"state dir {s} is not empty and was not made by tests/cluster.py: "
+            raise ClusterError(f"state dir {s} is not empty and was not made by `slipway cluster up`: "
                                "point --state-dir at a new or empty directory")
         for sub in ("ctld", "spool", "run", "log"):
             shutil.rmtree(s / sub, ignore_errors=True)
@@ -458,7 +456,7 @@ def spec_of_running(name: str = "slpw") -> ClusterSpec | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tests/cluster.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="slipway cluster", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start a cluster (tearing down an earlier one of the same name)")
     up.add_argument("--nodes", type=int, default=2)
@@ -501,10 +499,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "env":
             spec = spec_of_running(args.name)
             if spec is None:
-                raise ClusterError(f"no cluster {args.name!r} is up: run `python tests/cluster.py up`")
+                raise ClusterError(f"no cluster {args.name!r} is up: run `slipway cluster up`")
             print(f"export SLURM_CONF={shlex.quote(str(spec.conf))}")
     except ClusterError as e:
-        print(f"cluster.py {args.cmd}: {e}", file=sys.stderr)
+        print(f"slipway cluster {args.cmd}: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,4 +1,4 @@
-"""Host plumbing for the local Slurm cluster (tests/cluster.py): processes by id,
+"""Host plumbing for the local Slurm cluster (jobs/cluster.py, `slipway cluster`): processes by id,
 the registry of running clusters, our block in /etc/hosts, network namespaces,
 and the teardown that removes all of a cluster's traces. Standard library only."""
 
@@ -124,7 +124,7 @@ def locked() -> Iterator[None]:
 
 
 def hosts_markers(name: str) -> tuple[str, str]:
-    return (f"# >>> slipway-slurm {name} (tests/cluster.py; removed by `down`) >>>",
+    return (f"# >>> slipway-slurm {name} (slipway cluster; removed by `down`) >>>",
             f"# <<< slipway-slurm {name} <<<")
 
 
