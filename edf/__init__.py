@@ -1,18 +1,22 @@
-"""The container environment: one model, rendered as an EDF (CSCS Container
-Engine) or as pyxis `srun` flags.
+"""The container environment: one model (also the config's `container:` section),
+rendered as an EDF (CSCS Container Engine) or as `srun` flags (pyxis, or
+`--environment=` for the Container Engine).
 
-    env = Environment.from_container(cfg.container)   # validated, errors name container.*
+    env = cfg.container                                # validated at load, errors name container.*
     text = render_edf(env)                             # EDF TOML (tomli-w)
     env == parse_edf(text)                             # and back (text or path)
+    env, problems = check_edf(path)                    # a hand-written EDF: every problem in it
     write_edf(env, run_dir / "env.toml")               # atomic; refuses a different file
     install_edf(env, "name")                           # into the first EDF_PATH directory
-    pyxis = to_pyxis_args(env)                         # .args, .exports, .warnings
+    flags = srun_flags(env, edf_file)                  # .args, .exports, .warnings, .expanded()
 """
 
-from edf.environment import MOUNT_FLAGS, Environment, Mount
+from edf.environment import MOUNT_FLAGS, Environment, Mount, is_local_image, registry_image
 from edf.files import (
     TOP_KEYS,
+    check_edf,
     edf_search_path,
+    expand_host,
     find_edf,
     install_edf,
     parse_edf,
@@ -20,21 +24,26 @@ from edf.files import (
     resolve_base,
     write_edf,
 )
-from edf.pyxis import PyxisArgs, pyxis_exports, to_pyxis_args
+from edf.srun import SrunFlags, pyxis_exports, srun_flags, to_pyxis_args
 
 __all__ = [
     "MOUNT_FLAGS",
     "TOP_KEYS",
     "Environment",
     "Mount",
-    "PyxisArgs",
+    "SrunFlags",
+    "check_edf",
     "edf_search_path",
+    "expand_host",
     "find_edf",
     "install_edf",
+    "is_local_image",
     "parse_edf",
     "pyxis_exports",
+    "registry_image",
     "render_edf",
     "resolve_base",
+    "srun_flags",
     "to_pyxis_args",
     "write_edf",
 ]

@@ -1,8 +1,11 @@
 """The one container environment model, and every rule it must satisfy.
 
-`Environment` holds what an EDF holds (image, mounts, workdir, writable, env,
-annotations, entrypoint, base_environment) plus `mount_home`, which only
-pyxis has. Strings are kept in EDF syntax: `${VAR}` and `${VAR:-default}` are
+`Environment` is both the config tree's `container:` section and what an EDF
+file holds: how tasks enter the container (`runtime`: the Container Engine's
+`edf`, `pyxis` flags, or `none`), what an EDF holds (image, mounts, workdir,
+writable, env, annotations, entrypoint, base_environment), `mount_home`, which
+only pyxis has, and `edf_name` for `slipway edf --install`. Strings are kept in
+EDF syntax: `${VAR}` and `${VAR:-default}` are
 left for the Container Engine (or, under pyxis, the batch script) to expand,
 `$$` is a literal `$`. The rules are those of the CSCS EDF reference
 (eth-cscs/cscs-docs `docs/software/container-engine/edf.md`); the mount flags
@@ -15,14 +18,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from trainer.config import ConfigError
 
-if TYPE_CHECKING:  # the host-side config; imported lazily to keep edf a lower layer
-    from jobs.config import ContainerSection
-
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 ANNOTATION_KEY = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}")
 
@@ -169,10 +170,18 @@ class Mount:
         mount.check(where)
         return mount
 
+    @classmethod
+    def from_config_value(cls, value: Any, where: str) -> "Mount":
+        """A config file's mount entry (the schema machinery calls this)."""
+        if isinstance(value, Mount):
+            return value
+        return cls.parse(value, where)
+
+    def to_config_value(self) -> str:
+        return self.spec()
+
     def spec(self) -> str:
-        """The canonical `SRC[:DST[:FLAGS]]` text (short form when DST is SRC)."""
-        if self.src == self.dst and not self.flags:
-            return self.src
+        """The documented `SRC:DST[:FLAGS]` text (the short `SRC` is read, never written)."""
         text = f"{self.src}:{self.dst}"
         return f"{text}:{'+'.join(self.flags)}" if self.flags else text
 
@@ -196,14 +205,23 @@ class Mount:
             raise ConfigError(where, f"flags {'+'.join(self.flags)!r} repeat a flag: give each once")
 
 
+NOT_CONFIG = {"config": False}  # fields of the model that a config file does not set
+
+
 @dataclass
 class Environment:
     """A container environment, renderable as an EDF or as pyxis `srun` flags.
 
     `None` (and `""` for image, empty collections) means "not specified": the
-    base environments' value, else the runtime's default, applies.
+    base environments' value, else the runtime's default, applies. An empty
+    image in a config means "what `make image` built for this config", which
+    the host resolves at submission (`jobs.container`).
     """
 
+    # How tasks run: in a Container Engine environment (`edf`), through pyxis
+    # flags (`pyxis`), or directly on the node (`none`, a venv on a shared filesystem).
+    runtime: Literal["edf", "pyxis", "none"] = "edf"
+    # A squashfs file (absolute or ./-relative) or a registry reference.
     image: str = ""
     mounts: list[Mount] = field(default_factory=list)
     workdir: Optional[str] = None
@@ -214,88 +232,106 @@ class Environment:
     annotations: dict[str, str] = field(default_factory=dict)
     entrypoint: Optional[bool] = None
     base_environment: list[str] = field(default_factory=list)
-    # pyxis only (--[no-]container-mount-home); not part of an EDF.
+    # pyxis only (--[no-]container-mount-home); an EDF mounts ${HOME} through `mounts`.
     mount_home: Optional[bool] = None
+    # Name under which `slipway edf --install` puts the EDF in EDF_PATH; default: the run name.
+    edf_name: Optional[str] = None
     # Where errors point: "container." (the config), "" (EDF text) or "FILE:".
-    origin: str = field(default="", compare=False, repr=False)
+    origin: str = field(default="", compare=False, repr=False, metadata=NOT_CONFIG)
     # The file it was read from, if any (relative base paths do not use it:
     # like the Container Engine, they start from the working directory).
-    source: Optional[Path] = field(default=None, compare=False, repr=False)
+    source: Optional[Path] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
 
     def __post_init__(self) -> None:
         # Mount specs given as text ("SRC[:DST[:FLAGS]]") are parsed here.
         self.mounts = [Mount.parse(m, f"{self.origin}mounts[{i}]") if isinstance(m, str) else m
                        for i, m in enumerate(self.mounts)]
 
-    @classmethod
-    def from_container(cls, section: "ContainerSection") -> "Environment":
-        """The environment `container:` describes, validated (errors name `container.*`)."""
-        env = cls(
-            image=section.image,
-            mounts=list(section.mounts),
-            workdir=section.workdir,
-            writable=section.writable,
-            env=dict(section.env),
-            annotations=dict(section.annotations),
-            entrypoint=section.entrypoint,
-            base_environment=list(section.base_environment),
-            mount_home=section.mount_home,
-            origin="container.",
-        )
-        env.check()
-        return env
+    @property
+    def in_container(self) -> bool:
+        return self.runtime != "none"
 
-    def check(self) -> None:
-        """Every rule of the EDF reference; raises `ConfigError` naming the key."""
+    def check(self, where: Optional[str] = None) -> None:
+        """Every rule of the EDF reference; raises the first `ConfigError`, naming the key.
+        `where` (the config section's name) becomes the prefix of every error."""
+        if where is not None:
+            self.origin = f"{where}." if where else ""
+        problems = self.problems()
+        if problems:
+            raise problems[0]
+
+    def problems(self) -> list[ConfigError]:
+        """Every broken rule, not only the first (`slipway edf --check` lists them all)."""
         w = self.origin
-        _check_image(self.image, f"{w}image")
+        found: list[ConfigError] = []
+
+        def run(check, *args) -> None:
+            try:
+                check(*args)
+            except ConfigError as exc:
+                found.append(exc)
+
+        if self.runtime not in ("edf", "pyxis", "none"):
+            found.append(ConfigError(f"{w}runtime", f"must be one of 'edf', 'pyxis', 'none', got {self.runtime!r}"))
+        if self.edf_name is not None and (not SAFE_NAME.match(self.edf_name) or self.edf_name.endswith(".toml")):
+            found.append(ConfigError(f"{w}edf_name", f"{self.edf_name!r} is not a safe EDF name: use 1-100 letters, "
+                                                     "digits, '.', '_' or '-', starting with a letter or digit, "
+                                                     "without .toml"))
+        if self.runtime == "none" and w == "container.":
+            return found  # no container: its settings are not used, so not held to the EDF rules
+        if self.runtime == "edf" and self.mount_home is not None and w == "container.":
+            found.append(ConfigError(f"{w}mount_home", "is a pyxis flag with no EDF key: add ${HOME} to "
+                                                       "container.mounts instead"))
+        run(_check_image, self.image, f"{w}image")
         if self.workdir is not None:
-            _require_str(self.workdir, f"{w}workdir")
-            check_path(self.workdir, f"{w}workdir", "workdir")
-            split_expansions(self.workdir, f"{w}workdir")
+            run(_check_workdir, self.workdir, f"{w}workdir")
         for name in ("writable", "entrypoint", "mount_home"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                raise ConfigError(f"{w}{name}", f"expected true or false, got {value!r}")
+                found.append(ConfigError(f"{w}{name}", f"expected true or false, got {value!r}"))
         for i, mount in enumerate(self.mounts):
             if not isinstance(mount, Mount):
-                raise ConfigError(f"{w}mounts[{i}]", f"expected a Mount, got {mount!r}: use Mount.parse")
-            mount.check(f"{w}mounts[{i}]")
+                found.append(ConfigError(f"{w}mounts[{i}]", f"expected a Mount, got {mount!r}: use Mount.parse"))
+            else:
+                run(mount.check, f"{w}mounts[{i}]")
         for i, base in enumerate(self.base_environment):
-            _check_base_entry(base, f"{w}base_environment[{i}]")
-        self._check_env()
-        self._check_annotations()
+            run(_check_base_entry, base, f"{w}base_environment[{i}]")
+        for key in self.env:
+            run(self._check_env_entry, key)
+        for key in self.annotations:
+            run(self._check_annotation, key)
+        return found
 
-    def _check_env(self) -> None:
-        w = self.origin
-        for key, value in self.env.items():
-            where = f"{w}env.{key}"
-            if not isinstance(key, str) or not ENV_NAME.match(key):
-                raise ConfigError(where, "is not a valid environment variable name (letters, digits, _; "
-                                         "not starting with a digit)")
-            _require_str(value, where)
-            if "\0" in value:
-                raise ConfigError(where, f"value {value!r} contains a NUL byte, which no environment can hold")
-            for ref in references(value, where):
-                if ref != key and ref in self.env:
-                    raise ConfigError(where, f"refers to ${{{ref}}}, which is set in [env]; [env] entries can only "
-                                             f"use host variables: write {ref}'s value into {key} directly, "
-                                             f"or export {ref} before srun instead of setting it in [env]")
+    def _check_env_entry(self, key: str) -> None:
+        value, where = self.env[key], f"{self.origin}env.{key}"
+        if not isinstance(key, str) or not ENV_NAME.match(key):
+            raise ConfigError(where, "is not a valid environment variable name (letters, digits, _; "
+                                     "not starting with a digit)")
+        _require_str(value, where)
+        if "\0" in value:
+            raise ConfigError(where, f"value {value!r} contains a NUL byte, which no environment can hold")
+        for ref in references(value, where):
+            if ref != key and ref in self.env:
+                raise ConfigError(where, f"refers to ${{{ref}}}, which is set in [env]; [env] entries can only "
+                                         f"use host variables: write {ref}'s value into {key} directly, "
+                                         f"or export {ref} before srun instead of setting it in [env]")
 
-    def _check_annotations(self) -> None:
-        w = self.origin
-        keys = set(self.annotations)
-        for key, value in self.annotations.items():
-            where = f"{w}annotations.{key}"
-            if not isinstance(key, str) or not ANNOTATION_KEY.match(key):
-                raise ConfigError(where, "is not a valid annotation key: use dotted names of letters, digits, "
-                                         "'_' and '-', such as com.hooks.aws_ofi_nccl.enabled")
-            _require_str(value, where, example='"true"')
-            split_expansions(value, where)
-            prefix = key + "."
-            clash = next((k for k in sorted(keys) if k.startswith(prefix)), None)
-            if clash is not None:
-                raise ConfigError(where, f"is both a value and the table holding {clash!r}: keep one of them")
+    def _check_annotation(self, key: str) -> None:
+        value, where = self.annotations[key], f"{self.origin}annotations.{key}"
+        if not isinstance(key, str) or not ANNOTATION_KEY.match(key):
+            raise ConfigError(where, "is not a valid annotation key: use dotted names of letters, digits, "
+                                     "'_' and '-', such as com.hooks.aws_ofi_nccl.enabled")
+        _require_str(value, where, example='"true"')
+        split_expansions(value, where)
+        clash = next((k for k in sorted(self.annotations) if k.startswith(key + ".")), None)
+        if clash is not None:
+            raise ConfigError(where, f"is both a value and the table holding {clash!r}: keep one of them")
+
+
+def _check_workdir(workdir: str, where: str) -> None:
+    _require_str(workdir, where)
+    check_path(workdir, where, "workdir")
+    split_expansions(workdir, where)
 
 
 def _require_str(value: object, where: str, example: str = "") -> None:
@@ -325,12 +361,23 @@ def _check_image(image: str, where: str) -> None:
         return
     if any(c.isspace() for c in image):
         raise ConfigError(where, f"registry reference {image!r} contains whitespace: use "
-                                 "[USER@][REGISTRY#]IMAGE[:TAG]")
-    head = image.split("@", 1)[-1]
-    first = head.split("/", 1)[0]
-    if "#" not in head and "/" in head and ("." in first or ":" in first or first == "localhost"):
-        raise ConfigError(where, f"{image!r} names a registry with '/', which enroot reads as a Docker Hub "
-                                 f"image: separate the registry with '#', e.g. {first}#{head.split('/', 1)[1]}")
+                                 "[USER@][REGISTRY#]IMAGE[:TAG] or REGISTRY/IMAGE[:TAG]")
+
+
+def registry_image(image: str) -> str:
+    """A registry reference in enroot's `[USER@][REGISTRY#]IMAGE[:TAG]` form.
+
+    Current CSCS docs write `nvcr.io/nvidia/pytorch:25.11-py3` (the Container
+    Engine reads both forms); enroot, and so pyxis, would read that as an image
+    on Docker Hub, so the registry host (a first component with a '.' or ':',
+    or `localhost`) is separated with '#'."""
+    user, at, head = image.rpartition("@")
+    if "#" in head or "/" not in head:
+        return image
+    first, rest = head.split("/", 1)
+    if "." in first or ":" in first or first == "localhost":
+        return f"{user}{at}{first}#{rest}"
+    return image
 
 
 def _check_base_entry(base: str, where: str) -> None:

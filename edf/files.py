@@ -96,54 +96,101 @@ def parse_edf(source: Union[str, os.PathLike]) -> Environment:
 
 def from_document(doc: dict[str, Any], origin: str = "") -> Environment:
     """The model from a parsed EDF table; `origin` prefixes the keys in errors."""
+    env, problems = _from_document(doc, origin)
+    if problems:
+        raise problems[0]
+    return env
+
+
+def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[ConfigError]]:
+    """The model built from every well-typed key, and every problem found (not only the first)."""
+    problems: list[ConfigError] = []
     unknown = [k for k in doc if k not in TOP_KEYS]
-    if unknown:
-        raise ConfigError(f"{origin}{unknown[0]}", f"unknown EDF key{'s' if len(unknown) > 1 else ''} "
-                                                   f"{', '.join(map(repr, unknown))}; valid keys: {', '.join(TOP_KEYS)}")
+    for key in unknown:
+        problems.append(ConfigError(f"{origin}{key}", f"unknown EDF key; valid keys: {', '.join(TOP_KEYS)}"))
 
     def get(key: str, types: tuple[type, ...], expected: str) -> Any:
         value = doc.get(key)
         if value is not None and not isinstance(value, types):
-            raise ConfigError(f"{origin}{key}", f"expected {expected}, got {value!r}")
+            problems.append(ConfigError(f"{origin}{key}", f"expected {expected}, got {value!r}"))
+            return None
         return value
 
     base = get("base_environment", (str, list), "a string or an array of strings")
     if isinstance(base, str):
         base = [base] if base else []
+    bases = []
     for i, entry in enumerate(base or []):
-        if not isinstance(entry, str):
-            raise ConfigError(f"{origin}base_environment[{i}]", f"expected a string, got {entry!r}")
-    mounts = get("mounts", (list,), 'an array of "SRC:DST[:FLAGS]" strings') or []
-    env_table = get("env", (dict,), "a table of strings") or {}
-    for key, value in env_table.items():
-        if not isinstance(value, str):
-            raise ConfigError(f"{origin}env.{key}", f'expected a string ("" unsets the variable), got {value!r}')
+        if isinstance(entry, str):
+            bases.append(entry)
+        else:
+            problems.append(ConfigError(f"{origin}base_environment[{i}]", f"expected a string, got {entry!r}"))
+    mounts = []
+    for i, text in enumerate(get("mounts", (list,), 'an array of "SRC:DST[:FLAGS]" strings') or []):
+        try:
+            mounts.append(Mount.parse(text, f"{origin}mounts[{i}]"))
+        except ConfigError as exc:
+            problems.append(exc)
+    env_table = {}
+    for key, value in (get("env", (dict,), "a table of strings") or {}).items():
+        if isinstance(value, str):
+            env_table[key] = value
+        else:
+            problems.append(ConfigError(f"{origin}env.{key}", f'expected a string ("" unsets the variable), '
+                                                              f'got {value!r}'))
+    annotations: dict[str, str] = {}
+    _flatten(get("annotations", (dict,), "a table") or {}, f"{origin}annotations", "", annotations, problems)
     env = Environment(
         image=get("image", (str,), "a string") or "",
-        mounts=[Mount.parse(m, f"{origin}mounts[{i}]") for i, m in enumerate(mounts)],
+        mounts=mounts,
         workdir=get("workdir", (str,), "a string"),
         writable=get("writable", (bool,), "true or false"),
-        env=dict(env_table),
-        annotations=_flatten(get("annotations", (dict,), "a table") or {}, f"{origin}annotations"),
+        env=env_table,
+        annotations=annotations,
         entrypoint=get("entrypoint", (bool,), "true or false"),
-        base_environment=list(base or []),
+        base_environment=bases,
         origin=origin,
     )
-    env.check()
-    return env
+    # Mounts were checked as they were parsed; the model's own rules do the rest.
+    seen = {str(p) for p in problems}
+    problems += [p for p in env.problems() if str(p) not in seen]
+    return env, problems
 
 
-def _flatten(table: dict[str, Any], where: str, prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
+def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None) -> tuple[Optional[Environment],
+                                                                                        list[ConfigError]]:
+    """A hand-written EDF read and checked whole: (its model, or None if unreadable; every
+    problem in it and in the base environments it names). `slipway edf --check FILE`."""
+    path = Path(source)
+    origin = f"{path}:"
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, [ConfigError(str(path), "no such EDF file: check the path")]
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, [ConfigError(str(path), f"cannot read this EDF: {exc}")]
+    except tomllib.TOMLDecodeError as exc:
+        return None, [ConfigError(str(path), f"not valid TOML: {exc}")]
+    env, problems = _from_document(doc, origin)
+    env.source = path
+    if not problems and env.base_environment:
+        try:
+            resolve_base(env, edf_path)
+        except ConfigError as exc:
+            problems.append(exc)
+    return env, problems
+
+
+def _flatten(table: dict[str, Any], where: str, prefix: str, out: dict[str, str],
+             problems: list[ConfigError]) -> None:
     for key, value in table.items():
         full = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(_flatten(value, where, f"{full}."))
+            _flatten(value, where, f"{full}.", out, problems)
         elif isinstance(value, str):
             out[full] = value
         else:
-            raise ConfigError(f"{where}.{full}", f'expected a string such as "true", got {value!r}')
-    return out
+            problems.append(ConfigError(f"{where}.{full}", f'expected a string such as "true", got {value!r}'))
 
 
 # --------------------------------------------------------------------------
@@ -239,6 +286,7 @@ def _merge(base: Environment, child: Environment) -> Environment:
     env = {k: v for k, v in base.env.items() if k not in child.env}
     env.update(child.env)
     return Environment(
+        runtime=child.runtime,
         image=child.image or base.image,
         mounts=base.mounts + [m for m in child.mounts if m not in base.mounts],
         workdir=pick("workdir"),
@@ -248,6 +296,7 @@ def _merge(base: Environment, child: Environment) -> Environment:
         entrypoint=pick("entrypoint"),
         base_environment=[],
         mount_home=pick("mount_home"),
+        edf_name=child.edf_name,
     )
 
 

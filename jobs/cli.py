@@ -27,7 +27,7 @@ NAMED_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("--partition", "slurm.partition", str, "Slurm partition"),
     ("--account", "slurm.account", str, "Slurm account"),
     ("--qos", "slurm.qos", str, "Slurm QOS"),
-    ("--time", "slurm.time", str, "time limit, HH:MM:SS"),
+    ("--time", "slurm.time", str, "time limit: MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]] or UNLIMITED"),
     ("--email", "slurm.email", str, "mail on job end or failure"),
     ("--runtime", "container.runtime", str, "edf | pyxis | none"),
     ("--image", "container.image", str, "squashfs path (absolute or ./) or registry reference"),
@@ -51,6 +51,7 @@ NAMED_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("--grad-clip", "train.grad_clip", float, "gradient clipping by global norm (0: off)"),
     ("--train-script", "train.script", str, "a custom training script run instead of the built-in trainer"),
     ("--dataset", "data.dataset", str, "Hugging Face dataset name or local path"),
+    ("--dataset-config", "data.dataset_config", str, "dataset configuration, e.g. wikitext-103-v1"),
     ("--tokenizer", "data.tokenizer", str, "tokenizer name or local path"),
     ("--text-column", "data.text_column", str, "text column of the dataset"),
     ("--seq-len", "data.seq_len", int, "sequence length"),
@@ -70,8 +71,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"slipway: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", metavar="CONFIG", help="configs/NAME.yaml, NAME, or a path")
+def _config_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument("config", metavar="CONFIG", nargs="?" if optional else None,
+                   help="configs/NAME.yaml, NAME, or a path")
     p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
                    help="override any config value, e.g. train.steps=100 container.mounts=[/scratch]")
     g = p.add_argument_group("config flags (shorthands for overrides)")
@@ -107,26 +109,32 @@ def cmd_submit(args: argparse.Namespace) -> int:
     cfg = load(args)
     console = _console()
     if args.dry_run:
-        run_paths = runs.RunPaths(runs.runs_root(project_dir()) / cfg.run.name, project_dir())
-        files = runs.render_run_files(cfg, run_paths)
+        sealed = runs.seal(cfg, project_dir(), dry_run=True)
         for name in ("job.sbatch", "env.toml"):
-            if name in files:
-                console.rule(f"[bold]{run_paths.run_dir / name}")
-                sys.stdout.write(files[name])
+            if name in sealed.files:
+                print(f"==> {sealed.paths.run_dir / name} <==", flush=True)
+                sys.stdout.write(sealed.files[name])
                 sys.stdout.flush()
         try:
-            runs.check_submittable(cfg)
+            runs.check_submittable(sealed.cfg)
         except ConfigError as exc:
-            console.print(f"[yellow]warning:[/] a real submission would fail: {exc}")
+            sealed.notes.insert(0, f"a real submission would fail: {exc}")
+        _notes(console, sealed.notes)
         console.print(f"[bold]dry run:[/] nothing written, nothing submitted ({cfg.run.name}, "
                       f"{cfg.slurm.nodes} node(s) x {cfg.launch.procs_per_node} process(es), "
-                      f"runtime {cfg.container.runtime}, launcher {cfg.launch.launcher})")
+                      f"runtime {cfg.container.runtime}, launcher {cfg.launch.launcher}"
+                      f"{', image ' + sealed.pin.image if sealed.pin.image else ''})", soft_wrap=True)
         return 0
-    run, job_id = runs.submit(cfg, project_dir(), force=args.force)
+    run, job_id, sealed = runs.submit(cfg, project_dir(), force=args.force)
+    _notes(console, sealed.notes)
     resumed = len(run.job_ids()) > 1
     console.print(f"{'resubmitted' if resumed else 'submitted'} [bold]{cfg.run.name}[/] as job [bold]{job_id}[/]"
                   f"{' (resumes from its latest checkpoint)' if resumed else ''}  run dir: {run.dir}",
                   soft_wrap=True)
+    if sealed.pin.path:
+        console.print(f"[dim]image {sealed.pin.path} ({sealed.pin.source}"
+                      f"{', build ' + sealed.pin.build_hash[:12] if sealed.pin.build_hash else ''})[/]",
+                      soft_wrap=True)
     print(job_id)
     if args.show_logs:
         console.print(f"following {run.log_path(job_id)} until the job ends (Ctrl-C stops following, "
@@ -135,6 +143,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
         console.print(f"job {job_id} ended with exit code {code}")
         return code
     return 0
+
+
+def _notes(console, notes: list[str]) -> None:
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}", soft_wrap=True, markup=True, highlight=False)
 
 
 def cmd_local(args: argparse.Namespace) -> int:
@@ -146,19 +159,44 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def cmd_edf(args: argparse.Namespace) -> int:
-    from edf import Environment, install_edf, write_edf
+    from edf import check_edf, install_edf, parse_edf, render_edf, srun_flags
+
+    if args.check or args.to_pyxis:
+        path = Path(args.check or args.to_pyxis)
+        env, problems = check_edf(path)
+        for problem in problems:
+            print(f"slipway: error: {problem}", file=sys.stderr)
+        if problems:
+            print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
+            return 2
+        if args.check:
+            print(f"{path}: ok")
+            return 0
+        env = parse_edf(path)
+        env.runtime = "pyxis"
+        flags = srun_flags(env)
+        for warning in flags.warnings:
+            print(f"note: {warning}", file=sys.stderr)
+        from jobs.sbatch import shell_value
+
+        for name, value in flags.exports:
+            print(f"export {name}={shell_value(value)}")
+        print(" ".join(shell_value(a) for a in flags.args))
+        return 0
+    if args.config is None:
+        raise ConfigError("CONFIG", "give a config (slipway edf CONFIG), or --check FILE / --to-pyxis FILE")
     from jobs import runs
 
     cfg = load(args)
-    if cfg.container.runtime == "none":
+    if not cfg.container.in_container:
         raise ConfigError("container.runtime", "runtime none has no container environment: set "
                                                "container.runtime to edf or pyxis")
-    env = Environment.from_container(cfg.container)
-    target = runs.runs_root(project_dir()) / cfg.run.name / "env.toml"
-    write_edf(env, target, force=True if not target.exists() else args.force)
-    print(target)
+    sealed = runs.seal(cfg, project_dir(), dry_run=not args.install)
+    _notes(_console(), sealed.notes)
     if args.install:
-        print(install_edf(env, cfg.container.edf_name or cfg.run.name, force=args.force))
+        print(install_edf(sealed.env, cfg.container.edf_name or cfg.run.name, force=args.force))
+    else:
+        sys.stdout.write(render_edf(sealed.env))
     return 0
 
 
@@ -166,11 +204,11 @@ def cmd_shell(args: argparse.Namespace) -> int:
     from jobs import local
 
     cfg = load(args)
-    argv = local.shell_argv(cfg, project_dir(), command=args.command)
+    argv, exports = local.shell_argv(cfg, project_dir(), command=args.command)
     if args.dry_run:
-        print(shlex.join(argv))
+        print(shlex.join([*(f"{k}={v}" for k, v in exports.items()), *argv]))
         return 0
-    return local.exec_foreground(argv)
+    return local.exec_foreground(argv, exports)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -228,10 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing run's different config")
     p.set_defaults(func=cmd_local)
 
-    p = sub.add_parser("edf", help="write the EDF (runs/RUN/env.toml; --install: into EDF_PATH)")
-    _config_args(p)
-    p.add_argument("--install", action="store_true", help="also install NAME.toml into EDF_PATH's first directory")
-    p.add_argument("--force", action="store_true", help="overwrite a different existing EDF")
+    p = sub.add_parser("edf", help="print a config's EDF as a run would use it; --install it into EDF_PATH; "
+                                   "--check or --to-pyxis a hand-written EDF")
+    _config_args(p, optional=True)
+    p.add_argument("--install", action="store_true", help="write it as NAME.toml into EDF_PATH's first directory")
+    p.add_argument("--force", action="store_true", help="overwrite a different existing EDF when installing")
+    p.add_argument("--check", metavar="FILE", help="read a hand-written EDF and report every problem in it")
+    p.add_argument("--to-pyxis", metavar="FILE", help="print the pyxis srun flags of an EDF")
     p.set_defaults(func=cmd_edf)
 
     p = sub.add_parser("shell", help="an interactive srun --pty bash inside the image")
@@ -261,8 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN")
     p.set_defaults(func=cmd_cancel)
 
-    # Listed for --help; `main` hands `slipway image ...` to `python -m containers` before parsing.
+    # Listed for --help; `main` hands `slipway image ...` to `python -m containers` and
+    # `slipway cluster ...` to jobs.cluster before parsing.
     sub.add_parser("image", help="build / show / prune the training image (podman + enroot); see image --help")
+    sub.add_parser("cluster", help="a real Slurm cluster on this machine to try slipway on: up | down | env | "
+                                   "status (root; Debian slurm-wlm and munge)")
 
     p = sub.add_parser("plot", help="loss and throughput curves of a run as a PNG")
     p.add_argument("run", metavar="RUN")
@@ -277,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         from containers.__main__ import main as containers_main
 
         return containers_main(argv[1:])
+    if argv[:1] == ["cluster"]:
+        from jobs.cluster import main as cluster_main
+
+        return cluster_main(argv[1:])
     parser = build_parser()
     # Overrides may come after flags (`--nodes 2 train.steps=5`): collect the strays.
     args, extra = parser.parse_known_args(argv)

@@ -17,9 +17,10 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from edf.environment import ENV_NAME
+from edf.environment import ENV_NAME, NOT_CONFIG, SAFE_NAME, Environment
 from trainer.config import (
     CheckpointSection,
+    Plain,
     ConfigError,
     DataSection,
     LoggingSection,
@@ -30,14 +31,32 @@ from trainer.config import (
     _require,
     check_trainer_sections,
     from_dict,
+    read_yaml,
     to_dict,
 )
 
-# Slurm job names, file names and EDF names all come from run names.
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+# Slurm job names, file names and EDF names all come from run names (SAFE_NAME).
 SAFE_NAME_RULE = "use 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
-TIME_RE = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
+# Slurm's time formats (sbatch --time): MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+TIME_FORMS = re.compile(r"(?P<m>\d+)(:(?P<s>\d+))?|(?P<h3>\d+):(?P<m3>\d+):(?P<s3>\d+)|"
+                        r"(?P<d>\d+)-(?P<dh>\d+)(:(?P<dm>\d+)(:(?P<ds>\d+))?)?")
+UNLIMITED = ("unlimited", "infinite")
+TIME_RULE = "use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
 
+
+def time_limit_seconds(text: str) -> Optional[int]:
+    """Seconds in a Slurm time limit, None for no limit; ValueError if it is not one."""
+    if text.strip().lower() in UNLIMITED:
+        return None
+    m = TIME_FORMS.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(text)
+    g = {k: int(v) for k, v in m.groupdict().items() if v is not None}
+    if "d" in g:
+        return g["d"] * 86400 + g["dh"] * 3600 + g.get("dm", 0) * 60 + g.get("ds", 0)
+    if "h3" in g:
+        return g["h3"] * 3600 + g["m3"] * 60 + g["s3"]
+    return g["m"] * 60 + g.get("s", 0)
 
 @dataclass
 class SlurmSection:
@@ -55,17 +74,29 @@ class SlurmSection:
     error: str = "logs/%j.err"
     # Seconds before the time limit at which the batch script is warned (USR1):
     # the trainer saves at the step boundary and the job requeues itself.
-    signal_seconds: int = 300
+    # Default: a tenth of the limit, at most 300 s; 0 disables the warning.
+    signal_seconds: Optional[int] = None
     requeue: bool = True
+    # Time-limit requeues of one job before it stops requeueing (recorded in events.log).
+    max_requeues: int = 20
     extra: list[str] = field(default_factory=list)
 
     def check(self, where: str) -> None:
         _require(self.nodes > 0, f"{where}.nodes", f"must be > 0, got {self.nodes}")
         _require(self.gpus_per_node >= 0, f"{where}.gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
         _require(self.cpus_per_task > 0, f"{where}.cpus_per_task", f"must be > 0, got {self.cpus_per_task}")
-        _require(bool(TIME_RE.match(self.time)), f"{where}.time",
-                 f"{self.time!r} is not a Slurm time: use HH:MM:SS, MM, or D-HH:MM:SS")
-        _require(self.signal_seconds >= 0, f"{where}.signal_seconds", "must be >= 0 (0 disables the warning)")
+        try:
+            limit = time_limit_seconds(self.time)
+        except ValueError:
+            raise ConfigError(f"{where}.time", f"{self.time!r} is not a Slurm time limit: {TIME_RULE}") from None
+        _require(limit is None or limit > 0, f"{where}.time", f"must be longer than 0, got {self.time!r}")
+        if self.signal_seconds is not None:
+            _require(self.signal_seconds >= 0, f"{where}.signal_seconds", "must be >= 0 (0 disables the warning)")
+            _require(limit is None or self.signal_seconds * 2 <= limit, f"{where}.signal_seconds",
+                     f"the warning {self.signal_seconds} s before the end must leave at least half of slurm.time "
+                     f"({self.time} = {limit} s) for training, or every requeued job would save and stop at once: "
+                     f"lower signal_seconds to {limit // 10 if limit else 0} or raise slurm.time")
+        _require(self.max_requeues >= 0, f"{where}.max_requeues", f"must be >= 0, got {self.max_requeues}")
         for name in ("output", "error"):
             value = getattr(self, name)
             _require(bool(value) and "\n" not in value and not value.startswith("/")
@@ -79,57 +110,19 @@ class SlurmSection:
             _require(value is None or (bool(value) and "\n" not in value and (name == "partition" or "," not in value)),
                      f"{where}.{name}", f"must be a single line without commas, got {value!r}")
 
-    def time_seconds(self) -> int:
-        days, _, rest = self.time.rpartition("-")
-        parts = [int(p) for p in rest.split(":")]
-        if days:  # D-HH[:MM[:SS]]
-            parts += [0] * (3 - len(parts))
-            h, m, s = parts
-        elif len(parts) == 1:  # MM
-            h, m, s = 0, parts[0], 0
-        elif len(parts) == 2:  # MM:SS
-            h, m, s = 0, *parts
-        else:
-            h, m, s = parts
-        return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+    def time_seconds(self) -> Optional[int]:
+        """The time limit in seconds; None for UNLIMITED."""
+        return time_limit_seconds(self.time)
 
-
-@dataclass
-class ContainerSection:
-    """How tasks run: in a Container Engine environment (`edf`), through pyxis
-    flags (`pyxis`), or directly on the node (`none`)."""
-
-    runtime: Literal["edf", "pyxis", "none"] = "edf"
-    # A squashfs file (absolute or ./-relative) or a registry reference.
-    image: str = ""
-    mounts: list[str] = field(default_factory=list)
-    workdir: Optional[str] = None
-    # Unset booleans mean "the base environments' value, else the runtime's default"
-    # (writable true, entrypoint false, home not mounted).
-    writable: Optional[bool] = None
-    env: dict[str, str] = field(default_factory=dict)
-    annotations: dict[str, str] = field(default_factory=dict)
-    entrypoint: Optional[bool] = None
-    base_environment: list[str] = field(default_factory=list)
-    # Name under which `slipway edf --install` puts the EDF in EDF_PATH; default: the run name.
-    edf_name: Optional[str] = None
-    # pyxis only (--[no-]container-mount-home); an EDF mounts ${HOME} through `mounts`.
-    mount_home: Optional[bool] = None
-
-    def check(self, where: str) -> None:
-        if self.runtime != "none":
-            _require(bool(self.image), f"{where}.image",
-                     f"runtime {self.runtime} needs an image: a squashfs path (run `make image`) or a "
-                     "registry reference such as nvcr.io#nvidia/pytorch:25.01-py3")
-            _require(self.runtime == "pyxis" or self.mount_home is None, f"{where}.mount_home",
-                     "is a pyxis flag with no EDF key: add ${HOME} to container.mounts instead")
-            from edf import Environment
-
-            Environment.from_container(self)  # every EDF rule, errors naming container.*
-        if self.edf_name is not None:
-            _require(bool(SAFE_NAME.match(self.edf_name)), f"{where}.edf_name",
-                     f"{self.edf_name!r} is not a safe name: {SAFE_NAME_RULE}")
-
+    def warning_seconds(self) -> int:
+        """When Slurm warns the batch script before the limit (0: never)."""
+        if self.signal_seconds is not None:
+            return self.signal_seconds
+        limit = self.time_seconds()
+        if limit is None:
+            return 300
+        auto = min(300, max(10, limit // 10))
+        return auto if auto * 2 <= limit else 0
 
 @dataclass
 class LaunchSection:
@@ -174,7 +167,7 @@ class ImageSection:
 
     dockerfile: str = "containers/Dockerfile"
     # Keep in sync with containers/Dockerfile's ARG BASE_IMAGE.
-    base_image: str = "nvcr.io/nvidia/pytorch:25.01-py3"
+    base_image: str = "nvcr.io/nvidia/pytorch:25.12-py3"
     name: str = "slipway"
     output_dir: str = "images"
     # Build flash-attn against the base's torch and CUDA; false for bases without CUDA.
@@ -196,7 +189,7 @@ class ImageSection:
         _require(bool(re.match(r"^[a-z0-9][a-z0-9._-]{0,63}$", self.name)), f"{where}.name",
                  f"{self.name!r} is not a valid image name: use 1-64 lowercase letters, digits, '.', '_' or '-'")
         _require(bool(self.base_image) and "\n" not in self.base_image, f"{where}.base_image",
-                 "must name an image, e.g. nvcr.io/nvidia/pytorch:25.01-py3 or localhost/NAME:TAG")
+                 "must name an image, e.g. nvcr.io/nvidia/pytorch:25.12-py3 or localhost/NAME:TAG")
         for key, value in self.build_args.items():
             _require(bool(ENV_NAME.match(key)) and "\n" not in str(value), f"{where}.build_args.{key}",
                      "build arg names are letters, digits and _ (not starting with a digit); values one line")
@@ -207,7 +200,7 @@ class ImageSection:
 class Config:
     run: RunSection = field(default_factory=RunSection)
     slurm: SlurmSection = field(default_factory=SlurmSection)
-    container: ContainerSection = field(default_factory=ContainerSection)
+    container: Environment = field(default_factory=Environment)
     launch: LaunchSection = field(default_factory=LaunchSection)
     image: ImageSection = field(default_factory=ImageSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -216,6 +209,15 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    # The file it was read from (messages say `make image CONFIG=NAME`); not part of the config.
+    source: Optional[Path] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
+
+    @property
+    def config_name(self) -> str:
+        """What `make ... CONFIG=` takes for this config."""
+        if self.source is None:
+            return self.run.name
+        return self.source.stem if self.source.parent == Path("configs") else str(self.source)
 
     def check(self, where: str) -> None:
         _require(bool(SAFE_NAME.match(self.run.name)), "run.name",
@@ -241,12 +243,56 @@ class Config:
         return self.slurm.nodes * self.launch.procs_per_node
 
 
-def parse_value(text: str) -> Any:
-    """An override's value, read as a YAML scalar or flow list (`[a, b]`)."""
-    try:
-        return yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
-        return text
+def parse_value(text: str, key: str = "") -> Any:
+    """An override's value: the text itself (typed later by the field it sets, so
+    `slurm.time=10:00` stays "10:00"), a list `[a, b]`, or a YAML flow mapping `{k: v}`."""
+    stripped = text.strip()
+    if stripped.startswith("[") and stripped.endswith("]"):
+        return _split_list(stripped[1:-1], key)
+    if stripped.startswith(("[", "{")):
+        return read_yaml(text, key or "override", lines=False)
+    return Plain(text)
+
+
+def _split_list(inner: str, key: str) -> list[str]:
+    """`a, ${X}:/b, "c, d"`: items split at commas outside quotes and `${...}` (a YAML flow
+    list cannot hold `${VAR}`, which mounts need); quoted items as YAML reads them."""
+    items, current, quote, depth, i = [], [], "", 0, 0
+    while i < len(inner):
+        ch = inner[i]
+        if quote:
+            current.append(ch)
+            if ch == "\\" and quote == '"' and i + 1 < len(inner):
+                current.append(inner[i + 1])
+                i += 1
+            elif ch == quote:
+                quote = ""
+        elif ch in "\"'" and not "".join(current).strip():
+            quote = ch
+            current.append(ch)
+        elif inner.startswith("${", i):
+            depth += 1
+            current.append(ch)
+        elif ch == "}" and depth:
+            depth -= 1
+            current.append(ch)
+        elif ch == "," and not depth:
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+        i += 1
+    if quote:
+        raise ConfigError(key or "override", f"unterminated {quote} in [{inner}]: close the quote")
+    if "".join(current).strip() or items:
+        items.append("".join(current))
+    out = []
+    for item in (it.strip() for it in items):
+        if item[:1] in "\"'" and len(item) >= 2 and item[-1] == item[0]:
+            out.append(read_yaml(item, key or "override", lines=False))  # YAML's quoting rules
+        else:
+            out.append(Plain(item))
+    return out
 
 
 # Mappings whose keys may hold dots themselves (annotations such as com.hooks.x.enabled).
@@ -262,8 +308,6 @@ def apply_override(raw: dict, dotted: str, value: Any) -> None:
         prefix = map_field.split(".")
         if parts[:2] == prefix and len(parts) > 2:
             parts = prefix + [".".join(parts[2:])]
-            value = value if isinstance(value, str) else ("true" if value is True else "false" if value is False
-                                                          else str(value))
     node = raw
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)
@@ -282,36 +326,50 @@ def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict
     """
     path = resolve_config_path(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError("", f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("CONFIG", f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    raw = read_yaml(text, str(path))
+    if raw is None:
+        raise ConfigError("CONFIG", f"{path} is empty: a config needs its sections (run:, slurm:, model:, ...); "
+                                    "start from a copy of configs/tiny_cpu.yaml")
     if not isinstance(raw, dict):
-        raise ConfigError("", f"{path} must hold a mapping of sections such as run:, slurm:, model:")
+        raise ConfigError("CONFIG", f"{path} must hold a mapping of sections such as run:, slurm:, model:")
     raw = copy.deepcopy(raw)
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(item, "an override must look like section.key=value, e.g. train.steps=100")
-        apply_override(raw, key.strip(), parse_value(value))
+        apply_override(raw, key.strip(), parse_value(value, key.strip()))
     for key, value in (sets or {}).items():
         apply_override(raw, key, value)
     run = raw.setdefault("run", {}) if isinstance(raw.get("run", {}), dict) else raw["run"]
     if isinstance(run, dict) and not run.get("name"):
         run["name"] = path.stem
-    return from_dict(Config, raw)
+    cfg = from_dict(Config, raw)
+    cfg.source = path
+    return cfg
 
 
 def resolve_config_path(name: str | Path) -> Path:
-    """`tiny_cpu`, `configs/tiny_cpu.yaml` or any path to a YAML file."""
-    candidates = [Path(name)]
-    if not str(name).endswith((".yaml", ".yml")):
-        candidates += [Path("configs") / f"{name}.yaml", Path(f"{name}.yaml")]
+    """`tiny_cpu`, `tiny_cpu.yaml`, `configs/tiny_cpu.yaml` or any path to a YAML file."""
+    text = str(name)
+    candidates = [Path(text)]
+    if "/" not in text:
+        candidates.append(Path("configs") / text)
+    if not text.endswith((".yaml", ".yml")):
+        candidates += [Path("configs") / f"{text}.yaml", Path(f"{text}.yaml")]
     for candidate in candidates:
-        if candidate.is_file():
-            return candidate
+        try:
+            if candidate.is_file():
+                return candidate
+        except OSError as exc:  # e.g. a name longer than the filesystem allows
+            raise ConfigError("CONFIG", f"{text[:60]!r}{'...' if len(text) > 60 else ''} is not a usable path "
+                                        f"({exc.strerror}): give a config name such as tiny_cpu") from None
     known = sorted(p.stem for p in Path("configs").glob("*.yaml")) if Path("configs").is_dir() else []
     hint = f"; known configs: {', '.join(known)}" if known else ""
-    raise ConfigError("CONFIG", f"no config file {name!r} (looked for {', '.join(map(str, candidates))}){hint}")
+    shown = ", ".join(dict.fromkeys(map(str, candidates)))
+    raise ConfigError("CONFIG", f"no config file {text!r} (looked for {shown}){hint}")
 
 
 def dump_config(cfg: Config) -> str:

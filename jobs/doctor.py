@@ -1,66 +1,118 @@
-"""`slipway doctor`: preflight checks before burning an allocation, one line each with the fix."""
+"""`slipway doctor`: preflight checks before burning an allocation, one line each with the fix.
+
+Every check runs, whatever failed before it, so one run lists everything to fix.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
-from jobs import runs
+from jobs import runs, slurm
 from jobs.config import Config
 from trainer.config import ConfigError
 
+Result = tuple[str, bool, str]  # (name, ok, detail or the fix)
 
-def _storage_conf() -> list[tuple[str, bool, str]]:
+
+def _storage_conf() -> list[Result]:
     from containers.storage import check_storage_conf
 
     return [("podman storage", c.ok, c.what + (f": {c.fix}" if c.fix else "")) for c in check_storage_conf()]
 
 
-def checks(cfg: Config | None, project_dir: Path) -> list[tuple[str, bool, str]]:
-    """(name, ok, detail or fix) for every check that applies."""
-    out: list[tuple[str, bool, str]] = []
+def _guard(name: str, check: Callable[[], list[Result]]) -> list[Result]:
+    """A check's results, or its one-line error as a failure."""
+    try:
+        return check()
+    except ConfigError as exc:
+        return [(name, False, str(exc))]
+    except (slurm.SlurmError, OSError) as exc:
+        return [(name, False, " ".join(str(exc).split()))]
+
+
+def _tools() -> list[Result]:
+    out: list[Result] = []
     for tool in ("sbatch", "srun", "squeue", "scontrol"):
         path = shutil.which(tool)
         out.append((tool, path is not None, path or f"{tool} not on PATH: run on a Slurm login node "
-                                                      "(or `make cluster-up` for the local test cluster)"))
-    runtime = cfg.container.runtime if cfg else None
-    if runtime in (None, "edf", "pyxis"):
-        podman = shutil.which("podman")
-        out.append(("podman", podman is not None, podman or "podman not found: needed by `make image`"))
-        if podman:
-            out += _storage_conf()
-        enroot = shutil.which("enroot")
-        out.append(("enroot", enroot is not None, enroot or "enroot not found: `make image` builds the podman "
-                                                           "image but cannot import it to squashfs here"))
-    if cfg is None:
-        return out
-    out.append(("parallel layout", True, f"dp({cfg.parallel.dp}) x tp({cfg.parallel.tp}) x pp({cfg.parallel.pp}) = "
-                                         f"{cfg.parallel.world_size} = nodes({cfg.slurm.nodes}) x "
-                                         f"procs_per_node({cfg.launch.procs_per_node})"))
-    try:
-        runs.check_submittable(cfg)
-        out.append(("image and mounts", True, cfg.container.image or "runtime none: no image"))
-    except ConfigError as exc:
-        out.append(("image and mounts", False, str(exc)))
-    if runtime in ("edf", "pyxis"):
-        try:
-            from edf import Environment, parse_edf, render_edf, to_pyxis_args
+                                                      "(or `slipway cluster up` for a local test cluster)"))
+    if shutil.which("scontrol"):
+        ok, said = slurm.ping()
+        out.append(("slurm controller", ok, said if ok else f"{said}: no Slurm controller answers, so sbatch "
+                    "would fail; check SLURM_CONF and that slurmctld runs (`slipway cluster status` for the "
+                    "local one)"))
+    return out
 
-            env = Environment.from_container(cfg.container)
-            parse_edf(render_edf(env))
-            if runtime == "pyxis":
-                for warning in to_pyxis_args(env).warnings:
-                    out.append(("pyxis flags", True, f"note: {warning}"))
-            out.append(("EDF", True, "renders and parses back"))
-        except ConfigError as exc:
-            out.append(("EDF", False, str(exc)))
+
+def _image_tools() -> list[Result]:
+    out: list[Result] = []
+    podman = shutil.which("podman")
+    out.append(("podman", podman is not None, podman or "podman not found: needed by `make image`"))
+    if podman:
+        out += _storage_conf()
+    enroot = shutil.which("enroot")
+    out.append(("enroot", enroot is not None, enroot or "enroot not found: `make image` builds the podman "
+                                                       "image but cannot import it to squashfs here"))
+    return out
+
+
+def _run_checks(cfg: Config, project_dir: Path) -> list[Result]:
+    from jobs.container import pin_image, resolve_paths, stale_build_note, visibility_mounts
+
+    paths = runs.RunPaths(runs.runs_root(project_dir) / cfg.run.name, project_dir.absolute())
+    out: list[Result] = [("parallel layout", True, f"dp({cfg.parallel.dp}) x tp({cfg.parallel.tp}) x "
+                                                   f"pp({cfg.parallel.pp}) = {cfg.parallel.world_size} = nodes("
+                                                   f"{cfg.slurm.nodes}) x procs_per_node({cfg.launch.procs_per_node})")]
+    out += _guard("mounts and files", lambda: (runs.check_submittable(cfg), [("mounts and files", True, "found")])[1])
+    frozen = resolve_paths(cfg, paths)
+    runtime = cfg.container.runtime
+
+    def image() -> list[Result]:
+        pin = pin_image(frozen, paths.project_dir)
+        if pin.source == "none":
+            return [("image", True, "runtime none: no image")]
+        detail = f"{pin.image} ({pin.source}{', build ' + pin.build_hash[:12] if pin.build_hash else ''})"
+        stale = stale_build_note(frozen, paths.project_dir, pin)
+        return [("image", True, detail)] + ([("image", True, f"note: {stale}")] if stale else [])
+
+    def visible() -> list[Result]:
+        added = visibility_mounts(frozen, paths)
+        detail = ("mounted for the job: " + ", ".join(m.spec() for m in added)) if added else \
+            "already mounted by container.mounts"
+        return [("paths in the container", True, f"the run directory and the job's paths are visible at their own "
+                                                 f"paths; {detail}")]
+
+    def rendered() -> list[Result]:
+        sealed = runs.seal(cfg, project_dir, dry_run=True)
+        notes = [(("pyxis flags" if n.startswith("pyxis:") else "image"), True, f"note: {n}")
+                 for n in sealed.notes if not n.startswith("a real submission would fail")]
+        what = "batch script passes bash -n" + (", EDF renders and parses back" if runtime != "none" else "")
+        return [("rendered files", True, what)] + notes
+
+    out += _guard("image", image)
+    if runtime in ("edf", "pyxis"):
+        out += _guard("paths in the container", visible)
+    out += _guard("rendered files", rendered)
     if runtime == "edf" and shutil.which("srun"):
         out.append(("Container Engine", True, "srun --environment is used on the srun line (not in #SBATCH)"))
-    if runtime == "none" and not os.access(cfg.launch.python, os.X_OK) and not shutil.which(cfg.launch.python):
-        out.append(("python", False, f"launch.python {cfg.launch.python} is not executable here: run `make setup`"))
-    elif runtime == "none":
-        out.append(("python", True, cfg.launch.python))
+    if runtime == "none":
+        python = cfg.launch.python
+        ok = os.access(python, os.X_OK) or shutil.which(python) is not None
+        out.append(("python", ok, python if ok else f"launch.python {python} is not executable here: run "
+                                                     "`make setup` or set launch.python"))
+    return out
+
+
+def checks(cfg: Config | None, project_dir: Path) -> list[Result]:
+    """(name, ok, detail or fix) for every check that applies."""
+    out = _tools()
+    if cfg is None or cfg.container.in_container:
+        out += _image_tools()
+    if cfg is not None:
+        out += _run_checks(cfg, project_dir)
     return out
 
 
@@ -68,7 +120,7 @@ def run_doctor(cfg: Config | None, project_dir: Path, console) -> int:
     results = checks(cfg, project_dir)
     for name, ok, detail in results:
         mark = "[green]ok  [/]" if ok else "[red]fail[/]"
-        console.print(f"{mark} {name}: {detail}", soft_wrap=True)
+        console.print(f"{mark} {name}: {detail}", soft_wrap=True, highlight=False)
     failed = sum(1 for _, ok, _ in results if not ok)
     console.print(f"{len(results) - failed} ok, {failed} failed")
     return 1 if failed else 0

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -12,9 +14,11 @@ from pathlib import Path
 
 from plumbum import local
 
+from edf import render_edf, srun_flags
 from jobs import runs, slurm
 from jobs.config import Config
 from jobs.sbatch import REQUEUE_EXIT, local_argv
+from trainer.fs import write_atomic
 
 
 def local_env(cfg: Config, run: runs.Run) -> dict[str, str]:
@@ -66,23 +70,22 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
     cfg, changed = local_view(cfg, rename=rename)
     if changed:
         console.print(f"[dim]on this machine: {'; '.join(changed)}[/]", soft_wrap=True)
-    run, created = runs.prepare_run(cfg, project_dir, force=force)
+    sealed = runs.seal(cfg, project_dir)
+    run, created = runs.prepare_run(sealed, force=force)
+    cfg = sealed.cfg
     argv = local_argv(cfg, run.paths)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     log_path = run.dir / "logs" / f"local-{stamp}.out"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    manifest = run.manifest()
-    manifest.setdefault("submissions", []).append({"job_id": None, "local": True, "started": runs.now(),
-                                                   "log": str(log_path.relative_to(run.dir)),
-                                                   "git": runs.git_state(project_dir)})
-    runs.write_atomic(run.dir / runs.MANIFEST, json.dumps(manifest, indent=2) + "\n")
     console.print(f"{'new run' if created else 'resuming run'} [bold]{cfg.run.name}[/] in {run.dir}", soft_wrap=True)
     console.print(f"[dim]$ {' '.join(argv)}[/]", soft_wrap=True)
-    _event(run, "start on this machine")
     env = {**os.environ, **local_env(cfg, run)}
+    interrupted = False
     with log_path.open("w") as log:
         proc = local[argv[0]][argv[1:]].popen(cwd=project_dir, env=env, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT)
+        _record_local(run, log_path, proc.pid, project_dir)
+        _event(run, "start on this machine")
         assert proc.stdout is not None
         try:
             for line in iter(proc.stdout.readline, b""):
@@ -90,12 +93,23 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
                 sys.stdout.flush()
                 log.write(line.decode(errors="replace"))
                 log.flush()
-        except KeyboardInterrupt:
-            proc.wait()
+        except KeyboardInterrupt:  # the terminal sent SIGINT to torchrun too: wait for it to stop
+            interrupted = True
+            try:
+                proc.wait()
+            except KeyboardInterrupt:  # a second Ctrl-C: do not wait any longer
+                proc.kill()
         rc = proc.wait()
-    _event(run, f"end exit {rc}")
+    _event(run, "end interrupted" if interrupted else f"end exit {rc}")
+    _finish_local(run, proc.pid, "interrupted" if interrupted else rc)
+    steps = _checkpoint_steps(run.dir / cfg.checkpoint.dir)
+    resume = (f"run the same command again to resume from its checkpoint at step {steps[-1]}" if steps else
+              "no checkpoint was saved yet, so running the same command again starts from step 0")
+    if interrupted:
+        console.print(f"[yellow]interrupted[/] (Ctrl-C): {resume}; log: {log_path}", soft_wrap=True)
+        return 130
     if rc == REQUEUE_EXIT:
-        console.print("stopped after saving a checkpoint: run the same command again to resume")
+        console.print(f"stopped after saving a checkpoint: {resume}", soft_wrap=True)
     elif rc:
         console.print(f"[red]training failed with exit code {rc}[/]; log: {log_path}", soft_wrap=True)
     else:
@@ -104,28 +118,77 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
     return rc
 
 
-def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None) -> list[str]:
-    """`srun ... --pty bash` in the image (or `command` without a pty), one node, one task."""
+def _record_local(run: runs.Run, log_path: Path, pid: int, project_dir: Path) -> None:
+    manifest = run.manifest()
+    manifest.setdefault("submissions", []).append({"job_id": None, "local": True, "started": runs.now(),
+                                                   "pid": pid, "host": socket.gethostname(),
+                                                   "log": str(log_path.relative_to(run.dir)),
+                                                   "git": runs.git_state(project_dir)})
+    runs.write_atomic(run.dir / runs.MANIFEST, json.dumps(manifest, indent=2) + "\n")
+
+
+def _finish_local(run: runs.Run, pid: int, outcome) -> None:
+    manifest = run.manifest()
+    for entry in reversed(manifest.get("submissions", [])):
+        if entry.get("local") and entry.get("pid") == pid:
+            entry["ended"] = runs.now()
+            entry["exit"] = outcome
+            break
+    runs.write_atomic(run.dir / runs.MANIFEST, json.dumps(manifest, indent=2) + "\n")
+
+
+def local_state(entry: dict) -> tuple[str, str]:
+    """(state, exit) of a local run's manifest entry, as `slipway status` shows it."""
+    outcome = entry.get("exit")
+    if outcome == "interrupted":
+        return "INTERRUPTED", "130"
+    if isinstance(outcome, int):
+        state = "COMPLETED" if outcome == 0 else "STOPPED" if outcome == REQUEUE_EXIT else "FAILED"
+        return state, str(outcome)
+    pid, host = entry.get("pid"), entry.get("host")
+    if pid and host == socket.gethostname():
+        from trainer.fs import pid_alive
+
+        return ("RUNNING", "") if pid_alive(pid) else ("DIED", "")
+    return ("UNKNOWN", "") if pid else ("ENDED", "")
+
+
+def _checkpoint_steps(ckpt_dir: Path) -> list[int]:
+    """Complete checkpoints (the trainer's layout: step-NNNNNN/ with a COMPLETE marker), without torch."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in ckpt_dir.glob("step-*") if p.name[5:].isdigit()
+                  and (p / "COMPLETE").is_file())
+
+
+
+
+def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """`srun ... --pty bash` in the image (or `command` without a pty), one node, one task;
+    and the variables to set in srun's environment (pyxis passes container.env that way).
+
+    The environment is the one a submitted run of `cfg` would get (pinned image, its paths
+    mounted), through the same `srun_flags` as the batch script. It never writes into a run
+    directory: the Container Engine's EDF goes to runs/.shell/, named by its content."""
+    sealed = runs.seal(cfg, project_dir)
+    env = sealed.env
+    edf_file = None
+    if env.runtime == "edf":
+        text = render_edf(env)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        edf_file = runs.runs_root(project_dir) / ".shell" / f"{cfg.run.name}-{digest}.toml"
+        if not edf_file.exists():
+            write_atomic(edf_file, text)
+    args, exports = srun_flags(env, edf_file).expanded()
     s = cfg.slurm
-    container: list[str] = []
-    if cfg.container.runtime == "edf":
-        from edf import Environment, write_edf
-
-        env_toml = runs.runs_root(project_dir) / cfg.run.name / "env.toml"
-        write_edf(Environment.from_container(cfg.container), env_toml, force=True)
-        container = [f"--environment={env_toml}"]
-    elif cfg.container.runtime == "pyxis":
-        from edf import Environment, to_pyxis_args
-
-        container = list(to_pyxis_args(Environment.from_container(cfg.container)).args)
     argv = slurm.srun_argv(nodes=1, ntasks_per_node=1, cpus_per_task=s.cpus_per_task, gpus_per_node=s.gpus_per_node,
-                           time=s.time, account=s.account, partition=s.partition, pty=not command,
-                           extra=container)
-    return argv + (list(command) if command else ["bash"])
+                           time=s.time, account=s.account, partition=s.partition, pty=not command, extra=args)
+    return argv + (list(command) if command else ["bash"]), exports
 
 
-def exec_foreground(argv: list[str]) -> int:
-    """Hand the terminal to `argv` and return its exit code."""
+def exec_foreground(argv: list[str], exports: dict[str, str] | None = None) -> int:
+    """Hand the terminal to `argv` (with `exports` added to its environment) and return its exit code."""
     if not slurm.available(argv[0]):
         raise slurm.SlurmError(f"{argv[0]} not found on PATH: run this on a Slurm login node")
-    return local[argv[0]][argv[1:]].popen(stdin=None, stdout=None, stderr=None).wait()
+    return local[argv[0]][argv[1:]].popen(stdin=None, stdout=None, stderr=None,
+                                          env={**os.environ, **(exports or {})}).wait()

@@ -25,9 +25,11 @@ from typing import Callable, TextIO
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
+from edf import Environment, expand_host, render_edf, srun_flags
 from jobs import slurm
-from edf.environment import is_local_image
 from jobs.config import Config, dump_config, load_config
+from jobs.container import (ImagePin, create_needed_dirs, pin_image, remove_created_dirs, resolve_paths,
+                            run_environment, stale_build_note)
 from jobs.sbatch import RunPaths, render_sbatch
 from trainer.config import ConfigError
 from trainer.fs import write_atomic
@@ -129,73 +131,125 @@ def list_runs(project_dir: Path) -> list[Run]:
     return sorted(found, key=lambda r: (r.manifest().get("created", ""), r.name))
 
 
+@dataclass
+class Sealed:
+    """A submission resolved once: the frozen config (absolute paths), the pinned image,
+    the run's container environment, and the text of every file it writes."""
+
+    cfg: Config
+    paths: RunPaths
+    pin: ImagePin
+    env: Environment
+    files: dict[str, str]
+    notes: list[str]  # what the user should know before the job runs (said at submit and dry run)
+
+
 def check_submittable(cfg: Config) -> None:
-    """What must hold on disk at submission (not for a dry run, which may render elsewhere)."""
+    """What must hold on disk at submission, beyond the image and the paths `seal` checks."""
     c = cfg.container
-    if c.runtime != "none" and is_local_image(c.image):
-        image = Path(os.path.expandvars(c.image))
-        if not image.exists():
-            raise ConfigError("container.image", f"squashfs {c.image} does not exist: run `make image` "
-                                                 "(it prints the path) or set container.image")
-    for i, mount in enumerate(c.mounts):
-        src = os.path.expandvars(mount.split(":", 1)[0])
-        if "$" in src:
-            raise ConfigError(f"container.mounts[{i}]", f"{mount!r} uses a variable that is not set here: "
-                                                        "export it or write the path out")
-        if not Path(src).exists():
-            raise ConfigError(f"container.mounts[{i}]", f"mount source {src} does not exist on this node")
-    if cfg.train.script:
-        script = Path(cfg.train.script)
-        if not script.is_file():
-            raise ConfigError("train.script", f"training script {script} does not exist")
+    if c.in_container:
+        for i, mount in enumerate(c.mounts):
+            src = expand_host(mount.src, f"container.mounts[{i}]")
+            if not Path(src).exists():
+                raise ConfigError(f"container.mounts[{i}]", f"mount source {src} does not exist on this node")
+    if cfg.train.script and not Path(cfg.train.script).is_file():
+        raise ConfigError("train.script", f"training script {cfg.train.script} does not exist")
 
 
-def render_run_files(cfg: Config, paths: RunPaths) -> dict[str, str]:
-    """Every generated file of a run, by name (nothing written yet)."""
-    files = {"config.yaml": dump_config(cfg), "job.sbatch": render_sbatch(cfg, paths)}
-    if cfg.container.runtime != "none":
-        from edf import Environment, render_edf
-
-        files["env.toml"] = render_edf(Environment.from_container(cfg.container))
-    return files
-
-
-def _image_record(cfg: Config) -> dict:
-    image = cfg.container.image
-    record: dict = {"reference": image or None}
-    if image and is_local_image(image):
-        path = Path(os.path.expandvars(image))
-        record["path"] = str(path.absolute())
-        record["resolved"] = str(path.resolve()) if path.exists() else None
-    return record
+def _check_script_syntax(cfg: Config, script: str) -> None:
+    """`bash -n` on the batch script: a syntax error fails here, not after queueing."""
+    if shutil.which("bash") is None:
+        return
+    rc, _, err = (local["bash"]["-n"] << script).run(retcode=None)
+    if rc != 0:
+        error = " ".join(err.replace("bash: ", "").split())
+        field = "launch.pre_launch" if cfg.launch.pre_launch else "job.sbatch"
+        raise ConfigError(field, f"the batch script does not parse ({error}): fix the shell syntax of "
+                                 f"launch.pre_launch")
 
 
-def prepare_run(cfg: Config, project_dir: Path, *, force: bool = False) -> tuple[Run, bool]:
+def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
+    """Resolve a submission of `cfg` (nothing written). A dry run reports a missing image as a
+    note and renders with the path `make image` would write, instead of failing."""
+    paths = RunPaths(runs_root(project_dir) / cfg.run.name, project_dir.absolute())
+    cfg = resolve_paths(cfg, paths)
+    notes: list[str] = []
+    try:
+        pin = pin_image(cfg, paths.project_dir)
+    except ConfigError as exc:
+        if not dry_run:
+            raise
+        notes.append(f"a real submission would fail: {exc}")
+        from containers.context import resolve_path
+
+        link = resolve_path(paths.project_dir, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
+        pin = ImagePin(cfg.container.image, cfg.container.image or str(link), "none")
+    else:
+        stale = stale_build_note(cfg, paths.project_dir, pin)
+        if stale:
+            notes.append(stale)
+    env = run_environment(cfg, paths, pin)
+    script = render_sbatch(cfg, paths, env)
+    _check_script_syntax(cfg, script)
+    files = {"config.yaml": dump_config(cfg), "job.sbatch": script}
+    if env.in_container:
+        files["env.toml"] = render_edf(env)
+        if env.runtime == "pyxis":
+            notes += [f"pyxis: {w}" for w in srun_flags(env, paths.env_toml).warnings]
+    return Sealed(cfg, paths, pin, env, files, notes)
+
+
+def _active_jobs(run: Run) -> list[tuple[str, str]]:
+    """(job id, state) of this run's jobs that Slurm still runs or queues."""
+    out = []
+    for job_id in run.job_ids():
+        info = slurm.job_info(job_id) if slurm.available("scontrol") or slurm.available("sacct") else None
+        if info is not None and info.active:
+            out.append((job_id, info.state))
+    return out
+
+
+def _group_readable(path: Path) -> None:
+    """mkdtemp makes 0700 directories: give the run directory the user's umask (teammates
+    on a shared project folder read runs)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+
+
+def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     """Create or reuse `runs/RUN/`; returns (run, created).
 
-    Same run name and same resolved config: the run resumes (files refreshed).
-    A different config is refused unless `force`, and then the old config is
-    kept in `history/`.
-    """
-    paths = RunPaths(runs_root(project_dir) / cfg.run.name, project_dir.absolute())
-    files = render_run_files(cfg, paths)
+    Same run name and same resolved config: the run resumes (generated files refreshed,
+    earlier versions kept in history/). A different config is refused unless `force`,
+    and then the old config is kept in `history/` too. A run with a job still queued or
+    running is never rewritten: that job reads these files."""
+    cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
     run = Run(paths)
     if (paths.run_dir / MANIFEST).is_file():
-        old = (paths.run_dir / "config.yaml").read_text() if paths.config.exists() else ""
-        if old != files["config.yaml"]:
-            if not force:
-                raise ConfigError("run.name", f"run {cfg.run.name} exists with a different config "
-                                              f"({paths.config}): pick another --run-name, or pass --force to "
-                                              "replace its config (the old one is kept in history/)")
-            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-            write_atomic(paths.run_dir / "history" / f"config-{stamp}.yaml", old)
+        active = _active_jobs(run)
+        if active:
+            jobs = ", ".join(f"{j} ({state})" for j, state in active)
+            raise ConfigError("run.name", f"run {cfg.run.name} has a job queued or running ({jobs}), which reads "
+                                          f"its files: wait for it to end or `slipway cancel {cfg.run.name}` first")
+        old = paths.config.read_text() if paths.config.exists() else ""
+        if old != files["config.yaml"] and not force:
+            raise ConfigError("run.name", f"run {cfg.run.name} exists with a different config "
+                                          f"({paths.config}): pick another --run-name, or pass --force to "
+                                          "replace its config (the old one is kept in history/)")
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
         for name, text in files.items():
-            write_atomic(paths.run_dir / name, text, 0o755 if name == "job.sbatch" else 0o644)
+            target = paths.run_dir / name
+            if target.exists() and target.read_text() != text:
+                stem, dot, ext = name.partition(".")
+                write_atomic(paths.run_dir / "history" / f"{stem}-{stamp}{dot}{ext}", target.read_text())
+            write_atomic(target, text, 0o755 if name == "job.sbatch" else 0o644)
         return run, False
     root = paths.run_dir.parent
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.run.name}.", suffix=".tmp", dir=root))
     try:
+        _group_readable(tmp)
         for name, text in files.items():
             write_atomic(tmp / name, text, 0o755 if name == "job.sbatch" else 0o644)
         (tmp / "logs").mkdir()
@@ -203,8 +257,8 @@ def prepare_run(cfg: Config, project_dir: Path, *, force: bool = False) -> tuple
             "run": cfg.run.name,
             "created": now(),
             "project_dir": str(paths.project_dir),
-            "git": git_state(project_dir),
-            "image": _image_record(cfg),
+            "git": git_state(paths.project_dir),
+            "image": sealed.pin.record(),
             "runtime": cfg.container.runtime,
             "launcher": cfg.launch.launcher,
             "config_sha256": hashlib.sha256(files["config.yaml"].encode()).hexdigest(),
@@ -223,30 +277,38 @@ def prepare_run(cfg: Config, project_dir: Path, *, force: bool = False) -> tuple
     return run, True
 
 
-def record_submission(run: Run, job_id: str, cfg: Config) -> None:
+def record_submission(run: Run, job_id: str, sealed: Sealed) -> None:
     manifest = run.manifest()
+    manifest["image"] = sealed.pin.record()  # what the latest job runs
     manifest.setdefault("submissions", []).append({
         "job_id": job_id, "submitted": now(), "git": git_state(run.paths.project_dir),
-        "image": _image_record(cfg),
+        "image": sealed.pin.record(),
         "script_sha256": hashlib.sha256(run.paths.script.read_bytes()).hexdigest(),
     })
     write_atomic(run.dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
-def submit(cfg: Config, project_dir: Path, *, force: bool = False) -> tuple[Run, str]:
-    """Write the run directory and `sbatch` it; returns (run, job id)."""
+def submit(cfg: Config, project_dir: Path, *, force: bool = False) -> tuple[Run, str, Sealed]:
+    """Seal the submission, write the run directory and `sbatch` it; returns (run, job id, sealed)."""
     check_submittable(cfg)
-    run, created = prepare_run(cfg, project_dir, force=force)
+    sealed = seal(cfg, project_dir)
+    made = create_needed_dirs(sealed.cfg, sealed.paths)
+    try:
+        run, created = prepare_run(sealed, force=force)
+    except BaseException:
+        remove_created_dirs(made)
+        raise
     try:
         job_id = slurm.sbatch(run.paths.script, cwd=run.paths.project_dir)
     except slurm.SlurmError:
+        remove_created_dirs(made)
         if created:  # nothing ran: leave no trace of a run that never was
             shutil.rmtree(run.dir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 run.dir.parent.rmdir()  # only if that left it empty
         raise
-    record_submission(run, job_id, cfg)
-    return run, job_id
+    record_submission(run, job_id, sealed)
+    return run, job_id, sealed
 
 
 class _Tail:

@@ -12,8 +12,10 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from edf import Environment, srun_flags
 from jobs.config import Config
 from trainer.config import REQUEUE_EXIT, STOP_FILE, ConfigError
+
 HEARTBEAT_SECONDS = 60
 # `${VAR}` or `${VAR:-default}` with a default that is literal inside double quotes.
 _VAR = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-[A-Za-z0-9_./:@%+=, -]*)?\}")
@@ -119,9 +121,9 @@ def _header(cfg: Config, paths: RunPaths) -> list[str]:
     opts += [f"--output={sbatch_quote(str(paths.run_dir / s.output))}",
              f"--error={sbatch_quote(str(paths.run_dir / s.error))}",
              "--open-mode=append"]
-    if s.signal_seconds:
+    if s.warning_seconds():
         # B: only the batch shell gets it; it tells the trainer through STOP_FILE.
-        opts.append(f"--signal=B:USR1@{s.signal_seconds}")
+        opts.append(f"--signal=B:USR1@{s.warning_seconds()}")
     opts.append("--requeue" if s.requeue else "--no-requeue")
     opts += [sbatch_quote(o) for o in s.extra]
     return ["#!/bin/bash", f"# slipway run {cfg.run.name}: generated, edit configs/ instead"] + \
@@ -134,8 +136,10 @@ def _environment(cfg: Config, paths: RunPaths) -> list[str]:
     hf_home = f"export HF_HOME={shell_value(cfg.launch.hf_home)}" if cfg.launch.hf_home else \
         f'[ -n "${{HF_HOME:-}}" ] || export HF_HOME={shlex.quote(str(paths.project_dir / ".cache" / "huggingface"))}'
     lines = [
-        "# Rendezvous: the first host of the allocation, never `hostname --ip-address`.",
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# Rendezvous: the first host of the allocation, never `hostname --ip-address`. sed reads",
+        "# the whole list: `head` would close the pipe early, and pipefail would kill the script",
+        "# with SIGPIPE on large allocations.",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         "# A port from the job id, below the ephemeral range, moved on while one is taken.",
         "MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 12000 ))",
         'while (exec 3<>"/dev/tcp/$MASTER_ADDR/$MASTER_PORT") 2>/dev/null; do MASTER_PORT=$(( MASTER_PORT + 1 )); done',
@@ -173,21 +177,13 @@ def _words(argv: list[str]) -> str:
                     else shlex.quote(a) for a in argv)
 
 
-def _container_args(cfg: Config, paths: RunPaths) -> tuple[list[str], list[str]]:
-    """(srun arguments, NAME=value words set for the srun line only) for the runtime."""
-    runtime = cfg.container.runtime
-    if runtime == "edf":
-        # The absolute path: srun resolves a bare name through EDF_PATH instead.
-        return [f"--environment={paths.env_toml}"], []
-    if runtime == "pyxis":
-        from edf import Environment, to_pyxis_args
+def _container_args(env: Environment, paths: RunPaths) -> tuple[list[str], list[str]]:
+    """(srun arguments, NAME=value words set for the srun line only) for the run's environment.
 
-        pyxis = to_pyxis_args(Environment.from_container(cfg.container))
-        # --container-env passes these from srun's environment; set them for srun alone
-        # so the host commands of the script keep their own (LD_LIBRARY_PATH, PATH...).
-        assigns = [f"{name}={shell_value(value)}" for name, value in pyxis.exports]
-        return [_Value(a) for a in pyxis.args], assigns
-    return [], []
+    pyxis's --container-env passes the [env] values from srun's environment: they are set
+    for the srun alone so the host commands of the script keep their own (PATH...)."""
+    flags = srun_flags(env, paths.env_toml)
+    return [_Value(a) for a in flags.args], [f"{name}={shell_value(value)}" for name, value in flags.exports]
 
 
 def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[str]) -> str:
@@ -211,11 +207,12 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[st
     return f"{prefix}{_words(srun)} \\\n  {_words(['bash', '-c', mapper, 'slipway-task', *cmd])} &"
 
 
-def render_sbatch(cfg: Config, paths: RunPaths) -> str:
-    """The whole batch script for `cfg`, reading and writing only inside `paths.run_dir`."""
+def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
+    """The whole batch script for `cfg`, reading and writing only inside `paths.run_dir`;
+    `env` is the run's container environment (`jobs.container.run_environment`)."""
     q = shlex.quote
     run_dir = q(str(paths.run_dir))
-    container, assigns = _container_args(cfg, paths)
+    container, assigns = _container_args(env, paths)
     lines = _header(cfg, paths) + ["", "set -euo pipefail"]
     if cfg.launch.debug:
         lines.append("set -x")
@@ -280,7 +277,12 @@ def render_sbatch(cfg: Config, paths: RunPaths) -> str:
         f'if [ "$STOP_REQUESTED" = 1 ] || [ "$rc" = {REQUEUE_EXIT} ]; then',
     ]
     if cfg.slurm.requeue:
+        limit = cfg.slurm.max_requeues
         lines += [
+            f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -ge {limit} ]; then',
+            f'    event "saved after stop request (step exit $rc); not requeueing: slurm.max_requeues ({limit}) reached"',
+            f"    exit {REQUEUE_EXIT}",
+            "  fi",
             '  event "saved after stop request (step exit $rc): requeueing"',
             '  scontrol requeue "$SLURM_JOB_ID"',
             "  exit 0",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plumbum import local
-from plumbum.commands.processes import ProcessExecutionError
+from plumbum.commands.processes import ProcessExecutionError, ProcessTimedOut
 
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
                  "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT", "STOPPED"}
@@ -122,6 +122,18 @@ def job_info(job_id: str) -> JobInfo | None:
                 return JobInfo(job_id=job_id, state=parts[1], exit_code=parts[2], elapsed=parts[3],
                                nodes=parts[4], name=parts[5])
     return None
+
+
+def ping(timeout: float = 20) -> tuple[bool, str]:
+    """Whether a Slurm controller answers (`scontrol ping`), and what it said."""
+    if not available("scontrol"):
+        return False, "scontrol not on PATH"
+    try:
+        rc, out, err = local["scontrol"]["ping"].run(retcode=None, timeout=timeout)
+    except ProcessTimedOut:
+        return False, f"scontrol ping got no answer in {timeout:.0f} s"
+    text = " ".join((out + " " + err).split())
+    return rc == 0 and " is UP" in text, text or f"scontrol ping exited {rc}"
 
 
 def srun_argv(*, nodes: int, ntasks_per_node: int, cpus_per_task: int, gpus_per_node: int, time: str | None,

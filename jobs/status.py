@@ -25,9 +25,13 @@ def _progress(run: runs.Run) -> str:
     return f"step {m.get('step')}" + (f", loss {loss:.3f}" if isinstance(loss, (int, float)) else "")
 
 
-def _job_row(run: runs.Run, job_id: str | None) -> tuple[str, str, str, str, str]:
+def _job_row(run: runs.Run, sub: dict) -> tuple[str, str, str, str, str]:
+    job_id = sub.get("job_id")
     if job_id is None:
-        return ("local", "", "", "", _last_event(run, "local"))
+        from jobs.local import local_state
+
+        state, code = local_state(sub)
+        return ("local", state, code, "", _last_event(run, "local"))
     info = slurm.job_info(job_id) if slurm.available("scontrol") or slurm.available("sacct") else None
     if info is None:
         event = _last_event(run, job_id)
@@ -35,6 +39,23 @@ def _job_row(run: runs.Run, job_id: str | None) -> tuple[str, str, str, str, str
         return (job_id, state, event.removeprefix("end exit ") if state == "ENDED" else "", "", event)
     reason = info.reason if info.reason not in ("None", "") else ""
     return (job_id, info.state, info.exit_code, info.elapsed, reason or _last_event(run, job_id))
+
+
+def image_drift(run: runs.Run) -> str | None:
+    """A note when the image the run's latest job used is not the current build for its config."""
+    pinned = run.manifest().get("image") or {}
+    if pinned.get("source") != "build":
+        return None
+    try:
+        from containers.image import current_image
+
+        current = current_image(run.config(), root=run.paths.project_dir)
+    except (ConfigError, OSError):
+        return None
+    if current and current.get("hash") and current["hash"] != pinned.get("build_hash"):
+        return (f"image: this run uses build {str(pinned.get('build_hash'))[:12]}, the current build is "
+                f"{current['hash'][:12]} (a resubmission would use the current one)")
+    return None
 
 
 def show_status(project_dir, run_name: str | None, console) -> int:
@@ -47,8 +68,15 @@ def show_status(project_dir, run_name: str | None, console) -> int:
             table.add_column(col)
         subs = run.manifest().get("submissions", [])
         for sub in subs:
-            table.add_row(*_job_row(run, sub.get("job_id")))
+            table.add_row(*_job_row(run, sub))
         console.print(table)
+        image = run.manifest().get("image") or {}
+        if image.get("image"):
+            console.print(f"image {image['image']}" + (f" (build {image['build_hash'][:12]})"
+                                                      if image.get("build_hash") else ""), soft_wrap=True)
+        drift = image_drift(run)
+        if drift:
+            console.print(f"[yellow]note:[/] {drift}", soft_wrap=True)
         return 0
     found = runs.list_runs(project_dir)
     if not found:
@@ -60,7 +88,7 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     for run in found:
         subs = run.manifest().get("submissions", [])
         if subs:
-            job, state, code, _, event = _job_row(run, subs[-1].get("job_id"))
+            job, state, code, _, event = _job_row(run, subs[-1])
         else:
             job, state, code, event = "", "not submitted", "", ""
         table.add_row(run.name, str(len(subs)), job, state, code, _progress(run), event)
@@ -68,15 +96,15 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     return 0
 
 
-def _latest_job(run: runs.Run) -> str:
-    ids = run.job_ids()
-    if not ids:
-        raise ConfigError("RUN", f"run {run.name} has no Slurm job yet: `slipway submit` it first")
-    return ids[-1]
-
-
 def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> int:
-    job_id = job_id or _latest_job(run)
+    subs = run.manifest().get("submissions", [])
+    if not subs:
+        raise ConfigError("RUN", f"run {run.name} has no job yet: `slipway submit` it first")
+    if job_id is None and subs[-1].get("local"):
+        return _show_local_log(run, subs[-1], follow)
+    job_id = job_id or next((s["job_id"] for s in reversed(subs) if s.get("job_id")), None)
+    if job_id is None:
+        raise ConfigError("--job", f"run {run.name} has no Slurm job")
     if follow:
         return runs.follow(run, job_id)
     path = run.log_path(job_id, stream)
@@ -87,6 +115,24 @@ def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> i
     with path.open("rb") as f:
         sys.stdout.buffer.write(f.read())
     return 0
+
+
+def _show_local_log(run: runs.Run, sub: dict, follow: bool) -> int:
+    """A local run's log (`make local` writes logs/local-STAMP.out); -f follows it while it runs."""
+    from jobs.local import local_state
+
+    path = run.dir / sub.get("log", "")
+    if not path.is_file():
+        raise ConfigError("RUN", f"no log at {path}")
+    tail = runs._Tail(path, sys.stdout)
+    tail.pump()
+    while follow and local_state(sub)[0] == "RUNNING":
+        time.sleep(1.0)
+        tail.pump()
+        sub = next((s for s in run.manifest().get("submissions", []) if s.get("pid") == sub.get("pid")), sub)
+    tail.pump()
+    state, code = local_state(sub)
+    return int(code) if code.isdigit() else 0
 
 
 def cancel(run: runs.Run, console) -> int:

@@ -15,6 +15,7 @@ from conftest import assert_golden
 from edf import (
     Environment,
     Mount,
+    check_edf,
     find_edf,
     install_edf,
     parse_edf,
@@ -24,8 +25,7 @@ from edf import (
     to_pyxis_args,
     write_edf,
 )
-from jobs.config import ContainerSection
-from trainer.config import ConfigError
+from trainer.config import ConfigError, from_dict
 
 # The CSCS nanotron tutorial's EDF, exactly as written there (trailing spaces
 # included; eth-cscs/cscs-docs, tutorials/ml, "Set up an EDF").
@@ -154,30 +154,49 @@ def test_mount_forms():
     assert Mount.parse("/a:/b:ro+private") == Mount("/a", "/b", ("ro", "private"))
     assert Mount.parse("${A:-/x}:/b") == Mount("${A:-/x}", "/b")
     assert Mount.parse("/a:/a:ro").spec() == "/a:/a:ro"
-    assert Mount("/a", "/a").spec() == "/a"
+    assert Mount("/a", "/a").spec() == "/a:/a"  # the documented SRC:DST form is what is written
     assert Environment(mounts=["/a:/b:ro"]).mounts == [Mount("/a", "/b", ("ro",))]
 
 
-def test_from_container():
-    section = ContainerSection(
-        image="./images/slipway.sqsh", mounts=["${SCRATCH}:${SCRATCH}", "/users"], workdir="/users",
-        env={"NCCL_DEBUG": "INFO"}, annotations={"com.hooks.aws_ofi_nccl.enabled": "true"},
-    )
-    env = Environment.from_container(section)
+def container(**values) -> Environment:
+    """The config's `container:` section, read as a config file's would be."""
+    return from_dict(Environment, values, "container")
+
+
+def test_the_config_section_is_the_model():
+    env = container(image="./images/slipway.sqsh", mounts=["${SCRATCH}:${SCRATCH}", "/users"], workdir="/users",
+                    env={"NCCL_DEBUG": "INFO"}, annotations={"com.hooks.aws_ofi_nccl.enabled": "true"})
     assert env == Environment(
         image="./images/slipway.sqsh", mounts=[Mount("${SCRATCH}", "${SCRATCH}"), Mount("/users", "/users")],
         workdir="/users", env={"NCCL_DEBUG": "INFO"},
         annotations={"com.hooks.aws_ofi_nccl.enabled": "true"},
     )
     assert parse_edf(render_edf(env)) == env
+    from trainer.config import to_dict
+
+    assert to_dict(env)["mounts"] == ["${SCRATCH}:${SCRATCH}", "/users:/users"]
+    assert "origin" not in to_dict(env) and "source" not in to_dict(env)
 
 
-def test_from_container_with_bases_inherits_default_booleans():
-    env = Environment.from_container(ContainerSection(image="/i.sqsh", base_environment=["common"]))
+def test_config_section_with_bases_inherits_default_booleans():
+    env = container(image="/i.sqsh", base_environment=["common"])
     assert (env.writable, env.entrypoint, env.mount_home) == (None, None, None)
-    env = Environment.from_container(ContainerSection(image="/i.sqsh", base_environment=["common"],
-                                                      writable=False, entrypoint=True, mount_home=True))
+    env = container(runtime="pyxis", image="/i.sqsh", base_environment=["common"], writable=False,
+                    entrypoint=True, mount_home=True)
     assert (env.writable, env.entrypoint, env.mount_home) == (False, True, True)
+
+
+def test_registry_forms_of_current_docs_are_accepted():
+    """CSCS docs now write registry/image without '#'; the EDF keeps it, pyxis gets enroot's form."""
+    for image, pyxis in [("nvcr.io/nvidia/pytorch:25.01-py3", "nvcr.io#nvidia/pytorch:25.01-py3"),
+                         ("jfrog.svc.cscs.ch/docker-group-csstaff/alps-images/ngc-pytorch:26.02-py3-alps6",
+                          "jfrog.svc.cscs.ch#docker-group-csstaff/alps-images/ngc-pytorch:26.02-py3-alps6"),
+                         ("nvcr.io#nvidia/pytorch:25.01-py3", "nvcr.io#nvidia/pytorch:25.01-py3"),
+                         ("user@localhost:5000/img:1", "user@localhost:5000#img:1"),
+                         ("ubuntu:24.04", "ubuntu:24.04"), ("nvidia/cuda:12", "nvidia/cuda:12")]:
+        env = parse_edf(f'image = "{image}"')
+        assert render_edf(env) == f'image = "{image}"\n'
+        assert to_pyxis_args(env).args[0] == f"--container-image={pyxis}"
 
 
 # --------------------------------------------------------------------------
@@ -189,7 +208,7 @@ def test_pyxis_nanotron():
     pyxis = to_pyxis_args(NANOTRON)
     assert pyxis.args == [
         "--container-image=/capstor/scratch/cscs/<USER>/container-image/nanotron/nanotron-v1.0.sqsh",
-        "--container-mounts=/capstor,/users",
+        "--container-mounts=/capstor:/capstor,/users:/users",
         "--container-workdir=/users/<username>/",
         "--container-writable",
         "--container-env=FI_CXI_DISABLE_HOST_REGISTER,FI_MR_CACHE_MONITOR,NCCL_DEBUG",
@@ -212,7 +231,7 @@ def test_pyxis_hostile():
     pyxis = to_pyxis_args(PYXIS_HOSTILE)
     assert pyxis.args == [
         f"--container-image={HOSTILE_DIR}/img 'v1'.sqsh",
-        f"--container-mounts={HOSTILE_DIR}:/data dir/ü:ro+private,./rel $(x) ;",
+        f"--container-mounts={HOSTILE_DIR}:/data dir/ü:ro+private,./rel $(x) ;:./rel $(x) ;",
         f"--container-workdir={HOSTILE_DIR}/work",
         "--container-readonly",
         "--container-env=GREETING,UNICODE,DEFAULTED,EMPTY,LITERAL",
@@ -419,7 +438,6 @@ def test_resolve_base_depth_limit(edf_path):
     ('mounts = ["~/x:/x"]', "mounts[0]", "${HOME}/x"),
     ('workdir = "work"', "workdir", "write './work'"),
     ('image = "images/x.sqsh"', "image", "pyxis #127"),
-    ('image = "nvcr.io/nvidia/pytorch:24.01-py3"', "image", "nvcr.io#nvidia/pytorch:24.01-py3"),
     ('image = "bad image"', "image", "whitespace"),
     ('base_environment = "envs/x.toml"', "base_environment[0]", "write './envs/x.toml'"),
     ('base_environment = "x.toml"', "base_environment[0]", "drop the .toml"),
@@ -453,15 +471,41 @@ def test_not_toml_and_missing_file(tmp_path):
 
 def test_errors_from_the_config_name_container_fields():
     with pytest.raises(ConfigError) as exc:
-        Environment.from_container(ContainerSection(image="/i.sqsh", mounts=["/ok", "/a:/b:nosuchflag"]))
+        container(image="/i.sqsh", mounts=["/ok", "/a:/b:nosuchflag"])
     assert exc.value.field == "container.mounts[1]"
     one_line_error(exc)
     with pytest.raises(ConfigError) as exc:
-        Environment.from_container(ContainerSection(image="/i.sqsh", env={"A": "x", "B": "${A}"}))
+        container(image="/i.sqsh", env={"A": "x", "B": "${A}"})
     assert exc.value.field == "container.env.B"
     with pytest.raises(ConfigError) as exc:
-        Environment.from_container(ContainerSection(image="/i.sqsh", workdir="rel"))
+        container(image="/i.sqsh", workdir="rel")
     assert exc.value.field == "container.workdir"
+    with pytest.raises(ConfigError) as exc:
+        container(image="/i.sqsh", mount_home=True)
+    assert exc.value.field == "container.mount_home" and "pyxis flag" in one_line_error(exc)
+    with pytest.raises(ConfigError) as exc:
+        container(edf_name="x/y")
+    assert exc.value.field == "container.edf_name"
+    assert container(runtime="none", workdir="rel").workdir == "rel"  # not used, so not checked
+
+
+def test_check_edf_reports_every_problem(tmp_path):
+    path = write(tmp_path / "hand.toml", '\n'.join([
+        'imagee = "/x.sqsh"', 'workdir = "work"', 'writable = "yes"',
+        'mounts = ["/a:/b:rox", "/ok:/ok", "data:/data"]',
+        '[env]', 'A = "1"', 'B = "${A}"', 'C = 3',
+        '[annotations]', 'com.hooks.cxi.enabled = true', '']))
+    env, problems = check_edf(path)
+    fields = sorted(p.field for p in problems)
+    assert fields == sorted([f"{path}:imagee", f"{path}:writable", f"{path}:mounts[0]", f"{path}:mounts[2]",
+                      f"{path}:env.C", f"{path}:annotations.com.hooks.cxi.enabled", f"{path}:workdir",
+                      f"{path}:env.B"]), fields
+    assert env.mounts == [Mount("/ok", "/ok")]
+    assert check_edf(write(tmp_path / "good.toml", 'image = "/x.sqsh"\n')) == (Environment(image="/x.sqsh"), [])
+    _, problems = check_edf(write(tmp_path / "bad.toml", 'image = "x\n'))
+    assert len(problems) == 1 and "not valid TOML" in str(problems[0])
+    _, problems = check_edf(write(tmp_path / "base.toml", 'base_environment = "nowhere"\n'), edf_path=str(tmp_path))
+    assert len(problems) == 1 and "no EDF named 'nowhere'" in str(problems[0])
 
 
 def test_hostile_paths_with_newlines_are_refused():

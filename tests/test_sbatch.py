@@ -39,20 +39,22 @@ def test_golden(runtime, launcher):
     if runtime == "pyxis":
         cfg.container.env = {"GREETING": HOSTILE, "EMPTY": ""}
     cfg.launch.env = {"FOO": HOSTILE, "DATA": "${SCRATCH}/data set"}
-    text = render_sbatch(cfg, PATHS)
+    text = render_sbatch(cfg, PATHS, cfg.container)
     assert_golden(f"sbatch/{runtime}-{launcher}.sbatch", text)
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
 def test_environment_goes_on_the_srun_line():
-    text = render_sbatch(config("edf", "torchrun"), PATHS)
+    cfg = config("edf", "torchrun")
+    text = render_sbatch(cfg, PATHS, cfg.container)
     assert "#SBATCH --environment" not in text
     srun = [line for line in text.splitlines() if line.startswith("srun --kill-on-bad-exit")][0]
     assert "'--environment=/scratch/u s'\"'\"'er/proj $(x)/runs/r1/env.toml'" in srun
 
 
 def test_debug_mode():
-    text = render_sbatch(config("none", "torchrun", **{"launch.debug": "true"}), PATHS)
+    cfg = config("none", "torchrun", **{"launch.debug": "true"})
+    text = render_sbatch(cfg, PATHS, cfg.container)
     for needle in ("set -x", "CUDA_LAUNCH_BLOCKING=1", "NCCL_DEBUG=INFO", "TORCH_DISTRIBUTED_DEBUG=DETAIL"):
         assert needle in text
 
@@ -87,7 +89,7 @@ def test_hostile_script_runs_without_executing_anything(tmp_path):
     cfg.launch.env = {"FOO": HOSTILE}
     cfg.launch.pre_launch = []
     cfg.slurm.gpus_per_node = 0
-    text = render_sbatch(cfg, RunPaths(run_dir, proj))
+    text = render_sbatch(cfg, RunPaths(run_dir, proj), cfg.container)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "17", "SLURM_JOB_NODELIST": "node1",
            "HOME": str(tmp_path)}
     subprocess.run(["bash", "-c", text], env={**env, "RUN_DIR": str(run_dir)}, cwd=tmp_path, check=True, timeout=30)
@@ -109,6 +111,6 @@ def test_local_argv_is_the_same_launch():
 
 def test_custom_training_script_is_launched_the_same_way():
     cfg = config("none", "torchrun", **{"train.script": "scripts/my train.py"})
-    text = render_sbatch(cfg, PATHS)
+    text = render_sbatch(cfg, PATHS, cfg.container)
     assert "-m torch.distributed.run" in text
     assert "'/scratch/u s'\"'\"'er/proj $(x)/scripts/my train.py' --config" in text

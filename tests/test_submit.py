@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -62,19 +63,6 @@ def test_bad_input_one_line_exit_2_nothing_written(project, args, field):
     assert len(lines) == 1 and lines[0].startswith(f"slipway: error: {field}"), r.stderr
     assert tree(project) == before
     assert not list(project.parent.rglob("pwned"))
-
-
-def test_edf_command_writes_and_installs(project, tmp_path):
-    edf_dir = tmp_path / "edf home"
-    env = {"EDF_PATH": f"{edf_dir}:/elsewhere"}
-    args = ["edf", "tiny_cpu", "container.runtime=edf", "container.image=/img.sqsh", "--run-name", "e1"]
-    r = slipway(*args, "--install", env=env)
-    assert r.returncode == 0, r.stderr
-    assert (project / "runs" / "e1" / "env.toml").read_text() == (edf_dir / "e1.toml").read_text()
-    r = slipway(*args, "container.workdir=/w", "--install", env=env)
-    assert r.returncode == 2 and "--force" in r.stderr
-    assert slipway(*args, "container.workdir=/w", "--install", "--force", env=env).returncode == 0
-    assert 'workdir = "/w"' in (edf_dir / "e1.toml").read_text()
 
 
 # ------------------------------------------------------------------ a real Slurm
@@ -152,16 +140,22 @@ def test_sbatch_rejection_leaves_no_run(project, slurm_env):
 
 
 def test_shell_command_line(project, tmp_path):
-    r = slipway("shell", "tiny_cpu", "container.runtime=edf", "container.image=/img.sqsh", "--run-name", "sh",
+    img = project / "img.sqsh"
+    img.write_bytes(b"hsqs")
+    r = slipway("shell", "tiny_cpu", "container.runtime=edf", f"container.image={img}", "--run-name", "sh",
                 "--account", "a-01", "--dry-run")
     assert r.returncode == 0, r.stderr
-    env_toml = project / "runs" / "sh" / "env.toml"
-    assert shlex.split(r.stdout) == ["srun", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1",
-                                     "--time=00:30:00", "--account=a-01", "--pty", f"--environment={env_toml}", "bash"]
-    assert env_toml.read_text().startswith('image = "/img.sqsh"')
-    r = slipway("shell", "tiny_cpu", "container.runtime=pyxis", "container.image=nvcr.io#nvidia/pytorch:25.01-py3",
+    words = shlex.split(r.stdout)
+    env_toml = Path(words[-2].split("=", 1)[1])
+    assert words == ["srun", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=00:30:00",
+                     "--account=a-01", "--pty", f"--environment={env_toml}", "bash"]
+    assert env_toml.parent == project / "runs" / ".shell" and not (project / "runs" / "sh").exists()
+    from edf import parse_edf
+
+    assert parse_edf(env_toml).image == str(img)
+    r = slipway("shell", "tiny_cpu", "container.runtime=pyxis", "container.image=nvcr.io/nvidia/pytorch:25.12-py3",
                 "--dry-run")
-    assert "--container-image=nvcr.io#nvidia/pytorch:25.01-py3" in r.stdout and "--pty" in r.stdout
+    assert "--container-image=nvcr.io#nvidia/pytorch:25.12-py3" in r.stdout and "--pty" in r.stdout
 
 
 @pytest.mark.slurm
@@ -177,7 +171,8 @@ def test_doctor(project, slurm_env):
     assert "ok   sbatch" in r.stdout and "ok   parallel layout" in r.stdout
     r = slipway("doctor", "tiny_cpu", "container.runtime=edf", "container.image=./images/missing.sqsh")
     assert r.returncode == 1
-    assert "fail image and mounts: container.image: squashfs ./images/missing.sqsh does not exist" in r.stdout
+    assert "fail image: container.image: squashfs ./images/missing.sqsh" in r.stdout
+    assert "ok   slurm controller" in slipway("doctor").stdout
 
 
 def test_plot(project):

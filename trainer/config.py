@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,15 +25,92 @@ class ConfigError(ValueError):
     """Bad user input: one line naming the field, the rule and the fix."""
 
     def __init__(self, field_path: str, message: str):
-        self.field = field_path
-        super().__init__(f"{field_path}: {message}" if field_path else message)
+        # One line, whatever the user typed: a key or value holding a newline is shown escaped.
+        self.field = _one_line(field_path)
+        message = _one_line(message)
+        super().__init__(f"{self.field}: {message}" if self.field else message)
+
+
+def _one_line(text: str) -> str:
+    return str(text).replace("\r", "\\r").replace("\n", "\\n")
+
+
+# --------------------------------------------------------------------------
+# Reading YAML: the schema decides what a scalar means, not YAML 1.1.
+#
+# PyYAML implements YAML 1.1, where `10:00` is the integer 600, `0123` is 83,
+# `yes` is true and a second `train:` silently replaces the first. Here every
+# plain scalar stays the text the user wrote (`Plain`), except YAML 1.2's null
+# (`null`, `~`, nothing), and the dataclass field it lands in converts it: a
+# string field keeps `0123` and `10:00` as written, an int field parses YAML
+# 1.2 integers, a bool field takes true/false only. Duplicate keys are errors
+# naming both lines. The same reader serves configs/*.yaml, overrides and the
+# frozen runs/RUN/config.yaml the trainer reads (no extra package in the image).
+# --------------------------------------------------------------------------
+
+
+class Plain(str):
+    """A plain (unquoted) YAML scalar or an override value, exactly as written."""
+
+
+_NULL = frozenset({"null", "Null", "NULL", "~"})
+_BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
+_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
+_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2's null as the only implicit type, and no duplicate keys."""
+
+    yaml_implicit_resolvers: dict = {}
+
+    def construct_yaml_str(self, node: yaml.Node) -> str:
+        value = self.construct_scalar(node)
+        if node.style is None:  # plain: null, or text for the schema to type
+            return None if value in _NULL or value == "" else Plain(value)
+        return str(value)
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
+        if not isinstance(node, yaml.MappingNode):
+            return super().construct_mapping(node, deep=deep)
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, str):
+                raise ConfigError(f"line {line}", f"key {key!r} is not a string: keys are names such as train or steps")
+            if key in seen:
+                raise ConfigError(f"line {line}", f"duplicate key {key!r} (first at line {seen[key]}): YAML keeps "
+                                  "only one of them; merge the two into one")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:str", _Loader.construct_yaml_str)
+_Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"), ["~", "n", "N", ""])
+
+
+def read_yaml(text: str, source: str, *, lines: bool = True) -> Any:
+    """`text` parsed with the rules above; `source` (a file name, or a field for an
+    override: `lines=False`) names the place in errors, with the line."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except ConfigError as exc:
+        raise ConfigError(f"{source} {exc.field}" if exc.field else source, str(exc).split(": ", 1)[-1]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source} line {mark.line + 1}" if mark is not None and lines else source
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(where, f"not valid YAML ({' '.join(str(problem).split())}): check the quoting and "
+                                 "indentation there") from None
 
 
 # --------------------------------------------------------------------------
 # Schema machinery: a dict from YAML into nested dataclasses, strictly.
 # Written by hand (rather than dacite/pydantic) because the image must not
 # need extra packages and every error must carry the dotted field path and
-# the list of valid keys.
+# the list of valid keys. Fields with metadata {"config": False} are not
+# part of the config (e.g. where a model came from).
 # --------------------------------------------------------------------------
 
 
@@ -49,71 +127,91 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _shown(value: Any) -> str:
+    """A value as the user wrote it, for error messages."""
+    return "null" if value is None else repr(str(value)) if isinstance(value, str) else repr(value)
+
+
+def _scalar(tp: Any, value: Any, where: str) -> Any:
+    """A scalar for field type `tp` (str, int, float or bool) from YAML text or a Python value."""
+    text = value if isinstance(value, str) else None
+    if tp is str:
+        if text is not None:
+            return str(text)
+        if isinstance(value, bool):  # a Python caller's annotation value: the EDF string "true"
+            return "true" if value else "false"
+        hint = ' (write "" for an empty string)' if value is None else ""
+        raise ConfigError(where, f"expected a string, got {_shown(value)}{hint}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if text in _BOOL:
+            return _BOOL[text]
+        raise ConfigError(where, f"expected true or false, got {_shown(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if text is not None and _INT.fullmatch(text):
+            return int(text, 0) if text[:2] in ("0o", "0x") else int(text)
+        raise ConfigError(where, f"expected an integer, got {_shown(value)}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if text is not None and (_FLOAT.fullmatch(text) or _INT.fullmatch(text)):
+            return float(int(text, 0)) if text[:2] in ("0o", "0x") else float(text)
+        raise ConfigError(where, f"expected a number, got {_shown(value)}")
+    raise TypeError(f"unsupported config type {tp!r} at {where}")
+
+
 def _convert(tp: Any, value: Any, where: str) -> Any:
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
         args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
+        if type(None) in args and (value is None or (isinstance(value, Plain) and (value == "" or value in _NULL))):
+            return None  # null, or an empty or null override (`slurm.account=`): unset
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _convert(arg, value, where)
-            except ConfigError as exc:
-                errors.append(exc)
-        raise ConfigError(where, f"expected {_type_name(tp)}, got {value!r}")
+            except ConfigError:
+                pass
+        raise ConfigError(where, f"expected {_type_name(tp)}, got {_shown(value)}")
     if origin is Literal:
-        if value in get_args(tp):
-            return value
-        raise ConfigError(where, f"must be one of {', '.join(repr(a) for a in get_args(tp))}, got {value!r}")
+        for arg in get_args(tp):
+            try:
+                if _scalar(type(arg), value, where) == arg:
+                    return arg
+            except ConfigError:
+                pass
+        raise ConfigError(where, f"must be one of {', '.join(repr(a) for a in get_args(tp))}, got {_shown(value)}")
     if origin is list:
         (item_tp,) = get_args(tp)
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(where, f"expected a list, got {value!r}")
+            raise ConfigError(where, f"expected a list such as [a, b], got {_shown(value)}")
         return [_convert(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         _, val_tp = get_args(tp)
         if not isinstance(value, dict):
-            raise ConfigError(where, f"expected a mapping, got {value!r}")
+            raise ConfigError(where, f"expected a mapping, got {_shown(value)}")
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ConfigError(where, f"keys must be strings, got {k!r}")
-            out[k] = _convert(val_tp, v, f"{where}.{k}")
+            out[str(k)] = _convert(val_tp, v, f"{where}.{k}")
         return out
+    if hasattr(tp, "from_config_value"):  # a class with its own text form (edf.Mount: "SRC:DST:FLAGS")
+        return tp.from_config_value(value, where)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(where, f"expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(where, f"expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        # YAML 1.1 reads 1e-3 (no dot) as a string; accept what is clearly a number.
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(where, f"expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, bool):  # `enabled: true` for an annotation means the string "true"
-            return "true" if value else "false"
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(where, f"expected a string, got {value!r}")
     if tp is Any:
         return value
-    raise TypeError(f"unsupported config type {tp!r} at {where}")
+    return _scalar(tp, value, where)
+
+
+def config_fields(cls: type) -> dict[str, dataclasses.Field]:
+    """The fields of section `cls` that a config file sets."""
+    return {f.name: f for f in dataclasses.fields(cls) if f.init and f.metadata.get("config", True)}
 
 
 def from_dict(cls: type, data: Any, where: str = "") -> Any:
@@ -121,10 +219,10 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(where or cls.__name__, f"expected a mapping of keys, got {data!r}")
+        raise ConfigError(where or cls.__name__, f"expected a mapping of keys, got {_shown(data)}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    fields = config_fields(cls)
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         key = unknown[0]
         path = f"{where}.{key}" if where else str(key)
@@ -145,12 +243,16 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
 
 def to_dict(obj: Any) -> Any:
     """The plain-YAML form of a section tree (what `config.yaml` holds)."""
+    if hasattr(obj, "to_config_value"):
+        return obj.to_config_value()
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return {name: to_dict(getattr(obj, name)) for name in config_fields(type(obj))}
     if isinstance(obj, list):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
-        return {k: to_dict(v) for k, v in obj.items()}
+        return {str(k): to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, str):
+        return str(obj)  # a Plain is dumped as the string it is
     return obj
 
 
@@ -416,11 +518,9 @@ def load_trainer_config(path: str | Path) -> TrainerConfig:
     """Read the trainer's sections of a resolved config (the host ones are the host's business)."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path.read_text(), str(path))
     except FileNotFoundError:
         raise ConfigError("", f"config file {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError("", f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError("", f"{path} must hold a mapping of sections")
     return from_dict(TrainerConfig, {k: v for k, v in raw.items() if k not in HOST_SECTIONS})

@@ -1,6 +1,8 @@
-"""The environment as pyxis `srun` flags (NVIDIA/pyxis README, args.c).
+"""The environment as `srun` flags: the one function every way into the container
+uses (the batch script, `slipway shell`, a preparation job), `srun_flags`.
 
-pyxis has no EDF: the image, mounts (`SRC[:DST[:FLAGS]]`, comma-separated,
+The Container Engine takes the environment as a file (`--environment=EDF`);
+pyxis has no EDF (NVIDIA/pyxis README, args.c): the image, mounts (`SRC[:DST[:FLAGS]]`, comma-separated,
 flags joined with '+'), workdir, writable and entrypoint become flags;
 `[env]` becomes variables the batch script exports before `srun` plus
 `--container-env=NAME,...`, which makes pyxis keep those host values over the
@@ -15,26 +17,53 @@ batch script expands what the Container Engine would.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Union
 
-from edf.environment import EXPANSION, SQSH, Environment, Expansion, split_expansions
-from edf.files import resolve_base
+from edf.environment import EXPANSION, SQSH, Environment, Expansion, registry_image, split_expansions
+from edf.files import expand_host, resolve_base
 from trainer.config import ConfigError
 
 ENTRYPOINT_LOG = "com.pyxis.entrypoint_log"
 
 
 @dataclass(frozen=True)
-class PyxisArgs:
-    """What the batch script needs for one pyxis `srun`."""
+class SrunFlags:
+    """What one `srun` needs to run its tasks in the container.
 
-    args: list[str] = field(default_factory=list)  # the --container-* flags, in order
-    exports: list[tuple[str, str]] = field(default_factory=list)  # (NAME, value) to export before srun
-    warnings: list[str] = field(default_factory=list)  # what pyxis cannot do as the EDF would
+    `args` and the export values are EDF text: `${NAME}` expands (in the batch
+    script, or by `expanded()` for a command run without a shell), the rest is
+    literal."""
+
+    args: list[str] = field(default_factory=list)  # --environment=, or the --container-* flags in order
+    exports: list[tuple[str, str]] = field(default_factory=list)  # (NAME, value) set for the srun alone
+    warnings: list[str] = field(default_factory=list)  # what the runtime cannot do as the EDF would
+
+    def expanded(self, environ: Optional[dict[str, str]] = None) -> tuple[list[str], dict[str, str]]:
+        """(args, exports) with `${VAR}` taken from `environ` (default: this process's), for an
+        srun started without a shell (`slipway shell`); an unset variable is a one-line error."""
+        environ = dict(os.environ) if environ is None else environ
+        args = [expand_host(a, "container", environ) for a in self.args]
+        exports = {name: expand_host(value, f"container.env.{name}", environ) for name, value in self.exports}
+        return args, exports
 
 
-def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> PyxisArgs:
+
+def srun_flags(env: Environment, edf_file: Optional[Path] = None, edf_path: Optional[str] = None) -> SrunFlags:
+    """The srun flags for `env` by its runtime: `--environment=EDF_FILE` (an absolute path, so
+    srun never searches EDF_PATH for it), the pyxis flags, or none."""
+    if env.runtime == "edf":
+        if edf_file is None or not Path(edf_file).is_absolute():
+            raise ValueError(f"runtime edf needs the absolute path of the EDF file, got {edf_file!r}")
+        return SrunFlags([f"--environment={edf_file}"])
+    if env.runtime == "pyxis":
+        return to_pyxis_args(env, edf_path)
+    return SrunFlags()
+
+
+def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> SrunFlags:
     """The `srun` flags for `env`, its `base_environment` resolved first (see `resolve_base`).
 
     Unspecified values get the Container Engine's defaults explicitly, so that
@@ -48,7 +77,7 @@ def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> PyxisArgs
     if not env.image:
         raise ConfigError(f"{w}image", "pyxis needs an image: a squashfs path (absolute or ./) or a registry "
                                        "reference such as nvcr.io#nvidia/pytorch:25.01-py3")
-    args = [f"--container-image={to_shell(env.image, f'{w}image')}"]
+    args = [f"--container-image={to_shell(registry_image(env.image), f'{w}image')}"]
     if env.mounts:
         args.append("--container-mounts=" + ",".join(_mount(env, i) for i in range(len(env.mounts))))
     if env.workdir is not None:
@@ -66,7 +95,7 @@ def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> PyxisArgs
             continue
         warnings.append(f"{w}annotations.{key} = {value!r} has no pyxis equivalent and is dropped "
                         "(only the Container Engine runs its hooks)")
-    return PyxisArgs(args, exports, warnings)
+    return SrunFlags(args, exports, warnings)
 
 
 def pyxis_exports(env: Environment, edf_path: Optional[str] = None) -> list[tuple[str, str]]:

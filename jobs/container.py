@@ -1,0 +1,324 @@
+"""What runs on the nodes is what was built and submitted.
+
+Two things cross from the login node into the container, and both are
+resolved once, here, at submission:
+
+- the image: `container.image` (or, when it is empty, what `make image` built
+  for this config) is pinned to one content-addressed squashfs file, whose
+  absolute path goes into the EDF or the pyxis flags and whose build hash,
+  tag, size and mtime go into the manifest. A later `make image` repoints
+  `images/NAME.sqsh` but cannot change what a submitted run uses.
+- the paths the trainer reads and writes: the run directory, the token cache,
+  the Hugging Face cache, local datasets, tokenizers, checkpoints to start
+  from and custom training scripts. Relative ones are made absolute in the
+  frozen config, and each is mounted at the same path inside the container
+  unless a user mount already shows it there. A user mount that would cover
+  one of them with something else is refused with the fix.
+
+`run_environment` gives the container environment a run uses; every way into
+the container turns it into srun flags through `edf.srun_flags`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+from edf import Environment, Mount, expand_host, is_local_image, resolve_base
+from jobs.config import Config
+from jobs.sbatch import RunPaths
+from trainer.config import ConfigError
+
+HUB_NAME_PARTS = 2  # `org/name` is a hub name, not a path
+
+
+# ---------------------------------------------------------------- the image
+
+
+@dataclass(frozen=True)
+class ImagePin:
+    """The image a run uses, resolved once at submission."""
+
+    reference: str  # what the config said ("" = what `make image` built)
+    image: str  # what the EDF / pyxis flags name: an absolute squashfs path or a registry reference
+    source: str  # "build" (make image's record), "file", "registry", "base_environment" or "none"
+    path: Optional[str] = None  # the squashfs file
+    size: Optional[int] = None
+    mtime: Optional[str] = None
+    build_hash: Optional[str] = None  # slipway's content hash of the build inputs (names the file)
+    tag: Optional[str] = None  # the podman tag it was built as
+    sha256: Optional[str] = None  # of the file's bytes, for a squashfs slipway did not build
+
+    def record(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    @property
+    def identity(self) -> Optional[str]:
+        """What tells two images apart: the build hash, the bytes' hash, or the reference."""
+        return self.build_hash or self.sha256 or (self.image or None)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_pin(reference: str, path: Path, source: str, known: Optional[dict] = None) -> ImagePin:
+    real = path.resolve()
+    st = real.stat()
+    mtime = datetime.fromtimestamp(st.st_mtime, timezone.utc).isoformat(timespec="seconds")
+    record = known or _build_record(real)
+    if record and record.get("hash"):
+        return ImagePin(reference, str(real), source, str(real), st.st_size, mtime, record["hash"], record.get("tag"))
+    # A squashfs slipway did not build: its bytes are its identity (read once per submission).
+    return ImagePin(reference, str(real), source, str(real), st.st_size, mtime, sha256=_sha256(real))
+
+
+def _build_record(squashfs: Path) -> Optional[dict]:
+    """The record `make image` wrote beside the squashfs (NAME-HASH12.json), if this is one of ours."""
+    try:
+        record = json.loads(squashfs.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(record, dict) and Path(record.get("squashfs", "")).resolve() == squashfs:
+        return record
+    return None
+
+
+def pin_image(cfg: Config, project_dir: Path) -> ImagePin:
+    """The image `cfg` runs, pinned; a one-line error when there is none to run."""
+    c = cfg.container
+    if not c.in_container:
+        return ImagePin("", "", "none")
+    if c.image:
+        if not is_local_image(c.image):
+            return ImagePin(c.image, c.image, "registry")
+        path = Path(expand_host(c.image, "container.image"))
+        path = path if path.is_absolute() else project_dir / path
+        if not path.is_file():
+            raise ConfigError("container.image", f"squashfs {c.image} ({path}) does not exist: run `make image "
+                                                 f"CONFIG={cfg.config_name}` (it prints the path), or set container.image")
+        return _file_pin(c.image, path, "file")
+    if c.base_environment:
+        base = resolve_base(replace(c, image="", base_environment=list(c.base_environment)))
+        if base.image:
+            if is_local_image(base.image):
+                path = Path(expand_host(base.image, "container.base_environment"))
+                if path.is_file():
+                    return _file_pin("", path, "base_environment")
+            return ImagePin("", base.image, "base_environment")
+    from containers.image import current_image
+
+    record = current_image(cfg, root=project_dir)
+    if not record or not Path(record.get("squashfs", "")).is_file():
+        raise ConfigError("container.image", f"is not set and no image is built for this config: run `make image "
+                                             f"CONFIG={cfg.config_name}` first, or set container.image to a squashfs "
+                                             "path or a registry image")
+    return _file_pin("", Path(record["squashfs"]), "build", record)
+
+
+def stale_build_note(cfg: Config, project_dir: Path, pin: ImagePin) -> Optional[str]:
+    """A note when the pinned build is not what the sources would build now (`make image` would rebuild)."""
+    if pin.source != "build":
+        return None
+    from containers.image import image_plan
+
+    try:
+        plan = image_plan(cfg, root=project_dir, enroot_mount=False, git=False)
+    except Exception:  # a note, not a check: a broken build setup is make image's to report
+        return None
+    if plan.hash != pin.build_hash:
+        return (f"the image {Path(pin.path or '').name} was built from other sources than the checkout's now: "
+                f"`make image CONFIG={cfg.config_name}` rebuilds it (this run uses the built one)")
+    return None
+
+
+# ---------------------------------------------------------------- the paths
+
+
+@dataclass(frozen=True)
+class Need:
+    """A host path the job uses, to be seen at the same path inside the container."""
+
+    path: Path  # absolute, variables expanded
+    what: str  # for messages: "the run directory", "data.cache_dir (the token cache)"
+    writable: bool
+    create: bool  # a directory slipway creates at submission if missing
+
+
+def _expand(value: str, field: str) -> str:
+    return os.path.expanduser(expand_host(value, field))
+
+
+def _absolute(value: str, field: str, base: Path) -> Path:
+    path = Path(_expand(value, field))
+    return path if path.is_absolute() else base / path
+
+
+def _is_path(value: Optional[str], field: str) -> bool:
+    """A dataset or tokenizer given as a path rather than a hub name (or builtin)."""
+    if not value or value == "builtin":
+        return False
+    if value.startswith(("/", "./", "../", "~", "$")):
+        return True
+    try:
+        return Path(_expand(value, field)).exists()
+    except ConfigError:
+        return False
+
+
+def _glob_root(path: Path) -> Path:
+    """The directory above the first wildcard of a glob (what a mount must show)."""
+    parts = []
+    for part in path.parts:
+        if any(c in part for c in "*?["):
+            break
+        parts.append(part)
+    return Path(*parts)
+
+
+def default_token_cache(paths: RunPaths) -> Path:
+    """The token cache every run of a project shares: `.cache/tokens` beside `runs/`."""
+    return paths.run_dir.parent.parent / ".cache" / "tokens"
+
+
+def default_hf_home(paths: RunPaths) -> Path:
+    return paths.project_dir / ".cache" / "huggingface"
+
+
+def resolve_paths(cfg: Config, paths: RunPaths) -> Config:
+    """`cfg` with every path the trainer reads made absolute (relative ones are relative
+    to the project directory, where slipway runs), and the token cache named: the frozen
+    config then means the same on every node, whatever the container's working directory."""
+    cfg = copy.deepcopy(cfg)
+    base = paths.project_dir
+    d = cfg.data
+    d.cache_dir = str(_absolute(d.cache_dir, "data.cache_dir", base)) if d.cache_dir else \
+        str(default_token_cache(paths))
+    for field_name in ("dataset", "tokenizer", "validation_split"):
+        value = getattr(d, field_name)
+        if _is_path(value, f"data.{field_name}") and not value.startswith("$"):
+            setattr(d, field_name, str(_absolute(value, f"data.{field_name}", base)))
+    if cfg.model.init_from_hf and not cfg.model.init_from_hf.startswith("$"):
+        cfg.model.init_from_hf = str(_absolute(cfg.model.init_from_hf, "model.init_from_hf", base))
+    if cfg.train.script and not cfg.train.script.startswith("$"):
+        cfg.train.script = str(_absolute(cfg.train.script, "train.script", base))
+    return cfg
+
+
+def needed_paths(cfg: Config, paths: RunPaths) -> list[Need]:
+    """Every host path the job reads or writes by name (`cfg` already through `resolve_paths`)."""
+    needs = [Need(paths.run_dir, "the run directory", True, False)]
+    needs.append(Need(_absolute(cfg.data.cache_dir or str(default_token_cache(paths)), "data.cache_dir",
+                                paths.project_dir), "data.cache_dir (the token cache)", True, True))
+    hf = _absolute(cfg.launch.hf_home, "launch.hf_home", paths.project_dir) if cfg.launch.hf_home else \
+        default_hf_home(paths)
+    needs.append(Need(hf, "launch.hf_home (the Hugging Face cache)", True, True))
+    for field_name in ("dataset", "tokenizer", "validation_split"):
+        value = getattr(cfg.data, field_name)
+        if _is_path(value, f"data.{field_name}"):
+            path = _glob_root(_absolute(value, f"data.{field_name}", paths.project_dir))
+            needs.append(Need(path, f"data.{field_name}", False, False))
+    if cfg.model.init_from_hf:
+        needs.append(Need(_absolute(cfg.model.init_from_hf, "model.init_from_hf", paths.project_dir),
+                          "model.init_from_hf", False, False))
+    if cfg.train.script:
+        script = _absolute(cfg.train.script, "train.script", paths.project_dir)
+        needs.append(Need(script.parent, "train.script's directory", False, False))
+    # One mount for a path inside another one that is mounted anyway (a writable one wins);
+    # the rest in the order above.
+    kept: list[Need] = []
+    for need in sorted(needs, key=lambda n: (len(n.path.parts), not n.writable)):
+        outer = next((k for k in kept if need.path == k.path or k.path in need.path.parents), None)
+        if outer is None or (need.writable and not outer.writable):
+            kept.append(need)
+    return [need for need in needs if need in kept]
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _user_mounts(env: Environment) -> list[tuple[int, Mount, Path, Path]]:
+    """(index, mount, source, destination) with host variables expanded."""
+    out = []
+    for i, mount in enumerate(env.mounts):
+        where = f"container.mounts[{i}]"
+        out.append((i, mount, Path(_expand(mount.src, where)), Path(_expand(mount.dst, where))))
+    return out
+
+
+def visibility_mounts(cfg: Config, paths: RunPaths) -> list[Mount]:
+    """The mounts to add so that every needed path is seen at its own path in the container;
+    a one-line error if a user mount would hide one of them."""
+    env = cfg.container
+    if not env.in_container:
+        return []
+    user = _user_mounts(env)
+    if env.workdir is not None:
+        # The trainer's paths are absolute, so the workdir only matters for what the user runs
+        # by hand; check that it is a path at all (variables set).
+        _expand(env.workdir, "container.workdir")
+    added: list[Mount] = []
+    for need in needed_paths(cfg, paths):
+        shown = False
+        for i, mount, src, dst in user:
+            if _within(dst, need.path) and not (dst == need.path and src == need.path):
+                raise ConfigError(f"container.mounts[{i}]", f"{mount.spec()!r} is mounted at {dst}, which is "
+                                  f"{need.what} ({need.path}) or inside it, so the job would not see it there: "
+                                  "mount it elsewhere or drop it")
+            if _within(need.path, dst):  # mounts apply in order: the last one over the path decides
+                shown = src / need.path.relative_to(dst) == need.path and not (need.writable and "ro" in mount.flags)
+        if not shown:
+            flags = () if need.writable else ("ro",)
+            added.append(Mount(str(need.path), str(need.path), flags))
+    return added
+
+
+def create_needed_dirs(cfg: Config, paths: RunPaths) -> list[Path]:
+    """Mount sources must exist: make the cache directories the job will fill (in a container;
+    without one the trainer makes them itself). Returns the directories it created."""
+    if not cfg.container.in_container:
+        return []
+    created: list[Path] = []
+    for need in needed_paths(cfg, paths):
+        if need.create:
+            missing = [p for p in (need.path, *need.path.parents) if not p.exists()]
+            try:
+                need.path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(need.what.split(" ")[0], f"cannot create {need.path} ({exc.strerror}): "
+                                                           "point it at a writable shared directory") from None
+            created += missing
+        elif not need.path.exists() and need.what != "the run directory":
+            raise ConfigError(need.what.split(" ")[0], f"{need.path} does not exist on this node")
+    return created
+
+
+def remove_created_dirs(created: list[Path]) -> None:
+    """Undo `create_needed_dirs` where the directories stayed empty (a submission that failed)."""
+    for path in sorted(created, key=lambda p: len(p.parts), reverse=True):
+        try:
+            path.rmdir()
+        except OSError:
+            pass
+
+
+def run_environment(cfg: Config, paths: RunPaths, pin: ImagePin) -> Environment:
+    """The container environment of a run: the config's, with the pinned image and the
+    mounts that make its paths visible (runtime none: the config's, unused)."""
+    env = cfg.container
+    if not env.in_container:
+        return env
+    out = replace(env, image=pin.image or env.image, mounts=[*env.mounts, *visibility_mounts(cfg, paths)])
+    out.check("container")
+    return out
