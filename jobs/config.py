@@ -62,7 +62,8 @@ def time_limit_seconds(text: str) -> Optional[int]:
 class SlurmSection:
     nodes: int = 1
     gpus_per_node: int = 4
-    cpus_per_task: int = 8
+    # Default: 8, or what launch.preset gives (a GH200 rank gets its Grace's 72 cores).
+    cpus_per_task: Optional[int] = None
     time: str = "01:00:00"
     account: Optional[str] = None
     partition: Optional[str] = None
@@ -84,7 +85,8 @@ class SlurmSection:
     def check(self, where: str) -> None:
         _require(self.nodes > 0, f"{where}.nodes", f"must be > 0, got {self.nodes}")
         _require(self.gpus_per_node >= 0, f"{where}.gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
-        _require(self.cpus_per_task > 0, f"{where}.cpus_per_task", f"must be > 0, got {self.cpus_per_task}")
+        _require(self.cpus_per_task is None or self.cpus_per_task > 0, f"{where}.cpus_per_task",
+                 f"must be > 0, got {self.cpus_per_task}")
         try:
             limit = time_limit_seconds(self.time)
         except ValueError:
@@ -124,6 +126,36 @@ class SlurmSection:
         auto = min(300, max(10, limit // 10))
         return auto if auto * 2 <= limit else 0
 
+@dataclass(frozen=True)
+class NodePreset:
+    """A node type slipway knows: its GPUs and cores, how ranks are bound to them, and the
+    communication settings its network needs."""
+
+    gpus: int
+    cores: int  # per node
+    env: tuple[tuple[str, str], ...]  # exported before srun (an image's own values win under the CE)
+    what: str
+
+
+NODE_PRESETS = {
+    # CSCS Alps: 4 GH200 (Grace CPU + Hopper GPU, one NUMA node of 72 cores each), Slingshot.
+    # The variables are the CSCS NCCL page's (eth-cscs/cscs-docs docs/software/communication/nccl.md):
+    # NCCL_NET makes a missing aws-ofi-nccl plugin a hard error instead of a silent, ~20x slower
+    # fall-back to TCP sockets.
+    "alps-gh200": NodePreset(gpus=4, cores=288, what="CSCS Alps GH200 node (4 x Grace Hopper, Slingshot)", env=(
+        ("NCCL_NET", "AWS Libfabric"),
+        ("NCCL_NET_GDR_LEVEL", "PHB"),
+        ("NCCL_CROSS_NIC", "1"),
+        ("NCCL_PROTO", "^LL128"),
+        ("FI_CXI_DEFAULT_CQ_SIZE", "131072"),
+        ("FI_CXI_DEFAULT_TX_SIZE", "16384"),
+        ("FI_CXI_DISABLE_HOST_REGISTER", "1"),
+        ("FI_CXI_RX_MATCH_MODE", "software"),
+        ("FI_MR_CACHE_MONITOR", "userfaultfd"),
+    )),
+}
+
+
 @dataclass
 class LaunchSection:
     """How the training command starts inside the allocation."""
@@ -142,6 +174,10 @@ class LaunchSection:
     env: dict[str, str] = field(default_factory=dict)
     debug: bool = False
     hf_home: Optional[str] = None
+    # A node type (NODE_PRESETS): binds each rank to the cores and memory next to its GPU
+    # (srun --cpu-bind with launcher srun, torchrun --numa-binding with torchrun) and sets the
+    # network's communication variables. `none`: nothing of the kind.
+    preset: Literal["none", "alps-gh200"] = "none"
 
     def check(self, where: str) -> None:
         _require(self.procs_per_node is None or self.procs_per_node > 0, f"{where}.procs_per_node",
@@ -226,6 +262,7 @@ class Config:
             self.launch.python = sys.executable if self.container.runtime == "none" else "python3"
         if self.launch.procs_per_node is None:
             self.launch.procs_per_node = self.slurm.gpus_per_node or 1
+        self._check_preset()
         p, world = self.parallel, self.world_size
         if not self.launch.command:
             _require(p.world_size == world, "parallel",
@@ -237,6 +274,25 @@ class Config:
             _require(self.launch.procs_per_node <= self.slurm.gpus_per_node, "launch.procs_per_node",
                      f"{self.launch.procs_per_node} processes per node but only slurm.gpus_per_node("
                      f"{self.slurm.gpus_per_node}) GPUs: lower procs_per_node or raise gpus_per_node")
+
+    def _check_preset(self) -> None:
+        s, launch = self.slurm, self.launch
+        preset = NODE_PRESETS.get(launch.preset)
+        tasks = 1 if launch.launcher == "torchrun" else launch.procs_per_node
+        if preset is None:
+            if s.cpus_per_task is None:
+                s.cpus_per_task = 8
+            return
+        _require(s.gpus_per_node == preset.gpus and launch.procs_per_node == preset.gpus, "launch.preset",
+                 f"{launch.preset} is a {preset.what}: it needs slurm.gpus_per_node and launch.procs_per_node "
+                 f"{preset.gpus} (one rank per GPU), got {s.gpus_per_node} and {launch.procs_per_node}")
+        cores = preset.cores // tasks
+        if s.cpus_per_task is None:
+            s.cpus_per_task = cores
+        _require(s.cpus_per_task == cores, "slurm.cpus_per_task",
+                 f"launch.preset {launch.preset} gives each rank the {preset.cores // preset.gpus} cores next to "
+                 f"its GPU, so with launcher {launch.launcher} ({tasks} task(s) per node) cpus_per_task must be "
+                 f"{cores}, got {s.cpus_per_task}: drop slurm.cpus_per_task or set it to {cores}")
 
     @property
     def world_size(self) -> int:

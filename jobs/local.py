@@ -60,6 +60,7 @@ def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
     local.launch.procs_per_node = world
     local.container.runtime = "none"
     local.launch.python = sys.executable
+    local.launch.preset = "none"  # this machine is not the cluster's node type
     if changed and rename:
         local.run.name = f"{cfg.run.name}-local"
     return local, changed

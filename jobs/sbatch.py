@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edf import Environment, srun_flags
-from jobs.config import Config
+from jobs.config import NODE_PRESETS, Config
 from trainer.config import REQUEUE_EXIT, STOP_FILE, ConfigError
 
 HEARTBEAT_SECONDS = 60
@@ -84,9 +84,11 @@ def task_command(cfg: Config, paths: RunPaths) -> list[str]:
 
 def torchrun_argv(cfg: Config, *, nnodes: str, rdzv: list[str]) -> list[str]:
     """`python -m torch.distributed.run` (an absolute interpreter: the image's PATH may not
-    reach srun, see pyxis), then the task command without its interpreter."""
+    reach srun, see pyxis), then the task command without its interpreter. With a node preset
+    each worker is bound to the NUMA node of its GPU (its own Grace on a GH200)."""
+    binding = ["--numa-binding=node"] if cfg.launch.preset in NODE_PRESETS else []
     return [cfg.launch.python, "-m", "torch.distributed.run", _Expand(f"--nnodes={nnodes}") if "$" in nnodes else f"--nnodes={nnodes}",
-            f"--nproc-per-node={cfg.launch.procs_per_node}", *rdzv, "--max-restarts=0"]
+            f"--nproc-per-node={cfg.launch.procs_per_node}", *rdzv, *binding, "--max-restarts=0"]
 
 
 def local_argv(cfg: Config, paths: RunPaths) -> list[str]:
@@ -159,6 +161,10 @@ def _environment(cfg: Config, paths: RunPaths) -> list[str]:
     if debug:
         lines += ["export CUDA_LAUNCH_BLOCKING=1", "export TORCH_DISTRIBUTED_DEBUG=DETAIL",
                   "export NCCL_DEBUG_SUBSYS=INIT,NET"]
+    preset = NODE_PRESETS.get(cfg.launch.preset)
+    if preset is not None:
+        lines.append(f"# launch.preset {cfg.launch.preset}: {preset.what}; launch.env overrides any of these.")
+        lines += [f"export {key}={shlex.quote(value)}" for key, value in preset.env if key not in cfg.launch.env]
     for key, value in cfg.launch.env.items():
         lines.append(f"export {key}={shell_value(value)}")
     return lines
@@ -203,7 +209,12 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[st
     # One task per process: the rank variables come from Slurm's own.
     mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
               'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; exec "$@"')
-    srun += [f"--ntasks-per-node={cfg.launch.procs_per_node}"] + container
+    srun += [f"--ntasks-per-node={cfg.launch.procs_per_node}"]
+    if cfg.launch.preset in NODE_PRESETS:
+        # One task per GPU, on the cores and memory next to it: task i gets GPU i and cores
+        # [i * cpus_per_task, (i + 1) * cpus_per_task), which on a GH200 is its own Grace.
+        srun += ["--gpus-per-task=1", "--cpu-bind=verbose,cores", "--mem-bind=local"]
+    srun += container
     return f"{prefix}{_words(srun)} \\\n  {_words(['bash', '-c', mapper, 'slipway-task', *cmd])} &"
 
 

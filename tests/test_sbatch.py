@@ -114,3 +114,55 @@ def test_custom_training_script_is_launched_the_same_way():
     text = render_sbatch(cfg, PATHS, cfg.container)
     assert "-m torch.distributed.run" in text
     assert "'/scratch/u s'\"'\"'er/proj $(x)/scripts/my train.py' --config" in text
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_gh200_preset_binds_ranks_and_sets_the_slingshot_environment(launcher, tmp_path):
+    cfg = load_config("configs/tiny_wikitext.yaml", [f"launch.launcher={launcher}", "launch.env.NCCL_PROTO=Simple",
+                                                     "run.name=r1"])
+    assert cfg.launch.preset == "alps-gh200"  # the flagship runs on Alps
+    assert cfg.slurm.cpus_per_task == (288 if launcher == "torchrun" else 72)
+    text = render_sbatch(cfg, PATHS, cfg.container)
+    assert_golden(f"sbatch/alps-gh200-{launcher}.sbatch", text)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    # Run the script with stand-ins: what srun receives, and the environment the ranks inherit.
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\n[ "$1" = --overlap ] && exit 0\n'
+                                  'printf "%s\\n" "$@" > "$RUN_DIR/srun-args"; env > "$RUN_DIR/srun-env"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho nid001\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    cfg.container.runtime = "none"
+    text = render_sbatch(cfg, RunPaths(run_dir, tmp_path), cfg.container)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "nid001",
+           "SLURM_NNODES": "2", "HOME": str(tmp_path), "RUN_DIR": str(run_dir), "SCRATCH": str(tmp_path)}
+    with (tmp_path / "out").open("w") as out:
+        subprocess.run(["bash", "-c", text], env=env, cwd=tmp_path, check=True, timeout=30, stdout=out, stderr=out)
+    args = (run_dir / "srun-args").read_text().splitlines()
+    seen = dict(line.split("=", 1) for line in (run_dir / "srun-env").read_text().splitlines() if "=" in line)
+    assert seen["NCCL_NET"] == "AWS Libfabric" and seen["FI_CXI_RX_MATCH_MODE"] == "software"
+    assert seen["NCCL_PROTO"] == "Simple"  # launch.env wins over the preset
+    if launcher == "srun":
+        assert {"--ntasks-per-node=4", "--cpus-per-task=72", "--gpus-per-task=1", "--cpu-bind=verbose,cores",
+                "--mem-bind=local"} <= set(args)
+    else:
+        assert "--ntasks-per-node=1" in args and "--cpus-per-task=288" in args and "--numa-binding=node" in args
+
+
+@pytest.mark.parametrize("overrides, field, words", [
+    (["launch.preset=alps-gh200", "slurm.gpus_per_node=2", "parallel.dp=1", "parallel.tp=4", "slurm.nodes=2"],
+     "launch.preset", "needs slurm.gpus_per_node and launch.procs_per_node 4"),
+    (["launch.preset=alps-gh200", "slurm.cpus_per_task=32"], "slurm.cpus_per_task", "must be 288, got 32"),
+    (["launch.launcher=srun", "slurm.cpus_per_task=288"], "slurm.cpus_per_task",
+     "must be 72"),
+    (["launch.preset=h100"], "launch.preset", "must be one of 'none', 'alps-gh200'"),
+])
+def test_gh200_preset_errors(overrides, field, words):
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        load_config("configs/tiny_wikitext.yaml", overrides)
+    assert exc.value.field == field and words in str(exc.value), str(exc.value)
