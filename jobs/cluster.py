@@ -75,6 +75,13 @@ class ClusterSpec:
     ctld_port: int = 6917
     slurmd_port: int = 6918
     partition: str = "debug"
+    # A SPANK plugstack.conf for every node (PlugStackConfig=), e.g. one that loads pyxis.
+    plugstack: Path | None = None
+    # Directories each node sees a copy of its own (a real node's local /run, /tmp ...):
+    # each slurmd runs in its own mount namespace with STATE_DIR/nodes/NODE/N bound over
+    # them, so per-node state (enroot's data and runtime dirs, pyxis's runtime path) of two
+    # "nodes" on one machine does not collide.
+    node_private: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
@@ -92,6 +99,20 @@ class ClusterSpec:
         if re.search(r"[\s#=\"'\\]", str(self.state_dir)):
             raise ClusterError(f"state dir {str(self.state_dir)!r} holds a character slurm.conf cannot "
                                "carry (blank, #, =, quote, backslash): pick a plain path")
+        object.__setattr__(self, "node_private", tuple(self.node_private))
+        for d in self.node_private:
+            if not d.startswith("/") or re.search(r"[\s'\"\\]", d):
+                raise ClusterError(f"node-private directory {d!r}: give absolute paths without blanks or quotes")
+        if self.plugstack is not None:
+            object.__setattr__(self, "plugstack", Path(self.plugstack).absolute())
+            if not self.plugstack.is_file() or re.search(r"[\s#=\"'\\]", str(self.plugstack)):
+                raise ClusterError(f"plugstack {self.plugstack}: give an existing file whose path slurm.conf can "
+                                   "carry (no blanks, #, =, quotes)")
+        # slurmstepd makes a socket per step in the spool dir: SPOOL/NODE/NODE_JOBID.STEPID (108 bytes at most).
+        step_socket = self.state_dir / "spool" / self.node_names[-1] / f"{self.node_names[-1]}_4294967291.4294967291"
+        if len(str(step_socket)) > 107:
+            raise ClusterError(f"state dir {self.state_dir} is too long for slurmstepd's step sockets "
+                               f"({len(str(step_socket))} > 107 bytes): pick a shorter one")
         if len(str(self.munge_socket)) > 100:
             raise ClusterError(f"state dir {self.state_dir} is too long for a unix socket path "
                                f"({self.munge_socket}): pick a shorter one")
@@ -191,7 +212,7 @@ SchedulerParameters=sched_interval=2,bf_interval=2
 # build lacks their none plugins). sacct does not work; squeue and scontrol do.
 {nodes}
 PartitionName={spec.partition} Nodes={",".join(spec.node_names)} Default=YES MaxTime=INFINITE State=UP
-"""
+""" + (f"PlugStackConfig={spec.plugstack}\n" if spec.plugstack else "")
 
 
 def unavailable_reason() -> str | None:
@@ -307,8 +328,9 @@ class LocalSlurmCluster:
             self._start("slurmctld", self._in_uts(spec.ctl_host, "slurmctld", "-D", "-f", str(spec.conf)),
                         "slurmctld.out")
             for k, node in enumerate(spec.node_names, 1):
+                binds = [(spec.state_dir / "nodes" / node / str(i), Path(d)) for i, d in enumerate(spec.node_private)]
                 argv = ["nsenter", f"--net={NETNS_DIR / spec.netns(k)}",
-                        *self._in_uts(node, "slurmd", "-D", "-N", node, "-f", str(spec.conf))]
+                        *self._in_uts(node, "slurmd", "-D", "-N", node, "-f", str(spec.conf), binds=binds)]
                 self._start(f"slurmd {node}", argv, f"slurmd-{node}.out")
             self._wait_ready(timeout)
         except BaseException as e:
@@ -384,16 +406,22 @@ class LocalSlurmCluster:
                                "(another cluster, or a real host): bring that down or change the names")
 
     @staticmethod
-    def _in_uts(hostname: str, *argv: str) -> list[str]:
-        """argv run in a new UTS namespace whose hostname is `hostname` (exec keeps the pid)."""
-        return ["unshare", "--uts", "--", "sh", "-c",
-                f"hostname {shlex.quote(hostname)} && exec {shlex.join(argv)}"]
+    def _in_uts(hostname: str, *argv: str, binds: list[tuple[Path, Path]] = ()) -> list[str]:
+        """argv run in a new UTS namespace whose hostname is `hostname` (exec keeps the pid);
+        with `binds` also in a private mount namespace where each (source, target) is bound."""
+        setup = [f"hostname {shlex.quote(hostname)}"]
+        for src, target in binds:
+            setup += [f"mkdir -p {shlex.quote(str(src))} {shlex.quote(str(target))}",
+                      f"mount --bind {shlex.quote(str(src))} {shlex.quote(str(target))}"]
+        unshare = ["unshare", "--uts", *(["--mount", "--propagation", "private"] if binds else []), "--"]
+        return [*unshare, "sh", "-c", f"{' && '.join(setup)} && exec {shlex.join(argv)}"]
 
     def _record(self, processes: list[dict]) -> None:
         with locked():
             write_atomic(registry_path(self.spec.name), json.dumps(
                 {"state_dir": str(self.spec.state_dir), "conf": str(self.spec.conf),
-                 "spec": {**dataclasses.asdict(self.spec), "state_dir": str(self.spec.state_dir)},
+                 "spec": {**dataclasses.asdict(self.spec), "state_dir": str(self.spec.state_dir),
+                          "plugstack": str(self.spec.plugstack) if self.spec.plugstack else None},
                  "processes": processes}, indent=1))
 
     def _start(self, role: str, argv: list[str], log: str) -> subprocess.Popen:
@@ -467,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--ctld-port", type=int, default=6917)
     up.add_argument("--slurmd-port", type=int, default=6918)
     up.add_argument("--timeout", type=float, default=60, help="seconds to wait for idle nodes")
+    up.add_argument("--plugstack", type=Path, help="a SPANK plugstack.conf for the nodes (e.g. loading pyxis)")
+    up.add_argument("--node-private", default="", metavar="DIR,...",
+                    help="directories each node gets its own copy of (e.g. enroot's and pyxis's runtime dirs)")
     sub.add_parser("down", help="stop it: processes by id, namespaces, links, /etc/hosts block")
     sub.add_parser("status", help="its processes and node states, as JSON (exit 1 if not up)")
     sub.add_parser("env", help="the export line for client commands")
@@ -478,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
             state_dir = args.state_dir or default_state_dir("" if args.name == "slpw" else args.name)
             spec = ClusterSpec(state_dir=Path(state_dir), nodes=args.nodes,
                                cpus=args.cpus, name=args.name, subnet=args.subnet,
-                               ctld_port=args.ctld_port, slurmd_port=args.slurmd_port)
+                               ctld_port=args.ctld_port, slurmd_port=args.slurmd_port, plugstack=args.plugstack,
+                               node_private=tuple(d for d in args.node_private.split(",") if d))
             t0 = time.monotonic()
             LocalSlurmCluster(spec).up(timeout=args.timeout)
             print(f"# {spec.nodes} nodes ({', '.join(spec.node_names)}) idle in partition "

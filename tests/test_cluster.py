@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from jobs import cluster_host
-from jobs.cluster import (ClusterError, ClusterSpec, LocalSlurmCluster, alive, leftovers, read_registry,
-                     render_slurm_conf, unavailable_reason)
+from jobs.cluster import (ClusterError, ClusterSpec, LocalSlurmCluster, alive, default_state_dir, leftovers,
+                          read_registry, render_slurm_conf, unavailable_reason)
 
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
@@ -102,11 +102,14 @@ srun {shlex.quote(sys.executable)} -m torch.distributed.run --nnodes=2 --nproc-p
 
 
 def test_slurm_conf_has_the_settings_the_lab_needs(tmp_path: Path) -> None:
-    conf = render_slurm_conf(ClusterSpec(state_dir=tmp_path, nodes=3))
+    plugstack = tmp_path / "plugstack.conf"
+    plugstack.write_text("required /x/spank_pyxis.so\n")
+    state = default_state_dir("conf")
+    conf = render_slurm_conf(ClusterSpec(state_dir=state, nodes=3, plugstack=plugstack))
     for line in ("SlurmUser=root", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
                  "SelectType=select/cons_tres", "ClusterName=slipway", "SlurmctldPort=6917",
-                 f"AuthInfo=socket={tmp_path}/munge/munge.socket", "SlurmctldHost=slipway-ctl(10.213.0.1)",
-                 "NodeName=node3 NodeHostname=node3 NodeAddr=10.213.0.13 CPUs=4"):
+                 f"AuthInfo=socket={state}/munge/munge.socket", "SlurmctldHost=slipway-ctl(10.213.0.1)",
+                 "NodeName=node3 NodeHostname=node3 NodeAddr=10.213.0.13 CPUs=4", f"PlugStackConfig={plugstack}"):
         assert line in conf
     settings = [line.split("=")[0] for line in conf.splitlines() if not line.startswith("#")]
     assert "AccountingStorageType" not in settings and "JobCompType" not in settings
@@ -130,31 +133,34 @@ def test_hosts_block_is_replaced_and_removed_leaving_other_lines(tmp_path: Path,
     ({"subnet": "10.213"}, "first three octets"),
     ({"nodes": 0}, "1..200"),
     ({"state_dir": Path("/tmp/has space")}, "slurm.conf cannot"),
+    ({"state_dir": Path("/tmp/" + "d" * 75)}, "step sockets"),
 ])
 def test_spec_rejects_what_would_break_later(tmp_path: Path, bad: dict, words: str) -> None:
     with pytest.raises(ClusterError, match=words):
         ClusterSpec(**{"state_dir": tmp_path, **bad})
 
 
-def test_up_cleans_a_crashed_cluster_and_down_leaves_nothing(tmp_path: Path) -> None:
+def test_up_cleans_a_crashed_cluster_and_down_leaves_nothing() -> None:
+    # Short state dirs: slurmstepd's step sockets live under them (108 bytes at most).
+    a, b = default_state_dir("t-a"), default_state_dir("t-b")
     # A cluster of its own (other name, names, subnet and ports), so the session's keeps running.
-    spec = ClusterSpec(state_dir=tmp_path / "a", nodes=2, name="slpwt", node_prefix="slpwt-node",
+    spec = ClusterSpec(state_dir=a, nodes=2, name="slpwt", node_prefix="slpwt-node",
                        ctl_host="slpwt-ctl", subnet="10.213.1", ctld_port=6927, slurmd_port=6928)
     first = LocalSlurmCluster(spec).up()
     first_pids = first.pids()
     assert len(first_pids) == 4 and all(alive(p, s) for p, s in first_pids)
     # The first owner "crashes" (never calls down); a new up must clear what it left.
-    second = LocalSlurmCluster(dataclasses.replace(spec, state_dir=tmp_path / "b"))
+    second = LocalSlurmCluster(dataclasses.replace(spec, state_dir=b))
     try:
         second.up()
         assert not any(alive(p, s) for p, s in first_pids)
         assert second.node_states() == {"slpwt-node1": "idle", "slpwt-node2": "idle"}
-        assert read_registry("slpwt")["state_dir"] == str(tmp_path / "b")
+        assert read_registry("slpwt")["state_dir"] == str(b)
         second_pids = second.pids()
     finally:
         second.down()
     assert not any(alive(p, s) for p, s in first_pids + second_pids)
-    assert leftovers("slpwt", tmp_path / "a") == [] and leftovers("slpwt", tmp_path / "b") == []
+    assert leftovers("slpwt", a) == [] and leftovers("slpwt", b) == []
     assert "slpwt" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "slpwt" not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     assert "slpwt" not in Path("/etc/hosts").read_text()

@@ -258,3 +258,28 @@ def test_twenty_submissions_at_once(project, slurm_env):
         # No file of another run: every log and event of this run names only its own job.
         assert {p.name.split(".")[0] for p in (d / "logs").iterdir()} == {job_id}
         assert {line.split()[2] for line in (d / "events.log").read_text().splitlines()} == {job_id}
+
+
+# ------------------------------------------------------------------ 6. paths the container would use
+
+
+@pytest.mark.slurm
+def test_job_reaches_its_paths_from_any_working_directory(project, slurm_env):
+    """The frozen config names every path absolutely, as a container that starts elsewhere sees
+    it: relative dataset and token cache, and every rank starting in / instead of the project."""
+    corpus = project / "corpus"
+    corpus.mkdir()
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (corpus / "docs.jsonl").write_text("".join(json.dumps({"text": text[i:i + 400]}) + "\n"
+                                               for i in range(0, len(text), 200)))
+    r = slipway("submit", "tiny_cpu", "--run-name", "elsewhere", "--nodes", "2", "--dp", "4", *TINY, "train.steps=3",
+                "data.dataset=./corpus", "data.cache_dir=tok cache", "launch.pre_launch=[cd /]", "--show-logs")
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    run_dir = project / "runs" / "elsewhere"
+    from trainer.config import load_trainer_config
+
+    frozen = load_trainer_config(run_dir / "config.yaml").data
+    assert frozen.dataset == str(corpus) and frozen.cache_dir == str(project / "tok cache")
+    assert any((project / "tok cache").iterdir())  # the cache the job wrote, by its absolute path
+    assert sorted(losses(run_dir)) == [1, 2, 3]
+    assert not (Path("/") / "tok cache").exists() and not (Path("/") / "runs").exists()

@@ -1,0 +1,99 @@
+"""The pyxis path for real: `make image` with the real enroot, then `slipway submit` with
+runtime pyxis on a 2-node local Slurm whose nodes load the real pyxis plugin, training in
+the image's containers on both nodes with the run directory mounted by slipway.
+
+enroot and pyxis are not packaged anywhere CI can install them from; they build from their
+public sources (NVIDIA/enroot, NVIDIA/pyxis; see the lab notes). This test runs where
+`enroot` is on PATH and SLIPWAY_PYXIS_PLUGIN names the built spank_pyxis.so, and skips with
+that reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs.cluster import ClusterSpec, LocalSlurmCluster, default_state_dir, unavailable_reason
+
+PY = sys.executable
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN = os.environ.get("SLIPWAY_PYXIS_PLUGIN", "")
+
+
+def _why_not() -> str | None:
+    if not PLUGIN or not Path(PLUGIN).is_file():
+        return "set SLIPWAY_PYXIS_PLUGIN to a built spank_pyxis.so (NVIDIA/pyxis) to run the real pyxis path"
+    if shutil.which("enroot") is None:
+        return "enroot (NVIDIA/enroot) is not installed"
+    return unavailable_reason()
+
+
+pytestmark = [pytest.mark.slurm, pytest.mark.podman, pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))]
+
+TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=4",
+        "model.num_kv_heads=2", "data.seq_len=64", "model.max_position_embeddings=64", "train.micro_batch_size=4",
+        "train.steps=6", "train.eval_interval=0", "train.warmup_steps=2", "logging.interval=1",
+        "checkpoint.interval=3"]
+
+
+def run(*argv: str, env: dict, cwd: Path, timeout: float = 1200) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, **env})
+
+
+@pytest.fixture
+def pyxis_cluster(tmp_path: Path):
+    """A 2-node cluster of its own (names, subnet and ports apart from the session's) whose
+    nodes load pyxis, each with its own enroot data/runtime dirs and pyxis runtime path."""
+    runtime = tmp_path / "pyxis-runtime"
+    plugstack = tmp_path / "plugstack.conf"
+    plugstack.write_text(f"required {PLUGIN} runtime_path={runtime}\n")
+    spec = ClusterSpec(state_dir=default_state_dir("pyxis"), nodes=2, name="slpwx", node_prefix="slpwx-node",
+                       ctl_host="slpwx-ctl", subnet="10.213.3", ctld_port=6947, slurmd_port=6948,
+                       plugstack=plugstack,
+                       node_private=(str(runtime), "/run/enroot", "/root/.local/share/enroot", "/root/.cache/enroot"))
+    cluster = LocalSlurmCluster(spec).up()
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmCluster, tmp_path: Path):
+    from test_image import TEST_BASE, ensure_test_base, ensure_wheelhouse
+
+    ensure_test_base()
+    wheels = ensure_wheelhouse()
+    images = tmp_path / "images"
+    image = ["image.flash_attn=false", f"image.wheelhouse={wheels}", "image.isolation=chroot",
+             f"image.output_dir={images}", "image.squash_options=-comp lz4"]
+    build = run(PY, "-m", "containers", "build", "tiny_cpu", "--base-image", TEST_BASE, *image, env={}, cwd=ROOT)
+    assert build.returncode == 0, (build.stdout[-3000:], build.stderr[-3000:])
+    squashfs = json.loads((images / "slipway.json").read_text())["squashfs"]
+    assert Path(squashfs).is_file()
+
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)
+    shutil.copy(ROOT / "configs" / "tiny_cpu.yaml", project / "configs")
+    env = {**pyxis_cluster.env(), "SLIPWAY_PROJECT": str(project)}
+    # The host's python3 has no torch: training can only have run in the image.
+    assert run("/usr/bin/python3", "-c", "import torch", env={}, cwd=project).returncode != 0
+    r = run(PY, "-m", "jobs", "submit", "tiny_cpu", "--run-name", "pyx", "--nodes", "2", "--dp", "4", *TINY,
+            "container.runtime=pyxis", *image, "--show-logs", env=env, cwd=project)
+    run_dir = project / "runs" / "pyx"
+    assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-4000:])
+    script = (run_dir / "job.sbatch").read_text()
+    assert f"--container-image={squashfs}" in script
+    assert f"{run_dir}:{run_dir}" in script  # slipway mounted the run directory
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line).get("kind") == "train"]
+    assert steps[-1] == 6
+    assert (run_dir / "checkpoints" / "step-000006" / "COMPLETE").is_file()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["image"]["path"] == squashfs and manifest["image"]["source"] == "build"
