@@ -44,6 +44,7 @@ def config(tmp: Path, **data) -> TrainerConfig:
     data.setdefault("cache_dir", str(tmp / "cache dir 'q' $(x)"))
     data.setdefault("seq_len", 16)
     data.setdefault("validation_fraction", 0.0)
+    data.setdefault("tokenize_in_job", True)  # the in-job path; tests/test_prepare*.py cover prepared caches
     return TrainerConfig(run=RunSection(seed=7), data=DataSection(**data), train=TrainSection(micro_batch_size=4),
                          model=ModelSection(size="custom", hidden_size=64, intermediate_size=128, num_layers=2,
                                             num_heads=4, num_kv_heads=4, vocab_size=4096,
@@ -109,17 +110,31 @@ def test_cache_key_follows_the_file(tmp_path):
     assert len([p for p in cache_files(cfg) if p.suffix == ".json"]) == 2
 
 
-def test_interrupted_writer_leaves_no_index(tmp_path, monkeypatch):
+def test_interrupted_writer_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
     source = resolve_source(str(write_jsonl(tmp_path / "d.jsonl", DOCS)), None, "train", "text")
+    real_open = type(source).open
 
-    def broken_batches(self):
-        yield DOCS[:10], 10
-        raise KeyboardInterrupt
+    def broken_open(self, *args, **kwargs):
+        reader = real_open(self, *args, **kwargs)
+        first = next(reader.batches)
 
-    monkeypatch.setattr(type(source), "batches", broken_batches)
+        def batches():
+            yield first
+            raise KeyboardInterrupt
+
+        reader.batches = batches()
+        return reader
+
+    monkeypatch.setattr(type(source), "open", broken_open)
     with pytest.raises(KeyboardInterrupt):
         data_cache.ensure_tokens(source, resolve_tokenizer("builtin"), tmp_path / "c", rank=0)
-    assert list((tmp_path / "c").iterdir()) == []  # no index, no partial .bin, no tmp, no lock
+    # no index, no .bin, no lock: only the partial file a rerun continues
+    paths = data_cache.cache_paths(source, resolve_tokenizer("builtin"), tmp_path / "c")
+    assert [p.name for p in (tmp_path / "c").iterdir()] == [paths.partial.name]
+    monkeypatch.undo()
+    found = data_cache.ensure_tokens(source, resolve_tokenizer("builtin"), tmp_path / "c", rank=0)
+    np.testing.assert_array_equal(found.tokens, expected_stream(DOCS))
+    assert sorted(p.suffix for p in (tmp_path / "c").iterdir()) == [".bin", ".json"]
 
 
 def test_killed_writer_leaves_no_index_and_is_taken_over(tmp_path):
@@ -128,13 +143,17 @@ def test_killed_writer_leaves_no_index_and_is_taken_over(tmp_path):
         import sys, time
         from pathlib import Path
         import trainer.data_sources as s, trainer.data_cache as c
-        real = s.TextSource.batches
-        def slow(self):
-            for i, b in enumerate(real(self)):
-                yield b
-                Path({str(tmp_path / 'started')!r}).touch()
-                time.sleep(60)
-        s.TextSource.batches = slow
+        real_open = s.TextSource.open
+        def slow_open(self, *args, **kwargs):
+            reader = real_open(self, *args, **kwargs)
+            def slow(batches):
+                for b in batches:
+                    yield b
+                    Path({str(tmp_path / 'started')!r}).touch()
+                    time.sleep(60)
+            reader.batches = slow(reader.batches)
+            return reader
+        s.TextSource.open = slow_open
         s.BATCH_CHARS = 500
         c.ensure_tokens(s.resolve_source({str(data)!r}, None, "train", "text"), s.resolve_tokenizer("builtin"),
                         Path({str(tmp_path / 'c')!r}), rank=0)
@@ -144,9 +163,10 @@ def test_killed_writer_leaves_no_index_and_is_taken_over(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     names = sorted(p.name for p in (tmp_path / "c").iterdir())
-    assert not [n for n in names if n.endswith(".json")]
-    assert [n for n in names if n.endswith(".lock")] and [n for n in names if ".bin.tmp." in n]
-    # the dead writer's pid is gone on this host: rank 0 takes the lock over at once, and sweeps its tmp file
+    assert not [n for n in names if n.endswith((".json", ".bin"))]
+    assert [n for n in names if n.endswith(".lock")] and [n for n in names if n.endswith(".bin.partial")]
+    # the dead writer's pid is gone on this host: rank 0 takes the lock over at once (no resume record
+    # yet: it writes its partial file again from the start)
     start = time.monotonic()
     train, _, _ = build_data(config(tmp_path, dataset=str(data), cache_dir=str(tmp_path / "c")), tmp_path, 0, 1)
     assert time.monotonic() - start < 10

@@ -390,8 +390,13 @@ class DataSection:
     seq_len: int = 512
     validation_split: Optional[str] = None
     validation_fraction: float = 0.01
-    cache_dir: Optional[str] = None
-    num_proc: int = 0
+    cache_dir: Optional[str] = None  # the token cache; default <project>/.cache/tokens
+    num_proc: int = 0  # tokenizer threads; 0 = every core the process may use
+    # Let global rank 0 tokenize a cache entry `slipway prepare` has not made,
+    # while every other rank (and GPU) waits. Off: the job stops at once and
+    # says to run `slipway prepare`. The builtin corpus is always allowed
+    # (it ships in the image and takes about a second).
+    tokenize_in_job: bool = False
 
     def check(self, where: str) -> None:
         _positive(self, where, "seq_len")

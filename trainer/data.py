@@ -4,9 +4,12 @@
     inputs_BT, targets_BT = train.next_batch()       # torch.long [B, T]
     state = train.state_dict(); train.load_state_dict(state)
 
-Every rank calls `build_data`. Global rank 0 (env `RANK`) tokenizes the
-dataset into `data.cache_dir` once (see `trainer.data_cache`); every rank
-then maps the same file read-only.
+Every rank calls `build_data`, which maps the token cache entries that
+`slipway prepare` wrote into `data.cache_dir` (`trainer.prepare`) read-only.
+An entry that is not there stops the job with a message saying to prepare
+it, unless `data.tokenize_in_job` (or the data is the builtin corpus): then
+global rank 0 (env `RANK`) tokenizes it while the other ranks wait (see
+`trainer.data_cache`).
 
 The token stream is cut into windows of `seq_len + 1` tokens with stride
 `seq_len` (inputs are a window's first T tokens, targets its last T).
@@ -35,16 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.config import ConfigError, DataSection, TrainerConfig
-from trainer.data_cache import ensure_tokens
-from trainer.data_sources import (
-    TextSource,
-    is_single_split,
-    load_tokenizer,
-    looks_local,
-    resolve_source,
-    resolve_tokenizer,
-)
+from trainer.config import ConfigError, TrainerConfig
+from trainer.data_cache import default_cache_dir, ensure_tokens, resolve_cache_dir
+from trainer.data_sources import load_tokenizer
+from trainer.prepare import CacheStatus, cache_status
 
 log = logging.getLogger(__name__)
 
@@ -141,21 +138,6 @@ class Sampler:
                 f"x dp {self.dp_size}, rank {self.dp_rank}, consumed {self.consumed_samples:,})")
 
 
-def default_cache_dir(run_dir: Path) -> Path:
-    """`<run_dir>/../../.cache/tokens`: for `runs/RUN` that is `.cache/tokens`
-    beside `runs/`, so every run of a project shares one cache (independent
-    of HF_HOME, which only holds hub downloads)."""
-    return Path(run_dir).resolve().parent.parent / ".cache" / "tokens"
-
-
-def resolve_cache_dir(data: DataSection, run_dir: Path) -> Path:
-    """`data.cache_dir` (`~` and `$VARS` expanded, relative to the working
-    directory) or `default_cache_dir(run_dir)`."""
-    if data.cache_dir:
-        return Path(os.path.expanduser(os.path.expandvars(data.cache_dir))).resolve()
-    return default_cache_dir(run_dir)
-
-
 def check_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int, tokenizer: str = "") -> None:
     """The embedding must have a row for every token id the tokenizer emits."""
     if model_vocab_size < tokenizer_vocab_size:
@@ -164,31 +146,34 @@ def check_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int, tokenizer
                           f"'{tokenizer}' ({tokenizer_vocab_size}): set model.vocab_size >= {tokenizer_vocab_size}")
 
 
-def _validation_source(data: DataSection, train: TextSource) -> TextSource:
-    split = data.validation_split or ""
-    if is_single_split(train):
-        if not looks_local(split):
-            raise ConfigError("data.validation_split",
-                              f"'{split}' is a split name, but data.dataset '{data.dataset}' has a single split; "
-                              "give a path to validation files, or use data.validation_fraction")
-        return resolve_source(split, None, "train", data.text_column, field="data.validation_split")
-    return resolve_source(data.dataset, data.dataset_config, split, data.text_column, field="data.validation_split")
-
-
 def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) -> tuple[Sampler, Sampler | None, int]:
     """(train sampler, validation sampler or None, tokenizer vocabulary size) for this dp rank."""
     data, batch = cfg.data, cfg.train.micro_batch_size
-    cache_dir = resolve_cache_dir(data, run_dir)
-    tokenizer = resolve_tokenizer(data.tokenizer)
-    train_source = resolve_source(data.dataset, data.dataset_config, data.split, data.text_column)
-    val_source = _validation_source(data, train_source) if data.validation_split else None
-    train = ensure_tokens(train_source, tokenizer, cache_dir, num_proc=data.num_proc)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    status = cache_status(data, resolve_cache_dir(data, run_dir))
+    if not status.prepared:
+        if not status.tokenize_in_job:
+            raise ConfigError("data.tokenize_in_job", _not_prepared(status))
+        if rank0:
+            (log.info if data.dataset == "builtin" else log.warning)(
+                "the token cache lacks %s: rank 0 tokenizes it now while the other ranks wait "
+                "(`slipway prepare CONFIG` does this before the allocation)",
+                " and ".join(e.source.description for e in status.missing))
+    files = {e.role: ensure_tokens(e.source, e.tokenizer, status.cache_dir, num_proc=data.num_proc)
+             for e in status.entries}
+    if rank0:
+        for e in status.entries:
+            if not files[e.role].written:
+                index = files[e.role].index
+                log.info("opened the token cache %s: %s tokens of %s, prepared by %s at %s", files[e.role].path,
+                         f"{index['n_tokens']:,}", index["source"], index.get("prepared_by") or "an earlier slipway",
+                         index.get("created", "?"))
+    train = files["train"]
     check_vocab_size(cfg.model.vocab_size, train.vocab_size, data.tokenizer)
     train_tokens, val_tokens = train.tokens, None
-    if val_source is not None:
-        val = ensure_tokens(val_source, tokenizer, cache_dir, num_proc=data.num_proc)
-        val_tokens = val.tokens
-        _check_windows(val_tokens, data.seq_len, val.index["source"], "data.validation_split")
+    if "validation" in files:
+        val_tokens = files["validation"].tokens
+        _check_windows(val_tokens, data.seq_len, files["validation"].index["source"], "data.validation_split")
     elif data.validation_fraction > 0:
         n_val = int(len(train.tokens) * data.validation_fraction)
         if n_val < data.seq_len + 1:
@@ -202,11 +187,27 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
     val_sampler = None
     if val_tokens is not None:
         val_sampler = Sampler(val_tokens, data.seq_len, batch, dp_rank, dp_size, shuffle=False, name="validation")
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank0:
         log.info("%s; train %s windows, validation %s; tokens %s", train.index["source"],
                  f"{train_sampler.n_windows:,}", f"{val_sampler.n_windows:,} windows" if val_sampler else "none",
                  train.path)
     return train_sampler, val_sampler, train.vocab_size
+
+
+def _not_prepared(status: CacheStatus) -> str:
+    """Why the job stops, and the two ways on: one line."""
+    first, *more = status.missing
+    if first.problem:
+        state = first.problem
+    else:
+        now = f"being written by {first.writer}" if first.writer else "missing"
+        so_far = f", {first.partial_tokens:,} tokens so far" if first.partial_tokens else ""
+        state = f"{first.paths.bin.name} {now}{so_far}"
+    others = f" (and {len(more)} more split)" if more else ""
+    return (f"the token cache for {first.source.description} with {first.tokenizer.description}{others} is not "
+            f"prepared in {status.cache_dir} ({state}): run `slipway prepare CONFIG` before submitting (or "
+            "`slipway submit --prepare`), or set data.tokenize_in_job: true to let rank 0 tokenize it while "
+            "the other ranks wait")
 
 
 def _check_windows(tokens: np.ndarray, seq_len: int, source: str, where: str) -> None:

@@ -2,58 +2,86 @@
 
 One dataset split + one tokenizer = one cache entry in `data.cache_dir`:
 
-    <slug>-<key>.bin     the token ids, documents joined by the EOS id (uint16
-                         when the vocabulary fits, else uint32), flat
-    <slug>-<key>.json    the index: dtype, n_tokens, vocab size, EOS id,
-                         document count, the source; present = complete
-    <slug>-<key>.lock    held by the one process that writes (pid, host)
-    <slug>-<key>.error   why the writer failed, for the ranks waiting on it
+    <slug>-<key>.bin          the token ids, documents joined by the EOS id
+                              (uint16 when the vocabulary fits, else uint32), flat
+    <slug>-<key>.json         the index: dtype, n_tokens, vocab size, EOS id,
+                              document count, the source, who prepared it;
+                              present = complete
+    <slug>-<key>.bin.partial  an unfinished writer's tokens, and
+    <slug>-<key>.progress     how far they go (see `trainer.data_tokenize`)
+    <slug>-<key>.lock         held by the one process that writes (pid, host)
+    <slug>-<key>.error        why the writer failed, for the ranks waiting on it
 
 The key hashes the dataset's identity (hub name, config and split; or each
 local file's path, size and mtime), the text column, the tokenizer's
 identity (hub name, or the sha256 of its file) and `FORMAT_VERSION`. The
-sequence length is not part of it: the cache is a flat stream and windows
-are cut when it is read, so one cache serves every `data.seq_len`.
+sequence length, `num_proc` and who writes are not part of it: the cache is
+a flat stream and windows are cut when it is read, so one entry serves every
+run and every `data.seq_len`.
 
-Only global rank 0 (env `RANK`, default 0) writes; the others poll for the
-index. The writer touches its lock every `HEARTBEAT_S` seconds; a lock
-whose heartbeat stopped for `stale_s` (or whose pid is gone, on the same
-host) is stale, and rank 0 takes it over. Waiters give up after `timeout_s`
-without a live writer, naming the lock. Both files are written to a
-temporary name in the same directory, fsynced and renamed into place, the
-index last, so a crash never leaves an index that points at partial data;
-and since two writers would write the same bytes, even a broken lock cannot
-corrupt the cache.
+Writers are `slipway prepare` (`trainer.prepare`, before the allocation) or,
+when allowed, global rank 0 of the job (env `RANK`, default 0) while the
+others poll for the index. The writer touches its lock every `HEARTBEAT_S`
+seconds; a lock whose heartbeat stopped for `stale_s` (or whose pid is gone,
+on the same host) is stale, and a writer takes it over, continuing the dead
+one's partial file. Waiters give up after `timeout_s` without a live writer,
+naming the lock. The index is written last, atomically, so a crash never
+leaves an index that points at partial data; and since two writers would
+write the same bytes at the same offsets, even a broken lock cannot corrupt
+the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
-import itertools
 import json
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trainer.config import ConfigError
-from trainer.data_sources import TextSource, TokenizerSpec, eos_id, load_tokenizer
+from trainer.config import ConfigError, DataSection
+from trainer.data_sources import TextSource, TokenizerSpec
+from trainer.data_tokenize import FORMAT_VERSION, ProgressSink, note, partial_tokens, write_tokens
 from trainer.fs import pid_alive, write_atomic
 
-FORMAT_VERSION = 1
 HEARTBEAT_S = 10.0
 STALE_S = float(os.environ.get("SLIPWAY_DATA_STALE_S", 180))  # NFS may cache mtimes for a minute
 TIMEOUT_S = float(os.environ.get("SLIPWAY_DATA_TIMEOUT_S", 1800))
 POLL_S = 1.0
+
+
+def project_cache_dir(project_dir: Path) -> Path:
+    """The default `data.cache_dir` of a project: `<project>/.cache/tokens`,
+    shared by all its runs (independent of HF_HOME, which only holds hub
+    downloads)."""
+    return Path(project_dir).resolve() / ".cache" / "tokens"
+
+
+def default_cache_dir(run_dir: Path) -> Path:
+    """`project_cache_dir` of `runs/RUN`'s project: `<run_dir>/../../.cache/tokens`."""
+    return project_cache_dir(Path(run_dir).resolve().parent.parent)
+
+
+def resolve_cache_dir(data: DataSection, run_dir: Path | None = None, *, project_dir: Path | None = None) -> Path:
+    """`data.cache_dir` (`~` and `$VARS` expanded, relative to the working
+    directory), else the default of the run's project (`run_dir`) or of
+    `project_dir` (the host, before a run exists)."""
+    if data.cache_dir:
+        return Path(os.path.expanduser(os.path.expandvars(data.cache_dir))).resolve()
+    if project_dir is not None:
+        return project_cache_dir(project_dir)
+    if run_dir is None:
+        raise ValueError("resolve_cache_dir needs run_dir or project_dir when data.cache_dir is unset")
+    return default_cache_dir(run_dir)
 
 
 class DataCacheError(RuntimeError):
@@ -67,6 +95,7 @@ class TokenFile:
     tokens: np.ndarray  # 1-D memmap
     index: dict[str, Any]
     path: Path
+    written: bool = False  # this process tokenized it (else it was there)
 
     @property
     def vocab_size(self) -> int:
@@ -83,6 +112,8 @@ class CachePaths:
 
     bin = property(lambda self: self._p(".bin"))
     index = property(lambda self: self._p(".json"))
+    partial = property(lambda self: self._p(".bin.partial"))
+    progress = property(lambda self: self._p(".progress"))
     lock = property(lambda self: self._p(".lock"))
     error = property(lambda self: self._p(".error"))
 
@@ -109,32 +140,19 @@ def _launch_id() -> str:
     return "/".join(ids) if any(ids) else ""
 
 
-def _host_tag() -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())
-
-
-def _tmp_name(path: Path) -> Path:
-    """A temporary name beside `path` that says who writes it: NAME.tmp.HOST.PID.RANDOM."""
-    return path.with_name(f"{path.name}.tmp.{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-
-
 def _sweep_tmp(paths: CachePaths) -> None:
-    """Remove what killed writers left: their pid is gone on this host, or it is a day old."""
-    for tmp in [*paths.dir.glob(f"{paths.stem}.*.tmp.*"), *paths.dir.glob(f".{paths.stem}.*.tmp")]:
-        _, host, pid, _ = (tmp.name.rsplit(".", 3) + ["", "", "", ""])[:4]
+    """Remove the temporary files of atomic writes (resume record, index) that
+    killed writers left. Called holding the lock, so none is being written
+    (a writer whose lock was wrongly taken over would at worst fail its rename)."""
+    for tmp in paths.dir.glob(f".{paths.stem}.*.tmp"):
         with contextlib.suppress(OSError):
-            dead = host == _host_tag() and pid.isdigit() and not pid_alive(int(pid))
-            if dead or time.time() - tmp.stat().st_mtime > 86400:
-                tmp.unlink()
+            tmp.unlink()
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def prepared_by(role: str) -> str:
+    """Who writes an entry, for its index and the trainer's log line."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{role} on {socket.gethostname()}{f' (Slurm job {job})' if job else ''}"
 
 
 # --------------------------------------------------------------------------
@@ -209,8 +227,12 @@ class LockWatch:
         return "stale" if time.monotonic() - self._changed > self.stale_s else "alive"
 
     def describe(self) -> str:
-        info = read_lock(self.path) or {}
-        return f"pid {info.get('pid', '?')} on {str(info.get('host', '?')).split('/')[0]}"
+        return _holder(read_lock(self.path) or {})
+
+
+def _holder(info: dict[str, Any]) -> str:
+    """A lock's writer for a person: "pid N on HOST"."""
+    return f"pid {info.get('pid', '?')} on {str(info.get('host', '?')).split('/')[0]}"
 
 
 # --------------------------------------------------------------------------
@@ -238,8 +260,10 @@ def open_tokens(paths: CachePaths) -> TokenFile | None:
 
 
 def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path, *, rank: int | None = None,
-                  num_proc: int = 0, timeout_s: float = TIMEOUT_S, stale_s: float = STALE_S) -> TokenFile:
-    """The tokenized `source`: read from the cache, or written by rank 0 while the others wait."""
+                  num_proc: int = 0, timeout_s: float = TIMEOUT_S, stale_s: float = STALE_S,
+                  progress: ProgressSink = None, role: str = "rank 0 of the training job") -> TokenFile:
+    """The tokenized `source`: read from the cache, or written by rank 0 while
+    the others wait. `role` says who rank 0 is, for the index (`prepared_by`)."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -250,6 +274,7 @@ def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path,
     watch = LockWatch(paths.lock, stale_s)
     launch = _launch_id()
     last_activity = time.monotonic()
+    said_waiting = False
     while True:
         found = open_tokens(paths)
         if found is not None:
@@ -260,7 +285,10 @@ def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path,
                 try:
                     _sweep_tmp(paths)
                     found = open_tokens(paths)  # finished by someone between our look and our lock
-                    return found if found is not None else _write(source, tokenizer, paths, num_proc, launch)
+                    if found is None:
+                        found = _write(source, tokenizer, paths, launch, num_proc=num_proc, progress=progress,
+                                       prepared_by=prepared_by(role))
+                    return found
                 finally:
                     lock.release()
         elif launch:
@@ -268,8 +296,12 @@ def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path,
         state = watch.state()
         if state == "alive":
             last_activity = time.monotonic()
+            if rank == 0 and not said_waiting:
+                note(f"data: waiting for {watch.describe()}, which is writing {paths.bin} "
+                     f"({partial_tokens(paths):,} tokens so far)")
+                said_waiting = True
         elif state in ("stale", "dead") and rank == 0:
-            _log(f"data: taking over the {state} token cache lock {paths.lock} ({watch.describe()})")
+            note(f"data: taking over the {state} token cache lock {paths.lock} ({watch.describe()})")
             with contextlib.suppress(FileNotFoundError):
                 paths.lock.unlink()
             continue
@@ -299,11 +331,11 @@ def _raise_writer_error(paths: CachePaths, launch: str) -> None:
     raise DataCacheError(f"rank 0 failed to tokenize into {paths.bin}: {err['message']}")
 
 
-def _write(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, num_proc: int, launch: str) -> TokenFile:
+def _write(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, launch: str, **kwargs: Any) -> TokenFile:
     with contextlib.suppress(FileNotFoundError):
         paths.error.unlink()
     try:
-        index = write_tokens(source, tokenizer, paths, num_proc)
+        index = write_tokens(source, tokenizer, paths, **kwargs)
     except BaseException as exc:
         if launch and isinstance(exc, Exception):
             field = exc.field if isinstance(exc, ConfigError) else ""
@@ -314,103 +346,66 @@ def _write(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, num_
     if found is None or found.index != index:
         raise DataCacheError(f"token cache index {paths.index} vanished or changed right after it was written: "
                              "is another job writing the same data.cache_dir with a different slipway version?")
-    return found
+    return dataclasses.replace(found, written=True)
 
 
-def write_tokens(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, num_proc: int = 0) -> dict:
-    """Tokenize `source` into `paths.bin` and `paths.index`, atomically. Returns the index."""
-    threads = num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
-    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))  # tokenizers' pool, before its first use
-    tok = load_tokenizer(tokenizer)
-    eos = eos_id(tok, tokenizer.spec)
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    tmp = _tmp_name(paths.bin)
-    _log(f"data: tokenizing {source.description} with {tokenizer.description} ({threads} threads) -> {paths.bin}")
-    n_tokens = n_docs = n_chars = 0
-    start = time.perf_counter()
+# --------------------------------------------------------------------------
+# Status: is an entry there, without reading or locking anything
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One split the run reads, and where its cache entry stands."""
+
+    role: str  # "train" or "validation"
+    source: TextSource
+    tokenizer: TokenizerSpec
+    paths: CachePaths
+    prepared: bool  # the index and the tokens are there, and agree
+    index: dict[str, Any] | None  # the index, when prepared
+    partial_tokens: int  # tokens an unfinished writer recorded (a rerun continues from there)
+    writer: str | None  # "pid N on HOST" while a writer holds the lock
+    problem: str | None  # a damaged entry: what is wrong and what to do
+
+    def describe(self) -> str:
+        """One line for a person."""
+        what = f"{self.role} {self.source.description} with {self.tokenizer.description}"
+        if self.prepared and self.index is not None:
+            return (f"{what}: prepared, {self.index['n_tokens']:,} tokens in {self.paths.bin} "
+                    f"(by {self.index.get('prepared_by') or 'an earlier slipway'}, {self.index.get('created', '?')})")
+        if self.problem:
+            return f"{what}: damaged, {self.problem}"
+        state = f"being written by {self.writer}" if self.writer else "not prepared"
+        partial = f", {self.partial_tokens:,} tokens written so far" if self.partial_tokens else ""
+        return f"{what}: {state}{partial} ({self.paths.bin} missing)"
+
+
+def entry_status(role: str, source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path) -> CacheEntry:
+    paths = cache_paths(source, tokenizer, cache_dir)
+    index, problem = None, None
     try:
-        with open(tmp, "wb") as f, _progress(source) as advance:
-            for texts, units in source.batches():
-                if texts:
-                    ids = [e.ids for e in encode(texts, add_special_tokens=False)]
-                    count = sum(map(len, ids)) + len(ids)
-                    flat = itertools.chain.from_iterable(itertools.chain(x, (eos,)) for x in ids)
-                    f.write(np.fromiter(flat, dtype=dtype, count=count).tobytes())
-                    n_tokens, n_docs, n_chars = n_tokens + count, n_docs + len(texts), n_chars + sum(map(len, texts))
-                advance(units, n_tokens)
-            f.flush()
-            os.fsync(f.fileno())
-        if n_tokens == 0:
-            raise ConfigError(source.field, f"{source.description} holds no text in column '{source.column}'")
-        os.replace(tmp, paths.bin)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    seconds = time.perf_counter() - start
-    index = {"format": FORMAT_VERSION, "dtype": dtype.name, "n_tokens": n_tokens, "vocab_size": vocab,
-             "eos_id": eos, "n_documents": n_docs, "n_chars": n_chars, "source": source.description,
-             "tokenizer": tokenizer.description, "inputs": {"source": source.identity,
-                                                          "tokenizer": tokenizer.identity},
-             "seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    write_atomic(paths.index, json.dumps(index, indent=1))
-    _fsync_dir(paths.dir)
-    _log(f"data: tokenized {source.description}: {n_docs:,} documents, {n_tokens:,} tokens in {seconds:.1f}s "
-         f"({n_chars / max(seconds, 1e-9) / 1e6:.1f} M chars/s) -> {paths.bin}")
-    return index
+        found = open_tokens(paths)
+        index = found.index if found is not None else None
+    except (DataCacheError, KeyError, TypeError) as exc:
+        problem = str(exc)
+    except OSError as exc:  # not a directory, no permission
+        raise ConfigError("data.cache_dir", f"cannot read '{cache_dir}' ({exc.strerror}); "
+                          "set data.cache_dir to a shared directory this user can write") from None
+    return CacheEntry(role, source, tokenizer, paths, index is not None, index,
+                      partial_tokens(paths) if index is None else 0, _live_writer(paths.lock), problem)
 
 
-# --------------------------------------------------------------------------
-# Progress: a rich bar on a terminal, a line every 30 s in a Slurm log
-# --------------------------------------------------------------------------
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _bar_library() -> str:
-    """'rich' or 'tqdm' when stderr is a terminal and one is installed, else '' (plain log lines)."""
-    if not sys.stderr.isatty():
-        return ""
-    for name in ("rich", "tqdm"):
-        with contextlib.suppress(ImportError):
-            __import__(name)
-            return name
-    return ""
-
-
-@contextlib.contextmanager
-def _progress(source: TextSource) -> Iterator[Any]:
-    """Yields `advance(units, tokens_so_far)`."""
-    total, unit = source.progress_total
-    library = _bar_library()
-    if library == "rich":
-        import rich.console as rc
-        import rich.progress as rp
-
-        count = rp.DownloadColumn() if unit == "bytes" else rp.MofNCompleteColumn()
-        columns = (rp.TextColumn("tokenizing"), rp.BarColumn(), count, rp.TextColumn("{task.fields[tok]}"),
-                   rp.TimeElapsedColumn(), rp.TimeRemainingColumn())
-        with rp.Progress(*columns, console=rc.Console(stderr=True)) as bar:
-            task = bar.add_task("tokenizing", total=total, tok="")
-            yield lambda n, tokens: bar.update(task, advance=n, tok=f"{tokens:,} tokens")
-        return
-    if library == "tqdm":
-        from tqdm import tqdm
-
-        with tqdm(total=total, desc="tokenizing", unit="B" if unit == "bytes" else " rows", unit_scale=True) as t:
-            yield lambda n, tokens: t.update(n)
-        return
-    done, last = 0, time.monotonic()
-
-    def advance(n: int, tokens: int) -> None:
-        nonlocal done, last
-        done += n
-        if time.monotonic() - last >= 30:
-            last = time.monotonic()
-            share = f" ({100 * done / total:.0f}%)" if total else ""
-            _log(f"data: {done:,} {unit}{share}, {tokens:,} tokens so far")
-
-    yield advance
+def _live_writer(lock: Path) -> str | None:
+    """Who holds `lock`, if its pid lives (same host) and it beat within STALE_S
+    (by this clock: a snapshot has no time to watch the heartbeat)."""
+    info = read_lock(lock)
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if info is None or age > STALE_S:
+        return None
+    if info.get("host") == _host() and not pid_alive(int(info.get("pid", -1))):
+        return None
+    return _holder(info)

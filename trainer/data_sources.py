@@ -3,7 +3,7 @@
 `resolve_source` and `resolve_tokenizer` are cheap and run on every rank:
 they check paths and splits and compute each input's identity (what the
 token cache key hashes) without reading the data. Only the one process that
-tokenizes calls `TextSource.batches` and `load_tokenizer`.
+tokenizes calls `TextSource.open` and `load_tokenizer`.
 
 Datasets (`data.dataset`):
 - `builtin`: `assets/corpus.jsonl.gz`, real English prose shipped with slipway.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError
+from trainer.config import ConfigError, DataSection
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 BUILTIN = "builtin"
@@ -43,7 +43,11 @@ BUILTIN_TOKENIZER = ASSETS / "tokenizer.json"
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 # Document separators to look for, most common first.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
-BATCH_CHARS = 1 << 21  # ~2 MB of text per encode_batch call keeps every core busy
+# Text per batch: one thread encodes one batch. 256 K characters (~70 K
+# tokens, ~0.1 s of one core) make the per-call cost negligible and the
+# threads' uneven finish at the end short; two batches per thread in flight
+# keep the memory at about 0.5 MB of text per thread.
+BATCH_CHARS = 1 << 18
 
 
 def _expand(spec: str) -> str:
@@ -94,6 +98,25 @@ def looks_local(spec: str) -> bool:
 
 
 @dataclass(frozen=True)
+class Batch:
+    """Documents read in order, and where the source stands after them."""
+
+    texts: list[str]  # the non-empty documents
+    position: tuple[int, int]  # (file, row of that file) after the last row read: a rerun resumes here
+    units: int  # progress this batch stands for (bytes of the files, or rows of a dataset)
+
+
+@dataclass
+class Reader:
+    """An opened source: its progress total, and its batches from a position on."""
+
+    batches: Iterator[Batch]
+    total: int | None  # in `unit`s; None when unknown
+    unit: str  # "bytes" or "rows"
+    done: int  # units the start position stands for
+
+
+@dataclass(frozen=True)
 class TextSource:
     """One split of one dataset, ready to be read by the tokenizing process."""
 
@@ -110,32 +133,25 @@ class TextSource:
     split: str = "train"
     total_bytes: int = dataclasses.field(default=0, compare=False)
 
-    def batches(self) -> Iterator[tuple[list[str], int]]:
-        """Lists of non-empty documents, each with the progress it stands for
-        (bytes read for files, rows for datasets)."""
+    def open(self, start: tuple[int, int] = (0, 0), max_chars: int | None = None) -> Reader:
+        """Batches of about `max_chars` characters from `start` (a `Batch.position`
+        of an earlier read) to the end. Rows before `start` are skipped without
+        being parsed where the format allows, so resuming costs a read, not a
+        tokenization. A hub dataset is downloaded here."""
+        first_file, first_row = start
+        max_chars = max_chars or BATCH_CHARS
         if self.kind == "files":
             reader = {"text": _read_text, "json": _read_json, "parquet": _read_parquet}[self.fmt]
-            rows: Iterator[tuple[str | None, int]] = (r for f in self.files for r in reader(f, self.column))
-        else:
-            rows = _read_dataset(self._load_dataset(), self.column, self.description)
-        batch: list[str] = []
-        chars = units = 0
-        for text, unit in rows:
-            units += unit
-            if text and not text.isspace():
-                batch.append(text)
-                chars += len(text)
-            if chars >= BATCH_CHARS:
-                yield batch, units
-                batch, chars, units = [], 0, 0
-        if batch or units:
-            yield batch, units
-
-    @property
-    def progress_total(self) -> tuple[int | None, str]:
-        if self.kind == "files":
-            return self.total_bytes, "bytes"
-        return None, "rows"
+            rows: Iterator[tuple[int, str | None, int]] = (
+                (i, text, units) for i in range(first_file, len(self.files))
+                for text, units in reader(self.files[i], self.column, first_row if i == first_file else 0))
+            done = sum(p.stat().st_size for p in self.files[:first_file])
+            return Reader(_batched(rows, (first_file, 0), max_chars), self.total_bytes, "bytes", done)
+        ds = self._load_dataset()
+        if self.column not in ds.column_names:
+            raise _column_error(self.column, list(ds.column_names), self.description)
+        rows = ((0, text, 1) for text in _read_dataset(ds.select_columns([self.column]), self.column, first_row))
+        return Reader(_batched(rows, (0, first_row), max_chars), len(ds), "rows", first_row)
 
     def _load_dataset(self) -> Any:
         import datasets
@@ -153,8 +169,30 @@ class TextSource:
         except Exception as exc:  # network, missing dataset, offline without a cache
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ConfigError(self.field, f"could not load '{self.name}' from the Hugging Face hub "
-                              f"({type(exc).__name__}: {first}); check the name and network access (offline: "
-                              "HF_HUB_OFFLINE=1 with HF_HOME holding it), or give a local path") from None
+                              f"({type(exc).__name__}: {first}); check the name, and run `slipway prepare` "
+                              "where the hub can be reached (a login node; offline: HF_HUB_OFFLINE=1 with "
+                              "HF_HOME holding it), or give a local path") from None
+
+
+def _batched(rows: Iterator[tuple[int, str | None, int]], start: tuple[int, int],
+             max_chars: int) -> Iterator[Batch]:
+    """Rows (file, text or None, units) into batches, counting each file's rows for `Batch.position`."""
+    file, row = start
+    texts: list[str] = []
+    chars = units = 0
+    for i, text, unit in rows:
+        if i != file:
+            file, row = i, 0
+        row += 1
+        units += unit
+        if text and not text.isspace():
+            texts.append(text)
+            chars += len(text)
+        if chars >= max_chars:
+            yield Batch(texts, (file, row), units)
+            texts, chars, units = [], 0, 0
+    if texts or units:
+        yield Batch(texts, (file, row), units)
 
 
 def _column_error(column: str, columns: list[str], where: str) -> ConfigError:
@@ -185,17 +223,23 @@ class _TextFile:
         self.raw.close()
 
 
-def _read_text(path: Path, column: str) -> Iterator[tuple[str | None, int]]:
+# Each reader yields every row of its file as (text or None, progress units), in
+# order; the first `skip` rows (already tokenized by an interrupted run) come as
+# (None, units), unparsed where the format allows, so rows keep their numbers.
+
+
+def _read_text(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str | None, int]]:
     """Blank-line-separated paragraphs, each a document."""
     lines: list[str] = []
+    row = 0
     with _TextFile(path) as f:
         for line in f.text:
             if line.strip():
                 lines.append(line)
             elif lines:
-                yield "".join(lines).rstrip("\n"), f.advance()
-                lines = []
-        yield ("".join(lines).rstrip("\n") if lines else None), f.advance()
+                yield ("".join(lines).rstrip("\n") if row >= skip else None), f.advance()
+                lines, row = [], row + 1
+        yield ("".join(lines).rstrip("\n") if lines and row >= skip else None), f.advance()
 
 
 def _pick(record: Any, column: str, where: str) -> str | None:
@@ -209,50 +253,61 @@ def _pick(record: Any, column: str, where: str) -> str | None:
     return value
 
 
-def _read_json(path: Path, column: str) -> Iterator[tuple[str | None, int]]:
+def _read_json(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str | None, int]]:
     """JSON Lines, or one JSON array of objects."""
     with _TextFile(path) as f:
-        if f.text.read(4096).lstrip()[:1] == "[":
+        if f.text.read(4096).lstrip()[:1] == "[":  # parsed whole: JSON Lines for data larger than memory
             f.text.seek(0)
             records = json.loads(f.text.read())
             for i, record in enumerate(records):
-                yield _pick(record, column, f"{path} item {i}"), 0
+                yield (_pick(record, column, f"{path} item {i}") if i >= skip else None), 0
             yield None, path.stat().st_size
             return
     with _TextFile(path) as f:
+        row = 0
         for lineno, line in enumerate(f.text, 1):
             if not line.strip():
+                continue
+            if row < skip:  # parsed and checked by the run that wrote it
+                row += 1
+                yield None, f.advance()
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError("data.dataset", f"{path} line {lineno} is not JSON ({exc.msg})") from None
+            row += 1
             yield _pick(record, column, str(path) if lineno == 1 else f"{path} line {lineno}"), f.advance()
         yield None, f.advance()
 
 
-def _read_parquet(path: Path, column: str) -> Iterator[tuple[str | None, int]]:
+def _read_parquet(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str | None, int]]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(path)
     names = pf.schema_arrow.names
     if column not in names:
         raise _column_error(column, names, str(path))
-    per_row = path.stat().st_size / max(pf.metadata.num_rows, 1)
-    for batch in pf.iter_batches(columns=[column], batch_size=4096):
+    size, n_rows = path.stat().st_size, pf.metadata.num_rows
+    row = first = 0
+    while first < pf.num_row_groups and row + pf.metadata.row_group(first).num_rows <= skip:
+        for _ in range(pf.metadata.row_group(first).num_rows):  # row groups before `skip` are never read
+            row += 1
+            yield None, size * row // n_rows - size * (row - 1) // n_rows
+        first += 1
+    if first == pf.num_row_groups:
+        return
+    for batch in pf.iter_batches(columns=[column], batch_size=4096, row_groups=range(first, pf.num_row_groups)):
         values = batch.column(0).to_pylist()
         for v in values:
-            yield v, 0
-        yield None, int(per_row * len(values))
+            row += 1
+            yield (v if row > skip else None), size * row // n_rows - size * (row - 1) // n_rows
 
 
-def _read_dataset(ds: Any, column: str, description: str) -> Iterator[tuple[str | None, int]]:
-    if column not in ds.column_names:
-        raise _column_error(column, list(ds.column_names), description)
-    for start in range(0, len(ds), 4096):
-        values = ds[start:start + 4096][column]
-        for v in values:
-            yield v, 1
+def _read_dataset(ds: Any, column: str, start: int) -> Iterator[str | None]:
+    """The column of a datasets.Dataset from row `start` on (arrow slices: no skipping cost)."""
+    for first in range(start, len(ds), 4096):
+        yield from ds[first:first + 4096][column]
 
 
 def resolve_source(spec: str, config: str | None, split: str, column: str,
@@ -321,6 +376,29 @@ def _saved_source(path: Path, spec: str, split: str, column: str, field: str) ->
 def is_single_split(source: TextSource) -> bool:
     """Files and a lone saved Dataset have one split; a validation split must then be a path."""
     return source.kind == "files" or (source.kind == "saved" and not source.split)
+
+
+def run_sources(data: DataSection) -> dict[str, TextSource]:
+    """What a run reads: its "train" split, and its "validation" split when
+    `data.validation_split` names one (a fraction is cut from train when read)."""
+    train = resolve_source(data.dataset, data.dataset_config, data.split, data.text_column)
+    if data.dataset_config and train.kind != "hub":
+        raise ConfigError("data.dataset_config", f"'{data.dataset_config}' names a configuration of a hub dataset, "
+                          f"but data.dataset '{data.dataset}' is local ({train.description}): remove "
+                          "data.dataset_config, or give a hub dataset name")
+    if not data.validation_split:
+        return {"train": train}
+    split = data.validation_split
+    if is_single_split(train):
+        if not looks_local(split):
+            raise ConfigError("data.validation_split",
+                              f"'{split}' is a split name, but data.dataset '{data.dataset}' has a single split; "
+                              "give a path to validation files, or use data.validation_fraction")
+        val = resolve_source(split, None, "train", data.text_column, field="data.validation_split")
+    else:
+        val = resolve_source(data.dataset, data.dataset_config, split, data.text_column,
+                             field="data.validation_split")
+    return {"train": train, "validation": val}
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,154 @@
+"""Data prepared before the allocation: what `slipway prepare` and `submit` call.
+
+    status = cache_status(cfg.data, cache_dir)       # cheap: no download, no lock
+    if not status.prepared and not status.tokenize_in_job: refuse, print status.describe()
+    result = prepare(cfg.data, cache_dir, num_proc=16, progress=console)
+
+`prepare` downloads (where the machine reaches the hub) and tokenizes every
+split the run reads into the token cache the trainer maps, so the job only
+opens it; entries already there are left alone, and an interrupted prepare
+continues where it stopped. Bad input raises `ConfigError(field, message)`,
+one line naming the field and the fix; a damaged cache raises
+`DataCacheError`. No torch here: the login node's venv has none.
+
+`cache_dir` is `resolve_cache_dir(cfg.data, project_dir=...)` on the host
+(`data.cache_dir`, else `<project>/.cache/tokens`), the same place the
+trainer finds from its run directory, `runs/RUN/../../.cache/tokens`.
+
+In the image, for a preparation job: `python -m trainer.prepare --config runs/RUN/config.yaml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.config import ConfigError, DataSection, load_trainer_config
+from trainer.data_cache import CacheEntry, DataCacheError, ensure_tokens, entry_status, resolve_cache_dir
+from trainer.data_sources import BUILTIN, resolve_tokenizer, run_sources
+from trainer.data_tokenize import Progress, ProgressSink
+
+__all__ = ["CacheEntry", "CacheStatus", "ConfigError", "DataCacheError", "Prepared", "PrepareResult", "Progress",
+           "cache_status", "prepare", "resolve_cache_dir"]
+
+
+@dataclass(frozen=True)
+class CacheStatus:
+    """Whether the token cache holds everything a run reads."""
+
+    cache_dir: Path
+    entries: tuple[CacheEntry, ...]  # "train", then "validation" when data.validation_split names one
+    tokenize_in_job: bool  # the job may tokenize what is missing itself (data.tokenize_in_job, or builtin data)
+
+    @property
+    def prepared(self) -> bool:
+        return all(e.prepared for e in self.entries)
+
+    @property
+    def missing(self) -> tuple[CacheEntry, ...]:
+        return tuple(e for e in self.entries if not e.prepared)
+
+    def describe(self) -> str:
+        """One line per entry."""
+        return "\n".join(e.describe() for e in self.entries)
+
+
+def cache_status(data: DataSection, cache_dir: Path | str) -> CacheStatus:
+    """Where each split of `data` stands in `cache_dir`. Reads no data and
+    takes no lock; a bad local path or split raises ConfigError."""
+    cache_dir = Path(cache_dir)
+    tokenizer = resolve_tokenizer(data.tokenizer)
+    entries = tuple(entry_status(role, source, tokenizer, cache_dir) for role, source in run_sources(data).items())
+    builtin = data.dataset == BUILTIN and len(entries) == 1
+    return CacheStatus(cache_dir, entries, data.tokenize_in_job or builtin)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One split after `prepare`."""
+
+    role: str
+    source: str  # its description
+    path: Path  # the .bin
+    n_tokens: int
+    n_documents: int
+    tokenized: bool  # False: it was already prepared, nothing was done
+    seconds: float  # tokenizing time (this run's, when tokenized)
+    resumed_from_tokens: int  # > 0: an interrupted preparation was continued
+    prepared_by: str
+
+    def describe(self) -> str:
+        if not self.tokenized:
+            return f"{self.role} {self.source}: already prepared, {self.n_tokens:,} tokens in {self.path}"
+        resumed = f", continued at {self.resumed_from_tokens:,}" if self.resumed_from_tokens else ""
+        rate = (self.n_tokens - self.resumed_from_tokens) / max(self.seconds, 1e-9)
+        return (f"{self.role} {self.source}: {self.n_documents:,} documents, {self.n_tokens:,} tokens in "
+                f"{self.seconds:.1f}s ({rate / 1e6:.2f} M tokens/s{resumed}) -> {self.path}")
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    cache_dir: Path
+    entries: tuple[Prepared, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(e.n_tokens for e in self.entries)
+
+    def describe(self) -> str:
+        return "\n".join(e.describe() for e in self.entries)
+
+
+def prepare(data: DataSection, cache_dir: Path | str, *, num_proc: int = 0,
+            progress: ProgressSink = None) -> PrepareResult:
+    """Tokenize every split of `data` that `cache_dir` lacks, on `num_proc`
+    threads (0: every core this process may use). `progress`: a rich Console
+    to draw a bar on (documents, tokens, tokens/s, ETA), a callback taking
+    `Progress`, or None (a bar on a terminal, else a log line every 30 s)."""
+    if num_proc < 0:
+        raise ConfigError("data.num_proc", f"must be >= 0 (0 = every core), got {num_proc}")
+    cache_dir = Path(cache_dir)
+    status = cache_status(data, cache_dir)
+    done = []
+    for entry in status.entries:
+        found = ensure_tokens(entry.source, entry.tokenizer, cache_dir, rank=0, num_proc=num_proc,
+                              progress=progress, role="slipway prepare")
+        index = found.index
+        done.append(Prepared(entry.role, entry.source.description, found.path, int(index["n_tokens"]),
+                             int(index["n_documents"]), tokenized=found.written,
+                             seconds=float(index.get("seconds", 0.0)),
+                             resumed_from_tokens=int(index.get("resumed_from_tokens", 0)),
+                             prepared_by=str(index.get("prepared_by", ""))))
+    return PrepareResult(cache_dir, tuple(done))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.prepare",
+                                     description="Tokenize a run's data into its token cache (no GPU, no torch).")
+    parser.add_argument("--config", required=True, type=Path, help="runs/RUN/config.yaml (its folder is the run)")
+    parser.add_argument("--cpus", type=int, default=None, help="tokenizer threads (default: data.num_proc, "
+                        "0 = every core this process may use)")
+    parser.add_argument("--check", action="store_true", help="only say whether the cache is prepared (exit 0 if so)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_trainer_config(args.config)
+        cache_dir = resolve_cache_dir(cfg.data, args.config.resolve().parent)
+        if args.check:
+            status = cache_status(cfg.data, cache_dir)
+            print(status.describe())
+            return 0 if status.prepared else 1
+        result = prepare(cfg.data, cache_dir, num_proc=cfg.data.num_proc if args.cpus is None else args.cpus)
+    except (ConfigError, DataCacheError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to continue where it stopped", file=sys.stderr)
+        return 130
+    print(result.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
