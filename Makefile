@@ -11,13 +11,14 @@ STAMP  := $(VENV)/.installed
 # Which torch `make setup` installs first (CI pins the CPU build it carries).
 TORCH_SPEC ?= torch
 
-.PHONY: help setup local test test-fast submit dry-run shell image image-prune status doctor edf \
+.PHONY: help setup setup-oldest prepare local test test-oldest test-gpu test-fast submit dry-run shell image image-prune status doctor edf \
         cluster-up cluster-down bench clean
 
 help:
 	@echo "make local [CONFIG=tiny_cpu]         train on this machine (no Slurm, no container)"
 	@echo "make test                            the whole test suite (starts its own Slurm)"
 	@echo "make image [CONFIG=...] [BASE_IMAGE=...]  podman build + enroot import -> images/*.sqsh"
+	@echo "make prepare CONFIG=tiny_wikitext [ARGS=--as-job]  tokenise the dataset before the allocation"
 	@echo "make submit CONFIG=tiny_wikitext [ARGS='--nodes 2 train.steps=100']"
 	@echo "make shell CONFIG=...                interactive srun --pty bash in the image"
 	@echo "make status | doctor CONFIG=... | edf CONFIG=... | cluster-up | cluster-down | bench"
@@ -36,12 +37,43 @@ local: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+	$(MAKE) test-oldest ARGS=
+
+# The oldest torch the trainer supports (the NGC 25.12 image's 2.10), in a venv of its own:
+# the trainer's layout, checkpoint and resume tests run there too, so both ends of the
+# supported range are tested. PyPI's 2.10 wheel carries the CUDA runtime (~3 GB, once).
+OLDEST_VENV  := .venv-oldest
+OLDEST_PY    := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
+OLDEST_TORCH ?= torch==2.10.0
+OLDEST_TESTS := tests/test_trainer_model.py tests/test_trainer_parallel.py tests/test_trainer_checkpoint.py \
+                tests/test_trainer_nonfinite.py tests/test_trainer_flagship.py
+
+$(OLDEST_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install --quiet --upgrade pip
+	$(OLDEST_PY) -m pip install --quiet '$(OLDEST_TORCH)'
+	$(OLDEST_PY) -m pip install --quiet -e '.[trainer,test]' '$(OLDEST_TORCH)'
+	touch $(OLDEST_STAMP)
+
+setup-oldest: $(OLDEST_STAMP)
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_PY) -c 'import torch; print("torch", torch.__version__)'
+	$(OLDEST_PY) -m pytest -q -m "not slurm and not podman" $(OLDEST_TESTS) $(ARGS)
+
+# One GPU (CUDA): bf16 against the fp32 CPU reference, flash-attn, NCCL; skips without CUDA.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests/test_gpu.py $(ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slurm and not podman and not multiproc" $(ARGS)
 
 submit: $(STAMP)
 	$(PY) -m jobs submit $(CONFIG) $(ARGS)
+
+prepare: $(STAMP)
+	$(PY) -m jobs prepare $(CONFIG) $(ARGS)
 
 dry-run: $(STAMP)
 	$(PY) -m jobs submit $(CONFIG) --dry-run $(ARGS)

@@ -117,6 +117,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
         try:
             runs.check_submittable(sealed.cfg)
+            why = runs.unprepared_data(sealed, cfg.config_name)
+            if why and not args.prepare:
+                sealed.notes.insert(0, f"a real submission would be refused: data: {why}")
+            elif why:
+                sealed.notes.insert(0, "the token cache is not prepared: a CPU job would prepare it first, and the "
+                                       "training job wait for it (--prepare)")
         except ConfigError as exc:
             sealed.notes.insert(0, f"a real submission would fail: {exc}")
         _notes(console, sealed.notes)
@@ -125,9 +131,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
                       f"runtime {cfg.container.runtime}, launcher {cfg.launch.launcher}"
                       f"{', image ' + sealed.pin.image if sealed.pin.image else ''})", soft_wrap=True)
         return 0
-    run, job_id, sealed = runs.submit(cfg, project_dir(), force=args.force)
+    run, job_id, sealed, prep_id = runs.submit(cfg, project_dir(), force=args.force, prepare=args.prepare)
     _notes(console, sealed.notes)
-    resumed = len(run.job_ids()) > 1
+    if prep_id:
+        console.print(f"data preparation job [bold]{prep_id}[/] (log {run.log_path(prep_id)}); the training job "
+                      "starts once it has completed", soft_wrap=True)
+    resumed = sum(1 for s in run.manifest().get("submissions", []) if s.get("kind", "train") == "train") > 1
     console.print(f"{'resubmitted' if resumed else 'submitted'} [bold]{cfg.run.name}[/] as job [bold]{job_id}[/]"
                   f"{' (resumes from its latest checkpoint)' if resumed else ''}  run dir: {run.dir}",
                   soft_wrap=True)
@@ -148,6 +157,44 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def _notes(console, notes: list[str]) -> None:
     for note in notes:
         console.print(f"[yellow]note:[/] {note}", soft_wrap=True, markup=True, highlight=False)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from jobs import runs
+
+    cfg = load(args)
+    console = _console()
+    if args.as_job:
+        run, job_id, sealed = runs.submit_prepare(cfg, project_dir(), force=args.force)
+        _notes(console, sealed.notes)
+        console.print(f"submitted the data preparation of [bold]{cfg.run.name}[/] as job [bold]{job_id}[/] "
+                      f"(log {run.log_path(job_id)}); `slipway submit {cfg.config_name}` once it has completed, "
+                      "or now with --prepare to queue it behind", soft_wrap=True)
+        print(job_id)
+        if args.show_logs:
+            return runs.follow(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
+        return 0
+    sealed = runs.seal(cfg, project_dir(), dry_run=True)
+    data = sealed.cfg.data
+    # Hub downloads land where the job's own HF_HOME is (set before the hub libraries load).
+    if cfg.launch.hf_home:
+        from edf import expand_host
+
+        os.environ["HF_HOME"] = expand_host(cfg.launch.hf_home, "launch.hf_home")
+    else:
+        os.environ.setdefault("HF_HOME", str(sealed.paths.project_dir / ".cache" / "huggingface"))
+    from trainer.prepare import DataCacheError, prepare
+
+    console.print(f"preparing {data.dataset} with tokenizer {data.tokenizer} into {data.cache_dir}", soft_wrap=True)
+    try:
+        result = prepare(data, data.cache_dir, num_proc=data.num_proc if args.cpus is None else args.cpus,
+                         progress=console)
+    except DataCacheError as exc:
+        raise ConfigError("data.cache_dir", str(exc)) from None
+    for entry in result.entries:
+        console.print(entry.describe(), soft_wrap=True, highlight=False)
+    console.print(f"[green]prepared[/]: `slipway submit {cfg.config_name}` will only open this cache", soft_wrap=True)
+    return 0
 
 
 def cmd_local(args: argparse.Namespace) -> int:
@@ -259,7 +306,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the script and EDF; write and submit nothing")
     p.add_argument("--show-logs", action="store_true", help="follow the job's output; exit with its exit code")
     p.add_argument("--force", action="store_true", help="replace an existing run's different config")
+    p.add_argument("--prepare", action="store_true", help="if the token cache is not prepared, queue a CPU job that "
+                                                         "prepares it and make the training job wait for it")
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("prepare", help="download and tokenise the config's dataset into the token cache, here or "
+                                       "as a CPU job (--as-job), so no GPU allocation waits for it")
+    _config_args(p)
+    p.add_argument("--as-job", action="store_true", help="run it as a one-task CPU Slurm job (slurm.prepare_* "
+                                                        "settings), in the run's container; log in runs/RUN/logs/")
+    p.add_argument("--cpus", type=int, help="tokenizer threads here (default data.num_proc; 0: every core)")
+    p.add_argument("--show-logs", action="store_true", help="with --as-job: follow its log until it ends")
+    p.add_argument("--force", action="store_true", help="with --as-job: replace an existing run's different config")
+    p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("local", help="run the same launch on this machine (torchrun --standalone), no Slurm")
     _config_args(p)

@@ -81,6 +81,11 @@ class SlurmSection:
     # Time-limit requeues of one job before it stops requeueing (recorded in events.log).
     max_requeues: int = 20
     extra: list[str] = field(default_factory=list)
+    # The data preparation job (`slipway prepare --as-job`, `submit --prepare`): one CPU task,
+    # no GPU. Defaults: the training job's partition and cpus_per_task.
+    prepare_partition: Optional[str] = None
+    prepare_cpus: Optional[int] = None
+    prepare_time: str = "02:00:00"
 
     def check(self, where: str) -> None:
         _require(self.nodes > 0, f"{where}.nodes", f"must be > 0, got {self.nodes}")
@@ -99,6 +104,13 @@ class SlurmSection:
                      f"({self.time} = {limit} s) for training, or every requeued job would save and stop at once: "
                      f"lower signal_seconds to {limit // 10 if limit else 0} or raise slurm.time")
         _require(self.max_requeues >= 0, f"{where}.max_requeues", f"must be >= 0, got {self.max_requeues}")
+        _require(self.prepare_cpus is None or self.prepare_cpus > 0, f"{where}.prepare_cpus",
+                 f"must be > 0, got {self.prepare_cpus}")
+        try:
+            time_limit_seconds(self.prepare_time)
+        except ValueError:
+            raise ConfigError(f"{where}.prepare_time", f"{self.prepare_time!r} is not a Slurm time limit: "
+                                                       f"{TIME_RULE}") from None
         for name in ("output", "error"):
             value = getattr(self, name)
             _require(bool(value) and "\n" not in value and not value.startswith("/")
@@ -107,7 +119,7 @@ class SlurmSection:
         for i, opt in enumerate(self.extra):
             _require(opt.startswith("--") and "\n" not in opt, f"{where}.extra[{i}]",
                      f"must be one long sbatch option such as --exclusive or --mem=0, got {opt!r}")
-        for name in ("account", "partition", "qos", "email", "mem"):
+        for name in ("account", "partition", "qos", "email", "mem", "prepare_partition"):
             value = getattr(self, name)
             _require(value is None or (bool(value) and "\n" not in value and (name == "partition" or "," not in value)),
                      f"{where}.{name}", f"must be a single line without commas, got {value!r}")

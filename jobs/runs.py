@@ -17,10 +17,10 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable, Optional, TextIO
 
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
@@ -30,7 +30,7 @@ from jobs import slurm
 from jobs.config import Config, dump_config, load_config
 from jobs.container import (ImagePin, create_needed_dirs, pin_image, remove_created_dirs, resolve_paths,
                             run_environment, stale_build_note)
-from jobs.sbatch import RunPaths, render_sbatch
+from jobs.sbatch import PREPARE_SCRIPT, RunPaths, render_prepare_sbatch, render_sbatch
 from trainer.config import ConfigError
 from trainer.fs import write_atomic
 
@@ -82,6 +82,8 @@ class Run:
 
     def log_path(self, job_id: str, stream: str = "output") -> Path:
         """Where Slurm writes job `job_id`'s log: fixed by the config before submission."""
+        if any(s.get("job_id") == job_id and s.get("kind") == "prepare" for s in self.manifest().get("submissions", [])):
+            return self.dir / "logs" / f"prepare-{job_id}.out"  # one file for both streams
         cfg = self.config()
         pattern = cfg.slurm.output if stream == "output" else cfg.slurm.error
         expanded = pattern.replace("%%", "\0").replace("%j", job_id).replace("%x", cfg.run.name).replace("\0", "%")
@@ -142,6 +144,18 @@ class Sealed:
     env: Environment
     files: dict[str, str]
     notes: list[str]  # what the user should know before the job runs (said at submit and dry run)
+
+    def data_status(self):
+        """Where the run's data stands in its token cache (trainer.prepare.CacheStatus)."""
+        from trainer.prepare import cache_status
+
+        return cache_status(self.cfg.data, self.cfg.data.cache_dir)
+
+    def with_prepare_script(self) -> "Sealed":
+        """The run's files plus the data preparation job's batch script."""
+        files = {**self.files, PREPARE_SCRIPT: render_prepare_sbatch(self.cfg, self.paths, self.env)}
+        _check_script_syntax(self.cfg, files[PREPARE_SCRIPT])
+        return replace(self, files=files)
 
 
 def check_submittable(cfg: Config) -> None:
@@ -277,37 +291,76 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     return run, True
 
 
-def record_submission(run: Run, job_id: str, sealed: Sealed) -> None:
+def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", **extra) -> None:
     manifest = run.manifest()
     manifest["image"] = sealed.pin.record()  # what the latest job runs
+    script = run.dir / (PREPARE_SCRIPT if kind == "prepare" else "job.sbatch")
     manifest.setdefault("submissions", []).append({
-        "job_id": job_id, "submitted": now(), "git": git_state(run.paths.project_dir),
-        "image": sealed.pin.record(),
-        "script_sha256": hashlib.sha256(run.paths.script.read_bytes()).hexdigest(),
+        "job_id": job_id, "kind": kind, "submitted": now(), "git": git_state(run.paths.project_dir),
+        "image": sealed.pin.record(), "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest(), **extra,
     })
     write_atomic(run.dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
-def submit(cfg: Config, project_dir: Path, *, force: bool = False) -> tuple[Run, str, Sealed]:
-    """Seal the submission, write the run directory and `sbatch` it; returns (run, job id, sealed)."""
+def unprepared_data(sealed: Sealed, config_name: str) -> Optional[str]:
+    """Why the run cannot start on its token cache as it is (None: it can)."""
+    status = sealed.data_status()
+    if status.prepared or status.tokenize_in_job:
+        return None
+    missing = "; ".join(e.describe() for e in status.missing)
+    return (f"the token cache is not prepared ({missing}): run `slipway prepare {config_name}` first (here, or "
+            "--as-job on a CPU node), or submit with --prepare to queue the preparation before the training job; "
+            "data.tokenize_in_job: true lets rank 0 tokenize in the job while every GPU waits")
+
+
+def submit(cfg: Config, project_dir: Path, *, force: bool = False,
+           prepare: bool = False) -> tuple[Run, str, Sealed, Optional[str]]:
+    """Seal the submission, write the run directory and `sbatch` it; returns (run, job id,
+    sealed, the id of the data preparation job it waits for or None).
+
+    A run whose token cache is not prepared is refused, unless `prepare`: then a CPU job
+    prepares it and the training job starts after that one completed."""
     check_submittable(cfg)
     sealed = seal(cfg, project_dir)
+    why = unprepared_data(sealed, cfg.config_name)
+    if why and not prepare:
+        raise ConfigError("data", why)
+    if why:
+        sealed = sealed.with_prepare_script()
     made = create_needed_dirs(sealed.cfg, sealed.paths)
     try:
         run, created = prepare_run(sealed, force=force)
     except BaseException:
         remove_created_dirs(made)
         raise
+    prep_id = None
     try:
-        job_id = slurm.sbatch(run.paths.script, cwd=run.paths.project_dir)
+        if why:
+            prep_id = slurm.sbatch(run.dir / PREPARE_SCRIPT, cwd=run.paths.project_dir)
+            record_submission(run, prep_id, sealed, kind="prepare")
+        job_id = slurm.sbatch(run.paths.script, cwd=run.paths.project_dir, after=prep_id)
     except slurm.SlurmError:
+        if prep_id:  # the training job was refused: the preparation alone is no use to anyone
+            with contextlib.suppress(slurm.SlurmError):
+                slurm.scancel([prep_id])
         remove_created_dirs(made)
-        if created:  # nothing ran: leave no trace of a run that never was
+        if created and not prep_id:  # nothing ran: leave no trace of a run that never was
             shutil.rmtree(run.dir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 run.dir.parent.rmdir()  # only if that left it empty
         raise
-    record_submission(run, job_id, sealed)
+    record_submission(run, job_id, sealed, **({"after": prep_id} if prep_id else {}))
+    return run, job_id, sealed, prep_id
+
+
+def submit_prepare(cfg: Config, project_dir: Path, *, force: bool = False) -> tuple[Run, str, Sealed]:
+    """`slipway prepare --as-job`: the run's data preparation as a CPU job of its own."""
+    check_submittable(cfg)
+    sealed = seal(cfg, project_dir).with_prepare_script()
+    create_needed_dirs(sealed.cfg, sealed.paths)
+    run, _ = prepare_run(sealed, force=force)
+    job_id = slurm.sbatch(run.dir / PREPARE_SCRIPT, cwd=run.paths.project_dir)
+    record_submission(run, job_id, sealed, kind="prepare")
     return run, job_id, sealed
 
 

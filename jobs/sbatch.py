@@ -107,6 +107,18 @@ def _omp_threads(cfg: Config) -> int:
     return max(1, cfg.slurm.cpus_per_task // per_task)
 
 
+def _allocation(cfg: Config, *, partition: str | None) -> list[str]:
+    """The #SBATCH options every job of a run shares: account, partition, QOS, memory, mail."""
+    s = cfg.slurm
+    opts = []
+    for name, value in (("account", s.account), ("partition", partition), ("qos", s.qos), ("mem", s.mem)):
+        if value:
+            opts.append(f"--{name}={sbatch_quote(value)}")
+    if s.email:
+        opts += [f"--mail-user={sbatch_quote(s.email)}", "--mail-type=END,FAIL"]
+    return opts
+
+
 def _header(cfg: Config, paths: RunPaths) -> list[str]:
     s = cfg.slurm
     tasks = 1 if cfg.launch.launcher == "torchrun" else cfg.launch.procs_per_node
@@ -115,11 +127,7 @@ def _header(cfg: Config, paths: RunPaths) -> list[str]:
     if s.gpus_per_node:
         opts.append(f"--gpus-per-node={s.gpus_per_node}")
     opts.append(f"--time={s.time}")
-    for name in ("account", "partition", "qos", "mem"):
-        if getattr(s, name):
-            opts.append(f"--{name}={sbatch_quote(getattr(s, name))}")
-    if s.email:
-        opts += [f"--mail-user={sbatch_quote(s.email)}", "--mail-type=END,FAIL"]
+    opts += _allocation(cfg, partition=s.partition)
     opts += [f"--output={sbatch_quote(str(paths.run_dir / s.output))}",
              f"--error={sbatch_quote(str(paths.run_dir / s.error))}",
              "--open-mode=append"]
@@ -132,11 +140,20 @@ def _header(cfg: Config, paths: RunPaths) -> list[str]:
         [f"#SBATCH {o}" for o in opts]
 
 
+def _hf_home(cfg: Config, paths: RunPaths) -> str:
+    """The user's HF_HOME wins over the project's cache; a config value wins over both."""
+    if cfg.launch.hf_home:
+        return f"export HF_HOME={shell_value(cfg.launch.hf_home)}"
+    return f'[ -n "${{HF_HOME:-}}" ] || export HF_HOME={shlex.quote(str(paths.project_dir / ".cache" / "huggingface"))}'
+
+
+_EVENT = ('event() { printf \'%s job %s %s\\n\' "$(date --iso-8601=seconds)" "$SLURM_JOB_ID" "$*" '
+          '>> "$RUN_DIR/events.log"; }')
+
+
 def _environment(cfg: Config, paths: RunPaths) -> list[str]:
     debug = cfg.launch.debug
-    # The user's HF_HOME wins over the project's cache; a config value wins over both.
-    hf_home = f"export HF_HOME={shell_value(cfg.launch.hf_home)}" if cfg.launch.hf_home else \
-        f'[ -n "${{HF_HOME:-}}" ] || export HF_HOME={shlex.quote(str(paths.project_dir / ".cache" / "huggingface"))}'
+    hf_home = _hf_home(cfg, paths)
     lines = [
         "# Rendezvous: the first host of the allocation, never `hostname --ip-address`. sed reads",
         "# the whole list: `head` would close the pipe early, and pipefail would kill the script",
@@ -232,7 +249,7 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
         f"cd {q(str(paths.project_dir))}",
         'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/gutil"',
         'rm -f "$RUN_DIR/' + STOP_FILE + '"',
-        'event() { printf \'%s job %s %s\\n\' "$(date --iso-8601=seconds)" "$SLURM_JOB_ID" "$*" >> "$RUN_DIR/events.log"; }',
+        _EVENT,
         'event "start on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0})"',
         "",
         *_environment(cfg, paths),
@@ -301,4 +318,40 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
     else:
         lines += ['  event "saved after stop request (step exit $rc); slurm.requeue is off"', f"  exit {REQUEUE_EXIT}"]
     lines += ["fi", 'exit "$rc"', ""]
+    return "\n".join(lines)
+
+
+PREPARE_SCRIPT = "prepare.sbatch"
+
+
+def render_prepare_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
+    """The data preparation job of a run: one task on one node, no GPU, tokenizing the
+    run's data into its token cache with `python -m trainer.prepare`, in the run's
+    container (the same srun flags as training). Its log goes to logs/prepare-JOB.out."""
+    s = cfg.slurm
+    cpus = s.prepare_cpus or s.cpus_per_task
+    opts = [f"--job-name={cfg.run.name}-prepare", "--nodes=1", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
+            f"--time={s.prepare_time}", *_allocation(cfg, partition=s.prepare_partition or s.partition),
+            f"--output={sbatch_quote(str(paths.run_dir / 'logs' / 'prepare-%j.out'))}", "--open-mode=append",
+            "--no-requeue"]
+    container, assigns = _container_args(env, paths)
+    prefix = "".join(f"{a} " for a in assigns)
+    srun = ["srun", "--nodes=1", "--ntasks=1", f"--cpus-per-task={cpus}", *container]
+    argv = [cfg.launch.python, "-m", "trainer.prepare", "--config", str(paths.config), "--cpus", str(cpus)]
+    lines = ["#!/bin/bash", f"# slipway data preparation for run {cfg.run.name}: generated, edit configs/ instead"]
+    lines += [f"#SBATCH {o}" for o in opts]
+    lines += [
+        "",
+        "set -euo pipefail",
+        f"RUN_DIR={shlex.quote(str(paths.run_dir))}",
+        f"cd {shlex.quote(str(paths.project_dir))}",
+        _EVENT,
+        'trap \'event "prepare end exit $?"\' EXIT',
+        'event "prepare start on $SLURM_JOB_NODELIST"',
+        _hf_home(cfg, paths),
+        "export PYTHONUNBUFFERED=1",
+        "",
+        f"{prefix}{_words(srun)} \\\n  {_words(argv)}",
+        "",
+    ]
     return "\n".join(lines)

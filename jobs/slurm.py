@@ -68,13 +68,15 @@ def _run(cmd, *args: str, cwd: Path | None = None, retcodes=(0,)) -> str:
         raise SlurmError(f"{cmd.executable.name} failed (exit {exc.retcode}): {msg}") from None
 
 
-def sbatch_argv(script: Path) -> list[str]:
-    return ["sbatch", "--parsable", str(script)]
+def sbatch_argv(script: Path, after: str | None = None) -> list[str]:
+    """`after`: a job id this job waits for; it starts only if that one completed (afterok)."""
+    return ["sbatch", "--parsable", *([f"--dependency=afterok:{after}", "--kill-on-invalid-dep=yes"] if after else []),
+            str(script)]
 
 
-def sbatch(script: Path, cwd: Path) -> str:
+def sbatch(script: Path, cwd: Path, after: str | None = None) -> str:
     """Submit `script`; return the job id (cluster suffix stripped)."""
-    out = _run(_tool("sbatch"), *sbatch_argv(script)[1:], cwd=cwd)
+    out = _run(_tool("sbatch"), *sbatch_argv(script, after)[1:], cwd=cwd)
     job_id = out.strip().split(";")[0]
     if not job_id.isdigit():
         raise SlurmError(f"sbatch printed {out.strip()!r} instead of a job id")

@@ -267,13 +267,11 @@ def test_twenty_submissions_at_once(project, slurm_env):
 def test_job_reaches_its_paths_from_any_working_directory(project, slurm_env):
     """The frozen config names every path absolutely, as a container that starts elsewhere sees
     it: relative dataset and token cache, and every rank starting in / instead of the project."""
-    corpus = project / "corpus"
-    corpus.mkdir()
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    (corpus / "docs.jsonl").write_text("".join(json.dumps({"text": text[i:i + 400]}) + "\n"
-                                               for i in range(0, len(text), 200)))
+    corpus = write_corpus(project)
     r = slipway("submit", "tiny_cpu", "--run-name", "elsewhere", "--nodes", "2", "--dp", "4", *TINY, "train.steps=3",
-                "data.dataset=./corpus", "data.cache_dir=tok cache", "launch.pre_launch=[cd /]", "--show-logs")
+                "data.dataset=./corpus", "data.cache_dir=tok cache", "data.validation_fraction=0",
+                "launch.pre_launch=[cd /]", "--prepare",
+                "--show-logs")
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     run_dir = project / "runs" / "elsewhere"
     from trainer.config import load_trainer_config
@@ -283,3 +281,54 @@ def test_job_reaches_its_paths_from_any_working_directory(project, slurm_env):
     assert any((project / "tok cache").iterdir())  # the cache the job wrote, by its absolute path
     assert sorted(losses(run_dir)) == [1, 2, 3]
     assert not (Path("/") / "tok cache").exists() and not (Path("/") / "runs").exists()
+
+
+# ------------------------------------------------------------------ 7. data prepared before the allocation
+
+
+def write_corpus(project: Path, column: str = "text") -> Path:
+    corpus = project / "corpus"
+    corpus.mkdir(exist_ok=True)
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (corpus / "docs.jsonl").write_text("".join(json.dumps({column: text[i:i + 400]}) + "\n"
+                                               for i in range(0, len(text), 150)))
+    return corpus
+
+
+@pytest.mark.slurm
+def test_prepared_data_is_only_opened_by_the_job(project, slurm_env):
+    write_corpus(project, "body")
+    data = ["--dataset", "./corpus", "--text-column", "body", "--tokenizer", "builtin"]
+    refused = slipway("submit", "tiny_cpu", "--run-name", "prep", *TINY, "train.steps=2", *data)
+    assert refused.returncode == 2 and "slipway prepare tiny_cpu" in refused.stderr, refused.stderr
+    assert not (project / "runs" / "prep").exists()
+    prep = slipway("prepare", "tiny_cpu", *data)
+    assert prep.returncode == 0 and "5," in prep.stdout or "tokens" in prep.stdout, (prep.stdout, prep.stderr)
+    r = slipway("submit", "tiny_cpu", "--run-name", "prep", *TINY, "train.steps=2", *data, "--show-logs")
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "opened the token cache" in r.stdout + r.stderr and "tokenizing" not in r.stdout + r.stderr
+    first = [json.loads(line) for line in (project / "runs" / "prep" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line).get("kind") == "train"][0]
+    assert first["data_time_s"] < 0.5, first
+
+
+@pytest.mark.slurm
+def test_submit_prepare_runs_the_preparation_first(project, slurm_env):
+    write_corpus(project)
+    r = slipway("submit", "tiny_cpu", "--run-name", "queued", *TINY, "train.steps=2", "data.dataset=./corpus",
+                "--prepare", "--show-logs")
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    run_dir = project / "runs" / "queued"
+    subs = json.loads((run_dir / "manifest.json").read_text())["submissions"]
+    assert [s["kind"] for s in subs] == ["prepare", "train"] and subs[1]["after"] == subs[0]["job_id"]
+    events = (run_dir / "events.log").read_text().splitlines()
+    prep_end = next(i for i, line in enumerate(events) if f"job {subs[0]['job_id']} prepare end exit 0" in line)
+    train_start = next(i for i, line in enumerate(events) if f"job {subs[1]['job_id']} start on" in line)
+    assert prep_end < train_start, events
+    assert "tokens" in (run_dir / "logs" / f"prepare-{subs[0]['job_id']}.out").read_text()
+    assert "opened the token cache" in r.stdout + r.stderr
+    assert sorted(losses(run_dir)) == [1, 2]
+    # A second run of the same data finds it prepared: no preparation job.
+    again = slipway("submit", "tiny_cpu", "--run-name", "again", *TINY, "train.steps=1", "data.dataset=./corpus",
+                    "--prepare")
+    assert again.returncode == 0 and "preparation job" not in again.stdout, again.stdout

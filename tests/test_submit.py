@@ -191,3 +191,58 @@ def test_plot(project):
 def test_image_subcommand_reaches_the_image_tool(project):
     r = slipway("image", "--help")
     assert r.returncode == 0 and "build" in r.stdout and "prune" in r.stdout
+
+
+# ------------------------------------------------------------------ data preparation (no Slurm)
+
+
+def test_prepare_with_the_seed_launchers_data_flags(project):
+    corpus = project / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"body": f"document {i} " * 40}) + "\n" for i in range(200)))
+    flags = ["--dataset", "./corpus", "--text-column", "body", "--tokenizer", "builtin"]
+    refused = slipway("submit", "tiny_cpu", "--dry-run", *flags)
+    assert "a real submission would be refused: data: the token cache is not prepared" in refused.stdout
+    r = slipway("prepare", "tiny_cpu", *flags, "--cpus", "2")
+    assert r.returncode == 0, r.stderr
+    assert "200 documents" in r.stdout and "prepared:" in r.stdout
+    bins = list((project / ".cache" / "tokens").glob("corpus-*.bin"))
+    assert len(bins) == 1 and bins[0].stat().st_size > 0
+    assert "refused" not in slipway("submit", "tiny_cpu", "--dry-run", *flags).stdout
+    again = slipway("prepare", "tiny_cpu", *flags)  # prepared once for every run
+    assert again.returncode == 0 and list((project / ".cache" / "tokens").glob("corpus-*.bin")) == bins
+
+
+def test_prepare_of_an_unreachable_dataset_is_one_line(project):
+    before = tree(project)
+    r = slipway("prepare", "tiny_cpu", "--dataset", "no-such-org/no-such-set", "--dataset-config", "x",
+                env={"HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("slipway: error:")]
+    assert len(errors) == 1 and errors[0].startswith("slipway: error: data.dataset:") and "Traceback" not in r.stderr
+    assert not list((project / "runs").glob("*")) if (project / "runs").exists() else True
+    assert [p for p in tree(project) if p.startswith("runs")] == [p for p in before if p.startswith("runs")]
+
+
+def test_prepare_job_script(project):
+    from jobs import runs
+    from jobs.config import load_config
+
+    img = project / "img.sqsh"
+    img.write_bytes(b"hsqs")
+    cfg = load_config("tiny_cpu", ["container.runtime=pyxis", f"container.image={img}", "slurm.prepare_cpus=16",
+                                   "slurm.prepare_partition=cpu", "slurm.account=a-01", "run.name=p1"])
+    sealed = runs.seal(cfg, project).with_prepare_script()
+    text = sealed.files["prepare.sbatch"]
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    header = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert header[:5] == ["#SBATCH --job-name=p1-prepare", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1",
+                          "#SBATCH --cpus-per-task=16", "#SBATCH --time=02:00:00"]
+    assert "#SBATCH --partition=cpu" in header and "#SBATCH --no-requeue" in header
+    assert not any("gpu" in line for line in header)
+    srun = shlex.split(text[text.index("\nsrun ") + 1:].replace("\\\n", " "))
+    train = shlex.split(sealed.files["job.sbatch"].split("srun --kill-on-bad-exit=1", 1)[1].split("\n")[0].rstrip("\\"))
+    # the same container flags as the training job's srun line
+    assert [a for a in srun if a.startswith("--container")] == [a for a in train if a.startswith("--container")]
+    assert srun[-7:] == ["python3", "-m", "trainer.prepare", "--config", str(project / "runs" / "p1" / "config.yaml"),
+                         "--cpus", "16"]
