@@ -432,6 +432,52 @@ def _fsdp_worker(root: Path) -> None:
     torch.save(snapshot(model, stage_opt), root / f"stage{rank}.pt")
 
 
+# --------------------------------------------------------------------------
+# Checkpoints written before a change of the trainer.
+# --------------------------------------------------------------------------
+
+
+class _OldTrainState:
+    """trainer.train.TrainState as it was before non-finite steps were counted."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = sd["step"]
+
+
+def test_a_state_gaining_a_counter_still_loads_older_checkpoints(tmp_path):
+    from trainer.train import TrainState
+
+    model, opt, sched = make()
+    Checkpointer(tmp_path, ckpt_cfg()).save(5, {**states_of(model, opt, sched), "train_state": _OldTrainState(5)})
+    state = TrainState()  # a fresh process resuming: the counters it lacks stay at their start values
+    model2, opt2, sched2 = make(seed=3)
+    assert Checkpointer(tmp_path, ckpt_cfg()).load_latest({**states_of(model2, opt2, sched2),
+                                                           "train_state": state}) == 5
+    assert (state.step, state.skipped_steps, state.nonfinite_streak) == (5, 0, 0)
+    assert_same(snapshot(model2, opt2), snapshot(model, opt))  # tensors: as strict as ever
+
+
+def test_a_checkpoint_of_other_dimensions_is_a_config_error(tmp_path):
+    """A checkpoint saved before vocabulary padding (or of another model) says what to do."""
+    from trainer.config import ConfigError, ModelSection
+    from trainer.model import Transformer
+
+    dims = dict(size="custom", hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,
+                vocab_size=40, max_position_embeddings=8)
+    Checkpointer(tmp_path, ckpt_cfg()).save(1, {"model": ModelState([Transformer(ModelSection(**dims,
+                                                                                            pad_vocab_multiple=1))])})
+    padded = Transformer(ModelSection(**dims))  # 40 -> 64 rows
+    with pytest.raises(ConfigError, match=r"^checkpoint: .*step-000001 holds model\.tok_embeddings\.weight of shape "
+                                          r"\[40, 16\], this model has \[64, 16\]: .*model\.pad_vocab_multiple: 1"):
+        Checkpointer(tmp_path, ckpt_cfg()).load_latest({"model": ModelState([padded])})
+
+
 if __name__ == "__main__":
     mode, where = sys.argv[1], Path(sys.argv[2])
     if mode == "slow-save":

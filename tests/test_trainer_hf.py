@@ -23,11 +23,12 @@ DIMS = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_atten
             max_position_embeddings=32, rope_theta=1234.0, rms_norm_eps=1e-6)
 
 
-def make_hf(path: Path, tie: bool, kv_heads: int = 2, **save_kw) -> "transformers.LlamaForCausalLM":
+def make_hf(path: Path, tie: bool, kv_heads: int = 2, vocab_size: int = DIMS["vocab_size"],
+            **save_kw) -> "transformers.LlamaForCausalLM":
     """A tiny random Llama saved with save_pretrained; every weight (norms too) randomised,
     so a swapped or mis-permuted tensor shows in the logits."""
-    config = transformers.LlamaConfig(**DIMS, num_key_value_heads=kv_heads, tie_word_embeddings=tie,
-                                      attn_implementation="eager")
+    config = transformers.LlamaConfig(**{**DIMS, "vocab_size": vocab_size}, num_key_value_heads=kv_heads,
+                                      tie_word_embeddings=tie, attn_implementation="eager")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -41,18 +42,18 @@ def section(path: Path) -> ModelSection:
     return from_dict(ModelSection, model_section_from_hf(path), "model")
 
 
-def tokens() -> torch.Tensor:
-    return torch.randint(0, DIMS["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(1))
+def tokens(vocab_size: int = DIMS["vocab_size"]) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
 
 
 def hf_logits(model) -> torch.Tensor:
     with torch.no_grad():
-        return model(tokens()).logits
+        return model(tokens(model.config.vocab_size)).logits
 
 
 def our_logits(model: Transformer) -> torch.Tensor:
     with torch.no_grad():
-        return model.eval()(tokens())
+        return model.eval()(tokens(model.cfg.vocab_size))
 
 
 def load_ours(path: Path) -> Transformer:
@@ -77,6 +78,28 @@ def test_load_and_export_give_transformers_logits(tmp_path, tie, kv_heads):
     torch.testing.assert_close(hf_logits(back), expected, atol=1e-5, rtol=1e-5)
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["architectures"] == ["LlamaForCausalLM"] and saved["rope_theta"] == 1234.0
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_padded_vocabulary_round_trips_exactly(tmp_path, tie):
+    """vocab 61 -> 64 rows here (model.pad_vocab_multiple 64): the import fills the padded rows,
+    the logits are the 61 real ones, and the export writes 61 rows, bit for bit."""
+    from safetensors.torch import load_file
+
+    hf = make_hf(tmp_path / "hf", tie, vocab_size=61)
+    ours = load_ours(tmp_path / "hf")
+    assert ours.tok_embeddings.weight.shape[0] == ours.cfg.padded_vocab_size == 64
+    assert (ours.tok_embeddings.weight[61:] == 0).all()
+    torch.testing.assert_close(our_logits(ours), hf_logits(hf), atol=1e-5, rtol=1e-5)
+
+    export_hf(ours, tmp_path / "out", ours.cfg)
+    saved, original = load_file(tmp_path / "out" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 61
+    for name in ("model.embed_tokens.weight",) + (() if tie else ("lm_head.weight",)):
+        assert saved[name].shape == (61, DIMS["hidden_size"])
+        assert torch.equal(saved[name], original[name]), name
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    torch.testing.assert_close(hf_logits(back), hf_logits(hf), atol=0, rtol=0)
 
 
 def test_sharded_checkpoints_both_ways(tmp_path):

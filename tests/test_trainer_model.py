@@ -4,6 +4,7 @@ optimizer pieces, the mesh arithmetic and the image smoke test."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -255,3 +256,131 @@ def test_srun_environment_is_mapped(monkeypatch):
     monkeypatch.setattr(os, "environ", {**clean, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2"})
     with pytest.raises(ConfigError, match="MASTER_ADDR and MASTER_PORT are not set"):
         init_distributed()
+
+
+# ---- vocabulary padding --------------------------------------------------------
+
+
+def test_vocab_is_padded_to_the_multiple_and_logits_are_the_real_vocab():
+    tiny = ModelSection(size="tiny")
+    assert (tiny.vocab_size, tiny.padded_vocab_size) == (50257, 50304)  # nanoGPT's padding of gpt2
+    assert ModelSection(size="tiny", pad_vocab_multiple=1).padded_vocab_size == 50257
+    for tied in (False, True):
+        cfg = model_cfg(vocab_size=250, tie_embeddings=tied)
+        m = Transformer(cfg)
+        assert m.tok_embeddings.weight.shape == m.output.weight.shape == (256, 64)
+        assert sum(p.numel() for p in m.parameters()) == cfg.num_params()  # counts what is allocated
+        assert m(torch.randint(0, 250, (2, 5))).shape == (2, 5, 250)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_padding_leaves_the_loss_and_gradients_exactly_as_unpadded(tied):
+    """Same real weights, padded rows filled with large values: a padded logit that took part
+    in the softmax would change the loss. It must not: loss and every real gradient are those
+    of the unpadded model, and the padded rows get no gradient at all."""
+    from trainer.parallel import cross_entropy
+
+    plain = Transformer(model_cfg(vocab_size=250, pad_vocab_multiple=1, tie_embeddings=tied))
+    padded = Transformer(model_cfg(vocab_size=250, pad_vocab_multiple=64, tie_embeddings=tied))
+    with torch.no_grad():
+        for (name, p), q in zip(padded.named_parameters(), plain.parameters()):
+            if p.shape[0] == 256:
+                p[:250] = q
+                p[250:] = 30.0  # a logit of ~30 * sum(h): would dominate any softmax it entered
+            else:
+                p.copy_(q)
+    tokens_BT = torch.randint(0, 250, (3, 17), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for m in (plain, padded):
+        loss = cross_entropy(m(tokens_BT[:, :-1]), tokens_BT[:, 1:])
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    for (name, p), q in zip(padded.named_parameters(), plain.parameters()):
+        rows = q.shape[0]
+        torch.testing.assert_close(p.grad[:rows], q.grad, rtol=1e-5, atol=1e-7, msg=name)
+        if p.shape[0] == 256:
+            assert p.grad[250:].abs().max() == 0, name
+
+
+def test_pad_vocab_multiple_is_checked():
+    from trainer.config import TrainerConfig, from_dict
+
+    with pytest.raises(ConfigError, match=r"model\.pad_vocab_multiple: must be >= 1"):
+        from_dict(ModelSection, {**TINY_MODEL, "pad_vocab_multiple": 0}, "model")
+    cfg = {"model": {**TINY_MODEL, "vocab_size": 250, "pad_vocab_multiple": 1, "num_heads": 4, "num_kv_heads": 4},
+           "parallel": {"tp": 4}, "data": {"seq_len": 32}}
+    with pytest.raises(ConfigError, match=r"^model\.pad_vocab_multiple: the vocabulary padded to a multiple of 1 "
+                                          r"\(250 rows\) must be divisible by parallel\.tp\(4\): set "
+                                          r"model\.pad_vocab_multiple to a multiple of 4, e\.g\. 4$"):
+        from_dict(TrainerConfig, cfg)
+    cfg["model"]["pad_vocab_multiple"] = 64
+    assert from_dict(TrainerConfig, cfg).model.padded_vocab_size == 256
+
+
+# ---- flash-attn: demanded means loud ---------------------------------------------
+
+
+@pytest.fixture
+def broken_flash_attn(tmp_path, monkeypatch):
+    """A flash_attn package whose import fails as a build against another torch does."""
+    pkg = tmp_path / "flash_attn"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "raise ImportError('/usr/lib/flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.delenv("SLIPWAY_FLASH_ATTN", raising=False)
+
+
+CUDA = torch.device("cuda", 0)  # select_attention only reads the device type: no GPU needed
+
+
+def test_flash_demanded_but_broken_is_an_error_naming_the_import_error(broken_flash_attn, monkeypatch):
+    with pytest.raises(ConfigError, match=r"^model\.attention: is flash but flash-attn does not import "
+                                          r"\(ImportError: .*undefined symbol: _ZN3c104cuda9SetDeviceEi\): "
+                                          r".*or set model\.attention: sdpa$"):
+        select_attention(model_cfg(attention="flash"), CUDA, torch.bfloat16)
+    # auto in an image built with flash-attn demands it too.
+    monkeypatch.setenv("SLIPWAY_FLASH_ATTN", "1")
+    with pytest.raises(ConfigError, match=r"is auto in an image built with flash-attn \(SLIPWAY_FLASH_ATTN=1\), but "
+                                          r"flash-attn does not import \(ImportError: .*undefined symbol.*rebuild "
+                                          r"the image, or set model\.attention: sdpa"):
+        select_attention(model_cfg(attention="auto"), CUDA, torch.bfloat16)
+    # Where flash-attn could not run anyway (the image build's CPU smoke test, fp32), auto is SDPA.
+    assert select_attention(model_cfg(attention="auto"), torch.device("cpu"), torch.float32) == "sdpa"
+    assert select_attention(model_cfg(attention="auto"), CUDA, torch.float32) == "sdpa"
+    assert select_attention(model_cfg(attention="sdpa"), CUDA, torch.bfloat16) == "sdpa"
+
+
+def test_auto_outside_the_image_falls_back_to_sdpa(broken_flash_attn, monkeypatch, caplog):
+    assert select_attention(model_cfg(attention="auto"), CUDA, torch.bfloat16) == "sdpa"
+    assert "flash-attn is installed but does not import (ImportError" in caplog.text  # broken: said once
+    caplog.clear()
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed at all: quiet
+    assert select_attention(model_cfg(attention="auto"), CUDA, torch.bfloat16) == "sdpa"
+    assert caplog.text == ""
+    with pytest.raises(ConfigError, match=r"is flash but flash-attn does not import \(ModuleNotFoundError"):
+        select_attention(model_cfg(attention="flash"), CUDA, torch.bfloat16)
+
+
+def test_flash_is_chosen_when_it_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "flash_attn"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def flash_attn_func(q, k, v, causal):\n    raise AssertionError('not run')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.setenv("SLIPWAY_FLASH_ATTN", "1")
+    assert select_attention(model_cfg(attention="auto"), CUDA, torch.bfloat16) == "flash"
+    assert select_attention(model_cfg(attention="flash"), CUDA, torch.float16) == "flash"
+    assert Transformer(model_cfg(), attn_impl="flash").layers["0"].attention._flash_attn.__module__ == "flash_attn"
+
+
+# ---- the console line and the history --------------------------------------------
+
+
+def test_duration_format():
+    from trainer.metrics import format_duration
+
+    assert [format_duration(s) for s in (None, 0, 59.4, 61, 3599, 3600, 7380)] == \
+        ["?", "0s", "59s", "1m01s", "59m59s", "1h00m", "2h03m"]

@@ -10,7 +10,6 @@ Every layout of one world size runs inside a single torchrun launch
 from __future__ import annotations
 
 import importlib.util
-import os
 import signal
 import subprocess
 import sys
@@ -19,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer_helpers import read_metrics, synthetic_data, tiny_config, write_run
+from trainer_helpers import ROOT, clean_env, read_metrics, synthetic_data, tiny_config, torchrun, write_run
 
-ROOT = Path(__file__).resolve().parent.parent
 HELPER = Path(__file__).resolve().parent / "trainer_helpers.py"
 # fp32 on CPU: layouts differ only in summation order (sharded reductions,
 # split matmuls); after 8 AdamW steps the losses agree to ~2e-7 relative.
@@ -48,20 +46,7 @@ TIED_LAYOUTS = {  # tied embeddings cannot be pipelined; they must stay one weig
 }
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                     "MASTER_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
-def torchrun(nproc: int, configs: list[Path], timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(HELPER), *map(str, configs)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
-    assert proc.returncode == 0, (f"torchrun x{nproc} failed ({proc.returncode}):\n"
-                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
+_env = clean_env
 
 
 def train_in_process(root: Path, name: str, cfg: dict) -> Path:
@@ -111,6 +96,16 @@ def test_layout_matches_single_process(runs, layout):
 @pytest.mark.parametrize("layout", list(TIED_LAYOUTS))
 def test_tied_embeddings_match_single_process(runs, layout):
     _assert_same_run(runs / layout, runs / "tied_single")
+
+
+@pytest.mark.multiproc
+def test_one_process_under_torchrun_runs_in_a_process_group(runs, tmp_path):
+    """torchrun with one process (a 1-GPU job) creates a group of one, so its collectives are
+    those of a large job (NCCL on a GPU: tests/test_gpu.py); the numbers are one process's."""
+    config = write_run(tmp_path, "one", tiny_config(train=EVAL))
+    proc = torchrun(1, [config])
+    assert "world 1 = pp 1 x dp 1 x tp 1 on cpu (gloo)" in proc.stderr
+    _assert_same_run(config.parent, runs / "single")
 
 
 @pytest.mark.multiproc

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import yaml
@@ -58,6 +59,58 @@ def write_run(root: Path, name: str, cfg: dict[str, Any]) -> Path:
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without a launcher's or Slurm's variables, the project importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                     "MASTER_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return {**env, **extra}
+
+
+def torchrun(nproc: int, configs: list[Path], timeout: int = 300, env: Optional[dict[str, str]] = None,
+             expect: int = 0) -> subprocess.CompletedProcess:
+    """Train `configs` one after another in one `torchrun --nproc-per-node nproc` world (this file's main)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(Path(__file__).resolve()), *map(str, configs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=ROOT)
+    assert (proc.returncode == 0) == (expect == 0), (f"torchrun x{nproc} exited {proc.returncode}:\n"
+                                                    f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+# A test hook: SLIPWAY_TEST_POISON="STEP:RANK" makes the training loss NaN on that
+# optimizer step on that global rank (the workers of `torchrun` above read it).
+POISON_ENV = "SLIPWAY_TEST_POISON"
+
+
+def poison_loss(step: int, rank: int, accum: int) -> Callable[[], None]:
+    """Wrap trainer.parallel.cross_entropy (looked up at call time by both runners) so that
+    the training losses of optimizer step `step` on global rank `rank` are NaN, counting
+    steps from this call; returns the function that puts the original back."""
+    import trainer.parallel as parallel
+
+    original = parallel.cross_entropy
+    calls = [0]
+
+    def poisoned(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        loss = original(logits_BTV, targets_BT)
+        if torch.is_grad_enabled():  # training, not evaluation
+            calls[0] += 1
+            if (calls[0] - 1) // accum + 1 == step and int(os.environ.get("RANK", "0")) == rank:
+                loss = loss * float("nan")
+        return loss
+
+    parallel.cross_entropy = poisoned
+
+    def restore() -> None:
+        parallel.cross_entropy = original
+
+    return restore
 
 
 class SyntheticSampler:
@@ -107,12 +160,23 @@ def run_configs(paths: list[str]) -> int:
 
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         dist.init_process_group("gloo")
+    poison = tuple(map(int, os.environ[POISON_ENV].split(":"))) if os.environ.get(POISON_ENV) else None
     worst = 0
     for path in paths:
-        worst = max(worst, main(["--config", path], data=synthetic_data))
+        restore = poison_loss(*poison, accum=_accum(path)) if poison else (lambda: None)
+        try:
+            worst = max(worst, main(["--config", path], data=synthetic_data))
+        finally:
+            restore()
     if dist.is_initialized():
         dist.destroy_process_group()
     return worst
+
+
+def _accum(config_path: str) -> int:
+    from trainer.config import load_trainer_config
+
+    return load_trainer_config(config_path).train.grad_accum_steps
 
 
 def main(argv: Optional[list[str]] = None) -> int:

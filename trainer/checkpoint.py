@@ -22,6 +22,10 @@ DTensors, pipeline stages that each hold some layers, DDP, one process) loads
 into any other. What differs per rank and is not a shard of anything (RNG
 streams) goes beside the shards in one file per rank instead: a state object
 with `rank_local = True` (see `RNGState`) takes that path.
+
+A save whose floating-point values are not all finite (on any rank) is refused
+with `NonFiniteError` before anything is written: a checkpoint is never a NaN
+trap to resume into, and the good ones stay in place.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -52,7 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.config import CheckpointSection
+from trainer.config import CheckpointSection, ConfigError
 from trainer.fs import write_atomic
 
 log = logging.getLogger(__name__)
@@ -63,6 +69,11 @@ MARKER = "COMPLETE"
 FORMAT = "slipway-dcp-1"
 MODEL_KEY = "model"  # the training loop saves ModelState under this key; export reads it back
 _STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+class NonFiniteError(RuntimeError):
+    """Non-finite numbers where training must stop: a save that would hold them, or
+    train.max_nonfinite_steps skipped steps in a row (trainer.train)."""
 
 
 # --------------------------------------------------------------------------
@@ -273,7 +284,17 @@ class Checkpointer:
         path = step_dir(self.dir, step)
         shared, local = _split(states)
         if shared:
-            dcp.load(shared, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed)
+            try:
+                dcp.load(shared, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed,
+                         planner=_LoadPlanner())
+            except (Exception, CheckpointException) as exc:  # the latter is a BaseException: DCP's wrapper
+                mismatch = _SIZE_MISMATCH.search(str(exc))
+                if mismatch is None:
+                    raise
+                saved, current, name = mismatch.groups()
+                raise ConfigError("checkpoint", f"{path} holds {name} of shape {saved}, this model has {current}: "
+                                  "resume with the model section it was saved with (one saved before vocabulary "
+                                  "padding needs model.pad_vocab_multiple: 1), or start another run") from None
         self._load_rank_local(path, local)
         log.info("loaded checkpoint %s", path)
         return step
@@ -289,6 +310,10 @@ class Checkpointer:
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
         self._wait_pending()
+        shared, local = _split(states)
+        # State dicts taken once: checked for non-finite values, then handed to DCP as they are.
+        shared = {name: obj.state_dict() if hasattr(obj, "state_dict") else obj for name, obj in shared.items()}
+        self._check_finite(step, shared)
         final_path = step_dir(self.dir, step)
         tmp = self.dir / f"{TMP_PREFIX}{final_path.name}"
         status = self._from_rank0(_dir_status(final_path) if self.rank == 0 else None)
@@ -304,7 +329,6 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             tmp.mkdir()
         self._barrier()
-        shared, local = _split(states)
         self._save_rank_local(tmp, local)
         if self.cfg.async_save and not final:
             response = dcp.async_save(shared, checkpoint_id=tmp, process_group=self._pg,
@@ -320,6 +344,26 @@ class Checkpointer:
         self._wait_pending()
 
     # ---- internals ----------------------------------------------------------
+
+    def _check_finite(self, step: int, state: dict[str, Any]) -> None:
+        """Raise NonFiniteError on every rank if any rank's shards hold a NaN or an infinity."""
+        bad = _nonfinite_names(state)
+        flag = torch.tensor([float(bool(bad))])
+        if self.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+        if not flag.item():
+            return
+        names = [bad]
+        if self.distributed:
+            names = [None] * self.world_size
+            dist.all_gather_object(names, bad, group=self._pg)
+        found = sorted({n for rank_names in names for n in rank_names})
+        latest = self._from_rank0(self.latest_step() if self.rank == 0 else None)
+        raise NonFiniteError(f"not saving checkpoint step {step}: {', '.join(found[:3])}"
+                             f"{f' and {len(found) - 3} more' if len(found) > 3 else ''} "
+                             f"{'holds' if len(found) == 1 else 'hold'} non-finite values "
+                             f"(NaN or inf); the latest checkpoint stays "
+                             f"{step_dir(self.dir, latest) if latest is not None else 'none'}")
 
     def _wait_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -388,6 +432,49 @@ class Checkpointer:
         box = [value]
         dist.broadcast_object_list(box, src=0, group=self._pg)
         return box[0]
+
+
+_SIZE_MISMATCH = re.compile(r"Size mismatch between saved torch\.Size\((\[[\d, ]*\])\) and current: "
+                            r"torch\.Size\((\[[\d, ]*\])\) for ([\w.]+)")
+
+
+class _LoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's planner, as strict about tensors; a plain value the checkpoint lacks (a counter
+    a state object gained after the checkpoint was written) keeps its current value."""
+
+    def create_local_plan(self):
+        saved = self.metadata.state_dict_metadata
+        for key in [k for k, v in self.state_dict.items() if k not in saved and not isinstance(v, torch.Tensor)]:
+            log.info("%s is not in the checkpoint (saved before it existed): it keeps its current value", key)
+            del self.state_dict[key]
+        return super().create_local_plan()
+
+
+def _nonfinite_names(state: Any, prefix: str = "") -> list[str]:
+    """Names of the floating-point tensors in a (nested) state dict that hold a NaN or an
+    infinity, this rank's shards only. One host sync per device, not one per tensor."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value: Any, name: str) -> None:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and value.numel():
+                tensors.append((name, value))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{name}.{key}" if name else str(key))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{name}.{i}")
+
+    walk(state, prefix)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, t in tensors:
+        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    if all(bool(torch.stack(flags).all()) for flags in by_device.values()):
+        return []
+    return [name for name, t in tensors if not bool(torch.isfinite(t).all())]
 
 
 def _split(states: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

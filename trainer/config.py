@@ -316,6 +316,10 @@ class ModelSection:
     init_std: float = 0.025
     attention: Literal["auto", "flash", "sdpa"] = "auto"
     init_from_hf: Optional[str] = None
+    # Embedding and output rows are padded to a multiple of this (nanoGPT's 50257 -> 50304):
+    # matmuls tile better and tp divides the rows. The padding does not depend on tp, so a
+    # checkpoint loads into any layout; the loss only ever sees the real vocab_size logits.
+    pad_vocab_multiple: int = 64
 
     def __post_init__(self) -> None:
         preset = MODEL_PRESETS.get(self.size, {})
@@ -340,14 +344,21 @@ class ModelSection:
                  f"head dimension hidden_size/num_heads = {self.hidden_size // self.num_heads} must be even "
                  "for rotary embeddings")
         _require(self.init_std > 0, f"{where}.init_std", f"must be > 0, got {self.init_std}")
+        _require(self.pad_vocab_multiple >= 1, f"{where}.pad_vocab_multiple",
+                 f"must be >= 1 (1 disables padding), got {self.pad_vocab_multiple}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and the output: vocab_size rounded up to pad_vocab_multiple."""
+        return -(-self.vocab_size // self.pad_vocab_multiple) * self.pad_vocab_multiple
+
     def num_params(self) -> int:
-        """Parameter count (embeddings included once when tied)."""
-        h, i, layers, v = self.hidden_size, self.intermediate_size, self.num_layers, self.vocab_size
+        """Parameter count as allocated (padded vocabulary rows included; embeddings once when tied)."""
+        h, i, layers, v = self.hidden_size, self.intermediate_size, self.num_layers, self.padded_vocab_size
         kv = self.num_kv_heads * self.head_dim
         per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
         embed = v * h * (1 if self.tie_embeddings else 2)
@@ -424,6 +435,9 @@ class TrainSection:
     eval_interval: int = 0
     eval_batches: int = 4
     script: Optional[str] = None
+    # A step with a non-finite loss or gradient norm is skipped (no optimizer update);
+    # this many in a row stop the run (exit 3): the weights are not coming back.
+    max_nonfinite_steps: int = 5
 
     def check(self, where: str) -> None:
         _positive(self, where, "steps", "micro_batch_size", "grad_accum_steps", "lr", "eval_batches")
@@ -439,6 +453,9 @@ class TrainSection:
                  f"must be >= 0 (0 disables evaluation), got {self.eval_interval}")
         _require(all(math.isfinite(getattr(self, n)) for n in ("lr", "min_lr", "eps")), f"{where}.lr",
                  "lr, min_lr and eps must be finite numbers")
+        _require(self.max_nonfinite_steps >= 1, f"{where}.max_nonfinite_steps",
+                 f"must be >= 1 (the run stops after that many non-finite steps in a row), "
+                 f"got {self.max_nonfinite_steps}")
 
 
 @dataclass
@@ -493,6 +510,10 @@ def check_trainer_sections(cfg: Any) -> None:
              f"model.num_kv_heads({m.num_kv_heads}) must be divisible by parallel.tp({p.tp})")
     _require(m.intermediate_size % p.tp == 0, "parallel.tp",
              f"model.intermediate_size({m.intermediate_size}) must be divisible by parallel.tp({p.tp})")
+    _require(m.padded_vocab_size % p.tp == 0, "model.pad_vocab_multiple",
+             f"the vocabulary padded to a multiple of {m.pad_vocab_multiple} ({m.padded_vocab_size} rows) must be "
+             f"divisible by parallel.tp({p.tp}): set model.pad_vocab_multiple to a multiple of {p.tp}, e.g. "
+             f"{math.lcm(m.pad_vocab_multiple, p.tp)}")
     _require(m.num_layers >= p.pp, "parallel.pp",
              f"model.num_layers({m.num_layers}) must be >= parallel.pp({p.pp}): each stage needs a layer")
     if p.pp > 1:

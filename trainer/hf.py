@@ -13,6 +13,8 @@ Names map one to one (torchtitan's `state_dict_adapter` pattern):
 
 Our rotary embeddings use HF's rotate_half layout (see trainer/model.py), so
 q/k weights need no permutation; the tests compare logits with transformers.
+Our embedding and output carry padded vocabulary rows (model.pad_vocab_multiple):
+an import fills them with zeros, an export writes the real vocab_size rows only.
 
 Command line (one-line errors, exit status 2 on bad input):
 
@@ -120,6 +122,26 @@ def _check_complete(weights: dict[str, torch.Tensor], cfg: ModelSection, source:
         if tuple(weights[name].shape) != shape:
             raise ConfigError(WHERE, f"{source}: {name} has shape {tuple(weights[name].shape)}, the model "
                                      f"section implies {shape}")
+
+
+_VOCAB_ROWS = ("tok_embeddings.weight", "output.weight")
+
+
+def _pad_vocab(weights: dict[str, torch.Tensor], cfg: ModelSection) -> None:
+    """HF's vocab_size rows -> our padded_vocab_size rows (zeros: no token id reaches them
+    and the model cuts their logits off)."""
+    for name in _VOCAB_ROWS:
+        w = weights.get(name)
+        if w is not None and w.shape[0] < cfg.padded_vocab_size:
+            weights[name] = torch.cat([w, w.new_zeros(cfg.padded_vocab_size - w.shape[0], *w.shape[1:])])
+
+
+def _trim_vocab(weights: dict[str, torch.Tensor], cfg: ModelSection) -> None:
+    """Our padded rows -> HF's vocab_size rows, whatever padding the checkpoint was saved with."""
+    for name in _VOCAB_ROWS:
+        w = weights.get(name)
+        if w is not None and w.shape[0] > cfg.vocab_size:
+            weights[name] = w[:cfg.vocab_size]
 
 
 # --------------------------------------------------------------------------
@@ -260,6 +282,7 @@ def load_hf_into(model: nn.Module, hf_dir: Path, cfg: ModelSection) -> None:
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("load_hf_into needs a materialised model: call model.to_empty(device=...) first")
     weights = read_hf_weights(hf_dir, cfg)
+    _pad_vocab(weights, cfg)
     if cfg.tie_embeddings:
         weights["output.weight"] = weights["tok_embeddings.weight"]
     wanted = model.state_dict()  # persistent entries only; a pipeline stage holds some
@@ -293,6 +316,7 @@ def export_hf(source: Path | nn.Module, out_dir: Path, cfg: ModelSection, *, dty
         weights = read_model_weights(Path(source))
     if cfg.tie_embeddings:
         weights.pop("output.weight", None)
+    _trim_vocab(weights, cfg)
     _check_complete(weights, cfg, str(source) if not isinstance(source, nn.Module) else "the model")
     dtype = dtype or weights["tok_embeddings.weight"].dtype
     hf = {ours_to_hf(name): weights[name].to("cpu", dtype).contiguous() for name in expected_shapes(cfg)}

@@ -1,15 +1,25 @@
 """What a run reports: the console line, run_dir/metrics.jsonl, Weights &
 Biases, and torch profiler traces. Only rank 0 writes metrics; every rank
-may write a profiler trace."""
+may write a profiler trace.
+
+metrics.jsonl is an append-only history of JSON objects with a "kind":
+"restart" (training starts or resumes at "step": later records for steps after
+it supersede what an earlier attempt logged for them; `trainer.history.latest_by_step`
+reads the file that way), "train", "eval", and "nonfinite" (a skipped step).
+Non-finite numbers are written as null (JSON has no NaN).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import resource
 import sys
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
@@ -67,12 +77,30 @@ class MetricsLogger:
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(device)
+        self.total_steps = cfg.train.steps
+        self._started: Optional[tuple[float, int]] = None  # (time, step) of this attempt's start: the ETA
         self._jsonl = open(run_dir / "metrics.jsonl", "a") if self.enabled else None
         self._console = _console() if self.enabled else None
         self._wandb = _init_wandb(cfg, run_dir) if self.enabled and cfg.logging.wandb else None
 
+    def log_restart(self, step: int, layout: dict[str, int]) -> None:
+        """Training (re)starts after `step` (0: from scratch)."""
+        self._started = (time.perf_counter(), step)
+        if not self.enabled:
+            return
+        self._write({"kind": "restart", "step": step, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                     "world_size": self.world_size, **layout})
+
+    def eta_s(self, step: int) -> Optional[float]:
+        """Seconds until the last step at the wall-clock pace since this attempt started
+        (evaluation and saving included: they recur)."""
+        if self._started is None or step <= self._started[1]:
+            return None
+        started_at, first = self._started
+        return (time.perf_counter() - started_at) / (step - first) * (self.total_steps - step)
+
     def log_train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, elapsed_s: float,
-                  steps: int, data_s: float) -> None:
+                  steps: int, data_s: float, skipped_steps: int = 0) -> None:
         """`tokens` processed by all ranks over the last `steps` steps, which took `elapsed_s`."""
         if not self.enabled:
             return
@@ -85,13 +113,20 @@ class MetricsLogger:
             "mfu": tflops * 1e12 / self.peak if self.peak else None,
             "step_time_s": elapsed_s / steps, "data_time_s": data_s / steps,
             "peak_memory_gib": peak_memory_gib(self.device),
+            "skipped_steps": skipped_steps, "eta_s": self.eta_s(step),
         }
         mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
-        self._print(f"[bold]step {step}[/] [green]loss {loss:.4f}[/] lr {lr:.2e} gnorm {grad_norm:.3f} "
-                    f"[cyan]{tps:,.0f} tok/s[/] ({tps_device:,.0f}/dev) {tflops:.2f} TFLOP/s mfu {mfu} "
-                    f"step {record['step_time_s']:.3f}s data {record['data_time_s']:.3f}s "
-                    f"mem {record['peak_memory_gib']:.2f}GiB")
+        skipped = f" [red]skipped {skipped_steps}[/]" if skipped_steps else ""
+        self._print(f"[bold]step {step}/{self.total_steps}[/] [green]loss {loss:.4f}[/] lr {lr:.2e} "
+                    f"gnorm {grad_norm:.3f} [cyan]{tps:,.0f} tok/s[/] ({tps_device:,.0f}/dev) {tflops:.2f} TFLOP/s "
+                    f"mfu {mfu} step {record['step_time_s']:.3f}s data {record['data_time_s']:.3f}s "
+                    f"mem {record['peak_memory_gib']:.2f}GiB eta {format_duration(record['eta_s'])}{skipped}")
         self._write(record)
+
+    def log_nonfinite(self, step: int, loss: float, grad_norm: float, in_a_row: int, skipped_steps: int) -> None:
+        if self.enabled:
+            self._write({"kind": "nonfinite", "step": step, "loss": loss, "grad_norm": grad_norm,
+                         "in_a_row": in_a_row, "skipped_steps": skipped_steps})
 
     def log_eval(self, step: int, loss: float) -> None:
         if not self.enabled:
@@ -106,9 +141,10 @@ class MetricsLogger:
             print(re.sub(r"\[/?[a-z ]*\]", "", line), flush=True)
 
     def _write(self, record: dict[str, Any]) -> None:
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        if self._wandb is not None:
+        if self._wandb is not None and record["kind"] in ("train", "eval"):
             self._wandb.log({k: v for k, v in record.items() if k not in ("kind", "step") and v is not None},
                             step=record["step"])
 
@@ -117,6 +153,18 @@ class MetricsLogger:
             self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """12s, 3m05s, 1h02m; ? when unknown."""
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def _console():

@@ -14,14 +14,20 @@ second halves of each head are the two rotation coordinates), so HF Llama
 
 A pipeline stage may have `tok_embeddings`, `norm` and `output` set to None:
 it then takes hidden states in and/or hands hidden states on (as torchtitan).
+
+The embedding and the output have `padded_vocab_size` rows (model.pad_vocab_multiple);
+the model returns logits over the real `vocab_size` only, so the padded rows
+never take part in the softmax, get no gradient, and the loss is exactly the
+unpadded model's.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import zlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,22 +38,61 @@ from trainer.config import ConfigError, ModelSection
 
 log = logging.getLogger(__name__)
 
-try:  # flash-attn is only in the GPU image
+# The image build sets this to 1 when it installed flash-attn: there, `auto` means flash and
+# a flash-attn that does not import is a broken image, not a reason to run slower.
+FLASH_IMAGE_ENV = "SLIPWAY_FLASH_ATTN"
+
+
+def import_flash_attn() -> Callable:
+    """flash_attn_func, imported now (not at module import: a broken build must not take
+    SDPA runs down with it). Raises whatever the import raises."""
     from flash_attn import flash_attn_func
-except ImportError:  # pragma: no cover - depends on the image
-    flash_attn_func = None
+
+    return flash_attn_func
+
+
+def _flash_import_error() -> tuple[Optional[BaseException], bool]:
+    """(the error importing flash-attn or None, whether it is simply not installed)."""
+    try:
+        import_flash_attn()
+    except Exception as exc:  # ImportError, an undefined symbol, OSError from a CUDA library, ...
+        missing = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "flash_attn"
+        return exc, missing
+    return None, False
 
 
 def select_attention(cfg: ModelSection, device: torch.device, dtype: torch.dtype) -> str:
-    """'flash' or 'sdpa': flash-attn needs the package, a CUDA device and a 16-bit dtype."""
-    usable = flash_attn_func is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    if cfg.attention == "flash" and not usable:
-        why = ("flash-attn is not installed" if flash_attn_func is None
-               else f"it needs a CUDA device and bf16/fp16, got {device.type} with {dtype}")
-        raise ConfigError("model.attention", f"is flash but {why}: set model.attention to auto or sdpa")
+    """'flash' or 'sdpa'. flash-attn needs the package, a CUDA device and a 16-bit dtype.
+
+    `flash` demands it; `auto` demands it in an image built with flash-attn (SLIPWAY_FLASH_ATTN=1)
+    on a CUDA bf16/fp16 run. A demanded flash-attn that does not import is a ConfigError naming
+    the import error and the fix, never a quiet SDPA run. Elsewhere `auto` takes flash-attn if it
+    imports and SDPA otherwise."""
     if cfg.attention == "sdpa":
         return "sdpa"
-    return "flash" if usable else "sdpa"
+    capable = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    if cfg.attention == "flash" and not capable:
+        raise ConfigError("model.attention", f"is flash but flash-attn needs a CUDA device and bf16/fp16, got "
+                                             f"{device.type} with {dtype}: set model.attention to auto or sdpa")
+    if not capable:
+        return "sdpa"
+    error, missing = _flash_import_error()
+    if error is None:
+        return "flash"
+    why = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    in_image = os.environ.get(FLASH_IMAGE_ENV) == "1"
+    if cfg.attention == "flash":
+        fix = ("rebuild the image (its flash-attn does not match its torch/CUDA)" if in_image else
+               "install a flash-attn built for this torch and CUDA, or run in the slipway image")
+        raise ConfigError("model.attention", f"is flash but flash-attn does not import ({why}): {fix}, "
+                                             "or set model.attention: sdpa")
+    if in_image:
+        raise ConfigError("model.attention", f"is auto in an image built with flash-attn ({FLASH_IMAGE_ENV}=1), "
+                                             f"but flash-attn does not import ({why}): rebuild the image, or set "
+                                             "model.attention: sdpa to run without it")
+    if not missing:  # installed but broken, outside the image: say so, then run SDPA
+        log.warning("model.attention auto: flash-attn is installed but does not import (%s); using SDPA", why)
+    return "sdpa"
 
 
 class RMSNorm(nn.Module):
@@ -86,6 +131,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.attn_impl = attn_impl
+        self._flash_attn = import_flash_attn() if attn_impl == "flash" else None
         kv_dim = cfg.num_kv_heads * cfg.head_dim
         self.wq = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, kv_dim, bias=False)
@@ -102,7 +148,7 @@ class Attention(nn.Module):
         q_BTHD = apply_rope(q_BTHD, cos[:T], sin[:T])
         k_BTKD = apply_rope(k_BTKD, cos[:T], sin[:T])
         if self.attn_impl == "flash":
-            out_BTHD = flash_attn_func(q_BTHD, k_BTKD, v_BTKD, causal=True)  # handles GQA itself
+            out_BTHD = self._flash_attn(q_BTHD, k_BTKD, v_BTKD, causal=True)  # handles GQA itself
         else:
             out_BHTD = F.scaled_dot_product_attention(
                 q_BTHD.transpose(1, 2), k_BTKD.transpose(1, 2), v_BTKD.transpose(1, 2),
@@ -141,10 +187,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelSection, attn_impl: str = "sdpa"):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, attn_impl) for i in range(cfg.num_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.output: Optional[nn.Linear] = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.output: Optional[nn.Linear] = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: recomputed on load, never in checkpoints.
@@ -155,13 +201,20 @@ class Transformer(nn.Module):
             self.init_weights(seed=0)
 
     def forward(self, tokens_or_h: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] (first stage) or hidden states [B, T, D] -> logits [B, T, V] (last stage) or hidden."""
+        """tokens [B, T] (first stage) or hidden states [B, T, D] -> logits [B, T, V] (last stage) or hidden.
+        V is the real vocab_size: the padded rows' logits are cut off here, whatever the layout
+        (under tensor parallel the output arrives gathered, Replicate)."""
         h_BTD = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         for layer in self.layers.values():
             h_BTD = layer(h_BTD, self.rope_cos, self.rope_sin)
         if self.norm is not None:
             h_BTD = self.norm(h_BTD)
-        return self.output(h_BTD) if self.output is not None else h_BTD
+        if self.output is None:
+            return h_BTD
+        logits_BTP = self.output(h_BTD)
+        if logits_BTP.shape[-1] == self.cfg.vocab_size:  # no padding: the tensor itself, not a view
+            return logits_BTP
+        return logits_BTP[..., :self.cfg.vocab_size]
 
     # ------------------------------------------------------------------
     # Initialisation that does not depend on the parallel layout.
@@ -238,11 +291,12 @@ def num_flops_per_token(cfg: ModelSection, seq_len: int) -> int:
     """Training FLOPs per token, torchtitan's convention: 6 * N + 12 * L * H * Q * T.
 
     N counts the parameters that do a matmul per token: every layer plus the
-    output projection (vocab x hidden), not the input embedding (a lookup);
+    output projection (padded vocab x hidden: the padded rows are computed too),
+    not the input embedding (a lookup);
     with tied embeddings the shared matrix is counted once, as the output.
     6 = forward (2) + backward (4) FLOPs per parameter; 12 * L * H * Q * T is
     the attention score and value matmuls (H heads of size Q, context T).
     """
-    n_matmul = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1)
+    n_matmul = cfg.num_params() - cfg.padded_vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1)
     return 6 * n_matmul + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -59,18 +60,24 @@ def _env_from_slurm() -> None:
 
 
 def init_distributed() -> DistEnv:
-    """Join (or create) the default process group: nccl on CUDA, gloo on CPU."""
+    """Join (or create) the default process group: nccl on CUDA, gloo on CPU.
+
+    A group is created for several processes, and also for one that a launcher started
+    with a rendezvous (torchrun sets MASTER_ADDR and MASTER_PORT): a 1-GPU job then runs
+    the same NCCL collectives as an 8-GPU one. A plain `python -m trainer` has none."""
     _env_from_slurm()
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    launched = world_size > 1 or ("WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+                                  and "MASTER_PORT" in os.environ)
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     owns = False
-    if world_size > 1 and not dist.is_initialized():
+    if launched and not dist.is_initialized():
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
             verb = "is" if len(missing) == 1 else "are"
@@ -268,6 +275,11 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, param_d
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # With a padded vocabulary the root returns logits[..., :vocab_size], a view; FSDP2 (torch
+    # 2.13, not 2.10) warns that an in-place op on it would lose its backward hook. The loss
+    # reads it out of place, so the warning (every rank, every run) says nothing here.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
+                            category=UserWarning)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     reshard = zero_stage == 3
     for layer in model.layers.values():
@@ -374,7 +386,10 @@ class AccumulationRunner(Runner):
 
 class PipelineRunner(Runner):
     """One stage per rank; the schedule splits the concatenated micro batches
-    back into n_microbatches = grad_accum_steps and scales gradients by 1/n."""
+    back into n_microbatches = grad_accum_steps. Each micro batch's loss is
+    divided by n, as AccumulationRunner does, rather than letting the schedule
+    divide the gradients afterwards: torch 2.10's in-place division of a
+    tensor-parallel Partial gradient fails (and it is one pass less)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, n_microbatches: int, device: torch.device,
                  autocast_dtype: Optional[torch.dtype]):
@@ -385,7 +400,8 @@ class PipelineRunner(Runner):
         self.autocast_dtype = autocast_dtype
         stage = PipelineStage(model, dims.pp_rank, dims.pp, device, group=dims.pp_group)
         schedule_cls = Schedule1F1B if dims.cfg.pp_schedule == "1f1b" else ScheduleGPipe
-        self.schedule = schedule_cls(stage, n_microbatches=n_microbatches, loss_fn=cross_entropy)
+        self.schedule = schedule_cls(stage, n_microbatches=n_microbatches, scale_grads=False,
+                                     loss_fn=lambda logits, targets: cross_entropy(logits, targets) / n_microbatches)
         self.can_eval = hasattr(self.schedule, "eval")  # forward-only schedules: torch >= 2.9
 
     def _run(self, fn: Callable, batches: list[Batch]) -> torch.Tensor:
@@ -401,8 +417,8 @@ class PipelineRunner(Runner):
                 fn(target=targets_BT, losses=losses)
             else:
                 fn()
-        if self.dims.is_last_stage:
-            return torch.stack([loss.detach().float() for loss in losses]).mean()
+        if self.dims.is_last_stage:  # each is loss / n: their sum is the mean
+            return torch.stack([loss.detach().float() for loss in losses]).sum()
         return torch.zeros((), device=self.device)
 
     def train_step(self, batches: list[Batch]) -> torch.Tensor:
@@ -427,7 +443,7 @@ def global_mean(local: torch.Tensor, dims: ParallelDims) -> float:
     """Mean over data-parallel ranks of a value held by last-stage ranks (0 elsewhere);
     every tp peer holds the same value, so divide the world sum by dp x tp."""
     value = local.detach().float().clone()
-    if dist.is_initialized() and dims.world_size > 1:
+    if dist.is_initialized():  # a group of one too: its collectives are the ones a large job runs
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         value /= dims.dp * dims.tp
     return value.item()

@@ -1,29 +1,19 @@
 """Loss and throughput curves of a run as one PNG (`slipway plot RUN`).
 
-Reads only `metrics.jsonl`; imports neither torch nor the host side, so the
-login node (or a laptop with the run directory) can draw it.
+Reads only `metrics.jsonl`, as the history that stands (a resumed run's
+repeated steps drawn once, from the latest attempt); imports neither torch nor
+the host side, so the login node (or a laptop with the run directory) can draw it.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from trainer.config import ConfigError
 from trainer.fs import write_atomic
+from trainer.history import latest_by_step, read_metrics
 
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise ConfigError("RUN", f"{path} does not exist yet: the run has not logged a step")
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a crash: skip it
-            continue
-    return records
+__all__ = ["plot_run", "read_metrics"]
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
@@ -34,13 +24,14 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("plot", "matplotlib is not installed: pip install matplotlib") from None
-    records = read_metrics(run_dir)
+    records = latest_by_step(read_metrics(run_dir))
     train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("eval_loss") is not None]
     if not train:
         raise ConfigError("RUN", f"{run_dir / 'metrics.jsonl'} has no training steps yet")
     fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    finite = [r for r in train if r.get("loss") is not None]  # a skipped step's NaN is written as null
+    ax_loss.plot([r["step"] for r in finite], [r["loss"] for r in finite], label="train")
     if evals:
         ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
     ax_loss.set(xlabel="step", ylabel="loss", title=f"{run_dir.name}: loss")

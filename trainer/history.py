@@ -1,0 +1,52 @@
+"""metrics.jsonl read as the run's history (`slipway plot`, `slipway status`).
+
+The file is append-only across attempts: a run that resumes from the
+checkpoint of step N logs steps N+1, N+2, ... again after a record
+`{"kind": "restart", "step": N}`. The honest history keeps, for every step,
+what the latest attempt logged, and drops steps that a restart undid and no
+later attempt reached. Imports neither torch nor the host side, so the login
+node (or a laptop with the run directory) can read it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from trainer.config import ConfigError
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every record of run_dir/metrics.jsonl in file order (a line cut by a crash is skipped)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise ConfigError("RUN", f"{path} does not exist yet: the run has not logged a step")
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def latest_by_step(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the history that stands, in step order: for each (kind, step) the
+    latest one, where a restart at step N first discards every earlier record of a
+    step after N. Restart records themselves, and records without a step, are left out."""
+    kept: dict[tuple[str, int], dict[str, Any]] = {}
+    for record in records:
+        step = record.get("step")
+        if not isinstance(step, int):
+            continue
+        if record.get("kind") == "restart":
+            kept = {key: r for key, r in kept.items() if key[1] <= step}
+            continue
+        kept.pop((str(record.get("kind")), step), None)  # re-inserted last: file order among equals
+        kept[(str(record.get("kind")), step)] = record
+    return sorted(kept.values(), key=lambda r: r["step"])
