@@ -96,20 +96,28 @@ class Run:
             return []
 
     def last_metrics(self) -> dict | None:
+        """The latest training record of the history that stands (a restart undoes the steps
+        after its checkpoint), read from the end of metrics.jsonl."""
+        from trainer.history import latest_by_step
+
         path = self.dir / "metrics.jsonl"
         try:
             with path.open("rb") as f:
                 f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 8192))
+                f.seek(max(0, f.tell() - 65536))
                 lines = f.read().decode(errors="replace").splitlines()
         except FileNotFoundError:
             return None
-        for line in reversed(lines):
+        records = []
+        for line in lines:
             try:
-                return json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError:
-                continue
-        return None
+                continue  # the window's first, cut line, or one a crash cut
+            if isinstance(record, dict):
+                records.append(record)
+        train = [r for r in latest_by_step(records) if r.get("kind") == "train"]
+        return train[-1] if train else None
 
 
 def runs_root(project_dir: Path) -> Path:

@@ -22,7 +22,12 @@ def _progress(run: runs.Run) -> str:
     if not m:
         return ""
     loss = m.get("loss")
-    return f"step {m.get('step')}" + (f", loss {loss:.3f}" if isinstance(loss, (int, float)) else "")
+    try:
+        total = run.config().train.steps
+    except (ConfigError, OSError):
+        total = None
+    step = f"step {m.get('step')}" + (f"/{total}" if total else "")
+    return step + (f", loss {loss:.3f}" if isinstance(loss, (int, float)) else "")
 
 
 def _job_row(run: runs.Run, sub: dict) -> tuple[str, str, str, str, str]:
