@@ -11,8 +11,9 @@ development machines (no registry, no enroot):
 
 (`tests/test_image.py -m podman` makes that base image and wheelhouse.)
 `--enroot-standin` puts the test suite's enroot stand-in first on PATH where no
-enroot is installed: it imports as enroot's podman:// path does (podman export,
-mksquashfs with ENROOT_SQUASH_OPTIONS), so the import figure is indicative only.
+enroot is installed: it imports as enroot's podman:// path does (podman create,
+export, mksquashfs with ENROOT_SQUASH_OPTIONS, the container left behind for
+slipway to remove), so the import figure is indicative only.
 """
 
 from __future__ import annotations

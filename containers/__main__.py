@@ -14,7 +14,8 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from containers.image import build_image, current_image, human, image_plan, prune_images
+from containers.image import build_image, current_image, human, image_plan
+from containers.prune import prune_images
 from containers.tools import ToolError
 from trainer.config import ConfigError
 
@@ -36,6 +37,10 @@ def _show(cfg, console: Console) -> None:
     current = f"{record['squashfs']} (hash {record['hash'][:12]})" if record else "none"
     console.print(f"current   {plan.link} -> {current}", highlight=False, markup=False, soft_wrap=True)
     console.print(f"context   {len(plan.files)} files", highlight=False, markup=False, soft_wrap=True)
+    if plan.build_env:
+        build_env = " ".join(f"{k}={v}" for k, v in plan.build_env.items())
+        console.print(f"buildenv  {build_env} (flash-attn compile; not hashed)", highlight=False, markup=False,
+                      soft_wrap=True)
     console.print(f"podman    {shlex.join(plan.podman_argv)}", highlight=False, markup=False, soft_wrap=True)
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.enroot_env.items())
     console.print(f"enroot    {env} {shlex.join(plan.enroot_argv)}", highlight=False, markup=False, soft_wrap=True)
@@ -74,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "show":
             _show(_config(args.config, args.overrides), console)
         else:
-            prune_images(_config(args.config, args.overrides), keep=args.keep, console=console)
+            result = prune_images(_config(args.config, args.overrides), keep=args.keep, console=console)
+            if not result.ok:
+                Console(stderr=True).print(f"[red]error:[/] prune could not remove {len(result.failed)} item(s), "
+                                           "each listed above with the reason", highlight=False, soft_wrap=True)
+                return 1
     except (ConfigError, ToolError) as exc:
         Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2 if isinstance(exc, ConfigError) else 1

@@ -4,8 +4,10 @@ The context is assembled from the same list that is hashed, so a file outside
 it (runs/, tests/, caches) can change neither the image nor its tag. Layout
 (what containers/Dockerfile expects):
 
-    src/     pyproject.toml, README.md, LICENSE, trainer/ jobs/ edf/ containers/ configs/
-    wheels/  the offline wheelhouse (image.wheelhouse), empty without one
+    src/       pyproject.toml, README.md, LICENSE, trainer/ jobs/ edf/ containers/ configs/
+    wheels/    the offline wheelhouse (image.wheelhouse), empty without one
+    buildenv/  flash-attn.env: compile settings that do not change the image
+               (MAX_JOBS, NVCC_THREADS), neither hashed nor in podman's cache key
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import time
 from dataclasses import dataclass
@@ -135,11 +138,15 @@ def content_hash(*, dockerfile: str, build_args: dict[str, str], squash_options:
     return h.hexdigest()
 
 
-def materialize_context(files: list[ContextFile], dest: Path) -> None:
-    """Lay the context out under `dest` (wheels hard-linked where possible)."""
+def materialize_context(files: list[ContextFile], dest: Path, build_env: dict[str, str] | None = None) -> None:
+    """Lay the context out under `dest` (wheels hard-linked where possible) with
+    `buildenv/flash-attn.env` holding `build_env` as shell assignments."""
     if dest.exists():
         shutil.rmtree(dest)
     (dest / "wheels").mkdir(parents=True)
+    (dest / "buildenv").mkdir()
+    env_text = "".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted((build_env or {}).items()))
+    (dest / "buildenv" / "flash-attn.env").write_text(env_text)
     for f in files:
         target = dest / f.dest
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,10 @@ Each build records itself in `NAME-HASH12.json` beside the squashfs and, once
 current, in `NAME.json`; `NAME.sqsh` is a symlink to the current squashfs,
 replaced atomically, so configs can name one stable path. The squashfs under
 its final name only ever appears by rename from a temporary file.
+
+A failed build is explained by containers/diagnose.py; the stopped podman
+container that enroot's import leaves (containers.tools.Enroot) is removed
+after each import, and containers/prune.py removes older ones.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ from containers.context import (
     project_version,
     resolve_path,
 )
+from containers.diagnose import diagnose_build
 from containers.storage import check_storage_conf
-from containers.tools import Enroot, Podman, Tail, ToolError, git_commit, squashfs_ok, stream, which
+from containers.tools import Container, Enroot, Podman, Tail, ToolError, git_commit, squashfs_ok, stream, which
 from trainer.config import ConfigError
 from trainer.fs import pid_alive, write_atomic
 
@@ -54,6 +59,11 @@ if TYPE_CHECKING:
 
 # enroot unpacks the image (its uncompressed size) before squashing it to about half.
 SQUASH_RATIO = 0.5
+# flash-attn compile settings that do not change the image: passed through the
+# build context's buildenv/ (containers/Dockerfile), not as build args, so they
+# change neither the image hash nor podman's layer cache. image.build_args sets
+# them; the environment of `make image` (MAX_JOBS=4 make image) overrides that.
+BUILD_ENV_KEYS = ("MAX_JOBS", "NVCC_THREADS")
 
 
 def human(n: float) -> str:
@@ -91,6 +101,7 @@ class ImagePlan:
     enroot_argv: list[str]
     enroot_env: dict[str, str]
     enroot_mount: bool
+    build_env: dict[str, str] = field(default_factory=dict)  # buildenv/flash-attn.env: MAX_JOBS, NVCC_THREADS
     build_on: str = "local"
     srun_argv: Optional[list[str]] = None
     frozen_config: Optional[Path] = None
@@ -106,6 +117,21 @@ class ImagePlan:
 
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+
+
+def build_env(build_args: dict[str, str]) -> dict[str, str]:
+    """MAX_JOBS / NVCC_THREADS for the flash-attn compile: image.build_args, then this process's environment."""
+    env: dict[str, str] = {}
+    for key in BUILD_ENV_KEYS:
+        for where, value in ((f"image.build_args.{key}", build_args.get(key)),
+                             (f"{key} (in the environment of make image)", os.environ.get(key))):
+            value = "" if value is None else str(value).strip()
+            if not value:
+                continue
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(where, f"must be a whole number >= 1, got {value!r} (e.g. {key}=4)")
+            env[key] = value
+    return env
 
 
 def image_plan(cfg: "Config", *, root: Path | None = None, force: bool = False, do_import: bool = True,
@@ -131,7 +157,10 @@ def image_plan(cfg: "Config", *, root: Path | None = None, force: bool = False, 
         "WHEELHOUSE_DIGEST": wheel_digest[:16] if wheels else "",
         "SLIPWAY_VERSION": project_version(root),
     }
-    user_args = {k: str(v) for k, v in image.build_args.items()}
+    user_args = {k: str(v) for k, v in image.build_args.items() if k not in BUILD_ENV_KEYS}
+    if user_args.get("FLASH_ATTN", "0") not in ("0", "1"):
+        raise ConfigError("image.build_args.FLASH_ATTN", f"must be 0 or 1, got {user_args['FLASH_ATTN']!r}: "
+                          "set image.flash_attn: true or false instead")
     build_args.update(user_args)
     build_args["GIT_COMMIT"] = user_args.get("GIT_COMMIT") or (git_commit(root) if git else "unknown")
     digest = content_hash(dockerfile=dockerfile.read_text(), build_args=build_args,
@@ -154,7 +183,8 @@ def image_plan(cfg: "Config", *, root: Path | None = None, force: bool = False, 
         podman_argv=Podman.build_argv(tag=tag, dockerfile=dockerfile, context=context_dir, build_args=build_args,
                                       network_host=image.network_host, isolation=image.isolation, no_cache=force),
         enroot_argv=Enroot.import_argv(output=temp, uri=f"podman://{tag}", mount=enroot_mount),
-        enroot_env=Enroot.import_env(image.squash_options), enroot_mount=enroot_mount, build_on=image.build_on,
+        enroot_env=Enroot.import_env(image.squash_options), enroot_mount=enroot_mount,
+        build_env=build_env(image.build_args), build_on=image.build_on,
     )
     if image.build_on == "compute":
         plan.frozen_config = out / f".build-{h12}.yaml"
@@ -212,6 +242,7 @@ def _record(plan: ImagePlan, *, image_id: str | None, enroot_version: str | None
         "base_image": plan.build_args.get("BASE_IMAGE"),
         "git_commit": plan.build_args.get("GIT_COMMIT"),
         "build_args": plan.build_args,
+        "build_env": plan.build_env,
         "squash_options": plan.squash_options,
         "podman_image_id": image_id,
         "enroot_version": enroot_version,
@@ -254,40 +285,13 @@ class ImageResult:
         return self.squashfs.stat().st_size if self.squashfs and self.squashfs.is_file() else None
 
 
-_PULL_ERRORS = re.compile(r"creating build container|initializing source|pull access denied|manifest unknown|"
-                          r"unable to pull|pinging container registry|requested access to the resource is denied|"
-                          r"short-name .* did not resolve|reading manifest|repository .* not found", re.I)
-_PODMAN_TRAILER = re.compile(r"^(subprocess exited with status|Error: building at STEP|error building at STEP)")
 _NO_SPACE = re.compile(r"no space left on device", re.I)
 
 
-def _diagnose_build(tail: Tail, plan: ImagePlan, rc: int) -> str:
-    text = tail.text()
-    # podman's own trailer ("subprocess exited with status 1", "Error: building at STEP ...") says
-    # nothing; the cause is the last error-like line before it (a traceback's last line, pip's ERROR).
-    lines = [l for l in tail.lines if not _PODMAN_TRAILER.match(l)]
-    errors = [l for l in lines if re.search(r"error|failed|denied|no such host", l, re.I)]
-    last_error = (errors[-1] if errors else (lines[-1] if lines else "")).strip()[:300]
-    steps = [l for l in tail.lines if l.startswith("STEP ")]
-    base = plan.build_args.get("BASE_IMAGE")
-    if _NO_SPACE.search(text):
-        return (f"podman build ran out of disk: free space where podman keeps its storage (graphroot in "
-                f"storage.conf) or move it to a larger local disk; log: {plan.log}")
-    if _PULL_ERRORS.search(text) and not steps[1:]:
-        return (f"podman could not pull the base image {base}: {last_error}. Fix: check the network (on CSCS set "
-                f"image.network_host: true), log in (`podman login nvcr.io`), or set image.base_image to an image "
-                f"podman has locally; log: {plan.log}")
-    where = " ".join(steps[-1].split())[:100] if steps else "the start"
-    hint = ""
-    if steps and "flash-attn" in steps[-1] and "image.flash_attn: false" not in last_error:
-        hint = " (flash-attn builds against the base's torch and CUDA: image.flash_attn: false for a CPU base)"
-    return f"podman build failed at {where} (exit {rc}): {last_error}{hint}; full log: {plan.log}"
-
-
 def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
-    materialize_context(plan.files, plan.context_dir)
+    materialize_context(plan.files, plan.context_dir, plan.build_env)
     plan.log.parent.mkdir(parents=True, exist_ok=True)
-    tail = Tail(60)
+    tail = Tail(15)
     console.print(f"[bold]podman build[/] {plan.tag}  (base {escape(str(plan.build_args.get('BASE_IMAGE')))}, "
                   f"{len(plan.files)} context files, log {escape(str(plan.log))})", highlight=False)
     try:
@@ -322,8 +326,10 @@ def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
     finally:
         shutil.rmtree(plan.context_dir, ignore_errors=True)
     if rc != 0:
-        console.print("\n".join(list(tail.lines)[-15:]), style="red", highlight=False, markup=False)
-        raise ToolError(_diagnose_build(tail, plan, rc))
+        console.print(tail.text(), style="red", highlight=False, markup=False)
+        # The whole log, not the tail: a compiler's first error can be thousands of lines up.
+        raise ToolError(diagnose_build(plan.log.read_text(errors="replace"), build_args=plan.build_args,
+                                       log=plan.log, rc=rc))
 
 
 def check_free_space(*, image_size: int, output_dir: Path, temp_dir: Path | None) -> None:
@@ -364,6 +370,46 @@ def stale_temps(output_dir: Path, glob: str) -> list[Path]:
     return stale
 
 
+_CONTAINER_ID = re.compile(r"\b[0-9a-f]{64}\b")
+
+
+def _same_image(container: Container, tag: str, image_id: str | None) -> bool:
+    bare = (image_id or "").removeprefix("sha256:")
+    return container.image == tag or bool(bare) and container.image_id.removeprefix("sha256:") == bare
+
+
+def _import_leftovers(podman: Podman, tag: str, before: set[str], printed: set[str]) -> list[Container]:
+    """The stopped `enroot.*` containers this import left (see Enroot): new since the
+    import began, created from our tag, and, when enroot printed container ids
+    (`podman create` does), one of those: never another import's or another image's."""
+    image_id = podman.image_id(tag)
+    new = [c for c in podman.containers(Enroot.CONTAINER_FILTER)
+           if c.id not in before and _same_image(c, tag, image_id) and c.state not in ("running", "paused")]
+    return [c for c in new if c.id in printed] if printed else new
+
+
+def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, printed: set[str],
+                  console: Console) -> tuple[list[str], list[str]]:
+    """Remove this import's leftover container(s): (removed names, warnings)."""
+    if before is None:
+        return [], []
+    try:
+        leftovers = _import_leftovers(podman, plan.tag, before, printed)
+    except ToolError as exc:
+        return [], [f"could not look for enroot's leftover podman container: {exc}"]
+    removed, warnings = [], []
+    for c in leftovers:
+        outcome = podman.remove_container(c.id)
+        if outcome:
+            removed.append(c.name)
+        else:
+            warnings.append(f"could not remove enroot's leftover podman container {c.name} ({outcome.why}): it keeps "
+                            f"{plan.tag} in use; `python -m containers prune` retries")
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    return removed, warnings
+
+
 def _enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Console) -> list[str]:
     notes: list[str] = []
     size = podman.image_size(plan.tag)
@@ -375,26 +421,39 @@ def _enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Con
     tmp = plan.temp_squashfs
     tmp.unlink(missing_ok=True)
     tail = Tail(40)
+    try:  # what exists before, so the cleanup after can tell this import's container from others
+        before: set[str] | None = {c.id for c in podman.containers(Enroot.CONTAINER_FILTER)}
+    except ToolError as exc:
+        before = None
+        console.print(f"[yellow]warning:[/] {escape(str(exc))}: enroot's leftover container will not be removed")
+    printed: set[str] = set()  # container ids in enroot's output (`podman create` prints the id)
     console.print(f"[bold]enroot import[/] {'-x mount ' if plan.enroot_mount else ''}podman://{plan.tag}"
                   f"  (ENROOT_SQUASH_OPTIONS={escape(repr(plan.squash_options))}"
                   f"{', image ' + human(size) if size else ''})", highlight=False)
     try:
-        with plan.log.open("a") as log, console.status("enroot import") as status:
-            log.write("$ " + " ".join(f"{k}={v!r}" for k, v in plan.enroot_env.items()) + " "
-                      + " ".join(plan.enroot_argv) + "\n")
+        try:
+            with plan.log.open("a") as log, console.status("enroot import") as status:
+                log.write("$ " + " ".join(f"{k}={v!r}" for k, v in plan.enroot_env.items()) + " "
+                          + " ".join(plan.enroot_argv) + "\n")
 
-            def on_line(line: str) -> None:
-                log.write(line + "\n")
-                tail(line)
-                status.update(f"enroot import: {escape(line[:100])}")
+                def on_line(line: str) -> None:
+                    log.write(line + "\n")
+                    tail(line)
+                    printed.update(_CONTAINER_ID.findall(line))
+                    status.update(f"enroot import: {escape(line[:100])}")
 
-            rc = enroot.import_(plan.enroot_argv, plan.enroot_env, on_line)
+                rc = enroot.import_(plan.enroot_argv, plan.enroot_env, on_line)
+        finally:  # also after a failed or interrupted import: the container stays either way
+            removed, warnings = _clean_import(plan, podman, before, printed, console)
+            notes += [f"removed enroot's leftover podman container {name}" for name in removed] + warnings
         if rc != 0:
-            # CSCS's enroot can exit non-zero after a complete write (cleanup
-            # errors): keep the file only if its tables read back whole.
+            # enroot can exit non-zero after a complete write: upstream's cleanup runs
+            # `docker rm` (fails without docker), CSCS's has its own errors. Keep the
+            # file only if its tables read back whole.
             if tmp.is_file() and squashfs_ok(tmp):
-                notes.append(f"enroot exited {rc} but the squashfs reads back whole: kept")
-                console.print(f"[yellow]warning:[/] {escape(notes[-1])}")
+                why = " (its cleanup calls `docker rm`; slipway removed the container itself)" if removed else ""
+                notes.append(f"enroot exited {rc} but the squashfs reads back whole: kept{why}")
+                console.print(f"[yellow]note:[/] {escape(notes[-1])}", highlight=False)
             else:
                 text = tail.text()
                 if _NO_SPACE.search(text):
@@ -497,60 +556,3 @@ def build_image(cfg: "Config", *, force: bool = False, do_import: bool = True, c
                   f"{seconds:.0f} s; {escape(plan.link.name)} -> {escape(plan.squashfs.name)}", highlight=False)
     return ImageResult(plan, plan.squashfs, built=built, imported=True, seconds=seconds, record=record, notes=notes,
                        timings=timings)
-
-
-# ---------------------------------------------------------------- prune
-
-_IMAGE_FILE = r"{name}-(?P<h>[0-9a-f]{{12}})\.sqsh"
-
-
-def prune_images(cfg: "Config", keep: int = 1, *, root: Path | None = None,
-                 console: Console | None = None) -> list[Path]:
-    """Remove all but the current image and the newest others, up to `keep`
-    squashfs files in all, with their records, logs and podman tags."""
-    if keep < 1:
-        raise ConfigError("--keep", f"must be >= 1 (the current image is always kept), got {keep}")
-    console = console or Console()
-    root = (root or project_root()).resolve()
-    out = resolve_path(root, cfg.image.output_dir)
-    name = cfg.image.name
-    pattern = re.compile(_IMAGE_FILE.format(name=re.escape(name)))
-    images = sorted((p for p in out.glob(f"{name}-*.sqsh") if pattern.fullmatch(p.name) and not p.is_symlink()),
-                    key=lambda p: p.stat().st_mtime, reverse=True)
-    current = resolve_image(cfg, root=root)
-    kept = [p for p in images if current and p.resolve() == current]
-    kept += [p for p in images if p not in kept][: keep - len(kept)]
-    removed: list[Path] = []
-    for img in images:
-        if img in kept:
-            continue
-        h12 = pattern.fullmatch(img.name).group("h")
-        size = img.stat().st_size
-        for path in (img, out / f"{name}-{h12}.json", out / "logs" / f"{name}-{h12}.log"):
-            if path.exists():
-                path.unlink()
-                removed.append(path)
-        console.print(f"removed {img} ({human(size)})", highlight=False, markup=False)
-    # Leftovers of interrupted builds and imports.
-    old = time.time() - 86400
-    leftovers = [p for p in [*out.glob(".context-*"), *out.glob(".build-*.yaml")] if p.stat().st_mtime < old]
-    for leftover in leftovers + stale_temps(out, f".{name}-*.sqsh.tmp-*"):
-        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-        removed.append(leftover)
-        console.print(f"removed {leftover}", highlight=False, markup=False)
-    if Podman.available():
-        podman = Podman.find()
-        keep_tags = {f"localhost/{name}:{pattern.fullmatch(p.name).group('h')}" for p in kept}
-        try:
-            keep_tags.add(image_plan(cfg, root=root, enroot_mount=False, git=False).tag)
-        except (ConfigError, ToolError):
-            pass
-        untagged = [tag for tag in podman.tags(f"localhost/{name}") if tag not in keep_tags and podman.untag(tag)]
-        for tag in untagged:
-            console.print(f"removed podman tag {tag}", highlight=False, markup=False)
-        if untagged:
-            console.print("podman keeps their unshared layers as build cache: `podman image prune` frees them",
-                          highlight=False, markup=False)
-    if not removed:
-        console.print(f"nothing to prune: {len(kept)} image(s) kept in {out}", highlight=False, markup=False)
-    return removed

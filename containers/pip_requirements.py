@@ -2,7 +2,9 @@
 
 Runs inside the image build (stdlib only, any Python >= 3.8) and on the host (the
 tests compute the wheelhouse from it). The list is slipway's runtime dependencies
-plus its `trainer` extra. When the image already has a torch (NGC), torch is left
+plus its `trainer` extra, plus its build requirements (`[build-system] requires`:
+slipway itself is installed without build isolation, so that step can run
+offline, and a base's older setuptools cannot read the PEP 639 license field). When the image already has a torch (NGC), torch is left
 out and pinned to the installed version in a constraints file: NGC's torch is a
 pre-release such as 2.6.0a0+ecf3bae that does not satisfy `torch>=2.6`, so naming
 torch would make pip fetch a second one.
@@ -48,6 +50,7 @@ def requirements(pyproject: dict, *, have_torch: bool, extras: tuple[str, ...] =
         if extra not in optional:
             raise KeyError(f"pyproject.toml has no optional-dependencies.{extra}")
         reqs += optional[extra]
+    reqs += pyproject.get("build-system", {}).get("requires", [])
     if have_torch:
         reqs = [r for r in reqs if requirement_name(r) != "torch"]
     return reqs

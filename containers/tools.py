@@ -8,6 +8,7 @@ of `os.environ`, so a test can put a stand-in first on PATH.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -147,9 +148,65 @@ class Podman:
             return []
         return sorted({line.strip() for line in out.splitlines() if line.strip().startswith(repository + ":")})
 
-    def untag(self, tag: str) -> bool:
-        """Remove one tag (the layers go when no other tag uses them)."""
-        return _capture([self.exe, "rmi", tag])[0] == 0
+    def untag(self, tag: str) -> "Outcome":
+        """Remove one tag (the layers go when no other tag uses them). Fails while a
+        container (running or not) uses the image."""
+        return Outcome.of(*_capture([self.exe, "rmi", tag]))
+
+    def containers(self, name_regex: str) -> list["Container"]:
+        """All containers (any state) whose name matches `name_regex` (podman's own filter)."""
+        rc, out = _capture([self.exe, "ps", "--all", "--format", "json", "--filter", f"name={name_regex}"])
+        if rc != 0:
+            raise ToolError(f"podman ps failed (exit {rc}): {_last_line(out)}")
+        try:
+            rows = json.loads(out or "[]")
+        except ValueError:
+            raise ToolError(f"podman ps --format json printed something else: {_last_line(out)}") from None
+        return [Container.from_ps(row) for row in rows or []]
+
+    def remove_container(self, ident: str) -> "Outcome":
+        """`podman rm -v` (anonymous volumes too), never --force: a running container stays."""
+        return Outcome.of(*_capture([self.exe, "rm", "-v", ident]))
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+@dataclass
+class Outcome:
+    """Whether a command did what was asked; `why` is its last output line when not."""
+
+    ok: bool
+    why: str = ""
+
+    @classmethod
+    def of(cls, rc: int, out: str) -> "Outcome":
+        return cls(True) if rc == 0 else cls(False, f"exit {rc}: {_last_line(out)}")
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True)
+class Container:
+    """One row of `podman ps --all --format json`."""
+
+    id: str
+    name: str
+    image: str  # the reference it was created from, e.g. localhost/slipway:0123456789ab
+    image_id: str
+    state: str  # created, exited, running, ...
+    created: float  # seconds since the epoch
+
+    @classmethod
+    def from_ps(cls, row: dict) -> "Container":
+        names = row.get("Names") or [""]
+        created = row.get("Created")
+        return cls(id=str(row.get("Id", "")), name=str(names[0]), image=str(row.get("Image", "")),
+                   image_id=str(row.get("ImageID", "")), state=str(row.get("State", "")).lower(),
+                   created=float(created) if isinstance(created, (int, float)) else 0.0)
 
 
 # ---------------------------------------------------------------- enroot
@@ -161,6 +218,15 @@ _MOUNT_OPTION = re.compile(r"^\s*-x\b", re.MULTILINE)
 @dataclass
 class Enroot:
     exe: str = "enroot"
+
+    # `enroot import podman://IMAGE` (src/docker.sh) makes a work dir with
+    # `mktemp -d -p $ENROOT_TEMP_PATH enroot.XXXXXXXXXX`, runs `podman create --name`
+    # with that dir's name (printing the container id), exports it, and on exit
+    # removes the dir and calls `docker rm -f -v NAME`. Without a working docker
+    # that fails (enroot then exits non-zero under `set -e`) and the stopped
+    # container stays, keeping the image in use: slipway removes it itself.
+    CONTAINER_NAME = re.compile(r"enroot\.[A-Za-z0-9]{6,}")
+    CONTAINER_FILTER = r"^enroot\.[A-Za-z0-9]+$"
 
     @staticmethod
     def available() -> bool:

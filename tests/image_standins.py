@@ -2,18 +2,27 @@
 
 Each records its argv (and enroot its ENROOT_SQUASH_OPTIONS) as one JSON line in
 `calls.jsonl` beside it, so tests assert on the exact command lines the image
-code runs. enroot is not packaged anywhere this project is tested; the `real`
-mode of the enroot stand-in does what enroot's podman:// import does
-(`podman create`, `podman export`, `mksquashfs ... -all-root
-$ENROOT_SQUASH_OPTIONS`) so the rest of the flow runs on a real image.
+code runs. enroot is not packaged anywhere this project is tested; its stand-in
+does what upstream enroot's podman:// import does (src/docker.sh): a work dir
+`$ENROOT_TEMP_PATH/enroot.XXXXXXXXXX`, `podman create --name` with that dir's
+name (the PATH's podman: the stand-in, or the real one in `real` mode), the
+squashfs, then its exit trap removes the dir and calls `docker rm`, which fails
+where only podman exists: the stopped container stays and enroot exits 1.
+
+The podman stand-in keeps tags and containers as files under state/; like
+podman, it refuses `rmi` of a tag a container was created from.
 
 Behaviour is chosen through the environment at call time:
   FAKE_ENROOT_MOUNT=1     enroot's import --help lists `-x` (CSCS's build)
-  FAKE_ENROOT_MODE        ok (default: write a small file), fail (half a file,
-                          exit 1), hang (half a file, then sleep), exit127 (a
-                          whole squashfs, then exit 127),
-                          real (the podman export + mksquashfs described above)
+  FAKE_ENROOT_MODE        upstream (default: a whole squashfs, the container
+                          left, exit 1), docker (the same with a working
+                          `docker rm`: nothing left, exit 0), fail (half a
+                          file, container left, exit 1), hang (half a file,
+                          then sleep), exit127 (a whole squashfs and no
+                          container, then exit 127), real (upstream on the real
+                          podman: podman export + mksquashfs)
   FAKE_PODMAN_FAIL=pull   podman build fails as when the base cannot be pulled
+  FAKE_PODMAN_RM_FAIL=RE  `podman rm` fails for containers whose name matches RE
 """
 
 from __future__ import annotations
@@ -35,14 +44,24 @@ args = sys.argv[1:]
 """
 
 _PODMAN = """
+import re, secrets, time
 def tagfile(tag):
     return STATE / ("tag-" + tag.replace("/", "_").replace(":", "__"))
+def containers():
+    return [json.loads(p.read_text()) for p in sorted(STATE.glob("ctr-*.json"))]
+def find(ident):
+    for c in containers():
+        if ident in (c["Id"], c["Names"][0]):
+            return c
+    print('Error: no container with name or ID "' + ident + '" found: no such container')
+    sys.exit(1)
 if args[:1] == ["build"]:
     tag = args[args.index("-t") + 1]
     print("STEP 1/2: FROM base", flush=True)
     if os.environ.get("FAKE_PODMAN_FAIL") == "pull":
-        print("Error: creating build container: initializing source docker://nvcr.io/nvidia/pytorch:25.01-py3: "
-              "pinging container registry nvcr.io: dial tcp: lookup nvcr.io: no such host", flush=True)
+        print("Error: creating build container: initializing source docker://nvcr.io/nvidia/pytorch:25.12-py3: "
+              "pinging container registry nvcr.io: Get \\"https://nvcr.io/v2/\\": dial tcp: lookup nvcr.io: "
+              "no such host", flush=True)
         sys.exit(125)
     print("STEP 2/2: CMD [\\"bash\\"]")
     print("COMMIT " + tag)
@@ -52,12 +71,39 @@ elif args[:2] == ["image", "exists"]:
 elif args[:2] == ["image", "inspect"]:
     if not tagfile(args[-1]).exists():
         sys.exit(125)
-    print(4096 if "Size" in args[3] else "sha256:" + "ab" * 32)
+    print(4096 if "Size" in args[3] else "ab" * 32)
 elif args[:1] == ["images"]:
     for p in STATE.glob("tag-*"):
         print(p.read_text())
 elif args[:1] == ["rmi"]:
+    users = [c["Id"] for c in containers() if c["Image"] == args[1]]
+    if users:
+        print("Error: image used by " + users[0] + ": image is in use by a container: consider listing external "
+              "containers and force-removing image")
+        sys.exit(2)
     tagfile(args[1]).unlink()
+elif args[:1] == ["create"]:
+    name, image = args[args.index("--name") + 1], args[args.index("--name") + 2]
+    if not tagfile(image).exists():
+        print("Error: " + image + ": image not known")
+        sys.exit(125)
+    cid = secrets.token_hex(32)
+    (STATE / ("ctr-" + cid + ".json")).write_text(json.dumps(
+        {"Id": cid, "Names": [name], "Image": image, "ImageID": "ab" * 32, "State": "created",
+         "Created": int(time.time())}))
+    print(cid)
+elif args[:2] == ["ps", "--all"]:
+    pattern = args[args.index("--filter") + 1].split("=", 1)[1]
+    print(json.dumps([c for c in containers() if re.search(pattern, c["Names"][0])]))
+elif args[:1] == ["rm"]:
+    c = find(args[-1])
+    fail = os.environ.get("FAKE_PODMAN_RM_FAIL")
+    if fail and re.search(fail, c["Names"][0]):
+        print("Error: cleaning up storage: removing container " + c["Id"] + " root filesystem: "
+              "unlinkat /var/lib/containers/storage/overlay/x/merged: device or resource busy")
+        sys.exit(2)
+    (STATE / ("ctr-" + c["Id"] + ".json")).unlink()
+    print(c["Id"])
 else:
     sys.exit("fake podman: unsupported " + " ".join(args))
 """
@@ -67,6 +113,7 @@ sys.exit("podman must not be called here")
 """
 
 _ENROOT = """
+import shutil, tempfile
 if args[:1] == ["version"]:
     print("3.5.0")
     sys.exit(0)
@@ -79,14 +126,39 @@ if args[:2] == ["import", "--help"]:
 assert args[0] == "import", args
 out = Path(args[args.index("-o") + 1])
 uri = args[-1]
+image = uri.split("://", 1)[1]
 if out.exists():
     print("[ERROR] File already exists: " + str(out))
     sys.exit(1)
-mode = os.environ.get("FAKE_ENROOT_MODE", "ok")
-print("[INFO] Fetching image " + uri, flush=True)
-if mode == "ok":
-    out.write_bytes(b"hsqs" + b"\\0" * 1000)
-elif mode == "hang":
+mode = os.environ.get("FAKE_ENROOT_MODE", "upstream")
+if mode not in ("upstream", "docker", "fail", "hang", "exit127", "real"):
+    sys.exit("unknown FAKE_ENROOT_MODE " + mode)
+podman = shutil.which("podman")
+
+
+def squash(rootfs):
+    if shutil.which("mksquashfs") is None:  # no squashfs-tools: then no unsquashfs reads it back either
+        out.write_bytes(b"hsqs" + b"\\0" * 1000)
+        return
+    opts = os.environ.get("ENROOT_SQUASH_OPTIONS", "-comp lzo -noD").split()
+    subprocess.run(["mksquashfs", str(rootfs), str(out), "-all-root", "-noappend", "-quiet", *opts], check=True)
+
+
+# Like enroot: mktemp -d -p $ENROOT_TEMP_PATH enroot.XXXXXXXXXX; the container is named after it.
+import random, string
+work = Path(os.environ.get("ENROOT_TEMP_PATH") or tempfile.gettempdir()) / ("enroot." + "".join(
+    random.choices(string.ascii_letters + string.digits, k=10)))
+work.mkdir()
+print("[INFO] Fetching image", flush=True)
+if mode != "exit127":
+    created = subprocess.run([podman, "create", "--name", work.name, image], capture_output=True, text=True)
+    print(created.stdout + created.stderr, flush=True)  # enroot sends podman's output to stderr
+    if created.returncode != 0:
+        shutil.rmtree(work)
+        sys.exit(created.returncode)
+rootfs = work / "rootfs"
+rootfs.mkdir()
+if mode == "hang":
     import time
     out.write_bytes(b"hsqs-half")
     print("[INFO] Creating squashfs filesystem...", flush=True)
@@ -94,36 +166,27 @@ elif mode == "hang":
 elif mode == "fail":
     out.write_bytes(b"hsqs-half")
     print("[ERROR] mksquashfs: write failed")
-    sys.exit(1)
-elif mode in ("exit127", "real"):
-    import shutil, tempfile
-    work = Path(tempfile.mkdtemp(prefix="enroot-standin-"))
-    try:
-        rootfs = work / "rootfs"
-        rootfs.mkdir()
-        if mode == "real":
-            podman = shutil.which("podman")
-            cid = subprocess.run([podman, "create", uri.split("://", 1)[1]], check=True,
-                                 capture_output=True, text=True).stdout.strip()
-            try:
-                exp = subprocess.Popen([podman, "export", cid], stdout=subprocess.PIPE)
-                subprocess.run(["tar", "-C", str(rootfs), "-x"], stdin=exp.stdout, check=True)
-                if exp.wait() != 0:
-                    sys.exit("podman export failed")
-            finally:
-                subprocess.run([podman, "rm", cid], capture_output=True)
-        else:
-            (rootfs / "etc").mkdir()
-            (rootfs / "etc" / "hello").write_text("hello")
-        opts = os.environ.get("ENROOT_SQUASH_OPTIONS", "-comp lzo -noD").split()
-        subprocess.run(["mksquashfs", str(rootfs), str(out), "-all-root", "-noappend", "-quiet", *opts], check=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    if mode == "exit127":
-        print("enroot-aufs2ovlfs: command not found")
-        sys.exit(127)
 else:
-    sys.exit("unknown FAKE_ENROOT_MODE " + mode)
+    print("[INFO] Extracting image content...", flush=True)
+    if mode == "real":
+        exp = subprocess.Popen([podman, "export", work.name], stdout=subprocess.PIPE)
+        subprocess.run(["tar", "-C", str(rootfs), "-x"], stdin=exp.stdout, check=True)
+        if exp.wait() != 0:
+            sys.exit("podman export failed")
+    else:
+        (rootfs / "etc").mkdir()
+        (rootfs / "etc" / "hello").write_text("hello")
+    print("[INFO] Creating squashfs filesystem...", flush=True)
+    squash(rootfs)
+# The exit trap: remove the work dir, then `docker rm -f -v NAME` (output to /dev/null).
+shutil.rmtree(work, ignore_errors=True)
+if mode == "exit127":
+    print("enroot-aufs2ovlfs: command not found")
+    sys.exit(127)
+if mode == "docker":  # a working docker (e.g. podman-docker): the container goes
+    subprocess.run([podman, "rm", "-f", "-v", work.name], capture_output=True)
+    sys.exit(0)
+sys.exit(1)  # docker rm failed, and enroot runs under `set -e`
 """
 
 _SRUN = """

@@ -9,8 +9,10 @@ smoke test inside the build.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,9 +22,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from containers import context as ctx
 from containers import image as img
+from containers.diagnose import FLASH_ATTN_STEP_MARK, STEP_NAMES, diagnose_build
+from containers.flash_attn_wheel import Target, pick
 from containers.image import (
     ImagePlan,
     build_image,
@@ -30,12 +35,12 @@ from containers.image import (
     context_files,
     current_image,
     image_plan,
-    prune_images,
     resolve_image,
 )
-from containers.pip_requirements import requirements, toml_loads
+from containers.pip_requirements import requirement_name, requirements, toml_loads
+from containers.prune import prune_images
 from containers.storage import check_storage_conf, filesystem_type
-from containers.tools import Podman, ToolError
+from containers.tools import Enroot, Podman, ToolError
 from jobs.config import Config, ImageSection, load_config
 from tests.image_standins import calls, write_standins
 from trainer.config import ConfigError
@@ -69,6 +74,13 @@ def project(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def no_compile_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MAX_JOBS / NVCC_THREADS in the caller's environment reach image plans: not in these tests."""
+    for key in img.BUILD_ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+
+
 @pytest.fixture
 def fakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """podman, enroot and srun stand-ins first on PATH."""
@@ -78,6 +90,12 @@ def fakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("FAKE_ENROOT_MODE", raising=False)
     monkeypatch.setenv("ENROOT_TEMP_PATH", str(tmp_path))
     return bin_dir
+
+
+def enroot_containers(bin_dir: Path) -> list[dict]:
+    """The podman stand-in's containers named like enroot's import containers."""
+    rows = [json.loads(p.read_text()) for p in (bin_dir / "state").glob("ctr-*.json")]
+    return [c for c in rows if re.match(Enroot.CONTAINER_FILTER, c["Names"][0])]
 
 
 def make_cfg(**image) -> Config:
@@ -141,7 +159,10 @@ def test_hash_changes_when_and_only_when_an_input_changes(project: Path, tmp_pat
     assert changed() != base.hash
     dockerfile.write_text(original)
     assert changed() == base.hash
-    assert changed(build_args={"MAX_JOBS": "4"}) != base.hash
+    assert changed(build_args={"FLASH_ATTN_VERSION": "2.8.3"}) != base.hash
+    assert changed(build_args={"FLASH_ATTN_CUDA_ARCHS": "90"}) != base.hash
+    # Compile settings that do not change the image (passed through buildenv/, not as build args).
+    assert changed(build_args={"MAX_JOBS": "4", "NVCC_THREADS": "2"}) == base.hash
     assert changed(base_image=TEST_BASE) != base.hash
     assert changed(flash_attn=False) != base.hash
     assert changed(squash_options="-comp lz4") != base.hash
@@ -196,7 +217,7 @@ def test_plan_command_lines(project: Path, fakes: Path, monkeypatch: pytest.Monk
     out = project / "images"
     args = ["--build-arg", f"BASE_IMAGE={TEST_BASE}", "--build-arg", "FLASH_ATTN=0", "--build-arg", "WHEELHOUSE=",
             "--build-arg", "WHEELHOUSE_DIGEST=", "--build-arg", f"SLIPWAY_VERSION={ctx.project_version(project)}",
-            "--build-arg", "MAX_JOBS=4", "--build-arg", "GIT_COMMIT=unknown"]
+            "--build-arg", "GIT_COMMIT=unknown"]
     assert plan.podman_argv == ["podman", "build", "-f", str(project / "containers" / "Dockerfile"),
                                 "-t", f"localhost/slipway:{h12}", *args, "--network=host", "--isolation=chroot",
                                 str(out / f".context-{h12}")]
@@ -205,6 +226,7 @@ def test_plan_command_lines(project: Path, fakes: Path, monkeypatch: pytest.Monk
     assert plan.enroot_argv == ["enroot", "import", "-o", str(temp), f"podman://localhost/slipway:{h12}"]
     assert plan.enroot_env == {"ENROOT_SQUASH_OPTIONS": "-comp zstd -Xcompression-level 3 -b 1M"}
     assert not plan.enroot_mount and plan.srun_argv is None
+    assert plan.build_env == {"MAX_JOBS": "4"}  # buildenv/flash-attn.env, not a --build-arg
     # CSCS's enroot lists -x in `enroot import --help`: detected, not assumed.
     monkeypatch.setenv("FAKE_ENROOT_MOUNT", "1")
     cscs = image_plan(cfg, root=project)
@@ -298,8 +320,9 @@ def test_failed_import_leaves_no_file(project: Path, fakes: Path, monkeypatch: p
     out = project / "images"
     assert not list(out.glob("*.sqsh")) and not list(out.glob(".*.tmp-*"))
     assert current_image(cfg, root=project) is None
+    assert enroot_containers(fakes) == []  # the failed import's container went too
     # The retry imports without rebuilding (the podman tag exists).
-    monkeypatch.setenv("FAKE_ENROOT_MODE", "ok")
+    monkeypatch.setenv("FAKE_ENROOT_MODE", "upstream")
     result = build_image(cfg, root=project)
     assert not result.built and result.imported and result.squashfs.is_file()
 
@@ -317,6 +340,7 @@ def test_interrupted_import_leaves_no_file(project: Path, fakes: Path, monkeypat
     output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130, output
     assert not list(out.glob("*.sqsh")) and not list(out.glob(".*.tmp-*")) and not list(out.glob(".context-*"))
+    assert enroot_containers(fakes) == []  # removed after the interrupt too
 
 
 @pytest.mark.skipif(not (shutil.which("mksquashfs") and shutil.which("unsquashfs")), reason="needs squashfs-tools")
@@ -351,8 +375,9 @@ def test_missing_tools_say_what_to_do(project: Path, tmp_path: Path, monkeypatch
 
 def test_base_that_cannot_be_pulled(project: Path, fakes: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("FAKE_PODMAN_FAIL", "pull")
-    with pytest.raises(ToolError, match=r"podman could not pull the base image nvcr.io/nvidia/pytorch:25.01-py3: "
-                                        r".*no such host.*image.network_host"):
+    base = re.escape(ImageSection().base_image)
+    with pytest.raises(ToolError, match=rf"podman could not pull the base image {base}: .*no such host.*"
+                                        r"image.network_host"):
         build_image(make_cfg(), root=project)
     assert not list((project / "images").glob(".context-*"))
 
@@ -390,16 +415,542 @@ def test_prune_keeps_the_current_image(project: Path, fakes: Path):
     assert build_image(cfg, root=project).squashfs == made[0]
     assert len(list((project / "images").glob("slipway-*.sqsh"))) == 3
     removed = prune_images(cfg, keep=2, root=project)
-    assert made[1] in removed and made[1].with_suffix(".json") in removed
+    assert removed.ok and made[1] in removed.removed and made[1].with_suffix(".json") in removed.removed
     assert made[0].exists() and made[2].exists() and not made[1].exists()
     removed = prune_images(cfg, keep=1, root=project)
-    assert made[2] in removed and made[0].exists()
+    assert removed.ok and made[2] in removed.removed and made[0].exists()
     assert resolve_image(cfg, root=project) == made[0]
     tags = [c["argv"][2] for c in calls(fakes, "podman") if c["argv"][1] == "rmi"]
     assert sorted(tags) == sorted(f"localhost/slipway:{p.name[8:20]}" for p in made[1:])
-    assert prune_images(cfg, keep=1, root=project) == []
+    again = prune_images(cfg, keep=1, root=project)
+    assert again.ok and not (again.removed or again.tags or again.containers)
     with pytest.raises(ConfigError, match="--keep"):
         prune_images(cfg, keep=0, root=project)
+
+
+# ---------------------------------------------------------------- enroot's leftover containers
+
+
+def podman_standin(bin_dir: Path, *args: str) -> str:
+    return subprocess.run([str(bin_dir / "podman"), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_import_removes_only_its_own_leftover_container(project: Path, fakes: Path, tmp_path: Path):
+    cfg = make_cfg(base_image=TEST_BASE, flash_attn=False)
+    build_image(cfg, root=project, do_import=False)  # the tag exists, no squashfs yet
+    tag = image_plan(cfg, root=project, enroot_mount=False).tag
+    # Two containers that are not this import's: an earlier import's leftover of the same
+    # tag, and another image's.
+    podman_standin(fakes, "build", "-t", "localhost/other:1", str(tmp_path))
+    podman_standin(fakes, "create", "--name", "enroot.Earlier001", tag)
+    podman_standin(fakes, "create", "--name", "enroot.OtherImage", "localhost/other:1")
+    result = build_image(cfg, root=project)
+    assert result.imported and result.squashfs.is_file()
+    # The stand-in did what upstream enroot does: created enroot.XXXXXXXXXX, exited 1 after a whole write.
+    (created,) = [c["argv"] for c in calls(fakes, "podman") if c["argv"][1] == "create" and
+                  not c["argv"][3].startswith(("enroot.Earlier", "enroot.Other"))]
+    name = created[3]
+    assert re.fullmatch(r"enroot\.[A-Za-z0-9]{10}", name) and created[4] == tag
+    assert f"removed enroot's leftover podman container {name}" in result.notes
+    assert any(n.startswith("enroot exited 1 but the squashfs reads back whole: kept (its cleanup calls `docker rm`")
+               for n in result.notes)
+    left = sorted(c["Names"][0] for c in enroot_containers(fakes))
+    assert left == ["enroot.Earlier001", "enroot.OtherImage"]
+    removed = [c["argv"] for c in calls(fakes, "podman") if c["argv"][1] == "rm"]
+    assert len(removed) == 1 and removed[0][:3] == ["podman", "rm", "-v"]
+
+
+def test_import_with_a_working_docker_leaves_nothing_to_clean(project: Path, fakes: Path,
+                                                              monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("FAKE_ENROOT_MODE", "docker")
+    result = build_image(make_cfg(base_image=TEST_BASE), root=project)
+    assert result.imported and result.notes == [] and enroot_containers(fakes) == []
+    assert not [c for c in calls(fakes, "podman") if c["argv"][1] == "rm" and c["argv"][2] == "-v"]
+
+
+def test_import_warns_when_its_leftover_cannot_be_removed(project: Path, fakes: Path,
+                                                          monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("FAKE_PODMAN_RM_FAIL", r"^enroot\.")
+    result = build_image(make_cfg(base_image=TEST_BASE), root=project)
+    assert result.imported  # the squashfs is fine: a warning, not an error
+    (name,) = [c["Names"][0] for c in enroot_containers(fakes)]
+    (warning,) = [n for n in result.notes if n.startswith("could not remove")]
+    assert warning.startswith(f"could not remove enroot's leftover podman container {name} (exit 2: Error: cleaning up "
+                              "storage")
+    assert warning.endswith("`python -m containers prune` retries")
+
+
+def run_prune(project: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "containers", "prune", "configs/tiny_cpu.yaml"], cwd=project,
+                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "500", **env})
+
+
+def test_prune_removes_leftovers_and_reports_what_it_cannot(project: Path, fakes: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    cfg = make_cfg()
+    # An import whose leftover could not be removed (as every import before slipway cleaned up).
+    monkeypatch.setenv("FAKE_PODMAN_RM_FAIL", r"^enroot\.")
+    (project / "configs" / "v.yaml").write_text("run: {seed: 1}\n")
+    old = build_image(cfg, root=project)
+    (old_leftover,) = [c["Names"][0] for c in enroot_containers(fakes)]
+    monkeypatch.delenv("FAKE_PODMAN_RM_FAIL")
+    (project / "configs" / "v.yaml").unlink()
+    current = build_image(cfg, root=project)
+    assert [c["Names"][0] for c in enroot_containers(fakes)] == [old_leftover]
+    # An import of the current tag still running (its enroot work dir exists), and another image's leftover.
+    podman_standin(fakes, "create", "--name", "enroot.Running001", current.plan.tag)
+    (tmp_path / "enroot.Running001").mkdir()  # ENROOT_TEMP_PATH is tmp_path (the fakes fixture)
+    podman_standin(fakes, "build", "-t", "localhost/other:1", str(tmp_path))
+    podman_standin(fakes, "create", "--name", "enroot.OtherImage", "localhost/other:1")
+
+    # podman rm fails: the leftover stays, so does the tag it uses; each said on one line, exit 1.
+    first = run_prune(project, FAKE_PODMAN_RM_FAIL=old_leftover)
+    assert first.returncode == 1, first.stdout + first.stderr
+    failed = sorted(line for line in first.stdout.splitlines() if line.startswith("could not remove"))
+    assert len(failed) == 3, first.stdout
+    running, leftover, tag = (next(line for line in failed if line.startswith(f"could not remove {what}"))
+                              for what in ("podman container enroot.Running001", f"podman container {old_leftover}",
+                                           "podman tag"))
+    assert running.startswith(f"could not remove podman container enroot.Running001 (left by enroot import of "
+                              f"{current.plan.tag}): enroot's work dir {tmp_path / 'enroot.Running001'} exists")
+    assert leftover.startswith(f"could not remove podman container {old_leftover} (left by enroot import of "
+                               f"{old.plan.tag}): podman rm exit 2: Error: cleaning up storage")
+    assert tag == (f"could not remove podman tag {old.plan.tag}: podman rmi exit 2: Error: image used by "
+                   f"{enroot_id(fakes, old_leftover)}: image is in use by a container: consider listing "
+                   "external containers and force-removing image")
+    assert "error: prune could not remove 3 item(s)" in first.stderr
+    assert f"removed {old.squashfs}" in first.stdout  # the files went all the same
+
+    # rm works now: the leftover goes, then its tag; the running import's container is still kept.
+    second = run_prune(project)
+    assert second.returncode == 1
+    assert f"removed podman container {old_leftover} (left by enroot import of {old.plan.tag})" in second.stdout
+    assert f"removed podman tag {old.plan.tag}" in second.stdout
+    assert [line[:51] for line in second.stdout.splitlines() if line.startswith("could not")] == \
+        ["could not remove podman container enroot.Running001"]
+
+    # The import is over (its work dir is gone): everything of ours goes, another image's stays.
+    (tmp_path / "enroot.Running001").rmdir()
+    third = run_prune(project)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "removed podman container enroot.Running001" in third.stdout
+    assert [c["Names"][0] for c in enroot_containers(fakes)] == ["enroot.OtherImage"]
+    assert podman_standin(fakes, "images").splitlines().count(current.plan.tag) == 1
+    assert resolve_image(cfg, root=project) == current.squashfs
+
+
+def enroot_id(bin_dir: Path, name: str) -> str:
+    (cid,) = [c["Id"] for c in enroot_containers(bin_dir) if c["Names"][0] == name]
+    return cid
+
+
+# ---------------------------------------------------------------- build failures, diagnosed
+
+
+def dockerfile_steps() -> list[str]:
+    """The STEP lines podman prints for containers/Dockerfile: instructions after FROM's
+    ARG, continuation lines joined as podman joins them."""
+    instructions, current = [], ""
+    for line in (REPO / "containers" / "Dockerfile").read_text().splitlines():
+        if not current and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.endswith("\\"):
+            current += line[:-1]
+            continue
+        instructions.append(current + line)
+        current = ""
+    instructions = instructions[next(i for i, text in enumerate(instructions) if text.startswith("FROM ")):]
+    return [f"STEP {i}/{len(instructions)}: {text}" for i, text in enumerate(instructions, 1)]
+
+
+def failed_build_log(mark: str, output: list[str], *, earlier: tuple[str, ...] = (), runtime: bool = False) -> str:
+    """A podman build log failing at the step whose text holds `mark`, as podman writes it:
+    cached steps, `earlier` as the previous (successful) step's output, then `output` and
+    podman's trailer (crun's variant for `runtime`)."""
+    steps = dockerfile_steps()
+    at = next(i for i, step in enumerate(steps) if mark in step and (": RUN " in step or mark.startswith("FROM")))
+    lines = ["$ podman build -f containers/Dockerfile -t localhost/slipway:0123456789ab --build-arg FLASH_ATTN=1 "
+             "--build-arg FLASH_ATTN_VERSION=2.8.3.post2 images/.context-0123456789ab"]
+    for step in steps[:at]:
+        lines += [step, "--> Using cache 3f0c2b7d9a41e5f6a7b8c9d0e1f2a3b4c5d6e7f8091a2b3c4d5e6f7a8b9c0d1e"]
+    if earlier:
+        lines[-1:] = list(earlier) + ["--> 5d41402abc4"]
+    instruction = steps[at].split(": ", 1)[1]
+    lines += [steps[at], *output]
+    if runtime:
+        lines += [": exit status 1", 'time="2026-11-23T12:20:27Z" level=error msg="did not get container create '
+                  'message from subprocess: EOF"',
+                  f'Error: building at STEP "{" ".join(instruction.split())}": while running runtime: exit status 1']
+    else:
+        lines += ["subprocess exited with status 1", "subprocess exited with status 1",
+                  f'Error: building at STEP "{" ".join(instruction.split())}": exit status 1']
+    return "\n".join(lines) + "\n"
+
+
+FLASH_STEP, DEPS_STEP, SOURCES_STEP, SMOKE_STEP, FROM_STEP = \
+    "FLASH_ATTN_VERSION", "pip_requirements.py", "--no-deps", '"$SMOKE"', "FROM ${BASE_IMAGE}"
+def run_step(mark: str) -> str:
+    (step,) = [s for s in dockerfile_steps() if mark in s and ": RUN " in s]
+    return step
+
+
+FLASH_RUN = " ".join(run_step(FLASH_STEP).split(": RUN ", 1)[1].split())
+PIP_WARNING = ("ERROR: pip's dependency resolver does not currently take into account all the packages that are "
+               "installed. This behaviour is the source of the following dependency conflicts.")
+DIAGNOSES = {
+    # crun on this machine, quoted from a real `podman build` without --isolation chroot: the cause
+    # sits after the whole RUN command (which mentions flash-attn, built or not).
+    "cgroups at the flash-attn step, flash_attn false": dict(
+        mark=FLASH_STEP, args={"FLASH_ATTN": "0"}, runtime=True,
+        output=[f"error running container: from /usr/bin/crun creating container for [/bin/sh -c {FLASH_RUN}]: "
+                "cgroups in hybrid mode not supported, drop all controllers from cgroupv2"],
+        want=[r"^podman build failed at the flash-attn step \(STEP \d+/\d+\) \(exit 1\): error running container: "
+              r"from /usr/bin/crun creating contain … .*: cgroups in hybrid mode not "
+              r"supported, drop all controllers from cgroupv2\. Fix: .*set image\.isolation: chroot"],
+        never=["flash_attn: false", "MAX_JOBS", "wheelhouse"]),
+    "setrlimit": dict(
+        mark=DEPS_STEP, runtime=True,
+        output=["error running container: from /usr/bin/crun creating container for [/bin/sh -c set -eu; cd "
+                "/opt/slipway/deps]: setrlimit `RLIMIT_NOFILE`: Operation not permitted: OCI permission denied"],
+        want=[r"failed at the dependencies step .*setrlimit `RLIMIT_NOFILE`: Operation not permitted.*"
+              r"Fix: .*image\.isolation: chroot"], never=["flash"]),
+    "disk full in pip": dict(
+        mark=DEPS_STEP, earlier=(PIP_WARNING,),
+        output=["Installing collected packages: pyarrow, datasets",
+                "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device"],
+        want=[r"\(exit 1\): ERROR: Could not install packages due to an OSError: \[Errno 28\] No space left on "
+              r"device\. Fix: free disk where podman keeps its storage \(graphroot"], never=["dependency resolver"]),
+    "the base cannot be pulled": dict(
+        mark=FROM_STEP, rc=125,
+        output=["Trying to pull nvcr.io/nvidia/pytorch:25.12-py3...",
+                "Error: creating build container: initializing source docker://nvcr.io/nvidia/pytorch:25.12-py3: "
+                "pinging container registry nvcr.io: Get \"https://nvcr.io/v2/\": dial tcp: lookup nvcr.io: no such "
+                "host"],
+        want=[r"^podman could not pull the base image nvcr\.io/nvidia/pytorch:25\.12-py3: Error: creating build "
+              r"container: .*no such host\. Fix: .*image\.network_host: true.*podman login nvcr\.io"]),
+    "a wheel missing from the offline wheelhouse": dict(
+        mark=DEPS_STEP, args={"WHEELHOUSE": "offline", "FLASH_ATTN": "0"}, earlier=(PIP_WARNING,),
+        output=["pip_requirements: 9 requirements (keeping the image's torch 2.10.0a0+b4e4ee81d3.nv25.12)",
+                "Looking in links: /tmp/wheels", "Processing /tmp/wheels/PyYAML-6.0.2-cp312-cp312-manylinux.whl",
+                "ERROR: Could not find a version that satisfies the requirement datasets>=2.19 (from versions: none)",
+                "ERROR: No matching distribution found for datasets>=2.19"],
+        want=[r"failed at the dependencies step .*: ERROR: No matching distribution found for datasets>=2\.19\. "
+              r"Fix: the offline wheelhouse \(image\.wheelhouse\) lacks it .*pip download -d WHEELHOUSE"],
+        never=["flash", "dependency resolver"]),
+    "TLS inside the build": dict(
+        mark=DEPS_STEP,
+        output=["WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) after "
+                "connection broken by 'SSLError(SSLCertVerificationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] "
+                "certificate verify failed: unable to get local issuer certificate (_ssl.c:1006)'))': "
+                "/simple/datasets/",
+                "ERROR: Could not find a version that satisfies the requirement datasets>=2.19 (from versions: none)",
+                "ERROR: No matching distribution found for datasets>=2.19"],
+        want=[r"CERTIFICATE_VERIFY_FAILED.*Fix: pip inside the build cannot verify TLS.*image\.wheelhouse: DIR"]),
+    "flash-attn does not compile: the first error": dict(
+        mark=FLASH_STEP,
+        output=["flash-attn: compiling 2.8.3.post2 against torch 2.10.0a0+b4e4ee81d3.nv25.12, CUDA 13.1 on aarch64 "
+                "(MAX_JOBS=auto NVCC_THREADS=4 archs 80;90;100;120): up to hours on aarch64",
+                "  Building wheel for flash-attn (setup.py): started",
+                *[f"      [{i}/73] /usr/local/cuda/bin/nvcc -c csrc/flash_attn/src/flash_fwd_hdim{i}_bf16_sm80.cu"
+                  for i in range(1, 40)],
+                "      csrc/flash_attn/src/flash_fwd_kernel.h(42): error: namespace \"cute\" has no member "
+                "\"TiledMMA\"",
+                "      csrc/flash_attn/src/flash_fwd_kernel.h(57): error: identifier \"Tensor\" is undefined",
+                "      2 errors detected in the compilation of \"csrc/flash_attn/src/flash_fwd_hdim64_bf16_sm80.cu\".",
+                "      ninja: build stopped: subcommand failed.",
+                "      RuntimeError: Error compiling objects for extension",
+                "  ERROR: Failed building wheel for flash-attn",
+                "ERROR: Could not build wheels for flash-attn, which is required to install pyproject.toml-based "
+                "projects"],
+        want=[r"failed at the flash-attn step .*: csrc/flash_attn/src/flash_fwd_kernel\.h\(42\): error: namespace "
+              r"\"cute\" has no member \"TiledMMA\"\. Fix: flash-attn 2\.8\.3\.post2 does not compile against this "
+              r"base's torch and CUDA.*FLASH_ATTN_VERSION.*image\.wheelhouse.*image\.flash_attn: false"]),
+    "flash-attn compiler killed (memory)": dict(
+        mark=FLASH_STEP,
+        output=["      [12/73] /usr/local/cuda/bin/nvcc -c csrc/flash_attn/src/flash_bwd_hdim128_bf16_sm90.cu",
+                "      g++: fatal error: Killed signal terminated program cc1plus",
+                "      compilation terminated.", "      ninja: build stopped: subcommand failed.",
+                "  ERROR: Failed building wheel for flash-attn"],
+        want=[r"g\+\+: fatal error: Killed signal terminated program cc1plus\. Fix: the compiler ran out of memory "
+              r"building flash-attn .*MAX_JOBS=2 make image.*FLASH_ATTN_CUDA_ARCHS.*image\.wheelhouse"]),
+    # pip's output from compiling flash-attn 2.8.3.post2 on this machine (no CUDA).
+    "flash-attn on a base without CUDA": dict(
+        mark=FLASH_STEP,
+        output=["  Preparing metadata (setup.py): finished with status 'error'",
+                "  error: subprocess-exited-with-error", "      torch.__version__  = 2.13.0+cpu",
+                "      Traceback (most recent call last):",
+                "        File \"/usr/local/lib/python3.11/dist-packages/torch/utils/cpp_extension.py\", line 3302, in "
+                "_join_cuda_home",
+                "      OSError: CUDA_HOME environment variable is not set. Please set it to your CUDA install root.",
+                "  note: This error originates from a subprocess, and is likely not a problem with pip.",
+                "error: metadata-generation-failed"],
+        want=[r"OSError: CUDA_HOME environment variable is not set.*Fix: flash-attn compiles against the base's CUDA "
+              r"toolkit and this base has none: set image\.flash_attn: false"]),
+    "the flash-attn step's own check": dict(
+        mark=FLASH_STEP,
+        output=["flash-attn: installing the prebuilt flash_attn-2.8.3.post2+cu13torch2.10cxx11abiTRUE-cp312-cp312-"
+                "linux_aarch64.whl from the wheelhouse",
+                "flash-attn FAILED: installed, but `import flash_attn` fails (ImportError: flash_attn_2_cuda.cpython-"
+                "312-aarch64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEa): it does not match the base's "
+                "torch 2.10.0a0 / CUDA 13.1; use a wheel built for them, compile it (remove the wheel), or set "
+                "image.flash_attn: false"],
+        want=[r"\(exit 1\): flash-attn FAILED: installed, but `import flash_attn` fails \(ImportError: .*undefined "
+              r"symbol.*or set image\.flash_attn: false; full log: "], never=[". Fix:"]),
+    "the smoke test without flash-attn": dict(
+        mark=SMOKE_STEP, args={"FLASH_ATTN": "1"},
+        output=["smoke FAILED: RuntimeError: the image was built with flash-attn (SLIPWAY_FLASH_ATTN=1) but `import "
+                "flash_attn` fails (ModuleNotFoundError: No module named 'flash_attn'): rebuild it for this torch "
+                "2.10.0a0 (a matching wheel in image.wheelhouse, or compile it), or set image.flash_attn: false"],
+        want=[r"^podman build failed at the smoke test \(STEP \d+/\d+\) \(exit 1\): smoke FAILED: RuntimeError: the "
+              r"image was built with flash-attn \(SLIPWAY_FLASH_ATTN=1\).*Fix: the smoke test runs one training step"],
+        never=["MAX_JOBS"]),
+    "pip conflict mentioning flash-attn, flash_attn false": dict(
+        mark=DEPS_STEP, args={"FLASH_ATTN": "0"},
+        output=["ERROR: Cannot install slipway because these package versions have conflicting dependencies.",
+                "The conflict is caused by:", "    slipway 0.1.0 depends on torch>=2.10",
+                "    flash-attn 2.8.3 depends on torch", "ERROR: ResolutionImpossible: for help visit "
+                "https://pip.pypa.io/en/latest/topics/dependency-resolution/#dealing-with-dependency-conflicts"],
+        want=[r"\(exit 1\): ERROR: ResolutionImpossible.*Fix: the requirements conflict"],
+        never=["flash_attn: false", "MAX_JOBS"]),
+    "anything else: a traceback's last line": dict(
+        mark=SOURCES_STEP,
+        output=["Processing /opt/slipway", "Traceback (most recent call last):", "  File \"<string>\", line 1",
+                "ModuleNotFoundError: No module named 'setuptools'", "Cleaning up..."],
+        want=[r"failed at the sources step .*: ModuleNotFoundError: No module named 'setuptools'; full log: "]),
+}
+
+
+@pytest.mark.parametrize("case", list(DIAGNOSES), ids=list(DIAGNOSES))
+def test_build_failure_diagnosis(case: str, tmp_path: Path):
+    spec = DIAGNOSES[case]
+    args = {"BASE_IMAGE": "nvcr.io/nvidia/pytorch:25.12-py3", "FLASH_ATTN": "1", "FLASH_ATTN_VERSION": "2.8.3.post2",
+            "WHEELHOUSE": "", **spec.get("args", {})}
+    text = failed_build_log(spec["mark"], spec["output"], earlier=spec.get("earlier", ()),
+                            runtime=spec.get("runtime", False))
+    log = tmp_path / "logs" / "slipway-0123456789ab.log"
+    message = diagnose_build(text, build_args=args, log=log, rc=spec.get("rc", 1))
+    assert "\n" not in message and len(message) < 1200 and message.endswith(f"full log: {log}")
+    for pattern in spec["want"]:
+        assert re.search(pattern, message), f"{pattern!r} not in:\n{message}"
+    for text_ in spec.get("never", []):
+        assert text_ not in message, message
+    assert "Error: building at STEP" not in message and "did not get container create message" not in message
+
+
+def test_flash_attn_is_blamed_only_when_built_and_failing():
+    flash = run_step(FLASH_STEP)
+    output = ["Traceback (most recent call last):", "KeyError: 'x'"]
+    built = diagnose_build("\n".join([flash, *output]), build_args={"FLASH_ATTN": "1"}, log=Path("l"), rc=1)
+    assert "flash-attn builds against the base's torch and CUDA" in built
+    for args, step in (({"FLASH_ATTN": "0"}, flash), ({"FLASH_ATTN": "1"}, run_step(SMOKE_STEP))):
+        message = diagnose_build("\n".join([step, *output]), build_args=args, log=Path("l"), rc=1)
+        assert "flash-attn builds" not in message and message.endswith("KeyError: 'x'; full log: l")
+
+
+# ---------------------------------------------------------------- flash-attn: wheels and compile settings
+
+
+def test_flash_attn_wheel_must_fit_python_torch_cuda_and_abi():
+    target = Target(python="cp312", machine="aarch64", torch="2.10", cuda="13", cxx11abi=True)
+    fits = "flash_attn-2.8.3.post2+cu13torch2.10cxx11abiTRUE-cp312-cp312-linux_aarch64.whl"
+    trusted = "flash_attn-2.8.3.post2-cp312-cp312-linux_aarch64.whl"  # `pip wheel` in the base: no tags
+    names = {
+        "flash_attn-2.8.3.post2+cu13torch2.9cxx11abiTRUE-cp312-cp312-linux_aarch64.whl": "built for torch 2.9",
+        "flash_attn-2.8.3.post2+cu12torch2.10cxx11abiTRUE-cp312-cp312-linux_aarch64.whl": "built for CUDA 12",
+        "flash_attn-2.8.3.post2+cu13torch2.10cxx11abiFALSE-cp312-cp312-linux_aarch64.whl": "cxx11abiFALSE",
+        "flash_attn-2.8.3.post2+cu13torch2.10cxx11abiTRUE-cp311-cp311-linux_aarch64.whl": "this Python is cp312",
+        "flash_attn-2.8.3.post2+cu13torch2.10cxx11abiTRUE-cp312-cp312-linux_x86_64.whl": "this machine is aarch64",
+        "flash_attn-2.7.4.post1+cu13torch2.10cxx11abiTRUE-cp312-cp312-linux_aarch64.whl":
+            "not FLASH_ATTN_VERSION=2.8.3.post2 (set image.build_args.FLASH_ATTN_VERSION",
+    }
+    others = ["flash_attn-2.8.3.post2.tar.gz", "torch-2.10.0-cp312-cp312-linux_aarch64.whl"]
+    chosen, notes = pick([*names, fits, trusted, *others], "2.8.3.post2", target)
+    assert chosen == fits  # named for this torch: preferred over one taken on trust
+    assert len(notes) == len(names)
+    for name, why in names.items():
+        assert any(n.startswith(f"flash-attn: not using {name}: ") and why in n for n in notes), (name, notes)
+    assert pick([trusted, *others], "2.8.3.post2", target) == (trusted, [])
+    assert pick(others, "2.8.3.post2", target) == (None, [])  # nothing fits: compile from the sdist
+
+
+def test_flash_attn_wheel_script_as_the_build_runs_it(tmp_path: Path):
+    import platform
+
+    import torch
+
+    py = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    abi = str(bool(torch._C._GLIBCXX_USE_CXX11_ABI)).upper()
+    good = f"flash_attn-2.8.3.post2+torch{release}cxx11abi{abi}-{py}-{py}-linux_{platform.machine()}.whl"
+    bad = f"flash_attn-2.8.3.post2+torch1.0cxx11abi{abi}-{py}-{py}-linux_{platform.machine()}.whl"
+    for name in (good, bad):
+        (tmp_path / name).write_bytes(b"")
+    out = subprocess.run([sys.executable, str(REPO / "containers" / "flash_attn_wheel.py"), str(tmp_path),
+                          "2.8.3.post2"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(tmp_path / good)
+    assert f"flash-attn: not using {bad}: built for torch 1.0, the base has torch {release}" in out.stderr
+
+
+def test_smoke_test_imports_flash_attn_when_the_image_has_it(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture):
+    import types
+
+    from trainer import smoke
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` fails
+    monkeypatch.delenv("SLIPWAY_FLASH_ATTN", raising=False)
+    assert smoke.check_flash_attn() == ""  # an image built without flash-attn does not need it
+    monkeypatch.setenv("SLIPWAY_FLASH_ATTN", "0")
+    assert smoke.check_flash_attn() == ""
+    monkeypatch.setenv("SLIPWAY_FLASH_ATTN", "1")
+    assert smoke.main() == 1
+    err = capsys.readouterr().err
+    assert err.startswith("smoke FAILED: RuntimeError: the image was built with flash-attn (SLIPWAY_FLASH_ATTN=1) "
+                          "but `import flash_attn` fails (ModuleNotFoundError: ") and "image.flash_attn: false" in err
+    assert err.count("\n") == 1  # one line, as the build diagnosis quotes it
+    fake = types.ModuleType("flash_attn")
+    fake.__version__ = "2.8.3.post2"
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    assert smoke.main() == 0
+    assert capsys.readouterr().out.startswith("smoke ok: loss ") and "flash-attn 2.8.3.post2)" in \
+        smoke.smoke()
+
+
+_PYTHON3_STUB = """#!{python}
+# python3 as the flash-attn step calls it, in a base with torch {{STUB_TORCH}}: records pip installs.
+import json, os, sys
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+here = Path(__file__).resolve().parent
+installed = here / "installed"
+args = sys.argv[1:]
+if args[0] == "-c" and "import torch" in args[1]:
+    print(os.environ["STUB_TORCH"])
+elif args[0] == "-c" and "version('flash-attn')" in args[1]:
+    sys.exit(0 if installed.exists() and not print(installed.read_text()) else 1)
+elif args[0] == "-c" and "import flash_attn" in args[1]:
+    if not installed.exists() or os.environ.get("STUB_IMPORT_FAIL"):
+        sys.exit("ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEa")
+elif args[0].endswith("flash_attn_wheel.py"):
+    from containers.flash_attn_wheel import Target, pick
+    chosen, notes = pick(os.listdir(args[1]), args[2], Target("cp312", "aarch64", "2.10", "13", True))
+    print("\\n".join(notes), file=sys.stderr)
+    if chosen:
+        print(os.path.join(args[1], chosen))
+elif args[:3] == ["-m", "pip", "install"]:
+    env = {{k: os.environ[k] for k in ("MAX_JOBS", "NVCC_THREADS", "FLASH_ATTN_CUDA_ARCHS") if k in os.environ}}
+    with open(here / "pip.jsonl", "a") as f:
+        f.write(json.dumps({{"argv": args[3:], "env": env}}) + "\\n")
+    installed.write_text(os.environ["FLASH_ATTN_VERSION"])
+else:
+    sys.exit("python3 stub: unexpected " + repr(args))
+"""
+
+
+def run_flash_attn_step(tmp_path: Path, *, wheels: tuple[str, ...] = (), build_env: dict | None = None,
+                        torch: str = "2.10.0a0+b4e4ee81d3.nv25.12 13.1", base_has: str = "",
+                        **env: str) -> tuple[int, str, list[dict]]:
+    """The Dockerfile's flash-attn RUN script, run by sh with the build's paths moved under
+    tmp_path and a stub python3: (exit code, output, the pip installs it ran)."""
+    script = run_step(FLASH_STEP).split(": RUN ", 1)[1]
+    script = script[script.index("set -eu;"):]
+    ctx.materialize_context([], tmp_path / "context", build_env)
+    for name in wheels:
+        (tmp_path / "context" / "wheels" / name).write_bytes(b"")
+    for old, new in (("/tmp/wheels", tmp_path / "context" / "wheels"), ("/tmp/buildenv", tmp_path / "context" /
+                     "buildenv"), ("/tmp/torch-constraint.txt", tmp_path / "torch-constraint.txt"),
+                     ("/opt/slipway/build/flash_attn_wheel.py", "flash_attn_wheel.py")):
+        script = script.replace(old, str(new))
+    stub = tmp_path / "bin" / "python3"
+    stub.parent.mkdir()
+    stub.write_text(_PYTHON3_STUB.format(python=sys.executable, repo=str(REPO)))
+    stub.chmod(0o755)
+    if base_has:  # the base's own flash-attn
+        (stub.parent / "installed").write_text(base_has)
+    args = {"FLASH_ATTN": "1", "FLASH_ATTN_VERSION": "2.8.3.post2", "FLASH_ATTN_CUDA_ARCHS": "",
+            "WHEELHOUSE": "offline", "WHEELHOUSE_DIGEST": "", **env}  # ARGs reach RUN as environment
+    base_env = {k: v for k, v in os.environ.items() if k not in ("MAX_JOBS", "NVCC_THREADS")}
+    proc = subprocess.run(["sh", "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                          env={**base_env, **args, "STUB_TORCH": torch, "PATH": f"{stub.parent}:{os.environ['PATH']}"})
+    pip = tmp_path / "bin" / "pip.jsonl"
+    installs = [json.loads(line) for line in pip.read_text().splitlines()] if pip.exists() else []
+    return proc.returncode, proc.stdout + proc.stderr, installs
+
+
+def test_flash_attn_step_installs_a_fitting_wheel_else_compiles(tmp_path: Path):
+    fitting = "flash_attn-2.8.3.post2+cu13torch2.10cxx11abiTRUE-cp312-cp312-linux_aarch64.whl"
+    other_torch = "flash_attn-2.8.3.post2+cu13torch2.9cxx11abiTRUE-cp312-cp312-linux_aarch64.whl"
+    # A wheel that fits: installed as it is, against the base's torch, nothing compiled.
+    rc, out, installs = run_flash_attn_step(tmp_path / "a", wheels=(fitting, other_torch),
+                                            build_env={"MAX_JOBS": "3"})
+    assert rc == 0, out
+    assert f"flash-attn: installing the prebuilt {fitting} from the wheelhouse" in out
+    assert f"flash-attn: not using {other_torch}: built for torch 2.9, the base has torch 2.10" in out
+    (install,) = installs
+    assert install["argv"][-1].endswith(f"/wheels/{fitting}") and "--no-build-isolation" not in install["argv"]
+    assert (tmp_path / "a" / "torch-constraint.txt").exists() is False and "flash-attn 2.8.3.post2 imports" in out
+    # Only a wheel for another torch: compiled from source, never that wheel, with buildenv's MAX_JOBS;
+    # an empty FLASH_ATTN_CUDA_ARCHS is unset (flash-attn would read "" as no architecture at all).
+    rc, out, installs = run_flash_attn_step(tmp_path / "b", wheels=(other_torch,),
+                                            build_env={"MAX_JOBS": "3", "NVCC_THREADS": "2"})
+    assert rc == 0, out
+    (install,) = installs
+    assert install["argv"][:4] == ["--no-build-isolation", "--no-binary", "flash-attn", "-c"]
+    assert install["argv"][-1] == "flash-attn==2.8.3.post2"
+    assert install["env"] == {"MAX_JOBS": "3", "NVCC_THREADS": "2"}
+    assert "flash-attn: compiling 2.8.3.post2 against torch 2.10.0a0+b4e4ee81d3.nv25.12, CUDA 13.1 on " in out
+    assert "(MAX_JOBS=3 NVCC_THREADS=2 archs 80;90;100;120): up to hours on aarch64" in out
+    # No MAX_JOBS: flash-attn chooses; an architecture list reaches the compile.
+    rc, out, installs = run_flash_attn_step(tmp_path / "c", FLASH_ATTN_CUDA_ARCHS="90")
+    assert rc == 0 and installs[0]["env"] == {"FLASH_ATTN_CUDA_ARCHS": "90"} and "MAX_JOBS=auto" in out
+    # A CPU torch, or a flash-attn that does not import: the build stops with slipway's own line.
+    rc, out, installs = run_flash_attn_step(tmp_path / "d", torch="2.13.0+cpu ")
+    assert rc == 1 and installs == []
+    assert "flash-attn FAILED: the base's torch 2.13.0+cpu is a CPU build, and flash-attn needs CUDA: set " \
+           "image.flash_attn: false or use a CUDA base" in out
+    rc, out, _ = run_flash_attn_step(tmp_path / "e", wheels=(fitting,), STUB_IMPORT_FAIL="1")
+    assert rc == 1 and "flash-attn FAILED: installed, but `import flash_attn` fails (ImportError: flash_attn_2_cuda" \
+                       ".so: undefined symbol: _ZN3c104cuda9SetDeviceEa): it does not match the base's torch " \
+                       "2.10.0a0+b4e4ee81d3.nv25.12 / CUDA 13.1" in out
+    # The base's own flash-attn: kept at FLASH_ATTN_VERSION, replaced (and said so) otherwise.
+    rc, out, installs = run_flash_attn_step(tmp_path / "g", base_has="2.8.3.post2")
+    assert rc == 0 and installs == [] and "flash-attn 2.8.3.post2: already in the base" in out
+    rc, out, installs = run_flash_attn_step(tmp_path / "h", base_has="2.7.4.post1")
+    assert rc == 0 and len(installs) == 1
+    assert "flash-attn: the base has 2.7.4.post1, replacing it with FLASH_ATTN_VERSION=2.8.3.post2 (image.build_args." \
+           "FLASH_ATTN_VERSION: 2.7.4.post1 keeps the base's)" in out
+    # FLASH_ATTN=0: nothing at all.
+    rc, out, installs = run_flash_attn_step(tmp_path / "f", FLASH_ATTN="0")
+    assert rc == 0 and installs == [] and out.strip() == "flash-attn: skipped (FLASH_ATTN=0)"
+
+
+def test_max_jobs_from_build_args_and_the_environment(project: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    base = plan_of(project)
+    plan = plan_of(project, build_args={"MAX_JOBS": "8", "NVCC_THREADS": "2"})
+    assert plan.build_env == {"MAX_JOBS": "8", "NVCC_THREADS": "2"} and plan.hash == base.hash
+    assert not [a for a in plan.podman_argv if a.startswith(("MAX_JOBS", "NVCC_THREADS"))]
+    monkeypatch.setenv("MAX_JOBS", "3")  # `MAX_JOBS=3 make image` wins over the config
+    assert plan_of(project, build_args={"MAX_JOBS": "8"}).build_env == {"MAX_JOBS": "3"}
+    monkeypatch.setenv("MAX_JOBS", "")  # set but empty: ignored
+    assert plan_of(project).build_env == {}
+    monkeypatch.setenv("MAX_JOBS", "0")
+    with pytest.raises(ConfigError, match=r"^MAX_JOBS \(in the environment of make image\): must be a whole number "
+                                          r">= 1, got '0'"):
+        plan_of(project)
+    monkeypatch.delenv("MAX_JOBS")
+    with pytest.raises(ConfigError, match=r"^image\.build_args\.NVCC_THREADS: must be a whole number"):
+        plan_of(project, build_args={"NVCC_THREADS": "lots"})
+    with pytest.raises(ConfigError, match=r"^image\.build_args\.FLASH_ATTN: must be 0 or 1, got 'yes': set "
+                                          r"image\.flash_attn"):
+        plan_of(project, build_args={"FLASH_ATTN": "yes"})
+    # The context's buildenv/flash-attn.env, read by the Dockerfile's flash-attn step with `.`.
+    ctx.materialize_context([], tmp_path / "c", {"MAX_JOBS": "4", "NVCC_THREADS": "2"})
+    env_file = tmp_path / "c" / "buildenv" / "flash-attn.env"
+    read = subprocess.run(["sh", "-c", f'set -a; . {env_file}; sh -c \'echo "$MAX_JOBS $NVCC_THREADS"\''],
+                          capture_output=True, text=True, check=True)
+    assert read.stdout == "4 2\n"
+    ctx.materialize_context([], tmp_path / "d")
+    assert (tmp_path / "d" / "buildenv" / "flash-attn.env").read_text() == ""
 
 
 # ---------------------------------------------------------------- storage.conf, requirements, Dockerfile
@@ -428,9 +979,10 @@ def test_pip_requirements_keep_the_images_torch(tmp_path: Path):
     project = toml_loads((REPO / "pyproject.toml").read_text())
     with_torch = requirements(project, have_torch=True)
     without = requirements(project, have_torch=False)
-    assert [r for r in without if r.startswith("torch")] == ["torch>=2.6"]
-    assert not [r for r in with_torch if r.split(">")[0].split("=")[0].strip() == "torch"]
-    assert set(without) - set(with_torch) == {"torch>=2.6"}
+    torch_reqs = [r for r in without if requirement_name(r) == "torch"]
+    assert len(torch_reqs) == 1 and torch_reqs[0].startswith("torch>=")
+    assert not [r for r in with_torch if requirement_name(r) == "torch"]
+    assert set(without) - set(with_torch) == set(torch_reqs)
     assert "pyyaml>=6.0" in with_torch  # the runtime deps come along (trainer.config reads YAML)
     # The script as the Dockerfile runs it, here where torch is installed.
     out = subprocess.run([sys.executable, str(REPO / "containers" / "pip_requirements.py"), str(REPO / "pyproject.toml"),
@@ -443,6 +995,18 @@ def test_pip_requirements_keep_the_images_torch(tmp_path: Path):
 def test_dockerfile_contract():
     text = (REPO / "containers" / "Dockerfile").read_text()
     assert f"ARG BASE_IMAGE={ImageSection().base_image}\n" in text  # in sync with the config default
+    # The steps the diagnosis names, each found by a text only its RUN holds.
+    runs = [step for step in dockerfile_steps() if ": RUN " in step]
+    for name, mark in STEP_NAMES:
+        assert len([r for r in runs if mark in r]) == 1, (name, mark)
+    flash = run_step(FLASH_ATTN_STEP_MARK)
+    # MAX_JOBS / NVCC_THREADS reach the compile through the buildenv/ bind mount, never as build args.
+    assert "ARG MAX_JOBS" not in text and "ARG NVCC_THREADS" not in text
+    assert "source=buildenv,target=/tmp/buildenv" in flash and ". /tmp/buildenv/flash-attn.env" in flash
+    assert "flash_attn_wheel.py /tmp/wheels" in flash and "--no-binary flash-attn" in flash
+    order = [text.index(s) for s in ("COPY src/containers/flash_attn_wheel.py", "flash-attn==$FLASH_ATTN_VERSION",
+                                     "ENV SLIPWAY_FLASH_ATTN=${FLASH_ATTN}\n", 'sh -c "$SMOKE"')]
+    assert order == sorted(order), "the image says whether it has flash-attn before the smoke test reads it"
     assert "pip install --no-build-isolation" in text and 'flash-attn==$FLASH_ATTN_VERSION' in text
     assert "ARG FLASH_ATTN=1" in text and "--no-deps" in text
     assert 'CMD ["bash"]' in text and "org.opencontainers.image.revision" in text
@@ -464,6 +1028,38 @@ def test_cli_show(project: Path, fakes: Path):
 
 
 # ---------------------------------------------------------------- a real podman build
+
+
+def real_prune_of_import_leftovers(cfg: Config, root: Path, tmp_path: Path) -> float:
+    """With the real podman: a second image (tag only, its only tag) with an `enroot.*`
+    container made from it, as an earlier import leaves it. While the container exists
+    podman refuses to remove the tag; prune removes the container, then the tag."""
+    t0 = time.perf_counter()
+    podman = Podman.find()
+    other = Config()
+    other.image = dataclasses.replace(cfg.image, build_args={"SMOKE": f"python3 -m trainer.smoke  # {uuid.uuid4()}"})
+    old = build_image(other, root=root, do_import=False, console=Console(quiet=True)).plan.tag
+    current = image_plan(cfg, root=root, enroot_mount=False, git=False).tag
+    name = f"enroot.{uuid.uuid4().hex[:10]}"
+    subprocess.run([podman.exe, "create", "--name", name, old], check=True, capture_output=True)
+    (tmp_path / name).mkdir()  # its enroot work dir (ENROOT_TEMP_PATH): an import may be running
+    quiet = Console(quiet=True)
+    try:
+        first = prune_images(cfg, keep=1, root=root, console=quiet)
+        assert not first.ok and old not in first.tags and name not in first.containers
+        assert any(f.startswith(f"podman container {name} (left by enroot import of {old}): enroot's work dir")
+                   for f in first.failed), first.failed
+        (refused,) = [f for f in first.failed if f.startswith(f"podman tag {old}: podman rmi exit ")]
+        assert "image is in use by a container" in refused  # real podman's own words
+        (tmp_path / name).rmdir()  # the import is over
+        second = prune_images(cfg, keep=1, root=root, console=quiet)
+        assert second.ok, second.failed
+        assert second.containers == [name] and old in second.tags
+        assert not [c for c in podman.containers(Enroot.CONTAINER_FILTER) if c.name == name]
+        assert not podman.image_exists(old) and podman.image_exists(current)
+    finally:
+        podman.remove_container(name)
+    return time.perf_counter() - t0
 
 
 def _podman_ok() -> str | None:
@@ -492,7 +1088,7 @@ def ensure_wheelhouse() -> Path:
     """The trainer's dependencies for the image's Python 3.11, downloaded on the host once."""
     wheels = CACHE / "wheelhouse"
     reqs = requirements(toml_loads((REPO / "pyproject.toml").read_text()), have_torch=False)
-    # The CPU torch this machine has as a wheel (the image installs whatever satisfies torch>=2.6 here).
+    # The CPU torch this machine has as a wheel (the image installs whatever satisfies pyproject's torch here).
     reqs = ["torch==2.13.0" if r.startswith("torch") else r for r in reqs]
     stamp = wheels / ".requirements"
     if stamp.is_file() and stamp.read_text() == "\n".join(reqs):
@@ -538,11 +1134,18 @@ def test_real_podman_build_then_noop(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert "smoke ok" in log
         reqs = subprocess.run(["unsquashfs", "-cat", str(result.squashfs), "opt/slipway/deps/requirements.txt"],
                               capture_output=True, text=True, check=True).stdout
-        assert "torch>=2.6" in reqs.split()  # this base has no torch: one was installed from the wheelhouse
+        # This base has no torch: pyproject's requirement went in, and one was installed from the wheelhouse.
+        assert [r for r in reqs.split() if requirement_name(r) == "torch"]
         listing = subprocess.run(["unsquashfs", "-l", str(result.squashfs)], capture_output=True, text=True).stdout
         site = "/usr/local/lib/python3.11/dist-packages"
         assert f"{site}/trainer/__init__.py" in listing and f"{site}/torch/__init__.py" in listing
         assert "/opt/slipway/configs/tiny_cpu.yaml" in listing
+        env = subprocess.run([podman, "image", "inspect", "--format", "{{.Config.Env}}", tag], capture_output=True,
+                             text=True, check=True).stdout
+        assert "SLIPWAY_FLASH_ATTN=0" in env  # what the trainer reads: built without flash-attn
+        # enroot's podman:// import made a container and left it (as upstream does without docker): removed.
+        assert any(n.startswith("removed enroot's leftover podman container enroot.") for n in result.notes)
+        assert [c for c in Podman(podman).containers(Enroot.CONTAINER_FILTER) if c.image == tag] == []
 
         # Nothing changed: no podman at all, back in well under a second or two.
         write_standins(tmp_path / "nopodman", "podman-forbidden")
@@ -553,10 +1156,12 @@ def test_real_podman_build_then_noop(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert not again.built and again.squashfs == result.squashfs
         assert calls(tmp_path / "nopodman") == []
         assert noop_s < 2.0
+        monkeypatch.setenv("PATH", os.environ["PATH"].split(os.pathsep, 1)[1])
+        prune_s = real_prune_of_import_leftovers(cfg, root, tmp_path)
         t = result.timings
         print(f"\n[real podman build] {build_s:.1f} s: build {t['build']:.1f} s ({log.count('Using cache')} steps "
               f"cached), import {t['import']:.1f} s, squashfs {img.human(result.size)}; no-op {noop_s * 1000:.0f} ms; "
-              f"smoke: {smoke!r}")
+              f"leftover + prune {prune_s:.1f} s; smoke: {smoke!r}")
     finally:
         # Keep this run's tag only: it holds podman's layer cache for the next run (removing the
         # last tag of a chain removes its cached layers too).
@@ -573,6 +1178,27 @@ def test_real_build_flash_attn_on_a_cpu_base_fails_clearly(tmp_path: Path):
     ensure_test_base()
     cfg = make_cfg(name="slipway-test", base_image=TEST_BASE, flash_attn=True, isolation="chroot",
                    output_dir=str(tmp_path / "images"))
-    with pytest.raises(ToolError, match=r"podman build failed at STEP 8/\d+: RUN .*flash-attn needs torch and CUDA "
-                                        r"in the base image: build with FLASH_ATTN=0 \(image.flash_attn: false\)"):
+    with pytest.raises(ToolError, match=r"^podman build failed at the flash-attn step \(STEP \d+/\d+\) \(exit 1\): "
+                                        r"flash-attn FAILED: the base image has no torch, and flash-attn builds "
+                                        r"against the base's torch and CUDA: set image.flash_attn: false for a base "
+                                        r"without CUDA; full log: "):
+        build_image(cfg, root=copy_sources(tmp_path / "src"), do_import=False)
+
+
+@pytest.mark.podman
+def test_real_smoke_test_requires_flash_attn_when_the_image_says_so(tmp_path: Path):
+    """SLIPWAY_FLASH_ATTN=1 (what FLASH_ATTN=1 sets in the image) without flash-attn fails the
+    build at the smoke test; set through SMOKE here, so every layer before it comes from the cache."""
+    reason = _podman_ok()
+    if reason:
+        pytest.skip(reason)
+    ensure_test_base()
+    cfg = make_cfg(name="slipway-test", base_image=TEST_BASE, flash_attn=False, isolation="chroot",
+                   wheelhouse=str(ensure_wheelhouse()), output_dir=str(tmp_path / "images"),
+                   build_args={"SMOKE": f"SLIPWAY_FLASH_ATTN=1 python3 -m trainer.smoke  # {uuid.uuid4().hex[:8]}"})
+    with pytest.raises(ToolError, match=r"^podman build failed at the smoke test \(STEP \d+/\d+\) \(exit 1\): smoke "
+                                        r"FAILED: RuntimeError: the image was built with flash-attn "
+                                        r"\(SLIPWAY_FLASH_ATTN=1\) but `import flash_attn` fails "
+                                        r"\(ModuleNotFoundError: No module named 'flash_attn'\): .*or set "
+                                        r"image.flash_attn: false\. Fix: the smoke test runs one training step"):
         build_image(cfg, root=copy_sources(tmp_path / "src"), do_import=False)

@@ -1,0 +1,147 @@
+"""`python -m containers prune`: old squashfs files, their records, logs and podman
+tags, leftovers of interrupted builds, and the stopped `enroot.*` podman
+containers that enroot's `podman://` import leaves (see containers.tools.Enroot),
+which keep their image in use so that removing its tag fails. What cannot be
+removed is reported, one line each, and makes the command exit non-zero.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.markup import escape
+
+from containers.context import project_root, resolve_path
+from containers.image import human, image_plan, resolve_image, stale_temps
+from containers.tools import Enroot, Podman, ToolError
+from trainer.config import ConfigError
+
+if TYPE_CHECKING:
+    from jobs.config import Config
+
+_IMAGE_FILE = r"{name}-(?P<h>[0-9a-f]{{12}})\.sqsh"
+
+
+@dataclass
+class PruneResult:
+    removed: list[Path] = field(default_factory=list)  # files and directories
+    containers: list[str] = field(default_factory=list)  # enroot's leftover podman containers
+    tags: list[str] = field(default_factory=list)  # podman tags
+    failed: list[str] = field(default_factory=list)  # one line each: what stayed, and why
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+class _Report:
+    def __init__(self, console: Console, result: PruneResult):
+        self.console, self.result = console, result
+
+    def done(self, what: str) -> None:
+        self.console.print(f"removed {what}", highlight=False, markup=False)
+
+    def failed(self, what: str) -> None:
+        self.result.failed.append(what)
+        self.console.print(f"[yellow]could not remove[/] {escape(what)}", highlight=False)
+
+
+def _remove_path(path: Path, result: PruneResult, report: _Report, label: str | None = None) -> bool:
+    try:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        report.failed(f"{path}: {exc.strerror or exc}")
+        return False
+    result.removed.append(path)
+    report.done(label or str(path))
+    return True
+
+
+def _prune_import_leftovers(podman: Podman, name: str, result: PruneResult, report: _Report) -> None:
+    """Stopped `enroot.*` containers made from any of this image's tags. One whose enroot
+    work dir still exists belongs to an import that may be running: left alone."""
+    try:
+        containers = podman.containers(Enroot.CONTAINER_FILTER)
+    except ToolError as exc:
+        report.failed(f"enroot's leftover podman containers: cannot list them ({exc})")
+        return
+    for c in containers:
+        if not c.image.startswith(f"localhost/{name}:"):
+            continue
+        what = f"podman container {c.name} (left by enroot import of {c.image})"
+        workdir = Enroot.temp_dir() / c.name
+        if c.state in ("running", "paused"):
+            report.failed(f"{what}: it is {c.state}; `podman rm -f {c.name}` if nothing uses it")
+        elif workdir.exists():
+            report.failed(f"{what}: enroot's work dir {workdir} exists, so an import may still be running; "
+                          "prune again once it is done (or remove that dir if no import runs)")
+        elif outcome := podman.remove_container(c.id):
+            result.containers.append(c.name)
+            report.done(what)
+        else:
+            report.failed(f"{what}: podman rm {outcome.why}")
+
+
+def prune_images(cfg: "Config", keep: int = 1, *, root: Path | None = None,
+                 console: Console | None = None) -> PruneResult:
+    """Remove all but the current image and the newest others, up to `keep`
+    squashfs files in all, with their records, logs and podman tags; enroot's
+    leftover containers of any of this image's tags; stale build leftovers."""
+    if keep < 1:
+        raise ConfigError("--keep", f"must be >= 1 (the current image is always kept), got {keep}")
+    console = console or Console()
+    result = PruneResult()
+    report = _Report(console, result)
+    root = (root or project_root()).resolve()
+    out = resolve_path(root, cfg.image.output_dir)
+    name = cfg.image.name
+    pattern = re.compile(_IMAGE_FILE.format(name=re.escape(name)))
+    images = sorted((p for p in out.glob(f"{name}-*.sqsh") if pattern.fullmatch(p.name) and not p.is_symlink()),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    current = resolve_image(cfg, root=root)
+    kept = [p for p in images if current and p.resolve() == current]
+    kept += [p for p in images if p not in kept][: keep - len(kept)]
+    for img in images:
+        if img in kept:
+            continue
+        h12 = pattern.fullmatch(img.name).group("h")
+        size = img.stat().st_size
+        if _remove_path(img, result, report, f"{img} ({human(size)})"):
+            for path in (out / f"{name}-{h12}.json", out / "logs" / f"{name}-{h12}.log"):
+                _remove_path(path, result, report)
+    # Leftovers of interrupted builds and imports.
+    old = time.time() - 86400
+    leftovers = [p for p in [*out.glob(".context-*"), *out.glob(".build-*.yaml")] if p.stat().st_mtime < old]
+    for leftover in leftovers + stale_temps(out, f".{name}-*.sqsh.tmp-*"):
+        _remove_path(leftover, result, report)
+    if Podman.available():
+        podman = Podman.find()
+        # First the containers: while one exists, podman refuses to remove its image's tag.
+        _prune_import_leftovers(podman, name, result, report)
+        keep_tags = {f"localhost/{name}:{pattern.fullmatch(p.name).group('h')}" for p in kept}
+        try:
+            keep_tags.add(image_plan(cfg, root=root, enroot_mount=False, git=False).tag)
+        except (ConfigError, ToolError):
+            pass
+        for tag in podman.tags(f"localhost/{name}"):
+            if tag in keep_tags:
+                continue
+            if outcome := podman.untag(tag):
+                result.tags.append(tag)
+                report.done(f"podman tag {tag}")
+            else:
+                report.failed(f"podman tag {tag}: podman rmi {outcome.why}")
+        if result.tags:
+            console.print("podman keeps their unshared layers as build cache: `podman image prune` frees them",
+                          highlight=False, markup=False)
+    if not (result.removed or result.containers or result.tags or result.failed):
+        console.print(f"nothing to prune: {len(kept)} image(s) kept in {out}", highlight=False, markup=False)
+    return result
