@@ -3,23 +3,36 @@
 One run prints, side by side, steady-state tokens/s, model TFLOP/s, MFU (null
 on CPU or an unknown GPU) and peak memory for:
 
-  ours          `trainer.train.train` in one process (what `python -m trainer` runs)
+  ours          `trainer.train.train` in one process (what `python -m trainer` runs),
+                with its defaults: losses kept on the device between logged steps,
+                batches read ahead, device-side non-finite skip, gc every 50 steps
   ours fsdp x2  the same under `torchrun --nproc-per-node 2`, dp=2 (FSDP2); opt-in
   bare          a plain loop on the same `trainer.model.Transformer`: same batch,
-                AdamW (fused on CUDA, foreach on CPU), grad clipping, same dtype
-  torchtitan    torchtitan 0.3.0 from PyPI in its own venv (.cache/bench-venv),
-                its llama3 trainer with the same dimensions, batch and sequence
-                length, its logged tps parsed; "not run: <reason>" when it cannot
+                fused AdamW, grad clipping, same dtype, compile and activation
+                checkpointing; one host sync at the end of the timed steps
+  torchtitan    torchtitan 0.3.0 from PyPI in its own venv (.cache/bench-venv), its
+                llama3 trainer with the same dimensions, batch, sequence length,
+                dtype, compile and activation checkpointing, logging as often as
+                ours; its logged tps parsed. It needs CUDA (it picks device cuda
+                even without one), so on CPU it runs only with --torchtitan.
 
 The overhead ratio is ours / bare tokens/s (1.00 = no overhead). FLOPs per
-token follow torchtitan's convention (`trainer.model.num_flops_per_token`).
-Every case runs in a fresh process (peak memory is per case), the first
-`--warmup` steps are left out. Data is synthetic random tokens unless
-`--data builtin` (the shipped corpus and tokenizer; ours only).
+token follow torchtitan's convention (`trainer.model.num_flops_per_token`, the
+padded vocabulary included) for every case. Every case runs in a fresh process
+(peak memory is per case); the first `--warmup` steps are left out, and so is
+each trainer's first logged window. The model is untied in every case
+(torchtitan's llama3 has no tied embeddings). Data is synthetic random tokens
+unless `--data builtin` (the shipped corpus and tokenizer; ours only).
 
-    .venv/bin/python bench/trainer.py                       # CPU: a small model
-    .venv/bin/python bench/trainer.py --device cuda         # tiny (109M) at seq 512, bf16
-    .venv/bin/python bench/trainer.py --fsdp2 --no-torchtitan
+    .venv/bin/python bench/trainer.py                       # CPU: a small model, ours vs bare
+    .venv/bin/python bench/trainer.py --device cuda         # tiny (109M) at seq 512, bf16, eager
+    .venv/bin/python bench/trainer.py --matrix              # CUDA: the issue-10 comparison, see below
+    .venv/bin/python bench/trainer.py --compile --ac selective --no-torchtitan
+
+`--matrix` (CUDA) runs the tiny preset at seq 512 (micro batch 16) and the ~1.1B
+`base` preset at seq 2048 (micro batch 4), each eager and compiled, each without
+and with selective (per-op) activation checkpointing: ours, torchtitan and bare
+for every one of the 8 settings, in one table.
 """
 
 from __future__ import annotations
@@ -40,10 +53,15 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH_VENV = ROOT / ".cache" / "bench-venv"
 TORCHTITAN_VERSION = "0.3.0"
 
-# Case defaults per device (a preset name or explicit dimensions).
+# Case defaults per device (a preset name or explicit dimensions). Both trainers log (and so
+# wait for the device) every log_interval steps; the timed windows start after `warmup`.
 CPU_DEFAULTS = dict(preset="custom", hidden=256, layers=4, heads=4, kv_heads=4, vocab=4096, ffn=None,
-                    seq_len=256, micro_batch=8, steps=12, warmup=3, dtype="float32")
-CUDA_DEFAULTS = dict(preset="tiny", seq_len=512, micro_batch=16, steps=60, warmup=10, dtype="bfloat16")
+                    seq_len=256, micro_batch=8, steps=24, warmup=4, log_interval=4, dtype="float32")
+CUDA_DEFAULTS = dict(preset="tiny", seq_len=512, micro_batch=16, steps=60, warmup=10, log_interval=10,
+                     dtype="bfloat16")
+# --matrix: (label, preset, seq_len, micro batch, steps) x (compile, activation checkpointing).
+MATRIX_MODELS = (("tiny 109M", "tiny", 512, 16, 60), ("base 1.1B", "base", 2048, 4, 40))
+MATRIX_VARIANTS = ((False, "none"), (True, "none"), (False, "selective"), (True, "selective"))
 
 
 # --------------------------------------------------------------------------
@@ -64,7 +82,7 @@ def model_dict(args: argparse.Namespace) -> dict[str, Any]:
     if base.get("num_kv_heads") is None:
         base["num_kv_heads"] = base["num_heads"]
     base["max_position_embeddings"] = max(args.seq_len, base.get("max_position_embeddings") or 0)
-    base.setdefault("tie_embeddings", False)
+    base["tie_embeddings"] = False  # torchtitan's llama3 cannot tie them: the same model everywhere
     base["size"] = "custom"
     base["init_std"] = 0.02
     return base
@@ -78,9 +96,9 @@ def trainer_config(args: argparse.Namespace, dp: int) -> dict[str, Any]:
         "data": {"dataset": "builtin", "tokenizer": "builtin", "seq_len": args.seq_len},
         "train": {"steps": args.steps, "micro_batch_size": args.micro_batch, "grad_accum_steps": 1,
                   "lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 0, "decay": "constant", "dtype": args.dtype,
-                  "compile": args.compile, "eval_interval": 0},
+                  "compile": args.compile, "activation_checkpointing": args.ac, "eval_interval": 0},
         "checkpoint": {"interval": 10**9, "keep_last": 1},
-        "logging": {"interval": 1},
+        "logging": {"interval": args.log_interval},
     }
 
 
@@ -119,11 +137,18 @@ def random_data(cfg, run_dir, dp_rank, dp_size):
 
 
 def steady(records: list[dict], warmup: int) -> dict[str, Any]:
-    """Tokens/s etc. over the logged steps after `warmup` (every step is logged)."""
-    kept = [r for r in records if r["step"] > warmup] or records[-1:]
-    elapsed = sum(r["step_time_s"] for r in kept)
-    tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in kept)
-    return {"steps_timed": len(kept), "step_time_s": elapsed / len(kept), "tokens_per_s": tokens / elapsed,
+    """Tokens/s etc. over the logged windows that start at or after step `warmup`. A record
+    covers the steps since the one before it (the trainer logs every log_interval steps, and
+    an attempt's first step as a warm-up without throughput)."""
+    records = sorted(records, key=lambda r: r["step"])
+    windows = [(r["step"] - prev["step"], r) for prev, r in zip(records, records[1:])
+               if prev["step"] >= warmup and r["tokens_per_s"] is not None]
+    if not windows:
+        raise ValueError(f"no logged window starts at or after step {warmup}: raise --steps or lower --warmup")
+    elapsed = sum(n * r["step_time_s"] for n, r in windows)
+    tokens = sum(n * r["step_time_s"] * r["tokens_per_s"] for n, r in windows)
+    steps = sum(n for n, _ in windows)
+    return {"steps_timed": steps, "step_time_s": elapsed / steps, "tokens_per_s": tokens / elapsed,
             "peak_memory_gib": max(r["peak_memory_gib"] for r in records)}
 
 
@@ -135,6 +160,8 @@ def case_ours(args: argparse.Namespace) -> dict[str, Any]:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     raw = trainer_config(args, dp=world)
+    if args.hang_timeout is not None:  # --watchdog-cost: the hang watchdog (trainer/watchdog.py) off with 0
+        raw["train"]["hang_timeout"] = args.hang_timeout
     cfg = from_dict(TrainerConfig, raw)
     run_dir = Path(tempfile.mkdtemp(prefix="slipway-bench-trainer-")) if world == 1 else Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -151,17 +178,27 @@ def case_ours(args: argparse.Namespace) -> dict[str, Any]:
         out = steady(records, args.warmup)
         out["tokens_per_s_per_device"] = out["tokens_per_s"] / world
         out["processes"] = world
+        out["peak_reserved_gib"] = _peak_reserved(args)
         return out
     finally:
         if world == 1:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _peak_reserved(args: argparse.Namespace) -> Optional[float]:
+    """CUDA: the caching allocator's peak reservation (what torchtitan reports); None on CPU."""
+    import torch
+
+    return torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None
+
+
 def case_bare(args: argparse.Namespace) -> dict[str, Any]:
-    """The least a training step can do on the same model: no trainer in the way."""
+    """The least a training step can do on the same model: no trainer in the way. The same
+    compile and activation checkpointing as ours (they change the model, not the loop)."""
     import torch
     import torch.nn.functional as F
 
+    from trainer.compute import apply_ac
     from trainer.config import from_dict, ModelSection
     from trainer.metrics import peak_memory_gib
     from trainer.model import Transformer, select_attention
@@ -171,11 +208,11 @@ def case_bare(args: argparse.Namespace) -> dict[str, Any]:
     mcfg = from_dict(ModelSection, model_dict(args))
     torch.manual_seed(0)
     model = Transformer(mcfg, select_attention(mcfg, device, dtype)).to(device)
+    apply_ac(model, args.ac, "op")
     if args.compile:
         for layer in model.layers.values():
             layer.compile()
-    extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01, **extra)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     data = RandomTokens(mcfg.vocab_size, args.micro_batch, args.seq_len, 1)
     autocast = dtype != torch.float32
 
@@ -183,11 +220,12 @@ def case_bare(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    times = []
-    for _ in range(args.steps):
+    losses = []
+    for step in range(args.steps):
+        if step == args.warmup:  # the timed steps: no host sync until they are all done
+            sync()
+            t0 = time.perf_counter()
         inputs, targets = (t.to(device, non_blocking=True) for t in data.next_batch())
-        sync()
-        t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=dtype, enabled=autocast):
             logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
@@ -195,13 +233,14 @@ def case_bare(args: argparse.Namespace) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss.item()  # a step is done when its loss is known (the trainer logs every step too)
-        times.append(time.perf_counter() - t0)
-    kept = times[args.warmup:] or times[-1:]
-    tokens = args.micro_batch * args.seq_len
-    return {"steps_timed": len(kept), "step_time_s": sum(kept) / len(kept),
-            "tokens_per_s": tokens * len(kept) / sum(kept), "tokens_per_s_per_device": tokens * len(kept) / sum(kept),
-            "peak_memory_gib": peak_memory_gib(device), "processes": 1}
+        losses.append(loss.detach())
+    torch.stack(losses).tolist()  # the loop is done when its losses are known
+    elapsed = time.perf_counter() - t0
+    timed = args.steps - args.warmup
+    tokens = args.micro_batch * args.seq_len * timed
+    return {"steps_timed": timed, "step_time_s": elapsed / timed, "tokens_per_s": tokens / elapsed,
+            "tokens_per_s_per_device": tokens / elapsed, "peak_memory_gib": peak_memory_gib(device),
+            "peak_reserved_gib": _peak_reserved(args), "processes": 1}
 
 
 def run_case_here(args: argparse.Namespace) -> int:
@@ -219,13 +258,15 @@ def run_case_here(args: argparse.Namespace) -> int:
 # A config module for torchtitan's ConfigManager (`--module slipway_titan --config slipway_llama`):
 # its llama3 model config with our dimensions, fp32/bf16 like ours, the shipped
 # corpus and tokenizer (torchtitan's own test assets are not in the wheel), no
-# checkpoints, no activation checkpointing, no validation, no compile.
+# checkpoints, no validation; compile and activation checkpointing as ours (torchtitan's
+# default is selective AC: it is set explicitly, None for none), logging as often as ours.
 TITAN_MODULE = """
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets import text_datasets
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
@@ -267,9 +308,10 @@ def slipway_llama():
         training=TrainingConfig(local_batch_size=P["batch"], seq_len=P["seq_len"], steps=P["steps"],
                                 dtype="float32", mixed_precision_param=P["dtype"]),
         dataloader=HuggingFaceTextDataLoader.Config(dataset="slipway_builtin"),
-        metrics=MetricsProcessor.Config(log_freq=1),
+        metrics=MetricsProcessor.Config(log_freq=P["log_freq"]),
         parallelism=ParallelismConfig(),
         checkpoint=CheckpointManager.Config(enable=False),
+        activation_checkpoint={{"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}}[P["ac"]],
         compile=CompileConfig(enable=P["compile"]),
         dump_folder=P["dump"],
     )
@@ -310,7 +352,7 @@ def run_torchtitan(args: argparse.Namespace) -> tuple[Optional[dict], str]:
         params = dict(dim=mcfg["hidden_size"], heads=mcfg["num_heads"], kv_heads=mcfg["num_kv_heads"],
                       layers=mcfg["num_layers"], vocab=mcfg["vocab_size"], ffn=mcfg["intermediate_size"],
                       seq_len=args.seq_len, batch=args.micro_batch, steps=args.steps, dtype=args.dtype,
-                      compile=args.compile, corpus=str(ROOT / "trainer" / "assets" / "corpus.jsonl.gz"),
+                      compile=args.compile, ac=args.ac, log_freq=args.log_interval, corpus=str(ROOT / "trainer" / "assets" / "corpus.jsonl.gz"),
                       assets=str(assets), dump=str(work / "dump"))
         (work / "slipway_titan.py").write_text(TITAN_MODULE.format(params=params))
         argv = [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
@@ -339,16 +381,20 @@ def run_torchtitan(args: argparse.Namespace) -> tuple[Optional[dict], str]:
                 reason = (f"torchtitan {TORCHTITAN_VERSION} needs CUDA: without an accelerator it still picks device "
                           f"'cuda' (torchtitan/tools/utils.py) and fails in Trainer.__init__ ({reason})")
             return None, reason
-        kept = [r for r in rows if r["step"] > args.warmup] or rows[-1:]
-        # tps per logged step (log_freq 1); the steady figure is tokens over time, not a mean of rates.
+        # tps of each logged window (log_freq steps since the previous line); the steady figure is
+        # tokens over time across the windows that start at or after --warmup, as for ours.
+        windows = [(r["step"] - prev["step"], r) for prev, r in zip(rows, rows[1:]) if prev["step"] >= args.warmup]
+        if not windows:
+            return None, f"no logged window starts at or after step {args.warmup}: raise --steps"
         tokens = args.micro_batch * args.seq_len
-        tps = len(kept) * tokens / sum(tokens / r["tps"] for r in kept)
-        mfu = None if kept[-1]["mfu"] in ("N/A", "n/a") else float(kept[-1]["mfu"].rstrip("%")) / 100
+        tps = sum(n * tokens for n, _ in windows) / sum(n * tokens / r["tps"] for n, r in windows)
+        last = windows[-1][1]
+        mfu = None if last["mfu"] in ("N/A", "n/a") else float(last["mfu"].rstrip("%")) / 100
         version = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True,
                                  text=True).stdout.strip()
-        return {"steps_timed": len(kept), "tokens_per_s": tps, "tokens_per_s_per_device": tps,
-                "peak_memory_gib": max(r["mem"] for r in rows), "processes": 1, "titan_mfu": mfu,
-                "torch": version, "memory_kind": "torchtitan max_reserved"}, output
+        return {"steps_timed": sum(n for n, _ in windows), "tokens_per_s": tps, "tokens_per_s_per_device": tps,
+                "peak_memory_gib": None, "peak_reserved_gib": max(r["mem"] for r in rows), "processes": 1,
+                "titan_mfu": mfu, "torch": version}, output
     finally:
         if not os.environ.get("SLIPWAY_BENCH_KEEP"):
             shutil.rmtree(work, ignore_errors=True)
@@ -362,7 +408,8 @@ def run_torchtitan(args: argparse.Namespace) -> tuple[Optional[dict], str]:
 def case_argv(args: argparse.Namespace, case: str) -> list[str]:
     argv = [str(Path(__file__).resolve()), "--case", case, "--device", args.device, "--preset", args.preset,
             "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--dtype", args.dtype, "--data", args.data]
+            "--warmup", str(args.warmup), "--log-interval", str(args.log_interval), "--dtype", args.dtype,
+            "--data", args.data, "--ac", args.ac]
     for flag, value in (("--hidden", args.hidden), ("--layers", args.layers), ("--heads", args.heads),
                         ("--kv-heads", args.kv_heads), ("--vocab", args.vocab), ("--ffn", args.ffn)):
         if value is not None:
@@ -428,12 +475,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--micro-batch", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--warmup", type=int, help="leading steps left out of the figures")
+    parser.add_argument("--log-interval", type=int, help="steps between logged (host-synced) steps, ours and "
+                        "torchtitan's; CPU default 4, CUDA 10")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="CPU default float32, CUDA bfloat16")
     parser.add_argument("--data", choices=("synthetic", "builtin"), default="synthetic",
                         help="ours only: random tokens, or the shipped corpus and tokenizer")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each block (ours and bare)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block (every case)")
+    parser.add_argument("--ac", choices=("none", "selective", "full"), default="none",
+                        help="activation checkpointing (every case; selective = per op)")
+    parser.add_argument("--matrix", action="store_true", help="CUDA: tiny at seq 512 and base (1.1B) at seq 2048, "
+                        "each eager/compiled x no/selective activation checkpointing, ours, bare and torchtitan")
     parser.add_argument("--fsdp2", action="store_true", help="also run ours on 2 processes, dp=2 (FSDP2)")
     parser.add_argument("--no-torchtitan", action="store_true", help="skip torchtitan")
+    parser.add_argument("--torchtitan", action="store_true", help="try torchtitan on CPU too (it needs CUDA)")
     parser.add_argument("--no-install", action="store_true",
                         help="use .cache/bench-venv only if it exists; never pip install")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every case (CPU: torchrun's default "
@@ -442,6 +496,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--case", choices=("ours", "bare"), help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--watchdog-cost", type=int, default=0, metavar="N",
+                        help="only this: ours N times with the hang watchdog on and N times off, alternating; "
+                             "the ratio of their tokens/s")
+    parser.add_argument("--hang-timeout", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.device is None:
@@ -450,19 +508,143 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
         except ImportError:
             args.device = "cpu"
+    if args.matrix and args.device != "cuda":
+        parser.error("--matrix compares GPU runs (compile, bf16, torchtitan): it needs --device cuda")
+    apply_defaults(args)
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every case's process
+    if args.case:
+        return run_case_here(args)
+    if args.watchdog_cost:
+        return drive_watchdog_cost(args)
+    if args.matrix:
+        return drive_matrix(args)
+    return drive(args)
+
+
+def drive_watchdog_cost(args: argparse.Namespace) -> int:
+    """--watchdog-cost N: ours N times with the hang watchdog on (the default train.hang_timeout: its
+    thread, the step marks, rank 0's progress.json) and N times off (train.hang_timeout 0),
+    alternating so that the machine's drift falls on both; the ratio of the medians, 1.00 for none."""
+    import statistics
+
+    sys.path.insert(0, str(ROOT))
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(args.watchdog_cost):
+        for label, extra in (("on", []), ("off", ["--hang-timeout", "0"])):
+            result, output = run_subprocess([sys.executable, *case_argv(args, "ours"), *extra], args.timeout)
+            if result is None:
+                print(f"ours, watchdog {label}: not run: {first_error(output)}", file=sys.stderr)
+                return 1
+            rates[label].append(result["tokens_per_s"])
+            print(f"  ours, watchdog {label} (run {i + 1}): {result['tokens_per_s']:,.0f} tok/s", file=sys.stderr,
+                  flush=True)
+    on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    pairs = ", ".join(f"{a / b:.3f}" for a, b in zip(rates["on"], rates["off"]))
+    print(f"hang watchdog cost: on / off = {on / off:.3f} (medians of {args.watchdog_cost} runs each: {on:,.0f} vs "
+          f"{off:,.0f} tokens/s; run by run {pairs})")
+    if args.json:
+        args.json.write_text(json.dumps({"watchdog_on": rates["on"], "watchdog_off": rates["off"],
+                                         "ratio_of_medians": on / off}, indent=1))
+    return 0
+
+
+def apply_defaults(args: argparse.Namespace) -> None:
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     if args.preset is not None and args.preset != "custom" and args.device == "cpu":
         defaults = {**defaults, "hidden": None, "layers": None, "heads": None, "kv_heads": None, "vocab": None}
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    if args.case:
-        return run_case_here(args)
-    return drive(args)
 
 
 def fmt(value: Any, spec: str) -> str:
     return "null" if value is None else format(value, spec)
+
+
+def describe(args: argparse.Namespace, flops_per_token: int) -> str:
+    import torch
+
+    from trainer.config import from_dict, ModelSection
+
+    mcfg = from_dict(ModelSection, model_dict(args))
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    return (f"model: hidden {mcfg.hidden_size}, ffn {mcfg.intermediate_size}, {mcfg.num_layers} layers, "
+            f"{mcfg.num_heads} heads ({mcfg.num_kv_heads} kv), vocab {mcfg.vocab_size} (padded {mcfg.padded_vocab_size} "
+            f"in ours), untied, {mcfg.num_params() / 1e6:.1f}M params; micro batch {args.micro_batch} x seq "
+            f"{args.seq_len}, {args.dtype}, {args.steps} steps ({args.warmup} warmup left out, logged every "
+            f"{args.log_interval}), data {args.data}; {device_name}, OMP_NUM_THREADS "
+            f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; torch {torch.__version__}; "
+            f"{flops_per_token / 1e6:.1f} MFLOP/token")
+
+
+def run_cases(args: argparse.Namespace) -> list[tuple[str, Optional[dict], str]]:
+    """ours, (ours x2), bare, torchtitan for one setting; each (name, result or None, output or reason)."""
+    cases: list[tuple[str, Optional[dict], str]] = []
+
+    def add(name: str, result: Optional[dict], output: str) -> None:
+        cases.append((name, result, output))
+        setting = f"compile {'on' if args.compile else 'off'}, ac {args.ac}"
+        if result is None:
+            reason = first_error(output) if "\n" in output else output
+            reason = reason if reason.startswith("not run") else f"not run: {reason}"
+            print(f"  {name} ({setting}): {reason}", file=sys.stderr, flush=True)
+        else:
+            print(f"  {name} ({setting}): {result['tokens_per_s']:,.0f} tok/s", file=sys.stderr, flush=True)
+
+    add("ours (1 process)", *run_subprocess([sys.executable, *case_argv(args, "ours")], args.timeout))
+    if args.fsdp2:
+        add("ours (2 processes, fsdp dp=2)", *run_ours_fsdp2(args))
+    add("bare PyTorch loop", *run_subprocess([sys.executable, *case_argv(args, "bare")], args.timeout))
+    name = f"torchtitan {TORCHTITAN_VERSION}"
+    if args.no_torchtitan:
+        add(name, None, "not run: --no-torchtitan")
+    elif args.device == "cpu" and not args.torchtitan:
+        add(name, None, f"not run: torchtitan {TORCHTITAN_VERSION} needs CUDA (it picks device cuda even without "
+                        "one and fails in Trainer.__init__); --torchtitan tries anyway")
+    else:
+        add(name, *run_torchtitan(args))
+    return cases
+
+
+def table_rows(cases: list[tuple[str, Optional[dict], str]], flops_per_token: int, peak: Optional[float],
+               prefix: str = "") -> tuple[list[str], list[dict]]:
+    """Printed rows and JSON records: each case against bare (ours/bare = the overhead) and
+    against torchtitan (ours/torchtitan > 1: ours is faster)."""
+    bare = next((r for n, r, _ in cases if n.startswith("bare")), None)
+    titan = next((r for n, r, _ in cases if n.startswith("torchtitan")), None)
+    lines, records = [], []
+    for name, r, output in cases:
+        if r is None:
+            reason = output if "\n" not in output else first_error(output)
+            reason = reason if reason.startswith("not run") else f"not run: {reason}"
+            lines.append(f"| {prefix}{name:<32} | {reason} |")
+            records.append({"case": name, "not_run": reason})
+            continue
+        per_dev = r["tokens_per_s_per_device"]
+        tflops = flops_per_token * per_dev / 1e12
+        mfu = tflops * 1e12 / peak if peak else None
+        vs_bare = per_dev / bare["tokens_per_s"] if bare else None
+        vs_titan = per_dev / titan["tokens_per_s_per_device"] if titan else None
+        lines.append(f"| {prefix}{name:<32} | {r['tokens_per_s']:>10,.0f} | {per_dev:>10,.0f} | {tflops:>11.4f} | "
+                     f"{fmt(mfu and 100 * mfu, '5.1f'):>6} | {fmt(r.get('peak_memory_gib'), '.2f'):>10} | "
+                     f"{fmt(r.get('peak_reserved_gib'), '.2f'):>9} | {fmt(vs_bare, '.3f'):>7} | "
+                     f"{fmt(vs_titan, '.3f'):>7} |")
+        records.append({"case": name, **r, "tflops_per_device": tflops, "mfu": mfu, "vs_bare": vs_bare,
+                        "vs_torchtitan": vs_titan})
+    return lines, records
+
+
+HEADER = (f"| {'case':<32} | {'tokens/s':>10} | {'tok/s/dev':>10} | {'TFLOP/s/dev':>11} | {'MFU %':>6} | "
+          f"{'alloc GiB':>10} | {'resv GiB':>9} | {'vs bare':>7} | {'vs titan':>7} |")
+MEMORY_NOTE = ("peak memory: alloc = CUDA max allocated (ours, bare; on CPU the max RSS), resv = CUDA max reserved "
+               "(all three: torchtitan logs only that).")
+
+
+def print_header(prefix_width: int = 0, prefix: str = "") -> None:
+    header = HEADER.replace("| ", f"| {prefix:<{prefix_width}}", 1) if prefix_width else HEADER
+    print(header)
+    print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
 
 
 def drive(args: argparse.Namespace) -> int:
@@ -473,66 +655,59 @@ def drive(args: argparse.Namespace) -> int:
     from trainer.metrics import peak_flops
     from trainer.model import num_flops_per_token
 
-    if args.threads:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every case's process
-    mcfg = from_dict(ModelSection, model_dict(args))
-    flops_per_token = num_flops_per_token(mcfg, args.seq_len)
+    flops_per_token = num_flops_per_token(from_dict(ModelSection, model_dict(args)), args.seq_len)
     peak = peak_flops(torch.device(args.device)) if args.device == "cuda" else None
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    print(f"model: hidden {mcfg.hidden_size}, ffn {mcfg.intermediate_size}, {mcfg.num_layers} layers, "
-          f"{mcfg.num_heads} heads ({mcfg.num_kv_heads} kv), vocab {mcfg.vocab_size}, "
-          f"tied {mcfg.tie_embeddings}, {mcfg.num_params() / 1e6:.1f}M params; micro batch {args.micro_batch} x "
-          f"seq {args.seq_len}, {args.dtype}, {args.steps} steps ({args.warmup} warmup left out), data {args.data}; "
-          f"{device_name}, OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'unset')}; torch {torch.__version__}; {flops_per_token / 1e6:.1f} MFLOP/token", flush=True)
-
-    cases: list[tuple[str, Optional[dict], str]] = []
-
-    def add(name: str, result: Optional[dict], output: str) -> None:
-        cases.append((name, result, output))
-        if result is None:
-            reason = first_error(output) if "\n" in output else output
-            print(f"  {name}: not run: {reason}", file=sys.stderr, flush=True)
-        else:
-            print(f"  {name}: {result['tokens_per_s']:,.0f} tok/s", file=sys.stderr, flush=True)
-
-    add("ours (1 process)", *run_subprocess([sys.executable, *case_argv(args, "ours")], args.timeout))
-    if args.fsdp2:
-        add("ours (2 processes, fsdp dp=2)", *run_ours_fsdp2(args))
-    add("bare PyTorch loop", *run_subprocess([sys.executable, *case_argv(args, "bare")], args.timeout))
-    if args.no_torchtitan:
-        add(f"torchtitan {TORCHTITAN_VERSION}", None, "not run: --no-torchtitan")
-    else:
-        add(f"torchtitan {TORCHTITAN_VERSION}", *run_torchtitan(args))
-
-    ours = cases[0][1]
-    bare = next(r for n, r, _ in cases if n.startswith("bare"))
-    header = (f"| {'case':<32} | {'tokens/s':>10} | {'tok/s/dev':>10} | {'TFLOP/s/dev':>11} | {'MFU':>6} | "
-              f"{'peak mem GiB':>12} | {'vs bare':>7} |")
+    print(describe(args, flops_per_token) + f"; compile {'on' if args.compile else 'off'}, activation "
+          f"checkpointing {args.ac}", flush=True)
+    cases = run_cases(args)
+    lines, records = table_rows(cases, flops_per_token, peak)
     print()
-    print(header)
-    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
-    table = []
-    for name, r, output in cases:
-        if r is None:
-            reason = output if "\n" not in output else first_error(output)
-            reason = reason if reason.startswith("not run") else f"not run: {reason}"
-            print(f"| {name:<32} | {reason} |")
-            table.append({"case": name, "not_run": reason})
-            continue
-        per_dev = r["tokens_per_s_per_device"]
-        tflops = flops_per_token * per_dev / 1e12
-        mfu = tflops * 1e12 / peak if peak else None
-        ratio = per_dev / bare["tokens_per_s"] if bare else None
-        print(f"| {name:<32} | {r['tokens_per_s']:>10,.0f} | {per_dev:>10,.0f} | {tflops:>11.4f} | "
-              f"{fmt(mfu and 100 * mfu, '5.1f'):>6} | {r['peak_memory_gib']:>12.2f} | {fmt(ratio, '.2f'):>7} |")
-        table.append({"case": name, **r, "tflops_per_device": tflops, "mfu": mfu, "vs_bare": ratio})
+    print_header()
+    print("\n".join(lines))
+    ours, bare = cases[0][1], next(r for n, r, _ in cases if n.startswith("bare"))
     if ours and bare:
         print(f"\ntrainer overhead: ours / bare = {ours['tokens_per_s'] / bare['tokens_per_s']:.3f} "
               f"(step {1e3 * ours['step_time_s']:.1f} ms vs {1e3 * bare['step_time_s']:.1f} ms)")
-    print("peak memory: CUDA max allocated (torchtitan: max reserved); on CPU the process's max RSS.")
+    print(MEMORY_NOTE)
     if args.json:
-        args.json.write_text(json.dumps({"flops_per_token": flops_per_token, "cases": table}, indent=1))
+        args.json.write_text(json.dumps({"flops_per_token": flops_per_token, "cases": records}, indent=1))
     return 0 if ours else 1
+
+
+def drive_matrix(args: argparse.Namespace) -> int:
+    """The GPU comparison of issue 10 in one table: MATRIX_MODELS x MATRIX_VARIANTS, ours,
+    bare and torchtitan on each."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from trainer.config import from_dict, ModelSection
+    from trainer.metrics import peak_flops
+    from trainer.model import num_flops_per_token
+
+    peak = peak_flops(torch.device("cuda"))
+    all_lines, all_records, ok = [], [], True
+    for label, preset, seq_len, micro_batch, steps in MATRIX_MODELS:
+        for compiled, ac in MATRIX_VARIANTS:
+            one = argparse.Namespace(**{**vars(args), "preset": preset, "seq_len": seq_len,
+                                        "micro_batch": micro_batch, "steps": steps, "compile": compiled, "ac": ac,
+                                        "hidden": None, "layers": None, "heads": None, "kv_heads": None,
+                                        "vocab": None, "ffn": None})
+            flops_per_token = num_flops_per_token(from_dict(ModelSection, model_dict(one)), seq_len)
+            print(f"[{label}] " + describe(one, flops_per_token) + f"; compile {'on' if compiled else 'off'}, "
+                  f"activation checkpointing {ac}", flush=True)
+            cases = run_cases(one)
+            ok = ok and cases[0][1] is not None
+            setting = f"{label}, {'compiled' if compiled else 'eager'}, ac {ac}: "
+            lines, records = table_rows(cases, flops_per_token, peak, prefix=setting.ljust(36))
+            all_lines += lines
+            all_records += [{"model": label, "compile": compiled, "ac": ac, **r} for r in records]
+    print()
+    print_header(36, "model, mode, activation checkpointing: ")
+    print("\n".join(all_lines))
+    print(MEMORY_NOTE)
+    if args.json:
+        args.json.write_text(json.dumps({"cases": all_records}, indent=1))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -115,6 +115,41 @@ def test_a_skipped_step_changes_no_weight_and_no_optimizer_state(tmp_path):
     assert not torch.equal(one["model.output.weight"], two["model.output.weight"])  # step 2 did update
 
 
+def test_a_skip_between_logged_steps_is_reported_at_the_next_one(tmp_path):
+    """Logging every 4 steps, the host reads the device at steps 1, 4 and 8 only (and at the save
+    due at step 3): step 3's skip is still recorded as its own, the checkpoint due then still
+    waits for step 4, and the run trains exactly as with every step logged."""
+    every = write_run(tmp_path, "every", tiny_config(checkpoint={"interval": 3, "keep_last": 5}))
+    fourth = write_run(tmp_path, "fourth", tiny_config(checkpoint={"interval": 3, "keep_last": 5},
+                                                       logging={"interval": 4}))
+    assert _train_poisoned(every, step=3) == 0 and _train_poisoned(fourth, step=3) == 0
+    history = records(fourth.parent)
+    trained = {r["step"]: r for r in history if r["kind"] == "train"}
+    assert sorted(trained) == [1, 4, 8]
+    assert [r["step"] for r in history if r["kind"] == "nonfinite"] == [3]
+    assert [trained[s]["skipped_steps"] for s in (1, 4, 8)] == [0, 1, 1]
+    reference = {r["step"]: r for r in records(every.parent) if r["kind"] == "train"}
+    for step in (1, 4, 8):
+        assert trained[step]["loss"] == reference[step]["loss"], step
+    assert assert_checkpoints_finite(fourth.parent / "checkpoints") == [4, 6, 8]
+
+
+def test_a_streak_found_at_a_later_sync_names_the_step_it_reached_the_limit(tmp_path, capsys):
+    """lr 1e30 with logging every 100 steps: steps 2-4 are skipped on the device, the updates
+    after them held, and the host sees the streak at the next sync (the last step, 8): the error
+    names step 4, as when every step was checked, and nothing non-finite was saved."""
+    cfg = tiny_config(train={"lr": 1e30, "min_lr": 0.0, "max_nonfinite_steps": 3}, logging={"interval": 100},
+                      checkpoint={"interval": 1000, "save_initial": True})
+    config = write_run(tmp_path, "late", cfg)
+    assert main(["--config", str(config)], data=synthetic_data) == NONFINITE_EXIT
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "3 steps in a row (to step 4)" in err[0] and "those of step 1" in err[0]
+    history = records(config.parent)
+    assert [(r["step"], r["in_a_row"]) for r in history if r["kind"] == "nonfinite"] == [(2, 1), (3, 2), (4, 3)]
+    assert [r["step"] for r in history if r["kind"] == "train"] == [1]
+    assert assert_checkpoints_finite(config.parent / "checkpoints") == [0]
+
+
 @pytest.mark.multiproc
 def test_ranks_agree_to_skip_a_step_only_one_of_them_saw(tmp_path):
     """The loss is NaN on rank 1 only (dp=2 with DDP: its gradient is all-reduced, FSDP: reduce-scattered,

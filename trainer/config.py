@@ -271,6 +271,23 @@ def _positive(obj: Any, where: str, *names: str) -> None:
 # Trainer sections.
 # --------------------------------------------------------------------------
 
+
+class AutoBool:
+    """A field that is true, false or auto (decided where the trainer runs). Its values are
+    the plain bool or the string "auto"; this class only reads and names them."""
+
+    @staticmethod
+    def from_config_value(value: Any, where: str) -> Union[bool, str]:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value in _BOOL:
+            return _BOOL[value]
+        if value == "auto":
+            return "auto"
+        raise ConfigError(where, f"expected true or false, got {_shown(value)} (or auto: the trainer decides "
+                                 "by the device)")
+
+
 # The CSCS tutorial's 109M Llama is `tiny`; the others follow common Llama shapes.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=768, intermediate_size=1536, num_layers=12, num_heads=12,
@@ -374,6 +391,15 @@ class ParallelSection:
     zero_stage: Literal[0, 1, 2, 3] = 1
     sequence_parallel: bool = False
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    # Under tp > 1 the output projection's logits stay sharded over the (padded) vocabulary
+    # and the cross-entropy is computed on the shards (torch's loss_parallel): no rank holds
+    # the whole [batch, seq, vocab] logits, their fp32 copy or their gradient. No effect at tp 1.
+    loss_parallel: bool = True
+    # With grad_accum_steps > 1, gradients are reduced across dp ranks once, after the last
+    # micro batch (FSDP2 accumulates them unsharded, DDP under no_sync): one reduce-scatter a
+    # step instead of one a micro batch, for a full-size gradient buffer on each rank.
+    # every_micro_batch reduces after each (less memory, more communication).
+    grad_sync: Literal["last_micro_batch", "every_micro_batch"] = "last_micro_batch"
 
     def check(self, where: str) -> None:
         _positive(self, where, "dp", "tp", "pp")
@@ -431,13 +457,40 @@ class TrainSection:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    compile: bool = False
+    # torch.compile each transformer block: auto compiles on CUDA and not on the CPU (where
+    # inductor's C++ build takes minutes and gains little); true or false decide.
+    compile: AutoBool = "auto"
+    # Recompute activations in the backward instead of keeping them: none; full (every block
+    # recomputed whole: least memory, about a third more compute); selective (see selective_ac).
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    # What selective recomputes: op (torchtitan's per-op policy: matmul, attention and
+    # reduce-scatter outputs are kept, every second matmul and the cheap pointwise ops are
+    # recomputed) or a whole number N (every N-th block is recomputed whole).
+    selective_ac: str = "op"
+    # float8 matmuls for the transformer blocks' linear layers (torchao, tensorwise scaling;
+    # the output projection stays bf16). Needs a GPU of compute capability >= 8.9 (H100,
+    # GH200) and torchao; refused elsewhere.
+    float8: bool = False
+    # The next step's batches are read (and, on CUDA, pinned and copied to the device without
+    # blocking) while this step runs.
+    prefetch: bool = True
+    # Python's garbage collector runs only every gc_interval steps, on every rank at the same
+    # step (torchtitan's GarbageCollection): a collection at a random moment on one rank stalls
+    # every other rank at the next collective. 0 leaves the collector alone.
+    gc_interval: int = 50
     eval_interval: int = 0
     eval_batches: int = 4
     script: Optional[str] = None
     # A step with a non-finite loss or gradient norm is skipped (no optimizer update);
     # this many in a row stop the run (exit 3): the weights are not coming back.
     max_nonfinite_steps: int = 5
+    # Seconds without a completed step (its evaluation and checkpoint save included) before the
+    # run counts as hung: every rank writes its stacks to hangs/ and exits HANG_EXIT (4), and
+    # the batch script retries without the node that did not answer (trainer/watchdog.py).
+    # The first step after a start or resume gets hang_timeout_first_step (compilation, the
+    # first batches). 0 turns the watchdog off.
+    hang_timeout: float = 600.0
+    hang_timeout_first_step: float = 1800.0
 
     def check(self, where: str) -> None:
         _positive(self, where, "steps", "micro_batch_size", "grad_accum_steps", "lr", "eval_batches")
@@ -456,6 +509,16 @@ class TrainSection:
         _require(self.max_nonfinite_steps >= 1, f"{where}.max_nonfinite_steps",
                  f"must be >= 1 (the run stops after that many non-finite steps in a row), "
                  f"got {self.max_nonfinite_steps}")
+        _require(self.selective_ac == "op" or (self.selective_ac.isdigit() and int(self.selective_ac) >= 1),
+                 f"{where}.selective_ac", f"must be op (per-op recomputation) or a whole number N >= 1 (every N-th "
+                 f"block recomputed whole), got {self.selective_ac!r}")
+        _require(self.gc_interval >= 0, f"{where}.gc_interval",
+                 f"must be >= 0 (0 leaves Python's garbage collector alone), got {self.gc_interval}")
+        _require(self.hang_timeout >= 0 and math.isfinite(self.hang_timeout), f"{where}.hang_timeout",
+                 f"must be >= 0 seconds (0 turns the hang watchdog off), got {self.hang_timeout}")
+        _require(self.hang_timeout == 0 or self.hang_timeout_first_step >= self.hang_timeout,
+                 f"{where}.hang_timeout_first_step", f"the first step may take longer than the others, not less: "
+                 f"must be >= hang_timeout ({self.hang_timeout:g}), got {self.hang_timeout_first_step:g}")
 
 
 @dataclass
@@ -472,7 +535,9 @@ class CheckpointSection:
 
 @dataclass
 class LoggingSection:
-    interval: int = 1
+    # Steps between console/metrics lines. A logged step is the one place the host waits for
+    # the device (the losses of the steps between stay on it), so 1 costs throughput on a GPU.
+    interval: int = 10
     wandb: bool = False
     profiler: bool = False
     profiler_steps: list[int] = field(default_factory=lambda: [5, 8])
@@ -538,6 +603,15 @@ HOST_SECTIONS = ("slurm", "container", "launch", "image")
 # at the step boundary and exits REQUEUE_EXIT (EX_TEMPFAIL), "requeue me".
 STOP_FILE = "stop-requested"
 REQUEUE_EXIT = 75
+# A rank saw no step complete for train.hang_timeout (trainer/watchdog.py): it wrote its
+# stacks to HANGS_DIR/<job>-<host>-<rank>.txt and exited this; the batch script reads the
+# dumps (torchrun turns every worker's exit code into 1) and exits it too unless it retries.
+HANG_EXIT = 4
+HANGS_DIR = "hangs"
+# A node failed the preflight (trainer/preflight.py) and the job was not retried elsewhere.
+PREFLIGHT_EXIT = 5
+# Rank 0's last completed step and its time, for `slipway watch`.
+PROGRESS_FILE = "progress.json"
 
 
 def load_trainer_config(path: str | Path) -> TrainerConfig:

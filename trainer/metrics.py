@@ -100,26 +100,36 @@ class MetricsLogger:
         return (time.perf_counter() - started_at) / (step - first) * (self.total_steps - step)
 
     def log_train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, elapsed_s: float,
-                  steps: int, data_s: float, skipped_steps: int = 0) -> None:
-        """`tokens` processed by all ranks over the last `steps` steps, which took `elapsed_s`."""
+                  steps: int, data_s: float, skipped_steps: int = 0, warmup_s: Optional[float] = None) -> None:
+        """`tokens` processed by all ranks over the last `steps` steps, which took `elapsed_s`.
+
+        With `warmup_s` the step is an attempt's first (compiling, first allocations): its time
+        is reported as warmup_s and the throughput fields are null, so they describe training."""
         if not self.enabled:
             return
-        tps = tokens / elapsed_s
-        tps_device = tps / self.world_size
-        tflops = self.flops_per_token * tps_device / 1e12
+        timed = warmup_s is None and elapsed_s > 0
+        tps = tokens / elapsed_s if timed else None
+        tps_device = tps / self.world_size if timed else None
+        tflops = self.flops_per_token * tps_device / 1e12 if timed else None
         record = {
             "kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": tps, "tokens_per_s_per_device": tps_device, "tflops_per_device": tflops,
-            "mfu": tflops * 1e12 / self.peak if self.peak else None,
-            "step_time_s": elapsed_s / steps, "data_time_s": data_s / steps,
+            "mfu": tflops * 1e12 / self.peak if timed and self.peak else None,
+            "step_time_s": elapsed_s / steps if timed else None, "data_time_s": data_s / steps,
             "peak_memory_gib": peak_memory_gib(self.device),
             "skipped_steps": skipped_steps, "eta_s": self.eta_s(step),
         }
+        if warmup_s is not None:
+            record["warmup_s"] = warmup_s
         mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
         skipped = f" [red]skipped {skipped_steps}[/]" if skipped_steps else ""
+        if timed:
+            speed = (f"[cyan]{tps:,.0f} tok/s[/] ({tps_device:,.0f}/dev) {tflops:.2f} TFLOP/s mfu {mfu} "
+                     f"step {record['step_time_s']:.3f}s data {record['data_time_s']:.3f}s")
+        else:
+            speed = f"warm-up {warmup_s or 0.0:.3f}s (first step: compiling, allocating; not in tokens/s)"
         self._print(f"[bold]step {step}/{self.total_steps}[/] [green]loss {loss:.4f}[/] lr {lr:.2e} "
-                    f"gnorm {grad_norm:.3f} [cyan]{tps:,.0f} tok/s[/] ({tps_device:,.0f}/dev) {tflops:.2f} TFLOP/s "
-                    f"mfu {mfu} step {record['step_time_s']:.3f}s data {record['data_time_s']:.3f}s "
+                    f"gnorm {grad_norm:.3f} {speed} "
                     f"mem {record['peak_memory_gib']:.2f}GiB eta {format_duration(record['eta_s'])}{skipped}")
         self._write(record)
 

@@ -16,9 +16,9 @@ A pipeline stage may have `tok_embeddings`, `norm` and `output` set to None:
 it then takes hidden states in and/or hands hidden states on (as torchtitan).
 
 The embedding and the output have `padded_vocab_size` rows (model.pad_vocab_multiple);
-the model returns logits over the real `vocab_size` only, so the padded rows
-never take part in the softmax, get no gradient, and the loss is exactly the
-unpadded model's.
+the model returns logits over the real `vocab_size` only (or, vocabulary-sharded under
+loss parallel, with the padded columns at -inf), so the padded rows never take part in
+the softmax, get no gradient, and the loss is exactly the unpadded model's.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -177,8 +178,21 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg, attn_impl)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
+        # Activation checkpointing (trainer.parallel.apply_ac): None keeps every activation;
+        # otherwise the context_fn of torch.utils.checkpoint (what to keep, what to recompute).
+        # Inside forward rather than a wrapper module, so parameter names (the checkpoint
+        # contract) gain no _checkpoint_wrapped_module prefix.
+        self.recompute: Optional[Callable[[], tuple]] = None
 
     def forward(self, h_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute is None:
+            return self._forward(h_BTD, cos, sin)
+        # The model draws no random numbers (no dropout), so the RNG state need not be saved
+        # and restored around the recomputation.
+        return torch.utils.checkpoint.checkpoint(self._forward, h_BTD, cos, sin, use_reentrant=False,
+                                                 preserve_rng_state=False, context_fn=self.recompute)
+
+    def _forward(self, h_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h_BTD = h_BTD + self.attention(self.attention_norm(h_BTD), cos, sin)
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
@@ -202,8 +216,12 @@ class Transformer(nn.Module):
 
     def forward(self, tokens_or_h: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] (first stage) or hidden states [B, T, D] -> logits [B, T, V] (last stage) or hidden.
-        V is the real vocab_size: the padded rows' logits are cut off here, whatever the layout
-        (under tensor parallel the output arrives gathered, Replicate)."""
+
+        Whole logits (one process, or gathered under tensor parallel: Replicate) are cut back to
+        the real vocab_size. Vocabulary-sharded logits (tensor parallel with loss parallel: a
+        DTensor Shard(-1) over the padded vocabulary) cannot be cut without gathering them, so
+        their padded columns are set to -inf instead: exp(-inf) = 0 leaves the softmax, the loss
+        and every gradient exactly those of the unpadded model."""
         h_BTD = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         for layer in self.layers.values():
             h_BTD = layer(h_BTD, self.rope_cos, self.rope_sin)
@@ -214,6 +232,8 @@ class Transformer(nn.Module):
         logits_BTP = self.output(h_BTD)
         if logits_BTP.shape[-1] == self.cfg.vocab_size:  # no padding: the tensor itself, not a view
             return logits_BTP
+        if isinstance(logits_BTP, DTensor) and logits_BTP.placements[-1].is_shard():
+            return mask_padded_vocab(logits_BTP, self.cfg.vocab_size)
         return logits_BTP[..., :self.cfg.vocab_size]
 
     # ------------------------------------------------------------------
@@ -252,6 +272,20 @@ class Transformer(nn.Module):
             shape, offset = _global_offset(param)
             local.copy_(_seeded_normal(seed, fqn, param.shape, offset, shape, std))
         self.init_buffers(self.rope_cos.device)
+
+
+def mask_padded_vocab(logits_BTP: DTensor, vocab_size: int) -> DTensor:
+    """Vocabulary-sharded logits (one mesh dimension, Shard(-1), even shards: the padded size is
+    a multiple of tp) with the columns at and past vocab_size set to -inf on whichever rank holds
+    them. masked_fill passes no gradient to the masked columns."""
+    mesh, placements = logits_BTP.device_mesh, logits_BTP.placements
+    local_BTp = logits_BTP.to_local()
+    columns = local_BTp.shape[-1]
+    first = mesh.get_local_rank() * columns  # this rank's first global column (a 1-D tp mesh)
+    padded_C = torch.arange(first, first + columns, device=local_BTp.device) >= vocab_size
+    local_BTp = local_BTp.masked_fill(padded_C, float("-inf"))
+    return DTensor.from_local(local_BTp, mesh, placements, run_check=False, shape=logits_BTP.shape,
+                              stride=logits_BTP.stride())
 
 
 _INIT_BLOCK_ROWS = 256

@@ -33,14 +33,46 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainSection, device: torch.device) -> torch.optim.Optimizer:
+    """Fused AdamW (CUDA, and CPU: fused kernels for both since torch 2.4): one kernel per
+    parameter group, and the `found_inf` input that lets `SkippableStep` skip an update
+    without the host looking at the numbers. foreach where fused is refused."""
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     groups = param_groups(model, cfg.weight_decay)
-    if device.type == "cuda":
-        try:
-            return torch.optim.AdamW(groups, fused=True, **kwargs)
-        except (RuntimeError, TypeError) as exc:  # fused not supported for this dtype/tensor type
-            log.info("fused AdamW unavailable (%s); using foreach", exc)
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, TypeError) as exc:  # fused not supported for this dtype/tensor type
+        log.info("fused AdamW unavailable (%s); using foreach (each step's update then waits for the host to "
+                 "check its loss and gradient norm)", exc)
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+class SkippableStep:
+    """optimizer.step(), skipped for a step whose loss or gradient norm is not finite on any
+    rank, decided on the device: fused AdamW takes a `found_inf` tensor (as torch.amp's
+    GradScaler passes it) and, when it is 1, changes no parameter, no moment and no step
+    count. Once `limit` steps in a row were skipped every later update is skipped too, so the
+    weights stay those of the last good step until the host, at its next sync, sees the
+    streak and stops the run (train.max_nonfinite_steps).
+
+    A foreach optimizer (fused refused) has no such input: there the host reads the flag
+    each step (one sync a step) and calls step() or not."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, limit: int, streak: int, device: torch.device):
+        self.optimizer = optimizer
+        self.limit = limit
+        self.on_device = all(group.get("fused") for group in optimizer.param_groups)
+        self.streak = torch.full((), float(streak), device=device)  # a fill, not a host-to-device copy
+
+    def step(self, bad: torch.Tensor) -> torch.Tensor:
+        """Update unless `bad` (1.0) or the streak reached the limit; returns the skip flag (1.0 skipped)."""
+        skip = torch.maximum(bad, (self.streak >= self.limit).float())
+        self.streak = (self.streak + skip) * skip
+        if self.on_device:
+            self.optimizer.found_inf = skip
+            self.optimizer.step()
+        elif not skip.item():
+            self.optimizer.step()
+        return skip
 
 
 def lr_factor(step: int, cfg: TrainSection) -> float:

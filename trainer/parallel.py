@@ -5,12 +5,16 @@ All mesh arithmetic lives here (`ParallelDims`): the world is a 3-D mesh
 ranks (on one node with one GPU per rank). The model is always built the same
 way, whatever the layout (torchtitan's parallelize.py):
 
-    meta-device Transformer -> keep this pipeline stage's layers -> tensor
-    parallel (DTensor) -> torch.compile per block -> FSDP2 -> allocate on the
-    device -> seeded init of each rank's shard -> (DDP wraps last)
+    meta-device Transformer -> keep this pipeline stage's layers -> float8
+    linears (optional) -> tensor parallel (DTensor; logits vocabulary-sharded
+    under loss parallel) -> activation checkpointing -> torch.compile per block
+    -> FSDP2 -> allocate on the device -> seeded init of each rank's shard ->
+    (DDP wraps last)
 
 and `build_runner` gives the forward/backward for one optimizer step, either
-plain gradient accumulation or a pipeline schedule.
+plain gradient accumulation or a pipeline schedule. `step_stats` gathers what
+a step reports (loss, gradient norm, non-finite) on the device, without
+waiting for it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
+from trainer.compute import apply_ac, apply_float8, resolve_compile
 from trainer.config import ConfigError, ParallelSection, TrainerConfig
 from trainer.model import Transformer
 
@@ -158,6 +164,11 @@ class ParallelDims:
         """Replicated data parallel (DDP) rather than FSDP2."""
         return self._replicated(self.cfg)
 
+    @property
+    def loss_parallel(self) -> bool:
+        """Cross-entropy on vocabulary-sharded logits (tensor parallel only)."""
+        return self.cfg.tp > 1 and self.cfg.loss_parallel
+
     def submesh(self, name: str) -> Optional[DeviceMesh]:
         return self.mesh[name] if self.mesh is not None and getattr(self, name) > 1 else None
 
@@ -212,13 +223,15 @@ def split_for_stage(model: Transformer, stage: int, pp: int) -> None:
         model.output = None
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool = False) -> None:
     """Megatron-style tensor parallel: q/k/v and gate/up split by columns (heads,
     hidden units), o and down by rows; with sequence parallel the norms and the
     residual stream are split along the sequence (torchtitan's plan).
 
-    Logits are gathered whole (output_layouts Replicate) so the ordinary loss
-    works; loss-parallel would save memory for large vocabularies.
+    With loss parallel the logits stay a DTensor sharded over the vocabulary
+    (Shard(-1)) and the runners compute the cross-entropy under torch's
+    `loss_parallel()`; otherwise they are gathered whole (Replicate), which for
+    tiny_wikitext is 3.3 GB of bf16 logits a GPU plus an fp32 copy and its gradient.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -231,7 +244,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
     if model.norm is not None and sequence_parallel:
         top_plan["norm"] = SequenceParallel()
     if model.output is not None:
-        top_plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+        top_plan["output"] = ColwiseParallel(input_layouts=residual,
+                                             output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                             use_local_output=not loss_parallel)
     parallelize_module(model, tp_mesh, top_plan)
     for layer in model.layers.values():
         plan = {
@@ -308,9 +323,14 @@ def build_model(cfg: TrainerConfig, dims: ParallelDims, device: torch.device, dt
         model = Transformer(cfg.model, attn_impl)
     if dims.pp > 1:
         split_for_stage(model, dims.pp_rank, dims.pp)
+    if cfg.train.float8:  # check_float8 has vouched for the device
+        apply_float8(model)
     if dims.tp > 1:
-        apply_tp(model, dims.submesh("tp"), cfg.parallel.sequence_parallel)
-    if cfg.train.compile:
+        apply_tp(model, dims.submesh("tp"), cfg.parallel.sequence_parallel, dims.loss_parallel)
+    # torchtitan's order: TP -> AC -> compile -> FSDP (compile sees the recomputation; FSDP's
+    # hooks stay outside the compiled blocks).
+    apply_ac(model, cfg.train.activation_checkpointing, cfg.train.selective_ac)
+    if resolve_compile(cfg.train.compile, device):
         for layer in model.layers.values():
             layer.compile()  # in place: parameter names keep no _orig_mod prefix
     if dims.dp > 1 and not dims.ddp:
@@ -333,13 +353,30 @@ def build_model(cfg: TrainerConfig, dims: ParallelDims, device: torch.device, dt
 
 
 def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(0, 1))
+    """Mean token cross-entropy in fp32. Vocabulary-sharded logits (a DTensor, under the
+    runners' loss_parallel context) give a replicated DTensor loss, returned as the plain
+    tensor every tp peer holds, so the runners add it up like any other."""
+    loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(0, 1))
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    return loss
+
+
+def _loss_context(dims: ParallelDims) -> Callable[[], contextlib.AbstractContextManager]:
+    """What the forward and backward of the loss run under: torch's loss_parallel (its
+    cross-entropy handlers for sharded logits, needed for the backward too) or nothing."""
+    if not dims.loss_parallel:
+        return contextlib.nullcontext
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel
 
 
 class Runner:
     """Forward and backward over the micro batches of one step. The returned
     loss is the mean over micro batches on ranks that compute it (the last
-    pipeline stage); other ranks return zero (see `global_mean`)."""
+    pipeline stage); other ranks return zero (see `step_stats`). Neither waits
+    for the device."""
 
     can_eval = True
 
@@ -351,24 +388,41 @@ class Runner:
 
 
 class AccumulationRunner(Runner):
-    """No pipeline: run the micro batches one after another, loss / n each."""
+    """No pipeline: run the micro batches one after another, loss / n each.
 
-    def __init__(self, model: nn.Module, autocast_dtype: Optional[torch.dtype], device: torch.device):
+    With grad_sync last_micro_batch the data-parallel gradient reduction runs once,
+    after the last micro batch: FSDP2 accumulates unsharded gradients and keeps the
+    parameters gathered between micro batches (set_requires_gradient_sync and
+    set_reshard_after_backward off before the others), DDP skips its all-reduce
+    under no_sync."""
+
+    def __init__(self, model: nn.Module, autocast_dtype: Optional[torch.dtype], device: torch.device,
+                 dims: Optional[ParallelDims] = None):
         self.model = model
         self.device = device
         self.autocast_dtype = autocast_dtype
+        self.loss_context = _loss_context(dims) if dims is not None else contextlib.nullcontext
+        self.sync_every = dims is not None and dims.cfg.grad_sync == "every_micro_batch"
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def _sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Gradient reduction on (sync) or deferred for this micro batch's backward."""
+        sync = sync or self.sync_every
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(sync)
+            self.model.set_reshard_after_backward(sync)
+            return contextlib.nullcontext()
+        no_sync = getattr(self.model, "no_sync", None)  # DDP
+        return no_sync() if no_sync is not None and not sync else contextlib.nullcontext()
+
     def train_step(self, batches: list[Batch]) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
-        no_sync = getattr(self.model, "no_sync", None)  # DDP: all-reduce on the last micro batch only
         for i, (inputs_BT, targets_BT) in enumerate(batches):
-            sync = no_sync is None or i == len(batches) - 1
-            with contextlib.nullcontext() if sync else no_sync():
+            with self._sync(i == len(batches) - 1), self.loss_context():
                 with self._autocast():
                     loss = cross_entropy(self.model(inputs_BT), targets_BT) / len(batches)
                 loss.backward()
@@ -378,7 +432,7 @@ class AccumulationRunner(Runner):
     @torch.no_grad()
     def eval_step(self, batches: list[Batch]) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
-        with self._autocast():
+        with self._autocast(), self.loss_context():
             for inputs_BT, targets_BT in batches:
                 total += cross_entropy(self.model(inputs_BT), targets_BT) / len(batches)
         return total
@@ -389,7 +443,8 @@ class PipelineRunner(Runner):
     back into n_microbatches = grad_accum_steps. Each micro batch's loss is
     divided by n, as AccumulationRunner does, rather than letting the schedule
     divide the gradients afterwards: torch 2.10's in-place division of a
-    tensor-parallel Partial gradient fails (and it is one pass less)."""
+    tensor-parallel Partial gradient fails (and it is one pass less). Under
+    FSDP the stage itself reduces gradients on the last backward only."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, n_microbatches: int, device: torch.device,
                  autocast_dtype: Optional[torch.dtype]):
@@ -398,6 +453,7 @@ class PipelineRunner(Runner):
         self.dims = dims
         self.device = device
         self.autocast_dtype = autocast_dtype
+        self.loss_context = _loss_context(dims)
         stage = PipelineStage(model, dims.pp_rank, dims.pp, device, group=dims.pp_group)
         schedule_cls = Schedule1F1B if dims.cfg.pp_schedule == "1f1b" else ScheduleGPipe
         self.schedule = schedule_cls(stage, n_microbatches=n_microbatches, scale_grads=False,
@@ -410,7 +466,7 @@ class PipelineRunner(Runner):
         losses: list[torch.Tensor] = []
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
                     if self.autocast_dtype is not None else contextlib.nullcontext())
-        with autocast:
+        with autocast, self.loss_context():
             if self.dims.is_first_stage:
                 fn(inputs_BT)
             elif self.dims.is_last_stage:
@@ -436,7 +492,20 @@ def build_runner(model: nn.Module, dims: ParallelDims, cfg: TrainerConfig, devic
     autocast_dtype = dtype if dtype != torch.float32 and not fsdp else None
     if dims.pp > 1:
         return PipelineRunner(model, dims, cfg.train.grad_accum_steps, device, autocast_dtype)
-    return AccumulationRunner(model, autocast_dtype, device)
+    return AccumulationRunner(model, autocast_dtype, device, dims)
+
+
+def step_stats(loss: torch.Tensor, grad_norm: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """[mean loss over dp ranks, gradient norm, 1.0 if any rank's loss or the norm is not finite]
+    on the device, from one all-reduce and no host sync. Last-stage ranks hold the loss (0
+    elsewhere) and every tp peer the same one, so the world sum is divided by dp x tp. A NaN
+    loss on any rank makes the sum NaN and the count > 0 everywhere: all ranks skip together."""
+    both = torch.stack([loss.detach().float(), (~torch.isfinite(loss.detach())).float()])
+    if dist.is_initialized():  # a group of one too: its collectives are the ones a large job runs
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+    mean = both[0] / (dims.dp * dims.tp) if dist.is_initialized() else both[0]
+    bad = torch.maximum((both[1] > 0).float(), (~torch.isfinite(grad_norm)).float())
+    return torch.stack([mean, grad_norm.float(), bad])
 
 
 def global_mean(local: torch.Tensor, dims: ParallelDims) -> float:

@@ -1,0 +1,160 @@
+"""The hang watchdog (trainer/watchdog.py): in one process with a stand-in exit, and for real
+in a 2-process gloo world where one rank stops making progress mid-run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.config import HANG_EXIT, ConfigError, TrainSection, from_dict
+from trainer.watchdog import HangWatchdog
+from trainer_helpers import ROOT, clean_env, tiny_config, write_run
+
+
+class Exits:
+    """A stand-in for os._exit: records the code and wakes the test."""
+
+    def __init__(self):
+        self.codes: list[int] = []
+        self.event = threading.Event()
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+        self.event.set()
+
+
+def watchdog(tmp_path: Path, timeout: float, first: float, exits: Exits, rank: int = 0) -> HangWatchdog:
+    return HangWatchdog(TrainSection(hang_timeout=timeout, hang_timeout_first_step=first), tmp_path, rank,
+                        dump_window_s=0.1, hard_exit_s=20, exit=exits)
+
+
+def stuck_in_a_collective(event: threading.Event) -> None:
+    event.wait(20)  # the test's stand-in for a rank waiting on a peer that never comes
+
+
+def test_a_stalled_loop_dumps_every_thread_and_exits_4(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIPWAY_JOB_TAG", "77")
+    monkeypatch.setenv("SLURMD_NODENAME", "nodeX")
+    exits = Exits()
+    dog = watchdog(tmp_path, timeout=0.5, first=5, exits=exits, rank=3).start(10)
+    for step in (11, 12, 13):
+        time.sleep(0.2)
+        dog.step_done(step)
+    stalled_at = time.monotonic()
+    stuck_in_a_collective(exits.event)
+    waited = time.monotonic() - stalled_at
+    assert exits.codes == [HANG_EXIT] and 0.5 <= waited < 5, (exits.codes, waited)
+    dump = tmp_path / "hangs" / "77-nodeX-3.txt"
+    assert dog.fired == dump
+    text = dump.read_text()
+    first = text.splitlines()[0].split()
+    # The first line is what the batch script reads: rank, host, step, idle seconds, the limit.
+    assert first[:8] == ["slipway", "hang:", "rank", "3", "host", "nodeX", "step", "13"] and first[12] == "0.5"
+    assert first[14] == "on-time"
+    assert "(limit 0.5 s: train.hang_timeout)" in text
+    assert "in stuck_in_a_collective" in text and "in test_a_stalled_loop_dumps_every_thread_and_exits_4" in text
+    assert "Current thread" in text  # the watchdog's own thread is in the dump too, marked
+
+
+def test_steps_that_keep_coming_are_never_a_hang(tmp_path):
+    exits = Exits()
+    dog = watchdog(tmp_path, timeout=0.6, first=0.6, exits=exits).start(0)
+    for step in range(1, 9):  # 8 x 0.25 s = 2 s, more than three times the limit
+        time.sleep(0.25)
+        dog.step_done(step)
+    dog.stop()
+    assert exits.codes == [] and dog.fired is None
+    assert not (tmp_path / "hangs").exists()
+    progress = __import__("json").loads((tmp_path / "progress.json").read_text())
+    assert progress["step"] == 8 and progress["hang_timeout"] == 0.6  # rank 0 keeps it, for `slipway watch`
+
+
+def test_the_first_step_gets_its_own_allowance(tmp_path):
+    exits = Exits()
+    dog = watchdog(tmp_path, timeout=0.4, first=1.5, exits=exits).start(5)
+    time.sleep(0.9)  # a slow first step (compilation): past hang_timeout, within the first-step limit
+    assert exits.codes == []
+    dog.step_done(6)
+    assert exits.event.wait(3) and exits.codes == [HANG_EXIT]
+    assert "(limit 0.4 s: train.hang_timeout)" in dog.fired.read_text()
+
+    exits = Exits()
+    dog = watchdog(tmp_path / "b", timeout=0.4, first=0.8, exits=exits).start(0)
+    assert exits.event.wait(3)
+    assert "after step 0 (limit 0.8 s: train.hang_timeout_first_step)" in dog.fired.read_text()
+
+
+def test_zero_turns_it_off(tmp_path):
+    exits = Exits()
+    dog = watchdog(tmp_path, timeout=0, first=0, exits=exits).start(0)
+    time.sleep(0.3)
+    dog.stop()
+    assert exits.codes == [] and not dog.enabled and not (tmp_path / "progress.json").exists()
+
+
+@pytest.mark.parametrize("train, field, words", [
+    ({"hang_timeout": -1}, "train.hang_timeout", "must be >= 0 seconds"),
+    ({"hang_timeout": 60, "hang_timeout_first_step": 30}, "train.hang_timeout_first_step",
+     "must be >= hang_timeout (60), got 30"),
+])
+def test_bad_limits_are_config_errors(train, field, words):
+    with pytest.raises(ConfigError) as exc:
+        from_dict(TrainSection, train, "train")
+    assert exc.value.field == field and words in str(exc.value)
+
+
+# A run of the real trainer in which global rank 1 stops making progress in its data loader
+# before its third step (it sleeps, the interpreter stays free): rank 0 waits for it in the
+# step's collective. Both watchdogs must fire.
+STALL = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import trainer_helpers
+from trainer.train import main
+
+class Stalling(trainer_helpers.SyntheticSampler):
+    def next_batch(self):
+        if os.environ["RANK"] == "1" and self.consumed == 2 * {accum}:
+            time.sleep(600)  # stuck: in the dump as this function
+        return super().next_batch()
+
+def data(cfg, run_dir, dp_rank, dp_size):
+    make = lambda seed: Stalling(seed, cfg.model.vocab_size, cfg.train.micro_batch_size, cfg.data.seq_len,
+                                 dp_rank, dp_size)
+    return make(1), None, cfg.model.vocab_size
+
+sys.exit(main(["--config", sys.argv[1]], data=data))
+"""
+
+
+@pytest.mark.multiproc
+def test_a_stuck_rank_ends_the_run_with_every_live_rank_dump(tmp_path):
+    cfg = tiny_config(parallel={"dp": 2}, train={"steps": 50, "hang_timeout": 3, "hang_timeout_first_step": 60})
+    config = write_run(tmp_path, "stall", cfg)
+    script = tmp_path / "stall.py"
+    script.write_text(STALL.format(tests=str(ROOT / "tests"), accum=cfg["train"]["grad_accum_steps"]))
+    env = clean_env(SLIPWAY_JOB_TAG="9", SLURMD_NODENAME="nodeA")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), str(config)], capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "exitcode  : 4" in proc.stderr or "exitcode: 4" in proc.stderr.replace("  ", " "), proc.stderr[-4000:]
+    hangs = tmp_path / "stall" / "hangs"
+    dumps = {p.name: p.read_text() for p in hangs.glob("*.txt")}
+    assert sorted(dumps) == ["9-nodeA-0.txt", "9-nodeA-1.txt"], (sorted(dumps), proc.stderr[-3000:])
+    stuck, waiting = dumps["9-nodeA-1.txt"], dumps["9-nodeA-0.txt"]
+    # Both name the last step every rank completed (rank 1 stalls reading ahead for step 3).
+    steps = {int(text.split()[7]) for text in dumps.values()}
+    assert len(steps) == 1 and steps.pop() >= 1, [text.splitlines()[0] for text in dumps.values()]
+    assert "in next_batch" in stuck  # where rank 1 is stuck
+    # Rank 0 waits in the step's collective: its flight recorder names it, the whole trace beside.
+    assert "flight recorder:" in waiting and "gloo:" in waiting, waiting[:1500]
+    assert (hangs / "9-nodeA-0.fr.pkl").stat().st_size > 0
+    # Startup, two steps, the 3 s limit, the 10 s dump window, torchrun's teardown.
+    assert took < 90, took

@@ -1,0 +1,133 @@
+"""How each transformer block computes: activation checkpointing, torch.compile, float8.
+
+`trainer.parallel.build_model` applies them in torchtitan's order: float8 linears
+(before tensor parallel shards them), tensor parallel, then activation
+checkpointing, then compile per block (so compile sees the recomputation), then
+FSDP2 (its hooks stay outside the compiled blocks). None of them changes a
+parameter name: checkpoints stay layout- and option-independent.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from trainer.config import ConfigError, TrainSection
+from trainer.model import Transformer
+
+
+def _selective_save_ops() -> set:
+    """Ops whose outputs selective (per-op) checkpointing keeps: the matmuls, attention and
+    communication that cost most to recompute (torchtitan's list). Resolved by name, as not
+    every op exists in every torch build (the CPU flash kernel, flash-attn's own op)."""
+    names = [("aten", "mm"), ("aten", "_scaled_dot_product_efficient_attention"),
+             ("aten", "_scaled_dot_product_flash_attention"), ("aten", "_scaled_dot_product_cudnn_attention"),
+             ("aten", "_scaled_dot_product_flash_attention_for_cpu"), ("flash_attn", "_flash_attn_forward"),
+             ("_c10d_functional", "reduce_scatter_tensor"),
+             ("aten", "max")]  # float8: the amax its scales come from
+    ops = set()
+    for namespace, name in names:
+        try:
+            ops.add(getattr(getattr(torch.ops, namespace), name).default)
+        except (AttributeError, RuntimeError):
+            pass
+    return ops
+
+
+def _selective_op_context() -> tuple:
+    """A fresh per-op policy for one checkpointed call: keep the outputs of the ops above, but
+    recompute every second matmul (torchtitan's balance of memory and compute)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save_ops = _selective_save_ops()
+    mm = torch.ops.aten.mm.default
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == mm:
+            counts[mode] += 1
+        keep = func in save_ops and not (func == mm and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_ac(model: Transformer, mode: str, selective: str) -> None:
+    """train.activation_checkpointing on every block this stage holds (see TransformerBlock.forward).
+    selective "N" recomputes the blocks whose global index i has (i + 1) % N == 0."""
+    from torch.utils.checkpoint import noop_context_fn
+
+    if mode == "none":
+        return
+    for name, layer in model.layers.items():
+        if mode == "full":
+            layer.recompute = noop_context_fn
+        elif selective == "op":
+            layer.recompute = _selective_op_context
+        elif (int(name) + 1) % int(selective) == 0:
+            layer.recompute = noop_context_fn
+
+
+def resolve_compile(setting: Union[bool, str], device: torch.device) -> bool:
+    """train.compile: auto compiles on CUDA only (on the CPU, inductor's C++ build costs minutes
+    for little gain)."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def compile_error(exc: BaseException) -> Optional[ConfigError]:
+    """A torch.compile failure (dynamo or inductor) as one line naming the way out; None for
+    any other exception. Compilation happens on the first call of each block, so the runners'
+    first step is where it shows."""
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+    except ImportError:  # a torch without dynamo: nothing of ours was compiled
+        return None
+    chain, seen = exc, set()
+    while chain is not None and id(chain) not in seen:  # inductor's errors arrive wrapped
+        seen.add(id(chain))
+        if isinstance(chain, TorchDynamoException) or type(chain).__module__.startswith("torch._inductor"):
+            first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+            return ConfigError("train.compile", f"torch.compile failed ({type(exc).__name__}: {first[:300]}): set "
+                                                "train.compile: false to train without compiling, or fix the "
+                                                "compiler (inductor needs a working C++ compiler on the CPU and "
+                                                "triton on CUDA)")
+        chain = chain.__cause__ or chain.__context__
+    return None
+
+
+FLOAT8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper (H100, GH200) have float8 tensor cores
+
+
+def check_float8(cfg: TrainSection, device: torch.device) -> None:
+    """train.float8 where it can run, or a ConfigError saying why not. Before any data work."""
+    if not cfg.float8:
+        return
+    if device.type != "cuda":
+        raise ConfigError("train.float8", f"float8 matmuls need a CUDA GPU of compute capability >= 8.9 (H100, "
+                                          f"GH200), but this run is on {device.type}: set train.float8: false")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FLOAT8_MIN_CAPABILITY:
+        raise ConfigError("train.float8", f"{torch.cuda.get_device_name(device)} has compute capability "
+                                          f"{capability[0]}.{capability[1]}, float8 needs >= 8.9 (H100, GH200): "
+                                          "set train.float8: false")
+    try:
+        from torchao.float8 import convert_to_float8_training  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("train.float8", f"float8 training needs torchao, which does not import ({exc}): "
+                                          "pip install torchao (in the image), or set train.float8: false") from None
+
+
+def apply_float8(model: Transformer) -> None:
+    """The blocks' linear layers as torchao Float8Linear (dynamic tensorwise scaling). The output
+    projection stays in bf16 (the logits are sensitive and it is one matmul of many), and so
+    does any linear whose dimensions are not multiples of 16 (float8 matmul's tiling)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        return (isinstance(module, nn.Linear) and fqn.startswith("layers.")
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=eligible)

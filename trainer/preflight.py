@@ -1,0 +1,215 @@
+"""The preflight: before training starts, every node of the allocation proves it can train.
+
+The batch script runs it in two steps, in the run's container, bounded by
+`slurm.preflight_timeout` each:
+
+    python -m trainer.preflight node ...       one task per node, no collective
+    python -m trainer.preflight allreduce ...  every rank, launched as training is
+
+`node` checks what one node needs and prints one line, `slipway-preflight NODE ok: ...`
+or `slipway-preflight NODE fail: REASON`: the run directory is reachable and
+writable from the container (which also proves the container started from its
+image there), there is room for one more checkpoint where checkpoints go, and,
+for GPU jobs, the expected GPUs are visible and healthy (nvidia-smi, where it
+exists: count and uncorrected ECC errors; torch: each GPU computes). A node that
+prints nothing at all (its container did not start, it is unreachable) is named
+by the batch script for that. The nodes report independently, so a bad node
+cannot hide the others' answers, and the collective runs only once all passed.
+
+`allreduce` sums a buffer across every rank (the same launcher, backend and
+world as training), checks the sum, and rank 0 prints the bus bandwidth it
+measured: `slipway-preflight-allreduce ok: ...`. The batch script writes both
+results to events.log and, when a node failed, retries the job without it.
+
+Exit status: 0 passed, PREFLIGHT_EXIT (5) failed, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+from trainer.config import PREFLIGHT_EXIT
+from trainer.watchdog import node_name
+
+# One checkpoint holds the fp32 weights and AdamW's two moments: about 12 bytes a parameter.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+def size(n: float) -> str:
+    """Bytes for a person: 812.0 MiB, 3.4 GiB, 1.2 TiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**20:.2f} MiB"
+
+
+def checkpoint_bytes(num_params: int) -> int:
+    """The room one more checkpoint of a model of `num_params` parameters needs."""
+    return CHECKPOINT_BYTES_PER_PARAM * num_params
+
+
+# ---------------------------------------------------------------- node checks
+
+
+def check_run_dir(run_dir: Path) -> tuple[bool, str]:
+    """Write, read back and remove a file in the run directory."""
+    probe = run_dir / f".preflight-{node_name()}-{os.getpid()}"
+    try:
+        if not run_dir.is_dir():
+            return False, f"run directory {run_dir} is not reachable from this node's container (no such directory)"
+        probe.write_text(node_name())
+        seen = probe.read_text()
+        probe.unlink()
+    except OSError as exc:
+        return False, f"run directory {run_dir} is not writable from this node's container ({exc.strerror or exc})"
+    if seen != node_name():
+        return False, f"run directory {run_dir}: a file written there read back as {seen!r}"
+    return True, "run directory writable"
+
+
+def check_free_space(checkpoint_dir: Path, needed: int) -> tuple[bool, str]:
+    """Room for one more checkpoint on the filesystem of `checkpoint_dir` (or its nearest existing parent)."""
+    where = checkpoint_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError as exc:
+        return False, f"free space at {where} (where checkpoints go) cannot be read ({exc.strerror or exc})"
+    if free < needed:
+        return False, (f"{size(free)} free at {where} (where checkpoints go), one checkpoint needs about "
+                       f"{size(needed)}: free space there or set checkpoint.dir elsewhere")
+    return True, f"{size(free)} free for checkpoints (one needs about {size(needed)})"
+
+
+def check_gpus(expected: int) -> tuple[bool, str]:
+    """`expected` GPUs visible and healthy: nvidia-smi (where it exists) and torch."""
+    problems, seen = [], ""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            proc = subprocess.run([smi, "--query-gpu=index,name,ecc.errors.uncorrected.volatile.total",
+                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return False, f"nvidia-smi did not answer ({exc})"
+        if proc.returncode != 0:
+            return False, f"nvidia-smi failed (exit {proc.returncode}): {' '.join((proc.stderr or proc.stdout).split())}"
+        rows = [[c.strip() for c in line.split(",")] for line in proc.stdout.splitlines() if line.strip()]
+        if len(rows) < expected:
+            problems.append(f"nvidia-smi sees {len(rows)} GPU(s), the job asked for {expected}")
+        for row in rows:
+            if len(row) >= 3 and row[2].isdigit() and int(row[2]) > 0:
+                problems.append(f"GPU {row[0]} ({row[1]}) has {row[2]} uncorrected ECC errors")
+        seen = rows[0][1] if rows and len(rows[0]) > 1 else ""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < expected:
+        problems.append(f"torch sees {count} CUDA device(s), the job asked for {expected}")
+    for i in range(min(count, expected)):
+        try:
+            x = torch.ones(256, 256, device=f"cuda:{i}")
+            value = (x @ x).sum().item()
+            if value != 256.0 ** 3:
+                problems.append(f"GPU {i} computed {value} for {256.0 ** 3}")
+        except RuntimeError as exc:
+            problems.append(f"GPU {i} failed a matmul: {' '.join(str(exc).split())[:200]}")
+    if problems:
+        return False, "; ".join(problems)
+    return True, f"{count} GPU(s) healthy{' (' + seen + ')' if seen else ''}"
+
+
+def node_checks(run_dir: Path, checkpoint_dir: Path, needed_bytes: int, gpus: int) -> tuple[bool, str]:
+    results = [check_run_dir(run_dir), check_free_space(checkpoint_dir, needed_bytes)]
+    if gpus:
+        results.append(check_gpus(gpus))
+    failed = [text for ok, text in results if not ok]
+    return not failed, "; ".join(failed or [text for _, text in results])
+
+
+# ---------------------------------------------------------------- the collective
+
+
+def all_reduce_check(megabytes: float, iters: int, timeout_s: float) -> tuple[bool, str]:
+    """Sum a buffer of `megabytes` across every rank `iters` times (after one warm-up) and check
+    the sum; the bus bandwidth (the rate each link carried, NCCL's busbw) on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda else "gloo"
+    if world == 1:
+        return True, "a single rank: no collective to test"
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
+    try:
+        nodes: list[Optional[str]] = [None] * world
+        dist.all_gather_object(nodes, node_name())
+        numel = max(1, int(megabytes * 2**20) // 4)
+        buf = torch.ones(numel, dtype=torch.float32, device=device)
+        dist.all_reduce(buf)  # warm-up: connections, buffers
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            buf.fill_(1.0)
+            dist.all_reduce(buf)
+        sync()
+        per = (time.perf_counter() - t0) / iters
+        wrong = (buf != float(world)).sum().item()
+        if wrong:
+            return False, f"the sum of {world} ranks was wrong in {wrong} of {numel} elements on rank {rank} ({node_name()})"
+        bus_gbs = numel * 4 / per * 2 * (world - 1) / world / 1e9
+        return True, (f"all-reduce of {megabytes:g} MiB over {world} ranks on {len(set(nodes))} node(s) ({backend}): "
+                      f"{bus_gbs:.2f} GB/s bus bandwidth, {per * 1e3:.1f} ms each")
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.preflight", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    node = sub.add_parser("node", help="this node's checks (one task per node)")
+    node.add_argument("--run-dir", type=Path, required=True)
+    node.add_argument("--checkpoint-dir", type=Path, required=True)
+    node.add_argument("--checkpoint-bytes", type=int, required=True, help="room one more checkpoint needs")
+    node.add_argument("--gpus", type=int, default=0, help="GPUs this node must have (0: a CPU job)")
+    ar = sub.add_parser("allreduce", help="a short all-reduce across every rank (launched as training is)")
+    ar.add_argument("--megabytes", type=float, default=4.0)
+    ar.add_argument("--iters", type=int, default=3)
+    ar.add_argument("--timeout", type=float, default=300.0, help="seconds the process group may take to form")
+    args = parser.parse_args(argv)
+    if args.what == "node":
+        ok, text = node_checks(args.run_dir, args.checkpoint_dir, args.checkpoint_bytes, args.gpus)
+        print(f"slipway-preflight {node_name()} {'ok' if ok else 'fail'}: {text}", flush=True)
+        return 0 if ok else PREFLIGHT_EXIT
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    try:
+        ok, text = all_reduce_check(args.megabytes, args.iters, args.timeout)
+    except Exception as exc:  # any failure of the collective is the answer, on one line
+        ok, text = False, f"rank {rank} on {node_name()}: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+    if rank == 0 or not ok:
+        print(f"slipway-preflight-allreduce {'ok' if ok else 'fail'}: {text}", flush=True)
+    return 0 if ok else PREFLIGHT_EXIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

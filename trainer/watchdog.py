@@ -1,0 +1,270 @@
+"""The hang watchdog: a run that stops making progress ends, with every rank's stacks on disk.
+
+What costs multi-node users the most time is a silent hang: one rank stuck (a
+dead NIC, a wedged GPU, a frozen process), every other rank waiting for it in
+a collective, nothing in the logs until the time limit. Each rank runs one
+`HangWatchdog`, a thread that the training loop tells of every completed step
+(`step_done`: one attribute store). When no step completes for
+`train.hang_timeout` seconds (`train.hang_timeout_first_step` for the first
+step after a start or resume: compilation, the first batches), the thread:
+
+1. writes `RUN/hangs/<job>-<host>-<rank>.txt`: what hung (step, seconds, the
+   limit), the Python stacks of all threads (faulthandler, which needs nothing
+   from the stuck thread), torch's flight recorder's last collectives (the
+   whole trace goes to `<job>-<host>-<rank>.fr.pkl`), and `py-spy dump` when
+   py-spy is installed;
+2. waits until `dump_window_s` after it noticed, so that the other ranks, whose
+   watchdogs fire within milliseconds of this one (every rank finishes a step
+   at the same all-reduce), finish their dumps before torchrun or srun tear
+   the job down on this rank's exit;
+3. exits the process with HANG_EXIT (4): the main thread is stuck, so nothing
+   short of `os._exit` ends it. A timer started first makes the exit sure even if
+   writing the dump blocks (a hung filesystem): at most `hard_exit_s` after it
+   noticed.
+
+A rank frozen whole (SIGSTOP, a process that never gives the interpreter back)
+cannot dump itself: the others name it by its missing dump. torchrun turns a
+worker's exit code into 1, so the batch script decides "hung" from the dump
+files, not from the exit status.
+
+Rank 0's watchdog also keeps `RUN/progress.json` (the last completed step and
+its wall-clock time), at most every PROGRESS_SECONDS, from its own thread: the
+live view (`slipway watch`) shows the step and the time since it from it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional
+
+from trainer.config import HANG_EXIT, HANGS_DIR, PROGRESS_FILE, TrainSection
+from trainer.fs import write_atomic
+
+log = logging.getLogger(__name__)
+
+PROGRESS_SECONDS = 1.0  # rank 0 rewrites progress.json at most this often (from its own thread)
+DUMP_WINDOW_SECONDS = 10.0  # a rank exits this long after noticing the hang (see the module docstring)
+HARD_EXIT_SECONDS = 30.0  # ... and at the latest this long after, whatever blocks the dump
+PYSPY_SECONDS = 8.0  # py-spy dump's own time limit
+# A watchdog that notices more than this past its deadline was not running when the deadline
+# came (the process frozen, or starved): its dump says `late`, and the batch script counts its
+# rank among those that did not answer. Less than DUMP_WINDOW_SECONDS, within which the others
+# exit, after which Slurm's teardown (SIGCONT, then SIGTERM) lets a frozen rank dump at last.
+LATE_SECONDS = 5.0
+
+
+def node_name() -> str:
+    """The Slurm node this rank runs on (the name `scontrol show hostnames` gives), else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def job_tag() -> str:
+    """Names this job attempt in file names: the batch script's SLIPWAY_JOB_TAG (the job id, with
+    rN for its Nth requeue), else the Slurm job id, else `local`."""
+    return os.environ.get("SLIPWAY_JOB_TAG") or os.environ.get("SLURM_JOB_ID") or "local"
+
+
+def dump_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / HANGS_DIR / f"{job_tag()}-{node_name()}-{rank}.txt"
+
+
+class HangWatchdog:
+    """One per rank: `start(step)` before the loop, `step_done(step)` after each step, `stop()` after."""
+
+    def __init__(self, cfg: TrainSection, run_dir: Path, rank: int, *,
+                 dump_window_s: float = DUMP_WINDOW_SECONDS, hard_exit_s: float = HARD_EXIT_SECONDS,
+                 exit: Callable[[int], None] = os._exit):
+        self.timeout_s = float(cfg.hang_timeout)
+        self.first_timeout_s = float(cfg.hang_timeout_first_step)
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.dump_window_s = dump_window_s
+        self.hard_exit_s = hard_exit_s
+        self._exit = exit
+        # (monotonic time, step) of the last completed step, one tuple so the thread never
+        # reads the time of one step with the number of another.
+        self._mark: tuple[float, int] = (time.monotonic(), 0)
+        self._start_step = 0
+        self._stopped = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.fired: Optional[Path] = None  # the dump written, once it has fired
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout_s > 0
+
+    def start(self, step: int) -> "HangWatchdog":
+        """Watch from now: training (re)starts after `step`."""
+        self._start_step = step
+        self._mark = (time.monotonic(), step)
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, name="slipway-hang-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def step_done(self, step: int) -> None:
+        """Step `step` has completed (the hot path: one store)."""
+        self._mark = (time.monotonic(), step)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        if self.rank == 0 and self.enabled:
+            self._write_progress(*self._mark)
+
+    # ------------------------------------------------------------ the thread
+
+    def _limit(self, step: int) -> float:
+        return self.first_timeout_s if step == self._start_step else self.timeout_s
+
+    def _run(self) -> None:
+        written, written_at = None, 0.0
+        while not self._stopped.is_set():
+            now = time.monotonic()
+            at, step = self._mark
+            deadline = at + self._limit(step)
+            if now >= deadline:
+                self._fire(now - at, step, self._limit(step))
+                return
+            # During the first step the deadline is the long one; once it completes the deadline
+            # moves earlier, which step_done does not announce: look again every hang_timeout.
+            wait = min(deadline - now, self.timeout_s)
+            if self.rank == 0:
+                if step != written and now - written_at >= PROGRESS_SECONDS:
+                    self._write_progress(at, step)
+                    written, written_at = step, now
+                wait = min(wait, PROGRESS_SECONDS)
+            self._stopped.wait(wait)
+
+    def _write_progress(self, at: float, step: int) -> None:
+        wall = time.time() - (time.monotonic() - at)
+        record = {"step": step, "time": datetime.fromtimestamp(wall, timezone.utc).isoformat(timespec="seconds"),
+                  "unix": round(wall, 3), "job": job_tag(), "hang_timeout": self.timeout_s}
+        path = self.run_dir / PROGRESS_FILE
+        tmp = path.with_name(f".{PROGRESS_FILE}.{os.getpid()}.tmp")
+        try:  # renamed into place, not fsynced: a reader sees this record or the last, and a lost one is no loss
+            tmp.write_text(json.dumps(record) + "\n")
+            os.replace(tmp, path)
+        except OSError as exc:  # the view loses a figure; training must not
+            log.debug("progress.json not written: %s", exc)
+
+    def _fire(self, idle_s: float, step: int, limit_s: float) -> None:
+        noticed = time.monotonic()
+        # Whatever happens below (a dump blocked on a hung filesystem), the process ends.
+        killer = threading.Timer(self.hard_exit_s, self._exit, (HANG_EXIT,))
+        killer.daemon = True
+        killer.start()
+        path = dump_path(self.run_dir, self.rank)
+        what = (f"no training step completed for {idle_s:.1f} s after step {step} (limit {limit_s:g} s: "
+                f"train.{'hang_timeout_first_step' if step == self._start_step else 'hang_timeout'})")
+        try:
+            self._write_dump(path, what, step, idle_s, limit_s)
+            self.fired = path
+            log.error("rank %d on %s: %s; stacks of every thread in %s; exiting %d", self.rank, node_name(), what,
+                      path, HANG_EXIT)
+        except OSError as exc:
+            log.error("rank %d on %s: %s; the stack dump could not be written (%s): stacks follow on stderr",
+                      self.rank, node_name(), what, exc)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        rest = self.dump_window_s - (time.monotonic() - noticed)
+        if rest > 0:
+            time.sleep(rest)
+        killer.cancel()
+        self._exit(HANG_EXIT)
+
+    def _write_dump(self, path: Path, what: str, step: int, idle_s: float, limit_s: float) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        host = node_name()
+        with open(path, "w") as f:
+            # The first line is what the batch script and `slipway status` read.
+            late = "late" if idle_s - limit_s > LATE_SECONDS else "on-time"
+            f.write(f"slipway hang: rank {self.rank} host {host} step {step} idle {idle_s:.1f} s limit "
+                    f"{limit_s:g} s {late}\n")
+            f.write(f"{what}\nrank {self.rank} of {os.environ.get('WORLD_SIZE', '1')}, host {host}, pid "
+                    f"{os.getpid()}, job {job_tag()}, at {datetime.now(timezone.utc).isoformat(timespec='seconds')}"
+                    "\n\n")
+            f.write(flight_recorder(path.with_suffix(".fr.pkl")) + "\n\n")
+            f.write("Python stacks of every thread (faulthandler), most recent call first:\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            f.flush()
+            spy = py_spy_dump(os.getpid())
+            if spy:
+                f.write("\n" + spy + "\n")
+
+
+def flight_recorder(out: Path) -> str:
+    """Write torch's flight recorder trace (the last collectives of every process group, with
+    their state) to `out`; a summary line of the latest one. It records with TORCH_FR_BUFFER_SIZE
+    > 0 (torch's default, which the batch script makes explicit)."""
+    try:
+        import pickle
+
+        import torch.distributed as dist
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return "flight recorder: not available (no torch.distributed)"
+    if not dist.is_available() or not dist.is_initialized():
+        return "flight recorder: no process group"
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None:
+        return "flight recorder: this torch has none"
+    try:
+        raw = dump()
+        trace = pickle.loads(raw)
+    except Exception as exc:  # a diagnostic must not stop the dump of the stacks
+        return f"flight recorder: could not be read ({type(exc).__name__}: {exc})"
+    entries = trace.get("entries") or []
+    if not entries:
+        return ("flight recorder: empty (set TORCH_FR_BUFFER_SIZE, as slipway's batch script does, to record "
+                "the last collectives)")
+    write_atomic(out, raw)
+    last = entries[-1]
+    group = last.get("process_group") or ("?", "?")
+    return (f"flight recorder: {len(entries)} collectives recorded; the latest is #{last.get('collective_seq_id')} "
+            f"{last.get('profiling_name')} on process group {group[-1]} ({last.get('state')}, sizes "
+            f"{last.get('input_sizes')}); the whole trace in {out.name}")
+
+
+def _py_spy() -> Optional[str]:
+    found = shutil.which("py-spy")
+    beside = Path(sys.executable).parent / "py-spy"  # a venv's own, not on PATH in a job
+    return found or (str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None)
+
+
+def py_spy_dump(pid: int) -> str:
+    """`py-spy dump` of process `pid` (this one): native frames and the stuck thread's state,
+    which faulthandler does not show. Empty when py-spy is not installed."""
+    exe = _py_spy()
+    if exe is None:
+        return ""
+    try:  # Yama's ptrace_scope 1 lets only ancestors trace a process: allow py-spy, our child
+        ctypes.CDLL(None, use_errno=True).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, ANY
+    except (OSError, AttributeError):
+        pass
+    try:
+        proc = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=PYSPY_SECONDS)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"py-spy dump: did not finish ({exc})"
+    if proc.returncode != 0:
+        return f"py-spy dump: exit {proc.returncode}: {' '.join((proc.stderr or proc.stdout).split())[:500]}"
+    return "py-spy dump:\n" + proc.stdout
