@@ -285,6 +285,15 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return status.cancel(run, console=_console())
 
 
+def cmd_watch(args: argparse.Namespace) -> int:
+    from jobs import runs, watch
+
+    if args.interval <= 0:
+        raise ConfigError("--interval", f"must be > 0 seconds, got {args.interval:g}")
+    run = runs.find_run(args.run, project_dir())
+    return watch.watch(run, args.job, interval=args.interval, once=args.once, console=_console())
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from jobs import runs
     from trainer.plot import plot_run
@@ -341,9 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run this command (no --pty) instead of an interactive bash; put it last")
     p.set_defaults(func=cmd_shell)
 
-    p = sub.add_parser("doctor", help="preflight checks before burning an allocation")
-    p.add_argument("config", nargs="?", metavar="CONFIG")
-    p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE")
+    p = sub.add_parser("doctor", help="preflight checks before burning an allocation (with a config: of exactly "
+                                      "what `submit` would get from the same arguments)")
+    _config_args(p, optional=True)
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("status", help="runs and their jobs (squeue, scontrol, sacct, events.log)")
@@ -356,6 +365,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", help="job id (default: the latest)")
     p.add_argument("--err", action="store_true", help="the error log instead of the output")
     p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("watch", help="a live view of a run's job (step, loss, tokens/s, MFU, ETA, time since the "
+                                     "last step, per-node heartbeat and GPU use, events) until it ends; exits "
+                                     "with the job's exit code")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--job", help="job id (default: the run's latest training job)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit 0")
+    p.set_defaults(func=cmd_watch)
 
     p = sub.add_parser("cancel", help="scancel a run's active jobs")
     p.add_argument("run", metavar="RUN")

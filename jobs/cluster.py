@@ -82,6 +82,10 @@ class ClusterSpec:
     # them, so per-node state (enroot's data and runtime dirs, pyxis's runtime path) of two
     # "nodes" on one machine does not collide.
     node_private: tuple[str, ...] = ()
+    # Seconds a job credential lives (slurm.conf AuthInfo cred_expire; Slurm's default 120, its
+    # minimum 5). A requeued job may not start again before it has passed: tests that requeue
+    # lower it.
+    cred_expire: int = 120
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
@@ -100,6 +104,8 @@ class ClusterSpec:
             raise ClusterError(f"state dir {str(self.state_dir)!r} holds a character slurm.conf cannot "
                                "carry (blank, #, =, quote, backslash): pick a plain path")
         object.__setattr__(self, "node_private", tuple(self.node_private))
+        if self.cred_expire < 5:
+            raise ClusterError(f"cred_expire={self.cred_expire}: Slurm takes 5 s or more")
         for d in self.node_private:
             if not d.startswith("/") or re.search(r"[\s'\"\\]", d):
                 raise ClusterError(f"node-private directory {d!r}: give absolute paths without blanks or quotes")
@@ -179,7 +185,7 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 # Our own munged, so a system munged (and its key) is left alone.
-AuthInfo=socket={spec.munge_socket}
+AuthInfo=socket={spec.munge_socket},cred_expire={spec.cred_expire}
 StateSaveLocation={s}/ctld
 SlurmdSpoolDir={s}/spool/%n
 SlurmctldPidFile={s}/run/slurmctld.pid

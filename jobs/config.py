@@ -80,6 +80,17 @@ class SlurmSection:
     requeue: bool = True
     # Time-limit requeues of one job before it stops requeueing (recorded in events.log).
     max_requeues: int = 20
+    # Failure retries, counted apart from max_requeues: when a node failed the preflight, a run
+    # hung (train.hang_timeout) or a node died, the job requeues itself without the nodes to
+    # blame (where the partition has enough others), at most this many times; each decision
+    # and its reason go to events.log. 0: never retry.
+    max_retries: int = 2
+    # Before training, every node checks the run directory, free space for checkpoints and its
+    # GPUs, then every rank joins a short all-reduce (trainer/preflight.py); a failing node is
+    # named and the job retried without it. Skipped with launch.command (its image may not
+    # hold slipway's trainer). Each of its two steps may take preflight_timeout seconds.
+    preflight: bool = True
+    preflight_timeout: int = 300
     extra: list[str] = field(default_factory=list)
     # The data preparation job (`slipway prepare --as-job`, `submit --prepare`): one CPU task,
     # no GPU. Defaults: the training job's partition and cpus_per_task.
@@ -104,6 +115,9 @@ class SlurmSection:
                      f"({self.time} = {limit} s) for training, or every requeued job would save and stop at once: "
                      f"lower signal_seconds to {limit // 10 if limit else 0} or raise slurm.time")
         _require(self.max_requeues >= 0, f"{where}.max_requeues", f"must be >= 0, got {self.max_requeues}")
+        _require(self.max_retries >= 0, f"{where}.max_retries", f"must be >= 0 (0: never retry), got {self.max_retries}")
+        _require(self.preflight_timeout > 0, f"{where}.preflight_timeout",
+                 f"must be > 0 seconds, got {self.preflight_timeout}")
         _require(self.prepare_cpus is None or self.prepare_cpus > 0, f"{where}.prepare_cpus",
                  f"must be > 0, got {self.prepare_cpus}")
         try:

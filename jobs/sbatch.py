@@ -14,9 +14,11 @@ from pathlib import Path
 
 from edf import Environment, srun_flags
 from jobs.config import NODE_PRESETS, Config
-from trainer.config import REQUEUE_EXIT, STOP_FILE, ConfigError
+from trainer.config import HANG_EXIT, HANGS_DIR, PREFLIGHT_EXIT, REQUEUE_EXIT, STOP_FILE, ConfigError
+from trainer.preflight import checkpoint_bytes
 
 HEARTBEAT_SECONDS = 60
+NODE_HEARTBEAT_SECONDS = 15  # heartbeats/NODE, which `slipway watch` shows by age
 # `${VAR}` or `${VAR:-default}` with a default that is literal inside double quotes.
 _VAR = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-[A-Za-z0-9_./:@%+=, -]*)?\}")
 
@@ -174,7 +176,25 @@ def _environment(cfg: Config, paths: RunPaths) -> list[str]:
         "export PYTHONUNBUFFERED=1",
         f"export OMP_NUM_THREADS={_omp_threads(cfg)}",
         f"export SLIPWAY_RUN_DIR={shlex.quote(str(paths.run_dir))}",
+        'export SLIPWAY_JOB_TAG="$JOB_TAG"',
+        "# torch's flight recorder: each rank's last collectives, which its hang dump includes",
+        "# (trainer/watchdog.py).",
+        'export TORCH_FR_BUFFER_SIZE="${TORCH_FR_BUFFER_SIZE:-2000}"',
     ]
+    if cfg.slurm.gpus_per_node:
+        lines += [
+            "# On NCCL a collective that times out dumps it too, into hangs/ (torch appends the rank).",
+            "export TORCH_NCCL_DUMP_ON_TIMEOUT=1",
+            f'export TORCH_FR_DUMP_TEMP_FILE="$RUN_DIR/{HANGS_DIR}/$JOB_TAG-nccl-trace-rank"',
+            'export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$TORCH_FR_DUMP_TEMP_FILE"',
+        ]
+    if cfg.slurm.preflight and not cfg.launch.command:
+        lines += [
+            "# The preflight's all-reduce forms a group of its own, on the next free port.",
+            "PREFLIGHT_PORT=$(( MASTER_PORT + 1 ))",
+            'while (exec 3<>"/dev/tcp/$MASTER_ADDR/$PREFLIGHT_PORT") 2>/dev/null; do '
+            "PREFLIGHT_PORT=$(( PREFLIGHT_PORT + 1 )); done",
+        ]
     if debug:
         lines += ["export CUDA_LAUNCH_BLOCKING=1", "export TORCH_DISTRIBUTED_DEBUG=DETAIL",
                   "export NCCL_DEBUG_SUBSYS=INIT,NET"]
@@ -209,20 +229,27 @@ def _container_args(env: Environment, paths: RunPaths) -> tuple[list[str], list[
     return [_Value(a) for a in flags.args], [f"{name}={shell_value(value)}" for name, value in flags.exports]
 
 
-def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[str]) -> str:
-    """The `srun` line that starts every rank, backgrounded."""
-    cmd = task_command(cfg, paths)
+def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[str],
+            cmd: list[str] | None = None, port: str = "MASTER_PORT", wrap: list[str] = ()) -> str:
+    """The `srun` line that starts every rank: the trainer, or `cmd` (the preflight's all-reduce)
+    launched the same way with its rendezvous on `$port`, as a step bounded by the words `wrap`
+    (`timeout ...`), whose ranks end together (no --wait); not backgrounded."""
+    cmd = task_command(cfg, paths) if cmd is None else cmd
     prefix = "".join(f"{a} " for a in assigns)
-    srun = ["srun", "--kill-on-bad-exit=1", "--wait=60", f"--cpus-per-task={cfg.slurm.cpus_per_task}",
-            f"--nodes={cfg.slurm.nodes}"]
+    if wrap:
+        srun = [*wrap, "srun", f"--nodes={cfg.slurm.nodes}", f"--cpus-per-task={cfg.slurm.cpus_per_task}",
+                "--kill-on-bad-exit=1"]
+    else:
+        srun = ["srun", "--kill-on-bad-exit=1", "--wait=60", f"--cpus-per-task={cfg.slurm.cpus_per_task}",
+                f"--nodes={cfg.slurm.nodes}"]
     if cfg.launch.launcher == "torchrun":
         if cmd[0] != cfg.launch.python:
             raise ConfigError("launch.command", "with launcher torchrun the command must start with launch.python "
                                                 f"({cfg.launch.python}); use launcher srun for other programs")
-        rdzv = [_Expand("--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT"), _Expand("--rdzv-id=$SLURM_JOB_ID"),
+        rdzv = [_Expand(f"--rdzv-endpoint=$MASTER_ADDR:${port}"), _Expand("--rdzv-id=$SLURM_JOB_ID"),
                 "--rdzv-backend=c10d"]
         argv = torchrun_argv(cfg, nnodes=_Expand("$SLURM_NNODES"), rdzv=rdzv) + cmd[1:]
-        return f"{prefix}{_words(srun + ['--ntasks-per-node=1'] + container)} \\\n  {_words(argv)} &"
+        return f"{prefix}{_words(srun + ['--ntasks-per-node=1'] + container)} \\\n  {_words(argv)}"
     # One task per process: the rank variables come from Slurm's own.
     mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
               'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; exec "$@"')
@@ -232,13 +259,204 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[st
         # [i * cpus_per_task, (i + 1) * cpus_per_task), which on a GH200 is its own Grace.
         srun += ["--gpus-per-task=1", "--cpu-bind=verbose,cores", "--mem-bind=local"]
     srun += container
-    return f"{prefix}{_words(srun)} \\\n  {_words(['bash', '-c', mapper, 'slipway-task', *cmd])} &"
+    if port != "MASTER_PORT":  # init_process_group reads MASTER_PORT: this launch's own, for its srun alone
+        prefix += f'MASTER_PORT="${port}" '
+    return f"{prefix}{_words(srun)} \\\n  {_words(['bash', '-c', mapper, 'slipway-task', *cmd])}"
+
+
+_COUNT_EVENTS = ('count_events() { local n; n=$(grep -F " job $SLURM_JOB_ID $* " "$RUN_DIR/events.log" 2>/dev/null '
+                 '| wc -l) || true; echo "${n:-0}"; }')
+
+
+def _node_helper(cfg: Config) -> list[str]:
+    """One task per node beside the training step: the node's heartbeat, and its GPU use for GPU jobs."""
+    script = ['n=${SLURMD_NODENAME:-$(hostname)}']
+    if cfg.slurm.gpus_per_node:
+        script.append('if command -v nvidia-smi >/dev/null; then nvidia-smi dmon --delay 15 --select pumt --options DT '
+                      '--filename "$1/gutil/$n.gutil" & fi')
+    script.append(f'while :; do {{ date --iso-8601=seconds > "$1/heartbeats/$n"; }} 2>/dev/null; '
+                  f'sleep {NODE_HEARTBEAT_SECONDS}; done')
+    what = "its heartbeat (heartbeats/NODE)" + (" and GPU use (gutil/NODE.gutil)" if cfg.slurm.gpus_per_node else "")
+    return [
+        f"# On every node: {what}, for `slipway watch`; quiet, as the trap ends it.",
+        f"srun --overlap --nodes={cfg.slurm.nodes} --ntasks-per-node=1 --cpus-per-task=1 "
+        f'bash -c {shlex.quote("; ".join(script))} slipway-node "$RUN_DIR" > /dev/null 2>&1 &',
+        'HELPER_PIDS+=("$!")',
+    ]
+
+
+def _retry_function(cfg: Config) -> list[str]:
+    """`retry_or_stop KIND CODE [NODE...]`: the failure retries (slurm.max_retries) of one job, each
+    decision in events.log. A retry requeues the job without the nodes to blame, if its partition
+    has enough other usable nodes; `scontrol update` changes ExcNodeList only of a pending job, so
+    the job is requeued held, updated, then released."""
+    s = cfg.slurm
+    head = ["# retry_or_stop KIND CODE [NODE...]: requeue this job (slurm.max_retries) without the nodes to",
+            "# blame, where the partition has enough others; else end with CODE. Each decision in events.log.",
+            "retry_or_stop() {", "  local kind=$1 code=$2; shift 2", '  local bad="$*" excluded="" usable=0 node state']
+    if not s.requeue:
+        return head + ['  event "not retrying ($kind): slurm.requeue is off"', '  exit "$code"', "}"]
+    return head + [
+        f'  if [ "$RETRIES" -ge {s.max_retries} ]; then',
+        f'    event "not retrying ($kind): slurm.max_retries ({s.max_retries}) reached"',
+        '    exit "$code"',
+        "  fi",
+        "  if [ -n \"$bad\" ]; then",
+        "    excluded=$(scontrol show job -o \"$SLURM_JOB_ID\" | grep -o 'ExcNodeList=[^ ]*' | sed 's/^ExcNodeList=//') "
+        '|| excluded=""',
+        '    [ "$excluded" != "(null)" ] || excluded=""',
+        "    excluded=$( { [ -z \"$excluded\" ] || scontrol show hostnames \"$excluded\"; printf '%s\\n' $bad; } "
+        "| sort -u | paste -sd, - )",
+        "    while read -r node state; do",
+        '      case ",$excluded," in *",$node,"*) continue ;; esac',
+        "      case \"${state%[~#%]}\" in idle|mix|alloc|comp|plnd) usable=$((usable + 1)) ;; esac",
+        "    done < <(sinfo -h -N ${SLURM_JOB_PARTITION:+-p \"$SLURM_JOB_PARTITION\"} -o '%N %t' 2>/dev/null)",
+        f'    if [ "$usable" -lt {s.nodes} ]; then',
+        f'      event "not retrying ($kind): without ${{bad% }} partition ${{SLURM_JOB_PARTITION:-(default)}} has $usable usable '
+        f'node(s), the job needs {s.nodes}"',
+        '      exit "$code"',
+        "    fi",
+        f'    event "retry $((RETRIES + 1))/{s.max_retries} ($kind): requeueing without ${{bad% }} (excluded nodes: '
+        '$excluded)"',
+        "    trap '' TERM  # the requeue ends this job's processes: the three calls must finish first",
+        '    scontrol requeuehold "$SLURM_JOB_ID" || { event "requeue failed"; exit "$code"; }',
+        '    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$excluded" || event "could not exclude $excluded"',
+        '    scontrol release "$SLURM_JOB_ID"',
+        "  else",
+        f'    event "retry $((RETRIES + 1))/{s.max_retries} ($kind): requeueing (no node to blame)"',
+        '    scontrol requeue "$SLURM_JOB_ID" || { event "requeue failed"; exit "$code"; }',
+        "  fi",
+        "  exit 0",
+        "}",
+    ]
+
+
+def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list[str]) -> list[str]:
+    """The preflight (trainer/preflight.py): each node's checks, then an all-reduce across every rank."""
+    s = cfg.slurm
+    if not s.preflight or cfg.launch.command:
+        return []
+    limit = ["timeout", "-k", "15", str(s.preflight_timeout)]
+    prefix = "".join(f"{a} " for a in assigns)
+    checkpoint_dir = paths.run_dir / cfg.checkpoint.dir
+    node_srun = [*limit, "srun", f"--nodes={s.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={s.cpus_per_task}",
+                 *container]
+    node_cmd = [cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.run_dir),
+                "--checkpoint-dir", str(checkpoint_dir),
+                "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node)]
+    allreduce = [cfg.launch.python, "-m", "trainer.preflight", "allreduce", "--megabytes",
+                 "64" if s.gpus_per_node else "4", "--timeout", str(s.preflight_timeout)]
+    t = s.preflight_timeout
+    return [
+        "",
+        "# Preflight (trainer/preflight.py), each step at most slurm.preflight_timeout: every node checks",
+        "# the run directory, free space and its GPUs, reporting on its own; a node that fails or sends",
+        "# no report is named and the job retried without it. Then every rank joins a short all-reduce.",
+        'PREFLIGHT_LOG="$RUN_DIR/logs/preflight-$JOB_TAG.out"',
+        "set +e",
+        f'{prefix}{_words(node_srun)} \\\n  {_words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
+        "pf_rc=$?",
+        "set -e",
+        'cat "$PREFLIGHT_LOG"',
+        'PF_BAD=""',
+        "for node in $NODES; do",
+        '  line=$(grep -F -m1 "slipway-preflight $node " "$PREFLIGHT_LOG") || line=""',
+        '  case "$line" in',
+        '    "slipway-preflight $node ok"*) ;;',
+        f'    "") PF_BAD+="$node "; event "preflight failed on $node: no report within {t} s (its container did not '
+        'start there, or the node is unreachable; step exit $pf_rc)" ;;',
+        '    *) PF_BAD+="$node "; event "preflight failed on $node: ${line#*fail: }" ;;',
+        "  esac",
+        "done",
+        *(['# Every node failed alike (a full filesystem, a bad config): no node to blame.',
+           f'[ -z "$PF_BAD" ] || [ "${{PF_BAD% }}" != "$NODES" ] || retry_or_stop preflight {PREFLIGHT_EXIT}']
+          if s.nodes > 1 else []),
+        f'[ -z "$PF_BAD" ] || retry_or_stop preflight {PREFLIGHT_EXIT} $PF_BAD',
+        'PREFLIGHT_LOG="$RUN_DIR/logs/preflight-$JOB_TAG-allreduce.out"',
+        "set +e",
+        _launch(cfg, paths, container, assigns, cmd=allreduce, port="PREFLIGHT_PORT", wrap=limit)
+        + ' > "$PREFLIGHT_LOG" 2>&1',
+        "pf_rc=$?",
+        "set -e",
+        'cat "$PREFLIGHT_LOG"',
+        'line=$(grep -F -m1 "slipway-preflight-allreduce " "$PREFLIGHT_LOG") || line=""',
+        'case "$line" in',
+        '  "slipway-preflight-allreduce ok: "*) event "preflight ok on $SLURM_JOB_NODELIST: ${line#*ok: }" ;;',
+        f'  "") event "preflight failed: the all-reduce across every rank gave no result within {t} s (step exit '
+        f'$pf_rc)"; retry_or_stop preflight {PREFLIGHT_EXIT} ;;',
+        f'  *) event "preflight failed: ${{line#*fail: }}"; retry_or_stop preflight {PREFLIGHT_EXIT} ;;',
+        "esac",
+    ]
+
+
+def _after_step(cfg: Config) -> list[str]:
+    """What the script decides once the training step has ended, from the files the ranks wrote:
+    a hang (dumps in hangs/), a stop request (time-limit requeue), a node that died."""
+    s = cfg.slurm
+    lines = [
+        "# A hang: the ranks' watchdogs wrote their stacks to hangs/ (trainer/watchdog.py). The nodes",
+        "# some of whose ranks wrote none in time (frozen, dead; a frozen rank may dump `late` once",
+        "# Slurm's teardown resumes it) are the ones to blame.",
+        'shopt -s nullglob; HANG_DUMPS=("$RUN_DIR/hangs/$JOB_TAG-"*.txt); shopt -u nullglob',
+        'if [ "${#HANG_DUMPS[@]}" -gt 0 ]; then',
+        '  SILENT=""',
+        "  for node in $NODES; do",
+        "    dumped=0",
+        '    for f in "$RUN_DIR/hangs/$JOB_TAG-$node-"*.txt; do',
+        '      r=${f##*/"$JOB_TAG-$node-"}; [[ ${r%.txt} =~ ^[0-9]+$ ]] || continue',
+        '      first=""; read -r first < "$f" || true',
+        '      [[ $first == *" on-time" ]] && dumped=$((dumped + 1))',
+        "    done",
+        f'    [ "$dumped" -ge {cfg.launch.procs_per_node} ] || SILENT+="$node "',
+        "  done",
+        '  read -r _ _ _ _ _ _ _ hung_step _ _ _ _ hang_limit _ < "${HANG_DUMPS[0]}" || true',
+        f'  event "hang: no step completed for $hang_limit s after step $hung_step; stack dumps from '
+        f'${{#HANG_DUMPS[@]}} of {cfg.world_size} ranks in hangs/$JOB_TAG-*.txt${{SILENT:+; not answering in '
+        'time: the ranks on ${SILENT% }}"',
+        f"  retry_or_stop hang {HANG_EXIT} $SILENT",
+        "fi",
+        f'if [ "$STOP_REQUESTED" = 1 ] || [ "$rc" = {REQUEUE_EXIT} ]; then',
+    ]
+    if s.requeue:
+        limit = s.max_requeues
+        lines += [
+            f'  if [ "$REQUEUES" -ge {limit} ]; then',
+            f'    event "not requeueing after the time-limit warning: slurm.max_requeues ({limit}) reached (saved '
+            'after the stop request, step exit $rc)"',
+            f"    exit {REQUEUE_EXIT}",
+            "  fi",
+            f'  event "time-limit requeue $((REQUEUES + 1))/{limit}: saved after the stop request (step exit $rc), '
+            'requeueing"',
+            '  scontrol requeue "$SLURM_JOB_ID"',
+            "  exit 0",
+        ]
+    else:
+        lines += ['  event "saved after stop request (step exit $rc); slurm.requeue is off"', f"  exit {REQUEUE_EXIT}"]
+    lines += [
+        "fi",
+        "# A node that died under the step (not responding, down or drained) is retried without.",
+        'if [ "$rc" != 0 ]; then',
+        '  DEAD=""',
+        "  for node in $NODES; do",
+        "    state=$(sinfo -h -N -n \"$node\" -o '%t' 2>/dev/null | sed -n 1p) || state=\"\"",
+        "    case \"$state\" in down*|drain*|drng*|fail*|*'*') DEAD+=\"$node \" ;; esac",
+        "  done",
+        '  if [ -n "$DEAD" ]; then',
+        '    event "node failure: ${DEAD% } not responding, down or drained after the step failed (exit $rc)"',
+        '    retry_or_stop "node failure" "$rc" $DEAD',
+        "  fi",
+        "fi",
+        'exit "$rc"',
+        "",
+    ]
+    return lines
 
 
 def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
     """The whole batch script for `cfg`, reading and writing only inside `paths.run_dir`;
     `env` is the run's container environment (`jobs.container.run_environment`)."""
     q = shlex.quote
+    s = cfg.slurm
     run_dir = q(str(paths.run_dir))
     container, assigns = _container_args(env, paths)
     lines = _header(cfg, paths) + ["", "set -euo pipefail"]
@@ -247,10 +465,17 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
     lines += [
         f"RUN_DIR={run_dir}",
         f"cd {q(str(paths.project_dir))}",
-        'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/gutil"',
+        'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/gutil" "$RUN_DIR/heartbeats" "$RUN_DIR/' + HANGS_DIR + '"',
         'rm -f "$RUN_DIR/' + STOP_FILE + '"',
         _EVENT,
-        'event "start on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0})"',
+        "# What this job (its id survives requeues) has used: failure retries, time-limit requeues.",
+        _COUNT_EVENTS,
+        "RETRIES=$(count_events retry) REQUEUES=$(count_events time-limit requeue)",
+        "# Names this attempt's files (hang dumps, preflight logs): the job id, rN after the Nth requeue.",
+        'JOB_TAG=$SLURM_JOB_ID; [ "${SLURM_RESTART_COUNT:-0}" = 0 ] || JOB_TAG="${SLURM_JOB_ID}r$SLURM_RESTART_COUNT"',
+        'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd " " -)',
+        f'event "start on $SLURM_JOB_NODELIST (restart ${{SLURM_RESTART_COUNT:-0}}), failure retries '
+        f'$RETRIES/{s.max_retries}, time-limit requeues $REQUEUES/{s.max_requeues}"',
         "",
         *_environment(cfg, paths),
         "",
@@ -271,26 +496,20 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
         '  touch "$RUN_DIR/' + STOP_FILE + '"',
         "}",
         "trap on_warning USR1",
+        *_retry_function(cfg),
         f'( while sleep {HEARTBEAT_SECONDS}; do date --iso-8601=seconds > "$RUN_DIR/heartbeat"; done ) &',
         'HELPER_PIDS+=("$!")',
         'date --iso-8601=seconds > "$RUN_DIR/heartbeat"',
+        *_node_helper(cfg),
     ]
-    if cfg.slurm.gpus_per_node:
-        monitor = ('command -v nvidia-smi >/dev/null || exit 0; '
-                   'exec nvidia-smi dmon --delay 15 --select pumt --options DT --filename "$1/gutil/$(hostname).gutil"')
-        lines += [
-            "# GPU use per node (power, utilisation, memory, temperature) beside the training step.",
-            f"srun --overlap --nodes={cfg.slurm.nodes} --ntasks-per-node=1 --cpus-per-task=1 "
-            f"bash -c {q(monitor)} slipway-gutil \"$RUN_DIR\" &",
-            'HELPER_PIDS+=("$!")',
-        ]
     if cfg.launch.pre_launch:
         lines += ["", "# Pre-launch commands from launch.pre_launch (run as written, on the first node)."]
         lines += list(cfg.launch.pre_launch)
+    lines += _preflight(cfg, paths, container, assigns)
     lines += [
         "",
         "# The training step, in the background so the warning trap runs at once.",
-        _launch(cfg, paths, container, assigns),
+        _launch(cfg, paths, container, assigns) + " &",
         'SRUN_PID=$!',
         'set +e',
         '# A trap interrupts `wait`; then wait again for the step itself.',
@@ -302,22 +521,8 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
         '  wait "$SRUN_PID" 2>/dev/null; again=$?; [ "$again" = 127 ] || rc=$again; break',
         'done',
         'set -e',
-        f'if [ "$STOP_REQUESTED" = 1 ] || [ "$rc" = {REQUEUE_EXIT} ]; then',
+        *_after_step(cfg),
     ]
-    if cfg.slurm.requeue:
-        limit = cfg.slurm.max_requeues
-        lines += [
-            f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -ge {limit} ]; then',
-            f'    event "saved after stop request (step exit $rc); not requeueing: slurm.max_requeues ({limit}) reached"',
-            f"    exit {REQUEUE_EXIT}",
-            "  fi",
-            '  event "saved after stop request (step exit $rc): requeueing"',
-            '  scontrol requeue "$SLURM_JOB_ID"',
-            "  exit 0",
-        ]
-    else:
-        lines += ['  event "saved after stop request (step exit $rc); slurm.requeue is off"', f"  exit {REQUEUE_EXIT}"]
-    lines += ["fi", 'exit "$rc"', ""]
     return "\n".join(lines)
 
 

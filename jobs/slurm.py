@@ -126,6 +126,16 @@ def job_info(job_id: str) -> JobInfo | None:
     return None
 
 
+def hostnames(nodelist: str) -> list[str]:
+    """The node names of a Slurm host list (`node[1-3,5]`); [] for an empty one or without scontrol."""
+    if not nodelist or nodelist in ("(null)", "None") or not available("scontrol"):
+        return []
+    try:
+        return local["scontrol"]("show", "hostnames", nodelist).split()
+    except ProcessExecutionError:
+        return []
+
+
 def ping(timeout: float = 20) -> tuple[bool, str]:
     """Whether a Slurm controller answers (`scontrol ping`), and what it said."""
     if not available("scontrol"):
@@ -134,7 +144,8 @@ def ping(timeout: float = 20) -> tuple[bool, str]:
         rc, out, err = local["scontrol"]["ping"].run(retcode=None, timeout=timeout)
     except ProcessTimedOut:
         return False, f"scontrol ping got no answer in {timeout:.0f} s"
-    text = " ".join((out + " " + err).split())
+    # Without the banner scontrol prints under a controller that is down (rows of asterisks).
+    text = " ".join(w for w in (out + " " + err).split() if w.strip("*"))
     return rc == 0 and " is UP" in text, text or f"scontrol ping exited {rc}"
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rich.markup import escape
 
 from jobs import runs, slurm
-from trainer.config import ConfigError
+from trainer.config import HANGS_DIR, ConfigError
 
 
 def _last_event(run: runs.Run, job_id: str | None) -> str:
@@ -15,6 +20,89 @@ def _last_event(run: runs.Run, job_id: str | None) -> str:
         if len(parts) == 4 and (job_id is None or parts[2] == job_id):
             return parts[3]
     return ""
+
+
+# Event texts the batch script writes (jobs/sbatch.py) that end an attempt badly.
+FAILURES = ("hang:", "preflight failed", "node failure:", "not retrying", "not requeueing")
+
+
+@dataclass
+class History:
+    """What became of one job across its attempts, from events.log: the failure retries and
+    time-limit requeues it used (of how many), the nodes excluded, the last failure, the last hang."""
+
+    job_id: str
+    attempts: int = 0
+    retries: list[str] = field(default_factory=list)  # the retry events' texts
+    max_retries: Optional[int] = None
+    requeues: int = 0
+    max_requeues: Optional[int] = None
+    excluded: str = ""
+    last_failure: str = ""
+    hang: str = ""
+    preflight: str = ""  # the last preflight result (its bandwidth when it passed)
+
+    @property
+    def hang_tag(self) -> str:
+        """The attempt whose stack dumps the last hang names (hangs/TAG-*.txt)."""
+        m = re.search(r"hangs/(\S+)-\*\.txt", self.hang)
+        return m.group(1) if m else ""
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.retries or self.requeues or self.attempts > 1:
+            kinds = ", ".join(re.sub(r"^retry \S+ \(([^)]*)\).*", r"\1", r) for r in self.retries)
+            out.append(f"job {self.job_id}: {self.attempts} attempt(s); failure retries {len(self.retries)}"
+                       f"{'/' + str(self.max_retries) if self.max_retries is not None else ''}"
+                       f"{' (' + kinds + ')' if kinds else ''}; time-limit requeues {self.requeues}"
+                       f"{'/' + str(self.max_requeues) if self.max_requeues is not None else ''}"
+                       f"{'; excluded nodes ' + self.excluded if self.excluded else ''}")
+        if self.last_failure and self.last_failure != self.hang:  # the hang has lines of its own
+            out.append(f"last failure: {self.last_failure}")
+        return out
+
+
+def job_history(run: runs.Run, job_id: str) -> History:
+    history = History(job_id)
+    for line in run.events():
+        parts = line.split(" ", 3)
+        if len(parts) < 4 or parts[1] != "job" or parts[2] != job_id:
+            continue
+        text = parts[3]
+        if text.startswith("start on "):
+            history.attempts += 1
+            m = re.search(r"failure retries \d+/(\d+), time-limit requeues \d+/(\d+)", text)
+            if m:
+                history.max_retries, history.max_requeues = int(m.group(1)), int(m.group(2))
+        elif text.startswith("retry "):
+            history.retries.append(text)
+            m = re.search(r"\(excluded nodes: ([^)]*)\)$", text)
+            if m:
+                history.excluded = m.group(1)
+        elif text.startswith("time-limit requeue "):
+            history.requeues += 1
+        elif text.startswith("preflight "):
+            history.preflight = text
+        if text.startswith(FAILURES):
+            history.last_failure = text
+        if text.startswith("hang:"):
+            history.hang = text
+    return history
+
+
+def hang_dumps(run: runs.Run, tag: str) -> list[str]:
+    """One line per stack dump of attempt `tag`: rank, node, and whether it answered in time."""
+    out = []
+    for path in sorted((run.dir / HANGS_DIR).glob(f"{tag}-*.txt")):
+        try:
+            with path.open() as f:
+                first = f.readline().split()
+        except OSError:
+            continue
+        if len(first) >= 15 and first[:3] == ["slipway", "hang:", "rank"]:
+            late = "late: frozen or starved until the teardown" if first[14] == "late" else "on time"
+            out.append(f"rank {first[3]} on {first[5]}: {late} ({path.relative_to(run.dir)})")
+    return out
 
 
 def _progress(run: runs.Run) -> str:
@@ -75,6 +163,10 @@ def show_status(project_dir, run_name: str | None, console) -> int:
         for sub in subs:
             table.add_row(*_job_row(run, sub))
         console.print(table)
+        latest = next((s["job_id"] for s in reversed(subs) if s.get("job_id") and s.get("kind", "train") == "train"),
+                      None)
+        if latest:
+            _print_history(run, job_history(run, latest), console)
         image = run.manifest().get("image") or {}
         if image.get("image"):
             console.print(f"image {image['image']}" + (f" (build {image['build_hash'][:12]})"
@@ -99,6 +191,19 @@ def show_status(project_dir, run_name: str | None, console) -> int:
         table.add_row(run.name, str(len(subs)), job, state, code, _progress(run), event)
     console.print(table)
     return 0
+
+
+def _print_history(run: runs.Run, history: History, console) -> None:
+    for line in history.lines():
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
+    if history.hang:
+        console.print(f"[red]hung[/] (attempt {escape(history.hang_tag)}): {escape(history.hang.removeprefix('hang: '))}",
+                      soft_wrap=True, highlight=False)
+        for line in hang_dumps(run, history.hang_tag):
+            console.print(f"  {line}", soft_wrap=True, highlight=False, markup=False)
+    if history.preflight:
+        console.print(f"preflight: {history.preflight.removeprefix('preflight ')}", soft_wrap=True,
+                      highlight=False, markup=False)
 
 
 def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> int:

@@ -16,7 +16,6 @@ Client commands reach it with `slurm_cluster.env()` = {"SLURM_CONF": ...}.
 from __future__ import annotations
 
 import atexit
-from pathlib import Path
 from typing import Iterator
 
 import pytest

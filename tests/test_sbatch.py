@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_golden
+from conftest import SRUN_PASSING_PREFLIGHT, assert_golden
 from jobs.config import load_config
 from jobs.sbatch import RunPaths, local_argv, render_sbatch, shell_value
 
@@ -80,7 +80,8 @@ def test_hostile_script_runs_without_executing_anything(tmp_path):
     run_dir.mkdir(parents=True)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/bin/bash\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$RUN_DIR/srun-args"\n')
+    (bin_dir / "srun").write_text('#!/bin/bash\n' + SRUN_PASSING_PREFLIGHT +
+                                  'for a in "$@"; do printf "%s\\n" "$a"; done > "$RUN_DIR/srun-args"\n')
     (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
@@ -97,8 +98,12 @@ def test_hostile_script_runs_without_executing_anything(tmp_path):
     args = (run_dir / "srun-args").read_text().splitlines()
     assert "--container-env=GREETING" in " ".join(args) or any(a.startswith("--container-env") for a in args)
     assert args[-2:] == ["--config", str(run_dir / "config.yaml")]
+    preflight = (run_dir / "srun-preflight-args").read_text().splitlines()
+    assert preflight[preflight.index("--run-dir") + 1] == str(run_dir)  # hostile path, one word
+    assert preflight[preflight.index("--checkpoint-dir") + 1] == str(run_dir / "checkpoints")
     events = (run_dir / "events.log").read_text()
     assert "job 17 start on node1" in events and "job 17 end exit 0" in events
+    assert "job 17 preflight ok on node1: stand-in" in events
 
 
 def test_local_argv_is_the_same_launch():
@@ -130,7 +135,7 @@ def test_gh200_preset_binds_ranks_and_sets_the_slingshot_environment(launcher, t
     run_dir.mkdir(parents=True)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/bin/bash\n[ "$1" = --overlap ] && exit 0\n'
+    (bin_dir / "srun").write_text('#!/bin/bash\n' + SRUN_PASSING_PREFLIGHT +
                                   'printf "%s\\n" "$@" > "$RUN_DIR/srun-args"; env > "$RUN_DIR/srun-env"\n')
     (bin_dir / "scontrol").write_text("#!/bin/bash\necho nid001\n")
     for f in bin_dir.iterdir():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, tree
+from conftest import ROOT, SRUN_PASSING_PREFLIGHT, tree
 
 PY = sys.executable
 
@@ -326,7 +326,8 @@ def test_master_addr_survives_a_1024_node_allocation(project, tmp_path):
     bin_dir = tmp_path / "bin"
     hosts = "".join(f"nid{i:06d}\n" for i in range(1024))
     stand_in(bin_dir, "scontrol", f"printf '%s' {shlex.quote(hosts)}\n")
-    stand_in(bin_dir, "srun", 'echo "MASTER_ADDR=$MASTER_ADDR" > "$RUN_DIR/seen"\n')
+    # Every line runs at that size: the preflight reads the 1024 names back, one report each.
+    stand_in(bin_dir, "srun", SRUN_PASSING_PREFLIGHT + 'echo "MASTER_ADDR=$MASTER_ADDR" > "$RUN_DIR/seen"\n')
     for _ in range(10):
         r = run_script(script, run_dir, bin_dir, {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "nid[000000-001023]",
                                                   "RUN_DIR": str(run_dir)})
@@ -334,20 +335,28 @@ def test_master_addr_survives_a_1024_node_allocation(project, tmp_path):
         assert (run_dir / "seen").read_text() == "MASTER_ADDR=nid000000\n"
 
 
-@pytest.mark.parametrize("restarts, requeued", [(0, True), (3, True), (4, False)])
-def test_requeues_stop_at_max_requeues(project, tmp_path, restarts, requeued):
+@pytest.mark.parametrize("requeues, requeued", [(0, True), (3, True), (4, False)])
+def test_requeues_stop_at_max_requeues(project, tmp_path, requeues, requeued):
+    """The job counts its own time-limit requeues in events.log (its id survives them; a failure
+    retry also raises SLURM_RESTART_COUNT, and must not use them up)."""
     script, run_dir = rendered(project, "slurm.max_requeues=4")
+    (run_dir / "events.log").write_text(
+        "".join(f"2026-01-01T00:00:0{i}+00:00 job 9 time-limit requeue {i + 1}/4: saved, requeueing\n"
+                for i in range(requeues))
+        + "2026-01-01T00:00:09+00:00 job 9 retry 1/2 (hang): requeueing (no node to blame)\n"
+        + "2026-01-01T00:00:09+00:00 job 8 time-limit requeue 1/4: another job's\n")
     bin_dir = tmp_path / "bin"
     stand_in(bin_dir, "scontrol", 'if [ "$1" = requeue ]; then echo "$2" > "$RUN_DIR/requeued"; else echo n1; fi\n')
-    stand_in(bin_dir, "srun", "exit 75\n")  # the trainer saved after a stop request
+    stand_in(bin_dir, "srun", SRUN_PASSING_PREFLIGHT + "exit 75\n")  # the trainer saved after a stop request
     r = run_script(script, run_dir, bin_dir, {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n1",
-                                              "SLURM_RESTART_COUNT": str(restarts), "RUN_DIR": str(run_dir)})
+                                              "SLURM_RESTART_COUNT": str(requeues + 1), "RUN_DIR": str(run_dir)})
     events = (run_dir / "events.log").read_text()
     if requeued:
-        assert r.returncode == 0 and (run_dir / "requeued").read_text() == "9\n" and "requeueing" in events
+        assert r.returncode == 0 and (run_dir / "requeued").read_text() == "9\n", r.stderr
+        assert f"time-limit requeue {requeues + 1}/4: saved after the stop request" in events
     else:
-        assert r.returncode == 75 and not (run_dir / "requeued").exists()
-        assert "not requeueing: slurm.max_requeues (4) reached" in events
+        assert r.returncode == 75 and not (run_dir / "requeued").exists(), r.stderr
+        assert "not requeueing after the time-limit warning: slurm.max_requeues (4) reached" in events
 
 
 def test_pre_launch_syntax_is_checked_at_submission(project):
@@ -424,6 +433,26 @@ def test_doctor_without_a_controller_lists_every_failure(project, tmp_path):
     assert any(line.startswith("fail slurm controller") for line in failures), r.stdout
     assert any("container.mounts[0]" in line for line in failures), r.stdout
     assert any("container.image: squashfs ./images/missing.sqsh" in line for line in failures), r.stdout
+    assert "parallel layout: note:" not in r.stdout  # tiny_cpu's custom model has no published layout
+
+
+def test_doctor_names_the_presets_published_layout(project, tmp_path):
+    """tiny_wikitext (the CSCS tutorial's tp=4 x dp=2 for a 109M model) strays from the tiny
+    preset's default: doctor says which layout to use instead, as a note, not a failure."""
+    if shutil.which("scontrol") is None:
+        pytest.skip("needs Slurm's client commands (Debian slurm-wlm)")
+    shutil.copy(ROOT / "configs" / "tiny_wikitext.yaml", project / "configs")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=x\nSlurmctldHost=nowhere-host(127.0.0.1)\nSlurmctldPort=9\n"
+                    "NodeName=n1 CPUs=1\nPartitionName=p Nodes=n1 Default=YES\n")
+    r = slipway("doctor", "tiny_wikitext", env={"SLURM_CONF": str(conf), "SCRATCH": str(tmp_path)}, timeout=180)
+    notes = [line for line in r.stdout.splitlines() if line.startswith("ok   parallel layout: note: ")]
+    assert len(notes) == 1, r.stdout
+    assert "tp(4) splits the tiny preset (109M parameters)" in notes[0]
+    assert "parallel.dp=8 parallel.tp=1 parallel.pp=1 (FSDP) with train.micro_batch_size=16" in notes[0]
+    r = slipway("doctor", "tiny_wikitext", "--tp", "1", "--dp", "8", "train.micro_batch_size=16",
+                env={"SLURM_CONF": str(conf), "SCRATCH": str(tmp_path)}, timeout=180)
+    assert "parallel layout: note:" not in r.stdout and "ok   parallel layout: dp(8) x tp(1)" in r.stdout, r.stdout
 
 
 # ------------------------------------------------------------------ local runs

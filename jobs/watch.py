@@ -1,0 +1,278 @@
+"""`slipway watch RUN`: a live view of a run's job in the terminal, until the job ends.
+
+Everything it shows comes from the run directory and Slurm, refreshed every
+`interval` seconds: the job's state and nodes (scontrol/sacct), step / total,
+loss, tokens/s, MFU and ETA (the end of metrics.jsonl), the time since the
+last completed step (progress.json, which rank 0's hang watchdog keeps; see
+trainer/watchdog.py), each node's heartbeat age (heartbeats/NODE, written by
+the batch script's helper on every node) and GPU use (gutil/NODE.gutil,
+nvidia-smi dmon), and the latest lines of events.log as they come. It follows
+the job through requeues and retries (the same job id), and exits with the
+job's exit code once the job has ended. Ctrl-C stops watching, not the job.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+from jobs import runs, slurm
+from jobs.sbatch import NODE_HEARTBEAT_SECONDS
+from jobs.status import job_history
+from trainer.config import ConfigError, PROGRESS_FILE
+
+EVENTS_SHOWN = 8
+GONE_POLLS = 5  # polls without any record of the job before its end is read from events.log
+
+
+@dataclass
+class NodeView:
+    name: str
+    heartbeat_age: Optional[float] = None  # seconds; None: none yet
+    gpus: int = 0
+    sm_percent: Optional[float] = None  # mean over the node's GPUs
+    memory_gib: Optional[float] = None  # framebuffer in use, summed
+
+
+@dataclass
+class Snapshot:
+    """What one frame shows."""
+
+    run: str
+    job_id: str
+    state: str = "UNKNOWN"
+    reason: str = ""
+    elapsed: str = ""
+    nodelist: str = ""
+    total_steps: Optional[int] = None
+    metrics: dict = field(default_factory=dict)
+    step_age: Optional[float] = None  # seconds since the last completed step
+    progress_step: Optional[int] = None
+    hang_timeout: Optional[float] = None
+    nodes: list[NodeView] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    history: list[str] = field(default_factory=list)
+    ended: bool = False
+    exit_code: Optional[int] = None
+
+
+def parse_gutil(path: Path) -> tuple[int, Optional[float], Optional[float]]:
+    """(GPUs, mean SM %, framebuffer GiB in use) from the latest sample of each GPU in an
+    `nvidia-smi dmon --options DT` file; columns are found by the header line's names."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()[-400:]
+    except OSError:
+        return 0, None, None
+    columns: list[str] = []
+    latest: dict[str, list[str]] = {}
+    for line in lines:
+        words = line.lstrip("#").split()
+        if line.startswith("#"):
+            if "gpu" in words:
+                columns = words
+            continue
+        if not columns or len(words) != len(columns):
+            continue
+        latest[words[columns.index("gpu")]] = words
+
+    def number(row: list[str], name: str) -> Optional[float]:
+        if name not in columns:
+            return None
+        try:
+            return float(row[columns.index(name)])
+        except ValueError:  # "-": not measured
+            return None
+
+    if not latest:
+        return 0, None, None
+    sm = [v for r in latest.values() if (v := number(r, "sm")) is not None]
+    fb = [v for r in latest.values() if (v := number(r, "fb")) is not None]
+    return len(latest), (sum(sm) / len(sm) if sm else None), (sum(fb) / 1024 if fb else None)
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """12s, 3m05s, 1h02m; ? when unknown (as the trainer's console line, without importing torch)."""
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _age(path: Path, now: float) -> Optional[float]:
+    try:
+        return max(0.0, now - path.stat().st_mtime)
+    except OSError:
+        return None
+
+
+def latest_job(run: runs.Run) -> str:
+    subs = [s for s in run.manifest().get("submissions", []) if s.get("job_id")]
+    train = [s for s in subs if s.get("kind", "train") == "train"]
+    if not (train or subs):
+        raise ConfigError("RUN", f"run {run.name} has no Slurm job to watch: `slipway submit` it first")
+    return (train or subs)[-1]["job_id"]
+
+
+class Watcher:
+    """Builds snapshots of one job; remembers what it needs between polls."""
+
+    def __init__(self, run: runs.Run, job_id: str):
+        self.run, self.job_id = run, job_id
+        self._gone = 0
+        self._hosts: dict[str, list[str]] = {}
+        try:
+            self.total_steps: Optional[int] = run.config().train.steps
+        except (ConfigError, OSError):
+            self.total_steps = None
+
+    def snapshot(self) -> Snapshot:
+        now = time.time()
+        snap = Snapshot(self.run.name, self.job_id, total_steps=self.total_steps)
+        info = slurm.job_info(self.job_id)
+        if info is None:  # slurmctld forgot the job and there is no accounting: events.log says
+            self._gone += 1
+            if self._gone >= GONE_POLLS:
+                snap.state, snap.ended = "ENDED", True
+                snap.exit_code = runs._exit_from_events(self.run, self.job_id)
+        else:
+            self._gone = 0
+            snap.state, snap.elapsed, snap.nodelist = info.state, info.elapsed, info.nodes
+            snap.reason = info.reason if info.reason not in ("None", "") else ""
+            if not info.active:
+                snap.ended = True
+                code = info.return_code
+                snap.exit_code = code if code is not None else (0 if info.state.startswith("COMPLETED") else 1)
+        snap.metrics = self.run.last_metrics() or {}
+        self._progress(snap, now)
+        self._nodes(snap, now)
+        snap.events = self.run.events()[-EVENTS_SHOWN:]
+        snap.history = job_history(self.run, self.job_id).lines()
+        return snap
+
+    def _progress(self, snap: Snapshot, now: float) -> None:
+        try:
+            progress = json.loads((self.run.dir / PROGRESS_FILE).read_text())
+        except (OSError, ValueError):
+            progress = {}
+        # A record in metrics.jsonl is written once a step completed: its last write bounds the
+        # age too (the only figure for a trainer without the watchdog).
+        ages = [_age(self.run.dir / "metrics.jsonl", now)]
+        if isinstance(progress, dict) and isinstance(progress.get("unix"), (int, float)):
+            ages.append(max(0.0, now - progress["unix"]))
+            snap.progress_step = progress.get("step") if isinstance(progress.get("step"), int) else None
+            snap.hang_timeout = progress.get("hang_timeout")
+        known = [a for a in ages if a is not None]
+        snap.step_age = min(known) if known else None
+
+    def _nodes(self, snap: Snapshot, now: float) -> None:
+        if snap.nodelist and snap.nodelist not in self._hosts:
+            self._hosts[snap.nodelist] = slurm.hostnames(snap.nodelist)
+        names = self._hosts.get(snap.nodelist) or sorted(p.name for p in (self.run.dir / "heartbeats").glob("*"))
+        for name in names:
+            node = NodeView(name, _age(self.run.dir / "heartbeats" / name, now))
+            node.gpus, node.sm_percent, node.memory_gib = parse_gutil(self.run.dir / "gutil" / f"{name}.gutil")
+            snap.nodes.append(node)
+
+
+def _fmt_age(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{format_duration(seconds)} ago"
+
+
+def render(snap: Snapshot):
+    """The frame: rich renderables, no I/O."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    state_style = {"RUNNING": "green", "PENDING": "yellow", "COMPLETED": "green"}.get(snap.state.split()[0], "red")
+    head = Text.assemble(("run ", "dim"), (snap.run, "bold"), ("  job ", "dim"), (snap.job_id, "bold"), "  ",
+                         (snap.state, f"bold {state_style}"))
+    if snap.reason:
+        head.append(f" ({snap.reason})", style="yellow")
+    if snap.nodelist:
+        head.append(f"  on {snap.nodelist}")
+    if snap.elapsed:
+        head.append(f"  elapsed {snap.elapsed}", style="dim")
+
+    m = snap.metrics
+    steps = [s for s in (m.get("step"), snap.progress_step) if isinstance(s, int)]
+    step = max(steps) if steps else None  # progress.json is ahead between logged steps
+    train = Table.grid(padding=(0, 2))
+    for _ in range(7):
+        train.add_column()
+    mfu = m.get("mfu")
+    tps = m.get("tokens_per_s")
+    loss = m.get("loss")
+    age = snap.step_age
+    age_style = "red" if (age is not None and snap.hang_timeout and age > snap.hang_timeout / 2) else ""
+    train.add_row(
+        Text(f"step {step if step is not None else '-'}/{snap.total_steps or '?'}", style="bold"),
+        f"loss {loss:.4f}" if isinstance(loss, (int, float)) else "loss -",
+        f"{tps:,.0f} tokens/s" if isinstance(tps, (int, float)) else "tokens/s -",
+        f"MFU {100 * mfu:.1f}%" if isinstance(mfu, (int, float)) else "MFU n/a",
+        f"ETA {format_duration(m.get('eta_s'))}",
+        Text(f"last step {_fmt_age(age)}", style=age_style),
+        Text(f"hang_timeout {snap.hang_timeout:g} s", style="dim") if snap.hang_timeout else "",
+    )
+
+    nodes = Table(title="nodes", title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("node", "heartbeat", "GPUs", "GPU use", "GPU memory"):
+        nodes.add_column(col)
+    stale = 2 * NODE_HEARTBEAT_SECONDS + 5
+    for n in snap.nodes:
+        beat = Text(_fmt_age(n.heartbeat_age),
+                    style="red" if n.heartbeat_age is None or n.heartbeat_age > stale else "green")
+        nodes.add_row(n.name, beat, str(n.gpus) if n.gpus else "-",
+                      f"{n.sm_percent:.0f}%" if n.sm_percent is not None else "-",
+                      f"{n.memory_gib:.1f} GiB" if n.memory_gib is not None else "-")
+
+    events = Table(title="events", title_justify="left", show_header=False, show_edge=False, pad_edge=False)
+    events.add_column(no_wrap=True, style="dim")
+    events.add_column()
+    for line in snap.events:
+        stamp, _, rest = line.partition(" ")
+        try:
+            stamp = datetime.fromisoformat(stamp).strftime("%H:%M:%S")
+        except ValueError:
+            pass
+        style = "red" if any(w in rest for w in ("hang:", "failed", "not retrying", "node failure")) else \
+            "yellow" if " retry " in f" {rest}" or "requeue" in rest else ""
+        events.add_row(stamp, Text(rest, style=style))
+    parts = [head, train, *[Text(h, style="dim") for h in snap.history], nodes, events]
+    if snap.ended:
+        parts.append(Text(f"job {snap.job_id} ended: {snap.state}, exit code {snap.exit_code}",
+                          style="bold green" if snap.exit_code == 0 else "bold red"))
+    return Group(*parts)
+
+
+def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0, once: bool = False,
+          console=None) -> int:
+    """Show the job live until it ends; its exit code (with `once`: one frame, exit 0)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    console = console or Console(highlight=False)
+    watcher = Watcher(run, job_id or latest_job(run))
+    snap = watcher.snapshot()
+    if once:
+        console.print(render(snap))
+        return 0
+    try:
+        with Live(render(snap), console=console, refresh_per_second=4, auto_refresh=False) as live:
+            while not snap.ended:
+                time.sleep(interval)
+                snap = watcher.snapshot()
+                live.update(render(snap), refresh=True)
+    except KeyboardInterrupt:
+        console.print(f"stopped watching; job {watcher.job_id} goes on (`slipway cancel {run.name}` ends it)",
+                      highlight=False, markup=False)
+        return 130
+    return snap.exit_code if snap.exit_code is not None else 1
