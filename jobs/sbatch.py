@@ -339,8 +339,10 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list
     limit = ["timeout", "-k", "15", str(s.preflight_timeout)]
     prefix = "".join(f"{a} " for a in assigns)
     checkpoint_dir = paths.run_dir / cfg.checkpoint.dir
+    # --kill-on-bad-exit=0: a node that fails fast must not cut the other nodes' reports short
+    # (where the cluster sets KillOnBadExit=1), or they would be blamed for sending none.
     node_srun = [*limit, "srun", f"--nodes={s.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={s.cpus_per_task}",
-                 *container]
+                 "--kill-on-bad-exit=0", *container]
     node_cmd = [cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.run_dir),
                 "--checkpoint-dir", str(checkpoint_dir),
                 "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node)]

@@ -38,7 +38,11 @@ fi
 SRUN = """#!/bin/bash
 [ "$1" = --overlap ] && exit 0
 case " $* " in
-  *" trainer.preflight node "*) exec bash "$FAKE/node.sh" ;;
+  *" trainer.preflight node "*)
+    [[ " $* " == *" --kill-on-bad-exit=0 "* ]] && exec bash "$FAKE/node.sh"
+    # As Slurm does under KillOnBadExit=1 (the local cluster's, and many sites'): the first task
+    # that fails ends the step, and the reports the other nodes had not printed yet are lost.
+    bash "$FAKE/node.sh" | sed '/ fail: /q'; exit 5 ;;
   *" trainer.preflight allreduce "*) exec bash "$FAKE/allreduce.sh" ;;
 esac
 exec bash "$FAKE/train.sh"
@@ -116,6 +120,19 @@ def test_a_node_that_fails_its_preflight_is_excluded_and_the_job_requeued(tmp_pa
     assert job.scontrol() == ["requeuehold 41", "update JobId=41 ExcNodeList=node2", "release 41"]
     assert not (job.fake / "trained").exists()  # no training on a node that failed
     assert events[-1] == "end exit 0"
+
+
+def test_a_node_that_fails_first_does_not_silence_the_others(tmp_path):
+    """node2 fails before node1 has printed its report: node1 must still be heard (the node step
+    opts out of KillOnBadExit), and only node2 is left out."""
+    job = Job(tmp_path)
+    job.script("node.sh", 'echo "slipway-preflight node2 fail: 1.0 MiB free at /c (where checkpoints go)"\n'
+                          'echo "slipway-preflight node1 ok: fine"\nexit 5')
+    assert job.run() == 0, job.out
+    events = job.events()
+    assert [e for e in events if e.startswith("preflight failed")] == [
+        "preflight failed on node2: 1.0 MiB free at /c (where checkpoints go)"], events
+    assert "retry 1/2 (preflight): requeueing without node2 (excluded nodes: node2)" in events
 
 
 def test_exclusions_add_up_over_retries(tmp_path):
