@@ -35,8 +35,12 @@ setup: $(STAMP)
 local: $(STAMP)
 	$(PY) -m jobs local $(CONFIG) $(ARGS)
 
+# Two pytest workers: the Slurm and podman tests (mostly waiting on jobs and builds) run beside
+# the CPU-bound trainer tests (tests/conftest.py groups them); TEST_WORKERS=0 runs one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(ARGS)
 	$(MAKE) test-oldest ARGS=
 
 # The oldest torch the trainer supports (the NGC 25.12 image's 2.10), in a venv of its own:

@@ -57,3 +57,44 @@ def tree(path: Path) -> list[str]:
 
 
 from slurm_fixtures import slurm_cluster, slurm_env  # noqa: E402,F401  (a real local Slurm)
+
+
+
+# `make test` runs two pytest-xdist workers. Each module's tests stay on one worker (module
+# fixtures are built once), and these share one, whole, one after another: the modules that
+# drive the real local Slurm cluster (one session cluster per machine, at fixed names,
+# addresses and state directory), and those that build images with podman.
+SHARED_WORKER = {
+    "slurm": {"test_cluster.py", "test_e2e.py", "test_hang_slurm.py", "test_submit.py", "test_watch.py"},
+    "podman": {"test_image.py", "test_pyxis.py"},
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole modules to workers (as --dist loadfile), SHARED_WORKER's sets as one unit each.
+    Not xdist's loadgroup: its groups ride on mutated node ids, which pytest 9.2 no longer
+    honours (pytest-xdist#1386), and a split Slurm group would start two clusters at once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    unit = {name: group for group, names in SHARED_WORKER.items() for name in names}
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return unit.get(Path(module).name, module)
+
+    return ByModule(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test on the session Slurm cluster, or one that builds with podman, in a module that
+    SHARED_WORKER does not name would run beside the others of its kind: refuse the run."""
+    for item in items:
+        name = Path(str(item.fspath)).name
+        needs = {"slurm": "slurm_cluster" in getattr(item, "fixturenames", ()),
+                 "podman": item.get_closest_marker("podman") is not None}
+        for kind, needed in needs.items():
+            if needed and name not in SHARED_WORKER[kind]:
+                raise pytest.UsageError(f"{item.nodeid} uses {kind} but {name} is not in SHARED_WORKER[{kind!r}] "
+                                        "in tests/conftest.py: add it there")

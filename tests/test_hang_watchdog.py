@@ -63,21 +63,21 @@ def test_a_stalled_loop_dumps_every_thread_and_exits_4(tmp_path, monkeypatch):
 
 def test_steps_that_keep_coming_are_never_a_hang(tmp_path):
     exits = Exits()
-    dog = watchdog(tmp_path, timeout=0.6, first=0.6, exits=exits).start(0)
-    for step in range(1, 9):  # 8 x 0.25 s = 2 s, more than three times the limit
+    dog = watchdog(tmp_path, timeout=1.0, first=1.0, exits=exits).start(0)
+    for step in range(1, 13):  # 12 x 0.25 s = 3 s, three times the limit
         time.sleep(0.25)
         dog.step_done(step)
     dog.stop()
     assert exits.codes == [] and dog.fired is None
     assert not (tmp_path / "hangs").exists()
     progress = __import__("json").loads((tmp_path / "progress.json").read_text())
-    assert progress["step"] == 8 and progress["hang_timeout"] == 0.6  # rank 0 keeps it, for `slipway watch`
+    assert progress["step"] == 12 and progress["hang_timeout"] == 1.0  # rank 0 keeps it, for `slipway watch`
 
 
 def test_the_first_step_gets_its_own_allowance(tmp_path):
     exits = Exits()
-    dog = watchdog(tmp_path, timeout=0.4, first=1.5, exits=exits).start(5)
-    time.sleep(0.9)  # a slow first step (compilation): past hang_timeout, within the first-step limit
+    dog = watchdog(tmp_path, timeout=0.4, first=2.0, exits=exits).start(5)
+    time.sleep(0.9)  # a slow first step (compilation): past hang_timeout, well within the first-step limit
     assert exits.codes == []
     dog.step_done(6)
     assert exits.event.wait(3) and exits.codes == [HANG_EXIT]
