@@ -290,7 +290,6 @@ _NO_SPACE = re.compile(r"no space left on device", re.I)
 
 def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
     materialize_context(plan.files, plan.context_dir, plan.build_env)
-    plan.log.parent.mkdir(parents=True, exist_ok=True)
     tail = Tail(15)
     console.print(f"[bold]podman build[/] {plan.tag}  (base {escape(str(plan.build_args.get('BASE_IMAGE')))}, "
                   f"{len(plan.files)} context files, log {escape(str(plan.log))})", highlight=False)
@@ -501,7 +500,9 @@ def build_image(cfg: "Config", *, force: bool = False, do_import: bool = True, c
     console = console or Console()
     t0 = time.perf_counter()
     plan = image_plan(cfg, root=root, force=force, do_import=do_import)
-    plan.output_dir.mkdir(parents=True, exist_ok=True)
+    # The build and the import both log there: the import alone runs when podman still has
+    # the image but the output directory is new (images/ removed, image.output_dir changed).
+    plan.log.parent.mkdir(parents=True, exist_ok=True)
     timings = {"plan": time.perf_counter() - t0}
 
     if do_import and plan.exists and not force:

@@ -312,6 +312,19 @@ def test_noop_build_does_not_call_podman(project: Path, fakes: Path):
     assert len(calls(fakes, "podman")) == n_podman
 
 
+def test_images_directory_removed_imports_again_without_rebuilding(project: Path, fakes: Path):
+    """podman still has the image, the squashfs and its folder are gone (images/ removed to
+    free space, or image.output_dir changed): import again, logging into a new logs/."""
+    cfg = make_cfg(base_image=TEST_BASE, flash_attn=False)
+    first = build_image(cfg, root=project)
+    shutil.rmtree(first.plan.output_dir)
+    again = build_image(cfg, root=project)
+    assert not again.built and again.imported and again.squashfs == first.squashfs
+    assert again.squashfs.read_bytes().startswith(b"hsqs")
+    assert "enroot import" in again.plan.log.read_text()
+    assert len([c for c in calls(fakes, "podman") if c["argv"][1] == "build"]) == 1  # built once
+
+
 def test_failed_import_leaves_no_file(project: Path, fakes: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("FAKE_ENROOT_MODE", "fail")
     cfg = make_cfg(base_image=TEST_BASE)
