@@ -285,6 +285,22 @@ def _node_helper(cfg: Config) -> list[str]:
     ]
 
 
+# This attempt's named pyxis container (JOB_TAG: the job id, rN after the Nth requeue).
+PYXIS_CONTAINER = "slipway-${JOB_TAG}"
+
+
+def _remove_pyxis_container(cfg: Config) -> list[str]:
+    """pyxis keeps a named container on every node after the job (its default
+    container_scope=global keeps it as pyxis_NAME; with container_scope=job it is
+    pyxis_JOBID_NAME and the epilog removes it): remove ours, best effort, from each node."""
+    script = 'for n in "pyxis_$1" "pyxis_${SLURM_JOB_ID}_$1"; do enroot remove --force "$n"; done; true'
+    return [
+        "  # The job's named pyxis container, unpacked on every node: removed, not left behind.",
+        f"  timeout 120 srun --overlap --nodes={cfg.slurm.nodes} --ntasks-per-node=1 --cpus-per-task=1 "
+        f'bash -c {shlex.quote(script)} slipway-rm "{PYXIS_CONTAINER}" > /dev/null 2>&1 || true',
+    ]
+
+
 def _retry_function(cfg: Config) -> list[str]:
     """`retry_or_stop KIND CODE [NODE...]`: the failure retries (slurm.max_retries) of one job, each
     decision in events.log. A retry requeues the job without the nodes to blame, if its partition
@@ -461,6 +477,11 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
     s = cfg.slurm
     run_dir = q(str(paths.run_dir))
     container, assigns = _container_args(env, paths)
+    # Under pyxis every srun step unpacks the image into a container of its own, unless the
+    # steps name one: the preflight's steps then create it and training starts in it at once.
+    shared = env.runtime == "pyxis" and cfg.slurm.preflight and not cfg.launch.command
+    if shared:
+        container.append(_Value("--container-name=" + PYXIS_CONTAINER))
     lines = _header(cfg, paths) + ["", "set -euo pipefail"]
     if cfg.launch.debug:
         lines.append("set -x")
@@ -488,6 +509,7 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
         "cleanup() {",
         "  rc=$?",
         '  for pid in "${HELPER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done',
+        *(_remove_pyxis_container(cfg) if shared else []),
         '  event "end exit $rc"',
         "}",
         "trap cleanup EXIT",

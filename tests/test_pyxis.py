@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cluster import ClusterSpec, LocalSlurmCluster, default_state_dir, unavailable_reason
+from jobs.cluster import ClusterSpec, LocalSlurmCluster, default_state_dir, read_registry, unavailable_reason
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,3 +97,17 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
     assert (run_dir / "checkpoints" / "step-000006" / "COMPLETE").is_file()
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["image"]["path"] == squashfs and manifest["image"]["source"] == "build"
+
+    # One container per node for the job's three steps: the preflight's node step unpacked the
+    # image, its all-reduce and training started in the same filesystem, and the job's end
+    # removed it (pyxis's default container_scope=global would keep it on the node).
+    assert "--container-name=slipway-\"${JOB_TAG}\"" in script
+    slurmd = "".join(p.read_text(errors="replace") for p in pyxis_cluster.spec.log_dir.glob("slurmd-*.log"))
+    assert slurmd.count("pyxis: creating container filesystem: pyxis_slipway-") == 2, slurmd[-3000:]
+    assert slurmd.count("pyxis: reusing existing container filesystem") == 4, slurmd[-3000:]
+    for node in pyxis_cluster.node_names:
+        pid = next(p["pid"] for p in read_registry(pyxis_cluster.spec.name)["processes"]
+                   if p["role"] == f"slurmd {node}")
+        left = subprocess.run(["nsenter", "-t", str(pid), "-m", "enroot", "list"], capture_output=True, text=True,
+                              check=True).stdout.split()
+        assert [c for c in left if c.startswith("pyxis_")] == [], (node, left)
