@@ -24,6 +24,7 @@ from jobs import runs, slurm
 from jobs.sbatch import NODE_HEARTBEAT_SECONDS
 from jobs.status import job_history
 from trainer.config import ConfigError, PROGRESS_FILE
+from trainer.history import format_duration
 
 EVENTS_SHOWN = 8
 GONE_POLLS = 5  # polls without any record of the job before its end is read from events.log
@@ -92,18 +93,6 @@ def parse_gutil(path: Path) -> tuple[int, Optional[float], Optional[float]]:
     sm = [v for r in latest.values() if (v := number(r, "sm")) is not None]
     fb = [v for r in latest.values() if (v := number(r, "fb")) is not None]
     return len(latest), (sum(sm) / len(sm) if sm else None), (sum(fb) / 1024 if fb else None)
-
-
-def format_duration(seconds: Optional[float]) -> str:
-    """12s, 3m05s, 1h02m; ? when unknown (as the trainer's console line, without importing torch)."""
-    if seconds is None:
-        return "?"
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def _age(path: Path, now: float) -> Optional[float]:

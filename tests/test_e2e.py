@@ -192,13 +192,19 @@ def test_dead_rank_fails_fast_and_resubmission_resumes(project, slurm_env):
     status = slipway("status", "killed")
     assert "FAILED" in status.stdout, status.stdout
 
+    resubmit_resumes(run_dir, args, last, 24)
+
+
+def resubmit_resumes(run_dir: Path, args: list[str], last: int, steps: int) -> None:
+    """`slipway submit` again with `args` (--show-logs): the run resumes right after checkpoint
+    `last` and trains to `steps`, its final checkpoint saved."""
     again = slipway("submit", "tiny_cpu", *args, "--show-logs")
     assert again.returncode == 0, (again.stdout[-3000:], again.stderr[-3000:])
     assert "resubmitted" in again.stdout
     logged = steps_logged(run_dir)
     restart = max(i for i, s in enumerate(logged) if i and s <= logged[i - 1])
     assert logged[restart] == last + 1, (last, logged)
-    assert logged[-1] == 24 and complete_checkpoints(run_dir)[-1] == 24
+    assert logged[-1] == steps and complete_checkpoints(run_dir)[-1] == steps
 
 
 # ------------------------------------------------------------------ 4. rendezvous

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from jobs.cluster import ClusterSpec, LocalSlurmCluster, default_state_dir, read_registry, unavailable_reason
-from test_e2e import TINY, complete_checkpoints, job_state, slipway, steps_logged, wait_for, wait_job_end
+from test_e2e import (TINY, complete_checkpoints, job_state, resubmit_resumes, slipway, steps_logged, wait_for,
+                      wait_job_end)
 from trainer.config import HANG_EXIT, PREFLIGHT_EXIT
 from trainer.watchdog import HARD_EXIT_SECONDS, _py_spy
 
@@ -115,14 +116,7 @@ def test_a_frozen_rank_ends_the_job_with_stack_dumps_and_a_resubmission_resumes(
     assert "hung (attempt" in status.stdout and "not answering in time: the ranks on node2" in status.stdout
     assert f"rank {rank} on node2:" in status.stdout or f"hangs/{job_id}-node1-" in status.stdout
 
-    last = complete_checkpoints(run_dir)[-1]
-    again = slipway("submit", "tiny_cpu", *args, "--show-logs")
-    assert again.returncode == 0, (again.stdout[-3000:], again.stderr[-3000:])
-    assert "resubmitted" in again.stdout
-    logged = steps_logged(run_dir)
-    restart = max(i for i, s in enumerate(logged) if i and s <= logged[i - 1])
-    assert logged[restart] == last + 1, (last, logged)
-    assert logged[-1] == 40 and complete_checkpoints(run_dir)[-1] == 40
+    resubmit_resumes(run_dir, args, complete_checkpoints(run_dir)[-1], 40)
 
 
 # ------------------------------------------------------------------ 2. a bad node among three

@@ -242,7 +242,10 @@ def test_prepare_job_script(project):
     assert not any("gpu" in line for line in header)
     srun = shlex.split(text[text.index("\nsrun ") + 1:].replace("\\\n", " "))
     train = shlex.split(sealed.files["job.sbatch"].split("srun --kill-on-bad-exit=1", 1)[1].split("\n")[0].rstrip("\\"))
-    # the same container flags as the training job's srun line
-    assert [a for a in srun if a.startswith("--container")] == [a for a in train if a.startswith("--container")]
+    # the same container as the training job's srun line; only the training job's steps share
+    # a named container (its preflight unpacks it), the prepare job's single step has no one to share with
+    assert [a for a in srun if a.startswith("--container")] == [
+        a for a in train if a.startswith("--container") and not a.startswith("--container-name=")]
+    assert "--container-name=slipway-${JOB_TAG}" in train and not any(a.startswith("--container-name") for a in srun)
     assert srun[-7:] == ["python3", "-m", "trainer.prepare", "--config", str(project / "runs" / "p1" / "config.yaml"),
                          "--cpus", "16"]

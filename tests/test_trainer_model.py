@@ -380,7 +380,7 @@ def test_flash_is_chosen_when_it_imports(tmp_path, monkeypatch):
 
 
 def test_duration_format():
-    from trainer.metrics import format_duration
+    from trainer.history import format_duration
 
     assert [format_duration(s) for s in (None, 0, 59.4, 61, 3599, 3600, 7380)] == \
         ["?", "0s", "59s", "1m01s", "59m59s", "1h00m", "2h03m"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from trainer.config import ConfigError
 
@@ -50,3 +50,15 @@ def latest_by_step(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         kept.pop((str(record.get("kind")), step), None)  # re-inserted last: file order among equals
         kept[(str(record.get("kind")), step)] = record
     return sorted(kept.values(), key=lambda r: r["step"])
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """12s, 3m05s, 1h02m; ? when unknown."""
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 
 from trainer.config import LoggingSection, TrainerConfig, to_dict
+from trainer.history import format_duration
 
 log = logging.getLogger(__name__)
 
@@ -163,18 +164,6 @@ class MetricsLogger:
             self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
-
-
-def format_duration(seconds: Optional[float]) -> str:
-    """12s, 3m05s, 1h02m; ? when unknown."""
-    if seconds is None:
-        return "?"
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def _console():
