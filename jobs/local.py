@@ -154,6 +154,22 @@ def local_state(entry: dict) -> tuple[str, str]:
     return ("UNKNOWN", "") if pid else ("ENDED", "")
 
 
+def local_elapsed(entry: dict) -> str:
+    """How long a local run's launch ran (until now while it runs), as Slurm writes elapsed
+    times ([D-]HH:MM:SS); empty when the manifest entry does not say."""
+    if not entry.get("ended") and local_state(entry)[0] != "RUNNING":  # died: its end is unknown
+        return ""
+    try:
+        start = datetime.fromisoformat(entry["started"])
+        end = datetime.fromisoformat(entry["ended"]) if entry.get("ended") else datetime.now(timezone.utc)
+    except (KeyError, TypeError, ValueError):
+        return ""
+    seconds = max(0, int((end - start).total_seconds()))
+    days, rest = divmod(seconds, 86400)
+    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{clock}" if days else clock
+
+
 def _checkpoint_steps(ckpt_dir: Path) -> list[int]:
     """Complete checkpoints (the trainer's layout: step-NNNNNN/ with a COMPLETE marker), without torch."""
     if not ckpt_dir.is_dir():

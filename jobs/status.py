@@ -121,10 +121,10 @@ def _progress(run: runs.Run) -> str:
 def _job_row(run: runs.Run, sub: dict) -> tuple[str, str, str, str, str]:
     job_id = sub.get("job_id")
     if job_id is None:
-        from jobs.local import local_state
+        from jobs.local import local_elapsed, local_state
 
         state, code = local_state(sub)
-        return ("local", state, code, "", _last_event(run, "local"))
+        return ("local", state, code, local_elapsed(sub), _last_event(run, "local"))
     info = slurm.job_info(job_id) if slurm.available("scontrol") or slurm.available("sacct") else None
     if info is None:
         event = _last_event(run, job_id)

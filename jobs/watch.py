@@ -9,6 +9,10 @@ the batch script's helper on every node) and GPU use (gutil/NODE.gutil,
 nvidia-smi dmon), and the latest lines of events.log as they come. It follows
 the job through requeues and retries (the same job id), and exits with the
 job's exit code once the job has ended. Ctrl-C stops watching, not the job.
+
+A run whose latest launch was `slipway local` (`make local`) is watched the same
+way: its state from the launcher's process (the manifest records its pid), no
+nodes to show.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from trainer.config import ConfigError, PROGRESS_FILE
 from trainer.history import format_duration
 
 EVENTS_SHOWN = 8
+LOCAL = "local"  # the job id events.log gives launches on this machine
 GONE_POLLS = 5  # polls without any record of the job before its end is read from events.log
 
 
@@ -103,10 +108,15 @@ def _age(path: Path, now: float) -> Optional[float]:
 
 
 def latest_job(run: runs.Run) -> str:
-    subs = [s for s in run.manifest().get("submissions", []) if s.get("job_id")]
+    """The run's latest training job; LOCAL when its latest launch was on this machine."""
+    everything = run.manifest().get("submissions", [])
+    if everything and everything[-1].get("local"):
+        return LOCAL
+    subs = [s for s in everything if s.get("job_id")]
     train = [s for s in subs if s.get("kind", "train") == "train"]
     if not (train or subs):
-        raise ConfigError("RUN", f"run {run.name} has no Slurm job to watch: `slipway submit` it first")
+        raise ConfigError("RUN", f"run {run.name} has no job to watch: `slipway submit` it (or `slipway local` it) "
+                                 "first")
     return (train or subs)[-1]["job_id"]
 
 
@@ -116,6 +126,7 @@ class Watcher:
     def __init__(self, run: runs.Run, job_id: str):
         self.run, self.job_id = run, job_id
         self._gone = 0
+        self._pid = None  # the local launch watched: the latest when watching began
         self._hosts: dict[str, list[str]] = {}
         try:
             self.total_steps: Optional[int] = run.config().train.steps
@@ -125,8 +136,10 @@ class Watcher:
     def snapshot(self) -> Snapshot:
         now = time.time()
         snap = Snapshot(self.run.name, self.job_id, total_steps=self.total_steps)
-        info = slurm.job_info(self.job_id)
-        if info is None:  # slurmctld forgot the job and there is no accounting: events.log says
+        info = None if self.job_id == LOCAL else slurm.job_info(self.job_id)
+        if self.job_id == LOCAL:
+            self._local(snap)
+        elif info is None:  # slurmctld forgot the job and there is no accounting: events.log says
             self._gone += 1
             if self._gone >= GONE_POLLS:
                 snap.state, snap.ended = "ENDED", True
@@ -141,10 +154,28 @@ class Watcher:
                 snap.exit_code = code if code is not None else (0 if info.state.startswith("COMPLETED") else 1)
         snap.metrics = self.run.last_metrics() or {}
         self._progress(snap, now)
-        self._nodes(snap, now)
+        if self.job_id != LOCAL:
+            self._nodes(snap, now)
         snap.events = self.run.events()[-EVENTS_SHOWN:]
-        snap.history = job_history(self.run, self.job_id).lines()
+        if self.job_id != LOCAL:  # each `make local` is a launch of its own, not an attempt of one job
+            snap.history = job_history(self.run, self.job_id).lines()
         return snap
+
+    def _local(self, snap: Snapshot) -> None:
+        from jobs.local import local_elapsed, local_state
+
+        launches = [s for s in self.run.manifest().get("submissions", []) if s.get("local")]
+        if self._pid is None and launches:
+            self._pid = launches[-1].get("pid")
+        entry = next((s for s in reversed(launches) if s.get("pid") == self._pid), None)
+        if entry is None:
+            snap.state, snap.ended, snap.exit_code = "UNKNOWN", True, 1
+            return
+        snap.state, code = local_state(entry)
+        snap.elapsed, snap.nodelist = local_elapsed(entry), entry.get("host", "")
+        if snap.state != "RUNNING":
+            snap.ended = True
+            snap.exit_code = int(code) if code.lstrip("-").isdigit() else 1
 
     def _progress(self, snap: Snapshot, now: float) -> None:
         try:
@@ -235,7 +266,7 @@ def render(snap: Snapshot):
         style = "red" if any(w in rest for w in ("hang:", "failed", "not retrying", "node failure")) else \
             "yellow" if " retry " in f" {rest}" or "requeue" in rest else ""
         events.add_row(stamp, Text(rest, style=style))
-    parts = [head, train, *[Text(h, style="dim") for h in snap.history], nodes, events]
+    parts = [head, train, *[Text(h, style="dim") for h in snap.history], *([nodes] if snap.nodes else []), events]
     if snap.ended:
         parts.append(Text(f"job {snap.job_id} ended: {snap.state}, exit code {snap.exit_code}",
                           style="bold green" if snap.exit_code == 0 else "bold red"))
@@ -261,7 +292,8 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
                 snap = watcher.snapshot()
                 live.update(render(snap), refresh=True)
     except KeyboardInterrupt:
-        console.print(f"stopped watching; job {watcher.job_id} goes on (`slipway cancel {run.name}` ends it)",
-                      highlight=False, markup=False)
+        goes_on = ("the run goes on (Ctrl-C in its own terminal stops it)" if watcher.job_id == LOCAL else
+                   f"job {watcher.job_id} goes on (`slipway cancel {run.name}` ends it)")
+        console.print(f"stopped watching; {goes_on}", highlight=False, markup=False)
         return 130
     return snap.exit_code if snap.exit_code is not None else 1

@@ -119,6 +119,45 @@ def test_a_forgotten_job_ends_with_the_code_events_log_gives(tmp_path, monkeypat
     assert watch.watch(run, interval=0.01, console=out) == 5
 
 
+def test_a_local_launch_that_died_ends_the_watch(tmp_path):
+    run = fake_run(tmp_path)
+    gone = subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    manifest = {"submissions": [{"job_id": "51", "kind": "train"},
+                                {"job_id": None, "local": True, "pid": int(gone), "host": os.uname().nodename,
+                                 "started": "2026-01-01T12:00:00+00:00"}]}
+    (run.dir / "manifest.json").write_text(json.dumps(manifest))
+    out = Console(file=io.StringIO(), width=160, color_system=None)
+    assert watch.latest_job(run) == watch.LOCAL
+    assert watch.watch(run, interval=0.01, console=out) == 1
+    text = out.file.getvalue()
+    assert "job local  DIED" in text and "job local ended: DIED, exit code 1" in text and "nodes" not in text, text
+
+
+def test_watch_follows_a_local_run_to_its_end(project):
+    """`make local` in one terminal, `slipway watch` in another: the real launch on this machine."""
+    from test_e2e import TINY, slipway, wait_for
+
+    launch = subprocess.Popen([PY, "-m", "jobs", "local", "tiny_cpu", "--run-name", "here", *TINY, "train.steps=40"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = project / "runs" / "here" / "metrics.jsonl"
+        wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, 120, "the local run's first step", poll=0.2)
+        frame = slipway("watch", "here", "--once")
+        assert frame.returncode == 0, frame.stderr
+        assert re.search(r"run here  job local  RUNNING  on \S+  elapsed \d\d:\d\d:\d\d", frame.stdout), frame.stdout
+        assert re.search(r"step \d+/40\s+loss \d+\.\d+", frame.stdout), frame.stdout
+        assert "job local start on this machine" in frame.stdout and "nodes" not in frame.stdout, frame.stdout
+        watched = slipway("watch", "here", "--interval", "0.5", timeout=180)
+        assert launch.wait(timeout=60) == 0
+    finally:
+        launch.kill()
+    assert watched.returncode == 0, (watched.stdout, watched.stderr)
+    assert "job local ended: COMPLETED, exit code 0" in watched.stdout and "step 40/40" in watched.stdout, \
+        watched.stdout
+    status = slipway("status", "here")
+    assert re.search(r"local\s+│\s+COMPLETED\s+│\s+0\s+│\s+\d\d:\d\d:\d\d", status.stdout), status.stdout
+
+
 # ------------------------------------------------------------------ in a real terminal
 
 
