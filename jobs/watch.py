@@ -291,6 +291,8 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
                 time.sleep(interval)
                 snap = watcher.snapshot()
                 live.update(render(snap), refresh=True)
+        if not console.is_terminal:  # Live leaves its last frame without a newline outside a terminal
+            console.line()
     except KeyboardInterrupt:
         goes_on = ("the run goes on (Ctrl-C in its own terminal stops it)" if watcher.job_id == LOCAL else
                    f"job {watcher.job_id} goes on (`slipway cancel {run.name}` ends it)")
