@@ -146,7 +146,9 @@ def ping(timeout: float = 20) -> tuple[bool, str]:
         return False, f"scontrol ping got no answer in {timeout:.0f} s"
     # Without the banner scontrol prints under a controller that is down (rows of asterisks).
     text = " ".join(w for w in (out + " " + err).split() if w.strip("*"))
-    return rc == 0 and " is UP" in text, text or f"scontrol ping exited {rc}"
+    # Without a configuration scontrol logs each source it tried; its fatal line says why it gave up.
+    fatal = [line.strip() for line in err.splitlines() if "fatal:" in line]
+    return rc == 0 and " is UP" in text, (fatal[-1] if fatal else text) or f"scontrol ping exited {rc}"
 
 
 def srun_argv(*, nodes: int, ntasks_per_node: int, cpus_per_task: int, gpus_per_node: int, time: str | None,

@@ -436,6 +436,20 @@ def test_doctor_without_a_controller_lists_every_failure(project, tmp_path):
     assert "parallel layout: note:" not in r.stdout  # tiny_cpu's custom model has no published layout
 
 
+def test_doctor_without_any_slurm_configuration_gives_scontrols_reason_once(project):
+    """A login node's shell without SLURM_CONF and no slurm.conf: scontrol tries DNS and gives
+    up with one fatal line, which doctor quotes instead of every source it tried."""
+    if shutil.which("scontrol") is None:
+        pytest.skip("needs Slurm's client commands (Debian slurm-wlm)")
+    if Path("/etc/slurm/slurm.conf").exists():
+        pytest.skip("this machine has a default slurm.conf")
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    r = subprocess.run([PY, "-m", "jobs", "doctor", "tiny_cpu"], capture_output=True, text=True, timeout=180, env=env)
+    said = next(line for line in r.stdout.splitlines() if line.startswith("fail slurm controller"))
+    assert said.count("scontrol:") == 1 and "Could not establish a configuration source" in said, said
+    assert "no Slurm controller answers" in said and r.returncode == 1, said
+
+
 def test_doctor_names_the_presets_published_layout(project, tmp_path):
     """tiny_wikitext (the CSCS tutorial's tp=4 x dp=2 for a 109M model) strays from the tiny
     preset's default: doctor says which layout to use instead, as a note, not a failure."""
