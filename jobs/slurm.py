@@ -27,7 +27,7 @@ class JobInfo:
     job_id: str
     state: str
     exit_code: str = ""
-    reason: str = ""
+    reason: str = ""  # why it waits or ended ("" for scontrol's None)
     elapsed: str = ""
     nodes: str = ""
     name: str = ""
@@ -110,8 +110,9 @@ def job_info(job_id: str) -> JobInfo | None:
             out = ""
         if out.strip():
             f = _parse_scontrol(out)
+            reason = f.get("Reason", "")
             return JobInfo(job_id=job_id, state=f.get("JobState", ""), exit_code=f.get("ExitCode", ""),
-                           reason=f.get("Reason", ""), elapsed=f.get("RunTime", ""),
+                           reason="" if reason == "None" else reason, elapsed=f.get("RunTime", ""),
                            nodes=f.get("NodeList", ""), name=f.get("JobName", ""))
     if available("sacct"):
         try:

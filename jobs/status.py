@@ -130,8 +130,7 @@ def _job_row(run: runs.Run, sub: dict) -> tuple[str, str, str, str, str]:
         event = _last_event(run, job_id)
         state = "ENDED" if event.startswith("end exit") else "UNKNOWN"
         return (job_id, state, event.removeprefix("end exit ") if state == "ENDED" else "", "", event)
-    reason = info.reason if info.reason not in ("None", "") else ""
-    return (job_id, info.state, info.exit_code, info.elapsed, reason or _last_event(run, job_id))
+    return (job_id, info.state, info.exit_code, info.elapsed, info.reason or _last_event(run, job_id))
 
 
 def image_drift(run: runs.Run) -> str | None:

@@ -49,11 +49,7 @@ class Snapshot:
     """What one frame shows."""
 
     run: str
-    job_id: str
-    state: str = "UNKNOWN"
-    reason: str = ""
-    elapsed: str = ""
-    nodelist: str = ""
+    job: slurm.JobInfo  # as Slurm tells it; for a local run, as its launcher's manifest entry does
     total_steps: Optional[int] = None
     metrics: dict = field(default_factory=dict)
     step_age: Optional[float] = None  # seconds since the last completed step
@@ -135,23 +131,8 @@ class Watcher:
 
     def snapshot(self) -> Snapshot:
         now = time.time()
-        snap = Snapshot(self.run.name, self.job_id, total_steps=self.total_steps)
-        info = None if self.job_id == LOCAL else slurm.job_info(self.job_id)
-        if self.job_id == LOCAL:
-            self._local(snap)
-        elif info is None:  # slurmctld forgot the job and there is no accounting: events.log says
-            self._gone += 1
-            if self._gone >= GONE_POLLS:
-                snap.state, snap.ended = "ENDED", True
-                snap.exit_code = runs._exit_from_events(self.run, self.job_id)
-        else:
-            self._gone = 0
-            snap.state, snap.elapsed, snap.nodelist = info.state, info.elapsed, info.nodes
-            snap.reason = info.reason if info.reason not in ("None", "") else ""
-            if not info.active:
-                snap.ended = True
-                code = info.return_code
-                snap.exit_code = code if code is not None else (0 if info.state.startswith("COMPLETED") else 1)
+        job, ended, exit_code = self._local() if self.job_id == LOCAL else self._slurm()
+        snap = Snapshot(self.run.name, job, total_steps=self.total_steps, ended=ended, exit_code=exit_code)
         snap.metrics = self.run.last_metrics() or {}
         self._progress(snap, now)
         if self.job_id != LOCAL:
@@ -161,7 +142,21 @@ class Watcher:
             snap.history = job_history(self.run, self.job_id).lines()
         return snap
 
-    def _local(self, snap: Snapshot) -> None:
+    def _slurm(self) -> tuple[slurm.JobInfo, bool, Optional[int]]:
+        """The job, whether it ended, its exit code once it did."""
+        info = slurm.job_info(self.job_id)
+        if info is None:  # slurmctld forgot the job and there is no accounting: events.log says
+            self._gone += 1
+            if self._gone < GONE_POLLS:
+                return slurm.JobInfo(self.job_id, "UNKNOWN"), False, None
+            return slurm.JobInfo(self.job_id, "ENDED"), True, runs._exit_from_events(self.run, self.job_id)
+        self._gone = 0
+        if info.active:
+            return info, False, None
+        code = info.return_code
+        return info, True, code if code is not None else (0 if info.state.startswith("COMPLETED") else 1)
+
+    def _local(self) -> tuple[slurm.JobInfo, bool, Optional[int]]:
         from jobs.local import local_elapsed, local_state
 
         launches = [s for s in self.run.manifest().get("submissions", []) if s.get("local")]
@@ -169,13 +164,12 @@ class Watcher:
             self._pid = launches[-1].get("pid")
         entry = next((s for s in reversed(launches) if s.get("pid") == self._pid), None)
         if entry is None:
-            snap.state, snap.ended, snap.exit_code = "UNKNOWN", True, 1
-            return
-        snap.state, code = local_state(entry)
-        snap.elapsed, snap.nodelist = local_elapsed(entry), entry.get("host", "")
-        if snap.state != "RUNNING":
-            snap.ended = True
-            snap.exit_code = int(code) if code.lstrip("-").isdigit() else 1
+            return slurm.JobInfo(LOCAL, "UNKNOWN"), True, 1
+        state, code = local_state(entry)
+        job = slurm.JobInfo(LOCAL, state, code, elapsed=local_elapsed(entry), nodes=entry.get("host", ""))
+        if state == "RUNNING":
+            return job, False, None
+        return job, True, int(code) if code.lstrip("-").isdigit() else 1
 
     def _progress(self, snap: Snapshot, now: float) -> None:
         try:
@@ -193,9 +187,10 @@ class Watcher:
         snap.step_age = min(known) if known else None
 
     def _nodes(self, snap: Snapshot, now: float) -> None:
-        if snap.nodelist and snap.nodelist not in self._hosts:
-            self._hosts[snap.nodelist] = slurm.hostnames(snap.nodelist)
-        names = self._hosts.get(snap.nodelist) or sorted(p.name for p in (self.run.dir / "heartbeats").glob("*"))
+        nodelist = snap.job.nodes
+        if nodelist and nodelist not in self._hosts:
+            self._hosts[nodelist] = slurm.hostnames(nodelist)
+        names = self._hosts.get(nodelist) or sorted(p.name for p in (self.run.dir / "heartbeats").glob("*"))
         for name in names:
             node = NodeView(name, _age(self.run.dir / "heartbeats" / name, now))
             node.gpus, node.sm_percent, node.memory_gib = parse_gutil(self.run.dir / "gutil" / f"{name}.gutil")
@@ -212,15 +207,16 @@ def render(snap: Snapshot):
     from rich.table import Table
     from rich.text import Text
 
-    state_style = {"RUNNING": "green", "PENDING": "yellow", "COMPLETED": "green"}.get(snap.state.split()[0], "red")
-    head = Text.assemble(("run ", "dim"), (snap.run, "bold"), ("  job ", "dim"), (snap.job_id, "bold"), "  ",
-                         (snap.state, f"bold {state_style}"))
-    if snap.reason:
-        head.append(f" ({snap.reason})", style="yellow")
-    if snap.nodelist:
-        head.append(f"  on {snap.nodelist}")
-    if snap.elapsed:
-        head.append(f"  elapsed {snap.elapsed}", style="dim")
+    job = snap.job
+    state_style = {"RUNNING": "green", "PENDING": "yellow", "COMPLETED": "green"}.get(job.state.split()[0], "red")
+    head = Text.assemble(("run ", "dim"), (snap.run, "bold"), ("  job ", "dim"), (job.job_id, "bold"), "  ",
+                         (job.state, f"bold {state_style}"))
+    if job.reason:
+        head.append(f" ({job.reason})", style="yellow")
+    if job.nodes:
+        head.append(f"  on {job.nodes}")
+    if job.elapsed:
+        head.append(f"  elapsed {job.elapsed}", style="dim")
 
     m = snap.metrics
     steps = [s for s in (m.get("step"), snap.progress_step) if isinstance(s, int)]
@@ -268,7 +264,7 @@ def render(snap: Snapshot):
         events.add_row(stamp, Text(rest, style=style))
     parts = [head, train, *[Text(h, style="dim") for h in snap.history], *([nodes] if snap.nodes else []), events]
     if snap.ended:
-        parts.append(Text(f"job {snap.job_id} ended: {snap.state}, exit code {snap.exit_code}",
+        parts.append(Text(f"job {job.job_id} ended: {job.state}, exit code {snap.exit_code}",
                           style="bold green" if snap.exit_code == 0 else "bold red"))
     return Group(*parts)
 

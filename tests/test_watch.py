@@ -74,7 +74,7 @@ def screen(renderable) -> str:
 
 def test_a_frame_shows_progress_nodes_and_events(tmp_path, monkeypatch):
     run = fake_run(tmp_path)
-    monkeypatch.setattr(slurm, "job_info", lambda job_id: slurm.JobInfo(job_id, "RUNNING", "0:0", "None", "00:01:10",
+    monkeypatch.setattr(slurm, "job_info", lambda job_id: slurm.JobInfo(job_id, "RUNNING", "0:0", "", "00:01:10",
                                                                           "node[1-2]"))
     monkeypatch.setattr(slurm, "hostnames", lambda nodelist: ["node1", "node2"])
     text = screen(watch.render(watch.Watcher(run, "51").snapshot()))
@@ -90,7 +90,7 @@ def test_watch_follows_the_job_to_its_end_and_exits_with_its_code(tmp_path, monk
     run = fake_run(tmp_path)
     states = iter(["PENDING", "RUNNING", "REQUEUED", "RUNNING", "FAILED"])
     monkeypatch.setattr(slurm, "job_info", lambda job_id: slurm.JobInfo(
-        job_id, state := next(states), "4:0" if state == "FAILED" else "0:0", "None", "1", "node[1-2]"))
+        job_id, state := next(states), "4:0" if state == "FAILED" else "0:0", "", "1", "node[1-2]"))
     monkeypatch.setattr(slurm, "hostnames", lambda nodelist: ["node1", "node2"])
     out = Console(file=io.StringIO(), width=160, color_system=None)
     assert watch.watch(run, interval=0.01, console=out) == 4
@@ -99,7 +99,7 @@ def test_watch_follows_the_job_to_its_end_and_exits_with_its_code(tmp_path, monk
 
 def test_ctrl_c_stops_watching_and_says_the_job_goes_on(tmp_path, monkeypatch):
     run = fake_run(tmp_path)
-    monkeypatch.setattr(slurm, "job_info", lambda job_id: slurm.JobInfo(job_id, "RUNNING", "0:0", "None", "1", "n1"))
+    monkeypatch.setattr(slurm, "job_info", lambda job_id: slurm.JobInfo(job_id, "RUNNING", "0:0", "", "1", "n1"))
 
     def interrupt(seconds: float) -> None:
         raise KeyboardInterrupt
