@@ -28,9 +28,10 @@ exit 0
 """
 SINFO = """#!/bin/bash
 echo "$*" >> "$FAKE/sinfo.log"
-if [ "$3" = -n ] || [ "$4" = -n ]; then
-  node=$(for a in "$@"; do [ "$prev" = -n ] && echo "$a"; prev=$a; done)
-  awk -v n="$node" '$1 == n { print $2 }' "$FAKE/sinfo"
+if [[ " $* " == *" -n "* ]]; then  # the nodes of -n's host list: the job's, or a comma list
+  list=$(for a in "$@"; do [ "$prev" = -n ] && echo "$a"; prev=$a; done)
+  if [ "$list" = "$SLURM_JOB_NODELIST" ]; then names=$(cat "$FAKE/nodes"); else names=${list//,/ }; fi
+  for n in $names; do awk -v n="$n" '$1 == n' "$FAKE/sinfo"; done
 else
   cat "$FAKE/sinfo"
 fi
@@ -244,11 +245,15 @@ def test_a_hang_where_every_rank_dumped_blames_no_node(tmp_path):
 
 
 def test_a_dead_node_is_retried_without(tmp_path):
-    job = Job(tmp_path, partition="node1 alloc\nnode2 down*\nnode3 idle")
+    # node2 is in two partitions: sinfo -N lists it twice
+    job = Job(tmp_path, partition="node1 alloc\nnode2 down*\nnode2 down*\nnode3 idle")
     job.script("train.sh", "exit 1")
     assert job.run() == 0, job.out
     events = job.events()
     assert "node failure: node2 not responding, down or drained after the step failed (exit 1)" in events
+    # one sinfo for the job's nodes, not one per node (1000-node jobs)
+    asked = [line for line in (job.fake / "sinfo.log").read_text().splitlines() if " -n " in f" {line} "]
+    assert asked == ["-h -N -n node[1-2] -o %N %t"], asked
     assert "retry 1/2 (node failure): requeueing without node2 (excluded nodes: node2)" in events
 
 
