@@ -77,6 +77,11 @@ class Run:
     def job_ids(self) -> list[str]:
         return [s["job_id"] for s in self.manifest().get("submissions", []) if s.get("job_id")]
 
+    def latest_train_job(self) -> str | None:
+        """The id of the run's latest Slurm training job (its preparation jobs aside)."""
+        return next((s["job_id"] for s in reversed(self.manifest().get("submissions", []))
+                     if s.get("job_id") and s.get("kind", "train") == "train"), None)
+
     def config(self) -> Config:
         return load_config(self.paths.config)
 

@@ -162,8 +162,7 @@ def show_status(project_dir, run_name: str | None, console) -> int:
         for sub in subs:
             table.add_row(*_job_row(run, sub))
         console.print(table)
-        latest = next((s["job_id"] for s in reversed(subs) if s.get("job_id") and s.get("kind", "train") == "train"),
-                      None)
+        latest = run.latest_train_job()
         if latest:
             _print_history(run, job_history(run, latest), console)
         image = run.manifest().get("image") or {}

@@ -105,15 +105,14 @@ def _age(path: Path, now: float) -> Optional[float]:
 
 def latest_job(run: runs.Run) -> str:
     """The run's latest training job; LOCAL when its latest launch was on this machine."""
-    everything = run.manifest().get("submissions", [])
-    if everything and everything[-1].get("local"):
+    subs = run.manifest().get("submissions", [])
+    if subs and subs[-1].get("local"):
         return LOCAL
-    subs = [s for s in everything if s.get("job_id")]
-    train = [s for s in subs if s.get("kind", "train") == "train"]
-    if not (train or subs):
+    job = run.latest_train_job() or next(reversed(run.job_ids()), None)  # or its preparation job
+    if job is None:
         raise ConfigError("RUN", f"run {run.name} has no job to watch: `slipway submit` it (or `slipway local` it) "
                                  "first")
-    return (train or subs)[-1]["job_id"]
+    return job
 
 
 class Watcher:
