@@ -59,7 +59,6 @@ def tree(path: Path) -> list[str]:
 from slurm_fixtures import slurm_cluster, slurm_env  # noqa: E402,F401  (a real local Slurm)
 
 
-
 # `make test` runs two pytest-xdist workers. Each module's tests stay on one worker (module
 # fixtures are built once), and these share one, whole, one after another: the modules that
 # drive the real local Slurm cluster (one session cluster per machine, at fixed names,
