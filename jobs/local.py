@@ -85,7 +85,7 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
     with log_path.open("w") as log:
         proc = local[argv[0]][argv[1:]].popen(cwd=project_dir, env=env, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT)
-        _record_local(run, log_path, proc.pid, project_dir)
+        launch = _record_local(run, log_path, proc.pid, project_dir)
         _event(run, "start on this machine")
         assert proc.stdout is not None
         try:
@@ -102,7 +102,7 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
                 proc.kill()
         rc = proc.wait()
     _event(run, "end interrupted" if interrupted else f"end exit {rc}")
-    _finish_local(run, proc.pid, "interrupted" if interrupted else rc)
+    _finish_local(run, launch, "interrupted" if interrupted else rc)
     steps = _checkpoint_steps(run.dir / cfg.checkpoint.dir)
     resume = (f"run the same command again to resume from its checkpoint at step {steps[-1]}" if steps else
               "no checkpoint was saved yet, so running the same command again starts from step 0")
@@ -119,19 +119,27 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
     return rc
 
 
-def _record_local(run: runs.Run, log_path: Path, pid: int, project_dir: Path) -> None:
+def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: Path) -> dict:
+    """Add this launch to the manifest. `pid` is this process, not the trainer's: it outlives the
+    trainer and writes the outcome, so a reader never sees the launch dead before its exit is recorded."""
     manifest = run.manifest()
-    manifest.setdefault("submissions", []).append({"job_id": None, "local": True, "started": runs.now(),
-                                                   "pid": pid, "host": socket.gethostname(),
-                                                   "log": str(log_path.relative_to(run.dir)),
-                                                   "git": runs.git_state(project_dir)})
+    entry = {"job_id": None, "local": True, "started": runs.now(), "pid": os.getpid(), "trainer_pid": trainer_pid,
+             "host": socket.gethostname(), "log": str(log_path.relative_to(run.dir)),
+             "git": runs.git_state(project_dir)}
+    manifest.setdefault("submissions", []).append(entry)
     runs.write_atomic(run.dir / runs.MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    return entry
 
 
-def _finish_local(run: runs.Run, pid: int, outcome) -> None:
+def same_launch(a: dict, b: dict) -> bool:
+    """Whether two manifest entries are one local launch (a process may launch twice, as tests do)."""
+    return bool(a.get("local")) and a.get("pid") == b.get("pid") and a.get("started") == b.get("started")
+
+
+def _finish_local(run: runs.Run, launch: dict, outcome) -> None:
     manifest = run.manifest()
     for entry in reversed(manifest.get("submissions", [])):
-        if entry.get("local") and entry.get("pid") == pid:
+        if same_launch(entry, launch):
             entry["ended"] = runs.now()
             entry["exit"] = outcome
             break
@@ -150,7 +158,9 @@ def local_state(entry: dict) -> tuple[str, str]:
     if pid and host == socket.gethostname():
         from trainer.fs import pid_alive
 
-        return ("RUNNING", "") if pid_alive(pid) else ("DIED", "")
+        # a killed launcher leaves its trainer training: the run is alive while either is
+        alive = any(pid_alive(p) for p in (pid, entry.get("trainer_pid")) if p)
+        return ("RUNNING", "") if alive else ("DIED", "")
     return ("UNKNOWN", "") if pid else ("ENDED", "")
 
 

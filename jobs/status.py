@@ -227,7 +227,7 @@ def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> i
 
 def _show_local_log(run: runs.Run, sub: dict, follow: bool) -> int:
     """A local run's log (`make local` writes logs/local-STAMP.out); -f follows it while it runs."""
-    from jobs.local import local_state
+    from jobs.local import local_state, same_launch
 
     path = run.dir / sub.get("log", "")
     if not path.is_file():
@@ -237,7 +237,7 @@ def _show_local_log(run: runs.Run, sub: dict, follow: bool) -> int:
     while follow and local_state(sub)[0] == "RUNNING":
         time.sleep(1.0)
         tail.pump()
-        sub = next((s for s in run.manifest().get("submissions", []) if s.get("pid") == sub.get("pid")), sub)
+        sub = next((s for s in run.manifest().get("submissions", []) if same_launch(s, sub)), sub)
     tail.pump()
     state, code = local_state(sub)
     return int(code) if code.isdigit() else 0

@@ -121,7 +121,7 @@ class Watcher:
     def __init__(self, run: runs.Run, job_id: str):
         self.run, self.job_id = run, job_id
         self._gone = 0
-        self._pid = None  # the local launch watched: the latest when watching began
+        self._launch: Optional[dict] = None  # the local launch watched: the latest when watching began
         self._hosts: dict[str, list[str]] = {}
         try:
             self.total_steps: Optional[int] = run.config().train.steps
@@ -156,12 +156,12 @@ class Watcher:
         return info, True, code if code is not None else (0 if info.state.startswith("COMPLETED") else 1)
 
     def _local(self) -> tuple[slurm.JobInfo, bool, Optional[int]]:
-        from jobs.local import local_elapsed, local_state
+        from jobs.local import local_elapsed, local_state, same_launch
 
         launches = [s for s in self.run.manifest().get("submissions", []) if s.get("local")]
-        if self._pid is None and launches:
-            self._pid = launches[-1].get("pid")
-        entry = next((s for s in reversed(launches) if s.get("pid") == self._pid), None)
+        if self._launch is None and launches:
+            self._launch = launches[-1]
+        entry = next((s for s in reversed(launches) if self._launch and same_launch(s, self._launch)), None)
         if entry is None:
             return slurm.JobInfo(LOCAL, "UNKNOWN"), True, 1
         state, code = local_state(entry)

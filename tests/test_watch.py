@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ import pytest
 from rich.console import Console
 
 from jobs import runs, slurm, watch
+from jobs.local import local_state
 from jobs.sbatch import RunPaths
 
 PY = sys.executable
@@ -131,6 +133,18 @@ def test_a_local_launch_that_died_ends_the_watch(tmp_path):
     assert watch.watch(run, interval=0.01, console=out) == 1
     text = out.file.getvalue()
     assert "job local  DIED" in text and "job local ended: DIED, exit code 1" in text and "nodes" not in text, text
+
+
+def test_a_local_launch_is_running_until_its_launcher_records_the_outcome():
+    """The trainer exits before the launcher writes its exit code: in between the launch is still
+    running, not DIED (a watcher polling then would report a finished run as dead)."""
+    gone = int(subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    here = {"local": True, "host": socket.gethostname(), "started": "2026-01-01T12:00:00+00:00"}
+    assert local_state({**here, "pid": os.getpid(), "trainer_pid": gone}) == ("RUNNING", "")
+    # a killed launcher leaves its trainer going
+    assert local_state({**here, "pid": gone, "trainer_pid": os.getpid()}) == ("RUNNING", "")
+    assert local_state({**here, "pid": gone, "trainer_pid": gone}) == ("DIED", "")
+    assert local_state({**here, "pid": os.getpid(), "trainer_pid": gone, "exit": 0}) == ("COMPLETED", "0")
 
 
 def test_watch_follows_a_local_run_to_its_end(project):
