@@ -164,6 +164,14 @@ def local_state(entry: dict) -> tuple[str, str]:
     return ("UNKNOWN", "") if pid else ("ENDED", "")
 
 
+def local_exit(state: str, code: str) -> int | None:
+    """The exit code of a launch in `local_state` (state, code), as `watch` and `logs -f` exit with
+    it: None while it runs, 1 for one that died without saying."""
+    if state == "RUNNING":
+        return None
+    return int(code) if code.lstrip("-").isdigit() else 1
+
+
 def local_elapsed(entry: dict) -> str:
     """How long a local run's launch ran (until now while it runs), as Slurm writes elapsed
     times ([D-]HH:MM:SS); empty when the manifest entry does not say."""

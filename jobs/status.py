@@ -227,7 +227,7 @@ def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> i
 
 def _show_local_log(run: runs.Run, sub: dict, follow: bool) -> int:
     """A local run's log (`make local` writes logs/local-STAMP.out); -f follows it while it runs."""
-    from jobs.local import local_state, same_launch
+    from jobs.local import local_exit, local_state, same_launch
 
     path = run.dir / sub.get("log", "")
     if not path.is_file():
@@ -239,8 +239,8 @@ def _show_local_log(run: runs.Run, sub: dict, follow: bool) -> int:
         tail.pump()
         sub = next((s for s in run.manifest().get("submissions", []) if same_launch(s, sub)), sub)
     tail.pump()
-    state, code = local_state(sub)
-    return int(code) if code.isdigit() else 0
+    # as for a Slurm job: printing the log succeeds; following it ends with the launch's exit code
+    return (local_exit(*local_state(sub)) or 0) if follow else 0
 
 
 def cancel(run: runs.Run, console) -> int:

@@ -156,7 +156,7 @@ class Watcher:
         return info, True, code if code is not None else (0 if info.state.startswith("COMPLETED") else 1)
 
     def _local(self) -> tuple[slurm.JobInfo, bool, Optional[int]]:
-        from jobs.local import local_elapsed, local_state, same_launch
+        from jobs.local import local_elapsed, local_exit, local_state, same_launch
 
         launches = [s for s in self.run.manifest().get("submissions", []) if s.get("local")]
         if self._launch is None and launches:
@@ -166,9 +166,8 @@ class Watcher:
             return slurm.JobInfo(LOCAL, "UNKNOWN"), True, 1
         state, code = local_state(entry)
         job = slurm.JobInfo(LOCAL, state, code, elapsed=local_elapsed(entry), nodes=entry.get("host", ""))
-        if state == "RUNNING":
-            return job, False, None
-        return job, True, int(code) if code.lstrip("-").isdigit() else 1
+        exit_code = local_exit(state, code)
+        return job, exit_code is not None, exit_code
 
     def _progress(self, snap: Snapshot, now: float) -> None:
         try:

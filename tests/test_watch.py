@@ -147,6 +147,25 @@ def test_a_local_launch_is_running_until_its_launcher_records_the_outcome():
     assert local_state({**here, "pid": os.getpid(), "trainer_pid": gone, "exit": 0}) == ("COMPLETED", "0")
 
 
+def test_logs_f_of_a_local_launch_that_died_exits_1(tmp_path, capsys):
+    """`slipway logs RUN -f` ends with the launch's exit code, as for a Slurm job; one that died
+    without recording it is a failure, not a success. Printing the log alone succeeds."""
+    from jobs.status import show_logs
+
+    run = fake_run(tmp_path)
+    gone = int(subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    (run.dir / "logs").mkdir()
+    (run.dir / "logs" / "local-1.out").write_text("step 1/90 loss 5.0\n")
+    launch = {"job_id": None, "local": True, "pid": gone, "trainer_pid": gone, "host": socket.gethostname(),
+              "started": "2026-01-01T12:00:00+00:00", "log": "logs/local-1.out"}
+    (run.dir / "manifest.json").write_text(json.dumps({"submissions": [launch]}))
+    assert show_logs(run, None, follow=True, stream="out") == 1
+    assert show_logs(run, None, follow=False, stream="out") == 0
+    (run.dir / "manifest.json").write_text(json.dumps({"submissions": [{**launch, "exit": 3}]}))
+    assert show_logs(run, None, follow=True, stream="out") == 3
+    assert "step 1/90 loss 5.0" in capsys.readouterr().out
+
+
 def test_watch_follows_a_local_run_to_its_end(project):
     """`make local` in one terminal, `slipway watch` in another: the real launch on this machine."""
     from test_e2e import TINY, slipway, wait_for
