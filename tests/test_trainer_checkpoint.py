@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +29,7 @@ if str(ROOT) not in sys.path:  # when run as a worker script
 
 from trainer.checkpoint import (  # noqa: E402
     Checkpointer,
+    CheckpointWriteError,
     ModelState,
     OptimizerState,
     RNGState,
@@ -478,10 +481,118 @@ def test_a_checkpoint_of_other_dimensions_is_a_config_error(tmp_path):
         Checkpointer(tmp_path, ckpt_cfg()).load_latest({"model": ModelState([padded])})
 
 
+# --------------------------------------------------------------------------
+# A full disk: a real tmpfs of a chosen size, mounted in a private mount namespace.
+# --------------------------------------------------------------------------
+
+
+def _small_fs_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "mounting a small tmpfs needs root (a private mount namespace)"
+    if not shutil.which("unshare"):
+        return "needs unshare (util-linux)"
+    return None
+
+
+def on_small_fs(mountpoint: Path, size: int, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """Run `cmd` with a tmpfs of `size` bytes at `mountpoint`, seen by `cmd` and its children only."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    script = 'mount -t tmpfs -o size="$1" slipway-test "$2" && shift 2 && exec "$@"'
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
+                           str(size), str(mountpoint), *cmd], capture_output=True, text=True, timeout=300, check=False, **kwargs)
+
+
+def _disk_bytes(path: Path) -> int:
+    """What `path`'s files take on a tmpfs: whole pages."""
+    return sum(-(-f.stat().st_size // 4096) * 4096 for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.skipif(_small_fs_reason() is not None, reason=str(_small_fs_reason()))
+def test_a_checkpoint_that_cannot_fit_is_one_line_and_the_last_one_stays(tmp_path):
+    """Room for one checkpoint: the first is saved; the second is refused before a byte is written
+    (it needs what the first took), naming the directory and the fix. With no estimate of the first
+    one, its write fails for real on the full disk (sync and async), and torch's cryptic short-write
+    error becomes the same kind of line."""
+    model, opt, sched = make(seed=0)
+    Checkpointer(tmp_path / "probe", ckpt_cfg()).save(1, states_of(model, opt, sched, rng=False))
+    one = _disk_bytes(step_dir(tmp_path / "probe", 1))
+    proc = on_small_fs(tmp_path / "small", one + one // 2, [sys.executable, __file__, "full-disk", str(tmp_path)],
+                       env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = json.loads(proc.stdout.splitlines()[-1])
+    small = tmp_path / "small"
+    assert re.fullmatch(rf"not saving checkpoint step 2: [0-9.]+ MiB free at {re.escape(str(small / 'ckpt'))} "
+                        r"\(where checkpoints go\), one checkpoint needs about [0-9.]+ MiB: free space there or set "
+                        rf"checkpoint\.dir elsewhere; the latest checkpoint stays {re.escape(str(small / 'ckpt'))}/"
+                        r"step-000001", said["refused"]), said["refused"]
+    assert said["after_refusal"] == ["step-000001"]  # nothing of step 2 was started
+    for mode in ("sync", "async"):
+        where = re.escape(str(small / mode))
+        assert re.fullmatch(rf"checkpoint step 1 could not be written to {where}: the file system is full "
+                            r"\([0-9.]+ MiB free, this rank alone writes [0-9.]+ MiB\): free space there \(the "
+                            r"partial \.tmp-step-000001 can go\) or set checkpoint\.dir elsewhere, then resume; the "
+                            r"latest checkpoint stays none", said[mode]), said[mode]
+        assert said[f"{mode}_steps"] == []
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(_small_fs_reason() is not None, reason=str(_small_fs_reason()))
+def test_slipway_local_stops_at_a_checkpoint_that_cannot_fit(tmp_path):
+    """The user's command: `slipway local tiny_cpu` (2 ranks) with checkpoint.dir on a 4 MiB file system.
+    The first save is refused from the model's size (12.8 MiB), before a byte is written: one
+    error line (not one per rank, no traceback of ours), exit 1, the trained steps in metrics."""
+    from trainer_helpers import clean_env
+
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)
+    shutil.copy(ROOT / "configs" / "tiny_cpu.yaml", project / "configs")
+    small = tmp_path / "small"
+    proc = on_small_fs(small, 4 * 2**20, [sys.executable, "-m", "jobs", "local", "tiny_cpu", "train.steps=4",
+                                          "logging.interval=1", "checkpoint.interval=2", f"checkpoint.dir={small / 'ckpt'}"],
+                       cwd=project, env=clean_env(SLIPWAY_PROJECT=str(project)))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert errors == [(f"error: not saving checkpoint step 2: 4.0 MiB free at {small} (where checkpoints go), one "
+                       "checkpoint needs about 12.8 MiB: free space there or set checkpoint.dir elsewhere; the latest "
+                       "checkpoint stays none")], out
+    assert "CheckpointWriteError" not in out and not re.search(r"^\[rank\d+\]: Traceback", out, re.MULTILINE), out
+    run = project / "runs" / "tiny_cpu"
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r.get("kind") == "train"] == [1, 2], out
+    assert "training failed with exit code 1" in out and not list(run.glob("checkpoints*"))
+
+
+def _full_disk_worker(root: Path) -> None:
+    """Inside on_small_fs (a tmpfs at root/small): print what each save said, as JSON."""
+    small, said = root / "small", {}
+    model, opt, sched = make(seed=0)
+    ck = Checkpointer(small / "ckpt", ckpt_cfg(), expected_bytes=1)
+    ck.save(1, states_of(model, opt, sched, rng=False))
+    train_step(model, opt, seed=2)
+    try:
+        ck.save(2, states_of(model, opt, sched, rng=False))
+    except CheckpointWriteError as exc:
+        said["refused"] = str(exc)
+    said["after_refusal"] = sorted(p.name for p in (small / "ckpt").iterdir())
+    # What is left is too small for another checkpoint; without an estimate the first save tries.
+    for mode in ("sync", "async"):
+        ck = Checkpointer(small / mode, ckpt_cfg(async_save=mode == "async"))
+        try:
+            ck.save(1, states_of(model, opt, sched, rng=False))
+            ck.close()
+        except CheckpointWriteError as exc:
+            said[mode] = str(exc)
+        said[f"{mode}_steps"] = complete_steps(small / mode)
+    print(json.dumps(said))
+
+
 if __name__ == "__main__":
     mode, where = sys.argv[1], Path(sys.argv[2])
     if mode == "slow-save":
         _slow_save_worker(where)
+    elif mode == "full-disk":
+        _full_disk_worker(where)
     else:
         import torch.distributed as dist
 

@@ -7,13 +7,14 @@ with the builtin corpus and tokenizer (no network), a short context, fp32 and 4 
 One process with the same global batch is the reference; the flagship's sharded
 checkpoint of step 2 then resumes in one process (the crash after step 2 is made by
 removing step 4's checkpoint) and must continue as the uninterrupted run did.
-About 2 minutes on 2 cores; the 1.4 GB checkpoints are removed afterwards.
+About 2 minutes on 2 cores; the 1.4 GB checkpoints are removed as soon as they are not needed.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -46,7 +47,11 @@ def slipway_local(project: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "jobs", "local", "tiny_wikitext", *args]
     proc = subprocess.run(cmd, cwd=project, env=clean_env(SLIPWAY_PROJECT=str(project)), capture_output=True,
                           text=True, timeout=420)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    if proc.returncode != 0:  # the ranks' own errors first: torchrun's summary buries them
+        errors = dict.fromkeys(line for line in (proc.stdout + proc.stderr).splitlines()
+                               if re.search(r"(?i)error: |Error$", line) and "ChildFailedError" not in line)
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}; its errors:\n" + "\n".join(list(errors)[:20]) +
+                    f"\n... the end of its output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 
@@ -60,18 +65,21 @@ def flagship(tmp_path_factory):
     (project / "configs").mkdir(parents=True)
     shutil.copy(ROOT / "configs" / "tiny_wikitext.yaml", project / "configs")
     runs = project / "runs"
-    out = {"reference": slipway_local(project, "--run-name", "reference", *ONE_PROCESS, *OVERRIDES),
-           "flagship": slipway_local(project, "--run-name", "flagship", "train.micro_batch_size=1", *OVERRIDES)}
-    ckpt = runs / "flagship" / "checkpoints"
-    out["saved"] = complete_steps(ckpt)
-    out["frozen"] = yaml.safe_load((runs / "flagship" / "config.yaml").read_text())
-    out["shapes"] = _shapes(step_dir(ckpt, 2))
-    shutil.rmtree(step_dir(ckpt, 4))  # the run "died" after its step-2 checkpoint
-    out["resumed"] = slipway_local(project, "--run-name", "flagship", "--force", *ONE_PROCESS, *OVERRIDES)
-    out["runs"] = runs
-    yield out
-    for run in runs.iterdir():  # 1.4 GB a checkpoint: do not leave them in pytest's kept temp dirs
-        shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    try:
+        out = {"reference": slipway_local(project, "--run-name", "reference", *ONE_PROCESS, *OVERRIDES)}
+        shutil.rmtree(runs / "reference" / "checkpoints")  # only its losses are compared
+        out["flagship"] = slipway_local(project, "--run-name", "flagship", "train.micro_batch_size=1", *OVERRIDES)
+        ckpt = runs / "flagship" / "checkpoints"
+        out["saved"] = complete_steps(ckpt)
+        out["frozen"] = yaml.safe_load((runs / "flagship" / "config.yaml").read_text())
+        out["shapes"] = _shapes(step_dir(ckpt, 2))
+        shutil.rmtree(step_dir(ckpt, 4))  # the run "died" after its step-2 checkpoint
+        out["resumed"] = slipway_local(project, "--run-name", "flagship", "--force", *ONE_PROCESS, *OVERRIDES)
+        out["runs"] = runs
+        yield out
+    finally:  # 1.4 GB a checkpoint: never left in pytest's kept temp dirs, whatever failed
+        for run in runs.glob("*"):
+            shutil.rmtree(run / "checkpoints", ignore_errors=True)
 
 
 def _shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -26,6 +26,14 @@ with `rank_local = True` (see `RNGState`) takes that path.
 A save whose floating-point values are not all finite (on any rank) is refused
 with `NonFiniteError` before anything is written: a checkpoint is never a NaN
 trap to resume into, and the good ones stay in place.
+
+A save that cannot fit is refused with `CheckpointWriteError` before anything is
+written: the room it needs is the size of the latest complete checkpoint (or,
+for the first one, the trainer's estimate from the model's size), checked by
+rank 0 against the free space where checkpoints go. When the disk fills while
+the shards are written (another job wrote there meanwhile), the failure that
+torch reports (for a short write, `unexpected pos 704 vs 598`) becomes the same
+one-line error, naming the directory, the free space and the fix.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer.config import CheckpointSection, ConfigError
 from trainer.fs import write_atomic
+from trainer.preflight import check_free_space, size
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +83,11 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 class NonFiniteError(RuntimeError):
     """Non-finite numbers where training must stop: a save that would hold them, or
     train.max_nonfinite_steps skipped steps in a row (trainer.train)."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that does not fit where checkpoints go: refused before writing, or
+    its write failed on a full file system. The latest complete one stays as it was."""
 
 
 # --------------------------------------------------------------------------
@@ -245,6 +259,7 @@ class _Pending:
     future: Future
     step: int
     tmp: Path
+    nbytes: int  # this rank's share, for the diagnosis of a failed write
 
 
 class Checkpointer:
@@ -254,9 +269,12 @@ class Checkpointer:
     process group exists), in the same order. Rank 0 alone touches directory names; every rank writes
     its own shards and its rank-local file."""
 
-    def __init__(self, ckpt_dir: Path, cfg: CheckpointSection):
+    def __init__(self, ckpt_dir: Path, cfg: CheckpointSection, expected_bytes: int | None = None):
+        """`expected_bytes`: the size of one checkpoint, for the room check of the first save
+        (later ones use the latest checkpoint's real size); None checks only later saves."""
         self.dir = Path(ckpt_dir)
         self.cfg = cfg
+        self.expected_bytes = expected_bytes
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -316,10 +334,12 @@ class Checkpointer:
         self._check_finite(step, shared)
         final_path = step_dir(self.dir, step)
         tmp = self.dir / f"{TMP_PREFIX}{final_path.name}"
-        status = self._from_rank0(_dir_status(final_path) if self.rank == 0 else None)
+        status, short = self._from_rank0((_dir_status(final_path), self._room_problem()) if self.rank == 0 else None)
         if status == "complete":
             log.warning("checkpoint %s already exists and is complete; not overwriting it", final_path)
             return
+        if short:
+            raise CheckpointWriteError(f"not saving checkpoint step {step}: {short}; {self._latest_stays()}")
         if status == "foreign":
             raise RuntimeError(f"{final_path} exists but is not a complete slipway checkpoint (no {MARKER} "
                                "or .metadata inside), so it was not written here: move it away and save again")
@@ -329,14 +349,19 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             tmp.mkdir()
         self._barrier()
-        self._save_rank_local(tmp, local)
-        if self.cfg.async_save and not final:
-            response = dcp.async_save(shared, checkpoint_id=tmp, process_group=self._pg,
-                                      no_dist=not self.distributed)
-            future = getattr(response, "upload_completion", response)
-            self._pending = _Pending(future, step, tmp)
-            return
-        dcp.save(shared, checkpoint_id=tmp, process_group=self._pg, no_dist=not self.distributed)
+        nbytes = sum(t.numel() * t.element_size() for _, t in _local_tensors(shared))
+        try:
+            self._save_rank_local(tmp, local)
+            if self.cfg.async_save and not final:
+                response = dcp.async_save(shared, checkpoint_id=tmp, process_group=self._pg,
+                                          no_dist=not self.distributed)
+                future = getattr(response, "upload_completion", response)
+                self._pending = _Pending(future, step, tmp, nbytes)
+                return
+            dcp.save(shared, checkpoint_id=tmp, process_group=self._pg, no_dist=not self.distributed)
+        except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+            self._raise_if_full(step, tmp, nbytes, exc)
+            raise
         self._commit(step, tmp, final)
 
     def close(self) -> None:
@@ -369,8 +394,43 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        pending.future.result()  # re-raises a failed background write; the .tmp dir then stays unused
+        try:
+            pending.future.result()  # re-raises a failed background write; the .tmp dir then stays unused
+        except (Exception, CheckpointException) as exc:
+            self._raise_if_full(pending.step, pending.tmp, pending.nbytes, exc)
+            raise
         self._commit(pending.step, pending.tmp, final=False)
+
+    def _room_problem(self) -> str | None:
+        """Rank 0: why one more checkpoint would not fit, or None. It needs what the latest one
+        took (every save of a run has the same tensors), or the estimate before the first."""
+        latest = self.latest_step()
+        needed = (sum(f.stat().st_size for f in step_dir(self.dir, latest).iterdir() if f.is_file())
+                  if latest is not None else self.expected_bytes)
+        if not needed:
+            return None
+        ok, text = check_free_space(self.dir, needed)
+        return None if ok else text
+
+    def _latest_stays(self) -> str:
+        latest = self.latest_step()
+        return f"the latest checkpoint stays {step_dir(self.dir, latest) if latest is not None else 'none'}"
+
+    def _raise_if_full(self, step: int, tmp: Path, nbytes: int, exc: BaseException) -> None:
+        """A failed write on a file system without room for this rank's share is a full disk,
+        whatever torch made of the short write: say so in one line. The partial files stay
+        until the next save clears them: a rank deleting them here would let the others
+        measure the freed space and miss the diagnosis."""
+        try:
+            free = shutil.disk_usage(self.dir).free
+        except OSError:
+            return
+        if free >= nbytes:
+            return
+        raise CheckpointWriteError(
+            f"checkpoint step {step} could not be written to {self.dir}: the file system is full ({size(free)} "
+            f"free, this rank alone writes {size(nbytes)}): free space there (the partial {tmp.name} can go) or "
+            f"set checkpoint.dir elsewhere, then resume; {self._latest_stays()}") from exc
 
     def _commit(self, step: int, tmp: Path, final: bool) -> None:
         """Every rank's files are in `tmp`: rank 0 marks it complete and renames it into place."""
@@ -450,16 +510,15 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
         return super().create_local_plan()
 
 
-def _nonfinite_names(state: Any, prefix: str = "") -> list[str]:
-    """Names of the floating-point tensors in a (nested) state dict that hold a NaN or an
-    infinity, this rank's shards only. One host sync per device, not one per tensor."""
+def _local_tensors(state: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every non-empty tensor in a (nested) state dict, this rank's shards only."""
     tensors: list[tuple[str, torch.Tensor]] = []
 
     def walk(value: Any, name: str) -> None:
         if isinstance(value, DTensor):
             value = value.to_local()
         if isinstance(value, torch.Tensor):
-            if value.is_floating_point() and value.numel():
+            if value.numel():
                 tensors.append((name, value))
         elif isinstance(value, dict):
             for key, item in value.items():
@@ -469,6 +528,13 @@ def _nonfinite_names(state: Any, prefix: str = "") -> list[str]:
                 walk(item, f"{name}.{i}")
 
     walk(state, prefix)
+    return tensors
+
+
+def _nonfinite_names(state: Any, prefix: str = "") -> list[str]:
+    """Names of the floating-point tensors in a (nested) state dict that hold a NaN or an
+    infinity, this rank's shards only. One host sync per device, not one per tensor."""
+    tensors = [(name, t) for name, t in _local_tensors(state, prefix) if t.is_floating_point()]
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for _, t in tensors:
         by_device.setdefault(t.device, []).append(torch.isfinite(t).all())

@@ -29,7 +29,8 @@ for the next good step, so such steps never rotate good checkpoints out.
 
 Exit status of `python -m trainer`: 0 done; 2 bad config or input (one
 `error:` line); 3 (NONFINITE_EXIT) stopped on non-finite numbers, with the
-latest checkpoint left as the last good one; 75 (EX_TEMPFAIL) stopped by a
+latest checkpoint left as the last good one; 1 a checkpoint did not fit where
+checkpoints go (one `error:` line; any other crash is 1 with its traceback); 75 (EX_TEMPFAIL) stopped by a
 signal or the stop file after saving, to be requeued; 4 (HANG_EXIT) no step
 completed for train.hang_timeout: stacks in hangs/ (trainer/watchdog.py).
 """
@@ -62,7 +63,8 @@ from trainer.model import num_flops_per_token, select_attention
 from trainer.optim import SkippableStep, build_lr_scheduler, build_optimizer, clip_grad_norm_
 from trainer.parallel import (Batch, ParallelDims, Runner, build_model, build_runner, distributed_session,
                               global_mean, resolve_dtype, step_stats)
-from trainer.checkpoint import Checkpointer, ModelState, NonFiniteError, OptimizerState, RNGState
+from trainer.checkpoint import Checkpointer, CheckpointWriteError, ModelState, NonFiniteError, OptimizerState, RNGState
+from trainer.preflight import checkpoint_bytes
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +135,8 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
         # dp/tp/pp layout can load what another saved.
         states = {"model": ModelState([model]), "optimizer": OptimizerState([model], [optimizer]),
                   "lr_scheduler": lr_scheduler, "data": feeder, "train_state": state, "rng": RNGState()}
-        checkpointer = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint)
+        checkpointer = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint,
+                                    expected_bytes=checkpoint_bytes(cfg.model.num_params()))
         state.step = checkpointer.load_latest(states)
         if state.step >= cfg.train.steps and env.rank == 0:
             log.warning("this run already reached train.steps=%d (checkpoint at step %d): nothing to train; "
@@ -439,15 +442,16 @@ def _default_data() -> DataBuilder:
 def main(argv: Optional[list[str]] = None, data: Optional[DataBuilder] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m trainer", description="Train the Llama decoder of a run.",
-        epilog=f"exit status: 0 done; 2 bad config or input; {NONFINITE_EXIT} stopped on non-finite numbers "
+        epilog=f"exit status: 0 done; 1 failed (a checkpoint that does not fit: one error line); "
+               f"2 bad config or input; {NONFINITE_EXIT} stopped on non-finite numbers "
                f"(train.max_nonfinite_steps); {EX_TEMPFAIL} stopped by a signal or the stop file after saving")
     parser.add_argument("--config", required=True, type=Path, help="runs/RUN/config.yaml (its folder is the run)")
     args = parser.parse_args(argv)
     try:
         cfg = load_trainer_config(args.config)
         result = train(cfg, args.config.resolve().parent, data=data)
-    except (ConfigError, NonFiniteError) as exc:
+    except (ConfigError, NonFiniteError, CheckpointWriteError) as exc:
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # one line, not one per rank
             print(f"error: {exc}", file=sys.stderr)
-        return NONFINITE_EXIT if isinstance(exc, NonFiniteError) else 2
+        return {NonFiniteError: NONFINITE_EXIT, CheckpointWriteError: 1}.get(type(exc), 2)
     return EX_TEMPFAIL if result.requeue else 0
