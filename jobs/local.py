@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from plumbum import local
+from rich.markup import escape
 
 from edf import render_edf, srun_flags
 from jobs import runs, slurm
@@ -81,7 +82,7 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
     console.print(f"{'new run' if created else 'resuming run'} [bold]{cfg.run.name}[/] in {run.dir}", soft_wrap=True)
     console.print(f"[dim]$ {' '.join(argv)}[/]", soft_wrap=True)
     env = {**os.environ, **local_env(cfg, run)}
-    interrupted = False
+    interrupted, error = False, ""
     with log_path.open("w") as log:
         proc = local[argv[0]][argv[1:]].popen(cwd=project_dir, env=env, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT)
@@ -92,8 +93,11 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
             for line in iter(proc.stdout.readline, b""):
                 sys.stdout.buffer.write(line)
                 sys.stdout.flush()
-                log.write(line.decode(errors="replace"))
+                text = line.decode(errors="replace")
+                log.write(text)
                 log.flush()
+                if text.startswith("error: "):  # the trainer's one-line reason, restated below torchrun's report
+                    error = text.removeprefix("error: ").strip()
         except KeyboardInterrupt:  # the terminal sent SIGINT to torchrun too: wait for it to stop
             interrupted = True
             try:
@@ -112,7 +116,8 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
     if rc == REQUEUE_EXIT:
         console.print(f"stopped after saving a checkpoint: {resume}", soft_wrap=True)
     elif rc:
-        console.print(f"[red]training failed with exit code {rc}[/]; log: {log_path}", soft_wrap=True)
+        console.print(f"[red]training failed with exit code {rc}[/]{': ' + escape(error) if error else ''}; "
+                      f"log: {log_path}", soft_wrap=True)
     else:
         console.print(f"done: metrics in {run.dir / 'metrics.jsonl'}, checkpoints in {run.dir / cfg.checkpoint.dir}",
                       soft_wrap=True)

@@ -560,7 +560,9 @@ def test_slipway_local_stops_at_a_checkpoint_that_cannot_fit(tmp_path):
     run = project / "runs" / "tiny_cpu"
     assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
             if r.get("kind") == "train"] == [1, 2], out
-    assert "training failed with exit code 1" in out and not list(run.glob("checkpoints*"))
+    # the reason again as the last line, below torchrun's report of the failed ranks
+    assert out.strip().splitlines()[-1].startswith(f"training failed with exit code 1: {errors[0][7:]}; log: "), out
+    assert not list(run.glob("checkpoints*"))
 
 
 def _full_disk_worker(root: Path) -> None:
