@@ -121,11 +121,16 @@ def test_a_forgotten_job_ends_with_the_code_events_log_gives(tmp_path, monkeypat
     assert watch.watch(run, interval=0.01, console=out) == 5
 
 
+def dead_pid() -> int:
+    """The pid of a process that has exited (a launcher or trainer that died)."""
+    return int(subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+
+
 def test_a_local_launch_that_died_ends_the_watch(tmp_path):
     run = fake_run(tmp_path)
-    gone = subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    gone = dead_pid()
     manifest = {"submissions": [{"job_id": "51", "kind": "train"},
-                                {"job_id": None, "local": True, "pid": int(gone), "host": os.uname().nodename,
+                                {"job_id": None, "local": True, "pid": gone, "host": os.uname().nodename,
                                  "started": "2026-01-01T12:00:00+00:00"}]}
     (run.dir / "manifest.json").write_text(json.dumps(manifest))
     out = Console(file=io.StringIO(), width=160, color_system=None)
@@ -138,7 +143,7 @@ def test_a_local_launch_that_died_ends_the_watch(tmp_path):
 def test_a_local_launch_is_running_until_its_launcher_records_the_outcome():
     """The trainer exits before the launcher writes its exit code: in between the launch is still
     running, not DIED (a watcher polling then would report a finished run as dead)."""
-    gone = int(subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    gone = dead_pid()
     here = {"local": True, "host": socket.gethostname(), "started": "2026-01-01T12:00:00+00:00"}
     assert local_state({**here, "pid": os.getpid(), "trainer_pid": gone}) == ("RUNNING", "")
     # a killed launcher leaves its trainer going
@@ -153,7 +158,7 @@ def test_logs_f_of_a_local_launch_that_died_exits_1(tmp_path, capsys):
     from jobs.status import show_logs
 
     run = fake_run(tmp_path)
-    gone = int(subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    gone = dead_pid()
     (run.dir / "logs").mkdir()
     (run.dir / "logs" / "local-1.out").write_text("step 1/90 loss 5.0\n")
     launch = {"job_id": None, "local": True, "pid": gone, "trainer_pid": gone, "host": socket.gethostname(),
