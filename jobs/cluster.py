@@ -373,6 +373,34 @@ class LocalSlurmCluster:
                 "state_dir": reg["state_dir"],
                 "env": self.env(), "processes": procs, "nodes": self.node_states() if ctld else {}}
 
+    def restart_dead_nodes(self, timeout: float = 60) -> list[str]:
+        """Start again each slurmd that exited, in its node's namespaces, and return once its node
+        is back in service (ReturnToService=2 brings it back when it registers); return the
+        names. Debian's Slurm 22.05 slurmd has been seen to abort in glibc's heap check
+        (`tcache_thread_shutdown(): unaligned tcache chunk detected`) right after two steps
+        of one job launched on it at once; its node then stays DOWN for every later job."""
+        reg = read_registry(self.spec.name) or {"processes": []}
+        dead = [p for p in reg["processes"] if p["role"].startswith("slurmd ") and not alive(p["pid"], p["start"])]
+        if not dead:
+            return []
+        for child in self._children:
+            child.poll()  # reap the dead ones
+        dead_pids = {p["pid"] for p in dead}
+        self._children = [c for c in self._children if c.pid not in dead_pids]
+        self._record([p for p in reg["processes"] if p["pid"] not in dead_pids])
+        names = [p["role"].split(" ", 1)[1] for p in dead]
+        for p, name in zip(dead, names):
+            self._start(p["role"], p["argv"], f"slurmd-{name}.out")
+        deadline = time.monotonic() + timeout
+        while True:
+            states = self.node_states()
+            if all(states.get(n) in ("idle", "allocated", "mixed", "completing") for n in names):
+                return names
+            if time.monotonic() > deadline:
+                raise ClusterError(f"restarted slurmd on {', '.join(names)}, but sinfo says {states} after "
+                                   f"{timeout:.0f} s\n{self.log_tails()}")
+            time.sleep(0.5)
+
     def pids(self) -> list[tuple[int, int]]:
         """(pid, start time) of the daemons this cluster started."""
         reg = read_registry(self.spec.name) or {}

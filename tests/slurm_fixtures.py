@@ -11,11 +11,18 @@ at interpreter exit if the session dies first). It takes over from any
 cluster `slipway cluster up` started: one cluster per machine.
 Client commands reach it with `slurm_cluster.env()` = {"SLURM_CONF": ...}.
 `slurm_env` (function): the same, set in os.environ for one test.
+
+Before each test (tests/conftest.py's pytest_runtest_setup, ahead of its fixtures,
+module-scoped ones included) a slurmd that died is started again and its node
+brought back, with a warning in the summary: the daemon itself is not under test,
+and one crash (LocalSlurmCluster.restart_dead_nodes says which) would otherwise
+fail every later Slurm test of the session.
 """
 
 from __future__ import annotations
 
 import atexit
+import warnings
 from typing import Iterator
 
 import pytest
@@ -23,6 +30,7 @@ import pytest
 from jobs.cluster import ClusterSpec, LocalSlurmCluster, default_state_dir, unavailable_reason  # noqa: E402
 
 SLURM_NODES = 2
+_RUNNING: list[LocalSlurmCluster] = []  # the session's cluster, once started
 
 
 @pytest.fixture(scope="session")
@@ -36,9 +44,11 @@ def slurm_cluster() -> Iterator[LocalSlurmCluster]:
     cluster = LocalSlurmCluster(ClusterSpec(state_dir=default_state_dir("pytest"), nodes=SLURM_NODES))
     atexit.register(cluster.down, check=False)
     cluster.up()
+    _RUNNING.append(cluster)
     try:
         yield cluster
     finally:
+        _RUNNING.clear()
         cluster.down()
         atexit.unregister(cluster.down)
 
@@ -50,3 +60,12 @@ def slurm_env(slurm_cluster: LocalSlurmCluster, monkeypatch: pytest.MonkeyPatch)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return env
+
+
+def restart_dead_nodes() -> None:
+    """Bring back the session cluster's nodes whose slurmd died (see the module docstring)."""
+    for cluster in _RUNNING:
+        names = cluster.restart_dead_nodes()
+        if names:
+            warnings.warn(f"slurmd of {', '.join(names)} had exited and was started again (its log: "
+                          f"{cluster.spec.log_dir})", stacklevel=1)
