@@ -186,7 +186,7 @@ def diagnose_build(text: str, *, build_args: dict[str, str], log: Path, rc: int)
     where = step_name(step)
     offline = build_args.get("WHEELHOUSE") == "offline"
     values = {
-        "FLASH_ATTN_VERSION": build_args.get("FLASH_ATTN_VERSION") or "(the Dockerfile's FLASH_ATTN_VERSION)",
+        "FLASH_ATTN_VERSION": build_args.get("FLASH_ATTN_VERSION") or "(the Dockerfile's FLASH_ATTN_COMPILE_VERSION)",
         "WHERE": " in the offline wheelhouse (image.wheelhouse)" if offline else " on the index",
         "MISSING_FIX": ("the offline wheelhouse (image.wheelhouse) lacks it for the image's Python and platform: "
                         "add it on the host (`pip download -d WHEELHOUSE --only-binary=:all: --python-version X.Y "

@@ -215,3 +215,31 @@ def calls(bin_dir: Path, tool: str | None = None) -> list[dict]:
         return []
     entries = [json.loads(line) for line in log.read_text().splitlines()]
     return [e for e in entries if tool is None or e["argv"][0] == tool]
+
+
+def flash_attn_standin_wheel(directory: Path, version: str, marker: str = "") -> Path:
+    """A pure-Python `flash_attn` wheel that imports and says its version, as a base or a wheelhouse
+    would hold a real one (which needs CUDA to import). `marker` makes its bytes unique, so the
+    wheelhouse's digest, and with it the image's flash-attn layer, changes on each test run."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"flash_attn-{version}.dist-info"
+    files = {
+        "flash_attn/__init__.py": f'"""Stand-in for flash-attn (tests). {marker}"""\n__version__ = "{version}"\n',
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: flash_attn\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: slipway-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+
+    def digest(text: str) -> str:
+        raw = hashlib.sha256(text.encode()).digest()
+        return "sha256=" + base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    record = "".join(f"{name},{digest(body)},{len(body.encode())}\n" for name, body in files.items())
+    directory.mkdir(parents=True, exist_ok=True)
+    wheel = directory / f"flash_attn-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, body in {**files, f"{dist}/RECORD": record + f"{dist}/RECORD,,\n"}.items():
+            zf.writestr(name, body)
+    return wheel

@@ -42,7 +42,7 @@ from containers.prune import prune_images
 from containers.storage import check_storage_conf, filesystem_type
 from containers.tools import Enroot, Podman, ToolError
 from jobs.config import Config, ImageSection, load_config
-from tests.image_standins import calls, write_standins
+from tests.image_standins import calls, flash_attn_standin_wheel, write_standins
 from trainer.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -340,6 +340,7 @@ def test_failed_import_leaves_no_file(project: Path, fakes: Path, monkeypatch: p
     assert not result.built and result.imported and result.squashfs.is_file()
 
 
+@pytest.mark.slow
 def test_interrupted_import_leaves_no_file(project: Path, fakes: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("FAKE_ENROOT_MODE", "hang")
     out = project / "images"
@@ -416,6 +417,7 @@ def test_regular_file_at_the_link_is_not_overwritten(project: Path, fakes: Path)
 # ---------------------------------------------------------------- prune
 
 
+@pytest.mark.slow
 def test_prune_keeps_the_current_image(project: Path, fakes: Path):
     cfg = make_cfg()
     made = []
@@ -498,6 +500,7 @@ def run_prune(project: Path, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env={**os.environ, "COLUMNS": "500", **env})
 
 
+@pytest.mark.slow
 def test_prune_removes_leftovers_and_reports_what_it_cannot(project: Path, fakes: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch):
     cfg = make_cfg()
@@ -786,6 +789,7 @@ def test_flash_attn_wheel_must_fit_python_torch_cuda_and_abi():
     assert pick(others, "2.8.3.post2", target) == (None, [])  # nothing fits: compile from the sdist
 
 
+@pytest.mark.slow
 def test_flash_attn_wheel_script_as_the_build_runs_it(tmp_path: Path):
     import platform
 
@@ -804,6 +808,7 @@ def test_flash_attn_wheel_script_as_the_build_runs_it(tmp_path: Path):
     assert f"flash-attn: not using {bad}: built for torch 1.0, the base has torch {release}" in out.stderr
 
 
+@pytest.mark.slow
 def test_smoke_test_imports_flash_attn_when_the_image_has_it(monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture):
     import types
@@ -851,13 +856,21 @@ elif args[0].endswith("flash_attn_wheel.py"):
     if chosen:
         print(os.path.join(args[1], chosen))
 elif args[:3] == ["-m", "pip", "install"]:
-    env = {{k: os.environ[k] for k in ("MAX_JOBS", "NVCC_THREADS", "FLASH_ATTN_CUDA_ARCHS") if k in os.environ}}
+    env = {{k: os.environ[k] for k in ("MAX_JOBS", "NVCC_THREADS", "FLASH_ATTN_CUDA_ARCHS", "PIP_CONSTRAINT")
+           if k in os.environ}}
     with open(here / "pip.jsonl", "a") as f:
         f.write(json.dumps({{"argv": args[3:], "env": env}}) + "\\n")
-    installed.write_text(os.environ["FLASH_ATTN_VERSION"])
+    what = args[-1]  # flash-attn==VERSION, or a wheel's path
+    installed.write_text(what.split("==")[1] if "==" in what else os.path.basename(what).split("-")[1].split("+")[0])
 else:
     sys.exit("python3 stub: unexpected " + repr(args))
 """
+
+
+def dockerfile_arg(name: str) -> str:
+    """The default of one ARG in containers/Dockerfile."""
+    (value,) = re.findall(rf"^ARG {name}=(.*)$", (REPO / "containers" / "Dockerfile").read_text(), re.M)
+    return value.strip('"')
 
 
 def run_flash_attn_step(tmp_path: Path, *, wheels: tuple[str, ...] = (), build_env: dict | None = None,
@@ -881,6 +894,7 @@ def run_flash_attn_step(tmp_path: Path, *, wheels: tuple[str, ...] = (), build_e
     if base_has:  # the base's own flash-attn
         (stub.parent / "installed").write_text(base_has)
     args = {"FLASH_ATTN": "1", "FLASH_ATTN_VERSION": "2.8.3.post2", "FLASH_ATTN_CUDA_ARCHS": "",
+            "FLASH_ATTN_COMPILE_VERSION": dockerfile_arg("FLASH_ATTN_COMPILE_VERSION"),
             "WHEELHOUSE": "offline", "WHEELHOUSE_DIGEST": "", **env}  # ARGs reach RUN as environment
     base_env = {k: v for k, v in os.environ.items() if k not in ("MAX_JOBS", "NVCC_THREADS")}
     proc = subprocess.run(["sh", "-c", script], capture_output=True, text=True, cwd=tmp_path,
@@ -897,11 +911,14 @@ def test_flash_attn_step_installs_a_fitting_wheel_else_compiles(tmp_path: Path):
     rc, out, installs = run_flash_attn_step(tmp_path / "a", wheels=(fitting, other_torch),
                                             build_env={"MAX_JOBS": "3"})
     assert rc == 0, out
-    assert f"flash-attn: installing the prebuilt {fitting} from the wheelhouse" in out
+    assert f"flash-attn: installing the prebuilt wheel {fitting} from the wheelhouse because the base has no " \
+           "flash-attn" in out
     assert f"flash-attn: not using {other_torch}: built for torch 2.9, the base has torch 2.10" in out
     (install,) = installs
     assert install["argv"][-1].endswith(f"/wheels/{fitting}") and "--no-build-isolation" not in install["argv"]
-    assert (tmp_path / "a" / "torch-constraint.txt").exists() is False and "flash-attn 2.8.3.post2 imports" in out
+    assert install["env"]["PIP_CONSTRAINT"] == ""  # a base's pip constraints (NGC's) do not pin flash-attn
+    assert (tmp_path / "a" / "torch-constraint.txt").exists() is False
+    assert f"flash-attn 2.8.3.post2 imports: prebuilt wheel {fitting} from the wheelhouse" in out
     # Only a wheel for another torch: compiled from source, never that wheel, with buildenv's MAX_JOBS;
     # an empty FLASH_ATTN_CUDA_ARCHS is unset (flash-attn would read "" as no architecture at all).
     rc, out, installs = run_flash_attn_step(tmp_path / "b", wheels=(other_torch,),
@@ -910,12 +927,15 @@ def test_flash_attn_step_installs_a_fitting_wheel_else_compiles(tmp_path: Path):
     (install,) = installs
     assert install["argv"][:4] == ["--no-build-isolation", "--no-binary", "flash-attn", "-c"]
     assert install["argv"][-1] == "flash-attn==2.8.3.post2"
-    assert install["env"] == {"MAX_JOBS": "3", "NVCC_THREADS": "2"}
-    assert "flash-attn: compiling 2.8.3.post2 against torch 2.10.0a0+b4e4ee81d3.nv25.12, CUDA 13.1 on " in out
+    assert install["env"] == {"MAX_JOBS": "3", "NVCC_THREADS": "2", "PIP_CONSTRAINT": ""}
+    assert "flash-attn: compiling 2.8.3.post2 because the base has no flash-attn and no wheel in the wheelhouse " \
+           "fits, against torch 2.10.0a0+b4e4ee81d3.nv25.12, CUDA 13.1 on " in out
+    assert "flash-attn 2.8.3.post2 imports: compiled 2.8.3.post2" in out
     assert "(MAX_JOBS=3 NVCC_THREADS=2 archs 80;90;100;120): up to hours on aarch64" in out
     # No MAX_JOBS: flash-attn chooses; an architecture list reaches the compile.
     rc, out, installs = run_flash_attn_step(tmp_path / "c", FLASH_ATTN_CUDA_ARCHS="90")
-    assert rc == 0 and installs[0]["env"] == {"FLASH_ATTN_CUDA_ARCHS": "90"} and "MAX_JOBS=auto" in out
+    assert rc == 0 and installs[0]["env"] == {"FLASH_ATTN_CUDA_ARCHS": "90", "PIP_CONSTRAINT": ""}
+    assert "MAX_JOBS=auto" in out
     # A CPU torch, or a flash-attn that does not import: the build stops with slipway's own line.
     rc, out, installs = run_flash_attn_step(tmp_path / "d", torch="2.13.0+cpu ")
     assert rc == 1 and installs == []
@@ -925,13 +945,31 @@ def test_flash_attn_step_installs_a_fitting_wheel_else_compiles(tmp_path: Path):
     assert rc == 1 and "flash-attn FAILED: installed, but `import flash_attn` fails (ImportError: flash_attn_2_cuda" \
                        ".so: undefined symbol: _ZN3c104cuda9SetDeviceEa): it does not match the base's torch " \
                        "2.10.0a0+b4e4ee81d3.nv25.12 / CUDA 13.1" in out
-    # The base's own flash-attn: kept at FLASH_ATTN_VERSION, replaced (and said so) otherwise.
+    # The base's own flash-attn: kept when it imports and no other version is asked for, even with a
+    # wheel in the wheelhouse; replaced (and said why) when FLASH_ATTN_VERSION names another.
     rc, out, installs = run_flash_attn_step(tmp_path / "g", base_has="2.8.3.post2")
-    assert rc == 0 and installs == [] and "flash-attn 2.8.3.post2: already in the base" in out
+    assert rc == 0 and installs == []
+    assert "flash-attn: kept from the base: its flash-attn 2.8.3.post2 is FLASH_ATTN_VERSION" in out
+    rc, out, installs = run_flash_attn_step(tmp_path / "i", base_has="2.7.4.post1", wheels=(fitting,),
+                                            FLASH_ATTN_VERSION="")
+    assert rc == 0 and installs == []
+    assert "flash-attn: kept from the base: its flash-attn 2.7.4.post1 imports (image.build_args.FLASH_ATTN_VERSION: " \
+           "another version replaces it)" in out and "flash-attn 2.7.4.post1 imports: kept from the base" in out
     rc, out, installs = run_flash_attn_step(tmp_path / "h", base_has="2.7.4.post1")
-    assert rc == 0 and len(installs) == 1
-    assert "flash-attn: the base has 2.7.4.post1, replacing it with FLASH_ATTN_VERSION=2.8.3.post2 (image.build_args." \
-           "FLASH_ATTN_VERSION: 2.7.4.post1 keeps the base's)" in out
+    assert rc == 0 and [i["argv"][-1] for i in installs] == ["flash-attn==2.8.3.post2"]
+    assert "flash-attn: compiling 2.8.3.post2 because FLASH_ATTN_VERSION=2.8.3.post2 asked for, the base has " \
+           "2.7.4.post1 and no wheel in the wheelhouse fits" in out
+    # No version asked for and none in the base: the Dockerfile's compile version, known to build on CUDA 13.1.
+    compile_version = dockerfile_arg("FLASH_ATTN_COMPILE_VERSION")
+    rc, out, installs = run_flash_attn_step(tmp_path / "j", FLASH_ATTN_VERSION="")
+    assert rc == 0 and [i["argv"][-1] for i in installs] == [f"flash-attn=={compile_version}"]
+    assert f"flash-attn: compiling {compile_version} because the base has no flash-attn and no wheel" in out
+    # A base's flash-attn that does not import is not kept.
+    rc, out, installs = run_flash_attn_step(tmp_path / "k", base_has="2.7.4.post1", FLASH_ATTN_VERSION="",
+                                            STUB_IMPORT_FAIL="1")
+    assert rc == 1 and [i["argv"][-1] for i in installs] == [f"flash-attn=={compile_version}"]
+    assert f"flash-attn: compiling {compile_version} because the base's flash-attn 2.7.4.post1 does not import " \
+           "(ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEa)" in out
     # FLASH_ATTN=0: nothing at all.
     rc, out, installs = run_flash_attn_step(tmp_path / "f", FLASH_ATTN="0")
     assert rc == 0 and installs == [] and out.strip() == "flash-attn: skipped (FLASH_ATTN=0)"
@@ -1017,10 +1055,11 @@ def test_dockerfile_contract():
     assert "ARG MAX_JOBS" not in text and "ARG NVCC_THREADS" not in text
     assert "source=buildenv,target=/tmp/buildenv" in flash and ". /tmp/buildenv/flash-attn.env" in flash
     assert "flash_attn_wheel.py /tmp/wheels" in flash and "--no-binary flash-attn" in flash
-    order = [text.index(s) for s in ("COPY src/containers/flash_attn_wheel.py", "flash-attn==$FLASH_ATTN_VERSION",
+    order = [text.index(s) for s in ("COPY src/containers/flash_attn_wheel.py", "flash-attn==$version",
                                      "ENV SLIPWAY_FLASH_ATTN=${FLASH_ATTN}\n", 'sh -c "$SMOKE"')]
     assert order == sorted(order), "the image says whether it has flash-attn before the smoke test reads it"
-    assert "pip install --no-build-isolation" in text and 'flash-attn==$FLASH_ATTN_VERSION' in text
+    assert "pip install --no-build-isolation" in text and 'flash-attn==$version' in text
+    assert 'ARG FLASH_ATTN_VERSION=""\n' in text  # unset: a base's working flash-attn is kept
     assert "ARG FLASH_ATTN=1" in text and "--no-deps" in text
     assert 'CMD ["bash"]' in text and "org.opencontainers.image.revision" in text
     order = [text.index(s) for s in ("flash-attn==", "COPY src/pyproject.toml", "pip install -r requirements.txt",
@@ -1215,3 +1254,119 @@ def test_real_smoke_test_requires_flash_attn_when_the_image_says_so(tmp_path: Pa
                                         r"\(ModuleNotFoundError: No module named 'flash_attn'\): .*or set "
                                         r"image.flash_attn: false\. Fix: the smoke test runs one training step"):
         build_image(cfg, root=copy_sources(tmp_path / "src"), do_import=False)
+
+
+# ---------------------------------------------------------------- real builds: which flash-attn the image gets
+
+CUDA_STANDIN_BASE = "localhost/slipway-testbase:py311-cuda-standin"
+# A Containerfile for bases that look like CUDA ones to the flash-attn step: the CPU torch from
+# the wheelhouse with torch.version.cuda set (nothing here runs CUDA: the smoke test trains on the
+# CPU), and, with FLASH_ATTN_WHEEL, a stand-in flash_attn installed as a base's own.
+_STANDIN_CONTAINERFILE = """FROM {base}
+ARG FLASH_ATTN_WHEEL=""
+RUN set -eu; \\
+    python3 -m pip install --break-system-packages --no-index --find-links /w torch==2.13.0; \\
+    f=$(python3 -c "import torch.version as v; print(v.__file__)"); \\
+    sed -i "s/^cuda: Optional\\[str\\] = None$/cuda: Optional[str] = '13.1'/" "$f"; \\
+    python3 -c "import torch; assert torch.version.cuda == '13.1', torch.version.cuda"; \\
+    if [ -n "$FLASH_ATTN_WHEEL" ]; then python3 -m pip install --break-system-packages --no-index "/w/$FLASH_ATTN_WHEEL"; fi
+"""
+
+
+def link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem
+        shutil.copy2(src, dst)
+
+
+def ensure_cuda_standin_base(tag: str, wheels: Path, flash_attn_wheel: Path | None = None) -> None:
+    """A base whose torch reports CUDA 13.1 (made once, kept in podman storage), with the given
+    flash_attn wheel installed as the base's own."""
+    if subprocess.run(["podman", "image", "exists", tag]).returncode == 0:
+        return
+    ensure_test_base()
+    with_wheel = CACHE / "standin-base"
+    shutil.rmtree(with_wheel, ignore_errors=True)
+    with_wheel.mkdir(parents=True)
+    (with_wheel / "Containerfile").write_text(_STANDIN_CONTAINERFILE.format(base=TEST_BASE))
+    argv = ["podman", "build", "--isolation", "chroot", "-t", tag, "-f", str(with_wheel / "Containerfile"),
+            "-v", f"{wheels}:/w:ro"]
+    if flash_attn_wheel is not None:
+        argv += ["--build-arg", f"FLASH_ATTN_WHEEL={flash_attn_wheel.name}"]
+        wheels_with = with_wheel / "w"
+        shutil.copytree(wheels, wheels_with, copy_function=link_or_copy, ignore=shutil.ignore_patterns(".*"))
+        shutil.copy(flash_attn_wheel, wheels_with / flash_attn_wheel.name)
+        argv[argv.index("-v") + 1] = f"{wheels_with}:/w:ro"
+    try:
+        subprocess.run([*argv, str(with_wheel)], check=True, capture_output=True, text=True)
+    finally:
+        shutil.rmtree(with_wheel, ignore_errors=True)
+
+
+def wheelhouse_with(tmp_path: Path, *extra: Path) -> Path:
+    """The trainer's wheelhouse plus `extra` wheels, as hard links (no copy of torch)."""
+    wheels = tmp_path / "wheelhouse"
+    shutil.copytree(ensure_wheelhouse(), wheels, copy_function=link_or_copy, ignore=shutil.ignore_patterns(".*"))
+    for wheel in extra:
+        shutil.copy(wheel, wheels / wheel.name)
+    return wheels
+
+
+def build_flash_attn_image(tmp_path: Path, base: str, wheels: Path) -> tuple[str, str, str]:
+    """A real build (no import) on `base` with flash-attn on: (the flash-attn lines of the output, the
+    whole log, the image's environment)."""
+    cfg = make_cfg(name="slipway-flashtest", base_image=base, flash_attn=True, isolation="chroot",
+                   wheelhouse=str(wheels), output_dir=str(tmp_path / "images"))
+    root = copy_sources(tmp_path / "src")
+    console = Console(file=open(tmp_path / "console.txt", "w"), width=400)
+    podman = Podman.find()
+    try:
+        result = build_image(cfg, root=root, do_import=False, console=console)
+        console.file.close()
+        assert result.built
+        env = subprocess.run([podman.exe, "image", "inspect", "--format", "{{.Config.Env}}", result.plan.tag],
+                             capture_output=True, text=True, check=True).stdout
+        return (tmp_path / "console.txt").read_text(), result.plan.log.read_text(), env
+    finally:
+        for tag in podman.tags("localhost/slipway-flashtest"):
+            podman.untag(tag)
+
+
+@pytest.mark.podman
+def test_real_build_keeps_the_bases_flash_attn(tmp_path: Path):
+    """A base with a flash-attn that imports, no version asked for: kept, and said so, even with
+    another version's wheel in the wheelhouse; the smoke test imports the base's."""
+    reason = _podman_ok()
+    if reason:
+        pytest.skip(reason)
+    own = flash_attn_standin_wheel(CACHE / "standin-flash-attn", "2.7.4.post1")
+    base = CUDA_STANDIN_BASE + "-flash-attn-2.7.4.post1"
+    ensure_cuda_standin_base(base, ensure_wheelhouse(), own)
+    other = flash_attn_standin_wheel(tmp_path / "extra", "2.8.3", marker=uuid.uuid4().hex)
+    console, log, env = build_flash_attn_image(tmp_path, base, wheelhouse_with(tmp_path, other))
+    said = "flash-attn: kept from the base: its flash-attn 2.7.4.post1 imports (image.build_args.FLASH_ATTN_VERSION: " \
+           "another version replaces it)"
+    assert said in console and said in log, [line for line in console.splitlines() if "flash-attn" in line]
+    assert "flash-attn 2.7.4.post1 imports: kept from the base" in console
+    assert "Processing" not in log.split(said)[1].split("STEP")[0]  # pip installed nothing in that step
+    assert re.search(r"smoke ok: loss .*flash-attn 2\.7\.4\.post1\)", log), log[-2000:]
+    assert "SLIPWAY_FLASH_ATTN=1" in env
+
+
+@pytest.mark.podman
+def test_real_build_without_a_flash_attn_in_the_base_takes_the_wheelhouse(tmp_path: Path):
+    """A base without flash-attn: the fitting wheel from the wheelhouse, and the output says why."""
+    reason = _podman_ok()
+    if reason:
+        pytest.skip(reason)
+    wheels = ensure_wheelhouse()
+    ensure_cuda_standin_base(CUDA_STANDIN_BASE, wheels)
+    wheel = flash_attn_standin_wheel(tmp_path / "extra", "2.8.3", marker=uuid.uuid4().hex)
+    console, log, env = build_flash_attn_image(tmp_path, CUDA_STANDIN_BASE, wheelhouse_with(tmp_path, wheel))
+    said = ("flash-attn: installing the prebuilt wheel flash_attn-2.8.3-py3-none-any.whl from the wheelhouse "
+            "because the base has no flash-attn")
+    assert said in console and said in log, [line for line in console.splitlines() if "flash-attn" in line]
+    assert "flash-attn 2.8.3 imports: prebuilt wheel flash_attn-2.8.3-py3-none-any.whl from the wheelhouse" in console
+    assert re.search(r"smoke ok: loss .*flash-attn 2\.8\.3\)", log), log[-2000:]
+    assert "SLIPWAY_FLASH_ATTN=1" in env
