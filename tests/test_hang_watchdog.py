@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import HANG_EXIT, ConfigError, TrainSection, from_dict
-from trainer.watchdog import HangWatchdog
+from trainer.watchdog import HARD_EXIT_SECONDS, HangWatchdog, collective_timeout
 from trainer_helpers import ROOT, clean_env, tiny_config, write_run
 
 
@@ -133,6 +133,7 @@ sys.exit(main(["--config", sys.argv[1]], data=data))
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_a_stuck_rank_ends_the_run_with_every_live_rank_dump(tmp_path):
     cfg = tiny_config(parallel={"dp": 2}, train={"steps": 50, "hang_timeout": 3, "hang_timeout_first_step": 60})
     config = write_run(tmp_path, "stall", cfg)
@@ -156,5 +157,15 @@ def test_a_stuck_rank_ends_the_run_with_every_live_rank_dump(tmp_path):
     # Rank 0 waits in the step's collective: its flight recorder names it, the whole trace beside.
     assert "flight recorder:" in waiting and "gloo:" in waiting, waiting[:1500]
     assert (hangs / "9-nodeA-0.fr.pkl").stat().st_size > 0
+    # Every process group the trainer made (the default one, the mesh's, the stop vote's) waits
+    # longer than the watchdog's limits, first step included: the watchdog ends the hang, with
+    # its dumps and exit 4, never a collective timeout error.
+    expected = collective_timeout(from_dict(TrainSection, cfg["train"], "train")).total_seconds()
+    for name, text in dumps.items():
+        line = next(ln for ln in text.splitlines() if ln.startswith("process group timeouts"))
+        groups = line.split(": ", 1)[1].split("; ")
+        assert len(groups) >= 2 and {float(g.split()[-1]) for g in groups} == {expected}, (name, line)
+    assert expected > 60 + HARD_EXIT_SECONDS
+    assert "timed out" not in proc.stderr.lower() and "Timeout" not in proc.stderr, proc.stderr[-3000:]
     # Startup, two steps, the 3 s limit, the 10 s dump window, torchrun's teardown.
     assert took < 90, took

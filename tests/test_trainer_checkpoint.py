@@ -266,6 +266,7 @@ def test_final_save_is_synchronous(tmp_path):
     assert json.loads((step_dir(tmp_path, 3) / "COMPLETE").read_text())["final"] is True
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_leaves_previous_checkpoint_intact(tmp_path):
     ready = tmp_path / "writing"
     proc = subprocess.Popen([sys.executable, __file__, "slow-save", str(tmp_path)], env=_env(),
@@ -508,6 +509,7 @@ def _disk_bytes(path: Path) -> int:
 
 
 @pytest.mark.skipif(_small_fs_reason() is not None, reason=str(_small_fs_reason()))
+@pytest.mark.slow
 def test_a_checkpoint_that_cannot_fit_is_one_line_and_the_last_one_stays(tmp_path):
     """Room for one checkpoint: the first is saved; the second is refused before a byte is written
     (it needs what the first took), naming the directory and the fix. With no estimate of the first

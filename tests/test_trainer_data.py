@@ -69,6 +69,7 @@ def all_tokens(sampler: Sampler) -> np.ndarray:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_builtin_corpus_built_once_then_reused(tmp_path, monkeypatch):
     calls = []
     real = data_cache.write_tokens
@@ -209,6 +210,7 @@ print(hashlib.sha256(found.tokens.tobytes()).hexdigest(), found.index["n_tokens"
 """
 
 
+@pytest.mark.slow
 def test_file_barrier_one_writer_all_ranks_same_data(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", DOCS)
     out = tmp_path / "out dir"

@@ -65,6 +65,7 @@ def load_ours(path: Path) -> Transformer:
 
 @pytest.mark.parametrize("tie,kv_heads", [(True, 2), (False, 2), (False, 4)],
                          ids=["tied-gqa", "untied-gqa", "untied-mha"])
+@pytest.mark.slow
 def test_load_and_export_give_transformers_logits(tmp_path, tie, kv_heads):
     hf = make_hf(tmp_path / "hf", tie, kv_heads)
     ours = load_ours(tmp_path / "hf")
@@ -140,6 +141,7 @@ def test_cli_exports_a_runs_checkpoint(tmp_path, capsys):
     assert not list(tmp_path.glob(".exp*"))  # no temporary directories left behind
 
 
+@pytest.mark.slow
 def test_inspect_prints_a_model_section(tmp_path):
     make_hf(tmp_path / "hf", tie=False)
     out = subprocess.run([sys.executable, "-m", "trainer.hf", "inspect", str(tmp_path / "hf")], cwd=ROOT,

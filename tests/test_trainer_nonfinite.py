@@ -46,6 +46,7 @@ def assert_checkpoints_finite(ckpt_dir: Path) -> list[int]:
     return steps
 
 
+@pytest.mark.slow
 def test_absurd_lr_stops_with_exit_3_and_saves_nothing_non_finite(tmp_path, capsys):
     """The issue's reproduction: lr 1e30 used to train on at loss nan and exit 0."""
     cfg = tiny_config(train={"lr": 1e30, "min_lr": 0.0, "max_nonfinite_steps": 3},
@@ -78,6 +79,7 @@ def _train_poisoned(config: Path, step: int) -> int:
         restore()
 
 
+@pytest.mark.slow
 def test_a_poisoned_step_is_skipped_and_training_goes_on(tmp_path):
     """A NaN loss on step 3 of 8: no update, the interval save due at step 3 waits for step 4,
     and the run ends normally with finite losses and checkpoints."""
@@ -91,6 +93,7 @@ def test_a_poisoned_step_is_skipped_and_training_goes_on(tmp_path):
     assert assert_checkpoints_finite(config.parent / "checkpoints") == [4, 6, 8]
 
 
+@pytest.mark.slow
 def test_a_skipped_step_changes_no_weight_and_no_optimizer_state(tmp_path):
     """Step 3 of 3 poisoned: its final checkpoint (finals are not deferred) holds exactly the
     weights and AdamW moments of step 2; only the step count and data position moved on."""
@@ -115,6 +118,7 @@ def test_a_skipped_step_changes_no_weight_and_no_optimizer_state(tmp_path):
     assert not torch.equal(one["model.output.weight"], two["model.output.weight"])  # step 2 did update
 
 
+@pytest.mark.slow
 def test_a_skip_between_logged_steps_is_reported_at_the_next_one(tmp_path):
     """Logging every 4 steps, the host reads the device at steps 1, 4 and 8 only (and at the save
     due at step 3): step 3's skip is still recorded as its own, the checkpoint due then still
@@ -134,6 +138,7 @@ def test_a_skip_between_logged_steps_is_reported_at_the_next_one(tmp_path):
     assert assert_checkpoints_finite(fourth.parent / "checkpoints") == [4, 6, 8]
 
 
+@pytest.mark.slow
 def test_a_streak_found_at_a_later_sync_names_the_step_it_reached_the_limit(tmp_path, capsys):
     """lr 1e30 with logging every 100 steps: steps 2-4 are skipped on the device, the updates
     after them held, and the host sees the streak at the next sync (the last step, 8): the error

@@ -208,6 +208,7 @@ def test_sigusr1_stops_with_exit_75_and_resumes(runs, tmp_path):
     _assert_same_run(config.parent, runs / "single")
 
 
+@pytest.mark.slow
 def test_stop_file_stops_after_the_step_and_saves(tmp_path):
     """The batch script's answer to Slurm's warning (torchrun keeps SIGUSR1 from the workers)."""
     from trainer.config import STOP_FILE
@@ -233,6 +234,7 @@ def _error_lines(stderr: str) -> list[str]:
     ({"parallel": {"dp": 2}}, "parallel: dp(2) x tp(1) x pp(1) = 2 != world size 1: launch 2 processes"),
     ({"model": {"attention": "flash"}}, "model.attention: is flash but"),
 ], ids=["unknown_key", "tp_vs_heads", "world_size", "flash_on_cpu"])
+@pytest.mark.slow
 def test_bad_config_exits_2_with_one_line(tmp_path, sections, message):
     """`python -m trainer` itself: each is found before any data is read."""
     config = write_run(tmp_path, "bad", tiny_config(**sections))
@@ -244,6 +246,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path, sections, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_missing_config_file_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trainer", "--config", str(tmp_path / "nope" / "config.yaml")],
                           capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_helpers import TINY_MODEL, clean_env, read_metrics, synthetic_data, tiny_config, write_run  # noqa: E402
 
 STOP_STEP = 3  # the worker's rank 1 alone sees a stop request from this step on
+STOPPED_AT = 4  # the next sync step (logging.interval 4), where the ranks vote on it
 
 
 # ---- the two-process worker -------------------------------------------------------------
@@ -90,21 +91,29 @@ def _loss_parallel_check(tied: bool) -> dict:
 
 
 def _stop_on_one_rank(rank: int, step: int):
-    """StopSignal.requested (called once at the start of every step) turns true on `rank` alone
-    from `step` on; returns the function that puts the original back."""
-    from trainer.train import StopSignal
+    """StopSignal.requested (asked at the start of sync steps) turns true on `rank` alone once
+    `step` has begun (BatchFeeder.next runs once a step, after the vote starts); returns the
+    function that puts the originals back."""
+    from trainer.train import BatchFeeder, StopSignal
 
-    original = StopSignal.requested
-    calls = [0]
+    original, next_batches = StopSignal.requested, BatchFeeder.next
+    begun = [0]
+
+    def counted(self, *args, **kwargs):
+        begun[0] += 1
+        return next_batches(self, *args, **kwargs)
 
     def requested(self) -> bool:
-        calls[0] += 1
-        if int(os.environ.get("RANK", "0")) == rank and calls[0] >= step:
+        if int(os.environ.get("RANK", "0")) == rank and begun[0] >= step:
             self.received = "a test's stop request"
         return original(self)
 
-    StopSignal.requested = requested
-    return lambda: setattr(StopSignal, "requested", original)
+    StopSignal.requested, BatchFeeder.next = requested, counted
+
+    def restore() -> None:
+        StopSignal.requested, BatchFeeder.next = original, next_batches
+
+    return restore
 
 
 def worker(out_dir: str, config: str) -> int:
@@ -157,16 +166,15 @@ def test_loss_parallel_masks_the_padded_vocabulary(two_ranks, tied):
 
 @pytest.mark.multiproc
 def test_a_stop_seen_by_one_rank_stops_all_after_the_same_step(two_ranks):
-    """Rank 1 alone sees the request at the start of step 3: the vote started then carries it to
-    rank 0 by the end of that step, both save step 3 and exit 75, and the step was logged (a
-    stopping step is a sync step even off the logging interval)."""
+    """Rank 1 alone sees a request from step 3 on: the vote of the next sync step (4) carries it
+    to rank 0 by the end of that step, and both save step 4 and exit 75."""
     out, run_dir, proc = two_ranks
     assert [json.loads((out / f"exit_rank{r}.json").read_text()) for r in (0, 1)] == [75, 75], proc.stderr[-4000:]
-    assert [r["step"] for r in read_metrics(run_dir)] == [1, STOP_STEP]
-    assert (run_dir / "checkpoints" / f"step-{STOP_STEP:06d}" / "COMPLETE").exists()
-    assert not (run_dir / "checkpoints" / f"step-{STOP_STEP + 1:06d}").exists()
-    assert f"stopping after step {STOP_STEP} on a test's stop request" in proc.stderr
-    assert f"stopping after step {STOP_STEP} on a signal on another rank" in proc.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, STOPPED_AT]
+    assert (run_dir / "checkpoints" / f"step-{STOPPED_AT:06d}" / "COMPLETE").exists()
+    assert not (run_dir / "checkpoints" / f"step-{STOPPED_AT + 1:06d}").exists()
+    assert f"stopping after step {STOPPED_AT} on a test's stop request" in proc.stderr
+    assert f"stopping after step {STOPPED_AT} on a request seen by another rank" in proc.stderr
 
 
 # ---- the device-side skip ----------------------------------------------------------------
@@ -225,6 +233,7 @@ def _train(tmp_path: Path, name: str, **sections) -> Path:
     return config.parent
 
 
+@pytest.mark.slow
 def test_the_first_step_is_a_warm_up_outside_the_figures_and_logging_is_every_n_steps(tmp_path):
     every = _train(tmp_path, "every")
     fourth = _train(tmp_path, "fourth", logging={"interval": 4})
@@ -239,6 +248,7 @@ def test_the_first_step_is_a_warm_up_outside_the_figures_and_logging_is_every_n_
         assert r["loss"] == by_step[r["step"]]["loss"] and r["grad_norm"] == by_step[r["step"]]["grad_norm"]
 
 
+@pytest.mark.slow
 def test_garbage_is_collected_every_gc_interval_steps_with_the_collector_off(tmp_path, monkeypatch):
     calls: list[tuple[int, bool]] = []
     collect = gc.collect
@@ -255,6 +265,7 @@ def test_garbage_is_collected_every_gc_interval_steps_with_the_collector_off(tmp
     assert ours == [(1, False)] * 3  # once at the start, then after steps 3 and 6 of 8, the collector off
 
 
+@pytest.mark.slow
 def test_a_compile_failure_is_one_line_naming_train_compile(tmp_path):
     """inductor without a working C++ compiler (CXX=/bin/false, its caches off so it must
     compile): exit 2 with the reason and the way out, not a page of traceback."""
@@ -328,8 +339,8 @@ def test_float8_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setitem(sys.modules, "torchao", None)  # not installed
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
-    with pytest.raises(ConfigError, match=r"float8 training needs torchao, which does not import .*pip install "
-                                          r"torchao"):
+    with pytest.raises(ConfigError, match=r"float8 training needs torchao, which does not import .*install the "
+                                          r"float8 extra \(pip install 'slipway\[float8\]'"):
         check_float8(on, cuda)
 
 
@@ -424,18 +435,18 @@ def test_no_host_sync_between_sync_steps(tmp_path, monkeypatch):
     import trainer.train as train_mod
 
     events: list[str] = []
-    replay, start = train_mod._replay, train_mod.StopVote.start
+    replay, next_batches = train_mod._replay, train_mod.BatchFeeder.next
 
     def marked_replay(pending, *args, **kwargs):
         events.append(f"sync {pending[-1][0]}")
         return replay(pending, *args, **kwargs)
 
-    def marked_start(self, requested):
+    def marked_next(self, *args, **kwargs):  # once a step
         events.append("step")
-        return start(self, requested)
+        return next_batches(self, *args, **kwargs)
 
     monkeypatch.setattr(train_mod, "_replay", marked_replay)
-    monkeypatch.setattr(train_mod.StopVote, "start", marked_start)
+    monkeypatch.setattr(train_mod.BatchFeeder, "next", marked_next)
     config = write_run(tmp_path, "gpu", tiny_config(train={"dtype": "bfloat16"}, logging={"interval": 8}))
     previous = warnings.showwarning
 

@@ -49,6 +49,7 @@ import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -269,9 +270,11 @@ class Checkpointer:
     process group exists), in the same order. Rank 0 alone touches directory names; every rank writes
     its own shards and its rank-local file."""
 
-    def __init__(self, ckpt_dir: Path, cfg: CheckpointSection, expected_bytes: int | None = None):
+    def __init__(self, ckpt_dir: Path, cfg: CheckpointSection, expected_bytes: int | None = None,
+                 timeout: timedelta | None = None):
         """`expected_bytes`: the size of one checkpoint, for the room check of the first save
-        (later ones use the latest checkpoint's real size); None checks only later saves."""
+        (later ones use the latest checkpoint's real size); None checks only later saves.
+        `timeout`: its process group's (trainer.watchdog.collective_timeout)."""
         self.dir = Path(ckpt_dir)
         self.cfg = cfg
         self.expected_bytes = expected_bytes
@@ -281,7 +284,7 @@ class Checkpointer:
         # A group of our own, on gloo: async saves gather plans from a background
         # thread (they must not share a group with the training's collectives),
         # and barriers and small broadcasts then need no accelerator.
-        self._pg = dist.new_group(backend="gloo") if self.distributed else None
+        self._pg = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
         if not self.distributed:
             _quiet_single_process()
         self._pending: _Pending | None = None

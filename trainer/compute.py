@@ -77,6 +77,40 @@ def resolve_compile(setting: Union[bool, str], device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
+def compile_blocks(model: Transformer, backend: str = "inductor") -> None:
+    """torch.compile each block in place (parameter names keep no _orig_mod prefix). Not
+    fullgraph: a graph break runs on, slower, and `graph_break_report` names it at the first
+    step. `backend` other than inductor is for tests (eager: dynamo's tracing, no codegen)."""
+    for layer in model.layers.values():
+        layer.compile(backend=backend)
+
+
+def reset_graph_breaks() -> None:
+    """Forget the graph breaks counted so far (dynamo's counters are per process)."""
+    from torch._dynamo.utils import counters
+
+    counters["graph_break"].clear()
+
+
+def graph_breaks() -> dict[str, int]:
+    """Graph breaks since `reset_graph_breaks`, by reason (dynamo's own counter; torch 2.10-2.13)."""
+    from torch._dynamo.utils import counters
+
+    return {str(reason): int(n) for reason, n in counters["graph_break"].items()}
+
+
+def graph_break_report() -> str:
+    """One line for the first step's log: how many graph breaks and where (the top reasons)."""
+    breaks = graph_breaks()
+    if not breaks:
+        return "compile: 0 graph breaks (every block one graph)"
+    total = sum(breaks.values())
+    top = sorted(breaks.items(), key=lambda kv: -kv[1])[:3]
+    reasons = "; ".join(f"{n}x {' '.join(reason.split())[:160]}" for reason, n in top)
+    return (f"compile: {total} graph breaks, each a slowdown (TORCH_LOGS=graph_breaks shows them whole): "
+            f"{reasons}")
+
+
 def compile_error(exc: BaseException) -> Optional[ConfigError]:
     """A torch.compile failure (dynamo or inductor) as one line naming the way out; None for
     any other exception. Compilation happens on the first call of each block, so the runners'
@@ -113,17 +147,28 @@ def check_float8(cfg: TrainSection, device: torch.device) -> None:
         raise ConfigError("train.float8", f"{torch.cuda.get_device_name(device)} has compute capability "
                                           f"{capability[0]}.{capability[1]}, float8 needs >= 8.9 (H100, GH200): "
                                           "set train.float8: false")
+    require_torchao()
+
+
+FLOAT8_EXTRA = "float8"  # pyproject's optional dependencies: slipway[float8] installs torchao
+
+
+def require_torchao() -> None:
+    """torchao's float8 training, or a one-line ConfigError naming the extra that installs it."""
     try:
         from torchao.float8 import convert_to_float8_training  # noqa: F401
     except ImportError as exc:
         raise ConfigError("train.float8", f"float8 training needs torchao, which does not import ({exc}): "
-                                          "pip install torchao (in the image), or set train.float8: false") from None
+                                          f"install the {FLOAT8_EXTRA} extra (pip install "
+                                          f"'slipway[{FLOAT8_EXTRA}]', or torchao in the image), or set "
+                                          "train.float8: false") from None
 
 
 def apply_float8(model: Transformer) -> None:
     """The blocks' linear layers as torchao Float8Linear (dynamic tensorwise scaling). The output
     projection stays in bf16 (the logits are sensitive and it is one matmul of many), and so
     does any linear whose dimensions are not multiples of 16 (float8 matmul's tiling)."""
+    require_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def eligible(module: nn.Module, fqn: str) -> bool:

@@ -4,13 +4,34 @@ Imports no torch: `slipway doctor` (the host side) calls `layout_advice(cfg)` wi
 full config tree, and the trainer can call it with its own.
 
 The defaults are for nodes of 4 GPUs (4 x H100 80 GB, or GH200 96 GB), bf16, FSDP2
-across every GPU of the job. They are sized by arithmetic, not measured: fp32 master
-weights and AdamW moments (16 bytes a parameter) sharded over the dp ranks; bf16
-activations of about (12 x hidden + 4 x intermediate) x 2 bytes per token per block;
-the logits, their fp32 copy and gradient at 10 bytes per token per vocabulary entry;
-with room left for the allocator. torchtitan's published Llama 3 8B recipe (FSDP only
-on 8 H100, selective activation checkpointing) is the anchor for `large`. Run
-`bench/trainer.py` on your GPUs to check a preset's micro batch (BENCHMARKS.md).
+across every GPU of the job. They are sized by arithmetic, not measured
+(`gpu_memory_estimate`): fp32 master weights, gradients and AdamW's two moments (16
+bytes a parameter) sharded over the dp ranks; without resharding after the forward
+(`parallel.reshard_after_forward`, what zero_stage 1 and 2 give) every block's gathered
+bf16 weights stay until its backward (2 bytes a parameter, unsharded), with it two blocks'
+at a time; bf16 activations of about (12 x hidden + 4 x intermediate) x 2 bytes per token
+per block (half that with selective checkpointing, the block inputs only with full); the
+logits, their fp32 copy and gradient at 10 bytes per token per vocabulary entry. A preset
+fits where that sum stays under GPU_BUDGET_FRACTION of the GPU (the rest: the allocator's
+fragmentation, NCCL's buffers, the CUDA context). At the published micro batch and seq_len,
+on one node (dp 4):
+
+    preset  params  state/GPU  gathered bf16  activations      logits  total
+    tiny     109M     0.4 GB      0.2 GB       6.0 GB (none)   8.2 GB  ~15 GB
+    small    335M     1.3 GB      0.7 GB      18.5 GB (none)   8.2 GB  ~29 GB
+    base     1.1B     4.4 GB      2.2 GB      17.0 GB (none)   2.6 GB  ~26 GB
+    large    6.7B    27.0 GB      0.8 GB      24.4 GB (sel.)   2.6 GB  ~55 GB, resharded after the forward
+
+against budgets of 68 GB (H100 80 GB) and 82 GB (GH200 96 GB). Without resharding `large`
+would keep 13.5 GB of gathered weights, ~68 GB: the whole of an H100's budget, nothing
+to spare for a longer sequence or a fragmented allocator. So `large` reshards after the
+forward by default (one more all-gather a step, overlapped) and checkpoints selectively;
+the others keep their gathered weights (one all-gather a step fewer), checkpoint nothing,
+and have room for twice their micro batch. Over 2 nodes (dp 8) `large` takes ~41 GB.
+torchtitan's published Llama 3 8B recipe (FSDP only on 8 H100, selective activation
+checkpointing) is the anchor for `large`. The trainer logs the estimate for its own run
+(`memory_report`) and warns when it passes the GPU's budget. Run `bench/trainer.py` on
+your GPUs to check a preset's micro batch (BENCHMARKS.md).
 
 Why tensor parallel stays off for all four: tp splits every matmul and adds two
 all-reduces per block in the forward and two in the backward; below ~8B parameters the
@@ -34,6 +55,11 @@ class LayoutDefault:
     seq_len: int
     activation_checkpointing: str  # train.activation_checkpointing
     note: str
+    reshard_after_forward: bool = False  # parallel.reshard_after_forward's auto
+
+
+GPU_BUDGET_FRACTION = 0.85  # of a GPU's memory that the arithmetic below may plan for
+GPU_MEMORY_GB = {"H100": 80, "GH200": 96}
 
 
 LAYOUT_DEFAULTS: dict[str, LayoutDefault] = {
@@ -49,8 +75,41 @@ LAYOUT_DEFAULTS: dict[str, LayoutDefault] = {
     # ~6.7B (Llama 2 7B's shape): 13 GB of state a GPU over 8, ~49 GB of activations at 2 x 4096
     # without checkpointing, about half with the per-op selective policy.
     "large": LayoutDefault(tp=1, micro_batch_size=2, seq_len=4096, activation_checkpointing="selective",
-                           note="FSDP over 2 or more nodes; selective_ac op"),
+                           note="FSDP over one node or more, resharded after the forward; selective_ac op",
+                           reshard_after_forward=True),
 }
+
+
+def gpu_memory_estimate(model: Any, micro_batch_size: int, seq_len: int, dp: int, reshard_after_forward: bool,
+                        activation_checkpointing: str) -> dict[str, float]:
+    """Bytes one GPU holds at the peak of an FSDP2 bf16 step, by part (see the module docstring);
+    `model` is a ModelSection. Arithmetic, not a measurement."""
+    params = model.num_params()
+    tokens = micro_batch_size * seq_len
+    per_token_block = (12 * model.hidden_size + 4 * model.intermediate_size) * 2
+    blocks = model.num_layers
+    if activation_checkpointing == "full":  # block inputs kept, one block's whole activations at a time
+        activations = tokens * (blocks * model.hidden_size * 2 + per_token_block)
+    else:
+        activations = tokens * per_token_block * blocks * (0.5 if activation_checkpointing == "selective" else 1.0)
+    per_block = params / blocks  # gathered bf16 weights: every block's, or two at a time
+    return {"state": 16 * params / dp,
+            "gathered": 2 * (2 * per_block if reshard_after_forward else params),
+            "activations": activations,
+            "logits": 10 * tokens * model.padded_vocab_size}
+
+
+def resolve_reshard(cfg: Any) -> tuple[bool, str]:
+    """parallel.reshard_after_forward for `cfg`, and why (for the trainer's log line)."""
+    setting = cfg.parallel.reshard_after_forward
+    if setting != "auto":
+        return bool(setting), "parallel.reshard_after_forward"
+    if cfg.parallel.zero_stage == 3:
+        return True, "zero_stage 3"
+    default = LAYOUT_DEFAULTS.get(cfg.model.size)
+    if default is not None and default.reshard_after_forward:
+        return True, f"the {cfg.model.size} preset's default, trainer/layouts.py"
+    return False, f"zero_stage {cfg.parallel.zero_stage}"
 
 
 def layout_advice(cfg: Any) -> Optional[str]:
@@ -83,3 +142,27 @@ def layout_advice(cfg: Any) -> Optional[str]:
     return advice + (f". The {model.size} default on {GPUS_PER_NODE}-GPU nodes: tp {default.tp}, micro batch "
                      f"{default.micro_batch_size} at seq_len {default.seq_len}, activation_checkpointing "
                      f"{default.activation_checkpointing} ({default.note}); see trainer/layouts.py")
+
+
+def memory_report(cfg: Any, dp: int, reshard_after_forward: bool,
+                  gpu_bytes: Optional[int]) -> tuple[str, Optional[str]]:
+    """The trainer's log line of `gpu_memory_estimate` for an FSDP run of `cfg` over `dp` GPUs,
+    and a warning line when it passes GPU_BUDGET_FRACTION of `gpu_bytes` (None: no GPU)."""
+    train = cfg.train
+    parts = gpu_memory_estimate(cfg.model, train.micro_batch_size, cfg.data.seq_len, dp, reshard_after_forward,
+                                train.activation_checkpointing)
+    total = sum(parts.values())
+    line = (f"memory by trainer/layouts.py's arithmetic: ~{total / 1e9:.1f} GB a GPU (weights and AdamW state "
+            f"{parts['state'] / 1e9:.1f}, gathered bf16 weights {parts['gathered'] / 1e9:.1f}, activations "
+            f"{parts['activations'] / 1e9:.1f}, logits {parts['logits'] / 1e9:.1f} GB)")
+    if gpu_bytes is None or total <= GPU_BUDGET_FRACTION * gpu_bytes:
+        return line, None
+    fixes = []
+    if train.activation_checkpointing != "full":
+        fixes.append("train.activation_checkpointing: " + ("full" if train.activation_checkpointing == "selective"
+                                                            else "selective"))
+    if not reshard_after_forward:
+        fixes.append("parallel.reshard_after_forward: true")
+    fixes.append(f"a train.micro_batch_size below {train.micro_batch_size} (with more grad_accum_steps)")
+    return line, (f"the estimate, ~{total / 1e9:.0f} GB a GPU, passes {GPU_BUDGET_FRACTION:.0%} of this GPU's "
+                  f"{gpu_bytes / 1e9:.0f} GB: expect out-of-memory; set {' or '.join(fixes)}")

@@ -188,9 +188,11 @@ class TransformerBlock(nn.Module):
         if self.recompute is None:
             return self._forward(h_BTD, cos, sin)
         # The model draws no random numbers (no dropout), so the RNG state need not be saved
-        # and restored around the recomputation.
+        # and restored around the recomputation. The no-op context is checkpoint's default and
+        # is left out: torch.compile (dynamo) cannot trace it passed explicitly.
+        extra = {} if self.recompute is torch.utils.checkpoint.noop_context_fn else {"context_fn": self.recompute}
         return torch.utils.checkpoint.checkpoint(self._forward, h_BTD, cos, sin, use_reentrant=False,
-                                                 preserve_rng_state=False, context_fn=self.recompute)
+                                                 preserve_rng_state=False, **extra)
 
     def _forward(self, h_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h_BTD = h_BTD + self.attention(self.attention_norm(h_BTD), cos, sin)

@@ -96,6 +96,24 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainSection) -> L
     return LambdaLR(optimizer, lambda done: lr_factor(done + 1, cfg))
 
 
+def _sharded_norm_sq(grads: list[DTensor]) -> torch.Tensor:
+    """The squared L2 norm of DTensor gradients of one mesh and placements: each gradient's
+    norm as DTensor computes it (partial over the mesh dimensions it is sharded on), squared,
+    summed here, then over each partial mesh dimension in turn (mesh order, every rank alike:
+    one result everywhere). `get_total_norm` and `full_tensor()` reach the same number but log on
+    every rank, every run, that two collectives on a dp x tp mesh could be one over a flattened
+    mesh: for one scalar a step that costs nothing."""
+    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
+    placements = norms[0].placements
+    if not all(getattr(p, "norm_type", None) == 2.0 for p in placements if p.is_partial()):
+        return torch.stack([n.full_tensor().float() for n in norms]).pow(2).sum()
+    sq = torch.stack([n.to_local().float() for n in norms]).pow(2).sum()
+    for dim, placement in enumerate(placements):
+        if placement.is_partial():
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=norms[0].device_mesh.get_group(dim))
+    return sq
+
+
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
                     pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
@@ -103,7 +121,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
     return the norm, the same on every rank and for every parallel layout.
 
     DTensor gradients (FSDP, TP) are grouped by mesh and placements and their
-    norms made whole with full_tensor(); plain ones (DDP, or norms under TP
+    squared norms summed over the mesh dimensions their norms are partial on; plain ones (DDP, or norms under TP
     without sequence parallel) are already whole. Pipeline stages each hold
     different parameters, so their squared norms are summed across the pp
     group (torchtitan's clip_grad_norm_ with pp_mesh)."""
@@ -115,10 +133,10 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
     device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), device=device, dtype=torch.float32)
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total_sq = total_sq + norm.float() ** 2
+        if isinstance(group[0], DTensor):
+            total_sq = total_sq + _sharded_norm_sq(group).to(device)
+        else:
+            total_sq = total_sq + torch.nn.utils.get_total_norm(group, norm_type=2.0).float() ** 2
     if pp_group is not None:
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
     total = total_sq.sqrt()

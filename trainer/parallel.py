@@ -24,6 +24,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -34,8 +35,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from trainer.compute import apply_ac, apply_float8, resolve_compile
+from trainer.compute import apply_ac, apply_float8, compile_blocks, resolve_compile
 from trainer.config import ConfigError, ParallelSection, TrainerConfig
+from trainer.layouts import resolve_reshard
 from trainer.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -65,8 +67,17 @@ def _env_from_slurm() -> None:
             os.environ[torch_name] = os.environ[slurm_name]
 
 
-def init_distributed() -> DistEnv:
-    """Join (or create) the default process group: nccl on CUDA, gloo on CPU.
+def set_group_timeout(timeout: Optional[timedelta], group: Optional[dist.ProcessGroup] = None) -> None:
+    """`timeout` (trainer.watchdog.collective_timeout) on `group` (the default one when None):
+    torch gives groups made without one its backend default (NCCL 10 min, gloo 30 min), the
+    device mesh's included, whatever the default group's timeout."""
+    if timeout is not None and dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def init_distributed(timeout: Optional[timedelta] = None) -> DistEnv:
+    """Join (or create) the default process group: nccl on CUDA, gloo on CPU, with `timeout`
+    (trainer.watchdog.collective_timeout) for its collectives.
 
     A group is created for several processes, and also for one that a launcher started
     with a rendezvous (torchrun sets MASTER_ADDR and MASTER_PORT): a 1-GPU job then runs
@@ -90,10 +101,11 @@ def init_distributed() -> DistEnv:
             raise ConfigError("launch", f"WORLD_SIZE is {world_size} but {' and '.join(missing)} {verb} not set: "
                               "launch with torchrun, or export them in the batch script before srun")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None, timeout=timeout)
         owns = True
-    elif dist.is_initialized():
+    elif dist.is_initialized():  # a launcher's or a test's group: ours from here on
         rank, world_size = dist.get_rank(), dist.get_world_size()
+        set_group_timeout(timeout)
     return DistEnv(rank, local_rank, world_size, device, owns)
 
 
@@ -103,8 +115,8 @@ def destroy_distributed(env: DistEnv) -> None:
 
 
 @contextlib.contextmanager
-def distributed_session() -> Iterator[DistEnv]:
-    env = init_distributed()
+def distributed_session(timeout: Optional[timedelta] = None) -> Iterator[DistEnv]:
+    env = init_distributed(timeout)
     try:
         yield env
     finally:
@@ -142,9 +154,11 @@ class ParallelDims:
     def _replicated(cfg: ParallelSection) -> bool:
         return cfg.dp_mode == "ddp" or cfg.zero_stage == 0
 
-    def build_mesh(self, device_type: str) -> Optional[DeviceMesh]:
+    def build_mesh(self, device_type: str, timeout: Optional[timedelta] = None) -> Optional[DeviceMesh]:
         if self.world_size > 1:
             self.mesh = init_device_mesh(device_type, (self.cfg.pp, self.cfg.dp, self.cfg.tp), mesh_dim_names=MESH_DIMS)
+            for dim in range(self.mesh.ndim):
+                set_group_timeout(timeout, self.mesh.get_group(dim))
         return self.mesh
 
     @property
@@ -277,7 +291,8 @@ def _retie(model: Transformer) -> None:
         model.output.weight = model.tok_embeddings.weight
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, param_dtype: torch.dtype) -> None:
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, param_dtype: torch.dtype,
+               reshard_after_forward: Optional[bool] = None) -> None:
     """FSDP2 per block, then the root (embeddings, final norm, output).
 
     FSDP2 always shards parameters, gradients and optimizer state; the ZeRO
@@ -285,6 +300,8 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, param_d
     3 frees them (all-gathered again for the backward), 1 and 2 keep them
     unsharded until after the backward (one all-gather per step, more memory).
     So zero_stage 1 and 2 are an approximation: both behave like ZeRO-2.
+    `reshard_after_forward` (parallel.reshard_after_forward resolved by
+    trainer.layouts.resolve_reshard) overrides what the stage implies.
     Parameters stay fp32 (the optimizer's master copy); compute is in
     `param_dtype`, gradients are reduced in fp32.
     """
@@ -296,9 +313,13 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, param_d
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
                             category=UserWarning)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    reshard = zero_stage == 3
+    # A block's floating-point inputs are the residual stream (already param_dtype: the root's
+    # embedding computes in it) and the RoPE tables, which stay fp32: cast to bf16 they would
+    # put an error of up to 2^-8 into every rotation. So blocks cast no inputs; the root does.
+    block_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    reshard = zero_stage == 3 if reshard_after_forward is None else reshard_after_forward
     for layer in model.layers.values():
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=block_mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
@@ -331,10 +352,9 @@ def build_model(cfg: TrainerConfig, dims: ParallelDims, device: torch.device, dt
     # hooks stay outside the compiled blocks).
     apply_ac(model, cfg.train.activation_checkpointing, cfg.train.selective_ac)
     if resolve_compile(cfg.train.compile, device):
-        for layer in model.layers.values():
-            layer.compile()  # in place: parameter names keep no _orig_mod prefix
+        compile_blocks(model)
     if dims.dp > 1 and not dims.ddp:
-        apply_fsdp(model, dims.submesh("dp"), cfg.parallel.zero_stage, dtype)
+        apply_fsdp(model, dims.submesh("dp"), cfg.parallel.zero_stage, dtype, resolve_reshard(cfg)[0])
     model.to_empty(device=device)
     _retie(model)
     model.init_weights(cfg.run.seed)

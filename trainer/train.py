@@ -11,11 +11,15 @@ skipped) stays on the device until a sync step: a logged step
 (`logging.interval`, the first step of each attempt, the last), a step with
 a checkpoint due, or one on which the run stops. There the host reads every
 step since the last sync in one copy and writes their records. Stop requests
-travel on the host instead: each step starts a gloo all-reduce of every
-rank's stop flag and reads it at its end, so all ranks stop after the same
-step. Batches for the next step are read (pinned and copied, on CUDA) while
-this one runs, and Python's garbage collector runs every
-`train.gc_interval` steps on every rank at once.
+travel on the host instead, and only on sync steps: there each rank's stop
+flag (a signal it received; the stop file, which rank 0 alone looks for) goes
+into a gloo all-reduce started at the step's beginning and read at its end, so
+all ranks stop after the same step, and no step costs more as ranks are added
+(a request waits at most `logging.interval` steps). Batches for the next step
+are read (pinned and copied, on CUDA) while this one runs, and Python's
+garbage collector runs every `train.gc_interval` steps on every rank at once.
+With train.compile, the first step's log names the graph breaks compilation
+found (each a silent slowdown otherwise).
 
 Non-finite numbers are never trained on nor saved: a step whose loss or
 gradient norm is not finite on any rank skips its optimizer update, decided
@@ -43,22 +47,24 @@ import copy
 import gc
 import logging
 import os
+import re
 import signal
 import sys
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
-from trainer.compute import check_float8, compile_error, resolve_compile
+from trainer.compute import check_float8, compile_error, graph_break_report, reset_graph_breaks, resolve_compile
 from trainer.config import REQUEUE_EXIT, STOP_FILE, ConfigError, TrainerConfig, load_trainer_config
-from trainer.layouts import layout_advice
+from trainer.layouts import layout_advice, memory_report, resolve_reshard
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
-from trainer.watchdog import HangWatchdog
+from trainer.watchdog import HangWatchdog, collective_timeout
 from trainer.model import num_flops_per_token, select_attention
 from trainer.optim import SkippableStep, build_lr_scheduler, build_optimizer, clip_grad_norm_
 from trainer.parallel import (Batch, ParallelDims, Runner, build_model, build_runner, distributed_session,
@@ -70,6 +76,26 @@ log = logging.getLogger(__name__)
 
 EX_TEMPFAIL = REQUEUE_EXIT  # "requeue me": stopped by a signal after saving a checkpoint
 NONFINITE_EXIT = 3  # stopped on non-finite numbers (see the module docstring)
+
+
+# The torch releases CI tests (the oldest and newest ends: `make test-oldest`, `make test`),
+# the same range as pyproject's `trainer` extra and the Makefile's TORCH_SPEC.
+SUPPORTED_TORCH = ((2, 10), (2, 13))
+
+
+def unsupported_torch(version: str) -> Optional[str]:
+    """A one-line warning when torch `version` (torch.__version__: 2.13.0+cpu, NGC's 2.10.0a0+...)
+    is outside SUPPORTED_TORCH; None inside it, or when the version cannot be read."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        return None
+    found = (int(match[1]), int(match[2]))
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_TORCH
+    if (lo_major, lo_minor) <= found <= (hi_major, hi_minor):
+        return None
+    return (f"torch {version} is outside the supported range {lo_major}.{lo_minor} to {hi_major}.{hi_minor} (the "
+            f"releases tested): install torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1} if this run "
+            "misbehaves")
 
 
 class Sampler(Protocol):
@@ -93,10 +119,14 @@ class TrainResult:
 
 def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None) -> TrainResult:
     run_dir = Path(run_dir)
-    with distributed_session() as env:
+    timeout = collective_timeout(cfg.train)  # longer than the hang watchdog's limits: it speaks first
+    with distributed_session(timeout) as env:
         setup_logging(cfg.logging.level, env.rank)
+        torch_warning = unsupported_torch(torch.__version__)
+        if torch_warning and env.rank == 0:
+            log.warning("%s", torch_warning)
         dims = ParallelDims.from_config(cfg.parallel, env.world_size)
-        dims.build_mesh(env.device.type)
+        dims.build_mesh(env.device.type, timeout)
         dtype = resolve_dtype(cfg.train.dtype, env.device)
         attn_impl = select_attention(cfg.model, env.device, dtype)  # config errors: before the data work
         check_float8(cfg.train, env.device)
@@ -113,6 +143,19 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
                  _ac_name(cfg), "on" if dims.loss_parallel else "off", "on" if cfg.train.float8 else "off",
                  cfg.parallel.grad_sync.replace("_", " "), "on" if cfg.train.prefetch else "off",
                  cfg.train.gc_interval or "(python's own)")
+        if dims.dp > 1 and not dims.ddp:
+            reshard, why = resolve_reshard(cfg)
+            log.info("FSDP reshards parameters after the forward: %s (%s)", "yes" if reshard else "no", why)
+            if dims.tp == 1 and dims.pp == 1 and env.rank == 0:  # the arithmetic is FSDP's alone
+                gpu_bytes = (torch.cuda.get_device_properties(env.device).total_memory
+                             if env.device.type == "cuda" else None)
+                line, warning = memory_report(cfg, dims.dp, reshard, gpu_bytes)
+                log.info("%s", line)
+                if warning:
+                    log.warning("%s", warning)
+        log.info("collective timeout %g s (hang watchdog: %s)", timeout.total_seconds(),
+                 f"{cfg.train.hang_timeout:g} s, first step {cfg.train.hang_timeout_first_step:g} s"
+                 if cfg.train.hang_timeout else "off")
 
         if cfg.train.float8 and not compiled:
             log.warning("train.float8 without train.compile: the float8 casts then run as kernels of their own and "
@@ -136,7 +179,7 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
         states = {"model": ModelState([model]), "optimizer": OptimizerState([model], [optimizer]),
                   "lr_scheduler": lr_scheduler, "data": feeder, "train_state": state, "rng": RNGState()}
         checkpointer = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint,
-                                    expected_bytes=checkpoint_bytes(cfg.model.num_params()))
+                                    expected_bytes=checkpoint_bytes(cfg.model.num_params()), timeout=timeout)
         state.step = checkpointer.load_latest(states)
         if state.step >= cfg.train.steps and env.rank == 0:
             log.warning("this run already reached train.steps=%d (checkpoint at step %d): nothing to train; "
@@ -150,8 +193,8 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
         # Steps after state.step that an earlier attempt logged are superseded from here on.
         metrics.log_restart(state.step, dict(dp=dims.dp, tp=dims.tp, pp=dims.pp))
         profiler = StepProfiler(cfg.logging, run_dir, env.rank)
-        stop = StopSignal(run_dir / STOP_FILE)
-        vote = StopVote()
+        stop = StopSignal(run_dir / STOP_FILE, watch_file=env.rank == 0)
+        vote = StopVote(timeout)
         update = SkippableStep(optimizer, cfg.train.max_nonfinite_steps, state.nonfinite_streak, env.device)
         collector = GarbageCollection(cfg.train.gc_interval)
         evaluating = val_data is not None and cfg.train.eval_interval > 0 and runner.can_eval
@@ -164,12 +207,18 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
         window_start, window_steps, data_s = time.perf_counter(), 0, 0.0
         save_due = False
         watchdog = HangWatchdog(cfg.train, run_dir, env.rank).start(state.step)  # hangs: trainer/watchdog.py
+        if compiled:
+            reset_graph_breaks()
         try:
             while state.step < cfg.train.steps:
                 state.step += 1
                 last = state.step == cfg.train.steps
                 profiler.begin(state.step)
-                vote.start(stop.requested())  # read at the end of the step: by then it is long done
+                # Whether this is a sync step is known up front and the same on every rank.
+                save_due = save_due or state.step % cfg.checkpoint.interval == 0
+                sync = (save_due or state.step % cfg.logging.interval == 0 or last or state.step == first_step)
+                if sync:
+                    vote.start(stop.requested())  # read at the end of the step: by then it is long done
                 t0 = time.perf_counter()
                 batches = feeder.next(read_ahead=not last)
                 data_s += time.perf_counter() - t0
@@ -188,13 +237,14 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
                 collector.step(state.step)
                 window_steps += 1
 
-                stopping = vote.result()
+                stopping = vote.result() if sync else False
                 watchdog.step_done(state.step)  # a step completed on every rank: tell the hang watchdog
-                save_due = save_due or state.step % cfg.checkpoint.interval == 0
+                if compiled and state.step == first_step and env.rank == 0:
+                    log.info("%s", graph_break_report())
+                if not sync:
+                    continue
                 logging_due = (state.step % cfg.logging.interval == 0 or last or stopping
                                or state.step == first_step)
-                if not (logging_due or save_due):
-                    continue
                 # A sync step: the host waits for the device here and nowhere else in the loop.
                 nonfinite, loss_value, grad_norm_value = _replay(pending, state, cfg, metrics)
                 pending.clear()
@@ -222,7 +272,7 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
                 window_start += time.perf_counter() - t_aside
                 if result.requeue:
                     log.warning("stopping after step %d on %s: exit %d to be requeued", state.step,
-                                stop.received or "a signal on another rank", EX_TEMPFAIL)
+                                stop.received or "a request seen by another rank", EX_TEMPFAIL)
                     break
         finally:
             watchdog.stop()
@@ -384,14 +434,16 @@ class StopSignal:
     """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (preemption,
     scancel), or the batch script's stop file (torchrun does not pass SIGUSR1
     on to its workers): finish the step, save, exit EX_TEMPFAIL. The handler
-    only sets a flag; ranks agree on it every step (`StopVote`) so that all stop
-    on the same step, whichever of them saw it."""
+    only sets a flag; ranks agree on it on sync steps (`StopVote`) so that all
+    stop on the same step, whichever of them saw it. Only `watch_file` ranks
+    (rank 0) look for the file: one stat a sync step, not one per rank."""
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
-    def __init__(self, stop_file: Path):
+    def __init__(self, stop_file: Path, watch_file: bool = True):
         self.received: Optional[str] = None
         self.stop_file = stop_file
+        self.watch_file = watch_file
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum: int, frame) -> None:
@@ -399,7 +451,7 @@ class StopSignal:
 
     def requested(self) -> bool:
         """Whether this rank saw a signal or the stop file (`StopVote` tells it about the others)."""
-        if self.received is None and self.stop_file.exists():
+        if self.received is None and self.watch_file and self.stop_file.exists():
             self.received = f"the stop file {self.stop_file.name}"
         return self.received is not None
 
@@ -410,21 +462,24 @@ class StopSignal:
 
 class StopVote:
     """Whether any rank asked to stop, agreed without touching the device: an all-reduce (max)
-    of each rank's flag over a gloo group of CPU tensors, started at the beginning of a step
-    and read at its end. All ranks read the same result after the same step, so all stop
-    together; a request that arrives during a step is seen at the start of the next."""
+    of each rank's flag over a gloo group of CPU tensors, started at the beginning of a sync
+    step and read at its end. All ranks read the same result after the same step, so all stop
+    together; a request that arrives later is seen at the start of the next sync step.
+    `rounds` counts the all-reduces."""
 
-    def __init__(self):
+    def __init__(self, timeout: Optional[timedelta] = None):
         # Its own group: the default one may be NCCL (device tensors, a stream to wait on), and
         # on CPU runs these small votes should not queue behind the gradient collectives.
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self._flag = torch.zeros(1)
         self._work = None
+        self.rounds = 0
 
     def start(self, requested: bool) -> None:
         self._flag = torch.full((1,), float(requested))
         if self.group is not None:
             self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            self.rounds += 1
 
     def result(self) -> bool:
         if self._work is not None:

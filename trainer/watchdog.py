@@ -45,7 +45,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -63,6 +63,48 @@ PYSPY_SECONDS = 8.0  # py-spy dump's own time limit
 # rank among those that did not answer. Less than DUMP_WINDOW_SECONDS, within which the others
 # exit, after which Slurm's teardown (SIGCONT, then SIGTERM) lets a frozen rank dump at last.
 LATE_SECONDS = 5.0
+# A collective may wait this long past the watchdog's longest limit before torch aborts it:
+# the watchdog fires first, dumps (DUMP_WINDOW_SECONDS) and exits (HARD_EXIT_SECONDS at the
+# latest), so a hang ends as HANG_EXIT with every rank's stacks, not as a collective timeout
+# error (a crash to the batch script) with none.
+COLLECTIVE_MARGIN_SECONDS = 120.0
+# With the watchdog off (hang_timeout 0) the collective timeout is the only hang detector: long
+# enough for a first step that compiles (NCCL's own default, 10 min, is not).
+WATCHDOG_OFF_COLLECTIVE_SECONDS = 3600.0
+
+
+def collective_timeout(cfg: TrainSection) -> timedelta:
+    """The timeout of every process group the trainer makes (the default one, the mesh's, the
+    stop vote's, the checkpointer's): longer than the watchdog's limits, the first step's
+    included. The preflight's all-reduce keeps its own bound (slurm.preflight_timeout): no
+    watchdog runs there."""
+    if cfg.hang_timeout <= 0:
+        return timedelta(seconds=WATCHDOG_OFF_COLLECTIVE_SECONDS)
+    return timedelta(seconds=max(cfg.hang_timeout, cfg.hang_timeout_first_step) + COLLECTIVE_MARGIN_SECONDS)
+
+
+def process_group_timeouts() -> list[str]:
+    """`name backend seconds` of each process group of this process, for the hang dumps: a
+    group whose timeout is shorter than the watchdog's limit would crash the run first."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return []
+    if not dist.is_available() or not dist.is_initialized():
+        return []
+    rows = []
+    names = getattr(dist.distributed_c10d._world, "pg_names", {})
+    for pg, name in list(names.items()):
+        for device in ("cpu", "cuda"):
+            try:
+                backend = pg._get_backend(torch.device(device))
+                seconds = backend.options._timeout.total_seconds()
+            except Exception:  # not on this device, or a backend without options: nothing to show
+                continue
+            rows.append(f"{name} {type(backend).__name__} {seconds:g}")
+            break  # one backend a group: gloo answers for both devices
+    return rows
 
 
 def node_name() -> str:
@@ -202,6 +244,9 @@ class HangWatchdog:
                     f"{os.getpid()}, job {job_tag()}, at {datetime.now(timezone.utc).isoformat(timespec='seconds')}"
                     "\n\n")
             f.write(flight_recorder(path.with_suffix(".fr.pkl")) + "\n\n")
+            groups = process_group_timeouts()
+            if groups:
+                f.write("process group timeouts (name backend seconds): " + "; ".join(groups) + "\n\n")
             f.write("Python stacks of every thread (faulthandler), most recent call first:\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
