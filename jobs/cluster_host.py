@@ -9,6 +9,7 @@ import errno
 import fcntl
 import json
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -44,6 +45,13 @@ def alive(pid: int, start: int | None = None) -> bool:
         os.waitpid(pid, os.WNOHANG)  # reap it if it is our own zombie
     st = proc_stat(pid)
     return st is not None and st[0] != "Z" and (start is None or st[1] == start)
+
+
+def no_core_dumps() -> None:
+    """A daemon's `preexec_fn`: no core file when it aborts (a slurmd of Debian's Slurm 22.05 has
+    aborted in glibc's heap check and left a core dump in its working directory). The soft limit
+    only: slurmd, as root, still gives jobs the limits their submitter had."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
 
 
 def stop(procs: list[tuple[int, int | None]], grace: float = 10.0) -> None:

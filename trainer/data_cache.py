@@ -29,6 +29,9 @@ naming the lock. The index is written last, atomically, so a crash never
 leaves an index that points at partial data; and since two writers would
 write the same bytes at the same offsets, even a broken lock cannot corrupt
 the cache.
+
+numpy is imported only where tokens are mapped (`open_tokens`): `entry_status`
+reads an index and file sizes, so the login node's base install can run it.
 """
 
 from __future__ import annotations
@@ -44,14 +47,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from trainer.config import ConfigError, DataSection
 from trainer.data_sources import TextSource, TokenizerSpec
-from trainer.data_tokenize import FORMAT_VERSION, ProgressSink, note, partial_tokens, write_tokens
+from trainer.data_tokenize import FORMAT_VERSION, TOKEN_DTYPES, ProgressSink, note, partial_tokens, write_tokens
 from trainer.fs import pid_alive, write_atomic
+
+if TYPE_CHECKING:
+    import numpy as np
 
 HEARTBEAT_S = 10.0
 STALE_S = float(os.environ.get("SLIPWAY_DATA_STALE_S", 180))  # NFS may cache mtimes for a minute
@@ -240,8 +244,9 @@ def _holder(info: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------
 
 
-def open_tokens(paths: CachePaths) -> TokenFile | None:
-    """The cache entry if complete, else None; a damaged one is an error."""
+def read_index(paths: CachePaths) -> dict[str, Any] | None:
+    """The index of a complete entry, checked against its token file's size; None
+    when there is none; a damaged entry is an error. Reads no tokens (no numpy)."""
     try:
         index = json.loads(paths.index.read_text())
     except FileNotFoundError:
@@ -249,13 +254,26 @@ def open_tokens(paths: CachePaths) -> TokenFile | None:
     except ValueError:
         raise DataCacheError(f"token cache index {paths.index} is not valid JSON: delete it and {paths.bin}, "
                              "then rerun to tokenize again") from None
-    dtype = np.dtype(index["dtype"])
-    expected = int(index["n_tokens"]) * dtype.itemsize
+    dtype = index["dtype"]
+    if dtype not in TOKEN_DTYPES:
+        raise DataCacheError(f"token cache index {paths.index} names dtype {dtype!r}, not one of "
+                             f"{', '.join(TOKEN_DTYPES)}: delete it and {paths.bin}, then rerun to tokenize again")
+    expected = int(index["n_tokens"]) * TOKEN_DTYPES[dtype]
     size = paths.bin.stat().st_size if paths.bin.exists() else -1
     if size != expected:
         raise DataCacheError(f"token cache {paths.bin} has {size} bytes, its index {paths.index} says {expected}: "
                              "delete both and rerun to tokenize again")
-    tokens = np.memmap(paths.bin, dtype=dtype, mode="r", shape=(int(index["n_tokens"]),))
+    return index
+
+
+def open_tokens(paths: CachePaths) -> TokenFile | None:
+    """The cache entry if complete, mapped, else None; a damaged one is an error."""
+    index = read_index(paths)
+    if index is None:
+        return None
+    import numpy as np  # here, not at the top: the status of the cache needs no numpy (login node)
+
+    tokens = np.memmap(paths.bin, dtype=np.dtype(index["dtype"]), mode="r", shape=(int(index["n_tokens"]),))
     return TokenFile(tokens, index, paths.bin)
 
 
@@ -385,8 +403,7 @@ def entry_status(role: str, source: TextSource, tokenizer: TokenizerSpec, cache_
     paths = cache_paths(source, tokenizer, cache_dir)
     index, problem = None, None
     try:
-        found = open_tokens(paths)
-        index = found.index if found is not None else None
+        index = read_index(paths)
     except (DataCacheError, KeyError, TypeError) as exc:
         problem = str(exc)
     except OSError as exc:  # not a directory, no permission

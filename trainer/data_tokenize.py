@@ -44,18 +44,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
-import numpy as np
-
 from trainer.config import ConfigError
 from trainer.data_sources import Batch, Reader, TextSource, TokenizerSpec, eos_id, load_tokenizer
 from trainer.fs import write_atomic
 
 if TYPE_CHECKING:
+    import numpy as np
     from rich.console import Console
 
     from trainer.data_cache import CachePaths
 
 FORMAT_VERSION = 1
+# The token file's dtypes by vocabulary size, with their bytes per token: what reading an index
+# needs, without numpy (numpy is imported only where tokens are made or mapped, so that looking
+# at the cache, as `slipway submit` does on a login node, needs only the base install).
+TOKEN_DTYPES = {"uint16": 2, "uint32": 4}
 CHECKPOINT_S = 10.0  # at most this much tokenizing is redone after a crash
 LOG_EVERY_S = 30.0  # progress lines in a log file (no terminal)
 
@@ -169,6 +172,8 @@ def _tokenizers_serial() -> Iterator[None]:
 
 
 def _encoder(tok: Any, eos: int, dtype: np.dtype) -> Callable[[list[str]], np.ndarray]:
+    import numpy as np
+
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast skips the offsets we do not use
 
     def encode_docs(texts: list[str]) -> np.ndarray:
@@ -255,11 +260,13 @@ def write_tokens(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths
                  prepared_by: str = "", progress: ProgressSink = None) -> dict:
     """Tokenize `source` into `paths.bin` and `paths.index`, continuing an
     interrupted run where one was recorded. Returns the index."""
+    import numpy as np
+
     workers = num_proc or available_cores()
     tok = load_tokenizer(tokenizer)
     eos = eos_id(tok, tokenizer.spec)
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+    dtype = np.dtype("uint16" if vocab <= 1 << 16 else "uint32")
     inputs = {"source": source.identity, "tokenizer": tokenizer.identity}
     state = _read_record(paths, inputs, dtype) or _State()
     resumed = state.n_tokens

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.config import ConfigError
+from trainer.extras import require
 from trainer.fs import write_atomic
 from trainer.history import latest_by_step, read_metrics
 
@@ -17,13 +18,12 @@ __all__ = ["plot_run", "read_metrics"]
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
-    try:
-        import matplotlib
+    require("plot", "plot")
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("plot", "matplotlib is not installed: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     records = latest_by_step(read_metrics(run_dir))
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval" and r.get("eval_loss") is not None]

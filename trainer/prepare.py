@@ -9,7 +9,11 @@ split the run reads into the token cache the trainer maps, so the job only
 opens it; entries already there are left alone, and an interrupted prepare
 continues where it stopped. Bad input raises `ConfigError(field, message)`,
 one line naming the field and the fix; a damaged cache raises
-`DataCacheError`. No torch here: the login node's venv has none.
+`DataCacheError`. No torch here: the login node's venv has none. `cache_status`
+only looks at files: importing this module (and what it needs) takes no numpy,
+tokenizers or datasets, which are imported where tokens are made or mapped, so
+`slipway submit` checks the cache on the base install (`prepare` itself needs the
+trainer extra: `slipway prepare` says so in one line, see `trainer.extras`).
 
 `cache_dir` is `resolve_cache_dir(cfg.data, project_dir=...)` on the host
 (`data.cache_dir`, else `<project>/.cache/tokens`), the same place the
@@ -125,6 +129,12 @@ def prepare(data: DataSection, cache_dir: Path | str, *, num_proc: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.edge import run_at_edge  # any other error from bad input: one line, exit 2
+
+    return run_at_edge(lambda: _main(argv), prog="python -m trainer.prepare")
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.prepare",
                                      description="Tokenize a run's data into its token cache (no GPU, no torch).")
     parser.add_argument("--config", required=True, type=Path, help="runs/RUN/config.yaml (its folder is the run)")
