@@ -1,8 +1,8 @@
-"""python -m containers build|show|prune: the image from the command line.
+"""`slipway image build|show|prune` (= python -m containers): the image from the command line.
 
-    python -m containers build CONFIG [KEY=VALUE ...] [--no-import] [--force] [--base-image X] [--here]
-    python -m containers show CONFIG [KEY=VALUE ...]
-    python -m containers prune [CONFIG] [--keep N]
+    slipway image build CONFIG [KEY=VALUE ...] [--no-import] [--force] [--base-image X] [--here]
+    slipway image show CONFIG [KEY=VALUE ...]
+    slipway image prune [CONFIG] [--keep N]
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from rich.markup import escape
 from containers.image import build_image, current_image, human, image_plan
 from containers.prune import prune_images
 from containers.tools import ToolError
-from trainer.config import ConfigError
 
 
 def _config(name: str | None, overrides: list[str], base_image: str | None = None):
@@ -49,7 +48,26 @@ def _show(cfg, console: Console) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m containers", description="Build and manage the training image.")
+    from trainer.edge import run_at_edge
+
+    try:
+        return run_at_edge(lambda: _main(argv), handled=_tool_error)
+    except KeyboardInterrupt:
+        Console(stderr=True).print("[red]interrupted[/]: no partial squashfs was left under a final name")
+        return 130
+
+
+def _tool_error(exc: BaseException) -> int | None:
+    """podman, enroot or srun failed: its one line, exit 1 (the input was fine: not 2)."""
+    if isinstance(exc, ToolError):
+        Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 1
+    return None
+
+
+def _main(argv: list[str] | None) -> int:
+    # `slipway image` is how the README and the hints call it (`python -m containers` is the same).
+    parser = argparse.ArgumentParser(prog="slipway image", description="Build and manage the training image.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="podman build + enroot import, unless the squashfs for this tree exists")
     b.add_argument("config")
@@ -72,24 +90,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
     console = Console()
-    try:
-        if args.cmd == "build":
-            cfg = _config(args.config, args.overrides, args.base_image)
-            build_image(cfg, force=args.force, do_import=not args.no_import, console=console, here=args.here)
-        elif args.cmd == "show":
-            _show(_config(args.config, args.overrides), console)
-        else:
-            result = prune_images(_config(args.config, args.overrides), keep=args.keep, console=console)
-            if not result.ok:
-                Console(stderr=True).print(f"[red]error:[/] prune could not remove {len(result.failed)} item(s), "
-                                           "each listed above with the reason", highlight=False, soft_wrap=True)
-                return 1
-    except (ConfigError, ToolError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 2 if isinstance(exc, ConfigError) else 1
-    except KeyboardInterrupt:
-        Console(stderr=True).print("[red]interrupted[/]: no partial squashfs was left under a final name")
-        return 130
+    if args.cmd == "build":
+        cfg = _config(args.config, args.overrides, args.base_image)
+        build_image(cfg, force=args.force, do_import=not args.no_import, console=console, here=args.here)
+    elif args.cmd == "show":
+        _show(_config(args.config, args.overrides), console)
+    else:
+        result = prune_images(_config(args.config, args.overrides), keep=args.keep, console=console)
+        if not result.ok:
+            Console(stderr=True).print(f"[red]error:[/] prune could not remove {len(result.failed)} item(s), "
+                                       "each listed above with the reason", highlight=False, soft_wrap=True)
+            return 1
     return 0
 
 

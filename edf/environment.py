@@ -15,12 +15,13 @@ are the ones enroot's mount helper accepts for a bind mount (NVIDIA/enroot
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from trainer.config import ConfigError
+from trainer.config import SECRET_WORD, ConfigError, _shown, secret_word  # noqa: F401  (SECRET_WORD: re-exported)
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -77,7 +78,7 @@ def split_expansions(value: str, where: str) -> list[Union[str, Expansion]]:
             m = EXPANSION.match(value, j)
             if m is None:
                 bad = value[j: value.find("}", j) + 1 or len(value)]
-                raise ConfigError(where, f"{bad!r} in {value!r} is not a valid expansion: write ${{NAME}} or "
+                raise ConfigError(where, f"{bad!r} in {_shown(value, where)} is not a valid expansion: write ${{NAME}} or "
                                          "${NAME:-default}, or $${ for a literal '${'")
             if "".join(literal):
                 pieces.append("".join(literal))
@@ -95,6 +96,37 @@ def split_expansions(value: str, where: str) -> list[Union[str, Expansion]]:
 def references(value: str, where: str) -> list[str]:
     """The variable names `value` expands."""
     return [p.name for p in split_expansions(value, where) if isinstance(p, Expansion)]
+
+
+# --------------------------------------------------------------------------
+# Secrets: passed by name from the submitting environment, never by value
+# --------------------------------------------------------------------------
+
+
+def secret_error(where: str, name: str) -> ConfigError:
+    """The one error for a secret given a value in a config (container.env, launch.env,
+    image.build_args); it names the field and the pass-through form, never the value."""
+    return ConfigError(where, f"looks like a secret (its name contains {secret_word(name)}), and a value given "
+                              "here is written into the run directory (or the image): export it in the shell you "
+                              f"submit from (`export {name}=...`) and pass it by name: "
+                              f"container.env_from_host: [{name}]")
+
+
+def check_secret_entry(where: str, name: str, value: object, passthrough: bool = False) -> None:
+    """A config's NAME: value entry that would put a secret's value into a file or a traced command:
+    a secret-looking name with a value (with `passthrough`, only exactly `${NAME}` is allowed:
+    the host's own variable, the same as container.env_from_host), or a value expanding a
+    secret-looking variable (the batch script would expand it, and `set -x` print it)."""
+    if secret_word(name) and not (passthrough and value == f"${{{name}}}"):
+        raise secret_error(where, name)
+    if not isinstance(value, str):
+        return
+    for m in EXPANSION.finditer(value):
+        ref = m.group(1)
+        if secret_word(ref) and ref != name:
+            raise ConfigError(where, f"expands ${{{ref}}}, which looks like a secret: a command line holding it "
+                                     "could be printed (launch.debug's set -x, a dry run): pass the variable "
+                                     f"itself with container.env_from_host: [{ref}] and build the value in the job")
 
 
 def _split_outside_braces(text: str, sep: str) -> list[str]:
@@ -124,13 +156,13 @@ def check_path(value: str, where: str, what: str) -> None:
     if not value:
         raise ConfigError(where, f"{what} is empty: give an absolute path or one starting with ./")
     if "\0" in value or "\n" in value:
-        raise ConfigError(where, f"{what} {value!r} contains a newline or NUL: use a plain path")
+        raise ConfigError(where, f"{what} {_shown(value, where)} contains a newline or NUL: use a plain path")
     if value.startswith(("/", "./", "${")):
         return
     if value.startswith("~"):
-        raise ConfigError(where, f"{what} {value!r} starts with ~, which is not expanded: write ${{HOME}}{value[1:]}")
+        raise ConfigError(where, f"{what} {_shown(value, where)} starts with ~, which is not expanded: write ${{HOME}}{value[1:]}")
     fix = "./" + value if value not in (".", "") else "./"
-    raise ConfigError(where, f"relative {what} {value!r} must start with ./ (the Container Engine resolves it "
+    raise ConfigError(where, f"relative {what} {_shown(value, where)} must start with ./ (the Container Engine resolves it "
                              f"against the directory srun runs in): write {fix!r}")
 
 
@@ -153,17 +185,17 @@ class Mount:
     @classmethod
     def parse(cls, text: str, where: str = "mounts") -> "Mount":
         if not isinstance(text, str):
-            raise ConfigError(where, f"expected a string SRC[:DST[:FLAGS]], got {text!r}")
+            raise ConfigError(where, f"expected a string SRC[:DST[:FLAGS]], got {_shown(text, where)}")
         parts = _split_outside_braces(text, ":")
         if len(parts) > 3:
-            raise ConfigError(where, f"{text!r} has {len(parts)} ':'-separated parts: use SRC[:DST[:FLAGS]] "
+            raise ConfigError(where, f"{_shown(text, where)} has {len(parts)} ':'-separated parts: use SRC[:DST[:FLAGS]] "
                                      "(a path containing ':' cannot be mounted this way)")
         src = parts[0]
         dst = parts[1] if len(parts) > 1 else src
         flags: tuple[str, ...] = ()
         if len(parts) == 3:
             if not parts[2]:
-                raise ConfigError(where, f"{text!r} ends with an empty FLAGS part: drop the trailing ':' "
+                raise ConfigError(where, f"{_shown(text, where)} ends with an empty FLAGS part: drop the trailing ':' "
                                          "or give flags such as ro or ro+private")
             flags = tuple(parts[2].split("+"))
         mount = cls(src, dst, flags)
@@ -188,10 +220,10 @@ class Mount:
     def check(self, where: str) -> None:
         for what, path in (("mount source", self.src), ("mount destination", self.dst)):
             if not isinstance(path, str):
-                raise ConfigError(where, f"{what} must be a string, got {path!r}")
+                raise ConfigError(where, f"{what} must be a string, got {_shown(path, where)}")
             check_path(path, where, what)
             if len(_split_outside_braces(path, ":")) > 1:
-                raise ConfigError(where, f"{what} {path!r} contains ':', which separates SRC:DST:FLAGS: "
+                raise ConfigError(where, f"{what} {_shown(path, where)} contains ':', which separates SRC:DST:FLAGS: "
                                          "mount a parent directory instead")
             split_expansions(path, where)
         for flag in self.flags:
@@ -223,14 +255,25 @@ class Environment:
     runtime: Literal["edf", "pyxis", "none"] = "edf"
     # A squashfs file (absolute or ./-relative) or a registry reference.
     image: str = ""
+    # Bind mounts SRC[:DST[:FLAGS]], flags joined with '+' (ro+private); SRC alone mounts it at the
+    # same path. Every path the job needs is added at submission.
     mounts: list[Mount] = field(default_factory=list)
+    # The working directory inside the container; null: the runtime's default.
     workdir: Optional[str] = None
+    # Whether the container's filesystem is writable; null: the runtime's default (pyxis: writable).
     writable: Optional[bool] = None
     # Values in EDF syntax; "" unsets the variable (Container Engine).
     env: dict[str, str] = field(default_factory=dict)
+    # Variables the tasks take from the submitting environment by name, their values never written
+    # (secrets: HF_TOKEN, WANDB_API_KEY): `NAME = "${NAME}"` in the EDF, `--container-env=NAME`
+    # under pyxis, the job's own environment under runtime none (docs/secrets.md).
+    env_from_host: list[str] = field(default_factory=list)
     # Flat dotted keys, e.g. "com.hooks.aws_ofi_nccl.enabled" -> "true".
     annotations: dict[str, str] = field(default_factory=dict)
+    # Whether the image's entrypoint runs before the command; null: the runtime's default
+    # (pyxis: it does not).
     entrypoint: Optional[bool] = None
+    # EDFs this one builds on (a name looked up in EDF_PATH, or a path to a .toml file).
     base_environment: list[str] = field(default_factory=list)
     # pyxis only (--[no-]container-mount-home); an EDF mounts ${HOME} through `mounts`.
     mount_home: Optional[bool] = None
@@ -277,6 +320,16 @@ class Environment:
             found.append(ConfigError(f"{w}edf_name", f"{self.edf_name!r} is not a safe EDF name: use 1-100 letters, "
                                                      "digits, '.', '_' or '-', starting with a letter or digit, "
                                                      "without .toml"))
+        # Before the runtime none return: under every runtime the names are passed, and a
+        # config's values land in config.yaml.
+        run(self._check_env_from_host)
+        secret = set()  # keys refused as secrets: no other check of theirs may quote the value
+        if w == "container.":
+            for key, value in self.env.items():
+                before = len(found)
+                run(check_secret_entry, f"{w}env.{key}", key, value, True)
+                if len(found) > before:
+                    secret.add(key)
         if self.runtime == "none" and w == "container.":
             return found  # no container: its settings are not used, so not held to the EDF rules
         if self.runtime == "edf" and self.mount_home is not None and w == "container.":
@@ -288,7 +341,7 @@ class Environment:
         for name in ("writable", "entrypoint", "mount_home"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                found.append(ConfigError(f"{w}{name}", f"expected true or false, got {value!r}"))
+                found.append(ConfigError(f"{w}{name}", f"expected true or false, got {_shown(value)}"))
         for i, mount in enumerate(self.mounts):
             if not isinstance(mount, Mount):
                 found.append(ConfigError(f"{w}mounts[{i}]", f"expected a Mount, got {mount!r}: use Mount.parse"))
@@ -297,10 +350,45 @@ class Environment:
         for i, base in enumerate(self.base_environment):
             run(_check_base_entry, base, f"{w}base_environment[{i}]")
         for key in self.env:
-            run(self._check_env_entry, key)
+            if key not in secret:
+                run(self._check_env_entry, key)
         for key in self.annotations:
             run(self._check_annotation, key)
         return found
+
+    def _check_env_from_host(self) -> None:
+        where = f"{self.origin}env_from_host"
+        if not isinstance(self.env_from_host, list):
+            raise ConfigError(where, f"expected a list of variable names such as [HF_TOKEN], got "
+                                     f"{type(self.env_from_host).__name__}")
+        seen: set[str] = set()
+        for i, name in enumerate(self.env_from_host):
+            if not isinstance(name, str) or not ENV_NAME.match(name):
+                raise ConfigError(f"{where}[{i}]", "is not a valid environment variable name (letters, digits, _; "
+                                                   "not starting with a digit)")
+            if name in seen:
+                raise ConfigError(f"{where}[{i}]", f"{name} is listed twice: list it once")
+            if name in self.env:
+                raise ConfigError(f"{where}[{i}]", f"{name} is also set in {self.origin}env: keep one (env_from_host "
+                                                   "takes the submitting environment's value, never written down)")
+            seen.add(name)
+
+    def missing_from_host(self, environ: Optional[dict[str, str]] = None) -> list[str]:
+        """The `env_from_host` names not set in `environ` (default: this process's)."""
+        environ = os.environ if environ is None else environ
+        return [name for name in self.env_from_host if name not in environ]
+
+    def require_host_env(self, environ: Optional[dict[str, str]] = None) -> None:
+        """A one-line error if a variable of `env_from_host` is not set where the job is submitted
+        (or `slipway local`/`shell` run): the job would start without it."""
+        missing = self.missing_from_host(environ)
+        if missing:
+            names = ", ".join(missing)
+            first = missing[0]
+            raise ConfigError(f"{self.origin}env_from_host",
+                              f"{names} {'is' if len(missing) == 1 else 'are'} not set in this environment, and the "
+                              f"job takes {'it' if len(missing) == 1 else 'them'} from there: `export {first}=...` "
+                              f"{'(and the others) ' if len(missing) > 1 else ''}first")
 
     def _check_env_entry(self, key: str) -> None:
         value, where = self.env[key], f"{self.origin}env.{key}"
@@ -309,7 +397,7 @@ class Environment:
                                      "not starting with a digit)")
         _require_str(value, where)
         if "\0" in value:
-            raise ConfigError(where, f"value {value!r} contains a NUL byte, which no environment can hold")
+            raise ConfigError(where, f"value {_shown(value, where)} contains a NUL byte, which no environment can hold")
         for ref in references(value, where):
             if ref != key and ref in self.env:
                 raise ConfigError(where, f"refers to ${{{ref}}}, which is set in [env]; [env] entries can only "
@@ -337,7 +425,7 @@ def _check_workdir(workdir: str, where: str) -> None:
 def _require_str(value: object, where: str, example: str = "") -> None:
     if not isinstance(value, str):
         hint = f" such as {example}" if example else ""
-        raise ConfigError(where, f"expected a string{hint}, got {value!r}")
+        raise ConfigError(where, f"expected a string{hint}, got {_shown(value, where)}")
 
 
 def is_local_image(image: str) -> bool:
@@ -350,17 +438,17 @@ def _check_image(image: str, where: str) -> None:
     if not image:
         return
     if "\n" in image or "\0" in image:
-        raise ConfigError(where, f"{image!r} contains a newline or NUL: give one image")
+        raise ConfigError(where, f"{_shown(image, where)} contains a newline or NUL: give one image")
     split_expansions(image, where)
     if is_local_image(image):
         if not image.startswith(("/", "./", "${")):
             fix = "${HOME}" + image[1:] if image.startswith("~") else "./" + image
-            raise ConfigError(where, f"squashfs path {image!r} must be absolute or start with ./, otherwise pyxis "
+            raise ConfigError(where, f"squashfs path {_shown(image, where)} must be absolute or start with ./, otherwise pyxis "
                                      f"and the Container Engine read it as a registry image (pyxis #127): "
                                      f"write {fix!r}")
         return
     if any(c.isspace() for c in image):
-        raise ConfigError(where, f"registry reference {image!r} contains whitespace: use "
+        raise ConfigError(where, f"registry reference {_shown(image, where)} contains whitespace: use "
                                  "[USER@][REGISTRY#]IMAGE[:TAG] or REGISTRY/IMAGE[:TAG]")
 
 
@@ -388,5 +476,5 @@ def _check_base_entry(base: str, where: str) -> None:
     if "/" in base:
         check_path(base, where, "base environment path")
     elif base.endswith(".toml"):
-        raise ConfigError(where, f"{base!r}: a bare name is looked up as NAME.toml in EDF_PATH, so drop the "
+        raise ConfigError(where, f"{_shown(base, where)}: a bare name is looked up as NAME.toml in EDF_PATH, so drop the "
                                  f".toml ({base[:-5]!r}) or give a path ('./{base}')")

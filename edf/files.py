@@ -19,8 +19,8 @@ from typing import Any, Optional, Union
 
 import tomli_w
 
-from edf.environment import Environment, Expansion, Mount, split_expansions
-from trainer.config import ConfigError
+from edf.environment import Environment, Expansion, Mount, is_local_image, split_expansions
+from trainer.config import MAX_DEPTH, MAX_TEXT, ConfigError, _shown, bounded, bounded_path, read_text_bounded
 from trainer.fs import write_atomic
 
 TOP_KEYS = ("base_environment", "image", "workdir", "entrypoint", "writable", "mounts", "env", "annotations")
@@ -49,8 +49,10 @@ def render_edf(env: Environment) -> str:
         doc["writable"] = env.writable
     if env.mounts:
         doc["mounts"] = [m.spec() for m in env.mounts]
-    if env.env:
-        doc["env"] = dict(env.env)
+    if env.env or env.env_from_host:
+        # env_from_host as a reference the Container Engine expands from srun's environment:
+        # the name is written, never the value.
+        doc["env"] = {**env.env, **{name: f"${{{name}}}" for name in env.env_from_host}}
     if env.annotations:
         doc["annotations"] = _nest(env.annotations)
     return tomli_w.dumps(doc)
@@ -77,21 +79,44 @@ def parse_edf(source: Union[str, os.PathLike]) -> Environment:
     if isinstance(source, os.PathLike) or ("\n" not in source and "=" not in source and source.strip()):
         path = Path(source)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_text_bounded(path, str(path))
         except FileNotFoundError:
             raise ConfigError(str(path), "no such EDF file: check the path, or pass the TOML text itself") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(str(path), f"cannot read this EDF: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(str(path), f"cannot read this EDF: {exc.strerror or exc}") from None
     else:
         text = str(source)
     origin = f"{path}:" if path is not None else ""
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(str(path) if path else "EDF", f"not valid TOML: {exc}") from None
+    doc = load_toml(text, str(path) if path else "EDF")
     env = from_document(doc, origin)
     env.source = path
     return env
+
+
+def load_toml(text: str, where: str) -> dict[str, Any]:
+    """An EDF's TOML table, refused when larger or deeper than any EDF (an EDF is a few flat
+    keys and one level of tables; annotations nest a few levels)."""
+    if len(text) > MAX_TEXT:
+        raise ConfigError(where, f"{len(text)} characters: larger than any EDF ({MAX_TEXT} at most); check that "
+                                 "this is the file you meant")
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(where, f"not valid TOML: {bounded(str(exc), 200)}") from None
+    except RecursionError:
+        doc = None
+    if doc is None or _depth(doc, MAX_DEPTH) > MAX_DEPTH:
+        raise ConfigError(where, f"tables or arrays nested deeper than {MAX_DEPTH} levels: no EDF key takes that; "
+                                 "flatten it")
+    return doc
+
+
+def _depth(value: Any, limit: int) -> int:
+    """How deeply `value` nests tables and arrays, counting no further than `limit` + 1."""
+    if limit < 0 or not isinstance(value, (dict, list)):
+        return 0
+    items = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(v, limit - 1) for v in items), default=0)
 
 
 def from_document(doc: dict[str, Any], origin: str = "") -> Environment:
@@ -112,7 +137,7 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
     def get(key: str, types: tuple[type, ...], expected: str) -> Any:
         value = doc.get(key)
         if value is not None and not isinstance(value, types):
-            problems.append(ConfigError(f"{origin}{key}", f"expected {expected}, got {value!r}"))
+            problems.append(ConfigError(f"{origin}{key}", f"expected {expected}, got {_shown(value)}"))
             return None
         return value
 
@@ -124,7 +149,7 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
         if isinstance(entry, str):
             bases.append(entry)
         else:
-            problems.append(ConfigError(f"{origin}base_environment[{i}]", f"expected a string, got {entry!r}"))
+            problems.append(ConfigError(f"{origin}base_environment[{i}]", f"expected a string, got {_shown(entry)}"))
     mounts = []
     for i, text in enumerate(get("mounts", (list,), 'an array of "SRC:DST[:FLAGS]" strings') or []):
         try:
@@ -137,7 +162,7 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
             env_table[key] = value
         else:
             problems.append(ConfigError(f"{origin}env.{key}", f'expected a string ("" unsets the variable), '
-                                                              f'got {value!r}'))
+                                                              f'got {_shown(value)}'))
     annotations: dict[str, str] = {}
     _flatten(get("annotations", (dict,), "a table") or {}, f"{origin}annotations", "", annotations, problems)
     env = Environment(
@@ -157,28 +182,77 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
     return env, problems
 
 
-def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None) -> tuple[Optional[Environment],
-                                                                                        list[ConfigError]]:
+def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *,
+              notes: Optional[list[str]] = None) -> tuple[Optional[Environment], list[ConfigError]]:
     """A hand-written EDF read and checked whole: (its model, or None if unreadable; every
-    problem in it and in the base environments it names). `slipway edf --check FILE`."""
+    problem in it and in the base environments it names). `slipway edf --check FILE`.
+
+    With `notes` (a list to fill), the image file and the mount sources must also exist on
+    this machine; the paths it cannot judge from here (an unset `${VAR}`) are noted there."""
     path = Path(source)
     origin = f"{path}:"
     try:
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        doc = load_toml(read_text_bounded(path, str(path)), str(path))
     except FileNotFoundError:
         return None, [ConfigError(str(path), "no such EDF file: check the path")]
-    except (OSError, UnicodeDecodeError) as exc:
-        return None, [ConfigError(str(path), f"cannot read this EDF: {exc}")]
-    except tomllib.TOMLDecodeError as exc:
-        return None, [ConfigError(str(path), f"not valid TOML: {exc}")]
+    except OSError as exc:
+        return None, [ConfigError(str(path), f"cannot read this EDF: {exc.strerror or exc}")]
+    except ConfigError as exc:
+        return None, [exc]
     env, problems = _from_document(doc, origin)
     env.source = path
+    resolved = env
     if not problems and env.base_environment:
         try:
-            resolve_base(env, edf_path)
+            resolved = resolve_base(env, edf_path)
         except ConfigError as exc:
             problems.append(exc)
+    if notes is not None and not problems:
+        problems += missing_host_paths(resolved, origin, notes)
     return env, problems
+
+
+def missing_host_paths(env: Environment, origin: str, notes: list[str],
+                       environ: Optional[dict[str, str]] = None) -> list[ConfigError]:
+    """The image file and mount sources of `env` that do not exist here (srun would fail on
+    them); a path with an unset `${VAR}` (no default) cannot be judged here and is noted."""
+    problems: list[ConfigError] = []
+    paths = [(f"{origin}image", "image file", env.image)] if env.image and is_local_image(env.image) else []
+    paths += [(f"{origin}mounts[{i}]", "mount source", m.src) for i, m in enumerate(env.mounts)]
+    for where, what, value in paths:
+        host = _expanded_here(value, where, environ)
+        if isinstance(host, Expansion):
+            notes.append(f"{where}: cannot judge {what} {bounded_path(value)!r} from here: ${{{host.name}}} is not set "
+                         "in this shell (export it to check the path)")
+            continue
+        try:
+            exists = Path(host).exists()
+        except (OSError, ValueError) as exc:  # a name too long for this filesystem, a NUL
+            problems.append(ConfigError(where, f"{what} {bounded_path(host)!r} is not a usable path "
+                                               f"({getattr(exc, 'strerror', None) or exc}): fix the path"))
+            continue
+        if not exists:
+            shown = repr(bounded_path(host)) + ("" if host == value else f" (from {bounded_path(value)!r})")
+            problems.append(ConfigError(where, f"{what} {shown} does not exist on this machine: create it or fix "
+                                               "the path (srun would fail to start the container)"))
+    return problems
+
+
+def _expanded_here(value: str, where: str, environ: Optional[dict[str, str]]) -> Union[str, Expansion]:
+    """`value` with `${VAR}` from this environment (a default where VAR is unset), or the first
+    expansion it cannot resolve."""
+    environ = os.environ if environ is None else environ
+    out = []
+    for piece in split_expansions(value, where):
+        if not isinstance(piece, Expansion):
+            out.append(piece)
+        elif piece.name in environ:
+            out.append(environ[piece.name])
+        elif ":-" in piece.text:
+            out.append(piece.text[len(piece.name) + 4: -1])
+        else:
+            return piece
+    return "".join(out)
 
 
 def _flatten(table: dict[str, Any], where: str, prefix: str, out: dict[str, str],
@@ -190,7 +264,7 @@ def _flatten(table: dict[str, Any], where: str, prefix: str, out: dict[str, str]
         elif isinstance(value, str):
             out[full] = value
         else:
-            problems.append(ConfigError(f"{where}.{full}", f'expected a string such as "true", got {value!r}'))
+            problems.append(ConfigError(f"{where}.{full}", f'expected a string such as "true", got {_shown(value)}'))
 
 
 # --------------------------------------------------------------------------
@@ -283,7 +357,10 @@ def _merge(base: Environment, child: Environment) -> Environment:
         value = getattr(child, name)
         return getattr(base, name) if value is None else value
 
-    env = {k: v for k, v in base.env.items() if k not in child.env}
+    # A child's entry, by value or from the host, replaces the base's of the same name.
+    from_host = [n for n in base.env_from_host if n not in child.env]
+    from_host += [n for n in child.env_from_host if n not in from_host]
+    env = {k: v for k, v in base.env.items() if k not in child.env and k not in child.env_from_host}
     env.update(child.env)
     return Environment(
         runtime=child.runtime,
@@ -292,6 +369,7 @@ def _merge(base: Environment, child: Environment) -> Environment:
         workdir=pick("workdir"),
         writable=pick("writable"),
         env=env,
+        env_from_host=from_host,
         annotations={**base.annotations, **child.annotations},
         entrypoint=pick("entrypoint"),
         base_environment=[],

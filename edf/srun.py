@@ -6,8 +6,10 @@ pyxis has no EDF (NVIDIA/pyxis README, args.c): the image, mounts (`SRC[:DST[:FL
 flags joined with '+'), workdir, writable and entrypoint become flags;
 `[env]` becomes variables the batch script exports before `srun` plus
 `--container-env=NAME,...`, which makes pyxis keep those host values over the
-image's (as the Container Engine's `[env]` does). Annotations drive Container
-Engine hooks and have no pyxis flag, except `com.pyxis.entrypoint_log`.
+image's (as the Container Engine's `[env]` does); `env_from_host` (and
+`NAME = "${NAME}"`) is only named there, its value left in srun's environment.
+Annotations drive Container Engine hooks and have no pyxis flag, except
+`com.pyxis.entrypoint_log`.
 
 Every string returned (flag values and export values) is shell text in which
 only `${NAME}` and `${NAME:-default}` are expansions and everything else is
@@ -22,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from edf.environment import EXPANSION, SQSH, Environment, Expansion, registry_image, split_expansions
+from edf.environment import (EXPANSION, SQSH, Environment, Expansion, is_local_image, registry_image,
+                             split_expansions)
 from edf.files import expand_host, resolve_base
 from trainer.config import ConfigError
 
@@ -77,15 +80,16 @@ def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> SrunFlags
     if not env.image:
         raise ConfigError(f"{w}image", "pyxis needs an image: a squashfs path (absolute or ./) or a registry "
                                        "reference such as nvcr.io#nvidia/pytorch:25.01-py3")
-    args = [f"--container-image={to_shell(registry_image(env.image), f'{w}image')}"]
+    args = [f"--container-image={to_shell(pyxis_image(env.image), f'{w}image')}"]
     if env.mounts:
         args.append("--container-mounts=" + ",".join(_mount(env, i) for i in range(len(env.mounts))))
     if env.workdir is not None:
         args.append(f"--container-workdir={to_shell(env.workdir, f'{w}workdir')}")
     args.append("--container-readonly" if env.writable is False else "--container-writable")
     exports, warnings = _exports(env)
-    if exports:
-        args.append("--container-env=" + ",".join(name for name, _ in exports))
+    names = [name for name, _ in exports] + passed_from_host(env)
+    if names:
+        args.append("--container-env=" + ",".join(names))
     args.append("--container-mount-home" if env.mount_home else "--no-container-mount-home")
     args.append("--container-entrypoint" if env.entrypoint else "--no-container-entrypoint")
     for key, value in env.annotations.items():
@@ -96,6 +100,18 @@ def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> SrunFlags
         warnings.append(f"{w}annotations.{key} = {value!r} has no pyxis equivalent and is dropped "
                         "(only the Container Engine runs its hooks)")
     return SrunFlags(args, exports, warnings)
+
+
+def pyxis_image(image: str) -> str:
+    """The image as pyxis reads it: a registry reference's host separated with '#' (see
+    `registry_image`), applied to the literal reference only. A squashfs path, and an image
+    whose registry part comes from a `${VAR}` (`${IMG:-/capstor/x.sqsh}`), stay as written."""
+    if is_local_image(image):
+        return image
+    expansion, slash = image.find("${"), image.find("/")
+    if expansion != -1 and (slash == -1 or expansion < slash):
+        return image
+    return registry_image(image)
 
 
 def pyxis_exports(env: Environment, edf_path: Optional[str] = None) -> list[tuple[str, str]]:
@@ -115,10 +131,20 @@ def _mount(env: Environment, i: int) -> str:
     return to_shell(spec, where)
 
 
+def passed_from_host(env: Environment) -> list[str]:
+    """The variables pyxis takes from srun's own environment by name, nothing assigned: those of
+    `env_from_host`, and `[env]` entries that are exactly `NAME = "${NAME}"` (the same thing
+    written as an EDF does). No value of theirs reaches the batch script's text or its trace."""
+    return [key for key, value in env.env.items() if value == f"${{{key}}}"] + list(env.env_from_host)
+
+
 def _exports(env: Environment) -> tuple[list[tuple[str, str]], list[str]]:
     exports, warnings = [], []
+    passed = set(passed_from_host(env))
     for key, value in env.env.items():
         where = f"{env.origin}env.{key}"
+        if key in passed:
+            continue
         if "\n" in value:
             raise ConfigError(where, f"value {value!r} contains a newline, which pyxis cannot receive through the "
                                      "batch script: use container.runtime edf, or drop the newline")

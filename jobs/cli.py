@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.config import ConfigError
+from trainer.extras import require as require_extra
 
 # The seed launcher's named flags: (flag, dotted config key, type, help).
 NAMED_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
@@ -23,15 +24,6 @@ NAMED_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("--nodes", "slurm.nodes", int, "number of nodes"),
     ("--gpus-per-node", "slurm.gpus_per_node", int, "GPUs per node (0 for CPU runs)"),
     ("--procs-per-node", "launch.procs_per_node", int, "processes per node (default: gpus per node)"),
-    ("--cpus-per-task", "slurm.cpus_per_task", int, "CPUs per Slurm task"),
-    ("--partition", "slurm.partition", str, "Slurm partition"),
-    ("--account", "slurm.account", str, "Slurm account"),
-    ("--qos", "slurm.qos", str, "Slurm QOS"),
-    ("--time", "slurm.time", str, "time limit: MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]] or UNLIMITED"),
-    ("--email", "slurm.email", str, "mail on job end or failure"),
-    ("--runtime", "container.runtime", str, "edf | pyxis | none"),
-    ("--image", "container.image", str, "squashfs path (absolute or ./) or registry reference"),
-    ("--launcher", "launch.launcher", str, "torchrun (one task per node) | srun (one task per process)"),
     ("--model-size", "model.size", str, "tiny | small | base | large | custom"),
     ("--hidden-size", "model.hidden_size", int, "model hidden size"),
     ("--intermediate-size", "model.intermediate_size", int, "MLP intermediate size"),
@@ -57,6 +49,21 @@ NAMED_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("--seq-len", "data.seq_len", int, "sequence length"),
     ("--save-interval", "checkpoint.interval", int, "checkpoint every N steps"),
 ]
+# Named flags of the Slurm allocation and the container: a run on this machine (`slipway local`)
+# has neither, so its --help leaves them out (it still reads them, as the config's own values).
+# The layout's --nodes, --gpus-per-node and --procs-per-node stay above: the config's layout
+# check names them, and a local run maps them onto its processes.
+CLUSTER_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
+    ("--cpus-per-task", "slurm.cpus_per_task", int, "CPUs per Slurm task"),
+    ("--partition", "slurm.partition", str, "Slurm partition"),
+    ("--account", "slurm.account", str, "Slurm account"),
+    ("--qos", "slurm.qos", str, "Slurm QOS"),
+    ("--time", "slurm.time", str, "time limit: MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]] or UNLIMITED"),
+    ("--email", "slurm.email", str, "mail on job end or failure"),
+    ("--runtime", "container.runtime", str, "edf | pyxis | none"),
+    ("--image", "container.image", str, "squashfs path (absolute or ./) or registry reference"),
+    ("--launcher", "launch.launcher", str, "torchrun (one task per node) | srun (one task per process)"),
+]
 BOOL_FLAGS = [
     ("--save-initial-state", "checkpoint.save_initial", "save a checkpoint before the first step"),
     ("--debug", "launch.debug", "debug mode: set -x, CUDA_LAUNCH_BLOCKING, NCCL_DEBUG=INFO"),
@@ -68,17 +75,24 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors, like every other slipway error."""
 
     def error(self, message: str):
+        from trainer.config import bounded
+
+        # argparse quotes what it could not read (`invalid int value: '999...'`): bounded, one line.
+        message = " ".join(bounded(message, 300).split())
         self.exit(2, f"slipway: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _config_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+def _config_args(p: argparse.ArgumentParser, optional: bool = False, cluster: bool = True) -> None:
+    """CONFIG, its overrides and the named flags; `cluster=False` hides the Slurm and container flags."""
     p.add_argument("config", metavar="CONFIG", nargs="?" if optional else None,
                    help="configs/NAME.yaml, NAME, or a path")
     p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
                    help="override any config value, e.g. train.steps=100 container.mounts=[/scratch]")
     g = p.add_argument_group("config flags (shorthands for overrides)")
-    for flag, key, typ, help_ in NAMED_FLAGS:
-        g.add_argument(flag, dest=f"set:{key}", type=typ, metavar=key.split(".")[-1].upper(), help=f"{help_} ({key})")
+    for flag, key, typ, help_ in NAMED_FLAGS + CLUSTER_FLAGS:
+        shown = cluster or (flag, key, typ, help_) not in CLUSTER_FLAGS
+        g.add_argument(flag, dest=f"set:{key}", type=typ, metavar=key.split(".")[-1].upper(),
+                       help=f"{help_} ({key})" if shown else argparse.SUPPRESS)
     for flag, key, help_ in BOOL_FLAGS:
         g.add_argument(flag, dest=f"set:{key}", action="store_const", const=True, help=f"{help_} ({key})")
 
@@ -87,17 +101,31 @@ def load(args: argparse.Namespace):
     from jobs.config import load_config
 
     sets = {k[4:]: v for k, v in vars(args).items() if k.startswith("set:") and v is not None}
-    return load_config(args.config, args.overrides, sets)
+    cfg = load_config(args.config, args.overrides, sets)
+    cfg.given_args = given_args(args)
+    return cfg
+
+
+def given_args(args: argparse.Namespace) -> str:
+    """The user's CONFIG, overrides and config flags as one shell-quoted string, for the commands
+    a hint suggests (`slipway prepare ...`), so the suggestion pasted reads the same config."""
+    argv = [args.config, *args.overrides]
+    for flag, key, _, _ in NAMED_FLAGS + CLUSTER_FLAGS:
+        value = getattr(args, f"set:{key}", None)
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += [flag for flag, key, _ in BOOL_FLAGS if getattr(args, f"set:{key}", None)]
+    return shlex.join(argv)
 
 
 def project_dir() -> Path:
     return Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute()
 
 
-def _console():
+def _console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(highlight=False)
+    return Console(highlight=False, stderr=stderr)
 
 
 # ---------------------------------------------------------------- commands
@@ -117,7 +145,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
         try:
             runs.check_submittable(sealed.cfg)
-            why = runs.unprepared_data(sealed, cfg.config_name)
+            why = runs.unprepared_data(sealed, cfg.config_args)
             if why and not args.prepare:
                 sealed.notes.insert(0, f"a real submission would be refused: data: {why}")
             elif why:
@@ -131,7 +159,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
                       f"runtime {cfg.container.runtime}, launcher {cfg.launch.launcher}"
                       f"{', image ' + sealed.pin.image if sealed.pin.image else ''})", soft_wrap=True)
         return 0
-    run, job_id, sealed, prep_id = runs.submit(cfg, project_dir(), force=args.force, prepare=args.prepare)
+    run, job_id, sealed, prep_id = runs.submit(cfg, project_dir(), force=args.force, prepare=args.prepare,
+                                               before_writing=_check_controller)
+    if args.parsable:
+        print(job_id)  # nothing else on stdout: scripts read the id (notes and the summary go to stderr)
+        console = _console(stderr=True)
     _notes(console, sealed.notes)
     if prep_id:
         console.print(f"data preparation job [bold]{prep_id}[/] (log {run.log_path(prep_id)}); the training job "
@@ -144,7 +176,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
         console.print(f"[dim]image {sealed.pin.path} ({sealed.pin.source}"
                       f"{', build ' + sealed.pin.build_hash[:12] if sealed.pin.build_hash else ''})[/]",
                       soft_wrap=True)
-    print(job_id)
     if args.show_logs:
         console.print(f"following {run.log_path(job_id)} until the job ends (Ctrl-C stops following, "
                       "not the job)", style="dim", soft_wrap=True)
@@ -152,6 +183,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
         console.print(f"job {job_id} ended with exit code {code}")
         return code
     return 0
+
+
+def _check_controller() -> None:
+    """Once the input is checked and before anything is written: a submission no controller
+    would take fails with doctor's one-line diagnosis, not sbatch's resolver errors."""
+    from jobs.doctor import controller_problem
+    from jobs.slurm import SlurmError
+
+    problem = controller_problem()
+    if problem:
+        raise SlurmError(problem)
 
 
 def _notes(console, notes: list[str]) -> None:
@@ -166,14 +208,18 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     console = _console()
     if args.as_job:
         run, job_id, sealed = runs.submit_prepare(cfg, project_dir(), force=args.force)
+        if args.parsable:
+            print(job_id)  # nothing else on stdout: scripts read the id (the rest goes to stderr)
+            console = _console(stderr=True)
         _notes(console, sealed.notes)
         console.print(f"submitted the data preparation of [bold]{cfg.run.name}[/] as job [bold]{job_id}[/] "
-                      f"(log {run.log_path(job_id)}); `slipway submit {cfg.config_name}` once it has completed, "
+                      f"(log {run.log_path(job_id)}); `slipway submit {cfg.config_args}` once it has completed, "
                       "or now with --prepare to queue it behind", soft_wrap=True)
-        print(job_id)
         if args.show_logs:
             return runs.follow(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
         return 0
+    require_extra("prepare", "trainer", ("numpy", "tokenizers", "datasets"),
+                  instead=f"prepare in the image as a CPU job: slipway prepare {cfg.config_args} --as-job")
     sealed = runs.seal(cfg, project_dir(), dry_run=True)
     data = sealed.cfg.data
     # Hub downloads land where the job's own HF_HOME is (set before the hub libraries load).
@@ -193,7 +239,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         raise ConfigError("data.cache_dir", str(exc)) from None
     for entry in result.entries:
         console.print(entry.describe(), soft_wrap=True, highlight=False)
-    console.print(f"[green]prepared[/]: `slipway submit {cfg.config_name}` will only open this cache", soft_wrap=True)
+    console.print(f"[green]prepared[/]: `slipway submit {cfg.config_args}` will only open this cache", soft_wrap=True)
     return 0
 
 
@@ -201,6 +247,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     from jobs import local
 
     cfg = load(args)
+    require_extra("local", "trainer")
     named = getattr(args, "set:run.name") is not None or any(o.startswith("run.name=") for o in args.overrides)
     return local.run_local(cfg, project_dir(), force=args.force, console=_console(), rename=not named)
 
@@ -210,14 +257,18 @@ def cmd_edf(args: argparse.Namespace) -> int:
 
     if args.check or args.to_pyxis:
         path = Path(args.check or args.to_pyxis)
-        env, problems = check_edf(path)
+        notes: list[str] = []
+        # --check also looks for the image file and mount sources; --to-pyxis may run elsewhere.
+        env, problems = check_edf(path, notes=notes if args.check else None)
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
         for problem in problems:
             print(f"slipway: error: {problem}", file=sys.stderr)
         if problems:
             print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
             return 2
         if args.check:
-            print(f"{path}: ok")
+            print(f"{path}: ok" + (f" ({len(notes)} path(s) not judged, see the notes)" if notes else ""))
             return 0
         env = parse_edf(path)
         env.runtime = "pyxis"
@@ -251,11 +302,13 @@ def cmd_shell(args: argparse.Namespace) -> int:
     from jobs import local
 
     cfg = load(args)
-    argv, exports = local.shell_argv(cfg, project_dir(), command=args.command)
     if args.dry_run:
-        print(shlex.join([*(f"{k}={v}" for k, v in exports.items()), *argv]))
+        text, notes = local.shell_dry_run(cfg, project_dir(), command=args.command)
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+        sys.stdout.write(text)
         return 0
-    return local.exec_foreground(argv, exports)
+    return local.run_shell(cfg, project_dir(), command=args.command)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -317,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing run's different config")
     p.add_argument("--prepare", action="store_true", help="if the token cache is not prepared, queue a CPU job that "
                                                          "prepares it and make the training job wait for it")
+    p.add_argument("--parsable", action="store_true", help="print only the job id on stdout (the rest on stderr), "
+                                                          "for scripts")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("prepare", help="download and tokenise the config's dataset into the token cache, here or "
@@ -326,11 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "settings), in the run's container; log in runs/RUN/logs/")
     p.add_argument("--cpus", type=int, help="tokenizer threads here (default data.num_proc; 0: every core)")
     p.add_argument("--show-logs", action="store_true", help="with --as-job: follow its log until it ends")
+    p.add_argument("--parsable", action="store_true", help="with --as-job: print only the job id on stdout (the rest "
+                                                          "on stderr), for scripts")
     p.add_argument("--force", action="store_true", help="with --as-job: replace an existing run's different config")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("local", help="run the same launch on this machine (torchrun --standalone), no Slurm")
-    _config_args(p)
+    _config_args(p, cluster=False)
     p.add_argument("--force", action="store_true", help="replace an existing run's different config")
     p.set_defaults(func=cmd_local)
 
@@ -393,6 +450,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.edge import run_at_edge
+
+    try:
+        return run_at_edge(lambda: _main(argv), handled=_slurm_error)
+    except KeyboardInterrupt:
+        print("slipway: interrupted", file=sys.stderr)
+        return 130
+
+
+def _slurm_error(exc: BaseException) -> int | None:
+    """A Slurm command that failed: its one line, exit 1 (not the user's input: exit 2)."""
+    from jobs.slurm import SlurmError
+
+    if isinstance(exc, SlurmError):
+        print(f"slipway: error: {exc}", file=sys.stderr)
+        return 1
+    return None
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["image"]:  # the image commands parse their own arguments (python -m containers)
         from containers.__main__ import main as containers_main
@@ -412,16 +489,4 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     if getattr(args, "config", None) is None and args.command == "doctor":
         args.overrides = []
-    from jobs.slurm import SlurmError
-
-    try:
-        return args.func(args)
-    except ConfigError as exc:
-        print(f"slipway: error: {exc}", file=sys.stderr)
-        return 2
-    except SlurmError as exc:
-        print(f"slipway: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("slipway: interrupted", file=sys.stderr)
-        return 130
+    return args.func(args)

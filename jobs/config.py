@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from edf.environment import ENV_NAME, NOT_CONFIG, SAFE_NAME, Environment
+from edf.environment import ENV_NAME, NOT_CONFIG, SAFE_NAME, Environment, check_secret_entry, secret_error, secret_word
 from trainer.config import (
     CheckpointSection,
     Plain,
@@ -28,9 +29,12 @@ from trainer.config import (
     ParallelSection,
     RunSection,
     TrainSection,
+    _at_most,
     _require,
+    _shown,
     check_trainer_sections,
     from_dict,
+    read_text_bounded,
     read_yaml,
     to_dict,
 )
@@ -42,13 +46,18 @@ TIME_FORMS = re.compile(r"(?P<m>\d+)(:(?P<s>\d+))?|(?P<h3>\d+):(?P<m3>\d+):(?P<s
                         r"(?P<d>\d+)-(?P<dh>\d+)(:(?P<dm>\d+)(:(?P<ds>\d+))?)?")
 UNLIMITED = ("unlimited", "infinite")
 TIME_RULE = "use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
+# The longest limit slipway submits (Slurm itself stores minutes in 32 bits; no partition allows
+# more than this, and the batch script's arithmetic on it stays far from bash's limits).
+MAX_TIME_SECONDS = 365 * 86400
+# Slurm's --signal takes at most 65535 seconds (sbatch(1)).
+MAX_SIGNAL_SECONDS = 65535
 
 
 def time_limit_seconds(text: str) -> Optional[int]:
     """Seconds in a Slurm time limit, None for no limit; ValueError if it is not one."""
     if text.strip().lower() in UNLIMITED:
         return None
-    m = TIME_FORMS.fullmatch(text.strip())
+    m = TIME_FORMS.fullmatch(text.strip()) if len(text) <= 40 else None
     if m is None:
         raise ValueError(text)
     g = {k: int(v) for k, v in m.groupdict().items() if v is not None}
@@ -60,23 +69,37 @@ def time_limit_seconds(text: str) -> Optional[int]:
 
 @dataclass
 class SlurmSection:
+    """The Slurm allocation: the job's sbatch options, its time-limit requeues, failure retries and
+    preflight, and the data preparation job."""
+
+    # Nodes of the allocation.
     nodes: int = 1
+    # GPUs per node; 0 for a CPU run.
     gpus_per_node: int = 4
     # Default: 8, or what launch.preset gives (a GH200 rank gets its Grace's 72 cores).
     cpus_per_task: Optional[int] = None
+    # The time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED.
     time: str = "01:00:00"
+    # sbatch --account; null: Slurm's default.
     account: Optional[str] = None
+    # sbatch --partition; null: Slurm's default.
     partition: Optional[str] = None
+    # sbatch --qos; null: Slurm's default.
     qos: Optional[str] = None
+    # Mail this address when the job ends or fails.
     email: Optional[str] = None
+    # sbatch --mem (memory per node, e.g. 200G; 0: all of it); null: the partition's default.
     mem: Optional[str] = None
     # Relative to the run directory; %j is the job id (known before the log is read).
     output: str = "logs/%j.out"
+    # Slurm's error log, relative to the run directory like output.
     error: str = "logs/%j.err"
     # Seconds before the time limit at which the batch script is warned (USR1):
     # the trainer saves at the step boundary and the job requeues itself.
     # Default: a tenth of the limit, at most 300 s; 0 disables the warning.
     signal_seconds: Optional[int] = None
+    # Whether the job requeues itself (sbatch --requeue): off, it neither requeues at the
+    # time-limit warning nor retries a failure.
     requeue: bool = True
     # Time-limit requeues of one job before it stops requeueing (recorded in events.log).
     max_requeues: int = 20
@@ -90,12 +113,16 @@ class SlurmSection:
     # named and the job retried without it. Skipped with launch.command (its image may not
     # hold slipway's trainer). Each of its two steps may take preflight_timeout seconds.
     preflight: bool = True
+    # Seconds each of the preflight's two steps may take.
     preflight_timeout: int = 300
+    # More sbatch options, each one long option such as --exclusive or --mem=0.
     extra: list[str] = field(default_factory=list)
     # The data preparation job (`slipway prepare --as-job`, `submit --prepare`): one CPU task,
     # no GPU. Defaults: the training job's partition and cpus_per_task.
     prepare_partition: Optional[str] = None
+    # The preparation job's CPUs (its tokenizer threads).
     prepare_cpus: Optional[int] = None
+    # The preparation job's time limit.
     prepare_time: str = "02:00:00"
 
     def check(self, where: str) -> None:
@@ -106,10 +133,16 @@ class SlurmSection:
         try:
             limit = time_limit_seconds(self.time)
         except ValueError:
-            raise ConfigError(f"{where}.time", f"{self.time!r} is not a Slurm time limit: {TIME_RULE}") from None
-        _require(limit is None or limit > 0, f"{where}.time", f"must be longer than 0, got {self.time!r}")
+            raise ConfigError(f"{where}.time", f"{_shown(self.time)} is not a Slurm time limit: {TIME_RULE}") from None
+        _require(limit is None or limit > 0, f"{where}.time", f"must be longer than 0, got {_shown(self.time)}")
+        _require(limit is None or limit <= MAX_TIME_SECONDS, f"{where}.time",
+                 f"{_shown(self.time)} is longer than 365 days (365-00:00:00): lower it, or write UNLIMITED")
+        _at_most(self, where, nodes=100_000, gpus_per_node=64, cpus_per_task=4096, prepare_cpus=4096,
+                 max_requeues=1000, max_retries=100, preflight_timeout=86400)
         if self.signal_seconds is not None:
             _require(self.signal_seconds >= 0, f"{where}.signal_seconds", "must be >= 0 (0 disables the warning)")
+            _require(self.signal_seconds <= MAX_SIGNAL_SECONDS, f"{where}.signal_seconds",
+                     f"must be at most {MAX_SIGNAL_SECONDS} (Slurm's --signal limit), got {self.signal_seconds}")
             _require(limit is None or self.signal_seconds * 2 <= limit, f"{where}.signal_seconds",
                      f"the warning {self.signal_seconds} s before the end must leave at least half of slurm.time "
                      f"({self.time} = {limit} s) for training, or every requeued job would save and stop at once: "
@@ -121,22 +154,24 @@ class SlurmSection:
         _require(self.prepare_cpus is None or self.prepare_cpus > 0, f"{where}.prepare_cpus",
                  f"must be > 0, got {self.prepare_cpus}")
         try:
-            time_limit_seconds(self.prepare_time)
+            prepare_limit = time_limit_seconds(self.prepare_time)
         except ValueError:
-            raise ConfigError(f"{where}.prepare_time", f"{self.prepare_time!r} is not a Slurm time limit: "
+            raise ConfigError(f"{where}.prepare_time", f"{_shown(self.prepare_time)} is not a Slurm time limit: "
                                                        f"{TIME_RULE}") from None
+        _require(prepare_limit is None or 0 < prepare_limit <= MAX_TIME_SECONDS, f"{where}.prepare_time",
+                 f"must be longer than 0 and at most 365 days, got {_shown(self.prepare_time)}")
         for name in ("output", "error"):
             value = getattr(self, name)
             _require(bool(value) and "\n" not in value and not value.startswith("/")
                      and ".." not in Path(value).parts, f"{where}.{name}",
-                     f"must be a path inside the run directory such as logs/%j.out, got {value!r}")
+                     f"must be a path inside the run directory such as logs/%j.out, got {_shown(value)}")
         for i, opt in enumerate(self.extra):
             _require(opt.startswith("--") and "\n" not in opt, f"{where}.extra[{i}]",
-                     f"must be one long sbatch option such as --exclusive or --mem=0, got {opt!r}")
+                     f"must be one long sbatch option such as --exclusive or --mem=0, got {_shown(opt)}")
         for name in ("account", "partition", "qos", "email", "mem", "prepare_partition"):
             value = getattr(self, name)
             _require(value is None or (bool(value) and "\n" not in value and (name == "partition" or "," not in value)),
-                     f"{where}.{name}", f"must be a single line without commas, got {value!r}")
+                     f"{where}.{name}", f"must be a single line without commas, got {_shown(value)}")
 
     def time_seconds(self) -> Optional[int]:
         """The time limit in seconds; None for UNLIMITED."""
@@ -196,9 +231,15 @@ class LaunchSection:
     python: Optional[str] = None
     # Replace the trainer with another command (a list of arguments).
     command: list[str] = field(default_factory=list)
+    # Shell lines the batch script runs as written before it launches the ranks.
     pre_launch: list[str] = field(default_factory=list)
+    # Variables exported before srun; they override the node preset's. A name that looks like a
+    # secret is refused: pass secrets with container.env_from_host instead.
     env: dict[str, str] = field(default_factory=dict)
+    # set -x in the batch script, CUDA_LAUNCH_BLOCKING=1, TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO.
     debug: bool = False
+    # The Hugging Face cache (HF_HOME) of the job and of `slipway prepare`; default: the project's
+    # .cache/huggingface.
     hf_home: Optional[str] = None
     # A node type (NODE_PRESETS): binds each rank to the cores and memory next to its GPU
     # (srun --cpu-bind with launcher srun, torchrun --numa-binding with torchrun) and sets the
@@ -212,9 +253,8 @@ class LaunchSection:
             _require(bool(ENV_NAME.match(key)), f"{where}.env.{key}",
                      "is not a valid environment variable name (letters, digits, _; not starting with a digit)")
         for key, value in self.env.items():
-            _require(not re.search(r"(API_KEY|TOKEN|SECRET|PASSWORD)", key), f"{where}.env.{key}",
-                     "looks like a secret: export it in your shell before submitting instead; "
-                     "slipway never writes secrets into the run directory")
+            # No pass-through here: launch.env is exported by the batch script, in its text.
+            check_secret_entry(f"{where}.env.{key}", key, value)
 
 
 @dataclass
@@ -227,10 +267,14 @@ class ImageSection:
     current one.
     """
 
+    # The Dockerfile podman builds.
     dockerfile: str = "containers/Dockerfile"
+    # The image it builds FROM (`make image BASE_IMAGE=...` overrides it).
     # Keep in sync with containers/Dockerfile's ARG BASE_IMAGE.
     base_image: str = "nvcr.io/nvidia/pytorch:25.12-py3"
+    # The image's name: localhost/NAME:HASH12 and OUTPUT_DIR/NAME-HASH12.sqsh.
     name: str = "slipway"
+    # Where the squashfs files go.
     output_dir: str = "images"
     # Build flash-attn against the base's torch and CUDA; false for bases without CUDA.
     flash_attn: bool = True
@@ -238,6 +282,8 @@ class ImageSection:
     build_args: dict[str, str] = field(default_factory=dict)
     # podman build --network=host (needed on CSCS).
     network_host: bool = False
+    # podman build --isolation: chroot where the host's cgroups or rlimits stop podman's OCI
+    # runtime (a failed build says so); null: podman's default.
     isolation: Optional[Literal["chroot", "oci", "rootless"]] = None
     # A directory of wheels: pip installs from it alone (--no-index), for nodes without internet.
     wheelhouse: Optional[str] = None
@@ -253,6 +299,8 @@ class ImageSection:
         _require(bool(self.base_image) and "\n" not in self.base_image, f"{where}.base_image",
                  "must name an image, e.g. nvcr.io/nvidia/pytorch:25.12-py3 or localhost/NAME:TAG")
         for key, value in self.build_args.items():
+            if secret_word(key):  # a build arg's value is kept in the image's history, whatever it is
+                raise secret_error(f"{where}.build_args.{key}", key)
             _require(bool(ENV_NAME.match(key)) and "\n" not in str(value), f"{where}.build_args.{key}",
                      "build arg names are letters, digits and _ (not starting with a digit); values one line")
         _require("\n" not in self.squash_options, f"{where}.squash_options", "must be one line of mksquashfs options")
@@ -273,6 +321,9 @@ class Config:
     logging: LoggingSection = field(default_factory=LoggingSection)
     # The file it was read from (messages say `make image CONFIG=NAME`); not part of the config.
     source: Optional[Path] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
+    # The command line's CONFIG, overrides and config flags, shell-quoted (set by the CLI), so a
+    # suggested `slipway ...` reads the same config the user's own command did.
+    given_args: Optional[str] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
 
     @property
     def config_name(self) -> str:
@@ -281,9 +332,15 @@ class Config:
             return self.run.name
         return self.source.stem if self.source.parent == Path("configs") else str(self.source)
 
+    @property
+    def config_args(self) -> str:
+        """What a suggested `slipway COMMAND ...` repeats: the user's own config arguments."""
+        return self.given_args or shlex.quote(self.config_name)
+
     def check(self, where: str) -> None:
+        _check_path_components(to_dict(self), "")
         _require(bool(SAFE_NAME.match(self.run.name)), "run.name",
-                 f"{self.run.name!r} is not a safe run name: {SAFE_NAME_RULE}")
+                 f"{_shown(self.run.name)} is not a safe run name: {SAFE_NAME_RULE}")
         if self.launch.python is None:
             self.launch.python = sys.executable if self.container.runtime == "none" else "python3"
         if self.launch.procs_per_node is None:
@@ -323,6 +380,27 @@ class Config:
     @property
     def world_size(self) -> int:
         return self.slurm.nodes * self.launch.procs_per_node
+
+
+# Linux filesystems take names of at most 255 bytes (NAME_MAX): a longer component in a path
+# fails at the first stat, wherever that is; here it is refused naming its field.
+NAME_MAX = 255
+
+
+def _check_path_components(value: Any, where: str) -> None:
+    """Every string of the tree that reads as a path (a '/', no whitespace) has components of at
+    most NAME_MAX bytes."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_path_components(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_path_components(item, f"{where}[{i}]")
+    elif isinstance(value, str) and "/" in value and not any(c.isspace() for c in value):
+        longest = max(value.split("/"), key=lambda part: len(part.encode(errors="replace")))
+        size = len(longest.encode(errors="replace"))
+        _require(size <= NAME_MAX, where, f"the path component {_shown(longest)} is {size} bytes; file systems "
+                                          f"take names of at most {NAME_MAX}: shorten it")
 
 
 def parse_value(text: str, key: str = "") -> Any:
@@ -408,7 +486,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict
     """
     path = resolve_config_path(path)
     try:
-        text = path.read_text()
+        text = read_text_bounded(path, "CONFIG")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError("CONFIG", f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
     raw = read_yaml(text, str(path))

@@ -33,7 +33,7 @@ from typing import Optional
 from edf import Environment, Mount, expand_host, is_local_image, resolve_base
 from jobs.config import Config
 from jobs.sbatch import RunPaths
-from trainer.config import ConfigError
+from trainer.config import ConfigError, bounded_path
 
 HUB_NAME_PARTS = 2  # `org/name` is a hub name, not a path
 
@@ -290,17 +290,22 @@ def create_needed_dirs(cfg: Config, paths: RunPaths) -> list[Path]:
     if not cfg.container.in_container:
         return []
     created: list[Path] = []
-    for need in needed_paths(cfg, paths):
-        if need.create:
-            missing = [p for p in (need.path, *need.path.parents) if not p.exists()]
+    try:
+        for need in needed_paths(cfg, paths):
+            field = need.what.split(" ")[0]
             try:
-                need.path.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise ConfigError(need.what.split(" ")[0], f"cannot create {need.path} ({exc.strerror}): "
-                                                           "point it at a writable shared directory") from None
-            created += missing
-        elif not need.path.exists() and need.what != "the run directory":
-            raise ConfigError(need.what.split(" ")[0], f"{need.path} does not exist on this node")
+                if need.create:
+                    missing = [p for p in (need.path, *need.path.parents) if not p.exists()]
+                    need.path.mkdir(parents=True, exist_ok=True)
+                    created += missing
+                elif not need.path.exists() and need.what != "the run directory":
+                    raise ConfigError(field, f"{bounded_path(need.path)} does not exist on this node")
+            except OSError as exc:  # not writable, or a name longer than the filesystem takes
+                raise ConfigError(field, f"cannot create {bounded_path(need.path)} ({exc.strerror}): point it at "
+                                         "a writable shared directory with a shorter path") from None
+    except BaseException:  # a refused submission leaves none of the directories it made
+        remove_created_dirs(created)
+        raise
     return created
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
+import shlex
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from edf import render_edf, srun_flags
 from jobs import runs, slurm
 from jobs.config import Config
 from jobs.sbatch import REQUEUE_EXIT, local_argv
+from trainer.config import ConfigError
 from trainer.fs import write_atomic
 
 
@@ -69,10 +73,12 @@ def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
 
 def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True) -> int:
     """Create or resume the run directory and train here; the output also goes to logs/local-*.out."""
+    cfg.container.require_host_env()  # the trainer takes them from this process's environment
     cfg, changed = local_view(cfg, rename=rename)
     if changed:
         console.print(f"[dim]on this machine: {'; '.join(changed)}[/]", soft_wrap=True)
     sealed = runs.seal(cfg, project_dir)
+    check_before_start(sealed, cfg.config_args)  # seconds here, not after every process has started
     run, created = runs.prepare_run(sealed, force=force)
     cfg = sealed.cfg
     argv = local_argv(cfg, run.paths)
@@ -122,6 +128,58 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
         console.print(f"done: metrics in {run.dir / 'metrics.jsonl'}, checkpoints in {run.dir / cfg.checkpoint.dir}",
                       soft_wrap=True)
     return rc
+
+
+def check_before_start(sealed: runs.Sealed, config_args: str) -> None:
+    """What the trainer would refuse only once every process has started (torch imported, the
+    process group formed), checked from the config and the token cache's index: files the run
+    needs, a token cache `slipway prepare` has not made (the same refusal as `submit`), data too
+    short for the sequence length or the validation share, a tokenizer larger than the model's
+    vocabulary, and a resumed run that already reached train.steps."""
+    cfg = sealed.cfg
+    runs.check_submittable(cfg)
+    why = runs.unprepared_data(sealed, config_args)
+    if why:
+        raise ConfigError("data", why)
+    _check_data_fits(cfg, sealed.data_status())
+    steps = _checkpoint_steps(sealed.paths.run_dir / cfg.checkpoint.dir)
+    if steps and steps[-1] >= cfg.train.steps:
+        raise ConfigError("train.steps", f"run {cfg.run.name} already reached train.steps={cfg.train.steps} "
+                                         f"(checkpoint at step {steps[-1]}): nothing to train; raise it "
+                                         f"(--train-steps {steps[-1] + cfg.train.steps}) to train on, or pick "
+                                         "another --run-name for a new run")
+
+
+def _check_data_fits(cfg: Config, status) -> None:
+    """The trainer's window and vocabulary rules (trainer/data.py), from the prepared entries'
+    token counts; an entry the job will tokenize itself is judged there."""
+    data, window = cfg.data, cfg.data.seq_len + 1
+    index = {e.role: e.index for e in status.entries if e.prepared and e.index}
+    if "train" not in index:
+        return
+    train = index["train"]
+    n_train, source = int(train["n_tokens"]), train.get("source", data.dataset)
+    if int(train.get("vocab_size", 0)) > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the vocabulary of "
+                                              f"data.tokenizer '{data.tokenizer}' ({train['vocab_size']}): set "
+                                              f"model.vocab_size >= {train['vocab_size']}")
+    if "validation" in index:
+        n_val = int(index["validation"]["n_tokens"])
+        if n_val < window:
+            raise ConfigError("data.validation_split", f"{n_val:,} tokens of {index['validation'].get('source')} "
+                                                       f"hold no window of data.seq_len + 1 = {window}: lower "
+                                                       "data.seq_len or use more data")
+    elif data.validation_fraction > 0 and not data.validation_split:
+        n_val = int(n_train * data.validation_fraction)
+        if n_val < window:
+            raise ConfigError("data.validation_fraction",
+                              f"{data.validation_fraction} of {n_train:,} tokens is {n_val}, less than one window "
+                              f"of data.seq_len + 1 = {window}: raise it, lower data.seq_len, or set it to 0 to "
+                              "skip validation")
+        n_train -= n_val
+    if n_train < window:
+        raise ConfigError("data.dataset", f"{n_train:,} tokens of {source} hold no window of data.seq_len + 1 = "
+                                          f"{window}: lower data.seq_len or use more data")
 
 
 def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: Path) -> dict:
@@ -203,27 +261,83 @@ def _checkpoint_steps(ckpt_dir: Path) -> list[int]:
 
 
 
-def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+# Where the shell's EDF would be, as a dry run shows it (mkdtemp's Xs: a name chosen when it runs).
+SHELL_EDF_SHOWN = "slipway-shell-XXXXXXXX"
+
+
+def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None,
+               edf_dir: Path | None = None) -> tuple[list[str], dict[str, str], str | None]:
     """`srun ... --pty bash` in the image (or `command` without a pty), one node, one task;
-    and the variables to set in srun's environment (pyxis passes container.env that way).
+    the variables to set in srun's environment (pyxis passes container.env that way); and the
+    text of the Container Engine's EDF (None for the other runtimes), to be written as
+    `edf_dir`/env.toml (default: the name a dry run shows) before srun starts.
 
     The environment is the one a submitted run of `cfg` would get (pinned image, its paths
     mounted), through the same `srun_flags` as the batch script. It never writes into a run
-    directory: the Container Engine's EDF goes to runs/.shell/, named by its content."""
+    directory. Variables of `container.env_from_host` are only named, never expanded: srun
+    hands them on from this process's environment."""
     sealed = runs.seal(cfg, project_dir)
     env = sealed.env
-    edf_file = None
+    edf_file, text = None, None
     if env.runtime == "edf":
         text = render_edf(env)
-        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-        edf_file = runs.runs_root(project_dir) / ".shell" / f"{cfg.run.name}-{digest}.toml"
-        if not edf_file.exists():
-            write_atomic(edf_file, text)
+        edf_file = (edf_dir or shell_edf_root(project_dir) / SHELL_EDF_SHOWN) / "env.toml"
     args, exports = srun_flags(env, edf_file).expanded()
     s = cfg.slurm
     argv = slurm.srun_argv(nodes=1, ntasks_per_node=1, cpus_per_task=s.cpus_per_task, gpus_per_node=s.gpus_per_node,
                            time=s.time, account=s.account, partition=s.partition, pty=not command, extra=args)
-    return argv + (list(command) if command else ["bash"]), exports
+    return argv + (list(command) if command else ["bash"]), exports, text
+
+
+def shell_edf_root(project_dir: Path) -> Path:
+    """The parent of the shells' private EDF directories: beside the runs, on the filesystem
+    the compute nodes share (the Container Engine reads the EDF there), never in a run."""
+    return runs.runs_root(project_dir) / ".shell"
+
+
+def shell_dry_run(cfg: Config, project_dir: Path, command: list[str] | None = None) -> tuple[str, list[str]]:
+    """What `slipway shell --dry-run` prints (the EDF, then the srun command), writing nothing;
+    and its notes (what a real shell would refuse)."""
+    notes = []
+    try:
+        cfg.container.require_host_env()
+    except ConfigError as exc:
+        notes.append(f"a real shell would fail: {exc}")
+    argv, exports, text = shell_argv(cfg, project_dir, command)
+    out = ""
+    if text is not None:
+        edf_file = shell_edf_root(project_dir) / SHELL_EDF_SHOWN / "env.toml"
+        out += f"==> {edf_file} (private, written when the shell starts, removed when it ends) <==\n{text}"
+    return out + shlex.join([*(f"{k}={v}" for k, v in exports.items()), *argv]) + "\n", notes
+
+
+def run_shell(cfg: Config, project_dir: Path, command: list[str] | None = None) -> int:
+    """`slipway shell`: the Container Engine's EDF in a private directory (0700, the file 0600)
+    for as long as srun runs, then removed (also on Ctrl-C, SIGTERM or a closed terminal)."""
+    cfg.container.require_host_env()
+    if cfg.container.runtime != "edf":
+        argv, exports, _ = shell_argv(cfg, project_dir, command)
+        return exec_foreground(argv, exports)
+    root = shell_edf_root(project_dir)
+    runs.no_world_write()
+    root.mkdir(parents=True, exist_ok=True)
+    mode = root.stat()
+    if mode.st_mode & 0o002 and mode.st_uid == os.getuid():  # whoever may write there could swap our directory
+        os.chmod(root, mode.st_mode & 0o7775)
+    private = Path(tempfile.mkdtemp(prefix=SHELL_EDF_SHOWN.rstrip("X"), dir=root))
+    handlers = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        argv, exports, text = shell_argv(cfg, project_dir, command, edf_dir=private)
+        write_atomic(private / "env.toml", text or "", 0o600)
+        return exec_foreground(argv, exports)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _exit_on_signal(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_shell's cleanup
 
 
 def exec_foreground(argv: list[str], exports: dict[str, str] | None = None) -> int:

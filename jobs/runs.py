@@ -30,7 +30,7 @@ from jobs import slurm
 from jobs.config import Config, dump_config, load_config
 from jobs.container import (ImagePin, create_needed_dirs, pin_image, remove_created_dirs, resolve_paths,
                             run_environment, stale_build_note)
-from jobs.sbatch import PREPARE_SCRIPT, RunPaths, render_prepare_sbatch, render_sbatch
+from jobs.sbatch import PREPARE_SCRIPT, RunPaths, check_env_from_host, render_prepare_sbatch, render_sbatch
 from trainer.config import ConfigError
 from trainer.fs import write_atomic
 
@@ -174,6 +174,7 @@ class Sealed:
 def check_submittable(cfg: Config) -> None:
     """What must hold on disk at submission, beyond the image and the paths `seal` checks."""
     c = cfg.container
+    check_env_from_host(cfg)
     if c.in_container:
         for i, mount in enumerate(c.mounts):
             src = expand_host(mount.src, f"container.mounts[{i}]")
@@ -236,12 +237,20 @@ def _active_jobs(run: Run) -> list[tuple[str, str]]:
     return out
 
 
+def no_world_write() -> int:
+    """Mask o+w in this process's umask, for good: whatever it and its children create (run
+    directories, logs/, history/, a local run's checkpoints; a job sbatch submits from here,
+    as Slurm applies the submitter's umask to it) is never writable by every user, even under
+    umask 000. Returns the umask now in force."""
+    umask = os.umask(0) | 0o002
+    os.umask(umask)
+    return umask
+
+
 def _group_readable(path: Path) -> None:
     """mkdtemp makes 0700 directories: give the run directory the user's umask (teammates
-    on a shared project folder read runs)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o777 & ~umask)
+    on a shared project folder read runs), never writable by others."""
+    os.chmod(path, 0o777 & ~no_world_write())
 
 
 def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
@@ -253,7 +262,11 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     running is never rewritten: that job reads these files."""
     cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
     run = Run(paths)
+    no_world_write()
     if (paths.run_dir / MANIFEST).is_file():
+        mode = paths.run_dir.stat().st_mode
+        if mode & 0o002:  # made under umask 000 before slipway masked it
+            os.chmod(paths.run_dir, mode & 0o7775)
         active = _active_jobs(run)
         if active:
             jobs = ", ".join(f"{j} ({state})" for j, state in active)
@@ -315,19 +328,21 @@ def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train"
     write_atomic(run.dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
-def unprepared_data(sealed: Sealed, config_name: str) -> Optional[str]:
-    """Why the run cannot start on its token cache as it is (None: it can)."""
+def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:
+    """Why the run cannot start on its token cache as it is (None: it can); `config_args` is what
+    the suggested `slipway prepare` repeats (`Config.config_args`: the user's own arguments)."""
     status = sealed.data_status()
     if status.prepared or status.tokenize_in_job:
         return None
     missing = "; ".join(e.describe() for e in status.missing)
-    return (f"the token cache is not prepared ({missing}): run `slipway prepare {config_name}` first (here, or "
+    # The fix first: a message too long for one line keeps its start and its end.
+    return (f"the token cache is not prepared: run `slipway prepare {config_args}` first (here, or with "
             "--as-job on a CPU node), or submit with --prepare to queue the preparation before the training job; "
-            "data.tokenize_in_job: true lets rank 0 tokenize in the job while every GPU waits")
+            f"data.tokenize_in_job: true lets rank 0 tokenize in the job while every GPU waits; {missing}")
 
 
-def submit(cfg: Config, project_dir: Path, *, force: bool = False,
-           prepare: bool = False) -> tuple[Run, str, Sealed, Optional[str]]:
+def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool = False,
+           before_writing: Optional[Callable[[], None]] = None) -> tuple[Run, str, Sealed, Optional[str]]:
     """Seal the submission, write the run directory and `sbatch` it; returns (run, job id,
     sealed, the id of the data preparation job it waits for or None).
 
@@ -335,11 +350,14 @@ def submit(cfg: Config, project_dir: Path, *, force: bool = False,
     prepares it and the training job starts after that one completed."""
     check_submittable(cfg)
     sealed = seal(cfg, project_dir)
-    why = unprepared_data(sealed, cfg.config_name)
+    why = unprepared_data(sealed, cfg.config_args)
     if why and not prepare:
         raise ConfigError("data", why)
     if why:
         sealed = sealed.with_prepare_script()
+    if before_writing is not None:  # the caller's last check (a controller to submit to), input checked
+        before_writing()
+    no_world_write()
     made = create_needed_dirs(sealed.cfg, sealed.paths)
     try:
         run, created = prepare_run(sealed, force=force)
@@ -370,9 +388,21 @@ def submit_prepare(cfg: Config, project_dir: Path, *, force: bool = False) -> tu
     """`slipway prepare --as-job`: the run's data preparation as a CPU job of its own."""
     check_submittable(cfg)
     sealed = seal(cfg, project_dir).with_prepare_script()
-    create_needed_dirs(sealed.cfg, sealed.paths)
-    run, _ = prepare_run(sealed, force=force)
-    job_id = slurm.sbatch(run.dir / PREPARE_SCRIPT, cwd=run.paths.project_dir)
+    made = create_needed_dirs(sealed.cfg, sealed.paths)
+    try:
+        run, created = prepare_run(sealed, force=force)
+    except BaseException:  # refused (a running job, a different config): leave no directory behind
+        remove_created_dirs(made)
+        raise
+    try:
+        job_id = slurm.sbatch(run.dir / PREPARE_SCRIPT, cwd=run.paths.project_dir)
+    except BaseException:
+        remove_created_dirs(made)
+        if created:  # nothing ran: leave no trace of a run that never was
+            shutil.rmtree(run.dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                run.dir.parent.rmdir()  # only if that left it empty
+        raise
     record_submission(run, job_id, sealed, kind="prepare")
     return run, job_id, sealed
 

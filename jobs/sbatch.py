@@ -7,12 +7,14 @@ no run name, path or env value can ever run a command.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 from edf import Environment, srun_flags
+from edf.environment import secret_error, secret_word
 from jobs.config import NODE_PRESETS, Config
 from trainer.config import HANG_EXIT, HANGS_DIR, PREFLIGHT_EXIT, REQUEUE_EXIT, STOP_FILE, ConfigError
 from trainer.preflight import checkpoint_bytes
@@ -167,8 +169,9 @@ def _environment(cfg: Config, paths: RunPaths) -> list[str]:
         "export MASTER_ADDR MASTER_PORT",
         "export CUDA_DEVICE_MAX_CONNECTIONS=1",
         hf_home,
-        "# Secrets stay in the environment they came from; nothing is written to disk.",
-        'if [ -n "${WANDB_API_KEY:-}" ]; then export WANDB_MODE="${WANDB_MODE:-online}"; '
+        "# Secrets stay in the environment they came from (container.env_from_host): never written",
+        "# here, never expanded into a command that set -x would print (hence :+set, not the value).",
+        'if [ -n "${WANDB_API_KEY:+set}" ]; then export WANDB_MODE="${WANDB_MODE:-online}"; '
         "else export WANDB_MODE=offline; fi",
         f"export NCCL_DEBUG={'INFO' if debug else '${NCCL_DEBUG:-WARN}'}",
         "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
@@ -205,6 +208,30 @@ def _environment(cfg: Config, paths: RunPaths) -> list[str]:
     for key, value in cfg.launch.env.items():
         lines.append(f"export {key}={shell_value(value)}")
     return lines
+
+
+def check_env_from_host(cfg: Config, environ: dict[str, str] | None = None) -> None:
+    """At submission: every `container.env_from_host` variable is set here, and sbatch hands it
+    to the job. The job takes these variables from the environment sbatch exports (its default,
+    --export=ALL; the batch script's sruns keep it); an --export that leaves one out (slurm.extra,
+    or $SBATCH_EXPORT, which outranks #SBATCH lines) would start the job without it."""
+    environ = dict(os.environ) if environ is None else environ
+    names = cfg.container.env_from_host
+    cfg.container.require_host_env(environ)
+    exports = [(f"slurm.extra[{i}]", opt.split("=", 1)[1]) for i, opt in enumerate(cfg.slurm.extra)
+               if opt.startswith("--export=")]
+    if "SBATCH_EXPORT" in environ:
+        exports.append(("SBATCH_EXPORT", environ["SBATCH_EXPORT"]))
+    for where, value in exports:
+        listed = [v.split("=", 1)[0] for v in value.split(",")]
+        for item, name in zip(value.split(","), listed):
+            if "=" in item and secret_word(name):
+                raise secret_error(where, name)
+        dropped = [n for n in names if "ALL" not in listed and n not in listed]
+        if dropped:  # the names alone are shown: an --export may hold NAME=value pairs
+            raise ConfigError(where, f"an --export that names {', '.join(listed)} does not pass "
+                                     f"{', '.join(dropped)} (container.env_from_host) to the job: use --export=ALL, "
+                                     f"or add {dropped[0]} to it")
 
 
 class _Expand(str):
@@ -407,6 +434,16 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list
     ]
 
 
+def _latest_checkpoint(cfg: Config) -> str:
+    """A shell function printing the step of the latest complete checkpoint (0: none), the
+    trainer's layout (step-NNNNNN/ with a COMPLETE marker), as jobs.local reads it."""
+    ckpt = Path(cfg.checkpoint.dir)
+    where = shlex.quote(str(ckpt)) if ckpt.is_absolute() else f'"$RUN_DIR"/{shlex.quote(str(ckpt))}'
+    return ("latest_checkpoint() { local f s n=0; for f in " + where + "/step-*/COMPLETE; do "
+            "s=${f%/COMPLETE}; s=${s##*/step-}; [[ $s =~ ^[0-9]+$ ]] && [ $((10#$s)) -gt $n ] && n=$((10#$s)); "
+            "done; echo $n; }")
+
+
 def _after_step(cfg: Config) -> list[str]:
     """What the script decides once the training step has ended, from the files the ranks wrote:
     a hang (dumps in hangs/), a stop request (time-limit requeue), a node that died."""
@@ -434,22 +471,29 @@ def _after_step(cfg: Config) -> list[str]:
         f"  retry_or_stop hang {HANG_EXIT} $SILENT",
         "fi",
         f'if [ "$STOP_REQUESTED" = 1 ] || [ "$rc" = {REQUEUE_EXIT} ]; then',
+        "  # torchrun exits 1 when any rank exits non-zero, the trainer's 75 (saved, requeue me)",
+        "  # included: a checkpoint newer than the one at the warning says the trainer saved.",
+        '  SAVED=$(latest_checkpoint)',
+        f'  if [ "$rc" = {REQUEUE_EXIT} ] || [ "$SAVED" -gt "${{STOP_CHECKPOINT:-0}}" ]; then',
+        '    OUTCOME="saved after the stop request"',
+        '    [ "$SAVED" = 0 ] || OUTCOME+=" (checkpoint at step $SAVED)"',
+        "  else",
+        '    OUTCOME="no checkpoint saved after the stop request (step exit $rc)"',
+        "  fi",
     ]
     if s.requeue:
         limit = s.max_requeues
         lines += [
             f'  if [ "$REQUEUES" -ge {limit} ]; then',
-            f'    event "not requeueing after the time-limit warning: slurm.max_requeues ({limit}) reached (saved '
-            'after the stop request, step exit $rc)"',
+            f'    event "not requeueing after the time-limit warning: slurm.max_requeues ({limit}) reached; $OUTCOME"',
             f"    exit {REQUEUE_EXIT}",
             "  fi",
-            f'  event "time-limit requeue $((REQUEUES + 1))/{limit}: saved after the stop request (step exit $rc), '
-            'requeueing"',
+            f'  event "time-limit requeue $((REQUEUES + 1))/{limit}: $OUTCOME, requeueing"',
             '  scontrol requeue "$SLURM_JOB_ID"',
             "  exit 0",
         ]
     else:
-        lines += ['  event "saved after stop request (step exit $rc); slurm.requeue is off"', f"  exit {REQUEUE_EXIT}"]
+        lines += ['  event "time-limit stop: $OUTCOME; slurm.requeue is off"', f"  exit {REQUEUE_EXIT}"]
     lines += [
         "fi",
         "# A node that died under the step (not responding, down or drained) is retried without;",
@@ -514,9 +558,11 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
         '  event "end exit $rc"',
         "}",
         "trap cleanup EXIT",
+        _latest_checkpoint(cfg),
         "# Slurm's warning before the time limit: ask the trainer to save at the step boundary.",
         "on_warning() {",
         "  STOP_REQUESTED=1 TRAPPED=1",
+        "  STOP_CHECKPOINT=$(latest_checkpoint)",
         '  event "time limit warning: stop requested"',
         '  touch "$RUN_DIR/' + STOP_FILE + '"',
         "}",

@@ -261,12 +261,15 @@ def test_shell_never_writes_into_a_submitted_run(project, slurm_stand_ins):
                 "--dry-run")
     assert r.returncode == 0, r.stderr
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
-    words = shlex.split(r.stdout)
+    # The EDF, then the command; the EDF goes to a private temporary file only while a shell runs.
+    *edf_lines, command = r.stdout.splitlines()
+    words = shlex.split(command)
     edf_file = Path(next(w for w in words if w.startswith("--environment=")).split("=", 1)[1])
     from edf import Mount, parse_edf
 
-    shell_env = parse_edf(edf_file)
-    assert edf_file.parent == project / "runs" / ".shell" and shell_env.image == str(other)
+    shell_env = parse_edf("\n".join(edf_lines[1:]))
+    assert edf_file.parent.parent == project / "runs" / ".shell" and not edf_file.exists()
+    assert shell_env.image == str(other)
     assert Mount(str(run_dir), str(run_dir)) in shell_env.mounts
     assert words[:2] == ["srun", "--nodes=1"] and words[-1] == "bash"
 
@@ -320,6 +323,7 @@ def rendered(project: Path, *overrides: str) -> tuple[str, Path]:
     return sealed.files["job.sbatch"], sealed.paths.run_dir
 
 
+@pytest.mark.slow
 def test_master_addr_survives_a_1024_node_allocation(project, tmp_path):
     """`scontrol show hostnames | head -n 1` under pipefail died with SIGPIPE on large allocations."""
     script, run_dir = rendered(project, "slurm.gpus_per_node=0")
@@ -392,13 +396,14 @@ def test_edf_check_reports_every_problem(project):
     assert len(lines) == 5 and lines[-1] == f"{path}: 4 problem(s)", r.stderr
     for field in ("image", "workdir", "mounts[0]", "env.B"):
         assert any(line.startswith(f"slipway: error: {path}:{field}:") for line in lines), (field, lines)
-    path.write_text('image = "nvcr.io/nvidia/pytorch:25.12-py3"\nmounts = ["/capstor/"]\n[env]\nX = "${HOME}"\n')
+    path.write_text('image = "nvcr.io/nvidia/pytorch:25.12-py3"\nmounts = ["${SLIPWAY_SHARED:-/}"]\n[env]\n'
+                    'X = "${HOME}"\n')  # the mount source must exist here (edf --check looks)
     assert slipway("edf", "--check", str(path)).stdout == f"{path}: ok\n"
     r = slipway("edf", "--to-pyxis", str(path))
     assert r.returncode == 0, r.stderr
     assert "export X=\"${HOME}\"" in r.stdout
     assert "--container-image=nvcr.io#nvidia/pytorch:25.12-py3" in r.stdout
-    assert "--container-mounts=/capstor/:/capstor/" in r.stdout
+    assert '--container-mounts="${SLIPWAY_SHARED:-/}":"${SLIPWAY_SHARED:-/}"' in r.stdout
 
 
 def test_edf_command_prints_and_installs(project, tmp_path):
@@ -447,7 +452,8 @@ def test_doctor_without_any_slurm_configuration_gives_scontrols_reason_once(proj
     r = subprocess.run([PY, "-m", "jobs", "doctor", "tiny_cpu"], capture_output=True, text=True, timeout=180, env=env)
     said = next(line for line in r.stdout.splitlines() if line.startswith("fail slurm controller"))
     assert said.count("scontrol:") == 1 and "Could not establish a configuration source" in said, said
-    assert "no Slurm controller answers" in said and r.returncode == 1, said
+    # The fix named depends on whether a local test cluster is up meanwhile (another test's).
+    assert ("no Slurm controller answers" in said or "SLURM_CONF is not set" in said) and r.returncode == 1, said
 
 
 def test_doctor_names_the_presets_published_layout(project, tmp_path):
@@ -476,6 +482,7 @@ def local_command(code: str) -> list[str]:
     return [f"launch.command=[{PY}, -c, {json.dumps(code)}]", "launch.procs_per_node=1"]
 
 
+@pytest.mark.slow
 def test_local_runs_in_status_and_logs(project):
     r = slipway("local", "tiny_cpu", "--run-name", "ok", *local_command("print('hello local')"))
     assert r.returncode == 0, r.stderr
@@ -493,6 +500,7 @@ def test_local_runs_in_status_and_logs(project):
     assert mode & 0o050 == 0o050, oct(mode)  # group can read and enter (umask 022 here)
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_local_says_interrupted_and_how_to_resume(project):
     proc = subprocess.Popen([PY, "-m", "jobs", "local", "tiny_cpu", "--run-name", "cc",
                              *local_command("import time; print('up', flush=True); time.sleep(60)")],
@@ -516,5 +524,6 @@ def slurm_stand_ins(tmp_path) -> dict:
     """sbatch/scontrol stand-ins that accept a job and report it ended: for tests of what submit writes."""
     bin_dir = tmp_path / "fake-slurm"
     stand_in(bin_dir, "sbatch", 'echo "$((RANDOM + 100))"\n')
-    stand_in(bin_dir, "scontrol", 'if [ "$1" = show ]; then echo "JobId=$4 JobState=COMPLETED ExitCode=0:0"; fi\n')
+    stand_in(bin_dir, "scontrol", 'if [ "$1" = show ]; then echo "JobId=$4 JobState=COMPLETED ExitCode=0:0"; fi\n'
+                                  '[ "$1" = ping ] && echo "Slurmctld(primary) at n1 is UP"; exit 0\n')
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}

@@ -116,8 +116,8 @@ def test_show_logs_exit_code_is_the_jobs(project, slurm_env):
 
 @pytest.mark.slurm
 def test_cancel(project, slurm_env):
-    r = slipway("submit", "tiny_cpu", "--run-name", "sleeper", *task("import time; print('up', flush=True); "
-                                                                      "time.sleep(600)"))
+    r = slipway("submit", "tiny_cpu", "--parsable", "--run-name", "sleeper",
+                *task("import time; print('up', flush=True); time.sleep(600)"))
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().splitlines()[-1]
     log = project / "runs" / "sleeper" / "logs" / f"{job_id}.out"
@@ -145,14 +145,15 @@ def test_shell_command_line(project, tmp_path):
     r = slipway("shell", "tiny_cpu", "container.runtime=edf", f"container.image={img}", "--run-name", "sh",
                 "--account", "a-01", "--dry-run")
     assert r.returncode == 0, r.stderr
-    words = shlex.split(r.stdout)
+    *edf_lines, command = r.stdout.splitlines()  # the EDF a shell would write (privately, while it runs)
+    words = shlex.split(command)
     env_toml = Path(words[-2].split("=", 1)[1])
     assert words == ["srun", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=00:30:00",
                      "--account=a-01", "--pty", f"--environment={env_toml}", "bash"]
-    assert env_toml.parent == project / "runs" / ".shell" and not (project / "runs" / "sh").exists()
+    assert env_toml.parent.parent == project / "runs" / ".shell" and not (project / "runs").exists()
     from edf import parse_edf
 
-    assert parse_edf(env_toml).image == str(img)
+    assert parse_edf("\n".join(edf_lines[1:])).image == str(img)
     r = slipway("shell", "tiny_cpu", "container.runtime=pyxis", "container.image=nvcr.io/nvidia/pytorch:25.12-py3",
                 "--dry-run")
     assert "--container-image=nvcr.io#nvidia/pytorch:25.12-py3" in r.stdout and "--pty" in r.stdout
@@ -213,6 +214,7 @@ def test_prepare_with_the_seed_launchers_data_flags(project):
     assert again.returncode == 0 and list((project / ".cache" / "tokens").glob("corpus-*.bin")) == bins
 
 
+@pytest.mark.slow
 def test_prepare_of_an_unreachable_dataset_is_one_line(project):
     before = tree(project)
     r = slipway("prepare", "tiny_cpu", "--dataset", "no-such-org/no-such-set", "--dataset-config", "x",

@@ -25,14 +25,41 @@ class ConfigError(ValueError):
     """Bad user input: one line naming the field, the rule and the fix."""
 
     def __init__(self, field_path: str, message: str):
-        # One line, whatever the user typed: a key or value holding a newline is shown escaped.
-        self.field = _one_line(field_path)
+        # One line, whatever the user typed: a key or value holding a newline is shown escaped,
+        # and a line never grows past a screenful, however long a value a message quotes.
+        self.field = bounded(_one_line(field_path), MAX_FIELD_SHOWN)
         message = _one_line(message)
+        if len(message) > MAX_MESSAGE:  # keep the start (the rule) and the end (the fix)
+            message = f"{message[:MAX_MESSAGE // 2]} ... {message[-MAX_MESSAGE // 2:]}"
         super().__init__(f"{self.field}: {message}" if self.field else message)
+
+
+MAX_SHOWN = 80  # characters of a value quoted in an error message
+MAX_FIELD_SHOWN = 400
+MAX_MESSAGE = 1000
 
 
 def _one_line(text: str) -> str:
     return str(text).replace("\r", "\\r").replace("\n", "\\n")
+
+
+def bounded(text: str, limit: int = MAX_SHOWN) -> str:
+    """`text` cut to `limit` characters (with `...`), for quoting what the user gave in a message."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+MAX_PATH_SHOWN = 400  # a path is what the user must find: longer than other values, cut in the middle
+
+
+def bounded_path(path: object) -> str:
+    """A path for an error message: whole up to MAX_PATH_SHOWN characters, else its start and
+    its end (the file name) around `...`."""
+    text = str(path)
+    if len(text) <= MAX_PATH_SHOWN:
+        return text
+    half = (MAX_PATH_SHOWN - 3) // 2
+    return f"{text[:half]}...{text[-half:]}"
 
 
 # --------------------------------------------------------------------------
@@ -78,12 +105,83 @@ class _Loader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if not isinstance(key, str):
-                raise ConfigError(f"line {line}", f"key {key!r} is not a string: keys are names such as train or steps")
+                raise ConfigError(f"line {line}", f"key {_shown(key)} is not a string: keys are names such as "
+                                                  "train or steps")
             if key in seen:
-                raise ConfigError(f"line {line}", f"duplicate key {key!r} (first at line {seen[key]}): YAML keeps "
-                                  "only one of them; merge the two into one")
+                raise ConfigError(f"line {line}", f"duplicate key {_shown(key)} (first at line {seen[key]}): "
+                                  "YAML keeps only one of them; merge the two into one")
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+    # A config is a few hundred short lines: these bounds refuse what no config needs (a
+    # "billion laughs" of nested aliases, a document nested hundreds of levels deep) before
+    # it is built, so such a file is refused at once instead of exhausting time or memory.
+    def compose_document(self) -> yaml.Node:
+        self._depth, self._aliases = 0, 0
+        node = super().compose_document()
+        _expanded_size(node, 1, {}, [0])
+        return node
+
+    def compose_node(self, parent: Optional[yaml.Node], index: Any) -> yaml.Node:
+        line = self.peek_event().start_mark.line + 1
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise ConfigError(f"line {line}", f"more than {MAX_ALIASES} aliases (*name): a config needs a "
+                                                  "few; write the values out")
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise ConfigError(f"line {line}", f"nested deeper than {MAX_DEPTH} levels: no config field takes "
+                                                  "that; flatten it")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+MAX_TEXT = 1_000_000  # characters of a config file or an override
+MAX_DEPTH = 32  # levels of nested mappings and lists, aliases expanded
+MAX_ALIASES = 100
+MAX_NODES = 100_000  # values in a document with its aliases expanded
+MAX_INT = 2 ** 53 - 1  # exact in a float and in JSON, well within bash's 64-bit arithmetic
+
+
+def _expanded_size(node: yaml.Node, depth: int, heights: dict[int, int], count: list[int]) -> int:
+    """The height of `node` with aliases expanded (shared nodes visited once, counted each time
+    they are used), refusing a document deeper than MAX_DEPTH or larger than MAX_NODES."""
+    where = f"line {node.start_mark.line + 1}"
+    known = heights.get(id(node))
+    children: list[yaml.Node] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    if known is None:
+        known = 1 + max((_expanded_size(child, depth + 1, heights, count) for child in children), default=0)
+        heights[id(node)] = known
+    else:
+        count[0] += _subtree_size(node, {})
+    count[0] += 1
+    if depth + known - 1 > MAX_DEPTH:
+        raise ConfigError(where, f"nested deeper than {MAX_DEPTH} levels (aliases expanded): no config field takes "
+                                 "that; flatten it")
+    if count[0] > MAX_NODES:
+        raise ConfigError(where, f"more than {MAX_NODES} values once its aliases (*name) are expanded: a config "
+                                 "needs far fewer; write the values out")
+    return known
+
+
+def _subtree_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Values below `node`, aliases expanded (memoized: a shared node is sized once)."""
+    size = sizes.get(id(node))
+    if size is None:
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        size = sizes[id(node)] = sum(1 + _subtree_size(c, sizes) for c in children)
+    return size
 
 
 _Loader.add_constructor("tag:yaml.org,2002:str", _Loader.construct_yaml_str)
@@ -93,6 +191,9 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|
 def read_yaml(text: str, source: str, *, lines: bool = True) -> Any:
     """`text` parsed with the rules above; `source` (a file name, or a field for an
     override: `lines=False`) names the place in errors, with the line."""
+    if len(text) > MAX_TEXT:
+        raise ConfigError(source, f"{len(text)} characters: larger than any config ({MAX_TEXT} at most); "
+                                  "check that this is the file you meant")
     try:
         return yaml.load(text, Loader=_Loader)
     except ConfigError as exc:
@@ -127,9 +228,55 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _shown(value: Any) -> str:
-    """A value as the user wrote it, for error messages."""
-    return "null" if value is None else repr(str(value)) if isinstance(value, str) else repr(value)
+# A variable name that looks like it holds a secret, matched case-insensitively anywhere in the
+# name (HF_TOKEN, wandb_key, my_api_key, AWS_SECRET_ACCESS_KEY, DB_PASSWD, GIT_CREDENTIALS, OAUTH_X),
+# except TOKENIZ... (TOKENIZERS_PARALLELISM) and AUTHOR..., which name no secret.
+SECRET_WORD = re.compile(r"TOKEN(?!IZ)|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH(?!OR)|PRIVATE", re.IGNORECASE)
+# NAME=value inside a value the user gave (an sbatch option `--export=ALL,HF_TOKEN=x`).
+_ASSIGNMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=([^,\s'\"]*)")
+
+
+def secret_word(name: str) -> Optional[str]:
+    """The part of `name` that makes it look like a secret's name (upper case), or None."""
+    m = SECRET_WORD.search(name) if isinstance(name, str) else None
+    return m.group(0).upper() if m else None
+
+
+def _shown(value: Any, where: str = "") -> str:
+    """A value as the user wrote it, for error messages: at most about MAX_SHOWN characters
+    (a long string, a deep or shared list or a huge number is cut, never printed whole), and
+    never a secret's: the value of a field whose name looks like one (`where`'s last part),
+    or of a NAME=value inside it, is hidden. Every message quoting a value comes through here."""
+    if where and secret_word(re.split(r"[.\[]", where)[-1] or where):
+        return "<a value, hidden: the name looks like a secret's>"
+    shown = bounded(_brief(value, MAX_SHOWN), 2 * MAX_SHOWN)
+    return _ASSIGNMENT.sub(lambda m: f"{m[1]}=<hidden>" if secret_word(m[1]) and m[2] else m[0], shown)
+
+
+def _brief(value: Any, room: int) -> str:
+    """repr(value), but stopping once about `room` characters are written (each level of a
+    nested value costs at least two, so the recursion ends too)."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return repr(str(value) if len(value) <= room else str(value[:max(room - 5, 1)]) + "...")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
+        return f"<a {len(str(abs(value))) if abs(value) < 10 ** 4000 else 'huge'}-digit number>"
+    if isinstance(value, (list, tuple, dict)):
+        items = value.items() if isinstance(value, dict) else value
+        parts, used = [], 2
+        for item in items:
+            if used >= room:
+                parts.append("...")
+                break
+            if isinstance(value, dict):
+                text = f"{_brief(item[0], room - used)}: {_brief(item[1], room - used)}"
+            else:
+                text = _brief(item, room - used)
+            parts.append(text)
+            used += len(text) + 2
+        return ("{%s}" if isinstance(value, dict) else "[%s]") % ", ".join(parts)
+    return repr(value)[:max(room, 8)]
 
 
 def _scalar(tp: Any, value: Any, where: str) -> Any:
@@ -141,25 +288,38 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
         if isinstance(value, bool):  # a Python caller's annotation value: the EDF string "true"
             return "true" if value else "false"
         hint = ' (write "" for an empty string)' if value is None else ""
-        raise ConfigError(where, f"expected a string, got {_shown(value)}{hint}")
+        raise ConfigError(where, f"expected a string, got {_shown(value, where)}{hint}")
     if tp is bool:
         if isinstance(value, bool):
             return value
         if text in _BOOL:
             return _BOOL[text]
-        raise ConfigError(where, f"expected true or false, got {_shown(value)}")
+        raise ConfigError(where, f"expected true or false, got {_shown(value, where)}")
     if tp is int:
+        number = None
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if text is not None and _INT.fullmatch(text):
-            return int(text, 0) if text[:2] in ("0o", "0x") else int(text)
-        raise ConfigError(where, f"expected an integer, got {_shown(value)}")
+            number = value
+        elif text is not None and len(text) <= 40 and _INT.fullmatch(text):
+            number = int(text, 0) if text[:2] in ("0o", "0x") else int(text)
+        if number is None:
+            raise ConfigError(where, f"expected an integer, got {_shown(value, where)}")
+        # Every int field ends up in bash arithmetic, Slurm or torch: none takes more than this;
+        # each field's own check bounds it tighter where it matters.
+        if abs(number) > MAX_INT:
+            raise ConfigError(where, f"{_shown(value, where)} is out of range: use a whole number between "
+                                     f"-{MAX_INT} and {MAX_INT}")
+        return number
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if text is not None and (_FLOAT.fullmatch(text) or _INT.fullmatch(text)):
-            return float(int(text, 0)) if text[:2] in ("0o", "0x") else float(text)
-        raise ConfigError(where, f"expected a number, got {_shown(value)}")
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= 10 ** 300:
+            number = float(value)
+        elif text is not None and len(text) <= 40 and (_FLOAT.fullmatch(text) or _INT.fullmatch(text)):
+            number = float(int(text, 0)) if text[:2] in ("0o", "0x") else float(text)
+        if number is None:
+            raise ConfigError(where, f"expected a number, got {_shown(value, where)}")
+        if not math.isfinite(number):
+            raise ConfigError(where, f"expected a finite number, got {_shown(value, where)}")
+        return number
     raise TypeError(f"unsupported config type {tp!r} at {where}")
 
 
@@ -176,7 +336,7 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
                 return _convert(arg, value, where)
             except ConfigError:
                 pass
-        raise ConfigError(where, f"expected {_type_name(tp)}, got {_shown(value)}")
+        raise ConfigError(where, f"expected {_type_name(tp)}, got {_shown(value, where)}")
     if origin is Literal:
         for arg in get_args(tp):
             try:
@@ -184,20 +344,20 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
                     return arg
             except ConfigError:
                 pass
-        raise ConfigError(where, f"must be one of {', '.join(repr(a) for a in get_args(tp))}, got {_shown(value)}")
+        raise ConfigError(where, f"must be one of {', '.join(repr(a) for a in get_args(tp))}, got {_shown(value, where)}")
     if origin is list:
         (item_tp,) = get_args(tp)
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(where, f"expected a list such as [a, b], got {_shown(value)}")
+            raise ConfigError(where, f"expected a list such as [a, b], got {_shown(value, where)}")
         return [_convert(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         _, val_tp = get_args(tp)
         if not isinstance(value, dict):
-            raise ConfigError(where, f"expected a mapping, got {_shown(value)}")
+            raise ConfigError(where, f"expected a mapping, got {_shown(value, where)}")
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
-                raise ConfigError(where, f"keys must be strings, got {k!r}")
+                raise ConfigError(where, f"keys must be strings, got {_shown(k, where)}")
             out[str(k)] = _convert(val_tp, v, f"{where}.{k}")
         return out
     if hasattr(tp, "from_config_value"):  # a class with its own text form (edf.Mount: "SRC:DST:FLAGS")
@@ -264,7 +424,20 @@ def _require(cond: bool, where: str, message: str) -> None:
 def _positive(obj: Any, where: str, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        _require(value is not None and value > 0, f"{where}.{name}", f"must be > 0, got {value!r}")
+        _require(value is not None and value > 0, f"{where}.{name}", f"must be > 0, got {_shown(value)}")
+
+
+def _at_most(obj: Any, where: str, **limits: float) -> None:
+    """Each named field at most its limit: what Slurm, bash or the trainer can take (a typo such as
+    an extra digit is refused here, not by the job hours later)."""
+    for name, limit in limits.items():
+        value = getattr(obj, name)
+        _require(value is None or value <= limit, f"{where}.{name}",
+                 f"must be at most {limit:g}, got {_shown(value)}")
+
+
+DAY = 86400
+BIG = 10 ** 9  # steps and step intervals: more than any run takes
 
 
 # --------------------------------------------------------------------------
@@ -309,8 +482,14 @@ _DIMENSIONS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "n
 
 @dataclass
 class RunSection:
+    """Names the run and seeds it."""
+
+    # The run's name: its directory runs/NAME and the Slurm job name (`--run-name`); default: the
+    # config file's name.
     name: str = ""
+    # The Weights & Biases project the run logs to (logging.wandb).
     project: str = "slipway"
+    # Seeds the model's initialisation and the order of the training windows.
     seed: int = 42
 
 
@@ -319,19 +498,38 @@ class ModelSection:
     """Llama decoder dimensions. `size` names a preset; any dimension given
     beside it overrides the preset; `size: custom` needs every dimension."""
 
+    # A preset's dimensions (tiny, small, base, large: see the table below), or custom: every
+    # dimension given.
     size: Literal["tiny", "small", "base", "large", "custom"] = "tiny"
+    # Width of the residual stream; null: the size preset's (so for the dimensions below).
     hidden_size: Optional[int] = None
+    # Width of the SwiGLU feed-forward layer; null: the preset's.
     intermediate_size: Optional[int] = None
+    # Transformer blocks; null: the preset's.
     num_layers: Optional[int] = None
+    # Attention heads (hidden_size must be divisible by it); null: the preset's.
     num_heads: Optional[int] = None
+    # Key/value heads (grouped-query attention; num_heads must be divisible by it); null: the
+    # preset's.
     num_kv_heads: Optional[int] = None
+    # Token vocabulary, the tokenizer's (4096 for builtin, 50257 for gpt2); null: the preset's.
     vocab_size: Optional[int] = None
+    # The longest sequence the model takes (data.seq_len at most); null: the preset's.
     max_position_embeddings: Optional[int] = None
+    # Share the token embedding with the output projection; default: the preset's, false for custom.
     tie_embeddings: Optional[bool] = None
+    # Base of the rotary embeddings' frequencies.
     rope_theta: float = 10000.0
+    # Epsilon of RMSNorm.
     rms_norm_eps: float = 1e-5
+    # Standard deviation of the weights' normal initialisation (residual output projections get
+    # init_std / sqrt(2 x num_layers)).
     init_std: float = 0.025
+    # flash (flash-attn: CUDA and bf16/fp16 only), sdpa (torch's scaled_dot_product_attention), or
+    # auto: flash-attn where it imports on a CUDA bf16/fp16 run (required in an image built with
+    # it), SDPA elsewhere.
     attention: Literal["auto", "flash", "sdpa"] = "auto"
+    # A local Hugging Face Llama checkpoint to start from (full fine-tuning); null: random weights.
     init_from_hf: Optional[str] = None
     # Embedding and output rows are padded to a multiple of this (nanoGPT's 50257 -> 50304):
     # matmuls tile better and tp divides the rows. The padding does not depend on tp, so a
@@ -353,6 +551,8 @@ class ModelSection:
                      f"model.size is custom, so {', '.join(missing)} must be set (or pick a preset: "
                      f"{', '.join(MODEL_PRESETS)})")
         _positive(self, where, *_DIMENSIONS)
+        _at_most(self, where, hidden_size=2 ** 17, intermediate_size=2 ** 19, num_layers=4096, num_heads=4096,
+                 num_kv_heads=4096, vocab_size=2 ** 24, max_position_embeddings=2 ** 24, pad_vocab_multiple=2 ** 16)
         _require(self.hidden_size % self.num_heads == 0, f"{where}.num_heads",
                  f"hidden_size({self.hidden_size}) must be divisible by num_heads({self.num_heads})")
         _require(self.num_heads % self.num_kv_heads == 0, f"{where}.num_kv_heads",
@@ -384,12 +584,25 @@ class ModelSection:
 
 @dataclass
 class ParallelSection:
+    """How the ranks share the work: dp x tp x pp must equal nodes x procs_per_node."""
+
+    # Data-parallel degree.
     dp: int = 1
+    # Tensor-parallel degree: model.num_heads, num_kv_heads and intermediate_size must divide by it.
     tp: int = 1
+    # Pipeline-parallel degree (stages of model.num_layers); needs untied embeddings and
+    # train.grad_accum_steps >= pp.
     pp: int = 1
+    # fsdp (FSDP2: parameters, gradients and optimizer state sharded over dp) or ddp (replicated;
+    # zero_stage 0, no tp or pp).
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    # ZeRO stage under fsdp (parameters, gradients and optimizer state are always sharded): 3 makes
+    # reshard_after_forward's auto reshard; 1 and 2 behave alike (as ZeRO-2). 0 means DDP.
     zero_stage: Literal[0, 1, 2, 3] = 1
+    # Under tp, also shard the activations between blocks over the sequence (data.seq_len must
+    # divide by tp).
     sequence_parallel: bool = False
+    # The pipeline schedule.
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     # Under tp > 1 the output projection's logits stay sharded over the (padded) vocabulary
     # and the cross-entropy is computed on the shards (torch's loss_parallel): no rank holds
@@ -400,9 +613,15 @@ class ParallelSection:
     # step instead of one a micro batch, for a full-size gradient buffer on each rank.
     # every_micro_batch reduces after each (less memory, more communication).
     grad_sync: Literal["last_micro_batch", "every_micro_batch"] = "last_micro_batch"
+    # FSDP2: free each block's gathered parameters after its forward (all-gathered again for the
+    # backward) or keep them to the backward. auto: zero_stage 3 reshards; otherwise the model
+    # preset's default (trainer/layouts.py: on for large, whose bf16 weights would take 13 GB
+    # a GPU), else off. true or false decide, whatever zero_stage says.
+    reshard_after_forward: AutoBool = "auto"
 
     def check(self, where: str) -> None:
         _positive(self, where, "dp", "tp", "pp")
+        _at_most(self, where, dp=2 ** 20, tp=2 ** 20, pp=2 ** 20)
         if self.dp_mode == "ddp":
             _require(self.zero_stage == 0, f"{where}.zero_stage",
                      f"dp_mode ddp replicates everything, so zero_stage must be 0 (got {self.zero_stage}); "
@@ -419,13 +638,22 @@ class DataSection:
     jsonl or text files); tokenizer by name or local path. `builtin` is the
     corpus and tokenizer that ship with the project (no network)."""
 
+    # A Hugging Face dataset name, a local path, or builtin.
     dataset: str = "builtin"
+    # The dataset's configuration, e.g. wikitext-103-v1.
     dataset_config: Optional[str] = None
+    # The split trained on.
     split: str = "train"
+    # The column holding the text.
     text_column: str = "text"
+    # A Hugging Face tokenizer name, a local path, or builtin.
     tokenizer: str = "builtin"
+    # Tokens per training window.
     seq_len: int = 512
+    # A split to evaluate on (for local file datasets, a path); null: the last
+    # validation_fraction of the training tokens.
     validation_split: Optional[str] = None
+    # Share of the training tokens held out for evaluation when validation_split is null.
     validation_fraction: float = 0.01
     cache_dir: Optional[str] = None  # the token cache; default <project>/.cache/tokens
     num_proc: int = 0  # tokenizer threads; 0 = every core the process may use
@@ -437,6 +665,7 @@ class DataSection:
 
     def check(self, where: str) -> None:
         _positive(self, where, "seq_len")
+        _at_most(self, where, seq_len=2 ** 24, num_proc=4096)
         _require(0.0 <= self.validation_fraction < 0.5, f"{where}.validation_fraction",
                  f"must be in [0, 0.5), got {self.validation_fraction}")
         _require(self.num_proc >= 0, f"{where}.num_proc", f"must be >= 0 (0 = all cores), got {self.num_proc}")
@@ -444,18 +673,34 @@ class DataSection:
 
 @dataclass
 class TrainSection:
+    """The optimisation: steps, batch, AdamW and its schedule, precision, memory and speed trade-offs,
+    evaluation and the hang watchdog."""
+
+    # Optimizer steps of the whole run (a resumed run continues up to it).
     steps: int = 1500
+    # Sequences per micro batch on each data-parallel rank.
     micro_batch_size: int = 64
+    # Micro batches per optimizer step (pipeline parallelism splits the batch into them).
     grad_accum_steps: int = 1
+    # Peak learning rate (AdamW).
     lr: float = 1e-3
+    # Learning rate at the end of the decay.
     min_lr: float = 1e-5
+    # Steps of linear warm-up to lr.
     warmup_steps: int = 150
+    # How the learning rate goes from lr to min_lr after the warm-up.
     decay: Literal["cosine", "linear", "constant"] = "cosine"
+    # AdamW's beta1 (decay of the gradient's running mean).
     beta1: float = 0.9
+    # AdamW's beta2 (decay of the squared gradient's running mean).
     beta2: float = 0.95
+    # AdamW's epsilon.
     eps: float = 1e-8
+    # AdamW's decoupled weight decay.
     weight_decay: float = 0.01
+    # Clip the gradients' global norm to this; 0: no clipping.
     grad_clip: float = 1.0
+    # Training precision: auto is bfloat16 on CUDA and float32 on the CPU.
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # torch.compile each transformer block: auto compiles on CUDA and not on the CPU (where
     # inductor's C++ build takes minutes and gains little); true or false decide.
@@ -478,8 +723,11 @@ class TrainSection:
     # step (torchtitan's GarbageCollection): a collection at a random moment on one rank stalls
     # every other rank at the next collective. 0 leaves the collector alone.
     gc_interval: int = 50
+    # Steps between evaluations on the validation tokens; 0: none.
     eval_interval: int = 0
+    # Global batches per evaluation (the same ones every time).
     eval_batches: int = 4
+    # A training script run instead of the built-in trainer, with --config runs/RUN/config.yaml.
     script: Optional[str] = None
     # A step with a non-finite loss or gradient norm is skipped (no optimizer update);
     # this many in a row stop the run (exit 3): the weights are not coming back.
@@ -490,10 +738,14 @@ class TrainSection:
     # The first step after a start or resume gets hang_timeout_first_step (compilation, the
     # first batches). 0 turns the watchdog off.
     hang_timeout: float = 600.0
+    # hang_timeout for the first step after a start or resume.
     hang_timeout_first_step: float = 1800.0
 
     def check(self, where: str) -> None:
         _positive(self, where, "steps", "micro_batch_size", "grad_accum_steps", "lr", "eval_batches")
+        _at_most(self, where, steps=BIG, micro_batch_size=2 ** 20, grad_accum_steps=2 ** 20, warmup_steps=BIG,
+                 gc_interval=BIG, eval_interval=BIG, eval_batches=2 ** 20, max_nonfinite_steps=BIG,
+                 hang_timeout=30 * DAY, hang_timeout_first_step=30 * DAY)
         _require(0 <= self.min_lr <= self.lr, f"{where}.min_lr",
                  f"must be between 0 and lr({self.lr}), got {self.min_lr}")
         _require(self.warmup_steps >= 0, f"{where}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
@@ -509,9 +761,10 @@ class TrainSection:
         _require(self.max_nonfinite_steps >= 1, f"{where}.max_nonfinite_steps",
                  f"must be >= 1 (the run stops after that many non-finite steps in a row), "
                  f"got {self.max_nonfinite_steps}")
-        _require(self.selective_ac == "op" or (self.selective_ac.isdigit() and int(self.selective_ac) >= 1),
+        _require(self.selective_ac == "op" or (re.fullmatch(r"[0-9]{1,9}", self.selective_ac) is not None
+                                                         and int(self.selective_ac) >= 1),
                  f"{where}.selective_ac", f"must be op (per-op recomputation) or a whole number N >= 1 (every N-th "
-                 f"block recomputed whole), got {self.selective_ac!r}")
+                 f"block recomputed whole), got {_shown(self.selective_ac)}")
         _require(self.gc_interval >= 0, f"{where}.gc_interval",
                  f"must be >= 0 (0 leaves Python's garbage collector alone), got {self.gc_interval}")
         _require(self.hang_timeout >= 0 and math.isfinite(self.hang_timeout), f"{where}.hang_timeout",
@@ -523,30 +776,48 @@ class TrainSection:
 
 @dataclass
 class CheckpointSection:
+    """Distributed checkpoints: when they are saved, how many are kept and where."""
+
+    # Steps between checkpoints; the last step, and a stop at the time-limit warning, save too.
     interval: int = 1500
+    # Complete checkpoints kept; older ones are removed.
     keep_last: int = 2
+    # Save the initial weights as a checkpoint (step 0) before the first step.
     save_initial: bool = False
+    # Write checkpoints in the background: a save returns once the state is staged in CPU memory
+    # (the run's last save is synchronous).
     async_save: bool = False
+    # Where checkpoints go, relative to the run directory.
     dir: str = "checkpoints"
 
     def check(self, where: str) -> None:
         _positive(self, where, "interval", "keep_last")
+        _at_most(self, where, interval=BIG, keep_last=2 ** 20)
 
 
 @dataclass
 class LoggingSection:
+    """What the run reports: metrics lines, Weights & Biases, the torch profiler."""
+
     # Steps between console/metrics lines. A logged step is the one place the host waits for
     # the device (the losses of the steps between stay on it), so 1 costs throughput on a GPU.
     interval: int = 10
+    # Also log to Weights & Biases (offline unless WANDB_API_KEY is set).
     wandb: bool = False
+    # Record optimizer steps profiler_steps with torch.profiler: a Chrome trace per rank in
+    # runs/RUN/profiler/.
     profiler: bool = False
+    # [first, last]: the optimizer steps the profiler records (both included).
     profiler_steps: list[int] = field(default_factory=lambda: [5, 8])
+    # Level of the trainer's log messages.
     level: Literal["debug", "info", "warning"] = "info"
 
     def check(self, where: str) -> None:
         _positive(self, where, "interval")
+        _at_most(self, where, interval=BIG)
         _require(len(self.profiler_steps) == 2 and 0 <= self.profiler_steps[0] < self.profiler_steps[1],
-                 f"{where}.profiler_steps", f"must be [first, last] with first < last, got {self.profiler_steps}")
+                 f"{where}.profiler_steps",
+                 f"must be [first, last] with first < last, got {_shown(self.profiler_steps)}")
 
 
 @dataclass
@@ -614,11 +885,25 @@ PREFLIGHT_EXIT = 5
 PROGRESS_FILE = "progress.json"
 
 
+def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:
+    """The UTF-8 text of `path`, refused (without reading it all) when larger than `limit`."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ConfigError(where, f"{bounded(str(path))} is larger than {limit} bytes, more than any config or "
+                                 "EDF holds: check that this is the file you meant")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(where, f"{bounded(str(path))} is not UTF-8 text (byte {exc.start}): save it as "
+                                 "UTF-8") from None
+
+
 def load_trainer_config(path: str | Path) -> TrainerConfig:
     """Read the trainer's sections of a resolved config (the host ones are the host's business)."""
     path = Path(path)
     try:
-        raw = read_yaml(path.read_text(), str(path))
+        raw = read_yaml(read_text_bounded(path, str(path)), str(path))
     except FileNotFoundError:
         raise ConfigError("", f"config file {path} does not exist") from None
     if not isinstance(raw, dict):
