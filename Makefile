@@ -9,7 +9,7 @@ ARGS   ?=
 NODES  ?= 2
 STAMP  := $(VENV)/.installed
 # Which torch `make setup` installs first (CI pins the CPU build it carries).
-TORCH_SPEC ?= torch
+TORCH_SPEC ?= torch>=2.10,<2.14
 
 .PHONY: help setup setup-oldest setup-oldest-torch prepare local test test-oldest test-gpu test-fast submit dry-run shell image image-prune status doctor edf \
         cluster-up cluster-down bench clean
@@ -17,18 +17,30 @@ TORCH_SPEC ?= torch
 help:
 	@echo "make local [CONFIG=tiny_cpu]         train on this machine (no Slurm, no container)"
 	@echo "make test                            the whole test suite (starts its own Slurm)"
+	@echo "make test-fast                       the tests of seconds: no Slurm, podman, process groups or training"
 	@echo "make image [CONFIG=...] [BASE_IMAGE=...]  podman build + enroot import -> images/*.sqsh"
 	@echo "make prepare CONFIG=tiny_wikitext [ARGS=--as-job]  tokenise the dataset before the allocation"
 	@echo "make submit CONFIG=tiny_wikitext [ARGS='--nodes 2 train.steps=100']"
 	@echo "make shell CONFIG=...                interactive srun --pty bash in the image"
 	@echo "make status | doctor CONFIG=... | edf CONFIG=... | cluster-up | cluster-down | bench"
 
+# pip's own Collecting / Downloading (size) / progress lines show what is being installed; each
+# phase says first what comes, so a long download or unpack never looks like a hang.
+PIP_INSTALL = -m pip install --progress-bar on --no-input
+
 $(STAMP): pyproject.toml
+	@echo "==> [1/4] creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
-	$(PY) -m pip install --quiet -e '.[trainer,test]'
+	@echo "==> [2/4] upgrading pip"
+	$(PY) $(PIP_INSTALL) --quiet --upgrade pip
+	@echo "==> [3/4] installing $(TORCH_SPEC): the largest download (about 0.2 GB for a CPU build, 1-3 GB with CUDA);"
+	@echo "    pip then unpacks it for a minute or two (a terminal shows pip's install bar, a log nothing until done)"
+	$(PY) $(PIP_INSTALL) '$(TORCH_SPEC)'
+	@echo "==> [4/4] installing slipway (editable) with the trainer and test dependencies (datasets, tokenizers,"
+	@echo "    transformers, matplotlib, pytest: about 150 MB)"
+	$(PY) $(PIP_INSTALL) -e '.[trainer,test]'
 	touch $(STAMP)
+	@echo "==> set up: $(VENV) (torch $$($(PY) -c 'from importlib.metadata import version; print(version("torch"))'))"
 
 setup: $(STAMP)
 
@@ -40,7 +52,7 @@ local: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(ARGS)
+	$(PY) -m pytest -q --durations=25 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(ARGS)
 	$(MAKE) test-oldest ARGS=
 
 # The oldest torch the trainer supports (the NGC 25.12 image's 2.10), in a venv of its own:
@@ -60,13 +72,17 @@ OLDEST_TORCH_STAMP := $(OLDEST_VENV)/.torch
 
 # torch alone first: the long download, which CI runs while it installs the rest (.ci/run).
 $(OLDEST_TORCH_STAMP):
+	@echo "==> [1/3] creating the virtual environment $(OLDEST_VENV)"
 	$(PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_PY) -m pip install --quiet --upgrade pip
-	$(OLDEST_PY) -m pip install --quiet '$(OLDEST_TORCH)'
+	$(OLDEST_PY) $(PIP_INSTALL) --quiet --upgrade pip
+	@echo "==> [2/3] installing $(OLDEST_TORCH) with its CUDA runtime (about 3 GB, once);"
+	@echo "    pip then unpacks it for a few minutes (a terminal shows pip's install bar, a log nothing until done)"
+	$(OLDEST_PY) $(PIP_INSTALL) '$(OLDEST_TORCH)'
 	touch $(OLDEST_TORCH_STAMP)
 
 $(OLDEST_STAMP): pyproject.toml $(OLDEST_TORCH_STAMP)
-	$(OLDEST_PY) -m pip install --quiet -e '.[trainer,test]' '$(OLDEST_TORCH)'
+	@echo "==> [3/3] installing slipway (editable) with the trainer and test dependencies beside $(OLDEST_TORCH)"
+	$(OLDEST_PY) $(PIP_INSTALL) -e '.[trainer,test]' '$(OLDEST_TORCH)'
 	touch $(OLDEST_STAMP)
 
 setup-oldest-torch: $(OLDEST_TORCH_STAMP)
@@ -81,8 +97,10 @@ test-oldest: $(OLDEST_STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/test_gpu.py $(ARGS)
 
+# The tests that need no Slurm, podman or process group and take seconds at most (`slow`
+# marks the rest): a couple of minutes, for the edit-test loop. `make test` runs every test.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slurm and not podman and not multiproc" $(ARGS)
+	$(PY) -m pytest -q -m "not slurm and not podman and not multiproc and not slow" $(ARGS)
 
 submit: $(STAMP)
 	$(PY) -m jobs submit $(CONFIG) $(ARGS)
@@ -125,3 +143,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf .pytest_cache build *.egg-info
+
+# GPU readiness in one command (on a GPU machine, e.g. in the image): make test-gpu, then
+# bench/trainer.py --matrix against torchtitan, written with the device and the date to
+# gpu-report-DATE.md, a section ready to paste into BENCHMARKS.md.
+.PHONY: gpu-report
+gpu-report: $(STAMP)
+	$(PY) bench/trainer.py --gpu-report $(ARGS)

@@ -42,10 +42,10 @@ def one_run(project: Path, name: str, nodes: int, steps: int, env: dict[str, str
     """(seconds from submit to the first metrics line, median tokens/s per process after step 2)."""
     metrics = project / "runs" / name / "metrics.jsonl"
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "jobs", "submit", "tiny_cpu", "--run-name", name,
+    out = subprocess.run([sys.executable, "-m", "jobs", "submit", "tiny_cpu", "--parsable", "--run-name", name,
                           "--nodes", str(nodes), "--dp", str(nodes), f"train.steps={steps}", *MODEL],
                          cwd=project, env=env, capture_output=True, text=True, check=True)
-    job_id = out.stdout.strip().splitlines()[-1]
+    job_id = out.stdout.strip()
     while not train_records(metrics):
         time.sleep(0.05)
         if time.perf_counter() - start > 300:

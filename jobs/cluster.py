@@ -48,8 +48,8 @@ import time
 from pathlib import Path
 
 from jobs.cluster_host import (HOSTS, NETNS_DIR, ClusterError, alive, check_subnet_free, leftovers, locked,
-                               network_up, our_links, our_netns, proc_stat, read_registry, registry_path,
-                               set_hosts_block, split_hosts, teardown, write_atomic)
+                               network_up, no_core_dumps, our_links, our_netns, proc_stat, read_registry,
+                               registry_path, set_hosts_block, split_hosts, teardown, write_atomic)
 
 __all__ = ["ClusterError", "ClusterSpec", "LocalSlurmCluster", "alive", "default_state_dir",
            "leftovers", "read_registry", "render_slurm_conf", "spec_of_running", "teardown",
@@ -163,8 +163,12 @@ class ClusterSpec:
         return self.state_dir / "log"
 
     def hosts_lines(self) -> list[str]:
-        return [f"{self.ctl_addr}\t{self.ctl_host}"] + [
-            f"{self.node_addr(k)}\t{n}" for k, n in enumerate(self.node_names, 1)]
+        """Each name with its address, also in the IPv4-mapped IPv6 form (::ffff:a.b.c.d): torch's
+        TCPStore listens dual-stack and names each peer by getnameinfo on such an address, which
+        /etc/hosts' IPv4 lines do not answer; the lookup then goes to DNS, which the node
+        namespaces cannot reach (EAI_AGAIN, seconds lost and a c10d warning per connection)."""
+        named = [(self.ctl_addr, self.ctl_host)] + [(self.node_addr(k), n) for k, n in enumerate(self.node_names, 1)]
+        return [f"{addr}\t{name}" for addr, name in named] + [f"::ffff:{addr}\t{name}" for addr, name in named]
 
 
 def render_slurm_conf(spec: ClusterSpec) -> str:
@@ -460,8 +464,11 @@ class LocalSlurmCluster:
 
     def _start(self, role: str, argv: list[str], log: str) -> subprocess.Popen:
         with open(self.spec.log_dir / log, "ab") as out:
+            # Run in the state dir, never the caller's (a repository): whatever a daemon leaves
+            # in its working directory is the cluster's, wiped by the next `up`.
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env={**os.environ, **self.env()})
+                                    start_new_session=True, env={**os.environ, **self.env()},
+                                    cwd=self.spec.state_dir / "run", preexec_fn=no_core_dumps)
         self._children.append(proc)
         st = proc_stat(proc.pid)
         reg = read_registry(self.spec.name) or {"processes": []}
@@ -553,10 +560,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"export SLURM_CONF={shlex.quote(str(spec.conf))}")
         elif args.cmd == "down":
             spec = spec_of_running(args.name)
+            reg = read_registry(args.name) or {}
+            running = [p["role"] for p in reg.get("processes", []) if alive(p["pid"], p["start"])]
+            namespaces = our_netns(args.name)
             procs = teardown(args.name)
             left = leftovers(args.name, spec.state_dir if spec else None, procs)
             if left:
                 raise ClusterError(f"not fully down: {', '.join(left)}")
+            if not reg and not namespaces:
+                print(f"no cluster {args.name!r} was running: nothing to stop")
+            else:
+                print(f"stopped cluster {args.name!r}: {', '.join(running) or 'no live daemons'}; removed "
+                      f"{len(namespaces)} node namespace(s), its links and its {HOSTS} entries"
+                      + (f"; logs stay in {spec.log_dir}" if spec else ""))
         elif args.cmd == "status":
             spec = spec_of_running(args.name)
             status = LocalSlurmCluster(spec).status() if spec else {"name": args.name, "up": False}

@@ -42,10 +42,28 @@ def _tools() -> list[Result]:
                                                       "(or `slipway cluster up` for a local test cluster)"))
     if shutil.which("scontrol"):
         ok, said = slurm.ping()
-        out.append(("slurm controller", ok, said if ok else f"{said}: no Slurm controller answers, so sbatch "
-                    "would fail; check SLURM_CONF and that slurmctld runs (`slipway cluster status` for the "
-                    "local one)"))
+        out.append(("slurm controller", ok, said if ok else controller_diagnosis(said)))
     return out
+
+
+def controller_diagnosis(said: str) -> str:
+    """One line: what `scontrol ping` said when no controller answered, and the fix."""
+    from jobs.cluster import spec_of_running
+
+    if not os.environ.get("SLURM_CONF") and spec_of_running() is not None:
+        return (f"{said}: SLURM_CONF is not set, so Slurm's commands do not find the local test cluster that "
+                'is up: run `eval "$(slipway cluster env)"` in this shell first')
+    return (f"{said}: no Slurm controller answers, so sbatch would fail; check SLURM_CONF and that slurmctld "
+            "runs (`slipway cluster status` for a local test cluster)")
+
+
+def controller_problem() -> str | None:
+    """Why a submission now would fail at sbatch for want of a controller (None: one answers,
+    or this machine has no scontrol to ask, where sbatch's own error says more)."""
+    if not shutil.which("scontrol"):
+        return None
+    ok, said = slurm.ping()
+    return None if ok else controller_diagnosis(said)
 
 
 def _image_tools() -> list[Result]:
@@ -120,8 +138,25 @@ def checks(cfg: Config | None, project_dir: Path) -> list[Result]:
     return out
 
 
+def _merge_repeats(results: list[Result]) -> list[Result]:
+    """One line per distinct problem: checks that fail on the same error (an unset variable in a
+    mount stops the mounts, the container paths and the rendering alike) are named together."""
+    out: list[Result] = []
+    first: dict[str, int] = {}
+    for name, ok, detail in results:
+        if not ok and detail in first:
+            i = first[detail]
+            if name not in out[i][0].split(", "):
+                out[i] = (f"{out[i][0]}, {name}", False, detail)
+            continue
+        if not ok:
+            first[detail] = len(out)
+        out.append((name, ok, detail))
+    return out
+
+
 def run_doctor(cfg: Config | None, project_dir: Path, console) -> int:
-    results = checks(cfg, project_dir)
+    results = _merge_repeats(checks(cfg, project_dir))
     for name, ok, detail in results:
         mark = "[green]ok  [/]" if ok else "[red]fail[/]"
         console.print(f"{mark} {name}: {detail}", soft_wrap=True, highlight=False)

@@ -36,9 +36,9 @@ def slipway(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 def submit(*args: str, timeout: float = 240) -> str:
     """`slipway submit` without following; returns the job id."""
-    r = slipway("submit", "tiny_cpu", *args, timeout=timeout)
+    r = slipway("submit", "tiny_cpu", "--parsable", *args, timeout=timeout)
     assert r.returncode == 0, (r.stdout, r.stderr)
-    return r.stdout.strip().splitlines()[-1]
+    return r.stdout.strip()
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -242,13 +242,13 @@ def test_twenty_submissions_at_once(project, slurm_env):
     common = ["launch.procs_per_node=1", "--dp", "1", "launch.launcher=srun",
               f"launch.command=[{PY}, -c, {json.dumps(code)}]"]
     names = [f"load-{i:02d}" for i in range(20)]
-    procs = {n: subprocess.Popen([PY, "-m", "jobs", "submit", "tiny_cpu", "--run-name", n, *common],
+    procs = {n: subprocess.Popen([PY, "-m", "jobs", "submit", "tiny_cpu", "--parsable", "--run-name", n, *common],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in names}
     job_ids = {}
     for n, p in procs.items():
         out, err = p.communicate(timeout=240)
         assert p.returncode == 0, (n, out, err)
-        job_ids[n] = out.strip().splitlines()[-1]
+        job_ids[n] = out.strip()
     assert len(set(job_ids.values())) == 20
     runs = project / "runs"
     assert sorted(p.name for p in runs.iterdir() if p.is_dir()) == names

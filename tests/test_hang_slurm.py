@@ -41,9 +41,9 @@ END_BOUND = HARD_EXIT_SECONDS + 15
 
 
 def submit(*args: str) -> str:
-    r = slipway("submit", "tiny_cpu", *args)
+    r = slipway("submit", "tiny_cpu", "--parsable", *args)
     assert r.returncode == 0, (r.stdout, r.stderr)
-    return r.stdout.strip().splitlines()[-1]
+    return r.stdout.strip()
 
 
 def events(run_dir: Path) -> list[str]:

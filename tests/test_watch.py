@@ -171,6 +171,7 @@ def test_logs_f_of_a_local_launch_that_died_exits_1(tmp_path, capsys):
     assert "step 1/90 loss 5.0" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_watch_follows_a_local_run_to_its_end(project):
     """`make local` in one terminal, `slipway watch` in another: the real launch on this machine."""
     from test_e2e import TINY, slipway, wait_for
@@ -209,7 +210,8 @@ def tmux(*args: str) -> str:
 def test_watch_in_a_terminal_against_a_running_job(project, slurm_env):
     from test_e2e import TINY, slipway, wait_for
 
-    r = slipway("submit", "tiny_cpu", "--run-name", "watched", "--nodes", "2", "--dp", "4", *TINY, "train.steps=60")
+    r = slipway("submit", "tiny_cpu", "--parsable", "--run-name", "watched", "--nodes", "2", "--dp", "4", *TINY,
+                "train.steps=60")
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().splitlines()[-1]
     command = f"cd {shlex.quote(str(project))} && {shlex.quote(PY)} -m jobs watch watched --interval 1; " \

@@ -1,0 +1,182 @@
+"""A new user's first hour (issue 21): every command checks what it can before spending time,
+a suggested command carries the user's own arguments and works when pasted, and each output
+says what happened, once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import test_hang_script as hang_script  # its batch-script harness (a module, so its tests stay there)
+from jobs.cli import main
+
+PY = sys.executable
+
+
+def slipway(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def one_error_line(r: subprocess.CompletedProcess, code: int = 2) -> str:
+    assert r.returncode == code, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("slipway: error: "), r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    return lines[0]
+
+
+def stand_in(bin_dir: Path, name: str, body: str) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text("#!/bin/bash\n" + body)
+    (bin_dir / name).chmod(0o755)
+
+
+def corpus(project: Path) -> None:
+    (project / "corpus").mkdir()
+    (project / "corpus" / "a.jsonl").write_text(
+        "".join(json.dumps({"body": f"document {i} " * 40}) + "\n" for i in range(200)))
+
+
+# ---------------------------------------------------------------- slipway local checks first
+
+
+@pytest.mark.slow
+def test_local_refuses_an_unprepared_cache_at_once_and_its_prepare_command_works_pasted(project):
+    corpus(project)
+    given = ["tiny_cpu", "--dataset", "./corpus", "--text-column", "body", "run.project=my project",
+             "data.validation_fraction=0.001"]
+    start = time.monotonic()
+    line = one_error_line(slipway("local", *given))
+    # Before any process starts (the trainer would find it after 40 s of start-up); generous
+    # for a loaded machine, far below that.
+    assert time.monotonic() - start < 20
+    assert not (project / "runs").exists()
+    suggested = re.search(r"run `(slipway prepare [^`]*)` first", line).group(1)
+    argv = shlex.split(suggested)
+    assert argv[:3] == ["slipway", "prepare", "tiny_cpu"] and "run.project=my project" in argv
+    assert "--dataset ./corpus" in shlex.join(argv) and "--text-column body" in shlex.join(argv)
+    prepared = slipway(*argv[1:])
+    assert prepared.returncode == 0 and "200 documents" in prepared.stdout, prepared.stderr
+    # Prepared now, the same command meets the next problem, also before any process: this small
+    # corpus's 0.1% validation share holds no window of data.seq_len + 1 tokens.
+    line = one_error_line(slipway("local", *given))
+    assert line.startswith("slipway: error: data.validation_fraction: 0.001 of ") and "set it to 0" in line
+    assert not (project / "runs").exists()
+
+
+def test_local_with_nothing_left_to_train_says_so_before_starting(project):
+    done = project / "runs" / "tiny_cpu" / "checkpoints" / "step-000200"
+    done.mkdir(parents=True)
+    (done / "COMPLETE").touch()
+    line = one_error_line(slipway("local", "tiny_cpu"))
+    assert "train.steps: run tiny_cpu already reached train.steps=200 (checkpoint at step 200)" in line
+    assert "--train-steps 400" in line and not (project / "runs" / "tiny_cpu" / "logs").exists()
+
+
+def test_local_help_shows_only_the_flags_of_a_local_run(capsys):
+    with pytest.raises(SystemExit):
+        main(["local", "--help"])
+    local = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["submit", "--help"])
+    submit = capsys.readouterr().out
+    for flag in ("--partition", "--account", "--qos", "--time", "--email", "--runtime", "--image", "--launcher",
+                 "--cpus-per-task"):
+        assert flag in submit and flag not in local, flag
+    for flag in ("--train-steps", "--dataset", "--tp", "--nodes", "--procs-per-node", "--run-name"):
+        assert flag in local, flag
+
+
+# ---------------------------------------------------------------- slipway submit
+
+
+def test_submit_without_a_controller_is_doctors_one_line_and_writes_nothing(project, tmp_path):
+    if shutil.which("scontrol") is None:
+        pytest.skip("needs Slurm's scontrol, which says why no controller answers")
+    env = {"SLURM_CONF": str(tmp_path / "no-such" / "slurm.conf")}
+    line = one_error_line(slipway("submit", "tiny_cpu", env=env), code=1)
+    assert "no Slurm controller answers, so sbatch would fail; check SLURM_CONF" in line
+    doctor = slipway("doctor", env=env)
+    assert line.removeprefix("slipway: error: ") in doctor.stdout  # one diagnosis, the same words
+    assert not (project / "runs").exists()
+
+
+def test_submit_parsable_prints_only_the_job_id(project, tmp_path):
+    bin_dir = tmp_path / "slurm-bin"
+    stand_in(bin_dir, "sbatch", 'echo 4242\n')
+    stand_in(bin_dir, "scontrol", 'case "$1" in ping) echo "Slurmctld(primary) at n1 is UP" ;;\n'
+                                  '  show) echo "JobId=$4 JobState=PENDING ExitCode=0:0" ;; esac\n')
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    r = slipway("submit", "tiny_cpu", "--parsable", env=env)
+    assert r.returncode == 0 and r.stdout == "4242\n", (r.stdout, r.stderr)
+    assert "submitted tiny_cpu as job 4242" in r.stderr
+    r = slipway("submit", "tiny_cpu", "--run-name", "again", env=env)
+    assert r.returncode == 0 and "submitted again as job 4242" in r.stdout
+    assert r.stdout.strip().splitlines()[-1] != "4242"  # no bare id line for a person to wonder about
+
+
+def test_a_refused_submission_suggests_prepare_with_the_users_own_arguments(project, tmp_path):
+    corpus(project)
+    r = slipway("submit", "tiny_cpu", "data.text_column=body", "--dataset", "./corpus", "--nodes", "1",
+                "--dry-run")
+    note = next(line for line in r.stdout.splitlines() if "a real submission would be refused" in line)
+    assert "`slipway prepare tiny_cpu data.text_column=body --nodes 1 --dataset ./corpus`" in note
+
+
+# ---------------------------------------------------------------- doctor, image, cluster
+
+
+def test_doctor_says_each_problem_once(project):
+    env = {k: v for k, v in os.environ.items() if k != "FIRST_HOUR_UNSET"}
+    r = subprocess.run([PY, "-m", "jobs", "doctor", "tiny_cpu", "container.runtime=edf",
+                        "container.mounts=[${FIRST_HOUR_UNSET}:/data]"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    said = [line for line in r.stdout.splitlines() if "FIRST_HOUR_UNSET" in line]
+    assert len(said) == 1 and said[0].startswith("fail mounts and files, "), r.stdout
+    assert r.returncode == 1
+
+
+def test_image_help_names_the_command_the_user_typed(capsys):
+    with pytest.raises(SystemExit):
+        main(["image", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: slipway image ") and "python -m containers" not in out
+
+
+def test_cluster_down_says_what_it_stopped(capsys):
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("the local cluster's commands run as root, with iproute2")
+    assert main(["cluster", "down", "--name", "fhnone"]) == 0
+    assert capsys.readouterr().out == "no cluster 'fhnone' was running: nothing to stop\n"
+
+
+# ---------------------------------------------------------------- the time-limit save's event
+
+
+@pytest.mark.parametrize("saves", [True, False])
+def test_time_limit_stop_under_torchrun_says_what_the_trainer_did(tmp_path, saves):
+    """torchrun exits 1 when the trainer exits 75 (saved, requeue me): the event reads the
+    trainer's checkpoints, not that code."""
+    job = hang_script.Job(tmp_path, "slurm.max_requeues=2")
+    ckpt = '"$RUN_DIR/checkpoints/step-00000{0}"'
+    job.script("train.sh", "\n".join([
+        f"mkdir -p {ckpt.format(4)} && touch {ckpt.format(4)}/COMPLETE",
+        "kill -USR1 $PPID; sleep 1",  # the batch script: Slurm's warning before the time limit
+        *([f"mkdir -p {ckpt.format(6)} && touch {ckpt.format(6)}/COMPLETE"] if saves else []),
+        "exit 1"]))
+    assert job.run() == 0, job.out
+    events = job.events()
+    assert "time limit warning: stop requested" in events, events
+    want = ("saved after the stop request (checkpoint at step 6)" if saves
+            else "no checkpoint saved after the stop request (step exit 1)")
+    assert f"time-limit requeue 1/2: {want}, requeueing" in events, events
