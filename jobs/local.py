@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -12,18 +13,25 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional, Sequence, Union
 
 from plumbum import local
 from rich.markup import escape
 
 from edf import render_edf, srun_flags
-from jobs import runs, slurm
+from jobs import lifecycle, runs, slurm
+from jobs import runlock
 from jobs.config import Config
+from jobs.lifecycle import Launch
 from jobs.sbatch import REQUEUE_EXIT, local_argv
-from trainer.config import ConfigError
+from trainer.config import HANG_EXIT, HANGS_DIR, ConfigError
 from trainer.fs import write_atomic
+from trainer.rundir import Event
 
 
 def local_env(cfg: Config, run: runs.Run) -> dict[str, str]:
@@ -71,55 +79,91 @@ def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
     return local, changed
 
 
+# Signals that stop a local launch: each is forwarded to the trainer's own process group (torchrun
+# and every rank, in a session of their own as a Slurm job step is), a closed terminal's SIGHUP as
+# SIGTERM, the signal Slurm stops a job with, so that the trainer saves before it exits.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How long the trainer gets after the forwarded signal (torchrun gives its ranks 30 s, the
+# trainer saves a checkpoint) before its whole process group is killed.
+STOP_GRACE_SECONDS = 90.0
+
+
 def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True) -> int:
-    """Create or resume the run directory and train here; the output also goes to logs/local-*.out."""
+    """Create or resume the run directory and train here; the output also goes to logs/local-*.out.
+
+    The run's lock is held for the whole launch: a second `slipway local` or `submit` of the
+    run is refused while this one trains. SIGINT, SIGTERM and SIGHUP stop the trainer (see
+    FORWARDED); the end is recorded, and nothing of the trainer's is left running."""
     cfg.container.require_host_env()  # the trainer takes them from this process's environment
     cfg, changed = local_view(cfg, rename=rename)
     if changed:
         console.print(f"[dim]on this machine: {'; '.join(changed)}[/]", soft_wrap=True)
     sealed = runs.seal(cfg, project_dir)
     check_before_start(sealed, cfg.config_args)  # seconds here, not after every process has started
-    run, created = runs.prepare_run(sealed, force=force)
-    cfg = sealed.cfg
+    with runlock.hold(sealed.paths.run_dir, f"slipway local {cfg.config_args}", trains=True):
+        run, created = runs.prepare_run(sealed, force=force)
+        return _train_here(run, sealed.cfg, project_dir, created, console)
+
+
+def _train_here(run: runs.Run, cfg: Config, project_dir: Path, created: bool, console) -> int:
     argv = local_argv(cfg, run.paths)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    log_path = run.dir / "logs" / f"local-{stamp}.out"
+    tag = f"local-{stamp}"  # names this launch's files: its log, its hang dumps (trainer.watchdog.job_tag)
+    log_path = run.dir / "logs" / f"{tag}.out"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     console.print(f"{'new run' if created else 'resuming run'} [bold]{cfg.run.name}[/] in {run.dir}", soft_wrap=True)
     console.print(f"[dim]$ {' '.join(argv)}[/]", soft_wrap=True)
-    env = {**os.environ, **local_env(cfg, run)}
-    interrupted, error = False, ""
-    with log_path.open("w") as log:
-        proc = local[argv[0]][argv[1:]].popen(cwd=project_dir, env=env, stdout=subprocess.PIPE,
-                                              stderr=subprocess.STDOUT)
-        launch = _record_local(run, log_path, proc.pid, project_dir)
-        _event(run, "start on this machine")
-        assert proc.stdout is not None
-        try:
-            for line in iter(proc.stdout.readline, b""):
-                sys.stdout.buffer.write(line)
-                sys.stdout.flush()
-                text = line.decode(errors="replace")
-                log.write(text)
-                log.flush()
-                if text.startswith("error: "):  # the trainer's one-line reason, restated below torchrun's report
-                    error = text.removeprefix("error: ").strip()
-        except KeyboardInterrupt:  # the terminal sent SIGINT to torchrun too: wait for it to stop
-            interrupted = True
-            try:
-                proc.wait()
-            except KeyboardInterrupt:  # a second Ctrl-C: do not wait any longer
-                proc.kill()
-        rc = proc.wait()
-    _event(run, "end interrupted" if interrupted else f"end exit {rc}")
-    _finish_local(run, launch, "interrupted" if interrupted else rc)
+    env = {**os.environ, **local_env(cfg, run), "SLIPWAY_JOB_TAG": tag}
+    stopper = _Stopper(run.dir, tag)
+    previous = {sig: signal.signal(sig, stopper.handle) for sig in FORWARDED}
+    try:
+        with log_path.open("w") as log:
+            lock_fd = runlock.held_fd(run.dir)
+            # The trainer inherits the run's lock: should this process be killed outright, the
+            # run stays locked while its trainer trains.
+            proc = subprocess.Popen(argv, cwd=project_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    pass_fds=() if lock_fd is None else (lock_fd,))
+            stopper.started(proc.pid)
+            runlock.note(run.dir, trainer_pid=proc.pid)
+            launch = _record_local(run, log_path, proc.pid, project_dir)
+            _event(run, "start on this machine")
+            assert proc.stdout is not None
+            output = _Output(proc.stdout, log)
+            output.start()
+            _wait_for_exit(proc.pid)
+            stopper.sweep()  # whatever of its session outlived it (the leader is not reaped yet: its group is ours)
+            rc = proc.wait()
+            stopper.done()
+            output.join(timeout=10)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    end = _how_it_ended(run, cfg, tag, rc, stopper.signum, output)
+    for text in end.events:
+        _event(run, text)
+    _finish_local(run, launch, end.outcome, **end.extra)
     steps = _checkpoint_steps(run.dir / cfg.checkpoint.dir)
     resume = (f"run the same command again to resume from its checkpoint at step {steps[-1]}" if steps else
               "no checkpoint was saved yet, so running the same command again starts from step 0")
-    if interrupted:
-        console.print(f"[yellow]interrupted[/] (Ctrl-C): {resume}; log: {log_path}", soft_wrap=True)
-        return 130
-    if rc == REQUEUE_EXIT:
+    with contextlib.suppress(OSError):  # a closed terminal (SIGHUP): the end is recorded all the same
+        _say_end(console, end, rc, resume, log_path, run, cfg, output.error)
+    return end.code
+
+
+def _say_end(console, end: "_End", rc: int, resume: str, log_path: Path, run: runs.Run, cfg: Config,
+             error: str) -> None:
+    if end.signum == signal.SIGINT:
+        console.print(f"[yellow]interrupted[/] (Ctrl-C){end.where}: {resume}; log: {log_path}", soft_wrap=True)
+    elif end.signum is not None:
+        console.print(f"[yellow]terminated by {signal.Signals(end.signum).name}[/]{end.where}: {resume}; "
+                      f"log: {log_path}", soft_wrap=True)
+    elif end.hang:
+        console.print(f"log: {log_path}; {resume}", soft_wrap=True)
+        console.print(f"[red]{escape(end.hang)}[/]", soft_wrap=True)  # the last line: what ended the run
+    elif end.reason:
+        console.print(f"[red]{escape(end.reason)}[/]; {resume}; log: {log_path}", soft_wrap=True)
+    elif rc == REQUEUE_EXIT:
         console.print(f"stopped after saving a checkpoint: {resume}", soft_wrap=True)
     elif rc:
         console.print(f"[red]training failed with exit code {rc}[/]{': ' + escape(error) if error else ''}; "
@@ -127,7 +171,195 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
     else:
         console.print(f"done: metrics in {run.dir / 'metrics.jsonl'}, checkpoints in {run.dir / cfg.checkpoint.dir}",
                       soft_wrap=True)
-    return rc
+
+
+class _Stopper:
+    """This process's handler of FORWARDED: the first signal goes on to every process of the
+    launch, and all of them are killed STOP_GRACE_SECONDS later (at once on a second signal).
+
+    The processes of a launch are those whose environment names its run directory and its tag:
+    torchrun starts each rank in a session of its own, so its process group alone is not all."""
+
+    def __init__(self, run_dir: Path, tag: str) -> None:
+        self.signum: Optional[int] = None
+        self.pgid: Optional[int] = None
+        self._marks = {f"SLIPWAY_RUN_DIR={run_dir}".encode(), f"SLIPWAY_JOB_TAG={tag}".encode()}
+        self._killer: Optional[threading.Timer] = None
+
+    def handle(self, signum: int, frame) -> None:
+        first = self.signum is None
+        if first:
+            self.signum = signum
+        if self.pgid is None:
+            return  # not started yet: `started` forwards it
+        if first:
+            self._forward()
+        else:
+            self.kill()
+
+    def started(self, pid: int) -> None:
+        self.pgid = pid  # a session leader: its pid is its process group's id
+        if self.signum is not None:
+            self._forward()
+
+    def _forward(self) -> None:
+        assert self.signum is not None
+        self._signal(signal.SIGTERM if self.signum == signal.SIGHUP else self.signum)
+        self._killer = threading.Timer(STOP_GRACE_SECONDS, self.kill)
+        self._killer.daemon = True
+        self._killer.start()
+
+    def processes(self) -> list[int]:
+        """The pids of this launch's processes still there (this process's own, readable, only)."""
+        found = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    env = set(f.read().split(b"\0"))
+            except OSError:  # gone, or not ours
+                continue
+            if self._marks <= env:
+                found.append(int(entry.name))
+        return found
+
+    def _signal(self, sig: int) -> None:
+        if self.pgid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, sig)
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def sweep(self) -> None:
+        """Kill what remains of the launch once its first process has exited (a rank torchrun
+        left behind), until none is left."""
+        deadline = time.monotonic() + 10
+        while self.processes() and time.monotonic() < deadline:
+            self.kill()
+            time.sleep(0.05)
+        if self.pgid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGKILL)
+
+    def done(self) -> None:
+        if self._killer is not None:
+            self._killer.cancel()
+
+
+def _wait_for_exit(pid: int) -> None:
+    """Until process `pid` has exited, without reaping it (its pid keeps naming its process
+    group until then, so the sweep can never reach another's). Signals run their handlers meanwhile."""
+    while True:
+        try:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            return
+        except ChildProcessError:
+            return
+
+
+class _Output(threading.Thread):
+    """Copies the trainer's output to this terminal and the launch's log; keeps what the end
+    report needs: the trainer's one-line error, and the rank torchrun says a signal killed."""
+
+    def __init__(self, stream, log) -> None:
+        super().__init__(name="slipway-local-output", daemon=True)
+        self.stream, self.log = stream, log
+        self.error = ""
+        self.failed_rank: Optional[str] = None
+        self.rank_signal: Optional[int] = None
+        self._terminal = True
+
+    def run(self) -> None:
+        rank, root = None, False
+        for line in iter(self.stream.readline, b""):
+            if self._terminal:
+                try:
+                    sys.stdout.buffer.write(line)
+                    sys.stdout.flush()
+                except (OSError, ValueError):  # the terminal is gone (SIGHUP): the log keeps it all
+                    self._terminal = False
+            text = line.decode(errors="replace")
+            self.log.write(text)
+            self.log.flush()
+            if text.startswith("error: "):  # the trainer's one-line reason, restated below torchrun's report
+                self.error = text.removeprefix("error: ").strip()
+            # torchrun's report of failed workers: only its "Root Cause (first observed failure)"
+            # entry counts (the others are the ranks torchrun itself then sent SIGTERM): `rank : 1
+            # (local_rank: 1)`, then `exitcode : -9 (pid: 123)` for one a signal killed
+            if "Root Cause" in text:
+                root, rank = True, None
+            m = re.match(r"\s*rank\s*:\s*(\d+)", text)
+            if m:
+                rank = m.group(1)
+            m = re.match(r"\s*exitcode\s*:\s*-(\d+)", text)
+            if m and root and self.rank_signal is None:
+                self.failed_rank, self.rank_signal = rank, int(m.group(1))
+
+
+@dataclass
+class _End:
+    """How a local launch ended: the launcher's exit code, the manifest's outcome and the events."""
+
+    code: int
+    outcome: Union[int, str]
+    events: list[str]
+    signum: Optional[int] = None
+    hang: str = ""
+    reason: str = ""
+    where: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, signum: Optional[int], output: _Output) -> _End:
+    last = run.last_metrics()
+    where = f" at step {last['step']}" if last and isinstance(last.get("step"), int) else ""
+    if signum is not None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            return _End(128 + signum, "interrupted", [f"interrupted by {name} (Ctrl-C){where}", "end interrupted"],
+                        signum, where=where, extra={"signal": name})
+        return _End(128 + signum, 128 + signum, [f"terminated by {name}{where}", f"end signal {name}"], signum,
+                    where=where, extra={"signal": name, "trainer_exit": rc})
+    hang = _hang(run, cfg, tag)
+    if hang:
+        return _End(HANG_EXIT, HANG_EXIT, [hang, f"end exit {HANG_EXIT}"], hang=f"hung: {hang.removeprefix('hang: ')}",
+                    extra={"trainer_exit": rc})
+    killed = -rc if rc < 0 else output.rank_signal
+    if killed:
+        name = _signal_name(killed)
+        who = "the trainer" if rc < 0 or output.failed_rank is None else f"rank {output.failed_rank}"
+        reason = f"{who} was killed by {name}{where}"
+        return _End(128 + killed, 128 + killed, [reason, f"end exit {128 + killed}"], reason=reason,
+                    extra={"trainer_exit": rc})
+    return _End(rc, rc, [f"end exit {rc}"])
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _hang(run: runs.Run, cfg: Config, tag: str) -> str:
+    """The hang event of this launch from the dumps its ranks' watchdogs wrote, "" if none did.
+    The first line of a dump: `slipway hang: rank R host H step S idle I s limit L s on-time`."""
+    dumps = sorted((run.dir / HANGS_DIR).glob(f"{tag}-*.txt"))
+    if not dumps:
+        return ""
+    try:
+        first = dumps[0].read_text(errors="replace").split("\n", 1)[0].split()
+        step, limit = first[7], first[12]
+    except (OSError, IndexError):
+        step, limit = "?", "?"
+    world = cfg.world_size
+    return (f"hang: no step completed for {limit} s after step {step}; stack dumps from {len(dumps)} of {world} "
+            f"ranks in {run.dir / HANGS_DIR}/{tag}-*.txt")
 
 
 def check_before_start(sealed: runs.Sealed, config_args: str) -> None:
@@ -185,52 +417,50 @@ def _check_data_fits(cfg: Config, status) -> None:
 def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: Path) -> dict:
     """Add this launch to the manifest. `pid` is this process, not the trainer's: it outlives the
     trainer and writes the outcome, so a reader never sees the launch dead before its exit is recorded."""
-    manifest = run.manifest()
     entry = {"job_id": None, "local": True, "started": runs.now(), "pid": os.getpid(), "trainer_pid": trainer_pid,
              "host": socket.gethostname(), "log": str(log_path.relative_to(run.dir)),
              "git": runs.git_state(project_dir)}
-    manifest.setdefault("submissions", []).append(entry)
-    runs.write_atomic(run.dir / runs.MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    runs.update_manifest(run, lambda manifest: manifest.setdefault("submissions", []).append(entry))
     return entry
 
 
 def same_launch(a: dict, b: dict) -> bool:
     """Whether two manifest entries are one local launch (a process may launch twice, as tests do)."""
-    return bool(a.get("local")) and a.get("pid") == b.get("pid") and a.get("started") == b.get("started")
+    x, y = Launch.from_entry(a), Launch.from_entry(b)
+    return x is not None and y is not None and x.local and x.same(y)
 
 
-def _finish_local(run: runs.Run, launch: dict, outcome) -> None:
-    manifest = run.manifest()
-    for entry in reversed(manifest.get("submissions", [])):
-        if same_launch(entry, launch):
-            entry["ended"] = runs.now()
-            entry["exit"] = outcome
-            break
-    runs.write_atomic(run.dir / runs.MANIFEST, json.dumps(manifest, indent=2) + "\n")
+def _finish_local(run: runs.Run, launch: dict, outcome: Union[int, str], **extra) -> None:
+    """Record the launch's end: `exit` (its exit code, or "interrupted" for Ctrl-C), and `extra`
+    (`signal`: the name of the signal that stopped it; `trainer_exit`: the trainer's own code)."""
+    ended = runs.now()
+
+    def finish(manifest: dict) -> None:
+        for entry in reversed(manifest.get("submissions", [])):
+            if same_launch(entry, launch):
+                entry.update(ended=ended, exit=outcome, **extra)
+                break
+
+    runs.update_manifest(run, finish)
 
 
-def local_state(entry: dict) -> tuple[str, str]:
-    """(state, exit) of a local run's manifest entry, as `slipway status` shows it."""
-    outcome = entry.get("exit")
-    if outcome == "interrupted":
-        return "INTERRUPTED", "130"
-    if isinstance(outcome, int):
-        state = "COMPLETED" if outcome == 0 else "STOPPED" if outcome == REQUEUE_EXIT else "FAILED"
-        return state, str(outcome)
-    pid, host = entry.get("pid"), entry.get("host")
-    if pid and host == socket.gethostname():
-        from trainer.fs import pid_alive
+def _launch(entry: dict) -> Launch:
+    launch = Launch.from_entry({**entry, "local": True}) if isinstance(entry, dict) else None
+    return launch or Launch(kind="local", id=lifecycle.LOCAL_JOB)
 
-        # a killed launcher leaves its trainer training: the run is alive while either is
-        alive = any(pid_alive(p) for p in (pid, entry.get("trainer_pid")) if p)
-        return ("RUNNING", "") if alive else ("DIED", "")
-    return ("UNKNOWN", "") if pid else ("ENDED", "")
+
+def local_state(entry: dict, events: Sequence[Event] = ()) -> tuple[str, str]:
+    """(state, exit) of a local launch's manifest entry, as `slipway status` shows it
+    (`lifecycle.launch_state` decides; `events`: the launch's own, `Run.events_of`)."""
+    launch = _launch(entry)
+    state = lifecycle.launch_state(launch, events, process=lifecycle.observe_local(launch))
+    return state.state, "" if state.exit_code is None else str(state.exit_code)
 
 
 def local_exit(state: str, code: str) -> int | None:
     """The exit code of a launch in `local_state` (state, code), as `watch` and `logs -f` exit with
     it: None while it runs, 1 for one that died without saying."""
-    if state == "RUNNING":
+    if state == lifecycle.RUNNING:
         return None
     return int(code) if code.lstrip("-").isdigit() else 1
 
@@ -238,17 +468,8 @@ def local_exit(state: str, code: str) -> int | None:
 def local_elapsed(entry: dict) -> str:
     """How long a local run's launch ran (until now while it runs), as Slurm writes elapsed
     times ([D-]HH:MM:SS); empty when the manifest entry does not say."""
-    if not entry.get("ended") and local_state(entry)[0] != "RUNNING":  # died: its end is unknown
-        return ""
-    try:
-        start = datetime.fromisoformat(entry["started"])
-        end = datetime.fromisoformat(entry["ended"]) if entry.get("ended") else datetime.now(timezone.utc)
-    except (KeyError, TypeError, ValueError):
-        return ""
-    seconds = max(0, int((end - start).total_seconds()))
-    days, rest = divmod(seconds, 86400)
-    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
-    return f"{days}-{clock}" if days else clock
+    launch = _launch(entry)
+    return lifecycle.elapsed(launch, lifecycle.launch_state(launch, (), process=lifecycle.observe_local(launch)))
 
 
 def _checkpoint_steps(ckpt_dir: Path) -> list[int]:
@@ -266,18 +487,21 @@ SHELL_EDF_SHOWN = "slipway-shell-XXXXXXXX"
 
 
 def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None,
-               edf_dir: Path | None = None) -> tuple[list[str], dict[str, str], str | None]:
+               edf_dir: Path | None = None) -> tuple[list[str], dict[str, str], str | None, list[str]]:
     """`srun ... --pty bash` in the image (or `command` without a pty), one node, one task;
-    the variables to set in srun's environment (pyxis passes container.env that way); and the
+    the variables to set in srun's environment (pyxis passes container.env that way); the
     text of the Container Engine's EDF (None for the other runtimes), to be written as
-    `edf_dir`/env.toml (default: the name a dry run shows) before srun starts.
+    `edf_dir`/env.toml (default: the name a dry run shows) before srun starts; and notes.
 
     The environment is the one a submitted run of `cfg` would get (pinned image, its paths
-    mounted), through the same `srun_flags` as the batch script. It never writes into a run
-    directory. Variables of `container.env_from_host` are only named, never expanded: srun
-    hands them on from this process's environment."""
+    mounted) less the paths not created yet, through the same `srun_flags` as the batch
+    script; every mount source is checked here (jobs.container.shell_environment). It never
+    writes into a run directory. Variables of `container.env_from_host` are only named,
+    never expanded: srun hands them on from this process's environment."""
+    from jobs.container import shell_environment
+
     sealed = runs.seal(cfg, project_dir)
-    env = sealed.env
+    env, notes = shell_environment(sealed.cfg, sealed.paths, sealed.pin)
     edf_file, text = None, None
     if env.runtime == "edf":
         text = render_edf(env)
@@ -286,7 +510,7 @@ def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None,
     s = cfg.slurm
     argv = slurm.srun_argv(nodes=1, ntasks_per_node=1, cpus_per_task=s.cpus_per_task, gpus_per_node=s.gpus_per_node,
                            time=s.time, account=s.account, partition=s.partition, pty=not command, extra=args)
-    return argv + (list(command) if command else ["bash"]), exports, text
+    return argv + (list(command) if command else ["bash"]), exports, text, notes
 
 
 def shell_edf_root(project_dir: Path) -> Path:
@@ -303,7 +527,8 @@ def shell_dry_run(cfg: Config, project_dir: Path, command: list[str] | None = No
         cfg.container.require_host_env()
     except ConfigError as exc:
         notes.append(f"a real shell would fail: {exc}")
-    argv, exports, text = shell_argv(cfg, project_dir, command)
+    argv, exports, text, shell_notes = shell_argv(cfg, project_dir, command)
+    notes += shell_notes
     out = ""
     if text is not None:
         edf_file = shell_edf_root(project_dir) / SHELL_EDF_SHOWN / "env.toml"
@@ -316,7 +541,8 @@ def run_shell(cfg: Config, project_dir: Path, command: list[str] | None = None) 
     for as long as srun runs, then removed (also on Ctrl-C, SIGTERM or a closed terminal)."""
     cfg.container.require_host_env()
     if cfg.container.runtime != "edf":
-        argv, exports, _ = shell_argv(cfg, project_dir, command)
+        argv, exports, _, notes = shell_argv(cfg, project_dir, command)
+        _shell_notes(notes)
         return exec_foreground(argv, exports)
     root = shell_edf_root(project_dir)
     runs.no_world_write()
@@ -327,13 +553,19 @@ def run_shell(cfg: Config, project_dir: Path, command: list[str] | None = None) 
     private = Path(tempfile.mkdtemp(prefix=SHELL_EDF_SHOWN.rstrip("X"), dir=root))
     handlers = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        argv, exports, text = shell_argv(cfg, project_dir, command, edf_dir=private)
+        argv, exports, text, notes = shell_argv(cfg, project_dir, command, edf_dir=private)
+        _shell_notes(notes)
         write_atomic(private / "env.toml", text or "", 0o600)
         return exec_foreground(argv, exports)
     finally:
         shutil.rmtree(private, ignore_errors=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def _shell_notes(notes: list[str]) -> None:
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
 
 
 def _exit_on_signal(signum: int, frame) -> None:

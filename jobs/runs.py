@@ -26,13 +26,15 @@ from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
 from edf import Environment, expand_host, render_edf, srun_flags
-from jobs import slurm
+from jobs import lifecycle, runlock, slurm
 from jobs.config import Config, dump_config, load_config
 from jobs.container import (ImagePin, create_needed_dirs, pin_image, remove_created_dirs, resolve_paths,
                             run_environment, stale_build_note)
+from jobs.lifecycle import Launch, LaunchState
 from jobs.sbatch import PREPARE_SCRIPT, RunPaths, check_env_from_host, render_prepare_sbatch, render_sbatch
 from trainer.config import ConfigError
 from trainer.fs import write_atomic
+from trainer.rundir import Event, read_events
 
 MANIFEST = "manifest.json"
 
@@ -74,31 +76,49 @@ class Run:
         except FileNotFoundError:
             return {}
 
+    def launches(self) -> list[Launch]:
+        """Its Slurm jobs and local launches, oldest first, as the manifest records them."""
+        return lifecycle.launches(self.manifest())
+
+    def launch(self, job_id: str) -> Optional[Launch]:
+        """Slurm job `job_id` of this run, or None."""
+        return next((x for x in self.launches() if not x.local and x.id == job_id), None)
+
     def job_ids(self) -> list[str]:
-        return [s["job_id"] for s in self.manifest().get("submissions", []) if s.get("job_id")]
+        return [x.id for x in self.launches() if not x.local]
 
     def latest_train_job(self) -> str | None:
         """The id of the run's latest Slurm training job (its preparation jobs aside)."""
-        return next((s["job_id"] for s in reversed(self.manifest().get("submissions", []))
-                     if s.get("job_id") and s.get("kind", "train") == "train"), None)
+        return next((x.id for x in reversed(self.launches()) if x.kind == "train"), None)
 
     def config(self) -> Config:
         return load_config(self.paths.config)
 
     def log_path(self, job_id: str, stream: str = "output") -> Path:
         """Where Slurm writes job `job_id`'s log: fixed by the config before submission."""
-        if any(s.get("job_id") == job_id and s.get("kind") == "prepare" for s in self.manifest().get("submissions", [])):
+        launch = self.launch(job_id)
+        if launch is not None and launch.kind == "prepare":
             return self.dir / "logs" / f"prepare-{job_id}.out"  # one file for both streams
         cfg = self.config()
         pattern = cfg.slurm.output if stream == "output" else cfg.slurm.error
         expanded = pattern.replace("%%", "\0").replace("%j", job_id).replace("%x", cfg.run.name).replace("\0", "%")
         return self.dir / expanded
 
-    def events(self) -> list[str]:
-        try:
-            return (self.dir / "events.log").read_text().splitlines()
-        except FileNotFoundError:
-            return []
+    def events(self) -> list[Event]:
+        """Every event of events.log that parses, in the order written."""
+        return read_events(self.dir)
+
+    def events_of(self, launch: Launch, events: Optional[list[Event]] = None) -> list[Event]:
+        return lifecycle.events_of(launch, self.events() if events is None else events, self.launches())
+
+    def state(self, launch: Launch, info: Optional[slurm.JobInfo] = None, *, ask_slurm: bool = True) -> LaunchState:
+        """What became of `launch`: Slurm asked (unless `info` is given or `ask_slurm` is off),
+        the local processes looked at, events.log read; `lifecycle.launch_state` decides."""
+        if launch.local:
+            return lifecycle.launch_state(launch, self.events_of(launch), process=lifecycle.observe_local(launch))
+        if info is None and ask_slurm and (slurm.available("scontrol") or slurm.available("sacct")):
+            info = slurm.job_info(launch.id)
+        return lifecycle.launch_state(launch, self.events_of(launch), info)
 
     def last_metrics(self) -> dict | None:
         """The latest training record of the history that stands (a restart undoes the steps
@@ -253,6 +273,23 @@ def _group_readable(path: Path) -> None:
     os.chmod(path, 0o777 & ~no_world_write())
 
 
+def _config_difference(path: Path, new: str) -> Optional[str]:
+    """How the run's config.yaml differs from `new` (the resolved config a launch would write),
+    None if it does not. The old file is read through today's schema and dumped again: a key a
+    later slipway added, at its default, is no difference."""
+    try:
+        old = path.read_text()
+    except FileNotFoundError:
+        return "no config.yaml"
+    if old == new:
+        return None
+    try:
+        resolved = dump_config(load_config(path))
+    except ConfigError as exc:
+        return f"a config this slipway no longer reads ({exc})"
+    return None if resolved == new else "a different config"
+
+
 def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     """Create or reuse `runs/RUN/`; returns (run, created).
 
@@ -272,11 +309,11 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
             jobs = ", ".join(f"{j} ({state})" for j, state in active)
             raise ConfigError("run.name", f"run {cfg.run.name} has a job queued or running ({jobs}), which reads "
                                           f"its files: wait for it to end or `slipway cancel {cfg.run.name}` first")
-        old = paths.config.read_text() if paths.config.exists() else ""
-        if old != files["config.yaml"] and not force:
-            raise ConfigError("run.name", f"run {cfg.run.name} exists with a different config "
-                                          f"({paths.config}): pick another --run-name, or pass --force to "
-                                          "replace its config (the old one is kept in history/)")
+        differs = _config_difference(paths.config, files["config.yaml"])
+        if differs and not force:
+            raise ConfigError("run.name", f"run {cfg.run.name} exists with {differs} ({paths.config}): pick "
+                                          "another --run-name, or pass --force to replace its config (the old "
+                                          "one is kept in history/)")
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
         for name, text in files.items():
             target = paths.run_dir / name
@@ -317,15 +354,26 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     return run, True
 
 
+def update_manifest(run: Run, change: Callable[[dict], None]) -> dict:
+    """The one read-modify-write of a run's manifest.json: under the run's lock (held already by
+    a launch; else taken here), so that no two writers lose each other's entries."""
+    with runlock.hold(run.dir, f"slipway: recording in the manifest of {run.name}"):
+        manifest = run.manifest()
+        change(manifest)
+        write_atomic(run.dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
 def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", **extra) -> None:
-    manifest = run.manifest()
-    manifest["image"] = sealed.pin.record()  # what the latest job runs
     script = run.dir / (PREPARE_SCRIPT if kind == "prepare" else "job.sbatch")
-    manifest.setdefault("submissions", []).append({
-        "job_id": job_id, "kind": kind, "submitted": now(), "git": git_state(run.paths.project_dir),
-        "image": sealed.pin.record(), "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest(), **extra,
-    })
-    write_atomic(run.dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    entry = {"job_id": job_id, "kind": kind, "submitted": now(), "git": git_state(run.paths.project_dir),
+             "image": sealed.pin.record(), "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest(), **extra}
+
+    def add(manifest: dict) -> None:
+        manifest["image"] = sealed.pin.record()  # what the latest job runs
+        manifest.setdefault("submissions", []).append(entry)
+
+    update_manifest(run, add)
 
 
 def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:
@@ -358,6 +406,12 @@ def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool
     if before_writing is not None:  # the caller's last check (a controller to submit to), input checked
         before_writing()
     no_world_write()
+    # One launch of a run at a time: from the check for its active jobs to the record of this one.
+    with runlock.hold(sealed.paths.run_dir, f"slipway submit {cfg.config_args}"):
+        return _submit_locked(sealed, force=force, why=why)
+
+
+def _submit_locked(sealed: Sealed, *, force: bool, why: Optional[str]) -> tuple[Run, str, Sealed, Optional[str]]:
     made = create_needed_dirs(sealed.cfg, sealed.paths)
     try:
         run, created = prepare_run(sealed, force=force)
@@ -388,6 +442,11 @@ def submit_prepare(cfg: Config, project_dir: Path, *, force: bool = False) -> tu
     """`slipway prepare --as-job`: the run's data preparation as a CPU job of its own."""
     check_submittable(cfg)
     sealed = seal(cfg, project_dir).with_prepare_script()
+    with runlock.hold(sealed.paths.run_dir, f"slipway prepare {cfg.config_args} --as-job"):
+        return _submit_prepare_locked(sealed, force=force)
+
+
+def _submit_prepare_locked(sealed: Sealed, *, force: bool) -> tuple[Run, str, Sealed]:
     made = create_needed_dirs(sealed.cfg, sealed.paths)
     try:
         run, created = prepare_run(sealed, force=force)
@@ -437,6 +496,7 @@ def follow(run: Run, job_id: str, *, interval: float = 1.0, on_state: Callable[[
     err_path = run.log_path(job_id, "error")
     if err_path != tails[0].path:
         tails.append(_Tail(err_path, err))
+    launch = run.launch(job_id) or Launch(kind="train", id=job_id)
     last_state = None
     gone = 0
     while True:
@@ -451,20 +511,16 @@ def follow(run: Run, job_id: str, *, interval: float = 1.0, on_state: Callable[[
             time.sleep(interval)  # the last lines may land just after the state changes
             for t in tails:
                 t.pump()
-            code = info.return_code
-            return code if code is not None else (0 if state.startswith("COMPLETED") else 1)
+            return run.state(launch, info).final_exit
         if info is None:
             gone += 1
             if gone > 5:  # slurmctld forgot the job and there is no accounting
                 for t in tails:
                     t.pump()
-                return _exit_from_events(run, job_id)
+                return _exit_from_events(run, launch)
         time.sleep(interval)
 
 
-def _exit_from_events(run: Run, job_id: str) -> int:
-    for line in reversed(run.events()):
-        parts = line.split()
-        if len(parts) >= 5 and parts[2] == job_id and parts[3:5] == ["end", "exit"]:
-            return int(parts[5]) if len(parts) > 5 and parts[5].isdigit() else 1
-    return 1
+def _exit_from_events(run: Run, launch: Launch) -> int:
+    """The exit code of a job Slurm no longer knows, from events.log: 1 where it records no end."""
+    return run.state(launch, ask_slurm=False).final_exit

@@ -2,92 +2,19 @@
 
 from __future__ import annotations
 
-import re
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Optional
 
 from rich.markup import escape
 
-from jobs import runs, slurm
+from jobs import lifecycle, runlock, runs, slurm
+from jobs.lifecycle import History, Launch
 from trainer.config import HANGS_DIR, ConfigError
 
 
-def _last_event(run: runs.Run, job_id: str | None) -> str:
-    for line in reversed(run.events()):
-        parts = line.split(maxsplit=3)
-        if len(parts) == 4 and (job_id is None or parts[2] == job_id):
-            return parts[3]
-    return ""
-
-
-# Event texts the batch script writes (jobs/sbatch.py) that end an attempt badly.
-FAILURES = ("hang:", "preflight failed", "node failure:", "not retrying", "not requeueing")
-
-
-@dataclass
-class History:
-    """What became of one job across its attempts, from events.log: the failure retries and
-    time-limit requeues it used (of how many), the nodes excluded, the last failure, the last hang."""
-
-    job_id: str
-    attempts: int = 0
-    retries: list[str] = field(default_factory=list)  # the retry events' texts
-    max_retries: Optional[int] = None
-    requeues: int = 0
-    max_requeues: Optional[int] = None
-    excluded: str = ""
-    last_failure: str = ""
-    hang: str = ""
-    preflight: str = ""  # the last preflight result (its bandwidth when it passed)
-
-    @property
-    def hang_tag(self) -> str:
-        """The attempt whose stack dumps the last hang names (hangs/TAG-*.txt)."""
-        m = re.search(r"hangs/(\S+)-\*\.txt", self.hang)
-        return m.group(1) if m else ""
-
-    def lines(self) -> list[str]:
-        out = []
-        if self.retries or self.requeues or self.attempts > 1:
-            kinds = ", ".join(re.sub(r"^retry \S+ \(([^)]*)\).*", r"\1", r) for r in self.retries)
-            out.append(f"job {self.job_id}: {self.attempts} attempt(s); failure retries {len(self.retries)}"
-                       f"{'/' + str(self.max_retries) if self.max_retries is not None else ''}"
-                       f"{' (' + kinds + ')' if kinds else ''}; time-limit requeues {self.requeues}"
-                       f"{'/' + str(self.max_requeues) if self.max_requeues is not None else ''}"
-                       f"{'; excluded nodes ' + self.excluded if self.excluded else ''}")
-        if self.last_failure and self.last_failure != self.hang:  # the hang has lines of its own
-            out.append(f"last failure: {self.last_failure}")
-        return out
-
-
 def job_history(run: runs.Run, job_id: str) -> History:
-    history = History(job_id)
-    for line in run.events():
-        parts = line.split(" ", 3)
-        if len(parts) < 4 or parts[1] != "job" or parts[2] != job_id:
-            continue
-        text = parts[3]
-        if text.startswith("start on "):
-            history.attempts += 1
-            m = re.search(r"failure retries \d+/(\d+), time-limit requeues \d+/(\d+)", text)
-            if m:
-                history.max_retries, history.max_requeues = int(m.group(1)), int(m.group(2))
-        elif text.startswith("retry "):
-            history.retries.append(text)
-            m = re.search(r"\(excluded nodes: ([^)]*)\)$", text)
-            if m:
-                history.excluded = m.group(1)
-        elif text.startswith("time-limit requeue "):
-            history.requeues += 1
-        elif text.startswith("preflight "):
-            history.preflight = text
-        if text.startswith(FAILURES):
-            history.last_failure = text
-        if text.startswith("hang:"):
-            history.hang = text
-    return history
+    """What became of Slurm job `job_id` of `run` across its attempts (lifecycle.history)."""
+    return lifecycle.history(job_id, run.events())
 
 
 def hang_dumps(run: runs.Run, tag: str) -> list[str]:
@@ -118,19 +45,18 @@ def _progress(run: runs.Run) -> str:
     return step + (f", loss {loss:.3f}" if isinstance(loss, (int, float)) else "")
 
 
-def _job_row(run: runs.Run, sub: dict) -> tuple[str, str, str, str, str]:
-    job_id = sub.get("job_id")
-    if job_id is None:
-        from jobs.local import local_elapsed, local_state
-
-        state, code = local_state(sub)
-        return ("local", state, code, local_elapsed(sub), _last_event(run, "local"))
-    info = slurm.job_info(job_id) if slurm.available("scontrol") or slurm.available("sacct") else None
-    if info is None:
-        event = _last_event(run, job_id)
-        state = "ENDED" if event.startswith("end exit") else "UNKNOWN"
-        return (job_id, state, event.removeprefix("end exit ") if state == "ENDED" else "", "", event)
-    return (job_id, info.state, info.exit_code, info.elapsed, info.reason or _last_event(run, job_id))
+def _job_row(run: runs.Run, launch: Launch, events) -> tuple[str, str, str, str, str]:
+    """(job, state, exit, elapsed, last event or reason) of one launch, as the tables show it."""
+    own = run.events_of(launch, events)
+    if launch.local:
+        state = lifecycle.launch_state(launch, own, process=lifecycle.observe_local(launch))
+        elapsed = lifecycle.elapsed(launch, state)
+    else:
+        info = slurm.job_info(launch.id) if slurm.available("scontrol") or slurm.available("sacct") else None
+        state = lifecycle.launch_state(launch, own, info)
+        elapsed = info.elapsed if info else ""
+    code = "" if state.exit_code is None else str(state.exit_code)
+    return (launch.id, state.state, code, elapsed, state.reason or (own[-1].text if own else ""))
 
 
 def image_drift(run: runs.Run) -> str | None:
@@ -158,9 +84,9 @@ def show_status(project_dir, run_name: str | None, console) -> int:
         table = Table(title=f"run {run.name}  {_progress(run)}", title_justify="left")
         for col in ("job", "state", "exit", "elapsed", "last event / reason"):
             table.add_column(col)
-        subs = run.manifest().get("submissions", [])
-        for sub in subs:
-            table.add_row(*_job_row(run, sub))
+        events = run.events()
+        for launch in run.launches():
+            table.add_row(*_job_row(run, launch, events))
         console.print(table)
         latest = run.latest_train_job()
         if latest:
@@ -181,12 +107,12 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     for col in ("run", "jobs", "latest job", "state", "exit", "progress", "last event / reason"):
         table.add_column(col)
     for run in found:
-        subs = run.manifest().get("submissions", [])
-        if subs:
-            job, state, code, _, event = _job_row(run, subs[-1])
+        launches = run.launches()
+        if launches:
+            job, state, code, _, event = _job_row(run, launches[-1], run.events())
         else:
             job, state, code, event = "", "not submitted", "", ""
-        table.add_row(run.name, str(len(subs)), job, state, code, _progress(run), event)
+        table.add_row(run.name, str(len(launches)), job, state, code, _progress(run), event)
     console.print(table)
     return 0
 
@@ -205,12 +131,12 @@ def _print_history(run: runs.Run, history: History, console) -> None:
 
 
 def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> int:
-    subs = run.manifest().get("submissions", [])
-    if not subs:
+    launches = run.launches()
+    if not launches:
         raise ConfigError("RUN", f"run {run.name} has no job yet: `slipway submit` it first")
-    if job_id is None and subs[-1].get("local"):
-        return _show_local_log(run, subs[-1], follow)
-    job_id = job_id or next((s["job_id"] for s in reversed(subs) if s.get("job_id")), None)
+    if job_id is None and launches[-1].local:
+        return _show_local_log(run, launches[-1], follow)
+    job_id = job_id or next((x.id for x in reversed(launches) if not x.local), None)
     if job_id is None:
         raise ConfigError("--job", f"run {run.name} has no Slurm job")
     if follow:
@@ -225,35 +151,68 @@ def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> i
     return 0
 
 
-def _show_local_log(run: runs.Run, sub: dict, follow: bool) -> int:
+def _show_local_log(run: runs.Run, launch: Launch, follow: bool) -> int:
     """A local run's log (`make local` writes logs/local-STAMP.out); -f follows it while it runs."""
-    from jobs.local import local_exit, local_state, same_launch
-
-    path = run.dir / sub.get("log", "")
-    if not path.is_file():
+    path = run.dir / launch.log
+    if not launch.log or not path.is_file():
         raise ConfigError("RUN", f"no log at {path}")
     tail = runs._Tail(path, sys.stdout)
     tail.pump()
-    while follow and local_state(sub)[0] == "RUNNING":
+    state = run.state(launch)
+    while follow and not state.ended:
         time.sleep(1.0)
         tail.pump()
-        sub = next((s for s in run.manifest().get("submissions", []) if same_launch(s, sub)), sub)
+        launch = next((x for x in run.launches() if x.same(launch)), launch)
+        state = run.state(launch)
     tail.pump()
     # as for a Slurm job: printing the log succeeds; following it ends with the launch's exit code
-    return (local_exit(*local_state(sub)) or 0) if follow else 0
+    return state.final_exit if follow else 0
+
+
+# How long `slipway cancel` lets a job's batch script record its end and remove its containers
+# (while the allocation still exists) before scancel ends it regardless.
+CANCEL_GRACE_SECONDS = 90.0
 
 
 def cancel(run: runs.Run, console) -> int:
+    """USR2 to each job's batch shell first (jobs/job_lib.sh on_cancel: "cancelled by slipway
+    cancel", end exit 140), then, for a job still there after a bounded wait, scancel. Under the
+    run's lock: a submission in progress finishes first (and its job is cancelled too); a local
+    launch that trains refuses, naming its launcher."""
+    with runlock.hold(run.dir, f"slipway cancel {run.name}"):
+        return _cancel(run, console)
+
+
+def _cancel(run: runs.Run, console) -> int:
     active = [j for j in run.job_ids() if (info := slurm.job_info(j)) is not None and info.active]
     if not active:
         console.print(f"run {run.name} has no active job")
         return 0
-    slurm.scancel(active)
-    with (run.dir / "events.log").open("a") as f:
-        for job in active:
-            f.write(f"{runs.now()} job {job} cancelled by slipway cancel\n")
+
+    def still_active() -> list[str]:
+        return [j for j in active if (i := slurm.job_info(j)) is not None and i.active]
+
+    # A pending job has no batch shell to signal: scancel alone ends it.
+    running = [j for j in active if (i := slurm.job_info(j)) is not None and i.state.split()[:1] == ["RUNNING"]]
+    if running:
+        slurm.scancel(running, "USR2", batch=True)
+        deadline = time.time() + CANCEL_GRACE_SECONDS
+        while time.time() < deadline and still_active():
+            time.sleep(0.5)
+    left = still_active()
+    if left:
+        slurm.scancel(left)
+        _cancel_events(run, [j for j in left if j not in running])
     deadline = time.time() + 30
-    while time.time() < deadline and any((i := slurm.job_info(j)) is not None and i.active for j in active):
+    while time.time() < deadline and still_active():
         time.sleep(0.5)
     console.print(f"cancelled {', '.join(active)}")
     return 0
+
+
+def _cancel_events(run: runs.Run, jobs: list[str]) -> None:
+    """The jobs without a batch shell to say so themselves (pending ones): cancel says it."""
+    from trainer.rundir import append_event
+
+    for job in jobs:
+        append_event(run.dir, job, "cancelled by slipway cancel")

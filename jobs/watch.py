@@ -19,20 +19,24 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
-from datetime import datetime
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from jobs import runs, slurm
+from jobs import lifecycle, runs, slurm
+from jobs.lifecycle import Launch
 from jobs.sbatch import NODE_HEARTBEAT_SECONDS
-from jobs.status import job_history
-from trainer.config import ConfigError, PROGRESS_FILE
+from trainer.config import ConfigError
 from trainer.history import format_duration
+from trainer.rundir import GUTIL_DIR, HEARTBEATS_DIR, LOCAL_JOB, METRICS_FILE, PROGRESS_FILE, Event, EventKind
 
 EVENTS_SHOWN = 8
-LOCAL = "local"  # the job id events.log gives launches on this machine
+LOCAL = LOCAL_JOB  # the job id events.log gives launches on this machine
 GONE_POLLS = 5  # polls without any record of the job before its end is read from events.log
+# How an event is shown: a failure in red, a retry or requeue in yellow.
+_RED = lifecycle.FAILURE_KINDS | {EventKind.CANCELLED}
+_YELLOW = frozenset({EventKind.RETRY, EventKind.TIME_LIMIT_REQUEUE, EventKind.TIME_LIMIT_WARNING,
+                     EventKind.TIME_LIMIT_STOP})
 
 
 @dataclass
@@ -56,7 +60,7 @@ class Snapshot:
     progress_step: Optional[int] = None
     hang_timeout: Optional[float] = None
     nodes: list[NodeView] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
     ended: bool = False
     exit_code: Optional[int] = None
@@ -105,8 +109,8 @@ def _age(path: Path, now: float) -> Optional[float]:
 
 def latest_job(run: runs.Run) -> str:
     """The run's latest training job; LOCAL when its latest launch was on this machine."""
-    subs = run.manifest().get("submissions", [])
-    if subs and subs[-1].get("local"):
+    launches = run.launches()
+    if launches and launches[-1].local:
         return LOCAL
     job = run.latest_train_job() or next(reversed(run.job_ids()), None)  # or its preparation job
     if job is None:
@@ -121,7 +125,7 @@ class Watcher:
     def __init__(self, run: runs.Run, job_id: str):
         self.run, self.job_id = run, job_id
         self._gone = 0
-        self._launch: Optional[dict] = None  # the local launch watched: the latest when watching began
+        self._launch: Optional[Launch] = None  # the local launch watched: the latest when watching began
         self._hosts: dict[str, list[str]] = {}
         try:
             self.total_steps: Optional[int] = run.config().train.steps
@@ -138,36 +142,38 @@ class Watcher:
             self._nodes(snap, now)
         snap.events = self.run.events()[-EVENTS_SHOWN:]
         if self.job_id != LOCAL:  # each `make local` is a launch of its own, not an attempt of one job
-            snap.history = job_history(self.run, self.job_id).lines()
+            snap.history = lifecycle.history(self.job_id, self.run.events()).lines()
         return snap
 
     def _slurm(self) -> tuple[slurm.JobInfo, bool, Optional[int]]:
         """The job, whether it ended, its exit code once it did."""
+        launch = self.run.launch(self.job_id) or Launch(kind="train", id=self.job_id)
         info = slurm.job_info(self.job_id)
         if info is None:  # slurmctld forgot the job and there is no accounting: events.log says
             self._gone += 1
             if self._gone < GONE_POLLS:
                 return slurm.JobInfo(self.job_id, "UNKNOWN"), False, None
-            return slurm.JobInfo(self.job_id, "ENDED"), True, runs._exit_from_events(self.run, self.job_id)
+            state = self.run.state(launch, ask_slurm=False)
+            return slurm.JobInfo(self.job_id, state.state, reason=state.reason), True, state.final_exit
         self._gone = 0
         if info.active:
             return info, False, None
-        code = info.return_code
-        return info, True, code if code is not None else (0 if info.state.startswith("COMPLETED") else 1)
+        state = self.run.state(launch, info)
+        return _ended(info, state), True, state.final_exit
 
     def _local(self) -> tuple[slurm.JobInfo, bool, Optional[int]]:
-        from jobs.local import local_elapsed, local_exit, local_state, same_launch
-
-        launches = [s for s in self.run.manifest().get("submissions", []) if s.get("local")]
+        launches = [x for x in self.run.launches() if x.local]
         if self._launch is None and launches:
             self._launch = launches[-1]
-        entry = next((s for s in reversed(launches) if self._launch and same_launch(s, self._launch)), None)
-        if entry is None:
-            return slurm.JobInfo(LOCAL, "UNKNOWN"), True, 1
-        state, code = local_state(entry)
-        job = slurm.JobInfo(LOCAL, state, code, elapsed=local_elapsed(entry), nodes=entry.get("host", ""))
-        exit_code = local_exit(state, code)
-        return job, exit_code is not None, exit_code
+        launch = next((x for x in reversed(launches) if self._launch and x.same(self._launch)), None)
+        if launch is None:
+            return slurm.JobInfo(LOCAL, lifecycle.UNKNOWN), True, 1
+        state = self.run.state(launch)
+        job = slurm.JobInfo(LOCAL, state.state, "" if state.exit_code is None else str(state.exit_code),
+                            elapsed=lifecycle.elapsed(launch, state), nodes=launch.host)
+        if not state.ended:
+            return job, False, None
+        return _ended(job, state), True, state.final_exit
 
     def _progress(self, snap: Snapshot, now: float) -> None:
         try:
@@ -176,7 +182,7 @@ class Watcher:
             progress = {}
         # A record in metrics.jsonl is written once a step completed: its last write bounds the
         # age too (the only figure for a trainer without the watchdog).
-        ages = [_age(self.run.dir / "metrics.jsonl", now)]
+        ages = [_age(self.run.dir / METRICS_FILE, now)]
         if isinstance(progress, dict) and isinstance(progress.get("unix"), (int, float)):
             ages.append(max(0.0, now - progress["unix"]))
             snap.progress_step = progress.get("step") if isinstance(progress.get("step"), int) else None
@@ -188,11 +194,17 @@ class Watcher:
         nodelist = snap.job.nodes
         if nodelist and nodelist not in self._hosts:
             self._hosts[nodelist] = slurm.hostnames(nodelist)
-        names = self._hosts.get(nodelist) or sorted(p.name for p in (self.run.dir / "heartbeats").glob("*"))
+        names = self._hosts.get(nodelist) or sorted(p.name for p in (self.run.dir / HEARTBEATS_DIR).glob("*"))
         for name in names:
-            node = NodeView(name, _age(self.run.dir / "heartbeats" / name, now))
-            node.gpus, node.sm_percent, node.memory_gib = parse_gutil(self.run.dir / "gutil" / f"{name}.gutil")
+            node = NodeView(name, _age(self.run.dir / HEARTBEATS_DIR / name, now))
+            node.gpus, node.sm_percent, node.memory_gib = parse_gutil(self.run.dir / GUTIL_DIR / f"{name}.gutil")
             snap.nodes.append(node)
+
+
+def _ended(job: slurm.JobInfo, state: lifecycle.LaunchState) -> slurm.JobInfo:
+    """The frame's job once it ended: its state and reason as the run's lifecycle tells them."""
+    reason = "" if state.state == lifecycle.COMPLETED else state.reason
+    return replace(job, state=state.state, reason=reason)
 
 
 def _fmt_age(seconds: Optional[float]) -> str:
@@ -251,15 +263,13 @@ def render(snap: Snapshot):
     events = Table(title="events", title_justify="left", show_header=False, show_edge=False, pad_edge=False)
     events.add_column(no_wrap=True, style="dim")
     events.add_column()
-    for line in snap.events:
-        stamp, _, rest = line.partition(" ")
-        try:
-            stamp = datetime.fromisoformat(stamp).strftime("%H:%M:%S")
-        except ValueError:
-            pass
-        style = "red" if any(w in rest for w in ("hang:", "failed", "not retrying", "node failure")) else \
-            "yellow" if " retry " in f" {rest}" or "requeue" in rest else ""
-        events.add_row(stamp, Text(rest, style=style))
+    for event in snap.events:
+        when = event.when
+        stamp = when.strftime("%H:%M:%S") if when else event.time
+        kind = event.kind
+        style = "red" if kind in _RED or (kind in (EventKind.END, EventKind.PREPARE_END) and event.exit_code) else \
+            "yellow" if kind in _YELLOW else ""
+        events.add_row(stamp, Text(f"job {event.job} {event.text}", style=style))
     parts = [head, train, *[Text(h, style="dim") for h in snap.history], *([nodes] if snap.nodes else []), events]
     if snap.ended:
         parts.append(Text(f"job {job.job_id} ended: {job.state}, exit code {snap.exit_code}",

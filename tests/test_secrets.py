@@ -288,7 +288,8 @@ def test_run_directories_are_never_world_writable(project, host, capfd, umask):
         assert not mode & 0o002, (path, oct(mode))
     mode = stat.S_IMODE(run_dir.stat().st_mode)
     assert mode & 0o050 == 0o050, oct(mode)  # teammates read it, as the umask allows
-    assert not list(run_dir.rglob(".*.tmp")) and not list(project.joinpath("runs").glob(".perm.*"))
+    assert not list(run_dir.rglob(".*.tmp")) and not list(project.joinpath("runs").glob(".perm.*.tmp"))
+    assert not stat.S_IMODE((project / "runs" / ".perm.lock").stat().st_mode) & 0o022  # the run's lock
     # a directory made world-writable before is fixed on the next submission
     os.chmod(run_dir, 0o777)
     assert slipway(capfd, "submit", "tiny_cpu", "--run-name", "perm")[0] == 0

@@ -20,6 +20,10 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
+# The run directory's names and exit codes live in trainer/rundir.py (the protocol the batch script,
+# the trainer and the host share), re-exported here for the modules that import them from here.
+from trainer.rundir import HANG_EXIT, HANGS_DIR, PREFLIGHT_EXIT, PROGRESS_FILE, REQUEUE_EXIT, STOP_FILE  # noqa: F401
+
 
 class ConfigError(ValueError):
     """Bad user input: one line naming the field, the rule and the fix."""
@@ -869,20 +873,6 @@ def check_trainer_sections(cfg: Any) -> None:
 
 HOST_SECTIONS = ("slurm", "container", "launch", "image")
 
-# The contract between the batch script and the trainer: on Slurm's time-limit
-# warning the script creates STOP_FILE in the run directory; the trainer saves
-# at the step boundary and exits REQUEUE_EXIT (EX_TEMPFAIL), "requeue me".
-STOP_FILE = "stop-requested"
-REQUEUE_EXIT = 75
-# A rank saw no step complete for train.hang_timeout (trainer/watchdog.py): it wrote its
-# stacks to HANGS_DIR/<job>-<host>-<rank>.txt and exited this; the batch script reads the
-# dumps (torchrun turns every worker's exit code into 1) and exits it too unless it retries.
-HANG_EXIT = 4
-HANGS_DIR = "hangs"
-# A node failed the preflight (trainer/preflight.py) and the job was not retried elsewhere.
-PREFLIGHT_EXIT = 5
-# Rank 0's last completed step and its time, for `slipway watch`.
-PROGRESS_FILE = "progress.json"
 
 
 def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:

@@ -1,0 +1,399 @@
+"""A run's lifecycle on the host: its launches, their events, and what became of each.
+
+A run (runs/RUN/) is launched again and again: Slurm jobs (each a series of attempts under
+one id, through failure retries and time-limit requeues; a data preparation job too) and
+launches on this machine (`slipway local`). The manifest records each launch once
+(`Launch.from_entry`, the one reader of its entries); events.log tells what happened to
+it (`trainer.rundir.parse_event`); and one function, `launch_state`, turns a launch, its
+events and what Slurm or the local process says into its state, exit code and reason.
+`slipway status`, `watch` and `logs -f` all read a run through here.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Optional, Sequence
+
+from jobs.slurm import ACTIVE_STATES, JobInfo
+from trainer.rundir import (HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT, Event,
+                            EventKind)
+
+# The states `launch_state` gives an ended launch, beside Slurm's own words for one that is not.
+PENDING, RUNNING = "PENDING", "RUNNING"
+COMPLETED, FAILED, HUNG, CANCELLED = "COMPLETED", "FAILED", "HUNG", "CANCELLED"
+TIMEOUT, NODE_FAIL, PREFLIGHT_FAILED = "TIMEOUT", "NODE_FAIL", "PREFLIGHT_FAILED"
+STOPPED = "STOPPED"  # saved a checkpoint and stopped, to be resumed (exit REQUEUE_EXIT, not requeued)
+INTERRUPTED = "INTERRUPTED"  # a local launch stopped by Ctrl-C
+TERMINATED = "TERMINATED"  # a local launch ended by another signal
+DIED = "DIED"  # a local launch whose processes are gone without recording an exit
+UNKNOWN = "UNKNOWN"  # no word from Slurm or the launcher, no end in events.log
+
+# Events that end an attempt badly (the batch script's words, jobs/sbatch.py).
+FAILURE_KINDS = frozenset({EventKind.HANG, EventKind.PREFLIGHT_FAILED, EventKind.NODE_FAILURE,
+                           EventKind.NOT_RETRYING, EventKind.NOT_REQUEUEING, EventKind.REQUEUE_FAILED})
+# Slurm's words for a job not ended yet; its own STOPPED (SIGSTOPped, holding its nodes) is told as
+# SUSPENDED, as STOPPED here is a launch that saved and ended.
+_ACTIVE = (ACTIVE_STATES - {STOPPED}) | {"SUSPENDED"}
+_STARTS = (EventKind.START, EventKind.PREPARE_START)
+_ENDS = (EventKind.END, EventKind.PREPARE_END)
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _int(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch of a run, as its manifest entry records it (the manifest's JSON keys unchanged)."""
+
+    kind: str  # "train" or "prepare" (Slurm jobs), "local" (this machine)
+    id: str  # the Slurm job id; LOCAL_JOB for a local launch
+    submitted: str = ""  # when sbatch took it / when the local launch started (ISO 8601)
+    started: str = ""  # local launches only: Slurm's attempts start in events.log
+    ended: str = ""  # local launches: when the launcher recorded its end
+    recorded_exit: Optional[int] = None  # local: the exit code the launcher recorded
+    interrupted: bool = False  # local: the launcher recorded a Ctrl-C
+    signal: Optional[int] = None  # local: the signal the launcher recorded it was stopped by
+    pid: Optional[int] = None  # local: the launcher's pid (it outlives the trainer and records the end)
+    trainer_pid: Optional[int] = None
+    host: str = ""
+    log: str = ""  # local: its log, relative to the run directory
+    after: str = ""  # Slurm: the job it waits for (a train job after its prepare job)
+    image: dict = field(default_factory=dict, compare=False)
+    git: dict = field(default_factory=dict, compare=False)
+    script_sha256: str = ""
+
+    @property
+    def local(self) -> bool:
+        return self.kind == "local"
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the launcher recorded this (local) launch's end."""
+        return self.recorded_exit is not None or self.interrupted or self.signal is not None
+
+    def same(self, other: "Launch") -> bool:
+        """One launch seen twice (re-read from the manifest): a process may launch twice, as tests do."""
+        if self.local or other.local:
+            return self.local and other.local and self.pid == other.pid and self.started == other.started
+        return self.id == other.id
+
+    @classmethod
+    def from_entry(cls, entry: Any) -> Optional["Launch"]:
+        """The launch a manifest `submissions` entry records; None for one that is not a mapping."""
+        if not isinstance(entry, dict):
+            return None
+        image = entry.get("image") if isinstance(entry.get("image"), dict) else {}
+        git = entry.get("git") if isinstance(entry.get("git"), dict) else {}
+        if entry.get("local"):
+            outcome = entry.get("exit")
+            sig = _signal_number(entry.get("signal", entry.get("exit_signal")))
+            return cls(kind="local", id=LOCAL_JOB, submitted=_text(entry.get("started")),
+                       started=_text(entry.get("started")), ended=_text(entry.get("ended")),
+                       recorded_exit=_int(outcome), interrupted=outcome == "interrupted", signal=sig,
+                       pid=_int(entry.get("pid")), trainer_pid=_int(entry.get("trainer_pid")),
+                       host=_text(entry.get("host")), log=_text(entry.get("log")), image=image, git=git)
+        job_id = entry.get("job_id")
+        if not isinstance(job_id, (str, int)) or isinstance(job_id, bool) or str(job_id) == "":
+            return None
+        return cls(kind=_text(entry.get("kind")) or "train", id=str(job_id), submitted=_text(entry.get("submitted")),
+                   after=_text(entry.get("after")), image=image, git=git,
+                   script_sha256=_text(entry.get("script_sha256")))
+
+
+def _signal_number(value: Any) -> Optional[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value:
+        name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
+        try:
+            return int(signal.Signals[name])
+        except KeyError:
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def launches(manifest: Any) -> list[Launch]:
+    """The launches a manifest records, oldest first (entries it cannot read are skipped)."""
+    subs = manifest.get("submissions") if isinstance(manifest, dict) else None
+    return [x for e in (subs if isinstance(subs, list) else []) if (x := Launch.from_entry(e)) is not None]
+
+
+def _when(stamp: str) -> Optional[datetime]:
+    try:
+        when = datetime.fromisoformat(stamp)
+    except (TypeError, ValueError):
+        return None
+    return when if when.tzinfo else None  # naive and aware times do not compare
+
+
+def events_of(launch: Launch, events: Sequence[Event], runs_launches: Sequence[Launch] = ()) -> list[Event]:
+    """The events that belong to `launch`: its Slurm job id's; for a local launch, the `local`
+    events from its start until the next local launch of the run started."""
+    if not launch.local:
+        return [e for e in events if e.job == launch.id]
+    start = _when(launch.started)
+    later = [w for x in runs_launches if x.local and (w := _when(x.started)) and start and w > start]
+    until = min(later) if later else None
+    out = []
+    for e in events:
+        if e.job != LOCAL_JOB:
+            continue
+        when = e.when
+        if start is not None and (when is None or when.tzinfo is None or when < start):
+            continue
+        if until is not None and when is not None and when.tzinfo is not None and when >= until:
+            continue
+        out.append(e)
+    return out
+
+
+def last_attempt(events: Sequence[Event]) -> list[Event]:
+    """The events of a job's latest attempt: from its last start on (all of them before any start)."""
+    starts = [i for i, e in enumerate(events) if e.kind in _STARTS]
+    return list(events[starts[-1]:]) if starts else list(events)
+
+
+@dataclass(frozen=True)
+class LocalProcess:
+    """What this machine says of a local launch's processes: None where it cannot tell (another host)."""
+
+    launcher_alive: Optional[bool] = None
+    trainer_alive: Optional[bool] = None
+
+    @property
+    def alive(self) -> Optional[bool]:
+        seen = [a for a in (self.launcher_alive, self.trainer_alive) if a is not None]
+        return any(seen) if seen else None
+
+
+def observe_local(launch: Launch) -> LocalProcess:
+    """Look at a local launch's processes (only on the host that ran it: pids mean nothing elsewhere)."""
+    from trainer.fs import pid_alive
+
+    if not launch.pid or launch.host != socket.gethostname():
+        return LocalProcess()
+    return LocalProcess(pid_alive(launch.pid), pid_alive(launch.trainer_pid) if launch.trainer_pid else None)
+
+
+@dataclass(frozen=True)
+class LaunchState:
+    """What became of a launch: a state word, the exit code it ended with (None while it runs or
+    when nothing says), and why (the event or Slurm reason that tells)."""
+
+    state: str
+    exit_code: Optional[int] = None
+    reason: str = ""
+    hang_tag: str = ""  # HUNG: the attempt whose stack dumps are hangs/TAG-*.txt
+
+    @property
+    def ended(self) -> bool:
+        return self.state != UNKNOWN and self.state.split()[0] not in _ACTIVE
+
+    @property
+    def final_exit(self) -> int:
+        """The code to exit with once it ended: its own, else 0 for a completion and 1 for anything else."""
+        if self.exit_code is not None:
+            return self.exit_code
+        return 0 if self.state == COMPLETED else 1
+
+
+def launch_state(launch: Launch, events: Sequence[Event], info: Optional[JobInfo] = None,
+                 process: Optional[LocalProcess] = None) -> LaunchState:
+    """The state of `launch` from its events (`events_of`), and Slurm's record of the job (`info`,
+    None when Slurm forgot it) or the local processes (`process`). Pure: reads nothing."""
+    attempt = last_attempt(events)
+    if launch.local:
+        return _local_state(launch, attempt, process or LocalProcess())
+    return _slurm_state(attempt, info)
+
+
+def _last(attempt: Sequence[Event], kinds) -> Optional[Event]:
+    kinds = kinds if isinstance(kinds, (set, frozenset, tuple)) else (kinds,)
+    return next((e for e in reversed(attempt) if e.kind in kinds), None)
+
+
+def _signal_exit(code: int) -> Optional[int]:
+    """The signal a shell's exit code 128+N or a negative Popen code -N says, else None."""
+    if code < 0:
+        return -code
+    if 128 < code < 128 + 65:
+        return code - 128
+    return None
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _by_code(code: int, attempt: Sequence[Event], reason: str) -> LaunchState:
+    """An ended attempt classified by its exit code (as the batch script or launcher gives it) and events."""
+    hang = _last(attempt, EventKind.HANG)
+    failure = _last(attempt, FAILURE_KINDS)
+    why = failure.text if failure else reason
+    if code == 0:
+        return LaunchState(COMPLETED, 0, reason)
+    if code == REQUEUE_EXIT:
+        stop = _last(attempt, (EventKind.TIME_LIMIT_STOP, EventKind.NOT_REQUEUEING))
+        return LaunchState(STOPPED, code, stop.text if stop else reason or "saved a checkpoint and stopped")
+    # The batch script exits these codes only after saying why in events.log; a code alone (a
+    # user's command exiting 4) is a failure like any other.
+    if code == HANG_EXIT and hang is not None:
+        return LaunchState(HUNG, code, hang.text, hang.hang_tag)
+    preflight = _last(attempt, EventKind.PREFLIGHT_FAILED)
+    if code == PREFLIGHT_EXIT and preflight is not None:
+        return LaunchState(PREFLIGHT_FAILED, code, preflight.text)
+    node = _last(attempt, EventKind.NODE_FAILURE)
+    if node is not None:
+        return LaunchState(NODE_FAIL, code, node.text)
+    return LaunchState(FAILED, code, why)
+
+
+def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchState:
+    last_text = attempt[-1].text if attempt else ""
+    cancelled = _last(attempt, EventKind.CANCELLED)
+    end = _last(attempt, _ENDS)
+    end_code = end.exit_code if end else None
+    if info is not None and info.active:
+        word = info.state.split()[0]
+        return LaunchState("SUSPENDED" if word == STOPPED else word, None, info.reason or last_text)
+    if info is None:  # slurmctld forgot the job and there is no accounting: events.log alone tells
+        if cancelled is not None:
+            return LaunchState(CANCELLED, end_code, cancelled.text)
+        if end is None:
+            return LaunchState(UNKNOWN, None, last_text)
+        requeue = _last(attempt, (EventKind.RETRY, EventKind.TIME_LIMIT_REQUEUE))
+        if requeue is not None and end_code == 0:  # it requeued itself; no word of the next attempt
+            return LaunchState(UNKNOWN, None, requeue.text)
+        if end_code is None:
+            return LaunchState(FAILED, None, end.text)
+        return _by_code(end_code, attempt, last_text)
+    word = info.state.split()[0] if info.state else UNKNOWN
+    code = info.return_code if info.return_code is not None else end_code
+    if word == "CANCELLED" or cancelled is not None:
+        by = info.state.partition(" ")[2]
+        return LaunchState(CANCELLED, code, cancelled.text if cancelled else f"cancelled {by}".strip())
+    if word in ("TIMEOUT", "DEADLINE"):
+        return LaunchState(TIMEOUT, code, info.reason or "the time limit was reached")
+    if word == "NODE_FAIL":
+        node = _last(attempt, EventKind.NODE_FAILURE)
+        return LaunchState(NODE_FAIL, code, node.text if node else info.reason or "a node of the job failed")
+    if word in ("OUT_OF_MEMORY", "BOOT_FAIL", "PREEMPTED"):
+        return LaunchState(FAILED, code, f"{word.lower().replace('_', ' ')}" + (f": {info.reason}" if info.reason else ""))
+    if code is None:
+        code = 0 if word == "COMPLETED" else 1
+    if word == "COMPLETED" and code == 0:
+        return LaunchState(COMPLETED, 0, info.reason or last_text)
+    return _by_code(code, attempt, info.reason or last_text)
+
+
+def _local_state(launch: Launch, attempt: Sequence[Event], process: LocalProcess) -> LaunchState:
+    end = _last(attempt, EventKind.END)
+    last_text = attempt[-1].text if attempt else ""
+    if launch.interrupted:
+        return LaunchState(INTERRUPTED, INTERRUPTED_EXIT, "Ctrl-C")
+    if launch.signal is not None:
+        sig = launch.signal
+        return LaunchState(INTERRUPTED if sig == signal.SIGINT else TERMINATED, 128 + sig,
+                           f"stopped by {_signal_name(sig)}")
+    code = launch.recorded_exit
+    if code is None and process.alive:
+        return LaunchState(RUNNING, None, last_text)
+    if code is None and end is not None:  # the launcher wrote its end event, not yet (or never) the manifest
+        code = end.exit_code
+        if code is None:
+            return LaunchState(FAILED, None, end.text)
+    if code is None:
+        if process.alive is False:
+            return LaunchState(DIED, None, "its processes are gone and it recorded no end (killed?)")
+        return LaunchState(UNKNOWN, None, f"launched on {launch.host or 'another machine'}")
+    sig = _signal_exit(code)
+    if sig is not None and code != HANG_EXIT:
+        if sig == signal.SIGINT:
+            return LaunchState(INTERRUPTED, 128 + sig, "Ctrl-C")
+        return LaunchState(TERMINATED, 128 + sig, f"stopped by {_signal_name(sig)}")
+    return _by_code(code, attempt, last_text)
+
+
+def elapsed(launch: Launch, state: LaunchState, now: Optional[datetime] = None) -> str:
+    """How long a local launch ran (until now while it runs), as Slurm writes elapsed times
+    ([D-]HH:MM:SS); empty when the manifest does not say (a launch that died: its end is unknown)."""
+    start, end = _when(launch.started), _when(launch.ended)
+    if start is None or (end is None and state.state != RUNNING):
+        return ""
+    if end is None:
+        end = now or datetime.now(start.tzinfo)
+    seconds = max(0, int((end - start).total_seconds()))
+    days, rest = divmod(seconds, 86400)
+    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{clock}" if days else clock
+
+
+@dataclass
+class History:
+    """What became of one Slurm job across its attempts, from its events: the failure retries and
+    time-limit requeues it used (of how many), the nodes excluded, the last failure, the last hang."""
+
+    job_id: str
+    attempts: int = 0
+    retries: list[str] = field(default_factory=list)  # the retry events' texts
+    max_retries: Optional[int] = None
+    requeues: int = 0
+    max_requeues: Optional[int] = None
+    excluded: str = ""
+    last_failure: str = ""
+    hang: str = ""
+    hang_tag: str = ""  # the attempt whose stack dumps the last hang names (hangs/TAG-*.txt)
+    preflight: str = ""  # the last preflight result (its bandwidth when it passed)
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.retries or self.requeues or self.attempts > 1:
+            kinds = ", ".join(re.sub(r"^retry \S+ \(([^)]*)\).*", r"\1", r) for r in self.retries)
+            out.append(f"job {self.job_id}: {self.attempts} attempt(s); failure retries {len(self.retries)}"
+                       f"{'/' + str(self.max_retries) if self.max_retries is not None else ''}"
+                       f"{' (' + kinds + ')' if kinds else ''}; time-limit requeues {self.requeues}"
+                       f"{'/' + str(self.max_requeues) if self.max_requeues is not None else ''}"
+                       f"{'; excluded nodes ' + self.excluded if self.excluded else ''}")
+        if self.last_failure and self.last_failure != self.hang:  # the hang has lines of its own
+            out.append(f"last failure: {self.last_failure}")
+        return out
+
+
+def history(job_id: str, events: Sequence[Event]) -> History:
+    """The history of Slurm job `job_id` from the run's events."""
+    h = History(job_id)
+    for e in events:
+        if e.job != job_id:
+            continue
+        kind = e.kind
+        if kind is EventKind.START:
+            h.attempts += 1
+            m = re.search(r"failure retries \d+/(\d+), time-limit requeues \d+/(\d+)", e.text)
+            if m:
+                h.max_retries, h.max_requeues = int(m.group(1)), int(m.group(2))
+        elif kind is EventKind.RETRY:
+            h.retries.append(e.text)
+            m = re.search(r"\(excluded nodes: ([^)]*)\)$", e.text)
+            if m:
+                h.excluded = m.group(1)
+        elif kind is EventKind.TIME_LIMIT_REQUEUE:
+            h.requeues += 1
+        elif kind in (EventKind.PREFLIGHT_OK, EventKind.PREFLIGHT_FAILED):
+            h.preflight = e.text
+        if kind in FAILURE_KINDS:
+            h.last_failure = e.text
+        if kind is EventKind.HANG:
+            h.hang, h.hang_tag = e.text, e.hang_tag
+    return h

@@ -1,0 +1,211 @@
+"""One launch of a run at a time: a lock on the run, held by whatever launches into it.
+
+`runs/.RUN.lock`, beside the run directory (which may not exist yet), is flock(2)ed by
+`submit`, `prepare --as-job` and `slipway local` (for the whole local launch, the trainer
+included); every read-modify-write of the run's manifest happens under it. The file says who
+holds it (pid, host, since when, the command), so that a refusal names the holder. It is never
+removed: a process that removed it could lock a new file of the same name beside one still
+locked.
+
+The lock is per process and re-entrant: a holder that updates its manifest does not wait for
+itself. A short holder (a submission) is waited for a little; a training launch is not, as it
+holds the lock for hours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator, Optional
+
+from trainer.config import ConfigError
+
+WAIT_SECONDS = 30.0  # how long a launch waits for another's submission to finish before it is refused
+POLL_SECONDS = 0.05
+# flock(2) on a filesystem without it (Lustre mounted without -o flock): no lock can be had there.
+UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+
+
+def lock_path(run_dir: Path) -> Path:
+    return run_dir.parent / f".{run_dir.name}.lock"
+
+
+@dataclass
+class _Held:
+    fd: Optional[int]  # None where the filesystem has no locks
+    depth: int
+
+
+_held: dict[Path, _Held] = {}  # this process's locks
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def holder(run_dir: Path) -> dict:
+    """What the lock file says of its holder ({} when it says nothing readable). Meaningful only
+    while the lock is held: the file keeps the last holder's record after it let go."""
+    for _ in range(5):  # a holder writes its record just after taking the lock: a moment to finish
+        try:
+            record = json.loads(lock_path(run_dir).read_text() or "null")
+        except (OSError, ValueError):
+            record = None
+        if isinstance(record, dict):
+            return {} if _gone(record) else record
+        time.sleep(POLL_SECONDS)
+    return {}
+
+
+def _gone(record: dict) -> bool:
+    """A record of this host whose processes have all ended: a stale one (the lock file of a
+    teammate that this process may not write keeps the last writer's)."""
+    if record.get("host") != socket.gethostname():
+        return False
+    from trainer.fs import pid_alive
+
+    pids = [p for p in (record.get("pid"), record.get("trainer_pid")) if isinstance(p, int) and p > 0]
+    return not any(pid_alive(p) for p in pids)
+
+
+def describe(record: dict) -> str:
+    """`slipway local tiny_cpu` (pid 12 on host n1 since 2026-01-01T12:00:00+00:00, trainer pid 13)."""
+    if not record:
+        return "another process (the lock file does not say which)"
+    extra = f", trainer pid {record['trainer_pid']}" if record.get("trainer_pid") else ""
+    return (f"`{record.get('command', '?')}` (pid {record.get('pid', '?')} on host {record.get('host', '?')} since "
+            f"{record.get('since', '?')}{extra})")
+
+
+def _refusal(run_dir: Path, record: dict) -> ConfigError:
+    name = run_dir.name
+    if record.get("trains"):
+        pid = record.get("pid")
+        stop = f"stop it first (kill {pid}), " if pid and record.get("host") == socket.gethostname() else ""
+        return ConfigError("run.name", f"run {name} is training: {describe(record)} holds it; wait for it to end, "
+                                       f"{stop}or pick another --run-name")
+    return ConfigError("run.name", f"run {name} is being launched by {describe(record)}, which still holds it "
+                                   f"after {WAIT_SECONDS:g} s: try again once it is done, or pick another --run-name")
+
+
+def _write_record(fd: int, record: dict) -> None:
+    data = (json.dumps(record) + "\n").encode()
+    with contextlib.suppress(OSError):  # opened read-only (a teammate's lock file): the lock holds all the same
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+
+
+def _open(path: Path) -> int:
+    try:  # never writable by others: whoever may write it could swap the record a refusal shows
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except PermissionError:  # someone else's lock file: flock works on a read-only descriptor
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file locked through `fd`: a launch that never was removes its
+    lock file while it holds it, and whoever waited on that file must lock the new one."""
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _acquire(run_dir: Path, path: Path, trains: bool, wait_s: float) -> Optional[int]:
+    deadline = time.monotonic() + wait_s
+    while True:
+        fd = _open(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            record = holder(run_dir)
+            if record.get("trains") or time.monotonic() >= deadline:
+                raise _refusal(run_dir, record) from None
+            time.sleep(POLL_SECONDS)
+            continue
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in UNSUPPORTED:
+                raise
+            print(f"slipway: note: no lock on run {run_dir.name} ({path.parent} does not support flock: "
+                  f"{exc.strerror}): nothing stops a second launch of it meanwhile", file=sys.stderr)
+            return None
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def hold(run_dir: Path, command: str, *, trains: bool = False, wait_s: float = WAIT_SECONDS) -> Iterator[None]:
+    """Hold the lock on the run at `run_dir` for the block, or raise a one-line ConfigError
+    naming its holder: at once when the holder trains (`trains`), else after `wait_s`. A launch
+    that leaves no run directory leaves no lock file either."""
+    run_dir = Path(run_dir).absolute()
+    path = lock_path(run_dir)
+    held = _held.get(path)
+    if held is not None:
+        held.depth += 1
+        try:
+            yield
+        finally:
+            held.depth -= 1
+        return
+    made_root = not path.parent.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = _acquire(run_dir, path, trains, wait_s)
+    except BaseException:
+        if made_root:
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
+        raise
+    if fd is not None:
+        _write_record(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": _now(), "command": command,
+                           "trains": trains})
+    _held[path] = _Held(fd, 1)
+    try:
+        yield
+    finally:
+        del _held[path]
+        if fd is not None:
+            if not run_dir.exists():  # removed while locked: see _same_file
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                if made_root:
+                    with contextlib.suppress(OSError):
+                        path.parent.rmdir()  # only if that left it empty
+            # Closed, not unlocked: a trainer that was handed the descriptor (`held_fd`) and
+            # outlives this process keeps the run locked while it trains.
+            os.close(fd)
+
+
+def held_fd(run_dir: Path) -> Optional[int]:
+    """This process's descriptor of the run's lock (for a child to inherit), None if not held."""
+    held = _held.get(lock_path(Path(run_dir).absolute()))
+    return held.fd if held else None
+
+
+def note(run_dir: Path, **fields) -> None:
+    """Add `fields` (a trainer's pid) to the record of a lock this process holds."""
+    fd = held_fd(run_dir)
+    if fd is None:
+        return
+    record = holder(Path(run_dir))
+    if record.get("pid") == os.getpid():
+        _write_record(fd, {**record, **fields})
+
+
+def is_held(run_dir: Path) -> bool:
+    """Whether this process holds the run's lock."""
+    return lock_path(Path(run_dir).absolute()) in _held

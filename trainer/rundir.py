@@ -1,0 +1,223 @@
+"""The run-directory protocol: the names, exit codes and event lines that the trainer,
+the batch script and the host agree on. Stdlib only: the trainer imports it, and so
+does the host (never the other way round).
+
+events.log holds one line per event, `TIME job JOB TEXT`: TIME as `date
+--iso-8601=seconds` writes it, JOB the Slurm job id (it survives requeues) or
+`local` for a launch on this machine, TEXT free words whose start says what
+happened (`EventKind`). Two writers, one per language: the batch script's bash
+`event()` (jobs/job_lib.sh) and `append_event` here.
+Readers go through `parse_event`, which never fails on a torn or foreign line.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+# File names inside runs/RUN/.
+EVENTS_FILE = "events.log"
+MANIFEST_FILE = "manifest.json"
+CONFIG_FILE = "config.yaml"
+HEARTBEAT_FILE = "heartbeat"  # the batch host's, every HEARTBEAT_SECONDS (jobs/sbatch.py)
+HEARTBEATS_DIR = "heartbeats"  # heartbeats/NODE: each node's, which `slipway watch` shows by age
+GUTIL_DIR = "gutil"  # gutil/NODE.gutil: nvidia-smi dmon samples
+METRICS_FILE = "metrics.jsonl"
+# Rank 0's last completed step and its time, for `slipway watch`.
+PROGRESS_FILE = "progress.json"
+# The contract between the batch script and the trainer: on Slurm's time-limit
+# warning the script creates STOP_FILE in the run directory; the trainer saves
+# at the step boundary and exits REQUEUE_EXIT (EX_TEMPFAIL), "requeue me".
+STOP_FILE = "stop-requested"
+# A rank saw no step complete for train.hang_timeout (trainer/watchdog.py): it wrote its
+# stacks to HANGS_DIR/<job>-<host>-<rank>.txt and exited HANG_EXIT; the batch script reads
+# the dumps (torchrun turns every worker's exit code into 1) and exits it too unless it retries.
+HANGS_DIR = "hangs"
+
+# Exit codes of the trainer and the batch script (anything else: a crash, or a signal as 128+N).
+BAD_INPUT_EXIT = 2  # bad config or input: one `error:` line
+NONFINITE_EXIT = 3  # stopped on non-finite numbers (train.max_nonfinite_steps)
+HANG_EXIT = 4
+PREFLIGHT_EXIT = 5  # a node failed the preflight (trainer/preflight.py) and the job was not retried elsewhere
+REQUEUE_EXIT = 75
+INTERRUPTED_EXIT = 130  # a local launch stopped by Ctrl-C (128 + SIGINT)
+
+LOCAL_JOB = "local"  # the job field of a launch on this machine
+
+# The bash writer is the batch script's `event()` (jobs/job_lib.sh), one line of the same format:
+#   event() { printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "$SLURM_JOB_ID" "$*" >> "$RUN_DIR/events.log"; }
+# tests/test_lifecycle.py runs it and reads its lines back with `parse_event`.
+
+
+class EventKind(str, enum.Enum):
+    """What an event says, from the start of its text (the batch script's and the local launcher's words)."""
+
+    START = "start"  # an attempt began: `start on NODES (restart N), ...`, `start on this machine`
+    END = "end"  # an attempt ended: `end exit N`, `end interrupted`, `end signal NAME`
+    PREPARE_START = "prepare start"
+    PREPARE_END = "prepare end"
+    RETRY = "retry"  # a failure retry: the job requeued itself
+    NOT_RETRYING = "not retrying"  # a failure the job may not retry: it ends with the failure's code
+    REQUEUE_FAILED = "requeue failed"
+    TIME_LIMIT_WARNING = "time limit warning"
+    TIME_LIMIT_REQUEUE = "time-limit requeue"
+    TIME_LIMIT_STOP = "time-limit stop"  # saved at the warning, slurm.requeue off: the job ends REQUEUE_EXIT
+    NOT_REQUEUEING = "not requeueing"  # the time-limit requeues are used up: the job ends REQUEUE_EXIT
+    PREFLIGHT_OK = "preflight ok"
+    PREFLIGHT_FAILED = "preflight failed"
+    HANG = "hang"
+    NODE_FAILURE = "node failure"
+    CANCELLED = "cancelled"
+    OTHER = "other"
+
+
+# Longest prefix first where one starts another.
+_KINDS: tuple[tuple[str, EventKind], ...] = (
+    ("start on ", EventKind.START),
+    ("end ", EventKind.END),
+    ("prepare start", EventKind.PREPARE_START),
+    ("prepare end", EventKind.PREPARE_END),
+    ("retry ", EventKind.RETRY),
+    ("not retrying", EventKind.NOT_RETRYING),
+    ("requeue failed", EventKind.REQUEUE_FAILED),
+    ("time limit warning", EventKind.TIME_LIMIT_WARNING),
+    ("time-limit requeue", EventKind.TIME_LIMIT_REQUEUE),
+    ("not requeueing", EventKind.NOT_REQUEUEING),
+    ("time-limit stop", EventKind.TIME_LIMIT_STOP),
+    ("preflight ok", EventKind.PREFLIGHT_OK),
+    ("preflight failed", EventKind.PREFLIGHT_FAILED),
+    ("hang:", EventKind.HANG),
+    ("node failure", EventKind.NODE_FAILURE),
+    ("cancelled", EventKind.CANCELLED),
+)
+_EXIT = re.compile(r"end exit (-?\d+)\b")
+_HANG_TAG = re.compile(r"hangs/(\S+)-\*\.txt")
+_SIGNAL = re.compile(r"end signal (\S+)")
+
+
+def event_kind(text: str) -> EventKind:
+    for prefix, kind in _KINDS:
+        if text.startswith(prefix):
+            return kind
+    return EventKind.OTHER
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of events.log."""
+
+    time: str  # as written (ISO 8601 with its offset); `when` parses it
+    job: str  # a Slurm job id, LOCAL_JOB, or "" when the writer had none
+    text: str
+
+    @property
+    def kind(self) -> EventKind:
+        return event_kind(self.text)
+
+    @property
+    def when(self) -> Optional[datetime]:
+        try:
+            return datetime.fromisoformat(self.time)
+        except ValueError:
+            return None
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        """The code an END / PREPARE_END event gives; INTERRUPTED_EXIT for `end interrupted`;
+        128+N for `end signal N` with a number; None where it gives none."""
+        m = _EXIT.search(self.text)
+        if m and self.kind in (EventKind.END, EventKind.PREPARE_END):
+            return int(m.group(1))
+        if self.kind is EventKind.END and self.text.startswith("end interrupted"):
+            return INTERRUPTED_EXIT
+        s = _SIGNAL.match(self.text)
+        if s and self.kind is EventKind.END:
+            name = s.group(1).rstrip(",;:")
+            if name.isdigit():
+                return 128 + int(name)
+            import signal
+
+            try:
+                return 128 + int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
+            except KeyError:
+                return None
+        return None
+
+    @property
+    def hang_tag(self) -> str:
+        """The attempt whose stack dumps a HANG event names (hangs/TAG-*.txt); "" otherwise."""
+        m = _HANG_TAG.search(self.text) if self.kind is EventKind.HANG else None
+        return m.group(1) if m else ""
+
+    def line(self) -> str:
+        return f"{self.time} job {self.job} {self.text}"
+
+
+def now_iso() -> str:
+    """This moment as `date --iso-8601=seconds` writes it (UTC here; bash writes its local offset)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def format_event(job: Optional[str], text: str, when: Optional[datetime | str] = None) -> str:
+    """The events.log line (with its newline) for `text` about `job`, as the bash `event()` writes it."""
+    stamp = when if isinstance(when, str) else (when.isoformat(timespec="seconds") if when else now_iso())
+    job_word = _one_line(job or "").replace(" ", "_")
+    return f"{_one_line(stamp)} job {job_word} {_one_line(text)}\n"
+
+
+def parse_event(line: str) -> Optional[Event]:
+    """The event on one line of events.log; None for a line that is not one (torn, foreign, empty)."""
+    line = line.rstrip("\r\n")
+    stamp, sep, rest = line.partition(" job ")
+    if not sep or not stamp or " " in stamp or not stamp[:1].isdigit():
+        return None
+    try:
+        datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    # An empty job id (no SLURM_JOB_ID) leaves two spaces: the job is "" and the text follows.
+    job, _, text = rest.partition(" ")
+    text = text.strip()
+    if not text:
+        return None
+    return Event(stamp, job, text)
+
+
+def parse_events(text: str) -> list[Event]:
+    return [e for line in text.splitlines() if (e := parse_event(line)) is not None]
+
+
+def read_events(run_dir: str | os.PathLike) -> list[Event]:
+    """Every event of a run directory, in the order written; [] before the first."""
+    try:
+        data = (Path(run_dir) / EVENTS_FILE).read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return parse_events(data.decode("utf-8", errors="replace"))
+
+
+def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,
+                 when: Optional[datetime | str] = None) -> Event:
+    """Append one event to RUN/events.log: one write(2) of one whole line under O_APPEND, so
+    concurrent writers (the batch script, several ranks, the host) never interleave inside a line."""
+    line = format_event(job, text, when)
+    fd = os.open(Path(run_dir) / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        data = line.encode()
+        written = os.write(fd, data)
+        while written < len(data):  # a short write (a signal, a full disk): finish the line
+            written += os.write(fd, data[written:])
+    finally:
+        os.close(fd)
+    stamp, _, rest = line.rstrip("\n").partition(" job ")
+    job_word, _, said = rest.partition(" ")
+    return Event(stamp, job_word, said)
