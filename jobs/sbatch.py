@@ -151,8 +151,14 @@ def _hf_home(cfg: Config, paths: RunPaths) -> str:
     return f'[ -n "${{HF_HOME:-}}" ] || export HF_HOME={shlex.quote(str(paths.project_dir / ".cache" / "huggingface"))}'
 
 
-_EVENT = ('event() { printf \'%s job %s %s\\n\' "$(date --iso-8601=seconds)" "$SLURM_JOB_ID" "$*" '
-          '>> "$RUN_DIR/events.log"; }')
+# The job library (jobs/job_lib.sh): the job's decisions, inlined verbatim into every job.sbatch.
+JOB_LIB = (Path(__file__).with_name("job_lib.sh")).read_text()
+_EVENT = next(line for line in JOB_LIB.splitlines() if line.startswith("event() "))
+# A stopped step and a container removal at the job's end wait at most this long (on_exit);
+# the background removal of stale containers at its start, at most STALE_REMOVE_TIMEOUT.
+STEP_STOP_WAIT = 30
+CONTAINER_REMOVE_WAIT = 5
+STALE_REMOVE_TIMEOUT = 600
 
 
 def _environment(cfg: Config, paths: RunPaths) -> list[str]:
@@ -260,7 +266,9 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[st
             cmd: list[str] | None = None, port: str = "MASTER_PORT", wrap: list[str] = ()) -> str:
     """The `srun` line that starts every rank: the trainer, or `cmd` (the preflight's all-reduce)
     launched the same way with its rendezvous on `$port`, as a step bounded by the words `wrap`
-    (`timeout ...`), whose ranks end together (no --wait); not backgrounded."""
+    (`timeout ...`), whose ranks end together (no --wait); not backgrounded. The training
+    step's tasks report their exits into $SLIPWAY_EXITS."""
+    report = cmd is None
     cmd = task_command(cfg, paths) if cmd is None else cmd
     prefix = "".join(f"{a} " for a in assigns)
     if wrap:
@@ -276,10 +284,12 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[st
         rdzv = [_Expand(f"--rdzv-endpoint=$MASTER_ADDR:${port}"), _Expand("--rdzv-id=$SLURM_JOB_ID"),
                 "--rdzv-backend=c10d"]
         argv = torchrun_argv(cfg, nnodes=_Expand("$SLURM_NNODES"), rdzv=rdzv) + cmd[1:]
+        argv = ["bash", "-c", _REPORT_EXIT, "slipway-task", *argv] if report else argv
         return f"{prefix}{_words(srun + ['--ntasks-per-node=1'] + container)} \\\n  {_words(argv)}"
     # One task per process: the rank variables come from Slurm's own.
     mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
-              'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; exec "$@"')
+              'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; ')
+    mapper += _REPORT_EXIT if report else 'exec "$@"'
     srun += [f"--ntasks-per-node={cfg.launch.procs_per_node}"]
     if cfg.launch.preset in NODE_PRESETS:
         # One task per GPU, on the cores and memory next to it: task i gets GPU i and cores
@@ -291,8 +301,9 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[st
     return f"{prefix}{_words(srun)} \\\n  {_words(['bash', '-c', mapper, 'slipway-task', *cmd])}"
 
 
-_COUNT_EVENTS = ('count_events() { local n; n=$(grep -F " job $SLURM_JOB_ID $* " "$RUN_DIR/events.log" 2>/dev/null '
-                 '| wc -l) || true; echo "${n:-0}"; }')
+# Each task of the training step reports its own exit (step_exit in jobs/job_lib.sh): a task
+# that Slurm kills reports nothing, its wrapper dying with it.
+_REPORT_EXIT = '"$@"; rc=$?; echo "$rc" > "$SLIPWAY_EXITS/$SLURM_PROCID" 2>/dev/null; exit "$rc"'
 
 
 def _node_helper(cfg: Config) -> list[str]:
@@ -313,65 +324,8 @@ def _node_helper(cfg: Config) -> list[str]:
 
 
 # This attempt's named pyxis container (JOB_TAG: the job id, rN after the Nth requeue).
-PYXIS_CONTAINER = "slipway-${JOB_TAG}"
-
-
-def _remove_pyxis_container(cfg: Config) -> list[str]:
-    """pyxis keeps a named container on every node after the job (its default
-    container_scope=global keeps it as pyxis_NAME; with container_scope=job it is
-    pyxis_JOBID_NAME and the epilog removes it): remove ours, best effort, from each node."""
-    script = 'for n in "pyxis_$1" "pyxis_${SLURM_JOB_ID}_$1"; do enroot remove --force "$n"; done; true'
-    return [
-        "  # The job's named pyxis container, unpacked on every node: removed, not left behind.",
-        f"  timeout 120 srun --overlap --nodes={cfg.slurm.nodes} --ntasks-per-node=1 --cpus-per-task=1 "
-        f'bash -c {shlex.quote(script)} slipway-rm "{PYXIS_CONTAINER}" > /dev/null 2>&1 || true',
-    ]
-
-
-def _retry_function(cfg: Config) -> list[str]:
-    """`retry_or_stop KIND CODE [NODE...]`: the failure retries (slurm.max_retries) of one job, each
-    decision in events.log. A retry requeues the job without the nodes to blame, if its partition
-    has enough other usable nodes; `scontrol update` changes ExcNodeList only of a pending job, so
-    the job is requeued held, updated, then released."""
-    s = cfg.slurm
-    head = ["# retry_or_stop KIND CODE [NODE...]: requeue this job (slurm.max_retries) without the nodes to",
-            "# blame, where the partition has enough others; else end with CODE. Each decision in events.log.",
-            "retry_or_stop() {", "  local kind=$1 code=$2; shift 2", '  local bad="$*" excluded="" usable=0 node state']
-    if not s.requeue:
-        return head + ['  event "not retrying ($kind): slurm.requeue is off"', '  exit "$code"', "}"]
-    return head + [
-        f'  if [ "$RETRIES" -ge {s.max_retries} ]; then',
-        f'    event "not retrying ($kind): slurm.max_retries ({s.max_retries}) reached"',
-        '    exit "$code"',
-        "  fi",
-        "  if [ -n \"$bad\" ]; then",
-        "    excluded=$(scontrol show job -o \"$SLURM_JOB_ID\" | grep -o 'ExcNodeList=[^ ]*' | sed 's/^ExcNodeList=//') "
-        '|| excluded=""',
-        '    [ "$excluded" != "(null)" ] || excluded=""',
-        "    excluded=$( { [ -z \"$excluded\" ] || scontrol show hostnames \"$excluded\"; printf '%s\\n' $bad; } "
-        "| sort -u | paste -sd, - )",
-        "    while read -r node state; do",
-        '      case ",$excluded," in *",$node,"*) continue ;; esac',
-        "      case \"${state%[~#%]}\" in idle|mix|alloc|comp|plnd) usable=$((usable + 1)) ;; esac",
-        "    done < <(sinfo -h -N ${SLURM_JOB_PARTITION:+-p \"$SLURM_JOB_PARTITION\"} -o '%N %t' 2>/dev/null)",
-        f'    if [ "$usable" -lt {s.nodes} ]; then',
-        f'      event "not retrying ($kind): without ${{bad% }} partition ${{SLURM_JOB_PARTITION:-(default)}} has $usable usable '
-        f'node(s), the job needs {s.nodes}"',
-        '      exit "$code"',
-        "    fi",
-        f'    event "retry $((RETRIES + 1))/{s.max_retries} ($kind): requeueing without ${{bad% }} (excluded nodes: '
-        '$excluded)"',
-        "    trap '' TERM  # the requeue ends this job's processes: the three calls must finish first",
-        '    scontrol requeuehold "$SLURM_JOB_ID" || { event "requeue failed"; exit "$code"; }',
-        '    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$excluded" || event "could not exclude $excluded"',
-        '    scontrol release "$SLURM_JOB_ID"',
-        "  else",
-        f'    event "retry $((RETRIES + 1))/{s.max_retries} ($kind): requeueing (no node to blame)"',
-        '    scontrol requeue "$SLURM_JOB_ID" || { event "requeue failed"; exit "$code"; }',
-        "  fi",
-        "  exit 0",
-        "}",
-    ]
+PYXIS_PREFIX = "slipway-"
+PYXIS_CONTAINER = PYXIS_PREFIX + "${JOB_TAG}"
 
 
 def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list[str]) -> list[str]:
@@ -391,136 +345,48 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list
                 "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node)]
     allreduce = [cfg.launch.python, "-m", "trainer.preflight", "allreduce", "--megabytes",
                  "64" if s.gpus_per_node else "4", "--timeout", str(s.preflight_timeout)]
-    t = s.preflight_timeout
     return [
         "",
         "# Preflight (trainer/preflight.py), each step at most slurm.preflight_timeout: every node checks",
         "# the run directory, free space and its GPUs, reporting on its own; a node that fails or sends",
         "# no report is named and the job retried without it. Then every rank joins a short all-reduce.",
         'PREFLIGHT_LOG="$RUN_DIR/logs/preflight-$JOB_TAG.out"',
-        "set +e",
-        f'{prefix}{_words(node_srun)} \\\n  {_words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
-        "pf_rc=$?",
-        "set -e",
-        'cat "$PREFLIGHT_LOG"',
-        'PF_BAD=""',
-        "for node in $NODES; do",
-        '  line=$(grep -F -m1 "slipway-preflight $node " "$PREFLIGHT_LOG") || line=""',
-        '  case "$line" in',
-        '    "slipway-preflight $node ok"*) ;;',
-        f'    "") PF_BAD+="$node "; event "preflight failed on $node: no report within {t} s (its container did not '
-        'start there, or the node is unreachable; step exit $pf_rc)" ;;',
-        '    *) PF_BAD+="$node "; event "preflight failed on $node: ${line#*fail: }" ;;',
-        "  esac",
-        "done",
-        *(['# Every node failed alike (a full filesystem, a bad config): no node to blame.',
-           f'[ -z "$PF_BAD" ] || [ "${{PF_BAD% }}" != "$NODES" ] || retry_or_stop preflight {PREFLIGHT_EXIT}']
-          if s.nodes > 1 else []),
-        f'[ -z "$PF_BAD" ] || retry_or_stop preflight {PREFLIGHT_EXIT} $PF_BAD',
+        f'set +e; {prefix}{_words(node_srun)} \\\n  {_words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
+        'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
+        'preflight_nodes "$PREFLIGHT_LOG" "$pf_rc"',
         'PREFLIGHT_LOG="$RUN_DIR/logs/preflight-$JOB_TAG-allreduce.out"',
-        "set +e",
-        _launch(cfg, paths, container, assigns, cmd=allreduce, port="PREFLIGHT_PORT", wrap=limit)
+        "set +e; " + _launch(cfg, paths, container, assigns, cmd=allreduce, port="PREFLIGHT_PORT", wrap=limit)
         + ' > "$PREFLIGHT_LOG" 2>&1',
-        "pf_rc=$?",
-        "set -e",
-        'cat "$PREFLIGHT_LOG"',
-        'line=$(grep -F -m1 "slipway-preflight-allreduce " "$PREFLIGHT_LOG") || line=""',
-        'case "$line" in',
-        '  "slipway-preflight-allreduce ok: "*) event "preflight ok on $SLURM_JOB_NODELIST: ${line#*ok: }" ;;',
-        f'  "") event "preflight failed: the all-reduce across every rank gave no result within {t} s (step exit '
-        f'$pf_rc)"; retry_or_stop preflight {PREFLIGHT_EXIT} ;;',
-        f'  *) event "preflight failed: ${{line#*fail: }}"; retry_or_stop preflight {PREFLIGHT_EXIT} ;;',
-        "esac",
+        'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
+        'preflight_allreduce "$PREFLIGHT_LOG" "$pf_rc"',
     ]
 
 
-def _latest_checkpoint(cfg: Config) -> str:
-    """A shell function printing the step of the latest complete checkpoint (0: none), the
-    trainer's layout (step-NNNNNN/ with a COMPLETE marker), as jobs.local reads it."""
-    ckpt = Path(cfg.checkpoint.dir)
-    where = shlex.quote(str(ckpt)) if ckpt.is_absolute() else f'"$RUN_DIR"/{shlex.quote(str(ckpt))}'
-    return ("latest_checkpoint() { local f s n=0; for f in " + where + "/step-*/COMPLETE; do "
-            "s=${f%/COMPLETE}; s=${s##*/step-}; [[ $s =~ ^[0-9]+$ ]] && [ $((10#$s)) -gt $n ] && n=$((10#$s)); "
-            "done; echo $n; }")
-
-
-def _after_step(cfg: Config) -> list[str]:
-    """What the script decides once the training step has ended, from the files the ranks wrote:
-    a hang (dumps in hangs/), a stop request (time-limit requeue), a node that died."""
+def _settings(cfg: Config, paths: RunPaths, container_named: bool) -> list[str]:
+    """The run's values, set once: the data the job library's functions decide on."""
+    q = shlex.quote
     s = cfg.slurm
-    lines = [
-        "# A hang: the ranks' watchdogs wrote their stacks to hangs/ (trainer/watchdog.py). The nodes",
-        "# some of whose ranks wrote none in time (frozen, dead; a frozen rank may dump `late` once",
-        "# Slurm's teardown resumes it) are the ones to blame.",
-        'shopt -s nullglob; HANG_DUMPS=("$RUN_DIR/hangs/$JOB_TAG-"*.txt); shopt -u nullglob',
-        'if [ "${#HANG_DUMPS[@]}" -gt 0 ]; then',
-        '  SILENT=""',
-        "  for node in $NODES; do",
-        "    dumped=0",
-        '    for f in "$RUN_DIR/hangs/$JOB_TAG-$node-"*.txt; do',
-        '      r=${f##*/"$JOB_TAG-$node-"}; [[ ${r%.txt} =~ ^[0-9]+$ ]] || continue',
-        '      first=""; read -r first < "$f" || true',
-        '      [[ $first == *" on-time" ]] && dumped=$((dumped + 1))',
-        "    done",
-        f'    [ "$dumped" -ge {cfg.launch.procs_per_node} ] || SILENT+="$node "',
-        "  done",
-        '  read -r _ _ _ _ _ _ _ hung_step _ _ _ _ hang_limit _ < "${HANG_DUMPS[0]}" || true',
-        f'  event "hang: no step completed for $hang_limit s after step $hung_step; stack dumps from '
-        f'${{#HANG_DUMPS[@]}} of {cfg.world_size} ranks in hangs/$JOB_TAG-*.txt${{SILENT:+; not answering in '
-        'time: the ranks on ${SILENT% }}"',
-        f"  retry_or_stop hang {HANG_EXIT} $SILENT",
-        "fi",
-        f'if [ "$STOP_REQUESTED" = 1 ] || [ "$rc" = {REQUEUE_EXIT} ]; then',
-        "  # torchrun exits 1 when any rank exits non-zero, the trainer's 75 (saved, requeue me)",
-        "  # included: a checkpoint newer than the one at the warning says the trainer saved.",
-        '  SAVED=$(latest_checkpoint)',
-        f'  if [ "$rc" = {REQUEUE_EXIT} ] || [ "$SAVED" -gt "${{STOP_CHECKPOINT:-0}}" ]; then',
-        '    OUTCOME="saved after the stop request"',
-        '    [ "$SAVED" = 0 ] || OUTCOME+=" (checkpoint at step $SAVED)"',
-        "  else",
-        '    OUTCOME="no checkpoint saved after the stop request (step exit $rc)"',
-        "  fi",
+    ckpt = Path(cfg.checkpoint.dir)
+    checkpoints = q(str(ckpt)) if ckpt.is_absolute() else f'"$RUN_DIR"/{q(str(ckpt))}'
+    return [
+        "# This run's settings (from its config.yaml), read by the job library below.",
+        f"RUN_DIR={q(str(paths.run_dir))}",
+        f"NODES_NEEDED={s.nodes} PROCS_PER_NODE={cfg.launch.procs_per_node} RANKS={cfg.world_size}",
+        f"REQUEUE={int(s.requeue)} MAX_RETRIES={s.max_retries} MAX_REQUEUES={s.max_requeues}",
+        f"PREFLIGHT_TIMEOUT={s.preflight_timeout}",
+        f"PREFLIGHT_EXIT={PREFLIGHT_EXIT} HANG_EXIT={HANG_EXIT} REQUEUE_EXIT={REQUEUE_EXIT}",
+        f"CHECKPOINT_DIR={checkpoints}",
+        f'HANGS="$RUN_DIR/{HANGS_DIR}" STOP_FILE="$RUN_DIR/{STOP_FILE}"',
+        "# The steps' named pyxis container is CONTAINER_PREFIX$JOB_TAG (none when empty).",
+        f"CONTAINER_PREFIX={PYXIS_PREFIX if container_named else chr(39) * 2}",
+        f"STEP_STOP_WAIT={STEP_STOP_WAIT} CONTAINER_REMOVE_WAIT={CONTAINER_REMOVE_WAIT} "
+        f"STALE_REMOVE_TIMEOUT={STALE_REMOVE_TIMEOUT}",
     ]
-    if s.requeue:
-        limit = s.max_requeues
-        lines += [
-            f'  if [ "$REQUEUES" -ge {limit} ]; then',
-            f'    event "not requeueing after the time-limit warning: slurm.max_requeues ({limit}) reached; $OUTCOME"',
-            f"    exit {REQUEUE_EXIT}",
-            "  fi",
-            f'  event "time-limit requeue $((REQUEUES + 1))/{limit}: $OUTCOME, requeueing"',
-            '  scontrol requeue "$SLURM_JOB_ID"',
-            "  exit 0",
-        ]
-    else:
-        lines += ['  event "time-limit stop: $OUTCOME; slurm.requeue is off"', f"  exit {REQUEUE_EXIT}"]
-    lines += [
-        "fi",
-        "# A node that died under the step (not responding, down or drained) is retried without;",
-        "# one sinfo for all of them (a node in several partitions is listed once for each).",
-        'if [ "$rc" != 0 ]; then',
-        '  DEAD=""',
-        "  while read -r node state; do",
-        "    case \"$state\" in down*|drain*|drng*|fail*|*'*') ;; *) continue ;; esac",
-        '    case " $DEAD" in *" $node "*) ;; *) DEAD+="$node " ;; esac',
-        "  done < <(sinfo -h -N -n \"$SLURM_JOB_NODELIST\" -o '%N %t' 2>/dev/null)",
-        '  if [ -n "$DEAD" ]; then',
-        '    event "node failure: ${DEAD% } not responding, down or drained after the step failed (exit $rc)"',
-        '    retry_or_stop "node failure" "$rc" $DEAD',
-        "  fi",
-        "fi",
-        'exit "$rc"',
-        "",
-    ]
-    return lines
 
 
 def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
     """The whole batch script for `cfg`, reading and writing only inside `paths.run_dir`;
     `env` is the run's container environment (`jobs.container.run_environment`)."""
-    q = shlex.quote
-    s = cfg.slurm
-    run_dir = q(str(paths.run_dir))
     container, assigns = _container_args(env, paths)
     # Under pyxis every srun step unpacks the image into a container of its own, unless the
     # steps name one: the preflight's steps then create it and training starts in it at once.
@@ -530,69 +396,50 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
     lines = _header(cfg, paths) + ["", "set -euo pipefail"]
     if cfg.launch.debug:
         lines.append("set -x")
-    lines += [
-        f"RUN_DIR={run_dir}",
-        f"cd {q(str(paths.project_dir))}",
-        'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/gutil" "$RUN_DIR/heartbeats" "$RUN_DIR/' + HANGS_DIR + '"',
-        'rm -f "$RUN_DIR/' + STOP_FILE + '"',
-        _EVENT,
-        "# What this job (its id survives requeues) has used: failure retries, time-limit requeues.",
-        _COUNT_EVENTS,
-        "RETRIES=$(count_events retry) REQUEUES=$(count_events time-limit requeue)",
-        "# Names this attempt's files (hang dumps, preflight logs): the job id, rN after the Nth requeue.",
-        'JOB_TAG=$SLURM_JOB_ID; [ "${SLURM_RESTART_COUNT:-0}" = 0 ] || JOB_TAG="${SLURM_JOB_ID}r$SLURM_RESTART_COUNT"',
-        'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd " " -)',
-        f'event "start on $SLURM_JOB_NODELIST (restart ${{SLURM_RESTART_COUNT:-0}}), failure retries '
-        f'$RETRIES/{s.max_retries}, time-limit requeues $REQUEUES/{s.max_requeues}"',
-        "",
-        *_environment(cfg, paths),
-        "",
-        "# Background helpers, ended by the trap whatever happens.",
-        "HELPER_PIDS=()",
-        'SRUN_PID=""',
-        'STOP_REQUESTED=0 TRAPPED=0',
-        "cleanup() {",
-        "  rc=$?",
-        '  for pid in "${HELPER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done',
-        *(_remove_pyxis_container(cfg) if shared else []),
-        '  event "end exit $rc"',
-        "}",
-        "trap cleanup EXIT",
-        _latest_checkpoint(cfg),
-        "# Slurm's warning before the time limit: ask the trainer to save at the step boundary.",
-        "on_warning() {",
-        "  STOP_REQUESTED=1 TRAPPED=1",
-        "  STOP_CHECKPOINT=$(latest_checkpoint)",
-        '  event "time limit warning: stop requested"',
-        '  touch "$RUN_DIR/' + STOP_FILE + '"',
-        "}",
-        "trap on_warning USR1",
-        *_retry_function(cfg),
-        f'( while sleep {HEARTBEAT_SECONDS}; do date --iso-8601=seconds > "$RUN_DIR/heartbeat"; done ) &',
-        'HELPER_PIDS+=("$!")',
-        'date --iso-8601=seconds > "$RUN_DIR/heartbeat"',
-        *_node_helper(cfg),
-    ]
+    lines += ["", *_settings(cfg, paths, shared), "", JOB_LIB.rstrip("\n"), "",
+              "# ---- main: this job, from its start to its end ----",
+              f"cd {shlex.quote(str(paths.project_dir))}",
+              'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/gutil" "$RUN_DIR/heartbeats" "$HANGS"',
+              'rm -f "$STOP_FILE"',
+              "# What this job (its id survives requeues) has used: failure retries, time-limit requeues.",
+              "RETRIES=$(count_events retry) REQUEUES=$(count_events time-limit requeue)",
+              "JOB_TAG=$(job_tag)",
+              'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd " " -)',
+              'event "start on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0}), failure retries '
+              '$RETRIES/$MAX_RETRIES, time-limit requeues $REQUEUES/$MAX_REQUEUES"',
+              "",
+              *_environment(cfg, paths),
+              "",
+              "# Background helpers, ended by the trap whatever happens.",
+              'HELPER_PIDS=() SRUN_PID="" STOP_REQUESTED=0 TRAPPED=0',
+              "trap on_exit EXIT",
+              "trap on_warning USR1",
+              "trap on_cancel USR2",
+              "trap on_term TERM",
+              f'( while sleep {HEARTBEAT_SECONDS}; do date --iso-8601=seconds > "$RUN_DIR/heartbeat"; done ) &',
+              'HELPER_PIDS+=("$!")',
+              'date --iso-8601=seconds > "$RUN_DIR/heartbeat"',
+              *_node_helper(cfg),
+              "remove_stale_containers"]
     if cfg.launch.pre_launch:
         lines += ["", "# Pre-launch commands from launch.pre_launch (run as written, on the first node)."]
         lines += list(cfg.launch.pre_launch)
     lines += _preflight(cfg, paths, container, assigns)
     lines += [
         "",
-        "# The training step, in the background so the warning trap runs at once.",
+        "# The training step, in the background so the signal traps run at once; each task reports",
+        "# its exit into SLIPWAY_EXITS, from which step_exit decides the step's.",
+        'export SLIPWAY_EXITS="$RUN_DIR/.exits/$JOB_TAG"  # read once below, then removed',
+        'rm -rf "$SLIPWAY_EXITS"; mkdir -p "$SLIPWAY_EXITS"',
         _launch(cfg, paths, container, assigns) + " &",
         'SRUN_PID=$!',
-        'set +e',
-        '# A trap interrupts `wait`; then wait again for the step itself.',
-        'while :; do',
-        '  TRAPPED=0',
-        '  wait "$SRUN_PID"; rc=$?',
-        '  [ "$TRAPPED" = 1 ] || break',
-        '  kill -0 "$SRUN_PID" 2>/dev/null && continue',
-        '  wait "$SRUN_PID" 2>/dev/null; again=$?; [ "$again" = 127 ] || rc=$again; break',
-        'done',
-        'set -e',
-        *_after_step(cfg),
+        'set +e; wait_step "$SRUN_PID"; set -e',
+        'rc=$(step_exit "$STEP_RC" "$SLIPWAY_EXITS"); rm -rf "$SLIPWAY_EXITS"',
+        "after_hang",
+        'after_stop_request "$rc"',
+        'after_node_failure "$rc"',
+        'exit "$rc"',
+        "",
     ]
     return "\n".join(lines)
 

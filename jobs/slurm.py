@@ -83,8 +83,11 @@ def sbatch(script: Path, cwd: Path, after: str | None = None) -> str:
     return job_id
 
 
-def scancel(job_ids: list[str], signal: str | None = None) -> None:
-    args = ([f"--signal={signal}", "--full"] if signal else []) + list(job_ids)
+def scancel(job_ids: list[str], signal: str | None = None, *, batch: bool = False) -> None:
+    """Cancel the jobs, or send them `signal`: to every process of the job (--full), or to the
+    batch shell alone (`batch`), whose trap then ends the job itself."""
+    scope = ["--batch"] if batch else ["--full"]
+    args = ([f"--signal={signal}", *scope] if signal else []) + list(job_ids)
     _run(_tool("scancel"), *args)
 
 

@@ -228,7 +228,7 @@ def test_submit_status_logs_watch_cancel_reach_slurm(base_venv, project, slurm):
     assert "step 1 loss 10.5" in ok(run(base_venv, "logs", "tiny_cpu", cwd=project, env=slurm))
     assert ok(run(base_venv, "watch", "tiny_cpu", "--once", cwd=project, env=slurm))
     assert f"cancelled {job}" in ok(run(base_venv, "cancel", "tiny_cpu", cwd=project, env=slurm))
-    assert calls(slurm, "scancel") == [f"scancel {job}"]
+    assert calls(slurm, "scancel") == [f"scancel --signal=USR2 --batch {job}"]  # its trap ends it
     out = ok(run(base_venv, "prepare", "tiny_cpu", "--as-job", cwd=project, env=slurm))
     assert "4242" in out.split()
     assert calls(slurm, "sbatch")[-1] == f"sbatch --parsable {project}/runs/tiny_cpu/prepare.sbatch"

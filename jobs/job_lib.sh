@@ -1,0 +1,291 @@
+# ---- slipway job library (jobs/job_lib.sh, inlined verbatim by jobs/sbatch.py) ----
+# Why a static bash file: the job's decisions (preflight outcome, retry or not, which nodes to
+# exclude, requeue counting, hang classification, how the job ends, cleanup) must be testable
+# without Slurm (tests/test_job_lib.py sources this file with stand-in scontrol/sinfo/srun), and
+# a user must be able to read their job.sbatch and follow it. What runs on the batch host outside
+# the container depends only on what compute nodes have: bash and the Slurm client commands, no
+# Python. It is inlined, not sourced, so that runs/RUN/job.sbatch alone says what ran, through
+# every requeue. The functions take data: the run's values are the plain variables the settings
+# block at the top of job.sbatch sets once (RUN_DIR, NODES_NEEDED, PROCS_PER_NODE, RANKS,
+# MAX_RETRIES, MAX_REQUEUES, REQUEUE, PREFLIGHT_TIMEOUT, the exit codes, CHECKPOINT_DIR,
+# STOP_FILE, CONTAINER_PREFIX); the main part sets JOB_TAG, NODES, RETRIES and REQUEUES.
+#
+# Every end is told truthfully in events.log and recorded before anything slow: the EXIT trap
+# writes `end exit N` first. Nothing slow is on the path to the job's end: deleting an unpacked
+# pyxis container takes 16 s on a quiet disk and over a minute under load (tens of thousands of
+# files), so the trap gives it a few seconds and otherwise leaves it to the next slipway job on
+# the node, which removes stale containers in the background when it starts.
+
+# event TEXT...: one line `ISO-TIME job JOBID TEXT` in events.log.
+event() { printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "$SLURM_JOB_ID" "$*" >> "$RUN_DIR/events.log"; }
+
+# count_events PREFIX: how many events of this job (its id survives requeues) start with PREFIX.
+count_events() { local n; n=$(grep -F " job $SLURM_JOB_ID $* " "$RUN_DIR/events.log" 2>/dev/null | wc -l) || true; echo "${n:-0}"; }
+
+# job_tag: names this attempt's files (hang dumps, preflight logs, containers): the job id,
+# rN after the Nth requeue.
+job_tag() { if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then echo "$SLURM_JOB_ID"; else echo "${SLURM_JOB_ID}r$SLURM_RESTART_COUNT"; fi; }
+
+# latest_checkpoint: the step of the latest complete checkpoint in CHECKPOINT_DIR (0: none), the
+# trainer's layout (step-NNNNNN/ with a COMPLETE marker), as jobs.local reads it.
+latest_checkpoint() {
+  local f s n=0
+  for f in "$CHECKPOINT_DIR"/step-*/COMPLETE; do
+    s=${f%/COMPLETE}; s=${s##*/step-}
+    [[ $s =~ ^[0-9]+$ ]] && [ $((10#$s)) -gt $n ] && n=$((10#$s))
+  done
+  echo $n
+}
+
+# retry_or_stop KIND CODE [NODE...]: requeue this job (at most MAX_RETRIES times) without the
+# nodes to blame, where the partition has enough other usable nodes; else end with CODE. Each
+# decision in events.log. `scontrol update` changes ExcNodeList only of a pending job, so the job
+# is requeued held, updated, then released.
+retry_or_stop() {
+  local kind=$1 code=$2; shift 2
+  local bad="$*" excluded="" usable=0 node state
+  if [ "$REQUEUE" != 1 ]; then
+    event "not retrying ($kind): slurm.requeue is off"
+    exit "$code"
+  fi
+  if [ "$RETRIES" -ge "$MAX_RETRIES" ]; then
+    event "not retrying ($kind): slurm.max_retries ($MAX_RETRIES) reached"
+    exit "$code"
+  fi
+  if [ -n "$bad" ]; then
+    excluded=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o 'ExcNodeList=[^ ]*' | sed 's/^ExcNodeList=//') || excluded=""
+    [ "$excluded" != "(null)" ] || excluded=""
+    excluded=$( { [ -z "$excluded" ] || scontrol show hostnames "$excluded"; printf '%s\n' $bad; } | sort -u | paste -sd, - )
+    while read -r node state; do
+      case ",$excluded," in *",$node,"*) continue ;; esac
+      case "${state%[~#%]}" in idle|mix|alloc|comp|plnd) usable=$((usable + 1)) ;; esac
+    done < <(sinfo -h -N ${SLURM_JOB_PARTITION:+-p "$SLURM_JOB_PARTITION"} -o '%N %t' 2>/dev/null)
+    if [ "$usable" -lt "$NODES_NEEDED" ]; then
+      event "not retrying ($kind): without ${bad% } partition ${SLURM_JOB_PARTITION:-(default)} has $usable usable node(s), the job needs $NODES_NEEDED"
+      exit "$code"
+    fi
+    event "retry $((RETRIES + 1))/$MAX_RETRIES ($kind): requeueing without ${bad% } (excluded nodes: $excluded)"
+    trap '' TERM  # the requeue ends this job's processes: the three calls must finish first
+    scontrol requeuehold "$SLURM_JOB_ID" || { event "requeue failed"; exit "$code"; }
+    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$excluded" || event "could not exclude $excluded"
+    scontrol release "$SLURM_JOB_ID"
+  else
+    event "retry $((RETRIES + 1))/$MAX_RETRIES ($kind): requeueing (no node to blame)"
+    trap '' TERM
+    scontrol requeue "$SLURM_JOB_ID" || { event "requeue failed"; exit "$code"; }
+  fi
+  exit 0
+}
+
+# preflight_nodes LOG STEP_EXIT: every node of NODES must have reported `ok` in LOG (the node
+# step of trainer/preflight.py); a node that failed or sent no report is named, and the job
+# retried without it. Every node failing alike (a full filesystem, a bad config) blames none.
+preflight_nodes() {
+  local log=$1 step_rc=$2 node line bad=""
+  for node in $NODES; do
+    line=$(grep -F -m1 "slipway-preflight $node " "$log") || line=""
+    case "$line" in
+      "slipway-preflight $node ok"*) ;;
+      "") bad+="$node "; event "preflight failed on $node: no report within $PREFLIGHT_TIMEOUT s (its container did not start there, or the node is unreachable; step exit $step_rc)" ;;
+      *) bad+="$node "; event "preflight failed on $node: ${line#*fail: }" ;;
+    esac
+  done
+  [ -n "$bad" ] || return 0
+  if [ "$NODES_NEEDED" -gt 1 ] && [ "${bad% }" = "$NODES" ]; then
+    retry_or_stop preflight "$PREFLIGHT_EXIT"
+  fi
+  retry_or_stop preflight "$PREFLIGHT_EXIT" $bad
+}
+
+# preflight_allreduce LOG STEP_EXIT: the all-reduce across every rank gave its `ok`, or the job
+# is retried on the same nodes (no node to blame).
+preflight_allreduce() {
+  local log=$1 step_rc=$2 line
+  line=$(grep -F -m1 "slipway-preflight-allreduce " "$log") || line=""
+  case "$line" in
+    "slipway-preflight-allreduce ok: "*) event "preflight ok on $SLURM_JOB_NODELIST: ${line#*ok: }" ;;
+    "") event "preflight failed: the all-reduce across every rank gave no result within $PREFLIGHT_TIMEOUT s (step exit $step_rc)"
+        retry_or_stop preflight "$PREFLIGHT_EXIT" ;;
+    *) event "preflight failed: ${line#*fail: }"; retry_or_stop preflight "$PREFLIGHT_EXIT" ;;
+  esac
+}
+
+# step_exit SRUN_EXIT REPORTS_DIR: the training step's exit, one code whatever node failed.
+# With --kill-on-bad-exit, srun ends the other tasks with SIGTERM/SIGKILL once one fails, and its
+# own exit is then the first failing task's or that of a task it killed, depending on which
+# node answered first (a killed rank gave the job 1 or 143). So each task reports its own exit
+# in REPORTS_DIR (the task wrapper of jobs/sbatch.py; a task that Slurm killed reports nothing,
+# its wrapper dying with it). The rule: a step that srun says succeeded exited 0; otherwise the
+# oldest non-zero report decides (a rank killed by a signal: 128 + the signal; under torchrun
+# the node's torchrun, which exits 1 whatever its worker died of); with no report at all (a node
+# died), srun's exit stands.
+step_exit() {
+  local rc=$1 dir=$2 f code
+  if [ "$rc" = 0 ]; then echo 0; return; fi
+  while read -r f; do
+    code=""; read -r code < "$dir/$f" || true
+    if [[ $code =~ ^[0-9]+$ ]] && [ "$code" != 0 ]; then echo "$code"; return; fi
+  done < <(ls -tr "$dir" 2>/dev/null)
+  echo "$rc"
+}
+
+# after_hang: the ranks' watchdogs wrote their stacks to hangs/ (trainer/watchdog.py): a hang.
+# The nodes some of whose ranks wrote none in time (frozen, dead; a frozen rank may dump `late`
+# once Slurm's teardown resumes it) are the ones to blame.
+after_hang() {
+  local dumps node f r first dumped silent="" hung_step="?" hang_limit="?"
+  shopt -s nullglob; dumps=("$HANGS/$JOB_TAG-"*.txt); shopt -u nullglob
+  [ "${#dumps[@]}" -gt 0 ] || return 0
+  for node in $NODES; do
+    dumped=0
+    for f in "$HANGS/$JOB_TAG-$node-"*.txt; do
+      r=${f##*/"$JOB_TAG-$node-"}; [[ ${r%.txt} =~ ^[0-9]+$ ]] || continue
+      first=""; read -r first < "$f" || true
+      [[ $first == *" on-time" ]] && dumped=$((dumped + 1))
+    done
+    [ "$dumped" -ge "$PROCS_PER_NODE" ] || silent+="$node "
+  done
+  read -r _ _ _ _ _ _ _ hung_step _ _ _ _ hang_limit _ < "${dumps[0]}" || true
+  event "hang: no step completed for $hang_limit s after step $hung_step; stack dumps from ${#dumps[@]} of $RANKS ranks in hangs/$JOB_TAG-*.txt${silent:+; not answering in time: the ranks on ${silent% }}"
+  retry_or_stop hang "$HANG_EXIT" $silent
+}
+
+# after_stop_request STEP_EXIT: after Slurm's time-limit warning (or the trainer's REQUEUE_EXIT:
+# saved, requeue me), requeue the job (at most MAX_REQUEUES times, apart from failure retries).
+after_stop_request() {
+  local rc=$1 saved outcome
+  [ "$STOP_REQUESTED" = 1 ] || [ "$rc" = "$REQUEUE_EXIT" ] || return 0
+  # torchrun exits 1 when any rank exits non-zero, the trainer's REQUEUE_EXIT included: a
+  # checkpoint newer than the one at the warning says the trainer saved.
+  saved=$(latest_checkpoint)
+  if [ "$rc" = "$REQUEUE_EXIT" ] || [ "$saved" -gt "${STOP_CHECKPOINT:-0}" ]; then
+    outcome="saved after the stop request"
+    [ "$saved" = 0 ] || outcome+=" (checkpoint at step $saved)"
+  else
+    outcome="no checkpoint saved after the stop request (step exit $rc)"
+  fi
+  if [ "$REQUEUE" != 1 ]; then
+    event "time-limit stop: $outcome; slurm.requeue is off"
+    exit "$REQUEUE_EXIT"
+  fi
+  if [ "$REQUEUES" -ge "$MAX_REQUEUES" ]; then
+    event "not requeueing after the time-limit warning: slurm.max_requeues ($MAX_REQUEUES) reached; $outcome"
+    exit "$REQUEUE_EXIT"
+  fi
+  event "time-limit requeue $((REQUEUES + 1))/$MAX_REQUEUES: $outcome, requeueing"
+  trap '' TERM  # the requeue ends this job's processes: not a cancellation
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+}
+
+# after_node_failure STEP_EXIT: a node that died under a failed step (not responding, down or
+# drained) is retried without; one sinfo for all of them (a node in several partitions is listed
+# once for each).
+after_node_failure() {
+  local rc=$1 node state dead=""
+  [ "$rc" != 0 ] || return 0
+  while read -r node state; do
+    case "$state" in down*|drain*|drng*|fail*|*'*') ;; *) continue ;; esac
+    case " $dead" in *" $node "*) ;; *) dead+="$node " ;; esac
+  done < <(sinfo -h -N -n "$SLURM_JOB_NODELIST" -o '%N %t' 2>/dev/null)
+  [ -n "$dead" ] || return 0
+  event "node failure: ${dead% } not responding, down or drained after the step failed (exit $rc)"
+  retry_or_stop "node failure" "$rc" $dead
+}
+
+# wait_step PID: wait for the training step, again after each trap that interrupts `wait`;
+# sets STEP_RC to srun's exit.
+wait_step() {
+  local pid=$1 again
+  while :; do
+    TRAPPED=0
+    wait "$pid"; STEP_RC=$?
+    [ "$TRAPPED" = 1 ] || break
+    kill -0 "$pid" 2>/dev/null && continue
+    wait "$pid" 2>/dev/null; again=$?; [ "$again" = 127 ] || STEP_RC=$again; break
+  done
+}
+
+# Signals. USR1 (#SBATCH --signal=B:USR1@...): Slurm's warning before the time limit, the
+# trainer is asked to save at the step boundary. USR2: `slipway cancel` (scancel --batch
+# --signal=USR2), before it cancels the job: the allocation still exists, so the trap can end
+# the step and remove the container. TERM: a plain scancel (or a preemption), which Slurm sends
+# to the batch shell and the steps at once. Each says so in events.log and ends the job with
+# the signal's exit (128 + the signal: USR2 140, TERM 143).
+on_warning() {
+  STOP_REQUESTED=1 TRAPPED=1
+  STOP_CHECKPOINT=$(latest_checkpoint)
+  event "time limit warning: stop requested"
+  touch "$STOP_FILE"
+}
+on_cancel() { trap '' TERM USR2; event "cancelled by slipway cancel"; exit 140; }
+on_term() { trap '' TERM USR2; event "cancelled (SIGTERM)"; exit 143; }
+
+# on_exit: the end first, then the cleanup, none of it slow: background helpers stopped, a step
+# still running ended (bounded by STEP_STOP_WAIT s), this attempt's container removed if that
+# takes at most CONTAINER_REMOVE_WAIT s (else the next job on the node removes it).
+on_exit() {
+  local rc=$? pid waited=0
+  trap '' TERM USR1 USR2
+  event "end exit $rc"
+  for pid in "${HELPER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  if [ -n "${SRUN_PID:-}" ] && kill -0 "$SRUN_PID" 2>/dev/null; then
+    kill -TERM "$SRUN_PID" 2>/dev/null || true
+    while kill -0 "$SRUN_PID" 2>/dev/null && [ "$waited" -lt "$((STEP_STOP_WAIT * 5))" ]; do
+      sleep 0.2; waited=$((waited + 1))
+    done
+  fi
+  remove_container "$CONTAINER_REMOVE_WAIT"
+  return 0
+}
+
+# The named pyxis container of this attempt, unpacked on every node: pyxis keeps it after the
+# job (container_scope=global: pyxis_NAME; with container_scope=job it is pyxis_JOBID_NAME,
+# which pyxis's epilog removes). CONTAINER_PREFIX is empty when the steps name no container.
+REMOVE_CONTAINER='for n in "pyxis_$1" "pyxis_${SLURM_JOB_ID}_$1"; do enroot remove --force "$n"; done >/dev/null 2>&1; true'
+
+# remove_container SECONDS: remove this attempt's container on every node, for at most SECONDS
+# (a removal cut short is finished by the next job's remove_stale_containers).
+remove_container() {
+  [ -n "$CONTAINER_PREFIX" ] || return 0
+  timeout -k 2 "$1" srun --overlap --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
+    bash -c "$REMOVE_CONTAINER" slipway-rm "$CONTAINER_PREFIX$JOB_TAG" > /dev/null 2>&1 || true
+}
+
+# stale_containers JOB_ID JOB_TAG (on a node): the slipway pyxis containers enroot lists there
+# whose job is over (squeue knows it no more, or as ended), and this job's earlier attempts.
+stale_containers() {
+  local name tag id state
+  while read -r name; do
+    case "$name" in
+      pyxis_slipway-*) tag=${name#pyxis_slipway-} ;;
+      pyxis_*_slipway-*) tag=${name#pyxis_*_slipway-} ;;
+      *) continue ;;
+    esac
+    id=${tag%%r*}
+    [[ $id =~ ^[0-9]+$ ]] || continue
+    if [ "$id" = "$1" ]; then
+      [ "$tag" != "$2" ] || continue
+    else
+      state=$(squeue -h -j "$id" -o %T 2>/dev/null) || state=""
+      case "$state" in
+        ""|COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|PREEMPTED|BOOT_FAIL|DEADLINE|OUT_OF_MEMORY) ;;
+        *) continue ;;
+      esac
+    fi
+    echo "$name"
+  done < <(enroot list 2>/dev/null)
+}
+
+# remove_stale_containers: at the start of every job whose steps name a container, one
+# background step per node removes what earlier jobs left (a job cancelled or ended before its
+# removal finished), bounded by STALE_REMOVE_TIMEOUT s; it never delays training, and the
+# trap ends it with the other helpers.
+remove_stale_containers() {
+  [ -n "$CONTAINER_PREFIX" ] || return 0
+  timeout -k 5 "$STALE_REMOVE_TIMEOUT" srun --overlap --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
+    bash -c "$(declare -f stale_containers)"'; stale_containers "$1" "$2" | while read -r n; do enroot remove --force "$n" || true; done' \
+    slipway-sweep "$SLURM_JOB_ID" "$JOB_TAG" > /dev/null 2>&1 &
+  HELPER_PIDS+=("$!")
+}
+# ---- end of the slipway job library ----

@@ -1,0 +1,209 @@
+"""The job library (jobs/job_lib.sh) function by function, in bash, with stand-in Slurm and enroot
+commands on PATH: the decisions it takes from prepared files and the events it writes. No Slurm;
+the whole batch script is run in tests/test_hang_script.py, and on a real cluster in
+tests/test_hang_slurm.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from jobs.sbatch import JOB_LIB
+
+SETTINGS = """RUN_DIR={run_dir}
+NODES_NEEDED=2 PROCS_PER_NODE=2 RANKS=4 REQUEUE=1 MAX_RETRIES=2 MAX_REQUEUES=3 PREFLIGHT_TIMEOUT=300
+PREFLIGHT_EXIT=5 HANG_EXIT=4 REQUEUE_EXIT=75 CHECKPOINT_DIR="$RUN_DIR/checkpoints"
+HANGS="$RUN_DIR/hangs" STOP_FILE="$RUN_DIR/stop-requested"
+CONTAINER_PREFIX={prefix} STEP_STOP_WAIT=5 CONTAINER_REMOVE_WAIT=1 STALE_REMOVE_TIMEOUT=60
+JOB_TAG=41 NODES="node1 node2" RETRIES=0 REQUEUES=0 HELPER_PIDS=() SRUN_PID="" STOP_REQUESTED=0 TRAPPED=0
+"""
+
+
+class Lib:
+    """A run directory, stand-in commands in bin/ (each logs its call to calls.log), and bash
+    running the library followed by a few lines."""
+
+    def __init__(self, tmp_path: Path, prefix: str = "''"):
+        self.tmp = tmp_path
+        self.run_dir = tmp_path / "run"
+        (self.run_dir / "hangs").mkdir(parents=True)
+        self.bin = tmp_path / "bin"
+        self.bin.mkdir()
+        self.prefix = prefix
+        for name in ("scontrol", "sinfo", "srun", "squeue", "enroot"):
+            self.stand_in(name, "")
+
+    def stand_in(self, name: str, body: str) -> None:
+        path = self.bin / name
+        path.write_text(f'#!/bin/bash\necho "{name} $*" >> "$CALLS"\n{body}\n')
+        path.chmod(0o755)
+
+    def script(self, body: str) -> str:
+        return ("set -euo pipefail\n" + SETTINGS.format(run_dir=self.run_dir, prefix=self.prefix) + JOB_LIB
+                + "\n" + body + "\n")
+
+    def env(self) -> dict[str, str]:
+        return {"PATH": f"{self.bin}:{os.environ['PATH']}", "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "node[1-2]",
+                "CALLS": str(self.tmp / "calls.log"), "HOME": str(self.tmp)}
+
+    def run(self, body: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", self.script(body)], env=self.env(), capture_output=True, text=True,
+                              timeout=30)
+
+    def events(self) -> list[str]:
+        path = self.run_dir / "events.log"
+        return [line.split(" ", 3)[3] for line in path.read_text().splitlines()] if path.exists() else []
+
+    def calls(self) -> list[str]:
+        path = self.tmp / "calls.log"
+        return path.read_text().splitlines() if path.exists() else []
+
+
+def test_event_lines_keep_their_format(tmp_path):
+    lib = Lib(tmp_path)
+    assert lib.run('event "start on node[1-2]"').returncode == 0
+    line = (lib.run_dir / "events.log").read_text()
+    when, job, job_id, text = line.rstrip("\n").split(" ", 3)
+    assert (job, job_id, text) == ("job", "41", "start on node[1-2]") and when[4] == "-" and "T" in when
+
+
+def test_retries_and_requeues_are_counted_per_job(tmp_path):
+    lib = Lib(tmp_path)
+    (lib.run_dir / "events.log").write_text(
+        "t job 41 retry 1/2 (hang): requeueing (no node to blame)\n"
+        "t job 41 time-limit requeue 1/3: saved, requeueing\nt job 40 retry 1/2 (hang): another job's\n")
+    r = lib.run('echo "$(count_events retry) $(count_events time-limit requeue)"; SLURM_RESTART_COUNT=2 job_tag')
+    assert r.stdout.split() == ["1", "1", "41r2"], r.stderr
+
+
+def test_a_rank_killed_by_a_signal_decides_the_steps_exit_whatever_srun_says(tmp_path):
+    """srun said 143 or 1 depending on the node; the rank's own report says 137 (SIGKILL)."""
+    lib = Lib(tmp_path)
+    reports = tmp_path / "exits"
+    reports.mkdir()
+    for rank, code in (("3", "0"), ("2", "137"), ("0", "143")):  # oldest first: 0 finished, 2 killed, 0 induced
+        (reports / rank).write_text(code + "\n")
+        time.sleep(0.02)
+    for srun_rc in ("1", "143"):
+        assert lib.run(f'step_exit {srun_rc} "{reports}"').stdout.strip() == "137"
+    assert lib.run(f'step_exit 0 "{reports}"').stdout.strip() == "0"
+    assert lib.run(f'step_exit 1 "{tmp_path / "none"}"').stdout.strip() == "1"  # no report: a node died
+
+
+def test_the_task_wrapper_reports_what_killed_its_rank(tmp_path):
+    """The wrapper jobs/sbatch.py puts around each task: its report is what step_exit reads."""
+    from jobs.sbatch import _REPORT_EXIT
+
+    reports = tmp_path / "exits"
+    reports.mkdir()
+    env = {**os.environ, "SLIPWAY_EXITS": str(reports), "SLURM_PROCID": "5"}
+    r = subprocess.run(["bash", "-c", _REPORT_EXIT, "slipway-task", "bash", "-c", "kill -KILL $$"], env=env)
+    assert r.returncode == 137 and (reports / "5").read_text() == "137\n"
+
+
+def test_a_plain_scancel_is_told_as_cancelled_with_exit_143(tmp_path):
+    lib = Lib(tmp_path)
+    proc = subprocess.Popen(["bash", "-c", lib.script('trap on_exit EXIT; trap on_term TERM\n'
+                                                      'event started; sleep 20 & SRUN_PID=$!; wait "$SRUN_PID"')],
+                            env=lib.env())
+    _wait_for(lambda: "started" in lib.events())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 143
+    assert lib.events() == ["started", "cancelled (SIGTERM)", "end exit 143"]
+
+
+def test_slipway_cancel_is_told_and_removes_the_container_while_the_allocation_exists(tmp_path):
+    lib = Lib(tmp_path, prefix="slipway-")
+    proc = subprocess.Popen(["bash", "-c", lib.script('trap on_exit EXIT; trap on_cancel USR2\n'
+                                                      'event started; sleep 20 & SRUN_PID=$!; wait "$SRUN_PID"')],
+                            env=lib.env())
+    _wait_for(lambda: "started" in lib.events())
+    proc.send_signal(signal.SIGUSR2)
+    assert proc.wait(timeout=15) == 140
+    assert lib.events() == ["started", "cancelled by slipway cancel", "end exit 140"]
+    removal = [c for c in lib.calls() if c.startswith("srun --overlap")]
+    assert len(removal) == 1 and removal[0].endswith("slipway-rm slipway-41"), lib.calls()
+
+
+def test_the_end_is_written_before_a_slow_removal_which_never_delays_the_end(tmp_path):
+    lib = Lib(tmp_path, prefix="slipway-")
+    lib.stand_in("srun", 'echo "removal started" >> "$RUN_DIR_SEEN/events.log"; sleep 30')
+    start = time.monotonic()
+    proc = subprocess.run(["bash", "-c", lib.script("trap on_exit EXIT; exit 3")],
+                          env={**lib.env(), "RUN_DIR_SEEN": str(lib.run_dir)}, timeout=30)
+    assert proc.returncode == 3 and time.monotonic() - start < 10  # CONTAINER_REMOVE_WAIT=1 (+2 s kill)
+    lines = (lib.run_dir / "events.log").read_text().splitlines()
+    assert lines[0].endswith(" job 41 end exit 3") and lines[1] == "removal started", lines
+
+
+def test_no_container_no_removal(tmp_path):
+    lib = Lib(tmp_path)
+    assert lib.run("trap on_exit EXIT; remove_stale_containers; exit 0").returncode == 0
+    assert not [c for c in lib.calls() if c.startswith("srun")] and lib.events() == ["end exit 0"]
+
+
+def test_stale_containers_are_those_of_jobs_that_are_over(tmp_path):
+    lib = Lib(tmp_path)
+    lib.stand_in("enroot", "printf '%s\\n' pyxis_slipway-30 pyxis_slipway-31r2 pyxis_7_slipway-7 "
+                           "pyxis_slipway-41 pyxis_slipway-41r1 pyxis_other pyxis_slipway-x ubuntu")
+    # 30: purged (squeue knows it no more); 31: running; 7: completed.
+    lib.stand_in("squeue", 'case "$3" in 31) echo RUNNING ;; 7) echo COMPLETED ;; *) exit 1 ;; esac')
+    r = lib.run("JOB_TAG=41r2; stale_containers 41 41r2")
+    assert r.stdout.split() == ["pyxis_slipway-30", "pyxis_7_slipway-7", "pyxis_slipway-41",
+                                "pyxis_slipway-41r1"], r.stderr
+
+
+def test_the_stale_sweep_runs_in_the_background_on_every_node(tmp_path):
+    lib = Lib(tmp_path, prefix="slipway-")
+    lib.stand_in("srun", 'shift 4; "$@"')  # runs the per-node script here, as one node
+    lib.stand_in("enroot", '[ "$1" = list ] && printf "%s\\n" pyxis_slipway-30 pyxis_slipway-41; true')
+    lib.stand_in("squeue", "exit 1")
+    r = lib.run('remove_stale_containers; wait "${HELPER_PIDS[@]}"')
+    assert r.returncode == 0, r.stderr
+    srun = [c for c in lib.calls() if c.startswith("srun")]
+    assert len(srun) == 1 and srun[0].startswith("srun --overlap --nodes=2 --ntasks-per-node=1"), srun
+    assert "enroot remove --force pyxis_slipway-30" in lib.calls()
+    assert not any("remove --force pyxis_slipway-41" in c for c in lib.calls())  # this job's own
+
+
+def test_a_time_limit_stop_without_a_new_checkpoint_is_said(tmp_path):
+    lib = Lib(tmp_path)
+    r = lib.run("STOP_REQUESTED=1; after_stop_request 1")
+    assert r.returncode == 0 and lib.calls() == ["scontrol requeue 41"], r.stderr
+    assert lib.events() == ["time-limit requeue 1/3: no checkpoint saved after the stop request (step exit 1), "
+                            "requeueing"]
+
+
+def test_a_failed_step_on_healthy_nodes_is_no_node_failure(tmp_path):
+    lib = Lib(tmp_path)
+    lib.stand_in("sinfo", 'printf "node1 alloc\\nnode2 mix\\n"')
+    r = lib.run("after_node_failure 1; echo decided-nothing")
+    assert r.stdout.strip() == "decided-nothing" and lib.events() == []
+
+
+def test_a_silent_node_in_a_hang_is_blamed(tmp_path):
+    lib = Lib(tmp_path)
+    lib.stand_in("sinfo", 'printf "node1 alloc\\nnode2 alloc\\nnode3 idle\\n"')
+    lib.stand_in("scontrol", '[ "$1 $2" = "show job" ] && echo "JobId=41 ExcNodeList=(null)"; '
+                             '[ "$1 $2" = "show hostnames" ] && tr , "\\n" <<< "$3"; true')
+    for rank in (0, 1):
+        (lib.run_dir / "hangs" / f"41-node1-{rank}.txt").write_text(
+            f"slipway hang: rank {rank} host node1 step 9 idle 20.0 s limit 20 s on-time\n")
+    r = lib.run("after_hang")
+    assert r.returncode == 0, r.stderr
+    assert lib.events() == [
+        "hang: no step completed for 20 s after step 9; stack dumps from 2 of 4 ranks in hangs/41-*.txt; "
+        "not answering in time: the ranks on node2",
+        "retry 1/2 (hang): requeueing without node2 (excluded nodes: node2)"]
+    assert [c for c in lib.calls() if not c.startswith(("scontrol show", "sinfo"))] == [
+        "scontrol requeuehold 41", "scontrol update JobId=41 ExcNodeList=node2", "scontrol release 41"]
+
+
+def _wait_for(check, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
