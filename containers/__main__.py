@@ -2,7 +2,7 @@
 
     slipway image build CONFIG [KEY=VALUE ...] [--no-import] [--force] [--base-image X] [--here]
     slipway image show CONFIG [KEY=VALUE ...]
-    slipway image prune [CONFIG] [--keep N]
+    slipway image prune [CONFIG] [--keep N] [--remove SQUASHFS ...]
 """
 
 from __future__ import annotations
@@ -82,7 +82,10 @@ def _main(argv: list[str] | None) -> int:
     p = sub.add_parser("prune", help="remove old images (keeps the current one)")
     p.add_argument("config", nargs="?")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--keep", type=int, default=1, help="squashfs files to keep, the current one included")
+    p.add_argument("--keep", type=int, default=1, help="squashfs files to keep, the current one included "
+                                                       "(besides those runs pin: always kept)")
+    p.add_argument("--remove", action="append", metavar="SQUASHFS", default=[],
+                   help="remove this image although runs pin it (their requeues then fail); repeatable")
     # Overrides may come after options (`build tiny_cpu --force image.flash_attn=false`).
     args, extra = parser.parse_known_args(argv)
     unknown = [e for e in extra if e.startswith("-") or "=" not in e]
@@ -96,7 +99,8 @@ def _main(argv: list[str] | None) -> int:
     elif args.cmd == "show":
         _show(_config(args.config, args.overrides), console)
     else:
-        result = prune_images(_config(args.config, args.overrides), keep=args.keep, console=console)
+        result = prune_images(_config(args.config, args.overrides), keep=args.keep, remove=args.remove,
+                              console=console)
         if not result.ok:
             Console(stderr=True).print(f"[red]error:[/] prune could not remove {len(result.failed)} item(s), "
                                        "each listed above with the reason", highlight=False, soft_wrap=True)

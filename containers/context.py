@@ -138,6 +138,19 @@ def content_hash(*, dockerfile: str, build_args: dict[str, str], squash_options:
     return h.hexdigest()
 
 
+def input_digests(dockerfile: str, files: list[ContextFile], cache: HashCache) -> dict:
+    """What the content hash covers besides the build args, per part, for the build record: so a
+    later check can name what changed (the Dockerfile, which source directory, which wheels)."""
+    groups: dict[str, "hashlib._Hash"] = {}
+    for f in files:
+        top, _, rest = f.dest.partition("/")
+        part = rest.split("/", 1)[0] + ("/" if "/" in rest else "") if top == "src" else f"{top}/"
+        h = groups.setdefault(part, hashlib.sha256())
+        h.update(f"{f.dest}\0{'x' if os.access(f.src, os.X_OK) else '-'}\0{cache.digest(f.src)}\n".encode())
+    return {"dockerfile": hashlib.sha256(dockerfile.encode()).hexdigest(),
+            "sources": {part: h.hexdigest()[:16] for part, h in sorted(groups.items())}}
+
+
 def materialize_context(files: list[ContextFile], dest: Path, build_env: dict[str, str] | None = None) -> None:
     """Lay the context out under `dest` (wheels hard-linked where possible) with
     `buildenv/flash-attn.env` holding `build_env` as shell assignments."""

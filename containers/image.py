@@ -43,6 +43,7 @@ from containers.context import (
     HashCache,
     content_hash,
     context_files,
+    input_digests,
     materialize_context,
     project_root,
     project_version,
@@ -102,6 +103,9 @@ class ImagePlan:
     enroot_env: dict[str, str]
     enroot_mount: bool
     build_env: dict[str, str] = field(default_factory=dict)  # buildenv/flash-attn.env: MAX_JOBS, NVCC_THREADS
+    # What the hash covers beyond build_args and squash_options, per part (Dockerfile, source
+    # directories, wheels): recorded so that a later check names what changed, not just that something did.
+    inputs: dict = field(default_factory=dict)
     build_on: str = "local"
     srun_argv: Optional[list[str]] = None
     frozen_config: Optional[Path] = None
@@ -163,8 +167,10 @@ def image_plan(cfg: "Config", *, root: Path | None = None, force: bool = False, 
                           "set image.flash_attn: true or false instead")
     build_args.update(user_args)
     build_args["GIT_COMMIT"] = user_args.get("GIT_COMMIT") or (git_commit(root) if git else "unknown")
-    digest = content_hash(dockerfile=dockerfile.read_text(), build_args=build_args,
+    dockerfile_text = dockerfile.read_text()
+    digest = content_hash(dockerfile=dockerfile_text, build_args=build_args,
                           squash_options=image.squash_options, files=files, cache=cache)
+    inputs = input_digests(dockerfile_text, files, cache)
     cache.save()
     h12 = digest[:12]
     tag = f"localhost/{image.name}:{h12}"
@@ -184,7 +190,7 @@ def image_plan(cfg: "Config", *, root: Path | None = None, force: bool = False, 
                                       network_host=image.network_host, isolation=image.isolation, no_cache=force),
         enroot_argv=Enroot.import_argv(output=temp, uri=f"podman://{tag}", mount=enroot_mount),
         enroot_env=Enroot.import_env(image.squash_options), enroot_mount=enroot_mount,
-        build_env=build_env(image.build_args), build_on=image.build_on,
+        build_env=build_env(image.build_args), build_on=image.build_on, inputs=inputs,
     )
     if image.build_on == "compute":
         plan.frozen_config = out / f".build-{h12}.yaml"
@@ -244,6 +250,7 @@ def _record(plan: ImagePlan, *, image_id: str | None, enroot_version: str | None
         "build_args": plan.build_args,
         "build_env": plan.build_env,
         "squash_options": plan.squash_options,
+        "inputs": plan.inputs,
         "podman_image_id": image_id,
         "enroot_version": enroot_version,
         "enroot_mount": plan.enroot_mount,
@@ -507,6 +514,10 @@ def build_image(cfg: "Config", *, force: bool = False, do_import: bool = True, c
 
     if do_import and plan.exists and not force:
         record = _read_json(plan.sidecar) or _record(plan, image_id=None, enroot_version=None)
+        if record.get("hash") == plan.hash and "inputs" not in record:
+            # A record from before slipway stored its inputs: the same hash means the same inputs.
+            record["inputs"] = plan.inputs
+            write_atomic(plan.sidecar, json.dumps(record, indent=2) + "\n")
         current = _read_json(plan.record)
         if not current or current.get("hash") != plan.hash or not plan.link.is_symlink() \
                 or plan.link.resolve() != plan.squashfs.resolve():

@@ -7,6 +7,7 @@ removed is reported, one line each, and makes the command exit non-zero.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import time
@@ -34,6 +35,7 @@ class PruneResult:
     containers: list[str] = field(default_factory=list)  # enroot's leftover podman containers
     tags: list[str] = field(default_factory=list)  # podman tags
     failed: list[str] = field(default_factory=list)  # one line each: what stayed, and why
+    kept: dict[Path, str] = field(default_factory=dict)  # squashfs -> why it stayed
 
     @property
     def ok(self) -> bool:
@@ -90,11 +92,46 @@ def _prune_import_leftovers(podman: Podman, name: str, result: PruneResult, repo
             report.failed(f"{what}: podman rm {outcome.why}")
 
 
-def prune_images(cfg: "Config", keep: int = 1, *, root: Path | None = None,
+def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
+    """Every squashfs a run pins (its manifest's `image` and each submission's: a requeue
+    runs the file its env.toml / srun flags name), resolved, with the runs that pin it.
+    The runs root is $SLIPWAY_RUNS, else each project directory's runs/."""
+    from jobs.runs import list_runs
+
+    pins: dict[Path, list[str]] = {}
+    seen: set[Path] = set()
+    for project_dir in project_dirs:
+        for run in list_runs(project_dir):
+            if run.dir.resolve() in seen:
+                continue
+            seen.add(run.dir.resolve())
+            manifest = run.manifest()
+            records = [manifest.get("image"), *(s.get("image") for s in manifest.get("submissions") or []
+                                                if isinstance(s, dict))]
+            for record in records:
+                if not isinstance(record, dict):
+                    continue
+                for key in ("path", "image"):
+                    value = record.get(key)
+                    if isinstance(value, str) and value.startswith("/"):
+                        names = pins.setdefault(Path(os.path.realpath(value)), [])
+                        if run.name not in names:
+                            names.append(run.name)
+    return pins
+
+
+def _project_dirs(root: Path) -> list[Path]:
+    """Where runs live: the directory slipway's run commands use (SLIPWAY_PROJECT, else the
+    working directory) and the checkout the image is built from."""
+    return list(dict.fromkeys([Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute(), root]))
+
+
+def prune_images(cfg: "Config", keep: int = 1, *, root: Path | None = None, remove: list[str] | None = None,
                  console: Console | None = None) -> PruneResult:
-    """Remove all but the current image and the newest others, up to `keep`
-    squashfs files in all, with their records, logs and podman tags; enroot's
-    leftover containers of any of this image's tags; stale build leftovers."""
+    """Remove all but the current image, the images runs pin, and the newest others, up to
+    `keep` squashfs files besides the pinned ones, with their records, logs and podman tags;
+    enroot's leftover containers of any of this image's tags; stale build leftovers.
+    `remove`: squashfs files to remove although runs pin them (never the current one)."""
     if keep < 1:
         raise ConfigError("--keep", f"must be >= 1 (the current image is always kept), got {keep}")
     console = console or Console()
@@ -107,8 +144,34 @@ def prune_images(cfg: "Config", keep: int = 1, *, root: Path | None = None,
     images = sorted((p for p in out.glob(f"{name}-*.sqsh") if pattern.fullmatch(p.name) and not p.is_symlink()),
                     key=lambda p: p.stat().st_mtime, reverse=True)
     current = resolve_image(cfg, root=root)
+    forced: set[Path] = set()
+    for given in remove or []:
+        path = Path(os.path.realpath(resolve_path(Path.cwd(), given)))
+        if not any(p.resolve() == path for p in images):
+            raise ConfigError("--remove", f"{given} is not one of the {name}-HASH.sqsh images in {out}: give the "
+                                          "path of one (`ls` it), or the config whose images they are")
+        if current and path == current:
+            raise ConfigError("--remove", f"{given} is the current image ({name}.sqsh): build another first, or "
+                                          "remove it by hand")
+        forced.add(path)
+    pins = pinned_images(_project_dirs(root))
     kept = [p for p in images if current and p.resolve() == current]
-    kept += [p for p in images if p not in kept][: keep - len(kept)]
+    result.kept.update({p: "the current image" for p in kept})
+    for p in images:
+        runs = pins.get(p.resolve())
+        if runs and p.resolve() not in forced:
+            shown = ", ".join(runs[:8]) + (f" and {len(runs) - 8} more" if len(runs) > 8 else "")
+            why = f"pinned by run{'s' if len(runs) > 1 else ''} {shown}"
+            result.kept[p] = f"{result.kept[p]}, {why}" if p in result.kept else why
+            if p not in kept:
+                kept.append(p)
+    has_current = any(current and p.resolve() == current for p in images)
+    # --keep counts the current image and the newest others; pinned ones are kept besides.
+    newest = [p for p in images if p not in kept and p.resolve() not in forced][: keep - has_current]
+    result.kept.update({p: f"among the newest (--keep {keep})" for p in newest})
+    kept += newest
+    for img in kept:
+        console.print(f"kept {img}: {result.kept[img]}", highlight=False, markup=False, soft_wrap=True)
     for img in images:
         if img in kept:
             continue
@@ -126,6 +189,7 @@ def prune_images(cfg: "Config", keep: int = 1, *, root: Path | None = None,
         podman = Podman.find()
         # First the containers: while one exists, podman refuses to remove its image's tag.
         _prune_import_leftovers(podman, name, result, report)
+        # Pinned images' tags too (in `kept`): a pinned run's image can be reimported from its tag.
         keep_tags = {f"localhost/{name}:{pattern.fullmatch(p.name).group('h')}" for p in kept}
         try:
             keep_tags.add(image_plan(cfg, root=root, enroot_mount=False, git=False).tag)

@@ -197,8 +197,10 @@ def _check_controller() -> None:
 
 
 def _notes(console, notes: list[str]) -> None:
-    for note in notes:
-        console.print(f"[yellow]note:[/] {note}", soft_wrap=True, markup=True, highlight=False)
+    from rich.markup import escape
+
+    for note in notes:  # a note quotes paths and overrides (`container.mounts=[...]`): never markup
+        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True, markup=True, highlight=False)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -312,10 +314,32 @@ def cmd_shell(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from jobs import doctor
+    from jobs import doctor, runs
 
+    run_name = args.run
+    if run_name and args.config:
+        raise ConfigError("--run", f"give a config or --run {run_name}, not both")
+    if run_name is None and args.config and not args.overrides and _names_a_run_only(args):
+        run_name = args.config
+    if run_name:
+        return doctor.run_doctor_run(runs.find_run(run_name, project_dir()), console=_console())
     cfg = load(args) if args.config else None
     return doctor.run_doctor(cfg, project_dir(), console=_console())
+
+
+def _names_a_run_only(args: argparse.Namespace) -> bool:
+    """`slipway doctor NAME`: NAME is a run when it names no config but a run directory (a
+    config wins a tie: `--run NAME` asks for the run)."""
+    from jobs.config import resolve_config_path
+    from jobs.runs import MANIFEST, runs_root
+
+    if any(k.startswith("set:") and v is not None for k, v in vars(args).items()):
+        return False
+    try:
+        resolve_config_path(args.config)
+        return False
+    except ConfigError:
+        return "/" not in args.config and (runs_root(project_dir()) / args.config / MANIFEST).is_file()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -408,8 +432,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_shell)
 
     p = sub.add_parser("doctor", help="preflight checks before burning an allocation (with a config: of exactly "
-                                      "what `submit` would get from the same arguments)")
+                                      "what `submit` would get from the same arguments; with a run: what its "
+                                      "next job needs)",
+                       description="With CONFIG: checks what `submit` would get from the same arguments. With "
+                                   "--run RUN, or a bare RUN that names a run directory and no config: checks "
+                                   "the run (its pinned image there and as recorded, what its config builds "
+                                   "now, its config loading, its mount sources).")
     _config_args(p, optional=True)
+    p.add_argument("--run", metavar="RUN", help="check this run (runs/RUN) instead of a config")
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("status", help="runs and their jobs (squeue, scontrol, sacct, events.log)")

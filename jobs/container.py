@@ -25,10 +25,11 @@ import copy
 import hashlib
 import json
 import os
+import shlex
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from edf import Environment, Mount, expand_host, is_local_image, resolve_base
 from jobs.config import Config
@@ -112,9 +113,15 @@ def pin_image(cfg: Config, project_dir: Path) -> ImagePin:
         base = resolve_base(replace(c, image="", base_environment=list(c.base_environment)))
         if base.image:
             if is_local_image(base.image):
-                path = Path(expand_host(base.image, "container.base_environment"))
-                if path.is_file():
-                    return _file_pin("", path, "base_environment")
+                field = _base_field(c, lambda env: env.image == base.image)
+                path = Path(expand_host(base.image, field))
+                path = path if path.is_absolute() else project_dir / path
+                if not path.is_file():
+                    # Not a registry name: the job would fail on the nodes, after queueing.
+                    raise ConfigError(field, f"the base environment's image, squashfs {base.image}, does not exist "
+                                             "on this node: build or copy it there, fix that EDF's image, or set "
+                                             "container.image")
+                return _file_pin("", path, "base_environment")
             return ImagePin("", base.image, "base_environment")
     from containers.image import current_image
 
@@ -126,8 +133,98 @@ def pin_image(cfg: Config, project_dir: Path) -> ImagePin:
     return _file_pin("", Path(record["squashfs"]), "build", record)
 
 
+def _base_field(env: Environment, has: Callable[[Environment], bool]) -> str:
+    """`container.base_environment[i]` for the base EDF that gives the merged value `has` tests
+    (later bases win, as in `resolve_base`), or the list itself when no single one does."""
+    for i in reversed(range(len(env.base_environment))):
+        try:
+            one = resolve_base(replace(env, image="", mounts=[], base_environment=[env.base_environment[i]]))
+        except ConfigError:  # a base that only checks out merged with the others: not the one asked for
+            continue
+        if has(one):
+            return f"container.base_environment[{i}]"
+    return "container.base_environment"
+
+
+def build_record(squashfs: Path) -> Optional[dict]:
+    """The build record beside a squashfs slipway built, or None."""
+    return _build_record(squashfs.resolve())
+
+
+# Build args as the config sets them (what `image_plan` derives each from), for messages.
+_BUILD_ARG_FIELDS = {"BASE_IMAGE": "image.base_image", "FLASH_ATTN": "image.flash_attn",
+                     "WHEELHOUSE": "image.wheelhouse", "WHEELHOUSE_DIGEST": "the wheelhouse's files",
+                     "SLIPWAY_VERSION": "slipway's version (pyproject.toml)"}
+
+
+def _shown_arg(key: str, value: Optional[str]) -> str:
+    if key == "FLASH_ATTN" and value in ("0", "1"):
+        return "true" if value == "1" else "false"
+    if key == "WHEELHOUSE":
+        return "set" if value else "unset"
+    return repr(value) if value is not None else "unset"
+
+
+def build_differences(record: dict, plan) -> list[str]:
+    """What differs between a build `record` and the build `plan` (containers.image.ImagePlan) would make,
+    one phrase each, in the config's terms. Empty when the hashes agree."""
+    if record.get("hash") == plan.hash:
+        return []
+    if not isinstance(record.get("build_args"), dict):
+        return ["what differs is not known: the build's record is gone"]
+    from containers.context import UNHASHED_ARGS
+
+    out: list[str] = []
+    old, new = record.get("build_args") or {}, plan.build_args
+    for key in sorted((set(old) | set(new)) - set(UNHASHED_ARGS)):
+        if old.get(key) != new.get(key):
+            what = _BUILD_ARG_FIELDS.get(key, f"image.build_args.{key}")
+            if key == "WHEELHOUSE_DIGEST":
+                out.append(f"{what} changed")
+            else:
+                out.append(f"{what} {_shown_arg(key, old.get(key))} -> {_shown_arg(key, new.get(key))}")
+    if record.get("squash_options", plan.squash_options) != plan.squash_options:
+        out.append(f"image.squash_options {record.get('squash_options')!r} -> {plan.squash_options!r}")
+    inputs = record.get("inputs")
+    if isinstance(inputs, dict):
+        if inputs.get("dockerfile") != plan.inputs.get("dockerfile"):
+            out.append("the Dockerfile (image.dockerfile) changed")
+        old_src, new_src = inputs.get("sources") or {}, plan.inputs.get("sources") or {}
+        changed = [part for part in sorted(set(old_src) | set(new_src))
+                   if part != "wheels/" and old_src.get(part) != new_src.get(part)]
+        if changed:
+            out.append(f"sources changed in {', '.join(changed)}")
+    elif not out:
+        out.append("the sources or the Dockerfile changed (this build's record predates slipway recording "
+                   "its inputs, so which one is not known)")
+    return out or ["the build inputs differ (hash only)"]
+
+
+def image_build_command(cfg: Config) -> str:
+    """`slipway image build` with the user's own CONFIG, overrides and config flags (the named
+    flags as the overrides they stand for: image build takes only overrides), so that it builds
+    exactly what this config's submission would look for."""
+    from jobs.cli import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
+
+    if not cfg.given_args:
+        return f"slipway image build {shlex.quote(cfg.config_name)}"
+    valued = {flag: key for flag, key, _, _ in NAMED_FLAGS + CLUSTER_FLAGS}
+    bools = {flag: key for flag, key, _ in BOOL_FLAGS}
+    words, out, i = shlex.split(cfg.given_args), [], 0
+    while i < len(words):
+        word = words[i]
+        if word in valued and i + 1 < len(words):
+            out.append(f"{valued[word]}={words[i + 1]}")
+            i += 2
+            continue
+        out.append(f"{bools[word]}=true" if word in bools else word)
+        i += 1
+    return "slipway image build " + shlex.join(out)
+
+
 def stale_build_note(cfg: Config, project_dir: Path, pin: ImagePin) -> Optional[str]:
-    """A note when the pinned build is not what the sources would build now (`make image` would rebuild)."""
+    """A note when the pinned build is not what `slipway image build` would build now for this
+    config: what differs, and the command that builds that."""
     if pin.source != "build":
         return None
     from containers.image import image_plan
@@ -136,10 +233,12 @@ def stale_build_note(cfg: Config, project_dir: Path, pin: ImagePin) -> Optional[
         plan = image_plan(cfg, root=project_dir, enroot_mount=False, git=False)
     except Exception:  # a note, not a check: a broken build setup is make image's to report
         return None
-    if plan.hash != pin.build_hash:
-        return (f"the image {Path(pin.path or '').name} was built from other sources than the checkout's now: "
-                f"`make image CONFIG={cfg.config_name}` rebuilds it (this run uses the built one)")
-    return None
+    if plan.hash == pin.build_hash:
+        return None
+    record = build_record(Path(pin.path or "")) or {"hash": pin.build_hash}
+    name = Path(pin.path or "").name
+    return (f"the image {name} is not what this config builds now ({'; '.join(build_differences(record, plan))}): "
+            f"`{image_build_command(cfg)}` builds that (this run uses {name}, the one built)")
 
 
 # ---------------------------------------------------------------- the paths
@@ -260,6 +359,10 @@ def _user_mounts(env: Environment) -> list[tuple[int, Mount, Path, Path]]:
 def visibility_mounts(cfg: Config, paths: RunPaths) -> list[Mount]:
     """The mounts to add so that every needed path is seen at its own path in the container;
     a one-line error if a user mount would hide one of them."""
+    return [mount for _, mount in _visibility(cfg, paths)]
+
+
+def _visibility(cfg: Config, paths: RunPaths) -> list[tuple[Need, Mount]]:
     env = cfg.container
     if not env.in_container:
         return []
@@ -268,7 +371,7 @@ def visibility_mounts(cfg: Config, paths: RunPaths) -> list[Mount]:
         # The trainer's paths are absolute, so the workdir only matters for what the user runs
         # by hand; check that it is a path at all (variables set).
         _expand(env.workdir, "container.workdir")
-    added: list[Mount] = []
+    added: list[tuple[Need, Mount]] = []
     for need in needed_paths(cfg, paths):
         shown = False
         for i, mount, src, dst in user:
@@ -280,7 +383,7 @@ def visibility_mounts(cfg: Config, paths: RunPaths) -> list[Mount]:
                 shown = src / need.path.relative_to(dst) == need.path and not (need.writable and "ro" in mount.flags)
         if not shown:
             flags = () if need.writable else ("ro",)
-            added.append(Mount(str(need.path), str(need.path), flags))
+            added.append((need, Mount(str(need.path), str(need.path), flags)))
     return added
 
 
@@ -327,3 +430,42 @@ def run_environment(cfg: Config, paths: RunPaths, pin: ImagePin) -> Environment:
     out = replace(env, image=pin.image or env.image, mounts=[*env.mounts, *visibility_mounts(cfg, paths)])
     out.check("container")
     return out
+
+
+def shell_environment(cfg: Config, paths: RunPaths, pin: ImagePin) -> tuple[Environment, list[str]]:
+    """The container environment of `slipway shell`: the run's, less the paths the job would
+    create that do not exist yet (a shell writes nothing: the run directory only ever comes from
+    a submission, which creates it whole, and the caches from a submission or `prepare`), and
+    with every mount source checked on this node, so that a missing one is one line before srun
+    starts rather than a failure after the image is unpacked. Returns it and notes for the user."""
+    env = cfg.container
+    if not env.in_container:
+        return env, []
+    kept: list[Mount] = []
+    left_out: list[Need] = []
+    for need, mount in _visibility(cfg, paths):
+        if need.path.exists():
+            kept.append(mount)
+        elif need.writable:
+            left_out.append(need)
+        else:
+            raise ConfigError(need.what.split(" ")[0].removesuffix("'s"),
+                              f"{bounded_path(need.path)} does not exist on this node, "
+                                                       "so the shell cannot mount it: fix the path or create it")
+    for i, _, src, _ in _user_mounts(env):
+        if not src.exists():
+            raise ConfigError(f"container.mounts[{i}]", f"mount source {bounded_path(src)} does not exist on this "
+                                                        "node: create it, or drop the mount")
+    if env.base_environment:
+        merged = resolve_base(replace(env, mounts=[]))
+        for mount in merged.mounts:
+            src = Path(_expand(mount.src, "container.base_environment"))
+            if not src.exists():
+                field = _base_field(env, lambda one, m=mount: m in one.mounts)
+                raise ConfigError(field, f"the base environment mounts {bounded_path(src)}, which does not exist "
+                                         "on this node: create it, or fix that EDF's mounts")
+    notes = [f"not mounted in the shell: {need.what} {need.path} does not exist yet (a submission creates "
+             "it; the shell creates nothing)" for need in left_out]
+    out = replace(env, image=pin.image or env.image, mounts=[*env.mounts, *kept])
+    out.check("container")
+    return out, notes

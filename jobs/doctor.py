@@ -1,14 +1,22 @@
 """`slipway doctor`: preflight checks before burning an allocation, one line each with the fix.
 
+With a config: what a submission of it would get. With a run (`--run RUN`): what the run's
+next job (a requeue, a resubmission) needs: its pinned image there and as recorded, its
+config still loading, its mount sources, and what its config would build now.
+
 Every check runs, whatever failed before it, so one run lists everything to fix.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
+
+from rich.markup import escape
 
 from jobs import runs, slurm
 from jobs.config import Config
@@ -156,10 +164,113 @@ def _merge_repeats(results: list[Result]) -> list[Result]:
 
 
 def run_doctor(cfg: Config | None, project_dir: Path, console) -> int:
-    results = _merge_repeats(checks(cfg, project_dir))
+    return _print(_merge_repeats(checks(cfg, project_dir)), console)
+
+
+def _print(results: list[Result], console) -> int:
     for name, ok, detail in results:
         mark = "[green]ok  [/]" if ok else "[red]fail[/]"
-        console.print(f"{mark} {name}: {detail}", soft_wrap=True, highlight=False)
+        console.print(f"{mark} {escape(name)}: {escape(detail)}", soft_wrap=True, highlight=False)
     failed = sum(1 for _, ok, _ in results if not ok)
     console.print(f"{len(results) - failed} ok, {failed} failed")
     return 1 if failed else 0
+
+
+# ---------------------------------------------------------------- a run (`slipway doctor --run RUN`)
+
+
+def _pinned_image(run: "runs.Run", record: dict) -> list[Result]:
+    """The file the run's next job (a requeue, a resubmission) runs: there, and as recorded."""
+    from jobs.container import build_record
+
+    if not record or record.get("source") == "none":
+        return [("pinned image", True, "runtime none: no image")]
+    path = record.get("path")
+    if not path:
+        return [("pinned image", True, f"{record.get('image')} (a registry image: not checked here)")]
+    file = Path(path)
+    resubmit = f"`slipway submit {shlex.quote(str(run.paths.config))}` resumes the run with the current one"
+    if not file.is_file():
+        return [("pinned image", False, f"{path} is gone (pruned or moved), so the run's next job (a requeue too) "
+                                        f"fails to start: rebuild it (`{_rebuild(run)}` builds the same hash if the "
+                                        f"sources are unchanged) or resubmit: {resubmit}")]
+    out: list[Result] = []
+    st = file.stat()
+    mtime = datetime.fromtimestamp(st.st_mtime, timezone.utc).isoformat(timespec="seconds")
+    differs = [f"{what} {was} -> {now}" for what, was, now in (("size", record.get("size"), st.st_size),
+                                                                ("mtime", record.get("mtime"), mtime))
+               if was is not None and was != now]
+    built = build_record(file)
+    if record.get("build_hash") and built and built.get("hash") != record["build_hash"]:
+        differs.append(f"build {record['build_hash'][:12]} -> {str(built.get('hash'))[:12]}")
+    if differs:
+        out.append(("pinned image", False, f"{path} differs from what the run pinned ({', '.join(differs)}): "
+                                           f"the next job runs other bytes; {resubmit}"))
+    else:
+        hash_ = f", build {record['build_hash'][:12]}" if record.get("build_hash") else ""
+        out.append(("pinned image", True, f"{path} ({st.st_size} bytes, {mtime}{hash_}) as recorded"))
+    return out
+
+
+def _rebuild(run: "runs.Run") -> str:
+    return f"slipway image build {shlex.quote(str(run.paths.config))}"
+
+
+def _current_build(run: "runs.Run", record: dict) -> list[Result]:
+    """What the run's config would build now, against the build the run pinned."""
+    from containers.image import image_plan
+    from jobs.container import build_differences, build_record
+
+    if not record.get("build_hash"):
+        return []
+    cfg = run.config()
+    if not cfg.container.in_container:
+        return []
+    plan = image_plan(cfg, root=run.paths.project_dir, enroot_mount=False, git=False)
+    if plan.hash == record["build_hash"]:
+        return [("current build", True, f"the run's config builds {plan.hash[:12]} now, the build it pinned")]
+    # The record beside the squashfs outlives it when the file alone was deleted.
+    built = (build_record(Path(record["path"])) if record.get("path") else None) or {"hash": record["build_hash"]}
+    return [("current build", True, f"note: the run's config would build {plan.hash[:12]} now, not the pinned "
+                                    f"{record['build_hash'][:12]} ({'; '.join(build_differences(built, plan))}): "
+                                    f"`{_rebuild(run)}` builds it, a resubmission would pin it")]
+
+
+def _run_mounts(run: "runs.Run") -> list[Result]:
+    from edf import expand_host, parse_edf, resolve_base
+
+    if not run.paths.env_toml.is_file():
+        return [("mount sources", True, "no env.toml: the run uses no container")]
+    env = parse_edf(run.paths.env_toml)
+    if env.base_environment:
+        env = resolve_base(env)
+    missing = []
+    for i, mount in enumerate(env.mounts):
+        src = Path(expand_host(mount.src, f"env.toml mounts[{i}]"))
+        if not src.exists():
+            missing.append(str(src))
+    if missing:
+        return [("mount sources", False, f"{', '.join(missing)} missing on this node: the next job fails to start; "
+                                         "create them (or restore them), or resubmit with other container.mounts")]
+    return [("mount sources", True, f"all {len(env.mounts)} exist on this node")]
+
+
+def run_checks(run: "runs.Run") -> list[Result]:
+    """(name, ok, detail or fix) for a run: what its next job needs from this node."""
+    manifest = run.manifest()
+    record = manifest.get("image") if isinstance(manifest.get("image"), dict) else {}
+    out: list[Result] = [("run", True, f"{run.dir} ({len(manifest.get('submissions') or [])} submission(s))")]
+
+    def config() -> list[Result]:
+        cfg = run.config()
+        return [("run config", True, f"{run.paths.config} loads ({cfg.container.runtime})")]
+
+    out += _guard("run config", config)
+    out += _guard("pinned image", lambda: _pinned_image(run, record))
+    out += _guard("current build", lambda: _current_build(run, record))
+    out += _guard("mount sources", lambda: _run_mounts(run))
+    return out
+
+
+def run_doctor_run(run: "runs.Run", console) -> int:
+    return _print(_merge_repeats(run_checks(run)), console)

@@ -286,7 +286,8 @@ def test_shell_under_pyxis_expands_variables_and_passes_env_values(project):
     words = shlex.split(r.stdout)
     assert words[0] == "GREETING=hello ada"
     mounts = next(w for w in words if w.startswith("--container-mounts="))
-    assert mounts.startswith(f"--container-mounts={scratch}:/scratch,") and "${" not in r.stdout
+    # The run directory and the caches do not exist yet: the shell leaves them out (tests/test_pinned.py).
+    assert mounts == f"--container-mounts={scratch}:/scratch" and "${" not in r.stdout
     assert "--container-env=GREETING" in words
     r = slipway("shell", "tiny_cpu", *PYXIS, f"container.image={img}", "container.mounts=[${NOPE_UNSET}:/x]",
                 "--dry-run")

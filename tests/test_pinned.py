@@ -1,0 +1,255 @@
+"""A run's pinned image through its life: prune keeps what runs pin, submit and doctor refuse a
+pinned squashfs that is not there (whatever names it), `doctor RUN` checks a run, `shell` works
+before any run and checks its mount sources before srun, and the stale-build note names what
+differs and the command that builds it.
+
+Through the command line, with real files: the squashfs stand-ins and build records are written
+through the image module itself (as tests/test_sealed.py does); only podman and enroot are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import tree
+from image_standins import calls, write_standins
+from test_sealed import one_line_error, slurm_stand_ins, stand_in  # noqa: F401  (a fixture)
+
+PY = sys.executable
+PYXIS = ["container.runtime=pyxis"]
+
+
+def slipway(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "400", **(env or {})})
+
+
+@pytest.fixture
+def pin_config(project: Path) -> str:
+    """configs/pin.yaml: tiny_cpu with its images in the project (absolute: `slipway image prune`
+    resolves a relative image.output_dir against the checkout, submit against the project)."""
+    text = (project / "configs" / "tiny_cpu.yaml").read_text()
+    (project / "configs" / "pin.yaml").write_text(
+        text + f"\nimage:\n  output_dir: {json.dumps(str(project / 'images'))}\n")
+    (project / "containers").mkdir(exist_ok=True)
+    (project / "containers" / "Dockerfile").write_text(
+        (Path(__file__).resolve().parents[1] / "containers" / "Dockerfile").read_text())
+    return "pin"
+
+
+def fake_build(project: Path, *overrides: str, source: str | None = None) -> Path:
+    """What `slipway image build pin OVERRIDES` leaves (record, content-addressed squashfs, the link),
+    written through the image module; `source` changes a file of the build context first."""
+    from containers.image import _make_current, _record, image_plan
+    from jobs.config import load_config
+
+    if source is not None:
+        (project / "configs" / "extra.yaml").write_text(f"# {source}\n")
+    cwd = os.getcwd()
+    os.chdir(project)
+    try:
+        plan = image_plan(load_config("pin", list(overrides)), root=project, enroot_mount=False, git=False)
+    finally:
+        os.chdir(cwd)
+    plan.output_dir.mkdir(parents=True, exist_ok=True)
+    plan.squashfs.write_bytes(b"hsqs" + plan.hash.encode() * 100)
+    record = _record(plan, image_id=None, enroot_version="stand-in")
+    plan.sidecar.write_text(json.dumps(record))
+    _make_current(plan, record)
+    return plan.squashfs
+
+
+def submit(run: str, *args: str, env: dict) -> dict:
+    r = slipway("submit", "pin", *PYXIS, "--run-name", run, *args, env=env)
+    assert r.returncode == 0, r.stderr
+    return json.loads((Path.cwd() / "runs" / run / "manifest.json").read_text())
+
+
+# ------------------------------------------------------------------ prune
+
+
+def test_prune_keeps_what_runs_pin_and_removes_the_rest(project, pin_config, slurm_stand_ins, tmp_path):
+    pinned = fake_build(project, source="1")
+    manifest = submit("old", env=slurm_stand_ins)
+    assert manifest["image"]["path"] == str(pinned) == manifest["submissions"][0]["image"]["path"]
+    unpinned = fake_build(project, source="2")
+    current = fake_build(project, source="3")
+    assert len({pinned, unpinned, current}) == 3
+
+    # The podman stand-in (tests/image_standins.py) holds each build's tag: the pinned one's stays too.
+    bin_dir = write_standins(tmp_path / "bin", "podman")
+    tags = {p: f"localhost/slipway:{p.name[8:20]}" for p in (pinned, unpinned, current)}
+    for tag in tags.values():
+        subprocess.run([str(bin_dir / "podman"), "build", "-t", tag, str(tmp_path)], check=True, capture_output=True)
+    r = slipway("image", "prune", pin_config, env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    untagged = [c["argv"][2] for c in calls(bin_dir, "podman") if c["argv"][1] == "rmi"]
+    assert untagged == [tags[unpinned]], untagged
+    assert not unpinned.exists() and not unpinned.with_suffix(".json").exists()
+    assert pinned.exists() and pinned.with_suffix(".json").exists() and current.exists()
+    assert f"removed {unpinned}" in r.stdout
+    assert f"kept {pinned}: pinned by run old" in r.stdout
+    assert f"kept {current}: the current image" in r.stdout
+
+    # Runs are found under $SLIPWAY_RUNS when it is set: elsewhere, the pin is not seen.
+    again = slipway("image", "prune", pin_config, env={"SLIPWAY_RUNS": str(project / "elsewhere")})
+    assert again.returncode == 0 and not pinned.exists(), again.stdout
+    pinned.write_bytes(b"hsqs")  # back, for the explicit removal below
+
+    # Named explicitly, a pinned image goes (with its record); the current one never.
+    r = slipway("image", "prune", pin_config, "--remove", str(current))
+    assert "is the current image" in one_line_error(r, "--remove") and current.exists()
+    r = slipway("image", "prune", pin_config, "--remove", str(pinned))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not pinned.exists() and f"removed {pinned}" in r.stdout and current.exists()
+
+
+# ------------------------------------------------------------------ a pinned squashfs that is not there
+
+
+def test_submit_and_doctor_refuse_a_missing_squashfs_whatever_names_it(project, tmp_path, slurm_stand_ins):
+    gone = project / "images" / "gone.sqsh"
+    edf_dir = tmp_path / "edfs"
+    edf_dir.mkdir()
+    (edf_dir / "site.toml").write_text(f"image = {json.dumps(str(gone))}\n")
+    env = {**slurm_stand_ins, "EDF_PATH": str(edf_dir)}
+    for field, args in (("container.image", [*PYXIS, f"container.image={gone}"]),
+                        ("container.base_environment[0]", ["container.runtime=edf",
+                                                           "container.base_environment=[site]"])):
+        before = tree(project)
+        r = slipway("submit", "tiny_cpu", *args, "--run-name", "x", env=env)
+        assert str(gone) in one_line_error(r, field)
+        assert tree(project) == before
+        r = slipway("submit", "tiny_cpu", *args, "--dry-run", env=env)
+        assert r.returncode == 0 and f"a real submission would fail: {field}" in r.stdout, r.stdout
+        r = slipway("doctor", "tiny_cpu", *args, env=env)
+        (line,) = [line for line in r.stdout.splitlines() if line.startswith("fail image:")]
+        assert r.returncode == 1 and f"fail image: {field}: " in line and str(gone) in line, r.stdout
+    # The same EDF naming a squashfs that is there pins it.
+    gone.parent.mkdir(parents=True)
+    gone.write_bytes(b"hsqs")
+    r = slipway("submit", "tiny_cpu", "container.runtime=edf", "container.base_environment=[site]", "--run-name",
+                "b", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((project / "runs" / "b" / "manifest.json").read_text())["image"]["path"] == str(gone)
+
+
+# ------------------------------------------------------------------ doctor RUN
+
+
+def test_doctor_of_a_run_says_its_pinned_image_is_gone(project, pin_config, slurm_stand_ins):
+    pinned = fake_build(project, source="1")
+    submit("kept", env=slurm_stand_ins)
+    r = slipway("doctor", "--run", "kept")
+    assert r.returncode == 0, r.stdout
+    assert f"ok   pinned image: {pinned} (" in r.stdout and "as recorded" in r.stdout
+    assert "ok   run config:" in r.stdout and "ok   mount sources:" in r.stdout
+
+    pinned.unlink()
+    # A bare name that is a run and no config is the run.
+    for args in (["kept"], ["--run", "kept"]):
+        r = slipway("doctor", *args)
+        assert r.returncode == 1, r.stdout
+        (line,) = [line for line in r.stdout.splitlines() if line.startswith("fail")]
+        assert line.startswith(f"fail pinned image: {pinned} is gone") and "slipway image build" in line
+    # A config of that name wins; --run and a config together are refused.
+    assert "pinned image" not in slipway("doctor", "pin").stdout
+    one_line_error(slipway("doctor", "pin", "--run", "kept"), "--run")
+    one_line_error(slipway("doctor", "--run", "nope"), "RUN")
+
+
+def test_doctor_of_a_run_names_what_its_config_would_build_now(project, pin_config, slurm_stand_ins):
+    pinned = fake_build(project, source="1")
+    submit("r", env=slurm_stand_ins)
+    (project / "configs" / "extra.yaml").write_text("# changed\n")
+    r = slipway("doctor", "r")
+    assert r.returncode == 0, r.stdout
+    (line,) = [line for line in r.stdout.splitlines() if "current build" in line]
+    assert "sources changed in configs/" in line and "flash_attn" not in line and pinned.name[8:20] in line
+
+    # A mount source removed since submission: the next job would not start.
+    mounted = project / "data"
+    mounted.mkdir()
+    submit("m", f"container.mounts=[{mounted}:/data]", env=slurm_stand_ins)
+    mounted.rmdir()
+    r = slipway("doctor", "m")
+    assert r.returncode == 1 and f"fail mount sources: {mounted} missing" in r.stdout, r.stdout
+
+
+# ------------------------------------------------------------------ shell
+
+
+def test_shell_before_any_run_mounts_nothing_missing_and_says_so(project):
+    img = project / "img.sqsh"
+    img.write_bytes(b"hsqs")
+    before = tree(project)
+    r = slipway("shell", "tiny_cpu", *PYXIS, f"container.image={img}", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert tree(project) == before
+    run_dir = project / "runs" / "tiny_cpu"
+    words = shlex.split(r.stdout)
+    assert not any(w.startswith("--container-mounts=") for w in words), words
+    assert f"note: not mounted in the shell: the run directory {run_dir} does not exist yet" in r.stderr
+    assert f"data.cache_dir (the token cache) {project / '.cache' / 'tokens'} does not exist yet" in r.stderr
+    # Once it exists (a submission made it), the shell mounts it.
+    run_dir.mkdir(parents=True)
+    r = slipway("shell", "tiny_cpu", *PYXIS, f"container.image={img}", "--dry-run")
+    assert f"--container-mounts={run_dir}:{run_dir}" in shlex.split(r.stdout)
+    assert "the run directory" not in r.stderr
+
+
+def test_a_missing_mount_source_is_refused_before_srun(project, tmp_path):
+    img = project / "img.sqsh"
+    img.write_bytes(b"hsqs")
+    bin_dir, ran = tmp_path / "bin", tmp_path / "srun-ran"
+    stand_in(bin_dir, "srun", f'printf "%s\\n" "$@" > {shlex.quote(str(ran))}\n')
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    scratch = project / "scratch"
+    base = [*PYXIS, f"container.image={img}", f"container.mounts=[{scratch}:/scratch]", "--command", "true"]
+    r = slipway("shell", "tiny_cpu", *base, env=env)
+    assert str(scratch) in one_line_error(r, "container.mounts[0]") and not ran.exists()
+    # A base environment's mount the same way, named by its entry.
+    edf_dir = tmp_path / "edfs"
+    edf_dir.mkdir()
+    (edf_dir / "site.toml").write_text(f"mounts = [{json.dumps(str(tmp_path / 'nope') + ':/nope')}]\n")
+    r = slipway("shell", "tiny_cpu", *PYXIS, f"container.image={img}", "container.base_environment=[site]",
+                "--command", "true", env={**env, "EDF_PATH": str(edf_dir)})
+    assert str(tmp_path / "nope") in one_line_error(r, "container.base_environment[0]") and not ran.exists()
+    # With the source there, srun runs.
+    scratch.mkdir()
+    r = slipway("shell", "tiny_cpu", *base, env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"--container-mounts={scratch}:/scratch" in ran.read_text().splitlines()
+
+
+# ------------------------------------------------------------------ the stale-build note
+
+
+def test_stale_build_note_names_only_what_differs_and_carries_the_overrides(project, pin_config):
+    fake_build(project)  # the config's defaults: flash-attn on
+    r = slipway("submit", pin_config, *PYXIS, "image.flash_attn=false", "--seed", "7", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    (note,) = [line for line in r.stdout.splitlines() if "is not what this config builds now" in line]
+    assert "image.flash_attn true -> false" in note
+    assert "sources" not in note and "Dockerfile" not in note and "base_image" not in note
+    command = note.split("`")[1]
+    assert shlex.split(command) == ["slipway", "image", "build", "pin", *PYXIS, "image.flash_attn=false",
+                                    "run.seed=7"]
+    assert "make image" not in note
+
+    # Only the sources changed: the note says that alone; no note once the build matches.
+    fake_build(project, "image.flash_attn=false")
+    r = slipway("submit", pin_config, *PYXIS, "image.flash_attn=false", "--dry-run")
+    assert "is not what this config builds now" not in r.stdout, r.stdout
+    (project / "configs" / "extra.yaml").write_text("# new\n")
+    r = slipway("submit", pin_config, *PYXIS, "image.flash_attn=false", "--dry-run")
+    (note,) = [line for line in r.stdout.splitlines() if "is not what this config builds now" in line]
+    assert "sources changed in configs/" in note and "flash_attn true" not in note
+    assert note.split("`")[1] == f"slipway image build pin {PYXIS[0]} image.flash_attn=false"
