@@ -290,19 +290,11 @@ def edf_search_path(edf_path: Optional[str] = None) -> list[Path]:
 
 def expand_host(value: str, where: str, environ: Optional[dict[str, str]] = None) -> str:
     """`value` with `${VAR}` taken from the host environment, as the Container Engine does."""
-    environ = os.environ if environ is None else environ
-    out = []
-    for piece in split_expansions(value, where):
-        if not isinstance(piece, Expansion):
-            out.append(piece)
-        elif piece.name in environ:
-            out.append(environ[piece.name])
-        elif ":-" in piece.text:
-            out.append(piece.text[len(piece.name) + 4: -1])
-        else:
-            raise ConfigError(where, f"${{{piece.name}}} is not set in this environment: export it, or write "
-                                     f"${{{piece.name}:-}} for an empty default")
-    return "".join(out)
+    expanded = _expanded_here(value, where, environ)
+    if isinstance(expanded, Expansion):
+        raise ConfigError(where, f"${{{expanded.name}}} is not set in this environment: export it, or write "
+                                 f"${{{expanded.name}:-}} for an empty default")
+    return expanded
 
 
 def find_edf(entry: str, where: str = "environment", edf_path: Optional[str] = None) -> Path:
