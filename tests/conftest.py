@@ -51,6 +51,13 @@ def project(tmp_path: Path, monkeypatch) -> Path:
     return proj
 
 
+def stand_in(bin_dir: Path, name: str, body: str) -> None:
+    """An executable bash script `bin_dir/name` standing in for a tool (put bin_dir first on PATH)."""
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text("#!/bin/bash\n" + body)
+    (bin_dir / name).chmod(0o755)
+
+
 def tree(path: Path) -> list[str]:
     """Every file and directory under `path`, for "nothing was written" checks."""
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))

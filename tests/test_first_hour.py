@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import test_hang_script as hang_script  # its batch-script harness (a module, so its tests stay there)
+from conftest import stand_in
 from jobs.cli import main
 
 PY = sys.executable
@@ -33,12 +34,6 @@ def one_error_line(r: subprocess.CompletedProcess, code: int = 2) -> str:
     assert len(lines) == 1 and lines[0].startswith("slipway: error: "), r.stderr
     assert "Traceback" not in r.stdout + r.stderr
     return lines[0]
-
-
-def stand_in(bin_dir: Path, name: str, body: str) -> None:
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / name).write_text("#!/bin/bash\n" + body)
-    (bin_dir / name).chmod(0o755)
 
 
 def corpus(project: Path) -> None:

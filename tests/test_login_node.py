@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, tree
+from conftest import ROOT, stand_in, tree
 
 # What the trainer and plot extras bring: none of it may be importable in the venv.
 NOT_INSTALLED = ("torch", "numpy", "tokenizers", "datasets", "safetensors", "matplotlib")
@@ -106,12 +106,6 @@ def project(tmp_path: Path) -> Path:
     for cfg in (ROOT / "configs").glob("*.yaml"):
         shutil.copy(cfg, proj / "configs" / cfg.name)
     return proj
-
-
-def stand_in(bin_dir: Path, name: str, body: str) -> None:
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / name).write_text("#!/bin/bash\n" + body)
-    (bin_dir / name).chmod(0o755)
 
 
 @pytest.fixture

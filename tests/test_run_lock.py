@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from test_e2e import TINY, wait_for
+from conftest import stand_in
 from trainer_helpers import ROOT
 
 PY = sys.executable
@@ -34,12 +35,6 @@ def refused(r: subprocess.CompletedProcess, *words: str) -> str:
     for word in words:
         assert word in lines[0], lines[0]
     return lines[0]
-
-
-def stand_in(bin_dir: Path, name: str, body: str) -> None:
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / name).write_text("#!/bin/bash\n" + body)
-    (bin_dir / name).chmod(0o755)
 
 
 @pytest.fixture
@@ -157,7 +152,7 @@ def test_a_signal_to_the_launcher_stops_the_run_and_leaves_nothing(project, slur
 
         # While it trains, a second launch of the run is refused at once, naming the holder.
         t0 = time.monotonic()
-        line = refused(slipway("local", "tiny_cpu", "--run-name", "here", *TINY, "train.steps=400"), "is training",
+        refused(slipway("local", "tiny_cpu", "--run-name", "here", *TINY, "train.steps=400"), "is training",
                        f"pid {launcher.pid}", "`slipway local tiny_cpu", "since 20")
         assert time.monotonic() - t0 < 30, "refused only after a wait"
         refused(slipway("submit", "tiny_cpu", "--run-name", "here", *TINY, "train.steps=400", env=slurm),
