@@ -377,9 +377,10 @@ def check_before_start(sealed: runs.Sealed, config_args: str) -> None:
     steps = _checkpoint_steps(sealed.paths.run_dir / cfg.checkpoint.dir)
     if steps and steps[-1] >= cfg.train.steps:
         raise ConfigError("train.steps", f"run {cfg.run.name} already reached train.steps={cfg.train.steps} "
-                                         f"(checkpoint at step {steps[-1]}): nothing to train; raise it "
-                                         f"(--train-steps {steps[-1] + cfg.train.steps}) to train on, or pick "
-                                         "another --run-name for a new run")
+                                         f"(checkpoint at step {steps[-1]}): nothing to train; to train on, "
+                                         f"`slipway local {config_args} --train-steps "
+                                         f"{steps[-1] + cfg.train.steps} --force` (a changed config: the old one "
+                                         "is kept in history/), or pick another --run-name for a new run")
 
 
 def _check_data_fits(cfg: Config, status) -> None:

@@ -75,7 +75,8 @@ def test_local_with_nothing_left_to_train_says_so_before_starting(project):
     (done / "COMPLETE").touch()
     line = one_error_line(slipway("local", "tiny_cpu"))
     assert "train.steps: run tiny_cpu already reached train.steps=200 (checkpoint at step 200)" in line
-    assert "--train-steps 400" in line and not (project / "runs" / "tiny_cpu" / "logs").exists()
+    assert "`slipway local tiny_cpu --train-steps 400 --force`" in line  # a command that works when pasted
+    assert not (project / "runs" / "tiny_cpu" / "logs").exists()
 
 
 def test_local_help_shows_only_the_flags_of_a_local_run(capsys):
