@@ -115,10 +115,10 @@ shell: $(STAMP)
 	$(PY) -m jobs shell $(CONFIG) $(ARGS)
 
 image: $(STAMP)
-	$(PY) -m containers build $(CONFIG) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(ARGS)
+	$(PY) -m jobs image build $(CONFIG) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(ARGS)
 
 image-prune: $(STAMP)
-	$(PY) -m containers prune $(CONFIG) $(ARGS)
+	$(PY) -m jobs image prune $(CONFIG) $(ARGS)
 
 status: $(STAMP)
 	$(PY) -m jobs status $(ARGS)

@@ -6,7 +6,13 @@ at 2 nodes divided by tokens/s per process at 1 node).
 One process per node, so the 2-node run uses as many cores as there are
 processes (the local "nodes" share this machine's cores).
 
+With --dev-loop, the dev loop instead (runtime none, 2 nodes, one process each): a one-line
+change in the checkout's trainer/ -> the first training step of a new submission (the code
+snapshot: no image rebuild), and `slipway run` twice in one allocation -> its first step, each
+split into where the time goes (from events.log and the launcher's clock).
+
     .venv/bin/python bench/e2e.py [--steps 30] [--repeat 2]     # needs root, slurm-wlm, munge
+    .venv/bin/python bench/e2e.py --dev-loop [--repeat 3]
 """
 
 from __future__ import annotations
@@ -59,10 +65,75 @@ def one_run(project: Path, name: str, nodes: int, steps: int, env: dict[str, str
     return first_step, statistics.median(tps)
 
 
+def _event_times(run_dir: Path) -> dict[str, float]:
+    """The first time (epoch s) each event kind appears in events.log: start, preflight ok, end."""
+    from trainer.rundir import read_events
+
+    out: dict[str, float] = {}
+    for e in read_events(run_dir):
+        key = "start" if e.text.startswith("start ") else "preflight" if e.text.startswith("preflight") else None
+        if key and e.when and key not in out:
+            out[key] = e.when.timestamp()
+    return out
+
+
+def _first_step(metrics: Path, start: float, limit: float = 300) -> float:
+    while not train_records(metrics):
+        time.sleep(0.02)
+        if time.perf_counter() - start > limit:
+            raise SystemExit(f"no training step after {limit:.0f} s: see {metrics.parent}")
+    return time.perf_counter() - start
+
+
+def dev_loop(project: Path, env: dict[str, str], repeat: int) -> None:
+    shutil.copytree(ROOT / "trainer", project / "trainer", ignore=shutil.ignore_patterns("__pycache__"))
+    layout = ["--nodes", "2", "--dp", "2", "train.steps=3", *MODEL]
+    rows: list[tuple[str, float, float, float]] = []  # (what, command returns, job start, first step)
+    for i in range(repeat):
+        with open(project / "trainer" / "model.py", "a") as f:
+            f.write(f"# edit {i}\n")  # a one-line code change: a new snapshot, no rebuild
+        name = f"change-{i}"
+        wall0, t0 = time.time(), time.perf_counter()
+        subprocess.run([sys.executable, "-m", "jobs", "submit", "tiny_cpu", "--parsable", "--run-name", name,
+                        *layout], cwd=project, env=env, capture_output=True, text=True, check=True)
+        returned = time.perf_counter() - t0
+        first = _first_step(project / "runs" / name / "metrics.jsonl", t0)
+        events = _event_times(project / "runs" / name)
+        rows.append(("code change -> submit", returned, events.get("start", wall0) - wall0, first))
+        while subprocess.run(["squeue", "-h", "-n", name], env=env, capture_output=True, text=True).stdout.strip():
+            time.sleep(0.2)
+    alloc = subprocess.run(["salloc", "--nodes=2", "--no-shell"], env=env, capture_output=True, text=True, check=True)
+    job = alloc.stderr.split("Granted job allocation ")[1].split()[0]
+    info = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True).stdout
+    nodelist = next(w.split("=", 1)[1] for w in info.split() if w.startswith("NodeList="))
+    inside = {**env, "SLURM_JOB_ID": job, "SLURM_JOBID": job, "SLURM_JOB_NODELIST": nodelist,
+              "SLURM_NODELIST": nodelist, "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2"}
+    try:
+        for i in range(repeat + 1):
+            name = f"run-{i}"
+            wall0, t0 = time.time(), time.perf_counter()
+            proc = subprocess.Popen([sys.executable, "-m", "jobs", "run", "tiny_cpu", "--run-name", name, *layout],
+                                    cwd=project, env=inside, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            first = _first_step(project / "runs" / name / "metrics.jsonl", t0)
+            proc.wait(timeout=300)
+            events = _event_times(project / "runs" / name)
+            rows.append(("slipway run, first" if i == 0 else "slipway run, again", float("nan"),
+                         events.get("start", wall0) - wall0, first))
+    finally:
+        subprocess.run(["scancel", job], env=env)
+    print(f"{'launch':24s} {'command returns s':>18s} {'script starts s':>16s} {'first step s':>13s}")
+    for what in dict.fromkeys(r[0] for r in rows):
+        group = [r for r in rows if r[0] == what]
+        med = [statistics.median(r[k] for r in group) for k in (1, 2, 3)]
+        cells = ["-" if med[0] != med[0] else f"{med[0]:.2f}", f"{med[1]:.1f}", f"{med[2]:.2f}"]
+        print(f"{what:24s} {cells[0]:>18s} {cells[1]:>16s} {cells[2]:>13s}  (n={len(group)})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--dev-loop", action="store_true", help="the dev loop's timings instead (see above)")
     args = parser.parse_args()
     cluster = LocalSlurmCluster(ClusterSpec(state_dir=default_state_dir("bench"), nodes=2))
     project = Path(tempfile.mkdtemp(prefix="slipway-bench-e2e-"))
@@ -70,6 +141,13 @@ def main() -> None:
     env = {**os.environ, **cluster.env(), "SLIPWAY_PROJECT": str(project)}
     env.pop("SLIPWAY_RUNS", None)
     cluster.up()
+    if args.dev_loop:
+        try:
+            dev_loop(project, env, args.repeat)
+        finally:
+            cluster.down(check=False)
+            shutil.rmtree(project, ignore_errors=True)
+        return
     try:
         results: dict[int, list[tuple[float, float]]] = {1: [], 2: []}
         for i in range(args.repeat):

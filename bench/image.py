@@ -1,7 +1,7 @@
 """A no-op `make image` against a full rebuild, side by side.
 
 Builds the image once if needed, then times: `build_image` with nothing
-changed (in process, and as the whole `python -m containers build` process that
+changed (in process, and as the whole `slipway image build` process that
 `make image` runs), and `build_image(force=True)` (podman without its layer
 cache, then the import). Run from the repository root, e.g. on this project's
 development machines (no registry, no enroot):
@@ -68,7 +68,7 @@ def main() -> int:
     noop = [build_image(cfg, do_import=do_import, console=quiet) for _ in range(args.repeat)]
     assert not any(r.built for r in noop), "a no-op build rebuilt: the tree changed while benchmarking"
     noop_s = statistics.median(r.seconds for r in noop)
-    cli = [sys.executable, "-m", "containers", "build", args.config, *args.overrides]
+    cli = [sys.executable, "-m", "jobs", "image", "build", args.config, *args.overrides]
     cli += ["--base-image", args.base_image] if args.base_image else []
     cli += [] if do_import else ["--no-import"]
     cli_times = []
@@ -86,7 +86,7 @@ def main() -> int:
     what_noop = "hash the context; squashfs found" if do_import else "hash the context; `podman image exists`"
     table.add_row(f"no-op build_image (median of {args.repeat})", f"{noop_s:.3f}",
                   "not run" if do_import else "image exists", what_noop)
-    table.add_row(f"no-op `python -m containers build` (median of {args.repeat})", f"{cli_s:.3f}",
+    table.add_row(f"no-op `slipway image build` (median of {args.repeat})", f"{cli_s:.3f}",
                   "not run" if do_import else "image exists", "interpreter start + the same")
     t = full.timings
     detail = f"podman build --no-cache {t.get('build', 0):.1f} s"

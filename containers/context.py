@@ -20,14 +20,11 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from containers.pip_requirements import toml_loads
+from containers.record import ImageSection
 from trainer.config import ConfigError
 from trainer.fs import write_atomic
-
-if TYPE_CHECKING:
-    from jobs.config import ImageSection
 
 HASH_SCHEME = "slipway-image-v1"
 # What goes into the image under src/ (the repository layout, see the Dockerfile).

@@ -20,20 +20,17 @@ after each import, and containers/prune.py removes older ones.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import datetime as _dt
 import hashlib
-import json
 import os
 import re
-import shlex
 import shutil
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional, Protocol
 
 from rich.console import Console
 from rich.markup import escape
@@ -50,13 +47,18 @@ from containers.context import (
     resolve_path,
 )
 from containers.diagnose import diagnose_build
+from containers.record import BuildRecord, ImageSection
 from containers.storage import check_storage_conf
-from containers.tools import Container, Enroot, Podman, Tail, ToolError, git_commit, squashfs_ok, stream, which
+from containers.tools import Container, Enroot, Podman, Tail, ToolError, git_commit, squashfs_ok
 from trainer.config import ConfigError
 from trainer.fs import pid_alive, write_atomic
 
-if TYPE_CHECKING:
-    from jobs.config import Config
+
+
+class ImageConfig(Protocol):
+    """What the image functions read of a config: its image section (jobs.config.Config is one)."""
+
+    image: ImageSection
 
 # enroot unpacks the image (its uncompressed size) before squashing it to about half.
 SQUASH_RATIO = 0.5
@@ -107,7 +109,7 @@ class ImagePlan:
     # directories, wheels): recorded so that a later check names what changed, not just that something did.
     inputs: dict = field(default_factory=dict)
     build_on: str = "local"
-    srun_argv: Optional[list[str]] = None
+    # image.build_on: compute: the config the srun's inner build reads (written by the caller).
     frozen_config: Optional[Path] = None
 
     @property
@@ -138,7 +140,7 @@ def build_env(build_args: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def image_plan(cfg: "Config", *, root: Path | None = None, force: bool = False, do_import: bool = True,
+def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = False, do_import: bool = True,
                enroot_mount: bool | None = None, git: bool = True) -> ImagePlan:
     """Hash, tag, paths and the exact podman / enroot / srun command lines.
 
@@ -194,31 +196,10 @@ def image_plan(cfg: "Config", *, root: Path | None = None, force: bool = False, 
     )
     if image.build_on == "compute":
         plan.frozen_config = out / f".build-{h12}.yaml"
-        plan.srun_argv = compute_argv(cfg, plan.frozen_config, force=force, do_import=do_import)
     return plan
 
 
-def compute_argv(cfg: "Config", frozen_config: Path, *, force: bool, do_import: bool) -> list[str]:
-    """One srun that builds and imports on a compute node (podman storage on
-    /dev/shm lives only as long as the allocation)."""
-    from jobs.slurm import srun_argv
-
-    s = cfg.slurm
-    argv = srun_argv(nodes=1, ntasks_per_node=1, cpus_per_task=s.cpus_per_task, gpus_per_node=0, time=s.time,
-                     account=s.account, partition=s.partition, pty=False, extra=["--job-name=slipway-image"])
-    argv += [sys.executable, "-m", "containers", "build", "--here", str(frozen_config)]
-    return argv + (["--force"] if force else []) + ([] if do_import else ["--no-import"])
-
-
 # ---------------------------------------------------------------- records
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _point_link(link: Path, target: Path) -> None:
@@ -232,43 +213,34 @@ def _point_link(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def _make_current(plan: ImagePlan, record: dict) -> None:
-    write_atomic(plan.record, json.dumps(record, indent=2) + "\n")
+def _make_current(plan: ImagePlan, record: BuildRecord) -> None:
+    write_atomic(plan.record, record.to_json())
     _point_link(plan.link, plan.squashfs)
 
 
-def _record(plan: ImagePlan, *, image_id: str | None, enroot_version: str | None) -> dict:
-    return {
-        "name": plan.name,
-        "hash": plan.hash,
-        "tag": plan.tag,
-        "squashfs": str(plan.squashfs.resolve()),
-        "size_bytes": plan.squashfs.stat().st_size,
-        "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "base_image": plan.build_args.get("BASE_IMAGE"),
-        "git_commit": plan.build_args.get("GIT_COMMIT"),
-        "build_args": plan.build_args,
-        "build_env": plan.build_env,
-        "squash_options": plan.squash_options,
-        "inputs": plan.inputs,
-        "podman_image_id": image_id,
-        "enroot_version": enroot_version,
-        "enroot_mount": plan.enroot_mount,
-    }
+def _record(plan: ImagePlan, *, image_id: str | None, enroot_version: str | None) -> BuildRecord:
+    return BuildRecord(
+        name=plan.name, hash=plan.hash, tag=plan.tag, squashfs=str(plan.squashfs.resolve()),
+        size_bytes=plan.squashfs.stat().st_size,
+        built_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        base_image=plan.build_args.get("BASE_IMAGE"), git_commit=plan.build_args.get("GIT_COMMIT"),
+        build_args=plan.build_args, build_env=plan.build_env, squash_options=plan.squash_options,
+        inputs=plan.inputs, podman_image_id=image_id, enroot_version=enroot_version,
+        enroot_mount=plan.enroot_mount)
 
 
-def current_image(cfg: "Config", *, root: Path | None = None) -> dict | None:
+def current_image(cfg: ImageConfig, *, root: Path | None = None) -> Optional[BuildRecord]:
     """The record of the current image (`OUTPUT_DIR/NAME.json`), or None."""
     root = (root or project_root()).resolve()
-    return _read_json(resolve_path(root, cfg.image.output_dir) / f"{cfg.image.name}.json")
+    return BuildRecord.read(resolve_path(root, cfg.image.output_dir) / f"{cfg.image.name}.json")
 
 
-def resolve_image(cfg: "Config", *, root: Path | None = None) -> Path | None:
+def resolve_image(cfg: ImageConfig, *, root: Path | None = None) -> Path | None:
     """The current squashfs as an absolute path with the link resolved, or None."""
     root = (root or project_root()).resolve()
     record = current_image(cfg, root=root)
-    if record and Path(record.get("squashfs", "")).is_file():
-        return Path(record["squashfs"]).resolve()
+    if record and Path(record.squashfs).is_file():
+        return Path(record.squashfs).resolve()
     link = resolve_path(root, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
     return link.resolve() if link.is_file() else None
 
@@ -283,7 +255,7 @@ class ImageResult:
     built: bool  # podman build ran
     imported: bool  # enroot import ran
     seconds: float
-    record: Optional[dict] = None
+    record: Optional[BuildRecord] = None
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, build, import
 
@@ -410,7 +382,7 @@ def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, prin
             removed.append(c.name)
         else:
             warnings.append(f"could not remove enroot's leftover podman container {c.name} ({outcome.why}): it keeps "
-                            f"{plan.tag} in use; `python -m containers prune` retries")
+                            f"{plan.tag} in use; `slipway image prune` retries")
     for warning in warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     return removed, warnings
@@ -476,33 +448,15 @@ def _enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Con
     return notes
 
 
-def _build_on_compute(plan: ImagePlan, cfg: "Config", console: Console) -> None:
-    from jobs.config import dump_config
-
-    if which("srun") is None:
-        raise ToolError("srun not found: image.build_on: compute builds through Slurm; run on a login node or set "
-                        "image.build_on: local")
-    assert plan.frozen_config is not None and plan.srun_argv is not None
-    plan.output_dir.mkdir(parents=True, exist_ok=True)
-    frozen = copy.deepcopy(cfg)
-    frozen.image.build_on = "local"  # the inner build runs where it is
-    try:
-        write_atomic(plan.frozen_config, dump_config(frozen))
-        console.print("[bold]srun[/] " + escape(shlex.join(plan.srun_argv[1:])), highlight=False)
-        rc = stream([which("srun"), *plan.srun_argv[1:]],
-                    lambda line: console.print(line, highlight=False, markup=False), cwd=plan.root)
-    finally:
-        plan.frozen_config.unlink(missing_ok=True)
-    if rc != 0:
-        raise ToolError(f"the image build on the compute node failed (srun exit {rc}): see the output above")
-
-
-def build_image(cfg: "Config", *, force: bool = False, do_import: bool = True, console: Console | None = None,
-                root: Path | None = None, here: bool = False) -> ImageResult:
+def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True, console: Console | None = None,
+                root: Path | None = None, here: bool = False,
+                elsewhere: Optional[Callable[[ImagePlan], None]] = None) -> ImageResult:
     """Build (podman) and import (enroot) the image unless its squashfs exists.
 
     `force`: rebuild without podman's layer cache and reimport. `here`: build on
     this machine even when image.build_on is compute (what the srun runs).
+    `elsewhere`: how an image.build_on: compute build runs (the Slurm side,
+    jobs/cli/image.py, gives it; the inner build then runs here).
     """
     console = console or Console()
     t0 = time.perf_counter()
@@ -513,13 +467,13 @@ def build_image(cfg: "Config", *, force: bool = False, do_import: bool = True, c
     timings = {"plan": time.perf_counter() - t0}
 
     if do_import and plan.exists and not force:
-        record = _read_json(plan.sidecar) or _record(plan, image_id=None, enroot_version=None)
-        if record.get("hash") == plan.hash and "inputs" not in record:
+        record = BuildRecord.read(plan.sidecar) or _record(plan, image_id=None, enroot_version=None)
+        if record.hash == plan.hash and record.inputs is None:
             # A record from before slipway stored its inputs: the same hash means the same inputs.
-            record["inputs"] = plan.inputs
-            write_atomic(plan.sidecar, json.dumps(record, indent=2) + "\n")
-        current = _read_json(plan.record)
-        if not current or current.get("hash") != plan.hash or not plan.link.is_symlink() \
+            record = dataclasses.replace(record, inputs=plan.inputs)
+            write_atomic(plan.sidecar, record.to_json())
+        current = BuildRecord.read(plan.record)
+        if not current or current.hash != plan.hash or not plan.link.is_symlink() \
                 or plan.link.resolve() != plan.squashfs.resolve():
             _make_current(plan, record)
         console.print(f"image up to date: {plan.squashfs} ({human(plan.squashfs.stat().st_size)}, "
@@ -528,8 +482,11 @@ def build_image(cfg: "Config", *, force: bool = False, do_import: bool = True, c
                            record=record, timings=timings)
 
     if plan.build_on == "compute" and not here:
-        _build_on_compute(plan, cfg, console)
-        record = _read_json(plan.sidecar)
+        if elsewhere is None:
+            raise ToolError("image.build_on: compute builds through Slurm: run `slipway image build` "
+                            "(or set image.build_on: local)")
+        elsewhere(plan)
+        record = BuildRecord.read(plan.sidecar)
         return ImageResult(plan, plan.squashfs if plan.exists else None, built=True, imported=plan.exists,
                            seconds=time.perf_counter() - t0, record=record)
 
@@ -561,10 +518,10 @@ def build_image(cfg: "Config", *, force: bool = False, do_import: bool = True, c
     notes = _enroot_import(plan, enroot, podman, console)
     timings["import"] = time.perf_counter() - t1
     record = _record(plan, image_id=podman.image_id(plan.tag), enroot_version=enroot.version())
-    write_atomic(plan.sidecar, json.dumps(record, indent=2) + "\n")
+    write_atomic(plan.sidecar, record.to_json())
     _make_current(plan, record)
     seconds = time.perf_counter() - t0
-    console.print(f"[green]image ready[/]: {escape(str(plan.squashfs))} ({human(record['size_bytes'])}) in "
+    console.print(f"[green]image ready[/]: {escape(str(plan.squashfs))} ({human(record.size_bytes)}) in "
                   f"{seconds:.0f} s; {escape(plan.link.name)} -> {escape(plan.squashfs.name)}", highlight=False)
     return ImageResult(plan, plan.squashfs, built=built, imported=True, seconds=seconds, record=record, notes=notes,
                        timings=timings)

@@ -1,4 +1,4 @@
-"""`python -m containers prune`: old squashfs files, their records, logs and podman
+"""`slipway image prune`: old squashfs files, their records, logs and podman
 tags, leftovers of interrupted builds, and the stopped `enroot.*` podman
 containers that enroot's `podman://` import leaves (see containers.tools.Enroot),
 which keep their image in use so that removing its tag fails. What cannot be
@@ -13,18 +13,14 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
 
 from containers.context import project_root, resolve_path
-from containers.image import human, image_plan, resolve_image, stale_temps
+from containers.image import ImageConfig, human, image_plan, resolve_image, stale_temps
 from containers.tools import Enroot, Podman, ToolError
 from trainer.config import ConfigError
-
-if TYPE_CHECKING:
-    from jobs.config import Config
 
 _IMAGE_FILE = r"{name}-(?P<h>[0-9a-f]{{12}})\.sqsh"
 
@@ -92,45 +88,12 @@ def _prune_import_leftovers(podman: Podman, name: str, result: PruneResult, repo
             report.failed(f"{what}: podman rm {outcome.why}")
 
 
-def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
-    """Every squashfs a run pins (its manifest's `image` and each submission's: a requeue
-    runs the file its env.toml / srun flags name), resolved, with the runs that pin it.
-    The runs root is $SLIPWAY_RUNS, else each project directory's runs/."""
-    from jobs.runs import list_runs
-
-    pins: dict[Path, list[str]] = {}
-    seen: set[Path] = set()
-    for project_dir in project_dirs:
-        for run in list_runs(project_dir):
-            if run.dir.resolve() in seen:
-                continue
-            seen.add(run.dir.resolve())
-            manifest = run.manifest()
-            records = [manifest.get("image"), *(s.get("image") for s in manifest.get("submissions") or []
-                                                if isinstance(s, dict))]
-            for record in records:
-                if not isinstance(record, dict):
-                    continue
-                for key in ("path", "image"):
-                    value = record.get(key)
-                    if isinstance(value, str) and value.startswith("/"):
-                        names = pins.setdefault(Path(os.path.realpath(value)), [])
-                        if run.name not in names:
-                            names.append(run.name)
-    return pins
-
-
-def _project_dirs(root: Path) -> list[Path]:
-    """Where runs live: the directory slipway's run commands use (SLIPWAY_PROJECT, else the
-    working directory) and the checkout the image is built from."""
-    return list(dict.fromkeys([Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute(), root]))
-
-
-def prune_images(cfg: "Config", keep: int = 1, *, root: Path | None = None, remove: list[str] | None = None,
-                 console: Console | None = None) -> PruneResult:
+def prune_images(cfg: ImageConfig, keep: int = 1, *, pinned: dict[Path, list[str]], root: Path | None = None,
+                 remove: list[str] | None = None, console: Console | None = None) -> PruneResult:
     """Remove all but the current image, the images runs pin, and the newest others, up to
     `keep` squashfs files besides the pinned ones, with their records, logs and podman tags;
     enroot's leftover containers of any of this image's tags; stale build leftovers.
+    `pinned`: each squashfs (resolved) runs pin, with their names (jobs.runs.pinned_images).
     `remove`: squashfs files to remove although runs pin them (never the current one)."""
     if keep < 1:
         raise ConfigError("--keep", f"must be >= 1 (the current image is always kept), got {keep}")
@@ -154,7 +117,7 @@ def prune_images(cfg: "Config", keep: int = 1, *, root: Path | None = None, remo
             raise ConfigError("--remove", f"{given} is the current image ({name}.sqsh): build another first, or "
                                           "remove it by hand")
         forced.add(path)
-    pins = pinned_images(_project_dirs(root))
+    pins = pinned
     kept = [p for p in images if current and p.resolve() == current]
     result.kept.update({p: "the current image" for p in kept})
     for p in images:

@@ -247,7 +247,7 @@ class Environment:
     `None` (and `""` for image, empty collections) means "not specified": the
     base environments' value, else the runtime's default, applies. An empty
     image in a config means "what `make image` built for this config", which
-    the host resolves at submission (`jobs.container`).
+    the host resolves at submission (`jobs.runs.container`).
     """
 
     # How tasks run: in a Container Engine environment (`edf`), through pyxis

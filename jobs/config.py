@@ -14,11 +14,12 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import yaml
 
-from edf.environment import ENV_NAME, NOT_CONFIG, SAFE_NAME, Environment, check_secret_entry, secret_error, secret_word
+from containers.record import ImageSection
+from edf.environment import ENV_NAME, NOT_CONFIG, SAFE_NAME, Environment, check_secret_entry
 from trainer.config import (
     CheckpointSection,
     Plain,
@@ -51,6 +52,63 @@ TIME_RULE = "use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
 MAX_TIME_SECONDS = 365 * 86400
 # Slurm's --signal takes at most 65535 seconds (sbatch(1)).
 MAX_SIGNAL_SECONDS = 65535
+
+
+# The command line's names for config keys (`slipway submit CONFIG --nodes 2` is slurm.nodes=2),
+# read by the CLI and by the hints that turn a command back into overrides.
+# The seed launcher's named flags: (flag, dotted config key, type, help).
+NAMED_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
+    ("--run-name", "run.name", str, "run name: the run directory runs/NAME and the Slurm job name"),
+    ("--project", "run.project", str, "project name for logging (W&B)"),
+    ("--seed", "run.seed", int, "random seed"),
+    ("--nodes", "slurm.nodes", int, "number of nodes"),
+    ("--gpus-per-node", "slurm.gpus_per_node", int, "GPUs per node (0 for CPU runs)"),
+    ("--procs-per-node", "launch.procs_per_node", int, "processes per node (default: gpus per node)"),
+    ("--model-size", "model.size", str, "tiny | small | base | large | custom"),
+    ("--hidden-size", "model.hidden_size", int, "model hidden size"),
+    ("--intermediate-size", "model.intermediate_size", int, "MLP intermediate size"),
+    ("--num-layers", "model.num_layers", int, "number of layers"),
+    ("--num-heads", "model.num_heads", int, "attention heads"),
+    ("--num-kv-heads", "model.num_kv_heads", int, "key/value heads (grouped-query attention)"),
+    ("--dp", "parallel.dp", int, "data-parallel degree"),
+    ("--tp", "parallel.tp", int, "tensor-parallel degree"),
+    ("--pp", "parallel.pp", int, "pipeline-parallel degree"),
+    ("--train-steps", "train.steps", int, "training steps"),
+    ("--micro-batch-size", "train.micro_batch_size", int, "sequences per micro batch per data-parallel rank"),
+    ("--grad-accum-steps", "train.grad_accum_steps", int, "micro batches per step"),
+    ("--learning-rate", "train.lr", float, "peak learning rate"),
+    ("--min-lr", "train.min_lr", float, "learning rate at the end of the decay"),
+    ("--warmup-steps", "train.warmup_steps", int, "linear warmup steps"),
+    ("--weight-decay", "train.weight_decay", float, "AdamW weight decay"),
+    ("--grad-clip", "train.grad_clip", float, "gradient clipping by global norm (0: off)"),
+    ("--train-script", "train.script", str, "a custom training script run instead of the built-in trainer"),
+    ("--dataset", "data.dataset", str, "Hugging Face dataset name or local path"),
+    ("--dataset-config", "data.dataset_config", str, "dataset configuration, e.g. wikitext-103-v1"),
+    ("--tokenizer", "data.tokenizer", str, "tokenizer name or local path"),
+    ("--text-column", "data.text_column", str, "text column of the dataset"),
+    ("--seq-len", "data.seq_len", int, "sequence length"),
+    ("--save-interval", "checkpoint.interval", int, "checkpoint every N steps"),
+]
+# Named flags of the Slurm allocation and the container: a run on this machine (`slipway local`)
+# has neither, so its --help leaves them out (it still reads them, as the config's own values).
+# The layout's --nodes, --gpus-per-node and --procs-per-node stay above: the config's layout
+# check names them, and a local run maps them onto its processes.
+CLUSTER_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
+    ("--cpus-per-task", "slurm.cpus_per_task", int, "CPUs per Slurm task"),
+    ("--partition", "slurm.partition", str, "Slurm partition"),
+    ("--account", "slurm.account", str, "Slurm account"),
+    ("--qos", "slurm.qos", str, "Slurm QOS"),
+    ("--time", "slurm.time", str, "time limit: MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]] or UNLIMITED"),
+    ("--email", "slurm.email", str, "mail on job end or failure"),
+    ("--runtime", "container.runtime", str, "edf | pyxis | none"),
+    ("--image", "container.image", str, "squashfs path (absolute or ./) or registry reference"),
+    ("--launcher", "launch.launcher", str, "torchrun (one task per node) | srun (one task per process)"),
+]
+BOOL_FLAGS = [
+    ("--save-initial-state", "checkpoint.save_initial", "save a checkpoint before the first step"),
+    ("--debug", "launch.debug", "debug mode: set -x, CUDA_LAUNCH_BLOCKING, NCCL_DEBUG=INFO"),
+    ("--wandb", "logging.wandb", "log to Weights & Biases (offline unless WANDB_API_KEY is set)"),
+]
 
 
 def time_limit_seconds(text: str) -> Optional[int]:
@@ -258,52 +316,17 @@ class LaunchSection:
 
 
 @dataclass
-class ImageSection:
-    """How `make image` builds the training image (containers/image.py).
+class CodeSection:
+    """The code a run runs (jobs/runs/code.py).
 
-    Relative paths are relative to the checkout. The tag is localhost/NAME:HASH12
-    and the squashfs OUTPUT_DIR/NAME-HASH12.sqsh, HASH a hash of the Dockerfile,
-    the build args and the files copied in; OUTPUT_DIR/NAME.sqsh links to the
-    current one.
+    Each launch copies the `trainer` package (and a train.script with its folder)
+    into runs/.code/HASH/, one copy per distinct content, and runs it in front of
+    the image's baked code: a code change needs no image rebuild, and editing the
+    checkout after a submission changes nothing for that run.
     """
 
-    # The Dockerfile podman builds.
-    dockerfile: str = "containers/Dockerfile"
-    # The image it builds FROM (`make image BASE_IMAGE=...` overrides it).
-    # Keep in sync with containers/Dockerfile's ARG BASE_IMAGE.
-    base_image: str = "nvcr.io/nvidia/pytorch:25.12-py3"
-    # The image's name: localhost/NAME:HASH12 and OUTPUT_DIR/NAME-HASH12.sqsh.
-    name: str = "slipway"
-    # Where the squashfs files go.
-    output_dir: str = "images"
-    # Build flash-attn against the base's torch and CUDA; false for bases without CUDA.
-    flash_attn: bool = True
-    # Extra `--build-arg`s (e.g. MAX_JOBS, FLASH_ATTN_VERSION, SMOKE); they override slipway's own.
-    build_args: dict[str, str] = field(default_factory=dict)
-    # podman build --network=host (needed on CSCS).
-    network_host: bool = False
-    # podman build --isolation: chroot where the host's cgroups or rlimits stop podman's OCI
-    # runtime (a failed build says so); null: podman's default.
-    isolation: Optional[Literal["chroot", "oci", "rootless"]] = None
-    # A directory of wheels: pip installs from it alone (--no-index), for nodes without internet.
-    wheelhouse: Optional[str] = None
-    # ENROOT_SQUASH_OPTIONS for enroot import (RHEL9's mksquashfs has no lzo, enroot's default).
-    squash_options: str = "-comp zstd -Xcompression-level 3 -b 1M"
-    # compute: build and import inside one srun (podman storage on /dev/shm dies with the job).
-    build_on: Literal["local", "compute"] = "local"
-
-    def check(self, where: str) -> None:
-        # podman repository names are lowercase; the name also names files in output_dir.
-        _require(bool(re.match(r"^[a-z0-9][a-z0-9._-]{0,63}$", self.name)), f"{where}.name",
-                 f"{self.name!r} is not a valid image name: use 1-64 lowercase letters, digits, '.', '_' or '-'")
-        _require(bool(self.base_image) and "\n" not in self.base_image, f"{where}.base_image",
-                 "must name an image, e.g. nvcr.io/nvidia/pytorch:25.12-py3 or localhost/NAME:TAG")
-        for key, value in self.build_args.items():
-            if secret_word(key):  # a build arg's value is kept in the image's history, whatever it is
-                raise secret_error(f"{where}.build_args.{key}", key)
-            _require(bool(ENV_NAME.match(key)) and "\n" not in str(value), f"{where}.build_args.{key}",
-                     "build arg names are letters, digits and _ (not starting with a digit); values one line")
-        _require("\n" not in self.squash_options, f"{where}.squash_options", "must be one line of mksquashfs options")
+    # false: run the code baked into the image (a fully sealed production image).
+    snapshot: bool = True
 
 
 @dataclass
@@ -313,6 +336,7 @@ class Config:
     container: Environment = field(default_factory=Environment)
     launch: LaunchSection = field(default_factory=LaunchSection)
     image: ImageSection = field(default_factory=ImageSection)
+    code: CodeSection = field(default_factory=CodeSection)
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     data: DataSection = field(default_factory=DataSection)

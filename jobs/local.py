@@ -24,18 +24,19 @@ from plumbum import local
 from rich.markup import escape
 
 from edf import render_edf, srun_flags
-from jobs import lifecycle, runs, slurm
-from jobs import runlock
+from jobs import runs, slurm
+from jobs.runs import lifecycle
+from jobs.runs import lock as runlock
 from jobs.config import Config
-from jobs.lifecycle import Launch
-from jobs.sbatch import REQUEUE_EXIT, local_argv
+from jobs.runs.lifecycle import Launch
+from jobs.slurm.script import REQUEUE_EXIT, local_argv
 from trainer.config import HANG_EXIT, HANGS_DIR, ConfigError
 from trainer.fs import write_atomic
-from trainer.rundir import Event
+from trainer.rundir import LOCAL_JOB, CodeSnapshot, Event
 
 
-def local_env(cfg: Config, run: runs.Run) -> dict[str, str]:
-    """The batch script's environment, for a run on this machine."""
+def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -> dict[str, str]:
+    """The batch script's environment, for a run on this machine (with its code snapshot's)."""
     env = {
         "PYTHONFAULTHANDLER": "1",
         "PYTHONUNBUFFERED": "1",
@@ -46,6 +47,8 @@ def local_env(cfg: Config, run: runs.Run) -> dict[str, str]:
     }
     for key, value in cfg.launch.env.items():
         env[key] = os.path.expandvars(value)
+    if code is not None:
+        env.update(code.environment(env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))))
     return env
 
 
@@ -102,19 +105,53 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
     check_before_start(sealed, cfg.config_args)  # seconds here, not after every process has started
     with runlock.hold(sealed.paths.run_dir, f"slipway local {cfg.config_args}", trains=True):
         run, created = runs.prepare_run(sealed, force=force)
-        return _train_here(run, sealed.cfg, project_dir, created, console)
+        return _train_here(run, sealed, project_dir, created, console)
 
 
-def _train_here(run: runs.Run, cfg: Config, project_dir: Path, created: bool, console) -> int:
-    argv = local_argv(cfg, run.paths)
+def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -> int:
+    """`slipway run`: the run's batch script, as submit writes it, run here inside an existing
+    allocation (salloc, or a shell on its first node): the same preflight, srun lines, container
+    flags, run directory and events; rank 0's output on the terminal. Ctrl-C asks the ranks to
+    save at the step boundary (the run stays resumable, exit 75); a second one stops them. Under
+    pyxis the steps name their container by the allocation, so running again reuses it."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if not job:
+        raise ConfigError("slipway run", f"not inside a Slurm allocation: `salloc --nodes={cfg.slurm.nodes} ...` "
+                                         f"first and run it in that shell, or `slipway submit {cfg.config_args}`")
+    have = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or ""
+    if have.isdigit() and int(have) < cfg.slurm.nodes:
+        raise ConfigError("slurm.nodes", f"the run needs {cfg.slurm.nodes} nodes, allocation {job} has {have}: "
+                                         f"salloc --nodes={cfg.slurm.nodes}, or run with --nodes {have}")
+    cfg.container.require_host_env()
+    sealed = runs.seal(cfg, project_dir)
+    check_before_start(sealed, cfg.config_args)
+    with runlock.hold(sealed.paths.run_dir, f"slipway run {cfg.config_args}", trains=True):
+        run, created = runs.prepare_run(sealed, force=force)
+        return _train_here(run, sealed, project_dir, created, console, allocation=job)
+
+
+def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: bool, console,
+                allocation: Optional[str] = None) -> int:
+    cfg = sealed.cfg
+    code = sealed.code.value if sealed.code else None
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    tag = f"local-{stamp}"  # names this launch's files: its log, its hang dumps (trainer.watchdog.job_tag)
-    log_path = run.dir / "logs" / f"{tag}.out"
+    if allocation:
+        # The batch script itself; its events are this launch's ("local": the launcher's pid,
+        # not Slurm, says whether it runs), its tag the allocation's (the steps' container).
+        argv = ["bash", str(run.paths.script)]
+        tag = allocation
+        extra = {"SLIPWAY_IN_ALLOCATION": "1", "SLIPWAY_EVENT_JOB": LOCAL_JOB}
+        log_path = run.dir / "logs" / f"run-{allocation}-{stamp}.out"
+    else:
+        argv = local_argv(cfg, run.paths, code)
+        tag = f"local-{stamp}"  # names this launch's files: its log, its hang dumps (trainer.watchdog.job_tag)
+        extra = {**local_env(cfg, run, code), "SLIPWAY_JOB_TAG": tag}
+        log_path = run.dir / "logs" / f"{tag}.out"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     console.print(f"{'new run' if created else 'resuming run'} [bold]{cfg.run.name}[/] in {run.dir}", soft_wrap=True)
     console.print(f"[dim]$ {' '.join(argv)}[/]", soft_wrap=True)
-    env = {**os.environ, **local_env(cfg, run), "SLIPWAY_JOB_TAG": tag}
-    stopper = _Stopper(run.dir, tag)
+    env = {**os.environ, **extra}
+    stopper = _Stopper(run.dir, tag, leader_only=bool(allocation))
     previous = {sig: signal.signal(sig, stopper.handle) for sig in FORWARDED}
     try:
         with log_path.open("w") as log:
@@ -126,8 +163,9 @@ def _train_here(run: runs.Run, cfg: Config, project_dir: Path, created: bool, co
                                     pass_fds=() if lock_fd is None else (lock_fd,))
             stopper.started(proc.pid)
             runlock.note(run.dir, trainer_pid=proc.pid)
-            launch = _record_local(run, log_path, proc.pid, project_dir)
-            _event(run, "start on this machine")
+            launch = _record_local(run, log_path, proc.pid, project_dir, sealed, allocation)
+            if not allocation:  # the batch script says where it starts
+                _event(run, "start on this machine")
             assert proc.stdout is not None
             output = _Output(proc.stdout, log)
             output.start()
@@ -139,7 +177,8 @@ def _train_here(run: runs.Run, cfg: Config, project_dir: Path, created: bool, co
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    end = _how_it_ended(run, cfg, tag, rc, stopper.signum, output)
+    # The batch script records its own end (and classifies a hang); the launcher only its code.
+    end = _End(rc, rc, []) if allocation and rc >= 0 else _how_it_ended(run, cfg, tag, rc, stopper.signum, output)
     for text in end.events:
         _event(run, text)
     _finish_local(run, launch, end.outcome, **end.extra)
@@ -180,7 +219,10 @@ class _Stopper:
     The processes of a launch are those whose environment names its run directory and its tag:
     torchrun starts each rank in a session of its own, so its process group alone is not all."""
 
-    def __init__(self, run_dir: Path, tag: str) -> None:
+    def __init__(self, run_dir: Path, tag: str, leader_only: bool = False) -> None:
+        # leader_only (`slipway run`): the first signal goes to the batch script alone, whose trap
+        # asks the ranks to save and stop; srun and the ranks (other nodes' too) are its to stop.
+        self.leader_only = leader_only
         self.signum: Optional[int] = None
         self.pgid: Optional[int] = None
         self._marks = {f"SLIPWAY_RUN_DIR={run_dir}".encode(), f"SLIPWAY_JOB_TAG={tag}".encode()}
@@ -204,7 +246,12 @@ class _Stopper:
 
     def _forward(self) -> None:
         assert self.signum is not None
-        self._signal(signal.SIGTERM if self.signum == signal.SIGHUP else self.signum)
+        sig = signal.SIGTERM if self.signum == signal.SIGHUP else self.signum
+        if self.leader_only and self.pgid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pgid, sig)
+        else:
+            self._signal(sig)
         self._killer = threading.Timer(STOP_GRACE_SECONDS, self.kill)
         self._killer.daemon = True
         self._killer.start()
@@ -415,13 +462,22 @@ def _check_data_fits(cfg: Config, status) -> None:
                                           f"{window}: lower data.seq_len or use more data")
 
 
-def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: Path) -> dict:
+def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: Path, sealed: runs.Sealed,
+                  allocation: Optional[str] = None) -> dict:
     """Add this launch to the manifest. `pid` is this process, not the trainer's: it outlives the
     trainer and writes the outcome, so a reader never sees the launch dead before its exit is recorded."""
     entry = {"job_id": None, "local": True, "started": runs.now(), "pid": os.getpid(), "trainer_pid": trainer_pid,
              "host": socket.gethostname(), "log": str(log_path.relative_to(run.dir)),
-             "git": runs.git_state(project_dir)}
-    runs.update_manifest(run, lambda manifest: manifest.setdefault("submissions", []).append(entry))
+             "git": runs.git_state(project_dir), "code": sealed.code_record,
+             **({"allocation": allocation} if allocation else {})}
+    runs.record_code(run, sealed)
+
+    def add(manifest: dict) -> None:
+        runs.note_code_change(run, manifest, sealed, LOCAL_JOB)
+        manifest["code"] = sealed.code_record
+        manifest.setdefault("submissions", []).append(entry)
+
+    runs.update_manifest(run, add)
     return entry
 
 
@@ -496,10 +552,10 @@ def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None,
 
     The environment is the one a submitted run of `cfg` would get (pinned image, its paths
     mounted) less the paths not created yet, through the same `srun_flags` as the batch
-    script; every mount source is checked here (jobs.container.shell_environment). It never
+    script; every mount source is checked here (jobs.runs.container.shell_environment). It never
     writes into a run directory. Variables of `container.env_from_host` are only named,
     never expanded: srun hands them on from this process's environment."""
-    from jobs.container import shell_environment
+    from jobs.runs.container import shell_environment
 
     sealed = runs.seal(cfg, project_dir)
     env, notes = shell_environment(sealed.cfg, sealed.paths, sealed.pin)

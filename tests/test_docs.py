@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import reference
+from jobs.cli import reference
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -33,7 +33,7 @@ def test_every_config_key_has_a_meaning():
 
 def test_generator_command_writes_the_page(tmp_path):
     out = tmp_path / "config.md"
-    done = subprocess.run([sys.executable, "-m", "jobs.reference", "--out", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "jobs.cli.reference", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     text = out.read_text()
@@ -41,7 +41,7 @@ def test_generator_command_writes_the_page(tmp_path):
     assert "- **`slurm.max_retries`**: integer; default `2`." in text
     assert "- **`container.runtime`**: one of `edf`, `pyxis`, `none`; default `edf`." in text
     out.write_text(text.replace("default `2`", "default `3`"))
-    check = subprocess.run([sys.executable, "-m", "jobs.reference", "--check", "--out", str(out)], cwd=ROOT,
+    check = subprocess.run([sys.executable, "-m", "jobs.cli.reference", "--check", "--out", str(out)], cwd=ROOT,
                            capture_output=True, text=True)
     assert check.returncode == 1 and "-- **`slurm.max_retries`**: integer; default `3`." in check.stdout
     assert reference.COMMAND in check.stderr

@@ -1,4 +1,4 @@
-"""The batch script's decisions after a preflight, a hang or a dead node (jobs/sbatch.py), run
+"""The batch script's decisions after a preflight, a hang or a dead node (jobs/slurm/script.py), run
 for real by bash with stand-in Slurm commands: what it writes to events.log, which scontrol
 calls it makes (requeue held, ExcNodeList, release) and how it exits. The same script runs on
 the local Slurm cluster in tests/test_hang_slurm.py."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jobs.config import load_config
-from jobs.sbatch import RunPaths, render_sbatch
+from jobs.slurm.script import RunPaths, render_sbatch
 from trainer.config import HANG_EXIT, PREFLIGHT_EXIT
 
 # Stand-ins: scontrol and sinfo answer from files in $FAKE, srun runs the preflight's and the

@@ -112,7 +112,7 @@ def test_a_frozen_rank_ends_the_job_with_stack_dumps_and_a_resubmission_resumes(
     assert log[-1] == f"job {job_id} end exit {HANG_EXIT}"
 
     status = slipway("status", "frozen")
-    # Slurm says FAILED; the run's own state says what happened (jobs/lifecycle.py)
+    # Slurm says FAILED; the run's own state says what happened (jobs/runs/lifecycle.py)
     assert status.returncode == 0 and "HUNG" in status.stdout and "FAILED" not in status.stdout, status.stdout
     assert "hung (attempt" in status.stdout and "not answering in time: the ranks on node2" in status.stdout
     assert f"rank {rank} on node2:" in status.stdout or f"hangs/{job_id}-node1-" in status.stdout

@@ -471,7 +471,7 @@ def test_prepare_as_job_refused_leaves_no_directories(project, slurm_up):
 
 
 def test_the_same_edge_for_python_m_containers(project):
-    r = subprocess.run([PY, "-m", "containers", "show", "tiny_cpu", f"image.dockerfile={LONG}"],
+    r = subprocess.run([PY, "-m", "jobs", "image", "show", "tiny_cpu", f"image.dockerfile={LONG}"],
                        capture_output=True, text=True, cwd=project, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("slipway: error: "), r.stderr

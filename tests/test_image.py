@@ -41,6 +41,8 @@ from containers.pip_requirements import requirement_name, requirements, toml_loa
 from containers.prune import prune_images
 from containers.storage import check_storage_conf, filesystem_type
 from containers.tools import Enroot, Podman, ToolError
+from containers.record import BuildRecord
+from jobs.cli.image import build, compute_argv
 from jobs.config import Config, ImageSection, load_config
 from tests.image_standins import calls, flash_attn_standin_wheel, write_standins
 from trainer.config import ConfigError
@@ -225,7 +227,7 @@ def test_plan_command_lines(project: Path, fakes: Path, monkeypatch: pytest.Monk
     temp = out / f".slipway-{h12}.sqsh.tmp-{img._host()}-{os.getpid()}"
     assert plan.enroot_argv == ["enroot", "import", "-o", str(temp), f"podman://localhost/slipway:{h12}"]
     assert plan.enroot_env == {"ENROOT_SQUASH_OPTIONS": "-comp zstd -Xcompression-level 3 -b 1M"}
-    assert not plan.enroot_mount and plan.srun_argv is None
+    assert not plan.enroot_mount and plan.frozen_config is None
     assert plan.build_env == {"MAX_JOBS": "4"}  # buildenv/flash-attn.env, not a --build-arg
     # CSCS's enroot lists -x in `enroot import --help`: detected, not assumed.
     monkeypatch.setenv("FAKE_ENROOT_MOUNT", "1")
@@ -242,13 +244,17 @@ def test_compute_build_command_line_and_run(project: Path, fakes: Path):
                        "slurm.time=00:45:00", f"image.base_image={TEST_BASE}"])
     plan = image_plan(cfg, root=project, enroot_mount=False, force=True)
     frozen = project / "images" / f".build-{plan.hash[:12]}.yaml"
-    assert plan.srun_argv == ["srun", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=00:45:00",
-                              "--account=a-07", "--partition=debug", "--job-name=slipway-image",
-                              sys.executable, "-m", "containers", "build", "--here", str(frozen), "--force"]
+    argv = compute_argv(cfg, plan, force=True, do_import=True)
+    assert argv == ["srun", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=00:45:00",
+                    "--account=a-07", "--partition=debug", "--job-name=slipway-image",
+                    sys.executable, "-m", "jobs", "image", "build", "--here", str(frozen), "--force"]
+    # The image code alone does not know Slurm: it says which command does.
+    with pytest.raises(ToolError, match="slipway image build"):
+        build_image(cfg, root=project, force=True)
     # Through the srun stand-in the inner build runs the podman and enroot stand-ins.
-    result = build_image(cfg, root=project, force=True)
+    result = build(cfg, root=project, force=True)
     argvs = [c["argv"] for c in calls(fakes)]
-    assert [c["argv"] for c in calls(fakes, "srun")] == [plan.srun_argv]
+    assert [c["argv"] for c in calls(fakes, "srun")] == [argv]
     assert any(a[:2] == ["podman", "build"] and "--no-cache" in a for a in argvs)
     assert any(a[:2] == ["enroot", "import"] and "-o" in a for a in argvs)
     assert result.squashfs == plan.squashfs and plan.squashfs.is_file()
@@ -278,10 +284,10 @@ def test_build_import_is_atomic_and_recorded(project: Path, fakes: Path, tmp_pat
     assert podman_build == [plan.podman_argv]
     # The record, the sidecar and the stable link.
     record = current_image(cfg, root=project)
-    assert record == json.loads(plan.sidecar.read_text())
-    assert record["hash"] == plan.hash and record["tag"] == plan.tag
-    assert record["squashfs"] == str(plan.squashfs) and record["base_image"] == TEST_BASE
-    assert record["size_bytes"] == plan.squashfs.stat().st_size and record["enroot_version"] == "3.5.0"
+    assert record == BuildRecord.read(plan.sidecar)
+    assert record.hash == plan.hash and record.tag == plan.tag
+    assert record.squashfs == str(plan.squashfs) and record.base_image == TEST_BASE
+    assert record.size_bytes == plan.squashfs.stat().st_size and record.enroot_version == "3.5.0"
     assert plan.link.is_symlink() and os.readlink(plan.link) == plan.squashfs.name
     assert resolve_image(cfg, root=project) == plan.squashfs
     assert "STEP 2/2" in plan.log.read_text()
@@ -308,7 +314,7 @@ def test_noop_build_does_not_call_podman(project: Path, fakes: Path):
     back = build_image(cfg, root=project)
     assert not back.built and back.squashfs == first.squashfs
     assert resolve_image(cfg, root=project) == first.squashfs
-    assert current_image(cfg, root=project)["hash"] == first.plan.hash
+    assert current_image(cfg, root=project).hash == first.plan.hash
     assert len(calls(fakes, "podman")) == n_podman
 
 
@@ -344,7 +350,7 @@ def test_failed_import_leaves_no_file(project: Path, fakes: Path, monkeypatch: p
 def test_interrupted_import_leaves_no_file(project: Path, fakes: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("FAKE_ENROOT_MODE", "hang")
     out = project / "images"
-    proc = subprocess.Popen([sys.executable, "-m", "containers", "build", "configs/tiny_cpu.yaml"], cwd=project,
+    proc = subprocess.Popen([sys.executable, "-m", "jobs", "image", "build", "configs/tiny_cpu.yaml"], cwd=project,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 30
     while not list(out.glob(".slipway-*.sqsh.tmp-*")) and time.time() < deadline and proc.poll() is None:
@@ -384,7 +390,7 @@ def test_missing_tools_say_what_to_do(project: Path, tmp_path: Path, monkeypatch
     result = build_image(cfg, root=project, do_import=False)
     assert result.squashfs is None and not result.built  # the tag exists already
     with pytest.raises(ToolError, match="srun not found"):
-        build_image(make_cfg(build_on="compute"), root=project)
+        build(make_cfg(build_on="compute"), root=project)
 
 
 def test_base_that_cannot_be_pulled(project: Path, fakes: Path, monkeypatch: pytest.MonkeyPatch):
@@ -429,18 +435,18 @@ def test_prune_keeps_the_current_image(project: Path, fakes: Path):
     (project / "configs" / "v.yaml").write_text("run: {seed: 0}\n")
     assert build_image(cfg, root=project).squashfs == made[0]
     assert len(list((project / "images").glob("slipway-*.sqsh"))) == 3
-    removed = prune_images(cfg, keep=2, root=project)
+    removed = prune_images(cfg, keep=2, pinned={}, root=project)
     assert removed.ok and made[1] in removed.removed and made[1].with_suffix(".json") in removed.removed
     assert made[0].exists() and made[2].exists() and not made[1].exists()
-    removed = prune_images(cfg, keep=1, root=project)
+    removed = prune_images(cfg, keep=1, pinned={}, root=project)
     assert removed.ok and made[2] in removed.removed and made[0].exists()
     assert resolve_image(cfg, root=project) == made[0]
     tags = [c["argv"][2] for c in calls(fakes, "podman") if c["argv"][1] == "rmi"]
     assert sorted(tags) == sorted(f"localhost/slipway:{p.name[8:20]}" for p in made[1:])
-    again = prune_images(cfg, keep=1, root=project)
+    again = prune_images(cfg, keep=1, pinned={}, root=project)
     assert again.ok and not (again.removed or again.tags or again.containers)
     with pytest.raises(ConfigError, match="--keep"):
-        prune_images(cfg, keep=0, root=project)
+        prune_images(cfg, keep=0, pinned={}, root=project)
 
 
 # ---------------------------------------------------------------- enroot's leftover containers
@@ -492,11 +498,11 @@ def test_import_warns_when_its_leftover_cannot_be_removed(project: Path, fakes: 
     (warning,) = [n for n in result.notes if n.startswith("could not remove")]
     assert warning.startswith(f"could not remove enroot's leftover podman container {name} (exit 2: Error: cleaning up "
                               "storage")
-    assert warning.endswith("`python -m containers prune` retries")
+    assert warning.endswith("`slipway image prune` retries")
 
 
 def run_prune(project: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "containers", "prune", "configs/tiny_cpu.yaml"], cwd=project,
+    return subprocess.run([sys.executable, "-m", "jobs", "image", "prune", "configs/tiny_cpu.yaml"], cwd=project,
                           capture_output=True, text=True, env={**os.environ, "COLUMNS": "500", **env})
 
 
@@ -1068,13 +1074,13 @@ def test_dockerfile_contract():
 
 
 def test_cli_show(project: Path, fakes: Path):
-    out = subprocess.run([sys.executable, "-m", "containers", "show", "configs/tiny_cpu.yaml"], cwd=project,
+    out = subprocess.run([sys.executable, "-m", "jobs", "image", "show", "configs/tiny_cpu.yaml"], cwd=project,
                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"})
     assert out.returncode == 0, out.stderr
     plan = image_plan(load_config(project / "configs" / "tiny_cpu.yaml"), root=project, enroot_mount=False)
     assert f"tag       {plan.tag}" in out.stdout and "(not built)" in out.stdout
     assert "ENROOT_SQUASH_OPTIONS='-comp zstd -Xcompression-level 3 -b 1M' enroot import -o" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "containers", "build", "configs/tiny_cpu.yaml", "image.name=Bad Name"],
+    bad = subprocess.run([sys.executable, "-m", "jobs", "image", "build", "configs/tiny_cpu.yaml", "image.name=Bad Name"],
                          cwd=project, capture_output=True, text=True)
     assert bad.returncode == 2 and "image.name" in bad.stderr
 
@@ -1097,14 +1103,14 @@ def real_prune_of_import_leftovers(cfg: Config, root: Path, tmp_path: Path) -> f
     (tmp_path / name).mkdir()  # its enroot work dir (ENROOT_TEMP_PATH): an import may be running
     quiet = Console(quiet=True)
     try:
-        first = prune_images(cfg, keep=1, root=root, console=quiet)
+        first = prune_images(cfg, keep=1, pinned={}, root=root, console=quiet)
         assert not first.ok and old not in first.tags and name not in first.containers
         assert any(f.startswith(f"podman container {name} (left by enroot import of {old}): enroot's work dir")
                    for f in first.failed), first.failed
         (refused,) = [f for f in first.failed if f.startswith(f"podman tag {old}: podman rmi exit ")]
         assert "image is in use by a container" in refused  # real podman's own words
         (tmp_path / name).rmdir()  # the import is over
-        second = prune_images(cfg, keep=1, root=root, console=quiet)
+        second = prune_images(cfg, keep=1, pinned={}, root=root, console=quiet)
         assert second.ok, second.failed
         assert second.containers == [name] and old in second.tags
         assert not [c for c in podman.containers(Enroot.CONTAINER_FILTER) if c.name == name]

@@ -1,4 +1,4 @@
-"""The job library (jobs/job_lib.sh) function by function, in bash, with stand-in Slurm and enroot
+"""The job library (jobs/slurm/job_lib.sh) function by function, in bash, with stand-in Slurm and enroot
 commands on PATH: the decisions it takes from prepared files and the events it writes. No Slurm;
 the whole batch script is run in tests/test_hang_script.py, and on a real cluster in
 tests/test_hang_slurm.py."""
@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from jobs.sbatch import JOB_LIB
+from jobs.slurm.script import JOB_LIB
 
 SETTINGS = """RUN_DIR={run_dir}
 NODES_NEEDED=2 PROCS_PER_NODE=2 RANKS=4 REQUEUE=1 MAX_RETRIES=2 MAX_REQUEUES=3 PREFLIGHT_TIMEOUT=300
@@ -94,8 +94,8 @@ def test_a_rank_killed_by_a_signal_decides_the_steps_exit_whatever_srun_says(tmp
 
 
 def test_the_task_wrapper_reports_what_killed_its_rank(tmp_path):
-    """The wrapper jobs/sbatch.py puts around each task: its report is what step_exit reads."""
-    from jobs.sbatch import _REPORT_EXIT
+    """The wrapper jobs/slurm/script.py puts around each task: its report is what step_exit reads."""
+    from jobs.slurm.script import _REPORT_EXIT
 
     reports = tmp_path / "exits"
     reports.mkdir()

@@ -1,4 +1,4 @@
-"""The run-directory protocol (trainer/rundir.py) and the run's lifecycle (jobs/lifecycle.py):
+"""The run-directory protocol (trainer/rundir.py) and the run's lifecycle (jobs/runs/lifecycle.py):
 events written by either writer read back, torn and foreign lines skipped, manifest entries read
 once into launches, and one table of (events, Slurm's record or the local processes) -> state."""
 
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs import lifecycle, runs, slurm
-from jobs.lifecycle import Launch, LocalProcess, launch_state
-from jobs.sbatch import _EVENT, RunPaths
+from jobs import runs, slurm
+from jobs.runs import lifecycle
+from jobs.runs.lifecycle import Launch, LocalProcess, launch_state
+from jobs.slurm.script import _EVENT, RunPaths
 from trainer.rundir import (EVENTS_FILE, LOCAL_JOB, Event, EventKind, append_event, format_event, parse_event,
                             read_events)
 

@@ -61,7 +61,7 @@ def fake_build(project: Path, *overrides: str, source: str | None = None) -> Pat
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     plan.squashfs.write_bytes(b"hsqs" + plan.hash.encode() * 100)
     record = _record(plan, image_id=None, enroot_version="stand-in")
-    plan.sidecar.write_text(json.dumps(record))
+    plan.sidecar.write_text(record.to_json())
     _make_current(plan, record)
     return plan.squashfs
 
@@ -172,7 +172,14 @@ def test_doctor_of_a_run_names_what_its_config_would_build_now(project, pin_conf
     r = slipway("doctor", "r")
     assert r.returncode == 0, r.stdout
     (line,) = [line for line in r.stdout.splitlines() if "current build" in line]
-    assert "sources changed in configs/" in line and "flash_attn" not in line and pinned.name[8:20] in line
+    # Code alone differs: the run's code snapshot brings it, so no rebuild is asked for.
+    assert "in code only" in line and "no rebuild needed" in line and pinned.name[8:20] in line
+    # What the image installs differs: named, with the command.
+    (project / "pyproject.toml").write_text('[project]\nname = "x"\ndependencies = ["tomli>=2"]\n')
+    r = slipway("doctor", "r")
+    (line,) = [line for line in r.stdout.splitlines() if "current build" in line]
+    assert "the dependencies (pyproject.toml) changed" in line and "sources" not in line, line
+    assert "slipway image build" in line
 
     # A mount source removed since submission: the next job would not start.
     mounted = project / "data"
@@ -249,7 +256,11 @@ def test_stale_build_note_names_only_what_differs_and_carries_the_overrides(proj
     r = slipway("submit", pin_config, *PYXIS, "image.flash_attn=false", "--dry-run")
     assert "is not what this config builds now" not in r.stdout, r.stdout
     (project / "configs" / "extra.yaml").write_text("# new\n")
+    # A code change needs no rebuild: the run's code snapshot brings it.
     r = slipway("submit", pin_config, *PYXIS, "image.flash_attn=false", "--dry-run")
+    assert "is not what this config builds now" not in r.stdout, r.stdout
+    # Without a snapshot the job runs the image's code: then the sources are named.
+    r = slipway("submit", pin_config, *PYXIS, "image.flash_attn=false", "code.snapshot=false", "--dry-run")
     (note,) = [line for line in r.stdout.splitlines() if "is not what this config builds now" in line]
     assert "sources changed in configs/" in note and "flash_attn true" not in note
-    assert note.split("`")[1] == f"slipway image build pin {PYXIS[0]} image.flash_attn=false"
+    assert note.split("`")[1] == f"slipway image build pin {PYXIS[0]} image.flash_attn=false code.snapshot=false"

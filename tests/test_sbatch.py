@@ -10,7 +10,7 @@ import pytest
 
 from conftest import SRUN_PASSING_PREFLIGHT, assert_golden
 from jobs.config import load_config
-from jobs.sbatch import RunPaths, local_argv, render_sbatch, shell_value
+from jobs.slurm.script import RunPaths, local_argv, render_sbatch, shell_value
 
 HOSTILE = "a b'c\"d $(touch pwned) `touch pwned2` ; rm -rf / \\ ${HOME} end"
 PATHS = RunPaths(Path("/scratch/u s'er/proj $(x)/runs/r1"), Path("/scratch/u s'er/proj $(x)"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -81,7 +82,7 @@ def fake_build(project: Path, marker: str = "1") -> Path:
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     plan.squashfs.write_bytes(b"hsqs" + marker.encode() * 1000)
     record = _record(plan, image_id=None, enroot_version="stand-in")
-    plan.sidecar.write_text(json.dumps(record))
+    plan.sidecar.write_text(record.to_json())
     _make_current(plan, record)
     return plan.squashfs
 
@@ -96,7 +97,7 @@ def test_run_directory_and_caches_are_mounted_for_pyxis(project):
     img = project / "img.sqsh"
     img.write_bytes(b"hsqs")
     r = slipway("submit", "tiny_cpu", "--dry-run", *PYXIS, f"container.image={img}",
-                "container.mounts=[/tmp:/scratch]")
+                "container.mounts=[/tmp:/scratch]", "code.snapshot=false")  # the code's mount: test_dev_loop
     assert r.returncode == 0, r.stderr
     words = srun_line(dry_run_files(r)["job.sbatch"])
     run_dir, cache = project / "runs" / "tiny_cpu", project / ".cache"
@@ -113,7 +114,7 @@ def test_edf_mounts_are_written_in_the_documented_form(project):
     data = project / "corpus dir"
     data.mkdir()
     r = slipway("submit", "tiny_cpu", "--dry-run", "container.runtime=edf", f"container.image={img}",
-                "data.dataset=./corpus dir", "launch.hf_home=/tmp/hf")
+                "data.dataset=./corpus dir", "launch.hf_home=/tmp/hf", "code.snapshot=false")
     assert r.returncode == 0, r.stderr
     edf = dry_run_files(r)["env.toml"]
     run_dir, cache = project / "runs" / "tiny_cpu", project / ".cache" / "tokens"
@@ -131,7 +132,7 @@ def test_a_user_mount_that_shows_the_path_is_enough(project):
     img = project / "img.sqsh"
     img.write_bytes(b"hsqs")
     r = slipway("submit", "tiny_cpu", "--dry-run", *PYXIS, f"container.image={img}",
-                f"container.mounts=[{project.parent}:{project.parent}]")
+                f"container.mounts=[{project.parent}:{project.parent}]", "code.snapshot=false")
     assert r.returncode == 0, r.stderr
     mounts = next(w for w in srun_line(dry_run_files(r)["job.sbatch"]) if w.startswith("--container-mounts="))
     assert mounts == f"--container-mounts={project.parent}:{project.parent}"
@@ -144,7 +145,9 @@ def test_a_user_mount_that_shows_the_path_is_enough(project):
     r = slipway("submit", "tiny_cpu", "--dry-run", *PYXIS, f"container.image={img}",
                 f"container.mounts=[{project}:{project}, /tmp:{project}]")
     mounts = next(w for w in srun_line(dry_run_files(r)["job.sbatch"]) if w.startswith("--container-mounts="))
-    assert mounts.endswith(f"{project / '.cache' / 'huggingface'}:{project / '.cache' / 'huggingface'}")
+    hf = project / '.cache' / 'huggingface'
+    # ... and the run's code snapshot, read-only at its own path, last (jobs/runs/code.py)
+    assert f"{hf}:{hf}," in mounts and re.search(r"/runs/\.code/[0-9a-f]{16}:[^,]*/runs/\.code/[0-9a-f]{16}:ro$", mounts)
 
 
 def test_a_user_mount_that_would_hide_the_run_directory_is_refused(project):

@@ -114,7 +114,8 @@ def test_secrets_reach_the_job_and_land_nowhere(project, host, capfd, runtime):
         env_toml = (run_dir / "env.toml").read_text()
         assert 'HF_TOKEN = "${HF_TOKEN}"' in env_toml and 'WANDB_API_KEY = "${WANDB_API_KEY}"' in env_toml
     if runtime == "pyxis":
-        srun = next(line for line in script.splitlines() if line.startswith("srun --kill-on-bad-exit"))
+        # the training step's line: the code snapshot's variables are set for it alone, before srun
+        srun = next(line for line in script.splitlines() if "srun --kill-on-bad-exit=1 --wait=" in line)
         flag = next(w for w in shlex.split(srun.rstrip("\\")) if w.startswith("--container-env="))
         assert {"HF_TOKEN", "WANDB_API_KEY"} <= set(flag.split("=", 1)[1].split(","))
         assert "HF_TOKEN=" not in script and "WANDB_API_KEY=" not in script  # named, never assigned
@@ -255,7 +256,8 @@ def test_its_own_reference_is_a_pass_through_and_look_alikes_pass(project, host,
                            f"container.image={project / 'img.sqsh'}", "container.env.HF_TOKEN=${HF_TOKEN}",
                            "container.env.TOKENIZERS_PARALLELISM=false", "launch.debug=true")
     assert rc == 0, err
-    assert "--container-env=TOKENIZERS_PARALLELISM,HF_TOKEN" in out and "HF_TOKEN=" not in out
+    assert "--container-env=TOKENIZERS_PARALLELISM,SLIPWAY_CODE,PYTHONPATH,PYTHONSAFEPATH,HF_TOKEN" in out
+    assert "HF_TOKEN=" not in out
     assert "TOKENIZERS_PARALLELISM=false" in out and not leaks(out, err)
 
 
@@ -308,7 +310,7 @@ def test_a_base_environment_s_literal_is_replaced_or_refused_under_pyxis(project
             "container.base_environment=[site]"]
     rc, out, err = slipway(capfd, "submit", "--dry-run", *args, FROM_HOST)
     assert rc == 0, err
-    assert "--container-env=FOO,HF_TOKEN,WANDB_API_KEY" in out and not leaks(out, err)
+    assert "--container-env=FOO,SLIPWAY_CODE,PYTHONPATH,PYTHONSAFEPATH,HF_TOKEN,WANDB_API_KEY" in out and not leaks(out, err)
     rc, out, err = slipway(capfd, "submit", "--dry-run", *args)
     assert rc == 2 and err.startswith("slipway: error: container.env.HF_TOKEN: looks like a secret"), err
     assert not leaks(out, err)

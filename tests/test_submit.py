@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -242,7 +243,9 @@ def test_prepare_job_script(project):
                           "#SBATCH --cpus-per-task=16", "#SBATCH --time=02:00:00"]
     assert "#SBATCH --partition=cpu" in header and "#SBATCH --no-requeue" in header
     assert not any("gpu" in line for line in header)
-    srun = shlex.split(text[text.index("\nsrun ") + 1:].replace("\\\n", " "))
+    line = next(x for x in text.splitlines() if re.search(r"(^| )srun --", x))
+    srun = shlex.split(text[text.index(line):].replace("\\\n", " "))
+    assert srun[:1] == ["SLIPWAY_CODE=" + sealed.code.value.dir]  # the prepare job runs the run's code too
     train = shlex.split(sealed.files["job.sbatch"].split("srun --kill-on-bad-exit=1", 1)[1].split("\n")[0].rstrip("\\"))
     # the same container as the training job's srun line; only the training job's steps share
     # a named container (its preflight unpacks it), the prepare job's single step has no one to share with

@@ -1,4 +1,4 @@
-"""`slipway watch` (jobs/watch.py): its parts on made-up run directories, and the real thing in a
+"""`slipway watch` (jobs/cli/watch.py): its parts on made-up run directories, and the real thing in a
 terminal (tmux: send-keys, capture-pane) against a job running on the local Slurm cluster."""
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from jobs import runs, slurm, watch
+from jobs import runs, slurm
+from jobs.cli import watch
 from jobs.local import local_state
-from jobs.sbatch import RunPaths
+from jobs.slurm.script import RunPaths
 
 PY = sys.executable
 
@@ -155,7 +156,7 @@ def test_a_local_launch_is_running_until_its_launcher_records_the_outcome():
 def test_logs_f_of_a_local_launch_that_died_exits_1(tmp_path, capsys):
     """`slipway logs RUN -f` ends with the launch's exit code, as for a Slurm job; one that died
     without recording it is a failure, not a success. Printing the log alone succeeds."""
-    from jobs.status import show_logs
+    from jobs.cli.status import show_logs
 
     run = fake_run(tmp_path)
     gone = dead_pid()

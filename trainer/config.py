@@ -871,7 +871,7 @@ def check_trainer_sections(cfg: Any) -> None:
              f"({m.max_position_embeddings}): lower seq_len or raise max_position_embeddings")
 
 
-HOST_SECTIONS = ("slurm", "container", "launch", "image")
+HOST_SECTIONS = ("slurm", "container", "launch", "image", "code")
 
 
 

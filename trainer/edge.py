@@ -1,6 +1,6 @@
 """The command line's edge: every error from what the user gave becomes one line and exit 2.
 
-Each entry point (`slipway`, `python -m containers`, `python -m trainer.prepare`) runs its
+Each entry point (`slipway`, `python -m trainer.prepare`) runs its
 work through `run_at_edge`, so an error class a new field brings (a path component longer
 than the filesystem takes, a document nested too deeply) is caught here once instead of
 field by field. A genuine bug still gets one line, saying it is one; `SLIPWAY_DEBUG=1`

@@ -6,7 +6,7 @@ events.log holds one line per event, `TIME job JOB TEXT`: TIME as `date
 --iso-8601=seconds` writes it, JOB the Slurm job id (it survives requeues) or
 `local` for a launch on this machine, TEXT free words whose start says what
 happened (`EventKind`). Two writers, one per language: the batch script's bash
-`event()` (jobs/job_lib.sh) and `append_event` here.
+`event()` (jobs/slurm/job_lib.sh) and `append_event` here.
 Readers go through `parse_event`, which never fails on a torn or foreign line.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
@@ -24,7 +24,7 @@ from typing import Optional
 EVENTS_FILE = "events.log"
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.yaml"
-HEARTBEAT_FILE = "heartbeat"  # the batch host's, every HEARTBEAT_SECONDS (jobs/sbatch.py)
+HEARTBEAT_FILE = "heartbeat"  # the batch host's, every HEARTBEAT_SECONDS (jobs/slurm/script.py)
 HEARTBEATS_DIR = "heartbeats"  # heartbeats/NODE: each node's, which `slipway watch` shows by age
 GUTIL_DIR = "gutil"  # gutil/NODE.gutil: nvidia-smi dmon samples
 METRICS_FILE = "metrics.jsonl"
@@ -48,10 +48,67 @@ REQUEUE_EXIT = 75
 INTERRUPTED_EXIT = 130  # a local launch stopped by Ctrl-C (128 + SIGINT)
 
 LOCAL_JOB = "local"  # the job field of a launch on this machine
+# The code snapshot the ranks run (jobs/runs/code.py): its directory, set in their environment.
+CODE_ENV = "SLIPWAY_CODE"
 
-# The bash writer is the batch script's `event()` (jobs/job_lib.sh), one line of the same format:
+# The bash writer is the batch script's `event()` (jobs/slurm/job_lib.sh), one line of the same format:
 #   event() { printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "$SLURM_JOB_ID" "$*" >> "$RUN_DIR/events.log"; }
 # tests/test_lifecycle.py runs it and reads its lines back with `parse_event`.
+
+
+@dataclass(frozen=True)
+class CodeSnapshot:
+    """A run's code snapshot (jobs/runs/code.py takes it): its content hash, where it lives, and
+    where the code came from. The manifest records it; the batch script and env.toml name `dir`."""
+
+    hash: str
+    dir: str  # absolute: RUNS/.code/HASH16
+    files: int
+    bytes: int
+    source: str  # the trainer package it was taken from
+    commit: Optional[str] = None  # the checkout's HEAD, when it is one
+    dirty: Optional[bool] = None  # snapshotted files differ from that commit
+    script: Optional[str] = None  # the train.script inside the snapshot (absolute)
+
+    @property
+    def hash12(self) -> str:
+        return self.hash[:12]
+
+    def record(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    @classmethod
+    def from_record(cls, data: object) -> Optional["CodeSnapshot"]:
+        if not isinstance(data, dict) or not isinstance(data.get("hash"), str) or not isinstance(data.get("dir"), str):
+            return None
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values.setdefault("files", 0)
+        values.setdefault("bytes", 0)
+        values.setdefault("source", "")
+        return cls(**values)
+
+    def environment(self, pythonpath: Optional[str] = None) -> dict[str, str]:
+        """What puts the snapshot in front of any installed `trainer` (`pythonpath`: one to keep behind it)."""
+        return {CODE_ENV: self.dir, "PYTHONPATH": self.dir + (f":{pythonpath}" if pythonpath else ""),
+                "PYTHONSAFEPATH": "1"}
+
+
+
+def check_code(package_file: str, environ: Optional[dict] = None) -> Optional[str]:
+    """Where the running `trainer` package comes from, against the snapshot the launch named
+    ($SLIPWAY_CODE): None when it is the snapshot's (or none was named), else why not, in one line."""
+    environ = os.environ if environ is None else environ
+    code = environ.get(CODE_ENV)
+    if not code:
+        return None
+    here = Path(package_file).resolve().parent
+    if Path(code).resolve() / "trainer" == here:
+        return None
+    return (f"this process runs the trainer from {here}, not the run's code snapshot {code}/trainer "
+            f"({CODE_ENV}): something ahead of PYTHONPATH shadows it (a `trainer` in the working directory "
+            "with a Python older than 3.11, which ignores PYTHONSAFEPATH, or a .pth file); run from another "
+            "directory or set code.snapshot: false")
 
 
 class EventKind(str, enum.Enum):

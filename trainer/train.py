@@ -71,6 +71,7 @@ from trainer.parallel import (Batch, ParallelDims, Runner, build_model, build_ru
                               global_mean, resolve_dtype, step_stats)
 from trainer.checkpoint import Checkpointer, CheckpointWriteError, ModelState, NonFiniteError, OptimizerState, RNGState
 from trainer.preflight import checkpoint_bytes
+from trainer.rundir import check_code
 
 log = logging.getLogger(__name__)
 
@@ -502,6 +503,11 @@ def main(argv: Optional[list[str]] = None, data: Optional[DataBuilder] = None) -
                f"(train.max_nonfinite_steps); {EX_TEMPFAIL} stopped by a signal or the stop file after saving")
     parser.add_argument("--config", required=True, type=Path, help="runs/RUN/config.yaml (its folder is the run)")
     args = parser.parse_args(argv)
+    shadowed = check_code(__file__)
+    if shadowed:  # the launch named a code snapshot and this is not it: never train other code silently
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+            print(f"error: {shadowed}", file=sys.stderr)
+        return 2
     try:
         cfg = load_trainer_config(args.config)
         result = train(cfg, args.config.resolve().parent, data=data)

@@ -7,9 +7,12 @@ import time
 
 from rich.markup import escape
 
-from jobs import lifecycle, runlock, runs, slurm
-from jobs.lifecycle import History, Launch
+from jobs import runs, slurm
+from jobs.runs import lifecycle
+from jobs.runs import lock as runlock
+from jobs.runs.lifecycle import History, Launch
 from trainer.config import HANGS_DIR, ConfigError
+from trainer.rundir import LOCAL_JOB
 
 
 def job_history(run: runs.Run, job_id: str) -> History:
@@ -59,10 +62,29 @@ def _job_row(run: runs.Run, launch: Launch, events) -> tuple[str, str, str, str,
     return (launch.id, state.state, code, elapsed, state.reason or (own[-1].text if own else ""))
 
 
+def code_lines(run: runs.Run) -> list[str]:
+    """The code the run's latest launch runs, and where it changed between launches."""
+    code = run.code()
+    history = run.code_history()
+    if code is None:
+        return ["code: the image's own (code.snapshot: false)"] if history else []
+    where = f"commit {code.commit[:12]}" if code.commit else "not a git checkout"
+    if code.dirty:
+        diff = run.dir / "code" / f"{code.hash12}.diff"
+        where += f", with uncommitted changes ({diff})" if diff.exists() else ", with uncommitted changes"
+    out = [f"code {code.hash12} ({where}; snapshot {code.dir})"]
+    changes = [(job, before, after) for (_, before), (job, after) in zip(history, history[1:])
+               if (before.hash if before else None) != (after.hash if after else None)]
+    for job, before, after in changes:
+        was, now = (c.hash12 if c else "the image's code" for c in (before, after))
+        out.append(f"note: code changed at {'the local launch' if job == LOCAL_JOB else 'job ' + job}: {was} -> {now}")
+    return out
+
+
 def image_drift(run: runs.Run) -> str | None:
     """A note when the image the run's latest job used is not the current build for its config."""
-    pinned = run.manifest().get("image") or {}
-    if pinned.get("source") != "build":
+    pinned = run.image()
+    if pinned is None or pinned.source != "build":
         return None
     try:
         from containers.image import current_image
@@ -70,9 +92,9 @@ def image_drift(run: runs.Run) -> str | None:
         current = current_image(run.config(), root=run.paths.project_dir)
     except (ConfigError, OSError):
         return None
-    if current and current.get("hash") and current["hash"] != pinned.get("build_hash"):
-        return (f"image: this run uses build {str(pinned.get('build_hash'))[:12]}, the current build is "
-                f"{current['hash'][:12]} (a resubmission would use the current one)")
+    if current and current.hash != pinned.build_hash:
+        return (f"image: this run uses build {str(pinned.build_hash)[:12]}, the current build is "
+                f"{current.hash12} (a resubmission would use the current one)")
     return None
 
 
@@ -91,10 +113,12 @@ def show_status(project_dir, run_name: str | None, console) -> int:
         latest = run.latest_train_job()
         if latest:
             _print_history(run, job_history(run, latest), console)
-        image = run.manifest().get("image") or {}
-        if image.get("image"):
-            console.print(f"image {image['image']}" + (f" (build {image['build_hash'][:12]})"
-                                                      if image.get("build_hash") else ""), soft_wrap=True)
+        image = run.image()
+        if image is not None and image.image:
+            console.print(f"image {image.image}" + (f" (build {image.build_hash[:12]})" if image.build_hash else ""),
+                          soft_wrap=True, highlight=False)
+        for line in code_lines(run):
+            console.print(line, soft_wrap=True, highlight=False)
         drift = image_drift(run)
         if drift:
             console.print(f"[yellow]note:[/] {drift}", soft_wrap=True)
@@ -175,7 +199,7 @@ CANCEL_GRACE_SECONDS = 90.0
 
 
 def cancel(run: runs.Run, console) -> int:
-    """USR2 to each job's batch shell first (jobs/job_lib.sh on_cancel: "cancelled by slipway
+    """USR2 to each job's batch shell first (jobs/slurm/job_lib.sh on_cancel: "cancelled by slipway
     cancel", end exit 140), then, for a job still there after a bounded wait, scancel. Under the
     run's lock: a submission in progress finishes first (and its job is cancelled too); a local
     launch that trains refuses, naming its launcher."""

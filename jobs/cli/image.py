@@ -1,4 +1,9 @@
-"""`slipway image build|show|prune` (= python -m containers): the image from the command line.
+"""`slipway image build|show|prune`: the image from the command line.
+
+The image code (containers/) knows podman and enroot, not Slurm or the config
+files: what goes through Slurm (image.build_on: compute, one srun that builds on
+a compute node) and which squashfs files runs pin (prune keeps them) are given
+to it from here.
 
     slipway image build CONFIG [KEY=VALUE ...] [--no-import] [--force] [--base-image X] [--here]
     slipway image show CONFIG [KEY=VALUE ...]
@@ -8,22 +13,80 @@
 from __future__ import annotations
 
 import argparse
+import os
+import copy
 import shlex
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 
-from containers.image import build_image, current_image, human, image_plan
+from containers.image import ImagePlan, build_image, current_image, human, image_plan
 from containers.prune import prune_images
-from containers.tools import ToolError
+from containers.tools import ToolError, stream, which
+from jobs.config import Config, dump_config, load_config
+from jobs.slurm import srun_argv
+from trainer.fs import write_atomic
 
 
-def _config(name: str | None, overrides: list[str], base_image: str | None = None):
-    from jobs.config import Config, load_config
-
+def _config(name: str | None, overrides: list[str], base_image: str | None = None) -> Config:
     sets = {"image.base_image": base_image} if base_image else None
     return load_config(name, overrides, sets) if name else Config()
+
+
+def compute_argv(cfg: Config, plan: ImagePlan, *, force: bool, do_import: bool) -> list[str]:
+    """One srun that builds and imports on a compute node (podman storage on /dev/shm lives
+    only as long as the allocation); the inner build reads the frozen config."""
+    assert plan.frozen_config is not None
+    s = cfg.slurm
+    argv = srun_argv(nodes=1, ntasks_per_node=1, cpus_per_task=s.cpus_per_task, gpus_per_node=0, time=s.time,
+                     account=s.account, partition=s.partition, pty=False, extra=["--job-name=slipway-image"])
+    argv += [sys.executable, "-m", "jobs", "image", "build", "--here", str(plan.frozen_config)]
+    return argv + (["--force"] if force else []) + ([] if do_import else ["--no-import"])
+
+
+def build_on_compute(cfg: Config, plan: ImagePlan, console: Console, *, force: bool, do_import: bool) -> None:
+    if which("srun") is None:
+        raise ToolError("srun not found: image.build_on: compute builds through Slurm; run on a login node or set "
+                        "image.build_on: local")
+    argv = compute_argv(cfg, plan, force=force, do_import=do_import)
+    plan.output_dir.mkdir(parents=True, exist_ok=True)
+    frozen = copy.deepcopy(cfg)
+    frozen.image.build_on = "local"  # the inner build runs where it is
+    assert plan.frozen_config is not None
+    try:
+        write_atomic(plan.frozen_config, dump_config(frozen))
+        console.print("[bold]srun[/] " + escape(shlex.join(argv[1:])), highlight=False)
+        rc = stream([which("srun"), *argv[1:]], lambda line: console.print(line, highlight=False, markup=False),
+                    cwd=plan.root)
+    finally:
+        plan.frozen_config.unlink(missing_ok=True)
+    if rc != 0:
+        raise ToolError(f"the image build on the compute node failed (srun exit {rc}): see the output above")
+
+
+def build(cfg: Config, *, force: bool = False, do_import: bool = True, console: Console | None = None,
+          root: Path | None = None, here: bool = False):
+    """`slipway image build`: containers.build_image, with Slurm for image.build_on: compute."""
+    console = console or Console()
+    return build_image(cfg, force=force, do_import=do_import, console=console, root=root, here=here,
+                       elsewhere=lambda plan: build_on_compute(cfg, plan, console, force=force,
+                                                               do_import=do_import))
+
+
+def prune(cfg: Config, keep: int = 1, *, root: Path | None = None, remove: list[str] | None = None,
+          console: Console | None = None):
+    """`slipway image prune`: containers.prune_images, keeping every squashfs a run pins."""
+    from containers.context import project_root
+    from jobs.runs import pinned_images
+
+    root = (root or project_root()).resolve()
+    # Where runs live: the directory slipway's run commands use and the checkout the image is built from.
+    project_dirs = list(dict.fromkeys([Path.cwd().absolute() if "SLIPWAY_PROJECT" not in os.environ
+                                       else Path(os.environ["SLIPWAY_PROJECT"]).absolute(), root]))
+    return prune_images(cfg, keep=keep, root=root, remove=remove, console=console,
+                        pinned=pinned_images(project_dirs))
 
 
 def _show(cfg, console: Console) -> None:
@@ -33,7 +96,7 @@ def _show(cfg, console: Console) -> None:
     console.print(f"tag       {plan.tag}", highlight=False, markup=False, soft_wrap=True)
     exists = f"exists, {human(plan.squashfs.stat().st_size)}" if plan.exists else "not built"
     console.print(f"squashfs  {plan.squashfs} ({exists})", highlight=False, markup=False, soft_wrap=True)
-    current = f"{record['squashfs']} (hash {record['hash'][:12]})" if record else "none"
+    current = f"{record.squashfs} (hash {record.hash12})" if record else "none"
     console.print(f"current   {plan.link} -> {current}", highlight=False, markup=False, soft_wrap=True)
     console.print(f"context   {len(plan.files)} files", highlight=False, markup=False, soft_wrap=True)
     if plan.build_env:
@@ -43,8 +106,9 @@ def _show(cfg, console: Console) -> None:
     console.print(f"podman    {shlex.join(plan.podman_argv)}", highlight=False, markup=False, soft_wrap=True)
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.enroot_env.items())
     console.print(f"enroot    {env} {shlex.join(plan.enroot_argv)}", highlight=False, markup=False, soft_wrap=True)
-    if plan.srun_argv:
-        console.print(f"srun      {shlex.join(plan.srun_argv)}", highlight=False, markup=False, soft_wrap=True)
+    if plan.build_on == "compute":
+        argv = compute_argv(cfg, plan, force=False, do_import=True)
+        console.print(f"srun      {shlex.join(argv)}", highlight=False, markup=False, soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +130,6 @@ def _tool_error(exc: BaseException) -> int | None:
 
 
 def _main(argv: list[str] | None) -> int:
-    # `slipway image` is how the README and the hints call it (`python -m containers` is the same).
     parser = argparse.ArgumentParser(prog="slipway image", description="Build and manage the training image.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="podman build + enroot import, unless the squashfs for this tree exists")
@@ -95,12 +158,11 @@ def _main(argv: list[str] | None) -> int:
     console = Console()
     if args.cmd == "build":
         cfg = _config(args.config, args.overrides, args.base_image)
-        build_image(cfg, force=args.force, do_import=not args.no_import, console=console, here=args.here)
+        build(cfg, force=args.force, do_import=not args.no_import, console=console, here=args.here)
     elif args.cmd == "show":
         _show(_config(args.config, args.overrides), console)
     else:
-        result = prune_images(_config(args.config, args.overrides), keep=args.keep, remove=args.remove,
-                              console=console)
+        result = prune(_config(args.config, args.overrides), keep=args.keep, remove=args.remove, console=console)
         if not result.ok:
             Console(stderr=True).print(f"[red]error:[/] prune could not remove {len(result.failed)} item(s), "
                                        "each listed above with the reason", highlight=False, soft_wrap=True)

@@ -11,65 +11,10 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Callable
 
 from trainer.config import ConfigError
+from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
 from trainer.extras import require as require_extra
-
-# The seed launcher's named flags: (flag, dotted config key, type, help).
-NAMED_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
-    ("--run-name", "run.name", str, "run name: the run directory runs/NAME and the Slurm job name"),
-    ("--project", "run.project", str, "project name for logging (W&B)"),
-    ("--seed", "run.seed", int, "random seed"),
-    ("--nodes", "slurm.nodes", int, "number of nodes"),
-    ("--gpus-per-node", "slurm.gpus_per_node", int, "GPUs per node (0 for CPU runs)"),
-    ("--procs-per-node", "launch.procs_per_node", int, "processes per node (default: gpus per node)"),
-    ("--model-size", "model.size", str, "tiny | small | base | large | custom"),
-    ("--hidden-size", "model.hidden_size", int, "model hidden size"),
-    ("--intermediate-size", "model.intermediate_size", int, "MLP intermediate size"),
-    ("--num-layers", "model.num_layers", int, "number of layers"),
-    ("--num-heads", "model.num_heads", int, "attention heads"),
-    ("--num-kv-heads", "model.num_kv_heads", int, "key/value heads (grouped-query attention)"),
-    ("--dp", "parallel.dp", int, "data-parallel degree"),
-    ("--tp", "parallel.tp", int, "tensor-parallel degree"),
-    ("--pp", "parallel.pp", int, "pipeline-parallel degree"),
-    ("--train-steps", "train.steps", int, "training steps"),
-    ("--micro-batch-size", "train.micro_batch_size", int, "sequences per micro batch per data-parallel rank"),
-    ("--grad-accum-steps", "train.grad_accum_steps", int, "micro batches per step"),
-    ("--learning-rate", "train.lr", float, "peak learning rate"),
-    ("--min-lr", "train.min_lr", float, "learning rate at the end of the decay"),
-    ("--warmup-steps", "train.warmup_steps", int, "linear warmup steps"),
-    ("--weight-decay", "train.weight_decay", float, "AdamW weight decay"),
-    ("--grad-clip", "train.grad_clip", float, "gradient clipping by global norm (0: off)"),
-    ("--train-script", "train.script", str, "a custom training script run instead of the built-in trainer"),
-    ("--dataset", "data.dataset", str, "Hugging Face dataset name or local path"),
-    ("--dataset-config", "data.dataset_config", str, "dataset configuration, e.g. wikitext-103-v1"),
-    ("--tokenizer", "data.tokenizer", str, "tokenizer name or local path"),
-    ("--text-column", "data.text_column", str, "text column of the dataset"),
-    ("--seq-len", "data.seq_len", int, "sequence length"),
-    ("--save-interval", "checkpoint.interval", int, "checkpoint every N steps"),
-]
-# Named flags of the Slurm allocation and the container: a run on this machine (`slipway local`)
-# has neither, so its --help leaves them out (it still reads them, as the config's own values).
-# The layout's --nodes, --gpus-per-node and --procs-per-node stay above: the config's layout
-# check names them, and a local run maps them onto its processes.
-CLUSTER_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
-    ("--cpus-per-task", "slurm.cpus_per_task", int, "CPUs per Slurm task"),
-    ("--partition", "slurm.partition", str, "Slurm partition"),
-    ("--account", "slurm.account", str, "Slurm account"),
-    ("--qos", "slurm.qos", str, "Slurm QOS"),
-    ("--time", "slurm.time", str, "time limit: MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]] or UNLIMITED"),
-    ("--email", "slurm.email", str, "mail on job end or failure"),
-    ("--runtime", "container.runtime", str, "edf | pyxis | none"),
-    ("--image", "container.image", str, "squashfs path (absolute or ./) or registry reference"),
-    ("--launcher", "launch.launcher", str, "torchrun (one task per node) | srun (one task per process)"),
-]
-BOOL_FLAGS = [
-    ("--save-initial-state", "checkpoint.save_initial", "save a checkpoint before the first step"),
-    ("--debug", "launch.debug", "debug mode: set -x, CUDA_LAUNCH_BLOCKING, NCCL_DEBUG=INFO"),
-    ("--wandb", "logging.wandb", "log to Weights & Biases (offline unless WANDB_API_KEY is set)"),
-]
-
 
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors, like every other slipway error."""
@@ -188,7 +133,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def _check_controller() -> None:
     """Once the input is checked and before anything is written: a submission no controller
     would take fails with doctor's one-line diagnosis, not sbatch's resolver errors."""
-    from jobs.doctor import controller_problem
+    from jobs.cli.doctor import controller_problem
     from jobs.slurm import SlurmError
 
     problem = controller_problem()
@@ -254,6 +199,12 @@ def cmd_local(args: argparse.Namespace) -> int:
     return local.run_local(cfg, project_dir(), force=args.force, console=_console(), rename=not named)
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from jobs import local
+
+    return local.run_in_allocation(load(args), project_dir(), force=args.force, console=_console())
+
+
 def cmd_edf(args: argparse.Namespace) -> int:
     from edf import check_edf, install_edf, parse_edf, render_edf, srun_flags
 
@@ -277,7 +228,7 @@ def cmd_edf(args: argparse.Namespace) -> int:
         flags = srun_flags(env)
         for warning in flags.warnings:
             print(f"note: {warning}", file=sys.stderr)
-        from jobs.sbatch import shell_value
+        from jobs.slurm.script import shell_value
 
         for name, value in flags.exports:
             print(f"export {name}={shell_value(value)}")
@@ -314,7 +265,8 @@ def cmd_shell(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from jobs import doctor, runs
+    from jobs import runs
+    from jobs.cli import doctor
 
     run_name = args.run
     if run_name and args.config:
@@ -343,27 +295,30 @@ def _names_a_run_only(args: argparse.Namespace) -> bool:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from jobs import status
+    from jobs.cli import status
 
     return status.show_status(project_dir(), args.run, console=_console())
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from jobs import runs, status
+    from jobs import runs
+    from jobs.cli import status
 
     run = runs.find_run(args.run, project_dir())
     return status.show_logs(run, job_id=args.job, follow=args.follow, stream="error" if args.err else "output")
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from jobs import runs, status
+    from jobs import runs
+    from jobs.cli import status
 
     run = runs.find_run(args.run, project_dir())
     return status.cancel(run, console=_console())
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from jobs import runs, watch
+    from jobs import runs
+    from jobs.cli import watch
 
     if args.interval <= 0:
         raise ConfigError("--interval", f"must be > 0 seconds, got {args.interval:g}")
@@ -414,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p, cluster=False)
     p.add_argument("--force", action="store_true", help="replace an existing run's different config")
     p.set_defaults(func=cmd_local)
+
+    p = sub.add_parser("run", help="inside an allocation (salloc): run the batch script's steps here, rank 0's "
+                                   "output on the terminal; Ctrl-C saves and stops (resumable)")
+    _config_args(p)
+    p.add_argument("--force", action="store_true", help="replace an existing run's different config")
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("edf", help="print a config's EDF as a run would use it; --install it into EDF_PATH; "
                                    "--check or --to-pyxis a hand-written EDF")
@@ -466,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN")
     p.set_defaults(func=cmd_cancel)
 
-    # Listed for --help; `main` hands `slipway image ...` to `python -m containers` and
+    # Listed for --help; `main` hands `slipway image ...` to jobs.cli.image and
     # `slipway cluster ...` to jobs.cluster before parsing.
     sub.add_parser("image", help="build / show / prune the training image (podman + enroot); see image --help")
     sub.add_parser("cluster", help="a real Slurm cluster on this machine to try slipway on: up | down | env | "
@@ -501,10 +462,10 @@ def _slurm_error(exc: BaseException) -> int | None:
 
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["image"]:  # the image commands parse their own arguments (python -m containers)
-        from containers.__main__ import main as containers_main
+    if argv[:1] == ["image"]:  # the image commands parse their own arguments
+        from jobs.cli.image import main as image_main
 
-        return containers_main(argv[1:])
+        return image_main(argv[1:])
     if argv[:1] == ["cluster"]:
         from jobs.cluster import main as cluster_main
 

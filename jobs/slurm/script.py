@@ -12,12 +12,14 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from edf import Environment, srun_flags
 from edf.environment import secret_error, secret_word
 from jobs.config import NODE_PRESETS, Config
 from trainer.config import HANG_EXIT, HANGS_DIR, PREFLIGHT_EXIT, REQUEUE_EXIT, STOP_FILE, ConfigError
 from trainer.preflight import checkpoint_bytes
+from trainer.rundir import CodeSnapshot
 
 HEARTBEAT_SECONDS = 60
 NODE_HEARTBEAT_SECONDS = 15  # heartbeats/NODE, which `slipway watch` shows by age
@@ -74,12 +76,13 @@ class RunPaths:
         return self.run_dir / "job.sbatch"
 
 
-def task_command(cfg: Config, paths: RunPaths) -> list[str]:
-    """What each rank runs: the trainer, a custom training script, or `launch.command`."""
+def task_command(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = None) -> list[str]:
+    """What each rank runs: the trainer, a custom training script (the code snapshot's copy), or
+    `launch.command`."""
     if cfg.launch.command:
         return list(cfg.launch.command)
     if cfg.train.script:
-        script = Path(cfg.train.script)
+        script = Path(code.script) if code and code.script else Path(cfg.train.script)
         if not script.is_absolute():
             script = paths.project_dir / script
         return [cfg.launch.python, str(script), "--config", str(paths.config)]
@@ -95,9 +98,9 @@ def torchrun_argv(cfg: Config, *, nnodes: str, rdzv: list[str]) -> list[str]:
             f"--nproc-per-node={cfg.launch.procs_per_node}", *rdzv, *binding, "--max-restarts=0"]
 
 
-def local_argv(cfg: Config, paths: RunPaths) -> list[str]:
+def local_argv(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = None) -> list[str]:
     """The same launch as on the cluster, on this machine: `torchrun --standalone`."""
-    cmd = task_command(cfg, paths)
+    cmd = task_command(cfg, paths, code)
     if cfg.launch.procs_per_node == 1 and cfg.slurm.nodes == 1:
         return cmd
     if cmd[0] != cfg.launch.python:
@@ -151,7 +154,7 @@ def _hf_home(cfg: Config, paths: RunPaths) -> str:
     return f'[ -n "${{HF_HOME:-}}" ] || export HF_HOME={shlex.quote(str(paths.project_dir / ".cache" / "huggingface"))}'
 
 
-# The job library (jobs/job_lib.sh): the job's decisions, inlined verbatim into every job.sbatch.
+# The job library (jobs/slurm/job_lib.sh): the job's decisions, inlined verbatim into every job.sbatch.
 JOB_LIB = (Path(__file__).with_name("job_lib.sh")).read_text()
 _EVENT = next(line for line in JOB_LIB.splitlines() if line.startswith("event() "))
 # A stopped step and a container removal at the job's end wait at most this long (on_exit);
@@ -161,7 +164,17 @@ CONTAINER_REMOVE_WAIT = 5
 STALE_REMOVE_TIMEOUT = 600
 
 
-def _environment(cfg: Config, paths: RunPaths) -> list[str]:
+def _code_environment(code: Optional[CodeSnapshot]) -> list[str]:
+    if code is None:
+        return ["# code.snapshot: false: the ranks run the code installed where they run (the image's)."]
+    return [f"# The run's code: snapshot {code.hash12} (jobs/runs/code.py), in front of any installed trainer;",
+            "# containers get the same by their environment (env.toml / --container-env) and a mount.",
+            f"export SLIPWAY_CODE={shlex.quote(code.dir)}",
+            f'export PYTHONPATH={shlex.quote(code.dir)}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+            "export PYTHONSAFEPATH=1"]
+
+
+def _environment(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = None) -> list[str]:
     debug = cfg.launch.debug
     hf_home = _hf_home(cfg, paths)
     lines = [
@@ -186,6 +199,7 @@ def _environment(cfg: Config, paths: RunPaths) -> list[str]:
         f"export OMP_NUM_THREADS={_omp_threads(cfg)}",
         f"export SLIPWAY_RUN_DIR={shlex.quote(str(paths.run_dir))}",
         'export SLIPWAY_JOB_TAG="$JOB_TAG"',
+        *_code_environment(code),
         "# torch's flight recorder: each rank's last collectives, which its hang dump includes",
         "# (trainer/watchdog.py).",
         'export TORCH_FR_BUFFER_SIZE="${TORCH_FR_BUFFER_SIZE:-2000}"',
@@ -263,13 +277,14 @@ def _container_args(env: Environment, paths: RunPaths) -> tuple[list[str], list[
 
 
 def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[str],
-            cmd: list[str] | None = None, port: str = "MASTER_PORT", wrap: list[str] = ()) -> str:
+            cmd: list[str] | None = None, port: str = "MASTER_PORT", wrap: list[str] = (),
+            code: Optional[CodeSnapshot] = None) -> str:
     """The `srun` line that starts every rank: the trainer, or `cmd` (the preflight's all-reduce)
     launched the same way with its rendezvous on `$port`, as a step bounded by the words `wrap`
     (`timeout ...`), whose ranks end together (no --wait); not backgrounded. The training
     step's tasks report their exits into $SLIPWAY_EXITS."""
     report = cmd is None
-    cmd = task_command(cfg, paths) if cmd is None else cmd
+    cmd = task_command(cfg, paths, code) if cmd is None else cmd
     prefix = "".join(f"{a} " for a in assigns)
     if wrap:
         srun = [*wrap, "srun", f"--nodes={cfg.slurm.nodes}", f"--cpus-per-task={cfg.slurm.cpus_per_task}",
@@ -301,7 +316,7 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[st
     return f"{prefix}{_words(srun)} \\\n  {_words(['bash', '-c', mapper, 'slipway-task', *cmd])}"
 
 
-# Each task of the training step reports its own exit (step_exit in jobs/job_lib.sh): a task
+# Each task of the training step reports its own exit (step_exit in jobs/slurm/job_lib.sh): a task
 # that Slurm kills reports nothing, its wrapper dying with it.
 _REPORT_EXIT = '"$@"; rc=$?; echo "$rc" > "$SLIPWAY_EXITS/$SLURM_PROCID" 2>/dev/null; exit "$rc"'
 
@@ -373,6 +388,8 @@ def _settings(cfg: Config, paths: RunPaths, container_named: bool) -> list[str]:
         f"RUN_DIR={q(str(paths.run_dir))}",
         f"NODES_NEEDED={s.nodes} PROCS_PER_NODE={cfg.launch.procs_per_node} RANKS={cfg.world_size}",
         f"REQUEUE={int(s.requeue)} MAX_RETRIES={s.max_retries} MAX_REQUEUES={s.max_requeues}",
+        "# `slipway run` runs this script inside an allocation: nothing there is ever requeued.",
+        '[ -z "${SLIPWAY_IN_ALLOCATION:-}" ] || REQUEUE=0',
         f"PREFLIGHT_TIMEOUT={s.preflight_timeout}",
         f"PREFLIGHT_EXIT={PREFLIGHT_EXIT} HANG_EXIT={HANG_EXIT} REQUEUE_EXIT={REQUEUE_EXIT}",
         f"CHECKPOINT_DIR={checkpoints}",
@@ -384,9 +401,10 @@ def _settings(cfg: Config, paths: RunPaths, container_named: bool) -> list[str]:
     ]
 
 
-def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
+def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, code: Optional[CodeSnapshot] = None) -> str:
     """The whole batch script for `cfg`, reading and writing only inside `paths.run_dir`;
-    `env` is the run's container environment (`jobs.container.run_environment`)."""
+    `env` is the run's container environment (`jobs.runs.container.run_environment`), `code`
+    the code snapshot its ranks run (None: the installed code)."""
     container, assigns = _container_args(env, paths)
     # Under pyxis every srun step unpacks the image into a container of its own, unless the
     # steps name one: the preflight's steps then create it and training starts in it at once.
@@ -408,7 +426,7 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
               'event "start on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0}), failure retries '
               '$RETRIES/$MAX_RETRIES, time-limit requeues $REQUEUES/$MAX_REQUEUES"',
               "",
-              *_environment(cfg, paths),
+              *_environment(cfg, paths, code),
               "",
               "# Background helpers, ended by the trap whatever happens.",
               'HELPER_PIDS=() SRUN_PID="" STOP_REQUESTED=0 TRAPPED=0',
@@ -416,6 +434,7 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
               "trap on_warning USR1",
               "trap on_cancel USR2",
               "trap on_term TERM",
+              "trap on_interrupt INT",
               f'( while sleep {HEARTBEAT_SECONDS}; do date --iso-8601=seconds > "$RUN_DIR/heartbeat"; done ) &',
               'HELPER_PIDS+=("$!")',
               'date --iso-8601=seconds > "$RUN_DIR/heartbeat"',
@@ -431,7 +450,7 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
         "# its exit into SLIPWAY_EXITS, from which step_exit decides the step's.",
         'export SLIPWAY_EXITS="$RUN_DIR/.exits/$JOB_TAG"  # read once below, then removed',
         'rm -rf "$SLIPWAY_EXITS"; mkdir -p "$SLIPWAY_EXITS"',
-        _launch(cfg, paths, container, assigns) + " &",
+        _launch(cfg, paths, container, assigns, code=code) + " &",
         'SRUN_PID=$!',
         'set +e; wait_step "$SRUN_PID"; set -e',
         'rc=$(step_exit "$STEP_RC" "$SLIPWAY_EXITS"); rm -rf "$SLIPWAY_EXITS"',

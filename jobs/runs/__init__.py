@@ -26,15 +26,18 @@ from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
 from edf import Environment, expand_host, render_edf, srun_flags
-from jobs import lifecycle, runlock, slurm
+from jobs import slurm
+from jobs.runs import lifecycle
+from jobs.runs import lock as runlock
 from jobs.config import Config, dump_config, load_config
-from jobs.container import (ImagePin, create_needed_dirs, pin_image, remove_created_dirs, resolve_paths,
+from jobs.runs.container import (ImagePin, create_needed_dirs, pin_image, remove_created_dirs, resolve_paths,
                             run_environment, stale_build_note)
-from jobs.lifecycle import Launch, LaunchState
-from jobs.sbatch import PREPARE_SCRIPT, RunPaths, check_env_from_host, render_prepare_sbatch, render_sbatch
+from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, plan_snapshot
+from jobs.runs.lifecycle import Launch, LaunchState
+from jobs.slurm.script import PREPARE_SCRIPT, RunPaths, check_env_from_host, render_prepare_sbatch, render_sbatch
 from trainer.config import ConfigError
 from trainer.fs import write_atomic
-from trainer.rundir import Event, read_events
+from trainer.rundir import LOCAL_JOB, CodeSnapshot, Event, append_event, read_events
 
 MANIFEST = "manifest.json"
 
@@ -75,6 +78,29 @@ class Run:
             return json.loads((self.dir / MANIFEST).read_text())
         except FileNotFoundError:
             return {}
+
+    def image(self) -> Optional[ImagePin]:
+        """The image the run's latest job runs, as pinned at its submission (None: never submitted)."""
+        return ImagePin.from_record(self.manifest().get("image"))
+
+    def images(self) -> list[ImagePin]:
+        """Every image a job of the run was submitted with (a requeue runs its own job's)."""
+        manifest = self.manifest()
+        records = [manifest.get("image"), *(s.get("image") for s in manifest.get("submissions") or []
+                                            if isinstance(s, dict))]
+        return [pin for pin in map(ImagePin.from_record, records) if pin is not None]
+
+    def code(self) -> Optional[CodeSnapshot]:
+        """The code snapshot the run's latest launch runs (None: the image's own code)."""
+        return CodeSnapshot.from_record(self.manifest().get("code"))
+
+    def code_history(self) -> list[tuple[str, Optional[CodeSnapshot]]]:
+        """(launch, its code snapshot) for each training launch, oldest first ("local" for one here)."""
+        out = []
+        for entry in self.manifest().get("submissions") or []:
+            if isinstance(entry, dict) and entry.get("kind", "train") == "train":
+                out.append((str(entry.get("job_id") or LOCAL_JOB), CodeSnapshot.from_record(entry.get("code"))))
+        return out
 
     def launches(self) -> list[Launch]:
         """Its Slurm jobs and local launches, oldest first, as the manifest records them."""
@@ -166,6 +192,26 @@ def list_runs(project_dir: Path) -> list[Run]:
     return sorted(found, key=lambda r: (r.manifest().get("created", ""), r.name))
 
 
+def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
+    """Every squashfs a run pins (its manifest's `image` and each submission's: a requeue
+    runs the file its env.toml / srun flags name), resolved, with the runs that pin it.
+    The runs root is $SLIPWAY_RUNS, else each project directory's runs/."""
+    pins: dict[Path, list[str]] = {}
+    seen: set[Path] = set()
+    for project_dir in project_dirs:
+        for run in list_runs(project_dir):
+            if run.dir.resolve() in seen:
+                continue
+            seen.add(run.dir.resolve())
+            for pin in run.images():
+                for value in (pin.path, pin.image):
+                    if value and value.startswith("/"):
+                        names = pins.setdefault(Path(os.path.realpath(value)), [])
+                        if run.name not in names:
+                            names.append(run.name)
+    return pins
+
+
 @dataclass
 class Sealed:
     """A submission resolved once: the frozen config (absolute paths), the pinned image,
@@ -177,6 +223,11 @@ class Sealed:
     env: Environment
     files: dict[str, str]
     notes: list[str]  # what the user should know before the job runs (said at submit and dry run)
+    code: Optional[Snapshot] = None  # the code snapshot the ranks run (None: code.snapshot false)
+
+    @property
+    def code_record(self) -> Optional[dict]:
+        return self.code.value.record() if self.code else None
 
     def data_status(self):
         """Where the run's data stands in its token cache (trainer.prepare.CacheStatus)."""
@@ -236,15 +287,16 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
         stale = stale_build_note(cfg, paths.project_dir, pin)
         if stale:
             notes.append(stale)
-    env = run_environment(cfg, paths, pin)
-    script = render_sbatch(cfg, paths, env)
+    code = plan_snapshot(paths.run_dir.parent / CODE_STORE, cfg.train.script) if cfg.code.snapshot else None
+    env = run_environment(cfg, paths, pin, code.value if code else None)
+    script = render_sbatch(cfg, paths, env, code.value if code else None)
     _check_script_syntax(cfg, script)
     files = {"config.yaml": dump_config(cfg), "job.sbatch": script}
     if env.in_container:
         files["env.toml"] = render_edf(env)
         if env.runtime == "pyxis":
             notes += [f"pyxis: {w}" for w in srun_flags(env, paths.env_toml).warnings]
-    return Sealed(cfg, paths, pin, env, files, notes)
+    return Sealed(cfg, paths, pin, env, files, notes, code)
 
 
 def _active_jobs(run: Run) -> list[tuple[str, str]]:
@@ -300,6 +352,9 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
     run = Run(paths)
     no_world_write()
+    if sealed.code is not None:
+        paths.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        sealed.code.write()  # before job.sbatch names it; content-addressed, so never rewritten
     if (paths.run_dir / MANIFEST).is_file():
         mode = paths.run_dir.stat().st_mode
         if mode & 0o002:  # made under umask 000 before slipway masked it
@@ -336,12 +391,14 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
             "project_dir": str(paths.project_dir),
             "git": git_state(paths.project_dir),
             "image": sealed.pin.record(),
+            "code": sealed.code_record,
             "runtime": cfg.container.runtime,
             "launcher": cfg.launch.launcher,
             "config_sha256": hashlib.sha256(files["config.yaml"].encode()).hexdigest(),
             "submissions": [],
         }
         write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        _write_code_diff(tmp, sealed)
         try:
             # rename(2) onto a missing name: two submissions racing for one name cannot both win.
             os.rename(tmp, paths.run_dir)
@@ -367,13 +424,50 @@ def update_manifest(run: Run, change: Callable[[dict], None]) -> dict:
 def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", **extra) -> None:
     script = run.dir / (PREPARE_SCRIPT if kind == "prepare" else "job.sbatch")
     entry = {"job_id": job_id, "kind": kind, "submitted": now(), "git": git_state(run.paths.project_dir),
-             "image": sealed.pin.record(), "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest(), **extra}
+             "image": sealed.pin.record(), "code": sealed.code_record,
+             "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest(), **extra}
+    if kind == "train":
+        record_code(run, sealed)
 
     def add(manifest: dict) -> None:
         manifest["image"] = sealed.pin.record()  # what the latest job runs
+        if kind == "train":
+            note_code_change(run, manifest, sealed, job_id)
+            manifest["code"] = sealed.code_record
         manifest.setdefault("submissions", []).append(entry)
 
     update_manifest(run, add)
+
+
+def record_code(run: Run, sealed: Sealed) -> None:
+    """code/HASH12.diff: what the snapshot's sources change against their commit (a dirty tree)."""
+    _write_code_diff(run.dir, sealed)
+
+
+def _write_code_diff(run_dir: Path, sealed: Sealed) -> None:
+    code = sealed.code.value if sealed.code else None
+    if code is None or not code.dirty:
+        return
+    target = run_dir / "code" / f"{code.hash12}.diff"
+    if not target.exists():
+        write_atomic(target, git_diff(code))
+
+
+def note_code_change(run: Run, manifest: dict, sealed: Sealed, job_id: str) -> None:
+    """A resubmission that runs other code than the run's last job: an event, and a line in
+    history/ beside the configs and scripts it replaced (status says it too)."""
+    before = CodeSnapshot.from_record(manifest.get("code"))
+    after = sealed.code.value if sealed.code else None
+    if (before.hash if before else None) == (after.hash if after else None) or not manifest.get("submissions"):
+        return
+    was = before.hash12 if before else "the image's"
+    now = after.hash12 if after else "the image's"
+    text = f"code changed {was} -> {now}"
+    append_event(run.dir, job_id, text)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    write_atomic(run.dir / "history" / f"code-{stamp}.json",
+                 json.dumps({"before": before.record() if before else None,
+                             "after": after.record() if after else None}, indent=2) + "\n")
 
 
 def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:

@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jobs.cluster_host import (HOSTS, NETNS_DIR, ClusterError, alive, check_subnet_free, leftovers, locked,
+from jobs.cluster.host import (HOSTS, NETNS_DIR, ClusterError, alive, check_subnet_free, leftovers, locked,
                                network_up, no_core_dumps, our_links, our_netns, proc_stat, read_registry,
                                registry_path, set_hosts_block, split_hosts, teardown, write_atomic)
 
@@ -416,7 +416,9 @@ class LocalSlurmCluster:
         if s.exists() and any(s.iterdir()) and not (s / STATE_MARKER).exists():
             raise ClusterError(f"state dir {s} is not empty and was not made by `slipway cluster up`: "
                                "point --state-dir at a new or empty directory")
-        for sub in ("ctld", "spool", "run", "log"):
+        # nodes/: each node's private dirs (enroot's data, pyxis's runtime). A new cluster numbers
+        # its jobs from 1 again, so an earlier cluster's containers there would pass for this one's.
+        for sub in ("ctld", "spool", "run", "log", "nodes"):
             shutil.rmtree(s / sub, ignore_errors=True)
         for sub in ("ctld", "run", "log", *(f"spool/{n}" for n in self.node_names)):
             (s / sub).mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""docs/config.md, generated from the config schema: `python -m jobs.reference`.
+"""docs/config.md, generated from the config schema: `python -m jobs.cli.reference`.
 
 Every key of every section of `jobs.config.Config`, with its type, its default and its
 meaning. The meaning is the `#` comment above the field (or at the end of its line) in the
@@ -29,8 +29,8 @@ from edf.environment import Mount
 from jobs.config import NODE_PRESETS, Config
 from trainer.config import MODEL_PRESETS, AutoBool, config_fields
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "config.md"
-COMMAND = "python -m jobs.reference"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+COMMAND = "python -m jobs.cli.reference"
 
 # Types with a text form of their own (the schema reads them with `from_config_value`).
 CUSTOM_TYPES = {
@@ -57,7 +57,7 @@ def type_text(tp: Any) -> str:
         return CUSTOM_TYPES[tp]
     if tp in SCALARS:
         return SCALARS[tp]
-    raise TypeError(f"no readable name for config type {tp!r}: add it to jobs.reference.CUSTOM_TYPES")
+    raise TypeError(f"no readable name for config type {tp!r}: add it to jobs.cli.reference.CUSTOM_TYPES")
 
 
 def _plural(text: str) -> str:

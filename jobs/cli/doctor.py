@@ -14,12 +14,14 @@ import shlex
 import shutil
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from rich.markup import escape
 
 from jobs import runs, slurm
+from containers.record import BuildRecord
 from jobs.config import Config
+from jobs.runs.container import ImagePin
 from trainer.config import ConfigError
 from trainer.layouts import layout_advice
 
@@ -87,7 +89,7 @@ def _image_tools() -> list[Result]:
 
 
 def _run_checks(cfg: Config, project_dir: Path) -> list[Result]:
-    from jobs.container import pin_image, resolve_paths, stale_build_note, visibility_mounts
+    from jobs.runs.container import pin_image, resolve_paths, stale_build_note, visibility_mounts
 
     paths = runs.RunPaths(runs.runs_root(project_dir) / cfg.run.name, project_dir.absolute())
     out: list[Result] = [("parallel layout", True, f"dp({cfg.parallel.dp}) x tp({cfg.parallel.tp}) x "
@@ -179,15 +181,13 @@ def _print(results: list[Result], console) -> int:
 # ---------------------------------------------------------------- a run (`slipway doctor --run RUN`)
 
 
-def _pinned_image(run: "runs.Run", record: dict) -> list[Result]:
+def _pinned_image(run: "runs.Run", pin: Optional[ImagePin]) -> list[Result]:
     """The file the run's next job (a requeue, a resubmission) runs: there, and as recorded."""
-    from jobs.container import build_record
-
-    if not record or record.get("source") == "none":
+    if pin is None or pin.source == "none":
         return [("pinned image", True, "runtime none: no image")]
-    path = record.get("path")
+    path = pin.path
     if not path:
-        return [("pinned image", True, f"{record.get('image')} (a registry image: not checked here)")]
+        return [("pinned image", True, f"{pin.image} (a registry image: not checked here)")]
     file = Path(path)
     resubmit = f"`slipway submit {shlex.quote(str(run.paths.config))}` resumes the run with the current one"
     if not file.is_file():
@@ -197,17 +197,17 @@ def _pinned_image(run: "runs.Run", record: dict) -> list[Result]:
     out: list[Result] = []
     st = file.stat()
     mtime = datetime.fromtimestamp(st.st_mtime, timezone.utc).isoformat(timespec="seconds")
-    differs = [f"{what} {was} -> {now}" for what, was, now in (("size", record.get("size"), st.st_size),
-                                                                ("mtime", record.get("mtime"), mtime))
+    differs = [f"{what} {was} -> {now}" for what, was, now in (("size", pin.size, st.st_size),
+                                                                ("mtime", pin.mtime, mtime))
                if was is not None and was != now]
-    built = build_record(file)
-    if record.get("build_hash") and built and built.get("hash") != record["build_hash"]:
-        differs.append(f"build {record['build_hash'][:12]} -> {str(built.get('hash'))[:12]}")
+    built = BuildRecord.beside(file)
+    if pin.build_hash and built and built.hash != pin.build_hash:
+        differs.append(f"build {pin.build_hash[:12]} -> {built.hash12}")
     if differs:
         out.append(("pinned image", False, f"{path} differs from what the run pinned ({', '.join(differs)}): "
                                            f"the next job runs other bytes; {resubmit}"))
     else:
-        hash_ = f", build {record['build_hash'][:12]}" if record.get("build_hash") else ""
+        hash_ = f", build {pin.build_hash[:12]}" if pin.build_hash else ""
         out.append(("pinned image", True, f"{path} ({st.st_size} bytes, {mtime}{hash_}) as recorded"))
     return out
 
@@ -216,23 +216,28 @@ def _rebuild(run: "runs.Run") -> str:
     return f"slipway image build {shlex.quote(str(run.paths.config))}"
 
 
-def _current_build(run: "runs.Run", record: dict) -> list[Result]:
+def _current_build(run: "runs.Run", pin: Optional[ImagePin]) -> list[Result]:
     """What the run's config would build now, against the build the run pinned."""
     from containers.image import image_plan
-    from jobs.container import build_differences, build_record
+    from jobs.runs.container import build_differences
 
-    if not record.get("build_hash"):
+    if pin is None or not pin.build_hash:
         return []
     cfg = run.config()
     if not cfg.container.in_container:
         return []
     plan = image_plan(cfg, root=run.paths.project_dir, enroot_mount=False, git=False)
-    if plan.hash == record["build_hash"]:
+    if plan.hash == pin.build_hash:
         return [("current build", True, f"the run's config builds {plan.hash[:12]} now, the build it pinned")]
     # The record beside the squashfs outlives it when the file alone was deleted.
-    built = (build_record(Path(record["path"])) if record.get("path") else None) or {"hash": record["build_hash"]}
+    built = BuildRecord.beside(Path(pin.path)) if pin.path else None
+    differs = build_differences(built, plan, code_snapshot=cfg.code.snapshot)
+    if not differs:
+        return [("current build", True, f"the run's config builds {plan.hash[:12]} now; it differs from the pinned "
+                                        f"{pin.build_hash[:12]} in code only, which the run's code snapshot brings: "
+                                        "no rebuild needed")]
     return [("current build", True, f"note: the run's config would build {plan.hash[:12]} now, not the pinned "
-                                    f"{record['build_hash'][:12]} ({'; '.join(build_differences(built, plan))}): "
+                                    f"{pin.build_hash[:12]} ({'; '.join(differs)}): "
                                     f"`{_rebuild(run)}` builds it, a resubmission would pin it")]
 
 
@@ -258,7 +263,7 @@ def _run_mounts(run: "runs.Run") -> list[Result]:
 def run_checks(run: "runs.Run") -> list[Result]:
     """(name, ok, detail or fix) for a run: what its next job needs from this node."""
     manifest = run.manifest()
-    record = manifest.get("image") if isinstance(manifest.get("image"), dict) else {}
+    pin = run.image()
     out: list[Result] = [("run", True, f"{run.dir} ({len(manifest.get('submissions') or [])} submission(s))")]
 
     def config() -> list[Result]:
@@ -266,8 +271,8 @@ def run_checks(run: "runs.Run") -> list[Result]:
         return [("run config", True, f"{run.paths.config} loads ({cfg.container.runtime})")]
 
     out += _guard("run config", config)
-    out += _guard("pinned image", lambda: _pinned_image(run, record))
-    out += _guard("current build", lambda: _current_build(run, record))
+    out += _guard("pinned image", lambda: _pinned_image(run, pin))
+    out += _guard("current build", lambda: _current_build(run, pin))
     out += _guard("mount sources", lambda: _run_mounts(run))
     return out
 

@@ -1,4 +1,4 @@
-# ---- slipway job library (jobs/job_lib.sh, inlined verbatim by jobs/sbatch.py) ----
+# ---- slipway job library (jobs/slurm/job_lib.sh, inlined verbatim by jobs/slurm/script.py) ----
 # Why a static bash file: the job's decisions (preflight outcome, retry or not, which nodes to
 # exclude, requeue counting, hang classification, how the job ends, cleanup) must be testable
 # without Slurm (tests/test_job_lib.py sources this file with stand-in scontrol/sinfo/srun), and
@@ -17,10 +17,10 @@
 # the node, which removes stale containers in the background when it starts.
 
 # event TEXT...: one line `ISO-TIME job JOBID TEXT` in events.log.
-event() { printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "$SLURM_JOB_ID" "$*" >> "$RUN_DIR/events.log"; }
+event() { printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "$*" >> "$RUN_DIR/events.log"; }
 
 # count_events PREFIX: how many events of this job (its id survives requeues) start with PREFIX.
-count_events() { local n; n=$(grep -F " job $SLURM_JOB_ID $* " "$RUN_DIR/events.log" 2>/dev/null | wc -l) || true; echo "${n:-0}"; }
+count_events() { local n; n=$(grep -F " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} $* " "$RUN_DIR/events.log" 2>/dev/null | wc -l) || true; echo "${n:-0}"; }
 
 # job_tag: names this attempt's files (hang dumps, preflight logs, containers): the job id,
 # rN after the Nth requeue.
@@ -114,7 +114,7 @@ preflight_allreduce() {
 # With --kill-on-bad-exit, srun ends the other tasks with SIGTERM/SIGKILL once one fails, and its
 # own exit is then the first failing task's or that of a task it killed, depending on which
 # node answered first (a killed rank gave the job 1 or 143). So each task reports its own exit
-# in REPORTS_DIR (the task wrapper of jobs/sbatch.py; a task that Slurm killed reports nothing,
+# in REPORTS_DIR (the task wrapper of jobs/slurm/script.py; a task that Slurm killed reports nothing,
 # its wrapper dying with it). The rule: a step that srun says succeeded exited 0; otherwise the
 # oldest non-zero report decides (a rank killed by a signal: 128 + the signal; under torchrun
 # the node's torchrun, which exits 1 whatever its worker died of); with no report at all (a node
@@ -163,6 +163,10 @@ after_stop_request() {
     [ "$saved" = 0 ] || outcome+=" (checkpoint at step $saved)"
   else
     outcome="no checkpoint saved after the stop request (step exit $rc)"
+  fi
+  if [ -n "${SLIPWAY_IN_ALLOCATION:-}" ]; then
+    event "${STOP_WHY:-time-limit stop}: $outcome; slipway run again resumes"
+    exit "$REQUEUE_EXIT"
   fi
   if [ "$REQUEUE" != 1 ]; then
     event "time-limit stop: $outcome; slurm.requeue is off"
@@ -218,6 +222,14 @@ on_warning() {
   event "time limit warning: stop requested"
   touch "$STOP_FILE"
 }
+# INT: Ctrl-C to `slipway run` (the script runs in an allocation, SLIPWAY_IN_ALLOCATION): like
+# the warning, a save at the step boundary, and the run stays resumable.
+on_interrupt() {
+  STOP_REQUESTED=1 TRAPPED=1 STOP_WHY="stopped on request"
+  STOP_CHECKPOINT=$(latest_checkpoint)
+  event "interrupted: stop requested"
+  touch "$STOP_FILE"
+}
 on_cancel() { trap '' TERM USR2; event "cancelled by slipway cancel"; exit 140; }
 on_term() { trap '' TERM USR2; event "cancelled (SIGTERM)"; exit 143; }
 
@@ -235,7 +247,9 @@ on_exit() {
       sleep 0.2; waited=$((waited + 1))
     done
   fi
-  remove_container "$CONTAINER_REMOVE_WAIT"
+  # `slipway run` keeps its container for the next run in the same allocation (the steps name
+  # it by the allocation's id); the next batch job on the node removes it once the allocation is over.
+  [ -n "${SLIPWAY_IN_ALLOCATION:-}" ] || remove_container "$CONTAINER_REMOVE_WAIT"
   return 0
 }
 

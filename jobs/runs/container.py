@@ -23,17 +23,19 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import os
 import shlex
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
 from edf import Environment, Mount, expand_host, is_local_image, resolve_base
-from jobs.config import Config
-from jobs.sbatch import RunPaths
+from containers.image import ImagePlan, current_image, image_plan
+from containers.record import BuildRecord
+from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS, Config
+from jobs.slurm.script import RunPaths
+from trainer.rundir import CodeSnapshot
 from trainer.config import ConfigError, bounded_path
 
 HUB_NAME_PARTS = 2  # `org/name` is a hub name, not a path
@@ -59,6 +61,17 @@ class ImagePin:
     def record(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
+    @classmethod
+    def from_record(cls, data: object) -> Optional["ImagePin"]:
+        """The pin a manifest recorded (`record()`'s output), or None if it is not one."""
+        if not isinstance(data, dict) or not isinstance(data.get("source"), str):
+            return None
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values.setdefault("reference", "")
+        values.setdefault("image", "")
+        return cls(**values)
+
     @property
     def identity(self) -> Optional[str]:
         """What tells two images apart: the build hash, the bytes' hash, or the reference."""
@@ -73,26 +86,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _file_pin(reference: str, path: Path, source: str, known: Optional[dict] = None) -> ImagePin:
+def _file_pin(reference: str, path: Path, source: str, known: Optional[BuildRecord] = None) -> ImagePin:
     real = path.resolve()
     st = real.stat()
     mtime = datetime.fromtimestamp(st.st_mtime, timezone.utc).isoformat(timespec="seconds")
-    record = known or _build_record(real)
-    if record and record.get("hash"):
-        return ImagePin(reference, str(real), source, str(real), st.st_size, mtime, record["hash"], record.get("tag"))
+    record = known or BuildRecord.beside(real)
+    if record:
+        return ImagePin(reference, str(real), source, str(real), st.st_size, mtime, record.hash, record.tag)
     # A squashfs slipway did not build: its bytes are its identity (read once per submission).
     return ImagePin(reference, str(real), source, str(real), st.st_size, mtime, sha256=_sha256(real))
-
-
-def _build_record(squashfs: Path) -> Optional[dict]:
-    """The record `make image` wrote beside the squashfs (NAME-HASH12.json), if this is one of ours."""
-    try:
-        record = json.loads(squashfs.with_suffix(".json").read_text())
-    except (OSError, ValueError):
-        return None
-    if isinstance(record, dict) and Path(record.get("squashfs", "")).resolve() == squashfs:
-        return record
-    return None
 
 
 def pin_image(cfg: Config, project_dir: Path) -> ImagePin:
@@ -123,14 +125,12 @@ def pin_image(cfg: Config, project_dir: Path) -> ImagePin:
                                              "container.image")
                 return _file_pin("", path, "base_environment")
             return ImagePin("", base.image, "base_environment")
-    from containers.image import current_image
-
     record = current_image(cfg, root=project_dir)
-    if not record or not Path(record.get("squashfs", "")).is_file():
+    if not record or not Path(record.squashfs).is_file():
         raise ConfigError("container.image", f"is not set and no image is built for this config: run `make image "
                                              f"CONFIG={cfg.config_name}` first, or set container.image to a squashfs "
                                              "path or a registry image")
-    return _file_pin("", Path(record["squashfs"]), "build", record)
+    return _file_pin("", Path(record.squashfs), "build", record)
 
 
 def _base_field(env: Environment, has: Callable[[Environment], bool]) -> str:
@@ -144,11 +144,6 @@ def _base_field(env: Environment, has: Callable[[Environment], bool]) -> str:
         if has(one):
             return f"container.base_environment[{i}]"
     return "container.base_environment"
-
-
-def build_record(squashfs: Path) -> Optional[dict]:
-    """The build record beside a squashfs slipway built, or None."""
-    return _build_record(squashfs.resolve())
 
 
 # Build args as the config sets them (what `image_plan` derives each from), for messages.
@@ -165,17 +160,25 @@ def _shown_arg(key: str, value: Optional[str]) -> str:
     return repr(value) if value is not None else "unset"
 
 
-def build_differences(record: dict, plan) -> list[str]:
-    """What differs between a build `record` and the build `plan` (containers.image.ImagePlan) would make,
-    one phrase each, in the config's terms. Empty when the hashes agree."""
-    if record.get("hash") == plan.hash:
+# Parts of the build context that are code, not what the image must install: with a code
+# snapshot (code.snapshot, jobs/runs/code.py) the job never runs the image's copy of them, so
+# a change to them alone needs no rebuild. pyproject.toml (the dependencies), the Dockerfile,
+# the build args and the wheels do.
+CODE_PARTS = ("trainer/", "jobs/", "edf/", "containers/", "configs/", "README.md", "LICENSE")
+
+
+def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_snapshot: bool = False) -> list[str]:
+    """What differs between a build `record` and the build `plan` would make, one phrase each,
+    in the config's terms (None: the record is gone). Empty when the hashes agree, or, with
+    `code_snapshot`, when only code differs (the snapshot brings it: nothing to rebuild)."""
+    if record is not None and record.hash == plan.hash:
         return []
-    if not isinstance(record.get("build_args"), dict):
+    if record is None or record.build_args is None:
         return ["what differs is not known: the build's record is gone"]
     from containers.context import UNHASHED_ARGS
 
     out: list[str] = []
-    old, new = record.get("build_args") or {}, plan.build_args
+    old, new = record.build_args, plan.build_args
     for key in sorted((set(old) | set(new)) - set(UNHASHED_ARGS)):
         if old.get(key) != new.get(key):
             what = _BUILD_ARG_FIELDS.get(key, f"image.build_args.{key}")
@@ -183,17 +186,22 @@ def build_differences(record: dict, plan) -> list[str]:
                 out.append(f"{what} changed")
             else:
                 out.append(f"{what} {_shown_arg(key, old.get(key))} -> {_shown_arg(key, new.get(key))}")
-    if record.get("squash_options", plan.squash_options) != plan.squash_options:
-        out.append(f"image.squash_options {record.get('squash_options')!r} -> {plan.squash_options!r}")
-    inputs = record.get("inputs")
-    if isinstance(inputs, dict):
+    if (record.squash_options or plan.squash_options) != plan.squash_options:
+        out.append(f"image.squash_options {record.squash_options!r} -> {plan.squash_options!r}")
+    inputs = record.inputs
+    if inputs is not None:
         if inputs.get("dockerfile") != plan.inputs.get("dockerfile"):
             out.append("the Dockerfile (image.dockerfile) changed")
         old_src, new_src = inputs.get("sources") or {}, plan.inputs.get("sources") or {}
         changed = [part for part in sorted(set(old_src) | set(new_src))
                    if part != "wheels/" and old_src.get(part) != new_src.get(part)]
-        if changed:
-            out.append(f"sources changed in {', '.join(changed)}")
+        if "pyproject.toml" in changed:
+            out.append("the dependencies (pyproject.toml) changed")
+        code = [part for part in changed if part != "pyproject.toml"]
+        if code and not code_snapshot:
+            out.append(f"sources changed in {', '.join(code)}")
+        if code_snapshot and not out:
+            return []
     elif not out:
         out.append("the sources or the Dockerfile changed (this build's record predates slipway recording "
                    "its inputs, so which one is not known)")
@@ -204,8 +212,6 @@ def image_build_command(cfg: Config) -> str:
     """`slipway image build` with the user's own CONFIG, overrides and config flags (the named
     flags as the overrides they stand for: image build takes only overrides), so that it builds
     exactly what this config's submission would look for."""
-    from jobs.cli import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
-
     if not cfg.given_args:
         return f"slipway image build {shlex.quote(cfg.config_name)}"
     valued = {flag: key for flag, key, _, _ in NAMED_FLAGS + CLUSTER_FLAGS}
@@ -224,20 +230,22 @@ def image_build_command(cfg: Config) -> str:
 
 def stale_build_note(cfg: Config, project_dir: Path, pin: ImagePin) -> Optional[str]:
     """A note when the pinned build is not what `slipway image build` would build now for this
-    config: what differs, and the command that builds that."""
+    config: what differs, and the command that builds that. With a code snapshot a change to
+    the code alone is no reason to rebuild: only what the image installs is named."""
     if pin.source != "build":
         return None
-    from containers.image import image_plan
-
     try:
         plan = image_plan(cfg, root=project_dir, enroot_mount=False, git=False)
     except Exception:  # a note, not a check: a broken build setup is make image's to report
         return None
     if plan.hash == pin.build_hash:
         return None
-    record = build_record(Path(pin.path or "")) or {"hash": pin.build_hash}
+    record = BuildRecord.beside(Path(pin.path)) if pin.path else None
+    differs = build_differences(record, plan, code_snapshot=cfg.code.snapshot)
+    if not differs:
+        return None
     name = Path(pin.path or "").name
-    return (f"the image {name} is not what this config builds now ({'; '.join(build_differences(record, plan))}): "
+    return (f"the image {name} is not what this config builds now ({'; '.join(differs)}): "
             f"`{image_build_command(cfg)}` builds that (this run uses {name}, the one built)")
 
 
@@ -421,13 +429,20 @@ def remove_created_dirs(created: list[Path]) -> None:
             pass
 
 
-def run_environment(cfg: Config, paths: RunPaths, pin: ImagePin) -> Environment:
-    """The container environment of a run: the config's, with the pinned image and the
-    mounts that make its paths visible (runtime none: the config's, unused)."""
+def run_environment(cfg: Config, paths: RunPaths, pin: ImagePin, code: Optional[CodeSnapshot] = None) -> Environment:
+    """The container environment of a run: the config's, with the pinned image, the mounts
+    that make its paths visible, and the code snapshot (mounted read-only at its own path, in
+    front of the image's baked trainer); runtime none: the config's, unused."""
     env = cfg.container
     if not env.in_container:
         return env
-    out = replace(env, image=pin.image or env.image, mounts=[*env.mounts, *visibility_mounts(cfg, paths)])
+    mounts = [*env.mounts, *visibility_mounts(cfg, paths)]
+    values = dict(env.env)
+    if code is not None:
+        mounts.append(Mount(code.dir, code.dir, ("ro",)))
+        # A PYTHONPATH of the config's own stays behind the snapshot; the image's is replaced.
+        values.update(code.environment(env.env.get("PYTHONPATH")))
+    out = replace(env, image=pin.image or env.image, mounts=mounts, env=values)
     out.check("container")
     return out
 

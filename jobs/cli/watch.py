@@ -23,9 +23,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from jobs import lifecycle, runs, slurm
-from jobs.lifecycle import Launch
-from jobs.sbatch import NODE_HEARTBEAT_SECONDS
+from jobs import runs, slurm
+from jobs.runs import lifecycle
+from jobs.runs.lifecycle import Launch
+from jobs.slurm.script import NODE_HEARTBEAT_SECONDS
 from trainer.config import ConfigError
 from trainer.history import format_duration
 from trainer.rundir import GUTIL_DIR, HEARTBEATS_DIR, LOCAL_JOB, METRICS_FILE, PROGRESS_FILE, Event, EventKind

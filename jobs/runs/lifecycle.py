@@ -32,7 +32,7 @@ TERMINATED = "TERMINATED"  # a local launch ended by another signal
 DIED = "DIED"  # a local launch whose processes are gone without recording an exit
 UNKNOWN = "UNKNOWN"  # no word from Slurm or the launcher, no end in events.log
 
-# Events that end an attempt badly (the batch script's words, jobs/sbatch.py).
+# Events that end an attempt badly (the batch script's words, jobs/slurm/script.py).
 FAILURE_KINDS = frozenset({EventKind.HANG, EventKind.PREFLIGHT_FAILED, EventKind.NODE_FAILURE,
                            EventKind.NOT_RETRYING, EventKind.NOT_REQUEUEING, EventKind.REQUEUE_FAILED})
 # Slurm's words for a job not ended yet; its own STOPPED (SIGSTOPped, holding its nodes) is told as

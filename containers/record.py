@@ -1,0 +1,127 @@
+"""What an image is asked to be (`ImageSection`) and what a build made (`BuildRecord`).
+
+Both sit below `jobs/` and `containers/` alike: the config tree holds an
+ImageSection, `make image` writes a BuildRecord beside each squashfs
+(OUTPUT_DIR/NAME-HASH12.json) and as the current one (OUTPUT_DIR/NAME.json), and
+submit, status and doctor read it back through `BuildRecord.read`, never as a
+raw dict. Nothing here imports the host's command line, Slurm or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Literal, Optional
+
+from edf.environment import ENV_NAME, secret_error, secret_word
+from trainer.config import _require
+
+
+@dataclass
+class ImageSection:
+    """How `make image` builds the training image (containers/image.py).
+
+    Relative paths are relative to the checkout. The tag is localhost/NAME:HASH12
+    and the squashfs OUTPUT_DIR/NAME-HASH12.sqsh, HASH a hash of the Dockerfile,
+    the build args and the files copied in; OUTPUT_DIR/NAME.sqsh links to the
+    current one.
+    """
+
+    # The Dockerfile podman builds.
+    dockerfile: str = "containers/Dockerfile"
+    # The image it builds FROM (`make image BASE_IMAGE=...` overrides it).
+    # Keep in sync with containers/Dockerfile's ARG BASE_IMAGE.
+    base_image: str = "nvcr.io/nvidia/pytorch:25.12-py3"
+    # The image's name: localhost/NAME:HASH12 and OUTPUT_DIR/NAME-HASH12.sqsh.
+    name: str = "slipway"
+    # Where the squashfs files go.
+    output_dir: str = "images"
+    # Build flash-attn against the base's torch and CUDA; false for bases without CUDA.
+    flash_attn: bool = True
+    # Extra `--build-arg`s (e.g. MAX_JOBS, FLASH_ATTN_VERSION, SMOKE); they override slipway's own.
+    build_args: dict[str, str] = field(default_factory=dict)
+    # podman build --network=host (needed on CSCS).
+    network_host: bool = False
+    # podman build --isolation: chroot where the host's cgroups or rlimits stop podman's OCI
+    # runtime (a failed build says so); null: podman's default.
+    isolation: Optional[Literal["chroot", "oci", "rootless"]] = None
+    # A directory of wheels: pip installs from it alone (--no-index), for nodes without internet.
+    wheelhouse: Optional[str] = None
+    # ENROOT_SQUASH_OPTIONS for enroot import (RHEL9's mksquashfs has no lzo, enroot's default).
+    squash_options: str = "-comp zstd -Xcompression-level 3 -b 1M"
+    # compute: build and import inside one srun (podman storage on /dev/shm dies with the job).
+    build_on: Literal["local", "compute"] = "local"
+
+    def check(self, where: str) -> None:
+        # podman repository names are lowercase; the name also names files in output_dir.
+        _require(bool(re.match(r"^[a-z0-9][a-z0-9._-]{0,63}$", self.name)), f"{where}.name",
+                 f"{self.name!r} is not a valid image name: use 1-64 lowercase letters, digits, '.', '_' or '-'")
+        _require(bool(self.base_image) and "\n" not in self.base_image, f"{where}.base_image",
+                 "must name an image, e.g. nvcr.io/nvidia/pytorch:25.12-py3 or localhost/NAME:TAG")
+        for key, value in self.build_args.items():
+            if secret_word(key):  # a build arg's value is kept in the image's history, whatever it is
+                raise secret_error(f"{where}.build_args.{key}", key)
+            _require(bool(ENV_NAME.match(key)) and "\n" not in str(value), f"{where}.build_args.{key}",
+                     "build arg names are letters, digits and _ (not starting with a digit); values one line")
+        _require("\n" not in self.squash_options, f"{where}.squash_options", "must be one line of mksquashfs options")
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    """One image `make image` built: its content hash, where its squashfs is, and what went in."""
+
+    name: str
+    hash: str
+    tag: str
+    squashfs: str  # absolute
+    size_bytes: int = 0
+    built_at: str = ""
+    base_image: Optional[str] = None
+    git_commit: Optional[str] = None
+    build_args: Optional[dict] = None  # None: a record too old to say
+    build_env: dict = field(default_factory=dict)
+    squash_options: Optional[str] = None
+    # What the hash covers beyond build_args and squash_options, per part (Dockerfile, the
+    # dependency list, source directories, wheels); None in records from before it was kept.
+    inputs: Optional[dict] = None
+    podman_image_id: Optional[str] = None
+    enroot_version: Optional[str] = None
+    enroot_mount: Optional[bool] = None
+
+    @property
+    def hash12(self) -> str:
+        return self.hash[:12]
+
+    @classmethod
+    def from_json(cls, data: object) -> Optional["BuildRecord"]:
+        """The record in a parsed JSON document, or None if it is not one (unknown keys ignored)."""
+        if not isinstance(data, dict) or not all(isinstance(data.get(k), str) and data.get(k)
+                                                 for k in ("name", "hash", "tag", "squashfs")):
+            return None
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        for key, kind in (("build_args", dict), ("build_env", dict), ("inputs", dict)):
+            if key in values and not isinstance(values[key], kind):
+                values.pop(key)
+        if not isinstance(values.get("size_bytes", 0), int):
+            values.pop("size_bytes")
+        return cls(**values)
+
+    @classmethod
+    def read(cls, path: Path) -> Optional["BuildRecord"]:
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            return None
+
+    @classmethod
+    def beside(cls, squashfs: Path) -> Optional["BuildRecord"]:
+        """The record `make image` wrote beside this squashfs (NAME-HASH12.json), if it is one of ours."""
+        squashfs = squashfs.resolve()
+        record = cls.read(squashfs.with_suffix(".json"))
+        return record if record and Path(record.squashfs).resolve() == squashfs else None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"

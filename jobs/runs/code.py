@@ -1,0 +1,172 @@
+"""The code a run runs: a snapshot of the sources, taken at each launch, shared by content.
+
+An image holds dependencies (torch, flash-attn, the base's CUDA); the code the
+job runs (the `trainer` package, and a `train.script` with the folder it lives
+in) is copied at submit, `slipway local` and `slipway run` into
+RUNS/.code/HASH/, one copy per distinct content, and put in front of the image's
+baked `trainer` for every runtime: a mount at its own path and PYTHONPATH
+(containers), the job's PYTHONPATH (runtime none). PYTHONSAFEPATH keeps the
+working directory (the checkout, for runtime none) from shadowing it, and
+SLIPWAY_CODE lets the trainer check that it runs from the snapshot at all
+(trainer/rundir.py `check_code`). Editing the checkout after a submission
+changes nothing for that run, its requeues or its retries: job.sbatch and
+env.toml name the snapshot's path, and a snapshot is never written twice.
+`code.snapshot: false` runs the image's baked code (sealed production images).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from plumbum import local
+from plumbum.commands.processes import ProcessExecutionError
+
+from trainer.config import ConfigError, bounded_path
+from trainer.rundir import CodeSnapshot
+
+STORE = ".code"  # under the runs root: RUNS/.code/HASH16/
+SCHEME = "slipway-code-v1"
+# What never belongs to the code (the build context skips the same).
+SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".ipynb_checkpoints", ".git"}
+SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
+# A train.script's folder is copied whole: bounded, so a script in $HOME does not copy $HOME.
+MAX_SCRIPT_FILES = 2000
+MAX_SCRIPT_BYTES = 200 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class _Source:
+    dest: str  # path inside the snapshot
+    src: Path
+
+
+def trainer_source() -> Path:
+    """The `trainer` package this slipway runs (the checkout's, for an editable install)."""
+    import trainer
+
+    return Path(trainer.__file__).resolve().parent
+
+
+def _walk(root: Path, prefix: str, *, field: str, bounded: bool) -> list[_Source]:
+    out: list[_Source] = []
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+        for name in sorted(filenames):
+            if name.endswith(SKIP_SUFFIXES):
+                continue
+            path = Path(dirpath) / name
+            if not path.is_file():
+                continue
+            rel = path.relative_to(root).as_posix()
+            out.append(_Source(f"{prefix}/{rel}", path))
+            if bounded:
+                total += path.stat().st_size
+                if len(out) > MAX_SCRIPT_FILES or total > MAX_SCRIPT_BYTES:
+                    raise ConfigError(field, f"the script's folder {bounded_path(root)} holds more than "
+                                             f"{MAX_SCRIPT_FILES} files or {MAX_SCRIPT_BYTES >> 20} MB, all of which "
+                                             "a run's code snapshot copies: put the script in a folder of its own, "
+                                             "or set code.snapshot: false")
+    return out
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _git_state(root: Path, paths: list[Path]) -> tuple[Optional[str], Optional[bool]]:
+    git = shutil.which("git")
+    if git is None:
+        return None, None
+    try:
+        commit = local[git]("-C", str(root), "rev-parse", "HEAD").strip()
+        rels = [os.path.relpath(p, root) for p in paths]
+        status = local[git]("-C", str(root), "status", "--porcelain", "--", *rels).strip()
+    except (ProcessExecutionError, ValueError):
+        return None, None
+    return commit, bool(status)
+
+
+def git_diff(snapshot: CodeSnapshot) -> str:
+    """The snapshotted sources' difference from their commit (tracked files; untracked ones named)."""
+    source = Path(snapshot.source)
+    git = shutil.which("git")
+    if git is None or not snapshot.commit:
+        return ""
+    root = source.parent
+    try:
+        diff = local[git]("-C", str(root), "diff", "HEAD", "--", os.path.relpath(source, root))
+        untracked = local[git]("-C", str(root), "ls-files", "--others", "--exclude-standard", "--",
+                               os.path.relpath(source, root)).split()
+    except ProcessExecutionError:
+        return ""
+    return diff + "".join(f"# untracked: {name}\n" for name in untracked)
+
+
+class Snapshot:
+    """A snapshot planned (hashed, nothing written): `value` is what the manifest records,
+    `write()` puts it into the store if no run has yet."""
+
+    def __init__(self, value: CodeSnapshot, sources: list[_Source]):
+        self.value = value
+        self._sources = sources
+
+    def write(self) -> CodeSnapshot:
+        target = Path(self.value.dir)
+        if target.is_dir():
+            return self.value  # content-addressed: the same hash is the same files
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        try:
+            for source in self._sources:
+                dest = tmp / source.dest
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source.src, dest)
+                executable = source.src.stat().st_mode & stat.S_IXUSR
+                # Read-only: a snapshot is what ran; nothing edits it in place.
+                os.chmod(dest, 0o555 if executable else 0o444)
+            for dirpath, _, _ in os.walk(tmp):
+                os.chmod(dirpath, 0o755)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not target.is_dir():  # not another launch writing the same content first
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return self.value
+
+
+def plan_snapshot(store: Path, script: Optional[str]) -> Snapshot:
+    """Hash the code a launch runs: the trainer package, and `script`'s folder (train.script)."""
+    source = trainer_source()
+    sources = _walk(source, "trainer", field="code", bounded=False)
+    script_dest = None
+    if script:
+        path = Path(script).resolve()
+        sources += _walk(path.parent, "script", field="train.script", bounded=True)
+        script_dest = f"script/{path.name}"
+    h = hashlib.sha256(f"{SCHEME}\n".encode())
+    size = 0
+    for s in sources:
+        mode = "x" if s.src.stat().st_mode & stat.S_IXUSR else "-"
+        h.update(f"{s.dest}\0{mode}\0{_digest(s.src)}\n".encode())
+        size += s.src.stat().st_size
+    digest = h.hexdigest()
+    where = store / digest[:16]
+    commit, dirty = _git_state(source.parent, [source])
+    value = CodeSnapshot(hash=digest, dir=str(where), files=len(sources), bytes=size, source=str(source),
+                         commit=commit, dirty=dirty, script=str(where / script_dest) if script_dest else None)
+    return Snapshot(value, sources)

@@ -1,0 +1,247 @@
+"""The dev loop: each launch runs a snapshot of the code it was launched with (jobs/runs/code.py).
+
+The store's own rules (content addressed, read-only, bounded, recorded) run in
+seconds; on the local Slurm a submission, an edit of the checkout and a second
+submission show that a job runs the code it was submitted with, through a
+requeue, and that identical code is stored once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs.runs.code import STORE, plan_snapshot
+from trainer.config import ConfigError
+from trainer.rundir import CODE_ENV, CodeSnapshot, check_code
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def checkout(project: Path) -> Path:
+    """The project as a checkout of its own: slipway, run from it, snapshots its trainer/."""
+    shutil.copytree(ROOT / "trainer", project / "trainer", ignore=shutil.ignore_patterns("__pycache__"))
+    return project / "trainer"
+
+
+def mark(project: Path, word: str) -> None:
+    """Make the checkout's trainer append WORD to RUN/code-marks when rank 0 starts."""
+    text = (ROOT / "trainer" / "train.py").read_text()
+    anchor = "    args = parser.parse_args(argv)\n"
+    line = ("    if os.environ.get('RANK', '0') == '0':\n"
+            f"        open(os.path.join(os.environ['SLIPWAY_RUN_DIR'], 'code-marks'), 'a').write('{word}\\n')\n")
+    assert anchor in text
+    (project / "trainer" / "train.py").write_text(text.replace(anchor, anchor + line, 1))
+
+
+def slipway(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    # cwd is the project (the fixture's chdir): `python -m jobs` imports the project's trainer first.
+    return subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ))
+
+
+# ------------------------------------------------------------------ the store, in seconds
+
+
+def test_a_snapshot_is_content_addressed_read_only_and_written_once(project, monkeypatch):
+    source = checkout(project)
+    monkeypatch.setattr("jobs.runs.code.trainer_source", lambda: source)
+    store = project / "runs" / STORE
+    first = plan_snapshot(store, None)
+    assert not store.exists()  # planning writes nothing (a dry run)
+    value = first.write()
+    snap = Path(value.dir)
+    assert snap.parent == store and snap.name == value.hash[:16] and (snap / "trainer" / "train.py").is_file()
+    assert not list(snap.rglob("__pycache__")) and value.files == len([p for p in snap.rglob("*") if p.is_file()])
+    assert not os.access(snap / "trainer" / "train.py", os.W_OK) or os.geteuid() == 0
+    assert (snap / "trainer" / "train.py").stat().st_mode & 0o222 == 0
+    # The same content again: the same directory, not rewritten.
+    before = (snap / "trainer" / "train.py").stat().st_mtime_ns
+    again = plan_snapshot(store, None).write()
+    assert again == value and (snap / "trainer" / "train.py").stat().st_mtime_ns == before
+    # One byte changed: another snapshot; the first is untouched.
+    (source / "model.py").write_text((source / "model.py").read_text() + "\n# changed\n")
+    changed = plan_snapshot(store, None).write()
+    assert changed.hash != value.hash and len(list(store.iterdir())) == 2
+    assert "# changed" not in (snap / "trainer" / "model.py").read_text()
+    # The manifest's record reads back as the same value.
+    assert CodeSnapshot.from_record(json.loads(json.dumps(changed.record()))) == changed
+
+
+def test_a_train_script_is_snapshotted_with_its_folder_and_bounded(project, monkeypatch):
+    monkeypatch.setattr("jobs.runs.code.MAX_SCRIPT_FILES", 5)
+    folder = project / "scripts"
+    folder.mkdir()
+    (folder / "train_mine.py").write_text("import helper\n")
+    (folder / "helper.py").write_text("X = 1\n")
+    value = plan_snapshot(project / "runs" / STORE, str(folder / "train_mine.py")).write()
+    assert value.script == f"{value.dir}/script/train_mine.py"
+    assert (Path(value.dir) / "script" / "helper.py").read_text() == "X = 1\n"
+    for i in range(6):
+        (folder / f"data{i}.txt").write_text("x")
+    with pytest.raises(ConfigError, match=r"^train.script: .*folder of its own.*code.snapshot: false"):
+        plan_snapshot(project / "runs" / STORE, str(folder / "train_mine.py"))
+
+
+def test_the_trainer_refuses_to_run_other_code_than_the_snapshot(tmp_path):
+    snap = tmp_path / "snap"
+    (snap / "trainer").mkdir(parents=True)
+    assert check_code(str(snap / "trainer" / "train.py"), {CODE_ENV: str(snap)}) is None
+    assert check_code(str(ROOT / "trainer" / "train.py"), {}) is None  # no snapshot named: any code
+    why = check_code(str(ROOT / "trainer" / "train.py"), {CODE_ENV: str(snap)})
+    assert why and str(snap) in why and "code.snapshot: false" in why
+    # Through the real entry point: exit 2 and one line, before anything is read.
+    r = subprocess.run([PY, "-m", "trainer", "--config", "nowhere.yaml"], capture_output=True, text=True,
+                       env={**os.environ, CODE_ENV: str(snap)}, cwd=ROOT)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not the run's code snapshot" in r.stderr
+
+
+def test_every_runtime_runs_the_snapshot(project):
+    """The dry run's files: env.toml (edf), the srun line (pyxis) and the job's exports (none)
+    all put the snapshot first; code.snapshot: false leaves the image's code."""
+    checkout(project)
+    img = project / "img.sqsh"
+    img.write_bytes(b"hsqs")
+    out = {}
+    for runtime in ("edf", "pyxis", "none"):
+        extra = [f"container.image={img}"] if runtime != "none" else []
+        r = slipway("submit", "tiny_cpu", "--dry-run", f"container.runtime={runtime}", *extra)
+        assert r.returncode == 0, r.stderr
+        out[runtime] = r.stdout
+    line = next(line for line in out["none"].splitlines() if line.startswith("export SLIPWAY_CODE="))
+    code = shlex.split(line)[1].split("=", 1)[1]
+    assert code.startswith(str(project / "runs" / ".code") + "/") and not Path(code).exists()  # dry run: unwritten
+    assert f'export PYTHONPATH={shlex.quote(code)}"${{PYTHONPATH:+:$PYTHONPATH}}"' in out["none"]
+    edf = out["edf"]
+    assert "PYTHONSAFEPATH = \"1\"" in edf and code.replace('"', '\\"') in edf
+    assert "--container-env=SLIPWAY_CODE,PYTHONPATH,PYTHONSAFEPATH" in out["pyxis"]
+    assert f"{code}:{code}:ro" in out["pyxis"].replace("'\"'\"'", "'")
+    sealed = slipway("submit", "tiny_cpu", "--dry-run", "container.runtime=edf", f"container.image={img}",
+                     "code.snapshot=false")
+    assert "SLIPWAY_CODE" not in sealed.stdout and "code.snapshot: false" in sealed.stdout
+
+
+# ------------------------------------------------------------------ on the local Slurm
+
+
+def job_state(job_id: str) -> str:
+    r = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
+    return next((w.split("=", 1)[1] for w in r.stdout.split() if w.startswith("JobState=")), "GONE")
+
+
+def wait_end(job_id: str, timeout: float = 240) -> str:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = job_state(job_id)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "GONE"):
+            return state
+        time.sleep(0.5)
+    pytest.fail(f"job {job_id} did not end in {timeout} s")
+
+
+TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=4",
+        "model.num_kv_heads=2", "data.seq_len=64", "model.max_position_embeddings=64", "train.micro_batch_size=4",
+        "train.steps=4", "train.eval_interval=0", "train.warmup_steps=1", "logging.interval=1",
+        "checkpoint.interval=4", "slurm.preflight=false"]
+
+
+@pytest.mark.slurm
+def test_a_job_runs_the_code_it_was_submitted_with_through_a_requeue(project, slurm_env):
+    checkout(project)
+    mark(project, "one")
+    # Held in the queue while the checkout changes under it.
+    r = slipway("submit", "tiny_cpu", "--parsable", "--run-name", "old", *TINY, "slurm.extra=[--hold]")
+    assert r.returncode == 0, r.stderr
+    old_job = r.stdout.strip()
+    mark(project, "two")
+    subprocess.run(["scontrol", "release", old_job], check=True)
+    assert wait_end(old_job) == "COMPLETED"
+    runs = project / "runs"
+    assert (runs / "old" / "code-marks").read_text() == "one\n"
+    # A requeue runs the same snapshot, whatever the checkout holds now.
+    subprocess.run(["scontrol", "requeue", old_job], check=True)
+    assert wait_end(old_job) == "COMPLETED"
+    assert (runs / "old" / "code-marks").read_text() == "one\none\n"
+
+    r = slipway("submit", "tiny_cpu", "--parsable", "--run-name", "new", *TINY)
+    assert r.returncode == 0, r.stderr
+    assert wait_end(r.stdout.strip()) == "COMPLETED"
+    assert (runs / "new" / "code-marks").read_text() == "two\n"
+    old = json.loads((runs / "old" / "manifest.json").read_text())["code"]
+    new = json.loads((runs / "new" / "manifest.json").read_text())["code"]
+    assert old["hash"] != new["hash"] and "commit" not in old and Path(old["dir"]).is_dir()  # not a git checkout
+    # Identical content is stored once: a third run of the same code shares the second's.
+    r = slipway("submit", "tiny_cpu", "--dry-run", "--run-name", "same", *TINY)
+    assert f"/runs/.code/{new['dir'][-16:]}" in r.stdout
+    assert sorted(p.name for p in (runs / STORE).iterdir()) == sorted({old["dir"][-16:], new["dir"][-16:]})
+
+    # The old run resubmitted with the new code: recorded, and said by status.
+    r = slipway("submit", "tiny_cpu", "--parsable", "--run-name", "old", *TINY, "train.steps=6", "--force")
+    assert r.returncode == 0, r.stderr
+    again = r.stdout.strip()
+    assert wait_end(again) == "COMPLETED"
+    assert (runs / "old" / "code-marks").read_text() == "one\none\ntwo\n"
+    events = (runs / "old" / "events.log").read_text()
+    assert f"job {again} code changed {old['hash'][:12]} -> {new['hash'][:12]}" in events
+    assert list((runs / "old" / "history").glob("code-*.json"))
+    status = slipway("status", "old")
+    assert f"code {new['hash'][:12]}" in status.stdout
+    assert f"note: code changed at job {again}: {old['hash'][:12]} -> {new['hash'][:12]}" in status.stdout
+
+
+def metrics_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r["step"] for r in map(json.loads, lines) if r.get("kind") == "train"]
+
+
+@pytest.mark.slurm
+def test_slipway_run_inside_an_allocation_stops_resumably_and_resumes(project, slurm_env):
+    """`salloc -N2 slipway run ...`: the batch script's steps in the allocation; Ctrl-C saves and
+    leaves the run resumable (exit 75); running it again resumes to the end."""
+    import signal
+    import time
+
+    checkout(project)
+    args = ["run", "tiny_cpu", "--run-name", "inter", "--nodes", "2", "--dp", "2", "launch.procs_per_node=1",
+            *TINY, "train.steps=400",
+            "checkpoint.interval=1000", "train.micro_batch_size=8"]
+    proc = subprocess.Popen(["salloc", "--nodes=2", PY, "-m", "jobs", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    run_dir = project / "runs" / "inter"
+    deadline = time.time() + 180
+    while time.time() < deadline and len(metrics_steps(run_dir)) < 3:
+        time.sleep(0.5)
+    assert len(metrics_steps(run_dir)) >= 3, proc.stdout.read() if proc.poll() is not None else "no steps"
+    launcher = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "jobs run"], capture_output=True, text=True)
+    os.kill(int(launcher.stdout.split()[0]), signal.SIGINT)  # Ctrl-C to slipway run
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-3000:]
+    saved = sorted(int(p.parent.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*/COMPLETE"))
+    assert saved and 3 <= saved[-1] < 400, saved
+    events = (run_dir / "events.log").read_text()
+    assert "job local interrupted: stop requested" in events
+    assert "job local stopped on request: saved after the stop request" in events, events
+    assert "rank 0" not in out or "step" in out  # rank 0's log lines reached the terminal
+    assert re.search(r"step\s+\d+", out), out[-2000:]
+    status = slipway("status", "inter")
+    assert "STOPPED" in status.stdout.upper() and "75" in status.stdout, status.stdout
+
+    # Again, with fewer steps left: it resumes from the saved step and completes.
+    again = [a for a in args if not a.startswith("train.steps=")] + [f"train.steps={saved[-1] + 2}", "--force"]
+    r = subprocess.run(["salloc", "--nodes=2", PY, "-m", "jobs", *again], capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
+    steps = metrics_steps(run_dir)
+    assert steps[-1] == saved[-1] + 2 and "resum" in (r.stdout + r.stderr).lower()
+    assert not (run_dir / "stop-requested").exists()
