@@ -54,7 +54,7 @@ def slipway(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 def test_a_snapshot_is_content_addressed_read_only_and_written_once(project, monkeypatch):
     source = checkout(project)
-    monkeypatch.setattr("jobs.runs.code.trainer_source", lambda: source)
+    monkeypatch.setattr("jobs.runs.code.trainer_source", lambda project_dir=None: source)
     store = project / "runs" / STORE
     first = plan_snapshot(store, None)
     assert not store.exists()  # planning writes nothing (a dry run)
@@ -75,6 +75,17 @@ def test_a_snapshot_is_content_addressed_read_only_and_written_once(project, mon
     assert "# changed" not in (snap / "trainer" / "model.py").read_text()
     # The manifest's record reads back as the same value.
     assert CodeSnapshot.from_record(json.loads(json.dumps(changed.record()))) == changed
+
+
+def test_the_snapshot_is_of_the_checkout_the_launch_runs_from(project, tmp_path):
+    """A login node's non-editable install still snapshots the checkout the user edits."""
+    from jobs.runs.code import trainer_source
+
+    assert trainer_source(tmp_path) == (ROOT / "trainer").resolve()  # no checkout there: the imported one
+    source = checkout(project)
+    assert trainer_source(project) == source.resolve()
+    value = plan_snapshot(project / "runs" / STORE, None, project).value
+    assert value.source == str(source.resolve())
 
 
 def test_a_train_script_is_snapshotted_with_its_folder_and_bounded(project, monkeypatch):

@@ -251,7 +251,7 @@ def test_twenty_submissions_at_once(project, slurm_env):
         job_ids[n] = out.strip()
     assert len(set(job_ids.values())) == 20
     runs = project / "runs"
-    assert sorted(p.name for p in runs.iterdir() if p.is_dir()) == names
+    assert sorted(p.name for p in runs.iterdir() if p.is_dir() and not p.name.startswith(".")) == names  # not .code
     for n, job_id in job_ids.items():
         subs = json.loads((runs / n / "manifest.json").read_text())["submissions"]
         assert [s["job_id"] for s in subs] == [job_id], (n, subs)

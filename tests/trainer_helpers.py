@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional
 import torch
 import yaml
 
-if __package__ in (None, ""):  # run as a script by torchrun: make `trainer` importable
+if __package__ in (None, "") and not os.environ.get("SLIPWAY_CODE"):
+    # Run as a script by torchrun: make `trainer` importable (a launch's code snapshot is already).
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import TrainerConfig  # noqa: E402

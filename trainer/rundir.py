@@ -90,8 +90,10 @@ class CodeSnapshot:
 
     def environment(self, pythonpath: Optional[str] = None) -> dict[str, str]:
         """What puts the snapshot in front of any installed `trainer` (`pythonpath`: one to keep behind it)."""
-        return {CODE_ENV: self.dir, "PYTHONPATH": self.dir + (f":{pythonpath}" if pythonpath else ""),
-                "PYTHONSAFEPATH": "1"}
+        # PYTHONSAFEPATH keeps the working directory out of sys.path, and with it a script's own
+        # folder: the snapshot's copy of that folder follows the snapshot on the path instead.
+        path = [self.dir, *([str(Path(self.script).parent)] if self.script else []), *([pythonpath] if pythonpath else [])]
+        return {CODE_ENV: self.dir, "PYTHONPATH": ":".join(path), "PYTHONSAFEPATH": "1"}
 
 
 

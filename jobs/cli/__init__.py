@@ -242,6 +242,9 @@ def cmd_edf(args: argparse.Namespace) -> int:
     if not cfg.container.in_container:
         raise ConfigError("container.runtime", "runtime none has no container environment: set "
                                                "container.runtime to edf or pyxis")
+    # The environment alone: an EDF kept in EDF_PATH outlives any one launch, and a run's code
+    # snapshot comes with each launch (submit, run), not with the environment.
+    cfg.code.snapshot = False
     sealed = runs.seal(cfg, project_dir(), dry_run=not args.install)
     _notes(_console(), sealed.notes)
     if args.install:

@@ -287,7 +287,8 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
         stale = stale_build_note(cfg, paths.project_dir, pin)
         if stale:
             notes.append(stale)
-    code = plan_snapshot(paths.run_dir.parent / CODE_STORE, cfg.train.script) if cfg.code.snapshot else None
+    code = (plan_snapshot(paths.run_dir.parent / CODE_STORE, cfg.train.script, paths.project_dir)
+            if cfg.code.snapshot else None)
     env = run_environment(cfg, paths, pin, code.value if code else None)
     script = render_sbatch(cfg, paths, env, code.value if code else None)
     _check_script_syntax(cfg, script)
@@ -352,9 +353,6 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
     run = Run(paths)
     no_world_write()
-    if sealed.code is not None:
-        paths.run_dir.parent.mkdir(parents=True, exist_ok=True)
-        sealed.code.write()  # before job.sbatch names it; content-addressed, so never rewritten
     if (paths.run_dir / MANIFEST).is_file():
         mode = paths.run_dir.stat().st_mode
         if mode & 0o002:  # made under umask 000 before slipway masked it
@@ -369,6 +367,8 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
             raise ConfigError("run.name", f"run {cfg.run.name} exists with {differs} ({paths.config}): pick "
                                           "another --run-name, or pass --force to replace its config (the old "
                                           "one is kept in history/)")
+        if sealed.code is not None:
+            sealed.code.write()  # before job.sbatch names it; content-addressed, so never rewritten
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
         for name, text in files.items():
             target = paths.run_dir / name
@@ -379,6 +379,8 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
         return run, False
     root = paths.run_dir.parent
     root.mkdir(parents=True, exist_ok=True)
+    if sealed.code is not None:
+        sealed.code.write()
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.run.name}.", suffix=".tmp", dir=root))
     try:
         _group_readable(tmp)
@@ -524,6 +526,8 @@ def _submit_locked(sealed: Sealed, *, force: bool, why: Optional[str]) -> tuple[
                 slurm.scancel([prep_id])
         remove_created_dirs(made)
         if created and not prep_id:  # nothing ran: leave no trace of a run that never was
+            if sealed.code is not None:
+                sealed.code.discard()
             shutil.rmtree(run.dir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 run.dir.parent.rmdir()  # only if that left it empty

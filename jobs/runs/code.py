@@ -16,6 +16,7 @@ env.toml name the snapshot's path, and a snapshot is never written twice.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -47,8 +48,12 @@ class _Source:
     src: Path
 
 
-def trainer_source() -> Path:
-    """The `trainer` package this slipway runs (the checkout's, for an editable install)."""
+def trainer_source(project_dir: Optional[Path] = None) -> Path:
+    """The `trainer` package a launch from `project_dir` runs: the checkout's own when slipway runs
+    from one (what the user edits, whether slipway is installed editable or not), else the one
+    this slipway imports."""
+    if project_dir is not None and (project_dir / "trainer" / "__init__.py").is_file():
+        return (project_dir / "trainer").resolve()
     import trainer
 
     return Path(trainer.__file__).resolve().parent
@@ -121,6 +126,15 @@ class Snapshot:
     def __init__(self, value: CodeSnapshot, sources: list[_Source]):
         self.value = value
         self._sources = sources
+        self.created = False  # this launch wrote it (a refused submission takes it back)
+
+    def discard(self) -> None:
+        """Remove the snapshot if this launch wrote it, and the store if that leaves it empty."""
+        if not self.created:
+            return
+        shutil.rmtree(self.value.dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            Path(self.value.dir).parent.rmdir()
 
     def write(self) -> CodeSnapshot:
         target = Path(self.value.dir)
@@ -140,6 +154,7 @@ class Snapshot:
                 os.chmod(dirpath, 0o755)
             try:
                 os.rename(tmp, target)
+                self.created = True
             except OSError:
                 if not target.is_dir():  # not another launch writing the same content first
                     raise
@@ -149,9 +164,9 @@ class Snapshot:
         return self.value
 
 
-def plan_snapshot(store: Path, script: Optional[str]) -> Snapshot:
+def plan_snapshot(store: Path, script: Optional[str], project_dir: Optional[Path] = None) -> Snapshot:
     """Hash the code a launch runs: the trainer package, and `script`'s folder (train.script)."""
-    source = trainer_source()
+    source = trainer_source(project_dir)
     sources = _walk(source, "trainer", field="code", bounded=False)
     script_dest = None
     if script:

@@ -170,7 +170,7 @@ def _code_environment(code: Optional[CodeSnapshot]) -> list[str]:
     return [f"# The run's code: snapshot {code.hash12} (jobs/runs/code.py), in front of any installed trainer;",
             "# containers get the same by their environment (env.toml / --container-env) and a mount.",
             f"export SLIPWAY_CODE={shlex.quote(code.dir)}",
-            f'export PYTHONPATH={shlex.quote(code.dir)}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+            f'export PYTHONPATH={shlex.quote(code.environment()["PYTHONPATH"])}"${{PYTHONPATH:+:$PYTHONPATH}}"',
             "export PYTHONSAFEPATH=1"]
 
 
