@@ -20,11 +20,12 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from containers.pip_requirements import toml_loads
 from containers.record import ImageSection
 from trainer.config import ConfigError
-from trainer.fs import write_atomic
+from trainer.fs import file_sha256, write_atomic
 
 HASH_SCHEME = "slipway-image-v1"
 # What goes into the image under src/ (the repository layout, see the Dockerfile).
@@ -58,19 +59,25 @@ def resolve_path(root: Path, path: str) -> Path:
     return p if p.is_absolute() else root / p
 
 
+def source_files(top: Path) -> Iterator[Path]:
+    """The source files under `top`, in a stable order: what the image and a run's code snapshot
+    (jobs/runs/code.py) take of a directory (no caches, editor leftovers or hidden files)."""
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info"))
+        for name in sorted(filenames):
+            if name.startswith(".") or name.endswith(SKIP_SUFFIXES):
+                continue
+            path = Path(dirpath) / name
+            if path.is_file():
+                yield path
+
+
 def context_files(root: Path, image: "ImageSection") -> list[ContextFile]:
     """Exactly the files the build context holds, sorted by destination."""
     files = [ContextFile(f"src/{name}", root / name) for name in CONTEXT_FILES if (root / name).is_file()]
     for top in CONTEXT_DIRS:
-        for dirpath, dirnames, filenames in os.walk(root / top):
-            dirnames[:] = sorted(d for d in dirnames
-                                 if d not in SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info"))
-            for name in sorted(filenames):
-                if name.startswith(".") or name.endswith(SKIP_SUFFIXES):
-                    continue
-                path = Path(dirpath) / name
-                if path.is_file():
-                    files.append(ContextFile(f"src/{path.relative_to(root).as_posix()}", path))
+        files += [ContextFile(f"src/{path.relative_to(root).as_posix()}", path) for path in source_files(root / top)]
     if image.wheelhouse:
         wheels = resolve_path(root, image.wheelhouse)
         if not wheels.is_dir():
@@ -100,11 +107,7 @@ class HashCache:
         hit = self.entries.get(key)
         if hit and hit[:3] == stamp:
             return hit[3]
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        digest = h.hexdigest()
+        digest = file_sha256(path)
         if time.time_ns() - st.st_mtime_ns > 2_000_000_000:
             self.entries[key] = [*stamp, digest]
             self.changed = True

@@ -133,7 +133,7 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
 def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: bool, console,
                 allocation: Optional[str] = None) -> int:
     cfg = sealed.cfg
-    code = sealed.code.value if sealed.code else None
+    code = sealed.snapshot
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     if allocation:
         # The batch script itself; its events are this launch's ("local": the launcher's pid,
@@ -470,11 +470,8 @@ def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: 
              "host": socket.gethostname(), "log": str(log_path.relative_to(run.dir)),
              "git": runs.git_state(project_dir), "code": sealed.code_record,
              **({"allocation": allocation} if allocation else {})}
-    runs.record_code(run, sealed)
-
     def add(manifest: dict) -> None:
-        runs.note_code_change(run, manifest, sealed, LOCAL_JOB)
-        manifest["code"] = sealed.code_record
+        runs.record_code(run, manifest, sealed, LOCAL_JOB)
         manifest.setdefault("submissions", []).append(entry)
 
     runs.update_manifest(run, add)

@@ -15,6 +15,7 @@ from jobs.slurm.script import JOB_LIB
 
 SETTINGS = """RUN_DIR={run_dir}
 NODES_NEEDED=2 PROCS_PER_NODE=2 RANKS=4 REQUEUE=1 MAX_RETRIES=2 MAX_REQUEUES=3 PREFLIGHT_TIMEOUT=300
+NO_REQUEUE='slurm.requeue is off'
 PREFLIGHT_EXIT=5 HANG_EXIT=4 REQUEUE_EXIT=75 CHECKPOINT_DIR="$RUN_DIR/checkpoints"
 HANGS="$RUN_DIR/hangs" STOP_FILE="$RUN_DIR/stop-requested"
 CONTAINER_PREFIX={prefix} STEP_STOP_WAIT=5 CONTAINER_REMOVE_WAIT=1 STALE_REMOVE_TIMEOUT=60
@@ -175,6 +176,33 @@ def test_a_time_limit_stop_without_a_new_checkpoint_is_said(tmp_path):
     assert r.returncode == 0 and lib.calls() == ["scontrol requeue 41"], r.stderr
     assert lib.events() == ["time-limit requeue 1/3: no checkpoint saved after the stop request (step exit 1), "
                             "requeueing"]
+
+
+def test_inside_an_allocation_a_stop_or_failure_is_never_requeued(tmp_path):
+    """`slipway run` (SLIPWAY_IN_ALLOCATION): Ctrl-C's INT trap asks for a save; the step's
+    REQUEUE_EXIT then ends the script with 75 and says how to resume; a hang is not retried."""
+    lib = Lib(tmp_path)
+    (lib.run_dir / "checkpoints" / "step-7").mkdir(parents=True)
+    (lib.run_dir / "checkpoints" / "step-7" / "COMPLETE").touch()
+    setting = next(line for line in render_settings().splitlines() if "SLIPWAY_IN_ALLOCATION" in line)
+    r = lib.run(f"SLIPWAY_IN_ALLOCATION=1; {setting}; trap on_interrupt INT; kill -INT $$; "
+                "after_stop_request 75")
+    assert r.returncode == 75 and not any(c.startswith("scontrol") for c in lib.calls()), (r.stderr, lib.calls())
+    assert lib.events() == ["interrupted: stop requested",
+                            "stopped on request: saved after the stop request (checkpoint at step 7); "
+                            "slipway run: not requeued, run it again to resume"]
+    assert (lib.run_dir / "stop-requested").exists()
+    r = lib.run(f"SLIPWAY_IN_ALLOCATION=1; {setting}; retry_or_stop hang 4 node2")
+    assert r.returncode == 4 and lib.events()[-1] == ("not retrying (hang): slipway run: not requeued, run it "
+                                                      "again to resume")
+
+
+def render_settings() -> str:
+    from jobs.config import load_config
+    from jobs.slurm.script import RunPaths, render_sbatch
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")
+    return render_sbatch(cfg, RunPaths(Path("/r/run"), Path("/r")), cfg.container)
 
 
 def test_a_failed_step_on_healthy_nodes_is_no_node_failure(tmp_path):

@@ -97,17 +97,30 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
     assert (run_dir / "checkpoints" / "step-000006" / "COMPLETE").is_file()
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["image"]["path"] == squashfs and manifest["image"]["source"] == "build"
+    # The run's code snapshot, mounted read-only at its own path and first on PYTHONPATH: the
+    # trainer refuses any other code (trainer.rundir.check_code), so these steps ran it.
+    code = manifest["code"]["dir"]
+    assert f"{code}:{code}:ro" in script and "--container-env=" in script and (Path(code) / "trainer").is_dir()
 
     # One container per node for the job's three steps: the preflight's node step unpacked the
-    # image, its all-reduce and training started in the same filesystem, and the job's end
-    # removed it (pyxis's default container_scope=global would keep it on the node).
+    # image, its all-reduce and training started in the same filesystem. The job's end removes
+    # it within CONTAINER_REMOVE_WAIT s, never longer (the end is not delayed); what that leaves
+    # (a loaded node can take longer) the next job on the node removes at its start.
     assert "--container-name=slipway-\"${JOB_TAG}\"" in script
     slurmd = "".join(p.read_text(errors="replace") for p in pyxis_cluster.spec.log_dir.glob("slurmd-*.log"))
     assert slurmd.count("pyxis: creating container filesystem: pyxis_slipway-") == 2, slurmd[-3000:]
     assert slurmd.count("pyxis: reusing existing container filesystem") == 4, slurmd[-3000:]
-    for node in pyxis_cluster.node_names:
+    first = manifest["submissions"][0]["job_id"]
+
+    def containers(node: str) -> list[str]:
         pid = next(p["pid"] for p in read_registry(pyxis_cluster.spec.name)["processes"]
                    if p["role"] == f"slurmd {node}")
-        left = subprocess.run(["nsenter", "-t", str(pid), "-m", "enroot", "list"], capture_output=True, text=True,
-                              check=True).stdout.split()
-        assert [c for c in left if c.startswith("pyxis_")] == [], (node, left)
+        return [c for c in subprocess.run(["nsenter", "-t", str(pid), "-m", "enroot", "list"], capture_output=True,
+                                          text=True, check=True).stdout.split() if c.startswith("pyxis_")]
+
+    if any(containers(node) for node in pyxis_cluster.node_names):
+        again = run(PY, "-m", "jobs", "submit", "tiny_cpu", "--run-name", "pyx", "--nodes", "2", "--dp", "4", *TINY,
+                    "container.runtime=pyxis", *image, "--show-logs", env=env, cwd=project)
+        assert again.returncode == 0, (again.stdout[-3000:], again.stderr[-3000:])
+    for node in pyxis_cluster.node_names:
+        assert not [c for c in containers(node) if c == f"pyxis_slipway-{first}"], (node, containers(node))

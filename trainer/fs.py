@@ -1,4 +1,5 @@
-"""Atomic file writes, shared by every layer (the trainer, the run directory, the EDF).
+"""Atomic file writes and file digests, shared by every layer (the trainer, the run directory,
+the EDF, the image and code snapshots).
 
 A reader sees the old file or the new one, never half of one: write a temp file
 beside the target, fsync it, rename it over the target. No torch here.
@@ -6,9 +7,19 @@ beside the target, fsync it, rename it over the target. No torch here.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB chunks (squashfs images are GBs)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644) -> Path:

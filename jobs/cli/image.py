@@ -83,8 +83,7 @@ def prune(cfg: Config, keep: int = 1, *, root: Path | None = None, remove: list[
 
     root = (root or project_root()).resolve()
     # Where runs live: the directory slipway's run commands use and the checkout the image is built from.
-    project_dirs = list(dict.fromkeys([Path.cwd().absolute() if "SLIPWAY_PROJECT" not in os.environ
-                                       else Path(os.environ["SLIPWAY_PROJECT"]).absolute(), root]))
+    project_dirs = list(dict.fromkeys([Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute(), root]))
     return prune_images(cfg, keep=keep, root=root, remove=remove, console=console,
                         pinned=pinned_images(project_dirs))
 

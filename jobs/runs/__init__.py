@@ -23,16 +23,15 @@ from pathlib import Path
 from typing import Callable, Optional, TextIO
 
 from plumbum import local
-from plumbum.commands.processes import ProcessExecutionError
 
 from edf import Environment, expand_host, render_edf, srun_flags
 from jobs import slurm
+from jobs.config import Config, dump_config, load_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
-from jobs.config import Config, dump_config, load_config
+from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot
 from jobs.runs.container import (ImagePin, create_needed_dirs, pin_image, remove_created_dirs, resolve_paths,
-                            run_environment, stale_build_note)
-from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, plan_snapshot
+                                 run_environment, stale_build_note)
 from jobs.runs.lifecycle import Launch, LaunchState
 from jobs.slurm.script import PREPARE_SCRIPT, RunPaths, check_env_from_host, render_prepare_sbatch, render_sbatch
 from trainer.config import ConfigError
@@ -44,19 +43,6 @@ MANIFEST = "manifest.json"
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def git_state(project_dir: Path) -> dict:
-    """Commit and dirty flag of the project, or nulls outside a git checkout."""
-    if not shutil.which("git"):
-        return {"commit": None, "dirty": None}
-    git = local["git"]["-C", str(project_dir)]
-    try:
-        commit = git("rev-parse", "HEAD").strip()
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
-        return {"commit": commit, "dirty": dirty}
-    except ProcessExecutionError:
-        return {"commit": None, "dirty": None}
 
 
 @dataclass
@@ -226,8 +212,12 @@ class Sealed:
     code: Optional[Snapshot] = None  # the code snapshot the ranks run (None: code.snapshot false)
 
     @property
+    def snapshot(self) -> Optional[CodeSnapshot]:
+        return self.code.value if self.code else None
+
+    @property
     def code_record(self) -> Optional[dict]:
-        return self.code.value.record() if self.code else None
+        return self.snapshot.record() if self.snapshot else None
 
     def data_status(self):
         """Where the run's data stands in its token cache (trainer.prepare.CacheStatus)."""
@@ -393,14 +383,12 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
             "project_dir": str(paths.project_dir),
             "git": git_state(paths.project_dir),
             "image": sealed.pin.record(),
-            "code": sealed.code_record,
             "runtime": cfg.container.runtime,
             "launcher": cfg.launch.launcher,
             "config_sha256": hashlib.sha256(files["config.yaml"].encode()).hexdigest(),
             "submissions": [],
         }
         write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-        _write_code_diff(tmp, sealed)
         try:
             # rename(2) onto a missing name: two submissions racing for one name cannot both win.
             os.rename(tmp, paths.run_dir)
@@ -428,44 +416,28 @@ def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train"
     entry = {"job_id": job_id, "kind": kind, "submitted": now(), "git": git_state(run.paths.project_dir),
              "image": sealed.pin.record(), "code": sealed.code_record,
              "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest(), **extra}
-    if kind == "train":
-        record_code(run, sealed)
 
     def add(manifest: dict) -> None:
         manifest["image"] = sealed.pin.record()  # what the latest job runs
         if kind == "train":
-            note_code_change(run, manifest, sealed, job_id)
-            manifest["code"] = sealed.code_record
+            record_code(run, manifest, sealed, job_id)
         manifest.setdefault("submissions", []).append(entry)
 
     update_manifest(run, add)
 
 
-def record_code(run: Run, sealed: Sealed) -> None:
-    """code/HASH12.diff: what the snapshot's sources change against their commit (a dirty tree)."""
-    _write_code_diff(run.dir, sealed)
-
-
-def _write_code_diff(run_dir: Path, sealed: Sealed) -> None:
-    code = sealed.code.value if sealed.code else None
-    if code is None or not code.dirty:
-        return
-    target = run_dir / "code" / f"{code.hash12}.diff"
-    if not target.exists():
-        write_atomic(target, git_diff(code))
-
-
-def note_code_change(run: Run, manifest: dict, sealed: Sealed, job_id: str) -> None:
-    """A resubmission that runs other code than the run's last job: an event, and a line in
-    history/ beside the configs and scripts it replaced (status says it too)."""
-    before = CodeSnapshot.from_record(manifest.get("code"))
-    after = sealed.code.value if sealed.code else None
+def record_code(run: Run, manifest: dict, sealed: Sealed, launch: str) -> None:
+    """Inside a manifest update: the code this training launch runs becomes the run's, its
+    uncommitted changes go to code/HASH12.diff, and a change from the last launch's code is an
+    event and a file in history/ beside the configs and scripts it replaced (status says it)."""
+    before, after = CodeSnapshot.from_record(manifest.get("code")), sealed.snapshot
+    manifest["code"] = sealed.code_record
+    if after is not None and after.dirty and not (run.dir / "code" / f"{after.hash12}.diff").exists():
+        write_atomic(run.dir / "code" / f"{after.hash12}.diff", git_diff(after))
     if (before.hash if before else None) == (after.hash if after else None) or not manifest.get("submissions"):
         return
-    was = before.hash12 if before else "the image's"
-    now = after.hash12 if after else "the image's"
-    text = f"code changed {was} -> {now}"
-    append_event(run.dir, job_id, text)
+    was, becomes = (c.hash12 if c else "the image's" for c in (before, after))
+    append_event(run.dir, launch, f"code changed {was} -> {becomes}")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     write_atomic(run.dir / "history" / f"code-{stamp}.json",
                  json.dumps({"before": before.record() if before else None,

@@ -24,19 +24,18 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
+from containers.context import source_files
 from trainer.config import ConfigError, bounded_path
+from trainer.fs import file_sha256
 from trainer.rundir import CodeSnapshot
 
 STORE = ".code"  # under the runs root: RUNS/.code/HASH16/
 SCHEME = "slipway-code-v1"
-# What never belongs to the code (the build context skips the same).
-SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".ipynb_checkpoints", ".git"}
-SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
 # A train.script's folder is copied whole: bounded, so a script in $HOME does not copy $HOME.
 MAX_SCRIPT_FILES = 2000
 MAX_SCRIPT_BYTES = 200 * 1024 * 1024
@@ -62,45 +61,32 @@ def trainer_source(project_dir: Optional[Path] = None) -> Path:
 def _walk(root: Path, prefix: str, *, field: str, bounded: bool) -> list[_Source]:
     out: list[_Source] = []
     total = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info"))
-        for name in sorted(filenames):
-            if name.endswith(SKIP_SUFFIXES):
-                continue
-            path = Path(dirpath) / name
-            if not path.is_file():
-                continue
-            rel = path.relative_to(root).as_posix()
-            out.append(_Source(f"{prefix}/{rel}", path))
-            if bounded:
-                total += path.stat().st_size
-                if len(out) > MAX_SCRIPT_FILES or total > MAX_SCRIPT_BYTES:
-                    raise ConfigError(field, f"the script's folder {bounded_path(root)} holds more than "
-                                             f"{MAX_SCRIPT_FILES} files or {MAX_SCRIPT_BYTES >> 20} MB, all of which "
-                                             "a run's code snapshot copies: put the script in a folder of its own, "
-                                             "or set code.snapshot: false")
+    for path in source_files(root):
+        out.append(_Source(f"{prefix}/{path.relative_to(root).as_posix()}", path))
+        if bounded:
+            total += path.stat().st_size
+            if len(out) > MAX_SCRIPT_FILES or total > MAX_SCRIPT_BYTES:
+                raise ConfigError(field, f"the script's folder {bounded_path(root)} holds more than "
+                                         f"{MAX_SCRIPT_FILES} files or {MAX_SCRIPT_BYTES >> 20} MB, all of which "
+                                         "a run's code snapshot copies: put the script in a folder of its own, "
+                                         "or set code.snapshot: false")
     return out
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _git_state(root: Path, paths: list[Path]) -> tuple[Optional[str], Optional[bool]]:
+def git_state(root: Path, paths: Sequence[Path] = ()) -> dict:
+    """The commit of the checkout at `root` and whether it is dirty, or nulls outside git. With
+    `paths`, dirty means those paths differ from the commit, untracked files included (a snapshot
+    copies them); without, any tracked file of the checkout."""
     git = shutil.which("git")
     if git is None:
-        return None, None
+        return {"commit": None, "dirty": None}
     try:
         commit = local[git]("-C", str(root), "rev-parse", "HEAD").strip()
-        rels = [os.path.relpath(p, root) for p in paths]
-        status = local[git]("-C", str(root), "status", "--porcelain", "--", *rels).strip()
+        which = ["--", *(os.path.relpath(p, root) for p in paths)] if paths else ["--untracked-files=no"]
+        status = local[git]("-C", str(root), "status", "--porcelain", *which).strip()
     except (ProcessExecutionError, ValueError):
-        return None, None
-    return commit, bool(status)
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": bool(status)}
 
 
 def git_diff(snapshot: CodeSnapshot) -> str:
@@ -177,11 +163,11 @@ def plan_snapshot(store: Path, script: Optional[str], project_dir: Optional[Path
     size = 0
     for s in sources:
         mode = "x" if s.src.stat().st_mode & stat.S_IXUSR else "-"
-        h.update(f"{s.dest}\0{mode}\0{_digest(s.src)}\n".encode())
+        h.update(f"{s.dest}\0{mode}\0{file_sha256(s.src)}\n".encode())
         size += s.src.stat().st_size
     digest = h.hexdigest()
     where = store / digest[:16]
-    commit, dirty = _git_state(source.parent, [source])
+    git = git_state(source.parent, [source])
     value = CodeSnapshot(hash=digest, dir=str(where), files=len(sources), bytes=size, source=str(source),
-                         commit=commit, dirty=dirty, script=str(where / script_dest) if script_dest else None)
+                         commit=git["commit"], dirty=git["dirty"], script=str(where / script_dest) if script_dest else None)
     return Snapshot(value, sources)

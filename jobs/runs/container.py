@@ -22,7 +22,6 @@ the container turns it into srun flags through `edf.srun_flags`.
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import shlex
 from dataclasses import dataclass, fields, replace
@@ -37,6 +36,7 @@ from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS, Config
 from jobs.slurm.script import RunPaths
 from trainer.rundir import CodeSnapshot
 from trainer.config import ConfigError, bounded_path
+from trainer.fs import file_sha256
 
 HUB_NAME_PARTS = 2  # `org/name` is a hub name, not a path
 
@@ -78,14 +78,6 @@ class ImagePin:
         return self.build_hash or self.sha256 or (self.image or None)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _file_pin(reference: str, path: Path, source: str, known: Optional[BuildRecord] = None) -> ImagePin:
     real = path.resolve()
     st = real.stat()
@@ -94,7 +86,7 @@ def _file_pin(reference: str, path: Path, source: str, known: Optional[BuildReco
     if record:
         return ImagePin(reference, str(real), source, str(real), st.st_size, mtime, record.hash, record.tag)
     # A squashfs slipway did not build: its bytes are its identity (read once per submission).
-    return ImagePin(reference, str(real), source, str(real), st.st_size, mtime, sha256=_sha256(real))
+    return ImagePin(reference, str(real), source, str(real), st.st_size, mtime, sha256=file_sha256(real))
 
 
 def pin_image(cfg: Config, project_dir: Path) -> ImagePin:

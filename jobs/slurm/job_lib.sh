@@ -45,7 +45,7 @@ retry_or_stop() {
   local kind=$1 code=$2; shift 2
   local bad="$*" excluded="" usable=0 node state
   if [ "$REQUEUE" != 1 ]; then
-    event "not retrying ($kind): slurm.requeue is off"
+    event "not retrying ($kind): $NO_REQUEUE"
     exit "$code"
   fi
   if [ "$RETRIES" -ge "$MAX_RETRIES" ]; then
@@ -164,12 +164,8 @@ after_stop_request() {
   else
     outcome="no checkpoint saved after the stop request (step exit $rc)"
   fi
-  if [ -n "${SLIPWAY_IN_ALLOCATION:-}" ]; then
-    event "${STOP_WHY:-time-limit stop}: $outcome; slipway run again resumes"
-    exit "$REQUEUE_EXIT"
-  fi
   if [ "$REQUEUE" != 1 ]; then
-    event "time-limit stop: $outcome; slurm.requeue is off"
+    event "${STOP_WHY:-time-limit stop}: $outcome; $NO_REQUEUE"
     exit "$REQUEUE_EXIT"
   fi
   if [ "$REQUEUES" -ge "$MAX_REQUEUES" ]; then
