@@ -11,8 +11,16 @@ change in the checkout's trainer/ -> the first training step of a new submission
 snapshot: no image rebuild), and `slipway run` twice in one allocation -> its first step, each
 split into where the time goes (from events.log and the launcher's clock).
 
+With --pyxis PLUGIN (a built spank_pyxis.so, enroot on PATH; see the lab notes), the same
+under real pyxis on a 2-node cluster of its own: the first job of an image build (it unpacks
+the image on both nodes), a code change -> a new submission of that build (the container kept
+on the nodes: nothing unpacked), and a SIGKILLed rank -> the job's end, with the build's
+container kept and with a container of the job's own (container.keep_builds=0) removed at its
+end.
+
     .venv/bin/python bench/e2e.py [--steps 30] [--repeat 2]     # needs root, slurm-wlm, munge
     .venv/bin/python bench/e2e.py --dev-loop [--repeat 3]
+    .venv/bin/python bench/e2e.py --pyxis PLUGIN [--repeat 3]  # also podman
 """
 
 from __future__ import annotations
@@ -99,7 +107,8 @@ def dev_loop(project: Path, env: dict[str, str], repeat: int) -> None:
         returned = time.perf_counter() - t0
         first = _first_step(project / "runs" / name / "metrics.jsonl", t0)
         events = _event_times(project / "runs" / name)
-        rows.append(("code change -> submit", returned, events.get("start", wall0) - wall0, first))
+        rows.append(("code change -> submit", returned, events.get("start", wall0) - wall0,
+                     events.get("preflight", float("nan")) - wall0, first))
         while subprocess.run(["squeue", "-h", "-n", name], env=env, capture_output=True, text=True).stdout.strip():
             time.sleep(0.2)
     alloc = subprocess.run(["salloc", "--nodes=2", "--no-shell"], env=env, capture_output=True, text=True, check=True)
@@ -118,15 +127,94 @@ def dev_loop(project: Path, env: dict[str, str], repeat: int) -> None:
             proc.wait(timeout=300)
             events = _event_times(project / "runs" / name)
             rows.append(("slipway run, first" if i == 0 else "slipway run, again", float("nan"),
-                         events.get("start", wall0) - wall0, first))
+                         events.get("start", wall0) - wall0, events.get("preflight", float("nan")) - wall0, first))
     finally:
         subprocess.run(["scancel", job], env=env)
-    print(f"{'launch':24s} {'command returns s':>18s} {'script starts s':>16s} {'first step s':>13s}")
+    _print_rows(rows)
+
+
+def _print_rows(rows: list[tuple], headers: tuple[str, ...] = ("command returns s", "script starts s",
+                                                                "preflight done s", "first step s")) -> None:
+    """The median of each column per launch kind (seconds from the command, '-' where not measured)."""
+    print(f"{'launch':40s} " + " ".join(f"{h:>17s}" for h in headers))
     for what in dict.fromkeys(r[0] for r in rows):
         group = [r for r in rows if r[0] == what]
-        med = [statistics.median(r[k] for r in group) for k in (1, 2, 3)]
-        cells = ["-" if med[0] != med[0] else f"{med[0]:.2f}", f"{med[1]:.1f}", f"{med[2]:.2f}"]
-        print(f"{what:24s} {cells[0]:>18s} {cells[1]:>16s} {cells[2]:>13s}  (n={len(group)})")
+        med = [statistics.median(r[k] for r in group) for k in range(1, len(headers) + 1)]
+        print(f"{what:40s} " + " ".join(f"{'-' if m != m else f'{m:.2f}':>17s}" for m in med) + f"  (n={len(group)})")
+
+
+def pyxis_loop(plugin: str, repeat: int) -> None:
+    """Real pyxis (see the module's doc): each row from `slipway submit` to the run's first
+    training step, and from a SIGKILLed rank to the job's end."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_image import TEST_BASE, ensure_test_base, ensure_wheelhouse  # the image tests' small base
+
+    ensure_test_base()
+    wheels = ensure_wheelhouse()
+    tmp = Path(tempfile.mkdtemp(prefix="slipway-bench-pyxis-"))
+    runtime = tmp / "pyxis-runtime"
+    (tmp / "plugstack.conf").write_text(f"required {plugin} runtime_path={runtime}\n")
+    cluster = LocalSlurmCluster(ClusterSpec(
+        state_dir=default_state_dir("bench-pyxis"), nodes=2, name="slpwb", node_prefix="slpwb-node",
+        ctl_host="slpwb-ctl", subnet="10.213.5", ctld_port=6967, slurmd_port=6968, plugstack=tmp / "plugstack.conf",
+        node_private=(str(runtime), "/run/enroot", "/root/.local/share/enroot", "/root/.cache/enroot")))
+    project = tmp / "project"
+    shutil.copytree(ROOT / "configs", project / "configs")
+    shutil.copytree(ROOT / "trainer", project / "trainer", ignore=shutil.ignore_patterns("__pycache__"))
+    image = ["container.runtime=pyxis", "image.flash_attn=false", f"image.wheelhouse={wheels}",
+             "image.isolation=chroot", f"image.output_dir={tmp / 'images'}", "image.squash_options=-comp lz4"]
+    subprocess.run([sys.executable, "-m", "jobs", "image", "build", "tiny_cpu", "--base-image", TEST_BASE, *image],
+                   cwd=ROOT, check=True, capture_output=True)
+    env = {**os.environ, **cluster.env(), "SLIPWAY_PROJECT": str(project)}
+    env.pop("SLIPWAY_RUNS", None)
+    layout = ["--nodes", "2", "--dp", "2", "train.steps=3", *MODEL, *image]
+    rows: list[tuple[str, float, float, float]] = []
+    kills: list[tuple[str, float, float, float]] = []
+
+    def submit(name: str, *extra: str) -> tuple[float, float, float, float]:
+        wall0, t0 = time.time(), time.perf_counter()
+        subprocess.run([sys.executable, "-m", "jobs", "submit", "tiny_cpu", "--parsable", "--run-name", name,
+                        *layout, *extra], cwd=project, env=env, capture_output=True, text=True, check=True)
+        returned = time.perf_counter() - t0
+        first = _first_step(project / "runs" / name / "metrics.jsonl", t0, limit=600)
+        events = _event_times(project / "runs" / name)
+        return returned, events.get("start", wall0) - wall0, events.get("preflight", float("nan")) - wall0, first
+
+    def job_over(name: str) -> None:
+        while subprocess.run(["squeue", "-h", "-n", name], env=env, capture_output=True, text=True).stdout.strip():
+            time.sleep(0.1)
+
+    cluster.up()
+    try:
+        rows.append(("pyxis: first job of a build (unpacks)", *submit("p-0")))
+        job_over("p-0")
+        for i in range(repeat):
+            with open(project / "trainer" / "model.py", "a") as f:
+                f.write(f"# edit {i}\n")
+            rows.append(("pyxis: code change -> submit (kept)", *submit(f"p-{i + 1}")))
+            job_over(f"p-{i + 1}")
+        for keep in ("3", "0"):
+            for i in range(repeat):
+                name = f"k{keep}-{i}"
+                submit(name, "train.steps=100000", f"container.keep_builds={keep}")
+                ranks = subprocess.run(["pgrep", "-f", rf"^\S*python\S* -m trainer --config {project}/runs/{name}/"],
+                                       capture_output=True, text=True).stdout.split()
+                t0, wall0 = time.perf_counter(), time.time()
+                os.kill(int(ranks[-1]), 9)
+                job_over(name)
+                gone = time.perf_counter() - t0
+                from trainer.rundir import read_events
+
+                end = next((e.when.timestamp() for e in read_events(project / "runs" / name)
+                            if e.text.startswith("end exit") and e.when), float("nan"))
+                what = "kill -> end, build's container kept" if keep != "0" else "kill -> end, own container removed"
+                kills.append((what, end - wall0, gone))
+    finally:
+        cluster.down(check=False)
+    _print_rows(rows)
+    print()
+    _print_rows(kills, headers=("end event s", "job gone s"))
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
@@ -134,7 +222,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--dev-loop", action="store_true", help="the dev loop's timings instead (see above)")
+    parser.add_argument("--pyxis", metavar="PLUGIN", help="the pyxis timings, with this spank_pyxis.so (see above)")
     args = parser.parse_args()
+    if args.pyxis:
+        pyxis_loop(args.pyxis, args.repeat)
+        return
     cluster = LocalSlurmCluster(ClusterSpec(state_dir=default_state_dir("bench"), nodes=2))
     project = Path(tempfile.mkdtemp(prefix="slipway-bench-e2e-"))
     shutil.copytree(ROOT / "configs", project / "configs")

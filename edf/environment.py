@@ -279,6 +279,13 @@ class Environment:
     mount_home: Optional[bool] = None
     # Name under which `slipway edf --install` puts the EDF in EDF_PATH; default: the run name.
     edf_name: Optional[str] = None
+    # pyxis only: how many image builds keep their unpacked container on each node, so that a later
+    # job of the same build starts without unpacking the image (the most recently used kept, the
+    # rest removed at a job's start, never one a queued or running job uses); 0: every job unpacks
+    # its own container and removes it at its end. A kept container keeps what jobs write into its
+    # filesystem (set writable: false to forbid that). Needs pyxis's container_scope=global, its
+    # default (docs/runs.md).
+    keep_builds: int = 3
     # Where errors point: "container." (the config), "" (EDF text) or "FILE:".
     origin: str = field(default="", compare=False, repr=False, metadata=NOT_CONFIG)
     # The file it was read from, if any (relative base paths do not use it:
@@ -338,6 +345,10 @@ class Environment:
         run(_check_image, self.image, f"{w}image")
         if self.workdir is not None:
             run(_check_workdir, self.workdir, f"{w}workdir")
+        if isinstance(self.keep_builds, bool) or not isinstance(self.keep_builds, int) or \
+                not 0 <= self.keep_builds <= 100:
+            found.append(ConfigError(f"{w}keep_builds", f"expected a whole number from 0 to 100 (image builds kept "
+                                                        f"unpacked on each node), got {_shown(self.keep_builds)}"))
         for name in ("writable", "entrypoint", "mount_home"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

@@ -367,6 +367,7 @@ def _merge(base: Environment, child: Environment) -> Environment:
         base_environment=[],
         mount_home=pick("mount_home"),
         edf_name=child.edf_name,
+        keep_builds=child.keep_builds,
     )
 
 

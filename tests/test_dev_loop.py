@@ -141,6 +141,28 @@ def test_every_runtime_runs_the_snapshot(project):
     assert "SLIPWAY_CODE" not in sealed.stdout and "code.snapshot: false" in sealed.stdout
 
 
+def test_pyxis_keeps_the_container_of_a_known_build_only(project):
+    """Under pyxis the steps share the image build's kept container (named by the squashfs's
+    content hash); keep_builds 0, a registry image and the other runtimes get none; a bad
+    keep_builds is one line naming it, exit 2."""
+    img = project / "img.sqsh"
+    img.write_bytes(b"hsqs")
+    from trainer.fs import file_sha256
+
+    def settings(*extra: str) -> str:
+        r = slipway("submit", "tiny_cpu", "--dry-run", "container.runtime=pyxis", *extra)
+        assert r.returncode == 0, r.stderr
+        return next(line for line in r.stdout.splitlines() if line.startswith("CONTAINER_PREFIX="))
+
+    assert settings(f"container.image={img}") == (f"CONTAINER_PREFIX=slipway- CONTAINER_BUILD=i{file_sha256(img)[:16]} "
+                                                  "KEEP_BUILDS=3")
+    assert "CONTAINER_BUILD='' KEEP_BUILDS=0" in settings(f"container.image={img}", "container.keep_builds=0")
+    assert "CONTAINER_BUILD=''" in settings("container.image=nvcr.io#nvidia/pytorch:25.01-py3")
+    bad = slipway("submit", "tiny_cpu", "--dry-run", "container.runtime=pyxis", f"container.image={img}",
+                  "container.keep_builds=-1")
+    assert bad.returncode == 2 and "container.keep_builds" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
 # ------------------------------------------------------------------ on the local Slurm
 
 

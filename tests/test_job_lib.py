@@ -18,7 +18,8 @@ NODES_NEEDED=2 PROCS_PER_NODE=2 RANKS=4 REQUEUE=1 MAX_RETRIES=2 MAX_REQUEUES=3 P
 NO_REQUEUE='slurm.requeue is off'
 PREFLIGHT_EXIT=5 HANG_EXIT=4 REQUEUE_EXIT=75 CHECKPOINT_DIR="$RUN_DIR/checkpoints"
 HANGS="$RUN_DIR/hangs" STOP_FILE="$RUN_DIR/stop-requested"
-CONTAINER_PREFIX={prefix} STEP_STOP_WAIT=5 CONTAINER_REMOVE_WAIT=1 STALE_REMOVE_TIMEOUT=60
+CONTAINER_PREFIX={prefix} CONTAINER_BUILD={build} KEEP_BUILDS=2
+STEP_STOP_WAIT=5 CONTAINER_REMOVE_WAIT=1 CANCEL_REMOVE_WAIT=3 STALE_REMOVE_TIMEOUT=60
 JOB_TAG=41 NODES="node1 node2" RETRIES=0 REQUEUES=0 HELPER_PIDS=() SRUN_PID="" STOP_REQUESTED=0 TRAPPED=0
 """
 
@@ -27,13 +28,13 @@ class Lib:
     """A run directory, stand-in commands in bin/ (each logs its call to calls.log), and bash
     running the library followed by a few lines."""
 
-    def __init__(self, tmp_path: Path, prefix: str = "''"):
+    def __init__(self, tmp_path: Path, prefix: str = "''", build: str = "''"):
         self.tmp = tmp_path
         self.run_dir = tmp_path / "run"
         (self.run_dir / "hangs").mkdir(parents=True)
         self.bin = tmp_path / "bin"
         self.bin.mkdir()
-        self.prefix = prefix
+        self.prefix, self.build = prefix, build
         for name in ("scontrol", "sinfo", "srun", "squeue", "enroot"):
             self.stand_in(name, "")
 
@@ -43,8 +44,8 @@ class Lib:
         path.chmod(0o755)
 
     def script(self, body: str) -> str:
-        return ("set -euo pipefail\n" + SETTINGS.format(run_dir=self.run_dir, prefix=self.prefix) + JOB_LIB
-                + "\n" + body + "\n")
+        return ("set -euo pipefail\n" + SETTINGS.format(run_dir=self.run_dir, prefix=self.prefix, build=self.build)
+                + JOB_LIB + "\nCONTAINER_NAME=$(container_name)\n" + body + "\n")
 
     def env(self) -> dict[str, str]:
         return {"PATH": f"{self.bin}:{os.environ['PATH']}", "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "node[1-2]",
@@ -152,9 +153,91 @@ def test_stale_containers_are_those_of_jobs_that_are_over(tmp_path):
                            "pyxis_slipway-41 pyxis_slipway-41r1 pyxis_other pyxis_slipway-x ubuntu")
     # 30: purged (squeue knows it no more); 31: running; 7: completed.
     lib.stand_in("squeue", 'case "$3" in 31) echo RUNNING ;; 7) echo COMPLETED ;; *) exit 1 ;; esac')
-    r = lib.run("JOB_TAG=41r2; stale_containers 41 41r2")
-    assert r.stdout.split() == ["pyxis_slipway-30", "pyxis_7_slipway-7", "pyxis_slipway-41",
-                                "pyxis_slipway-41r1"], r.stderr
+    r = lib.run("sweep_containers 41 41r2 '' 3 list")
+    assert r.stdout.splitlines() == ["would remove pyxis_slipway-30", "kept pyxis_slipway-31r2: job 31 is not over",
+                                     "would remove pyxis_7_slipway-7", "would remove pyxis_slipway-41",
+                                     "would remove pyxis_slipway-41r1"], r.stderr
+
+
+def _enroot_with_data(lib: Lib, data: Path) -> None:
+    """A stand-in enroot keeping containers as directories under `data`, its configuration above
+    an END CONFIG line as the real script has it (enroot_data reads it from there)."""
+    data.mkdir(parents=True, exist_ok=True)
+    lib.stand_in("enroot", f'export ENROOT_DATA_PATH="${{ENROOT_DATA_PATH:-{data}}}"\n'
+                           "# ----- END CONFIG -----\n"
+                           'case "$1" in list) ls -1 "$ENROOT_DATA_PATH" ;; '
+                           'remove) rm -rf "${ENROOT_DATA_PATH:?}/$3" ;; esac')
+
+
+def test_kept_build_containers_are_bounded_oldest_first_never_one_in_use(tmp_path):
+    lib = Lib(tmp_path)
+    data = tmp_path / "enroot-data"
+    _enroot_with_data(lib, data)
+    uses = data / ".slipway"
+    uses.mkdir(parents=True)
+    for i, (build, jobs) in enumerate([("iccc", "12"), ("ibbb", "31\n13"), ("ieee", "14"), ("iddd", None)]):
+        name = f"pyxis_slipway-{build}"
+        (data / name / "usr").mkdir(parents=True)
+        if jobs is not None:
+            (uses / name).write_text(jobs + "\n")
+            os.utime(uses / name, (1000 + i, 1000 + i))
+    lib.stand_in("squeue", 'case "$3" in 31) echo RUNNING ;; *) exit 1 ;; esac')  # 31 runs: ibbb is in use
+    r = lib.run("sweep_containers 41 41 iaaa 2")
+    # This job's build (iaaa) is the most recently used, then ieee; ibbb is older but in use;
+    # iccc and iddd (no record of a use: the oldest) go.
+    assert r.stdout.splitlines() == [
+        "kept pyxis_slipway-ieee: among the 2 most recently used builds",
+        "kept pyxis_slipway-ibbb: used by job 31, which is not over",
+        "removed pyxis_slipway-iccc", "removed pyxis_slipway-iddd"], r.stderr
+    assert sorted(p.name for p in data.iterdir()) == [".slipway", "pyxis_slipway-ibbb", "pyxis_slipway-ieee"]
+    assert (uses / "pyxis_slipway-iaaa").read_text() == "41\n"
+    assert "enroot remove --force .slipway-removing-pyxis_slipway-iccc" in lib.calls()
+    # Its container not yet unpacked here, this job's build is not listed; once it is, it is kept.
+    (data / "pyxis_slipway-iaaa").mkdir()
+    r = lib.run("sweep_containers 42 42 iaaa 1")
+    assert r.stdout.splitlines() == ["kept pyxis_slipway-iaaa: this job's build", "removed pyxis_slipway-ieee",
+                                     "kept pyxis_slipway-ibbb: used by job 31, which is not over"], r.stderr
+    assert (uses / "pyxis_slipway-iaaa").read_text() == "41\n42\n"
+    # A job that keeps no container (container.keep_builds: 0) leaves the kept ones alone.
+    r = lib.run("sweep_containers 43 43 '' ''")
+    assert r.stdout == "" and (data / "pyxis_slipway-ibbb").is_dir() and (data / "pyxis_slipway-iaaa").is_dir()
+
+
+def test_a_removal_cut_short_is_finished_and_never_reused(tmp_path):
+    """A kept container is renamed before its deletion: a job of that build that starts while
+    (or after) it is deleted unpacks a fresh one, and the next sweep deletes what is left."""
+    lib = Lib(tmp_path)
+    data = tmp_path / "enroot-data"
+    _enroot_with_data(lib, data)
+    (data / ".slipway-removing-pyxis_slipway-iold" / "usr").mkdir(parents=True)
+    assert lib.run("sweep_containers 41 41 '' 2").returncode == 0
+    assert not (data / ".slipway-removing-pyxis_slipway-iold").exists()
+
+
+def test_a_build_container_stays_at_the_end_and_is_named_by_the_build(tmp_path):
+    lib = Lib(tmp_path, prefix="slipway-", build="i0123456789abcdef")
+    r = lib.run('echo "$CONTAINER_NAME"; trap on_exit EXIT; exit 0')
+    assert r.stdout.strip() == "slipway-i0123456789abcdef", r.stderr
+    assert not [c for c in lib.calls() if c.startswith("srun")], lib.calls()  # kept: no removal
+
+
+def test_a_site_whose_pyxis_removes_named_containers_is_said_once(tmp_path):
+    lib = Lib(tmp_path, prefix="slipway-", build="i0123456789abcdef")
+    conf = tmp_path / "slurm"
+    (conf / "plugstack.conf.d").mkdir(parents=True)
+    (conf / "plugstack.conf").write_text("optional /usr/lib/other.so\ninclude plugstack.conf.d/*.conf\n")
+    pyxis = conf / "plugstack.conf.d" / "pyxis.conf"
+    lib.stand_in("scontrol", f'[ "$1 $2" = "show config" ] && echo "PlugStackConfig         = {conf}/plugstack.conf"')
+    pyxis.write_text("required /usr/local/lib/slurm/spank_pyxis.so runtime_path=/run/pyxis container_scope=job\n")
+    assert lib.run("pyxis_scope; note_container_scope; note_container_scope").stdout.strip() == "job"
+    assert lib.events() == ["containers: this cluster's pyxis removes named containers at each job's end "
+                            "(container_scope=job), so every job unpacks the image and container.keep_builds "
+                            "has no effect"]
+    pyxis.write_text("required /usr/local/lib/slurm/spank_pyxis.so runtime_path=/run/pyxis\n")
+    (lib.run_dir / "events.log").unlink()
+    assert lib.run("pyxis_scope; note_container_scope").stdout.strip() == "global" and lib.events() == []
+    pyxis.unlink()
+    assert lib.run("pyxis_scope").stdout.strip() == ""
 
 
 def test_the_stale_sweep_runs_in_the_background_on_every_node(tmp_path):

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,15 +103,18 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
     code = manifest["code"]["dir"]
     assert f"{code}:{code}:ro" in script and "--container-env=" in script and (Path(code) / "trainer").is_dir()
 
-    # One container per node for the job's three steps: the preflight's node step unpacked the
-    # image, its all-reduce and training started in the same filesystem. The job's end removes
-    # it within CONTAINER_REMOVE_WAIT s, never longer (the end is not delayed); what that leaves
-    # (a loaded node can take longer) the next job on the node removes at its start.
-    assert "--container-name=slipway-\"${JOB_TAG}\"" in script
-    slurmd = "".join(p.read_text(errors="replace") for p in pyxis_cluster.spec.log_dir.glob("slurmd-*.log"))
-    assert slurmd.count("pyxis: creating container filesystem: pyxis_slipway-") == 2, slurmd[-3000:]
-    assert slurmd.count("pyxis: reusing existing container filesystem") == 4, slurmd[-3000:]
-    first = manifest["submissions"][0]["job_id"]
+    # One container per node for the job's three steps, kept for later jobs of this build
+    # (container.keep_builds): the preflight's node step unpacked the image, its all-reduce and
+    # training started in the same filesystem.
+    build = "i" + manifest["image"]["build_hash"][:16]
+    assert f"CONTAINER_BUILD={build}" in script and '--container-name="${CONTAINER_NAME}":no_exec' in script
+    kept = f"pyxis_slipway-{build}"
+
+    def slurmd_log() -> str:
+        return "".join(p.read_text(errors="replace") for p in pyxis_cluster.spec.log_dir.glob("slurmd-*.log"))
+
+    assert slurmd_log().count(f"pyxis: creating container filesystem: {kept}") == 2, slurmd_log()[-3000:]
+    assert slurmd_log().count("pyxis: reusing existing container filesystem") == 4, slurmd_log()[-3000:]
 
     def containers(node: str) -> list[str]:
         pid = next(p["pid"] for p in read_registry(pyxis_cluster.spec.name)["processes"]
@@ -118,9 +122,49 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
         return [c for c in subprocess.run(["nsenter", "-t", str(pid), "-m", "enroot", "list"], capture_output=True,
                                           text=True, check=True).stdout.split() if c.startswith("pyxis_")]
 
-    if any(containers(node) for node in pyxis_cluster.node_names):
-        again = run(PY, "-m", "jobs", "submit", "tiny_cpu", "--run-name", "pyx", "--nodes", "2", "--dp", "4", *TINY,
-                    "container.runtime=pyxis", *image, "--show-logs", env=env, cwd=project)
-        assert again.returncode == 0, (again.stdout[-3000:], again.stderr[-3000:])
-    for node in pyxis_cluster.node_names:
-        assert not [c for c in containers(node) if c == f"pyxis_slipway-{first}"], (node, containers(node))
+    nodes = pyxis_cluster.node_names
+    assert all(containers(node) == [kept] for node in nodes), {n: containers(n) for n in nodes}
+
+    # A second run of the same build unpacks nothing: every step starts in the kept container.
+    second = run(PY, "-m", "jobs", "submit", "tiny_cpu", "--run-name", "pyx2", "--nodes", "2", "--dp", "4", *TINY,
+                 "container.runtime=pyxis", *image, "--show-logs", env=env, cwd=project)
+    assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-3000:])
+    assert slurmd_log().count("pyxis: creating container filesystem") == 2, slurmd_log()[-3000:]
+    assert slurmd_log().count("pyxis: reusing existing container filesystem") == 10, slurmd_log()[-3000:]
+
+    # `slipway cancel` of a job with its own container (keep_builds 0) during training: told as
+    # cancelled, and its container removed from every node while the allocation still exists.
+    cancel = run(PY, "-m", "jobs", "submit", "tiny_cpu", "--run-name", "pyxc", "--nodes", "2", "--dp", "4", *TINY,
+                 "train.steps=100000", "checkpoint.interval=100000", "container.runtime=pyxis",
+                 "container.keep_builds=0", *image, "--parsable", env=env, cwd=project)
+    assert cancel.returncode == 0, (cancel.stdout[-3000:], cancel.stderr[-3000:])
+    job = cancel.stdout.strip().split(";")[0]
+    metrics = project / "runs" / "pyxc" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and '"train"' in metrics.read_text()):
+        assert time.monotonic() < deadline, (project / "runs" / "pyxc" / "events.log").read_text()
+        time.sleep(1)
+    assert any(c == f"pyxis_slipway-{job}" for c in containers(nodes[0]))
+    asked = time.monotonic()
+    stopped = run(PY, "-m", "jobs", "cancel", "pyxc", env=env, cwd=project)
+    assert stopped.returncode == 0, (stopped.stdout, stopped.stderr)
+    while subprocess.run(["squeue", "-h", "-j", job], env={**os.environ, **pyxis_cluster.env()},
+                         capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    print(f"slipway cancel -> job gone, its container removed on both nodes: {time.monotonic() - asked:.1f} s")
+    events = (project / "runs" / "pyxc" / "events.log").read_text()
+    assert "cancelled by slipway cancel" in events and "end exit 140" in events, events
+    assert not [n for n in nodes if f"pyxis_slipway-{job}" in containers(n)], {n: containers(n) for n in nodes}
+    assert "CANCELLED" in run(PY, "-m", "jobs", "status", "pyxc", env=env, cwd=project).stdout.upper()
+
+    # The kept containers, listed and removed by the command a user types.
+    listed = run(PY, "-m", "jobs", "image", "containers", "tiny_cpu", "--nodes", ",".join(nodes), env=env, cwd=project)
+    assert listed.returncode == 0, (listed.stdout, listed.stderr)
+    for node in nodes:
+        assert f"{node}: would remove {kept}" in listed.stdout, listed.stdout
+    assert all(containers(node) == [kept] for node in nodes)
+    removed = run(PY, "-m", "jobs", "image", "containers", "tiny_cpu", "--nodes", ",".join(nodes), "--remove",
+                  env=env, cwd=project)
+    assert removed.returncode == 0 and f"{nodes[0]}: removed {kept}" in removed.stdout, (removed.stdout, removed.stderr)
+    assert not [n for n in nodes if containers(n)], {n: containers(n) for n in nodes}

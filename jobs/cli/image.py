@@ -8,6 +8,7 @@ to it from here.
     slipway image build CONFIG [KEY=VALUE ...] [--no-import] [--force] [--base-image X] [--here]
     slipway image show CONFIG [KEY=VALUE ...]
     slipway image prune [CONFIG] [--keep N] [--remove SQUASHFS ...]
+    slipway image containers [CONFIG] [--nodes NODELIST] [--remove]
 """
 
 from __future__ import annotations
@@ -88,6 +89,44 @@ def prune(cfg: Config, keep: int = 1, *, root: Path | None = None, remove: list[
                         pinned=pinned_images(project_dirs))
 
 
+def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console) -> int:
+    """The unpacked pyxis containers slipway jobs left on the nodes (container.keep_builds, and
+    any a job's end did not finish removing): listed, or with `remove` removed, except those a
+    queued or running job uses. One srun task per node runs the batch script's own sweep
+    (jobs/slurm/job_lib.sh) with no build kept."""
+    from jobs.slurm import hostnames, responding_nodes
+    from jobs.slurm.script import JOB_LIB
+    from trainer.config import ConfigError
+
+    if which("srun") is None:
+        raise ToolError("srun not found: the containers are on the compute nodes; run this on a login node")
+    names = hostnames(nodes) if nodes else responding_nodes(cfg.slurm.partition)
+    if not names:
+        raise ConfigError("--nodes", f"no responding node in partition {cfg.slurm.partition or '(any)'}: name the "
+                                     "nodes with --nodes NODELIST")
+    sweep = f'sweep_containers "" "" "" 0 {"" if remove else "list"}'
+    script = f'{JOB_LIB}\n{sweep} | sed "s/^/${{SLURMD_NODENAME:-$(hostname)}}: /"'
+    s = cfg.slurm
+    argv = srun_argv(nodes=len(names), ntasks_per_node=1, cpus_per_task=1, gpus_per_node=0, time=None,
+                     account=s.account, partition=s.partition, pty=False,
+                     extra=[f"--nodelist={','.join(names)}", "--job-name=slipway-containers", "bash", "-c", script])
+    console.print(f"[bold]{'removing' if remove else 'listing'}[/] slipway's pyxis containers on "
+                  f"{escape(','.join(names))}", highlight=False)
+    lines: list[str] = []
+
+    def show(line: str) -> None:
+        lines.append(line)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    rc = stream(argv, show)
+    if rc == 0 and not lines:
+        console.print("none", highlight=False)
+    elif rc == 0 and not remove and any(": would remove " in line for line in lines):
+        console.print(f"remove them with: slipway image containers {cfg.config_args}"
+                      f"{' --nodes ' + shlex.quote(nodes) if nodes else ''} --remove", markup=False, highlight=False)
+    return 0 if rc == 0 else 1
+
+
 def _show(cfg, console: Console) -> None:
     plan = image_plan(cfg)
     record = current_image(cfg)
@@ -148,6 +187,13 @@ def _main(argv: list[str] | None) -> int:
                                                        "(besides those runs pin: always kept)")
     p.add_argument("--remove", action="append", metavar="SQUASHFS", default=[],
                    help="remove this image although runs pin it (their requeues then fail); repeatable")
+    c = sub.add_parser("containers", help="the unpacked pyxis containers slipway keeps on the nodes "
+                                          "(container.keep_builds): list them, or remove them with --remove")
+    c.add_argument("config", nargs="?")
+    c.add_argument("overrides", nargs="*")
+    c.add_argument("--nodes", metavar="NODELIST", help="the nodes to look at (default: every responding node of "
+                                                       "slurm.partition)")
+    c.add_argument("--remove", action="store_true", help="remove every one that no queued or running job uses")
     # Overrides may come after options (`build tiny_cpu --force image.flash_attn=false`).
     args, extra = parser.parse_known_args(argv)
     unknown = [e for e in extra if e.startswith("-") or "=" not in e]
@@ -160,6 +206,8 @@ def _main(argv: list[str] | None) -> int:
         build(cfg, force=args.force, do_import=not args.no_import, console=console, here=args.here)
     elif args.cmd == "show":
         _show(_config(args.config, args.overrides), console)
+    elif args.cmd == "containers":
+        return containers(_config(args.config, args.overrides), nodes=args.nodes, remove=args.remove, console=console)
     else:
         result = prune(_config(args.config, args.overrides), keep=args.keep, remove=args.remove, console=console)
         if not result.ok:

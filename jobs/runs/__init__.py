@@ -30,8 +30,8 @@ from jobs.config import Config, dump_config, load_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot
-from jobs.runs.container import (ImagePin, create_needed_dirs, pin_image, remove_created_dirs, resolve_paths,
-                                 run_environment, stale_build_note)
+from jobs.runs.container import (ImagePin, create_needed_dirs, kept_build, pin_image, remove_created_dirs,
+                                 resolve_paths, run_environment, stale_build_note)
 from jobs.runs.lifecycle import Launch, LaunchState
 from jobs.slurm.script import PREPARE_SCRIPT, RunPaths, check_env_from_host, render_prepare_sbatch, render_sbatch
 from trainer.config import ConfigError
@@ -280,7 +280,7 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
     code = (plan_snapshot(paths.run_dir.parent / CODE_STORE, cfg.train.script, paths.project_dir)
             if cfg.code.snapshot else None)
     env = run_environment(cfg, paths, pin, code.value if code else None)
-    script = render_sbatch(cfg, paths, env, code.value if code else None)
+    script = render_sbatch(cfg, paths, env, code.value if code else None, kept_build(cfg, pin))
     _check_script_syntax(cfg, script)
     files = {"config.yaml": dump_config(cfg), "job.sbatch": script}
     if env.in_container:

@@ -421,6 +421,17 @@ def remove_created_dirs(created: list[Path]) -> None:
             pass
 
 
+def kept_build(cfg: Config, pin: ImagePin) -> Optional[str]:
+    """The key of the image build whose unpacked pyxis container the nodes keep for later jobs
+    (container.keep_builds), or None: every attempt unpacks its own. Only a squashfs file whose
+    content slipway knows (its build hash, or its bytes' hash) is kept: a registry tag can move,
+    and a container kept under its name would outlive what the tag names."""
+    if cfg.container.runtime != "pyxis" or cfg.container.keep_builds < 1 or pin.path is None:
+        return None
+    identity = pin.build_hash or pin.sha256
+    return f"i{identity[:16]}" if identity else None
+
+
 def run_environment(cfg: Config, paths: RunPaths, pin: ImagePin, code: Optional[CodeSnapshot] = None) -> Environment:
     """The container environment of a run: the config's, with the pinned image, the mounts
     that make its paths visible, and the code snapshot (mounted read-only at its own path, in

@@ -140,6 +140,12 @@ def hostnames(nodelist: str) -> list[str]:
         return []
 
 
+def responding_nodes(partition: str | None) -> list[str]:
+    """The nodes of `partition` (every partition's when None) that answer the controller."""
+    out = _run(_tool("sinfo"), "-h", "-N", "-r", "-o", "%N", *(["-p", partition] if partition else []))
+    return list(dict.fromkeys(out.split()))
+
+
 def ping(timeout: float = 20) -> tuple[bool, str]:
     """Whether a Slurm controller answers (`scontrol ping`), and what it said."""
     if not available("scontrol"):

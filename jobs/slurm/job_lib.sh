@@ -8,7 +8,8 @@
 # every requeue. The functions take data: the run's values are the plain variables the settings
 # block at the top of job.sbatch sets once (RUN_DIR, NODES_NEEDED, PROCS_PER_NODE, RANKS,
 # MAX_RETRIES, MAX_REQUEUES, REQUEUE, PREFLIGHT_TIMEOUT, the exit codes, CHECKPOINT_DIR,
-# STOP_FILE, CONTAINER_PREFIX); the main part sets JOB_TAG, NODES, RETRIES and REQUEUES.
+# STOP_FILE, CONTAINER_PREFIX, CONTAINER_BUILD, KEEP_BUILDS); the main part sets JOB_TAG, NODES,
+# RETRIES, REQUEUES and CONTAINER_NAME.
 #
 # Every end is told truthfully in events.log and recorded before anything slow: the EXIT trap
 # writes `end exit N` first. Nothing slow is on the path to the job's end: deleting an unpacked
@@ -226,12 +227,15 @@ on_interrupt() {
   event "interrupted: stop requested"
   touch "$STOP_FILE"
 }
-on_cancel() { trap '' TERM USR2; event "cancelled by slipway cancel"; exit 140; }
+# A job cancelled by `slipway cancel` is not waited on by a retry or a requeue, and cancel waits
+# for it (a bounded grace): its container gets CANCEL_REMOVE_WAIT s to be removed instead of a few.
+on_cancel() { trap '' TERM USR2; event "cancelled by slipway cancel"; REMOVE_WAIT=$CANCEL_REMOVE_WAIT; exit 140; }
 on_term() { trap '' TERM USR2; event "cancelled (SIGTERM)"; exit 143; }
 
 # on_exit: the end first, then the cleanup, none of it slow: background helpers stopped, a step
-# still running ended (bounded by STEP_STOP_WAIT s), this attempt's container removed if that
-# takes at most CONTAINER_REMOVE_WAIT s (else the next job on the node removes it).
+# still running ended (bounded by STEP_STOP_WAIT s), this attempt's own container removed if
+# that takes at most CONTAINER_REMOVE_WAIT s (after `slipway cancel`, CANCEL_REMOVE_WAIT s; else
+# the next job on the node removes it).
 on_exit() {
   local rc=$? pid waited=0
   trap '' TERM USR1 USR2
@@ -245,57 +249,150 @@ on_exit() {
   fi
   # `slipway run` keeps its container for the next run in the same allocation (the steps name
   # it by the allocation's id); the next batch job on the node removes it once the allocation is over.
-  [ -n "${SLIPWAY_IN_ALLOCATION:-}" ] || remove_container "$CONTAINER_REMOVE_WAIT"
+  [ -n "${SLIPWAY_IN_ALLOCATION:-}" ] || remove_container "${REMOVE_WAIT:-$CONTAINER_REMOVE_WAIT}"
   return 0
 }
 
-# The named pyxis container of this attempt, unpacked on every node: pyxis keeps it after the
-# job (container_scope=global: pyxis_NAME; with container_scope=job it is pyxis_JOBID_NAME,
-# which pyxis's epilog removes). CONTAINER_PREFIX is empty when the steps name no container.
-REMOVE_CONTAINER='for n in "pyxis_$1" "pyxis_${SLURM_JOB_ID}_$1"; do enroot remove --force "$n"; done >/dev/null 2>&1; true'
-
-# remove_container SECONDS: remove this attempt's container on every node, for at most SECONDS
-# (a removal cut short is finished by the next job's remove_stale_containers).
-remove_container() {
+# The steps' named pyxis container, CONTAINER_NAME (set by the main part; empty when the steps
+# name none). With an image build to reuse (CONTAINER_BUILD, from container.keep_builds) it is the
+# build's own, kept on each node after the job so that later jobs of that build start in it
+# without unpacking the image; else this attempt's own, removed at its end. pyxis names it
+# pyxis_NAME (container_scope=global, its default) or pyxis_JOBID_NAME (container_scope=job: its
+# epilog removes it at the job's end, so nothing is kept).
+container_name() {
   [ -n "$CONTAINER_PREFIX" ] || return 0
-  timeout -k 2 "$1" srun --overlap --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
-    bash -c "$REMOVE_CONTAINER" slipway-rm "$CONTAINER_PREFIX$JOB_TAG" > /dev/null 2>&1 || true
+  if [ -n "$CONTAINER_BUILD" ]; then echo "$CONTAINER_PREFIX$CONTAINER_BUILD"; else echo "$CONTAINER_PREFIX$JOB_TAG"; fi
 }
 
-# stale_containers JOB_ID JOB_TAG (on a node): the slipway pyxis containers enroot lists there
-# whose job is over (squeue knows it no more, or as ended), and this job's earlier attempts.
-stale_containers() {
-  local name tag id state
+# pyxis_scope: how pyxis scopes named containers here, from its line in Slurm's plugstack
+# configuration (includes followed): "job", "global" (pyxis's default), or "" (no pyxis line
+# readable on this host).
+pyxis_scope() {
+  local conf dir kw rest f scope="" words w files=()
+  conf=$(scontrol show config 2>/dev/null | sed -n 's/^PlugStackConfig *= *//p') || conf=""
+  case "$conf" in ""|"(null)") conf=/etc/slurm/plugstack.conf ;; esac
+  dir=${conf%/*}
+  files=("$conf")
+  while read -r kw rest; do
+    [ "$kw" = include ] || continue
+    [[ $rest = /* ]] || rest="$dir/$rest"
+    for f in $rest; do files+=("$f"); done
+  done < <(cat "$conf" 2>/dev/null)
+  for f in "${files[@]}"; do
+    while read -r -a words; do
+      case "${words[0]:-}" in required|optional) ;; *) continue ;; esac
+      [[ ${words[1]:-} == *pyxis* ]] || continue
+      scope=global
+      for w in "${words[@]:2}"; do [ "$w" != container_scope=job ] || scope=job; done
+    done < <(cat "$f" 2>/dev/null)
+  done
+  echo "$scope"
+}
+
+# note_container_scope: a kept container needs pyxis's container_scope=global; where this
+# cluster's pyxis removes named containers at each job's end, say so, once per run.
+note_container_scope() {
+  local text="containers: this cluster's pyxis removes named containers at each job's end (container_scope=job), so every job unpacks the image and container.keep_builds has no effect"
+  [ -n "$CONTAINER_BUILD" ] && [ "$(pyxis_scope)" = job ] || return 0
+  grep -qF "$text" "$RUN_DIR/events.log" 2>/dev/null || event "$text"
+}
+
+REMOVE_CONTAINER='for n in "pyxis_$1" "pyxis_${SLURM_JOB_ID}_$1"; do enroot remove --force "$n"; done >/dev/null 2>&1; true'
+
+# remove_container SECONDS: remove this attempt's own container on every node, for at most
+# SECONDS (a removal cut short is finished by the next job's sweep_containers). A build's kept
+# container stays.
+remove_container() {
+  [ -n "$CONTAINER_NAME" ] && [ -z "$CONTAINER_BUILD" ] || return 0
+  timeout -k 2 "$1" srun --overlap --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
+    bash -c "$REMOVE_CONTAINER" slipway-rm "$CONTAINER_NAME" > /dev/null 2>&1 || true
+}
+
+# enroot_data (on a node): enroot's data path, where it unpacks containers, from enroot's own
+# configuration (the part of the enroot script above its END CONFIG line, which reads the same
+# files and variables enroot does); empty where that cannot be read.
+enroot_data() {
+  local e
+  e=$(command -v enroot) && grep -q '^# ----- END CONFIG -----' "$e" 2>/dev/null || return 0
+  bash -c "$(sed '/^# ----- END CONFIG -----/q' "$e")"$'\n''printf %s "$ENROOT_DATA_PATH"' 2>/dev/null || true
+}
+
+# job_over JOB_ID: whether Slurm no longer queues or runs the job.
+job_over() {
+  local state
+  state=$(squeue -h -j "$1" -o %T 2>/dev/null) || state=""
+  case "$state" in ""|COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|PREEMPTED|BOOT_FAIL|DEADLINE|OUT_OF_MEMORY) return 0 ;; esac
+  return 1
+}
+
+# sweep_containers JOB_ID JOB_TAG BUILD KEEP [LIST] (on a node): records that this job uses the
+# kept container of BUILD (empty: none), then removes what earlier jobs left, one line per
+# container (`removed NAME`, `kept NAME: WHY`; with LIST, `would remove NAME` and nothing removed): each attempt's own container once its job is over (and this
+# job's earlier attempts), and the kept containers of builds beyond the KEEP most recently used
+# (oldest first), never one that a queued or running job has used. Which jobs used a kept
+# container, and when last, is in DATA/.slipway/NAME (hidden from `enroot list`). A kept
+# container is renamed before it is deleted, so that no job ever starts in a half-deleted one.
+sweep_containers() {
+  local job=$1 tag=$2 build=$3 keep=$4 list=${5:-} data uses name id tag_of used=() n=0 j busy
+  data=$(enroot_data)
+  uses=${data:+$data/.slipway}
+  if [ -n "$build" ] && [ -n "$uses" ] && mkdir -p "$uses"; then
+    { grep -vx -- "$job" "$uses/pyxis_slipway-$build" 2>/dev/null | tail -n 19; echo "$job"; } > "$uses/.new.$$" &&
+      mv -f "$uses/.new.$$" "$uses/pyxis_slipway-$build"
+  fi
   while read -r name; do
     case "$name" in
-      pyxis_slipway-*) tag=${name#pyxis_slipway-} ;;
-      pyxis_*_slipway-*) tag=${name#pyxis_*_slipway-} ;;
+      pyxis_slipway-i*) used+=("$name"); continue ;;
+      pyxis_slipway-*) tag_of=${name#pyxis_slipway-} ;;
+      pyxis_*_slipway-*) tag_of=${name#pyxis_*_slipway-} ;;
       *) continue ;;
     esac
-    id=${tag%%r*}
+    id=${name#pyxis_}; id=${id#slipway-}; id=${id%%[!0-9]*}
     [[ $id =~ ^[0-9]+$ ]] || continue
-    if [ "$id" = "$1" ]; then
-      [ "$tag" != "$2" ] || continue
+    if [ "$id" = "$job" ]; then
+      [ "$tag_of" != "$tag" ] && [ "$tag_of" != "$build" ] || continue
     else
-      state=$(squeue -h -j "$id" -o %T 2>/dev/null) || state=""
-      case "$state" in
-        ""|COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|PREEMPTED|BOOT_FAIL|DEADLINE|OUT_OF_MEMORY) ;;
-        *) continue ;;
-      esac
+      job_over "$id" || { echo "kept $name: job $id is not over"; continue; }
     fi
-    echo "$name"
+    if [ -n "$list" ]; then echo "would remove $name"; continue; fi
+    enroot remove --force "$name" >/dev/null 2>&1 && echo "removed $name"
   done < <(enroot list 2>/dev/null)
+  # Most recently used first; a kept container with no record of its use counts as the oldest.
+  # This job's build is the most recent, unpacked here or about to be. No KEEP (a job that keeps
+  # no container): the kept ones are not this job's to bound.
+  [ -z "$build" ] || n=1
+  [ -n "$keep" ] || used=()
+  while read -r name; do
+    if [ "$name" = "pyxis_slipway-$build" ]; then echo "kept $name: this job's build"; continue; fi
+    n=$((n + 1))
+    if [ "$n" -le "$keep" ]; then echo "kept $name: among the $keep most recently used builds"; continue; fi
+    busy=""
+    for j in $(cat "$uses/$name" 2>/dev/null); do job_over "$j" || { busy=$j; break; }; done
+    if [ -n "$busy" ]; then echo "kept $name: used by job $busy, which is not over"; continue; fi
+    if [ -n "$list" ]; then echo "would remove $name"; continue; fi
+    if [ -z "$data" ]; then echo "kept $name: enroot's data path is unknown here"; continue; fi
+    mv "$data/$name" "$data/.slipway-removing-$name" 2>/dev/null || continue
+    rm -f "$uses/$name"
+    echo "removed $name"
+  done < <(for name in "${used[@]+"${used[@]}"}"; do
+             printf '%s %s\n' "$(stat -c %Y "$uses/$name" 2>/dev/null || echo 0)" "$name"
+           done | sort -rn | cut -d' ' -f2)
+  # Renamed containers (this sweep's, or one cut short) are deleted last: enroot remove takes
+  # the hidden name like any other.
+  [ -z "$list" ] || return 0
+  for name in $(ls -A "$data" 2>/dev/null | grep '^\.slipway-removing-'); do
+    enroot remove --force "$name" >/dev/null 2>&1 || true
+  done
 }
 
 # remove_stale_containers: at the start of every job whose steps name a container, one
-# background step per node removes what earlier jobs left (a job cancelled or ended before its
-# removal finished), bounded by STALE_REMOVE_TIMEOUT s; it never delays training, and the
-# trap ends it with the other helpers.
+# background step per node runs sweep_containers, bounded by STALE_REMOVE_TIMEOUT s; it never
+# delays training, and the trap ends it with the other helpers.
 remove_stale_containers() {
-  [ -n "$CONTAINER_PREFIX" ] || return 0
+  [ -n "$CONTAINER_NAME" ] || return 0
   timeout -k 5 "$STALE_REMOVE_TIMEOUT" srun --overlap --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
-    bash -c "$(declare -f stale_containers)"'; stale_containers "$1" "$2" | while read -r n; do enroot remove --force "$n" || true; done' \
-    slipway-sweep "$SLURM_JOB_ID" "$JOB_TAG" > /dev/null 2>&1 &
+    bash -c "$(declare -f enroot_data job_over sweep_containers)"'; sweep_containers "$@"' \
+    slipway-sweep "$SLURM_JOB_ID" "$JOB_TAG" "$CONTAINER_BUILD" "${CONTAINER_BUILD:+$KEEP_BUILDS}" > /dev/null 2>&1 &
   HELPER_PIDS+=("$!")
 }
 # ---- end of the slipway job library ----

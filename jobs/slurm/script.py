@@ -161,6 +161,9 @@ _EVENT = next(line for line in JOB_LIB.splitlines() if line.startswith("event() 
 # the background removal of stale containers at its start, at most STALE_REMOVE_TIMEOUT.
 STEP_STOP_WAIT = 30
 CONTAINER_REMOVE_WAIT = 5
+# After `slipway cancel` (which waits CANCEL_GRACE_SECONDS, 90, for the job) the removal gets longer:
+# measured on the real pyxis, a loaded node needs more than CONTAINER_REMOVE_WAIT.
+CANCEL_REMOVE_WAIT = 45
 STALE_REMOVE_TIMEOUT = 600
 
 
@@ -338,9 +341,11 @@ def _node_helper(cfg: Config) -> list[str]:
     ]
 
 
-# This attempt's named pyxis container (JOB_TAG: the job id, rN after the Nth requeue).
+# The steps' named pyxis container: CONTAINER_NAME (job_lib.sh's container_name: the image
+# build's kept one, or this attempt's own). no_exec: a step never joins another job's running
+# container, it only shares its unpacked filesystem.
 PYXIS_PREFIX = "slipway-"
-PYXIS_CONTAINER = PYXIS_PREFIX + "${JOB_TAG}"
+PYXIS_CONTAINER = "${CONTAINER_NAME}:no_exec"
 
 
 def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list[str]) -> list[str]:
@@ -377,7 +382,7 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list
     ]
 
 
-def _settings(cfg: Config, paths: RunPaths, container_named: bool) -> list[str]:
+def _settings(cfg: Config, paths: RunPaths, container_named: bool, build: Optional[str]) -> list[str]:
     """The run's values, set once: the data the job library's functions decide on."""
     q = shlex.quote
     s = cfg.slurm
@@ -395,17 +400,24 @@ def _settings(cfg: Config, paths: RunPaths, container_named: bool) -> list[str]:
         f"PREFLIGHT_EXIT={PREFLIGHT_EXIT} HANG_EXIT={HANG_EXIT} REQUEUE_EXIT={REQUEUE_EXIT}",
         f"CHECKPOINT_DIR={checkpoints}",
         f'HANGS="$RUN_DIR/{HANGS_DIR}" STOP_FILE="$RUN_DIR/{STOP_FILE}"',
-        "# The steps' named pyxis container is CONTAINER_PREFIX$JOB_TAG (none when empty).",
-        f"CONTAINER_PREFIX={PYXIS_PREFIX if container_named else chr(39) * 2}",
+        "# The steps' named pyxis container (none when CONTAINER_PREFIX is empty): the image build's,",
+        "# kept on the nodes for later jobs (CONTAINER_BUILD, container.keep_builds), else this attempt's.",
+        f"CONTAINER_PREFIX={PYXIS_PREFIX if container_named else chr(39) * 2} "
+        f"CONTAINER_BUILD={(build if container_named and build else chr(39) * 2)} "
+        f"KEEP_BUILDS={cfg.container.keep_builds}",
         f"STEP_STOP_WAIT={STEP_STOP_WAIT} CONTAINER_REMOVE_WAIT={CONTAINER_REMOVE_WAIT} "
+        f"CANCEL_REMOVE_WAIT={CANCEL_REMOVE_WAIT} "
         f"STALE_REMOVE_TIMEOUT={STALE_REMOVE_TIMEOUT}",
     ]
 
 
-def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, code: Optional[CodeSnapshot] = None) -> str:
+def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, code: Optional[CodeSnapshot] = None,
+                  build: Optional[str] = None) -> str:
     """The whole batch script for `cfg`, reading and writing only inside `paths.run_dir`;
     `env` is the run's container environment (`jobs.runs.container.run_environment`), `code`
-    the code snapshot its ranks run (None: the installed code)."""
+    the code snapshot its ranks run (None: the installed code), `build` the key of the image
+    build whose unpacked container pyxis keeps on the nodes (`jobs.runs.container.kept_build`;
+    None: each attempt unpacks its own)."""
     container, assigns = _container_args(env, paths)
     # Under pyxis every srun step unpacks the image into a container of its own, unless the
     # steps name one: the preflight's steps then create it and training starts in it at once.
@@ -415,7 +427,7 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, code: Optional
     lines = _header(cfg, paths) + ["", "set -euo pipefail"]
     if cfg.launch.debug:
         lines.append("set -x")
-    lines += ["", *_settings(cfg, paths, shared), "", JOB_LIB.rstrip("\n"), "",
+    lines += ["", *_settings(cfg, paths, shared, build), "", JOB_LIB.rstrip("\n"), "",
               "# ---- main: this job, from its start to its end ----",
               f"cd {shlex.quote(str(paths.project_dir))}",
               'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/gutil" "$RUN_DIR/heartbeats" "$HANGS"',
@@ -423,9 +435,11 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, code: Optional
               "# What this job (its id survives requeues) has used: failure retries, time-limit requeues.",
               "RETRIES=$(count_events retry) REQUEUES=$(count_events time-limit requeue)",
               "JOB_TAG=$(job_tag)",
+              "CONTAINER_NAME=$(container_name)",
               'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd " " -)',
               'event "start on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0}), failure retries '
               '$RETRIES/$MAX_RETRIES, time-limit requeues $REQUEUES/$MAX_REQUEUES"',
+              "note_container_scope",
               "",
               *_environment(cfg, paths, code),
               "",
