@@ -197,8 +197,11 @@ def pyxis_loop(plugin: str, repeat: int) -> None:
             for i in range(repeat):
                 name = f"k{keep}-{i}"
                 submit(name, "train.steps=100000", f"container.keep_builds={keep}")
-                ranks = subprocess.run(["pgrep", "-f", rf"^\S*python\S* -m trainer --config {project}/runs/{name}/"],
-                                       capture_output=True, text=True).stdout.split()
+                # A rank (torchrun starts its workers as `python -u -m trainer ...`), not its agent.
+                rank = rf"^\S*python\S* (-u )?-m trainer --config {project}/runs/{name}/"
+                ranks = subprocess.run(["pgrep", "-f", rank], capture_output=True, text=True).stdout.split()
+                if not ranks:
+                    raise SystemExit(f"no rank of {name} found to kill: see {project / 'runs' / name}")
                 t0, wall0 = time.perf_counter(), time.time()
                 os.kill(int(ranks[-1]), 9)
                 job_over(name)
