@@ -163,6 +163,17 @@ def test_pyxis_keeps_the_container_of_a_known_build_only(project):
     assert bad.returncode == 2 and "container.keep_builds" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_the_containers_command_says_why_slurm_cannot_answer(project, tmp_path):
+    """`slipway image containers` where no Slurm controller can be reached: Slurm's own words in
+    one line, exit 1 (the input was fine), never an internal error."""
+    if shutil.which("sinfo") is None or shutil.which("srun") is None:
+        pytest.skip("the Slurm client commands are not installed")
+    r = subprocess.run([PY, "-m", "jobs", "image", "containers", "tiny_cpu"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "SLURM_CONF": str(tmp_path / "no-slurm.conf")})
+    assert r.returncode == 1 and r.stderr.startswith("error: sinfo failed"), (r.stdout, r.stderr)
+    assert "internal error" not in r.stderr
+
+
 # ------------------------------------------------------------------ on the local Slurm
 
 

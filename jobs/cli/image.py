@@ -160,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _tool_error(exc: BaseException) -> int | None:
-    """podman, enroot or srun failed: its one line, exit 1 (the input was fine: not 2)."""
-    if isinstance(exc, ToolError):
+    """podman, enroot or a Slurm command failed: its one line, exit 1 (the input was fine: not 2)."""
+    from jobs.slurm import SlurmError
+
+    if isinstance(exc, (ToolError, SlurmError)):
         Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1
     return None
