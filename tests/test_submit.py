@@ -251,6 +251,6 @@ def test_prepare_job_script(project):
     # a named container (its preflight unpacks it), the prepare job's single step has no one to share with
     assert [a for a in srun if a.startswith("--container")] == [
         a for a in train if a.startswith("--container") and not a.startswith("--container-name=")]
-    assert "--container-name=slipway-${JOB_TAG}" in train and not any(a.startswith("--container-name") for a in srun)
+    assert "--container-name=${CONTAINER_NAME}:no_exec" in train and not any(a.startswith("--container-name") for a in srun)
     assert srun[-7:] == ["python3", "-m", "trainer.prepare", "--config", str(project / "runs" / "p1" / "config.yaml"),
                          "--cpus", "16"]
