@@ -247,8 +247,8 @@ on_exit() {
       sleep 0.2; waited=$((waited + 1))
     done
   fi
-  # `slipway run` keeps its container for the next run in the same allocation (the steps name
-  # it by the allocation's id); the next batch job on the node removes it once the allocation is over.
+  # `slipway run` keeps even a container of its own (named by the allocation's id) for the next
+  # run in the same allocation; the next batch job on the node removes it once the allocation is over.
   [ -n "${SLIPWAY_IN_ALLOCATION:-}" ] || remove_container "${REMOVE_WAIT:-$CONTAINER_REMOVE_WAIT}"
   return 0
 }
@@ -327,9 +327,10 @@ job_over() {
 
 # sweep_containers JOB_ID JOB_TAG BUILD KEEP [LIST] (on a node): records that this job uses the
 # kept container of BUILD (empty: none), then removes what earlier jobs left, one line per
-# container (`removed NAME`, `kept NAME: WHY`; with LIST, `would remove NAME` and nothing removed): each attempt's own container once its job is over (and this
-# job's earlier attempts), and the kept containers of builds beyond the KEEP most recently used
-# (oldest first), never one that a queued or running job has used. Which jobs used a kept
+# container (`removed NAME`, `kept NAME: WHY`; with LIST, `would remove NAME` and nothing
+# removed): each attempt's own container once its job is over (and this job's earlier attempts),
+# and the kept containers of builds beyond the KEEP most recently used (oldest first; no KEEP:
+# none of them), never one that a queued or running job has used. Which jobs used a kept
 # container, and when last, is in DATA/.slipway/NAME (hidden from `enroot list`). A kept
 # container is renamed before it is deleted, so that no job ever starts in a half-deleted one.
 sweep_containers() {
