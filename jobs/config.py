@@ -167,11 +167,12 @@ class SlurmSection:
     # and its reason go to events.log. 0: never retry.
     max_retries: int = 2
     # Before training, every node checks the run directory, free space for checkpoints and its
-    # GPUs, then every rank joins a short all-reduce (trainer/preflight.py); a failing node is
-    # named and the job retried without it. Skipped with launch.command (its image may not
-    # hold slipway's trainer). Each of its two steps may take preflight_timeout seconds.
+    # GPUs (a step of its own); then every rank joins a short all-reduce, as the training step's
+    # first collective (a train.script: a step of its own) (trainer/preflight.py). A failing
+    # node is named and the job retried without it. Skipped with launch.command (its image may
+    # not hold slipway's trainer). Each of its two parts may take preflight_timeout seconds.
     preflight: bool = True
-    # Seconds each of the preflight's two steps may take.
+    # Seconds each of the preflight's two parts (the node checks, the all-reduce) may take.
     preflight_timeout: int = 300
     # More sbatch options, each one long option such as --exclusive or --mem=0.
     extra: list[str] = field(default_factory=list)

@@ -14,6 +14,7 @@ import pytest
 from jobs.config import load_config
 from jobs.slurm.script import RunPaths, render_sbatch
 from trainer.config import HANG_EXIT, PREFLIGHT_EXIT
+from trainer.rundir import PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE
 
 # Stand-ins: scontrol and sinfo answer from files in $FAKE, srun runs the preflight's and the
 # training step's stand-ins ($FAKE/node.sh, allreduce.sh, train.sh), every call is logged.
@@ -178,24 +179,57 @@ def test_every_node_failing_alike_is_retried_on_the_same_nodes(tmp_path):
     assert job.scontrol() == ["requeue 41"]
 
 
-def test_a_failed_all_reduce_is_retried_without_blame(tmp_path):
+def test_a_failed_all_reduce_in_the_training_step_is_retried_without_blame(tmp_path):
+    """slipway's trainer runs the all-reduce first in the training step (AllReduceGate): a rank that
+    fails it writes why among the step's exit reports and exits before training."""
     job = Job(tmp_path)
-    job.script("allreduce.sh", 'echo "slipway-preflight-allreduce fail: rank 2 on node2: RuntimeError: timed out"'
-                               "\nexit 5")
+    job.script("train.sh", f'[ "${PREFLIGHT_ENV}" = "4 300" ] || exit 9\n'
+                           f'echo "rank 2 on node2: RuntimeError: timed out" > "$SLIPWAY_EXITS/{PREFLIGHT_FAILED_FILE}"'
+                           "\nexit 5")
     assert job.run() == 0, job.out
     events = job.events()
     assert "preflight failed: rank 2 on node2: RuntimeError: timed out" in events
     assert "retry 1/2 (preflight): requeueing (no node to blame)" in events
+    assert job.scontrol() == ["requeue 41"]
+    assert not (job.run_dir / ".exits" / "41").exists()  # the reports are read, then removed
 
 
-def test_a_passed_preflight_records_the_bandwidth_and_trains(tmp_path):
-    job = Job(tmp_path)
+def test_a_failed_all_reduce_step_of_a_train_script_is_retried_without_blame(tmp_path):
+    job = Job(tmp_path, "train.script=train_mine.py")
+    job.script("allreduce.sh", 'echo "slipway-preflight-allreduce fail: rank 2 on node2: RuntimeError: timed out"'
+                               "\nexit 5")
     job.script("train.sh", 'echo TRAINING > "$FAKE/trained"')
+    assert job.run() == 0, job.out
+    events = job.events()
+    assert "preflight failed: rank 2 on node2: RuntimeError: timed out" in events
+    assert "retry 1/2 (preflight): requeueing (no node to blame)" in events
+    assert not (job.fake / "trained").exists()
+
+
+def test_a_training_step_that_fails_after_a_passed_all_reduce_is_not_a_preflight_failure(tmp_path):
+    job = Job(tmp_path, "slurm.requeue=false")
+    job.script("train.sh", "exit 1")
+    assert job.run() == 1, job.out
+    assert not [e for e in job.events() if e.startswith(("preflight failed", "retry", "not retrying"))]
+
+
+def test_a_passed_preflight_trains_with_the_all_reduce_in_the_training_step(tmp_path):
+    job = Job(tmp_path)
+    job.script("train.sh", f'echo "${PREFLIGHT_ENV}" > "$FAKE/trained"')
+    job.script("allreduce.sh", "exit 99")  # no step of its own
+    assert job.run() == 0, job.out
+    assert (job.fake / "trained").read_text() == "4 300\n"  # MiB, slurm.preflight_timeout
+    assert "trainer.preflight allreduce" not in job.text and "PREFLIGHT_PORT" not in job.text
+    assert (job.run_dir / "logs" / "preflight-41.out").read_text().count("slipway-preflight node") == 2
+
+
+def test_a_passed_all_reduce_step_of_a_train_script_records_the_bandwidth_and_trains(tmp_path):
+    job = Job(tmp_path, "train.script=train_mine.py")
+    job.script("train.sh", 'echo "TRAINING ${%s:-}" > "$FAKE/trained"' % PREFLIGHT_ENV)
     assert job.run() == 0, job.out
     assert ("preflight ok on node[1-2]: all-reduce of 4 MiB over 4 ranks on 2 node(s) (gloo): 1.00 GB/s"
             in job.events())
-    assert (job.fake / "trained").exists()
-    assert (job.run_dir / "logs" / "preflight-41.out").read_text().count("slipway-preflight node") == 2
+    assert (job.fake / "trained").read_text() == "TRAINING \n"  # the user's script is not asked for it
 
 
 def test_a_hang_names_the_silent_node_and_retries_without_it(tmp_path):
@@ -287,6 +321,6 @@ def test_requeue_off_never_retries(tmp_path):
                                        ["launch.launcher=srun", "launch.command=[/bin/true]"]])
 def test_no_preflight_when_off_or_with_a_custom_command(tmp_path, overrides):
     job = Job(tmp_path, *overrides)
-    assert "trainer.preflight" not in job.text and "PREFLIGHT_PORT" not in job.text
+    assert "trainer.preflight" not in job.text and "PREFLIGHT_PORT" not in job.text and PREFLIGHT_ENV not in job.text
     job.script("node.sh", "exit 99")
     assert job.run() == 0, job.out

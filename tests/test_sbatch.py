@@ -81,7 +81,8 @@ def test_hostile_script_runs_without_executing_anything(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text('#!/bin/bash\n' + SRUN_PASSING_PREFLIGHT +
-                                  'for a in "$@"; do printf "%s\\n" "$a"; done > "$RUN_DIR/srun-args"\n')
+                                  'for a in "$@"; do printf "%s\\n" "$a"; done > "$RUN_DIR/srun-args"\n'
+                                  'printf "%s" "$SLIPWAY_PREFLIGHT_ALLREDUCE" > "$RUN_DIR/srun-preflight-env"\n')
     (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
@@ -103,7 +104,8 @@ def test_hostile_script_runs_without_executing_anything(tmp_path):
     assert preflight[preflight.index("--checkpoint-dir") + 1] == str(run_dir / "checkpoints")
     events = (run_dir / "events.log").read_text()
     assert "job 17 start on node1" in events and "job 17 end exit 0" in events
-    assert "job 17 preflight ok on node1: stand-in" in events
+    # The all-reduce runs in the training step's process group: asked for through its environment.
+    assert (run_dir / "srun-preflight-env").read_text() == "4 300"
 
 
 def test_local_argv_is_the_same_launch():

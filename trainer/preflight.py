@@ -1,10 +1,10 @@
 """The preflight: before training starts, every node of the allocation proves it can train.
 
-The batch script runs it in two steps, in the run's container, bounded by
-`slurm.preflight_timeout` each:
+The batch script runs it in the run's container, each part bounded by
+`slurm.preflight_timeout`:
 
-    python -m trainer.preflight node ...       one task per node, no collective
-    python -m trainer.preflight allreduce ...  every rank, launched as training is
+    python -m trainer.preflight node ...   one task per node, no collective, before training
+    AllReduceGate                          every rank, first thing in the training step
 
 `node` checks what one node needs and prints one line, `slipway-preflight NODE ok: ...`
 or `slipway-preflight NODE fail: REASON`: the run directory is reachable and
@@ -14,12 +14,20 @@ for GPU jobs, the expected GPUs are visible and healthy (nvidia-smi, where it
 exists: count and uncorrected ECC errors; torch: each GPU computes). A node that
 prints nothing at all (its container did not start, it is unreachable) is named
 by the batch script for that. The nodes report independently, so a bad node
-cannot hide the others' answers, and the collective runs only once all passed.
+cannot hide the others' answers, and training starts only once all passed.
 
-`allreduce` sums a buffer across every rank (the same launcher, backend and
-world as training), checks the sum, and rank 0 prints the bus bandwidth it
-measured: `slipway-preflight-allreduce ok: ...`. The batch script writes both
-results to events.log and, when a node failed, retries the job without it.
+The all-reduce sums a buffer across every rank, checks the sum, and measures the
+bus bandwidth. It runs inside the training step's own process group, before any
+data or model work (`AllReduceGate`, asked for by the batch script through
+PREFLIGHT_ENV): the same launcher, backend and world as training by
+construction, and one torch start and one rendezvous per rank instead of two,
+which was most of a job's start-up. Rank 0 writes `preflight ok on NODES: ...` to
+events.log; a rank that fails it (a wrong sum, a collective error, no result
+within the bound) writes why to PREFLIGHT_FAILED_FILE among the step's exit
+reports and exits PREFLIGHT_EXIT, and the batch script retries the job on the
+same nodes. A `train.script` of the user's own runs `python -m trainer.preflight
+allreduce` as a step of its own before training instead (the same check, its
+result printed as `slipway-preflight-allreduce ok: ...`).
 
 Exit status: 0 passed, PREFLIGHT_EXIT (5) failed, 2 bad arguments.
 """
@@ -31,12 +39,14 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
 from trainer.config import PREFLIGHT_EXIT
+from trainer.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE, append_event
 from trainer.watchdog import node_name
 
 # One checkpoint holds the fp32 weights and AdamW's two moments: about 12 bytes a parameter.
@@ -139,8 +149,7 @@ def node_checks(run_dir: Path, checkpoint_dir: Path, needed_bytes: int, gpus: in
 
 
 def all_reduce_check(megabytes: float, iters: int, timeout_s: float) -> tuple[bool, str]:
-    """Sum a buffer of `megabytes` across every rank `iters` times (after one warm-up) and check
-    the sum; the bus bandwidth (the rate each link carried, NCCL's busbw) on rank 0."""
+    """`sum_across_ranks` in a process group of its own (the separate step of a `train.script`)."""
     import torch
     import torch.distributed as dist
 
@@ -151,34 +160,125 @@ def all_reduce_check(megabytes: float, iters: int, timeout_s: float) -> tuple[bo
     device = torch.device("cuda", local % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    backend = "nccl" if cuda else "gloo"
     if world == 1:
         return True, "a single rank: no collective to test"
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                            device_id=device if cuda else None)
     try:
-        nodes: list[Optional[str]] = [None] * world
-        dist.all_gather_object(nodes, node_name())
-        numel = max(1, int(megabytes * 2**20) // 4)
-        buf = torch.ones(numel, dtype=torch.float32, device=device)
-        dist.all_reduce(buf)  # warm-up: connections, buffers
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            buf.fill_(1.0)
-            dist.all_reduce(buf)
-        sync()
-        per = (time.perf_counter() - t0) / iters
-        wrong = (buf != float(world)).sum().item()
-        if wrong:
-            return False, f"the sum of {world} ranks was wrong in {wrong} of {numel} elements on rank {rank} ({node_name()})"
-        bus_gbs = numel * 4 / per * 2 * (world - 1) / world / 1e9
-        return True, (f"all-reduce of {megabytes:g} MiB over {world} ranks on {len(set(nodes))} node(s) ({backend}): "
-                      f"{bus_gbs:.2f} GB/s bus bandwidth, {per * 1e3:.1f} ms each")
+        return sum_across_ranks(megabytes, iters, device)
     finally:
         dist.destroy_process_group()
+
+
+def sum_across_ranks(megabytes: float, iters: int, device) -> tuple[bool, str]:
+    """Sum a buffer of `megabytes` across every rank of the default process group `iters` times
+    (after one warm-up) and check the sum; the bus bandwidth (the rate each link carried, NCCL's
+    busbw) in the text."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 1:
+        return True, "a single rank: no collective to test"
+    cuda = device.type == "cuda"
+    nodes: list[Optional[str]] = [None] * world
+    dist.all_gather_object(nodes, node_name())
+    numel = max(1, int(megabytes * 2**20) // 4)
+    buf = torch.ones(numel, dtype=torch.float32, device=device)
+    dist.all_reduce(buf)  # warm-up: connections, buffers
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        buf.fill_(1.0)
+        dist.all_reduce(buf)
+    sync()
+    per = (time.perf_counter() - t0) / iters
+    wrong = (buf != float(world)).sum().item()
+    if wrong:
+        return False, f"the sum of {world} ranks was wrong in {wrong} of {numel} elements on rank {rank} ({node_name()})"
+    bus_gbs = numel * 4 / per * 2 * (world - 1) / world / 1e9
+    return True, (f"all-reduce of {megabytes:g} MiB over {world} ranks on {len(set(nodes))} node(s) "
+                  f"({dist.get_backend()}): {bus_gbs:.2f} GB/s bus bandwidth, {per * 1e3:.1f} ms each")
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+
+
+class AllReduceGate:
+    """The preflight's all-reduce as the training step's first collective (the module's doc).
+
+    `arm()` before the process group forms starts the bound: a rank with no result
+    `timeout_s` later (a rendezvous or NCCL set-up that never completes, a collective that
+    never returns) reports and exits. `check()` once the group is up runs the all-reduce;
+    rank 0 records a pass in events.log, a failing rank reports and exits PREFLIGHT_EXIT.
+    Either way a failed check never reaches the data, the model or a checkpoint."""
+
+    def __init__(self, megabytes: float, timeout_s: float, environ: Optional[dict] = None,
+                 exit=os._exit) -> None:
+        self.megabytes, self.timeout_s = megabytes, timeout_s
+        env = os.environ if environ is None else environ
+        self.rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
+        self.run_dir = env.get("SLIPWAY_RUN_DIR")
+        self.reports = env.get("SLIPWAY_EXITS")
+        self.job = env.get("SLIPWAY_EVENT_JOB") or env.get("SLURM_JOB_ID") or LOCAL_JOB
+        self.nodelist = env.get("SLURM_JOB_NODELIST") or node_name()
+        self._exit = exit
+        self._timer: Optional[threading.Timer] = None
+
+    @classmethod
+    def from_environ(cls, environ: Optional[dict] = None) -> Optional["AllReduceGate"]:
+        """The gate the batch script asked for (PREFLIGHT_ENV = "MEGABYTES TIMEOUT_S"), else None."""
+        env = os.environ if environ is None else environ
+        value = env.get(PREFLIGHT_ENV, "").split()
+        if not value:
+            return None
+        try:
+            megabytes, timeout_s = float(value[0]), float(value[1])
+        except (IndexError, ValueError):
+            raise ValueError(f"{PREFLIGHT_ENV}={env[PREFLIGHT_ENV]!r}: expected 'MEGABYTES TIMEOUT_S'") from None
+        return cls(megabytes, timeout_s, env)
+
+    def arm(self) -> "AllReduceGate":
+        self._timer = threading.Timer(self.timeout_s, self._timed_out)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def check(self, device) -> None:
+        try:
+            ok, text = sum_across_ranks(self.megabytes, 3, device)
+        except Exception as exc:  # any failure of the collective is the answer, on one line
+            ok, text = False, f"rank {self.rank} on {node_name()}: {_one_line(exc)}"
+        if not ok:
+            self.fail(text)
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.rank == "0" and self.run_dir:
+            append_event(self.run_dir, self.job, f"preflight ok on {self.nodelist}: {text}")
+
+    def _timed_out(self) -> None:
+        self.fail(f"the all-reduce across every rank gave no result within {self.timeout_s:g} s "
+                  f"(rank {self.rank} on {node_name()} waited)")
+
+    def fail(self, text: str) -> None:
+        """Report `text` (the first failing rank's report is the one kept) and exit PREFLIGHT_EXIT
+        at once: a collective that failed may never let the process group be torn down."""
+        print(f"slipway-preflight-allreduce fail: {text}", file=sys.stderr, flush=True)
+        if self.reports:
+            try:
+                fd = os.open(Path(self.reports) / PREFLIGHT_FAILED_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except OSError:  # another rank reported first, or the directory is gone
+                pass
+            else:
+                with os.fdopen(fd, "w") as f:
+                    f.write(" ".join(text.split()) + "\n")
+        sys.stdout.flush()
+        self._exit(PREFLIGHT_EXIT)
 
 
 # ---------------------------------------------------------------- the command line
@@ -192,7 +292,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     node.add_argument("--checkpoint-dir", type=Path, required=True)
     node.add_argument("--checkpoint-bytes", type=int, required=True, help="room one more checkpoint needs")
     node.add_argument("--gpus", type=int, default=0, help="GPUs this node must have (0: a CPU job)")
-    ar = sub.add_parser("allreduce", help="a short all-reduce across every rank (launched as training is)")
+    ar = sub.add_parser("allreduce", help="a short all-reduce across every rank, in a step of its own (a train.script's)")
     ar.add_argument("--megabytes", type=float, default=4.0)
     ar.add_argument("--iters", type=int, default=3)
     ar.add_argument("--timeout", type=float, default=300.0, help="seconds the process group may take to form")
@@ -205,7 +305,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         ok, text = all_reduce_check(args.megabytes, args.iters, args.timeout)
     except Exception as exc:  # any failure of the collective is the answer, on one line
-        ok, text = False, f"rank {rank} on {node_name()}: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+        ok, text = False, f"rank {rank} on {node_name()}: {_one_line(exc)}"
     if rank == 0 or not ok:
         print(f"slipway-preflight-allreduce {'ok' if ok else 'fail'}: {text}", flush=True)
     return 0 if ok else PREFLIGHT_EXIT

@@ -48,6 +48,12 @@ REQUEUE_EXIT = 75
 INTERRUPTED_EXIT = 130  # a local launch stopped by Ctrl-C (128 + SIGINT)
 
 LOCAL_JOB = "local"  # the job field of a launch on this machine
+# The preflight's all-reduce in the training step (trainer/preflight.py AllReduceGate): the batch
+# script asks for it with PREFLIGHT_ENV="MEGABYTES TIMEOUT_S"; a rank that fails it writes its
+# one-line reason to PREFLIGHT_FAILED_FILE among the step's exit reports ($SLIPWAY_EXITS), which
+# the batch script reads (job_lib.sh `after_preflight`).
+PREFLIGHT_ENV = "SLIPWAY_PREFLIGHT_ALLREDUCE"
+PREFLIGHT_FAILED_FILE = "preflight-failed"
 # The code snapshot the ranks run (jobs/runs/code.py): its directory, set in their environment.
 CODE_ENV = "SLIPWAY_CODE"
 

@@ -70,7 +70,7 @@ from trainer.optim import SkippableStep, build_lr_scheduler, build_optimizer, cl
 from trainer.parallel import (Batch, ParallelDims, Runner, build_model, build_runner, distributed_session,
                               global_mean, resolve_dtype, step_stats)
 from trainer.checkpoint import Checkpointer, CheckpointWriteError, ModelState, NonFiniteError, OptimizerState, RNGState
-from trainer.preflight import checkpoint_bytes
+from trainer.preflight import AllReduceGate, checkpoint_bytes
 from trainer.rundir import check_code
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,14 @@ class TrainResult:
 def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None) -> TrainResult:
     run_dir = Path(run_dir)
     timeout = collective_timeout(cfg.train)  # longer than the hang watchdog's limits: it speaks first
+    # The batch script's preflight all-reduce, first in this process group (trainer/preflight.py):
+    # bounded from before the group forms, and over before any data or model work.
+    gate = AllReduceGate.from_environ()
+    if gate is not None:
+        gate.arm()
     with distributed_session(timeout) as env:
+        if gate is not None:
+            gate.check(env.device)
         setup_logging(cfg.logging.level, env.rank)
         torch_warning = unsupported_torch(torch.__version__)
         if torch_warning and env.rank == 0:

@@ -98,8 +98,8 @@ preflight_nodes() {
   retry_or_stop preflight "$PREFLIGHT_EXIT" $bad
 }
 
-# preflight_allreduce LOG STEP_EXIT: the all-reduce across every rank gave its `ok`, or the job
-# is retried on the same nodes (no node to blame).
+# preflight_allreduce LOG STEP_EXIT: the all-reduce step (a train.script's) gave its `ok`, or the
+# job is retried on the same nodes (no node to blame).
 preflight_allreduce() {
   local log=$1 step_rc=$2 line
   line=$(grep -F -m1 "slipway-preflight-allreduce " "$log") || line=""
@@ -109,6 +109,17 @@ preflight_allreduce() {
         retry_or_stop preflight "$PREFLIGHT_EXIT" ;;
     *) event "preflight failed: ${line#*fail: }"; retry_or_stop preflight "$PREFLIGHT_EXIT" ;;
   esac
+}
+
+# after_preflight WHY: slipway's trainer runs the preflight's all-reduce as the training step's
+# first collective (trainer/preflight.py AllReduceGate): a rank that failed it, or had no result
+# within PREFLIGHT_TIMEOUT, reported WHY among the step's exit reports and ended the step before
+# any training; the job is retried on the same nodes (no node to blame). A pass is rank 0's
+# `preflight ok` event.
+after_preflight() {
+  [ -n "$1" ] || return 0
+  event "preflight failed: $1"
+  retry_or_stop preflight "$PREFLIGHT_EXIT"
 }
 
 # step_exit SRUN_EXIT REPORTS_DIR: the training step's exit, one code whatever node failed.

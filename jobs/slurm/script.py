@@ -19,7 +19,7 @@ from edf.environment import secret_error, secret_word
 from jobs.config import NODE_PRESETS, Config
 from trainer.config import HANG_EXIT, HANGS_DIR, PREFLIGHT_EXIT, REQUEUE_EXIT, STOP_FILE, ConfigError
 from trainer.preflight import checkpoint_bytes
-from trainer.rundir import CodeSnapshot
+from trainer.rundir import PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE, CodeSnapshot
 
 HEARTBEAT_SECONDS = 60
 NODE_HEARTBEAT_SECONDS = 15  # heartbeats/NODE, which `slipway watch` shows by age
@@ -214,12 +214,18 @@ def _environment(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = No
             f'export TORCH_FR_DUMP_TEMP_FILE="$RUN_DIR/{HANGS_DIR}/$JOB_TAG-nccl-trace-rank"',
             'export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$TORCH_FR_DUMP_TEMP_FILE"',
         ]
-    if cfg.slurm.preflight and not cfg.launch.command:
+    if _preflight_where(cfg) == "step":
         lines += [
             "# The preflight's all-reduce forms a group of its own, on the next free port.",
             "PREFLIGHT_PORT=$(( MASTER_PORT + 1 ))",
             'while (exec 3<>"/dev/tcp/$MASTER_ADDR/$PREFLIGHT_PORT") 2>/dev/null; do '
             "PREFLIGHT_PORT=$(( PREFLIGHT_PORT + 1 )); done",
+        ]
+    elif _preflight_where(cfg) == "training":
+        lines += [
+            "# The preflight's all-reduce (MiB, seconds): the training step's first collective",
+            "# (trainer/preflight.py AllReduceGate); after_preflight reads a failure.",
+            f"export {PREFLIGHT_ENV}={shlex.quote(f'{_preflight_megabytes(cfg)} {cfg.slurm.preflight_timeout}')}",
         ]
     if debug:
         lines += ["export CUDA_LAUNCH_BLOCKING=1", "export TORCH_DISTRIBUTED_DEBUG=DETAIL",
@@ -348,10 +354,26 @@ PYXIS_PREFIX = "slipway-"
 PYXIS_CONTAINER = "${CONTAINER_NAME}:no_exec"
 
 
+def _preflight_where(cfg: Config) -> Optional[str]:
+    """Where the preflight's all-reduce runs: "training" (slipway's trainer runs it first in its
+    own process group, saving a torch start and a rendezvous per rank), "step" (a train.script of
+    the user's: a step of its own before training), None (no preflight: off, or launch.command,
+    whose image may not hold slipway's trainer)."""
+    if not cfg.slurm.preflight or cfg.launch.command:
+        return None
+    return "step" if cfg.train.script else "training"
+
+
+def _preflight_megabytes(cfg: Config) -> int:
+    return 64 if cfg.slurm.gpus_per_node else 4
+
+
 def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list[str]) -> list[str]:
-    """The preflight (trainer/preflight.py): each node's checks, then an all-reduce across every rank."""
+    """The preflight (trainer/preflight.py): each node's checks, then an all-reduce across every
+    rank, in a step of its own for a train.script (else in the training step)."""
     s = cfg.slurm
-    if not s.preflight or cfg.launch.command:
+    where = _preflight_where(cfg)
+    if where is None:
         return []
     limit = ["timeout", "-k", "15", str(s.preflight_timeout)]
     prefix = "".join(f"{a} " for a in assigns)
@@ -364,16 +386,22 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list
                 "--checkpoint-dir", str(checkpoint_dir),
                 "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node)]
     allreduce = [cfg.launch.python, "-m", "trainer.preflight", "allreduce", "--megabytes",
-                 "64" if s.gpus_per_node else "4", "--timeout", str(s.preflight_timeout)]
-    return [
+                 str(_preflight_megabytes(cfg)), "--timeout", str(s.preflight_timeout)]
+    lines = [
         "",
-        "# Preflight (trainer/preflight.py), each step at most slurm.preflight_timeout: every node checks",
+        "# Preflight (trainer/preflight.py), each part at most slurm.preflight_timeout: every node checks",
         "# the run directory, free space and its GPUs, reporting on its own; a node that fails or sends",
-        "# no report is named and the job retried without it. Then every rank joins a short all-reduce.",
+        "# no report is named and the job retried without it. Then every rank joins a short all-reduce",
+        "# (" + ("in a step of its own: the ranks run a train.script" if where == "step" else
+                 "the training step's first collective") + ").",
         'PREFLIGHT_LOG="$RUN_DIR/logs/preflight-$JOB_TAG.out"',
         f'set +e; {prefix}{_words(node_srun)} \\\n  {_words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
         'preflight_nodes "$PREFLIGHT_LOG" "$pf_rc"',
+    ]
+    if where != "step":
+        return lines
+    return lines + [
         'PREFLIGHT_LOG="$RUN_DIR/logs/preflight-$JOB_TAG-allreduce.out"',
         "set +e; " + _launch(cfg, paths, container, assigns, cmd=allreduce, port="PREFLIGHT_PORT", wrap=limit)
         + ' > "$PREFLIGHT_LOG" 2>&1',
@@ -468,7 +496,9 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, code: Optional
         _launch(cfg, paths, container, assigns, code=code) + " &",
         'SRUN_PID=$!',
         'set +e; wait_step "$SRUN_PID"; set -e',
-        'rc=$(step_exit "$STEP_RC" "$SLIPWAY_EXITS"); rm -rf "$SLIPWAY_EXITS"',
+        'rc=$(step_exit "$STEP_RC" "$SLIPWAY_EXITS")',
+        f'PREFLIGHT_FAILURE=$(cat "$SLIPWAY_EXITS/{PREFLIGHT_FAILED_FILE}" 2>/dev/null || true); rm -rf "$SLIPWAY_EXITS"',
+        'after_preflight "$PREFLIGHT_FAILURE"',
         "after_hang",
         'after_stop_request "$rc"',
         'after_node_failure "$rc"',
