@@ -475,6 +475,7 @@ def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: 
         manifest.setdefault("submissions", []).append(entry)
 
     runs.update_manifest(run, add)
+    runs.prune_code_store(run.dir.parent)
     return entry
 
 

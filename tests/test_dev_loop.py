@@ -15,11 +15,12 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from jobs.runs.code import STORE, plan_snapshot
+from jobs.runs.code import PRUNE_AFTER_SECONDS, STORE, plan_snapshot
 from trainer.config import ConfigError
 from trainer.rundir import CODE_ENV, CodeSnapshot, check_code
 
@@ -71,10 +72,46 @@ def test_a_snapshot_is_content_addressed_read_only_and_written_once(project, mon
     # One byte changed: another snapshot; the first is untouched.
     (source / "model.py").write_text((source / "model.py").read_text() + "\n# changed\n")
     changed = plan_snapshot(store, None).write()
-    assert changed.hash != value.hash and len(list(store.iterdir())) == 2
+    assert changed.hash != value.hash and snapshots(store) == sorted([value.dir[-16:], changed.dir[-16:]])
     assert "# changed" not in (snap / "trainer" / "model.py").read_text()
     # The manifest's record reads back as the same value.
     assert CodeSnapshot.from_record(json.loads(json.dumps(changed.record()))) == changed
+
+
+def snapshots(store: Path) -> list[str]:
+    return sorted(p.name for p in store.iterdir() if not p.name.startswith("."))
+
+
+def test_the_store_keeps_what_runs_name_and_what_launches_used_lately(project, monkeypatch):
+    """prune_store: a snapshot no run names goes once no launch has written or reused it for the
+    grace; named ones and recent ones stay; a write or a pruning cut short is cleared; nothing
+    goes while another launch holds the store."""
+    from jobs.runs.code import _store_lock, prune_store
+
+    source = checkout(project)
+    monkeypatch.setattr("jobs.runs.code.trainer_source", lambda project_dir=None: source)
+    store = project / "runs" / STORE
+    named = plan_snapshot(store, None).write()
+    (source / "model.py").write_text((source / "model.py").read_text() + "\n# one\n")
+    orphan = plan_snapshot(store, None).write()
+    (source / "model.py").write_text((source / "model.py").read_text() + "\n# two\n")
+    recent = plan_snapshot(store, None).write()
+    (store / ".deadbeef.x1.tmp").mkdir()  # a write cut short
+    (store / ".removing-0123456789abcdef" / "trainer").mkdir(parents=True)  # a pruning cut short
+    old = time.time() - PRUNE_AFTER_SECONDS - 60
+    for snap in (named, orphan):
+        os.utime(snap.dir, (old, old))
+    keep = {Path(named.dir).name}
+    with _store_lock(store, exclusive=False):  # a launch writing or reusing a snapshot meanwhile
+        assert prune_store(store, keep) == []
+    removed = prune_store(store, keep)
+    assert [name for name, _ in removed] == [Path(orphan.dir).name] and removed[0][1] == orphan.bytes
+    assert snapshots(store) == sorted([Path(named.dir).name, Path(recent.dir).name])
+    assert not [p for p in store.iterdir() if p.name.startswith(".") and p.name != ".lock"]
+    # A reuse restarts the grace: a snapshot a launch reuses now stays while no run names it yet.
+    os.utime(recent.dir, (old, old))
+    plan_snapshot(store, None).write()  # the checkout still holds `recent`'s content
+    assert prune_store(store, keep) == [] and Path(recent.dir).is_dir()
 
 
 def test_the_snapshot_is_of_the_checkout_the_launch_runs_from(project, tmp_path):
@@ -228,7 +265,7 @@ def test_a_job_runs_the_code_it_was_submitted_with_through_a_requeue(project, sl
     # Identical content is stored once: a third run of the same code shares the second's.
     r = slipway("submit", "tiny_cpu", "--dry-run", "--run-name", "same", *TINY)
     assert f"/runs/.code/{new['dir'][-16:]}" in r.stdout
-    assert sorted(p.name for p in (runs / STORE).iterdir()) == sorted({old["dir"][-16:], new["dir"][-16:]})
+    assert snapshots(runs / STORE) == sorted({old["dir"][-16:], new["dir"][-16:]})
 
     # The old run resubmitted with the new code: recorded, and said by status.
     r = slipway("submit", "tiny_cpu", "--parsable", "--run-name", "old", *TINY, "train.steps=6", "--force")
@@ -242,6 +279,17 @@ def test_a_job_runs_the_code_it_was_submitted_with_through_a_requeue(project, sl
     status = slipway("status", "old")
     assert f"code {new['hash'][:12]}" in status.stdout
     assert f"note: code changed at job {again}: {old['hash'][:12]} -> {new['hash'][:12]}" in status.stdout
+
+    # The store keeps what runs name: with run `old` deleted, its first snapshot goes at the next
+    # launch once its grace has passed; the one `new` names stays.
+    shutil.rmtree(runs / "old")
+    past = time.time() - PRUNE_AFTER_SECONDS - 60
+    for entry in (runs / STORE).iterdir():
+        os.utime(entry, (past, past))
+    r = slipway("submit", "tiny_cpu", "--parsable", "--run-name", "after", *TINY)
+    assert r.returncode == 0, r.stderr
+    assert snapshots(runs / STORE) == [new["dir"][-16:]]
+    assert wait_end(r.stdout.strip()) == "COMPLETED"
 
 
 def metrics_steps(run_dir: Path) -> list[int]:

@@ -29,7 +29,7 @@ from jobs import slurm
 from jobs.config import Config, dump_config, load_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
-from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot
+from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_store
 from jobs.runs.container import (ImagePin, create_needed_dirs, kept_build, pin_image, remove_created_dirs,
                                  resolve_paths, run_environment, stale_build_note)
 from jobs.runs.lifecycle import Launch, LaunchState
@@ -424,6 +424,8 @@ def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train"
         manifest.setdefault("submissions", []).append(entry)
 
     update_manifest(run, add)
+    if kind == "train":
+        prune_code_store(run.dir.parent)
 
 
 def record_code(run: Run, manifest: dict, sealed: Sealed, launch: str) -> None:
@@ -442,6 +444,26 @@ def record_code(run: Run, manifest: dict, sealed: Sealed, launch: str) -> None:
     write_atomic(run.dir / "history" / f"code-{stamp}.json",
                  json.dumps({"before": before.record() if before else None,
                              "after": after.record() if after else None}, indent=2) + "\n")
+
+
+def _snapshots_named(manifest: dict) -> set[str]:
+    """The store entries (HASH16) a manifest names: the run's code and each launch's."""
+    records = [manifest.get("code"), *(s.get("code") for s in manifest.get("submissions") or [] if isinstance(s, dict))]
+    return {Path(c.dir).name for c in map(CodeSnapshot.from_record, records) if c is not None}
+
+
+def prune_code_store(root: Path) -> list[tuple[str, int]]:
+    """The code store of runs root `root` without the snapshots no run names (jobs/runs/code.py
+    `prune_store`), after a launch recorded its own. Nothing is removed when a manifest cannot
+    be read: what it names is then unknown."""
+    named: set[str] = set()
+    try:
+        for path in root.iterdir():
+            if (path / MANIFEST).is_file():
+                named |= _snapshots_named(json.loads((path / MANIFEST).read_text()))
+        return prune_store(root / CODE_STORE, named)
+    except (OSError, ValueError, AttributeError):
+        return []
 
 
 def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:

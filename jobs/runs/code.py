@@ -12,19 +12,29 @@ SLIPWAY_CODE lets the trainer check that it runs from the snapshot at all
 changes nothing for that run, its requeues or its retries: job.sbatch and
 env.toml name the snapshot's path, and a snapshot is never written twice.
 `code.snapshot: false` runs the image's baked code (sealed production images).
+
+The store keeps what runs name. Each launch that records its code also removes the
+snapshots that no run directory's manifest names any more (its run was deleted) and
+that no launch has written or reused for PRUNE_AFTER_SECONDS, the grace of a launch
+between writing its snapshot and recording it. A lock on the store (shared while a
+launch writes or reuses a snapshot, exclusive while one prunes) keeps a pruning from
+taking a snapshot that a launch has just chosen.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import os
+import time
 import shutil
 import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
@@ -39,6 +49,13 @@ SCHEME = "slipway-code-v1"
 # A train.script's folder is copied whole: bounded, so a script in $HOME does not copy $HOME.
 MAX_SCRIPT_FILES = 2000
 MAX_SCRIPT_BYTES = 200 * 1024 * 1024
+# A snapshot no manifest names is kept this long after a launch last wrote or reused it: a launch
+# records its snapshot only once sbatch has answered, which a busy controller can delay.
+PRUNE_AFTER_SECONDS = 24 * 3600
+_LOCK = ".lock"
+_REMOVING = ".removing-"
+# flock(2) on a filesystem without it (Lustre mounted without -o flock).
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
 @dataclass(frozen=True)
@@ -113,20 +130,33 @@ class Snapshot:
         self.value = value
         self._sources = sources
         self.created = False  # this launch wrote it (a refused submission takes it back)
+        self._written = 0  # its mtime then: a later one means another launch reused it
 
     def discard(self) -> None:
-        """Remove the snapshot if this launch wrote it, and the store if that leaves it empty."""
+        """Remove the snapshot if this launch wrote it and no other launch has reused it since."""
         if not self.created:
             return
-        shutil.rmtree(self.value.dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            Path(self.value.dir).parent.rmdir()
+        target = Path(self.value.dir)
+        with _store_lock(target.parent, exclusive=True):
+            with contextlib.suppress(OSError):
+                if target.stat().st_mtime_ns == self._written:
+                    shutil.rmtree(target, ignore_errors=True)
+                # A store left empty goes too (a refused first submission leaves no trace); with no
+                # snapshot in it there is nothing old whose reuse the lock would have to guard.
+                if os.listdir(target.parent) == [_LOCK]:
+                    os.unlink(target.parent / _LOCK)
+                    target.parent.rmdir()
 
     def write(self) -> CodeSnapshot:
         target = Path(self.value.dir)
-        if target.is_dir():
-            return self.value  # content-addressed: the same hash is the same files
         target.parent.mkdir(parents=True, exist_ok=True)
+        with _store_lock(target.parent, exclusive=False):
+            if target.is_dir():  # content-addressed: the same hash is the same files
+                os.utime(target)  # reused now: a pruning leaves it its grace
+                return self.value
+            return self._write(target)
+
+    def _write(self, target: Path) -> CodeSnapshot:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
             for source in self._sources:
@@ -141,6 +171,7 @@ class Snapshot:
             try:
                 os.rename(tmp, target)
                 self.created = True
+                self._written = target.stat().st_mtime_ns
             except OSError:
                 if not target.is_dir():  # not another launch writing the same content first
                     raise
@@ -148,6 +179,63 @@ class Snapshot:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return self.value
+
+
+@contextlib.contextmanager
+def _store_lock(store: Path, *, exclusive: bool, wait: bool = True) -> Iterator[bool]:
+    """flock(2) on STORE/.lock; yields whether it is held (False: another holds it and `wait` is
+    off, or the filesystem has no locks)."""
+    try:
+        fd = os.open(store / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        flags = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB)
+        try:
+            fcntl.flock(fd, flags)
+        except OSError as exc:
+            if exc.errno in _NO_LOCKS or exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                yield False
+                return
+            raise
+        yield True
+    finally:
+        os.close(fd)
+
+
+def prune_store(store: Path, named: Iterable[str], *, older_than: float = PRUNE_AFTER_SECONDS,
+                now: Optional[float] = None) -> list[tuple[str, int]]:
+    """Remove the snapshots of `store` whose directory names (HASH16) are not in `named` and that
+    no launch wrote or reused for `older_than` seconds, and what an interrupted write or pruning
+    left; (name, bytes) of each snapshot removed. Nothing is removed where the store cannot be
+    locked (another launch is pruning it, or its filesystem has no locks)."""
+    named = set(named)
+    now = time.time() if now is None else now
+    removed: list[tuple[str, int]] = []
+    if not store.is_dir():
+        return removed
+    with _store_lock(store, exclusive=True, wait=False) as held:
+        if not held:
+            return removed
+        for entry in os.scandir(store):
+            if not entry.is_dir(follow_symlinks=False) or entry.name in named:
+                continue
+            if entry.name.startswith("."):  # a write or a pruning cut short (.HASH.*.tmp, .removing-HASH):
+                shutil.rmtree(entry.path, ignore_errors=True)  # no launch writes while this lock is held
+                continue
+            try:
+                if now - entry.stat(follow_symlinks=False).st_mtime < older_than:
+                    continue
+            except FileNotFoundError:
+                continue
+            size = sum(f.stat().st_size for f in Path(entry.path).rglob("*") if f.is_file())
+            # Gone at once by a rename: nothing ever sees a half-deleted snapshot.
+            gone = store / f"{_REMOVING}{entry.name}"
+            os.rename(entry.path, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+            removed.append((entry.name, size))
+    return removed
 
 
 def plan_snapshot(store: Path, script: Optional[str], project_dir: Optional[Path] = None) -> Snapshot:
