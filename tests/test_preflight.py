@@ -107,3 +107,15 @@ def test_a_peer_lost_during_the_all_reduce_fails_it_before_any_training(tmp_path
         proc.stderr[-3000:]
     assert not (config.parent / "metrics.jsonl").exists()
     assert not [e for e in read_events(config.parent) if e.text.startswith("preflight ok")]
+
+
+@pytest.mark.multiproc
+def test_the_all_reduce_step_of_a_train_script_runs_in_a_group_of_its_own(tmp_path):
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "trainer.preflight", "allreduce", "--megabytes", "1", "--timeout", "60"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=clean_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("slipway-preflight-allreduce ok: all-reduce of 1 MiB over 2 ranks on 1 node(s) "
+                                  "(gloo): "), proc.stdout
