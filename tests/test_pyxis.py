@@ -11,6 +11,7 @@ that reason elsewhere.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -96,6 +97,9 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
              if json.loads(line).get("kind") == "train"]
     assert steps[-1] == 6
     assert (run_dir / "checkpoints" / "step-000006" / "COMPLETE").is_file()
+    # The preflight's all-reduce ran inside the containers, as the training step's first collective.
+    assert re.search(r" preflight ok on \S+: all-reduce of 4 MiB over 4 ranks on 2 node\(s\) \(gloo\)",
+                     (run_dir / "events.log").read_text()), (run_dir / "events.log").read_text()
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["image"]["path"] == squashfs and manifest["image"]["source"] == "build"
     # The run's code snapshot, mounted read-only at its own path and first on PYTHONPATH: the
@@ -103,9 +107,9 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
     code = manifest["code"]["dir"]
     assert f"{code}:{code}:ro" in script and "--container-env=" in script and (Path(code) / "trainer").is_dir()
 
-    # One container per node for the job's three steps, kept for later jobs of this build
-    # (container.keep_builds): the preflight's node step unpacked the image, its all-reduce and
-    # training started in the same filesystem.
+    # One container per node for the job's two steps, kept for later jobs of this build
+    # (container.keep_builds): the preflight's node step unpacked the image, training (whose
+    # first collective is the preflight's all-reduce) started in the same filesystem.
     build = "i" + manifest["image"]["build_hash"][:16]
     assert f"CONTAINER_BUILD={build}" in script and '--container-name="${CONTAINER_NAME}":no_exec' in script
     kept = f"pyxis_slipway-{build}"
@@ -114,7 +118,7 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
         return "".join(p.read_text(errors="replace") for p in pyxis_cluster.spec.log_dir.glob("slurmd-*.log"))
 
     assert slurmd_log().count(f"pyxis: creating container filesystem: {kept}") == 2, slurmd_log()[-3000:]
-    assert slurmd_log().count("pyxis: reusing existing container filesystem") == 4, slurmd_log()[-3000:]
+    assert slurmd_log().count("pyxis: reusing existing container filesystem") == 2, slurmd_log()[-3000:]
 
     def containers(node: str) -> list[str]:
         pid = next(p["pid"] for p in read_registry(pyxis_cluster.spec.name)["processes"]
@@ -130,7 +134,7 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
                  "container.runtime=pyxis", *image, "--show-logs", env=env, cwd=project)
     assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-3000:])
     assert slurmd_log().count("pyxis: creating container filesystem") == 2, slurmd_log()[-3000:]
-    assert slurmd_log().count("pyxis: reusing existing container filesystem") == 10, slurmd_log()[-3000:]
+    assert slurmd_log().count("pyxis: reusing existing container filesystem") == 6, slurmd_log()[-3000:]
 
     # `slipway cancel` of a job with its own container (keep_builds 0) during training: told as
     # cancelled, and its container removed from every node while the allocation still exists.
