@@ -183,7 +183,7 @@ def case_alternative(data: Path, tokenizer: str, n: int, work: Path, how: str) -
 
 def case_open(tokenizer: str) -> dict:
     """A prepared cache hit: `build_data` (what the job does before step 1) and a 64 x 512 batch."""
-    from trainer.config import DataSection, ModelSection, TrainerConfig, TrainSection
+    from trainer.config import DataSection, ModelSection, TrainSection, TrainerConfig
     from trainer.data import build_data
     from trainer.prepare import prepare
 

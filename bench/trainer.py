@@ -174,7 +174,8 @@ def sdpa_flash_only(args: argparse.Namespace) -> None:
 def case_ours(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from trainer.config import from_dict, TrainerConfig
+    from kernel.schema import from_dict
+    from trainer.config import TrainerConfig
     from trainer.train import train
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -219,7 +220,8 @@ def case_bare(args: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from trainer.compute import apply_ac
-    from trainer.config import from_dict, ModelSection
+    from kernel.schema import from_dict
+    from trainer.config import ModelSection
     from trainer.metrics import peak_memory_gib
     from trainer.model import Transformer, select_attention
 
@@ -395,7 +397,8 @@ def titan_python(args: argparse.Namespace) -> tuple[Optional[Path], str]:
 
 def titan_params(args: argparse.Namespace, attention: str, work: Path) -> dict[str, Any]:
     """What the torchtitan config module reads: our model's dimensions and padded vocabulary."""
-    from trainer.config import from_dict, ModelSection
+    from kernel.schema import from_dict
+    from trainer.config import ModelSection
 
     mcfg = from_dict(ModelSection, model_dict(args))
     return dict(dim=mcfg.hidden_size, heads=mcfg.num_heads, kv_heads=mcfg.num_kv_heads, layers=mcfg.num_layers,
@@ -636,7 +639,8 @@ def drive_check_torchtitan(args: argparse.Namespace) -> int:
     """torchtitan's config module, as the comparison writes it, builds the model ours trains: the same
     parameter count (the same dimensions, untied, padded vocabulary, unfused q/k/v)."""
     sys.path.insert(0, str(ROOT))
-    from trainer.config import from_dict, ModelSection
+    from kernel.schema import from_dict
+    from trainer.config import ModelSection
 
     ours = from_dict(ModelSection, model_dict(args)).num_params()
     titan, output = check_torchtitan_model(args)
@@ -692,7 +696,8 @@ def fmt(value: Any, spec: str) -> str:
 def describe(args: argparse.Namespace, flops_per_token: int) -> str:
     import torch
 
-    from trainer.config import from_dict, ModelSection
+    from kernel.schema import from_dict
+    from trainer.config import ModelSection
 
     mcfg = from_dict(ModelSection, model_dict(args))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
@@ -780,7 +785,8 @@ def drive(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from trainer.config import from_dict, ModelSection
+    from kernel.schema import from_dict
+    from trainer.config import ModelSection
     from trainer.metrics import peak_flops
     from trainer.model import num_flops_per_token
 
@@ -809,7 +815,8 @@ def drive_matrix(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from trainer.config import from_dict, ModelSection
+    from kernel.schema import from_dict
+    from trainer.config import ModelSection
     from trainer.metrics import peak_flops
     from trainer.model import num_flops_per_token
 

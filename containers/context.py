@@ -4,7 +4,7 @@ The context is assembled from the same list that is hashed, so a file outside
 it (runs/, tests/, caches) can change neither the image nor its tag. Layout
 (what containers/Dockerfile expects):
 
-    src/       pyproject.toml, README.md, LICENSE, trainer/ jobs/ edf/ containers/ configs/
+    src/       pyproject.toml, README.md, LICENSE, kernel/ trainer/ jobs/ edf/ containers/ configs/
     wheels/    the offline wheelhouse (image.wheelhouse), empty without one
     buildenv/  flash-attn.env: compile settings that do not change the image
                (MAX_JOBS, NVCC_THREADS), neither hashed nor in podman's cache key
@@ -24,13 +24,13 @@ from typing import Iterator
 
 from containers.pip_requirements import toml_loads
 from containers.record import ImageSection
-from trainer.config import ConfigError
-from trainer.fs import file_sha256, write_atomic
+from kernel.errors import ConfigError
+from kernel.fs import file_sha256, write_atomic
 
 HASH_SCHEME = "slipway-image-v1"
 # What goes into the image under src/ (the repository layout, see the Dockerfile).
 CONTEXT_FILES = ("pyproject.toml", "README.md", "LICENSE")
-CONTEXT_DIRS = ("trainer", "jobs", "edf", "containers", "configs")
+CONTEXT_DIRS = ("kernel", "trainer", "jobs", "edf", "containers", "configs")
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".ipynb_checkpoints"}
 SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
 WHEEL_SUFFIXES = (".whl", ".tar.gz", ".zip")

@@ -50,8 +50,8 @@ from containers.diagnose import diagnose_build
 from containers.record import BuildRecord, ImageSection
 from containers.storage import check_storage_conf
 from containers.tools import Container, Enroot, Podman, Tail, ToolError, git_commit, squashfs_ok
-from trainer.config import ConfigError
-from trainer.fs import pid_alive, write_atomic
+from kernel.errors import ConfigError
+from kernel.fs import pid_alive, write_atomic
 
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from edf.environment import ENV_NAME, secret_error, secret_word
-from trainer.config import _require
+from kernel.schema import require
 
 
 @dataclass
@@ -56,16 +56,16 @@ class ImageSection:
 
     def check(self, where: str) -> None:
         # podman repository names are lowercase; the name also names files in output_dir.
-        _require(bool(re.match(r"^[a-z0-9][a-z0-9._-]{0,63}$", self.name)), f"{where}.name",
-                 f"{self.name!r} is not a valid image name: use 1-64 lowercase letters, digits, '.', '_' or '-'")
-        _require(bool(self.base_image) and "\n" not in self.base_image, f"{where}.base_image",
-                 "must name an image, e.g. nvcr.io/nvidia/pytorch:25.12-py3 or localhost/NAME:TAG")
+        require(bool(re.match(r"^[a-z0-9][a-z0-9._-]{0,63}$", self.name)), f"{where}.name",
+                f"{self.name!r} is not a valid image name: use 1-64 lowercase letters, digits, '.', '_' or '-'")
+        require(bool(self.base_image) and "\n" not in self.base_image, f"{where}.base_image",
+                "must name an image, e.g. nvcr.io/nvidia/pytorch:25.12-py3 or localhost/NAME:TAG")
         for key, value in self.build_args.items():
             if secret_word(key):  # a build arg's value is kept in the image's history, whatever it is
                 raise secret_error(f"{where}.build_args.{key}", key)
-            _require(bool(ENV_NAME.match(key)) and "\n" not in str(value), f"{where}.build_args.{key}",
-                     "build arg names are letters, digits and _ (not starting with a digit); values one line")
-        _require("\n" not in self.squash_options, f"{where}.squash_options", "must be one line of mksquashfs options")
+            require(bool(ENV_NAME.match(key)) and "\n" not in str(value), f"{where}.build_args.{key}",
+                    "build arg names are letters, digits and _ (not starting with a digit); values one line")
+        require("\n" not in self.squash_options, f"{where}.squash_options", "must be one line of mksquashfs options")
 
 
 @dataclass(frozen=True)

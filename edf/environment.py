@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from trainer.config import SECRET_WORD, ConfigError, _shown, secret_word  # noqa: F401  (SECRET_WORD: re-exported)
+from kernel.errors import ConfigError, shown
+from kernel.secrets import secret_word
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -78,7 +79,7 @@ def split_expansions(value: str, where: str) -> list[Union[str, Expansion]]:
             m = EXPANSION.match(value, j)
             if m is None:
                 bad = value[j: value.find("}", j) + 1 or len(value)]
-                raise ConfigError(where, f"{bad!r} in {_shown(value, where)} is not a valid expansion: write ${{NAME}} or "
+                raise ConfigError(where, f"{bad!r} in {shown(value, where)} is not a valid expansion: write ${{NAME}} or "
                                          "${NAME:-default}, or $${ for a literal '${'")
             if "".join(literal):
                 pieces.append("".join(literal))
@@ -156,13 +157,13 @@ def check_path(value: str, where: str, what: str) -> None:
     if not value:
         raise ConfigError(where, f"{what} is empty: give an absolute path or one starting with ./")
     if "\0" in value or "\n" in value:
-        raise ConfigError(where, f"{what} {_shown(value, where)} contains a newline or NUL: use a plain path")
+        raise ConfigError(where, f"{what} {shown(value, where)} contains a newline or NUL: use a plain path")
     if value.startswith(("/", "./", "${")):
         return
     if value.startswith("~"):
-        raise ConfigError(where, f"{what} {_shown(value, where)} starts with ~, which is not expanded: write ${{HOME}}{value[1:]}")
+        raise ConfigError(where, f"{what} {shown(value, where)} starts with ~, which is not expanded: write ${{HOME}}{value[1:]}")
     fix = "./" + value if value not in (".", "") else "./"
-    raise ConfigError(where, f"relative {what} {_shown(value, where)} must start with ./ (the Container Engine resolves it "
+    raise ConfigError(where, f"relative {what} {shown(value, where)} must start with ./ (the Container Engine resolves it "
                              f"against the directory srun runs in): write {fix!r}")
 
 
@@ -185,17 +186,17 @@ class Mount:
     @classmethod
     def parse(cls, text: str, where: str = "mounts") -> "Mount":
         if not isinstance(text, str):
-            raise ConfigError(where, f"expected a string SRC[:DST[:FLAGS]], got {_shown(text, where)}")
+            raise ConfigError(where, f"expected a string SRC[:DST[:FLAGS]], got {shown(text, where)}")
         parts = _split_outside_braces(text, ":")
         if len(parts) > 3:
-            raise ConfigError(where, f"{_shown(text, where)} has {len(parts)} ':'-separated parts: use SRC[:DST[:FLAGS]] "
+            raise ConfigError(where, f"{shown(text, where)} has {len(parts)} ':'-separated parts: use SRC[:DST[:FLAGS]] "
                                      "(a path containing ':' cannot be mounted this way)")
         src = parts[0]
         dst = parts[1] if len(parts) > 1 else src
         flags: tuple[str, ...] = ()
         if len(parts) == 3:
             if not parts[2]:
-                raise ConfigError(where, f"{_shown(text, where)} ends with an empty FLAGS part: drop the trailing ':' "
+                raise ConfigError(where, f"{shown(text, where)} ends with an empty FLAGS part: drop the trailing ':' "
                                          "or give flags such as ro or ro+private")
             flags = tuple(parts[2].split("+"))
         mount = cls(src, dst, flags)
@@ -220,10 +221,10 @@ class Mount:
     def check(self, where: str) -> None:
         for what, path in (("mount source", self.src), ("mount destination", self.dst)):
             if not isinstance(path, str):
-                raise ConfigError(where, f"{what} must be a string, got {_shown(path, where)}")
+                raise ConfigError(where, f"{what} must be a string, got {shown(path, where)}")
             check_path(path, where, what)
             if len(_split_outside_braces(path, ":")) > 1:
-                raise ConfigError(where, f"{what} {_shown(path, where)} contains ':', which separates SRC:DST:FLAGS: "
+                raise ConfigError(where, f"{what} {shown(path, where)} contains ':', which separates SRC:DST:FLAGS: "
                                          "mount a parent directory instead")
             split_expansions(path, where)
         for flag in self.flags:
@@ -348,11 +349,11 @@ class Environment:
         if isinstance(self.keep_builds, bool) or not isinstance(self.keep_builds, int) or \
                 not 0 <= self.keep_builds <= 100:
             found.append(ConfigError(f"{w}keep_builds", f"expected a whole number from 0 to 100 (image builds kept "
-                                                        f"unpacked on each node), got {_shown(self.keep_builds)}"))
+                                                        f"unpacked on each node), got {shown(self.keep_builds)}"))
         for name in ("writable", "entrypoint", "mount_home"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                found.append(ConfigError(f"{w}{name}", f"expected true or false, got {_shown(value)}"))
+                found.append(ConfigError(f"{w}{name}", f"expected true or false, got {shown(value)}"))
         for i, mount in enumerate(self.mounts):
             if not isinstance(mount, Mount):
                 found.append(ConfigError(f"{w}mounts[{i}]", f"expected a Mount, got {mount!r}: use Mount.parse"))
@@ -408,7 +409,7 @@ class Environment:
                                      "not starting with a digit)")
         _require_str(value, where)
         if "\0" in value:
-            raise ConfigError(where, f"value {_shown(value, where)} contains a NUL byte, which no environment can hold")
+            raise ConfigError(where, f"value {shown(value, where)} contains a NUL byte, which no environment can hold")
         for ref in references(value, where):
             if ref != key and ref in self.env:
                 raise ConfigError(where, f"refers to ${{{ref}}}, which is set in [env]; [env] entries can only "
@@ -436,7 +437,7 @@ def _check_workdir(workdir: str, where: str) -> None:
 def _require_str(value: object, where: str, example: str = "") -> None:
     if not isinstance(value, str):
         hint = f" such as {example}" if example else ""
-        raise ConfigError(where, f"expected a string{hint}, got {_shown(value, where)}")
+        raise ConfigError(where, f"expected a string{hint}, got {shown(value, where)}")
 
 
 def is_local_image(image: str) -> bool:
@@ -449,17 +450,17 @@ def _check_image(image: str, where: str) -> None:
     if not image:
         return
     if "\n" in image or "\0" in image:
-        raise ConfigError(where, f"{_shown(image, where)} contains a newline or NUL: give one image")
+        raise ConfigError(where, f"{shown(image, where)} contains a newline or NUL: give one image")
     split_expansions(image, where)
     if is_local_image(image):
         if not image.startswith(("/", "./", "${")):
             fix = "${HOME}" + image[1:] if image.startswith("~") else "./" + image
-            raise ConfigError(where, f"squashfs path {_shown(image, where)} must be absolute or start with ./, otherwise pyxis "
+            raise ConfigError(where, f"squashfs path {shown(image, where)} must be absolute or start with ./, otherwise pyxis "
                                      f"and the Container Engine read it as a registry image (pyxis #127): "
                                      f"write {fix!r}")
         return
     if any(c.isspace() for c in image):
-        raise ConfigError(where, f"registry reference {_shown(image, where)} contains whitespace: use "
+        raise ConfigError(where, f"registry reference {shown(image, where)} contains whitespace: use "
                                  "[USER@][REGISTRY#]IMAGE[:TAG] or REGISTRY/IMAGE[:TAG]")
 
 
@@ -487,5 +488,5 @@ def _check_base_entry(base: str, where: str) -> None:
     if "/" in base:
         check_path(base, where, "base environment path")
     elif base.endswith(".toml"):
-        raise ConfigError(where, f"{_shown(base, where)}: a bare name is looked up as NAME.toml in EDF_PATH, so drop the "
+        raise ConfigError(where, f"{shown(base, where)}: a bare name is looked up as NAME.toml in EDF_PATH, so drop the "
                                  f".toml ({base[:-5]!r}) or give a path ('./{base}')")

@@ -20,8 +20,9 @@ from typing import Any, Optional, Union
 import tomli_w
 
 from edf.environment import Environment, Expansion, Mount, is_local_image, split_expansions
-from trainer.config import MAX_DEPTH, MAX_TEXT, ConfigError, _shown, bounded, bounded_path, read_text_bounded
-from trainer.fs import write_atomic
+from kernel.errors import ConfigError, bounded, bounded_path, shown
+from kernel.yaml import MAX_DEPTH, MAX_TEXT, read_text_bounded
+from kernel.fs import write_atomic
 
 TOP_KEYS = ("base_environment", "image", "workdir", "entrypoint", "writable", "mounts", "env", "annotations")
 MAX_BASE_DEPTH = 10  # "Supports up to 10 levels of recursion" (EDF reference)
@@ -137,7 +138,7 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
     def get(key: str, types: tuple[type, ...], expected: str) -> Any:
         value = doc.get(key)
         if value is not None and not isinstance(value, types):
-            problems.append(ConfigError(f"{origin}{key}", f"expected {expected}, got {_shown(value)}"))
+            problems.append(ConfigError(f"{origin}{key}", f"expected {expected}, got {shown(value)}"))
             return None
         return value
 
@@ -149,7 +150,7 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
         if isinstance(entry, str):
             bases.append(entry)
         else:
-            problems.append(ConfigError(f"{origin}base_environment[{i}]", f"expected a string, got {_shown(entry)}"))
+            problems.append(ConfigError(f"{origin}base_environment[{i}]", f"expected a string, got {shown(entry)}"))
     mounts = []
     for i, text in enumerate(get("mounts", (list,), 'an array of "SRC:DST[:FLAGS]" strings') or []):
         try:
@@ -162,7 +163,7 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
             env_table[key] = value
         else:
             problems.append(ConfigError(f"{origin}env.{key}", f'expected a string ("" unsets the variable), '
-                                                              f'got {_shown(value)}'))
+                                                              f'got {shown(value)}'))
     annotations: dict[str, str] = {}
     _flatten(get("annotations", (dict,), "a table") or {}, f"{origin}annotations", "", annotations, problems)
     env = Environment(
@@ -264,7 +265,7 @@ def _flatten(table: dict[str, Any], where: str, prefix: str, out: dict[str, str]
         elif isinstance(value, str):
             out[full] = value
         else:
-            problems.append(ConfigError(f"{where}.{full}", f'expected a string such as "true", got {_shown(value)}'))
+            problems.append(ConfigError(f"{where}.{full}", f'expected a string such as "true", got {shown(value)}'))
 
 
 # --------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Optional, Union
 from edf.environment import (EXPANSION, SQSH, Environment, Expansion, is_local_image, registry_image,
                              split_expansions)
 from edf.files import expand_host, resolve_base
-from trainer.config import ConfigError
+from kernel.errors import ConfigError
 
 ENTRYPOINT_LOG = "com.pyxis.entrypoint_log"
 

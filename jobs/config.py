@@ -1,9 +1,9 @@
 """The one config tree: `configs/NAME.yaml` plus command-line overrides, read once.
 
-The trainer's sections (run, model, parallel, data, train, checkpoint, logging)
-are defined in `trainer.config` (which imports no torch) so that the image reads
-the frozen `config.yaml` into the very same dataclasses; the host adds slurm,
-container, launch and image here. Nothing downstream reads raw dicts.
+`Config` is the trainer's `TrainerConfig` (run, model, parallel, data, train, checkpoint,
+logging: trainer/config.py, no torch) extended with the host's sections (slurm, container,
+launch, image, code), so the image reads the frozen `config.yaml` into the very same
+dataclasses. Nothing downstream reads raw dicts.
 """
 
 from __future__ import annotations
@@ -20,25 +20,10 @@ import yaml
 
 from containers.record import ImageSection
 from edf.environment import ENV_NAME, NOT_CONFIG, SAFE_NAME, Environment, check_secret_entry
-from trainer.config import (
-    CheckpointSection,
-    Plain,
-    ConfigError,
-    DataSection,
-    LoggingSection,
-    ModelSection,
-    ParallelSection,
-    RunSection,
-    TrainSection,
-    _at_most,
-    _require,
-    _shown,
-    check_trainer_sections,
-    from_dict,
-    read_text_bounded,
-    read_yaml,
-    to_dict,
-)
+from kernel.errors import ConfigError, shown
+from kernel.schema import at_most, from_dict, require, to_dict
+from kernel.yaml import Plain, read_text_bounded, read_yaml
+from trainer.config import TrainerConfig, check_trainer_sections
 
 # Slurm job names, file names and EDF names all come from run names (SAFE_NAME).
 SAFE_NAME_RULE = "use 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -185,52 +170,52 @@ class SlurmSection:
     prepare_time: str = "02:00:00"
 
     def check(self, where: str) -> None:
-        _require(self.nodes > 0, f"{where}.nodes", f"must be > 0, got {self.nodes}")
-        _require(self.gpus_per_node >= 0, f"{where}.gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
-        _require(self.cpus_per_task is None or self.cpus_per_task > 0, f"{where}.cpus_per_task",
-                 f"must be > 0, got {self.cpus_per_task}")
+        require(self.nodes > 0, f"{where}.nodes", f"must be > 0, got {self.nodes}")
+        require(self.gpus_per_node >= 0, f"{where}.gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
+        require(self.cpus_per_task is None or self.cpus_per_task > 0, f"{where}.cpus_per_task",
+                f"must be > 0, got {self.cpus_per_task}")
         try:
             limit = time_limit_seconds(self.time)
         except ValueError:
-            raise ConfigError(f"{where}.time", f"{_shown(self.time)} is not a Slurm time limit: {TIME_RULE}") from None
-        _require(limit is None or limit > 0, f"{where}.time", f"must be longer than 0, got {_shown(self.time)}")
-        _require(limit is None or limit <= MAX_TIME_SECONDS, f"{where}.time",
-                 f"{_shown(self.time)} is longer than 365 days (365-00:00:00): lower it, or write UNLIMITED")
-        _at_most(self, where, nodes=100_000, gpus_per_node=64, cpus_per_task=4096, prepare_cpus=4096,
-                 max_requeues=1000, max_retries=100, preflight_timeout=86400)
+            raise ConfigError(f"{where}.time", f"{shown(self.time)} is not a Slurm time limit: {TIME_RULE}") from None
+        require(limit is None or limit > 0, f"{where}.time", f"must be longer than 0, got {shown(self.time)}")
+        require(limit is None or limit <= MAX_TIME_SECONDS, f"{where}.time",
+                f"{shown(self.time)} is longer than 365 days (365-00:00:00): lower it, or write UNLIMITED")
+        at_most(self, where, nodes=100_000, gpus_per_node=64, cpus_per_task=4096, prepare_cpus=4096,
+                max_requeues=1000, max_retries=100, preflight_timeout=86400)
         if self.signal_seconds is not None:
-            _require(self.signal_seconds >= 0, f"{where}.signal_seconds", "must be >= 0 (0 disables the warning)")
-            _require(self.signal_seconds <= MAX_SIGNAL_SECONDS, f"{where}.signal_seconds",
-                     f"must be at most {MAX_SIGNAL_SECONDS} (Slurm's --signal limit), got {self.signal_seconds}")
-            _require(limit is None or self.signal_seconds * 2 <= limit, f"{where}.signal_seconds",
-                     f"the warning {self.signal_seconds} s before the end must leave at least half of slurm.time "
-                     f"({self.time} = {limit} s) for training, or every requeued job would save and stop at once: "
-                     f"lower signal_seconds to {limit // 10 if limit else 0} or raise slurm.time")
-        _require(self.max_requeues >= 0, f"{where}.max_requeues", f"must be >= 0, got {self.max_requeues}")
-        _require(self.max_retries >= 0, f"{where}.max_retries", f"must be >= 0 (0: never retry), got {self.max_retries}")
-        _require(self.preflight_timeout > 0, f"{where}.preflight_timeout",
-                 f"must be > 0 seconds, got {self.preflight_timeout}")
-        _require(self.prepare_cpus is None or self.prepare_cpus > 0, f"{where}.prepare_cpus",
-                 f"must be > 0, got {self.prepare_cpus}")
+            require(self.signal_seconds >= 0, f"{where}.signal_seconds", "must be >= 0 (0 disables the warning)")
+            require(self.signal_seconds <= MAX_SIGNAL_SECONDS, f"{where}.signal_seconds",
+                    f"must be at most {MAX_SIGNAL_SECONDS} (Slurm's --signal limit), got {self.signal_seconds}")
+            require(limit is None or self.signal_seconds * 2 <= limit, f"{where}.signal_seconds",
+                    f"the warning {self.signal_seconds} s before the end must leave at least half of slurm.time "
+                    f"({self.time} = {limit} s) for training, or every requeued job would save and stop at once: "
+                    f"lower signal_seconds to {limit // 10 if limit else 0} or raise slurm.time")
+        require(self.max_requeues >= 0, f"{where}.max_requeues", f"must be >= 0, got {self.max_requeues}")
+        require(self.max_retries >= 0, f"{where}.max_retries", f"must be >= 0 (0: never retry), got {self.max_retries}")
+        require(self.preflight_timeout > 0, f"{where}.preflight_timeout",
+                f"must be > 0 seconds, got {self.preflight_timeout}")
+        require(self.prepare_cpus is None or self.prepare_cpus > 0, f"{where}.prepare_cpus",
+                f"must be > 0, got {self.prepare_cpus}")
         try:
             prepare_limit = time_limit_seconds(self.prepare_time)
         except ValueError:
-            raise ConfigError(f"{where}.prepare_time", f"{_shown(self.prepare_time)} is not a Slurm time limit: "
+            raise ConfigError(f"{where}.prepare_time", f"{shown(self.prepare_time)} is not a Slurm time limit: "
                                                        f"{TIME_RULE}") from None
-        _require(prepare_limit is None or 0 < prepare_limit <= MAX_TIME_SECONDS, f"{where}.prepare_time",
-                 f"must be longer than 0 and at most 365 days, got {_shown(self.prepare_time)}")
+        require(prepare_limit is None or 0 < prepare_limit <= MAX_TIME_SECONDS, f"{where}.prepare_time",
+                f"must be longer than 0 and at most 365 days, got {shown(self.prepare_time)}")
         for name in ("output", "error"):
             value = getattr(self, name)
-            _require(bool(value) and "\n" not in value and not value.startswith("/")
-                     and ".." not in Path(value).parts, f"{where}.{name}",
-                     f"must be a path inside the run directory such as logs/%j.out, got {_shown(value)}")
+            require(bool(value) and "\n" not in value and not value.startswith("/")
+                    and ".." not in Path(value).parts, f"{where}.{name}",
+                    f"must be a path inside the run directory such as logs/%j.out, got {shown(value)}")
         for i, opt in enumerate(self.extra):
-            _require(opt.startswith("--") and "\n" not in opt, f"{where}.extra[{i}]",
-                     f"must be one long sbatch option such as --exclusive or --mem=0, got {_shown(opt)}")
+            require(opt.startswith("--") and "\n" not in opt, f"{where}.extra[{i}]",
+                    f"must be one long sbatch option such as --exclusive or --mem=0, got {shown(opt)}")
         for name in ("account", "partition", "qos", "email", "mem", "prepare_partition"):
             value = getattr(self, name)
-            _require(value is None or (bool(value) and "\n" not in value and (name == "partition" or "," not in value)),
-                     f"{where}.{name}", f"must be a single line without commas, got {_shown(value)}")
+            require(value is None or (bool(value) and "\n" not in value and (name == "partition" or "," not in value)),
+                    f"{where}.{name}", f"must be a single line without commas, got {shown(value)}")
 
     def time_seconds(self) -> Optional[int]:
         """The time limit in seconds; None for UNLIMITED."""
@@ -306,11 +291,11 @@ class LaunchSection:
     preset: Literal["none", "alps-gh200"] = "none"
 
     def check(self, where: str) -> None:
-        _require(self.procs_per_node is None or self.procs_per_node > 0, f"{where}.procs_per_node",
-                 f"must be > 0, got {self.procs_per_node}")
+        require(self.procs_per_node is None or self.procs_per_node > 0, f"{where}.procs_per_node",
+                f"must be > 0, got {self.procs_per_node}")
         for key in self.env:
-            _require(bool(ENV_NAME.match(key)), f"{where}.env.{key}",
-                     "is not a valid environment variable name (letters, digits, _; not starting with a digit)")
+            require(bool(ENV_NAME.match(key)), f"{where}.env.{key}",
+                    "is not a valid environment variable name (letters, digits, _; not starting with a digit)")
         for key, value in self.env.items():
             # No pass-through here: launch.env is exported by the batch script, in its text.
             check_secret_entry(f"{where}.env.{key}", key, value)
@@ -331,19 +316,14 @@ class CodeSection:
 
 
 @dataclass
-class Config:
-    run: RunSection = field(default_factory=RunSection)
+class Config(TrainerConfig):
+    """The whole tree: the trainer's sections (TrainerConfig) and, below, the host's own."""
+
     slurm: SlurmSection = field(default_factory=SlurmSection)
     container: Environment = field(default_factory=Environment)
     launch: LaunchSection = field(default_factory=LaunchSection)
     image: ImageSection = field(default_factory=ImageSection)
     code: CodeSection = field(default_factory=CodeSection)
-    model: ModelSection = field(default_factory=ModelSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
-    data: DataSection = field(default_factory=DataSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    logging: LoggingSection = field(default_factory=LoggingSection)
     # The file it was read from (messages say `make image CONFIG=NAME`); not part of the config.
     source: Optional[Path] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
     # The command line's CONFIG, overrides and config flags, shell-quoted (set by the CLI), so a
@@ -364,8 +344,8 @@ class Config:
 
     def check(self, where: str) -> None:
         _check_path_components(to_dict(self), "")
-        _require(bool(SAFE_NAME.match(self.run.name)), "run.name",
-                 f"{_shown(self.run.name)} is not a safe run name: {SAFE_NAME_RULE}")
+        require(bool(SAFE_NAME.match(self.run.name)), "run.name",
+                f"{shown(self.run.name)} is not a safe run name: {SAFE_NAME_RULE}")
         if self.launch.python is None:
             self.launch.python = sys.executable if self.container.runtime == "none" else "python3"
         if self.launch.procs_per_node is None:
@@ -373,15 +353,15 @@ class Config:
         self._check_preset()
         p, world = self.parallel, self.world_size
         if not self.launch.command:
-            _require(p.world_size == world, "parallel",
-                     f"dp({p.dp}) x tp({p.tp}) x pp({p.pp}) = {p.world_size} != nodes({self.slurm.nodes}) x "
-                     f"procs_per_node({self.launch.procs_per_node}) = {world}: change slurm.nodes, "
-                     "slurm.gpus_per_node (or launch.procs_per_node) or parallel.dp/tp/pp so they match")
+            require(p.world_size == world, "parallel",
+                    f"dp({p.dp}) x tp({p.tp}) x pp({p.pp}) = {p.world_size} != nodes({self.slurm.nodes}) x "
+                    f"procs_per_node({self.launch.procs_per_node}) = {world}: change slurm.nodes, "
+                    "slurm.gpus_per_node (or launch.procs_per_node) or parallel.dp/tp/pp so they match")
             check_trainer_sections(self)
         if self.slurm.gpus_per_node:
-            _require(self.launch.procs_per_node <= self.slurm.gpus_per_node, "launch.procs_per_node",
-                     f"{self.launch.procs_per_node} processes per node but only slurm.gpus_per_node("
-                     f"{self.slurm.gpus_per_node}) GPUs: lower procs_per_node or raise gpus_per_node")
+            require(self.launch.procs_per_node <= self.slurm.gpus_per_node, "launch.procs_per_node",
+                    f"{self.launch.procs_per_node} processes per node but only slurm.gpus_per_node("
+                    f"{self.slurm.gpus_per_node}) GPUs: lower procs_per_node or raise gpus_per_node")
 
     def _check_preset(self) -> None:
         s, launch = self.slurm, self.launch
@@ -391,16 +371,16 @@ class Config:
             if s.cpus_per_task is None:
                 s.cpus_per_task = 8
             return
-        _require(s.gpus_per_node == preset.gpus and launch.procs_per_node == preset.gpus, "launch.preset",
-                 f"{launch.preset} is a {preset.what}: it needs slurm.gpus_per_node and launch.procs_per_node "
-                 f"{preset.gpus} (one rank per GPU), got {s.gpus_per_node} and {launch.procs_per_node}")
+        require(s.gpus_per_node == preset.gpus and launch.procs_per_node == preset.gpus, "launch.preset",
+                f"{launch.preset} is a {preset.what}: it needs slurm.gpus_per_node and launch.procs_per_node "
+                f"{preset.gpus} (one rank per GPU), got {s.gpus_per_node} and {launch.procs_per_node}")
         cores = preset.cores // tasks
         if s.cpus_per_task is None:
             s.cpus_per_task = cores
-        _require(s.cpus_per_task == cores, "slurm.cpus_per_task",
-                 f"launch.preset {launch.preset} gives each rank the {preset.cores // preset.gpus} cores next to "
-                 f"its GPU, so with launcher {launch.launcher} ({tasks} task(s) per node) cpus_per_task must be "
-                 f"{cores}, got {s.cpus_per_task}: drop slurm.cpus_per_task or set it to {cores}")
+        require(s.cpus_per_task == cores, "slurm.cpus_per_task",
+                f"launch.preset {launch.preset} gives each rank the {preset.cores // preset.gpus} cores next to "
+                f"its GPU, so with launcher {launch.launcher} ({tasks} task(s) per node) cpus_per_task must be "
+                f"{cores}, got {s.cpus_per_task}: drop slurm.cpus_per_task or set it to {cores}")
 
     @property
     def world_size(self) -> int:
@@ -424,7 +404,7 @@ def _check_path_components(value: Any, where: str) -> None:
     elif isinstance(value, str) and "/" in value and not any(c.isspace() for c in value):
         longest = max(value.split("/"), key=lambda part: len(part.encode(errors="replace")))
         size = len(longest.encode(errors="replace"))
-        _require(size <= NAME_MAX, where, f"the path component {_shown(longest)} is {size} bytes; file systems "
+        require(size <= NAME_MAX, where, f"the path component {shown(longest)} is {size} bytes; file systems "
                                           f"take names of at most {NAME_MAX}: shorten it")
 
 

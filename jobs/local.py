@@ -30,9 +30,10 @@ from jobs.runs import lock as runlock
 from jobs.config import Config
 from jobs.runs.lifecycle import Launch
 from jobs.slurm.script import REQUEUE_EXIT, local_argv
-from trainer.config import HANG_EXIT, HANGS_DIR, ConfigError
-from trainer.fs import write_atomic
-from trainer.rundir import LOCAL_JOB, CodeSnapshot, Event
+from kernel.errors import ConfigError
+from kernel.rundir import HANGS_DIR, HANG_EXIT
+from kernel.fs import write_atomic
+from kernel.rundir import LOCAL_JOB, CodeSnapshot, Event
 
 
 def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -> dict[str, str]:

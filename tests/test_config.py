@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from jobs.config import dump_config, load_config
-from trainer.config import ConfigError, load_trainer_config
+from kernel.errors import ConfigError
+from trainer.config import load_trainer_config
 
 
 def write(tmp_path, data: dict, name: str = "c.yaml"):

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from jobs.runs.code import PRUNE_AFTER_SECONDS, STORE, plan_snapshot
-from trainer.config import ConfigError
-from trainer.rundir import CODE_ENV, CodeSnapshot, check_code
+from kernel.errors import ConfigError
+from kernel.rundir import CODE_ENV, CodeSnapshot, check_code
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -184,7 +184,7 @@ def test_pyxis_keeps_the_container_of_a_known_build_only(project):
     keep_builds is one line naming it, exit 2."""
     img = project / "img.sqsh"
     img.write_bytes(b"hsqs")
-    from trainer.fs import file_sha256
+    from kernel.fs import file_sha256
 
     def settings(*extra: str) -> str:
         r = slipway("submit", "tiny_cpu", "--dry-run", "container.runtime=pyxis", *extra)

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import HANG_EXIT, ConfigError, TrainSection, from_dict
+from kernel.errors import ConfigError
+from kernel.rundir import HANG_EXIT
+from kernel.schema import from_dict
+from trainer.config import TrainSection
 from trainer.watchdog import HARD_EXIT_SECONDS, HangWatchdog, collective_timeout
 from trainer_helpers import ROOT, clean_env, tiny_config, write_run
 

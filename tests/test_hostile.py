@@ -32,7 +32,9 @@ from hypothesis import strategies as st
 from conftest import SRUN_PASSING_PREFLIGHT, tree
 from jobs.cli import main
 from jobs.config import Config, load_config
-from trainer.config import ConfigError, config_fields, read_yaml
+from kernel.errors import ConfigError
+from kernel.schema import config_fields
+from kernel.yaml import read_yaml
 
 pytestmark = pytest.mark.slow
 PY = sys.executable

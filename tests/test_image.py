@@ -45,7 +45,7 @@ from containers.record import BuildRecord
 from jobs.cli.image import build, compute_argv
 from jobs.config import Config, ImageSection, load_config
 from tests.image_standins import calls, flash_attn_standin_wheel, write_standins
-from trainer.config import ConfigError
+from kernel.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_BASE = "localhost/slipway-testbase:py311"

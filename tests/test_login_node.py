@@ -160,7 +160,7 @@ import importlib, json, pkgutil, sys
 failed = []
 names = [f"{p}.{m.name}" for p in ("jobs", "edf", "containers")
          for m in pkgutil.iter_modules(importlib.import_module(p).__path__) if m.name != "__main__"]
-for name in names + ["trainer.prepare", "trainer.data_cache", "trainer.extras", "trainer.plot", "trainer.edge"]:
+for name in names + ["trainer.prepare", "trainer.data_cache", "trainer.extras", "trainer.plot", "kernel.edge"]:
     try:
         importlib.import_module(name)
     except Exception as exc:

@@ -19,7 +19,8 @@ import pytest
 
 import trainer.data_sources as data_sources
 import trainer.data_tokenize as data_tokenize
-from trainer.config import ConfigError, DataSection
+from kernel.errors import ConfigError
+from trainer.config import DataSection
 from trainer.data_cache import DataCacheError, resolve_cache_dir
 from trainer.data_sources import load_tokenizer
 from trainer.prepare import Progress, cache_status, main as prepare_main, prepare

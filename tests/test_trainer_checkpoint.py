@@ -36,7 +36,7 @@ from trainer.checkpoint import (  # noqa: E402
     complete_steps,
     step_dir,
 )
-from trainer.config import CheckpointSection  # noqa: E402
+from trainer.config import CheckpointSection
 
 VOCAB, DIM = 32, 16
 
@@ -469,7 +469,8 @@ def test_a_state_gaining_a_counter_still_loads_older_checkpoints(tmp_path):
 
 def test_a_checkpoint_of_other_dimensions_is_a_config_error(tmp_path):
     """A checkpoint saved before vocabulary padding (or of another model) says what to do."""
-    from trainer.config import ConfigError, ModelSection
+    from kernel.errors import ConfigError
+    from trainer.config import ModelSection
     from trainer.model import Transformer
 
     dims = dict(size="custom", hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -17,7 +17,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-from trainer.config import STOP_FILE, ConfigError, ModelSection, TrainSection, TrainerConfig, from_dict
+from kernel.errors import ConfigError
+from kernel.rundir import STOP_FILE
+from kernel.schema import from_dict
+from trainer.config import ModelSection, TrainSection, TrainerConfig
 from trainer.layouts import GPU_BUDGET_FRACTION, GPU_MEMORY_GB, LAYOUT_DEFAULTS, gpu_memory_estimate, resolve_reshard
 from trainer.watchdog import COLLECTIVE_MARGIN_SECONDS, HARD_EXIT_SECONDS, collective_timeout
 from trainer_helpers import ROOT, TINY_MODEL, clean_env, read_metrics, synthetic_data, tiny_config, write_run

@@ -12,7 +12,9 @@ import torch
 import yaml
 
 from trainer.checkpoint import Checkpointer, ModelState
-from trainer.config import CheckpointSection, ConfigError, ModelSection, from_dict
+from kernel.errors import ConfigError
+from kernel.schema import from_dict
+from trainer.config import CheckpointSection, ModelSection
 from trainer.hf import export_hf, load_hf_into, main, model_section_from_hf
 from trainer.model import Transformer
 

@@ -49,7 +49,7 @@ def test_read_metrics_skips_a_line_cut_by_a_crash(tmp_path):
     lines = [json.dumps(r) for r in resumed_history()]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"kind": "train", "st')
     assert read_metrics(tmp_path) == resumed_history()
-    from trainer.config import ConfigError
+    from kernel.errors import ConfigError
 
     with pytest.raises(ConfigError, match="has not logged a step"):
         read_metrics(tmp_path / "nope")

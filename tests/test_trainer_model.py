@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.config import ConfigError, ModelSection, ParallelSection, TrainSection
+from kernel.errors import ConfigError
+from trainer.config import ModelSection, ParallelSection, TrainSection
 from trainer.model import Transformer, _seeded_normal, num_flops_per_token, select_attention
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor, param_groups
 from trainer.parallel import ParallelDims, split_for_stage, stage_layers
@@ -304,7 +305,8 @@ def test_padding_leaves_the_loss_and_gradients_exactly_as_unpadded(tied):
 
 
 def test_pad_vocab_multiple_is_checked():
-    from trainer.config import TrainerConfig, from_dict
+    from kernel.schema import from_dict
+    from trainer.config import TrainerConfig
 
     with pytest.raises(ConfigError, match=r"model\.pad_vocab_multiple: must be >= 1"):
         from_dict(ModelSection, {**TINY_MODEL, "pad_vocab_multiple": 0}, "model")

@@ -285,7 +285,10 @@ def test_a_compile_failure_is_one_line_naming_train_compile(tmp_path):
 
 def test_compile_is_auto_true_or_false():
     from trainer.compute import resolve_compile
-    from trainer.config import ConfigError, TrainSection, from_dict, read_yaml
+    from kernel.errors import ConfigError
+    from kernel.schema import from_dict
+    from kernel.yaml import read_yaml
+    from trainer.config import TrainSection
 
     assert TrainSection().compile == "auto"
     for text, want in (("auto", "auto"), ("true", True), ("false", False), ("TRUE", True)):
@@ -298,7 +301,9 @@ def test_compile_is_auto_true_or_false():
 
 
 def test_activation_checkpointing_and_gc_fields_are_checked():
-    from trainer.config import ConfigError, TrainSection, from_dict
+    from kernel.errors import ConfigError
+    from kernel.schema import from_dict
+    from trainer.config import TrainSection
 
     assert from_dict(TrainSection, {"activation_checkpointing": "selective", "selective_ac": "2"}).selective_ac == "2"
     with pytest.raises(ConfigError, match=r"^train\.selective_ac: must be op .* or a whole number N >= 1"):
@@ -325,7 +330,8 @@ def test_activation_checkpointing_marks_the_right_blocks():
 
 def test_float8_is_refused_where_it_cannot_run(monkeypatch):
     from trainer.compute import check_float8
-    from trainer.config import ConfigError, TrainSection
+    from kernel.errors import ConfigError
+    from trainer.config import TrainSection
 
     on = TrainSection(float8=True)
     check_float8(TrainSection(), torch.device("cpu"))  # off: nothing to check
@@ -364,7 +370,8 @@ def test_layout_advice_for_the_flagship_and_none_for_custom_models():
     assert ("parallel.dp=8 parallel.tp=1 parallel.pp=1 (FSDP) with train.micro_batch_size=16, the same global "
             "batch of 128 sequences") in advice
     assert layout_advice(load_trainer_config(ROOT / "configs" / "tiny_cpu.yaml")) is None  # custom: no table row
-    from trainer.config import TrainerConfig, from_dict
+    from kernel.schema import from_dict
+    from trainer.config import TrainerConfig
 
     pp = from_dict(TrainerConfig, {"model": {"size": "base"}, "parallel": {"dp": 2, "pp": 2},
                                    "train": {"micro_batch_size": 3, "grad_accum_steps": 2}, "data": {"seq_len": 512}})

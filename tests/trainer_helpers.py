@@ -25,7 +25,7 @@ if __package__ in (None, "") and not os.environ.get("SLIPWAY_CODE"):
     # Run as a script by torchrun: make `trainer` importable (a launch's code snapshot is already).
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.config import TrainerConfig  # noqa: E402
+from trainer.config import TrainerConfig
 
 TINY_MODEL = dict(size="custom", hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                   vocab_size=256, max_position_embeddings=64, tie_embeddings=False, init_std=0.02)

@@ -67,8 +67,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.config import CheckpointSection, ConfigError
-from trainer.fs import write_atomic
+from kernel.errors import ConfigError
+from trainer.config import CheckpointSection
+from kernel.fs import write_atomic
 from trainer.preflight import check_free_space, size
 
 log = logging.getLogger(__name__)

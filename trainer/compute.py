@@ -14,7 +14,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from trainer.config import ConfigError, TrainSection
+from kernel.errors import ConfigError
+from trainer.config import TrainSection
 from trainer.model import Transformer
 
 

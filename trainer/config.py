@@ -1,468 +1,23 @@
-"""The trainer's half of the one config tree, and the schema machinery both halves use.
+"""The trainer's sections of the one config tree (run, model, parallel, data, train,
+checkpoint, logging) and the rules across them.
 
-This module imports neither torch nor the host side: the host (`jobs.config`)
-builds the full tree from these sections plus its own (slurm, container,
-launch, image), and the trainer reads the same YAML file back into the same
-dataclasses inside the image. Every field is typed; unknown keys, wrong types
-and impossible combinations raise `ConfigError` naming the field and the fix.
+No torch and no host side here: the host's `jobs.config.Config` extends `TrainerConfig` with
+its own sections, and the trainer reads the frozen runs/RUN/config.yaml back into these
+dataclasses inside the image, its own sections only. The schema engine that reads them
+(unknown keys, wrong types and impossible values refused naming the field) is kernel/schema.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args, get_origin
-
-import yaml
-
-# The run directory's names and exit codes live in trainer/rundir.py (the protocol the batch script,
-# the trainer and the host share), re-exported here for the modules that import them from here.
-from trainer.rundir import HANG_EXIT, HANGS_DIR, PREFLIGHT_EXIT, PROGRESS_FILE, REQUEUE_EXIT, STOP_FILE  # noqa: F401
-
-
-class ConfigError(ValueError):
-    """Bad user input: one line naming the field, the rule and the fix."""
-
-    def __init__(self, field_path: str, message: str):
-        # One line, whatever the user typed: a key or value holding a newline is shown escaped,
-        # and a line never grows past a screenful, however long a value a message quotes.
-        self.field = bounded(_one_line(field_path), MAX_FIELD_SHOWN)
-        message = _one_line(message)
-        if len(message) > MAX_MESSAGE:  # keep the start (the rule) and the end (the fix)
-            message = f"{message[:MAX_MESSAGE // 2]} ... {message[-MAX_MESSAGE // 2:]}"
-        super().__init__(f"{self.field}: {message}" if self.field else message)
-
-
-MAX_SHOWN = 80  # characters of a value quoted in an error message
-MAX_FIELD_SHOWN = 400
-MAX_MESSAGE = 1000
-
-
-def _one_line(text: str) -> str:
-    return str(text).replace("\r", "\\r").replace("\n", "\\n")
-
-
-def bounded(text: str, limit: int = MAX_SHOWN) -> str:
-    """`text` cut to `limit` characters (with `...`), for quoting what the user gave in a message."""
-    text = str(text)
-    return text if len(text) <= limit else f"{text[:limit - 3]}..."
-
-
-MAX_PATH_SHOWN = 400  # a path is what the user must find: longer than other values, cut in the middle
-
-
-def bounded_path(path: object) -> str:
-    """A path for an error message: whole up to MAX_PATH_SHOWN characters, else its start and
-    its end (the file name) around `...`."""
-    text = str(path)
-    if len(text) <= MAX_PATH_SHOWN:
-        return text
-    half = (MAX_PATH_SHOWN - 3) // 2
-    return f"{text[:half]}...{text[-half:]}"
-
-
-# --------------------------------------------------------------------------
-# Reading YAML: the schema decides what a scalar means, not YAML 1.1.
-#
-# PyYAML implements YAML 1.1, where `10:00` is the integer 600, `0123` is 83,
-# `yes` is true and a second `train:` silently replaces the first. Here every
-# plain scalar stays the text the user wrote (`Plain`), except YAML 1.2's null
-# (`null`, `~`, nothing), and the dataclass field it lands in converts it: a
-# string field keeps `0123` and `10:00` as written, an int field parses YAML
-# 1.2 integers, a bool field takes true/false only. Duplicate keys are errors
-# naming both lines. The same reader serves configs/*.yaml, overrides and the
-# frozen runs/RUN/config.yaml the trainer reads (no extra package in the image).
-# --------------------------------------------------------------------------
-
-
-class Plain(str):
-    """A plain (unquoted) YAML scalar or an override value, exactly as written."""
-
-
-_NULL = frozenset({"null", "Null", "NULL", "~"})
-_BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
-_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
-_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2's null as the only implicit type, and no duplicate keys."""
-
-    yaml_implicit_resolvers: dict = {}
-
-    def construct_yaml_str(self, node: yaml.Node) -> str:
-        value = self.construct_scalar(node)
-        if node.style is None:  # plain: null, or text for the schema to type
-            return None if value in _NULL or value == "" else Plain(value)
-        return str(value)
-
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
-        if not isinstance(node, yaml.MappingNode):
-            return super().construct_mapping(node, deep=deep)
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            if not isinstance(key, str):
-                raise ConfigError(f"line {line}", f"key {_shown(key)} is not a string: keys are names such as "
-                                                  "train or steps")
-            if key in seen:
-                raise ConfigError(f"line {line}", f"duplicate key {_shown(key)} (first at line {seen[key]}): "
-                                  "YAML keeps only one of them; merge the two into one")
-            seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-    # A config is a few hundred short lines: these bounds refuse what no config needs (a
-    # "billion laughs" of nested aliases, a document nested hundreds of levels deep) before
-    # it is built, so such a file is refused at once instead of exhausting time or memory.
-    def compose_document(self) -> yaml.Node:
-        self._depth, self._aliases = 0, 0
-        node = super().compose_document()
-        _expanded_size(node, 1, {}, [0])
-        return node
-
-    def compose_node(self, parent: Optional[yaml.Node], index: Any) -> yaml.Node:
-        line = self.peek_event().start_mark.line + 1
-        if self.check_event(yaml.AliasEvent):
-            self._aliases += 1
-            if self._aliases > MAX_ALIASES:
-                raise ConfigError(f"line {line}", f"more than {MAX_ALIASES} aliases (*name): a config needs a "
-                                                  "few; write the values out")
-        self._depth += 1
-        try:
-            if self._depth > MAX_DEPTH:
-                raise ConfigError(f"line {line}", f"nested deeper than {MAX_DEPTH} levels: no config field takes "
-                                                  "that; flatten it")
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-MAX_TEXT = 1_000_000  # characters of a config file or an override
-MAX_DEPTH = 32  # levels of nested mappings and lists, aliases expanded
-MAX_ALIASES = 100
-MAX_NODES = 100_000  # values in a document with its aliases expanded
-MAX_INT = 2 ** 53 - 1  # exact in a float and in JSON, well within bash's 64-bit arithmetic
-
-
-def _expanded_size(node: yaml.Node, depth: int, heights: dict[int, int], count: list[int]) -> int:
-    """The height of `node` with aliases expanded (shared nodes visited once, counted each time
-    they are used), refusing a document deeper than MAX_DEPTH or larger than MAX_NODES."""
-    where = f"line {node.start_mark.line + 1}"
-    known = heights.get(id(node))
-    children: list[yaml.Node] = []
-    if isinstance(node, yaml.SequenceNode):
-        children = node.value
-    elif isinstance(node, yaml.MappingNode):
-        children = [n for pair in node.value for n in pair]
-    if known is None:
-        known = 1 + max((_expanded_size(child, depth + 1, heights, count) for child in children), default=0)
-        heights[id(node)] = known
-    else:
-        count[0] += _subtree_size(node, {})
-    count[0] += 1
-    if depth + known - 1 > MAX_DEPTH:
-        raise ConfigError(where, f"nested deeper than {MAX_DEPTH} levels (aliases expanded): no config field takes "
-                                 "that; flatten it")
-    if count[0] > MAX_NODES:
-        raise ConfigError(where, f"more than {MAX_NODES} values once its aliases (*name) are expanded: a config "
-                                 "needs far fewer; write the values out")
-    return known
-
-
-def _subtree_size(node: yaml.Node, sizes: dict[int, int]) -> int:
-    """Values below `node`, aliases expanded (memoized: a shared node is sized once)."""
-    size = sizes.get(id(node))
-    if size is None:
-        children: list[yaml.Node] = []
-        if isinstance(node, yaml.SequenceNode):
-            children = node.value
-        elif isinstance(node, yaml.MappingNode):
-            children = [n for pair in node.value for n in pair]
-        size = sizes[id(node)] = sum(1 + _subtree_size(c, sizes) for c in children)
-    return size
-
-
-_Loader.add_constructor("tag:yaml.org,2002:str", _Loader.construct_yaml_str)
-_Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"), ["~", "n", "N", ""])
-
-
-def read_yaml(text: str, source: str, *, lines: bool = True) -> Any:
-    """`text` parsed with the rules above; `source` (a file name, or a field for an
-    override: `lines=False`) names the place in errors, with the line."""
-    if len(text) > MAX_TEXT:
-        raise ConfigError(source, f"{len(text)} characters: larger than any config ({MAX_TEXT} at most); "
-                                  "check that this is the file you meant")
-    try:
-        return yaml.load(text, Loader=_Loader)
-    except ConfigError as exc:
-        raise ConfigError(f"{source} {exc.field}" if exc.field else source, str(exc).split(": ", 1)[-1]) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source} line {mark.line + 1}" if mark is not None and lines else source
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(where, f"not valid YAML ({' '.join(str(problem).split())}): check the quoting and "
-                                 "indentation there") from None
-
-
-# --------------------------------------------------------------------------
-# Schema machinery: a dict from YAML into nested dataclasses, strictly.
-# Written by hand (rather than dacite/pydantic) because the image must not
-# need extra packages and every error must carry the dotted field path and
-# the list of valid keys. Fields with metadata {"config": False} are not
-# part of the config (e.g. where a model came from).
-# --------------------------------------------------------------------------
-
-
-def _type_name(tp: Any) -> str:
-    origin = get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in get_args(tp) if a is not type(None)) + " or null"
-    if origin is list:
-        return f"list of {_type_name(get_args(tp)[0])}"
-    if origin is dict:
-        return f"mapping of {_type_name(get_args(tp)[1])}"
-    return getattr(tp, "__name__", str(tp))
-
-
-# A variable name that looks like it holds a secret, matched case-insensitively anywhere in the
-# name (HF_TOKEN, wandb_key, my_api_key, AWS_SECRET_ACCESS_KEY, DB_PASSWD, GIT_CREDENTIALS, OAUTH_X),
-# except TOKENIZ... (TOKENIZERS_PARALLELISM) and AUTHOR..., which name no secret.
-SECRET_WORD = re.compile(r"TOKEN(?!IZ)|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH(?!OR)|PRIVATE", re.IGNORECASE)
-# NAME=value inside a value the user gave (an sbatch option `--export=ALL,HF_TOKEN=x`).
-_ASSIGNMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=([^,\s'\"]*)")
-
-
-def secret_word(name: str) -> Optional[str]:
-    """The part of `name` that makes it look like a secret's name (upper case), or None."""
-    m = SECRET_WORD.search(name) if isinstance(name, str) else None
-    return m.group(0).upper() if m else None
-
-
-def _shown(value: Any, where: str = "") -> str:
-    """A value as the user wrote it, for error messages: at most about MAX_SHOWN characters
-    (a long string, a deep or shared list or a huge number is cut, never printed whole), and
-    never a secret's: the value of a field whose name looks like one (`where`'s last part),
-    or of a NAME=value inside it, is hidden. Every message quoting a value comes through here."""
-    if where and secret_word(re.split(r"[.\[]", where)[-1] or where):
-        return "<a value, hidden: the name looks like a secret's>"
-    shown = bounded(_brief(value, MAX_SHOWN), 2 * MAX_SHOWN)
-    return _ASSIGNMENT.sub(lambda m: f"{m[1]}=<hidden>" if secret_word(m[1]) and m[2] else m[0], shown)
-
-
-def _brief(value: Any, room: int) -> str:
-    """repr(value), but stopping once about `room` characters are written (each level of a
-    nested value costs at least two, so the recursion ends too)."""
-    if value is None:
-        return "null"
-    if isinstance(value, str):
-        return repr(str(value) if len(value) <= room else str(value[:max(room - 5, 1)]) + "...")
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
-        return f"<a {len(str(abs(value))) if abs(value) < 10 ** 4000 else 'huge'}-digit number>"
-    if isinstance(value, (list, tuple, dict)):
-        items = value.items() if isinstance(value, dict) else value
-        parts, used = [], 2
-        for item in items:
-            if used >= room:
-                parts.append("...")
-                break
-            if isinstance(value, dict):
-                text = f"{_brief(item[0], room - used)}: {_brief(item[1], room - used)}"
-            else:
-                text = _brief(item, room - used)
-            parts.append(text)
-            used += len(text) + 2
-        return ("{%s}" if isinstance(value, dict) else "[%s]") % ", ".join(parts)
-    return repr(value)[:max(room, 8)]
-
-
-def _scalar(tp: Any, value: Any, where: str) -> Any:
-    """A scalar for field type `tp` (str, int, float or bool) from YAML text or a Python value."""
-    text = value if isinstance(value, str) else None
-    if tp is str:
-        if text is not None:
-            return str(text)
-        if isinstance(value, bool):  # a Python caller's annotation value: the EDF string "true"
-            return "true" if value else "false"
-        hint = ' (write "" for an empty string)' if value is None else ""
-        raise ConfigError(where, f"expected a string, got {_shown(value, where)}{hint}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if text in _BOOL:
-            return _BOOL[text]
-        raise ConfigError(where, f"expected true or false, got {_shown(value, where)}")
-    if tp is int:
-        number = None
-        if isinstance(value, int) and not isinstance(value, bool):
-            number = value
-        elif text is not None and len(text) <= 40 and _INT.fullmatch(text):
-            number = int(text, 0) if text[:2] in ("0o", "0x") else int(text)
-        if number is None:
-            raise ConfigError(where, f"expected an integer, got {_shown(value, where)}")
-        # Every int field ends up in bash arithmetic, Slurm or torch: none takes more than this;
-        # each field's own check bounds it tighter where it matters.
-        if abs(number) > MAX_INT:
-            raise ConfigError(where, f"{_shown(value, where)} is out of range: use a whole number between "
-                                     f"-{MAX_INT} and {MAX_INT}")
-        return number
-    if tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= 10 ** 300:
-            number = float(value)
-        elif text is not None and len(text) <= 40 and (_FLOAT.fullmatch(text) or _INT.fullmatch(text)):
-            number = float(int(text, 0)) if text[:2] in ("0o", "0x") else float(text)
-        if number is None:
-            raise ConfigError(where, f"expected a number, got {_shown(value, where)}")
-        if not math.isfinite(number):
-            raise ConfigError(where, f"expected a finite number, got {_shown(value, where)}")
-        return number
-    raise TypeError(f"unsupported config type {tp!r} at {where}")
-
-
-def _convert(tp: Any, value: Any, where: str) -> Any:
-    origin = get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if type(None) in args and (value is None or (isinstance(value, Plain) and (value == "" or value in _NULL))):
-            return None  # null, or an empty or null override (`slurm.account=`): unset
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, where)
-            except ConfigError:
-                pass
-        raise ConfigError(where, f"expected {_type_name(tp)}, got {_shown(value, where)}")
-    if origin is Literal:
-        for arg in get_args(tp):
-            try:
-                if _scalar(type(arg), value, where) == arg:
-                    return arg
-            except ConfigError:
-                pass
-        raise ConfigError(where, f"must be one of {', '.join(repr(a) for a in get_args(tp))}, got {_shown(value, where)}")
-    if origin is list:
-        (item_tp,) = get_args(tp)
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(where, f"expected a list such as [a, b], got {_shown(value, where)}")
-        return [_convert(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        _, val_tp = get_args(tp)
-        if not isinstance(value, dict):
-            raise ConfigError(where, f"expected a mapping, got {_shown(value, where)}")
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ConfigError(where, f"keys must be strings, got {_shown(k, where)}")
-            out[str(k)] = _convert(val_tp, v, f"{where}.{k}")
-        return out
-    if hasattr(tp, "from_config_value"):  # a class with its own text form (edf.Mount: "SRC:DST:FLAGS")
-        return tp.from_config_value(value, where)
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, where)
-    if tp is Any:
-        return value
-    return _scalar(tp, value, where)
-
-
-def config_fields(cls: type) -> dict[str, dataclasses.Field]:
-    """The fields of section `cls` that a config file sets."""
-    return {f.name: f for f in dataclasses.fields(cls) if f.init and f.metadata.get("config", True)}
-
-
-def from_dict(cls: type, data: Any, where: str = "") -> Any:
-    """Build dataclass `cls` from `data`, rejecting unknown keys and wrong types."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(where or cls.__name__, f"expected a mapping of keys, got {_shown(data)}")
-    hints = typing.get_type_hints(cls)
-    fields = config_fields(cls)
-    unknown = sorted(set(data) - set(fields), key=str)
-    if unknown:
-        key = unknown[0]
-        path = f"{where}.{key}" if where else str(key)
-        raise ConfigError(path, f"unknown key; valid keys of {where or 'the config'} are: {', '.join(fields)}")
-    kwargs = {}
-    for name, f in fields.items():
-        path = f"{where}.{name}" if where else name
-        if name in data:
-            kwargs[name] = _convert(hints[name], data[name], path)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(path, "is required")
-    obj = cls(**kwargs)
-    check = getattr(obj, "check", None)
-    if check is not None:
-        check(where)
-    return obj
-
-
-def to_dict(obj: Any) -> Any:
-    """The plain-YAML form of a section tree (what `config.yaml` holds)."""
-    if hasattr(obj, "to_config_value"):
-        return obj.to_config_value()
-    if dataclasses.is_dataclass(obj):
-        return {name: to_dict(getattr(obj, name)) for name in config_fields(type(obj))}
-    if isinstance(obj, list):
-        return [to_dict(v) for v in obj]
-    if isinstance(obj, dict):
-        return {str(k): to_dict(v) for k, v in obj.items()}
-    if isinstance(obj, str):
-        return str(obj)  # a Plain is dumped as the string it is
-    return obj
-
-
-def _require(cond: bool, where: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(where, message)
-
-
-def _positive(obj: Any, where: str, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        _require(value is not None and value > 0, f"{where}.{name}", f"must be > 0, got {_shown(value)}")
-
-
-def _at_most(obj: Any, where: str, **limits: float) -> None:
-    """Each named field at most its limit: what Slurm, bash or the trainer can take (a typo such as
-    an extra digit is refused here, not by the job hours later)."""
-    for name, limit in limits.items():
-        value = getattr(obj, name)
-        _require(value is None or value <= limit, f"{where}.{name}",
-                 f"must be at most {limit:g}, got {_shown(value)}")
-
-
-DAY = 86400
-BIG = 10 ** 9  # steps and step intervals: more than any run takes
-
-
-# --------------------------------------------------------------------------
-# Trainer sections.
-# --------------------------------------------------------------------------
-
-
-class AutoBool:
-    """A field that is true, false or auto (decided where the trainer runs). Its values are
-    the plain bool or the string "auto"; this class only reads and names them."""
-
-    @staticmethod
-    def from_config_value(value: Any, where: str) -> Union[bool, str]:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value in _BOOL:
-            return _BOOL[value]
-        if value == "auto":
-            return "auto"
-        raise ConfigError(where, f"expected true or false, got {_shown(value)} (or auto: the trainer decides "
-                                 "by the device)")
+from typing import Any, Literal, Optional
+
+from kernel.errors import ConfigError, shown
+from kernel.schema import BIG, DAY, AutoBool, at_most, config_fields, from_dict, positive, require
+from kernel.yaml import read_text_bounded, read_yaml
 
 
 # The CSCS tutorial's 109M Llama is `tiny`; the others follow common Llama shapes.
@@ -551,22 +106,22 @@ class ModelSection:
     def check(self, where: str) -> None:
         if self.size == "custom":
             missing = [d for d in _DIMENSIONS if getattr(self, d) is None]
-            _require(not missing, f"{where}.{missing[0] if missing else ''}",
-                     f"model.size is custom, so {', '.join(missing)} must be set (or pick a preset: "
-                     f"{', '.join(MODEL_PRESETS)})")
-        _positive(self, where, *_DIMENSIONS)
-        _at_most(self, where, hidden_size=2 ** 17, intermediate_size=2 ** 19, num_layers=4096, num_heads=4096,
-                 num_kv_heads=4096, vocab_size=2 ** 24, max_position_embeddings=2 ** 24, pad_vocab_multiple=2 ** 16)
-        _require(self.hidden_size % self.num_heads == 0, f"{where}.num_heads",
-                 f"hidden_size({self.hidden_size}) must be divisible by num_heads({self.num_heads})")
-        _require(self.num_heads % self.num_kv_heads == 0, f"{where}.num_kv_heads",
-                 f"num_heads({self.num_heads}) must be divisible by num_kv_heads({self.num_kv_heads})")
-        _require((self.hidden_size // self.num_heads) % 2 == 0, f"{where}.num_heads",
-                 f"head dimension hidden_size/num_heads = {self.hidden_size // self.num_heads} must be even "
-                 "for rotary embeddings")
-        _require(self.init_std > 0, f"{where}.init_std", f"must be > 0, got {self.init_std}")
-        _require(self.pad_vocab_multiple >= 1, f"{where}.pad_vocab_multiple",
-                 f"must be >= 1 (1 disables padding), got {self.pad_vocab_multiple}")
+            require(not missing, f"{where}.{missing[0] if missing else ''}",
+                    f"model.size is custom, so {', '.join(missing)} must be set (or pick a preset: "
+                    f"{', '.join(MODEL_PRESETS)})")
+        positive(self, where, *_DIMENSIONS)
+        at_most(self, where, hidden_size=2 ** 17, intermediate_size=2 ** 19, num_layers=4096, num_heads=4096,
+                num_kv_heads=4096, vocab_size=2 ** 24, max_position_embeddings=2 ** 24, pad_vocab_multiple=2 ** 16)
+        require(self.hidden_size % self.num_heads == 0, f"{where}.num_heads",
+                f"hidden_size({self.hidden_size}) must be divisible by num_heads({self.num_heads})")
+        require(self.num_heads % self.num_kv_heads == 0, f"{where}.num_kv_heads",
+                f"num_heads({self.num_heads}) must be divisible by num_kv_heads({self.num_kv_heads})")
+        require((self.hidden_size // self.num_heads) % 2 == 0, f"{where}.num_heads",
+                f"head dimension hidden_size/num_heads = {self.hidden_size // self.num_heads} must be even "
+                "for rotary embeddings")
+        require(self.init_std > 0, f"{where}.init_std", f"must be > 0, got {self.init_std}")
+        require(self.pad_vocab_multiple >= 1, f"{where}.pad_vocab_multiple",
+                f"must be >= 1 (1 disables padding), got {self.pad_vocab_multiple}")
 
     @property
     def head_dim(self) -> int:
@@ -624,12 +179,12 @@ class ParallelSection:
     reshard_after_forward: AutoBool = "auto"
 
     def check(self, where: str) -> None:
-        _positive(self, where, "dp", "tp", "pp")
-        _at_most(self, where, dp=2 ** 20, tp=2 ** 20, pp=2 ** 20)
+        positive(self, where, "dp", "tp", "pp")
+        at_most(self, where, dp=2 ** 20, tp=2 ** 20, pp=2 ** 20)
         if self.dp_mode == "ddp":
-            _require(self.zero_stage == 0, f"{where}.zero_stage",
-                     f"dp_mode ddp replicates everything, so zero_stage must be 0 (got {self.zero_stage}); "
-                     "use dp_mode fsdp for ZeRO 1-3")
+            require(self.zero_stage == 0, f"{where}.zero_stage",
+                    f"dp_mode ddp replicates everything, so zero_stage must be 0 (got {self.zero_stage}); "
+                    "use dp_mode fsdp for ZeRO 1-3")
 
     @property
     def world_size(self) -> int:
@@ -668,11 +223,11 @@ class DataSection:
     tokenize_in_job: bool = False
 
     def check(self, where: str) -> None:
-        _positive(self, where, "seq_len")
-        _at_most(self, where, seq_len=2 ** 24, num_proc=4096)
-        _require(0.0 <= self.validation_fraction < 0.5, f"{where}.validation_fraction",
-                 f"must be in [0, 0.5), got {self.validation_fraction}")
-        _require(self.num_proc >= 0, f"{where}.num_proc", f"must be >= 0 (0 = all cores), got {self.num_proc}")
+        positive(self, where, "seq_len")
+        at_most(self, where, seq_len=2 ** 24, num_proc=4096)
+        require(0.0 <= self.validation_fraction < 0.5, f"{where}.validation_fraction",
+                f"must be in [0, 0.5), got {self.validation_fraction}")
+        require(self.num_proc >= 0, f"{where}.num_proc", f"must be >= 0 (0 = all cores), got {self.num_proc}")
 
 
 @dataclass
@@ -746,36 +301,36 @@ class TrainSection:
     hang_timeout_first_step: float = 1800.0
 
     def check(self, where: str) -> None:
-        _positive(self, where, "steps", "micro_batch_size", "grad_accum_steps", "lr", "eval_batches")
-        _at_most(self, where, steps=BIG, micro_batch_size=2 ** 20, grad_accum_steps=2 ** 20, warmup_steps=BIG,
-                 gc_interval=BIG, eval_interval=BIG, eval_batches=2 ** 20, max_nonfinite_steps=BIG,
-                 hang_timeout=30 * DAY, hang_timeout_first_step=30 * DAY)
-        _require(0 <= self.min_lr <= self.lr, f"{where}.min_lr",
-                 f"must be between 0 and lr({self.lr}), got {self.min_lr}")
-        _require(self.warmup_steps >= 0, f"{where}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        positive(self, where, "steps", "micro_batch_size", "grad_accum_steps", "lr", "eval_batches")
+        at_most(self, where, steps=BIG, micro_batch_size=2 ** 20, grad_accum_steps=2 ** 20, warmup_steps=BIG,
+                gc_interval=BIG, eval_interval=BIG, eval_batches=2 ** 20, max_nonfinite_steps=BIG,
+                hang_timeout=30 * DAY, hang_timeout_first_step=30 * DAY)
+        require(0 <= self.min_lr <= self.lr, f"{where}.min_lr",
+                f"must be between 0 and lr({self.lr}), got {self.min_lr}")
+        require(self.warmup_steps >= 0, f"{where}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
-            _require(0 <= value < 1, f"{where}.{name}", f"must be in [0, 1), got {value}")
-        _require(self.eps > 0 and self.weight_decay >= 0 and self.grad_clip >= 0, f"{where}.eps",
-                 "eps must be > 0, weight_decay and grad_clip >= 0 (grad_clip 0 disables clipping)")
-        _require(self.eval_interval >= 0, f"{where}.eval_interval",
-                 f"must be >= 0 (0 disables evaluation), got {self.eval_interval}")
-        _require(all(math.isfinite(getattr(self, n)) for n in ("lr", "min_lr", "eps")), f"{where}.lr",
-                 "lr, min_lr and eps must be finite numbers")
-        _require(self.max_nonfinite_steps >= 1, f"{where}.max_nonfinite_steps",
-                 f"must be >= 1 (the run stops after that many non-finite steps in a row), "
-                 f"got {self.max_nonfinite_steps}")
-        _require(self.selective_ac == "op" or (re.fullmatch(r"[0-9]{1,9}", self.selective_ac) is not None
+            require(0 <= value < 1, f"{where}.{name}", f"must be in [0, 1), got {value}")
+        require(self.eps > 0 and self.weight_decay >= 0 and self.grad_clip >= 0, f"{where}.eps",
+                "eps must be > 0, weight_decay and grad_clip >= 0 (grad_clip 0 disables clipping)")
+        require(self.eval_interval >= 0, f"{where}.eval_interval",
+                f"must be >= 0 (0 disables evaluation), got {self.eval_interval}")
+        require(all(math.isfinite(getattr(self, n)) for n in ("lr", "min_lr", "eps")), f"{where}.lr",
+                "lr, min_lr and eps must be finite numbers")
+        require(self.max_nonfinite_steps >= 1, f"{where}.max_nonfinite_steps",
+                f"must be >= 1 (the run stops after that many non-finite steps in a row), "
+                f"got {self.max_nonfinite_steps}")
+        require(self.selective_ac == "op" or (re.fullmatch(r"[0-9]{1,9}", self.selective_ac) is not None
                                                          and int(self.selective_ac) >= 1),
-                 f"{where}.selective_ac", f"must be op (per-op recomputation) or a whole number N >= 1 (every N-th "
-                 f"block recomputed whole), got {_shown(self.selective_ac)}")
-        _require(self.gc_interval >= 0, f"{where}.gc_interval",
-                 f"must be >= 0 (0 leaves Python's garbage collector alone), got {self.gc_interval}")
-        _require(self.hang_timeout >= 0 and math.isfinite(self.hang_timeout), f"{where}.hang_timeout",
-                 f"must be >= 0 seconds (0 turns the hang watchdog off), got {self.hang_timeout}")
-        _require(self.hang_timeout == 0 or self.hang_timeout_first_step >= self.hang_timeout,
-                 f"{where}.hang_timeout_first_step", f"the first step may take longer than the others, not less: "
-                 f"must be >= hang_timeout ({self.hang_timeout:g}), got {self.hang_timeout_first_step:g}")
+                f"{where}.selective_ac", f"must be op (per-op recomputation) or a whole number N >= 1 (every N-th "
+                f"block recomputed whole), got {shown(self.selective_ac)}")
+        require(self.gc_interval >= 0, f"{where}.gc_interval",
+                f"must be >= 0 (0 leaves Python's garbage collector alone), got {self.gc_interval}")
+        require(self.hang_timeout >= 0 and math.isfinite(self.hang_timeout), f"{where}.hang_timeout",
+                f"must be >= 0 seconds (0 turns the hang watchdog off), got {self.hang_timeout}")
+        require(self.hang_timeout == 0 or self.hang_timeout_first_step >= self.hang_timeout,
+                f"{where}.hang_timeout_first_step", f"the first step may take longer than the others, not less: "
+                f"must be >= hang_timeout ({self.hang_timeout:g}), got {self.hang_timeout_first_step:g}")
 
 
 @dataclass
@@ -795,8 +350,8 @@ class CheckpointSection:
     dir: str = "checkpoints"
 
     def check(self, where: str) -> None:
-        _positive(self, where, "interval", "keep_last")
-        _at_most(self, where, interval=BIG, keep_last=2 ** 20)
+        positive(self, where, "interval", "keep_last")
+        at_most(self, where, interval=BIG, keep_last=2 ** 20)
 
 
 @dataclass
@@ -817,11 +372,11 @@ class LoggingSection:
     level: Literal["debug", "info", "warning"] = "info"
 
     def check(self, where: str) -> None:
-        _positive(self, where, "interval")
-        _at_most(self, where, interval=BIG)
-        _require(len(self.profiler_steps) == 2 and 0 <= self.profiler_steps[0] < self.profiler_steps[1],
-                 f"{where}.profiler_steps",
-                 f"must be [first, last] with first < last, got {_shown(self.profiler_steps)}")
+        positive(self, where, "interval")
+        at_most(self, where, interval=BIG)
+        require(len(self.profiler_steps) == 2 and 0 <= self.profiler_steps[0] < self.profiler_steps[1],
+                f"{where}.profiler_steps",
+                f"must be [first, last] with first < last, got {shown(self.profiler_steps)}")
 
 
 @dataclass
@@ -843,54 +398,37 @@ class TrainerConfig:
 def check_trainer_sections(cfg: Any) -> None:
     """Rules across trainer sections; `cfg` is a TrainerConfig or the host's full tree."""
     m, p = cfg.model, cfg.parallel
-    _require(m.num_heads % p.tp == 0, "parallel.tp",
-             f"model.num_heads({m.num_heads}) must be divisible by parallel.tp({p.tp}): "
-             f"pick tp from {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}")
-    _require(m.num_kv_heads % p.tp == 0, "parallel.tp",
-             f"model.num_kv_heads({m.num_kv_heads}) must be divisible by parallel.tp({p.tp})")
-    _require(m.intermediate_size % p.tp == 0, "parallel.tp",
-             f"model.intermediate_size({m.intermediate_size}) must be divisible by parallel.tp({p.tp})")
-    _require(m.padded_vocab_size % p.tp == 0, "model.pad_vocab_multiple",
-             f"the vocabulary padded to a multiple of {m.pad_vocab_multiple} ({m.padded_vocab_size} rows) must be "
-             f"divisible by parallel.tp({p.tp}): set model.pad_vocab_multiple to a multiple of {p.tp}, e.g. "
-             f"{math.lcm(m.pad_vocab_multiple, p.tp)}")
-    _require(m.num_layers >= p.pp, "parallel.pp",
-             f"model.num_layers({m.num_layers}) must be >= parallel.pp({p.pp}): each stage needs a layer")
+    require(m.num_heads % p.tp == 0, "parallel.tp",
+            f"model.num_heads({m.num_heads}) must be divisible by parallel.tp({p.tp}): "
+            f"pick tp from {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}")
+    require(m.num_kv_heads % p.tp == 0, "parallel.tp",
+            f"model.num_kv_heads({m.num_kv_heads}) must be divisible by parallel.tp({p.tp})")
+    require(m.intermediate_size % p.tp == 0, "parallel.tp",
+            f"model.intermediate_size({m.intermediate_size}) must be divisible by parallel.tp({p.tp})")
+    require(m.padded_vocab_size % p.tp == 0, "model.pad_vocab_multiple",
+            f"the vocabulary padded to a multiple of {m.pad_vocab_multiple} ({m.padded_vocab_size} rows) must be "
+            f"divisible by parallel.tp({p.tp}): set model.pad_vocab_multiple to a multiple of {p.tp}, e.g. "
+            f"{math.lcm(m.pad_vocab_multiple, p.tp)}")
+    require(m.num_layers >= p.pp, "parallel.pp",
+            f"model.num_layers({m.num_layers}) must be >= parallel.pp({p.pp}): each stage needs a layer")
     if p.pp > 1:
-        _require(not m.tie_embeddings, "model.tie_embeddings",
-                 f"tied embeddings live on the first and last pipeline stage at once; with parallel.pp({p.pp}) "
-                 "set model.tie_embeddings: false or parallel.pp: 1")
-        _require(cfg.train.grad_accum_steps >= p.pp, "train.grad_accum_steps",
-                 f"pipeline parallelism splits the batch into grad_accum_steps micro batches; "
-                 f"grad_accum_steps({cfg.train.grad_accum_steps}) must be >= parallel.pp({p.pp})")
+        require(not m.tie_embeddings, "model.tie_embeddings",
+                f"tied embeddings live on the first and last pipeline stage at once; with parallel.pp({p.pp}) "
+                "set model.tie_embeddings: false or parallel.pp: 1")
+        require(cfg.train.grad_accum_steps >= p.pp, "train.grad_accum_steps",
+                f"pipeline parallelism splits the batch into grad_accum_steps micro batches; "
+                f"grad_accum_steps({cfg.train.grad_accum_steps}) must be >= parallel.pp({p.pp})")
     if p.sequence_parallel:
-        _require(cfg.data.seq_len % p.tp == 0, "data.seq_len",
-                 f"sequence_parallel needs data.seq_len({cfg.data.seq_len}) divisible by parallel.tp({p.tp})")
-    _require(cfg.data.seq_len <= m.max_position_embeddings, "data.seq_len",
-             f"data.seq_len({cfg.data.seq_len}) exceeds model.max_position_embeddings"
-             f"({m.max_position_embeddings}): lower seq_len or raise max_position_embeddings")
+        require(cfg.data.seq_len % p.tp == 0, "data.seq_len",
+                f"sequence_parallel needs data.seq_len({cfg.data.seq_len}) divisible by parallel.tp({p.tp})")
+    require(cfg.data.seq_len <= m.max_position_embeddings, "data.seq_len",
+            f"data.seq_len({cfg.data.seq_len}) exceeds model.max_position_embeddings"
+            f"({m.max_position_embeddings}): lower seq_len or raise max_position_embeddings")
 
-
-HOST_SECTIONS = ("slurm", "container", "launch", "image", "code")
-
-
-
-def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:
-    """The UTF-8 text of `path`, refused (without reading it all) when larger than `limit`."""
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ConfigError(where, f"{bounded(str(path))} is larger than {limit} bytes, more than any config or "
-                                 "EDF holds: check that this is the file you meant")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(where, f"{bounded(str(path))} is not UTF-8 text (byte {exc.start}): save it as "
-                                 "UTF-8") from None
 
 
 def load_trainer_config(path: str | Path) -> TrainerConfig:
-    """Read the trainer's sections of a resolved config (the host ones are the host's business)."""
+    """Read the trainer's sections of a resolved config."""
     path = Path(path)
     try:
         raw = read_yaml(read_text_bounded(path, str(path)), str(path))
@@ -898,4 +436,6 @@ def load_trainer_config(path: str | Path) -> TrainerConfig:
         raise ConfigError("", f"config file {path} does not exist") from None
     if not isinstance(raw, dict):
         raise ConfigError("", f"{path} must hold a mapping of sections")
-    return from_dict(TrainerConfig, {k: v for k, v in raw.items() if k not in HOST_SECTIONS})
+    # The host validated the whole tree when it wrote this file; its sections are not ours to read.
+    ours = config_fields(TrainerConfig)
+    return from_dict(TrainerConfig, {k: v for k, v in raw.items() if k in ours})

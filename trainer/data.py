@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.config import ConfigError, TrainerConfig
+from kernel.errors import ConfigError
+from trainer.config import TrainerConfig
 from trainer.data_cache import default_cache_dir, ensure_tokens, resolve_cache_dir
 from trainer.data_sources import load_tokenizer
 from trainer.prepare import CacheStatus, cache_status

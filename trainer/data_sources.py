@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError, DataSection
+from kernel.errors import ConfigError
+from trainer.config import DataSection
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 BUILTIN = "builtin"

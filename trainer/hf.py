@@ -40,7 +40,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import read_model_weights
-from trainer.config import ConfigError, ModelSection
+from kernel.errors import ConfigError
+from trainer.config import ModelSection
 
 WHERE = "model.init_from_hf"
 INDEX = "model.safetensors.index.json"

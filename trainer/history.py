@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from trainer.config import ConfigError
+from kernel.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 

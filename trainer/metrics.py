@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from trainer.config import LoggingSection, TrainerConfig, to_dict
+from kernel.schema import to_dict
+from trainer.config import LoggingSection, TrainerConfig
 from trainer.history import format_duration
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,8 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.config import ConfigError, ModelSection
+from kernel.errors import ConfigError
+from trainer.config import ModelSection
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from trainer.compute import apply_ac, apply_float8, compile_blocks, resolve_compile
-from trainer.config import ConfigError, ParallelSection, TrainerConfig
+from kernel.errors import ConfigError
+from trainer.config import ParallelSection, TrainerConfig
 from trainer.layouts import resolve_reshard
 from trainer.model import Transformer
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.config import ConfigError
+from kernel.errors import ConfigError
 from trainer.extras import require
-from trainer.fs import write_atomic
+from kernel.fs import write_atomic
 from trainer.history import latest_by_step, read_metrics
 
 __all__ = ["plot_run", "read_metrics"]

@@ -45,8 +45,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-from trainer.config import PREFLIGHT_EXIT
-from trainer.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE, append_event
+from kernel.rundir import PREFLIGHT_EXIT
+from kernel.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE, append_event
 from trainer.watchdog import node_name
 
 # One checkpoint holds the fp32 weights and AdamW's two moments: about 12 bytes a parameter.

@@ -29,7 +29,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import ConfigError, DataSection, load_trainer_config
+from kernel.errors import ConfigError
+from trainer.config import DataSection, load_trainer_config
 from trainer.data_cache import CacheEntry, DataCacheError, ensure_tokens, entry_status, resolve_cache_dir
 from trainer.data_sources import BUILTIN, resolve_tokenizer, run_sources
 from trainer.data_tokenize import Progress, ProgressSink
@@ -129,7 +130,7 @@ def prepare(data: DataSection, cache_dir: Path | str, *, num_proc: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.edge import run_at_edge  # any other error from bad input: one line, exit 2
+    from kernel.edge import run_at_edge  # any other error from bad input: one line, exit 2
 
     return run_at_edge(lambda: _main(argv), prog="python -m trainer.prepare")
 

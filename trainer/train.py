@@ -61,7 +61,9 @@ import torch
 import torch.distributed as dist
 
 from trainer.compute import check_float8, compile_error, graph_break_report, reset_graph_breaks, resolve_compile
-from trainer.config import REQUEUE_EXIT, STOP_FILE, ConfigError, TrainerConfig, load_trainer_config
+from kernel.errors import ConfigError
+from kernel.rundir import REQUEUE_EXIT, STOP_FILE
+from trainer.config import TrainerConfig, load_trainer_config
 from trainer.layouts import layout_advice, memory_report, resolve_reshard
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
 from trainer.watchdog import HangWatchdog, collective_timeout
@@ -71,7 +73,7 @@ from trainer.parallel import (Batch, ParallelDims, Runner, build_model, build_ru
                               global_mean, resolve_dtype, step_stats)
 from trainer.checkpoint import Checkpointer, CheckpointWriteError, ModelState, NonFiniteError, OptimizerState, RNGState
 from trainer.preflight import AllReduceGate, checkpoint_bytes
-from trainer.rundir import check_code
+from kernel.rundir import check_code
 
 log = logging.getLogger(__name__)
 

@@ -49,8 +49,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
-from trainer.config import HANG_EXIT, HANGS_DIR, PROGRESS_FILE, TrainSection
-from trainer.fs import write_atomic
+from kernel.rundir import HANGS_DIR, HANG_EXIT, PROGRESS_FILE
+from trainer.config import TrainSection
+from kernel.fs import write_atomic
 
 log = logging.getLogger(__name__)
 

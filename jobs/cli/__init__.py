@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from trainer.config import ConfigError
+from kernel.errors import ConfigError
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
 from trainer.extras import require as require_extra
 
@@ -20,7 +20,7 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors, like every other slipway error."""
 
     def error(self, message: str):
-        from trainer.config import bounded
+        from kernel.errors import bounded
 
         # argparse quotes what it could not read (`invalid int value: '999...'`): bounded, one line.
         message = " ".join(bounded(message, 300).split())
@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.edge import run_at_edge
+    from kernel.edge import run_at_edge
 
     try:
         return run_at_edge(lambda: _main(argv), handled=_slurm_error)

@@ -22,7 +22,7 @@ from jobs import runs, slurm
 from containers.record import BuildRecord
 from jobs.config import Config
 from jobs.runs.container import ImagePin
-from trainer.config import ConfigError
+from kernel.errors import ConfigError
 from trainer.layouts import layout_advice
 
 Result = tuple[str, bool, str]  # (name, ok, detail or the fix)

@@ -27,7 +27,8 @@ import yaml
 
 from edf.environment import Mount
 from jobs.config import NODE_PRESETS, Config
-from trainer.config import MODEL_PRESETS, AutoBool, config_fields
+from kernel.schema import AutoBool, config_fields
+from trainer.config import MODEL_PRESETS
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 COMMAND = "python -m jobs.cli.reference"
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         if diff:
             print(f"{args.out} is stale: run `{COMMAND}`", file=sys.stderr)
         return 1 if diff else 0
-    from trainer.fs import write_atomic
+    from kernel.fs import write_atomic
 
     write_atomic(args.out, render())
     print(args.out)

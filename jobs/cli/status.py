@@ -11,8 +11,9 @@ from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History, Launch
-from trainer.config import HANGS_DIR, ConfigError
-from trainer.rundir import LOCAL_JOB
+from kernel.errors import ConfigError
+from kernel.rundir import HANGS_DIR
+from kernel.rundir import LOCAL_JOB
 
 
 def job_history(run: runs.Run, job_id: str) -> History:
@@ -236,7 +237,7 @@ def _cancel(run: runs.Run, console) -> int:
 
 def _cancel_events(run: runs.Run, jobs: list[str]) -> None:
     """The jobs without a batch shell to say so themselves (pending ones): cancel says it."""
-    from trainer.rundir import append_event
+    from kernel.rundir import append_event
 
     for job in jobs:
         append_event(run.dir, job, "cancelled by slipway cancel")

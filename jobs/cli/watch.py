@@ -27,9 +27,9 @@ from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs.lifecycle import Launch
 from jobs.slurm.script import NODE_HEARTBEAT_SECONDS
-from trainer.config import ConfigError
+from kernel.errors import ConfigError
 from trainer.history import format_duration
-from trainer.rundir import GUTIL_DIR, HEARTBEATS_DIR, LOCAL_JOB, METRICS_FILE, PROGRESS_FILE, Event, EventKind
+from kernel.rundir import GUTIL_DIR, HEARTBEATS_DIR, LOCAL_JOB, METRICS_FILE, PROGRESS_FILE, Event, EventKind
 
 EVENTS_SHOWN = 8
 LOCAL = LOCAL_JOB  # the job id events.log gives launches on this machine

@@ -34,9 +34,9 @@ from jobs.runs.container import (ImagePin, create_needed_dirs, kept_build, pin_i
                                  resolve_paths, run_environment, stale_build_note)
 from jobs.runs.lifecycle import Launch, LaunchState
 from jobs.slurm.script import PREPARE_SCRIPT, RunPaths, check_env_from_host, render_prepare_sbatch, render_sbatch
-from trainer.config import ConfigError
-from trainer.fs import write_atomic
-from trainer.rundir import LOCAL_JOB, CodeSnapshot, Event, append_event, read_events
+from kernel.errors import ConfigError
+from kernel.fs import write_atomic
+from kernel.rundir import LOCAL_JOB, CodeSnapshot, Event, append_event, read_events
 
 MANIFEST = "manifest.json"
 

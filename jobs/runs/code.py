@@ -8,7 +8,7 @@ baked `trainer` for every runtime: a mount at its own path and PYTHONPATH
 (containers), the job's PYTHONPATH (runtime none). PYTHONSAFEPATH keeps the
 working directory (the checkout, for runtime none) from shadowing it, and
 SLIPWAY_CODE lets the trainer check that it runs from the snapshot at all
-(trainer/rundir.py `check_code`). Editing the checkout after a submission
+(kernel/rundir.py `check_code`). Editing the checkout after a submission
 changes nothing for that run, its requeues or its retries: job.sbatch and
 env.toml name the snapshot's path, and a snapshot is never written twice.
 `code.snapshot: false` runs the image's baked code (sealed production images).
@@ -40,9 +40,9 @@ from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
 from containers.context import source_files
-from trainer.config import ConfigError, bounded_path
-from trainer.fs import file_sha256
-from trainer.rundir import CodeSnapshot
+from kernel.errors import ConfigError, bounded_path
+from kernel.fs import file_sha256
+from kernel.rundir import CodeSnapshot
 
 STORE = ".code"  # under the runs root: RUNS/.code/HASH16/
 SCHEME = "slipway-code-v1"
@@ -241,7 +241,10 @@ def prune_store(store: Path, named: Iterable[str], *, older_than: float = PRUNE_
 def plan_snapshot(store: Path, script: Optional[str], project_dir: Optional[Path] = None) -> Snapshot:
     """Hash the code a launch runs: the trainer package, and `script`'s folder (train.script)."""
     source = trainer_source(project_dir)
-    sources = _walk(source, "trainer", field="code", bounded=False)
+    # The trainer imports the kernel below it: a snapshot carries both, from one place.
+    kernel = source.parent / "kernel"
+    sources = _walk(kernel, "kernel", field="code", bounded=False) if kernel.is_dir() else []
+    sources += _walk(source, "trainer", field="code", bounded=False)
     script_dest = None
     if script:
         path = Path(script).resolve()
@@ -255,7 +258,7 @@ def plan_snapshot(store: Path, script: Optional[str], project_dir: Optional[Path
         size += s.src.stat().st_size
     digest = h.hexdigest()
     where = store / digest[:16]
-    git = git_state(source.parent, [source])
+    git = git_state(source.parent, [source, *([kernel] if kernel.is_dir() else [])])
     value = CodeSnapshot(hash=digest, dir=str(where), files=len(sources), bytes=size, source=str(source),
                          commit=git["commit"], dirty=git["dirty"], script=str(where / script_dest) if script_dest else None)
     return Snapshot(value, sources)

@@ -34,9 +34,9 @@ from containers.image import ImagePlan, current_image, image_plan
 from containers.record import BuildRecord
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS, Config
 from jobs.slurm.script import RunPaths
-from trainer.rundir import CodeSnapshot
-from trainer.config import ConfigError, bounded_path
-from trainer.fs import file_sha256
+from kernel.rundir import CodeSnapshot
+from kernel.errors import ConfigError, bounded_path
+from kernel.fs import file_sha256
 
 HUB_NAME_PARTS = 2  # `org/name` is a hub name, not a path
 
@@ -156,7 +156,7 @@ def _shown_arg(key: str, value: Optional[str]) -> str:
 # snapshot (code.snapshot, jobs/runs/code.py) the job never runs the image's copy of them, so
 # a change to them alone needs no rebuild. pyproject.toml (the dependencies), the Dockerfile,
 # the build args and the wheels do.
-CODE_PARTS = ("trainer/", "jobs/", "edf/", "containers/", "configs/", "README.md", "LICENSE")
+CODE_PARTS = ("kernel/", "trainer/", "jobs/", "edf/", "containers/", "configs/", "README.md", "LICENSE")
 
 
 def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_snapshot: bool = False) -> list[str]:

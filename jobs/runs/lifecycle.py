@@ -4,7 +4,7 @@ A run (runs/RUN/) is launched again and again: Slurm jobs (each a series of atte
 one id, through failure retries and time-limit requeues; a data preparation job too) and
 launches on this machine (`slipway local`). The manifest records each launch once
 (`Launch.from_entry`, the one reader of its entries); events.log tells what happened to
-it (`trainer.rundir.parse_event`); and one function, `launch_state`, turns a launch, its
+it (`kernel.rundir.parse_event`); and one function, `launch_state`, turns a launch, its
 events and what Slurm or the local process says into its state, exit code and reason.
 `slipway status`, `watch` and `logs -f` all read a run through here.
 """
@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import Any, Optional, Sequence
 
 from jobs.slurm import ACTIVE_STATES, JobInfo
-from trainer.rundir import (HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT, Event,
+from kernel.rundir import (HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT, Event,
                             EventKind)
 
 # The states `launch_state` gives an ended launch, beside Slurm's own words for one that is not.
@@ -177,7 +177,7 @@ class LocalProcess:
 
 def observe_local(launch: Launch) -> LocalProcess:
     """Look at a local launch's processes (only on the host that ran it: pids mean nothing elsewhere)."""
-    from trainer.fs import pid_alive
+    from kernel.fs import pid_alive
 
     if not launch.pid or launch.host != socket.gethostname():
         return LocalProcess()

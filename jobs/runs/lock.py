@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, Optional
 
-from trainer.config import ConfigError
+from kernel.errors import ConfigError
 
 WAIT_SECONDS = 30.0  # how long a launch waits for another's submission to finish before it is refused
 POLL_SECONDS = 0.05
@@ -71,7 +71,7 @@ def _gone(record: dict) -> bool:
     teammate that this process may not write keeps the last writer's)."""
     if record.get("host") != socket.gethostname():
         return False
-    from trainer.fs import pid_alive
+    from kernel.fs import pid_alive
 
     pids = [p for p in (record.get("pid"), record.get("trainer_pid")) if isinstance(p, int) and p > 0]
     return not any(pid_alive(p) for p in pids)

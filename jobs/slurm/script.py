@@ -17,9 +17,10 @@ from typing import Optional
 from edf import Environment, srun_flags
 from edf.environment import secret_error, secret_word
 from jobs.config import NODE_PRESETS, Config
-from trainer.config import HANG_EXIT, HANGS_DIR, PREFLIGHT_EXIT, REQUEUE_EXIT, STOP_FILE, ConfigError
+from kernel.errors import ConfigError
+from kernel.rundir import HANGS_DIR, HANG_EXIT, PREFLIGHT_EXIT, REQUEUE_EXIT, STOP_FILE
 from trainer.preflight import checkpoint_bytes
-from trainer.rundir import PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE, CodeSnapshot
+from kernel.rundir import PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE, CodeSnapshot
 
 HEARTBEAT_SECONDS = 60
 NODE_HEARTBEAT_SECONDS = 15  # heartbeats/NODE, which `slipway watch` shows by age

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Callable, Optional
 
-from trainer.config import ConfigError, bounded, bounded_path
+from kernel.errors import ConfigError, bounded, bounded_path
 
 USER_ERROR = 2
 BUG = 70  # EX_SOFTWARE: told apart from a refused input (2) and a failed Slurm call (1)

@@ -1,0 +1,94 @@
+"""Errors from input, and how a message quotes what the user gave.
+
+`ConfigError` is the one error for bad input: one line naming the field, the rule
+and the fix (the error edge, kernel/edge.py, prints it and exits 2). Every message
+that quotes a value goes through `shown`, which bounds it and hides what the
+secret policy (kernel/secrets.py) says must never be printed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kernel.secrets import secret_word, _ASSIGNMENT
+
+
+class ConfigError(ValueError):
+    """Bad user input: one line naming the field, the rule and the fix."""
+
+    def __init__(self, field_path: str, message: str):
+        # One line, whatever the user typed: a key or value holding a newline is shown escaped,
+        # and a line never grows past a screenful, however long a value a message quotes.
+        self.field = bounded(one_line(field_path), MAX_FIELD_SHOWN)
+        message = one_line(message)
+        if len(message) > MAX_MESSAGE:  # keep the start (the rule) and the end (the fix)
+            message = f"{message[:MAX_MESSAGE // 2]} ... {message[-MAX_MESSAGE // 2:]}"
+        super().__init__(f"{self.field}: {message}" if self.field else message)
+
+
+MAX_SHOWN = 80  # characters of a value quoted in an error message
+MAX_FIELD_SHOWN = 400
+MAX_MESSAGE = 1000
+
+
+def one_line(text: str) -> str:
+    return str(text).replace("\r", "\\r").replace("\n", "\\n")
+
+
+def bounded(text: str, limit: int = MAX_SHOWN) -> str:
+    """`text` cut to `limit` characters (with `...`), for quoting what the user gave in a message."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+MAX_PATH_SHOWN = 400  # a path is what the user must find: longer than other values, cut in the middle
+
+
+def bounded_path(path: object) -> str:
+    """A path for an error message: whole up to MAX_PATH_SHOWN characters, else its start and
+    its end (the file name) around `...`."""
+    text = str(path)
+    if len(text) <= MAX_PATH_SHOWN:
+        return text
+    half = (MAX_PATH_SHOWN - 3) // 2
+    return f"{text[:half]}...{text[-half:]}"
+
+
+
+def shown(value: Any, where: str = "") -> str:
+    """A value as the user wrote it, for error messages: at most about MAX_SHOWN characters
+    (a long string, a deep or shared list or a huge number is cut, never printed whole), and
+    never a secret's: the value of a field whose name looks like one (`where`'s last part),
+    or of a NAME=value inside it, is hidden. Every message quoting a value comes through here."""
+    if where and secret_word(re.split(r"[.\[]", where)[-1] or where):
+        return "<a value, hidden: the name looks like a secret's>"
+    text = bounded(_brief(value, MAX_SHOWN), 2 * MAX_SHOWN)
+    return _ASSIGNMENT.sub(lambda m: f"{m[1]}=<hidden>" if secret_word(m[1]) and m[2] else m[0], text)
+
+
+def _brief(value: Any, room: int) -> str:
+    """repr(value), but stopping once about `room` characters are written (each level of a
+    nested value costs at least two, so the recursion ends too)."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return repr(str(value) if len(value) <= room else str(value[:max(room - 5, 1)]) + "...")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
+        return f"<a {len(str(abs(value))) if abs(value) < 10 ** 4000 else 'huge'}-digit number>"
+    if isinstance(value, (list, tuple, dict)):
+        items = value.items() if isinstance(value, dict) else value
+        parts, used = [], 2
+        for item in items:
+            if used >= room:
+                parts.append("...")
+                break
+            if isinstance(value, dict):
+                text = f"{_brief(item[0], room - used)}: {_brief(item[1], room - used)}"
+            else:
+                text = _brief(item, room - used)
+            parts.append(text)
+            used += len(text) + 2
+        return ("{%s}" if isinstance(value, dict) else "[%s]") % ", ".join(parts)
+    return repr(value)[:max(room, 8)]
+

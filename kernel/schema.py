@@ -1,0 +1,210 @@
+"""The schema engine: a dict from YAML into nested dataclasses, strictly, and back."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+from kernel.errors import ConfigError, shown
+from kernel.yaml import _BOOL, _FLOAT, _INT, _NULL, MAX_INT, Plain
+
+
+# --------------------------------------------------------------------------
+# Schema machinery: a dict from YAML into nested dataclasses, strictly.
+# Written by hand (rather than dacite/pydantic) because the image must not
+# need extra packages and every error must carry the dotted field path and
+# the list of valid keys. Fields with metadata {"config": False} are not
+# part of the config (e.g. where a model came from).
+# --------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp) if a is not type(None)) + " or null"
+    if origin is list:
+        return f"list of {_type_name(get_args(tp)[0])}"
+    if origin is dict:
+        return f"mapping of {_type_name(get_args(tp)[1])}"
+    return getattr(tp, "__name__", str(tp))
+
+def _scalar(tp: Any, value: Any, where: str) -> Any:
+    """A scalar for field type `tp` (str, int, float or bool) from YAML text or a Python value."""
+    text = value if isinstance(value, str) else None
+    if tp is str:
+        if text is not None:
+            return str(text)
+        if isinstance(value, bool):  # a Python caller's annotation value: the EDF string "true"
+            return "true" if value else "false"
+        hint = ' (write "" for an empty string)' if value is None else ""
+        raise ConfigError(where, f"expected a string, got {shown(value, where)}{hint}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if text in _BOOL:
+            return _BOOL[text]
+        raise ConfigError(where, f"expected true or false, got {shown(value, where)}")
+    if tp is int:
+        number = None
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif text is not None and len(text) <= 40 and _INT.fullmatch(text):
+            number = int(text, 0) if text[:2] in ("0o", "0x") else int(text)
+        if number is None:
+            raise ConfigError(where, f"expected an integer, got {shown(value, where)}")
+        # Every int field ends up in bash arithmetic, Slurm or torch: none takes more than this;
+        # each field's own check bounds it tighter where it matters.
+        if abs(number) > MAX_INT:
+            raise ConfigError(where, f"{shown(value, where)} is out of range: use a whole number between "
+                                     f"-{MAX_INT} and {MAX_INT}")
+        return number
+    if tp is float:
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= 10 ** 300:
+            number = float(value)
+        elif text is not None and len(text) <= 40 and (_FLOAT.fullmatch(text) or _INT.fullmatch(text)):
+            number = float(int(text, 0)) if text[:2] in ("0o", "0x") else float(text)
+        if number is None:
+            raise ConfigError(where, f"expected a number, got {shown(value, where)}")
+        if not math.isfinite(number):
+            raise ConfigError(where, f"expected a finite number, got {shown(value, where)}")
+        return number
+    raise TypeError(f"unsupported config type {tp!r} at {where}")
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if type(None) in args and (value is None or (isinstance(value, Plain) and (value == "" or value in _NULL))):
+            return None  # null, or an empty or null override (`slurm.account=`): unset
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, where)
+            except ConfigError:
+                pass
+        raise ConfigError(where, f"expected {_type_name(tp)}, got {shown(value, where)}")
+    if origin is Literal:
+        for arg in get_args(tp):
+            try:
+                if _scalar(type(arg), value, where) == arg:
+                    return arg
+            except ConfigError:
+                pass
+        raise ConfigError(where, f"must be one of {', '.join(repr(a) for a in get_args(tp))}, got {shown(value, where)}")
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(where, f"expected a list such as [a, b], got {shown(value, where)}")
+        return [_convert(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        _, val_tp = get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(where, f"expected a mapping, got {shown(value, where)}")
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(where, f"keys must be strings, got {shown(k, where)}")
+            out[str(k)] = _convert(val_tp, v, f"{where}.{k}")
+        return out
+    if hasattr(tp, "from_config_value"):  # a class with its own text form (edf.Mount: "SRC:DST:FLAGS")
+        return tp.from_config_value(value, where)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if tp is Any:
+        return value
+    return _scalar(tp, value, where)
+
+
+def config_fields(cls: type) -> dict[str, dataclasses.Field]:
+    """The fields of section `cls` that a config file sets."""
+    return {f.name: f for f in dataclasses.fields(cls) if f.init and f.metadata.get("config", True)}
+
+
+def from_dict(cls: type, data: Any, where: str = "") -> Any:
+    """Build dataclass `cls` from `data`, rejecting unknown keys and wrong types."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(where or cls.__name__, f"expected a mapping of keys, got {shown(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = config_fields(cls)
+    unknown = sorted(set(data) - set(fields), key=str)
+    if unknown:
+        key = unknown[0]
+        path = f"{where}.{key}" if where else str(key)
+        raise ConfigError(path, f"unknown key; valid keys of {where or 'the config'} are: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        path = f"{where}.{name}" if where else name
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], path)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(path, "is required")
+    obj = cls(**kwargs)
+    check = getattr(obj, "check", None)
+    if check is not None:
+        check(where)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """The plain-YAML form of a section tree (what `config.yaml` holds)."""
+    if hasattr(obj, "to_config_value"):
+        return obj.to_config_value()
+    if dataclasses.is_dataclass(obj):
+        return {name: to_dict(getattr(obj, name)) for name in config_fields(type(obj))}
+    if isinstance(obj, list):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, str):
+        return str(obj)  # a Plain is dumped as the string it is
+    return obj
+
+
+def require(cond: bool, where: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(where, message)
+
+
+def positive(obj: Any, where: str, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        require(value is not None and value > 0, f"{where}.{name}", f"must be > 0, got {shown(value)}")
+
+
+def at_most(obj: Any, where: str, **limits: float) -> None:
+    """Each named field at most its limit: what Slurm, bash or the trainer can take (a typo such as
+    an extra digit is refused here, not by the job hours later)."""
+    for name, limit in limits.items():
+        value = getattr(obj, name)
+        require(value is None or value <= limit, f"{where}.{name}",
+                f"must be at most {limit:g}, got {shown(value)}")
+
+
+DAY = 86400
+BIG = 10 ** 9  # steps and step intervals: more than any run takes
+
+class AutoBool:
+    """A field that is true, false or auto (decided where the trainer runs). Its values are
+    the plain bool or the string "auto"; this class only reads and names them."""
+
+    @staticmethod
+    def from_config_value(value: Any, where: str) -> Union[bool, str]:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value in _BOOL:
+            return _BOOL[value]
+        if value == "auto":
+            return "auto"
+        raise ConfigError(where, f"expected true or false, got {shown(value)} (or auto: the trainer decides "
+                                 "by the device)")
+

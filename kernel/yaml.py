@@ -1,0 +1,172 @@
+"""Bounded YAML: configs, overrides and EDF files read with the schema's rules, never YAML 1.1's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from kernel.errors import ConfigError, bounded, shown
+
+
+# --------------------------------------------------------------------------
+# Reading YAML: the schema decides what a scalar means, not YAML 1.1.
+#
+# PyYAML implements YAML 1.1, where `10:00` is the integer 600, `0123` is 83,
+# `yes` is true and a second `train:` silently replaces the first. Here every
+# plain scalar stays the text the user wrote (`Plain`), except YAML 1.2's null
+# (`null`, `~`, nothing), and the dataclass field it lands in converts it: a
+# string field keeps `0123` and `10:00` as written, an int field parses YAML
+# 1.2 integers, a bool field takes true/false only. Duplicate keys are errors
+# naming both lines. The same reader serves configs/*.yaml, overrides and the
+# frozen runs/RUN/config.yaml the trainer reads (no extra package in the image).
+# --------------------------------------------------------------------------
+
+
+class Plain(str):
+    """A plain (unquoted) YAML scalar or an override value, exactly as written."""
+
+
+_NULL = frozenset({"null", "Null", "NULL", "~"})
+_BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
+_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
+_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2's null as the only implicit type, and no duplicate keys."""
+
+    yaml_implicit_resolvers: dict = {}
+
+    def construct_yaml_str(self, node: yaml.Node) -> str:
+        value = self.construct_scalar(node)
+        if node.style is None:  # plain: null, or text for the schema to type
+            return None if value in _NULL or value == "" else Plain(value)
+        return str(value)
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
+        if not isinstance(node, yaml.MappingNode):
+            return super().construct_mapping(node, deep=deep)
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, str):
+                raise ConfigError(f"line {line}", f"key {shown(key)} is not a string: keys are names such as "
+                                                  "train or steps")
+            if key in seen:
+                raise ConfigError(f"line {line}", f"duplicate key {shown(key)} (first at line {seen[key]}): "
+                                  "YAML keeps only one of them; merge the two into one")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+    # A config is a few hundred short lines: these bounds refuse what no config needs (a
+    # "billion laughs" of nested aliases, a document nested hundreds of levels deep) before
+    # it is built, so such a file is refused at once instead of exhausting time or memory.
+    def compose_document(self) -> yaml.Node:
+        self._depth, self._aliases = 0, 0
+        node = super().compose_document()
+        _expanded_size(node, 1, {}, [0])
+        return node
+
+    def compose_node(self, parent: Optional[yaml.Node], index: Any) -> yaml.Node:
+        line = self.peek_event().start_mark.line + 1
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise ConfigError(f"line {line}", f"more than {MAX_ALIASES} aliases (*name): a config needs a "
+                                                  "few; write the values out")
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise ConfigError(f"line {line}", f"nested deeper than {MAX_DEPTH} levels: no config field takes "
+                                                  "that; flatten it")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+MAX_TEXT = 1_000_000  # characters of a config file or an override
+MAX_DEPTH = 32  # levels of nested mappings and lists, aliases expanded
+MAX_ALIASES = 100
+MAX_NODES = 100_000  # values in a document with its aliases expanded
+MAX_INT = 2 ** 53 - 1  # exact in a float and in JSON, well within bash's 64-bit arithmetic
+
+
+def _expanded_size(node: yaml.Node, depth: int, heights: dict[int, int], count: list[int]) -> int:
+    """The height of `node` with aliases expanded (shared nodes visited once, counted each time
+    they are used), refusing a document deeper than MAX_DEPTH or larger than MAX_NODES."""
+    where = f"line {node.start_mark.line + 1}"
+    known = heights.get(id(node))
+    children: list[yaml.Node] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    if known is None:
+        known = 1 + max((_expanded_size(child, depth + 1, heights, count) for child in children), default=0)
+        heights[id(node)] = known
+    else:
+        count[0] += _subtree_size(node, {})
+    count[0] += 1
+    if depth + known - 1 > MAX_DEPTH:
+        raise ConfigError(where, f"nested deeper than {MAX_DEPTH} levels (aliases expanded): no config field takes "
+                                 "that; flatten it")
+    if count[0] > MAX_NODES:
+        raise ConfigError(where, f"more than {MAX_NODES} values once its aliases (*name) are expanded: a config "
+                                 "needs far fewer; write the values out")
+    return known
+
+
+def _subtree_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Values below `node`, aliases expanded (memoized: a shared node is sized once)."""
+    size = sizes.get(id(node))
+    if size is None:
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        size = sizes[id(node)] = sum(1 + _subtree_size(c, sizes) for c in children)
+    return size
+
+
+_Loader.add_constructor("tag:yaml.org,2002:str", _Loader.construct_yaml_str)
+_Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"), ["~", "n", "N", ""])
+
+
+def read_yaml(text: str, source: str, *, lines: bool = True) -> Any:
+    """`text` parsed with the rules above; `source` (a file name, or a field for an
+    override: `lines=False`) names the place in errors, with the line."""
+    if len(text) > MAX_TEXT:
+        raise ConfigError(source, f"{len(text)} characters: larger than any config ({MAX_TEXT} at most); "
+                                  "check that this is the file you meant")
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except ConfigError as exc:
+        raise ConfigError(f"{source} {exc.field}" if exc.field else source, str(exc).split(": ", 1)[-1]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source} line {mark.line + 1}" if mark is not None and lines else source
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(where, f"not valid YAML ({' '.join(str(problem).split())}): check the quoting and "
+                                 "indentation there") from None
+
+
+
+
+def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:
+    """The UTF-8 text of `path`, refused (without reading it all) when larger than `limit`."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ConfigError(where, f"{bounded(str(path))} is larger than {limit} bytes, more than any config or "
+                                 "EDF holds: check that this is the file you meant")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(where, f"{bounded(str(path))} is not UTF-8 text (byte {exc.start}): save it as "
+                                 "UTF-8") from None
+
