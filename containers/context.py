@@ -20,9 +20,10 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Optional
 
 from containers.pip_requirements import toml_loads
+from containers.sources import MAX_BYTES, MAX_FILES, Folder, collect
 from containers.record import ImageSection
 from kernel.errors import ConfigError
 from kernel.fs import file_sha256, write_atomic
@@ -31,8 +32,6 @@ HASH_SCHEME = "slipway-image-v1"
 # What goes into the image under src/ (the repository layout, see the Dockerfile).
 CONTEXT_FILES = ("pyproject.toml", "README.md", "LICENSE")
 CONTEXT_DIRS = ("kernel", "trainer", "jobs", "edf", "containers", "configs")
-SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".ipynb_checkpoints"}
-SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
 WHEEL_SUFFIXES = (".whl", ".tar.gz", ".zip")
 # Build args that label the image without changing its contents: not hashed,
 # so a new commit with the same files reuses the image.
@@ -52,6 +51,7 @@ def project_root() -> Path:
 class ContextFile:
     dest: str  # path inside the build context, e.g. src/trainer/model.py
     src: Path  # the file on this machine
+    link: Optional[str] = None  # a symbolic link's target, relative, inside the context (sources.py)
 
 
 def resolve_path(root: Path, path: str) -> Path:
@@ -59,25 +59,13 @@ def resolve_path(root: Path, path: str) -> Path:
     return p if p.is_absolute() else root / p
 
 
-def source_files(top: Path) -> Iterator[Path]:
-    """The source files under `top`, in a stable order: what the image and a run's code snapshot
-    (jobs/runs/code.py) take of a directory (no caches, editor leftovers or hidden files)."""
-    for dirpath, dirnames, filenames in os.walk(top):
-        dirnames[:] = sorted(d for d in dirnames
-                             if d not in SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info"))
-        for name in sorted(filenames):
-            if name.startswith(".") or name.endswith(SKIP_SUFFIXES):
-                continue
-            path = Path(dirpath) / name
-            if path.is_file():
-                yield path
-
-
 def context_files(root: Path, image: "ImageSection") -> list[ContextFile]:
-    """Exactly the files the build context holds, sorted by destination."""
+    """Exactly the files the build context holds, sorted by destination: the project's own
+    sources by the rules a code snapshot follows too (containers/sources.py), and the wheelhouse."""
     files = [ContextFile(f"src/{name}", root / name) for name in CONTEXT_FILES if (root / name).is_file()]
-    for top in CONTEXT_DIRS:
-        files += [ContextFile(f"src/{path.relative_to(root).as_posix()}", path) for path in source_files(root / top)]
+    found = collect([Folder(root / top, f"src/{top}") for top in CONTEXT_DIRS if (root / top).is_dir()],
+                    field_name="image", max_bytes=MAX_BYTES, max_files=MAX_FILES)
+    files += [ContextFile(f.dest, f.src, f.link) for f in found.files]
     if image.wheelhouse:
         wheels = resolve_path(root, image.wheelhouse)
         if not wheels.is_dir():
@@ -86,6 +74,17 @@ def context_files(root: Path, image: "ImageSection") -> list[ContextFile]:
         files += [ContextFile(f"wheels/{p.name}", p) for p in sorted(wheels.iterdir())
                   if p.is_file() and p.name.endswith(WHEEL_SUFFIXES)]
     return sorted(files, key=lambda f: f.dest)
+
+
+def _digest(f: ContextFile, cache: "HashCache") -> str:
+    """What identifies one entry's content: its bytes, or a link's target."""
+    if f.link is not None:
+        return "l" + hashlib.sha256(f.link.encode()).hexdigest()
+    return cache.digest(f.src)
+
+
+def _mode(f: ContextFile) -> str:
+    return "l" if f.link is not None else "x" if os.access(f.src, os.X_OK) else "-"
 
 
 class HashCache:
@@ -134,7 +133,7 @@ def content_hash(*, dockerfile: str, build_args: dict[str, str], squash_options:
             add("arg", key, build_args[key])
     add("squash", squash_options)
     for f in files:
-        add("file", f.dest, "x" if os.access(f.src, os.X_OK) else "-", cache.digest(f.src))
+        add("file", f.dest, _mode(f), _digest(f, cache))
     return h.hexdigest()
 
 
@@ -146,7 +145,7 @@ def input_digests(dockerfile: str, files: list[ContextFile], cache: HashCache) -
         top, _, rest = f.dest.partition("/")
         part = rest.split("/", 1)[0] + ("/" if "/" in rest else "") if top == "src" else f"{top}/"
         h = groups.setdefault(part, hashlib.sha256())
-        h.update(f"{f.dest}\0{'x' if os.access(f.src, os.X_OK) else '-'}\0{cache.digest(f.src)}\n".encode())
+        h.update(f"{f.dest}\0{_mode(f)}\0{_digest(f, cache)}\n".encode())
     return {"dockerfile": hashlib.sha256(dockerfile.encode()).hexdigest(),
             "sources": {part: h.hexdigest()[:16] for part, h in sorted(groups.items())}}
 
@@ -163,6 +162,9 @@ def materialize_context(files: list[ContextFile], dest: Path, build_env: dict[st
     for f in files:
         target = dest / f.dest
         target.parent.mkdir(parents=True, exist_ok=True)
+        if f.link is not None:
+            os.symlink(f.link, target)
+            continue
         if f.dest.startswith("wheels/"):
             try:
                 os.link(f.src, target)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.runs.code import PRUNE_AFTER_SECONDS, STORE, plan_snapshot
+from jobs.runs.code import LISTING, PRUNE_AFTER_SECONDS, STORE, plan_snapshot
 from kernel.errors import ConfigError
 from kernel.rundir import CODE_ENV, CodeSnapshot, check_code
 
@@ -62,7 +62,7 @@ def test_a_snapshot_is_content_addressed_read_only_and_written_once(project, mon
     value = first.write()
     snap = Path(value.dir)
     assert snap.parent == store and snap.name == value.hash[:16] and (snap / "trainer" / "train.py").is_file()
-    assert not list(snap.rglob("__pycache__")) and value.files == len([p for p in snap.rglob("*") if p.is_file()])
+    assert not list(snap.rglob("__pycache__")) and value.files == len([p for p in snap.rglob("*") if p.is_file() and p.name != LISTING])
     assert not os.access(snap / "trainer" / "train.py", os.W_OK) or os.geteuid() == 0
     assert (snap / "trainer" / "train.py").stat().st_mode & 0o222 == 0
     # The same content again: the same directory, not rewritten.
@@ -126,7 +126,6 @@ def test_the_snapshot_is_of_the_checkout_the_launch_runs_from(project, tmp_path)
 
 
 def test_a_train_script_is_snapshotted_with_its_folder_and_bounded(project, monkeypatch):
-    monkeypatch.setattr("jobs.runs.code.MAX_SCRIPT_FILES", 5)
     folder = project / "scripts"
     folder.mkdir()
     (folder / "train_mine.py").write_text("import helper\n")
@@ -134,9 +133,10 @@ def test_a_train_script_is_snapshotted_with_its_folder_and_bounded(project, monk
     value = plan_snapshot(project / "runs" / STORE, str(folder / "train_mine.py")).write()
     assert value.script == f"{value.dir}/script/train_mine.py"
     assert (Path(value.dir) / "script" / "helper.py").read_text() == "X = 1\n"
-    for i in range(6):
-        (folder / f"data{i}.txt").write_text("x")
-    with pytest.raises(ConfigError, match=r"^train.script: .*folder of its own.*code.snapshot: false"):
+    monkeypatch.setattr("jobs.runs.code.MAX_FILES", value.files + 2)
+    for i in range(3):
+        (folder / f"data{i}.txt").write_text("x" * (1000 + i))
+    with pytest.raises(ConfigError, match=r"^train.script: the code to copy holds .* largest: .*code.snapshot: false"):
         plan_snapshot(project / "runs" / STORE, str(folder / "train_mine.py"))
 
 

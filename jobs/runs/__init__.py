@@ -279,6 +279,9 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
             notes.append(stale)
     code = (plan_snapshot(paths.run_dir.parent / CODE_STORE, cfg.train.script, paths.project_dir)
             if cfg.code.snapshot else None)
+    if code is not None and code.untracked:
+        shown = ", ".join(code.untracked[:5]) + (f" and {len(code.untracked) - 5} more" if len(code.untracked) > 5 else "")
+        notes.append(f"not in the code snapshot, as git does not track them: {shown} (`git add` what the run needs)")
     env = run_environment(cfg, paths, pin, code.value if code else None)
     script = render_sbatch(cfg, paths, env, code.value if code else None, kept_build(cfg, pin))
     _check_script_syntax(cfg, script)

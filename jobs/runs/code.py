@@ -30,25 +30,25 @@ import hashlib
 import os
 import time
 import shutil
-import stat
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
-from containers.context import source_files
+from containers.sources import MAX_BYTES, MAX_FILES, Folder, SourceFile, collect, copy_into
 from kernel.errors import ConfigError, bounded_path
 from kernel.fs import file_sha256
 from kernel.rundir import CodeSnapshot
 
 STORE = ".code"  # under the runs root: RUNS/.code/HASH16/
-SCHEME = "slipway-code-v1"
-# A train.script's folder is copied whole: bounded, so a script in $HOME does not copy $HOME.
-MAX_SCRIPT_FILES = 2000
-MAX_SCRIPT_BYTES = 200 * 1024 * 1024
+# The snapshot's hash is the sha256 of SCHEME's line and its listing, LISTING inside it: one line
+# `KIND SHA256 PATH` per entry (KIND f: a file, x: an executable, l: a link, whose SHA256 is of
+# its target's text), so that a node can check the snapshot with bash and sha256sum alone
+# (jobs/slurm/job_lib.sh verify_code) against the hash its job names.
+SCHEME = "slipway-code-v2"
+LISTING = ".slipway-files"
 # A snapshot no manifest names is kept this long after a launch last wrote or reused it: a launch
 # records its snapshot only once sbatch has answered, which a busy controller can delay.
 PRUNE_AFTER_SECONDS = 24 * 3600
@@ -56,12 +56,6 @@ _LOCK = ".lock"
 _REMOVING = ".removing-"
 # flock(2) on a filesystem without it (Lustre mounted without -o flock).
 _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
-
-
-@dataclass(frozen=True)
-class _Source:
-    dest: str  # path inside the snapshot
-    src: Path
 
 
 def trainer_source(project_dir: Optional[Path] = None) -> Path:
@@ -75,31 +69,16 @@ def trainer_source(project_dir: Optional[Path] = None) -> Path:
     return Path(trainer.__file__).resolve().parent
 
 
-def _walk(root: Path, prefix: str, *, field: str, bounded: bool) -> list[_Source]:
-    out: list[_Source] = []
-    total = 0
-    for path in source_files(root):
-        out.append(_Source(f"{prefix}/{path.relative_to(root).as_posix()}", path))
-        if bounded:
-            total += path.stat().st_size
-            if len(out) > MAX_SCRIPT_FILES or total > MAX_SCRIPT_BYTES:
-                raise ConfigError(field, f"the script's folder {bounded_path(root)} holds more than "
-                                         f"{MAX_SCRIPT_FILES} files or {MAX_SCRIPT_BYTES >> 20} MB, all of which "
-                                         "a run's code snapshot copies: put the script in a folder of its own, "
-                                         "or set code.snapshot: false")
-    return out
-
-
 def git_state(root: Path, paths: Sequence[Path] = ()) -> dict:
-    """The commit of the checkout at `root` and whether it is dirty, or nulls outside git. With
-    `paths`, dirty means those paths differ from the commit, untracked files included (a snapshot
-    copies them); without, any tracked file of the checkout."""
+    """The commit of the checkout at `root` and whether it is dirty (a tracked file differs from the
+    commit: of `paths` only, when given), or nulls outside git. Untracked files are no part of
+    what a snapshot or an image copies (containers/sources.py), so they make nothing dirty."""
     git = shutil.which("git")
     if git is None:
         return {"commit": None, "dirty": None}
     try:
         commit = local[git]("-C", str(root), "rev-parse", "HEAD").strip()
-        which = ["--", *(os.path.relpath(p, root) for p in paths)] if paths else ["--untracked-files=no"]
+        which = ["--untracked-files=no", *(["--", *(os.path.relpath(p, root) for p in paths)] if paths else [])]
         status = local[git]("-C", str(root), "status", "--porcelain", *which).strip()
     except (ProcessExecutionError, ValueError):
         return {"commit": None, "dirty": None}
@@ -107,28 +86,29 @@ def git_state(root: Path, paths: Sequence[Path] = ()) -> dict:
 
 
 def git_diff(snapshot: CodeSnapshot) -> str:
-    """The snapshotted sources' difference from their commit (tracked files; untracked ones named)."""
+    """The snapshotted packages' difference from their commit (tracked files: all a snapshot holds)."""
     source = Path(snapshot.source)
     git = shutil.which("git")
     if git is None or not snapshot.commit:
         return ""
     root = source.parent
+    parts = [name for name in ("kernel", source.name) if (root / name).is_dir()]
     try:
-        diff = local[git]("-C", str(root), "diff", "HEAD", "--", os.path.relpath(source, root))
-        untracked = local[git]("-C", str(root), "ls-files", "--others", "--exclude-standard", "--",
-                               os.path.relpath(source, root)).split()
+        return local[git]("-C", str(root), "diff", "HEAD", "--", *parts)
     except ProcessExecutionError:
         return ""
-    return diff + "".join(f"# untracked: {name}\n" for name in untracked)
 
 
 class Snapshot:
     """A snapshot planned (hashed, nothing written): `value` is what the manifest records,
-    `write()` puts it into the store if no run has yet."""
+    `write()` puts it into the store if no run has yet; `untracked` names the files of the code
+    folders that git does not track, which it leaves out."""
 
-    def __init__(self, value: CodeSnapshot, sources: list[_Source]):
+    def __init__(self, value: CodeSnapshot, files: list[SourceFile], listing: str, untracked: list[str]):
         self.value = value
-        self._sources = sources
+        self._files = files
+        self._listing = listing
+        self.untracked = untracked
         self.created = False  # this launch wrote it (a refused submission takes it back)
         self._written = 0  # its mtime then: a later one means another launch reused it
 
@@ -140,7 +120,7 @@ class Snapshot:
         with _store_lock(target.parent, exclusive=True):
             with contextlib.suppress(OSError):
                 if target.stat().st_mtime_ns == self._written:
-                    shutil.rmtree(target, ignore_errors=True)
+                    _remove(target)
                 # A store left empty goes too (a refused first submission leaves no trace); with no
                 # snapshot in it there is nothing old whose reuse the lock would have to guard.
                 if os.listdir(target.parent) == [_LOCK]:
@@ -151,23 +131,24 @@ class Snapshot:
         target = Path(self.value.dir)
         target.parent.mkdir(parents=True, exist_ok=True)
         with _store_lock(target.parent, exclusive=False):
-            if target.is_dir():  # content-addressed: the same hash is the same files
-                os.utime(target)  # reused now: a pruning leaves it its grace
-                return self.value
+            if target.is_dir():
+                if damage(target, self.value.hash) is None:  # content-addressed: the same hash, the same files
+                    os.utime(target)  # reused now: a pruning leaves it its grace
+                    return self.value
+                # Changed in place since it was written (an editor, a script): the next job of any
+                # run naming it would refuse it, so it is written anew, whole, by the same rename.
+                os.rename(target, target.parent / f"{_REMOVING}{target.name}.{os.getpid()}")
             return self._write(target)
 
     def _write(self, target: Path) -> CodeSnapshot:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
-            for source in self._sources:
-                dest = tmp / source.dest
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source.src, dest)
-                executable = source.src.stat().st_mode & stat.S_IXUSR
-                # Read-only: a snapshot is what ran; nothing edits it in place.
-                os.chmod(dest, 0o555 if executable else 0o444)
-            for dirpath, _, _ in os.walk(tmp):
-                os.chmod(dirpath, 0o755)
+            # Read-only (a snapshot is what ran; nothing edits it in place), and readable by whom
+            # the user's umask lets read the run directories, no one else.
+            mask = _umask()
+            copy_into(self._files, tmp, file_mode=0o444 & ~mask, exec_mode=0o555 & ~mask, dir_mode=0o755 & ~mask)
+            (tmp / LISTING).write_text(self._listing)
+            os.chmod(tmp / LISTING, 0o444 & ~mask)
             try:
                 os.rename(tmp, target)
                 self.created = True
@@ -177,8 +158,69 @@ class Snapshot:
                     raise
         finally:
             if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+                _remove(tmp)
         return self.value
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _remove(path: Path) -> None:
+    """rmtree of a snapshot, whose directories are read-only to others but ours to change."""
+    for dirpath, _, _ in os.walk(path):
+        with contextlib.suppress(OSError):
+            os.chmod(dirpath, 0o700)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def listing_lines(files: Sequence[SourceFile]) -> str:
+    """The snapshot's listing (LISTING): `KIND SHA256 PATH` per entry, sorted by path."""
+    lines = []
+    for f in sorted(files, key=lambda f: f.dest):
+        if f.link is not None:
+            lines.append(f"l {hashlib.sha256(f.link.encode()).hexdigest()} {f.dest}\n")
+        else:
+            lines.append(f"{'x' if f.executable else 'f'} {file_sha256(f.src)} {f.dest}\n")
+    return "".join(lines)
+
+
+def listing_hash(listing: str) -> str:
+    return hashlib.sha256(f"{SCHEME}\n{listing}".encode()).hexdigest()
+
+
+def damage(snapshot_dir: Path, expected: str) -> Optional[str]:
+    """How the snapshot at `snapshot_dir` differs from the one whose hash is `expected` (None: it
+    is that one, whole): the first file found changed, missing or added. The host's side of what
+    every node checks before training (jobs/slurm/job_lib.sh verify_code)."""
+    try:
+        listing = (snapshot_dir / LISTING).read_text()
+    except OSError:
+        return f"{snapshot_dir} has no {LISTING}: it is missing or not a slipway code snapshot"
+    if listing_hash(listing) != expected:
+        return f"{snapshot_dir / LISTING} is not the listing recorded at submission"
+    listed = set()
+    for line in listing.splitlines():
+        kind, digest, rel = line.split(" ", 2)
+        listed.add(rel)
+        path = snapshot_dir / rel
+        try:
+            if kind == "l":
+                ok = hashlib.sha256(os.readlink(path).encode()).hexdigest() == digest
+            else:
+                ok = not path.is_symlink() and file_sha256(path) == digest
+        except OSError:
+            return f"{path} is missing"
+        if not ok:
+            return f"{path} differs from the file submitted"
+    for dirpath, dirnames, filenames in os.walk(snapshot_dir):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            rel = os.path.relpath(os.path.join(dirpath, name), snapshot_dir)
+            if rel != LISTING and rel not in listed:
+                return f"{os.path.join(dirpath, name)} was added after submission"
+    return None
 
 
 @contextlib.contextmanager
@@ -222,43 +264,45 @@ def prune_store(store: Path, named: Iterable[str], *, older_than: float = PRUNE_
             if not entry.is_dir(follow_symlinks=False) or entry.name in named:
                 continue
             if entry.name.startswith("."):  # a write or a pruning cut short (.HASH.*.tmp, .removing-HASH):
-                shutil.rmtree(entry.path, ignore_errors=True)  # no launch writes while this lock is held
+                _remove(Path(entry.path))  # no launch writes while this lock is held
                 continue
             try:
                 if now - entry.stat(follow_symlinks=False).st_mtime < older_than:
                     continue
             except FileNotFoundError:
                 continue
-            size = sum(f.stat().st_size for f in Path(entry.path).rglob("*") if f.is_file())
+            size = sum(f.stat().st_size for f in Path(entry.path).rglob("*")
+                       if f.is_file() and not f.is_symlink() and f.name != LISTING)
             # Gone at once by a rename: nothing ever sees a half-deleted snapshot.
             gone = store / f"{_REMOVING}{entry.name}"
             os.rename(entry.path, gone)
-            shutil.rmtree(gone, ignore_errors=True)
+            _remove(gone)
             removed.append((entry.name, size))
     return removed
 
 
 def plan_snapshot(store: Path, script: Optional[str], project_dir: Optional[Path] = None) -> Snapshot:
-    """Hash the code a launch runs: the trainer package, and `script`'s folder (train.script)."""
+    """Hash the code a launch runs: the kernel and trainer packages, and `script`'s folder
+    (train.script), by the rules of containers/sources.py."""
     source = trainer_source(project_dir)
     # The trainer imports the kernel below it: a snapshot carries both, from one place.
     kernel = source.parent / "kernel"
-    sources = _walk(kernel, "kernel", field="code", bounded=False) if kernel.is_dir() else []
-    sources += _walk(source, "trainer", field="code", bounded=False)
+    folders = ([Folder(kernel, "kernel")] if kernel.is_dir() else []) + [Folder(source, "trainer")]
     script_dest = None
     if script:
         path = Path(script).resolve()
-        sources += _walk(path.parent, "script", field="train.script", bounded=True)
+        folders.append(Folder(path.parent, "script"))
         script_dest = f"script/{path.name}"
-    h = hashlib.sha256(f"{SCHEME}\n".encode())
-    size = 0
-    for s in sources:
-        mode = "x" if s.src.stat().st_mode & stat.S_IXUSR else "-"
-        h.update(f"{s.dest}\0{mode}\0{file_sha256(s.src)}\n".encode())
-        size += s.src.stat().st_size
-    digest = h.hexdigest()
+    found = collect(folders, field_name="train.script" if script else "code", max_bytes=MAX_BYTES,
+                    max_files=MAX_FILES)
+    if script_dest and not any(f.dest == script_dest for f in found.files):
+        raise ConfigError("train.script", f"{bounded_path(script)} is not tracked by git, while other files of its "
+                                          "folder are, and a code snapshot copies tracked files only: `git add` it, "
+                                          "or put it in a folder of its own")
+    listing = listing_lines(found.files)
+    digest = listing_hash(listing)
     where = store / digest[:16]
-    git = git_state(source.parent, [source, *([kernel] if kernel.is_dir() else [])])
-    value = CodeSnapshot(hash=digest, dir=str(where), files=len(sources), bytes=size, source=str(source),
+    git = git_state(source.parent, [f.src for f in folders if f.dest != "script"])
+    value = CodeSnapshot(hash=digest, dir=str(where), files=len(found.files), bytes=found.bytes, source=str(source),
                          commit=git["commit"], dirty=git["dirty"], script=str(where / script_dest) if script_dest else None)
-    return Snapshot(value, sources)
+    return Snapshot(value, found.files, listing, found.untracked)
