@@ -30,6 +30,7 @@ from jobs.runs import lock as runlock
 from jobs.config import Config
 from jobs.runs.lifecycle import Launch
 from jobs.slurm.script import REQUEUE_EXIT, local_argv
+from kernel import environ
 from kernel.errors import ConfigError
 from kernel.rundir import HANGS_DIR, HANG_EXIT
 from kernel.fs import write_atomic
@@ -115,14 +116,20 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
     flags, run directory and events; rank 0's output on the terminal. Ctrl-C asks the ranks to
     save at the step boundary (the run stays resumable, exit 75); a second one stops them. Under
     pyxis the steps name their container by the allocation, so running again reuses it."""
-    job = os.environ.get("SLURM_JOB_ID", "")
+    job = environ.job_id()
+    salloc = f"`salloc --nodes={cfg.slurm.nodes} ...` first and run it in that shell, or `slipway submit {cfg.config_args}`"
     if not job:
-        raise ConfigError("slipway run", f"not inside a Slurm allocation: `salloc --nodes={cfg.slurm.nodes} ...` "
-                                         f"first and run it in that shell, or `slipway submit {cfg.config_args}`")
-    have = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or ""
-    if have.isdigit() and int(have) < cfg.slurm.nodes:
+        raise ConfigError("slipway run", f"not inside a Slurm allocation: {salloc}")
+    have = environ.count("SLURM_JOB_NUM_NODES")
+    have = environ.count("SLURM_NNODES") if have is None else have
+    if have is not None and have < cfg.slurm.nodes:
         raise ConfigError("slurm.nodes", f"the run needs {cfg.slurm.nodes} nodes, allocation {job} has {have}: "
                                          f"salloc --nodes={cfg.slurm.nodes}, or run with --nodes {have}")
+    info = slurm.job_info(job)  # a shell left from an allocation that ended still says its id
+    if info is None or info.state.split()[0] != "RUNNING":
+        state = f"is {info.state.split()[0]}" if info is not None else "is unknown to Slurm"
+        raise ConfigError("$SLURM_JOB_ID", f"allocation {job} {state}, not running: this shell is not inside a "
+                                           f"live allocation; {salloc}")
     cfg.container.require_host_env()
     sealed = runs.seal(cfg, project_dir)
     check_before_start(sealed, cfg.config_args)

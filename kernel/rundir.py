@@ -133,6 +133,7 @@ class EventKind(str, enum.Enum):
     TIME_LIMIT_REQUEUE = "time-limit requeue"
     TIME_LIMIT_STOP = "time-limit stop"  # saved at the warning, slurm.requeue off: the job ends REQUEUE_EXIT
     NOT_REQUEUEING = "not requeueing"  # the time-limit requeues are used up: the job ends REQUEUE_EXIT
+    VERIFICATION_FAILED = "verification failed"  # what the job runs is not what was submitted: exit 2, no retry
     PREFLIGHT_OK = "preflight ok"
     PREFLIGHT_FAILED = "preflight failed"
     HANG = "hang"
@@ -154,6 +155,7 @@ _KINDS: tuple[tuple[str, EventKind], ...] = (
     ("time-limit requeue", EventKind.TIME_LIMIT_REQUEUE),
     ("not requeueing", EventKind.NOT_REQUEUEING),
     ("time-limit stop", EventKind.TIME_LIMIT_STOP),
+    ("verification failed", EventKind.VERIFICATION_FAILED),
     ("preflight ok", EventKind.PREFLIGHT_OK),
     ("preflight failed", EventKind.PREFLIGHT_FAILED),
     ("hang:", EventKind.HANG),

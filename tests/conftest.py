@@ -11,10 +11,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
 # The first lines of an `srun` stand-in for batch scripts run outside Slurm: the per-node
-# helper does nothing, the preflight passes on every node of the job (the node step keeps its
-# arguments in $RUN_DIR/srun-preflight-args); any other call falls through to the lines after.
+# helper does nothing, the verification runs for real once per node of the job, the preflight
+# passes on every node (the node step keeps its arguments in $RUN_DIR/srun-preflight-args); any
+# other call falls through to the lines after.
 SRUN_PASSING_PREFLIGHT = """[ "$1" = --overlap ] && exit 0
 case " $* " in
+  *" slipway-verify "*) while [ "${1#--}" != "$1" ]; do shift; done  # the node check itself, once per node
+    for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do SLURMD_NODENAME=$n "$@"; done
+    exit 0 ;;
   *" trainer.preflight node "*) printf "%s\\n" "$@" > "$RUN_DIR/srun-preflight-args"
     for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do echo "slipway-preflight $n ok: stand-in"; done
     exit 0 ;;
@@ -49,6 +53,16 @@ def project(tmp_path: Path, monkeypatch) -> Path:
     monkeypatch.setenv("SLIPWAY_PROJECT", str(proj))
     monkeypatch.delenv("SLIPWAY_RUNS", raising=False)
     return proj
+
+
+def write_libraries(run_dir: Path, env) -> None:
+    """The pinned job libraries a batch script of `env`'s runtime sources, into `run_dir` (what a
+    submission writes beside job.sbatch), for scripts rendered and run by a test."""
+    from jobs.slurm.script import library_files
+
+    for rel, text in library_files(env).items():
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / rel).write_text(text)
 
 
 def stand_in(bin_dir: Path, name: str, body: str) -> None:

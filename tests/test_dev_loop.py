@@ -29,8 +29,9 @@ PY = sys.executable
 
 
 def checkout(project: Path) -> Path:
-    """The project as a checkout of its own: slipway, run from it, snapshots its trainer/."""
-    shutil.copytree(ROOT / "trainer", project / "trainer", ignore=shutil.ignore_patterns("__pycache__"))
+    """The project as a checkout of its own: slipway, run from it, snapshots its kernel/ and trainer/."""
+    for name in ("kernel", "trainer"):
+        shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
     return project / "trainer"
 
 
@@ -192,7 +193,7 @@ def test_pyxis_keeps_the_container_of_a_known_build_only(project):
         return next(line for line in r.stdout.splitlines() if line.startswith("CONTAINER_PREFIX="))
 
     assert settings(f"container.image={img}") == (f"CONTAINER_PREFIX=slipway- CONTAINER_BUILD=i{file_sha256(img)[:16]} "
-                                                  "KEEP_BUILDS=3")
+                                                  f"KEEP_BUILDS=3 IMAGE_IDENTITY={file_sha256(img)}")
     assert "CONTAINER_BUILD='' KEEP_BUILDS=0" in settings(f"container.image={img}", "container.keep_builds=0")
     assert "CONTAINER_BUILD=''" in settings("container.image=nvcr.io#nvidia/pytorch:25.01-py3")
     bad = slipway("submit", "tiny_cpu", "--dry-run", "container.runtime=pyxis", f"container.image={img}",
@@ -290,6 +291,30 @@ def test_a_job_runs_the_code_it_was_submitted_with_through_a_requeue(project, sl
     assert r.returncode == 0, r.stderr
     assert snapshots(runs / STORE) == [new["dir"][-16:]]
     assert wait_end(r.stdout.strip()) == "COMPLETED"
+
+
+@pytest.mark.slurm
+def test_a_snapshot_changed_after_submission_fails_the_job_before_training_naming_the_file(project, slurm_env):
+    """Every node checks the code against the hash the job names: a file of the store edited while
+    the job waits ends it with exit 2 before any training step, no retry, no node blamed."""
+    checkout(project)
+    r = slipway("submit", "tiny_cpu", "--parsable", "--run-name", "edited", "--nodes", "2", "--dp", "2",
+                "launch.procs_per_node=1", *TINY, "slurm.extra=[--hold]")
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip()
+    run_dir = project / "runs" / "edited"
+    code = json.loads((run_dir / "manifest.json").read_text())["code"]
+    edited = Path(code["dir"]) / "trainer" / "train.py"
+    edited.chmod(0o644)
+    edited.write_text(edited.read_text() + "\nimport os  # an edit made in the store after submission\n")
+    subprocess.run(["scontrol", "release", job], check=True)
+    assert wait_end(job) == "FAILED"
+    events = (run_dir / "events.log").read_text()
+    assert f"job {job} verification failed: {edited} differs from the file submitted (on node" in events, events
+    assert f"job {job} end exit 2" in events and "retry" not in events and "preflight" not in events
+    assert not (run_dir / "metrics.jsonl").exists()  # no rank started
+    status = slipway("status", "edited")
+    assert "FAILED" in status.stdout and "differs from the file submitted" in status.stdout, status.stdout
 
 
 def metrics_steps(run_dir: Path) -> list[int]:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import write_libraries
 from jobs.config import load_config
-from jobs.slurm.script import RunPaths, render_sbatch
+from jobs.slurm.script import Pins, RunPaths, render_sbatch
 from kernel.rundir import HANG_EXIT, PREFLIGHT_EXIT
 from kernel.rundir import PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE
 
@@ -40,6 +41,8 @@ fi
 SRUN = """#!/bin/bash
 [ "$1" = --overlap ] && exit 0
 case " $* " in
+  *" slipway-verify "*) while [ "${1#--}" != "$1" ]; do shift; done
+    for n in $(cat "$FAKE/nodes"); do SLURMD_NODENAME=$n "$@"; done; exit 0 ;;
   *" trainer.preflight node "*)
     [[ " $* " == *" --kill-on-bad-exit=0 "* ]] && exec bash "$FAKE/node.sh"
     # As Slurm does under KillOnBadExit=1 (the local cluster's, and many sites'): the first task
@@ -57,7 +60,7 @@ class Job:
     """A run directory, the batch script of a 2-node job of 2 ranks each, and its stand-ins."""
 
     def __init__(self, tmp_path: Path, *overrides: str, nodes: str = "node1 node2",
-                 partition: str = "node1 alloc\nnode2 alloc\nnode3 idle"):
+                 partition: str = "node1 alloc\nnode2 alloc\nnode3 idle", pins: Pins = Pins()):
         self.run_dir = tmp_path / "p" / "runs" / "r1"
         self.run_dir.mkdir(parents=True)
         self.fake = tmp_path / "fake"
@@ -73,7 +76,8 @@ class Job:
         self.script("train.sh", "exit 0")
         cfg = load_config("configs/tiny_cpu.yaml", ["run.name=r1", "slurm.nodes=2", "parallel.dp=4", *overrides])
         self.cfg = cfg
-        self.text = render_sbatch(cfg, RunPaths(self.run_dir, tmp_path / "p"), cfg.container)
+        self.text = render_sbatch(cfg, RunPaths(self.run_dir, tmp_path / "p"), cfg.container, pins)
+        write_libraries(self.run_dir, cfg.container)
 
     def script(self, name: str, body: str) -> None:
         (self.fake / name).write_text(body + "\n")
@@ -324,3 +328,57 @@ def test_no_preflight_when_off_or_with_a_custom_command(tmp_path, overrides):
     assert "trainer.preflight" not in job.text and "PREFLIGHT_PORT" not in job.text and PREFLIGHT_ENV not in job.text
     job.script("node.sh", "exit 99")
     assert job.run() == 0, job.out
+
+
+# ---------------------------------------------------------------- what the job runs, checked first
+
+
+def _code(tmp_path: Path):
+    from jobs.runs.code import plan_snapshot
+
+    return plan_snapshot(tmp_path / "p" / "runs" / ".code", None).write()
+
+
+def test_code_changed_after_submission_ends_the_job_before_anything_runs(tmp_path):
+    code = _code(tmp_path)
+    job = Job(tmp_path, pins=Pins(code=code))
+    job.script("train.sh", "echo TRAINING >> \"$FAKE/trained\"")
+    assert job.run() == 0, job.out  # as submitted: it trains
+    assert (job.fake / "trained").exists()
+    (job.fake / "trained").unlink()
+    edited = Path(code.dir) / "trainer" / "optim.py"
+    edited.chmod(0o644)
+    edited.write_text(edited.read_text() + "\n# edited in the store after submission\n")
+    (job.run_dir / "events.log").unlink()
+    assert job.run() == 2, job.out
+    events = job.events()
+    assert events == [events[0], f"verification failed: {edited} differs from the file submitted (on node1)",
+                      "end exit 2"], events
+    assert not (job.fake / "trained").exists() and not (job.fake / "scontrol.log").read_text().count("requeue")
+
+
+def test_an_image_removed_before_the_start_is_one_line_and_no_retry(tmp_path):
+    image = tmp_path / "images" / "slipway-0123.sqsh"
+    image.parent.mkdir()
+    image.write_bytes(b"hsqs" * 100)
+    st = image.stat()
+    pins = Pins(image_file=str(image), image_size=st.st_size, image_mtime=int(st.st_mtime), image_identity="b" * 64)
+    job = Job(tmp_path, pins=pins)
+    image.unlink()
+    assert job.run() == 2, job.out
+    assert job.events()[1:] == [f"verification failed: the image {image} is missing on this node (removed or moved "
+                                "after submission): restore it, or build the image again and submit again (on node1)",
+                                "end exit 2"]
+    assert "requeue" not in (job.fake / "scontrol.log").read_text()
+
+
+def test_a_changed_job_library_is_refused_before_it_is_sourced(tmp_path):
+    job = Job(tmp_path)
+    lib = next((job.run_dir / "lib").glob("job_lib-*.sh"))
+    lib.write_text(lib.read_text() + "\nrm -rf \"$HOME\"  # a change made after submission\n")
+    assert job.run() == 2, job.out
+    assert job.events() == [f"verification failed: {lib} is not the job library submitted (missing or changed): "
+                            "submit again", "end exit 2"]
+    lib.unlink()
+    (job.run_dir / "events.log").unlink()
+    assert job.run() == 2 and "is not the job library submitted" in job.events()[0]

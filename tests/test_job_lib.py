@@ -1,22 +1,25 @@
-"""The job library (jobs/slurm/job_lib.sh) function by function, in bash, with stand-in Slurm and enroot
-commands on PATH: the decisions it takes from prepared files and the events it writes. No Slurm;
+"""The job library (jobs/slurm/job_lib.sh and its pyxis part, pyxis_lib.sh) function by function, in
+bash, with stand-in Slurm and enroot commands on PATH: the decisions it takes from prepared files
+and the events it writes. No Slurm;
 the whole batch script is run in tests/test_hang_script.py, and on a real cluster in
 tests/test_hang_slurm.py."""
 
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import signal
 import subprocess
 import time
 from pathlib import Path
 
-from jobs.slurm.script import JOB_LIB
+from jobs.slurm.script import JOB_LIB, PYXIS_LIB
 
 SETTINGS = """RUN_DIR={run_dir}
 NODES_NEEDED=2 PROCS_PER_NODE=2 RANKS=4 REQUEUE=1 MAX_RETRIES=2 MAX_REQUEUES=3 PREFLIGHT_TIMEOUT=300
 NO_REQUEUE='slurm.requeue is off'
-PREFLIGHT_EXIT=5 HANG_EXIT=4 REQUEUE_EXIT=75 CHECKPOINT_DIR="$RUN_DIR/checkpoints"
+PREFLIGHT_EXIT=5 HANG_EXIT=4 REQUEUE_EXIT=75 BAD_INPUT_EXIT=2 CHECKPOINT_DIR="$RUN_DIR/checkpoints"
 HANGS="$RUN_DIR/hangs" STOP_FILE="$RUN_DIR/stop-requested"
 CONTAINER_PREFIX={prefix} CONTAINER_BUILD={build} KEEP_BUILDS=2
 STEP_STOP_WAIT=5 CONTAINER_REMOVE_WAIT=1 CANCEL_REMOVE_WAIT=3 STALE_REMOVE_TIMEOUT=60
@@ -45,7 +48,7 @@ class Lib:
 
     def script(self, body: str) -> str:
         return ("set -euo pipefail\n" + SETTINGS.format(run_dir=self.run_dir, prefix=self.prefix, build=self.build)
-                + JOB_LIB + "\nCONTAINER_NAME=$(container_name)\n" + body + "\n")
+                + JOB_LIB + PYXIS_LIB + "\nCONTAINER_NAME=$(container_name)\n" + body + "\n")
 
     def env(self) -> dict[str, str]:
         return {"PATH": f"{self.bin}:{os.environ['PATH']}", "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "node[1-2]",
@@ -221,7 +224,7 @@ def test_a_build_container_stays_at_the_end_and_is_named_by_the_build(tmp_path):
     assert not [c for c in lib.calls() if c.startswith("srun")], lib.calls()  # kept: no removal
 
 
-def test_a_site_whose_pyxis_removes_named_containers_is_said_once(tmp_path):
+def test_a_site_whose_pyxis_removes_named_containers_is_said_once_and_keeps_none(tmp_path):
     lib = Lib(tmp_path, prefix="slipway-", build="i0123456789abcdef")
     conf = tmp_path / "slurm"
     (conf / "plugstack.conf.d").mkdir(parents=True)
@@ -229,13 +232,15 @@ def test_a_site_whose_pyxis_removes_named_containers_is_said_once(tmp_path):
     pyxis = conf / "plugstack.conf.d" / "pyxis.conf"
     lib.stand_in("scontrol", f'[ "$1 $2" = "show config" ] && echo "PlugStackConfig         = {conf}/plugstack.conf"')
     pyxis.write_text("required /usr/local/lib/slurm/spank_pyxis.so runtime_path=/run/pyxis container_scope=job\n")
-    assert lib.run("pyxis_scope; note_container_scope; note_container_scope").stdout.strip() == "job"
+    r = lib.run('pyxis_scope; keep_container; keep_container; echo "kept=$KEPT_CONTAINER"')
+    assert r.stdout.split() == ["job", "kept="], r.stderr  # pyxis names it per job there: nothing to ready
     assert lib.events() == ["containers: this cluster's pyxis removes named containers at each job's end "
                             "(container_scope=job), so every job unpacks the image and container.keep_builds "
                             "has no effect"]
     pyxis.write_text("required /usr/local/lib/slurm/spank_pyxis.so runtime_path=/run/pyxis\n")
     (lib.run_dir / "events.log").unlink()
-    assert lib.run("pyxis_scope; note_container_scope").stdout.strip() == "global" and lib.events() == []
+    r = lib.run('pyxis_scope; keep_container; echo "kept=$KEPT_CONTAINER"')
+    assert r.stdout.split() == ["global", "kept=pyxis_slipway-i0123456789abcdef"] and lib.events() == []
     pyxis.unlink()
     assert lib.run("pyxis_scope").stdout.strip() == ""
 
@@ -318,3 +323,205 @@ def _wait_for(check, timeout: float = 10) -> None:
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- what the job runs, checked on every node
+
+
+def _snapshot(tmp_path: Path):
+    """A real code snapshot, as a submission writes it (jobs/runs/code.py)."""
+    from jobs.runs.code import plan_snapshot
+
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    (folder / "train_mine.py").write_text("print('hi')\n")
+    (folder / "tool.sh").write_text("echo x\n")
+    (folder / "tool.sh").chmod(0o755)
+    (folder / "alias.py").symlink_to("train_mine.py")
+    (folder / "name with spaces.py").write_text("X = 1\n")
+    return plan_snapshot(tmp_path / "runs" / ".code", str(folder / "train_mine.py")).write()
+
+
+def test_a_code_snapshot_as_submitted_passes_and_any_change_is_named(tmp_path):
+    lib = Lib(tmp_path)
+    code = _snapshot(tmp_path)
+    snap = Path(code.dir)
+    check = f"verify_code {shlex.quote(code.dir)} {code.hash}"
+    r = lib.run(check)
+    assert r.returncode == 0 and r.stdout == "", (r.stdout, r.stderr)
+
+    def changed(edit, expected: str) -> None:
+        for path in [snap, *snap.rglob("*")]:
+            if path.is_dir() and not path.is_symlink():
+                path.chmod(0o755)
+        edit()
+        r = lib.run(f"{check} || echo refused")
+        assert r.stdout.splitlines() == [expected, "refused"], (r.stdout, r.stderr)
+
+    model = snap / "trainer" / "model.py"
+    original = model.read_bytes()
+    changed(lambda: (model.chmod(0o644), model.write_bytes(original + b"#")), f"{model} differs from the file submitted")
+    model.write_bytes(original)
+    lib.run(check).check_returncode()
+    spaced = snap / "script" / "name with spaces.py"
+    changed(lambda: (spaced.chmod(0o644), spaced.write_text("X = 2\n")), f"{spaced} differs from the file submitted")
+    spaced.write_text("X = 1\n")
+    changed(lambda: (snap / "trainer" / "evil.py").write_text("x"), f"{snap}/trainer/evil.py was added after submission")
+    (snap / "trainer" / "evil.py").unlink()
+    data = snap / "trainer" / "data.py"
+    kept = data.read_bytes()
+    changed(data.unlink, f"{data} is missing")
+    data.write_bytes(kept)
+    changed(lambda: ((snap / "script" / "alias.py").unlink(), (snap / "script" / "alias.py").symlink_to("/etc/passwd")),
+            f"{snap}/script/alias.py differs from the link submitted")
+    (snap / "script" / "alias.py").unlink()
+    (snap / "script" / "alias.py").symlink_to("train_mine.py")
+    changed(lambda: (snap / "script" / "tool.sh").chmod(0o644),
+            f"{snap}/script/tool.sh is missing or no longer executable")
+    (snap / "script" / "tool.sh").chmod(0o555)
+    lib.run(check).check_returncode()
+    listing = snap / ".slipway-files"
+    changed(lambda: (listing.chmod(0o644), listing.write_text(listing.read_text().replace("model.py", "modeL.py"))),
+            f"{listing} is not the listing recorded at submission")
+    r = lib.run(f"verify_code {shlex.quote(str(tmp_path / 'gone'))} {code.hash} || echo refused")
+    assert r.stdout.splitlines() == [f"the code snapshot {tmp_path / 'gone'} is missing (removed after submission?)",
+                                     "refused"]
+
+
+def test_an_image_is_vouched_for_by_its_stat_then_by_its_bytes(tmp_path):
+    import hashlib
+
+    lib = Lib(tmp_path)
+    image = tmp_path / "img dir" / "image.sqsh"
+    image.parent.mkdir()
+    image.write_bytes(b"squashfs" * 1000)
+    st = image.stat()
+    sha = hashlib.sha256(image.read_bytes()).hexdigest()
+    q = shlex.quote(str(image))
+    assert lib.run(f"verify_image {q} '' {st.st_size} {int(st.st_mtime)}").stdout == ""
+    os.utime(image, (st.st_atime, st.st_mtime + 100))  # touched, same bytes: the hash vouches for it
+    assert lib.run(f"verify_image {q} {sha} {st.st_size} {int(st.st_mtime)}").returncode == 0
+    r = lib.run(f"verify_image {q} '' {st.st_size} {int(st.st_mtime)} || echo refused")  # no hash to ask
+    assert r.stdout.splitlines()[-1] == "refused" and "changed after submission" in r.stdout
+    image.write_bytes(b"other" * 1000)
+    r = lib.run(f"verify_image {q} {sha} {st.st_size} {int(st.st_mtime)} || echo refused")
+    assert r.stdout.startswith(f"the image {image} changed after submission (size 5000 bytes, submitted 8000 bytes; "
+                               "its bytes differ)") and r.stdout.splitlines()[-1] == "refused"
+    image.unlink()
+    r = lib.run(f"verify_image {q} {sha} 8000 1 || echo refused")
+    assert r.stdout.splitlines() == [f"the image {image} is missing on this node (removed or moved after submission): "
+                                     "restore it, or build the image again and submit again", "refused"]
+    assert lib.run("verify_image '' '' '' ''").returncode == 0  # a registry image: nothing on disk to check
+
+
+def _enroot_unpacking(lib: Lib, data: Path, seconds: float = 0.0) -> None:
+    """A stand-in enroot whose `create` unpacks slowly, file by file, as a real one does (a second
+    unpack into the same name fails on "File exists", as enroot's does)."""
+    data.mkdir(parents=True, exist_ok=True)
+    lib.stand_in("enroot", f'export ENROOT_DATA_PATH="${{ENROOT_DATA_PATH:-{data}}}"\n'
+                           "# ----- END CONFIG -----\n"
+                           'case "$1" in\n'
+                           '  list) ls -1 "$ENROOT_DATA_PATH" ;;\n'
+                           '  remove) rm -rf "${ENROOT_DATA_PATH:?}/$3" ;;\n'
+                           '  create) d="$ENROOT_DATA_PATH/$3"\n'
+                           '    [ -e "$d" ] && { echo "[ERROR] File already exists: $d" >&2; exit 1; }\n'
+                           '    [ -f "$4" ] || { echo "[ERROR] No such file or directory: $4" >&2; exit 1; }\n'
+                           f'    mkdir -p "$d/usr"; for i in 1 2 3 4 5; do sleep {seconds}; touch "$d/usr/f$i"; done ;;\n'
+                           'esac')
+
+
+def test_two_jobs_of_one_build_on_one_node_unpack_its_container_once(tmp_path):
+    """Started at the same moment, both jobs get the whole container; enroot unpacks it once."""
+    lib = Lib(tmp_path)
+    data = tmp_path / "enroot-data"
+    _enroot_unpacking(lib, data, seconds=0.2)
+    image = tmp_path / "image.sqsh"
+    image.write_bytes(b"x")
+    name = "pyxis_slipway-i0123456789abcdef"
+    procs = [subprocess.Popen(["bash", "-c", lib.script(f"ensure_container {name} {image} IDENT && echo ready")],
+                              env=lib.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and [o[0] for o in outs] == ["ready\n", "ready\n"], outs
+    assert sorted(p.name for p in (data / name / "usr").iterdir()) == ["f1", "f2", "f3", "f4", "f5"]
+    creates = [c for c in lib.calls() if c.startswith("enroot create")]
+    assert len(creates) == 1 and re.fullmatch(rf"enroot create --name \.slipway-unpacking-{name}\.\d+ {image}",
+                                              creates[0]), creates
+    assert (data / ".slipway" / f"{name}.ready").read_text() == "IDENT\n"
+    assert not [p for p in data.iterdir() if p.name.startswith(".slipway-unpacking")]
+
+
+def test_a_container_without_its_mark_is_unpacked_again(tmp_path):
+    """An unpack cut short (a directory and no mark), or one of another image under the same name,
+    is never started in: it is removed and unpacked whole."""
+    lib = Lib(tmp_path)
+    data = tmp_path / "enroot-data"
+    _enroot_unpacking(lib, data)
+    image = tmp_path / "image.sqsh"
+    image.write_bytes(b"x")
+    name = "pyxis_slipway-i0123456789abcdef"
+    (data / name / "usr").mkdir(parents=True)
+    (data / name / "usr" / "f1").touch()  # 1 file of 5: what a killed unpack leaves
+    (data / f".slipway-unpacking-{name}.999" / "usr").mkdir(parents=True)  # an unpack killed midway
+    lib.run(f"ensure_container {name} {image} IDENT").check_returncode()
+    assert len(list((data / name / "usr").iterdir())) == 5
+    assert not (data / f".slipway-unpacking-{name}.999").exists()
+    assert "enroot remove --force .slipway-unpacking-" + name + ".999" in lib.calls()
+    creates = len([c for c in lib.calls() if c.startswith("enroot create")])
+    lib.run(f"ensure_container {name} {image} IDENT").check_returncode()  # complete: reused as it is
+    assert len([c for c in lib.calls() if c.startswith("enroot create")]) == creates
+    (data / ".slipway" / f"{name}.ready").write_text("OTHER\n")  # marked for another image
+    lib.run(f"ensure_container {name} {image} IDENT").check_returncode()
+    assert len([c for c in lib.calls() if c.startswith("enroot create")]) == creates + 1
+    r = lib.run(f"ensure_container {name} {tmp_path / 'missing.sqsh'} NEW || echo refused")
+    assert r.stdout.splitlines()[-1] == "refused" and "enroot could not unpack" in r.stdout
+    assert not [p for p in data.iterdir() if p.name.startswith(".slipway-unpacking")]
+
+
+def test_the_sweep_never_removes_a_container_being_unpacked(tmp_path):
+    lib = Lib(tmp_path)
+    data = tmp_path / "enroot-data"
+    _enroot_unpacking(lib, data)
+    name = "pyxis_slipway-iold"
+    (data / name / "usr").mkdir(parents=True)
+    (data / ".slipway").mkdir()
+    holder = subprocess.Popen(["flock", str(data / ".slipway" / f"{name}.lock"), "sleep", "30"], start_new_session=True)
+    try:
+        _wait_for(lambda: subprocess.run(["flock", "-n", str(data / ".slipway" / f"{name}.lock"), "true"]).returncode)
+        r = lib.run("sweep_containers 41 41 iaaa 0")
+        assert f"kept {name}: a job is unpacking it" in r.stdout.splitlines(), (r.stdout, r.stderr)
+        assert (data / name).is_dir()
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)  # flock and the sleep that holds its lock
+        holder.wait()
+    r = lib.run("sweep_containers 42 42 iaaa 0")
+    assert f"removed {name}" in r.stdout.splitlines() and not (data / name).exists()
+
+
+def test_verify_nodes_ends_a_job_whose_code_differs_without_retry_or_blame(tmp_path):
+    lib = Lib(tmp_path)
+    code = _snapshot(tmp_path)
+    lib.stand_in("srun", 'while [ "${1#--}" != "$1" ]; do shift; done\n'
+                         'for n in node1 node2; do SLURMD_NODENAME=$n "$@"; done')
+    setting = f"CODE_DIR={shlex.quote(code.dir)} CODE_SHA256={code.hash}"
+    r = lib.run(f"{setting}; verify_nodes; echo verified")
+    assert r.stdout.strip() == "verified" and lib.events() == [], (r.stdout, r.stderr)
+    model = Path(code.dir) / "trainer" / "model.py"
+    model.chmod(0o644)
+    model.write_text("# edited after submission\n")
+    r = lib.run(f"{setting}; verify_nodes; echo verified")
+    assert r.returncode == 2 and "verified" not in r.stdout
+    assert lib.events() == [f"verification failed: {model} differs from the file submitted (on node1)"]
+    assert not [c for c in lib.calls() if c.startswith("scontrol requeue")]
+
+
+def test_verify_nodes_retries_without_a_node_that_sent_no_report(tmp_path):
+    lib = Lib(tmp_path)
+    lib.stand_in("srun", 'while [ "${1#--}" != "$1" ]; do shift; done\nSLURMD_NODENAME=node1 "$@"; exit 1')
+    lib.stand_in("sinfo", 'printf "node1 alloc\\nnode2 alloc\\nnode3 idle\\n"')
+    lib.stand_in("scontrol", '[ "$1 $2" = "show job" ] && echo "JobId=41 ExcNodeList=(null)"; '
+                             '[ "$1 $2" = "show hostnames" ] && tr , "\\n" <<< "$3"; true')
+    r = lib.run("CODE_DIR='' CODE_SHA256=''; verify_nodes; echo verified")
+    assert r.returncode == 0 and "verified" not in r.stdout, r.stderr
+    assert lib.events() == ["preflight failed on node2: no verification report within 300 s (step exit 1)",
+                            "retry 1/2 (preflight): requeueing without node2 (excluded nodes: node2)"]

@@ -1,7 +1,7 @@
 """A run's pinned image through its life: prune keeps what runs pin, submit and doctor refuse a
 pinned squashfs that is not there (whatever names it), `doctor RUN` checks a run, `shell` works
-before any run and checks its mount sources before srun, and the stale-build note names what
-differs and the command that builds it.
+before any run and checks its mount sources before srun, and a submission runs the build of its
+image settings (not the latest), or names what differs and the command that builds it.
 
 Through the command line, with real files: the squashfs stand-ins and build records are written
 through the image module itself (as tests/test_sealed.py does); only podman and enroot are skipped.
@@ -181,7 +181,8 @@ def test_doctor_of_a_run_names_what_its_config_would_build_now(project, pin_conf
     assert "the dependencies (pyproject.toml) changed" in line and "sources" not in line, line
     assert "slipway image build" in line
 
-    # A mount source removed since submission: the next job would not start.
+    # A mount source removed since submission: the next job would not start (on a build of today's settings).
+    fake_build(project)
     mounted = project / "data"
     mounted.mkdir()
     submit("m", f"container.mounts=[{mounted}:/data]", env=slurm_stand_ins)
@@ -236,31 +237,44 @@ def test_a_missing_mount_source_is_refused_before_srun(project, tmp_path):
     assert f"--container-mounts={scratch}:/scratch" in ran.read_text().splitlines()
 
 
-# ------------------------------------------------------------------ the stale-build note
+# ------------------------------------------------------------------ the build of the config's settings
 
 
-def test_stale_build_note_names_only_what_differs_and_carries_the_overrides(project, pin_config):
-    fake_build(project)  # the config's defaults: flash-attn on
-    r = slipway("submit", pin_config, *PYXIS, "image.flash_attn=false", "--seed", "7", "--dry-run")
+def _pinned_by_dry_run(pin_config: str, *args: str) -> str:
+    r = slipway("submit", pin_config, *PYXIS, *args, "--dry-run")
     assert r.returncode == 0, r.stderr
-    (note,) = [line for line in r.stdout.splitlines() if "is not what this config builds now" in line]
-    assert "image.flash_attn true -> false" in note
-    assert "sources" not in note and "Dockerfile" not in note and "base_image" not in note
-    command = note.split("`")[1]
-    assert shlex.split(command) == ["slipway", "image", "build", "pin", *PYXIS, "image.flash_attn=false",
-                                    "run.seed=7"]
-    assert "make image" not in note
+    return r.stdout + r.stderr
 
-    # Only the sources changed: the note says that alone; no note once the build matches.
-    fake_build(project, "image.flash_attn=false")
-    r = slipway("submit", pin_config, *PYXIS, "image.flash_attn=false", "--dry-run")
-    assert "is not what this config builds now" not in r.stdout, r.stdout
-    (project / "configs" / "extra.yaml").write_text("# new\n")
+
+def test_a_submission_runs_the_build_of_its_image_settings_not_the_latest(project, pin_config, slurm_stand_ins):
+    with_flash = fake_build(project)  # the config's defaults: flash-attn on
+    without = fake_build(project, "image.flash_attn=false")  # built last: the current image
+    assert with_flash.name in _pinned_by_dry_run(pin_config)
+    assert without.name in _pinned_by_dry_run(pin_config, "image.flash_attn=false")
+    # Through a real submission, the manifest pins the build of the settings.
+    manifest = submit("variant", env=slurm_stand_ins)
+    assert manifest["image"]["path"] == str(with_flash.resolve())
+
     # A code change needs no rebuild: the run's code snapshot brings it.
-    r = slipway("submit", pin_config, *PYXIS, "image.flash_attn=false", "--dry-run")
-    assert "is not what this config builds now" not in r.stdout, r.stdout
-    # Without a snapshot the job runs the image's code: then the sources are named.
-    r = slipway("submit", pin_config, *PYXIS, "image.flash_attn=false", "code.snapshot=false", "--dry-run")
-    (note,) = [line for line in r.stdout.splitlines() if "is not what this config builds now" in line]
-    assert "sources changed in configs/" in note and "flash_attn true" not in note
-    assert note.split("`")[1] == f"slipway image build pin {PYXIS[0]} image.flash_attn=false code.snapshot=false"
+    (project / "configs" / "extra.yaml").write_text("# new\n")
+    assert with_flash.name in _pinned_by_dry_run(pin_config)
+
+    # Settings no build has: one line, what differs from the closest build and the command that builds
+    # exactly that (the user's image overrides, nothing else); doctor says the same.
+    r = slipway("submit", pin_config, *PYXIS, "image.base_image=localhost/other:1", "--seed", "7",
+                "--run-name", "other", env=slurm_stand_ins)
+    line = one_line_error(r, "container.image")
+    assert "no image is built for this config's image settings" in line
+    assert "image.base_image 'nvcr.io/nvidia/pytorch:25.12-py3' -> 'localhost/other:1'" in line
+    assert "flash_attn" not in line and "sources" not in line
+    command = line.split("`")[1]
+    assert shlex.split(command) == ["slipway", "image", "build", "pin", "image.base_image=localhost/other:1"]
+    assert not (project / "runs" / "other").exists()
+    r = slipway("doctor", pin_config, *PYXIS, "image.base_image=localhost/other:1")
+    assert r.returncode != 0 and "no image is built for this config's image settings" in r.stdout, r.stdout
+
+    # Without a snapshot the job runs the image's code: a build of other sources is not that build.
+    r = slipway("submit", pin_config, *PYXIS, "image.flash_attn=false", "code.snapshot=false", env=slurm_stand_ins)
+    line = one_line_error(r, "container.image")
+    assert "sources changed in configs/" in line and "flash_attn true" not in line
+    assert line.split("`")[1] == "slipway image build pin image.flash_attn=false"

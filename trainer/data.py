@@ -31,13 +31,13 @@ before each evaluation scores the same batches every time.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from kernel import environ
 from kernel.errors import ConfigError
 from trainer.config import TrainerConfig
 from trainer.data_cache import default_cache_dir, ensure_tokens, resolve_cache_dir
@@ -150,7 +150,7 @@ def check_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int, tokenizer
 def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) -> tuple[Sampler, Sampler | None, int]:
     """(train sampler, validation sampler or None, tokenizer vocabulary size) for this dp rank."""
     data, batch = cfg.data, cfg.train.micro_batch_size
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank0 = (environ.count("RANK") or 0) == 0
     status = cache_status(data, resolve_cache_dir(data, run_dir))
     if not status.prepared:
         if not status.tokenize_in_job:

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kernel import environ
 from kernel.errors import ConfigError
 from trainer.config import DataSection
 from trainer.data_sources import TextSource, TokenizerSpec
@@ -283,7 +284,7 @@ def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path,
                   progress: ProgressSink = None, role: str = "rank 0 of the training job") -> TokenFile:
     """The tokenized `source`: read from the cache, or written by rank 0 while
     the others wait. `role` says who rank 0 is, for the index (`prepared_by`)."""
-    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    rank = (environ.count("RANK") or 0) if rank is None else rank
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from trainer.compute import apply_ac, apply_float8, compile_blocks, resolve_compile
+from kernel import environ
 from kernel.errors import ConfigError
 from trainer.config import ParallelSection, TrainerConfig
 from trainer.layouts import resolve_reshard
@@ -84,9 +85,9 @@ def init_distributed(timeout: Optional[timedelta] = None) -> DistEnv:
     with a rendezvous (torchrun sets MASTER_ADDR and MASTER_PORT): a 1-GPU job then runs
     the same NCCL collectives as an 8-GPU one. A plain `python -m trainer` has none."""
     _env_from_slurm()
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank = environ.count("RANK") or 0
+    local_rank = environ.count("LOCAL_RANK") or 0
+    world_size = environ.count("WORLD_SIZE") or 1
     launched = world_size > 1 or ("WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
                                   and "MASTER_PORT" in os.environ)
     if torch.cuda.is_available():

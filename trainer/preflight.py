@@ -45,6 +45,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
+from kernel.environ import count as env_count
 from kernel.rundir import PREFLIGHT_EXIT
 from kernel.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE, append_event
 from trainer.watchdog import node_name
@@ -148,14 +149,23 @@ def node_checks(run_dir: Path, checkpoint_dir: Path, needed_bytes: int, gpus: in
 # ---------------------------------------------------------------- the collective
 
 
+def _first_count(*names: str, default: int) -> int:
+    """The first of `names` the environment sets (torchrun's, then Slurm's), checked (kernel.environ)."""
+    for name in names:
+        value = env_count(name)
+        if value is not None:
+            return value
+    return default
+
+
 def all_reduce_check(megabytes: float, iters: int, timeout_s: float) -> tuple[bool, str]:
     """`sum_across_ranks` in a process group of its own (the separate step of a `train.script`)."""
     import torch
     import torch.distributed as dist
 
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+    rank = _first_count("RANK", "SLURM_PROCID", default=0)
+    world = _first_count("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    local = _first_count("LOCAL_RANK", "SLURM_LOCALID", default=0)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
@@ -301,7 +311,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ok, text = node_checks(args.run_dir, args.checkpoint_dir, args.checkpoint_bytes, args.gpus)
         print(f"slipway-preflight {node_name()} {'ok' if ok else 'fail'}: {text}", flush=True)
         return 0 if ok else PREFLIGHT_EXIT
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    rank = _first_count("RANK", "SLURM_PROCID", default=0)
     try:
         ok, text = all_reduce_check(args.megabytes, args.iters, args.timeout)
     except Exception as exc:  # any failure of the collective is the answer, on one line

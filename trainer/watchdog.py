@@ -49,6 +49,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
+from kernel import environ
 from kernel.rundir import HANGS_DIR, HANG_EXIT, PROGRESS_FILE
 from trainer.config import TrainSection
 from kernel.fs import write_atomic
@@ -110,13 +111,13 @@ def process_group_timeouts() -> list[str]:
 
 def node_name() -> str:
     """The Slurm node this rank runs on (the name `scontrol show hostnames` gives), else the hostname."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return environ.word("SLURMD_NODENAME") or socket.gethostname()
 
 
 def job_tag() -> str:
     """Names this job attempt in file names: the batch script's SLIPWAY_JOB_TAG (the job id, with
     rN for its Nth requeue), else the Slurm job id, else `local`."""
-    return os.environ.get("SLIPWAY_JOB_TAG") or os.environ.get("SLURM_JOB_ID") or "local"
+    return environ.word("SLIPWAY_JOB_TAG") or environ.job_id() or "local"
 
 
 def dump_path(run_dir: Path, rank: int) -> Path:

@@ -89,7 +89,7 @@ def _image_tools() -> list[Result]:
 
 
 def _run_checks(cfg: Config, project_dir: Path) -> list[Result]:
-    from jobs.runs.container import pin_image, resolve_paths, stale_build_note, visibility_mounts
+    from jobs.runs.container import pin_image, resolve_paths, visibility_mounts
 
     paths = runs.RunPaths(runs.runs_root(project_dir) / cfg.run.name, project_dir.absolute())
     out: list[Result] = [("parallel layout", True, f"dp({cfg.parallel.dp}) x tp({cfg.parallel.tp}) x "
@@ -107,8 +107,7 @@ def _run_checks(cfg: Config, project_dir: Path) -> list[Result]:
         if pin.source == "none":
             return [("image", True, "runtime none: no image")]
         detail = f"{pin.image} ({pin.source}{', build ' + pin.build_hash[:12] if pin.build_hash else ''})"
-        stale = stale_build_note(frozen, paths.project_dir, pin)
-        return [("image", True, detail)] + ([("image", True, f"note: {stale}")] if stale else [])
+        return [("image", True, detail)]
 
     def visible() -> list[Result]:
         added = visibility_mounts(frozen, paths)

@@ -93,9 +93,9 @@ def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console
     """The unpacked pyxis containers slipway jobs left on the nodes (container.keep_builds, and
     any a job's end did not finish removing): listed, or with `remove` removed, except those a
     queued or running job uses. One srun task per node runs the batch script's own sweep
-    (jobs/slurm/job_lib.sh) with no build kept."""
+    (jobs/slurm/pyxis_lib.sh) with no build kept."""
     from jobs.slurm import hostnames, responding_nodes
-    from jobs.slurm.script import JOB_LIB
+    from jobs.slurm.script import PYXIS_LIB
     from kernel.errors import ConfigError
 
     if which("srun") is None:
@@ -105,7 +105,7 @@ def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console
         raise ConfigError("--nodes", f"no responding node in partition {cfg.slurm.partition or '(any)'}: name the "
                                      "nodes with --nodes NODELIST")
     sweep = f'sweep_containers "" "" "" 0 {"" if remove else "list"}'
-    script = f'{JOB_LIB}\n{sweep} | sed "s/^/${{SLURMD_NODENAME:-$(hostname)}}: /"'
+    script = f'{PYXIS_LIB}\n{sweep} | sed "s/^/${{SLURMD_NODENAME:-$(hostname)}}: /"'
     s = cfg.slurm
     argv = srun_argv(nodes=len(names), ntasks_per_node=1, cpus_per_task=1, gpus_per_node=0, time=None,
                      account=s.account, partition=s.partition, pty=False,

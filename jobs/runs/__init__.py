@@ -31,9 +31,10 @@ from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_store
 from jobs.runs.container import (ImagePin, create_needed_dirs, kept_build, pin_image, remove_created_dirs,
-                                 resolve_paths, run_environment, stale_build_note)
+                                 resolve_paths, run_environment)
 from jobs.runs.lifecycle import Launch, LaunchState
-from jobs.slurm.script import PREPARE_SCRIPT, RunPaths, check_env_from_host, render_prepare_sbatch, render_sbatch
+from jobs.slurm.script import (LIB_DIR, PREPARE_SCRIPT, RunPaths, check_env_from_host, library_files, render_prepare_sbatch,
+                               render_sbatch)
 from kernel.errors import ConfigError
 from kernel.fs import write_atomic
 from kernel.rundir import LOCAL_JOB, CodeSnapshot, Event, append_event, read_events
@@ -273,19 +274,15 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
 
         link = resolve_path(paths.project_dir, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
         pin = ImagePin(cfg.container.image, cfg.container.image or str(link), "none")
-    else:
-        stale = stale_build_note(cfg, paths.project_dir, pin)
-        if stale:
-            notes.append(stale)
     code = (plan_snapshot(paths.run_dir.parent / CODE_STORE, cfg.train.script, paths.project_dir)
             if cfg.code.snapshot else None)
     if code is not None and code.untracked:
         shown = ", ".join(code.untracked[:5]) + (f" and {len(code.untracked) - 5} more" if len(code.untracked) > 5 else "")
         notes.append(f"not in the code snapshot, as git does not track them: {shown} (`git add` what the run needs)")
     env = run_environment(cfg, paths, pin, code.value if code else None)
-    script = render_sbatch(cfg, paths, env, code.value if code else None, kept_build(cfg, pin))
+    script = render_sbatch(cfg, paths, env, pin.pins(code.value if code else None, kept_build(cfg, pin)))
     _check_script_syntax(cfg, script)
-    files = {"config.yaml": dump_config(cfg), "job.sbatch": script}
+    files = {"config.yaml": dump_config(cfg), "job.sbatch": script, **library_files(env)}
     if env.in_container:
         files["env.toml"] = render_edf(env)
         if env.runtime == "pyxis":
@@ -336,6 +333,11 @@ def _config_difference(path: Path, new: str) -> Optional[str]:
     return None if resolved == new else "a different config"
 
 
+def _mode(name: str) -> int:
+    """job.sbatch runs; a pinned library (lib/, by hash) is never edited; the rest is data."""
+    return 0o755 if name == "job.sbatch" else 0o444 if name.startswith(f"{LIB_DIR}/") else 0o644
+
+
 def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     """Create or reuse `runs/RUN/`; returns (run, created).
 
@@ -368,7 +370,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
             if target.exists() and target.read_text() != text:
                 stem, dot, ext = name.partition(".")
                 write_atomic(paths.run_dir / "history" / f"{stem}-{stamp}{dot}{ext}", target.read_text())
-            write_atomic(target, text, 0o755 if name == "job.sbatch" else 0o644)
+            write_atomic(target, text, _mode(name))
         return run, False
     root = paths.run_dir.parent
     root.mkdir(parents=True, exist_ok=True)
@@ -378,7 +380,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     try:
         _group_readable(tmp)
         for name, text in files.items():
-            write_atomic(tmp / name, text, 0o755 if name == "job.sbatch" else 0o644)
+            write_atomic(tmp / name, text, _mode(name))
         (tmp / "logs").mkdir()
         manifest = {
             "run": cfg.run.name,

@@ -21,6 +21,7 @@ the container turns it into srun flags through `edf.srun_flags`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shlex
@@ -30,10 +31,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from edf import Environment, Mount, expand_host, is_local_image, resolve_base
-from containers.image import ImagePlan, current_image, image_plan
+from containers.image import ImagePlan, image_plan
 from containers.record import BuildRecord
-from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS, Config
-from jobs.slurm.script import RunPaths
+from jobs.config import Config
+from jobs.slurm.script import Pins, RunPaths
 from kernel.rundir import CodeSnapshot
 from kernel.errors import ConfigError, bounded_path
 from kernel.fs import file_sha256
@@ -71,6 +72,16 @@ class ImagePin:
         values.setdefault("reference", "")
         values.setdefault("image", "")
         return cls(**values)
+
+    def pins(self, code: Optional[CodeSnapshot], build: Optional[str]) -> Pins:
+        """What a job of this image checks on every node: the squashfs file by its size, mtime
+        and (where known) bytes; `code` and the kept container's build key ride along."""
+        mtime = None
+        if self.mtime:
+            with contextlib.suppress(ValueError):
+                mtime = int(datetime.fromisoformat(self.mtime).timestamp())
+        return Pins(code=code, image_file=self.path, image_sha256=self.sha256, image_size=self.size,
+                    image_mtime=mtime, image_identity=self.identity if self.path else None, build=build)
 
     @property
     def identity(self) -> Optional[str]:
@@ -117,12 +128,49 @@ def pin_image(cfg: Config, project_dir: Path) -> ImagePin:
                                              "container.image")
                 return _file_pin("", path, "base_environment")
             return ImagePin("", base.image, "base_environment")
-    record = current_image(cfg, root=project_dir)
-    if not record or not Path(record.squashfs).is_file():
-        raise ConfigError("container.image", f"is not set and no image is built for this config: run `make image "
-                                             f"CONFIG={cfg.config_name}` first, or set container.image to a squashfs "
-                                             "path or a registry image")
+    record = build_of_settings(cfg, project_dir)
     return _file_pin("", Path(record.squashfs), "build", record)
+
+
+def builds(cfg: Config, project_dir: Path) -> list[BuildRecord]:
+    """Every image `make image` built for the config's image name whose squashfs is there, newest
+    first (OUTPUT_DIR/NAME-HASH12.json beside OUTPUT_DIR/NAME-HASH12.sqsh)."""
+    from containers.context import resolve_path
+
+    out_dir = resolve_path(project_dir.resolve(), cfg.image.output_dir)
+    found = []
+    for sidecar in out_dir.glob(f"{cfg.image.name}-*.json") if out_dir.is_dir() else ():
+        record = BuildRecord.read(sidecar)
+        if record is not None and record.name == cfg.image.name and Path(record.squashfs).is_file() \
+                and Path(record.squashfs).resolve() == sidecar.with_suffix(".sqsh").resolve():
+            found.append((record.built_at, sidecar.stat().st_mtime_ns, record))
+    return [record for *_, record in sorted(found, key=lambda x: x[:2], reverse=True)]
+
+
+def build_of_settings(cfg: Config, project_dir: Path) -> BuildRecord:
+    """The build a submission of `cfg` runs: the newest whose image settings are the config's (the
+    same hash; with a code snapshot, any build that differs in code alone, which the snapshot
+    brings). Switching between image variants then runs each its own build, not the latest. With
+    none, one line naming what differs from the newest build and the command that builds it."""
+    found = builds(cfg, project_dir)
+    if not found:
+        raise ConfigError("container.image", f"is not set and no image is built for this config: run "
+                                             f"`{image_build_command(cfg)}` first (make image CONFIG={cfg.config_name} "
+                                             "without overrides), or set container.image to a squashfs path or a "
+                                             "registry image")
+    plan = image_plan(cfg, root=project_dir, enroot_mount=False, git=False)
+    exact = [r for r in found if r.hash == plan.hash]
+    if exact:
+        return exact[0]
+    if cfg.code.snapshot:
+        same = [r for r in found if not build_differences(r, plan, code_snapshot=True)]
+        if same:
+            return same[0]
+    closest, differs = min(((r, build_differences(r, plan, code_snapshot=cfg.code.snapshot)) for r in found),
+                           key=lambda pair: len(pair[1]))  # the newest of the closest, as min keeps the first
+    raise ConfigError("container.image", f"no image is built for this config's image settings (the closest build, "
+                                         f"{closest.hash12}, differs: {'; '.join(differs)}): "
+                                         f"`{image_build_command(cfg)}` builds it")
 
 
 def _base_field(env: Environment, has: Callable[[Environment], bool]) -> str:
@@ -201,44 +249,11 @@ def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_sn
 
 
 def image_build_command(cfg: Config) -> str:
-    """`slipway image build` with the user's own CONFIG, overrides and config flags (the named
-    flags as the overrides they stand for: image build takes only overrides), so that it builds
-    exactly what this config's submission would look for."""
-    if not cfg.given_args:
-        return f"slipway image build {shlex.quote(cfg.config_name)}"
-    valued = {flag: key for flag, key, _, _ in NAMED_FLAGS + CLUSTER_FLAGS}
-    bools = {flag: key for flag, key, _ in BOOL_FLAGS}
-    words, out, i = shlex.split(cfg.given_args), [], 0
-    while i < len(words):
-        word = words[i]
-        if word in valued and i + 1 < len(words):
-            out.append(f"{valued[word]}={words[i + 1]}")
-            i += 2
-            continue
-        out.append(f"{bools[word]}=true" if word in bools else word)
-        i += 1
-    return "slipway image build " + shlex.join(out)
-
-
-def stale_build_note(cfg: Config, project_dir: Path, pin: ImagePin) -> Optional[str]:
-    """A note when the pinned build is not what `slipway image build` would build now for this
-    config: what differs, and the command that builds that. With a code snapshot a change to
-    the code alone is no reason to rebuild: only what the image installs is named."""
-    if pin.source != "build":
-        return None
-    try:
-        plan = image_plan(cfg, root=project_dir, enroot_mount=False, git=False)
-    except Exception:  # a note, not a check: a broken build setup is make image's to report
-        return None
-    if plan.hash == pin.build_hash:
-        return None
-    record = BuildRecord.beside(Path(pin.path)) if pin.path else None
-    differs = build_differences(record, plan, code_snapshot=cfg.code.snapshot)
-    if not differs:
-        return None
-    name = Path(pin.path or "").name
-    return (f"the image {name} is not what this config builds now ({'; '.join(differs)}): "
-            f"`{image_build_command(cfg)}` builds that (this run uses {name}, the one built)")
+    """`slipway image build` with the user's own CONFIG and image.* overrides: only the image
+    section (and the checkout) decide a build, so this builds exactly what this config's
+    submission looks for, and a suggestion never repeats an override unrelated to the image."""
+    words = shlex.split(cfg.given_args) if cfg.given_args else [cfg.config_name]
+    return "slipway image build " + shlex.join([words[0], *(w for w in words[1:] if w.startswith("image."))])
 
 
 # ---------------------------------------------------------------- the paths

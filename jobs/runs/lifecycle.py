@@ -33,7 +33,7 @@ DIED = "DIED"  # a local launch whose processes are gone without recording an ex
 UNKNOWN = "UNKNOWN"  # no word from Slurm or the launcher, no end in events.log
 
 # Events that end an attempt badly (the batch script's words, jobs/slurm/script.py).
-FAILURE_KINDS = frozenset({EventKind.HANG, EventKind.PREFLIGHT_FAILED, EventKind.NODE_FAILURE,
+FAILURE_KINDS = frozenset({EventKind.HANG, EventKind.PREFLIGHT_FAILED, EventKind.NODE_FAILURE, EventKind.VERIFICATION_FAILED,
                            EventKind.NOT_RETRYING, EventKind.NOT_REQUEUEING, EventKind.REQUEUE_FAILED})
 # Slurm's words for a job not ended yet; its own STOPPED (SIGSTOPped, holding its nodes) is told as
 # SUSPENDED, as STOPPED here is a launch that saved and ended.

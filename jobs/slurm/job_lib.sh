@@ -1,21 +1,22 @@
-# ---- slipway job library (jobs/slurm/job_lib.sh, inlined verbatim by jobs/slurm/script.py) ----
-# Why a static bash file: the job's decisions (preflight outcome, retry or not, which nodes to
-# exclude, requeue counting, hang classification, how the job ends, cleanup) must be testable
-# without Slurm (tests/test_job_lib.py sources this file with stand-in scontrol/sinfo/srun), and
-# a user must be able to read their job.sbatch and follow it. What runs on the batch host outside
-# the container depends only on what compute nodes have: bash and the Slurm client commands, no
-# Python. It is inlined, not sourced, so that runs/RUN/job.sbatch alone says what ran, through
-# every requeue. The functions take data: the run's values are the plain variables the settings
-# block at the top of job.sbatch sets once (RUN_DIR, NODES_NEEDED, PROCS_PER_NODE, RANKS,
-# MAX_RETRIES, MAX_REQUEUES, REQUEUE, PREFLIGHT_TIMEOUT, the exit codes, CHECKPOINT_DIR,
-# STOP_FILE, CONTAINER_PREFIX, CONTAINER_BUILD, KEEP_BUILDS); the main part sets JOB_TAG, NODES,
-# RETRIES, REQUEUES and CONTAINER_NAME.
+# ---- slipway job library (jobs/slurm/job_lib.sh) ----
+# Why a static bash file: the job's decisions (verification, preflight outcome, retry or not,
+# which nodes to exclude, requeue counting, hang classification, how the job ends, cleanup) must
+# be testable without Slurm (tests/test_job_lib.py sources this file with stand-in scontrol,
+# sinfo, srun), and a user must be able to read their job.sbatch and follow it. What runs on the
+# batch host outside the container depends only on what compute nodes have: bash, coreutils and
+# the Slurm client commands, no Python. Pinned, not inlined: a submission writes a copy into
+# runs/RUN/lib/ named by its hash, and job.sbatch checks that hash before it sources the copy,
+# so runs/RUN/ alone says what ran, through every requeue. The pyxis part (pyxis_lib.sh, kept
+# containers) is pinned the same way and sourced by pyxis jobs alone.
+#
+# The functions take data: the run's values are the plain variables the settings block at the
+# top of job.sbatch sets once (RUN_DIR, NODES_NEEDED, PROCS_PER_NODE, RANKS, MAX_RETRIES,
+# MAX_REQUEUES, REQUEUE, PREFLIGHT_TIMEOUT, the exit codes, CHECKPOINT_DIR, STOP_FILE, and what
+# the job runs: CODE_DIR, CODE_SHA256, IMAGE_FILE, IMAGE_SHA256, IMAGE_SIZE, IMAGE_MTIME); the
+# main part sets JOB_TAG, NODES, RETRIES and REQUEUES.
 #
 # Every end is told truthfully in events.log and recorded before anything slow: the EXIT trap
-# writes `end exit N` first. Nothing slow is on the path to the job's end: deleting an unpacked
-# pyxis container takes 16 s on a quiet disk and over a minute under load (tens of thousands of
-# files), so the trap gives it a few seconds and otherwise leaves it to the next slipway job on
-# the node, which removes stale containers in the background when it starts.
+# writes `end exit N` first, and nothing slow is on the path to the job's end.
 
 # event TEXT...: one line `ISO-TIME job JOBID TEXT` in events.log.
 event() { printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "$*" >> "$RUN_DIR/events.log"; }
@@ -240,7 +241,7 @@ on_interrupt() {
 }
 # A job cancelled by `slipway cancel` is not waited on by a retry or a requeue, and cancel waits
 # for it (a bounded grace): its container gets CANCEL_REMOVE_WAIT s to be removed instead of a few.
-on_cancel() { trap '' TERM USR2; event "cancelled by slipway cancel"; REMOVE_WAIT=$CANCEL_REMOVE_WAIT; exit 140; }
+on_cancel() { trap '' TERM USR2; event "cancelled by slipway cancel"; REMOVE_WAIT=${CANCEL_REMOVE_WAIT:-0}; exit 140; }
 on_term() { trap '' TERM USR2; event "cancelled (SIGTERM)"; exit 143; }
 
 # on_exit: the end first, then the cleanup, none of it slow: background helpers stopped, a step
@@ -260,151 +261,117 @@ on_exit() {
   fi
   # `slipway run` keeps even a container of its own (named by the allocation's id) for the next
   # run in the same allocation; the next batch job on the node removes it once the allocation is over.
-  [ -n "${SLIPWAY_IN_ALLOCATION:-}" ] || remove_container "${REMOVE_WAIT:-$CONTAINER_REMOVE_WAIT}"
+  [ -n "${SLIPWAY_IN_ALLOCATION:-}" ] || remove_container "${REMOVE_WAIT:-${CONTAINER_REMOVE_WAIT:-0}}"
   return 0
 }
 
-# The steps' named pyxis container, CONTAINER_NAME (set by the main part; empty when the steps
-# name none). With an image build to reuse (CONTAINER_BUILD, from container.keep_builds) it is the
-# build's own, kept on each node after the job so that later jobs of that build start in it
-# without unpacking the image; else this attempt's own, removed at its end. pyxis names it
-# pyxis_NAME (container_scope=global, its default) or pyxis_JOBID_NAME (container_scope=job: its
-# epilog removes it at the job's end, so nothing is kept).
-container_name() {
-  [ -n "$CONTAINER_PREFIX" ] || return 0
-  if [ -n "$CONTAINER_BUILD" ]; then echo "$CONTAINER_PREFIX$CONTAINER_BUILD"; else echo "$CONTAINER_PREFIX$JOB_TAG"; fi
+# ---- what the job runs, checked on every node before anything starts there ----
+
+# verify_code DIR SHA256 (on a node): the code snapshot DIR is the one submitted. Its listing
+# (.slipway-files: `KIND SHA256 PATH` per entry, jobs/runs/code.py) must hash to SHA256 with the
+# scheme's line, every file and link must match it, and nothing may be added. Prints what
+# differs and returns 1 then. One sha256sum for every file: well under a second for the trainer.
+verify_code() {
+  local dir=$1 want=$2 got kind sum path sums="" out name
+  local -A listed=()
+  if [ ! -r "$dir/.slipway-files" ]; then echo "the code snapshot $dir is missing (removed after submission?)"; return 1; fi
+  got=$( { printf 'slipway-code-v2\n'; cat "$dir/.slipway-files"; } | sha256sum) || got=""
+  if [ "${got%% *}" != "$want" ]; then echo "$dir/.slipway-files is not the listing recorded at submission"; return 1; fi
+  while read -r kind sum path; do
+    listed[$path]=1
+    case $kind in
+      l) got=$(readlink "$dir/$path" 2>/dev/null) && got=$(printf %s "$got" | sha256sum) || got=""
+         if [ "${got%% *}" != "$sum" ]; then echo "$dir/$path differs from the link submitted"; return 1; fi ;;
+      x) if [ ! -x "$dir/$path" ] || [ -L "$dir/$path" ]; then echo "$dir/$path is missing or no longer executable"; return 1; fi
+         sums+="$sum  $path"$'\n' ;;
+      *) if [ -L "$dir/$path" ]; then echo "$dir/$path was replaced by a link"; return 1; fi
+         sums+="$sum  $path"$'\n' ;;
+    esac
+  done < "$dir/.slipway-files"
+  if ! out=$(cd "$dir" && printf %s "$sums" | sha256sum --check --quiet 2>&1); then
+    name=$(grep -m1 -E ': FAILED' <<< "$out") || name=""
+    case "$name" in
+      *": FAILED open or read") echo "$dir/${name%: FAILED open or read} is missing" ;;
+      *": FAILED") echo "$dir/${name%: FAILED} differs from the file submitted" ;;
+      *) echo "the code snapshot $dir cannot be read ($(head -n1 <<< "$out"))" ;;
+    esac
+    return 1
+  fi
+  while IFS= read -r -d '' path; do
+    [ "$path" = .slipway-files ] || [ -n "${listed[$path]:-}" ] || { echo "$dir/$path was added after submission"; return 1; }
+  done < <(find "$dir" -mindepth 1 \( -type f -o -type l \) -printf '%P\0')
 }
 
-# pyxis_scope: how pyxis scopes named containers here, from its line in Slurm's plugstack
-# configuration (includes followed): "job", "global" (pyxis's default), or "" (no pyxis line
-# readable on this host).
-pyxis_scope() {
-  local conf dir kw rest f scope="" words w files=()
-  conf=$(scontrol show config 2>/dev/null | sed -n 's/^PlugStackConfig *= *//p') || conf=""
-  case "$conf" in ""|"(null)") conf=/etc/slurm/plugstack.conf ;; esac
-  dir=${conf%/*}
-  files=("$conf")
-  while read -r kw rest; do
-    [ "$kw" = include ] || continue
-    [[ $rest = /* ]] || rest="$dir/$rest"
-    for f in $rest; do files+=("$f"); done
-  done < <(cat "$conf" 2>/dev/null)
-  for f in "${files[@]}"; do
-    while read -r -a words; do
-      case "${words[0]:-}" in required|optional) ;; *) continue ;; esac
-      [[ ${words[1]:-} == *pyxis* ]] || continue
-      scope=global
-      for w in "${words[@]:2}"; do [ "$w" != container_scope=job ] || scope=job; done
-    done < <(cat "$f" 2>/dev/null)
-  done
-  echo "$scope"
-}
-
-# note_container_scope: a kept container needs pyxis's container_scope=global; where this
-# cluster's pyxis removes named containers at each job's end, say so, once per run.
-note_container_scope() {
-  local text="containers: this cluster's pyxis removes named containers at each job's end (container_scope=job), so every job unpacks the image and container.keep_builds has no effect"
-  [ -n "$CONTAINER_BUILD" ] && [ "$(pyxis_scope)" = job ] || return 0
-  grep -qF "$text" "$RUN_DIR/events.log" 2>/dev/null || event "$text"
-}
-
-REMOVE_CONTAINER='for n in "pyxis_$1" "pyxis_${SLURM_JOB_ID}_$1"; do enroot remove --force "$n"; done >/dev/null 2>&1; true'
-
-# remove_container SECONDS: remove this attempt's own container on every node, for at most
-# SECONDS (a removal cut short is finished by the next job's sweep_containers). A build's kept
-# container stays.
-remove_container() {
-  [ -n "$CONTAINER_NAME" ] && [ -z "$CONTAINER_BUILD" ] || return 0
-  timeout -k 2 "$1" srun --overlap --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
-    bash -c "$REMOVE_CONTAINER" slipway-rm "$CONTAINER_NAME" > /dev/null 2>&1 || true
-}
-
-# enroot_data (on a node): enroot's data path, where it unpacks containers, from enroot's own
-# configuration (the part of the enroot script above its END CONFIG line, which reads the same
-# files and variables enroot does); empty where that cannot be read.
-enroot_data() {
-  local e
-  e=$(command -v enroot) && grep -q '^# ----- END CONFIG -----' "$e" 2>/dev/null || return 0
-  bash -c "$(sed '/^# ----- END CONFIG -----/q' "$e")"$'\n''printf %s "$ENROOT_DATA_PATH"' 2>/dev/null || true
-}
-
-# job_over JOB_ID: whether Slurm no longer queues or runs the job.
-job_over() {
-  local state
-  state=$(squeue -h -j "$1" -o %T 2>/dev/null) || state=""
-  case "$state" in ""|COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|PREEMPTED|BOOT_FAIL|DEADLINE|OUT_OF_MEMORY) return 0 ;; esac
+# verify_image FILE SHA256 SIZE MTIME (on a node): the squashfs FILE is the one submitted (no
+# FILE: a registry image, nothing to check). Its size and mtime unchanged vouch for it at no cost;
+# otherwise its bytes must hash to SHA256 (when the submission knew it).
+verify_image() {
+  local file=$1 want=$2 size=$3 mtime=$4 st got
+  [ -n "$file" ] || return 0
+  if ! st=$(stat -L -c '%s %Y' -- "$file" 2>/dev/null); then
+    echo "the image $file is missing on this node (removed or moved after submission): restore it, or build the image again and submit again"
+    return 1
+  fi
+  [ "$st" != "$size $mtime" ] || return 0
+  if [ -n "$want" ]; then
+    got=$(sha256sum < "$file" 2>/dev/null) || got=""
+    [ "${got%% *}" != "$want" ] || return 0
+  fi
+  echo "the image $file changed after submission (size ${st% *} bytes, submitted ${size} bytes${want:+; its bytes differ}): build the image again and submit again"
   return 1
 }
 
-# sweep_containers JOB_ID JOB_TAG BUILD KEEP [LIST] (on a node): records that this job uses the
-# kept container of BUILD (empty: none), then removes what earlier jobs left, one line per
-# container (`removed NAME`, `kept NAME: WHY`; with LIST, `would remove NAME` and nothing
-# removed): each attempt's own container once its job is over (and this job's earlier attempts),
-# and the kept containers of builds beyond the KEEP most recently used (oldest first; no KEEP:
-# none of them), never one that a queued or running job has used. Which jobs used a kept
-# container, and when last, is in DATA/.slipway/NAME (hidden from `enroot list`). A kept
-# container is renamed before it is deleted, so that no job ever starts in a half-deleted one.
-sweep_containers() {
-  local job=$1 tag=$2 build=$3 keep=$4 list=${5:-} data uses name id tag_of used=() n=0 j busy
-  data=$(enroot_data)
-  uses=${data:+$data/.slipway}
-  if [ -n "$build" ] && [ -n "$uses" ] && mkdir -p "$uses"; then
-    { grep -vx -- "$job" "$uses/pyxis_slipway-$build" 2>/dev/null | tail -n 19; echo "$job"; } > "$uses/.new.$$" &&
-      mv -f "$uses/.new.$$" "$uses/pyxis_slipway-$build"
-  fi
-  while read -r name; do
-    case "$name" in
-      pyxis_slipway-i*) used+=("$name"); continue ;;
-      pyxis_slipway-*) tag_of=${name#pyxis_slipway-} ;;
-      pyxis_*_slipway-*) tag_of=${name#pyxis_*_slipway-} ;;
-      *) continue ;;
-    esac
-    id=${name#pyxis_}; id=${id#slipway-}; id=${id%%[!0-9]*}
-    [[ $id =~ ^[0-9]+$ ]] || continue
-    if [ "$id" = "$job" ]; then
-      [ "$tag_of" != "$tag" ] && [ "$tag_of" != "$build" ] || continue
-    else
-      job_over "$id" || { echo "kept $name: job $id is not over"; continue; }
-    fi
-    if [ -n "$list" ]; then echo "would remove $name"; continue; fi
-    enroot remove --force "$name" >/dev/null 2>&1 && echo "removed $name"
-  done < <(enroot list 2>/dev/null)
-  # Most recently used first; a kept container with no record of its use counts as the oldest.
-  # This job's build is the most recent, unpacked here or about to be. No KEEP (a job that keeps
-  # no container): the kept ones are not this job's to bound.
-  [ -z "$build" ] || n=1
-  [ -n "$keep" ] || used=()
-  while read -r name; do
-    if [ "$name" = "pyxis_slipway-$build" ]; then echo "kept $name: this job's build"; continue; fi
-    n=$((n + 1))
-    if [ "$n" -le "$keep" ]; then echo "kept $name: among the $keep most recently used builds"; continue; fi
-    busy=""
-    for j in $(cat "$uses/$name" 2>/dev/null); do job_over "$j" || { busy=$j; break; }; done
-    if [ -n "$busy" ]; then echo "kept $name: used by job $busy, which is not over"; continue; fi
-    if [ -n "$list" ]; then echo "would remove $name"; continue; fi
-    if [ -z "$data" ]; then echo "kept $name: enroot's data path is unknown here"; continue; fi
-    mv "$data/$name" "$data/.slipway-removing-$name" 2>/dev/null || continue
-    rm -f "$uses/$name"
-    echo "removed $name"
-  done < <(for name in "${used[@]+"${used[@]}"}"; do
-             printf '%s %s\n' "$(stat -c %Y "$uses/$name" 2>/dev/null || echo 0)" "$name"
-           done | sort -rn | cut -d' ' -f2)
-  # Renamed containers (this sweep's, or one cut short) are deleted last: enroot remove takes
-  # the hidden name like any other.
-  [ -z "$list" ] || return 0
-  for name in $(ls -A "$data" 2>/dev/null | grep '^\.slipway-removing-'); do
-    enroot remove --force "$name" >/dev/null 2>&1 || true
-  done
+# ensure_container NAME IMAGE IDENTITY (on a node): readies a kept pyxis container; the pyxis
+# library defines it, other runs keep nothing on the nodes.
+ensure_container() { :; }
+
+# node_check CODE_DIR CODE_SHA256 IMAGE_FILE IMAGE_SHA256 IMAGE_SIZE IMAGE_MTIME [KEPT IDENTITY]
+# (on a node, one task each): one line, `slipway-verify NODE ok`, `... differs: WHAT` (what the
+# job runs is not what was submitted), or `... node: WHAT` (this node could not ready the kept
+# container KEPT).
+node_check() {
+  local n=${SLURMD_NODENAME:-$(hostname)} why
+  if [ -n "$1" ] && ! why=$(verify_code "$1" "$2"); then echo "slipway-verify $n differs: $why"; return 0; fi
+  if ! why=$(verify_image "$3" "$4" "$5" "$6"); then echo "slipway-verify $n differs: $why"; return 0; fi
+  if [ -n "${7:-}" ] && ! why=$(ensure_container "$7" "$3" "$8" 2>&1); then echo "slipway-verify $n node: $why"; return 0; fi
+  echo "slipway-verify $n ok"
 }
 
-# remove_stale_containers: at the start of every job whose steps name a container, one
-# background step per node runs sweep_containers, bounded by STALE_REMOVE_TIMEOUT s; it never
-# delays training, and the trap ends it with the other helpers.
-remove_stale_containers() {
-  [ -n "$CONTAINER_NAME" ] || return 0
-  timeout -k 5 "$STALE_REMOVE_TIMEOUT" srun --overlap --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
-    bash -c "$(declare -f enroot_data job_over sweep_containers)"'; sweep_containers "$@"' \
-    slipway-sweep "$SLURM_JOB_ID" "$JOB_TAG" "$CONTAINER_BUILD" "${CONTAINER_BUILD:+$KEEP_BUILDS}" > /dev/null 2>&1 &
-  HELPER_PIDS+=("$!")
+# verify_nodes: before anything else starts on the nodes, every node checks what this job runs
+# against what was submitted (verify_code, verify_image) and readies the image build's kept
+# container (KEPT, pyxis). What differs ends the job at once with BAD_INPUT_EXIT: the same files
+# are wrong on every node and on every retry, so none is retried and no node blamed. A node that
+# could not ready the container, or sent no report, is retried without (retry_or_stop).
+verify_nodes() {
+  local out rc node line differs="" bad=""
+  set +e
+  out=$(timeout -k 15 "$PREFLIGHT_TIMEOUT" srun --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
+    --kill-on-bad-exit=0 bash -c "$(declare -f verify_code verify_image ensure_container enroot_data node_check)"'; node_check "$@"' \
+    slipway-verify "$CODE_DIR" "$CODE_SHA256" "${IMAGE_FILE:-}" "${IMAGE_SHA256:-}" "${IMAGE_SIZE:-}" "${IMAGE_MTIME:-}" \
+    "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" 2>&1)
+  rc=$?
+  set -e
+  for node in $NODES; do
+    line=$(grep -F -m1 "slipway-verify $node " <<< "$out") || line=""
+    case "$line" in
+      "slipway-verify $node ok") ;;
+      "slipway-verify $node differs: "*) [ -n "$differs" ] || differs="${line#*differs: } (on $node)" ;;
+      "slipway-verify $node node: "*) bad+="$node "; event "preflight failed on $node: ${line#*node: }" ;;
+      *) bad+="$node "; event "preflight failed on $node: no verification report within $PREFLIGHT_TIMEOUT s (step exit $rc)" ;;
+    esac
+  done
+  if [ -n "$differs" ]; then
+    event "verification failed: $differs"
+    exit "$BAD_INPUT_EXIT"
+  fi
+  [ -n "$bad" ] || return 0
+  if [ "$NODES_NEEDED" -gt 1 ] && [ "${bad% }" = "$NODES" ]; then
+    retry_or_stop preflight "$PREFLIGHT_EXIT"
+  fi
+  retry_or_stop preflight "$PREFLIGHT_EXIT" $bad
 }
+
+# remove_container SECONDS: removes this attempt's own container at the job's end; the pyxis
+# library defines it.
+remove_container() { :; }
 # ---- end of the slipway job library ----

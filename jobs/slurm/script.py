@@ -7,6 +7,7 @@ no run name, path or env value can ever run a command.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
@@ -18,9 +19,9 @@ from edf import Environment, srun_flags
 from edf.environment import secret_error, secret_word
 from jobs.config import NODE_PRESETS, Config
 from kernel.errors import ConfigError
-from kernel.rundir import HANGS_DIR, HANG_EXIT, PREFLIGHT_EXIT, REQUEUE_EXIT, STOP_FILE
+from kernel.rundir import (BAD_INPUT_EXIT, HANG_EXIT, HANGS_DIR, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
+                           REQUEUE_EXIT, STOP_FILE, CodeSnapshot)
 from trainer.preflight import checkpoint_bytes
-from kernel.rundir import PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE, CodeSnapshot
 
 HEARTBEAT_SECONDS = 60
 NODE_HEARTBEAT_SECONDS = 15  # heartbeats/NODE, which `slipway watch` shows by age
@@ -155,9 +156,36 @@ def _hf_home(cfg: Config, paths: RunPaths) -> str:
     return f'[ -n "${{HF_HOME:-}}" ] || export HF_HOME={shlex.quote(str(paths.project_dir / ".cache" / "huggingface"))}'
 
 
-# The job library (jobs/slurm/job_lib.sh): the job's decisions, inlined verbatim into every job.sbatch.
+# The job library (jobs/slurm/job_lib.sh: the job's decisions) and its pyxis part (pyxis_lib.sh:
+# named containers), pinned into each run directory by their hash (`library_files`) and sourced by
+# job.sbatch once that hash is checked.
 JOB_LIB = (Path(__file__).with_name("job_lib.sh")).read_text()
+PYXIS_LIB = (Path(__file__).with_name("pyxis_lib.sh")).read_text()
 _EVENT = next(line for line in JOB_LIB.splitlines() if line.startswith("event() "))
+LIB_DIR = "lib"
+
+
+def library_files(env: Environment) -> dict[str, str]:
+    """The libraries a job of `env`'s runtime sources, by their place in the run directory
+    (lib/NAME-HASH12.sh: a new text is a new file, never an old one rewritten)."""
+    libs = [("job_lib", JOB_LIB)] + ([("pyxis_lib", PYXIS_LIB)] if env.runtime == "pyxis" else [])
+    return {f"{LIB_DIR}/{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh": text for name, text in libs}
+
+
+@dataclass(frozen=True)
+class Pins:
+    """What a job runs, pinned at submission, which every node checks before training
+    (job_lib.sh verify_nodes): the code snapshot, the squashfs file (none for a registry
+    image), and the key of the image build whose unpacked container pyxis keeps on the nodes
+    (`jobs.runs.container.kept_build`; None: each attempt unpacks its own)."""
+
+    code: Optional[CodeSnapshot] = None
+    image_file: Optional[str] = None
+    image_sha256: Optional[str] = None  # of its bytes, where the submission knew it
+    image_size: Optional[int] = None
+    image_mtime: Optional[int] = None  # seconds, as stat -c %Y gives them
+    image_identity: Optional[str] = None  # what the kept container is of: the build hash or the bytes'
+    build: Optional[str] = None
 # A stopped step and a container removal at the job's end wait at most this long (on_exit);
 # the background removal of stale containers at its start, at most STALE_REMOVE_TIMEOUT.
 STEP_STOP_WAIT = 30
@@ -411,13 +439,13 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list
     ]
 
 
-def _settings(cfg: Config, paths: RunPaths, container_named: bool, build: Optional[str]) -> list[str]:
+def _settings(cfg: Config, paths: RunPaths, env: Environment, container_named: bool, pins: Pins) -> list[str]:
     """The run's values, set once: the data the job library's functions decide on."""
     q = shlex.quote
     s = cfg.slurm
     ckpt = Path(cfg.checkpoint.dir)
     checkpoints = q(str(ckpt)) if ckpt.is_absolute() else f'"$RUN_DIR"/{q(str(ckpt))}'
-    return [
+    lines = [
         "# This run's settings (from its config.yaml), read by the job library below.",
         f"RUN_DIR={q(str(paths.run_dir))}",
         f"NODES_NEEDED={s.nodes} PROCS_PER_NODE={cfg.launch.procs_per_node} RANKS={cfg.world_size}",
@@ -426,27 +454,63 @@ def _settings(cfg: Config, paths: RunPaths, container_named: bool, build: Option
         "NO_REQUEUE='slurm.requeue is off'",
         '[ -z "${SLIPWAY_IN_ALLOCATION:-}" ] || REQUEUE=0 NO_REQUEUE=\'slipway run: not requeued, run it again to resume\'',
         f"PREFLIGHT_TIMEOUT={s.preflight_timeout}",
-        f"PREFLIGHT_EXIT={PREFLIGHT_EXIT} HANG_EXIT={HANG_EXIT} REQUEUE_EXIT={REQUEUE_EXIT}",
+        f"PREFLIGHT_EXIT={PREFLIGHT_EXIT} HANG_EXIT={HANG_EXIT} REQUEUE_EXIT={REQUEUE_EXIT} "
+        f"BAD_INPUT_EXIT={BAD_INPUT_EXIT}",
         f"CHECKPOINT_DIR={checkpoints}",
-        f'HANGS="$RUN_DIR/{HANGS_DIR}" STOP_FILE="$RUN_DIR/{STOP_FILE}"',
-        "# The steps' named pyxis container (none when CONTAINER_PREFIX is empty): the image build's,",
-        "# kept on the nodes for later jobs (CONTAINER_BUILD, container.keep_builds), else this attempt's.",
-        f"CONTAINER_PREFIX={PYXIS_PREFIX if container_named else chr(39) * 2} "
-        f"CONTAINER_BUILD={(build if container_named and build else chr(39) * 2)} "
-        f"KEEP_BUILDS={cfg.container.keep_builds}",
-        f"STEP_STOP_WAIT={STEP_STOP_WAIT} CONTAINER_REMOVE_WAIT={CONTAINER_REMOVE_WAIT} "
-        f"CANCEL_REMOVE_WAIT={CANCEL_REMOVE_WAIT} "
-        f"STALE_REMOVE_TIMEOUT={STALE_REMOVE_TIMEOUT}",
+        f'HANGS="$RUN_DIR/{HANGS_DIR}" STOP_FILE="$RUN_DIR/{STOP_FILE}" STEP_STOP_WAIT={STEP_STOP_WAIT}',
+    ]
+    empty = "''"
+    if env.runtime == "pyxis":
+        lines += [
+            "# The steps' named pyxis container (none when CONTAINER_PREFIX is empty): the image build's,",
+            "# kept on the nodes for later jobs (CONTAINER_BUILD, container.keep_builds), else this attempt's.",
+            f"CONTAINER_PREFIX={PYXIS_PREFIX if container_named else empty} "
+            f"CONTAINER_BUILD={(pins.build if container_named and pins.build else empty)} "
+            f"KEEP_BUILDS={cfg.container.keep_builds} IMAGE_IDENTITY={q(pins.image_identity or '')}",
+            f"CONTAINER_REMOVE_WAIT={CONTAINER_REMOVE_WAIT} CANCEL_REMOVE_WAIT={CANCEL_REMOVE_WAIT} "
+            f"STALE_REMOVE_TIMEOUT={STALE_REMOVE_TIMEOUT}",
+        ]
+    code = pins.code
+    lines += [
+        "# What this job runs, pinned at submission: every node checks it before anything starts there",
+        "# (verify_nodes), and the libraries are checked before they are sourced.",
+        f"CODE_DIR={q(code.dir) if code else empty} CODE_SHA256={code.hash if code else empty}",
+    ]
+    if pins.image_file:
+        lines.append(f"IMAGE_FILE={q(pins.image_file)} IMAGE_SHA256={pins.image_sha256 or empty} "
+                     f"IMAGE_SIZE={pins.image_size} IMAGE_MTIME={pins.image_mtime}")
+    return lines
+
+
+def _sourced(libs: dict[str, str]) -> list[str]:
+    """The lines that check each pinned library's hash and source it: a copy changed or missing
+    ends the job before anything runs (exit BAD_INPUT_EXIT, said in events.log by hand, as the
+    library that would say it is the one in doubt)."""
+    lines = []
+    for rel, text in libs.items():
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        lines.append(f"pinned \"$RUN_DIR\"/{shlex.quote(rel)} {digest}")
+    return [
+        "# The job library (jobs/slurm/job_lib.sh" + (", pyxis_lib.sh" if len(libs) > 1 else "")
+        + "), as submitted: checked, then sourced.",
+        "pinned() {",
+        '  if ! printf \'%s  %s\\n\' "$2" "$1" | sha256sum --check --status 2>/dev/null; then',
+        '    printf \'%s job %s %s\\n\' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" \\',
+        '      "verification failed: $1 is not the job library submitted (missing or changed): submit again" \\',
+        '      "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "end exit $BAD_INPUT_EXIT" >> "$RUN_DIR/events.log"',
+        '    exit "$BAD_INPUT_EXIT"',
+        "  fi",
+        '  source "$1"',
+        "}",
+        *lines,
     ]
 
 
-def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, code: Optional[CodeSnapshot] = None,
-                  build: Optional[str] = None) -> str:
+def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, pins: Pins = Pins()) -> str:
     """The whole batch script for `cfg`, reading and writing only inside `paths.run_dir`;
-    `env` is the run's container environment (`jobs.runs.container.run_environment`), `code`
-    the code snapshot its ranks run (None: the installed code), `build` the key of the image
-    build whose unpacked container pyxis keeps on the nodes (`jobs.runs.container.kept_build`;
-    None: each attempt unpacks its own)."""
+    `env` is the run's container environment (`jobs.runs.container.run_environment`), `pins`
+    what the job runs (its code snapshot, image and kept container), which it checks on every
+    node first. It sources the libraries `library_files(env)` puts in the run directory."""
     container, assigns = _container_args(env, paths)
     # Under pyxis every srun step unpacks the image into a container of its own, unless the
     # steps name one: the preflight's steps then create it and training starts in it at once.
@@ -456,7 +520,8 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, code: Optional
     lines = _header(cfg, paths) + ["", "set -euo pipefail"]
     if cfg.launch.debug:
         lines.append("set -x")
-    lines += ["", *_settings(cfg, paths, shared, build), "", JOB_LIB.rstrip("\n"), "",
+    pyxis, code = env.runtime == "pyxis", pins.code
+    lines += ["", *_settings(cfg, paths, env, shared, pins), "", *_sourced(library_files(env)), "",
               "# ---- main: this job, from its start to its end ----",
               f"cd {shlex.quote(str(paths.project_dir))}",
               'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/gutil" "$RUN_DIR/heartbeats" "$HANGS"',
@@ -464,11 +529,11 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, code: Optional
               "# What this job (its id survives requeues) has used: failure retries, time-limit requeues.",
               "RETRIES=$(count_events retry) REQUEUES=$(count_events time-limit requeue)",
               "JOB_TAG=$(job_tag)",
-              "CONTAINER_NAME=$(container_name)",
+              *(["CONTAINER_NAME=$(container_name)"] if pyxis else []),
               'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd " " -)',
               'event "start on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0}), failure retries '
               '$RETRIES/$MAX_RETRIES, time-limit requeues $REQUEUES/$MAX_REQUEUES"',
-              "note_container_scope",
+              *(["keep_container"] if pyxis else []),
               "",
               *_environment(cfg, paths, code),
               "",
@@ -483,7 +548,10 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, code: Optional
               'HELPER_PIDS+=("$!")',
               'date --iso-8601=seconds > "$RUN_DIR/heartbeat"',
               *_node_helper(cfg),
-              "remove_stale_containers"]
+              "# Every node checks the code and image against what was submitted" +
+              (", and readies the build's kept container." if pyxis else "."),
+              "verify_nodes",
+              *(["remove_stale_containers"] if pyxis else [])]
     if cfg.launch.pre_launch:
         lines += ["", "# Pre-launch commands from launch.pre_launch (run as written, on the first node)."]
         lines += list(cfg.launch.pre_launch)

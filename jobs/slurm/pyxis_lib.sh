@@ -1,0 +1,206 @@
+# ---- slipway pyxis library (jobs/slurm/pyxis_lib.sh): the named containers of pyxis jobs ----
+# Sourced after the job library by pyxis jobs alone, pinned the same way (see job_lib.sh). It
+# reads the settings CONTAINER_PREFIX, CONTAINER_BUILD and KEEP_BUILDS, and the main part's
+# CONTAINER_NAME. Deleting an unpacked container takes 16 s on a quiet disk and over a minute
+# under load (tens of thousands of files), so the job's end gives it a few seconds and otherwise
+# leaves it to the next slipway job on the node, which removes stale containers in the
+# background when it starts.
+
+# The steps' named pyxis container, CONTAINER_NAME (set by the main part; empty when the steps
+# name none). With an image build to reuse (CONTAINER_BUILD, from container.keep_builds) it is the
+# build's own, kept on each node after the job so that later jobs of that build start in it
+# without unpacking the image; else this attempt's own, removed at its end. pyxis names it
+# pyxis_NAME (container_scope=global, its default) or pyxis_JOBID_NAME (container_scope=job: its
+# epilog removes it at the job's end, so nothing is kept).
+container_name() {
+  [ -n "$CONTAINER_PREFIX" ] || return 0
+  if [ -n "$CONTAINER_BUILD" ]; then echo "$CONTAINER_PREFIX$CONTAINER_BUILD"; else echo "$CONTAINER_PREFIX$JOB_TAG"; fi
+}
+
+# pyxis_scope: how pyxis scopes named containers here, from its line in Slurm's plugstack
+# configuration (includes followed): "job", "global" (pyxis's default), or "" (no pyxis line
+# readable on this host).
+pyxis_scope() {
+  local conf dir kw rest f scope="" words w files=()
+  conf=$(scontrol show config 2>/dev/null | sed -n 's/^PlugStackConfig *= *//p') || conf=""
+  case "$conf" in ""|"(null)") conf=/etc/slurm/plugstack.conf ;; esac
+  dir=${conf%/*}
+  files=("$conf")
+  while read -r kw rest; do
+    [ "$kw" = include ] || continue
+    [[ $rest = /* ]] || rest="$dir/$rest"
+    for f in $rest; do files+=("$f"); done
+  done < <(cat "$conf" 2>/dev/null)
+  for f in "${files[@]}"; do
+    while read -r -a words; do
+      case "${words[0]:-}" in required|optional) ;; *) continue ;; esac
+      [[ ${words[1]:-} == *pyxis* ]] || continue
+      scope=global
+      for w in "${words[@]:2}"; do [ "$w" != container_scope=job ] || scope=job; done
+    done < <(cat "$f" 2>/dev/null)
+  done
+  echo "$scope"
+}
+
+# keep_container: sets KEPT_CONTAINER, the kept container of the image build this job readies on
+# every node (ensure_container), pyxis_CONTAINER_NAME, or none. A kept container needs pyxis's
+# container_scope=global: where this cluster's pyxis removes named containers at each job's end,
+# there is none to keep, which is said once per run.
+keep_container() {
+  local text="containers: this cluster's pyxis removes named containers at each job's end (container_scope=job), so every job unpacks the image and container.keep_builds has no effect"
+  KEPT_CONTAINER=""
+  [ -n "$CONTAINER_BUILD" ] || return 0
+  if [ "$(pyxis_scope)" = job ]; then
+    grep -qF "$text" "$RUN_DIR/events.log" 2>/dev/null || event "$text"
+    return 0
+  fi
+  KEPT_CONTAINER="pyxis_$CONTAINER_NAME"
+}
+
+REMOVE_CONTAINER='for n in "pyxis_$1" "pyxis_${SLURM_JOB_ID}_$1"; do enroot remove --force "$n"; done >/dev/null 2>&1; true'
+
+# remove_container SECONDS: remove this attempt's own container on every node, for at most
+# SECONDS (a removal cut short is finished by the next job's sweep_containers). A build's kept
+# container stays.
+remove_container() {
+  [ -n "$CONTAINER_NAME" ] && [ -z "$CONTAINER_BUILD" ] || return 0
+  timeout -k 2 "$1" srun --overlap --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
+    bash -c "$REMOVE_CONTAINER" slipway-rm "$CONTAINER_NAME" > /dev/null 2>&1 || true
+}
+
+# enroot_data (on a node): enroot's data path, where it unpacks containers, from enroot's own
+# configuration (the part of the enroot script above its END CONFIG line, which reads the same
+# files and variables enroot does); empty where that cannot be read.
+enroot_data() {
+  local e
+  e=$(command -v enroot) && grep -q '^# ----- END CONFIG -----' "$e" 2>/dev/null || return 0
+  bash -c "$(sed '/^# ----- END CONFIG -----/q' "$e")"$'\n''printf %s "$ENROOT_DATA_PATH"' 2>/dev/null || true
+}
+
+# job_over JOB_ID: whether Slurm no longer queues or runs the job.
+job_over() {
+  local state
+  state=$(squeue -h -j "$1" -o %T 2>/dev/null) || state=""
+  case "$state" in ""|COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|PREEMPTED|BOOT_FAIL|DEADLINE|OUT_OF_MEMORY) return 0 ;; esac
+  return 1
+}
+
+# sweep_containers JOB_ID JOB_TAG BUILD KEEP [LIST] (on a node): records that this job uses the
+# kept container of BUILD (empty: none), then removes what earlier jobs left, one line per
+# container (`removed NAME`, `kept NAME: WHY`; with LIST, `would remove NAME` and nothing
+# removed): each attempt's own container once its job is over (and this job's earlier attempts),
+# and the kept containers of builds beyond the KEEP most recently used (oldest first; no KEEP:
+# none of them), never one that a queued or running job has used. Which jobs used a kept
+# container, and when last, is in DATA/.slipway/NAME (hidden from `enroot list`). A kept
+# container is renamed before it is deleted, so that no job ever starts in a half-deleted one.
+sweep_containers() {
+  local job=$1 tag=$2 build=$3 keep=$4 list=${5:-} data uses name id tag_of used=() n=0 j busy
+  data=$(enroot_data)
+  uses=${data:+$data/.slipway}
+  if [ -n "$build" ] && [ -n "$uses" ] && mkdir -p "$uses"; then
+    { grep -vx -- "$job" "$uses/pyxis_slipway-$build" 2>/dev/null | tail -n 19; echo "$job"; } > "$uses/.new.$$" &&
+      mv -f "$uses/.new.$$" "$uses/pyxis_slipway-$build"
+  fi
+  while read -r name; do
+    case "$name" in
+      pyxis_slipway-i*) used+=("$name"); continue ;;
+      pyxis_slipway-*) tag_of=${name#pyxis_slipway-} ;;
+      pyxis_*_slipway-*) tag_of=${name#pyxis_*_slipway-} ;;
+      *) continue ;;
+    esac
+    id=${name#pyxis_}; id=${id#slipway-}; id=${id%%[!0-9]*}
+    [[ $id =~ ^[0-9]+$ ]] || continue
+    if [ "$id" = "$job" ]; then
+      [ "$tag_of" != "$tag" ] && [ "$tag_of" != "$build" ] || continue
+    else
+      job_over "$id" || { echo "kept $name: job $id is not over"; continue; }
+    fi
+    if [ -n "$list" ]; then echo "would remove $name"; continue; fi
+    enroot remove --force "$name" >/dev/null 2>&1 && echo "removed $name"
+  done < <(enroot list 2>/dev/null)
+  # Most recently used first; a kept container with no record of its use counts as the oldest.
+  # This job's build is the most recent, unpacked here or about to be. No KEEP (a job that keeps
+  # no container): the kept ones are not this job's to bound.
+  [ -z "$build" ] || n=1
+  [ -n "$keep" ] || used=()
+  while read -r name; do
+    if [ "$name" = "pyxis_slipway-$build" ]; then echo "kept $name: this job's build"; continue; fi
+    n=$((n + 1))
+    if [ "$n" -le "$keep" ]; then echo "kept $name: among the $keep most recently used builds"; continue; fi
+    busy=""
+    for j in $(cat "$uses/$name" 2>/dev/null); do job_over "$j" || { busy=$j; break; }; done
+    if [ -n "$busy" ]; then echo "kept $name: used by job $busy, which is not over"; continue; fi
+    if [ -n "$list" ]; then echo "would remove $name"; continue; fi
+    if [ -z "$data" ]; then echo "kept $name: enroot's data path is unknown here"; continue; fi
+    # Never while a job readies it (ensure_container holds its lock).
+    if ! ( flock -n 9 && mv "$data/$name" "$data/.slipway-removing-$name" ) 9>>"$uses/$name.lock" 2>/dev/null; then
+      echo "kept $name: a job is unpacking it"
+      continue
+    fi
+    rm -f "$uses/$name" "$uses/$name.ready"
+    echo "removed $name"
+  done < <(for name in "${used[@]+"${used[@]}"}"; do
+             printf '%s %s\n' "$(stat -c %Y "$uses/$name" 2>/dev/null || echo 0)" "$name"
+           done | sort -rn | cut -d' ' -f2)
+  # Renamed containers (this sweep's, or one cut short) are deleted last: enroot remove takes
+  # the hidden name like any other.
+  [ -z "$list" ] || return 0
+  for name in $(ls -A "$data" 2>/dev/null | grep '^\.slipway-removing-'); do
+    enroot remove --force "$name" >/dev/null 2>&1 || true
+  done
+  # An unpack cut short (its job died) is no job's while nobody holds its container's lock.
+  for name in $(ls -A "$data" 2>/dev/null | grep '^\.slipway-unpacking-'); do
+    used=${name#.slipway-unpacking-}
+    ( flock -n 9 && enroot remove --force "$name" >/dev/null 2>&1 ) 9>>"$uses/${used%.*}.lock" 2>/dev/null || true
+  done
+}
+
+# remove_stale_containers: at the start of every job whose steps name a container, one
+# background step per node runs sweep_containers, bounded by STALE_REMOVE_TIMEOUT s; it never
+# delays training, and the trap ends it with the other helpers.
+remove_stale_containers() {
+  [ -n "$CONTAINER_NAME" ] || return 0
+  timeout -k 5 "$STALE_REMOVE_TIMEOUT" srun --overlap --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
+    bash -c "$(declare -f enroot_data job_over sweep_containers)"'; sweep_containers "$@"' \
+    slipway-sweep "$SLURM_JOB_ID" "$JOB_TAG" "$CONTAINER_BUILD" "${CONTAINER_BUILD:+$KEEP_BUILDS}" > /dev/null 2>&1 &
+  HELPER_PIDS+=("$!")
+}
+
+# ensure_container NAME IMAGE IDENTITY (on a node): the image build's kept container NAME
+# (pyxis_slipway-iHASH, which pyxis then reuses instead of unpacking IMAGE) unpacked whole, once.
+# Two jobs of one build starting together on a node must not both unpack it (one dies on "File
+# exists", the other starts in a half-unpacked root), so it is made under a lock of the node
+# (DATA/.slipway/NAME.lock), under a hidden temporary name, renamed into place, then marked
+# complete (DATA/.slipway/NAME.ready holds IDENTITY). A container without its mark (an unpack
+# cut short, or one pyxis made before) is never used: it is removed and unpacked again. Prints
+# why and returns 1 when it cannot; without enroot's data path it leaves the unpack to pyxis.
+ensure_container() {
+  local name=$1 image=$2 id=$3 data uses tmp out old
+  data=$(enroot_data)
+  [ -n "$data" ] || return 0
+  uses=$data/.slipway
+  mkdir -p "$uses" || { echo "cannot create $uses"; return 1; }
+  (
+    flock -w "${PREFLIGHT_TIMEOUT:-300}" 9 || { echo "the unpack of $name by another job did not end within ${PREFLIGHT_TIMEOUT:-300} s"; exit 1; }
+    if [ -d "$data/$name" ] && [ "$(cat "$uses/$name.ready" 2>/dev/null)" = "$id" ]; then
+      touch "$uses/$name.ready"
+      exit 0
+    fi
+    rm -f "$uses/$name.ready"
+    if [ -e "$data/$name" ]; then  # incomplete, or of another image: out of pyxis's sight first
+      mv "$data/$name" "$data/.slipway-removing-$name.$$" && enroot remove --force ".slipway-removing-$name.$$" >/dev/null 2>&1
+    fi
+    for old in "$data/.slipway-unpacking-$name."*; do  # an unpack cut short (this lock was free)
+      [ -e "$old" ] && enroot remove --force "${old##*/}" >/dev/null 2>&1
+    done
+    tmp=".slipway-unpacking-$name.$$"
+    if ! out=$(enroot create --name "$tmp" "$image" 2>&1); then
+      enroot remove --force "$tmp" >/dev/null 2>&1
+      echo "enroot could not unpack $image: $(tail -n 1 <<< "$out")"
+      exit 1
+    fi
+    mv "$data/$tmp" "$data/$name" || { echo "could not rename the unpacked container into $data/$name"; exit 1; }
+    printf '%s\n' "$id" > "$uses/$name.ready.$$" && mv -f "$uses/$name.ready.$$" "$uses/$name.ready"
+  ) 9>>"$uses/$name.lock"
+}
+# ---- end of the slipway pyxis library ----

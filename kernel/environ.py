@@ -1,0 +1,45 @@
+"""Values slipway takes from its environment, checked like config values: the environment is input.
+
+Slurm's variables land in paths (the job id in a log's name, a node's name in a hang dump's), in
+command lines and in arithmetic. A value of the wrong shape (`../x`, `1;rm -rf ~`, an empty node
+name) is refused where it is read, in one line naming the variable, whatever set it: a shell
+left over from another allocation, a user's export, a wrapper script.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Mapping, Optional
+
+from kernel.errors import ConfigError, shown
+
+JOB_ID = re.compile(r"[0-9]{1,12}")  # SLURM_JOB_ID: an array task's own id is one too
+WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a name that is safe as a file name's part
+COUNT = re.compile(r"[0-9]{1,7}")
+
+
+def _value(name: str, pattern: re.Pattern, what: str, environ: Optional[Mapping[str, str]]) -> Optional[str]:
+    value = (os.environ if environ is None else environ).get(name)
+    if value is None or value == "":
+        return None
+    if not pattern.fullmatch(value):
+        raise ConfigError(f"${name}", f"{shown(value)} is not {what}, as Slurm sets it: unset it, or run "
+                                      "slipway from a shell of the job or allocation that set it")
+    return value
+
+
+def job_id(environ: Optional[Mapping[str, str]] = None, name: str = "SLURM_JOB_ID") -> Optional[str]:
+    """The Slurm job id the environment names (None: none), checked."""
+    return _value(name, JOB_ID, "a Slurm job id (a whole number)", environ)
+
+
+def word(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """A name from the environment that goes into file names (a node's name, a job's tag), checked."""
+    return _value(name, WORD, "a name of letters, digits, '.', '_' and '-'", environ)
+
+
+def count(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """A whole number from the environment (a node count, a rank), checked."""
+    value = _value(name, COUNT, "a whole number", environ)
+    return None if value is None else int(value)
