@@ -44,6 +44,15 @@ def project_root() -> Path:
     return here if (here / "pyproject.toml").is_file() else Path.cwd()
 
 
+def build_root(project_dir: Optional[Path], dockerfile: str) -> Path:
+    """The checkout an image is built from, for a project: the project itself when it holds the
+    Dockerfile the config names (a checkout of slipway, the usual case), else the checkout this
+    slipway runs from (a project directory of runs and configs apart from the code)."""
+    if project_dir is not None and resolve_path(project_dir, dockerfile).is_file():
+        return project_dir.resolve()
+    return project_root().resolve()
+
+
 # ---------------------------------------------------------------- the build context
 
 

@@ -41,6 +41,11 @@ def _completed(cluster: LocalSlurmCluster, job_id: str, out: Path, timeout: floa
 
 def test_nodes_idle_in_debug_partition(slurm_cluster: LocalSlurmCluster) -> None:
     assert slurm_cluster.node_names == ["node1", "node2"]
+    # The session's cluster: an earlier test's job may still be completing on it (a loaded machine
+    # takes its time); the nodes are up and theirs once it is done.
+    deadline = time.monotonic() + 300
+    while slurm_cluster.node_states() != {"node1": "idle", "node2": "idle"} and time.monotonic() < deadline:
+        time.sleep(1)
     assert slurm_cluster.node_states() == {"node1": "idle", "node2": "idle"}
     part = slurm_cluster.run("scontrol", "show", "partition", "debug", "-o").stdout
     assert "Default=YES" in part and "MaxTime=UNLIMITED" in part and "Nodes=node[1-2]" in part

@@ -366,8 +366,9 @@ def test_an_image_removed_before_the_start_is_one_line_and_no_retry(tmp_path):
     job = Job(tmp_path, pins=pins)
     image.unlink()
     assert job.run() == 2, job.out
-    assert job.events()[1:] == [f"verification failed: the image {image} is missing on this node (removed or moved "
-                                "after submission): restore it, or build the image again and submit again (on node1)",
+    assert job.events()[1:] == [f"verification failed: the image {image} is not there (removed or moved after "
+                                "submission, or this node does not see its filesystem): restore it, or build the image "
+                                "again and submit again (on node1)",
                                 "end exit 2"]
     assert "requeue" not in (job.fake / "scontrol.log").read_text()
 

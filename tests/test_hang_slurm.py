@@ -166,8 +166,10 @@ def test_a_node_failing_its_preflight_is_left_out_and_the_job_completes(project,
     run_dir = runs / "badnode"
     log = events(run_dir)
     assert log[0] == f"job {job_id} start on slpwh-node[1-2] (restart 0), failure retries 0/2, time-limit requeues 0/20"
-    assert (f"job {job_id} preflight failed on slpwh-node2: run directory {run_dir} is not reachable from this "
-            "node's container (no such directory)") in log, log
+    # The first check a node makes, what it runs against what was submitted, finds nothing there.
+    code = json.loads((run_dir / "manifest.json").read_text())["code"]["dir"]
+    assert (f"job {job_id} preflight failed on slpwh-node2: the code snapshot {code} is not there (removed after "
+            "submission, or this node does not see its filesystem)") in log, log
     assert f"job {job_id} retry 1/2 (preflight): requeueing without slpwh-node2 (excluded nodes: slpwh-node2)" in log
     assert (f"job {job_id} start on slpwh-node[1,3] (restart 1), failure retries 1/2, time-limit requeues 0/20"
             in log), log
@@ -182,7 +184,7 @@ def test_a_node_failing_its_preflight_is_left_out_and_the_job_completes(project,
     assert status.returncode == 0 and "COMPLETED" in status.stdout, status.stdout
     assert (f"job {job_id}: 2 attempt(s); failure retries 1/2 (preflight); time-limit requeues 0/20; excluded nodes "
             "slpwh-node2") in status.stdout.replace("\n", " "), status.stdout
-    assert "last failure: preflight failed on slpwh-node2: run directory" in status.stdout
+    assert "last failure: preflight failed on slpwh-node2: the code snapshot" in status.stdout
 
 
 def test_a_job_that_fails_alike_everywhere_stops_after_max_retries(project, three_env):

@@ -384,7 +384,8 @@ def test_a_code_snapshot_as_submitted_passes_and_any_change_is_named(tmp_path):
     changed(lambda: (listing.chmod(0o644), listing.write_text(listing.read_text().replace("model.py", "modeL.py"))),
             f"{listing} is not the listing recorded at submission")
     r = lib.run(f"verify_code {shlex.quote(str(tmp_path / 'gone'))} {code.hash} || echo refused")
-    assert r.stdout.splitlines() == [f"the code snapshot {tmp_path / 'gone'} is missing (removed after submission?)",
+    assert r.stdout.splitlines() == [f"the code snapshot {tmp_path / 'gone'} is not there (removed after submission, "
+                                     "or this node does not see its filesystem)",
                                      "refused"]
 
 
@@ -409,8 +410,9 @@ def test_an_image_is_vouched_for_by_its_stat_then_by_its_bytes(tmp_path):
                                "its bytes differ)") and r.stdout.splitlines()[-1] == "refused"
     image.unlink()
     r = lib.run(f"verify_image {q} {sha} 8000 1 || echo refused")
-    assert r.stdout.splitlines() == [f"the image {image} is missing on this node (removed or moved after submission): "
-                                     "restore it, or build the image again and submit again", "refused"]
+    assert r.stdout.splitlines() == [f"the image {image} is not there (removed or moved after submission, or this "
+                                     "node does not see its filesystem): restore it, or build the image again and "
+                                     "submit again", "refused"]
     assert lib.run("verify_image '' '' '' ''").returncode == 0  # a registry image: nothing on disk to check
 
 
@@ -524,4 +526,22 @@ def test_verify_nodes_retries_without_a_node_that_sent_no_report(tmp_path):
     r = lib.run("CODE_DIR='' CODE_SHA256=''; verify_nodes; echo verified")
     assert r.returncode == 0 and "verified" not in r.stdout, r.stderr
     assert lib.events() == ["preflight failed on node2: no verification report within 300 s (step exit 1)",
+                            "retry 1/2 (preflight): requeueing without node2 (excluded nodes: node2)"]
+
+
+def test_verify_nodes_leaves_out_a_node_that_does_not_see_what_the_others_see(tmp_path):
+    """The snapshot missing on one node of two (its shared filesystem not mounted there) is that
+    node's failure, not the run's: the job is retried without it."""
+    lib = Lib(tmp_path)
+    code = _snapshot(tmp_path)
+    lib.stand_in("srun", 'while [ "${1#--}" != "$1" ]; do shift; done\n'
+                         'SLURMD_NODENAME=node1 "$@"\n'
+                         'set -- "$1" "$2" "$3" "$4" /not/mounted/here "${@:6}"; SLURMD_NODENAME=node2 "$@"')
+    lib.stand_in("sinfo", 'printf "node1 alloc\\nnode2 alloc\\nnode3 idle\\n"')
+    lib.stand_in("scontrol", '[ "$1 $2" = "show job" ] && echo "JobId=41 ExcNodeList=(null)"; '
+                             '[ "$1 $2" = "show hostnames" ] && tr , "\\n" <<< "$3"; true')
+    r = lib.run(f"CODE_DIR={shlex.quote(code.dir)} CODE_SHA256={code.hash}; verify_nodes; echo verified")
+    assert r.returncode == 0 and "verified" not in r.stdout, r.stderr
+    assert lib.events() == ["preflight failed on node2: the code snapshot /not/mounted/here is not there (removed "
+                            "after submission, or this node does not see its filesystem)",
                             "retry 1/2 (preflight): requeueing without node2 (excluded nodes: node2)"]

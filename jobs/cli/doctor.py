@@ -103,11 +103,12 @@ def _run_checks(cfg: Config, project_dir: Path) -> list[Result]:
     runtime = cfg.container.runtime
 
     def image() -> list[Result]:
-        pin = pin_image(frozen, paths.project_dir)
+        notes: list[str] = []
+        pin = pin_image(frozen, paths.project_dir, notes)
         if pin.source == "none":
             return [("image", True, "runtime none: no image")]
         detail = f"{pin.image} ({pin.source}{', build ' + pin.build_hash[:12] if pin.build_hash else ''})"
-        return [("image", True, detail)]
+        return [("image", True, detail)] + [("image", True, f"note: {n}") for n in notes]
 
     def visible() -> list[Result]:
         added = visibility_mounts(frozen, paths)
@@ -217,6 +218,7 @@ def _rebuild(run: "runs.Run") -> str:
 
 def _current_build(run: "runs.Run", pin: Optional[ImagePin]) -> list[Result]:
     """What the run's config would build now, against the build the run pinned."""
+    from containers.context import build_root
     from containers.image import image_plan
     from jobs.runs.container import build_differences
 
@@ -225,7 +227,7 @@ def _current_build(run: "runs.Run", pin: Optional[ImagePin]) -> list[Result]:
     cfg = run.config()
     if not cfg.container.in_container:
         return []
-    plan = image_plan(cfg, root=run.paths.project_dir, enroot_mount=False, git=False)
+    plan = image_plan(cfg, root=build_root(run.paths.project_dir, cfg.image.dockerfile), enroot_mount=False, git=False)
     if plan.hash == pin.build_hash:
         return [("current build", True, f"the run's config builds {plan.hash[:12]} now, the build it pinned")]
     # The record beside the squashfs outlives it when the file alone was deleted.

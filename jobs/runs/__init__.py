@@ -265,7 +265,7 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
     cfg = resolve_paths(cfg, paths)
     notes: list[str] = []
     try:
-        pin = pin_image(cfg, paths.project_dir)
+        pin = pin_image(cfg, paths.project_dir, notes)
     except ConfigError as exc:
         if not dry_run:
             raise

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from edf import Environment, Mount, expand_host, is_local_image, resolve_base
+from containers.context import build_root
 from containers.image import ImagePlan, image_plan
 from containers.record import BuildRecord
 from jobs.config import Config
@@ -100,8 +101,9 @@ def _file_pin(reference: str, path: Path, source: str, known: Optional[BuildReco
     return ImagePin(reference, str(real), source, str(real), st.st_size, mtime, sha256=file_sha256(real))
 
 
-def pin_image(cfg: Config, project_dir: Path) -> ImagePin:
-    """The image `cfg` runs, pinned; a one-line error when there is none to run."""
+def pin_image(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None) -> ImagePin:
+    """The image `cfg` runs, pinned; a one-line error when there is none to run (what the user
+    should know besides goes to `notes`)."""
     c = cfg.container
     if not c.in_container:
         return ImagePin("", "", "none")
@@ -128,16 +130,16 @@ def pin_image(cfg: Config, project_dir: Path) -> ImagePin:
                                              "container.image")
                 return _file_pin("", path, "base_environment")
             return ImagePin("", base.image, "base_environment")
-    record = build_of_settings(cfg, project_dir)
+    record = build_of_settings(cfg, project_dir, notes)
     return _file_pin("", Path(record.squashfs), "build", record)
 
 
-def builds(cfg: Config, project_dir: Path) -> list[BuildRecord]:
-    """Every image `make image` built for the config's image name whose squashfs is there, newest
-    first (OUTPUT_DIR/NAME-HASH12.json beside OUTPUT_DIR/NAME-HASH12.sqsh)."""
+def builds(cfg: Config, root: Path) -> list[BuildRecord]:
+    """Every image `make image` built from checkout `root` for the config's image name whose
+    squashfs is there, newest first (OUTPUT_DIR/NAME-HASH12.json beside OUTPUT_DIR/NAME-HASH12.sqsh)."""
     from containers.context import resolve_path
 
-    out_dir = resolve_path(project_dir.resolve(), cfg.image.output_dir)
+    out_dir = resolve_path(root, cfg.image.output_dir)
     found = []
     for sidecar in out_dir.glob(f"{cfg.image.name}-*.json") if out_dir.is_dir() else ():
         record = BuildRecord.read(sidecar)
@@ -147,18 +149,27 @@ def builds(cfg: Config, project_dir: Path) -> list[BuildRecord]:
     return [record for *_, record in sorted(found, key=lambda x: x[:2], reverse=True)]
 
 
-def build_of_settings(cfg: Config, project_dir: Path) -> BuildRecord:
+def build_of_settings(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None) -> BuildRecord:
     """The build a submission of `cfg` runs: the newest whose image settings are the config's (the
     same hash; with a code snapshot, any build that differs in code alone, which the snapshot
     brings). Switching between image variants then runs each its own build, not the latest. With
-    none, one line naming what differs from the newest build and the command that builds it."""
-    found = builds(cfg, project_dir)
+    none, one line naming what differs from the closest build and the command that builds it.
+    Where the settings cannot be worked out here (no checkout with the Dockerfile: an install of
+    slipway without its sources), the newest build, with a note in `notes`."""
+    root = build_root(project_dir, cfg.image.dockerfile)
+    found = builds(cfg, root)
     if not found:
         raise ConfigError("container.image", f"is not set and no image is built for this config: run "
                                              f"`{image_build_command(cfg)}` first (make image CONFIG={cfg.config_name} "
                                              "without overrides), or set container.image to a squashfs path or a "
                                              "registry image")
-    plan = image_plan(cfg, root=project_dir, enroot_mount=False, git=False)
+    try:
+        plan = image_plan(cfg, root=root, enroot_mount=False, git=False)
+    except ConfigError as exc:
+        if notes is not None:
+            notes.append(f"runs the newest build, {found[0].hash12}: which build has this config's image settings "
+                         f"cannot be worked out here ({exc})")
+        return found[0]
     exact = [r for r in found if r.hash == plan.hash]
     if exact:
         return exact[0]

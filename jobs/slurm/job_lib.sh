@@ -274,7 +274,7 @@ on_exit() {
 verify_code() {
   local dir=$1 want=$2 got kind sum path sums="" out name
   local -A listed=()
-  if [ ! -r "$dir/.slipway-files" ]; then echo "the code snapshot $dir is missing (removed after submission?)"; return 1; fi
+  if [ ! -r "$dir/.slipway-files" ]; then echo "the code snapshot $dir is not there (removed after submission, or this node does not see its filesystem)"; return 1; fi
   got=$( { printf 'slipway-code-v2\n'; cat "$dir/.slipway-files"; } | sha256sum) || got=""
   if [ "${got%% *}" != "$want" ]; then echo "$dir/.slipway-files is not the listing recorded at submission"; return 1; fi
   while read -r kind sum path; do
@@ -309,7 +309,7 @@ verify_image() {
   local file=$1 want=$2 size=$3 mtime=$4 st got
   [ -n "$file" ] || return 0
   if ! st=$(stat -L -c '%s %Y' -- "$file" 2>/dev/null); then
-    echo "the image $file is missing on this node (removed or moved after submission): restore it, or build the image again and submit again"
+    echo "the image $file is not there (removed or moved after submission, or this node does not see its filesystem): restore it, or build the image again and submit again"
     return 1
   fi
   [ "$st" != "$size $mtime" ] || return 0
@@ -339,11 +339,14 @@ node_check() {
 
 # verify_nodes: before anything else starts on the nodes, every node checks what this job runs
 # against what was submitted (verify_code, verify_image) and readies the image build's kept
-# container (KEPT, pyxis). What differs ends the job at once with BAD_INPUT_EXIT: the same files
-# are wrong on every node and on every retry, so none is retried and no node blamed. A node that
-# could not ready the container, or sent no report, is retried without (retry_or_stop).
+# container (KEPT_CONTAINER, pyxis). What differs on every node (or on the one node of the job)
+# ends the job at once with BAD_INPUT_EXIT: the same files are wrong everywhere and on every
+# retry, so none is retried and no node blamed. What differs on some nodes only (a node that
+# does not see the shared filesystem), a node that could not ready the container, or one that
+# sent no report, is left out of a retry (retry_or_stop), as a failed preflight is.
 verify_nodes() {
-  local out rc node line differs="" bad=""
+  local out rc node line why="" differ="" bad=""
+  local -A said=()
   set +e
   out=$(timeout -k 15 "$PREFLIGHT_TIMEOUT" srun --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
     --kill-on-bad-exit=0 bash -c "$(declare -f verify_code verify_image ensure_container enroot_data node_check)"'; node_check "$@"' \
@@ -355,15 +358,20 @@ verify_nodes() {
     line=$(grep -F -m1 "slipway-verify $node " <<< "$out") || line=""
     case "$line" in
       "slipway-verify $node ok") ;;
-      "slipway-verify $node differs: "*) [ -n "$differs" ] || differs="${line#*differs: } (on $node)" ;;
+      "slipway-verify $node differs: "*) differ+="$node "; said[$node]=${line#*differs: }
+        [ -n "$why" ] || why="${line#*differs: } (on $node)" ;;
       "slipway-verify $node node: "*) bad+="$node "; event "preflight failed on $node: ${line#*node: }" ;;
       *) bad+="$node "; event "preflight failed on $node: no verification report within $PREFLIGHT_TIMEOUT s (step exit $rc)" ;;
     esac
   done
-  if [ -n "$differs" ]; then
-    event "verification failed: $differs"
+  if [ -n "$differ" ] && { [ "${differ% }" = "$NODES" ] || [ "$NODES_NEEDED" -eq 1 ]; }; then
+    event "verification failed: $why"
     exit "$BAD_INPUT_EXIT"
   fi
+  for node in $differ; do
+    event "preflight failed on $node: ${said[$node]}"
+    bad+="$node "
+  done
   [ -n "$bad" ] || return 0
   if [ "$NODES_NEEDED" -gt 1 ] && [ "${bad% }" = "$NODES" ]; then
     retry_or_stop preflight "$PREFLIGHT_EXIT"
