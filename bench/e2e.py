@@ -94,7 +94,8 @@ def _first_step(metrics: Path, start: float, limit: float = 300) -> float:
 
 
 def dev_loop(project: Path, env: dict[str, str], repeat: int) -> None:
-    shutil.copytree(ROOT / "trainer", project / "trainer", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("kernel", "trainer"):
+        shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
     layout = ["--nodes", "2", "--dp", "2", "train.steps=3", *MODEL]
     rows: list[tuple[str, float, float, float]] = []  # (what, command returns, job start, first step)
     for i in range(repeat):
@@ -160,10 +161,12 @@ def pyxis_loop(plugin: str, repeat: int) -> None:
         node_private=(str(runtime), "/run/enroot", "/root/.local/share/enroot", "/root/.cache/enroot")))
     project = tmp / "project"
     shutil.copytree(ROOT / "configs", project / "configs")
-    shutil.copytree(ROOT / "trainer", project / "trainer", ignore=shutil.ignore_patterns("__pycache__"))
-    image = ["container.runtime=pyxis", "image.flash_attn=false", f"image.wheelhouse={wheels}",
-             "image.isolation=chroot", f"image.output_dir={tmp / 'images'}", "image.squash_options=-comp lz4"]
-    subprocess.run([sys.executable, "-m", "jobs", "image", "build", "tiny_cpu", "--base-image", TEST_BASE, *image],
+    for name in ("kernel", "trainer"):
+        shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
+    image = ["container.runtime=pyxis", f"image.base_image={TEST_BASE}", "image.flash_attn=false",
+             f"image.wheelhouse={wheels}", "image.isolation=chroot", f"image.output_dir={tmp / 'images'}",
+             "image.squash_options=-comp lz4"]
+    subprocess.run([sys.executable, "-m", "jobs", "image", "build", "tiny_cpu", *image],
                    cwd=ROOT, check=True, capture_output=True)
     env = {**os.environ, **cluster.env(), "SLIPWAY_PROJECT": str(project)}
     env.pop("SLIPWAY_RUNS", None)

@@ -81,9 +81,10 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
     ensure_test_base()
     wheels = ensure_wheelhouse()
     images = tmp_path / "images"
-    image = ["image.flash_attn=false", f"image.wheelhouse={wheels}", "image.isolation=chroot",
-             f"image.output_dir={images}", "image.squash_options=-comp lz4"]
-    build = run(PY, "-m", "jobs", "image", "build", "tiny_cpu", "--base-image", TEST_BASE, *image, env={}, cwd=ROOT)
+    # The image settings every command of the run gives alike: a submission runs the build of its own.
+    image = [f"image.base_image={TEST_BASE}", "image.flash_attn=false", f"image.wheelhouse={wheels}",
+             "image.isolation=chroot", f"image.output_dir={images}", "image.squash_options=-comp lz4"]
+    build = run(PY, "-m", "jobs", "image", "build", "tiny_cpu", *image, env={}, cwd=ROOT)
     assert build.returncode == 0, (build.stdout[-3000:], build.stderr[-3000:])
     squashfs = json.loads((images / "slipway.json").read_text())["squashfs"]
     assert Path(squashfs).is_file()
