@@ -325,6 +325,11 @@ class Environment:
                 run(check_secret_entry, f"{w}env.{key}", key, value)
                 if len(found) > before:
                     secret.add(key)
+        # Before the runtime none return too: a number's bounds do not depend on the runtime.
+        if isinstance(self.keep_builds, bool) or not isinstance(self.keep_builds, int) or \
+                not 0 <= self.keep_builds <= 100:
+            found.append(ConfigError(f"{w}keep_builds", f"expected a whole number from 0 to 100 (image builds kept "
+                                                        f"unpacked on each node), got {shown(self.keep_builds)}"))
         if self.runtime == "none" and w == "container.":
             return found  # no container: its settings are not used, so not held to the EDF rules
         if self.runtime == "edf" and self.mount_home is not None and w == "container.":
@@ -333,10 +338,6 @@ class Environment:
         run(_check_image, self.image, f"{w}image")
         if self.workdir is not None:
             run(_check_workdir, self.workdir, f"{w}workdir")
-        if isinstance(self.keep_builds, bool) or not isinstance(self.keep_builds, int) or \
-                not 0 <= self.keep_builds <= 100:
-            found.append(ConfigError(f"{w}keep_builds", f"expected a whole number from 0 to 100 (image builds kept "
-                                                        f"unpacked on each node), got {shown(self.keep_builds)}"))
         for name in ("writable", "entrypoint", "mount_home"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

@@ -28,6 +28,16 @@ from kernel.yaml import _BOOL, _FLOAT, _INT, _NULL, MAX_INT, Plain
 # --------------------------------------------------------------------------
 
 
+class OutOfRange(ConfigError):
+    """An integer beyond what any field takes (MAX_INT). Told only when the field's own check
+    (`check`) has nothing to say first: that check names the field's own bounds."""
+
+    def __init__(self, where: str, value: Any, number: int):
+        super().__init__(where, f"{shown(value, where)} is out of range: use a whole number between -{MAX_INT} and "
+                                f"{MAX_INT}")
+        self.number = number
+
+
 def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = None) -> None:
     """The secret policy on one value as it is read, and on the mapping key it is given under."""
     if isinstance(key, str) and (found := refusal(key)) is not None and not found.expansion:
@@ -86,8 +96,7 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
         # Every int field ends up in bash arithmetic, Slurm or torch: none takes more than this;
         # each field's own check bounds it tighter where it matters.
         if abs(number) > MAX_INT:
-            raise ConfigError(where, f"{shown(value, where)} is out of range: use a whole number between "
-                                     f"-{MAX_INT} and {MAX_INT}")
+            raise OutOfRange(where, value, number)
         return number
     if tp is float:
         number = None
@@ -119,6 +128,8 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
                 continue
             try:
                 return _convert(arg, value, where, policy, edf, checked=True)
+            except OutOfRange:
+                raise
             except ConfigError:
                 pass
         raise ConfigError(where, f"expected {_type_name(tp)}, got {shown(value, where)}")
@@ -173,18 +184,26 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
         key = unknown[0]
         path = f"{where}.{key}" if where else str(key)
         raise ConfigError(path, f"unknown key; valid keys of {where or 'the config'} are: {', '.join(fields)}")
-    kwargs = {}
+    kwargs, too_big = {}, []
     edf = bool(getattr(cls, "EDF_TEXT", False))
     for name, f in fields.items():
         path = f"{where}.{name}" if where else name
         if name in data:
-            kwargs[name] = _convert(hints[name], data[name], path, f.metadata.get("secrets", REFUSE), edf)
+            try:
+                kwargs[name] = _convert(hints[name], data[name], path, f.metadata.get("secrets", REFUSE), edf)
+            except OutOfRange as exc:
+                if exc.field != path:  # inside a list or a nested section: no check of this one's bounds it
+                    raise
+                kwargs[name] = exc.number
+                too_big.append(exc)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(path, "is required")
     obj = cls(**kwargs)
     check = getattr(obj, "check", None)
     if check is not None:
-        check(where)
+        check(where)  # a field's own bounds first: `must be at most 100, got ...`
+    if too_big:
+        raise too_big[0]
     return obj
 
 

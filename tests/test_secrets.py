@@ -551,3 +551,15 @@ def test_a_literal_dollar_brace_is_no_expansion(project, host, capfd, runtime):
         assert 'GREETING = "$${HF_TOKEN} and $${X}"' in out
     rc, _, err = slipway(capfd, "submit", "--dry-run", *args, "launch.env.GREETING=$${HF_TOKEN}")
     assert rc == 2 and err.startswith("slipway: error: launch.env.GREETING: expands ${HF_TOKEN}"), err
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_an_integer_beyond_every_bound_names_the_field_s_own(project, host, capfd, runtime):
+    for value in (2 ** 64, 10 ** 39, -(2 ** 64)):
+        rc, _, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", *runtime_args(project, runtime)[:-1],
+                             f"container.keep_builds={value}")
+        assert rc == 2 and err.startswith("slipway: error: container.keep_builds: expected a whole number from 0 "
+                                          "to 100"), err
+    # a field with no bound of its own is held to the engine's
+    rc, _, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", f"run.seed={2 ** 64}")
+    assert rc == 2 and "between -9007199254740991 and 9007199254740991" in err, err
