@@ -554,6 +554,21 @@ def test_a_literal_dollar_brace_is_no_expansion(project, host, capfd, runtime):
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
+def test_pythonpath_from_the_host_stays_behind_the_code_snapshot(project, host, capfd, runtime, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/site/lib")
+    rc, out, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", *runtime_args(project, runtime)[:-1],
+                           "container.env_from_host=[PYTHONPATH]")
+    assert rc == 0, err
+    if runtime == "edf":  # the snapshot first, then the host's, which the Container Engine expands
+        line = next(x for x in out.splitlines() if x.startswith("PYTHONPATH = "))
+        assert "/runs/.code/" in line and line.endswith(':${PYTHONPATH}"'), line
+    if runtime == "pyxis":
+        srun = next(x for x in out.splitlines() if "srun --kill-on-bad-exit=1" in x)
+        assert " PYTHONPATH=" in srun and srun.index(".code/") < srun.index('"${PYTHONPATH}"'), srun
+    assert "/site/lib" not in out  # passed by name, never written
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
 def test_an_integer_beyond_every_bound_names_the_field_s_own(project, host, capfd, runtime):
     for value in (2 ** 64, 10 ** 39, -(2 ** 64)):
         rc, _, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", *runtime_args(project, runtime)[:-1],
