@@ -501,6 +501,27 @@ def test_names_and_values_users_set_every_day_pass(project, host, capfd, runtime
     assert not missing, missing
 
 
+def test_the_same_through_a_real_process(project, host):
+    """`python -m jobs` as a user runs it: the refusal, the warning and the masked dry run come
+    through the real error edge and streams."""
+    value, body = shaped("openai")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, cwd=project, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+
+    before = tree(project)
+    r = run("submit", "tiny_cpu", f"container.env.OPENAI_API_KEY={value}")
+    assert r.returncode == 2 and r.stderr.startswith("slipway: error: container.env.OPENAI_API_KEY: looks like a "
+                                                     "secret (its name contains KEY)"), r.stderr
+    r2 = run("submit", "tiny_cpu", "--dry-run", f"launch.command=[python3, tool.py, --api-key, {value}]")
+    assert r2.returncode == 2 and r2.stderr.startswith("slipway: error: launch.command[3]: looks like"), r2.stderr
+    r3 = run("submit", "tiny_cpu", "--dry-run", f"launch.pre_launch=[curl -H 'Authorization: Bearer {value}' x]")
+    assert r3.returncode == 0 and "slipway: warning: launch.pre_launch[0] holds what looks like" in r3.stderr
+    assert not any(body in x for x in (r.stdout, r.stderr, r2.stdout, r2.stderr, r3.stdout, r3.stderr))
+    assert tree(project) == before
+
+
 # ------------------------------------------------------------------ the user's own text
 
 
