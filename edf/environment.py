@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from kernel.errors import ConfigError, shown
-from kernel.secrets import secret_word
+from kernel.secrets import PASSTHROUGH, REFERENCE, refusal
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -104,30 +104,13 @@ def references(value: str, where: str) -> list[str]:
 # --------------------------------------------------------------------------
 
 
-def secret_error(where: str, name: str) -> ConfigError:
-    """The one error for a secret given a value in a config (container.env, launch.env,
-    image.build_args); it names the field and the pass-through form, never the value."""
-    return ConfigError(where, f"looks like a secret (its name contains {secret_word(name)}), and a value given "
-                              "here is written into the run directory (or the image): export it in the shell you "
-                              f"submit from (`export {name}=...`) and pass it by name: "
-                              f"container.env_from_host: [{name}]")
-
-
-def check_secret_entry(where: str, name: str, value: object, passthrough: bool = False) -> None:
-    """A config's NAME: value entry that would put a secret's value into a file or a traced command:
-    a secret-looking name with a value (with `passthrough`, only exactly `${NAME}` is allowed:
-    the host's own variable, the same as container.env_from_host), or a value expanding a
-    secret-looking variable (the batch script would expand it, and `set -x` print it)."""
-    if secret_word(name) and not (passthrough and value == f"${{{name}}}"):
-        raise secret_error(where, name)
-    if not isinstance(value, str):
-        return
-    for m in EXPANSION.finditer(value):
-        ref = m.group(1)
-        if secret_word(ref) and ref != name:
-            raise ConfigError(where, f"expands ${{{ref}}}, which looks like a secret: a command line holding it "
-                                     "could be printed (launch.debug's set -x, a dry run): pass the variable "
-                                     f"itself with container.env_from_host: [{ref}] and build the value in the job")
+def check_secret_entry(where: str, name: str, value: object) -> None:
+    """An [env] entry of a merged environment that the batch script would hold (a base
+    environment's, resolved under pyxis): the secret policy as for container.env, whose own
+    entries the schema engine checked as they were read (kernel/schema.py)."""
+    found = refusal(value, name=name, policy=PASSTHROUGH, edf=True)
+    if found is not None:
+        raise ConfigError(where, found.message())
 
 
 def _split_outside_braces(text: str, sep: str) -> list[str]:
@@ -263,14 +246,16 @@ class Environment:
     workdir: Optional[str] = None
     # Whether the container's filesystem is writable; null: the runtime's default (pyxis: writable).
     writable: Optional[bool] = None
-    # Values in EDF syntax; "" unsets the variable (Container Engine).
-    env: dict[str, str] = field(default_factory=dict)
+    # Values in EDF syntax; "" unsets the variable (Container Engine). A name or value that looks
+    # like a secret's is refused, except `NAME: "${NAME}"`: pass secrets with env_from_host.
+    env: dict[str, str] = field(default_factory=dict, metadata={"secrets": PASSTHROUGH})
     # Variables the tasks take from the submitting environment by name, their values never written
     # (secrets: HF_TOKEN, WANDB_API_KEY): `NAME = "${NAME}"` in the EDF, `--container-env=NAME`
     # under pyxis, the job's own environment under runtime none (docs/secrets.md).
     env_from_host: list[str] = field(default_factory=list)
-    # Flat dotted keys, e.g. "com.hooks.aws_ofi_nccl.enabled" -> "true".
-    annotations: dict[str, str] = field(default_factory=dict)
+    # Flat dotted keys, e.g. "com.hooks.aws_ofi_nccl.enabled" -> "true". A secret-looking key takes a
+    # file's path or one "${VAR}" (expanded as the container starts), never the secret itself.
+    annotations: dict[str, str] = field(default_factory=dict, metadata={"secrets": REFERENCE})
     # Whether the image's entrypoint runs before the command; null: the runtime's default
     # (pyxis: it does not).
     entrypoint: Optional[bool] = None
@@ -292,6 +277,8 @@ class Environment:
     # The file it was read from, if any (relative base paths do not use it:
     # like the Container Engine, they start from the working directory).
     source: Optional[Path] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
+    # Its strings are EDF text: `$$` is a literal `$` (the schema engine's secret check reads them so).
+    EDF_TEXT = True
 
     def __post_init__(self) -> None:
         # Mount specs given as text ("SRC[:DST[:FLAGS]]") are parsed here.
@@ -332,12 +319,17 @@ class Environment:
         # config's values land in config.yaml.
         run(self._check_env_from_host)
         secret = set()  # keys refused as secrets: no other check of theirs may quote the value
-        if w == "container.":
+        if w == "container.":  # a config's, or one merged from base environments (pyxis resolves them)
             for key, value in self.env.items():
                 before = len(found)
-                run(check_secret_entry, f"{w}env.{key}", key, value, True)
+                run(check_secret_entry, f"{w}env.{key}", key, value)
                 if len(found) > before:
                     secret.add(key)
+        # Before the runtime none return too: a number's bounds do not depend on the runtime.
+        if isinstance(self.keep_builds, bool) or not isinstance(self.keep_builds, int) or \
+                not 0 <= self.keep_builds <= 100:
+            found.append(ConfigError(f"{w}keep_builds", f"expected a whole number from 0 to 100 (image builds kept "
+                                                        f"unpacked on each node), got {shown(self.keep_builds)}"))
         if self.runtime == "none" and w == "container.":
             return found  # no container: its settings are not used, so not held to the EDF rules
         if self.runtime == "edf" and self.mount_home is not None and w == "container.":
@@ -346,10 +338,6 @@ class Environment:
         run(_check_image, self.image, f"{w}image")
         if self.workdir is not None:
             run(_check_workdir, self.workdir, f"{w}workdir")
-        if isinstance(self.keep_builds, bool) or not isinstance(self.keep_builds, int) or \
-                not 0 <= self.keep_builds <= 100:
-            found.append(ConfigError(f"{w}keep_builds", f"expected a whole number from 0 to 100 (image builds kept "
-                                                        f"unpacked on each node), got {shown(self.keep_builds)}"))
         for name in ("writable", "entrypoint", "mount_home"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

@@ -20,7 +20,8 @@ from typing import Any, Optional, Union
 import tomli_w
 
 from edf.environment import Environment, Expansion, Mount, is_local_image, split_expansions
-from kernel.errors import ConfigError, bounded, bounded_path, shown
+from kernel.errors import ConfigError, bounded, bounded_path, shown, warn
+from kernel.secrets import PASSTHROUGH, refusal, warning
 from kernel.yaml import MAX_DEPTH, MAX_TEXT, read_text_bounded
 from kernel.fs import write_atomic
 
@@ -202,6 +203,8 @@ def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *
         return None, [exc]
     env, problems = _from_document(doc, origin)
     env.source = path
+    for line in secret_lines(read_text_bounded(path, str(path)), str(path)):
+        warn(line)
     resolved = env
     if not problems and env.base_environment:
         try:
@@ -211,6 +214,32 @@ def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *
     if notes is not None and not problems:
         problems += missing_host_paths(resolved, origin, notes)
     return env, problems
+
+
+# `KEY = "value"` on one line of TOML (a dotted or quoted key, a basic or literal string).
+_TOML_KEY = r"""(?:"[^"]*"|'[^']*'|[A-Za-z0-9_-]+)"""
+_TOML_ENTRY = re.compile(rf"""^\s*({_TOML_KEY}(?:\s*\.\s*{_TOML_KEY})*)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|'([^']*)')""")
+
+
+def secret_lines(text: str, where: str) -> list[str]:
+    """A hand-written EDF's lines that hold what looks like a secret (a token, or a literal value
+    under a secret's name): the file is the user's, read as it is; these are said by line, never
+    by value (`slipway edf --check`)."""
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        what, variable = warning(line), "NAME"
+        m = _TOML_ENTRY.match(line)
+        if m:
+            key = m.group(1).replace('"', "").replace("'", "").replace(" ", "")
+            value = m.group(2) if m.group(2) is not None else m.group(3)
+            found = refusal(value, name=key, policy=PASSTHROUGH, edf=True)
+            if found is not None and not found.expansion:
+                what, variable = what or found.what, found.variable
+        if what:
+            out.append(f"{where} line {number} holds what looks like {what}: whoever reads the file reads it, and "
+                       f"under pyxis it is written into the batch script; write \"${{{variable}}}\" and export "
+                       f"{variable} in the shell that runs srun instead")
+    return out
 
 
 def missing_host_paths(env: Environment, origin: str, notes: list[str],

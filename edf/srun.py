@@ -27,7 +27,7 @@ from typing import Optional, Union
 from edf.environment import (EXPANSION, SQSH, Environment, Expansion, is_local_image, registry_image,
                              split_expansions)
 from edf.files import expand_host, resolve_base
-from kernel.errors import ConfigError
+from kernel.errors import ConfigError, shown
 
 ENTRYPOINT_LOG = "com.pyxis.entrypoint_log"
 
@@ -97,7 +97,7 @@ def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> SrunFlags
             if value == "true":
                 args.append("--container-entrypoint-log")
             continue
-        warnings.append(f"{w}annotations.{key} = {value!r} has no pyxis equivalent and is dropped "
+        warnings.append(f"{w}annotations.{key} = {shown(value, key)} has no pyxis equivalent and is dropped "
                         "(only the Container Engine runs its hooks)")
     return SrunFlags(args, exports, warnings)
 
@@ -146,7 +146,7 @@ def _exports(env: Environment) -> tuple[list[tuple[str, str]], list[str]]:
         if key in passed:
             continue
         if "\n" in value:
-            raise ConfigError(where, f"value {value!r} contains a newline, which pyxis cannot receive through the "
+            raise ConfigError(where, f"value {shown(value, where)} contains a newline, which pyxis cannot receive through the "
                                      "batch script: use container.runtime edf, or drop the newline")
         exports.append((key, to_shell(value, where)))
         if value == "":
@@ -168,7 +168,7 @@ def to_shell(value: str, where: str) -> str:
     pieces = split_expansions(value, where)
     text = "".join(p.text if isinstance(p, Expansion) else p for p in pieces)
     if _shell_pieces(text) != _normal(pieces):
-        raise ConfigError(where, f"{value!r} holds a literal '${{' (written $${{), which the batch script would "
+        raise ConfigError(where, f"{shown(value, where)} holds a literal '${{' (written $${{), which the batch script would "
                                  "expand: pyxis cannot pass it; use container.runtime edf")
     return text
 

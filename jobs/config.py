@@ -19,9 +19,10 @@ from typing import Any, Callable, Literal, Optional
 import yaml
 
 from containers.record import ImageSection
-from edf.environment import ENV_NAME, NOT_CONFIG, SAFE_NAME, Environment, check_secret_entry
-from kernel.errors import ConfigError, shown
+from edf.environment import ENV_NAME, NOT_CONFIG, SAFE_NAME, Environment
+from kernel.errors import ConfigError, bounded, shown
 from kernel.schema import at_most, from_dict, require, to_dict
+from kernel.secrets import OWN_TEXT, warning
 from kernel.yaml import Plain, read_text_bounded, read_yaml
 from trainer.config import TrainerConfig, check_trainer_sections
 
@@ -275,10 +276,11 @@ class LaunchSection:
     python: Optional[str] = None
     # Replace the trainer with another command (a list of arguments).
     command: list[str] = field(default_factory=list)
-    # Shell lines the batch script runs as written before it launches the ranks.
-    pre_launch: list[str] = field(default_factory=list)
-    # Variables exported before srun; they override the node preset's. A name that looks like a
-    # secret is refused: pass secrets with container.env_from_host instead.
+    # Shell lines the batch script runs as written before it launches the ranks (your own text: a
+    # value in them that looks like a secret is warned about, not refused; docs/secrets.md).
+    pre_launch: list[str] = field(default_factory=list, metadata={"secrets": OWN_TEXT})
+    # Variables exported before srun; they override the node preset's. A name or value that looks
+    # like a secret's is refused: pass secrets with container.env_from_host instead.
     env: dict[str, str] = field(default_factory=dict)
     # set -x in the batch script, CUDA_LAUNCH_BLOCKING=1, TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO.
     debug: bool = False
@@ -296,9 +298,14 @@ class LaunchSection:
         for key in self.env:
             require(bool(ENV_NAME.match(key)), f"{where}.env.{key}",
                     "is not a valid environment variable name (letters, digits, _; not starting with a digit)")
-        for key, value in self.env.items():
-            # No pass-through here: launch.env is exported by the batch script, in its text.
-            check_secret_entry(f"{where}.env.{key}", key, value)
+
+    def secret_warnings(self, where: str = "launch") -> list[str]:
+        """pre_launch lines holding what looks like a secret: written into config.yaml and job.sbatch
+        as the user wrote them, so said (the line, never the value) rather than refused."""
+        return [f"{where}.pre_launch[{i}] holds what looks like {what}: it is written into config.yaml and "
+                "job.sbatch as you wrote it (and traced under launch.debug); export it in the shell you submit "
+                "from and pass it with container.env_from_host instead"
+                for i, line in enumerate(self.pre_launch) if (what := warning(line))]
 
 
 @dataclass
@@ -529,7 +536,7 @@ def resolve_config_path(name: str | Path) -> Path:
             if candidate.is_file():
                 return candidate
         except OSError as exc:  # e.g. a name longer than the filesystem allows
-            raise ConfigError("CONFIG", f"{text[:60]!r}{'...' if len(text) > 60 else ''} is not a usable path "
+            raise ConfigError("CONFIG", f"{bounded(text, 60)!r} is not a usable path "
                                         f"({exc.strerror}): give a config name such as tiny_cpu") from None
     known = sorted(p.stem for p in Path("configs").glob("*.yaml")) if Path("configs").is_dir() else []
     hint = f"; known configs: {', '.join(known)}" if known else ""

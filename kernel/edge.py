@@ -15,6 +15,7 @@ import sys
 from typing import Callable, Optional
 
 from kernel.errors import ConfigError, bounded, bounded_path
+from kernel.secrets import mask
 
 USER_ERROR = 2
 BUG = 70  # EX_SOFTWARE: told apart from a refused input (2) and a failed Slurm call (1)
@@ -66,6 +67,6 @@ def run_at_edge(work: Callable[[], int], prog: str = "slipway",
                 return status
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             raise
-        line, status = error_line(exc)
-        print(f"{prog}: error: {' '.join(line.split())}", file=sys.stderr)
+        line, status = error_line(exc)  # masked once more: an error no slipway code worded may quote a value
+        print(f"{prog}: error: {mask(' '.join(line.split()))}", file=sys.stderr)
         return status

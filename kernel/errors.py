@@ -3,15 +3,17 @@
 `ConfigError` is the one error for bad input: one line naming the field, the rule
 and the fix (the error edge, kernel/edge.py, prints it and exits 2). Every message
 that quotes a value goes through `shown`, which bounds it and hides what the
-secret policy (kernel/secrets.py) says must never be printed.
+secret policy (kernel/secrets.py) says must never be printed; and every error's line
+is masked by that policy once more as it is made, whoever built it.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
-from kernel.secrets import secret_word, _ASSIGNMENT
+from kernel.secrets import mask, secret_name
 
 
 class ConfigError(ValueError):
@@ -21,7 +23,7 @@ class ConfigError(ValueError):
         # One line, whatever the user typed: a key or value holding a newline is shown escaped,
         # and a line never grows past a screenful, however long a value a message quotes.
         self.field = bounded(one_line(field_path), MAX_FIELD_SHOWN)
-        message = one_line(message)
+        message = mask(one_line(message))
         if len(message) > MAX_MESSAGE:  # keep the start (the rule) and the end (the fix)
             message = f"{message[:MAX_MESSAGE // 2]} ... {message[-MAX_MESSAGE // 2:]}"
         super().__init__(f"{self.field}: {message}" if self.field else message)
@@ -37,8 +39,9 @@ def one_line(text: str) -> str:
 
 
 def bounded(text: str, limit: int = MAX_SHOWN) -> str:
-    """`text` cut to `limit` characters (with `...`), for quoting what the user gave in a message."""
-    text = str(text)
+    """`text` cut to `limit` characters (with `...`), for quoting what the user gave in a message;
+    masked first, so that no cut leaves a secret's start too short to be recognised."""
+    text = mask(str(text))
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
@@ -48,7 +51,7 @@ MAX_PATH_SHOWN = 400  # a path is what the user must find: longer than other val
 def bounded_path(path: object) -> str:
     """A path for an error message: whole up to MAX_PATH_SHOWN characters, else its start and
     its end (the file name) around `...`."""
-    text = str(path)
+    text = mask(str(path))
     if len(text) <= MAX_PATH_SHOWN:
         return text
     half = (MAX_PATH_SHOWN - 3) // 2
@@ -59,12 +62,18 @@ def bounded_path(path: object) -> str:
 def shown(value: Any, where: str = "") -> str:
     """A value as the user wrote it, for error messages: at most about MAX_SHOWN characters
     (a long string, a deep or shared list or a huge number is cut, never printed whole), and
-    never a secret's: the value of a field whose name looks like one (`where`'s last part),
-    or of a NAME=value inside it, is hidden. Every message quoting a value comes through here."""
-    if where and secret_word(re.split(r"[.\[]", where)[-1] or where):
+    never a secret's: the value of a field whose name looks like one (`where`'s last part) is
+    hidden whole, and every secret-looking part of any other (a token, NAME=value) is masked.
+    Every message quoting a value comes through here."""
+    if where and secret_name(re.split(r"[.\[]", where)[-1] or where):
         return "<a value, hidden: the name looks like a secret's>"
-    text = bounded(_brief(value, MAX_SHOWN), 2 * MAX_SHOWN)
-    return _ASSIGNMENT.sub(lambda m: f"{m[1]}=<hidden>" if secret_word(m[1]) and m[2] else m[0], text)
+    return bounded(_brief(value, MAX_SHOWN), 2 * MAX_SHOWN)
+
+
+def warn(message: str) -> None:
+    """A warning on stderr, in one line and masked: what the user should know about their own text
+    (a secret-looking value in launch.pre_launch or a hand-written EDF), which is not refused."""
+    print(f"slipway: warning: {mask(one_line(message))}", file=sys.stderr)
 
 
 def _brief(value: Any, room: int) -> str:
@@ -72,8 +81,9 @@ def _brief(value: Any, room: int) -> str:
     nested value costs at least two, so the recursion ends too)."""
     if value is None:
         return "null"
-    if isinstance(value, str):
-        return repr(str(value) if len(value) <= room else str(value[:max(room - 5, 1)]) + "...")
+    if isinstance(value, str):  # masked before it is cut (a token cut short is no longer recognised)
+        value = mask(str(value))
+        return repr(value if len(value) <= room else value[:max(room - 5, 1)] + "...")
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
         return f"<a {len(str(abs(value))) if abs(value) < 10 ** 4000 else 'huge'}-digit number>"
     if isinstance(value, (list, tuple, dict)):

@@ -9,6 +9,7 @@ import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
 from kernel.errors import ConfigError, shown
+from kernel.secrets import REFUSE, flag_variable, refusal, secret_name
 from kernel.yaml import _BOOL, _FLOAT, _INT, _NULL, MAX_INT, Plain
 
 
@@ -18,7 +19,42 @@ from kernel.yaml import _BOOL, _FLOAT, _INT, _NULL, MAX_INT, Plain
 # need extra packages and every error must carry the dotted field path and
 # the list of valid keys. Fields with metadata {"config": False} are not
 # part of the config (e.g. where a model came from).
+#
+# Every string of a config reaches a file (config.yaml, job.sbatch, env.toml), a command
+# line or a terminal, so the secret policy (kernel/secrets.py) is applied here, to every
+# field, as the value is read: a field says only what it lets through besides
+# (metadata {"secrets": PASSTHROUGH, REFERENCE or OWN_TEXT}), and a section whose
+# strings are EDF text (where `$$` is a literal `$`) says so (`EDF_TEXT = True`).
 # --------------------------------------------------------------------------
+
+
+class OutOfRange(ConfigError):
+    """An integer beyond what any field takes (MAX_INT). Told only when the field's own check
+    (`check`) has nothing to say first: that check names the field's own bounds."""
+
+    def __init__(self, where: str, value: Any, number: int):
+        super().__init__(where, f"{shown(value, where)} is out of range: use a whole number between -{MAX_INT} and "
+                                f"{MAX_INT}")
+        self.number = number
+
+
+def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = None) -> None:
+    """The secret policy on one value as it is read, and on the mapping key it is given under."""
+    if isinstance(key, str) and (found := refusal(key)) is not None and not found.expansion:
+        raise ConfigError(where, found.message())  # a key that is a token itself
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)  # `PASSWORD: 123456` from a caller that typed it as a number
+    found = refusal(value, name=key if isinstance(key, str) else None, policy=policy, edf=edf)
+    if found is not None:
+        raise ConfigError(where, found.message())
+
+
+def _list_flags(items: list, where: str, policy: str) -> None:
+    """A list of words (a command): `--token VALUE` gives VALUE under a secret's name."""
+    for i, (flag, value) in enumerate(zip(items, items[1:])):
+        if isinstance(flag, str) and flag.startswith("-") and "=" not in flag and isinstance(value, str) \
+                and not value.startswith("-") and secret_name(flag.lstrip("-")):
+            _secret_check(value, f"{where}[{i + 1}]", policy, False, flag_variable(flag))
 
 
 def _type_name(tp: Any) -> str:
@@ -60,8 +96,7 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
         # Every int field ends up in bash arithmetic, Slurm or torch: none takes more than this;
         # each field's own check bounds it tighter where it matters.
         if abs(number) > MAX_INT:
-            raise ConfigError(where, f"{shown(value, where)} is out of range: use a whole number between "
-                                     f"-{MAX_INT} and {MAX_INT}")
+            raise OutOfRange(where, value, number)
         return number
     if tp is float:
         number = None
@@ -77,7 +112,12 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
     raise TypeError(f"unsupported config type {tp!r} at {where}")
 
 
-def _convert(tp: Any, value: Any, where: str) -> Any:
+def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = False, key: Any = None,
+             checked: bool = False) -> Any:
+    """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy
+    has seen it (a Union's alternatives are tried on the same value)."""
+    if not checked and (isinstance(value, str) or key is not None):
+        _secret_check(value, where, policy, edf, key)
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
         args = get_args(tp)
@@ -87,7 +127,9 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _convert(arg, value, where)
+                return _convert(arg, value, where, policy, edf, checked=True)
+            except OutOfRange:
+                raise
             except ConfigError:
                 pass
         raise ConfigError(where, f"expected {_type_name(tp)}, got {shown(value, where)}")
@@ -103,7 +145,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         (item_tp,) = get_args(tp)
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise ConfigError(where, f"expected a list such as [a, b], got {shown(value, where)}")
-        return [_convert(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        _list_flags(list(value), where, policy)
+        return [_convert(item_tp, v, f"{where}[{i}]", policy, edf) for i, v in enumerate(value)]
     if origin is dict:
         _, val_tp = get_args(tp)
         if not isinstance(value, dict):
@@ -112,7 +155,7 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ConfigError(where, f"keys must be strings, got {shown(k, where)}")
-            out[str(k)] = _convert(val_tp, v, f"{where}.{k}")
+            out[str(k)] = _convert(val_tp, v, f"{where}.{k}", policy, edf, key=k)
         return out
     if hasattr(tp, "from_config_value"):  # a class with its own text form (edf.Mount: "SRC:DST:FLAGS")
         return tp.from_config_value(value, where)
@@ -141,17 +184,26 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
         key = unknown[0]
         path = f"{where}.{key}" if where else str(key)
         raise ConfigError(path, f"unknown key; valid keys of {where or 'the config'} are: {', '.join(fields)}")
-    kwargs = {}
+    kwargs, too_big = {}, []
+    edf = bool(getattr(cls, "EDF_TEXT", False))
     for name, f in fields.items():
         path = f"{where}.{name}" if where else name
         if name in data:
-            kwargs[name] = _convert(hints[name], data[name], path)
+            try:
+                kwargs[name] = _convert(hints[name], data[name], path, f.metadata.get("secrets", REFUSE), edf)
+            except OutOfRange as exc:
+                if exc.field != path:  # inside a list or a nested section: no check of this one's bounds it
+                    raise
+                kwargs[name] = exc.number
+                too_big.append(exc)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(path, "is required")
     obj = cls(**kwargs)
     check = getattr(obj, "check", None)
     if check is not None:
-        check(where)
+        check(where)  # a field's own bounds first: `must be at most 100, got ...`
+    if too_big:
+        raise too_big[0]
     return obj
 
 

@@ -1,21 +1,322 @@
-"""The secret policy: which names and values must never reach a file, a command line or a terminal."""
+"""The secret policy: which names and values must never reach a file, a command line or a terminal.
+
+One policy, used everywhere: the schema engine refuses what it finds in any config field
+(kernel/schema.py), every message masks by it (kernel/errors.py), records of a command
+line and dry runs mask by it, and the user's own text (launch.pre_launch, hand-written EDF
+files) is warned about by it. docs/secrets.md has the table of what it catches.
+
+Two questions, answered without looking anything up:
+- a NAME looks like a secret's (`secret_name`): it is split into words (at `_`, `-`, `.`,
+  case changes and digits) and a word is a secret's (TOKEN, KEY, PASSWORD, PAT, SIG, ...), or
+  holds one run together (APIKEY, PGPASSWORD, HFTOKEN); look-alikes are not (TOKENIZERS,
+  MAX_TOKENS, AUTHOR, KEYBOARD, COMPASS, PASSES, SIGMA, PATH), nor a name for where a secret
+  is kept (SSH_AUTH_SOCK, HF_TOKEN_PATH, PASSWORD_FILE);
+- a VALUE looks like a secret (`find_secrets`): a well-known token format (Hugging Face,
+  GitHub, GitLab, AWS, Google, Slack, OpenAI/Anthropic, Stripe, npm, PyPI), a JWT, a PEM
+  private key, a URL carrying a password, a bearer credential, or `NAME=value` / `--NAME value`
+  with a secret's name and a literal value.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Optional
 
+# ---------------------------------------------------------------------------- names
 
-# A variable name that looks like it holds a secret, matched case-insensitively anywhere in the
-# name (HF_TOKEN, wandb_key, my_api_key, AWS_SECRET_ACCESS_KEY, DB_PASSWD, GIT_CREDENTIALS, OAUTH_X),
-# except TOKENIZ... (TOKENIZERS_PARALLELISM) and AUTHOR..., which name no secret.
-SECRET_WORD = re.compile(r"TOKEN(?!IZ)|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH(?!OR)|PRIVATE", re.IGNORECASE)
-# NAME=value inside a value the user gave (an sbatch option `--export=ALL,HF_TOKEN=x`).
-_ASSIGNMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=([^,\s'\"]*)")
+# A name's words: runs of capitals (HF, API), capitalised or lower-case words (Token, token),
+# digits; everything else (_ - . / space) separates.
+_WORDS = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
+
+# Words that name a secret on their own.
+_SECRET_WORDS = frozenset({
+    "TOKEN", "KEY", "KEYS", "SECRET", "SECRETS", "PASSWORD", "PASSWORDS", "PASSWD", "PASS", "PASSPHRASE",
+    "PWD", "PAT", "COOKIE", "COOKIES", "SIG", "SIGNATURE", "CREDENTIAL", "CREDENTIALS", "CRED", "CREDS",
+    "AUTH", "OAUTH", "AUTHORIZATION", "AUTHORISATION", "PRIVATE", "DSN", "BEARER", "JWT", "SESSID",
+    "SESSIONID", "APIKEY", "CONNSTR",
+})
+# Parts that make a longer word a secret's wherever they stand in it (PGPASSWORD, CLIENTSECRET).
+_SECRET_PARTS = ("SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "COOKIE", "PRIVATE", "SESSID")
+# Words ending in KEY or PASS that are ordinary English (an APIKEY, SSHKEY, PGPASS, SSHPASS is not).
+_ORDINARY_ENDINGS = frozenset({
+    "MONKEY", "TURKEY", "HOCKEY", "JOCKEY", "DONKEY", "WHISKEY", "LACKEY", "TURNKEY", "HOTKEY",
+    "BYPASS", "COMPASS", "SURPASS", "ENCOMPASS", "TRESPASS", "OVERPASS", "UNDERPASS",
+    "ASKPASS",  # GIT_ASKPASS, SSH_ASKPASS: the program that asks, not the password
+})
+# A name whose last word is one of these names where a secret is kept, not the secret
+# (SSH_AUTH_SOCK, HF_TOKEN_PATH, MYSQL_PASSWORD_FILE, TOKEN_URL): its value is a place.
+_PLACE_WORDS = frozenset({"FILE", "FILES", "PATH", "DIR", "SOCK", "SOCKET", "URL", "URI", "HOST", "PORT",
+                          "ENDPOINT"})
+# TOKEN in a language model's vocabulary: a count or a special token, not a credential
+# (MAX_TOKEN, PAD_TOKEN, EOS_TOKEN_ID, TOKEN_COUNT).
+_TOKEN_BEFORE = frozenset({"MAX", "MIN", "NUM", "N", "TOTAL", "PAD", "BOS", "EOS", "UNK", "SEP", "CLS", "MASK",
+                           "SPECIAL", "START", "END", "STOP", "NEXT", "FIRST", "LAST", "PER"})
+_TOKEN_AFTER = frozenset({"LEN", "LENGTH", "COUNT", "COUNTS", "LIMIT", "BUDGET", "ID", "IDS", "TYPE", "TYPES",
+                          "DIM", "SIZE", "INDEX", "IDX", "EMBEDDING", "EMBEDDINGS", "LEVEL"})
+# The shell's own working directories are no password (MYSQL_PWD is).
+_ORDINARY_NAMES = frozenset({"PWD", "OLDPWD"})
 
 
-def secret_word(name: str) -> Optional[str]:
-    """The part of `name` that makes it look like a secret's name (upper case), or None."""
-    m = SECRET_WORD.search(name) if isinstance(name, str) else None
-    return m.group(0).upper() if m else None
+def name_words(name: str) -> list[str]:
+    """`name` split into upper-case words: `hfToken` -> HF TOKEN, `com.example.api-key2` -> COM
+    EXAMPLE API KEY 2."""
+    return [w.upper() for w in _WORDS.findall(name)]
 
+
+def _word_secret(word: str) -> Optional[str]:
+    """What in one word makes it a secret's (upper case), or None."""
+    if word in _SECRET_WORDS:
+        return word
+    for part in _SECRET_PARTS:
+        if part in word:
+            return part
+    if word in _ORDINARY_ENDINGS:
+        return None
+    if word.endswith(("TOKEN", "KEY", "KEYS", "PASS")) and not word.startswith("KEY"):
+        return next(e for e in ("TOKEN", "KEYS", "KEY", "PASS") if word.endswith(e))
+    # AUTH anywhere (OAUTH2, AUTHTOKEN, AUTHENTICATION), but not AUTHOR, AUTHORS, AUTHORITY
+    # (XAUTHORITY): AUTHORIZE and AUTHORISATION are secrets' words again.
+    for m in re.finditer("AUTH", word):
+        rest = word[m.end():]
+        if not rest.startswith("OR") or rest.startswith(("ORIZ", "ORIS")):
+            return "AUTH"
+    return None
+
+
+def secret_name(name: object) -> Optional[str]:
+    """The word that makes `name` look like a secret's (upper case), or None for an ordinary
+    name. Case, separators and camelCase do not matter: HF_TOKEN, hf-token, hfToken and
+    com.example.hf_token alike."""
+    if not isinstance(name, str) or not name or name.upper() in _ORDINARY_NAMES:
+        return None
+    words = name_words(name)
+    if words and words[-1] in _PLACE_WORDS and len(words) > 1:
+        return None
+    for i, word in enumerate(words):
+        found = _word_secret(word)
+        if found is None:
+            continue
+        if found == "TOKEN" and word == "TOKEN" and (
+                (i > 0 and words[i - 1] in _TOKEN_BEFORE) or (i + 1 < len(words) and words[i + 1] in _TOKEN_AFTER)):
+            continue
+        return found
+    for first, second in zip(words, words[1:]):  # a connection string (AZURE_STORAGE_CONNECTION_STRING)
+        if first in ("CONNECTION", "CONN") and second in ("STRING", "STR"):
+            return "CONNECTION STRING"
+    return None
+
+
+# ---------------------------------------------------------------------------- values
+
+
+@dataclass(frozen=True)
+class Found:
+    """A secret inside a text: the span to hide (`start`:`end`), what it looks like, and the name
+    it was given (NAME=value), if any."""
+
+    start: int
+    end: int
+    what: str
+    name: Optional[str] = None
+
+
+# Well-known formats, each bounded so that a scan stays linear on any input.
+_SHAPES: list[tuple[str, re.Pattern]] = [(what, re.compile(pattern)) for what, pattern in [
+    ("a Hugging Face token", r"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{20,}"),
+    ("a GitHub token", r"(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})"),
+    ("a GitLab token", r"(?<![A-Za-z0-9])glpat-[A-Za-z0-9_-]{20,}"),
+    ("an AWS access key", r"(?<![A-Za-z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-z0-9])"),
+    ("a Google API key", r"(?<![A-Za-z0-9])AIza[A-Za-z0-9_-]{35}"),
+    ("a Slack token", r"(?<![A-Za-z0-9])xox[abposr]-[A-Za-z0-9-]{10,}"),
+    ("an OpenAI or Anthropic key", r"(?<![A-Za-z0-9_-])sk-[A-Za-z0-9_-]{0,40}?[A-Za-z0-9_]{20}[A-Za-z0-9_-]*"),
+    ("a Stripe key", r"(?<![A-Za-z0-9])[rs]k_(?:live|test)_[A-Za-z0-9]{16,}"),
+    ("an npm token", r"(?<![A-Za-z0-9])npm_[A-Za-z0-9]{30,}"),
+    ("a PyPI token", r"(?<![A-Za-z0-9])pypi-AgE[A-Za-z0-9_-]{30,}"),
+    ("a JSON web token", r"(?<![A-Za-z0-9])eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"),
+    ("a private key", r"-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?-----(?:[^-]|-(?!----END))*"
+                      r"(?:-----END [A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?-----)?"),
+    ("a bearer token", r"(?<![A-Za-z0-9])[Bb]earer[ \t]+[A-Za-z0-9._~+/-]{16,}=*"),
+    ("an HTTP credential header", r"(?i)(?<![A-Za-z0-9_.-])(?:proxy-)?(?:authorization|cookie|set-cookie|x-api-key|"
+                                  r"api-key|x-auth-token|private-token)[ \t]*:[ \t]*([^\s'\"][^\r\n'\"]{7,})"),
+]]
+# A URL whose user part carries a password: scheme://user:PASSWORD@host (the password hidden).
+_URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,30}://[^\s/@:'\"]{0,200}:([^\s/@'\"]{1,500})@")
+# NAME=value (an sbatch --export list, an environment assignment, a URL's query; the value may
+# be quoted), and a flag `--NAME value` (a command line): the value, where NAME looks like a secret's.
+_NAME = r"(?<![A-Za-z0-9_.-])(-{0,2}[A-Za-z_][A-Za-z0-9_.-]{0,100})"
+# (The values are read ahead, not taken, and end at the next `=` but for base64's padding:
+# `A=B_TOKEN=x` holds two assignments, and no input makes the scan slower than linear.)
+_ASSIGNMENT = re.compile(_NAME + r"""=(?=(?:"([^"\r\n]*)"|'([^'\r\n]*)'|([^\s,;&'"`)\]=]*=*)))""")
+_FLAG = re.compile(r"(?<![A-Za-z0-9_.-])(--?[A-Za-z_][A-Za-z0-9_.-]{0,100})[ \t]+(?=([^-\s'\"`][^\s,;&'\"`)\]]*))")
+# A value that is no secret itself: a reference to a variable ($X, ${X}, $(command)), a
+# placeholder (..., <hidden>), or a file's path (where a secret is kept).
+_REFERENCE = re.compile(r"\$[({]?[A-Za-z_][A-Za-z0-9_]*(?::-[^}]*)?[)}]?|\$\(.*", re.S)
+_PLACEHOLDER = re.compile(r"\.{3}|<[^<>]*>|\*+|[Xx]{3,}|value|VALUE")
+_PATH = re.compile(r"(?:/|\./|\.\./|~/|\$\{[A-Za-z_][A-Za-z0-9_]*\}/|\$[A-Za-z_][A-Za-z0-9_]*/)[^\s=,;&'\"]*")
+
+
+def is_literal(value: str) -> bool:
+    """Whether `value` could be a secret itself, rather than empty, a reference to a variable, a
+    placeholder or a file's path (GOOGLE_APPLICATION_CREDENTIALS=/keys/x.json names a place)."""
+    return bool(value) and not (_REFERENCE.fullmatch(value) or _PLACEHOLDER.fullmatch(value)
+                                or _PATH.fullmatch(value))
+
+
+def find_secrets(text: str) -> list[Found]:
+    """Every secret-looking part of `text`, in order, overlapping ones merged."""
+    if not isinstance(text, str) or not text:
+        return []
+    found: list[Found] = []
+    for what, pattern in _SHAPES:
+        # the credential alone where the pattern marks it (a header's value, not its name)
+        found += [Found(*m.span(m.lastindex or 0), what) for m in pattern.finditer(text)]
+    for m in _URL_PASSWORD.finditer(text):
+        if is_literal(m.group(1)):
+            found.append(Found(m.start(1), m.end(1), "a URL with a password"))
+    for m in _ASSIGNMENT.finditer(text):
+        group = next(g for g in (2, 3, 4) if m.group(g) is not None)
+        name, value = m.group(1).lstrip("-"), m.group(group)
+        if secret_name(name) and is_literal(value):
+            found.append(Found(m.start(group), m.end(group), f"a secret ({name}=...)", name))
+    for m in _FLAG.finditer(text):
+        name, value = m.group(1).lstrip("-"), m.group(2)
+        if secret_name(name) and is_literal(value):
+            found.append(Found(m.start(2), m.end(2), f"a secret ({m.group(1)} ...)", flag_variable(name)))
+    found.sort(key=lambda f: (f.start, -f.end))
+    merged: list[Found] = []
+    for f in found:
+        if merged and f.start < merged[-1].end:  # one secret seen twice (a token given as HF_TOKEN=...)
+            last = merged[-1]
+            merged[-1] = Found(last.start, max(last.end, f.end), last.what, last.name or f.name)
+            continue
+        merged.append(f)
+    return merged
+
+
+def secret_shape(text: object) -> Optional[Found]:
+    """The first secret-looking part of `text`, or None."""
+    found = find_secrets(text) if isinstance(text, str) else []
+    return found[0] if found else None
+
+
+HIDDEN = "<hidden>"
+
+
+def mask(text: str) -> str:
+    """`text` with every secret-looking part replaced by <hidden>: what any message, record of
+    a command line or dry run shows instead."""
+    if not isinstance(text, str) or not text:
+        return text
+    found = find_secrets(text)
+    if not found:
+        return text
+    out, pos = [], 0
+    for f in found:
+        out += [text[pos:f.start], HIDDEN]
+        pos = f.end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------------- what a config may hold
+
+
+def expanded_names(text: str, edf: bool = False) -> list[str]:
+    """The variables `text` expands: `${NAME}` and `${NAME:-default}`; in EDF text (`edf`), not
+    after a `$$`, which is a literal `$` there."""
+    names, i = [], 0
+    while True:
+        j = text.find("$", i)
+        if j < 0 or j + 1 >= len(text):
+            return names
+        if edf and text[j + 1] == "$":
+            i = j + 2
+            continue
+        m = _EXPANSION.match(text, j)
+        if m:
+            names.append(m.group(1))
+        i = j + 1
+
+
+_EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}")
+
+# What a field lets through besides the ordinary (a field's metadata {"secrets": ...}):
+REFUSE = "refuse"  # no secret-looking value, no expansion of a secret-looking variable
+PASSTHROUGH = "passthrough"  # container.env: NAME = "${NAME}", the host's own variable, is allowed
+REFERENCE = "reference"  # container.annotations: a value that is one ${VAR}, expanded as the container starts
+OWN_TEXT = "own text"  # launch.pre_launch: the user's own shell lines, warned about (`warning`), never refused
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a config value may not be written down: what it looks like, and the variable to pass
+    by name instead."""
+
+    what: str
+    variable: str
+    expansion: bool = False
+    policy: str = REFUSE
+
+    def message(self) -> str:
+        """The one line a refusal says after its field: what it saw, never the value, and the
+        pass-through form."""
+        if self.policy == REFERENCE and not self.expansion:  # an annotation: the Container Engine expands it
+            return (f"looks like {self.what}, and a value given here is written into env.toml: export it in the "
+                    f"shell you submit from (`export {self.variable}=...`), write the value as "
+                    f"\"${{{self.variable}}}\" (expanded as the container starts) and list it in "
+                    f"container.env_from_host: [{self.variable}]")
+        if self.expansion:
+            return (f"expands ${{{self.variable}}}, which looks like a secret: a command line holding it could be "
+                    f"printed (launch.debug's set -x, a dry run): pass the variable itself with "
+                    f"container.env_from_host: [{self.variable}] and build the value in the job")
+        return (f"looks like {self.what}, and a value given here is written into the run directory (or the image) "
+                f"and could be printed: export it in the shell you submit from (`export {self.variable}=...`) and "
+                f"pass it by name: container.env_from_host: [{self.variable}]")
+
+
+def refusal(value: object, *, name: Optional[str] = None, policy: str = REFUSE,
+            edf: bool = False) -> Optional[Refusal]:
+    """Why a config value may not be written into a file or a command line, or None. `name`: the
+    mapping key it is given under (an environment variable, a build arg, an annotation), whose
+    value must be empty or a file's path if the name looks like a secret's (the pass-through
+    forms of `policy` aside); `edf`: the value is EDF text (`$$` is a literal `$`)."""
+    if policy == OWN_TEXT or not isinstance(value, str):
+        return None
+    if name is not None and secret_name(name) and value and not _PATH.fullmatch(value):
+        own = policy == PASSTHROUGH and value == f"${{{name}}}"
+        single = policy == REFERENCE and _EXPANSION.fullmatch(value) is not None
+        if not own and not single:
+            return Refusal(f"a secret (its name contains {secret_name(name)})", _variable(name), policy=policy)
+    found = secret_shape(value)
+    if found is not None:
+        return Refusal(found.what, _variable(found.name or name or "NAME"), policy=policy)
+    whole = _EXPANSION.fullmatch(value)
+    for ref in expanded_names(value, edf):
+        allowed = (policy == PASSTHROUGH and ref == name and value == f"${{{ref}}}") or \
+                  (policy == REFERENCE and whole is not None)
+        if secret_name(ref) and not allowed:
+            return Refusal(f"an expansion of ${{{ref}}}", ref, expansion=True)
+    return None
+
+
+def _variable(name: str) -> str:
+    """An environment variable's name for the pass-through form: the name itself where it is one
+    (hf_token), else made one (HF_TOKEN from com.example.hf_token or x-hf-token)."""
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        return name
+    return flag_variable(name.split(".")[-1])
+
+
+def flag_variable(flag: str) -> str:
+    """The environment variable a command-line flag's secret would travel in: --hf-token, --hfToken ->
+    HF_TOKEN."""
+    text = "_".join(name_words(flag)) or "NAME"
+    return "_" + text if text[0].isdigit() else text
+
+
+def warning(value: object) -> Optional[str]:
+    """For the user's own text (launch.pre_launch, a hand-written EDF): what a secret-looking part
+    of it looks like, or None. Such text is written as it is; this is said, never the value."""
+    found = secret_shape(value)
+    return found.what if found else None

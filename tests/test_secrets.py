@@ -4,12 +4,16 @@ Through the command line as a user types it, on every runtime: variables named i
 `container.env_from_host` reach the job (the batch script's sruns, pyxis' --container-env,
 the Container Engine's `${VAR}`), `slipway local` and `slipway shell`, while their values
 appear in no file slipway writes, in no output it prints, and in no line `launch.debug`'s
-`set -x` traces. A secret given a value in a config is refused in one line that never shows
-it; run directories are never world-writable, whatever the umask.
+`set -x` traces. A secret given a value in a config, by its name (every spelling) or by its
+shape, in any field, is refused in one line that never shows it, through every command and
+under every runtime; names and values users set every day are not. The user's own text
+(launch.pre_launch, a hand-written EDF) is warned about by line. Run directories are never
+world-writable, whatever the umask. The policy's own lists: test_secret_policy.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -17,13 +21,20 @@ import shlex
 import stat
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from plumbum import local
 
 from conftest import SRUN_PASSING_PREFLIGHT, tree
 from jobs.cli import main
+from jobs.config import Config
+from kernel.schema import config_fields
+from test_secret_policy import ORDINARY_NAMES, ORDINARY_VALUES, SECRET_NAMES, SHAPES, SPELLINGS, shaped, spellings
 
 PY = sys.executable
 # Unique values: any file or output holding one of them has leaked it.
@@ -98,8 +109,8 @@ def leaks(*texts: str, under: Path | None = None) -> list[str]:
 def test_secrets_reach_the_job_and_land_nowhere(project, host, capfd, runtime):
     args = ["tiny_cpu", *runtime_args(project, runtime), "launch.debug=true", "--run-name", "sec"]
     outputs = []
-    for command in (["submit", "--dry-run"], ["submit"], ["doctor"],
-                    *([["edf"]] if runtime != "none" else [])):
+    for command in (["submit", "--dry-run"], ["submit"], ["doctor"], ["prepare", "--as-job"],
+                    ["shell", "--dry-run"], *([["edf"]] if runtime != "none" else [])):
         rc, out, err = slipway(capfd, *command, *args)
         outputs += [out, err]
         assert rc == 0 or command == ["doctor"], (command, out, err)  # no controller answers the doctor
@@ -128,17 +139,18 @@ def test_secrets_reach_the_job_and_land_nowhere(project, host, capfd, runtime):
     assert "+ " in trace and not leaks(trace, srun_saw, under=project)
 
 
-def run_batch_script(run_dir: Path, bin_dir: Path) -> str:
+def run_batch_script(run_dir: Path, bin_dir: Path, secrets_env: dict[str, str] = MARKERS, saw: str = SAW) -> str:
     """job.sbatch under bash with stand-in srun/scontrol and the secrets in its environment, as
-    sbatch starts it; its output and set -x trace."""
+    sbatch starts it; its output and set -x trace. The srun stand-in appends `saw`'s output to
+    $RUN_DIR/srun-saw."""
     stand_in(bin_dir, "scontrol", "echo n1\n")
-    stand_in(bin_dir, "srun", SRUN_PASSING_PREFLIGHT + f'{{ {SAW}; }} >> "$RUN_DIR/srun-saw"\n')
+    stand_in(bin_dir, "srun", SRUN_PASSING_PREFLIGHT + f'{{ {saw}; }} >> "$RUN_DIR/srun-saw"\n')
     log = run_dir.parent.parent.parent / "job-trace.out"  # outside the project: it is read, then scanned
     with log.open("w") as out:
         r = subprocess.run(["bash", str(run_dir / "job.sbatch")], stdout=out, stderr=subprocess.STDOUT, timeout=120,
                            env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(run_dir), "SLURM_NNODES": "1",
                                 "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "RUN_DIR": str(run_dir),
-                                **MARKERS})
+                                **secrets_env})
     trace = log.read_text()
     assert r.returncode == 0, trace
     return trace
@@ -319,5 +331,271 @@ def test_a_base_environment_s_literal_is_replaced_or_refused_under_pyxis(project
 def test_an_export_with_a_secret_value_is_refused(project, host, capfd):
     before = tree(project)
     rc, out, err = slipway(capfd, "submit", "tiny_cpu", f"slurm.extra=[\"--export=ALL,HF_TOKEN={MARKERS['HF_TOKEN']}\"]")
-    assert rc == 2 and err.startswith("slipway: error: slurm.extra[0]: looks like a secret"), err
+    assert rc == 2 and err.startswith("slipway: error: slurm.extra[0]: looks like a Hugging Face token"), err
+    assert "container.env_from_host: [HF_TOKEN]" in err
     assert not leaks(out, err) and tree(project) == before
+    rc, out, err = slipway(capfd, "submit", "tiny_cpu", "slurm.extra=[\"--export=ALL,AUTHORIZATION=abc123\"]")
+    assert rc == 2 and err.startswith("slipway: error: slurm.extra[0]: looks like a secret (AUTHORIZATION=...)"), err
+    assert "abc123" not in err and "container.env_from_host: [AUTHORIZATION]" in err and tree(project) == before
+    # $SBATCH_EXPORT is the submitting environment's, checked at submission by the same policy
+    os.environ["SBATCH_EXPORT"] = "ALL,AUTHORIZATION=abc123"
+    try:
+        rc, out, err = slipway(capfd, "submit", "tiny_cpu")
+    finally:
+        del os.environ["SBATCH_EXPORT"]
+    assert rc == 2 and err.startswith("slipway: error: SBATCH_EXPORT: looks like a secret") and "abc123" not in err
+
+
+
+# ------------------------------------------------------------------ the policy through every command
+
+# What a user runs with a config: each reads it through the same edge, under every runtime.
+COMMANDS = [["submit", "--dry-run"], ["submit"], ["doctor"], ["edf"], ["shell", "--dry-run"], ["local"],
+            ["prepare", "--as-job"]]
+EXAMPLES = int(os.environ.get("SLIPWAY_SECRET_EXAMPLES", "40"))
+PROPERTY = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+
+def base_config(project: Path, runtime: str) -> dict:
+    raw = yaml.safe_load((project / "configs" / "tiny_cpu.yaml").read_text())
+    raw["container"] = {"runtime": runtime, **({"image": str(project / "img.sqsh")} if runtime != "none" else {})}
+    return raw
+
+
+def put(raw: dict, dotted: str, value) -> None:
+    node = raw
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def refused_cleanly(project: Path, capfd, command: list[str], raw: dict, field: str, secret: str) -> str:
+    """Run `command` on the config `raw` (written outside the project): refused in one line naming
+    `field` and the pass-through form, `secret` nowhere, nothing written. The line."""
+    path = project.parent / "configs-outside" / "secret.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
+    before = tree(project)
+    rc, out, err = slipway(capfd, *command, str(path))
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, (command, field, out, err)
+    assert lines[0].startswith(f"slipway: error: {field}: "), (field, lines[0])
+    assert "container.env_from_host: [" in lines[0], lines[0]
+    assert secret not in out + err, (field, out, err)
+    assert tree(project) == before, "a refused command wrote files"
+    return lines[0]
+
+
+def by_name(kind: str, spelled: str, value: str) -> tuple[str, object, str]:
+    """(the field, what it is set to, the field path an error names) for a secret's name in `kind`."""
+    key = spelled if "." in spelled else f"com.example.{spelled}"
+    return {
+        "container.env": ("container.env", {spelled: value}, f"container.env.{spelled}"),
+        "launch.env": ("launch.env", {spelled: value}, f"launch.env.{spelled}"),
+        "image.build_args": ("image.build_args", {spelled: value}, f"image.build_args.{spelled}"),
+        "container.annotations": ("container.annotations", {key: value}, f"container.annotations.{key}"),
+        "slurm.extra": ("slurm.extra", ["--exclusive", f"--export=ALL,{spelled}={value}"], "slurm.extra[1]"),
+        "launch.command": ("launch.command", ["python3", "-m", "tool", f"--{spelled}", value], "launch.command[4]"),
+        "data.dataset": ("data.dataset", f"https://data.example.org/x?{spelled}={value}", "data.dataset"),
+    }[kind]
+
+
+@PROPERTY
+@given(name=st.sampled_from(SECRET_NAMES), how=st.sampled_from(SPELLINGS),
+       kind=st.sampled_from(["container.env", "launch.env", "image.build_args", "container.annotations",
+                             "slurm.extra", "launch.command", "data.dataset"]),
+       runtime=st.sampled_from(RUNTIMES), command=st.sampled_from(COMMANDS))
+def test_a_secret_by_name_is_refused_in_every_field(project, host, capfd, name, how, kind, runtime, command):
+    value = "m" + secrets.token_hex(10)  # no token's shape: the name alone says it is a secret
+    dotted, setting, field = by_name(kind, spellings(name)[how], value)
+    raw = base_config(project, runtime)
+    put(raw, dotted, setting)
+    refused_cleanly(project, capfd, command, raw, field, value)
+
+
+def _leaves(cls: type, prefix: str = "") -> list[tuple[str, typing.Any]]:
+    """(dotted field, type) for every field of the config tree."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for name in config_fields(cls):
+        tp, path = hints[name], f"{prefix}{name}"
+        out += _leaves(tp, f"{path}.") if dataclasses.is_dataclass(tp) else [(path, tp)]
+    return out
+
+
+# Every field, whatever its type: a value shaped like a secret is refused as it is read. The
+# user's own shell lines are the one exception (warned about: see below).
+FIELDS = [(f, tp) for f, tp in _leaves(Config) if f != "launch.pre_launch"]
+
+
+@PROPERTY
+@given(leaf=st.sampled_from(FIELDS), shape=st.sampled_from(sorted(SHAPES)), runtime=st.sampled_from(RUNTIMES),
+       command=st.sampled_from(COMMANDS))
+def test_a_secret_by_shape_is_refused_in_every_field(project, host, capfd, leaf, shape, runtime, command):
+    dotted, tp = leaf
+    value, body = shaped(shape)
+    origin = typing.get_origin(tp)
+    if origin is list:
+        setting, field = [value], f"{dotted}[0]"
+    elif origin is dict:
+        setting, field = {"SOME_NAME": value}, f"{dotted}.SOME_NAME"
+    else:
+        setting, field = value, dotted
+    raw = base_config(project, runtime)
+    put(raw, dotted, setting)
+    refused_cleanly(project, capfd, command, raw, field, body)
+
+
+@settings(max_examples=max(3, EXAMPLES // 6), deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(name=st.sampled_from(SECRET_NAMES), how=st.sampled_from(["upper", "lower", "camel", "pascal", "digit"]),
+       shape=st.sampled_from(sorted(SHAPES)), runtime=st.sampled_from(RUNTIMES))
+def test_any_secret_passed_by_name_reaches_the_job_and_lands_nowhere(project, host, capfd, name, how, shape, runtime):
+    """Any name in any spelling, any value's shape, under every runtime: through the commands, the
+    files they write and the batch script's set -x trace, the value is never seen."""
+    spelled = spellings(name)[how]
+    value, body = shaped(shape)
+    run = f"n{secrets.token_hex(4)}"
+    args = ["tiny_cpu", *runtime_args(project, runtime)[:-1], f"container.env_from_host=[{spelled}]",
+            "launch.debug=true", "--run-name", run]
+    outputs = []
+    os.environ[spelled] = value
+    try:
+        with local.env(**{spelled: value}):
+            for command in (["submit", "--dry-run"], ["submit"], ["prepare", "--as-job"], ["shell", "--dry-run"],
+                            *([["edf"]] if runtime != "none" else [])):
+                rc, out, err = slipway(capfd, *command, *args)
+                assert rc == 0, (command, err)
+                outputs += [out, err]
+    finally:
+        del os.environ[spelled]
+    run_dir = project / "runs" / run
+    trace = run_batch_script(run_dir, host.parent / "job-bin", {spelled: value},
+                             saw=f'echo "{spelled} ${{{spelled}:+set}}"')
+    assert f"{spelled} set" in (run_dir / "srun-saw").read_text()  # the job's sruns have it
+    seen = [text for text in (*outputs, trace) if body in text]
+    files = [p for p in project.rglob("*") if p.is_file() and body.encode() in p.read_bytes()]
+    assert not seen and not files, (spelled, shape, runtime, files)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_names_and_values_users_set_every_day_pass(project, host, capfd, runtime):
+    values = {f"VALUE_{i}": v for i, v in enumerate(ORDINARY_VALUES) if "${HF_TOKEN}" not in v}
+    names = {name: "1" for name in ORDINARY_NAMES}
+    args = ["tiny_cpu", *runtime_args(project, runtime)[:-1], "--run-name", "everyday"]
+    raw = base_config(project, runtime)
+    put(raw, "container.env", names)
+    put(raw, "launch.env", {**names, **values})
+    put(raw, "image.build_args", {**names, **{k: v for k, v in values.items() if v}})
+    put(raw, "container.annotations", {**{f"com.example.{n.lower()}": "true" for n in names if "PWD" not in n},
+                                       **{f"com.example.{k.lower()}": v for k, v in values.items()}})
+    put(raw, "slurm.extra", ["--exclusive", "--export=ALL,HF_TOKEN,WANDB_API_KEY"])
+    put(raw, "data.dataset", "https://user@data.example.org/wikitext")
+    path = project / "configs" / "everyday.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    rc, out, err = slipway(capfd, "submit", "--dry-run", "everyday", *args[1:])
+    assert rc == 0, err
+    assert "warning" not in err, err
+    missing = [n for n in ORDINARY_NAMES if f"export {n}=" not in out]  # launch.env, exported by the script
+    assert not missing, missing
+
+
+def test_the_same_through_a_real_process(project, host):
+    """`python -m jobs` as a user runs it: the refusal, the warning and the masked dry run come
+    through the real error edge and streams."""
+    value, body = shaped("openai")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, cwd=project, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+
+    before = tree(project)
+    r = run("submit", "tiny_cpu", f"container.env.OPENAI_API_KEY={value}")
+    assert r.returncode == 2 and r.stderr.startswith("slipway: error: container.env.OPENAI_API_KEY: looks like a "
+                                                     "secret (its name contains KEY)"), r.stderr
+    r2 = run("submit", "tiny_cpu", "--dry-run", f"launch.command=[python3, tool.py, --api-key, {value}]")
+    assert r2.returncode == 2 and r2.stderr.startswith("slipway: error: launch.command[3]: looks like"), r2.stderr
+    r3 = run("submit", "tiny_cpu", "--dry-run", f"launch.pre_launch=[curl -H 'Authorization: Bearer {value}' x]")
+    assert r3.returncode == 0 and "slipway: warning: launch.pre_launch[0] holds what looks like" in r3.stderr
+    assert not any(body in x for x in (r.stdout, r.stderr, r2.stdout, r2.stderr, r3.stdout, r3.stderr))
+    assert tree(project) == before
+
+
+# ------------------------------------------------------------------ the user's own text
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_pre_launch_is_the_user_s_own_text_and_is_warned_about_by_line(project, host, capfd, runtime):
+    value, body = shaped("huggingface")
+    line = f"huggingface-cli login --token {value}"
+    args = ["tiny_cpu", *runtime_args(project, runtime), f"launch.pre_launch=[echo hi, {line}]", "--run-name", "own"]
+    for command in (["submit", "--dry-run"], ["submit"]):
+        rc, out, err = slipway(capfd, *command, *args)
+        assert rc == 0, err
+        warnings = [w for w in err.splitlines() if w.startswith("slipway: warning:")]
+        assert len(warnings) == 1 and "launch.pre_launch[1] holds what looks like a Hugging Face token" in warnings[0]
+        assert body not in out + err  # a dry run prints job.sbatch masked
+    assert line in (project / "runs" / "own" / "job.sbatch").read_text()  # written as the user wrote it
+
+
+def test_a_hand_written_edf_is_warned_about_by_line_and_never_printed(project, host, capfd, tmp_path):
+    value, body = shaped("github classic")
+    edf = tmp_path / "mine.toml"
+    edf.write_text(f'image = {json.dumps(str(project / "img.sqsh"))}\n[env]\nFOO = "1"\nGH_TOKEN = "{value}"\n'
+                   f'DB_PASSWORD = "hunter2"\nOK = "${{WANDB_API_KEY}}"\n'
+                   '[annotations]\n"com.hooks.ssh.authorize_ssh_key" = "/keys/id.pub"\n')
+    rc, out, err = slipway(capfd, "edf", "--check", str(edf))
+    assert rc == 0 and f"{edf}: ok" in out, err
+    warnings = [w for w in err.splitlines() if w.startswith("slipway: warning:")]
+    assert [w.split(" holds")[0] for w in warnings] == [f"slipway: warning: {edf} line 4",
+                                                          f"slipway: warning: {edf} line 5"], err
+    assert "GitHub token" in warnings[0] and 'write "${GH_TOKEN}"' in warnings[0]
+    assert "its name contains PASSWORD" in warnings[1]
+    rc, out, err = slipway(capfd, "edf", "--to-pyxis", str(edf))
+    assert rc == 0, err
+    assert "export GH_TOKEN=<hidden>" in out and "export DB_PASSWORD=<hidden>" in out
+    assert body not in out + err and "hunter2" not in out + err
+
+
+# ------------------------------------------------------------------ small things the policy's fields brought
+
+
+@pytest.mark.parametrize("runtime", ["edf", "none"])
+def test_a_literal_dollar_brace_is_no_expansion(project, host, capfd, runtime):
+    """`$${VAR}` is the documented literal `${VAR}` of EDF text: container.env takes it even for a
+    secret's name (nothing is expanded); launch.env is shell text, where it would expand."""
+    args = ["tiny_cpu", *runtime_args(project, runtime)[:-1]]
+    rc, out, err = slipway(capfd, "submit", "--dry-run", *args, "container.env.GREETING=$${HF_TOKEN} and $${X}")
+    assert rc == 0, err
+    if runtime == "edf":
+        assert 'GREETING = "$${HF_TOKEN} and $${X}"' in out
+    rc, _, err = slipway(capfd, "submit", "--dry-run", *args, "launch.env.GREETING=$${HF_TOKEN}")
+    assert rc == 2 and err.startswith("slipway: error: launch.env.GREETING: expands ${HF_TOKEN}"), err
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_pythonpath_from_the_host_stays_behind_the_code_snapshot(project, host, capfd, runtime, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/site/lib")
+    rc, out, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", *runtime_args(project, runtime)[:-1],
+                           "container.env_from_host=[PYTHONPATH]")
+    assert rc == 0, err
+    if runtime == "edf":  # the snapshot first, then the host's, which the Container Engine expands
+        line = next(x for x in out.splitlines() if x.startswith("PYTHONPATH = "))
+        assert "/runs/.code/" in line and line.endswith(':${PYTHONPATH}"'), line
+    if runtime == "pyxis":
+        srun = next(x for x in out.splitlines() if "srun --kill-on-bad-exit=1" in x)
+        assert " PYTHONPATH=" in srun and srun.index(".code/") < srun.index('"${PYTHONPATH}"'), srun
+    assert "/site/lib" not in out  # passed by name, never written
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_an_integer_beyond_every_bound_names_the_field_s_own(project, host, capfd, runtime):
+    for value in (2 ** 64, 10 ** 39, -(2 ** 64)):
+        rc, _, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", *runtime_args(project, runtime)[:-1],
+                             f"container.keep_builds={value}")
+        assert rc == 2 and err.startswith("slipway: error: container.keep_builds: expected a whole number from 0 "
+                                          "to 100"), err
+    # a field with no bound of its own is held to the engine's
+    rc, _, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", f"run.seed={2 ** 64}")
+    assert rc == 2 and "between -9007199254740991 and 9007199254740991" in err, err

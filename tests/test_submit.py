@@ -106,6 +106,23 @@ def test_submit_runs_and_shows_logs(project, slurm_env):
 
 
 @pytest.mark.slurm
+def test_a_secret_passed_by_name_reaches_every_rank_and_no_file(project, slurm_env):
+    """docs/secrets.md on the real Slurm: sbatch takes the variable into the job, every rank has
+    it, and neither the run directory (its logs hold the batch script's set -x trace) nor what
+    slipway prints holds its value."""
+    secret = "hf_" + os.urandom(16).hex()
+    code = "import os; print('rank', os.environ['RANK'], 'token', len(os.environ.get('HF_TOKEN', '')))"
+    r = slipway("submit", "tiny_cpu", "--run-name", "sec", "--nodes", "2", *task(code), "launch.debug=true",
+                "container.env_from_host=[HF_TOKEN]", "--show-logs", env={"HF_TOKEN": secret})
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert all(f"rank {i} token {len(secret)}" in r.stdout for i in range(4)), r.stdout
+    assert secret not in r.stdout + r.stderr
+    leaked = [p for p in (project / "runs").rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not leaked, leaked
+    assert "+ " in "".join(p.read_text() for p in (project / "runs" / "sec" / "logs").iterdir())  # traced
+
+
+@pytest.mark.slurm
 def test_show_logs_exit_code_is_the_jobs(project, slurm_env):
     r = slipway("submit", "tiny_cpu", "--run-name", "fails", *task("import sys; print('bye'); sys.exit(3)"),
                 "--show-logs")

@@ -22,7 +22,8 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         from kernel.errors import bounded
 
-        # argparse quotes what it could not read (`invalid int value: '999...'`): bounded, one line.
+        # argparse quotes what it could not read (`invalid int value: '999...'`): bounded, one line,
+        # masked by the secret policy.
         message = " ".join(bounded(message, 300).split())
         self.exit(2, f"slipway: error: {message} (see `{self.prog} --help`)\n")
 
@@ -44,10 +45,13 @@ def _config_args(p: argparse.ArgumentParser, optional: bool = False, cluster: bo
 
 def load(args: argparse.Namespace):
     from jobs.config import load_config
+    from kernel.errors import warn
 
     sets = {k[4:]: v for k, v in vars(args).items() if k.startswith("set:") and v is not None}
     cfg = load_config(args.config, args.overrides, sets)
     cfg.given_args = given_args(args)
+    for text in cfg.launch.secret_warnings():  # the user's own lines: said once per command, not refused
+        warn(text)
     return cfg
 
 
@@ -78,6 +82,7 @@ def _console(stderr: bool = False):
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from jobs import runs
+    from kernel.secrets import mask
 
     cfg = load(args)
     console = _console()
@@ -86,7 +91,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         for name in ("job.sbatch", "env.toml"):
             if name in sealed.files:
                 print(f"==> {sealed.paths.run_dir / name} <==", flush=True)
-                sys.stdout.write(sealed.files[name])
+                sys.stdout.write(mask(sealed.files[name]))  # launch.pre_launch is the user's own text
                 sys.stdout.flush()
         try:
             runs.check_submittable(sealed.cfg)
@@ -144,8 +149,10 @@ def _check_controller() -> None:
 def _notes(console, notes: list[str]) -> None:
     from rich.markup import escape
 
+    from kernel.secrets import mask
+
     for note in notes:  # a note quotes paths and overrides (`container.mounts=[...]`): never markup
-        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True, markup=True, highlight=False)
+        console.print(f"[yellow]note:[/] {escape(mask(note))}", soft_wrap=True, markup=True, highlight=False)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -207,6 +214,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_edf(args: argparse.Namespace) -> int:
     from edf import check_edf, install_edf, parse_edf, render_edf, srun_flags
+    from kernel.secrets import mask
 
     if args.check or args.to_pyxis:
         path = Path(args.check or args.to_pyxis)
@@ -214,7 +222,7 @@ def cmd_edf(args: argparse.Namespace) -> int:
         # --check also looks for the image file and mount sources; --to-pyxis may run elsewhere.
         env, problems = check_edf(path, notes=notes if args.check else None)
         for note in notes:
-            print(f"note: {note}", file=sys.stderr)
+            print(f"note: {mask(note)}", file=sys.stderr)
         for problem in problems:
             print(f"slipway: error: {problem}", file=sys.stderr)
         if problems:
@@ -227,12 +235,13 @@ def cmd_edf(args: argparse.Namespace) -> int:
         env.runtime = "pyxis"
         flags = srun_flags(env)
         for warning in flags.warnings:
-            print(f"note: {warning}", file=sys.stderr)
+            print(f"note: {mask(warning)}", file=sys.stderr)
         from jobs.slurm.script import shell_value
 
+        # a hand-written EDF's values, printed: what looks like a secret is hidden (check_edf warned)
         for name, value in flags.exports:
-            print(f"export {name}={shell_value(value)}")
-        print(" ".join(shell_value(a) for a in flags.args))
+            print(mask(f"export {name}={shell_value(value)}"))
+        print(mask(" ".join(shell_value(a) for a in flags.args)))
         return 0
     if args.config is None:
         raise ConfigError("CONFIG", "give a config (slipway edf CONFIG), or --check FILE / --to-pyxis FILE")
@@ -250,19 +259,20 @@ def cmd_edf(args: argparse.Namespace) -> int:
     if args.install:
         print(install_edf(sealed.env, cfg.container.edf_name or cfg.run.name, force=args.force))
     else:
-        sys.stdout.write(render_edf(sealed.env))
+        sys.stdout.write(mask(render_edf(sealed.env)))
     return 0
 
 
 def cmd_shell(args: argparse.Namespace) -> int:
     from jobs import local
+    from kernel.secrets import mask
 
     cfg = load(args)
     if args.dry_run:
         text, notes = local.shell_dry_run(cfg, project_dir(), command=args.command)
         for note in notes:
-            print(f"note: {note}", file=sys.stderr)
-        sys.stdout.write(text)
+            print(f"note: {mask(note)}", file=sys.stderr)
+        sys.stdout.write(mask(text))  # --command is the user's own text
         return 0
     return local.run_shell(cfg, project_dir(), command=args.command)
 
@@ -458,7 +468,9 @@ def _slurm_error(exc: BaseException) -> int | None:
     from jobs.slurm import SlurmError
 
     if isinstance(exc, SlurmError):
-        print(f"slipway: error: {exc}", file=sys.stderr)
+        from kernel.secrets import mask
+
+        print(f"slipway: error: {mask(str(exc))}", file=sys.stderr)
         return 1
     return None
 

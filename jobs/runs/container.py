@@ -466,12 +466,16 @@ def run_environment(cfg: Config, paths: RunPaths, pin: ImagePin, code: Optional[
     if not env.in_container:
         return env
     mounts = [*env.mounts, *visibility_mounts(cfg, paths)]
-    values = dict(env.env)
+    values, from_host = dict(env.env), list(env.env_from_host)
     if code is not None:
         mounts.append(Mount(code.dir, code.dir, ("ro",)))
-        # A PYTHONPATH of the config's own stays behind the snapshot; the image's is replaced.
-        values.update(code.environment(env.env.get("PYTHONPATH")))
-    out = replace(env, image=pin.image or env.image, mounts=mounts, env=values)
+        # A PYTHONPATH of the config's own, or the submitting environment's (env_from_host), stays
+        # behind the snapshot; the image's is replaced. The snapshot's variables are set here, so a
+        # name of env_from_host among them is passed inside their value, not beside it.
+        own = env.env.get("PYTHONPATH") or ("${PYTHONPATH}" if "PYTHONPATH" in from_host else None)
+        values.update(code.environment(own))
+        from_host = [name for name in from_host if name not in values]
+    out = replace(env, image=pin.image or env.image, mounts=mounts, env=values, env_from_host=from_host)
     out.check("container")
     return out
 

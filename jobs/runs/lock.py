@@ -3,7 +3,8 @@
 `runs/.RUN.lock`, beside the run directory (which may not exist yet), is flock(2)ed by
 `submit`, `prepare --as-job` and `slipway local` (for the whole local launch, the trainer
 included); every read-modify-write of the run's manifest happens under it. The file says who
-holds it (pid, host, since when, the command), so that a refusal names the holder. It is never
+holds it (pid, host, since when, the command, masked by the secret policy: a command line is
+the user's own text), so that a refusal names the holder. It is never
 removed: a process that removed it could lock a new file of the same name beside one still
 locked.
 
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from kernel.errors import ConfigError
+from kernel.secrets import mask
 
 WAIT_SECONDS = 30.0  # how long a launch waits for another's submission to finish before it is refused
 POLL_SECONDS = 0.05
@@ -82,7 +84,8 @@ def describe(record: dict) -> str:
     if not record:
         return "another process (the lock file does not say which)"
     extra = f", trainer pid {record['trainer_pid']}" if record.get("trainer_pid") else ""
-    return (f"`{record.get('command', '?')}` (pid {record.get('pid', '?')} on host {record.get('host', '?')} since "
+    command = mask(str(record.get("command", "?")))  # a record written before commands were masked
+    return (f"`{command}` (pid {record.get('pid', '?')} on host {record.get('host', '?')} since "
             f"{record.get('since', '?')}{extra})")
 
 
@@ -171,8 +174,8 @@ def hold(run_dir: Path, command: str, *, trains: bool = False, wait_s: float = W
                 path.parent.rmdir()
         raise
     if fd is not None:
-        _write_record(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": _now(), "command": command,
-                           "trains": trains})
+        _write_record(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": _now(),
+                           "command": mask(command), "trains": trains})
     _held[path] = _Held(fd, 1)
     try:
         yield

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from edf import Environment, srun_flags
-from edf.environment import secret_error, secret_word
+from kernel.secrets import refusal
 from jobs.config import NODE_PRESETS, Config
 from kernel.errors import ConfigError
 from kernel.rundir import (BAD_INPUT_EXIT, HANG_EXIT, HANGS_DIR, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
@@ -282,9 +282,10 @@ def check_env_from_host(cfg: Config, environ: dict[str, str] | None = None) -> N
         exports.append(("SBATCH_EXPORT", environ["SBATCH_EXPORT"]))
     for where, value in exports:
         listed = [v.split("=", 1)[0] for v in value.split(",")]
-        for item, name in zip(value.split(","), listed):
-            if "=" in item and secret_word(name):
-                raise secret_error(where, name)
+        for item, name in zip(value.split(","), listed):  # slurm.extra's were refused as the config was read
+            found = refusal(item.split("=", 1)[1], name=name) if "=" in item else None
+            if found is not None:
+                raise ConfigError(where, found.message())
         dropped = [n for n in names if "ALL" not in listed and n not in listed]
         if dropped:  # the names alone are shown: an --export may hold NAME=value pairs
             raise ConfigError(where, f"an --export that names {', '.join(listed)} does not pass "
