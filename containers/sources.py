@@ -23,7 +23,6 @@ they run, so both follow one rule, here:
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import stat
 from dataclasses import dataclass, field
@@ -34,33 +33,13 @@ from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
 from kernel.errors import ConfigError, bounded_path
+from kernel.secrets import HEAD_BYTES, secret_file
 
 # What is copied is bounded: a data file or a checkpoint left in the code folders is not code.
 MAX_FILES = 5000
 MAX_BYTES = 100 * 1024 * 1024
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".ipynb_checkpoints", ".git"}
 SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
-
-# File names that hold secrets by convention: private keys, credential and token files, env files.
-_SECRET_FILE = re.compile(
-    r"(id_(rsa|dsa|ecdsa|ed25519)|.*\.(pem|key|p12|pfx|jks|keystore|ppk|kdbx)"
-    r"|(.*[._-])?credentials?([._-].*)?|client_secret.*\.json|.*service[._-]?account.*\.json"
-    r"|(.*[._-])?tokens?(\.(json|txt|ya?ml))?|.*\.token|\.?netrc|_netrc|\.pgpass|\.pypirc|\.npmrc"
-    r"|\.git-credentials|\.htpasswd|\.env(\..*)?|.*\.env|\.envrc)",
-    re.IGNORECASE)
-# A private key inside a file of any name.
-_PRIVATE_KEY = re.compile(rb"-----BEGIN ([A-Z0-9]+ )*PRIVATE KEY( BLOCK)?-----")
-_HEAD_BYTES = 8192
-
-
-def secret_file(name: str, head: bytes = b"") -> Optional[str]:
-    """What makes a file look like it holds a secret (its name, or a private key at its start), or None."""
-    if _SECRET_FILE.fullmatch(name) and not name.endswith(".py"):
-        return "its name is a secret file's (a key, credentials, a token or an env file)"
-    if _PRIVATE_KEY.search(head):
-        return "it holds a private key"
-    return None
-
 
 @dataclass(frozen=True)
 class SourceFile:
@@ -212,7 +191,7 @@ def _entry(folder: Folder, rel: str, folders: Sequence[Folder], *, in_git: bool,
         return None  # a socket, a fifo: nothing to copy
     try:
         with open(path, "rb") as f:
-            head = f.read(_HEAD_BYTES)
+            head = f.read(HEAD_BYTES)
     except OSError as exc:
         raise ConfigError(field_name, f"cannot read {bounded_path(path)} ({exc.strerror}): fix its permissions "
                                       "or move it out") from None

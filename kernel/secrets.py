@@ -320,3 +320,28 @@ def warning(value: object) -> Optional[str]:
     of it looks like, or None. Such text is written as it is; this is said, never the value."""
     found = secret_shape(value)
     return found.what if found else None
+
+
+# ---------------------------------------------------------------------------- files
+
+# File names that hold secrets by convention: private keys, credential and token files, env files
+# (what a code snapshot or an image must never copy, containers/sources.py).
+_SECRET_FILE = re.compile(
+    r"(id_(rsa|dsa|ecdsa|ed25519)|.*\.(pem|key|p12|pfx|jks|keystore|ppk|kdbx)"
+    r"|(.*[._-])?credentials?([._-].*)?|client_secret.*\.json|.*service[._-]?account.*\.json"
+    r"|(.*[._-])?tokens?(\.(json|txt|ya?ml))?|.*\.token|\.?netrc|_netrc|\.pgpass|\.pypirc|\.npmrc"
+    r"|\.git-credentials|\.htpasswd|\.env(\..*)?|.*\.env|\.envrc)",
+    re.IGNORECASE)
+# A private key inside a file of any name, at its start (what is read of a file to tell).
+_PRIVATE_KEY = re.compile(rb"-----BEGIN ([A-Z0-9]+ )*PRIVATE KEY( BLOCK)?-----")
+HEAD_BYTES = 8192
+
+
+def secret_file(name: str, head: bytes = b"") -> Optional[str]:
+    """What makes a file look like it holds a secret: its name (a key, credentials, a token or an
+    env file; never a Python module), or a private key in `head`, its first HEAD_BYTES; None."""
+    if name and _SECRET_FILE.fullmatch(name) and not name.endswith(".py"):
+        return "its name is a secret file's (a key, credentials, a token or an env file)"
+    if _PRIVATE_KEY.search(head):
+        return "it holds a private key"
+    return None
