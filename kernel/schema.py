@@ -69,11 +69,19 @@ def _type_name(tp: Any) -> str:
         return f"mapping of {_type_name(get_args(tp)[1])}"
     return getattr(tp, "__name__", str(tp))
 
+
+def _scalar_type(tp: Any) -> bool:
+    return tp in (str, int, float, bool)
+
+
 def _scalar(tp: Any, value: Any, where: str) -> Any:
     """A scalar for field type `tp` (str, int, float or bool) from YAML text or a Python value."""
     text = value if isinstance(value, str) else None
     if tp is str:
         if text is not None:
+            if "\0" in text:  # no path, command line or environment can carry one: caught here, once
+                raise ConfigError(where, "holds a NUL byte (\\0), which no file name, command line or environment "
+                                         "variable can carry: remove it")
             return str(text)
         if isinstance(value, bool):  # a Python caller's annotation value: the EDF string "true"
             return "true" if value else "false"
@@ -123,15 +131,15 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
         args = get_args(tp)
         if type(None) in args and (value is None or (isinstance(value, Plain) and (value == "" or value in _NULL))):
             return None  # null, or an empty or null override (`slurm.account=`): unset
-        for arg in args:
-            if arg is type(None):
-                continue
+        options = [arg for arg in args if arg is not type(None)]
+        for arg in options:
             try:
                 return _convert(arg, value, where, policy, edf, checked=True)
             except OutOfRange:
                 raise
             except ConfigError:
-                pass
+                if len(options) == 1 and isinstance(value, str) and _scalar_type(arg):
+                    raise  # the one type a text can be says what is wrong with it (a NUL byte, a number's range)
         raise ConfigError(where, f"expected {_type_name(tp)}, got {shown(value, where)}")
     if origin is Literal:
         for arg in get_args(tp):
