@@ -142,9 +142,11 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
                           if line.startswith("squashfs-root/")])
 
     def complete(node: str) -> bool:
+        """Every file of the image unpacked (jobs add their own: caches), and the mark of the build."""
         count = len(on_node(node, "find", f"{data}/{kept}", "-mindepth", "1").splitlines())
         mark = on_node(node, "cat", f"{data}/.slipway/{kept}.ready").strip()
-        return count == files_in_image and mark == manifest["image"]["build_hash"]
+        print(f"{node}: {count} entries in the kept container, {files_in_image} in the image; mark {mark[:12]}")
+        return count >= files_in_image and mark == manifest["image"]["build_hash"]
 
     assert slurmd_log().count(f"pyxis: creating container filesystem: {kept}") == 0, slurmd_log()[-3000:]
     assert slurmd_log().count("pyxis: reusing existing container filesystem") == 4, slurmd_log()[-3000:]
