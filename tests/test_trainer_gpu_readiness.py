@@ -32,12 +32,14 @@ NO_TORCHAO = "torchao is not installed (the float8 extra: pip install 'slipway[f
 # ---- A. collective timeouts ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("hang, first", [(600, 1800), (3, 60), (900, 900)])
-def test_collectives_outlast_the_watchdog_first_step_included(hang, first):
-    timeout = collective_timeout(TrainSection(hang_timeout=hang, hang_timeout_first_step=first))
-    # The watchdog fires at its limit and exits within HARD_EXIT_SECONDS: the collective must wait longer.
-    assert timeout.total_seconds() > max(hang, first) + HARD_EXIT_SECONDS
-    assert timeout == timedelta(seconds=max(hang, first) + COLLECTIVE_MARGIN_SECONDS)
+@pytest.mark.parametrize("hang, first, checkpoint", [(600, 1800, 1800), (3, 60, 1), (900, 900, 7200), (5, 10, 0)])
+def test_collectives_outlast_the_watchdog_first_step_and_checkpoints_included(hang, first, checkpoint):
+    timeout = collective_timeout(TrainSection(hang_timeout=hang, hang_timeout_first_step=first,
+                                              checkpoint_timeout=checkpoint))
+    # The watchdog fires at its limit and exits within HARD_EXIT_SECONDS: the collective must wait longer
+    # (a rank that left a slow save early waits for the others in the next step's collectives).
+    assert timeout.total_seconds() > max(hang, first, checkpoint) + HARD_EXIT_SECONDS
+    assert timeout == timedelta(seconds=max(hang, first, checkpoint) + COLLECTIVE_MARGIN_SECONDS)
 
 
 def test_with_the_watchdog_off_collectives_keep_a_long_timeout():

@@ -1,6 +1,7 @@
 """The training loop's parts (trainer/train.py): the batches of the next step read ahead,
-Python's garbage collector on a schedule, the step count a checkpoint holds, and the stop
-request (a signal or the stop file) that all ranks agree on."""
+Python's garbage collector on a schedule, the step count a checkpoint holds, the stop
+request (a signal or the stop file) that all ranks agree on, and the marker that tells the
+hang watchdog when the device has finished a step."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ import torch
 import torch.distributed as dist
 
 from trainer.parallel import Batch
+
+
+def step_marker(device: torch.device) -> Optional[torch.cuda.Event]:
+    """What the device reaches once the work queued so far is done, for the hang watchdog to ask
+    without blocking: a CUDA event; None on the CPU, where a step is done when its call returns."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class Sampler(Protocol):

@@ -72,9 +72,11 @@ from trainer.model import num_flops_per_token, select_attention
 from trainer.optim import SkippableStep, build_lr_scheduler, build_optimizer, clip_grad_norm_
 from trainer.parallel import (Batch, DistEnv, ParallelDims, Runner, build_model, build_runner, distributed_session,
                               global_mean, resolve_dtype, step_stats)
-from trainer.checkpoint import Checkpointer, CheckpointWriteError, ModelState, NonFiniteError, OptimizerState, RNGState
-from trainer.loop import BatchFeeder, GarbageCollection, Sampler, StopSignal, StopVote, TrainState, next_batches
+from trainer.checkpoint import Checkpointer, CheckpointWriteError, NonFiniteError, resolve_async_save
+from trainer.loop import (BatchFeeder, GarbageCollection, Sampler, StopSignal, StopVote, TrainState, next_batches,
+                          step_marker)
 from trainer.preflight import AllReduceGate, checkpoint_bytes
+from trainer.states import ModelState, OptimizerState, RNGState
 from kernel.rundir import check_code
 
 log = logging.getLogger(__name__)
@@ -145,7 +147,7 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
             run.collector.step(state.step)
             loop.window_steps += 1
             stopping = run.vote.result() if sync else False
-            run.watchdog.step_done(state.step)  # a step completed on every rank: tell the hang watchdog
+            run.watchdog.step_queued(state.step, step_marker(env.device))  # done once the device gets there
             if run.compiled and state.step == loop.first_step and env.rank == 0:
                 log.info("%s", graph_break_report())
             if sync and sync_step(run, loop, result, last, stopping):
@@ -218,6 +220,7 @@ def sync_step(run: Run, loop: Loop, result: TrainResult, last: bool, stopping: b
     cfg, state = run.cfg, run.state
     logging_due = state.step % cfg.logging.interval == 0 or last or stopping or state.step == loop.first_step
     nonfinite, loss, grad_norm = _replay(loop.pending, state, cfg, run.metrics)
+    run.watchdog.step_done(state.step)  # the host has waited for the device: done, whatever the markers say
     lr = loop.pending[-1][1]
     loop.pending.clear()
     if logging_due:
@@ -277,8 +280,13 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     # dp/tp/pp layout can load what another saved.
     states = {"model": ModelState([model]), "optimizer": OptimizerState([model], [optimizer]),
               "lr_scheduler": lr_scheduler, "data": feeder, "train_state": state, "rng": RNGState()}
+    # The hang watchdog (trainer/watchdog.py) from here on: the load is checkpoint work, bounded by its own limit.
+    watchdog = HangWatchdog(cfg.train, run_dir, env.rank).start(0)
+    closing.callback(watchdog.stop)  # last: it guards the wait for a save in flight too
     checkpointer = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint,
-                                expected_bytes=checkpoint_bytes(cfg.model.num_params()), timeout=timeout)
+                                expected_bytes=checkpoint_bytes(cfg.model.num_params()), timeout=timeout,
+                                async_save=resolve_async_save(cfg.checkpoint.async_save, env.device),
+                                pause=watchdog.paused)
     state.step = checkpointer.load_latest(states)
     if state.step >= cfg.train.steps and env.rank == 0:
         log.warning("this run already reached train.steps=%d (checkpoint at step %d): nothing to train; "
@@ -302,8 +310,7 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     if val_data is not None and cfg.train.eval_interval > 0 and not runner.can_eval:
         log.warning("evaluation off: this torch has no forward-only pipeline schedule (torch >= 2.9 has)")
     val_start = copy.deepcopy(val_data.state_dict()) if val_data is not None else None
-    watchdog = HangWatchdog(cfg.train, run_dir, env.rank).start(state.step)  # hangs: trainer/watchdog.py
-    closing.callback(watchdog.stop)
+    watchdog.start(state.step)  # the first step's allowance from here
     if compiled:
         reset_graph_breaks()
     return Run(cfg, env, dims, compiled, tokens_per_step, model, runner, optimizer, lr_scheduler, update, feeder,
