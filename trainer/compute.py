@@ -112,10 +112,10 @@ def graph_break_report() -> str:
             f"{reasons}")
 
 
-def compile_error(exc: BaseException) -> Optional[ConfigError]:
-    """A torch.compile failure (dynamo or inductor) as one line naming the way out; None for
-    any other exception. Compilation happens on the first call of each block, so the runners'
-    first step is where it shows."""
+def compile_failure(exc: BaseException) -> Optional[str]:
+    """What failed, when `exc` is a torch.compile failure (dynamo or inductor): its type and first
+    line; None for any other exception. Compilation happens on the first call of each block, so
+    the runners' first step is where it shows."""
     try:
         from torch._dynamo.exc import TorchDynamoException
     except ImportError:  # a torch without dynamo: nothing of ours was compiled
@@ -125,12 +125,27 @@ def compile_error(exc: BaseException) -> Optional[ConfigError]:
         seen.add(id(chain))
         if isinstance(chain, TorchDynamoException) or type(chain).__module__.startswith("torch._inductor"):
             first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
-            return ConfigError("train.compile", f"torch.compile failed ({type(exc).__name__}: {first[:300]}): set "
-                                                "train.compile: false to train without compiling, or fix the "
-                                                "compiler (inductor needs a working C++ compiler on the CPU and "
-                                                "triton on CUDA)")
+            return f"{type(exc).__name__}: {first[:300]}"
         chain = chain.__cause__ or chain.__context__
     return None
+
+
+COMPILER_FIX = "inductor needs a working C++ compiler on the CPU and triton on CUDA"
+
+
+def compile_error(exc: BaseException) -> Optional[ConfigError]:
+    """A torch.compile failure as one line naming the way out; None for any other exception."""
+    what = compile_failure(exc)
+    if what is None:
+        return None
+    return ConfigError("train.compile", f"torch.compile failed ({what}): set train.compile: false to train without "
+                                        f"compiling, or fix the compiler ({COMPILER_FIX})")
+
+
+def uncompile(model: nn.Module) -> None:
+    """Every module compiled in place (`compile_blocks`) runs eagerly again."""
+    for module in model.modules():
+        module._compiled_call_impl = None
 
 
 FLOAT8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper (H100, GH200) have float8 tensor cores

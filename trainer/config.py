@@ -262,7 +262,9 @@ class TrainSection:
     # Training precision: auto is bfloat16 on CUDA and float32 on the CPU.
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # torch.compile each transformer block: auto compiles on CUDA and not on the CPU (where
-    # inductor's C++ build takes minutes and gains little); true or false decide.
+    # inductor's C++ build takes minutes and gains little), and falls back to eager when
+    # compiling fails at the first step (a warning and an event in events.log); true compiles
+    # wherever and a compile failure is an error; false never compiles.
     compile: AutoBool = "auto"
     # Recompute activations in the backward instead of keeping them: none; full (every block
     # recomputed whole: least memory, about a third more compute); selective (see selective_ac).

@@ -21,7 +21,11 @@ all ranks stop after the same step, and no step costs more as ranks are added
 are read (pinned and copied, on CUDA) while this one runs, and Python's
 garbage collector runs every `train.gc_interval` steps on every rank at once.
 With train.compile, the first step's log names the graph breaks compilation
-found (each a silent slowdown otherwise).
+found (each a silent slowdown otherwise). A compile failure at that first step,
+alike on every rank, is no failed run with train.compile: auto: the ranks agree,
+run their blocks eagerly again and retry the step from the same state and
+batches, with a warning and a `compile fallback:` event in events.log
+(`_forward_backward`); train.compile: true keeps it an error (exit 2).
 
 Non-finite numbers are never trained on nor saved: a step whose loss or
 gradient norm is not finite on any rank skips its optimizer update, decided
@@ -60,14 +64,16 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from trainer.compute import check_float8, compile_error, graph_break_report, reset_graph_breaks, resolve_compile
+from trainer.compute import (COMPILER_FIX, check_float8, compile_error, compile_failure, graph_break_report,
+                             reset_graph_breaks, resolve_compile, uncompile)
 from kernel.errors import ConfigError
-from kernel.rundir import REQUEUE_EXIT, STOP_FILE
+from kernel.rundir import REQUEUE_EXIT, STOP_FILE, append_event
 from trainer.config import TrainerConfig, load_trainer_config
 from trainer.layouts import layout_advice, memory_report, resolve_reshard
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
-from trainer.watchdog import HangWatchdog, collective_timeout
+from trainer.watchdog import HangWatchdog, collective_timeout, event_job
 from trainer.model import num_flops_per_token, select_attention
 from trainer.optim import SkippableStep, build_lr_scheduler, build_optimizer, clip_grad_norm_
 from trainer.parallel import (Batch, DistEnv, ParallelDims, Runner, build_model, build_runner, distributed_session,
@@ -81,6 +87,8 @@ from kernel.rundir import check_code
 
 log = logging.getLogger(__name__)
 
+# Ranks whose compile failed at the first step wait this long for the others' word (_ranks_failing).
+COMPILE_VOTE_SECONDS = 600.0
 EX_TEMPFAIL = REQUEUE_EXIT  # "requeue me": stopped by a signal after saving a checkpoint
 NONFINITE_EXIT = 3  # stopped on non-finite numbers (see the module docstring)
 
@@ -161,9 +169,11 @@ class Run:
     holds, and the loop's helpers (each closed by the set-up's ExitStack when training ends)."""
 
     cfg: TrainerConfig
+    run_dir: Path
     env: DistEnv
     dims: ParallelDims
     compiled: bool
+    compile_fallback: bool  # train.compile: auto, at the attempt's first step (see _forward_backward)
     tokens_per_step: int
     model: nn.Module
     runner: Runner
@@ -201,8 +211,7 @@ def train_step(run: Run, batches: list[Batch]) -> tuple[int, float, torch.Tensor
     """One optimizer step, queued on the device without waiting for it: forward and backward
     over the micro batches, clip, the update (skipped on the device where a number is not
     finite), the schedule. Returns (step, lr, [loss, grad norm, skipped]) still on the device."""
-    with _compile_errors(run.compiled):
-        loss = run.runner.train_step(batches)
+    loss = _forward_backward(run, batches)
     grad_norm = clip_grad_norm_(run.model.parameters(), run.cfg.train.grad_clip, run.dims.pp_group)
     lr = run.lr_scheduler.get_last_lr()[0]
     stats = step_stats(loss, grad_norm, run.dims)  # on the device: loss, norm, non-finite
@@ -212,6 +221,65 @@ def train_step(run: Run, batches: list[Batch]) -> tuple[int, float, torch.Tensor
         run.lr_scheduler.step()  # the schedule moves on with the step count, skipped or not
     run.optimizer.zero_grad(set_to_none=True)
     return run.state.step, lr, torch.cat([stats[:2], skipped[None]])
+
+
+def _forward_backward(run: Run, batches: list[Batch]) -> torch.Tensor:
+    """The runner's forward and backward. With train.compile: auto a compile failure at the
+    attempt's first step, alike on every rank, falls back to eager for the rest of the attempt,
+    loudly (a warning, an event in events.log); anywhere else (train.compile: true, a later step,
+    some ranks only, a pipeline) it stays the one-line train.compile error."""
+    if not run.compile_fallback:
+        with _compile_errors(run.compiled):
+            return run.runner.train_step(batches)
+    run.compile_fallback = False  # the first step only
+    loss, what, cause = None, None, None
+    try:
+        loss = run.runner.train_step(batches)
+    except Exception as exc:
+        what = compile_failure(exc)
+        if what is None:
+            raise
+        cause = exc
+    failed = _ranks_failing(what is not None, run)
+    if not failed:
+        return loss
+    if failed < run.env.world_size or what is None:  # the ranks cannot retry the step together
+        raise ConfigError("train.compile", f"torch.compile failed at the first step on {failed} of "
+                          f"{run.env.world_size} ranks{f' ({what})' if what else ''}: set train.compile: false to "
+                          f"train without compiling, or fix the compiler ({COMPILER_FIX})") from cause
+    uncompile(run.model)
+    run.optimizer.zero_grad(set_to_none=True)
+    for module in run.model.modules():  # FSDP2: what the failed forward gathered, sharded again
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    run.compiled = False
+    text = (f"compile fallback: torch.compile failed at the first step ({what}); this attempt trains without "
+            "compiling, slower (train.compile: auto; true makes this an error): fix the compiler "
+            f"({COMPILER_FIX}) or set train.compile: false")
+    if run.env.rank == 0:
+        log.warning("%s", text)
+        try:
+            append_event(run.run_dir, event_job(), text)
+        except OSError as exc:
+            log.warning("events.log not written: %s", exc)
+    return run.runner.train_step(batches)
+
+
+def _ranks_failing(failed: bool, run: Run) -> int:
+    """How many ranks' compile failed at the first step (every rank asks, on the stop vote's gloo
+    group). A failing rank waits COMPILE_VOTE_SECONDS at most: a rank whose compile worked may
+    still be compiling, or be held in a collective by this one (then the answer never comes)."""
+    if run.vote.group is None:
+        return int(failed)
+    flag = torch.tensor([float(failed)])
+    work = dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=run.vote.group, async_op=True)
+    try:
+        work.wait(timedelta(seconds=COMPILE_VOTE_SECONDS)) if failed else work.wait()
+    except RuntimeError:
+        if not failed:
+            raise
+        return 1  # the others did not answer: not every rank failed alike
+    return int(flag.item())
 
 
 def sync_step(run: Run, loop: Loop, result: TrainResult, last: bool, stopping: bool) -> bool:
@@ -313,9 +381,10 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     watchdog.start(state.step)  # the first step's allowance from here
     if compiled:
         reset_graph_breaks()
-    return Run(cfg, env, dims, compiled, tokens_per_step, model, runner, optimizer, lr_scheduler, update, feeder,
-               val_data, val_start, evaluating, state, states, checkpointer, metrics, profiler, stop, vote,
-               collector, watchdog)
+    compile_fallback = compiled and cfg.train.compile == "auto" and dims.pp == 1
+    return Run(cfg, run_dir, env, dims, compiled, compile_fallback, tokens_per_step, model, runner, optimizer,
+               lr_scheduler, update, feeder, val_data, val_start, evaluating, state, states, checkpointer, metrics,
+               profiler, stop, vote, collector, watchdog)
 
 
 def _describe(cfg: TrainerConfig, env: DistEnv, dims: ParallelDims, dtype: torch.dtype, attn_impl: str,

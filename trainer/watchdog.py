@@ -140,6 +140,11 @@ def job_tag() -> str:
     return os.environ.get("SLIPWAY_JOB_TAG") or os.environ.get("SLURM_JOB_ID") or "local"
 
 
+def event_job() -> str:
+    """The job field of this process's events.log lines, as the batch script's `event()` writes it."""
+    return os.environ.get("SLIPWAY_EVENT_JOB") or os.environ.get("SLURM_JOB_ID") or LOCAL_JOB
+
+
 def dump_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / HANGS_DIR / f"{job_tag()}-{node_name()}-{rank}.txt"
 
@@ -340,8 +345,7 @@ class HangWatchdog:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         if self.rank == 0:
             try:  # one line for the run, from rank 0 (every rank notices within moments of the others)
-                job = os.environ.get("SLIPWAY_EVENT_JOB") or os.environ.get("SLURM_JOB_ID") or LOCAL_JOB
-                append_event(self.run_dir, job, text)
+                append_event(self.run_dir, event_job(), text)
             except OSError as exc:
                 log.error("events.log not written: %s", exc)
         for stream in (sys.stdout, sys.stderr):
