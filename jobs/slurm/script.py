@@ -94,7 +94,7 @@ def torchrun_argv(cfg: Config, *, nnodes: str, rdzv: list[str]) -> list[str]:
     """`python -m torch.distributed.run` (an absolute interpreter: the image's PATH may not
     reach srun, see pyxis), then the task command without its interpreter. With a node preset
     each worker is bound to the NUMA node of its GPU (its own Grace on a GH200)."""
-    binding = ["--numa-binding=node"] if cfg.launch.preset in NODE_PRESETS else []
+    binding = ["--numa-binding=node"] if cfg.binds_numa else []
     return [cfg.launch.python, "-m", "torch.distributed.run", _Expand(f"--nnodes={nnodes}") if "$" in nnodes else f"--nnodes={nnodes}",
             f"--nproc-per-node={cfg.launch.procs_per_node}", *rdzv, *binding, "--max-restarts=0"]
 
@@ -385,7 +385,8 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list
                  "--kill-on-bad-exit=0", *container]
     node_cmd = [cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.run_dir),
                 "--checkpoint-dir", str(checkpoint_dir),
-                "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node)]
+                "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node),
+                *(["--numa-binding"] if cfg.binds_numa else [])]
     allreduce = [cfg.launch.python, "-m", "trainer.preflight", "allreduce", "--megabytes",
                  str(_preflight_megabytes(cfg)), "--timeout", str(s.preflight_timeout)]
     lines = [
