@@ -175,15 +175,17 @@ def require_torchao() -> None:
         from torchao.float8 import convert_to_float8_training  # noqa: F401
     except ImportError as exc:
         raise ConfigError("train.float8", f"float8 training needs torchao, which does not import ({exc}): "
-                                          f"install the {FLOAT8_EXTRA} extra (pip install "
-                                          f"'slipway[{FLOAT8_EXTRA}]', or torchao in the image), or set "
+                                          f"rebuild the image for this config (`slipway image build CONFIG` "
+                                          f"installs the {FLOAT8_EXTRA} extra where train.float8 is on), or pip "
+                                          f"install 'slipway[{FLOAT8_EXTRA}]' outside one, or set "
                                           "train.float8: false") from None
 
 
-def apply_float8(model: Transformer) -> None:
-    """The blocks' linear layers as torchao Float8Linear (dynamic tensorwise scaling). The output
-    projection stays in bf16 (the logits are sensitive and it is one matmul of many), and so
-    does any linear whose dimensions are not multiples of 16 (float8 matmul's tiling)."""
+def apply_float8(model: Transformer, recipe: str = "rowwise") -> None:
+    """The blocks' linear layers as torchao Float8Linear with dynamic scaling by `recipe`
+    (train.float8_recipe). The output projection stays in bf16 (the logits are sensitive and it
+    is one matmul of many), and so does any linear whose dimensions are not multiples of 16
+    (float8 matmul's tiling)."""
     require_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -191,4 +193,5 @@ def apply_float8(model: Transformer) -> None:
         return (isinstance(module, nn.Linear) and fqn.startswith("layers.")
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
-    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=eligible)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=config, module_filter_fn=eligible)

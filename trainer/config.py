@@ -273,10 +273,14 @@ class TrainSection:
     # reduce-scatter outputs are kept, every second matmul and the cheap pointwise ops are
     # recomputed) or a whole number N (every N-th block is recomputed whole).
     selective_ac: str = "op"
-    # float8 matmuls for the transformer blocks' linear layers (torchao, tensorwise scaling;
-    # the output projection stays bf16). Needs a GPU of compute capability >= 8.9 (H100,
-    # GH200) and torchao; refused elsewhere.
+    # float8 matmuls for the transformer blocks' linear layers (torchao, scaled as float8_recipe
+    # says; the output projection stays bf16). Needs a GPU of compute capability >= 8.9 (H100,
+    # GH200) and torchao, which the image gets for a config with float8 on; refused elsewhere.
     float8: bool = False
+    # How float8 scales (torchao's recipes, torchtitan's names and default): rowwise (a scale
+    # per row of each operand: more accurate than tensorwise), rowwise_with_gw_hp (rowwise, the
+    # weight gradient in bf16: the most accurate), tensorwise (one scale per tensor: the fastest).
+    float8_recipe: Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"] = "rowwise"
     # The next step's batches are read (and, on CUDA, pinned and copied to the device without
     # blocking) while this step runs.
     prefetch: bool = True

@@ -399,7 +399,8 @@ def _describe(cfg: TrainerConfig, env: DistEnv, dims: ParallelDims, dtype: torch
              cfg.train.micro_batch_size, cfg.train.grad_accum_steps, dims.dp, cfg.data.seq_len, tokens_per_step)
     log.info("compile %s, activation checkpointing %s, loss parallel %s, float8 %s, gradient sync %s, "
              "prefetch %s, gc every %s steps", "on" if compiled else "off",
-             _ac_name(cfg), "on" if dims.loss_parallel else "off", "on" if cfg.train.float8 else "off",
+             _ac_name(cfg), "on" if dims.loss_parallel else "off",
+             f"on ({cfg.train.float8_recipe})" if cfg.train.float8 else "off",
              cfg.parallel.grad_sync.replace("_", " "), "on" if cfg.train.prefetch else "off",
              cfg.train.gc_interval or "(python's own)")
     if dims.dp > 1 and not dims.ddp:
