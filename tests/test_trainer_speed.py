@@ -404,8 +404,8 @@ def test_float8_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setitem(sys.modules, "torchao", None)  # not installed
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
-    with pytest.raises(ConfigError, match=r"float8 training needs torchao, which does not import .*install the "
-                                          r"float8 extra \(pip install 'slipway\[float8\]'"):
+    with pytest.raises(ConfigError, match=r"float8 training needs torchao, which does not import .*installs the "
+                                          r"float8 extra where train\.float8 is on\), or pip install 'slipway\[float8\]'"):
         check_float8(on, cuda)
 
 
