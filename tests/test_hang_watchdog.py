@@ -133,7 +133,7 @@ def test_a_step_counts_once_the_device_reached_it_not_once_queued(tmp_path, monk
     # On the CPU a step is done when queued (no marker); a sync step says so whatever the markers say.
     exits = Exits()
     (tmp_path / "b").mkdir()
-    dog = watchdog(tmp_path / "b", timeout=1.0, first=10, exits=exits).start(0)
+    dog = watchdog(tmp_path / "b", timeout=3.0, first=10, exits=exits).start(0)
     dog.step_queued(1, None)
     dog.step_queued(2, Marker())
     time.sleep(0.6)
@@ -153,15 +153,15 @@ def test_checkpoint_work_pauses_the_step_limit_under_a_bound_of_its_own(tmp_path
     monkeypatch.delenv("SLIPWAY_EVENT_JOB", raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "6")
     exits = Exits()
-    dog = watchdog(tmp_path, timeout=0.5, first=0.5, exits=exits, checkpoint=10).start(0)
+    dog = watchdog(tmp_path, timeout=2.0, first=2.0, exits=exits, checkpoint=30).start(0)
     dog.step_done(1)
     with dog.paused("the checkpoint save of step 1"):
         with dog.paused("the checkpoint save in flight"):  # nested: the outer one decides
-            time.sleep(1.5)
-        time.sleep(0.2)
-    time.sleep(0.3)  # less than the limit after the save
+            time.sleep(4.0)
+        time.sleep(1.0)
+    time.sleep(0.5)  # well within the limit after the save
     dog.step_done(2)
-    time.sleep(0.3)
+    time.sleep(0.5)
     dog.stop()
     assert exits.codes == [] and not (tmp_path / "hangs").exists()
 
@@ -303,7 +303,8 @@ sys.exit(trainer_helpers.main(sys.argv[1:]))
 
 def run_slow(tmp_path: Path, name: str, *, save_s: float, stuck_after: int = -1, interval: int = 2,
              **train) -> tuple:
-    cfg = tiny_config(train={"steps": 6, "hang_timeout": 3, "hang_timeout_first_step": 60, **train},
+    # hang_timeout 10 s: a step of this model takes well under a second, on a loaded machine too.
+    cfg = tiny_config(train={"steps": 6, "hang_timeout": 10, "hang_timeout_first_step": 60, **train},
                       checkpoint={"interval": interval}, logging={"interval": 100})
     config = write_run(tmp_path, name, cfg)
     script = tmp_path / f"{name}.py"
@@ -317,7 +318,7 @@ def run_slow(tmp_path: Path, name: str, *, save_s: float, stuck_after: int = -1,
 
 @pytest.mark.slow
 def test_a_save_longer_than_the_hang_limit_is_no_hang_and_one_past_its_bound_is_a_slow_checkpoint(tmp_path):
-    proc, run = run_slow(tmp_path, "slow", save_s=7)  # over twice hang_timeout
+    proc, run = run_slow(tmp_path, "slow", save_s=25)  # two and a half times hang_timeout
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (run / "hangs").exists()
     assert (run / "checkpoints" / "step-000004" / "COMPLETE").is_file()
@@ -335,7 +336,7 @@ def test_a_save_longer_than_the_hang_limit_is_no_hang_and_one_past_its_bound_is_
 def test_a_hang_is_after_the_last_step_the_device_finished_not_the_last_queued(tmp_path):
     """The device stops after step 2 while the host queues on (no checkpoint or log due: no sync
     step to wait at): the watchdog fires hang_timeout after step 2, and says so."""
-    proc, run = run_slow(tmp_path, "device", save_s=0, stuck_after=2, steps=200, interval=1000)
+    proc, run = run_slow(tmp_path, "device", save_s=0, stuck_after=2, steps=400, interval=1000)
     assert proc.returncode == HANG_EXIT, proc.stderr[-3000:]
     (dump,) = (run / "hangs").glob("*.txt")
     first = dump.read_text().split()
