@@ -22,8 +22,9 @@ STEP = re.compile(r"^(STEP \d+/\d+): ")
 # line names it too, but an ARG cannot fail).
 FLASH_ATTN_STEP_MARK = "FLASH_ATTN_VERSION"
 # The Dockerfile's RUN steps by a text only theirs holds (test_dockerfile_contract checks each is in one RUN).
-STEP_NAMES = (("the flash-attn step", FLASH_ATTN_STEP_MARK), ("the dependencies step", "pip_requirements.py"),
-              ("the sources step", "--no-deps"), ("the smoke test", '"$SMOKE"'))
+STEP_NAMES = (("the flash-attn step", FLASH_ATTN_STEP_MARK), ("the numactl step", "numactl FAILED"),
+              ("the dependencies step", "pip_requirements.py"), ("the sources step", "--no-deps"),
+              ("the smoke test", '"$SMOKE"'))
 # podman's trailer and crun's follow-up noise: never the cause.
 NOISE = re.compile(r"^(subprocess exited with status|Error: building at STEP|error building at STEP|: exit status \d+$|"
                    r"time=\S+ level=error msg=\"did not get container create message)|^\$ ")
@@ -79,7 +80,7 @@ KNOWN: tuple[Known, ...] = (
     Known("smoke", re.compile(r"^\s*smoke FAILED: "),
           "the smoke test runs one training step inside the image; `python -m trainer.smoke` runs it outside",
           quote_max=OWN_QUOTE_MAX),
-    Known("slipway", re.compile(r"^\s*(flash-attn|torch|slipway) FAILED: "), "",  # the line holds its fix
+    Known("slipway", re.compile(r"^\s*(flash-attn|torch|slipway|dependencies|numactl) FAILED: "), "",  # holds its fix
           quote_max=OWN_QUOTE_MAX),
     Known("compiler-oom", _re(r"Killed signal terminated program|died due to signal 9|signal 9 \(Kill signal\)|"
                               r"virtual memory exhausted|cc1plus: out of memory|fatal error: Killed|"

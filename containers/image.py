@@ -47,7 +47,7 @@ from containers.context import (
     resolve_path,
 )
 from containers.diagnose import diagnose_build
-from containers.record import BuildRecord, ImageSection
+from containers.record import BuildRecord, ImageNeeds, ImageSection
 from containers.storage import check_storage_conf
 from containers.tools import Container, Enroot, Podman, Tail, ToolError, git_commit, squashfs_ok
 from kernel.errors import ConfigError
@@ -56,9 +56,14 @@ from kernel.fs import pid_alive, write_atomic
 
 
 class ImageConfig(Protocol):
-    """What the image functions read of a config: its image section (jobs.config.Config is one)."""
+    """What the image functions read of a config (jobs.config.Config is one): its image section,
+    and what the run needs of the image beyond the trainer."""
 
     image: ImageSection
+
+    @property
+    def image_needs(self) -> ImageNeeds: ...
+
 
 # enroot unpacks the image (its uncompressed size) before squashing it to about half.
 SQUASH_RATIO = 0.5
@@ -67,6 +72,7 @@ SQUASH_RATIO = 0.5
 # change neither the image hash nor podman's layer cache. image.build_args sets
 # them; the environment of `make image` (MAX_JOBS=4 make image) overrides that.
 BUILD_ENV_KEYS = ("MAX_JOBS", "NVCC_THREADS")
+FLOAT8_EXTRA = "float8"  # pyproject's extra for train.float8 (torchao); trainer/compute.py names it too
 
 
 def human(n: float) -> str:
@@ -163,10 +169,21 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
         "WHEELHOUSE_DIGEST": wheel_digest[:16] if wheels else "",
         "SLIPWAY_VERSION": project_version(root),
     }
+    # What the run needs beyond the Dockerfile's defaults (no numactl, no extra, flash-attn for
+    # 90): named only when needed, so a config that needs nothing more keeps its image.
+    needs = cfg.image_needs
+    if needs.numactl:
+        build_args["NUMACTL"] = "1"
+    if needs.float8:
+        build_args["EXTRAS"] = FLOAT8_EXTRA
     user_args = {k: str(v) for k, v in image.build_args.items() if k not in BUILD_ENV_KEYS}
-    if user_args.get("FLASH_ATTN", "0") not in ("0", "1"):
-        raise ConfigError("image.build_args.FLASH_ATTN", f"must be 0 or 1, got {user_args['FLASH_ATTN']!r}: "
-                          "set image.flash_attn: true or false instead")
+    for key, allowed, instead in (("FLASH_ATTN", ("0", "1"), "set image.flash_attn: true or false instead"),
+                                  ("NUMACTL", ("0", "1"), "1 installs numactl where the base lacks it")):
+        if user_args.get(key, allowed[0]) not in allowed:
+            raise ConfigError(f"image.build_args.{key}", f"must be 0 or 1, got {user_args[key]!r}: {instead}")
+    if "EXTRAS" in user_args:  # the user's extras, and float8 where the run needs it
+        user_args["EXTRAS"] = " ".join(dict.fromkeys(user_args["EXTRAS"].replace(",", " ").split()
+                                                     + build_args.get("EXTRAS", "").split()))
     build_args.update(user_args)
     build_args["GIT_COMMIT"] = user_args.get("GIT_COMMIT") or (git_commit(root) if git else "unknown")
     dockerfile_text = dockerfile.read_text()
@@ -295,7 +312,8 @@ def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
                     flush(" (cached)")
                 else:
                     flush()
-                    if "smoke ok" in line or line.startswith(("pip_requirements:", "flash-attn")):
+                    if "smoke ok" in line or line.startswith(("pip_requirements:", "flash-attn", "numactl",
+                                                              "dependencies FAILED")):
                         console.print(f"    {escape(line)}", no_wrap=True, overflow="ellipsis", highlight=False)
                 status.update(f"podman build: {escape(line[:100])}")
 

@@ -1,25 +1,43 @@
-"""What pip installs into the image besides slipway itself.
+"""What pip installs into the image besides slipway itself, and the install.
 
 Runs inside the image build (stdlib only, any Python >= 3.8) and on the host (the
 tests compute the wheelhouse from it). The list is slipway's runtime dependencies
-plus its `trainer` extra, plus its build requirements (`[build-system] requires`:
+plus its `trainer` extra and the extras the run asks for (`--extras float8`: torchao
+for train.float8), plus its build requirements (`[build-system] requires`:
 slipway itself is installed without build isolation, so that step can run
 offline, and a base's older setuptools cannot read the PEP 639 license field). When the image already has a torch (NGC), torch is left
 out and pinned to the installed version in a constraints file: NGC's torch is a
 pre-release such as 2.6.0a0+ecf3bae that does not satisfy `torch>=2.6`, so naming
 torch would make pip fetch a second one.
 
-    python3 pip_requirements.py pyproject.toml requirements.txt constraints.txt
+With `--install` it runs pip too, against the base's own pins: NGC's images pin
+their packages in the files PIP_CONSTRAINT names (/etc/pip/constraint.txt), which
+pip honours. A pin that conflicts with what slipway needs (datasets wants a newer
+fsspec, pyarrow or huggingface-hub) makes pip's resolver fail before it installs
+anything; this says so in one line, `dependencies FAILED: the base image pins
+NAME==VERSION ...`, naming the pin, what needs another version and the way out:
+`--lift NAMES` (image.build_args.PIP_CONSTRAINT_LIFT) drops the base's pins of
+those packages for this install only.
+
+    python3 pip_requirements.py pyproject.toml requirements.txt constraints.txt [--extras float8]
+        [--lift "fsspec pyarrow"] [--install]
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 EXTRAS = ("trainer",)
 NAME_RE = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+# pip's resolver, explaining a conflict: "The conflict is caused by:" then one line per party.
+CONSTRAINED = re.compile(r"^\s*The user requested \(constraint\) (\S+)")
+NEEDS = re.compile(r"^\s*(?:(\S+ \S+) depends on|The user requested) (\S.*)$")
+LIFTED_FILE = "base-constraints.txt"  # the base's pins less the lifted ones, beside requirements.txt
 
 
 def toml_loads(text: str) -> dict:
@@ -65,18 +83,162 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
+def base_pins(constraint: str) -> dict[str, tuple[str, str]]:
+    """The pins of the files a PIP_CONSTRAINT value names (space-separated, as pip reads it):
+    canonical name -> (the pin as written, the file). URLs and unreadable files are skipped."""
+    pins: dict[str, tuple[str, str]] = {}
+    for path in constraint.split():
+        try:
+            lines = Path(path).read_text().splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        for line in lines:
+            text = line.split("#", 1)[0].strip()
+            if text and not text.startswith("-") and NAME_RE.match(text):
+                pins.setdefault(requirement_name(text), (text, path))
+    return pins
+
+
+def lift_pins(constraint: str, names: set[str], out: Path) -> tuple[str, list[str]]:
+    """The base's constraint files less the pins of `names`, as one file `out`: (the PIP_CONSTRAINT
+    value for the install, the pins lifted)."""
+    kept, lifted = [], []
+    for path in constraint.split():
+        try:
+            lines = Path(path).read_text().splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        for line in lines:
+            text = line.split("#", 1)[0].strip()
+            if text and not text.startswith("-") and NAME_RE.match(text) and requirement_name(text) in names:
+                lifted.append(text)
+            else:
+                kept.append(line)
+    out.write_text("".join(line + "\n" for line in kept))
+    return str(out), lifted
+
+
+def explain_conflict(output: str, pins: dict[str, tuple[str, str]], lifted: set[str]) -> str | None:
+    """One line for pip's ResolutionImpossible when a base pin is a party to it; None otherwise."""
+    lines = output.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip().startswith("The conflict is caused by"))
+    except StopIteration:
+        return None
+    block = []
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        block.append(line)
+    for line in block:
+        m = CONSTRAINED.match(line)
+        if not m or requirement_name(m.group(1)) not in pins:
+            continue
+        name = requirement_name(m.group(1))
+        pin, where = pins[name]
+        wants = []
+        for other in block:  # pip names every party; the ones the pinned version does not satisfy
+            n = NEEDS.match(other)
+            if n and not CONSTRAINED.match(other):
+                spec = n.group(2).strip()
+                if requirement_name(spec) == name and _excludes(spec, pin):
+                    wants.append(f"{n.group(1) or 'slipway'} needs {spec}")
+        why = "; ".join(wants) or (f"pip finds no {pin} to install (neither on the index nor in image.wheelhouse)"
+                                   if name in _unavailable(lines) else "slipway needs another version")
+        lift = " ".join(sorted(lifted | {name}))
+        return (f"dependencies FAILED: the base image pins {pin} in its pip constraints ({where}, PIP_CONSTRAINT), "
+                f"but {why}: set image.build_args."
+                f"PIP_CONSTRAINT_LIFT: \"{lift}\" to lift that pin for slipway's dependencies (the base's own "
+                "packages were built against it: check they still work), or use a base image whose pins fit")
+    return None
+
+
+def _excludes(spec: str, pin: str) -> bool:
+    """Whether requirement `spec` as pip prints it ("fsspec<=2026.9.0 and >=2023.1.0") rules out the
+    version `pin` fixes ("fsspec==2021.4.0"); True where that cannot be told."""
+    version = pin.split("==", 1)[1].strip() if "==" in pin else None
+    try:
+        from pip._vendor.packaging.specifiers import InvalidSpecifier, SpecifierSet
+    except ImportError:
+        return True
+    rule = re.sub(r"^[A-Za-z0-9._-]+(\[[^\]]*\])?", "", spec).replace(" and ", ",").split(";")[0].strip()
+    try:
+        return version is None or not SpecifierSet(rule).contains(version, prereleases=True)
+    except InvalidSpecifier:
+        return True
+
+
+def _unavailable(lines: list[str]) -> set[str]:
+    """The packages pip says it found no distribution of, under "no matching distributions available"."""
+    names: set[str] = set()
+    for i, line in enumerate(lines):
+        if "no matching distributions available" in line:
+            for item in lines[i + 1:]:
+                if not item.startswith((" ", "\t")) or not item.strip():
+                    break
+                names.add(canonical(item.strip()))
+    return names
+
+
+def install(req_out: Path, constraints_out: Path, lift: set[str]) -> int:
+    """pip install the requirements against the base's pins (less the lifted ones); one line on a
+    conflict with a pin."""
+    env = dict(os.environ)
+    constraint = env.get("PIP_CONSTRAINT", "")
+    pins = base_pins(constraint)
+    if lift:
+        unknown = sorted(lift - set(pins))
+        if unknown:
+            print(f"pip_requirements: PIP_CONSTRAINT_LIFT names {' '.join(unknown)}, which the base does not pin "
+                  f"({constraint or 'no PIP_CONSTRAINT'}): nothing to lift for {'it' if len(unknown) == 1 else 'them'}",
+                  flush=True)
+        env["PIP_CONSTRAINT"], lifted = lift_pins(constraint, lift, req_out.with_name(LIFTED_FILE))
+        if lifted:
+            print(f"pip_requirements: lifting the base's pins {' '.join(lifted)} for slipway's dependencies "
+                  "(PIP_CONSTRAINT_LIFT)", flush=True)
+    elif pins:
+        print(f"pip_requirements: resolving against the base's {len(pins)} pins ({constraint})", flush=True)
+    cmd = [sys.executable, "-m", "pip", "install", "-r", str(req_out), "-c", str(constraints_out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        seen.append(line)
+    rc = proc.wait()
+    if rc != 0:
+        line = explain_conflict("".join(seen), base_pins(env.get("PIP_CONSTRAINT", "")), lift)
+        if line:
+            print(line, flush=True)
+    return rc
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
-        print(__doc__, file=sys.stderr)
-        return 2
-    pyproject_path, req_out, constraints_out = map(Path, argv)
+    parser = argparse.ArgumentParser(prog="pip_requirements.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("pyproject", type=Path)
+    parser.add_argument("requirements", type=Path, help="written: what pip installs")
+    parser.add_argument("constraints", type=Path, help="written: the base's torch pinned, if it has one")
+    parser.add_argument("--extras", default="", help="extras of pyproject.toml beside trainer, space-separated")
+    parser.add_argument("--lift", default="", help="packages whose pins in the base's PIP_CONSTRAINT are lifted")
+    parser.add_argument("--install", action="store_true", help="then pip install them")
+    args = parser.parse_args(argv)
+    extras = EXTRAS + tuple(e for e in args.extras.replace(",", " ").split() if e not in EXTRAS)
     torch_version = installed_version("torch")
-    reqs = requirements(toml_loads(pyproject_path.read_text()), have_torch=torch_version is not None)
-    req_out.write_text("".join(r + "\n" for r in reqs))
-    constraints_out.write_text(f"torch=={torch_version}\n" if torch_version else "")
+    try:
+        reqs = requirements(toml_loads(args.pyproject.read_text()), have_torch=torch_version is not None,
+                            extras=extras)
+    except KeyError as exc:
+        print(f"dependencies FAILED: {exc.args[0]} (EXTRAS={args.extras!r}): name an extra pyproject.toml has",
+              flush=True)
+        return 1
+    args.requirements.write_text("".join(r + "\n" for r in reqs))
+    args.constraints.write_text(f"torch=={torch_version}\n" if torch_version else "")
     kept = f"keeping the image's torch {torch_version}" if torch_version else "the image has no torch: installing one"
-    print(f"pip_requirements: {len(reqs)} requirements ({kept}): {' '.join(reqs)}")
-    return 0
+    print(f"pip_requirements: {len(reqs)} requirements (extras {', '.join(extras)}; {kept}): {' '.join(reqs)}",
+          flush=True)
+    if not args.install:
+        return 0
+    return install(args.requirements, args.constraints, {canonical(n) for n in args.lift.replace(",", " ").split()})
 
 
 if __name__ == "__main__":

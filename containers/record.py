@@ -68,6 +68,16 @@ class ImageSection:
 
 
 @dataclass(frozen=True)
+class ImageNeeds:
+    """What a run needs of its image beyond the trainer, from the config's other sections
+    (jobs.config.Config.image_needs): build args of the image, so an image that lacks them is
+    not the one the config builds."""
+
+    float8: bool = False  # train.float8: the float8 extra (torchao)
+    numactl: bool = False  # a launch that binds each rank to a NUMA node (torchrun --numa-binding)
+
+
+@dataclass(frozen=True)
 class BuildRecord:
     """One image `make image` built: its content hash, where its squashfs is, and what went in."""
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Literal, Optional
 
 import yaml
 
-from containers.record import ImageSection
+from containers.record import ImageNeeds, ImageSection
 from edf.environment import ENV_NAME, NOT_CONFIG, SAFE_NAME, Environment
 from kernel.errors import ConfigError, bounded, shown
 from kernel.schema import at_most, from_dict, require, to_dict
@@ -392,6 +392,16 @@ class Config(TrainerConfig):
     @property
     def world_size(self) -> int:
         return self.slurm.nodes * self.launch.procs_per_node
+
+    @property
+    def binds_numa(self) -> bool:
+        """Each rank bound to its GPU's NUMA node by `torchrun --numa-binding` (a node preset with
+        the torchrun launcher), which runs every worker under numactl."""
+        return self.launch.preset in NODE_PRESETS and self.launch.launcher == "torchrun"
+
+    @property
+    def image_needs(self) -> ImageNeeds:
+        return ImageNeeds(float8=self.train.float8, numactl=self.binds_numa)
 
 
 # Linux filesystems take names of at most 255 bytes (NAME_MAX): a longer component in a path

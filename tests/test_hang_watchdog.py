@@ -15,7 +15,7 @@ from kernel.errors import ConfigError
 from kernel.rundir import HANG_EXIT
 from kernel.schema import from_dict
 from trainer.config import TrainSection
-from trainer.watchdog import HARD_EXIT_SECONDS, HangWatchdog, collective_timeout
+from trainer.watchdog import HARD_EXIT_SECONDS, SLOW_CHECKPOINT_EXIT, HangWatchdog, collective_timeout
 from trainer_helpers import ROOT, clean_env, tiny_config, write_run
 
 
@@ -31,8 +31,10 @@ class Exits:
         self.event.set()
 
 
-def watchdog(tmp_path: Path, timeout: float, first: float, exits: Exits, rank: int = 0) -> HangWatchdog:
-    return HangWatchdog(TrainSection(hang_timeout=timeout, hang_timeout_first_step=first), tmp_path, rank,
+def watchdog(tmp_path: Path, timeout: float, first: float, exits: Exits, rank: int = 0,
+             checkpoint: float = 1800) -> HangWatchdog:
+    return HangWatchdog(TrainSection(hang_timeout=timeout, hang_timeout_first_step=first,
+                                     checkpoint_timeout=checkpoint), tmp_path, rank,
                         dump_window_s=0.1, hard_exit_s=20, exit=exits)
 
 
@@ -100,10 +102,96 @@ def test_zero_turns_it_off(tmp_path):
     assert exits.codes == [] and not dog.enabled and not (tmp_path / "progress.json").exists()
 
 
+class Marker:
+    """A device's completion marker (a CUDA event's query) the test moves by hand."""
+
+    def __init__(self):
+        self.reached = False
+
+    def query(self) -> bool:
+        return self.reached
+
+
+def test_a_step_counts_once_the_device_reached_it_not_once_queued(tmp_path, monkeypatch):
+    """The host queues steps 1-6 and runs on; the device finishes 1-3 and stops: the hang is
+    after step 3, noticed hang_timeout after step 3 was done, not after step 6 was queued."""
+    monkeypatch.setenv("SLIPWAY_JOB_TAG", "5")
+    monkeypatch.setenv("SLURMD_NODENAME", "nodeM")
+    exits = Exits()
+    dog = watchdog(tmp_path, timeout=1.5, first=10, exits=exits).start(0)
+    markers = {step: Marker() for step in range(1, 7)}
+    for step, marker in markers.items():
+        dog.step_queued(step, marker)  # the host runs ahead: all queued at once
+    for step in (1, 2, 3):
+        time.sleep(0.4)
+        markers[step].reached = True  # the device gets there
+    done = time.monotonic()
+    assert exits.event.wait(10) and exits.codes == [HANG_EXIT]
+    assert time.monotonic() - done >= 1.5 - 0.6  # within the marker poll of step 3's completion + the limit
+    first = (tmp_path / "hangs" / "5-nodeM-0.txt").read_text().split()
+    assert first[7] == "3", first[:10]
+    # On the CPU a step is done when queued (no marker); a sync step says so whatever the markers say.
+    exits = Exits()
+    (tmp_path / "b").mkdir()
+    dog = watchdog(tmp_path / "b", timeout=3.0, first=10, exits=exits).start(0)
+    dog.step_queued(1, None)
+    dog.step_queued(2, Marker())
+    time.sleep(0.6)
+    dog.step_done(2)  # the host waited for the device at a sync step
+    dog.step_queued(3, Marker())
+    time.sleep(0.6)
+    dog.stop()
+    assert exits.codes == []
+    assert __import__("json").loads((tmp_path / "b" / "progress.json").read_text())["step"] == 2
+
+
+def test_checkpoint_work_pauses_the_step_limit_under_a_bound_of_its_own(tmp_path, monkeypatch):
+    """A save three times hang_timeout is no hang; the step limit starts anew after it; a save
+    past train.checkpoint_timeout ends the run as a slow checkpoint (exit 1, one event from rank
+    0, the stacks in the log), never as a hang (no dump in hangs/)."""
+    monkeypatch.setenv("SLIPWAY_JOB_TAG", "6")
+    monkeypatch.delenv("SLIPWAY_EVENT_JOB", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "6")
+    exits = Exits()
+    dog = watchdog(tmp_path, timeout=2.0, first=2.0, exits=exits, checkpoint=30).start(0)
+    dog.step_done(1)
+    with dog.paused("the checkpoint save of step 1"):
+        with dog.paused("the checkpoint save in flight"):  # nested: the outer one decides
+            time.sleep(4.0)
+        time.sleep(1.0)
+    time.sleep(0.5)  # well within the limit after the save
+    dog.step_done(2)
+    time.sleep(0.5)
+    dog.stop()
+    assert exits.codes == [] and not (tmp_path / "hangs").exists()
+
+    exits = Exits()
+    run = tmp_path / "slow"
+    run.mkdir()
+    dog = watchdog(run, timeout=0.5, first=0.5, exits=exits, checkpoint=1.0).start(0)
+    t0 = time.monotonic()
+    with dog.paused("the checkpoint save of step 4"):
+        assert exits.event.wait(10)
+    assert exits.codes == [SLOW_CHECKPOINT_EXIT] and time.monotonic() - t0 >= 1.0
+    assert not (run / "hangs").exists()
+    (event,) = (run / "events.log").read_text().splitlines()
+    assert " job 6 slow checkpoint: the checkpoint save of step 4 has taken 1 s, over " \
+           "train.checkpoint_timeout (1 s), on rank 0 " in event and "raise train.checkpoint_timeout" in event
+    # Rank 1 says it in its log only: one event for the run.
+    exits = Exits()
+    other = tmp_path / "slow1"
+    other.mkdir()
+    dog = watchdog(other, timeout=0.5, first=0.5, exits=exits, rank=1, checkpoint=0.5).start(0)
+    with dog.paused("the checkpoint load"):
+        assert exits.event.wait(10)
+    assert exits.codes == [SLOW_CHECKPOINT_EXIT] and not (other / "events.log").exists()
+
+
 @pytest.mark.parametrize("train, field, words", [
     ({"hang_timeout": -1}, "train.hang_timeout", "must be >= 0 seconds"),
     ({"hang_timeout": 60, "hang_timeout_first_step": 30}, "train.hang_timeout_first_step",
      "must be >= hang_timeout (60), got 30"),
+    ({"checkpoint_timeout": -5}, "train.checkpoint_timeout", "must be >= 0 seconds"),
 ])
 def test_bad_limits_are_config_errors(train, field, words):
     with pytest.raises(ConfigError) as exc:
@@ -172,3 +260,86 @@ def test_a_stuck_rank_ends_the_run_with_every_live_rank_dump(tmp_path):
     assert "timed out" not in proc.stderr.lower() and "Timeout" not in proc.stderr, proc.stderr[-3000:]
     # Startup, two steps, the 3 s limit, the 10 s dump window, torchrun's teardown.
     assert took < 90, took
+
+
+# The real trainer in one process, its checkpoint writes slowed where the test says (DCP's
+# FileSystemWriter.write_data, for the checkpoint of step 4) and, with STUCK_AFTER, a device
+# that stops after that step: the completion marker of each later step never says done, while
+# the host runs on (what CUDA's asynchronous queue does when a kernel or a collective hangs).
+SLOW = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import trainer_helpers
+import trainer.train
+from torch.distributed.checkpoint import FileSystemWriter
+
+original = FileSystemWriter.write_data
+
+def slow(self, plan, planner):
+    if "step-000004" in str(self.path):
+        time.sleep({save_s})
+    return original(self, plan, planner)
+
+FileSystemWriter.write_data = slow
+
+class Marker:
+    def __init__(self, reached):
+        self.reached = reached
+
+    def query(self):
+        return self.reached
+
+queued = [0]
+
+def marker(device):
+    queued[0] += 1
+    return Marker(queued[0] <= {stuck_after})
+
+if {stuck_after} >= 0:
+    trainer.train.step_marker = marker
+sys.exit(trainer_helpers.main(sys.argv[1:]))
+"""
+
+
+def run_slow(tmp_path: Path, name: str, *, save_s: float, stuck_after: int = -1, interval: int = 2,
+             **train) -> tuple:
+    # hang_timeout 10 s: a step of this model takes well under a second, on a loaded machine too.
+    cfg = tiny_config(train={"steps": 6, "hang_timeout": 10, "hang_timeout_first_step": 60, **train},
+                      checkpoint={"interval": interval}, logging={"interval": 100})
+    config = write_run(tmp_path, name, cfg)
+    script = tmp_path / f"{name}.py"
+    script.write_text(SLOW.format(tests=str(ROOT / "tests"), save_s=save_s, stuck_after=stuck_after))
+    env = clean_env(SLIPWAY_JOB_TAG="8", SLURMD_NODENAME="nodeS", SLIPWAY_EVENT_JOB="8",
+                    SLIPWAY_TEST_BATCH_DELAY="0.05")
+    proc = subprocess.run([sys.executable, str(script), str(config)], capture_output=True, text=True, timeout=180,
+                          env=env, cwd=ROOT)
+    return proc, config.parent
+
+
+@pytest.mark.slow
+def test_a_save_longer_than_the_hang_limit_is_no_hang_and_one_past_its_bound_is_a_slow_checkpoint(tmp_path):
+    proc, run = run_slow(tmp_path, "slow", save_s=25)  # two and a half times hang_timeout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (run / "hangs").exists()
+    assert (run / "checkpoints" / "step-000004" / "COMPLETE").is_file()
+
+    proc, run = run_slow(tmp_path, "stuck", save_s=300, checkpoint_timeout=2)
+    assert proc.returncode == SLOW_CHECKPOINT_EXIT, proc.stderr[-3000:]
+    assert not (run / "hangs").exists()
+    events = (run / "events.log").read_text().splitlines()
+    assert len(events) == 1 and " job 8 slow checkpoint: the checkpoint save of step 4 has taken " in events[0]
+    assert "slow checkpoint: the checkpoint save of step 4" in proc.stderr and "in slow" in proc.stderr  # the stacks
+    assert [p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")] == ["step-000002"]
+
+
+@pytest.mark.slow
+def test_a_hang_is_after_the_last_step_the_device_finished_not_the_last_queued(tmp_path):
+    """The device stops after step 2 while the host queues on (no checkpoint or log due: no sync
+    step to wait at): the watchdog fires hang_timeout after step 2, and says so."""
+    proc, run = run_slow(tmp_path, "device", save_s=0, stuck_after=2, steps=400, interval=1000)
+    assert proc.returncode == HANG_EXIT, proc.stderr[-3000:]
+    (dump,) = (run / "hangs").glob("*.txt")
+    first = dump.read_text().split()
+    assert first[7] == "2", first[:12]
+    progress = __import__("json").loads((run / "progress.json").read_text())
+    assert progress["step"] == 2

@@ -162,7 +162,7 @@ def test_hash_changes_when_and_only_when_an_input_changes(project: Path, tmp_pat
     dockerfile.write_text(original)
     assert changed() == base.hash
     assert changed(build_args={"FLASH_ATTN_VERSION": "2.8.3"}) != base.hash
-    assert changed(build_args={"FLASH_ATTN_CUDA_ARCHS": "90"}) != base.hash
+    assert changed(build_args={"FLASH_ATTN_CUDA_ARCHS": "80;90"}) != base.hash
     # Compile settings that do not change the image (passed through buildenv/, not as build args).
     assert changed(build_args={"MAX_JOBS": "4", "NVCC_THREADS": "2"}) == base.hash
     assert changed(base_image=TEST_BASE) != base.hash
@@ -734,6 +734,27 @@ DIAGNOSES = {
                 "https://pip.pypa.io/en/latest/topics/dependency-resolution/#dealing-with-dependency-conflicts"],
         want=[r"\(exit 1\): ERROR: ResolutionImpossible.*Fix: the requirements conflict"],
         never=["flash_attn: false", "MAX_JOBS"]),
+    "a pin of the base's conflicts with the dependencies": dict(
+        mark=DEPS_STEP, args={"FLASH_ATTN": "0"},
+        output=["ERROR: Cannot install datasets==5.2.0 because these package versions have conflicting dependencies.",
+                "The conflict is caused by:", "    datasets 5.2.0 depends on fsspec<=2026.9.0 and >=2023.1.0",
+                "    The user requested (constraint) fsspec==2021.4.0", "ERROR: ResolutionImpossible: for help visit "
+                "https://pip.pypa.io/en/latest/topics/dependency-resolution/#dealing-with-dependency-conflicts",
+                "dependencies FAILED: the base image pins fsspec==2021.4.0 in its pip constraints (/etc/pip/constraint"
+                ".txt, PIP_CONSTRAINT), but datasets 5.2.0 needs fsspec<=2026.9.0 and >=2023.1.0: set image.build_args."
+                "PIP_CONSTRAINT_LIFT: \"fsspec\" to lift that pin for slipway's dependencies (the base's own packages "
+                "were built against it: check they still work), or use a base image whose pins fit"],
+        want=[r"^podman build failed at the dependencies step \(STEP \d+/\d+\) \(exit 1\): dependencies FAILED: the base "
+              r"image pins fsspec==2021\.4\.0 .*PIP_CONSTRAINT_LIFT: \"fsspec\".*whose pins fit; full log: "],
+        never=[". Fix:"]),
+    "numactl cannot be installed": dict(
+        mark="numactl FAILED", args={"FLASH_ATTN": "0"},
+        output=["E: Unable to locate package numactl", "numactl FAILED: the run binds each rank to a NUMA node "
+                "(launch.preset with torchrun --numa-binding), which needs numactl, and it could not be installed in "
+                "the base (no network for its package manager?): use a base image with numactl, or set "
+                "launch.preset: none"],
+        want=[r"^podman build failed at the numactl step \(STEP \d+/\d+\) \(exit 1\): numactl FAILED: .*or set "
+              r"launch\.preset: none; full log: "], never=[". Fix:"]),
     "anything else: a traceback's last line": dict(
         mark=SOURCES_STEP,
         output=["Processing /opt/slipway", "Traceback (most recent call last):", "  File \"<string>\", line 1",
@@ -899,7 +920,8 @@ def run_flash_attn_step(tmp_path: Path, *, wheels: tuple[str, ...] = (), build_e
     stub.chmod(0o755)
     if base_has:  # the base's own flash-attn
         (stub.parent / "installed").write_text(base_has)
-    args = {"FLASH_ATTN": "1", "FLASH_ATTN_VERSION": "2.8.3.post2", "FLASH_ATTN_CUDA_ARCHS": "",
+    args = {"FLASH_ATTN": "1", "FLASH_ATTN_VERSION": "2.8.3.post2",
+            "FLASH_ATTN_CUDA_ARCHS": dockerfile_arg("FLASH_ATTN_CUDA_ARCHS"),
             "FLASH_ATTN_COMPILE_VERSION": dockerfile_arg("FLASH_ATTN_COMPILE_VERSION"),
             "WHEELHOUSE": "offline", "WHEELHOUSE_DIGEST": "", **env}  # ARGs reach RUN as environment
     base_env = {k: v for k, v in os.environ.items() if k not in ("MAX_JOBS", "NVCC_THREADS")}
@@ -925,23 +947,28 @@ def test_flash_attn_step_installs_a_fitting_wheel_else_compiles(tmp_path: Path):
     assert install["env"]["PIP_CONSTRAINT"] == ""  # a base's pip constraints (NGC's) do not pin flash-attn
     assert (tmp_path / "a" / "torch-constraint.txt").exists() is False
     assert f"flash-attn 2.8.3.post2 imports: prebuilt wheel {fitting} from the wheelhouse" in out
-    # Only a wheel for another torch: compiled from source, never that wheel, with buildenv's MAX_JOBS;
-    # an empty FLASH_ATTN_CUDA_ARCHS is unset (flash-attn would read "" as no architecture at all).
+    # Only a wheel for another torch: compiled from source, never that wheel, with buildenv's MAX_JOBS,
+    # for the nodes' architecture alone by default (H100 and GH200: 90), and said so.
     rc, out, installs = run_flash_attn_step(tmp_path / "b", wheels=(other_torch,),
                                             build_env={"MAX_JOBS": "3", "NVCC_THREADS": "2"})
     assert rc == 0, out
     (install,) = installs
     assert install["argv"][:4] == ["--no-build-isolation", "--no-binary", "flash-attn", "-c"]
     assert install["argv"][-1] == "flash-attn==2.8.3.post2"
-    assert install["env"] == {"MAX_JOBS": "3", "NVCC_THREADS": "2", "PIP_CONSTRAINT": ""}
+    assert install["env"] == {"MAX_JOBS": "3", "NVCC_THREADS": "2", "FLASH_ATTN_CUDA_ARCHS": "90", "PIP_CONSTRAINT": ""}
     assert "flash-attn: compiling 2.8.3.post2 because the base has no flash-attn and no wheel in the wheelhouse " \
-           "fits, against torch 2.10.0a0+b4e4ee81d3.nv25.12, CUDA 13.1 on " in out
+           "fits, for CUDA architectures 90 (H100, GH200; image.build_args.FLASH_ATTN_CUDA_ARCHS for others), " \
+           "against torch 2.10.0a0+b4e4ee81d3.nv25.12, CUDA 13.1 on " in out
     assert "flash-attn 2.8.3.post2 imports: compiled 2.8.3.post2" in out
-    assert "(MAX_JOBS=3 NVCC_THREADS=2 archs 80;90;100;120): up to hours on aarch64" in out
-    # No MAX_JOBS: flash-attn chooses; an architecture list reaches the compile.
-    rc, out, installs = run_flash_attn_step(tmp_path / "c", FLASH_ATTN_CUDA_ARCHS="90")
-    assert rc == 0 and installs[0]["env"] == {"FLASH_ATTN_CUDA_ARCHS": "90", "PIP_CONSTRAINT": ""}
-    assert "MAX_JOBS=auto" in out
+    assert "(MAX_JOBS=3 NVCC_THREADS=2): up to hours on aarch64" in out
+    # No MAX_JOBS: flash-attn chooses; the user's architecture list reaches the compile; an empty one
+    # is unset (flash-attn would read "" as no architecture at all) and compiles flash-attn's four.
+    rc, out, installs = run_flash_attn_step(tmp_path / "c", FLASH_ATTN_CUDA_ARCHS="80;90")
+    assert rc == 0 and installs[0]["env"] == {"FLASH_ATTN_CUDA_ARCHS": "80;90", "PIP_CONSTRAINT": ""}
+    assert "MAX_JOBS=auto" in out and "for CUDA architectures 80;90 (image.build_args.FLASH_ATTN_CUDA_ARCHS)" in out
+    rc, out, installs = run_flash_attn_step(tmp_path / "c2", FLASH_ATTN_CUDA_ARCHS="")
+    assert rc == 0 and installs[0]["env"] == {"PIP_CONSTRAINT": ""}
+    assert "for CUDA architectures 80;90;100;120 (flash-attn's default: FLASH_ATTN_CUDA_ARCHS is empty)" in out
     # A CPU torch, or a flash-attn that does not import: the build stops with slipway's own line.
     rc, out, installs = run_flash_attn_step(tmp_path / "d", torch="2.13.0+cpu ")
     assert rc == 1 and installs == []
@@ -979,6 +1006,29 @@ def test_flash_attn_step_installs_a_fitting_wheel_else_compiles(tmp_path: Path):
     # FLASH_ATTN=0: nothing at all.
     rc, out, installs = run_flash_attn_step(tmp_path / "f", FLASH_ATTN="0")
     assert rc == 0 and installs == [] and out.strip() == "flash-attn: skipped (FLASH_ATTN=0)"
+
+
+def test_what_the_run_needs_of_the_image_are_build_args(project: Path):
+    """train.float8 installs the float8 extra; a launch that binds NUMA nodes, numactl; flash-attn
+    compiles for the nodes' architecture. Each changes the image's hash, so an image without
+    them is not the one the config builds (submit's stale-image note then names the build arg)."""
+    base = plan_of(project)
+    assert not {"EXTRAS", "NUMACTL", "FLASH_ATTN_CUDA_ARCHS"} & set(base.build_args)  # the Dockerfile's defaults
+    assert dockerfile_arg("FLASH_ATTN_CUDA_ARCHS") == "90" and dockerfile_arg("NUMACTL") == "0"
+    cfg = make_cfg()
+    cfg.train.float8 = True
+    float8 = image_plan(cfg, root=project, enroot_mount=False)
+    assert float8.build_args["EXTRAS"] == "float8" and float8.hash != base.hash
+    cfg.image.build_args = {"EXTRAS": "plot"}  # the user's extras, and float8 for the run
+    assert image_plan(cfg, root=project, enroot_mount=False).build_args["EXTRAS"] == "plot float8"
+    cfg = make_cfg()
+    cfg.launch.preset = "alps-gh200"
+    numa = image_plan(cfg, root=project, enroot_mount=False)
+    assert cfg.binds_numa and numa.build_args["NUMACTL"] == "1" and numa.hash != base.hash
+    cfg.launch.launcher = "srun"  # srun binds with --cpu-bind: no numactl
+    assert "NUMACTL" not in image_plan(cfg, root=project, enroot_mount=False).build_args
+    with pytest.raises(ConfigError, match=r"^image\.build_args\.NUMACTL: must be 0 or 1"):
+        plan_of(project, build_args={"NUMACTL": "yes"})
 
 
 def test_max_jobs_from_build_args_and_the_environment(project: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -1049,6 +1099,60 @@ def test_pip_requirements_keep_the_images_torch(tmp_path: Path):
     assert "torch" not in (tmp_path / "r.txt").read_text().replace("tomli-w", "")
 
 
+# pip 26's explanation of a conflict with a constraint, as it prints it (the real builds below
+# reach it for real): the pinned version is on the index, or pip found none at all.
+PIP_CONFLICT = """ERROR: Cannot install datasets==5.2.0 and torch==2.13.0+cpu because these package versions have conflicting dependencies.
+
+The conflict is caused by:
+    torch 2.13.0+cpu depends on fsspec>=0.8.5
+    datasets 5.2.0 depends on fsspec[http]<=2026.9.0 and >=2023.1.0
+    The user requested (constraint) fsspec==2021.4.0
+
+Additionally, some packages in these conflicts have no matching distributions available for your environment:
+    fsspec
+
+To fix this you could try to:
+1. loosen the range of package versions you've specified
+"""
+
+
+def test_a_conflict_with_a_pin_of_the_base_is_one_line_with_the_way_out(tmp_path: Path):
+    from containers.pip_requirements import base_pins, explain_conflict, lift_pins
+
+    pins_file = tmp_path / "constraint.txt"
+    pins_file.write_text("# NGC's\nfsspec==2021.4.0\nPyYAML==6.0.1  # pinned\n-c other.txt\n\n")
+    constraint = f"{pins_file} https://example.org/c.txt {tmp_path / 'missing.txt'}"  # as pip reads PIP_CONSTRAINT
+    pins = base_pins(constraint)
+    assert pins == {"fsspec": ("fsspec==2021.4.0", str(pins_file)), "pyyaml": ("PyYAML==6.0.1", str(pins_file))}
+    line = explain_conflict(PIP_CONFLICT, pins, set())
+    assert line == (f"dependencies FAILED: the base image pins fsspec==2021.4.0 in its pip constraints ({pins_file}, "
+                    "PIP_CONSTRAINT), but datasets 5.2.0 needs fsspec[http]<=2026.9.0 and >=2023.1.0: set "
+                    "image.build_args.PIP_CONSTRAINT_LIFT: \"fsspec\" to lift that pin for slipway's dependencies "
+                    "(the base's own packages were built against it: check they still work), or use a base image "
+                    "whose pins fit")  # torch's fsspec>=0.8.5 takes 2021.4.0: not named
+    # Offline without that version: nobody's range excludes it, pip just has none; a lift asked for already stays.
+    unsatisfiable = PIP_CONFLICT.replace("    datasets 5.2.0 depends on fsspec[http]<=2026.9.0 and >=2023.1.0\n", "")
+    line = explain_conflict(unsatisfiable, pins, {"pyyaml"})
+    assert "but pip finds no fsspec==2021.4.0 to install (neither on the index nor in image.wheelhouse)" in line
+    assert 'PIP_CONSTRAINT_LIFT: "fsspec pyyaml"' in line
+    assert explain_conflict(PIP_CONFLICT, {}, set()) is None  # not a base pin: pip's own words, diagnosed
+    assert explain_conflict("ERROR: No matching distribution found for x", pins, set()) is None
+    value, lifted = lift_pins(constraint, {"fsspec"}, tmp_path / "lifted.txt")
+    assert value == str(tmp_path / "lifted.txt") and lifted == ["fsspec==2021.4.0"]
+    assert "fsspec" not in (tmp_path / "lifted.txt").read_text() and "PyYAML==6.0.1" in (tmp_path / "lifted.txt").read_text()
+
+
+def test_pip_requirements_take_the_runs_extras(tmp_path: Path):
+    script = [sys.executable, str(REPO / "containers" / "pip_requirements.py"), str(REPO / "pyproject.toml"),
+              str(tmp_path / "r.txt"), str(tmp_path / "c.txt")]
+    out = subprocess.run([*script, "--extras", "float8"], capture_output=True, text=True, check=True)
+    assert "(extras trainer, float8;" in out.stdout and "torchao>=" in (tmp_path / "r.txt").read_text()
+    bad = subprocess.run([*script, "--extras", "float9"], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert bad.stdout.strip() == ("dependencies FAILED: pyproject.toml has no optional-dependencies.float9 "
+                                  "(EXTRAS='float9'): name an extra pyproject.toml has")
+
+
 def test_dockerfile_contract():
     text = (REPO / "containers" / "Dockerfile").read_text()
     assert f"ARG BASE_IMAGE={ImageSection().base_image}\n" in text  # in sync with the config default
@@ -1068,9 +1172,12 @@ def test_dockerfile_contract():
     assert 'ARG FLASH_ATTN_VERSION=""\n' in text  # unset: a base's working flash-attn is kept
     assert "ARG FLASH_ATTN=1" in text and "--no-deps" in text
     assert 'CMD ["bash"]' in text and "org.opencontainers.image.revision" in text
-    order = [text.index(s) for s in ("flash-attn==", "COPY src/pyproject.toml", "pip install -r requirements.txt",
-                                     "COPY src/ /opt/slipway/", "sh -c \"$SMOKE\"", "ARG GIT_COMMIT")]
+    order = [text.index(s) for s in ("flash-attn==", "ARG NUMACTL", "numactl FAILED", "ARG EXTRAS",
+                                     "COPY src/pyproject.toml", "--install", "COPY src/ /opt/slipway/",
+                                     "sh -c \"$SMOKE\"", "ARG GIT_COMMIT")]
     assert order == sorted(order), "layers must run from rarely to often changed"
+    # A run's needs are ARGs declared after flash-attn's step: a new value never recompiles it.
+    assert "ARG NUMACTL" not in text[:text.index("flash-attn==")] and "ARG EXTRAS" not in text[:text.index("ARG NUMACTL")]
 
 
 def test_cli_show(project: Path, fakes: Path):
@@ -1145,9 +1252,11 @@ def ensure_test_base(tag: str = TEST_BASE) -> None:
 def ensure_wheelhouse() -> Path:
     """The trainer's dependencies for the image's Python 3.11, downloaded on the host once."""
     wheels = CACHE / "wheelhouse"
-    reqs = requirements(toml_loads((REPO / "pyproject.toml").read_text()), have_torch=False)
+    # The float8 extra too: a config with train.float8 gets torchao in its image.
+    reqs = requirements(toml_loads((REPO / "pyproject.toml").read_text()), have_torch=False,
+                        extras=("trainer", "float8"))
     # The CPU torch this machine has as a wheel (the image installs whatever satisfies pyproject's torch here).
-    reqs = ["torch==2.13.0" if r.startswith("torch") else r for r in reqs]
+    reqs = ["torch==2.13.0" if requirement_name(r) == "torch" else r for r in reqs]
     stamp = wheels / ".requirements"
     if stamp.is_file() and stamp.read_text() == "\n".join(reqs):
         return wheels
@@ -1376,3 +1485,132 @@ def test_real_build_without_a_flash_attn_in_the_base_takes_the_wheelhouse(tmp_pa
     assert "flash-attn 2.8.3 imports: prebuilt wheel flash_attn-2.8.3-py3-none-any.whl from the wheelhouse" in console
     assert re.search(r"smoke ok: loss .*flash-attn 2\.8\.3\)", log), log[-2000:]
     assert "SLIPWAY_FLASH_ATTN=1" in env
+
+
+# ---------------------------------------------------------------- real builds: the base's pins, the run's needs
+
+# A base that pins packages the way NGC's images do: a pip constraint file that PIP_CONSTRAINT names.
+_PINNED_CONTAINERFILE = """FROM {base}
+COPY constraint.txt /etc/pip/constraint.txt
+ENV PIP_CONSTRAINT=/etc/pip/constraint.txt
+"""
+
+
+def ensure_pinned_base(pins: list[str]) -> str:
+    """The test base with `pins` in /etc/pip/constraint.txt (made once per set of pins)."""
+    import hashlib
+
+    ensure_test_base()
+    tag = f"{TEST_BASE}-pins-{hashlib.sha256(chr(10).join(pins).encode()).hexdigest()[:10]}"
+    if subprocess.run(["podman", "image", "exists", tag]).returncode == 0:
+        return tag
+    work = CACHE / f"pinned-base-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        (work / "Containerfile").write_text(_PINNED_CONTAINERFILE.format(base=TEST_BASE))
+        (work / "constraint.txt").write_text("# the base's own pins\n" + "".join(p + "\n" for p in pins))
+        subprocess.run(["podman", "build", "--isolation", "chroot", "-t", tag, "-f", str(work / "Containerfile"),
+                        str(work)], check=True, capture_output=True, text=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return tag
+
+
+def wheel_version(wheels: Path, name: str) -> str:
+    (wheel,) = wheels.glob(f"{name}-*.whl")
+    return wheel.name.split("-")[1]
+
+
+def real_build(tmp_path: Path, cfg: Config) -> str:
+    """Build `cfg` for real (no import); its log."""
+    console = Console(file=open(tmp_path / "console.txt", "w"), width=400)
+    try:
+        result = build_image(cfg, root=copy_sources(tmp_path / "src"), do_import=False, console=console)
+    finally:
+        console.file.close()
+        podman = Podman.find()
+        for tag in podman.tags(f"localhost/{cfg.image.name}"):
+            podman.untag(tag)
+    assert result.built
+    return result.plan.log.read_text()
+
+
+@pytest.mark.podman
+def test_real_build_resolves_against_the_bases_pins_and_installs_what_the_run_needs(tmp_path: Path):
+    """A base that pins fsspec and pyyaml to what fits: kept. train.float8 on: torchao in the image.
+    launch.preset alps-gh200 with torchrun: numactl installed (the base has none), and it runs."""
+    reason = _podman_ok()
+    if reason:
+        pytest.skip(reason)
+    wheels = ensure_wheelhouse()
+    fsspec, pyyaml = wheel_version(wheels, "fsspec"), wheel_version(wheels, "pyyaml")
+    base = ensure_pinned_base([f"fsspec=={fsspec}", f"PyYAML=={pyyaml}"])
+    checks = ("python3 -m trainer.smoke && python3 -c 'import fsspec, torchao; print(\"checked fsspec\", "
+              "fsspec.__version__, \"torchao\", torchao.__version__)' && numactl --show > /dev/null && "
+              f"echo numactl runs  # {uuid.uuid4().hex[:8]}")
+    cfg = make_cfg(name="slipway-pintest", base_image=base, flash_attn=False, isolation="chroot",
+                   wheelhouse=str(wheels), output_dir=str(tmp_path / "images"), build_args={"SMOKE": checks})
+    cfg.train.float8 = True
+    cfg.launch.preset = "alps-gh200"
+    log = real_build(tmp_path, cfg)
+    assert "pip_requirements: resolving against the base's 2 pins (/etc/pip/constraint.txt)" in log
+    assert "(extras trainer, float8; the image has no torch: installing one)" in log
+    assert "numactl: installed (" in log, log[-3000:]
+    assert re.search(rf"^checked fsspec {re.escape(fsspec)} torchao \d", log, re.M), log[-3000:]
+    assert "numactl runs" in log and "smoke ok" in log
+
+
+@pytest.mark.podman
+def test_real_build_stops_at_a_conflicting_pin_in_one_line_and_lifting_it_builds(tmp_path: Path):
+    reason = _podman_ok()
+    if reason:
+        pytest.skip(reason)
+    wheels = ensure_wheelhouse()
+    base = ensure_pinned_base(["fsspec==2021.4.0"])  # older than datasets allows
+    old = CACHE / "old-fsspec"  # the pinned version, as an index would offer it
+    if not list(old.glob("fsspec-2021.4.0-*.whl")):
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                        "-d", str(old), "fsspec==2021.4.0"], check=True)
+    wheels = wheelhouse_with(tmp_path, *old.glob("fsspec-2021.4.0-*.whl"))
+    cfg = make_cfg(name="slipway-pintest", base_image=base, flash_attn=False, isolation="chroot",
+                   wheelhouse=str(wheels), output_dir=str(tmp_path / "images"))
+    (tmp_path / "a").mkdir()
+    t0 = time.monotonic()
+    with pytest.raises(ToolError) as exc:
+        real_build(tmp_path / "a", cfg)
+    message = str(exc.value)
+    assert "\n" not in message
+    assert re.match(r"^podman build failed at the dependencies step \(STEP \d+/\d+\) \(exit 1\): dependencies "
+                    r"FAILED: the base image pins fsspec==2021\.4\.0 in its pip constraints \(/etc/pip/constraint\.txt"
+                    r", PIP_CONSTRAINT\), but datasets \S+ needs fsspec.*: set image\.build_args\.PIP_CONSTRAINT_LIFT: "
+                    r"\"fsspec\" to lift that pin", message), message
+    assert time.monotonic() - t0 < 600
+    cfg.image.build_args = {"PIP_CONSTRAINT_LIFT": "fsspec"}
+    (tmp_path / "b").mkdir()
+    log = real_build(tmp_path / "b", cfg)
+    assert "pip_requirements: lifting the base's pins fsspec==2021.4.0 for slipway's dependencies" in log
+    assert "smoke ok" in log
+
+
+@pytest.mark.podman
+def test_real_build_compiles_flash_attn_for_the_nodes_architecture(tmp_path: Path):
+    """A CUDA base without flash-attn and no wheel for it: the build compiles for 90 (H100, GH200) and
+    says so (offline, the source is missing, so the compile itself stops at pip, diagnosed)."""
+    reason = _podman_ok()
+    if reason:
+        pytest.skip(reason)
+    wheels = ensure_wheelhouse()
+    ensure_cuda_standin_base(CUDA_STANDIN_BASE, wheels)
+    cfg = make_cfg(name="slipway-flashtest", base_image=CUDA_STANDIN_BASE, flash_attn=True, isolation="chroot",
+                   wheelhouse=str(wheels), output_dir=str(tmp_path / "images"))
+    with pytest.raises(ToolError) as exc:
+        real_build(tmp_path, cfg)
+    log = next((tmp_path / "images" / "logs").glob("*.log")).read_text()
+    said = ("flash-attn: compiling 2.8.3 because the base has no flash-attn and no wheel in the wheelhouse fits, "
+            "for CUDA architectures 90 (H100, GH200; image.build_args.FLASH_ATTN_CUDA_ARCHS for others), against "
+            "torch 2.13.0+cpu, CUDA 13.1 on ")
+    assert said in log, [line for line in log.splitlines() if "flash-attn" in line]
+    assert str(exc.value).startswith("podman build failed at the flash-attn step") and \
+        "cannot be found in the offline wheelhouse" in str(exc.value), str(exc.value)
+

@@ -6,6 +6,9 @@ local Slurm is tests/test_hang_slurm.py."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -119,3 +122,98 @@ def test_the_all_reduce_step_of_a_train_script_runs_in_a_group_of_its_own(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("slipway-preflight-allreduce ok: all-reduce of 1 MiB over 2 ranks on 1 node(s) "
                                   "(gloo): "), proc.stdout
+
+
+# ---- NUMA binding: torchrun --numa-binding runs every worker under numactl ----------------
+
+# torchrun as the batch script starts it (jobs/slurm/script.py torchrun_argv), in a launcher
+# process told which NUMA node "its GPU" is on: torch looks that up in sysfs by the GPU's PCI
+# address, and this machine has no GPU. Everything else is torch's own: the binding it computes
+# and the numactl command line it wraps each worker in.
+NUMA_LAUNCHER = """import sys
+import torch.numa.binding as binding
+binding._get_numa_node_index_for_gpu_index = lambda *, gpu_index: 0
+from torch.distributed.run import main
+sys.exit(main())
+"""
+# numactl first on PATH: records how torch called it, then runs the real one.
+NUMACTL_SHIM = '#!/bin/sh\necho "$@" >> "{log}"\nexec "{real}" "$@"\n'
+
+
+def numa_launch(tmp_path: Path, path: str, procs: int) -> tuple[subprocess.CompletedProcess, Path]:
+    from jobs.config import load_config
+    from jobs.slurm.script import torchrun_argv
+
+    cfg = load_config("configs/tiny_wikitext.yaml", ["run.name=numa"])
+    assert cfg.binds_numa  # the flagship's launch binds each rank to its GPU's NUMA node
+    argv = torchrun_argv(cfg, nnodes="1", rdzv=["--standalone"])
+    assert argv[1:3] == ["-m", "torch.distributed.run"] and "--numa-binding=node" in argv
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(NUMA_LAUNCHER)
+    argv = [sys.executable, str(launcher), *argv[3:]]
+    argv = [a if not a.startswith("--nproc-per-node=") else f"--nproc-per-node={procs}" for a in argv]
+    config = write_run(tmp_path, "numa", tiny_config(parallel={"dp": procs}, train={"steps": 2,
+                                                                                   "grad_accum_steps": 2}))
+    env = clean_env(PATH=path, OMP_NUM_THREADS="1")
+    proc = subprocess.run([*argv, str(TESTS / "trainer_helpers.py"), str(config)], capture_output=True, text=True,
+                          timeout=240, env=env, cwd=ROOT)
+    return proc, config.parent
+
+
+def node_check(tmp_path: Path, path: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.preflight", "node", "--run-dir", str(tmp_path),
+                           "--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-bytes", "1",
+                           "--numa-binding"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env=clean_env(PATH=path, SLURMD_NODENAME="nid007"))
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(shutil.which("numactl") is None, reason="needs numactl (Debian package numactl; .ci/run installs it)")
+def test_torchrun_numa_binding_runs_every_rank_under_numactl(tmp_path):
+    log = tmp_path / "numactl.log"
+    shim = tmp_path / "bin" / "numactl"
+    shim.parent.mkdir()
+    shim.write_text(NUMACTL_SHIM.format(log=log, real=shutil.which("numactl")))
+    shim.chmod(0o755)
+    path = f"{shim.parent}:{os.environ['PATH']}"
+    proc, run = numa_launch(tmp_path, path, procs=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    calls = log.read_text().splitlines()
+    allowed = ",".join(map(str, sorted(os.sched_getaffinity(0))))  # node 0's CPUs (this machine has one node)
+    assert len(calls) == 2 and all(c.startswith("--physcpubind=") and "trainer_helpers.py" in c for c in calls), calls
+    assert {c.split()[0].split("=", 1)[1] for c in calls} <= {allowed, _ranges(allowed)}, calls
+    ok = node_check(tmp_path, path)
+    assert ok.returncode == 0 and ok.stdout.startswith("slipway-preflight nid007 ok: ") and "numactl runs" in ok.stdout
+
+
+@pytest.mark.multiproc
+def test_without_numactl_torchrun_starts_no_rank_and_the_preflight_names_the_node_and_fix(tmp_path):
+    """torch does not fall back to no binding: torchrun stops before any rank starts. The
+    preflight's node step, which runs first, says so in one line."""
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    proc, run = numa_launch(tmp_path, str(empty), procs=2)
+    assert proc.returncode != 0
+    assert "numactl CLI is required for NUMA binding" in proc.stderr
+    assert not (run / "metrics.jsonl").exists()  # no rank ever ran
+    fail = node_check(tmp_path, str(empty))
+    assert fail.returncode == PREFLIGHT_EXIT
+    (line,) = fail.stdout.splitlines()
+    assert line.startswith("slipway-preflight nid007 fail: numactl is not in this node's container: the launch binds "
+                           "each rank to its GPU's NUMA node (launch.preset with torchrun --numa-binding)"), line
+    assert "`slipway image build CONFIG` installs numactl" in line and "launch.preset: none" in line
+
+
+def _ranges(cpus: str) -> str:
+    """numactl's range form of a comma list of CPUs: 0,1,2,5 -> 0-2,5."""
+    nums, out = sorted(int(c) for c in cpus.split(",")), []
+    start = prev = nums[0]
+    for n in nums[1:] + [None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        out.append(f"{start}-{prev}" if prev > start else str(start))
+        if n is not None:
+            start = prev = n
+    return ",".join(out)

@@ -59,6 +59,17 @@ def test_environment_goes_on_the_srun_line():
     assert "'--environment=/scratch/u s'\"'\"'er/proj $(x)/runs/r1/env.toml'" in srun
 
 
+def test_cuda_device_max_connections_is_left_to_layouts_that_need_it():
+    """FSDP2 overlaps its collectives on streams of their own, which CUDA_DEVICE_MAX_CONNECTIONS=1
+    serialises: no job sets it; a train.script whose tensor parallel wants it (Megatron-LM,
+    nanotron) sets it in launch.env."""
+    for runtime in ("edf", "pyxis", "none"):
+        assert "export CUDA_DEVICE_MAX_CONNECTIONS" not in render_sbatch(config(runtime, "torchrun"), PATHS,
+                                                                           config(runtime, "torchrun").container)
+    cfg = config("none", "torchrun", **{"launch.env.CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in render_sbatch(cfg, PATHS, cfg.container)
+
+
 def test_debug_mode():
     cfg = config("none", "torchrun", **{"launch.debug": "true"})
     text = render_sbatch(cfg, PATHS, cfg.container)

@@ -27,15 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # when run as a worker script
     sys.path.insert(0, str(ROOT))
 
-from trainer.checkpoint import (  # noqa: E402
-    Checkpointer,
-    CheckpointWriteError,
-    ModelState,
-    OptimizerState,
-    RNGState,
-    complete_steps,
-    step_dir,
-)
+from trainer.checkpoint import Checkpointer, CheckpointWriteError, complete_steps, step_dir  # noqa: E402
+from trainer.states import ModelState, OptimizerState, RNGState  # noqa: E402
 from trainer.config import CheckpointSection
 
 VOCAB, DIM = 32, 16
@@ -224,6 +217,7 @@ def test_keep_last_prunes_and_never_overwrites(tmp_path, caplog):
         train_step(model, opt, seed=step)
         ck.save(step, states_of(model, opt, sched))
     assert complete_steps(tmp_path) == [10, 15]
+    ck.close()  # the pruned ones are deleted in the background: done by now
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000010", "step-000015"]
     meta = json.loads((step_dir(tmp_path, 15) / "COMPLETE").read_text())
     assert meta["step"] == 15 and meta["world_size"] == 1
@@ -237,6 +231,65 @@ def test_keep_last_prunes_and_never_overwrites(tmp_path, caplog):
     with pytest.raises(RuntimeError, match="step-000020 exists but is not a complete"):
         ck.save(20, states_of(model, opt, sched))
     assert ck.latest_step() == 15
+
+
+def test_pruned_checkpoints_are_deleted_off_the_save_path(tmp_path, monkeypatch):
+    """A slow file system's deleting does not hold the save up: the pruned checkpoint (and a
+    crashed save's leftover) leave the step-* namespace at once and are deleted in a thread;
+    the next prune and close() wait for it. Every piece of checkpoint work runs in `pause`."""
+    import threading
+
+    import trainer.checkpoint as ckpt_mod
+
+    release, deleting = threading.Event(), []
+    real_rmtree = shutil.rmtree
+
+    def slow_rmtree(path, *args, **kwargs):
+        deleting.append(Path(path).name)
+        release.wait(30)
+        return real_rmtree(path, *args, **kwargs)
+
+    paused: list[str] = []
+
+    class Pause:
+        def __init__(self, what: str):
+            paused.append(what)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    model, opt, sched = make()
+    ck = Checkpointer(tmp_path, ckpt_cfg(keep_last=1), pause=Pause)
+    ck.save(1, states_of(model, opt, sched))
+    (tmp_path / ".tmp-step-000003").mkdir()  # a crashed save of step 3 left this
+    (tmp_path / ".tmp-step-000003" / "__0_0.distcp").write_bytes(b"half")
+    monkeypatch.setattr(ckpt_mod.shutil, "rmtree", slow_rmtree)
+    train_step(model, opt, seed=2)
+    t0 = time.monotonic()
+    ck.save(2, states_of(model, opt, sched))  # prunes step 1: its deleting blocks, the save does not
+    assert time.monotonic() - t0 < 10 and complete_steps(tmp_path) == [2]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert [n for n in names if not n.startswith(".tmp-deleting-")] == ["step-000002"], names
+    assert any(n.endswith("-.tmp-old-step-000001") for n in names), names
+    assert any(n.endswith("-.tmp-step-000003") for n in names), names  # renamed aside: step 3's name is free
+    train_step(model, opt, seed=3)
+    saver = threading.Thread(target=ck.save, args=(3, states_of(model, opt, sched)))
+    saver.start()  # reuses step 3's temporary name at once; its prune waits for the first deleting
+    saver.join(1.0)
+    assert saver.is_alive() and deleting, deleting
+    release.set()
+    saver.join(30)
+    ck.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003"]
+    assert paused == ["the checkpoint save of step 1", "the checkpoint save of step 2", "the checkpoint save of step 3",
+                      "the checkpoint save in flight and the prune"]
+    model2, opt2, sched2 = make(seed=5)
+    assert Checkpointer(tmp_path, ckpt_cfg(), pause=Pause).load_latest(states_of(model2, opt2, sched2)) == 3
+    assert paused[-1] == "the checkpoint load"
+    assert_same(snapshot(model2, opt2), snapshot(model, opt))
 
 
 def test_async_save_is_visible_only_once_finished(tmp_path):

@@ -32,12 +32,14 @@ NO_TORCHAO = "torchao is not installed (the float8 extra: pip install 'slipway[f
 # ---- A. collective timeouts ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("hang, first", [(600, 1800), (3, 60), (900, 900)])
-def test_collectives_outlast_the_watchdog_first_step_included(hang, first):
-    timeout = collective_timeout(TrainSection(hang_timeout=hang, hang_timeout_first_step=first))
-    # The watchdog fires at its limit and exits within HARD_EXIT_SECONDS: the collective must wait longer.
-    assert timeout.total_seconds() > max(hang, first) + HARD_EXIT_SECONDS
-    assert timeout == timedelta(seconds=max(hang, first) + COLLECTIVE_MARGIN_SECONDS)
+@pytest.mark.parametrize("hang, first, checkpoint", [(600, 1800, 1800), (3, 60, 1), (900, 900, 7200), (5, 10, 0)])
+def test_collectives_outlast_the_watchdog_first_step_and_checkpoints_included(hang, first, checkpoint):
+    timeout = collective_timeout(TrainSection(hang_timeout=hang, hang_timeout_first_step=first,
+                                              checkpoint_timeout=checkpoint))
+    # The watchdog fires at its limit and exits within HARD_EXIT_SECONDS: the collective must wait longer
+    # (a rank that left a slow save early waits for the others in the next step's collectives).
+    assert timeout.total_seconds() > max(hang, first, checkpoint) + HARD_EXIT_SECONDS
+    assert timeout == timedelta(seconds=max(hang, first, checkpoint) + COLLECTIVE_MARGIN_SECONDS)
 
 
 def test_with_the_watchdog_off_collectives_keep_a_long_timeout():
@@ -160,6 +162,7 @@ def test_float8_without_torchao_names_the_extra(monkeypatch):
         require_torchao()
     assert exc.value.field == "train.float8" and "\n" not in str(exc.value)
     assert "pip install 'slipway[float8]'" in str(exc.value)
+    assert "`slipway image build CONFIG` installs the float8 extra where train.float8 is on" in str(exc.value)
 
 
 FLOAT8_LINEARS = {f"layers.{i}.{name}" for i in range(2) for name in
@@ -167,15 +170,36 @@ FLOAT8_LINEARS = {f"layers.{i}.{name}" for i in range(2) for name in
                    "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
 
 
-def _meta_float8_model():
+def _meta_float8_model(recipe: str = "rowwise"):
     from trainer.compute import apply_float8
     from trainer.model import Transformer
 
     cfg = from_dict(ModelSection, {**TINY_MODEL, "num_layers": 2}, "model")
     with torch.device("meta"):
         model = Transformer(cfg, "sdpa")
-    apply_float8(model)
+    apply_float8(model, recipe)
     return model
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason=NO_TORCHAO)
+def test_the_float8_recipe_is_rowwise_unless_chosen():
+    """torchtitan's default: a scale per row; tensorwise and rowwise_with_gw_hp on request."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_linear import Float8Linear
+
+    assert TrainSection().float8_recipe == "rowwise"
+    with pytest.raises(ConfigError, match=r"^train\.float8_recipe: "):
+        from_dict(TrainSection, {"float8_recipe": "columnwise"}, "train")
+    granularity = {}
+    for recipe in ("rowwise", "rowwise_with_gw_hp", "tensorwise"):
+        from_dict(TrainSection, {"float8_recipe": recipe}, "train")
+        linear = next(m for m in _meta_float8_model(recipe).modules() if isinstance(m, Float8Linear))
+        config = linear.config
+        granularity[recipe] = (config.cast_config_input.scaling_granularity,
+                               config.cast_config_grad_output.scaling_granularity)
+    assert granularity["rowwise"] == (ScalingGranularity.AXISWISE, ScalingGranularity.AXISWISE)
+    assert granularity["tensorwise"] == (ScalingGranularity.TENSORWISE, ScalingGranularity.TENSORWISE)
+    assert granularity["rowwise_with_gw_hp"][0] == ScalingGranularity.AXISWISE
 
 
 @pytest.mark.skipif(not HAS_TORCHAO, reason=NO_TORCHAO)

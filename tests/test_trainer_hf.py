@@ -11,7 +11,8 @@ import pytest
 import torch
 import yaml
 
-from trainer.checkpoint import Checkpointer, ModelState
+from trainer.checkpoint import Checkpointer
+from trainer.states import ModelState
 from kernel.errors import ConfigError
 from kernel.schema import from_dict
 from trainer.config import CheckpointSection, ModelSection

@@ -186,7 +186,8 @@ def test_ranks_agree_to_skip_a_step_only_one_of_them_saw(tmp_path):
 
 def test_checkpointer_refuses_non_finite_state(tmp_path):
     """Model or optimizer state holding a NaN or inf: refused before anything is written."""
-    from trainer.checkpoint import Checkpointer, ModelState, NonFiniteError, OptimizerState
+    from trainer.checkpoint import Checkpointer, NonFiniteError
+    from trainer.states import ModelState, OptimizerState
     from trainer.config import CheckpointSection
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))

@@ -178,10 +178,13 @@ def test_metrics_lines_are_complete(runs):
 
 
 @pytest.mark.multiproc
-def test_sigusr1_stops_with_exit_75_and_resumes(runs, tmp_path):
+@pytest.mark.parametrize("checkpoint", [{}, {"interval": 2, "async_save": True}], ids=["sync", "async"])
+def test_sigusr1_stops_with_exit_75_and_resumes(runs, tmp_path, checkpoint):
     """SIGUSR1 mid-run: the step finishes, exit 75. With trainer.checkpoint in
-    place, running again resumes and the losses continue as if never stopped."""
-    config = write_run(tmp_path, "preempted", tiny_config(train=EVAL))
+    place, running again resumes and the losses continue as if never stopped; with
+    asynchronous saves every 2 steps too (one in flight when the signal comes completes,
+    then the stop's own save)."""
+    config = write_run(tmp_path, "preempted", tiny_config(train=EVAL, checkpoint=checkpoint))
     env = {**_env(), "SLIPWAY_TEST_BATCH_DELAY": "0.05"}  # 4 micro batches: >= 0.2 s a step
     proc = subprocess.Popen([sys.executable, str(HELPER), str(config)], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -200,6 +203,9 @@ def test_sigusr1_stops_with_exit_75_and_resumes(runs, tmp_path):
     if importlib.util.find_spec("trainer.checkpoint") is None:
         pytest.skip("trainer.checkpoint not present yet: resume not testable")
     assert (config.parent / "checkpoints").is_dir()
+    ckpts = config.parent / "checkpoints"
+    assert [p.name for p in ckpts.iterdir() if p.name.startswith(".")] == []  # nothing half-written left
+    assert (ckpts / f"step-{stopped_at:06d}" / "COMPLETE").is_file()
     done = subprocess.run([sys.executable, str(HELPER), str(config)], env=_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]

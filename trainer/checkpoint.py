@@ -14,14 +14,21 @@ then rank 0 writes `COMPLETE` and renames the directory to `step-N/` (one
 `rename(2)`, then an fsync of the parent). A crash at any point leaves the
 previous checkpoints as they were; the next successful save deletes the
 leftovers. Old checkpoints are pruned the same way round: renamed out of the
-`step-*` namespace first, deleted after, so a half-deleted one is never seen.
+`step-*` namespace first, deleted after, so a half-deleted one is never seen;
+the deleting runs in a thread of its own, off the training step's path (a large
+checkpoint on a busy parallel file system takes minutes to delete), and the
+next prune or `close()` waits for it.
+
+Saves, loads and the waits for background work run inside `pause(what)`, which
+the trainer sets to its hang watchdog's: checkpoint work has a bound of its own
+(train.checkpoint_timeout) and never counts as a hung step.
 
 DCP (`torch.distributed.checkpoint`) stores every tensor under its full-model
 name with its shard offsets, so a checkpoint saved by one layout (FSDP2, TP
 DTensors, pipeline stages that each hold some layers, DDP, one process) loads
 into any other. What differs per rank and is not a shard of anything (RNG
 streams) goes beside the shards in one file per rank instead: a state object
-with `rank_local = True` (see `RNGState`) takes that path.
+with `rank_local = True` (trainer/states.py `RNGState`) takes that path.
 
 A save whose floating-point values are not all finite (on any rank) is refused
 with `NonFiniteError` before anything is written: a checkpoint is never a NaN
@@ -42,30 +49,24 @@ import io
 import json
 import logging
 import os
-import random
 import re
 import shutil
+import threading
 import time
+import uuid
 import warnings
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from kernel.errors import ConfigError
 from trainer.config import CheckpointSection
@@ -76,6 +77,7 @@ log = logging.getLogger(__name__)
 
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
+DELETING_PREFIX = ".tmp-deleting-"  # renamed here to be deleted in the background
 MARKER = "COMPLETE"
 FORMAT = "slipway-dcp-1"
 MODEL_KEY = "model"  # the training loop saves ModelState under this key; export reads it back
@@ -149,104 +151,11 @@ def read_model_weights(path: Path, key: str = MODEL_KEY) -> dict[str, torch.Tens
     return {name.removeprefix(prefix): value for name, value in full.items()}
 
 
-# --------------------------------------------------------------------------
-# Stateful wrappers the training loop hands to the Checkpointer.
-# --------------------------------------------------------------------------
-
-
-class ModelState:
-    """The model's parameters under full-model names, whatever the parallel layout.
-
-    `model_parts` is one module, or one per pipeline stage held by this rank;
-    each part contributes the names it holds, and loading sets each part from
-    the names it has (strict=False: a stage lacks the other stages' layers;
-    DCP itself fails on a name the checkpoint lacks)."""
-
-    def __init__(self, model_parts: list[nn.Module]):
-        self.model_parts = list(model_parts)
-
-    def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for part in self.model_parts:
-            out.update(get_model_state_dict(part))
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for part in self.model_parts:
-            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
-
-
-class OptimizerState:
-    """Optimizer state flattened to full-model parameter names (`state.<fqn>.exp_avg`,
-    `param_groups.<fqn>.lr`), so it reshards like the model. One optimizer per model part."""
-
-    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-    def __init__(self, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
-        if len(model_parts) != len(optimizers):
-            raise ValueError(f"OptimizerState needs one optimizer per model part: got {len(model_parts)} "
-                             f"parts and {len(optimizers)} optimizers")
-        self.model_parts = list(model_parts)
-        self.optimizers = list(optimizers)
-
-    def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for part, opt in zip(self.model_parts, self.optimizers):
-            fresh = not opt.state
-            sd = get_optimizer_state_dict(part, opt, options=self._OPTIONS)
-            if fresh:
-                # DCP materialises an empty Adam state by one step with zero grads and lr 0,
-                # which leaves `step` at 1 and would shift bias correction after a
-                # save_initial; put the counter back to where a fresh optimizer starts.
-                _reset_step_counters(opt)
-                sd = get_optimizer_state_dict(part, opt, options=self._OPTIONS)
-            out.update(sd)
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for part, opt in zip(self.model_parts, self.optimizers):
-            set_optimizer_state_dict(part, opt, state_dict, options=self._OPTIONS)
-
-
-def _reset_step_counters(opt: torch.optim.Optimizer) -> None:
-    for state in opt.state.values():
-        step = state.get("step")
-        if isinstance(step, torch.Tensor):
-            step.zero_()
-        elif step is not None:
-            state["step"] = type(step)(0)
-
-
-class RNGState:
-    """This rank's random streams: Python `random`, numpy's global one (if numpy is
-    installed), torch CPU, and the current CUDA device's (if CUDA is in use).
-
-    `rank_local = True`: the Checkpointer saves it to this rank's own file beside
-    the shards, so each rank gets exactly its own streams back."""
-
-    rank_local = True
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        try:
-            import numpy as np
-        except ImportError:
-            pass
-        else:
-            state["numpy"] = np.random.get_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state()
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        random.setstate(state_dict["python"])
-        torch.set_rng_state(state_dict["torch"])
-        if "numpy" in state_dict:
-            import numpy as np
-
-            np.random.set_state(state_dict["numpy"])
-        if "cuda" in state_dict and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state_dict["cuda"])
+def resolve_async_save(setting: bool | str, device: torch.device) -> bool:
+    """checkpoint.async_save: auto writes in the background on CUDA, where the state is staged off
+    the GPU and the step goes on; on the CPU the staging copy costs what it saves and doubles
+    the memory."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
 # --------------------------------------------------------------------------
@@ -272,12 +181,18 @@ class Checkpointer:
     its own shards and its rank-local file."""
 
     def __init__(self, ckpt_dir: Path, cfg: CheckpointSection, expected_bytes: int | None = None,
-                 timeout: timedelta | None = None):
+                 timeout: timedelta | None = None, async_save: Optional[bool] = None,
+                 pause: Optional[Callable[[str], AbstractContextManager]] = None):
         """`expected_bytes`: the size of one checkpoint, for the room check of the first save
         (later ones use the latest checkpoint's real size); None checks only later saves.
-        `timeout`: its process group's (trainer.watchdog.collective_timeout)."""
+        `timeout`: its process group's (trainer.watchdog.collective_timeout). `async_save`:
+        checkpoint.async_save resolved for the device (None: true only if the config says true).
+        `pause(what)`: a context the checkpoint work runs in (trainer.watchdog.HangWatchdog.paused)."""
         self.dir = Path(ckpt_dir)
         self.cfg = cfg
+        self.async_save = cfg.async_save is True if async_save is None else async_save
+        self._pause = pause or (lambda what: nullcontext())
+        self._deleting: Optional[threading.Thread] = None
         self.expected_bytes = expected_bytes
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -299,6 +214,10 @@ class Checkpointer:
 
     def load_latest(self, states: dict[str, Any]) -> int:
         """Load the newest complete checkpoint into `states` in place; return its step (0 if none)."""
+        with self._pause("the checkpoint load"):
+            return self._load_latest(states)
+
+    def _load_latest(self, states: dict[str, Any]) -> int:
         self._wait_pending()
         step = self._from_rank0(self.latest_step())
         if step is None:
@@ -331,6 +250,10 @@ class Checkpointer:
         never overwritten: the save is skipped with a warning."""
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
+        with self._pause(f"the checkpoint save of step {step}"):
+            self._save(step, states, final)
+
+    def _save(self, step: int, states: dict[str, Any], final: bool) -> None:
         self._wait_pending()
         shared, local = _split(states)
         # State dicts taken once: checked for non-finite values, then handed to DCP as they are.
@@ -349,14 +272,14 @@ class Checkpointer:
                                "or .metadata inside), so it was not written here: move it away and save again")
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
+            if tmp.exists():  # a crashed save's: out of the way now, deleted in the background
+                self._delete_in_background([tmp])
             tmp.mkdir()
         self._barrier()
         nbytes = sum(t.numel() * t.element_size() for _, t in _local_tensors(shared))
         try:
             self._save_rank_local(tmp, local)
-            if self.cfg.async_save and not final:
+            if self.async_save and not final:
                 response = dcp.async_save(shared, checkpoint_id=tmp, process_group=self._pg,
                                           no_dist=not self.distributed)
                 future = getattr(response, "upload_completion", response)
@@ -369,8 +292,11 @@ class Checkpointer:
         self._commit(step, tmp, final)
 
     def close(self) -> None:
-        """Wait for an async save still in flight and make it visible."""
-        self._wait_pending()
+        """Wait for an async save still in flight and make it visible, and for the deleting of
+        pruned checkpoints."""
+        with self._pause("the checkpoint save in flight and the prune"):
+            self._wait_pending()
+            self._wait_deleting()
 
     # ---- internals ----------------------------------------------------------
 
@@ -452,15 +378,38 @@ class Checkpointer:
         self._barrier()
 
     def _prune(self) -> None:
-        """Rank 0: keep the newest `keep_last` checkpoints; delete crash leftovers."""
+        """Rank 0: keep the newest `keep_last` checkpoints; the older ones and crash leftovers
+        are renamed out of the way here and deleted in the background."""
         for step in complete_steps(self.dir)[:-self.cfg.keep_last]:
             old = step_dir(self.dir, step)
-            doomed = self.dir / f"{TMP_PREFIX}old-{old.name}"
-            os.replace(old, doomed)  # out of the step-* namespace first: never seen half deleted
+            os.replace(old, self.dir / f"{TMP_PREFIX}old-{old.name}")  # out of the step-* namespace first
         _fsync_dir(self.dir)
-        for entry in self.dir.iterdir():
-            if entry.name.startswith(TMP_PREFIX):
-                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        self._delete_in_background([e for e in self.dir.iterdir() if e.name.startswith(TMP_PREFIX)
+                                    and not e.name.startswith(DELETING_PREFIX)])
+
+    def _delete_in_background(self, entries: list[Path]) -> None:
+        """Rank 0: rename `entries` to names no save will ever use (so a save may reuse theirs at
+        once), then delete them in a thread, one deleting at a time."""
+        doomed = []
+        for entry in entries:
+            target = self.dir / f"{DELETING_PREFIX}{uuid.uuid4().hex[:8]}-{entry.name}"
+            try:
+                os.replace(entry, target)
+            except FileNotFoundError:
+                continue
+            doomed.append(target)
+        self._wait_deleting()  # the last prune's, if the file system is that slow
+        leftovers = [e for e in self.dir.iterdir() if e.name.startswith(DELETING_PREFIX) and e not in doomed]
+        doomed += leftovers  # an earlier process's, killed while deleting
+        if doomed:
+            self._deleting = threading.Thread(target=_delete, args=(doomed,), name="slipway-checkpoint-prune",
+                                              daemon=True)
+            self._deleting.start()
+
+    def _wait_deleting(self) -> None:
+        if self._deleting is not None:
+            self._deleting.join()
+            self._deleting = None
 
     def _save_rank_local(self, tmp: Path, local: dict[str, Any]) -> None:
         if not local:
@@ -545,6 +494,14 @@ def _nonfinite_names(state: Any, prefix: str = "") -> list[str]:
     if all(bool(torch.stack(flags).all()) for flags in by_device.values()):
         return []
     return [name for name, t in tensors if not bool(torch.isfinite(t).all())]
+
+
+def _delete(entries: list[Path]) -> None:
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def _split(states: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -112,10 +112,10 @@ def graph_break_report() -> str:
             f"{reasons}")
 
 
-def compile_error(exc: BaseException) -> Optional[ConfigError]:
-    """A torch.compile failure (dynamo or inductor) as one line naming the way out; None for
-    any other exception. Compilation happens on the first call of each block, so the runners'
-    first step is where it shows."""
+def compile_failure(exc: BaseException) -> Optional[str]:
+    """What failed, when `exc` is a torch.compile failure (dynamo or inductor): its type and first
+    line; None for any other exception. Compilation happens on the first call of each block, so
+    the runners' first step is where it shows."""
     try:
         from torch._dynamo.exc import TorchDynamoException
     except ImportError:  # a torch without dynamo: nothing of ours was compiled
@@ -125,12 +125,27 @@ def compile_error(exc: BaseException) -> Optional[ConfigError]:
         seen.add(id(chain))
         if isinstance(chain, TorchDynamoException) or type(chain).__module__.startswith("torch._inductor"):
             first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
-            return ConfigError("train.compile", f"torch.compile failed ({type(exc).__name__}: {first[:300]}): set "
-                                                "train.compile: false to train without compiling, or fix the "
-                                                "compiler (inductor needs a working C++ compiler on the CPU and "
-                                                "triton on CUDA)")
+            return f"{type(exc).__name__}: {first[:300]}"
         chain = chain.__cause__ or chain.__context__
     return None
+
+
+COMPILER_FIX = "inductor needs a working C++ compiler on the CPU and triton on CUDA"
+
+
+def compile_error(exc: BaseException) -> Optional[ConfigError]:
+    """A torch.compile failure as one line naming the way out; None for any other exception."""
+    what = compile_failure(exc)
+    if what is None:
+        return None
+    return ConfigError("train.compile", f"torch.compile failed ({what}): set train.compile: false to train without "
+                                        f"compiling, or fix the compiler ({COMPILER_FIX})")
+
+
+def uncompile(model: nn.Module) -> None:
+    """Every module compiled in place (`compile_blocks`) runs eagerly again."""
+    for module in model.modules():
+        module._compiled_call_impl = None
 
 
 FLOAT8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper (H100, GH200) have float8 tensor cores
@@ -160,15 +175,17 @@ def require_torchao() -> None:
         from torchao.float8 import convert_to_float8_training  # noqa: F401
     except ImportError as exc:
         raise ConfigError("train.float8", f"float8 training needs torchao, which does not import ({exc}): "
-                                          f"install the {FLOAT8_EXTRA} extra (pip install "
-                                          f"'slipway[{FLOAT8_EXTRA}]', or torchao in the image), or set "
+                                          f"rebuild the image for this config (`slipway image build CONFIG` "
+                                          f"installs the {FLOAT8_EXTRA} extra where train.float8 is on), or pip "
+                                          f"install 'slipway[{FLOAT8_EXTRA}]' outside one, or set "
                                           "train.float8: false") from None
 
 
-def apply_float8(model: Transformer) -> None:
-    """The blocks' linear layers as torchao Float8Linear (dynamic tensorwise scaling). The output
-    projection stays in bf16 (the logits are sensitive and it is one matmul of many), and so
-    does any linear whose dimensions are not multiples of 16 (float8 matmul's tiling)."""
+def apply_float8(model: Transformer, recipe: str = "rowwise") -> None:
+    """The blocks' linear layers as torchao Float8Linear with dynamic scaling by `recipe`
+    (train.float8_recipe). The output projection stays in bf16 (the logits are sensitive and it
+    is one matmul of many), and so does any linear whose dimensions are not multiples of 16
+    (float8 matmul's tiling)."""
     require_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -176,4 +193,5 @@ def apply_float8(model: Transformer) -> None:
         return (isinstance(module, nn.Linear) and fqn.startswith("layers.")
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
-    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=eligible)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=config, module_filter_fn=eligible)

@@ -262,7 +262,9 @@ class TrainSection:
     # Training precision: auto is bfloat16 on CUDA and float32 on the CPU.
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # torch.compile each transformer block: auto compiles on CUDA and not on the CPU (where
-    # inductor's C++ build takes minutes and gains little); true or false decide.
+    # inductor's C++ build takes minutes and gains little), and falls back to eager when
+    # compiling fails at the first step (a warning and an event in events.log); true compiles
+    # wherever and a compile failure is an error; false never compiles.
     compile: AutoBool = "auto"
     # Recompute activations in the backward instead of keeping them: none; full (every block
     # recomputed whole: least memory, about a third more compute); selective (see selective_ac).
@@ -271,10 +273,14 @@ class TrainSection:
     # reduce-scatter outputs are kept, every second matmul and the cheap pointwise ops are
     # recomputed) or a whole number N (every N-th block is recomputed whole).
     selective_ac: str = "op"
-    # float8 matmuls for the transformer blocks' linear layers (torchao, tensorwise scaling;
-    # the output projection stays bf16). Needs a GPU of compute capability >= 8.9 (H100,
-    # GH200) and torchao; refused elsewhere.
+    # float8 matmuls for the transformer blocks' linear layers (torchao, scaled as float8_recipe
+    # says; the output projection stays bf16). Needs a GPU of compute capability >= 8.9 (H100,
+    # GH200) and torchao, which the image gets for a config with float8 on; refused elsewhere.
     float8: bool = False
+    # How float8 scales (torchao's recipes, torchtitan's names and default): rowwise (a scale
+    # per row of each operand: more accurate than tensorwise), rowwise_with_gw_hp (rowwise, the
+    # weight gradient in bf16: the most accurate), tensorwise (one scale per tensor: the fastest).
+    float8_recipe: Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"] = "rowwise"
     # The next step's batches are read (and, on CUDA, pinned and copied to the device without
     # blocking) while this step runs.
     prefetch: bool = True
@@ -291,20 +297,24 @@ class TrainSection:
     # A step with a non-finite loss or gradient norm is skipped (no optimizer update);
     # this many in a row stop the run (exit 3): the weights are not coming back.
     max_nonfinite_steps: int = 5
-    # Seconds without a completed step (its evaluation and checkpoint save included) before the
-    # run counts as hung: every rank writes its stacks to hangs/ and exits HANG_EXIT (4), and
-    # the batch script retries without the node that did not answer (trainer/watchdog.py).
-    # The first step after a start or resume gets hang_timeout_first_step (compilation, the
-    # first batches). 0 turns the watchdog off.
+    # Seconds without a completed step (its evaluation included; checkpoint work has a bound of
+    # its own, checkpoint_timeout) before the run counts as hung: every rank writes its stacks to
+    # hangs/ and exits HANG_EXIT (4), and the batch script retries without the node that did not
+    # answer (trainer/watchdog.py). The first step after a start or resume gets
+    # hang_timeout_first_step (compilation, the first batches). 0 turns the watchdog off.
     hang_timeout: float = 600.0
     # hang_timeout for the first step after a start or resume.
     hang_timeout_first_step: float = 1800.0
+    # Seconds a checkpoint save, load or prune may take: hang_timeout does not run meanwhile
+    # (a save on a busy file system is no hang), this bounds it instead. Past it the run ends as
+    # a slow checkpoint (exit 1, `slow checkpoint:` in events.log), not as a hang. 0: no bound.
+    checkpoint_timeout: float = 1800.0
 
     def check(self, where: str) -> None:
         positive(self, where, "steps", "micro_batch_size", "grad_accum_steps", "lr", "eval_batches")
         at_most(self, where, steps=BIG, micro_batch_size=2 ** 20, grad_accum_steps=2 ** 20, warmup_steps=BIG,
                 gc_interval=BIG, eval_interval=BIG, eval_batches=2 ** 20, max_nonfinite_steps=BIG,
-                hang_timeout=30 * DAY, hang_timeout_first_step=30 * DAY)
+                hang_timeout=30 * DAY, hang_timeout_first_step=30 * DAY, checkpoint_timeout=30 * DAY)
         require(0 <= self.min_lr <= self.lr, f"{where}.min_lr",
                 f"must be between 0 and lr({self.lr}), got {self.min_lr}")
         require(self.warmup_steps >= 0, f"{where}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
@@ -328,6 +338,8 @@ class TrainSection:
                 f"must be >= 0 (0 leaves Python's garbage collector alone), got {self.gc_interval}")
         require(self.hang_timeout >= 0 and math.isfinite(self.hang_timeout), f"{where}.hang_timeout",
                 f"must be >= 0 seconds (0 turns the hang watchdog off), got {self.hang_timeout}")
+        require(self.checkpoint_timeout >= 0 and math.isfinite(self.checkpoint_timeout), f"{where}.checkpoint_timeout",
+                f"must be >= 0 seconds (0: checkpoint work is not bounded), got {self.checkpoint_timeout}")
         require(self.hang_timeout == 0 or self.hang_timeout_first_step >= self.hang_timeout,
                 f"{where}.hang_timeout_first_step", f"the first step may take longer than the others, not less: "
                 f"must be >= hang_timeout ({self.hang_timeout:g}), got {self.hang_timeout_first_step:g}")
@@ -343,9 +355,11 @@ class CheckpointSection:
     keep_last: int = 2
     # Save the initial weights as a checkpoint (step 0) before the first step.
     save_initial: bool = False
-    # Write checkpoints in the background: a save returns once the state is staged in CPU memory
-    # (the run's last save is synchronous).
-    async_save: bool = False
+    # Write checkpoints in the background: a save returns once the state is staged in CPU memory,
+    # and the files are made visible (atomically) by the next save or the run's end; the run's last
+    # save is synchronous. auto: on CUDA (the step goes on while the files are written), off on
+    # the CPU (where the staging copy costs about what it saves).
+    async_save: AutoBool = "auto"
     # Where checkpoints go, relative to the run directory.
     dir: str = "checkpoints"
 

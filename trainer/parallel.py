@@ -347,7 +347,7 @@ def build_model(cfg: TrainerConfig, dims: ParallelDims, device: torch.device, dt
     if dims.pp > 1:
         split_for_stage(model, dims.pp_rank, dims.pp)
     if cfg.train.float8:  # check_float8 has vouched for the device
-        apply_float8(model)
+        apply_float8(model, cfg.train.float8_recipe)
     if dims.tp > 1:
         apply_tp(model, dims.submesh("tp"), cfg.parallel.sequence_parallel, dims.loss_parallel)
     # torchtitan's order: TP -> AC -> compile -> FSDP (compile sees the recomputation; FSDP's

@@ -9,8 +9,9 @@ The batch script runs it in the run's container, each part bounded by
 `node` checks what one node needs and prints one line, `slipway-preflight NODE ok: ...`
 or `slipway-preflight NODE fail: REASON`: the run directory is reachable and
 writable from the container (which also proves the container started from its
-image there), there is room for one more checkpoint where checkpoints go, and,
-for GPU jobs, the expected GPUs are visible and healthy (nvidia-smi, where it
+image there), there is room for one more checkpoint where checkpoints go,
+numactl runs where the launch binds each rank to a NUMA node (`--numa-binding`),
+and, for GPU jobs, the expected GPUs are visible and healthy (nvidia-smi, where it
 exists: count and uncorrected ECC errors; torch: each GPU computes). A node that
 prints nothing at all (its container did not start, it is unreachable) is named
 by the batch script for that. The nodes report independently, so a bad node
@@ -138,8 +139,29 @@ def check_gpus(expected: int) -> tuple[bool, str]:
     return True, f"{count} GPU(s) healthy{' (' + seen + ')' if seen else ''}"
 
 
-def node_checks(run_dir: Path, checkpoint_dir: Path, needed_bytes: int, gpus: int) -> tuple[bool, str]:
+def check_numactl() -> tuple[bool, str]:
+    """numactl runs here: `torchrun --numa-binding` starts every worker under it, and without it
+    torchrun stops before any rank starts (torch does not fall back to no binding)."""
+    exe = shutil.which("numactl")
+    fix = ("the launch binds each rank to its GPU's NUMA node (launch.preset with torchrun --numa-binding), which "
+           "runs every worker under numactl: rebuild the image (`slipway image build CONFIG` installs numactl where "
+           "the config binds NUMA nodes) or set launch.preset: none")
+    if exe is None:
+        return False, f"numactl is not in this node's container: {fix}"
+    try:
+        proc = subprocess.run([exe, "--show"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"numactl did not run ({exc}): {fix}"
+    if proc.returncode != 0:
+        return False, f"numactl --show failed (exit {proc.returncode}: {' '.join(proc.stderr.split())[:200]}): {fix}"
+    return True, "numactl runs"
+
+
+def node_checks(run_dir: Path, checkpoint_dir: Path, needed_bytes: int, gpus: int,
+                numa_binding: bool = False) -> tuple[bool, str]:
     results = [check_run_dir(run_dir), check_free_space(checkpoint_dir, needed_bytes)]
+    if numa_binding:
+        results.append(check_numactl())
     if gpus:
         results.append(check_gpus(gpus))
     failed = [text for ok, text in results if not ok]
@@ -302,13 +324,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     node.add_argument("--checkpoint-dir", type=Path, required=True)
     node.add_argument("--checkpoint-bytes", type=int, required=True, help="room one more checkpoint needs")
     node.add_argument("--gpus", type=int, default=0, help="GPUs this node must have (0: a CPU job)")
+    node.add_argument("--numa-binding", action="store_true", help="the launch binds NUMA nodes: numactl must run")
     ar = sub.add_parser("allreduce", help="a short all-reduce across every rank, in a step of its own (a train.script's)")
     ar.add_argument("--megabytes", type=float, default=4.0)
     ar.add_argument("--iters", type=int, default=3)
     ar.add_argument("--timeout", type=float, default=300.0, help="seconds the process group may take to form")
     args = parser.parse_args(argv)
     if args.what == "node":
-        ok, text = node_checks(args.run_dir, args.checkpoint_dir, args.checkpoint_bytes, args.gpus)
+        ok, text = node_checks(args.run_dir, args.checkpoint_dir, args.checkpoint_bytes, args.gpus, args.numa_binding)
         print(f"slipway-preflight {node_name()} {'ok' if ok else 'fail'}: {text}", flush=True)
         return 0 if ok else PREFLIGHT_EXIT
     rank = _first_count("RANK", "SLURM_PROCID", default=0)

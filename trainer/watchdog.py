@@ -3,10 +3,14 @@
 What costs multi-node users the most time is a silent hang: one rank stuck (a
 dead NIC, a wedged GPU, a frozen process), every other rank waiting for it in
 a collective, nothing in the logs until the time limit. Each rank runs one
-`HangWatchdog`, a thread that the training loop tells of every completed step
-(`step_done`: one attribute store). When no step completes for
-`train.hang_timeout` seconds (`train.hang_timeout_first_step` for the first
-step after a start or resume: compilation, the first batches), the thread:
+`HangWatchdog`, a thread that the training loop tells of every step it queues
+(`step_queued`: one append). On CUDA the host runs ahead of the device, so a
+step counts as done when its completion marker (a CUDA event recorded after its
+optimizer update) says the device got there, which the thread asks without
+blocking; at a sync step the host has waited for the device and says so
+(`step_done`). When no step completes for `train.hang_timeout` seconds
+(`train.hang_timeout_first_step` for the first step after a start or resume:
+compilation, the first batches), the thread:
 
 1. writes `RUN/hangs/<job>-<host>-<rank>.txt`: what hung (step, seconds, the
    limit), the Python stacks of all threads (faulthandler, which needs nothing
@@ -27,6 +31,15 @@ cannot dump itself: the others name it by its missing dump. torchrun turns a
 worker's exit code into 1, so the batch script decides "hung" from the dump
 files, not from the exit status.
 
+A checkpoint save, load or prune is no step, and on a busy parallel file system
+it can take longer than a step's limit: while one runs (`paused`) the step limit
+stops, and `train.checkpoint_timeout` bounds it instead. Past that bound the
+thread ends the run as a slow checkpoint, not a hang: the stacks go to the
+rank's log, rank 0 writes `slow checkpoint: ...` to events.log, and every rank
+exits SLOW_CHECKPOINT_EXIT (a failure the batch script retries on the same
+nodes: no node is to blame for a slow file system). The step limit starts anew
+when the checkpoint work ends.
+
 Rank 0's watchdog also keeps `RUN/progress.json` (the last completed step and
 its wall-clock time), at most every PROGRESS_SECONDS, from its own thread: the
 live view (`slipway watch`) shows the step and the time since it from it.
@@ -34,6 +47,8 @@ live view (`slipway watch`) shows the step and the time since it from it.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import faulthandler
 import json
@@ -47,10 +62,10 @@ import threading
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 from kernel import environ
-from kernel.rundir import HANGS_DIR, HANG_EXIT, PROGRESS_FILE
+from kernel.rundir import HANGS_DIR, HANG_EXIT, LOCAL_JOB, PROGRESS_FILE, append_event
 from trainer.config import TrainSection
 from kernel.fs import write_atomic
 
@@ -70,6 +85,11 @@ LATE_SECONDS = 5.0
 # latest), so a hang ends as HANG_EXIT with every rank's stacks, not as a collective timeout
 # error (a crash to the batch script) with none.
 COLLECTIVE_MARGIN_SECONDS = 120.0
+# The thread asks queued steps' completion markers this often (and a marker's step counts as
+# done when it notices, so a hang's step and idle time are this exact).
+MARKER_POLL_SECONDS = 0.5
+# A checkpoint that outlasts train.checkpoint_timeout is a failure, not a hang (the module doc).
+SLOW_CHECKPOINT_EXIT = 1
 # With the watchdog off (hang_timeout 0) the collective timeout is the only hang detector: long
 # enough for a first step that compiles (NCCL's own default, 10 min, is not).
 WATCHDOG_OFF_COLLECTIVE_SECONDS = 3600.0
@@ -77,12 +97,13 @@ WATCHDOG_OFF_COLLECTIVE_SECONDS = 3600.0
 
 def collective_timeout(cfg: TrainSection) -> timedelta:
     """The timeout of every process group the trainer makes (the default one, the mesh's, the
-    stop vote's, the checkpointer's): longer than the watchdog's limits, the first step's
-    included. The preflight's all-reduce keeps its own bound (slurm.preflight_timeout): no
-    watchdog runs there."""
+    stop vote's, the checkpointer's): longer than the watchdog's limits, the first step's and a
+    checkpoint's included. The preflight's all-reduce keeps its own bound
+    (slurm.preflight_timeout): no watchdog runs there."""
     if cfg.hang_timeout <= 0:
         return timedelta(seconds=WATCHDOG_OFF_COLLECTIVE_SECONDS)
-    return timedelta(seconds=max(cfg.hang_timeout, cfg.hang_timeout_first_step) + COLLECTIVE_MARGIN_SECONDS)
+    longest = max(cfg.hang_timeout, cfg.hang_timeout_first_step, cfg.checkpoint_timeout)
+    return timedelta(seconds=longest + COLLECTIVE_MARGIN_SECONDS)
 
 
 def process_group_timeouts() -> list[str]:
@@ -120,26 +141,46 @@ def job_tag() -> str:
     return environ.word("SLIPWAY_JOB_TAG") or environ.job_id() or "local"
 
 
+def event_job() -> str:
+    """The job field of this process's events.log lines, as the batch script's `event()` writes it."""
+    return os.environ.get("SLIPWAY_EVENT_JOB") or os.environ.get("SLURM_JOB_ID") or LOCAL_JOB
+
+
 def dump_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / HANGS_DIR / f"{job_tag()}-{node_name()}-{rank}.txt"
 
 
+class Marker(Protocol):
+    """Says, without blocking, whether the device has reached it (torch.cuda.Event)."""
+
+    def query(self) -> bool: ...
+
+
 class HangWatchdog:
-    """One per rank: `start(step)` before the loop, `step_done(step)` after each step, `stop()` after."""
+    """One per rank: `start(step)` before the loop, `step_queued(step, marker)` after each step
+    (`step_done(step)` where the host has waited for it), `paused(what)` around checkpoint work,
+    `stop()` after."""
 
     def __init__(self, cfg: TrainSection, run_dir: Path, rank: int, *,
                  dump_window_s: float = DUMP_WINDOW_SECONDS, hard_exit_s: float = HARD_EXIT_SECONDS,
                  exit: Callable[[int], None] = os._exit):
         self.timeout_s = float(cfg.hang_timeout)
         self.first_timeout_s = float(cfg.hang_timeout_first_step)
+        self.checkpoint_timeout_s = float(cfg.checkpoint_timeout)
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.dump_window_s = dump_window_s
         self.hard_exit_s = hard_exit_s
         self._exit = exit
         # (monotonic time, step) of the last completed step, one tuple so the thread never
-        # reads the time of one step with the number of another.
+        # reads the time of one step with the number of another. Both threads write it, under
+        # the lock, and only ever forward.
         self._mark: tuple[float, int] = (time.monotonic(), 0)
+        self._lock = threading.Lock()
+        self._queued: collections.deque[tuple[int, Marker]] = collections.deque()
+        # (monotonic time, what) of the checkpoint work in progress, and how deep `paused` is.
+        self._pause: Optional[tuple[float, str]] = None
+        self._depth = 0
         self._start_step = 0
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -150,17 +191,43 @@ class HangWatchdog:
         return self.timeout_s > 0
 
     def start(self, step: int) -> "HangWatchdog":
-        """Watch from now: training (re)starts after `step`."""
-        self._start_step = step
-        self._mark = (time.monotonic(), step)
-        if self.enabled:
+        """Watch from now: training (re)starts after `step` (again after a checkpoint's load)."""
+        with self._lock:
+            self._start_step = step
+            self._mark = (time.monotonic(), step)
+        self._queued.clear()
+        if self.enabled and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="slipway-hang-watchdog", daemon=True)
             self._thread.start()
         return self
 
+    def step_queued(self, step: int, marker: Optional[Marker]) -> None:
+        """Step `step` is queued; it is done once `marker` says so (None: done now). The hot path."""
+        if marker is None:
+            self.step_done(step)
+        else:
+            self._queued.append((step, marker))
+
     def step_done(self, step: int) -> None:
-        """Step `step` has completed (the hot path: one store)."""
-        self._mark = (time.monotonic(), step)
+        """Step `step` has completed on this rank's device."""
+        self._advance(time.monotonic(), step)
+
+    @contextlib.contextmanager
+    def paused(self, what: str) -> Iterator[None]:
+        """Checkpoint work (`what`: "the checkpoint save of step 100") runs: no step limit, the
+        checkpoint's own bound instead; the step limit starts anew after it."""
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1:
+                self._pause = (time.monotonic(), what)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._pause = None
+                    self._mark = (time.monotonic(), self._mark[1])
 
     def stop(self) -> None:
         self._stopped.set()
@@ -171,27 +238,56 @@ class HangWatchdog:
 
     # ------------------------------------------------------------ the thread
 
+    def _advance(self, at: float, step: int) -> None:
+        with self._lock:
+            if step > self._mark[1]:
+                self._mark = (at, step)
+
+    def _drain(self) -> None:
+        """The queued steps the device has reached, oldest first, as done (noticed now)."""
+        while self._queued:
+            step, marker = self._queued[0]
+            try:
+                reached = marker.query()
+            except Exception:  # a broken device: the main thread gets the error; no step is done
+                return
+            if not reached:
+                return
+            self._queued.popleft()
+            self._advance(time.monotonic(), step)
+
     def _limit(self, step: int) -> float:
         return self.first_timeout_s if step == self._start_step else self.timeout_s
 
     def _run(self) -> None:
         written, written_at = None, 0.0
         while not self._stopped.is_set():
+            self._drain()
             now = time.monotonic()
-            at, step = self._mark
-            deadline = at + self._limit(step)
-            if now >= deadline:
-                self._fire(now - at, step, self._limit(step))
-                return
-            # During the first step the deadline is the long one; once it completes the deadline
-            # moves earlier, which step_done does not announce: look again every hang_timeout.
-            wait = min(deadline - now, self.timeout_s)
+            with self._lock:
+                (at, step), pause = self._mark, self._pause
+            if pause is not None:
+                since, what = pause
+                if self.checkpoint_timeout_s > 0 and now - since >= self.checkpoint_timeout_s:
+                    self._fire_slow_checkpoint(what, now - since)
+                    return
+                wait = self.checkpoint_timeout_s - (now - since) if self.checkpoint_timeout_s > 0 else self.timeout_s
+            else:
+                deadline = at + self._limit(step)
+                if now >= deadline:
+                    self._fire(now - at, step, self._limit(step))
+                    return
+                # During the first step the deadline is the long one; once it completes the deadline
+                # moves earlier, which step_done does not announce: look again every hang_timeout.
+                wait = min(deadline - now, self.timeout_s)
+            if self._queued:
+                wait = min(wait, MARKER_POLL_SECONDS)
             if self.rank == 0:
                 if step != written and now - written_at >= PROGRESS_SECONDS:
                     self._write_progress(at, step)
                     written, written_at = step, now
                 wait = min(wait, PROGRESS_SECONDS)
-            self._stopped.wait(wait)
+            self._stopped.wait(max(wait, 0.01))
 
     def _write_progress(self, at: float, step: int) -> None:
         wall = time.time() - (time.monotonic() - at)
@@ -233,6 +329,36 @@ class HangWatchdog:
             time.sleep(rest)
         killer.cancel()
         self._exit(HANG_EXIT)
+
+    def _fire_slow_checkpoint(self, what: str, seconds: float) -> None:
+        """Checkpoint work outlasted train.checkpoint_timeout: say so (not a hang), with the
+        stacks in this rank's log, and end the process as a failure."""
+        noticed = time.monotonic()
+        killer = threading.Timer(self.hard_exit_s, self._exit, (SLOW_CHECKPOINT_EXIT,))
+        killer.daemon = True
+        killer.start()
+        text = (f"slow checkpoint: {what} has taken {seconds:.0f} s, over train.checkpoint_timeout "
+                f"({self.checkpoint_timeout_s:g} s), on rank {self.rank} ({node_name()}): the file system where "
+                "checkpoints go is slow or stuck, not a node; the run ends (exit "
+                f"{SLOW_CHECKPOINT_EXIT}) and resumes from the latest complete checkpoint: raise "
+                "train.checkpoint_timeout for a file system this slow, or set checkpoint.dir elsewhere")
+        log.error("%s; stacks of every thread follow", text)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if self.rank == 0:
+            try:  # one line for the run, from rank 0 (every rank notices within moments of the others)
+                append_event(self.run_dir, event_job(), text)
+            except OSError as exc:
+                log.error("events.log not written: %s", exc)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        rest = self.dump_window_s - (time.monotonic() - noticed)
+        if rest > 0:
+            time.sleep(rest)
+        killer.cancel()
+        self._exit(SLOW_CHECKPOINT_EXIT)
 
     def _write_dump(self, path: Path, what: str, step: int, idle_s: float, limit_s: float) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

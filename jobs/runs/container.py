@@ -200,7 +200,8 @@ def _base_field(env: Environment, has: Callable[[Environment], bool]) -> str:
 # Build args as the config sets them (what `image_plan` derives each from), for messages.
 _BUILD_ARG_FIELDS = {"BASE_IMAGE": "image.base_image", "FLASH_ATTN": "image.flash_attn",
                      "WHEELHOUSE": "image.wheelhouse", "WHEELHOUSE_DIGEST": "the wheelhouse's files",
-                     "SLIPWAY_VERSION": "slipway's version (pyproject.toml)"}
+                     "SLIPWAY_VERSION": "slipway's version (pyproject.toml)",
+                     "EXTRAS": "train.float8 (the float8 extra)", "NUMACTL": "launch.preset (numactl)"}
 
 
 def _shown_arg(key: str, value: Optional[str]) -> str:

@@ -95,7 +95,7 @@ def torchrun_argv(cfg: Config, *, nnodes: str, rdzv: list[str]) -> list[str]:
     """`python -m torch.distributed.run` (an absolute interpreter: the image's PATH may not
     reach srun, see pyxis), then the task command without its interpreter. With a node preset
     each worker is bound to the NUMA node of its GPU (its own Grace on a GH200)."""
-    binding = ["--numa-binding=node"] if cfg.launch.preset in NODE_PRESETS else []
+    binding = ["--numa-binding=node"] if cfg.binds_numa else []
     return [cfg.launch.python, "-m", "torch.distributed.run", _Expand(f"--nnodes={nnodes}") if "$" in nnodes else f"--nnodes={nnodes}",
             f"--nproc-per-node={cfg.launch.procs_per_node}", *rdzv, *binding, "--max-restarts=0"]
 
@@ -218,7 +218,8 @@ def _environment(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = No
         "MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 12000 ))",
         'while (exec 3<>"/dev/tcp/$MASTER_ADDR/$MASTER_PORT") 2>/dev/null; do MASTER_PORT=$(( MASTER_PORT + 1 )); done',
         "export MASTER_ADDR MASTER_PORT",
-        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+        "# CUDA_DEVICE_MAX_CONNECTIONS stays unset: FSDP2 overlaps its collectives with compute on",
+        "# streams of their own, which =1 would serialise (docs/trainer.md).",
         hf_home,
         "# Secrets stay in the environment they came from (container.env_from_host): never written",
         "# here, never expanded into a command that set -x would print (hence :+set, not the value).",
@@ -414,7 +415,8 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list
                  "--kill-on-bad-exit=0", *container]
     node_cmd = [cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.run_dir),
                 "--checkpoint-dir", str(checkpoint_dir),
-                "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node)]
+                "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node),
+                *(["--numa-binding"] if cfg.binds_numa else [])]
     allreduce = [cfg.launch.python, "-m", "trainer.preflight", "allreduce", "--megabytes",
                  str(_preflight_megabytes(cfg)), "--timeout", str(s.preflight_timeout)]
     lines = [

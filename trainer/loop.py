@@ -1,0 +1,177 @@
+"""The training loop's parts (trainer/train.py): the batches of the next step read ahead,
+Python's garbage collector on a schedule, the step count a checkpoint holds, the stop
+request (a signal or the stop file) that all ranks agree on, and the marker that tells the
+hang watchdog when the device has finished a step."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import signal
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from trainer.parallel import Batch
+
+
+def step_marker(device: torch.device) -> Optional[torch.cuda.Event]:
+    """What the device reaches once the work queued so far is done, for the hang watchdog to ask
+    without blocking: a CUDA event; None on the CPU, where a step is done when its call returns."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class Sampler(Protocol):
+    def next_batch(self) -> Batch: ...  # (inputs_BT, targets_BT), [micro_batch_size, seq_len] int64
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+def next_batches(sampler: Sampler, n: int, device: torch.device, pin: bool = False) -> list[Batch]:
+    """n micro batches on `device`. Pinned first (CUDA), the copies do not block the host:
+    from pageable memory non_blocking=True is a synchronous copy."""
+    batches = [sampler.next_batch() for _ in range(n)]
+    if pin:
+        batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
+    return [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
+
+
+class BatchFeeder:
+    """One step's micro batches at a time, the next step's read ahead (train.prefetch) so that
+    reading, pinning and copying them overlap the step running on the device.
+
+    It stands for the sampler in checkpoints: its state is the position after the batches
+    handed out, not after those read ahead, so a resumed run trains on the same batches."""
+
+    def __init__(self, sampler: Sampler, n: int, device: torch.device, read_ahead: bool = True):
+        self.sampler, self.n, self.device = sampler, n, device
+        self.read_ahead = read_ahead
+        self.pin = device.type == "cuda"
+        self._ahead: Optional[list[Batch]] = None
+        self._state: Optional[dict] = None  # the sampler's state before _ahead was read
+
+    def next(self, read_ahead: bool = True) -> list[Batch]:
+        batches = self._ahead if self._ahead is not None else self._read()
+        self._ahead, self._state = None, None
+        if self.read_ahead and read_ahead:
+            self._state = copy.deepcopy(self.sampler.state_dict())
+            self._ahead = self._read()
+        return batches
+
+    def _read(self) -> list[Batch]:
+        return next_batches(self.sampler, self.n, self.device, self.pin)
+
+    def state_dict(self) -> dict:
+        return self._state if self._ahead is not None else self.sampler.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.sampler.load_state_dict(state_dict)
+        self._ahead, self._state = None, None
+
+
+class GarbageCollection:
+    """Python's cyclic garbage collector off, and a young-generation collection every
+    `interval` steps instead (torchtitan's GarbageCollection): the collector otherwise runs
+    when allocation counts say so, at a different moment on each rank, and the rank it pauses
+    holds every other rank up at the next collective. 0 leaves the collector alone."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.was_enabled = gc.isenabled()
+        if interval:
+            gc.disable()
+            gc.collect(1)
+
+    def step(self, step: int) -> None:
+        if self.interval and step % self.interval == 0:
+            gc.collect(1)
+
+    def close(self) -> None:
+        if self.interval and self.was_enabled:
+            gc.enable()
+
+
+class TrainState:
+    """The step count (the same on every rank), the steps skipped as non-finite, and
+    how many of the latest steps in a row were."""
+
+    def __init__(self):
+        self.step = 0
+        self.skipped_steps = 0
+        self.nonfinite_streak = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "skipped_steps": self.skipped_steps, "nonfinite_streak": self.nonfinite_streak}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.step = int(state_dict["step"])
+        # Checkpoints from before non-finite steps were counted lack these.
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.nonfinite_streak = int(state_dict.get("nonfinite_streak", 0))
+
+
+class StopSignal:
+    """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (preemption,
+    scancel), or the batch script's stop file (torchrun does not pass SIGUSR1
+    on to its workers): finish the step, save, exit EX_TEMPFAIL. The handler
+    only sets a flag; ranks agree on it on sync steps (`StopVote`) so that all
+    stop on the same step, whichever of them saw it. Only `watch_file` ranks
+    (rank 0) look for the file: one stat a sync step, not one per rank."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self, stop_file: Path, watch_file: bool = True):
+        self.received: Optional[str] = None
+        self.stop_file = stop_file
+        self.watch_file = watch_file
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        """Whether this rank saw a signal or the stop file (`StopVote` tells it about the others)."""
+        if self.received is None and self.watch_file and self.stop_file.exists():
+            self.received = f"the stop file {self.stop_file.name}"
+        return self.received is not None
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class StopVote:
+    """Whether any rank asked to stop, agreed without touching the device: an all-reduce (max)
+    of each rank's flag over a gloo group of CPU tensors, started at the beginning of a sync
+    step and read at its end. All ranks read the same result after the same step, so all stop
+    together; a request that arrives later is seen at the start of the next sync step.
+    `rounds` counts the all-reduces."""
+
+    def __init__(self, timeout: Optional[timedelta] = None):
+        # Its own group: the default one may be NCCL (device tensors, a stream to wait on), and
+        # on CPU runs these small votes should not queue behind the gradient collectives.
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        self._flag = torch.zeros(1)
+        self._work = None
+        self.rounds = 0
+
+    def start(self, requested: bool) -> None:
+        self._flag = torch.full((1,), float(requested))
+        if self.group is not None:
+            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            self.rounds += 1
+
+    def result(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return bool(self._flag[0])

@@ -1,0 +1,113 @@
+"""What a checkpoint holds, as state objects the Checkpointer (trainer/checkpoint.py) saves
+and loads: the model and the optimizer under full-model names, whatever the parallel layout,
+and each rank's random streams beside the shards."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+
+class ModelState:
+    """The model's parameters under full-model names, whatever the parallel layout.
+
+    `model_parts` is one module, or one per pipeline stage held by this rank;
+    each part contributes the names it holds, and loading sets each part from
+    the names it has (strict=False: a stage lacks the other stages' layers;
+    DCP itself fails on a name the checkpoint lacks)."""
+
+    def __init__(self, model_parts: list[nn.Module]):
+        self.model_parts = list(model_parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part in self.model_parts:
+            out.update(get_model_state_dict(part))
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part in self.model_parts:
+            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+
+
+class OptimizerState:
+    """Optimizer state flattened to full-model parameter names (`state.<fqn>.exp_avg`,
+    `param_groups.<fqn>.lr`), so it reshards like the model. One optimizer per model part."""
+
+    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def __init__(self, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+        if len(model_parts) != len(optimizers):
+            raise ValueError(f"OptimizerState needs one optimizer per model part: got {len(model_parts)} "
+                             f"parts and {len(optimizers)} optimizers")
+        self.model_parts = list(model_parts)
+        self.optimizers = list(optimizers)
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part, opt in zip(self.model_parts, self.optimizers):
+            fresh = not opt.state
+            sd = get_optimizer_state_dict(part, opt, options=self._OPTIONS)
+            if fresh:
+                # DCP materialises an empty Adam state by one step with zero grads and lr 0,
+                # which leaves `step` at 1 and would shift bias correction after a
+                # save_initial; put the counter back to where a fresh optimizer starts.
+                _reset_step_counters(opt)
+                sd = get_optimizer_state_dict(part, opt, options=self._OPTIONS)
+            out.update(sd)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part, opt in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(part, opt, state_dict, options=self._OPTIONS)
+
+
+def _reset_step_counters(opt: torch.optim.Optimizer) -> None:
+    for state in opt.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = type(step)(0)
+
+
+class RNGState:
+    """This rank's random streams: Python `random`, numpy's global one (if numpy is
+    installed), torch CPU, and the current CUDA device's (if CUDA is in use).
+
+    `rank_local = True`: the Checkpointer saves it to this rank's own file beside
+    the shards, so each rank gets exactly its own streams back."""
+
+    rank_local = True
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            state["numpy"] = np.random.get_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        random.setstate(state_dict["python"])
+        torch.set_rng_state(state_dict["torch"])
+        if "numpy" in state_dict:
+            import numpy as np
+
+            np.random.set_state(state_dict["numpy"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state_dict["cuda"])
