@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from containers.pip_requirements import toml_loads
-from containers.sources import MAX_BYTES, MAX_FILES, Folder, collect
+from containers.sources import MAX_BYTES, MAX_FILES, Folder, collect, copy_into
 from containers.record import ImageSection
 from kernel.errors import ConfigError
 from kernel.fs import file_sha256, write_atomic
@@ -168,19 +168,15 @@ def materialize_context(files: list[ContextFile], dest: Path, build_env: dict[st
     (dest / "buildenv").mkdir()
     env_text = "".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted((build_env or {}).items()))
     (dest / "buildenv" / "flash-attn.env").write_text(env_text)
+    sources = [f for f in files if not f.dest.startswith("wheels/")]
+    copy_into(sources, dest, file_mode=0o644, exec_mode=0o755, dir_mode=0o755)
     for f in files:
-        target = dest / f.dest
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if f.link is not None:
-            os.symlink(f.link, target)
-            continue
-        if f.dest.startswith("wheels/"):
+        if f.dest.startswith("wheels/"):  # gigabytes: hard-linked where the filesystem allows
+            target = dest / f.dest
             try:
                 os.link(f.src, target)
-                continue
             except OSError:
-                pass
-        shutil.copy2(f.src, target)
+                shutil.copy2(f.src, target)
 
 
 def project_version(root: Path) -> str:

@@ -240,8 +240,9 @@ def _human(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def copy_into(files: Sequence[SourceFile], dest: Path, *, file_mode: int, exec_mode: int, dir_mode: int) -> None:
-    """Lay `files` out under `dest` (links as links) with the given modes."""
+def copy_into(files: Sequence["SourceFile"], dest: Path, *, file_mode: int, exec_mode: int, dir_mode: int) -> None:
+    """Lay `files` (SourceFile or ContextFile: `dest`, `src`, `link`) out under `dest`, links as
+    links, with the given modes."""
     for f in files:
         target = dest / f.dest
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -249,6 +250,6 @@ def copy_into(files: Sequence[SourceFile], dest: Path, *, file_mode: int, exec_m
             os.symlink(f.link, target)
             continue
         shutil.copyfile(f.src, target)
-        os.chmod(target, exec_mode if f.executable else file_mode)
+        os.chmod(target, exec_mode if os.stat(f.src).st_mode & stat.S_IXUSR else file_mode)
     for dirpath, _, _ in os.walk(dest):
         os.chmod(dirpath, dir_mode)

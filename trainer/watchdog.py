@@ -319,16 +319,7 @@ class HangWatchdog:
             log.error("rank %d on %s: %s; the stack dump could not be written (%s): stacks follow on stderr",
                       self.rank, node_name(), what, exc)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        rest = self.dump_window_s - (time.monotonic() - noticed)
-        if rest > 0:
-            time.sleep(rest)
-        killer.cancel()
-        self._exit(HANG_EXIT)
+        self._end(noticed, killer, HANG_EXIT)
 
     def _fire_slow_checkpoint(self, what: str, seconds: float) -> None:
         """Checkpoint work outlasted train.checkpoint_timeout: say so (not a hang), with the
@@ -349,6 +340,11 @@ class HangWatchdog:
                 append_event(self.run_dir, event_job(), text)
             except OSError as exc:
                 log.error("events.log not written: %s", exc)
+        self._end(noticed, killer, SLOW_CHECKPOINT_EXIT)
+
+    def _end(self, noticed: float, killer: threading.Timer, code: int) -> None:
+        """Flush what this rank said, give the other ranks the dump window to say theirs (a rank
+        that exits first would take the step's other processes down before they dumped), exit `code`."""
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -358,7 +354,7 @@ class HangWatchdog:
         if rest > 0:
             time.sleep(rest)
         killer.cancel()
-        self._exit(SLOW_CHECKPOINT_EXIT)
+        self._exit(code)
 
     def _write_dump(self, path: Path, what: str, step: int, idle_s: float, limit_s: float) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
