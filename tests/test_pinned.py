@@ -111,6 +111,23 @@ def test_prune_keeps_what_runs_pin_and_removes_the_rest(project, pin_config, slu
     assert not pinned.exists() and f"removed {pinned}" in r.stdout and current.exists()
 
 
+def test_prune_removes_nothing_while_a_runs_manifest_is_damaged(project, pin_config, slurm_stand_ins):
+    """A manifest that cannot be read may pin any image: one line naming it, exit 2, nothing removed."""
+    pinned = fake_build(project, source="1")
+    submit("old", env=slurm_stand_ins)
+    unpinned = fake_build(project, source="2")
+    fake_build(project, source="3")
+    manifest = project / "runs" / "old" / "manifest.json"
+    manifest.write_text('{"run": "old", "submissions": [{"job_id": 7}]}')
+    before = tree(project / "images")
+    r = slipway("image", "prune", pin_config)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, (r.stdout, r.stderr)
+    assert lines[0].startswith(f"slipway: error: {manifest}: damaged (submissions[0].job_id: an integer where")
+    assert "it may pin an image, so nothing was pruned" in lines[0] and "prune again" in lines[0]
+    assert tree(project / "images") == before and pinned.exists() and unpinned.exists()
+
+
 # ------------------------------------------------------------------ a pinned squashfs that is not there
 
 

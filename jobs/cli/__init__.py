@@ -113,7 +113,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if prep_id:
         console.print(f"data preparation job [bold]{prep_id}[/] (log {run.log_path(prep_id)}); the training job "
                       "starts once it has completed", soft_wrap=True)
-    resumed = sum(1 for s in run.manifest().get("submissions", []) if s.get("kind", "train") == "train") > 1
+    resumed = sum(1 for x in run.launches() if x.kind == "train") > 1
     console.print(f"{'resubmitted' if resumed else 'submitted'} [bold]{cfg.run.name}[/] as job [bold]{job_id}[/]"
                   f"{' (resumes from its latest checkpoint)' if resumed else ''}  run dir: {run.dir}",
                   soft_wrap=True)

@@ -263,8 +263,8 @@ def _run_mounts(run: "runs.Run") -> list[Result]:
 def run_checks(run: "runs.Run") -> list[Result]:
     """(name, ok, detail or fix) for a run: what its next job needs from this node."""
     manifest = run.manifest()
-    pin = run.image()
-    out: list[Result] = [("run", True, f"{run.dir} ({len(manifest.get('submissions') or [])} submission(s))")]
+    pin = manifest.image
+    out: list[Result] = [("run", True, f"{run.dir} ({len(manifest.submissions)} submission(s))")]
 
     def config() -> list[Result]:
         cfg = run.config()

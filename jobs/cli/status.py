@@ -11,6 +11,7 @@ from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History, Launch
+from jobs.runs.manifest import ManifestError
 from kernel.errors import ConfigError
 from kernel.rundir import HANGS_DIR
 from kernel.rundir import LOCAL_JOB
@@ -131,15 +132,23 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     table = Table(title=f"runs in {runs.runs_root(project_dir)}", title_justify="left")
     for col in ("run", "jobs", "latest job", "state", "exit", "progress", "last event / reason"):
         table.add_column(col)
+    damaged: list[ManifestError] = []
     for run in found:
-        launches = run.launches()
+        try:
+            launches = run.launches()
+        except ManifestError as exc:  # that run alone: the others are listed
+            damaged.append(exc)
+            table.add_row(run.name, "", "", "DAMAGED", "", "", f"{runs.MANIFEST}: {exc.why}")
+            continue
         if launches:
             job, state, code, _, event = _job_row(run, launches[-1], run.events())
         else:
             job, state, code, event = "", "not submitted", "", ""
         table.add_row(run.name, str(len(launches)), job, state, code, _progress(run), event)
     console.print(table)
-    return 0
+    for exc in damaged:
+        print(f"slipway: error: {exc}", file=sys.stderr)
+    return 2 if damaged else 0
 
 
 def _print_history(run: runs.Run, history: History, console) -> None:
@@ -205,11 +214,18 @@ def cancel(run: runs.Run, console) -> int:
     run's lock: a submission in progress finishes first (and its job is cancelled too); a local
     launch that trains refuses, naming its launcher."""
     with runlock.hold(run.dir, f"slipway cancel {run.name}"):
-        return _cancel(run, console)
+        try:
+            job_ids = run.job_ids()
+        except ManifestError as exc:
+            raise exc.restated("slipway cannot tell which jobs of the run to cancel",
+                               f"`squeue --name {run.name},{run.name}-prepare` lists the jobs of the run's name: "
+                               "`scancel` them by id, then restore the file or move the run directory aside") \
+                from None
+        return _cancel(run, job_ids, console)
 
 
-def _cancel(run: runs.Run, console) -> int:
-    active = [j for j in run.job_ids() if (info := slurm.job_info(j)) is not None and info.active]
+def _cancel(run: runs.Run, job_ids: list[str], console) -> int:
+    active = [j for j in job_ids if (info := slurm.job_info(j)) is not None and info.active]
     if not active:
         console.print(f"run {run.name} has no active job")
         return 0

@@ -148,7 +148,7 @@ class Watcher:
 
     def _slurm(self) -> tuple[slurm.JobInfo, bool, Optional[int]]:
         """The job, whether it ended, its exit code once it did."""
-        launch = self.run.launch(self.job_id) or Launch(kind="train", id=self.job_id)
+        launch = self.run.launch(self.job_id) or Launch(job_id=self.job_id)
         info = slurm.job_info(self.job_id)
         if info is None:  # slurmctld forgot the job and there is no accounting: events.log says
             self._gone += 1

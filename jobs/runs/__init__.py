@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional, TextIO
@@ -29,16 +29,16 @@ from jobs import slurm
 from jobs.config import Config, dump_config, load_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
+from jobs.runs import manifest as manifests
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_store
 from jobs.runs.container import (ImagePin, create_needed_dirs, kept_build, pin_image, remove_created_dirs,
                                  resolve_paths, run_environment, stale_build_note)
-from jobs.runs.lifecycle import Launch, LaunchState
+from jobs.runs.lifecycle import LaunchState
+from jobs.runs.manifest import MANIFEST, Launch, Manifest, ManifestError
 from jobs.slurm.script import PREPARE_SCRIPT, RunPaths, check_env_from_host, render_prepare_sbatch, render_sbatch
 from kernel.errors import ConfigError
 from kernel.fs import write_atomic
-from kernel.rundir import LOCAL_JOB, CodeSnapshot, Event, append_event, read_events
-
-MANIFEST = "manifest.json"
+from kernel.rundir import CodeSnapshot, Event, append_event, read_events
 
 
 def now() -> str:
@@ -50,6 +50,7 @@ class Run:
     """A run directory on disk."""
 
     paths: RunPaths
+    _read: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)  # (file key, manifest or error)
 
     @property
     def dir(self) -> Path:
@@ -59,38 +60,40 @@ class Run:
     def name(self) -> str:
         return self.dir.name
 
-    def manifest(self) -> dict:
-        try:
-            return json.loads((self.dir / MANIFEST).read_text())
-        except FileNotFoundError:
-            return {}
+    def manifest(self) -> Manifest:
+        """The run's manifest as the file holds it now (read again only once the file changed);
+        ManifestError, naming the file and what to do, when it cannot be read."""
+        path = self.dir / MANIFEST
+        key = manifests.file_key(path)
+        if key is None or self._read is None or self._read[0] != key:
+            try:
+                self._read = (key, manifests.read(path))
+            except ManifestError as exc:
+                self._read = (key, exc)
+        found = self._read[1]
+        if isinstance(found, ManifestError):
+            raise found
+        return found
 
     def image(self) -> Optional[ImagePin]:
         """The image the run's latest job runs, as pinned at its submission (None: never submitted)."""
-        return ImagePin.from_record(self.manifest().get("image"))
+        return self.manifest().image
 
     def images(self) -> list[ImagePin]:
         """Every image a job of the run was submitted with (a requeue runs its own job's)."""
-        manifest = self.manifest()
-        records = [manifest.get("image"), *(s.get("image") for s in manifest.get("submissions") or []
-                                            if isinstance(s, dict))]
-        return [pin for pin in map(ImagePin.from_record, records) if pin is not None]
+        return self.manifest().images()
 
     def code(self) -> Optional[CodeSnapshot]:
         """The code snapshot the run's latest launch runs (None: the image's own code)."""
-        return CodeSnapshot.from_record(self.manifest().get("code"))
+        return self.manifest().code
 
     def code_history(self) -> list[tuple[str, Optional[CodeSnapshot]]]:
         """(launch, its code snapshot) for each training launch, oldest first ("local" for one here)."""
-        out = []
-        for entry in self.manifest().get("submissions") or []:
-            if isinstance(entry, dict) and entry.get("kind", "train") == "train":
-                out.append((str(entry.get("job_id") or LOCAL_JOB), CodeSnapshot.from_record(entry.get("code"))))
-        return out
+        return [(x.id, x.code) for x in self.launches() if x.kind == "train"]
 
     def launches(self) -> list[Launch]:
         """Its Slurm jobs and local launches, oldest first, as the manifest records them."""
-        return lifecycle.launches(self.manifest())
+        return list(self.manifest().submissions)
 
     def launch(self, job_id: str) -> Optional[Launch]:
         """Slurm job `job_id` of this run, or None."""
@@ -101,7 +104,7 @@ class Run:
 
     def latest_train_job(self) -> str | None:
         """The id of the run's latest Slurm training job (its preparation jobs aside)."""
-        return next((x.id for x in reversed(self.launches()) if x.kind == "train"), None)
+        return next((x.id for x in reversed(self.launches()) if not x.local and x.kind == "train"), None)
 
     def config(self) -> Config:
         return load_config(self.paths.config)
@@ -175,13 +178,21 @@ def list_runs(project_dir: Path) -> list[Run]:
     if not root.is_dir():
         return []
     found = [Run(RunPaths(p, project_dir)) for p in root.iterdir() if (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda r: (r.manifest().get("created", ""), r.name))
+    return sorted(found, key=lambda r: (_created(r), r.name))
+
+
+def _created(run: Run) -> str:
+    try:
+        return run.manifest().created
+    except ManifestError:
+        return ""  # listed first, where its damage is seen
 
 
 def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
     """Every squashfs a run pins (its manifest's `image` and each submission's: a requeue
     runs the file its env.toml / srun flags name), resolved, with the runs that pin it.
-    The runs root is $SLIPWAY_RUNS, else each project directory's runs/."""
+    The runs root is $SLIPWAY_RUNS, else each project directory's runs/. A manifest that cannot
+    be read may pin any image: ManifestError, and nothing is pruned."""
     pins: dict[Path, list[str]] = {}
     seen: set[Path] = set()
     for project_dir in project_dirs:
@@ -189,7 +200,13 @@ def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
             if run.dir.resolve() in seen:
                 continue
             seen.add(run.dir.resolve())
-            for pin in run.images():
+            try:
+                images = run.images()
+            except ManifestError as exc:
+                raise exc.restated("it may pin an image, so nothing was pruned",
+                                   "restore it from a backup or move the run directory aside, then prune "
+                                   "again") from None
+            for pin in images:
                 for value in (pin.path, pin.image):
                     if value and value.startswith("/"):
                         names = pins.setdefault(Path(os.path.realpath(value)), [])
@@ -214,10 +231,6 @@ class Sealed:
     @property
     def snapshot(self) -> Optional[CodeSnapshot]:
         return self.code.value if self.code else None
-
-    @property
-    def code_record(self) -> Optional[dict]:
-        return self.snapshot.record() if self.snapshot else None
 
     def data_status(self):
         """Where the run's data stands in its token cache (trainer.prepare.CacheStatus)."""
@@ -377,18 +390,10 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
         for name, text in files.items():
             write_atomic(tmp / name, text, 0o755 if name == "job.sbatch" else 0o644)
         (tmp / "logs").mkdir()
-        manifest = {
-            "run": cfg.run.name,
-            "created": now(),
-            "project_dir": str(paths.project_dir),
-            "git": git_state(paths.project_dir),
-            "image": sealed.pin.record(),
-            "runtime": cfg.container.runtime,
-            "launcher": cfg.launch.launcher,
-            "config_sha256": hashlib.sha256(files["config.yaml"].encode()).hexdigest(),
-            "submissions": [],
-        }
-        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        manifests.write(tmp / MANIFEST, Manifest(
+            run=cfg.run.name, created=now(), project_dir=str(paths.project_dir), git=git_state(paths.project_dir),
+            image=sealed.pin, runtime=cfg.container.runtime, launcher=cfg.launch.launcher,
+            config_sha256=hashlib.sha256(files["config.yaml"].encode()).hexdigest()))
         try:
             # rename(2) onto a missing name: two submissions racing for one name cannot both win.
             os.rename(tmp, paths.run_dir)
@@ -401,42 +406,43 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     return run, True
 
 
-def update_manifest(run: Run, change: Callable[[dict], None]) -> dict:
+def update_manifest(run: Run, change: Callable[[Manifest], None]) -> Manifest:
     """The one read-modify-write of a run's manifest.json: under the run's lock (held already by
-    a launch; else taken here), so that no two writers lose each other's entries."""
+    a launch; else taken here), so that no two writers lose each other's entries. A damaged one
+    is left as it is (ManifestError): what it held is not written over."""
     with runlock.hold(run.dir, f"slipway: recording in the manifest of {run.name}"):
-        manifest = run.manifest()
+        manifest = manifests.read(run.dir / MANIFEST)
         change(manifest)
-        write_atomic(run.dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        manifests.write(run.dir / MANIFEST, manifest)
     return manifest
 
 
-def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", **extra) -> None:
+def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", after: str = "") -> None:
     script = run.dir / (PREPARE_SCRIPT if kind == "prepare" else "job.sbatch")
-    entry = {"job_id": job_id, "kind": kind, "submitted": now(), "git": git_state(run.paths.project_dir),
-             "image": sealed.pin.record(), "code": sealed.code_record,
-             "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest(), **extra}
+    entry = Launch(job_id=job_id, kind=kind, submitted=now(), after=after, git=git_state(run.paths.project_dir),
+                   image=sealed.pin, code=sealed.snapshot,
+                   script_sha256=hashlib.sha256(script.read_bytes()).hexdigest())
 
-    def add(manifest: dict) -> None:
-        manifest["image"] = sealed.pin.record()  # what the latest job runs
+    def add(manifest: Manifest) -> None:
+        manifest.image = sealed.pin  # what the latest job runs
         if kind == "train":
             record_code(run, manifest, sealed, job_id)
-        manifest.setdefault("submissions", []).append(entry)
+        manifest.submissions.append(entry)
 
     update_manifest(run, add)
     if kind == "train":
         prune_code_store(run.dir.parent)
 
 
-def record_code(run: Run, manifest: dict, sealed: Sealed, launch: str) -> None:
+def record_code(run: Run, manifest: Manifest, sealed: Sealed, launch: str) -> None:
     """Inside a manifest update: the code this training launch runs becomes the run's, its
     uncommitted changes go to code/HASH12.diff, and a change from the last launch's code is an
     event and a file in history/ beside the configs and scripts it replaced (status says it)."""
-    before, after = CodeSnapshot.from_record(manifest.get("code")), sealed.snapshot
-    manifest["code"] = sealed.code_record
+    before, after = manifest.code, sealed.snapshot
+    manifest.code = after
     if after is not None and after.dirty and not (run.dir / "code" / f"{after.hash12}.diff").exists():
         write_atomic(run.dir / "code" / f"{after.hash12}.diff", git_diff(after))
-    if (before.hash if before else None) == (after.hash if after else None) or not manifest.get("submissions"):
+    if (before.hash if before else None) == (after.hash if after else None) or not manifest.submissions:
         return
     was, becomes = (c.hash12 if c else "the image's" for c in (before, after))
     append_event(run.dir, launch, f"code changed {was} -> {becomes}")
@@ -444,12 +450,6 @@ def record_code(run: Run, manifest: dict, sealed: Sealed, launch: str) -> None:
     write_atomic(run.dir / "history" / f"code-{stamp}.json",
                  json.dumps({"before": before.record() if before else None,
                              "after": after.record() if after else None}, indent=2) + "\n")
-
-
-def _snapshots_named(manifest: dict) -> set[str]:
-    """The store entries (HASH16) a manifest names: the run's code and each launch's."""
-    records = [manifest.get("code"), *(s.get("code") for s in manifest.get("submissions") or [] if isinstance(s, dict))]
-    return {Path(c.dir).name for c in map(CodeSnapshot.from_record, records) if c is not None}
 
 
 def prune_code_store(root: Path) -> list[tuple[str, int]]:
@@ -460,9 +460,9 @@ def prune_code_store(root: Path) -> list[tuple[str, int]]:
     try:
         for path in root.iterdir():
             if (path / MANIFEST).is_file():
-                named |= _snapshots_named(json.loads((path / MANIFEST).read_text()))
+                named |= {Path(c.dir).name for c in manifests.read(path / MANIFEST).snapshots()}
         return prune_store(root / CODE_STORE, named)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ManifestError):
         return []
 
 
@@ -526,7 +526,7 @@ def _submit_locked(sealed: Sealed, *, force: bool, why: Optional[str]) -> tuple[
             with contextlib.suppress(OSError):
                 run.dir.parent.rmdir()  # only if that left it empty
         raise
-    record_submission(run, job_id, sealed, **({"after": prep_id} if prep_id else {}))
+    record_submission(run, job_id, sealed, after=prep_id or "")
     return run, job_id, sealed, prep_id
 
 
@@ -588,7 +588,7 @@ def follow(run: Run, job_id: str, *, interval: float = 1.0, on_state: Callable[[
     err_path = run.log_path(job_id, "error")
     if err_path != tails[0].path:
         tails.append(_Tail(err_path, err))
-    launch = run.launch(job_id) or Launch(kind="train", id=job_id)
+    launch = run.launch(job_id) or Launch(job_id=job_id)
     last_state = None
     gone = 0
     while True:
