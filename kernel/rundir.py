@@ -39,13 +39,31 @@ STOP_FILE = "stop-requested"
 # the dumps (torchrun turns every worker's exit code into 1) and exits it too unless it retries.
 HANGS_DIR = "hangs"
 
-# Exit codes of the trainer and the batch script (anything else: a crash, or a signal as 128+N).
+# Exit codes of a launch, one per end: the trainer's and the batch script's (jobs/slurm/job_lib.sh),
+# and the same code in events.log (`end exit N`), `slipway status`, `watch` and `logs -f`. Where the
+# batch script recorded its end, that code is the launch's, whatever Slurm says of a cleanup it
+# killed after it (jobs/runs/lifecycle.py). docs/runs.md lists EXIT_CODES; tests/test_docs.py checks.
 BAD_INPUT_EXIT = 2  # bad config or input: one `error:` line
 NONFINITE_EXIT = 3  # stopped on non-finite numbers (train.max_nonfinite_steps)
 HANG_EXIT = 4
 PREFLIGHT_EXIT = 5  # a node failed the preflight (trainer/preflight.py) and the job was not retried elsewhere
 REQUEUE_EXIT = 75
 INTERRUPTED_EXIT = 130  # a local launch stopped by Ctrl-C (128 + SIGINT)
+CANCEL_EXIT = 140  # `slipway cancel`: USR2 to the batch shell (128 + SIGUSR2)
+TERM_EXIT = 143  # SIGTERM to a job: a plain scancel, a preemption, the time limit (128 + SIGTERM)
+EXIT_CODES = {
+    0: "completed",
+    1: "failed (a crash; torchrun reports 2 and 3 as 1)",
+    BAD_INPUT_EXIT: "bad config or input (launcher: srun)",
+    NONFINITE_EXIT: "stopped on non-finite numbers (launcher: srun)",
+    HANG_EXIT: "hung, not retried",
+    PREFLIGHT_EXIT: "a node failed its preflight, not retried",
+    REQUEUE_EXIT: "saved a checkpoint and stopped after the time-limit warning, no requeue left",
+    INTERRUPTED_EXIT: "a local launch stopped by Ctrl-C",
+    CANCEL_EXIT: "cancelled by `slipway cancel`",
+    TERM_EXIT: "SIGTERM: a plain `scancel`, a preemption, or the time limit without a save",
+}
+# Any other code above 128 is 128 + the signal that ended the launch (a rank, or a local launch's launcher).
 
 LOCAL_JOB = "local"  # the job field of a launch on this machine
 # The preflight's all-reduce in the training step (trainer/preflight.py AllReduceGate): the batch

@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from trainer.compute import check_float8, compile_error, graph_break_report, reset_graph_breaks, resolve_compile
 from kernel.errors import ConfigError
-from kernel.rundir import REQUEUE_EXIT, STOP_FILE
+from kernel.rundir import NONFINITE_EXIT, REQUEUE_EXIT, STOP_FILE
 from trainer.config import TrainerConfig, load_trainer_config
 from trainer.layouts import layout_advice, memory_report, resolve_reshard
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
@@ -78,7 +78,6 @@ from kernel.rundir import check_code
 log = logging.getLogger(__name__)
 
 EX_TEMPFAIL = REQUEUE_EXIT  # "requeue me": stopped by a signal after saving a checkpoint
-NONFINITE_EXIT = 3  # stopped on non-finite numbers (see the module docstring)
 
 
 # The torch releases CI tests (the oldest and newest ends: `make test-oldest`, `make test`),

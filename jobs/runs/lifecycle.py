@@ -176,6 +176,16 @@ def _by_code(code: int, attempt: Sequence[Event], reason: str) -> LaunchState:
     return LaunchState(FAILED, code, why)
 
 
+def final_end(attempt: Sequence[Event]) -> Optional[Event]:
+    """The end the job recorded for its last attempt, when that end is the job's: None while the
+    attempt runs, and when it ended by requeueing itself (the next attempt is the job's to come)."""
+    end = _last(attempt, _ENDS)
+    if end is None:
+        return None
+    requeue = _last(attempt, (EventKind.RETRY, EventKind.TIME_LIMIT_REQUEUE, EventKind.REQUEUE_FAILED))
+    return end if requeue is None or requeue.kind is EventKind.REQUEUE_FAILED else None
+
+
 def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchState:
     last_text = attempt[-1].text if attempt else ""
     cancelled = _last(attempt, EventKind.CANCELLED)
@@ -196,12 +206,18 @@ def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchSta
             return LaunchState(FAILED, None, end.text)
         return _by_code(end_code, attempt, last_text)
     word = info.state.split()[0] if info.state else UNKNOWN
-    code = info.return_code if info.return_code is not None else end_code
+    # One exit code per end (kernel/rundir.py EXIT_CODES): the one the batch script recorded as the
+    # job's end. Slurm's own tells only an end the script could not record (killed outright): after
+    # a plain scancel the script records 143 while Slurm, which SIGKILLs its cleanup KillWait
+    # seconds later, says 0:9.
+    final = final_end(attempt)
+    recorded = final.exit_code if final is not None else None
+    code = recorded if recorded is not None else info.return_code
+    if word in ("TIMEOUT", "DEADLINE"):  # the time limit's SIGTERM reads as a cancellation in events.log
+        return LaunchState(TIMEOUT, code, info.reason or "the time limit was reached")
     if word == "CANCELLED" or cancelled is not None:
         by = info.state.partition(" ")[2]
         return LaunchState(CANCELLED, code, cancelled.text if cancelled else f"cancelled {by}".strip())
-    if word in ("TIMEOUT", "DEADLINE"):
-        return LaunchState(TIMEOUT, code, info.reason or "the time limit was reached")
     if word == "NODE_FAIL":
         node = _last(attempt, EventKind.NODE_FAILURE)
         return LaunchState(NODE_FAIL, code, node.text if node else info.reason or "a node of the job failed")
