@@ -468,7 +468,8 @@ def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: 
     trainer and writes the outcome, so a reader never sees the launch dead before its exit is recorded."""
     launch = Launch(local=True, started=runs.now(), pid=os.getpid(), trainer_pid=trainer_pid,
                     host=socket.gethostname(), log=str(log_path.relative_to(run.dir)),
-                    git=runs.git_state(project_dir), code=sealed.snapshot, allocation=allocation or "")
+                    git=runs.git_state(project_dir), code=sealed.snapshot, allocation=allocation or "",
+                    steps=sealed.cfg.train.steps)
 
     def add(manifest: Manifest) -> None:
         runs.record_code(run, manifest, sealed, LOCAL_JOB)

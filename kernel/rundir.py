@@ -17,8 +17,9 @@ import os
 import re
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
+from functools import cached_property
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 # File names inside runs/RUN/.
 EVENTS_FILE = "events.log"
@@ -198,7 +199,7 @@ class Event:
     job: str  # a Slurm job id, LOCAL_JOB, or "" when the writer had none
     text: str
 
-    @property
+    @cached_property  # asked of every event by each reader: decided once
     def kind(self) -> EventKind:
         return event_kind(self.text)
 
@@ -286,6 +287,32 @@ def read_events(run_dir: str | os.PathLike) -> list[Event]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     return parse_events(data.decode("utf-8", errors="replace"))
+
+
+def tail_events(run_dir: str | os.PathLike, until: Callable[[Event], bool], block: int = 8192) -> list[Event]:
+    """The last events of a run directory's events.log, in the order written: from the latest one
+    for which `until` holds (every event when none does). The file is read backwards, a block at a
+    time, so that a reader of the latest attempt reads no more of a long history."""
+    try:
+        f = open(Path(run_dir) / EVENTS_FILE, "rb")
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found: list[Event] = []  # newest first
+    with f:
+        pos, rest = f.seek(0, os.SEEK_END), b""
+        while pos > 0:
+            start = max(0, pos - block)
+            f.seek(start)
+            lines = (f.read(pos - start) + rest).split(b"\n")
+            pos, block = start, block * 2
+            rest = lines.pop(0) if start > 0 else b""  # maybe cut: read whole with the block before it
+            for line in reversed(lines):
+                event = parse_event(line.decode("utf-8", errors="replace"))
+                if event is not None:
+                    found.append(event)
+                    if until(event):
+                        return found[::-1]
+    return found[::-1]
 
 
 def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,

@@ -215,8 +215,14 @@ def test_the_code_store_keeps_everything_while_a_manifest_is_damaged(project, da
     (orphan / "x.py").write_text("")
     old = time.time() - 3 * 86400
     os.utime(orphan, (old, old))
+    stamp = project / "runs" / ".code.pruned"  # the store is pruned at most once an hour: an hour passed
+    os.utime(stamp, (old, old))
     assert slipway("submit", "tiny_cpu", "--run-name", "third", env=env).returncode == 0
-    assert orphan.exists()
+    assert orphan.exists() and stamp.stat().st_mtime == old  # not pruned: due at the next launch
     path.parent.rename(project / "runs-aside")  # the damaged run moved aside: the next launch prunes
     assert slipway("submit", "tiny_cpu", "--run-name", "fourth", env=env).returncode == 0
-    assert not orphan.exists()
+    assert not orphan.exists() and stamp.stat().st_mtime > old
+    orphan.mkdir()
+    os.utime(orphan, (old, old))
+    assert slipway("submit", "tiny_cpu", "--run-name", "fifth", env=env).returncode == 0
+    assert orphan.exists()  # pruned within the hour: not again

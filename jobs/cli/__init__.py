@@ -124,7 +124,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.show_logs:
         console.print(f"following {run.log_path(job_id)} until the job ends (Ctrl-C stops following, "
                       "not the job)", style="dim", soft_wrap=True)
-        code = runs.follow(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
+        from jobs.cli.status import follow_logs
+
+        code = follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
         console.print(f"job {job_id} ended with exit code {code}")
         return code
     return 0
@@ -163,7 +165,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                       f"(log {run.log_path(job_id)}); `slipway submit {cfg.config_args}` once it has completed, "
                       "or now with --prepare to queue it behind", soft_wrap=True)
         if args.show_logs:
-            return runs.follow(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
+            from jobs.cli.status import follow_logs
+
+            return follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
         return 0
     require_extra("prepare", "trainer", ("numpy", "tokenizers", "datasets"),
                   instead=f"prepare in the image as a CPU job: slipway prepare {cfg.config_args} --as-job")

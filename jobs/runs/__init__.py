@@ -14,13 +14,12 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Optional, TextIO
+from typing import Callable, Optional
 
 from plumbum import local
 
@@ -38,7 +37,7 @@ from jobs.runs.manifest import MANIFEST, Launch, Manifest, ManifestError
 from jobs.slurm.script import PREPARE_SCRIPT, RunPaths, check_env_from_host, render_prepare_sbatch, render_sbatch
 from kernel.errors import ConfigError
 from kernel.fs import write_atomic
-from kernel.rundir import CodeSnapshot, Event, append_event, read_events
+from kernel.rundir import METRICS_FILE, CodeSnapshot, Event, append_event, read_events, tail_events
 
 
 def now() -> str:
@@ -126,38 +125,60 @@ class Run:
     def events_of(self, launch: Launch, events: Optional[list[Event]] = None) -> list[Event]:
         return lifecycle.events_of(launch, self.events() if events is None else events, self.launches())
 
+    def recent_events(self, launch: Launch) -> list[Event]:
+        """The events of events.log from `launch`'s last start on, read from the file's end: a
+        listing reads no more of a long history than the state of the latest launch needs."""
+        return lifecycle.events_of(launch, tail_events(self.dir, lambda e: e.job == launch.id and
+                                                       e.kind in lifecycle.STARTS), [launch])
+
     def state(self, launch: Launch, info: Optional[slurm.JobInfo] = None, *, ask_slurm: bool = True) -> LaunchState:
-        """What became of `launch`: Slurm asked (unless `info` is given or `ask_slurm` is off),
-        the local processes looked at, events.log read; `lifecycle.launch_state` decides."""
+        """What became of `launch`: events.log read, the local processes looked at, Slurm asked
+        where events.log does not settle it (unless `info` is given or `ask_slurm` is off);
+        `lifecycle.launch_state` decides."""
+        own = self.events_of(launch)
         if launch.local:
-            return lifecycle.launch_state(launch, self.events_of(launch), process=lifecycle.observe_local(launch))
-        if info is None and ask_slurm and (slurm.available("scontrol") or slurm.available("sacct")):
-            info = slurm.job_info(launch.id)
-        return lifecycle.launch_state(launch, self.events_of(launch), info)
+            return lifecycle.launch_state(launch, own, process=lifecycle.observe_local(launch))
+        if info is None and ask_slurm:
+            info = lifecycle.ask_slurm([(launch, own)]).get(launch.id)
+        return lifecycle.launch_state(launch, own, info)
 
     def last_metrics(self) -> dict | None:
         """The latest training record of the history that stands (a restart undoes the steps
-        after its checkpoint), read from the end of metrics.jsonl."""
+        after its checkpoint), read from the end of metrics.jsonl: its last KiB, else 64 KiB."""
         from trainer.history import latest_by_step
 
-        path = self.dir / "metrics.jsonl"
-        try:
-            with path.open("rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 65536))
-                lines = f.read().decode(errors="replace").splitlines()
-        except FileNotFoundError:
-            return None
-        records = []
-        for line in lines:
+        path = self.dir / METRICS_FILE
+        for window in (1024, 65536):
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the window's first, cut line, or one a crash cut
-            if isinstance(record, dict):
-                records.append(record)
-        train = [r for r in latest_by_step(records) if r.get("kind") == "train"]
-        return train[-1] if train else None
+                with path.open("rb") as f:
+                    size = f.seek(0, os.SEEK_END)
+                    f.seek(max(0, size - window))
+                    lines = f.read().decode(errors="replace").splitlines()
+            except FileNotFoundError:
+                return None
+            records = []
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the window's first, cut line, or one a crash cut
+                if isinstance(record, dict):
+                    records.append(record)
+            train = [r for r in latest_by_step(records) if r.get("kind") == "train"]
+            if train or size <= window:
+                return train[-1] if train else None
+        return None
+
+    def total_steps(self, launch: Optional[Launch] = None) -> Optional[int]:
+        """train.steps of the latest training launch (its manifest entry says; the config for one
+        recorded before entries did), None when neither says."""
+        launch = launch or next((x for x in reversed(self.launches()) if x.kind == "train"), None)
+        if launch is not None and launch.steps is not None:
+            return launch.steps
+        try:
+            return self.config().train.steps
+        except (ConfigError, OSError):
+            return None
 
 
 def runs_root(project_dir: Path) -> Path:
@@ -303,14 +324,11 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
     return Sealed(cfg, paths, pin, env, files, notes, code)
 
 
-def _active_jobs(run: Run) -> list[tuple[str, str]]:
-    """(job id, state) of this run's jobs that Slurm still runs or queues."""
-    out = []
-    for job_id in run.job_ids():
-        info = slurm.job_info(job_id) if slurm.available("scontrol") or slurm.available("sacct") else None
-        if info is not None and info.active:
-            out.append((job_id, info.state))
-    return out
+def active_jobs(run: Run) -> list[tuple[str, str]]:
+    """(job id, state) of this run's jobs that Slurm still runs or queues (one query for all)."""
+    events = run.events()
+    answers = lifecycle.ask_slurm((x, run.events_of(x, events)) for x in run.launches() if not x.local)
+    return [(job, info.state) for job, info in answers.items() if info.active]
 
 
 def no_world_write() -> int:
@@ -360,7 +378,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
         mode = paths.run_dir.stat().st_mode
         if mode & 0o002:  # made under umask 000 before slipway masked it
             os.chmod(paths.run_dir, mode & 0o7775)
-        active = _active_jobs(run)
+        active = active_jobs(run)
         if active:
             jobs = ", ".join(f"{j} ({state})" for j, state in active)
             raise ConfigError("run.name", f"run {cfg.run.name} has a job queued or running ({jobs}), which reads "
@@ -420,7 +438,7 @@ def update_manifest(run: Run, change: Callable[[Manifest], None]) -> Manifest:
 def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", after: str = "") -> None:
     script = run.dir / (PREPARE_SCRIPT if kind == "prepare" else "job.sbatch")
     entry = Launch(job_id=job_id, kind=kind, submitted=now(), after=after, git=git_state(run.paths.project_dir),
-                   image=sealed.pin, code=sealed.snapshot,
+                   image=sealed.pin, code=sealed.snapshot, steps=sealed.cfg.train.steps if kind == "train" else None,
                    script_sha256=hashlib.sha256(script.read_bytes()).hexdigest())
 
     def add(manifest: Manifest) -> None:
@@ -452,16 +470,30 @@ def record_code(run: Run, manifest: Manifest, sealed: Sealed, launch: str) -> No
                              "after": after.record() if after else None}, indent=2) + "\n")
 
 
-def prune_code_store(root: Path) -> list[tuple[str, int]]:
+PRUNE_EVERY_SECONDS = 3600  # the store keeps what no run names for a day: an hourly pass loses nothing
+
+
+def prune_code_store(root: Path, *, now: Optional[float] = None) -> list[tuple[str, int]]:
     """The code store of runs root `root` without the snapshots no run names (jobs/runs/code.py
-    `prune_store`), after a launch recorded its own. Nothing is removed when a manifest cannot
-    be read: what it names is then unknown."""
+    `prune_store`), after a launch recorded its own: at most once in PRUNE_EVERY_SECONDS (it reads
+    every run's manifest; RUNS/.code.pruned says when it last did). Nothing is removed when a
+    manifest cannot be read: what it names is then unknown."""
+    stamp = root / f"{CODE_STORE}.pruned"
+    now = time.time() if now is None else now
+    try:
+        if now - stamp.stat().st_mtime < PRUNE_EVERY_SECONDS:
+            return []
+    except FileNotFoundError:
+        pass
     named: set[str] = set()
     try:
         for path in root.iterdir():
             if (path / MANIFEST).is_file():
                 named |= {Path(c.dir).name for c in manifests.read(path / MANIFEST).snapshots()}
-        return prune_store(root / CODE_STORE, named)
+        removed = prune_store(root / CODE_STORE, named)
+        stamp.touch()
+        os.utime(stamp, (now, now))
+        return removed
     except (OSError, ManifestError):
         return []
 
@@ -556,63 +588,3 @@ def _submit_prepare_locked(sealed: Sealed, *, force: bool) -> tuple[Run, str, Se
         raise
     record_submission(run, job_id, sealed, kind="prepare")
     return run, job_id, sealed
-
-
-class _Tail:
-    """Follows one growing file from its start."""
-
-    def __init__(self, path: Path, out: TextIO):
-        self.path, self.out, self.pos = path, out, 0
-
-    def pump(self) -> None:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.pos)
-                chunk = f.read()
-        except FileNotFoundError:
-            return
-        if chunk:
-            self.pos += len(chunk)
-            self.out.write(chunk.decode(errors="replace"))
-            self.out.flush()
-
-
-def follow(run: Run, job_id: str, *, interval: float = 1.0, on_state: Callable[[str], None] | None = None,
-           out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Print job `job_id`'s output and error logs as they grow until the job ends; its exit code.
-
-    The log paths are known before the job starts, so nothing can be missed
-    between submission and the first line.
-    """
-    tails = [_Tail(run.log_path(job_id, "output"), out)]
-    err_path = run.log_path(job_id, "error")
-    if err_path != tails[0].path:
-        tails.append(_Tail(err_path, err))
-    launch = run.launch(job_id) or Launch(job_id=job_id)
-    last_state = None
-    gone = 0
-    while True:
-        for t in tails:
-            t.pump()
-        info = slurm.job_info(job_id)
-        state = info.state if info else "UNKNOWN"
-        if state != last_state and on_state:
-            on_state(state)
-        last_state = state
-        if info is not None and not info.active:
-            time.sleep(interval)  # the last lines may land just after the state changes
-            for t in tails:
-                t.pump()
-            return run.state(launch, info).final_exit
-        if info is None:
-            gone += 1
-            if gone > 5:  # slurmctld forgot the job and there is no accounting
-                for t in tails:
-                    t.pump()
-                return _exit_from_events(run, launch)
-        time.sleep(interval)
-
-
-def _exit_from_events(run: Run, launch: Launch) -> int:
-    """The exit code of a job Slurm no longer knows, from events.log: 1 where it records no end."""
-    return run.state(launch, ask_slurm=False).final_exit

@@ -16,8 +16,9 @@ import signal
 import socket
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
+from jobs import slurm
 from jobs.runs.manifest import Launch
 from jobs.slurm import ACTIVE_STATES, JobInfo
 from kernel.rundir import (HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT, Event,
@@ -39,7 +40,7 @@ FAILURE_KINDS = frozenset({EventKind.HANG, EventKind.PREFLIGHT_FAILED, EventKind
 # Slurm's words for a job not ended yet; its own STOPPED (SIGSTOPped, holding its nodes) is told as
 # SUSPENDED, as STOPPED here is a launch that saved and ended.
 _ACTIVE = (ACTIVE_STATES - {STOPPED}) | {"SUSPENDED"}
-_STARTS = (EventKind.START, EventKind.PREPARE_START)
+STARTS = (EventKind.START, EventKind.PREPARE_START)
 _ENDS = (EventKind.END, EventKind.PREPARE_END)
 
 
@@ -74,7 +75,7 @@ def events_of(launch: Launch, events: Sequence[Event], runs_launches: Sequence[L
 
 def last_attempt(events: Sequence[Event]) -> list[Event]:
     """The events of a job's latest attempt: from its last start on (all of them before any start)."""
-    starts = [i for i, e in enumerate(events) if e.kind in _STARTS]
+    starts = [i for i, e in enumerate(events) if e.kind in STARTS]
     return list(events[starts[-1]:]) if starts else list(events)
 
 
@@ -184,6 +185,25 @@ def final_end(attempt: Sequence[Event]) -> Optional[Event]:
         return None
     requeue = _last(attempt, (EventKind.RETRY, EventKind.TIME_LIMIT_REQUEUE, EventKind.REQUEUE_FAILED))
     return end if requeue is None or requeue.kind is EventKind.REQUEUE_FAILED else None
+
+
+def settled(launch: Launch, events: Sequence[Event]) -> bool:
+    """Whether events.log (`events`: the launch's own) tells for good how a Slurm job ended, so that
+    Slurm need not be asked: its last attempt recorded its end and did not requeue itself. A SIGTERM
+    is no such end: only Slurm tells a plain scancel from the time limit or a preemption that
+    requeues the job."""
+    attempt = last_attempt(events)
+    if launch.local or final_end(attempt) is None:
+        return False
+    cancel = _last(attempt, EventKind.CANCELLED)
+    return cancel is None or cancel.text.startswith("cancelled by slipway")
+
+
+def ask_slurm(launches: Iterable[tuple[Launch, Sequence[Event]]]) -> dict[str, JobInfo]:
+    """What Slurm says of each launch (with its own events) that events.log does not settle: at
+    most one squeue and one sacct call for all of them, none for those it settles."""
+    ids = [x.id for x, own in launches if not x.local and not settled(x, own)]
+    return slurm.jobs_info(ids) if ids and slurm.can_ask() else {}
 
 
 def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchState:

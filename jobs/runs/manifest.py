@@ -23,7 +23,7 @@ import signal
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 from jobs.runs.container import ImagePin
 from kernel.errors import ConfigError, bounded, bounded_path
@@ -174,82 +174,117 @@ def _shown(value: Any) -> str:
     return bounded(json.dumps(value) if not isinstance(value, str) else repr(value), 60)
 
 
+_KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+          float: "a number", type(None): "null"}
+
+
 def _kind(value: Any) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-             float: "a number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
+    return _KINDS.get(type(value), type(value).__name__)
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+def _wanted(hint: Any) -> str:
+    hint = typing.get_origin(hint) or hint
+    return "an object" if dataclasses.is_dataclass(hint) else _KINDS.get(hint, getattr(hint, "__name__", str(hint)))
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+Reader = Callable[[Any, str], Any]  # (value, where in the file) -> the value read, or _Bad
+_READERS: dict[Any, Reader] = {}
+_SEEN: dict[tuple, Any] = {}  # records read already (frozen: one object serves every manifest naming it)
+_FIELDS: dict[type, dict[str, Reader]] = {}
 
 
-def _value(hint: Any, value: Any, where: str) -> Any:
-    """`value` read as the type `hint` says; _Bad when it is not one."""
+def _check(hint: Any) -> Callable[[Any], bool]:
+    """Whether a JSON value is of type `hint` (a boolean is no integer)."""
+    kind = typing.get_origin(hint) or hint
+    if kind is int:
+        return lambda v: type(v) is int
+    if kind is float:
+        return lambda v: type(v) is int or type(v) is float
+    if dataclasses.is_dataclass(kind):
+        return lambda v: type(v) is dict
+    return lambda v: isinstance(v, kind)
+
+
+def _reader(hint: Any) -> Reader:
+    """How a value of type `hint` is read (made once per type: a listing reads thousands)."""
+    if hint in _READERS:
+        return _READERS[hint]
     origin = typing.get_origin(hint)
     if origin is Union:
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        for option in options:
-            if option is not type(None) and _fits(option, value):
-                return _value(option, value, where)
-        wanted = " or ".join(_kind(_EXAMPLES.get(o, {})) for o in options if o is not type(None))
-        raise _Bad(f"{where}: {_kind(value)} where {wanted} belongs")
-    if not _fits(hint, value):
-        raise _Bad(f"{where}: {_kind(value)} where {_kind(_EXAMPLES.get(origin or hint, {}))} belongs")
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return [_value(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(hint):
-        return _record(hint, value, where)
-    return value
+        options = [(_check(o), _reader(o)) for o in typing.get_args(hint) if o is not type(None)]
+        nullable = type(None) in typing.get_args(hint)
+        wanted = " or ".join(_wanted(o) for o in typing.get_args(hint) if o is not type(None))
 
+        def read(value: Any, where: str) -> Any:
+            if value is None and nullable:
+                return None
+            for fits, reader in options:
+                if fits(value):
+                    return reader(value, where)
+            raise _Bad(f"{where}: {_kind(value)} where {wanted} belongs")
+    elif origin is list:
+        item = _reader(typing.get_args(hint)[0])
 
-_EXAMPLES: dict[Any, Any] = {str: "", int: 0, bool: False, float: 0.0, dict: {}, list: []}
+        def read(value: Any, where: str) -> Any:
+            if type(value) is not list:
+                raise _Bad(f"{where}: {_kind(value)} where a list belongs")
+            return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    elif dataclasses.is_dataclass(hint):
+        def read(value: Any, where: str) -> Any:
+            if type(value) is not dict:
+                raise _Bad(f"{where}: {_kind(value)} where an object belongs")
+            return _record(hint, value, where)
+    else:
+        fits = _check(hint)
 
-
-def _fits(hint: Any, value: Any) -> bool:
-    hint = typing.get_origin(hint) or hint
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if dataclasses.is_dataclass(hint):
-        return isinstance(value, dict)
-    return isinstance(value, hint)
+        def read(value: Any, where: str) -> Any:
+            if not fits(value):
+                raise _Bad(f"{where}: {_kind(value)} where {_wanted(hint)} belongs")
+            return value
+    _READERS[hint] = read
+    return read
 
 
 _OWN = ("others", "kept", "ALWAYS")  # fields of the model that are no keys of the file
 
 
+def _fields(cls: type) -> dict[str, Reader]:
+    if cls not in _FIELDS:
+        _FIELDS[cls] = {k: _reader(h) for k, h in typing.get_type_hints(cls).items() if k not in _OWN}
+    return _FIELDS[cls]
+
+
 def _record(cls: type, data: dict, where: str) -> Any:
-    hints = _hints(cls)
+    readers = _fields(cls)
     if hasattr(cls, "from_record"):  # a record another module defines: we check the types, it builds
+        try:  # one image or snapshot is named by many launches and runs: read once
+            same = (cls, *data.items())
+            if same in _SEEN:
+                return _SEEN[same]
+        except TypeError:  # a value that is no scalar: read it as it is
+            same = None
         for key, value in data.items():
-            if key in hints:
-                _value(hints[key], value, f"{where}.{key}")
+            if key in readers:
+                readers[key](value, f"{where}.{key}")
         obj = cls.from_record(data)
         if obj is None:
             raise _Bad(f"{where}: not a{'n' if cls.__name__[0] in 'AEIOU' else ''} {cls.__name__} record")
+        if same is not None and len(_SEEN) < 4096:
+            _SEEN[same] = obj
         return obj
     values: dict[str, Any] = {}
     others: dict[str, Any] = {}
     kept: dict[str, Any] = {}
     for key, value in data.items():
-        if key not in hints or key in _OWN:
+        reader = readers.get(key)
+        if reader is None:
             others[key] = value
             continue
-        values[key] = _value(hints[key], value, f"{where}.{key}")
-        if hasattr(values[key], "record"):  # its keys a newer slipway added, while it stays this record
-            extra = {k: v for k, v in value.items() if k not in _hints(type(values[key]))}
+        values[key] = read = reader(value, f"{where}.{key}")
+        if hasattr(read, "record"):  # its keys a newer slipway added, while it stays this record
+            extra = {k: v for k, v in value.items() if k not in _fields(type(read))}
             if extra:
-                kept[key] = (values[key], extra)
+                kept[key] = (read, extra)
     obj = cls(**values, others=others, kept=kept)
     check = getattr(obj, "_check", None)
     if check is not None:
