@@ -109,6 +109,8 @@ DAMAGE = {
     "an entry without a job id": ({**UNVERSIONED, "submissions": [{"kind": "train"}]}, "no Slurm job id"),
     "a log outside the run": ({**UNVERSIONED, "submissions": [{"local": True, "log": "../../etc/passwd"}]},
                               "not a path inside the run directory"),
+    "a secret where the kind belongs": ({**UNVERSIONED, "submissions": [{"job_id": "4", "kind": "HF_TOKEN=hf_x1"}]},
+                                        "kind: 'HF_TOKEN=<hidden>' is neither"),
     "an image as text": ({**UNVERSIONED, "image": "/img/x.sqsh"}, "image: a string where an object"),
     "an image without its source": ({**UNVERSIONED, "image": {"image": "/img/x.sqsh"}}, "image: not an ImagePin"),
     "a code hash as a number": ({**UNVERSIONED, "code": {**CODE, "hash": 5}}, "code.hash: an integer where a string"),

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Union
 
 from jobs.runs.container import ImagePin
-from kernel.errors import ConfigError, bounded, bounded_path
+from kernel.errors import ConfigError, bounded, bounded_path, shown
 from kernel.fs import write_atomic
 from kernel.rundir import LOCAL_JOB, MANIFEST_FILE, CodeSnapshot
 
@@ -125,13 +125,13 @@ class Launch:
 
     def _check(self, where: str) -> None:
         if not self.local and not (isinstance(self.job_id, str) and _JOB_ID.fullmatch(self.job_id)):
-            raise _Bad(f"{where}.job_id: {_shown(self.job_id)} is no Slurm job id (and it is no local launch)")
+            raise _Bad(f"{where}.job_id: {shown(self.job_id, 'job_id')} is no Slurm job id (and it is no local launch)")
         if self.kind not in ("train", "prepare"):
-            raise _Bad(f"{where}.kind: {_shown(self.kind)} is neither train nor prepare")
+            raise _Bad(f"{where}.kind: {shown(self.kind, 'kind')} is neither train nor prepare")
         if self.log and (Path(self.log).is_absolute() or ".." in Path(self.log).parts):
-            raise _Bad(f"{where}.log: {_shown(self.log)} is not a path inside the run directory")
+            raise _Bad(f"{where}.log: {shown(self.log, 'log')} is not a path inside the run directory")
         if isinstance(self.exit, str) and not self.interrupted:
-            raise _Bad(f"{where}.exit: {_shown(self.exit)} is neither an exit code nor \"interrupted\"")
+            raise _Bad(f"{where}.exit: {shown(self.exit, 'exit')} is neither an exit code nor \"interrupted\"")
 
 
 @dataclass
@@ -168,10 +168,6 @@ class Manifest:
 
 class _Bad(Exception):
     """What is wrong, and where in the file."""
-
-
-def _shown(value: Any) -> str:
-    return bounded(json.dumps(value) if not isinstance(value, str) else repr(value), 60)
 
 
 _KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
