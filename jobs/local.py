@@ -15,26 +15,25 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 from plumbum import local
 from rich.markup import escape
 
 from edf import render_edf, srun_flags
 from jobs import runs, slurm
-from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.config import Config
-from jobs.runs.lifecycle import Launch
+from jobs.runs.manifest import Launch, Manifest
 from jobs.slurm.script import REQUEUE_EXIT, local_argv
 from kernel import environ
 from kernel.errors import ConfigError
 from kernel.rundir import HANGS_DIR, HANG_EXIT
 from kernel.fs import write_atomic
-from kernel.rundir import LOCAL_JOB, CodeSnapshot, Event
+from kernel.rundir import LOCAL_JOB, CodeSnapshot
 
 
 def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -> dict[str, str]:
@@ -471,68 +470,37 @@ def _check_data_fits(cfg: Config, status) -> None:
 
 
 def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: Path, sealed: runs.Sealed,
-                  allocation: Optional[str] = None) -> dict:
+                  allocation: Optional[str] = None) -> Launch:
     """Add this launch to the manifest. `pid` is this process, not the trainer's: it outlives the
     trainer and writes the outcome, so a reader never sees the launch dead before its exit is recorded."""
-    entry = {"job_id": None, "local": True, "started": runs.now(), "pid": os.getpid(), "trainer_pid": trainer_pid,
-             "host": socket.gethostname(), "log": str(log_path.relative_to(run.dir)),
-             "git": runs.git_state(project_dir), "code": sealed.code_record,
-             **({"allocation": allocation} if allocation else {})}
-    def add(manifest: dict) -> None:
+    launch = Launch(local=True, started=runs.now(), pid=os.getpid(), trainer_pid=trainer_pid,
+                    host=socket.gethostname(), log=str(log_path.relative_to(run.dir)),
+                    git=runs.git_state(project_dir), code=sealed.snapshot, allocation=allocation or "",
+                    steps=sealed.cfg.train.steps, job_lib=sealed.job_lib if allocation else {})
+
+    def add(manifest: Manifest) -> None:
         runs.record_code(run, manifest, sealed, LOCAL_JOB)
-        manifest.setdefault("submissions", []).append(entry)
+        if allocation:  # the batch script ran, sourcing its libraries
+            manifest.job_lib = sealed.job_lib
+        manifest.submissions.append(launch)
 
     runs.update_manifest(run, add)
     runs.prune_code_store(run.dir.parent)
-    return entry
+    return launch
 
 
-def same_launch(a: dict, b: dict) -> bool:
-    """Whether two manifest entries are one local launch (a process may launch twice, as tests do)."""
-    x, y = Launch.from_entry(a), Launch.from_entry(b)
-    return x is not None and y is not None and x.local and x.same(y)
-
-
-def _finish_local(run: runs.Run, launch: dict, outcome: Union[int, str], **extra) -> None:
+def _finish_local(run: runs.Run, launch: Launch, outcome: Union[int, str], **extra) -> None:
     """Record the launch's end: `exit` (its exit code, or "interrupted" for Ctrl-C), and `extra`
     (`signal`: the name of the signal that stopped it; `trainer_exit`: the trainer's own code)."""
     ended = runs.now()
 
-    def finish(manifest: dict) -> None:
-        for entry in reversed(manifest.get("submissions", [])):
-            if same_launch(entry, launch):
-                entry.update(ended=ended, exit=outcome, **extra)
+    def finish(manifest: Manifest) -> None:
+        for i in reversed(range(len(manifest.submissions))):
+            if manifest.submissions[i].same(launch):
+                manifest.submissions[i] = replace(manifest.submissions[i], ended=ended, exit=outcome, **extra)
                 break
 
     runs.update_manifest(run, finish)
-
-
-def _launch(entry: dict) -> Launch:
-    launch = Launch.from_entry({**entry, "local": True}) if isinstance(entry, dict) else None
-    return launch or Launch(kind="local", id=lifecycle.LOCAL_JOB)
-
-
-def local_state(entry: dict, events: Sequence[Event] = ()) -> tuple[str, str]:
-    """(state, exit) of a local launch's manifest entry, as `slipway status` shows it
-    (`lifecycle.launch_state` decides; `events`: the launch's own, `Run.events_of`)."""
-    launch = _launch(entry)
-    state = lifecycle.launch_state(launch, events, process=lifecycle.observe_local(launch))
-    return state.state, "" if state.exit_code is None else str(state.exit_code)
-
-
-def local_exit(state: str, code: str) -> int | None:
-    """The exit code of a launch in `local_state` (state, code), as `watch` and `logs -f` exit with
-    it: None while it runs, 1 for one that died without saying."""
-    if state == lifecycle.RUNNING:
-        return None
-    return int(code) if code.lstrip("-").isdigit() else 1
-
-
-def local_elapsed(entry: dict) -> str:
-    """How long a local run's launch ran (until now while it runs), as Slurm writes elapsed
-    times ([D-]HH:MM:SS); empty when the manifest entry does not say."""
-    launch = _launch(entry)
-    return lifecycle.elapsed(launch, lifecycle.launch_state(launch, (), process=lifecycle.observe_local(launch)))
 
 
 def _checkpoint_steps(ckpt_dir: Path) -> list[int]:
@@ -541,8 +509,6 @@ def _checkpoint_steps(ckpt_dir: Path) -> list[int]:
         return []
     return sorted(int(p.name[5:]) for p in ckpt_dir.glob("step-*") if p.name[5:].isdigit()
                   and (p / "COMPLETE").is_file())
-
-
 
 
 # Where the shell's EDF would be, as a dry run shows it (mkdtemp's Xs: a name chosen when it runs).

@@ -17,8 +17,9 @@ import os
 import re
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
+from functools import cached_property
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 # File names inside runs/RUN/.
 EVENTS_FILE = "events.log"
@@ -39,13 +40,31 @@ STOP_FILE = "stop-requested"
 # the dumps (torchrun turns every worker's exit code into 1) and exits it too unless it retries.
 HANGS_DIR = "hangs"
 
-# Exit codes of the trainer and the batch script (anything else: a crash, or a signal as 128+N).
+# Exit codes of a launch, one per end: the trainer's and the batch script's (jobs/slurm/job_lib.sh),
+# and the same code in events.log (`end exit N`), `slipway status`, `watch` and `logs -f`. Where the
+# batch script recorded its end, that code is the launch's, whatever Slurm says of a cleanup it
+# killed after it (jobs/runs/lifecycle.py). docs/runs.md lists EXIT_CODES; tests/test_docs.py checks.
 BAD_INPUT_EXIT = 2  # bad config or input: one `error:` line
 NONFINITE_EXIT = 3  # stopped on non-finite numbers (train.max_nonfinite_steps)
 HANG_EXIT = 4
 PREFLIGHT_EXIT = 5  # a node failed the preflight (trainer/preflight.py) and the job was not retried elsewhere
 REQUEUE_EXIT = 75
 INTERRUPTED_EXIT = 130  # a local launch stopped by Ctrl-C (128 + SIGINT)
+CANCEL_EXIT = 140  # `slipway cancel`: USR2 to the batch shell (128 + SIGUSR2)
+TERM_EXIT = 143  # SIGTERM to a job: a plain scancel, a preemption, the time limit (128 + SIGTERM)
+EXIT_CODES = {
+    0: "completed",
+    1: "failed (a crash; torchrun reports 2 and 3 as 1)",
+    BAD_INPUT_EXIT: "bad config or input (launcher: srun)",
+    NONFINITE_EXIT: "stopped on non-finite numbers (launcher: srun)",
+    HANG_EXIT: "hung, not retried",
+    PREFLIGHT_EXIT: "a node failed its preflight, not retried",
+    REQUEUE_EXIT: "saved a checkpoint and stopped after the time-limit warning, no requeue left",
+    INTERRUPTED_EXIT: "a local launch stopped by Ctrl-C",
+    CANCEL_EXIT: "cancelled by `slipway cancel`",
+    TERM_EXIT: "SIGTERM: a plain `scancel`, a preemption, or the time limit without a save",
+}
+# Any other code above 128 is 128 + the signal that ended the launch (a rank, or a local launch's launcher).
 
 LOCAL_JOB = "local"  # the job field of a launch on this machine
 # The preflight's all-reduce in the training step (trainer/preflight.py AllReduceGate): the batch
@@ -182,7 +201,7 @@ class Event:
     job: str  # a Slurm job id, LOCAL_JOB, or "" when the writer had none
     text: str
 
-    @property
+    @cached_property  # asked of every event by each reader: decided once
     def kind(self) -> EventKind:
         return event_kind(self.text)
 
@@ -270,6 +289,32 @@ def read_events(run_dir: str | os.PathLike) -> list[Event]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     return parse_events(data.decode("utf-8", errors="replace"))
+
+
+def tail_events(run_dir: str | os.PathLike, until: Callable[[Event], bool], block: int = 8192) -> list[Event]:
+    """The last events of a run directory's events.log, in the order written: from the latest one
+    for which `until` holds (every event when none does). The file is read backwards, a block at a
+    time, so that a reader of the latest attempt reads no more of a long history."""
+    try:
+        f = open(Path(run_dir) / EVENTS_FILE, "rb")
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found: list[Event] = []  # newest first
+    with f:
+        pos, rest = f.seek(0, os.SEEK_END), b""
+        while pos > 0:
+            start = max(0, pos - block)
+            f.seek(start)
+            lines = (f.read(pos - start) + rest).split(b"\n")
+            pos, block = start, block * 2
+            rest = lines.pop(0) if start > 0 else b""  # maybe cut: read whole with the block before it
+            for line in reversed(lines):
+                event = parse_event(line.decode("utf-8", errors="replace"))
+                if event is not None:
+                    found.append(event)
+                    if until(event):
+                        return found[::-1]
+    return found[::-1]
 
 
 def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,

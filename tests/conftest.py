@@ -82,6 +82,13 @@ def stand_in(bin_dir: Path, name: str, body: str) -> None:
     (bin_dir / name).chmod(0o755)
 
 
+def squeue_answering(state: str) -> str:
+    """The body of a squeue stand-in that answers slipway's query (jobs/slurm `squeue_argv`) as Slurm
+    prints it, one line per job id asked about, in the state the shell word `state` gives ($id: the job)."""
+    return ('for a in "$@"; do case "$a" in --jobs=*) jobs=${a#--jobs=} ;; esac; done\n'
+            f'for id in ${{jobs//,/ }}; do echo "$id|{state}|None|0:00|node1|0|x"; done\n')
+
+
 def tree(path: Path) -> list[str]:
     """Every file and directory under `path`, for "nothing was written" checks."""
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))

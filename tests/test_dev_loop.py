@@ -283,10 +283,11 @@ def test_a_job_runs_the_code_it_was_submitted_with_through_a_requeue(project, sl
     assert f"note: code changed at job {again}: {old['hash'][:12]} -> {new['hash'][:12]}" in status.stdout
 
     # The store keeps what runs name: with run `old` deleted, its first snapshot goes at the next
-    # launch once its grace has passed; the one `new` names stays.
+    # launch once its grace has passed (and the hour since the store's last pruning); the one
+    # `new` names stays.
     shutil.rmtree(runs / "old")
     past = time.time() - PRUNE_AFTER_SECONDS - 60
-    for entry in (runs / STORE).iterdir():
+    for entry in [*(runs / STORE).iterdir(), runs / f"{STORE}.pruned"]:
         os.utime(entry, (past, past))
     r = slipway("submit", "tiny_cpu", "--parsable", "--run-name", "after", *TINY)
     assert r.returncode == 0, r.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import stand_in, tree
+from conftest import squeue_answering, stand_in, tree
 from kernel import environ
 from kernel.errors import ConfigError
 
@@ -68,19 +68,19 @@ def _one_line(r: subprocess.CompletedProcess, start: str) -> str:
                                              ("SLURM_NNODES", "2;touch pwned"), ("SLURM_JOB_NUM_NODES", "-3")])
 def test_slipway_run_refuses_hostile_slurm_values_before_writing_anything(project, tmp_path, variable, value):
     bin_dir = tmp_path / "fake-slurm"
-    stand_in(bin_dir, "scontrol", 'echo "JobId=$4 JobState=RUNNING"\n')
+    stand_in(bin_dir, "squeue", squeue_answering("RUNNING"))
     before = tree(project)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", variable: value}
     _one_line(_run(project, env), f"${variable}: ")
     assert tree(project) == before and not list(project.parent.rglob("pwned"))
 
 
-@pytest.mark.parametrize("answer, said", [("", "is unknown to Slurm"), ("JobState=COMPLETED", "is COMPLETED")])
-def test_slipway_run_outside_a_live_allocation_is_one_line_before_anything_is_written(project, tmp_path, answer,
+@pytest.mark.parametrize("state, said", [("", "is unknown to Slurm"), ("COMPLETED", "is COMPLETED")])
+def test_slipway_run_outside_a_live_allocation_is_one_line_before_anything_is_written(project, tmp_path, state,
                                                                                       said):
     """A shell left from an allocation that ended still says its id: Slurm is asked."""
     bin_dir = tmp_path / "fake-slurm"
-    stand_in(bin_dir, "scontrol", f'[ -n "{answer}" ] && echo "JobId=$4 {answer}"; exit 0\n')
+    stand_in(bin_dir, "squeue", squeue_answering(state) if state else "exit 0\n")
     stand_in(bin_dir, "sacct", "exit 0\n")
     before = tree(project)
     line = _one_line(_run(project, {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import test_hang_script as hang_script  # its batch-script harness (a module, so its tests stay there)
-from conftest import stand_in
+from conftest import squeue_answering, stand_in
 from jobs.cli import main
 
 PY = sys.executable
@@ -110,8 +110,8 @@ def test_submit_without_a_controller_is_doctors_one_line_and_writes_nothing(proj
 def test_submit_parsable_prints_only_the_job_id(project, tmp_path):
     bin_dir = tmp_path / "slurm-bin"
     stand_in(bin_dir, "sbatch", 'echo 4242\n')
-    stand_in(bin_dir, "scontrol", 'case "$1" in ping) echo "Slurmctld(primary) at n1 is UP" ;;\n'
-                                  '  show) echo "JobId=$4 JobState=PENDING ExitCode=0:0" ;; esac\n')
+    stand_in(bin_dir, "scontrol", '[ "$1" = ping ] && echo "Slurmctld(primary) at n1 is UP"\n')
+    stand_in(bin_dir, "squeue", squeue_answering("PENDING"))
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     r = slipway("submit", "tiny_cpu", "--parsable", env=env)
     assert r.returncode == 0 and r.stdout == "4242\n", (r.stdout, r.stderr)

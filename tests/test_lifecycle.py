@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs.lifecycle import Launch, LocalProcess, launch_state
+from jobs.runs.manifest import ManifestError, read as read_manifest
 from jobs.slurm.script import _EVENT, RunPaths
 from kernel.rundir import (EVENTS_FILE, LOCAL_JOB, Event, EventKind, append_event, format_event, parse_event,
                             read_events)
@@ -96,25 +96,28 @@ def test_event_kinds_come_from_the_texts_start():
 # ------------------------------------------------------------------ launches from the manifest
 
 
-def test_manifest_entries_are_read_once_into_launches():
+def test_manifest_entries_are_read_once_into_launches(tmp_path):
     manifest = {"submissions": [
         {"job_id": "40", "kind": "prepare", "submitted": T0, "git": {"commit": "abc", "dirty": False},
-         "image": {"image": "x.sqsh"}, "script_sha256": "f00"},
+         "image": {"image": "x.sqsh", "source": "file"}, "script_sha256": "f00"},
         {"job_id": "41", "kind": "train", "submitted": T0, "after": "40"},
         {"job_id": None, "local": True, "started": T0, "ended": T0, "pid": 12, "trainer_pid": 13, "host": "h",
          "log": "logs/local-1.out", "exit": 3},
         {"job_id": None, "local": True, "started": T0, "pid": 14, "exit": "interrupted"},
         {"job_id": None, "local": True, "started": T0, "pid": 15, "exit": None, "signal": "SIGTERM"},
-        "junk", {"job_id": None}, {"job_id": ["41"]}, {"job_id": True},
     ]}
-    prep, train, done, ctrl_c, term = lifecycle.launches(manifest)
-    assert (prep.kind, prep.id, prep.git["commit"], prep.image["image"], prep.script_sha256) == \
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    prep, train, done, ctrl_c, term = read_manifest(tmp_path / "manifest.json").submissions
+    assert (prep.kind, prep.id, prep.git["commit"], prep.image.image, prep.script_sha256) == \
         ("prepare", "40", "abc", "x.sqsh", "f00")
     assert (train.kind, train.after, train.local) == ("train", "40", False)
     assert (done.local, done.id, done.recorded_exit, done.pid, done.trainer_pid, done.log) == \
         (True, LOCAL_JOB, 3, 12, 13, "logs/local-1.out")
-    assert ctrl_c.interrupted and term.signal == 15 and not Launch(kind="local", id=LOCAL_JOB).recorded
-    assert lifecycle.launches({}) == [] and lifecycle.launches({"submissions": "x"}) == [] == lifecycle.launches([])
+    assert ctrl_c.interrupted and term.signal_number == 15 and not Launch(local=True).recorded
+    for junk in ("junk", {"job_id": None}, {"job_id": ["41"]}, {"job_id": True}, {"job_id": "../41"}):
+        (tmp_path / "manifest.json").write_text(json.dumps({"submissions": [junk]}))
+        with pytest.raises(ManifestError, match="submissions"):
+            read_manifest(tmp_path / "manifest.json")
 
 
 def test_a_run_reads_its_launches_and_the_events_of_each(tmp_path):
@@ -139,8 +142,8 @@ def test_a_run_reads_its_launches_and_the_events_of_each(tmp_path):
 
 # ------------------------------------------------------------------ one function to a launch's state
 
-SLURM = Launch(kind="train", id="41")
-LOCAL = Launch(kind="local", id=LOCAL_JOB, started=T0, pid=12, host="h")
+SLURM = Launch(job_id="41")
+LOCAL = Launch(local=True, started=T0, pid=12, host="h")
 GONE = LocalProcess(False, False)
 ALIVE = LocalProcess(True, False)
 
@@ -177,7 +180,15 @@ CASES = [
     ("stopped, requeue off", SLURM, [START, "time-limit stop: saved after the stop request; slurm.requeue is off",
                                      "end exit 75"], info("FAILED", "75:0"), ("STOPPED", 75, "time-limit stop")),
     ("cancelled by slipway", SLURM, [START, "cancelled by slipway cancel", "end exit 140"], info("CANCELLED", "0:15"),
-     ("CANCELLED", 143, "cancelled by slipway cancel")),
+     ("CANCELLED", 140, "cancelled by slipway cancel")),
+    # the script recorded 143; Slurm SIGKILLed its cleanup after KillWait and says 0:9
+    ("a plain scancel", SLURM, [START, "cancelled (SIGTERM)", "end exit 143"], info("CANCELLED", "0:9"),
+     ("CANCELLED", 143, "SIGTERM")),
+    ("the time limit's SIGTERM", SLURM, [START, "cancelled (SIGTERM)", "end exit 143"], info("TIMEOUT", "0:9"),
+     ("TIMEOUT", 143, "time limit")),
+    ("killed before it recorded an end", SLURM, [START], info("CANCELLED", "0:9"), ("CANCELLED", 137, "")),
+    ("requeued, then cancelled while pending", SLURM, [START, "retry 1/2 (hang): requeueing", "end exit 0"],
+     info("CANCELLED", "0:15"), ("CANCELLED", 143, "")),
     ("cancelled by someone else", SLURM, [START, "end exit 143"], info("CANCELLED by 1000", "0:15"),
      ("CANCELLED", 143, "by 1000")),
     ("cancelled while pending, Slurm forgot it", SLURM, ["cancelled by slipway cancel"], None,
@@ -190,20 +201,20 @@ CASES = [
     ("never heard of", SLURM, [], None, ("UNKNOWN", None, "")),
     ("only the last attempt counts", SLURM, [START, "end exit 1", "retry 1/2 (node failure): requeueing", START,
                                              "end exit 0"], info("COMPLETED"), ("COMPLETED", 0, "")),
-    ("prepare job", Launch(kind="prepare", id="41"), ["prepare start on n1", "prepare end exit 2"],
+    ("prepare job", Launch(job_id="41", kind="prepare"), ["prepare start on n1", "prepare end exit 2"],
      info("FAILED", "2:0"), ("FAILED", 2, "")),
     ("local running", LOCAL, ["start on this machine"], ALIVE, ("RUNNING", None, "")),
-    ("local completed", Launch(kind="local", id=LOCAL_JOB, recorded_exit=0), ["start on this machine", "end exit 0"],
+    ("local completed", Launch(local=True, exit=0), ["start on this machine", "end exit 0"],
      GONE, ("COMPLETED", 0, "")),
-    ("local exit recorded while the launcher lives on", Launch(kind="local", id=LOCAL_JOB, recorded_exit=0), [],
+    ("local exit recorded while the launcher lives on", Launch(local=True, exit=0), [],
      ALIVE, ("COMPLETED", 0, "")),
-    ("local failed", Launch(kind="local", id=LOCAL_JOB, recorded_exit=3), [], GONE, ("FAILED", 3, "")),
-    ("local saved and stopped", Launch(kind="local", id=LOCAL_JOB, recorded_exit=75), [], GONE, ("STOPPED", 75, "")),
-    ("local Ctrl-C", Launch(kind="local", id=LOCAL_JOB, interrupted=True), ["end interrupted"], GONE,
+    ("local failed", Launch(local=True, exit=3), [], GONE, ("FAILED", 3, "")),
+    ("local saved and stopped", Launch(local=True, exit=75), [], GONE, ("STOPPED", 75, "")),
+    ("local Ctrl-C", Launch(local=True, exit="interrupted"), ["end interrupted"], GONE,
      ("INTERRUPTED", 130, "Ctrl-C")),
-    ("local SIGTERM recorded", Launch(kind="local", id=LOCAL_JOB, signal=15), [], GONE,
+    ("local SIGTERM recorded", Launch(local=True, signal=15), [], GONE,
      ("TERMINATED", 143, "SIGTERM")),
-    ("local trainer killed by a signal", Launch(kind="local", id=LOCAL_JOB, recorded_exit=-9), [], GONE,
+    ("local trainer killed by a signal", Launch(local=True, exit=-9), [], GONE,
      ("TERMINATED", 137, "SIGKILL")),
     ("local died without a word", LOCAL, ["start on this machine"], GONE, ("DIED", None, "recorded no end")),
     ("local launcher killed after its end event", LOCAL, ["start on this machine", "end exit 0"], GONE,

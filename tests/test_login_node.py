@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, stand_in, tree
+from conftest import ROOT, squeue_answering, stand_in, tree
 
 # What the trainer and plot extras bring: none of it may be importable in the venv.
 NOT_INSTALLED = ("torch", "numpy", "tokenizers", "datasets", "safetensors", "matplotlib")
@@ -111,22 +111,19 @@ def project(tmp_path: Path) -> Path:
 @pytest.fixture
 def slurm(tmp_path: Path) -> dict[str, str]:
     """Slurm's client tools as stand-ins that log their arguments to $SLURM_CALLS: sbatch hands out job
-    ids from 4241, scontrol reports each job in the state its file holds, scancel cancels."""
+    ids from 4241, squeue reports each job in the state its file holds, scancel cancels."""
     bin_dir, calls = tmp_path / "slurm-bin", tmp_path / "slurm-calls"
     log = 'echo "$(basename "$0") $*" >> "$SLURM_CALLS"\n'
     stand_in(bin_dir, "sbatch", log + 'n=$(( $(grep -c "^sbatch" "$SLURM_CALLS") + 4240 ))\n'
                                       'echo RUNNING > "$SLURM_CALLS.$n"\necho "$n"\n')
     stand_in(bin_dir, "scontrol", log + """case "$1" in
   ping) echo "Slurmctld(primary) at stand-in is UP" ;;
-  show) if [ "$2" = hostnames ]; then echo "$3"; else
-          echo "JobId=$4 JobName=x JobState=$(cat "$SLURM_CALLS.$4") Reason=None ExitCode=0:0" \\
-               "RunTime=00:00:01 NodeList=node1"
-        fi ;;
+  show) [ "$2" = hostnames ] && echo "$3" ;;
 esac
 """)
+    stand_in(bin_dir, "squeue", log + squeue_answering('$(cat "$SLURM_CALLS.$id")'))
     stand_in(bin_dir, "scancel", log + 'for id in "$@"; do echo CANCELLED > "$SLURM_CALLS.$id"; done\n')
-    for name in ("squeue", "srun"):
-        stand_in(bin_dir, name, log)
+    stand_in(bin_dir, "srun", log)
     calls.touch()
     return {"PATH": f"{bin_dir}{os.pathsep}{_clean_env()['PATH']}", "SLURM_CALLS": str(calls)}
 

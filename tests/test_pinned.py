@@ -111,6 +111,23 @@ def test_prune_keeps_what_runs_pin_and_removes_the_rest(project, pin_config, slu
     assert not pinned.exists() and f"removed {pinned}" in r.stdout and current.exists()
 
 
+def test_prune_removes_nothing_while_a_runs_manifest_is_damaged(project, pin_config, slurm_stand_ins):
+    """A manifest that cannot be read may pin any image: one line naming it, exit 2, nothing removed."""
+    pinned = fake_build(project, source="1")
+    submit("old", env=slurm_stand_ins)
+    unpinned = fake_build(project, source="2")
+    fake_build(project, source="3")
+    manifest = project / "runs" / "old" / "manifest.json"
+    manifest.write_text('{"run": "old", "submissions": [{"job_id": 7}]}')
+    before = tree(project / "images")
+    r = slipway("image", "prune", pin_config)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, (r.stdout, r.stderr)
+    assert lines[0].startswith(f"slipway: error: {manifest}: damaged (submissions[0].job_id: an integer where")
+    assert "it may pin an image, so nothing was pruned" in lines[0] and "prune again" in lines[0]
+    assert tree(project / "images") == before and pinned.exists() and unpinned.exists()
+
+
 # ------------------------------------------------------------------ a pinned squashfs that is not there
 
 
@@ -278,3 +295,24 @@ def test_a_submission_runs_the_build_of_its_image_settings_not_the_latest(projec
     line = one_line_error(r, "container.image")
     assert "sources changed in configs/" in line and "flash_attn true" not in line
     assert line.split("`")[1] == "slipway image build pin image.flash_attn=false"
+
+
+def test_doctor_of_a_run_checks_its_code_and_job_library_as_the_nodes_will(project, pin_config, slurm_stand_ins):
+    fake_build(project)
+    manifest = submit("sealed", env=slurm_stand_ins)
+    assert manifest["job_lib"] and all(name.startswith("lib/") for name in manifest["job_lib"])
+    assert manifest["submissions"][-1]["job_lib"] == manifest["job_lib"]
+    r = slipway("doctor", "--run", "sealed")
+    assert r.returncode == 0, r.stdout
+    assert "ok   pinned code: snapshot" in r.stdout and "ok   job library: lib/job_lib-" in r.stdout
+    code = Path(manifest["code"]["dir"])
+    model = code / "trainer" / "model.py"
+    model.chmod(0o644)
+    model.write_text("# edited in the store\n")
+    lib = project / "runs" / "sealed" / next(iter(manifest["job_lib"]))
+    lib.chmod(0o644)
+    lib.write_text(lib.read_text() + "\n# edited\n")
+    r = slipway("doctor", "--run", "sealed")
+    assert r.returncode == 1, r.stdout
+    assert f"fail pinned code: {model} differs from the file submitted: the next job would end at its start" in r.stdout
+    assert f"fail job library: {lib} differs from the one submitted" in r.stdout

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from test_e2e import TINY, wait_for
-from conftest import stand_in
+from conftest import squeue_answering, stand_in
 from trainer_helpers import ROOT
 
 PY = sys.executable
@@ -39,17 +39,14 @@ def refused(r: subprocess.CompletedProcess, *words: str) -> str:
 
 @pytest.fixture
 def slurm(tmp_path: Path) -> dict[str, str]:
-    """sbatch that records each call and hands out ids from 501; scontrol that reports a job
+    """sbatch that records each call and hands out ids from 501; squeue that reports a job
     sbatch gave out as PENDING (so a second submission sees it queued) until `ended` holds it."""
     bin_dir, calls = tmp_path / "slurm-bin", tmp_path / "slurm-calls"
     stand_in(bin_dir, "sbatch", 'echo "sbatch $*" >> "$SLURM_CALLS"\n'
                                 'echo $(( $(grep -c "^sbatch" "$SLURM_CALLS") + 500 ))\n')
-    stand_in(bin_dir, "scontrol", """case "$1" in
-  ping) echo "Slurmctld(primary) at stand-in is UP" ;;
-  show) state=PENDING; grep -qx "$4" "$SLURM_CALLS.ended" 2>/dev/null && state=COMPLETED
-        echo "JobId=$4 JobName=x JobState=$state Reason=None ExitCode=0:0 RunTime=00:00:00 NodeList=" ;;
-esac
-""")
+    stand_in(bin_dir, "scontrol", '[ "$1" = ping ] && echo "Slurmctld(primary) at stand-in is UP"\n')
+    stand_in(bin_dir, "squeue", squeue_answering(
+        '$(grep -qx "$id" "$SLURM_CALLS.ended" 2>/dev/null && echo COMPLETED || echo PENDING)'))
     calls.touch()
     return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_CALLS": str(calls)}
 

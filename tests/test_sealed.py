@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SRUN_PASSING_PREFLIGHT, default_signals, tree
+from conftest import ROOT, SRUN_PASSING_PREFLIGHT, default_signals, squeue_answering, tree
 
 PY = sys.executable
 
@@ -532,9 +532,9 @@ def test_ctrl_c_on_local_says_interrupted_and_how_to_resume(project):
 
 @pytest.fixture
 def slurm_stand_ins(tmp_path) -> dict:
-    """sbatch/scontrol stand-ins that accept a job and report it ended: for tests of what submit writes."""
+    """sbatch/scontrol/squeue stand-ins that accept a job and report it ended: for tests of what submit writes."""
     bin_dir = tmp_path / "fake-slurm"
     stand_in(bin_dir, "sbatch", 'echo "$((RANDOM + 100))"\n')
-    stand_in(bin_dir, "scontrol", 'if [ "$1" = show ]; then echo "JobId=$4 JobState=COMPLETED ExitCode=0:0"; fi\n'
-                                  '[ "$1" = ping ] && echo "Slurmctld(primary) at n1 is UP"; exit 0\n')
+    stand_in(bin_dir, "scontrol", '[ "$1" = ping ] && echo "Slurmctld(primary) at n1 is UP"; exit 0\n')
+    stand_in(bin_dir, "squeue", squeue_answering("COMPLETED"))
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}

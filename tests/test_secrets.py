@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plumbum import local
 
-from conftest import SRUN_PASSING_PREFLIGHT, tree
+from conftest import SRUN_PASSING_PREFLIGHT, squeue_answering, tree
 from jobs.cli import main
 from jobs.config import Config
 from kernel.schema import config_fields
@@ -63,7 +63,8 @@ def host(project: Path, tmp_path: Path, monkeypatch):
     seen.mkdir()
     stand_in(bin_dir, "sbatch", f'{{ {SAW}; }} > {shlex.quote(str(seen))}/sbatch\necho "$((RANDOM + 100))"\n')
     stand_in(bin_dir, "scontrol", 'case "$1 $2" in "ping "*) echo "Slurmctld(primary) at n1 is UP" ;;\n'
-                                  '  "show job") echo "JobId=$4 JobState=COMPLETED ExitCode=0:0" ;; *) echo n1 ;; esac\n')
+                                  '  *) echo n1 ;; esac\n')
+    stand_in(bin_dir, "squeue", squeue_answering("COMPLETED"))
     # The shell's srun: what it was handed, and the modes of the EDF it was pointed at.
     stand_in(bin_dir, "srun", "{ " + SAW + "\n"
                               'for a in "$@"; do case "$a" in --environment=*) f=${a#--environment=}\n'

@@ -132,21 +132,50 @@ def test_show_logs_exit_code_is_the_jobs(project, slurm_env):
     assert status.returncode == 0 and "fails" in status.stdout and "FAILED" in status.stdout
 
 
-@pytest.mark.slurm
-def test_cancel(project, slurm_env):
-    r = slipway("submit", "tiny_cpu", "--parsable", "--run-name", "sleeper",
+def sleeper(project: Path, name: str) -> str:
+    """A job of run `name` that trains nothing and sleeps, once its output says it is up: its id."""
+    r = slipway("submit", "tiny_cpu", "--parsable", "--run-name", name,
                 *task("import time; print('up', flush=True); time.sleep(600)"))
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().splitlines()[-1]
-    log = project / "runs" / "sleeper" / "logs" / f"{job_id}.out"
+    log = project / "runs" / name / "logs" / f"{job_id}.out"
     deadline = time.time() + 60
     while time.time() < deadline and "up" not in (log.read_text() if log.exists() else ""):
         time.sleep(0.5)
+    return job_id
+
+
+def status_row(run: str, job_id: str) -> list[str]:
+    """(job, state, exit, ...) of job `job_id` in `slipway status RUN`'s table."""
+    out = slipway("status", run, env={"COLUMNS": "300"}).stdout
+    rows = [cells for line in out.splitlines() if (cells := [c.strip() for c in line.split("│")[1:-1]])]
+    return next(cells for cells in rows if cells[0] == job_id)
+
+
+@pytest.mark.slurm
+def test_cancel(project, slurm_env):
+    job_id = sleeper(project, "sleeper")
     assert "RUNNING" in slipway("status", "sleeper").stdout
     c = slipway("cancel", "sleeper")
     assert c.returncode == 0 and job_id in c.stdout
-    assert "CANCELLED" in slipway("status", "sleeper").stdout
+    assert status_row("sleeper", job_id)[1:3] == ["CANCELLED", "140"]
+    assert f"job {job_id} end exit 140" in (project / "runs" / "sleeper" / "events.log").read_text()
     assert "no active job" in slipway("cancel", "sleeper").stdout
+
+
+@pytest.mark.slurm
+def test_a_plain_scancel_is_one_exit_code_in_events_status_and_logs(project, slurm_env):
+    """The batch script records 143; Slurm, which SIGKILLs its cleanup after KillWait, says 0:9."""
+    job_id = sleeper(project, "scancelled")
+    subprocess.run(["scancel", job_id], check=True)
+    deadline = time.time() + 90
+    while time.time() < deadline and subprocess.run(["squeue", "-h", "-t", "all", f"-j{job_id}", "-o", "%T"],
+                                                    capture_output=True, text=True).stdout.strip() not in (
+            "CANCELLED", ""):
+        time.sleep(0.5)
+    assert f"job {job_id} end exit 143" in (project / "runs" / "scancelled" / "events.log").read_text()
+    assert status_row("scancelled", job_id)[1:3] == ["CANCELLED", "143"]
+    assert slipway("logs", "scancelled", "-f").returncode == 143
 
 
 @pytest.mark.slurm

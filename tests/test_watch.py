@@ -14,13 +14,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from rich.console import Console
 
 from jobs import runs, slurm
 from jobs.cli import watch
-from jobs.local import local_state
+from jobs.runs import lifecycle
+from jobs.runs.manifest import Launch
 from jobs.slurm.script import RunPaths
 
 PY = sys.executable
@@ -145,12 +147,17 @@ def test_a_local_launch_is_running_until_its_launcher_records_the_outcome():
     """The trainer exits before the launcher writes its exit code: in between the launch is still
     running, not DIED (a watcher polling then would report a finished run as dead)."""
     gone = dead_pid()
-    here = {"local": True, "host": socket.gethostname(), "started": "2026-01-01T12:00:00+00:00"}
-    assert local_state({**here, "pid": os.getpid(), "trainer_pid": gone}) == ("RUNNING", "")
+
+    def state(**recorded) -> tuple[str, Optional[int]]:
+        launch = Launch(local=True, host=socket.gethostname(), started="2026-01-01T12:00:00+00:00", **recorded)
+        got = lifecycle.launch_state(launch, [], process=lifecycle.observe_local(launch))
+        return got.state, got.exit_code
+
+    assert state(pid=os.getpid(), trainer_pid=gone) == ("RUNNING", None)
     # a killed launcher leaves its trainer going
-    assert local_state({**here, "pid": gone, "trainer_pid": os.getpid()}) == ("RUNNING", "")
-    assert local_state({**here, "pid": gone, "trainer_pid": gone}) == ("DIED", "")
-    assert local_state({**here, "pid": os.getpid(), "trainer_pid": gone, "exit": 0}) == ("COMPLETED", "0")
+    assert state(pid=gone, trainer_pid=os.getpid()) == ("RUNNING", None)
+    assert state(pid=gone, trainer_pid=gone) == ("DIED", None)
+    assert state(pid=os.getpid(), trainer_pid=gone, exit=0) == ("COMPLETED", 0)
 
 
 def test_logs_f_of_a_local_launch_that_died_exits_1(tmp_path, capsys):

@@ -69,7 +69,7 @@ from torch.distributed.fsdp import FSDPModule
 from trainer.compute import (COMPILER_FIX, check_float8, compile_error, compile_failure, graph_break_report,
                              reset_graph_breaks, resolve_compile, uncompile)
 from kernel.errors import ConfigError
-from kernel.rundir import REQUEUE_EXIT, STOP_FILE, append_event
+from kernel.rundir import NONFINITE_EXIT, REQUEUE_EXIT, STOP_FILE, append_event
 from trainer.config import TrainerConfig, load_trainer_config
 from trainer.layouts import layout_advice, memory_report, resolve_reshard
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
@@ -90,7 +90,6 @@ log = logging.getLogger(__name__)
 # Ranks whose compile failed at the first step wait this long for the others' word (_ranks_failing).
 COMPILE_VOTE_SECONDS = 600.0
 EX_TEMPFAIL = REQUEUE_EXIT  # "requeue me": stopped by a signal after saving a checkpoint
-NONFINITE_EXIT = 3  # stopped on non-finite numbers (see the module docstring)
 
 
 # The torch releases CI tests (the oldest and newest ends: `make test-oldest`, `make test`),

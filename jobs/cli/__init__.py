@@ -118,7 +118,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if prep_id:
         console.print(f"data preparation job [bold]{prep_id}[/] (log {run.log_path(prep_id)}); the training job "
                       "starts once it has completed", soft_wrap=True)
-    resumed = sum(1 for s in run.manifest().get("submissions", []) if s.get("kind", "train") == "train") > 1
+    resumed = sum(1 for x in run.launches() if x.kind == "train") > 1
     console.print(f"{'resubmitted' if resumed else 'submitted'} [bold]{cfg.run.name}[/] as job [bold]{job_id}[/]"
                   f"{' (resumes from its latest checkpoint)' if resumed else ''}  run dir: {run.dir}",
                   soft_wrap=True)
@@ -129,7 +129,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.show_logs:
         console.print(f"following {run.log_path(job_id)} until the job ends (Ctrl-C stops following, "
                       "not the job)", style="dim", soft_wrap=True)
-        code = runs.follow(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
+        from jobs.cli.status import follow_logs
+
+        code = follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
         console.print(f"job {job_id} ended with exit code {code}")
         return code
     return 0
@@ -170,7 +172,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                       f"(log {run.log_path(job_id)}); `slipway submit {cfg.config_args}` once it has completed, "
                       "or now with --prepare to queue it behind", soft_wrap=True)
         if args.show_logs:
-            return runs.follow(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
+            from jobs.cli.status import follow_logs
+
+            return follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
         return 0
     require_extra("prepare", "trainer", ("numpy", "tokenizers", "datasets"),
                   instead=f"prepare in the image as a CPU job: slipway prepare {cfg.config_args} --as-job")

@@ -264,8 +264,8 @@ def _run_mounts(run: "runs.Run") -> list[Result]:
 def run_checks(run: "runs.Run") -> list[Result]:
     """(name, ok, detail or fix) for a run: what its next job needs from this node."""
     manifest = run.manifest()
-    pin = run.image()
-    out: list[Result] = [("run", True, f"{run.dir} ({len(manifest.get('submissions') or [])} submission(s))")]
+    pin = manifest.image
+    out: list[Result] = [("run", True, f"{run.dir} ({len(manifest.submissions)} submission(s))")]
 
     def config() -> list[Result]:
         cfg = run.config()
@@ -273,8 +273,37 @@ def run_checks(run: "runs.Run") -> list[Result]:
 
     out += _guard("run config", config)
     out += _guard("pinned image", lambda: _pinned_image(run, pin))
+    out += _guard("pinned code", lambda: _pinned_code(run, manifest))
     out += _guard("current build", lambda: _current_build(run, pin))
     out += _guard("mount sources", lambda: _run_mounts(run))
+    return out
+
+
+def _pinned_code(run: "runs.Run", manifest) -> list[Result]:
+    """The code snapshot and the job libraries the run's next job (a requeue, too) checks on every
+    node before it starts: here and unchanged, the same check the nodes make."""
+    from hashlib import sha256
+
+    from jobs.runs.code import damage
+
+    out: list[Result] = []
+    resubmit = f"`slipway submit {shlex.quote(str(run.paths.config))}` writes them anew"
+    code = manifest.code
+    if code is None:
+        out.append(("pinned code", True, "code.snapshot false: the image's own code"))
+    else:
+        why = damage(Path(code.dir), code.hash)
+        out.append(("pinned code", why is None, f"snapshot {code.hash12} ({code.files} files) as submitted"
+                    if why is None else f"{why}: the next job would end at its start; {resubmit}"))
+    for name, digest in sorted(manifest.job_lib.items()):
+        path = run.dir / name
+        try:
+            ok = sha256(path.read_bytes()).hexdigest() == digest
+            why = "" if ok else "differs from the one submitted"
+        except OSError as exc:
+            ok, why = False, f"cannot be read ({exc.strerror})"
+        out.append(("job library", ok, f"{name} as submitted" if ok else f"{path} {why}: the next job would end "
+                                                                          f"at its start; {resubmit}"))
     return out
 
 

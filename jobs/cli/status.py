@@ -1,9 +1,16 @@
-"""`slipway status`, `logs` and `cancel`: what became of a run's jobs."""
+"""`slipway status`, `logs` and `cancel`: what became of a run's jobs.
+
+Each command asks Slurm once for all the launches it shows (lifecycle.ask_slurm: one squeue, one
+sacct), and not at all for a launch whose end events.log settles; a listing of every run reads
+only the end of each run's events.log and metrics.jsonl.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence, TextIO
 
 from rich.markup import escape
 
@@ -11,9 +18,9 @@ from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History, Launch
+from jobs.runs.manifest import ManifestError
 from kernel.errors import ConfigError
-from kernel.rundir import HANGS_DIR
-from kernel.rundir import LOCAL_JOB
+from kernel.rundir import HANGS_DIR, LOCAL_JOB, Event
 
 
 def job_history(run: runs.Run, job_id: str) -> History:
@@ -36,27 +43,23 @@ def hang_dumps(run: runs.Run, tag: str) -> list[str]:
     return out
 
 
-def _progress(run: runs.Run) -> str:
+def _progress(run: runs.Run, launches: Sequence[Launch]) -> str:
     m = run.last_metrics()
     if not m:
         return ""
     loss = m.get("loss")
-    try:
-        total = run.config().train.steps
-    except (ConfigError, OSError):
-        total = None
+    total = run.total_steps(next((x for x in reversed(launches) if x.kind == "train"), None))
     step = f"step {m.get('step')}" + (f"/{total}" if total else "")
     return step + (f", loss {loss:.3f}" if isinstance(loss, (int, float)) else "")
 
 
-def _job_row(run: runs.Run, launch: Launch, events) -> tuple[str, str, str, str, str]:
-    """(job, state, exit, elapsed, last event or reason) of one launch, as the tables show it."""
-    own = run.events_of(launch, events)
+def _job_row(launch: Launch, own: Sequence[Event], info: Optional[slurm.JobInfo]) -> tuple[str, str, str, str, str]:
+    """(job, state, exit, elapsed, last event or reason) of one launch, from its own events and
+    what Slurm said of it (None: not asked, or it does not know the job), as the tables show it."""
     if launch.local:
         state = lifecycle.launch_state(launch, own, process=lifecycle.observe_local(launch))
         elapsed = lifecycle.elapsed(launch, state)
     else:
-        info = slurm.job_info(launch.id) if slurm.available("scontrol") or slurm.available("sacct") else None
         state = lifecycle.launch_state(launch, own, info)
         elapsed = info.elapsed if info else ""
     code = "" if state.exit_code is None else str(state.exit_code)
@@ -104,12 +107,15 @@ def show_status(project_dir, run_name: str | None, console) -> int:
 
     if run_name:
         run = runs.find_run(run_name, project_dir)
-        table = Table(title=f"run {run.name}  {_progress(run)}", title_justify="left")
+        launches = run.launches()
+        events = run.events()
+        owns = [run.events_of(x, events) for x in launches]
+        answers = lifecycle.ask_slurm(zip(launches, owns))
+        table = Table(title=f"run {run.name}  {_progress(run, launches)}", title_justify="left")
         for col in ("job", "state", "exit", "elapsed", "last event / reason"):
             table.add_column(col)
-        events = run.events()
-        for launch in run.launches():
-            table.add_row(*_job_row(run, launch, events))
+        for launch, own in zip(launches, owns):
+            table.add_row(*_job_row(launch, own, answers.get(launch.id)))
         console.print(table)
         latest = run.latest_train_job()
         if latest:
@@ -124,22 +130,52 @@ def show_status(project_dir, run_name: str | None, console) -> int:
         if drift:
             console.print(f"[yellow]note:[/] {drift}", soft_wrap=True)
         return 0
+    return _show_runs(project_dir, console)
+
+
+LISTING = ("run", "jobs", "latest job", "state", "exit", "progress", "last event / reason")
+_CONTROL = {c: "?" for c in [*range(32), 127]}  # a cell is one line on the terminal, whatever a file held
+
+
+def _listing(title: str, rows: list[tuple[str, ...]]) -> str:
+    """Rows under LISTING's heads, columns as wide as their widest cell and the last one free: plain
+    text, as rich's tables take half a millisecond a row and a project may hold ten thousand runs."""
+    rows = [LISTING, *[tuple(c.translate(_CONTROL) for c in row) for row in rows]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(LISTING) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows]
+    return "\n".join([title, *(line.rstrip() for line in lines)]) + "\n"
+
+
+def _show_runs(project_dir, console) -> int:
+    """Every run: its latest launch's state, from the end of its events.log and one Slurm query for all."""
     found = runs.list_runs(project_dir)
     if not found:
         console.print(f"no runs in {runs.runs_root(project_dir)}: `slipway submit CONFIG` makes one")
         return 0
-    table = Table(title=f"runs in {runs.runs_root(project_dir)}", title_justify="left")
-    for col in ("run", "jobs", "latest job", "state", "exit", "progress", "last event / reason"):
-        table.add_column(col)
+    damaged: list[ManifestError] = []
+    shown: list[tuple[runs.Run, list[Launch], list[Event], Optional[ManifestError]]] = []
     for run in found:
-        launches = run.launches()
-        if launches:
-            job, state, code, _, event = _job_row(run, launches[-1], run.events())
+        try:
+            launches = run.launches()
+        except ManifestError as exc:  # that run alone: the others are listed
+            damaged.append(exc)
+            shown.append((run, [], [], exc))
+            continue
+        shown.append((run, launches, run.recent_events(launches[-1]) if launches else [], None))
+    answers = lifecycle.ask_slurm((launches[-1], own) for _, launches, own, _ in shown if launches)
+    rows = []
+    for run, launches, own, error in shown:
+        if error is not None:
+            rows.append((run.name, "", "", "DAMAGED", "", "", f"{runs.MANIFEST}: {error.why}"))
+        elif launches:
+            job, state, code, _, event = _job_row(launches[-1], own, answers.get(launches[-1].id))
+            rows.append((run.name, str(len(launches)), job, state, code, _progress(run, launches), event))
         else:
-            job, state, code, event = "", "not submitted", "", ""
-        table.add_row(run.name, str(len(launches)), job, state, code, _progress(run), event)
-    console.print(table)
-    return 0
+            rows.append((run.name, "0", "", "not submitted", "", "", ""))
+    console.file.write(_listing(f"runs in {runs.runs_root(project_dir)}", rows))
+    for exc in damaged:
+        print(f"slipway: error: {exc}", file=sys.stderr)
+    return 2 if damaged else 0
 
 
 def _print_history(run: runs.Run, history: History, console) -> None:
@@ -165,7 +201,7 @@ def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> i
     if job_id is None:
         raise ConfigError("--job", f"run {run.name} has no Slurm job")
     if follow:
-        return runs.follow(run, job_id)
+        return follow_logs(run, job_id)
     path = run.log_path(job_id, stream)
     if not path.exists():
         info = slurm.job_info(job_id)
@@ -181,7 +217,7 @@ def _show_local_log(run: runs.Run, launch: Launch, follow: bool) -> int:
     path = run.dir / launch.log
     if not launch.log or not path.is_file():
         raise ConfigError("RUN", f"no log at {path}")
-    tail = runs._Tail(path, sys.stdout)
+    tail = _Tail(path, sys.stdout)
     tail.pump()
     state = run.state(launch)
     while follow and not state.ended:
@@ -192,6 +228,67 @@ def _show_local_log(run: runs.Run, launch: Launch, follow: bool) -> int:
     tail.pump()
     # as for a Slurm job: printing the log succeeds; following it ends with the launch's exit code
     return state.final_exit if follow else 0
+
+
+class _Tail:
+    """Follows one growing file from its start."""
+
+    def __init__(self, path: Path, out: TextIO):
+        self.path, self.out, self.pos = path, out, 0
+
+    def pump(self) -> None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.pos)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        if chunk:
+            self.pos += len(chunk)
+            self.out.write(chunk.decode(errors="replace"))
+            self.out.flush()
+
+
+def follow_logs(run: runs.Run, job_id: str, *, interval: float = 1.0,
+                on_state: Optional[Callable[[str], None]] = None, out: TextIO = sys.stdout,
+                err: TextIO = sys.stderr) -> int:
+    """Print job `job_id`'s output and error logs as they grow until the job ends; its exit code.
+
+    The log paths are known before the job starts, so nothing can be missed between submission
+    and the first line. Slurm is asked once a poll, and no more once events.log settles the end.
+    """
+    tails = [_Tail(run.log_path(job_id, "output"), out)]
+    err_path = run.log_path(job_id, "error")
+    if err_path != tails[0].path:
+        tails.append(_Tail(err_path, err))
+    launch = run.launch(job_id) or Launch(job_id=job_id)
+    last_state = None
+    gone = 0
+    while True:
+        for t in tails:
+            t.pump()
+        own = run.events_of(launch)
+        settled = lifecycle.settled(launch, own)
+        info = None if settled else slurm.job_info(job_id)
+        if settled:
+            state = lifecycle.launch_state(launch, own).state
+        else:
+            state = info.state if info else "UNKNOWN"
+        if state != last_state and on_state:
+            on_state(state)
+        last_state = state
+        if settled or (info is not None and not info.active):
+            time.sleep(interval)  # the last lines may land just after the end
+            for t in tails:
+                t.pump()
+            return lifecycle.launch_state(launch, run.events_of(launch), info).final_exit
+        if info is None:
+            gone += 1
+            if gone > 5:  # slurmctld forgot the job and there is no accounting: events.log tells
+                for t in tails:
+                    t.pump()
+                return run.state(launch, ask_slurm=False).final_exit
+        time.sleep(interval)
 
 
 # How long `slipway cancel` lets a job's batch script record its end and remove its containers
@@ -205,20 +302,29 @@ def cancel(run: runs.Run, console) -> int:
     run's lock: a submission in progress finishes first (and its job is cancelled too); a local
     launch that trains refuses, naming its launcher."""
     with runlock.hold(run.dir, f"slipway cancel {run.name}"):
-        return _cancel(run, console)
+        try:
+            launches = run.launches()
+        except ManifestError as exc:
+            raise exc.restated("slipway cannot tell which jobs of the run to cancel",
+                               f"`squeue --name {run.name},{run.name}-prepare` lists the jobs of the run's name: "
+                               "`scancel` them by id, then restore the file or move the run directory aside") \
+                from None
+        return _cancel(run, launches, console)
 
 
-def _cancel(run: runs.Run, console) -> int:
-    active = [j for j in run.job_ids() if (info := slurm.job_info(j)) is not None and info.active]
+def _cancel(run: runs.Run, launches: list[Launch], console) -> int:
+    events = run.events()
+    answers = lifecycle.ask_slurm((x, run.events_of(x, events)) for x in launches if not x.local)
+    active = [j for j, info in answers.items() if info.active]
     if not active:
         console.print(f"run {run.name} has no active job")
         return 0
 
     def still_active() -> list[str]:
-        return [j for j in active if (i := slurm.job_info(j)) is not None and i.active]
+        return [j for j, info in slurm.jobs_info(active).items() if info.active]
 
     # A pending job has no batch shell to signal: scancel alone ends it.
-    running = [j for j in active if (i := slurm.job_info(j)) is not None and i.state.split()[:1] == ["RUNNING"]]
+    running = [j for j in active if answers[j].state.split()[:1] == ["RUNNING"]]
     if running:
         slurm.scancel(running, "USR2", batch=True)
         deadline = time.time() + CANCEL_GRACE_SECONDS

@@ -1,7 +1,8 @@
 """`slipway watch RUN`: a live view of a run's job in the terminal, until the job ends.
 
 Everything it shows comes from the run directory and Slurm, refreshed every
-`interval` seconds: the job's state and nodes (scontrol/sacct), step / total,
+`interval` seconds: the job's state and nodes (one squeue, or sacct once
+slurmctld forgot the job; none once events.log tells its end), step / total,
 loss, tokens/s, MFU and ETA (the end of metrics.jsonl), the time since the
 last completed step (progress.json, which rank 0's hang watchdog keeps; see
 trainer/watchdog.py), each node's heartbeat age (heartbeats/NODE, written by
@@ -128,10 +129,7 @@ class Watcher:
         self._gone = 0
         self._launch: Optional[Launch] = None  # the local launch watched: the latest when watching began
         self._hosts: dict[str, list[str]] = {}
-        try:
-            self.total_steps: Optional[int] = run.config().train.steps
-        except (ConfigError, OSError):
-            self.total_steps = None
+        self.total_steps: Optional[int] = run.total_steps()
 
     def snapshot(self) -> Snapshot:
         now = time.time()
@@ -141,14 +139,21 @@ class Watcher:
         self._progress(snap, now)
         if self.job_id != LOCAL:
             self._nodes(snap, now)
-        snap.events = self.run.events()[-EVENTS_SHOWN:]
+        events = self.run.events()
+        snap.events = events[-EVENTS_SHOWN:]
         if self.job_id != LOCAL:  # each `make local` is a launch of its own, not an attempt of one job
-            snap.history = lifecycle.history(self.job_id, self.run.events()).lines()
+            snap.history = lifecycle.history(self.job_id, events).lines()
         return snap
 
     def _slurm(self) -> tuple[slurm.JobInfo, bool, Optional[int]]:
-        """The job, whether it ended, its exit code once it did."""
-        launch = self.run.launch(self.job_id) or Launch(kind="train", id=self.job_id)
+        """The job, whether it ended, its exit code once it did. Slurm is not asked once events.log
+        settles the end."""
+        launch = self.run.launch(self.job_id) or Launch(job_id=self.job_id)
+        own = self.run.events_of(launch)
+        if lifecycle.settled(launch, own):
+            state = lifecycle.launch_state(launch, own)
+            code = "" if state.exit_code is None else str(state.exit_code)
+            return _ended(slurm.JobInfo(self.job_id, state.state, code), state), True, state.final_exit
         info = slurm.job_info(self.job_id)
         if info is None:  # slurmctld forgot the job and there is no accounting: events.log says
             self._gone += 1
@@ -193,7 +198,7 @@ class Watcher:
 
     def _nodes(self, snap: Snapshot, now: float) -> None:
         nodelist = snap.job.nodes
-        if nodelist and nodelist not in self._hosts:
+        if nodelist and not snap.ended and nodelist not in self._hosts:  # an ended job's: its heartbeats name them
             self._hosts[nodelist] = slurm.hostnames(nodelist)
         names = self._hosts.get(nodelist) or sorted(p.name for p in (self.run.dir / HEARTBEATS_DIR).glob("*"))
         for name in names:

@@ -14,13 +14,12 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Optional, TextIO
+from typing import Callable, Optional
 
 from plumbum import local
 
@@ -29,17 +28,17 @@ from jobs import slurm
 from jobs.config import Config, dump_config, load_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
+from jobs.runs import manifest as manifests
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_store
 from jobs.runs.container import (ImagePin, create_needed_dirs, kept_build, pin_image, remove_created_dirs,
                                  resolve_paths, run_environment)
-from jobs.runs.lifecycle import Launch, LaunchState
+from jobs.runs.lifecycle import LaunchState
+from jobs.runs.manifest import MANIFEST, Launch, Manifest, ManifestError
 from jobs.slurm.script import (LIB_DIR, PREPARE_SCRIPT, RunPaths, check_env_from_host, library_files, render_prepare_sbatch,
                                render_sbatch)
 from kernel.errors import ConfigError
 from kernel.fs import write_atomic
-from kernel.rundir import LOCAL_JOB, CodeSnapshot, Event, append_event, read_events
-
-MANIFEST = "manifest.json"
+from kernel.rundir import METRICS_FILE, CodeSnapshot, Event, append_event, read_events, tail_events
 
 
 def now() -> str:
@@ -51,6 +50,7 @@ class Run:
     """A run directory on disk."""
 
     paths: RunPaths
+    _read: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)  # (file key, manifest or error)
 
     @property
     def dir(self) -> Path:
@@ -60,38 +60,40 @@ class Run:
     def name(self) -> str:
         return self.dir.name
 
-    def manifest(self) -> dict:
-        try:
-            return json.loads((self.dir / MANIFEST).read_text())
-        except FileNotFoundError:
-            return {}
+    def manifest(self) -> Manifest:
+        """The run's manifest as the file holds it now (read again only once the file changed);
+        ManifestError, naming the file and what to do, when it cannot be read."""
+        path = self.dir / MANIFEST
+        key = manifests.file_key(path)
+        if key is None or self._read is None or self._read[0] != key:
+            try:
+                self._read = (key, manifests.read(path))
+            except ManifestError as exc:
+                self._read = (key, exc)
+        found = self._read[1]
+        if isinstance(found, ManifestError):
+            raise found
+        return found
 
     def image(self) -> Optional[ImagePin]:
         """The image the run's latest job runs, as pinned at its submission (None: never submitted)."""
-        return ImagePin.from_record(self.manifest().get("image"))
+        return self.manifest().image
 
     def images(self) -> list[ImagePin]:
         """Every image a job of the run was submitted with (a requeue runs its own job's)."""
-        manifest = self.manifest()
-        records = [manifest.get("image"), *(s.get("image") for s in manifest.get("submissions") or []
-                                            if isinstance(s, dict))]
-        return [pin for pin in map(ImagePin.from_record, records) if pin is not None]
+        return self.manifest().images()
 
     def code(self) -> Optional[CodeSnapshot]:
         """The code snapshot the run's latest launch runs (None: the image's own code)."""
-        return CodeSnapshot.from_record(self.manifest().get("code"))
+        return self.manifest().code
 
     def code_history(self) -> list[tuple[str, Optional[CodeSnapshot]]]:
         """(launch, its code snapshot) for each training launch, oldest first ("local" for one here)."""
-        out = []
-        for entry in self.manifest().get("submissions") or []:
-            if isinstance(entry, dict) and entry.get("kind", "train") == "train":
-                out.append((str(entry.get("job_id") or LOCAL_JOB), CodeSnapshot.from_record(entry.get("code"))))
-        return out
+        return [(x.id, x.code) for x in self.launches() if x.kind == "train"]
 
     def launches(self) -> list[Launch]:
         """Its Slurm jobs and local launches, oldest first, as the manifest records them."""
-        return lifecycle.launches(self.manifest())
+        return list(self.manifest().submissions)
 
     def launch(self, job_id: str) -> Optional[Launch]:
         """Slurm job `job_id` of this run, or None."""
@@ -102,7 +104,7 @@ class Run:
 
     def latest_train_job(self) -> str | None:
         """The id of the run's latest Slurm training job (its preparation jobs aside)."""
-        return next((x.id for x in reversed(self.launches()) if x.kind == "train"), None)
+        return next((x.id for x in reversed(self.launches()) if not x.local and x.kind == "train"), None)
 
     def config(self) -> Config:
         return load_config(self.paths.config)
@@ -124,38 +126,60 @@ class Run:
     def events_of(self, launch: Launch, events: Optional[list[Event]] = None) -> list[Event]:
         return lifecycle.events_of(launch, self.events() if events is None else events, self.launches())
 
+    def recent_events(self, launch: Launch) -> list[Event]:
+        """The events of events.log from `launch`'s last start on, read from the file's end: a
+        listing reads no more of a long history than the state of the latest launch needs."""
+        return lifecycle.events_of(launch, tail_events(self.dir, lambda e: e.job == launch.id and
+                                                       e.kind in lifecycle.STARTS), [launch])
+
     def state(self, launch: Launch, info: Optional[slurm.JobInfo] = None, *, ask_slurm: bool = True) -> LaunchState:
-        """What became of `launch`: Slurm asked (unless `info` is given or `ask_slurm` is off),
-        the local processes looked at, events.log read; `lifecycle.launch_state` decides."""
+        """What became of `launch`: events.log read, the local processes looked at, Slurm asked
+        where events.log does not settle it (unless `info` is given or `ask_slurm` is off);
+        `lifecycle.launch_state` decides."""
+        own = self.events_of(launch)
         if launch.local:
-            return lifecycle.launch_state(launch, self.events_of(launch), process=lifecycle.observe_local(launch))
-        if info is None and ask_slurm and (slurm.available("scontrol") or slurm.available("sacct")):
-            info = slurm.job_info(launch.id)
-        return lifecycle.launch_state(launch, self.events_of(launch), info)
+            return lifecycle.launch_state(launch, own, process=lifecycle.observe_local(launch))
+        if info is None and ask_slurm:
+            info = lifecycle.ask_slurm([(launch, own)]).get(launch.id)
+        return lifecycle.launch_state(launch, own, info)
 
     def last_metrics(self) -> dict | None:
         """The latest training record of the history that stands (a restart undoes the steps
-        after its checkpoint), read from the end of metrics.jsonl."""
+        after its checkpoint), read from the end of metrics.jsonl: its last KiB, else 64 KiB."""
         from trainer.history import latest_by_step
 
-        path = self.dir / "metrics.jsonl"
-        try:
-            with path.open("rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 65536))
-                lines = f.read().decode(errors="replace").splitlines()
-        except FileNotFoundError:
-            return None
-        records = []
-        for line in lines:
+        path = self.dir / METRICS_FILE
+        for window in (1024, 65536):
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the window's first, cut line, or one a crash cut
-            if isinstance(record, dict):
-                records.append(record)
-        train = [r for r in latest_by_step(records) if r.get("kind") == "train"]
-        return train[-1] if train else None
+                with path.open("rb") as f:
+                    size = f.seek(0, os.SEEK_END)
+                    f.seek(max(0, size - window))
+                    lines = f.read().decode(errors="replace").splitlines()
+            except FileNotFoundError:
+                return None
+            records = []
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the window's first, cut line, or one a crash cut
+                if isinstance(record, dict):
+                    records.append(record)
+            train = [r for r in latest_by_step(records) if r.get("kind") == "train"]
+            if train or size <= window:
+                return train[-1] if train else None
+        return None
+
+    def total_steps(self, launch: Optional[Launch] = None) -> Optional[int]:
+        """train.steps of the latest training launch (its manifest entry says; the config for one
+        recorded before entries did), None when neither says."""
+        launch = launch or next((x for x in reversed(self.launches()) if x.kind == "train"), None)
+        if launch is not None and launch.steps is not None:
+            return launch.steps
+        try:
+            return self.config().train.steps
+        except (ConfigError, OSError):
+            return None
 
 
 def runs_root(project_dir: Path) -> Path:
@@ -176,13 +200,21 @@ def list_runs(project_dir: Path) -> list[Run]:
     if not root.is_dir():
         return []
     found = [Run(RunPaths(p, project_dir)) for p in root.iterdir() if (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda r: (r.manifest().get("created", ""), r.name))
+    return sorted(found, key=lambda r: (_created(r), r.name))
+
+
+def _created(run: Run) -> str:
+    try:
+        return run.manifest().created
+    except ManifestError:
+        return ""  # listed first, where its damage is seen
 
 
 def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
     """Every squashfs a run pins (its manifest's `image` and each submission's: a requeue
     runs the file its env.toml / srun flags name), resolved, with the runs that pin it.
-    The runs root is $SLIPWAY_RUNS, else each project directory's runs/."""
+    The runs root is $SLIPWAY_RUNS, else each project directory's runs/. A manifest that cannot
+    be read may pin any image: ManifestError, and nothing is pruned."""
     pins: dict[Path, list[str]] = {}
     seen: set[Path] = set()
     for project_dir in project_dirs:
@@ -190,7 +222,13 @@ def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
             if run.dir.resolve() in seen:
                 continue
             seen.add(run.dir.resolve())
-            for pin in run.images():
+            try:
+                images = run.images()
+            except ManifestError as exc:
+                raise exc.restated("it may pin an image, so nothing was pruned",
+                                   "restore it from a backup or move the run directory aside, then prune "
+                                   "again") from None
+            for pin in images:
                 for value in (pin.path, pin.image):
                     if value and value.startswith("/"):
                         names = pins.setdefault(Path(os.path.realpath(value)), [])
@@ -213,12 +251,14 @@ class Sealed:
     code: Optional[Snapshot] = None  # the code snapshot the ranks run (None: code.snapshot false)
 
     @property
-    def snapshot(self) -> Optional[CodeSnapshot]:
-        return self.code.value if self.code else None
+    def job_lib(self) -> dict[str, str]:
+        """The job libraries job.sbatch sources, by their place in the run directory, and their sha256."""
+        return {name: hashlib.sha256(text.encode()).hexdigest() for name, text in self.files.items()
+                if name.startswith(f"{LIB_DIR}/")}
 
     @property
-    def code_record(self) -> Optional[dict]:
-        return self.snapshot.record() if self.snapshot else None
+    def snapshot(self) -> Optional[CodeSnapshot]:
+        return self.code.value if self.code else None
 
     def data_status(self):
         """Where the run's data stands in its token cache (trainer.prepare.CacheStatus)."""
@@ -290,14 +330,11 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
     return Sealed(cfg, paths, pin, env, files, notes, code)
 
 
-def _active_jobs(run: Run) -> list[tuple[str, str]]:
-    """(job id, state) of this run's jobs that Slurm still runs or queues."""
-    out = []
-    for job_id in run.job_ids():
-        info = slurm.job_info(job_id) if slurm.available("scontrol") or slurm.available("sacct") else None
-        if info is not None and info.active:
-            out.append((job_id, info.state))
-    return out
+def active_jobs(run: Run) -> list[tuple[str, str]]:
+    """(job id, state) of this run's jobs that Slurm still runs or queues (one query for all)."""
+    events = run.events()
+    answers = lifecycle.ask_slurm((x, run.events_of(x, events)) for x in run.launches() if not x.local)
+    return [(job, info.state) for job, info in answers.items() if info.active]
 
 
 def no_world_write() -> int:
@@ -352,7 +389,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
         mode = paths.run_dir.stat().st_mode
         if mode & 0o002:  # made under umask 000 before slipway masked it
             os.chmod(paths.run_dir, mode & 0o7775)
-        active = _active_jobs(run)
+        active = active_jobs(run)
         if active:
             jobs = ", ".join(f"{j} ({state})" for j, state in active)
             raise ConfigError("run.name", f"run {cfg.run.name} has a job queued or running ({jobs}), which reads "
@@ -382,18 +419,10 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
         for name, text in files.items():
             write_atomic(tmp / name, text, _mode(name))
         (tmp / "logs").mkdir()
-        manifest = {
-            "run": cfg.run.name,
-            "created": now(),
-            "project_dir": str(paths.project_dir),
-            "git": git_state(paths.project_dir),
-            "image": sealed.pin.record(),
-            "runtime": cfg.container.runtime,
-            "launcher": cfg.launch.launcher,
-            "config_sha256": hashlib.sha256(files["config.yaml"].encode()).hexdigest(),
-            "submissions": [],
-        }
-        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        manifests.write(tmp / MANIFEST, Manifest(
+            run=cfg.run.name, created=now(), project_dir=str(paths.project_dir), git=git_state(paths.project_dir),
+            image=sealed.pin, runtime=cfg.container.runtime, launcher=cfg.launch.launcher,
+            config_sha256=hashlib.sha256(files["config.yaml"].encode()).hexdigest()))
         try:
             # rename(2) onto a missing name: two submissions racing for one name cannot both win.
             os.rename(tmp, paths.run_dir)
@@ -406,42 +435,45 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     return run, True
 
 
-def update_manifest(run: Run, change: Callable[[dict], None]) -> dict:
+def update_manifest(run: Run, change: Callable[[Manifest], None]) -> Manifest:
     """The one read-modify-write of a run's manifest.json: under the run's lock (held already by
-    a launch; else taken here), so that no two writers lose each other's entries."""
+    a launch; else taken here), so that no two writers lose each other's entries. A damaged one
+    is left as it is (ManifestError): what it held is not written over."""
     with runlock.hold(run.dir, f"slipway: recording in the manifest of {run.name}"):
-        manifest = run.manifest()
+        manifest = manifests.read(run.dir / MANIFEST)
         change(manifest)
-        write_atomic(run.dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        manifests.write(run.dir / MANIFEST, manifest)
     return manifest
 
 
-def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", **extra) -> None:
+def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", after: str = "") -> None:
     script = run.dir / (PREPARE_SCRIPT if kind == "prepare" else "job.sbatch")
-    entry = {"job_id": job_id, "kind": kind, "submitted": now(), "git": git_state(run.paths.project_dir),
-             "image": sealed.pin.record(), "code": sealed.code_record,
-             "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest(), **extra}
+    entry = Launch(job_id=job_id, kind=kind, submitted=now(), after=after, git=git_state(run.paths.project_dir),
+                   image=sealed.pin, code=sealed.snapshot, steps=sealed.cfg.train.steps if kind == "train" else None,
+                   script_sha256=hashlib.sha256(script.read_bytes()).hexdigest(),
+                   job_lib=sealed.job_lib if kind == "train" else {})
 
-    def add(manifest: dict) -> None:
-        manifest["image"] = sealed.pin.record()  # what the latest job runs
+    def add(manifest: Manifest) -> None:
+        manifest.image = sealed.pin  # what the latest job runs
         if kind == "train":
             record_code(run, manifest, sealed, job_id)
-        manifest.setdefault("submissions", []).append(entry)
+            manifest.job_lib = sealed.job_lib
+        manifest.submissions.append(entry)
 
     update_manifest(run, add)
     if kind == "train":
         prune_code_store(run.dir.parent)
 
 
-def record_code(run: Run, manifest: dict, sealed: Sealed, launch: str) -> None:
+def record_code(run: Run, manifest: Manifest, sealed: Sealed, launch: str) -> None:
     """Inside a manifest update: the code this training launch runs becomes the run's, its
     uncommitted changes go to code/HASH12.diff, and a change from the last launch's code is an
     event and a file in history/ beside the configs and scripts it replaced (status says it)."""
-    before, after = CodeSnapshot.from_record(manifest.get("code")), sealed.snapshot
-    manifest["code"] = sealed.code_record
+    before, after = manifest.code, sealed.snapshot
+    manifest.code = after
     if after is not None and after.dirty and not (run.dir / "code" / f"{after.hash12}.diff").exists():
         write_atomic(run.dir / "code" / f"{after.hash12}.diff", git_diff(after))
-    if (before.hash if before else None) == (after.hash if after else None) or not manifest.get("submissions"):
+    if (before.hash if before else None) == (after.hash if after else None) or not manifest.submissions:
         return
     was, becomes = (c.hash12 if c else "the image's" for c in (before, after))
     append_event(run.dir, launch, f"code changed {was} -> {becomes}")
@@ -451,23 +483,31 @@ def record_code(run: Run, manifest: dict, sealed: Sealed, launch: str) -> None:
                              "after": after.record() if after else None}, indent=2) + "\n")
 
 
-def _snapshots_named(manifest: dict) -> set[str]:
-    """The store entries (HASH16) a manifest names: the run's code and each launch's."""
-    records = [manifest.get("code"), *(s.get("code") for s in manifest.get("submissions") or [] if isinstance(s, dict))]
-    return {Path(c.dir).name for c in map(CodeSnapshot.from_record, records) if c is not None}
+PRUNE_EVERY_SECONDS = 3600  # the store keeps what no run names for a day: an hourly pass loses nothing
 
 
-def prune_code_store(root: Path) -> list[tuple[str, int]]:
+def prune_code_store(root: Path, *, now: Optional[float] = None) -> list[tuple[str, int]]:
     """The code store of runs root `root` without the snapshots no run names (jobs/runs/code.py
-    `prune_store`), after a launch recorded its own. Nothing is removed when a manifest cannot
-    be read: what it names is then unknown."""
+    `prune_store`), after a launch recorded its own: at most once in PRUNE_EVERY_SECONDS (it reads
+    every run's manifest; RUNS/.code.pruned says when it last did). Nothing is removed when a
+    manifest cannot be read: what it names is then unknown."""
+    stamp = root / f"{CODE_STORE}.pruned"
+    now = time.time() if now is None else now
+    try:
+        if now - stamp.stat().st_mtime < PRUNE_EVERY_SECONDS:
+            return []
+    except FileNotFoundError:
+        pass
     named: set[str] = set()
     try:
         for path in root.iterdir():
             if (path / MANIFEST).is_file():
-                named |= _snapshots_named(json.loads((path / MANIFEST).read_text()))
-        return prune_store(root / CODE_STORE, named)
-    except (OSError, ValueError, AttributeError):
+                named |= {Path(c.dir).name for c in manifests.read(path / MANIFEST).snapshots()}
+        removed = prune_store(root / CODE_STORE, named)
+        stamp.touch()
+        os.utime(stamp, (now, now))
+        return removed
+    except (OSError, ManifestError):
         return []
 
 
@@ -531,7 +571,7 @@ def _submit_locked(sealed: Sealed, *, force: bool, why: Optional[str]) -> tuple[
             with contextlib.suppress(OSError):
                 run.dir.parent.rmdir()  # only if that left it empty
         raise
-    record_submission(run, job_id, sealed, **({"after": prep_id} if prep_id else {}))
+    record_submission(run, job_id, sealed, after=prep_id or "")
     return run, job_id, sealed, prep_id
 
 
@@ -561,63 +601,3 @@ def _submit_prepare_locked(sealed: Sealed, *, force: bool) -> tuple[Run, str, Se
         raise
     record_submission(run, job_id, sealed, kind="prepare")
     return run, job_id, sealed
-
-
-class _Tail:
-    """Follows one growing file from its start."""
-
-    def __init__(self, path: Path, out: TextIO):
-        self.path, self.out, self.pos = path, out, 0
-
-    def pump(self) -> None:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.pos)
-                chunk = f.read()
-        except FileNotFoundError:
-            return
-        if chunk:
-            self.pos += len(chunk)
-            self.out.write(chunk.decode(errors="replace"))
-            self.out.flush()
-
-
-def follow(run: Run, job_id: str, *, interval: float = 1.0, on_state: Callable[[str], None] | None = None,
-           out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Print job `job_id`'s output and error logs as they grow until the job ends; its exit code.
-
-    The log paths are known before the job starts, so nothing can be missed
-    between submission and the first line.
-    """
-    tails = [_Tail(run.log_path(job_id, "output"), out)]
-    err_path = run.log_path(job_id, "error")
-    if err_path != tails[0].path:
-        tails.append(_Tail(err_path, err))
-    launch = run.launch(job_id) or Launch(kind="train", id=job_id)
-    last_state = None
-    gone = 0
-    while True:
-        for t in tails:
-            t.pump()
-        info = slurm.job_info(job_id)
-        state = info.state if info else "UNKNOWN"
-        if state != last_state and on_state:
-            on_state(state)
-        last_state = state
-        if info is not None and not info.active:
-            time.sleep(interval)  # the last lines may land just after the state changes
-            for t in tails:
-                t.pump()
-            return run.state(launch, info).final_exit
-        if info is None:
-            gone += 1
-            if gone > 5:  # slurmctld forgot the job and there is no accounting
-                for t in tails:
-                    t.pump()
-                return _exit_from_events(run, launch)
-        time.sleep(interval)
-
-
-def _exit_from_events(run: Run, launch: Launch) -> int:
-    """The exit code of a job Slurm no longer knows, from events.log: 1 where it records no end."""
-    return run.state(launch, ask_slurm=False).final_exit

@@ -3,7 +3,7 @@
 A run (runs/RUN/) is launched again and again: Slurm jobs (each a series of attempts under
 one id, through failure retries and time-limit requeues; a data preparation job too) and
 launches on this machine (`slipway local`). The manifest records each launch once
-(`Launch.from_entry`, the one reader of its entries); events.log tells what happened to
+(jobs.runs.manifest `Launch`, read there only); events.log tells what happened to
 it (`kernel.rundir.parse_event`); and one function, `launch_state`, turns a launch, its
 events and what Slurm or the local process says into its state, exit code and reason.
 `slipway status`, `watch` and `logs -f` all read a run through here.
@@ -16,8 +16,10 @@ import signal
 import socket
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
+from jobs import slurm
+from jobs.runs.manifest import Launch
 from jobs.slurm import ACTIVE_STATES, JobInfo
 from kernel.rundir import (HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT, Event,
                             EventKind)
@@ -38,93 +40,8 @@ FAILURE_KINDS = frozenset({EventKind.HANG, EventKind.PREFLIGHT_FAILED, EventKind
 # Slurm's words for a job not ended yet; its own STOPPED (SIGSTOPped, holding its nodes) is told as
 # SUSPENDED, as STOPPED here is a launch that saved and ended.
 _ACTIVE = (ACTIVE_STATES - {STOPPED}) | {"SUSPENDED"}
-_STARTS = (EventKind.START, EventKind.PREPARE_START)
+STARTS = (EventKind.START, EventKind.PREPARE_START)
 _ENDS = (EventKind.END, EventKind.PREPARE_END)
-
-
-def _text(value: Any) -> str:
-    return value if isinstance(value, str) else ""
-
-
-def _int(value: Any) -> Optional[int]:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One launch of a run, as its manifest entry records it (the manifest's JSON keys unchanged)."""
-
-    kind: str  # "train" or "prepare" (Slurm jobs), "local" (this machine)
-    id: str  # the Slurm job id; LOCAL_JOB for a local launch
-    submitted: str = ""  # when sbatch took it / when the local launch started (ISO 8601)
-    started: str = ""  # local launches only: Slurm's attempts start in events.log
-    ended: str = ""  # local launches: when the launcher recorded its end
-    recorded_exit: Optional[int] = None  # local: the exit code the launcher recorded
-    interrupted: bool = False  # local: the launcher recorded a Ctrl-C
-    signal: Optional[int] = None  # local: the signal the launcher recorded it was stopped by
-    pid: Optional[int] = None  # local: the launcher's pid (it outlives the trainer and records the end)
-    trainer_pid: Optional[int] = None
-    host: str = ""
-    log: str = ""  # local: its log, relative to the run directory
-    after: str = ""  # Slurm: the job it waits for (a train job after its prepare job)
-    image: dict = field(default_factory=dict, compare=False)
-    git: dict = field(default_factory=dict, compare=False)
-    script_sha256: str = ""
-
-    @property
-    def local(self) -> bool:
-        return self.kind == "local"
-
-    @property
-    def recorded(self) -> bool:
-        """Whether the launcher recorded this (local) launch's end."""
-        return self.recorded_exit is not None or self.interrupted or self.signal is not None
-
-    def same(self, other: "Launch") -> bool:
-        """One launch seen twice (re-read from the manifest): a process may launch twice, as tests do."""
-        if self.local or other.local:
-            return self.local and other.local and self.pid == other.pid and self.started == other.started
-        return self.id == other.id
-
-    @classmethod
-    def from_entry(cls, entry: Any) -> Optional["Launch"]:
-        """The launch a manifest `submissions` entry records; None for one that is not a mapping."""
-        if not isinstance(entry, dict):
-            return None
-        image = entry.get("image") if isinstance(entry.get("image"), dict) else {}
-        git = entry.get("git") if isinstance(entry.get("git"), dict) else {}
-        if entry.get("local"):
-            outcome = entry.get("exit")
-            sig = _signal_number(entry.get("signal", entry.get("exit_signal")))
-            return cls(kind="local", id=LOCAL_JOB, submitted=_text(entry.get("started")),
-                       started=_text(entry.get("started")), ended=_text(entry.get("ended")),
-                       recorded_exit=_int(outcome), interrupted=outcome == "interrupted", signal=sig,
-                       pid=_int(entry.get("pid")), trainer_pid=_int(entry.get("trainer_pid")),
-                       host=_text(entry.get("host")), log=_text(entry.get("log")), image=image, git=git)
-        job_id = entry.get("job_id")
-        if not isinstance(job_id, (str, int)) or isinstance(job_id, bool) or str(job_id) == "":
-            return None
-        return cls(kind=_text(entry.get("kind")) or "train", id=str(job_id), submitted=_text(entry.get("submitted")),
-                   after=_text(entry.get("after")), image=image, git=git,
-                   script_sha256=_text(entry.get("script_sha256")))
-
-
-def _signal_number(value: Any) -> Optional[int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value:
-        name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
-        try:
-            return int(signal.Signals[name])
-        except KeyError:
-            return int(value) if value.isdigit() else None
-    return None
-
-
-def launches(manifest: Any) -> list[Launch]:
-    """The launches a manifest records, oldest first (entries it cannot read are skipped)."""
-    subs = manifest.get("submissions") if isinstance(manifest, dict) else None
-    return [x for e in (subs if isinstance(subs, list) else []) if (x := Launch.from_entry(e)) is not None]
 
 
 def _when(stamp: str) -> Optional[datetime]:
@@ -158,7 +75,7 @@ def events_of(launch: Launch, events: Sequence[Event], runs_launches: Sequence[L
 
 def last_attempt(events: Sequence[Event]) -> list[Event]:
     """The events of a job's latest attempt: from its last start on (all of them before any start)."""
-    starts = [i for i, e in enumerate(events) if e.kind in _STARTS]
+    starts = [i for i, e in enumerate(events) if e.kind in STARTS]
     return list(events[starts[-1]:]) if starts else list(events)
 
 
@@ -260,6 +177,35 @@ def _by_code(code: int, attempt: Sequence[Event], reason: str) -> LaunchState:
     return LaunchState(FAILED, code, why)
 
 
+def final_end(attempt: Sequence[Event]) -> Optional[Event]:
+    """The end the job recorded for its last attempt, when that end is the job's: None while the
+    attempt runs, and when it ended by requeueing itself (the next attempt is the job's to come)."""
+    end = _last(attempt, _ENDS)
+    if end is None:
+        return None
+    requeue = _last(attempt, (EventKind.RETRY, EventKind.TIME_LIMIT_REQUEUE, EventKind.REQUEUE_FAILED))
+    return end if requeue is None or requeue.kind is EventKind.REQUEUE_FAILED else None
+
+
+def settled(launch: Launch, events: Sequence[Event]) -> bool:
+    """Whether events.log (`events`: the launch's own) tells for good how a Slurm job ended, so that
+    Slurm need not be asked: its last attempt recorded its end and did not requeue itself. A SIGTERM
+    is no such end: only Slurm tells a plain scancel from the time limit or a preemption that
+    requeues the job."""
+    attempt = last_attempt(events)
+    if launch.local or final_end(attempt) is None:
+        return False
+    cancel = _last(attempt, EventKind.CANCELLED)
+    return cancel is None or cancel.text.startswith("cancelled by slipway")
+
+
+def ask_slurm(launches: Iterable[tuple[Launch, Sequence[Event]]]) -> dict[str, JobInfo]:
+    """What Slurm says of each launch (with its own events) that events.log does not settle: at
+    most one squeue and one sacct call for all of them, none for those it settles."""
+    ids = [x.id for x, own in launches if not x.local and not settled(x, own)]
+    return slurm.jobs_info(ids) if ids and slurm.can_ask() else {}
+
+
 def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchState:
     last_text = attempt[-1].text if attempt else ""
     cancelled = _last(attempt, EventKind.CANCELLED)
@@ -280,12 +226,18 @@ def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchSta
             return LaunchState(FAILED, None, end.text)
         return _by_code(end_code, attempt, last_text)
     word = info.state.split()[0] if info.state else UNKNOWN
-    code = info.return_code if info.return_code is not None else end_code
+    # One exit code per end (kernel/rundir.py EXIT_CODES): the one the batch script recorded as the
+    # job's end. Slurm's own tells only an end the script could not record (killed outright): after
+    # a plain scancel the script records 143 while Slurm, which SIGKILLs its cleanup KillWait
+    # seconds later, says 0:9.
+    final = final_end(attempt)
+    recorded = final.exit_code if final is not None else None
+    code = recorded if recorded is not None else info.return_code
+    if word in ("TIMEOUT", "DEADLINE"):  # the time limit's SIGTERM reads as a cancellation in events.log
+        return LaunchState(TIMEOUT, code, info.reason or "the time limit was reached")
     if word == "CANCELLED" or cancelled is not None:
         by = info.state.partition(" ")[2]
         return LaunchState(CANCELLED, code, cancelled.text if cancelled else f"cancelled {by}".strip())
-    if word in ("TIMEOUT", "DEADLINE"):
-        return LaunchState(TIMEOUT, code, info.reason or "the time limit was reached")
     if word == "NODE_FAIL":
         node = _last(attempt, EventKind.NODE_FAILURE)
         return LaunchState(NODE_FAIL, code, node.text if node else info.reason or "a node of the job failed")
@@ -303,8 +255,8 @@ def _local_state(launch: Launch, attempt: Sequence[Event], process: LocalProcess
     last_text = attempt[-1].text if attempt else ""
     if launch.interrupted:
         return LaunchState(INTERRUPTED, INTERRUPTED_EXIT, "Ctrl-C")
-    if launch.signal is not None:
-        sig = launch.signal
+    if launch.signal_number is not None:
+        sig = launch.signal_number
         return LaunchState(INTERRUPTED if sig == signal.SIGINT else TERMINATED, 128 + sig,
                            f"stopped by {_signal_name(sig)}")
     code = launch.recorded_exit

@@ -1,8 +1,10 @@
 """The one wrapper around Slurm's client tools (sbatch, squeue, sacct, scancel, scontrol, srun).
 
 Every command line is built here, through plumbum, so a test can read it and a
-real Slurm runs it. Accounting (`sacct`) is optional: many small clusters and
-the local test cluster run without it, so job state falls back to `scontrol`.
+real Slurm runs it. The state of any number of jobs costs at most two calls
+(`jobs_info`: one squeue, one sacct for the jobs slurmctld forgot). Accounting
+(`sacct`) is optional: many small clusters and the local test cluster run
+without it, and a job slurmctld forgot is then told by events.log alone.
 """
 
 from __future__ import annotations
@@ -95,39 +97,73 @@ def requeue(job_id: str) -> None:
     _run(_tool("scontrol"), "requeue", job_id)
 
 
-def _parse_scontrol(text: str) -> dict[str, str]:
-    fields: dict[str, str] = {}
-    for token in text.split():
-        key, sep, value = token.partition("=")
-        if sep:
-            fields[key] = value
-    return fields
+# squeue's fields, each ended by "|" (no width: nothing is cut); the job name last, as it may hold "|".
+_SQUEUE_FORMAT = "JobID:|,State:|,Reason:|,TimeUsed:|,NodeList:|,exit_code:|,Name:"
+_SACCT_FIELDS = "JobID,State,ExitCode,Elapsed,NodeList,JobName"
+
+
+def squeue_argv(job_ids: list[str]) -> list[str]:
+    return ["squeue", "--noheader", "--states=all", f"--jobs={','.join(job_ids)}", f"--Format={_SQUEUE_FORMAT}"]
+
+
+def sacct_argv(job_ids: list[str]) -> list[str]:
+    return ["sacct", "-j", ",".join(job_ids), "-X", "-n", "-P", "-o", _SACCT_FIELDS]
+
+
+def _wait_status(text: str) -> str:
+    """squeue's exit_code (the job's wait status: 768 for exit 3, 9 for SIGKILL) as CODE:SIGNAL."""
+    if not text.strip().isdigit():
+        return ""
+    status = int(text)
+    return f"0:{status & 0x7F}" if status & 0x7F else f"{status >> 8}:0"
+
+
+def _ask(argv: list[str]) -> str:
+    """What a query printed; "" when it failed (an id slurmctld forgot, no accounting, no answer)."""
+    rc, out, _ = local[argv[0]][argv[1:]].run(retcode=None)
+    return out if rc == 0 else ""
+
+
+# Job ids per call: a command line argument holds at most 128 KiB (Linux's MAX_ARG_STRLEN).
+BATCH = 5000
+
+
+def jobs_info(job_ids: list[str]) -> dict[str, JobInfo]:
+    """The state of each job Slurm knows, in at most two calls whatever their number (up to BATCH
+    ids a call): one squeue for the jobs slurmctld still holds, one sacct for the others (where
+    accounting runs)."""
+    wanted = sorted(set(job_ids), key=lambda j: (len(j), j))  # a command line that reads the same each time
+    found: dict[str, JobInfo] = {}
+    if wanted and available("squeue"):
+        for i in range(0, len(wanted), BATCH):
+            asked = set(wanted[i:i + BATCH])
+            for line in _ask(squeue_argv(wanted[i:i + BATCH])).splitlines():
+                parts = line.split("|", 6)
+                if len(parts) == 7 and parts[0] in asked:
+                    job, state, reason, elapsed, nodes, code, name = parts
+                    found[job] = JobInfo(job_id=job, state=state, exit_code=_wait_status(code),
+                                         reason="" if reason == "None" else reason, elapsed=elapsed, nodes=nodes,
+                                         name=name)
+    missing = [j for j in wanted if j not in found]
+    if missing and available("sacct"):
+        for i in range(0, len(missing), BATCH):
+            asked = set(missing[i:i + BATCH])
+            for line in _ask(sacct_argv(missing[i:i + BATCH])).splitlines():  # a requeued job's last line counts
+                parts = line.split("|", 5)
+                if len(parts) == 6 and parts[0] in asked:
+                    found[parts[0]] = JobInfo(job_id=parts[0], state=parts[1], exit_code=parts[2],
+                                              elapsed=parts[3], nodes=parts[4], name=parts[5])
+    return found
 
 
 def job_info(job_id: str) -> JobInfo | None:
-    """State of one job: squeue/scontrol while slurmctld remembers it, else sacct."""
-    if available("scontrol"):
-        try:
-            out = local["scontrol"]("show", "job", "-o", job_id)
-        except ProcessExecutionError:
-            out = ""
-        if out.strip():
-            f = _parse_scontrol(out)
-            reason = f.get("Reason", "")
-            return JobInfo(job_id=job_id, state=f.get("JobState", ""), exit_code=f.get("ExitCode", ""),
-                           reason="" if reason == "None" else reason, elapsed=f.get("RunTime", ""),
-                           nodes=f.get("NodeList", ""), name=f.get("JobName", ""))
-    if available("sacct"):
-        try:
-            out = local["sacct"]("-j", job_id, "-X", "-n", "-P", "-o", "JobID,State,ExitCode,Elapsed,NodeList,JobName")
-        except ProcessExecutionError:
-            out = ""
-        for line in out.splitlines():
-            parts = line.split("|")
-            if len(parts) >= 6 and parts[0] == job_id:
-                return JobInfo(job_id=job_id, state=parts[1], exit_code=parts[2], elapsed=parts[3],
-                               nodes=parts[4], name=parts[5])
-    return None
+    """State of one job: squeue while slurmctld remembers it, else sacct."""
+    return jobs_info([job_id]).get(job_id)
+
+
+def can_ask() -> bool:
+    """Whether any Slurm tool that tells a job's state is here."""
+    return available("squeue") or available("sacct")
 
 
 def hostnames(nodelist: str) -> list[str]:

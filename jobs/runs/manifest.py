@@ -1,0 +1,363 @@
+"""manifest.json: what a run pinned and launched, one typed model, read and written here only.
+
+`Manifest` holds the run's records (git state, the image and code its latest launch runs, its
+runtime and launcher, the config's hash) and its launches (`Launch`: Slurm jobs and launches on
+this machine), each a dataclass whose fields are the file's keys. `read` is the one reader: every
+key it knows is checked against its field's type, and the keys it does not know (a newer
+slipway's) are kept, so that `write`, the one writer (atomic; jobs.runs.update_manifest calls it
+under the run's lock), hands them back. A record inside (ImagePin, CodeSnapshot) is a dataclass
+with `record()` and `from_record()`: adding one is one field line in `Manifest`, and one in
+`Launch` for a record each launch keeps.
+
+A manifest that cannot be read (missing, empty, cut short, not JSON, wrong types, too large) is
+a `ManifestError`: one line naming the file and what to do, raised only where that run is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Optional, Union
+
+from jobs.runs.container import ImagePin
+from kernel.errors import ConfigError, bounded, bounded_path, shown
+from kernel.fs import write_atomic
+from kernel.rundir import LOCAL_JOB, MANIFEST_FILE, CodeSnapshot
+
+MANIFEST = MANIFEST_FILE
+# 1: the first versioned format; a manifest without `schema` (written before it) reads the same.
+SCHEMA = 1
+MAX_BYTES = 32 << 20  # a run resubmitted ten thousand times writes about 8 MiB
+_JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")
+
+
+class ManifestError(ConfigError):
+    """A run's manifest.json that cannot be read: for that run, nothing can be told of its launches."""
+
+    def __init__(self, path: Path, why: str, stake: str = "", fix: str = ""):
+        self.path, self.why = Path(path), why
+        name = self.path.parent.name
+        stake = stake or "slipway cannot tell this run's launches from it"
+        fix = fix or (f"restore it from a backup, or move the run directory aside and submit afresh "
+                      f"(`squeue --name {name},{name}-prepare` lists the run's jobs still in Slurm)")
+        super().__init__(bounded_path(self.path), f"damaged ({why}): {stake}; {fix}")
+
+    def restated(self, stake: str, fix: str) -> "ManifestError":
+        """The same damage, told for what a command could not do because of it."""
+        return ManifestError(self.path, self.why, stake, fix)
+
+
+def _signal_number(value: Any) -> Optional[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value:
+        name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
+        try:
+            return int(signal.Signals[name])
+        except KeyError:
+            return int(value) if value.isdigit() else None
+    return None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch of a run, as the manifest's `submissions` records it: a Slurm job (a series of
+    attempts under one id) or a launch on this machine (`local`). Fields are the file's keys."""
+
+    job_id: Optional[str] = None  # the Slurm job id; None for a local launch
+    kind: str = "train"  # "train" or "prepare" (a data preparation job); a local launch trains
+    local: bool = False
+    submitted: str = ""  # when sbatch took it (ISO 8601)
+    started: str = ""  # local: when it started (Slurm's attempts start in events.log)
+    ended: str = ""  # local: when the launcher recorded its end
+    after: str = ""  # Slurm: the job it waits for (a train job after its prepare job)
+    pid: Optional[int] = None  # local: the launcher's pid (it outlives the trainer and records the end)
+    trainer_pid: Optional[int] = None
+    host: str = ""
+    log: str = ""  # local: its log, relative to the run directory
+    allocation: str = ""  # `slipway run`: the allocation it ran in
+    exit: Union[int, str, None] = None  # local: its exit code, or "interrupted" (Ctrl-C)
+    signal: Union[str, int, None] = None  # local: the signal that stopped it (its name)
+    trainer_exit: Optional[int] = None  # local: the trainer's own code when a signal stopped it
+    steps: Optional[int] = None  # train.steps of the config it launched with
+    git: dict = field(default_factory=dict, compare=False)
+    image: Optional[ImagePin] = field(default=None, compare=False)
+    code: Optional[CodeSnapshot] = field(default=None, compare=False)
+    script_sha256: str = ""
+    job_lib: dict = field(default_factory=dict, compare=False)  # the libraries its batch script sources
+    others: dict = field(default_factory=dict, compare=False, repr=False)  # keys a newer slipway wrote
+    kept: dict = field(default_factory=dict, compare=False, repr=False)  # the same inside a record (`_record`)
+
+    ALWAYS: ClassVar[tuple[str, ...]] = ("job_id", "kind")  # written even at their defaults
+
+    @property
+    def id(self) -> str:
+        """The job field of its events: the Slurm job id, LOCAL_JOB for a local launch."""
+        return LOCAL_JOB if self.local else str(self.job_id)
+
+    @property
+    def recorded_exit(self) -> Optional[int]:
+        return self.exit if isinstance(self.exit, int) and not isinstance(self.exit, bool) else None
+
+    @property
+    def interrupted(self) -> bool:
+        return self.exit == "interrupted"
+
+    @property
+    def signal_number(self) -> Optional[int]:
+        return _signal_number(self.signal)
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the launcher recorded this (local) launch's end."""
+        return self.recorded_exit is not None or self.interrupted or self.signal_number is not None
+
+    def same(self, other: "Launch") -> bool:
+        """One launch seen twice (re-read from the manifest): a process may launch twice, as tests do."""
+        if self.local or other.local:
+            return self.local and other.local and self.pid == other.pid and self.started == other.started
+        return self.job_id == other.job_id
+
+    def _check(self, where: str) -> None:
+        if not self.local and not (isinstance(self.job_id, str) and _JOB_ID.fullmatch(self.job_id)):
+            raise _Bad(f"{where}.job_id: {shown(self.job_id, 'job_id')} is no Slurm job id (and it is no local launch)")
+        if self.kind not in ("train", "prepare"):
+            raise _Bad(f"{where}.kind: {shown(self.kind, 'kind')} is neither train nor prepare")
+        if self.log and (Path(self.log).is_absolute() or ".." in Path(self.log).parts):
+            raise _Bad(f"{where}.log: {shown(self.log, 'log')} is not a path inside the run directory")
+        if isinstance(self.exit, str) and not self.interrupted:
+            raise _Bad(f"{where}.exit: {shown(self.exit, 'exit')} is neither an exit code nor \"interrupted\"")
+
+
+@dataclass
+class Manifest:
+    """A run's manifest.json."""
+
+    schema: int = SCHEMA
+    run: str = ""
+    created: str = ""
+    project_dir: str = ""
+    git: dict = field(default_factory=dict)
+    image: Optional[ImagePin] = None  # what the latest job runs
+    runtime: str = ""
+    launcher: str = ""
+    config_sha256: str = ""
+    submissions: list[Launch] = field(default_factory=list)  # oldest first
+    code: Optional[CodeSnapshot] = None  # what the latest training launch runs (None: the image's own)
+    # The job libraries the latest batch script sources (lib/NAME-HASH12.sh -> sha256), checked by it.
+    job_lib: dict = field(default_factory=dict)
+    others: dict = field(default_factory=dict, repr=False)  # keys a newer slipway wrote
+    kept: dict = field(default_factory=dict, repr=False)  # the same inside a record (`_record`)
+
+    ALWAYS: ClassVar[tuple[str, ...]] = ("*",)
+
+    def images(self) -> list[ImagePin]:
+        """Every image a job of the run was submitted with (a requeue runs its own job's)."""
+        return [pin for pin in (self.image, *(x.image for x in self.submissions)) if pin is not None]
+
+    def snapshots(self) -> list[CodeSnapshot]:
+        """Every code snapshot the run names: its own and each launch's."""
+        return [c for c in (self.code, *(x.code for x in self.submissions)) if c is not None]
+
+
+# ---------------------------------------------------------------- reading and writing
+
+
+class _Bad(Exception):
+    """What is wrong, and where in the file."""
+
+
+_KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+          float: "a number", type(None): "null"}
+
+
+def _kind(value: Any) -> str:
+    return _KINDS.get(type(value), type(value).__name__)
+
+
+def _wanted(hint: Any) -> str:
+    hint = typing.get_origin(hint) or hint
+    return "an object" if dataclasses.is_dataclass(hint) else _KINDS.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+Reader = Callable[[Any, str], Any]  # (value, where in the file) -> the value read, or _Bad
+_READERS: dict[Any, Reader] = {}
+_SEEN: dict[tuple, Any] = {}  # records read already (frozen: one object serves every manifest naming it)
+_FIELDS: dict[type, dict[str, Reader]] = {}
+
+
+def _check(hint: Any) -> Callable[[Any], bool]:
+    """Whether a JSON value is of type `hint` (a boolean is no integer)."""
+    kind = typing.get_origin(hint) or hint
+    if kind is int:
+        return lambda v: type(v) is int
+    if kind is float:
+        return lambda v: type(v) is int or type(v) is float
+    if dataclasses.is_dataclass(kind):
+        return lambda v: type(v) is dict
+    return lambda v: isinstance(v, kind)
+
+
+def _reader(hint: Any) -> Reader:
+    """How a value of type `hint` is read (made once per type: a listing reads thousands)."""
+    if hint in _READERS:
+        return _READERS[hint]
+    origin = typing.get_origin(hint)
+    if origin is Union:
+        options = [(_check(o), _reader(o)) for o in typing.get_args(hint) if o is not type(None)]
+        nullable = type(None) in typing.get_args(hint)
+        wanted = " or ".join(_wanted(o) for o in typing.get_args(hint) if o is not type(None))
+
+        def read(value: Any, where: str) -> Any:
+            if value is None and nullable:
+                return None
+            for fits, reader in options:
+                if fits(value):
+                    return reader(value, where)
+            raise _Bad(f"{where}: {_kind(value)} where {wanted} belongs")
+    elif origin is list:
+        item = _reader(typing.get_args(hint)[0])
+
+        def read(value: Any, where: str) -> Any:
+            if type(value) is not list:
+                raise _Bad(f"{where}: {_kind(value)} where a list belongs")
+            return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    elif dataclasses.is_dataclass(hint):
+        def read(value: Any, where: str) -> Any:
+            if type(value) is not dict:
+                raise _Bad(f"{where}: {_kind(value)} where an object belongs")
+            return _record(hint, value, where)
+    else:
+        fits = _check(hint)
+
+        def read(value: Any, where: str) -> Any:
+            if not fits(value):
+                raise _Bad(f"{where}: {_kind(value)} where {_wanted(hint)} belongs")
+            return value
+    _READERS[hint] = read
+    return read
+
+
+_OWN = ("others", "kept", "ALWAYS")  # fields of the model that are no keys of the file
+
+
+def _fields(cls: type) -> dict[str, Reader]:
+    if cls not in _FIELDS:
+        _FIELDS[cls] = {k: _reader(h) for k, h in typing.get_type_hints(cls).items() if k not in _OWN}
+    return _FIELDS[cls]
+
+
+def _record(cls: type, data: dict, where: str) -> Any:
+    readers = _fields(cls)
+    if hasattr(cls, "from_record"):  # a record another module defines: we check the types, it builds
+        try:  # one image or snapshot is named by many launches and runs: read once
+            same = (cls, *data.items())
+            if same in _SEEN:
+                return _SEEN[same]
+        except TypeError:  # a value that is no scalar: read it as it is
+            same = None
+        for key, value in data.items():
+            if key in readers:
+                readers[key](value, f"{where}.{key}")
+        obj = cls.from_record(data)
+        if obj is None:
+            raise _Bad(f"{where}: not a{'n' if cls.__name__[0] in 'AEIOU' else ''} {cls.__name__} record")
+        if same is not None and len(_SEEN) < 4096:
+            _SEEN[same] = obj
+        return obj
+    values: dict[str, Any] = {}
+    others: dict[str, Any] = {}
+    kept: dict[str, Any] = {}
+    for key, value in data.items():
+        reader = readers.get(key)
+        if reader is None:
+            others[key] = value
+            continue
+        values[key] = read = reader(value, f"{where}.{key}")
+        if hasattr(read, "record"):  # its keys a newer slipway added, while it stays this record
+            extra = {k: v for k, v in value.items() if k not in _fields(type(read))}
+            if extra:
+                kept[key] = (read, extra)
+    obj = cls(**values, others=others, kept=kept)
+    check = getattr(obj, "_check", None)
+    if check is not None:
+        check(where)
+    return obj
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if hasattr(value, "record"):
+        return value.record()
+    if dataclasses.is_dataclass(value):
+        return to_record(value)
+    return value
+
+
+def to_record(obj: Any) -> dict:
+    """The JSON object of a Manifest or Launch: its fields (a Launch's only where they differ from
+    their defaults), then the keys a newer slipway wrote, as they were."""
+    out: dict[str, Any] = {}
+    every = "*" in obj.ALWAYS
+    for f in fields(obj):
+        if f.name in _OWN:
+            continue
+        value = getattr(obj, f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if every or f.name in obj.ALWAYS or value != default:
+            out[f.name] = _plain(value)
+            if f.name in obj.kept and obj.kept[f.name][0] is value:
+                out[f.name] = {**out[f.name], **obj.kept[f.name][1]}
+    for key, value in obj.others.items():
+        out.setdefault(key, value)
+    return out
+
+
+def read(path: Path) -> Manifest:
+    """The manifest at `path`, validated; ManifestError when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise ManifestError(path, "missing") from None
+    except OSError as exc:
+        raise ManifestError(path, f"cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_BYTES:
+        raise ManifestError(path, f"larger than {MAX_BYTES >> 20} MiB")
+    if not data.strip():
+        raise ManifestError(path, "empty")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ManifestError(path, "not UTF-8 text") from None
+    except RecursionError:
+        raise ManifestError(path, "nested too deeply") from None
+    except ValueError as exc:
+        raise ManifestError(path, f"not JSON: {bounded(str(exc), 120)}") from None
+    if not isinstance(raw, dict):
+        raise ManifestError(path, f"{_kind(raw)}, not an object")
+    try:
+        return _record(Manifest, raw, "manifest")
+    except _Bad as exc:
+        raise ManifestError(path, str(exc).removeprefix("manifest.")) from None
+
+
+def write(path: Path, manifest: Manifest) -> None:
+    """Write `manifest` to `path` atomically (a reader sees the old file or the new, never half)."""
+    write_atomic(path, json.dumps(to_record(manifest), indent=2) + "\n")
+
+
+def file_key(path: Path) -> Optional[tuple[int, int, int]]:
+    """What changes whenever the manifest is rewritten (write_atomic makes a new file): None if absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
