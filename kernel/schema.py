@@ -10,7 +10,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from kernel.errors import ConfigError, shown
 from kernel.secrets import REFUSE, flag_variable, refusal, secret_name
-from kernel.yaml import _BOOL, _FLOAT, _INT, _NULL, MAX_INT, Plain
+from kernel.yaml import BOOL, FLOAT, INT, MAX_INT, NULL, Plain
 
 
 # --------------------------------------------------------------------------
@@ -90,14 +90,14 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if text in _BOOL:
-            return _BOOL[text]
+        if text in BOOL:
+            return BOOL[text]
         raise ConfigError(where, f"expected true or false, got {shown(value, where)}")
     if tp is int:
         number = None
         if isinstance(value, int) and not isinstance(value, bool):
             number = value
-        elif text is not None and len(text) <= 40 and _INT.fullmatch(text):
+        elif text is not None and len(text) <= 40 and INT.fullmatch(text):
             number = int(text, 0) if text[:2] in ("0o", "0x") else int(text)
         if number is None:
             raise ConfigError(where, f"expected an integer, got {shown(value, where)}")
@@ -110,7 +110,7 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= 10 ** 300:
             number = float(value)
-        elif text is not None and len(text) <= 40 and (_FLOAT.fullmatch(text) or _INT.fullmatch(text)):
+        elif text is not None and len(text) <= 40 and (FLOAT.fullmatch(text) or INT.fullmatch(text)):
             number = float(int(text, 0)) if text[:2] in ("0o", "0x") else float(text)
         if number is None:
             raise ConfigError(where, f"expected a number, got {shown(value, where)}")
@@ -129,7 +129,7 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
         args = get_args(tp)
-        if type(None) in args and (value is None or (isinstance(value, Plain) and (value == "" or value in _NULL))):
+        if type(None) in args and (value is None or (isinstance(value, Plain) and (value == "" or value in NULL))):
             return None  # null, or an empty or null override (`slurm.account=`): unset
         options = [arg for arg in args if arg is not type(None)]
         for arg in options:
@@ -261,8 +261,8 @@ class AutoBool:
     def from_config_value(value: Any, where: str) -> Union[bool, str]:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value in _BOOL:
-            return _BOOL[value]
+        if isinstance(value, str) and value in BOOL:
+            return BOOL[value]
         if value == "auto":
             return "auto"
         raise ConfigError(where, f"expected true or false, got {shown(value)} (or auto: the trainer decides "

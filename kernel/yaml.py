@@ -29,10 +29,12 @@ class Plain(str):
     """A plain (unquoted) YAML scalar or an override value, exactly as written."""
 
 
-_NULL = frozenset({"null", "Null", "NULL", "~"})
-_BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
-_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
-_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+# YAML 1.2's forms of null, booleans and numbers: what the schema engine (kernel/schema.py) types a
+# plain scalar by, once the field it lands in says which type it must be.
+NULL = frozenset({"null", "Null", "NULL", "~"})
+BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
+INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
+FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
 
 
 class _Loader(yaml.SafeLoader):
@@ -43,7 +45,7 @@ class _Loader(yaml.SafeLoader):
     def construct_yaml_str(self, node: yaml.Node) -> str:
         value = self.construct_scalar(node)
         if node.style is None:  # plain: null, or text for the schema to type
-            return None if value in _NULL or value == "" else Plain(value)
+            return None if value in NULL or value == "" else Plain(value)
         return str(value)
 
     def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
