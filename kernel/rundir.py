@@ -153,6 +153,7 @@ class EventKind(str, enum.Enum):
     TIME_LIMIT_STOP = "time-limit stop"  # saved at the warning, slurm.requeue off: the job ends REQUEUE_EXIT
     NOT_REQUEUEING = "not requeueing"  # the time-limit requeues are used up: the job ends REQUEUE_EXIT
     VERIFICATION_FAILED = "verification failed"  # what the job runs is not what was submitted: exit 2, no retry
+    COMPILE_FALLBACK = "compile fallback"  # train.compile auto: the first step failed to compile, trained eagerly
     PREFLIGHT_OK = "preflight ok"
     PREFLIGHT_FAILED = "preflight failed"
     HANG = "hang"
@@ -175,6 +176,7 @@ _KINDS: tuple[tuple[str, EventKind], ...] = (
     ("not requeueing", EventKind.NOT_REQUEUEING),
     ("time-limit stop", EventKind.TIME_LIMIT_STOP),
     ("verification failed", EventKind.VERIFICATION_FAILED),
+    ("compile fallback", EventKind.COMPILE_FALLBACK),
     ("preflight ok", EventKind.PREFLIGHT_OK),
     ("preflight failed", EventKind.PREFLIGHT_FAILED),
     ("hang:", EventKind.HANG),

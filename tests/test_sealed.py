@@ -211,7 +211,8 @@ def test_image_is_pinned_to_the_content_addressed_file(project, slurm_stand_ins)
     assert second != first and (project / "images" / "slipway.sqsh").resolve() == second
     assert (run_dir / "job.sbatch").read_text() == script
     status = slipway("status", "pinned", env=slurm_stand_ins)
-    assert f"uses build {record['hash'][:12]}" in status.stdout and "current build is" in status.stdout
+    newer = json.loads(second.with_suffix(".json").read_text())["hash"][:12]
+    assert f"uses build {record['hash'][:12]}; a resubmission would run {newer}" in status.stdout, status.stdout
 
     # naming the link in the config pins what it points to at submission
     r = slipway("submit", "tiny_cpu", *PYXIS, "--run-name", "linked", "container.image=./images/slipway.sqsh",

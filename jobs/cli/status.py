@@ -20,7 +20,7 @@ from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History, Launch
 from jobs.runs.manifest import ManifestError
 from kernel.errors import ConfigError
-from kernel.rundir import HANGS_DIR, LOCAL_JOB, Event
+from kernel.rundir import HANGS_DIR, LOCAL_JOB, Event, EventKind
 
 
 def job_history(run: runs.Run, job_id: str) -> History:
@@ -86,20 +86,32 @@ def code_lines(run: runs.Run) -> list[str]:
 
 
 def image_drift(run: runs.Run) -> str | None:
-    """A note when the image the run's latest job used is not the current build for its config."""
+    """A note when a resubmission of the run would run another build than its latest job did (a
+    newer build of its config's image settings), or none at all."""
     pinned = run.image()
     if pinned is None or pinned.source != "build":
         return None
-    try:
-        from containers.image import current_image
+    from jobs.runs.container import build_of_settings
 
-        current = current_image(run.config(), root=run.paths.project_dir)
-    except (ConfigError, OSError):
+    try:
+        now = build_of_settings(run.config(), run.paths.project_dir)
+    except ConfigError as exc:
+        return f"image: a resubmission would be refused: {exc}"
+    except OSError:
         return None
-    if current and current.hash != pinned.build_hash:
-        return (f"image: this run uses build {str(pinned.build_hash)[:12]}, the current build is "
-                f"{current.hash12} (a resubmission would use the current one)")
+    if now.hash != pinned.build_hash:
+        return (f"image: this run uses build {str(pinned.build_hash)[:12]}; a resubmission would run "
+                f"{now.hash12}, the newest build of its config's image settings")
     return None
+
+
+def attempt_notes(run: runs.Run, events) -> list[str]:
+    """What the run's latest attempt said besides its state: a compile that fell back to eager."""
+    latest = next((x for x in reversed(run.launches()) if x.kind == "train"), None)
+    if latest is None:
+        return []
+    own = lifecycle.last_attempt(run.events_of(latest, events))
+    return [f"note: {e.text}" for e in own if e.kind is EventKind.COMPILE_FALLBACK]
 
 
 def show_status(project_dir, run_name: str | None, console) -> int:
@@ -124,7 +136,7 @@ def show_status(project_dir, run_name: str | None, console) -> int:
         if image is not None and image.image:
             console.print(f"image {image.image}" + (f" (build {image.build_hash[:12]})" if image.build_hash else ""),
                           soft_wrap=True, highlight=False)
-        for line in code_lines(run):
+        for line in code_lines(run) + attempt_notes(run, events):
             console.print(line, soft_wrap=True, highlight=False)
         drift = image_drift(run)
         if drift:
