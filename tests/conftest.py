@@ -65,6 +65,16 @@ def write_libraries(run_dir: Path, env) -> None:
         (run_dir / rel).write_text(text)
 
 
+def default_signals() -> None:
+    """preexec_fn for a process a test will send SIGINT (what a terminal's Ctrl-C is): a test run
+    from a background job (`make test-fast &`) starts with SIGINT ignored, which every child would
+    inherit, and Python installs no KeyboardInterrupt handler then. The test sets the default itself."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def stand_in(bin_dir: Path, name: str, body: str) -> None:
     """An executable bash script `bin_dir/name` standing in for a tool (put bin_dir first on PATH)."""
     bin_dir.mkdir(exist_ok=True)

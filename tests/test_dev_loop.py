@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from jobs.runs.code import LISTING, PRUNE_AFTER_SECONDS, STORE, plan_snapshot
+from conftest import default_signals
 from kernel.errors import ConfigError
 from kernel.rundir import CODE_ENV, CodeSnapshot, check_code
 
@@ -335,7 +336,7 @@ def test_slipway_run_inside_an_allocation_stops_resumably_and_resumes(project, s
             *TINY, "train.steps=400",
             "checkpoint.interval=1000", "train.micro_batch_size=8"]
     proc = subprocess.Popen(["salloc", "--nodes=2", PY, "-m", "jobs", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ), preexec_fn=default_signals)
     run_dir = project / "runs" / "inter"
     deadline = time.time() + 180
     while time.time() < deadline and len(metrics_steps(run_dir)) < 3:

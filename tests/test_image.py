@@ -44,6 +44,7 @@ from containers.tools import Enroot, Podman, ToolError
 from containers.record import BuildRecord
 from jobs.cli.image import build, compute_argv
 from jobs.config import Config, ImageSection, load_config
+from conftest import default_signals
 from tests.image_standins import calls, flash_attn_standin_wheel, write_standins
 from kernel.errors import ConfigError
 
@@ -351,7 +352,7 @@ def test_interrupted_import_leaves_no_file(project: Path, fakes: Path, monkeypat
     monkeypatch.setenv("FAKE_ENROOT_MODE", "hang")
     out = project / "images"
     proc = subprocess.Popen([sys.executable, "-m", "jobs", "image", "build", "configs/tiny_cpu.yaml"], cwd=project,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_signals)
     deadline = time.time() + 30
     while not list(out.glob(".slipway-*.sqsh.tmp-*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SRUN_PASSING_PREFLIGHT, tree
+from conftest import ROOT, SRUN_PASSING_PREFLIGHT, default_signals, tree
 
 PY = sys.executable
 
@@ -514,7 +514,8 @@ def test_local_runs_in_status_and_logs(project):
 def test_ctrl_c_on_local_says_interrupted_and_how_to_resume(project):
     proc = subprocess.Popen([PY, "-m", "jobs", "local", "tiny_cpu", "--run-name", "cc",
                              *local_command("import time; print('up', flush=True); time.sleep(60)")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=default_signals)
     deadline = time.time() + 60
     log = project / "runs" / "cc" / "logs"
     while time.time() < deadline and not any("up" in p.read_text() for p in log.glob("local-*.out")):
