@@ -353,6 +353,13 @@ def test_slipway_run_inside_an_allocation_stops_resumably_and_resumes(project, s
     assert "job local stopped on request: saved after the stop request" in events, events
     assert "rank 0" not in out or "step" in out  # rank 0's log lines reached the terminal
     assert re.search(r"step\s+\d+", out), out[-2000:]
+    # After the Ctrl-C: the launcher's answer and its report, nothing of torchrun's or srun's ending.
+    lines = out.splitlines()
+    said = [line for line in lines[next(i for i, line in enumerate(lines) if line.startswith("Ctrl-C: ")):]
+            if not line.startswith("salloc: ")]
+    assert len(said) == 2 and "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    assert said[1].startswith(f"interrupted (Ctrl-C) at step {saved[-1]} and saved it: `"), said
+    assert " run tiny_cpu " in said[1] and "resumes from there" in said[1], said
     status = slipway("status", "inter")
     assert "STOPPED" in status.stdout.upper() and "75" in status.stdout, status.stdout
 
@@ -360,6 +367,8 @@ def test_slipway_run_inside_an_allocation_stops_resumably_and_resumes(project, s
     again = [a for a in args if not a.startswith("train.steps=")] + [f"train.steps={saved[-1] + 2}", "--force"]
     r = subprocess.run(["salloc", "--nodes=2", PY, "-m", "jobs", *again], capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
+    for noise in ("Traceback", "frame #", "Exception raised from", "ChildFailedError", "srun: error"):
+        assert noise not in r.stdout + r.stderr, (noise, r.stdout[-3000:], r.stderr[-2000:])
     steps = metrics_steps(run_dir)
     assert steps[-1] == saved[-1] + 2 and "resum" in (r.stdout + r.stderr).lower()
     assert not (run_dir / "stop-requested").exists()

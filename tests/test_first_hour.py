@@ -21,6 +21,8 @@ from conftest import stand_in
 from jobs.cli import main
 
 PY = sys.executable
+# This installation's `slipway` on PATH, as after `source .venv/bin/activate`: hints then name it so.
+ON_PATH = {"PATH": f"{Path(PY).parent}{os.pathsep}{os.environ['PATH']}"}
 
 
 def slipway(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -69,14 +71,46 @@ def test_local_refuses_an_unprepared_cache_at_once_and_its_prepare_command_works
     assert not (project / "runs").exists()
 
 
-def test_local_with_nothing_left_to_train_says_so_before_starting(project):
-    done = project / "runs" / "tiny_cpu" / "checkpoints" / "step-000200"
-    done.mkdir(parents=True)
+def finished(project: Path, run: str = "tiny_cpu", step: int = 200, exist_ok: bool = False) -> Path:
+    done = project / "runs" / run / "checkpoints" / f"step-{step:06d}"
+    done.mkdir(parents=True, exist_ok=exist_ok)
     (done / "COMPLETE").touch()
-    line = one_error_line(slipway("local", "tiny_cpu"))
-    assert "train.steps: run tiny_cpu already reached train.steps=200 (checkpoint at step 200)" in line
+    return done.parent.parent
+
+
+def test_local_with_nothing_left_to_train_says_so_before_starting(project):
+    run = finished(project)
+    r = slipway("local", "tiny_cpu", env=ON_PATH)
+    # A complete run is no failure (`make local` again ends without make's "Error 2"): one line, exit 0.
+    assert r.returncode == 0 and r.stderr == "", (r.stdout, r.stderr)
+    line = r.stdout.strip()
+    assert line.startswith("run tiny_cpu already reached train.steps=200 (checkpoint at step 200): nothing to train")
     assert "`slipway local tiny_cpu --train-steps 400 --force`" in line  # a command that works when pasted
-    assert not (project / "runs" / "tiny_cpu" / "logs").exists()
+    assert not (run / "logs").exists()
+
+
+def test_submit_refuses_a_run_with_nothing_left_to_train_before_sbatch_by_the_same_rule(project, tmp_path):
+    bin_dir, called = tmp_path / "slurm-bin", tmp_path / "sbatch-called"
+    stand_in(bin_dir, "sbatch", f'touch {shlex.quote(str(called))}; echo 4242\n')
+    stand_in(bin_dir, "scontrol", 'case "$1" in ping) echo "Slurmctld(primary) at n1 is UP" ;;\n'
+                                  '  show) echo "JobId=$4 JobState=COMPLETED ExitCode=0:0" ;; esac\n')
+    env = {**ON_PATH, "PATH": f"{bin_dir}{os.pathsep}{ON_PATH['PATH']}"}
+    assert slipway("submit", "tiny_cpu", "--nodes", "1", env=env).returncode == 0
+    called.unlink()
+    finished(project, exist_ok=True)  # the job trained all its steps
+    line = one_error_line(slipway("submit", "tiny_cpu", "--nodes", "1", env=env))
+    assert line.startswith("slipway: error: train.steps: run tiny_cpu already reached train.steps=200 (checkpoint "
+                           "at step 200): nothing to train"), line
+    assert "`slipway submit tiny_cpu --nodes 1 --train-steps 400 --force`" in line
+    assert not (tmp_path / "sbatch-called").exists()
+    local = slipway("local", "tiny_cpu", env=env).stdout
+    assert line.split("nothing to train")[1].replace("submit tiny_cpu --nodes 1", "local tiny_cpu") == \
+        local.split("nothing to train")[1].strip()  # the same rule, the same hint
+    # The hint pasted: a changed config, kept in history/; sbatch is called this time.
+    r = subprocess.run(shlex.split(line.split("`")[1]), capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **env})
+    assert r.returncode == 0 and called.exists() and "resubmitted" in r.stdout, (r.stdout, r.stderr)
+    assert list((project / "runs" / "tiny_cpu" / "history").iterdir())
 
 
 def test_local_help_shows_only_the_flags_of_a_local_run(capsys):

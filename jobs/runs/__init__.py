@@ -35,9 +35,10 @@ from jobs.runs.container import (ImagePin, create_needed_dirs, kept_build, pin_i
 from jobs.runs.lifecycle import Launch, LaunchState
 from jobs.slurm.script import (LIB_DIR, PREPARE_SCRIPT, RunPaths, check_env_from_host, library_files, render_prepare_sbatch,
                                render_sbatch)
+from kernel import environ
 from kernel.errors import ConfigError
 from kernel.fs import write_atomic
-from kernel.rundir import LOCAL_JOB, CodeSnapshot, Event, append_event, read_events
+from kernel.rundir import LOCAL_JOB, CodeSnapshot, Event, append_event, complete_checkpoints, read_events
 
 MANIFEST = "manifest.json"
 
@@ -484,6 +485,19 @@ def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:
             f"data.tokenize_in_job: true lets rank 0 tokenize in the job while every GPU waits; {missing}")
 
 
+def nothing_to_train(cfg: Config, run_dir: Path, command: str) -> Optional[str]:
+    """Why a launch of the run would train nothing (None: it has steps left): its latest
+    checkpoint already reached train.steps. `command` (`local ARGS`) is what the suggested
+    command to train on repeats; `slipway local` and `submit` say the same before starting."""
+    steps = complete_checkpoints(run_dir / cfg.checkpoint.dir)
+    if not steps or steps[-1] < cfg.train.steps:
+        return None
+    return (f"run {cfg.run.name} already reached train.steps={cfg.train.steps} (checkpoint at step {steps[-1]}): "
+            f"nothing to train; to train on, `{environ.invocation()} {command} --train-steps "
+            f"{steps[-1] + cfg.train.steps} --force` (a changed config: the old one is kept in history/), or pick "
+            "another --run-name for a new run")
+
+
 def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool = False,
            before_writing: Optional[Callable[[], None]] = None) -> tuple[Run, str, Sealed, Optional[str]]:
     """Seal the submission, write the run directory and `sbatch` it; returns (run, job id,
@@ -493,6 +507,9 @@ def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool
     prepares it and the training job starts after that one completed."""
     check_submittable(cfg)
     sealed = seal(cfg, project_dir)
+    done = nothing_to_train(cfg, sealed.paths.run_dir, f"submit {cfg.config_args}")
+    if done:
+        raise ConfigError("train.steps", done)
     why = unprepared_data(sealed, cfg.config_args)
     if why and not prepare:
         raise ConfigError("data", why)
