@@ -132,7 +132,6 @@ edf: $(STAMP)
 # A real Slurm cluster of $(NODES) nodes on this machine (root; Debian slurm-wlm + munge).
 cluster-up: $(STAMP)
 	$(PY) -m jobs cluster up --nodes $(NODES)
-	@echo 'point Slurm commands at it with: eval "$$($(VENV)/bin/slipway cluster env)"'
 
 cluster-down: $(STAMP)
 	$(PY) -m jobs cluster down

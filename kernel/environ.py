@@ -65,3 +65,12 @@ def invocation() -> str:
         return f"{shlex.quote(sys.executable)} -m jobs"
     relative = os.path.relpath(script)
     return shlex.quote(relative if not relative.startswith("..") else str(script))
+
+
+def as_typed(text: str) -> str:
+    """`text` with each command it suggests (`` `slipway ...` ``, `$(slipway ...)`) in the form
+    this shell runs (`invocation`): a hint must work when pasted."""
+    prog = invocation()
+    if prog == "slipway":
+        return text
+    return text.replace("`slipway ", f"`{prog} ").replace("$(slipway ", f"$({prog} ")

@@ -21,8 +21,6 @@ from conftest import stand_in
 from jobs.cli import main
 
 PY = sys.executable
-# This installation's `slipway` on PATH, as after `source .venv/bin/activate`: hints then name it so.
-ON_PATH = {"PATH": f"{Path(PY).parent}{os.pathsep}{os.environ['PATH']}"}
 
 
 def slipway(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -80,7 +78,7 @@ def finished(project: Path, run: str = "tiny_cpu", step: int = 200, exist_ok: bo
 
 def test_local_with_nothing_left_to_train_says_so_before_starting(project):
     run = finished(project)
-    r = slipway("local", "tiny_cpu", env=ON_PATH)
+    r = slipway("local", "tiny_cpu")
     # A complete run is no failure (`make local` again ends without make's "Error 2"): one line, exit 0.
     assert r.returncode == 0 and r.stderr == "", (r.stdout, r.stderr)
     line = r.stdout.strip()
@@ -94,7 +92,7 @@ def test_submit_refuses_a_run_with_nothing_left_to_train_before_sbatch_by_the_sa
     stand_in(bin_dir, "sbatch", f'touch {shlex.quote(str(called))}; echo 4242\n')
     stand_in(bin_dir, "scontrol", 'case "$1" in ping) echo "Slurmctld(primary) at n1 is UP" ;;\n'
                                   '  show) echo "JobId=$4 JobState=COMPLETED ExitCode=0:0" ;; esac\n')
-    env = {**ON_PATH, "PATH": f"{bin_dir}{os.pathsep}{ON_PATH['PATH']}"}
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     assert slipway("submit", "tiny_cpu", "--nodes", "1", env=env).returncode == 0
     called.unlink()
     finished(project, exist_ok=True)  # the job trained all its steps
@@ -111,6 +109,23 @@ def test_submit_refuses_a_run_with_nothing_left_to_train_before_sbatch_by_the_sa
                        env={**os.environ, **env})
     assert r.returncode == 0 and called.exists() and "resubmitted" in r.stdout, (r.stdout, r.stderr)
     assert list((project / "runs" / "tiny_cpu" / "history").iterdir())
+
+
+@pytest.mark.slow
+def test_a_hint_names_slipway_as_the_shell_make_setup_leaves_runs_it(project):
+    """After `make setup` slipway is `.venv/bin/slipway`, not on PATH: a hint says so, and pasted it works."""
+    (project / ".venv").symlink_to(Path(PY).parent.parent)  # this project's venv, as `make setup` makes it
+    corpus(project)
+    bare = {"PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != Path(PY).parent)}
+    given = ["tiny_cpu", "--dataset", "./corpus", "--text-column", "body", "data.validation_fraction=0"]
+    r = subprocess.run([".venv/bin/python", "-m", "jobs", "local", *given], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, **bare})
+    line = one_error_line(r)
+    suggested = re.search(r"run `([^`]*)` first", line).group(1)
+    assert suggested.startswith(".venv/bin/slipway prepare tiny_cpu "), line
+    pasted = subprocess.run(shlex.split(suggested), capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **bare})
+    assert pasted.returncode == 0 and "200 documents" in pasted.stdout, (pasted.stdout, pasted.stderr)
 
 
 def test_local_help_shows_only_the_flags_of_a_local_run(capsys):
@@ -138,6 +153,22 @@ def test_submit_without_a_controller_is_doctors_one_line_and_writes_nothing(proj
     assert "no Slurm controller answers, so sbatch would fail; check SLURM_CONF" in line
     doctor = slipway("doctor", env=env)
     assert line.removeprefix("slipway: error: ") in doctor.stdout  # one diagnosis, the same words
+    assert not (project / "runs").exists()
+
+
+def test_a_slurm_conf_left_from_a_stopped_local_cluster_is_named_first(project, tmp_path):
+    if shutil.which("scontrol") is None:
+        pytest.skip("needs Slurm's scontrol, which says why no controller answers")
+    from jobs.cluster import ClusterSpec, render_slurm_conf
+
+    spec = ClusterSpec(state_dir=Path("/tmp/slipway-gone"), nodes=2)  # a short name, as slurm.conf needs
+    conf = tmp_path / "slurm.conf"  # its conf as `slipway cluster down` leaves it
+    conf.write_text(render_slurm_conf(spec))
+    line = one_error_line(slipway("submit", "tiny_cpu", env={"SLURM_CONF": str(conf)}), code=1)
+    assert line.startswith(f"slipway: error: SLURM_CONF={shlex.quote(str(conf))} names a local test cluster that is not up "
+                           "(`slipway cluster down` stopped it): `unset SLURM_CONF` for this machine's own Slurm, or "
+                           "`slipway cluster up`"), line
+    assert len(line) < 600, line  # scontrol's page of munge errors cut short, after the fix
     assert not (project / "runs").exists()
 
 

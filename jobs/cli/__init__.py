@@ -12,6 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from kernel.environ import as_typed, invocation
 from kernel.errors import ConfigError
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
 from trainer.extras import require as require_extra
@@ -152,7 +153,7 @@ def _notes(console, notes: list[str]) -> None:
     from kernel.secrets import mask
 
     for note in notes:  # a note quotes paths and overrides (`container.mounts=[...]`): never markup
-        console.print(f"[yellow]note:[/] {escape(mask(note))}", soft_wrap=True, markup=True, highlight=False)
+        console.print(f"[yellow]note:[/] {escape(mask(as_typed(note)))}", soft_wrap=True, markup=True, highlight=False)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -167,7 +168,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             console = _console(stderr=True)
         _notes(console, sealed.notes)
         console.print(f"submitted the data preparation of [bold]{cfg.run.name}[/] as job [bold]{job_id}[/] "
-                      f"(log {run.log_path(job_id)}); `slipway submit {cfg.config_args}` once it has completed, "
+                      f"(log {run.log_path(job_id)}); `{invocation()} submit {cfg.config_args}` once it has completed, "
                       "or now with --prepare to queue it behind", soft_wrap=True)
         if args.show_logs:
             return runs.follow(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
@@ -193,7 +194,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         raise ConfigError("data.cache_dir", str(exc)) from None
     for entry in result.entries:
         console.print(entry.describe(), soft_wrap=True, highlight=False)
-    console.print(f"[green]prepared[/]: `slipway submit {cfg.config_args}` will only open this cache", soft_wrap=True)
+    console.print(f"[green]prepared[/]: `{invocation()} submit {cfg.config_args}` will only open this cache",
+                  soft_wrap=True)
     return 0
 
 
@@ -470,7 +472,7 @@ def _slurm_error(exc: BaseException) -> int | None:
     if isinstance(exc, SlurmError):
         from kernel.secrets import mask
 
-        print(f"slipway: error: {mask(str(exc))}", file=sys.stderr)
+        print(f"slipway: error: {mask(as_typed(str(exc)))}", file=sys.stderr)
         return 1
     return None
 
