@@ -349,6 +349,22 @@ class Config(TrainerConfig):
         """What a suggested `slipway COMMAND ...` repeats: the user's own config arguments."""
         return self.given_args or shlex.quote(self.config_name)
 
+    def config_args_setting(self, settings: dict[str, Any]) -> str:
+        """`config_args` with `settings` (config key -> value) in place of what the user gave for
+        those keys, each by its named flag where it has one: what a suggestion that changes them says."""
+        flags = {key: flag for flag, key, _, _ in NAMED_FLAGS + CLUSTER_FLAGS}
+        words, kept, skip = shlex.split(self.config_args), [], False
+        for word in words:
+            if skip:
+                skip = False
+            elif word in {flags.get(key) for key in settings}:
+                skip = True  # and its value
+            elif word.split("=", 1)[0] not in settings:
+                kept.append(word)
+        for key, value in settings.items():
+            kept += [flags[key], str(value)] if key in flags else [f"{key}={value}"]
+        return shlex.join(kept)
+
     def check(self, where: str) -> None:
         _check_path_components(to_dict(self), "")
         require(bool(SAFE_NAME.match(self.run.name)), "run.name",

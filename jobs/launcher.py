@@ -250,3 +250,44 @@ class Output(threading.Thread):
             m = re.match(r"\s*exitcode\s*:\s*-(\d+)", text)
             if m and root and self.rank_signal is None:
                 self.failed_rank, self.rank_signal = rank, int(m.group(1))
+
+
+def available_memory() -> Optional[int]:
+    """Bytes this machine can give a launch now: /proc/meminfo's MemAvailable, less where this
+    process's memory cgroup (v1 or v2, a Slurm allocation's or a container's, and each above it)
+    leaves less; None where none of that can be read."""
+    found = []
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    with contextlib.suppress(OSError):
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "memory":
+                    root, files = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+                elif controllers == "":
+                    root, files = Path("/sys/fs/cgroup"), ("memory.max", "memory.current")
+                else:
+                    continue
+                group = root / path.lstrip("/")
+                while True:
+                    with contextlib.suppress(OSError, ValueError):
+                        limit, used = ((group / name).read_text().strip() for name in files)
+                        if limit != "max" and int(limit) < 2**60:
+                            found.append(max(0, int(limit) - int(used)))
+                    if group == root or root not in group.parents:
+                        break
+                    group = group.parent
+    return min(found) if found else None
+
+
+def oom_kills() -> Optional[int]:
+    """How many processes the kernel's out-of-memory killer has ended since boot (any cgroup's
+    too): /proc/vmstat's oom_kill; None where it cannot be read."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    return None

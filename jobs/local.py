@@ -26,10 +26,11 @@ from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.config import Config
-from jobs.launcher import FORWARDED, Output, Stopper, wait_for_exit
+from jobs.launcher import FORWARDED, Output, Stopper, available_memory, oom_kills, wait_for_exit
 from jobs.runs.lifecycle import Launch
 from jobs.slurm.script import REQUEUE_EXIT, local_argv
 from kernel import environ
+from trainer.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
 from kernel.errors import ConfigError
 from kernel.fs import write_atomic
 from kernel.rundir import (HANG_EXIT, HANGS_DIR, LOCAL_JOB, PROGRESS_FILE, STOP_FILE, CodeSnapshot, Event,
@@ -91,6 +92,7 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
     FORWARDED); the end is recorded, and nothing of the trainer's is left running."""
     cfg.container.require_host_env()  # the trainer takes them from this process's environment
     cfg, changed = local_view(cfg, rename=rename)
+    check_fits_here(cfg)
     if changed:
         console.print(f"[dim]on this machine: {'; '.join(changed)}[/]", soft_wrap=True)
     sealed = runs.seal(cfg, project_dir)
@@ -135,7 +137,7 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
 def _finished(sealed: runs.Sealed, command: str, console) -> bool:
     """Whether the run already reached train.steps, said in one line: a complete run is no
     failure (exit 0), as for make's "nothing to be done"; `submit` refuses it, by the same rule."""
-    done = runs.nothing_to_train(sealed.cfg, sealed.paths.run_dir, f"{command} {sealed.cfg.config_args}")
+    done = runs.nothing_to_train(sealed.cfg, sealed.paths.run_dir, command)
     if done:
         console.print(escape(done), soft_wrap=True)
     return done is not None
@@ -165,6 +167,7 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
     stopper = Stopper(run.dir, tag, agent=argv[1:3] == ["-m", "torch.distributed.run"],
                       leader_only=bool(allocation), notify=lambda signum: _say_stopping(console, signum))
     previous = {sig: signal.signal(sig, stopper.handle) for sig in FORWARDED}
+    ooms = oom_kills()
     try:
         with log_path.open("w") as log:
             lock_fd = runlock.held_fd(run.dir)
@@ -194,7 +197,7 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
     # The batch script records its own end (and classifies a hang); the launcher only its code.
     step = _last_step(run, tag)
     end = (_End(rc, rc, [], stopper.signum if rc == REQUEUE_EXIT else None) if allocation and rc >= 0
-           else _how_it_ended(run, cfg, tag, rc, stopper.signum, output, step))
+           else _how_it_ended(run, cfg, tag, rc, stopper.signum, output, step, ooms))
     for text in end.events:
         _event(run, text)
     _finish_local(run, launch, end.outcome, **end.extra)
@@ -230,7 +233,8 @@ def _say_end(console, end: "_End", rc: int, step: Optional[int], command: str, l
         console.print(f"log: {log}; {resume}", soft_wrap=True)
         console.print(f"[red]{escape(end.hang)}[/]", soft_wrap=True)  # the last line: what ended the run
     elif end.reason:
-        console.print(f"[red]{escape(end.reason)}[/]; {resume}; log: {log}", soft_wrap=True)
+        console.print(f"[red]{escape(end.reason)}[/]{f'; {resume}' if end.resumable else ''}; log: {log}",
+                      soft_wrap=True)
     elif rc == REQUEUE_EXIT:
         console.print(f"stopped after saving a checkpoint: {resume}", soft_wrap=True)
     elif rc:
@@ -251,6 +255,7 @@ class _End:
     signum: Optional[int] = None
     hang: str = ""
     reason: str = ""
+    resumable: bool = True  # the same command again is worth suggesting (not after running out of memory)
     extra: dict = field(default_factory=dict)
 
 
@@ -269,7 +274,8 @@ def _last_step(run: runs.Run, tag: str) -> Optional[int]:
 
 
 def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, signum: Optional[int], output: Output,
-                  step: Optional[int]) -> _End:
+                  step: Optional[int], ooms: Optional[int]) -> _End:
+    """`ooms`: the out-of-memory killer's count when the launch started (`oom_kills`)."""
     where = "" if step is None else f" at step {step}"
     if signum is not None:
         name = signal.Signals(signum).name
@@ -287,8 +293,14 @@ def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, signum: Optiona
         name = _signal_name(killed)
         who = "the trainer" if rc < 0 or output.failed_rank is None else f"rank {output.failed_rank}"
         reason = f"{who} was killed by {name}{where}"
+        oom = killed == signal.SIGKILL and ooms is not None and (oom_kills() or 0) > ooms
+        if oom:
+            reason = f"{who} was killed by the out-of-memory killer ({name}){where}: this machine ran out of memory"
+            if not (cfg.launch.command or cfg.train.script):  # half the arithmetic's batch-dependent part
+                need = process_memory(cfg)
+                reason += f"; {_smaller_batch(cfg, PROCESS_BASE_BYTES + (need - PROCESS_BASE_BYTES) / 2)}"
         return _End(128 + killed, 128 + killed, [reason, f"end exit {128 + killed}"], reason=reason,
-                    extra={"trainer_exit": rc})
+                    resumable=not oom, extra={"trainer_exit": rc})
     return _End(rc, rc, [f"end exit {rc}"])
 
 
@@ -313,6 +325,41 @@ def _hang(run: runs.Run, cfg: Config, tag: str) -> str:
     world = cfg.world_size
     return (f"hang: no step completed for {limit} s after step {step}; stack dumps from {len(dumps)} of {world} "
             f"ranks in {run.dir / HANGS_DIR}/{tag}-*.txt")
+
+
+def check_fits_here(cfg: Config) -> None:
+    """Slipway's trainer in `cfg`'s local view: refused before any process starts when the
+    layout's arithmetic (trainer/layouts.py `process_memory`) needs more memory than this machine
+    has free, naming the micro batch (else the sequence length) under which it fits."""
+    available = available_memory()
+    if cfg.launch.command or cfg.train.script or available is None:
+        return
+    world, need = cfg.launch.procs_per_node, process_memory(cfg)
+    if world * need <= available:
+        return
+    said = (f"{world} processes of about {need / 1e9:.1f} GB each (trainer/layouts.py's arithmetic) need "
+            f"{world * need / 1e9:.1f} GB, this machine has {available / 1e9:.1f} GB free")
+    raise ConfigError("train.micro_batch_size", f"{said}: {_smaller_batch(cfg, FIT_SHARE * available / world)}")
+
+
+# Of the memory free, what a suggested batch plans for: the arithmetic is within about 5% of a
+# rank's peak, and the machine's other processes grow too.
+FIT_SHARE = 0.8
+
+
+def _smaller_batch(cfg: Config, budget: float) -> str:
+    """The `slipway local` command whose processes stay within `budget` bytes each, and what it keeps."""
+    fit = fitting_batch(cfg, budget)
+    if fit is None:
+        return "not even micro batch 1 at a short seq_len fits: try the layout on a smaller model or fewer processes"
+    micro, accum, seq = fit
+    settings = {"train.micro_batch_size": micro, "train.grad_accum_steps": accum}
+    keeps = "the layout and the global batch"
+    if seq != cfg.data.seq_len:
+        settings["data.seq_len"], keeps = seq, f"the layout, at seq_len {seq} instead of {cfg.data.seq_len}"
+    world = cfg.launch.procs_per_node * cfg.slurm.nodes
+    return (f"`slipway local {cfg.config_args_setting(settings)}` keeps {keeps} "
+            f"(~{world * process_memory(cfg, micro, seq) / 1e9:.1f} GB)")
 
 
 def check_before_start(sealed: runs.Sealed, config_args: str) -> None:

@@ -202,3 +202,201 @@ def test_a_second_ctrl_c_stops_at_once_unsaved(project):
     assert len(said) == 2 and "before its first checkpoint" in said[1], said
     assert "Traceback" not in out
     assert checkpoints(run_dir) == []
+
+
+# ---------------------------------------------------------------- a run tried here fits or says why
+
+
+def tiny_cpu(*overrides: str):
+    from jobs.config import load_config
+
+    return load_config(Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml", list(overrides))
+
+
+def test_the_batch_that_fits_keeps_the_layout_and_the_global_batch():
+    from trainer.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
+
+    cfg = tiny_cpu("train.micro_batch_size=48", "train.grad_accum_steps=2")
+    need = process_memory(cfg)
+    assert process_memory(cfg, 24) < need and process_memory(cfg, 48, 64) < need
+    assert fitting_batch(cfg, need) == (48, 2, 128)
+    micro, accum, seq = fitting_batch(cfg, process_memory(cfg, 20))
+    assert (micro, accum, seq) == (16, 6, 128)  # the largest divisor of the 96 sequences a rank takes a step
+    # Not even micro batch 1 fits: the sequences shorten, as many of them a step.
+    assert fitting_batch(cfg, process_memory(cfg, 1, 64)) == (1, 96, 64)
+    assert fitting_batch(cfg, PROCESS_BASE_BYTES) is None
+
+
+def test_a_try_that_cannot_fit_here_is_refused_before_any_process_with_the_batch_that_would(project):
+    from jobs.launcher import available_memory
+    from trainer.layouts import process_memory
+
+    available = available_memory()
+    if available is None:
+        pytest.skip("this machine's free memory cannot be read")
+    micro = 8
+    while 2 * process_memory(tiny_cpu(f"train.micro_batch_size={micro}")) <= available:
+        micro *= 2
+    t0 = time.monotonic()
+    r = slipway("local", "tiny_cpu", "--run-name", "big", f"train.micro_batch_size={micro}")
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    line = r.stderr.strip()
+    assert line.startswith("slipway: error: train.micro_batch_size: 2 processes of about "), line
+    assert "(trainer/layouts.py's arithmetic) need " in line and " GB free: `slipway local tiny_cpu " in line, line
+    command = pasted(line)
+    assert f"train.micro_batch_size={micro}" not in command and "--micro-batch-size" in command, command
+    fit = int(command[command.index("--micro-batch-size") + 1])
+    assert fit * int(command[command.index("--grad-accum-steps") + 1]) == micro  # the same global batch
+    assert "keeps the layout and the global batch" in line
+    assert time.monotonic() - t0 < 60 and not (project / "runs").exists()  # no process, no run directory
+
+
+class MemoryCgroup:
+    """A memory cgroup of its own under this process's (cgroup v1 or v2), removed at the end; the
+    test skips where none can be made (not root, no memory controller)."""
+
+    def __init__(self, name: str) -> None:
+        self.dir: Path | None = None
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "memory":
+                base, self.limit_file = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+            elif controllers == "":
+                base, self.limit_file = Path("/sys/fs/cgroup"), "memory.max"
+            else:
+                continue
+            group = base / path.lstrip("/") / f"{name}-{os.getpid()}"
+            try:
+                group.mkdir()
+            except OSError:
+                continue
+            if (group / self.limit_file).exists():
+                self.dir = group
+                return
+            group.rmdir()
+        pytest.skip("no memory cgroup can be made here (needs root and a memory controller)")
+
+    def limit(self, nbytes: int) -> None:
+        (self.dir / self.limit_file).write_text(str(nbytes))
+
+    def add(self, pid: int) -> None:
+        (self.dir / "cgroup.procs").write_text(str(pid))
+
+    def enter(self) -> None:  # a preexec_fn: the child and all it starts live in the group
+        self.add(os.getpid())
+
+    def remove(self) -> None:
+        deadline = time.monotonic() + 30
+        while (self.dir / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.dir.rmdir()
+
+
+@pytest.fixture
+def cgroup():
+    group = MemoryCgroup("slipway-test")
+    yield group
+    group.remove()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_refusals_pasted_batch_trains_in_the_memory_a_cgroup_leaves(project, cgroup):
+    """Under a 3 GB memory cgroup (a Slurm allocation's, a container's), the machine's free memory
+    is what the cgroup leaves: the check reads it, and the batch it suggests trains there."""
+    cgroup.limit(3 * 10**9)
+    args = ["local", "tiny_cpu", "--run-name", "fit", *SMALL, "train.micro_batch_size=2048", "train.steps=2"]
+    r = subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, timeout=120,
+                       preexec_fn=cgroup.enter)
+    assert r.returncode == 2 and "GB free: `slipway local " in r.stderr, (r.stdout, r.stderr)
+    free = float(r.stderr.split(" GB free")[0].rsplit(" ", 1)[1])
+    assert free <= 3.0, r.stderr
+    again = subprocess.run(pasted(r.stderr), capture_output=True, text=True, timeout=600, preexec_fn=cgroup.enter)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert sorted(losses(project / "runs" / "fit")) == [1, 2]
+
+
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of the trainer's rank `rank` of the run (its config on the command line, RANK in its environment)."""
+    config = str(run_dir / "config.yaml").encode()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"trainer" in (proc / "cmdline").read_bytes() and config in (proc / "cmdline").read_bytes() and \
+                    f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_rank_the_out_of_memory_killer_ends_is_named_with_the_batch_that_fits(project, cgroup):
+    """The arithmetic said it fits, the kernel said no: rank 1, moved into a memory cgroup too small
+    for its next step, is killed by the out-of-memory killer, and the end says so with the hint."""
+    run_dir = project / "runs" / "oom"
+    launcher = subprocess.Popen([PY, "-m", "jobs", "local", "tiny_cpu", "--run-name", "oom", *SMALL,
+                                 "train.micro_batch_size=64", "data.seq_len=128", "model.max_position_embeddings=128",
+                                 "train.steps=100000"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and losses(run_dir), 240, "the first step")
+        cgroup.limit(64 * 2**20)  # what it allocates from here on: less than one step's activations
+        cgroup.add(rank_pid(run_dir, 1))
+        out, _ = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 137, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("rank 1 was killed by the out-of-memory killer (SIGKILL) at step "), last
+    assert ": this machine ran out of memory; `slipway local tiny_cpu " in last, last
+    assert "` keeps the layout and the global batch (~" in last and "; log: " in last, last
+    command = pasted(last)
+    micro = int(command[command.index("--micro-batch-size") + 1])
+    assert micro < 64 and micro * int(command[command.index("--grad-accum-steps") + 1]) == 64, command
+    assert "Traceback" not in out
+    events = (run_dir / "events.log").read_text()
+    assert "job local rank 1 was killed by the out-of-memory killer (SIGKILL)" in events, events
+
+
+# The stand-in srun of tests/test_hang_script.py, but the training step goes through the step's
+# real task wrapper (the `bash -c` of the srun line) around $FAKE/train.sh, as task 0 on node1.
+SRUN_THROUGH_THE_WRAPPER = """#!/bin/bash
+[ "$1" = --overlap ] && exit 0
+case " $* " in
+  *" slipway-verify "*) while [ "${1#--}" != "$1" ]; do shift; done
+    for n in $(cat "$FAKE/nodes"); do SLURMD_NODENAME=$n "$@"; done; exit 0 ;;
+  *" trainer.preflight node "*) exec bash "$FAKE/node.sh" ;;
+esac
+while [ "$#" -gt 0 ] && [ "$1" != -c ]; do shift; done
+SLURM_PROCID=0 SLURMD_NODENAME=node1 exec bash -c "$2" slipway-task bash "$FAKE/train.sh"
+"""
+
+
+def test_a_job_step_the_out_of_memory_killer_ended_is_named_in_events_with_the_smaller_batch(tmp_path, cgroup):
+    import test_hang_script as hang_script
+
+    job = hang_script.Job(tmp_path, "train.micro_batch_size=8", "slurm.preflight=false")
+    (job.fake / "bin" / "srun").write_text(SRUN_THROUGH_THE_WRAPPER)
+    cgroup.limit(100 * 2**20)
+    # The training step: a process the kernel's out-of-memory killer ends, in a cgroup of its own.
+    job.script("train.sh", f"echo $$ > {shlex.quote(str(cgroup.dir / 'cgroup.procs'))}\n"
+                           f"exec {shlex.quote(PY)} -c 'x = bytearray(400 * 2**20)'")
+    assert job.run() == 137, job.out
+    events = job.events()
+    assert ("out of memory: the out-of-memory killer ended a process of the training step on node1 (step exit "
+            "137): submit again with --micro-batch-size 4 --grad-accum-steps 2 --force (the same global batch in "
+            "smaller micro batches)") in events, events
+    assert events[-1] == "end exit 137"
+
+
+def test_a_job_step_that_fails_otherwise_says_nothing_of_memory(tmp_path):
+    import test_hang_script as hang_script
+
+    job = hang_script.Job(tmp_path, "slurm.preflight=false")
+    (job.fake / "bin" / "srun").write_text(SRUN_THROUGH_THE_WRAPPER)
+    job.script("train.sh", "exit 3")
+    assert job.run() == 3, job.out
+    assert not [e for e in job.events() if "memory" in e], job.events()

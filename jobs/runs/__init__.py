@@ -487,15 +487,15 @@ def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:
 
 def nothing_to_train(cfg: Config, run_dir: Path, command: str) -> Optional[str]:
     """Why a launch of the run would train nothing (None: it has steps left): its latest
-    checkpoint already reached train.steps. `command` (`local ARGS`) is what the suggested
-    command to train on repeats; `slipway local` and `submit` say the same before starting."""
+    checkpoint already reached train.steps. `command` (`local`, `submit`) is the command the
+    suggestion to train on repeats; `slipway local` and `submit` say the same before starting."""
     steps = complete_checkpoints(run_dir / cfg.checkpoint.dir)
     if not steps or steps[-1] < cfg.train.steps:
         return None
+    more = cfg.config_args_setting({"train.steps": steps[-1] + cfg.train.steps})
     return (f"run {cfg.run.name} already reached train.steps={cfg.train.steps} (checkpoint at step {steps[-1]}): "
-            f"nothing to train; to train on, `{environ.invocation()} {command} --train-steps "
-            f"{steps[-1] + cfg.train.steps} --force` (a changed config: the old one is kept in history/), or pick "
-            "another --run-name for a new run")
+            f"nothing to train; to train on, `{environ.invocation()} {command} {more} --force` (a changed config: the "
+            "old one is kept in history/), or pick another --run-name for a new run")
 
 
 def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool = False,
@@ -507,7 +507,7 @@ def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool
     prepares it and the training job starts after that one completed."""
     check_submittable(cfg)
     sealed = seal(cfg, project_dir)
-    done = nothing_to_train(cfg, sealed.paths.run_dir, f"submit {cfg.config_args}")
+    done = nothing_to_train(cfg, sealed.paths.run_dir, "submit")
     if done:
         raise ConfigError("train.steps", done)
     why = unprepared_data(sealed, cfg.config_args)
