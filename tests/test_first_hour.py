@@ -186,11 +186,32 @@ def test_submit_parsable_prints_only_the_job_id(project, tmp_path):
     assert r.stdout.strip().splitlines()[-1] != "4242"  # no bare id line for a person to wonder about
 
 
+def test_a_refused_config_change_says_what_changed_and_the_dry_run_says_it_first(project, tmp_path):
+    bin_dir = tmp_path / "slurm-bin"
+    stand_in(bin_dir, "sbatch", 'echo 4242\n')
+    stand_in(bin_dir, "scontrol", 'case "$1" in ping) echo "Slurmctld(primary) at n1 is UP" ;;\n'
+                                  '  show) echo "JobId=$4 JobState=COMPLETED ExitCode=0:0" ;; esac\n')
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    assert slipway("submit", "tiny_cpu", env=env).returncode == 0
+    line = one_error_line(slipway("submit", "tiny_cpu", "--train-steps", "300", "train.lr=0.001", env=env))
+    assert "run tiny_cpu exists with a different config (train.lr 0.003 -> 0.001, train.steps 200 -> 300) in " in line
+    dry = slipway("submit", "tiny_cpu", "--train-steps", "300", "train.lr=0.001", "--dry-run", env=env).stdout
+    head = dry.splitlines()[:6]
+    assert head[0].startswith("dry run: tiny_cpu (resumes) in ") and head[3].startswith("code: a snapshot"), head
+    assert head[4] == "verdict: would be refused (1)", head
+    assert head[5].startswith("  - run.name: run tiny_cpu exists with a different config (train.lr 0.003 -> 0.001"), head
+    assert dry.splitlines()[-1] == ("dry run: nothing written, nothing submitted; would be refused (1) (the reasons "
+                                    "are at the top)")
+    forced = slipway("submit", "tiny_cpu", "--train-steps", "300", "train.lr=0.001", "--dry-run", "--force", env=env)
+    assert forced.stdout.splitlines()[4] == "verdict: would be submitted", forced.stdout
+
+
 def test_a_refused_submission_suggests_prepare_with_the_users_own_arguments(project, tmp_path):
     corpus(project)
     r = slipway("submit", "tiny_cpu", "data.text_column=body", "--dataset", "./corpus", "--nodes", "1",
                 "--dry-run")
-    note = next(line for line in r.stdout.splitlines() if "a real submission would be refused" in line)
+    assert "verdict: would be refused" in r.stdout.splitlines()[4], r.stdout  # the verdict before the files
+    note = next(line for line in r.stdout.splitlines() if line.startswith("  - data: "))
     assert "`slipway prepare tiny_cpu data.text_column=body --nodes 1 --dataset ./corpus`" in note
 
 

@@ -88,28 +88,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     cfg = load(args)
     console = _console()
     if args.dry_run:
-        sealed = runs.seal(cfg, project_dir(), dry_run=True)
-        for name in ("job.sbatch", "env.toml"):
-            if name in sealed.files:
-                print(f"==> {sealed.paths.run_dir / name} <==", flush=True)
-                sys.stdout.write(mask(sealed.files[name]))  # launch.pre_launch is the user's own text
-                sys.stdout.flush()
-        try:
-            runs.check_submittable(sealed.cfg)
-            why = runs.unprepared_data(sealed, cfg.config_args)
-            if why and not args.prepare:
-                sealed.notes.insert(0, f"a real submission would be refused: data: {why}")
-            elif why:
-                sealed.notes.insert(0, "the token cache is not prepared: a CPU job would prepare it first, and the "
-                                       "training job wait for it (--prepare)")
-        except ConfigError as exc:
-            sealed.notes.insert(0, f"a real submission would fail: {exc}")
-        _notes(console, sealed.notes)
-        console.print(f"[bold]dry run:[/] nothing written, nothing submitted ({cfg.run.name}, "
-                      f"{cfg.slurm.nodes} node(s) x {cfg.launch.procs_per_node} process(es), "
-                      f"runtime {cfg.container.runtime}, launcher {cfg.launch.launcher}"
-                      f"{', image ' + sealed.pin.image if sealed.pin.image else ''})", soft_wrap=True)
-        return 0
+        return _dry_run(cfg, args, console)
     run, job_id, sealed, prep_id = runs.submit(cfg, project_dir(), force=args.force, prepare=args.prepare,
                                                before_writing=_check_controller)
     if args.parsable:
@@ -133,6 +112,65 @@ def cmd_submit(args: argparse.Namespace) -> int:
         code = runs.follow(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
         console.print(f"job {job_id} ended with exit code {code}")
         return code
+    return 0
+
+
+def _dry_run(cfg, args: argparse.Namespace, console) -> int:
+    """`submit --dry-run`: the verdict first (what would be submitted, where, with which image and
+    code, and what would refuse it), then the notes and the rendered files; nothing written."""
+    from rich.markup import escape
+
+    from jobs import runs
+    from jobs.cli.doctor import controller_problem
+    from kernel.secrets import mask
+
+    sealed = runs.seal(cfg, project_dir(), dry_run=True)
+    scfg, paths, pin, code = sealed.cfg, sealed.paths, sealed.pin, sealed.snapshot
+    refusals = [n.removeprefix("a real submission would fail: ") for n in sealed.notes
+                if n.startswith("a real submission would fail: ")]
+    notes = [n for n in sealed.notes if not n.startswith("a real submission would fail: ")]
+    try:
+        runs.check_submittable(scfg)
+        done = runs.nothing_to_train(scfg, paths.run_dir, "submit")
+        why = runs.unprepared_data(sealed, cfg.config_args)
+        exists = (paths.run_dir / "manifest.json").is_file()
+        differs = exists and runs.config_difference(paths.config, sealed.files["config.yaml"])
+        refusals += [f"train.steps: {done}"] if done else []
+        refusals += [f"data: {why}"] if why and not args.prepare else []
+        notes += ["the token cache is not prepared: a CPU job would prepare it first, and the training job wait "
+                  "for it (--prepare)"] if why and args.prepare else []
+        refusals += [f"run.name: run {scfg.run.name} exists with {differs}: pass --force to replace its config"
+                     ] if differs and not args.force else []
+        refusals += [problem] if (problem := controller_problem()) else []
+    except ConfigError as exc:
+        refusals.append(str(exc))
+    s, state = scfg.slurm, ("resumes" if (paths.run_dir / "manifest.json").is_file() else "new run")
+    where = (f"{s.nodes} node(s) x {scfg.launch.procs_per_node} process(es)"
+             f"{f' x {s.gpus_per_node} GPU(s)' if s.gpus_per_node else ''}, time {s.time}"
+             + "".join(f", {k} {v}" for k, v in (("partition", s.partition), ("account", s.account)) if v)
+             + f"; runtime {scfg.container.runtime}, launcher {scfg.launch.launcher}")
+    built = f"build {pin.build_hash[:12]}" if pin.build_hash else "not built yet" if pin.source == "none" else pin.source
+    image = f"{pin.image} ({built})" if pin.image else "none: this environment's Python on the nodes"
+    source = (f"git {code.commit[:12]}{' with uncommitted changes' if code.dirty else ''}" if code and code.commit
+              else "not a git checkout")
+    code_line = (f"a snapshot of this checkout ({source}; {code.files} files, {code.hash12})" if code
+                 else "the image's own (code.snapshot: false)")
+    verdict = "[green]would be submitted[/]" if not refusals else f"[red]would be refused[/] ({len(refusals)})"
+    for label, text in (("dry run", f"{escape(scfg.run.name)} ({state}) in {escape(str(paths.run_dir))}: nothing "
+                                    "written, nothing submitted"),
+                        ("where", escape(where)), ("image", escape(image)), ("code", escape(code_line)),
+                        ("verdict", verdict)):
+        console.print(f"[bold]{label}:[/] {text}", soft_wrap=True, highlight=False)
+    for refusal in refusals:
+        console.print(f"  - {escape(mask(as_typed(refusal)))}", soft_wrap=True, highlight=False)
+    _notes(console, notes)
+    for name in ("job.sbatch", "env.toml"):
+        if name in sealed.files:
+            print(f"==> {paths.run_dir / name} <==", flush=True)
+            sys.stdout.write(mask(sealed.files[name]))  # launch.pre_launch is the user's own text
+            sys.stdout.flush()
+    console.print(f"[bold]dry run:[/] nothing written, nothing submitted; {verdict}"
+                  f"{' (the reasons are at the top)' if refusals else ''}", soft_wrap=True)
     return 0
 
 

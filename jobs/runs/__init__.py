@@ -26,7 +26,7 @@ from plumbum import local
 
 from edf import Environment, expand_host, render_edf, srun_flags
 from jobs import slurm
-from jobs.config import Config, dump_config, load_config
+from jobs.config import Config, config_changes, dump_config, load_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_store
@@ -317,7 +317,7 @@ def _group_readable(path: Path) -> None:
     os.chmod(path, 0o777 & ~no_world_write())
 
 
-def _config_difference(path: Path, new: str) -> Optional[str]:
+def config_difference(path: Path, new: str) -> Optional[str]:
     """How the run's config.yaml differs from `new` (the resolved config a launch would write),
     None if it does not. The old file is read through today's schema and dumped again: a key a
     later slipway added, at its default, is no difference."""
@@ -331,7 +331,7 @@ def _config_difference(path: Path, new: str) -> Optional[str]:
         resolved = dump_config(load_config(path))
     except ConfigError as exc:
         return f"a config this slipway no longer reads ({exc})"
-    return None if resolved == new else "a different config"
+    return None if resolved == new else f"a different config ({config_changes(resolved, new)})"
 
 
 def _mode(name: str) -> int:
@@ -358,9 +358,9 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
             jobs = ", ".join(f"{j} ({state})" for j, state in active)
             raise ConfigError("run.name", f"run {cfg.run.name} has a job queued or running ({jobs}), which reads "
                                           f"its files: wait for it to end or `slipway cancel {cfg.run.name}` first")
-        differs = _config_difference(paths.config, files["config.yaml"])
+        differs = config_difference(paths.config, files["config.yaml"])
         if differs and not force:
-            raise ConfigError("run.name", f"run {cfg.run.name} exists with {differs} ({paths.config}): pick "
+            raise ConfigError("run.name", f"run {cfg.run.name} exists with {differs} in {paths.config}: pick "
                                           "another --run-name, or pass --force to replace its config (the old "
                                           "one is kept in history/)")
         if sealed.code is not None:
