@@ -128,6 +128,53 @@ def test_a_hint_names_slipway_as_the_shell_make_setup_leaves_runs_it(project):
     assert pasted.returncode == 0 and "200 documents" in pasted.stdout, (pasted.stdout, pasted.stderr)
 
 
+@pytest.fixture
+def hub_without_it():
+    """A stand-in for the Hugging Face hub (it cannot be reached from here) that knows no repository:
+    404 RepoNotFound, as the hub answers for a misspelt name; its URL for HF_ENDPOINT."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            body = b'{"error": "Repository not found"}'
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.slow
+def test_a_misspelt_dataset_is_one_line_in_seconds_whether_the_hub_answers_or_not(project, hub_without_it):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: a hub this machine cannot reach
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for endpoint, said in ((closed, "the Hugging Face hub (127.0.0.1) cannot be reached from here"),
+                           (hub_without_it, "Dataset 'wikitxt' doesn't exist on the Hub")):
+        t0 = time.monotonic()
+        r = slipway("prepare", "tiny_cpu", "--dataset", "wikitxt", "--text-column", "text",
+                    env={"HF_ENDPOINT": endpoint, "HF_HOME": str(project / "hf")})
+        line = one_error_line(r)
+        assert line.startswith("slipway: error: data.dataset: ") and said in line and "check the name" in line, line
+        assert time.monotonic() - t0 < 20, "retried"  # not half a minute of retries; generous for a loaded machine
+        assert "Retrying" not in r.stdout + r.stderr
+
+
 def test_local_help_shows_only_the_flags_of_a_local_run(capsys):
     with pytest.raises(SystemExit):
         main(["local", "--help"])
