@@ -477,8 +477,8 @@ def local_elapsed(entry: dict) -> str:
 SHELL_EDF_SHOWN = "slipway-shell-XXXXXXXX"
 
 
-def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None,
-               edf_dir: Path | None = None) -> tuple[list[str], dict[str, str], str | None, list[str]]:
+def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None, edf_dir: Path | None = None,
+               write_code: bool = False) -> tuple[list[str], dict[str, str], str | None, list[str]]:
     """`srun ... --pty bash` in the image (or `command` without a pty), one node, one task;
     the variables to set in srun's environment (pyxis passes container.env that way); the
     text of the Container Engine's EDF (None for the other runtimes), to be written as
@@ -492,7 +492,13 @@ def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None,
     from jobs.runs.container import shell_environment
 
     sealed = runs.seal(cfg, project_dir)
-    env, notes = shell_environment(sealed.cfg, sealed.paths, sealed.pin)
+    code = sealed.snapshot if sealed.env.in_container else None  # runtime none: this checkout itself
+    if code is not None and write_code:
+        sealed.code.write()  # content-addressed, in the store beside the runs: never inside one
+    env, notes = shell_environment(sealed.cfg, sealed.paths, sealed.pin, code)
+    if code is not None and not write_code:
+        notes.append(f"the checkout's code goes in as the code snapshot {code.dir} (written when the shell starts), "
+                     "in front of the image's trainer, as a submission now would run it")
     edf_file, text = None, None
     if env.runtime == "edf":
         text = render_edf(env)
@@ -532,7 +538,7 @@ def run_shell(cfg: Config, project_dir: Path, command: list[str] | None = None) 
     for as long as srun runs, then removed (also on Ctrl-C, SIGTERM or a closed terminal)."""
     cfg.container.require_host_env()
     if cfg.container.runtime != "edf":
-        argv, exports, _, notes = shell_argv(cfg, project_dir, command)
+        argv, exports, _, notes = shell_argv(cfg, project_dir, command, write_code=True)
         _shell_notes(notes)
         return exec_foreground(argv, exports)
     root = shell_edf_root(project_dir)
@@ -544,7 +550,7 @@ def run_shell(cfg: Config, project_dir: Path, command: list[str] | None = None) 
     private = Path(tempfile.mkdtemp(prefix=SHELL_EDF_SHOWN.rstrip("X"), dir=root))
     handlers = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        argv, exports, text, notes = shell_argv(cfg, project_dir, command, edf_dir=private)
+        argv, exports, text, notes = shell_argv(cfg, project_dir, command, edf_dir=private, write_code=True)
         _shell_notes(notes)
         write_atomic(private / "env.toml", text or "", 0o600)
         return exec_foreground(argv, exports)

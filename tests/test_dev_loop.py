@@ -180,6 +180,31 @@ def test_every_runtime_runs_the_snapshot(project):
     assert "SLIPWAY_CODE" not in sealed.stdout and "code.snapshot: false" in sealed.stdout
 
 
+def test_shell_runs_the_checkouts_code_as_a_submission_now_would(project, tmp_path):
+    """`slipway shell` mounts the checkout's code as the snapshot a submission now would run, in
+    front of the image's trainer: the same snapshot, written for the shell, its files the checkout's."""
+    checkout(project)
+    mark(project, "shell")  # a change not in any image
+    img = project / "img.sqsh"
+    img.write_bytes(b"hsqs")
+    bin_dir, seen = tmp_path / "bin", tmp_path / "srun-saw"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" "SLIPWAY_CODE=$SLIPWAY_CODE" "PYTHONPATH=$PYTHONPATH" '
+                                  f'> {shlex.quote(str(seen))}\n')
+    (bin_dir / "srun").chmod(0o755)
+    args = ["tiny_cpu", "container.runtime=pyxis", f"container.image={img}"]
+    r = subprocess.run([PY, "-m", "jobs", "shell", *args, "--command", "true"], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert r.returncode == 0, r.stderr
+    said = seen.read_text().splitlines()
+    code = next(line for line in said if line.startswith("SLIPWAY_CODE=")).split("=", 1)[1]
+    assert f"PYTHONPATH={code}" in said and any(f"{code}:{code}:ro" in line for line in said), said
+    assert (Path(code) / "trainer" / "train.py").read_text() == (project / "trainer" / "train.py").read_text()
+    assert not (project / "runs" / "tiny_cpu").exists()  # never into a run
+    dry = slipway("submit", *args, "--dry-run")
+    assert f"{code}:{code}:ro" in dry.stdout.replace("'\"'\"'", "'")  # the snapshot a submission now would run
+
+
 def test_pyxis_keeps_the_container_of_a_known_build_only(project):
     """Under pyxis the steps share the image build's kept container (named by the squashfs's
     content hash); keep_builds 0, a registry image and the other runtimes get none; a bad

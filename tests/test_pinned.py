@@ -203,13 +203,16 @@ def test_shell_before_any_run_mounts_nothing_missing_and_says_so(project):
     assert tree(project) == before
     run_dir = project / "runs" / "tiny_cpu"
     words = shlex.split(r.stdout)
-    assert not any(w.startswith("--container-mounts=") for w in words), words
+    code = next(w for w in words if w.startswith("SLIPWAY_CODE=")).split("=", 1)[1]
+    # Only the code snapshot, which the shell writes when it starts (the dry run says so, writing nothing).
+    assert [w for w in words if w.startswith("--container-mounts=")] == [f"--container-mounts={code}:{code}:ro"]
+    assert f"the code snapshot {code} (written when the shell starts)" in r.stderr
     assert f"note: not mounted in the shell: the run directory {run_dir} does not exist yet" in r.stderr
     assert f"data.cache_dir (the token cache) {project / '.cache' / 'tokens'} does not exist yet" in r.stderr
     # Once it exists (a submission made it), the shell mounts it.
     run_dir.mkdir(parents=True)
     r = slipway("shell", "tiny_cpu", *PYXIS, f"container.image={img}", "--dry-run")
-    assert f"--container-mounts={run_dir}:{run_dir}" in shlex.split(r.stdout)
+    assert f"--container-mounts={run_dir}:{run_dir},{code}:{code}:ro" in shlex.split(r.stdout)
     assert "the run directory" not in r.stderr
 
 

@@ -165,7 +165,7 @@ def test_shell_hands_secrets_on_and_keeps_no_file(project, host, capfd, runtime)
     if runtime == "edf":
         assert 'HF_TOKEN = "${HF_TOKEN}"' in out  # the EDF, as it would be written
     if runtime == "pyxis":
-        assert "--container-env=HF_TOKEN,WANDB_API_KEY" in out
+        assert "--container-env=SLIPWAY_CODE,PYTHONPATH,PYTHONSAFEPATH,HF_TOKEN,WANDB_API_KEY" in out
     assert not (project / "runs").exists()  # a dry run writes nothing
     rc, out, err = slipway(capfd, "shell", *args, "--command", "true")
     assert rc == 0, err
@@ -178,7 +178,7 @@ def test_shell_hands_secrets_on_and_keeps_no_file(project, host, capfd, runtime)
         assert "edf 600" in seen and "dir 700" in seen, seen
         assert list((project / "runs" / ".shell").iterdir()) == []
     if runtime == "pyxis":
-        assert "arg --container-env=HF_TOKEN,WANDB_API_KEY" in seen
+        assert "arg --container-env=SLIPWAY_CODE,PYTHONPATH,PYTHONSAFEPATH,HF_TOKEN,WANDB_API_KEY" in seen
     assert not leaks(*outputs, seen, under=project)
 
 
