@@ -100,6 +100,7 @@ def image_drift(run: runs.Run) -> str | None:
 
 
 def show_status(project_dir, run_name: str | None, console) -> int:
+    from rich import box
     from rich.table import Table
 
     if run_name:
@@ -128,9 +129,11 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     if not found:
         console.print(f"no runs in {runs.runs_root(project_dir)}: `slipway submit CONFIG` makes one")
         return 0
-    table = Table(title=f"runs in {runs.runs_root(project_dir)}", title_justify="left")
-    for col in ("run", "jobs", "latest job", "state", "exit", "progress", "last event / reason"):
-        table.add_column(col)
+    # No rules between columns and short headings: seven columns in 80, only the last event wrapping.
+    table = Table(title=f"runs in {runs.runs_root(project_dir)}", title_justify="left", box=box.SIMPLE_HEAD,
+                  show_edge=False, collapse_padding=True)
+    for col in ("run", "jobs", "job", "state", "exit", "progress", "last event"):
+        table.add_column(col, no_wrap=col != "last event", ratio=1 if col == "last event" else None)
     for run in found:
         launches = run.launches()
         if launches:
