@@ -309,3 +309,40 @@ def test_time_limit_stop_under_torchrun_says_what_the_trainer_did(tmp_path, save
     want = ("saved after the stop request (checkpoint at step 6)" if saves
             else "no checkpoint saved after the stop request (step exit 1)")
     assert f"time-limit requeue 1/2: {want}, requeueing" in events, events
+
+
+# ---------------------------------------------------------------- status and watch as a newcomer sees them
+
+
+TINY_FAST = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=4",
+             "model.num_kv_heads=2", "data.seq_len=64", "model.max_position_embeddings=64", "train.micro_batch_size=4",
+             "train.eval_interval=0", "train.warmup_steps=2", "logging.interval=1", "checkpoint.interval=1000"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_status_fits_80_columns_and_watch_into_a_pipe_shows_the_run_as_it_goes(project):
+    launcher = subprocess.Popen([PY, "-m", "jobs", "local", "tiny_cpu", "--run-name", "a-longer-run-name", *TINY_FAST,
+                                 "train.steps=300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        metrics = project / "runs" / "a-longer-run-name" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.is_file() and metrics.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # Piped, the view is printed as it goes, not only once the run has ended.
+        watch = subprocess.Popen([PY, "-m", "jobs", "watch", "a-longer-run-name"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        first = watch.stdout.readline()
+        assert first.startswith("run a-longer-run-name  job local  RUNNING"), first
+        assert launcher.poll() is None  # while it still trains
+        out = first + watch.communicate(timeout=300)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait()
+    assert watch.returncode == 0 and out.count("run a-longer-run-name  job local") >= 2, out
+    assert out.strip().splitlines()[-1] == "job local ended: COMPLETED, exit code 0", out
+    status = slipway("status", env={"COLUMNS": "80"}).stdout
+    assert max(map(len, status.splitlines())) <= 80, status
+    row = next(line for line in status.splitlines() if "a-longer-run-name" in line)
+    assert "COMPLETED" in row and "step 300/300, loss " in row, status  # the name whole, the progress on one line
