@@ -237,7 +237,8 @@ def test_a_missing_mount_source_is_refused_before_srun(project, tmp_path):
     scratch.mkdir()
     r = slipway("shell", "tiny_cpu", *base, env=env)
     assert r.returncode == 0, r.stderr
-    assert f"--container-mounts={scratch}:/scratch" in ran.read_text().splitlines()
+    mounts = next(line for line in ran.read_text().splitlines() if line.startswith("--container-mounts="))
+    assert mounts.startswith(f"--container-mounts={scratch}:/scratch,"), mounts  # then the code snapshot
 
 
 # ------------------------------------------------------------------ the build of the config's settings

@@ -208,10 +208,12 @@ def test_an_unset_variable_is_refused_in_one_line(project, host, capfd, monkeypa
 
 @pytest.mark.parametrize("command", [["submit", "--dry-run"], ["shell", "--dry-run"]])
 def test_a_dry_run_says_it_as_a_note(project, host, capfd, monkeypatch, command):
+    """Once: `submit --dry-run` among what would refuse the submission, `shell --dry-run` as a note."""
     monkeypatch.delenv("HF_TOKEN")
     rc, out, err = slipway(capfd, *command, "tiny_cpu", FROM_HOST)
     assert rc == 0, err
-    notes = [line for line in (out + err).splitlines() if line.startswith("note:") and "env_from_host" in line]
+    said = "  - " if command[0] == "submit" else "note:"
+    notes = [line for line in (out + err).splitlines() if line.startswith(said) and "env_from_host" in line]
     assert len(notes) == 1 and "export HF_TOKEN=..." in notes[0], out + err
 
 
