@@ -30,11 +30,11 @@ from jobs.launcher import FORWARDED, Output, Stopper, available_memory, oom_kill
 from jobs.runs.lifecycle import Launch
 from jobs.slurm.script import REQUEUE_EXIT, local_argv
 from kernel import environ
-from trainer.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
 from kernel.errors import ConfigError
 from kernel.fs import write_atomic
 from kernel.rundir import (HANG_EXIT, HANGS_DIR, LOCAL_JOB, PROGRESS_FILE, STOP_FILE, CodeSnapshot, Event,
                            complete_checkpoints)
+from trainer.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
 
 
 def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -> dict[str, str]:

@@ -168,7 +168,7 @@ def test_ctrl_c_saves_at_the_step_says_so_in_two_lines_and_the_pasted_command_re
     # uninterrupted run did, with the same losses.
     again = subprocess.run(pasted(said[1]), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:]
-    assert f"resuming run cc" in again.stdout
+    assert "resuming run cc" in again.stdout
     got, want = losses(run_dir), losses(project / "runs" / "ref")
     assert sorted(got) == sorted(want) == list(range(1, 201))
     for step in want:

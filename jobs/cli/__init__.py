@@ -83,7 +83,6 @@ def _console(stderr: bool = False):
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from jobs import runs
-    from kernel.secrets import mask
 
     cfg = load(args)
     console = _console()
