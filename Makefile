@@ -8,16 +8,22 @@ CONFIG ?= tiny_cpu
 ARGS   ?=
 NODES  ?= 2
 STAMP  := $(VENV)/.installed
-# Which torch `make setup` installs first (CI pins the CPU build it carries).
+# Which torch `make setup` installs first (CI pins the CPU build it carries), and which build of it:
+# TORCH=cpu, from PyTorch's CPU index (about 0.2 GB), where no NVIDIA GPU is visible; TORCH=cuda,
+# PyPI's CUDA build (about 3 GB with its CUDA libraries), where one is. TORCH_INDEX= leaves the
+# choice to pip's own indexes (a local wheelhouse, as CI's).
 TORCH_SPEC ?= torch>=2.10,<2.14
+TORCH ?= $(if $(or $(wildcard /proc/driver/nvidia/version),$(wildcard /dev/nvidia0)),cuda,cpu)
+TORCH_INDEX ?= $(if $(filter cpu,$(TORCH)),https://download.pytorch.org/whl/cpu)
+TORCH_SIZE := $(if $(filter cpu,$(TORCH)),about 0.2 GB,about 3 GB with its CUDA libraries)
 
 .PHONY: help setup setup-oldest setup-oldest-torch prepare local test test-oldest test-gpu test-fast submit dry-run shell image image-prune status doctor edf \
         cluster-up cluster-down bench clean
 
 help:
-	@echo "make local [CONFIG=tiny_cpu]         train on this machine (no Slurm, no container)"
-	@echo "make test                            the whole test suite (starts its own Slurm)"
-	@echo "make test-fast                       the tests of seconds: no Slurm, podman, process groups or training"
+	@echo "make local [CONFIG=tiny_cpu] [TORCH=cpu|cuda]  train on this machine (no Slurm, no container)"
+	@echo "make test                            every test (root for its own Slurm and podman; 15-30 min; torch 2.10 too)"
+	@echo "make test-fast                       the tests of seconds (2 min): no Slurm, podman, process groups or training"
 	@echo "make image [CONFIG=...] [BASE_IMAGE=...]  podman build + enroot import -> images/*.sqsh"
 	@echo "make prepare CONFIG=tiny_wikitext [ARGS=--as-job]  tokenise the dataset before the allocation"
 	@echo "make submit CONFIG=tiny_wikitext [ARGS='--nodes 2 train.steps=100']"
@@ -33,9 +39,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/4] upgrading pip"
 	$(PY) $(PIP_INSTALL) --quiet --upgrade pip
-	@echo "==> [3/4] installing $(TORCH_SPEC): the largest download (about 0.2 GB for a CPU build, 1-3 GB with CUDA);"
-	@echo "    pip then unpacks it for a minute or two (a terminal shows pip's install bar, a log nothing until done)"
-	$(PY) $(PIP_INSTALL) '$(TORCH_SPEC)'
+	@echo "==> [3/4] installing $(TORCH_SPEC), the $(TORCH) build$(if $(TORCH_INDEX), from $(TORCH_INDEX)): the largest"
+	@echo "    download ($(TORCH_SIZE); TORCH=$(if $(filter cpu,$(TORCH)),cuda,cpu) for the other build). pip then unpacks it"
+	@echo "    for a minute or two (a terminal shows pip's install bar, a log nothing until done)"
+	$(PY) $(PIP_INSTALL) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
 	@echo "==> [4/4] installing slipway (editable) with the trainer and test dependencies (datasets, tokenizers,"
 	@echo "    transformers, matplotlib, pytest: about 150 MB)"
 	$(PY) $(PIP_INSTALL) -e '.[trainer,test]'
@@ -57,7 +64,8 @@ test: $(STAMP)
 
 # The oldest torch the trainer supports (the NGC 25.12 image's 2.10), in a venv of its own:
 # the trainer's layout, checkpoint and resume tests run there too, so both ends of the
-# supported range are tested. PyPI's 2.10 wheel carries the CUDA runtime (~3 GB, once).
+# supported range are tested. The same build as `make setup`'s (TORCH): PyPI's 2.10 wheel carries
+# the CUDA runtime (~3 GB, once), the CPU index's does not (~0.2 GB).
 OLDEST_VENV  := .venv-oldest
 OLDEST_PY    := $(OLDEST_VENV)/bin/python
 OLDEST_STAMP := $(OLDEST_VENV)/.installed
@@ -75,9 +83,9 @@ $(OLDEST_TORCH_STAMP):
 	@echo "==> [1/3] creating the virtual environment $(OLDEST_VENV)"
 	$(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_PY) $(PIP_INSTALL) --quiet --upgrade pip
-	@echo "==> [2/3] installing $(OLDEST_TORCH) with its CUDA runtime (about 3 GB, once);"
+	@echo "==> [2/3] installing $(OLDEST_TORCH), the $(TORCH) build$(if $(TORCH_INDEX), from $(TORCH_INDEX)) ($(TORCH_SIZE), once);"
 	@echo "    pip then unpacks it for a few minutes (a terminal shows pip's install bar, a log nothing until done)"
-	$(OLDEST_PY) $(PIP_INSTALL) '$(OLDEST_TORCH)'
+	$(OLDEST_PY) $(PIP_INSTALL) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(OLDEST_TORCH)'
 	touch $(OLDEST_TORCH_STAMP)
 
 $(OLDEST_STAMP): pyproject.toml $(OLDEST_TORCH_STAMP)
@@ -132,7 +140,6 @@ edf: $(STAMP)
 # A real Slurm cluster of $(NODES) nodes on this machine (root; Debian slurm-wlm + munge).
 cluster-up: $(STAMP)
 	$(PY) -m jobs cluster up --nodes $(NODES)
-	@echo 'point Slurm commands at it with: eval "$$($(VENV)/bin/slipway cluster env)"'
 
 cluster-down: $(STAMP)
 	$(PY) -m jobs cluster down

@@ -349,6 +349,22 @@ class Config(TrainerConfig):
         """What a suggested `slipway COMMAND ...` repeats: the user's own config arguments."""
         return self.given_args or shlex.quote(self.config_name)
 
+    def config_args_setting(self, settings: dict[str, Any]) -> str:
+        """`config_args` with `settings` (config key -> value) in place of what the user gave for
+        those keys, each by its named flag where it has one: what a suggestion that changes them says."""
+        flags = {key: flag for flag, key, _, _ in NAMED_FLAGS + CLUSTER_FLAGS}
+        words, kept, skip = shlex.split(self.config_args), [], False
+        for word in words:
+            if skip:
+                skip = False
+            elif word in {flags.get(key) for key in settings}:
+                skip = True  # and its value
+            elif word.split("=", 1)[0] not in settings:
+                kept.append(word)
+        for key, value in settings.items():
+            kept += [flags[key], str(value)] if key in flags else [f"{key}={value}"]
+        return shlex.join(kept)
+
     def check(self, where: str) -> None:
         _check_path_components(to_dict(self), "")
         require(bool(SAFE_NAME.match(self.run.name)), "run.name",
@@ -557,3 +573,21 @@ def resolve_config_path(name: str | Path) -> Path:
 def dump_config(cfg: Config) -> str:
     """The resolved config exactly as the job reads it."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False, width=1000)
+
+
+def config_changes(old: str, new: str, limit: int = 6) -> str:
+    """What differs between two dumped configs, key by key (`train.steps 200 -> 400`), the first
+    `limit` of them: what a refused change of a run's config says."""
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(tree, dict):
+            return {prefix: tree}
+        return {k: v for key, value in tree.items() for k, v in flat(value, f"{prefix}{key}.").items()} or {prefix: {}}
+
+    try:
+        before, after = flat(yaml.safe_load(old)), flat(yaml.safe_load(new))
+    except yaml.YAMLError:
+        return "a different config"
+    changed = [f"{key.rstrip('.')} {shown(before.get(key, '(unset)'))} -> {shown(after.get(key, '(unset)'))}"
+               for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
+    more = f" and {len(changed) - limit} more" if len(changed) > limit else ""
+    return ", ".join(changed[:limit]) + more if changed else "a different config"

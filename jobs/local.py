@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -13,8 +13,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,13 +25,15 @@ from edf import render_edf, srun_flags
 from jobs import runs, slurm
 from jobs.runs import lock as runlock
 from jobs.config import Config
+from jobs.launcher import FORWARDED, Output, Stopper, available_memory, oom_kills, wait_for_exit
 from jobs.runs.manifest import Launch, Manifest
 from jobs.slurm.script import REQUEUE_EXIT, local_argv
 from kernel import environ
 from kernel.errors import ConfigError
-from kernel.rundir import HANGS_DIR, HANG_EXIT
 from kernel.fs import write_atomic
-from kernel.rundir import LOCAL_JOB, CodeSnapshot
+from kernel.rundir import (HANG_EXIT, HANGS_DIR, LOCAL_JOB, PROGRESS_FILE, STOP_FILE, CodeSnapshot,
+                           complete_checkpoints)
+from trainer.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
 
 
 def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -> dict[str, str]:
@@ -83,15 +83,6 @@ def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
     return local, changed
 
 
-# Signals that stop a local launch: each is forwarded to the trainer's own process group (torchrun
-# and every rank, in a session of their own as a Slurm job step is), a closed terminal's SIGHUP as
-# SIGTERM, the signal Slurm stops a job with, so that the trainer saves before it exits.
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# How long the trainer gets after the forwarded signal (torchrun gives its ranks 30 s, the
-# trainer saves a checkpoint) before its whole process group is killed.
-STOP_GRACE_SECONDS = 90.0
-
-
 def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True) -> int:
     """Create or resume the run directory and train here; the output also goes to logs/local-*.out.
 
@@ -100,9 +91,12 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
     FORWARDED); the end is recorded, and nothing of the trainer's is left running."""
     cfg.container.require_host_env()  # the trainer takes them from this process's environment
     cfg, changed = local_view(cfg, rename=rename)
+    check_fits_here(cfg)
     if changed:
         console.print(f"[dim]on this machine: {'; '.join(changed)}[/]", soft_wrap=True)
     sealed = runs.seal(cfg, project_dir)
+    if _finished(sealed, "local", console):
+        return 0
     check_before_start(sealed, cfg.config_args)  # seconds here, not after every process has started
     with runlock.hold(sealed.paths.run_dir, f"slipway local {cfg.config_args}", trains=True):
         run, created = runs.prepare_run(sealed, force=force)
@@ -131,10 +125,21 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
                                            f"live allocation; {salloc}")
     cfg.container.require_host_env()
     sealed = runs.seal(cfg, project_dir)
+    if _finished(sealed, "run", console):
+        return 0
     check_before_start(sealed, cfg.config_args)
     with runlock.hold(sealed.paths.run_dir, f"slipway run {cfg.config_args}", trains=True):
         run, created = runs.prepare_run(sealed, force=force)
         return _train_here(run, sealed, project_dir, created, console, allocation=job)
+
+
+def _finished(sealed: runs.Sealed, command: str, console) -> bool:
+    """Whether the run already reached train.steps, said in one line: a complete run is no
+    failure (exit 0), as for make's "nothing to be done"; `submit` refuses it, by the same rule."""
+    done = runs.nothing_to_train(sealed.cfg, sealed.paths.run_dir, command)
+    if done:
+        console.print(escape(done), soft_wrap=True)
+    return done is not None
 
 
 def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: bool, console,
@@ -158,11 +163,15 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
     console.print(f"{'new run' if created else 'resuming run'} [bold]{cfg.run.name}[/] in {run.dir}", soft_wrap=True)
     console.print(f"[dim]$ {' '.join(argv)}[/]", soft_wrap=True)
     env = {**os.environ, **extra}
-    stopper = _Stopper(run.dir, tag, leader_only=bool(allocation))
+    stopper = Stopper(run.dir, tag, agent=argv[1:3] == ["-m", "torch.distributed.run"],
+                      leader_only=bool(allocation), notify=lambda signum: _say_stopping(console, signum))
     previous = {sig: signal.signal(sig, stopper.handle) for sig in FORWARDED}
+    ooms = oom_kills()
     try:
         with log_path.open("w") as log:
             lock_fd = runlock.held_fd(run.dir)
+            if not allocation:  # one a crashed launcher left would stop this one at its first step
+                (run.dir / STOP_FILE).unlink(missing_ok=True)
             # The trainer inherits the run's lock: should this process be killed outright, the
             # run stays locked while its trainer trains.
             proc = subprocess.Popen(argv, cwd=project_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -174,9 +183,9 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
             if not allocation:  # the batch script says where it starts
                 _event(run, "start on this machine")
             assert proc.stdout is not None
-            output = _Output(proc.stdout, log)
+            output = Output(proc.stdout, log, stopper)
             output.start()
-            _wait_for_exit(proc.pid)
+            wait_for_exit(proc.pid)
             stopper.sweep()  # whatever of its session outlived it (the leader is not reaped yet: its group is ours)
             rc = proc.wait()
             stopper.done()
@@ -185,174 +194,54 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     # The batch script records its own end (and classifies a hang); the launcher only its code.
-    end = _End(rc, rc, []) if allocation and rc >= 0 else _how_it_ended(run, cfg, tag, rc, stopper.signum, output)
+    step = _last_step(run, tag)
+    end = (_End(rc, rc, [], stopper.signum if rc == REQUEUE_EXIT else None) if allocation and rc >= 0
+           else _how_it_ended(run, cfg, tag, rc, stopper.signum, output, step, ooms))
     for text in end.events:
         _event(run, text)
     _finish_local(run, launch, end.outcome, **end.extra)
-    steps = _checkpoint_steps(run.dir / cfg.checkpoint.dir)
-    resume = (f"run the same command again to resume from its checkpoint at step {steps[-1]}" if steps else
-              "no checkpoint was saved yet, so running the same command again starts from step 0")
+    command = escape(f"`{environ.invocation()} {'run' if allocation else 'local'} {cfg.config_args}`")
     with contextlib.suppress(OSError):  # a closed terminal (SIGHUP): the end is recorded all the same
-        _say_end(console, end, rc, resume, log_path, run, cfg, output.error)
+        _say_end(console, end, rc, step, command, log_path, run, cfg, output.error)
     return end.code
 
 
-def _say_end(console, end: "_End", rc: int, resume: str, log_path: Path, run: runs.Run, cfg: Config,
-             error: str) -> None:
-    if end.signum == signal.SIGINT:
-        console.print(f"[yellow]interrupted[/] (Ctrl-C){end.where}: {resume}; log: {log_path}", soft_wrap=True)
-    elif end.signum is not None:
-        console.print(f"[yellow]terminated by {signal.Signals(end.signum).name}[/]{end.where}: {resume}; "
-                      f"log: {log_path}", soft_wrap=True)
+def _say_stopping(console, signum: int) -> None:
+    if signum == signal.SIGINT:
+        console.print("[yellow]Ctrl-C[/]: saving a checkpoint, then stopping (Ctrl-C again stops at once, unsaved)",
+                      soft_wrap=True)
+
+
+def _say_end(console, end: "_End", rc: int, step: Optional[int], command: str, log_path: Path, run: runs.Run,
+             cfg: Config, error: str) -> None:
+    """The end in one line (two for a hang): what ended the run, where, what was saved, the
+    command that resumes it and the log."""
+    log = escape(str(log_path))
+    steps = complete_checkpoints(run.dir / cfg.checkpoint.dir)
+    start = f"{command} starts from step 0"
+    resume = f"{command} resumes from its checkpoint at step {steps[-1]}" if steps else f"no checkpoint yet: {start}"
+    if end.signum is not None:
+        what = "interrupted (Ctrl-C)" if end.signum == signal.SIGINT else f"terminated by {_signal_name(end.signum)}"
+        where = "" if step is None else f" at step {step}"
+        if steps and steps[-1] == step:
+            told = f"{where} and saved it: {command} resumes from there"
+        else:
+            told = f"{where}, unsaved: {resume}" if steps else f"{where} before its first checkpoint: {start}"
+        console.print(f"[yellow]{what}[/]{told}; log: {log}", soft_wrap=True)
     elif end.hang:
-        console.print(f"log: {log_path}; {resume}", soft_wrap=True)
+        console.print(f"log: {log}; {resume}", soft_wrap=True)
         console.print(f"[red]{escape(end.hang)}[/]", soft_wrap=True)  # the last line: what ended the run
     elif end.reason:
-        console.print(f"[red]{escape(end.reason)}[/]; {resume}; log: {log_path}", soft_wrap=True)
+        console.print(f"[red]{escape(end.reason)}[/]{f'; {resume}' if end.resumable else ''}; log: {log}",
+                      soft_wrap=True)
     elif rc == REQUEUE_EXIT:
         console.print(f"stopped after saving a checkpoint: {resume}", soft_wrap=True)
     elif rc:
         console.print(f"[red]training failed with exit code {rc}[/]{': ' + escape(error) if error else ''}; "
-                      f"log: {log_path}", soft_wrap=True)
+                      f"log: {log}", soft_wrap=True)
     else:
         console.print(f"done: metrics in {run.dir / 'metrics.jsonl'}, checkpoints in {run.dir / cfg.checkpoint.dir}",
                       soft_wrap=True)
-
-
-class _Stopper:
-    """This process's handler of FORWARDED: the first signal goes on to every process of the
-    launch, and all of them are killed STOP_GRACE_SECONDS later (at once on a second signal).
-
-    The processes of a launch are those whose environment names its run directory and its tag:
-    torchrun starts each rank in a session of its own, so its process group alone is not all."""
-
-    def __init__(self, run_dir: Path, tag: str, leader_only: bool = False) -> None:
-        # leader_only (`slipway run`): the first signal goes to the batch script alone, whose trap
-        # asks the ranks to save and stop; srun and the ranks (other nodes' too) are its to stop.
-        self.leader_only = leader_only
-        self.signum: Optional[int] = None
-        self.pgid: Optional[int] = None
-        self._marks = {f"SLIPWAY_RUN_DIR={run_dir}".encode(), f"SLIPWAY_JOB_TAG={tag}".encode()}
-        self._killer: Optional[threading.Timer] = None
-
-    def handle(self, signum: int, frame) -> None:
-        first = self.signum is None
-        if first:
-            self.signum = signum
-        if self.pgid is None:
-            return  # not started yet: `started` forwards it
-        if first:
-            self._forward()
-        else:
-            self.kill()
-
-    def started(self, pid: int) -> None:
-        self.pgid = pid  # a session leader: its pid is its process group's id
-        if self.signum is not None:
-            self._forward()
-
-    def _forward(self) -> None:
-        assert self.signum is not None
-        sig = signal.SIGTERM if self.signum == signal.SIGHUP else self.signum
-        if self.leader_only and self.pgid is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.pgid, sig)
-        else:
-            self._signal(sig)
-        self._killer = threading.Timer(STOP_GRACE_SECONDS, self.kill)
-        self._killer.daemon = True
-        self._killer.start()
-
-    def processes(self) -> list[int]:
-        """The pids of this launch's processes still there (this process's own, readable, only)."""
-        found = []
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/environ", "rb") as f:
-                    env = set(f.read().split(b"\0"))
-            except OSError:  # gone, or not ours
-                continue
-            if self._marks <= env:
-                found.append(int(entry.name))
-        return found
-
-    def _signal(self, sig: int) -> None:
-        if self.pgid is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, sig)
-        for pid in self.processes():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-
-    def kill(self) -> None:
-        self._signal(signal.SIGKILL)
-
-    def sweep(self) -> None:
-        """Kill what remains of the launch once its first process has exited (a rank torchrun
-        left behind), until none is left."""
-        deadline = time.monotonic() + 10
-        while self.processes() and time.monotonic() < deadline:
-            self.kill()
-            time.sleep(0.05)
-        if self.pgid is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, signal.SIGKILL)
-
-    def done(self) -> None:
-        if self._killer is not None:
-            self._killer.cancel()
-
-
-def _wait_for_exit(pid: int) -> None:
-    """Until process `pid` has exited, without reaping it (its pid keeps naming its process
-    group until then, so the sweep can never reach another's). Signals run their handlers meanwhile."""
-    while True:
-        try:
-            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-            return
-        except ChildProcessError:
-            return
-
-
-class _Output(threading.Thread):
-    """Copies the trainer's output to this terminal and the launch's log; keeps what the end
-    report needs: the trainer's one-line error, and the rank torchrun says a signal killed."""
-
-    def __init__(self, stream, log) -> None:
-        super().__init__(name="slipway-local-output", daemon=True)
-        self.stream, self.log = stream, log
-        self.error = ""
-        self.failed_rank: Optional[str] = None
-        self.rank_signal: Optional[int] = None
-        self._terminal = True
-
-    def run(self) -> None:
-        rank, root = None, False
-        for line in iter(self.stream.readline, b""):
-            if self._terminal:
-                try:
-                    sys.stdout.buffer.write(line)
-                    sys.stdout.flush()
-                except (OSError, ValueError):  # the terminal is gone (SIGHUP): the log keeps it all
-                    self._terminal = False
-            text = line.decode(errors="replace")
-            self.log.write(text)
-            self.log.flush()
-            if text.startswith("error: "):  # the trainer's one-line reason, restated below torchrun's report
-                self.error = text.removeprefix("error: ").strip()
-            # torchrun's report of failed workers: only its "Root Cause (first observed failure)"
-            # entry counts (the others are the ranks torchrun itself then sent SIGTERM): `rank : 1
-            # (local_rank: 1)`, then `exitcode : -9 (pid: 123)` for one a signal killed
-            if "Root Cause" in text:
-                root, rank = True, None
-            m = re.match(r"\s*rank\s*:\s*(\d+)", text)
-            if m:
-                rank = m.group(1)
-            m = re.match(r"\s*exitcode\s*:\s*-(\d+)", text)
-            if m and root and self.rank_signal is None:
-                self.failed_rank, self.rank_signal = rank, int(m.group(1))
 
 
 @dataclass
@@ -365,20 +254,35 @@ class _End:
     signum: Optional[int] = None
     hang: str = ""
     reason: str = ""
-    where: str = ""
+    resumable: bool = True  # the same command again is worth suggesting (not after running out of memory)
     extra: dict = field(default_factory=dict)
 
 
-def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, signum: Optional[int], output: _Output) -> _End:
+def _last_step(run: runs.Run, tag: str) -> Optional[int]:
+    """The last step this launch completed: rank 0's progress record (about every second), or the
+    last one it logged to metrics.jsonl; None before either."""
     last = run.last_metrics()
-    where = f" at step {last['step']}" if last and isinstance(last.get("step"), int) else ""
+    steps = [last["step"]] if last and isinstance(last.get("step"), int) else []
+    try:
+        progress = json.loads((run.dir / PROGRESS_FILE).read_text())
+        if isinstance(progress, dict) and progress.get("job") == tag and isinstance(progress.get("step"), int):
+            steps.append(progress["step"])
+    except (OSError, ValueError):
+        pass
+    return max(steps) if steps else None
+
+
+def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, signum: Optional[int], output: Output,
+                  step: Optional[int], ooms: Optional[int]) -> _End:
+    """`ooms`: the out-of-memory killer's count when the launch started (`oom_kills`)."""
+    where = "" if step is None else f" at step {step}"
     if signum is not None:
         name = signal.Signals(signum).name
         if signum == signal.SIGINT:
             return _End(128 + signum, "interrupted", [f"interrupted by {name} (Ctrl-C){where}", "end interrupted"],
-                        signum, where=where, extra={"signal": name})
+                        signum, extra={"signal": name})
         return _End(128 + signum, 128 + signum, [f"terminated by {name}{where}", f"end signal {name}"], signum,
-                    where=where, extra={"signal": name, "trainer_exit": rc})
+                    extra={"signal": name, "trainer_exit": rc})
     hang = _hang(run, cfg, tag)
     if hang:
         return _End(HANG_EXIT, HANG_EXIT, [hang, f"end exit {HANG_EXIT}"], hang=f"hung: {hang.removeprefix('hang: ')}",
@@ -388,8 +292,14 @@ def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, signum: Optiona
         name = _signal_name(killed)
         who = "the trainer" if rc < 0 or output.failed_rank is None else f"rank {output.failed_rank}"
         reason = f"{who} was killed by {name}{where}"
+        oom = killed == signal.SIGKILL and ooms is not None and (oom_kills() or 0) > ooms
+        if oom:
+            reason = f"{who} was killed by the out-of-memory killer ({name}){where}: this machine ran out of memory"
+            if not (cfg.launch.command or cfg.train.script):  # half the arithmetic's batch-dependent part
+                need = process_memory(cfg)
+                reason += f"; {_smaller_batch(cfg, PROCESS_BASE_BYTES + (need - PROCESS_BASE_BYTES) / 2)}"
         return _End(128 + killed, 128 + killed, [reason, f"end exit {128 + killed}"], reason=reason,
-                    extra={"trainer_exit": rc})
+                    resumable=not oom, extra={"trainer_exit": rc})
     return _End(rc, rc, [f"end exit {rc}"])
 
 
@@ -416,25 +326,53 @@ def _hang(run: runs.Run, cfg: Config, tag: str) -> str:
             f"ranks in {run.dir / HANGS_DIR}/{tag}-*.txt")
 
 
+def check_fits_here(cfg: Config) -> None:
+    """Slipway's trainer in `cfg`'s local view: refused before any process starts when the
+    layout's arithmetic (trainer/layouts.py `process_memory`) needs more memory than this machine
+    has free, naming the micro batch (else the sequence length) under which it fits."""
+    available = available_memory()
+    if cfg.launch.command or cfg.train.script or available is None:
+        return
+    world, need = cfg.launch.procs_per_node, process_memory(cfg)
+    if world * need <= available:
+        return
+    said = (f"{world} processes of about {need / 1e9:.1f} GB each (trainer/layouts.py's arithmetic) need "
+            f"{world * need / 1e9:.1f} GB, this machine has {available / 1e9:.1f} GB free")
+    raise ConfigError("train.micro_batch_size", f"{said}: {_smaller_batch(cfg, FIT_SHARE * available / world)}")
+
+
+# Of the memory free, what a suggested batch plans for: the arithmetic is within about 5% of a
+# rank's peak, and the machine's other processes grow too.
+FIT_SHARE = 0.8
+
+
+def _smaller_batch(cfg: Config, budget: float) -> str:
+    """The `slipway local` command whose processes stay within `budget` bytes each, and what it keeps."""
+    fit = fitting_batch(cfg, budget)
+    if fit is None:
+        return "not even micro batch 1 at a short seq_len fits: try the layout on a smaller model or fewer processes"
+    micro, accum, seq = fit
+    settings = {"train.micro_batch_size": micro, "train.grad_accum_steps": accum}
+    keeps = "the layout and the global batch"
+    if seq != cfg.data.seq_len:
+        settings["data.seq_len"], keeps = seq, f"the layout, at seq_len {seq} instead of {cfg.data.seq_len}"
+    world = cfg.launch.procs_per_node * cfg.slurm.nodes
+    return (f"`slipway local {cfg.config_args_setting(settings)}` keeps {keeps} "
+            f"(~{world * process_memory(cfg, micro, seq) / 1e9:.1f} GB)")
+
+
 def check_before_start(sealed: runs.Sealed, config_args: str) -> None:
     """What the trainer would refuse only once every process has started (torch imported, the
     process group formed), checked from the config and the token cache's index: files the run
     needs, a token cache `slipway prepare` has not made (the same refusal as `submit`), data too
     short for the sequence length or the validation share, a tokenizer larger than the model's
-    vocabulary, and a resumed run that already reached train.steps."""
+    vocabulary."""
     cfg = sealed.cfg
     runs.check_submittable(cfg)
     why = runs.unprepared_data(sealed, config_args)
     if why:
         raise ConfigError("data", why)
     _check_data_fits(cfg, sealed.data_status())
-    steps = _checkpoint_steps(sealed.paths.run_dir / cfg.checkpoint.dir)
-    if steps and steps[-1] >= cfg.train.steps:
-        raise ConfigError("train.steps", f"run {cfg.run.name} already reached train.steps={cfg.train.steps} "
-                                         f"(checkpoint at step {steps[-1]}): nothing to train; to train on, "
-                                         f"`slipway local {config_args} --train-steps "
-                                         f"{steps[-1] + cfg.train.steps} --force` (a changed config: the old one "
-                                         "is kept in history/), or pick another --run-name for a new run")
 
 
 def _check_data_fits(cfg: Config, status) -> None:
@@ -503,20 +441,14 @@ def _finish_local(run: runs.Run, launch: Launch, outcome: Union[int, str], **ext
     runs.update_manifest(run, finish)
 
 
-def _checkpoint_steps(ckpt_dir: Path) -> list[int]:
-    """Complete checkpoints (the trainer's layout: step-NNNNNN/ with a COMPLETE marker), without torch."""
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted(int(p.name[5:]) for p in ckpt_dir.glob("step-*") if p.name[5:].isdigit()
-                  and (p / "COMPLETE").is_file())
 
 
 # Where the shell's EDF would be, as a dry run shows it (mkdtemp's Xs: a name chosen when it runs).
 SHELL_EDF_SHOWN = "slipway-shell-XXXXXXXX"
 
 
-def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None,
-               edf_dir: Path | None = None) -> tuple[list[str], dict[str, str], str | None, list[str]]:
+def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None, edf_dir: Path | None = None,
+               write_code: bool = False) -> tuple[list[str], dict[str, str], str | None, list[str]]:
     """`srun ... --pty bash` in the image (or `command` without a pty), one node, one task;
     the variables to set in srun's environment (pyxis passes container.env that way); the
     text of the Container Engine's EDF (None for the other runtimes), to be written as
@@ -530,7 +462,13 @@ def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None,
     from jobs.runs.container import shell_environment
 
     sealed = runs.seal(cfg, project_dir)
-    env, notes = shell_environment(sealed.cfg, sealed.paths, sealed.pin)
+    code = sealed.snapshot if sealed.env.in_container else None  # runtime none: this checkout itself
+    if code is not None and write_code:
+        sealed.code.write()  # content-addressed, in the store beside the runs: never inside one
+    env, notes = shell_environment(sealed.cfg, sealed.paths, sealed.pin, code)
+    if code is not None and not write_code:
+        notes.append(f"the checkout's code goes in as the code snapshot {code.dir} (written when the shell starts), "
+                     "in front of the image's trainer, as a submission now would run it")
     edf_file, text = None, None
     if env.runtime == "edf":
         text = render_edf(env)
@@ -570,7 +508,7 @@ def run_shell(cfg: Config, project_dir: Path, command: list[str] | None = None) 
     for as long as srun runs, then removed (also on Ctrl-C, SIGTERM or a closed terminal)."""
     cfg.container.require_host_env()
     if cfg.container.runtime != "edf":
-        argv, exports, _, notes = shell_argv(cfg, project_dir, command)
+        argv, exports, _, notes = shell_argv(cfg, project_dir, command, write_code=True)
         _shell_notes(notes)
         return exec_foreground(argv, exports)
     root = shell_edf_root(project_dir)
@@ -582,7 +520,7 @@ def run_shell(cfg: Config, project_dir: Path, command: list[str] | None = None) 
     private = Path(tempfile.mkdtemp(prefix=SHELL_EDF_SHOWN.rstrip("X"), dir=root))
     handlers = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        argv, exports, text, notes = shell_argv(cfg, project_dir, command, edf_dir=private)
+        argv, exports, text, notes = shell_argv(cfg, project_dir, command, edf_dir=private, write_code=True)
         _shell_notes(notes)
         write_atomic(private / "env.toml", text or "", 0o600)
         return exec_foreground(argv, exports)

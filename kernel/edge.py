@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Callable, Optional
 
+from kernel.environ import as_typed
 from kernel.errors import ConfigError, bounded, bounded_path
 from kernel.secrets import mask
 
@@ -68,5 +69,6 @@ def run_at_edge(work: Callable[[], int], prog: str = "slipway",
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             raise
         line, status = error_line(exc)  # masked once more: an error no slipway code worded may quote a value
+        line = as_typed(line) if prog == "slipway" else line  # its suggested commands, as this shell runs them
         print(f"{prog}: error: {mask(' '.join(line.split()))}", file=sys.stderr)
         return status

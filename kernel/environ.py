@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
 from typing import Mapping, Optional
 
 from kernel.errors import ConfigError, shown
@@ -43,3 +47,30 @@ def count(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[in
     """A whole number from the environment (a node count, a rank), checked."""
     value = _value(name, COUNT, "a whole number", environ)
     return None if value is None else int(value)
+
+
+def invocation() -> str:
+    """How to run this slipway from the shell it was started in, as a suggested command shows it:
+    `slipway` where that name on PATH is this installation; else its `slipway` beside this
+    interpreter, relative to the working directory below it (`make setup` leaves the user with
+    `.venv/bin/slipway`, not on PATH); else `python -m jobs` with this interpreter."""
+    script = Path(sys.executable).parent / "slipway"
+    found = shutil.which("slipway")
+    try:
+        if found and (not script.exists() or os.path.samefile(found, script)):
+            return "slipway"
+    except OSError:
+        pass
+    if not script.exists():
+        return f"{shlex.quote(sys.executable)} -m jobs"
+    relative = os.path.relpath(script)
+    return shlex.quote(relative if not relative.startswith("..") else str(script))
+
+
+def as_typed(text: str) -> str:
+    """`text` with each command it suggests (`` `slipway ...` ``, `$(slipway ...)`) in the form
+    this shell runs (`invocation`): a hint must work when pasted."""
+    prog = invocation()
+    if prog == "slipway":
+        return text
+    return text.replace("`slipway ", f"`{prog} ").replace("$(slipway ", f"$({prog} ")

@@ -246,6 +246,15 @@ class Event:
         return f"{self.time} job {self.job} {self.text}"
 
 
+def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[int]:
+    """The steps of the complete checkpoints in `ckpt_dir` (the trainer's `step-NNNNNN/`, complete
+    once its COMPLETE marker is there; the batch script's latest_checkpoint reads the same), ascending."""
+    path = Path(ckpt_dir)
+    if not path.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in path.glob("step-*") if p.name[5:].isdigit() and (p / "COMPLETE").is_file())
+
+
 def now_iso() -> str:
     """This moment as `date --iso-8601=seconds` writes it (UTC here; bash writes its local offset)."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")

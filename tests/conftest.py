@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,9 @@ def project(tmp_path: Path, monkeypatch) -> Path:
         (proj / "configs" / cfg.name).write_text(cfg.read_text())
     monkeypatch.chdir(proj)
     monkeypatch.setenv("SLIPWAY_PROJECT", str(proj))
+    # This installation's `slipway` first on PATH, as in an activated venv: suggested commands then
+    # read `slipway ...` (tests/test_first_hour.py checks them without it, as `make setup` leaves a shell).
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("SLIPWAY_RUNS", raising=False)
     return proj
 

@@ -180,6 +180,31 @@ def test_every_runtime_runs_the_snapshot(project):
     assert "SLIPWAY_CODE" not in sealed.stdout and "code.snapshot: false" in sealed.stdout
 
 
+def test_shell_runs_the_checkouts_code_as_a_submission_now_would(project, tmp_path):
+    """`slipway shell` mounts the checkout's code as the snapshot a submission now would run, in
+    front of the image's trainer: the same snapshot, written for the shell, its files the checkout's."""
+    checkout(project)
+    mark(project, "shell")  # a change not in any image
+    img = project / "img.sqsh"
+    img.write_bytes(b"hsqs")
+    bin_dir, seen = tmp_path / "bin", tmp_path / "srun-saw"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" "SLIPWAY_CODE=$SLIPWAY_CODE" "PYTHONPATH=$PYTHONPATH" '
+                                  f'> {shlex.quote(str(seen))}\n')
+    (bin_dir / "srun").chmod(0o755)
+    args = ["tiny_cpu", "container.runtime=pyxis", f"container.image={img}"]
+    r = subprocess.run([PY, "-m", "jobs", "shell", *args, "--command", "true"], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert r.returncode == 0, r.stderr
+    said = seen.read_text().splitlines()
+    code = next(line for line in said if line.startswith("SLIPWAY_CODE=")).split("=", 1)[1]
+    assert f"PYTHONPATH={code}" in said and any(f"{code}:{code}:ro" in line for line in said), said
+    assert (Path(code) / "trainer" / "train.py").read_text() == (project / "trainer" / "train.py").read_text()
+    assert not (project / "runs" / "tiny_cpu").exists()  # never into a run
+    dry = slipway("submit", *args, "--dry-run")
+    assert f"{code}:{code}:ro" in dry.stdout.replace("'\"'\"'", "'")  # the snapshot a submission now would run
+
+
 def test_pyxis_keeps_the_container_of_a_known_build_only(project):
     """Under pyxis the steps share the image build's kept container (named by the squashfs's
     content hash); keep_builds 0, a registry image and the other runtimes get none; a bad
@@ -354,6 +379,13 @@ def test_slipway_run_inside_an_allocation_stops_resumably_and_resumes(project, s
     assert "job local stopped on request: saved after the stop request" in events, events
     assert "rank 0" not in out or "step" in out  # rank 0's log lines reached the terminal
     assert re.search(r"step\s+\d+", out), out[-2000:]
+    # After the Ctrl-C: the launcher's answer and its report, nothing of torchrun's or srun's ending.
+    lines = out.splitlines()
+    said = [line for line in lines[next(i for i, line in enumerate(lines) if line.startswith("Ctrl-C: ")):]
+            if not line.startswith("salloc: ")]
+    assert len(said) == 2 and "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    assert said[1].startswith(f"interrupted (Ctrl-C) at step {saved[-1]} and saved it: `"), said
+    assert " run tiny_cpu " in said[1] and "resumes from there" in said[1], said
     status = slipway("status", "inter")
     assert "STOPPED" in status.stdout.upper() and "75" in status.stdout, status.stdout
 
@@ -361,6 +393,8 @@ def test_slipway_run_inside_an_allocation_stops_resumably_and_resumes(project, s
     again = [a for a in args if not a.startswith("train.steps=")] + [f"train.steps={saved[-1] + 2}", "--force"]
     r = subprocess.run(["salloc", "--nodes=2", PY, "-m", "jobs", *again], capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
+    for noise in ("Traceback", "frame #", "Exception raised from", "ChildFailedError", "srun: error"):
+        assert noise not in r.stdout + r.stderr, (noise, r.stdout[-3000:], r.stderr[-2000:])
     steps = metrics_steps(run_dir)
     assert steps[-1] == saved[-1] + 2 and "resum" in (r.stdout + r.stderr).lower()
     assert not (run_dir / "stop-requested").exists()

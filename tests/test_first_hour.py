@@ -69,14 +69,110 @@ def test_local_refuses_an_unprepared_cache_at_once_and_its_prepare_command_works
     assert not (project / "runs").exists()
 
 
-def test_local_with_nothing_left_to_train_says_so_before_starting(project):
-    done = project / "runs" / "tiny_cpu" / "checkpoints" / "step-000200"
-    done.mkdir(parents=True)
+def finished(project: Path, run: str = "tiny_cpu", step: int = 200, exist_ok: bool = False) -> Path:
+    done = project / "runs" / run / "checkpoints" / f"step-{step:06d}"
+    done.mkdir(parents=True, exist_ok=exist_ok)
     (done / "COMPLETE").touch()
-    line = one_error_line(slipway("local", "tiny_cpu"))
-    assert "train.steps: run tiny_cpu already reached train.steps=200 (checkpoint at step 200)" in line
+    return done.parent.parent
+
+
+def test_local_with_nothing_left_to_train_says_so_before_starting(project):
+    run = finished(project)
+    r = slipway("local", "tiny_cpu")
+    # A complete run is no failure (`make local` again ends without make's "Error 2"): one line, exit 0.
+    assert r.returncode == 0 and r.stderr == "", (r.stdout, r.stderr)
+    line = r.stdout.strip()
+    assert line.startswith("run tiny_cpu already reached train.steps=200 (checkpoint at step 200): nothing to train")
     assert "`slipway local tiny_cpu --train-steps 400 --force`" in line  # a command that works when pasted
-    assert not (project / "runs" / "tiny_cpu" / "logs").exists()
+    assert not (run / "logs").exists()
+
+
+def test_submit_refuses_a_run_with_nothing_left_to_train_before_sbatch_by_the_same_rule(project, tmp_path):
+    bin_dir, called = tmp_path / "slurm-bin", tmp_path / "sbatch-called"
+    stand_in(bin_dir, "sbatch", f'touch {shlex.quote(str(called))}; echo 4242\n')
+    stand_in(bin_dir, "scontrol", 'case "$1" in ping) echo "Slurmctld(primary) at n1 is UP" ;;\n'
+                                  '  show) echo "JobId=$4 JobState=COMPLETED ExitCode=0:0" ;; esac\n')
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    assert slipway("submit", "tiny_cpu", "--nodes", "1", env=env).returncode == 0
+    called.unlink()
+    finished(project, exist_ok=True)  # the job trained all its steps
+    line = one_error_line(slipway("submit", "tiny_cpu", "--nodes", "1", env=env))
+    assert line.startswith("slipway: error: train.steps: run tiny_cpu already reached train.steps=200 (checkpoint "
+                           "at step 200): nothing to train"), line
+    assert "`slipway submit tiny_cpu --nodes 1 --train-steps 400 --force`" in line
+    assert not (tmp_path / "sbatch-called").exists()
+    local = slipway("local", "tiny_cpu", env=env).stdout
+    assert line.split("nothing to train")[1].replace("submit tiny_cpu --nodes 1", "local tiny_cpu") == \
+        local.split("nothing to train")[1].strip()  # the same rule, the same hint
+    # The hint pasted: a changed config, kept in history/; sbatch is called this time.
+    r = subprocess.run(shlex.split(line.split("`")[1]), capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **env})
+    assert r.returncode == 0 and called.exists() and "resubmitted" in r.stdout, (r.stdout, r.stderr)
+    assert list((project / "runs" / "tiny_cpu" / "history").iterdir())
+
+
+@pytest.mark.slow
+def test_a_hint_names_slipway_as_the_shell_make_setup_leaves_runs_it(project):
+    """After `make setup` slipway is `.venv/bin/slipway`, not on PATH: a hint says so, and pasted it works."""
+    (project / ".venv").symlink_to(Path(PY).parent.parent)  # this project's venv, as `make setup` makes it
+    corpus(project)
+    bare = {"PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != Path(PY).parent)}
+    given = ["tiny_cpu", "--dataset", "./corpus", "--text-column", "body", "data.validation_fraction=0"]
+    r = subprocess.run([".venv/bin/python", "-m", "jobs", "local", *given], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, **bare})
+    line = one_error_line(r)
+    suggested = re.search(r"run `([^`]*)` first", line).group(1)
+    assert suggested.startswith(".venv/bin/slipway prepare tiny_cpu "), line
+    pasted = subprocess.run(shlex.split(suggested), capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **bare})
+    assert pasted.returncode == 0 and "200 documents" in pasted.stdout, (pasted.stdout, pasted.stderr)
+
+
+@pytest.fixture
+def hub_without_it():
+    """A stand-in for the Hugging Face hub (it cannot be reached from here) that knows no repository:
+    404 RepoNotFound, as the hub answers for a misspelt name; its URL for HF_ENDPOINT."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            body = b'{"error": "Repository not found"}'
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.slow
+def test_a_misspelt_dataset_is_one_line_in_seconds_whether_the_hub_answers_or_not(project, hub_without_it):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: a hub this machine cannot reach
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for endpoint, said in ((closed, "the Hugging Face hub (127.0.0.1) cannot be reached from here"),
+                           (hub_without_it, "Dataset 'wikitxt' doesn't exist on the Hub")):
+        t0 = time.monotonic()
+        r = slipway("prepare", "tiny_cpu", "--dataset", "wikitxt", "--text-column", "text",
+                    env={"HF_ENDPOINT": endpoint, "HF_HOME": str(project / "hf")})
+        line = one_error_line(r)
+        assert line.startswith("slipway: error: data.dataset: ") and said in line and "check the name" in line, line
+        assert time.monotonic() - t0 < 20, "retried"  # not half a minute of retries; generous for a loaded machine
+        assert "Retrying" not in r.stdout + r.stderr
 
 
 def test_local_help_shows_only_the_flags_of_a_local_run(capsys):
@@ -107,6 +203,22 @@ def test_submit_without_a_controller_is_doctors_one_line_and_writes_nothing(proj
     assert not (project / "runs").exists()
 
 
+def test_a_slurm_conf_left_from_a_stopped_local_cluster_is_named_first(project, tmp_path):
+    if shutil.which("scontrol") is None:
+        pytest.skip("needs Slurm's scontrol, which says why no controller answers")
+    from jobs.cluster import ClusterSpec, render_slurm_conf
+
+    spec = ClusterSpec(state_dir=Path("/tmp/slipway-gone"), nodes=2)  # a short name, as slurm.conf needs
+    conf = tmp_path / "slurm.conf"  # its conf as `slipway cluster down` leaves it
+    conf.write_text(render_slurm_conf(spec))
+    line = one_error_line(slipway("submit", "tiny_cpu", env={"SLURM_CONF": str(conf)}), code=1)
+    assert line.startswith(f"slipway: error: SLURM_CONF={shlex.quote(str(conf))} names a local test cluster that is not up "
+                           "(`slipway cluster down` stopped it): `unset SLURM_CONF` for this machine's own Slurm, or "
+                           "`slipway cluster up`"), line
+    assert len(line) < 600, line  # scontrol's page of munge errors cut short, after the fix
+    assert not (project / "runs").exists()
+
+
 def test_submit_parsable_prints_only_the_job_id(project, tmp_path):
     bin_dir = tmp_path / "slurm-bin"
     stand_in(bin_dir, "sbatch", 'echo 4242\n')
@@ -121,11 +233,32 @@ def test_submit_parsable_prints_only_the_job_id(project, tmp_path):
     assert r.stdout.strip().splitlines()[-1] != "4242"  # no bare id line for a person to wonder about
 
 
+def test_a_refused_config_change_says_what_changed_and_the_dry_run_says_it_first(project, tmp_path):
+    bin_dir = tmp_path / "slurm-bin"
+    stand_in(bin_dir, "sbatch", 'echo 4242\n')
+    stand_in(bin_dir, "scontrol", 'case "$1" in ping) echo "Slurmctld(primary) at n1 is UP" ;;\n'
+                                  '  show) echo "JobId=$4 JobState=COMPLETED ExitCode=0:0" ;; esac\n')
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    assert slipway("submit", "tiny_cpu", env=env).returncode == 0
+    line = one_error_line(slipway("submit", "tiny_cpu", "--train-steps", "300", "train.lr=0.001", env=env))
+    assert "run tiny_cpu exists with a different config (train.lr 0.003 -> 0.001, train.steps 200 -> 300) in " in line
+    dry = slipway("submit", "tiny_cpu", "--train-steps", "300", "train.lr=0.001", "--dry-run", env=env).stdout
+    head = dry.splitlines()[:6]
+    assert head[0].startswith("dry run: tiny_cpu (resumes) in ") and head[3].startswith("code: a snapshot"), head
+    assert head[4] == "verdict: would be refused (1)", head
+    assert head[5].startswith("  - run.name: run tiny_cpu exists with a different config (train.lr 0.003 -> 0.001"), head
+    assert dry.splitlines()[-1] == ("dry run: nothing written, nothing submitted; would be refused (1) (the reasons "
+                                    "are at the top)")
+    forced = slipway("submit", "tiny_cpu", "--train-steps", "300", "train.lr=0.001", "--dry-run", "--force", env=env)
+    assert forced.stdout.splitlines()[4] == "verdict: would be submitted", forced.stdout
+
+
 def test_a_refused_submission_suggests_prepare_with_the_users_own_arguments(project, tmp_path):
     corpus(project)
     r = slipway("submit", "tiny_cpu", "data.text_column=body", "--dataset", "./corpus", "--nodes", "1",
                 "--dry-run")
-    note = next(line for line in r.stdout.splitlines() if "a real submission would be refused" in line)
+    assert "verdict: would be refused" in r.stdout.splitlines()[4], r.stdout  # the verdict before the files
+    note = next(line for line in r.stdout.splitlines() if line.startswith("  - data: "))
     assert "`slipway prepare tiny_cpu data.text_column=body --nodes 1 --dataset ./corpus`" in note
 
 
@@ -176,3 +309,40 @@ def test_time_limit_stop_under_torchrun_says_what_the_trainer_did(tmp_path, save
     want = ("saved after the stop request (checkpoint at step 6)" if saves
             else "no checkpoint saved after the stop request (step exit 1)")
     assert f"time-limit requeue 1/2: {want}, requeueing" in events, events
+
+
+# ---------------------------------------------------------------- status and watch as a newcomer sees them
+
+
+TINY_FAST = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=4",
+             "model.num_kv_heads=2", "data.seq_len=64", "model.max_position_embeddings=64", "train.micro_batch_size=4",
+             "train.eval_interval=0", "train.warmup_steps=2", "logging.interval=1", "checkpoint.interval=1000"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_status_fits_80_columns_and_watch_into_a_pipe_shows_the_run_as_it_goes(project):
+    launcher = subprocess.Popen([PY, "-m", "jobs", "local", "tiny_cpu", "--run-name", "a-longer-run-name", *TINY_FAST,
+                                 "train.steps=300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        metrics = project / "runs" / "a-longer-run-name" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.is_file() and metrics.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # Piped, the view is printed as it goes, not only once the run has ended.
+        watch = subprocess.Popen([PY, "-m", "jobs", "watch", "a-longer-run-name"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        first = watch.stdout.readline()
+        assert first.startswith("run a-longer-run-name  job local  RUNNING"), first
+        assert launcher.poll() is None  # while it still trains
+        out = first + watch.communicate(timeout=300)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait()
+    assert watch.returncode == 0 and out.count("run a-longer-run-name  job local") >= 2, out
+    assert out.strip().splitlines()[-1] == "job local ended: COMPLETED, exit code 0", out
+    status = slipway("status", env={"COLUMNS": "80"}).stdout
+    assert max(map(len, status.splitlines())) <= 80, status
+    row = next(line for line in status.splitlines() if "a-longer-run-name" in line)
+    assert "COMPLETED" in row and "step 300/300, loss " in row, status  # the name whole, the progress on one line

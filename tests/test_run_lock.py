@@ -165,7 +165,8 @@ def test_a_signal_to_the_launcher_stops_the_run_and_leaves_nothing(project, slur
     name = signal.Signals(sig).name
     assert launcher.returncode == 128 + sig, out[-3000:]
     last = out.strip().splitlines()[-1]
-    assert last.startswith(f"terminated by {name} at step ") and "run the same command again to resume" in last, last
+    assert last.startswith(f"terminated by {name} at step ") and " and saved it: `" in last, last
+    assert "resumes from there" in last and "Traceback" not in out, last
     for sid in (launcher.pid, *trainers):
         assert session_members(sid) == [], f"left running: {session_members(sid)}"
     assert sessions_of_run(run_dir) == set()

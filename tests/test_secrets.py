@@ -166,7 +166,7 @@ def test_shell_hands_secrets_on_and_keeps_no_file(project, host, capfd, runtime)
     if runtime == "edf":
         assert 'HF_TOKEN = "${HF_TOKEN}"' in out  # the EDF, as it would be written
     if runtime == "pyxis":
-        assert "--container-env=HF_TOKEN,WANDB_API_KEY" in out
+        assert "--container-env=SLIPWAY_CODE,PYTHONPATH,PYTHONSAFEPATH,HF_TOKEN,WANDB_API_KEY" in out
     assert not (project / "runs").exists()  # a dry run writes nothing
     rc, out, err = slipway(capfd, "shell", *args, "--command", "true")
     assert rc == 0, err
@@ -179,7 +179,7 @@ def test_shell_hands_secrets_on_and_keeps_no_file(project, host, capfd, runtime)
         assert "edf 600" in seen and "dir 700" in seen, seen
         assert list((project / "runs" / ".shell").iterdir()) == []
     if runtime == "pyxis":
-        assert "arg --container-env=HF_TOKEN,WANDB_API_KEY" in seen
+        assert "arg --container-env=SLIPWAY_CODE,PYTHONPATH,PYTHONSAFEPATH,HF_TOKEN,WANDB_API_KEY" in seen
     assert not leaks(*outputs, seen, under=project)
 
 
@@ -209,10 +209,12 @@ def test_an_unset_variable_is_refused_in_one_line(project, host, capfd, monkeypa
 
 @pytest.mark.parametrize("command", [["submit", "--dry-run"], ["shell", "--dry-run"]])
 def test_a_dry_run_says_it_as_a_note(project, host, capfd, monkeypatch, command):
+    """Once: `submit --dry-run` among what would refuse the submission, `shell --dry-run` as a note."""
     monkeypatch.delenv("HF_TOKEN")
     rc, out, err = slipway(capfd, *command, "tiny_cpu", FROM_HOST)
     assert rc == 0, err
-    notes = [line for line in (out + err).splitlines() if line.startswith("note:") and "env_from_host" in line]
+    said = "  - " if command[0] == "submit" else "note:"
+    notes = [line for line in (out + err).splitlines() if line.startswith(said) and "env_from_host" in line]
     assert len(notes) == 1 and "export HF_TOKEN=..." in notes[0], out + err
 
 

@@ -250,13 +250,13 @@ def test_prepare_with_the_seed_launchers_data_flags(project):
     (corpus / "a.jsonl").write_text("".join(json.dumps({"body": f"document {i} " * 40}) + "\n" for i in range(200)))
     flags = ["--dataset", "./corpus", "--text-column", "body", "--tokenizer", "builtin"]
     refused = slipway("submit", "tiny_cpu", "--dry-run", *flags)
-    assert "a real submission would be refused: data: the token cache is not prepared" in refused.stdout
+    assert "\n  - data: the token cache is not prepared" in refused.stdout
     r = slipway("prepare", "tiny_cpu", *flags, "--cpus", "2")
     assert r.returncode == 0, r.stderr
     assert "200 documents" in r.stdout and "prepared:" in r.stdout
     bins = list((project / ".cache" / "tokens").glob("corpus-*.bin"))
     assert len(bins) == 1 and bins[0].stat().st_size > 0
-    assert "refused" not in slipway("submit", "tiny_cpu", "--dry-run", *flags).stdout
+    assert "  - data: " not in slipway("submit", "tiny_cpu", "--dry-run", *flags).stdout
     again = slipway("prepare", "tiny_cpu", *flags)  # prepared once for every run
     assert again.returncode == 0 and list((project / ".cache" / "tokens").glob("corpus-*.bin")) == bins
 

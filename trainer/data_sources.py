@@ -160,6 +160,11 @@ class TextSource:
         if self.kind == "saved":
             ds = datasets.load_from_disk(self.name)
             return ds[self.split] if isinstance(ds, datasets.DatasetDict) else ds
+        unreachable = hub_unreachable()
+        if unreachable:
+            raise ConfigError(self.field, f"'{self.name}' is no local path and {unreachable}: check the name, and run "
+                              "`slipway prepare` where the hub can be reached (a login node; offline: HF_HUB_OFFLINE=1 "
+                              "with HF_HOME holding it), or give a local path")
         try:
             return datasets.load_dataset(self.name, self.config, split=self.split)
         except ValueError as exc:  # unknown split or config
@@ -173,6 +178,37 @@ class TextSource:
                               f"({type(exc).__name__}: {first}); check the name, and run `slipway prepare` "
                               "where the hub can be reached (a login node; offline: HF_HUB_OFFLINE=1 with "
                               "HF_HOME holding it), or give a local path") from None
+
+
+def _offline() -> bool:
+    """Whether the hub's clients are in offline mode (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE, as they read it)."""
+    if any(os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return True
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face hub (HF_ENDPOINT) cannot be reached from here, in a few seconds: a name
+    that does not resolve, a connection refused or timed out; None when it answers, when offline
+    mode is on (the cache is used), or behind a proxy (which only the hub's own client uses).
+    Without it, a misspelt name or a node without network costs half a minute of retries."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if _offline() or any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        return f"the Hugging Face hub ({host}) cannot be reached from here ({reason})"
+    return None
 
 
 def _batched(rows: Iterator[tuple[int, str | None, int]], start: tuple[int, int],
@@ -452,6 +488,11 @@ def load_tokenizer(spec: TokenizerSpec | str) -> Any:
                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     if spec.path is not None:
         return _transformers_tokenizer(str(spec.path), spec.spec, local=True)
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise ConfigError("data.tokenizer", f"'{spec.spec}' is no local file and {unreachable}: check the name, and "
+                          "run `slipway prepare` where the hub can be reached (offline: HF_HUB_OFFLINE=1 with HF_HOME "
+                          "holding it), or give a local tokenizer.json")
     try:
         from huggingface_hub import hf_hub_download
 

@@ -166,3 +166,64 @@ def memory_report(cfg: Any, dp: int, reshard_after_forward: bool,
     fixes.append(f"a train.micro_batch_size below {train.micro_batch_size} (with more grad_accum_steps)")
     return line, (f"the estimate, ~{total / 1e9:.0f} GB a GPU, passes {GPU_BUDGET_FRACTION:.0%} of this GPU's "
                   f"{gpu_bytes / 1e9:.0f} GB: expect out-of-memory; set {' or '.join(fixes)}")
+
+
+# What one CPU rank holds before any model: the interpreter, torch, gloo and the data reader
+# (tiny_cpu's ranks peak at 0.5 GB with a 1M-parameter model). bench/memory.py sets the
+# arithmetic below beside measured peaks (BENCHMARKS.md): at or up to 10% above them.
+PROCESS_BASE_BYTES = 0.6e9
+
+
+def process_memory(cfg: Any, micro_batch_size: Optional[int] = None, seq_len: Optional[int] = None) -> float:
+    """Bytes one process of `cfg`'s dp x tp x pp layout holds at its peak on this machine's CPUs
+    (a TrainerConfig or the host's tree): PROCESS_BASE_BYTES, its share of the weights, gradients
+    and AdamW state (16 bytes a parameter, split by tp and pp, sharded over dp under FSDP), the
+    weights gathered for the forward, the activations of its blocks and the logits, in the run's
+    dtype (float32 on CPUs unless set). Arithmetic, not a measurement."""
+    model, parallel, train = cfg.model, cfg.parallel, cfg.train
+    micro = train.micro_batch_size if micro_batch_size is None else micro_batch_size
+    tokens = micro * (cfg.data.seq_len if seq_len is None else seq_len)
+    width = 2 if train.dtype == "bfloat16" else 4
+    split = parallel.tp * parallel.pp
+    params = model.num_params() / split
+    fsdp = parallel.dp_mode == "fsdp" and parallel.dp > 1
+    state = 16 * params / (parallel.dp if fsdp else 1)
+    gathered = width * params if fsdp else 0.0
+    per_token_block = (12 * model.hidden_size + 4 * model.intermediate_size) * width / parallel.tp
+    if train.activation_checkpointing == "full":
+        activations = tokens * (model.num_layers * model.hidden_size * width + per_token_block)
+    else:
+        activations = tokens * per_token_block * model.num_layers * (
+            0.5 if train.activation_checkpointing == "selective" else 1.0)
+    logits = 10 * tokens * model.padded_vocab_size / (parallel.tp if parallel.loss_parallel else 1)
+    return PROCESS_BASE_BYTES + state + gathered + activations + logits
+
+
+def fitting_batch(cfg: Any, budget: float) -> Optional[tuple[int, int, int]]:
+    """(micro batch, gradient accumulation, seq_len) under which one process of `cfg` stays within
+    `budget` bytes (`process_memory`), keeping the layout: the largest micro batch that divides the
+    sequences a rank trains each step (the global batch unchanged), else micro batch 1 at the
+    longest power-of-two fraction of seq_len; None when not even that fits."""
+    train, seq = cfg.train, cfg.data.seq_len
+    per_rank = train.micro_batch_size * train.grad_accum_steps
+    for micro in range(train.micro_batch_size, 0, -1):
+        if per_rank % micro == 0 and process_memory(cfg, micro) <= budget:
+            return micro, per_rank // micro, seq
+    while seq > 16:
+        seq //= 2
+        if process_memory(cfg, 1, seq) <= budget:
+            return 1, per_rank, seq
+    return None
+
+
+def smaller_batch_hint(cfg: Any) -> str:
+    """What to change after a rank ran out of memory in a job: the micro batch halved (the largest
+    that divides the sequences a rank trains each step, the global batch unchanged), or, at micro
+    batch 1, activation checkpointing or a shorter sequence."""
+    train = cfg.train
+    per_rank = train.micro_batch_size * train.grad_accum_steps
+    micro = max((d for d in range(1, train.micro_batch_size // 2 + 1) if per_rank % d == 0), default=0)
+    if not micro:
+        return "at micro batch 1: set train.activation_checkpointing: full, or a shorter data.seq_len"
+    return (f"submit again with --micro-batch-size {micro} --grad-accum-steps {per_rank // micro} --force (the same "
+            "global batch in smaller micro batches)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import gc
 import signal
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Protocol
@@ -121,22 +122,32 @@ class TrainState:
 
 class StopSignal:
     """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (preemption,
-    scancel), or the batch script's stop file (torchrun does not pass SIGUSR1
-    on to its workers): finish the step, save, exit EX_TEMPFAIL. The handler
-    only sets a flag; ranks agree on it on sync steps (`StopVote`) so that all
-    stop on the same step, whichever of them saw it. Only `watch_file` ranks
-    (rank 0) look for the file: one stat a sync step, not one per rank."""
+    scancel), SIGINT (Ctrl-C, forwarded by `slipway local`), or the batch
+    script's stop file (torchrun does not pass SIGUSR1 on to its workers):
+    finish the step, save, exit EX_TEMPFAIL. The handler only sets a flag;
+    ranks agree on it on sync steps (`StopVote`) so that all stop on the same
+    step, whichever of them saw it. Only `watch_file` ranks (rank 0) look for
+    the file: one stat a sync step, not one per rank. A second SIGINT, a
+    moment after the first (AGAIN_SECONDS: torchrun, run at a terminal, passes
+    the terminal's own on at once), stops at once: KeyboardInterrupt."""
 
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+    AGAIN_SECONDS = 1.0
 
     def __init__(self, stop_file: Path, watch_file: bool = True):
         self.received: Optional[str] = None
         self.stop_file = stop_file
         self.watch_file = watch_file
+        self._interrupted: Optional[float] = None
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum: int, frame) -> None:
-        self.received = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._interrupted is not None and now - self._interrupted > self.AGAIN_SECONDS:
+                raise KeyboardInterrupt
+            self._interrupted = self._interrupted or now
+        self.received = self.received or signal.Signals(signum).name
 
     def requested(self) -> bool:
         """Whether this rank saw a signal or the stop file (`StopVote` tells it about the others)."""

@@ -323,6 +323,9 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     """Mesh, model, data, optimizer, the checkpoint resumed, and the loop's helpers: every
     config error before the data work, every helper's close on `closing`."""
     setup_logging(cfg.logging.level, env.rank)
+    # From here a stop request waits for the first step, which saves it (the first step syncs).
+    stop = StopSignal(run_dir / STOP_FILE, watch_file=env.rank == 0)
+    closing.callback(stop.restore)
     dims = ParallelDims.from_config(cfg.parallel, env.world_size)
     dims.build_mesh(env.device.type, timeout)
     dtype = resolve_dtype(cfg.train.dtype, env.device)
@@ -368,8 +371,6 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     # Steps after state.step that an earlier attempt logged are superseded from here on.
     metrics.log_restart(state.step, dict(dp=dims.dp, tp=dims.tp, pp=dims.pp))
     profiler = closing.enter_context(contextlib.closing(StepProfiler(cfg.logging, run_dir, env.rank)))
-    stop = StopSignal(run_dir / STOP_FILE, watch_file=env.rank == 0)
-    closing.callback(stop.restore)
     vote = StopVote(timeout)
     update = SkippableStep(optimizer, cfg.train.max_nonfinite_steps, state.nonfinite_streak, env.device)
     collector = closing.enter_context(contextlib.closing(GarbageCollection(cfg.train.gc_interval)))

@@ -12,6 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from kernel.environ import as_typed, invocation
 from kernel.errors import ConfigError
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
 from trainer.extras import require as require_extra
@@ -82,33 +83,11 @@ def _console(stderr: bool = False):
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from jobs import runs
-    from kernel.secrets import mask
 
     cfg = load(args)
     console = _console()
     if args.dry_run:
-        sealed = runs.seal(cfg, project_dir(), dry_run=True)
-        for name in ("job.sbatch", "env.toml"):
-            if name in sealed.files:
-                print(f"==> {sealed.paths.run_dir / name} <==", flush=True)
-                sys.stdout.write(mask(sealed.files[name]))  # launch.pre_launch is the user's own text
-                sys.stdout.flush()
-        try:
-            runs.check_submittable(sealed.cfg)
-            why = runs.unprepared_data(sealed, cfg.config_args)
-            if why and not args.prepare:
-                sealed.notes.insert(0, f"a real submission would be refused: data: {why}")
-            elif why:
-                sealed.notes.insert(0, "the token cache is not prepared: a CPU job would prepare it first, and the "
-                                       "training job wait for it (--prepare)")
-        except ConfigError as exc:
-            sealed.notes.insert(0, f"a real submission would fail: {exc}")
-        _notes(console, sealed.notes)
-        console.print(f"[bold]dry run:[/] nothing written, nothing submitted ({cfg.run.name}, "
-                      f"{cfg.slurm.nodes} node(s) x {cfg.launch.procs_per_node} process(es), "
-                      f"runtime {cfg.container.runtime}, launcher {cfg.launch.launcher}"
-                      f"{', image ' + sealed.pin.image if sealed.pin.image else ''})", soft_wrap=True)
-        return 0
+        return _dry_run(cfg, args, console)
     run, job_id, sealed, prep_id = runs.submit(cfg, project_dir(), force=args.force, prepare=args.prepare,
                                                before_writing=_check_controller)
     if args.parsable:
@@ -137,6 +116,65 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dry_run(cfg, args: argparse.Namespace, console) -> int:
+    """`submit --dry-run`: the verdict first (what would be submitted, where, with which image and
+    code, and what would refuse it), then the notes and the rendered files; nothing written."""
+    from rich.markup import escape
+
+    from jobs import runs
+    from jobs.cli.doctor import controller_problem
+    from kernel.secrets import mask
+
+    sealed = runs.seal(cfg, project_dir(), dry_run=True)
+    scfg, paths, pin, code = sealed.cfg, sealed.paths, sealed.pin, sealed.snapshot
+    refusals = [n.removeprefix("a real submission would fail: ") for n in sealed.notes
+                if n.startswith("a real submission would fail: ")]
+    notes = [n for n in sealed.notes if not n.startswith("a real submission would fail: ")]
+    try:
+        runs.check_submittable(scfg)
+        done = runs.nothing_to_train(scfg, paths.run_dir, "submit")
+        why = runs.unprepared_data(sealed, cfg.config_args)
+        exists = (paths.run_dir / "manifest.json").is_file()
+        differs = exists and runs.config_difference(paths.config, sealed.files["config.yaml"])
+        refusals += [f"train.steps: {done}"] if done else []
+        refusals += [f"data: {why}"] if why and not args.prepare else []
+        notes += ["the token cache is not prepared: a CPU job would prepare it first, and the training job wait "
+                  "for it (--prepare)"] if why and args.prepare else []
+        refusals += [f"run.name: run {scfg.run.name} exists with {differs}: pass --force to replace its config"
+                     ] if differs and not args.force else []
+        refusals += [problem] if (problem := controller_problem()) else []
+    except ConfigError as exc:
+        refusals.append(str(exc))
+    s, state = scfg.slurm, ("resumes" if (paths.run_dir / "manifest.json").is_file() else "new run")
+    where = (f"{s.nodes} node(s) x {scfg.launch.procs_per_node} process(es)"
+             f"{f' x {s.gpus_per_node} GPU(s)' if s.gpus_per_node else ''}, time {s.time}"
+             + "".join(f", {k} {v}" for k, v in (("partition", s.partition), ("account", s.account)) if v)
+             + f"; runtime {scfg.container.runtime}, launcher {scfg.launch.launcher}")
+    built = f"build {pin.build_hash[:12]}" if pin.build_hash else "not built yet" if pin.source == "none" else pin.source
+    image = f"{pin.image} ({built})" if pin.image else "none: this environment's Python on the nodes"
+    source = (f"git {code.commit[:12]}{' with uncommitted changes' if code.dirty else ''}" if code and code.commit
+              else "not a git checkout")
+    code_line = (f"a snapshot of this checkout ({source}; {code.files} files, {code.hash12})" if code
+                 else "the image's own (code.snapshot: false)")
+    verdict = "[green]would be submitted[/]" if not refusals else f"[red]would be refused[/] ({len(refusals)})"
+    for label, text in (("dry run", f"{escape(scfg.run.name)} ({state}) in {escape(str(paths.run_dir))}: nothing "
+                                    "written, nothing submitted"),
+                        ("where", escape(where)), ("image", escape(image)), ("code", escape(code_line)),
+                        ("verdict", verdict)):
+        console.print(f"[bold]{label}:[/] {text}", soft_wrap=True, highlight=False)
+    for refusal in refusals:
+        console.print(f"  - {escape(mask(as_typed(refusal)))}", soft_wrap=True, highlight=False)
+    _notes(console, notes)
+    for name in ("job.sbatch", "env.toml"):
+        if name in sealed.files:
+            print(f"==> {paths.run_dir / name} <==", flush=True)
+            sys.stdout.write(mask(sealed.files[name]))  # launch.pre_launch is the user's own text
+            sys.stdout.flush()
+    console.print(f"[bold]dry run:[/] nothing written, nothing submitted; {verdict}"
+                  f"{' (the reasons are at the top)' if refusals else ''}", soft_wrap=True)
+    return 0
+
+
 def _check_controller() -> None:
     """Once the input is checked and before anything is written: a submission no controller
     would take fails with doctor's one-line diagnosis, not sbatch's resolver errors."""
@@ -154,7 +192,7 @@ def _notes(console, notes: list[str]) -> None:
     from kernel.secrets import mask
 
     for note in notes:  # a note quotes paths and overrides (`container.mounts=[...]`): never markup
-        console.print(f"[yellow]note:[/] {escape(mask(note))}", soft_wrap=True, markup=True, highlight=False)
+        console.print(f"[yellow]note:[/] {escape(mask(as_typed(note)))}", soft_wrap=True, markup=True, highlight=False)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -169,7 +207,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             console = _console(stderr=True)
         _notes(console, sealed.notes)
         console.print(f"submitted the data preparation of [bold]{cfg.run.name}[/] as job [bold]{job_id}[/] "
-                      f"(log {run.log_path(job_id)}); `slipway submit {cfg.config_args}` once it has completed, "
+                      f"(log {run.log_path(job_id)}); `{invocation()} submit {cfg.config_args}` once it has completed, "
                       "or now with --prepare to queue it behind", soft_wrap=True)
         if args.show_logs:
             from jobs.cli.status import follow_logs
@@ -197,7 +235,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         raise ConfigError("data.cache_dir", str(exc)) from None
     for entry in result.entries:
         console.print(entry.describe(), soft_wrap=True, highlight=False)
-    console.print(f"[green]prepared[/]: `slipway submit {cfg.config_args}` will only open this cache", soft_wrap=True)
+    console.print(f"[green]prepared[/]: `{invocation()} submit {cfg.config_args}` will only open this cache",
+                  soft_wrap=True)
     return 0
 
 
@@ -474,7 +513,7 @@ def _slurm_error(exc: BaseException) -> int | None:
     if isinstance(exc, SlurmError):
         from kernel.secrets import mask
 
-        print(f"slipway: error: {mask(str(exc))}", file=sys.stderr)
+        print(f"slipway: error: {mask(as_typed(str(exc)))}", file=sys.stderr)
         return 1
     return None
 

@@ -22,7 +22,8 @@ from jobs import runs, slurm
 from containers.record import BuildRecord
 from jobs.config import Config
 from jobs.runs.container import ImagePin
-from kernel.errors import ConfigError
+from kernel.environ import as_typed
+from kernel.errors import ConfigError, bounded
 from trainer.layouts import layout_advice
 
 Result = tuple[str, bool, str]  # (name, ok, detail or the fix)
@@ -57,14 +58,21 @@ def _tools() -> list[Result]:
 
 
 def controller_diagnosis(said: str) -> str:
-    """One line: what `scontrol ping` said when no controller answered, and the fix."""
-    from jobs.cluster import spec_of_running
+    """One line: the fix first, then what `scontrol ping` said when no controller answered (cut
+    short: with a local test cluster gone it is a page of munge errors)."""
+    from jobs.cluster import is_local_conf, spec_of_running
 
-    if not os.environ.get("SLURM_CONF") and spec_of_running() is not None:
-        return (f"{said}: SLURM_CONF is not set, so Slurm's commands do not find the local test cluster that "
-                'is up: run `eval "$(slipway cluster env)"` in this shell first')
-    return (f"{said}: no Slurm controller answers, so sbatch would fail; check SLURM_CONF and that slurmctld "
-            "runs (`slipway cluster status` for a local test cluster)")
+    conf, running = os.environ.get("SLURM_CONF"), spec_of_running()
+    scontrol = f"(scontrol ping: {bounded(said, 160)})"
+    if not conf and running is not None:
+        return ("SLURM_CONF is not set, so Slurm's commands do not find the local test cluster that is up: run "
+                f'`eval "$(slipway cluster env)"` in this shell first {scontrol}')
+    if conf and is_local_conf(conf) and (running is None or str(running.conf) != conf):
+        return (f"SLURM_CONF={shlex.quote(conf)} names a local test cluster that is not up (`slipway cluster down` "
+                "stopped it): `unset SLURM_CONF` for this machine's own Slurm, or `slipway cluster up` and "
+                f'`eval "$(slipway cluster env)"` again {scontrol}')
+    return ("no Slurm controller answers, so sbatch would fail; check SLURM_CONF and that slurmctld runs "
+            f"(`slipway cluster status` for a local test cluster) {scontrol}")
 
 
 def controller_problem() -> str | None:
@@ -172,7 +180,7 @@ def run_doctor(cfg: Config | None, project_dir: Path, console) -> int:
 def _print(results: list[Result], console) -> int:
     for name, ok, detail in results:
         mark = "[green]ok  [/]" if ok else "[red]fail[/]"
-        console.print(f"{mark} {escape(name)}: {escape(detail)}", soft_wrap=True, highlight=False)
+        console.print(f"{mark} {escape(name)}: {escape(as_typed(detail))}", soft_wrap=True, highlight=False)
     failed = sum(1 for _, ok, _ in results if not ok)
     console.print(f"{len(results) - failed} ok, {failed} failed")
     return 1 if failed else 0

@@ -115,6 +115,7 @@ def attempt_notes(run: runs.Run, events) -> list[str]:
 
 
 def show_status(project_dir, run_name: str | None, console) -> int:
+    from rich import box
     from rich.table import Table
 
     if run_name:
@@ -123,9 +124,11 @@ def show_status(project_dir, run_name: str | None, console) -> int:
         events = run.events()
         owns = [run.events_of(x, events) for x in launches]
         answers = lifecycle.ask_slurm(zip(launches, owns))
-        table = Table(title=f"run {run.name}  {_progress(run, launches)}", title_justify="left")
+        # No rules between columns: the last event, the one to wrap, keeps the room an 80-column terminal has.
+        table = Table(title=f"run {run.name}  {_progress(run, launches)}", title_justify="left", box=box.SIMPLE_HEAD,
+                      show_edge=False, collapse_padding=True)
         for col in ("job", "state", "exit", "elapsed", "last event / reason"):
-            table.add_column(col)
+            table.add_column(col, no_wrap=col != "last event / reason", ratio=1 if col == "last event / reason" else None)
         for launch, own in zip(launches, owns):
             table.add_row(*_job_row(launch, own, answers.get(launch.id)))
         console.print(table)
@@ -145,17 +148,39 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     return _show_runs(project_dir, console)
 
 
-LISTING = ("run", "jobs", "latest job", "state", "exit", "progress", "last event / reason")
+LISTING = ("run", "jobs", "latest", "state", "exit", "progress", "last event")  # short: seven columns in 80
 _CONTROL = {c: "?" for c in [*range(32), 127]}  # a cell is one line on the terminal, whatever a file held
 
 
-def _listing(title: str, rows: list[tuple[str, ...]]) -> str:
-    """Rows under LISTING's heads, columns as wide as their widest cell and the last one free: plain
-    text, as rich's tables take half a millisecond a row and a project may hold ten thousand runs."""
+def _listing(title: str, rows: list[tuple[str, ...]], width: Optional[int] = None) -> str:
+    """Rows under LISTING's heads, columns as wide as their widest cell and the last one what is
+    left of `width` (cut short; on a line of its own below its row when too little is left; whole
+    without a width: into a pipe). Plain text, as rich's tables take half a millisecond a row and a
+    project may hold ten thousand runs."""
     rows = [LISTING, *[tuple(c.translate(_CONTROL) for c in row) for row in rows]]
     widths = [max(len(row[i]) for row in rows) for i in range(len(LISTING) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows]
-    return "\n".join([title, *(line.rstrip() for line in lines)]) + "\n"
+    lines = []
+    for row in rows:
+        head = "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  "
+        last = row[-1]
+        room = None if width is None else width - len(head)
+        if room is None or len(last) <= room:
+            lines.append(head + last)
+        elif room >= 16:
+            lines.append(head + last[:room - 3] + "...")
+        else:  # the last event below its row, indented, as much of it as fits
+            lines += [head.rstrip(), "    " + (last if len(last) <= width - 4 else last[:width - 7] + "...")]
+    return "\n".join([title[:width] if width else title, *(line.rstrip() for line in lines)]) + "\n"
+
+
+def _width() -> Optional[int]:
+    """The terminal's width ($COLUMNS first); None into a pipe or a file, where nothing is cut."""
+    import os
+    import shutil
+
+    if os.environ.get("COLUMNS", "").isdigit():
+        return max(40, int(os.environ["COLUMNS"]))
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
 
 
 def _show_runs(project_dir, console) -> int:
@@ -184,7 +209,7 @@ def _show_runs(project_dir, console) -> int:
             rows.append((run.name, str(len(launches)), job, state, code, _progress(run, launches), event))
         else:
             rows.append((run.name, "0", "", "not submitted", "", "", ""))
-    console.file.write(_listing(f"runs in {runs.runs_root(project_dir)}", rows))
+    console.file.write(_listing(f"runs in {runs.runs_root(project_dir)}", rows, _width()))
     for exc in damaged:
         print(f"slipway: error: {exc}", file=sys.stderr)
     return 2 if damaged else 0

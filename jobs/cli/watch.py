@@ -283,6 +283,23 @@ def render(snap: Snapshot):
     return Group(*parts)
 
 
+def _watch_plain(watcher: "Watcher", snap: Snapshot, interval: float, console) -> int:
+    """`watch` into a pipe or a file, which a live view never reaches: a frame at once, then one
+    each time the step, the events or the job's state change, until the job ends."""
+    def key(s: Snapshot) -> tuple:
+        return s.metrics.get("step"), s.progress_step, len(s.events), s.job.state, s.ended
+
+    console.print(render(snap))
+    shown = key(snap)
+    while not snap.ended:
+        time.sleep(interval)
+        snap = watcher.snapshot()
+        if key(snap) != shown:
+            console.print(render(snap))
+            shown = key(snap)
+    return snap.exit_code if snap.exit_code is not None else 1
+
+
 def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0, once: bool = False,
           console=None) -> int:
     """Show the job live until it ends; its exit code (with `once`: one frame, exit 0)."""
@@ -296,13 +313,13 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
         console.print(render(snap))
         return 0
     try:
+        if not console.is_terminal:  # piped: a frame now and at each new step, event or state, not one at the end
+            return _watch_plain(watcher, snap, interval, console)
         with Live(render(snap), console=console, refresh_per_second=4, auto_refresh=False) as live:
             while not snap.ended:
                 time.sleep(interval)
                 snap = watcher.snapshot()
                 live.update(render(snap), refresh=True)
-        if not console.is_terminal:  # Live leaves its last frame without a newline outside a terminal
-            console.line()
     except KeyboardInterrupt:
         goes_on = ("the run goes on (Ctrl-C in its own terminal stops it)" if watcher.job_id == LOCAL else
                    f"job {watcher.job_id} goes on (`slipway cancel {run.name}` ends it)")

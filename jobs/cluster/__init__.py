@@ -47,11 +47,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from jobs.cluster.host import (HOSTS, NETNS_DIR, ClusterError, alive, check_subnet_free, leftovers, locked,
-                               network_up, no_core_dumps, our_links, our_netns, proc_stat, read_registry,
-                               registry_path, set_hosts_block, split_hosts, teardown, write_atomic)
+from kernel.environ import as_typed, invocation
+from jobs.cluster.host import (CONF_HEADER, HOSTS, NETNS_DIR, ClusterError, alive, check_subnet_free, is_local_conf,
+                               leftovers, locked, network_up, no_core_dumps, our_links, our_netns, proc_stat,
+                               read_registry, registry_path, set_hosts_block, split_hosts, teardown, write_atomic)
 
-__all__ = ["ClusterError", "ClusterSpec", "LocalSlurmCluster", "alive", "default_state_dir",
+__all__ = ["ClusterError", "ClusterSpec", "LocalSlurmCluster", "alive", "default_state_dir", "is_local_conf",
            "leftovers", "read_registry", "render_slurm_conf", "spec_of_running", "teardown",
            "unavailable_reason"]
 
@@ -179,7 +180,7 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         f"RealMemory={spec.memory_mb} State=UNKNOWN"
         for k, n in enumerate(spec.node_names, 1))
     return f"""\
-# Written by `slipway cluster up` for a local test cluster; rewritten on every `up`.
+{CONF_HEADER}
 ClusterName=slipway
 SlurmctldHost={spec.ctl_host}({spec.ctl_addr})
 SlurmctldPort={spec.ctld_port}
@@ -557,8 +558,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             LocalSlurmCluster(spec).up(timeout=args.timeout)
             print(f"# {spec.nodes} nodes ({', '.join(spec.node_names)}) idle in partition "
-                  f"{spec.partition} after {time.monotonic() - t0:.1f} s; logs in {spec.log_dir}",
-                  file=sys.stderr)
+                  f"{spec.partition} after {time.monotonic() - t0:.1f} s; logs in {spec.log_dir}; point Slurm's "
+                  f"commands at it in this shell: eval \"$({invocation()} cluster env)\"", file=sys.stderr)
             print(f"export SLURM_CONF={shlex.quote(str(spec.conf))}")
         elif args.cmd == "down":
             spec = spec_of_running(args.name)
@@ -574,7 +575,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"stopped cluster {args.name!r}: {', '.join(running) or 'no live daemons'}; removed "
                       f"{len(namespaces)} node namespace(s), its links and its {HOSTS} entries"
-                      + (f"; logs stay in {spec.log_dir}" if spec else ""))
+                      + (f"; logs stay in {spec.log_dir}" if spec else "")
+                      + ("; `unset SLURM_CONF` in this shell" if spec and os.environ.get("SLURM_CONF") == str(spec.conf)
+                         else ""))
         elif args.cmd == "status":
             spec = spec_of_running(args.name)
             status = LocalSlurmCluster(spec).status() if spec else {"name": args.name, "up": False}
@@ -586,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ClusterError(f"no cluster {args.name!r} is up: run `slipway cluster up`")
             print(f"export SLURM_CONF={shlex.quote(str(spec.conf))}")
     except ClusterError as e:
-        print(f"slipway cluster {args.cmd}: {e}", file=sys.stderr)
+        print(f"slipway cluster {args.cmd}: {as_typed(str(e))}", file=sys.stderr)
         return 1
     return 0
 

@@ -248,3 +248,15 @@ def leftovers(name: str, state_dir: Path | None = None,
     if registry_path(name).exists():
         left.append(f"registry {registry_path(name)}")
     return left
+
+
+CONF_HEADER = "# Written by `slipway cluster up` for a local test cluster; rewritten on every `up`."
+
+
+def is_local_conf(path: str | os.PathLike) -> bool:
+    """Whether `path` is a slurm.conf `slipway cluster up` wrote (it stays after `down`)."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.readline().rstrip("\n") == CONF_HEADER
+    except OSError:
+        return False

@@ -25,7 +25,7 @@ from plumbum import local
 
 from edf import Environment, expand_host, render_edf, srun_flags
 from jobs import slurm
-from jobs.config import Config, dump_config, load_config
+from jobs.config import Config, config_changes, dump_config, load_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
@@ -36,9 +36,10 @@ from jobs.runs.lifecycle import LaunchState
 from jobs.runs.manifest import MANIFEST, Launch, Manifest, ManifestError
 from jobs.slurm.script import (LIB_DIR, PREPARE_SCRIPT, RunPaths, check_env_from_host, library_files, render_prepare_sbatch,
                                render_sbatch)
+from kernel import environ
 from kernel.errors import ConfigError
 from kernel.fs import write_atomic
-from kernel.rundir import METRICS_FILE, CodeSnapshot, Event, append_event, read_events, tail_events
+from kernel.rundir import METRICS_FILE, CodeSnapshot, Event, append_event, complete_checkpoints, read_events, tail_events
 
 
 def now() -> str:
@@ -353,7 +354,7 @@ def _group_readable(path: Path) -> None:
     os.chmod(path, 0o777 & ~no_world_write())
 
 
-def _config_difference(path: Path, new: str) -> Optional[str]:
+def config_difference(path: Path, new: str) -> Optional[str]:
     """How the run's config.yaml differs from `new` (the resolved config a launch would write),
     None if it does not. The old file is read through today's schema and dumped again: a key a
     later slipway added, at its default, is no difference."""
@@ -367,7 +368,7 @@ def _config_difference(path: Path, new: str) -> Optional[str]:
         resolved = dump_config(load_config(path))
     except ConfigError as exc:
         return f"a config this slipway no longer reads ({exc})"
-    return None if resolved == new else "a different config"
+    return None if resolved == new else f"a different config ({config_changes(resolved, new)})"
 
 
 def _mode(name: str) -> int:
@@ -394,9 +395,9 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
             jobs = ", ".join(f"{j} ({state})" for j, state in active)
             raise ConfigError("run.name", f"run {cfg.run.name} has a job queued or running ({jobs}), which reads "
                                           f"its files: wait for it to end or `slipway cancel {cfg.run.name}` first")
-        differs = _config_difference(paths.config, files["config.yaml"])
+        differs = config_difference(paths.config, files["config.yaml"])
         if differs and not force:
-            raise ConfigError("run.name", f"run {cfg.run.name} exists with {differs} ({paths.config}): pick "
+            raise ConfigError("run.name", f"run {cfg.run.name} exists with {differs} in {paths.config}: pick "
                                           "another --run-name, or pass --force to replace its config (the old "
                                           "one is kept in history/)")
         if sealed.code is not None:
@@ -524,6 +525,19 @@ def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:
             f"data.tokenize_in_job: true lets rank 0 tokenize in the job while every GPU waits; {missing}")
 
 
+def nothing_to_train(cfg: Config, run_dir: Path, command: str) -> Optional[str]:
+    """Why a launch of the run would train nothing (None: it has steps left): its latest
+    checkpoint already reached train.steps. `command` (`local`, `submit`) is the command the
+    suggestion to train on repeats; `slipway local` and `submit` say the same before starting."""
+    steps = complete_checkpoints(run_dir / cfg.checkpoint.dir)
+    if not steps or steps[-1] < cfg.train.steps:
+        return None
+    more = cfg.config_args_setting({"train.steps": steps[-1] + cfg.train.steps})
+    return (f"run {cfg.run.name} already reached train.steps={cfg.train.steps} (checkpoint at step {steps[-1]}): "
+            f"nothing to train; to train on, `{environ.invocation()} {command} {more} --force` (a changed config: the "
+            "old one is kept in history/), or pick another --run-name for a new run")
+
+
 def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool = False,
            before_writing: Optional[Callable[[], None]] = None) -> tuple[Run, str, Sealed, Optional[str]]:
     """Seal the submission, write the run directory and `sbatch` it; returns (run, job id,
@@ -533,6 +547,9 @@ def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool
     prepares it and the training job starts after that one completed."""
     check_submittable(cfg)
     sealed = seal(cfg, project_dir)
+    done = nothing_to_train(cfg, sealed.paths.run_dir, "submit")
+    if done:
+        raise ConfigError("train.steps", done)
     why = unprepared_data(sealed, cfg.config_args)
     if why and not prepare:
         raise ConfigError("data", why)

@@ -466,27 +466,35 @@ def run_environment(cfg: Config, paths: RunPaths, pin: ImagePin, code: Optional[
     env = cfg.container
     if not env.in_container:
         return env
-    mounts = [*env.mounts, *visibility_mounts(cfg, paths)]
-    values, from_host = dict(env.env), list(env.env_from_host)
-    if code is not None:
-        mounts.append(Mount(code.dir, code.dir, ("ro",)))
-        # A PYTHONPATH of the config's own, or the submitting environment's (env_from_host), stays
-        # behind the snapshot; the image's is replaced. The snapshot's variables are set here, so a
-        # name of env_from_host among them is passed inside their value, not beside it.
-        own = env.env.get("PYTHONPATH") or ("${PYTHONPATH}" if "PYTHONPATH" in from_host else None)
-        values.update(code.environment(own))
-        from_host = [name for name in from_host if name not in values]
-    out = replace(env, image=pin.image or env.image, mounts=mounts, env=values, env_from_host=from_host)
+    out = _with_code(replace(env, image=pin.image or env.image, mounts=[*env.mounts, *visibility_mounts(cfg, paths)]),
+                     code)
     out.check("container")
     return out
 
 
-def shell_environment(cfg: Config, paths: RunPaths, pin: ImagePin) -> tuple[Environment, list[str]]:
-    """The container environment of `slipway shell`: the run's, less the paths the job would
-    create that do not exist yet (a shell writes nothing: the run directory only ever comes from
-    a submission, which creates it whole, and the caches from a submission or `prepare`), and
-    with every mount source checked on this node, so that a missing one is one line before srun
-    starts rather than a failure after the image is unpacked. Returns it and notes for the user."""
+def _with_code(env: Environment, code: Optional[CodeSnapshot]) -> Environment:
+    """`env` with the code snapshot mounted read-only at its own path, in front of the image's
+    baked trainer. A PYTHONPATH of the config's own, or the submitting environment's
+    (env_from_host), stays behind the snapshot; the image's is replaced. The snapshot's variables
+    are set here, so a name of env_from_host among them is passed inside their value, not beside it."""
+    if code is None:
+        return env
+    values, from_host = dict(env.env), list(env.env_from_host)
+    own = env.env.get("PYTHONPATH") or ("${PYTHONPATH}" if "PYTHONPATH" in from_host else None)
+    values.update(code.environment(own))
+    return replace(env, mounts=[*env.mounts, Mount(code.dir, code.dir, ("ro",))], env=values,
+                   env_from_host=[name for name in from_host if name not in values])
+
+
+def shell_environment(cfg: Config, paths: RunPaths, pin: ImagePin,
+                      code: Optional[CodeSnapshot] = None) -> tuple[Environment, list[str]]:
+    """The container environment of `slipway shell`: the run's, with the checkout's code as the
+    code snapshot `code` (what a submission now would run, not the image's baked trainer), less
+    the paths the job would create that do not exist yet (a shell writes nothing into a run: the
+    run directory only ever comes from a submission, which creates it whole, and the caches from
+    a submission or `prepare`), and with every mount source checked on this node, so that a
+    missing one is one line before srun starts rather than a failure after the image is
+    unpacked. Returns it and notes for the user."""
     env = cfg.container
     if not env.in_container:
         return env, []
@@ -515,6 +523,6 @@ def shell_environment(cfg: Config, paths: RunPaths, pin: ImagePin) -> tuple[Envi
                                          "on this node: create it, or fix that EDF's mounts")
     notes = [f"not mounted in the shell: {need.what} {need.path} does not exist yet (a submission creates "
              "it; the shell creates nothing)" for need in left_out]
-    out = replace(env, image=pin.image or env.image, mounts=[*env.mounts, *kept])
+    out = _with_code(replace(env, image=pin.image or env.image, mounts=[*env.mounts, *kept]), code)
     out.check("container")
     return out, notes

@@ -142,6 +142,14 @@ step_exit() {
   echo "$rc"
 }
 
+# after_oom STEP_EXIT: a failed step during which the out-of-memory killer ran on the nodes in
+# OOM_NODES (the task wrapper saw /proc/vmstat's oom_kill move) failed for want of memory: said
+# in events.log with OOM_HINT, what to change. No retry: the same batch fails the same way.
+after_oom() {
+  [ "$1" != 0 ] && [ -n "${OOM_NODES:-}" ] || return 0
+  event "out of memory: the out-of-memory killer ended a process of the training step on $OOM_NODES (step exit $1): $OOM_HINT"
+}
+
 # after_hang: the ranks' watchdogs wrote their stacks to hangs/ (trainer/watchdog.py): a hang.
 # The nodes some of whose ranks wrote none in time (frozen, dead; a frozen rank may dump `late`
 # once Slurm's teardown resumes it) are the ones to blame.

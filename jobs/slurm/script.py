@@ -21,6 +21,7 @@ from jobs.config import NODE_PRESETS, Config
 from kernel.errors import ConfigError
 from kernel.rundir import (BAD_INPUT_EXIT, HANG_EXIT, HANGS_DIR, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
                            REQUEUE_EXIT, STOP_FILE, CodeSnapshot)
+from trainer.layouts import smaller_batch_hint
 from trainer.preflight import checkpoint_bytes
 
 HEARTBEAT_SECONDS = 60
@@ -357,8 +358,11 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[st
 
 
 # Each task of the training step reports its own exit (step_exit in jobs/slurm/job_lib.sh): a task
-# that Slurm kills reports nothing, its wrapper dying with it.
-_REPORT_EXIT = '"$@"; rc=$?; echo "$rc" > "$SLIPWAY_EXITS/$SLURM_PROCID" 2>/dev/null; exit "$rc"'
+# that Slurm kills reports nothing, its wrapper dying with it. A failed task during which its
+# node's out-of-memory killer ran (/proc/vmstat's oom_kill moved) names the node too (after_oom).
+_REPORT_EXIT = ('o=$(grep -s "^oom_kill " /proc/vmstat); "$@"; rc=$?; echo "$rc" > "$SLIPWAY_EXITS/$SLURM_PROCID" '
+                '2>/dev/null; [ "$rc" = 0 ] || [ "$(grep -s "^oom_kill " /proc/vmstat)" = "$o" ] || echo '
+                '"${SLURMD_NODENAME:-$(hostname)}" > "$SLIPWAY_EXITS/oom-$SLURM_PROCID" 2>/dev/null; exit "$rc"')
 
 
 def _node_helper(cfg: Config) -> list[str]:
@@ -461,6 +465,7 @@ def _settings(cfg: Config, paths: RunPaths, env: Environment, container_named: b
         f"BAD_INPUT_EXIT={BAD_INPUT_EXIT}",
         f"CHECKPOINT_DIR={checkpoints}",
         f'HANGS="$RUN_DIR/{HANGS_DIR}" STOP_FILE="$RUN_DIR/{STOP_FILE}" STEP_STOP_WAIT={STEP_STOP_WAIT}',
+        f"OOM_HINT={q(smaller_batch_hint(cfg))}",
     ]
     empty = "''"
     if env.runtime == "pyxis":
@@ -569,8 +574,10 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, pins: Pins = P
         'SRUN_PID=$!',
         'set +e; wait_step "$SRUN_PID"; set -e',
         'rc=$(step_exit "$STEP_RC" "$SLIPWAY_EXITS")',
+        'OOM_NODES=$(cat "$SLIPWAY_EXITS"/oom-* 2>/dev/null | sort -u | paste -sd " " - || true)',
         f'PREFLIGHT_FAILURE=$(cat "$SLIPWAY_EXITS/{PREFLIGHT_FAILED_FILE}" 2>/dev/null || true); rm -rf "$SLIPWAY_EXITS"',
         'after_preflight "$PREFLIGHT_FAILURE"',
+        'after_oom "$rc"',
         "after_hang",
         'after_stop_request "$rc"',
         'after_node_failure "$rc"',

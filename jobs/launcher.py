@@ -1,0 +1,293 @@
+"""The launcher's side of a launch on this machine (`slipway local`, `slipway run`): stopping
+its processes when asked, and what of their output reaches the terminal.
+
+A stop (Ctrl-C, SIGTERM, a closed terminal) is asked of the ranks, never of torchrun: the
+ranks save at the step they agree on and exit (trainer/loop.py StopSignal), while torchrun,
+asked itself, would send them its own signal and kill them after its shutdown timeout. The
+stop file (kernel.rundir.STOP_FILE, what the batch script uses on Slurm's warning) says it
+too, to ranks not started yet. A second signal, or STOP_GRACE_SECONDS, kills every process
+of the launch.
+
+Every line goes to the launch's log; the terminal gets the training's own output. What
+torch and torchrun print about processes ending (Python tracebacks, torchrun's failure
+report and its agent's log lines, C++ stack frames, srun's step messages once a stop was
+asked) goes to the log alone, and after a stop request nothing more reaches the terminal but
+the launcher's own report. A failure's one-line reason (the trainer's `error:` line, or the
+last traceback's exception) is kept for that report. SLIPWAY_DEBUG=1 shows every line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from kernel.edge import DEBUG_VARIABLE
+from kernel.rundir import STOP_FILE
+
+# Signals that stop a launch: the ranks are asked to save and stop (a closed terminal's SIGHUP
+# as SIGTERM, the signal Slurm stops a job with).
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How long the ranks get after the first signal (they finish the step, agree and save) before
+# every process of the launch is killed.
+STOP_GRACE_SECONDS = 90.0
+
+
+class Stopper:
+    """This process's handler of FORWARDED: the first signal asks the launch to stop (see the
+    module docstring), a second one, or STOP_GRACE_SECONDS later, kills all of it.
+
+    The processes of a launch are those whose environment names its run directory and its tag:
+    torchrun starts each rank in a session of its own, so its process group alone is not all."""
+
+    def __init__(self, run_dir: Path, tag: str, *, agent: bool = False, leader_only: bool = False,
+                 notify: Callable[[int], None] = lambda signum: None) -> None:
+        # agent: the launch's first process is torchrun, whose children are the ranks.
+        # leader_only (`slipway run`): the batch script alone gets the signal; its trap asks the
+        # ranks to save and stop, and srun and the ranks (other nodes' too) are its to stop.
+        self.run_dir, self.agent, self.leader_only, self.notify = run_dir, agent, leader_only, notify
+        self.signum: Optional[int] = None
+        self.pgid: Optional[int] = None
+        self.stop_file = run_dir / STOP_FILE
+        self._marks = {f"SLIPWAY_RUN_DIR={run_dir}".encode(), f"SLIPWAY_JOB_TAG={tag}".encode()}
+        self._killer: Optional[threading.Timer] = None
+
+    def handle(self, signum: int, frame) -> None:
+        first = self.signum is None
+        if first:
+            self.signum = signum
+            with contextlib.suppress(Exception):  # a closed terminal: the stop goes on all the same
+                self.notify(signum)
+        if self.pgid is None:
+            return  # not started yet: `started` forwards it
+        if first:
+            self._forward()
+        else:
+            self.kill()
+
+    def started(self, pid: int) -> None:
+        self.pgid = pid  # a session leader: its pid is its process group's id
+        if self.signum is not None:
+            self._forward()
+
+    def _forward(self) -> None:
+        assert self.signum is not None and self.pgid is not None
+        sig = signal.SIGTERM if self.signum == signal.SIGHUP else self.signum
+        if not self.leader_only:
+            with contextlib.suppress(OSError):
+                self.stop_file.touch()
+        for pid in [self.pgid] if not self.agent else self.ranks():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        self._killer = threading.Timer(STOP_GRACE_SECONDS, self.kill)
+        self._killer.daemon = True
+        self._killer.start()
+
+    def processes(self) -> list[int]:
+        """The pids of this launch's processes still there (this process's own, readable, only)."""
+        found = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    env = set(f.read().split(b"\0"))
+            except OSError:  # gone, or not ours
+                continue
+            if self._marks <= env:
+                found.append(int(entry.name))
+        return found
+
+    def ranks(self) -> list[int]:
+        """torchrun's children: the ranks (not their own children, a data loader's workers)."""
+        ranks = []
+        for pid in self.processes():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == self.pgid:
+                ranks.append(pid)
+        return ranks
+
+    def _signal(self, sig: int) -> None:
+        if self.pgid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, sig)
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def sweep(self) -> None:
+        """Kill what remains of the launch once its first process has exited (a rank torchrun
+        left behind), until none is left."""
+        deadline = time.monotonic() + 10
+        while self.processes() and time.monotonic() < deadline:
+            self.kill()
+            time.sleep(0.05)
+        if self.pgid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGKILL)
+
+    def done(self) -> None:
+        if self._killer is not None:
+            self._killer.cancel()
+        if not self.leader_only:  # the batch script removes its own
+            with contextlib.suppress(OSError):
+                self.stop_file.unlink(missing_ok=True)
+
+
+def wait_for_exit(pid: int) -> None:
+    """Until process `pid` has exited, without reaping it (its pid keeps naming its process
+    group until then, so the sweep can never reach another's). Signals run their handlers meanwhile."""
+    while True:
+        try:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            return
+        except ChildProcessError:
+            return
+
+
+_RANK = re.compile(r"^\[rank(\d+)\]:\s?")  # torch's prefix of a rank's traceback lines
+# torch's own log lines (glog's format): torchrun's agent `W1125 16:25:57.555000 30359 torch/...py:753]`, C++
+# `[W1125 16:30:03.123456789 socket.cpp:464]` (`[rank0]:[W...` once the process group names the rank)
+_TORCH_LOG = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+(?: +\d+)? \S+:\d+\]")
+_CPP_LOG = re.compile(r"^\[[IWEF] \S+\.(?:cpp|h|hpp|cc):\d+\]")  # older C++ warnings: [W socket.cpp:663]
+_CPP_TRACE = re.compile(r"^(frame #\d+: |Exception raised from |terminate called |  what\(\): |\(no backtrace)")
+_BOX = re.compile(r"^={20,}\s*$")  # torchrun's failure report sits between two such lines
+_CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
+_DELIBERATE = ("KeyboardInterrupt", "SystemExit", "torch.distributed.elastic.multiprocessing.api.SignalException",
+               "torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
+
+
+class Noise:
+    """Which lines of a launch's output are torch's and torchrun's own (see the module
+    docstring): `shown(line)` is False for them. Keeps the last traceback's exception line,
+    `exception` ("rank R: Type: message"), a crash's one-line reason."""
+
+    def __init__(self) -> None:
+        self.exception = ""
+        self._traceback: set[Optional[str]] = set()  # the ranks (None: unprefixed) inside a Python traceback
+        self._box = False  # inside torchrun's failure report
+
+    def shown(self, line: str) -> bool:
+        match = _RANK.match(line)
+        rank, text = (match.group(1), line[match.end():]) if match else (None, line)
+        body = text.rstrip("\n")
+        if self._box:
+            self._box = not _BOX.match(body)
+            return False
+        if _BOX.match(body):
+            self._box = True
+            return False
+        if body.startswith("Traceback (most recent call last):"):
+            self._traceback.add(rank)
+            return False
+        if rank in self._traceback:
+            if not body.strip() or body[:1].isspace() or body.startswith(_CHAIN):
+                return False
+            self._traceback.discard(rank)  # the exception line ends it
+            if not body.startswith(_DELIBERATE):
+                self.exception = f"rank {rank}: {body}" if rank is not None else body
+            return False
+        if match and not body.strip():
+            return False
+        return not (_TORCH_LOG.match(body) or _CPP_LOG.match(body) or _CPP_TRACE.match(body))
+
+
+class Output(threading.Thread):
+    """Copies the launch's output to the log, and to this terminal what `Noise` lets through
+    until a stop was asked (`stopper.signum`); keeps what the end report needs: the trainer's
+    one-line error (or a crash's exception line), and the rank torchrun says a signal killed."""
+
+    def __init__(self, stream, log, stopper: Stopper) -> None:
+        super().__init__(name="slipway-local-output", daemon=True)
+        self.stream, self.log, self.stopper = stream, log, stopper
+        self.noise = Noise()
+        self.everything = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+        self.trainer_error = ""
+        self.failed_rank: Optional[str] = None
+        self.rank_signal: Optional[int] = None
+        self._terminal = True
+
+    @property
+    def error(self) -> str:
+        return self.trainer_error or self.noise.exception
+
+    def run(self) -> None:
+        rank, root = None, False
+        for line in iter(self.stream.readline, b""):
+            text = line.decode(errors="replace")
+            shown = self.noise.shown(text)
+            if self._terminal and (self.everything or (shown and self.stopper.signum is None)):
+                try:
+                    sys.stdout.buffer.write(line)
+                    sys.stdout.flush()
+                except (OSError, ValueError):  # the terminal is gone (SIGHUP): the log keeps it all
+                    self._terminal = False
+            self.log.write(text)
+            self.log.flush()
+            if text.startswith("error: "):  # the trainer's one-line reason
+                self.trainer_error = text.removeprefix("error: ").strip()
+            # torchrun's report of failed workers: only its "Root Cause (first observed failure)"
+            # entry counts (the others are the ranks torchrun itself then sent SIGTERM): `rank : 1
+            # (local_rank: 1)`, then `exitcode : -9 (pid: 123)` for one a signal killed
+            if "Root Cause" in text:
+                root, rank = True, None
+            m = re.match(r"\s*rank\s*:\s*(\d+)", text)
+            if m:
+                rank = m.group(1)
+            m = re.match(r"\s*exitcode\s*:\s*-(\d+)", text)
+            if m and root and self.rank_signal is None:
+                self.failed_rank, self.rank_signal = rank, int(m.group(1))
+
+
+def available_memory() -> Optional[int]:
+    """Bytes this machine can give a launch now: /proc/meminfo's MemAvailable, less where this
+    process's memory cgroup (v1 or v2, a Slurm allocation's or a container's, and each above it)
+    leaves less; None where none of that can be read."""
+    found = []
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    with contextlib.suppress(OSError):
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "memory":
+                    root, files = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+                elif controllers == "":
+                    root, files = Path("/sys/fs/cgroup"), ("memory.max", "memory.current")
+                else:
+                    continue
+                group = root / path.lstrip("/")
+                while True:
+                    with contextlib.suppress(OSError, ValueError):
+                        limit, used = ((group / name).read_text().strip() for name in files)
+                        if limit != "max" and int(limit) < 2**60:
+                            found.append(max(0, int(limit) - int(used)))
+                    if group == root or root not in group.parents:
+                        break
+                    group = group.parent
+    return min(found) if found else None
+
+
+def oom_kills() -> Optional[int]:
+    """How many processes the kernel's out-of-memory killer has ended since boot (any cgroup's
+    too): /proc/vmstat's oom_kill; None where it cannot be read."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    return None
