@@ -115,7 +115,6 @@ def attempt_notes(run: runs.Run, events) -> list[str]:
 
 
 def show_status(project_dir, run_name: str | None, console) -> int:
-    from rich import box
     from rich.table import Table
 
     if run_name:
@@ -124,11 +123,9 @@ def show_status(project_dir, run_name: str | None, console) -> int:
         events = run.events()
         owns = [run.events_of(x, events) for x in launches]
         answers = lifecycle.ask_slurm(zip(launches, owns))
-        # No rules between columns: the last event, the one to wrap, keeps the room an 80-column terminal has.
-        table = Table(title=f"run {run.name}  {_progress(run, launches)}", title_justify="left", box=box.SIMPLE_HEAD,
-                      show_edge=False, collapse_padding=True)
+        table = Table(title=f"run {run.name}  {_progress(run, launches)}", title_justify="left")
         for col in ("job", "state", "exit", "elapsed", "last event / reason"):
-            table.add_column(col, no_wrap=col != "last event / reason", ratio=1 if col == "last event / reason" else None)
+            table.add_column(col)
         for launch, own in zip(launches, owns):
             table.add_row(*_job_row(launch, own, answers.get(launch.id)))
         console.print(table)
