@@ -27,12 +27,12 @@ from jobs.runs import lock as runlock
 from jobs.config import Config
 from jobs.launcher import FORWARDED, Output, Stopper, available_memory, oom_kills, wait_for_exit
 from jobs.runs.manifest import Launch, Manifest
-from jobs.slurm.script import REQUEUE_EXIT, local_argv
+from jobs.slurm.script import local_argv
 from kernel import environ
 from kernel.errors import ConfigError
 from kernel.fs import write_atomic
-from kernel.rundir import (HANG_EXIT, HANGS_DIR, LOCAL_JOB, PROGRESS_FILE, STOP_FILE, CodeSnapshot,
-                           complete_checkpoints)
+from kernel.rundir import (HANG_EXIT, HANGS_DIR, LOCAL_JOB, PROGRESS_FILE, REQUEUE_EXIT, STOP_FILE, CodeSnapshot,
+                           append_event, complete_checkpoints)
 from trainer.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
 
 
@@ -51,11 +51,6 @@ def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -
     if code is not None:
         env.update(code.environment(env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))))
     return env
-
-
-def _event(run: runs.Run, text: str) -> None:
-    with (run.dir / "events.log").open("a") as f:
-        f.write(f"{runs.now()} job local {text}\n")
 
 
 def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
@@ -181,7 +176,7 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
             runlock.note(run.dir, trainer_pid=proc.pid)
             launch = _record_local(run, log_path, proc.pid, project_dir, sealed, allocation)
             if not allocation:  # the batch script says where it starts
-                _event(run, "start on this machine")
+                append_event(run.dir, LOCAL_JOB, "start on this machine")
             assert proc.stdout is not None
             output = Output(proc.stdout, log, stopper)
             output.start()
@@ -198,7 +193,7 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
     end = (_End(rc, rc, [], stopper.signum if rc == REQUEUE_EXIT else None) if allocation and rc >= 0
            else _how_it_ended(run, cfg, tag, rc, stopper.signum, output, step, ooms))
     for text in end.events:
-        _event(run, text)
+        append_event(run.dir, LOCAL_JOB, text)
     _finish_local(run, launch, end.outcome, **end.extra)
     command = escape(f"`{environ.invocation()} {'run' if allocation else 'local'} {cfg.config_args}`")
     with contextlib.suppress(OSError):  # a closed terminal (SIGHUP): the end is recorded all the same

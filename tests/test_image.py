@@ -32,18 +32,19 @@ from containers.image import (
     ImagePlan,
     build_image,
     check_free_space,
-    context_files,
     current_image,
     image_plan,
     resolve_image,
 )
+from containers.context import context_files
 from containers.pip_requirements import requirement_name, requirements, toml_loads
 from containers.prune import prune_images
 from containers.storage import check_storage_conf, filesystem_type
 from containers.tools import Enroot, Podman, ToolError
 from containers.record import BuildRecord
 from jobs.cli.image import build, compute_argv
-from jobs.config import Config, ImageSection, load_config
+from containers.record import ImageSection
+from jobs.config import Config, load_config
 from conftest import default_signals
 from tests.image_standins import calls, flash_attn_standin_wheel, write_standins
 from kernel.errors import ConfigError

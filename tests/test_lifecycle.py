@@ -11,7 +11,8 @@ import pytest
 
 from jobs import runs, slurm
 from jobs.runs import lifecycle
-from jobs.runs.lifecycle import Launch, LocalProcess, launch_state
+from jobs.runs.lifecycle import LocalProcess, launch_state
+from jobs.runs.manifest import Launch
 from jobs.runs.manifest import ManifestError, read as read_manifest
 from jobs.slurm.script import _EVENT, RunPaths
 from kernel.rundir import (EVENTS_FILE, LOCAL_JOB, Event, EventKind, append_event, format_event, parse_event,

@@ -23,7 +23,8 @@ from kernel.errors import ConfigError
 from trainer.config import DataSection
 from trainer.data_cache import DataCacheError, resolve_cache_dir
 from trainer.data_sources import load_tokenizer
-from trainer.prepare import Progress, cache_status, main as prepare_main, prepare
+from trainer.data_tokenize import Progress
+from trainer.prepare import cache_status, main as prepare_main, prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = load_tokenizer("builtin")

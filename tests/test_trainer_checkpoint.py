@@ -508,7 +508,7 @@ class _OldTrainState:
 
 
 def test_a_state_gaining_a_counter_still_loads_older_checkpoints(tmp_path):
-    from trainer.train import TrainState
+    from trainer.loop import TrainState
 
     model, opt, sched = make()
     Checkpointer(tmp_path, ckpt_cfg()).save(5, {**states_of(model, opt, sched), "train_state": _OldTrainState(5)})

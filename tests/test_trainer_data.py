@@ -22,7 +22,8 @@ import torch
 import trainer.data_cache as data_cache
 from kernel.errors import ConfigError
 from trainer.config import DataSection, ModelSection, RunSection, TrainSection, TrainerConfig
-from trainer.data import Sampler, build_data, check_vocab_size, default_cache_dir
+from trainer.data import Sampler, build_data, check_vocab_size
+from trainer.data_cache import default_cache_dir
 from trainer.data_sources import BUILTIN_TOKENIZER, load_tokenizer, resolve_source, resolve_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

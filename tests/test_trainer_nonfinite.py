@@ -17,7 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint import complete_steps, step_dir
-from trainer.train import NONFINITE_EXIT, main
+from kernel.rundir import NONFINITE_EXIT
+from trainer.train import main
 from trainer_helpers import POISON_ENV, clean_env, poison_loss, synthetic_data, tiny_config, torchrun, write_run
 
 # fp32 on CPU, 8 steps of the tiny model: layouts agree to ~2e-7 (see test_trainer_parallel).

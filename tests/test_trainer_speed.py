@@ -94,7 +94,7 @@ def _stop_on_one_rank(rank: int, step: int):
     """StopSignal.requested (asked at the start of sync steps) turns true on `rank` alone once
     `step` has begun (BatchFeeder.next runs once a step, after the vote starts); returns the
     function that puts the originals back."""
-    from trainer.train import BatchFeeder, StopSignal
+    from trainer.loop import BatchFeeder, StopSignal
 
     original, next_batches = StopSignal.requested, BatchFeeder.next
     begun = [0]

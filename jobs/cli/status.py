@@ -17,7 +17,8 @@ from rich.markup import escape
 from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
-from jobs.runs.lifecycle import History, Launch
+from jobs.runs.lifecycle import History
+from jobs.runs.manifest import Launch
 from jobs.runs.manifest import ManifestError
 from kernel.errors import ConfigError
 from kernel.rundir import HANGS_DIR, LOCAL_JOB, Event, EventKind

@@ -26,7 +26,7 @@ from typing import Optional
 
 from jobs import runs, slurm
 from jobs.runs import lifecycle
-from jobs.runs.lifecycle import Launch
+from jobs.runs.manifest import Launch
 from jobs.slurm.script import NODE_HEARTBEAT_SECONDS
 from kernel.errors import ConfigError
 from trainer.history import format_duration
@@ -55,7 +55,11 @@ class Snapshot:
     """What one frame shows."""
 
     run: str
-    job: slurm.JobInfo  # as Slurm tells it; for a local run, as its launcher's manifest entry does
+    job_id: str
+    # The job's state word and reason: Slurm's while the job runs, the run's lifecycle's once it ended.
+    state: lifecycle.LaunchState
+    where: str = ""  # its nodes (Slurm's nodelist), or the host of a launch on this machine
+    elapsed: str = ""
     total_steps: Optional[int] = None
     metrics: dict = field(default_factory=dict)
     step_age: Optional[float] = None  # seconds since the last completed step
@@ -65,7 +69,10 @@ class Snapshot:
     events: list[Event] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
     ended: bool = False
-    exit_code: Optional[int] = None
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        return self.state.final_exit if self.ended else None
 
 
 def parse_gutil(path: Path) -> tuple[int, Optional[float], Optional[float]]:
@@ -133,8 +140,9 @@ class Watcher:
 
     def snapshot(self) -> Snapshot:
         now = time.time()
-        job, ended, exit_code = self._local() if self.job_id == LOCAL else self._slurm()
-        snap = Snapshot(self.run.name, job, total_steps=self.total_steps, ended=ended, exit_code=exit_code)
+        state, where, elapsed, ended = self._local() if self.job_id == LOCAL else self._slurm()
+        snap = Snapshot(self.run.name, self.job_id, _shown(state) if ended else state, where, elapsed,
+                        total_steps=self.total_steps, ended=ended)
         snap.metrics = self.run.last_metrics() or {}
         self._progress(snap, now)
         if self.job_id != LOCAL:
@@ -145,41 +153,33 @@ class Watcher:
             snap.history = lifecycle.history(self.job_id, events).lines()
         return snap
 
-    def _slurm(self) -> tuple[slurm.JobInfo, bool, Optional[int]]:
-        """The job, whether it ended, its exit code once it did. Slurm is not asked once events.log
-        settles the end."""
+    def _slurm(self) -> tuple[lifecycle.LaunchState, str, str, bool]:
+        """The job's state, nodes, elapsed time and whether it ended. Slurm is not asked once
+        events.log settles the end."""
         launch = self.run.launch(self.job_id) or Launch(job_id=self.job_id)
         own = self.run.events_of(launch)
         if lifecycle.settled(launch, own):
-            state = lifecycle.launch_state(launch, own)
-            code = "" if state.exit_code is None else str(state.exit_code)
-            return _ended(slurm.JobInfo(self.job_id, state.state, code), state), True, state.final_exit
+            return lifecycle.launch_state(launch, own), "", "", True
         info = slurm.job_info(self.job_id)
         if info is None:  # slurmctld forgot the job and there is no accounting: events.log says
             self._gone += 1
             if self._gone < GONE_POLLS:
-                return slurm.JobInfo(self.job_id, "UNKNOWN"), False, None
-            state = self.run.state(launch, ask_slurm=False)
-            return slurm.JobInfo(self.job_id, state.state, reason=state.reason), True, state.final_exit
+                return lifecycle.LaunchState(lifecycle.UNKNOWN), "", "", False
+            return self.run.state(launch, ask_slurm=False), "", "", True
         self._gone = 0
         if info.active:
-            return info, False, None
-        state = self.run.state(launch, info)
-        return _ended(info, state), True, state.final_exit
+            return lifecycle.LaunchState(info.state, reason=info.reason), info.nodes, info.elapsed, False
+        return self.run.state(launch, info), info.nodes, info.elapsed, True
 
-    def _local(self) -> tuple[slurm.JobInfo, bool, Optional[int]]:
+    def _local(self) -> tuple[lifecycle.LaunchState, str, str, bool]:
         launches = [x for x in self.run.launches() if x.local]
         if self._launch is None and launches:
             self._launch = launches[-1]
         launch = next((x for x in reversed(launches) if self._launch and x.same(self._launch)), None)
         if launch is None:
-            return slurm.JobInfo(LOCAL, lifecycle.UNKNOWN), True, 1
+            return lifecycle.LaunchState(lifecycle.UNKNOWN), "", "", True
         state = self.run.state(launch)
-        job = slurm.JobInfo(LOCAL, state.state, "" if state.exit_code is None else str(state.exit_code),
-                            elapsed=lifecycle.elapsed(launch, state), nodes=launch.host)
-        if not state.ended:
-            return job, False, None
-        return _ended(job, state), True, state.final_exit
+        return state, launch.host, lifecycle.elapsed(launch, state), state.ended
 
     def _progress(self, snap: Snapshot, now: float) -> None:
         try:
@@ -197,7 +197,7 @@ class Watcher:
         snap.step_age = min(known) if known else None
 
     def _nodes(self, snap: Snapshot, now: float) -> None:
-        nodelist = snap.job.nodes
+        nodelist = snap.where
         if nodelist and not snap.ended and nodelist not in self._hosts:  # an ended job's: its heartbeats name them
             self._hosts[nodelist] = slurm.hostnames(nodelist)
         names = self._hosts.get(nodelist) or sorted(p.name for p in (self.run.dir / HEARTBEATS_DIR).glob("*"))
@@ -207,10 +207,9 @@ class Watcher:
             snap.nodes.append(node)
 
 
-def _ended(job: slurm.JobInfo, state: lifecycle.LaunchState) -> slurm.JobInfo:
-    """The frame's job once it ended: its state and reason as the run's lifecycle tells them."""
-    reason = "" if state.state == lifecycle.COMPLETED else state.reason
-    return replace(job, state=state.state, reason=reason)
+def _shown(state: lifecycle.LaunchState) -> lifecycle.LaunchState:
+    """An ended job's state as a frame shows it: a completion needs no reason."""
+    return replace(state, reason="") if state.state == lifecycle.COMPLETED else state
 
 
 def _fmt_age(seconds: Optional[float]) -> str:
@@ -223,16 +222,16 @@ def render(snap: Snapshot):
     from rich.table import Table
     from rich.text import Text
 
-    job = snap.job
-    state_style = {"RUNNING": "green", "PENDING": "yellow", "COMPLETED": "green"}.get(job.state.split()[0], "red")
-    head = Text.assemble(("run ", "dim"), (snap.run, "bold"), ("  job ", "dim"), (job.job_id, "bold"), "  ",
-                         (job.state, f"bold {state_style}"))
-    if job.reason:
-        head.append(f" ({job.reason})", style="yellow")
-    if job.nodes:
-        head.append(f"  on {job.nodes}")
-    if job.elapsed:
-        head.append(f"  elapsed {job.elapsed}", style="dim")
+    state = snap.state
+    state_style = {"RUNNING": "green", "PENDING": "yellow", "COMPLETED": "green"}.get(state.state.split()[0], "red")
+    head = Text.assemble(("run ", "dim"), (snap.run, "bold"), ("  job ", "dim"), (snap.job_id, "bold"), "  ",
+                         (state.state, f"bold {state_style}"))
+    if state.reason:
+        head.append(f" ({state.reason})", style="yellow")
+    if snap.where:
+        head.append(f"  on {snap.where}")
+    if snap.elapsed:
+        head.append(f"  elapsed {snap.elapsed}", style="dim")
 
     m = snap.metrics
     steps = [s for s in (m.get("step"), snap.progress_step) if isinstance(s, int)]
@@ -278,7 +277,7 @@ def render(snap: Snapshot):
         events.add_row(stamp, Text(f"job {event.job} {event.text}", style=style))
     parts = [head, train, *[Text(h, style="dim") for h in snap.history], *([nodes] if snap.nodes else []), events]
     if snap.ended:
-        parts.append(Text(f"job {job.job_id} ended: {job.state}, exit code {snap.exit_code}",
+        parts.append(Text(f"job {snap.job_id} ended: {state.state}, exit code {snap.exit_code}",
                           style="bold green" if snap.exit_code == 0 else "bold red"))
     return Group(*parts)
 
@@ -287,7 +286,7 @@ def _watch_plain(watcher: "Watcher", snap: Snapshot, interval: float, console) -
     """`watch` into a pipe or a file, which a live view never reaches: a frame at once, then one
     each time the step, the events or the job's state change, until the job ends."""
     def key(s: Snapshot) -> tuple:
-        return s.metrics.get("step"), s.progress_step, len(s.events), s.job.state, s.ended
+        return s.metrics.get("step"), s.progress_step, len(s.events), s.state.state, s.ended
 
     console.print(render(snap))
     shown = key(snap)
