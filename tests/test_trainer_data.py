@@ -440,10 +440,11 @@ def test_validation_tail_is_disjoint_from_training_windows(tmp_path):
     for _ in range(positions.n_windows):
         x, y = positions.next_batch()
         assert int(y.max()) < len(train.tokens)
-    # validation is read in order and reset() returns to its start
+    # validation is read in order and its first state returns to its start (as evaluate() does)
+    start = val.state_dict()
     v1 = val.next_batch()[0]
     val.next_batch()
-    val.reset()
+    val.load_state_dict(start)
     assert torch.equal(val.next_batch()[0], v1)
     assert torch.equal(v1[0], torch.from_numpy(np.asarray(val.tokens[:cfg.data.seq_len]).astype(np.int64)))
 

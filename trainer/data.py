@@ -72,20 +72,6 @@ class Sampler:
         return self.batch_size * self.dp_size
 
     @property
-    def tokens_per_batch(self) -> int:
-        """Input tokens in one `next_batch()` of this rank."""
-        return self.batch_size * self.seq_len
-
-    @property
-    def global_tokens_per_batch(self) -> int:
-        return self.global_batch_size * self.seq_len
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """Whole global batches in one pass over the windows (at least 1)."""
-        return max(1, self.n_windows // self.global_batch_size)
-
-    @property
     def epoch(self) -> int:
         return self.consumed_samples // self.n_windows
 
@@ -118,9 +104,6 @@ class Sampler:
         window_BT1 = torch.from_numpy(self.tokens[offsets_B1].astype(np.int64))
         self.consumed_samples += self.global_batch_size
         return window_BT1[:, :-1].contiguous(), window_BT1[:, 1:].contiguous()
-
-    def reset(self) -> None:
-        self.consumed_samples = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"consumed_samples": self.consumed_samples, "epoch": self.epoch, "n_windows": self.n_windows,

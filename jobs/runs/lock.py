@@ -207,8 +207,3 @@ def note(run_dir: Path, **fields) -> None:
     record = holder(Path(run_dir))
     if record.get("pid") == os.getpid():
         _write_record(fd, {**record, **fields})
-
-
-def is_held(run_dir: Path) -> bool:
-    """Whether this process holds the run's lock."""
-    return lock_path(Path(run_dir).absolute()) in _held
