@@ -24,6 +24,7 @@ from rich.markup import escape
 from edf import render_edf, srun_flags
 from jobs import runs, slurm
 from jobs.runs import lock as runlock
+from jobs.runs.code import git_state, prune_code_store
 from jobs.config import Config
 from jobs.launcher import FORWARDED, Output, Stopper, available_memory, oom_kills, wait_for_exit
 from jobs.runs.manifest import Launch, Manifest
@@ -408,7 +409,7 @@ def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: 
     trainer and writes the outcome, so a reader never sees the launch dead before its exit is recorded."""
     launch = Launch(local=True, started=runs.now(), pid=os.getpid(), trainer_pid=trainer_pid,
                     host=socket.gethostname(), log=str(log_path.relative_to(run.dir)),
-                    git=runs.git_state(project_dir), code=sealed.snapshot, allocation=allocation or "",
+                    git=git_state(project_dir), code=sealed.snapshot, allocation=allocation or "",
                     steps=sealed.cfg.train.steps, job_lib=sealed.job_lib if allocation else {})
 
     def add(manifest: Manifest) -> None:
@@ -418,7 +419,7 @@ def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: 
         manifest.submissions.append(launch)
 
     runs.update_manifest(run, add)
-    runs.prune_code_store(run.dir.parent)
+    prune_code_store(run.dir.parent)
     return launch
 
 

@@ -189,6 +189,7 @@ def run_script(run_dir: Path, bin_dir: Path, cwd: Path) -> None:
 @given(changes=CHANGES, runtime=RUNTIMES)
 def test_any_config_is_refused_in_one_line_or_renders_a_safe_script(project, stand_ins, changes, runtime):
     from jobs import runs
+    from jobs.runs.container import create_needed_dirs
 
     image = project / "img.sqsh"
     image.write_bytes(b"hsqs")
@@ -218,7 +219,7 @@ def test_any_config_is_refused_in_one_line_or_renders_a_safe_script(project, sta
     try:
         sealed = runs.seal(cfg, project)
         runs.check_submittable(sealed.cfg)
-        runs.create_needed_dirs(sealed.cfg, sealed.paths)
+        create_needed_dirs(sealed.cfg, sealed.paths)
         run, _ = runs.prepare_run(sealed, force=True)
     except ConfigError as exc:  # a check only a real submission makes (a mount source): one line too
         assert "\n" not in str(exc) and len(str(exc)) <= LONGEST_LINE

@@ -339,7 +339,8 @@ def _names_a_run_only(args: argparse.Namespace) -> bool:
     """`slipway doctor NAME`: NAME is a run when it names no config but a run directory (a
     config wins a tie: `--run NAME` asks for the run)."""
     from jobs.config import resolve_config_path
-    from jobs.runs import MANIFEST, runs_root
+    from jobs.runs import runs_root
+    from jobs.runs.manifest import MANIFEST
 
     if any(k.startswith("set:") and v is not None for k, v in vars(args).items()):
         return False

@@ -22,6 +22,7 @@ from jobs import runs, slurm
 from containers.record import BuildRecord
 from jobs.config import Config
 from jobs.runs.container import ImagePin
+from jobs.slurm.script import RunPaths
 from kernel.environ import as_typed
 from kernel.errors import ConfigError, bounded
 from trainer.layouts import layout_advice
@@ -99,7 +100,7 @@ def _image_tools() -> list[Result]:
 def _run_checks(cfg: Config, project_dir: Path) -> list[Result]:
     from jobs.runs.container import pin_image, resolve_paths, visibility_mounts
 
-    paths = runs.RunPaths(runs.runs_root(project_dir) / cfg.run.name, project_dir.absolute())
+    paths = RunPaths(runs.runs_root(project_dir) / cfg.run.name, project_dir.absolute())
     out: list[Result] = [("parallel layout", True, f"dp({cfg.parallel.dp}) x tp({cfg.parallel.tp}) x "
                                                    f"pp({cfg.parallel.pp}) = {cfg.parallel.world_size} = nodes("
                                                    f"{cfg.slurm.nodes}) x procs_per_node({cfg.launch.procs_per_node})")]

@@ -18,8 +18,7 @@ from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History
-from jobs.runs.manifest import Launch
-from jobs.runs.manifest import ManifestError
+from jobs.runs.manifest import MANIFEST, Launch, ManifestError
 from kernel.errors import ConfigError
 from kernel.rundir import HANGS_DIR, LOCAL_JOB, Event, EventKind
 
@@ -201,7 +200,7 @@ def _show_runs(project_dir, console) -> int:
     rows = []
     for run, launches, own, error in shown:
         if error is not None:
-            rows.append((run.name, "", "", "DAMAGED", "", "", f"{runs.MANIFEST}: {error.why}"))
+            rows.append((run.name, "", "", "DAMAGED", "", "", f"{MANIFEST}: {error.why}"))
         elif launches:
             job, state, code, _, event = _job_row(launches[-1], own, answers.get(launches[-1].id))
             rows.append((run.name, str(len(launches)), job, state, code, _progress(run, launches), event))

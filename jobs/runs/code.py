@@ -38,6 +38,7 @@ from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
 from containers.sources import MAX_BYTES, MAX_FILES, Folder, SourceFile, collect, copy_into
+from jobs.runs import manifest as manifests
 from kernel.errors import ConfigError, bounded_path
 from kernel.fs import file_sha256
 from kernel.rundir import CodeSnapshot
@@ -306,3 +307,31 @@ def plan_snapshot(store: Path, script: Optional[str], project_dir: Optional[Path
     value = CodeSnapshot(hash=digest, dir=str(where), files=len(found.files), bytes=found.bytes, source=str(source),
                          commit=git["commit"], dirty=git["dirty"], script=str(where / script_dest) if script_dest else None)
     return Snapshot(value, found.files, listing, found.untracked)
+
+
+PRUNE_EVERY_SECONDS = 3600  # the store keeps what no run names for a day: an hourly pass loses nothing
+
+
+def prune_code_store(root: Path, *, now: Optional[float] = None) -> list[tuple[str, int]]:
+    """The code store of runs root `root` without the snapshots no run names (`prune_store`),
+    after a launch recorded its own: at most once in PRUNE_EVERY_SECONDS (it reads every run's
+    manifest; RUNS/.code.pruned says when it last did). Nothing is removed when a
+    manifest cannot be read: what it names is then unknown."""
+    stamp = root / f"{STORE}.pruned"
+    now = time.time() if now is None else now
+    try:
+        if now - stamp.stat().st_mtime < PRUNE_EVERY_SECONDS:
+            return []
+    except FileNotFoundError:
+        pass
+    named: set[str] = set()
+    try:
+        for path in root.iterdir():
+            if (path / manifests.MANIFEST).is_file():
+                named |= {Path(c.dir).name for c in manifests.read(path / manifests.MANIFEST).snapshots()}
+        removed = prune_store(root / STORE, named)
+        stamp.touch()
+        os.utime(stamp, (now, now))
+        return removed
+    except (OSError, manifests.ManifestError):
+        return []

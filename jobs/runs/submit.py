@@ -1,0 +1,360 @@
+"""Submitting into a run directory: a submission sealed once (`seal`), the directory written
+whole or not at all (`prepare_run`), then `sbatch` and the manifest's record of the job.
+
+A new run directory appears only once complete (a rename); an existing one is never rewritten
+under a queued or running job, and what a launch replaces is kept in `history/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional
+
+from plumbum import local
+
+from edf import Environment, expand_host, render_edf, srun_flags
+from jobs import slurm
+from jobs.config import Config, config_changes, dump_config, load_config
+from jobs.runs import lock as runlock
+from jobs.runs import manifest as manifests
+from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_code_store
+from jobs.runs.container import (ImagePin, create_needed_dirs, kept_build, pin_image, remove_created_dirs,
+                                 resolve_paths, run_environment)
+from jobs.runs.manifest import MANIFEST, Launch, Manifest
+from jobs.runs.run import Run, active_jobs, now, runs_root, update_manifest
+from jobs.slurm.script import (LIB_DIR, PREPARE_SCRIPT, RunPaths, check_env_from_host, library_files, render_prepare_sbatch,
+                               render_sbatch)
+from kernel import environ
+from kernel.errors import ConfigError
+from kernel.fs import write_atomic
+from kernel.rundir import CodeSnapshot, append_event, complete_checkpoints
+
+
+@dataclass
+class Sealed:
+    """A submission resolved once: the frozen config (absolute paths), the pinned image,
+    the run's container environment, and the text of every file it writes."""
+
+    cfg: Config
+    paths: RunPaths
+    pin: ImagePin
+    env: Environment
+    files: dict[str, str]
+    notes: list[str]  # what the user should know before the job runs (said at submit and dry run)
+    code: Optional[Snapshot] = None  # the code snapshot the ranks run (None: code.snapshot false)
+
+    @property
+    def job_lib(self) -> dict[str, str]:
+        """The job libraries job.sbatch sources, by their place in the run directory, and their sha256."""
+        return {name: hashlib.sha256(text.encode()).hexdigest() for name, text in self.files.items()
+                if name.startswith(f"{LIB_DIR}/")}
+
+    @property
+    def snapshot(self) -> Optional[CodeSnapshot]:
+        return self.code.value if self.code else None
+
+    def data_status(self):
+        """Where the run's data stands in its token cache (trainer.prepare.CacheStatus)."""
+        from trainer.prepare import cache_status
+
+        return cache_status(self.cfg.data, self.cfg.data.cache_dir)
+
+    def with_prepare_script(self) -> "Sealed":
+        """The run's files plus the data preparation job's batch script."""
+        files = {**self.files, PREPARE_SCRIPT: render_prepare_sbatch(self.cfg, self.paths, self.env)}
+        _check_script_syntax(self.cfg, files[PREPARE_SCRIPT])
+        return replace(self, files=files)
+
+
+def check_submittable(cfg: Config) -> None:
+    """What must hold on disk at submission, beyond the image and the paths `seal` checks."""
+    c = cfg.container
+    check_env_from_host(cfg)
+    if c.in_container:
+        for i, mount in enumerate(c.mounts):
+            src = expand_host(mount.src, f"container.mounts[{i}]")
+            if not Path(src).exists():
+                raise ConfigError(f"container.mounts[{i}]", f"mount source {src} does not exist on this node")
+    if cfg.train.script and not Path(cfg.train.script).is_file():
+        raise ConfigError("train.script", f"training script {cfg.train.script} does not exist")
+
+
+def _check_script_syntax(cfg: Config, script: str) -> None:
+    """`bash -n` on the batch script: a syntax error fails here, not after queueing."""
+    if shutil.which("bash") is None:
+        return
+    rc, _, err = (local["bash"]["-n"] << script).run(retcode=None)
+    if rc != 0:
+        error = " ".join(err.replace("bash: ", "").split())
+        field = "launch.pre_launch" if cfg.launch.pre_launch else "job.sbatch"
+        raise ConfigError(field, f"the batch script does not parse ({error}): fix the shell syntax of "
+                                 f"launch.pre_launch")
+
+
+def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
+    """Resolve a submission of `cfg` (nothing written). A dry run reports a missing image as a
+    note and renders with the path `make image` would write, instead of failing."""
+    paths = RunPaths(runs_root(project_dir) / cfg.run.name, project_dir.absolute())
+    cfg = resolve_paths(cfg, paths)
+    notes: list[str] = []
+    try:
+        pin = pin_image(cfg, paths.project_dir, notes)
+    except ConfigError as exc:
+        if not dry_run:
+            raise
+        notes.append(f"a real submission would fail: {exc}")
+        from containers.context import resolve_path
+
+        link = resolve_path(paths.project_dir, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
+        pin = ImagePin(cfg.container.image, cfg.container.image or str(link), "none")
+    code = (plan_snapshot(paths.run_dir.parent / CODE_STORE, cfg.train.script, paths.project_dir)
+            if cfg.code.snapshot else None)
+    if code is not None and code.untracked:
+        shown = ", ".join(code.untracked[:5]) + (f" and {len(code.untracked) - 5} more" if len(code.untracked) > 5 else "")
+        notes.append(f"not in the code snapshot, as git does not track them: {shown} (`git add` what the run needs)")
+    env = run_environment(cfg, paths, pin, code.value if code else None)
+    script = render_sbatch(cfg, paths, env, pin.pins(code.value if code else None, kept_build(cfg, pin)))
+    _check_script_syntax(cfg, script)
+    files = {"config.yaml": dump_config(cfg), "job.sbatch": script, **library_files(env)}
+    if env.in_container:
+        files["env.toml"] = render_edf(env)
+        if env.runtime == "pyxis":
+            notes += [f"pyxis: {w}" for w in srun_flags(env, paths.env_toml).warnings]
+    return Sealed(cfg, paths, pin, env, files, notes, code)
+
+
+def no_world_write() -> int:
+    """Mask o+w in this process's umask, for good: whatever it and its children create (run
+    directories, logs/, history/, a local run's checkpoints; a job sbatch submits from here,
+    as Slurm applies the submitter's umask to it) is never writable by every user, even under
+    umask 000. Returns the umask now in force."""
+    umask = os.umask(0) | 0o002
+    os.umask(umask)
+    return umask
+
+
+def _group_readable(path: Path) -> None:
+    """mkdtemp makes 0700 directories: give the run directory the user's umask (teammates
+    on a shared project folder read runs), never writable by others."""
+    os.chmod(path, 0o777 & ~no_world_write())
+
+
+def config_difference(path: Path, new: str) -> Optional[str]:
+    """How the run's config.yaml differs from `new` (the resolved config a launch would write),
+    None if it does not. The old file is read through today's schema and dumped again: a key a
+    later slipway added, at its default, is no difference."""
+    try:
+        old = path.read_text()
+    except FileNotFoundError:
+        return "no config.yaml"
+    if old == new:
+        return None
+    try:
+        resolved = dump_config(load_config(path))
+    except ConfigError as exc:
+        return f"a config this slipway no longer reads ({exc})"
+    return None if resolved == new else f"a different config ({config_changes(resolved, new)})"
+
+
+def _mode(name: str) -> int:
+    """job.sbatch runs; a pinned library (lib/, by hash) is never edited; the rest is data."""
+    return 0o755 if name == "job.sbatch" else 0o444 if name.startswith(f"{LIB_DIR}/") else 0o644
+
+
+def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
+    """Create or reuse `runs/RUN/`; returns (run, created).
+
+    Same run name and same resolved config: the run resumes (generated files refreshed,
+    earlier versions kept in history/). A different config is refused unless `force`,
+    and then the old config is kept in `history/` too. A run with a job still queued or
+    running is never rewritten: that job reads these files."""
+    cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
+    run = Run(paths)
+    no_world_write()
+    if (paths.run_dir / MANIFEST).is_file():
+        mode = paths.run_dir.stat().st_mode
+        if mode & 0o002:  # made under umask 000 before slipway masked it
+            os.chmod(paths.run_dir, mode & 0o7775)
+        active = active_jobs(run)
+        if active:
+            jobs = ", ".join(f"{j} ({state})" for j, state in active)
+            raise ConfigError("run.name", f"run {cfg.run.name} has a job queued or running ({jobs}), which reads "
+                                          f"its files: wait for it to end or `slipway cancel {cfg.run.name}` first")
+        differs = config_difference(paths.config, files["config.yaml"])
+        if differs and not force:
+            raise ConfigError("run.name", f"run {cfg.run.name} exists with {differs} in {paths.config}: pick "
+                                          "another --run-name, or pass --force to replace its config (the old "
+                                          "one is kept in history/)")
+        if sealed.code is not None:
+            sealed.code.write()  # before job.sbatch names it; content-addressed, so never rewritten
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+        for name, text in files.items():
+            target = paths.run_dir / name
+            if target.exists() and target.read_text() != text:
+                stem, dot, ext = name.partition(".")
+                write_atomic(paths.run_dir / "history" / f"{stem}-{stamp}{dot}{ext}", target.read_text())
+            write_atomic(target, text, _mode(name))
+        return run, False
+    root = paths.run_dir.parent
+    root.mkdir(parents=True, exist_ok=True)
+    if sealed.code is not None:
+        sealed.code.write()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.run.name}.", suffix=".tmp", dir=root))
+    try:
+        _group_readable(tmp)
+        for name, text in files.items():
+            write_atomic(tmp / name, text, _mode(name))
+        (tmp / "logs").mkdir()
+        manifests.write(tmp / MANIFEST, Manifest(
+            run=cfg.run.name, created=now(), project_dir=str(paths.project_dir), git=git_state(paths.project_dir),
+            image=sealed.pin, runtime=cfg.container.runtime, launcher=cfg.launch.launcher,
+            config_sha256=hashlib.sha256(files["config.yaml"].encode()).hexdigest()))
+        try:
+            # rename(2) onto a missing name: two submissions racing for one name cannot both win.
+            os.rename(tmp, paths.run_dir)
+        except OSError:
+            raise ConfigError("run.name", f"run {cfg.run.name} was created by another submission just now: "
+                                          "submit again to resume it, or pick another --run-name") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return run, True
+
+
+def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", after: str = "") -> None:
+    script = run.dir / (PREPARE_SCRIPT if kind == "prepare" else "job.sbatch")
+    entry = Launch(job_id=job_id, kind=kind, submitted=now(), after=after, git=git_state(run.paths.project_dir),
+                   image=sealed.pin, code=sealed.snapshot, steps=sealed.cfg.train.steps if kind == "train" else None,
+                   script_sha256=hashlib.sha256(script.read_bytes()).hexdigest(),
+                   job_lib=sealed.job_lib if kind == "train" else {})
+
+    def add(manifest: Manifest) -> None:
+        manifest.image = sealed.pin  # what the latest job runs
+        if kind == "train":
+            record_code(run, manifest, sealed, job_id)
+            manifest.job_lib = sealed.job_lib
+        manifest.submissions.append(entry)
+
+    update_manifest(run, add)
+    if kind == "train":
+        prune_code_store(run.dir.parent)
+
+
+def record_code(run: Run, manifest: Manifest, sealed: Sealed, launch: str) -> None:
+    """Inside a manifest update: the code this training launch runs becomes the run's, its
+    uncommitted changes go to code/HASH12.diff, and a change from the last launch's code is an
+    event and a file in history/ beside the configs and scripts it replaced (status says it)."""
+    before, after = manifest.code, sealed.snapshot
+    manifest.code = after
+    if after is not None and after.dirty and not (run.dir / "code" / f"{after.hash12}.diff").exists():
+        write_atomic(run.dir / "code" / f"{after.hash12}.diff", git_diff(after))
+    if (before.hash if before else None) == (after.hash if after else None) or not manifest.submissions:
+        return
+    was, becomes = (c.hash12 if c else "the image's" for c in (before, after))
+    append_event(run.dir, launch, f"code changed {was} -> {becomes}")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    write_atomic(run.dir / "history" / f"code-{stamp}.json",
+                 json.dumps({"before": before.record() if before else None,
+                             "after": after.record() if after else None}, indent=2) + "\n")
+
+
+def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:
+    """Why the run cannot start on its token cache as it is (None: it can); `config_args` is what
+    the suggested `slipway prepare` repeats (`Config.config_args`: the user's own arguments)."""
+    status = sealed.data_status()
+    if status.prepared or status.tokenize_in_job:
+        return None
+    missing = "; ".join(e.describe() for e in status.missing)
+    # The fix first: a message too long for one line keeps its start and its end.
+    return (f"the token cache is not prepared: run `slipway prepare {config_args}` first (here, or with "
+            "--as-job on a CPU node), or submit with --prepare to queue the preparation before the training job; "
+            f"data.tokenize_in_job: true lets rank 0 tokenize in the job while every GPU waits; {missing}")
+
+
+def nothing_to_train(cfg: Config, run_dir: Path, command: str) -> Optional[str]:
+    """Why a launch of the run would train nothing (None: it has steps left): its latest
+    checkpoint already reached train.steps. `command` (`local`, `submit`) is the command the
+    suggestion to train on repeats; `slipway local` and `submit` say the same before starting."""
+    steps = complete_checkpoints(run_dir / cfg.checkpoint.dir)
+    if not steps or steps[-1] < cfg.train.steps:
+        return None
+    more = cfg.config_args_setting({"train.steps": steps[-1] + cfg.train.steps})
+    return (f"run {cfg.run.name} already reached train.steps={cfg.train.steps} (checkpoint at step {steps[-1]}): "
+            f"nothing to train; to train on, `{environ.invocation()} {command} {more} --force` (a changed config: the "
+            "old one is kept in history/), or pick another --run-name for a new run")
+
+
+def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool = False,
+           before_writing: Optional[Callable[[], None]] = None) -> tuple[Run, str, Sealed, Optional[str]]:
+    """Seal the submission, write the run directory and `sbatch` it; returns (run, job id,
+    sealed, the id of the data preparation job it waits for or None).
+
+    A run whose token cache is not prepared is refused, unless `prepare`: then a CPU job
+    prepares it and the training job starts after that one completed."""
+    check_submittable(cfg)
+    sealed = seal(cfg, project_dir)
+    done = nothing_to_train(cfg, sealed.paths.run_dir, "submit")
+    if done:
+        raise ConfigError("train.steps", done)
+    why = unprepared_data(sealed, cfg.config_args)
+    if why and not prepare:
+        raise ConfigError("data", why)
+    if why:
+        sealed = sealed.with_prepare_script()
+    if before_writing is not None:  # the caller's last check (a controller to submit to), input checked
+        before_writing()
+    no_world_write()
+    # One launch of a run at a time: from the check for its active jobs to the record of this one.
+    with runlock.hold(sealed.paths.run_dir, f"slipway submit {cfg.config_args}"):
+        return _submit_locked(sealed, force=force, why=why)
+
+
+def _submit_locked(sealed: Sealed, *, force: bool, why: Optional[str],
+                   train: bool = True) -> tuple[Run, str, Sealed, Optional[str]]:
+    """Write the run directory, then sbatch the data preparation job (`why` it is needed) and the
+    training job after it (unless not `train`); returns (run, the last job's id, sealed, the
+    preparation job's id or None). What a refusal leaves is what it found."""
+    made = create_needed_dirs(sealed.cfg, sealed.paths)
+    try:
+        run, created = prepare_run(sealed, force=force)
+    except BaseException:  # refused (a running job, a different config): leave no directory behind
+        remove_created_dirs(made)
+        raise
+    prep_id = None
+    try:
+        if why:
+            prep_id = slurm.sbatch(run.dir / PREPARE_SCRIPT, cwd=run.paths.project_dir)
+            record_submission(run, prep_id, sealed, kind="prepare")
+        job_id = slurm.sbatch(run.paths.script, cwd=run.paths.project_dir, after=prep_id) if train else prep_id
+    except BaseException:
+        if prep_id:  # the training job was refused: the preparation alone is no use to anyone
+            with contextlib.suppress(slurm.SlurmError):
+                slurm.scancel([prep_id])
+        remove_created_dirs(made)
+        if created and not prep_id:  # nothing ran: leave no trace of a run that never was
+            if sealed.code is not None:
+                sealed.code.discard()
+            shutil.rmtree(run.dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                run.dir.parent.rmdir()  # only if that left it empty
+        raise
+    if train:
+        record_submission(run, job_id, sealed, after=prep_id or "")
+    return run, job_id, sealed, prep_id
+
+
+def submit_prepare(cfg: Config, project_dir: Path, *, force: bool = False) -> tuple[Run, str, Sealed]:
+    """`slipway prepare --as-job`: the run's data preparation as a CPU job of its own."""
+    check_submittable(cfg)
+    sealed = seal(cfg, project_dir).with_prepare_script()
+    with runlock.hold(sealed.paths.run_dir, f"slipway prepare {cfg.config_args} --as-job"):
+        run, job_id, sealed, _ = _submit_locked(sealed, force=force, why="--as-job", train=False)
+    return run, job_id, sealed
