@@ -70,12 +70,13 @@ def write_libraries(run_dir: Path, env) -> None:
 
 
 def default_signals() -> None:
-    """preexec_fn for a process a test will send SIGINT (what a terminal's Ctrl-C is): a test run
-    from a background job (`make test-fast &`) starts with SIGINT ignored, which every child would
-    inherit, and Python installs no KeyboardInterrupt handler then. The test sets the default itself."""
+    """preexec_fn for a process a test will signal: a test run from a background job (`make
+    test-fast &`) starts with SIGINT and SIGQUIT ignored, under nohup SIGHUP too, which every child
+    would inherit (and Python installs no KeyboardInterrupt handler then). The test sets the
+    defaults itself, as a terminal's session has them."""
     import signal
 
-    for sig in (signal.SIGINT, signal.SIGQUIT):
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
 
 

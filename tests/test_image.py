@@ -299,12 +299,9 @@ def test_noop_build_does_not_call_podman(project: Path, fakes: Path):
     cfg = make_cfg(base_image=TEST_BASE, flash_attn=False)
     first = build_image(cfg, root=project)
     n_podman = len(calls(fakes, "podman"))
-    t0 = time.perf_counter()
     again = build_image(cfg, root=project)
-    elapsed = time.perf_counter() - t0
     assert not again.built and not again.imported and again.squashfs == first.squashfs
     assert len(calls(fakes, "podman")) == n_podman
-    assert elapsed < 1.0, f"no-op build took {elapsed:.2f} s"
 
     # A change builds a second image; going back re-points the link without building.
     (project / "configs" / "extra.yaml").write_text("run: {}\n")

@@ -237,7 +237,6 @@ def test_a_try_that_cannot_fit_here_is_refused_before_any_process_with_the_batch
     micro = 8
     while 2 * process_memory(tiny_cpu(f"train.micro_batch_size={micro}")) <= available:
         micro *= 2
-    t0 = time.monotonic()
     r = slipway("local", "tiny_cpu", "--run-name", "big", f"train.micro_batch_size={micro}")
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     line = r.stderr.strip()
@@ -248,7 +247,7 @@ def test_a_try_that_cannot_fit_here_is_refused_before_any_process_with_the_batch
     fit = int(command[command.index("--micro-batch-size") + 1])
     assert fit * int(command[command.index("--grad-accum-steps") + 1]) == micro  # the same global batch
     assert "keeps the layout and the global batch" in line
-    assert time.monotonic() - t0 < 60 and not (project / "runs").exists()  # no process, no run directory
+    assert not (project / "runs").exists()  # no process, no run directory
 
 
 class MemoryCgroup:

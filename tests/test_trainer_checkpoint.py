@@ -268,9 +268,8 @@ def test_pruned_checkpoints_are_deleted_off_the_save_path(tmp_path, monkeypatch)
     (tmp_path / ".tmp-step-000003" / "__0_0.distcp").write_bytes(b"half")
     monkeypatch.setattr(ckpt_mod.shutil, "rmtree", slow_rmtree)
     train_step(model, opt, seed=2)
-    t0 = time.monotonic()
     ck.save(2, states_of(model, opt, sched))  # prunes step 1: its deleting blocks, the save does not
-    assert time.monotonic() - t0 < 10 and complete_steps(tmp_path) == [2]
+    assert complete_steps(tmp_path) == [2] and not release.is_set()
     names = sorted(p.name for p in tmp_path.iterdir())
     assert [n for n in names if not n.startswith(".tmp-deleting-")] == ["step-000002"], names
     assert any(n.endswith("-.tmp-old-step-000001") for n in names), names
