@@ -1,4 +1,4 @@
-"""Shared fixtures. The real local Slurm cluster is `slipway cluster` (jobs/cluster/__init__.py)."""
+"""Shared fixtures. The real local Slurm cluster is `slipway cluster` (jobs/cluster/)."""
 
 from __future__ import annotations
 

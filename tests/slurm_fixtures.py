@@ -1,4 +1,4 @@
-"""pytest fixtures for the real local Slurm cluster of jobs/cluster/__init__.py (`slipway cluster`).
+"""pytest fixtures for the real local Slurm cluster of jobs/cluster/ (`slipway cluster`).
 
 tests/conftest.py makes them available to every test module:
 

@@ -1,4 +1,4 @@
-"""The real local Slurm cluster (`slipway cluster`, jobs/cluster/__init__.py): it starts, runs multi-node
+"""The real local Slurm cluster (`slipway cluster`, jobs/cluster/): it starts, runs multi-node
 jobs on distinct hosts, carries a torchrun c10d + gloo job across 2 nodes, and
 leaves nothing behind."""
 

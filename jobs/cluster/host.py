@@ -1,4 +1,4 @@
-"""Host plumbing for the local Slurm cluster (jobs/cluster/__init__.py, `slipway cluster`): processes by id,
+"""Host plumbing for the local Slurm cluster (jobs/cluster/, `slipway cluster`): processes by id,
 the registry of running clusters, our block in /etc/hosts, network namespaces,
 and the teardown that removes all of a cluster's traces. Standard library only."""
 
@@ -168,10 +168,12 @@ def hosts_block_present(name: str) -> bool:
 
 # ---------------------------------------------------------------- network
 
-def run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    res = subprocess.run(argv, capture_output=True, text=True)
+def run(*argv: str, check: bool = True, **options) -> subprocess.CompletedProcess:
+    """`argv`'s output as text (`options` go to subprocess.run); a failure raised with its message."""
+    res = subprocess.run(argv, capture_output=True, text=True, **options)
     if check and res.returncode != 0:
-        raise ClusterError(f"`{shlex.join(argv)}` failed ({res.returncode}): {res.stderr.strip()}")
+        raise ClusterError(f"`{shlex.join(argv)}` failed ({res.returncode}): "
+                           f"{res.stderr.strip() or res.stdout.strip()}")
     return res
 
 
@@ -248,15 +250,3 @@ def leftovers(name: str, state_dir: Path | None = None,
     if registry_path(name).exists():
         left.append(f"registry {registry_path(name)}")
     return left
-
-
-CONF_HEADER = "# Written by `slipway cluster up` for a local test cluster; rewritten on every `up`."
-
-
-def is_local_conf(path: str | os.PathLike) -> bool:
-    """Whether `path` is a slurm.conf `slipway cluster up` wrote (it stays after `down`)."""
-    try:
-        with open(path, errors="replace") as f:
-            return f.readline().rstrip("\n") == CONF_HEADER
-    except OSError:
-        return False

@@ -1,0 +1,289 @@
+"""The commands that make a run (submit, prepare, local, run, edf, shell), and what every
+command shares: the project directory, the one config tree from CONFIG, its overrides and
+flags, and the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from kernel.environ import as_typed, invocation
+from kernel.errors import ConfigError
+from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
+from trainer.extras import require as require_extra
+
+REFUSED = "a real submission would fail: "  # how runs.seal marks a dry run's note that is a refusal
+
+
+def project_dir() -> Path:
+    return Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute()
+
+
+def rich_console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(highlight=False, stderr=stderr)
+
+
+def load(args: argparse.Namespace):
+    """The config from CONFIG, its overrides and the config flags. It keeps them, shell-quoted, for
+    the commands a hint suggests (`slipway prepare ...`), so a suggestion pasted reads the same config."""
+    from jobs.config import load_config
+    from kernel.errors import warn
+
+    sets = {k[4:]: v for k, v in vars(args).items() if k.startswith("set:") and v is not None}
+    cfg = load_config(args.config, args.overrides, sets)
+    given, switches = [args.config, *args.overrides], {key for _, key, _ in BOOL_FLAGS}
+    for flag, key, *_ in NAMED_FLAGS + CLUSTER_FLAGS + BOOL_FLAGS:
+        if key in sets:
+            given += [flag] if key in switches else [flag, str(sets[key])]
+    cfg.given_args = shlex.join(given)
+    for text in cfg.launch.secret_warnings():  # the user's own lines: said once per command, not refused
+        warn(text)
+    return cfg
+
+
+def _notes(console, notes: list[str]) -> None:
+    from rich.markup import escape
+
+    from kernel.secrets import mask
+
+    for note in notes:  # a note quotes paths and overrides (`container.mounts=[...]`): never markup
+        console.print(f"[yellow]note:[/] {escape(mask(as_typed(note)))}", soft_wrap=True, markup=True, highlight=False)
+
+
+def _submitted(args: argparse.Namespace, job_id: str, notes: list[str]):
+    """The console for what follows a submission, its notes printed; with --parsable the job id
+    alone goes to stdout (scripts read it) and everything else to stderr."""
+    if args.parsable:
+        print(job_id)
+    console = rich_console(stderr=args.parsable)
+    _notes(console, notes)
+    return console
+
+
+def _follow(console, run, job_id: str) -> int:
+    from jobs.cli.status import follow_logs
+
+    return follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from jobs import runs
+
+    cfg = load(args)
+    if args.dry_run:
+        return _dry_run(cfg, args, rich_console())
+    run, job_id, sealed, prep_id = runs.submit(cfg, project_dir(), force=args.force, prepare=args.prepare,
+                                               before_writing=_check_controller)
+    console = _submitted(args, job_id, sealed.notes)
+    if prep_id:
+        console.print(f"data preparation job [bold]{prep_id}[/] (log {run.log_path(prep_id)}); the training job "
+                      "starts once it has completed", soft_wrap=True)
+    resumed = sum(1 for x in run.launches() if x.kind == "train") > 1
+    console.print(f"{'resubmitted' if resumed else 'submitted'} [bold]{cfg.run.name}[/] as job [bold]{job_id}[/]"
+                  f"{' (resumes from its latest checkpoint)' if resumed else ''}  run dir: {run.dir}",
+                  soft_wrap=True)
+    if sealed.pin.path:
+        console.print(f"[dim]image {sealed.pin.path} ({sealed.pin.source}"
+                      f"{', build ' + sealed.pin.build_hash[:12] if sealed.pin.build_hash else ''})[/]",
+                      soft_wrap=True)
+    if not args.show_logs:
+        return 0
+    console.print(f"following {run.log_path(job_id)} until the job ends (Ctrl-C stops following, "
+                  "not the job)", style="dim", soft_wrap=True)
+    code = _follow(console, run, job_id)
+    console.print(f"job {job_id} ended with exit code {code}")
+    return code
+
+
+def _dry_run(cfg, args: argparse.Namespace, console) -> int:
+    """`submit --dry-run`: the verdict first (what would be submitted, where, with which image and
+    code, and what would refuse it), then the notes and the rendered files; nothing written."""
+    from rich.markup import escape
+
+    from jobs import runs
+    from jobs.cli.doctor import controller_problem
+    from kernel.secrets import mask
+
+    sealed = runs.seal(cfg, project_dir(), dry_run=True)
+    scfg, paths, pin, code = sealed.cfg, sealed.paths, sealed.pin, sealed.snapshot
+    refusals = [n.removeprefix(REFUSED) for n in sealed.notes if n.startswith(REFUSED)]
+    notes = [n for n in sealed.notes if not n.startswith(REFUSED)]
+    exists = (paths.run_dir / "manifest.json").is_file()
+    try:
+        runs.check_submittable(scfg)
+        done = runs.nothing_to_train(scfg, paths.run_dir, "submit")
+        why = runs.unprepared_data(sealed, cfg.config_args)
+        differs = exists and runs.config_difference(paths.config, sealed.files["config.yaml"])
+        refusals += [f"train.steps: {done}"] if done else []
+        refusals += [f"data: {why}"] if why and not args.prepare else []
+        notes += ["the token cache is not prepared: a CPU job would prepare it first, and the training job wait "
+                  "for it (--prepare)"] if why and args.prepare else []
+        refusals += [f"run.name: run {scfg.run.name} exists with {differs}: pass --force to replace its config"
+                     ] if differs and not args.force else []
+        refusals += [problem] if (problem := controller_problem()) else []
+    except ConfigError as exc:
+        refusals.append(str(exc))
+    s = scfg.slurm
+    where = (f"{s.nodes} node(s) x {scfg.launch.procs_per_node} process(es)"
+             f"{f' x {s.gpus_per_node} GPU(s)' if s.gpus_per_node else ''}, time {s.time}"
+             + "".join(f", {k} {v}" for k, v in (("partition", s.partition), ("account", s.account)) if v)
+             + f"; runtime {scfg.container.runtime}, launcher {scfg.launch.launcher}")
+    built = f"build {pin.build_hash[:12]}" if pin.build_hash else "not built yet" if pin.source == "none" else pin.source
+    image = f"{pin.image} ({built})" if pin.image else "none: this environment's Python on the nodes"
+    source = (f"git {code.commit[:12]}{' with uncommitted changes' if code.dirty else ''}" if code and code.commit
+              else "not a git checkout")
+    code_line = (f"a snapshot of this checkout ({source}; {code.files} files, {code.hash12})" if code
+                 else "the image's own (code.snapshot: false)")
+    verdict = "[green]would be submitted[/]" if not refusals else f"[red]would be refused[/] ({len(refusals)})"
+    for label, text in (("dry run", f"{escape(scfg.run.name)} ({'resumes' if exists else 'new run'}) in "
+                                    f"{escape(str(paths.run_dir))}: nothing written, nothing submitted"),
+                        ("where", escape(where)), ("image", escape(image)), ("code", escape(code_line)),
+                        ("verdict", verdict)):
+        console.print(f"[bold]{label}:[/] {text}", soft_wrap=True, highlight=False)
+    for refusal in refusals:
+        console.print(f"  - {escape(mask(as_typed(refusal)))}", soft_wrap=True, highlight=False)
+    _notes(console, notes)
+    for name in ("job.sbatch", "env.toml"):
+        if name in sealed.files:
+            print(f"==> {paths.run_dir / name} <==", flush=True)
+            sys.stdout.write(mask(sealed.files[name]))  # launch.pre_launch is the user's own text
+            sys.stdout.flush()
+    console.print(f"[bold]dry run:[/] nothing written, nothing submitted; {verdict}"
+                  f"{' (the reasons are at the top)' if refusals else ''}", soft_wrap=True)
+    return 0
+
+
+def _check_controller() -> None:
+    """Once the input is checked and before anything is written: a submission no controller
+    would take fails with doctor's one-line diagnosis, not sbatch's resolver errors."""
+    from jobs.cli.doctor import controller_problem
+    from jobs.slurm import SlurmError
+
+    problem = controller_problem()
+    if problem:
+        raise SlurmError(problem)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from jobs import runs
+    from jobs.runs.container import default_hf_home
+
+    cfg = load(args)
+    if args.as_job:
+        run, job_id, sealed = runs.submit_prepare(cfg, project_dir(), force=args.force)
+        console = _submitted(args, job_id, sealed.notes)
+        console.print(f"submitted the data preparation of [bold]{cfg.run.name}[/] as job [bold]{job_id}[/] "
+                      f"(log {run.log_path(job_id)}); `{invocation()} submit {cfg.config_args}` once it has completed, "
+                      "or now with --prepare to queue it behind", soft_wrap=True)
+        return _follow(console, run, job_id) if args.show_logs else 0
+    console = rich_console()
+    require_extra("prepare", "trainer", ("numpy", "tokenizers", "datasets"),
+                  instead=f"prepare in the image as a CPU job: slipway prepare {cfg.config_args} --as-job")
+    sealed = runs.seal(cfg, project_dir(), dry_run=True)
+    data = sealed.cfg.data
+    # Hub downloads land where the job's own HF_HOME is (set before the hub libraries load).
+    if cfg.launch.hf_home:
+        from edf import expand_host
+
+        os.environ["HF_HOME"] = expand_host(cfg.launch.hf_home, "launch.hf_home")
+    else:
+        os.environ.setdefault("HF_HOME", str(default_hf_home(sealed.paths)))
+    from trainer.data_cache import DataCacheError
+    from trainer.prepare import prepare
+
+    console.print(f"preparing {data.dataset} with tokenizer {data.tokenizer} into {data.cache_dir}", soft_wrap=True)
+    try:
+        result = prepare(data, data.cache_dir, num_proc=data.num_proc if args.cpus is None else args.cpus,
+                         progress=console)
+    except DataCacheError as exc:
+        raise ConfigError("data.cache_dir", str(exc)) from None
+    for entry in result.entries:
+        console.print(entry.describe(), soft_wrap=True, highlight=False)
+    console.print(f"[green]prepared[/]: `{invocation()} submit {cfg.config_args}` will only open this cache",
+                  soft_wrap=True)
+    return 0
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from jobs import local
+
+    cfg = load(args)
+    require_extra("local", "trainer")
+    named = getattr(args, "set:run.name") is not None or any(o.startswith("run.name=") for o in args.overrides)
+    return local.run_local(cfg, project_dir(), force=args.force, console=rich_console(), rename=not named)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from jobs import local
+
+    return local.run_in_allocation(load(args), project_dir(), force=args.force, console=rich_console())
+
+
+def cmd_edf(args: argparse.Namespace) -> int:
+    from edf import check_edf, install_edf, parse_edf, render_edf, srun_flags
+    from kernel.secrets import mask
+
+    if args.check or args.to_pyxis:
+        path = Path(args.check or args.to_pyxis)
+        notes: list[str] = []
+        # --check also looks for the image file and mount sources; --to-pyxis may run elsewhere.
+        _, problems = check_edf(path, notes=notes if args.check else None)
+        for note in notes:
+            print(f"note: {mask(note)}", file=sys.stderr)
+        for problem in problems:
+            print(f"slipway: error: {problem}", file=sys.stderr)
+        if problems:
+            print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
+            return 2
+        if args.check:
+            print(f"{path}: ok" + (f" ({len(notes)} path(s) not judged, see the notes)" if notes else ""))
+            return 0
+        env = parse_edf(path)
+        env.runtime = "pyxis"
+        flags = srun_flags(env)
+        for warning in flags.warnings:
+            print(f"note: {mask(warning)}", file=sys.stderr)
+        from jobs.slurm.script import shell_value
+
+        # a hand-written EDF's values, printed: what looks like a secret is hidden (check_edf warned)
+        for name, value in flags.exports:
+            print(mask(f"export {name}={shell_value(value)}"))
+        print(mask(" ".join(shell_value(a) for a in flags.args)))
+        return 0
+    if args.config is None:
+        raise ConfigError("CONFIG", "give a config (slipway edf CONFIG), or --check FILE / --to-pyxis FILE")
+    from jobs import runs
+
+    cfg = load(args)
+    if not cfg.container.in_container:
+        raise ConfigError("container.runtime", "runtime none has no container environment: set "
+                                               "container.runtime to edf or pyxis")
+    # The environment alone: an EDF kept in EDF_PATH outlives any one launch, and a run's code
+    # snapshot comes with each launch (submit, run), not with the environment.
+    cfg.code.snapshot = False
+    sealed = runs.seal(cfg, project_dir(), dry_run=not args.install)
+    _notes(rich_console(), sealed.notes)
+    if args.install:
+        print(install_edf(sealed.env, cfg.container.edf_name or cfg.run.name, force=args.force))
+    else:
+        sys.stdout.write(mask(render_edf(sealed.env)))
+    return 0
+
+
+def cmd_shell(args: argparse.Namespace) -> int:
+    from jobs import local
+    from kernel.secrets import mask
+
+    cfg = load(args)
+    if args.dry_run:
+        text, notes = local.shell_dry_run(cfg, project_dir(), command=args.command)
+        for note in notes:
+            print(f"note: {mask(note)}", file=sys.stderr)
+        sys.stdout.write(mask(text))  # --command is the user's own text
+        return 0
+    return local.run_shell(cfg, project_dir(), command=args.command)

@@ -1,0 +1,205 @@
+"""What a local cluster is (ClusterSpec: nodes, names, addresses, ports, its state dir) and the
+slurm.conf it runs on; where its state goes by default, and the spec of the one that is up.
+
+Accounting is off (Debian's build has no ``none`` plugins for accounting storage or job
+completion, and slurmctld dies on them): ``sacct`` does not work; ``squeue`` and ``scontrol show
+job`` do, and a finished job stays visible to them for MinJobAge (300 s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from jobs.cluster.host import ClusterError, read_registry
+
+CONF_HEADER = "# Written by `slipway cluster up` for a local test cluster; rewritten on every `up`."
+
+
+def is_local_conf(path: str | os.PathLike) -> bool:
+    """Whether `path` is a slurm.conf `slipway cluster up` wrote (it stays after `down`)."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.readline().rstrip("\n") == CONF_HEADER
+    except OSError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """What to start. The defaults are the cluster tests and `make` targets use."""
+
+    state_dir: Path
+    nodes: int = 2
+    cpus: int = 4  # per node; more than the machine's cores is fine (config_overrides)
+    memory_mb: int = 2048  # per node; not enforced (CR_Core, task/none)
+    name: str = "slpw"  # prefix of namespaces, links, the /etc/hosts block, the registry
+    node_prefix: str = "node"
+    ctl_host: str = "slipway-ctl"
+    subnet: str = "10.213.0"  # a /24: .1 is the controller (the bridge), .(10+K) node K
+    ctld_port: int = 6917
+    slurmd_port: int = 6918
+    partition: str = "debug"
+    # A SPANK plugstack.conf for every node (PlugStackConfig=), e.g. one that loads pyxis.
+    plugstack: Path | None = None
+    # Directories each node sees a copy of its own (a real node's local /run, /tmp ...):
+    # each slurmd runs in its own mount namespace with STATE_DIR/nodes/NODE/N bound over
+    # them, so per-node state (enroot's data and runtime dirs, pyxis's runtime path) of two
+    # "nodes" on one machine does not collide.
+    node_private: tuple[str, ...] = ()
+    # Seconds a job credential lives (slurm.conf AuthInfo cred_expire; Slurm's default 120, its
+    # minimum 5). A requeued job may not start again before it has passed: tests that requeue
+    # lower it.
+    cred_expire: int = 120
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
+        if not 1 <= self.nodes <= 200:
+            raise ClusterError(f"nodes={self.nodes}: choose 1..200 (addresses .11-.210 of the /24)")
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", self.name):
+            raise ClusterError(f"name={self.name!r}: use 1-8 lowercase letters/digits "
+                               "(it prefixes interface names, which are capped at 15 chars)")
+        if not re.fullmatch(r"(25[0-5]|2[0-4]\d|1?\d?\d)(\.(25[0-5]|2[0-4]\d|1?\d?\d)){2}", self.subnet):
+            raise ClusterError(f"subnet={self.subnet!r}: give the first three octets of a /24, e.g. 10.213.0")
+        for host in (self.node_prefix, self.ctl_host):
+            if not re.fullmatch(r"[a-z][a-z0-9-]*", host):
+                raise ClusterError(f"host name {host!r}: use lowercase letters, digits and '-'")
+        # slurm.conf has no quoting: a path with blanks, '#' or '=' would be cut there.
+        if re.search(r"[\s#=\"'\\]", str(self.state_dir)):
+            raise ClusterError(f"state dir {str(self.state_dir)!r} holds a character slurm.conf cannot "
+                               "carry (blank, #, =, quote, backslash): pick a plain path")
+        object.__setattr__(self, "node_private", tuple(self.node_private))
+        if self.cred_expire < 5:
+            raise ClusterError(f"cred_expire={self.cred_expire}: Slurm takes 5 s or more")
+        for d in self.node_private:
+            if not d.startswith("/") or re.search(r"[\s'\"\\]", d):
+                raise ClusterError(f"node-private directory {d!r}: give absolute paths without blanks or quotes")
+        if self.plugstack is not None:
+            object.__setattr__(self, "plugstack", Path(self.plugstack).absolute())
+            if not self.plugstack.is_file() or re.search(r"[\s#=\"'\\]", str(self.plugstack)):
+                raise ClusterError(f"plugstack {self.plugstack}: give an existing file whose path slurm.conf can "
+                                   "carry (no blanks, #, =, quotes)")
+        # slurmstepd makes a socket per step in the spool dir: SPOOL/NODE/NODE_JOBID.STEPID (108 bytes at most).
+        step_socket = self.state_dir / "spool" / self.node_names[-1] / f"{self.node_names[-1]}_4294967291.4294967291"
+        if len(str(step_socket)) > 107:
+            raise ClusterError(f"state dir {self.state_dir} is too long for slurmstepd's step sockets "
+                               f"({len(str(step_socket))} > 107 bytes): pick a shorter one")
+        if len(str(self.munge_socket)) > 100:
+            raise ClusterError(f"state dir {self.state_dir} is too long for a unix socket path "
+                               f"({self.munge_socket}): pick a shorter one")
+
+    # names and addresses
+    @property
+    def node_names(self) -> list[str]:
+        return [f"{self.node_prefix}{k}" for k in range(1, self.nodes + 1)]
+
+    @property
+    def ctl_addr(self) -> str:
+        return f"{self.subnet}.1"
+
+    def node_addr(self, k: int) -> str:
+        return f"{self.subnet}.{10 + k}"
+
+    def netns(self, k: int) -> str:
+        return f"{self.name}-{self.node_prefix}{k}"
+
+    def veth(self, k: int) -> str:
+        return f"{self.name}-v{k}"
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.name}-br"
+
+    # files
+    @property
+    def conf(self) -> Path:
+        return self.state_dir / "slurm.conf"
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.state_dir / "munge" / "munge.socket"
+
+    @property
+    def munge_key(self) -> Path:
+        return self.state_dir / "munge" / "munge.key"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "log"
+
+    def hosts_lines(self) -> list[str]:
+        """Each name with its address, also in the IPv4-mapped IPv6 form (::ffff:a.b.c.d): torch's
+        TCPStore listens dual-stack and names each peer by getnameinfo on such an address, which
+        /etc/hosts' IPv4 lines do not answer; the lookup then goes to DNS, which the node
+        namespaces cannot reach (EAI_AGAIN, seconds lost and a c10d warning per connection)."""
+        named = [(self.ctl_addr, self.ctl_host)] + [(self.node_addr(k), n) for k, n in enumerate(self.node_names, 1)]
+        return [f"{addr}\t{name}" for addr, name in named] + [f"::ffff:{addr}\t{name}" for addr, name in named]
+
+
+def render_slurm_conf(spec: ClusterSpec) -> str:
+    """slurm.conf for `spec`: the settings lab.md found working, short timeouts for fast tests."""
+    s = spec.state_dir
+    nodes = "\n".join(
+        f"NodeName={n} NodeHostname={n} NodeAddr={spec.node_addr(k)} CPUs={spec.cpus} "
+        f"RealMemory={spec.memory_mb} State=UNKNOWN"
+        for k, n in enumerate(spec.node_names, 1))
+    return f"""\
+{CONF_HEADER}
+ClusterName=slipway
+SlurmctldHost={spec.ctl_host}({spec.ctl_addr})
+SlurmctldPort={spec.ctld_port}
+SlurmdPort={spec.slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# Our own munged, so a system munged (and its key) is left alone.
+AuthInfo=socket={spec.munge_socket},cred_expire={spec.cred_expire}
+StateSaveLocation={s}/ctld
+SlurmdSpoolDir={s}/spool/%n
+SlurmctldPidFile={s}/run/slurmctld.pid
+SlurmdPidFile={s}/run/slurmd-%n.pid
+SlurmctldLogFile={s}/log/slurmctld.log
+SlurmdLogFile={s}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+# No cgroups: processes are tracked by parentage, tasks are not bound.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+# Trust the CPUs/RealMemory below even where the machine has fewer.
+SlurmdParameters=config_overrides
+MpiDefault=none
+MailProg=/bin/true
+JobRequeue=1
+KillOnBadExit=1
+ReturnToService=2
+SlurmctldTimeout=10
+SlurmdTimeout=30
+MessageTimeout=10
+KillWait=5
+InactiveLimit=0
+MinJobAge=300
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+# Accounting is off: AccountingStorageType and JobCompType are left out (Debian's
+# build lacks their none plugins). sacct does not work; squeue and scontrol do.
+{nodes}
+PartitionName={spec.partition} Nodes={",".join(spec.node_names)} Default=YES MaxTime=INFINITE State=UP
+""" + (f"PlugStackConfig={spec.plugstack}\n" if spec.plugstack else "")
+
+
+def default_state_dir(purpose: str = "") -> Path:
+    """/tmp/slipway-slurm-UID (the command line's), /tmp/slipway-slurm-UID-PURPOSE for others."""
+    return Path(tempfile.gettempdir()) / "-".join(filter(None, ["slipway-slurm", str(os.getuid()), purpose]))
+
+
+def spec_of_running(name: str = "slpw") -> ClusterSpec | None:
+    """The spec of the cluster `name` that is up (as recorded by its `up`), None if none is."""
+    reg = read_registry(name)
+    return ClusterSpec(**reg["spec"]) if reg and "spec" in reg else None
+
