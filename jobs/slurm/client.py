@@ -1,4 +1,4 @@
-"""The one wrapper around Slurm's client tools (sbatch, squeue, sacct, scancel, scontrol, srun).
+"""The one wrapper around Slurm's client tools (sbatch, squeue, sacct, scancel, scontrol, sinfo, srun).
 
 Every command line is built here, through plumbum, so a test can read it and a
 real Slurm runs it. The state of any number of jobs costs at most two calls
@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError, ProcessTimedOut
@@ -91,10 +92,6 @@ def scancel(job_ids: list[str], signal: str | None = None, *, batch: bool = Fals
     scope = ["--batch"] if batch else ["--full"]
     args = ([f"--signal={signal}", *scope] if signal else []) + list(job_ids)
     _run(_tool("scancel"), *args)
-
-
-def requeue(job_id: str) -> None:
-    _run(_tool("scontrol"), "requeue", job_id)
 
 
 # squeue's fields, each ended by "|" (no width: nothing is cut); the job name last, as it may hold "|".
@@ -197,18 +194,24 @@ def ping(timeout: float = 20) -> tuple[bool, str]:
     return rc == 0 and " is UP" in text, (fatal[-1] if fatal else text) or f"scontrol ping exited {rc}"
 
 
-def srun_argv(*, nodes: int, ntasks_per_node: int, cpus_per_task: int, gpus_per_node: int, time: str | None,
-              account: str | None, partition: str | None, pty: bool, extra: list[str]) -> list[str]:
-    """An interactive or one-off `srun` outside a batch script (shell, image builds)."""
-    argv = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={ntasks_per_node}", f"--cpus-per-task={cpus_per_task}"]
-    if gpus_per_node:
-        argv.append(f"--gpus-per-node={gpus_per_node}")
-    if time:
-        argv.append(f"--time={time}")
-    if account:
-        argv.append(f"--account={account}")
-    if partition:
-        argv.append(f"--partition={partition}")
-    if pty:
-        argv.append("--pty")
-    return argv + extra
+def srun_argv(*, nodes: int, cpus_per_task: int, ntasks_per_node: int = 1, ntasks: int | None = None,
+              gpus_per_node: int = 0, overlap: bool = False, kill_on_bad_exit: bool | None = None,
+              wait: int | None = None, near_gpu: bool = False, time: str | None = None, account: str | None = None,
+              partition: str | None = None, pty: bool = False, container: Sequence[str] = (),
+              extra: Sequence[str] = ()) -> list[str]:
+    """Every srun slipway starts, its options in one order: the step's behaviour (`overlap` other
+    steps, `kill_on_bad_exit`, `wait` seconds for the other tasks once one ends), its shape
+    (`ntasks` in all, else `ntasks_per_node`), `near_gpu` (each task on a GPU of its own and the
+    cores and memory next to it: a node preset), a one-off's own allocation (a batch script's
+    steps take the job's), the container's flags (`edf.srun_flags`), then `extra` (more options,
+    the command). Each word is returned as given (a `str` subclass stays one), so a batch script
+    quotes each by its kind."""
+    argv = ["srun", *(["--overlap"] if overlap else [])]
+    argv += [] if kill_on_bad_exit is None else [f"--kill-on-bad-exit={int(kill_on_bad_exit)}"]
+    argv += [] if wait is None else [f"--wait={wait}"]
+    argv += [f"--nodes={nodes}", f"--ntasks={ntasks}" if ntasks else f"--ntasks-per-node={ntasks_per_node}",
+             f"--cpus-per-task={cpus_per_task}", *([f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else [])]
+    argv += ["--gpus-per-task=1", "--cpu-bind=verbose,cores", "--mem-bind=local"] if near_gpu else []
+    argv += [f"--{name}={value}" for name, value in (("time", time), ("account", account), ("partition", partition))
+             if value]
+    return argv + (["--pty"] if pty else []) + [*container, *extra]

@@ -18,6 +18,7 @@ from typing import Optional
 from edf import Environment, srun_flags
 from kernel.secrets import refusal
 from jobs.config import NODE_PRESETS, Config
+from jobs.slurm.client import srun_argv
 from kernel.errors import ConfigError
 from kernel.rundir import (BAD_INPUT_EXIT, HANG_EXIT, HANGS_DIR, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
                            REQUEUE_EXIT, STOP_FILE, CodeSnapshot)
@@ -327,13 +328,13 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[st
     report = cmd is None
     cmd = task_command(cfg, paths, code) if cmd is None else cmd
     prefix = "".join(f"{a} " for a in assigns)
-    if wrap:
-        srun = [*wrap, "srun", f"--nodes={cfg.slurm.nodes}", f"--cpus-per-task={cfg.slurm.cpus_per_task}",
-                "--kill-on-bad-exit=1"]
-    else:
-        srun = ["srun", "--kill-on-bad-exit=1", "--wait=60", f"--cpus-per-task={cfg.slurm.cpus_per_task}",
-                f"--nodes={cfg.slurm.nodes}"]
-    if cfg.launch.launcher == "torchrun":
+    torchrun = cfg.launch.launcher == "torchrun"
+    # A node preset's srun launcher runs one task per GPU, on the cores and memory next to it:
+    # task i gets GPU i and cores [i * cpus_per_task, (i + 1) * cpus_per_task), on a GH200 its own Grace.
+    srun = [*wrap, *srun_argv(nodes=cfg.slurm.nodes, ntasks_per_node=1 if torchrun else cfg.launch.procs_per_node,
+                              cpus_per_task=cfg.slurm.cpus_per_task, kill_on_bad_exit=True, wait=None if wrap else 60,
+                              near_gpu=not torchrun and cfg.launch.preset in NODE_PRESETS, container=container)]
+    if torchrun:
         if cmd[0] != cfg.launch.python:
             raise ConfigError("launch.command", "with launcher torchrun the command must start with launch.python "
                                                 f"({cfg.launch.python}); use launcher srun for other programs")
@@ -341,20 +342,13 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[st
                 "--rdzv-backend=c10d"]
         argv = torchrun_argv(cfg, nnodes=_Expand("$SLURM_NNODES"), rdzv=rdzv) + cmd[1:]
         argv = ["bash", "-c", _REPORT_EXIT, "slipway-task", *argv] if report else argv
-        return f"{prefix}{_words(srun + ['--ntasks-per-node=1'] + container)} \\\n  {_words(argv)}"
-    # One task per process: the rank variables come from Slurm's own.
-    mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
-              'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; ')
-    mapper += _REPORT_EXIT if report else 'exec "$@"'
-    srun += [f"--ntasks-per-node={cfg.launch.procs_per_node}"]
-    if cfg.launch.preset in NODE_PRESETS:
-        # One task per GPU, on the cores and memory next to it: task i gets GPU i and cores
-        # [i * cpus_per_task, (i + 1) * cpus_per_task), which on a GH200 is its own Grace.
-        srun += ["--gpus-per-task=1", "--cpu-bind=verbose,cores", "--mem-bind=local"]
-    srun += container
-    if port != "MASTER_PORT":  # init_process_group reads MASTER_PORT: this launch's own, for its srun alone
-        prefix += f'MASTER_PORT="${port}" '
-    return f"{prefix}{_words(srun)} \\\n  {_words(['bash', '-c', mapper, 'slipway-task', *cmd])}"
+    else:  # one task per process: the rank variables come from Slurm's own
+        mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
+                  'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; ')
+        argv = ["bash", "-c", mapper + (_REPORT_EXIT if report else 'exec "$@"'), "slipway-task", *cmd]
+        if port != "MASTER_PORT":  # init_process_group reads MASTER_PORT: this launch's own, for its srun alone
+            prefix += f'MASTER_PORT="${port}" '
+    return f"{prefix}{_words(srun)} \\\n  {_words(argv)}"
 
 
 # Each task of the training step reports its own exit (step_exit in jobs/slurm/job_lib.sh): a task
@@ -376,8 +370,8 @@ def _node_helper(cfg: Config) -> list[str]:
     what = "its heartbeat (heartbeats/NODE)" + (" and GPU use (gutil/NODE.gutil)" if cfg.slurm.gpus_per_node else "")
     return [
         f"# On every node: {what}, for `slipway watch`; quiet, as the trap ends it.",
-        f"srun --overlap --nodes={cfg.slurm.nodes} --ntasks-per-node=1 --cpus-per-task=1 "
-        f'bash -c {shlex.quote("; ".join(script))} slipway-node "$RUN_DIR" > /dev/null 2>&1 &',
+        _words(srun_argv(nodes=cfg.slurm.nodes, cpus_per_task=1, overlap=True,
+                         extra=["bash", "-c", "; ".join(script), "slipway-node"])) + ' "$RUN_DIR" > /dev/null 2>&1 &',
         'HELPER_PIDS+=("$!")',
     ]
 
@@ -415,8 +409,8 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list
     checkpoint_dir = paths.run_dir / cfg.checkpoint.dir
     # --kill-on-bad-exit=0: a node that fails fast must not cut the other nodes' reports short
     # (where the cluster sets KillOnBadExit=1), or they would be blamed for sending none.
-    node_srun = [*limit, "srun", f"--nodes={s.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={s.cpus_per_task}",
-                 "--kill-on-bad-exit=0", *container]
+    node_srun = [*limit, *srun_argv(nodes=s.nodes, cpus_per_task=s.cpus_per_task, kill_on_bad_exit=False,
+                                    container=container)]
     node_cmd = [cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.run_dir),
                 "--checkpoint-dir", str(checkpoint_dir),
                 "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node),
@@ -602,7 +596,7 @@ def render_prepare_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str
             "--no-requeue"]
     container, assigns = _container_args(env, paths)
     prefix = "".join(f"{a} " for a in assigns)
-    srun = ["srun", "--nodes=1", "--ntasks=1", f"--cpus-per-task={cpus}", *container]
+    srun = srun_argv(nodes=1, ntasks=1, cpus_per_task=cpus, container=container)
     argv = [cfg.launch.python, "-m", "trainer.prepare", "--config", str(paths.config), "--cpus", str(cpus)]
     lines = ["#!/bin/bash", f"# slipway data preparation for run {cfg.run.name}: generated, edit configs/ instead"]
     lines += [f"#SBATCH {o}" for o in opts]
