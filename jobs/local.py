@@ -471,8 +471,8 @@ def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None,
         edf_file = (edf_dir or shell_edf_root(project_dir) / SHELL_EDF_SHOWN) / "env.toml"
     args, exports = srun_flags(env, edf_file).expanded()
     s = cfg.slurm
-    argv = slurm.srun_argv(nodes=1, ntasks_per_node=1, cpus_per_task=s.cpus_per_task, gpus_per_node=s.gpus_per_node,
-                           time=s.time, account=s.account, partition=s.partition, pty=not command, extra=args)
+    argv = slurm.srun_argv(nodes=1, cpus_per_task=s.cpus_per_task, gpus_per_node=s.gpus_per_node, time=s.time,
+                           account=s.account, partition=s.partition, pty=not command, container=args)
     return argv + (list(command) if command else ["bash"]), exports, text, notes
 
 

@@ -44,7 +44,7 @@ def one_line_error(r: subprocess.CompletedProcess, field: str) -> str:
 def srun_line(script: str) -> list[str]:
     """The words of the training srun line of a rendered batch script (its assignments first)."""
     lines = script.splitlines()
-    i = next(i for i, line in enumerate(lines) if "srun --kill-on-bad-exit" in line)
+    i = next(i for i, line in enumerate(lines) if "srun --kill-on-bad-exit=1 --wait=" in line)
     return shlex.split(lines[i].rstrip("\\") + " " + lines[i + 1].rstrip(" &"))
 
 

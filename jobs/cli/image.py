@@ -41,8 +41,8 @@ def compute_argv(cfg: Config, plan: ImagePlan, *, force: bool, do_import: bool) 
     only as long as the allocation); the inner build reads the frozen config."""
     assert plan.frozen_config is not None
     s = cfg.slurm
-    argv = srun_argv(nodes=1, ntasks_per_node=1, cpus_per_task=s.cpus_per_task, gpus_per_node=0, time=s.time,
-                     account=s.account, partition=s.partition, pty=False, extra=["--job-name=slipway-image"])
+    argv = srun_argv(nodes=1, cpus_per_task=s.cpus_per_task, time=s.time, account=s.account, partition=s.partition,
+                     extra=["--job-name=slipway-image"])
     argv += [sys.executable, "-m", "jobs", "image", "build", "--here", str(plan.frozen_config)]
     return argv + (["--force"] if force else []) + ([] if do_import else ["--no-import"])
 
@@ -107,8 +107,7 @@ def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console
     sweep = f'sweep_containers "" "" "" 0 {"" if remove else "list"}'
     script = f'{PYXIS_LIB}\n{sweep} | sed "s/^/${{SLURMD_NODENAME:-$(hostname)}}: /"'
     s = cfg.slurm
-    argv = srun_argv(nodes=len(names), ntasks_per_node=1, cpus_per_task=1, gpus_per_node=0, time=None,
-                     account=s.account, partition=s.partition, pty=False,
+    argv = srun_argv(nodes=len(names), cpus_per_task=1, account=s.account, partition=s.partition,
                      extra=[f"--nodelist={','.join(names)}", "--job-name=slipway-containers", "bash", "-c", script])
     console.print(f"[bold]{'removing' if remove else 'listing'}[/] slipway's pyxis containers on "
                   f"{escape(','.join(names))}", highlight=False)

@@ -18,6 +18,7 @@ from typing import Optional
 from edf import Environment, srun_flags
 from kernel.secrets import refusal
 from jobs.config import NODE_PRESETS, Config
+from jobs.slurm.client import srun_argv
 from kernel.errors import ConfigError
 from kernel.rundir import (BAD_INPUT_EXIT, HANG_EXIT, HANGS_DIR, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
                            REQUEUE_EXIT, STOP_FILE, CodeSnapshot)
@@ -112,40 +113,25 @@ def local_argv(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = None
     return torchrun_argv(cfg, nnodes="1", rdzv=["--standalone"]) + cmd[1:]
 
 
-def _omp_threads(cfg: Config) -> int:
-    per_task = cfg.launch.procs_per_node if cfg.launch.launcher == "torchrun" else 1
-    return max(1, cfg.slurm.cpus_per_task // per_task)
-
-
 def _allocation(cfg: Config, *, partition: str | None) -> list[str]:
     """The #SBATCH options every job of a run shares: account, partition, QOS, memory, mail."""
     s = cfg.slurm
-    opts = []
-    for name, value in (("account", s.account), ("partition", partition), ("qos", s.qos), ("mem", s.mem)):
-        if value:
-            opts.append(f"--{name}={sbatch_quote(value)}")
-    if s.email:
-        opts += [f"--mail-user={sbatch_quote(s.email)}", "--mail-type=END,FAIL"]
-    return opts
+    opts = [f"--{name}={sbatch_quote(value)}" for name, value in
+            (("account", s.account), ("partition", partition), ("qos", s.qos), ("mem", s.mem)) if value]
+    return opts + ([f"--mail-user={sbatch_quote(s.email)}", "--mail-type=END,FAIL"] if s.email else [])
 
 
 def _header(cfg: Config, paths: RunPaths) -> list[str]:
     s = cfg.slurm
     tasks = 1 if cfg.launch.launcher == "torchrun" else cfg.launch.procs_per_node
     opts = [f"--job-name={cfg.run.name}", f"--nodes={s.nodes}", f"--ntasks-per-node={tasks}",
-            f"--cpus-per-task={s.cpus_per_task}"]
-    if s.gpus_per_node:
-        opts.append(f"--gpus-per-node={s.gpus_per_node}")
-    opts.append(f"--time={s.time}")
-    opts += _allocation(cfg, partition=s.partition)
+            f"--cpus-per-task={s.cpus_per_task}", *([f"--gpus-per-node={s.gpus_per_node}"] if s.gpus_per_node else []),
+            f"--time={s.time}", *_allocation(cfg, partition=s.partition)]
     opts += [f"--output={sbatch_quote(str(paths.run_dir / s.output))}",
-             f"--error={sbatch_quote(str(paths.run_dir / s.error))}",
-             "--open-mode=append"]
-    if s.warning_seconds():
-        # B: only the batch shell gets it; it tells the trainer through STOP_FILE.
-        opts.append(f"--signal=B:USR1@{s.warning_seconds()}")
-    opts.append("--requeue" if s.requeue else "--no-requeue")
-    opts += [sbatch_quote(o) for o in s.extra]
+             f"--error={sbatch_quote(str(paths.run_dir / s.error))}", "--open-mode=append"]
+    # B: only the batch shell gets the warning; it tells the trainer through STOP_FILE.
+    opts += [f"--signal=B:USR1@{s.warning_seconds()}"] if s.warning_seconds() else []
+    opts += ["--requeue" if s.requeue else "--no-requeue", *(sbatch_quote(o) for o in s.extra)]
     return ["#!/bin/bash", f"# slipway run {cfg.run.name}: generated, edit configs/ instead"] + \
         [f"#SBATCH {o}" for o in opts]
 
@@ -208,8 +194,8 @@ def _code_environment(code: Optional[CodeSnapshot]) -> list[str]:
 
 
 def _environment(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = None) -> list[str]:
-    debug = cfg.launch.debug
-    hf_home = _hf_home(cfg, paths)
+    debug, hf_home = cfg.launch.debug, _hf_home(cfg, paths)
+    per_task = cfg.launch.procs_per_node if cfg.launch.launcher == "torchrun" else 1  # processes sharing its CPUs
     lines = [
         "# Rendezvous: the first host of the allocation, never `hostname --ip-address`. sed reads",
         "# the whole list: `head` would close the pipe early, and pipefail would kill the script",
@@ -230,7 +216,7 @@ def _environment(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = No
         "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
         "export PYTHONFAULTHANDLER=1",
         "export PYTHONUNBUFFERED=1",
-        f"export OMP_NUM_THREADS={_omp_threads(cfg)}",
+        f"export OMP_NUM_THREADS={max(1, cfg.slurm.cpus_per_task // per_task)}",
         f"export SLIPWAY_RUN_DIR={shlex.quote(str(paths.run_dir))}",
         'export SLIPWAY_JOB_TAG="$JOB_TAG"',
         *_code_environment(code),
@@ -308,16 +294,16 @@ def _words(argv: list[str]) -> str:
                     else shlex.quote(a) for a in argv)
 
 
-def _container_args(env: Environment, paths: RunPaths) -> tuple[list[str], list[str]]:
-    """(srun arguments, NAME=value words set for the srun line only) for the run's environment.
+def _container_args(env: Environment, paths: RunPaths) -> tuple[list[str], str]:
+    """(srun arguments, the `NAME=value ` words that set variables for the srun line alone).
 
     pyxis's --container-env passes the [env] values from srun's environment: they are set
     for the srun alone so the host commands of the script keep their own (PATH...)."""
     flags = srun_flags(env, paths.env_toml)
-    return [_Value(a) for a in flags.args], [f"{name}={shell_value(value)}" for name, value in flags.exports]
+    return [_Value(a) for a in flags.args], "".join(f"{name}={shell_value(value)} " for name, value in flags.exports)
 
 
-def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[str],
+def _launch(cfg: Config, paths: RunPaths, container: list[str], prefix: str,
             cmd: list[str] | None = None, port: str = "MASTER_PORT", wrap: list[str] = (),
             code: Optional[CodeSnapshot] = None) -> str:
     """The `srun` line that starts every rank: the trainer, or `cmd` (the preflight's all-reduce)
@@ -326,14 +312,13 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[st
     step's tasks report their exits into $SLIPWAY_EXITS."""
     report = cmd is None
     cmd = task_command(cfg, paths, code) if cmd is None else cmd
-    prefix = "".join(f"{a} " for a in assigns)
-    if wrap:
-        srun = [*wrap, "srun", f"--nodes={cfg.slurm.nodes}", f"--cpus-per-task={cfg.slurm.cpus_per_task}",
-                "--kill-on-bad-exit=1"]
-    else:
-        srun = ["srun", "--kill-on-bad-exit=1", "--wait=60", f"--cpus-per-task={cfg.slurm.cpus_per_task}",
-                f"--nodes={cfg.slurm.nodes}"]
-    if cfg.launch.launcher == "torchrun":
+    torchrun = cfg.launch.launcher == "torchrun"
+    # A node preset's srun launcher runs one task per GPU, on the cores and memory next to it:
+    # task i gets GPU i and cores [i * cpus_per_task, (i + 1) * cpus_per_task), on a GH200 its own Grace.
+    srun = [*wrap, *srun_argv(nodes=cfg.slurm.nodes, ntasks_per_node=1 if torchrun else cfg.launch.procs_per_node,
+                              cpus_per_task=cfg.slurm.cpus_per_task, kill_on_bad_exit=True, wait=None if wrap else 60,
+                              near_gpu=not torchrun and cfg.launch.preset in NODE_PRESETS, container=container)]
+    if torchrun:
         if cmd[0] != cfg.launch.python:
             raise ConfigError("launch.command", "with launcher torchrun the command must start with launch.python "
                                                 f"({cfg.launch.python}); use launcher srun for other programs")
@@ -341,20 +326,13 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], assigns: list[st
                 "--rdzv-backend=c10d"]
         argv = torchrun_argv(cfg, nnodes=_Expand("$SLURM_NNODES"), rdzv=rdzv) + cmd[1:]
         argv = ["bash", "-c", _REPORT_EXIT, "slipway-task", *argv] if report else argv
-        return f"{prefix}{_words(srun + ['--ntasks-per-node=1'] + container)} \\\n  {_words(argv)}"
-    # One task per process: the rank variables come from Slurm's own.
-    mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
-              'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; ')
-    mapper += _REPORT_EXIT if report else 'exec "$@"'
-    srun += [f"--ntasks-per-node={cfg.launch.procs_per_node}"]
-    if cfg.launch.preset in NODE_PRESETS:
-        # One task per GPU, on the cores and memory next to it: task i gets GPU i and cores
-        # [i * cpus_per_task, (i + 1) * cpus_per_task), which on a GH200 is its own Grace.
-        srun += ["--gpus-per-task=1", "--cpu-bind=verbose,cores", "--mem-bind=local"]
-    srun += container
-    if port != "MASTER_PORT":  # init_process_group reads MASTER_PORT: this launch's own, for its srun alone
-        prefix += f'MASTER_PORT="${port}" '
-    return f"{prefix}{_words(srun)} \\\n  {_words(['bash', '-c', mapper, 'slipway-task', *cmd])}"
+    else:  # one task per process: the rank variables come from Slurm's own
+        mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
+                  'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; ')
+        argv = ["bash", "-c", mapper + (_REPORT_EXIT if report else 'exec "$@"'), "slipway-task", *cmd]
+        if port != "MASTER_PORT":  # init_process_group reads MASTER_PORT: this launch's own, for its srun alone
+            prefix += f'MASTER_PORT="${port}" '
+    return f"{prefix}{_words(srun)} \\\n  {_words(argv)}"
 
 
 # Each task of the training step reports its own exit (step_exit in jobs/slurm/job_lib.sh): a task
@@ -376,8 +354,8 @@ def _node_helper(cfg: Config) -> list[str]:
     what = "its heartbeat (heartbeats/NODE)" + (" and GPU use (gutil/NODE.gutil)" if cfg.slurm.gpus_per_node else "")
     return [
         f"# On every node: {what}, for `slipway watch`; quiet, as the trap ends it.",
-        f"srun --overlap --nodes={cfg.slurm.nodes} --ntasks-per-node=1 --cpus-per-task=1 "
-        f'bash -c {shlex.quote("; ".join(script))} slipway-node "$RUN_DIR" > /dev/null 2>&1 &',
+        _words(srun_argv(nodes=cfg.slurm.nodes, cpus_per_task=1, overlap=True,
+                         extra=["bash", "-c", "; ".join(script), "slipway-node"])) + ' "$RUN_DIR" > /dev/null 2>&1 &',
         'HELPER_PIDS+=("$!")',
     ]
 
@@ -403,7 +381,7 @@ def _preflight_megabytes(cfg: Config) -> int:
     return 64 if cfg.slurm.gpus_per_node else 4
 
 
-def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list[str]) -> list[str]:
+def _preflight(cfg: Config, paths: RunPaths, container: list[str], prefix: str) -> list[str]:
     """The preflight (trainer/preflight.py): each node's checks, then an all-reduce across every
     rank, in a step of its own for a train.script (else in the training step)."""
     s = cfg.slurm
@@ -411,12 +389,11 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list
     if where is None:
         return []
     limit = ["timeout", "-k", "15", str(s.preflight_timeout)]
-    prefix = "".join(f"{a} " for a in assigns)
     checkpoint_dir = paths.run_dir / cfg.checkpoint.dir
     # --kill-on-bad-exit=0: a node that fails fast must not cut the other nodes' reports short
     # (where the cluster sets KillOnBadExit=1), or they would be blamed for sending none.
-    node_srun = [*limit, "srun", f"--nodes={s.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={s.cpus_per_task}",
-                 "--kill-on-bad-exit=0", *container]
+    node_srun = [*limit, *srun_argv(nodes=s.nodes, cpus_per_task=s.cpus_per_task, kill_on_bad_exit=False,
+                                    container=container)]
     node_cmd = [cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.run_dir),
                 "--checkpoint-dir", str(checkpoint_dir),
                 "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node),
@@ -439,7 +416,7 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], assigns: list
         return lines
     return lines + [
         'PREFLIGHT_LOG="$RUN_DIR/logs/preflight-$JOB_TAG-allreduce.out"',
-        "set +e; " + _launch(cfg, paths, container, assigns, cmd=allreduce, port="PREFLIGHT_PORT", wrap=limit)
+        "set +e; " + _launch(cfg, paths, container, prefix, cmd=allreduce, port="PREFLIGHT_PORT", wrap=limit)
         + ' > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
         'preflight_allreduce "$PREFLIGHT_LOG" "$pf_rc"',
@@ -519,7 +496,7 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, pins: Pins = P
     `env` is the run's container environment (`jobs.runs.container.run_environment`), `pins`
     what the job runs (its code snapshot, image and kept container), which it checks on every
     node first. It sources the libraries `library_files(env)` puts in the run directory."""
-    container, assigns = _container_args(env, paths)
+    container, prefix = _container_args(env, paths)
     # Under pyxis every srun step unpacks the image into a container of its own, unless the
     # steps name one: the preflight's steps then create it and training starts in it at once.
     shared = env.runtime == "pyxis" and cfg.slurm.preflight and not cfg.launch.command
@@ -563,14 +540,14 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, pins: Pins = P
     if cfg.launch.pre_launch:
         lines += ["", "# Pre-launch commands from launch.pre_launch (run as written, on the first node)."]
         lines += list(cfg.launch.pre_launch)
-    lines += _preflight(cfg, paths, container, assigns)
+    lines += _preflight(cfg, paths, container, prefix)
     lines += [
         "",
         "# The training step, in the background so the signal traps run at once; each task reports",
         "# its exit into SLIPWAY_EXITS, from which step_exit decides the step's.",
         'export SLIPWAY_EXITS="$RUN_DIR/.exits/$JOB_TAG"  # read once below, then removed',
         'rm -rf "$SLIPWAY_EXITS"; mkdir -p "$SLIPWAY_EXITS"',
-        _launch(cfg, paths, container, assigns, code=code) + " &",
+        _launch(cfg, paths, container, prefix, code=code) + " &",
         'SRUN_PID=$!',
         'set +e; wait_step "$SRUN_PID"; set -e',
         'rc=$(step_exit "$STEP_RC" "$SLIPWAY_EXITS")',
@@ -600,13 +577,12 @@ def render_prepare_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str
             f"--time={s.prepare_time}", *_allocation(cfg, partition=s.prepare_partition or s.partition),
             f"--output={sbatch_quote(str(paths.run_dir / 'logs' / 'prepare-%j.out'))}", "--open-mode=append",
             "--no-requeue"]
-    container, assigns = _container_args(env, paths)
-    prefix = "".join(f"{a} " for a in assigns)
-    srun = ["srun", "--nodes=1", "--ntasks=1", f"--cpus-per-task={cpus}", *container]
+    container, prefix = _container_args(env, paths)
+    srun = srun_argv(nodes=1, ntasks=1, cpus_per_task=cpus, container=container)
     argv = [cfg.launch.python, "-m", "trainer.prepare", "--config", str(paths.config), "--cpus", str(cpus)]
-    lines = ["#!/bin/bash", f"# slipway data preparation for run {cfg.run.name}: generated, edit configs/ instead"]
-    lines += [f"#SBATCH {o}" for o in opts]
-    lines += [
+    return "\n".join([
+        "#!/bin/bash", f"# slipway data preparation for run {cfg.run.name}: generated, edit configs/ instead",
+        *(f"#SBATCH {o}" for o in opts),
         "",
         "set -euo pipefail",
         f"RUN_DIR={shlex.quote(str(paths.run_dir))}",
@@ -619,5 +595,4 @@ def render_prepare_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str
         "",
         f"{prefix}{_words(srun)} \\\n  {_words(argv)}",
         "",
-    ]
-    return "\n".join(lines)
+    ])
