@@ -31,6 +31,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator, Optional
 
 EXTRAS = ("trainer",)
 NAME_RE = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
@@ -83,10 +84,9 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
-def base_pins(constraint: str) -> dict[str, tuple[str, str]]:
-    """The pins of the files a PIP_CONSTRAINT value names (space-separated, as pip reads it):
-    canonical name -> (the pin as written, the file). URLs and unreadable files are skipped."""
-    pins: dict[str, tuple[str, str]] = {}
+def _constraint_lines(constraint: str) -> Iterator[tuple[str, str, Optional[str]]]:
+    """(file, line, the pin it holds or None) for each line of the files a PIP_CONSTRAINT value
+    names (space-separated, as pip reads it). URLs and unreadable files are skipped."""
     for path in constraint.split():
         try:
             lines = Path(path).read_text().splitlines()
@@ -94,8 +94,15 @@ def base_pins(constraint: str) -> dict[str, tuple[str, str]]:
             continue
         for line in lines:
             text = line.split("#", 1)[0].strip()
-            if text and not text.startswith("-") and NAME_RE.match(text):
-                pins.setdefault(requirement_name(text), (text, path))
+            yield path, line, text if text and not text.startswith("-") and NAME_RE.match(text) else None
+
+
+def base_pins(constraint: str) -> dict[str, tuple[str, str]]:
+    """The pins of the files a PIP_CONSTRAINT value names: canonical name -> (the pin as written, the file)."""
+    pins: dict[str, tuple[str, str]] = {}
+    for path, _, pin in _constraint_lines(constraint):
+        if pin:
+            pins.setdefault(requirement_name(pin), (pin, path))
     return pins
 
 
@@ -103,17 +110,11 @@ def lift_pins(constraint: str, names: set[str], out: Path) -> tuple[str, list[st
     """The base's constraint files less the pins of `names`, as one file `out`: (the PIP_CONSTRAINT
     value for the install, the pins lifted)."""
     kept, lifted = [], []
-    for path in constraint.split():
-        try:
-            lines = Path(path).read_text().splitlines()
-        except (OSError, UnicodeDecodeError):
-            continue
-        for line in lines:
-            text = line.split("#", 1)[0].strip()
-            if text and not text.startswith("-") and NAME_RE.match(text) and requirement_name(text) in names:
-                lifted.append(text)
-            else:
-                kept.append(line)
+    for _, line, pin in _constraint_lines(constraint):
+        if pin and requirement_name(pin) in names:
+            lifted.append(pin)
+        else:
+            kept.append(line)
     out.write_text("".join(line + "\n" for line in kept))
     return str(out), lifted
 

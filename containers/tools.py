@@ -21,7 +21,6 @@ from typing import Callable, Optional
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
-ENROOT_URL = "https://github.com/NVIDIA/enroot"
 PODMAN_URL = "https://podman.io/docs/installation"
 
 

@@ -24,8 +24,6 @@ from typing import Callable, Optional
 # File names inside runs/RUN/.
 EVENTS_FILE = "events.log"
 MANIFEST_FILE = "manifest.json"
-CONFIG_FILE = "config.yaml"
-HEARTBEAT_FILE = "heartbeat"  # the batch host's, every HEARTBEAT_SECONDS (jobs/slurm/script.py)
 HEARTBEATS_DIR = "heartbeats"  # heartbeats/NODE: each node's, which `slipway watch` shows by age
 GUTIL_DIR = "gutil"  # gutil/NODE.gutil: nvidia-smi dmon samples
 METRICS_FILE = "metrics.jsonl"

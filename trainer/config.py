@@ -22,18 +22,14 @@ from kernel.yaml import read_text_bounded, read_yaml
 
 # The CSCS tutorial's 109M Llama is `tiny`; the others follow common Llama shapes.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=768, intermediate_size=1536, num_layers=12, num_heads=12,
-                 num_kv_heads=12, vocab_size=50257, max_position_embeddings=512,
-                 tie_embeddings=True),
-    "small": dict(hidden_size=1024, intermediate_size=2816, num_layers=24, num_heads=16,
-                  num_kv_heads=8, vocab_size=50257, max_position_embeddings=2048,
-                  tie_embeddings=True),
-    "base": dict(hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
-                 num_kv_heads=4, vocab_size=32000, max_position_embeddings=2048,
-                 tie_embeddings=False),
-    "large": dict(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
-                  num_kv_heads=32, vocab_size=32000, max_position_embeddings=4096,
-                  tie_embeddings=False),
+    "tiny": dict(hidden_size=768, intermediate_size=1536, num_layers=12, num_heads=12, num_kv_heads=12,
+                 vocab_size=50257, max_position_embeddings=512, tie_embeddings=True),
+    "small": dict(hidden_size=1024, intermediate_size=2816, num_layers=24, num_heads=16, num_kv_heads=8,
+                  vocab_size=50257, max_position_embeddings=2048, tie_embeddings=True),
+    "base": dict(hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32, num_kv_heads=4,
+                 vocab_size=32000, max_position_embeddings=2048, tie_embeddings=False),
+    "large": dict(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
+                  vocab_size=32000, max_position_embeddings=4096, tie_embeddings=False),
 }
 _DIMENSIONS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                "vocab_size", "max_position_embeddings")

@@ -40,8 +40,6 @@ from kernel.rundir import CodeSnapshot
 from kernel.errors import ConfigError, bounded_path
 from kernel.fs import file_sha256
 
-HUB_NAME_PARTS = 2  # `org/name` is a hub name, not a path
-
 
 # ---------------------------------------------------------------- the image
 
@@ -212,11 +210,10 @@ def _shown_arg(key: str, value: Optional[str]) -> str:
     return repr(value) if value is not None else "unset"
 
 
-# Parts of the build context that are code, not what the image must install: with a code
-# snapshot (code.snapshot, jobs/runs/code.py) the job never runs the image's copy of them, so
-# a change to them alone needs no rebuild. pyproject.toml (the dependencies), the Dockerfile,
+# The build context's sources but pyproject.toml are code, not what the image must install: with
+# a code snapshot (code.snapshot, jobs/runs/code.py) the job never runs the image's copy of them,
+# so a change to them alone needs no rebuild. pyproject.toml (the dependencies), the Dockerfile,
 # the build args and the wheels do.
-CODE_PARTS = ("kernel/", "trainer/", "jobs/", "edf/", "containers/", "configs/", "README.md", "LICENSE")
 
 
 def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_snapshot: bool = False) -> list[str]:

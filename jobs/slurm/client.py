@@ -60,7 +60,7 @@ def _tool(name: str):
     return local[name]
 
 
-def _run(cmd, *args: str, cwd: Path | None = None, retcodes=(0,)) -> str:
+def _run(cmd, *args: str, cwd: Path | None = None) -> str:
     try:
         if cwd is not None:
             with local.cwd(cwd):
