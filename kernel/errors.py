@@ -34,8 +34,15 @@ MAX_FIELD_SHOWN = 400
 MAX_MESSAGE = 1000
 
 
+# What would end a line or drive a terminal in a message: every break str.splitlines() knows
+# (\v, \f, \x1c-\x1e, NEL, U+2028/9 as well as \n and \r) and the C0/C1 control characters.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r"}
+
+
 def one_line(text: str) -> str:
-    return str(text).replace("\r", "\\r").replace("\n", "\\n")
+    """`text` on one line, whatever it holds: a line break or control character is shown escaped."""
+    return _UNPRINTABLE.sub(lambda m: _ESCAPES.get(m[0]) or ascii(m[0])[1:-1], str(text))
 
 
 def bounded(text: str, limit: int = MAX_SHOWN) -> str:

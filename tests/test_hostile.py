@@ -26,7 +26,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import SRUN_PASSING_PREFLIGHT, tree
@@ -265,6 +265,8 @@ TOML_VALUE = st.recursive(st.one_of(HOSTILE_TEXT, HUGE_INT.filter(lambda n: abs(
 @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(doc=st.dictionaries(st.sampled_from([*EDF_KEYS, "unknown"]),
                            st.one_of(*(_values(tp) for tp in EDF_KEYS.values()), TOML_VALUE), max_size=4))
+@example(doc={"base_environment": "\x85"})  # a line break to str.splitlines(), in the file name quoted
+@example(doc={"base_environment": "a\u2028b\x1b[2J"})
 def test_any_edf_is_refused_in_one_line_or_converted(tmp_path_factory, doc):
     import tomli_w
 

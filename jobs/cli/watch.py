@@ -179,7 +179,8 @@ class Watcher:
         if launch is None:
             return lifecycle.LaunchState(lifecycle.UNKNOWN), "", "", True
         state = self.run.state(launch)
-        return state, launch.host, lifecycle.elapsed(launch, state), state.ended
+        shown = state if state.ended else replace(state, reason="")  # its start event is no reason to show
+        return shown, launch.host, lifecycle.elapsed(launch, state), state.ended
 
     def _progress(self, snap: Snapshot, now: float) -> None:
         try:
