@@ -244,13 +244,24 @@ class Event:
         return f"{self.time} job {self.job} {self.text}"
 
 
+CHECKPOINT_MARKER = "COMPLETE"
+_CHECKPOINT_STEP = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_complete(path: Path) -> bool:
+    """The one rule for a whole checkpoint, for the trainer's loads and the host's resume checks:
+    its marker (written last) and torch.distributed.checkpoint's .metadata are there."""
+    return (path / CHECKPOINT_MARKER).is_file() and (path / ".metadata").is_file()
+
+
 def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[int]:
-    """The steps of the complete checkpoints in `ckpt_dir` (the trainer's `step-NNNNNN/`, complete
-    once its COMPLETE marker is there; the batch script's latest_checkpoint reads the same), ascending."""
+    """The steps of the complete checkpoints in `ckpt_dir` (the trainer's `step-NNNNNN/`; the batch
+    script's latest_checkpoint reads the same), ascending."""
     path = Path(ckpt_dir)
     if not path.is_dir():
         return []
-    return sorted(int(p.name[5:]) for p in path.glob("step-*") if p.name[5:].isdigit() and (p / "COMPLETE").is_file())
+    return sorted(int(m.group(1)) for p in path.iterdir()
+                  if (m := _CHECKPOINT_STEP.match(p.name)) and p.is_dir() and checkpoint_complete(p))
 
 
 def now_iso() -> str:

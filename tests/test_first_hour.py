@@ -72,7 +72,8 @@ def test_local_refuses_an_unprepared_cache_at_once_and_its_prepare_command_works
 def finished(project: Path, run: str = "tiny_cpu", step: int = 200, exist_ok: bool = False) -> Path:
     done = project / "runs" / run / "checkpoints" / f"step-{step:06d}"
     done.mkdir(parents=True, exist_ok=exist_ok)
-    (done / "COMPLETE").touch()
+    for name in (".metadata", "COMPLETE"):  # a whole checkpoint (kernel/rundir.py checkpoint_complete)
+        (done / name).touch()
     return done.parent.parent
 
 
@@ -297,9 +298,9 @@ def test_time_limit_stop_under_torchrun_says_what_the_trainer_did(tmp_path, save
     job = hang_script.Job(tmp_path, "slurm.max_requeues=2")
     ckpt = '"$RUN_DIR/checkpoints/step-00000{0}"'
     job.script("train.sh", "\n".join([
-        f"mkdir -p {ckpt.format(4)} && touch {ckpt.format(4)}/COMPLETE",
+        f"mkdir -p {ckpt.format(4)} && touch {ckpt.format(4)}/.metadata {ckpt.format(4)}/COMPLETE",
         "kill -USR1 $PPID; sleep 1",  # the batch script: Slurm's warning before the time limit
-        *([f"mkdir -p {ckpt.format(6)} && touch {ckpt.format(6)}/COMPLETE"] if saves else []),
+        *([f"mkdir -p {ckpt.format(6)} && touch {ckpt.format(6)}/.metadata {ckpt.format(6)}/COMPLETE"] if saves else []),
         "exit 1"]))
     assert job.run() == 0, job.out
     events = job.events()

@@ -221,9 +221,10 @@ def test_the_trainer_runs_on_an_nccl_group(nccl_run):
     log = proc.stdout + proc.stderr
     assert "world 1 = pp 1 x dp 1 x tp 1 on cuda:0 (nccl), torch.float32" in log, log[-3000:]
     assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5, 6]
-    from trainer.checkpoint import complete_steps, step_dir
+    from kernel.rundir import complete_checkpoints
+    from trainer.checkpoint import step_dir
 
-    assert complete_steps(run_dir / "checkpoints") == [3, 6]
+    assert complete_checkpoints(run_dir / "checkpoints") == [3, 6]
     meta = json.loads((step_dir(run_dir / "checkpoints", 6) / "COMPLETE").read_text())
     assert meta["world_size"] == 1 and meta["final"] is True
 

@@ -271,7 +271,8 @@ def test_inside_an_allocation_a_stop_or_failure_is_never_requeued(tmp_path):
     REQUEUE_EXIT then ends the script with 75 and says how to resume; a hang is not retried."""
     lib = Lib(tmp_path)
     (lib.run_dir / "checkpoints" / "step-7").mkdir(parents=True)
-    (lib.run_dir / "checkpoints" / "step-7" / "COMPLETE").touch()
+    for name in (".metadata", "COMPLETE"):
+        (lib.run_dir / "checkpoints" / "step-7" / name).touch()
     setting = next(line for line in render_settings().splitlines() if "SLIPWAY_IN_ALLOCATION" in line)
     r = lib.run(f"SLIPWAY_IN_ALLOCATION=1; {setting}; trap on_interrupt INT; kill -INT $$; "
                 "after_stop_request 75")

@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # when run as a worker script
     sys.path.insert(0, str(ROOT))
 
-from trainer.checkpoint import Checkpointer, CheckpointWriteError, complete_steps, step_dir  # noqa: E402
+from kernel.rundir import complete_checkpoints
+
+from trainer.checkpoint import Checkpointer, CheckpointWriteError, step_dir  # noqa: E402
 from trainer.states import ModelState, OptimizerState, RNGState  # noqa: E402
 from trainer.config import CheckpointSection
 
@@ -203,7 +205,7 @@ def test_save_initial_keeps_a_fresh_optimizer_fresh(tmp_path):
     model, opt, sched = make(seed=0)
     reference, ref_opt, _ = make(seed=0)
     Checkpointer(tmp_path, ckpt_cfg()).save(0, states_of(model, opt, sched))
-    assert complete_steps(tmp_path) == [0]
+    assert complete_checkpoints(tmp_path) == [0]
     train_step(model, opt, seed=1)
     train_step(reference, ref_opt, seed=1)
     for p, q in zip(model.parameters(), reference.parameters()):
@@ -216,7 +218,7 @@ def test_keep_last_prunes_and_never_overwrites(tmp_path, caplog):
     for step in (0, 5, 10, 15):
         train_step(model, opt, seed=step)
         ck.save(step, states_of(model, opt, sched))
-    assert complete_steps(tmp_path) == [10, 15]
+    assert complete_checkpoints(tmp_path) == [10, 15]
     ck.close()  # the pruned ones are deleted in the background: done by now
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000010", "step-000015"]
     meta = json.loads((step_dir(tmp_path, 15) / "COMPLETE").read_text())
@@ -269,7 +271,7 @@ def test_pruned_checkpoints_are_deleted_off_the_save_path(tmp_path, monkeypatch)
     monkeypatch.setattr(ckpt_mod.shutil, "rmtree", slow_rmtree)
     train_step(model, opt, seed=2)
     ck.save(2, states_of(model, opt, sched))  # prunes step 1: its deleting blocks, the save does not
-    assert complete_steps(tmp_path) == [2] and not release.is_set()
+    assert complete_checkpoints(tmp_path) == [2] and not release.is_set()
     names = sorted(p.name for p in tmp_path.iterdir())
     assert [n for n in names if not n.startswith(".tmp-deleting-")] == ["step-000002"], names
     assert any(n.endswith("-.tmp-old-step-000001") for n in names), names
@@ -304,7 +306,7 @@ def test_async_save_is_visible_only_once_finished(tmp_path):
         for p in model.parameters():
             p.add_(1.0)
     ck.close()
-    assert complete_steps(tmp_path) == [1, 2]
+    assert complete_checkpoints(tmp_path) == [1, 2]
     model2, opt2, sched2 = make(seed=3)
     assert Checkpointer(tmp_path, ckpt_cfg()).load_latest(states_of(model2, opt2, sched2)) == 2
     assert_same(snapshot(model2, opt2), expected)
@@ -343,7 +345,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_intact(tmp_path):
     assert_same(snapshot(model2, opt2), torch.load(tmp_path / "step1.pt"))
 
     ck.save(3, states_of(model2, opt2, sched2, rng=False))  # a successful save cleans the leftover
-    assert not partial.exists() and complete_steps(tmp_path / "ckpt") == [1, 3]
+    assert not partial.exists() and complete_checkpoints(tmp_path / "ckpt") == [1, 3]
 
 
 def _slow_save_worker(root: Path) -> None:
@@ -640,7 +642,7 @@ def _full_disk_worker(root: Path) -> None:
             ck.close()
         except CheckpointWriteError as exc:
             said[mode] = str(exc)
-        said[f"{mode}_steps"] = complete_steps(small / mode)
+        said[f"{mode}_steps"] = complete_checkpoints(small / mode)
     print(json.dumps(said))
 
 
@@ -658,3 +660,28 @@ if __name__ == "__main__":
             {"fsdp": _fsdp_worker}[mode](where)
         finally:
             dist.destroy_process_group()
+
+
+def test_a_save_short_of_room_waits_for_the_old_checkpoint_being_deleted(tmp_path, monkeypatch):
+    """The prune deletes off the step's path: a save on a tight quota that finds too little room
+    while an old checkpoint is still being deleted waits for that room, and is not refused."""
+    import threading
+
+    import trainer.checkpoint as ckpt_mod
+
+    model, opt, sched = make()
+    ck = Checkpointer(tmp_path, ckpt_cfg(keep_last=1), expected_bytes=1)
+    deleting = threading.Event()
+    ck._deleting = threading.Thread(target=deleting.wait, args=(30,))
+    ck._deleting.start()
+    asked: list[bool] = []
+
+    def free_space(path, needed):
+        asked.append(deleting.is_set())
+        return deleting.is_set(), "the disk is full"  # room once the old checkpoint is gone
+
+    monkeypatch.setattr(ckpt_mod, "check_free_space", free_space)
+    threading.Timer(0.5, deleting.set).start()
+    ck.save(1, states_of(model, opt, sched))
+    ck.close()
+    assert asked == [False, True] and complete_checkpoints(tmp_path) == [1]

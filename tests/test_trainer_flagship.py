@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.checkpoint import complete_steps, step_dir
+from kernel.rundir import complete_checkpoints
+
+from trainer.checkpoint import step_dir
 from trainer.history import latest_by_step, read_metrics
 from trainer_helpers import ROOT, clean_env
 
@@ -70,7 +72,7 @@ def flagship(tmp_path_factory):
         shutil.rmtree(runs / "reference" / "checkpoints")  # only its losses are compared
         out["flagship"] = slipway_local(project, "--run-name", "flagship", "train.micro_batch_size=1", *OVERRIDES)
         ckpt = runs / "flagship" / "checkpoints"
-        out["saved"] = complete_steps(ckpt)
+        out["saved"] = complete_checkpoints(ckpt)
         out["frozen"] = yaml.safe_load((runs / "flagship" / "config.yaml").read_text())
         out["shapes"] = _shapes(step_dir(ckpt, 2))
         shutil.rmtree(step_dir(ckpt, 4))  # the run "died" after its step-2 checkpoint
@@ -132,5 +134,5 @@ def test_flagship_checkpoint_resumes_in_one_process(flagship):
     for g, w in zip(history[2:], ref[2:]):
         assert g["loss"] == pytest.approx(w["loss"], rel=LOSS_RTOL), f"resumed step {g['step']}"
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=GRAD_NORM_RTOL), f"resumed step {g['step']}"
-    assert complete_steps(run / "checkpoints") == [2, 4]
+    assert complete_checkpoints(run / "checkpoints") == [2, 4]
     assert json.loads((step_dir(run / "checkpoints", 4) / "COMPLETE").read_text())["world_size"] == 1

@@ -16,7 +16,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoint import complete_steps, step_dir
+from kernel.rundir import complete_checkpoints
+
+from trainer.checkpoint import step_dir
 from kernel.rundir import NONFINITE_EXIT
 from trainer.train import main
 from trainer_helpers import POISON_ENV, clean_env, poison_loss, synthetic_data, tiny_config, torchrun, write_run
@@ -33,7 +35,7 @@ def assert_checkpoints_finite(ckpt_dir: Path) -> list[int]:
     """Every tensor of every complete checkpoint (model and optimizer state) is finite."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    steps = complete_steps(ckpt_dir)
+    steps = complete_checkpoints(ckpt_dir)
     for step in steps:
         path = step_dir(ckpt_dir, step)
         metadata = dcp.FileSystemReader(str(path)).read_metadata()

@@ -71,6 +71,7 @@ from torch.distributed.tensor import DTensor
 from kernel.errors import ConfigError
 from trainer.config import CheckpointSection
 from kernel.fs import write_atomic
+from kernel.rundir import CHECKPOINT_MARKER, checkpoint_complete, complete_checkpoints
 from trainer.preflight import check_free_space, size
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,9 @@ log = logging.getLogger(__name__)
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 DELETING_PREFIX = ".tmp-deleting-"  # renamed here to be deleted in the background
-MARKER = "COMPLETE"
+MARKER = CHECKPOINT_MARKER
 FORMAT = "slipway-dcp-1"
 MODEL_KEY = "model"  # the training loop saves ModelState under this key; export reads it back
-_STEP_RE = re.compile(r"^step-(\d+)$")
 
 
 class NonFiniteError(RuntimeError):
@@ -101,23 +101,6 @@ class CheckpointWriteError(RuntimeError):
 
 def step_dir(ckpt_dir: Path, step: int) -> Path:
     return Path(ckpt_dir) / f"{STEP_PREFIX}{step:06d}"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / MARKER).is_file() and (path / ".metadata").is_file()
-
-
-def complete_steps(ckpt_dir: Path) -> list[int]:
-    """Steps of the complete checkpoints in `ckpt_dir`, ascending."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    steps = []
-    for entry in ckpt_dir.iterdir():
-        match = _STEP_RE.match(entry.name)
-        if match and entry.is_dir() and is_complete(entry):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -209,7 +192,7 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step as this process sees the directory."""
-        steps = complete_steps(self.dir)
+        steps = complete_checkpoints(self.dir)
         return steps[-1] if steps else None
 
     def load_latest(self, states: dict[str, Any]) -> int:
@@ -340,6 +323,9 @@ class Checkpointer:
         if not needed:
             return None
         ok, text = check_free_space(self.dir, needed)
+        if not ok and self._deleting is not None:  # an old checkpoint still being deleted: its room counts
+            self._wait_deleting()
+            ok, text = check_free_space(self.dir, needed)
         return None if ok else text
 
     def _latest_stays(self) -> str:
@@ -380,7 +366,7 @@ class Checkpointer:
     def _prune(self) -> None:
         """Rank 0: keep the newest `keep_last` checkpoints; the older ones and crash leftovers
         are renamed out of the way here and deleted in the background."""
-        for step in complete_steps(self.dir)[:-self.cfg.keep_last]:
+        for step in complete_checkpoints(self.dir)[:-self.cfg.keep_last]:
             old = step_dir(self.dir, step)
             os.replace(old, self.dir / f"{TMP_PREFIX}old-{old.name}")  # out of the step-* namespace first
         _fsync_dir(self.dir)
@@ -519,7 +505,7 @@ def _quiet_single_process() -> None:
 def _dir_status(path: Path) -> str:
     if not path.exists():
         return "absent"
-    return "complete" if is_complete(path) else "foreign"
+    return "complete" if checkpoint_complete(path) else "foreign"
 
 
 def _saved_world_size(path: Path) -> Any:

@@ -379,12 +379,13 @@ def _replace_dir(new: Path, dest: Path) -> None:
 
 
 def _export_run(run_dir: Path, step: Optional[int], out: Path, dtype: Optional[str], overwrite: bool) -> str:
-    from trainer.checkpoint import complete_steps, step_dir
+    from kernel.rundir import complete_checkpoints
+    from trainer.checkpoint import step_dir
     from trainer.config import load_trainer_config
 
     cfg = load_trainer_config(run_dir / "config.yaml")
     ckpt_dir = run_dir / cfg.checkpoint.dir
-    steps = complete_steps(ckpt_dir)
+    steps = complete_checkpoints(ckpt_dir)
     if not steps:
         raise ConfigError("", f"{ckpt_dir} holds no complete checkpoint: train (or wait for a save) first")
     if step is None:
