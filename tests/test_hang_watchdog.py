@@ -143,6 +143,11 @@ def test_a_step_counts_once_the_device_reached_it_not_once_queued(tmp_path, monk
     dog.stop()
     assert exits.codes == []
     assert __import__("json").loads((tmp_path / "b" / "progress.json").read_text())["step"] == 2
+    # Off (hang_timeout 0), no thread runs: nothing may pile up a marker a step for the whole run.
+    off = watchdog(tmp_path / "b", timeout=0, first=0, exits=Exits()).start(0)
+    for step in range(1, 1001):
+        off.step_queued(step, Marker())
+    assert not off._queued
 
 
 def test_checkpoint_work_pauses_the_step_limit_under_a_bound_of_its_own(tmp_path, monkeypatch):

@@ -203,7 +203,7 @@ class HangWatchdog:
 
     def step_queued(self, step: int, marker: Optional[Marker]) -> None:
         """Step `step` is queued; it is done once `marker` says so (None: done now). The hot path."""
-        if marker is None:
+        if marker is None or not self.enabled:  # off: no thread would ever empty the queue
             self.step_done(step)
         else:
             self._queued.append((step, marker))
