@@ -181,6 +181,10 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
                                   ("NUMACTL", ("0", "1"), "1 installs numactl where the base lacks it")):
         if user_args.get(key, allowed[0]) not in allowed:
             raise ConfigError(f"image.build_args.{key}", f"must be 0 or 1, got {user_args[key]!r}: {instead}")
+    if needs.numactl and user_args.get("NUMACTL") == "0":
+        raise ConfigError("image.build_args.NUMACTL", "0 leaves numactl out, but the node preset binds each rank to "
+                                                      "a NUMA node with it: remove the build arg, or set "
+                                                      "launch.preset: none")
     if "EXTRAS" in user_args:  # the user's extras, and float8 where the run needs it
         user_args["EXTRAS"] = " ".join(dict.fromkeys(user_args["EXTRAS"].replace(",", " ").split()
                                                      + build_args.get("EXTRAS", "").split()))

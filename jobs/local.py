@@ -33,7 +33,7 @@ from kernel import environ
 from kernel.errors import ConfigError
 from kernel.fs import write_atomic
 from kernel.rundir import (HANG_EXIT, HANGS_DIR, LOCAL_JOB, PROGRESS_FILE, REQUEUE_EXIT, STOP_FILE, CodeSnapshot,
-                           append_event, complete_checkpoints)
+                           append_event, complete_checkpoints, now_iso)
 from trainer.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
 
 
@@ -407,7 +407,7 @@ def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: 
                   allocation: Optional[str] = None) -> Launch:
     """Add this launch to the manifest. `pid` is this process, not the trainer's: it outlives the
     trainer and writes the outcome, so a reader never sees the launch dead before its exit is recorded."""
-    launch = Launch(local=True, started=runs.now(), pid=os.getpid(), trainer_pid=trainer_pid,
+    launch = Launch(local=True, started=now_iso(), pid=os.getpid(), trainer_pid=trainer_pid,
                     host=socket.gethostname(), log=str(log_path.relative_to(run.dir)),
                     git=git_state(project_dir), code=sealed.snapshot, allocation=allocation or "",
                     steps=sealed.cfg.train.steps, job_lib=sealed.job_lib if allocation else {})
@@ -426,7 +426,7 @@ def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: 
 def _finish_local(run: runs.Run, launch: Launch, outcome: Union[int, str], **extra) -> None:
     """Record the launch's end: `exit` (its exit code, or "interrupted" for Ctrl-C), and `extra`
     (`signal`: the name of the signal that stopped it; `trainer_exit`: the trainer's own code)."""
-    ended = runs.now()
+    ended = now_iso()
 
     def finish(manifest: Manifest) -> None:
         for i in reversed(range(len(manifest.submissions))):

@@ -1024,6 +1024,10 @@ def test_what_the_run_needs_of_the_image_are_build_args(project: Path):
     cfg.launch.preset = "alps-gh200"
     numa = image_plan(cfg, root=project, enroot_mount=False)
     assert cfg.binds_numa and numa.build_args["NUMACTL"] == "1" and numa.hash != base.hash
+    cfg.image.build_args = {"NUMACTL": "0"}  # the user's build arg cannot take away what the preset needs
+    with pytest.raises(ConfigError, match=r"^image\.build_args\.NUMACTL: 0 leaves numactl out, .*launch\.preset: none$"):
+        image_plan(cfg, root=project, enroot_mount=False)
+    cfg.image.build_args = {}
     cfg.launch.launcher = "srun"  # srun binds with --cpu-bind: no numactl
     assert "NUMACTL" not in image_plan(cfg, root=project, enroot_mount=False).build_args
     with pytest.raises(ConfigError, match=r"^image\.build_args\.NUMACTL: must be 0 or 1"):

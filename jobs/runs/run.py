@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -26,10 +25,6 @@ from jobs.runs.manifest import MANIFEST, Launch, Manifest, ManifestError
 from jobs.slurm.script import RunPaths
 from kernel.errors import ConfigError
 from kernel.rundir import METRICS_FILE, CodeSnapshot, Event, read_events, tail_events
-
-
-def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 @dataclass

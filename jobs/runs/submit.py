@@ -29,13 +29,13 @@ from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, p
 from jobs.runs.container import (ImagePin, create_needed_dirs, kept_build, pin_image, remove_created_dirs,
                                  resolve_paths, run_environment)
 from jobs.runs.manifest import MANIFEST, Launch, Manifest
-from jobs.runs.run import Run, active_jobs, now, runs_root, update_manifest
+from jobs.runs.run import Run, active_jobs, runs_root, update_manifest
 from jobs.slurm.script import (LIB_DIR, PREPARE_SCRIPT, RunPaths, check_env_from_host, library_files, render_prepare_sbatch,
                                render_sbatch)
 from kernel import environ
 from kernel.errors import ConfigError
 from kernel.fs import write_atomic
-from kernel.rundir import CodeSnapshot, append_event, complete_checkpoints
+from kernel.rundir import CodeSnapshot, append_event, complete_checkpoints, now_iso
 
 
 @dataclass
@@ -198,9 +198,10 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
         for name, text in files.items():
             target = paths.run_dir / name
-            if target.exists() and target.read_text() != text:
+            old = target.read_text() if target.exists() else None
+            if old is not None and old != text:
                 stem, dot, ext = name.partition(".")
-                write_atomic(paths.run_dir / "history" / f"{stem}-{stamp}{dot}{ext}", target.read_text())
+                write_atomic(paths.run_dir / "history" / f"{stem}-{stamp}{dot}{ext}", old)
             write_atomic(target, text, _mode(name))
         return run, False
     root = paths.run_dir.parent
@@ -214,7 +215,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
             write_atomic(tmp / name, text, _mode(name))
         (tmp / "logs").mkdir()
         manifests.write(tmp / MANIFEST, Manifest(
-            run=cfg.run.name, created=now(), project_dir=str(paths.project_dir), git=git_state(paths.project_dir),
+            run=cfg.run.name, created=now_iso(), project_dir=str(paths.project_dir), git=git_state(paths.project_dir),
             image=sealed.pin, runtime=cfg.container.runtime, launcher=cfg.launch.launcher,
             config_sha256=hashlib.sha256(files["config.yaml"].encode()).hexdigest()))
         try:
@@ -231,7 +232,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
 
 def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", after: str = "") -> None:
     script = run.dir / (PREPARE_SCRIPT if kind == "prepare" else "job.sbatch")
-    entry = Launch(job_id=job_id, kind=kind, submitted=now(), after=after, git=git_state(run.paths.project_dir),
+    entry = Launch(job_id=job_id, kind=kind, submitted=now_iso(), after=after, git=git_state(run.paths.project_dir),
                    image=sealed.pin, code=sealed.snapshot, steps=sealed.cfg.train.steps if kind == "train" else None,
                    script_sha256=hashlib.sha256(script.read_bytes()).hexdigest(),
                    job_lib=sealed.job_lib if kind == "train" else {})
