@@ -7,6 +7,7 @@ gloo), SIGINT sent to the launcher's process group as a terminal sends it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -32,6 +34,20 @@ SMALL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layer
 def slipway(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+@contextlib.contextmanager
+def launched(*args: str) -> Iterator[subprocess.Popen]:
+    """`slipway ARGS` in a session of its own, like a terminal's foreground job (a Ctrl-C goes to
+    its whole group), with the signals' defaults; killed with its group if the test ends first."""
+    launcher = subprocess.Popen([PY, "-m", "jobs", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True, preexec_fn=default_signals)
+    try:
+        yield launcher
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -137,18 +153,10 @@ def test_ctrl_c_saves_at_the_step_says_so_in_two_lines_and_the_pasted_command_re
     assert "Traceback" not in reference.stdout + reference.stderr
 
     run_dir = project / "runs" / "cc"
-    # A session of its own, like a terminal's foreground job: the signal goes to its whole group.
-    launcher = subprocess.Popen([PY, "-m", "jobs", "local", "tiny_cpu", "--run-name", "cc", *SMALL, steps],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                preexec_fn=default_signals)
-    try:
+    with launched("local", "tiny_cpu", "--run-name", "cc", *SMALL, steps) as launcher:
         wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and len(losses(run_dir)) >= 3, 240, "three steps")
         os.killpg(launcher.pid, signal.SIGINT)  # Ctrl-C
         out, _ = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
     assert launcher.returncode == 130, out[-3000:]
     said = after_ctrl_c(out)
     assert len(said) == 2, said  # the answer to Ctrl-C, and the end
@@ -180,24 +188,19 @@ def test_ctrl_c_saves_at_the_step_says_so_in_two_lines_and_the_pasted_command_re
 def test_a_second_ctrl_c_stops_at_once_unsaved(project):
     run_dir = project / "runs" / "twice"
     # No sync step for a long while: the first Ctrl-C's save waits, the second does not.
-    launcher = subprocess.Popen([PY, "-m", "jobs", "local", "tiny_cpu", "--run-name", "twice", *SMALL,
-                                 "logging.interval=100000", "train.steps=100000"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                preexec_fn=default_signals)
-    try:
+    with launched("local", "tiny_cpu", "--run-name", "twice", *SMALL, "logging.interval=100000",
+                  "train.steps=100000") as launcher:
         wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and losses(run_dir), 240, "the first step")
         os.killpg(launcher.pid, signal.SIGINT)
         time.sleep(2)
         t0 = time.monotonic()
         os.killpg(launcher.pid, signal.SIGINT)
-        out, _ = launcher.communicate(timeout=60)
+        out, _ = launcher.communicate(timeout=85)
         took = time.monotonic() - t0
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
     assert launcher.returncode == 130, out[-3000:]
-    assert took < 30, took  # the kill and the sweep; generous for a loaded machine, far below the 90 s grace
+    # Without the second Ctrl-C the first one's save would wait for a sync step that never comes,
+    # until its 90 s grace: any end before that is the second one's doing, however loaded the machine.
+    assert took < 85, took
     said = after_ctrl_c(out)
     assert len(said) == 2 and "before its first checkpoint" in said[1], said
     assert "Traceback" not in out
@@ -334,19 +337,12 @@ def test_a_rank_the_out_of_memory_killer_ends_is_named_with_the_batch_that_fits(
     """The arithmetic said it fits, the kernel said no: rank 1, moved into a memory cgroup too small
     for its next step, is killed by the out-of-memory killer, and the end says so with the hint."""
     run_dir = project / "runs" / "oom"
-    launcher = subprocess.Popen([PY, "-m", "jobs", "local", "tiny_cpu", "--run-name", "oom", *SMALL,
-                                 "train.micro_batch_size=64", "data.seq_len=128", "model.max_position_embeddings=128",
-                                 "train.steps=100000"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
+    with launched("local", "tiny_cpu", "--run-name", "oom", *SMALL, "train.micro_batch_size=64", "data.seq_len=128",
+                  "model.max_position_embeddings=128", "train.steps=100000") as launcher:
         wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and losses(run_dir), 240, "the first step")
         cgroup.limit(64 * 2**20)  # what it allocates from here on: less than one step's activations
         cgroup.add(rank_pid(run_dir, 1))
         out, _ = launcher.communicate(timeout=240)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
     assert launcher.returncode == 137, out[-3000:]
     last = out.strip().splitlines()[-1]
     assert last.startswith("rank 1 was killed by the out-of-memory killer (SIGKILL) at step "), last
