@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from jobs.cluster import ClusterSpec, LocalSlurmCluster, default_state_dir  # noqa: E402
+from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir  # noqa: E402
 
 MODEL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=4",
          "model.num_kv_heads=2", "data.seq_len=64", "model.max_position_embeddings=64",
@@ -75,7 +75,7 @@ def one_run(project: Path, name: str, nodes: int, steps: int, env: dict[str, str
 
 def _event_times(run_dir: Path) -> dict[str, float]:
     """The first time (epoch s) each event kind appears in events.log: start, preflight ok, end."""
-    from kernel.rundir import read_events
+    from common.rundir import read_events
 
     out: dict[str, float] = {}
     for e in read_events(run_dir):
@@ -94,7 +94,7 @@ def _first_step(metrics: Path, start: float, limit: float = 300) -> float:
 
 
 def dev_loop(project: Path, env: dict[str, str], repeat: int) -> None:
-    for name in ("kernel", "trainer"):
+    for name in ("common", "trainer"):
         shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
     layout = ["--nodes", "2", "--dp", "2", "train.steps=3", *MODEL]
     rows: list[tuple[str, float, float, float]] = []  # (what, command returns, job start, first step)
@@ -161,7 +161,7 @@ def pyxis_loop(plugin: str, repeat: int) -> None:
         node_private=(str(runtime), "/run/enroot", "/root/.local/share/enroot", "/root/.cache/enroot")))
     project = tmp / "project"
     shutil.copytree(ROOT / "configs", project / "configs")
-    for name in ("kernel", "trainer"):
+    for name in ("common", "trainer"):
         shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
     image = ["container.runtime=pyxis", f"image.base_image={TEST_BASE}", "image.flash_attn=false",
              f"image.wheelhouse={wheels}", "image.isolation=chroot", f"image.output_dir={tmp / 'images'}",
@@ -209,7 +209,7 @@ def pyxis_loop(plugin: str, repeat: int) -> None:
                 os.kill(int(ranks[-1]), 9)
                 job_over(name)
                 gone = time.perf_counter() - t0
-                from kernel.rundir import read_events
+                from common.rundir import read_events
 
                 end = next((e.when.timestamp() for e in read_events(project / "runs" / name)
                             if e.text.startswith("end exit") and e.when), float("nan"))

@@ -1,4 +1,4 @@
-"""A local run's memory: trainer/layouts.py's arithmetic (`process_memory`, what `slipway local`
+"""A local run's memory: common/layouts.py's arithmetic (`process_memory`, what `slipway local`
 checks before it starts any process) against the peak a rank reaches, side by side.
 
 Each case is `slipway local tiny_cpu` with the overrides below, trained for a few steps in a
@@ -34,8 +34,8 @@ CASES = {
 def measure(overrides: list[str]) -> tuple[float, float]:
     """(estimated GB a process, rank 0's peak RSS GB) for `slipway local tiny_cpu OVERRIDES`."""
     from jobs.config import load_config
-    from jobs.local import local_view
-    from trainer.layouts import process_memory
+    from jobs.interactive import local_view
+    from common.layouts import process_memory
 
     cfg, _ = local_view(load_config(ROOT / "configs" / "tiny_cpu.yaml", overrides), rename=False)
     project = Path(tempfile.mkdtemp(prefix="slipway-bench-memory-"))

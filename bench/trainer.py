@@ -174,7 +174,7 @@ def sdpa_flash_only(args: argparse.Namespace) -> None:
 def case_ours(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from kernel.schema import from_dict
+    from common.schema import from_dict
     from trainer.config import TrainerConfig
     from trainer.train import train
 
@@ -220,7 +220,7 @@ def case_bare(args: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from trainer.compute import apply_ac
-    from kernel.schema import from_dict
+    from common.schema import from_dict
     from trainer.config import ModelSection
     from trainer.metrics import peak_memory_gib
     from trainer.model import Transformer, select_attention
@@ -397,7 +397,7 @@ def titan_python(args: argparse.Namespace) -> tuple[Optional[Path], str]:
 
 def titan_params(args: argparse.Namespace, attention: str, work: Path) -> dict[str, Any]:
     """What the torchtitan config module reads: our model's dimensions and padded vocabulary."""
-    from kernel.schema import from_dict
+    from common.schema import from_dict
     from trainer.config import ModelSection
 
     mcfg = from_dict(ModelSection, model_dict(args))
@@ -639,7 +639,7 @@ def drive_check_torchtitan(args: argparse.Namespace) -> int:
     """torchtitan's config module, as the comparison writes it, builds the model ours trains: the same
     parameter count (the same dimensions, untied, padded vocabulary, unfused q/k/v)."""
     sys.path.insert(0, str(ROOT))
-    from kernel.schema import from_dict
+    from common.schema import from_dict
     from trainer.config import ModelSection
 
     ours = from_dict(ModelSection, model_dict(args)).num_params()
@@ -696,7 +696,7 @@ def fmt(value: Any, spec: str) -> str:
 def describe(args: argparse.Namespace, flops_per_token: int) -> str:
     import torch
 
-    from kernel.schema import from_dict
+    from common.schema import from_dict
     from trainer.config import ModelSection
 
     mcfg = from_dict(ModelSection, model_dict(args))
@@ -785,7 +785,7 @@ def drive(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from kernel.schema import from_dict
+    from common.schema import from_dict
     from trainer.config import ModelSection
     from trainer.metrics import peak_flops
     from trainer.model import num_flops_per_token
@@ -815,7 +815,7 @@ def drive_matrix(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from kernel.schema import from_dict
+    from common.schema import from_dict
     from trainer.config import ModelSection
     from trainer.metrics import peak_flops
     from trainer.model import num_flops_per_token

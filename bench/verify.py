@@ -1,7 +1,7 @@
 """What a node's check of a job costs (jobs/slurm/job_lib.sh verify_code, verify_image): the
 real bash functions over a real code snapshot of this checkout, and over a squashfs-sized file.
 
-- the code snapshot a `tiny_cpu` submission writes (kernel/ and trainer/), checked whole;
+- the code snapshot a `tiny_cpu` submission writes (common/ and trainer/), checked whole;
 - an image whose size and mtime are as recorded (the check every job makes);
 - an image touched since submission, whose bytes must then be hashed (per GB);
 - for scale, the batch script's start: `bash` sourcing the job library.

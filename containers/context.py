@@ -4,7 +4,7 @@ The context is assembled from the same list that is hashed, so a file outside
 it (runs/, tests/, caches) can change neither the image nor its tag. Layout
 (what containers/Dockerfile expects):
 
-    src/       pyproject.toml, README.md, LICENSE, kernel/ trainer/ jobs/ edf/ containers/ configs/
+    src/       pyproject.toml, README.md, LICENSE, common/ trainer/ jobs/ edf/ containers/ configs/
     wheels/    the offline wheelhouse (image.wheelhouse), empty without one
     buildenv/  flash-attn.env: compile settings that do not change the image
                (MAX_JOBS, NVCC_THREADS), neither hashed nor in podman's cache key
@@ -25,13 +25,13 @@ from typing import Optional
 from containers.pip_requirements import toml_loads
 from containers.sources import MAX_BYTES, MAX_FILES, Folder, collect, copy_into
 from containers.record import ImageSection
-from kernel.errors import ConfigError
-from kernel.fs import file_sha256, write_atomic
+from common.errors import ConfigError
+from common.fs import file_sha256, write_atomic
 
 HASH_SCHEME = "slipway-image-v1"
 # What goes into the image under src/ (the repository layout, see the Dockerfile).
 CONTEXT_FILES = ("pyproject.toml", "README.md", "LICENSE")
-CONTEXT_DIRS = ("kernel", "trainer", "jobs", "edf", "containers", "configs")
+CONTEXT_DIRS = ("common", "trainer", "jobs", "edf", "containers", "configs")
 WHEEL_SUFFIXES = (".whl", ".tar.gz", ".zip")
 # Build args that label the image without changing its contents: not hashed,
 # so a new commit with the same files reuses the image.

@@ -50,8 +50,8 @@ from containers.diagnose import diagnose_build
 from containers.record import BuildRecord, ImageNeeds, ImageSection
 from containers.storage import check_storage_conf
 from containers.tools import Container, Enroot, Podman, Tail, ToolError, git_commit, squashfs_ok
-from kernel.errors import ConfigError
-from kernel.fs import pid_alive, write_atomic
+from common.errors import ConfigError
+from common.fs import pid_alive, write_atomic
 
 
 

@@ -20,7 +20,7 @@ from rich.markup import escape
 from containers.context import project_root, resolve_path
 from containers.image import ImageConfig, human, image_plan, resolve_image, stale_temps
 from containers.tools import Enroot, Podman, ToolError
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 
 _IMAGE_FILE = r"{name}-(?P<h>[0-9a-f]{{12}})\.sqsh"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from edf.environment import ENV_NAME
-from kernel.schema import require
+from common.schema import require
 
 
 @dataclass
@@ -61,7 +61,7 @@ class ImageSection:
                 f"{self.name!r} is not a valid image name: use 1-64 lowercase letters, digits, '.', '_' or '-'")
         require(bool(self.base_image) and "\n" not in self.base_image, f"{where}.base_image",
                 "must name an image, e.g. nvcr.io/nvidia/pytorch:25.12-py3 or localhost/NAME:TAG")
-        for key, value in self.build_args.items():  # secrets: refused as the config is read (kernel/schema.py)
+        for key, value in self.build_args.items():  # secrets: refused as the config is read (common/schema.py)
             require(bool(ENV_NAME.match(key)) and "\n" not in str(value), f"{where}.build_args.{key}",
                     "build arg names are letters, digits and _ (not starting with a digit); values one line")
         require("\n" not in self.squash_options, f"{where}.squash_options", "must be one line of mksquashfs options")

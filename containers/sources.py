@@ -1,6 +1,6 @@
 """The project's own files: exactly what an image's build context and a run's code snapshot take.
 
-Both copy folders of the checkout (the code snapshot: kernel/ and trainer/, and a
+Both copy folders of the checkout (the code snapshot: common/ and trainer/, and a
 train.script's folder; the image: those and jobs/, edf/, containers/, configs/) to where
 they run, so both follow one rule, here:
 
@@ -32,8 +32,8 @@ from typing import Optional, Sequence
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
-from kernel.errors import ConfigError, bounded_path
-from kernel.secrets import HEAD_BYTES, secret_file
+from common.errors import ConfigError, bounded_path
+from common.secrets import HEAD_BYTES, secret_file
 
 # What is copied is bounded: a data file or a checkpoint left in the code folders is not code.
 MAX_FILES = 5000

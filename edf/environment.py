@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from kernel.errors import ConfigError, shown
-from kernel.secrets import PASSTHROUGH, REFERENCE, refusal
+from common.errors import ConfigError, shown
+from common.secrets import PASSTHROUGH, REFERENCE, refusal
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -107,7 +107,7 @@ def references(value: str, where: str) -> list[str]:
 def check_secret_entry(where: str, name: str, value: object) -> None:
     """An [env] entry of a merged environment that the batch script would hold (a base
     environment's, resolved under pyxis): the secret policy as for container.env, whose own
-    entries the schema engine checked as they were read (kernel/schema.py)."""
+    entries the schema engine checked as they were read (common/schema.py)."""
     found = refusal(value, name=name, policy=PASSTHROUGH, edf=True)
     if found is not None:
         raise ConfigError(where, found.message())

@@ -20,10 +20,10 @@ from typing import Any, Optional, Union
 import tomli_w
 
 from edf.environment import Environment, Expansion, Mount, is_local_image, split_expansions
-from kernel.errors import ConfigError, bounded, bounded_path, shown, warn
-from kernel.secrets import PASSTHROUGH, refusal, warning
-from kernel.yaml import MAX_DEPTH, MAX_TEXT, read_text_bounded
-from kernel.fs import write_atomic
+from common.errors import ConfigError, bounded, bounded_path, shown, warn
+from common.secrets import PASSTHROUGH, refusal, warning
+from common.yaml import MAX_DEPTH, MAX_TEXT, read_text_bounded
+from common.fs import write_atomic
 
 TOP_KEYS = ("base_environment", "image", "workdir", "entrypoint", "writable", "mounts", "env", "annotations")
 MAX_BASE_DEPTH = 10  # "Supports up to 10 levels of recursion" (EDF reference)

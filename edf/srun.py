@@ -27,7 +27,7 @@ from typing import Optional, Union
 from edf.environment import (EXPANSION, SQSH, Environment, Expansion, is_local_image, registry_image,
                              split_expansions)
 from edf.files import expand_host, resolve_base
-from kernel.errors import ConfigError, shown
+from common.errors import ConfigError, shown
 
 ENTRYPOINT_LOG = "com.pyxis.entrypoint_log"
 

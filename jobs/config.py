@@ -20,10 +20,10 @@ import yaml
 
 from containers.record import ImageNeeds, ImageSection
 from edf.environment import ENV_NAME, NOT_CONFIG, SAFE_NAME, Environment
-from kernel.errors import ConfigError, bounded, shown
-from kernel.schema import at_most, from_dict, require, to_dict
-from kernel.secrets import OWN_TEXT, warning
-from kernel.yaml import Plain, read_text_bounded, read_yaml
+from common.errors import ConfigError, bounded, shown
+from common.schema import at_most, from_dict, require, to_dict
+from common.secrets import OWN_TEXT, warning
+from common.yaml import Plain, read_text_bounded, read_yaml
 from trainer.config import TrainerConfig, check_trainer_sections
 
 # Slurm job names, file names and EDF names all come from run names (SAFE_NAME).

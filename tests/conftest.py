@@ -1,4 +1,4 @@
-"""Shared fixtures. The real local Slurm cluster is `slipway cluster` (jobs/cluster/)."""
+"""Shared fixtures. The real local Slurm cluster is `slipway cluster` (jobs/devcluster/)."""
 
 from __future__ import annotations
 

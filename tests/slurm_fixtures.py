@@ -1,4 +1,4 @@
-"""pytest fixtures for the real local Slurm cluster of jobs/cluster/ (`slipway cluster`).
+"""pytest fixtures for the real local Slurm cluster of jobs/devcluster/ (`slipway cluster`).
 
 tests/conftest.py makes them available to every test module:
 
@@ -27,7 +27,7 @@ from typing import Iterator
 
 import pytest
 
-from jobs.cluster import ClusterSpec, LocalSlurmCluster, default_state_dir, unavailable_reason  # noqa: E402
+from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir, unavailable_reason  # noqa: E402
 
 SLURM_NODES = 2
 _RUNNING: list[LocalSlurmCluster] = []  # the session's cluster, once started

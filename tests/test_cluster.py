@@ -1,4 +1,4 @@
-"""The real local Slurm cluster (`slipway cluster`, jobs/cluster/): it starts, runs multi-node
+"""The real local Slurm cluster (`slipway cluster`, jobs/devcluster/): it starts, runs multi-node
 jobs on distinct hosts, carries a torchrun c10d + gloo job across 2 nodes, and
 leaves nothing behind."""
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cluster import host as cluster_host
-from jobs.cluster import (ClusterError, ClusterSpec, LocalSlurmCluster, alive, default_state_dir, leftovers,
+from jobs.devcluster import host as cluster_host
+from jobs.devcluster import (ClusterError, ClusterSpec, LocalSlurmCluster, alive, default_state_dir, leftovers,
                           read_registry, render_slurm_conf, unavailable_reason)
 
 pytestmark = [pytest.mark.slurm,

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from jobs.config import dump_config, load_config
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 from trainer.config import load_trainer_config
 
 

@@ -22,16 +22,16 @@ import pytest
 
 from jobs.runs.code import LISTING, PRUNE_AFTER_SECONDS, STORE, plan_snapshot
 from conftest import default_signals
-from kernel.errors import ConfigError
-from kernel.rundir import CODE_ENV, CodeSnapshot, check_code
+from common.errors import ConfigError
+from common.rundir import CODE_ENV, CodeSnapshot, check_code
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
 def checkout(project: Path) -> Path:
-    """The project as a checkout of its own: slipway, run from it, snapshots its kernel/ and trainer/."""
-    for name in ("kernel", "trainer"):
+    """The project as a checkout of its own: slipway, run from it, snapshots its common/ and trainer/."""
+    for name in ("common", "trainer"):
         shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
     return project / "trainer"
 
@@ -211,7 +211,7 @@ def test_pyxis_keeps_the_container_of_a_known_build_only(project):
     keep_builds is one line naming it, exit 2."""
     img = project / "img.sqsh"
     img.write_bytes(b"hsqs")
-    from kernel.fs import file_sha256
+    from common.fs import file_sha256
 
     def settings(*extra: str) -> str:
         r = slipway("submit", "tiny_cpu", "--dry-run", "container.runtime=pyxis", *extra)

@@ -81,8 +81,8 @@ def test_readme_quick_start_is_make_local_and_make_test():
     assert commands == ["make local", "make test"]
 
 
-def test_the_exit_codes_page_is_the_table_of_kernel_rundir():
-    from kernel.rundir import EXIT_CODES
+def test_the_exit_codes_page_is_the_table_of_common_rundir():
+    from common.rundir import EXIT_CODES
 
     section = (ROOT / "docs" / "runs.md").read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\| (\d+) \| (.+?) \|$", section, re.MULTILINE))

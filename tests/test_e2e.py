@@ -1,4 +1,4 @@
-"""End to end on a real multi-node Slurm cluster (jobs/cluster/: node1, node2 in
+"""End to end on a real multi-node Slurm cluster (jobs/devcluster/: node1, node2 in
 their own network namespaces): training over 2 nodes with dp x tp and dp x pp, the
 time-limit warning (save, requeue, resume, same losses), a dead rank (bounded
 failure, intact checkpoint, resume on resubmission), rendezvous ports of

@@ -25,8 +25,8 @@ from edf import (
     to_pyxis_args,
     write_edf,
 )
-from kernel.errors import ConfigError
-from kernel.schema import from_dict
+from common.errors import ConfigError
+from common.schema import from_dict
 
 # The CSCS nanotron tutorial's EDF, exactly as written there (trailing spaces
 # included; eth-cscs/cscs-docs, tutorials/ml, "Set up an EDF").
@@ -173,7 +173,7 @@ def test_the_config_section_is_the_model():
         annotations={"com.hooks.aws_ofi_nccl.enabled": "true"},
     )
     assert parse_edf(render_edf(env)) == env
-    from kernel.schema import to_dict
+    from common.schema import to_dict
 
     assert to_dict(env)["mounts"] == ["${SCRATCH}:${SCRATCH}", "/users:/users"]
     assert "origin" not in to_dict(env) and "source" not in to_dict(env)

@@ -1,4 +1,4 @@
-"""The environment is input (kernel/environ.py): Slurm's variables, wherever slipway reads them,
+"""The environment is input (common/environ.py): Slurm's variables, wherever slipway reads them,
 are checked like config values. Through `slipway run` (the command that reads the allocation from
 its shell) and through the trainer's own readers."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import squeue_answering, stand_in, tree
-from kernel import environ
-from kernel.errors import ConfigError
+from common import environ
+from common.errors import ConfigError
 
 PY = sys.executable
 HOSTILE = ["../../etc", "1;touch pwned", "$(touch pwned)", " 12", "12\n", "-1", "1e3", "x" * 200, "1/2"]

@@ -72,7 +72,7 @@ def test_local_refuses_an_unprepared_cache_at_once_and_its_prepare_command_works
 def finished(project: Path, run: str = "tiny_cpu", step: int = 200, exist_ok: bool = False) -> Path:
     done = project / "runs" / run / "checkpoints" / f"step-{step:06d}"
     done.mkdir(parents=True, exist_ok=exist_ok)
-    for name in (".metadata", "COMPLETE"):  # a whole checkpoint (kernel/rundir.py checkpoint_complete)
+    for name in (".metadata", "COMPLETE"):  # a whole checkpoint (common/rundir.py checkpoint_complete)
         (done / name).touch()
     return done.parent.parent
 
@@ -205,7 +205,7 @@ def test_submit_without_a_controller_is_doctors_one_line_and_writes_nothing(proj
 def test_a_slurm_conf_left_from_a_stopped_local_cluster_is_named_first(project, tmp_path):
     if shutil.which("scontrol") is None:
         pytest.skip("needs Slurm's scontrol, which says why no controller answers")
-    from jobs.cluster import ClusterSpec, render_slurm_conf
+    from jobs.devcluster import ClusterSpec, render_slurm_conf
 
     spec = ClusterSpec(state_dir=Path("/tmp/slipway-gone"), nodes=2)  # a short name, as slurm.conf needs
     conf = tmp_path / "slurm.conf"  # its conf as `slipway cluster down` leaves it

@@ -57,7 +57,7 @@ def cpu_only_env(**extra: str) -> dict[str, str]:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    from trainer.history import latest_by_step, read_metrics as history
+    from common.metrics_log import latest_by_step, read_metrics as history
 
     return {r["step"]: r["loss"] for r in latest_by_step(history(run_dir)) if r["kind"] == "train"}
 
@@ -221,7 +221,7 @@ def test_the_trainer_runs_on_an_nccl_group(nccl_run):
     log = proc.stdout + proc.stderr
     assert "world 1 = pp 1 x dp 1 x tp 1 on cuda:0 (nccl), torch.float32" in log, log[-3000:]
     assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5, 6]
-    from kernel.rundir import complete_checkpoints
+    from common.rundir import complete_checkpoints
     from trainer.checkpoint import step_dir
 
     assert complete_checkpoints(run_dir / "checkpoints") == [3, 6]

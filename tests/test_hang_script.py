@@ -14,8 +14,8 @@ import pytest
 from conftest import write_libraries
 from jobs.config import load_config
 from jobs.slurm.script import Pins, RunPaths, render_sbatch
-from kernel.rundir import HANG_EXIT, PREFLIGHT_EXIT
-from kernel.rundir import PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE
+from common.rundir import HANG_EXIT, PREFLIGHT_EXIT
+from common.rundir import PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE
 
 # Stand-ins: scontrol and sinfo answer from files in $FAKE, srun runs the preflight's and the
 # training step's stand-ins ($FAKE/node.sh, allreduce.sh, train.sh), every call is logged.

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cluster import ClusterSpec, LocalSlurmCluster, default_state_dir, read_registry, unavailable_reason
+from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir, read_registry, unavailable_reason
 from test_e2e import (TINY, complete_checkpoints, job_state, resubmit_resumes, slipway, steps_logged, wait_for,
                       wait_job_end)
-from kernel.rundir import HANG_EXIT, PREFLIGHT_EXIT
+from common.rundir import HANG_EXIT, PREFLIGHT_EXIT
 from trainer.watchdog import HARD_EXIT_SECONDS, _py_spy
 
 pytestmark = [pytest.mark.slurm,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kernel.errors import ConfigError
-from kernel.rundir import HANG_EXIT
-from kernel.schema import from_dict
+from common.errors import ConfigError
+from common.rundir import HANG_EXIT
+from common.schema import from_dict
 from trainer.config import TrainSection
 from trainer.watchdog import HARD_EXIT_SECONDS, SLOW_CHECKPOINT_EXIT, HangWatchdog, collective_timeout
 from trainer_helpers import ROOT, clean_env, tiny_config, write_run

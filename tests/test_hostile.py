@@ -32,9 +32,9 @@ from hypothesis import strategies as st
 from conftest import SRUN_PASSING_PREFLIGHT, tree
 from jobs.cli import main
 from jobs.config import Config, load_config
-from kernel.errors import ConfigError
-from kernel.schema import config_fields
-from kernel.yaml import read_yaml
+from common.errors import ConfigError
+from common.schema import config_fields
+from common.yaml import read_yaml
 
 pytestmark = pytest.mark.slow
 PY = sys.executable

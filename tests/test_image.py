@@ -47,7 +47,7 @@ from containers.record import ImageSection
 from jobs.config import Config, load_config
 from conftest import default_signals
 from tests.image_standins import calls, flash_attn_standin_wheel, write_standins
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_BASE = "localhost/slipway-testbase:py311"

@@ -1,4 +1,4 @@
-"""The run-directory protocol (kernel/rundir.py) and the run's lifecycle (jobs/runs/lifecycle.py):
+"""The run-directory protocol (common/rundir.py) and the run's lifecycle (jobs/runs/lifecycle.py):
 events written by either writer read back, torn and foreign lines skipped, manifest entries read
 once into launches, and one table of (events, Slurm's record or the local processes) -> state."""
 
@@ -15,7 +15,7 @@ from jobs.runs.lifecycle import LocalProcess, launch_state
 from jobs.runs.manifest import Launch
 from jobs.runs.manifest import ManifestError, read as read_manifest
 from jobs.slurm.script import _EVENT, RunPaths
-from kernel.rundir import (EVENTS_FILE, LOCAL_JOB, Event, EventKind, append_event, format_event, parse_event,
+from common.rundir import (EVENTS_FILE, LOCAL_JOB, Event, EventKind, append_event, format_event, parse_event,
                             read_events)
 
 T0 = "2026-01-01T12:00:00+00:00"

@@ -157,7 +157,7 @@ import importlib, json, pkgutil, sys
 failed = []
 names = [f"{p}.{m.name}" for p in ("jobs", "edf", "containers")
          for m in pkgutil.iter_modules(importlib.import_module(p).__path__) if m.name != "__main__"]
-for name in names + ["trainer.prepare", "trainer.data_cache", "trainer.extras", "trainer.plot", "kernel.edge"]:
+for name in names + ["trainer.prepare", "trainer.data_cache", "common.extras", "trainer.plot", "common.edge"]:
     try:
         importlib.import_module(name)
     except Exception as exc:
@@ -242,9 +242,9 @@ def test_trainer_work_here_names_the_extra_to_install(base_venv, project, slurm)
 
 
 def test_the_extras_named_are_those_pyproject_declares():
-    """`trainer.extras` says which extra brings a module: the same lists as pyproject.toml's."""
+    """`common.extras` says which extra brings a module: the same lists as pyproject.toml's."""
     tomllib = pytest.importorskip("tomllib")
-    from trainer.extras import EXTRAS
+    from common.extras import EXTRAS
 
     optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for extra, modules in EXTRAS.items():

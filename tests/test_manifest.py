@@ -30,7 +30,7 @@ IMAGE = {"reference": "", "image": "/img/slipway-0123456789ab.sqsh", "source": "
          "tag": "localhost/slipway:0123456789ab"}
 CODE = {"hash": "f" * 64, "dir": "/runs/.code/ffffffffffffffff", "files": 40, "bytes": 90000,
         "source": "/project/trainer", "commit": "c0ffee", "dirty": False}
-# What slipway wrote before the manifest had a schema (jobs/runs/__init__.py, jobs/local.py).
+# What slipway wrote before the manifest had a schema (jobs/runs/__init__.py, jobs/interactive.py).
 UNVERSIONED = {
     "run": "r", "created": T0, "project_dir": "/project", "git": {"commit": "c0ffee", "dirty": False},
     "image": IMAGE, "runtime": "pyxis", "launcher": "torchrun", "config_sha256": "a" * 64,

@@ -19,7 +19,7 @@ import pytest
 
 import trainer.data_sources as data_sources
 import trainer.data_tokenize as data_tokenize
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 from trainer.config import DataSection
 from trainer.data_cache import DataCacheError, resolve_cache_dir
 from trainer.data_sources import load_tokenizer

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cluster import ClusterSpec, LocalSlurmCluster, default_state_dir, read_registry, unavailable_reason
+from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir, read_registry, unavailable_reason
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +112,7 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["image"]["path"] == squashfs and manifest["image"]["source"] == "build"
     # The run's code snapshot, mounted read-only at its own path and first on PYTHONPATH: the
-    # trainer refuses any other code (kernel.rundir.check_code), so these steps ran it.
+    # trainer refuses any other code (common.rundir.check_code), so these steps ran it.
     code = manifest["code"]["dir"]
     assert f"{code}:{code}:ro" in script and "--container-env=" in script and (Path(code) / "trainer").is_dir()
 

@@ -188,7 +188,7 @@ def test_gh200_preset_binds_ranks_and_sets_the_slingshot_environment(launcher, t
     (["launch.preset=h100"], "launch.preset", "must be one of 'none', 'alps-gh200'"),
 ])
 def test_gh200_preset_errors(overrides, field, words):
-    from kernel.errors import ConfigError
+    from common.errors import ConfigError
 
     with pytest.raises(ConfigError) as exc:
         load_config("configs/tiny_wikitext.yaml", overrides)

@@ -1,4 +1,4 @@
-"""The secret policy itself (kernel/secrets.py): which names and values look like a secret's, and
+"""The secret policy itself (common/secrets.py): which names and values look like a secret's, and
 how every message masks them. The lists below are the contract docs/secrets.md states: names
 and values users set every day pass; secrets by name (in every spelling) and by shape do not.
 The command-line proofs are in test_secrets.py.
@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs.config import NODE_PRESETS
-from kernel.errors import ConfigError, bounded, shown
-from kernel.secrets import (PASSTHROUGH, REFERENCE, find_secrets, mask, name_words, refusal, secret_name,
+from common.errors import ConfigError, bounded, shown
+from common.secrets import (PASSTHROUGH, REFERENCE, find_secrets, mask, name_words, refusal, secret_name,
                             secret_shape)
 
 # Names that hold a secret, as users and tools spell them.

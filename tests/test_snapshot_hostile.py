@@ -19,7 +19,7 @@ import pytest
 
 from containers.sources import Folder, collect
 from jobs.runs.code import LISTING, STORE, damage, plan_snapshot
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "hf_sEcReTvAlUe0123456789abcdefghij"  # what must never reach a terminal or the store
@@ -34,10 +34,10 @@ def _git(project: Path, *args: str) -> None:
 @pytest.fixture
 def checkout(project: Path) -> Path:
     """The project as a git checkout of slipway's code folders (what a user clones)."""
-    for name in ("kernel", "trainer"):
+    for name in ("common", "trainer"):
         shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
     _git(project, "init", "-q")
-    _git(project, "add", "kernel", "trainer", "configs")
+    _git(project, "add", "common", "trainer", "configs")
     _git(project, "commit", "-qm", "c")
     return project
 
@@ -61,15 +61,15 @@ def refused(proc: subprocess.CompletedProcess, *words: str) -> str:
 
 def test_a_link_inside_is_kept_as_a_link_to_the_copy(checkout):
     (checkout / "trainer" / "alias.py").symlink_to("model.py")
-    (checkout / "trainer" / "kern").symlink_to("../kernel")  # a link to a directory that is copied too
-    (checkout / "trainer" / "abs.py").symlink_to(checkout / "kernel" / "fs.py")  # absolute, inside
+    (checkout / "trainer" / "kern").symlink_to("../common")  # a link to a directory that is copied too
+    (checkout / "trainer" / "abs.py").symlink_to(checkout / "common" / "fs.py")  # absolute, inside
     _git(checkout, "add", "trainer")
     value = plan_snapshot(checkout / "runs" / STORE, None, checkout).write()
     snap = Path(value.dir)
     assert os.readlink(snap / "trainer" / "alias.py") == "model.py"
-    assert os.readlink(snap / "trainer" / "kern") == "../kernel"
-    assert os.readlink(snap / "trainer" / "abs.py") == "../kernel/fs.py"  # now points at the copy
-    assert (snap / "trainer" / "abs.py").read_text() == (checkout / "kernel" / "fs.py").read_text()
+    assert os.readlink(snap / "trainer" / "kern") == "../common"
+    assert os.readlink(snap / "trainer" / "abs.py") == "../common/fs.py"  # now points at the copy
+    assert (snap / "trainer" / "abs.py").read_text() == (checkout / "common" / "fs.py").read_text()
     assert damage(snap, value.hash) is None
 
 
@@ -220,7 +220,7 @@ def test_an_unreadable_directory_is_refused_naming_it(tmp_path):
         (top / "code" / "secret_dir").chmod(0o700)
         script = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1])\n"
                   "from containers.sources import Folder, collect\n"
-                  "from kernel.errors import ConfigError\n"
+                  "from common.errors import ConfigError\n"
                   "try: collect([Folder(Path(sys.argv[2]), 'script')], field_name='train.script', "
                   "max_bytes=1 << 30, max_files=100)\n"
                   "except ConfigError as e: print(e); sys.exit(2)\n")

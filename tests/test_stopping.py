@@ -21,7 +21,7 @@ from typing import Iterator
 import pytest
 
 from conftest import default_signals
-from jobs.launcher import Noise
+from jobs.supervisor import Noise
 
 PY = sys.executable
 
@@ -217,7 +217,7 @@ def tiny_cpu(*overrides: str):
 
 
 def test_the_batch_that_fits_keeps_the_layout_and_the_global_batch():
-    from trainer.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
+    from common.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
 
     cfg = tiny_cpu("train.micro_batch_size=48", "train.grad_accum_steps=2")
     need = process_memory(cfg)
@@ -231,8 +231,8 @@ def test_the_batch_that_fits_keeps_the_layout_and_the_global_batch():
 
 
 def test_a_try_that_cannot_fit_here_is_refused_before_any_process_with_the_batch_that_would(project):
-    from jobs.launcher import available_memory
-    from trainer.layouts import process_memory
+    from jobs.supervisor import available_memory
+    from common.layouts import process_memory
 
     available = available_memory()
     if available is None:
@@ -244,7 +244,7 @@ def test_a_try_that_cannot_fit_here_is_refused_before_any_process_with_the_batch
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     line = r.stderr.strip()
     assert line.startswith("slipway: error: train.micro_batch_size: 2 processes of about "), line
-    assert "(trainer/layouts.py's arithmetic) need " in line and " GB free: `slipway local tiny_cpu " in line, line
+    assert "(common/layouts.py's arithmetic) need " in line and " GB free: `slipway local tiny_cpu " in line, line
     command = pasted(line)
     assert f"train.micro_batch_size={micro}" not in command and "--micro-batch-size" in command, command
     fit = int(command[command.index("--micro-batch-size") + 1])

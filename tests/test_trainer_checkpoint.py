@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # when run as a worker script
     sys.path.insert(0, str(ROOT))
 
-from kernel.rundir import complete_checkpoints
+from common.rundir import complete_checkpoints
 
 from trainer.checkpoint import Checkpointer, CheckpointWriteError, step_dir  # noqa: E402
 from trainer.states import ModelState, OptimizerState, RNGState  # noqa: E402
@@ -523,7 +523,7 @@ def test_a_state_gaining_a_counter_still_loads_older_checkpoints(tmp_path):
 
 def test_a_checkpoint_of_other_dimensions_is_a_config_error(tmp_path):
     """A checkpoint saved before vocabulary padding (or of another model) says what to do."""
-    from kernel.errors import ConfigError
+    from common.errors import ConfigError
     from trainer.config import ModelSection
     from trainer.model import Transformer
 

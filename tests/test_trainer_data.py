@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import trainer.data_cache as data_cache
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 from trainer.config import DataSection, ModelSection, RunSection, TrainSection, TrainerConfig
 from trainer.data import Sampler, build_data, check_vocab_size
 from trainer.data_cache import default_cache_dir

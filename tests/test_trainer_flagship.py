@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kernel.rundir import complete_checkpoints
+from common.rundir import complete_checkpoints
 
 from trainer.checkpoint import step_dir
-from trainer.history import latest_by_step, read_metrics
+from common.metrics_log import latest_by_step, read_metrics
 from trainer_helpers import ROOT, clean_env
 
 pytestmark = pytest.mark.multiproc

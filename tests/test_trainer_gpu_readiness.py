@@ -17,11 +17,11 @@ from datetime import timedelta
 import pytest
 import torch
 
-from kernel.errors import ConfigError
-from kernel.rundir import STOP_FILE
-from kernel.schema import from_dict
+from common.errors import ConfigError
+from common.rundir import STOP_FILE
+from common.schema import from_dict
 from trainer.config import ModelSection, TrainSection, TrainerConfig
-from trainer.layouts import GPU_BUDGET_FRACTION, GPU_MEMORY_GB, LAYOUT_DEFAULTS, gpu_memory_estimate, resolve_reshard
+from common.layouts import GPU_BUDGET_FRACTION, GPU_MEMORY_GB, LAYOUT_DEFAULTS, gpu_memory_estimate, resolve_reshard
 from trainer.watchdog import COLLECTIVE_MARGIN_SECONDS, HARD_EXIT_SECONDS, collective_timeout
 from trainer_helpers import ROOT, TINY_MODEL, clean_env, read_metrics, synthetic_data, tiny_config, write_run
 
@@ -261,7 +261,7 @@ def test_large_reshards_by_default_and_explicit_settings_win():
         return from_dict(TrainerConfig, {"model": {"size": size}, "parallel": {"dp": 4, **parallel},
                                          "data": {"seq_len": 512}})
 
-    assert resolve_reshard(cfg("large")) == (True, "the large preset's default, trainer/layouts.py")
+    assert resolve_reshard(cfg("large")) == (True, "the large preset's default, common/layouts.py")
     assert resolve_reshard(cfg("tiny")) == (False, "zero_stage 1")
     assert resolve_reshard(cfg("tiny", zero_stage=3)) == (True, "zero_stage 3")
     assert resolve_reshard(cfg("large", reshard_after_forward="false"))[0] is False
@@ -460,7 +460,7 @@ def test_bf16_under_fsdp_and_tensor_parallel_tracks_fp32(tmp_path):
 
 
 def test_the_memory_report_warns_before_an_out_of_memory():
-    from trainer.layouts import memory_report
+    from common.layouts import memory_report
 
     def cfg(**train) -> TrainerConfig:
         return from_dict(TrainerConfig, {"model": {"size": "large"}, "parallel": {"dp": 4},
@@ -469,7 +469,7 @@ def test_the_memory_report_warns_before_an_out_of_memory():
 
     h100 = 80 * 10**9
     line, warning = memory_report(cfg(activation_checkpointing="selective"), 4, True, h100)
-    assert line.startswith("memory by trainer/layouts.py's arithmetic: ~54.8 GB a GPU") and warning is None
+    assert line.startswith("memory by common/layouts.py's arithmetic: ~54.8 GB a GPU") and warning is None
     line, warning = memory_report(cfg(), 4, False, h100)  # zero_stage 1 and no checkpointing: ~116 GB
     assert "\n" not in warning and "expect out-of-memory" in warning
     assert "train.activation_checkpointing: selective" in warning and "parallel.reshard_after_forward: true" in warning

@@ -13,8 +13,8 @@ import yaml
 
 from trainer.checkpoint import Checkpointer
 from trainer.states import ModelState
-from kernel.errors import ConfigError
-from kernel.schema import from_dict
+from common.errors import ConfigError
+from common.schema import from_dict
 from trainer.config import CheckpointSection, ModelSection
 from trainer.hf import export_hf, load_hf_into, main, model_section_from_hf
 from trainer.model import Transformer

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 from trainer.config import ModelSection, ParallelSection, TrainSection
 from trainer.model import Transformer, _seeded_normal, num_flops_per_token, select_attention
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor, param_groups
@@ -305,7 +305,7 @@ def test_padding_leaves_the_loss_and_gradients_exactly_as_unpadded(tied):
 
 
 def test_pad_vocab_multiple_is_checked():
-    from kernel.schema import from_dict
+    from common.schema import from_dict
     from trainer.config import TrainerConfig
 
     with pytest.raises(ConfigError, match=r"model\.pad_vocab_multiple: must be >= 1"):
@@ -382,7 +382,7 @@ def test_flash_is_chosen_when_it_imports(tmp_path, monkeypatch):
 
 
 def test_duration_format():
-    from trainer.history import format_duration
+    from common.metrics_log import format_duration
 
     assert [format_duration(s) for s in (None, 0, 59.4, 61, 3599, 3600, 7380)] == \
         ["?", "0s", "59s", "1m01s", "59m59s", "1h00m", "2h03m"]

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from kernel.rundir import complete_checkpoints
+from common.rundir import complete_checkpoints
 
 from trainer.checkpoint import step_dir
-from kernel.rundir import NONFINITE_EXIT
+from common.rundir import NONFINITE_EXIT
 from trainer.train import main
 from trainer_helpers import POISON_ENV, clean_env, poison_loss, synthetic_data, tiny_config, torchrun, write_run
 

@@ -217,7 +217,7 @@ def test_sigusr1_stops_with_exit_75_and_resumes(runs, tmp_path, checkpoint):
 @pytest.mark.slow
 def test_stop_file_stops_after_the_step_and_saves(tmp_path):
     """The batch script's answer to Slurm's warning (torchrun keeps SIGUSR1 from the workers)."""
-    from kernel.rundir import STOP_FILE
+    from common.rundir import STOP_FILE
     from trainer.train import main
 
     config = write_run(tmp_path, "warned", tiny_config())

@@ -344,9 +344,9 @@ def test_compile_fallback_under_fsdp_retries_the_step_on_every_rank(tmp_path):
 
 def test_compile_is_auto_true_or_false():
     from trainer.compute import resolve_compile
-    from kernel.errors import ConfigError
-    from kernel.schema import from_dict
-    from kernel.yaml import read_yaml
+    from common.errors import ConfigError
+    from common.schema import from_dict
+    from common.yaml import read_yaml
     from trainer.config import TrainSection
 
     assert TrainSection().compile == "auto"
@@ -360,8 +360,8 @@ def test_compile_is_auto_true_or_false():
 
 
 def test_activation_checkpointing_and_gc_fields_are_checked():
-    from kernel.errors import ConfigError
-    from kernel.schema import from_dict
+    from common.errors import ConfigError
+    from common.schema import from_dict
     from trainer.config import TrainSection
 
     assert from_dict(TrainSection, {"activation_checkpointing": "selective", "selective_ac": "2"}).selective_ac == "2"
@@ -389,7 +389,7 @@ def test_activation_checkpointing_marks_the_right_blocks():
 
 def test_float8_is_refused_where_it_cannot_run(monkeypatch):
     from trainer.compute import check_float8
-    from kernel.errors import ConfigError
+    from common.errors import ConfigError
     from trainer.config import TrainSection
 
     on = TrainSection(float8=True)
@@ -421,7 +421,7 @@ def test_float8_on_cpu_is_a_config_error_before_any_data(tmp_path):
 
 def test_layout_advice_for_the_flagship_and_none_for_custom_models():
     from trainer.config import load_trainer_config
-    from trainer.layouts import LAYOUT_DEFAULTS, layout_advice
+    from common.layouts import LAYOUT_DEFAULTS, layout_advice
 
     assert set(LAYOUT_DEFAULTS) == {"tiny", "small", "base", "large"}
     advice = layout_advice(load_trainer_config(ROOT / "configs" / "tiny_wikitext.yaml"))
@@ -429,7 +429,7 @@ def test_layout_advice_for_the_flagship_and_none_for_custom_models():
     assert ("parallel.dp=8 parallel.tp=1 parallel.pp=1 (FSDP) with train.micro_batch_size=16, the same global "
             "batch of 128 sequences") in advice
     assert layout_advice(load_trainer_config(ROOT / "configs" / "tiny_cpu.yaml")) is None  # custom: no table row
-    from kernel.schema import from_dict
+    from common.schema import from_dict
     from trainer.config import TrainerConfig
 
     pp = from_dict(TrainerConfig, {"model": {"size": "base"}, "parallel": {"dp": 2, "pp": 2},
@@ -442,7 +442,7 @@ def test_layout_advice_for_the_flagship_and_none_for_custom_models():
 
 
 def test_layout_advice_imports_no_torch():
-    code = ("import sys; from trainer.layouts import layout_advice; from trainer.config import load_trainer_config; "
+    code = ("import sys; from common.layouts import layout_advice; from trainer.config import load_trainer_config; "
             "print(layout_advice(load_trainer_config('configs/tiny_wikitext.yaml')) is not None, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=clean_env())
     assert proc.stdout.split() == ["True", "False"], proc.stderr

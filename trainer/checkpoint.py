@@ -68,10 +68,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 from trainer.config import CheckpointSection
-from kernel.fs import write_atomic
-from kernel.rundir import CHECKPOINT_MARKER, checkpoint_complete, complete_checkpoints
+from common.fs import write_atomic
+from common.rundir import CHECKPOINT_MARKER, checkpoint_complete, complete_checkpoints
 from trainer.preflight import check_free_space, size
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 from trainer.config import TrainSection
 from trainer.model import Transformer
 

@@ -4,7 +4,7 @@ checkpoint, logging) and the rules across them.
 No torch and no host side here: the host's `jobs.config.Config` extends `TrainerConfig` with
 its own sections, and the trainer reads the frozen runs/RUN/config.yaml back into these
 dataclasses inside the image, its own sections only. The schema engine that reads them
-(unknown keys, wrong types and impossible values refused naming the field) is kernel/schema.py.
+(unknown keys, wrong types and impossible values refused naming the field) is common/schema.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from kernel.errors import ConfigError, shown
-from kernel.schema import BIG, DAY, AutoBool, at_most, config_fields, from_dict, positive, require
-from kernel.yaml import read_text_bounded, read_yaml
+from common.errors import ConfigError, shown
+from common.schema import BIG, DAY, AutoBool, at_most, config_fields, from_dict, positive, require
+from common.yaml import read_text_bounded, read_yaml
 
 
 # The CSCS tutorial's 109M Llama is `tiny`; the others follow common Llama shapes.
@@ -170,7 +170,7 @@ class ParallelSection:
     grad_sync: Literal["last_micro_batch", "every_micro_batch"] = "last_micro_batch"
     # FSDP2: free each block's gathered parameters after its forward (all-gathered again for the
     # backward) or keep them to the backward. auto: zero_stage 3 reshards; otherwise the model
-    # preset's default (trainer/layouts.py: on for large, whose bf16 weights would take 13 GB
+    # preset's default (common/layouts.py: on for large, whose bf16 weights would take 13 GB
     # a GPU), else off. true or false decide, whatever zero_stage says.
     reshard_after_forward: AutoBool = "auto"
 

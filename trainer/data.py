@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernel import environ
-from kernel.errors import ConfigError
+from common import environ
+from common.errors import ConfigError
 from trainer.config import TrainerConfig
 from trainer.data_cache import default_cache_dir, ensure_tokens, resolve_cache_dir
 from trainer.data_sources import load_tokenizer

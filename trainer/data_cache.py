@@ -49,12 +49,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kernel import environ
-from kernel.errors import ConfigError
+from common import environ
+from common.errors import ConfigError
 from trainer.config import DataSection
 from trainer.data_sources import TextSource, TokenizerSpec
 from trainer.data_tokenize import FORMAT_VERSION, TOKEN_DTYPES, ProgressSink, note, partial_tokens, write_tokens
-from kernel.fs import pid_alive, write_atomic
+from common.fs import pid_alive, write_atomic
 
 if TYPE_CHECKING:
     import numpy as np

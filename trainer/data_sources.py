@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 from trainer.config import DataSection
 
 ASSETS = Path(__file__).resolve().parent / "assets"

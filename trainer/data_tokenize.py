@@ -44,9 +44,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 from trainer.data_sources import Batch, Reader, TextSource, TokenizerSpec, eos_id, load_tokenizer
-from kernel.fs import write_atomic
+from common.fs import write_atomic
 
 if TYPE_CHECKING:
     import numpy as np

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import read_model_weights
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 from trainer.config import ModelSection
 
 WHERE = "model.init_from_hf"
@@ -379,7 +379,7 @@ def _replace_dir(new: Path, dest: Path) -> None:
 
 
 def _export_run(run_dir: Path, step: Optional[int], out: Path, dtype: Optional[str], overwrite: bool) -> str:
-    from kernel.rundir import complete_checkpoints
+    from common.rundir import complete_checkpoints
     from trainer.checkpoint import step_dir
     from trainer.config import load_trainer_config
 

@@ -4,7 +4,7 @@ may write a profiler trace.
 
 metrics.jsonl is an append-only history of JSON objects with a "kind":
 "restart" (training starts or resumes at "step": later records for steps after
-it supersede what an earlier attempt logged for them; `trainer.history.latest_by_step`
+it supersede what an earlier attempt logged for them; `common.metrics_log.latest_by_step`
 reads the file that way), "train", "eval", and "nonfinite" (a skipped step).
 Non-finite numbers are written as null (JSON has no NaN).
 """
@@ -25,9 +25,9 @@ from typing import Any, Optional
 
 import torch
 
-from kernel.schema import to_dict
+from common.schema import to_dict
 from trainer.config import LoggingSection, TrainerConfig
-from trainer.history import format_duration
+from common.metrics_log import format_duration
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 from trainer.config import ModelSection
 
 log = logging.getLogger(__name__)

@@ -36,10 +36,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from trainer.compute import apply_ac, apply_float8, compile_blocks, resolve_compile
-from kernel import environ
-from kernel.errors import ConfigError
+from common import environ
+from common.errors import ConfigError
 from trainer.config import ParallelSection, TrainerConfig
-from trainer.layouts import resolve_reshard
+from common.layouts import resolve_reshard
 from trainer.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -303,7 +303,7 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, param_d
     unsharded until after the backward (one all-gather per step, more memory).
     So zero_stage 1 and 2 are an approximation: both behave like ZeRO-2.
     `reshard_after_forward` (parallel.reshard_after_forward resolved by
-    trainer.layouts.resolve_reshard) overrides what the stage implies.
+    common.layouts.resolve_reshard) overrides what the stage implies.
     Parameters stay fp32 (the optimizer's master copy); compute is in
     `param_dtype`, gradients are reduced in fp32.
     """

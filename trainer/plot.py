@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kernel.errors import ConfigError
-from trainer.extras import require
-from kernel.fs import write_atomic
-from trainer.history import latest_by_step, read_metrics
+from common.errors import ConfigError
+from common.extras import require
+from common.fs import write_atomic
+from common.metrics_log import latest_by_step, read_metrics
 
 __all__ = ["plot_run", "read_metrics"]
 

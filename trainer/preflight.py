@@ -46,9 +46,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-from kernel.environ import count as env_count
-from kernel.rundir import PREFLIGHT_EXIT
-from kernel.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE, append_event
+from common.environ import count as env_count
+from common.rundir import PREFLIGHT_EXIT
+from common.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE, append_event
 from trainer.watchdog import node_name
 
 # One checkpoint holds the fp32 weights and AdamW's two moments: about 12 bytes a parameter.
@@ -172,7 +172,7 @@ def node_checks(run_dir: Path, checkpoint_dir: Path, needed_bytes: int, gpus: in
 
 
 def _first_count(*names: str, default: int) -> int:
-    """The first of `names` the environment sets (torchrun's, then Slurm's), checked (kernel.environ)."""
+    """The first of `names` the environment sets (torchrun's, then Slurm's), checked (common.environ)."""
     for name in names:
         value = env_count(name)
         if value is not None:

@@ -13,7 +13,7 @@ one line naming the field and the fix; a damaged cache raises
 only looks at files: importing this module (and what it needs) takes no numpy,
 tokenizers or datasets, which are imported where tokens are made or mapped, so
 `slipway submit` checks the cache on the base install (`prepare` itself needs the
-trainer extra: `slipway prepare` says so in one line, see `trainer.extras`).
+trainer extra: `slipway prepare` says so in one line, see `common.extras`).
 
 `cache_dir` is `resolve_cache_dir(cfg.data, project_dir=...)` on the host
 (`data.cache_dir`, else `<project>/.cache/tokens`), the same place the
@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 from trainer.config import DataSection, load_trainer_config
 from trainer.data_cache import CacheEntry, DataCacheError, ensure_tokens, entry_status, resolve_cache_dir
 from trainer.data_sources import BUILTIN, resolve_tokenizer, run_sources
@@ -130,7 +130,7 @@ def prepare(data: DataSection, cache_dir: Path | str, *, num_proc: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernel.edge import run_at_edge  # any other error from bad input: one line, exit 2
+    from common.edge import run_at_edge  # any other error from bad input: one line, exit 2
 
     return run_at_edge(lambda: _main(argv), prog="python -m trainer.prepare")
 

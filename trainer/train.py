@@ -68,10 +68,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from trainer.compute import (COMPILER_FIX, check_float8, compile_error, compile_failure, graph_break_report,
                              reset_graph_breaks, resolve_compile, uncompile)
-from kernel.errors import ConfigError
-from kernel.rundir import NONFINITE_EXIT, REQUEUE_EXIT, STOP_FILE, append_event
+from common.errors import ConfigError
+from common.rundir import NONFINITE_EXIT, REQUEUE_EXIT, STOP_FILE, append_event
 from trainer.config import TrainerConfig, load_trainer_config
-from trainer.layouts import layout_advice, memory_report, resolve_reshard
+from common.layouts import layout_advice, memory_report, resolve_reshard
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
 from trainer.watchdog import HangWatchdog, collective_timeout, event_job
 from trainer.model import num_flops_per_token, select_attention
@@ -83,7 +83,7 @@ from trainer.loop import (BatchFeeder, GarbageCollection, Sampler, StopSignal, S
                           step_marker)
 from trainer.preflight import AllReduceGate, checkpoint_bytes
 from trainer.states import ModelState, OptimizerState, RNGState
-from kernel.rundir import check_code
+from common.rundir import check_code
 
 log = logging.getLogger(__name__)
 

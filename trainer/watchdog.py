@@ -64,10 +64,10 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Protocol
 
-from kernel import environ
-from kernel.rundir import HANGS_DIR, HANG_EXIT, LOCAL_JOB, PROGRESS_FILE, append_event
+from common import environ
+from common.rundir import HANGS_DIR, HANG_EXIT, LOCAL_JOB, PROGRESS_FILE, append_event
 from trainer.config import TrainSection
-from kernel.fs import write_atomic
+from common.fs import write_atomic
 
 log = logging.getLogger(__name__)
 

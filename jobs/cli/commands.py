@@ -8,8 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kernel.environ import as_typed
-from kernel.errors import ConfigError, bounded
+from common.environ import as_typed
+from common.errors import ConfigError, bounded
 from jobs.cli.launch import (cmd_edf, cmd_local, cmd_prepare, cmd_run, cmd_shell, cmd_submit, load, project_dir,
                              rich_console)
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_cancel)
 
     # Listed for --help; `main` hands `slipway image ...` to jobs.cli.image and
-    # `slipway cluster ...` to jobs.cluster before parsing.
+    # `slipway cluster ...` to jobs.devcluster before parsing.
     sub.add_parser("image", help="build / show / prune the training image (podman + enroot); see image --help")
     sub.add_parser("cluster", help="a real Slurm cluster on this machine to try slipway on: up | down | env | "
                                    "status (root; Debian slurm-wlm and munge)")
@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernel.edge import run_at_edge
+    from common.edge import run_at_edge
 
     try:
         return run_at_edge(lambda: _main(argv), handled=_slurm_error)
@@ -229,7 +229,7 @@ def _slurm_error(exc: BaseException) -> int | None:
     from jobs.slurm import SlurmError
 
     if isinstance(exc, SlurmError):
-        from kernel.secrets import mask
+        from common.secrets import mask
 
         print(f"slipway: error: {mask(as_typed(str(exc)))}", file=sys.stderr)
         return 1
@@ -243,7 +243,7 @@ def _main(argv: list[str] | None) -> int:
 
         return image_main(argv[1:])
     if argv[:1] == ["cluster"]:
-        from jobs.cluster import main as cluster_main
+        from jobs.devcluster import main as cluster_main
 
         return cluster_main(argv[1:])
     parser = build_parser()

@@ -23,9 +23,9 @@ from containers.record import BuildRecord
 from jobs.config import Config
 from jobs.runs.container import ImagePin
 from jobs.slurm.script import RunPaths
-from kernel.environ import as_typed
-from kernel.errors import ConfigError, bounded
-from trainer.layouts import layout_advice
+from common.environ import as_typed
+from common.errors import ConfigError, bounded
+from common.layouts import layout_advice
 
 Result = tuple[str, bool, str]  # (name, ok, detail or the fix)
 
@@ -61,7 +61,7 @@ def _tools() -> list[Result]:
 def controller_diagnosis(said: str) -> str:
     """One line: the fix first, then what `scontrol ping` said when no controller answered (cut
     short: with a local test cluster gone it is a page of munge errors)."""
-    from jobs.cluster import is_local_conf, spec_of_running
+    from jobs.devcluster import is_local_conf, spec_of_running
 
     conf, running = os.environ.get("SLURM_CONF"), spec_of_running()
     scontrol = f"(scontrol ping: {bounded(said, 160)})"

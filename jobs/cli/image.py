@@ -28,7 +28,7 @@ from containers.prune import prune_images
 from containers.tools import ToolError, stream, which
 from jobs.config import Config, dump_config, load_config
 from jobs.slurm import srun_argv
-from kernel.fs import write_atomic
+from common.fs import write_atomic
 
 
 def _config(name: str | None, overrides: list[str], base_image: str | None = None) -> Config:
@@ -96,7 +96,7 @@ def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console
     (jobs/slurm/pyxis_lib.sh) with no build kept."""
     from jobs.slurm import hostnames, responding_nodes
     from jobs.slurm.script import PYXIS_LIB
-    from kernel.errors import ConfigError
+    from common.errors import ConfigError
 
     if which("srun") is None:
         raise ToolError("srun not found: the containers are on the compute nodes; run this on a login node")
@@ -149,7 +149,7 @@ def _show(cfg, console: Console) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernel.edge import run_at_edge
+    from common.edge import run_at_edge
 
     try:
         return run_at_edge(lambda: _main(argv), handled=_tool_error)

@@ -10,10 +10,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from kernel.environ import as_typed, invocation
-from kernel.errors import ConfigError
+from common.environ import as_typed, invocation
+from common.errors import ConfigError
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
-from trainer.extras import require as require_extra
+from common.extras import require as require_extra
 
 REFUSED = "a real submission would fail: "  # how runs.seal marks a dry run's note that is a refusal
 
@@ -32,7 +32,7 @@ def load(args: argparse.Namespace):
     """The config from CONFIG, its overrides and the config flags. It keeps them, shell-quoted, for
     the commands a hint suggests (`slipway prepare ...`), so a suggestion pasted reads the same config."""
     from jobs.config import load_config
-    from kernel.errors import warn
+    from common.errors import warn
 
     sets = {k[4:]: v for k, v in vars(args).items() if k.startswith("set:") and v is not None}
     cfg = load_config(args.config, args.overrides, sets)
@@ -49,7 +49,7 @@ def load(args: argparse.Namespace):
 def _notes(console, notes: list[str]) -> None:
     from rich.markup import escape
 
-    from kernel.secrets import mask
+    from common.secrets import mask
 
     for note in notes:  # a note quotes paths and overrides (`container.mounts=[...]`): never markup
         console.print(f"[yellow]note:[/] {escape(mask(as_typed(note)))}", soft_wrap=True, markup=True, highlight=False)
@@ -107,7 +107,7 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
 
     from jobs import runs
     from jobs.cli.doctor import controller_problem
-    from kernel.secrets import mask
+    from common.secrets import mask
 
     sealed = runs.seal(cfg, project_dir(), dry_run=True)
     scfg, paths, pin, code = sealed.cfg, sealed.paths, sealed.pin, sealed.snapshot
@@ -210,23 +210,23 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from jobs import local
+    from jobs import interactive
 
     cfg = load(args)
     require_extra("local", "trainer")
     named = getattr(args, "set:run.name") is not None or any(o.startswith("run.name=") for o in args.overrides)
-    return local.run_local(cfg, project_dir(), force=args.force, console=rich_console(), rename=not named)
+    return interactive.run_local(cfg, project_dir(), force=args.force, console=rich_console(), rename=not named)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from jobs import local
+    from jobs import interactive
 
-    return local.run_in_allocation(load(args), project_dir(), force=args.force, console=rich_console())
+    return interactive.run_in_allocation(load(args), project_dir(), force=args.force, console=rich_console())
 
 
 def cmd_edf(args: argparse.Namespace) -> int:
     from edf import check_edf, install_edf, parse_edf, render_edf, srun_flags
-    from kernel.secrets import mask
+    from common.secrets import mask
 
     if args.check or args.to_pyxis:
         path = Path(args.check or args.to_pyxis)
@@ -276,14 +276,14 @@ def cmd_edf(args: argparse.Namespace) -> int:
 
 
 def cmd_shell(args: argparse.Namespace) -> int:
-    from jobs import local
-    from kernel.secrets import mask
+    from jobs import interactive
+    from common.secrets import mask
 
     cfg = load(args)
     if args.dry_run:
-        text, notes = local.shell_dry_run(cfg, project_dir(), command=args.command)
+        text, notes = interactive.shell_dry_run(cfg, project_dir(), command=args.command)
         for note in notes:
             print(f"note: {mask(note)}", file=sys.stderr)
         sys.stdout.write(mask(text))  # --command is the user's own text
         return 0
-    return local.run_shell(cfg, project_dir(), command=args.command)
+    return interactive.run_shell(cfg, project_dir(), command=args.command)

@@ -27,7 +27,7 @@ import yaml
 
 from edf.environment import Mount
 from jobs.config import NODE_PRESETS, Config
-from kernel.schema import AutoBool, config_fields
+from common.schema import AutoBool, config_fields
 from trainer.config import MODEL_PRESETS
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         if diff:
             print(f"{args.out} is stale: run `{COMMAND}`", file=sys.stderr)
         return 1 if diff else 0
-    from kernel.fs import write_atomic
+    from common.fs import write_atomic
 
     write_atomic(args.out, render())
     print(args.out)

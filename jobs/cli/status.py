@@ -19,8 +19,8 @@ from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History
 from jobs.runs.manifest import MANIFEST, Launch, ManifestError
-from kernel.errors import ConfigError
-from kernel.rundir import HANGS_DIR, LOCAL_JOB, Event, EventKind
+from common.errors import ConfigError
+from common.rundir import HANGS_DIR, LOCAL_JOB, Event, EventKind
 
 
 def job_history(run: runs.Run, job_id: str) -> History:
@@ -377,7 +377,7 @@ def _cancel(run: runs.Run, launches: list[Launch], console) -> int:
 
 def _cancel_events(run: runs.Run, jobs: list[str]) -> None:
     """The jobs without a batch shell to say so themselves (pending ones): cancel says it."""
-    from kernel.rundir import append_event
+    from common.rundir import append_event
 
     for job in jobs:
         append_event(run.dir, job, "cancelled by slipway cancel")

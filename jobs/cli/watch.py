@@ -28,9 +28,9 @@ from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs.manifest import Launch
 from jobs.slurm.script import NODE_HEARTBEAT_SECONDS
-from kernel.errors import ConfigError
-from trainer.history import format_duration
-from kernel.rundir import GUTIL_DIR, HEARTBEATS_DIR, LOCAL_JOB, METRICS_FILE, PROGRESS_FILE, Event, EventKind
+from common.errors import ConfigError
+from common.metrics_log import format_duration
+from common.rundir import GUTIL_DIR, HEARTBEATS_DIR, LOCAL_JOB, METRICS_FILE, PROGRESS_FILE, Event, EventKind
 
 EVENTS_SHOWN = 8
 LOCAL = LOCAL_JOB  # the job id events.log gives launches on this machine

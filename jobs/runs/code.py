@@ -8,7 +8,7 @@ baked `trainer` for every runtime: a mount at its own path and PYTHONPATH
 (containers), the job's PYTHONPATH (runtime none). PYTHONSAFEPATH keeps the
 working directory (the checkout, for runtime none) from shadowing it, and
 SLIPWAY_CODE lets the trainer check that it runs from the snapshot at all
-(kernel/rundir.py `check_code`). Editing the checkout after a submission
+(common/rundir.py `check_code`). Editing the checkout after a submission
 changes nothing for that run, its requeues or its retries: job.sbatch and
 env.toml name the snapshot's path, and a snapshot is never written twice.
 `code.snapshot: false` runs the image's baked code (sealed production images).
@@ -39,9 +39,9 @@ from plumbum.commands.processes import ProcessExecutionError
 
 from containers.sources import MAX_BYTES, MAX_FILES, Folder, SourceFile, collect, copy_into
 from jobs.runs import manifest as manifests
-from kernel.errors import ConfigError, bounded_path
-from kernel.fs import file_sha256
-from kernel.rundir import CodeSnapshot
+from common.errors import ConfigError, bounded_path
+from common.fs import file_sha256
+from common.rundir import CodeSnapshot
 
 STORE = ".code"  # under the runs root: RUNS/.code/HASH16/
 # The snapshot's hash is the sha256 of SCHEME's line and its listing, LISTING inside it: one line
@@ -93,7 +93,7 @@ def git_diff(snapshot: CodeSnapshot) -> str:
     if git is None or not snapshot.commit:
         return ""
     root = source.parent
-    parts = [name for name in ("kernel", source.name) if (root / name).is_dir()]
+    parts = [name for name in ("common", source.name) if (root / name).is_dir()]
     try:
         return local[git]("-C", str(root), "diff", "HEAD", "--", *parts)
     except ProcessExecutionError:
@@ -283,12 +283,12 @@ def prune_store(store: Path, named: Iterable[str], *, older_than: float = PRUNE_
 
 
 def plan_snapshot(store: Path, script: Optional[str], project_dir: Optional[Path] = None) -> Snapshot:
-    """Hash the code a launch runs: the kernel and trainer packages, and `script`'s folder
+    """Hash the code a launch runs: the common and trainer packages, and `script`'s folder
     (train.script), by the rules of containers/sources.py."""
     source = trainer_source(project_dir)
-    # The trainer imports the kernel below it: a snapshot carries both, from one place.
-    kernel = source.parent / "kernel"
-    folders = ([Folder(kernel, "kernel")] if kernel.is_dir() else []) + [Folder(source, "trainer")]
+    # The trainer imports common/ below it: a snapshot carries both, from one place.
+    common = source.parent / "common"
+    folders = ([Folder(common, "common")] if common.is_dir() else []) + [Folder(source, "trainer")]
     script_dest = None
     if script:
         path = Path(script).resolve()

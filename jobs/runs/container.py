@@ -36,9 +36,9 @@ from containers.image import ImagePlan, image_plan
 from containers.record import BuildRecord
 from jobs.config import Config
 from jobs.slurm.script import Pins, RunPaths
-from kernel.rundir import CodeSnapshot
-from kernel.errors import ConfigError, bounded_path
-from kernel.fs import file_sha256
+from common.rundir import CodeSnapshot
+from common.errors import ConfigError, bounded_path
+from common.fs import file_sha256
 
 
 # ---------------------------------------------------------------- the image

@@ -4,7 +4,7 @@ A run (runs/RUN/) is launched again and again: Slurm jobs (each a series of atte
 one id, through failure retries and time-limit requeues; a data preparation job too) and
 launches on this machine (`slipway local`). The manifest records each launch once
 (jobs.runs.manifest `Launch`, read there only); events.log tells what happened to
-it (`kernel.rundir.parse_event`); and one function, `launch_state`, turns a launch, its
+it (`common.rundir.parse_event`); and one function, `launch_state`, turns a launch, its
 events and what Slurm or the local process says into its state, exit code and reason.
 `slipway status`, `watch` and `logs -f` all read a run through here.
 """
@@ -21,7 +21,7 @@ from typing import Iterable, Optional, Sequence
 from jobs import slurm
 from jobs.runs.manifest import Launch
 from jobs.slurm import ACTIVE_STATES, JobInfo
-from kernel.rundir import (HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT, Event,
+from common.rundir import (HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT, Event,
                             EventKind)
 
 # The states `launch_state` gives an ended launch, beside Slurm's own words for one that is not.
@@ -94,7 +94,7 @@ class LocalProcess:
 
 def observe_local(launch: Launch) -> LocalProcess:
     """Look at a local launch's processes (only on the host that ran it: pids mean nothing elsewhere)."""
-    from kernel.fs import pid_alive
+    from common.fs import pid_alive
 
     if not launch.pid or launch.host != socket.gethostname():
         return LocalProcess()
@@ -226,7 +226,7 @@ def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchSta
             return LaunchState(FAILED, None, end.text)
         return _by_code(end_code, attempt, last_text)
     word = info.state.split()[0] if info.state else UNKNOWN
-    # One exit code per end (kernel/rundir.py EXIT_CODES): the one the batch script recorded as the
+    # One exit code per end (common/rundir.py EXIT_CODES): the one the batch script recorded as the
     # job's end. Slurm's own tells only an end the script could not record (killed outright): after
     # a plain scancel the script records 143 while Slurm, which SIGKILLs its cleanup KillWait
     # seconds later, says 0:9.

@@ -28,8 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, Optional
 
-from kernel.errors import ConfigError
-from kernel.secrets import mask
+from common.errors import ConfigError
+from common.secrets import mask
 
 WAIT_SECONDS = 30.0  # how long a launch waits for another's submission to finish before it is refused
 POLL_SECONDS = 0.05
@@ -73,7 +73,7 @@ def _gone(record: dict) -> bool:
     teammate that this process may not write keeps the last writer's)."""
     if record.get("host") != socket.gethostname():
         return False
-    from kernel.fs import pid_alive
+    from common.fs import pid_alive
 
     pids = [p for p in (record.get("pid"), record.get("trainer_pid")) if isinstance(p, int) and p > 0]
     return not any(pid_alive(p) for p in pids)

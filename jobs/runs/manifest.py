@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Union
 
 from jobs.runs.container import ImagePin
-from kernel.errors import ConfigError, bounded, bounded_path, shown
-from kernel.fs import write_atomic
-from kernel.rundir import LOCAL_JOB, MANIFEST_FILE, CodeSnapshot
+from common.errors import ConfigError, bounded, bounded_path, shown
+from common.fs import write_atomic
+from common.rundir import LOCAL_JOB, MANIFEST_FILE, CodeSnapshot
 
 MANIFEST = MANIFEST_FILE
 # 1: the first versioned format; a manifest without `schema` (written before it) reads the same.

@@ -23,8 +23,8 @@ from jobs.runs.container import ImagePin
 from jobs.runs.lifecycle import LaunchState
 from jobs.runs.manifest import MANIFEST, Launch, Manifest, ManifestError
 from jobs.slurm.script import RunPaths
-from kernel.errors import ConfigError
-from kernel.rundir import METRICS_FILE, CodeSnapshot, Event, read_events, tail_events
+from common.errors import ConfigError
+from common.rundir import METRICS_FILE, CodeSnapshot, Event, read_events, tail_events
 
 
 @dataclass
@@ -128,7 +128,7 @@ class Run:
     def last_metrics(self) -> dict | None:
         """The latest training record of the history that stands (a restart undoes the steps
         after its checkpoint), read from the end of metrics.jsonl: its last KiB, else 64 KiB."""
-        from trainer.history import latest_by_step
+        from common.metrics_log import latest_by_step
 
         path = self.dir / METRICS_FILE
         for window in (1024, 65536):

@@ -32,10 +32,10 @@ from jobs.runs.manifest import MANIFEST, Launch, Manifest
 from jobs.runs.run import Run, active_jobs, runs_root, update_manifest
 from jobs.slurm.script import (LIB_DIR, PREPARE_SCRIPT, RunPaths, check_env_from_host, library_files, render_prepare_sbatch,
                                render_sbatch)
-from kernel import environ
-from kernel.errors import ConfigError
-from kernel.fs import write_atomic
-from kernel.rundir import CodeSnapshot, append_event, complete_checkpoints, now_iso
+from common import environ
+from common.errors import ConfigError
+from common.fs import write_atomic
+from common.rundir import CodeSnapshot, append_event, complete_checkpoints, now_iso
 
 
 @dataclass

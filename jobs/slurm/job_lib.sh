@@ -29,7 +29,7 @@ count_events() { local n; n=$(grep -F " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} 
 job_tag() { if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then echo "$SLURM_JOB_ID"; else echo "${SLURM_JOB_ID}r$SLURM_RESTART_COUNT"; fi; }
 
 # latest_checkpoint: the step of the latest complete checkpoint in CHECKPOINT_DIR (0: none), the
-# trainer's layout (step-NNNNNN/ with a COMPLETE marker and its .metadata), as kernel/rundir.py reads it.
+# trainer's layout (step-NNNNNN/ with a COMPLETE marker and its .metadata), as common/rundir.py reads it.
 latest_checkpoint() {
   local f s n=0
   for f in "$CHECKPOINT_DIR"/step-*/COMPLETE; do

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Optional
 
 from edf import Environment, srun_flags
-from kernel.secrets import refusal
+from common.secrets import refusal
 from jobs.config import NODE_PRESETS, Config
 from jobs.slurm.client import srun_argv
-from kernel.errors import ConfigError
-from kernel.rundir import (BAD_INPUT_EXIT, HANG_EXIT, HANGS_DIR, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
+from common.errors import ConfigError
+from common.rundir import (BAD_INPUT_EXIT, HANG_EXIT, HANGS_DIR, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
                            REQUEUE_EXIT, STOP_FILE, CodeSnapshot)
-from trainer.layouts import smaller_batch_hint
+from common.layouts import smaller_batch_hint
 from trainer.preflight import checkpoint_bytes
 
 HEARTBEAT_SECONDS = 60

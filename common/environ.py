@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Optional
 
-from kernel.errors import ConfigError, shown
+from common.errors import ConfigError, shown
 
 JOB_ID = re.compile(r"[0-9]{1,12}")  # SLURM_JOB_ID: an array task's own id is one too
 WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a name that is safe as a file name's part

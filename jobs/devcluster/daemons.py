@@ -29,10 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-from jobs.cluster.host import (HOSTS, NETNS_DIR, ClusterError, alive, check_subnet_free, leftovers, locked,
+from jobs.devcluster.host import (HOSTS, NETNS_DIR, ClusterError, alive, check_subnet_free, leftovers, locked,
                                network_up, no_core_dumps, our_links, our_netns, proc_stat, read_registry,
                                registry_path, run as host_run, set_hosts_block, split_hosts, teardown, write_atomic)
-from jobs.cluster.spec import ClusterSpec, render_slurm_conf
+from jobs.devcluster.spec import ClusterSpec, render_slurm_conf
 
 STATE_MARKER = ".slipway-slurm"  # a state dir `up` may wipe carries this file
 DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "squeue", "scontrol")

@@ -14,7 +14,7 @@ import importlib.util
 import sys
 from collections.abc import Iterable
 
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 
 # The modules each extra of pyproject.toml's [project.optional-dependencies] brings that the
 # commands import (distribution and module names agree for all of them).

@@ -1,4 +1,6 @@
-"""Runs on this machine: `make local` (the same launch without Slurm) and `slipway shell`."""
+"""Launches started from the user's terminal: `slipway local` (the job's launch on this machine,
+without Slurm), `slipway run` (the batch script's steps inside an allocation) and `slipway shell`.
+Their processes are watched over by jobs/supervisor.py."""
 
 from __future__ import annotations
 
@@ -26,15 +28,15 @@ from jobs import runs, slurm
 from jobs.runs import lock as runlock
 from jobs.runs.code import git_state, prune_code_store
 from jobs.config import Config
-from jobs.launcher import FORWARDED, Output, Stopper, available_memory, oom_kills, wait_for_exit
+from jobs.supervisor import FORWARDED, Output, Stopper, available_memory, oom_kills, wait_for_exit
 from jobs.runs.manifest import Launch, Manifest
 from jobs.slurm.script import local_argv
-from kernel import environ
-from kernel.errors import ConfigError
-from kernel.fs import write_atomic
-from kernel.rundir import (HANG_EXIT, HANGS_DIR, LOCAL_JOB, PROGRESS_FILE, REQUEUE_EXIT, STOP_FILE, CodeSnapshot,
+from common import environ
+from common.errors import ConfigError
+from common.fs import write_atomic
+from common.rundir import (HANG_EXIT, HANGS_DIR, LOCAL_JOB, PROGRESS_FILE, REQUEUE_EXIT, STOP_FILE, CodeSnapshot,
                            append_event, complete_checkpoints, now_iso)
-from trainer.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
+from common.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
 
 
 def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -> dict[str, str]:
@@ -324,7 +326,7 @@ def _hang(run: runs.Run, cfg: Config, tag: str) -> str:
 
 def check_fits_here(cfg: Config) -> None:
     """Slipway's trainer in `cfg`'s local view: refused before any process starts when the
-    layout's arithmetic (trainer/layouts.py `process_memory`) needs more memory than this machine
+    layout's arithmetic (common/layouts.py `process_memory`) needs more memory than this machine
     has free, naming the micro batch (else the sequence length) under which it fits."""
     available = available_memory()
     if cfg.launch.command or cfg.train.script or available is None:
@@ -332,7 +334,7 @@ def check_fits_here(cfg: Config) -> None:
     world, need = cfg.launch.procs_per_node, process_memory(cfg)
     if world * need <= available:
         return
-    said = (f"{world} processes of about {need / 1e9:.1f} GB each (trainer/layouts.py's arithmetic) need "
+    said = (f"{world} processes of about {need / 1e9:.1f} GB each (common/layouts.py's arithmetic) need "
             f"{world * need / 1e9:.1f} GB, this machine has {available / 1e9:.1f} GB free")
     raise ConfigError("train.micro_batch_size", f"{said}: {_smaller_batch(cfg, FIT_SHARE * available / world)}")
 

@@ -1,9 +1,9 @@
 """Errors from input, and how a message quotes what the user gave.
 
 `ConfigError` is the one error for bad input: one line naming the field, the rule
-and the fix (the error edge, kernel/edge.py, prints it and exits 2). Every message
+and the fix (the error edge, common/edge.py, prints it and exits 2). Every message
 that quotes a value goes through `shown`, which bounds it and hides what the
-secret policy (kernel/secrets.py) says must never be printed; and every error's line
+secret policy (common/secrets.py) says must never be printed; and every error's line
 is masked by that policy once more as it is made, whoever built it.
 """
 
@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Any
 
-from kernel.secrets import mask, secret_name
+from common.secrets import mask, secret_name
 
 
 class ConfigError(ValueError):

@@ -8,9 +8,9 @@ import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
-from kernel.errors import ConfigError, shown
-from kernel.secrets import REFUSE, flag_variable, refusal, secret_name
-from kernel.yaml import BOOL, FLOAT, INT, MAX_INT, NULL, Plain
+from common.errors import ConfigError, shown
+from common.secrets import REFUSE, flag_variable, refusal, secret_name
+from common.yaml import BOOL, FLOAT, INT, MAX_INT, NULL, Plain
 
 
 # --------------------------------------------------------------------------
@@ -21,7 +21,7 @@ from kernel.yaml import BOOL, FLOAT, INT, MAX_INT, NULL, Plain
 # part of the config (e.g. where a model came from).
 #
 # Every string of a config reaches a file (config.yaml, job.sbatch, env.toml), a command
-# line or a terminal, so the secret policy (kernel/secrets.py) is applied here, to every
+# line or a terminal, so the secret policy (common/secrets.py) is applied here, to every
 # field, as the value is read: a field says only what it lets through besides
 # (metadata {"secrets": PASSTHROUGH, REFERENCE or OWN_TEXT}), and a section whose
 # strings are EDF text (where `$$` is a literal `$`) says so (`EDF_TEXT = True`).

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import yaml
 
-from kernel.errors import ConfigError, bounded, shown
+from common.errors import ConfigError, bounded, shown
 
 
 # --------------------------------------------------------------------------
@@ -29,7 +29,7 @@ class Plain(str):
     """A plain (unquoted) YAML scalar or an override value, exactly as written."""
 
 
-# YAML 1.2's forms of null, booleans and numbers: what the schema engine (kernel/schema.py) types a
+# YAML 1.2's forms of null, booleans and numbers: what the schema engine (common/schema.py) types a
 # plain scalar by, once the field it lands in says which type it must be.
 NULL = frozenset({"null", "Null", "NULL", "~"})
 BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}

@@ -1,10 +1,10 @@
-"""The launcher's side of a launch on this machine (`slipway local`, `slipway run`): stopping
-its processes when asked, and what of their output reaches the terminal.
+"""The supervisor of a launch started from the terminal (`slipway local`, `slipway run`,
+jobs/interactive.py): stopping its processes when asked, and what of their output reaches the terminal.
 
 A stop (Ctrl-C, SIGTERM, a closed terminal) is asked of the ranks, never of torchrun: the
 ranks save at the step they agree on and exit (trainer/loop.py StopSignal), while torchrun,
 asked itself, would send them its own signal and kill them after its shutdown timeout. The
-stop file (kernel.rundir.STOP_FILE, what the batch script uses on Slurm's warning) says it
+stop file (common.rundir.STOP_FILE, what the batch script uses on Slurm's warning) says it
 too, to ranks not started yet. A second signal, or STOP_GRACE_SECONDS, kills every process
 of the launch.
 
@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from kernel.edge import DEBUG_VARIABLE
-from kernel.rundir import STOP_FILE
+from common.edge import DEBUG_VARIABLE
+from common.rundir import STOP_FILE
 
 # Signals that stop a launch: the ranks are asked to save and stop (a closed terminal's SIGHUP
 # as SIGTERM, the signal Slurm stops a job with).

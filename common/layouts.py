@@ -108,7 +108,7 @@ def resolve_reshard(cfg: Any) -> tuple[bool, str]:
         return True, "zero_stage 3"
     default = LAYOUT_DEFAULTS.get(cfg.model.size)
     if default is not None and default.reshard_after_forward:
-        return True, f"the {cfg.model.size} preset's default, trainer/layouts.py"
+        return True, f"the {cfg.model.size} preset's default, common/layouts.py"
     return False, f"zero_stage {cfg.parallel.zero_stage}"
 
 
@@ -141,7 +141,7 @@ def layout_advice(cfg: Any) -> Optional[str]:
                    + f", the same global batch of {sequences} sequences")
     return advice + (f". The {model.size} default on {GPUS_PER_NODE}-GPU nodes: tp {default.tp}, micro batch "
                      f"{default.micro_batch_size} at seq_len {default.seq_len}, activation_checkpointing "
-                     f"{default.activation_checkpointing} ({default.note}); see trainer/layouts.py")
+                     f"{default.activation_checkpointing} ({default.note}); see common/layouts.py")
 
 
 def memory_report(cfg: Any, dp: int, reshard_after_forward: bool,
@@ -152,7 +152,7 @@ def memory_report(cfg: Any, dp: int, reshard_after_forward: bool,
     parts = gpu_memory_estimate(cfg.model, train.micro_batch_size, cfg.data.seq_len, dp, reshard_after_forward,
                                 train.activation_checkpointing)
     total = sum(parts.values())
-    line = (f"memory by trainer/layouts.py's arithmetic: ~{total / 1e9:.1f} GB a GPU (weights and AdamW state "
+    line = (f"memory by common/layouts.py's arithmetic: ~{total / 1e9:.1f} GB a GPU (weights and AdamW state "
             f"{parts['state'] / 1e9:.1f}, gathered bf16 weights {parts['gathered'] / 1e9:.1f}, activations "
             f"{parts['activations'] / 1e9:.1f}, logits {parts['logits'] / 1e9:.1f} GB)")
     if gpu_bytes is None or total <= GPU_BUDGET_FRACTION * gpu_bytes:

@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from kernel.environ import as_typed, invocation
-from jobs.cluster.daemons import LocalSlurmCluster
-from jobs.cluster.host import HOSTS, ClusterError, alive, leftovers, our_netns, read_registry, teardown
-from jobs.cluster.spec import ClusterSpec, default_state_dir, spec_of_running
+from common.environ import as_typed, invocation
+from jobs.devcluster.daemons import LocalSlurmCluster
+from jobs.devcluster.host import HOSTS, ClusterError, alive, leftovers, our_netns, read_registry, teardown
+from jobs.devcluster.spec import ClusterSpec, default_state_dir, spec_of_running
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Host plumbing for the local Slurm cluster (jobs/cluster/, `slipway cluster`): processes by id,
+"""Host plumbing for the local Slurm cluster (jobs/devcluster/, `slipway cluster`): processes by id,
 the registry of running clusters, our block in /etc/hosts, network namespaces,
 and the teardown that removes all of a cluster's traces. Standard library only."""
 

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from kernel.errors import ConfigError
+from common.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 

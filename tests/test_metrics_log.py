@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.history import latest_by_step, read_metrics
+from common.metrics_log import latest_by_step, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ def test_read_metrics_skips_a_line_cut_by_a_crash(tmp_path):
     lines = [json.dumps(r) for r in resumed_history()]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"kind": "train", "st')
     assert read_metrics(tmp_path) == resumed_history()
-    from kernel.errors import ConfigError
+    from common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="has not logged a step"):
         read_metrics(tmp_path / "nope")
@@ -57,7 +57,7 @@ def test_read_metrics_skips_a_line_cut_by_a_crash(tmp_path):
 
 def test_history_and_plot_import_no_torch():
     """`slipway status` and `slipway plot` run on the login node, which may have no torch."""
-    code = ("import sys, trainer.history, trainer.plot; "
+    code = ("import sys, common.metrics_log, trainer.plot; "
             "bad = [m for m in ('torch', 'numpy', 'jobs') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

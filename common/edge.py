@@ -14,9 +14,9 @@ import os
 import sys
 from typing import Callable, Optional
 
-from kernel.environ import as_typed
-from kernel.errors import ConfigError, bounded, bounded_path
-from kernel.secrets import mask
+from common.environ import as_typed
+from common.errors import ConfigError, bounded, bounded_path
+from common.secrets import mask
 
 USER_ERROR = 2
 BUG = 70  # EX_SOFTWARE: told apart from a refused input (2) and a failed Slurm call (1)

@@ -8,10 +8,10 @@ process id, and the client commands pointed at it; host.py: the host plumbing (p
 registry, /etc/hosts, namespaces, teardown); command.py: `slipway cluster`.
 """
 
-from jobs.cluster.command import main
-from jobs.cluster.daemons import LocalSlurmCluster, unavailable_reason
-from jobs.cluster.host import ClusterError, alive, leftovers, read_registry, teardown
-from jobs.cluster.spec import ClusterSpec, default_state_dir, is_local_conf, render_slurm_conf, spec_of_running
+from jobs.devcluster.command import main
+from jobs.devcluster.daemons import LocalSlurmCluster, unavailable_reason
+from jobs.devcluster.host import ClusterError, alive, leftovers, read_registry, teardown
+from jobs.devcluster.spec import ClusterSpec, default_state_dir, is_local_conf, render_slurm_conf, spec_of_running
 
 __all__ = ["ClusterError", "ClusterSpec", "LocalSlurmCluster", "alive", "default_state_dir", "is_local_conf",
            "leftovers", "main", "read_registry", "render_slurm_conf", "spec_of_running", "teardown",

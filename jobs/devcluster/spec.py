@@ -14,7 +14,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from jobs.cluster.host import ClusterError, read_registry
+from jobs.devcluster.host import ClusterError, read_registry
 
 CONF_HEADER = "# Written by `slipway cluster up` for a local test cluster; rewritten on every `up`."
 

@@ -1,7 +1,7 @@
 """The secret policy: which names and values must never reach a file, a command line or a terminal.
 
 One policy, used everywhere: the schema engine refuses what it finds in any config field
-(kernel/schema.py), every message masks by it (kernel/errors.py), records of a command
+(common/schema.py), every message masks by it (common/errors.py), records of a command
 line and dry runs mask by it, and the user's own text (launch.pre_launch, hand-written EDF
 files) is warned about by it. docs/secrets.md has the table of what it catches.
 
