@@ -227,3 +227,20 @@ def smaller_batch_hint(cfg: Any) -> str:
         return "at micro batch 1: set train.activation_checkpointing: full, or a shorter data.seq_len"
     return (f"submit again with --micro-batch-size {micro} --grad-accum-steps {per_rank // micro} --force (the same "
             "global batch in smaller micro batches)")
+
+
+# One checkpoint holds the fp32 weights and AdamW's two moments: about 12 bytes a parameter.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+def checkpoint_bytes(num_params: int) -> int:
+    """The room one more checkpoint of a model of `num_params` parameters needs."""
+    return CHECKPOINT_BYTES_PER_PARAM * num_params
+
+
+def size(n: float) -> str:
+    """Bytes for a person: 812.0 MiB, 3.4 GiB, 1.2 TiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**20:.2f} MiB"

@@ -234,12 +234,12 @@ def _point_link(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def _make_current(plan: ImagePlan, record: BuildRecord) -> None:
+def make_current(plan: ImagePlan, record: BuildRecord) -> None:
     write_atomic(plan.record, record.to_json())
     _point_link(plan.link, plan.squashfs)
 
 
-def _record(plan: ImagePlan, *, image_id: str | None, enroot_version: str | None) -> BuildRecord:
+def build_record(plan: ImagePlan, *, image_id: str | None, enroot_version: str | None) -> BuildRecord:
     return BuildRecord(
         name=plan.name, hash=plan.hash, tag=plan.tag, squashfs=str(plan.squashfs.resolve()),
         size_bytes=plan.squashfs.stat().st_size,
@@ -489,7 +489,7 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
     timings = {"plan": time.perf_counter() - t0}
 
     if do_import and plan.exists and not force:
-        record = BuildRecord.read(plan.sidecar) or _record(plan, image_id=None, enroot_version=None)
+        record = BuildRecord.read(plan.sidecar) or build_record(plan, image_id=None, enroot_version=None)
         if record.hash == plan.hash and record.inputs is None:
             # A record from before slipway stored its inputs: the same hash means the same inputs.
             record = dataclasses.replace(record, inputs=plan.inputs)
@@ -497,7 +497,7 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
         current = BuildRecord.read(plan.record)
         if not current or current.hash != plan.hash or not plan.link.is_symlink() \
                 or plan.link.resolve() != plan.squashfs.resolve():
-            _make_current(plan, record)
+            make_current(plan, record)
         console.print(f"image up to date: {plan.squashfs} ({human(plan.squashfs.stat().st_size)}, "
                       f"tag {plan.tag})", highlight=False, markup=False)
         return ImageResult(plan, plan.squashfs, built=False, imported=False, seconds=time.perf_counter() - t0,
@@ -539,9 +539,9 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
     t1 = time.perf_counter()
     notes = _enroot_import(plan, enroot, podman, console)
     timings["import"] = time.perf_counter() - t1
-    record = _record(plan, image_id=podman.image_id(plan.tag), enroot_version=enroot.version())
+    record = build_record(plan, image_id=podman.image_id(plan.tag), enroot_version=enroot.version())
     write_atomic(plan.sidecar, record.to_json())
-    _make_current(plan, record)
+    make_current(plan, record)
     seconds = time.perf_counter() - t0
     console.print(f"[green]image ready[/]: {escape(str(plan.squashfs))} ({human(record.size_bytes)}) in "
                   f"{seconds:.0f} s; {escape(plan.link.name)} -> {escape(plan.squashfs.name)}", highlight=False)

@@ -88,7 +88,7 @@ def test_the_store_keeps_what_runs_name_and_what_launches_used_lately(project, m
     """prune_store: a snapshot no run names goes once no launch has written or reused it for the
     grace; named ones and recent ones stay; a write or a pruning cut short is cleared; nothing
     goes while another launch holds the store."""
-    from jobs.runs.code import _store_lock, prune_store
+    from jobs.runs.code import store_lock, prune_store
 
     source = checkout(project)
     monkeypatch.setattr("jobs.runs.code.trainer_source", lambda project_dir=None: source)
@@ -104,7 +104,7 @@ def test_the_store_keeps_what_runs_name_and_what_launches_used_lately(project, m
     for snap in (named, orphan):
         os.utime(snap.dir, (old, old))
     keep = {Path(named.dir).name}
-    with _store_lock(store, exclusive=False):  # a launch writing or reusing a snapshot meanwhile
+    with store_lock(store, exclusive=False):  # a launch writing or reusing a snapshot meanwhile
         assert prune_store(store, keep) == []
     removed = prune_store(store, keep)
     assert [name for name, _ in removed] == [Path(orphan.dir).name] and removed[0][1] == orphan.bytes

@@ -28,7 +28,7 @@ from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir, r
 from test_e2e import (TINY, complete_checkpoints, job_state, resubmit_resumes, slipway, steps_logged, wait_for,
                       wait_job_end)
 from common.rundir import HANG_EXIT, PREFLIGHT_EXIT
-from trainer.watchdog import HARD_EXIT_SECONDS, _py_spy
+from trainer.watchdog import HARD_EXIT_SECONDS, py_spy
 
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
@@ -104,7 +104,7 @@ def test_a_frozen_rank_ends_the_job_with_stack_dumps_and_a_resubmission_resumes(
         text = dumps[name]
         assert "Python stacks of every thread" in text and 'File "' in text, text[:2000]
         assert "flight recorder: " in text and "gloo:" in text, text[:2000]
-        if _py_spy():  # CI installs py-spy (.ci/run): its dump must be there too
+        if py_spy():  # CI installs py-spy (.ci/run): its dump must be there too
             assert "py-spy dump:\nProcess " in text, text[-2000:]
     log = events(run_dir)
     hang = [e for e in log if e.startswith(f"job {job_id} hang: ")]

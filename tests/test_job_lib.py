@@ -100,12 +100,12 @@ def test_a_rank_killed_by_a_signal_decides_the_steps_exit_whatever_srun_says(tmp
 
 def test_the_task_wrapper_reports_what_killed_its_rank(tmp_path):
     """The wrapper jobs/slurm/script.py puts around each task: its report is what step_exit reads."""
-    from jobs.slurm.script import _REPORT_EXIT
+    from jobs.slurm.script import REPORT_EXIT
 
     reports = tmp_path / "exits"
     reports.mkdir()
     env = {**os.environ, "SLIPWAY_EXITS": str(reports), "SLURM_PROCID": "5"}
-    r = subprocess.run(["bash", "-c", _REPORT_EXIT, "slipway-task", "bash", "-c", "kill -KILL $$"], env=env)
+    r = subprocess.run(["bash", "-c", REPORT_EXIT, "slipway-task", "bash", "-c", "kill -KILL $$"], env=env)
     assert r.returncode == 137 and (reports / "5").read_text() == "137\n"
 
 

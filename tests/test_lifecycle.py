@@ -14,7 +14,7 @@ from jobs.runs import lifecycle
 from jobs.runs.lifecycle import LocalProcess, launch_state
 from jobs.runs.manifest import Launch
 from jobs.runs.manifest import ManifestError, read as read_manifest
-from jobs.slurm.script import _EVENT, RunPaths
+from jobs.slurm.script import EVENT_WRITER, RunPaths
 from common.rundir import (EVENTS_FILE, LOCAL_JOB, Event, EventKind, append_event, format_event, parse_event,
                             read_events)
 
@@ -46,7 +46,7 @@ def test_an_event_round_trips_through_its_line(tmp_path):
 
 def test_a_line_the_batch_scripts_bash_writer_wrote_parses(tmp_path):
     """The bash `event()` of every batch script, run by bash with a job id, and without one."""
-    script = "\n".join([_EVENT, f'event "{HANG}"', 'event "end exit 4"', 'SLURM_JOB_ID="" event "prepare start"'])
+    script = "\n".join([EVENT_WRITER, f'event "{HANG}"', 'event "end exit 4"', 'SLURM_JOB_ID="" event "prepare start"'])
     subprocess.run(["bash", "-c", script], env={"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "41",
                                                 "RUN_DIR": str(tmp_path)}, check=True)
     hang, end, anonymous = read_events(tmp_path)

@@ -47,7 +47,7 @@ def pin_config(project: Path) -> str:
 def fake_build(project: Path, *overrides: str, source: str | None = None) -> Path:
     """What `slipway image build pin OVERRIDES` leaves (record, content-addressed squashfs, the link),
     written through the image module; `source` changes a file of the build context first."""
-    from containers.image import _make_current, _record, image_plan
+    from containers.image import make_current, build_record, image_plan
     from jobs.config import load_config
 
     if source is not None:
@@ -60,9 +60,9 @@ def fake_build(project: Path, *overrides: str, source: str | None = None) -> Pat
         os.chdir(cwd)
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     plan.squashfs.write_bytes(b"hsqs" + plan.hash.encode() * 100)
-    record = _record(plan, image_id=None, enroot_version="stand-in")
+    record = build_record(plan, image_id=None, enroot_version="stand-in")
     plan.sidecar.write_text(record.to_json())
-    _make_current(plan, record)
+    make_current(plan, record)
     return plan.squashfs
 
 

@@ -66,7 +66,7 @@ def dry_run_files(r: subprocess.CompletedProcess) -> dict[str, str]:
 def fake_build(project: Path, marker: str = "1") -> Path:
     """What `make image` leaves behind (record, content-addressed squashfs, NAME.sqsh link), written
     through the image module itself; only podman and enroot are skipped (tests/test_image.py runs them)."""
-    from containers.image import _make_current, _record, image_plan
+    from containers.image import make_current, build_record, image_plan
     from jobs.config import load_config
 
     (project / "containers").mkdir(exist_ok=True)
@@ -81,9 +81,9 @@ def fake_build(project: Path, marker: str = "1") -> Path:
         os.chdir(cwd)
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     plan.squashfs.write_bytes(b"hsqs" + marker.encode() * 1000)
-    record = _record(plan, image_id=None, enroot_version="stand-in")
+    record = build_record(plan, image_id=None, enroot_version="stand-in")
     plan.sidecar.write_text(record.to_json())
-    _make_current(plan, record)
+    make_current(plan, record)
     return plan.squashfs
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from common.errors import ConfigError
 from trainer.config import ModelSection, ParallelSection, TrainSection
-from trainer.model import Transformer, _seeded_normal, num_flops_per_token, select_attention
+from trainer.model import Transformer, seeded_normal, num_flops_per_token, select_attention
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor, param_groups
 from trainer.parallel import ParallelDims, split_for_stage, stage_layers
 
@@ -133,10 +133,10 @@ def test_init_is_seeded_and_scaled():
 
 def test_init_shards_are_slices_of_the_full_tensor():
     """What a rank generates for its shard equals that slice of the unsharded init."""
-    full = _seeded_normal(5, "w", torch.Size([600, 10]), (0, 0), (600, 10), 1.0)
-    shard = _seeded_normal(5, "w", torch.Size([600, 10]), (250, 3), (300, 4), 1.0)
+    full = seeded_normal(5, "w", torch.Size([600, 10]), (0, 0), (600, 10), 1.0)
+    shard = seeded_normal(5, "w", torch.Size([600, 10]), (250, 3), (300, 4), 1.0)
     torch.testing.assert_close(shard, full[250:550, 3:7], rtol=0, atol=0)
-    assert not torch.equal(full, _seeded_normal(5, "v", torch.Size([600, 10]), (0, 0), (600, 10), 1.0))
+    assert not torch.equal(full, seeded_normal(5, "v", torch.Size([600, 10]), (0, 0), (600, 10), 1.0))
 
 
 def test_num_flops_per_token():

@@ -72,7 +72,8 @@ from common.errors import ConfigError
 from trainer.config import CheckpointSection
 from common.fs import write_atomic
 from common.rundir import CHECKPOINT_MARKER, checkpoint_complete, complete_checkpoints
-from trainer.preflight import check_free_space, size
+from common.layouts import size
+from trainer.preflight import check_free_space
 
 log = logging.getLogger(__name__)
 

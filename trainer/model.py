@@ -273,7 +273,7 @@ class Transformer(nn.Module):
                 local.fill_(1.0)
                 continue
             shape, offset = _global_offset(param)
-            local.copy_(_seeded_normal(seed, fqn, param.shape, offset, shape, std))
+            local.copy_(seeded_normal(seed, fqn, param.shape, offset, shape, std))
         self.init_buffers(self.rope_cos.device)
 
 
@@ -294,7 +294,7 @@ def mask_padded_vocab(logits_BTP: DTensor, vocab_size: int) -> DTensor:
 _INIT_BLOCK_ROWS = 256
 
 
-def _seeded_normal(seed: int, fqn: str, full_shape: torch.Size, offset: tuple[int, ...],
+def seeded_normal(seed: int, fqn: str, full_shape: torch.Size, offset: tuple[int, ...],
                    local_shape: tuple[int, ...], std: float) -> torch.Tensor:
     """Rows [offset[0], offset[0] + local_shape[0]) of a normal(0, std) tensor of
     `full_shape`, generated in fixed blocks of rows so a shard costs about its own size."""

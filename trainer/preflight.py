@@ -49,24 +49,8 @@ from typing import Optional
 from common.environ import count as env_count
 from common.rundir import PREFLIGHT_EXIT
 from common.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE, append_event
+from common.layouts import size
 from trainer.watchdog import node_name
-
-# One checkpoint holds the fp32 weights and AdamW's two moments: about 12 bytes a parameter.
-CHECKPOINT_BYTES_PER_PARAM = 12
-
-
-def size(n: float) -> str:
-    """Bytes for a person: 812.0 MiB, 3.4 GiB, 1.2 TiB."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n / 2**20:.2f} MiB"
-
-
-def checkpoint_bytes(num_params: int) -> int:
-    """The room one more checkpoint of a model of `num_params` parameters needs."""
-    return CHECKPOINT_BYTES_PER_PARAM * num_params
-
 
 # ---------------------------------------------------------------- node checks
 

@@ -81,7 +81,8 @@ from trainer.parallel import (Batch, DistEnv, ParallelDims, Runner, build_model,
 from trainer.checkpoint import Checkpointer, CheckpointWriteError, NonFiniteError, resolve_async_save
 from trainer.loop import (BatchFeeder, GarbageCollection, Sampler, StopSignal, StopVote, TrainState, next_batches,
                           step_marker)
-from trainer.preflight import AllReduceGate, checkpoint_bytes
+from common.layouts import checkpoint_bytes
+from trainer.preflight import AllReduceGate
 from trainer.states import ModelState, OptimizerState, RNGState
 from common.rundir import check_code
 

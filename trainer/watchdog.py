@@ -413,7 +413,7 @@ def flight_recorder(out: Path) -> str:
             f"{last.get('input_sizes')}); the whole trace in {out.name}")
 
 
-def _py_spy() -> Optional[str]:
+def py_spy() -> Optional[str]:
     found = shutil.which("py-spy")
     beside = Path(sys.executable).parent / "py-spy"  # a venv's own, not on PATH in a job
     return found or (str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None)
@@ -422,7 +422,7 @@ def _py_spy() -> Optional[str]:
 def py_spy_dump(pid: int) -> str:
     """`py-spy dump` of process `pid` (this one): native frames and the stuck thread's state,
     which faulthandler does not show. Empty when py-spy is not installed."""
-    exe = _py_spy()
+    exe = py_spy()
     if exe is None:
         return ""
     try:  # Yama's ptrace_scope 1 lets only ancestors trace a process: allow py-spy, our child

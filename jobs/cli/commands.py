@@ -104,9 +104,9 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from trainer.plot import plot_run
+    from jobs import trainer_door
 
-    print(plot_run(_run(args).dir, Path(args.out) if args.out else None))
+    print(trainer_door.plot([_run(args).dir], Path(args.out) if args.out else None))
     return 0
 
 

@@ -193,15 +193,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         os.environ["HF_HOME"] = expand_host(cfg.launch.hf_home, "launch.hf_home")
     else:
         os.environ.setdefault("HF_HOME", str(default_hf_home(sealed.paths)))
-    from trainer.data_cache import DataCacheError
-    from trainer.prepare import prepare
+    from jobs import trainer_door
 
     console.print(f"preparing {data.dataset} with tokenizer {data.tokenizer} into {data.cache_dir}", soft_wrap=True)
-    try:
-        result = prepare(data, data.cache_dir, num_proc=data.num_proc if args.cpus is None else args.cpus,
-                         progress=console)
-    except DataCacheError as exc:
-        raise ConfigError("data.cache_dir", str(exc)) from None
+    result = trainer_door.prepare(data, data.cache_dir, num_proc=data.num_proc if args.cpus is None else args.cpus,
+                                  progress=console)
     for entry in result.entries:
         console.print(entry.describe(), soft_wrap=True, highlight=False)
     console.print(f"[green]prepared[/]: `{invocation()} submit {cfg.config_args}` will only open this cache",

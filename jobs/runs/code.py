@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import importlib.util
 import hashlib
 import os
 import time
@@ -65,9 +66,12 @@ def trainer_source(project_dir: Optional[Path] = None) -> Path:
     this slipway imports."""
     if project_dir is not None and (project_dir / "trainer" / "__init__.py").is_file():
         return (project_dir / "trainer").resolve()
-    import trainer
-
-    return Path(trainer.__file__).resolve().parent
+    # Found, not imported: the host reaches into trainer/ for its config alone (jobs/trainer_door.py).
+    spec = importlib.util.find_spec("trainer")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("code.snapshot", "this slipway has no trainer package to snapshot: reinstall slipway, or "
+                                           "set code.snapshot: false to run the image's own code")
+    return Path(list(spec.submodule_search_locations)[0]).resolve()
 
 
 def git_state(root: Path, paths: Sequence[Path] = ()) -> dict:
@@ -118,7 +122,7 @@ class Snapshot:
         if not self.created:
             return
         target = Path(self.value.dir)
-        with _store_lock(target.parent, exclusive=True):
+        with store_lock(target.parent, exclusive=True):
             with contextlib.suppress(OSError):
                 if target.stat().st_mtime_ns == self._written:
                     _remove(target)
@@ -131,7 +135,7 @@ class Snapshot:
     def write(self) -> CodeSnapshot:
         target = Path(self.value.dir)
         target.parent.mkdir(parents=True, exist_ok=True)
-        with _store_lock(target.parent, exclusive=False):
+        with store_lock(target.parent, exclusive=False):
             if target.is_dir():
                 if damage(target, self.value.hash) is None:  # content-addressed: the same hash, the same files
                     os.utime(target)  # reused now: a pruning leaves it its grace
@@ -225,7 +229,7 @@ def damage(snapshot_dir: Path, expected: str) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def _store_lock(store: Path, *, exclusive: bool, wait: bool = True) -> Iterator[bool]:
+def store_lock(store: Path, *, exclusive: bool, wait: bool = True) -> Iterator[bool]:
     """flock(2) on STORE/.lock; yields whether it is held (False: another holds it and `wait` is
     off, or the filesystem has no locks)."""
     try:
@@ -258,7 +262,7 @@ def prune_store(store: Path, named: Iterable[str], *, older_than: float = PRUNE_
     removed: list[tuple[str, int]] = []
     if not store.is_dir():
         return removed
-    with _store_lock(store, exclusive=True, wait=False) as held:
+    with store_lock(store, exclusive=True, wait=False) as held:
         if not held:
             return removed
         for entry in os.scandir(store):

@@ -63,9 +63,9 @@ class Sealed:
 
     def data_status(self):
         """Where the run's data stands in its token cache (trainer.prepare.CacheStatus)."""
-        from trainer.prepare import cache_status
+        from jobs import trainer_door
 
-        return cache_status(self.cfg.data, self.cfg.data.cache_dir)
+        return trainer_door.data_status(self.cfg.data, self.cfg.data.cache_dir)
 
     def with_prepare_script(self) -> "Sealed":
         """The run's files plus the data preparation job's batch script."""

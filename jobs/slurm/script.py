@@ -23,7 +23,7 @@ from common.errors import ConfigError
 from common.rundir import (BAD_INPUT_EXIT, HANG_EXIT, HANGS_DIR, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
                            REQUEUE_EXIT, STOP_FILE, CodeSnapshot)
 from common.layouts import smaller_batch_hint
-from trainer.preflight import checkpoint_bytes
+from common.layouts import checkpoint_bytes
 
 HEARTBEAT_SECONDS = 60
 NODE_HEARTBEAT_SECONDS = 15  # heartbeats/NODE, which `slipway watch` shows by age
@@ -148,7 +148,7 @@ def _hf_home(cfg: Config, paths: RunPaths) -> str:
 # job.sbatch once that hash is checked.
 JOB_LIB = (Path(__file__).with_name("job_lib.sh")).read_text()
 PYXIS_LIB = (Path(__file__).with_name("pyxis_lib.sh")).read_text()
-_EVENT = next(line for line in JOB_LIB.splitlines() if line.startswith("event() "))
+EVENT_WRITER = next(line for line in JOB_LIB.splitlines() if line.startswith("event() "))
 LIB_DIR = "lib"
 
 
@@ -325,11 +325,11 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], prefix: str,
         rdzv = [_Expand(f"--rdzv-endpoint=$MASTER_ADDR:${port}"), _Expand("--rdzv-id=$SLURM_JOB_ID"),
                 "--rdzv-backend=c10d"]
         argv = torchrun_argv(cfg, nnodes=_Expand("$SLURM_NNODES"), rdzv=rdzv) + cmd[1:]
-        argv = ["bash", "-c", _REPORT_EXIT, "slipway-task", *argv] if report else argv
+        argv = ["bash", "-c", REPORT_EXIT, "slipway-task", *argv] if report else argv
     else:  # one task per process: the rank variables come from Slurm's own
         mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
                   'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; ')
-        argv = ["bash", "-c", mapper + (_REPORT_EXIT if report else 'exec "$@"'), "slipway-task", *cmd]
+        argv = ["bash", "-c", mapper + (REPORT_EXIT if report else 'exec "$@"'), "slipway-task", *cmd]
         if port != "MASTER_PORT":  # init_process_group reads MASTER_PORT: this launch's own, for its srun alone
             prefix += f'MASTER_PORT="${port}" '
     return f"{prefix}{_words(srun)} \\\n  {_words(argv)}"
@@ -338,7 +338,7 @@ def _launch(cfg: Config, paths: RunPaths, container: list[str], prefix: str,
 # Each task of the training step reports its own exit (step_exit in jobs/slurm/job_lib.sh): a task
 # that Slurm kills reports nothing, its wrapper dying with it. A failed task during which its
 # node's out-of-memory killer ran (/proc/vmstat's oom_kill moved) names the node too (after_oom).
-_REPORT_EXIT = ('o=$(grep -s "^oom_kill " /proc/vmstat); "$@"; rc=$?; echo "$rc" > "$SLIPWAY_EXITS/$SLURM_PROCID" '
+REPORT_EXIT = ('o=$(grep -s "^oom_kill " /proc/vmstat); "$@"; rc=$?; echo "$rc" > "$SLIPWAY_EXITS/$SLURM_PROCID" '
                 '2>/dev/null; [ "$rc" = 0 ] || [ "$(grep -s "^oom_kill " /proc/vmstat)" = "$o" ] || echo '
                 '"${SLURMD_NODENAME:-$(hostname)}" > "$SLIPWAY_EXITS/oom-$SLURM_PROCID" 2>/dev/null; exit "$rc"')
 
@@ -587,7 +587,7 @@ def render_prepare_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str
         "set -euo pipefail",
         f"RUN_DIR={shlex.quote(str(paths.run_dir))}",
         f"cd {shlex.quote(str(paths.project_dir))}",
-        _EVENT,
+        EVENT_WRITER,
         'trap \'event "prepare end exit $?"\' EXIT',
         'event "prepare start on $SLURM_JOB_NODELIST"',
         _hf_home(cfg, paths),

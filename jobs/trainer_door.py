@@ -1,0 +1,48 @@
+"""The one door from the host into trainer/ beyond its config sections (`trainer.config`): the
+trainer's own work that a host command does on this machine, each imported only when called.
+
+- `data_status`: where a run's data stands in its token cache (`slipway submit`, `local`, `run`
+  refuse an unprepared one). It reads an index and file sizes: no numpy, tokenizers or datasets,
+  so the login node's base install runs it.
+- `prepare`: `slipway prepare` here, tokenizing into that cache (the trainer extra).
+- `plot`: `slipway plot`, the curves of one run or of several into one PNG (the plot extra).
+
+What stands behind it imports no torch: tests/test_contract.py imports each module the door
+names with torch blocked, and holds every other host module to `trainer.config` alone. The batch
+script reaches the same code as `python -m trainer.prepare` and `python -m trainer.plot`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+# The trainer modules behind the door (tests/test_contract.py imports them with torch blocked).
+MODULES = ("trainer.prepare", "trainer.plot")
+
+
+def data_status(data: Any, cache_dir: Path | str):
+    """Where each split of the data section `data` stands in `cache_dir` (trainer.prepare.CacheStatus)."""
+    from trainer.prepare import cache_status
+
+    return cache_status(data, cache_dir)
+
+
+def prepare(data: Any, cache_dir: Path | str, *, num_proc: int, progress: Any):
+    """Tokenize what `cache_dir` lacks of `data` (trainer.prepare.PrepareResult); a damaged cache is
+    a ConfigError naming data.cache_dir."""
+    from common.errors import ConfigError
+    from trainer.data_cache import DataCacheError
+    from trainer.prepare import prepare as tokenize
+
+    try:
+        return tokenize(data, cache_dir, num_proc=num_proc, progress=progress)
+    except DataCacheError as exc:
+        raise ConfigError("data.cache_dir", str(exc)) from None
+
+
+def plot(run_dirs: Sequence[Path], out: Optional[Path] = None) -> Path:
+    """The loss and throughput curves of `run_dirs` in one PNG (default: the first run's curves.png)."""
+    from trainer.plot import plot_run
+
+    return plot_run(run_dirs[0], out)
