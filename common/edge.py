@@ -16,10 +16,9 @@ from typing import Callable, Optional
 
 from common.environ import as_typed
 from common.errors import ConfigError, bounded, bounded_path
+from common.rundir import BAD_INPUT_EXIT, BUG_EXIT, FAILED_EXIT
 from common.secrets import mask
 
-USER_ERROR = 2
-BUG = 70  # EX_SOFTWARE: told apart from a refused input (2) and a failed Slurm call (1)
 DEBUG_VARIABLE = "SLIPWAY_DEBUG"
 # errnos that say "this path is not usable", whatever code path met it.
 _PATH_ERRNOS = {errno.ENAMETOOLONG, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR,
@@ -29,12 +28,12 @@ _PATH_ERRNOS = {errno.ENAMETOOLONG, errno.ENOENT, errno.EACCES, errno.EPERM, err
 def error_line(exc: BaseException) -> tuple[str, int]:
     """(the one line to print, without the program name, and the exit status) for `exc`."""
     if isinstance(exc, ConfigError):
-        return str(exc), USER_ERROR
+        return str(exc), BAD_INPUT_EXIT
     if isinstance(exc, RecursionError):
         return ("input: nested too deeply to read (a list or table inside another, hundreds of levels): "
-                "flatten it"), USER_ERROR
+                "flatten it"), BAD_INPUT_EXIT
     if isinstance(exc, MemoryError):
-        return "input: too large to hold in memory: make the config or file smaller", USER_ERROR
+        return "input: too large to hold in memory: make the config or file smaller", BAD_INPUT_EXIT
     if isinstance(exc, OSError):
         name = exc.filename if exc.filename is not None else exc.filename2
         reason = exc.strerror or type(exc).__name__
@@ -42,21 +41,27 @@ def error_line(exc: BaseException) -> tuple[str, int]:
             fix = ("shorten the path (each name at most 255 bytes)" if exc.errno == errno.ENAMETOOLONG
                    else "check the path and its permissions")
             shown = os.fsdecode(name) if isinstance(name, (str, bytes, os.PathLike)) else str(name)
-            return f"{bounded_path(shown)}: {reason}: {fix}", USER_ERROR
+            return f"{bounded_path(shown)}: {reason}: {fix}", BAD_INPUT_EXIT
         if exc.errno in _PATH_ERRNOS:
-            return f"{reason}: check the paths in the config and on the command line", USER_ERROR
-        return f"{bounded(str(exc))} (an operating system error, not a problem in the config)", 1
+            return f"{reason}: check the paths in the config and on the command line", BAD_INPUT_EXIT
+        return f"{bounded(str(exc))} (an operating system error, not a problem in the config)", FAILED_EXIT
     if isinstance(exc, UnicodeError):
-        return f"input: not valid text ({bounded(str(exc))}): save the file as UTF-8", USER_ERROR
+        return f"input: not valid text ({bounded(str(exc))}): save the file as UTF-8", BAD_INPUT_EXIT
     return (f"internal error {type(exc).__name__}: {bounded(str(exc))}: this is a bug in slipway; rerun with "
-            f"{DEBUG_VARIABLE}=1 for the traceback and report it"), BUG
+            f"{DEBUG_VARIABLE}=1 for the traceback and report it"), BUG_EXIT
 
 
 def run_at_edge(work: Callable[[], int], prog: str = "slipway",
-                handled: Optional[Callable[[BaseException], Optional[int]]] = None) -> int:
+                handled: Optional[Callable[[BaseException], Optional[int]]] = None, *,
+                errors: Optional[dict[type, int]] = None, crashes: bool = False, silent: bool = False) -> int:
     """`work()`'s exit status; any exception it raises printed as one line (see `error_line`).
 
-    `handled` may deal with an exception itself (returning a status) before the generic rules."""
+    `handled` may deal with an exception itself (returning a status) before the generic rules;
+    `errors` maps exception classes of the work's own to the exit status their one line ends
+    with (the trainer's non-finite stop, a checkpoint that does not fit). With `crashes` any other
+    error than bad input (a ConfigError) or those is the work's crash, not a bug of slipway's: it
+    propagates with its traceback (exit 1), as a training process's must for the log. `silent`: this process says
+    nothing (every rank but the first of a launch, so that an error is one line, not one a rank)."""
     try:
         return work()
     except KeyboardInterrupt:
@@ -68,7 +73,11 @@ def run_at_edge(work: Callable[[], int], prog: str = "slipway",
                 return status
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             raise
-        line, status = error_line(exc)  # masked once more: an error no slipway code worded may quote a value
+        own = next((code for kind, code in (errors or {}).items() if isinstance(exc, kind)), None)
+        if crashes and own is None and not isinstance(exc, ConfigError):
+            raise
+        line, status = (str(exc), own) if own is not None else error_line(exc)
         line = as_typed(line) if prog == "slipway" else line  # its suggested commands, as this shell runs them
-        print(f"{prog}: error: {mask(' '.join(line.split()))}", file=sys.stderr)
+        if not silent:  # masked once more: an error no slipway code worded may quote a value
+            print(f"{prog + ': ' if prog else ''}error: {mask(' '.join(line.split()))}", file=sys.stderr)
         return status

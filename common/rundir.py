@@ -42,6 +42,7 @@ HANGS_DIR = "hangs"
 # and the same code in events.log (`end exit N`), `slipway status`, `watch` and `logs -f`. Where the
 # batch script recorded its end, that code is the launch's, whatever Slurm says of a cleanup it
 # killed after it (jobs/runs/lifecycle.py). docs/runs.md lists EXIT_CODES; tests/test_docs.py checks.
+FAILED_EXIT = 1  # a crash (its traceback in the log), or a checkpoint that does not fit (one `error:` line)
 BAD_INPUT_EXIT = 2  # bad config or input: one `error:` line
 NONFINITE_EXIT = 3  # stopped on non-finite numbers (train.max_nonfinite_steps)
 HANG_EXIT = 4
@@ -52,7 +53,7 @@ CANCEL_EXIT = 140  # `slipway cancel`: USR2 to the batch shell (128 + SIGUSR2)
 TERM_EXIT = 143  # SIGTERM to a job: a plain scancel, a preemption, the time limit (128 + SIGTERM)
 EXIT_CODES = {
     0: "completed",
-    1: "failed (a crash; torchrun reports 2 and 3 as 1)",
+    FAILED_EXIT: "failed (a crash; torchrun reports 2 and 3 as 1)",
     BAD_INPUT_EXIT: "bad config or input (launcher: srun)",
     NONFINITE_EXIT: "stopped on non-finite numbers (launcher: srun)",
     HANG_EXIT: "hung, not retried",
@@ -63,6 +64,9 @@ EXIT_CODES = {
     TERM_EXIT: "SIGTERM: a plain `scancel`, a preemption, or the time limit without a save",
 }
 # Any other code above 128 is 128 + the signal that ended the launch (a rank, or a local launch's launcher).
+# slipway's own commands end 0, FAILED_EXIT (a Slurm command failed), BAD_INPUT_EXIT or, for an
+# internal error (a bug, said as such; common/edge.py), BUG_EXIT (EX_SOFTWARE).
+BUG_EXIT = 70
 
 LOCAL_JOB = "local"  # the job field of a launch on this machine
 # The preflight's all-reduce in the training step (trainer/preflight.py AllReduceGate): the batch
@@ -151,7 +155,6 @@ class EventKind(str, enum.Enum):
     TIME_LIMIT_STOP = "time-limit stop"  # saved at the warning, slurm.requeue off: the job ends REQUEUE_EXIT
     NOT_REQUEUEING = "not requeueing"  # the time-limit requeues are used up: the job ends REQUEUE_EXIT
     VERIFICATION_FAILED = "verification failed"  # what the job runs is not what was submitted: exit 2, no retry
-    COMPILE_FALLBACK = "compile fallback"  # train.compile auto: the first step failed to compile, trained eagerly
     PREFLIGHT_OK = "preflight ok"
     PREFLIGHT_FAILED = "preflight failed"
     HANG = "hang"
@@ -174,7 +177,6 @@ _KINDS: tuple[tuple[str, EventKind], ...] = (
     ("not requeueing", EventKind.NOT_REQUEUEING),
     ("time-limit stop", EventKind.TIME_LIMIT_STOP),
     ("verification failed", EventKind.VERIFICATION_FAILED),
-    ("compile fallback", EventKind.COMPILE_FALLBACK),
     ("preflight ok", EventKind.PREFLIGHT_OK),
     ("preflight failed", EventKind.PREFLIGHT_FAILED),
     ("hang:", EventKind.HANG),

@@ -164,15 +164,3 @@ def test_cancel_and_a_resubmission_ask_once_for_all_the_runs_jobs(mixed, project
     r = slipway("submit", "tiny_cpu", "--run-name", "running", env=env)
     assert r.returncode == 2 and "has a job queued or running (14 (RUNNING))" in r.stderr
     assert slurm.state_calls() == [" ".join(squeue_argv(["14"]))]
-
-
-def test_status_of_a_run_says_its_compile_fell_back_to_eager(project, tmp_path):
-    """train.compile auto, a first step that failed to compile: the run trained eagerly, and says so."""
-    slurm = StandInSlurm(tmp_path / "slurm")
-    fallback = ("compile fallback: torch.compile failed at the first step (InductorError: no C++ compiler); this "
-                "attempt trains without compiling, slower (train.compile: auto; true makes this an error)")
-    make_run(project / "runs", "eager", [Launch(job_id="21", submitted=T0, steps=50)], [START, fallback, "end exit 0"])
-    slurm.job("21", "COMPLETED", "0:0", where="acct")
-    r = slipway("status", "eager", env=slurm.env())
-    assert r.returncode == 0, r.stderr
-    assert "note: compile fallback: torch.compile failed at the first step (InductorError" in r.stdout, r.stdout

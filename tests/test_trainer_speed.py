@@ -280,83 +280,22 @@ def test_a_compile_failure_is_one_line_naming_train_compile(tmp_path):
     assert "set train.compile: false" in errors[0] and "Traceback" not in proc.stderr
 
 
-# train.compile: auto compiles on CUDA only; here the CPU stands in for it (that decision is the one
-# thing patched), and inductor's C++ compiler is broken for real (CXX=/bin/false, caches off).
-AUTO_ON_CPU = """
-import sys
-sys.path.insert(0, {tests!r})
-import trainer.compute as compute
-compute.resolve_compile = lambda setting, device: setting == "auto" or bool(setting)
-import trainer_helpers
-sys.exit(trainer_helpers.main(sys.argv[1:]))
-"""
-
-
-def _broken_compiler_run(tmp_path: Path, procs: int) -> tuple[subprocess.CompletedProcess, Path, Path]:
-    """A run with train.compile: auto and one without compiling, one after the other in one launch
-    of `procs` ranks (data parallel)."""
-    train, parallel = {"steps": 3, "grad_accum_steps": 4 // procs}, {"dp": procs}
-    auto = write_run(tmp_path, "auto", tiny_config(train={**train, "compile": "auto"}, parallel=parallel))
-    eager = write_run(tmp_path, "eager", tiny_config(train={**train, "compile": False}, parallel=parallel))
-    script = tmp_path / "auto_on_cpu.py"
-    script.write_text(AUTO_ON_CPU.format(tests=str(Path(__file__).parent)))
-    env = clean_env(CXX="/bin/false", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
-                    TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), SLIPWAY_EVENT_JOB="12")
-    launch = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  f"--nproc-per-node={procs}"]
-    proc = subprocess.run([*launch, str(script), str(auto), str(eager)], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=ROOT)
-    return proc, auto.parent, eager.parent
-
-
-def _assert_fell_back(proc: subprocess.CompletedProcess, auto: Path, eager: Path) -> None:
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    said = "compile fallback: torch.compile failed at the first step ("
-    warnings_ = [ln for ln in proc.stderr.splitlines() if said in ln]
-    assert len(warnings_) == 1, proc.stderr[-4000:]  # rank 0 only, once
-    assert "fix the compiler (inductor needs a working C++ compiler" in warnings_[0]
-    assert "set train.compile: false" in warnings_[0]
-    events = (auto / "events.log").read_text().splitlines()
-    assert len(events) == 1 and " job 12 compile fallback: torch.compile failed at the first step (" in events[0]
-    got, want = read_metrics(auto), read_metrics(eager)
-    assert [r["step"] for r in got] == [1, 2, 3]
-    # The failed first step is retried from the same state and batches: the run is the eager one.
-    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
-
-
-@pytest.mark.slow
-def test_compile_auto_falls_back_to_eager_when_the_first_step_fails_to_compile(tmp_path):
-    proc, auto, eager = _broken_compiler_run(tmp_path, 1)
-    _assert_fell_back(proc, auto, eager)
-
-
-@pytest.mark.multiproc
-@pytest.mark.slow
-def test_compile_fallback_under_fsdp_retries_the_step_on_every_rank(tmp_path):
-    """dp=2 (FSDP2): both ranks fail at the first block, agree, re-shard what the failed forward
-    gathered and retry; the losses are the eager run's."""
-    proc, auto, eager = _broken_compiler_run(tmp_path, 2)
-    _assert_fell_back(proc, auto, eager)
-
-
 # ---- config ---------------------------------------------------------------------------------
 
 
-def test_compile_is_auto_true_or_false():
-    from trainer.compute import resolve_compile
+def test_compile_is_off_by_default_and_true_or_false():
+    """torchtitan's rule: off unless asked, and strict when on (no fall-back to eager)."""
     from common.errors import ConfigError
     from common.schema import from_dict
     from common.yaml import read_yaml
     from trainer.config import TrainSection
 
-    assert TrainSection().compile == "auto"
-    for text, want in (("auto", "auto"), ("true", True), ("false", False), ("TRUE", True)):
+    assert TrainSection().compile is False
+    for text, want in (("true", True), ("false", False), ("TRUE", True)):
         assert from_dict(TrainSection, read_yaml(f"compile: {text}", "t"), "train").compile == want
-    with pytest.raises(ConfigError, match=r"^train\.compile: expected true or false, got 'yes' \(or auto"):
-        from_dict(TrainSection, {"compile": "yes"}, "train")
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert (resolve_compile("auto", cpu), resolve_compile("auto", cuda)) == (False, True)
-    assert (resolve_compile(True, cpu), resolve_compile(False, cuda)) == (True, False)
+    for wrong in ("auto", "yes"):
+        with pytest.raises(ConfigError, match=r"^train\.compile: expected true or false"):
+            from_dict(TrainSection, {"compile": wrong}, "train")
 
 
 def test_activation_checkpointing_and_gc_fields_are_checked():

@@ -9,7 +9,7 @@ parameter name: checkpoints stay layout- and option-independent.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import nn
@@ -72,12 +72,6 @@ def apply_ac(model: Transformer, mode: str, selective: str) -> None:
             layer.recompute = noop_context_fn
 
 
-def resolve_compile(setting: Union[bool, str], device: torch.device) -> bool:
-    """train.compile: auto compiles on CUDA only (on the CPU, inductor's C++ build costs minutes
-    for little gain)."""
-    return device.type == "cuda" if setting == "auto" else bool(setting)
-
-
 def compile_blocks(model: Transformer, backend: str = "inductor") -> None:
     """torch.compile each block in place (parameter names keep no _orig_mod prefix). Not
     fullgraph: a graph break runs on, slower, and `graph_break_report` names it at the first
@@ -112,7 +106,7 @@ def graph_break_report() -> str:
             f"{reasons}")
 
 
-def compile_failure(exc: BaseException) -> Optional[str]:
+def _compile_failure(exc: BaseException) -> Optional[str]:
     """What failed, when `exc` is a torch.compile failure (dynamo or inductor): its type and first
     line; None for any other exception. Compilation happens on the first call of each block, so
     the runners' first step is where it shows."""
@@ -135,17 +129,11 @@ COMPILER_FIX = "inductor needs a working C++ compiler on the CPU and triton on C
 
 def compile_error(exc: BaseException) -> Optional[ConfigError]:
     """A torch.compile failure as one line naming the way out; None for any other exception."""
-    what = compile_failure(exc)
+    what = _compile_failure(exc)
     if what is None:
         return None
     return ConfigError("train.compile", f"torch.compile failed ({what}): set train.compile: false to train without "
                                         f"compiling, or fix the compiler ({COMPILER_FIX})")
-
-
-def uncompile(model: nn.Module) -> None:
-    """Every module compiled in place (`compile_blocks`) runs eagerly again."""
-    for module in model.modules():
-        module._compiled_call_impl = None
 
 
 FLOAT8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper (H100, GH200) have float8 tensor cores

@@ -257,11 +257,10 @@ class TrainSection:
     grad_clip: float = 1.0
     # Training precision: auto is bfloat16 on CUDA and float32 on the CPU.
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    # torch.compile each transformer block: auto compiles on CUDA and not on the CPU (where
-    # inductor's C++ build takes minutes and gains little), and falls back to eager when
-    # compiling fails at the first step (a warning and an event in events.log); true compiles
-    # wherever and a compile failure is an error; false never compiles.
-    compile: AutoBool = "auto"
+    # torch.compile each transformer block (off by default, as torchtitan: the first step then
+    # compiles for a minute or more, and on the CPU inductor's C++ build gains little). A compile
+    # failure is an error naming the fix, never a silent fall-back to eager.
+    compile: bool = False
     # Recompute activations in the backward instead of keeping them: none; full (every block
     # recomputed whole: least memory, about a third more compute); selective (see selective_ac).
     activation_checkpointing: Literal["none", "selective", "full"] = "none"

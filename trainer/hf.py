@@ -39,8 +39,10 @@ import yaml
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpoint import read_model_weights
+from common.edge import run_at_edge
 from common.errors import ConfigError
+from common.rundir import BAD_INPUT_EXIT
+from trainer.checkpoint import read_model_weights
 from trainer.config import ModelSection
 
 WHERE = "model.init_from_hf"
@@ -410,15 +412,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ins = sub.add_parser("inspect", help="print the model section matching an HF Llama directory")
     ins.add_argument("hf_dir", type=Path)
     args = parser.parse_args(argv)
-    try:
+
+    def work() -> int:
         if args.command == "export":
             print(_export_run(args.run, args.step, args.out, args.dtype, args.overwrite))
         else:
             print(yaml.safe_dump({"model": model_section_from_hf(args.hf_dir)}, sort_keys=False), end="")
-    except (ConfigError, FileExistsError, OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_at_edge(work, prog="", errors={ValueError: BAD_INPUT_EXIT, FileExistsError: BAD_INPUT_EXIT})
 
 
 if __name__ == "__main__":

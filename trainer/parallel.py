@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from trainer.compute import apply_ac, apply_float8, compile_blocks, resolve_compile
+from trainer.compute import apply_ac, apply_float8, compile_blocks
 from common import environ
 from common.errors import ConfigError
 from trainer.config import ParallelSection, TrainerConfig
@@ -353,7 +353,7 @@ def build_model(cfg: TrainerConfig, dims: ParallelDims, device: torch.device, dt
     # torchtitan's order: TP -> AC -> compile -> FSDP (compile sees the recomputation; FSDP's
     # hooks stay outside the compiled blocks).
     apply_ac(model, cfg.train.activation_checkpointing, cfg.train.selective_ac)
-    if resolve_compile(cfg.train.compile, device):
+    if cfg.train.compile:
         compile_blocks(model)
     if dims.dp > 1 and not dims.ddp:
         apply_fsdp(model, dims.submesh("dp"), cfg.parallel.zero_stage, dtype, resolve_reshard(cfg)[0])
@@ -402,7 +402,7 @@ class Runner:
 
     can_eval = True
 
-    def train_step(self, batches: list[Batch]) -> torch.Tensor:
+    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         raise NotImplementedError
 
     def eval_step(self, batches: list[Batch]) -> torch.Tensor:
@@ -441,7 +441,7 @@ class AccumulationRunner(Runner):
         no_sync = getattr(self.model, "no_sync", None)  # DDP
         return no_sync() if no_sync is not None and not sync else contextlib.nullcontext()
 
-    def train_step(self, batches: list[Batch]) -> torch.Tensor:
+    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         for i, (inputs_BT, targets_BT) in enumerate(batches):
             with self._sync(i == len(batches) - 1), self.loss_context():
@@ -499,7 +499,7 @@ class PipelineRunner(Runner):
             return torch.stack([loss.detach().float() for loss in losses]).sum()
         return torch.zeros((), device=self.device)
 
-    def train_step(self, batches: list[Batch]) -> torch.Tensor:
+    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         return self._run(self.schedule.step, batches)
 
     @torch.no_grad()

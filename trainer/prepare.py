@@ -130,9 +130,10 @@ def prepare(data: DataSection, cache_dir: Path | str, *, num_proc: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.edge import run_at_edge  # any other error from bad input: one line, exit 2
+    from common.edge import run_at_edge
+    from common.rundir import FAILED_EXIT
 
-    return run_at_edge(lambda: _main(argv), prog="python -m trainer.prepare")
+    return run_at_edge(lambda: _main(argv), prog="", errors={DataCacheError: FAILED_EXIT})
 
 
 def _main(argv: list[str] | None) -> int:
@@ -151,9 +152,6 @@ def _main(argv: list[str] | None) -> int:
             print(status.describe())
             return 0 if status.prepared else 1
         result = prepare(cfg.data, cache_dir, num_proc=cfg.data.num_proc if args.cpus is None else args.cpus)
-    except (ConfigError, DataCacheError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
     except KeyboardInterrupt:
         print("interrupted: run the same command again to continue where it stopped", file=sys.stderr)
         return 130

@@ -21,11 +21,8 @@ all ranks stop after the same step, and no step costs more as ranks are added
 are read (pinned and copied, on CUDA) while this one runs, and Python's
 garbage collector runs every `train.gc_interval` steps on every rank at once.
 With train.compile, the first step's log names the graph breaks compilation
-found (each a silent slowdown otherwise). A compile failure at that first step,
-alike on every rank, is no failed run with train.compile: auto: the ranks agree,
-run their blocks eagerly again and retry the step from the same state and
-batches, with a warning and a `compile fallback:` event in events.log
-(`_forward_backward`); train.compile: true keeps it an error (exit 2).
+found (each a silent slowdown otherwise), and a compile failure is one line
+naming train.compile (exit 2).
 
 Non-finite numbers are never trained on nor saved: a step whose loss or
 gradient norm is not finite on any rank skips its optimizer update, decided
@@ -37,12 +34,13 @@ of the last good step). A checkpoint that would hold a non-finite value is
 refused, and an interval save that falls inside a run of skipped steps waits
 for the next good step, so such steps never rotate good checkpoints out.
 
-Exit status of `python -m trainer`: 0 done; 2 bad config or input (one
-`error:` line); 3 (NONFINITE_EXIT) stopped on non-finite numbers, with the
-latest checkpoint left as the last good one; 1 a checkpoint did not fit where
-checkpoints go (one `error:` line; any other crash is 1 with its traceback); 75 (EX_TEMPFAIL) stopped by a
-signal or the stop file after saving, to be requeued; 4 (HANG_EXIT) no step
-completed for train.hang_timeout: stacks in hangs/ (trainer/watchdog.py).
+Exit status of `python -m trainer` (common/rundir.py EXIT_CODES): 0 done; 2 bad
+config or input (one `error:` line); 3 (NONFINITE_EXIT) stopped on non-finite
+numbers, with the latest checkpoint left as the last good one; 1 a checkpoint
+did not fit where checkpoints go (one `error:` line; any other crash is 1 with
+its traceback); 75 (REQUEUE_EXIT) stopped by a signal or the stop file after
+saving, to be requeued; 4 (HANG_EXIT) no step completed for train.hang_timeout:
+stacks in hangs/ (trainer/watchdog.py).
 """
 
 from __future__ import annotations
@@ -64,16 +62,15 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from trainer.compute import (COMPILER_FIX, check_float8, compile_error, compile_failure, graph_break_report,
-                             reset_graph_breaks, resolve_compile, uncompile)
+from trainer.compute import check_float8, compile_error, graph_break_report, reset_graph_breaks
 from common.errors import ConfigError
-from common.rundir import NONFINITE_EXIT, REQUEUE_EXIT, STOP_FILE, append_event
+from common.edge import run_at_edge
+from common.rundir import BAD_INPUT_EXIT, FAILED_EXIT, NONFINITE_EXIT, REQUEUE_EXIT, STOP_FILE
 from trainer.config import TrainerConfig, load_trainer_config
 from common.layouts import layout_advice, memory_report, resolve_reshard
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
-from trainer.watchdog import HangWatchdog, collective_timeout, event_job
+from trainer.watchdog import HangWatchdog, collective_timeout
 from trainer.model import num_flops_per_token, select_attention
 from trainer.optim import SkippableStep, build_lr_scheduler, build_optimizer, clip_grad_norm_
 from trainer.parallel import (Batch, DistEnv, ParallelDims, Runner, build_model, build_runner, distributed_session,
@@ -87,10 +84,6 @@ from trainer.states import ModelState, OptimizerState, RNGState
 from common.rundir import check_code
 
 log = logging.getLogger(__name__)
-
-# Ranks whose compile failed at the first step wait this long for the others' word (_ranks_failing).
-COMPILE_VOTE_SECONDS = 600.0
-EX_TEMPFAIL = REQUEUE_EXIT  # "requeue me": stopped by a signal after saving a checkpoint
 
 
 # The torch releases CI tests (the oldest and newest ends: `make test-oldest`, `make test`),
@@ -121,7 +114,7 @@ DataBuilder = Callable[[TrainerConfig, Path, int, int], tuple[Sampler, Optional[
 class TrainResult:
     step: int  # the last completed optimizer step
     loss: Optional[float]  # the last logged training loss (mean over dp ranks)
-    requeue: bool  # stopped early by SIGUSR1/SIGTERM; exit EX_TEMPFAIL
+    requeue: bool  # stopped early by SIGUSR1/SIGTERM; exit REQUEUE_EXIT
 
 
 def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None) -> TrainResult:
@@ -135,36 +128,36 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
     with distributed_session(timeout) as env, contextlib.ExitStack() as closing:
         if gate is not None:
             gate.check(env.device)
-        run = set_up(cfg, run_dir, env, timeout, data or _default_data(), closing)
-        state, loop = run.state, Loop(first_step=run.state.step + 1)
+        training = set_up(cfg, run_dir, env, timeout, data or _default_data(), closing)
+        state, loop = training.state, Loop(first_step=training.state.step + 1)
         result = TrainResult(state.step, None, requeue=False)
         while state.step < cfg.train.steps:
             state.step += 1
             last = state.step == cfg.train.steps
-            run.profiler.begin(state.step)
+            training.profiler.begin(state.step)
             # Whether this is a sync step is known up front and the same on every rank.
             loop.save_due = loop.save_due or state.step % cfg.checkpoint.interval == 0
             sync = (loop.save_due or state.step % cfg.logging.interval == 0 or last or state.step == loop.first_step)
             if sync:
-                run.vote.start(run.stop.requested())  # read at the end of the step: by then it is long done
+                training.vote.start(training.stop.requested())  # read at the end of the step: by then it is long done
             t0 = time.perf_counter()
-            batches = run.feeder.next(read_ahead=not last)
+            batches = training.feeder.next(read_ahead=not last)
             loop.data_s += time.perf_counter() - t0
-            loop.pending.append(train_step(run, batches))
-            run.profiler.end(state.step)
-            run.collector.step(state.step)
+            loop.pending.append(train_step(training, batches))
+            training.profiler.end(state.step)
+            training.collector.step(state.step)
             loop.window_steps += 1
-            stopping = run.vote.result() if sync else False
-            run.watchdog.step_queued(state.step, step_marker(env.device))  # done once the device gets there
-            if run.compiled and state.step == loop.first_step and env.rank == 0:
+            stopping = training.vote.result() if sync else False
+            training.watchdog.step_queued(state.step, step_marker(env.device))  # done once the device gets there
+            if training.compiled and state.step == loop.first_step and env.rank == 0:
                 log.info("%s", graph_break_report())
-            if sync and sync_step(run, loop, result, last, stopping):
+            if sync and sync_step(training, loop, result, last, stopping):
                 break
         return result
 
 
-@dataclass
-class Run:
+@dataclass(kw_only=True)
+class Training:
     """What `set_up` builds for the loop: the model and its step, the data, what a checkpoint
     holds, and the loop's helpers (each closed by the set-up's ExitStack when training ends)."""
 
@@ -173,7 +166,6 @@ class Run:
     env: DistEnv
     dims: ParallelDims
     compiled: bool
-    compile_fallback: bool  # train.compile: auto, at the attempt's first step (see _forward_backward)
     tokens_per_step: int
     model: nn.Module
     runner: Runner
@@ -207,120 +199,62 @@ class Loop:
     data_s: float = 0.0
 
 
-def train_step(run: Run, batches: list[Batch]) -> tuple[int, float, torch.Tensor]:
+def train_step(training: Training, batches: list[Batch]) -> tuple[int, float, torch.Tensor]:
     """One optimizer step, queued on the device without waiting for it: forward and backward
     over the micro batches, clip, the update (skipped on the device where a number is not
     finite), the schedule. Returns (step, lr, [loss, grad norm, skipped]) still on the device."""
-    loss = _forward_backward(run, batches)
-    grad_norm = clip_grad_norm_(run.model.parameters(), run.cfg.train.grad_clip, run.dims.pp_group)
-    lr = run.lr_scheduler.get_last_lr()[0]
-    stats = step_stats(loss, grad_norm, run.dims)  # on the device: loss, norm, non-finite
-    skipped = run.update.step(stats[2])
+    with _compile_errors(training.compiled):
+        loss = training.runner.forward_backward(batches)
+    grad_norm = clip_grad_norm_(training.model.parameters(), training.cfg.train.grad_clip, training.dims.pp_group)
+    lr = training.lr_scheduler.get_last_lr()[0]
+    stats = step_stats(loss, grad_norm, training.dims)  # on the device: loss, norm, non-finite
+    skipped = training.update.step(stats[2])
     with warnings.catch_warnings():  # a skipped first step (foreach path) is not the misuse torch warns of
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
-        run.lr_scheduler.step()  # the schedule moves on with the step count, skipped or not
-    run.optimizer.zero_grad(set_to_none=True)
-    return run.state.step, lr, torch.cat([stats[:2], skipped[None]])
+        training.lr_scheduler.step()  # the schedule moves on with the step count, skipped or not
+    training.optimizer.zero_grad(set_to_none=True)
+    return training.state.step, lr, torch.cat([stats[:2], skipped[None]])
 
 
-def _forward_backward(run: Run, batches: list[Batch]) -> torch.Tensor:
-    """The runner's forward and backward. With train.compile: auto a compile failure at the
-    attempt's first step, alike on every rank, falls back to eager for the rest of the attempt,
-    loudly (a warning, an event in events.log); anywhere else (train.compile: true, a later step,
-    some ranks only, a pipeline) it stays the one-line train.compile error."""
-    if not run.compile_fallback:
-        with _compile_errors(run.compiled):
-            return run.runner.train_step(batches)
-    run.compile_fallback = False  # the first step only
-    loss, what, cause = None, None, None
-    try:
-        loss = run.runner.train_step(batches)
-    except Exception as exc:
-        what = compile_failure(exc)
-        if what is None:
-            raise
-        cause = exc
-    failed = _ranks_failing(what is not None, run)
-    if not failed:
-        return loss
-    if failed < run.env.world_size or what is None:  # the ranks cannot retry the step together
-        raise ConfigError("train.compile", f"torch.compile failed at the first step on {failed} of "
-                          f"{run.env.world_size} ranks{f' ({what})' if what else ''}: set train.compile: false to "
-                          f"train without compiling, or fix the compiler ({COMPILER_FIX})") from cause
-    uncompile(run.model)
-    run.optimizer.zero_grad(set_to_none=True)
-    for module in run.model.modules():  # FSDP2: what the failed forward gathered, sharded again
-        if isinstance(module, FSDPModule):
-            module.reshard()
-    run.compiled = False
-    text = (f"compile fallback: torch.compile failed at the first step ({what}); this attempt trains without "
-            "compiling, slower (train.compile: auto; true makes this an error): fix the compiler "
-            f"({COMPILER_FIX}) or set train.compile: false")
-    if run.env.rank == 0:
-        log.warning("%s", text)
-        try:
-            append_event(run.run_dir, event_job(), text)
-        except OSError as exc:
-            log.warning("events.log not written: %s", exc)
-    return run.runner.train_step(batches)
-
-
-def _ranks_failing(failed: bool, run: Run) -> int:
-    """How many ranks' compile failed at the first step (every rank asks, on the stop vote's gloo
-    group). A failing rank waits COMPILE_VOTE_SECONDS at most: a rank whose compile worked may
-    still be compiling, or be held in a collective by this one (then the answer never comes)."""
-    if run.vote.group is None:
-        return int(failed)
-    flag = torch.tensor([float(failed)])
-    work = dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=run.vote.group, async_op=True)
-    try:
-        work.wait(timedelta(seconds=COMPILE_VOTE_SECONDS)) if failed else work.wait()
-    except RuntimeError:
-        if not failed:
-            raise
-        return 1  # the others did not answer: not every rank failed alike
-    return int(flag.item())
-
-
-def sync_step(run: Run, loop: Loop, result: TrainResult, last: bool, stopping: bool) -> bool:
+def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, stopping: bool) -> bool:
     """A sync step, where the host waits for the device and nowhere else in the loop: read the
     steps since the last sync, log, evaluate and save when due. True when the run stops here."""
-    cfg, state = run.cfg, run.state
+    cfg, state = training.cfg, training.state
     logging_due = state.step % cfg.logging.interval == 0 or last or stopping or state.step == loop.first_step
-    nonfinite, loss, grad_norm = _replay(loop.pending, state, cfg, run.metrics)
-    run.watchdog.step_done(state.step)  # the host has waited for the device: done, whatever the markers say
+    nonfinite, loss, grad_norm = _replay(loop.pending, state, cfg, training.metrics)
+    training.watchdog.step_done(state.step)  # the host has waited for the device: done, whatever the markers say
     lr = loop.pending[-1][1]
     loop.pending.clear()
     if logging_due:
         result.loss = loss
         elapsed = time.perf_counter() - loop.window_start
         if state.step == loop.first_step:
-            run.metrics.log_train(state.step, loss, lr, grad_norm, 0, 0.0, 1, loop.data_s,
+            training.metrics.log_train(state.step, loss, lr, grad_norm, 0, 0.0, 1, loop.data_s,
                                   skipped_steps=state.skipped_steps, warmup_s=elapsed)
         else:
-            run.metrics.log_train(state.step, loss, lr, grad_norm, run.tokens_per_step * loop.window_steps,
+            training.metrics.log_train(state.step, loss, lr, grad_norm, training.tokens_per_step * loop.window_steps,
                                   elapsed, loop.window_steps, loop.data_s, skipped_steps=state.skipped_steps)
         loop.window_start, loop.window_steps, loop.data_s = time.perf_counter(), 0, 0.0
     t_aside = time.perf_counter()  # evaluation and saving are not training time
-    if run.evaluating and state.step % cfg.train.eval_interval == 0:
-        with _compile_errors(run.compiled):
-            run.metrics.log_eval(state.step, evaluate(run.runner, run.val_data, run.val_start, cfg, run.dims,
-                                                      run.env.device))
+    if training.evaluating and state.step % cfg.train.eval_interval == 0:
+        with _compile_errors(training.compiled):
+            training.metrics.log_eval(state.step, evaluate(training.runner, training.val_data, training.val_start, cfg, training.dims,
+                                                      training.env.device))
     result.step, result.requeue = state.step, stopping and not last
     if last or result.requeue or (loop.save_due and not nonfinite):
-        run.checkpointer.save(state.step, run.states, final=last)  # refuses non-finite values
+        training.checkpointer.save(state.step, training.states, final=last)  # refuses non-finite values
         loop.save_due = False
-    elif loop.save_due and state.nonfinite_streak == 1 and run.env.rank == 0:
+    elif loop.save_due and state.nonfinite_streak == 1 and training.env.rank == 0:
         log.warning("step %d: checkpoint deferred to the next step with a finite loss and gradient norm", state.step)
     loop.window_start += time.perf_counter() - t_aside
     if result.requeue:
         log.warning("stopping after step %d on %s: exit %d to be requeued", state.step,
-                    run.stop.received or "a request seen by another rank", EX_TEMPFAIL)
+                    training.stop.received or "a request seen by another rank", REQUEUE_EXIT)
     return result.requeue
 
 
 def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, data: DataBuilder,
-           closing: contextlib.ExitStack) -> Run:
+           closing: contextlib.ExitStack) -> Training:
     """Mesh, model, data, optimizer, the checkpoint resumed, and the loop's helpers: every
     config error before the data work, every helper's close on `closing`."""
     setup_logging(cfg.logging.level, env.rank)
@@ -332,7 +266,7 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     dtype = resolve_dtype(cfg.train.dtype, env.device)
     attn_impl = select_attention(cfg.model, env.device, dtype)  # config errors: before the data work
     check_float8(cfg.train, env.device)
-    compiled = resolve_compile(cfg.train.compile, env.device)
+    compiled = cfg.train.compile
     torch.manual_seed(cfg.run.seed)
     tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp
     _describe(cfg, env, dims, dtype, attn_impl, compiled, timeout, tokens_per_step)
@@ -382,10 +316,11 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     watchdog.start(state.step)  # the first step's allowance from here
     if compiled:
         reset_graph_breaks()
-    compile_fallback = compiled and cfg.train.compile == "auto" and dims.pp == 1
-    return Run(cfg, run_dir, env, dims, compiled, compile_fallback, tokens_per_step, model, runner, optimizer,
-               lr_scheduler, update, feeder, val_data, val_start, evaluating, state, states, checkpointer, metrics,
-               profiler, stop, vote, collector, watchdog)
+    return Training(cfg=cfg, run_dir=run_dir, env=env, dims=dims, compiled=compiled, tokens_per_step=tokens_per_step,
+                    model=model, runner=runner, optimizer=optimizer, lr_scheduler=lr_scheduler, update=update,
+                    feeder=feeder, val_data=val_data, val_start=val_start, evaluating=evaluating, state=state,
+                    states=states, checkpointer=checkpointer, metrics=metrics, profiler=profiler, stop=stop, vote=vote,
+                    collector=collector, watchdog=watchdog)
 
 
 def _describe(cfg: TrainerConfig, env: DistEnv, dims: ParallelDims, dtype: torch.dtype, attn_impl: str,
@@ -419,7 +354,7 @@ def _describe(cfg: TrainerConfig, env: DistEnv, dims: ParallelDims, dtype: torch
              if cfg.train.hang_timeout else "off")
     if cfg.train.float8 and not compiled:
         log.warning("train.float8 without train.compile: the float8 casts then run as kernels of their own and "
-                    "the step is slower than in bf16; set train.compile: auto or true")
+                    "the step is slower than in bf16; set train.compile: true")
     advice = layout_advice(cfg)
     if advice and env.rank == 0:
         log.warning("note: %s", advice)
@@ -498,20 +433,19 @@ def main(argv: Optional[list[str]] = None, data: Optional[DataBuilder] = None) -
     parser = argparse.ArgumentParser(
         prog="python -m trainer", description="Train the Llama decoder of a run.",
         epilog=f"exit status: 0 done; 1 failed (a checkpoint that does not fit: one error line); "
-               f"2 bad config or input; {NONFINITE_EXIT} stopped on non-finite numbers "
-               f"(train.max_nonfinite_steps); {EX_TEMPFAIL} stopped by a signal or the stop file after saving")
+               f"{BAD_INPUT_EXIT} bad config or input; {NONFINITE_EXIT} stopped on non-finite numbers "
+               f"(train.max_nonfinite_steps); {REQUEUE_EXIT} stopped by a signal or the stop file after saving")
     parser.add_argument("--config", required=True, type=Path, help="runs/RUN/config.yaml (its folder is the run)")
     args = parser.parse_args(argv)
-    shadowed = check_code(__file__)
-    if shadowed:  # the launch named a code snapshot and this is not it: never train other code silently
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-            print(f"error: {shadowed}", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_trainer_config(args.config)
-        result = train(cfg, args.config.resolve().parent, data=data)
-    except (ConfigError, NonFiniteError, CheckpointWriteError) as exc:
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # one line, not one per rank
-            print(f"error: {exc}", file=sys.stderr)
-        return {NonFiniteError: NONFINITE_EXIT, CheckpointWriteError: 1}.get(type(exc), 2)
-    return EX_TEMPFAIL if result.requeue else 0
+
+    def work() -> int:
+        shadowed = check_code(__file__)
+        if shadowed:  # the launch named a code snapshot and this is not it: never train other code silently
+            raise ConfigError("", shadowed)
+        result = train(load_trainer_config(args.config), args.config.resolve().parent, data=data)
+        return REQUEUE_EXIT if result.requeue else 0
+
+    # One line from the first rank, not one a rank; a crash keeps its traceback for the log.
+    first = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    return run_at_edge(work, prog="", errors={NonFiniteError: NONFINITE_EXIT, CheckpointWriteError: FAILED_EXIT},
+                       crashes=True, silent=not first)

@@ -105,15 +105,6 @@ def image_drift(run: runs.Run) -> str | None:
     return None
 
 
-def attempt_notes(run: runs.Run, events) -> list[str]:
-    """What the run's latest attempt said besides its state: a compile that fell back to eager."""
-    latest = next((x for x in reversed(run.launches()) if x.kind == "train"), None)
-    if latest is None:
-        return []
-    own = lifecycle.last_attempt(run.events_of(latest, events))
-    return [f"note: {e.text}" for e in own if e.kind is EventKind.COMPILE_FALLBACK]
-
-
 def show_status(project_dir, run_name: str | None, console) -> int:
     from rich.table import Table
 
@@ -136,7 +127,7 @@ def show_status(project_dir, run_name: str | None, console) -> int:
         if image is not None and image.image:
             console.print(f"image {image.image}" + (f" (build {image.build_hash[:12]})" if image.build_hash else ""),
                           soft_wrap=True, highlight=False)
-        for line in code_lines(run) + attempt_notes(run, events):
+        for line in code_lines(run):
             console.print(line, soft_wrap=True, highlight=False)
         drift = image_drift(run)
         if drift:
