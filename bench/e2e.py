@@ -75,7 +75,7 @@ def one_run(project: Path, name: str, nodes: int, steps: int, env: dict[str, str
 
 def _event_times(run_dir: Path) -> dict[str, float]:
     """The first time (epoch s) each event kind appears in events.log: start, preflight ok, end."""
-    from common.rundir import read_events
+    from common.events import read_events
 
     out: dict[str, float] = {}
     for e in read_events(run_dir):
@@ -209,7 +209,7 @@ def pyxis_loop(plugin: str, repeat: int) -> None:
                 os.kill(int(ranks[-1]), 9)
                 job_over(name)
                 gone = time.perf_counter() - t0
-                from common.rundir import read_events
+                from common.events import read_events
 
                 end = next((e.when.timestamp() for e in read_events(project / "runs" / name)
                             if e.text.startswith("end exit") and e.when), float("nan"))

@@ -35,7 +35,8 @@ from jobs.config import dump_config, load_config  # noqa: E402
 from jobs.runs import manifest as manifests  # noqa: E402
 from jobs.runs.container import ImagePin  # noqa: E402
 from jobs.runs.manifest import Launch, Manifest  # noqa: E402
-from common.rundir import CodeSnapshot, format_event  # noqa: E402
+from common.events import format_event  # noqa: E402
+from common.rundir import CodeSnapshot
 
 # Of every 20 runs: how many end each way (the kinds below), as a sweep's directory holds them.
 MIX = [("completed", 8), ("failed", 2), ("hung", 1), ("cancelled", 1), ("scancelled", 1), ("running", 3),

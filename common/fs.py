@@ -1,16 +1,22 @@
-"""Atomic file writes and file digests, shared by every layer (the trainer, the run directory,
-the EDF, the image and code snapshots).
+"""Atomic file writes, bounded reads and file digests, shared by every layer (the trainer, the run
+directory, the EDF, the image and code snapshots). No torch here.
 
-A reader sees the old file or the new one, never half of one: write a temp file
-beside the target, fsync it, rename it over the target. No torch here.
+A reader sees the old file or the new one, never half of one: write a temp file beside the
+target, fsync it, rename it over the target. A reader of a file that others may have made (a
+run directory is shared by a team and written by jobs) opens it only when it is a regular file,
+judged without blocking (a FIFO would hang an open or a read, a device would never end), and
+reads at most a bounded part of it (`open_regular`, `read_tail`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 import tempfile
 from pathlib import Path
+from typing import BinaryIO, Optional
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -48,3 +54,44 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, someone else's
         return True
     return True
+
+
+class NotRegularFile(OSError):
+    """A path that holds no regular file to read: a FIFO, a device, a socket or a directory."""
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def open_regular(path: str | os.PathLike) -> Optional[BinaryIO]:
+    """`path` opened for reading when it is a regular file (a link to one followed); None where
+    nothing is. Anything else raises NotRegularFile, decided by fstat on a descriptor opened with
+    O_NONBLOCK, so that a FIFO never blocks the open; a file the user may not read raises
+    PermissionError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        raise NotRegularFile(errno.EINVAL, f"is {what}, not a regular file", os.fspath(path))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_tail(path: str | os.PathLike, limit: int) -> Optional[bytes]:
+    """At most the last `limit` bytes of the regular file `path` (open_regular's rules), from the
+    start of a line where they are cut; None where there is no file."""
+    f = open_regular(path)
+    if f is None:
+        return None
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - limit))
+        data = f.read(limit)
+    if size > limit:  # the first line is cut: drop it
+        data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
+    return data

@@ -15,13 +15,11 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from common.errors import ConfigError
-
-METRICS_FILE = "metrics.jsonl"
-
+from common.rundir import RunDir
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Every record of run_dir/metrics.jsonl in file order (a line cut by a crash is skipped)."""
-    path = Path(run_dir) / METRICS_FILE
+    path = RunDir(Path(run_dir)).metrics
     if not path.is_file():
         raise ConfigError("RUN", f"{path} does not exist yet: the run has not logged a step")
     records = []

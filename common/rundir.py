@@ -1,43 +1,22 @@
-"""The run-directory protocol: the names, exit codes and event lines that the trainer,
-the batch script and the host agree on. Stdlib only: the trainer imports it, and so
-does the host (never the other way round).
-
-events.log holds one line per event, `TIME job JOB TEXT`: TIME as `date
---iso-8601=seconds` writes it, JOB the Slurm job id (it survives requeues) or
-`local` for a launch on this machine, TEXT free words whose start says what
-happened (`EventKind`). Two writers, one per language: the batch script's bash
-`event()` (jobs/slurm/job_lib.sh) and `append_event` here.
-Readers go through `parse_event`, which never fails on a torn or foreign line.
+"""The run directory: every path a run holds, and the lines one side writes there for the other
+to read, each defined once (the host's run model, the batch script's renderer, the local
+launcher and the trainer all take their paths from `RunDir`; the batch script gets them as the
+variables `RunDir.shell_paths` renders, never composing one itself). Also what the three agree on
+beyond paths: the exit codes of a launch (EXIT_CODES, the one table), the code snapshot's
+record, the rule for a whole checkpoint, and the hang dump's first line (`HangLine`, by keys).
+events.log's lines are common/events.py's. Stdlib only: the trainer imports it, and so does the
+host (never the other way round).
 """
 
 from __future__ import annotations
 
-import enum
 import os
 import re
 from dataclasses import dataclass, fields
-from datetime import datetime, timezone
-from functools import cached_property
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
-# File names inside runs/RUN/.
-EVENTS_FILE = "events.log"
-MANIFEST_FILE = "manifest.json"
-HEARTBEATS_DIR = "heartbeats"  # heartbeats/NODE: each node's, which `slipway watch` shows by age
-GUTIL_DIR = "gutil"  # gutil/NODE.gutil: nvidia-smi dmon samples
-METRICS_FILE = "metrics.jsonl"
-# Rank 0's last completed step and its time, for `slipway watch`.
-PROGRESS_FILE = "progress.json"
-# The contract between the batch script and the trainer: on Slurm's time-limit
-# warning the script creates STOP_FILE in the run directory; the trainer saves
-# at the step boundary and exits REQUEUE_EXIT (EX_TEMPFAIL), "requeue me".
-STOP_FILE = "stop-requested"
-# A rank saw no step complete for train.hang_timeout (trainer/watchdog.py): it wrote its
-# stacks to HANGS_DIR/<job>-<host>-<rank>.txt and exited HANG_EXIT; the batch script reads
-# the dumps (torchrun turns every worker's exit code into 1) and exits it too unless it retries.
-HANGS_DIR = "hangs"
-
+from common.fs import open_regular
 # Exit codes of a launch, one per end: the trainer's and the batch script's (jobs/slurm/job_lib.sh),
 # and the same code in events.log (`end exit N`), `slipway status`, `watch` and `logs -f`. Where the
 # batch script recorded its end, that code is the launch's, whatever Slurm says of a cleanup it
@@ -78,9 +57,66 @@ PREFLIGHT_FAILED_FILE = "preflight-failed"
 # The code snapshot the ranks run (jobs/runs/code.py): its directory, set in their environment.
 CODE_ENV = "SLIPWAY_CODE"
 
-# The bash writer is the batch script's `event()` (jobs/slurm/job_lib.sh), one line of the same format:
-#   event() { printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "$SLURM_JOB_ID" "$*" >> "$RUN_DIR/events.log"; }
-# tests/test_lifecycle.py runs it and reads its lines back with `parse_event`.
+
+@dataclass(frozen=True)
+class RunDir:
+    """`runs/RUN/`: where each of its files is. `project` is the checkout it was launched from (the
+    batch script works there; None where only the run's own files matter, as in the trainer)."""
+
+    path: Path
+    project: Optional[Path] = None
+
+    # What the submission writes (jobs/runs/submit.py), read by the job and the host.
+    config = property(lambda self: self.path / "config.yaml")  # the resolved config, as the job reads it
+    env_toml = property(lambda self: self.path / "env.toml")  # the Container Engine's environment (edf)
+    job_script = property(lambda self: self.path / "job.sbatch")
+    prepare_script = property(lambda self: self.path / "prepare.sbatch")  # the data preparation job
+    manifest = property(lambda self: self.path / "manifest.json")  # jobs/runs/manifest.py
+    lib = property(lambda self: self.path / "lib")  # the job library, pinned by hash (lib/NAME-HASH12.sh)
+    history = property(lambda self: self.path / "history")  # configs and code records a change replaced
+    # What the launches write.
+    events = property(lambda self: self.path / "events.log")  # common/events.py
+    logs = property(lambda self: self.path / "logs")  # Slurm's and the local launches' logs
+    heartbeat = property(lambda self: self.path / "heartbeat")  # the batch shell's, every HEARTBEAT_SECONDS
+    heartbeats = property(lambda self: self.path / "heartbeats")  # heartbeats/NODE: each node's
+    gutil = property(lambda self: self.path / "gutil")  # gutil/NODE.gutil: nvidia-smi dmon samples
+    hangs = property(lambda self: self.path / "hangs")  # hangs/TAG-HOST-RANK.txt: the watchdog's dumps
+    exits = property(lambda self: self.path / ".exits")  # .exits/TAG/: the training step's exit reports
+    # The trainer's (trainer/metrics.py, trainer/watchdog.py, trainer/loop.py).
+    metrics = property(lambda self: self.path / "metrics.jsonl")  # common/metrics_log.py
+    progress = property(lambda self: self.path / "progress.json")  # rank 0's last step, for `slipway watch`
+    # On Slurm's time-limit warning (or a stop request) the batch script creates it; the trainer
+    # saves at the step boundary and exits REQUEUE_EXIT ("requeue me").
+    stop_file = property(lambda self: self.path / "stop-requested")
+    curves = property(lambda self: self.path / "curves.png")  # `slipway plot`
+
+    def checkpoints(self, setting: str | os.PathLike) -> Path:
+        """Where checkpoints go for checkpoint.dir `setting` (relative to the run directory, or absolute)."""
+        return self.path / setting
+
+    def hang_dump(self, tag: str, host: str, rank: int) -> Path:
+        return self.hangs / f"{tag}-{host}-{rank}.txt"
+
+    def hang_dumps(self, tag: str) -> list[Path]:
+        """The dumps the ranks of attempt `tag` wrote, in name order."""
+        return sorted(self.hangs.glob(f"{glob_escape(tag)}-*.txt"))
+
+    def node_heartbeat(self, node: str) -> Path:
+        return self.heartbeats / node
+
+    def node_gutil(self, node: str) -> Path:
+        return self.gutil / f"{node}.gutil"
+
+    def shell_paths(self, checkpoint_dir: str) -> dict[str, Path]:
+        """The batch script's names for these paths (its settings block sets them once; the job
+        library uses only these)."""
+        return {"RUN_DIR": self.path, "EVENTS_LOG": self.events, "LOGS": self.logs, "HEARTBEAT": self.heartbeat,
+                "HEARTBEATS": self.heartbeats, "GUTIL": self.gutil, "HANGS": self.hangs, "EXITS": self.exits,
+                "STOP_FILE": self.stop_file, "CHECKPOINT_DIR": self.checkpoints(checkpoint_dir)}
+
+
+def glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", text)
 
 
 @dataclass(frozen=True)
@@ -140,112 +176,6 @@ def check_code(package_file: str, environ: Optional[dict] = None) -> Optional[st
             "directory or set code.snapshot: false")
 
 
-class EventKind(str, enum.Enum):
-    """What an event says, from the start of its text (the batch script's and the local launcher's words)."""
-
-    START = "start"  # an attempt began: `start on NODES (restart N), ...`, `start on this machine`
-    END = "end"  # an attempt ended: `end exit N`, `end interrupted`, `end signal NAME`
-    PREPARE_START = "prepare start"
-    PREPARE_END = "prepare end"
-    RETRY = "retry"  # a failure retry: the job requeued itself
-    NOT_RETRYING = "not retrying"  # a failure the job may not retry: it ends with the failure's code
-    REQUEUE_FAILED = "requeue failed"
-    TIME_LIMIT_WARNING = "time limit warning"
-    TIME_LIMIT_REQUEUE = "time-limit requeue"
-    TIME_LIMIT_STOP = "time-limit stop"  # saved at the warning, slurm.requeue off: the job ends REQUEUE_EXIT
-    NOT_REQUEUEING = "not requeueing"  # the time-limit requeues are used up: the job ends REQUEUE_EXIT
-    VERIFICATION_FAILED = "verification failed"  # what the job runs is not what was submitted: exit 2, no retry
-    PREFLIGHT_OK = "preflight ok"
-    PREFLIGHT_FAILED = "preflight failed"
-    HANG = "hang"
-    NODE_FAILURE = "node failure"
-    CANCELLED = "cancelled"
-    OTHER = "other"
-
-
-# Longest prefix first where one starts another.
-_KINDS: tuple[tuple[str, EventKind], ...] = (
-    ("start on ", EventKind.START),
-    ("end ", EventKind.END),
-    ("prepare start", EventKind.PREPARE_START),
-    ("prepare end", EventKind.PREPARE_END),
-    ("retry ", EventKind.RETRY),
-    ("not retrying", EventKind.NOT_RETRYING),
-    ("requeue failed", EventKind.REQUEUE_FAILED),
-    ("time limit warning", EventKind.TIME_LIMIT_WARNING),
-    ("time-limit requeue", EventKind.TIME_LIMIT_REQUEUE),
-    ("not requeueing", EventKind.NOT_REQUEUEING),
-    ("time-limit stop", EventKind.TIME_LIMIT_STOP),
-    ("verification failed", EventKind.VERIFICATION_FAILED),
-    ("preflight ok", EventKind.PREFLIGHT_OK),
-    ("preflight failed", EventKind.PREFLIGHT_FAILED),
-    ("hang:", EventKind.HANG),
-    ("node failure", EventKind.NODE_FAILURE),
-    ("cancelled", EventKind.CANCELLED),
-)
-_EXIT = re.compile(r"end exit (-?\d+)\b")
-_HANG_TAG = re.compile(r"hangs/(\S+)-\*\.txt")
-_SIGNAL = re.compile(r"end signal (\S+)")
-
-
-def event_kind(text: str) -> EventKind:
-    for prefix, kind in _KINDS:
-        if text.startswith(prefix):
-            return kind
-    return EventKind.OTHER
-
-
-@dataclass(frozen=True)
-class Event:
-    """One line of events.log."""
-
-    time: str  # as written (ISO 8601 with its offset); `when` parses it
-    job: str  # a Slurm job id, LOCAL_JOB, or "" when the writer had none
-    text: str
-
-    @cached_property  # asked of every event by each reader: decided once
-    def kind(self) -> EventKind:
-        return event_kind(self.text)
-
-    @property
-    def when(self) -> Optional[datetime]:
-        try:
-            return datetime.fromisoformat(self.time)
-        except ValueError:
-            return None
-
-    @property
-    def exit_code(self) -> Optional[int]:
-        """The code an END / PREPARE_END event gives; INTERRUPTED_EXIT for `end interrupted`;
-        128+N for `end signal N` with a number; None where it gives none."""
-        m = _EXIT.search(self.text)
-        if m and self.kind in (EventKind.END, EventKind.PREPARE_END):
-            return int(m.group(1))
-        if self.kind is EventKind.END and self.text.startswith("end interrupted"):
-            return INTERRUPTED_EXIT
-        s = _SIGNAL.match(self.text)
-        if s and self.kind is EventKind.END:
-            name = s.group(1).rstrip(",;:")
-            if name.isdigit():
-                return 128 + int(name)
-            import signal
-
-            try:
-                return 128 + int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
-            except KeyError:
-                return None
-        return None
-
-    @property
-    def hang_tag(self) -> str:
-        """The attempt whose stack dumps a HANG event names (hangs/TAG-*.txt); "" otherwise."""
-        m = _HANG_TAG.search(self.text) if self.kind is EventKind.HANG else None
-        return m.group(1) if m else ""
-
-    def line(self) -> str:
-        return f"{self.time} job {self.job} {self.text}"
-
-
 CHECKPOINT_MARKER = "COMPLETE"
 _CHECKPOINT_STEP = re.compile(r"^step-(\d+)$")
 
@@ -266,92 +196,46 @@ def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[int]:
                   if (m := _CHECKPOINT_STEP.match(p.name)) and p.is_dir() and checkpoint_complete(p))
 
 
-def now_iso() -> str:
-    """This moment as `date --iso-8601=seconds` writes it (UTC here; bash writes its local offset)."""
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+@dataclass(frozen=True)
+class HangLine:
+    """The first line of a hang dump (trainer/watchdog.py writes it; the batch script, `slipway
+    status` and the local launcher read it), by keys: `slipway-hang rank=R host=H step=S
+    idle=SECONDS limit=SECONDS answered=on-time|late`. `answered` late: the rank was frozen or
+    starved until the teardown woke it. The bash reader is job_lib.sh's `hang_field`."""
 
+    rank: int
+    host: str
+    step: int
+    idle_s: float
+    limit_s: float
+    on_time: bool
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    TAG = "slipway-hang"
 
+    def line(self) -> str:
+        return (f"{self.TAG} rank={self.rank} host={self.host} step={self.step} idle={self.idle_s:.1f} "
+                f"limit={self.limit_s:g} answered={'on-time' if self.on_time else 'late'}")
 
-def format_event(job: Optional[str], text: str, when: Optional[datetime | str] = None) -> str:
-    """The events.log line (with its newline) for `text` about `job`, as the bash `event()` writes it."""
-    stamp = when if isinstance(when, str) else (when.isoformat(timespec="seconds") if when else now_iso())
-    job_word = _one_line(job or "").replace(" ", "_")
-    return f"{_one_line(stamp)} job {job_word} {_one_line(text)}\n"
+    @classmethod
+    def parse(cls, line: str) -> Optional["HangLine"]:
+        words = line.split()
+        if not words or words[0] != cls.TAG:
+            return None
+        keys = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+        try:
+            return cls(int(keys["rank"]), keys["host"], int(keys["step"]), float(keys["idle"]), float(keys["limit"]),
+                       keys["answered"] == "on-time")
+        except (KeyError, ValueError):
+            return None
 
-
-def parse_event(line: str) -> Optional[Event]:
-    """The event on one line of events.log; None for a line that is not one (torn, foreign, empty)."""
-    line = line.rstrip("\r\n")
-    stamp, sep, rest = line.partition(" job ")
-    if not sep or not stamp or " " in stamp or not stamp[:1].isdigit():
-        return None
-    try:
-        datetime.fromisoformat(stamp)
-    except ValueError:
-        return None
-    # An empty job id (no SLURM_JOB_ID) leaves two spaces: the job is "" and the text follows.
-    job, _, text = rest.partition(" ")
-    text = text.strip()
-    if not text:
-        return None
-    return Event(stamp, job, text)
-
-
-def parse_events(text: str) -> list[Event]:
-    return [e for line in text.splitlines() if (e := parse_event(line)) is not None]
-
-
-def read_events(run_dir: str | os.PathLike) -> list[Event]:
-    """Every event of a run directory, in the order written; [] before the first."""
-    try:
-        data = (Path(run_dir) / EVENTS_FILE).read_bytes()
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return parse_events(data.decode("utf-8", errors="replace"))
-
-
-def tail_events(run_dir: str | os.PathLike, until: Callable[[Event], bool], block: int = 8192) -> list[Event]:
-    """The last events of a run directory's events.log, in the order written: from the latest one
-    for which `until` holds (every event when none does). The file is read backwards, a block at a
-    time, so that a reader of the latest attempt reads no more of a long history."""
-    try:
-        f = open(Path(run_dir) / EVENTS_FILE, "rb")
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    found: list[Event] = []  # newest first
-    with f:
-        pos, rest = f.seek(0, os.SEEK_END), b""
-        while pos > 0:
-            start = max(0, pos - block)
-            f.seek(start)
-            lines = (f.read(pos - start) + rest).split(b"\n")
-            pos, block = start, block * 2
-            rest = lines.pop(0) if start > 0 else b""  # maybe cut: read whole with the block before it
-            for line in reversed(lines):
-                event = parse_event(line.decode("utf-8", errors="replace"))
-                if event is not None:
-                    found.append(event)
-                    if until(event):
-                        return found[::-1]
-    return found[::-1]
-
-
-def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,
-                 when: Optional[datetime | str] = None) -> Event:
-    """Append one event to RUN/events.log: one write(2) of one whole line under O_APPEND, so
-    concurrent writers (the batch script, several ranks, the host) never interleave inside a line."""
-    line = format_event(job, text, when)
-    fd = os.open(Path(run_dir) / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        data = line.encode()
-        written = os.write(fd, data)
-        while written < len(data):  # a short write (a signal, a full disk): finish the line
-            written += os.write(fd, data[written:])
-    finally:
-        os.close(fd)
-    stamp, _, rest = line.rstrip("\n").partition(" job ")
-    job_word, _, said = rest.partition(" ")
-    return Event(stamp, job_word, said)
+    @classmethod
+    def read(cls, path: Path) -> Optional["HangLine"]:
+        """The first line of the dump at `path` (None: unreadable, or no hang line)."""
+        try:
+            f = open_regular(path)
+            if f is None:
+                return None
+            with f:
+                return cls.parse(f.readline(4096).decode(errors="replace"))
+        except OSError:
+            return None

@@ -34,8 +34,8 @@ from jobs.slurm.script import local_argv
 from common import environ
 from common.errors import ConfigError
 from common.fs import write_atomic
-from common.rundir import (HANG_EXIT, HANGS_DIR, LOCAL_JOB, PROGRESS_FILE, REQUEUE_EXIT, STOP_FILE, CodeSnapshot,
-                           append_event, complete_checkpoints, now_iso)
+from common.events import append_event, now_iso
+from common.rundir import HANG_EXIT, LOCAL_JOB, REQUEUE_EXIT, CodeSnapshot, HangLine, complete_checkpoints
 from common.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
 
 
@@ -46,7 +46,7 @@ def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cfg.launch.procs_per_node)),
         "SLIPWAY_RUN_DIR": str(run.dir),
-        "HF_HOME": os.environ.get("HF_HOME", str(run.paths.project_dir / ".cache" / "huggingface")),
+        "HF_HOME": os.environ.get("HF_HOME", str(run.paths.project / ".cache" / "huggingface")),
         "WANDB_MODE": os.environ.get("WANDB_MODE", "online") if os.environ.get("WANDB_API_KEY") else "offline",
     }
     for key, value in cfg.launch.env.items():
@@ -96,7 +96,7 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
     if _finished(sealed, "local", console):
         return 0
     check_before_start(sealed, cfg.config_args)  # seconds here, not after every process has started
-    with runlock.hold(sealed.paths.run_dir, f"slipway local {cfg.config_args}", trains=True):
+    with runlock.hold(sealed.paths.path, f"slipway local {cfg.config_args}", trains=True):
         run, created = runs.prepare_run(sealed, force=force)
         return _train_here(run, sealed, project_dir, created, console)
 
@@ -126,7 +126,7 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
     if _finished(sealed, "run", console):
         return 0
     check_before_start(sealed, cfg.config_args)
-    with runlock.hold(sealed.paths.run_dir, f"slipway run {cfg.config_args}", trains=True):
+    with runlock.hold(sealed.paths.path, f"slipway run {cfg.config_args}", trains=True):
         run, created = runs.prepare_run(sealed, force=force)
         return _train_here(run, sealed, project_dir, created, console, allocation=job)
 
@@ -134,7 +134,7 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
 def _finished(sealed: runs.Sealed, command: str, console) -> bool:
     """Whether the run already reached train.steps, said in one line: a complete run is no
     failure (exit 0), as for make's "nothing to be done"; `submit` refuses it, by the same rule."""
-    done = runs.nothing_to_train(sealed.cfg, sealed.paths.run_dir, command)
+    done = runs.nothing_to_train(sealed.cfg, sealed.paths.path, command)
     if done:
         console.print(escape(done), soft_wrap=True)
     return done is not None
@@ -148,15 +148,15 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
     if allocation:
         # The batch script itself; its events are this launch's ("local": the launcher's pid,
         # not Slurm, says whether it runs), its tag the allocation's (the steps' container).
-        argv = ["bash", str(run.paths.script)]
+        argv = ["bash", str(run.paths.job_script)]
         tag = allocation
         extra = {"SLIPWAY_IN_ALLOCATION": "1", "SLIPWAY_EVENT_JOB": LOCAL_JOB}
-        log_path = run.dir / "logs" / f"run-{allocation}-{stamp}.out"
+        log_path = run.paths.logs / f"run-{allocation}-{stamp}.out"
     else:
         argv = local_argv(cfg, run.paths, code)
         tag = f"local-{stamp}"  # names this launch's files: its log, its hang dumps (trainer.watchdog.job_tag)
         extra = {**local_env(cfg, run, code), "SLIPWAY_JOB_TAG": tag}
-        log_path = run.dir / "logs" / f"{tag}.out"
+        log_path = run.paths.logs / f"{tag}.out"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     console.print(f"{'new run' if created else 'resuming run'} [bold]{cfg.run.name}[/] in {run.dir}", soft_wrap=True)
     console.print(f"[dim]$ {' '.join(argv)}[/]", soft_wrap=True)
@@ -169,7 +169,7 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
         with log_path.open("w") as log:
             lock_fd = runlock.held_fd(run.dir)
             if not allocation:  # one a crashed launcher left would stop this one at its first step
-                (run.dir / STOP_FILE).unlink(missing_ok=True)
+                run.paths.stop_file.unlink(missing_ok=True)
             # The trainer inherits the run's lock: should this process be killed outright, the
             # run stays locked while its trainer trains.
             proc = subprocess.Popen(argv, cwd=project_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -262,7 +262,7 @@ def _last_step(run: runs.Run, tag: str) -> Optional[int]:
     last = run.last_metrics()
     steps = [last["step"]] if last and isinstance(last.get("step"), int) else []
     try:
-        progress = json.loads((run.dir / PROGRESS_FILE).read_text())
+        progress = json.loads(run.paths.progress.read_text())
         if isinstance(progress, dict) and progress.get("job") == tag and isinstance(progress.get("step"), int):
             steps.append(progress["step"])
     except (OSError, ValueError):
@@ -309,19 +309,14 @@ def _signal_name(num: int) -> str:
 
 
 def _hang(run: runs.Run, cfg: Config, tag: str) -> str:
-    """The hang event of this launch from the dumps its ranks' watchdogs wrote, "" if none did.
-    The first line of a dump: `slipway hang: rank R host H step S idle I s limit L s on-time`."""
-    dumps = sorted((run.dir / HANGS_DIR).glob(f"{tag}-*.txt"))
+    """The hang event of this launch from the dumps its ranks' watchdogs wrote, "" if none did."""
+    dumps = run.paths.hang_dumps(tag)
     if not dumps:
         return ""
-    try:
-        first = dumps[0].read_text(errors="replace").split("\n", 1)[0].split()
-        step, limit = first[7], first[12]
-    except (OSError, IndexError):
-        step, limit = "?", "?"
-    world = cfg.world_size
-    return (f"hang: no step completed for {limit} s after step {step}; stack dumps from {len(dumps)} of {world} "
-            f"ranks in {run.dir / HANGS_DIR}/{tag}-*.txt")
+    first = HangLine.read(dumps[0])
+    step, limit = (first.step, f"{first.limit_s:g}") if first else ("?", "?")
+    return (f"hang: no step completed for {limit} s after step {step}; stack dumps from {len(dumps)} of "
+            f"{cfg.world_size} ranks in {run.paths.hangs}/{tag}-*.txt")
 
 
 def check_fits_here(cfg: Config) -> None:

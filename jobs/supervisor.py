@@ -4,7 +4,7 @@ jobs/interactive.py): stopping its processes when asked, and what of their outpu
 A stop (Ctrl-C, SIGTERM, a closed terminal) is asked of the ranks, never of torchrun: the
 ranks save at the step they agree on and exit (trainer/loop.py StopSignal), while torchrun,
 asked itself, would send them its own signal and kill them after its shutdown timeout. The
-stop file (common.rundir.STOP_FILE, what the batch script uses on Slurm's warning) says it
+stop file (common.rundir.RunDir.stop_file, what the batch script uses on Slurm's warning) says it
 too, to ranks not started yet. A second signal, or STOP_GRACE_SECONDS, kills every process
 of the launch.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from common.edge import DEBUG_VARIABLE
-from common.rundir import STOP_FILE
+from common.rundir import RunDir
 
 # Signals that stop a launch: the ranks are asked to save and stop (a closed terminal's SIGHUP
 # as SIGTERM, the signal Slurm stops a job with).
@@ -54,7 +54,7 @@ class Stopper:
         self.run_dir, self.agent, self.leader_only, self.notify = run_dir, agent, leader_only, notify
         self.signum: Optional[int] = None
         self.pgid: Optional[int] = None
-        self.stop_file = run_dir / STOP_FILE
+        self.stop_file = RunDir(run_dir).stop_file
         self._marks = {f"SLIPWAY_RUN_DIR={run_dir}".encode(), f"SLIPWAY_JOB_TAG={tag}".encode()}
         self._killer: Optional[threading.Timer] = None
 

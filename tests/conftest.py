@@ -15,8 +15,7 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 # helper does nothing, the verification runs for real once per node of the job, the preflight
 # passes on every node (the node step keeps its arguments in $RUN_DIR/srun-preflight-args); any
 # other call falls through to the lines after.
-SRUN_PASSING_PREFLIGHT = """[ "$1" = --overlap ] && exit 0
-case " $* " in
+SRUN_PASSING_PREFLIGHT = """case " $* " in
   *" slipway-verify "*) while [ "${1#--}" != "$1" ]; do shift; done  # the node check itself, once per node
     for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do SLURMD_NODENAME=$n "$@"; done
     exit 0 ;;
@@ -24,6 +23,7 @@ case " $* " in
     for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do echo "slipway-preflight $n ok: stand-in"; done
     exit 0 ;;
   *" trainer.preflight allreduce "*) echo "slipway-preflight-allreduce ok: stand-in"; exit 0 ;;
+  *" --overlap "*) exit 0 ;;  # the node helper, container removals and sweeps: nothing here
 esac
 """
 
@@ -62,11 +62,12 @@ def project(tmp_path: Path, monkeypatch) -> Path:
 def write_libraries(run_dir: Path, env) -> None:
     """The pinned job libraries a batch script of `env`'s runtime sources, into `run_dir` (what a
     submission writes beside job.sbatch), for scripts rendered and run by a test."""
+    from common.rundir import RunDir
     from jobs.slurm.script import library_files
 
-    for rel, text in library_files(env).items():
-        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-        (run_dir / rel).write_text(text)
+    for path, text in library_files(env, RunDir(run_dir)).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
 
 def default_signals() -> None:

@@ -6,6 +6,7 @@ the local Slurm cluster in tests/test_hang_slurm.py."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import pytest
 
 from conftest import write_libraries
 from jobs.config import load_config
-from jobs.slurm.script import Pins, RunPaths, render_sbatch
+from common.rundir import HangLine, RunDir
+from jobs.slurm.script import Pins, render_sbatch
 from common.rundir import HANG_EXIT, PREFLIGHT_EXIT
 from common.rundir import PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE
 
@@ -39,7 +41,6 @@ else
 fi
 """
 SRUN = """#!/bin/bash
-[ "$1" = --overlap ] && exit 0
 case " $* " in
   *" slipway-verify "*) while [ "${1#--}" != "$1" ]; do shift; done
     for n in $(cat "$FAKE/nodes"); do SLURMD_NODENAME=$n "$@"; done; exit 0 ;;
@@ -49,6 +50,7 @@ case " $* " in
     # that fails ends the step, and the reports the other nodes had not printed yet are lost.
     bash "$FAKE/node.sh" | sed '/ fail: /q'; exit 5 ;;
   *" trainer.preflight allreduce "*) exec bash "$FAKE/allreduce.sh" ;;
+  *" --overlap "*) exit 0 ;;  # the node helper, container removals and sweeps: nothing here
 esac
 exec bash "$FAKE/train.sh"
 """
@@ -76,7 +78,7 @@ class Job:
         self.script("train.sh", "exit 0")
         cfg = load_config("configs/tiny_cpu.yaml", ["run.name=r1", "slurm.nodes=2", "parallel.dp=4", *overrides])
         self.cfg = cfg
-        self.text = render_sbatch(cfg, RunPaths(self.run_dir, tmp_path / "p"), cfg.container, pins)
+        self.text = render_sbatch(cfg, RunDir(self.run_dir, tmp_path / "p"), cfg.container, pins)
         write_libraries(self.run_dir, cfg.container)
 
     def script(self, name: str, body: str) -> None:
@@ -107,9 +109,9 @@ class Job:
         lines = ['mkdir -p "$RUN_DIR/hangs"']
         for node, rs in ranks.items():
             for r in rs:
-                when = "idle 61.0 s limit 20 s late" if r in late else f"idle 20.0 s limit {limit} s on-time"
-                lines.append(f'echo "slipway hang: rank {r} host {node} step {step} {when}" '
-                             f'> "$RUN_DIR/hangs/{tag}-{node}-{r}.txt"')
+                line = (HangLine(r, node, step, 61.0, 20.0, on_time=False) if r in late
+                        else HangLine(r, node, step, 20.0, float(limit), on_time=True)).line()
+                lines.append(f'echo {shlex.quote(line)} > "$RUN_DIR/hangs/{tag}-{node}-{r}.txt"')
         lines.append("exit 1")
         return "\n".join(lines)
 
@@ -267,7 +269,7 @@ def test_a_hang_without_spare_nodes_ends_with_exit_4(tmp_path):
 def test_old_dumps_of_an_earlier_attempt_do_not_count(tmp_path):
     job = Job(tmp_path)
     (job.run_dir / "hangs").mkdir()
-    (job.run_dir / "hangs" / "41-node1-0.txt").write_text("slipway hang: rank 0 host node1 step 3 idle 1 s limit 1 s\n")
+    (job.run_dir / "hangs" / "41-node1-0.txt").write_text(HangLine(0, "node1", 3, 1.0, 1.0, on_time=True).line() + "\n")
     job.script("train.sh", "exit 0")
     assert job.run(restart=1) == 0, job.out  # this attempt is 41r1: it did not hang
     assert not any(e.startswith("hang:") for e in job.events())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.errors import ConfigError
-from common.rundir import HANG_EXIT
+from common.rundir import HANG_EXIT, HangLine
 from common.schema import from_dict
 from trainer.config import TrainSection
 from trainer.watchdog import HARD_EXIT_SECONDS, SLOW_CHECKPOINT_EXIT, HangWatchdog, collective_timeout
@@ -57,10 +57,9 @@ def test_a_stalled_loop_dumps_every_thread_and_exits_4(tmp_path, monkeypatch):
     dump = tmp_path / "hangs" / "77-nodeX-3.txt"
     assert dog.fired == dump
     text = dump.read_text()
-    first = text.splitlines()[0].split()
+    first = HangLine.parse(text.splitlines()[0])
     # The first line is what the batch script reads: rank, host, step, idle seconds, the limit.
-    assert first[:8] == ["slipway", "hang:", "rank", "3", "host", "nodeX", "step", "13"] and first[12] == "0.5"
-    assert first[14] == "on-time"
+    assert (first.rank, first.host, first.step, first.limit_s, first.on_time) == (3, "nodeX", 13, 0.5, True)
     assert "(limit 0.5 s: train.hang_timeout)" in text
     assert "in stuck_in_a_collective" in text and "in test_a_stalled_loop_dumps_every_thread_and_exits_4" in text
     assert "Current thread" in text  # the watchdog's own thread is in the dump too, marked
@@ -128,8 +127,8 @@ def test_a_step_counts_once_the_device_reached_it_not_once_queued(tmp_path, monk
     done = time.monotonic()
     assert exits.event.wait(10) and exits.codes == [HANG_EXIT]
     assert time.monotonic() - done >= 1.5 - 0.6  # within the marker poll of step 3's completion + the limit
-    first = (tmp_path / "hangs" / "5-nodeM-0.txt").read_text().split()
-    assert first[7] == "3", first[:10]
+    first = HangLine.read(tmp_path / "hangs" / "5-nodeM-0.txt")
+    assert first.step == 3, first
     # On the CPU a step is done when queued (no marker); a sync step says so whatever the markers say.
     exits = Exits()
     (tmp_path / "b").mkdir()
@@ -247,7 +246,7 @@ def test_a_stuck_rank_ends_the_run_with_every_live_rank_dump(tmp_path):
     assert sorted(dumps) == ["9-nodeA-0.txt", "9-nodeA-1.txt"], (sorted(dumps), proc.stderr[-3000:])
     stuck, waiting = dumps["9-nodeA-1.txt"], dumps["9-nodeA-0.txt"]
     # Both name the last step every rank completed (rank 1 stalls reading ahead for step 3).
-    steps = {int(text.split()[7]) for text in dumps.values()}
+    steps = {HangLine.parse(text.splitlines()[0]).step for text in dumps.values()}
     assert len(steps) == 1 and steps.pop() >= 1, [text.splitlines()[0] for text in dumps.values()]
     assert "in next_batch" in stuck  # where rank 1 is stuck
     # Rank 0 waits in the step's collective: its flight recorder names it, the whole trace beside.
@@ -344,7 +343,7 @@ def test_a_hang_is_after_the_last_step_the_device_finished_not_the_last_queued(t
     proc, run = run_slow(tmp_path, "device", save_s=0, stuck_after=2, steps=400, interval=1000)
     assert proc.returncode == HANG_EXIT, proc.stderr[-3000:]
     (dump,) = (run / "hangs").glob("*.txt")
-    first = dump.read_text().split()
-    assert first[7] == "2", first[:12]
+    first = HangLine.read(dump)
+    assert first.step == 2, first
     progress = __import__("json").loads((run / "progress.json").read_text())
     assert progress["step"] == 2

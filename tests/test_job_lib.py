@@ -14,13 +14,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from common.rundir import HangLine, RunDir
 from jobs.slurm.script import JOB_LIB, PYXIS_LIB
 
-SETTINGS = """RUN_DIR={run_dir}
+SETTINGS = """{paths}
 NODES_NEEDED=2 PROCS_PER_NODE=2 RANKS=4 REQUEUE=1 MAX_RETRIES=2 MAX_REQUEUES=3 PREFLIGHT_TIMEOUT=300
 NO_REQUEUE='slurm.requeue is off'
-PREFLIGHT_EXIT=5 HANG_EXIT=4 REQUEUE_EXIT=75 BAD_INPUT_EXIT=2 CHECKPOINT_DIR="$RUN_DIR/checkpoints"
-HANGS="$RUN_DIR/hangs" STOP_FILE="$RUN_DIR/stop-requested"
+PREFLIGHT_EXIT=5 HANG_EXIT=4 REQUEUE_EXIT=75 BAD_INPUT_EXIT=2
 CONTAINER_PREFIX={prefix} CONTAINER_BUILD={build} KEEP_BUILDS=2
 STEP_STOP_WAIT=5 CONTAINER_REMOVE_WAIT=1 CANCEL_REMOVE_WAIT=3 STALE_REMOVE_TIMEOUT=60
 JOB_TAG=41 NODES="node1 node2" RETRIES=0 REQUEUES=0 HELPER_PIDS=() SRUN_PID="" STOP_REQUESTED=0 TRAPPED=0
@@ -47,7 +47,9 @@ class Lib:
         path.chmod(0o755)
 
     def script(self, body: str) -> str:
-        return ("set -euo pipefail\n" + SETTINGS.format(run_dir=self.run_dir, prefix=self.prefix, build=self.build)
+        paths = "\n".join(f"{name}={shlex.quote(str(path))}"  # where the batch script says the run's files are
+                          for name, path in RunDir(self.run_dir).shell_paths("checkpoints").items())
+        return ("set -euo pipefail\n" + SETTINGS.format(paths=paths, prefix=self.prefix, build=self.build)
                 + JOB_LIB + PYXIS_LIB + "\nCONTAINER_NAME=$(container_name)\n" + body + "\n")
 
     def env(self) -> dict[str, str]:
@@ -129,8 +131,8 @@ def test_slipway_cancel_is_told_and_removes_the_container_while_the_allocation_e
     proc.send_signal(signal.SIGUSR2)
     assert proc.wait(timeout=15) == 140
     assert lib.events() == ["started", "cancelled by slipway cancel", "end exit 140"]
-    removal = [c for c in lib.calls() if c.startswith("srun --overlap")]
-    assert len(removal) == 1 and removal[0].endswith("slipway-rm slipway-41"), lib.calls()
+    calls = "\n".join(lib.calls())  # srun's arguments carry the functions' text, lines and all
+    assert calls.count("srun ") == 1 and calls.endswith('; "$@" slipway-rm remove_named slipway-41'), calls
 
 
 def test_the_end_is_written_before_a_slow_removal_which_never_delays_the_end(tmp_path):
@@ -247,13 +249,13 @@ def test_a_site_whose_pyxis_removes_named_containers_is_said_once_and_keeps_none
 
 def test_the_stale_sweep_runs_in_the_background_on_every_node(tmp_path):
     lib = Lib(tmp_path, prefix="slipway-")
-    lib.stand_in("srun", 'shift 4; "$@"')  # runs the per-node script here, as one node
+    lib.stand_in("srun", 'while [ "${1#--}" != "$1" ]; do shift; done; "$@"')  # the per-node script here, as one node
     lib.stand_in("enroot", '[ "$1" = list ] && printf "%s\\n" pyxis_slipway-30 pyxis_slipway-41; true')
     lib.stand_in("squeue", "exit 1")
     r = lib.run('remove_stale_containers; wait "${HELPER_PIDS[@]}"')
     assert r.returncode == 0, r.stderr
     srun = [c for c in lib.calls() if c.startswith("srun")]
-    assert len(srun) == 1 and srun[0].startswith("srun --overlap --nodes=2 --ntasks-per-node=1"), srun
+    assert len(srun) == 1 and srun[0].startswith("srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=1 --overlap"), srun
     assert "enroot remove --force pyxis_slipway-30" in lib.calls()
     assert not any("remove --force pyxis_slipway-41" in c for c in lib.calls())  # this job's own
 
@@ -288,10 +290,11 @@ def test_inside_an_allocation_a_stop_or_failure_is_never_requeued(tmp_path):
 
 def render_settings() -> str:
     from jobs.config import load_config
-    from jobs.slurm.script import RunPaths, render_sbatch
+    from common.rundir import HangLine, RunDir
+    from jobs.slurm.script import render_sbatch
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")
-    return render_sbatch(cfg, RunPaths(Path("/r/run"), Path("/r")), cfg.container)
+    return render_sbatch(cfg, RunDir(Path("/r/run"), Path("/r")), cfg.container)
 
 
 def test_a_failed_step_on_healthy_nodes_is_no_node_failure(tmp_path):
@@ -308,7 +311,7 @@ def test_a_silent_node_in_a_hang_is_blamed(tmp_path):
                              '[ "$1 $2" = "show hostnames" ] && tr , "\\n" <<< "$3"; true')
     for rank in (0, 1):
         (lib.run_dir / "hangs" / f"41-node1-{rank}.txt").write_text(
-            f"slipway hang: rank {rank} host node1 step 9 idle 20.0 s limit 20 s on-time\n")
+            HangLine(rank, "node1", 9, 20.0, 20.0, on_time=True).line() + "\n")
     r = lib.run("after_hang")
     assert r.returncode == 0, r.stderr
     assert lib.events() == [
@@ -537,7 +540,7 @@ def test_verify_nodes_leaves_out_a_node_that_does_not_see_what_the_others_see(tm
     code = _snapshot(tmp_path)
     lib.stand_in("srun", 'while [ "${1#--}" != "$1" ]; do shift; done\n'
                          'SLURMD_NODENAME=node1 "$@"\n'
-                         'set -- "$1" "$2" "$3" "$4" /not/mounted/here "${@:6}"; SLURMD_NODENAME=node2 "$@"')
+                         'set -- "${@:1:5}" /not/mounted/here "${@:7}"; SLURMD_NODENAME=node2 "$@"')  # CODE_DIR
     lib.stand_in("sinfo", 'printf "node1 alloc\\nnode2 alloc\\nnode3 idle\\n"')
     lib.stand_in("scontrol", '[ "$1 $2" = "show job" ] && echo "JobId=41 ExcNodeList=(null)"; '
                              '[ "$1 $2" = "show hostnames" ] && tr , "\\n" <<< "$3"; true')

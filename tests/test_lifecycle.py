@@ -14,9 +14,10 @@ from jobs.runs import lifecycle
 from jobs.runs.lifecycle import LocalProcess, launch_state
 from jobs.runs.manifest import Launch
 from jobs.runs.manifest import ManifestError, read as read_manifest
-from jobs.slurm.script import EVENT_WRITER, RunPaths
-from common.rundir import (EVENTS_FILE, LOCAL_JOB, Event, EventKind, append_event, format_event, parse_event,
-                            read_events)
+from common.rundir import RunDir
+from jobs.slurm.script import EVENT_WRITER
+from common.events import Event, EventKind, append_event, format_event, parse_event, read_events
+from common.rundir import LOCAL_JOB, RunDir
 
 T0 = "2026-01-01T12:00:00+00:00"
 HANG = ("hang: no step completed for 20 s after step 7; stack dumps from 4 of 4 ranks in hangs/41r1-*.txt; "
@@ -37,10 +38,10 @@ def test_an_event_round_trips_through_its_line(tmp_path):
     event = parse_event(line)
     assert event == Event(T0, "41", "retry 1/2 (hang): requeueing without node2 (excluded nodes: node2)")
     assert event.kind is EventKind.RETRY and event.when.year == 2026
-    # one line, whatever the text holds
-    written = append_event(tmp_path, LOCAL_JOB, "end exit 3\nstart on evil")
-    assert (tmp_path / EVENTS_FILE).read_text().count("\n") == 1
-    assert read_events(tmp_path) == [written] and written.text == "end exit 3 start on evil"
+    # one line, whatever the text holds: a line break or control character shown escaped
+    written = append_event(tmp_path, LOCAL_JOB, "end exit 3\nstart on evil\x1b]0;title\x07")
+    assert RunDir(tmp_path).events.read_text().count("\n") == 1
+    assert read_events(tmp_path) == [written] and written.text == "end exit 3\\nstart on evil\\x1b]0;title\\x07"
     assert written.kind is EventKind.END and written.exit_code == 3
 
 
@@ -48,7 +49,7 @@ def test_a_line_the_batch_scripts_bash_writer_wrote_parses(tmp_path):
     """The bash `event()` of every batch script, run by bash with a job id, and without one."""
     script = "\n".join([EVENT_WRITER, f'event "{HANG}"', 'event "end exit 4"', 'SLURM_JOB_ID="" event "prepare start"'])
     subprocess.run(["bash", "-c", script], env={"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "41",
-                                                "RUN_DIR": str(tmp_path)}, check=True)
+                                                "EVENTS_LOG": str(RunDir(tmp_path).events)}, check=True)
     hang, end, anonymous = read_events(tmp_path)
     assert (hang.job, hang.kind, hang.hang_tag, hang.text) == ("41", EventKind.HANG, "41r1", HANG)
     assert hang.when is not None and (end.kind, end.exit_code) == (EventKind.END, 4)
@@ -65,7 +66,7 @@ def test_a_torn_or_foreign_line_is_no_event(line):
 
 
 def test_readers_skip_torn_and_foreign_lines(tmp_path):
-    (tmp_path / EVENTS_FILE).write_bytes(
+    RunDir(tmp_path).events.write_bytes(
         f"{T0} job 41 {START}\n".encode() + b"\xff\xfe binary\n" + b"somebody's note\n" +
         f"{T0} job 41 end exit 0\n".encode() + f"{T0} job 41 end ex".encode())  # the last line torn mid-write
     assert [e.text for e in read_events(tmp_path)] == [START, "end exit 0", "end ex"]
@@ -122,7 +123,7 @@ def test_manifest_entries_are_read_once_into_launches(tmp_path):
 
 
 def test_a_run_reads_its_launches_and_the_events_of_each(tmp_path):
-    run = runs.Run(RunPaths(tmp_path / "r", tmp_path))
+    run = runs.Run(RunDir(tmp_path / "r", tmp_path))
     run.dir.mkdir()
     (run.dir / "manifest.json").write_text(json.dumps({"submissions": [
         {"job_id": "41", "kind": "train"},

@@ -20,7 +20,7 @@ import pytest
 from jobs import runs
 from jobs.runs import manifest as manifests
 from jobs.runs.manifest import SCHEMA, Launch, ManifestError
-from jobs.slurm.script import RunPaths
+from common.rundir import RunDir
 from slurm_standin import StandInSlurm
 
 PY = sys.executable
@@ -83,7 +83,7 @@ def test_what_a_newer_slipway_wrote_survives_a_rewrite(tmp_path):
     newer["submissions"][1]["image"] = {**IMAGE, "layers": 3}
     newer["code"] = {**CODE, "verified": True}
     path = write(tmp_path / "r" / "manifest.json", newer)
-    run = runs.Run(RunPaths(path.parent, tmp_path))
+    run = runs.Run(RunDir(path.parent, tmp_path))
     runs.update_manifest(run, lambda m: m.submissions.append(Launch(job_id="42", submitted=T0)))
     after = json.loads(path.read_text())
     assert after["schema"] == SCHEMA + 1 and after["job_lib"] == newer["job_lib"] and after["future"] == [1, {"x": 2}]
@@ -146,7 +146,7 @@ def test_a_huge_or_missing_manifest_is_damaged_too(tmp_path, monkeypatch):
 
 def test_a_damaged_manifest_is_never_written_over(tmp_path):
     path = write(tmp_path / "r" / "manifest.json", TRUNCATED)
-    run = runs.Run(RunPaths(path.parent, tmp_path))
+    run = runs.Run(RunDir(path.parent, tmp_path))
     with pytest.raises(ManifestError):
         runs.update_manifest(run, lambda m: m.submissions.append(Launch(job_id="42")))
     assert path.read_text() == TRUNCATED

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from trainer.preflight import AllReduceGate
-from common.rundir import PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE, read_events
+from common.events import read_events
+from common.rundir import PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE
 from trainer_helpers import ROOT, clean_env, read_metrics, tiny_config, write_run
 
 TESTS = Path(__file__).resolve().parent

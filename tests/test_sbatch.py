@@ -11,10 +11,11 @@ import pytest
 
 from conftest import SRUN_PASSING_PREFLIGHT, assert_golden, write_libraries
 from jobs.config import load_config
-from jobs.slurm.script import RunPaths, local_argv, render_sbatch, shell_value
+from common.rundir import RunDir
+from jobs.slurm.script import local_argv, render_sbatch, shell_value
 
 HOSTILE = "a b'c\"d $(touch pwned) `touch pwned2` ; rm -rf / \\ ${HOME} end"
-PATHS = RunPaths(Path("/scratch/u s'er/proj $(x)/runs/r1"), Path("/scratch/u s'er/proj $(x)"))
+PATHS = RunDir(Path("/scratch/u s'er/proj $(x)/runs/r1"), Path("/scratch/u s'er/proj $(x)"))
 
 
 def pinned_names(text: str) -> str:
@@ -109,7 +110,7 @@ def test_hostile_script_runs_without_executing_anything(tmp_path):
     cfg.launch.env = {"FOO": HOSTILE}
     cfg.launch.pre_launch = []
     cfg.slurm.gpus_per_node = 0
-    text = render_sbatch(cfg, RunPaths(run_dir, proj), cfg.container)
+    text = render_sbatch(cfg, RunDir(run_dir, proj), cfg.container)
     write_libraries(run_dir, cfg.container)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "17", "SLURM_JOB_NODELIST": "node1",
            "HOME": str(tmp_path)}
@@ -162,7 +163,7 @@ def test_gh200_preset_binds_ranks_and_sets_the_slingshot_environment(launcher, t
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     cfg.container.runtime = "none"
-    text = render_sbatch(cfg, RunPaths(run_dir, tmp_path), cfg.container)
+    text = render_sbatch(cfg, RunDir(run_dir, tmp_path), cfg.container)
     write_libraries(run_dir, cfg.container)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "nid001",
            "SLURM_NNODES": "2", "HOME": str(tmp_path), "RUN_DIR": str(run_dir), "SCRATCH": str(tmp_path)}

@@ -325,14 +325,14 @@ def rendered(project: Path, *overrides: str) -> tuple[str, Path]:
 
     cfg = load_config("tiny_cpu", list(overrides))
     sealed = runs.seal(cfg, project, dry_run=True)
-    sealed.paths.run_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in sealed.files.items():  # what the script sources and checks, as a submission writes it
-        if name.startswith("lib/"):
-            (sealed.paths.run_dir / name).parent.mkdir(exist_ok=True)
-            (sealed.paths.run_dir / name).write_text(text)
+    sealed.paths.path.mkdir(parents=True, exist_ok=True)
+    for path, text in sealed.files.items():  # what the script sources and checks, as a submission writes it
+        if path.parent == sealed.paths.lib:
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(text)
     if sealed.code is not None:
         sealed.code.write()
-    return sealed.files["job.sbatch"], sealed.paths.run_dir
+    return sealed.files[sealed.paths.job_script], sealed.paths.path
 
 
 @pytest.mark.slow

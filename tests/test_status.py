@@ -19,7 +19,7 @@ from jobs.runs import manifest as manifests
 from jobs.runs.manifest import Launch, Manifest
 from jobs.cli.status import LISTING
 from jobs.slurm import sacct_argv, squeue_argv
-from common.rundir import append_event
+from common.events import append_event
 from slurm_standin import StandInSlurm
 
 PY = sys.executable

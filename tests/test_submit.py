@@ -282,7 +282,7 @@ def test_prepare_job_script(project):
     cfg = load_config("tiny_cpu", ["container.runtime=pyxis", f"container.image={img}", "slurm.prepare_cpus=16",
                                    "slurm.prepare_partition=cpu", "slurm.account=a-01", "run.name=p1"])
     sealed = runs.seal(cfg, project).with_prepare_script()
-    text = sealed.files["prepare.sbatch"]
+    text = sealed.files[sealed.paths.prepare_script]
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
     header = [line for line in text.splitlines() if line.startswith("#SBATCH")]
     assert header[:5] == ["#SBATCH --job-name=p1-prepare", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1",
@@ -292,7 +292,7 @@ def test_prepare_job_script(project):
     line = next(x for x in text.splitlines() if re.search(r"(^| )srun --", x))
     srun = shlex.split(text[text.index(line):].replace("\\\n", " "))
     assert srun[:1] == ["SLIPWAY_CODE=" + sealed.code.value.dir]  # the prepare job runs the run's code too
-    train = shlex.split(sealed.files["job.sbatch"].split("srun --kill-on-bad-exit=1", 1)[1].split("\n")[0].rstrip("\\"))
+    train = shlex.split(sealed.files[sealed.paths.job_script].split("srun --kill-on-bad-exit=1", 1)[1].split("\n")[0].rstrip("\\"))
     # the same container as the training job's srun line; only the training job's steps share
     # a named container (its preflight unpacks it), the prepare job's single step has no one to share with
     assert [a for a in srun if a.startswith("--container")] == [

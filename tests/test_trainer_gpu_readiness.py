@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError
-from common.rundir import STOP_FILE
+from common.rundir import RunDir
 from common.schema import from_dict
 from trainer.config import ModelSection, TrainSection, TrainerConfig
 from common.layouts import GPU_BUDGET_FRACTION, GPU_MEMORY_GB, LAYOUT_DEFAULTS, gpu_memory_estimate, resolve_reshard
@@ -345,7 +345,7 @@ def test_a_stop_file_stops_every_rank_after_the_same_sync_step(tmp_path):
     while not (metrics.exists() and '"step": 1,' in metrics.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
-    (config.parent / STOP_FILE).touch()
+    RunDir(config.parent).stop_file.touch()
     out, err = proc.communicate(timeout=120)
     # torchrun ends the other worker (SIGTERM, -15) once the first exits 75.
     exits = re.findall(r"exitcode\s*:\s*(-?\d+)", err)

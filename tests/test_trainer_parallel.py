@@ -217,11 +217,11 @@ def test_sigusr1_stops_with_exit_75_and_resumes(runs, tmp_path, checkpoint):
 @pytest.mark.slow
 def test_stop_file_stops_after_the_step_and_saves(tmp_path):
     """The batch script's answer to Slurm's warning (torchrun keeps SIGUSR1 from the workers)."""
-    from common.rundir import STOP_FILE
+    from common.rundir import RunDir
     from trainer.train import main
 
     config = write_run(tmp_path, "warned", tiny_config())
-    (config.parent / STOP_FILE).touch()
+    RunDir(config.parent).stop_file.touch()
     assert main(["--config", str(config)], data=synthetic_data) == 75
     assert [r["step"] for r in read_metrics(config.parent)] == [1]
     assert (config.parent / "checkpoints" / "step-000001" / "COMPLETE").exists()

@@ -23,7 +23,7 @@ from jobs import runs, slurm
 from jobs.cli import watch
 from jobs.runs import lifecycle
 from jobs.runs.manifest import Launch
-from jobs.slurm.script import RunPaths
+from common.rundir import RunDir
 
 PY = sys.executable
 
@@ -68,7 +68,7 @@ def fake_run(tmp_path: Path, job_id: str = "51") -> runs.Run:
         "requeues 0/20\n"
         f"2026-01-01T12:00:09+00:00 job {job_id} preflight ok on node[1-2]: all-reduce of 4 MiB over 4 ranks on 2 "
         "node(s) (gloo): 0.40 GB/s bus bandwidth, 15.6 ms each\n")
-    return runs.Run(RunPaths(run_dir, tmp_path))
+    return runs.Run(RunDir(run_dir, tmp_path))
 
 
 def screen(renderable) -> str:

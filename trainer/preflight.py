@@ -48,7 +48,8 @@ from typing import Optional
 
 from common.environ import count as env_count
 from common.rundir import PREFLIGHT_EXIT
-from common.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE, append_event
+from common.events import append_event
+from common.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE
 from common.layouts import size
 from trainer.watchdog import node_name
 

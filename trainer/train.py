@@ -66,7 +66,7 @@ from torch import nn
 from trainer.compute import check_float8, compile_error, graph_break_report, reset_graph_breaks
 from common.errors import ConfigError
 from common.edge import run_at_edge
-from common.rundir import BAD_INPUT_EXIT, FAILED_EXIT, NONFINITE_EXIT, REQUEUE_EXIT, STOP_FILE
+from common.rundir import BAD_INPUT_EXIT, FAILED_EXIT, NONFINITE_EXIT, REQUEUE_EXIT, RunDir
 from trainer.config import TrainerConfig, load_trainer_config
 from common.layouts import layout_advice, memory_report, resolve_reshard
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
@@ -259,7 +259,7 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     config error before the data work, every helper's close on `closing`."""
     setup_logging(cfg.logging.level, env.rank)
     # From here a stop request waits for the first step, which saves it (the first step syncs).
-    stop = StopSignal(run_dir / STOP_FILE, watch_file=env.rank == 0)
+    stop = StopSignal(RunDir(run_dir).stop_file, watch_file=env.rank == 0)
     closing.callback(stop.restore)
     dims = ParallelDims.from_config(cfg.parallel, env.world_size)
     dims.build_mesh(env.device.type, timeout)

@@ -65,7 +65,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Protocol
 
 from common import environ
-from common.rundir import HANGS_DIR, HANG_EXIT, LOCAL_JOB, PROGRESS_FILE, append_event
+from common.events import append_event
+from common.rundir import HANG_EXIT, LOCAL_JOB, HangLine, RunDir
 from trainer.config import TrainSection
 from common.fs import write_atomic
 
@@ -147,7 +148,7 @@ def event_job() -> str:
 
 
 def dump_path(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / HANGS_DIR / f"{job_tag()}-{node_name()}-{rank}.txt"
+    return RunDir(Path(run_dir)).hang_dump(job_tag(), node_name(), rank)
 
 
 class Marker(Protocol):
@@ -293,8 +294,8 @@ class HangWatchdog:
         wall = time.time() - (time.monotonic() - at)
         record = {"step": step, "time": datetime.fromtimestamp(wall, timezone.utc).isoformat(timespec="seconds"),
                   "unix": round(wall, 3), "job": job_tag(), "hang_timeout": self.timeout_s}
-        path = self.run_dir / PROGRESS_FILE
-        tmp = path.with_name(f".{PROGRESS_FILE}.{os.getpid()}.tmp")
+        path = RunDir(self.run_dir).progress
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:  # renamed into place, not fsynced: a reader sees this record or the last, and a lost one is no loss
             tmp.write_text(json.dumps(record) + "\n")
             os.replace(tmp, path)
@@ -360,10 +361,9 @@ class HangWatchdog:
         path.parent.mkdir(parents=True, exist_ok=True)
         host = node_name()
         with open(path, "w") as f:
-            # The first line is what the batch script and `slipway status` read.
-            late = "late" if idle_s - limit_s > LATE_SECONDS else "on-time"
-            f.write(f"slipway hang: rank {self.rank} host {host} step {step} idle {idle_s:.1f} s limit "
-                    f"{limit_s:g} s {late}\n")
+            # The first line is what the batch script, `slipway status` and the local launcher read.
+            f.write(HangLine(self.rank, host, step, idle_s, limit_s, on_time=idle_s - limit_s <= LATE_SECONDS).line()
+                    + "\n")
             f.write(f"{what}\nrank {self.rank} of {os.environ.get('WORLD_SIZE', '1')}, host {host}, pid "
                     f"{os.getpid()}, job {job_tag()}, at {datetime.now(timezone.utc).isoformat(timespec='seconds')}"
                     "\n\n")

@@ -60,7 +60,7 @@ def _names_a_run_only(args: argparse.Namespace) -> bool:
     config wins a tie: `--run NAME` asks for the run)."""
     from jobs.config import resolve_config_path
     from jobs.runs import runs_root
-    from jobs.runs.manifest import MANIFEST
+    from common.rundir import RunDir
 
     if any(k.startswith("set:") and v is not None for k, v in vars(args).items()):
         return False
@@ -68,7 +68,7 @@ def _names_a_run_only(args: argparse.Namespace) -> bool:
         resolve_config_path(args.config)
         return False
     except ConfigError:
-        return "/" not in args.config and (runs_root(project_dir()) / args.config / MANIFEST).is_file()
+        return "/" not in args.config and RunDir(runs_root(project_dir()) / args.config).manifest.is_file()
 
 
 def _run(args: argparse.Namespace):

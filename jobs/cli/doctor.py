@@ -22,7 +22,7 @@ from jobs import runs, slurm
 from containers.record import BuildRecord
 from jobs.config import Config
 from jobs.runs.container import ImagePin
-from jobs.slurm.script import RunPaths
+from common.rundir import RunDir
 from common.environ import as_typed
 from common.errors import ConfigError, bounded
 from common.layouts import layout_advice
@@ -100,7 +100,7 @@ def _image_tools() -> list[Result]:
 def _run_checks(cfg: Config, project_dir: Path) -> list[Result]:
     from jobs.runs.container import pin_image, resolve_paths, visibility_mounts
 
-    paths = RunPaths(runs.runs_root(project_dir) / cfg.run.name, project_dir.absolute())
+    paths = RunDir(runs.runs_root(project_dir) / cfg.run.name, project_dir.absolute())
     out: list[Result] = [("parallel layout", True, f"dp({cfg.parallel.dp}) x tp({cfg.parallel.tp}) x "
                                                    f"pp({cfg.parallel.pp}) = {cfg.parallel.world_size} = nodes("
                                                    f"{cfg.slurm.nodes}) x procs_per_node({cfg.launch.procs_per_node})")]
@@ -113,7 +113,7 @@ def _run_checks(cfg: Config, project_dir: Path) -> list[Result]:
 
     def image() -> list[Result]:
         notes: list[str] = []
-        pin = pin_image(frozen, paths.project_dir, notes)
+        pin = pin_image(frozen, paths.project, notes)
         if pin.source == "none":
             return [("image", True, "runtime none: no image")]
         detail = f"{pin.image} ({pin.source}{', build ' + pin.build_hash[:12] if pin.build_hash else ''})"
@@ -236,7 +236,7 @@ def _current_build(run: "runs.Run", pin: Optional[ImagePin]) -> list[Result]:
     cfg = run.config()
     if not cfg.container.in_container:
         return []
-    plan = image_plan(cfg, root=build_root(run.paths.project_dir, cfg.image.dockerfile), enroot_mount=False, git=False)
+    plan = image_plan(cfg, root=build_root(run.paths.project, cfg.image.dockerfile), enroot_mount=False, git=False)
     if plan.hash == pin.build_hash:
         return [("current build", True, f"the run's config builds {plan.hash[:12]} now, the build it pinned")]
     # The record beside the squashfs outlives it when the file alone was deleted.

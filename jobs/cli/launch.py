@@ -113,12 +113,12 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
     scfg, paths, pin, code = sealed.cfg, sealed.paths, sealed.pin, sealed.snapshot
     refusals = [n.removeprefix(REFUSED) for n in sealed.notes if n.startswith(REFUSED)]
     notes = [n for n in sealed.notes if not n.startswith(REFUSED)]
-    exists = (paths.run_dir / "manifest.json").is_file()
+    exists = (paths.path / "manifest.json").is_file()
     try:
         runs.check_submittable(scfg)
-        done = runs.nothing_to_train(scfg, paths.run_dir, "submit")
+        done = runs.nothing_to_train(scfg, paths.path, "submit")
         why = runs.unprepared_data(sealed, cfg.config_args)
-        differs = exists and runs.config_difference(paths.config, sealed.files["config.yaml"])
+        differs = exists and runs.config_difference(paths.config, sealed.files[paths.config])
         refusals += [f"train.steps: {done}"] if done else []
         refusals += [f"data: {why}"] if why and not args.prepare else []
         notes += ["the token cache is not prepared: a CPU job would prepare it first, and the training job wait "
@@ -141,17 +141,17 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
                  else "the image's own (code.snapshot: false)")
     verdict = "[green]would be submitted[/]" if not refusals else f"[red]would be refused[/] ({len(refusals)})"
     for label, text in (("dry run", f"{escape(scfg.run.name)} ({'resumes' if exists else 'new run'}) in "
-                                    f"{escape(str(paths.run_dir))}: nothing written, nothing submitted"),
+                                    f"{escape(str(paths.path))}: nothing written, nothing submitted"),
                         ("where", escape(where)), ("image", escape(image)), ("code", escape(code_line)),
                         ("verdict", verdict)):
         console.print(f"[bold]{label}:[/] {text}", soft_wrap=True, highlight=False)
     for refusal in refusals:
         console.print(f"  - {escape(mask(as_typed(refusal)))}", soft_wrap=True, highlight=False)
     _notes(console, notes)
-    for name in ("job.sbatch", "env.toml"):
-        if name in sealed.files:
-            print(f"==> {paths.run_dir / name} <==", flush=True)
-            sys.stdout.write(mask(sealed.files[name]))  # launch.pre_launch is the user's own text
+    for path in (paths.job_script, paths.env_toml):
+        if path in sealed.files:
+            print(f"==> {path} <==", flush=True)
+            sys.stdout.write(mask(sealed.files[path]))  # launch.pre_launch is the user's own text
             sys.stdout.flush()
     console.print(f"[bold]dry run:[/] nothing written, nothing submitted; {verdict}"
                   f"{' (the reasons are at the top)' if refusals else ''}", soft_wrap=True)

@@ -18,9 +18,10 @@ from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History
-from jobs.runs.manifest import MANIFEST, Launch, ManifestError
+from jobs.runs.manifest import Launch, ManifestError
 from common.errors import ConfigError
-from common.rundir import HANGS_DIR, LOCAL_JOB, Event, EventKind
+from common.events import Event, EventKind
+from common.rundir import LOCAL_JOB, HangLine
 
 
 def job_history(run: runs.Run, job_id: str) -> History:
@@ -31,15 +32,11 @@ def job_history(run: runs.Run, job_id: str) -> History:
 def hang_dumps(run: runs.Run, tag: str) -> list[str]:
     """One line per stack dump of attempt `tag`: rank, node, and whether it answered in time."""
     out = []
-    for path in sorted((run.dir / HANGS_DIR).glob(f"{tag}-*.txt")):
-        try:
-            with path.open() as f:
-                first = f.readline().split()
-        except OSError:
-            continue
-        if len(first) >= 15 and first[:3] == ["slipway", "hang:", "rank"]:
-            late = "late: frozen or starved until the teardown" if first[14] == "late" else "on time"
-            out.append(f"rank {first[3]} on {first[5]}: {late} ({path.relative_to(run.dir)})")
+    for path in run.paths.hang_dumps(tag):
+        line = HangLine.read(path)
+        if line is not None:
+            late = "on time" if line.on_time else "late: frozen or starved until the teardown"
+            out.append(f"rank {line.rank} on {line.host}: {late} ({path.relative_to(run.dir)})")
     return out
 
 
@@ -94,7 +91,7 @@ def image_drift(run: runs.Run) -> str | None:
     from jobs.runs.container import build_of_settings
 
     try:
-        now = build_of_settings(run.config(), run.paths.project_dir)
+        now = build_of_settings(run.config(), run.paths.project)
     except ConfigError as exc:
         return f"image: a resubmission would be refused: {exc}"
     except OSError:
@@ -191,7 +188,7 @@ def _show_runs(project_dir, console) -> int:
     rows = []
     for run, launches, own, error in shown:
         if error is not None:
-            rows.append((run.name, "", "", "DAMAGED", "", "", f"{MANIFEST}: {error.why}"))
+            rows.append((run.name, "", "", "DAMAGED", "", "", f"{run.paths.manifest.name}: {error.why}"))
         elif launches:
             job, state, code, _, event = _job_row(launches[-1], own, answers.get(launches[-1].id))
             rows.append((run.name, str(len(launches)), job, state, code, _progress(run, launches), event))
@@ -368,7 +365,7 @@ def _cancel(run: runs.Run, launches: list[Launch], console) -> int:
 
 def _cancel_events(run: runs.Run, jobs: list[str]) -> None:
     """The jobs without a batch shell to say so themselves (pending ones): cancel says it."""
-    from common.rundir import append_event
+    from common.events import append_event
 
     for job in jobs:
         append_event(run.dir, job, "cancelled by slipway cancel")

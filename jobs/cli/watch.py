@@ -30,7 +30,8 @@ from jobs.runs.manifest import Launch
 from jobs.slurm.script import NODE_HEARTBEAT_SECONDS
 from common.errors import ConfigError
 from common.metrics_log import format_duration
-from common.rundir import GUTIL_DIR, HEARTBEATS_DIR, LOCAL_JOB, METRICS_FILE, PROGRESS_FILE, Event, EventKind
+from common.events import Event, EventKind
+from common.rundir import LOCAL_JOB
 
 EVENTS_SHOWN = 8
 LOCAL = LOCAL_JOB  # the job id events.log gives launches on this machine
@@ -184,12 +185,12 @@ class Watcher:
 
     def _progress(self, snap: Snapshot, now: float) -> None:
         try:
-            progress = json.loads((self.run.dir / PROGRESS_FILE).read_text())
+            progress = json.loads(self.run.paths.progress.read_text())
         except (OSError, ValueError):
             progress = {}
         # A record in metrics.jsonl is written once a step completed: its last write bounds the
         # age too (the only figure for a trainer without the watchdog).
-        ages = [_age(self.run.dir / METRICS_FILE, now)]
+        ages = [_age(self.run.paths.metrics, now)]
         if isinstance(progress, dict) and isinstance(progress.get("unix"), (int, float)):
             ages.append(max(0.0, now - progress["unix"]))
             snap.progress_step = progress.get("step") if isinstance(progress.get("step"), int) else None
@@ -201,10 +202,10 @@ class Watcher:
         nodelist = snap.where
         if nodelist and not snap.ended and nodelist not in self._hosts:  # an ended job's: its heartbeats name them
             self._hosts[nodelist] = slurm.hostnames(nodelist)
-        names = self._hosts.get(nodelist) or sorted(p.name for p in (self.run.dir / HEARTBEATS_DIR).glob("*"))
+        names = self._hosts.get(nodelist) or sorted(p.name for p in self.run.paths.heartbeats.glob("*"))
         for name in names:
-            node = NodeView(name, _age(self.run.dir / HEARTBEATS_DIR / name, now))
-            node.gpus, node.sm_percent, node.memory_gib = parse_gutil(self.run.dir / GUTIL_DIR / f"{name}.gutil")
+            node = NodeView(name, _age(self.run.paths.node_heartbeat(name), now))
+            node.gpus, node.sm_percent, node.memory_gib = parse_gutil(self.run.paths.node_gutil(name))
             snap.nodes.append(node)
 
 

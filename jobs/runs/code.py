@@ -42,7 +42,7 @@ from containers.sources import MAX_BYTES, MAX_FILES, Folder, SourceFile, collect
 from jobs.runs import manifest as manifests
 from common.errors import ConfigError, bounded_path
 from common.fs import file_sha256
-from common.rundir import CodeSnapshot
+from common.rundir import CodeSnapshot, RunDir
 
 STORE = ".code"  # under the runs root: RUNS/.code/HASH16/
 # The snapshot's hash is the sha256 of SCHEME's line and its listing, LISTING inside it: one line
@@ -331,8 +331,8 @@ def prune_code_store(root: Path, *, now: Optional[float] = None) -> list[tuple[s
     named: set[str] = set()
     try:
         for path in root.iterdir():
-            if (path / manifests.MANIFEST).is_file():
-                named |= {Path(c.dir).name for c in manifests.read(path / manifests.MANIFEST).snapshots()}
+            if RunDir(path).manifest.is_file():
+                named |= {Path(c.dir).name for c in manifests.read(RunDir(path).manifest).snapshots()}
         removed = prune_store(root / STORE, named)
         stamp.touch()
         os.utime(stamp, (now, now))

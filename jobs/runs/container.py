@@ -35,7 +35,8 @@ from containers.context import build_root
 from containers.image import ImagePlan, image_plan
 from containers.record import BuildRecord
 from jobs.config import Config
-from jobs.slurm.script import Pins, RunPaths
+from common.rundir import RunDir
+from jobs.slurm.script import Pins
 from common.rundir import CodeSnapshot
 from common.errors import ConfigError, bounded_path
 from common.fs import file_sha256
@@ -309,21 +310,21 @@ def _glob_root(path: Path) -> Path:
     return Path(*parts)
 
 
-def default_token_cache(paths: RunPaths) -> Path:
+def default_token_cache(paths: RunDir) -> Path:
     """The token cache every run of a project shares: `.cache/tokens` beside `runs/`."""
-    return paths.run_dir.parent.parent / ".cache" / "tokens"
+    return paths.path.parent.parent / ".cache" / "tokens"
 
 
-def default_hf_home(paths: RunPaths) -> Path:
-    return paths.project_dir / ".cache" / "huggingface"
+def default_hf_home(paths: RunDir) -> Path:
+    return paths.project / ".cache" / "huggingface"
 
 
-def resolve_paths(cfg: Config, paths: RunPaths) -> Config:
+def resolve_paths(cfg: Config, paths: RunDir) -> Config:
     """`cfg` with every path the trainer reads made absolute (relative ones are relative
     to the project directory, where slipway runs), and the token cache named: the frozen
     config then means the same on every node, whatever the container's working directory."""
     cfg = copy.deepcopy(cfg)
-    base = paths.project_dir
+    base = paths.project
     d = cfg.data
     d.cache_dir = str(_absolute(d.cache_dir, "data.cache_dir", base)) if d.cache_dir else \
         str(default_token_cache(paths))
@@ -338,24 +339,24 @@ def resolve_paths(cfg: Config, paths: RunPaths) -> Config:
     return cfg
 
 
-def needed_paths(cfg: Config, paths: RunPaths) -> list[Need]:
+def needed_paths(cfg: Config, paths: RunDir) -> list[Need]:
     """Every host path the job reads or writes by name (`cfg` already through `resolve_paths`)."""
-    needs = [Need(paths.run_dir, "the run directory", True, False)]
+    needs = [Need(paths.path, "the run directory", True, False)]
     needs.append(Need(_absolute(cfg.data.cache_dir or str(default_token_cache(paths)), "data.cache_dir",
-                                paths.project_dir), "data.cache_dir (the token cache)", True, True))
-    hf = _absolute(cfg.launch.hf_home, "launch.hf_home", paths.project_dir) if cfg.launch.hf_home else \
+                                paths.project), "data.cache_dir (the token cache)", True, True))
+    hf = _absolute(cfg.launch.hf_home, "launch.hf_home", paths.project) if cfg.launch.hf_home else \
         default_hf_home(paths)
     needs.append(Need(hf, "launch.hf_home (the Hugging Face cache)", True, True))
     for field_name in ("dataset", "tokenizer", "validation_split"):
         value = getattr(cfg.data, field_name)
         if _is_path(value, f"data.{field_name}"):
-            path = _glob_root(_absolute(value, f"data.{field_name}", paths.project_dir))
+            path = _glob_root(_absolute(value, f"data.{field_name}", paths.project))
             needs.append(Need(path, f"data.{field_name}", False, False))
     if cfg.model.init_from_hf:
-        needs.append(Need(_absolute(cfg.model.init_from_hf, "model.init_from_hf", paths.project_dir),
+        needs.append(Need(_absolute(cfg.model.init_from_hf, "model.init_from_hf", paths.project),
                           "model.init_from_hf", False, False))
     if cfg.train.script:
-        script = _absolute(cfg.train.script, "train.script", paths.project_dir)
+        script = _absolute(cfg.train.script, "train.script", paths.project)
         needs.append(Need(script.parent, "train.script's directory", False, False))
     # One mount for a path inside another one that is mounted anyway (a writable one wins);
     # the rest in the order above.
@@ -380,13 +381,13 @@ def _user_mounts(env: Environment) -> list[tuple[int, Mount, Path, Path]]:
     return out
 
 
-def visibility_mounts(cfg: Config, paths: RunPaths) -> list[Mount]:
+def visibility_mounts(cfg: Config, paths: RunDir) -> list[Mount]:
     """The mounts to add so that every needed path is seen at its own path in the container;
     a one-line error if a user mount would hide one of them."""
     return [mount for _, mount in _visibility(cfg, paths)]
 
 
-def _visibility(cfg: Config, paths: RunPaths) -> list[tuple[Need, Mount]]:
+def _visibility(cfg: Config, paths: RunDir) -> list[tuple[Need, Mount]]:
     env = cfg.container
     if not env.in_container:
         return []
@@ -411,7 +412,7 @@ def _visibility(cfg: Config, paths: RunPaths) -> list[tuple[Need, Mount]]:
     return added
 
 
-def create_needed_dirs(cfg: Config, paths: RunPaths) -> list[Path]:
+def create_needed_dirs(cfg: Config, paths: RunDir) -> list[Path]:
     """Mount sources must exist: make the cache directories the job will fill (in a container;
     without one the trainer makes them itself). Returns the directories it created."""
     if not cfg.container.in_container:
@@ -456,7 +457,7 @@ def kept_build(cfg: Config, pin: ImagePin) -> Optional[str]:
     return f"i{identity[:16]}" if identity else None
 
 
-def run_environment(cfg: Config, paths: RunPaths, pin: ImagePin, code: Optional[CodeSnapshot] = None) -> Environment:
+def run_environment(cfg: Config, paths: RunDir, pin: ImagePin, code: Optional[CodeSnapshot] = None) -> Environment:
     """The container environment of a run: the config's, with the pinned image, the mounts
     that make its paths visible, and the code snapshot (mounted read-only at its own path, in
     front of the image's baked trainer); runtime none: the config's, unused."""
@@ -483,7 +484,7 @@ def _with_code(env: Environment, code: Optional[CodeSnapshot]) -> Environment:
                    env_from_host=[name for name in from_host if name not in values])
 
 
-def shell_environment(cfg: Config, paths: RunPaths, pin: ImagePin,
+def shell_environment(cfg: Config, paths: RunDir, pin: ImagePin,
                       code: Optional[CodeSnapshot] = None) -> tuple[Environment, list[str]]:
     """The container environment of `slipway shell`: the run's, with the checkout's code as the
     code snapshot `code` (what a submission now would run, not the image's baked trainer), less

@@ -21,8 +21,8 @@ from typing import Iterable, Optional, Sequence
 from jobs import slurm
 from jobs.runs.manifest import Launch
 from jobs.slurm import ACTIVE_STATES, JobInfo
-from common.rundir import (HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT, Event,
-                            EventKind)
+from common.events import Event, EventKind
+from common.rundir import HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT
 
 # The states `launch_state` gives an ended launch, beside Slurm's own words for one that is not.
 PENDING, RUNNING = "PENDING", "RUNNING"

@@ -28,9 +28,8 @@ from typing import Any, Callable, ClassVar, Optional, Union
 from jobs.runs.container import ImagePin
 from common.errors import ConfigError, bounded, bounded_path, shown
 from common.fs import write_atomic
-from common.rundir import LOCAL_JOB, MANIFEST_FILE, CodeSnapshot
+from common.rundir import LOCAL_JOB, CodeSnapshot
 
-MANIFEST = MANIFEST_FILE
 # 1: the first versioned format; a manifest without `schema` (written before it) reads the same.
 SCHEMA = 1
 MAX_BYTES = 32 << 20  # a run resubmitted ten thousand times writes about 8 MiB

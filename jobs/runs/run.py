@@ -21,22 +21,23 @@ from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
 from jobs.runs.container import ImagePin
 from jobs.runs.lifecycle import LaunchState
-from jobs.runs.manifest import MANIFEST, Launch, Manifest, ManifestError
-from jobs.slurm.script import RunPaths
+from jobs.runs.manifest import Launch, Manifest, ManifestError
+from common.rundir import RunDir
 from common.errors import ConfigError
-from common.rundir import METRICS_FILE, CodeSnapshot, Event, read_events, tail_events
+from common.events import Event, read_events, tail_events
+from common.rundir import CodeSnapshot
 
 
 @dataclass
 class Run:
     """A run directory on disk."""
 
-    paths: RunPaths
+    paths: RunDir
     _read: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)  # (file key, manifest or error)
 
     @property
     def dir(self) -> Path:
-        return self.paths.run_dir
+        return self.paths.path
 
     @property
     def name(self) -> str:
@@ -45,7 +46,7 @@ class Run:
     def manifest(self) -> Manifest:
         """The run's manifest as the file holds it now (read again only once the file changed);
         ManifestError, naming the file and what to do, when it cannot be read."""
-        path = self.dir / MANIFEST
+        path = self.paths.manifest
         key = manifests.file_key(path)
         if key is None or self._read is None or self._read[0] != key:
             try:
@@ -95,7 +96,7 @@ class Run:
         """Where Slurm writes job `job_id`'s log: fixed by the config before submission."""
         launch = self.launch(job_id)
         if launch is not None and launch.kind == "prepare":
-            return self.dir / "logs" / f"prepare-{job_id}.out"  # one file for both streams
+            return self.paths.logs / f"prepare-{job_id}.out"  # one file for both streams
         cfg = self.config()
         pattern = cfg.slurm.output if stream == "output" else cfg.slurm.error
         expanded = pattern.replace("%%", "\0").replace("%j", job_id).replace("%x", cfg.run.name).replace("\0", "%")
@@ -130,7 +131,7 @@ class Run:
         after its checkpoint), read from the end of metrics.jsonl: its last KiB, else 64 KiB."""
         from common.metrics_log import latest_by_step
 
-        path = self.dir / METRICS_FILE
+        path = self.paths.metrics
         for window in (1024, 65536):
             try:
                 with path.open("rb") as f:
@@ -170,18 +171,18 @@ def runs_root(project_dir: Path) -> Path:
 
 def find_run(name: str, project_dir: Path) -> Run:
     run_dir = runs_root(project_dir) / name
-    if not (run_dir / MANIFEST).is_file():
+    if not RunDir(run_dir).manifest.is_file():
         known = list_runs(project_dir)
         hint = f"; runs: {', '.join(r.name for r in known[-8:])}" if known else ""
         raise ConfigError("RUN", f"no run {name!r} in {runs_root(project_dir)}{hint}")
-    return Run(RunPaths(run_dir, project_dir))
+    return Run(RunDir(run_dir, project_dir))
 
 
 def list_runs(project_dir: Path) -> list[Run]:
     root = runs_root(project_dir)
     if not root.is_dir():
         return []
-    found = [Run(RunPaths(p, project_dir)) for p in root.iterdir() if (p / MANIFEST).is_file()]
+    found = [Run(RunDir(p, project_dir)) for p in root.iterdir() if RunDir(p).manifest.is_file()]
     return sorted(found, key=lambda r: (_created(r), r.name))
 
 
@@ -231,7 +232,7 @@ def update_manifest(run: Run, change: Callable[[Manifest], None]) -> Manifest:
     a launch; else taken here), so that no two writers lose each other's entries. A damaged one
     is left as it is (ManifestError): what it held is not written over."""
     with runlock.hold(run.dir, f"slipway: recording in the manifest of {run.name}"):
-        manifest = manifests.read(run.dir / MANIFEST)
+        manifest = manifests.read(run.paths.manifest)
         change(manifest)
-        manifests.write(run.dir / MANIFEST, manifest)
+        manifests.write(run.paths.manifest, manifest)
     return manifest

@@ -28,14 +28,14 @@ from jobs.runs import manifest as manifests
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_code_store
 from jobs.runs.container import (ImagePin, create_needed_dirs, kept_build, pin_image, remove_created_dirs,
                                  resolve_paths, run_environment)
-from jobs.runs.manifest import MANIFEST, Launch, Manifest
+from jobs.runs.manifest import Launch, Manifest
 from jobs.runs.run import Run, active_jobs, runs_root, update_manifest
-from jobs.slurm.script import (LIB_DIR, PREPARE_SCRIPT, RunPaths, check_env_from_host, library_files, render_prepare_sbatch,
-                               render_sbatch)
+from jobs.slurm.script import check_env_from_host, library_files, render_prepare_sbatch, render_sbatch
 from common import environ
 from common.errors import ConfigError
 from common.fs import write_atomic
-from common.rundir import CodeSnapshot, append_event, complete_checkpoints, now_iso
+from common.events import append_event, now_iso
+from common.rundir import CodeSnapshot, RunDir, complete_checkpoints
 
 
 @dataclass
@@ -44,18 +44,18 @@ class Sealed:
     the run's container environment, and the text of every file it writes."""
 
     cfg: Config
-    paths: RunPaths
+    paths: RunDir
     pin: ImagePin
     env: Environment
-    files: dict[str, str]
+    files: dict[Path, str]  # each file's text, by its path in the run directory
     notes: list[str]  # what the user should know before the job runs (said at submit and dry run)
     code: Optional[Snapshot] = None  # the code snapshot the ranks run (None: code.snapshot false)
 
     @property
     def job_lib(self) -> dict[str, str]:
         """The job libraries job.sbatch sources, by their place in the run directory, and their sha256."""
-        return {name: hashlib.sha256(text.encode()).hexdigest() for name, text in self.files.items()
-                if name.startswith(f"{LIB_DIR}/")}
+        return {path.relative_to(self.paths.path).as_posix(): hashlib.sha256(text.encode()).hexdigest()
+                for path, text in self.files.items() if path.parent == self.paths.lib}
 
     @property
     def snapshot(self) -> Optional[CodeSnapshot]:
@@ -69,8 +69,8 @@ class Sealed:
 
     def with_prepare_script(self) -> "Sealed":
         """The run's files plus the data preparation job's batch script."""
-        files = {**self.files, PREPARE_SCRIPT: render_prepare_sbatch(self.cfg, self.paths, self.env)}
-        _check_script_syntax(self.cfg, files[PREPARE_SCRIPT])
+        files = {**self.files, self.paths.prepare_script: render_prepare_sbatch(self.cfg, self.paths, self.env)}
+        _check_script_syntax(self.cfg, files[self.paths.prepare_script])
         return replace(self, files=files)
 
 
@@ -102,20 +102,20 @@ def _check_script_syntax(cfg: Config, script: str) -> None:
 def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
     """Resolve a submission of `cfg` (nothing written). A dry run reports a missing image as a
     note and renders with the path `make image` would write, instead of failing."""
-    paths = RunPaths(runs_root(project_dir) / cfg.run.name, project_dir.absolute())
+    paths = RunDir(runs_root(project_dir) / cfg.run.name, project_dir.absolute())
     cfg = resolve_paths(cfg, paths)
     notes: list[str] = []
     try:
-        pin = pin_image(cfg, paths.project_dir, notes)
+        pin = pin_image(cfg, paths.project, notes)
     except ConfigError as exc:
         if not dry_run:
             raise
         notes.append(f"a real submission would fail: {exc}")
         from containers.context import resolve_path
 
-        link = resolve_path(paths.project_dir, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
+        link = resolve_path(paths.project, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
         pin = ImagePin(cfg.container.image, cfg.container.image or str(link), "none")
-    code = (plan_snapshot(paths.run_dir.parent / CODE_STORE, cfg.train.script, paths.project_dir)
+    code = (plan_snapshot(paths.path.parent / CODE_STORE, cfg.train.script, paths.project)
             if cfg.code.snapshot else None)
     if code is not None and code.untracked:
         shown = ", ".join(code.untracked[:5]) + (f" and {len(code.untracked) - 5} more" if len(code.untracked) > 5 else "")
@@ -123,9 +123,9 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
     env = run_environment(cfg, paths, pin, code.value if code else None)
     script = render_sbatch(cfg, paths, env, pin.pins(code.value if code else None, kept_build(cfg, pin)))
     _check_script_syntax(cfg, script)
-    files = {"config.yaml": dump_config(cfg), "job.sbatch": script, **library_files(env)}
+    files = {paths.config: dump_config(cfg), paths.job_script: script, **library_files(env, paths)}
     if env.in_container:
-        files["env.toml"] = render_edf(env)
+        files[paths.env_toml] = render_edf(env)
         if env.runtime == "pyxis":
             notes += [f"pyxis: {w}" for w in srun_flags(env, paths.env_toml).warnings]
     return Sealed(cfg, paths, pin, env, files, notes, code)
@@ -164,9 +164,9 @@ def config_difference(path: Path, new: str) -> Optional[str]:
     return None if resolved == new else f"a different config ({config_changes(resolved, new)})"
 
 
-def _mode(name: str) -> int:
+def _mode(paths: RunDir, path: Path) -> int:
     """job.sbatch runs; a pinned library (lib/, by hash) is never edited; the rest is data."""
-    return 0o755 if name == "job.sbatch" else 0o444 if name.startswith(f"{LIB_DIR}/") else 0o644
+    return 0o755 if path == paths.job_script else 0o444 if path.parent == paths.lib else 0o644
 
 
 def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
@@ -179,16 +179,16 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
     run = Run(paths)
     no_world_write()
-    if (paths.run_dir / MANIFEST).is_file():
-        mode = paths.run_dir.stat().st_mode
+    if paths.manifest.is_file():
+        mode = paths.path.stat().st_mode
         if mode & 0o002:  # made under umask 000 before slipway masked it
-            os.chmod(paths.run_dir, mode & 0o7775)
+            os.chmod(paths.path, mode & 0o7775)
         active = active_jobs(run)
         if active:
             jobs = ", ".join(f"{j} ({state})" for j, state in active)
             raise ConfigError("run.name", f"run {cfg.run.name} has a job queued or running ({jobs}), which reads "
                                           f"its files: wait for it to end or `slipway cancel {cfg.run.name}` first")
-        differs = config_difference(paths.config, files["config.yaml"])
+        differs = config_difference(paths.config, files[paths.config])
         if differs and not force:
             raise ConfigError("run.name", f"run {cfg.run.name} exists with {differs} in {paths.config}: pick "
                                           "another --run-name, or pass --force to replace its config (the old "
@@ -196,31 +196,31 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
         if sealed.code is not None:
             sealed.code.write()  # before job.sbatch names it; content-addressed, so never rewritten
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-        for name, text in files.items():
-            target = paths.run_dir / name
+        for target, text in files.items():
             old = target.read_text() if target.exists() else None
             if old is not None and old != text:
-                stem, dot, ext = name.partition(".")
-                write_atomic(paths.run_dir / "history" / f"{stem}-{stamp}{dot}{ext}", old)
-            write_atomic(target, text, _mode(name))
+                stem, dot, ext = target.name.partition(".")
+                write_atomic(paths.history / f"{stem}-{stamp}{dot}{ext}", old)
+            write_atomic(target, text, _mode(paths, target))
         return run, False
-    root = paths.run_dir.parent
+    root = paths.path.parent
     root.mkdir(parents=True, exist_ok=True)
     if sealed.code is not None:
         sealed.code.write()
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.run.name}.", suffix=".tmp", dir=root))
     try:
         _group_readable(tmp)
-        for name, text in files.items():
-            write_atomic(tmp / name, text, _mode(name))
-        (tmp / "logs").mkdir()
-        manifests.write(tmp / MANIFEST, Manifest(
-            run=cfg.run.name, created=now_iso(), project_dir=str(paths.project_dir), git=git_state(paths.project_dir),
+        staged = RunDir(tmp)
+        for target, text in files.items():
+            write_atomic(tmp / target.relative_to(paths.path), text, _mode(paths, target))
+        staged.logs.mkdir()
+        manifests.write(staged.manifest, Manifest(
+            run=cfg.run.name, created=now_iso(), project_dir=str(paths.project), git=git_state(paths.project),
             image=sealed.pin, runtime=cfg.container.runtime, launcher=cfg.launch.launcher,
-            config_sha256=hashlib.sha256(files["config.yaml"].encode()).hexdigest()))
+            config_sha256=hashlib.sha256(files[paths.config].encode()).hexdigest()))
         try:
             # rename(2) onto a missing name: two submissions racing for one name cannot both win.
-            os.rename(tmp, paths.run_dir)
+            os.rename(tmp, paths.path)
         except OSError:
             raise ConfigError("run.name", f"run {cfg.run.name} was created by another submission just now: "
                                           "submit again to resume it, or pick another --run-name") from None
@@ -231,8 +231,8 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
 
 
 def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", after: str = "") -> None:
-    script = run.dir / (PREPARE_SCRIPT if kind == "prepare" else "job.sbatch")
-    entry = Launch(job_id=job_id, kind=kind, submitted=now_iso(), after=after, git=git_state(run.paths.project_dir),
+    script = run.paths.prepare_script if kind == "prepare" else run.paths.job_script
+    entry = Launch(job_id=job_id, kind=kind, submitted=now_iso(), after=after, git=git_state(run.paths.project),
                    image=sealed.pin, code=sealed.snapshot, steps=sealed.cfg.train.steps if kind == "train" else None,
                    script_sha256=hashlib.sha256(script.read_bytes()).hexdigest(),
                    job_lib=sealed.job_lib if kind == "train" else {})
@@ -262,7 +262,7 @@ def record_code(run: Run, manifest: Manifest, sealed: Sealed, launch: str) -> No
     was, becomes = (c.hash12 if c else "the image's" for c in (before, after))
     append_event(run.dir, launch, f"code changed {was} -> {becomes}")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    write_atomic(run.dir / "history" / f"code-{stamp}.json",
+    write_atomic(run.paths.history / f"code-{stamp}.json",
                  json.dumps({"before": before.record() if before else None,
                              "after": after.record() if after else None}, indent=2) + "\n")
 
@@ -302,7 +302,7 @@ def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool
     prepares it and the training job starts after that one completed."""
     check_submittable(cfg)
     sealed = seal(cfg, project_dir)
-    done = nothing_to_train(cfg, sealed.paths.run_dir, "submit")
+    done = nothing_to_train(cfg, sealed.paths.path, "submit")
     if done:
         raise ConfigError("train.steps", done)
     why = unprepared_data(sealed, cfg.config_args)
@@ -314,7 +314,7 @@ def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool
         before_writing()
     no_world_write()
     # One launch of a run at a time: from the check for its active jobs to the record of this one.
-    with runlock.hold(sealed.paths.run_dir, f"slipway submit {cfg.config_args}"):
+    with runlock.hold(sealed.paths.path, f"slipway submit {cfg.config_args}"):
         return _submit_locked(sealed, force=force, why=why)
 
 
@@ -332,9 +332,9 @@ def _submit_locked(sealed: Sealed, *, force: bool, why: Optional[str],
     prep_id = None
     try:
         if why:
-            prep_id = slurm.sbatch(run.dir / PREPARE_SCRIPT, cwd=run.paths.project_dir)
+            prep_id = slurm.sbatch(run.paths.prepare_script, cwd=run.paths.project)
             record_submission(run, prep_id, sealed, kind="prepare")
-        job_id = slurm.sbatch(run.paths.script, cwd=run.paths.project_dir, after=prep_id) if train else prep_id
+        job_id = slurm.sbatch(run.paths.job_script, cwd=run.paths.project, after=prep_id) if train else prep_id
     except BaseException:
         if prep_id:  # the training job was refused: the preparation alone is no use to anyone
             with contextlib.suppress(slurm.SlurmError):
@@ -356,6 +356,6 @@ def submit_prepare(cfg: Config, project_dir: Path, *, force: bool = False) -> tu
     """`slipway prepare --as-job`: the run's data preparation as a CPU job of its own."""
     check_submittable(cfg)
     sealed = seal(cfg, project_dir).with_prepare_script()
-    with runlock.hold(sealed.paths.run_dir, f"slipway prepare {cfg.config_args} --as-job"):
+    with runlock.hold(sealed.paths.path, f"slipway prepare {cfg.config_args} --as-job"):
         run, job_id, sealed, _ = _submit_locked(sealed, force=force, why="--as-job", train=False)
     return run, job_id, sealed

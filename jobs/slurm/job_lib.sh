@@ -10,19 +10,21 @@
 # containers) is pinned the same way and sourced by pyxis jobs alone.
 #
 # The functions take data: the run's values are the plain variables the settings block at the
-# top of job.sbatch sets once (RUN_DIR, NODES_NEEDED, PROCS_PER_NODE, RANKS, MAX_RETRIES,
-# MAX_REQUEUES, REQUEUE, PREFLIGHT_TIMEOUT, the exit codes, CHECKPOINT_DIR, STOP_FILE, and what
-# the job runs: CODE_DIR, CODE_SHA256, IMAGE_FILE, IMAGE_SHA256, IMAGE_SIZE, IMAGE_MTIME); the
-# main part sets JOB_TAG, NODES, RETRIES and REQUEUES.
+# top of job.sbatch sets once (NODES_NEEDED, PROCS_PER_NODE, RANKS, MAX_RETRIES, MAX_REQUEUES,
+# REQUEUE, PREFLIGHT_TIMEOUT, the exit codes; what the job runs: CODE_DIR, CODE_SHA256,
+# IMAGE_FILE, IMAGE_SHA256, IMAGE_SIZE, IMAGE_MTIME; and where the run's files are, rendered from
+# common/rundir.py's RunDir: RUN_DIR, EVENTS_LOG, LOGS, HEARTBEAT, HEARTBEATS, GUTIL, HANGS, EXITS,
+# STOP_FILE, CHECKPOINT_DIR: this library composes no path of the run's itself); the main part
+# sets JOB_TAG, NODES, RETRIES and REQUEUES.
 #
 # Every end is told truthfully in events.log and recorded before anything slow: the EXIT trap
 # writes `end exit N` first, and nothing slow is on the path to the job's end.
 
 # event TEXT...: one line `ISO-TIME job JOBID TEXT` in events.log.
-event() { printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "$*" >> "$RUN_DIR/events.log"; }
+event() { printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "$*" >> "$EVENTS_LOG"; }
 
 # count_events PREFIX: how many events of this job (its id survives requeues) start with PREFIX.
-count_events() { local n; n=$(grep -F " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} $* " "$RUN_DIR/events.log" 2>/dev/null | wc -l) || true; echo "${n:-0}"; }
+count_events() { local n; n=$(grep -F " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} $* " "$EVENTS_LOG" 2>/dev/null | wc -l) || true; echo "${n:-0}"; }
 
 # job_tag: names this attempt's files (hang dumps, preflight logs, containers): the job id,
 # rN after the Nth requeue.
@@ -150,11 +152,15 @@ after_oom() {
   event "out of memory: the out-of-memory killer ended a process of the training step on $OOM_NODES (step exit $1): $OOM_HINT"
 }
 
-# after_hang: the ranks' watchdogs wrote their stacks to hangs/ (trainer/watchdog.py): a hang.
+# hang_field KEY LINE: the value of KEY in a hang dump's first line, `slipway-hang rank=R host=H
+# step=S idle=I limit=L answered=on-time|late` (common/rundir.py HangLine writes it), "?" if none.
+hang_field() { local w; for w in $2; do case $w in "$1="*) echo "${w#*=}"; return ;; esac; done; echo "?"; }
+
+# after_hang: the ranks' watchdogs wrote their stacks to HANGS (trainer/watchdog.py): a hang.
 # The nodes some of whose ranks wrote none in time (frozen, dead; a frozen rank may dump `late`
 # once Slurm's teardown resumes it) are the ones to blame.
 after_hang() {
-  local dumps node f r first dumped silent="" hung_step="?" hang_limit="?"
+  local dumps node f r first dumped silent=""
   shopt -s nullglob; dumps=("$HANGS/$JOB_TAG-"*.txt); shopt -u nullglob
   [ "${#dumps[@]}" -gt 0 ] || return 0
   for node in $NODES; do
@@ -162,12 +168,12 @@ after_hang() {
     for f in "$HANGS/$JOB_TAG-$node-"*.txt; do
       r=${f##*/"$JOB_TAG-$node-"}; [[ ${r%.txt} =~ ^[0-9]+$ ]] || continue
       first=""; read -r first < "$f" || true
-      [[ $first == *" on-time" ]] && dumped=$((dumped + 1))
+      [ "$(hang_field answered "$first")" != on-time ] || dumped=$((dumped + 1))
     done
     [ "$dumped" -ge "$PROCS_PER_NODE" ] || silent+="$node "
   done
-  read -r _ _ _ _ _ _ _ hung_step _ _ _ _ hang_limit _ < "${dumps[0]}" || true
-  event "hang: no step completed for $hang_limit s after step $hung_step; stack dumps from ${#dumps[@]} of $RANKS ranks in hangs/$JOB_TAG-*.txt${silent:+; not answering in time: the ranks on ${silent% }}"
+  first=""; read -r first < "${dumps[0]}" || true
+  event "hang: no step completed for $(hang_field limit "$first") s after step $(hang_field step "$first"); stack dumps from ${#dumps[@]} of $RANKS ranks in hangs/$JOB_TAG-*.txt${silent:+; not answering in time: the ranks on ${silent% }}"
   retry_or_stop hang "$HANG_EXIT" $silent
 }
 
@@ -329,6 +335,17 @@ verify_image() {
   return 1
 }
 
+# on_every_node SECONDS NAME FUNCTIONS CALL [ARG...]: one task on every node of the job beside
+# whatever runs there (--overlap), bounded by SECONDS, running CALL ARG... with the library
+# FUNCTIONS defined (their text travels with the step: nothing is sourced on the node). The one
+# srun of the job library; the training and preflight steps are rendered by jobs/slurm/script.py.
+on_every_node() {
+  local limit=$1 name=$2 functions=$3; shift 3
+  # shellcheck disable=SC2086  # FUNCTIONS is a list of names
+  timeout -k 5 "$limit" srun --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 --overlap \
+    --kill-on-bad-exit=0 bash -c "$(declare -f $functions)"'; "$@"' "$name" "$@"
+}
+
 # ensure_container NAME IMAGE IDENTITY (on a node): readies a kept pyxis container; the pyxis
 # library defines it, other runs keep nothing on the nodes.
 ensure_container() { :; }
@@ -356,9 +373,8 @@ verify_nodes() {
   local out rc node line why="" differ="" bad=""
   local -A said=()
   set +e
-  out=$(timeout -k 15 "$PREFLIGHT_TIMEOUT" srun --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
-    --kill-on-bad-exit=0 bash -c "$(declare -f verify_code verify_image ensure_container enroot_data node_check)"'; node_check "$@"' \
-    slipway-verify "$CODE_DIR" "$CODE_SHA256" "${IMAGE_FILE:-}" "${IMAGE_SHA256:-}" "${IMAGE_SIZE:-}" "${IMAGE_MTIME:-}" \
+  out=$(on_every_node "$PREFLIGHT_TIMEOUT" slipway-verify "verify_code verify_image ensure_container enroot_data node_check" \
+    node_check "$CODE_DIR" "$CODE_SHA256" "${IMAGE_FILE:-}" "${IMAGE_SHA256:-}" "${IMAGE_SIZE:-}" "${IMAGE_MTIME:-}" \
     "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" 2>&1)
   rc=$?
   set -e

@@ -51,21 +51,21 @@ keep_container() {
   KEPT_CONTAINER=""
   [ -n "$CONTAINER_BUILD" ] || return 0
   if [ "$(pyxis_scope)" = job ]; then
-    grep -qF "$text" "$RUN_DIR/events.log" 2>/dev/null || event "$text"
+    grep -qF "$text" "$EVENTS_LOG" 2>/dev/null || event "$text"
     return 0
   fi
   KEPT_CONTAINER="pyxis_$CONTAINER_NAME"
 }
 
-REMOVE_CONTAINER='for n in "pyxis_$1" "pyxis_${SLURM_JOB_ID}_$1"; do enroot remove --force "$n"; done >/dev/null 2>&1; true'
+# remove_named NAME (on a node): the container pyxis made for NAME, whichever scope named it.
+remove_named() { local n; for n in "pyxis_$1" "pyxis_${SLURM_JOB_ID}_$1"; do enroot remove --force "$n"; done >/dev/null 2>&1; true; }
 
 # remove_container SECONDS: remove this attempt's own container on every node, for at most
 # SECONDS (a removal cut short is finished by the next job's sweep_containers). A build's kept
 # container stays.
 remove_container() {
   [ -n "$CONTAINER_NAME" ] && [ -z "$CONTAINER_BUILD" ] || return 0
-  timeout -k 2 "$1" srun --overlap --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
-    bash -c "$REMOVE_CONTAINER" slipway-rm "$CONTAINER_NAME" > /dev/null 2>&1 || true
+  on_every_node "$1" slipway-rm remove_named remove_named "$CONTAINER_NAME" > /dev/null 2>&1 || true
 }
 
 # enroot_data (on a node): enroot's data path, where it unpacks containers, from enroot's own
@@ -160,9 +160,8 @@ sweep_containers() {
 # delays training, and the trap ends it with the other helpers.
 remove_stale_containers() {
   [ -n "$CONTAINER_NAME" ] || return 0
-  timeout -k 5 "$STALE_REMOVE_TIMEOUT" srun --overlap --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 \
-    bash -c "$(declare -f enroot_data job_over sweep_containers)"'; sweep_containers "$@"' \
-    slipway-sweep "$SLURM_JOB_ID" "$JOB_TAG" "$CONTAINER_BUILD" "${CONTAINER_BUILD:+$KEEP_BUILDS}" > /dev/null 2>&1 &
+  on_every_node "$STALE_REMOVE_TIMEOUT" slipway-sweep "enroot_data job_over sweep_containers" \
+    sweep_containers "$SLURM_JOB_ID" "$JOB_TAG" "$CONTAINER_BUILD" "${CONTAINER_BUILD:+$KEEP_BUILDS}" > /dev/null 2>&1 &
   HELPER_PIDS+=("$!")
 }
 

@@ -20,8 +20,8 @@ from common.secrets import refusal
 from jobs.config import NODE_PRESETS, Config
 from jobs.slurm.client import srun_argv
 from common.errors import ConfigError
-from common.rundir import (BAD_INPUT_EXIT, HANG_EXIT, HANGS_DIR, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
-                           REQUEUE_EXIT, STOP_FILE, CodeSnapshot)
+from common.rundir import (BAD_INPUT_EXIT, HANG_EXIT, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE, REQUEUE_EXIT,
+                           CodeSnapshot, RunDir)
 from common.layouts import smaller_batch_hint
 from common.layouts import checkpoint_bytes
 
@@ -60,27 +60,7 @@ def sbatch_quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-@dataclass(frozen=True)
-class RunPaths:
-    """Absolute paths the script needs; fixed before submission."""
-
-    run_dir: Path
-    project_dir: Path
-
-    @property
-    def config(self) -> Path:
-        return self.run_dir / "config.yaml"
-
-    @property
-    def env_toml(self) -> Path:
-        return self.run_dir / "env.toml"
-
-    @property
-    def script(self) -> Path:
-        return self.run_dir / "job.sbatch"
-
-
-def task_command(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = None) -> list[str]:
+def task_command(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None) -> list[str]:
     """What each rank runs: the trainer, a custom training script (the code snapshot's copy), or
     `launch.command`."""
     if cfg.launch.command:
@@ -88,7 +68,7 @@ def task_command(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = No
     if cfg.train.script:
         script = Path(code.script) if code and code.script else Path(cfg.train.script)
         if not script.is_absolute():
-            script = paths.project_dir / script
+            script = paths.project / script
         return [cfg.launch.python, str(script), "--config", str(paths.config)]
     return [cfg.launch.python, "-m", "trainer", "--config", str(paths.config)]
 
@@ -102,7 +82,7 @@ def torchrun_argv(cfg: Config, *, nnodes: str, rdzv: list[str]) -> list[str]:
             f"--nproc-per-node={cfg.launch.procs_per_node}", *rdzv, *binding, "--max-restarts=0"]
 
 
-def local_argv(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = None) -> list[str]:
+def local_argv(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None) -> list[str]:
     """The same launch as on the cluster, on this machine: `torchrun --standalone`."""
     cmd = task_command(cfg, paths, code)
     if cfg.launch.procs_per_node == 1 and cfg.slurm.nodes == 1:
@@ -121,14 +101,14 @@ def _allocation(cfg: Config, *, partition: str | None) -> list[str]:
     return opts + ([f"--mail-user={sbatch_quote(s.email)}", "--mail-type=END,FAIL"] if s.email else [])
 
 
-def _header(cfg: Config, paths: RunPaths) -> list[str]:
+def _header(cfg: Config, paths: RunDir) -> list[str]:
     s = cfg.slurm
     tasks = 1 if cfg.launch.launcher == "torchrun" else cfg.launch.procs_per_node
     opts = [f"--job-name={cfg.run.name}", f"--nodes={s.nodes}", f"--ntasks-per-node={tasks}",
             f"--cpus-per-task={s.cpus_per_task}", *([f"--gpus-per-node={s.gpus_per_node}"] if s.gpus_per_node else []),
             f"--time={s.time}", *_allocation(cfg, partition=s.partition)]
-    opts += [f"--output={sbatch_quote(str(paths.run_dir / s.output))}",
-             f"--error={sbatch_quote(str(paths.run_dir / s.error))}", "--open-mode=append"]
+    opts += [f"--output={sbatch_quote(str(paths.path / s.output))}",
+             f"--error={sbatch_quote(str(paths.path / s.error))}", "--open-mode=append"]
     # B: only the batch shell gets the warning; it tells the trainer through STOP_FILE.
     opts += [f"--signal=B:USR1@{s.warning_seconds()}"] if s.warning_seconds() else []
     opts += ["--requeue" if s.requeue else "--no-requeue", *(sbatch_quote(o) for o in s.extra)]
@@ -136,11 +116,11 @@ def _header(cfg: Config, paths: RunPaths) -> list[str]:
         [f"#SBATCH {o}" for o in opts]
 
 
-def _hf_home(cfg: Config, paths: RunPaths) -> str:
+def _hf_home(cfg: Config, paths: RunDir) -> str:
     """The user's HF_HOME wins over the project's cache; a config value wins over both."""
     if cfg.launch.hf_home:
         return f"export HF_HOME={shell_value(cfg.launch.hf_home)}"
-    return f'[ -n "${{HF_HOME:-}}" ] || export HF_HOME={shlex.quote(str(paths.project_dir / ".cache" / "huggingface"))}'
+    return f'[ -n "${{HF_HOME:-}}" ] || export HF_HOME={shlex.quote(str(paths.project / ".cache" / "huggingface"))}'
 
 
 # The job library (jobs/slurm/job_lib.sh: the job's decisions) and its pyxis part (pyxis_lib.sh:
@@ -152,11 +132,11 @@ EVENT_WRITER = next(line for line in JOB_LIB.splitlines() if line.startswith("ev
 LIB_DIR = "lib"
 
 
-def library_files(env: Environment) -> dict[str, str]:
+def library_files(env: Environment, paths: RunDir) -> dict[Path, str]:
     """The libraries a job of `env`'s runtime sources, by their place in the run directory
-    (lib/NAME-HASH12.sh: a new text is a new file, never an old one rewritten)."""
+    (RunDir.lib/NAME-HASH12.sh: a new text is a new file, never an old one rewritten)."""
     libs = [("job_lib", JOB_LIB)] + ([("pyxis_lib", PYXIS_LIB)] if env.runtime == "pyxis" else [])
-    return {f"{LIB_DIR}/{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh": text for name, text in libs}
+    return {paths.lib / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh": text for name, text in libs}
 
 
 @dataclass(frozen=True)
@@ -193,7 +173,7 @@ def _code_environment(code: Optional[CodeSnapshot]) -> list[str]:
             "export PYTHONSAFEPATH=1"]
 
 
-def _environment(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = None) -> list[str]:
+def _environment(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None) -> list[str]:
     debug, hf_home = cfg.launch.debug, _hf_home(cfg, paths)
     per_task = cfg.launch.procs_per_node if cfg.launch.launcher == "torchrun" else 1  # processes sharing its CPUs
     lines = [
@@ -217,7 +197,7 @@ def _environment(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = No
         "export PYTHONFAULTHANDLER=1",
         "export PYTHONUNBUFFERED=1",
         f"export OMP_NUM_THREADS={max(1, cfg.slurm.cpus_per_task // per_task)}",
-        f"export SLIPWAY_RUN_DIR={shlex.quote(str(paths.run_dir))}",
+        f"export SLIPWAY_RUN_DIR={shlex.quote(str(paths.path))}",
         'export SLIPWAY_JOB_TAG="$JOB_TAG"',
         *_code_environment(code),
         "# torch's flight recorder: each rank's last collectives, which its hang dump includes",
@@ -228,7 +208,7 @@ def _environment(cfg: Config, paths: RunPaths, code: Optional[CodeSnapshot] = No
         lines += [
             "# On NCCL a collective that times out dumps it too, into hangs/ (torch appends the rank).",
             "export TORCH_NCCL_DUMP_ON_TIMEOUT=1",
-            f'export TORCH_FR_DUMP_TEMP_FILE="$RUN_DIR/{HANGS_DIR}/$JOB_TAG-nccl-trace-rank"',
+            'export TORCH_FR_DUMP_TEMP_FILE="$HANGS/$JOB_TAG-nccl-trace-rank"',
             'export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$TORCH_FR_DUMP_TEMP_FILE"',
         ]
     if _preflight_where(cfg) == "step":
@@ -294,7 +274,7 @@ def _words(argv: list[str]) -> str:
                     else shlex.quote(a) for a in argv)
 
 
-def _container_args(env: Environment, paths: RunPaths) -> tuple[list[str], str]:
+def _container_args(env: Environment, paths: RunDir) -> tuple[list[str], str]:
     """(srun arguments, the `NAME=value ` words that set variables for the srun line alone).
 
     pyxis's --container-env passes the [env] values from srun's environment: they are set
@@ -303,7 +283,7 @@ def _container_args(env: Environment, paths: RunPaths) -> tuple[list[str], str]:
     return [_Value(a) for a in flags.args], "".join(f"{name}={shell_value(value)} " for name, value in flags.exports)
 
 
-def _launch(cfg: Config, paths: RunPaths, container: list[str], prefix: str,
+def _launch(cfg: Config, paths: RunDir, container: list[str], prefix: str,
             cmd: list[str] | None = None, port: str = "MASTER_PORT", wrap: list[str] = (),
             code: Optional[CodeSnapshot] = None) -> str:
     """The `srun` line that starts every rank: the trainer, or `cmd` (the preflight's all-reduce)
@@ -348,14 +328,14 @@ def _node_helper(cfg: Config) -> list[str]:
     script = ['n=${SLURMD_NODENAME:-$(hostname)}']
     if cfg.slurm.gpus_per_node:
         script.append('if command -v nvidia-smi >/dev/null; then nvidia-smi dmon --delay 15 --select pumt --options DT '
-                      '--filename "$1/gutil/$n.gutil" & fi')
-    script.append(f'while :; do {{ date --iso-8601=seconds > "$1/heartbeats/$n"; }} 2>/dev/null; '
+                      '--filename "$2/$n.gutil" & fi')
+    script.append(f'while :; do {{ date --iso-8601=seconds > "$1/$n"; }} 2>/dev/null; '
                   f'sleep {NODE_HEARTBEAT_SECONDS}; done')
     what = "its heartbeat (heartbeats/NODE)" + (" and GPU use (gutil/NODE.gutil)" if cfg.slurm.gpus_per_node else "")
     return [
         f"# On every node: {what}, for `slipway watch`; quiet, as the trap ends it.",
         _words(srun_argv(nodes=cfg.slurm.nodes, cpus_per_task=1, overlap=True,
-                         extra=["bash", "-c", "; ".join(script), "slipway-node"])) + ' "$RUN_DIR" > /dev/null 2>&1 &',
+                         extra=["bash", "-c", "; ".join(script), "slipway-node"])) + ' "$HEARTBEATS" "$GUTIL" > /dev/null 2>&1 &',
         'HELPER_PIDS+=("$!")',
     ]
 
@@ -381,7 +361,7 @@ def _preflight_megabytes(cfg: Config) -> int:
     return 64 if cfg.slurm.gpus_per_node else 4
 
 
-def _preflight(cfg: Config, paths: RunPaths, container: list[str], prefix: str) -> list[str]:
+def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str) -> list[str]:
     """The preflight (trainer/preflight.py): each node's checks, then an all-reduce across every
     rank, in a step of its own for a train.script (else in the training step)."""
     s = cfg.slurm
@@ -389,12 +369,12 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], prefix: str) 
     if where is None:
         return []
     limit = ["timeout", "-k", "15", str(s.preflight_timeout)]
-    checkpoint_dir = paths.run_dir / cfg.checkpoint.dir
+    checkpoint_dir = paths.path / cfg.checkpoint.dir
     # --kill-on-bad-exit=0: a node that fails fast must not cut the other nodes' reports short
     # (where the cluster sets KillOnBadExit=1), or they would be blamed for sending none.
     node_srun = [*limit, *srun_argv(nodes=s.nodes, cpus_per_task=s.cpus_per_task, kill_on_bad_exit=False,
                                     container=container)]
-    node_cmd = [cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.run_dir),
+    node_cmd = [cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.path),
                 "--checkpoint-dir", str(checkpoint_dir),
                 "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node),
                 *(["--numa-binding"] if cfg.binds_numa else [])]
@@ -407,7 +387,7 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], prefix: str) 
         "# no report is named and the job retried without it. Then every rank joins a short all-reduce",
         "# (" + ("in a step of its own: the ranks run a train.script" if where == "step" else
                  "the training step's first collective") + ").",
-        'PREFLIGHT_LOG="$RUN_DIR/logs/preflight-$JOB_TAG.out"',
+        'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG.out"',
         f'set +e; {prefix}{_words(node_srun)} \\\n  {_words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
         'preflight_nodes "$PREFLIGHT_LOG" "$pf_rc"',
@@ -415,7 +395,7 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], prefix: str) 
     if where != "step":
         return lines
     return lines + [
-        'PREFLIGHT_LOG="$RUN_DIR/logs/preflight-$JOB_TAG-allreduce.out"',
+        'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG-allreduce.out"',
         "set +e; " + _launch(cfg, paths, container, prefix, cmd=allreduce, port="PREFLIGHT_PORT", wrap=limit)
         + ' > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
@@ -423,15 +403,14 @@ def _preflight(cfg: Config, paths: RunPaths, container: list[str], prefix: str) 
     ]
 
 
-def _settings(cfg: Config, paths: RunPaths, env: Environment, container_named: bool, pins: Pins) -> list[str]:
+def _settings(cfg: Config, paths: RunDir, env: Environment, container_named: bool, pins: Pins) -> list[str]:
     """The run's values, set once: the data the job library's functions decide on."""
     q = shlex.quote
     s = cfg.slurm
-    ckpt = Path(cfg.checkpoint.dir)
-    checkpoints = q(str(ckpt)) if ckpt.is_absolute() else f'"$RUN_DIR"/{q(str(ckpt))}'
     lines = [
-        "# This run's settings (from its config.yaml), read by the job library below.",
-        f"RUN_DIR={q(str(paths.run_dir))}",
+        "# This run's settings (from its config.yaml), read by the job library below, and where its",
+        "# files are (common/rundir.py RunDir): the library names no other path.",
+        *_path_settings(cfg, paths),
         f"NODES_NEEDED={s.nodes} PROCS_PER_NODE={cfg.launch.procs_per_node} RANKS={cfg.world_size}",
         f"REQUEUE={int(s.requeue)} MAX_RETRIES={s.max_retries} MAX_REQUEUES={s.max_requeues}",
         "# `slipway run` runs this script inside an allocation: nothing there is ever requeued.",
@@ -440,8 +419,7 @@ def _settings(cfg: Config, paths: RunPaths, env: Environment, container_named: b
         f"PREFLIGHT_TIMEOUT={s.preflight_timeout}",
         f"PREFLIGHT_EXIT={PREFLIGHT_EXIT} HANG_EXIT={HANG_EXIT} REQUEUE_EXIT={REQUEUE_EXIT} "
         f"BAD_INPUT_EXIT={BAD_INPUT_EXIT}",
-        f"CHECKPOINT_DIR={checkpoints}",
-        f'HANGS="$RUN_DIR/{HANGS_DIR}" STOP_FILE="$RUN_DIR/{STOP_FILE}" STEP_STOP_WAIT={STEP_STOP_WAIT}',
+        f"STEP_STOP_WAIT={STEP_STOP_WAIT}",
         f"OOM_HINT={q(smaller_batch_hint(cfg))}",
     ]
     empty = "''"
@@ -467,14 +445,24 @@ def _settings(cfg: Config, paths: RunPaths, env: Environment, container_named: b
     return lines
 
 
-def _sourced(libs: dict[str, str]) -> list[str]:
+def _path_settings(cfg: Config, paths: RunDir) -> list[str]:
+    """RUN_DIR and the run's other paths (`RunDir.shell_paths`), those inside it relative to it."""
+    words = []
+    for name, path in paths.shell_paths(cfg.checkpoint.dir).items():
+        inside = name != "RUN_DIR" and path.is_relative_to(paths.path)
+        words.append(f'{name}="$RUN_DIR"/{shlex.quote(path.relative_to(paths.path).as_posix())}' if inside
+                     else f"{name}={shlex.quote(str(path))}")
+    return [words[0], " ".join(words[1:6]), " ".join(words[6:])]
+
+
+def _sourced(paths: RunDir, libs: dict[Path, str]) -> list[str]:
     """The lines that check each pinned library's hash and source it: a copy changed or missing
     ends the job before anything runs (exit BAD_INPUT_EXIT, said in events.log by hand, as the
     library that would say it is the one in doubt)."""
     lines = []
-    for rel, text in libs.items():
+    for path, text in libs.items():
         digest = hashlib.sha256(text.encode()).hexdigest()
-        lines.append(f"pinned \"$RUN_DIR\"/{shlex.quote(rel)} {digest}")
+        lines.append(f"pinned \"$RUN_DIR\"/{shlex.quote(path.relative_to(paths.path).as_posix())} {digest}")
     return [
         "# The job library (jobs/slurm/job_lib.sh" + (", pyxis_lib.sh" if len(libs) > 1 else "")
         + "), as submitted: checked, then sourced.",
@@ -482,7 +470,7 @@ def _sourced(libs: dict[str, str]) -> list[str]:
         '  if ! printf \'%s  %s\\n\' "$2" "$1" | sha256sum --check --status 2>/dev/null; then',
         '    printf \'%s job %s %s\\n\' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" \\',
         '      "verification failed: $1 is not the job library submitted (missing or changed): submit again" \\',
-        '      "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "end exit $BAD_INPUT_EXIT" >> "$RUN_DIR/events.log"',
+        '      "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "end exit $BAD_INPUT_EXIT" >> "$EVENTS_LOG"',
         '    exit "$BAD_INPUT_EXIT"',
         "  fi",
         '  source "$1"',
@@ -491,11 +479,11 @@ def _sourced(libs: dict[str, str]) -> list[str]:
     ]
 
 
-def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, pins: Pins = Pins()) -> str:
-    """The whole batch script for `cfg`, reading and writing only inside `paths.run_dir`;
+def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pins()) -> str:
+    """The whole batch script for `cfg`, reading and writing only inside `paths.path`;
     `env` is the run's container environment (`jobs.runs.container.run_environment`), `pins`
     what the job runs (its code snapshot, image and kept container), which it checks on every
-    node first. It sources the libraries `library_files(env)` puts in the run directory."""
+    node first. It sources the libraries `library_files` puts in the run directory."""
     container, prefix = _container_args(env, paths)
     # Under pyxis every srun step unpacks the image into a container of its own, unless the
     # steps name one: the preflight's steps then create it and training starts in it at once.
@@ -506,10 +494,10 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, pins: Pins = P
     if cfg.launch.debug:
         lines.append("set -x")
     pyxis, code = env.runtime == "pyxis", pins.code
-    lines += ["", *_settings(cfg, paths, env, shared, pins), "", *_sourced(library_files(env)), "",
+    lines += ["", *_settings(cfg, paths, env, shared, pins), "", *_sourced(paths, library_files(env, paths)), "",
               "# ---- main: this job, from its start to its end ----",
-              f"cd {shlex.quote(str(paths.project_dir))}",
-              'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/gutil" "$RUN_DIR/heartbeats" "$HANGS"',
+              f"cd {shlex.quote(str(paths.project))}",
+              'mkdir -p "$LOGS" "$GUTIL" "$HEARTBEATS" "$HANGS"',
               'rm -f "$STOP_FILE"',
               "# What this job (its id survives requeues) has used: failure retries, time-limit requeues.",
               "RETRIES=$(count_events retry) REQUEUES=$(count_events time-limit requeue)",
@@ -529,9 +517,9 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, pins: Pins = P
               "trap on_cancel USR2",
               "trap on_term TERM",
               "trap on_interrupt INT",
-              f'( while sleep {HEARTBEAT_SECONDS}; do date --iso-8601=seconds > "$RUN_DIR/heartbeat"; done ) &',
+              f'( while sleep {HEARTBEAT_SECONDS}; do date --iso-8601=seconds > "$HEARTBEAT"; done ) &',
               'HELPER_PIDS+=("$!")',
-              'date --iso-8601=seconds > "$RUN_DIR/heartbeat"',
+              'date --iso-8601=seconds > "$HEARTBEAT"',
               *_node_helper(cfg),
               "# Every node checks the code and image against what was submitted" +
               (", and readies the build's kept container." if pyxis else "."),
@@ -545,7 +533,7 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, pins: Pins = P
         "",
         "# The training step, in the background so the signal traps run at once; each task reports",
         "# its exit into SLIPWAY_EXITS, from which step_exit decides the step's.",
-        'export SLIPWAY_EXITS="$RUN_DIR/.exits/$JOB_TAG"  # read once below, then removed',
+        'export SLIPWAY_EXITS="$EXITS/$JOB_TAG"  # read once below, then removed',
         'rm -rf "$SLIPWAY_EXITS"; mkdir -p "$SLIPWAY_EXITS"',
         _launch(cfg, paths, container, prefix, code=code) + " &",
         'SRUN_PID=$!',
@@ -564,10 +552,7 @@ def render_sbatch(cfg: Config, paths: RunPaths, env: Environment, pins: Pins = P
     return "\n".join(lines)
 
 
-PREPARE_SCRIPT = "prepare.sbatch"
-
-
-def render_prepare_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str:
+def render_prepare_sbatch(cfg: Config, paths: RunDir, env: Environment) -> str:
     """The data preparation job of a run: one task on one node, no GPU, tokenizing the
     run's data into its token cache with `python -m trainer.prepare`, in the run's
     container (the same srun flags as training). Its log goes to logs/prepare-JOB.out."""
@@ -575,7 +560,7 @@ def render_prepare_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str
     cpus = s.prepare_cpus or s.cpus_per_task
     opts = [f"--job-name={cfg.run.name}-prepare", "--nodes=1", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
             f"--time={s.prepare_time}", *_allocation(cfg, partition=s.prepare_partition or s.partition),
-            f"--output={sbatch_quote(str(paths.run_dir / 'logs' / 'prepare-%j.out'))}", "--open-mode=append",
+            f"--output={sbatch_quote(str(paths.logs / 'prepare-%j.out'))}", "--open-mode=append",
             "--no-requeue"]
     container, prefix = _container_args(env, paths)
     srun = srun_argv(nodes=1, ntasks=1, cpus_per_task=cpus, container=container)
@@ -585,8 +570,8 @@ def render_prepare_sbatch(cfg: Config, paths: RunPaths, env: Environment) -> str
         *(f"#SBATCH {o}" for o in opts),
         "",
         "set -euo pipefail",
-        f"RUN_DIR={shlex.quote(str(paths.run_dir))}",
-        f"cd {shlex.quote(str(paths.project_dir))}",
+        f"RUN_DIR={shlex.quote(str(paths.path))} EVENTS_LOG={shlex.quote(str(paths.events))}",
+        f"cd {shlex.quote(str(paths.project))}",
         EVENT_WRITER,
         'trap \'event "prepare end exit $?"\' EXIT',
         'event "prepare start on $SLURM_JOB_NODELIST"',

@@ -1,0 +1,222 @@
+"""events.log: one line per event of a run, the record every end is told in.
+
+A line is `TIME job JOB TEXT`: TIME as `date --iso-8601=seconds` writes it, JOB the Slurm job
+id (it survives requeues) or `local` for a launch on this machine, TEXT free words whose start
+says what happened (`EventKind`). Two writers, one per language: the batch script's bash
+`event()` (jobs/slurm/job_lib.sh, one printf of the same format) and `append_event` here
+(tests/test_lifecycle.py runs the bash writer and reads its lines back with `parse_event`).
+Readers go through `parse_event`, which never fails on a torn or foreign line, and read the
+file only when it is a regular one, and at most its last MAX_EVENTS_BYTES: a FIFO, a device or a
+runaway log never blocks nor floods a listing. Stdlib only: the trainer writes here too.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import cached_property
+from pathlib import Path
+from typing import Callable, Optional
+
+from common.errors import one_line
+from common.fs import open_regular, read_tail
+from common.rundir import INTERRUPTED_EXIT, LOCAL_JOB, RunDir
+
+# What a reader takes of events.log at most, from its end: thousands of attempts' events (a line
+# is about 120 bytes), where a longer file is a runaway or hostile one.
+MAX_EVENTS_BYTES = 4 << 20
+
+class EventKind(str, enum.Enum):
+    """What an event says, from the start of its text (the batch script's and the local launcher's words)."""
+
+    START = "start"  # an attempt began: `start on NODES (restart N), ...`, `start on this machine`
+    END = "end"  # an attempt ended: `end exit N`, `end interrupted`, `end signal NAME`
+    PREPARE_START = "prepare start"
+    PREPARE_END = "prepare end"
+    RETRY = "retry"  # a failure retry: the job requeued itself
+    NOT_RETRYING = "not retrying"  # a failure the job may not retry: it ends with the failure's code
+    REQUEUE_FAILED = "requeue failed"
+    TIME_LIMIT_WARNING = "time limit warning"
+    TIME_LIMIT_REQUEUE = "time-limit requeue"
+    TIME_LIMIT_STOP = "time-limit stop"  # saved at the warning, slurm.requeue off: the job ends REQUEUE_EXIT
+    NOT_REQUEUEING = "not requeueing"  # the time-limit requeues are used up: the job ends REQUEUE_EXIT
+    VERIFICATION_FAILED = "verification failed"  # what the job runs is not what was submitted: exit 2, no retry
+    PREFLIGHT_OK = "preflight ok"
+    PREFLIGHT_FAILED = "preflight failed"
+    HANG = "hang"
+    NODE_FAILURE = "node failure"
+    CANCELLED = "cancelled"
+    OTHER = "other"
+
+
+# Longest prefix first where one starts another.
+_KINDS: tuple[tuple[str, EventKind], ...] = (
+    ("start on ", EventKind.START),
+    ("end ", EventKind.END),
+    ("prepare start", EventKind.PREPARE_START),
+    ("prepare end", EventKind.PREPARE_END),
+    ("retry ", EventKind.RETRY),
+    ("not retrying", EventKind.NOT_RETRYING),
+    ("requeue failed", EventKind.REQUEUE_FAILED),
+    ("time limit warning", EventKind.TIME_LIMIT_WARNING),
+    ("time-limit requeue", EventKind.TIME_LIMIT_REQUEUE),
+    ("not requeueing", EventKind.NOT_REQUEUEING),
+    ("time-limit stop", EventKind.TIME_LIMIT_STOP),
+    ("verification failed", EventKind.VERIFICATION_FAILED),
+    ("preflight ok", EventKind.PREFLIGHT_OK),
+    ("preflight failed", EventKind.PREFLIGHT_FAILED),
+    ("hang:", EventKind.HANG),
+    ("node failure", EventKind.NODE_FAILURE),
+    ("cancelled", EventKind.CANCELLED),
+)
+_EXIT = re.compile(r"end exit (-?\d+)\b")
+_HANG_TAG = re.compile(r"hangs/(\S+)-\*\.txt")
+_SIGNAL = re.compile(r"end signal (\S+)")
+
+
+def event_kind(text: str) -> EventKind:
+    for prefix, kind in _KINDS:
+        if text.startswith(prefix):
+            return kind
+    return EventKind.OTHER
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of events.log."""
+
+    time: str  # as written (ISO 8601 with its offset); `when` parses it
+    job: str  # a Slurm job id, LOCAL_JOB, or "" when the writer had none
+    text: str
+
+    @cached_property  # asked of every event by each reader: decided once
+    def kind(self) -> EventKind:
+        return event_kind(self.text)
+
+    @property
+    def when(self) -> Optional[datetime]:
+        try:
+            return datetime.fromisoformat(self.time)
+        except ValueError:
+            return None
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        """The code an END / PREPARE_END event gives; INTERRUPTED_EXIT for `end interrupted`;
+        128+N for `end signal N` with a number; None where it gives none."""
+        m = _EXIT.search(self.text)
+        if m and self.kind in (EventKind.END, EventKind.PREPARE_END):
+            return int(m.group(1))
+        if self.kind is EventKind.END and self.text.startswith("end interrupted"):
+            return INTERRUPTED_EXIT
+        s = _SIGNAL.match(self.text)
+        if s and self.kind is EventKind.END:
+            name = s.group(1).rstrip(",;:")
+            if name.isdigit():
+                return 128 + int(name)
+            import signal
+
+            try:
+                return 128 + int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
+            except KeyError:
+                return None
+        return None
+
+    @property
+    def hang_tag(self) -> str:
+        """The attempt whose stack dumps a HANG event names (hangs/TAG-*.txt); "" otherwise."""
+        m = _HANG_TAG.search(self.text) if self.kind is EventKind.HANG else None
+        return m.group(1) if m else ""
+
+    def line(self) -> str:
+        return f"{self.time} job {self.job} {self.text}"
+
+
+def now_iso() -> str:
+    """This moment as `date --iso-8601=seconds` writes it (UTC here; bash writes its local offset)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def format_event(job: Optional[str], text: str, when: Optional[datetime | str] = None) -> str:
+    """The events.log line (with its newline) for `text` about `job`, as the bash `event()` writes it."""
+    stamp = when if isinstance(when, str) else (when.isoformat(timespec="seconds") if when else now_iso())
+    job_word = "_".join(one_line(job or "").split())
+    return f"{'_'.join(one_line(stamp).split())} job {job_word} {' '.join(one_line(text).split())}\n"
+
+
+def parse_event(line: str) -> Optional[Event]:
+    """The event on one line of events.log; None for a line that is not one (torn, foreign, empty)."""
+    line = line.rstrip("\r\n")
+    stamp, sep, rest = line.partition(" job ")
+    if not sep or not stamp or " " in stamp or not stamp[:1].isdigit():
+        return None
+    try:
+        datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    # An empty job id (no SLURM_JOB_ID) leaves two spaces: the job is "" and the text follows.
+    job, _, text = rest.partition(" ")
+    text = text.strip()
+    if not text:
+        return None
+    return Event(stamp, job, text)
+
+
+def parse_events(text: str) -> list[Event]:
+    return [e for line in text.splitlines() if (e := parse_event(line)) is not None]
+
+
+def read_events(run_dir: str | os.PathLike) -> list[Event]:
+    """The events of a run directory, in the order written (at most the last MAX_EVENTS_BYTES of
+    them); [] before the first. An events.log that is no regular file raises NotRegularFile, one
+    the user may not read PermissionError."""
+    data = read_tail(RunDir(Path(run_dir)).events, MAX_EVENTS_BYTES)
+    return [] if data is None else parse_events(data.decode("utf-8", errors="replace"))
+
+
+def tail_events(run_dir: str | os.PathLike, until: Callable[[Event], bool], block: int = 8192) -> list[Event]:
+    """The last events of a run directory's events.log, in the order written: from the latest one
+    for which `until` holds (every event of the last MAX_EVENTS_BYTES when none does). The file is
+    read backwards, a block at a time, so that a reader of the latest attempt reads no more of a
+    long history; read_events' rules for what is no regular file."""
+    f = open_regular(RunDir(Path(run_dir)).events)
+    if f is None:
+        return []
+    found: list[Event] = []  # newest first
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        pos, rest = end, b""
+        while pos > 0 and end - pos < MAX_EVENTS_BYTES:
+            start = max(0, pos - block, end - MAX_EVENTS_BYTES)
+            f.seek(start)
+            lines = (f.read(pos - start) + rest).split(b"\n")
+            pos, block = start, block * 2
+            rest = lines.pop(0) if start > 0 else b""  # maybe cut: read whole with the block before it
+            for line in reversed(lines):
+                event = parse_event(line.decode("utf-8", errors="replace"))
+                if event is not None:
+                    found.append(event)
+                    if until(event):
+                        return found[::-1]
+    return found[::-1]
+
+
+def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,
+                 when: Optional[datetime | str] = None) -> Event:
+    """Append one event to RUN/events.log: one write(2) of one whole line under O_APPEND, so
+    concurrent writers (the batch script, several ranks, the host) never interleave inside a line."""
+    line = format_event(job, text, when)
+    fd = os.open(RunDir(Path(run_dir)).events, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    try:
+        data = line.encode()
+        written = os.write(fd, data)
+        while written < len(data):  # a short write (a signal, a full disk): finish the line
+            written += os.write(fd, data[written:])
+    finally:
+        os.close(fd)
+    stamp, _, rest = line.rstrip("\n").partition(" job ")
+    job_word, _, said = rest.partition(" ")
+    return Event(stamp, job_word, said)
