@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -126,9 +126,9 @@ class CodeSnapshot:
 
     hash: str
     dir: str  # absolute: RUNS/.code/HASH16
-    files: int
-    bytes: int
-    source: str  # the trainer package it was taken from
+    files: int = 0
+    bytes: int = 0
+    source: str = ""  # the trainer package it was taken from
     commit: Optional[str] = None  # the checkout's HEAD, when it is one
     dirty: Optional[bool] = None  # snapshotted files differ from that commit
     script: Optional[str] = None  # the train.script inside the snapshot (absolute)
@@ -139,17 +139,6 @@ class CodeSnapshot:
 
     def record(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
-
-    @classmethod
-    def from_record(cls, data: object) -> Optional["CodeSnapshot"]:
-        if not isinstance(data, dict) or not isinstance(data.get("hash"), str) or not isinstance(data.get("dir"), str):
-            return None
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        values.setdefault("files", 0)
-        values.setdefault("bytes", 0)
-        values.setdefault("source", "")
-        return cls(**values)
 
     def environment(self, pythonpath: Optional[str] = None) -> dict[str, str]:
         """What puts the snapshot in front of any installed `trainer` (`pythonpath`: one to keep behind it)."""

@@ -1,4 +1,5 @@
-"""The schema engine: a dict from YAML into nested dataclasses, strictly, and back."""
+"""The schema engine: a dict from YAML into nested dataclasses, strictly, and back; and a record
+slipway wrote itself (manifest.json) read by the same rules (`from_dict(..., record=True)`)."""
 
 from __future__ import annotations
 
@@ -120,11 +121,16 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
     raise TypeError(f"unsupported config type {tp!r} at {where}")
 
 
+# A record slipway wrote itself (manifest.json): what it holds was checked as it was configured,
+# so the secret policy is not applied again (a listing reads ten thousand of them).
+RECORD = "record"
+
+
 def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = False, key: Any = None,
              checked: bool = False) -> Any:
     """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy
     has seen it (a Union's alternatives are tried on the same value)."""
-    if not checked and (isinstance(value, str) or key is not None):
+    if not checked and policy != RECORD and (isinstance(value, str) or key is not None):
         _secret_check(value, where, policy, edf, key)
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
@@ -138,8 +144,9 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
             except OutOfRange:
                 raise
             except ConfigError:
-                if len(options) == 1 and isinstance(value, str) and _scalar_type(arg):
-                    raise  # the one type a text can be says what is wrong with it (a NUL byte, a number's range)
+                if len(options) == 1 and ((isinstance(value, str) and _scalar_type(arg))
+                                          or dataclasses.is_dataclass(arg)):
+                    raise  # the one type it can be says what is wrong (a NUL byte, a number's range, a key)
         raise ConfigError(where, f"expected {_type_name(tp)}, got {shown(value, where)}")
     if origin is Literal:
         for arg in get_args(tp):
@@ -153,8 +160,13 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
         (item_tp,) = get_args(tp)
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise ConfigError(where, f"expected a list such as [a, b], got {shown(value, where)}")
-        _list_flags(list(value), where, policy)
+        if policy != RECORD:
+            _list_flags(list(value), where, policy)
         return [_convert(item_tp, v, f"{where}[{i}]", policy, edf) for i, v in enumerate(value)]
+    if tp is dict:  # any mapping (a record's git state)
+        if not isinstance(value, dict):
+            raise ConfigError(where, f"expected a mapping, got {shown(value, where)}")
+        return value
     if origin is dict:
         _, val_tp = get_args(tp)
         if not isinstance(value, dict):
@@ -168,9 +180,12 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
     if hasattr(tp, "from_config_value"):  # a class with its own text form (edf.Mount: "SRC:DST:FLAGS")
         return tp.from_config_value(value, where)
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, where)
+        return from_dict(tp, value, where, record=policy == RECORD)
     if tp is Any:
         return value
+    if policy == RECORD and tp is not str and isinstance(value, str):  # JSON's types are the record's own
+        raise ConfigError(where, f"expected {'an integer' if tp is int else 'a number' if tp is float else tp.__name__}"
+                                 f", got {shown(value, where)}")
     return _scalar(tp, value, where)
 
 
@@ -179,16 +194,23 @@ def config_fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if f.init and f.metadata.get("config", True)}
 
 
-def from_dict(cls: type, data: Any, where: str = "") -> Any:
-    """Build dataclass `cls` from `data`, rejecting unknown keys and wrong types."""
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) -> Any:
+    """Build dataclass `cls` from `data`, rejecting unknown keys and wrong types. A `record` (a
+    file slipway wrote, such as manifest.json) keeps the keys it does not know in its `others`
+    field, if it has one (a newer slipway's), and skips the secret policy."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(where or cls.__name__, f"expected a mapping of keys, got {shown(data)}")
-    hints = typing.get_type_hints(cls)
+    if cls not in _HINTS:  # typing.get_type_hints is slow, and a listing reads ten thousand records
+        _HINTS[cls] = typing.get_type_hints(cls)
+    hints = _HINTS[cls]
     fields = config_fields(cls)
     unknown = sorted(set(data) - set(fields), key=str)
-    if unknown:
+    if unknown and not record:
         key = unknown[0]
         path = f"{where}.{key}" if where else str(key)
         raise ConfigError(path, f"unknown key; valid keys of {where or 'the config'} are: {', '.join(fields)}")
@@ -198,7 +220,8 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
         path = f"{where}.{name}" if where else name
         if name in data:
             try:
-                kwargs[name] = _convert(hints[name], data[name], path, f.metadata.get("secrets", REFUSE), edf)
+                kwargs[name] = _convert(hints[name], data[name], path,
+                                        RECORD if record else f.metadata.get("secrets", REFUSE), edf)
             except OutOfRange as exc:
                 if exc.field != path:  # inside a list or a nested section: no check of this one's bounds it
                     raise
@@ -206,6 +229,8 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
                 too_big.append(exc)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(path, "is required")
+    if record and unknown and "others" in hints:
+        kwargs["others"] = {key: data[key] for key in unknown}
     obj = cls(**kwargs)
     check = getattr(obj, "check", None)
     if check is not None:

@@ -24,6 +24,7 @@ from jobs.runs.code import LISTING, PRUNE_AFTER_SECONDS, STORE, plan_snapshot
 from conftest import default_signals
 from common.errors import ConfigError
 from common.rundir import CODE_ENV, CodeSnapshot, check_code
+from common.schema import from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -77,7 +78,7 @@ def test_a_snapshot_is_content_addressed_read_only_and_written_once(project, mon
     assert changed.hash != value.hash and snapshots(store) == sorted([value.dir[-16:], changed.dir[-16:]])
     assert "# changed" not in (snap / "trainer" / "model.py").read_text()
     # The manifest's record reads back as the same value.
-    assert CodeSnapshot.from_record(json.loads(json.dumps(changed.record()))) == changed
+    assert from_dict(CodeSnapshot, json.loads(json.dumps(changed.record())), record=True) == changed
 
 
 def snapshots(store: Path) -> list[str]:

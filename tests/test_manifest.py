@@ -76,21 +76,35 @@ def test_the_format_before_the_schema_reads_and_a_rewrite_keeps_every_key(tmp_pa
         == {k: v for k, v in UNVERSIONED.items() if k != "submissions"}
 
 
-def test_what_a_newer_slipway_wrote_survives_a_rewrite(tmp_path):
-    newer = json.loads(json.dumps(UNVERSIONED))
-    newer.update(schema=SCHEMA + 1, job_lib={"sha256": "d" * 64, "path": "/runs/.code/lib"}, future=[1, {"x": 2}])
-    newer["submissions"][1]["job_lib"] = {"sha256": "d" * 64}
-    newer["submissions"][1]["image"] = {**IMAGE, "layers": 3}
-    newer["code"] = {**CODE, "verified": True}
-    path = write(tmp_path / "r" / "manifest.json", newer)
+def test_a_key_this_slipway_does_not_know_survives_a_rewrite(tmp_path):
+    """A key beside the ones of this format (a hand edit, a tool's note) is kept as it was."""
+    noted = json.loads(json.dumps(UNVERSIONED))
+    noted.update(schema=SCHEMA, note=[1, {"x": 2}])
+    noted["submissions"][1]["reviewed_by"] = "ana"
+    path = write(tmp_path / "r" / "manifest.json", noted)
     run = runs.Run(RunDir(path.parent, tmp_path))
     runs.update_manifest(run, lambda m: m.submissions.append(Launch(job_id="42", submitted=T0)))
     after = json.loads(path.read_text())
-    assert after["schema"] == SCHEMA + 1 and after["job_lib"] == newer["job_lib"] and after["future"] == [1, {"x": 2}]
-    assert after["submissions"][1]["job_lib"] == {"sha256": "d" * 64}
-    assert after["submissions"][1]["image"]["layers"] == 3 and after["code"]["verified"] is True
+    assert after["note"] == [1, {"x": 2}] and after["submissions"][1]["reviewed_by"] == "ana"
     assert [s["job_id"] for s in after["submissions"]] == ["40", "41", None, "42"]
     assert run.launches()[-1].id == "42" and run.code().hash == CODE["hash"]
+
+
+def test_a_manifest_of_a_newer_format_is_refused_not_rewritten(tmp_path):
+    """What a newer slipway wrote may mean what this one cannot tell: it is refused in one line for
+    that run, and never written over."""
+    newer = {**UNVERSIONED, "schema": SCHEMA + 1, "future": {"x": 1}}
+    path = write(tmp_path / "r" / "manifest.json", newer)
+    before = path.read_bytes()
+    with pytest.raises(ManifestError) as caught:
+        manifests.read(path)
+    line = str(caught.value)
+    assert line.startswith(f"{path}: written by a newer slipway (manifest format {SCHEMA + 1}; this one reads "
+                           f"format {SCHEMA} and older)") and "upgrade" in line and "damaged" not in line, line
+    run = runs.Run(RunDir(path.parent, tmp_path))
+    with pytest.raises(ManifestError):
+        runs.update_manifest(run, lambda m: m.submissions.append(Launch(job_id="42", submitted=T0)))
+    assert path.read_bytes() == before
 
 
 TRUNCATED = json.dumps(UNVERSIONED, indent=2)[:700]
@@ -102,22 +116,22 @@ DAMAGE = {
     "a list": ("[]", "a list, not an object"),
     "null": ("null", "null, not an object"),
     "a number": ("3", "an integer, not an object"),
-    "submissions not a list": ({**UNVERSIONED, "submissions": {"0": {}}}, "submissions: an object where a list"),
-    "an entry not an object": ({**UNVERSIONED, "submissions": ["41"]}, "submissions[0]: a string where an object"),
+    "submissions not a list": ({**UNVERSIONED, "submissions": {"0": {}}}, "submissions: expected a list"),
+    "an entry not an object": ({**UNVERSIONED, "submissions": ["41"]}, "submissions[0]: expected a mapping of keys"),
     "a pid as text": ({**UNVERSIONED, "submissions": [{"job_id": None, "local": True, "pid": "12"}]},
-                      "submissions[0].pid: a string where an integer"),
+                      "submissions[0].pid: expected an integer"),
     "a job id that is none": ({**UNVERSIONED, "submissions": [{"job_id": "../../x"}]}, "no Slurm job id"),
     "an entry without a job id": ({**UNVERSIONED, "submissions": [{"kind": "train"}]}, "no Slurm job id"),
     "a log outside the run": ({**UNVERSIONED, "submissions": [{"local": True, "log": "../../etc/passwd"}]},
                               "not a path inside the run directory"),
     "a secret where the kind belongs": ({**UNVERSIONED, "submissions": [{"job_id": "4", "kind": "HF_TOKEN=hf_x1"}]},
                                         "kind: 'HF_TOKEN=<hidden>' is neither"),
-    "an image as text": ({**UNVERSIONED, "image": "/img/x.sqsh"}, "image: a string where an object"),
-    "an image without its source": ({**UNVERSIONED, "image": {"image": "/img/x.sqsh"}}, "image: not an ImagePin"),
-    "a code hash as a number": ({**UNVERSIONED, "code": {**CODE, "hash": 5}}, "code.hash: an integer where a string"),
-    "a size as a boolean": ({**UNVERSIONED, "image": {**IMAGE, "size": True}}, "image.size: a boolean"),
-    "created as a number": ({**UNVERSIONED, "created": 1767268800}, "created: an integer where a string"),
-    "schema as text": ({**UNVERSIONED, "schema": "1"}, "schema: a string where an integer"),
+    "an image as text": ({**UNVERSIONED, "image": "/img/x.sqsh"}, "image: expected a mapping of keys"),
+    "an image without its source": ({**UNVERSIONED, "image": {"image": "/img/x.sqsh"}}, "image.source: '' is not one of build, file"),
+    "a code hash as a number": ({**UNVERSIONED, "code": {**CODE, "hash": 5}}, "code.hash: expected a string"),
+    "a size as a boolean": ({**UNVERSIONED, "image": {**IMAGE, "size": True}}, "image.size: expected int or null, got True"),
+    "created as a number": ({**UNVERSIONED, "created": 1767268800}, "created: expected a string"),
+    "schema as text": ({**UNVERSIONED, "schema": "1"}, "schema: expected an integer"),
     "not UTF-8": (b'{"run": "\xff"}', "not UTF-8 text"),
     "nested too deeply": ("[" * 200000 + "]" * 200000, "nested too deeply"),
 }

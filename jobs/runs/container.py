@@ -25,7 +25,7 @@ import contextlib
 import copy
 import os
 import shlex
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
@@ -34,24 +34,27 @@ from edf import Environment, Mount, expand_host, is_local_image, resolve_base
 from containers.context import build_root
 from containers.image import ImagePlan, image_plan
 from containers.record import BuildRecord
-from jobs.config import Config
-from common.rundir import RunDir
-from jobs.slurm.script import Pins
-from common.rundir import CodeSnapshot
-from common.errors import ConfigError, bounded_path
+from common.errors import ConfigError, bounded_path, shown
 from common.fs import file_sha256
+from common.rundir import CodeSnapshot, RunDir
+from common.schema import require
+from jobs.config import Config
+from jobs.slurm.script import Pins
 
 
 # ---------------------------------------------------------------- the image
+
+
+SOURCES = ("build", "file", "registry", "base_environment", "none")
 
 
 @dataclass(frozen=True)
 class ImagePin:
     """The image a run uses, resolved once at submission."""
 
-    reference: str  # what the config said ("" = what `make image` built)
-    image: str  # what the EDF / pyxis flags name: an absolute squashfs path or a registry reference
-    source: str  # "build" (make image's record), "file", "registry", "base_environment" or "none"
+    reference: str = ""  # what the config said ("" = what `make image` built)
+    image: str = ""  # what the EDF / pyxis flags name: an absolute squashfs path or a registry reference
+    source: str = ""  # "build" (make image's record), "file", "registry", "base_environment" or "none"
     path: Optional[str] = None  # the squashfs file
     size: Optional[int] = None
     mtime: Optional[str] = None
@@ -62,16 +65,9 @@ class ImagePin:
     def record(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
-    @classmethod
-    def from_record(cls, data: object) -> Optional["ImagePin"]:
-        """The pin a manifest recorded (`record()`'s output), or None if it is not one."""
-        if not isinstance(data, dict) or not isinstance(data.get("source"), str):
-            return None
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        values.setdefault("reference", "")
-        values.setdefault("image", "")
-        return cls(**values)
+    def check(self, where: str) -> None:
+        """A pin as a manifest records it (common/schema.py calls this as it reads one)."""
+        require(self.source in SOURCES, f"{where}.source", f"{shown(self.source)} is not one of {', '.join(SOURCES)}")
 
     def pins(self, code: Optional[CodeSnapshot], build: Optional[str]) -> Pins:
         """What a job of this image checks on every node: the squashfs file by its size, mtime

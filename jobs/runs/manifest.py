@@ -2,15 +2,14 @@
 
 `Manifest` holds the run's records (git state, the image and code its latest launch runs, its
 runtime and launcher, the config's hash) and its launches (`Launch`: Slurm jobs and launches on
-this machine), each a dataclass whose fields are the file's keys. `read` is the one reader: every
-key it knows is checked against its field's type, and the keys it does not know (a newer
-slipway's) are kept, so that `write`, the one writer (atomic; jobs.runs.update_manifest calls it
-under the run's lock), hands them back. A record inside (ImagePin, CodeSnapshot) is a dataclass
-with `record()` and `from_record()`: adding one is one field line in `Manifest`, and one in
-`Launch` for a record each launch keeps.
+this machine), each a dataclass whose fields are the file's keys, read by the schema engine that
+reads configs (common/schema.py `from_dict`, as a record: every key checked against its field's
+type, the keys it does not know kept in `others` and written back). `write` is the one writer
+(atomic; jobs.runs.update_manifest calls it under the run's lock).
 
-A manifest that cannot be read (missing, empty, cut short, not JSON, wrong types, too large) is
-a `ManifestError`: one line naming the file and what to do, raised only where that run is read.
+A manifest that cannot be read (missing, empty, cut short, not JSON, wrong types, too large, or
+of a newer format than this slipway reads) is a `ManifestError`: one line naming the file and
+what to do, raised only where that run is read.
 """
 
 from __future__ import annotations
@@ -20,36 +19,42 @@ import json
 import os
 import re
 import signal
-import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
-from jobs.runs.container import ImagePin
 from common.errors import ConfigError, bounded, bounded_path, shown
-from common.fs import write_atomic
+from common.fs import open_regular, write_atomic
 from common.rundir import LOCAL_JOB, CodeSnapshot
+from common.schema import from_dict, require
+from jobs.runs.container import ImagePin
 
 # 1: the first versioned format; a manifest without `schema` (written before it) reads the same.
 SCHEMA = 1
 MAX_BYTES = 32 << 20  # a run resubmitted ten thousand times writes about 8 MiB
 _JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")
+NOT_A_KEY = {"config": False}  # a field of the model that is no key of the file (common/schema.py config_fields)
 
 
 class ManifestError(ConfigError):
     """A run's manifest.json that cannot be read: for that run, nothing can be told of its launches."""
 
-    def __init__(self, path: Path, why: str, stake: str = "", fix: str = ""):
-        self.path, self.why = Path(path), why
+    def __init__(self, path: Path, why: str, stake: str = "", fix: str = "", newer: Optional[int] = None):
+        self.path, self.why, self.newer = Path(path), why, newer
         name = self.path.parent.name
         stake = stake or "slipway cannot tell this run's launches from it"
+        if newer is not None:  # not damaged: this slipway is too old to read it, and must not rewrite it
+            fix = fix or "run the newer slipway that wrote it, or upgrade this one (pip install -U slipway)"
+            super().__init__(bounded_path(self.path), f"written by a newer slipway (manifest format {newer}; this one "
+                                                      f"reads format {SCHEMA} and older): {stake}; {fix}")
+            return
         fix = fix or (f"restore it from a backup, or move the run directory aside and submit afresh "
                       f"(`squeue --name {name},{name}-prepare` lists the run's jobs still in Slurm)")
         super().__init__(bounded_path(self.path), f"damaged ({why}): {stake}; {fix}")
 
     def restated(self, stake: str, fix: str) -> "ManifestError":
         """The same damage, told for what a command could not do because of it."""
-        return ManifestError(self.path, self.why, stake, fix)
+        return ManifestError(self.path, self.why, stake, fix, self.newer)
 
 
 def _signal_number(value: Any) -> Optional[int]:
@@ -90,8 +95,7 @@ class Launch:
     code: Optional[CodeSnapshot] = field(default=None, compare=False)
     script_sha256: str = ""
     job_lib: dict = field(default_factory=dict, compare=False)  # the libraries its batch script sources
-    others: dict = field(default_factory=dict, compare=False, repr=False)  # keys a newer slipway wrote
-    kept: dict = field(default_factory=dict, compare=False, repr=False)  # the same inside a record (`_record`)
+    others: dict = field(default_factory=dict, compare=False, repr=False, metadata=NOT_A_KEY)  # keys it does not know
 
     ALWAYS: ClassVar[tuple[str, ...]] = ("job_id", "kind")  # written even at their defaults
 
@@ -123,15 +127,15 @@ class Launch:
             return self.local and other.local and self.pid == other.pid and self.started == other.started
         return self.job_id == other.job_id
 
-    def _check(self, where: str) -> None:
-        if not self.local and not (isinstance(self.job_id, str) and _JOB_ID.fullmatch(self.job_id)):
-            raise _Bad(f"{where}.job_id: {shown(self.job_id, 'job_id')} is no Slurm job id (and it is no local launch)")
-        if self.kind not in ("train", "prepare"):
-            raise _Bad(f"{where}.kind: {shown(self.kind, 'kind')} is neither train nor prepare")
-        if self.log and (Path(self.log).is_absolute() or ".." in Path(self.log).parts):
-            raise _Bad(f"{where}.log: {shown(self.log, 'log')} is not a path inside the run directory")
-        if isinstance(self.exit, str) and not self.interrupted:
-            raise _Bad(f"{where}.exit: {shown(self.exit, 'exit')} is neither an exit code nor \"interrupted\"")
+    def check(self, where: str) -> None:
+        require(self.local or (isinstance(self.job_id, str) and _JOB_ID.fullmatch(self.job_id) is not None),
+                f"{where}.job_id", f"{shown(self.job_id, 'job_id')} is no Slurm job id (and it is no local launch)")
+        require(self.kind in ("train", "prepare"), f"{where}.kind",
+                f"{shown(self.kind, 'kind')} is neither train nor prepare")
+        require(not self.log or not (Path(self.log).is_absolute() or ".." in Path(self.log).parts), f"{where}.log",
+                f"{shown(self.log, 'log')} is not a path inside the run directory")
+        require(not isinstance(self.exit, str) or self.interrupted, f"{where}.exit",
+                f"{shown(self.exit, 'exit')} is neither an exit code nor \"interrupted\"")
 
 
 @dataclass
@@ -151,8 +155,7 @@ class Manifest:
     code: Optional[CodeSnapshot] = None  # what the latest training launch runs (None: the image's own)
     # The job libraries the latest batch script sources (lib/NAME-HASH12.sh -> sha256), checked by it.
     job_lib: dict = field(default_factory=dict)
-    others: dict = field(default_factory=dict, repr=False)  # keys a newer slipway wrote
-    kept: dict = field(default_factory=dict, repr=False)  # the same inside a record (`_record`)
+    others: dict = field(default_factory=dict, repr=False, metadata=NOT_A_KEY)  # keys it does not know
 
     ALWAYS: ClassVar[tuple[str, ...]] = ("*",)
 
@@ -166,128 +169,6 @@ class Manifest:
 
 
 # ---------------------------------------------------------------- reading and writing
-
-
-class _Bad(Exception):
-    """What is wrong, and where in the file."""
-
-
-_KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-          float: "a number", type(None): "null"}
-
-
-def _kind(value: Any) -> str:
-    return _KINDS.get(type(value), type(value).__name__)
-
-
-def _wanted(hint: Any) -> str:
-    hint = typing.get_origin(hint) or hint
-    return "an object" if dataclasses.is_dataclass(hint) else _KINDS.get(hint, getattr(hint, "__name__", str(hint)))
-
-
-Reader = Callable[[Any, str], Any]  # (value, where in the file) -> the value read, or _Bad
-_READERS: dict[Any, Reader] = {}
-_SEEN: dict[tuple, Any] = {}  # records read already (frozen: one object serves every manifest naming it)
-_FIELDS: dict[type, dict[str, Reader]] = {}
-
-
-def _check(hint: Any) -> Callable[[Any], bool]:
-    """Whether a JSON value is of type `hint` (a boolean is no integer)."""
-    kind = typing.get_origin(hint) or hint
-    if kind is int:
-        return lambda v: type(v) is int
-    if kind is float:
-        return lambda v: type(v) is int or type(v) is float
-    if dataclasses.is_dataclass(kind):
-        return lambda v: type(v) is dict
-    return lambda v: isinstance(v, kind)
-
-
-def _reader(hint: Any) -> Reader:
-    """How a value of type `hint` is read (made once per type: a listing reads thousands)."""
-    if hint in _READERS:
-        return _READERS[hint]
-    origin = typing.get_origin(hint)
-    if origin is Union:
-        options = [(_check(o), _reader(o)) for o in typing.get_args(hint) if o is not type(None)]
-        nullable = type(None) in typing.get_args(hint)
-        wanted = " or ".join(_wanted(o) for o in typing.get_args(hint) if o is not type(None))
-
-        def read(value: Any, where: str) -> Any:
-            if value is None and nullable:
-                return None
-            for fits, reader in options:
-                if fits(value):
-                    return reader(value, where)
-            raise _Bad(f"{where}: {_kind(value)} where {wanted} belongs")
-    elif origin is list:
-        item = _reader(typing.get_args(hint)[0])
-
-        def read(value: Any, where: str) -> Any:
-            if type(value) is not list:
-                raise _Bad(f"{where}: {_kind(value)} where a list belongs")
-            return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    elif dataclasses.is_dataclass(hint):
-        def read(value: Any, where: str) -> Any:
-            if type(value) is not dict:
-                raise _Bad(f"{where}: {_kind(value)} where an object belongs")
-            return _record(hint, value, where)
-    else:
-        fits = _check(hint)
-
-        def read(value: Any, where: str) -> Any:
-            if not fits(value):
-                raise _Bad(f"{where}: {_kind(value)} where {_wanted(hint)} belongs")
-            return value
-    _READERS[hint] = read
-    return read
-
-
-_OWN = ("others", "kept", "ALWAYS")  # fields of the model that are no keys of the file
-
-
-def _fields(cls: type) -> dict[str, Reader]:
-    if cls not in _FIELDS:
-        _FIELDS[cls] = {k: _reader(h) for k, h in typing.get_type_hints(cls).items() if k not in _OWN}
-    return _FIELDS[cls]
-
-
-def _record(cls: type, data: dict, where: str) -> Any:
-    readers = _fields(cls)
-    if hasattr(cls, "from_record"):  # a record another module defines: we check the types, it builds
-        try:  # one image or snapshot is named by many launches and runs: read once
-            same = (cls, *data.items())
-            if same in _SEEN:
-                return _SEEN[same]
-        except TypeError:  # a value that is no scalar: read it as it is
-            same = None
-        for key, value in data.items():
-            if key in readers:
-                readers[key](value, f"{where}.{key}")
-        obj = cls.from_record(data)
-        if obj is None:
-            raise _Bad(f"{where}: not a{'n' if cls.__name__[0] in 'AEIOU' else ''} {cls.__name__} record")
-        if same is not None and len(_SEEN) < 4096:
-            _SEEN[same] = obj
-        return obj
-    values: dict[str, Any] = {}
-    others: dict[str, Any] = {}
-    kept: dict[str, Any] = {}
-    for key, value in data.items():
-        reader = readers.get(key)
-        if reader is None:
-            others[key] = value
-            continue
-        values[key] = read = reader(value, f"{where}.{key}")
-        if hasattr(read, "record"):  # its keys a newer slipway added, while it stays this record
-            extra = {k: v for k, v in value.items() if k not in _fields(type(read))}
-            if extra:
-                kept[key] = (read, extra)
-    obj = cls(**values, others=others, kept=kept)
-    check = getattr(obj, "_check", None)
-    if check is not None:
-        check(where)
-    return obj
 
 
 def _plain(value: Any) -> Any:
@@ -306,14 +187,12 @@ def to_record(obj: Any) -> dict:
     out: dict[str, Any] = {}
     every = "*" in obj.ALWAYS
     for f in fields(obj):
-        if f.name in _OWN:
+        if f.metadata is NOT_A_KEY:
             continue
         value = getattr(obj, f.name)
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if every or f.name in obj.ALWAYS or value != default:
             out[f.name] = _plain(value)
-            if f.name in obj.kept and obj.kept[f.name][0] is value:
-                out[f.name] = {**out[f.name], **obj.kept[f.name][1]}
     for key, value in obj.others.items():
         out.setdefault(key, value)
     return out
@@ -322,10 +201,11 @@ def to_record(obj: Any) -> dict:
 def read(path: Path) -> Manifest:
     """The manifest at `path`, validated; ManifestError when it cannot be read."""
     try:
-        with open(path, "rb") as f:
+        f = open_regular(path)
+        if f is None:
+            raise ManifestError(path, "missing")
+        with f:
             data = f.read(MAX_BYTES + 1)
-    except FileNotFoundError:
-        raise ManifestError(path, "missing") from None
     except OSError as exc:
         raise ManifestError(path, f"cannot be read: {exc.strerror or exc}") from None
     if len(data) > MAX_BYTES:
@@ -341,11 +221,18 @@ def read(path: Path) -> Manifest:
     except ValueError as exc:
         raise ManifestError(path, f"not JSON: {bounded(str(exc), 120)}") from None
     if not isinstance(raw, dict):
-        raise ManifestError(path, f"{_kind(raw)}, not an object")
+        raise ManifestError(path, f"{_KINDS.get(type(raw), type(raw).__name__)}, not an object")
+    schema = raw.get("schema")
+    if type(schema) is int and schema > SCHEMA:  # its keys may mean what this slipway cannot tell
+        raise ManifestError(path, "newer", newer=schema)
     try:
-        return _record(Manifest, raw, "manifest")
-    except _Bad as exc:
+        return from_dict(Manifest, raw, "manifest", record=True)
+    except ConfigError as exc:
         raise ManifestError(path, str(exc).removeprefix("manifest.")) from None
+
+
+_KINDS = {list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a number",
+          type(None): "null"}
 
 
 def write(path: Path, manifest: Manifest) -> None:
