@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 from common.errors import one_line
 from common.fs import open_regular, read_tail
-from common.rundir import INTERRUPTED_EXIT, LOCAL_JOB, RunDir
+from common.rundir import INTERRUPTED_EXIT, RunDir
 
 # What a reader takes of events.log at most, from its end: thousands of attempts' events (a line
 # is about 120 bytes), where a longer file is a runaway or hostile one.

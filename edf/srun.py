@@ -13,7 +13,7 @@ Annotations drive Container Engine hooks and have no pyxis flag, except
 
 Every string returned (flag values and export values) is shell text in which
 only `${NAME}` and `${NAME:-default}` are expansions and everything else is
-literal: quote it with `jobs.slurm.script.shell_value`, not `shlex.quote`, so the
+literal: quote it with `jobs.slurm.ranks.shell_value`, not `shlex.quote`, so the
 batch script expands what the Container Engine would.
 """
 

@@ -30,7 +30,7 @@ from jobs.runs.code import git_state, prune_code_store
 from jobs.config import Config
 from jobs.supervisor import FORWARDED, Output, Stopper, available_memory, oom_kills, wait_for_exit
 from jobs.runs.manifest import Launch, Manifest
-from jobs.slurm.script import local_argv
+from jobs.slurm.ranks import local_argv
 from common import environ
 from common.errors import ConfigError
 from common.fs import write_atomic

@@ -100,12 +100,12 @@ def tree(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
 
 
-from slurm_fixtures import restart_dead_nodes, slurm_cluster, slurm_env  # noqa: E402,F401  (a real local Slurm)
+from slurm_fixtures import restart_dead_session_nodes, slurm_cluster, slurm_env  # noqa: E402,F401  (a real local Slurm)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item) -> None:
-    restart_dead_nodes()  # before the test's fixtures: a module fixture may submit jobs
+    restart_dead_session_nodes()  # before the test's fixtures: a module fixture may submit jobs
 
 
 # `make test` runs two pytest-xdist workers. Each module's tests stay on one worker (module

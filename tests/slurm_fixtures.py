@@ -15,13 +15,14 @@ Client commands reach it with `slurm_cluster.env()` = {"SLURM_CONF": ...}.
 Before each test (tests/conftest.py's pytest_runtest_setup, ahead of its fixtures,
 module-scoped ones included) a slurmd that died is started again and its node
 brought back, with a warning in the summary: the daemon itself is not under test,
-and one crash (LocalSlurmCluster.restart_dead_nodes says which) would otherwise
+and one crash (`restart_dead_nodes` says which) would otherwise
 fail every later Slurm test of the session.
 """
 
 from __future__ import annotations
 
 import atexit
+import time
 import warnings
 from typing import Iterator
 
@@ -62,10 +63,29 @@ def slurm_env(slurm_cluster: LocalSlurmCluster, monkeypatch: pytest.MonkeyPatch)
     return env
 
 
-def restart_dead_nodes() -> None:
+def restart_dead_nodes(cluster: LocalSlurmCluster, timeout: float = 60) -> list[str]:
+    """Start again each slurmd of `cluster` that exited, and return its node's name once the node
+    is back in service. Debian's Slurm 22.05 slurmd has been seen to abort in glibc's heap check
+    (`tcache_thread_shutdown(): unaligned tcache chunk detected`) right after two steps of one job
+    launched on it at once; its node then stays DOWN for every later job."""
+    names = [p["role"].split(" ", 1)[1] for p in cluster.status().get("processes", [])
+             if p["role"].startswith("slurmd ") and not p["alive"]]
+    for name in names:
+        cluster.start_node(name)
+    deadline = time.monotonic() + timeout
+    while names:
+        states = cluster.node_states()
+        if all(states.get(n) in ("idle", "allocated", "mixed", "completing") for n in names):
+            break
+        assert time.monotonic() < deadline, f"restarted slurmd on {names}, but sinfo says {states}"
+        time.sleep(0.5)
+    return names
+
+
+def restart_dead_session_nodes() -> None:
     """Bring back the session cluster's nodes whose slurmd died (see the module docstring)."""
     for cluster in _RUNNING:
-        names = cluster.restart_dead_nodes()
+        names = restart_dead_nodes(cluster)
         if names:
             warnings.warn(f"slurmd of {', '.join(names)} had exited and was started again (its log: "
                           f"{cluster.spec.log_dir})", stacklevel=1)

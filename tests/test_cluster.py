@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from jobs.devcluster import host as cluster_host
+from slurm_fixtures import restart_dead_nodes
 from jobs.devcluster import (ClusterError, ClusterSpec, LocalSlurmCluster, alive, default_state_dir, leftovers,
                           read_registry, render_slurm_conf, unavailable_reason)
 
@@ -76,8 +77,8 @@ def test_a_slurmd_that_aborted_is_started_again_and_its_node_serves_jobs(slurm_c
     deadline = time.monotonic() + 10
     while alive(daemon["pid"], daemon["start"]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert slurm_cluster.restart_dead_nodes() == ["node2"]
-    assert slurm_cluster.restart_dead_nodes() == []  # nothing else to do
+    assert restart_dead_nodes(slurm_cluster) == ["node2"]
+    assert restart_dead_nodes(slurm_cluster) == []  # nothing else to do
     assert slurm_cluster.node_states()["node2"] in ("idle", "mixed", "allocated")
     assert slurm_cluster.status()["up"]
     test_two_node_job_runs_on_distinct_hosts(slurm_cluster, tmp_path)

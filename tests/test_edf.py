@@ -271,7 +271,7 @@ def test_pyxis_flags_and_entrypoint_log():
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_pyxis_exports_reach_bash_as_the_container_engine_would_set_them():
     """Through the batch script's quoting, each export holds the value the EDF means."""
-    from jobs.slurm.script import shell_value
+    from jobs.slurm.ranks import shell_value
 
     exports = to_pyxis_args(PYXIS_HOSTILE).exports
     script = "".join(f"export {name}={shell_value(value)}\n" for name, value in exports)

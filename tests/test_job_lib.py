@@ -101,8 +101,8 @@ def test_a_rank_killed_by_a_signal_decides_the_steps_exit_whatever_srun_says(tmp
 
 
 def test_the_task_wrapper_reports_what_killed_its_rank(tmp_path):
-    """The wrapper jobs/slurm/script.py puts around each task: its report is what step_exit reads."""
-    from jobs.slurm.script import REPORT_EXIT
+    """The wrapper jobs/slurm/ranks.py puts around each task: its report is what step_exit reads."""
+    from jobs.slurm.ranks import REPORT_EXIT
 
     reports = tmp_path / "exits"
     reports.mkdir()

@@ -127,7 +127,7 @@ def test_the_all_reduce_step_of_a_train_script_runs_in_a_group_of_its_own(tmp_pa
 
 # ---- NUMA binding: torchrun --numa-binding runs every worker under numactl ----------------
 
-# torchrun as the batch script starts it (jobs/slurm/script.py torchrun_argv), in a launcher
+# torchrun as the batch script starts it (jobs/slurm/ranks.py torchrun_argv), in a launcher
 # process told which NUMA node "its GPU" is on: torch looks that up in sysfs by the GPU's PCI
 # address, and this machine has no GPU. Everything else is torch's own: the binding it computes
 # and the numactl command line it wraps each worker in.
@@ -143,7 +143,7 @@ NUMACTL_SHIM = '#!/bin/sh\necho "$@" >> "{log}"\nexec "{real}" "$@"\n'
 
 def numa_launch(tmp_path: Path, path: str, procs: int) -> tuple[subprocess.CompletedProcess, Path]:
     from jobs.config import load_config
-    from jobs.slurm.script import torchrun_argv
+    from jobs.slurm.ranks import torchrun_argv
 
     cfg = load_config("configs/tiny_wikitext.yaml", ["run.name=numa"])
     assert cfg.binds_numa  # the flagship's launch binds each rank to its GPU's NUMA node

@@ -12,7 +12,8 @@ import pytest
 from conftest import SRUN_PASSING_PREFLIGHT, assert_golden, write_libraries
 from jobs.config import load_config
 from common.rundir import RunDir
-from jobs.slurm.script import local_argv, render_sbatch, shell_value
+from jobs.slurm.ranks import local_argv, shell_value
+from jobs.slurm.script import render_sbatch
 
 HOSTILE = "a b'c\"d $(touch pwned) `touch pwned2` ; rm -rf / \\ ${HOME} end"
 PATHS = RunDir(Path("/scratch/u s'er/proj $(x)/runs/r1"), Path("/scratch/u s'er/proj $(x)"))

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs.config import NODE_PRESETS
+from jobs.slurm.sections import NODE_PRESETS
 from common.errors import ConfigError, bounded, shown
 from common.secrets import (PASSTHROUGH, REFERENCE, find_secrets, mask, name_words, refusal, secret_name,
                             secret_shape)

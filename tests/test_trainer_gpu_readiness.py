@@ -284,10 +284,15 @@ def test_the_stop_vote_runs_on_sync_steps_only(tmp_path, monkeypatch):
 
     votes, checks = [], [0]
 
-    class CountedVote(train_mod.StopVote):
+    class CountedVote(train_mod.StopVote):  # counts its all-reduces
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            self.rounds = 0
             votes.append(self)
+
+        def start(self, requested: bool) -> None:
+            super().start(requested)
+            self.rounds += self.group is not None
 
     original = train_mod.StopSignal.requested
 

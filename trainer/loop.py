@@ -164,8 +164,7 @@ class StopVote:
     """Whether any rank asked to stop, agreed without touching the device: an all-reduce (max)
     of each rank's flag over a gloo group of CPU tensors, started at the beginning of a sync
     step and read at its end. All ranks read the same result after the same step, so all stop
-    together; a request that arrives later is seen at the start of the next sync step.
-    `rounds` counts the all-reduces."""
+    together; a request that arrives later is seen at the start of the next sync step."""
 
     def __init__(self, timeout: Optional[timedelta] = None):
         # Its own group: the default one may be NCCL (device tensors, a stream to wait on), and
@@ -173,13 +172,11 @@ class StopVote:
         self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self._flag = torch.zeros(1)
         self._work = None
-        self.rounds = 0
 
     def start(self, requested: bool) -> None:
         self._flag = torch.full((1,), float(requested))
         if self.group is not None:
             self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            self.rounds += 1
 
     def result(self) -> bool:
         if self._work is not None:

@@ -51,7 +51,6 @@ import copy
 import logging
 import os
 import re
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field

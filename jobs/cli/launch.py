@@ -244,7 +244,7 @@ def cmd_edf(args: argparse.Namespace) -> int:
         flags = srun_flags(env)
         for warning in flags.warnings:
             print(f"note: {mask(warning)}", file=sys.stderr)
-        from jobs.slurm.script import shell_value
+        from jobs.slurm.ranks import shell_value
 
         # a hand-written EDF's values, printed: what looks like a secret is hidden (check_edf warned)
         for name, value in flags.exports:

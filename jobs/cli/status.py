@@ -20,7 +20,7 @@ from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History
 from jobs.runs.manifest import Launch, ManifestError
 from common.errors import ConfigError
-from common.events import Event, EventKind
+from common.events import Event
 from common.rundir import LOCAL_JOB, HangLine
 
 

@@ -140,11 +140,8 @@ class LocalSlurmCluster:
             self._start_munged()
             self._start("slurmctld", self._in_uts(spec.ctl_host, "slurmctld", "-D", "-f", str(spec.conf)),
                         "slurmctld.out")
-            for k, node in enumerate(spec.node_names, 1):
-                binds = [(spec.state_dir / "nodes" / node / str(i), Path(d)) for i, d in enumerate(spec.node_private)]
-                argv = ["nsenter", f"--net={NETNS_DIR / spec.netns(k)}",
-                        *self._in_uts(node, "slurmd", "-D", "-N", node, "-f", str(spec.conf), binds=binds)]
-                self._start(f"slurmd {node}", argv, f"slurmd-{node}.out")
+            for node in spec.node_names:
+                self.start_node(node)
             self._wait_ready(timeout)
         except BaseException as e:
             tails = self.log_tails()
@@ -180,33 +177,18 @@ class LocalSlurmCluster:
                 "state_dir": reg["state_dir"],
                 "env": self.env(), "processes": procs, "nodes": self.node_states() if ctld else {}}
 
-    def restart_dead_nodes(self, timeout: float = 60) -> list[str]:
-        """Start again each slurmd that exited, in its node's namespaces, and return once its node
-        is back in service (ReturnToService=2 brings it back when it registers); return the
-        names. Debian's Slurm 22.05 slurmd has been seen to abort in glibc's heap check
-        (`tcache_thread_shutdown(): unaligned tcache chunk detected`) right after two steps
-        of one job launched on it at once; its node then stays DOWN for every later job."""
-        reg = read_registry(self.spec.name) or {"processes": []}
-        dead = [p for p in reg["processes"] if p["role"].startswith("slurmd ") and not alive(p["pid"], p["start"])]
-        if not dead:
-            return []
+    def start_node(self, node: str) -> None:
+        """Start `node`'s slurmd in its node's namespaces; again where the one started before has
+        exited (its node returns to service as it registers: ReturnToService=2)."""
+        spec, role = self.spec, f"slurmd {node}"
         for child in self._children:
-            child.poll()  # reap the dead ones
-        dead_pids = {p["pid"] for p in dead}
-        self._children = [c for c in self._children if c.pid not in dead_pids]
-        self._record([p for p in reg["processes"] if p["pid"] not in dead_pids])
-        names = [p["role"].split(" ", 1)[1] for p in dead]
-        for p, name in zip(dead, names):
-            self._start(p["role"], p["argv"], f"slurmd-{name}.out")
-        deadline = time.monotonic() + timeout
-        while True:
-            states = self.node_states()
-            if all(states.get(n) in ("idle", "allocated", "mixed", "completing") for n in names):
-                return names
-            if time.monotonic() > deadline:
-                raise ClusterError(f"restarted slurmd on {', '.join(names)}, but sinfo says {states} after "
-                                   f"{timeout:.0f} s\n{self.log_tails()}")
-            time.sleep(0.5)
+            child.poll()  # reap an exited one
+        reg = read_registry(spec.name) or {"processes": []}
+        self._record([p for p in reg["processes"] if p["role"] != role])
+        binds = [(spec.state_dir / "nodes" / node / str(i), Path(d)) for i, d in enumerate(spec.node_private)]
+        argv = ["nsenter", f"--net={NETNS_DIR / spec.netns(spec.node_names.index(node) + 1)}",
+                *self._in_uts(node, "slurmd", "-D", "-N", node, "-f", str(spec.conf), binds=binds)]
+        self._start(role, argv, f"slurmd-{node}.out")
 
     def pids(self) -> list[tuple[int, int]]:
         """(pid, start time) of the daemons this cluster started."""

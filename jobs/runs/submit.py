@@ -30,11 +30,12 @@ from jobs.runs.container import (ImagePin, create_needed_dirs, kept_build, pin_i
                                  resolve_paths, run_environment)
 from jobs.runs.manifest import Launch, Manifest
 from jobs.runs.run import Run, active_jobs, runs_root, update_manifest
-from jobs.slurm.script import check_env_from_host, library_files, render_prepare_sbatch, render_sbatch
+from jobs.slurm.script import library_files, render_prepare_sbatch, render_sbatch
 from common import environ
 from common.errors import ConfigError
 from common.fs import write_atomic
 from common.events import append_event, now_iso
+from common.secrets import refusal
 from common.rundir import CodeSnapshot, RunDir, complete_checkpoints
 
 
@@ -72,6 +73,31 @@ class Sealed:
         files = {**self.files, self.paths.prepare_script: render_prepare_sbatch(self.cfg, self.paths, self.env)}
         _check_script_syntax(self.cfg, files[self.paths.prepare_script])
         return replace(self, files=files)
+
+
+def check_env_from_host(cfg: Config, environ: dict[str, str] | None = None) -> None:
+    """At submission: every `container.env_from_host` variable is set here, and sbatch hands it
+    to the job. The job takes these variables from the environment sbatch exports (its default,
+    --export=ALL; the batch script's sruns keep it); an --export that leaves one out (slurm.extra,
+    or $SBATCH_EXPORT, which outranks #SBATCH lines) would start the job without it."""
+    environ = dict(os.environ) if environ is None else environ
+    names = cfg.container.env_from_host
+    cfg.container.require_host_env(environ)
+    exports = [(f"slurm.extra[{i}]", opt.split("=", 1)[1]) for i, opt in enumerate(cfg.slurm.extra)
+               if opt.startswith("--export=")]
+    if "SBATCH_EXPORT" in environ:
+        exports.append(("SBATCH_EXPORT", environ["SBATCH_EXPORT"]))
+    for where, value in exports:
+        listed = [v.split("=", 1)[0] for v in value.split(",")]
+        for item, name in zip(value.split(","), listed):  # slurm.extra's were refused as the config was read
+            found = refusal(item.split("=", 1)[1], name=name) if "=" in item else None
+            if found is not None:
+                raise ConfigError(where, found.message())
+        dropped = [n for n in names if "ALL" not in listed and n not in listed]
+        if dropped:  # the names alone are shown: an --export may hold NAME=value pairs
+            raise ConfigError(where, f"an --export that names {', '.join(listed)} does not pass "
+                                     f"{', '.join(dropped)} (container.env_from_host) to the job: use --export=ALL, "
+                                     f"or add {dropped[0]} to it")
 
 
 def check_submittable(cfg: Config) -> None:

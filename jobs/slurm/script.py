@@ -1,4 +1,5 @@
-"""The batch script: one pure render function for every runtime and launcher.
+"""The batch script: one pure render function for every runtime and launcher (the line that
+starts the ranks is jobs/slurm/ranks.py's).
 
 Every config value that reaches the script goes through `shlex.quote` (or
 `shell_value`, which keeps `${VAR}` references and quotes everything else), so
@@ -8,48 +9,24 @@ no run name, path or env value can ever run a command.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from edf import Environment, srun_flags
-from common.secrets import refusal
-from jobs.config import NODE_PRESETS, Config
-from jobs.slurm.client import srun_argv
 from common.errors import ConfigError
+from common.layouts import checkpoint_bytes, smaller_batch_hint
 from common.rundir import (BAD_INPUT_EXIT, HANG_EXIT, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE, REQUEUE_EXIT,
                            CodeSnapshot, RunDir)
-from common.layouts import smaller_batch_hint
-from common.layouts import checkpoint_bytes
+from edf import Environment
+from jobs.config import Config
+from jobs.slurm.sections import NODE_PRESETS
+from jobs.slurm.client import srun_argv
+from jobs.slurm.ranks import Value, container_args, launch_line, shell_value, words
 
 HEARTBEAT_SECONDS = 60
 NODE_HEARTBEAT_SECONDS = 15  # heartbeats/NODE, which `slipway watch` shows by age
-# `${VAR}` or `${VAR:-default}` with a default that is literal inside double quotes.
-_VAR = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-[A-Za-z0-9_./:@%+=, -]*)?\}")
-
-
-def shell_value(text: str) -> str:
-    """Quote `text` for bash, keeping `${VAR}` and `${VAR:-default}` as expansions.
-
-    Only those two forms expand (a default only of characters that are literal
-    in double quotes); `$(...)`, backticks and everything else stay literal.
-    """
-    if "\n" in text or "\0" in text:
-        raise ConfigError("", f"value {text!r} contains a newline or NUL, which cannot be passed safely")
-    parts, pos = [], 0
-    for m in _VAR.finditer(text):
-        if m.start() > pos:
-            parts.append(shlex.quote(text[pos:m.start()]))
-        parts.append(f'"{m.group(0)}"')
-        pos = m.end()
-    if pos < len(text) or not parts:
-        parts.append(shlex.quote(text[pos:]))
-    return "".join(parts)
-
-
 def sbatch_quote(value: str) -> str:
     """A value for an `#SBATCH` line: sbatch splits those lines itself (not a shell),
     honouring double quotes and backslash escapes."""
@@ -58,39 +35,6 @@ def sbatch_quote(value: str) -> str:
     if re.fullmatch(r"[A-Za-z0-9_.,:@%/+=-]+", value):
         return value
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def task_command(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None) -> list[str]:
-    """What each rank runs: the trainer, a custom training script (the code snapshot's copy), or
-    `launch.command`."""
-    if cfg.launch.command:
-        return list(cfg.launch.command)
-    if cfg.train.script:
-        script = Path(code.script) if code and code.script else Path(cfg.train.script)
-        if not script.is_absolute():
-            script = paths.project / script
-        return [cfg.launch.python, str(script), "--config", str(paths.config)]
-    return [cfg.launch.python, "-m", "trainer", "--config", str(paths.config)]
-
-
-def torchrun_argv(cfg: Config, *, nnodes: str, rdzv: list[str]) -> list[str]:
-    """`python -m torch.distributed.run` (an absolute interpreter: the image's PATH may not
-    reach srun, see pyxis), then the task command without its interpreter. With a node preset
-    each worker is bound to the NUMA node of its GPU (its own Grace on a GH200)."""
-    binding = ["--numa-binding=node"] if cfg.binds_numa else []
-    return [cfg.launch.python, "-m", "torch.distributed.run", _Expand(f"--nnodes={nnodes}") if "$" in nnodes else f"--nnodes={nnodes}",
-            f"--nproc-per-node={cfg.launch.procs_per_node}", *rdzv, *binding, "--max-restarts=0"]
-
-
-def local_argv(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None) -> list[str]:
-    """The same launch as on the cluster, on this machine: `torchrun --standalone`."""
-    cmd = task_command(cfg, paths, code)
-    if cfg.launch.procs_per_node == 1 and cfg.slurm.nodes == 1:
-        return cmd
-    if cmd[0] != cfg.launch.python:
-        raise ConfigError("launch.command", "a custom command cannot be spread over processes by torchrun; "
-                                            "start it with launch.python or set launch.procs_per_node: 1")
-    return torchrun_argv(cfg, nnodes="1", rdzv=["--standalone"]) + cmd[1:]
 
 
 def _allocation(cfg: Config, *, partition: str | None) -> list[str]:
@@ -129,7 +73,6 @@ def _hf_home(cfg: Config, paths: RunDir) -> str:
 JOB_LIB = (Path(__file__).with_name("job_lib.sh")).read_text()
 PYXIS_LIB = (Path(__file__).with_name("pyxis_lib.sh")).read_text()
 EVENT_WRITER = next(line for line in JOB_LIB.splitlines() if line.startswith("event() "))
-LIB_DIR = "lib"
 
 
 def library_files(env: Environment, paths: RunDir) -> dict[Path, str]:
@@ -236,93 +179,6 @@ def _environment(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None
     return lines
 
 
-def check_env_from_host(cfg: Config, environ: dict[str, str] | None = None) -> None:
-    """At submission: every `container.env_from_host` variable is set here, and sbatch hands it
-    to the job. The job takes these variables from the environment sbatch exports (its default,
-    --export=ALL; the batch script's sruns keep it); an --export that leaves one out (slurm.extra,
-    or $SBATCH_EXPORT, which outranks #SBATCH lines) would start the job without it."""
-    environ = dict(os.environ) if environ is None else environ
-    names = cfg.container.env_from_host
-    cfg.container.require_host_env(environ)
-    exports = [(f"slurm.extra[{i}]", opt.split("=", 1)[1]) for i, opt in enumerate(cfg.slurm.extra)
-               if opt.startswith("--export=")]
-    if "SBATCH_EXPORT" in environ:
-        exports.append(("SBATCH_EXPORT", environ["SBATCH_EXPORT"]))
-    for where, value in exports:
-        listed = [v.split("=", 1)[0] for v in value.split(",")]
-        for item, name in zip(value.split(","), listed):  # slurm.extra's were refused as the config was read
-            found = refusal(item.split("=", 1)[1], name=name) if "=" in item else None
-            if found is not None:
-                raise ConfigError(where, found.message())
-        dropped = [n for n in names if "ALL" not in listed and n not in listed]
-        if dropped:  # the names alone are shown: an --export may hold NAME=value pairs
-            raise ConfigError(where, f"an --export that names {', '.join(listed)} does not pass "
-                                     f"{', '.join(dropped)} (container.env_from_host) to the job: use --export=ALL, "
-                                     f"or add {dropped[0]} to it")
-
-
-class _Expand(str):
-    """A word of our own making that bash must expand (`$MASTER_ADDR`...): double-quoted."""
-
-
-class _Value(str):
-    """A config value in which `${VAR}` expands and nothing else: `shell_value`."""
-
-
-def _words(argv: list[str]) -> str:
-    return " ".join(f'"{a}"' if isinstance(a, _Expand) else shell_value(a) if isinstance(a, _Value)
-                    else shlex.quote(a) for a in argv)
-
-
-def _container_args(env: Environment, paths: RunDir) -> tuple[list[str], str]:
-    """(srun arguments, the `NAME=value ` words that set variables for the srun line alone).
-
-    pyxis's --container-env passes the [env] values from srun's environment: they are set
-    for the srun alone so the host commands of the script keep their own (PATH...)."""
-    flags = srun_flags(env, paths.env_toml)
-    return [_Value(a) for a in flags.args], "".join(f"{name}={shell_value(value)} " for name, value in flags.exports)
-
-
-def _launch(cfg: Config, paths: RunDir, container: list[str], prefix: str,
-            cmd: list[str] | None = None, port: str = "MASTER_PORT", wrap: list[str] = (),
-            code: Optional[CodeSnapshot] = None) -> str:
-    """The `srun` line that starts every rank: the trainer, or `cmd` (the preflight's all-reduce)
-    launched the same way with its rendezvous on `$port`, as a step bounded by the words `wrap`
-    (`timeout ...`), whose ranks end together (no --wait); not backgrounded. The training
-    step's tasks report their exits into $SLIPWAY_EXITS."""
-    report = cmd is None
-    cmd = task_command(cfg, paths, code) if cmd is None else cmd
-    torchrun = cfg.launch.launcher == "torchrun"
-    # A node preset's srun launcher runs one task per GPU, on the cores and memory next to it:
-    # task i gets GPU i and cores [i * cpus_per_task, (i + 1) * cpus_per_task), on a GH200 its own Grace.
-    srun = [*wrap, *srun_argv(nodes=cfg.slurm.nodes, ntasks_per_node=1 if torchrun else cfg.launch.procs_per_node,
-                              cpus_per_task=cfg.slurm.cpus_per_task, kill_on_bad_exit=True, wait=None if wrap else 60,
-                              near_gpu=not torchrun and cfg.launch.preset in NODE_PRESETS, container=container)]
-    if torchrun:
-        if cmd[0] != cfg.launch.python:
-            raise ConfigError("launch.command", "with launcher torchrun the command must start with launch.python "
-                                                f"({cfg.launch.python}); use launcher srun for other programs")
-        rdzv = [_Expand(f"--rdzv-endpoint=$MASTER_ADDR:${port}"), _Expand("--rdzv-id=$SLURM_JOB_ID"),
-                "--rdzv-backend=c10d"]
-        argv = torchrun_argv(cfg, nnodes=_Expand("$SLURM_NNODES"), rdzv=rdzv) + cmd[1:]
-        argv = ["bash", "-c", REPORT_EXIT, "slipway-task", *argv] if report else argv
-    else:  # one task per process: the rank variables come from Slurm's own
-        mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
-                  'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; ')
-        argv = ["bash", "-c", mapper + (REPORT_EXIT if report else 'exec "$@"'), "slipway-task", *cmd]
-        if port != "MASTER_PORT":  # init_process_group reads MASTER_PORT: this launch's own, for its srun alone
-            prefix += f'MASTER_PORT="${port}" '
-    return f"{prefix}{_words(srun)} \\\n  {_words(argv)}"
-
-
-# Each task of the training step reports its own exit (step_exit in jobs/slurm/job_lib.sh): a task
-# that Slurm kills reports nothing, its wrapper dying with it. A failed task during which its
-# node's out-of-memory killer ran (/proc/vmstat's oom_kill moved) names the node too (after_oom).
-REPORT_EXIT = ('o=$(grep -s "^oom_kill " /proc/vmstat); "$@"; rc=$?; echo "$rc" > "$SLIPWAY_EXITS/$SLURM_PROCID" '
-                '2>/dev/null; [ "$rc" = 0 ] || [ "$(grep -s "^oom_kill " /proc/vmstat)" = "$o" ] || echo '
-                '"${SLURMD_NODENAME:-$(hostname)}" > "$SLIPWAY_EXITS/oom-$SLURM_PROCID" 2>/dev/null; exit "$rc"')
-
-
 def _node_helper(cfg: Config) -> list[str]:
     """One task per node beside the training step: the node's heartbeat, and its GPU use for GPU jobs."""
     script = ['n=${SLURMD_NODENAME:-$(hostname)}']
@@ -334,7 +190,7 @@ def _node_helper(cfg: Config) -> list[str]:
     what = "its heartbeat (heartbeats/NODE)" + (" and GPU use (gutil/NODE.gutil)" if cfg.slurm.gpus_per_node else "")
     return [
         f"# On every node: {what}, for `slipway watch`; quiet, as the trap ends it.",
-        _words(srun_argv(nodes=cfg.slurm.nodes, cpus_per_task=1, overlap=True,
+        words(srun_argv(nodes=cfg.slurm.nodes, cpus_per_task=1, overlap=True,
                          extra=["bash", "-c", "; ".join(script), "slipway-node"])) + ' "$HEARTBEATS" "$GUTIL" > /dev/null 2>&1 &',
         'HELPER_PIDS+=("$!")',
     ]
@@ -388,7 +244,7 @@ def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str) ->
         "# (" + ("in a step of its own: the ranks run a train.script" if where == "step" else
                  "the training step's first collective") + ").",
         'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG.out"',
-        f'set +e; {prefix}{_words(node_srun)} \\\n  {_words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
+        f'set +e; {prefix}{words(node_srun)} \\\n  {words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
         'preflight_nodes "$PREFLIGHT_LOG" "$pf_rc"',
     ]
@@ -396,7 +252,7 @@ def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str) ->
         return lines
     return lines + [
         'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG-allreduce.out"',
-        "set +e; " + _launch(cfg, paths, container, prefix, cmd=allreduce, port="PREFLIGHT_PORT", wrap=limit)
+        "set +e; " + launch_line(cfg, paths, container, prefix, cmd=allreduce, port="PREFLIGHT_PORT", wrap=limit)
         + ' > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
         'preflight_allreduce "$PREFLIGHT_LOG" "$pf_rc"',
@@ -484,12 +340,12 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
     `env` is the run's container environment (`jobs.runs.container.run_environment`), `pins`
     what the job runs (its code snapshot, image and kept container), which it checks on every
     node first. It sources the libraries `library_files` puts in the run directory."""
-    container, prefix = _container_args(env, paths)
+    container, prefix = container_args(env, paths)
     # Under pyxis every srun step unpacks the image into a container of its own, unless the
     # steps name one: the preflight's steps then create it and training starts in it at once.
     shared = env.runtime == "pyxis" and cfg.slurm.preflight and not cfg.launch.command
     if shared:
-        container.append(_Value("--container-name=" + PYXIS_CONTAINER))
+        container.append(Value("--container-name=" + PYXIS_CONTAINER))
     lines = _header(cfg, paths) + ["", "set -euo pipefail"]
     if cfg.launch.debug:
         lines.append("set -x")
@@ -535,7 +391,7 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
         "# its exit into SLIPWAY_EXITS, from which step_exit decides the step's.",
         'export SLIPWAY_EXITS="$EXITS/$JOB_TAG"  # read once below, then removed',
         'rm -rf "$SLIPWAY_EXITS"; mkdir -p "$SLIPWAY_EXITS"',
-        _launch(cfg, paths, container, prefix, code=code) + " &",
+        launch_line(cfg, paths, container, prefix, code=code) + " &",
         'SRUN_PID=$!',
         'set +e; wait_step "$SRUN_PID"; set -e',
         'rc=$(step_exit "$STEP_RC" "$SLIPWAY_EXITS")',
@@ -562,7 +418,7 @@ def render_prepare_sbatch(cfg: Config, paths: RunDir, env: Environment) -> str:
             f"--time={s.prepare_time}", *_allocation(cfg, partition=s.prepare_partition or s.partition),
             f"--output={sbatch_quote(str(paths.logs / 'prepare-%j.out'))}", "--open-mode=append",
             "--no-requeue"]
-    container, prefix = _container_args(env, paths)
+    container, prefix = container_args(env, paths)
     srun = srun_argv(nodes=1, ntasks=1, cpus_per_task=cpus, container=container)
     argv = [cfg.launch.python, "-m", "trainer.prepare", "--config", str(paths.config), "--cpus", str(cpus)]
     return "\n".join([
@@ -578,6 +434,6 @@ def render_prepare_sbatch(cfg: Config, paths: RunDir, env: Environment) -> str:
         _hf_home(cfg, paths),
         "export PYTHONUNBUFFERED=1",
         "",
-        f"{prefix}{_words(srun)} \\\n  {_words(argv)}",
+        f"{prefix}{words(srun)} \\\n  {words(argv)}",
         "",
     ])
