@@ -27,7 +27,7 @@ import pytest
 from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir, read_registry, unavailable_reason
 from test_e2e import (TINY, complete_checkpoints, job_state, resubmit_resumes, slipway, steps_logged, wait_for,
                       wait_job_end)
-from common.rundir import HANG_EXIT, PREFLIGHT_EXIT
+from common.rundir import HANG_EXIT, PREFLIGHT_EXIT, HangLine
 from trainer.watchdog import HARD_EXIT_SECONDS, py_spy
 
 pytestmark = [pytest.mark.slurm,
@@ -97,9 +97,9 @@ def test_a_frozen_rank_ends_the_job_with_stack_dumps_and_a_resubmission_resumes(
     # Every rank that was running wrote its stacks in time; the frozen one at most late.
     dumps = {p.name: p.read_text() for p in (run_dir / "hangs").glob(f"{job_id}-*.txt")}
     frozen = f"{job_id}-node2-{rank}.txt"
-    on_time = {name for name, text in dumps.items() if text.splitlines()[0].endswith(" on-time")}
+    on_time = {name for name, text in dumps.items() if HangLine.parse(text.splitlines()[0]).on_time}
     assert len(on_time) == 3 and frozen not in on_time, {n: t.splitlines()[0] for n, t in dumps.items()}
-    assert frozen not in dumps or dumps[frozen].splitlines()[0].endswith(" late")
+    assert frozen not in dumps or not HangLine.parse(dumps[frozen].splitlines()[0]).on_time
     for name in on_time:
         text = dumps[name]
         assert "Python stacks of every thread" in text and 'File "' in text, text[:2000]
