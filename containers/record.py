@@ -98,6 +98,8 @@ class BuildRecord:
     podman_image_id: Optional[str] = None
     enroot_version: Optional[str] = None
     enroot_mount: Optional[bool] = None
+    # The project that built it (containers/project.py); None in records from before builds carried one.
+    project: Optional[str] = None
 
     @property
     def hash12(self) -> str:
@@ -116,6 +118,8 @@ class BuildRecord:
                 values.pop(key)
         if not isinstance(values.get("size_bytes", 0), int):
             values.pop("size_bytes")
+        if not isinstance(values.get("project", ""), str):
+            values.pop("project")
         return cls(**values)
 
     @classmethod
