@@ -1214,9 +1214,10 @@ def test_cli_show(project: Path, fakes: Path):
 
 
 def real_prune_of_import_leftovers(cfg: Config, root: Path, tmp_path: Path) -> float:
-    """With the real podman: a second image (tag only, its only tag) with an `enroot.*`
-    container made from it, as an earlier import leaves it. While the container exists
-    podman refuses to remove the tag; prune removes the container, then the tag."""
+    """With the real podman: a second image of this project (tag only, its only tag) with an
+    `enroot.*` container made from it, as an import leaves it. While its import holds the tag's
+    lock both stay; then prune removes the container, then the tag (podman refuses the tag while
+    the container exists)."""
     t0 = time.perf_counter()
     podman = Podman.find()
     other = Config()
@@ -1225,16 +1226,12 @@ def real_prune_of_import_leftovers(cfg: Config, root: Path, tmp_path: Path) -> f
     current = image_plan(cfg, root=root, enroot_mount=False, git=False).tag
     name = f"enroot.{uuid.uuid4().hex[:10]}"
     subprocess.run([podman.exe, "create", "--name", name, old], check=True, capture_output=True)
-    (tmp_path / name).mkdir()  # its enroot work dir (ENROOT_TEMP_PATH): an import may be running
     quiet = Console(quiet=True)
     try:
-        first = prune_images(cfg, keep=1, pinned={}, root=root, console=quiet)
-        assert not first.ok and old not in first.tags and name not in first.containers
-        assert any(f.startswith(f"podman container {name} (left by enroot import of {old}): enroot's work dir")
-                   for f in first.failed), first.failed
-        (refused,) = [f for f in first.failed if f.startswith(f"podman tag {old}: podman rmi exit ")]
-        assert "image is in use by a container" in refused  # real podman's own words
-        (tmp_path / name).rmdir()  # the import is over
+        with Project.of(root).building(old):  # its import runs
+            first = prune_images(cfg, keep=1, pinned={}, root=root, console=quiet)
+        assert first.ok and old not in first.tags and name not in first.containers, first.failed
+        assert first.kept_tags.get(old) == "a build or import of it is running now"
         second = prune_images(cfg, keep=1, pinned={}, root=root, console=quiet)
         assert second.ok, second.failed
         assert second.containers == [name] and old in second.tags
@@ -1243,6 +1240,26 @@ def real_prune_of_import_leftovers(cfg: Config, root: Path, tmp_path: Path) -> f
     finally:
         podman.remove_container(name)
     return time.perf_counter() - t0
+
+
+def own_project(root: Path, key: str) -> Project:
+    """`root` as the project of this worktree's runs of test `key`: the same id each run, so a run
+    removes the images its earlier runs left (keeping podman's layer cache in its newest), and
+    never one of another checkout's runs of the same test sharing the storage."""
+    import hashlib
+
+    ident = hashlib.sha256(f"{REPO}\0{key}".encode()).hexdigest()[:32]
+    (root / ".slipway").mkdir(parents=True, exist_ok=True)
+    (root / ".slipway" / "project").write_text(json.dumps({"id": ident, "root": str(root)}) + "\n")
+    return Project.of(root)
+
+
+def untag_own(project: Project, repository: str, keep: str = "") -> None:
+    """Untag what `project` labelled in `repository`, but `keep`."""
+    podman = Podman.find()
+    for tag, labels in podman.tags(repository).items():
+        if labels.get("slipway.project") == project.id and tag != keep:
+            podman.untag(tag)
 
 
 def _podman_ok() -> str | None:
@@ -1303,6 +1320,7 @@ def test_real_podman_build_then_noop(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("ENROOT_TEMP_PATH", str(tmp_path))
     # A fresh smoke step each run (the layers before it come from podman's cache).
     root = copy_sources(tmp_path / "src")
+    owner = own_project(root, "real-build")
     smoke = "python3 -m trainer.smoke" if (root / "trainer" / "smoke.py").is_file() else \
         "python3 -c 'import trainer.config, torch, datasets; print(\"smoke ok (import only)\", torch.__version__)'"
     podman = shutil.which("podman")
@@ -1349,10 +1367,8 @@ def test_real_podman_build_then_noop(tmp_path: Path, monkeypatch: pytest.MonkeyP
               f"leftover + prune {prune_s:.1f} s; smoke: {smoke!r}")
     finally:
         # Keep this run's tag only: it holds podman's layer cache for the next run (removing the
-        # last tag of a chain removes its cached layers too).
-        for old in Podman(podman).tags("localhost/slipway-test"):
-            if old != tag:
-                Podman(podman).untag(old)
+        # last tag of a chain removes its cached layers too). Only this worktree's runs' tags.
+        untag_own(owner, "localhost/slipway-test", keep=tag)
 
 
 @pytest.mark.podman
@@ -1452,6 +1468,7 @@ def build_flash_attn_image(tmp_path: Path, base: str, wheels: Path) -> tuple[str
     cfg = make_cfg(name="slipway-flashtest", base_image=base, flash_attn=True, isolation="chroot",
                    wheelhouse=str(wheels), output_dir=str(tmp_path / "images"))
     root = copy_sources(tmp_path / "src")
+    owner = own_project(root, "flash-attn")
     console = Console(file=open(tmp_path / "console.txt", "w"), width=400)
     podman = Podman.find()
     try:
@@ -1462,8 +1479,7 @@ def build_flash_attn_image(tmp_path: Path, base: str, wheels: Path) -> tuple[str
                              capture_output=True, text=True, check=True).stdout
         return (tmp_path / "console.txt").read_text(), result.plan.log.read_text(), env
     finally:
-        for tag in podman.tags("localhost/slipway-flashtest"):
-            podman.untag(tag)
+        untag_own(owner, "localhost/slipway-flashtest")
 
 
 @pytest.mark.podman
@@ -1543,13 +1559,13 @@ def wheel_version(wheels: Path, name: str) -> str:
 def real_build(tmp_path: Path, cfg: Config) -> str:
     """Build `cfg` for real (no import); its log."""
     console = Console(file=open(tmp_path / "console.txt", "w"), width=400)
+    root = copy_sources(tmp_path / "src")
+    owner = own_project(root, "real-build-pins")
     try:
-        result = build_image(cfg, root=copy_sources(tmp_path / "src"), do_import=False, console=console)
+        result = build_image(cfg, root=root, do_import=False, console=console)
     finally:
         console.file.close()
-        podman = Podman.find()
-        for tag in podman.tags(f"localhost/{cfg.image.name}"):
-            podman.untag(tag)
+        untag_own(owner, f"localhost/{cfg.image.name}")
     assert result.built
     return result.plan.log.read_text()
 

@@ -294,7 +294,8 @@ def test_image_containers_prints_each_line_as_it_comes_and_says_it_is_alive(tmp_
     lines = [text for _, text in seen]
     assert f"node7: removed pyxis_slipway-{token}-iold" in lines, lines
     assert f"node7: deleting the files of pyxis_slipway-{token}-iold" in lines
-    assert any(re.fullmatch(rf"node7: deleted the files of pyxis_slipway-{token}-iold in \d+ s", line) for line in lines)
+    assert any(re.fullmatch(rf"node7: deleted the files of pyxis_slipway-{token}-iold in \d+ s", line)
+               for line in lines), lines
     assert any(line.startswith("still removing on node7 (") for line in lines), lines
     deleting = next(t for t, text in seen if "deleting the files" in text)
     assert deleting - t0 < seen[-1][0] - t0 - 1.0  # said before the deleting ended, not with the end

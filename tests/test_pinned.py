@@ -90,9 +90,10 @@ def test_prune_keeps_what_runs_pin_and_removes_the_rest(project, pin_config, slu
     bin_dir = write_standins(tmp_path / "bin", "podman")
     podman = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
     tags = {p: BuildRecord.beside(p).tag for p in (pinned, unpinned, current)}
+    label = f"slipway.project={Project.of(project).id}"
     for tag in tags.values():
-        subprocess.run([str(bin_dir / "podman"), "build", "-t", tag, "--label", f"slipway.project={Project.of(project).id}",
-                        str(tmp_path)], check=True, capture_output=True)
+        subprocess.run([str(bin_dir / "podman"), "build", "-t", tag, "--label", label, str(tmp_path)], check=True,
+                       capture_output=True)
     r = slipway("image", "prune", pin_config, env=podman)
     assert r.returncode == 0, r.stdout + r.stderr
     untagged = [c["argv"][2] for c in calls(bin_dir, "podman") if c["argv"][1] == "rmi"]
