@@ -385,7 +385,10 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
             console.print(f"[yellow]warning:[/] {escape(check.what)}: {escape(check.fix or '')}", highlight=False)
     # From the first look at podman to the import's cleanup: prune leaves this tag and its
     # import's container alone meanwhile.
-    with plan.project.building(plan.tag):
+    with plan.project.building(plan.tag) as guarded:
+        if not guarded:
+            console.print(f"[yellow]note:[/] {escape(str(plan.project.lock_path(plan.tag).parent))} has no flock: a "
+                          "`slipway image prune` meanwhile cannot tell that this build runs", highlight=False)
         built = False
         if force or not podman.image_exists(plan.tag):
             t1 = time.perf_counter()

@@ -104,6 +104,38 @@ def test_damaged_or_blocked_identity_is_one_line(tmp_path: Path):
     assert str(exc.value).startswith("image: cannot record this project's identity in ") and "\n" not in str(exc.value)
 
 
+def test_without_flock_a_build_goes_on_and_prune_keeps_what_it_cannot_tell(tmp_path: Path, monkeypatch, fakes: Path):
+    """A filesystem without flock(2) (Lustre without -o flock): a build goes on unguarded, and prune
+    keeps the tags and containers whose build it cannot tell apart from a running one."""
+    import errno
+    import fcntl
+
+    root = checkout(tmp_path / "a")
+    cfg = cfg_of()
+    (root / "configs" / "v.yaml").write_text("run: {seed: 1}\n")
+    old = build_image(cfg, root=root)
+    (root / "configs" / "v.yaml").unlink()
+    build_image(cfg, root=root)
+
+    def no_flock(fd, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with Project.of(root).building(old.plan.tag) as guarded:
+        assert guarded is False
+    result = prune_images(cfg, pinned={}, root=root, console=quiet())
+    assert result.ok and old.plan.tag not in result.tags and not old.squashfs.exists()
+    assert result.kept_tags[old.plan.tag].startswith("whether a build of it runs cannot be told (")
+    assert old.plan.tag in standin(fakes, "images").split()
+
+
+def test_old_build_records_read_without_a_project():
+    base = {"name": "slipway", "hash": "ab" * 32, "tag": "localhost/slipway:abababababab", "squashfs": "/x.sqsh"}
+    assert BuildRecord.from_json(base).project is None
+    assert BuildRecord.from_json({**base, "project": 5}).project is None  # damaged: not taken for one
+    assert BuildRecord.from_json({**base, "project": "f" * 32}).project == "f" * 32
+
+
 # ---------------------------------------------------------------- prune: this project's only (stand-ins)
 
 
