@@ -61,13 +61,11 @@ class Project:
         return self.root / STATE_DIR / "project"
 
     @classmethod
-    def of(cls, root: Path, *, create: bool = True) -> Optional["Project"]:
-        """The project of checkout `root`: its recorded id, made on first use (`create`), moved
-        with the checkout, and new for a copy. None when there is none and `create` is off."""
+    def of(cls, root: Path) -> "Project":
+        """The project of checkout `root`: its recorded id, made on first use, moved with the
+        checkout, and new for a copy."""
         root = Path(os.path.abspath(root))
         state = root / STATE_DIR
-        if not create and not (state / "project").is_file():
-            return None
         try:
             state.mkdir(exist_ok=True)
             try:

@@ -77,9 +77,6 @@ def test_a_checkout_keeps_its_id_when_moved_and_a_copy_gets_its_own(tmp_path: Pa
     a.rename(tmp_path / "moved")
     assert Project.of(tmp_path / "moved").id == first.id
     assert json.loads((tmp_path / "moved" / ".slipway" / "project").read_text())["root"] == str(tmp_path / "moved")
-    # Asked not to make one: none where none is recorded.
-    (tmp_path / "fresh").mkdir()
-    assert Project.of(tmp_path / "fresh", create=False) is None and not (tmp_path / "fresh" / ".slipway").exists()
 
 
 def test_concurrent_first_uses_agree_on_one_id(tmp_path: Path):
