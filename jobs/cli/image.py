@@ -227,7 +227,7 @@ def _main(argv: list[str] | None) -> int:
     s = sub.add_parser("show", help="hash, tag, squashfs and the exact commands, running nothing")
     s.add_argument("config")
     s.add_argument("overrides", nargs="*")
-    p = sub.add_parser("prune", help="remove old images (keeps the current one)")
+    p = sub.add_parser("prune", help="remove this project's old images (keeps the current one)")
     p.add_argument("config", nargs="?")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--keep", type=int, default=1, help="squashfs files to keep, the current one included "
@@ -235,7 +235,7 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--remove", action="append", metavar="SQUASHFS", default=[],
                    help="remove this image although runs pin it (their requeues then fail); repeatable")
     p.add_argument("--dry-run", action="store_true", help="say what would be removed and what kept, remove nothing")
-    c = sub.add_parser("containers", help="the unpacked pyxis containers slipway keeps on the nodes "
+    c = sub.add_parser("containers", help="the unpacked pyxis containers this project's jobs keep on the nodes "
                                           "(container.keep_builds): list them, or remove them with --remove")
     c.add_argument("config", nargs="?")
     c.add_argument("overrides", nargs="*")
