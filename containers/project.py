@@ -6,12 +6,14 @@ each checkout gets an identity of its own, a random id kept in `ROOT/.slipway/pr
 committed: two clones of one repository are two projects, each with its own images). Not the
 path: a checkout that moves keeps its id, and a copy of one (whose file names a place that still
 holds the same id) gets a new id the first time it is used, so it never takes the original's
-images for its own. The id labels every podman image slipway builds (`slipway.project`, which
+images for its own. A checkout that cannot hold the file (read-only) keeps it in
+`$XDG_STATE_HOME/slipway/projects/`, under a hash of its path (such a checkout does not move).
+The id labels every podman image slipway builds (`slipway.project`, which
 the `enroot.*` containers made from it inherit), is part of its tag, and names the unpacked
 containers jobs keep on the nodes; `slipway image prune` and `image containers` act on nothing
 else.
 
-A build or import holds a shared flock(2) on `ROOT/.slipway/locks/TAG.lock` from before it
+A build or import holds a shared flock(2) on `.slipway/locks/TAG.lock` from before it
 looks at podman until its import's leftovers are gone: prune leaves a tag, and the `enroot.*`
 containers made from it, alone while anyone holds that lock (it asks for the lock, it does not
 guess from files in a temp directory).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -45,6 +48,7 @@ _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 class Project:
     id: str  # 32 hex digits
     root: Path
+    state: Path  # where its id and locks are kept: ROOT/.slipway, or the user's (a read-only checkout)
 
     @property
     def token(self) -> str:
@@ -58,33 +62,36 @@ class Project:
 
     @property
     def file(self) -> Path:
-        return self.root / STATE_DIR / "project"
+        return self.state / "project"
 
     @classmethod
     def of(cls, root: Path) -> "Project":
         """The project of checkout `root`: its recorded id, made on first use, moved with the
         checkout, and new for a copy."""
         root = Path(os.path.abspath(root))
-        state = root / STATE_DIR
-        try:
-            state.mkdir(exist_ok=True)
+        xdg = os.environ.get("XDG_STATE_HOME", "")  # empty or relative: unset, as the XDG spec says
+        user = (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "state") / "slipway" / "projects"
+        tried = []
+        for state in (root / STATE_DIR, user / hashlib.sha256(str(root).encode()).hexdigest()[:16]):
             try:
-                fd: Optional[int] = _lock(state / "project.lock", fcntl.LOCK_EX)
-            except _NoFlock:
-                fd = None  # two first uses at once may then make two ids: the last one written stays
-            try:
-                return cls._read_or_make(root)
-            finally:
-                if fd is not None:
-                    os.close(fd)
-        except OSError as exc:
-            raise ConfigError("image", f"cannot record this project's identity in {state / 'project'} "
-                                       f"({exc.strerror or exc}): slipway labels the images it builds with it; "
-                                       "make the checkout writable") from None
+                state.mkdir(parents=state.name != STATE_DIR, exist_ok=True)
+                try:
+                    fd: Optional[int] = _lock(state / "project.lock", fcntl.LOCK_EX)
+                except _NoFlock:
+                    fd = None  # two first uses at once may then make two ids: the last one written stays
+                try:
+                    return cls._read_or_make(root, state)
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+            except OSError as exc:
+                tried.append(f"{state / 'project'}: {exc.strerror or exc}")
+        raise ConfigError("image", f"cannot record this project's identity ({'; '.join(tried)}): slipway labels "
+                                   "the images it builds with it; make the checkout or XDG_STATE_HOME writable")
 
     @classmethod
-    def _read_or_make(cls, root: Path) -> "Project":
-        path = root / STATE_DIR / "project"
+    def _read_or_make(cls, root: Path, state: Path) -> "Project":
+        path = state / "project"
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -94,18 +101,18 @@ class Project:
         if isinstance(data, dict) and isinstance(data.get("id"), str) and _ID.match(data["id"]):
             made_at = Path(str(data.get("root", "")))
             if made_at == root:
-                return cls(data["id"], root)
+                return cls(data["id"], root, state)
             if not _is_copy_of(path, made_at / STATE_DIR / "project", data["id"]):
                 write_atomic(path, json.dumps({"id": data["id"], "root": str(root)}) + "\n")  # moved
-                return cls(data["id"], root)
-        project = cls(secrets.token_hex(16), root)
+                return cls(data["id"], root, state)
+        project = cls(secrets.token_hex(16), root, state)
         write_atomic(path, json.dumps({"id": project.id, "root": str(root)}) + "\n")
         return project
 
     # ------------------------------------------------------------ builds running now
 
     def lock_path(self, tag: str) -> Path:
-        return self.root / STATE_DIR / "locks" / (re.sub(r"[^A-Za-z0-9_.-]", "_", tag.rsplit("/", 1)[-1]) + ".lock")
+        return self.state / "locks" / (re.sub(r"[^A-Za-z0-9_.-]", "_", tag.rsplit("/", 1)[-1]) + ".lock")
 
     @contextlib.contextmanager
     def building(self, tag: str) -> Iterator[bool]:

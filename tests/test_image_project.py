@@ -35,6 +35,7 @@ from containers.project import Project
 from containers.prune import prune_images
 from containers.record import BuildRecord, ImageSection
 from containers.tools import Enroot, Podman
+from common.errors import ConfigError
 from jobs.config import Config
 from image_standins import calls, tiny_base, write_standins
 from test_image import copy_sources
@@ -87,18 +88,28 @@ def test_concurrent_first_uses_agree_on_one_id(tmp_path: Path):
     assert len(set(ids)) == 1 and Project.of(root).id == ids[0]
 
 
-def test_damaged_or_blocked_identity_is_one_line(tmp_path: Path):
+def test_damaged_or_blocked_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     root = tmp_path / "proj"
     (root / ".slipway").mkdir(parents=True)
     (root / ".slipway" / "project").write_text("{not json")
     fresh = Project.of(root)  # damaged: a new id (images labelled with the old one are then another's)
     assert re.fullmatch(r"[0-9a-f]{32}", fresh.id) and Project.of(root) == fresh
+    # A checkout that cannot hold it: the user's state directory does, by the checkout's path.
     blocked = tmp_path / "blocked"
     blocked.mkdir()
     (blocked / ".slipway").write_text("a file where the state directory goes")
-    with pytest.raises(Exception) as exc:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    kept = Project.of(blocked)
+    assert kept.state.parent == tmp_path / "state" / "slipway" / "projects" and Project.of(blocked) == kept
+    assert kept.lock_path("localhost/x:1").parent == kept.state / "locks"
+    # Neither can: one line naming both and the fix.
+    (tmp_path / "state2").write_text("not a directory")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state2"))
+    with pytest.raises(ConfigError) as exc:
         Project.of(blocked)
-    assert str(exc.value).startswith("image: cannot record this project's identity in ") and "\n" not in str(exc.value)
+    text = str(exc.value)
+    assert text.startswith(f"image: cannot record this project's identity ({blocked / '.slipway' / 'project'}: ")
+    assert "make the checkout or XDG_STATE_HOME writable" in text and "\n" not in text
 
 
 def test_without_flock_a_build_goes_on_and_prune_keeps_what_it_cannot_tell(tmp_path: Path, monkeypatch, fakes: Path):
