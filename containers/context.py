@@ -128,22 +128,29 @@ class HashCache:
             self.changed = False
 
 
-def content_hash(*, dockerfile: str, build_args: dict[str, str], squash_options: str,
-                 files: list[ContextFile], cache: HashCache) -> str:
-    h = hashlib.sha256()
+def content_hashes(*, dockerfile: str, build_args: dict[str, str], squash_options: str,
+                   files: list[ContextFile], cache: HashCache) -> tuple[str, str]:
+    """(the squashfs's hash, the podman image's). The first names the squashfs and its record;
+    the second the podman tag, and covers only what the Dockerfile's steps read: a setting only
+    the import reads (the squash options, the output directory) then re-imports the image built
+    already instead of building it again."""
+    squashfs, image = hashlib.sha256(), hashlib.sha256()
 
-    def add(*parts: str) -> None:
-        h.update(("\0".join(parts) + "\n").encode())
+    def add(*parts: str, only_squashfs: bool = False) -> None:
+        line = ("\0".join(parts) + "\n").encode()
+        squashfs.update(line)
+        if not only_squashfs:
+            image.update(line)
 
     add(HASH_SCHEME)
     add("dockerfile", hashlib.sha256(dockerfile.encode()).hexdigest())
     for key in sorted(build_args):
         if key not in UNHASHED_ARGS:
             add("arg", key, build_args[key])
-    add("squash", squash_options)
+    add("squash", squash_options, only_squashfs=True)
     for f in files:
         add("file", f.dest, _mode(f), _digest(f, cache))
-    return h.hexdigest()
+    return squashfs.hexdigest(), image.hexdigest()
 
 
 def input_digests(dockerfile: str, files: list[ContextFile], cache: HashCache) -> dict:

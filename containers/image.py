@@ -1,21 +1,27 @@
 """Build the training image with podman, import it into a squashfs with enroot.
 
 The image is content-addressed: a hash of the Dockerfile, the build args and
-every file of the build context names both the podman tag
-(`localhost/NAME:HASH12`) and the squashfs (`OUTPUT_DIR/NAME-HASH12.sqsh`), so an
-unchanged tree finds its squashfs and returns at once, without podman. The
-build context is assembled from exactly the files that are hashed (`src/` and
+every file of the build context names the podman tag
+(`localhost/NAME:HASH12-PROJECT`, PROJECT the checkout's identity:
+containers/project.py, also the image's `slipway.project` label), and that hash
+with the squash options names the squashfs (`OUTPUT_DIR/NAME-HASH12.sqsh`). So
+an unchanged tree finds its squashfs and returns at once, without podman, and a
+change of what only the import reads (the squash options, the output directory)
+imports the podman image built already, running no Dockerfile step. The build
+context is assembled from exactly the files that are hashed (`src/` and
 `wheels/`, see containers/Dockerfile), so nothing outside it can change the
 image nor its hash.
 
 Each build records itself in `NAME-HASH12.json` beside the squashfs and, once
 current, in `NAME.json`; `NAME.sqsh` is a symlink to the current squashfs,
 replaced atomically, so configs can name one stable path. The squashfs under
-its final name only ever appears by rename from a temporary file.
+its final name only ever appears by rename from a temporary file
+(containers/importer.py). A build holds its tag's lock (containers/project.py)
+from its first look at podman to the end of its import, so prune leaves both alone.
 
 A failed build is explained by containers/diagnose.py; the stopped podman
 container that enroot's import leaves (containers.tools.Enroot) is removed
-after each import, and containers/prune.py removes older ones.
+after each import, and containers/prune.py removes older ones of this project.
 """
 
 from __future__ import annotations
@@ -24,9 +30,7 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import os
-import re
 import shutil
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +42,7 @@ from rich.markup import escape
 from containers.context import (
     ContextFile,
     HashCache,
-    content_hash,
+    content_hashes,
     context_files,
     input_digests,
     materialize_context,
@@ -47,11 +51,13 @@ from containers.context import (
     resolve_path,
 )
 from containers.diagnose import diagnose_build
+from containers.importer import enroot_import, human, host_name
+from containers.project import Project
 from containers.record import BuildRecord, ImageNeeds, ImageSection
 from containers.storage import check_storage_conf
-from containers.tools import Container, Enroot, Podman, Tail, ToolError, git_commit, squashfs_ok
+from containers.tools import Enroot, Podman, Tail, ToolError, git_commit
 from common.errors import ConfigError
-from common.fs import pid_alive, write_atomic
+from common.fs import write_atomic
 
 
 
@@ -65,22 +71,12 @@ class ImageConfig(Protocol):
     def image_needs(self) -> ImageNeeds: ...
 
 
-# enroot unpacks the image (its uncompressed size) before squashing it to about half.
-SQUASH_RATIO = 0.5
 # flash-attn compile settings that do not change the image: passed through the
 # build context's buildenv/ (containers/Dockerfile), not as build args, so they
 # change neither the image hash nor podman's layer cache. image.build_args sets
 # them; the environment of `make image` (MAX_JOBS=4 make image) overrides that.
 BUILD_ENV_KEYS = ("MAX_JOBS", "NVCC_THREADS")
 FLOAT8_EXTRA = "float8"  # pyproject's extra for train.float8 (torchao); trainer/compute.py names it too
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 # ---------------------------------------------------------------- the plan
@@ -91,8 +87,8 @@ class ImagePlan:
     """Everything a build would do, computed without running podman."""
 
     name: str
-    hash: str
-    tag: str
+    hash: str  # the squashfs's: names it and its record
+    tag: str  # localhost/NAME:IMAGEHASH12-PROJECT: the podman image, which import-only settings do not change
     root: Path
     output_dir: Path
     dockerfile: Path
@@ -117,6 +113,10 @@ class ImagePlan:
     build_on: str = "local"
     # image.build_on: compute: the config the srun's inner build reads (written by the caller).
     frozen_config: Optional[Path] = None
+    # Whose image it is (containers/project.py): None only where the checkout cannot record one,
+    # which a plan may read but a build refuses.
+    project: Optional[Project] = None
+    project_error: Optional[ConfigError] = None
 
     @property
     def hash12(self) -> str:
@@ -125,10 +125,6 @@ class ImagePlan:
     @property
     def exists(self) -> bool:
         return self.squashfs.is_file()
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
 
 
 def build_env(build_args: dict[str, str]) -> dict[str, str]:
@@ -191,15 +187,19 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
     build_args.update(user_args)
     build_args["GIT_COMMIT"] = user_args.get("GIT_COMMIT") or (git_commit(root) if git else "unknown")
     dockerfile_text = dockerfile.read_text()
-    digest = content_hash(dockerfile=dockerfile_text, build_args=build_args,
-                          squash_options=image.squash_options, files=files, cache=cache)
+    digest, image_digest = content_hashes(dockerfile=dockerfile_text, build_args=build_args,
+                                          squash_options=image.squash_options, files=files, cache=cache)
     inputs = input_digests(dockerfile_text, files, cache)
     cache.save()
     h12 = digest[:12]
-    tag = f"localhost/{image.name}:{h12}"
+    try:
+        project, project_error = Project.of(root), None
+    except ConfigError as exc:  # a read-only checkout: a plan still tells hashes apart
+        project, project_error = None, exc
+    tag = f"localhost/{image.name}:{image_digest[:12]}" + (f"-{project.token}" if project else "")
     context_dir = out / f".context-{h12}"
     squashfs = out / f"{image.name}-{h12}.sqsh"
-    temp = out / f".{squashfs.name}.tmp-{_host()}-{os.getpid()}"
+    temp = out / f".{squashfs.name}.tmp-{host_name()}-{os.getpid()}"
     if enroot_mount is None:
         enroot = Enroot.find()
         enroot_mount = enroot.supports_mount() if enroot else False
@@ -210,10 +210,12 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
         sidecar=out / f"{image.name}-{h12}.json", log=out / "logs" / f"{image.name}-{h12}.log",
         context_dir=context_dir,
         podman_argv=Podman.build_argv(tag=tag, dockerfile=dockerfile, context=context_dir, build_args=build_args,
-                                      network_host=image.network_host, isolation=image.isolation, no_cache=force),
+                                      labels=project.labels if project else {}, network_host=image.network_host,
+                                      isolation=image.isolation, no_cache=force),
         enroot_argv=Enroot.import_argv(output=temp, uri=f"podman://{tag}", mount=enroot_mount),
         enroot_env=Enroot.import_env(image.squash_options), enroot_mount=enroot_mount,
-        build_env=build_env(image.build_args), build_on=image.build_on, inputs=inputs,
+        build_env=build_env(image.build_args), build_on=image.build_on, inputs=inputs, project=project,
+        project_error=project_error,
     )
     if image.build_on == "compute":
         plan.frozen_config = out / f".build-{h12}.yaml"
@@ -247,7 +249,7 @@ def build_record(plan: ImagePlan, *, image_id: str | None, enroot_version: str |
         base_image=plan.build_args.get("BASE_IMAGE"), git_commit=plan.build_args.get("GIT_COMMIT"),
         build_args=plan.build_args, build_env=plan.build_env, squash_options=plan.squash_options,
         inputs=plan.inputs, podman_image_id=image_id, enroot_version=enroot_version,
-        enroot_mount=plan.enroot_mount)
+        enroot_mount=plan.enroot_mount, project=plan.project.id if plan.project else None)
 
 
 def current_image(cfg: ImageConfig, *, root: Path | None = None) -> Optional[BuildRecord]:
@@ -283,9 +285,6 @@ class ImageResult:
     @property
     def size(self) -> int | None:
         return self.squashfs.stat().st_size if self.squashfs and self.squashfs.is_file() else None
-
-
-_NO_SPACE = re.compile(r"no space left on device", re.I)
 
 
 def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
@@ -332,144 +331,6 @@ def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
                                        log=plan.log, rc=rc))
 
 
-def check_free_space(*, image_size: int, output_dir: Path, temp_dir: Path | None) -> None:
-    """Room for the squashfs (about half the image) and, unless enroot mounts
-    the image (`-x mount`), for the unpacked image in enroot's temp dir."""
-    needs: dict[int, list] = {}
-    for path, need, what in ((output_dir, int(image_size * SQUASH_RATIO), "the squashfs"),
-                             (temp_dir, image_size, "the image unpacked by enroot")):
-        if path is None:
-            continue
-        probe = path
-        while not probe.exists():
-            probe = probe.parent
-        dev = probe.stat().st_dev
-        entry = needs.setdefault(dev, [probe, 0, []])
-        entry[1] += need
-        entry[2].append(f"{what} in {path}")
-    for probe, need, whats in needs.values():
-        free = shutil.disk_usage(probe).free
-        if free < need:
-            raise ToolError(f"not enough disk for enroot import: ~{human(need)} needed for {' and '.join(whats)}, "
-                            f"{human(free)} free: free space, set ENROOT_TEMP_PATH to a larger local disk, or "
-                            "change image.output_dir")
-
-
-def stale_temps(output_dir: Path, glob: str) -> list[Path]:
-    """Leftovers of interrupted imports (`.NAME-HASH12.sqsh.tmp-HOST-PID`): this
-    host's whose process is gone, or another host's older than a day."""
-    host, stale = _host(), []
-    for tmp in output_dir.glob(glob):
-        tmp_host, _, pid = tmp.name.rsplit(".tmp-", 1)[-1].rpartition("-")
-        if tmp_host == host and pid.isdigit():
-            alive = int(pid) != os.getpid() and pid_alive(int(pid))
-        else:
-            alive = time.time() - tmp.stat().st_mtime < 86400
-        if not alive:
-            stale.append(tmp)
-    return stale
-
-
-_CONTAINER_ID = re.compile(r"\b[0-9a-f]{64}\b")
-
-
-def _same_image(container: Container, tag: str, image_id: str | None) -> bool:
-    bare = (image_id or "").removeprefix("sha256:")
-    return container.image == tag or bool(bare) and container.image_id.removeprefix("sha256:") == bare
-
-
-def _import_leftovers(podman: Podman, tag: str, before: set[str], printed: set[str]) -> list[Container]:
-    """The stopped `enroot.*` containers this import left (see Enroot): new since the
-    import began, created from our tag, and, when enroot printed container ids
-    (`podman create` does), one of those: never another import's or another image's."""
-    image_id = podman.image_id(tag)
-    new = [c for c in podman.containers(Enroot.CONTAINER_FILTER)
-           if c.id not in before and _same_image(c, tag, image_id) and c.state not in ("running", "paused")]
-    return [c for c in new if c.id in printed] if printed else new
-
-
-def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, printed: set[str],
-                  console: Console) -> tuple[list[str], list[str]]:
-    """Remove this import's leftover container(s): (removed names, warnings)."""
-    if before is None:
-        return [], []
-    try:
-        leftovers = _import_leftovers(podman, plan.tag, before, printed)
-    except ToolError as exc:
-        return [], [f"could not look for enroot's leftover podman container: {exc}"]
-    removed, warnings = [], []
-    for c in leftovers:
-        outcome = podman.remove_container(c.id)
-        if outcome:
-            removed.append(c.name)
-        else:
-            warnings.append(f"could not remove enroot's leftover podman container {c.name} ({outcome.why}): it keeps "
-                            f"{plan.tag} in use; `slipway image prune` retries")
-    for warning in warnings:
-        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
-    return removed, warnings
-
-
-def _enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Console) -> list[str]:
-    notes: list[str] = []
-    size = podman.image_size(plan.tag)
-    if size:
-        check_free_space(image_size=size, output_dir=plan.output_dir,
-                         temp_dir=None if plan.enroot_mount else Enroot.temp_dir())
-    for stale in stale_temps(plan.output_dir, f".{plan.squashfs.name}.tmp-*"):
-        stale.unlink(missing_ok=True)
-    tmp = plan.temp_squashfs
-    tmp.unlink(missing_ok=True)
-    tail = Tail(40)
-    try:  # what exists before, so the cleanup after can tell this import's container from others
-        before: set[str] | None = {c.id for c in podman.containers(Enroot.CONTAINER_FILTER)}
-    except ToolError as exc:
-        before = None
-        console.print(f"[yellow]warning:[/] {escape(str(exc))}: enroot's leftover container will not be removed")
-    printed: set[str] = set()  # container ids in enroot's output (`podman create` prints the id)
-    console.print(f"[bold]enroot import[/] {'-x mount ' if plan.enroot_mount else ''}podman://{plan.tag}"
-                  f"  (ENROOT_SQUASH_OPTIONS={escape(repr(plan.squash_options))}"
-                  f"{', image ' + human(size) if size else ''})", highlight=False)
-    try:
-        try:
-            with plan.log.open("a") as log, console.status("enroot import") as status:
-                log.write("$ " + " ".join(f"{k}={v!r}" for k, v in plan.enroot_env.items()) + " "
-                          + " ".join(plan.enroot_argv) + "\n")
-
-                def on_line(line: str) -> None:
-                    log.write(line + "\n")
-                    tail(line)
-                    printed.update(_CONTAINER_ID.findall(line))
-                    status.update(f"enroot import: {escape(line[:100])}")
-
-                rc = enroot.import_(plan.enroot_argv, plan.enroot_env, on_line)
-        finally:  # also after a failed or interrupted import: the container stays either way
-            removed, warnings = _clean_import(plan, podman, before, printed, console)
-            notes += [f"removed enroot's leftover podman container {name}" for name in removed] + warnings
-        if rc != 0:
-            # enroot can exit non-zero after a complete write: upstream's cleanup runs
-            # `docker rm` (fails without docker), CSCS's has its own errors. Keep the
-            # file only if its tables read back whole.
-            if tmp.is_file() and squashfs_ok(tmp):
-                why = " (its cleanup calls `docker rm`; slipway removed the container itself)" if removed else ""
-                notes.append(f"enroot exited {rc} but the squashfs reads back whole: kept{why}")
-                console.print(f"[yellow]note:[/] {escape(notes[-1])}", highlight=False)
-            else:
-                text = tail.text()
-                if _NO_SPACE.search(text):
-                    raise ToolError(f"enroot import ran out of disk: free space in {plan.output_dir} and "
-                                    f"{Enroot.temp_dir()} (ENROOT_TEMP_PATH); log: {plan.log}")
-                last = tail.lines[-1].strip()[:300] if tail.lines else ""
-                raise ToolError(f"enroot import failed (exit {rc}): {last}; the podman image {plan.tag} is built, "
-                                f"rerun to retry the import; log: {plan.log}")
-        if not tmp.is_file():
-            raise ToolError(f"enroot import exited {rc} without writing {tmp}; log: {plan.log}")
-        os.replace(tmp, plan.squashfs)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return notes
-
-
 def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True, console: Console | None = None,
                 root: Path | None = None, here: bool = False,
                 elsewhere: Optional[Callable[[ImagePlan], None]] = None) -> ImageResult:
@@ -512,6 +373,9 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
         return ImageResult(plan, plan.squashfs if plan.exists else None, built=True, imported=plan.exists,
                            seconds=time.perf_counter() - t0, record=record)
 
+    if plan.project is None:
+        assert plan.project_error is not None
+        raise plan.project_error
     podman = Podman.find()
     enroot = Enroot.find() if do_import else None
     if do_import and enroot is None:
@@ -519,26 +383,33 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
     for check in check_storage_conf():
         if not check.ok:
             console.print(f"[yellow]warning:[/] {escape(check.what)}: {escape(check.fix or '')}", highlight=False)
-
-    built = False
-    if force or not podman.image_exists(plan.tag):
+    # From the first look at podman to the import's cleanup: prune leaves this tag and its
+    # import's container alone meanwhile.
+    with plan.project.building(plan.tag) as guarded:
+        if not guarded:
+            console.print(f"[yellow]note:[/] {escape(str(plan.project.lock_path(plan.tag).parent))} has no flock: a "
+                          "`slipway image prune` meanwhile cannot tell that this build runs", highlight=False)
+        built = False
+        if force or not podman.image_exists(plan.tag):
+            t1 = time.perf_counter()
+            _podman_build(plan, podman, console)
+            timings["build"] = time.perf_counter() - t1
+            built = True
+        else:
+            console.print(f"podman image {plan.tag} exists: not rebuilding (only the import's settings differ)"
+                          if do_import else f"podman image {plan.tag} exists: not rebuilding", highlight=False,
+                          markup=False)
+        if not do_import:
+            console.print(f"[green]built[/] {plan.tag} ({time.perf_counter() - t0:.1f} s); import skipped "
+                          "(--no-import)", highlight=False)
+            return ImageResult(plan, None, built=built, imported=False, seconds=time.perf_counter() - t0,
+                               timings=timings)
+        if enroot is None:
+            raise ToolError(f"enroot not found: install enroot (https://github.com/NVIDIA/enroot) or run `make "
+                            f"image` on a node that has it; the podman image {plan.tag} is built")
         t1 = time.perf_counter()
-        _podman_build(plan, podman, console)
-        timings["build"] = time.perf_counter() - t1
-        built = True
-    else:
-        console.print(f"podman image {plan.tag} exists: not rebuilding")
-    if not do_import:
-        console.print(f"[green]built[/] {plan.tag} ({time.perf_counter() - t0:.1f} s); import skipped (--no-import)")
-        return ImageResult(plan, None, built=built, imported=False, seconds=time.perf_counter() - t0,
-                           timings=timings)
-    if enroot is None:
-        raise ToolError(f"enroot not found: install enroot (https://github.com/NVIDIA/enroot) or run `make image` "
-                        f"on a node that has it; the podman image {plan.tag} is built")
-
-    t1 = time.perf_counter()
-    notes = _enroot_import(plan, enroot, podman, console)
-    timings["import"] = time.perf_counter() - t1
+        notes = enroot_import(plan, enroot, podman, console)
+        timings["import"] = time.perf_counter() - t1
     record = build_record(plan, image_id=podman.image_id(plan.tag), enroot_version=enroot.version())
     write_atomic(plan.sidecar, record.to_json())
     make_current(plan, record)
@@ -547,3 +418,27 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
                   f"{seconds:.0f} s; {escape(plan.link.name)} -> {escape(plan.squashfs.name)}", highlight=False)
     return ImageResult(plan, plan.squashfs, built=built, imported=True, seconds=seconds, record=record, notes=notes,
                        timings=timings)
+
+
+def next_steps(plan: ImagePlan, *, force: bool = False, do_import: bool = True, here: bool = False) -> list[str]:
+    """What `build_image` would run for `plan`, one line each (none: nothing), asking podman
+    whether the tag exists but running nothing (`slipway image build --dry-run`)."""
+    if do_import and plan.exists and not force:
+        return []
+    if plan.build_on == "compute" and not here:
+        return ["srun: build and import on a compute node (image.build_on: compute), whose own podman storage "
+                "decides whether the podman build runs and which of its steps come from its layer cache"]
+    steps = []
+    if force:
+        steps.append(f"podman build {plan.tag}: every Dockerfile step, without the layer cache (--force)")
+    elif not Podman.available():
+        steps.append(f"podman build {plan.tag}: podman is not on PATH here, so whether the image exists cannot be "
+                     "told (a build fails without it)")
+    elif Podman.find().image_exists(plan.tag):
+        steps.append(f"no podman build: podman has {plan.tag}, built from the same Dockerfile, build args and files")
+    else:
+        steps.append(f"podman build {plan.tag}: podman does not have it; steps whose inputs did not change come from "
+                     "the layer cache")
+    if do_import:
+        steps.append(f"enroot import -> {plan.squashfs} ({'--force' if force and plan.exists else 'not there yet'})")
+    return steps

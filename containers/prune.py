@@ -1,8 +1,15 @@
-"""`slipway image prune`: old squashfs files, their records, logs and podman
-tags, leftovers of interrupted builds, and the stopped `enroot.*` podman
-containers that enroot's `podman://` import leaves (see containers.tools.Enroot),
-which keep their image in use so that removing its tag fails. What cannot be
-removed is reported, one line each, and makes the command exit non-zero.
+"""`slipway image prune`: this project's old squashfs files, their records, logs and podman
+tags, leftovers of interrupted builds, and the stopped `enroot.*` podman containers that
+enroot's `podman://` import leaves (see containers.tools.Enroot), which keep their image in use
+so that removing its tag fails.
+
+Only this project's (containers/project.py): a podman tag whose image carries this project's
+label and whose name is this project's, an `enroot.*` container made from such an image, a
+squashfs whose record names this project (or, from before records named one, that lies in this
+checkout). Another project's, and what carries no label, are left alone and counted. A tag
+that a build or import holds the lock of is left alone too, with its import's container.
+Every kept item is said with why; `dry_run` says what would go and removes nothing. What
+cannot be removed is reported, one line each, and makes the command exit non-zero.
 """
 
 from __future__ import annotations
@@ -13,13 +20,17 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from rich.console import Console
 from rich.markup import escape
 
 from containers.context import project_root, resolve_path
-from containers.image import ImageConfig, human, image_plan, resolve_image, stale_temps
-from containers.tools import Enroot, Podman, ToolError
+from containers.image import ImageConfig, human, image_plan, resolve_image
+from containers.importer import stale_temps
+from containers.project import LABEL, PATH_LABEL, Project
+from containers.record import BuildRecord
+from containers.tools import Container, Enroot, Podman, ToolError
 from common.errors import ConfigError
 
 _IMAGE_FILE = r"{name}-(?P<h>[0-9a-f]{{12}})\.sqsh"
@@ -27,11 +38,14 @@ _IMAGE_FILE = r"{name}-(?P<h>[0-9a-f]{{12}})\.sqsh"
 
 @dataclass
 class PruneResult:
-    removed: list[Path] = field(default_factory=list)  # files and directories
+    removed: list[Path] = field(default_factory=list)  # files and directories (dry run: would be)
     containers: list[str] = field(default_factory=list)  # enroot's leftover podman containers
     tags: list[str] = field(default_factory=list)  # podman tags
     failed: list[str] = field(default_factory=list)  # one line each: what stayed, and why
     kept: dict[Path, str] = field(default_factory=dict)  # squashfs -> why it stayed
+    kept_tags: dict[str, str] = field(default_factory=dict)  # podman tag -> why it stayed
+    left_alone: list[str] = field(default_factory=list)  # what is not this project's, one line per kind
+    dry_run: bool = False
 
     @property
     def ok(self) -> bool:
@@ -42,86 +56,94 @@ class _Report:
     def __init__(self, console: Console, result: PruneResult):
         self.console, self.result = console, result
 
+    def say(self, line: str) -> None:
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
     def done(self, what: str) -> None:
-        self.console.print(f"removed {what}", highlight=False, markup=False)
+        self.say(f"{'would remove' if self.result.dry_run else 'removed'} {what}")
 
     def failed(self, what: str) -> None:
         self.result.failed.append(what)
-        self.console.print(f"[yellow]could not remove[/] {escape(what)}", highlight=False)
+        self.console.print(f"[yellow]could not remove[/] {escape(what)}", highlight=False, soft_wrap=True)
+
+    def left_alone(self, what: str, names: list[str]) -> None:
+        if names:
+            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            self.result.left_alone.append(f"left alone {len(names)} {what}: {shown}")
+            self.say(self.result.left_alone[-1])
 
 
 def _remove_path(path: Path, result: PruneResult, report: _Report, label: str | None = None) -> bool:
-    try:
-        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-    except FileNotFoundError:
+    if not path.exists() and not path.is_symlink():
         return False
-    except OSError as exc:
-        report.failed(f"{path}: {exc.strerror or exc}")
-        return False
+    if not result.dry_run:
+        try:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            report.failed(f"{path}: {exc.strerror or exc}")
+            return False
     result.removed.append(path)
     report.done(label or str(path))
     return True
 
 
-def _prune_import_leftovers(podman: Podman, name: str, result: PruneResult, report: _Report) -> None:
-    """Stopped `enroot.*` containers made from any of this image's tags. One whose enroot
-    work dir still exists belongs to an import that may be running: left alone."""
-    try:
-        containers = podman.containers(Enroot.CONTAINER_FILTER)
-    except ToolError as exc:
-        report.failed(f"enroot's leftover podman containers: cannot list them ({exc})")
-        return
-    for c in containers:
-        if not c.image.startswith(f"localhost/{name}:"):
-            continue
-        what = f"podman container {c.name} (left by enroot import of {c.image})"
-        workdir = Enroot.temp_dir() / c.name
-        if c.state in ("running", "paused"):
-            report.failed(f"{what}: it is {c.state}; `podman rm -f {c.name}` if nothing uses it")
-        elif workdir.exists():
-            report.failed(f"{what}: enroot's work dir {workdir} exists, so an import may still be running; "
-                          "prune again once it is done (or remove that dir if no import runs)")
-        elif outcome := podman.remove_container(c.id):
-            result.containers.append(c.name)
-            report.done(what)
-        else:
-            report.failed(f"{what}: podman rm {outcome.why}")
+def _owner(squashfs: Path, project: Optional[Project], out: Path, root: Path) -> tuple[Optional[str], Optional[str]]:
+    """(this squashfs's tag, why it is not this project's or None)."""
+    record = BuildRecord.read(squashfs.with_suffix(".json"))
+    tag = record.tag if record else None
+    if record and record.project:
+        return tag, None if project and record.project == project.id else "another project's"
+    inside = out.resolve() == root.resolve() or root.resolve() in out.resolve().parents
+    return tag, None if inside else "with no project in its record, outside this checkout"
 
 
 def prune_images(cfg: ImageConfig, keep: int = 1, *, pinned: dict[Path, list[str]], root: Path | None = None,
-                 remove: list[str] | None = None, console: Console | None = None) -> PruneResult:
+                 remove: list[str] | None = None, console: Console | None = None,
+                 dry_run: bool = False) -> PruneResult:
     """Remove all but the current image, the images runs pin, and the newest others, up to
     `keep` squashfs files besides the pinned ones, with their records, logs and podman tags;
-    enroot's leftover containers of any of this image's tags; stale build leftovers.
+    enroot's leftover containers of this project's images; stale build leftovers. Only this
+    project's, and none whose build or import runs now.
     `pinned`: each squashfs (resolved) runs pin, with their names (jobs.runs.pinned_images).
-    `remove`: squashfs files to remove although runs pin them (never the current one)."""
+    `remove`: squashfs files to remove although runs pin them (never the current one).
+    `dry_run`: say what would be removed, remove nothing."""
     if keep < 1:
         raise ConfigError("--keep", f"must be >= 1 (the current image is always kept), got {keep}")
     console = console or Console()
-    result = PruneResult()
+    result = PruneResult(dry_run=dry_run)
     report = _Report(console, result)
     root = (root or project_root()).resolve()
     out = resolve_path(root, cfg.image.output_dir)
     name = cfg.image.name
+    try:
+        project: Optional[Project] = Project.of(root)
+    except ConfigError as exc:
+        project = None
+        report.say(f"no podman image or container is this project's: {exc}")
     pattern = re.compile(_IMAGE_FILE.format(name=re.escape(name)))
-    images = sorted((p for p in out.glob(f"{name}-*.sqsh") if pattern.fullmatch(p.name) and not p.is_symlink()),
-                    key=lambda p: p.stat().st_mtime, reverse=True)
+    found = [p for p in out.glob(f"{name}-*.sqsh") if pattern.fullmatch(p.name) and not p.is_symlink()]
+    owners = {p: _owner(p, project, out, root) for p in found}
+    report.left_alone(f"squashfs files in {out} that are not this project's (their records name another "
+                      "project) or whose project is not known", [f"{p.name} ({owners[p][1]})" for p in sorted(found)
+                                                                  if owners[p][1]])
+    images = sorted((p for p in found if not owners[p][1]), key=lambda p: p.stat().st_mtime, reverse=True)
     current = resolve_image(cfg, root=root)
     forced: set[Path] = set()
     for given in remove or []:
         path = Path(os.path.realpath(resolve_path(Path.cwd(), given)))
         if not any(p.resolve() == path for p in images):
-            raise ConfigError("--remove", f"{given} is not one of the {name}-HASH.sqsh images in {out}: give the "
-                                          "path of one (`ls` it), or the config whose images they are")
+            raise ConfigError("--remove", f"{given} is not one of this project's {name}-HASH.sqsh images in {out}: "
+                                          "give the path of one (`ls` it), or the config whose images they are")
         if current and path == current:
             raise ConfigError("--remove", f"{given} is the current image ({name}.sqsh): build another first, or "
                                           "remove it by hand")
         forced.add(path)
-    pins = pinned
     kept = [p for p in images if current and p.resolve() == current]
     result.kept.update({p: "the current image" for p in kept})
     for p in images:
-        runs = pins.get(p.resolve())
+        runs = pinned.get(p.resolve())
         if runs and p.resolve() not in forced:
             shown = ", ".join(runs[:8]) + (f" and {len(runs) - 8} more" if len(runs) > 8 else "")
             why = f"pinned by run{'s' if len(runs) > 1 else ''} {shown}"
@@ -134,7 +156,7 @@ def prune_images(cfg: ImageConfig, keep: int = 1, *, pinned: dict[Path, list[str
     result.kept.update({p: f"among the newest (--keep {keep})" for p in newest})
     kept += newest
     for img in kept:
-        console.print(f"kept {img}: {result.kept[img]}", highlight=False, markup=False, soft_wrap=True)
+        report.say(f"kept {img}: {result.kept[img]}")
     for img in images:
         if img in kept:
             continue
@@ -149,26 +171,85 @@ def prune_images(cfg: ImageConfig, keep: int = 1, *, pinned: dict[Path, list[str
     for leftover in leftovers + stale_temps(out, f".{name}-*.sqsh.tmp-*"):
         _remove_path(leftover, result, report)
     if Podman.available():
-        podman = Podman.find()
-        # First the containers: while one exists, podman refuses to remove its image's tag.
-        _prune_import_leftovers(podman, name, result, report)
-        # Pinned images' tags too (in `kept`): a pinned run's image can be reimported from its tag.
-        keep_tags = {f"localhost/{name}:{pattern.fullmatch(p.name).group('h')}" for p in kept}
+        # A kept squashfs keeps its tag (a pinned run's image can be imported again from it), and
+        # so does what this config builds now.
+        keep_tags = {owners[p][0]: f"the tag of {p.name}, kept" for p in kept if owners[p][0]}
         try:
-            keep_tags.add(image_plan(cfg, root=root, enroot_mount=False, git=False).tag)
+            keep_tags.setdefault(image_plan(cfg, root=root, enroot_mount=False, git=False).tag,
+                                 "what this config builds now")
         except (ConfigError, ToolError):
             pass
-        for tag in podman.tags(f"localhost/{name}"):
-            if tag in keep_tags:
+        _prune_podman(Podman.find(), name, project, keep_tags, result, report)
+    if not (result.removed or result.containers or result.tags or result.failed):
+        report.say(f"nothing to prune: {len(kept)} image(s) kept in {out}")
+    elif dry_run:
+        report.say("dry run: nothing was removed (run it again without --dry-run to remove the above)")
+    return result
+
+
+def _prune_podman(podman: Podman, name: str, project: Optional[Project], keep_tags: dict[str, str],
+                  result: PruneResult, report: _Report) -> None:
+    """This project's podman tags of `name` not in `keep_tags` and its stopped `enroot.*`
+    containers, each while no build or import of its tag runs; the rest left alone, counted."""
+    repository = f"localhost/{name}"
+    try:
+        tags = podman.tags(repository)
+        containers = podman.containers(Enroot.CONTAINER_FILTER)
+    except ToolError as exc:
+        report.failed(f"podman tags and enroot's leftover containers: cannot list them ({exc})")
+        return
+    ours = re.compile(rf"{re.escape(repository)}:[0-9a-f]{{12}}-{project.token}") if project else None
+
+    def mine(labels: dict) -> bool:
+        return project is not None and labels.get(LABEL) == project.id
+
+    other = [f"{t} ({labels.get(PATH_LABEL) or 'another project'})" for t, labels in tags.items()
+             if labels.get(LABEL) and not mine(labels)]
+    report.left_alone(f"podman tags of {repository} that are another project's", other)
+    report.left_alone(f"podman tags of {repository} with no project label (not built by this slipway, or before "
+                      "it labelled its images: `podman rmi` them by hand if they are yours)",
+                      [t for t, labels in tags.items() if not labels.get(LABEL)])
+    candidates = [t for t, labels in tags.items() if mine(labels) and ours and ours.fullmatch(t)]
+    report.left_alone("podman tags with this project's label but a name slipway does not give (yours: left as "
+                      "they are)", [t for t, labels in tags.items() if mine(labels) and t not in candidates])
+    leftovers: dict[str, list[Container]] = {}
+    for c in containers:
+        if mine(c.labels):
+            leftovers.setdefault(c.image, []).append(c)
+    report.left_alone("enroot import containers of other projects' or unlabelled images",
+                      [f"{c.name} ({c.image})" for c in containers if not mine(c.labels)])
+    if project is None:
+        return
+    for tag in sorted(set(candidates) | set(leftovers)):
+        with project.idle(tag) as idle:
+            if not idle:
+                why = ("a build or import of it is running now" if idle is False else
+                       f"whether a build of it runs cannot be told ({project.lock_path(tag).parent} has no flock)")
+                for c in leftovers.get(tag, []):
+                    report.say(f"kept podman container {c.name} (left by enroot import of {tag}): {why}")
+                if tag in candidates:
+                    result.kept_tags[tag] = why
+                    report.say(f"kept podman tag {tag}: {why}")
                 continue
-            if outcome := podman.untag(tag):
+            # First the containers: while one exists, podman refuses to remove its image's tag.
+            for c in leftovers.get(tag, []):
+                what = f"podman container {c.name} (left by enroot import of {tag})"
+                if c.state in ("running", "paused"):
+                    report.failed(f"{what}: it is {c.state}; `podman rm -f {c.name}` if nothing uses it")
+                elif result.dry_run or (outcome := podman.remove_container(c.id)):
+                    result.containers.append(c.name)
+                    report.done(what)
+                else:
+                    report.failed(f"{what}: podman rm {outcome.why}")
+            if tag not in candidates:
+                continue
+            if tag in keep_tags:
+                result.kept_tags[tag] = keep_tags[tag]
+                report.say(f"kept podman tag {tag}: {keep_tags[tag]}")
+            elif result.dry_run or (outcome := podman.untag(tag)):
                 result.tags.append(tag)
                 report.done(f"podman tag {tag}")
+                if not result.dry_run:
+                    project.forget(tag)
             else:
                 report.failed(f"podman tag {tag}: podman rmi {outcome.why}")
-        if result.tags:
-            console.print("podman keeps their unshared layers as build cache: `podman image prune` frees them",
-                          highlight=False, markup=False)
-    if not (result.removed or result.containers or result.tags or result.failed):
-        console.print(f"nothing to prune: {len(kept)} image(s) kept in {out}", highlight=False, markup=False)
-    return result

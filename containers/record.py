@@ -23,10 +23,10 @@ from common.schema import require
 class ImageSection:
     """How `make image` builds the training image (containers/image.py).
 
-    Relative paths are relative to the checkout. The tag is localhost/NAME:HASH12
-    and the squashfs OUTPUT_DIR/NAME-HASH12.sqsh, HASH a hash of the Dockerfile,
-    the build args and the files copied in; OUTPUT_DIR/NAME.sqsh links to the
-    current one.
+    Relative paths are relative to the checkout. The tag is localhost/NAME:HASH12-PROJECT
+    (PROJECT the checkout's identity) and the squashfs OUTPUT_DIR/NAME-HASH12.sqsh, HASH a
+    hash of the Dockerfile, the build args and the files copied in (the squashfs's with the
+    squash options too); OUTPUT_DIR/NAME.sqsh links to the current one.
     """
 
     # The Dockerfile podman builds.
@@ -34,7 +34,7 @@ class ImageSection:
     # The image it builds FROM (`make image BASE_IMAGE=...` overrides it).
     # Keep in sync with containers/Dockerfile's ARG BASE_IMAGE.
     base_image: str = "nvcr.io/nvidia/pytorch:25.12-py3"
-    # The image's name: localhost/NAME:HASH12 and OUTPUT_DIR/NAME-HASH12.sqsh.
+    # The image's name: localhost/NAME:HASH12-PROJECT and OUTPUT_DIR/NAME-HASH12.sqsh.
     name: str = "slipway"
     # Where the squashfs files go.
     output_dir: str = "images"
@@ -98,6 +98,8 @@ class BuildRecord:
     podman_image_id: Optional[str] = None
     enroot_version: Optional[str] = None
     enroot_mount: Optional[bool] = None
+    # The project that built it (containers/project.py); None in records from before builds carried one.
+    project: Optional[str] = None
 
     @property
     def hash12(self) -> str:
@@ -116,6 +118,8 @@ class BuildRecord:
                 values.pop(key)
         if not isinstance(values.get("size_bytes", 0), int):
             values.pop("size_bytes")
+        if not isinstance(values.get("project", ""), str):
+            values.pop("project")
         return cls(**values)
 
     @classmethod

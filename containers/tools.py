@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -47,16 +49,27 @@ def _capture(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, s
 
 
 def stream(argv: list[str], on_line: Callable[[str], None], *, env: dict[str, str] | None = None,
-           cwd: Path | None = None) -> int:
+           cwd: Path | None = None, quiet: Optional[tuple[float, Callable[[float], None]]] = None) -> int:
     """Run a long command, handing each output line (stdout and stderr, split on
     newlines and carriage returns) to `on_line`; return the exit code. Ctrl-C
-    stops the child before re-raising."""
+    stops the child before re-raising. `quiet` (SECONDS, CALL): CALL(seconds since the start)
+    after each SECONDS without output, so a long silent stretch still shows it is alive."""
     cmd = local[argv[0]][argv[1:]]
     proc = cmd.popen(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(env), cwd=str(cwd) if cwd else None)
     try:
         assert proc.stdout is not None
         buf = b""
-        while chunk := proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096):
+        start = last = time.monotonic()
+        while True:
+            if quiet is not None:
+                if not select.select([proc.stdout], [], [], max(0.0, quiet[0] - (time.monotonic() - last)))[0]:
+                    last = time.monotonic()
+                    quiet[1](last - start)
+                    continue
+            chunk = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096)
+            if not chunk:
+                break
+            last = time.monotonic()
             buf += chunk
             *lines, buf = re.split(rb"\r\n|\r|\n", buf)
             for line in lines:
@@ -109,10 +122,14 @@ class Podman:
 
     @staticmethod
     def build_argv(*, tag: str, dockerfile: Path, context: Path, build_args: dict[str, str],
-                   network_host: bool = False, isolation: str | None = None, no_cache: bool = False) -> list[str]:
+                   labels: dict[str, str] | None = None, network_host: bool = False, isolation: str | None = None,
+                   no_cache: bool = False) -> list[str]:
         argv = ["podman", "build", "-f", str(dockerfile), "-t", tag]
         for key, value in build_args.items():
             argv += ["--build-arg", f"{key}={value}"]
+        # Labels go on in a last step of their own: every cached layer before it stays usable.
+        for key, value in (labels or {}).items():
+            argv += ["--label", f"{key}={value}"]
         if network_host:
             argv.append("--network=host")
         if isolation:
@@ -139,13 +156,22 @@ class Podman:
         rc, out = _capture([self.exe, "image", "inspect", "--format", "{{.Id}}", tag])
         return out.strip() or None if rc == 0 else None
 
-    def tags(self, repository: str) -> list[str]:
-        """`localhost/NAME:TAG` references of one repository."""
-        rc, out = _capture([self.exe, "images", "--format", "{{.Repository}}:{{.Tag}}",
-                            "--filter", f"reference={repository}"])
+    def tags(self, repository: str) -> dict[str, dict[str, str]]:
+        """`localhost/NAME:TAG` references of one repository, each with its image's labels."""
+        rc, out = _capture([self.exe, "images", "--format", "json", "--filter", f"reference={repository}"])
         if rc != 0:
-            return []
-        return sorted({line.strip() for line in out.splitlines() if line.strip().startswith(repository + ":")})
+            raise ToolError(f"podman images failed (exit {rc}): {_last_line(out)}")
+        try:
+            rows = json.loads(out or "[]") or []
+        except ValueError:
+            raise ToolError(f"podman images --format json printed something else: {_last_line(out)}") from None
+        found: dict[str, dict[str, str]] = {}
+        for row in rows:
+            labels = row.get("Labels") or {}
+            for name in row.get("Names") or []:
+                if isinstance(name, str) and name.startswith(repository + ":"):
+                    found[name] = {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
+        return dict(sorted(found.items()))
 
     def untag(self, tag: str) -> "Outcome":
         """Remove one tag (the layers go when no other tag uses them). Fails while a
@@ -198,14 +224,17 @@ class Container:
     image_id: str
     state: str  # created, exited, running, ...
     created: float  # seconds since the epoch
+    labels: dict = field(default_factory=dict)  # its image's labels, which podman gives the containers made from it
 
     @classmethod
     def from_ps(cls, row: dict) -> "Container":
         names = row.get("Names") or [""]
         created = row.get("Created")
+        labels = row.get("Labels")
         return cls(id=str(row.get("Id", "")), name=str(names[0]), image=str(row.get("Image", "")),
                    image_id=str(row.get("ImageID", "")), state=str(row.get("State", "")).lower(),
-                   created=float(created) if isinstance(created, (int, float)) else 0.0)
+                   created=float(created) if isinstance(created, (int, float)) else 0.0,
+                   labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {})
 
 
 # ---------------------------------------------------------------- enroot

@@ -59,6 +59,25 @@ def project(tmp_path: Path, monkeypatch) -> Path:
     return proj
 
 
+@pytest.fixture(autouse=True)
+def no_real_podman(request, monkeypatch, tmp_path_factory) -> None:
+    """The machine's podman storage holds other projects' and other people's images: only a test
+    marked `podman` reaches the real podman (and acts on the images it labelled itself). Any other
+    finds, first on PATH, a podman that refuses, so one that lacks its stand-in fails instead of
+    touching them; stand-ins put first on PATH by the test still answer."""
+    if request.node.get_closest_marker("podman") is not None:
+        return
+    guard = tmp_path_factory.getbasetemp() / "no-real-podman"
+    if not (guard / "podman").exists():
+        guard.mkdir(exist_ok=True)
+        tmp = guard / f".podman.{os.getpid()}"
+        tmp.write_text('#!/bin/sh\necho "podman: a test not marked podman must not reach the real podman '
+                       '(tests/conftest.py no_real_podman): put a stand-in first on PATH" >&2\nexit 97\n')
+        tmp.chmod(0o755)
+        os.replace(tmp, guard / "podman")
+    monkeypatch.setenv("PATH", f"{guard}{os.pathsep}{os.environ['PATH']}")
+
+
 def write_libraries(run_dir: Path, env) -> None:
     """The pinned job libraries a batch script of `env`'s runtime sources, into `run_dir` (what a
     submission writes beside job.sbatch), for scripts rendered and run by a test."""
@@ -114,7 +133,7 @@ def pytest_runtest_setup(item) -> None:
 # addresses and state directory), and those that build images with podman.
 SHARED_WORKER = {
     "slurm": {"test_cluster.py", "test_dev_loop.py", "test_e2e.py", "test_hang_slurm.py", "test_submit.py", "test_watch.py"},
-    "podman": {"test_image.py", "test_pyxis.py"},
+    "podman": {"test_image.py", "test_image_project.py", "test_pyxis.py"},
 }
 
 

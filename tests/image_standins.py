@@ -9,8 +9,9 @@ name (the PATH's podman: the stand-in, or the real one in `real` mode), the
 squashfs, then its exit trap removes the dir and calls `docker rm`, which fails
 where only podman exists: the stopped container stays and enroot exits 1.
 
-The podman stand-in keeps tags and containers as files under state/; like
-podman, it refuses `rmi` of a tag a container was created from.
+The podman stand-in keeps tags (with the labels `build --label` gave them) and containers as
+files under state/; like podman, containers carry their image's labels, and it refuses `rmi` of a
+tag a container was created from.
 
 Behaviour is chosen through the environment at call time:
   FAKE_ENROOT_MOUNT=1     enroot's import --help lists `-x` (CSCS's build)
@@ -21,6 +22,8 @@ Behaviour is chosen through the environment at call time:
                           then sleep), exit127 (a whole squashfs and no
                           container, then exit 127), real (upstream on the real
                           podman: podman export + mksquashfs)
+  FAKE_ENROOT_WAIT=PATH   after `podman create`, wait (at most 5 minutes) until PATH exists:
+                          an import that is still running
   FAKE_PODMAN_FAIL=pull   podman build fails as when the base cannot be pulled
   FAKE_PODMAN_RM_FAIL=RE  `podman rm` fails for containers whose name matches RE
 """
@@ -47,6 +50,8 @@ _PODMAN = """
 import re, secrets, time
 def tagfile(tag):
     return STATE / ("tag-" + tag.replace("/", "_").replace(":", "__"))
+def read_tag(tag):
+    return json.loads(tagfile(tag).read_text())
 def containers():
     return [json.loads(p.read_text()) for p in sorted(STATE.glob("ctr-*.json"))]
 def find(ident):
@@ -65,7 +70,8 @@ if args[:1] == ["build"]:
         sys.exit(125)
     print("STEP 2/2: CMD [\\"bash\\"]")
     print("COMMIT " + tag)
-    tagfile(tag).write_text(tag)
+    labels = dict(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "--label")
+    tagfile(tag).write_text(json.dumps({"name": tag, "labels": labels}))
 elif args[:2] == ["image", "exists"]:
     sys.exit(0 if tagfile(args[2]).exists() else 1)
 elif args[:2] == ["image", "inspect"]:
@@ -73,8 +79,12 @@ elif args[:2] == ["image", "inspect"]:
         sys.exit(125)
     print(4096 if "Size" in args[3] else "ab" * 32)
 elif args[:1] == ["images"]:
-    for p in STATE.glob("tag-*"):
-        print(p.read_text())
+    rows = [json.loads(p.read_text()) for p in sorted(STATE.glob("tag-*"))]
+    if "json" in args:
+        print(json.dumps([{"Id": "ab" * 32, "Names": [r["name"]], "Labels": r["labels"] or None} for r in rows]))
+    else:
+        for r in rows:
+            print(r["name"])
 elif args[:1] == ["rmi"]:
     users = [c["Id"] for c in containers() if c["Image"] == args[1]]
     if users:
@@ -90,7 +100,7 @@ elif args[:1] == ["create"]:
     cid = secrets.token_hex(32)
     (STATE / ("ctr-" + cid + ".json")).write_text(json.dumps(
         {"Id": cid, "Names": [name], "Image": image, "ImageID": "ab" * 32, "State": "created",
-         "Created": int(time.time())}))
+         "Created": int(time.time()), "Labels": read_tag(image)["labels"]}))
     print(cid)
 elif args[:2] == ["ps", "--all"]:
     pattern = args[args.index("--filter") + 1].split("=", 1)[1]
@@ -156,6 +166,13 @@ if mode != "exit127":
     if created.returncode != 0:
         shutil.rmtree(work)
         sys.exit(created.returncode)
+wait = os.environ.get("FAKE_ENROOT_WAIT")
+if wait:
+    import time
+    print("[INFO] waiting for " + wait, flush=True)
+    deadline = time.time() + 300
+    while not Path(wait).exists() and time.time() < deadline:
+        time.sleep(0.1)
 rootfs = work / "rootfs"
 rootfs.mkdir()
 if mode == "hang":
@@ -215,6 +232,43 @@ def calls(bin_dir: Path, tool: str | None = None) -> list[dict]:
         return []
     entries = [json.loads(line) for line in log.read_text().splitlines()]
     return [e for e in entries if tool is None or e["argv"][0] == tool]
+
+
+def tiny_base(podman: str = "podman") -> str:
+    """The smallest base a real build can RUN in: this machine's /bin/sh and the libraries it
+    loads, imported as `localhost/slipway-test-tiny:DIGEST` (made once, kept for the next run;
+    a shell builtin is all its steps need). Nothing is downloaded."""
+    import hashlib
+    import io
+    import re
+    import shutil
+    import subprocess
+    import tarfile
+
+    shell = Path(shutil.which("sh") or "/bin/sh").resolve()
+    libs = re.findall(r"(/\S+\.so[.\d]*) \(0x", subprocess.run(["ldd", str(shell)], capture_output=True,
+                                                               text=True).stdout)
+    files = {"bin/sh": shell, **{lib.lstrip("/"): Path(lib).resolve() for lib in libs}}
+    digest = hashlib.sha256("".join(f"{k} {file_digest(v)}\n" for k, v in sorted(files.items())).encode())
+    tag = f"localhost/slipway-test-tiny:{digest.hexdigest()[:12]}"
+    if subprocess.run([podman, "image", "exists", tag]).returncode == 0:
+        return tag
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tar:
+        for d in ("tmp", "opt"):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
+            tar.addfile(info)
+        for name, src in sorted(files.items()):
+            tar.add(str(src), arcname=name)
+    subprocess.run([podman, "import", "-", tag], input=data.getvalue(), check=True, capture_output=True)
+    return tag
+
+
+def file_digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def flash_attn_standin_wheel(directory: Path, version: str, marker: str = "") -> Path:

@@ -219,7 +219,13 @@ def test_pyxis_keeps_the_container_of_a_known_build_only(project):
         assert r.returncode == 0, r.stderr
         return next(line for line in r.stdout.splitlines() if line.startswith("CONTAINER_PREFIX="))
 
-    assert settings(f"container.image={img}") == (f"CONTAINER_PREFIX=slipway- CONTAINER_BUILD=i{file_sha256(img)[:16]} "
+    # Named by the project too (containers/project.py): a job's sweep acts on this project's alone.
+    from containers.context import build_root
+    from containers.project import Project
+
+    token = Project.of(build_root(project, "containers/Dockerfile")).token
+    assert settings(f"container.image={img}") == (f"CONTAINER_PREFIX=slipway-{token}- "
+                                                  f"CONTAINER_BUILD=i{file_sha256(img)[:16]} "
                                                   f"KEEP_BUILDS=3 IMAGE_IDENTITY={file_sha256(img)}")
     assert "CONTAINER_BUILD='' KEEP_BUILDS=0" in settings(f"container.image={img}", "container.keep_builds=0")
     assert "CONTAINER_BUILD=''" in settings("container.image=nvcr.io#nvidia/pytorch:25.01-py3")

@@ -31,16 +31,17 @@ from containers.flash_attn_wheel import Target, pick
 from containers.image import (
     ImagePlan,
     build_image,
-    check_free_space,
     current_image,
     image_plan,
     resolve_image,
 )
+from containers.importer import check_free_space, host_name
 from containers.context import context_files
 from containers.pip_requirements import requirement_name, requirements, toml_loads
 from containers.prune import prune_images
 from containers.storage import check_storage_conf, filesystem_type
 from containers.tools import Enroot, Podman, ToolError
+from containers.project import Project
 from containers.record import BuildRecord
 from jobs.cli.image import build, compute_argv
 from containers.record import ImageSection
@@ -138,7 +139,8 @@ def test_context_holds_exactly_the_sources(project: Path, tmp_path: Path):
 def test_hash_changes_when_and_only_when_an_input_changes(project: Path, tmp_path: Path):
     base = plan_of(project)
     assert base.hash == plan_of(project).hash  # deterministic
-    assert base.tag == f"localhost/slipway:{base.hash[:12]}"
+    token = Project.of(project).token
+    assert re.fullmatch(rf"localhost/slipway:[0-9a-f]{{12}}-{token}", base.tag)
     assert base.squashfs == project / "images" / f"slipway-{base.hash[:12]}.sqsh"
 
     # Outside the context: runs/, tests/, caches, byte code, a new commit (GIT_COMMIT is not hashed).
@@ -169,7 +171,12 @@ def test_hash_changes_when_and_only_when_an_input_changes(project: Path, tmp_pat
     assert changed(build_args={"MAX_JOBS": "4", "NVCC_THREADS": "2"}) == base.hash
     assert changed(base_image=TEST_BASE) != base.hash
     assert changed(flash_attn=False) != base.hash
+    # Settings only the import reads: another squashfs of the same podman image.
+    for import_only in ({"squash_options": "-comp lz4"}, {"output_dir": str(tmp_path / "elsewhere")}):
+        other = plan_of(project, **import_only)
+        assert other.squashfs != base.squashfs and other.tag == base.tag, import_only
     assert changed(squash_options="-comp lz4") != base.hash
+    assert plan_of(project, flash_attn=False).tag != base.tag
 
     # A copied source file: content, a new file, the executable bit.
     model = project / "trainer" / "config.py"
@@ -219,22 +226,26 @@ def test_plan_command_lines(project: Path, fakes: Path, monkeypatch: pytest.Monk
     plan = image_plan(cfg, root=project)
     h12 = plan.hash[:12]
     out = project / "images"
+    owner = Project.of(project)
+    tag = plan.tag
+    assert tag.startswith("localhost/slipway:") and tag.endswith(f"-{owner.token}")
     args = ["--build-arg", f"BASE_IMAGE={TEST_BASE}", "--build-arg", "FLASH_ATTN=0", "--build-arg", "WHEELHOUSE=",
             "--build-arg", "WHEELHOUSE_DIGEST=", "--build-arg", f"SLIPWAY_VERSION={ctx.project_version(project)}",
-            "--build-arg", "GIT_COMMIT=unknown"]
+            "--build-arg", "GIT_COMMIT=unknown",
+            "--label", f"slipway.project={owner.id}", "--label", f"slipway.project.path={project}"]
     assert plan.podman_argv == ["podman", "build", "-f", str(project / "containers" / "Dockerfile"),
-                                "-t", f"localhost/slipway:{h12}", *args, "--network=host", "--isolation=chroot",
+                                "-t", tag, *args, "--network=host", "--isolation=chroot",
                                 str(out / f".context-{h12}")]
     # Upstream enroot: no -x mount. ENROOT_SQUASH_OPTIONS from image.squash_options.
-    temp = out / f".slipway-{h12}.sqsh.tmp-{img._host()}-{os.getpid()}"
-    assert plan.enroot_argv == ["enroot", "import", "-o", str(temp), f"podman://localhost/slipway:{h12}"]
+    temp = out / f".slipway-{h12}.sqsh.tmp-{host_name()}-{os.getpid()}"
+    assert plan.enroot_argv == ["enroot", "import", "-o", str(temp), f"podman://{tag}"]
     assert plan.enroot_env == {"ENROOT_SQUASH_OPTIONS": "-comp zstd -Xcompression-level 3 -b 1M"}
     assert not plan.enroot_mount and plan.frozen_config is None
     assert plan.build_env == {"MAX_JOBS": "4"}  # buildenv/flash-attn.env, not a --build-arg
     # CSCS's enroot lists -x in `enroot import --help`: detected, not assumed.
     monkeypatch.setenv("FAKE_ENROOT_MOUNT", "1")
     cscs = image_plan(cfg, root=project)
-    assert cscs.enroot_argv == ["enroot", "import", "-x", "mount", "-o", str(temp), f"podman://localhost/slipway:{h12}"]
+    assert cscs.enroot_argv == ["enroot", "import", "-x", "mount", "-o", str(temp), f"podman://{tag}"]
     assert calls(fakes, "enroot")[-1]["argv"] == ["enroot", "import", "--help"]
     # --force rebuilds without the layer cache.
     assert image_plan(cfg, root=project, force=True, enroot_mount=False).podman_argv[-2] == "--no-cache"
@@ -273,7 +284,7 @@ def test_build_import_is_atomic_and_recorded(project: Path, fakes: Path, tmp_pat
     out = plan.output_dir
     out.mkdir()
     # Leftovers of an interrupted import (a dead pid on this host) must not block the new one.
-    stale = out / f".{plan.squashfs.name}.tmp-{img._host()}-999999999"
+    stale = out / f".{plan.squashfs.name}.tmp-{host_name()}-999999999"
     stale.write_bytes(b"half")
     result = build_image(cfg, root=project)
     assert result.built and result.imported and result.squashfs == plan.squashfs
@@ -425,10 +436,12 @@ def test_regular_file_at_the_link_is_not_overwritten(project: Path, fakes: Path)
 @pytest.mark.slow
 def test_prune_keeps_the_current_image(project: Path, fakes: Path):
     cfg = make_cfg()
-    made = []
+    made, made_tags = [], []
     for i in range(3):
         (project / "configs" / "v.yaml").write_text(f"run: {{seed: {i}}}\n")
-        made.append(build_image(cfg, root=project).squashfs)
+        result = build_image(cfg, root=project)
+        made.append(result.squashfs)
+        made_tags.append(result.record.tag)
         os.utime(made[-1], (time.time() - 100 + i, time.time() - 100 + i))
     # Make the oldest current again (back to its sources): the two others go with keep=1.
     (project / "configs" / "v.yaml").write_text("run: {seed: 0}\n")
@@ -441,7 +454,7 @@ def test_prune_keeps_the_current_image(project: Path, fakes: Path):
     assert removed.ok and made[2] in removed.removed and made[0].exists()
     assert resolve_image(cfg, root=project) == made[0]
     tags = [c["argv"][2] for c in calls(fakes, "podman") if c["argv"][1] == "rmi"]
-    assert sorted(tags) == sorted(f"localhost/slipway:{p.name[8:20]}" for p in made[1:])
+    assert sorted(tags) == sorted(made_tags[1:])
     again = prune_images(cfg, keep=1, pinned={}, root=project)
     assert again.ok and not (again.removed or again.tags or again.containers)
     with pytest.raises(ConfigError, match="--keep"):
@@ -518,9 +531,10 @@ def test_prune_removes_leftovers_and_reports_what_it_cannot(project: Path, fakes
     (project / "configs" / "v.yaml").unlink()
     current = build_image(cfg, root=project)
     assert [c["Names"][0] for c in enroot_containers(fakes)] == [old_leftover]
-    # An import of the current tag still running (its enroot work dir exists), and another image's leftover.
+    # An import of the current tag still running (it holds the tag's lock), and another image's leftover.
     podman_standin(fakes, "create", "--name", "enroot.Running001", current.plan.tag)
-    (tmp_path / "enroot.Running001").mkdir()  # ENROOT_TEMP_PATH is tmp_path (the fakes fixture)
+    running_import = Project.of(project).building(current.plan.tag)
+    running_import.__enter__()
     podman_standin(fakes, "build", "-t", "localhost/other:1", str(tmp_path))
     podman_standin(fakes, "create", "--name", "enroot.OtherImage", "localhost/other:1")
 
@@ -528,30 +542,31 @@ def test_prune_removes_leftovers_and_reports_what_it_cannot(project: Path, fakes
     first = run_prune(project, FAKE_PODMAN_RM_FAIL=old_leftover)
     assert first.returncode == 1, first.stdout + first.stderr
     failed = sorted(line for line in first.stdout.splitlines() if line.startswith("could not remove"))
-    assert len(failed) == 3, first.stdout
-    running, leftover, tag = (next(line for line in failed if line.startswith(f"could not remove {what}"))
-                              for what in ("podman container enroot.Running001", f"podman container {old_leftover}",
-                                           "podman tag"))
-    assert running.startswith(f"could not remove podman container enroot.Running001 (left by enroot import of "
-                              f"{current.plan.tag}): enroot's work dir {tmp_path / 'enroot.Running001'} exists")
+    assert len(failed) == 2, first.stdout
+    leftover, tag = (next(line for line in failed if line.startswith(f"could not remove {what}"))
+                     for what in (f"podman container {old_leftover}", "podman tag"))
     assert leftover.startswith(f"could not remove podman container {old_leftover} (left by enroot import of "
                                f"{old.plan.tag}): podman rm exit 2: Error: cleaning up storage")
     assert tag == (f"could not remove podman tag {old.plan.tag}: podman rmi exit 2: Error: image used by "
                    f"{enroot_id(fakes, old_leftover)}: image is in use by a container: consider listing "
                    "external containers and force-removing image")
-    assert "error: prune could not remove 3 item(s)" in first.stderr
+    running = (f"kept podman container enroot.Running001 (left by enroot import of {current.plan.tag}): a build or "
+               "import of it is running now")
+    assert running in first.stdout.splitlines()
+    assert "left alone 1 enroot import containers of other projects' or unlabelled images: enroot.OtherImage " \
+           "(localhost/other:1)" in first.stdout
+    assert "error: prune could not remove 2 item(s)" in first.stderr
     assert f"removed {old.squashfs}" in first.stdout  # the files went all the same
 
     # rm works now: the leftover goes, then its tag; the running import's container is still kept.
     second = run_prune(project)
-    assert second.returncode == 1
+    assert second.returncode == 0, second.stdout + second.stderr
     assert f"removed podman container {old_leftover} (left by enroot import of {old.plan.tag})" in second.stdout
     assert f"removed podman tag {old.plan.tag}" in second.stdout
-    assert [line[:51] for line in second.stdout.splitlines() if line.startswith("could not")] == \
-        ["could not remove podman container enroot.Running001"]
+    assert running in second.stdout.splitlines()
 
-    # The import is over (its work dir is gone): everything of ours goes, another image's stays.
-    (tmp_path / "enroot.Running001").rmdir()
+    # The import is over (its lock is free): everything of ours goes, another image's stays.
+    running_import.__exit__(None, None, None)
     third = run_prune(project)
     assert third.returncode == 0, third.stdout + third.stderr
     assert "removed podman container enroot.Running001" in third.stdout
@@ -1199,9 +1214,10 @@ def test_cli_show(project: Path, fakes: Path):
 
 
 def real_prune_of_import_leftovers(cfg: Config, root: Path, tmp_path: Path) -> float:
-    """With the real podman: a second image (tag only, its only tag) with an `enroot.*`
-    container made from it, as an earlier import leaves it. While the container exists
-    podman refuses to remove the tag; prune removes the container, then the tag."""
+    """With the real podman: a second image of this project (tag only, its only tag) with an
+    `enroot.*` container made from it, as an import leaves it. While its import holds the tag's
+    lock both stay; then prune removes the container, then the tag (podman refuses the tag while
+    the container exists)."""
     t0 = time.perf_counter()
     podman = Podman.find()
     other = Config()
@@ -1210,16 +1226,12 @@ def real_prune_of_import_leftovers(cfg: Config, root: Path, tmp_path: Path) -> f
     current = image_plan(cfg, root=root, enroot_mount=False, git=False).tag
     name = f"enroot.{uuid.uuid4().hex[:10]}"
     subprocess.run([podman.exe, "create", "--name", name, old], check=True, capture_output=True)
-    (tmp_path / name).mkdir()  # its enroot work dir (ENROOT_TEMP_PATH): an import may be running
     quiet = Console(quiet=True)
     try:
-        first = prune_images(cfg, keep=1, pinned={}, root=root, console=quiet)
-        assert not first.ok and old not in first.tags and name not in first.containers
-        assert any(f.startswith(f"podman container {name} (left by enroot import of {old}): enroot's work dir")
-                   for f in first.failed), first.failed
-        (refused,) = [f for f in first.failed if f.startswith(f"podman tag {old}: podman rmi exit ")]
-        assert "image is in use by a container" in refused  # real podman's own words
-        (tmp_path / name).rmdir()  # the import is over
+        with Project.of(root).building(old):  # its import runs
+            first = prune_images(cfg, keep=1, pinned={}, root=root, console=quiet)
+        assert first.ok and old not in first.tags and name not in first.containers, first.failed
+        assert first.kept_tags.get(old) == "a build or import of it is running now"
         second = prune_images(cfg, keep=1, pinned={}, root=root, console=quiet)
         assert second.ok, second.failed
         assert second.containers == [name] and old in second.tags
@@ -1228,6 +1240,26 @@ def real_prune_of_import_leftovers(cfg: Config, root: Path, tmp_path: Path) -> f
     finally:
         podman.remove_container(name)
     return time.perf_counter() - t0
+
+
+def own_project(root: Path, key: str) -> Project:
+    """`root` as the project of this worktree's runs of test `key`: the same id each run, so a run
+    removes the images its earlier runs left (keeping podman's layer cache in its newest), and
+    never one of another checkout's runs of the same test sharing the storage."""
+    import hashlib
+
+    ident = hashlib.sha256(f"{REPO}\0{key}".encode()).hexdigest()[:32]
+    (root / ".slipway").mkdir(parents=True, exist_ok=True)
+    (root / ".slipway" / "project").write_text(json.dumps({"id": ident, "root": str(root)}) + "\n")
+    return Project.of(root)
+
+
+def untag_own(project: Project, repository: str, keep: str = "") -> None:
+    """Untag what `project` labelled in `repository`, but `keep`."""
+    podman = Podman.find()
+    for tag, labels in podman.tags(repository).items():
+        if labels.get("slipway.project") == project.id and tag != keep:
+            podman.untag(tag)
 
 
 def _podman_ok() -> str | None:
@@ -1288,6 +1320,7 @@ def test_real_podman_build_then_noop(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("ENROOT_TEMP_PATH", str(tmp_path))
     # A fresh smoke step each run (the layers before it come from podman's cache).
     root = copy_sources(tmp_path / "src")
+    owner = own_project(root, "real-build")
     smoke = "python3 -m trainer.smoke" if (root / "trainer" / "smoke.py").is_file() else \
         "python3 -c 'import trainer.config, torch, datasets; print(\"smoke ok (import only)\", torch.__version__)'"
     podman = shutil.which("podman")
@@ -1334,10 +1367,8 @@ def test_real_podman_build_then_noop(tmp_path: Path, monkeypatch: pytest.MonkeyP
               f"leftover + prune {prune_s:.1f} s; smoke: {smoke!r}")
     finally:
         # Keep this run's tag only: it holds podman's layer cache for the next run (removing the
-        # last tag of a chain removes its cached layers too).
-        for old in Podman(podman).tags("localhost/slipway-test"):
-            if old != tag:
-                Podman(podman).untag(old)
+        # last tag of a chain removes its cached layers too). Only this worktree's runs' tags.
+        untag_own(owner, "localhost/slipway-test", keep=tag)
 
 
 @pytest.mark.podman
@@ -1437,6 +1468,7 @@ def build_flash_attn_image(tmp_path: Path, base: str, wheels: Path) -> tuple[str
     cfg = make_cfg(name="slipway-flashtest", base_image=base, flash_attn=True, isolation="chroot",
                    wheelhouse=str(wheels), output_dir=str(tmp_path / "images"))
     root = copy_sources(tmp_path / "src")
+    owner = own_project(root, "flash-attn")
     console = Console(file=open(tmp_path / "console.txt", "w"), width=400)
     podman = Podman.find()
     try:
@@ -1447,8 +1479,7 @@ def build_flash_attn_image(tmp_path: Path, base: str, wheels: Path) -> tuple[str
                              capture_output=True, text=True, check=True).stdout
         return (tmp_path / "console.txt").read_text(), result.plan.log.read_text(), env
     finally:
-        for tag in podman.tags("localhost/slipway-flashtest"):
-            podman.untag(tag)
+        untag_own(owner, "localhost/slipway-flashtest")
 
 
 @pytest.mark.podman
@@ -1528,13 +1559,13 @@ def wheel_version(wheels: Path, name: str) -> str:
 def real_build(tmp_path: Path, cfg: Config) -> str:
     """Build `cfg` for real (no import); its log."""
     console = Console(file=open(tmp_path / "console.txt", "w"), width=400)
+    root = copy_sources(tmp_path / "src")
+    owner = own_project(root, "real-build-pins")
     try:
-        result = build_image(cfg, root=copy_sources(tmp_path / "src"), do_import=False, console=console)
+        result = build_image(cfg, root=root, do_import=False, console=console)
     finally:
         console.file.close()
-        podman = Podman.find()
-        for tag in podman.tags(f"localhost/{cfg.image.name}"):
-            podman.untag(tag)
+        untag_own(owner, f"localhost/{cfg.image.name}")
     assert result.built
     return result.plan.log.read_text()
 

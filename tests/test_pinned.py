@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import tree
+from containers.project import Project
+from containers.record import BuildRecord
 from image_standins import calls, write_standins
 from test_sealed import one_line_error, slurm_stand_ins, stand_in  # noqa: F401  (a fixture)
 
@@ -33,8 +35,8 @@ def slipway(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def pin_config(project: Path) -> str:
-    """configs/pin.yaml: tiny_cpu with its images in the project (absolute: `slipway image prune`
-    resolves a relative image.output_dir against the checkout, submit against the project)."""
+    """configs/pin.yaml: tiny_cpu with its images in the project, which holds the Dockerfile: the
+    checkout submit and `slipway image` build from."""
     text = (project / "configs" / "tiny_cpu.yaml").read_text()
     (project / "configs" / "pin.yaml").write_text(
         text + f"\nimage:\n  output_dir: {json.dumps(str(project / 'images'))}\n")
@@ -83,12 +85,16 @@ def test_prune_keeps_what_runs_pin_and_removes_the_rest(project, pin_config, slu
     current = fake_build(project, source="3")
     assert len({pinned, unpinned, current}) == 3
 
-    # The podman stand-in (tests/image_standins.py) holds each build's tag: the pinned one's stays too.
+    # The podman stand-in (tests/image_standins.py) holds each build's tag, labelled with the
+    # project: the pinned one's stays too.
     bin_dir = write_standins(tmp_path / "bin", "podman")
-    tags = {p: f"localhost/slipway:{p.name[8:20]}" for p in (pinned, unpinned, current)}
+    podman = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    tags = {p: BuildRecord.beside(p).tag for p in (pinned, unpinned, current)}
+    label = f"slipway.project={Project.of(project).id}"
     for tag in tags.values():
-        subprocess.run([str(bin_dir / "podman"), "build", "-t", tag, str(tmp_path)], check=True, capture_output=True)
-    r = slipway("image", "prune", pin_config, env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+        subprocess.run([str(bin_dir / "podman"), "build", "-t", tag, "--label", label, str(tmp_path)], check=True,
+                       capture_output=True)
+    r = slipway("image", "prune", pin_config, env=podman)
     assert r.returncode == 0, r.stdout + r.stderr
     untagged = [c["argv"][2] for c in calls(bin_dir, "podman") if c["argv"][1] == "rmi"]
     assert untagged == [tags[unpinned]], untagged
@@ -99,14 +105,14 @@ def test_prune_keeps_what_runs_pin_and_removes_the_rest(project, pin_config, slu
     assert f"kept {current}: the current image" in r.stdout
 
     # Runs are found under $SLIPWAY_RUNS when it is set: elsewhere, the pin is not seen.
-    again = slipway("image", "prune", pin_config, env={"SLIPWAY_RUNS": str(project / "elsewhere")})
+    again = slipway("image", "prune", pin_config, env={**podman, "SLIPWAY_RUNS": str(project / "elsewhere")})
     assert again.returncode == 0 and not pinned.exists(), again.stdout
     pinned.write_bytes(b"hsqs")  # back, for the explicit removal below
 
     # Named explicitly, a pinned image goes (with its record); the current one never.
-    r = slipway("image", "prune", pin_config, "--remove", str(current))
+    r = slipway("image", "prune", pin_config, "--remove", str(current), env=podman)
     assert "is the current image" in one_line_error(r, "--remove") and current.exists()
-    r = slipway("image", "prune", pin_config, "--remove", str(pinned))
+    r = slipway("image", "prune", pin_config, "--remove", str(pinned), env=podman)
     assert r.returncode == 0, r.stdout + r.stderr
     assert not pinned.exists() and f"removed {pinned}" in r.stdout and current.exists()
 

@@ -122,7 +122,12 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
     # training, whose first collective is the preflight's all-reduce) started in it.
     build = "i" + manifest["image"]["build_hash"][:16]
     assert f"CONTAINER_BUILD={build}" in script and '--container-name="${CONTAINER_NAME}":no_exec' in script
-    kept = f"pyxis_slipway-{build}"
+    # Named by this project too (containers/project.py), so that only its jobs' sweeps touch them.
+    from containers.context import build_root
+    from containers.project import Project
+
+    named = f"pyxis_slipway-{Project.of(build_root(project, 'containers/Dockerfile')).token}-"
+    kept = f"{named}{build}"
 
     def slurmd_log() -> str:
         return "".join(p.read_text(errors="replace") for p in pyxis_cluster.spec.log_dir.glob("slurmd-*.log"))
@@ -210,7 +215,7 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
     while not (metrics.exists() and '"train"' in metrics.read_text()):
         assert time.monotonic() < deadline, (project / "runs" / "pyxc" / "events.log").read_text()
         time.sleep(1)
-    assert any(c == f"pyxis_slipway-{job}" for c in containers(nodes[0]))
+    assert any(c == f"{named}{job}" for c in containers(nodes[0]))
     asked = time.monotonic()
     stopped = run(PY, "-m", "jobs", "cancel", "pyxc", env=env, cwd=project)
     assert stopped.returncode == 0, (stopped.stdout, stopped.stderr)
@@ -221,12 +226,12 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
     assert "CANCELLED" in run(PY, "-m", "jobs", "status", "pyxc", env=env, cwd=project).stdout.upper()
     # Its own container goes with it, within a bound a loaded disk may pass: then the next sweep
     # (here the command a user types) removes it, as its job is over. Either way none is left.
-    left = [n for n in nodes if f"pyxis_slipway-{job}" in containers(n)]
+    left = [n for n in nodes if f"{named}{job}" in containers(n)]
     print(f"its container removed by the job's end on {len(nodes) - len(left)} of {len(nodes)} node(s)")
     if left:
         listed = run(PY, "-m", "jobs", "image", "containers", "tiny_cpu", "--nodes", ",".join(left), env=env,
                      cwd=project)
-        assert all(f"{n}: would remove pyxis_slipway-{job}" in listed.stdout for n in left), listed.stdout
+        assert all(f"{n}: would remove {named}{job}" in listed.stdout for n in left), listed.stdout
 
     # The kept containers, listed and removed by the command a user types.
     listed = run(PY, "-m", "jobs", "image", "containers", "tiny_cpu", "--nodes", ",".join(nodes), env=env, cwd=project)

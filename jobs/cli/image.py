@@ -5,9 +5,9 @@ files: what goes through Slurm (image.build_on: compute, one srun that builds on
 a compute node) and which squashfs files runs pin (prune keeps them) are given
 to it from here.
 
-    slipway image build CONFIG [KEY=VALUE ...] [--no-import] [--force] [--base-image X] [--here]
+    slipway image build CONFIG [KEY=VALUE ...] [--no-import] [--force] [--base-image X] [--here] [--dry-run]
     slipway image show CONFIG [KEY=VALUE ...]
-    slipway image prune [CONFIG] [--keep N] [--remove SQUASHFS ...]
+    slipway image prune [CONFIG] [--keep N] [--remove SQUASHFS ...] [--dry-run]
     slipway image containers [CONFIG] [--nodes NODELIST] [--remove]
 """
 
@@ -23,12 +23,27 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from containers.image import ImagePlan, build_image, current_image, human, image_plan
+from containers.image import ImagePlan, build_image, current_image, human, image_plan, next_steps
 from containers.prune import prune_images
 from containers.tools import ToolError, stream, which
 from jobs.config import Config, dump_config, load_config
 from jobs.slurm import srun_argv
 from common.fs import write_atomic
+
+
+QUIET_S = 30  # `image containers`: a line at least this often while the nodes work
+
+
+def _project_dir() -> Path:
+    return Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute()
+
+
+def _root(cfg: Config) -> Path:
+    """The checkout the image commands act for: the one a submission from here builds its image
+    from (containers.context.build_root), so that both name the same images and project."""
+    from containers.context import build_root
+
+    return build_root(_project_dir(), cfg.image.dockerfile)
 
 
 def _config(name: str | None, overrides: list[str], base_image: str | None = None) -> Config:
@@ -71,31 +86,50 @@ def build(cfg: Config, *, force: bool = False, do_import: bool = True, console: 
           root: Path | None = None, here: bool = False):
     """`slipway image build`: containers.build_image, with Slurm for image.build_on: compute."""
     console = console or Console()
-    return build_image(cfg, force=force, do_import=do_import, console=console, root=root, here=here,
+    return build_image(cfg, force=force, do_import=do_import, console=console, root=root or _root(cfg), here=here,
                        elsewhere=lambda plan: build_on_compute(cfg, plan, console, force=force,
                                                                do_import=do_import))
 
 
+def dry_run(cfg: Config, *, force: bool, do_import: bool, here: bool, console: Console) -> None:
+    """`slipway image build --dry-run`: which steps a build would run (a podman build, an enroot
+    import, or nothing), asking podman but running nothing."""
+    plan = image_plan(cfg, root=_root(cfg), force=force, do_import=do_import)
+    steps = next_steps(plan, force=force, do_import=do_import, here=here)
+
+    def say(line: str) -> None:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+    if not steps:
+        say(f"nothing to run: {plan.squashfs} exists (hash {plan.hash12}, tag {plan.tag})")
+        return
+    say(f"would run, for {plan.squashfs.name} (tag {plan.tag}):")
+    for step in steps:
+        say(f"  {step}")
+
+
 def prune(cfg: Config, keep: int = 1, *, root: Path | None = None, remove: list[str] | None = None,
-          console: Console | None = None):
+          console: Console | None = None, dry_run: bool = False):
     """`slipway image prune`: containers.prune_images, keeping every squashfs a run pins."""
-    from containers.context import project_root
     from jobs.runs import pinned_images
 
-    root = (root or project_root()).resolve()
+    root = (root or _root(cfg)).resolve()
     # Where runs live: the directory slipway's run commands use and the checkout the image is built from.
-    project_dirs = list(dict.fromkeys([Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute(), root]))
-    return prune_images(cfg, keep=keep, root=root, remove=remove, console=console,
+    project_dirs = list(dict.fromkeys([_project_dir(), root]))
+    return prune_images(cfg, keep=keep, root=root, remove=remove, console=console, dry_run=dry_run,
                         pinned=pinned_images(project_dirs))
 
 
 def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console) -> int:
-    """The unpacked pyxis containers slipway jobs left on the nodes (container.keep_builds, and
-    any a job's end did not finish removing): listed, or with `remove` removed, except those a
-    queued or running job uses. One srun task per node runs the batch script's own sweep
-    (jobs/slurm/pyxis_lib.sh) with no build kept."""
+    """This project's unpacked pyxis containers that its jobs left on the nodes
+    (container.keep_builds, and any a job's end did not finish removing): listed, or with
+    `remove` removed, except those a queued or running job uses; another project's are left
+    alone. One srun task per node runs the batch script's own sweep (jobs/slurm/pyxis_lib.sh)
+    with no build kept; what it does is printed as it goes, and a silent stretch (deleting one
+    unpacked image takes minutes) is said every QUIET_S."""
     from jobs.slurm import hostnames, responding_nodes
-    from jobs.slurm.script import PYXIS_LIB
+    from jobs.slurm.script import PYXIS_LIB, PYXIS_PREFIX
+    from containers.project import Project
     from common.errors import ConfigError
 
     if which("srun") is None:
@@ -104,8 +138,12 @@ def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console
     if not names:
         raise ConfigError("--nodes", f"no responding node in partition {cfg.slurm.partition or '(any)'}: name the "
                                      "nodes with --nodes NODELIST")
-    sweep = f'sweep_containers "" "" "" 0 {"" if remove else "list"}'
-    script = f'{PYXIS_LIB}\n{sweep} | sed "s/^/${{SLURMD_NODENAME:-$(hostname)}}: /"'
+    # The project whose name its jobs give their containers (jobs.runs.container.container_project).
+    prefix = f"{PYXIS_PREFIX}{Project.of(_root(cfg)).token}-"
+    sweep = f'sweep_containers "" "" "" 0 {"" if remove else "list"!r} {shlex.quote(prefix)}'
+    # Each line as it comes (sed into a pipe would hold them back to the end), stderr's progress too.
+    script = (f'{PYXIS_LIB}\nnode=${{SLURMD_NODENAME:-$(hostname)}}\n{sweep} 2>&1 | '
+              'while IFS= read -r line; do printf "%s: %s\\n" "$node" "$line"; done')
     s = cfg.slurm
     argv = srun_argv(nodes=len(names), cpus_per_task=1, account=s.account, partition=s.partition,
                      extra=[f"--nodelist={','.join(names)}", "--job-name=slipway-containers", "bash", "-c", script])
@@ -117,7 +155,11 @@ def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console
         lines.append(line)
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
-    rc = stream(argv, show)
+    def alive(seconds: float) -> None:
+        console.print(f"still {'removing' if remove else 'listing'} on {','.join(names)} ({seconds:.0f} s; deleting "
+                      "an unpacked image takes minutes)", markup=False, highlight=False, soft_wrap=True)
+
+    rc = stream([which("srun") or "srun", *argv[1:]], show, quiet=(QUIET_S, alive))
     if rc == 0 and not lines:
         console.print("none", highlight=False)
     elif rc == 0 and not remove and any(": would remove " in line for line in lines):
@@ -127,9 +169,11 @@ def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console
 
 
 def _show(cfg, console: Console) -> None:
-    plan = image_plan(cfg)
-    record = current_image(cfg)
+    plan = image_plan(cfg, root=_root(cfg))
+    record = current_image(cfg, root=plan.root)
     console.print(f"hash      {plan.hash}", highlight=False, markup=False, soft_wrap=True)
+    project = f"{plan.project.id} ({plan.project.file})" if plan.project else f"none ({plan.project_error})"
+    console.print(f"project   {project}", highlight=False, markup=False, soft_wrap=True)
     console.print(f"tag       {plan.tag}", highlight=False, markup=False, soft_wrap=True)
     exists = f"exists, {human(plan.squashfs.stat().st_size)}" if plan.exists else "not built"
     console.print(f"squashfs  {plan.squashfs} ({exists})", highlight=False, markup=False, soft_wrap=True)
@@ -178,17 +222,20 @@ def _main(argv: list[str] | None) -> int:
     b.add_argument("--force", action="store_true", help="rebuild without layer cache and reimport")
     b.add_argument("--base-image", help="override image.base_image")
     b.add_argument("--here", action="store_true", help="build on this machine even if image.build_on is compute")
+    b.add_argument("--dry-run", action="store_true", help="say which steps would run (podman build, enroot import, "
+                                                          "nothing), running none")
     s = sub.add_parser("show", help="hash, tag, squashfs and the exact commands, running nothing")
     s.add_argument("config")
     s.add_argument("overrides", nargs="*")
-    p = sub.add_parser("prune", help="remove old images (keeps the current one)")
+    p = sub.add_parser("prune", help="remove this project's old images (keeps the current one)")
     p.add_argument("config", nargs="?")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--keep", type=int, default=1, help="squashfs files to keep, the current one included "
                                                        "(besides those runs pin: always kept)")
     p.add_argument("--remove", action="append", metavar="SQUASHFS", default=[],
                    help="remove this image although runs pin it (their requeues then fail); repeatable")
-    c = sub.add_parser("containers", help="the unpacked pyxis containers slipway keeps on the nodes "
+    p.add_argument("--dry-run", action="store_true", help="say what would be removed and what kept, remove nothing")
+    c = sub.add_parser("containers", help="the unpacked pyxis containers this project's jobs keep on the nodes "
                                           "(container.keep_builds): list them, or remove them with --remove")
     c.add_argument("config", nargs="?")
     c.add_argument("overrides", nargs="*")
@@ -204,13 +251,17 @@ def _main(argv: list[str] | None) -> int:
     console = Console()
     if args.cmd == "build":
         cfg = _config(args.config, args.overrides, args.base_image)
-        build(cfg, force=args.force, do_import=not args.no_import, console=console, here=args.here)
+        if args.dry_run:
+            dry_run(cfg, force=args.force, do_import=not args.no_import, here=args.here, console=console)
+        else:
+            build(cfg, force=args.force, do_import=not args.no_import, console=console, here=args.here)
     elif args.cmd == "show":
         _show(_config(args.config, args.overrides), console)
     elif args.cmd == "containers":
         return containers(_config(args.config, args.overrides), nodes=args.nodes, remove=args.remove, console=console)
     else:
-        result = prune(_config(args.config, args.overrides), keep=args.keep, remove=args.remove, console=console)
+        result = prune(_config(args.config, args.overrides), keep=args.keep, remove=args.remove, console=console,
+                       dry_run=args.dry_run)
         if not result.ok:
             Console(stderr=True).print(f"[red]error:[/] prune could not remove {len(result.failed)} item(s), "
                                        "each listed above with the reason", highlight=False, soft_wrap=True)

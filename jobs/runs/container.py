@@ -33,6 +33,7 @@ from typing import Callable, Optional
 from edf import Environment, Mount, expand_host, is_local_image, resolve_base
 from containers.context import build_root
 from containers.image import ImagePlan, image_plan
+from containers.project import Project
 from containers.record import BuildRecord
 from common.errors import ConfigError, bounded_path, shown
 from common.fs import file_sha256
@@ -69,15 +70,17 @@ class ImagePin:
         """A pin as a manifest records it (common/schema.py calls this as it reads one)."""
         require(self.source in SOURCES, f"{where}.source", f"{shown(self.source)} is not one of {', '.join(SOURCES)}")
 
-    def pins(self, code: Optional[CodeSnapshot], build: Optional[str]) -> Pins:
+    def pins(self, code: Optional[CodeSnapshot], build: Optional[str], project: Optional[str] = None) -> Pins:
         """What a job of this image checks on every node: the squashfs file by its size, mtime
-        and (where known) bytes; `code` and the kept container's build key ride along."""
+        and (where known) bytes; `code`, the kept container's build key and the project whose
+        name its containers carry ride along."""
         mtime = None
         if self.mtime:
             with contextlib.suppress(ValueError):
                 mtime = int(datetime.fromisoformat(self.mtime).timestamp())
         return Pins(code=code, image_file=self.path, image_sha256=self.sha256, image_size=self.size,
-                    image_mtime=mtime, image_identity=self.identity if self.path else None, build=build)
+                    image_mtime=mtime, image_identity=self.identity if self.path else None, build=build,
+                    project=project)
 
     @property
     def identity(self) -> Optional[str]:
@@ -451,6 +454,15 @@ def kept_build(cfg: Config, pin: ImagePin) -> Optional[str]:
         return None
     identity = pin.build_hash or pin.sha256
     return f"i{identity[:16]}" if identity else None
+
+
+def container_project(cfg: Config, project_dir: Path) -> Optional[str]:
+    """The token pyxis containers of `cfg`'s jobs are named with (slipway-TOKEN-...): the project
+    of the checkout its image builds from, so that a job's sweep on a node and `slipway image
+    containers` act on this project's alone; None without pyxis."""
+    if cfg.container.runtime != "pyxis":
+        return None
+    return Project.of(build_root(project_dir, cfg.image.dockerfile)).token
 
 
 def run_environment(cfg: Config, paths: RunDir, pin: ImagePin, code: Optional[CodeSnapshot] = None) -> Environment:

@@ -26,8 +26,8 @@ from jobs.config import Config, config_changes, dump_config, load_config
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_code_store
-from jobs.runs.container import (ImagePin, create_needed_dirs, kept_build, pin_image, remove_created_dirs,
-                                 resolve_paths, run_environment)
+from jobs.runs.container import (ImagePin, container_project, create_needed_dirs, kept_build, pin_image,
+                                 remove_created_dirs, resolve_paths, run_environment)
 from jobs.runs.manifest import Launch, Manifest
 from jobs.runs.run import Run, active_jobs, runs_root, update_manifest
 from jobs.slurm.script import library_files, render_prepare_sbatch, render_sbatch
@@ -147,7 +147,8 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
         shown = ", ".join(code.untracked[:5]) + (f" and {len(code.untracked) - 5} more" if len(code.untracked) > 5 else "")
         notes.append(f"not in the code snapshot, as git does not track them: {shown} (`git add` what the run needs)")
     env = run_environment(cfg, paths, pin, code.value if code else None)
-    script = render_sbatch(cfg, paths, env, pin.pins(code.value if code else None, kept_build(cfg, pin)))
+    script = render_sbatch(cfg, paths, env, pin.pins(code.value if code else None, kept_build(cfg, pin),
+                                                     container_project(cfg, paths.project)))
     _check_script_syntax(cfg, script)
     files = {paths.config: dump_config(cfg), paths.job_script: script, **library_files(env, paths)}
     if env.in_container:

@@ -85,16 +85,19 @@ job_over() {
   return 1
 }
 
-# sweep_containers JOB_ID JOB_TAG BUILD KEEP [LIST] (on a node): records that this job uses the
-# kept container of BUILD (empty: none), then removes what earlier jobs left, one line per
+# sweep_containers JOB_ID JOB_TAG BUILD KEEP [LIST] [PREFIX] (on a node): records that this job
+# uses the kept container of BUILD (empty: none), then removes what earlier jobs left, one line per
 # container (`removed NAME`, `kept NAME: WHY`; with LIST, `would remove NAME` and nothing
 # removed): each attempt's own container once its job is over (and this job's earlier attempts),
 # and the kept containers of builds beyond the KEEP most recently used (oldest first; no KEEP:
-# none of them), never one that a queued or running job has used. Which jobs used a kept
-# container, and when last, is in DATA/.slipway/NAME (hidden from `enroot list`). A kept
-# container is renamed before it is deleted, so that no job ever starts in a half-deleted one.
+# none of them), never one that a queued or running job has used. Only this project's: the
+# containers named PREFIX... (CONTAINER_PREFIX: slipway-pPROJECT-, see containers/project.py);
+# another project's, and those named before names carried a project, are left alone (said with
+# LIST). Which jobs used a kept container, and when last, is in DATA/.slipway/NAME (hidden from
+# `enroot list`). A kept container is renamed before it is deleted, so that no job ever starts in
+# a half-deleted one; the deleting, minutes for a big image, is said on stderr as it goes.
 sweep_containers() {
-  local job=$1 tag=$2 build=$3 keep=$4 list=${5:-} data uses name id tag_of used=() n=0 j busy
+  local job=$1 tag=$2 build=$3 keep=$4 list=${5:-} prefix=${6:-slipway-} data uses name id tag_of used=() n=0 j busy t
   data=$(enroot_data)
   uses=${data:+$data/.slipway}
   if [ -n "$build" ] && [ -n "$uses" ] && mkdir -p "$uses"; then
@@ -103,12 +106,13 @@ sweep_containers() {
   fi
   while read -r name; do
     case "$name" in
-      pyxis_slipway-i*) used+=("$name"); continue ;;
-      pyxis_slipway-*) tag_of=${name#pyxis_slipway-} ;;
-      pyxis_*_slipway-*) tag_of=${name#pyxis_*_slipway-} ;;
+      "pyxis_${prefix}i"*) used+=("$name"); continue ;;
+      "pyxis_$prefix"*) tag_of=${name#"pyxis_$prefix"} ;;
+      pyxis_*_"$prefix"*) tag_of=${name#pyxis_*_"$prefix"} ;;
+      pyxis_slipway-*|pyxis_*_slipway-*) [ -z "$list" ] || echo "left alone $name: not this project's"; continue ;;
       *) continue ;;
     esac
-    id=${name#pyxis_}; id=${id#slipway-}; id=${id%%[!0-9]*}
+    id=${tag_of%%[!0-9]*}
     [[ $id =~ ^[0-9]+$ ]] || continue
     if [ "$id" = "$job" ]; then
       [ "$tag_of" != "$tag" ] && [ "$tag_of" != "$build" ] || continue
@@ -116,6 +120,7 @@ sweep_containers() {
       job_over "$id" || { echo "kept $name: job $id is not over"; continue; }
     fi
     if [ -n "$list" ]; then echo "would remove $name"; continue; fi
+    echo "removing $name" >&2
     enroot remove --force "$name" >/dev/null 2>&1 && echo "removed $name"
   done < <(enroot list 2>/dev/null)
   # Most recently used first; a kept container with no record of its use counts as the oldest.
@@ -145,12 +150,17 @@ sweep_containers() {
   # Renamed containers (this sweep's, or one cut short) are deleted last: enroot remove takes
   # the hidden name like any other.
   [ -z "$list" ] || return 0
-  for name in $(ls -A "$data" 2>/dev/null | grep '^\.slipway-removing-'); do
+  for name in "$data"/.slipway-removing-pyxis_"$prefix"*; do
+    [ -e "$name" ] || continue
+    name=${name##*/} t=$SECONDS
+    echo "deleting the files of ${name#.slipway-removing-}" >&2
     enroot remove --force "$name" >/dev/null 2>&1 || true
+    echo "deleted the files of ${name#.slipway-removing-} in $((SECONDS - t)) s" >&2
   done
   # An unpack cut short (its job died) is no job's while nobody holds its container's lock.
-  for name in $(ls -A "$data" 2>/dev/null | grep '^\.slipway-unpacking-'); do
-    used=${name#.slipway-unpacking-}
+  for name in "$data"/.slipway-unpacking-pyxis_"$prefix"*; do
+    [ -e "$name" ] || continue
+    name=${name##*/} used=${name#.slipway-unpacking-}
     ( flock -n 9 && enroot remove --force "$name" >/dev/null 2>&1 ) 9>>"$uses/${used%.*}.lock" 2>/dev/null || true
   done
 }
@@ -161,7 +171,8 @@ sweep_containers() {
 remove_stale_containers() {
   [ -n "$CONTAINER_NAME" ] || return 0
   on_every_node "$STALE_REMOVE_TIMEOUT" slipway-sweep "enroot_data job_over sweep_containers" \
-    sweep_containers "$SLURM_JOB_ID" "$JOB_TAG" "$CONTAINER_BUILD" "${CONTAINER_BUILD:+$KEEP_BUILDS}" > /dev/null 2>&1 &
+    sweep_containers "$SLURM_JOB_ID" "$JOB_TAG" "$CONTAINER_BUILD" "${CONTAINER_BUILD:+$KEEP_BUILDS}" "" \
+    "$CONTAINER_PREFIX" > /dev/null 2>&1 &
   HELPER_PIDS+=("$!")
 }
 

@@ -96,6 +96,7 @@ class Pins:
     image_mtime: Optional[int] = None  # seconds, as stat -c %Y gives them
     image_identity: Optional[str] = None  # what the kept container is of: the build hash or the bytes'
     build: Optional[str] = None
+    project: Optional[str] = None  # the token the project's pyxis containers are named with (containers/project.py)
 # A stopped step and a container removal at the job's end wait at most this long (on_exit);
 # the background removal of stale containers at its start, at most STALE_REMOVE_TIMEOUT.
 STEP_STOP_WAIT = 30
@@ -280,10 +281,11 @@ def _settings(cfg: Config, paths: RunDir, env: Environment, container_named: boo
     ]
     empty = "''"
     if env.runtime == "pyxis":
+        prefix = PYXIS_PREFIX + (f"{pins.project}-" if pins.project else "")  # only this project's are swept
         lines += [
             "# The steps' named pyxis container (none when CONTAINER_PREFIX is empty): the image build's,",
             "# kept on the nodes for later jobs (CONTAINER_BUILD, container.keep_builds), else this attempt's.",
-            f"CONTAINER_PREFIX={PYXIS_PREFIX if container_named else empty} "
+            f"CONTAINER_PREFIX={prefix if container_named else empty} "
             f"CONTAINER_BUILD={(pins.build if container_named and pins.build else empty)} "
             f"KEEP_BUILDS={cfg.container.keep_builds} IMAGE_IDENTITY={q(pins.image_identity or '')}",
             f"CONTAINER_REMOVE_WAIT={CONTAINER_REMOVE_WAIT} CANCEL_REMOVE_WAIT={CANCEL_REMOVE_WAIT} "

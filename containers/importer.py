@@ -1,0 +1,182 @@
+"""enroot's import of a built podman image into a squashfs, and what it leaves behind.
+
+The squashfs is written under a temporary name (`.NAME-HASH12.sqsh.tmp-HOST-PID`) and renamed
+into place only once whole. Upstream enroot's `podman://` import leaves a stopped `enroot.*`
+podman container (see containers.tools.Enroot), which keeps the image in use: the import removes
+its own at once, never another import's; containers/prune.py removes older ones of this project.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.markup import escape
+
+from common.fs import pid_alive
+from containers.tools import Container, Enroot, Podman, Tail, ToolError, squashfs_ok
+
+if TYPE_CHECKING:
+    from containers.image import ImagePlan
+
+# enroot unpacks the image (its uncompressed size) before squashing it to about half.
+SQUASH_RATIO = 0.5
+
+def host_name() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+_NO_SPACE = re.compile(r"no space left on device", re.I)
+
+
+def check_free_space(*, image_size: int, output_dir: Path, temp_dir: Path | None) -> None:
+    """Room for the squashfs (about half the image) and, unless enroot mounts
+    the image (`-x mount`), for the unpacked image in enroot's temp dir."""
+    needs: dict[int, list] = {}
+    for path, need, what in ((output_dir, int(image_size * SQUASH_RATIO), "the squashfs"),
+                             (temp_dir, image_size, "the image unpacked by enroot")):
+        if path is None:
+            continue
+        probe = path
+        while not probe.exists():
+            probe = probe.parent
+        dev = probe.stat().st_dev
+        entry = needs.setdefault(dev, [probe, 0, []])
+        entry[1] += need
+        entry[2].append(f"{what} in {path}")
+    for probe, need, whats in needs.values():
+        free = shutil.disk_usage(probe).free
+        if free < need:
+            raise ToolError(f"not enough disk for enroot import: ~{human(need)} needed for {' and '.join(whats)}, "
+                            f"{human(free)} free: free space, set ENROOT_TEMP_PATH to a larger local disk, or "
+                            "change image.output_dir")
+
+
+def stale_temps(output_dir: Path, glob: str) -> list[Path]:
+    """Leftovers of interrupted imports (`.NAME-HASH12.sqsh.tmp-HOST-PID`): this
+    host's whose process is gone, or another host's older than a day."""
+    host, stale = host_name(), []
+    for tmp in output_dir.glob(glob):
+        tmp_host, _, pid = tmp.name.rsplit(".tmp-", 1)[-1].rpartition("-")
+        if tmp_host == host and pid.isdigit():
+            alive = int(pid) != os.getpid() and pid_alive(int(pid))
+        else:
+            alive = time.time() - tmp.stat().st_mtime < 86400
+        if not alive:
+            stale.append(tmp)
+    return stale
+
+
+_CONTAINER_ID = re.compile(r"\b[0-9a-f]{64}\b")
+
+
+def _same_image(container: Container, tag: str, image_id: str | None) -> bool:
+    bare = (image_id or "").removeprefix("sha256:")
+    return container.image == tag or bool(bare) and container.image_id.removeprefix("sha256:") == bare
+
+
+def _import_leftovers(podman: Podman, tag: str, before: set[str], printed: set[str]) -> list[Container]:
+    """The stopped `enroot.*` containers this import left (see Enroot): new since the
+    import began, created from our tag, and, when enroot printed container ids
+    (`podman create` does), one of those: never another import's or another image's."""
+    image_id = podman.image_id(tag)
+    new = [c for c in podman.containers(Enroot.CONTAINER_FILTER)
+           if c.id not in before and _same_image(c, tag, image_id) and c.state not in ("running", "paused")]
+    return [c for c in new if c.id in printed] if printed else new
+
+
+def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, printed: set[str],
+                  console: Console) -> tuple[list[str], list[str]]:
+    """Remove this import's leftover container(s): (removed names, warnings)."""
+    if before is None:
+        return [], []
+    try:
+        leftovers = _import_leftovers(podman, plan.tag, before, printed)
+    except ToolError as exc:
+        return [], [f"could not look for enroot's leftover podman container: {exc}"]
+    removed, warnings = [], []
+    for c in leftovers:
+        outcome = podman.remove_container(c.id)
+        if outcome:
+            removed.append(c.name)
+        else:
+            warnings.append(f"could not remove enroot's leftover podman container {c.name} ({outcome.why}): it keeps "
+                            f"{plan.tag} in use; `slipway image prune` retries")
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    return removed, warnings
+
+
+def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Console) -> list[str]:
+    notes: list[str] = []
+    size = podman.image_size(plan.tag)
+    if size:
+        check_free_space(image_size=size, output_dir=plan.output_dir,
+                         temp_dir=None if plan.enroot_mount else Enroot.temp_dir())
+    for stale in stale_temps(plan.output_dir, f".{plan.squashfs.name}.tmp-*"):
+        stale.unlink(missing_ok=True)
+    tmp = plan.temp_squashfs
+    tmp.unlink(missing_ok=True)
+    tail = Tail(40)
+    try:  # what exists before, so the cleanup after can tell this import's container from others
+        before: set[str] | None = {c.id for c in podman.containers(Enroot.CONTAINER_FILTER)}
+    except ToolError as exc:
+        before = None
+        console.print(f"[yellow]warning:[/] {escape(str(exc))}: enroot's leftover container will not be removed")
+    printed: set[str] = set()  # container ids in enroot's output (`podman create` prints the id)
+    console.print(f"[bold]enroot import[/] {'-x mount ' if plan.enroot_mount else ''}podman://{plan.tag}"
+                  f"  (ENROOT_SQUASH_OPTIONS={escape(repr(plan.squash_options))}"
+                  f"{', image ' + human(size) if size else ''})", highlight=False)
+    try:
+        try:
+            with plan.log.open("a") as log, console.status("enroot import") as status:
+                log.write("$ " + " ".join(f"{k}={v!r}" for k, v in plan.enroot_env.items()) + " "
+                          + " ".join(plan.enroot_argv) + "\n")
+
+                def on_line(line: str) -> None:
+                    log.write(line + "\n")
+                    tail(line)
+                    printed.update(_CONTAINER_ID.findall(line))
+                    status.update(f"enroot import: {escape(line[:100])}")
+
+                rc = enroot.import_(plan.enroot_argv, plan.enroot_env, on_line)
+        finally:  # also after a failed or interrupted import: the container stays either way
+            removed, warnings = _clean_import(plan, podman, before, printed, console)
+            notes += [f"removed enroot's leftover podman container {name}" for name in removed] + warnings
+        if rc != 0:
+            # enroot can exit non-zero after a complete write: upstream's cleanup runs
+            # `docker rm` (fails without docker), CSCS's has its own errors. Keep the
+            # file only if its tables read back whole.
+            if tmp.is_file() and squashfs_ok(tmp):
+                why = " (its cleanup calls `docker rm`; slipway removed the container itself)" if removed else ""
+                notes.append(f"enroot exited {rc} but the squashfs reads back whole: kept{why}")
+                console.print(f"[yellow]note:[/] {escape(notes[-1])}", highlight=False)
+            else:
+                text = tail.text()
+                if _NO_SPACE.search(text):
+                    raise ToolError(f"enroot import ran out of disk: free space in {plan.output_dir} and "
+                                    f"{Enroot.temp_dir()} (ENROOT_TEMP_PATH); log: {plan.log}")
+                last = tail.lines[-1].strip()[:300] if tail.lines else ""
+                raise ToolError(f"enroot import failed (exit {rc}): {last}; the podman image {plan.tag} is built, "
+                                f"rerun to retry the import; log: {plan.log}")
+        if not tmp.is_file():
+            raise ToolError(f"enroot import exited {rc} without writing {tmp}; log: {plan.log}")
+        os.replace(tmp, plan.squashfs)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return notes
