@@ -39,7 +39,7 @@ def case(mode: str, size: str, saves: int, micro_batch: int, seq_len: int, where
     from trainer.config import CheckpointSection, ModelSection, TrainSection
     from trainer.model import Transformer
     from trainer.optim import build_optimizer
-    from trainer.parallel import cross_entropy
+    from trainer.runners import cross_entropy
     from trainer.states import ModelState, OptimizerState, RNGState
 
     torch.manual_seed(0)

@@ -33,7 +33,7 @@ from slurm_standin import StandInSlurm  # noqa: E402
 
 from jobs.config import dump_config, load_config  # noqa: E402
 from jobs.runs import manifest as manifests  # noqa: E402
-from jobs.runs.container import ImagePin  # noqa: E402
+from jobs.runs.image import ImagePin  # noqa: E402
 from jobs.runs.manifest import Launch, Manifest  # noqa: E402
 from common.events import format_event  # noqa: E402
 from common.rundir import CodeSnapshot

@@ -164,7 +164,8 @@ def _fused_adamw_worker() -> None:
     from trainer.config import ModelSection, TrainSection
     from trainer.model import Transformer
     from trainer.optim import build_optimizer, clip_grad_norm_, param_groups
-    from trainer.parallel import apply_fsdp, apply_tp, cross_entropy, init_distributed
+    from trainer.parallel import apply_fsdp, apply_tp, init_distributed
+    from trainer.runners import cross_entropy
 
     env = init_distributed()  # torchrun, one process: a group of one, NCCL on CUDA
     assert dist.is_initialized() and dist.get_backend() == ("nccl" if env.device.type == "cuda" else "gloo")

@@ -22,7 +22,7 @@ import trainer.data_tokenize as data_tokenize
 from common.errors import ConfigError
 from trainer.config import DataSection
 from trainer.data_cache import DataCacheError, resolve_cache_dir
-from trainer.data_sources import load_tokenizer
+from trainer.data_tokenize import load_tokenizer
 from trainer.data_tokenize import Progress
 from trainer.prepare import cache_status, main as prepare_main, prepare
 

@@ -24,7 +24,8 @@ from common.errors import ConfigError
 from trainer.config import DataSection, ModelSection, RunSection, TrainSection, TrainerConfig
 from trainer.data import Sampler, build_data, check_vocab_size
 from trainer.data_cache import default_cache_dir
-from trainer.data_sources import BUILTIN_TOKENIZER, load_tokenizer, resolve_source, resolve_tokenizer
+from trainer.data_sources import BUILTIN_TOKENIZER, resolve_source
+from trainer.data_tokenize import load_tokenizer, resolve_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = load_tokenizer("builtin")
@@ -145,7 +146,7 @@ def test_killed_writer_leaves_no_index_and_is_taken_over(tmp_path):
     script = f"""
         import sys, time
         from pathlib import Path
-        import trainer.data_sources as s, trainer.data_cache as c
+        import trainer.data_sources as s, trainer.data_cache as c, trainer.data_tokenize as t
         real_open = s.TextSource.open
         def slow_open(self, *args, **kwargs):
             reader = real_open(self, *args, **kwargs)
@@ -158,7 +159,7 @@ def test_killed_writer_leaves_no_index_and_is_taken_over(tmp_path):
             return reader
         s.TextSource.open = slow_open
         s.BATCH_CHARS = 500
-        c.ensure_tokens(s.resolve_source({str(data)!r}, None, "train", "text"), s.resolve_tokenizer("builtin"),
+        c.ensure_tokens(s.resolve_source({str(data)!r}, None, "train", "text"), t.resolve_tokenizer("builtin"),
                         Path({str(tmp_path / 'c')!r}), rank=0)
     """
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=_env())
@@ -199,14 +200,14 @@ def _wait_for(path: Path, proc: subprocess.Popen, limit: float = 60) -> None:
 BARRIER_SCRIPT = """
 import hashlib, os, sys, time
 from pathlib import Path
-import trainer.data_cache as c, trainer.data_sources as s
+import trainer.data_cache as c, trainer.data_sources as s, trainer.data_tokenize as t
 real = c.write_tokens
 def marked(*args, **kwargs):
     Path(sys.argv[2], f"wrote-{os.getpid()}").touch()
     time.sleep(1.5)  # keep the others waiting on the barrier
     return real(*args, **kwargs)
 c.write_tokens = marked
-found = c.ensure_tokens(s.resolve_source(sys.argv[1], None, "train", "text"), s.resolve_tokenizer("builtin"),
+found = c.ensure_tokens(s.resolve_source(sys.argv[1], None, "train", "text"), t.resolve_tokenizer("builtin"),
                         Path(sys.argv[2], "cache"), timeout_s=60)
 print(hashlib.sha256(found.tokens.tobytes()).hexdigest(), found.index["n_tokens"])
 """

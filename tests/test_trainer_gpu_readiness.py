@@ -408,7 +408,8 @@ else:
     from torch.distributed.device_mesh import init_device_mesh
     from trainer.compute import apply_float8
     from trainer.model import Transformer
-    from trainer.parallel import apply_tp, cross_entropy
+    from trainer.parallel import apply_tp
+    from trainer.runners import cross_entropy
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
     plain = Transformer(cfg.model, "sdpa")
     plain.init_weights(5)

@@ -235,7 +235,7 @@ def test_smoke_module_passes(capsys):
 
 
 def test_loss_is_cross_entropy_on_flattened_tokens():
-    from trainer.parallel import cross_entropy
+    from trainer.runners import cross_entropy
 
     logits_BTV, targets_BT = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
     torch.testing.assert_close(cross_entropy(logits_BTV, targets_BT),
@@ -279,7 +279,7 @@ def test_padding_leaves_the_loss_and_gradients_exactly_as_unpadded(tied):
     """Same real weights, padded rows filled with large values: a padded logit that took part
     in the softmax would change the loss. It must not: loss and every real gradient are those
     of the unpadded model, and the padded rows get no gradient at all."""
-    from trainer.parallel import cross_entropy
+    from trainer.runners import cross_entropy
 
     plain = Transformer(model_cfg(vocab_size=250, pad_vocab_multiple=1, tie_embeddings=tied))
     padded = Transformer(model_cfg(vocab_size=250, pad_vocab_multiple=64, tie_embeddings=tied))

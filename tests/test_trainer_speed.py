@@ -52,7 +52,8 @@ def _loss_parallel_check(tied: bool) -> dict:
 
     from trainer.config import ModelSection
     from trainer.model import Transformer
-    from trainer.parallel import apply_tp, cross_entropy
+    from trainer.parallel import apply_tp
+    from trainer.runners import cross_entropy
 
     common = {**TINY_MODEL, "vocab_size": 250, "tie_embeddings": tied}
     plain = Transformer(ModelSection(**common, pad_vocab_multiple=1))

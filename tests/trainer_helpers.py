@@ -90,12 +90,12 @@ POISON_ENV = "SLIPWAY_TEST_POISON"
 
 
 def poison_loss(step: int, rank: int, accum: int) -> Callable[[], None]:
-    """Wrap trainer.parallel.cross_entropy (looked up at call time by both runners) so that
+    """Wrap trainer.runners.cross_entropy (looked up at call time by both runners) so that
     the training losses of optimizer step `step` on global rank `rank` are NaN, counting
     steps from this call; returns the function that puts the original back."""
-    import trainer.parallel as parallel
+    import trainer.runners as runners
 
-    original = parallel.cross_entropy
+    original = runners.cross_entropy
     calls = [0]
 
     def poisoned(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
@@ -106,10 +106,10 @@ def poison_loss(step: int, rank: int, accum: int) -> Callable[[], None]:
                 loss = loss * float("nan")
         return loss
 
-    parallel.cross_entropy = poisoned
+    runners.cross_entropy = poisoned
 
     def restore() -> None:
-        parallel.cross_entropy = original
+        runners.cross_entropy = original
 
     return restore
 

@@ -41,7 +41,7 @@ from common import environ
 from common.errors import ConfigError
 from trainer.config import TrainerConfig
 from trainer.data_cache import default_cache_dir, ensure_tokens, resolve_cache_dir
-from trainer.data_sources import load_tokenizer
+from trainer.data_tokenize import load_tokenizer
 from trainer.prepare import CacheStatus, cache_status
 
 log = logging.getLogger(__name__)

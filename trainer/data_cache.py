@@ -52,7 +52,8 @@ from typing import TYPE_CHECKING, Any
 from common import environ
 from common.errors import ConfigError
 from trainer.config import DataSection
-from trainer.data_sources import TextSource, TokenizerSpec
+from trainer.data_sources import TextSource
+from trainer.data_tokenize import TokenizerSpec
 from trainer.data_tokenize import FORMAT_VERSION, TOKEN_DTYPES, ProgressSink, note, partial_tokens, write_tokens
 from common.fs import pid_alive, write_atomic
 

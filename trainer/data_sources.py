@@ -51,7 +51,7 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id
 BATCH_CHARS = 1 << 18
 
 
-def _expand(spec: str) -> str:
+def expand_spec(spec: str) -> str:
     return os.path.expanduser(os.path.expandvars(spec))
 
 
@@ -88,7 +88,7 @@ def _slug(text: str) -> str:
 def looks_local(spec: str) -> bool:
     """A path rather than a hub name: it exists, is explicitly a path, has a
     known suffix, or is a glob. (`org/name` alone is a hub name.)"""
-    expanded = _expand(spec)
+    expanded = expand_spec(spec)
     return (Path(expanded).exists() or spec.startswith(("/", "./", "../", "~", "$"))
             or any(c in spec for c in "*?[") or _file_format(Path(expanded)) is not None)
 
@@ -360,7 +360,7 @@ def resolve_source(spec: str, config: str | None, split: str, column: str,
         return TextSource(kind="hub", description=desc, slug=_slug(f"{spec}-{config or ''}-{split}"), column=column,
                           field=field, name=spec, config=config, split=split,
                           identity={"kind": "hub", "name": spec, "config": config, "split": split, "column": column})
-    path = Path(_expand(spec))
+    path = Path(expand_spec(spec))
     if any(c in spec for c in "*?["):
         files = [Path(p) for p in sorted(glob.glob(str(path), recursive=True)) if Path(p).is_file()]
         if not files:
@@ -436,98 +436,3 @@ def run_sources(data: DataSection) -> dict[str, TextSource]:
         val = resolve_source(data.dataset, data.dataset_config, split, data.text_column,
                              field="data.validation_split")
     return {"train": train, "validation": val}
-
-
-# --------------------------------------------------------------------------
-# Tokenizers
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TokenizerSpec:
-    spec: str
-    description: str
-    identity: dict[str, Any]
-    path: Path | None = None  # a tokenizer.json, or a directory for transformers
-
-
-def resolve_tokenizer(spec: str) -> TokenizerSpec:
-    """The tokenizer `spec` names, identified by content (local) or by name (hub)."""
-    if spec == BUILTIN:
-        return TokenizerSpec(spec, "builtin (trainer/assets/tokenizer.json)",
-                             {"kind": "builtin", "sha256": sha256_file(BUILTIN_TOKENIZER)}, BUILTIN_TOKENIZER)
-    path = Path(_expand(spec))
-    if not path.exists():
-        if looks_local(spec) or spec.endswith(".json"):
-            raise ConfigError("data.tokenizer", f"path '{spec}' does not exist (working directory {os.getcwd()}); "
-                              "give a tokenizer.json, a directory holding one, 'builtin', or a hub name like gpt2")
-        return TokenizerSpec(spec, f"{spec} (Hugging Face hub)", {"kind": "hub", "name": spec})
-    if path.is_dir():
-        if (path / "tokenizer.json").exists():
-            path = path / "tokenizer.json"
-        else:
-            files = sorted(p for p in path.iterdir() if p.is_file())
-            if not files:
-                raise ConfigError("data.tokenizer", f"directory '{spec}' is empty; it needs a tokenizer.json")
-            return TokenizerSpec(spec, f"{spec} (transformers, local)",
-                                 {"kind": "dir", "files": {p.name: sha256_file(p) for p in files}}, path)
-    return TokenizerSpec(spec, str(path), {"kind": "file", "sha256": sha256_file(path)}, path)
-
-
-def load_tokenizer(spec: TokenizerSpec | str) -> Any:
-    """A `tokenizers.Tokenizer` (fast, with a parallel `encode_batch`)."""
-    from tokenizers import Tokenizer
-
-    if isinstance(spec, str):
-        spec = resolve_tokenizer(spec)
-    if spec.path is not None and spec.path.is_file():
-        try:
-            return Tokenizer.from_file(str(spec.path))
-        except Exception as exc:
-            raise ConfigError("data.tokenizer", f"'{spec.path}' is not a tokenizers JSON file "
-                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-    if spec.path is not None:
-        return _transformers_tokenizer(str(spec.path), spec.spec, local=True)
-    unreachable = hub_unreachable()
-    if unreachable:
-        raise ConfigError("data.tokenizer", f"'{spec.spec}' is no local file and {unreachable}: check the name, and "
-                          "run `slipway prepare` where the hub can be reached (offline: HF_HUB_OFFLINE=1 with HF_HOME "
-                          "holding it), or give a local tokenizer.json")
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return Tokenizer.from_file(hf_hub_download(spec.spec, "tokenizer.json"))
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        if type(exc).__name__ in ("EntryNotFoundError", "RemoteEntryNotFoundError"):  # vocab.json + merges.txt
-            return _transformers_tokenizer(spec.spec, spec.spec, local=False)
-        raise ConfigError("data.tokenizer", f"could not load tokenizer '{spec.spec}' from the Hugging Face hub "
-                          f"({type(exc).__name__}: {first}); check the name and network access (offline: "
-                          "HF_HUB_OFFLINE=1 with HF_HOME holding it), or give a local tokenizer.json") from None
-
-
-def _transformers_tokenizer(where: str, spec: str, local: bool) -> Any:
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ConfigError("data.tokenizer", f"'{spec}' has no tokenizer.json and transformers is not installed "
-                          "to convert it; save it as tokenizer.json (tokenizers library)") from None
-    try:
-        tok = AutoTokenizer.from_pretrained(where, local_files_only=local)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError("data.tokenizer", f"could not load tokenizer '{spec}': {first}") from None
-    if not getattr(tok, "is_fast", False):
-        raise ConfigError("data.tokenizer", f"'{spec}' has only a slow (Python) tokenizer; convert it to a "
-                          "tokenizer.json with the tokenizers library")
-    return tok.backend_tokenizer
-
-
-def eos_id(tokenizer: Any, spec: str = "") -> int:
-    """The id that separates documents in the token stream."""
-    for token in EOS_CANDIDATES:
-        tid = tokenizer.token_to_id(token)
-        if tid is not None:
-            return tid
-    raise ConfigError("data.tokenizer", f"tokenizer '{spec}' has none of the end-of-text tokens "
-                      f"{', '.join(EOS_CANDIDATES)}, so documents cannot be separated; add one as a special token")

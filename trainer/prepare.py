@@ -32,7 +32,8 @@ from pathlib import Path
 from common.errors import ConfigError
 from trainer.config import DataSection, load_trainer_config
 from trainer.data_cache import CacheEntry, DataCacheError, ensure_tokens, entry_status, resolve_cache_dir
-from trainer.data_sources import BUILTIN, resolve_tokenizer, run_sources
+from trainer.data_sources import BUILTIN, run_sources
+from trainer.data_tokenize import resolve_tokenizer
 from trainer.data_tokenize import Progress, ProgressSink
 
 __all__ = ["CacheEntry", "CacheStatus", "ConfigError", "DataCacheError", "Prepared", "PrepareResult", "Progress",

@@ -16,7 +16,7 @@ import torch
 from trainer.config import ModelSection, TrainSection
 from trainer.model import Transformer
 from trainer.optim import build_optimizer, clip_grad_norm_
-from trainer.parallel import cross_entropy
+from trainer.runners import cross_entropy
 
 
 def check_flash_attn() -> str:

@@ -72,8 +72,9 @@ from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
 from trainer.watchdog import HangWatchdog, collective_timeout
 from trainer.model import num_flops_per_token, select_attention
 from trainer.optim import SkippableStep, build_lr_scheduler, build_optimizer, clip_grad_norm_
-from trainer.parallel import (Batch, DistEnv, ParallelDims, Runner, build_model, build_runner, distributed_session,
-                              global_mean, resolve_dtype, step_stats)
+from trainer.parallel import (Batch, DistEnv, ParallelDims, build_model, distributed_session, global_mean, resolve_dtype,
+                              step_stats)
+from trainer.runners import Runner, build_runner
 from trainer.checkpoint import Checkpointer, CheckpointWriteError, NonFiniteError, resolve_async_save
 from trainer.loop import (BatchFeeder, GarbageCollection, Sampler, StopSignal, StopVote, TrainState, next_batches,
                           step_marker)

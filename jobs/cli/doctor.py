@@ -21,7 +21,7 @@ from rich.markup import escape
 from jobs import runs, slurm
 from containers.record import BuildRecord
 from jobs.config import Config
-from jobs.runs.container import ImagePin
+from jobs.runs.image import ImagePin
 from common.rundir import RunDir
 from common.environ import as_typed
 from common.errors import ConfigError, bounded
@@ -98,7 +98,8 @@ def _image_tools() -> list[Result]:
 
 
 def _run_checks(cfg: Config, project_dir: Path) -> list[Result]:
-    from jobs.runs.container import pin_image, resolve_paths, visibility_mounts
+    from jobs.runs.image import pin_image
+    from jobs.runs.container import resolve_paths, visibility_mounts
 
     paths = RunDir(runs.runs_root(project_dir) / cfg.run.name, project_dir.absolute())
     out: list[Result] = [("parallel layout", True, f"dp({cfg.parallel.dp}) x tp({cfg.parallel.tp}) x "
@@ -229,7 +230,7 @@ def _current_build(run: "runs.Run", pin: Optional[ImagePin]) -> list[Result]:
     """What the run's config would build now, against the build the run pinned."""
     from containers.context import build_root
     from containers.image import image_plan
-    from jobs.runs.container import build_differences
+    from jobs.runs.image import build_differences
 
     if pin is None or not pin.build_hash:
         return []

@@ -138,7 +138,7 @@ def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console
     if not names:
         raise ConfigError("--nodes", f"no responding node in partition {cfg.slurm.partition or '(any)'}: name the "
                                      "nodes with --nodes NODELIST")
-    # The project whose name its jobs give their containers (jobs.runs.container.container_project).
+    # The project whose name its jobs give their containers (jobs.runs.image.container_project).
     prefix = f"{PYXIS_PREFIX}{Project.of(_root(cfg)).token}-"
     sweep = f'sweep_containers "" "" "" 0 {"" if remove else "list"!r} {shlex.quote(prefix)}'
     # Each line as it comes (sed into a pipe would hold them back to the end), stderr's progress too.

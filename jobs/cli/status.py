@@ -88,7 +88,7 @@ def image_drift(run: runs.Run) -> str | None:
     pinned = run.image()
     if pinned is None or pinned.source != "build":
         return None
-    from jobs.runs.container import build_of_settings
+    from jobs.runs.image import build_of_settings
 
     try:
         now = build_of_settings(run.config(), run.paths.project)

@@ -4,7 +4,8 @@
     submit.py     a submission sealed once, the run directory written whole, sbatch and its record
     manifest.py   manifest.json, typed, and what a damaged one says
     lifecycle.py  what became of a launch (events.log, Slurm, the local processes)
-    container.py  the run's image pin and container environment
+    image.py      the image a run pins, and what a build of its settings would be now
+    container.py  the run's container environment and the paths it mounts
     code.py       the code snapshot and its store
     lock.py       one launch of a run at a time
 """

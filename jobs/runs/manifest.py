@@ -27,7 +27,7 @@ from common.errors import ConfigError, bounded, bounded_path, shown
 from common.fs import open_regular, write_atomic
 from common.rundir import LOCAL_JOB, CodeSnapshot
 from common.schema import from_dict, require
-from jobs.runs.container import ImagePin
+from jobs.runs.image import ImagePin
 
 # 1: the first versioned format; a manifest without `schema` (written before it) reads the same.
 SCHEMA = 1

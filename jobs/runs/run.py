@@ -19,7 +19,7 @@ from jobs.config import Config, load_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
-from jobs.runs.container import ImagePin
+from jobs.runs.image import ImagePin
 from jobs.runs.lifecycle import LaunchState
 from jobs.runs.manifest import Launch, Manifest, ManifestError
 from common.rundir import RunDir

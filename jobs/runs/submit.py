@@ -26,8 +26,8 @@ from jobs.config import Config, config_changes, dump_config, load_config
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_code_store
-from jobs.runs.container import (ImagePin, container_project, create_needed_dirs, kept_build, pin_image,
-                                 remove_created_dirs, resolve_paths, run_environment)
+from jobs.runs.image import ImagePin, container_project, kept_build, pin_image
+from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve_paths, run_environment
 from jobs.runs.manifest import Launch, Manifest
 from jobs.runs.run import Run, active_jobs, runs_root, update_manifest
 from jobs.slurm.script import library_files, render_prepare_sbatch, render_sbatch

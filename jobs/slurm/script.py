@@ -87,7 +87,7 @@ class Pins:
     """What a job runs, pinned at submission, which every node checks before training
     (job_lib.sh verify_nodes): the code snapshot, the squashfs file (none for a registry
     image), and the key of the image build whose unpacked container pyxis keeps on the nodes
-    (`jobs.runs.container.kept_build`; None: each attempt unpacks its own)."""
+    (`jobs.runs.image.kept_build`; None: each attempt unpacks its own)."""
 
     code: Optional[CodeSnapshot] = None
     image_file: Optional[str] = None

@@ -1,0 +1,161 @@
+"""One optimizer step's forward and backward over its micro batches, on the mesh trainer/parallel.py
+built: plain gradient accumulation (`AccumulationRunner`, FSDP2 or DDP across dp) or a pipeline
+schedule (`PipelineRunner`: GPipe or 1F1B across pp stages); `build_runner` picks one. The loss is
+`cross_entropy` in fp32 (looked up at call time, so a test can wrap it), under loss parallel where
+the logits are vocabulary-sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.config import TrainerConfig
+from trainer.parallel import Batch, ParallelDims
+
+def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32. Vocabulary-sharded logits (a DTensor, under the
+    runners' loss_parallel context) give a replicated DTensor loss, returned as the plain
+    tensor every tp peer holds, so the runners add it up like any other."""
+    loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(0, 1))
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    return loss
+
+
+def _loss_context(dims: ParallelDims) -> Callable[[], contextlib.AbstractContextManager]:
+    """What the forward and backward of the loss run under: torch's loss_parallel (its
+    cross-entropy handlers for sharded logits, needed for the backward too) or nothing."""
+    if not dims.loss_parallel:
+        return contextlib.nullcontext
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel
+
+
+class Runner:
+    """Forward and backward over the micro batches of one step. The returned
+    loss is the mean over micro batches on ranks that compute it (the last
+    pipeline stage); other ranks return zero (see `step_stats`). Neither waits
+    for the device."""
+
+    can_eval = True
+
+    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def eval_step(self, batches: list[Batch]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class AccumulationRunner(Runner):
+    """No pipeline: run the micro batches one after another, loss / n each.
+
+    With grad_sync last_micro_batch the data-parallel gradient reduction runs once,
+    after the last micro batch: FSDP2 accumulates unsharded gradients and keeps the
+    parameters gathered between micro batches (set_requires_gradient_sync and
+    set_reshard_after_backward off before the others), DDP skips its all-reduce
+    under no_sync."""
+
+    def __init__(self, model: nn.Module, autocast_dtype: Optional[torch.dtype], device: torch.device,
+                 dims: Optional[ParallelDims] = None):
+        self.model = model
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.loss_context = _loss_context(dims) if dims is not None else contextlib.nullcontext
+        self.sync_every = dims is not None and dims.cfg.grad_sync == "every_micro_batch"
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Gradient reduction on (sync) or deferred for this micro batch's backward."""
+        sync = sync or self.sync_every
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(sync)
+            self.model.set_reshard_after_backward(sync)
+            return contextlib.nullcontext()
+        no_sync = getattr(self.model, "no_sync", None)  # DDP
+        return no_sync() if no_sync is not None and not sync else contextlib.nullcontext()
+
+    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for i, (inputs_BT, targets_BT) in enumerate(batches):
+            with self._sync(i == len(batches) - 1), self.loss_context():
+                with self._autocast():
+                    loss = cross_entropy(self.model(inputs_BT), targets_BT) / len(batches)
+                loss.backward()
+            total += loss.detach()
+        return total
+
+    @torch.no_grad()
+    def eval_step(self, batches: list[Batch]) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        with self._autocast(), self.loss_context():
+            for inputs_BT, targets_BT in batches:
+                total += cross_entropy(self.model(inputs_BT), targets_BT) / len(batches)
+        return total
+
+
+class PipelineRunner(Runner):
+    """One stage per rank; the schedule splits the concatenated micro batches
+    back into n_microbatches = grad_accum_steps. Each micro batch's loss is
+    divided by n, as AccumulationRunner does, rather than letting the schedule
+    divide the gradients afterwards: torch 2.10's in-place division of a
+    tensor-parallel Partial gradient fails (and it is one pass less). Under
+    FSDP the stage itself reduces gradients on the last backward only."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, n_microbatches: int, device: torch.device,
+                 autocast_dtype: Optional[torch.dtype]):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.dims = dims
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.loss_context = _loss_context(dims)
+        stage = PipelineStage(model, dims.pp_rank, dims.pp, device, group=dims.pp_group)
+        schedule_cls = Schedule1F1B if dims.cfg.pp_schedule == "1f1b" else ScheduleGPipe
+        self.schedule = schedule_cls(stage, n_microbatches=n_microbatches, scale_grads=False,
+                                     loss_fn=lambda logits, targets: cross_entropy(logits, targets) / n_microbatches)
+        self.can_eval = hasattr(self.schedule, "eval")  # forward-only schedules: torch >= 2.9
+
+    def _run(self, fn: Callable, batches: list[Batch]) -> torch.Tensor:
+        inputs_BT = torch.cat([b[0] for b in batches])
+        targets_BT = torch.cat([b[1] for b in batches])
+        losses: list[torch.Tensor] = []
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
+                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        with autocast, self.loss_context():
+            if self.dims.is_first_stage:
+                fn(inputs_BT)
+            elif self.dims.is_last_stage:
+                fn(target=targets_BT, losses=losses)
+            else:
+                fn()
+        if self.dims.is_last_stage:  # each is loss / n: their sum is the mean
+            return torch.stack([loss.detach().float() for loss in losses]).sum()
+        return torch.zeros((), device=self.device)
+
+    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+        return self._run(self.schedule.step, batches)
+
+    @torch.no_grad()
+    def eval_step(self, batches: list[Batch]) -> torch.Tensor:
+        return self._run(self.schedule.eval, batches)
+
+
+def build_runner(model: nn.Module, dims: ParallelDims, cfg: TrainerConfig, device: torch.device,
+                 dtype: torch.dtype) -> Runner:
+    # FSDP2 casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does.
+    fsdp = dims.dp > 1 and not dims.ddp
+    autocast_dtype = dtype if dtype != torch.float32 and not fsdp else None
+    if dims.pp > 1:
+        return PipelineRunner(model, dims, cfg.train.grad_accum_steps, device, autocast_dtype)
+    return AccumulationRunner(model, autocast_dtype, device, dims)
