@@ -45,6 +45,21 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644) 
     return path
 
 
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or a new entry in directory `path` durable; a network filesystem that refuses
+    fsync on a directory is no error (the rename is atomic all the same)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists on this host (a stale lock or temp file's writer)."""
     try:

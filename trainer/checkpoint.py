@@ -70,7 +70,7 @@ from torch.distributed.tensor import DTensor
 
 from common.errors import ConfigError
 from trainer.config import CheckpointSection
-from common.fs import write_atomic
+from common.fs import fsync_dir, write_atomic
 from common.rundir import CHECKPOINT_MARKER, checkpoint_complete, complete_checkpoints
 from common.layouts import size
 from trainer.preflight import check_free_space
@@ -80,7 +80,6 @@ log = logging.getLogger(__name__)
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 DELETING_PREFIX = ".tmp-deleting-"  # renamed here to be deleted in the background
-MARKER = CHECKPOINT_MARKER
 FORMAT = "slipway-dcp-1"
 MODEL_KEY = "model"  # the training loop saves ModelState under this key; export reads it back
 
@@ -96,43 +95,12 @@ class CheckpointWriteError(RuntimeError):
 
 
 # --------------------------------------------------------------------------
-# The directory layout, readable without a process group (hf.py uses it too).
+# The directory layout, readable without a process group (hf.py reads it too).
 # --------------------------------------------------------------------------
 
 
 def step_dir(ckpt_dir: Path, step: int) -> Path:
     return Path(ckpt_dir) / f"{STEP_PREFIX}{step:06d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some network filesystems refuse fsync on a directory; rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
-def read_model_weights(path: Path, key: str = MODEL_KEY) -> dict[str, torch.Tensor]:
-    """The full (unsharded) `key.*` tensors of checkpoint directory `path`, on the CPU, read by
-    this one process without a process group; the optimizer's entries are not read."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a DCP checkpoint (no .metadata inside)")
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    prefix = f"{key}."
-    full = {name: torch.empty(md.size, dtype=md.properties.dtype)
-            for name, md in metadata.state_dict_metadata.items()
-            if name.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
-    if not full:
-        raise ValueError(f"{path} holds no {prefix}* tensors; it has "
-                         f"{', '.join(sorted(metadata.state_dict_metadata)[:5])} ...")
-    _quiet_single_process()
-    dcp.load(full, checkpoint_id=path, no_dist=True)
-    return {name.removeprefix(prefix): value for name, value in full.items()}
 
 
 def resolve_async_save(setting: bool | str, device: torch.device) -> bool:
@@ -186,7 +154,7 @@ class Checkpointer:
         # and barriers and small broadcasts then need no accelerator.
         self._pg = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
         if not self.distributed:
-            _quiet_single_process()
+            quiet_single_process()
         self._pending: _Pending | None = None
 
     # ---- reading ------------------------------------------------------------
@@ -252,7 +220,7 @@ class Checkpointer:
         if short:
             raise CheckpointWriteError(f"not saving checkpoint step {step}: {short}; {self._latest_stays()}")
         if status == "foreign":
-            raise RuntimeError(f"{final_path} exists but is not a complete slipway checkpoint (no {MARKER} "
+            raise RuntimeError(f"{final_path} exists but is not a complete slipway checkpoint (no {CHECKPOINT_MARKER} "
                                "or .metadata inside), so it was not written here: move it away and save again")
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -355,11 +323,11 @@ class Checkpointer:
         if self.rank == 0:
             meta = {"format": FORMAT, "step": step, "world_size": self.world_size, "final": final,
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__}
-            write_atomic(tmp / MARKER, json.dumps(meta, indent=1) + "\n")
-            _fsync_dir(tmp)
+            write_atomic(tmp / CHECKPOINT_MARKER, json.dumps(meta, indent=1) + "\n")
+            fsync_dir(tmp)
             final_path = step_dir(self.dir, step)
             os.replace(tmp, final_path)
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
             log.info("saved checkpoint %s", final_path)
             self._prune()
         self._barrier()
@@ -370,7 +338,7 @@ class Checkpointer:
         for step in complete_checkpoints(self.dir)[:-self.cfg.keep_last]:
             old = step_dir(self.dir, step)
             os.replace(old, self.dir / f"{TMP_PREFIX}old-{old.name}")  # out of the step-* namespace first
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self._delete_in_background([e for e in self.dir.iterdir() if e.name.startswith(TMP_PREFIX)
                                     and not e.name.startswith(DELETING_PREFIX)])
 
@@ -497,7 +465,7 @@ def _split(states: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return shared, local
 
 
-def _quiet_single_process() -> None:
+def quiet_single_process() -> None:
     """DCP warns on every call without a process group (async saves from their own thread,
     so a catch_warnings block cannot hold it); one process is a supported layout here."""
     warnings.filterwarnings("ignore", message=r"torch\.distributed is .*single process", category=UserWarning)
@@ -511,6 +479,6 @@ def _dir_status(path: Path) -> str:
 
 def _saved_world_size(path: Path) -> Any:
     try:
-        return json.loads((path / MARKER).read_text())["world_size"]
+        return json.loads((path / CHECKPOINT_MARKER).read_text())["world_size"]
     except (OSError, ValueError, KeyError):
         return "?"

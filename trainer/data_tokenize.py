@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Union
 from common.errors import ConfigError
 from trainer.data_sources import (BUILTIN, BUILTIN_TOKENIZER, EOS_CANDIDATES, Batch, Reader, TextSource, expand_spec,
                                   hub_unreachable, looks_local, sha256_file)
-from common.fs import write_atomic
+from common.fs import fsync_dir, write_atomic
 
 if TYPE_CHECKING:
     import numpy as np
@@ -319,15 +319,6 @@ def write_tokens(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths
          f"in {seconds:.1f}s ({rate / 1e6:.2f} M tokens/s{f', resumed at {resumed:,}' if resumed else ''}) "
          f"-> {paths.bin}")
     return index
-
-
-def fsync_dir(path: Any) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # --------------------------------------------------------------------------

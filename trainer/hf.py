@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -42,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from common.edge import run_at_edge
 from common.errors import ConfigError
 from common.rundir import BAD_INPUT_EXIT
-from trainer.checkpoint import read_model_weights
+from trainer.checkpoint import MODEL_KEY, quiet_single_process
 from trainer.config import ModelSection
 
 WHERE = "model.init_from_hf"
@@ -70,6 +71,27 @@ _MATCHED = (("hidden_size", "hidden_size"), ("intermediate_size", "intermediate_
 # --------------------------------------------------------------------------
 # Names.
 # --------------------------------------------------------------------------
+
+
+def read_model_weights(path: Path, key: str = MODEL_KEY) -> dict[str, torch.Tensor]:
+    """The full (unsharded) `key.*` tensors of checkpoint directory `path`, on the CPU, read by
+    this one process without a process group; the optimizer's entries are not read."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a DCP checkpoint (no .metadata inside)")
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    prefix = f"{key}."
+    full = {name: torch.empty(md.size, dtype=md.properties.dtype)
+            for name, md in metadata.state_dict_metadata.items()
+            if name.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    if not full:
+        raise ValueError(f"{path} holds no {prefix}* tensors; it has "
+                         f"{', '.join(sorted(metadata.state_dict_metadata)[:5])} ...")
+    quiet_single_process()
+    dcp.load(full, checkpoint_id=path, no_dist=True)
+    return {name.removeprefix(prefix): value for name, value in full.items()}
 
 
 def hf_to_ours(name: str) -> Optional[str]:
