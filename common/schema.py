@@ -38,13 +38,15 @@ class OutOfRange(ConfigError):
         self.number = number
 
 
-def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = None) -> None:
-    """The secret policy on one value as it is read, and on the mapping key it is given under."""
+def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = None, hint: Any = None) -> None:
+    """The secret policy on one value as it is read, and on the mapping key it is given under
+    (`hint`: the list item before it, a flag such as --revision that says what it is)."""
     if isinstance(key, str) and (found := refusal(key)) is not None and not found.expansion:
         raise ConfigError(where, found.message())  # a key that is a token itself
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # `PASSWORD: 123456` from a caller that typed it as a number
-    found = refusal(value, name=key if isinstance(key, str) else None, policy=policy, edf=edf)
+    found = refusal(value, name=key if isinstance(key, str) else None, policy=policy, edf=edf,
+                    hint=hint if isinstance(hint, str) and hint.startswith("-") else None)
     if found is not None:
         raise ConfigError(where, found.message())
 
@@ -121,11 +123,11 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
 
 
 def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = False, key: Any = None,
-             checked: bool = False) -> Any:
+             checked: bool = False, hint: Any = None) -> Any:
     """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy
-    has seen it (a Union's alternatives are tried on the same value)."""
+    has seen it (a Union's alternatives are tried on the same value); `hint`: a list's item before."""
     if not checked and (isinstance(value, str) or key is not None):
-        _secret_check(value, where, policy, edf, key)
+        _secret_check(value, where, policy, edf, key, hint)
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
         args = get_args(tp)
@@ -154,7 +156,8 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise ConfigError(where, f"expected a list such as [a, b], got {shown(value, where)}")
         _list_flags(list(value), where, policy)
-        return [_convert(item_tp, v, f"{where}[{i}]", policy, edf) for i, v in enumerate(value)]
+        return [_convert(item_tp, v, f"{where}[{i}]", policy, edf, hint=value[i - 1] if i else None)
+                for i, v in enumerate(value)]
     if origin is dict:
         _, val_tp = get_args(tp)
         if not isinstance(value, dict):
