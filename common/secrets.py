@@ -71,8 +71,16 @@ _ORDINARY_NAMES = frozenset({"PWD", "OLDPWD"})
 
 def name_words(name: str) -> list[str]:
     """`name` split into upper-case words: `hfToken` -> HF TOKEN, `com.example.api-key2` -> COM
-    EXAMPLE API KEY 2."""
+    EXAMPLE API KEY 2; a name in no case's convention by its separators alone: `hF_tOkEn` -> HF TOKEN."""
+    if _IRREGULAR.search(name):
+        return _SEPARATED.findall(name.upper())
     return [w.upper() for w in _WORDS.findall(name)]
+
+
+# Case that follows no convention: case changing within a word (tOkEn, ToKeN, KeY) or a lone
+# lower-case letter before a capital (hF). Such a name's case says nothing, its separators do.
+_IRREGULAR = re.compile(r"[a-z][A-Z][a-z][A-Z]|[A-Z][a-z][A-Z](?![a-z])|(?<![A-Za-z])[a-z][A-Z](?![A-Z])")
+_SEPARATED = re.compile(r"[A-Z]+|[0-9]+")
 
 
 def _word_secret(word: str) -> Optional[str]:
@@ -101,19 +109,7 @@ def secret_name(name: object) -> Optional[str]:
     com.example.hf_token and hF_tOkEn alike."""
     if not isinstance(name, str) or not name or name.upper() in _ORDINARY_NAMES:
         return None
-    found = _words_secret(name_words(name))
-    if found is None and _IRREGULAR.search(name):
-        # In no case's convention (hF_tOkEn, pAsSwOrD, ToKeN): its case says nothing, its
-        # separators do. (Only then: run together, a camelCase name's words could make a
-        # look-alike one, bosToken: BOSTOKEN.)
-        found = _words_secret(_SEPARATED.findall(name.upper()))
-    return found
-
-
-# Case that follows no convention: case changing within a word (tOkEn, ToKeN, KeY) or a lone
-# lower-case letter before a capital (hF).
-_IRREGULAR = re.compile(r"[a-z][A-Z][a-z][A-Z]|[A-Z][a-z][A-Z](?![a-z])|(?<![A-Za-z])[a-z][A-Z](?![A-Z])")
-_SEPARATED = re.compile(r"[A-Z]+|[0-9]+")
+    return _words_secret(name_words(name))
 
 
 def _words_secret(words: list[str]) -> Optional[str]:
@@ -417,7 +413,9 @@ def secret_content(data: bytes, name: str = "") -> Optional[str]:
     """What a file's whole content holds that looks like a secret (`find_secrets`, and
     detect-secrets' keyword rules for the file's type, `name`), with its line; None. Read as
     bytes, whatever their encoding: a token is ASCII in any of them."""
-    text, code = data.decode("latin-1"), name.endswith(_CODE_SUFFIXES)
+    # UTF-16 (a Windows editor's, a PowerShell export) spreads a token's letters apart: read as such.
+    encoding = "utf-16" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else "latin-1"
+    text, code = data.decode(encoding, "replace"), name.endswith(_CODE_SUFFIXES)
     spans = [(f.start, f.what) for f in find_secrets(text, code)[:1]]
     spans += [(start, what) for start, _, what in shapes.keyword_spans(text, name, code)][:1]
     if not spans:
