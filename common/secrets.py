@@ -413,6 +413,8 @@ def secret_content(data: bytes, name: str = "") -> Optional[str]:
     """What a file's whole content holds that looks like a secret (`find_secrets`, and
     detect-secrets' keyword rules for the file's type, `name`), with its line; None. Read as
     bytes, whatever their encoding: a token is ASCII in any of them."""
+    if data[:2] == b"\x1f\x8b":  # gzip: past its header (a name, a comment) no text survives compression
+        data = data[:1024]
     # UTF-16 (a Windows editor's, a PowerShell export) spreads a token's letters apart: read as such.
     encoding = "utf-16" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else "latin-1"
     text, code = data.decode(encoding, "replace"), name.endswith(_CODE_SUFFIXES)
