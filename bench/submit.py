@@ -77,19 +77,36 @@ def secret_policy(repeat: int, configs: int) -> None:
     first = [float(subprocess.run([sys.executable, "-c", _FIRST_USE], cwd=ROOT, capture_output=True, text=True,
                                   check=True).stdout) for _ in range(repeat)]
     rows.append(("detector's first use in a process (detect-secrets loaded)", first, "s"))
-    for name in ("tiny_wikitext", "tiny_cpu"):
-        load_config(name)
-        with_policy = _per_call(lambda: load_config(name), configs)
-        real, schema.refusal = schema.refusal, lambda *a, **k: None
-        try:
-            without = _per_call(lambda: load_config(name), configs)
-        finally:
-            schema.refusal = real
-        rows.append((f"{name}: a config read and validated, policy on", with_policy, "ms"))
-        rows.append((f"{name}: the same, its values not judged", without, "ms"))
+    def cold() -> None:  # every judgment made anew, as for a config of values never seen
+        secrets._find_secrets_cached.cache_clear()
+        secrets._find_values_cached.cache_clear()
+
+    def policy_off(work):
+        def run():
+            real, schema.refusal = schema.refusal, lambda *a, **k: None
+            try:
+                work()
+            finally:
+                schema.refusal = real
+        return run
+
+    seeds = iter(range(10 ** 9))
     message = ("container.env.HF_TOKEN: looks like a secret (its name contains TOKEN), and a value given here "
                "is written into the run directory: export it and pass it by name")
-    rows.append(("mask() of a 170-character message", _per_call(lambda: secrets.mask(message), 200), "ms"))
+    cases = []
+    for name in ("tiny_wikitext", "tiny_cpu"):
+        load_config(name)
+        cases += [(f"{name}: read and validated, policy on, nothing seen before", lambda n=name: (cold(), load_config(n))),
+                  (f"{name}: the same, a sweep's point (one value new)",
+                   lambda n=name: load_config(n, [f"run.seed={next(seeds)}"])),
+                  (f"{name}: the same, no value judged (policy off)", policy_off(lambda n=name: (cold(), load_config(n))))]
+    cases.append(("mask() of a 170-character message, never seen before", lambda: (cold(), secrets.mask(message))))
+    # Interleaved, round by round: a loaded machine's swings fall on every case alike.
+    times: dict[str, list[float]] = {label: [] for label, _ in cases}
+    for _ in range(max(5, repeat)):
+        for label, work in cases:
+            times[label].append(_timed(lambda: [work() for _ in range(configs)]) / configs)
+    rows += [(label, times[label], "ms") for label, _ in cases]
     cache = Path(tempfile.mkdtemp(prefix="slipway-bench-"))
     try:
         os.environ["XDG_CACHE_HOME"] = str(cache / "cache")
@@ -110,9 +127,9 @@ def secret_policy(repeat: int, configs: int) -> None:
     for name, times, unit in rows:
         scale = 1000 if unit == "ms" else 1
         print(f"{name:60s} {statistics.median(times) * scale:7.3f}{unit:>2s} {min(times) * scale:6.3f}{unit:>2s}")
-    sweep = statistics.median(rows[1][1]) * 1000
-    print(f"a sweep of 1,000 tiny_wikitext configs validated: about {sweep:.1f} s, of which the policy "
-          f"{sweep - statistics.median(rows[2][1]) * 1000:.1f} s")
+    point, off = (statistics.median(rows[i][1]) * 1000 for i in (2, 3))
+    print(f"a sweep of 1,000 tiny_wikitext points validated: about {point:.1f} s (without judging values "
+          f"{off:.1f} s)")
 
 
 def _timed(work) -> float:
@@ -121,9 +138,6 @@ def _timed(work) -> float:
     return time.perf_counter() - start
 
 
-def _per_call(work, n: int) -> list[float]:
-    """Seconds per call of `work`, over 5 rounds of `n` calls."""
-    return [_timed(lambda: [work() for _ in range(n)]) / n for _ in range(5)]
 
 
 if __name__ == "__main__":

@@ -178,6 +178,21 @@ def find_secrets(text: str, code: bool = False) -> list[Found]:
     where a name is given a secret only as a quoted literal (`key=lambda ...` is code)."""
     if not isinstance(text, str) or not text:
         return []
+    if len(text) <= _CACHED_LENGTH:  # a config's values, its messages: the same strings again and again
+        return list(_find_secrets_cached(text, code))
+    return _find_secrets(text, code)
+
+
+# A sweep validates a thousand configs holding mostly the same values: each short text is judged once.
+_CACHED_LENGTH = 2048
+
+
+@functools.lru_cache(maxsize=16384)
+def _find_secrets_cached(text: str, code: bool) -> tuple[Found, ...]:
+    return tuple(_find_secrets(text, code))
+
+
+def _find_secrets(text: str, code: bool) -> list[Found]:
     found = [Found(*span) for span in shapes.shape_spans(text)]
     for m in _URL_PASSWORD.finditer(text):
         if is_literal(m.group(1)) and not shapes.placeholder(m.group(1)):
@@ -231,6 +246,17 @@ def find_values(text: str, hint: Optional[str] = None) -> list[Found]:
     key, the flag before it): hex under a hash's name (GIT_COMMIT, --revision) is a hash."""
     if not isinstance(text, str) or not text:
         return []
+    if len(text) <= _CACHED_LENGTH:
+        return list(_find_values_cached(text, hint))
+    return _find_values(text, hint)
+
+
+@functools.lru_cache(maxsize=16384)
+def _find_values_cached(text: str, hint: Optional[str]) -> tuple[Found, ...]:
+    return tuple(_find_values(text, hint))
+
+
+def _find_values(text: str, hint: Optional[str]) -> list[Found]:
     found = find_secrets(text)
     before = hint
     for m in _WORD.finditer(text):
