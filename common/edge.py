@@ -70,5 +70,6 @@ def run_at_edge(work: Callable[[], int], prog: str = "slipway",
             raise
         line, status = error_line(exc)  # masked once more: an error no slipway code worded may quote a value
         line = as_typed(line) if prog == "slipway" else line  # its suggested commands, as this shell runs them
-        print(f"{prog}: error: {mask(' '.join(line.split()))}", file=sys.stderr)
+        # judged word by word too: an argument echoed back (a run's name) is what the user gave
+        print(f"{prog}: error: {mask(' '.join(line.split()), values=True)}", file=sys.stderr)
         return status

@@ -163,7 +163,15 @@ def judge_word(word: str, hash_named: bool = False) -> Optional[str]:
         # word: three classes of characters, a class change at every other one (a name or a path
         # changes once a word) and an entropy a little below the library's limit, as 2% of keys have.
         return "an AWS secret access key (40 random base64 characters)"
-    if word[0] in "/.~$%":  # a path, a variable
+    if "/" in word and set(word) <= B64_CHARS:  # a path or a hub name, unless base64 through and through: between
+        # its slashes the class of character changes at almost every other one (a name's, once a word)
+        parts = [part for part in word.split("/") if len(part) >= 4]
+        changes = sum(_changes(part) * (len(part) - 1) for part in parts) / max(sum(len(p) - 1 for p in parts), 1)
+        if len(word) >= 32 and not set(word) & set("-_.") and _classes(word) == 3 and entropy > limit \
+                and changes >= 0.4:
+            return "a random-looking string (base64: an API key or password)"
+        return None
+    if word[0] in "/.~$%" or "/" in word:  # a path, a variable
         return None
     if _HEX.fullmatch(word):
         if hash_named or word.isdigit():  # a hash by its name; a number
@@ -174,8 +182,6 @@ def judge_word(word: str, hash_named: bool = False) -> Optional[str]:
                     "that says so, e.g. GIT_COMMIT=, --revision, sha256:)")
         return None
     if not set(word) <= B64_CHARS:
-        return None
-    if "/" in word:  # a relative path or a hub name
         return None
     if all(_NAME_PART.fullmatch(part) for part in re.split(r"[-_.]+", word) if part):
         return None  # a name made of words and numbers: llama3-8b-instruct-lr3e-5-bs256

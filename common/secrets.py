@@ -262,7 +262,7 @@ def _find_values(text: str, hint: Optional[str]) -> list[Found]:
     for m in _WORD.finditer(text):
         word, start = m.group(), m.start()
         name = before
-        if "=" in word:
+        if "=" in word.rstrip("="):  # NAME=value (base64's padding is no assignment)
             name, _, rest = word.partition("=")
             start += len(name) + 1
             word = rest

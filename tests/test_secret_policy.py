@@ -129,6 +129,7 @@ SHAPES = {
     # whole values a detector can only judge whole (BARE): by their kind and randomness
     "wandb": ("{}", HEX, 40), "hex64": ("{}", HEX, 64), "hex32 key": ("{}", HEX, 32),
     "aws secret": ("{}", B64, 40), "random key": ("{}", ALNUM, 48), "urlsafe": ("{}", ALNUM + "-_", 43),
+    "base64 key": ("{}=", B64, 43),  # `openssl rand -base64 32`
 }
 # Built around a fresh secret part, encoded: (the value from the body).
 DERIVED = {
@@ -136,7 +137,7 @@ DERIVED = {
     "basic": lambda body: f"Basic {body}", "base64 credentials": lambda body: body,
 }
 SHAPES.update({name: (None, B64, 0) for name in DERIVED})
-BARE = {"wandb", "hex64", "hex32 key", "aws secret", "random key", "urlsafe"}
+BARE = {"wandb", "hex64", "hex32 key", "aws secret", "random key", "urlsafe", "base64 key"}
 LINE_FORMS = {"yaml line"}  # `name: value` is a secret's on a line of its own (a message reads `field: why`)
 
 
@@ -192,6 +193,7 @@ ORDINARY_VALUES = [
     "Qwen/Qwen2.5-Coder-32B-Instruct", "sample-10BT", "wikitext-103-raw-v1",
     "nvcr.io/nvidia/pytorch@sha256:" + "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
     "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", "llama3-8b-instruct-lr3e-5-bs256",
+    "Models/Llama3/Checkpoints/Step100Final/Export2", "Users/JDoe/Projects/GPT2Small/Runs/Run42/Best",
     "Llama3.1-8B-SFT-v2_seed1234", "TransformerEngineLayerNormLinear", "fsdp2-tp4-pp1-dp64-2026-06-01", "bf16-mixed",
     "gpu:4", "normal", "a-g200", "--gpus-per-node=4", "--cpus-per-task=72", "--constraint=gpu&mi300", "--mem=460000",
     "cscs-eth-ai-2026", "a06", "01:00:00", "1-12:00:00", "jdoe@ethz.ch", "us-east-1", "s3://bucket/prefix/data",
@@ -258,7 +260,7 @@ def test_every_shape_is_found_and_masked(shape):
 
 # How often a fresh random key of each bare kind is judged no key (its characters repeat): at most.
 MISS_RATES = {"wandb": 0.0, "hex64": 0.0, "hex32 key": 0.002, "aws secret": 0.005, "random key": 0.005,
-              "urlsafe": 0.03}
+              "urlsafe": 0.03, "base64 key": 0.02}
 
 
 @pytest.mark.parametrize("shape", sorted(BARE))
