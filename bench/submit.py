@@ -79,7 +79,7 @@ def secret_policy(repeat: int, configs: int) -> None:
     rows.append(("detector's first use in a process (detect-secrets loaded)", first, "s"))
     def cold() -> None:  # every judgment made anew, as for a config of values never seen
         secrets._find_secrets_cached.cache_clear()
-        secrets._find_values_cached.cache_clear()
+        secrets.shapes.judge_word.cache_clear()
 
     def policy_off(work):
         def run():

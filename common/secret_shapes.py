@@ -148,6 +148,7 @@ _AWS_SECRET = re.compile(r"[A-Za-z0-9/+]{40}")
 B64_CHARS = frozenset(string.ascii_letters + string.digits + "+/-_=")
 
 
+@functools.lru_cache(maxsize=16384)  # a sweep's configs hold the same words again and again
 def judge_word(word: str, hash_named: bool = False) -> Optional[str]:
     """What a whole word (no spaces: a config value, an argument, an assignment's value) looks
     like when it looks like a key by its kind and randomness, or None. Paths, URLs (their

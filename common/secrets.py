@@ -246,17 +246,6 @@ def find_values(text: str, hint: Optional[str] = None) -> list[Found]:
     key, the flag before it): hex under a hash's name (GIT_COMMIT, --revision) is a hash."""
     if not isinstance(text, str) or not text:
         return []
-    if len(text) <= _CACHED_LENGTH:
-        return list(_find_values_cached(text, hint))
-    return _find_values(text, hint)
-
-
-@functools.lru_cache(maxsize=16384)
-def _find_values_cached(text: str, hint: Optional[str]) -> tuple[Found, ...]:
-    return tuple(_find_values(text, hint))
-
-
-def _find_values(text: str, hint: Optional[str]) -> list[Found]:
     found = find_secrets(text)
     before = hint
     for m in _WORD.finditer(text):
