@@ -96,10 +96,8 @@ def library() -> tuple[list[Detector], object, object, str]:
     for what, cls in sorted(get_mapping_from_secret_type_to_class().items()):
         # A public IP address names a machine, not a credential; entropy and keywords: below.
         if issubclass(cls, RegexBasedDetector) and cls.__name__ != "IPPublicDetector":
-            article = "an" if what[:1].lower() in "aeiou" else "a"
             detector = cls()
-            detectors.append((f"{article} {what.lower()} (detect-secrets)", detector.analyze_string,
-                              tuple(detector.denylist)))
+            detectors.append((f"a secret by detect-secrets ({what})", detector.analyze_string, tuple(detector.denylist)))
     return detectors, Base64HighEntropyString(), HexHighEntropyString(), VERSION
 
 

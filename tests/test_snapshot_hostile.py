@@ -250,7 +250,7 @@ REMOTE_HEX = __import__("secrets").token_hex(20)
 DOCKER_AUTH = __import__("base64").b64encode(f"$oauthtoken:nvapi-{SECRET[3:]}xyzxyzxyzxyzxyz".encode()).decode()
 
 
-@pytest.mark.parametrize("name, content", [
+CONTENT_CASES = [
     ("secrets.yaml", "db_password: Tr0ub4dor3x\n"),  # by its name, and its line
     ("password.txt", "correct horse\n"), ("api_key.txt", "abc\n"), ("kubeconfig", "apiVersion: v1\n"),
     ("settings_local.py", f'DEBUG = True\nHF_TOKEN = "{SECRET}"\n'),
@@ -262,7 +262,10 @@ DOCKER_AUTH = __import__("base64").b64encode(f"$oauthtoken:nvapi-{SECRET[3:]}xyz
     ("wide.txt", ("token " + SECRET).encode("utf-16")),  # UTF-16: the letters spread apart
     ("ngc.yaml", "key: nvapi-" + SECRET[3:] + "abcdefghij\n"), ("dbx.cfg", "[x]\nhost=h\nt=dapi" + "0a1b" * 8 + "\n"),
     ("remote.txt", f"url = https://{REMOTE_HEX}@github.com/o/r.git\n"),  # an old GitHub token as the URL's user
-])
+]
+
+
+@pytest.mark.parametrize("name, content", CONTENT_CASES, ids=[name for name, _ in CONTENT_CASES])
 def test_a_tracked_file_holding_a_secret_is_refused_by_its_content(checkout, name, content):
     path = checkout / "trainer" / "data" / name
     path.parent.mkdir()
