@@ -1,15 +1,20 @@
-"""How long the login-node side takes: CLI import time and `slipway submit --dry-run` wall time.
+"""How long the login-node side takes: CLI import time and `slipway submit --dry-run` wall time,
+and what the secret policy costs in them (common/secrets.py: detect-secrets loaded once per
+process, every string of a config judged, every file of a code snapshot scanned unless its content
+was found clean before).
 
-Prints one table; run with `make bench` or `.venv/bin/python bench/submit.py [--repeat N]`.
+Prints two tables; run with `make bench` or `.venv/bin/python bench/submit.py [--repeat N]`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def timed(argv: list[str], repeat: int) -> list[float]:
     times = []
-    env = {**os.environ, "SLIPWAY_RUNS": str(ROOT / ".cache" / "bench-runs")}
+    # tiny_wikitext mounts ${SCRATCH}, which a cluster's login shell sets
+    env = {"SCRATCH": "/tmp", **os.environ, "SLIPWAY_RUNS": str(ROOT / ".cache" / "bench-runs")}
     for _ in range(repeat):
         start = time.perf_counter()
         subprocess.run(argv, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -29,6 +35,7 @@ def timed(argv: list[str], repeat: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--configs", type=int, default=50, help="configs per round of the policy's per-config case")
     args = parser.parse_args()
     py = sys.executable
     cases = {
@@ -46,6 +53,91 @@ def main() -> None:
         t = timed(argv, args.repeat)
         print(f"{name:45s} {statistics.median(t):9.3f} {min(t):8.3f}")
     print(f"host side imports torch: {'no' if torch_free else 'YES'}")
+    print()
+    secret_policy(args.repeat, args.configs)
+
+
+# The detector's first use in a fresh process (importing detect-secrets and its detectors).
+_FIRST_USE = ("import time, common.secrets as s; t = time.perf_counter(); s.find_secrets('x'); "
+              "print(time.perf_counter() - t)")
+
+
+def secret_policy(repeat: int, configs: int) -> None:
+    """The policy's cost: per config (its strings judged as they are read), per message, and the
+    content scan of a code snapshot and of the image's sources, cold and kept by content."""
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("SCRATCH", "/tmp")
+    from common import schema, secrets
+    from containers.context import CONTEXT_DIRS
+    from containers.sources import MAX_BYTES, MAX_FILES, Folder, collect
+    from jobs.config import load_config
+    from jobs.runs.code import plan_snapshot
+
+    rows = []
+    first = [float(subprocess.run([sys.executable, "-c", _FIRST_USE], cwd=ROOT, capture_output=True, text=True,
+                                  check=True).stdout) for _ in range(repeat)]
+    rows.append(("detector's first use in a process (detect-secrets loaded)", first, "s"))
+    def cold() -> None:  # every judgment made anew, as for a config of values never seen
+        secrets._find_secrets_cached.cache_clear()
+        secrets.shapes.judge_word.cache_clear()
+
+    def policy_off(work):
+        def run():
+            real, schema.refusal = schema.refusal, lambda *a, **k: None
+            try:
+                work()
+            finally:
+                schema.refusal = real
+        return run
+
+    seeds = iter(range(10 ** 9))
+    message = ("container.env.HF_TOKEN: looks like a secret (its name contains TOKEN), and a value given here "
+               "is written into the run directory: export it and pass it by name")
+    cases = []
+    for name in ("tiny_wikitext", "tiny_cpu"):
+        load_config(name)
+        cases += [(f"{name}: read and validated, policy on, nothing seen before", lambda n=name: (cold(), load_config(n))),
+                  (f"{name}: the same, a sweep's point (one value new)",
+                   lambda n=name: load_config(n, [f"run.seed={next(seeds)}"])),
+                  (f"{name}: the same, no value judged (policy off)", policy_off(lambda n=name: (cold(), load_config(n))))]
+    cases.append(("mask() of a 170-character message, never seen before", lambda: (cold(), secrets.mask(message))))
+    # Interleaved, round by round: a loaded machine's swings fall on every case alike.
+    times: dict[str, list[float]] = {label: [] for label, _ in cases}
+    for _ in range(max(5, repeat)):
+        for label, work in cases:
+            times[label].append(_timed(lambda: [work() for _ in range(configs)]) / configs)
+    rows += [(label, times[label], "ms") for label, _ in cases]
+    cache = Path(tempfile.mkdtemp(prefix="slipway-bench-"))
+    try:
+        os.environ["XDG_CACHE_HOME"] = str(cache / "cache")
+        store = cache / "runs" / ".code"
+        folders = [Folder(ROOT / top, f"src/{top}") for top in CONTEXT_DIRS if (ROOT / top).is_dir()]
+        for label, work in (("code snapshot (common/, trainer/)", lambda: plan_snapshot(store, None, ROOT)),
+                            ("image sources (the build context's folders)",
+                             lambda: collect(folders, field_name="image", max_bytes=MAX_BYTES, max_files=MAX_FILES))):
+            cold = []
+            for _ in range(max(2, repeat // 3)):
+                shutil.rmtree(cache / "cache", ignore_errors=True)
+                cold.append(_timed(work))
+            rows.append((f"{label}: planned, every file scanned", cold, "s"))
+            rows.append((f"{label}: planned again, unchanged (kept)", [_timed(work) for _ in range(repeat)], "s"))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    print(f"{'secret policy case':60s} {'median':>9s} {'min':>8s}")
+    for name, times, unit in rows:
+        scale = 1000 if unit == "ms" else 1
+        print(f"{name:60s} {statistics.median(times) * scale:7.3f}{unit:>2s} {min(times) * scale:6.3f}{unit:>2s}")
+    point, off = (statistics.median(rows[i][1]) * 1000 for i in (2, 3))
+    print(f"a sweep of 1,000 tiny_wikitext points validated: about {point:.1f} s (without judging values "
+          f"{off:.1f} s)")
+
+
+def _timed(work) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
 
 
 if __name__ == "__main__":

@@ -78,6 +78,6 @@ def run_at_edge(work: Callable[[], int], prog: str = "slipway",
             raise
         line, status = (str(exc), own) if own is not None else error_line(exc)
         line = as_typed(line) if prog == "slipway" else line  # its suggested commands, as this shell runs them
-        if not silent:  # masked once more: an error no slipway code worded may quote a value
-            print(f"{prog + ': ' if prog else ''}error: {mask(' '.join(line.split()))}", file=sys.stderr)
+        if not silent:  # masked once more, judged word by word too: an argument echoed back is what the user gave
+            print(f"{prog + ': ' if prog else ''}error: {mask(' '.join(line.split()), values=True)}", file=sys.stderr)
         return status

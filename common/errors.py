@@ -23,12 +23,15 @@ class ConfigError(ValueError):
         # One line, whatever the user typed: a key or value holding a newline is shown escaped,
         # and a line never grows past a screenful, however long a value a message quotes.
         self.field = bounded(one_line(field_path), MAX_FIELD_SHOWN)
-        message = mask(one_line(message))
+        message = _QUOTED.sub(lambda m: mask(m.group(), values=True), mask(one_line(message)))
         if len(message) > MAX_MESSAGE:  # keep the start (the rule) and the end (the fix)
             message = f"{message[:MAX_MESSAGE // 2]} ... {message[-MAX_MESSAGE // 2:]}"
         super().__init__(f"{self.field}: {message}" if self.field else message)
 
 
+# What a message quotes (a value as repr or `...` shows it) is what the user gave: judged by the
+# secret policy as a value, word by word (a random-looking key is hidden whole, common/secrets.py).
+_QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"|`[^`\n]*`")
 MAX_SHOWN = 80  # characters of a value quoted in an error message
 MAX_FIELD_SHOWN = 400
 MAX_MESSAGE = 1000
@@ -47,8 +50,9 @@ def one_line(text: str) -> str:
 
 def bounded(text: str, limit: int = MAX_SHOWN) -> str:
     """`text` cut to `limit` characters (with `...`), for quoting what the user gave in a message;
-    masked first, so that no cut leaves a secret's start too short to be recognised."""
-    text = mask(str(text))
+    masked first (as a value the user gave), so that no cut leaves a secret's start too short to
+    be recognised."""
+    text = mask(str(text), values=True)
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
@@ -89,7 +93,7 @@ def _brief(value: Any, room: int) -> str:
     if value is None:
         return "null"
     if isinstance(value, str):  # masked before it is cut (a token cut short is no longer recognised)
-        value = mask(str(value))
+        value = mask(str(value), values=True)
         return repr(value if len(value) <= room else value[:max(room - 5, 1)] + "...")
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
         return f"<a {len(str(abs(value))) if abs(value) < 10 ** 4000 else 'huge'}-digit number>"

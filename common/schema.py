@@ -39,13 +39,15 @@ class OutOfRange(ConfigError):
         self.number = number
 
 
-def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = None) -> None:
-    """The secret policy on one value as it is read, and on the mapping key it is given under."""
+def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = None, hint: Any = None) -> None:
+    """The secret policy on one value as it is read, and on the mapping key it is given under
+    (`hint`: the list item before it, a flag such as --revision that says what it is)."""
     if isinstance(key, str) and (found := refusal(key)) is not None and not found.expansion:
         raise ConfigError(where, found.message())  # a key that is a token itself
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # `PASSWORD: 123456` from a caller that typed it as a number
-    found = refusal(value, name=key if isinstance(key, str) else None, policy=policy, edf=edf)
+    found = refusal(value, name=key if isinstance(key, str) else None, policy=policy, edf=edf,
+                    hint=hint if isinstance(hint, str) and hint.startswith("-") else None)
     if found is not None:
         raise ConfigError(where, found.message())
 
@@ -127,11 +129,11 @@ RECORD = "record"
 
 
 def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = False, key: Any = None,
-             checked: bool = False) -> Any:
+             checked: bool = False, hint: Any = None) -> Any:
     """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy
-    has seen it (a Union's alternatives are tried on the same value)."""
+    has seen it (a Union's alternatives are tried on the same value); `hint`: a list's item before."""
     if not checked and policy != RECORD and (isinstance(value, str) or key is not None):
-        _secret_check(value, where, policy, edf, key)
+        _secret_check(value, where, policy, edf, key, hint)
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
         args = get_args(tp)
@@ -162,7 +164,8 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
             raise ConfigError(where, f"expected a list such as [a, b], got {shown(value, where)}")
         if policy != RECORD:
             _list_flags(list(value), where, policy)
-        return [_convert(item_tp, v, f"{where}[{i}]", policy, edf) for i, v in enumerate(value)]
+        return [_convert(item_tp, v, f"{where}[{i}]", policy, edf, hint=value[i - 1] if i else None)
+                for i, v in enumerate(value)]
     if tp is dict:  # any mapping (a record's git state)
         if not isinstance(value, dict):
             raise ConfigError(where, f"expected a mapping, got {shown(value, where)}")

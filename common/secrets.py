@@ -2,26 +2,37 @@
 
 One policy, used everywhere: the schema engine refuses what it finds in any config field
 (common/schema.py), every message masks by it (common/errors.py), records of a command
-line and dry runs mask by it, and the user's own text (launch.pre_launch, hand-written EDF
-files) is warned about by it. docs/secrets.md has the table of what it catches.
+line and dry runs mask by it, the code snapshot and the image's build context scan every file
+they copy by it (containers/sources.py), and the user's own text (launch.pre_launch,
+hand-written EDF files) is warned about by it. docs/secrets.md has the table of what it catches.
 
-Two questions, answered without looking anything up:
+Three questions:
 - a NAME looks like a secret's (`secret_name`): it is split into words (at `_`, `-`, `.`,
-  case changes and digits) and a word is a secret's (TOKEN, KEY, PASSWORD, PAT, SIG, ...), or
-  holds one run together (APIKEY, PGPASSWORD, HFTOKEN); look-alikes are not (TOKENIZERS,
-  MAX_TOKENS, AUTHOR, KEYBOARD, COMPASS, PASSES, SIGMA, PATH), nor a name for where a secret
-  is kept (SSH_AUTH_SOCK, HF_TOKEN_PATH, PASSWORD_FILE);
-- a VALUE looks like a secret (`find_secrets`): a well-known token format (Hugging Face,
-  GitHub, GitLab, AWS, Google, Slack, OpenAI/Anthropic, Stripe, npm, PyPI), a JWT, a PEM
-  private key, a URL carrying a password, a bearer credential, or `NAME=value` / `--NAME value`
-  with a secret's name and a literal value.
+  case changes and digits; a name in no case's convention, `hF_tOkEn`, by its separators
+  alone) and a word is a secret's (TOKEN, KEY, PASSWORD, PAT, SIG, ...), or holds one run
+  together (APIKEY, PGPASSWORD, HFTOKEN); look-alikes are not (TOKENIZERS, MAX_TOKENS, AUTHOR,
+  KEYBOARD, COMPASS, PASSES, SIGMA, PATH), nor a name for where a secret is kept
+  (SSH_AUTH_SOCK, HF_TOKEN_PATH, PASSWORD_FILE);
+- a TEXT holds a secret (`find_secrets`, what every message and record is masked by): a
+  detector's shape (common/secret_shapes.py: detect-secrets' per-provider detectors and this
+  field's own tokens), a URL carrying a password or a token, or a secret's name given a literal
+  value (`NAME=value`, `--NAME value`, `"name": "value"`, `name: value` on a line of its own);
+- a VALUE the user gave (a config value, an argument) is a secret (`find_values`): the above,
+  or one of its words is random-looking by its kind (common/secret_shapes.py `judge_word`: a
+  40-hex W&B key, a 64-hex key, an AWS secret key, a high-entropy string), a path, URL, name
+  or digest aside; hex under a hash's name (`GIT_COMMIT=`, `--revision`) is a hash.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
+
+from common import secret_shapes as shapes
 
 # ---------------------------------------------------------------------------- names
 
@@ -60,8 +71,16 @@ _ORDINARY_NAMES = frozenset({"PWD", "OLDPWD"})
 
 def name_words(name: str) -> list[str]:
     """`name` split into upper-case words: `hfToken` -> HF TOKEN, `com.example.api-key2` -> COM
-    EXAMPLE API KEY 2."""
+    EXAMPLE API KEY 2; a name in no case's convention by its separators alone: `hF_tOkEn` -> HF TOKEN."""
+    if _IRREGULAR.search(name):
+        return _SEPARATED.findall(name.upper())
     return [w.upper() for w in _WORDS.findall(name)]
+
+
+# Case that follows no convention: case changing within a word (tOkEn, ToKeN, KeY) or a lone
+# lower-case letter before a capital (hF). Such a name's case says nothing, its separators do.
+_IRREGULAR = re.compile(r"[a-z][A-Z][a-z][A-Z]|[A-Z][a-z][A-Z](?![a-z])|(?<![A-Za-z])[a-z][A-Z](?![A-Z])")
+_SEPARATED = re.compile(r"[A-Z]+|[0-9]+")
 
 
 def _word_secret(word: str) -> Optional[str]:
@@ -86,11 +105,14 @@ def _word_secret(word: str) -> Optional[str]:
 
 def secret_name(name: object) -> Optional[str]:
     """The word that makes `name` look like a secret's (upper case), or None for an ordinary
-    name. Case, separators and camelCase do not matter: HF_TOKEN, hf-token, hfToken and
-    com.example.hf_token alike."""
+    name. Case, separators and camelCase do not matter: HF_TOKEN, hf-token, hfToken,
+    com.example.hf_token and hF_tOkEn alike."""
     if not isinstance(name, str) or not name or name.upper() in _ORDINARY_NAMES:
         return None
-    words = name_words(name)
+    return _words_secret(name_words(name))
+
+
+def _words_secret(words: list[str]) -> Optional[str]:
     if words and words[-1] in _PLACE_WORDS and len(words) > 1:
         return None
     for i, word in enumerate(words):
@@ -121,27 +143,10 @@ class Found:
     name: Optional[str] = None
 
 
-# Well-known formats, each bounded so that a scan stays linear on any input.
-_SHAPES: list[tuple[str, re.Pattern]] = [(what, re.compile(pattern)) for what, pattern in [
-    ("a Hugging Face token", r"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{20,}"),
-    ("a GitHub token", r"(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})"),
-    ("a GitLab token", r"(?<![A-Za-z0-9])glpat-[A-Za-z0-9_-]{20,}"),
-    ("an AWS access key", r"(?<![A-Za-z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-z0-9])"),
-    ("a Google API key", r"(?<![A-Za-z0-9])AIza[A-Za-z0-9_-]{35}"),
-    ("a Slack token", r"(?<![A-Za-z0-9])xox[abposr]-[A-Za-z0-9-]{10,}"),
-    ("an OpenAI or Anthropic key", r"(?<![A-Za-z0-9_-])sk-[A-Za-z0-9_-]{0,40}?[A-Za-z0-9_]{20}[A-Za-z0-9_-]*"),
-    ("a Stripe key", r"(?<![A-Za-z0-9])[rs]k_(?:live|test)_[A-Za-z0-9]{16,}"),
-    ("an npm token", r"(?<![A-Za-z0-9])npm_[A-Za-z0-9]{30,}"),
-    ("a PyPI token", r"(?<![A-Za-z0-9])pypi-AgE[A-Za-z0-9_-]{30,}"),
-    ("a JSON web token", r"(?<![A-Za-z0-9])eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"),
-    ("a private key", r"-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?-----(?:[^-]|-(?!----END))*"
-                      r"(?:-----END [A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?-----)?"),
-    ("a bearer token", r"(?<![A-Za-z0-9])[Bb]earer[ \t]+[A-Za-z0-9._~+/-]{16,}=*"),
-    ("an HTTP credential header", r"(?i)(?<![A-Za-z0-9_.-])(?:proxy-)?(?:authorization|cookie|set-cookie|x-api-key|"
-                                  r"api-key|x-auth-token|private-token)[ \t]*:[ \t]*([^\s'\"][^\r\n'\"]{7,})"),
-]]
-# A URL whose user part carries a password: scheme://user:PASSWORD@host (the password hidden).
+# A URL whose user part carries a password: scheme://user:PASSWORD@host (the password hidden),
+# or is a token itself: https://TOKEN@host/... (judged as a value's word: a user name passes).
 _URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,30}://[^\s/@:'\"]{0,200}:([^\s/@'\"]{1,500})@")
+_URL_USER = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,30}://([^\s/@:'\"]{16,500})@")
 # NAME=value (an sbatch --export list, an environment assignment, a URL's query; the value may
 # be quoted), and a flag `--NAME value` (a command line): the value, where NAME looks like a secret's.
 _NAME = r"(?<![A-Za-z0-9_.-])(-{0,2}[A-Za-z_][A-Za-z0-9_.-]{0,100})"
@@ -149,6 +154,10 @@ _NAME = r"(?<![A-Za-z0-9_.-])(-{0,2}[A-Za-z_][A-Za-z0-9_.-]{0,100})"
 # `A=B_TOKEN=x` holds two assignments, and no input makes the scan slower than linear.)
 _ASSIGNMENT = re.compile(_NAME + r"""=(?=(?:"([^"\r\n]*)"|'([^'\r\n]*)'|([^\s,;&'"`)\]=]*=*)))""")
 _FLAG = re.compile(r"(?<![A-Za-z0-9_.-])(--?[A-Za-z_][A-Za-z0-9_.-]{0,100})[ \t]+(?=([^-\s'\"`][^\s,;&'\"`)\]]*))")
+# The same in the forms of files: `"name": "value"` (JSON), `name = "value"` (Python, TOML), and
+# `name: value` alone on its line (YAML, .netrc-like): the value quoted, or the line's last word.
+_QUOTED = re.compile(r"""["']?([A-Za-z_][A-Za-z0-9_.-]{0,100})["']?[ \t]*(?::|:=|=)[ \t]*(?=(?:"([^"\r\n]*)"|'([^'\r\n]*)'))""")
+_LINE = re.compile(r"""(?m)^[ \t]*(?:-[ \t]+)?([A-Za-z_][A-Za-z0-9_.-]{0,100})[ \t]*:[ \t]+(?=([^\s'"#]+)[ \t]*$)""")
 # A value that is no secret itself: a reference to a variable ($X, ${X}, $(command)), a
 # placeholder (..., <hidden>), or a file's path (where a secret is kept).
 _REFERENCE = re.compile(r"\$[({]?[A-Za-z_][A-Za-z0-9_]*(?::-[^}]*)?[)}]?|\$\(.*", re.S)
@@ -163,26 +172,55 @@ def is_literal(value: str) -> bool:
                                 or _PATH.fullmatch(value))
 
 
-def find_secrets(text: str) -> list[Found]:
-    """Every secret-looking part of `text`, in order, overlapping ones merged."""
+def find_secrets(text: str, code: bool = False) -> list[Found]:
+    """Every secret-looking part of `text`, in order, overlapping ones merged: what any text is
+    masked by (messages, records, dry runs, a job's output). `code`: `text` is a program's source,
+    where a name is given a secret only as a quoted literal (`key=lambda ...` is code)."""
     if not isinstance(text, str) or not text:
         return []
-    found: list[Found] = []
-    for what, pattern in _SHAPES:
-        # the credential alone where the pattern marks it (a header's value, not its name)
-        found += [Found(*m.span(m.lastindex or 0), what) for m in pattern.finditer(text)]
+    if len(text) <= _CACHED_LENGTH:  # a config's values, its messages: the same strings again and again
+        return list(_find_secrets_cached(text, code))
+    return _find_secrets(text, code)
+
+
+# A sweep validates a thousand configs holding mostly the same values: each short text is judged once.
+_CACHED_LENGTH = 2048
+
+
+@functools.lru_cache(maxsize=16384)
+def _find_secrets_cached(text: str, code: bool) -> tuple[Found, ...]:
+    return tuple(_find_secrets(text, code))
+
+
+def _find_secrets(text: str, code: bool) -> list[Found]:
+    found = [Found(*span) for span in shapes.shape_spans(text)]
     for m in _URL_PASSWORD.finditer(text):
-        if is_literal(m.group(1)):
+        if is_literal(m.group(1)) and not shapes.placeholder(m.group(1)):
             found.append(Found(m.start(1), m.end(1), "a URL with a password"))
+    for m in _URL_USER.finditer(text):
+        if shapes.judge_word(m.group(1)):
+            found.append(Found(m.start(1), m.end(1), "a URL with a token as its user"))
     for m in _ASSIGNMENT.finditer(text):
         group = next(g for g in (2, 3, 4) if m.group(g) is not None)
         name, value = m.group(1).lstrip("-"), m.group(group)
-        if secret_name(name) and is_literal(value):
+        if secret_name(name) and is_literal(value) and (not code or (group != 4 and shapes.code_literal(value))):
             found.append(Found(m.start(group), m.end(group), f"a secret ({name}=...)", name))
-    for m in _FLAG.finditer(text):
+    for m in () if code else _FLAG.finditer(text):
         name, value = m.group(1).lstrip("-"), m.group(2)
         if secret_name(name) and is_literal(value):
             found.append(Found(m.start(2), m.end(2), f"a secret ({m.group(1)} ...)", flag_variable(name)))
+    for pattern in (_QUOTED,) if code else (_QUOTED, _LINE):
+        for m in pattern.finditer(text):
+            group = next(g for g in (2, 3) if m.group(g) is not None)
+            name, value = m.group(1), m.group(group)
+            if secret_name(name) and is_literal(value) and not shapes.placeholder(value) \
+                    and (not code or shapes.code_literal(value)):
+                found.append(Found(m.start(group), m.end(group), f"a secret (its name contains {secret_name(name)})",
+                                   name))
+    return _merged(found)
+
+
+def _merged(found: list[Found]) -> list[Found]:
     found.sort(key=lambda f: (f.start, -f.end))
     merged: list[Found] = []
     for f in found:
@@ -194,6 +232,40 @@ def find_secrets(text: str) -> list[Found]:
     return merged
 
 
+# A value's words: what lies between spaces, quotes, brackets and list separators; a word
+# `NAME=value` is judged by its value, under its name.
+_WORD = re.compile(r"[^\s'\"`,;()\[\]{}<>|]+")
+_FLAG_WORD = re.compile(r"--?[A-Za-z][A-Za-z0-9_.-]*")
+
+
+def find_values(text: str, hint: Optional[str] = None) -> list[Found]:
+    """`find_secrets`, and each word of `text` that is random-looking by its kind (a key: 40 or
+    64 hex digits, an AWS secret key, a high-entropy string; common/secret_shapes.py
+    `judge_word`): for what the user gave (a config value, an argument, a command line), which
+    no detector may read as a substring. `hint`: the name `text` is given under (a mapping's
+    key, the flag before it): hex under a hash's name (GIT_COMMIT, --revision) is a hash."""
+    if not isinstance(text, str) or not text:
+        return []
+    found = find_secrets(text)
+    before = hint
+    for m in _WORD.finditer(text):
+        word, start = m.group(), m.start()
+        name = before
+        if "=" in word.rstrip("="):  # NAME=value (base64's padding is no assignment)
+            name, _, rest = word.partition("=")
+            start += len(name) + 1
+            word = rest
+        what = shapes.judge_word(word, _hash_named(name))
+        if what:
+            found.append(Found(start, start + len(word), what))
+        before = m.group() if _FLAG_WORD.fullmatch(m.group()) else None
+    return _merged(found)
+
+
+def _hash_named(name: Optional[str]) -> bool:
+    return bool(name) and any(w in shapes.HASH_WORDS for w in name_words(name))
+
+
 def secret_shape(text: object) -> Optional[Found]:
     """The first secret-looking part of `text`, or None."""
     found = find_secrets(text) if isinstance(text, str) else []
@@ -203,12 +275,13 @@ def secret_shape(text: object) -> Optional[Found]:
 HIDDEN = "<hidden>"
 
 
-def mask(text: str) -> str:
+def mask(text: str, values: bool = False) -> str:
     """`text` with every secret-looking part replaced by <hidden>: what any message, record of
-    a command line or dry run shows instead."""
+    a command line or dry run shows instead. `values`: `text` is what the user gave (a command
+    line, a value quoted in a message), judged word by word too (`find_values`)."""
     if not isinstance(text, str) or not text:
         return text
-    found = find_secrets(text)
+    found = find_values(text) if values else find_secrets(text)
     if not found:
         return text
     out, pos = [], 0
@@ -276,11 +349,12 @@ class Refusal:
 
 
 def refusal(value: object, *, name: Optional[str] = None, policy: str = REFUSE,
-            edf: bool = False) -> Optional[Refusal]:
+            edf: bool = False, hint: Optional[str] = None) -> Optional[Refusal]:
     """Why a config value may not be written into a file or a command line, or None. `name`: the
     mapping key it is given under (an environment variable, a build arg, an annotation), whose
     value must be empty or a file's path if the name looks like a secret's (the pass-through
-    forms of `policy` aside); `edf`: the value is EDF text (`$$` is a literal `$`)."""
+    forms of `policy` aside); `edf`: the value is EDF text (`$$` is a literal `$`); `hint`: the
+    flag before it in a list (`--revision`), which tells a hash from a key (`find_values`)."""
     if policy == OWN_TEXT or not isinstance(value, str):
         return None
     if name is not None and secret_name(name) and value and not _PATH.fullmatch(value):
@@ -288,9 +362,9 @@ def refusal(value: object, *, name: Optional[str] = None, policy: str = REFUSE,
         single = policy == REFERENCE and _EXPANSION.fullmatch(value) is not None
         if not own and not single:
             return Refusal(f"a secret (its name contains {secret_name(name)})", _variable(name), policy=policy)
-    found = secret_shape(value)
-    if found is not None:
-        return Refusal(found.what, _variable(found.name or name or "NAME"), policy=policy)
+    found = find_values(value, hint=name or hint)
+    if found:
+        return Refusal(found[0].what, _variable(found[0].name or name or "NAME"), policy=policy)
     whole = _EXPANSION.fullmatch(value)
     for ref in expanded_names(value, edf):
         allowed = (policy == PASSTHROUGH and ref == name and value == f"${{{ref}}}") or \
@@ -324,24 +398,54 @@ def warning(value: object) -> Optional[str]:
 
 # ---------------------------------------------------------------------------- files
 
-# File names that hold secrets by convention: private keys, credential and token files, env files
-# (what a code snapshot or an image must never copy, containers/sources.py).
+# File names that hold secrets by convention: private keys, credential, token and password files,
+# env files, cluster and registry logins (what a code snapshot or an image must never copy,
+# containers/sources.py). A file of any name is scanned whole by content too (`secret_content`).
 _SECRET_FILE = re.compile(
     r"(id_(rsa|dsa|ecdsa|ed25519)|.*\.(pem|key|p12|pfx|jks|keystore|ppk|kdbx)"
     r"|(.*[._-])?credentials?([._-].*)?|client_secret.*\.json|.*service[._-]?account.*\.json"
     r"|(.*[._-])?tokens?(\.(json|txt|ya?ml))?|.*\.token|\.?netrc|_netrc|\.pgpass|\.pypirc|\.npmrc"
-    r"|\.git-credentials|\.htpasswd|\.env(\..*)?|.*\.env|\.envrc)",
+    r"|\.git-credentials|\.?htpasswd|\.env(\..*)?|.*\.env|\.envrc"
+    r"|(.*[._-])?secrets?(\.(ya?ml|json|toml|txt|ini|cfg|conf))?|(.*[._-])?passw(or)?ds?(\.\w+)?"
+    r"|(.*[._-])?api[._-]?keys?(\.\w+)?|(.*[._-])?kubeconfig(\.\w+)?|\.dockercfg|\.dockerconfigjson)",
     re.IGNORECASE)
-# A private key inside a file of any name, at its start (what is read of a file to tell).
-_PRIVATE_KEY = re.compile(rb"-----BEGIN ([A-Z0-9]+ )*PRIVATE KEY( BLOCK)?-----")
-HEAD_BYTES = 8192
+# Source code is judged by its content alone (credentials.py, secrets.py are modules).
+_SOURCE = (".py", ".pyi", ".sh", ".md", ".rst")
+# Programs, where `name=value` unquoted is code (a keyword argument, a variable), not a literal.
+_CODE_SUFFIXES = (".py", ".pyi", ".pyx", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".js", ".ts", ".go", ".rs",
+                  ".java", ".scala", ".jl", ".r", ".lua", ".ipynb")
 
 
-def secret_file(name: str, head: bytes = b"") -> Optional[str]:
-    """What makes a file look like it holds a secret: its name (a key, credentials, a token or an
-    env file; never a Python module), or a private key in `head`, its first HEAD_BYTES; None."""
-    if name and _SECRET_FILE.fullmatch(name) and not name.endswith(".py"):
-        return "its name is a secret file's (a key, credentials, a token or an env file)"
-    if _PRIVATE_KEY.search(head):
-        return "it holds a private key"
+def secret_file(name: str) -> Optional[str]:
+    """What makes a file's name a secret file's (a key, credentials, a token, password or env
+    file, a kubeconfig; never a source file), or None."""
+    if name and _SECRET_FILE.fullmatch(name) and not name.endswith(_SOURCE):
+        return "its name is a secret file's (a key, credentials, a token, password or env file)"
     return None
+
+
+def secret_content(data: bytes, name: str = "") -> Optional[str]:
+    """What a file's whole content holds that looks like a secret (`find_secrets`, and
+    detect-secrets' keyword rules for the file's type, `name`), with its line; None. Read as
+    bytes, whatever their encoding: a token is ASCII in any of them."""
+    if data[:2] == b"\x1f\x8b":  # gzip: past its header (a name, a comment) no text survives compression
+        data = data[:1024]
+    # UTF-16 (a Windows editor's, a PowerShell export) spreads a token's letters apart: read as such.
+    encoding = "utf-16" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else "latin-1"
+    text, code = data.decode(encoding, "replace"), name.endswith(_CODE_SUFFIXES)
+    spans = [(f.start, f.what) for f in find_secrets(text, code)[:1]]
+    spans += [(start, what) for start, _, what in shapes.keyword_spans(text, name, code)][:1]
+    if not spans:
+        return None
+    start, what = min(spans)
+    return f"it holds {what}, line {text.count(chr(10), 0, start) + 1}"
+
+
+@functools.lru_cache(maxsize=1)
+def policy_fingerprint() -> str:
+    """What decides a file's scan: this policy's own code and the detector library's version. A
+    record of files found clean holds for the policy of the same fingerprint only."""
+    digest = hashlib.sha256(shapes.library()[3].encode())
+    for module in (__file__, shapes.__file__):
+        digest.update(Path(module).read_bytes())
+    return digest.hexdigest()[:16]

@@ -14,15 +14,28 @@ they run, so both follow one rule, here:
   rewritten relative, so that it points at the copy); one pointing anywhere else (a token
   file in $HOME, /proc/self/environ) is refused in one line naming it: its target would be
   copied as if it were the project's.
-- A file that looks like a secret (a private key, a credentials or token file, .netrc, an
-  env file) is refused in one line naming it and how to leave it out.
+- A file that looks like a secret is refused in one line naming it and how to leave it out:
+  by its name (a private key, a credentials, token or password file, .netrc, an env file, a
+  kubeconfig), and by its whole content, read by the secret policy's detector
+  (common/secrets.py `secret_content`). The scan is kept by content: a file whose sha256 was
+  found clean before, under the same detector, is not read again (`CleanFiles`).
+- Nothing is copied that is not plainly a file of the project's: a hard link whose other names
+  lie outside what is copied (its content is anyone's file), a tracked path that is now a FIFO,
+  a device or a socket, a submodule that is not checked out or a repository inside this one
+  (git records it by commit only) are each refused in one line naming it; a checked-out
+  submodule's tracked files are copied as the project's.
+- Outside git only a project's folder is walked: the home directory (or one above it), a folder
+  holding credentials (.ssh, .aws, .netrc, ...) or more than MAX_LOOSE_FILES files is refused in
+  one line saying where to put the code instead.
 - What is copied is bounded: past `max_bytes` or `max_files` the refusal names the
   largest files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 import stat
 from dataclasses import dataclass, field
@@ -33,22 +46,33 @@ from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
 from common.errors import ConfigError, bounded_path
-from common.secrets import HEAD_BYTES, secret_file
+from common.secrets import policy_fingerprint, secret_content, secret_file
 
 # What is copied is bounded: a data file or a checkpoint left in the code folders is not code.
 MAX_FILES = 5000
 MAX_BYTES = 100 * 1024 * 1024
+# Outside git, a folder with more files than this is no project's code folder (a home, a scratch
+# space): its walk stops there.
+MAX_LOOSE_FILES = 1000
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".ipynb_checkpoints", ".git"}
 SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
+# Hidden entries that only a home directory holds: where they are, the folder is no project's.
+CREDENTIAL_ENTRIES = {".ssh", ".aws", ".gnupg", ".kube", ".docker", ".azure", ".netrc", ".git-credentials",
+                      ".pgpass", ".pypirc", ".npmrc", ".vault-token", ".boto", ".s3cfg"}
+_KINDS = {stat.S_IFIFO: "a FIFO (a named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
+
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One entry to copy: `dest` (where it goes, posix, relative), `src` (on this machine), and
-    `link`: the relative target a symbolic link keeps (None for a file)."""
+    """One entry to copy: `dest` (where it goes, posix, relative), `src` (on this machine),
+    `link`: the relative target a symbolic link keeps (None for a file), and `sha256`: the
+    content's, as it was scanned."""
 
     dest: str
     src: Path
     link: Optional[str] = None
+    sha256: Optional[str] = None
 
     @property
     def executable(self) -> bool:
@@ -91,15 +115,19 @@ def _git_root(path: Path) -> Optional[Path]:
 
 
 def _git_list(root: Path, folder: Path, *, others: bool) -> list[str]:
-    """Paths (relative to `folder`) that git tracks under it, or with `others` the untracked,
-    not ignored ones."""
-    which = ["--others", "--exclude-standard"] if others else ["--cached"]
+    """Paths (relative to `folder`) that git tracks under it (a checked-out submodule's too), or
+    with `others` the untracked, not ignored ones."""
+    which = ["--others", "--exclude-standard"] if others else ["--cached", "--recurse-submodules"]
     out = local["git"]("-C", str(folder), "ls-files", "-z", *which, "--", ".")
     return sorted({name for name in out.split("\0") if name})
 
 
 def _walked(folder: Path, field_name: str) -> list[str]:
-    """Every file and link under `folder` outside git, hidden ones, caches and leftovers aside."""
+    """Every file and link under `folder` outside git, hidden ones, caches and leftovers aside; a
+    ConfigError where the folder is no project's (a home directory, credentials, too many files)."""
+    home = _home()
+    if home is not None and (folder == home or folder in home.parents):
+        _not_a_project(folder, field_name, "is your home directory (or one above it)")
     names: list[str] = []
 
     def unreadable(exc: OSError) -> None:
@@ -109,6 +137,9 @@ def _walked(folder: Path, field_name: str) -> list[str]:
 
     for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable):
         dirnames.sort()
+        found = CREDENTIAL_ENTRIES.intersection(dirnames + filenames)
+        if found:
+            _not_a_project(folder, field_name, f"holds credentials ({os.path.join(dirpath, min(found))})")
         keep = []
         for d in dirnames:
             if d in SKIP_DIRS or d.startswith(".") or d.endswith(".egg-info"):
@@ -122,7 +153,23 @@ def _walked(folder: Path, field_name: str) -> list[str]:
             if name.startswith(".") or name.endswith(SKIP_SUFFIXES):
                 continue
             names.append(os.path.relpath(os.path.join(dirpath, name), folder))
+        if len(names) > MAX_LOOSE_FILES:
+            _not_a_project(folder, field_name, f"holds more than {MAX_LOOSE_FILES} files outside git")
     return names
+
+
+def _home() -> Optional[Path]:
+    try:
+        return Path.home().resolve()
+    except (RuntimeError, KeyError, OSError):
+        return None
+
+
+def _not_a_project(folder: Path, field_name: str, why: str) -> None:
+    where = ("put the script in a folder of its own (or a git repository) and point train.script at it"
+             if field_name == "train.script" else "put the code in a folder of its own or a git checkout")
+    raise ConfigError(field_name, f"{bounded_path(folder)} {why}: not a project's folder, and a code snapshot or "
+                                  f"image copies the whole folder outside git: {where}")
 
 
 def _skipped(rel: str) -> bool:
@@ -141,6 +188,7 @@ def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_f
     ConfigError for a link out, a secret-looking file, an unreadable one, or too much."""
     folders = [Folder(f.src.resolve(), f.dest.strip("/")) for f in folders]
     out = Sources()
+    in_git_of: dict[str, bool] = {}
     for folder in folders:
         root = _git_root(folder.src)
         in_git = root is not None
@@ -162,8 +210,13 @@ def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_f
             entry = _entry(folder, rel, folders, in_git=in_git, field_name=field_name)
             if entry is not None:
                 out.files.append(entry)
+                in_git_of[entry.dest] = in_git
     out.files.sort(key=lambda f: f.dest)
     _check_size(out, field_name, max_bytes, max_files)
+    _check_links(out.files, field_name, in_git_of)
+    clean = CleanFiles.load()
+    out.files = [_scanned(f, field_name, in_git_of[f.dest], clean) for f in out.files]
+    clean.save()
     return out
 
 
@@ -182,24 +235,114 @@ def _entry(folder: Folder, rel: str, folders: Sequence[Folder], *, in_git: bool,
         raise ConfigError(field_name, f"cannot read {bounded_path(path)} ({exc.strerror}): fix its "
                                       "permissions or move it out") from None
     why = secret_file(path.name)
+    if why:
+        raise ConfigError(field_name, f"{bounded_path(shown)} looks like a secret ({why}), and a code snapshot "
+                                      f"or image would copy it: {_remedy(in_git, shown)}")
     if stat.S_ISLNK(st.st_mode):
+        return SourceFile(dest, path, _link_target(path, dest, folders, field_name))
+    if stat.S_ISDIR(st.st_mode) and in_git:  # what git lists as one entry and is a directory: a gitlink
+        raise ConfigError(field_name, f"{bounded_path(shown)} is a git submodule that is not checked out, or a "
+                                      "repository inside this one that git records by its commit alone: a code "
+                                      "snapshot or image would leave its files out: check it out (`git submodule "
+                                      f"update --init {shown}`), or make its files the project's (`git rm --cached "
+                                      f"{shown}`, then add them)")
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(field_name, f"{bounded_path(shown)} is {_KINDS.get(stat.S_IFMT(st.st_mode), 'not a file')}"
+                                      f", not a file, and a code snapshot or image copies files: "
+                                      f"{_remedy(in_git, shown)}, or put the file back")
+    return SourceFile(dest, path)
+
+
+def _check_links(files: Sequence[SourceFile], field_name: str, in_git_of: dict[str, bool]) -> None:
+    """A file with more names (hard links) than are copied: its other names lie outside what is
+    copied, and its content is whatever file they name (a token in $HOME under an innocent name)."""
+    names: dict[tuple[int, int], int] = {}
+    stats = {}
+    for f in files:
+        if f.link is None:
+            st = f.src.lstat()
+            stats[f.dest] = st
+            key = (st.st_dev, st.st_ino)
+            names[key] = names.get(key, 0) + 1
+    for f in files:
+        st = stats.get(f.dest)
+        if st is not None and st.st_nlink > names[(st.st_dev, st.st_ino)]:
+            shown = os.path.relpath(f.src)
+            raise ConfigError(field_name, f"{bounded_path(shown)} is a hard link: the same file has "
+                                          f"{st.st_nlink} names, some outside what a code snapshot or image copies, "
+                                          "so its content is another file's: make it a file of its own "
+                                          f"(`cp {shown} {shown}.copy && mv {shown}.copy {shown}`)")
+
+
+def _scanned(f: SourceFile, field_name: str, in_git: bool, clean: "CleanFiles") -> SourceFile:
+    """`f` with its content's sha256, the content scanned whole by the secret policy unless a
+    file of the same content was found clean before."""
+    if f.link is not None:
+        return f
+    try:  # never blocks: a FIFO put in its place since it was listed is no regular file
+        fd = os.open(f.src, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ConfigError(field_name, f"cannot read {bounded_path(f.src)} ({exc.strerror}): fix its permissions "
+                                      "or move it out") from None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise ConfigError(field_name, f"{bounded_path(os.path.relpath(f.src))} changed into something that is "
+                                          "not a file while it was read: run the command again")
+        data = handle.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest not in clean:
+        why = secret_content(data, f.src.name)
         if why:
+            shown = os.path.relpath(f.src)
             raise ConfigError(field_name, f"{bounded_path(shown)} looks like a secret ({why}), and a code snapshot "
                                           f"or image would copy it: {_remedy(in_git, shown)}")
-        return SourceFile(dest, path, _link_target(path, dest, folders, field_name))
-    if not stat.S_ISREG(st.st_mode):
-        return None  # a socket, a fifo: nothing to copy
-    try:
-        with open(path, "rb") as f:
-            head = f.read(HEAD_BYTES)
-    except OSError as exc:
-        raise ConfigError(field_name, f"cannot read {bounded_path(path)} ({exc.strerror}): fix its permissions "
-                                      "or move it out") from None
-    why = why or secret_file("", head)
-    if why:
-        raise ConfigError(field_name, f"{bounded_path(shown)} looks like a secret ({why}), and a code snapshot or "
-                                      f"image would copy it: {_remedy(in_git, shown)}")
-    return SourceFile(dest, path)
+        clean.add(digest)
+    return SourceFile(f.dest, f.src, None, digest)
+
+
+class CleanFiles:
+    """The sha256 of every file content the secret policy found clean, under one policy (its
+    fingerprint names the record): a checkout scanned once is not read by the detector again.
+    Kept in the user's cache (`$XDG_CACHE_HOME/slipway/`), appended to, never trusted beyond
+    well-formed lines; where it cannot be read or written, every file is scanned."""
+
+    _LINE = re.compile(r"[0-9a-f]{64}")
+    MAX_BYTES = 8 << 20  # past it the record starts afresh
+
+    def __init__(self, path: Optional[Path], known: set[str]):
+        self.path, self._known, self._new = path, known, []
+
+    @classmethod
+    def load(cls) -> "CleanFiles":
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = Path(base) / "slipway" / f"clean-files-{policy_fingerprint()}"
+        try:
+            with open(path, "rb") as f:
+                text = f.read(cls.MAX_BYTES).decode("ascii", "replace")
+        except OSError:
+            return cls(path, set())
+        return cls(path, {line for line in text.split("\n") if cls._LINE.fullmatch(line)})
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._known
+
+    def add(self, digest: str) -> None:
+        self._known.add(digest)
+        self._new.append(digest)
+
+    def save(self) -> None:
+        if not self._new or self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            big = self.path.exists() and self.path.stat().st_size > self.MAX_BYTES
+            # One write of whole lines, appended: two launches adding at once lose nothing.
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if big else os.O_APPEND), 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write("".join(f"{d}\n" for d in self._new).encode())
+        except OSError:
+            pass
+        self._new = []
 
 
 def _link_target(path: Path, dest: str, folders: Sequence[Folder], field_name: str) -> str:

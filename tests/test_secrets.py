@@ -34,7 +34,8 @@ from conftest import SRUN_PASSING_PREFLIGHT, squeue_answering, tree
 from jobs.cli import main
 from jobs.config import Config
 from common.schema import config_fields
-from test_secret_policy import ORDINARY_NAMES, ORDINARY_VALUES, SECRET_NAMES, SHAPES, SPELLINGS, shaped, spellings
+from test_secret_policy import (BARE, ORDINARY_NAMES, ORDINARY_VALUES, SECRET_NAMES, SHAPES, SPELLINGS, shaped,
+                                spellings)
 
 PY = sys.executable
 # Unique values: any file or output holding one of them has leaked it.
@@ -471,6 +472,9 @@ def test_any_secret_passed_by_name_reaches_the_job_and_lands_nowhere(project, ho
                 rc, out, err = slipway(capfd, *command, *args)
                 assert rc == 0, (command, err)
                 outputs += [out, err]
+            # what reads the run back: its status, its logs, a frame of watch
+            for command in (["status"], ["status", run], ["logs", run], ["watch", run, "--once"]):
+                outputs += slipway(capfd, *command)[1:]
     finally:
         del os.environ[spelled]
     run_dir = project / "runs" / run
@@ -602,3 +606,74 @@ def test_an_integer_beyond_every_bound_names_the_field_s_own(project, host, capf
     # a field with no bound of its own is held to the engine's
     rc, _, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", f"run.seed={2 ** 64}")
     assert rc == 2 and "between -9007199254740991 and 9007199254740991" in err, err
+
+
+# ------------------------------------------------------------------ the hostile corpus: every shape, every field
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_shape_on_the_command_line_is_refused_and_never_echoed(project, host, capfd, shape):
+    """A CLI override, as the shell hands it over, in a field whose own check would refuse the value
+    for another reason (slurm.time: not a time) and quote it: refused as a secret first, in one
+    line that names the field and never the value; nothing written."""
+    value, body = shaped(shape)
+    before = tree(project)
+    for override in (f"slurm.time={value}", f"container.env.SOME_NAME={value}"):
+        field = override.split("=", 1)[0]
+        rc, out, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", override)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"slipway: error: {field}"), (shape, err)
+        assert body not in out + err, (shape, field, err)
+    assert tree(project) == before
+
+
+def test_a_name_in_no_case_s_convention_is_a_secret_s_name(project, host, capfd):
+    for override, field in (("container.env.hF_tOkEn=abc123", "container.env.hF_tOkEn"),
+                            ("launch.env.wAnDb_ApI_kEy=abc123", "launch.env.wAnDb_ApI_kEy"),
+                            ("launch.command=[python3, t.py, --hF-tOkEn, abc123]", "launch.command[3]")):
+        rc, out, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", override)
+        assert rc == 2 and err.startswith(f"slipway: error: {field}: looks like a secret"), err
+        assert "abc123" not in out + err
+
+
+def test_a_hash_under_its_name_passes_and_the_same_hex_alone_does_not(project, host, capfd):
+    commit = secrets.token_hex(20)
+    rc, out, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", f"image.build_args.GIT_COMMIT={commit}",
+                           "launch.launcher=srun", f"launch.command=[python3, t.py, --revision, {commit}]")
+    assert rc == 0, err
+    rc, out, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", f"launch.command=[python3, t.py, {commit}]")
+    assert rc == 2 and err.startswith("slipway: error: launch.command[2]: looks like 40 random hex digits"), err
+    assert commit not in out + err
+
+
+def _in_every_field(value: str) -> typing.Iterator[tuple[str, dict]]:
+    for dotted, tp in FIELDS:
+        origin = typing.get_origin(tp)
+        if origin is list:
+            yield f"{dotted}[0]", {dotted: [value]}
+        elif origin is dict:
+            yield f"{dotted}.SOME_NAME", {dotted: {"SOME_NAME": value}}
+        else:
+            yield dotted, {dotted: value}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_shape_in_every_field_is_refused_at_the_one_edge(project, shape):
+    """The whole cross product (every shape of the corpus x every field of the config) through the
+    edge every command reads a config by (jobs.config.load_config, what `test_a_secret_by_shape_is_
+    refused_in_every_field` samples through each command): refused naming the field, never quoting."""
+    from common.errors import ConfigError
+    from jobs.config import load_config
+
+    value, body = shaped(shape)
+    missed = []
+    for field, sets in _in_every_field(value):
+        try:
+            load_config("tiny_cpu", sets=sets)
+        except ConfigError as exc:
+            if not str(exc).startswith(f"{field}: ") or body in str(exc):
+                missed.append((field, str(exc)))
+            continue
+        missed.append((field, "accepted"))
+    assert not missed, (shape, missed[:5])

@@ -241,3 +241,180 @@ def test_the_image_context_follows_the_same_rules(checkout):
     _git(checkout, "add", "jobs")
     with pytest.raises(ConfigError, match=r"^image: jobs/x.py is a symbolic link to /etc/passwd"):
         collect([Folder(checkout / "jobs", "src/jobs")], field_name="image", max_bytes=1 << 30, max_files=100)
+
+
+# ------------------------------------------------------------------ by content, whatever the name
+
+SA_KEY = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC" + "A" * 64 + "\n-----END PRIVATE KEY-----\n"
+REMOTE_HEX = __import__("secrets").token_hex(20)
+DOCKER_AUTH = __import__("base64").b64encode(f"$oauthtoken:nvapi-{SECRET[3:]}xyzxyzxyzxyzxyz".encode()).decode()
+
+
+CONTENT_CASES = [
+    ("secrets.yaml", "db_password: Tr0ub4dor3x\n"),  # by its name, and its line
+    ("password.txt", "correct horse\n"), ("api_key.txt", "abc\n"), ("kubeconfig", "apiVersion: v1\n"),
+    ("settings_local.py", f'DEBUG = True\nHF_TOKEN = "{SECRET}"\n'),
+    ("config.json", '{"auths": {"nvcr.io": {"auth": "%s"}}}\n' % DOCKER_AUTH),  # a docker login
+    ("gcp.json", '{"type": "service_account", "padding": "' + "x" * 9000 + '", "private_key": "' + SA_KEY + '"}'),
+    ("db.py", 'PASSWORD = "Tr0ub4dor&3"\n'), ("deploy.sh", "export WANDB_API_KEY=" + "ab12" * 10 + "\n"),
+    ("notebook.ipynb", '{"outputs": [{"text": "token: ' + SECRET + '"}]}'),
+    ("tail.txt", "x\n" * 100_000 + "AKIAIOSFODNN7EXAMPLF\n"),  # far past the first 8 KiB
+    ("wide.txt", ("token " + SECRET).encode("utf-16")),  # UTF-16: the letters spread apart
+    ("ngc.yaml", "key: nvapi-" + SECRET[3:] + "abcdefghij\n"), ("dbx.cfg", "[x]\nhost=h\nt=dapi" + "0a1b" * 8 + "\n"),
+    ("remote.txt", f"url = https://{REMOTE_HEX}@github.com/o/r.git\n"),  # an old GitHub token as the URL's user
+]
+
+
+@pytest.mark.parametrize("name, content", CONTENT_CASES, ids=[name for name, _ in CONTENT_CASES])
+def test_a_tracked_file_holding_a_secret_is_refused_by_its_content(checkout, name, content):
+    path = checkout / "trainer" / "data" / name
+    path.parent.mkdir()
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    _git(checkout, "add", "-f", "trainer")
+    line = refused(dry_run(checkout), f"trainer/data/{name}", "looks like a secret", "git rm --cached")
+    for part in (SECRET, DOCKER_AUTH, "Tr0ub4dor", "MIIEvQ", "nvapi-", "dapi", REMOTE_HEX):
+        assert part not in line
+    assert not (checkout / "runs").exists()
+
+
+def test_a_hard_link_to_a_file_outside_is_refused(checkout, tmp_path):
+    """The other name of a hard link may be anything of the user's (a token in $HOME): its content
+    is that file's, whatever the innocent name here. Both names inside what is copied are fine."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "pw").write_text("correct horse\n")  # nothing a content scan could tell
+    os.link(home / "pw", checkout / "trainer" / "notes.txt")
+    _git(checkout, "add", "trainer")
+    refused(dry_run(checkout), "trainer/notes.txt", "hard link", "a file of its own")
+    os.unlink(checkout / "trainer" / "notes.txt")
+    (checkout / "trainer" / "notes.txt").write_text("notes\n")
+    os.link(checkout / "trainer" / "notes.txt", checkout / "common" / "notes_copy.txt")
+    _git(checkout, "add", "trainer", "common")
+    assert dry_run(checkout).returncode == 0
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _socket(path: Path) -> None:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(os.path.relpath(path))  # (a socket's path is bounded: the test's folder is long)
+    s.close()
+
+
+def _device(path: Path) -> None:
+    try:
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+    except PermissionError:
+        pytest.skip("making a device node needs root")
+
+
+@pytest.mark.parametrize("make, kind", [(_fifo, "a FIFO"), (_socket, "a socket"), (_device, "a character device")])
+def test_a_tracked_file_turned_special_is_named_never_dropped_or_read(checkout, make, kind):
+    """A FIFO would block a reader forever; a device is no file of the project's: named, in one
+    line, the snapshot never taken without it."""
+    path = checkout / "trainer" / "model.py"
+    path.unlink()
+    make(path)
+    refused(dry_run(checkout), "trainer/model.py", f"is {kind}", "not a file")
+
+
+def test_a_submodule_is_copied_and_one_not_checked_out_is_named(checkout, tmp_path):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "helper.py").write_text("X = 1\n")
+    _git(lib, "init", "-q")
+    _git(lib, "add", ".")
+    _git(lib, "commit", "-qm", "lib")
+    _git(checkout, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "trainer/vendor")
+    _git(checkout, "commit", "-qm", "sub")
+    value = plan_snapshot(checkout / "runs" / STORE, None, checkout).write()
+    assert (Path(value.dir) / "trainer" / "vendor" / "helper.py").read_text() == "X = 1\n"
+    # Not checked out (a fresh clone without --recurse-submodules): named, not left out in silence.
+    _git(checkout, "submodule", "deinit", "-q", "-f", "trainer/vendor")
+    refused(dry_run(checkout), "trainer/vendor", "submodule", "git submodule update --init")
+
+
+def test_a_repository_inside_the_checkout_is_named(checkout):
+    nested = checkout / "trainer" / "nested"
+    nested.mkdir()
+    (nested / "x.py").write_text("X = 1\n")
+    _git(nested, "init", "-q")
+    _git(nested, "add", ".")
+    _git(nested, "commit", "-qm", "n")
+    _git(checkout, "add", "trainer/nested")  # git records it by its commit alone
+    refused(dry_run(checkout), "trainer/nested", "by its commit alone", "git rm --cached")
+
+
+# ------------------------------------------------------------------ outside git: only a project's folder
+
+
+def test_a_script_in_the_home_directory_is_refused_not_the_home_copied(project, tmp_path):
+    """`train.script=~/train.py` would copy all of $HOME (an aws_keys.txt among it): refused in
+    one line saying where to put the script; nothing written, nothing of $HOME shown."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "train.py").write_text("print(1)\n")
+    (home / "aws_keys.txt").write_text("AKIAIOSFODNN7EXAMPLF\n")
+    proc = subprocess.run([sys.executable, "-m", "jobs", "submit", "tiny_cpu", "--dry-run", "train.script=~/train.py"],
+                          cwd=project, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(home)})
+    line = refused(proc, "train.script", "home directory", "folder of its own")
+    assert "AKIA" not in proc.stdout + proc.stderr and not (project / "runs").exists()
+
+
+@pytest.mark.parametrize("setup, why", [
+    (lambda d: (d / ".ssh").mkdir(), "holds credentials"),
+    (lambda d: (d / ".netrc").write_text("machine x"), "holds credentials"),
+    (lambda d: [(d / f"f{i}.txt").write_text("x") for i in range(1001)], "holds more than 1000 files"),
+])
+def test_a_folder_that_is_no_project_s_is_refused(project, setup, why):
+    folder = project.parent / "scratch"
+    folder.mkdir()
+    (folder / "train_mine.py").write_text("print(1)\n")
+    setup(folder)
+    with pytest.raises(ConfigError, match=rf"^train.script: .*scratch {why}.*not a project's folder.*folder of its own"):
+        plan_snapshot(project / "runs" / STORE, str(folder / "train_mine.py"))
+
+
+# ------------------------------------------------------------------ the scan, kept by content
+
+
+def test_an_unchanged_checkout_is_not_scanned_again(checkout, tmp_path, monkeypatch):
+    from containers import sources
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    scanned = []
+    real = sources.secret_content
+    monkeypatch.setattr(sources, "secret_content", lambda data, name="": scanned.append(name) or real(data, name))
+    first = plan_snapshot(checkout / "runs" / STORE, None, checkout)
+    assert len(scanned) == first.value.files > 20
+    scanned.clear()
+    assert plan_snapshot(checkout / "runs" / STORE, None, checkout).value == first.value and scanned == []
+    (checkout / "trainer" / "model.py").write_text((checkout / "trainer" / "model.py").read_text() + "\n# edited\n")
+    plan_snapshot(checkout / "runs" / STORE, None, checkout)
+    assert scanned == ["model.py"]  # the file that changed, alone
+    # A damaged record is read for its well-formed lines only; an unwritable cache scans every time.
+    record = next((tmp_path / "cache" / "slipway").iterdir())
+    record.write_text("garbage\n" + "z" * 64 + "\n")
+    scanned.clear()
+    plan_snapshot(checkout / "runs" / STORE, None, checkout)
+    assert len(scanned) == first.value.files
+    monkeypatch.setenv("XDG_CACHE_HOME", "/proc/no-such-cache")
+    scanned.clear()
+    plan_snapshot(checkout / "runs" / STORE, None, checkout)
+    assert len(scanned) == first.value.files
+
+
+def test_a_secret_is_never_taken_for_clean_by_the_record(checkout, tmp_path, monkeypatch):
+    """Only contents found clean are recorded: a file refused once is refused again, and a clean
+    file that turns into a secret one (new content, new sha256) is scanned."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    plan_snapshot(checkout / "runs" / STORE, None, checkout)
+    (checkout / "trainer" / "model.py").write_text(f'TOKEN = "{SECRET}"\n')
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="trainer/model.py looks like a secret"):
+            plan_snapshot(checkout / "runs" / STORE, None, checkout)

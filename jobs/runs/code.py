@@ -188,7 +188,7 @@ def listing_lines(files: Sequence[SourceFile]) -> str:
         if f.link is not None:
             lines.append(f"l {hashlib.sha256(f.link.encode()).hexdigest()} {f.dest}\n")
         else:
-            lines.append(f"{'x' if f.executable else 'f'} {file_sha256(f.src)} {f.dest}\n")
+            lines.append(f"{'x' if f.executable else 'f'} {f.sha256 or file_sha256(f.src)} {f.dest}\n")
     return "".join(lines)
 
 

@@ -84,7 +84,7 @@ def describe(record: dict) -> str:
     if not record:
         return "another process (the lock file does not say which)"
     extra = f", trainer pid {record['trainer_pid']}" if record.get("trainer_pid") else ""
-    command = mask(str(record.get("command", "?")))  # a record written before commands were masked
+    command = mask(str(record.get("command", "?")), values=True)  # a record written before commands were masked
     return (f"`{command}` (pid {record.get('pid', '?')} on host {record.get('host', '?')} since "
             f"{record.get('since', '?')}{extra})")
 
@@ -175,7 +175,7 @@ def hold(run_dir: Path, command: str, *, trains: bool = False, wait_s: float = W
         raise
     if fd is not None:
         _write_record(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": _now(),
-                           "command": mask(command), "trains": trains})
+                           "command": mask(command, values=True), "trains": trains})
     _held[path] = _Held(fd, 1)
     try:
         yield
