@@ -106,13 +106,14 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
     from rich.markup import escape
 
     from jobs import runs
-    from jobs.cli.doctor import controller_problem
+    from jobs.cli.doctor import controller_problem, gpu_stack
     from common.secrets import mask
 
     sealed = runs.seal(cfg, project_dir(), dry_run=True)
     scfg, paths, pin, code = sealed.cfg, sealed.paths, sealed.pin, sealed.snapshot
     refusals = [n.removeprefix(REFUSED) for n in sealed.notes if n.startswith(REFUSED)]
     notes = [n for n in sealed.notes if not n.startswith(REFUSED)]
+    notes += [f"{name}: {detail}" for name, _, detail in gpu_stack(sealed.cfg, sealed.env, sealed.pin)]
     exists = (paths.run_dir / "manifest.json").is_file()
     try:
         runs.check_submittable(scfg)
@@ -161,7 +162,7 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
 def _check_controller() -> None:
     """Once the input is checked and before anything is written: a submission no controller
     would take fails with doctor's one-line diagnosis, not sbatch's resolver errors."""
-    from jobs.cli.doctor import controller_problem
+    from jobs.cli.doctor import controller_problem, gpu_stack
     from jobs.slurm import SlurmError
 
     problem = controller_problem()
