@@ -203,9 +203,9 @@ def numa_binding(pci_addresses: list[str], allowed: set[int], sysfs: Path = SYSF
         node = gpu_numa_node(address, sysfs)
         cpus = nodes.get(node, set()) if node is not None else set()
         usable = cpus & allowed
-        of = "" if usable == cpus else f" of {_ranges(cpus) or 'none'}"
+        of = "" if usable == cpus else f" of {cpu_ranges(cpus) or 'none'}"
         lines.append(f"GPU {i} ({address}) on NUMA node {node if node is not None else '?'} "
-                     f"({_ranges(usable) or 'no CPUs'}{of})")
+                     f"({cpu_ranges(usable) or 'no CPUs'}{of})")
         if node is None:
             bad.append(f"GPU {i}'s PCI device {address} is not in {sysfs}/bus/pci/devices, where torchrun "
                        "--numa-binding=node reads its NUMA node (it would stop before training): mount /sys in "
@@ -213,7 +213,7 @@ def numa_binding(pci_addresses: list[str], allowed: set[int], sysfs: Path = SYSF
         elif not usable:
             with_cpus = sorted(n for n, c in nodes.items() if c & allowed)
             what = "has no CPUs (a node of memory alone, as a GH200's HBM)" if not cpus else \
-                f"has no CPU this job may use (its CPUs {_ranges(cpus)}, the job's {_ranges(allowed)})"
+                f"has no CPU this job may use (its CPUs {cpu_ranges(cpus)}, the job's {cpu_ranges(allowed)})"
             bad.append(f"GPU {i} ({address}) is on NUMA node {node}, which {what}: torchrun --numa-binding=node would "
                        f"bind its rank to no core and stop before training (NUMA nodes with CPUs here: "
                        f"{', '.join(map(str, with_cpus)) or 'none'}); set launch.launcher: srun (srun binds the cores "
@@ -221,7 +221,7 @@ def numa_binding(pci_addresses: list[str], allowed: set[int], sysfs: Path = SYSF
     return not bad, bad[:1] + lines if bad else lines
 
 
-def _ranges(cpus: set[int]) -> str:
+def cpu_ranges(cpus: set[int]) -> str:
     """A CPU set in the kernel's list form (0-3,8)."""
     out, run = [], []
     for cpu in sorted(cpus):
@@ -308,19 +308,31 @@ def sum_across_ranks(megabytes: float, iters: int, device) -> tuple[bool, str]:
     """Sum a buffer of `megabytes` across every rank of the default process group `iters` times
     (after one warm-up) and check the sum; the bus bandwidth (the rate each link carried, NCCL's
     busbw) in the text."""
-    import torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 1:
         return True, "a single rank: no collective to test"
-    cuda = device.type == "cuda"
     nodes: list[Optional[str]] = [None] * world
     dist.all_gather_object(nodes, node_name())
+    wrong, numel, per, bus_gbs = time_all_reduce(megabytes, iters, device)
+    if wrong:
+        return False, f"the sum of {world} ranks was wrong in {wrong} of {numel} elements on rank {rank} ({node_name()})"
+    return True, (f"all-reduce of {megabytes:g} MiB over {world} ranks on {len(set(nodes))} node(s) "
+                  f"({dist.get_backend()}): {bus_gbs:.2f} GB/s bus bandwidth, {per * 1e3:.1f} ms each")
+
+
+def time_all_reduce(megabytes: float, iters: int, device) -> tuple[int, int, float, float]:
+    """(elements summed wrong, elements, seconds an all-reduce, bus bandwidth in GB/s) of `iters`
+    all-reduces of `megabytes` of float32 ones in the default group, after one warm-up."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
     numel = max(1, int(megabytes * 2**20) // 4)
     buf = torch.ones(numel, dtype=torch.float32, device=device)
     dist.all_reduce(buf)  # warm-up: connections, buffers
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -328,12 +340,8 @@ def sum_across_ranks(megabytes: float, iters: int, device) -> tuple[bool, str]:
         dist.all_reduce(buf)
     sync()
     per = (time.perf_counter() - t0) / iters
-    wrong = (buf != float(world)).sum().item()
-    if wrong:
-        return False, f"the sum of {world} ranks was wrong in {wrong} of {numel} elements on rank {rank} ({node_name()})"
-    bus_gbs = numel * 4 / per * 2 * (world - 1) / world / 1e9
-    return True, (f"all-reduce of {megabytes:g} MiB over {world} ranks on {len(set(nodes))} node(s) "
-                  f"({dist.get_backend()}): {bus_gbs:.2f} GB/s bus bandwidth, {per * 1e3:.1f} ms each")
+    wrong = int((buf != float(world)).sum().item())
+    return wrong, numel, per, numel * 4 / per * 2 * (world - 1) / world / 1e9
 
 
 def _one_line(exc: BaseException) -> str:

@@ -1,0 +1,273 @@
+"""`slipway gpu-check` on the CPU (issue 40's proof there): every part that needs no CUDA runs
+through the command a user types, with a tiny model and two processes standing for two GPUs;
+the time budgets stop a slow step and skip the rest of its part, saying so; bad input is one
+line and exit 2 with nothing written. Its GPU half is the same command on a GPU node."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.gpucheck.check import Check, OutOfTime, Part
+from jobs.gpucheck.report import render_markdown
+from trainer_helpers import ROOT, clean_env
+
+PARTS = ["node", "correctness", "training", "allreduce", "speed"]
+
+
+def gpu_check(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs", "gpu-check", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=900, env=clean_env(COLUMNS="200", **(env or {})))
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("slipway: error: "), line
+    return line
+
+
+@pytest.fixture(scope="module")
+def cpu_check(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
+    out = tmp_path_factory.mktemp("check") / "out dir 'q' $(x)"
+    proc = gpu_check("--device", "cpu", "--out", str(out))
+    return out, proc, json.loads((out / "report.json").read_text())
+
+
+# ---- the whole check, on the CPU ---------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_every_part_runs_on_the_cpu_and_the_report_says_what_ran(cpu_check):
+    out, proc, report = cpu_check
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert [p["name"] for p in report["parts"]] == PARTS
+    assert all(p["status"] == "ok" for p in report["parts"]), [(p["name"], p["status"]) for p in report["parts"]]
+    assert report["verdict"] == "passed" and report["device"] == "cpu" and report["devices"] == 2
+    failed = [c for p in report["parts"] for c in p["checks"] if not c["ok"]]
+    assert not failed, failed
+    parts = {p["name"]: p for p in report["parts"]}
+    # What does not run on the CPU is named, with the reason.
+    skipped = {s["what"]: s["why"] for s in parts["speed"]["skipped"]}
+    assert skipped == {"torchtitan, eager": "torchtitan needs CUDA",
+                       **{f"{c}, compiled": "on the CPU only eager runs: train.compile compiles on CUDA"
+                          for c in ("ours", "bare", "torchtitan")}}
+    assert parts["correctness"]["skipped"] == [{"what": "flash-attn against the math path",
+                                                "why": "flash-attn is not installed here"}]
+    node = parts["node"]["results"]
+    assert node["torch"].startswith("2.") and not node["cuda_available"] and node["numa"]
+    assert node["environment"]["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    md = (out / "report.md").read_text()
+    for heading in PARTS:
+        assert f"\n## {heading}\n" in md
+    assert md.startswith("# slipway gpu-check: ") and "**passed**: " in md
+    assert "- `PYTORCH_ALLOC_CONF=expandable_segments:True`" in md
+    assert "- skipped: torchtitan, eager: torchtitan needs CUDA" in md
+    # Each step's output is kept for whoever reads why.
+    logs = sorted(p.name for p in (out / "work" / "logs").iterdir())
+    assert "training-resumed-from-step-4.log" in logs and "speed-ours-eager.log" in logs
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_slipway_local_resumes_exactly_and_tp_trains_what_dp_does(cpu_check):
+    out, _, report = cpu_check
+    training = next(p for p in report["parts"] if p["name"] == "training")
+    losses = training["results"]["losses"]
+    first, resumed, tp = losses["first attempt"], losses["resumed"], losses["dp 1 x tp 2"]
+    assert sorted(map(int, first)) == list(range(1, 9)) and sorted(map(int, resumed)) == [5, 6, 7, 8]
+    assert all(resumed[s] == first[s] for s in resumed)  # bit for bit
+    assert all(abs(tp[s] - first[s]) <= 1e-4 * abs(first[s]) for s in first)
+    checks = {c["what"]: c["detail"] for c in training["checks"]}
+    assert checks["exact resume"] == "the losses of steps 5-8 are the first attempt's, bit for bit"
+    assert checks["checkpoints"] == "complete at steps [4, 8]"
+    assert checks["hang watchdog"].startswith("on (train.hang_timeout 600.0 s), no hang")
+    # Through the real launch: the run's own records say so.
+    run = out / "work" / "runs" / "gpucheck-dp"
+    events = (run / "events.log").read_text()
+    assert events.count("start on this machine") == 2 and events.count("end exit 0") == 2
+    restarts = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                if '"restart"' in line]
+    assert [r["step"] for r in restarts] == [0, 4] and restarts[0]["world_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_same_directory_again_replaces_the_previous_check(cpu_check):
+    out, _, _ = cpu_check
+    (out / "work" / "stale").write_text("from the check before")
+    proc = gpu_check("--device", "cpu", "--out", str(out), *(f"--budget={p}=1" for p in PARTS[1:]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (out / "work" / "stale").exists()
+    report = json.loads((out / "report.json").read_text())
+    assert [p["status"] for p in report["parts"]] == ["ok", "skipped", "skipped", "skipped", "skipped"]
+
+
+# ---- budgets -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_parts_without_the_time_for_a_step_are_skipped_with_the_reason(tmp_path):
+    out = tmp_path / "out"
+    proc = gpu_check("--device", "cpu", "--out", str(out), "--budget", "correctness=1", "--budget", "training=2.5",
+                     "--budget", "allreduce=0.5", "--budget", "speed=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert [p["status"] for p in report["parts"]] == ["ok", "skipped", "skipped", "skipped", "skipped"]
+    assert report["verdict"] == "passed what ran" and report["budgets"]["training"] == 2.5
+    training = report["parts"][2]
+    assert training["skipped"][0] == {"what": "FSDP2 over 2", "why": "not started: 2 s of the part's 2.5 s budget was "
+                                      "left, less than a step's 3 s"}
+    assert training["skipped"][1] == {"what": "resumed from step 4",
+                                      "why": "not started: the part's budget ran out at 'FSDP2 over 2'"}
+    assert "- skipped: resumed from step 4: not started: the part's budget ran out at 'FSDP2 over 2'" in \
+        (out / "report.md").read_text()
+
+
+def test_a_step_past_its_budget_is_stopped_with_its_process_group(tmp_path):
+    """A step that would run for a minute (a process and its child) is stopped at its part's
+    deadline: both processes are gone, its output kept, the part's later steps skipped."""
+    check = Check(tmp_path, {"speed": 4.0}, console=None)
+    (check.work / "logs").mkdir(parents=True)
+    code = "import subprocess, sys, time; c = subprocess.Popen(['sleep', '60']); print(c.pid, flush=True); time.sleep(60)"
+    pids: list[int] = []
+
+    def slow(part: Part) -> None:
+        try:
+            check.run(part, "slow step", [sys.executable, "-c", code])
+        finally:
+            pids.extend(int(x) for x in (check.work / "logs" / "speed-slow-step.log").read_text().split())
+
+    part = check.run_part("speed", [("slow step", slow), ("later", lambda part: None)])
+    assert part.skipped == [{"what": "slow step", "why": "stopped: it ran past the part's 4 s budget"},
+                            {"what": "later", "why": "not started: the part's budget ran out at 'slow step'"}]
+    assert part.status == "skipped" and len(pids) == 1
+    assert not _alive(pids[0])  # the child too: the whole group was stopped
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["parts"][0]["skipped"] == part.skipped
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_slipway_local_past_its_budget_stops_its_trainer_too(tmp_path):
+    """The training part's launch, stopped mid-run at its deadline: slipway local is interrupted
+    twice (stop now) and its trainer, in a session of its own, is gone with it."""
+    from jobs.gpucheck.parts import GpuCheck
+
+    check = GpuCheck(tmp_path, {"training": 15.0}, console=None)
+    check.start("cpu", 0)
+    config = check.training_config("long", dp=2, tp=1)
+    config.write_text(config.read_text().replace("steps: 8", "steps: 100000"))
+    part = check.part("training")
+    with pytest.raises(OutOfTime, match="stopped: it ran past the part.s 15 s budget"):
+        check.local(part, "long", config)
+    manifest = json.loads((check.runs / "long" / "manifest.json").read_text())
+    (launch,) = manifest["submissions"]
+    assert launch["exit"] == "interrupted" and not _alive(launch["trainer_pid"]) and not _alive(launch["pid"])
+    assert not _session_members(launch["trainer_pid"])  # no rank left behind
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+def _session_members(sid: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+# ---- bad input: one line, exit 2, nothing written -------------------------------------------
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--budget", "speed"], "--budget"), (["--budget", "speed=-3"], "--budget"), (["--budget", "gpus=10"], "--budget"),
+    (["--budget", "speed=$(x)"], "--budget"),
+])
+def test_bad_budgets_are_one_line(tmp_path, args, field):
+    line = one_error_line(gpu_check("--device", "cpu", "--out", str(tmp_path / "out"), *args))
+    assert f"error: {field}: " in line and "PART=SECONDS" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_cuda_asked_where_torch_sees_none_is_one_line_and_writes_nothing(tmp_path):
+    line = one_error_line(gpu_check("--device", "cuda", "--out", str(tmp_path / "out")))
+    assert "--device: torch sees no CUDA device on this node (torch 2." in line and "--device cpu" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_is_a_file_or_holds_foreign_work_is_refused(tmp_path):
+    afile = tmp_path / "report"
+    afile.write_text("mine")
+    assert "is a file: give a directory" in one_error_line(gpu_check("--device", "cpu", "--out", str(afile)))
+    foreign = tmp_path / "foreign"
+    (foreign / "work").mkdir(parents=True)
+    (foreign / "work" / "thesis.tex").write_text("not the check's")
+    line = one_error_line(gpu_check("--device", "cpu", "--out", str(foreign), "--budget=correctness=1"))
+    assert "is not a gpu-check's work directory: move it away" in line
+    assert (foreign / "work" / "thesis.tex").read_text() == "not the check's"
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "work").symlink_to(foreign / "work")
+    assert "is not a gpu-check's work directory" in one_error_line(
+        gpu_check("--device", "cpu", "--out", str(linked), "--budget=correctness=1"))
+    assert (foreign / "work" / "thesis.tex").exists()
+
+
+def test_a_second_check_into_the_same_directory_is_refused_while_one_runs(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".gpu-check.lock", "a+") as lock:  # what a running check holds
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        line = one_error_line(gpu_check("--device", "cpu", "--out", str(out)))
+    assert f"another slipway gpu-check writes to {out}" in line and not (out / "report.json").exists()
+
+
+# ---- the report, as a GPU node's would read ------------------------------------------------
+
+
+def test_a_gpu_nodes_report_renders_its_tables_and_targets():
+    """report.md from a report tree of the shape a GPU node's check writes (node facts as
+    trainer.gpucheck gives them): values are escaped for Markdown tables, targets judged."""
+    report = {"started": "2026-11-27T10:00:00+00:00", "verdict": "passed", "device": "cuda", "devices": 2,
+              "seconds": 412.0, "budgets": {"node": 45.0, "speed": 240.0}, "parts": [
+                  {"name": "node", "status": "ok", "seconds": 9.0, "budget_s": 45.0, "skipped": [],
+                   "checks": [{"what": "GPUs", "ok": True, "detail": "2 x NVIDIA H100 80GB HBM3"}],
+                   "results": {"host": "nid|001", "gpus": [
+                       {"index": i, "name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gib": 79.1,
+                        "sms": 132, "pci": f"0000:{i + 4:02x}:00.0", "numa_node": i} for i in range(2)],
+                       "driver": "580.65.06", "torch_cuda": "13.0", "torch": "2.13.0+cu130", "nccl": "2.27.7",
+                       "torch_archs": ["sm_90", "sm_100"], "flash_attn": None, "torchtitan": "0.3.0",
+                       "python": "3.12.3", "machine": "x86_64", "cpus": 64, "affinity": "0-63",
+                       "numa": {"0": "0-31", "1": "32-63"}, "numactl": None, "environment": {"A": "b"}}},
+                  {"name": "speed", "status": "ok", "seconds": 200.0, "budget_s": 240.0, "skipped": [], "checks": [],
+                   "results": {"rows": [
+                       {"case": "ours, eager", "tokens_per_s": 400e3, "tokens_per_s_per_device": 400e3,
+                        "tflops_per_device": 405.0, "mfu": 0.41, "peak_memory_gib": 20.0, "peak_reserved_gib": 22.0,
+                        "vs_bare": 1.01, "vs_torchtitan": 1.05, "flops_per_token": 1012e6,
+                        "device_name": "NVIDIA H100 80GB HBM3", "torch": "2.13.0+cu130"}]}}]}
+    md = render_markdown(report)
+    assert md.startswith("# slipway gpu-check: nid\\|001, 2026-11-27T10:00:00+00:00\n")
+    assert "| 1 | NVIDIA H100 80GB HBM3 | 9.0 | 79.1 | 132 | 0000:05:00.0 | 1 |" in md
+    assert "| ours, eager | 400,000 | 400,000 | 405.000 | 41.0 | 20.00 (22.00) | 1.010 | 1.050 |" in md
+    assert "- ours, eager: MFU 41.0% (met), vs torchtitan 1.05 (not met)" in md
