@@ -271,3 +271,100 @@ def test_a_gpu_nodes_report_renders_its_tables_and_targets():
     assert "| 1 | NVIDIA H100 80GB HBM3 | 9.0 | 79.1 | 132 | 0000:05:00.0 | 1 |" in md
     assert "| ours, eager | 400,000 | 400,000 | 405.000 | 41.0 | 20.00 (22.00) | 1.010 | 1.050 |" in md
     assert "- ours, eager: MFU 41.0% (met), vs torchtitan 1.05 (not met)" in md
+
+
+# ---- the wheels it needs, carried to a node without network --------------------------------
+
+
+def test_the_bundle_is_for_the_nodes_python_and_glibc_and_leaves_out_what_it_has(tmp_path):
+    from common.errors import ConfigError
+    from jobs.gpucheck.wheels import node_has, platform_tags
+
+    tags = platform_tags("manylinux_2_28_aarch64")
+    assert tags[0] == "manylinux_2_28_aarch64" and tags[-2:] == ["manylinux_2_17_aarch64", "manylinux2014_aarch64"]
+    assert "manylinux1_x86_64" in platform_tags("manylinux_2_17_x86_64")
+    for bad in ("linux_x86_64", "manylinux_2_28_ppc64le", "macosx_14_0_arm64", "manylinux_2_28_x86_64; rm -rf /"):
+        with pytest.raises(ConfigError, match="--platform: "):
+            platform_tags(bad)
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("NumPy==1.26.4\npyarrow==19.0.0+cu\n-e git+https://example.org/x#egg=x\nflash_attn==2.8.3\n"
+                      "# a comment\nbroken ==\ntorch==2.10.0a0+b4e4ee81d3.nv25.12\n")
+    assert node_has(freeze) == {"torch": "2.10.0a0", "numpy": "1.26.4", "pyarrow": "19.0.0", "flash-attn": "2.8.3"}
+    with pytest.raises(ConfigError, match="--have: "):
+        node_has(tmp_path / "missing.txt")
+
+
+@pytest.mark.slow
+def test_the_bundle_installs_with_no_index_beside_an_existing_torch_and_the_check_runs_from_it(tmp_path, monkeypatch):
+    """`make gpu-check-wheels` for this Python, within 60 MiB; then a fresh venv that sees only a
+    torch already installed (as a node's Python does) installs it with no index, and
+    `slipway gpu-check` runs from that install. Needs an index here (a login node's)."""
+    import jobs.gpucheck.wheels as wheels
+    from common.errors import ConfigError
+
+    bundle = tmp_path / "wheels"
+    python = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    try:
+        size = wheels.gather(bundle, python, "manylinux_2_28_x86_64", say=lambda text: None)
+    except ConfigError as exc:
+        if "resolving failed" in str(exc) or "downloading failed" in str(exc):
+            pytest.skip(f"no package index reachable here: {exc}")
+        raise
+    assert 0 < size <= wheels.MAX_BYTES and size == sum(p.stat().st_size for p in bundle.glob("*.whl"))
+    names = sorted(p.name.split("-")[0].lower() for p in bundle.glob("*.whl"))
+    assert "slipway" in names and "numpy" in names and "tokenizers" in names
+    assert not [n for n in names if n in ("torch", "triton", "datasets", "pyarrow") or n.startswith("nvidia")]
+    assert (bundle / "requirements.txt").read_text().splitlines()[1:] == [
+        "slipway==0.1.0", "tokenizers>=0.19", "safetensors>=0.4", "numpy>=1.26"]
+    # Past the limit: refused in one line, nothing left behind.
+    monkeypatch.setattr(wheels, "MAX_BYTES", 2**20)
+    with pytest.raises(ConfigError, match=r"MiB of wheels, over the 1 MiB this bundle may take \(largest, MiB: numpy"):
+        wheels.gather(tmp_path / "small", python, "manylinux_2_28_x86_64", say=lambda text: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wheels"]
+    # A node: a fresh venv whose Python sees torch (and what torch needs) already installed.
+    venv = tmp_path / "node venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)  # this pip installs
+    site = next((venv / "lib").glob("python3.*/site-packages"))
+    (site / "node_torch.pth").write_text(str(torch_only_site(tmp_path / "node site")) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV"))}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INPUT="1")  # no index, no find-links but the bundle's
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+                              "--no-index", "--find-links", str(bundle), "-r", str(bundle / "requirements.txt")],
+                             capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+    assert not (site / "torch").exists() and (site / "jobs").is_dir()  # the node's torch stays the one
+    out = tmp_path / "report"
+    proc = subprocess.run([str(venv / "bin" / "slipway"), "gpu-check", "--device", "cpu", "--out", str(out),
+                           "--budget", "allreduce=1", "--budget", "speed=1"],
+                          capture_output=True, text=True, env={**env, "COLUMNS": "200"}, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert [p["status"] for p in report["parts"]] == ["ok", "ok", "ok", "skipped", "skipped"], report["parts"]
+    assert all(c["ok"] for p in report["parts"] for c in p["checks"])  # the trainer and slipway local, from wheels
+
+
+def torch_only_site(root: Path) -> Path:
+    """A directory holding (as links) torch and what it requires, from this environment: what a
+    node's Python has installed before slipway comes."""
+    import importlib.metadata as md
+    import re
+
+    root.mkdir()
+    todo, seen = ["torch"], set()
+    while todo:
+        name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue  # a requirement for another platform
+        for entry in {f.parts[0] for f in dist.files or [] if f.parts and f.parts[0] != ".."}:
+            target = Path(dist.locate_file(entry))
+            if target.exists() and not (root / entry).exists():
+                (root / entry).symlink_to(target)
+        for req in dist.requires or []:
+            if "extra ==" not in req:
+                todo.append(re.match(r"[A-Za-z0-9._-]+", req)[0])
+    return root

@@ -114,7 +114,8 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     from common.extras import require
     from jobs import gpucheck
 
-    require("gpu-check", "trainer", EXTRAS_NEEDED_HERE)
+    require("gpu-check", "trainer", EXTRAS_NEEDED_HERE, instead="on a node without network, the wheels of `make "
+            "gpu-check-wheels` beside its torch (docs/trainer.md, checking a new cluster's GPU node)")
     budgets = {}
     for item in args.budget:
         part, _, seconds = item.partition("=")

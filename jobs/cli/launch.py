@@ -13,7 +13,7 @@ from pathlib import Path
 from common.environ import as_typed, invocation
 from common.errors import ConfigError
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
-from common.extras import require as require_extra
+from common.extras import EXTRAS, require as require_extra
 
 REFUSED = "a real submission would fail: "  # how runs.seal marks a dry run's note that is a refusal
 
@@ -210,7 +210,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     from jobs import interactive
 
     cfg = load(args)
-    require_extra("local", "trainer")
+    builtin = cfg.data.dataset == "builtin" and not cfg.data.validation_split  # the shipped corpus: no datasets
+    require_extra("local", "trainer", [m for m in EXTRAS["trainer"] if not (builtin and m == "datasets")])
     named = getattr(args, "set:run.name") is not None or any(o.startswith("run.name=") for o in args.overrides)
     return interactive.run_local(cfg, project_dir(), force=args.force, console=rich_console(), rename=not named)
 

@@ -38,6 +38,8 @@ MAX_BYTES = 60 * 2**20
 TORCHTITAN = "torchtitan==0.3.0"  # the version bench/trainer.py's comparison is written against
 LEFT_OUT = ("torch", "datasets")  # of the trainer extra: the node's own torch; the shipped corpus needs no datasets
 MARK = ".slipway-wheels"
+# What slipway's wheel is built from (pyproject.toml's packages, readme and license).
+PACKAGED = ("pyproject.toml", "README.md", "LICENSE", "common", "jobs", "edf", "containers", "trainer")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -122,7 +124,14 @@ def gather(out: Path, python_version: str, platform: str, torchtitan: bool = Fal
         wheels, stubs = work / "wheels", work / "stubs"
         wheels.mkdir()
         stubs.mkdir()
-        _pip(pip + ["wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)], "building slipway's wheel")
+        source = work / "source"  # what pyproject.toml packages, copied: a checkout's build/ may hold stale files
+        source.mkdir()
+        for name in PACKAGED:
+            if (ROOT / name).is_dir():
+                shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            else:
+                shutil.copy2(ROOT / name, source / name)
+        _pip(pip + ["wheel", "--no-deps", "-q", "-w", str(wheels), str(source)], "building slipway's wheel")
         (own,) = wheels.glob("slipway-*.whl")
         reqs = requirements(own, torchtitan)
         nodes = node_has(have)
