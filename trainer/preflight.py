@@ -173,13 +173,15 @@ def numa_nodes(sysfs: Path = SYSFS) -> dict[int, set[int]]:
 
 
 def gpu_pci_addresses(count: int) -> list[str]:
-    """The sysfs PCI address of CUDA devices 0..count-1, as torch's NUMA binding forms it."""
+    """The sysfs PCI address of CUDA devices 0..count-1, as torch's NUMA binding forms it ("?" where
+    this torch's device properties lack the PCI ids)."""
     import torch
 
     out = []
     for i in range(count):
         props = torch.cuda.get_device_properties(i)
-        out.append(f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0")
+        ids = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
+        out.append("{:04x}:{:02x}:{:02x}.0".format(*ids) if all(isinstance(x, int) for x in ids) else "?")
     return out
 
 

@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="cuda, or cpu to check what needs no GPU with a tiny model (default: cuda where torch sees one)")
     p.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
-                   help="a part's time budget (node 45, correctness 90, training 180, allreduce 45, speed 240)")
+                   help="a part's time budget (node 45, correctness 75, training 150, allreduce 30, speed 280)")
     p.set_defaults(func=cmd_gpu_check)
 
     p = sub.add_parser("plot", help="loss and throughput curves of a run as a PNG")

@@ -264,9 +264,9 @@ class GpuCheck(Check):
     def plan_speed(self) -> Plan:
         titan = (self.device == "cuda" and (self.parts[0].results.get("torchtitan") or None))
         plan = []
-        for compiled in (False, True):
+        for compiled in (False, True):  # compiled, torchtitan before bare: the target is ours against it
             mode = "compiled" if compiled else "eager"
-            for case in ("ours", "bare", "torchtitan"):
+            for case in ("ours", "torchtitan", "bare") if compiled else ("ours", "bare", "torchtitan"):
                 what = f"{case}, {mode}"
                 if compiled and self.device == "cpu":
                     plan.append((what, "on the CPU only eager runs: train.compile compiles on CUDA"))
