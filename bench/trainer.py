@@ -1,7 +1,8 @@
 """Training throughput: our trainer against a bare PyTorch loop and torchtitan.
 
 One run prints, side by side, steady-state tokens/s, model TFLOP/s, MFU (null
-on CPU or an unknown GPU) and peak memory for:
+on CPU or an unknown GPU) and peak memory for the cases of trainer/speed.py
+(`python -m trainer.speed CASE`, which `slipway gpu-check` measures with too):
 
   ours          `trainer.train.train` in one process (what `python -m trainer` runs),
                 with its defaults: losses kept on the device between logged steps,
