@@ -68,7 +68,8 @@ class Check:
         self.out, self.budgets, self.console = out, budgets, console
         self.work = out / "work"
         self.parts: list[Part] = []
-        self.device, self.devices = "cpu", 2
+        self.device: Optional[str] = None  # until `start`
+        self.devices = 2
         self.started = datetime.now(timezone.utc)
         self._clock = time.monotonic()
 
@@ -124,7 +125,8 @@ class Check:
             raise OutOfTime(f"not started: {max(left, 0):.0f} s of the part's {part.budget_s:g} s budget was left, "
                             f"less than a step's {MIN_STEP_SECONDS:g} s")
         self._say(f"{part.name}: {what}")
-        proc = subprocess.Popen(argv, cwd=cwd or self.work, env={**os.environ, **(env or {})}, text=True,
+        hide = {"CUDA_VISIBLE_DEVICES": ""} if self.device == "cpu" else {}  # --device cpu on a GPU node too
+        proc = subprocess.Popen(argv, cwd=cwd or self.work, env={**os.environ, **(env or {}), **hide}, text=True,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -166,6 +168,8 @@ class Check:
                 for later, _ in plan[i + 1:]:
                     part.skip(later, f"not started: the part's budget ran out at {what!r}")
                 break
+            except Exception as exc:  # what a node answered that the check did not foresee: one failed check
+                part.check(what, False, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
         self.finish(part, t0)
         return part
 

@@ -70,7 +70,8 @@ class GpuCheck(Check):
             part.results = {**info, "environment": self.environment()}
             part.check("torch", info["torch_supported"], f"torch {info['torch']} (slipway supports 2.10 to 2.13)")
             if self.device == "cuda":
-                part.check("GPUs", bool(info["gpus"]), f"{len(info['gpus'])} x {info['gpus'][0]['name']}")
+                names = sorted({g["name"] for g in info["gpus"]})
+                part.check("GPUs", bool(names), f"{len(info['gpus'])} x {', '.join(names) or 'none'}")
                 part.check("kernels", not info["unserved"], "torch carries kernels for every GPU" if not
                            info["unserved"] else f"torch {info['torch']} has no kernels for compute capability "
                            f"{', '.join(info['unserved'])} (it has {' '.join(info['torch_archs'])})")
@@ -133,7 +134,7 @@ class GpuCheck(Check):
 
     def trainer_losses(self, part: Part, what: str, dtype: str, cpu: bool) -> None:
         config = self.trainer_run("fp32-cpu" if cpu else f"bf16-{self.device}", dtype)
-        env = {"CUDA_VISIBLE_DEVICES": ""} if cpu or self.device == "cpu" else {}
+        env = {"CUDA_VISIBLE_DEVICES": ""} if cpu else {}
         rc, output = self.run(part, what, [sys.executable, "-m", "trainer", "--config", str(config)],
                               env={**env, "OMP_NUM_THREADS": "1" if self.device == "cpu" else "4"})
         losses = _losses(config.parent) if rc == 0 else {}
@@ -148,7 +149,7 @@ class GpuCheck(Check):
         ref, got = part.results.get("fp32 on the CPU") or {}, part.results.get(what) or {}
         if not ref or not got:
             return
-        worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref if s in got)
+        worst = _worst(got, ref)
         part.check("bf16 against the fp32 reference", worst <= BF16_LOSS_RTOL and ref[1] - ref[12] > 0.3,
                    f"the losses of 12 steps within {worst:.1e} of fp32's (bound {BF16_LOSS_RTOL:g}), "
                    f"fp32 learned {ref[1] - ref[12]:.2f}")
@@ -216,7 +217,7 @@ class GpuCheck(Check):
                           f"exit {rc}: {last_error(output)}"):
             return
         same = all(second[s] == first.get(s) for s in second)
-        worst = max(abs(second[s] - first[s]) / abs(first[s]) for s in second)
+        worst = _worst(second, first)
         tolerance = 0.0 if self.device == "cpu" else LAYOUT_RTOL["bfloat16"] / 10
         part.check("exact resume", same or worst <= tolerance,
                    f"the losses of steps {SAVED + 1}-{STEPS} are the first attempt's, bit for bit" if same else
@@ -235,7 +236,7 @@ class GpuCheck(Check):
                           f"{STEPS} steps" if rc == 0 else f"exit {rc}: {last_error(output)}") or not ref:
             return
         dtype = "bfloat16" if self.device == "cuda" else "float32"
-        worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in got)
+        worst = _worst(got, ref)
         part.check("dp x tp against dp", worst <= LAYOUT_RTOL[dtype],
                    f"losses within {worst:.1e} of the FSDP2 run's (bound {LAYOUT_RTOL[dtype]:g}, {dtype})")
 
@@ -303,9 +304,14 @@ class GpuCheck(Check):
         part.check(f"{what} trains", result["tokens_per_s"] > 0, f"{result['tokens_per_s']:,.0f} tokens/s")
 
 
-
 def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r.get("kind") == "train"}
+    return (_attempts(run_dir) or [{}])[-1]
+
+
+def _worst(got: dict[int, float], ref: dict[int, float]) -> float:
+    """The largest relative difference of `got`'s losses from `ref`'s (inf where a step is missing)."""
+    return max((abs(v - ref[s]) / abs(ref[s]) if ref.get(s) else float("inf") for s, v in got.items()),
+               default=float("inf"))
 
 
 def _attempts(run_dir: Path) -> list[dict[int, float]]:
