@@ -56,6 +56,7 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from common.errors import failure_line  # noqa: E402
 from trainer import speed  # noqa: E402  (the cases: what `slipway gpu-check` measures with)
 
 BENCH_VENV = ROOT / ".cache" / "bench-venv"
@@ -105,7 +106,7 @@ def titan_python(args: argparse.Namespace) -> tuple[Optional[Path], str]:
     for step in steps:
         proc = subprocess.run(step, capture_output=True, text=True)
         if proc.returncode != 0:
-            return None, f"install failed: {speed.first_error(proc.stdout + proc.stderr)}"
+            return None, f"install failed: {failure_line(proc.stdout + proc.stderr)}"
     got = subprocess.run([str(python), "-c", check], capture_output=True, text=True)
     if got.stdout.strip() != torch.__version__:
         return None, f"the bench venv's torch is {got.stdout.strip() or 'missing'}, not ours ({torch.__version__})"
@@ -281,7 +282,7 @@ def drive_watchdog_cost(args: argparse.Namespace) -> int:
         for label, extra in (("on", []), ("off", ["--hang-timeout", "0"])):
             result, output = run_subprocess([sys.executable, *case_argv(args, "ours"), *extra], args.timeout)
             if result is None:
-                print(f"ours, watchdog {label}: not run: {speed.first_error(output)}", file=sys.stderr)
+                print(f"ours, watchdog {label}: not run: {failure_line(output)}", file=sys.stderr)
                 return 1
             rates[label].append(result["tokens_per_s"])
             print(f"  ours, watchdog {label} (run {i + 1}): {result['tokens_per_s']:,.0f} tok/s", file=sys.stderr,
@@ -334,7 +335,7 @@ def run_cases(args: argparse.Namespace) -> list[tuple[str, Optional[dict], str]]
         cases.append((name, result, output))
         setting = f"compile {'on' if args.compile else 'off'}, ac {args.ac}"
         if result is None:
-            reason = speed.first_error(output) if "\n" in output else output
+            reason = failure_line(output) if "\n" in output else output
             reason = reason if reason.startswith("not run") else f"not run: {reason}"
             print(f"  {name} ({setting}): {reason}", file=sys.stderr, flush=True)
         else:
@@ -365,7 +366,7 @@ def table_rows(cases: list[tuple[str, Optional[dict], str]], prefix: str = "") -
     lines, records = [], []
     for name, r, output in cases:
         if r is None:
-            reason = output if "\n" not in output else speed.first_error(output)
+            reason = output if "\n" not in output else failure_line(output)
             reason = reason if reason.startswith("not run") else f"not run: {reason}"
             lines.append(f"| {prefix}{name:<32} | {reason} |")
             records.append({"case": name, "not_run": reason})

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from common.errors import failure_line
+
 ASSETS = Path(__file__).resolve().parent / "assets"
 CASES = ("ours", "bare", "torchtitan")
 
@@ -396,15 +398,7 @@ def titan_error(output: str) -> str:
     """The root cause in a torchrun failure: the child's last exception line, not torchrun's."""
     lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", output).splitlines()]
     errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln) and "ChildFailedError" not in ln]
-    return (errors[-1] if errors else first_error(output))[:300]
-
-
-def first_error(output: str) -> str:
-    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if re.search(r"(Error|Exception|error:)", ln):
-            return ln[:300]
-    return (lines[-1] if lines else "no output")[:300]
+    return (errors[-1] if errors else failure_line(output))[:300]
 
 
 # ---------------------------------------------------------------- one case, as a process

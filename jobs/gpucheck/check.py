@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from common.errors import ConfigError
+from common.errors import ConfigError, failure_line
 from common.fs import write_atomic
 from jobs.gpucheck.report import render_markdown
 
@@ -151,7 +151,7 @@ class Check:
         for line in output.splitlines():
             if line.startswith("RESULT "):
                 return json.loads(line[len("RESULT "):])
-        part.check(what, False, f"exit {rc}: {last_error(output)}")
+        part.check(what, False, f"exit {rc}: {failure_line(output)}")
         return None
 
     def run_part(self, name: str, plan: Plan) -> Part:
@@ -216,10 +216,3 @@ def stop_group(proc: subprocess.Popen, interrupt: bool) -> None:
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-
-
-def last_error(output: str) -> str:
-    """The line of a process's output that says what went wrong (its last error line, else its last)."""
-    lines = [" ".join(line.split()) for line in output.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error:" in line or "FAILED" in line]
-    return ((errors or lines or ["no output"])[-1])[:300]

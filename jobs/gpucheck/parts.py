@@ -15,11 +15,11 @@ from typing import Any, Optional
 
 import yaml
 
-from common.errors import ConfigError
+from common.errors import ConfigError, failure_line
 from common.fs import write_atomic
 from common.metrics_log import read_metrics
 from common.rundir import HANGS_DIR, PROGRESS_FILE, complete_checkpoints
-from jobs.gpucheck.check import BUDGETS, Check, Part, Plan, last_error
+from jobs.gpucheck.check import BUDGETS, Check, Part, Plan
 
 BF16_LOSS_RTOL = 5e-3  # tests/test_gpu.py's: bf16 autocast against fp32, 10x the CPU's own difference
 # A dp x tp run against the dp run: fp32 layouts agree to 2e-7 over 8 steps on the CPU; bf16 moves
@@ -141,7 +141,7 @@ class GpuCheck(Check):
         part.results[what] = losses
         part.check(f"the trainer, {what}", rc == 0 and sorted(losses) == list(range(1, 13)),
                    f"12 steps, loss {losses.get(1, 0):.4f} -> {losses.get(12, 0):.4f}" if rc == 0 and losses
-                   else f"exit {rc}: {last_error(output)}")
+                   else f"exit {rc}: {failure_line(output)}")
 
     def bf16_against_fp32(self, part: Part) -> None:
         what = f"bf16 on the {self.device.upper()}"
@@ -193,7 +193,7 @@ class GpuCheck(Check):
         progress = _json(run / PROGRESS_FILE)
         part.check(f"slipway local, {what}", rc == 0 and sorted(losses) == list(range(1, STEPS + 1)),
                    f"{STEPS} steps, loss {losses.get(1, 0):.4f} -> {losses.get(STEPS, 0):.4f}" if rc == 0 and losses
-                   else f"exit {rc}: {last_error(output)}")
+                   else f"exit {rc}: {failure_line(output)}")
         part.check("checkpoints", saved == [SAVED, STEPS], f"complete at steps {saved or 'none'}")
         part.check("hang watchdog", not hangs and progress.get("step") == STEPS and progress.get("hang_timeout", 0) > 0,
                    f"on (train.hang_timeout {progress.get('hang_timeout')} s), no hang; progress.json at step "
@@ -214,7 +214,7 @@ class GpuCheck(Check):
         part.results["losses"]["resumed"] = second
         if not part.check(f"slipway local, {what}", rc == 0 and sorted(second) == list(range(SAVED + 1, STEPS + 1)),
                           f"steps {SAVED + 1}-{STEPS} trained again" if rc == 0 else
-                          f"exit {rc}: {last_error(output)}"):
+                          f"exit {rc}: {failure_line(output)}"):
             return
         same = all(second[s] == first.get(s) for s in second)
         worst = _worst(second, first)
@@ -233,7 +233,7 @@ class GpuCheck(Check):
         part.results["losses"][f"dp {dp} x tp 2"] = got
         ref = part.results["losses"].get("first attempt") or {}
         if not part.check(f"slipway local, dp {dp} x tp 2", rc == 0 and sorted(got) == list(range(1, STEPS + 1)),
-                          f"{STEPS} steps" if rc == 0 else f"exit {rc}: {last_error(output)}") or not ref:
+                          f"{STEPS} steps" if rc == 0 else f"exit {rc}: {failure_line(output)}") or not ref:
             return
         dtype = "bfloat16" if self.device == "cuda" else "float32"
         worst = _worst(got, ref)
