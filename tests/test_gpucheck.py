@@ -377,3 +377,18 @@ def torch_only_site(root: Path) -> Path:
             if "extra ==" not in req:
                 todo.append(re.match(r"[A-Za-z0-9._-]+", req)[0])
     return root
+
+
+def test_the_report_never_holds_a_secret_the_node_showed(tmp_path):
+    """What the node says goes into the report (its environment, errors): masked by the one
+    policy, in both files, and report.json still parses."""
+    token = "hf_" + "Zq8" * 12
+    check = Check(tmp_path, {"node": 45.0}, console=None)
+    part = check.part("node")
+    part.results = {"environment": {"HF_HOME": "/scratch/hf", "EXTRA": f"HF_TOKEN={token}"}}
+    part.check("probe", False, f"exit 1: OSError: cannot reach https://user:{token}@example.org")
+    check.finish(part, 0.0)
+    for name in ("report.json", "report.md"):
+        assert token not in (tmp_path / name).read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["parts"][0]["results"]["environment"]["HF_HOME"] == \
+        "/scratch/hf"

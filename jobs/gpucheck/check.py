@@ -25,6 +25,7 @@ from typing import Callable, Optional, Union
 
 from common.errors import ConfigError, failure_line
 from common.fs import write_atomic
+from common.secrets import mask
 from jobs.gpucheck.report import render_markdown
 
 # Seconds per part: 580 in all, and at most STOP_GRACE_SECONDS twice more for a stopped step, so the
@@ -197,8 +198,9 @@ class Check:
                   "budgets": self.budgets, "parts": [asdict(p) for p in self.parts]}
         for part in report["parts"]:
             part.pop("deadline")
-        write_atomic(self.out / "report.json", json.dumps(report, indent=1) + "\n")
-        write_atomic(self.out / "report.md", render_markdown(report))
+        # What the node said (its environment, paths, errors) is masked by the one secret policy.
+        write_atomic(self.out / "report.json", mask(json.dumps(report, indent=1)) + "\n")
+        write_atomic(self.out / "report.md", mask(render_markdown(report)))
 
 
 def stop_group(proc: subprocess.Popen, interrupt: bool) -> None:
