@@ -29,6 +29,8 @@ help:
 	@echo "make submit CONFIG=tiny_wikitext [ARGS='--nodes 2 train.steps=100']"
 	@echo "make shell CONFIG=...                interactive srun --pty bash in the image"
 	@echo "make status | doctor CONFIG=... | edf CONFIG=... | cluster-up | cluster-down | bench"
+	@echo "make gpu-check [OUT=gpu-check] [WHEELS=DIR]   on a GPU node, offline, 10 min: does it train correctly and fast?"
+	@echo "make gpu-check-wheels [PYTHON_VERSION=3.12] [PLATFORM=manylinux_2_28_x86_64] [TORCHTITAN=1] [HAVE=FILE]"
 
 # pip's own Collecting / Downloading (size) / progress lines show what is being installed; each
 # phase says first what comes, so a long download or unpack never looks like a hang.
@@ -157,3 +159,29 @@ clean:
 .PHONY: gpu-report
 gpu-report: $(STAMP)
 	$(PY) bench/trainer.py --gpu-report $(ARGS)
+
+# A GPU node's check, offline, in at most 10 minutes (docs/trainer.md, "checking a new cluster's GPU
+# node"): report.md and report.json in OUT. With WHEELS=DIR (`make gpu-check-wheels` on a login
+# node) it first makes .venv-gpucheck over this node's $(PYTHON) and its torch, from DIR alone.
+OUT ?= gpu-check
+GPU_CHECK_VENV := .venv-gpucheck
+.PHONY: gpu-check gpu-check-wheels
+ifdef WHEELS
+gpu-check:
+	$(PYTHON) -m venv --system-site-packages $(GPU_CHECK_VENV)
+	$(GPU_CHECK_VENV)/bin/python -m pip install --no-index --find-links '$(WHEELS)' -r '$(WHEELS)/requirements.txt'
+	$(GPU_CHECK_VENV)/bin/slipway gpu-check --out '$(OUT)' $(ARGS)
+else
+gpu-check: $(STAMP)
+	$(PY) -m jobs gpu-check --out '$(OUT)' $(ARGS)
+endif
+
+# The wheels gpu-check needs beside a node's torch, for the node's Python and glibc (`ldd --version`),
+# gathered where an index is reachable: at most 60 MiB. TORCHTITAN=1 adds torchtitan; HAVE=FILE (the
+# node's `python3 -m pip list --format=freeze`) leaves out what the node has.
+WHEELS_OUT ?= gpu-check-wheels
+PLATFORM ?= manylinux_2_28_x86_64
+gpu-check-wheels: $(STAMP)
+	$(PY) -m jobs.gpucheck.wheels --out '$(WHEELS_OUT)' --platform '$(PLATFORM)' \
+		$(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) $(if $(TORCHTITAN),--torchtitan) \
+		$(if $(HAVE),--have '$(HAVE)')

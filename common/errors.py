@@ -56,6 +56,14 @@ def bounded(text: str, limit: int = MAX_SHOWN) -> str:
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
+def failure_line(output: str) -> str:
+    """The line of a process's output that says what went wrong: its last error line, else its
+    last line; whitespace collapsed, at most 300 characters."""
+    lines = [" ".join(line.split()) for line in str(output).splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"(Error|Exception|error:|FAILED)", line)]
+    return ((errors or lines or ["no output"])[-1])[:300]
+
+
 MAX_PATH_SHOWN = 400  # a path is what the user must find: longer than other values, cut in the middle
 
 

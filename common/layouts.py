@@ -13,7 +13,10 @@ at a time; bf16 activations of about (12 x hidden + 4 x intermediate) x 2 bytes 
 per block (half that with selective checkpointing, the block inputs only with full); the
 logits, their fp32 copy and gradient at 10 bytes per token per vocabulary entry. A preset
 fits where that sum stays under GPU_BUDGET_FRACTION of the GPU (the rest: the allocator's
-fragmentation, NCCL's buffers, the CUDA context). At the published micro batch and seq_len,
+fragmentation, NCCL's buffers, the CUDA context). That share assumes the caching allocator
+grows its segments (ALLOC_CONF, which every rank gets): FSDP2's all-gathers and
+reduce-scatters change size from block to block, and fixed segments split and cached for
+them fragment beyond it (torchtitan sets the same). At the published micro batch and seq_len,
 on one node (dp 4):
 
     preset  params  state/GPU  gathered bf16  activations      logits  total
@@ -42,6 +45,7 @@ path, while FSDP's all-gathers and reduce-scatters overlap with compute. tp=4 on
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -59,6 +63,10 @@ class LayoutDefault:
 
 
 GPU_BUDGET_FRACTION = 0.85  # of a GPU's memory that the arithmetic below may plan for
+# The allocator setting the estimate assumes, exported for every rank (the batch script, `slipway
+# local`) unless launch.env or the environment sets either name: torch reads the first set.
+ALLOC_CONF = "expandable_segments:True"
+ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 GPU_MEMORY_GB = {"H100": 80, "GH200": 96}
 
 
@@ -155,6 +163,12 @@ def memory_report(cfg: Any, dp: int, reshard_after_forward: bool,
     line = (f"memory by common/layouts.py's arithmetic: ~{total / 1e9:.1f} GB a GPU (weights and AdamW state "
             f"{parts['state'] / 1e9:.1f}, gathered bf16 weights {parts['gathered'] / 1e9:.1f}, activations "
             f"{parts['activations'] / 1e9:.1f}, logits {parts['logits'] / 1e9:.1f} GB)")
+    if gpu_bytes is not None:
+        conf = next((f"{name}={os.environ[name]}" for name in ALLOC_CONF_NAMES if os.environ.get(name)), None)
+        line += (f", with {conf}" if conf and "expandable_segments:true" in conf.lower() else
+                 f"; the allocator's segments are fixed ({conf or f'no {ALLOC_CONF_NAMES[0]}'}), so FSDP2's "
+                 f"varying all-gathers may fragment it beyond the {1 - GPU_BUDGET_FRACTION:.0%} this leaves: "
+                 f"{ALLOC_CONF_NAMES[0]}={ALLOC_CONF} is the default")
     if gpu_bytes is None or total <= GPU_BUDGET_FRACTION * gpu_bytes:
         return line, None
     fixes = []

@@ -30,6 +30,7 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -241,8 +242,14 @@ def make_current(plan: ImagePlan, record: BuildRecord) -> None:
     _point_link(plan.link, plan.squashfs)
 
 
-def build_record(plan: ImagePlan, *, image_id: str | None, enroot_version: str | None) -> BuildRecord:
+def build_record(plan: ImagePlan, *, image_id: str | None, enroot_version: str | None,
+                 cuda: str | None = None) -> BuildRecord:
+    default = re.search(r"^ARG FLASH_ATTN_CUDA_ARCHS=(.*)$", plan.dockerfile.read_text(), re.M)
+    archs = plan.build_args.get("FLASH_ATTN_CUDA_ARCHS", default[1].strip() if default else None)
+    if plan.build_args.get("FLASH_ATTN") == "0":
+        archs = None
     return BuildRecord(
+        cuda=cuda, flash_attn_archs=(archs or "80;90;100;120") if archs is not None else None,  # "": its default
         name=plan.name, hash=plan.hash, tag=plan.tag, squashfs=str(plan.squashfs.resolve()),
         size_bytes=plan.squashfs.stat().st_size,
         built_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -410,7 +417,8 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
         t1 = time.perf_counter()
         notes = enroot_import(plan, enroot, podman, console)
         timings["import"] = time.perf_counter() - t1
-    record = build_record(plan, image_id=podman.image_id(plan.tag), enroot_version=enroot.version())
+    record = build_record(plan, image_id=podman.image_id(plan.tag), enroot_version=enroot.version(),
+                          cuda=podman.image_env(plan.tag).get("CUDA_VERSION"))
     write_atomic(plan.sidecar, record.to_json())
     make_current(plan, record)
     seconds = time.perf_counter() - t0

@@ -100,6 +100,20 @@ class BuildRecord:
     enroot_mount: Optional[bool] = None
     # The project that built it (containers/project.py); None in records from before builds carried one.
     project: Optional[str] = None
+    # The image's CUDA (its ENV CUDA_VERSION, as NGC and nvidia/cuda bases set it) and the CUDA
+    # architectures a compile of flash-attn targets ("90", "80;90;100;120"; a flash-attn kept from
+    # the base or a wheel brings its own); None: unknown, or a record from before they were kept.
+    cuda: Optional[str] = None
+    flash_attn_archs: Optional[str] = None
+
+    def flash_attn_serves(self, capability: str) -> Optional[bool]:
+        """Whether flash-attn's compiled architectures run on a GPU of compute `capability` ("9.0"): a
+        cubin runs on its own major at the same or a later minor; None when unknown."""
+        if not self.flash_attn_archs:
+            return None
+        major, _, minor = capability.partition(".")
+        archs = [a for a in re.split(r"[;, ]+", self.flash_attn_archs) if re.fullmatch(r"\d{2,3}a?", a)]
+        return any(a.rstrip("a")[:-1] == major and int(a.rstrip("a")[-1]) <= int(minor or 0) for a in archs)
 
     @property
     def hash12(self) -> str:

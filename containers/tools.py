@@ -156,6 +156,11 @@ class Podman:
         rc, out = _capture([self.exe, "image", "inspect", "--format", "{{.Id}}", tag])
         return out.strip() or None if rc == 0 else None
 
+    def image_env(self, tag: str) -> dict[str, str]:
+        """The image's ENV (its base's included: NGC's CUDA_VERSION); {} when it cannot be read."""
+        rc, out = _capture([self.exe, "image", "inspect", "--format", "{{range .Config.Env}}{{println .}}{{end}}", tag])
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line) if rc == 0 else {}
+
     def tags(self, repository: str) -> dict[str, dict[str, str]]:
         """`localhost/NAME:TAG` references of one repository, each with its image's labels."""
         rc, out = _capture([self.exe, "images", "--format", "json", "--filter", f"reference={repository}"])

@@ -36,7 +36,7 @@ from common.errors import ConfigError
 from common.fs import write_atomic
 from common.events import append_event, now_iso
 from common.rundir import HANG_EXIT, LOCAL_JOB, REQUEUE_EXIT, CodeSnapshot, HangLine, complete_checkpoints
-from common.layouts import PROCESS_BASE_BYTES, fitting_batch, process_memory
+from common.layouts import ALLOC_CONF, ALLOC_CONF_NAMES, PROCESS_BASE_BYTES, fitting_batch, process_memory
 
 
 def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -> dict[str, str]:
@@ -49,6 +49,8 @@ def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -
         "HF_HOME": os.environ.get("HF_HOME", str(run.paths.project / ".cache" / "huggingface")),
         "WANDB_MODE": os.environ.get("WANDB_MODE", "online") if os.environ.get("WANDB_API_KEY") else "offline",
     }
+    if not any(os.environ.get(name) or name in cfg.launch.env for name in ALLOC_CONF_NAMES):
+        env[ALLOC_CONF_NAMES[0]] = ALLOC_CONF  # as the batch script: what the memory estimate assumes on a GPU
     for key, value in cfg.launch.env.items():
         env[key] = os.path.expandvars(value)
     if code is not None:

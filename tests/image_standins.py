@@ -26,6 +26,7 @@ Behaviour is chosen through the environment at call time:
                           an import that is still running
   FAKE_PODMAN_FAIL=pull   podman build fails as when the base cannot be pulled
   FAKE_PODMAN_RM_FAIL=RE  `podman rm` fails for containers whose name matches RE
+  FAKE_IMAGE_ENV          lines VAR=VALUE the image's ENV has besides PATH
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ elif args[:2] == ["image", "exists"]:
 elif args[:2] == ["image", "inspect"]:
     if not tagfile(args[-1]).exists():
         sys.exit(125)
-    print(4096 if "Size" in args[3] else "ab" * 32)
+    if "Config.Env" in args[3]:  # one VAR=VALUE a line, as podman's range over the image's ENV prints it
+        print("PATH=/usr/local/bin:/usr/bin\\n" + os.environ.get("FAKE_IMAGE_ENV", ""))
+    else:
+        print(4096 if "Size" in args[3] else "ab" * 32)
 elif args[:1] == ["images"]:
     rows = [json.loads(p.read_text()) for p in sorted(STATE.glob("tag-*"))]
     if "json" in args:

@@ -149,6 +149,31 @@ def test_a_step_counts_once_the_device_reached_it_not_once_queued(tmp_path, monk
     assert not off._queued
 
 
+def test_on_cuda_the_thread_asks_the_markers_on_its_ranks_device(tmp_path, monkeypatch):
+    """A new thread starts on CUDA device 0: asking a step's event there would open a context on
+    GPU 0 from every rank. The thread takes the device the rank set (the trainer's main thread,
+    at start) before its first query. No GPU here: torch.cuda's three calls are stood in for."""
+    import torch
+
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, d)))
+
+    class Asked(Marker):
+        def query(self) -> bool:
+            calls.append((threading.current_thread().name, "query"))
+            return True
+
+    dog = watchdog(tmp_path, timeout=5, first=5, exits=Exits(), rank=1).start(0)
+    dog.step_queued(1, Asked())
+    deadline = time.monotonic() + 10
+    while ("slipway-hang-watchdog", "query") not in calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dog.stop()
+    assert calls[:2] == [("slipway-hang-watchdog", 3), ("slipway-hang-watchdog", "query")], calls
+
+
 def test_checkpoint_work_pauses_the_step_limit_under_a_bound_of_its_own(tmp_path, monkeypatch):
     """A save three times hang_timeout is no hang; the step limit starts anew after it; a save
     past train.checkpoint_timeout ends the run as a slow checkpoint (exit 1, one event from rank

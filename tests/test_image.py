@@ -304,6 +304,22 @@ def test_build_import_is_atomic_and_recorded(project: Path, fakes: Path, tmp_pat
     assert plan.link.is_symlink() and os.readlink(plan.link) == plan.squashfs.name
     assert resolve_image(cfg, root=project) == plan.squashfs
     assert "STEP 2/2" in plan.log.read_text()
+    assert record.cuda is None and record.flash_attn_archs is None  # a base without CUDA, flash-attn off
+
+
+def test_the_record_carries_the_images_cuda_and_flash_attn_architectures(project: Path, fakes: Path, monkeypatch):
+    """What doctor compares with the nodes: the image's CUDA (its ENV CUDA_VERSION, as NGC sets it)
+    and the architectures flash-attn is compiled for (the Dockerfile's default, or the build arg).
+    An older record, without them, still reads."""
+    monkeypatch.setenv("FAKE_IMAGE_ENV", "CUDA_VERSION=13.1.0.036\nNVIDIA_REQUIRE_CUDA=cuda>=13.1")
+    record = build_image(make_cfg(base_image=TEST_BASE), root=project).record
+    assert record.cuda == "13.1.0.036" and record.flash_attn_archs == "90"
+    assert record.flash_attn_serves("9.0") is True and record.flash_attn_serves("10.0") is False
+    assert record.flash_attn_serves("8.0") is False
+    other = build_image(make_cfg(base_image=TEST_BASE, build_args={"FLASH_ATTN_CUDA_ARCHS": ""}), root=project).record
+    assert other.flash_attn_archs == "80;90;100;120" and other.flash_attn_serves("8.9") is True
+    old = {k: v for k, v in json.loads(record.to_json()).items() if k not in ("cuda", "flash_attn_archs")}
+    assert BuildRecord.from_json(old).cuda is None and BuildRecord.from_json(old).flash_attn_serves("9.0") is None
 
 
 def test_noop_build_does_not_call_podman(project: Path, fakes: Path):

@@ -290,7 +290,6 @@ def test_inside_an_allocation_a_stop_or_failure_is_never_requeued(tmp_path):
 
 def render_settings() -> str:
     from jobs.config import load_config
-    from common.rundir import HangLine, RunDir
     from jobs.slurm.script import render_sbatch
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")

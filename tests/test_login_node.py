@@ -238,7 +238,9 @@ def test_trainer_work_here_names_the_extra_to_install(base_venv, project, slurm)
     assert "pip install 'slipway[trainer]'" in line
     line = one_line(run(base_venv, "plot", "tiny_cpu", cwd=project), "plot: needs matplotlib")
     assert "pip install 'slipway[plot]'" in line
-    assert tree(project) == before  # no cache, no run, no curves
+    line = one_line(run(base_venv, "gpu-check", "--out", "report", cwd=project), "gpu-check: needs torch")
+    assert "make gpu-check-wheels" in line  # the way onto a node without network
+    assert tree(project) == before  # no cache, no run, no curves, no report
 
 
 def test_the_extras_named_are_those_pyproject_declares():

@@ -186,6 +186,7 @@ def test_torchrun_numa_binding_runs_every_rank_under_numactl(tmp_path):
     assert {c.split()[0].split("=", 1)[1] for c in calls} <= {allowed, _ranges(allowed)}, calls
     ok = node_check(tmp_path, path)
     assert ok.returncode == 0 and ok.stdout.startswith("slipway-preflight nid007 ok: ") and "numactl runs" in ok.stdout
+    assert "slipway-preflight-log nid007: numactl --show: policy: " in ok.stderr  # the log has what it showed
 
 
 @pytest.mark.multiproc
@@ -218,3 +219,60 @@ def _ranges(cpus: str) -> str:
         if n is not None:
             start = prev = n
     return ",".join(out)
+
+
+# ---- a GPU's NUMA node: one with no CPUs cannot be bound to ------------------------------------
+
+def fake_sysfs(root: Path, nodes: dict[int, str], gpus: dict[str, int]) -> Path:
+    """sysfs as the kernel lays it out: node N's cpulist, each PCI device's numa_node."""
+    for node, cpus in nodes.items():
+        (root / "devices" / "system" / "node" / f"node{node}").mkdir(parents=True)
+        (root / "devices" / "system" / "node" / f"node{node}" / "cpulist").write_text(cpus + "\n")
+    for address, node in gpus.items():
+        (root / "bus" / "pci" / "devices" / address).mkdir(parents=True)
+        (root / "bus" / "pci" / "devices" / address / "numa_node").write_text(f"{node}\n")
+    return root
+
+
+# A GH200 node: 4 Grace nodes of 72 cores, then each GPU's HBM as a node of its own without CPUs.
+GH200_NODES = {0: "0-71", 1: "72-143", 2: "144-215", 3: "216-287", **{n: "" for n in range(4, 12)}}
+GH200_GPUS = ["0009:01:00.0", "0019:01:00.0", "0029:01:00.0", "0039:01:00.0"]
+
+
+def test_each_gpu_is_bound_to_the_cpus_of_its_numa_node(tmp_path):
+    from trainer.preflight import numa_binding
+
+    sysfs = fake_sysfs(tmp_path, GH200_NODES, dict(zip(GH200_GPUS, range(4))))
+    ok, lines = numa_binding(GH200_GPUS, set(range(288)), sysfs)
+    assert ok and lines == [f"GPU {i} ({a}) on NUMA node {i} ({72 * i}-{72 * i + 71})" for i, a in enumerate(GH200_GPUS)]
+    ok, lines = numa_binding(GH200_GPUS[:1], set(range(8)) | {100}, sysfs)  # a cgroup of 9 cores
+    assert ok and lines == ["GPU 0 (0009:01:00.0) on NUMA node 0 (0-7 of 0-71)"]
+    one = fake_sysfs(tmp_path / "one", {0: "0-1"}, {"0000:00:04.0": -1})  # one node: the kernel says -1
+    assert numa_binding(["0000:00:04.0"], {0, 1}, one) == (True, ["GPU 0 (0000:00:04.0) on NUMA node 0 (0-1)"])
+
+
+@pytest.mark.parametrize("gpu_node, allowed, words", [
+    (5, set(range(288)), "is on NUMA node 5, which has no CPUs (a node of memory alone, as a GH200's HBM)"),
+    (1, set(range(72)), "is on NUMA node 1, which has no CPU this job may use (its CPUs 72-143, the job's 0-71)"),
+])
+def test_a_gpu_on_a_node_without_usable_cpus_is_refused_in_one_line(tmp_path, gpu_node, allowed, words):
+    from trainer.preflight import numa_binding
+
+    sysfs = fake_sysfs(tmp_path, GH200_NODES, {GH200_GPUS[0]: 0, GH200_GPUS[1]: gpu_node})
+    ok, lines = numa_binding(GH200_GPUS[:2], allowed, sysfs)
+    assert not ok
+    reason = lines[0]
+    assert reason.startswith(f"GPU 1 ({GH200_GPUS[1]}) {words}: torchrun --numa-binding=node would bind its rank "
+                             "to no core"), reason
+    assert "launch.preset: none" in reason and "\n" not in reason
+    assert lines[1].startswith("GPU 0 ") and lines[2].startswith("GPU 1 ")  # every GPU's node, for the log
+
+
+def test_damaged_sysfs_entries_are_unknown_not_a_crash(tmp_path):
+    from trainer.preflight import cpu_set, numa_binding
+
+    sysfs = fake_sysfs(tmp_path, {0: "0-3", 1: "garbage"}, {})
+    ok, lines = numa_binding(["0000:3b:00.0"], {0, 1}, sysfs)  # no such device: torch's binding would fail on it
+    assert not ok and lines[0].startswith(f"GPU 0's PCI device 0000:3b:00.0 is not in {sysfs}/bus/pci/devices")
+    assert lines[1:] == ["GPU 0 (0000:3b:00.0) on NUMA node ? (no CPUs)"]
+    assert cpu_set("0-2,8,10-11\n") == {0, 1, 2, 8, 10, 11} and cpu_set("\n") == set()

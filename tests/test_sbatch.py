@@ -72,6 +72,51 @@ def test_cuda_device_max_connections_is_left_to_layouts_that_need_it():
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in render_sbatch(cfg, PATHS, cfg.container)
 
 
+def _alloc_line(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "PYTORCH_ALLOC_CONF" in line or "PYTORCH_CUDA_ALLOC_CONF" in line]
+
+
+@pytest.mark.parametrize("given, expected", [
+    ({}, "expandable_segments:True"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, ""),  # torch would read ours first: none of ours
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, "expandable_segments:False"),
+])
+def test_gpu_ranks_get_expandable_segments_unless_the_environment_says_otherwise(given, expected):
+    """A GPU job's ranks get PYTORCH_ALLOC_CONF=expandable_segments:True (the memory estimate's
+    assumption), unless the submitting environment sets it or its older name; launch.env
+    overrides it. The rendered lines run in bash as the job runs them."""
+    text = render_sbatch(config("none", "torchrun"), PATHS, config("none", "torchrun").container)
+    (line,) = [ln for ln in _alloc_line(text) if not ln.startswith("#")]
+    env = {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k}
+    out = subprocess.run(["bash", "-c", line + '\nprintf %s "${PYTORCH_ALLOC_CONF:-}"'], env={**env, **given},
+                         capture_output=True, text=True, check=True).stdout
+    assert out == expected
+    cfg = config("none", "torchrun", **{"launch.env.PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert _alloc_line(render_sbatch(cfg, PATHS, cfg.container)) == [
+        "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]  # launch.env's alone
+    cpu = config("none", "torchrun", **{"slurm.gpus_per_node": "0", "launch.procs_per_node": "2", "parallel.dp": "4"})
+    assert not _alloc_line(render_sbatch(cpu, PATHS, cpu.container))  # no CUDA allocator to set
+
+
+def test_local_ranks_get_expandable_segments_too(monkeypatch, tmp_path):
+    """`slipway local` (which may run on a GPU machine) sets the same, on the same terms."""
+    from jobs.interactive import local_env
+
+    class Run:
+        dir = tmp_path
+        paths = RunDir(tmp_path, tmp_path)
+
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = load_config("configs/tiny_cpu.yaml", [])
+    assert local_env(cfg, Run())["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    cfg.launch.env = {"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6"}
+    assert local_env(cfg, Run())["PYTORCH_ALLOC_CONF"] == "garbage_collection_threshold:0.6"
+    cfg.launch.env = {}
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    assert "PYTORCH_ALLOC_CONF" not in local_env(cfg, Run())
+
+
 def test_debug_mode():
     cfg = config("none", "torchrun", **{"launch.debug": "true"})
     text = render_sbatch(cfg, PATHS, cfg.container)

@@ -480,3 +480,25 @@ def test_the_memory_report_warns_before_an_out_of_memory():
     assert "\n" not in warning and "expect out-of-memory" in warning
     assert "train.activation_checkpointing: selective" in warning and "parallel.reshard_after_forward: true" in warning
     assert memory_report(cfg(), 4, False, None)[1] is None  # no GPU: nothing to compare with
+
+
+@pytest.mark.parametrize("env, says", [({"PYTORCH_ALLOC_CONF": "expandable_segments:True"},
+                                        ", with PYTORCH_ALLOC_CONF=expandable_segments:True"),
+                                       ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:true,max_split_size_mb:64"},
+                                        ", with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:true"),
+                                       ({}, "the allocator's segments are fixed (no PYTORCH_ALLOC_CONF)"),
+                                       ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"},
+                                        "fixed (PYTORCH_ALLOC_CONF=max_split_size_mb:128)")])
+def test_the_memory_report_says_which_allocator_it_assumed(monkeypatch, env, says):
+    """The estimate leaves 15% for the allocator's fragmentation, which holds with expandable
+    segments (what every rank gets unless launch.env says otherwise): the GPU line says which."""
+    from common.layouts import ALLOC_CONF_NAMES, memory_report
+
+    for name in ALLOC_CONF_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = from_dict(TrainerConfig, {"model": {"size": "tiny"}, "parallel": {"dp": 4}, "data": {"seq_len": 512}})
+    line, _ = memory_report(cfg, 4, False, 80 * 10**9)
+    assert says in line and "\n" not in line
+    assert "PYTORCH" not in memory_report(cfg, 4, False, None)[0]  # on the CPU no allocator to speak of

@@ -388,45 +388,38 @@ def test_layout_advice_imports_no_torch():
     assert proc.stdout.split() == ["True", "False"], proc.stderr
 
 
-# ---- bench/trainer.py: what its GPU comparison would compute -----------------------------------
+# ---- trainer/speed.py: what gpu-check and bench/trainer.py's GPU comparison compute ------------
 
 
-def _bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_trainer", ROOT / "bench" / "trainer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bench_times_whole_logged_windows_after_the_warmup():
+def test_throughput_is_timed_over_whole_logged_windows_after_the_warmup():
     """Records every 10 steps after a warm-up step 1: windows (10, 20] and (20, 30] count,
     weighted by their steps; the warm-up and the window that starts before step 10 do not."""
-    bench = _bench()
+    from trainer.speed import steady
+
     records = [{"step": 1, "tokens_per_s": None, "step_time_s": None, "peak_memory_gib": 1.0},
                {"step": 10, "tokens_per_s": 50.0, "step_time_s": 9.0, "peak_memory_gib": 1.0},
                {"step": 20, "tokens_per_s": 100.0, "step_time_s": 1.0, "peak_memory_gib": 2.0},
                {"step": 30, "tokens_per_s": 300.0, "step_time_s": 0.5, "peak_memory_gib": 1.5}]
-    out = bench.steady(records, warmup=10)
+    out = steady(records, warmup=10)
     assert out["steps_timed"] == 20 and out["peak_memory_gib"] == 2.0
     assert out["tokens_per_s"] == pytest.approx((10 * 100.0 + 5 * 300.0) / 15.0)
     with pytest.raises(ValueError, match="no logged window starts at or after step 30"):
-        bench.steady(records, warmup=30)
+        steady(records, warmup=30)
 
 
 @pytest.mark.parametrize("ac", ["none", "selective", "full"])
-def test_bench_torchtitan_config_module_renders(ac):
+def test_the_torchtitan_config_module_renders(ac):
     """The config module handed to torchtitan is valid Python with our settings in it (torchtitan
-    itself needs CUDA: its run is the GPU half of the benchmark)."""
+    itself needs CUDA: its run is the GPU half of the comparison)."""
     import ast
 
-    bench = _bench()
+    from trainer.speed import TITAN_MODULE
+
     params = dict(dim=64, heads=4, kv_heads=2, layers=2, vocab=256, ffn=128, seq_len=32, batch=2, steps=4,
                   dtype="bfloat16", compile=True, ac=ac, log_freq=10, corpus="c", assets="a", dump="d")
-    tree = ast.parse(bench.TITAN_MODULE.format(params=params))
+    tree = ast.parse(TITAN_MODULE.format(params=params))
     assert any(isinstance(node, ast.FunctionDef) and node.name == "slipway_llama" for node in tree.body)
-    assert '"ac": ' + repr(ac) in bench.TITAN_MODULE.format(params=params).replace("'ac'", '"ac"')
+    assert '"ac": ' + repr(ac) in TITAN_MODULE.format(params=params).replace("'ac'", '"ac"')
 
 
 # ---- on a GPU: no host sync inside a step ------------------------------------------------------

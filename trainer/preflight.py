@@ -10,9 +10,12 @@ The batch script runs it in the run's container, each part bounded by
 or `slipway-preflight NODE fail: REASON`: the run directory is reachable and
 writable from the container (which also proves the container started from its
 image there), there is room for one more checkpoint where checkpoints go,
-numactl runs where the launch binds each rank to a NUMA node (`--numa-binding`),
-and, for GPU jobs, the expected GPUs are visible and healthy (nvidia-smi, where it
-exists: count and uncorrected ECC errors; torch: each GPU computes). A node that
+numactl runs where the launch binds each rank to a NUMA node (`--numa-binding`; what
+`numactl --show` says goes to the log), for GPU jobs the expected GPUs are visible and
+healthy (nvidia-smi, where it exists: count and uncorrected ECC errors; torch: each GPU
+computes), and each GPU's NUMA node goes to the log; where the launch binds, a GPU whose
+node holds no CPU the job may use (a GH200's HBM node) is refused in one line, as torch
+would bind its rank to no core. A node that
 prints nothing at all (its container did not start, it is unreachable) is named
 by the batch script for that. The nodes report independently, so a bad node
 cannot hide the others' answers, and training starts only once all passed.
@@ -126,7 +129,8 @@ def check_gpus(expected: int) -> tuple[bool, str]:
 
 def check_numactl() -> tuple[bool, str]:
     """numactl runs here: `torchrun --numa-binding` starts every worker under it, and without it
-    torchrun stops before any rank starts (torch does not fall back to no binding)."""
+    torchrun stops before any rank starts (torch does not fall back to no binding). What
+    `numactl --show` says goes to the log."""
     exe = shutil.which("numactl")
     fix = ("the launch binds each rank to its GPU's NUMA node (launch.preset with torchrun --numa-binding), which "
            "runs every worker under numactl: rebuild the image (`slipway image build CONFIG` installs numactl where "
@@ -139,16 +143,130 @@ def check_numactl() -> tuple[bool, str]:
         return False, f"numactl did not run ({exc}): {fix}"
     if proc.returncode != 0:
         return False, f"numactl --show failed (exit {proc.returncode}: {' '.join(proc.stderr.split())[:200]}): {fix}"
+    _log(f"numactl --show: {'; '.join(line.strip() for line in proc.stdout.splitlines() if line.strip())}")
     return True, "numactl runs"
 
 
+# ---------------------------------------------------------------- NUMA nodes and GPUs
+
+SYSFS = Path("/sys")  # where the kernel tells which NUMA node holds which CPUs and PCI devices
+
+
+def cpu_set(text: str) -> set[int]:
+    """A kernel CPU list ("0-71,144-215"; "" for none) as a set."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def numa_nodes(sysfs: Path = SYSFS) -> dict[int, set[int]]:
+    """Each NUMA node's CPUs; an empty set for a node of memory alone (GH200's HBM, CXL)."""
+    nodes = {}
+    for path in sorted((sysfs / "devices" / "system" / "node").glob("node[0-9]*")):
+        try:
+            nodes[int(path.name[4:])] = cpu_set((path / "cpulist").read_text())
+        except (OSError, ValueError):
+            continue
+    return nodes
+
+
+def gpu_pci_addresses(count: int) -> list[str]:
+    """The sysfs PCI address of CUDA devices 0..count-1, as torch's NUMA binding forms it ("?" where
+    this torch's device properties lack the PCI ids)."""
+    import torch
+
+    out = []
+    for i in range(count):
+        props = torch.cuda.get_device_properties(i)
+        ids = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
+        out.append("{:04x}:{:02x}:{:02x}.0".format(*ids) if all(isinstance(x, int) for x in ids) else "?")
+    return out
+
+
+def gpu_numa_node(pci_address: str, sysfs: Path = SYSFS) -> Optional[int]:
+    """The NUMA node the kernel puts a PCI device on (-1, one node only, is node 0 as for torch); None:
+    the device is not in sysfs."""
+    try:
+        return max(int((sysfs / "bus" / "pci" / "devices" / pci_address / "numa_node").read_text().strip()), 0)
+    except (OSError, ValueError):
+        return None
+
+
+def numa_binding(pci_addresses: list[str], allowed: set[int], sysfs: Path = SYSFS) -> tuple[bool, list[str]]:
+    """Whether `torchrun --numa-binding=node` can bind each GPU's rank: the GPU's NUMA node must
+    hold CPUs this process may use (`allowed`: its affinity, which Slurm's cgroup narrows). A
+    node of memory alone binds a rank to no core, and torch then stops before training. (ok,
+    one line a GPU; the first line of a failure is its one-line reason.)"""
+    nodes = numa_nodes(sysfs)
+    lines, bad = [], []
+    for i, address in enumerate(pci_addresses):
+        node = gpu_numa_node(address, sysfs)
+        cpus = nodes.get(node, set()) if node is not None else set()
+        usable = cpus & allowed
+        of = "" if usable == cpus else f" of {cpu_ranges(cpus) or 'none'}"
+        lines.append(f"GPU {i} ({address}) on NUMA node {node if node is not None else '?'} "
+                     f"({cpu_ranges(usable) or 'no CPUs'}{of})")
+        if node is None:
+            bad.append(f"GPU {i}'s PCI device {address} is not in {sysfs}/bus/pci/devices, where torchrun "
+                       "--numa-binding=node reads its NUMA node (it would stop before training): mount /sys in "
+                       "the container, or set launch.preset: none")
+        elif not usable:
+            with_cpus = sorted(n for n, c in nodes.items() if c & allowed)
+            what = "has no CPUs (a node of memory alone, as a GH200's HBM)" if not cpus else \
+                f"has no CPU this job may use (its CPUs {cpu_ranges(cpus)}, the job's {cpu_ranges(allowed)})"
+            bad.append(f"GPU {i} ({address}) is on NUMA node {node}, which {what}: torchrun --numa-binding=node would "
+                       f"bind its rank to no core and stop before training (NUMA nodes with CPUs here: "
+                       f"{', '.join(map(str, with_cpus)) or 'none'}); set launch.launcher: srun (srun binds the cores "
+                       "next to each GPU) or launch.preset: none")
+    return not bad, bad[:1] + lines if bad else lines
+
+
+def cpu_ranges(cpus: set[int]) -> str:
+    """A CPU set in the kernel's list form (0-3,8)."""
+    out, run = [], []
+    for cpu in sorted(cpus):
+        if run and cpu != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(cpu)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def check_gpu_numa(gpus: int, bind: bool) -> Optional[tuple[bool, str]]:
+    """Each GPU's NUMA node to the log; where the launch binds, a GPU whose node holds no usable CPU
+    refused. None where torch sees no GPU (check_gpus says so)."""
+    import torch
+
+    count = min(gpus, torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    if not count:
+        return None
+    ok, lines = numa_binding(gpu_pci_addresses(count), os.sched_getaffinity(0))
+    for line in lines[0 if ok else 1:]:
+        _log(line)
+    if not bind:
+        return None
+    return (True, "every GPU's NUMA node has CPUs to bind to") if ok else (False, lines[0])
+
+
+def _log(text: str) -> None:
+    """A line for the step's log, on stderr: stdout carries the one report line the batch script reads."""
+    print(f"slipway-preflight-log {node_name()}: {text}", file=sys.stderr, flush=True)
+
+
 def node_checks(run_dir: Path, checkpoint_dir: Path, needed_bytes: int, gpus: int,
-                numa_binding: bool = False) -> tuple[bool, str]:
+                binds_numa: bool = False) -> tuple[bool, str]:
     results = [check_run_dir(run_dir), check_free_space(checkpoint_dir, needed_bytes)]
-    if numa_binding:
+    if binds_numa:
         results.append(check_numactl())
     if gpus:
         results.append(check_gpus(gpus))
+        numa = check_gpu_numa(gpus, binds_numa)
+        results += [numa] if numa else []
     failed = [text for ok, text in results if not ok]
     return not failed, "; ".join(failed or [text for _, text in results])
 
@@ -193,19 +311,31 @@ def sum_across_ranks(megabytes: float, iters: int, device) -> tuple[bool, str]:
     """Sum a buffer of `megabytes` across every rank of the default process group `iters` times
     (after one warm-up) and check the sum; the bus bandwidth (the rate each link carried, NCCL's
     busbw) in the text."""
-    import torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 1:
         return True, "a single rank: no collective to test"
-    cuda = device.type == "cuda"
     nodes: list[Optional[str]] = [None] * world
     dist.all_gather_object(nodes, node_name())
+    wrong, numel, per, bus_gbs = time_all_reduce(megabytes, iters, device)
+    if wrong:
+        return False, f"the sum of {world} ranks was wrong in {wrong} of {numel} elements on rank {rank} ({node_name()})"
+    return True, (f"all-reduce of {megabytes:g} MiB over {world} ranks on {len(set(nodes))} node(s) "
+                  f"({dist.get_backend()}): {bus_gbs:.2f} GB/s bus bandwidth, {per * 1e3:.1f} ms each")
+
+
+def time_all_reduce(megabytes: float, iters: int, device) -> tuple[int, int, float, float]:
+    """(elements summed wrong, elements, seconds an all-reduce, bus bandwidth in GB/s) of `iters`
+    all-reduces of `megabytes` of float32 ones in the default group, after one warm-up."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
     numel = max(1, int(megabytes * 2**20) // 4)
     buf = torch.ones(numel, dtype=torch.float32, device=device)
     dist.all_reduce(buf)  # warm-up: connections, buffers
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -213,12 +343,8 @@ def sum_across_ranks(megabytes: float, iters: int, device) -> tuple[bool, str]:
         dist.all_reduce(buf)
     sync()
     per = (time.perf_counter() - t0) / iters
-    wrong = (buf != float(world)).sum().item()
-    if wrong:
-        return False, f"the sum of {world} ranks was wrong in {wrong} of {numel} elements on rank {rank} ({node_name()})"
-    bus_gbs = numel * 4 / per * 2 * (world - 1) / world / 1e9
-    return True, (f"all-reduce of {megabytes:g} MiB over {world} ranks on {len(set(nodes))} node(s) "
-                  f"({dist.get_backend()}): {bus_gbs:.2f} GB/s bus bandwidth, {per * 1e3:.1f} ms each")
+    wrong = int((buf != float(world)).sum().item())
+    return wrong, numel, per, numel * 4 / per * 2 * (world - 1) / world / 1e9
 
 
 def _one_line(exc: BaseException) -> str:

@@ -147,6 +147,15 @@ def event_job() -> str:
     return os.environ.get("SLIPWAY_EVENT_JOB") or os.environ.get("SLURM_JOB_ID") or LOCAL_JOB
 
 
+def cuda_device() -> Optional[int]:
+    """The CUDA device of the calling thread where this process trains on CUDA (the trainer sets
+    its rank's device first), else None. Each thread has its own current device."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return torch.cuda.current_device()
+
+
 def dump_path(run_dir: Path, rank: int) -> Path:
     return RunDir(Path(run_dir)).hang_dump(job_tag(), node_name(), rank)
 
@@ -185,6 +194,7 @@ class HangWatchdog:
         self._start_step = 0
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._device: Optional[int] = None  # the rank's CUDA device, which the thread asks the markers on
         self.fired: Optional[Path] = None  # the dump written, once it has fired
 
     @property
@@ -198,6 +208,7 @@ class HangWatchdog:
             self._mark = (time.monotonic(), step)
         self._queued.clear()
         if self.enabled and self._thread is None:
+            self._device = cuda_device()
             self._thread = threading.Thread(target=self._run, name="slipway-hang-watchdog", daemon=True)
             self._thread.start()
         return self
@@ -261,6 +272,8 @@ class HangWatchdog:
         return self.first_timeout_s if step == self._start_step else self.timeout_s
 
     def _run(self) -> None:
+        if self._device is not None:  # a new thread's CUDA device is 0: querying there would open a context on GPU 0
+            sys.modules["torch"].cuda.set_device(self._device)
         written, written_at = None, 0.0
         while not self._stopped.is_set():
             self._drain()

@@ -110,6 +110,34 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gpu_check(args: argparse.Namespace) -> int:
+    from common.extras import require
+    from jobs import gpucheck
+
+    require("gpu-check", "trainer", EXTRAS_NEEDED_HERE, instead="on a node without network, the wheels of `make "
+            "gpu-check-wheels` beside its torch (docs/trainer.md, checking a new cluster's GPU node)")
+    budgets = {}
+    for item in args.budget:
+        part, _, seconds = item.partition("=")
+        if part not in gpucheck.BUDGETS or not _positive(seconds):
+            raise ConfigError("--budget", f"{item!r}: give PART=SECONDS, PART one of {', '.join(gpucheck.BUDGETS)} "
+                                          "and SECONDS > 0")
+        budgets[part] = float(seconds)
+    return gpucheck.gpu_check(Path(args.out), args.device, budgets, console=rich_console())
+
+
+# What gpu-check imports here, by way of its processes: the trainer extra less datasets (the
+# shipped corpus needs none), which the wheel bundle carries (make gpu-check-wheels).
+EXTRAS_NEEDED_HERE = ("torch", "numpy", "tokenizers")
+
+
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="slipway",
@@ -206,6 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("image", help="build / show / prune the training image (podman + enroot); see image --help")
     sub.add_parser("cluster", help="a real Slurm cluster on this machine to try slipway on: up | down | env | "
                                    "status (root; Debian slurm-wlm and munge)")
+
+    p = sub.add_parser("gpu-check", help="on a GPU node, offline, in at most 10 minutes: does it train correctly and "
+                                         "fast? (the node, bf16 against fp32, slipway local with an exact resume, "
+                                         "NCCL bandwidth, tokens/s and MFU against a bare loop and torchtitan), "
+                                         "written to DIR/report.md and report.json")
+    p.add_argument("--out", required=True, metavar="DIR", help="where report.md, report.json and the work go")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="cuda, or cpu to check what needs no GPU with a tiny model (default: cuda where torch sees one)")
+    p.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
+                   help="a part's time budget (node 45, correctness 75, training 150, allreduce 30, speed 280)")
+    p.set_defaults(func=cmd_gpu_check)
 
     p = sub.add_parser("plot", help="loss and throughput curves of a run as a PNG")
     p.add_argument("run", metavar="RUN")

@@ -13,7 +13,7 @@ from pathlib import Path
 from common.environ import as_typed, invocation
 from common.errors import ConfigError
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
-from common.extras import require as require_extra
+from common.extras import EXTRAS, require as require_extra
 
 REFUSED = "a real submission would fail: "  # how runs.seal marks a dry run's note that is a refusal
 
@@ -106,14 +106,15 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
     from rich.markup import escape
 
     from jobs import runs
-    from jobs.cli.doctor import controller_problem
+    from jobs.cli.doctor import controller_problem, gpu_stack
     from common.secrets import mask
 
     sealed = runs.seal(cfg, project_dir(), dry_run=True)
     scfg, paths, pin, code = sealed.cfg, sealed.paths, sealed.pin, sealed.snapshot
     refusals = [n.removeprefix(REFUSED) for n in sealed.notes if n.startswith(REFUSED)]
     notes = [n for n in sealed.notes if not n.startswith(REFUSED)]
-    exists = (paths.path / "manifest.json").is_file()
+    notes += [f"{name}: {detail}" for name, _, detail in gpu_stack(sealed.cfg, sealed.env, sealed.pin)]
+    exists = paths.manifest.is_file()
     try:
         runs.check_submittable(scfg)
         done = runs.nothing_to_train(scfg, paths.path, "submit")
@@ -209,7 +210,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     from jobs import interactive
 
     cfg = load(args)
-    require_extra("local", "trainer")
+    builtin = cfg.data.dataset == "builtin" and not cfg.data.validation_split  # the shipped corpus: no datasets
+    require_extra("local", "trainer", [m for m in EXTRAS["trainer"] if not (builtin and m == "datasets")])
     named = getattr(args, "set:run.name") is not None or any(o.startswith("run.name=") for o in args.overrides)
     return interactive.run_local(cfg, project_dir(), force=args.force, console=rich_console(), rename=not named)
 

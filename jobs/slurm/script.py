@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from common.errors import ConfigError
-from common.layouts import checkpoint_bytes, smaller_batch_hint
+from common.layouts import ALLOC_CONF, ALLOC_CONF_NAMES, checkpoint_bytes, smaller_batch_hint
 from common.rundir import (BAD_INPUT_EXIT, HANG_EXIT, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE, REQUEUE_EXIT,
                            CodeSnapshot, RunDir)
 from edf import Environment
@@ -155,6 +155,10 @@ def _environment(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None
             'export TORCH_FR_DUMP_TEMP_FILE="$HANGS/$JOB_TAG-nccl-trace-rank"',
             'export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$TORCH_FR_DUMP_TEMP_FILE"',
         ]
+        if not any(name in cfg.launch.env for name in ALLOC_CONF_NAMES):
+            lines += ["# The caching allocator grows its segments: what common/layouts.py's memory estimate assumes.",
+                      f'[ -n "${{{ALLOC_CONF_NAMES[0]}:-}}${{{ALLOC_CONF_NAMES[1]}:-}}" ] || '
+                      f"export {ALLOC_CONF_NAMES[0]}={ALLOC_CONF}"]
     if _preflight_where(cfg) == "step":
         lines += [
             "# The preflight's all-reduce forms a group of its own, on the next free port.",

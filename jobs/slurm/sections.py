@@ -171,6 +171,7 @@ class NodePreset:
     cores: int  # per node
     env: tuple[tuple[str, str], ...]  # exported before srun (an image's own values win under the CE)
     what: str
+    capability: str = ""  # its GPUs' CUDA compute capability, which the image's kernels must serve
 
 
 NODE_PRESETS = {
@@ -178,7 +179,8 @@ NODE_PRESETS = {
     # The variables are the CSCS NCCL page's (eth-cscs/cscs-docs docs/software/communication/nccl.md):
     # NCCL_NET makes a missing aws-ofi-nccl plugin a hard error instead of a silent, ~20x slower
     # fall-back to TCP sockets.
-    "alps-gh200": NodePreset(gpus=4, cores=288, what="CSCS Alps GH200 node (4 x Grace Hopper, Slingshot)", env=(
+    "alps-gh200": NodePreset(gpus=4, cores=288, what="CSCS Alps GH200 node (4 x Grace Hopper, Slingshot)",
+                             capability="9.0", env=(
         ("NCCL_NET", "AWS Libfabric"),
         ("NCCL_NET_GDR_LEVEL", "PHB"),
         ("NCCL_CROSS_NIC", "1"),

@@ -1,0 +1,201 @@
+"""The wheels `slipway gpu-check` needs on a node without network, beside the node's own torch:
+gathered on a machine with an index (a login node) for the node's Python and platform
+(`make gpu-check-wheels`), carried over, installed with no index:
+
+    python -m jobs.gpucheck.wheels --out DIR [--python-version 3.12] [--platform manylinux_2_28_x86_64]
+                                   [--torchtitan] [--have NODE-FREEZE.txt]
+    # on the node:
+    python3 -m venv --system-site-packages V && V/bin/pip install --no-index --find-links DIR -r DIR/requirements.txt
+
+What goes in: slipway's own wheel, its dependencies, and the trainer extra less torch and
+datasets (the shipped corpus needs no datasets), pure-Python and manylinux wheels only;
+`--torchtitan` adds torchtitan and what it needs. torch is the node's, and so is whatever
+`--have` lists (`python3 -m pip list --format=freeze` on the node): each is stood in for by an
+empty wheel of its version while pip resolves, so neither it nor what only it needs is
+fetched. The directory appears whole or not at all, says its size, and is refused past
+MAX_BYTES (what a node's scratch and a copy over a slow link bear).
+"""
+
+from __future__ import annotations
+
+import argparse
+import email.parser
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+from common.errors import ConfigError
+from common.fs import write_atomic
+
+MAX_BYTES = 60 * 2**20
+TORCHTITAN = "torchtitan==0.3.0"  # the version bench/trainer.py's comparison is written against
+LEFT_OUT = ("torch", "datasets")  # of the trainer extra: the node's own torch; the shipped corpus needs no datasets
+MARK = ".slipway-wheels"
+# What slipway's wheel is built from (pyproject.toml's packages, readme and license).
+PACKAGED = ("pyproject.toml", "README.md", "LICENSE", "common", "jobs", "edf", "containers", "trainer")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def platform_tags(platform: str) -> list[str]:
+    """`manylinux_2_28_x86_64` and every older manylinux tag a glibc 2.28 machine runs (pip takes
+    --platform literally); pure-Python wheels fit any."""
+    m = re.fullmatch(r"manylinux_2_(\d+)_(x86_64|aarch64)", platform)
+    if not m:
+        raise ConfigError("--platform", f"{platform!r}: give manylinux_2_N_ARCH (N the node's glibc minor, "
+                                        "`ldd --version` says it; ARCH x86_64 or aarch64), e.g. manylinux_2_28_x86_64")
+    glibc, arch = int(m[1]), m[2]
+    tags = [f"manylinux_2_{minor}_{arch}" for minor in range(glibc, 16, -1)]
+    return tags + [f"manylinux{alias}_{arch}" for alias, minor in (("2014", 17), ("2010", 12), ("1", 5))
+                   if minor <= glibc and (alias == "2014" or arch == "x86_64")]
+
+
+def stub_wheel(directory: Path, name: str, version: str) -> None:
+    """An empty wheel of `name` at `version`+slipway: what the node has, for pip's resolver."""
+    dist = re.sub(r"[-_.]+", "_", name)
+    info = f"{dist}-{version}.dist-info"
+    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: slipway\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(directory / f"{dist}-{version}-py3-none-any.whl", "w") as whl:
+        for path, text in files.items():
+            whl.writestr(path, text)
+
+
+def node_has(path: Optional[Path]) -> dict[str, str]:
+    """NAME==VERSION lines of `pip list --format=freeze` (pip freeze's too); torch always, at a
+    version in slipway's range where the list does not say."""
+    have = {"torch": "2.13.0"}
+    if path is None:
+        return have
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError("--have", f"{path}: {exc.strerror}") from None
+    for line in text.splitlines():
+        m = re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][^\s;#]*)\s*", line)
+        if m:
+            have[_norm(m[1])] = m[2].split("+")[0]
+    return have
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirements(wheel: Path, torchtitan: bool) -> list[str]:
+    """slipway pinned to its wheel, the trainer extra less LEFT_OUT (as the wheel declares it), torchtitan."""
+    with zipfile.ZipFile(wheel) as whl:
+        meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        parsed = email.parser.Parser().parsestr(whl.read(meta).decode())
+    extra = []
+    for req in parsed.get_all("Requires-Dist") or []:
+        spec, _, marker = req.partition(";")
+        name = re.match(r"[A-Za-z0-9._-]+", spec.strip())[0]
+        if re.search(r"""extra\s*==\s*["']trainer["']""", marker) and _norm(name) not in LEFT_OUT:
+            extra.append(spec.strip())
+    return [f"slipway=={parsed['Version']}", *extra, *([TORCHTITAN] if torchtitan else [])]
+
+
+def gather(out: Path, python_version: str, platform: str, torchtitan: bool = False, have: Optional[Path] = None,
+           pip: Optional[list[str]] = None, say=print) -> int:
+    """Fill `out` with the wheels; its size in bytes."""
+    if not re.fullmatch(r"3\.\d+", python_version):
+        raise ConfigError("--python-version", f"{python_version!r}: give the node's Python as 3.N, e.g. 3.12")
+    tags = platform_tags(platform)
+    if out.exists() and any(out.iterdir()) and not (out / MARK).is_file():
+        raise ConfigError("--out", f"{out} holds other files: give a new or empty directory (or an earlier bundle, "
+                                   "which is replaced)")
+    if not (ROOT / "pyproject.toml").is_file():
+        raise ConfigError("gpu-check-wheels", f"{ROOT} is no checkout of slipway (no pyproject.toml): run it there")
+    pip = pip or [sys.executable, "-m", "pip"]
+    nodot = python_version.replace(".", "")
+    target = ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
+              *(a for tag in tags for a in ("--platform", tag))]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        wheels, stubs = work / "wheels", work / "stubs"
+        wheels.mkdir()
+        stubs.mkdir()
+        source = work / "source"  # what pyproject.toml packages, copied: a checkout's build/ may hold stale files
+        source.mkdir()
+        for name in PACKAGED:
+            if (ROOT / name).is_dir():
+                shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            else:
+                shutil.copy2(ROOT / name, source / name)
+        _pip(pip + ["wheel", "--no-deps", "-q", "-w", str(wheels), str(source)], "building slipway's wheel")
+        (own,) = wheels.glob("slipway-*.whl")
+        reqs = requirements(own, torchtitan)
+        nodes = node_has(have)
+        for name, version in nodes.items():
+            stub_wheel(stubs, name, f"{version}+slipway")
+        (work / "constraints.txt").write_text("".join(f"{n}=={v}+slipway\n" for n, v in nodes.items()))
+        say(f"resolving {', '.join(reqs)} for CPython {python_version} on {platform} (the node has: "
+            f"{', '.join(sorted(nodes))})")
+        _pip(pip + ["install", "-q", "--dry-run", "--ignore-installed", "--report", str(work / "report.json"),
+                    "--target", str(work / "target"), *target, "--abi", f"cp{nodot}", "--abi", "abi3", "--abi", "none",
+                    "--find-links", str(stubs), "--find-links", str(wheels), "-c", str(work / "constraints.txt"),
+                    *reqs], "resolving")
+        chosen = [f"{i['metadata']['name']}=={i['metadata']['version']}"
+                  for i in json.loads((work / "report.json").read_text())["install"]
+                  if _norm(i["metadata"]["name"]) not in nodes and _norm(i["metadata"]["name"]) != "slipway"]
+        if chosen:
+            _pip(pip + ["download", "-q", "--no-deps", *target, "-d", str(wheels), *chosen], "downloading")
+        size = sum(p.stat().st_size for p in wheels.iterdir())
+        biggest = sorted(wheels.iterdir(), key=lambda p: p.stat().st_size, reverse=True)[:4]
+        if size > MAX_BYTES:
+            largest = ", ".join(f"{p.name.split('-')[0]} {p.stat().st_size / 2**20:.1f}" for p in biggest)
+            raise ConfigError("gpu-check-wheels", f"{size / 2**20:.1f} MiB of wheels, over the {MAX_BYTES // 2**20} MiB "
+                                                  f"this bundle may take (largest, MiB: {largest}): give --have the "
+                                                  "node's `python3 -m pip list --format=freeze` to leave out what it "
+                                                  "has" + (", or leave out --torchtitan" if torchtitan else ""))
+        write_atomic(wheels / "requirements.txt",
+                     f"# slipway gpu-check for CPython {python_version} on {platform}, beside the node's torch\n"
+                     + "".join(f"{r}\n" for r in reqs))
+        (wheels / MARK).write_text(json.dumps({"python": python_version, "platform": platform, "bytes": size}) + "\n")
+        if out.exists():
+            old = work / "old"
+            os.replace(out, old)
+        os.replace(wheels, out)
+        say(f"{out}: {len(list(out.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB (at most {MAX_BYTES // 2**20}); on the "
+            f"node: python3 -m venv --system-site-packages V && V/bin/pip install --no-index --find-links {out} "
+            f"-r {out}/requirements.txt")
+        return size
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _pip(argv: list[str], what: str) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines()
+                 if ln.strip() and "is ignored: it is neither a file nor a directory" not in ln]
+        error = next((ln for ln in reversed(lines) if ln.startswith("ERROR")), lines[-1] if lines else "no output")
+        raise ConfigError("gpu-check-wheels", f"{what} failed (pip exit {proc.returncode}): {error[:400]}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from common.edge import run_at_edge
+
+    parser = argparse.ArgumentParser(prog="python -m jobs.gpucheck.wheels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="the directory of wheels (made whole, or replaced)")
+    parser.add_argument("--python-version", default=f"{sys.version_info[0]}.{sys.version_info[1]}",
+                        help="the node's Python, 3.N (default: this one's)")
+    parser.add_argument("--platform", default="manylinux_2_28_x86_64", help="manylinux_2_N_ARCH of the node")
+    parser.add_argument("--torchtitan", action="store_true", help=f"add {TORCHTITAN} and what it needs")
+    parser.add_argument("--have", type=Path, help="the node's `python3 -m pip list --format=freeze`: left out")
+    args = parser.parse_args(argv)
+    return run_at_edge(lambda: gather(args.out.absolute(), args.python_version, args.platform, args.torchtitan,
+                                      args.have) and 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

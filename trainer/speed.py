@@ -1,0 +1,458 @@
+"""Training throughput, measured one way wherever it is measured: `slipway gpu-check` on a
+user's node and bench/trainer.py here. One case per process (peak memory is per case):
+
+    python -m trainer.speed ours|bare|torchtitan [--device cuda] [--preset tiny --seq-len 512 ...]
+
+prints `RESULT {json}`: steady-state tokens/s (a whole and per device), the step time, peak
+memory, the model's FLOPs per token (torchtitan's convention, the padded vocabulary included),
+TFLOP/s per device and MFU (null on the CPU or an unknown GPU).
+
+- ours: `trainer.train.train` (what `python -m trainer` runs) with its defaults: losses kept
+  on the device between logged steps, batches read ahead, the device-side non-finite skip,
+  the hang watchdog on. Under torchrun, dp = the world (FSDP2).
+- bare: a plain loop on the same `trainer.model.Transformer`: the same batch, fused AdamW,
+  clipping, dtype, compile and activation checkpointing; one host sync after the timed steps.
+- torchtitan: its llama3 trainer, through its own entry point, on this torch, with the same
+  model (dimensions, padded vocabulary, unfused q/k/v), batch, sequence, dtype, compile (the
+  model only, as ours compiles the blocks and not the loss) and activation checkpointing,
+  logging as often as ours; its logged tps parsed. SDPA's flash backend alone on CUDA in
+  16 bits, in every case, so all three run the same attention kernel. torchtitan needs CUDA.
+
+The first `--warmup` steps are left out, and so is each trainer's first logged window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from common.errors import failure_line
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+CASES = ("ours", "bare", "torchtitan")
+
+
+# ---------------------------------------------------------------- the case every runner shares
+
+
+def model_dict(case: Any) -> dict[str, Any]:
+    """The `model:` section of `case` (a preset, with any dimension given overriding it), untied in
+    every case: torchtitan's llama3 cannot tie its embeddings."""
+    from trainer.config import MODEL_PRESETS
+
+    base = dict(MODEL_PRESETS.get(case.preset, {}))
+    overrides = dict(hidden_size=case.hidden, num_layers=case.layers, num_heads=case.heads,
+                     num_kv_heads=case.kv_heads, vocab_size=case.vocab, intermediate_size=case.ffn)
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    if base.get("intermediate_size") is None:
+        base["intermediate_size"] = 2 * base["hidden_size"]  # the tiny preset's ratio
+    if base.get("num_kv_heads") is None:
+        base["num_kv_heads"] = base["num_heads"]
+    base["max_position_embeddings"] = max(case.seq_len, base.get("max_position_embeddings") or 0)
+    base.update(tie_embeddings=False, size="custom", init_std=0.02, attention=case.attention)
+    return base
+
+
+def trainer_config(case: Any, dp: int) -> dict[str, Any]:
+    return {
+        "run": {"name": "speed", "seed": 0},
+        "model": model_dict(case),
+        "parallel": {"dp": dp, "tp": 1, "pp": 1, "dp_mode": "fsdp", "zero_stage": 1},
+        "data": {"dataset": "builtin", "tokenizer": "builtin", "seq_len": case.seq_len},
+        "train": {"steps": case.steps, "micro_batch_size": case.micro_batch, "grad_accum_steps": 1,
+                  "lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 0, "decay": "constant", "dtype": case.dtype,
+                  "compile": case.compile, "activation_checkpointing": case.ac, "eval_interval": 0},
+        "checkpoint": {"interval": 10**9, "keep_last": 1},
+        "logging": {"interval": case.log_interval},
+    }
+
+
+class RandomTokens:
+    """A Sampler of uniformly random tokens (the model cannot tell, the timing does not care)."""
+
+    def __init__(self, vocab: int, batch: int, seq_len: int, seed: int):
+        import torch
+
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab, self.shape = vocab, (batch, seq_len + 1)
+        self.consumed = 0
+
+    def next_batch(self):
+        import torch
+
+        self.consumed += 1
+        tokens = torch.randint(0, self.vocab, self.shape, generator=self.gen)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = int(state["consumed"])
+
+
+def random_data(cfg, run_dir, dp_rank, dp_size):
+    return (RandomTokens(cfg.model.vocab_size, cfg.train.micro_batch_size, cfg.data.seq_len, 1 + dp_rank),
+            None, cfg.model.vocab_size)
+
+
+def steady(records: list[dict], warmup: int) -> dict[str, Any]:
+    """Tokens/s etc. over the logged windows that start at or after step `warmup`. A record
+    covers the steps since the one before it (the trainer logs every log_interval steps, and
+    an attempt's first step as a warm-up without throughput)."""
+    records = sorted(records, key=lambda r: r["step"])
+    windows = [(r["step"] - prev["step"], r) for prev, r in zip(records, records[1:])
+               if prev["step"] >= warmup and r["tokens_per_s"] is not None]
+    if not windows:
+        raise ValueError(f"no logged window starts at or after step {warmup}: raise --steps or lower --warmup")
+    elapsed = sum(n * r["step_time_s"] for n, r in windows)
+    tokens = sum(n * r["step_time_s"] * r["tokens_per_s"] for n, r in windows)
+    steps = sum(n for n, _ in windows)
+    return {"steps_timed": steps, "step_time_s": elapsed / steps, "tokens_per_s": tokens / elapsed,
+            "peak_memory_gib": max(r["peak_memory_gib"] for r in records)}
+
+
+def flash_only(case: Any) -> bool:
+    """CUDA in 16 bits: SDPA's flash backend alone, the kernel torchtitan's SDPA row is given too (the
+    default order may pick cuDNN or memory-efficient attention); a shape it cannot run fails loudly."""
+    return case.device == "cuda" and case.dtype != "float32" and case.attention == "sdpa"
+
+
+def _sdpa_flash_only(case: Any) -> None:
+    import torch
+
+    if flash_only(case):
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_math_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(True)
+
+
+def _rates(case: Any, out: dict[str, Any], world: int = 1) -> dict[str, Any]:
+    """`out` with the per-device rate, the FLOPs, TFLOP/s and MFU of this case's model on its device."""
+    import torch
+
+    from common.schema import from_dict
+    from trainer.config import ModelSection
+    from trainer.metrics import peak_flops
+    from trainer.model import num_flops_per_token
+
+    flops = num_flops_per_token(from_dict(ModelSection, model_dict(case)), case.seq_len)
+    per_device = out["tokens_per_s"] / world
+    cuda = case.device == "cuda"
+    peak = peak_flops(torch.device(case.device)) if cuda else None
+    reserved = out.get("peak_reserved_gib", torch.cuda.max_memory_reserved() / 2**30 if cuda else None)
+    return {**out, "processes": world, "tokens_per_s_per_device": per_device, "flops_per_token": flops,
+            "tflops_per_device": flops * per_device / 1e12, "mfu": flops * per_device / peak if peak else None,
+            "peak_reserved_gib": reserved, "torch": torch.__version__,
+            "device_name": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)"}
+
+
+# ---------------------------------------------------------------- the cases
+
+
+def case_ours(case: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from common.schema import from_dict
+    from trainer.config import TrainerConfig
+    from trainer.train import train
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    raw = trainer_config(case, dp=world)
+    if case.hang_timeout is not None:  # 0: the hang watchdog (trainer/watchdog.py) off
+        raw["train"]["hang_timeout"] = case.hang_timeout
+    if case.cache_dir:
+        raw["data"]["cache_dir"] = case.cache_dir
+    cfg = from_dict(TrainerConfig, raw)
+    _sdpa_flash_only(case)
+    run_dir = Path(case.run_dir) if case.run_dir else Path(tempfile.mkdtemp(prefix="slipway-speed-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        train(cfg, run_dir, data=None if case.data == "builtin" else random_data)
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        if rank != 0:
+            return {}
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return _rates(case, steady([r for r in records if r.get("kind") == "train"], case.warmup), world)
+    finally:
+        if not case.run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def case_bare(case: Any) -> dict[str, Any]:
+    """The least a training step can do on the same model: no trainer in the way. The same
+    compile and activation checkpointing as ours (they change the model, not the loop)."""
+    import torch
+    import torch.nn.functional as F
+
+    from common.schema import from_dict
+    from trainer.compute import apply_ac
+    from trainer.config import ModelSection
+    from trainer.metrics import peak_memory_gib
+    from trainer.model import Transformer, select_attention
+
+    device = torch.device(case.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case.dtype]
+    _sdpa_flash_only(case)
+    mcfg = from_dict(ModelSection, model_dict(case))
+    torch.manual_seed(0)
+    model = Transformer(mcfg, select_attention(mcfg, device, dtype)).to(device)
+    apply_ac(model, case.ac, "op")
+    if case.compile:
+        for layer in model.layers.values():
+            layer.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
+    data = RandomTokens(mcfg.vocab_size, case.micro_batch, case.seq_len, 1)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    losses = []
+    for step in range(case.steps):
+        if step == case.warmup:  # the timed steps: no host sync until they are all done
+            sync()
+            t0 = time.perf_counter()
+        inputs, targets = (t.to(device, non_blocking=True) for t in data.next_batch())
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    torch.stack(losses).tolist()  # the loop is done when its losses are known
+    elapsed = time.perf_counter() - t0
+    timed = case.steps - case.warmup
+    tokens = case.micro_batch * case.seq_len * timed
+    return _rates(case, {"steps_timed": timed, "step_time_s": elapsed / timed, "tokens_per_s": tokens / elapsed,
+                         "peak_memory_gib": peak_memory_gib(device)})
+
+
+# ---------------------------------------------------------------- torchtitan, through its own entry point
+
+# A config module for torchtitan's ConfigManager (`--module slipway_titan --config slipway_llama`):
+# its llama3 model config with our dimensions and our padded vocabulary, separate q/k/v
+# projections (ours has no fused QKV), plain causal SDPA (its flash backend on CUDA, as
+# ours) or, for the separate row, its own flex attention; fp32/bf16 like ours, the shipped
+# corpus and tokenizer (ours reads them too: --data builtin), no checkpoints, no
+# validation; compile (the model only: ours compiles the blocks, not the loss) and
+# activation checkpointing as ours (torchtitan's default is selective AC: it is set
+# explicitly, None for none), logging as often as ours.
+TITAN_MODULE = """
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.hf_datasets import DatasetConfig
+from torchtitan.hf_datasets import text_datasets
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.llama3 import _build_llama3_layers, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init
+from torchtitan.models.llama3 import model_registry
+from torchtitan.models.llama3.model import Llama3Model
+from torchtitan.trainer import Trainer
+
+P = {params!r}
+
+if P["attention"] == "sdpa" and P["flash_backend"]:
+    # The same kernel as ours: SDPA's flash backend alone (torchtitan's default order puts cuDNN first).
+    from torch.nn.attention import SDPBackend
+    ScaledDotProductAttention.sdpa_backends = [SDPBackend.FLASH_ATTENTION]
+
+from datasets import load_dataset
+text_datasets.DATASETS["slipway_builtin"] = DatasetConfig(
+    path=P["corpus"], loader=lambda path: load_dataset("json", data_files=path, split="train"),
+    sample_processor=lambda sample: sample["text"])
+
+
+def slipway_llama():
+    dim, heads, vocab = P["dim"], P["heads"], P["vocab"]
+    layers = _build_llama3_layers(
+        fuse_qkv=False, n_layers=P["layers"], dim=dim, n_heads=heads, n_kv_heads=P["kv_heads"],
+        hidden_dim=P["ffn"],
+        rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=P["seq_len"], theta=10000.0, scaling="none"),
+        attn_backend="flex")
+    if P["attention"] == "sdpa":  # plain causal SDPA, as ours: no per-document masks (the trainer builds none)
+        for layer in layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    model = Llama3Model.Config(
+        dim=dim, vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
+        layers=layers,
+    )
+    spec = model_registry("debugmodel")
+    spec.model, spec.flavor = model, "slipway"
+    if P.get("count_only"):  # the CPU check: the model's parameter count, built on the meta device
+        import torch
+        with torch.device("meta"):
+            built = model.build()
+        print("TITAN_PARAMS", sum(p.numel() for p in built.parameters()), flush=True)
+    return Trainer.Config(
+        loss=CrossEntropyLoss.Config(global_vocab_size=vocab),
+        hf_assets_path=P["assets"],
+        model_spec=spec,
+        optimizer=default_adamw(lr=3e-4),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1, decay_ratio=None),
+        training=TrainingConfig(local_batch_size=P["batch"], seq_len=P["seq_len"], steps=P["steps"],
+                                dtype="float32", mixed_precision_param=P["dtype"]),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset="slipway_builtin"),
+        metrics=MetricsProcessor.Config(log_freq=P["log_freq"]),
+        parallelism=ParallelismConfig(),
+        checkpoint=CheckpointManager.Config(enable=False),
+        activation_checkpoint={{"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}}[P["ac"]],
+        compile=CompileConfig(enable=P["compile"], components=["model"]),  # ours compiles the blocks, not the loss
+        dump_folder=P["dump"],
+    )
+"""
+
+TPS_LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?tflops:\s*([\d,.]+).*?mfu:\s*(\S+)")
+
+
+def titan_params(case: Any, attention: str, work: Path) -> dict[str, Any]:
+    """What the torchtitan config module reads: our model's dimensions and padded vocabulary."""
+    from common.schema import from_dict
+    from trainer.config import ModelSection
+
+    mcfg = from_dict(ModelSection, model_dict(case))
+    return dict(dim=mcfg.hidden_size, heads=mcfg.num_heads, kv_heads=mcfg.num_kv_heads, layers=mcfg.num_layers,
+                vocab=mcfg.padded_vocab_size, ffn=mcfg.intermediate_size, seq_len=case.seq_len,
+                batch=case.micro_batch, steps=case.steps, dtype=case.dtype, compile=case.compile, ac=case.ac,
+                log_freq=case.log_interval, attention=attention, flash_backend=flash_only(case),
+                corpus=str(ASSETS / "corpus.jsonl.gz"), assets=str(work / "assets"), dump=str(work / "dump"))
+
+
+def titan_env(work: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(work), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "HF_DATASETS_CACHE": str(work / "hf-datasets")}
+
+
+def titan_parameters(case: Any, python: str, timeout: float) -> tuple[Optional[int], str]:
+    """torchtitan's config module, as the comparison writes it, built on the meta device: (its
+    parameter count or None, the output). The CPU half of the comparison."""
+    work = Path(tempfile.mkdtemp(prefix="slipway-titan-check-"))
+    try:
+        params = {**titan_params(case, "sdpa", work), "count_only": True}
+        (work / "slipway_titan.py").write_text(TITAN_MODULE.format(params=params))
+        proc = subprocess.run([python, "-c", "import slipway_titan; slipway_titan.slipway_llama()"], cwd=work,
+                              env=titan_env(work), capture_output=True, text=True, timeout=timeout)
+        m = re.search(r"^TITAN_PARAMS (\d+)$", proc.stdout, re.M)
+        return (int(m[1]) if m else None), proc.stdout + proc.stderr
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def case_torchtitan(case: Any, python: Optional[str] = None) -> dict[str, Any]:
+    """torchtitan under torchrun (one process), its logged tps over the windows from --warmup on."""
+    python = python or sys.executable
+    work = Path(tempfile.mkdtemp(prefix="slipway-titan-"))
+    try:
+        (work / "assets").mkdir()
+        shutil.copy(ASSETS / "tokenizer.json", work / "assets" / "tokenizer.json")
+        (work / "slipway_titan.py").write_text(TITAN_MODULE.format(params=titan_params(case, case.attention_titan,
+                                                                                       work)))
+        argv = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                "-m", "torchtitan.train", "--module", "slipway_titan", "--config", "slipway_llama"]
+        env = titan_env(work)
+        if case.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
+        output = proc.stdout + proc.stderr
+        rows = []
+        for line in re.sub(r"\x1b\[[0-9;]*m", "", output).splitlines():
+            m = TPS_LINE.search(line)
+            if m:
+                rows.append(dict(step=int(m[1]), mem=float(m[2]), tps=float(m[3].replace(",", ""))))
+        if proc.returncode != 0 or not rows:
+            reason = titan_error(output)
+            if "_cuda_setDevice" in reason or "Torch not compiled with CUDA" in reason:
+                reason = ("torchtitan needs CUDA: without an accelerator it still picks device 'cuda' "
+                          f"(torchtitan/tools/utils.py) and fails in Trainer.__init__ ({reason})")
+            raise RuntimeError(reason)
+        windows = [(r["step"] - prev["step"], r) for prev, r in zip(rows, rows[1:]) if prev["step"] >= case.warmup]
+        if not windows:
+            raise RuntimeError(f"no logged window starts at or after step {case.warmup}: raise --steps")
+        tokens = case.micro_batch * case.seq_len
+        seconds = sum(n * tokens / r["tps"] for n, r in windows)
+        timed = sum(n for n, _ in windows)
+        return _rates(case, {"steps_timed": timed, "step_time_s": seconds / timed, "tokens_per_s": timed * tokens / seconds,
+                             "peak_memory_gib": None, "peak_reserved_gib": max(r["mem"] for r in rows)})
+    finally:
+        if not os.environ.get("SLIPWAY_SPEED_KEEP"):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def titan_error(output: str) -> str:
+    """The root cause in a torchrun failure: the child's last exception line, not torchrun's."""
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", output).splitlines()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln) and "ChildFailedError" not in ln]
+    return (errors[-1] if errors else failure_line(output))[:300]
+
+
+# ---------------------------------------------------------------- one case, as a process
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer.speed", description=__doc__.split("\n\n")[0])
+    p.add_argument("case", choices=CASES)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--preset", default="tiny", help="tiny|small|base|large, or custom with the dimensions below")
+    for flag in ("--hidden", "--layers", "--heads", "--kv-heads", "--vocab", "--ffn"):
+        p.add_argument(flag, type=int)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10, help="leading steps left out of the figures")
+    p.add_argument("--log-interval", type=int, default=10, help="steps between logged (host-synced) steps")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument("--data", choices=("synthetic", "builtin"), default="synthetic",
+                   help="ours: random tokens or the shipped corpus and tokenizer (what torchtitan reads)")
+    p.add_argument("--attention", choices=("sdpa", "flash", "auto"), default="sdpa")
+    p.add_argument("--attention-titan", choices=("sdpa", "flex"), default="sdpa", help="torchtitan's attention")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--ac", choices=("none", "selective", "full"), default="none")
+    p.add_argument("--hang-timeout", type=float, help="ours: train.hang_timeout (0: the hang watchdog off)")
+    p.add_argument("--cache-dir", help="ours with --data builtin: the token cache")
+    p.add_argument("--run-dir", help="ours: the run directory (needed under torchrun; default a temporary one)")
+    return p
+
+
+def case_argv(case: Any, name: str) -> list[str]:
+    """`-m trainer.speed NAME ...` for `case` (an object with this module's flags as attributes)."""
+    argv = ["-m", "trainer.speed", name, "--device", case.device, "--preset", case.preset, "--seq-len",
+            str(case.seq_len), "--micro-batch", str(case.micro_batch), "--steps", str(case.steps), "--warmup",
+            str(case.warmup), "--log-interval", str(case.log_interval), "--dtype", case.dtype, "--data", case.data,
+            "--ac", case.ac, "--attention", case.attention]
+    for flag in ("hidden", "layers", "heads", "kv_heads", "vocab", "ffn", "hang_timeout", "cache_dir", "run_dir",
+                 "attention_titan"):
+        if getattr(case, flag, None) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(case, flag))]
+    return argv + (["--compile"] if case.compile else [])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    case = parser().parse_args(argv)
+    try:
+        result = {"ours": case_ours, "bare": case_bare, "torchtitan": case_torchtitan}[case.case](case)
+    except RuntimeError as exc:  # torchtitan's failure, already one line
+        print(f"speed {case.case}: not run: {exc}", file=sys.stderr)
+        return 1
+    if result:
+        print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
