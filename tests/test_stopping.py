@@ -21,7 +21,7 @@ from typing import Iterator
 import pytest
 
 from conftest import default_signals
-from jobs.supervisor import Noise
+from jobs.supervisor import STOP_GRACE_SECONDS, Noise
 
 PY = sys.executable
 
@@ -195,12 +195,12 @@ def test_a_second_ctrl_c_stops_at_once_unsaved(project):
         time.sleep(2)
         t0 = time.monotonic()
         os.killpg(launcher.pid, signal.SIGINT)
-        out, _ = launcher.communicate(timeout=85)
+        out, _ = launcher.communicate(timeout=STOP_GRACE_SECONDS - 5)
         took = time.monotonic() - t0
     assert launcher.returncode == 130, out[-3000:]
     # Without the second Ctrl-C the first one's save would wait for a sync step that never comes,
-    # until its 90 s grace: any end before that is the second one's doing, however loaded the machine.
-    assert took < 85, took
+    # until its grace: any end before that is the second one's doing, however loaded the machine.
+    assert took < STOP_GRACE_SECONDS - 5, took
     said = after_ctrl_c(out)
     assert len(said) == 2 and "before its first checkpoint" in said[1], said
     assert "Traceback" not in out
