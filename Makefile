@@ -17,6 +17,13 @@ TORCH ?= $(if $(or $(wildcard /proc/driver/nvidia/version),$(wildcard /dev/nvidi
 TORCH_INDEX ?= $(if $(filter cpu,$(TORCH)),https://download.pytorch.org/whl/cpu)
 TORCH_SIZE := $(if $(filter cpu,$(TORCH)),about 0.2 GB,about 3 GB with its CUDA libraries)
 
+# `make local train.steps=50` sets a make variable named train.steps, which no recipe reads: a
+# config override given where make takes its variables is refused, with the form that passes it.
+OVERRIDES_GIVEN := $(strip $(foreach v,$(.VARIABLES),$(if $(and $(filter command line,$(origin $(v))),$(findstring .,$(v))),$(v)=$($(v)))))
+ifneq ($(OVERRIDES_GIVEN),)
+$(error $(OVERRIDES_GIVEN): a config override goes in ARGS, not to make: make $(or $(MAKECMDGOALS),local)$(if $(filter-out tiny_cpu,$(CONFIG)), CONFIG=$(CONFIG)) ARGS="$(strip $(ARGS) $(OVERRIDES_GIVEN))")
+endif
+
 .PHONY: help setup setup-oldest setup-oldest-torch prepare local test test-oldest test-gpu test-fast submit dry-run shell image image-prune status doctor edf \
         cluster-up cluster-down bench clean
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -191,7 +192,9 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
     if unknown:
         key = unknown[0]
         path = f"{where}.{key}" if where else str(key)
-        raise ConfigError(path, f"unknown key; valid keys of {where or 'the config'} are: {', '.join(fields)}")
+        near = difflib.get_close_matches(str(key), list(fields), n=3, cutoff=0.6)
+        meant = f"did you mean {' or '.join(f'{where}.{n}' if where else n for n in near)}? " if near else ""
+        raise ConfigError(path, f"unknown key; {meant}valid keys of {where or 'the config'} are: {', '.join(fields)}")
     kwargs, too_big = {}, []
     edf = bool(getattr(cls, "EDF_TEXT", False))
     for name, f in fields.items():

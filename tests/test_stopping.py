@@ -240,7 +240,9 @@ def test_a_try_that_cannot_fit_here_is_refused_before_any_process_with_the_batch
     micro = 8
     while 2 * process_memory(tiny_cpu(f"train.micro_batch_size={micro}")) <= available:
         micro *= 2
-    r = slipway("local", "tiny_cpu", "--run-name", "big", f"train.micro_batch_size={micro}")
+    # A few steps: the batch that fits is also a try of minutes here (tests/test_first_hour.py has the
+    # command that fits in time as well).
+    r = slipway("local", "tiny_cpu", "--run-name", "big", f"train.micro_batch_size={micro}", "train.steps=3")
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     line = r.stderr.strip()
     assert line.startswith("slipway: error: train.micro_batch_size: 2 processes of about "), line
