@@ -50,6 +50,7 @@ from containers.diagnose import diagnose_build
 from containers.record import BuildRecord, ImageNeeds, ImageSection
 from containers.storage import check_storage_conf
 from containers.tools import Container, Enroot, Podman, Tail, ToolError, git_commit, squashfs_ok
+from common.environ import as_typed
 from common.errors import ConfigError
 from common.fs import pid_alive, write_atomic
 
@@ -405,8 +406,8 @@ def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, prin
         else:
             warnings.append(f"could not remove enroot's leftover podman container {c.name} ({outcome.why}): it keeps "
                             f"{plan.tag} in use; `slipway image prune` retries")
-    for warning in warnings:
-        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    for warning in warnings:  # on one line, its suggestion as this shell runs slipway: pasted whole
+        console.print(f"[yellow]warning:[/] {escape(as_typed(warning))}", highlight=False, soft_wrap=True)
     return removed, warnings
 
 
@@ -505,7 +506,7 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
 
     if plan.build_on == "compute" and not here:
         if elsewhere is None:
-            raise ToolError("image.build_on: compute builds through Slurm: run `slipway image build` "
+            raise ToolError("image.build_on: compute builds through Slurm: run it with slipway image build CONFIG "
                             "(or set image.build_on: local)")
         elsewhere(plan)
         record = BuildRecord.read(plan.sidecar)

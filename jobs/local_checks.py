@@ -28,7 +28,8 @@ from common.layouts import CPU_STEP_EFFICIENCY, cpu_step_seconds, fitting_batch,
 from common.rundir import complete_checkpoints
 from jobs import runs
 from jobs.config import Config
-from jobs.supervisor import available_memory, duration
+from common.metrics_log import format_duration
+from jobs.supervisor import available_memory
 
 # Of the memory free, what a suggested batch plans for: the arithmetic is within about 5% of a
 # rank's peak, and the machine's other processes grow too.
@@ -78,8 +79,8 @@ class Fit:
     steps: int  # left to train
 
     def said(self) -> str:
-        time_said = (f", ~{duration(self.step_s)} a step, ~{duration(self.step_s * self.steps)} for {self.steps} steps"
-                     if self.step_s is not None else "")
+        time_said = "" if self.step_s is None else (f", ~{format_duration(self.step_s)} a step, "
+                                                    f"~{format_duration(self.step_s * self.steps)} for {self.steps} steps")
         return f"`slipway local {self.args}` {self.what} (~{self.memory / 1e9:.1f} GB{time_said})"
 
 
@@ -109,15 +110,16 @@ def plan_here(original: Config, local: Config, run_dir: Path, reload: Callable[[
     if step_s is None:
         return None
     flops = step_flops(local)
-    console.print(f"[dim]expected here: ~{duration(step_s)} a step, ~{duration(step_s * left)} for {left} steps "
+    console.print(f"[dim]expected here: ~{format_duration(step_s)} a step, ~{format_duration(step_s * left)} for {left} "
+                  "steps "
                   f"(the model's {flops / 1e9:,.1f} GFLOP a step at ~{rate * 1e-9 * CPU_STEP_EFFICIENCY:,.0f} GFLOP/s: "
                   f"{CPU_STEP_EFFICIENCY:.0%} of the {rate / 1e9:,.0f} GFLOP/s this machine's float32 matrix products reach "
                   "now), after a start of 5 to 40 s[/]", soft_wrap=True)
     if step_s * left <= LOCAL_TRY_SECONDS or yes:
         return step_s
     fit = first_fit(original, run_dir, reload, rate, available, rename=rename)
-    over = (f"{left} steps of ~{duration(step_s)} take ~{duration(step_s * left)} here, more than a try on this "
-            f"machine ({duration(LOCAL_TRY_SECONDS)}): {fit.said() if fit else _NOTHING_FITS}")
+    over = (f"{left} steps of ~{format_duration(step_s)} take ~{format_duration(step_s * left)} here, more than a "
+            f"try on this machine ({format_duration(LOCAL_TRY_SECONDS)}): {fit.said() if fit else _NOTHING_FITS}")
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise ConfigError("train.steps", f"{over}; or --yes to start it all the same")
     from rich.markup import escape
@@ -242,8 +244,8 @@ def smaller_batch(cfg: Config, budget: float) -> str:
     if seq != cfg.data.seq_len:
         settings["data.seq_len"], keeps = seq, f"the layout, at seq_len {seq} instead of {cfg.data.seq_len}"
     world = cfg.launch.procs_per_node * cfg.slurm.nodes
-    return (f"`slipway local {cfg.config_args_setting(settings)}` keeps {keeps} "
-            f"(~{world * process_memory(cfg, micro, seq) / 1e9:.1f} GB)")
+    return Fit(cfg.config_args_setting(settings), f"keeps {keeps}", world * process_memory(cfg, micro, seq), None,
+               0).said()
 
 
 def check_before_start(sealed: runs.Sealed, original: Config) -> None:

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from common.edge import DEBUG_VARIABLE
+from common.environ import as_typed
+from common.metrics_log import format_duration
 from common.rundir import PROGRESS_FILE, STOP_FILE
 
 # Signals that stop a launch: the ranks are asked to save and stop (a closed terminal's SIGHUP
@@ -215,18 +217,21 @@ class Heartbeat:
     config and rank 0's progress record (common.rundir.PROGRESS_FILE)."""
 
     def __init__(self, run_dir: Path, tag: str, procs: int, *, step_s: Optional[float] = None,
-                 compiling: bool = False, resume_step: int = 0) -> None:
+                 compiling: bool = False, resume_step: int = 0, own: str = "") -> None:
+        # own: a program of the user's (train.script, launch.command), whose phases slipway cannot tell
         self.run_dir, self.tag, self.procs, self.step_s = run_dir, tag, procs, step_s
-        self.compiling, self.resume_step = compiling, resume_step
+        self.compiling, self.resume_step, self.own = compiling, resume_step, own
         self.started = time.monotonic()
 
     def waiting_for(self, last: str, stepping: bool) -> str:
         """`last`: the last line shown; `stepping`: whether a step line was shown yet."""
-        expected = f"; ~{duration(self.step_s)} a step expected here" if self.step_s else ""
+        expected = f"; ~{format_duration(self.step_s)} a step expected here" if self.step_s else ""
         if stepping:
             done = self._progress()
-            since = f", step {done[0]} done {duration(time.time() - done[1])} ago" if done else ""
+            since = f", step {done[0]} done {format_duration(time.time() - done[1])} ago" if done else ""
             return f"training{since} (steps are printed every logging.interval{expected})"
+        if self.own:
+            return f"{self.own}, which has printed nothing {'more ' if last else ''}(slipway cannot tell its phases)"
         if not last:
             return (f"torchrun to start {self.procs} trainer processes (each imports torch, then they join one "
                     "process group)")
@@ -247,20 +252,6 @@ class Heartbeat:
         return None
 
 
-def duration(seconds: float) -> str:
-    """Seconds for a person: 0.21 s, 45 s, 12 min, 3.5 h, 12 days."""
-    seconds = max(0.0, seconds)
-    if seconds < 10:
-        return f"{seconds:.2g} s"
-    if seconds < 100:
-        return f"{seconds:.0f} s"
-    if seconds < 6000:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 3 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.0f} days"
-
-
 class Output(threading.Thread):
     """Copies the launch's output to the log, and to this terminal what `Noise` lets through
     until a stop was asked (`stopper.signum`); keeps what the end report needs: the trainer's
@@ -268,9 +259,11 @@ class Output(threading.Thread):
     With a `heartbeat`, a silence of HEARTBEAT_SECONDS is told (`Heartbeat`), on the terminal and
     in the log, until the launch ends or a stop is asked."""
 
-    def __init__(self, stream, log, stopper: Stopper, heartbeat: Optional[Heartbeat] = None) -> None:
+    def __init__(self, stream, log, stopper: Stopper, heartbeat: Optional[Heartbeat] = None,
+                 config_args: Optional[str] = None) -> None:
         super().__init__(name="slipway-local-output", daemon=True)
         self.stream, self.log, self.stopper, self.heartbeat = stream, log, stopper, heartbeat
+        self.config_args = config_args  # what a `slipway ... CONFIG` the trainer suggests stands for here
         self.noise = Noise()
         self.everything = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
         self.trainer_error = ""
@@ -310,7 +303,7 @@ class Output(threading.Thread):
             if self.stopper.signum is not None:
                 return
             if time.monotonic() - self._last_at >= HEARTBEAT_SECONDS:
-                since = duration(time.monotonic() - self.heartbeat.started)
+                since = format_duration(time.monotonic() - self.heartbeat.started)
                 self.note(f"{since} since the launch, waiting for "
                           f"{self.heartbeat.waiting_for(self._last, self._stepping)}", terminal=True)
                 self._last_at = time.monotonic()
@@ -332,7 +325,8 @@ class Output(threading.Thread):
             shown = self.noise.shown(text)
             with self._lock:
                 if self.everything or (shown and self.stopper.signum is None):
-                    self._write(line)
+                    # the trainer's suggestions, as this shell runs them with this run's config
+                    self._write(as_typed(text, self.config_args).encode() if "`slipway " in text else line)
                     self._last, self._last_at = text, time.monotonic()
                     self._stepping = self._stepping or text.startswith("step ")
                 self.log.write(text)

@@ -49,6 +49,7 @@ case " $* " in
     # that fails ends the step, and the reports the other nodes had not printed yet are lost.
     bash "$FAKE/node.sh" | sed '/ fail: /q'; exit 5 ;;
   *" trainer.preflight allreduce "*) exec bash "$FAKE/allreduce.sh" ;;
+  *" trainer.plot "*) while [ "${1#--}" != "$1" ]; do shift; done; exec "$@" ;;  # the curves, for real
 esac
 exec bash "$FAKE/train.sh"
 """

@@ -10,6 +10,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from common import environ
 from common.environ import as_typed, invocation
 from common.errors import ConfigError
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS, project_dir
@@ -38,6 +39,8 @@ def load(args: argparse.Namespace, quiet: bool = False):
         if key in sets:
             given += [flag] if key in switches else [flag, str(sets[key])]
     cfg.given_args = shlex.join(given)
+    if not quiet:  # a suggestion's CONFIG, wherever its text comes from, is what the user gave
+        environ.given_config(cfg.config_args)
     for text in [] if quiet else cfg.launch.secret_warnings():  # the user's own lines: said once, not refused
         warn(text)
     return cfg
@@ -273,14 +276,14 @@ def cmd_edf(args: argparse.Namespace) -> int:
 
 
 def cmd_shell(args: argparse.Namespace) -> int:
-    from jobs import interactive
+    from jobs import shell
     from common.secrets import mask
 
     cfg = load(args)
     if args.dry_run:
-        text, notes = interactive.shell_dry_run(cfg, project_dir(), command=args.command)
+        text, notes = shell.shell_dry_run(cfg, project_dir(), command=args.command)
         for note in notes:
             print(f"note: {mask(note)}", file=sys.stderr)
         sys.stdout.write(mask(text))  # --command is the user's own text
         return 0
-    return interactive.run_shell(cfg, project_dir(), command=args.command)
+    return shell.run_shell(cfg, project_dir(), command=args.command)

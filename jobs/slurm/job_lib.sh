@@ -271,14 +271,18 @@ on_exit() {
   # The log's last line: how the job ended, in the words of events.log (a requeue, a saved stop, a
   # retry, a cancel), else by its exit.
   case "$last" in
-    *requeue*|*retry*|*"not retrying"*|*"stop request"*|cancelled*|"out of memory"*|hang:*|"node failure"*|"preflight failed"*) ;;
+    "start on "*|"preflight ok"*) last="" ;;  # no event of an end: told by the exit below
+  esac
+  case "$last" in
+    *requeue*|*retry*|*"not retrying"*|*"stop request"*|cancelled*|"out of memory"*|hang:*|"node failure"*|"preflight failed"*)
+      last+=" (exit $rc)" ;;
     *) case "$rc" in
-         0) last="completed" ;;
-         "$REQUEUE_EXIT") last="saved a checkpoint and stopped" ;;
-         *) last="failed with exit $rc (the lines above say why)" ;;
+         0) last="completed (exit 0)" ;;
+         "$REQUEUE_EXIT") last="saved a checkpoint and stopped (exit $rc)" ;;
+         *) last="failed with exit $rc: the lines above say why" ;;
        esac ;;
   esac
-  echo "slipway: job ${SLURM_JOB_ID:-} ended: $last (exit $rc)"
+  echo "slipway: job ${SLURM_JOB_ID:-} ended: $last"
   for pid in "${HELPER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   if [ -n "${SRUN_PID:-}" ] && kill -0 "$SRUN_PID" 2>/dev/null; then
     kill -TERM "$SRUN_PID" 2>/dev/null || true
