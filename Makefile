@@ -131,9 +131,11 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/test_gpu.py $(ARGS)
 
 # The tests that need no Slurm, podman or process group and take seconds at most (`slow`
-# marks the rest): a couple of minutes, for the edit-test loop. `make test` runs every test.
+# marks the rest; `make test` runs every test), on TEST_WORKERS workers: for the edit-test loop.
+# --durations names the slowest, so one that grows is seen where it grows.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slurm and not podman and not multiproc and not slow" $(ARGS)
+	$(PY) -m pytest -q --durations=10 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) \
+	    -m "not slurm and not podman and not multiproc and not slow" $(ARGS)
 
 submit: $(STAMP)
 	$(PY) -m jobs submit $(CONFIG) $(ARGS)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -40,12 +41,13 @@ LOCAL_TRY_SECONDS = 30 * 60
 MIN_TRY_STEPS = 10  # fewer steps than this is no try: a smaller one is suggested instead
 
 
-def matmul_rate(seconds: float = 0.15, n: int = 384) -> Optional[float]:
-    """FLOP/s of float32 n x n matrix products on this machine now: one core's, measured over
-    about `seconds`, times the cores this process may use. One thread, as each rank's torch
-    uses its share: BLAS's own threads spin against the other processes of a loaded machine and
-    measure that contention, 20 times below what the cores give. None without numpy (the trainer
-    extra brings it)."""
+def matmul_rate(bursts: int = 7, seconds: float = 0.02, n: int = 384) -> Optional[float]:
+    """FLOP/s of float32 n x n matrix products on this machine now: one core's, the median of
+    `bursts` of `seconds` each after one to warm up (the first products of a process run slower,
+    and a burst the scheduler cut short is one of seven), times the cores this process may use.
+    One thread, as each rank's torch uses its share: BLAS's own threads spin against the other
+    processes of a loaded machine and measure that contention, 20 times below what the cores
+    give. None without numpy (the trainer extra brings it)."""
     threads = {name: os.environ.get(name) for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
     os.environ.update(dict.fromkeys(threads, "1"))  # read once, when numpy loads its BLAS
     try:
@@ -59,12 +61,16 @@ def matmul_rate(seconds: float = 0.15, n: int = 384) -> Optional[float]:
             else:
                 os.environ[name] = value
     a = np.random.default_rng(0).random((n, n), dtype=np.float32)
-    a @ a  # the pages touched
-    done, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        a @ a
-        done += 1
-    return 2 * n ** 3 * done / elapsed * len(os.sched_getaffinity(0))
+
+    def burst() -> float:
+        done, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            a @ a
+            done += 1
+        return 2 * n ** 3 * done / elapsed
+
+    burst()
+    return statistics.median(burst() for _ in range(bursts)) * len(os.sched_getaffinity(0))
 
 
 @dataclass

@@ -413,6 +413,7 @@ def test_a_try_that_fits_this_machines_time(project, shell):
 # ---------------------------------------------------------------- the trainer's data hints
 
 
+@pytest.mark.slow  # the trainer itself, once (torch's import and a process group)
 @covers("trainer/data.py: slipway prepare CONFIG", "trainer/data.py: slipway submit CONFIG --prepare",
         "trainer/data_sources.py: slipway prepare CONFIG", "trainer/data_sources.py: slipway prepare CONFIG",
         "trainer/data_sources.py: slipway prepare CONFIG")
