@@ -52,11 +52,12 @@ def latest_by_step(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(kept.values(), key=lambda r: r["step"])
 
 
-def format_duration(seconds: Optional[float]) -> str:
-    """0.21s, 12s, 3m05s, 1h02m, 12d04h; ? when unknown."""
+def format_duration(seconds: Optional[float], fine: bool = False) -> str:
+    """12s, 3m05s, 1h02m, 12d04h; ? when unknown. `fine`: below a second to two digits (0.21s),
+    for a step's time (elsewhere 0s)."""
     if seconds is None:
         return "?"
-    if 0 < seconds < 0.995:
+    if fine and 0 < seconds < 0.995:
         return f"{seconds:.2g}s"
     seconds = int(round(seconds))
     if seconds < 60:

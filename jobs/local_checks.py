@@ -85,8 +85,9 @@ class Fit:
     steps: int  # left to train
 
     def said(self) -> str:
-        time_said = "" if self.step_s is None else (f", ~{format_duration(self.step_s)} a step, "
-                                                    f"~{format_duration(self.step_s * self.steps)} for {self.steps} steps")
+        time_said = "" if self.step_s is None else (
+            f", ~{format_duration(self.step_s, fine=True)} a step, ~{format_duration(self.step_s * self.steps)} for "
+            f"{self.steps} steps")
         return f"`slipway local {self.args}` {self.what} (~{self.memory / 1e9:.1f} GB{time_said})"
 
 
@@ -115,17 +116,17 @@ def plan_here(original: Config, local: Config, run_dir: Path, reload: Callable[[
         raise ConfigError("train.micro_batch_size", f"{said}: {fit.said() if fit else _NOTHING_FITS}")
     if step_s is None:
         return None
-    flops = step_flops(local)
-    console.print(f"[dim]expected here: ~{format_duration(step_s)} a step, ~{format_duration(step_s * left)} for {left} "
-                  "steps "
-                  f"(the model's {flops / 1e9:,.1f} GFLOP a step at ~{rate * 1e-9 * CPU_STEP_EFFICIENCY:,.0f} GFLOP/s: "
-                  f"{CPU_STEP_EFFICIENCY:.0%} of the {rate / 1e9:,.0f} GFLOP/s this machine's float32 matrix products reach "
-                  "now), after a start of 5 to 40 s[/]", soft_wrap=True)
+    flops, reached = step_flops(local), rate * CPU_STEP_EFFICIENCY
+    console.print(f"[dim]expected here: ~{format_duration(step_s, fine=True)} a step, "
+                  f"~{format_duration(step_s * left)} for {left} steps (the model's {flops / 1e9:,.1f} GFLOP a step "
+                  f"at ~{reached / 1e9:,.0f} GFLOP/s: {CPU_STEP_EFFICIENCY:.0%} of the {rate / 1e9:,.0f} GFLOP/s "
+                  "this machine's float32 matrix products reach now), after a start of 5 to 40 s[/]", soft_wrap=True)
     if step_s * left <= LOCAL_TRY_SECONDS or yes:
         return step_s
     fit = first_fit(original, run_dir, reload, rate, available, rename=rename)
-    over = (f"{left} steps of ~{format_duration(step_s)} take ~{format_duration(step_s * left)} here, more than a "
-            f"try on this machine ({format_duration(LOCAL_TRY_SECONDS)}): {fit.said() if fit else _NOTHING_FITS}")
+    over = (f"{left} steps of ~{format_duration(step_s, fine=True)} take ~{format_duration(step_s * left)} here, "
+            f"more than a try on this machine ({format_duration(LOCAL_TRY_SECONDS)}): "
+            f"{fit.said() if fit else _NOTHING_FITS}")
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise ConfigError("train.steps", f"{over}; or --yes to start it all the same")
     from rich.markup import escape
@@ -159,7 +160,8 @@ def _rungs(cfg: Config) -> list[tuple[dict, str]]:
     settings: dict = {}
     if s.nodes > 1 and p.dp % s.nodes == 0:
         settings = {"slurm.nodes": 1, "parallel.dp": p.dp // s.nodes}
-        rungs.append((dict(settings), f"trains one node's layout (dp {p.dp // s.nodes}, half the global batch or less)"))
+        rungs.append((dict(settings), f"trains one node's layout (dp {p.dp // s.nodes}: {s.nodes}x fewer sequences a "
+                                      "step)"))
     accum = max(1, p.pp)
     if t.micro_batch_size * t.grad_accum_steps > accum:
         settings = {**settings, "train.micro_batch_size": 1, "train.grad_accum_steps": accum}
@@ -224,18 +226,13 @@ def _load(original: Config, settings: dict, reload: Callable[[list[str]], Config
 
 
 def _runnable(original: Config, local: Config, settings: dict, run_dir: Path) -> str:
-    """`original`'s arguments with `settings`, and what lets them start on an existing run of
-    another config: --force where only the step count changes (the old config kept in history/),
-    else a run of its own (the checkpoints of another model or layout would not load)."""
-    args = original.config_args_setting(settings)
-    if not (run_dir / "manifest.json").is_file():
-        return args
-    from jobs.config import dump_config
-
-    if runs.config_difference(run_dir / "config.yaml", dump_config(local)) is None:
-        return args
-    if set(settings) <= {"train.steps"}:
-        return f"{args} --force"
+    """`original`'s arguments with `settings`, and what lets them start where the run exists
+    already: --force where only the step count changes (the old config kept in history/), else
+    a run of its own (the checkpoints of another model or layout would not load)."""
+    if not settings or not (run_dir / "manifest.json").is_file():
+        return original.config_args_setting(settings)
+    if set(settings) == {"train.steps"}:
+        return f"{original.config_args_setting(settings)} --force"
     return original.config_args_setting({**settings, "run.name": f"{local.run.name}-try"})
 
 

@@ -225,7 +225,7 @@ class Heartbeat:
 
     def waiting_for(self, last: str, stepping: bool) -> str:
         """`last`: the last line shown; `stepping`: whether a step line was shown yet."""
-        expected = f"; ~{format_duration(self.step_s)} a step expected here" if self.step_s else ""
+        expected = f"; ~{format_duration(self.step_s, fine=True)} a step expected here" if self.step_s else ""
         if stepping:
             done = self._progress()
             since = f", step {done[0]} done {format_duration(time.time() - done[1])} ago" if done else ""
