@@ -41,13 +41,14 @@ LOCAL_TRY_SECONDS = 30 * 60
 MIN_TRY_STEPS = 10  # fewer steps than this is no try: a smaller one is suggested instead
 
 
-def matmul_rate(bursts: int = 7, seconds: float = 0.02, n: int = 384) -> Optional[float]:
-    """FLOP/s of float32 n x n matrix products on this machine now: one core's, the median of
-    `bursts` of `seconds` each after one to warm up (the first products of a process run slower,
-    and a burst the scheduler cut short is one of seven), times the cores this process may use.
-    One thread, as each rank's torch uses its share: BLAS's own threads spin against the other
-    processes of a loaded machine and measure that contention, 20 times below what the cores
-    give. None without numpy (the trainer extra brings it)."""
+def matmul_rate(bursts: int = 5, seconds: float = 0.02, n: int = 384) -> Optional[float]:
+    """FLOP/s of float32 n x n matrix products on this machine: one core's, the median of
+    `bursts` of `seconds` of this thread's CPU time each after one to warm up (the first products
+    of a process run slower), times the cores this process may use. CPU time, not the clock: what
+    the cores give, the same answer on a busy machine as on an idle one (`busy` says when the
+    cores are shared), so a command suggested from it fits again when pasted. One thread, as
+    each rank's torch uses its share: BLAS's own threads spin against the other processes of a
+    loaded machine. None without numpy (the trainer extra brings it)."""
     threads = {name: os.environ.get(name) for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
     os.environ.update(dict.fromkeys(threads, "1"))  # read once, when numpy loads its BLAS
     try:
@@ -63,14 +64,22 @@ def matmul_rate(bursts: int = 7, seconds: float = 0.02, n: int = 384) -> Optiona
     a = np.random.default_rng(0).random((n, n), dtype=np.float32)
 
     def burst() -> float:
-        done, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds:
+        done, start = 0, time.thread_time()
+        while (elapsed := time.thread_time() - start) < seconds:
             a @ a
             done += 1
         return 2 * n ** 3 * done / elapsed
 
     burst()
     return statistics.median(burst() for _ in range(bursts)) * len(os.sched_getaffinity(0))
+
+
+def busy() -> str:
+    """A note when other work shares this machine's cores now (the load average past the cores):
+    steps take longer than the cores alone would make them."""
+    cores = len(os.sched_getaffinity(0))
+    load = os.getloadavg()[0]
+    return f"; this machine is busy (load {load:.0f} on {cores} cores): expect longer" if load > cores else ""
 
 
 @dataclass
@@ -120,7 +129,8 @@ def plan_here(original: Config, local: Config, run_dir: Path, reload: Callable[[
     console.print(f"[dim]expected here: ~{format_duration(step_s, fine=True)} a step, "
                   f"~{format_duration(step_s * left)} for {left} steps (the model's {flops / 1e9:,.1f} GFLOP a step "
                   f"at ~{reached / 1e9:,.0f} GFLOP/s: {CPU_STEP_EFFICIENCY:.0%} of the {rate / 1e9:,.0f} GFLOP/s "
-                  "this machine's float32 matrix products reach now), after a start of 5 to 40 s[/]", soft_wrap=True)
+                  f"this machine's float32 matrix products reach), after a start of 5 to 40 s{busy()}[/]",
+                  soft_wrap=True)
     if step_s * left <= LOCAL_TRY_SECONDS or yes:
         return step_s
     fit = first_fit(original, run_dir, reload, rate, available, rename=rename)

@@ -618,3 +618,20 @@ def test_a_jobs_log_ends_with_how_the_job_ended(tmp_path):
             curves = job.run_dir / "curves.png"
             assert lines[-2] == f"curves: {curves}" and curves.read_bytes().startswith(b"\x89PNG"), lines[-3:]
     assert len(set(last.values())) == 4
+
+
+def test_a_cluster_a_newer_slipway_recorded_is_still_read(tmp_path, monkeypatch):
+    """The local cluster's registry is machine-wide: a key a newer slipway's `cluster up` recorded
+    must not turn every `slipway submit` and `doctor` here into an internal error."""
+    import dataclasses
+
+    from jobs.devcluster import ClusterSpec, host
+    from jobs.devcluster.spec import spec_of_running
+
+    monkeypatch.setattr(host, "RUN_DIR", tmp_path)
+    spec = ClusterSpec(state_dir=tmp_path / "state", nodes=2, name="fhnewer")
+    record = {**dataclasses.asdict(spec), "state_dir": str(spec.state_dir), "max_array_size": 1001}
+    (tmp_path / "fhnewer.json").write_text(json.dumps({"state_dir": str(spec.state_dir), "spec": record}))
+    assert spec_of_running("fhnewer") == spec
+    (tmp_path / "fhnewer.json").write_text(json.dumps({"spec": ["damaged"]}))
+    assert spec_of_running("fhnewer") is None
