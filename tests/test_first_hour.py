@@ -629,7 +629,7 @@ def test_a_cluster_a_newer_slipway_recorded_is_still_read(tmp_path, monkeypatch)
     from jobs.devcluster.spec import spec_of_running
 
     monkeypatch.setattr(host, "RUN_DIR", tmp_path)
-    spec = ClusterSpec(state_dir=tmp_path / "state", nodes=2, name="fhnewer")
+    spec = ClusterSpec(state_dir=Path("/tmp/fhnewer"), nodes=2, name="fhnewer")  # a short name, as slurm.conf needs
     record = {**dataclasses.asdict(spec), "state_dir": str(spec.state_dir), "max_array_size": 1001}
     (tmp_path / "fhnewer.json").write_text(json.dumps({"state_dir": str(spec.state_dir), "spec": record}))
     assert spec_of_running("fhnewer") == spec
