@@ -34,8 +34,8 @@ endif
 
 help:
 	@echo "make local [CONFIG=tiny_cpu] [TORCH=cpu|cuda]  train on this machine (no Slurm, no container)"
-	@echo "make test                            every test (root for its own Slurm and podman; 15-30 min; torch 2.10 too)"
-	@echo "make test-fast                       the tests of seconds (2 min): no Slurm, podman, process groups or training"
+	@echo "make test                            all 1,230 tests (root for its own Slurm and podman; 15-30 min; torch 2.10 too)"
+	@echo "make test-fast                       1,015 tests of seconds (2-3 min idle, 2 cores): no Slurm, podman or training"
 	@echo "make image [CONFIG=...] [BASE_IMAGE=...]  podman build + enroot import -> images/*.sqsh"
 	@echo "make prepare CONFIG=tiny_wikitext [ARGS=--as-job]  tokenise the dataset before the allocation"
 	@echo "make submit CONFIG=tiny_wikitext [ARGS='--nodes 2 train.steps=100']"
