@@ -9,21 +9,33 @@ ARGS   ?=
 NODES  ?= 2
 STAMP  := $(VENV)/.installed
 # Which torch `make setup` installs first (CI pins the CPU build it carries), and which build of it:
-# TORCH=cpu, from PyTorch's CPU index (about 0.2 GB), where no NVIDIA GPU is visible; TORCH=cuda,
-# PyPI's CUDA build (about 3 GB with its CUDA libraries), where one is. TORCH_INDEX= leaves the
-# choice to pip's own indexes (a local wheelhouse, as CI's).
+# TORCH=cpu, from PyTorch's CPU index, where no NVIDIA GPU is visible; TORCH=cuda, PyPI's CUDA
+# build, where one is. TORCH_INDEX= leaves the choice to pip's own indexes (a local wheelhouse, as
+# CI's). Sizes on disk, measured in a new .venv (torch 2.13.0, Python 3.11, x86_64): the CPU build
+# with what it pulls in (sympy, networkx, ...) 0.9 GB from a 0.19 GB download; the CUDA build's
+# libraries are a download of about 3 GB (not measured on disk: no NVIDIA GPU where these were).
 TORCH_SPEC ?= torch>=2.10,<2.14
 TORCH ?= $(if $(or $(wildcard /proc/driver/nvidia/version),$(wildcard /dev/nvidia0)),cuda,cpu)
 TORCH_INDEX ?= $(if $(filter cpu,$(TORCH)),https://download.pytorch.org/whl/cpu)
-TORCH_SIZE := $(if $(filter cpu,$(TORCH)),about 0.2 GB,about 3 GB with its CUDA libraries)
+TORCH_SIZE := $(if $(filter cpu,$(TORCH)),0.9 GB on disk from a 0.2 GB download,a download of about 3 GB with its CUDA libraries)
+# An index that does not answer (no DNS, a firewall) would cost pip minutes of retries: it gets
+# this many seconds, name lookup included, before pip's own indexes serve torch instead.
+TORCH_PROBE_SECONDS ?= 4
 
-.PHONY: help setup setup-oldest setup-oldest-torch prepare local test test-oldest test-gpu test-fast submit dry-run shell image image-prune status doctor edf \
+# `make local train.steps=50` sets a make variable named train.steps, which no recipe reads: a
+# config override given where make takes its variables is refused, with the form that passes it.
+OVERRIDES_GIVEN := $(strip $(foreach v,$(.VARIABLES),$(if $(and $(filter command line,$(origin $(v))),$(findstring .,$(v))),$(v)=$($(v)))))
+ifneq ($(OVERRIDES_GIVEN),)
+$(error $(OVERRIDES_GIVEN): a config override goes in ARGS, not to make: make $(or $(MAKECMDGOALS),local)$(if $(filter-out tiny_cpu,$(CONFIG)), CONFIG=$(CONFIG)) ARGS="$(strip $(ARGS) $(OVERRIDES_GIVEN))")
+endif
+
+.PHONY: help setup torch-index setup-oldest setup-oldest-torch prepare local test test-oldest test-gpu test-fast submit dry-run shell image image-prune status doctor edf \
         cluster-up cluster-down bench clean
 
 help:
 	@echo "make local [CONFIG=tiny_cpu] [TORCH=cpu|cuda]  train on this machine (no Slurm, no container)"
-	@echo "make test                            every test (root for its own Slurm and podman; 15-30 min; torch 2.10 too)"
-	@echo "make test-fast                       the tests of seconds (2 min): no Slurm, podman, process groups or training"
+	@echo "make test                            all 1,230 tests (root for its own Slurm and podman; 15-30 min; torch 2.10 too)"
+	@echo "make test-fast                       1,015 tests of seconds (2-3 min idle, 2 cores): no Slurm, podman or training"
 	@echo "make image [CONFIG=...] [BASE_IMAGE=...]  podman build + enroot import -> images/*.sqsh"
 	@echo "make prepare CONFIG=tiny_wikitext [ARGS=--as-job]  tokenise the dataset before the allocation"
 	@echo "make submit CONFIG=tiny_wikitext [ARGS='--nodes 2 train.steps=100']"
@@ -41,17 +53,28 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/4] upgrading pip"
 	$(PY) $(PIP_INSTALL) --quiet --upgrade pip
-	@echo "==> [3/4] installing $(TORCH_SPEC), the $(TORCH) build$(if $(TORCH_INDEX), from $(TORCH_INDEX)): the largest"
-	@echo "    download ($(TORCH_SIZE); TORCH=$(if $(filter cpu,$(TORCH)),cuda,cpu) for the other build). pip then unpacks it"
-	@echo "    for a minute or two (a terminal shows pip's install bar, a log nothing until done)"
-	$(PY) $(PIP_INSTALL) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
+	@index=$$($(MAKE) -s --no-print-directory torch-index) || exit 1; \
+	echo "==> [3/4] installing $(TORCH_SPEC), the $(TORCH) build$${index:+, from $$index}$${index:-, from pip's own indexes}: the"; \
+	echo "    largest part ($(TORCH_SIZE); TORCH=$(if $(filter cpu,$(TORCH)),cuda,cpu) for the other build). pip then"; \
+	echo "    unpacks it for a minute or two (a terminal shows pip's install bar, a log nothing until done)"; \
+	echo "$(PY) $(PIP_INSTALL) $${index:+--index-url $$index }'$(TORCH_SPEC)'"; \
+	$(PY) $(PIP_INSTALL) $${index:+--index-url "$$index"} '$(TORCH_SPEC)'
 	@echo "==> [4/4] installing slipway (editable) with the trainer and test dependencies (datasets, tokenizers,"
-	@echo "    transformers, matplotlib, pytest: about 150 MB)"
+	@echo "    transformers, matplotlib, pytest: 0.7 GB on disk from about 0.15 GB of downloads)"
 	$(PY) $(PIP_INSTALL) -e '.[trainer,test]'
 	touch $(STAMP)
 	@echo "==> set up: $(VENV) (torch $$($(PY) -c 'from importlib.metadata import version; print(version("torch"))'))"
 
 setup: $(STAMP)
+
+# The index `make setup` installs torch from, on stdout: TORCH_INDEX where it answers within
+# TORCH_PROBE_SECONDS, else none (pip's own indexes), said in one line on stderr.
+torch-index:
+	@if [ -z '$(TORCH_INDEX)' ]; then :; elif timeout $(TORCH_PROBE_SECONDS) $(PYTHON) -c 'import sys, urllib.request as u; \
+	    u.urlopen(u.Request(sys.argv[1].rstrip("/") + "/torch/", method="HEAD"), timeout=60)' '$(TORCH_INDEX)' \
+	    2>/dev/null; then echo '$(TORCH_INDEX)'; else echo "==> $(TORCH_INDEX) does not answer from here (a \
+	$(TORCH_PROBE_SECONDS) s probe): torch comes from pip's own indexes instead; TORCH_INDEX=URL picks another index, \
+	TORCH_INDEX= pip's own without the probe" >&2; fi
 
 local: $(STAMP)
 	$(PY) -m jobs local $(CONFIG) $(ARGS)
@@ -85,9 +108,11 @@ $(OLDEST_TORCH_STAMP):
 	@echo "==> [1/3] creating the virtual environment $(OLDEST_VENV)"
 	$(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_PY) $(PIP_INSTALL) --quiet --upgrade pip
-	@echo "==> [2/3] installing $(OLDEST_TORCH), the $(TORCH) build$(if $(TORCH_INDEX), from $(TORCH_INDEX)) ($(TORCH_SIZE), once);"
-	@echo "    pip then unpacks it for a few minutes (a terminal shows pip's install bar, a log nothing until done)"
-	$(OLDEST_PY) $(PIP_INSTALL) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(OLDEST_TORCH)'
+	@index=$$($(MAKE) -s --no-print-directory torch-index) || exit 1; \
+	echo "==> [2/3] installing $(OLDEST_TORCH), the $(TORCH) build$${index:+, from $$index}$${index:-, from pip's own indexes} ($(TORCH_SIZE), once);"; \
+	echo "    pip then unpacks it for a few minutes (a terminal shows pip's install bar, a log nothing until done)"; \
+	echo "$(OLDEST_PY) $(PIP_INSTALL) $${index:+--index-url $$index }'$(OLDEST_TORCH)'"; \
+	$(OLDEST_PY) $(PIP_INSTALL) $${index:+--index-url "$$index"} '$(OLDEST_TORCH)'
 	touch $(OLDEST_TORCH_STAMP)
 
 $(OLDEST_STAMP): pyproject.toml $(OLDEST_TORCH_STAMP)
@@ -108,9 +133,11 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/test_gpu.py $(ARGS)
 
 # The tests that need no Slurm, podman or process group and take seconds at most (`slow`
-# marks the rest): a couple of minutes, for the edit-test loop. `make test` runs every test.
+# marks the rest; `make test` runs every test), on TEST_WORKERS workers: for the edit-test loop.
+# --durations names the slowest, so one that grows is seen where it grows.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slurm and not podman and not multiproc and not slow" $(ARGS)
+	$(PY) -m pytest -q --durations=10 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) \
+	    -m "not slurm and not podman and not multiproc and not slow" $(ARGS)
 
 submit: $(STAMP)
 	$(PY) -m jobs submit $(CONFIG) $(ARGS)

@@ -397,7 +397,7 @@ def print_header(prefix_width: int = 0, prefix: str = "") -> None:
 def drive(args: argparse.Namespace) -> int:
     from common.schema import from_dict
     from trainer.config import ModelSection
-    from trainer.model import num_flops_per_token
+    from common.layouts import num_flops_per_token
 
     flops_per_token = num_flops_per_token(from_dict(ModelSection, speed.model_dict(args)), args.seq_len)
     print(describe(args, flops_per_token) + f"; compile {'on' if args.compile else 'off'}, activation "
@@ -422,7 +422,7 @@ def drive_matrix(args: argparse.Namespace) -> int:
     bare and torchtitan on each."""
     from common.schema import from_dict
     from trainer.config import ModelSection
-    from trainer.model import num_flops_per_token
+    from common.layouts import num_flops_per_token
 
     all_lines, all_records, ok = [], [], True
     for label, preset, seq_len, micro_batch, steps in MATRIX_MODELS:

@@ -67,10 +67,30 @@ def invocation() -> str:
     return shlex.quote(relative if not relative.startswith("..") else str(script))
 
 
-def as_typed(text: str) -> str:
+# The config arguments of the command running (`Config.config_args`, set once it has loaded its
+# config): what a suggestion's CONFIG stands for, wherever its text was written (the trainer's own
+# messages cannot know the user's command line).
+_config_args: Optional[str] = None
+
+
+def given_config(config_args: str) -> None:
+    global _config_args
+    _config_args = config_args
+
+
+_SUGGESTED = re.compile(r"(`|\$\()slipway ([^`)]*)")
+
+
+def as_typed(text: str, config_args: Optional[str] = None) -> str:
     """`text` with each command it suggests (`` `slipway ...` ``, `$(slipway ...)`) in the form
-    this shell runs (`invocation`): a hint must work when pasted."""
-    prog = invocation()
-    if prog == "slipway":
+    this shell runs (`invocation`), its CONFIG placeholder the config arguments given (`config_args`,
+    else those of the command running): a hint must work when pasted."""
+    if "slipway " not in text:
         return text
-    return text.replace("`slipway ", f"`{prog} ").replace("$(slipway ", f"$({prog} ")
+    prog, args = invocation(), config_args or _config_args
+
+    def typed(m: re.Match) -> str:
+        words = re.sub(r"(?<![\w./-])CONFIG(?![\w./-])", lambda _: args, m.group(2)) if args else m.group(2)
+        return f"{m.group(1)}{prog} {words}"
+
+    return _SUGGESTED.sub(typed, text)

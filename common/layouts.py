@@ -243,6 +243,39 @@ def smaller_batch_hint(cfg: Any) -> str:
             "global batch in smaller micro batches)")
 
 
+def num_flops_per_token(model: Any, seq_len: int) -> int:
+    """Training FLOPs per token of `model` (a ModelSection), torchtitan's convention:
+    6 * N + 12 * L * H * Q * T.
+
+    N counts the parameters that do a matmul per token: every layer plus the
+    output projection (padded vocab x hidden: the padded rows are computed too),
+    not the input embedding (a lookup);
+    with tied embeddings the shared matrix is counted once, as the output.
+    6 = forward (2) + backward (4) FLOPs per parameter; 12 * L * H * Q * T is
+    the attention score and value matmuls (H heads of size Q, context T).
+    """
+    n_matmul = model.num_params() - model.padded_vocab_size * model.hidden_size * (0 if model.tie_embeddings else 1)
+    return 6 * n_matmul + 12 * model.num_layers * model.num_heads * model.head_dim * seq_len
+
+
+def step_flops(cfg: Any) -> int:
+    """Training FLOPs of one optimizer step of `cfg`'s whole job: every token of its global batch."""
+    p, t, seq = cfg.parallel, cfg.train, cfg.data.seq_len
+    return num_flops_per_token(cfg.model, seq) * seq * t.micro_batch_size * t.grad_accum_steps * p.dp
+
+
+# Of the FLOP/s this machine's float32 matrix products reach (measured by `slipway local` before it
+# starts), what the trainer's steps reach on its CPUs: 0.32 for tiny_cpu (2 ranks, 1M parameters,
+# 0.2 s a step) and 0.43 for the tiny preset (124M, float32) on a 2-core EPYC (BENCHMARKS.md).
+# The lower figure: an estimate that errs long, never one that hides a 10-minute step.
+CPU_STEP_EFFICIENCY = 0.3
+
+
+def cpu_step_seconds(cfg: Any, matmul_flops_per_s: float) -> float:
+    """Seconds one step of `cfg` takes on CPUs whose float32 matrix products reach `matmul_flops_per_s`."""
+    return step_flops(cfg) / (matmul_flops_per_s * CPU_STEP_EFFICIENCY)
+
+
 # One checkpoint holds the fp32 weights and AdamW's two moments: about 12 bytes a parameter.
 CHECKPOINT_BYTES_PER_PARAM = 12
 

@@ -50,13 +50,18 @@ def latest_by_step(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(kept.values(), key=lambda r: r["step"])
 
 
-def format_duration(seconds: Optional[float]) -> str:
-    """12s, 3m05s, 1h02m; ? when unknown."""
+def format_duration(seconds: Optional[float], fine: bool = False) -> str:
+    """12s, 3m05s, 1h02m, 12d04h; ? when unknown. `fine`: below a second to two digits (0.21s),
+    for a step's time (elsewhere 0s)."""
     if seconds is None:
         return "?"
+    if fine and 0 < seconds < 0.995:
+        return f"{seconds:.2g}s"
     seconds = int(round(seconds))
     if seconds < 60:
         return f"{seconds}s"
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds < 3 * 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"

@@ -39,7 +39,7 @@ EXIT_CODES = {
     PREFLIGHT_EXIT: "a node failed its preflight, not retried",
     REQUEUE_EXIT: "saved a checkpoint and stopped after the time-limit warning, no requeue left",
     INTERRUPTED_EXIT: "a local launch stopped by Ctrl-C",
-    CANCEL_EXIT: "cancelled by `slipway cancel`",
+    CANCEL_EXIT: "cancelled by slipway cancel",
     TERM_EXIT: "SIGTERM: a plain `scancel`, a preemption, or the time limit without a save",
 }
 # Any other code above 128 is 128 + the signal that ended the launch (a rank, or a local launch's launcher).

@@ -4,6 +4,7 @@ slipway wrote itself (manifest.json) read by the same rules (`from_dict(..., rec
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -216,7 +217,9 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
     if unknown and not record:
         key = unknown[0]
         path = f"{where}.{key}" if where else str(key)
-        raise ConfigError(path, f"unknown key; valid keys of {where or 'the config'} are: {', '.join(fields)}")
+        near = difflib.get_close_matches(str(key), list(fields), n=3, cutoff=0.6)
+        meant = f"did you mean {' or '.join(f'{where}.{n}' if where else n for n in near)}? " if near else ""
+        raise ConfigError(path, f"unknown key; {meant}valid keys of {where or 'the config'} are: {', '.join(fields)}")
     kwargs, too_big = {}, []
     edf = bool(getattr(cls, "EDF_TEXT", False))
     for name, f in fields.items():

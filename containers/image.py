@@ -373,7 +373,7 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
 
     if plan.build_on == "compute" and not here:
         if elsewhere is None:
-            raise ToolError("image.build_on: compute builds through Slurm: run `slipway image build` "
+            raise ToolError("image.build_on: compute builds through Slurm: run it with slipway image build CONFIG "
                             "(or set image.build_on: local)")
         elsewhere(plan)
         record = BuildRecord.read(plan.sidecar)
@@ -395,7 +395,7 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
     with plan.project.building(plan.tag) as guarded:
         if not guarded:
             console.print(f"[yellow]note:[/] {escape(str(plan.project.lock_path(plan.tag).parent))} has no flock: a "
-                          "`slipway image prune` meanwhile cannot tell that this build runs", highlight=False)
+                          "slipway image prune meanwhile cannot tell that this build runs", highlight=False)
         built = False
         if force or not podman.image_exists(plan.tag):
             t1 = time.perf_counter()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.markup import escape
 
+from common.environ import as_typed
 from common.fs import pid_alive
 from containers.tools import Container, Enroot, Podman, Tail, ToolError, squashfs_ok
 
@@ -117,8 +118,8 @@ def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, prin
         else:
             warnings.append(f"could not remove enroot's leftover podman container {c.name} ({outcome.why}): it keeps "
                             f"{plan.tag} in use; `slipway image prune` retries")
-    for warning in warnings:
-        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    for warning in warnings:  # on one line, its suggestion as this shell runs slipway: pasted whole
+        console.print(f"[yellow]warning:[/] {escape(as_typed(warning))}", highlight=False, soft_wrap=True)
     return removed, warnings
 
 

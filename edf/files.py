@@ -342,7 +342,8 @@ def find_edf(entry: str, where: str = "environment", edf_path: Optional[str] = N
             return candidate
     searched = ":".join(map(str, dirs))
     raise ConfigError(where, f"no EDF named {name!r} ({name}.toml) in EDF_PATH {searched!r}: "
-                             "install it with `slipway edf --install` or give a path")
+                             "install it with slipway edf CONFIG --install (the config whose environment it is) "
+                             "or give a path")
 
 
 def resolve_base(env: Environment, edf_path: Optional[str] = None) -> Environment:

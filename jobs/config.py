@@ -9,6 +9,7 @@ dataclasses. Nothing downstream reads raw dicts.
 from __future__ import annotations
 
 import copy
+import os
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from common.yaml import Plain, read_text_bounded, read_yaml
 from containers.record import ImageNeeds, ImageSection
 from edf.environment import NOT_CONFIG, SAFE_NAME, Environment
 from jobs.slurm.sections import NODE_PRESETS, LaunchSection, SlurmSection
-from trainer.config import TrainerConfig, check_trainer_sections
+from trainer.config import MODEL_DIMENSIONS, MODEL_PRESETS, TrainerConfig, check_trainer_sections
 
 # Slurm job names, file names and EDF names all come from run names (SAFE_NAME).
 SAFE_NAME_RULE = "use 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -148,7 +149,7 @@ class Config(TrainerConfig):
         require(bool(SAFE_NAME.match(self.run.name)), "run.name",
                 f"{shown(self.run.name)} is not a safe run name: {SAFE_NAME_RULE}")
         if self.launch.python is None:
-            self.launch.python = sys.executable if self.container.runtime == "none" else "python3"
+            self.launch.python = this_python() if self.container.runtime == "none" else "python3"
         if self.launch.procs_per_node is None:
             self.launch.procs_per_node = self.slurm.gpus_per_node or 1
         self._check_preset()
@@ -319,12 +320,29 @@ def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict
         apply_override(raw, key.strip(), parse_value(value, key.strip()))
     for key, value in (sets or {}).items():
         apply_override(raw, key, value)
+    _refuse_ineffective_size(raw, path, overrides or [], sets or {})
     run = raw.setdefault("run", {}) if isinstance(raw.get("run", {}), dict) else raw["run"]
     if isinstance(run, dict) and not run.get("name"):
         run["name"] = path.stem
     cfg = from_dict(Config, raw)
     cfg.source = path
     return cfg
+
+
+def _refuse_ineffective_size(raw: dict, path: Path, overrides: list[str], sets: dict[str, Any]) -> None:
+    """A model preset asked for on the command line where every dimension is set already would
+    change nothing: refused, not ignored (a run of another size than the user asked for)."""
+    given = sets.get("model.size") or next((o.partition("=")[2] for o in overrides
+                                            if o.partition("=")[0].strip() == "model.size"), None)
+    model = raw.get("model")
+    if given is None or not isinstance(model, dict) or str(given) not in MODEL_PRESETS:
+        return
+    if all(model.get(d) is not None for d in MODEL_DIMENSIONS):
+        said = f"--model-size {given}" if "model.size" in sets else f"model.size={given}"
+        raise ConfigError("model.size", f"{said} cannot take effect: {path} (with the command line) sets every "
+                                        f"dimension of the model ({', '.join(MODEL_DIMENSIONS)}), which a preset only "
+                                        "fills where unset; use a config that leaves them unset, or set the "
+                                        "dimensions themselves (--hidden-size, --num-layers, ...)")
 
 
 def resolve_config_path(name: str | Path) -> Path:
@@ -345,7 +363,28 @@ def resolve_config_path(name: str | Path) -> Path:
     known = sorted(p.stem for p in Path("configs").glob("*.yaml")) if Path("configs").is_dir() else []
     hint = f"; known configs: {', '.join(known)}" if known else ""
     shown = ", ".join(dict.fromkeys(map(str, candidates)))
-    raise ConfigError("CONFIG", f"no config file {text!r} (looked for {shown}){hint}")
+    cwd, root = Path.cwd(), project_dir()
+    where = (f"in the working directory {cwd}, which is also the project root (runs/ goes there)" if root == cwd
+             else f"in the working directory {cwd}; the project root, where runs/ goes, is {root} (SLIPWAY_PROJECT)")
+    # The checkout this slipway runs from (an editable install, as `make setup` makes) may hold it.
+    home = Path(__file__).resolve().parent.parent
+    there = next((c for c in candidates if not c.is_absolute() and (home / c).is_file()), None)
+    fix = (f"; the checkout slipway runs from has {there}: `cd {shlex.quote(str(home))}` first" if there and home != cwd
+           else "; give a path, or run slipway from the directory that holds configs/")
+    raise ConfigError("CONFIG", f"no config file {text!r} (looked for {shown} {where}){hint}{fix}")
+
+
+def this_python() -> str:
+    """This interpreter, as a run without a container records it: its directory resolved (a
+    project reached through a symlink, `/home` for `/users`, is one path), its own name kept (a
+    venv's python is a link to the base interpreter, which would leave the venv)."""
+    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+
+
+def project_dir() -> Path:
+    """The project root: where runs/ (and the token cache) go; the working directory unless
+    SLIPWAY_PROJECT names another. Configs are looked up from the working directory."""
+    return Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute()
 
 
 def dump_config(cfg: Config) -> str:

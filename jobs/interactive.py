@@ -1,6 +1,7 @@
 """Launches started from the user's terminal: `slipway local` (the job's launch on this machine,
-without Slurm), `slipway run` (the batch script's steps inside an allocation) and `slipway shell`.
-Their processes are watched over by jobs/supervisor.py."""
+without Slurm) and `slipway run` (the batch script's steps inside an allocation); what they check
+before any process starts is jobs/local_checks.py, their processes are watched over by
+jobs/supervisor.py. `slipway shell` is jobs/shell.py."""
 
 from __future__ import annotations
 
@@ -9,34 +10,28 @@ import copy
 import json
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
-from plumbum import local
 from rich.markup import escape
 
-from edf import render_edf, srun_flags
-from jobs import runs, slurm
+from jobs import local_checks, runs, slurm
 from jobs.runs import lock as runlock
 from jobs.runs.code import git_state, prune_code_store
-from jobs.config import Config
-from jobs.supervisor import FORWARDED, Output, Stopper, available_memory, oom_kills, wait_for_exit
+from jobs.config import Config, this_python
+from jobs.supervisor import FORWARDED, Heartbeat, Output, Stopper, oom_kills, wait_for_exit
 from jobs.runs.manifest import Launch, Manifest
 from jobs.slurm.ranks import local_argv
 from common import environ
 from common.errors import ConfigError
-from common.fs import write_atomic
 from common.events import append_event, now_iso
 from common.rundir import HANG_EXIT, LOCAL_JOB, REQUEUE_EXIT, CodeSnapshot, HangLine, complete_checkpoints
-from common.layouts import ALLOC_CONF, ALLOC_CONF_NAMES, PROCESS_BASE_BYTES, fitting_batch, process_memory
+from common.layouts import ALLOC_CONF, ALLOC_CONF_NAMES, PROCESS_BASE_BYTES, process_memory
 
 
 def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -> dict[str, str]:
@@ -76,31 +71,35 @@ def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
     local.slurm.nodes, local.slurm.gpus_per_node = 1, 0
     local.launch.procs_per_node = world
     local.container.runtime = "none"
-    local.launch.python = sys.executable
+    local.launch.python = this_python()
     local.launch.preset = "none"  # this machine is not the cluster's node type
     if changed and rename:
         local.run.name = f"{cfg.run.name}-local"
     return local, changed
 
 
-def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True) -> int:
+def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True, yes: bool = False,
+              reload: Optional[Callable[[list[str]], Config]] = None) -> int:
     """Create or resume the run directory and train here; the output also goes to logs/local-*.out.
 
     The run's lock is held for the whole launch: a second `slipway local` or `submit` of the
     run is refused while this one trains. SIGINT, SIGTERM and SIGHUP stop the trainer (see
     FORWARDED); the end is recorded, and nothing of the trainer's is left running."""
     cfg.container.require_host_env()  # the trainer takes them from this process's environment
+    original = cfg
     cfg, changed = local_view(cfg, rename=rename)
-    check_fits_here(cfg)
     if changed:
         console.print(f"[dim]on this machine: {'; '.join(changed)}[/]", soft_wrap=True)
     sealed = runs.seal(cfg, project_dir)
     if _finished(sealed, "local", console):
         return 0
-    check_before_start(sealed, cfg.config_args)  # seconds here, not after every process has started
+    # Seconds here, not after every process has started: the memory and the time it needs, its data.
+    step_s = local_checks.plan_here(original, cfg, sealed.paths.path, reload or (lambda words: original),
+                                    console, yes=yes, rename=rename)
+    local_checks.check_before_start(sealed, original)
     with runlock.hold(sealed.paths.path, f"slipway local {cfg.config_args}", trains=True):
         run, created = runs.prepare_run(sealed, force=force)
-        return _train_here(run, sealed, project_dir, created, console)
+        return _train_here(run, sealed, project_dir, created, console, step_s=step_s, original=original)
 
 
 def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -> int:
@@ -127,7 +126,7 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
     sealed = runs.seal(cfg, project_dir)
     if _finished(sealed, "run", console):
         return 0
-    check_before_start(sealed, cfg.config_args)
+    local_checks.check_before_start(sealed, cfg)
     with runlock.hold(sealed.paths.path, f"slipway run {cfg.config_args}", trains=True):
         run, created = runs.prepare_run(sealed, force=force)
         return _train_here(run, sealed, project_dir, created, console, allocation=job)
@@ -143,7 +142,8 @@ def _finished(sealed: runs.Sealed, command: str, console) -> bool:
 
 
 def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: bool, console,
-                allocation: Optional[str] = None) -> int:
+                allocation: Optional[str] = None, step_s: Optional[float] = None,
+                original: Optional[Config] = None) -> int:
     cfg = sealed.cfg
     code = sealed.snapshot
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
@@ -161,10 +161,26 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
         log_path = run.paths.logs / f"{tag}.out"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     console.print(f"{'new run' if created else 'resuming run'} [bold]{cfg.run.name}[/] in {run.dir}", soft_wrap=True)
+    if sealed.replaced:
+        console.print(f"config replaced (--force): {escape(sealed.replaced)}", soft_wrap=True, highlight=False)
     console.print(f"[dim]$ {' '.join(argv)}[/]", soft_wrap=True)
+    world = cfg.launch.procs_per_node * (1 if not allocation else cfg.slurm.nodes)
+    console.print("[dim]" + ("the batch script's checks on every node, then its training step; rank 0's lines follow"
+                             if allocation else f"starting {world} trainer processes: torchrun, then each imports "
+                                                "torch and joins the process group (5 to 40 s); their lines follow")
+                  + "[/]", soft_wrap=True)
     env = {**os.environ, **extra}
+    outputs: list[Output] = []
+
+    def notify(signum: int) -> None:
+        _say_stopping(console, signum)
+        for out in outputs:  # the log says it first: torch's and torchrun's lines about the exit follow
+            out.note(f"{_signal_name(signum)}: the ranks were asked to save a checkpoint at the step they agree on and "
+                     f"stop (exit {REQUEUE_EXIT}: saved, resumable); what torch and torchrun report below about that "
+                     "exit is this stop, not a failure")
+
     stopper = Stopper(run.dir, tag, agent=argv[1:3] == ["-m", "torch.distributed.run"],
-                      leader_only=bool(allocation), notify=lambda signum: _say_stopping(console, signum))
+                      leader_only=bool(allocation), notify=notify)
     previous = {sig: signal.signal(sig, stopper.handle) for sig in FORWARDED}
     ooms = oom_kills()
     try:
@@ -183,7 +199,13 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
             if not allocation:  # the batch script says where it starts
                 append_event(run.dir, LOCAL_JOB, "start on this machine")
             assert proc.stdout is not None
-            output = Output(proc.stdout, log, stopper)
+            done = complete_checkpoints(run.dir / cfg.checkpoint.dir)
+            compiling = cfg.train.compile is True or (cfg.train.compile == "auto" and bool(cfg.slurm.gpus_per_node))
+            output = Output(proc.stdout, log, stopper, Heartbeat(run.dir, tag, world, step_s=step_s, compiling=compiling,
+                                                                 resume_step=done[-1] if done else 0,
+                                                                 own=_own_program(cfg)),
+                            config_args=cfg.config_args)
+            outputs.append(output)
             output.start()
             wait_for_exit(proc.pid)
             stopper.sweep()  # whatever of its session outlived it (the leader is not reaped yet: its group is ours)
@@ -200,10 +222,43 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
     for text in end.events:
         append_event(run.dir, LOCAL_JOB, text)
     _finish_local(run, launch, end.outcome, **end.extra)
-    command = escape(f"`{environ.invocation()} {'run' if allocation else 'local'} {cfg.config_args}`")
+    # A try past the bound of local_checks was started with --yes (or a yes): so is its resumption.
+    left = cfg.train.steps - (done[-1] if done else 0)
+    confirmed = " --yes" if not allocation and step_s and step_s * left > local_checks.LOCAL_TRY_SECONDS else ""
+    command = escape(f"`{environ.invocation()} {'run' if allocation else 'local'} {cfg.config_args}{confirmed}`")
+    said = _end_lines(end, rc, step, command, log_path, run, cfg, output.error)
+    if end.code == 0 and not allocation:
+        said += _what_next(run, original or cfg)
+    from rich.text import Text
+
+    with contextlib.suppress(OSError), log_path.open("a") as log:  # the log ends as the terminal does
+        log.writelines(f"slipway: {Text.from_markup(line).plain}\n" for line in said)
     with contextlib.suppress(OSError):  # a closed terminal (SIGHUP): the end is recorded all the same
-        _say_end(console, end, rc, step, command, log_path, run, cfg, output.error)
+        for line in said:
+            console.print(line, soft_wrap=True, highlight=False)
     return end.code
+
+
+def _own_program(cfg: Config) -> str:
+    """The user's own program a launch runs instead of slipway's trainer, named for the heartbeat."""
+    if cfg.launch.command:
+        return f"launch.command ({shlex.join(cfg.launch.command)[:60]})"
+    return f"train.script {cfg.train.script}" if cfg.train.script else ""
+
+
+def _what_next(run: runs.Run, original: Config) -> list[str]:
+    """After a local run trained all its steps: its curves drawn, and the commands a user wants
+    next (its status, the live view, a first cluster run of the same config)."""
+    from jobs import trainer_door
+
+    try:
+        curves = f"curves: {escape(str(trainer_door.plot([run.dir])))}"
+    except ConfigError as exc:  # no matplotlib (the plot extra), no steps logged
+        curves = f"curves not drawn: {escape(str(exc))}"
+    name, prog = shlex.quote(run.name), environ.invocation()
+    return [curves, escape(f"next: `{prog} status {name}` (this run and its launches); `{prog} watch {name}` (a run "
+                           f"live, from a second terminal while it trains); `{prog} submit {original.config_args} "
+                           "--dry-run` (a first cluster run: what it would submit, nothing submitted)")]
 
 
 def _say_stopping(console, signum: int) -> None:
@@ -212,10 +267,11 @@ def _say_stopping(console, signum: int) -> None:
                       soft_wrap=True)
 
 
-def _say_end(console, end: "_End", rc: int, step: Optional[int], command: str, log_path: Path, run: runs.Run,
-             cfg: Config, error: str) -> None:
-    """The end in one line (two for a hang): what ended the run, where, what was saved, the
-    command that resumes it and the log."""
+def _end_lines(end: "_End", rc: int, step: Optional[int], command: str, log_path: Path, run: runs.Run,
+               cfg: Config, error: str) -> list[str]:
+    """The end in one line (two for a hang), in rich markup: what ended the run, where, what was
+    saved, the command that resumes it and the log."""
+    lines: list[str] = []
     log = escape(str(log_path))
     steps = complete_checkpoints(run.dir / cfg.checkpoint.dir)
     start = f"{command} starts from step 0"
@@ -227,21 +283,20 @@ def _say_end(console, end: "_End", rc: int, step: Optional[int], command: str, l
             told = f"{where} and saved it: {command} resumes from there"
         else:
             told = f"{where}, unsaved: {resume}" if steps else f"{where} before its first checkpoint: {start}"
-        console.print(f"[yellow]{what}[/]{told}; log: {log}", soft_wrap=True)
+        lines.append(f"[yellow]{what}[/]{told}; log: {log}")
     elif end.hang:
-        console.print(f"log: {log}; {resume}", soft_wrap=True)
-        console.print(f"[red]{escape(end.hang)}[/]", soft_wrap=True)  # the last line: what ended the run
+        lines.append(f"log: {log}; {resume}")
+        lines.append(f"[red]{escape(end.hang)}[/]")  # the last line: what ended the run
     elif end.reason:
-        console.print(f"[red]{escape(end.reason)}[/]{f'; {resume}' if end.resumable else ''}; log: {log}",
-                      soft_wrap=True)
+        lines.append(f"[red]{escape(end.reason)}[/]{f'; {resume}' if end.resumable else ''}; log: {log}")
     elif rc == REQUEUE_EXIT:
-        console.print(f"stopped after saving a checkpoint: {resume}", soft_wrap=True)
+        lines.append(f"stopped after saving a checkpoint: {resume}")
     elif rc:
-        console.print(f"[red]training failed with exit code {rc}[/]{': ' + escape(error) if error else ''}; "
-                      f"log: {log}", soft_wrap=True)
+        lines.append(f"[red]training failed with exit code {rc}[/]{': ' + escape(error) if error else ''}; "
+                      f"log: {log}")
     else:
-        console.print(f"done: metrics in {run.dir / 'metrics.jsonl'}, checkpoints in {run.dir / cfg.checkpoint.dir}",
-                      soft_wrap=True)
+        lines.append(escape(f"done: metrics in {run.dir / 'metrics.jsonl'}, checkpoints in {run.dir / cfg.checkpoint.dir}"))
+    return lines
 
 
 @dataclass
@@ -297,7 +352,7 @@ def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, signum: Optiona
             reason = f"{who} was killed by the out-of-memory killer ({name}){where}: this machine ran out of memory"
             if not (cfg.launch.command or cfg.train.script):  # half the arithmetic's batch-dependent part
                 need = process_memory(cfg)
-                reason += f"; {_smaller_batch(cfg, PROCESS_BASE_BYTES + (need - PROCESS_BASE_BYTES) / 2)}"
+                reason += f"; {local_checks.smaller_batch(cfg, PROCESS_BASE_BYTES + (need - PROCESS_BASE_BYTES) / 2)}"
         return _End(128 + killed, 128 + killed, [reason, f"end exit {128 + killed}"], reason=reason,
                     resumable=not oom, extra={"trainer_exit": rc})
     return _End(rc, rc, [f"end exit {rc}"])
@@ -319,87 +374,6 @@ def _hang(run: runs.Run, cfg: Config, tag: str) -> str:
     step, limit = (first.step, f"{first.limit_s:g}") if first else ("?", "?")
     return (f"hang: no step completed for {limit} s after step {step}; stack dumps from {len(dumps)} of "
             f"{cfg.world_size} ranks in {run.paths.hangs}/{tag}-*.txt")
-
-
-def check_fits_here(cfg: Config) -> None:
-    """Slipway's trainer in `cfg`'s local view: refused before any process starts when the
-    layout's arithmetic (common/layouts.py `process_memory`) needs more memory than this machine
-    has free, naming the micro batch (else the sequence length) under which it fits."""
-    available = available_memory()
-    if cfg.launch.command or cfg.train.script or available is None:
-        return
-    world, need = cfg.launch.procs_per_node, process_memory(cfg)
-    if world * need <= available:
-        return
-    said = (f"{world} processes of about {need / 1e9:.1f} GB each (common/layouts.py's arithmetic) need "
-            f"{world * need / 1e9:.1f} GB, this machine has {available / 1e9:.1f} GB free")
-    raise ConfigError("train.micro_batch_size", f"{said}: {_smaller_batch(cfg, FIT_SHARE * available / world)}")
-
-
-# Of the memory free, what a suggested batch plans for: the arithmetic is within about 5% of a
-# rank's peak, and the machine's other processes grow too.
-FIT_SHARE = 0.8
-
-
-def _smaller_batch(cfg: Config, budget: float) -> str:
-    """The `slipway local` command whose processes stay within `budget` bytes each, and what it keeps."""
-    fit = fitting_batch(cfg, budget)
-    if fit is None:
-        return "not even micro batch 1 at a short seq_len fits: try the layout on a smaller model or fewer processes"
-    micro, accum, seq = fit
-    settings = {"train.micro_batch_size": micro, "train.grad_accum_steps": accum}
-    keeps = "the layout and the global batch"
-    if seq != cfg.data.seq_len:
-        settings["data.seq_len"], keeps = seq, f"the layout, at seq_len {seq} instead of {cfg.data.seq_len}"
-    world = cfg.launch.procs_per_node * cfg.slurm.nodes
-    return (f"`slipway local {cfg.config_args_setting(settings)}` keeps {keeps} "
-            f"(~{world * process_memory(cfg, micro, seq) / 1e9:.1f} GB)")
-
-
-def check_before_start(sealed: runs.Sealed, config_args: str) -> None:
-    """What the trainer would refuse only once every process has started (torch imported, the
-    process group formed), checked from the config and the token cache's index: files the run
-    needs, a token cache `slipway prepare` has not made (the same refusal as `submit`), data too
-    short for the sequence length or the validation share, a tokenizer larger than the model's
-    vocabulary."""
-    cfg = sealed.cfg
-    runs.check_submittable(cfg)
-    why = runs.unprepared_data(sealed, config_args)
-    if why:
-        raise ConfigError("data", why)
-    _check_data_fits(cfg, sealed.data_status())
-
-
-def _check_data_fits(cfg: Config, status) -> None:
-    """The trainer's window and vocabulary rules (trainer/data.py), from the prepared entries'
-    token counts; an entry the job will tokenize itself is judged there."""
-    data, window = cfg.data, cfg.data.seq_len + 1
-    index = {e.role: e.index for e in status.entries if e.prepared and e.index}
-    if "train" not in index:
-        return
-    train = index["train"]
-    n_train, source = int(train["n_tokens"]), train.get("source", data.dataset)
-    if int(train.get("vocab_size", 0)) > cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the vocabulary of "
-                                              f"data.tokenizer '{data.tokenizer}' ({train['vocab_size']}): set "
-                                              f"model.vocab_size >= {train['vocab_size']}")
-    if "validation" in index:
-        n_val = int(index["validation"]["n_tokens"])
-        if n_val < window:
-            raise ConfigError("data.validation_split", f"{n_val:,} tokens of {index['validation'].get('source')} "
-                                                       f"hold no window of data.seq_len + 1 = {window}: lower "
-                                                       "data.seq_len or use more data")
-    elif data.validation_fraction > 0 and not data.validation_split:
-        n_val = int(n_train * data.validation_fraction)
-        if n_val < window:
-            raise ConfigError("data.validation_fraction",
-                              f"{data.validation_fraction} of {n_train:,} tokens is {n_val}, less than one window "
-                              f"of data.seq_len + 1 = {window}: raise it, lower data.seq_len, or set it to 0 to "
-                              "skip validation")
-        n_train -= n_val
-    if n_train < window:
-        raise ConfigError("data.dataset", f"{n_train:,} tokens of {source} hold no window of data.seq_len + 1 = "
-                                          f"{window}: lower data.seq_len or use more data")
 
 
 def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: Path, sealed: runs.Sealed,
@@ -434,109 +408,3 @@ def _finish_local(run: runs.Run, launch: Launch, outcome: Union[int, str], **ext
                 break
 
     runs.update_manifest(run, finish)
-
-
-
-
-# Where the shell's EDF would be, as a dry run shows it (mkdtemp's Xs: a name chosen when it runs).
-SHELL_EDF_SHOWN = "slipway-shell-XXXXXXXX"
-
-
-def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None, edf_dir: Path | None = None,
-               write_code: bool = False) -> tuple[list[str], dict[str, str], str | None, list[str]]:
-    """`srun ... --pty bash` in the image (or `command` without a pty), one node, one task;
-    the variables to set in srun's environment (pyxis passes container.env that way); the
-    text of the Container Engine's EDF (None for the other runtimes), to be written as
-    `edf_dir`/env.toml (default: the name a dry run shows) before srun starts; and notes.
-
-    The environment is the one a submitted run of `cfg` would get (pinned image, its paths
-    mounted) less the paths not created yet, through the same `srun_flags` as the batch
-    script; every mount source is checked here (jobs.runs.container.shell_environment). It never
-    writes into a run directory. Variables of `container.env_from_host` are only named,
-    never expanded: srun hands them on from this process's environment."""
-    from jobs.runs.container import shell_environment
-
-    sealed = runs.seal(cfg, project_dir)
-    code = sealed.snapshot if sealed.env.in_container else None  # runtime none: this checkout itself
-    if code is not None and write_code:
-        sealed.code.write()  # content-addressed, in the store beside the runs: never inside one
-    env, notes = shell_environment(sealed.cfg, sealed.paths, sealed.pin, code)
-    if code is not None and not write_code:
-        notes.append(f"the checkout's code goes in as the code snapshot {code.dir} (written when the shell starts), "
-                     "in front of the image's trainer, as a submission now would run it")
-    edf_file, text = None, None
-    if env.runtime == "edf":
-        text = render_edf(env)
-        edf_file = (edf_dir or shell_edf_root(project_dir) / SHELL_EDF_SHOWN) / "env.toml"
-    args, exports = srun_flags(env, edf_file).expanded()
-    s = cfg.slurm
-    argv = slurm.srun_argv(nodes=1, cpus_per_task=s.cpus_per_task, gpus_per_node=s.gpus_per_node, time=s.time,
-                           account=s.account, partition=s.partition, pty=not command, container=args)
-    return argv + (list(command) if command else ["bash"]), exports, text, notes
-
-
-def shell_edf_root(project_dir: Path) -> Path:
-    """The parent of the shells' private EDF directories: beside the runs, on the filesystem
-    the compute nodes share (the Container Engine reads the EDF there), never in a run."""
-    return runs.runs_root(project_dir) / ".shell"
-
-
-def shell_dry_run(cfg: Config, project_dir: Path, command: list[str] | None = None) -> tuple[str, list[str]]:
-    """What `slipway shell --dry-run` prints (the EDF, then the srun command), writing nothing;
-    and its notes (what a real shell would refuse)."""
-    notes = []
-    try:
-        cfg.container.require_host_env()
-    except ConfigError as exc:
-        notes.append(f"a real shell would fail: {exc}")
-    argv, exports, text, shell_notes = shell_argv(cfg, project_dir, command)
-    notes += shell_notes
-    out = ""
-    if text is not None:
-        edf_file = shell_edf_root(project_dir) / SHELL_EDF_SHOWN / "env.toml"
-        out += f"==> {edf_file} (private, written when the shell starts, removed when it ends) <==\n{text}"
-    return out + shlex.join([*(f"{k}={v}" for k, v in exports.items()), *argv]) + "\n", notes
-
-
-def run_shell(cfg: Config, project_dir: Path, command: list[str] | None = None) -> int:
-    """`slipway shell`: the Container Engine's EDF in a private directory (0700, the file 0600)
-    for as long as srun runs, then removed (also on Ctrl-C, SIGTERM or a closed terminal)."""
-    cfg.container.require_host_env()
-    if cfg.container.runtime != "edf":
-        argv, exports, _, notes = shell_argv(cfg, project_dir, command, write_code=True)
-        _shell_notes(notes)
-        return exec_foreground(argv, exports)
-    root = shell_edf_root(project_dir)
-    runs.no_world_write()
-    root.mkdir(parents=True, exist_ok=True)
-    mode = root.stat()
-    if mode.st_mode & 0o002 and mode.st_uid == os.getuid():  # whoever may write there could swap our directory
-        os.chmod(root, mode.st_mode & 0o7775)
-    private = Path(tempfile.mkdtemp(prefix=SHELL_EDF_SHOWN.rstrip("X"), dir=root))
-    handlers = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        argv, exports, text, notes = shell_argv(cfg, project_dir, command, edf_dir=private, write_code=True)
-        _shell_notes(notes)
-        write_atomic(private / "env.toml", text or "", 0o600)
-        return exec_foreground(argv, exports)
-    finally:
-        shutil.rmtree(private, ignore_errors=True)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-
-
-def _shell_notes(notes: list[str]) -> None:
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-
-
-def _exit_on_signal(signum: int, frame) -> None:
-    raise SystemExit(128 + signum)  # unwinds through run_shell's cleanup
-
-
-def exec_foreground(argv: list[str], exports: dict[str, str] | None = None) -> int:
-    """Hand the terminal to `argv` (with `exports` added to its environment) and return its exit code."""
-    if not slurm.available(argv[0]):
-        raise slurm.SlurmError(f"{argv[0]} not found on PATH: run this on a Slurm login node")
-    return local[argv[0]][argv[1:]].popen(stdin=None, stdout=None, stderr=None,
-                                          env={**os.environ, **(exports or {})}).wait()

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from common.edge import DEBUG_VARIABLE
+from common.environ import as_typed
+from common.metrics_log import format_duration
 from common.rundir import RunDir
 
 # Signals that stop a launch: the ranks are asked to save and stop (a closed terminal's SIGHUP
@@ -205,38 +207,130 @@ class Noise:
         return not (_TORCH_LOG.match(body) or _CPP_LOG.match(body) or _CPP_TRACE.match(body))
 
 
+# A launch that prints nothing for this long says what it is waiting for (the trainer's start,
+# its first step, a step longer than the logging interval): never a silent half minute.
+HEARTBEAT_SECONDS = 20.0
+
+
+class Heartbeat:
+    """What a launch is waiting for while it prints nothing, told from its output so far, its
+    config and rank 0's progress record (common.rundir.RunDir.progress)."""
+
+    def __init__(self, run_dir: Path, tag: str, procs: int, *, step_s: Optional[float] = None,
+                 compiling: bool = False, resume_step: int = 0, own: str = "") -> None:
+        # own: a program of the user's (train.script, launch.command), whose phases slipway cannot tell
+        self.run_dir, self.tag, self.procs, self.step_s = run_dir, tag, procs, step_s
+        self.compiling, self.resume_step, self.own = compiling, resume_step, own
+        self.started = time.monotonic()
+
+    def waiting_for(self, last: str, stepping: bool) -> str:
+        """`last`: the last line shown; `stepping`: whether a step line was shown yet."""
+        expected = f"; ~{format_duration(self.step_s, fine=True)} a step expected here" if self.step_s else ""
+        if stepping:
+            done = self._progress()
+            since = f", step {done[0]} done {format_duration(time.time() - done[1])} ago" if done else ""
+            return f"training{since} (steps are printed every logging.interval{expected})"
+        if self.own:
+            return f"{self.own}, which has printed nothing {'more ' if last else ''}(slipway cannot tell its phases)"
+        if not last:
+            return (f"torchrun to start {self.procs} trainer processes (each imports torch, then they join one "
+                    "process group)")
+        if "tokeniz" in last:
+            return "rank 0 tokenizing the data (the other ranks wait for it)"
+        load = f"loading the checkpoint of step {self.resume_step}, then " if self.resume_step else ""
+        first = ("compiling the model's blocks, then its first batch, forward and backward" if self.compiling
+                 else "its first batch, forward and backward")
+        return f"the model's build, {load}the first step: {first}{expected}"
+
+    def _progress(self) -> Optional[tuple[int, float]]:
+        import json
+
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            record = json.loads(RunDir(self.run_dir).progress.read_text())
+            if record.get("job") == self.tag and record["step"] > 0:
+                return int(record["step"]), float(record["unix"])
+        return None
+
+
 class Output(threading.Thread):
     """Copies the launch's output to the log, and to this terminal what `Noise` lets through
     until a stop was asked (`stopper.signum`); keeps what the end report needs: the trainer's
-    one-line error (or a crash's exception line), and the rank torchrun says a signal killed."""
+    one-line error (or a crash's exception line), and the rank torchrun says a signal killed.
+    With a `heartbeat`, a silence of HEARTBEAT_SECONDS is told (`Heartbeat`), on the terminal and
+    in the log, until the launch ends or a stop is asked."""
 
-    def __init__(self, stream, log, stopper: Stopper) -> None:
+    def __init__(self, stream, log, stopper: Stopper, heartbeat: Optional[Heartbeat] = None,
+                 config_args: Optional[str] = None) -> None:
         super().__init__(name="slipway-local-output", daemon=True)
-        self.stream, self.log, self.stopper = stream, log, stopper
+        self.stream, self.log, self.stopper, self.heartbeat = stream, log, stopper, heartbeat
+        self.config_args = config_args  # what a `slipway ... CONFIG` the trainer suggests stands for here
         self.noise = Noise()
         self.everything = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
         self.trainer_error = ""
         self.failed_rank: Optional[str] = None
         self.rank_signal: Optional[int] = None
         self._terminal = True
+        self._lock = threading.Lock()  # the log and the terminal, between this thread, the heartbeat's and notes
+        self._last, self._last_at, self._stepping = "", time.monotonic(), False
+        self._ended = threading.Event()
 
     @property
     def error(self) -> str:
         return self.trainer_error or self.noise.exception
 
+    def note(self, text: str, terminal: bool = False) -> None:
+        """A line of slipway's own into the log (and the terminal): what happened, above the lines
+        of torch's and torchrun's that follow from it."""
+        with self._lock:
+            if terminal:
+                self._write(f"{text}\n".encode())
+            with contextlib.suppress(OSError, ValueError):
+                self.log.write(f"slipway: {text}\n")
+                self.log.flush()
+
+    def _write(self, line: bytes) -> None:
+        if not self._terminal:
+            return
+        try:
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
+        except (OSError, ValueError):  # the terminal is gone (SIGHUP): the log keeps it all
+            self._terminal = False
+
+    def _beat(self) -> None:
+        assert self.heartbeat is not None
+        while not self._ended.wait(1.0):
+            if self.stopper.signum is not None:
+                return
+            if time.monotonic() - self._last_at >= HEARTBEAT_SECONDS:
+                since = format_duration(time.monotonic() - self.heartbeat.started)
+                self.note(f"{since} since the launch, waiting for "
+                          f"{self.heartbeat.waiting_for(self._last, self._stepping)}", terminal=True)
+                self._last_at = time.monotonic()
+
     def run(self) -> None:
+        beat = None
+        if self.heartbeat is not None:
+            beat = threading.Thread(target=self._beat, name="slipway-heartbeat", daemon=True)
+            beat.start()
+        try:
+            self._copy()
+        finally:
+            self._ended.set()
+
+    def _copy(self) -> None:
         rank, root = None, False
         for line in iter(self.stream.readline, b""):
             text = line.decode(errors="replace")
             shown = self.noise.shown(text)
-            if self._terminal and (self.everything or (shown and self.stopper.signum is None)):
-                try:
-                    sys.stdout.buffer.write(line)
-                    sys.stdout.flush()
-                except (OSError, ValueError):  # the terminal is gone (SIGHUP): the log keeps it all
-                    self._terminal = False
-            self.log.write(text)
-            self.log.flush()
+            with self._lock:
+                if self.everything or (shown and self.stopper.signum is None):
+                    # the trainer's suggestions, as this shell runs them with this run's config
+                    self._write(as_typed(text, self.config_args).encode() if "`slipway " in text else line)
+                    self._last, self._last_at = text, time.monotonic()
+                    self._stepping = self._stepping or text.startswith("step ")
+                self.log.write(text)
+                self.log.flush()
             if text.startswith("error: "):  # the trainer's one-line reason
                 self.trainer_error = text.removeprefix("error: ").strip()
             # torchrun's report of failed workers: only its "Root Cause (first observed failure)"

@@ -25,6 +25,7 @@ Behaviour is chosen through the environment at call time:
   FAKE_ENROOT_WAIT=PATH   after `podman create`, wait (at most 5 minutes) until PATH exists:
                           an import that is still running
   FAKE_PODMAN_FAIL=pull   podman build fails as when the base cannot be pulled
+  FAKE_PODMAN_FAIL=disk   podman build fails as when its storage is full
   FAKE_PODMAN_RM_FAIL=RE  `podman rm` fails for containers whose name matches RE
   FAKE_IMAGE_ENV          lines VAR=VALUE the image's ENV has besides PATH
 """
@@ -64,6 +65,10 @@ def find(ident):
 if args[:1] == ["build"]:
     tag = args[args.index("-t") + 1]
     print("STEP 1/2: FROM base", flush=True)
+    if os.environ.get("FAKE_PODMAN_FAIL") == "disk":
+        print("Error: committing container for step: copying layers: write /var/tmp/x: no space left on device",
+              flush=True)
+        sys.exit(125)
     if os.environ.get("FAKE_PODMAN_FAIL") == "pull":
         print("Error: creating build container: initializing source docker://nvcr.io/nvidia/pytorch:25.12-py3: "
               "pinging container registry nvcr.io: Get \\"https://nvcr.io/v2/\\": dial tcp: lookup nvcr.io: "

@@ -234,6 +234,7 @@ def test_pyxis_keeps_the_container_of_a_known_build_only(project):
     assert bad.returncode == 2 and "container.keep_builds" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # a minute: sinfo's own search for a controller when SLURM_CONF names no file
 def test_the_containers_command_says_why_slurm_cannot_answer(project, tmp_path):
     """`slipway image containers` where no Slurm controller can be reached: Slurm's own words in
     one line, exit 1 (the input was fine), never an internal error."""

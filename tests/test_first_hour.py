@@ -212,7 +212,7 @@ def test_a_slurm_conf_left_from_a_stopped_local_cluster_is_named_first(project, 
     conf.write_text(render_slurm_conf(spec))
     line = one_error_line(slipway("submit", "tiny_cpu", env={"SLURM_CONF": str(conf)}), code=1)
     assert line.startswith(f"slipway: error: SLURM_CONF={shlex.quote(str(conf))} names a local test cluster that is not up "
-                           "(`slipway cluster down` stopped it): `unset SLURM_CONF` for this machine's own Slurm, or "
+                           "(slipway cluster down stopped it): `unset SLURM_CONF` for this machine's own Slurm, or "
                            "`slipway cluster up`"), line
     assert len(line) < 600, line  # scontrol's page of munge errors cut short, after the fix
     assert not (project / "runs").exists()
@@ -345,3 +345,293 @@ def test_status_fits_80_columns_and_watch_into_a_pipe_shows_the_run_as_it_goes(p
     assert max(map(len, status.splitlines())) <= 80, status
     row = next(line for line in status.splitlines() if "a-longer-run-name" in line)
     assert "COMPLETED" in row and "step 300/300, loss " in row, status  # the name whole, the progress on one line
+
+
+# ---------------------------------------------------------------- issue 42: setup decides in seconds
+
+
+def test_setup_finds_an_unreachable_torch_index_in_seconds_and_says_how_to_choose(tmp_path):
+    """`make setup`'s torch index (make torch-index): one that does not answer (here: a server that
+    accepts and never replies) is given up after TORCH_PROBE_SECONDS, in one line naming
+    TORCH_INDEX; one that answers is used; none is asked for with TORCH_INDEX=."""
+    import http.server
+    import socket
+    import threading
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(200 if self.path == "/whl/cpu/torch/" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts, never answers: a firewall that drops, a resolver that hangs
+    root = Path(__file__).resolve().parent.parent
+
+    def index(url: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["make", "-s", "--no-print-directory", "-C", str(root), "torch-index",
+                               f"TORCH_INDEX={url}", "TORCH_PROBE_SECONDS=2"], capture_output=True, text=True,
+                              timeout=120)
+
+    try:
+        answering = f"http://127.0.0.1:{server.server_address[1]}/whl/cpu"
+        r = index(answering)
+        assert r.returncode == 0 and r.stdout == answering + "\n" and r.stderr == "", (r.stdout, r.stderr)
+        for url in (f"http://127.0.0.1:{silent.getsockname()[1]}/whl/cpu",  # no answer
+                    "http://name-that-does-not-resolve.invalid/whl/cpu"):  # no name
+            r = index(url)
+            assert r.returncode == 0 and r.stdout == "", r.stdout  # setup goes on with pip's own indexes
+            assert r.stderr == (f"==> {url} does not answer from here (a 2 s probe): torch comes from pip's own "
+                                "indexes instead; TORCH_INDEX=URL picks another index, TORCH_INDEX= pip's own "
+                                "without the probe\n"), r.stderr
+        r = index("")
+        assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
+    finally:
+        server.shutdown()
+        silent.close()
+
+
+def test_make_refuses_a_config_override_given_as_a_make_variable():
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run(["make", "-C", str(root), "local", "train.steps=50", "CONFIG=tiny_wikitext"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout.strip().splitlines()[-1:] != ["nothing to train"], r.stdout
+    said = r.stderr.strip().splitlines()[-1]
+    assert "train.steps=50: a config override goes in ARGS, not to make: " in said, said
+    suggested = said.split("not to make: ")[1].removesuffix(".  Stop.")
+    assert suggested == 'make local CONFIG=tiny_wikitext ARGS="train.steps=50"', suggested
+    # The form it names passes the override to slipway (-n: what make would run).
+    words = shlex.split(suggested)
+    dry = subprocess.run([words[0], "-n", "-C", str(root), *words[1:]], capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0 and "-m jobs local tiny_wikitext train.steps=50" in dry.stdout, dry.stdout
+
+
+# ---------------------------------------------------------------- issue 42: mistakes told their fix
+
+
+def test_an_override_in_another_form_is_told_the_key_value_form(project):
+    cases = {("train.steps", "100"): "train.steps: an override is KEY=VALUE in one word: train.steps=100",
+             ("--nodes", "1", "train.steps", "100"): "train.steps: an override is KEY=VALUE in one word: "
+                                                     "train.steps=100",
+             ("--train.steps=100",): "--train.steps=100: a config key is set as KEY=VALUE, without dashes: "
+                                     "train.steps=100 (or its flag --train-steps 100)",
+             ("--train.steps", "100"): "--train.steps: a config key is set as KEY=VALUE, without dashes: "
+                                       "train.steps=100 (or its flag --train-steps 100)",
+             ("train.stpes=100",): "train.stpes: unknown key; did you mean train.steps or train.dtype? valid keys "
+                                   "of train are: steps, "}
+    for words, said in cases.items():
+        line = one_error_line(slipway("submit", "tiny_cpu", *words, "--dry-run"))
+        assert line.startswith(f"slipway: error: {said}"), line
+    line = one_error_line(slipway("local", "train.steps=100", "tiny_cpu"))
+    assert line == ("slipway: error: CONFIG: train.steps=100 is an override, and the config comes first: CONFIG "
+                    "train.steps=100 (e.g. tiny_cpu train.steps=100)"), line
+    fixed = slipway("submit", "tiny_cpu", "--nodes", "1", "train.steps=100", "--dry-run")
+    assert fixed.returncode == 0 and "verdict: would be" in fixed.stdout, fixed.stderr
+
+
+def test_a_model_size_that_cannot_take_effect_is_refused(project, tmp_path):
+    for words in (["--model-size", "large"], ["model.size=large"]):
+        line = one_error_line(slipway("submit", "tiny_cpu", *words, "--dry-run"))
+        said = "--model-size large" if words[0] == "--model-size" else "model.size=large"
+        assert line.startswith(f"slipway: error: model.size: {said} cannot take effect: configs/tiny_cpu.yaml (with "
+                               "the command line) sets every dimension of the model (hidden_size, "), line
+    # Where the config leaves the dimensions to the preset, the flag takes effect.
+    r = slipway("submit", "tiny_wikitext", "--model-size", "small", "--dry-run", env={"SCRATCH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+
+
+def test_argparse_hints_name_slipway_as_this_shell_runs_it_and_ask_for_no_override(project):
+    (project / ".venv").symlink_to(Path(PY).parent.parent)
+    bare = {"PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != Path(PY).parent)}
+    for words, command in ((["prepare"], "prepare"), (["local", "tiny_cpu", "--bogus"], "local"), (["bogus"], "")):
+        r = subprocess.run([".venv/bin/python", "-m", "jobs", *words], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, **bare})
+        line = one_error_line(r)
+        assert f"(see `.venv/bin/slipway {command + ' ' if command else ''}--help`)" in line, line
+        assert "SECTION.KEY=VALUE" not in line  # an override is never required
+        help_ = subprocess.run(shlex.split(line.split("`")[1]), capture_output=True, text=True, timeout=60,
+                               env={**os.environ, **bare})
+        assert help_.returncode == 0 and help_.stdout.startswith("usage: slipway"), help_.stderr
+
+
+def test_no_config_says_where_slipway_looked_and_which_project_root(tmp_path, monkeypatch):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv("SLIPWAY_PROJECT", raising=False)
+    line = one_error_line(slipway("submit", "tiny_cpu", "--dry-run"))
+    root = Path(__file__).resolve().parent.parent
+    assert (f"in the working directory {elsewhere}, which is also the project root (runs/ goes there)" in line
+            and line.endswith(f"the checkout slipway runs from has configs/tiny_cpu.yaml: `cd {root}` first")), line
+    # The fix, pasted: the same command from there.
+    r = subprocess.run(f"{line.split('`')[1]} && {shlex.quote(PY)} -m jobs submit tiny_cpu --dry-run", shell=True,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("dry run: tiny_cpu"), r.stderr
+    line = one_error_line(slipway("local", "nope", env={"SLIPWAY_PROJECT": str(tmp_path / "proj")}))
+    assert f"the project root, where runs/ goes, is {tmp_path / 'proj'} (SLIPWAY_PROJECT)" in line, line
+
+
+# ---------------------------------------------------------------- issue 42: a local try that fits
+
+
+def test_a_cluster_config_tried_here_fits_or_says_the_fix_for_scratch_up_front(project, tmp_path):
+    """tiny_wikitext here (issue 42: 9 minutes without a line, then a prepare that refused): refused
+    at once with the command that fits this machine's memory and time, and that command, pasted,
+    names ${SCRATCH} before suggesting a preparation; with it set, the preparation it suggests gets
+    past its own checks (to the hub, which is out of reach from here)."""
+    env = {k: v for k, v in os.environ.items() if k != "SCRATCH"}
+    r = subprocess.run([PY, "-m", "jobs", "local", "tiny_wikitext"], capture_output=True, text=True, timeout=120,
+                       env=env)
+    line = one_error_line(r)
+    assert line.startswith("slipway: error: train.micro_batch_size: 8 processes of about "), line
+    fit = shlex.split(line.split("`")[1])
+    assert fit[:3] == ["slipway", "local", "tiny_wikitext"] and "--train-steps" in fit, fit
+    assert not (project / "runs").exists()
+    r = subprocess.run(fit, capture_output=True, text=True, timeout=120, env=env)
+    line = one_error_line(r)
+    assert line.startswith("slipway: error: container.mounts[0]: ${SCRATCH} is not set in this environment: export "
+                           "it"), line
+    assert line.endswith("(the token cache is not prepared, and preparing it with slipway prepare reads this)")
+    assert r.stdout.splitlines()[-1].startswith("expected here: ~"), r.stdout  # its time, said before
+    env["SCRATCH"] = str(tmp_path / "scratch")
+    line = one_error_line(subprocess.run(fit, capture_output=True, text=True, timeout=120, env=env))
+    prepare = shlex.split(re.search(r"run `(slipway prepare [^`]*)` first", line).group(1))
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        hub = f"http://127.0.0.1:{s.getsockname()[1]}"
+    line = one_error_line(subprocess.run(prepare, capture_output=True, text=True, timeout=120,
+                                         env={**env, "HF_ENDPOINT": hub}))
+    assert re.match(r"slipway: error: data\.(dataset|tokenizer): '(wikitext|gpt2)' is no local (path|file) and the "
+                    r"Hugging Face hub \(127\.0\.0\.1\) cannot be reached from here", line), line
+
+
+def test_the_batch_a_fit_suggests_stays_within_the_configs_own_rules(project):
+    """With sequence parallelism over tp 2 a sequence must split in two: the arithmetic's halving
+    (200 -> 100 -> 50 -> 25) would propose 25; the suggestion is a command the config takes."""
+    from common.layouts import fitting_batch, process_memory
+    from jobs.cli.commands import parse
+    from jobs.cli.launch import load
+    from jobs.local_checks import FIT_SHARE, first_fit
+
+    words = ["tiny_cpu", "--dp", "1", "--tp", "2", "parallel.sequence_parallel=true", "data.seq_len=200"]
+    reload = lambda w: load(parse(["local", *w]), quiet=True)  # noqa: E731 (as the pasted command loads)
+    cfg = reload(words)
+    budget = (process_memory(cfg, 1, 25) + process_memory(cfg, 1, 50)) / 2  # each of the 2 processes
+    assert fitting_batch(cfg, budget)[2] == 25  # what the arithmetic alone says
+    fit = first_fit(cfg, project / "runs" / "tiny_cpu", reload, None, int(2 * budget / FIT_SHARE))
+    assert fit is not None
+    chosen = reload(shlex.split(fit.args))  # loads: within the config's rules
+    assert chosen.data.seq_len % 2 == 0 and 2 * process_memory(chosen) <= 2 * budget, fit.args
+
+
+def test_a_long_try_is_asked_about_on_a_terminal(project):
+    import pty
+    import signal
+
+    def on_a_terminal(answer: bytes) -> tuple[int, str]:
+        pid, fd = pty.fork()
+        if pid == 0:
+            os.execv(PY, [PY, "-m", "jobs", "local", "tiny_cpu", "train.steps=100000000"])
+        out, stopped = b"", False
+        while b"[y/N]" not in out:
+            out += os.read(fd, 4096)
+        os.write(fd, answer)
+        while True:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+            if answer.startswith(b"y") and b"new run" in out and not stopped:
+                os.kill(pid, signal.SIGINT)  # Ctrl-C: started, which is all this test asks
+                stopped = True
+        text = re.sub(r"\x1b\[[0-9;]*m", "", out.decode(errors="replace"))  # the terminal's colours
+        return os.waitpid(pid, 0)[1], text.replace("\r\n", "\n")
+
+    status, out = on_a_terminal(b"n\n")
+    assert os.waitstatus_to_exitcode(status) == 2, out
+    assert "expected here: ~" in out and "more than a try on this machine (30m00s): `slipway local tiny_cpu " in out
+    assert "slipway: error: train.steps: not started (nothing written)" in out, out
+    assert not (project / "runs").exists()
+    status, out = on_a_terminal(b"y\n")
+    assert "new run tiny_cpu" in out, out
+
+
+# ---------------------------------------------------------------- issue 42: no silent minute, the end
+
+
+@pytest.mark.slow
+def test_a_launch_silent_for_half_a_minute_says_what_it_waits_for(project):
+    (project / "slow.py").write_text("import time\ntime.sleep(25)\nprint('first line', flush=True)\n")
+    r = slipway("local", "tiny_cpu", "--dp", "1", "--procs-per-node", "1", "--train-script", "./slow.py",
+                "code.snapshot=false", timeout=300)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    lines = r.stdout.splitlines()
+    assert "expected step time here: not known (train.script or launch.command trains a model of its own)" in lines[0]
+    beat = next(i for i, line in enumerate(lines) if "since the launch, waiting for" in line)
+    assert beat < lines.index("first line"), lines
+    assert "waiting for train.script " in lines[beat], lines[beat]
+    assert lines[beat].endswith("slow.py, which has printed nothing (slipway cannot tell its phases)"), lines[beat]
+    log = next((project / "runs" / "tiny_cpu" / "logs").glob("local-*.out")).read_text()
+    assert f"slipway: {lines[beat]}" in log.splitlines()
+
+
+def test_a_jobs_log_ends_with_how_the_job_ended(tmp_path):
+    """A completed job draws its curves (trainer/plot.py, in the job's container) after its end is
+    recorded; a requeue, a saved stop and a failure end the log with three different lines, the
+    stop said above what torchrun then reports."""
+    ckpt = '"$RUN_DIR/checkpoints/step-000006"'
+    save = f"mkdir -p {ckpt} && touch {ckpt}/.metadata {ckpt}/COMPLETE"
+    metrics = ("printf '%s\\n' '{\"kind\": \"train\", \"step\": 1, \"loss\": 5.0, \"tokens_per_s\": 10}' "
+               "'{\"kind\": \"train\", \"step\": 2, \"loss\": 4.0, \"tokens_per_s\": 12}' > \"$RUN_DIR/metrics.jsonl\"")
+    warned = 'kill -USR1 $PPID; sleep 1; echo "torchrun: ChildFailedError: exitcode 75"'
+    cases = {"completed": ([], metrics, 0, "slipway: job 41 ended: completed (exit 0)"),
+             "requeue": (["slurm.max_requeues=2"], f"{warned}; {save}; exit 1", 0,
+                         "slipway: job 41 ended: time-limit requeue 1/2: saved after the stop request (checkpoint at "
+                         "step 6), requeueing (exit 0)"),
+             "saved": (["slurm.requeue=false"], f"{warned}; {save}; exit 1", 75,
+                       "slipway: job 41 ended: time-limit stop: saved after the stop request (checkpoint at step 6); "
+                       "slurm.requeue is off (exit 75)"),
+             "failed": ([], 'echo "RuntimeError: boom"; exit 1', 1,
+                        "slipway: job 41 ended: failed with exit 1: the lines above say why")}
+    last = {}
+    for name, (overrides, train, code, said) in cases.items():
+        job = hang_script.Job(tmp_path / name, *overrides)
+        job.script("train.sh", train)
+        assert job.run() == code, job.out
+        lines = job.out.strip().splitlines()
+        assert lines[-1] == said, lines[-3:]
+        last[name] = lines[-1]
+        if name in ("requeue", "saved"):
+            stop = next(i for i, line in enumerate(lines) if line.startswith("slipway: the time limit is near: "))
+            assert stop < next(i for i, line in enumerate(lines) if "ChildFailedError" in line)
+        if name == "completed":
+            curves = job.run_dir / "curves.png"
+            assert lines[-2] == f"curves: {curves}" and curves.read_bytes().startswith(b"\x89PNG"), lines[-3:]
+    assert len(set(last.values())) == 4
+
+
+def test_a_cluster_a_newer_slipway_recorded_is_still_read(tmp_path, monkeypatch):
+    """The local cluster's registry is machine-wide: a key a newer slipway's `cluster up` recorded
+    must not turn every `slipway submit` and `doctor` here into an internal error."""
+    import dataclasses
+
+    from jobs.devcluster import ClusterSpec, host
+    from jobs.devcluster.spec import spec_of_running
+
+    monkeypatch.setattr(host, "RUN_DIR", tmp_path)
+    spec = ClusterSpec(state_dir=Path("/tmp/fhnewer"), nodes=2, name="fhnewer")  # a short name, as slurm.conf needs
+    record = {**dataclasses.asdict(spec), "state_dir": str(spec.state_dir), "max_array_size": 1001}
+    (tmp_path / "fhnewer.json").write_text(json.dumps({"state_dir": str(spec.state_dir), "spec": record}))
+    assert spec_of_running("fhnewer") == spec
+    (tmp_path / "fhnewer.json").write_text(json.dumps({"spec": ["damaged"]}))
+    assert spec_of_running("fhnewer") is None

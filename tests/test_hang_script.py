@@ -50,6 +50,7 @@ case " $* " in
     # that fails ends the step, and the reports the other nodes had not printed yet are lost.
     bash "$FAKE/node.sh" | sed '/ fail: /q'; exit 5 ;;
   *" trainer.preflight allreduce "*) exec bash "$FAKE/allreduce.sh" ;;
+  *" trainer.plot "*) while [ "${1#--}" != "$1" ]; do shift; done; exec "$@" ;;  # the curves, for real
   *" --overlap "*) exit 0 ;;  # the node helper, container removals and sweeps: nothing here
 esac
 exec bash "$FAKE/train.sh"

@@ -146,7 +146,8 @@ def test_hostile_script_runs_without_executing_anything(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text('#!/bin/bash\n' + SRUN_PASSING_PREFLIGHT +
-                                  'for a in "$@"; do printf "%s\\n" "$a"; done > "$RUN_DIR/srun-args"\n'
+                                  'out=srun-args; case " $* " in *" trainer.plot "*) out=srun-plot-args ;; esac\n'
+                                  'for a in "$@"; do printf "%s\\n" "$a"; done > "$RUN_DIR/$out"\n'
                                   'printf "%s" "$SLIPWAY_PREFLIGHT_ALLREDUCE" > "$RUN_DIR/srun-preflight-env"\n')
     (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
     for f in bin_dir.iterdir():
@@ -165,6 +166,9 @@ def test_hostile_script_runs_without_executing_anything(tmp_path):
     args = (run_dir / "srun-args").read_text().splitlines()
     assert "--container-env=GREETING" in " ".join(args) or any(a.startswith("--container-env") for a in args)
     assert args[-2:] == ["--config", str(run_dir / "config.yaml")]
+    # The job trained all its steps: its last step draws the curves, the hostile path one word.
+    plot = (run_dir / "srun-plot-args").read_text().splitlines()
+    assert plot[-3:] == ["-m", "trainer.plot", str(run_dir)] and "--ntasks=1" in plot, plot
     preflight = (run_dir / "srun-preflight-args").read_text().splitlines()
     assert preflight[preflight.index("--run-dir") + 1] == str(run_dir)  # hostile path, one word
     assert preflight[preflight.index("--checkpoint-dir") + 1] == str(run_dir / "checkpoints")
@@ -203,7 +207,8 @@ def test_gh200_preset_binds_ranks_and_sets_the_slingshot_environment(launcher, t
     run_dir.mkdir(parents=True)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/bin/bash\n' + SRUN_PASSING_PREFLIGHT +
+    (bin_dir / "srun").write_text('#!/bin/bash\n' + SRUN_PASSING_PREFLIGHT +  # the training step's (not the plot's)
+                                  'case " $* " in *" trainer.plot "*) exit 0 ;; esac\n'
                                   'printf "%s\\n" "$@" > "$RUN_DIR/srun-args"; env > "$RUN_DIR/srun-env"\n')
     (bin_dir / "scontrol").write_text("#!/bin/bash\necho nid001\n")
     for f in bin_dir.iterdir():

@@ -171,6 +171,11 @@ def test_ctrl_c_saves_at_the_step_says_so_in_two_lines_and_the_pasted_command_re
     # The log keeps what the terminal was spared: the ranks' exits as torchrun reported them.
     log = next((run_dir / "logs").glob("local-*.out")).read_text()
     assert "exitcode" in log and "stopping after step" in log
+    # ... below a line of slipway's that says what they are, and ending as the terminal did.
+    lines = log.splitlines()
+    note = next(i for i, line in enumerate(lines) if line.startswith("slipway: SIGINT: the ranks were asked to save"))
+    assert "is this stop, not a failure" in lines[note] and note < next(i for i, x in enumerate(lines) if "exitcode" in x)
+    assert lines[-1] == f"slipway: {said[1]}", lines[-3:]
 
     # The command the report names, pasted: it resumes at the saved step and ends where the
     # uninterrupted run did, with the same losses.
@@ -189,7 +194,7 @@ def test_a_second_ctrl_c_stops_at_once_unsaved(project):
     run_dir = project / "runs" / "twice"
     # No sync step for a long while: the first Ctrl-C's save waits, the second does not.
     with launched("local", "tiny_cpu", "--run-name", "twice", *SMALL, "logging.interval=100000",
-                  "train.steps=100000") as launcher:
+                  "train.steps=100000", "--yes") as launcher:  # --yes: longer than a try, knowingly
         wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and losses(run_dir), 240, "the first step")
         os.killpg(launcher.pid, signal.SIGINT)
         time.sleep(2)
@@ -240,7 +245,9 @@ def test_a_try_that_cannot_fit_here_is_refused_before_any_process_with_the_batch
     micro = 8
     while 2 * process_memory(tiny_cpu(f"train.micro_batch_size={micro}")) <= available:
         micro *= 2
-    r = slipway("local", "tiny_cpu", "--run-name", "big", f"train.micro_batch_size={micro}")
+    # A few steps: the batch that fits is also a try of minutes here (tests/test_first_hour.py has the
+    # command that fits in time as well).
+    r = slipway("local", "tiny_cpu", "--run-name", "big", f"train.micro_batch_size={micro}", "train.steps=3")
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     line = r.stderr.strip()
     assert line.startswith("slipway: error: train.micro_batch_size: 2 processes of about "), line
@@ -338,7 +345,7 @@ def test_a_rank_the_out_of_memory_killer_ends_is_named_with_the_batch_that_fits(
     for its next step, is killed by the out-of-memory killer, and the end says so with the hint."""
     run_dir = project / "runs" / "oom"
     with launched("local", "tiny_cpu", "--run-name", "oom", *SMALL, "train.micro_batch_size=64", "data.seq_len=128",
-                  "model.max_position_embeddings=128", "train.steps=100000") as launcher:
+                  "model.max_position_embeddings=128", "train.steps=100000", "--yes") as launcher:
         wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and losses(run_dir), 240, "the first step")
         cgroup.limit(64 * 2**20)  # what it allocates from here on: less than one step's activations
         cgroup.add(rank_pid(run_dir, 1))

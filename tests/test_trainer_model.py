@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from common.errors import ConfigError
 from trainer.config import ModelSection, ParallelSection, TrainSection
-from trainer.model import Transformer, seeded_normal, num_flops_per_token, select_attention
+from common.layouts import num_flops_per_token
+from trainer.model import Transformer, seeded_normal, select_attention
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor, param_groups
 from trainer.parallel import ParallelDims, split_for_stage, stage_layers
 

@@ -235,7 +235,7 @@ def _error_lines(stderr: str) -> list[str]:
 
 
 @pytest.mark.parametrize("sections, message", [
-    ({"train": {"stepz": 3}}, "train.stepz: unknown key; valid keys of train are: steps,"),
+    ({"train": {"stepz": 3}}, "train.stepz: unknown key; did you mean train.steps? valid keys of train are: steps,"),
     ({"parallel": {"tp": 3}}, "parallel.tp: model.num_heads(4) must be divisible by parallel.tp(3)"),
     ({"parallel": {"dp": 2}}, "parallel: dp(2) x tp(1) x pp(1) = 2 != world size 1: launch 2 processes"),
     ({"model": {"attention": "flash"}}, "model.attention: is flash but"),

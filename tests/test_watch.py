@@ -112,7 +112,9 @@ def test_ctrl_c_stops_watching_and_says_the_job_goes_on(tmp_path, monkeypatch):
     monkeypatch.setattr(watch.time, "sleep", interrupt)
     out = Console(file=io.StringIO(), width=160, color_system=None)
     assert watch.watch(run, interval=1, console=out) == 130
-    assert "stopped watching; job 51 goes on (`slipway cancel r` ends it)" in out.file.getvalue()
+    from common.environ import as_typed  # the command as this shell runs slipway
+
+    assert as_typed("stopped watching; job 51 goes on (`slipway cancel r` ends it)") in out.file.getvalue()
 
 
 def test_a_forgotten_job_ends_with_the_code_events_log_gives(tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "large": dict(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
                   vocab_size=32000, max_position_embeddings=4096, tie_embeddings=False),
 }
-_DIMENSIONS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+MODEL_DIMENSIONS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                "vocab_size", "max_position_embeddings")
 
 
@@ -101,11 +101,11 @@ class ModelSection:
 
     def check(self, where: str) -> None:
         if self.size == "custom":
-            missing = [d for d in _DIMENSIONS if getattr(self, d) is None]
+            missing = [d for d in MODEL_DIMENSIONS if getattr(self, d) is None]
             require(not missing, f"{where}.{missing[0] if missing else ''}",
                     f"model.size is custom, so {', '.join(missing)} must be set (or pick a preset: "
                     f"{', '.join(MODEL_PRESETS)})")
-        positive(self, where, *_DIMENSIONS)
+        positive(self, where, *MODEL_DIMENSIONS)
         at_most(self, where, hidden_size=2 ** 17, intermediate_size=2 ** 19, num_layers=4096, num_heads=4096,
                 num_kv_heads=4096, vocab_size=2 ** 24, max_position_embeddings=2 ** 24, pad_vocab_multiple=2 ** 16)
         require(self.hidden_size % self.num_heads == 0, f"{where}.num_heads",

@@ -190,7 +190,7 @@ def _not_prepared(status: CacheStatus) -> str:
     others = f" (and {len(more)} more split)" if more else ""
     return (f"the token cache for {first.source.description} with {first.tokenizer.description}{others} is not "
             f"prepared in {status.cache_dir} ({state}): run `slipway prepare CONFIG` before submitting (or "
-            "`slipway submit --prepare`), or set data.tokenize_in_job: true to let rank 0 tokenize it while "
+            "`slipway submit CONFIG --prepare`), or set data.tokenize_in_job: true to let rank 0 tokenize it while "
             "the other ranks wait")
 
 

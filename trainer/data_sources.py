@@ -163,7 +163,7 @@ class TextSource:
         unreachable = hub_unreachable()
         if unreachable:
             raise ConfigError(self.field, f"'{self.name}' is no local path and {unreachable}: check the name, and run "
-                              "`slipway prepare` where the hub can be reached (a login node; offline: HF_HUB_OFFLINE=1 "
+                              "`slipway prepare CONFIG` where the hub can be reached (a login node; offline: HF_HUB_OFFLINE=1 "
                               "with HF_HOME holding it), or give a local path")
         try:
             return datasets.load_dataset(self.name, self.config, split=self.split)
@@ -175,7 +175,7 @@ class TextSource:
         except Exception as exc:  # network, missing dataset, offline without a cache
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ConfigError(self.field, f"could not load '{self.name}' from the Hugging Face hub "
-                              f"({type(exc).__name__}: {first}); check the name, and run `slipway prepare` "
+                              f"({type(exc).__name__}: {first}); check the name, and run `slipway prepare CONFIG` "
                               "where the hub can be reached (a login node; offline: HF_HUB_OFFLINE=1 with "
                               "HF_HOME holding it), or give a local path") from None
 

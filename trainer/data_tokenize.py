@@ -374,7 +374,7 @@ def load_tokenizer(spec: TokenizerSpec | str) -> Any:
     unreachable = hub_unreachable()
     if unreachable:
         raise ConfigError("data.tokenizer", f"'{spec.spec}' is no local file and {unreachable}: check the name, and "
-                          "run `slipway prepare` where the hub can be reached (offline: HF_HUB_OFFLINE=1 with HF_HOME "
+                          "run `slipway prepare CONFIG` where the hub can be reached (offline: HF_HUB_OFFLINE=1 with HF_HOME "
                           "holding it), or give a local tokenizer.json")
     try:
         from huggingface_hub import hf_hub_download

@@ -322,18 +322,3 @@ def _global_offset(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         return tuple(shape), tuple(offset)
     return tuple(param.shape), (0,) * param.dim()
-
-
-def num_flops_per_token(cfg: ModelSection, seq_len: int) -> int:
-    """Training FLOPs per token, torchtitan's convention: 6 * N + 12 * L * H * Q * T.
-
-    N counts the parameters that do a matmul per token: every layer plus the
-    output projection (padded vocab x hidden: the padded rows are computed too),
-    not the input embedding (a lookup);
-    with tied embeddings the shared matrix is counted once, as the output.
-    6 = forward (2) + backward (4) FLOPs per parameter; 12 * L * H * Q * T is
-    the attention score and value matmuls (H heads of size Q, context T).
-    """
-    n_matmul = cfg.num_params() - cfg.padded_vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1)
-    return 6 * n_matmul + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
-

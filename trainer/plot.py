@@ -1,4 +1,5 @@
-"""Loss and throughput curves of a run as one PNG (`slipway plot RUN`).
+"""Loss and throughput curves of a run as one PNG (`slipway plot RUN`, the end of `slipway
+local`, and `python -m trainer.plot RUN_DIR`, the batch script's last step).
 
 Reads only `metrics.jsonl`, as the history that stands (a resumed run's
 repeated steps drawn once, from the latest attempt); imports neither torch nor
@@ -7,6 +8,8 @@ the host side, so the login node (or a laptop with the run directory) can draw i
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 from common.errors import ConfigError
@@ -51,3 +54,19 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     plt.close(fig)
     write_atomic(out, buf.getvalue())
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m trainer.plot RUN_DIR [--out PNG]`: the path drawn on stdout; bad input is one
+    line, exit 2 (no matplotlib, no steps logged yet)."""
+    from common.edge import run_at_edge
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.plot", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path, help="the run directory (runs/RUN)")
+    parser.add_argument("--out", type=Path, help="PNG path (default: RUN_DIR/curves.png)")
+    args = parser.parse_args(argv)
+    return run_at_edge(lambda: print(plot_run(args.run_dir, args.out)) or 0, prog="python -m trainer.plot")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

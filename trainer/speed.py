@@ -144,7 +144,7 @@ def _rates(case: Any, out: dict[str, Any], world: int = 1) -> dict[str, Any]:
     from common.schema import from_dict
     from trainer.config import ModelSection
     from trainer.metrics import peak_flops
-    from trainer.model import num_flops_per_token
+    from common.layouts import num_flops_per_token
 
     flops = num_flops_per_token(from_dict(ModelSection, model_dict(case)), case.seq_len)
     per_device = out["tokens_per_s"] / world

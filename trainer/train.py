@@ -70,7 +70,8 @@ from trainer.config import TrainerConfig, load_trainer_config
 from common.layouts import layout_advice, memory_report, resolve_reshard
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
 from trainer.watchdog import HangWatchdog, collective_timeout
-from trainer.model import num_flops_per_token, select_attention
+from common.layouts import num_flops_per_token
+from trainer.model import select_attention
 from trainer.optim import SkippableStep, build_lr_scheduler, build_optimizer, clip_grad_norm_
 from trainer.parallel import (Batch, DistEnv, ParallelDims, build_model, distributed_session, global_mean, resolve_dtype,
                               step_stats)

@@ -5,6 +5,8 @@ jobs/cli/launch.py; `slipway image` and `slipway cluster` parse their own argume
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -20,16 +22,17 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         # argparse quotes what it could not read (`invalid int value: '999...'`): bounded, one line,
-        # masked by the secret policy.
+        # masked by the secret policy; the help it points to as this shell runs slipway.
         message = " ".join(bounded(message, 300).split())
-        self.exit(2, f"slipway: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, f"slipway: error: {message} ({as_typed(f'see `{self.prog} --help`')})\n")
 
 
 def _config_args(p: argparse.ArgumentParser, optional: bool = False, cluster: bool = True) -> None:
     """CONFIG, its overrides and the named flags; `cluster=False` hides the Slurm and container flags."""
     p.add_argument("config", metavar="CONFIG", nargs="?" if optional else None,
                    help="configs/NAME.yaml, NAME, or a path")
-    p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
+    # default=[]: without it argparse counts the overrides among the required arguments.
+    p.add_argument("overrides", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config value, e.g. train.steps=100 container.mounts=[/scratch]")
     g = p.add_argument_group("config flags (shorthands for overrides)")
     for flag, key, typ, help_ in NAMED_FLAGS + CLUSTER_FLAGS:
@@ -170,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("local", help="run the same launch on this machine (torchrun --standalone), no Slurm")
     _config_args(p, cluster=False)
     p.add_argument("--force", action="store_true", help="replace an existing run's different config")
+    p.add_argument("--yes", action="store_true", help="start even when it is expected to take more than half an "
+                                                      "hour here (asked on a terminal, refused elsewhere)")
     p.set_defaults(func=cmd_local)
 
     p = sub.add_parser("run", help="inside an allocation (salloc): run the batch script's steps here, rank 0's "
@@ -285,14 +290,48 @@ def _main(argv: list[str] | None) -> int:
         from jobs.devcluster import main as cluster_main
 
         return cluster_main(argv[1:])
-    parser = build_parser()
-    # Overrides may come after flags (`--nodes 2 train.steps=5`): collect the strays.
-    args, extra = parser.parse_known_args(argv)
-    strays = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
-    if strays:
-        parser.error(f"unrecognized arguments: {' '.join(strays)}")
-    if extra:
-        args.overrides = list(args.overrides) + extra
+    args = parse(argv)
     if getattr(args, "config", None) is None and args.command == "doctor":
         args.overrides = []
     return args.func(args)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line `argv` (after `slipway`) as the commands take it; bad words are one line."""
+    parser = build_parser()
+    # Overrides may come after flags (`--nodes 2 train.steps=5`): collect the strays.
+    args, extra = parser.parse_known_args(argv)
+    takes = hasattr(args, "overrides")
+    if takes:
+        _override_form([*([args.config] if args.config else []), *args.overrides, *extra])
+    strays = [e for e in extra if e.startswith("-") or "=" not in e or not takes]
+    if strays:  # the help of the command given, which lists what it takes
+        Parser(prog=f"{parser.prog} {args.command}").error(f"unrecognized arguments: {' '.join(strays)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    return args
+
+
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_-]+)+")  # a dotted config key: train.steps
+
+
+def _override_form(words: list[str]) -> None:
+    """The config's words as the user typed them (CONFIG, overrides, strays), refused in one line
+    naming the KEY=VALUE form where one reads as a key set another way: `train.steps 100` (two
+    words), `--train.steps=100` (a dashed key), or an override before the config."""
+    flags = {key: flag for flag, key, *_ in NAMED_FLAGS + CLUSTER_FLAGS}
+    for i, word in enumerate(words):
+        key, sep, value = word.lstrip("-").partition("=")
+        if not _KEY.fullmatch(key):
+            continue
+        nxt = words[i + 1] if i + 1 < len(words) else ""
+        if word.startswith("-"):
+            value = value or (nxt if nxt and not nxt.startswith("-") and "=" not in nxt else "VALUE")
+            flag = f" (or its flag {flags[key]} {value})" if key in flags else ""
+            raise ConfigError(word, f"a config key is set as KEY=VALUE, without dashes: {key}={value}{flag}")
+        if i == 0 and sep:
+            raise ConfigError("CONFIG", f"{shlex.quote(word)} is an override, and the config comes first: "
+                                        f"CONFIG {shlex.quote(word)} (e.g. tiny_cpu {shlex.quote(word)})")
+        if not sep and i > 0:
+            value = nxt if nxt and "=" not in nxt and not nxt.startswith("-") else "VALUE"
+            raise ConfigError(word, f"an override is KEY=VALUE in one word: {shlex.quote(f'{key}={value}')}")

@@ -73,7 +73,7 @@ def controller_diagnosis(said: str) -> str:
         return ("SLURM_CONF is not set, so Slurm's commands do not find the local test cluster that is up: run "
                 f'`eval "$(slipway cluster env)"` in this shell first {scontrol}')
     if conf and is_local_conf(conf) and (running is None or str(running.conf) != conf):
-        return (f"SLURM_CONF={shlex.quote(conf)} names a local test cluster that is not up (`slipway cluster down` "
+        return (f"SLURM_CONF={shlex.quote(conf)} names a local test cluster that is not up (slipway cluster down "
                 "stopped it): `unset SLURM_CONF` for this machine's own Slurm, or `slipway cluster up` and "
                 f'`eval "$(slipway cluster env)"` again {scontrol}')
     return ("no Slurm controller answers, so sbatch would fail; check SLURM_CONF and that slurmctld runs "
@@ -217,7 +217,7 @@ def _flash_attn(cfg: Config, record: Optional[BuildRecord]) -> list[Result]:
     archs = f"flash-attn compiled for CUDA architectures {record.flash_attn_archs}"
     if preset is None or not preset.capability:
         return [("flash-attn", True, f"{archs}; the nodes' compute capability is not known here (no launch.preset): "
-                                     "`slipway gpu-check` on a node reports it")]
+                                     "slipway gpu-check, run on a node, reports it")]
     if record.flash_attn_serves(preset.capability):
         return [("flash-attn", True, f"{archs}; the nodes ({cfg.launch.preset}) are compute capability "
                                      f"{preset.capability}")]

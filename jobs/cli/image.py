@@ -207,7 +207,9 @@ def _tool_error(exc: BaseException) -> int | None:
     from jobs.slurm import SlurmError
 
     if isinstance(exc, (ToolError, SlurmError)):
-        Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        from common.environ import as_typed  # its suggestions as this shell runs slipway
+
+        Console(stderr=True).print(f"[red]error:[/] {escape(as_typed(str(exc)))}", highlight=False, soft_wrap=True)
         return 1
     return None
 

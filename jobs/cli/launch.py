@@ -10,16 +10,13 @@ import shlex
 import sys
 from pathlib import Path
 
+from common import environ
 from common.environ import as_typed, invocation
 from common.errors import ConfigError
-from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
+from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS, project_dir
 from common.extras import EXTRAS, require as require_extra
 
 REFUSED = "a real submission would fail: "  # how runs.seal marks a dry run's note that is a refusal
-
-
-def project_dir() -> Path:
-    return Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute()
 
 
 def rich_console(stderr: bool = False):
@@ -28,9 +25,10 @@ def rich_console(stderr: bool = False):
     return Console(highlight=False, stderr=stderr)
 
 
-def load(args: argparse.Namespace):
+def load(args: argparse.Namespace, quiet: bool = False):
     """The config from CONFIG, its overrides and the config flags. It keeps them, shell-quoted, for
-    the commands a hint suggests (`slipway prepare ...`), so a suggestion pasted reads the same config."""
+    the commands a hint suggests (`slipway prepare ...`), so a suggestion pasted reads the same config.
+    `quiet`: no warnings (a command line loaded only to check a suggestion)."""
     from jobs.config import load_config
     from common.errors import warn
 
@@ -41,7 +39,9 @@ def load(args: argparse.Namespace):
         if key in sets:
             given += [flag] if key in switches else [flag, str(sets[key])]
     cfg.given_args = shlex.join(given)
-    for text in cfg.launch.secret_warnings():  # the user's own lines: said once per command, not refused
+    if not quiet:  # a suggestion's CONFIG, wherever its text comes from, is what the user gave
+        environ.given_config(cfg.config_args)
+    for text in [] if quiet else cfg.launch.secret_warnings():  # the user's own lines: said once, not refused
         warn(text)
     return cfg
 
@@ -72,6 +72,8 @@ def _follow(console, run, job_id: str) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
     from jobs import runs
 
     cfg = load(args)
@@ -87,6 +89,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     console.print(f"{'resubmitted' if resumed else 'submitted'} [bold]{cfg.run.name}[/] as job [bold]{job_id}[/]"
                   f"{' (resumes from its latest checkpoint)' if resumed else ''}  run dir: {run.dir}",
                   soft_wrap=True)
+    if sealed.replaced:
+        console.print(f"config replaced (--force): {escape(sealed.replaced)}", soft_wrap=True, highlight=False)
     if sealed.pin.path:
         console.print(f"[dim]image {sealed.pin.path} ({sealed.pin.source}"
                       f"{', build ' + sealed.pin.build_hash[:12] if sealed.pin.build_hash else ''})[/]",
@@ -172,7 +176,6 @@ def _check_controller() -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from jobs import runs
-    from jobs.runs.container import default_hf_home
 
     cfg = load(args)
     if args.as_job:
@@ -185,15 +188,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     console = rich_console()
     require_extra("prepare", "trainer", ("numpy", "tokenizers", "datasets"),
                   instead=f"prepare in the image as a CPU job: slipway prepare {cfg.config_args} --as-job")
-    sealed = runs.seal(cfg, project_dir(), dry_run=True)
+    sealed, hf_home = runs.preparation(cfg, project_dir())
     data = sealed.cfg.data
-    # Hub downloads land where the job's own HF_HOME is (set before the hub libraries load).
-    if cfg.launch.hf_home:
-        from edf import expand_host
-
-        os.environ["HF_HOME"] = expand_host(cfg.launch.hf_home, "launch.hf_home")
-    else:
-        os.environ.setdefault("HF_HOME", str(default_hf_home(sealed.paths)))
+    os.environ["HF_HOME"] = hf_home  # hub downloads land where the job's own go (before the hub libraries load)
     from jobs import trainer_door
 
     console.print(f"preparing {data.dataset} with tokenizer {data.tokenizer} into {data.cache_dir}", soft_wrap=True)
@@ -213,7 +210,14 @@ def cmd_local(args: argparse.Namespace) -> int:
     builtin = cfg.data.dataset == "builtin" and not cfg.data.validation_split  # the shipped corpus: no datasets
     require_extra("local", "trainer", [m for m in EXTRAS["trainer"] if not (builtin and m == "datasets")])
     named = getattr(args, "set:run.name") is not None or any(o.startswith("run.name=") for o in args.overrides)
-    return interactive.run_local(cfg, project_dir(), force=args.force, console=rich_console(), rename=not named)
+
+    def reload(words: list[str]):  # a `slipway local` command line, loaded as it would be when pasted
+        from jobs.cli.commands import parse
+
+        return load(parse(["local", *words]), quiet=True)
+
+    return interactive.run_local(cfg, project_dir(), force=args.force, console=rich_console(), rename=not named,
+                                 yes=args.yes, reload=reload)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -274,14 +278,14 @@ def cmd_edf(args: argparse.Namespace) -> int:
 
 
 def cmd_shell(args: argparse.Namespace) -> int:
-    from jobs import interactive
+    from jobs import shell
     from common.secrets import mask
 
     cfg = load(args)
     if args.dry_run:
-        text, notes = interactive.shell_dry_run(cfg, project_dir(), command=args.command)
+        text, notes = shell.shell_dry_run(cfg, project_dir(), command=args.command)
         for note in notes:
             print(f"note: {mask(note)}", file=sys.stderr)
         sys.stdout.write(mask(text))  # --command is the user's own text
         return 0
-    return interactive.run_shell(cfg, project_dir(), command=args.command)
+    return shell.run_shell(cfg, project_dir(), command=args.command)

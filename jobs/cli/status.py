@@ -7,6 +7,7 @@ only the end of each run's events.log and metrics.jsonl.
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History
 from jobs.runs.manifest import Launch, ManifestError
+from common.environ import as_typed
 from common.errors import ConfigError
 from common.events import Event
 from common.rundir import LOCAL_JOB, HangLine
@@ -172,7 +174,7 @@ def _show_runs(project_dir, console) -> int:
     """Every run: its latest launch's state, from the end of its events.log and one Slurm query for all."""
     found = runs.list_runs(project_dir)
     if not found:
-        console.print(f"no runs in {runs.runs_root(project_dir)}: `slipway submit CONFIG` makes one")
+        console.print(f"no runs in {runs.runs_root(project_dir)}: slipway local or slipway submit makes one")
         return 0
     damaged: list[ManifestError] = []
     shown: list[tuple[runs.Run, list[Launch], list[Event], Optional[ManifestError]]] = []
@@ -216,7 +218,8 @@ def _print_history(run: runs.Run, history: History, console) -> None:
 def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> int:
     launches = run.launches()
     if not launches:
-        raise ConfigError("RUN", f"run {run.name} has no job yet: `slipway submit` it first")
+        raise ConfigError("RUN", f"run {run.name} has no job yet: `slipway submit {shlex.quote(str(run.paths.config))}` "
+                                 "submits it")
     if job_id is None and launches[-1].local:
         return _show_local_log(run, launches[-1], follow)
     job_id = job_id or next((x.id for x in reversed(launches) if not x.local), None)
@@ -230,7 +233,9 @@ def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> i
         state = info.state if info else "unknown"
         raise ConfigError("RUN", f"no log yet at {path} (job {job_id} is {state})")
     with path.open("rb") as f:
-        sys.stdout.buffer.write(f.read())
+        text = f.read().decode(errors="replace")
+    # the trainer's suggestions (`slipway prepare CONFIG`) with this run's config, as this shell runs them
+    sys.stdout.write(as_typed(text, shlex.quote(str(run.paths.config))))
     return 0
 
 

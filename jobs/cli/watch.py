@@ -19,6 +19,7 @@ nodes to show.
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs.manifest import Launch
 from jobs.slurm.script import NODE_HEARTBEAT_SECONDS
+from common.environ import as_typed
 from common.errors import ConfigError
 from common.metrics_log import format_duration
 from common.events import Event, EventKind
@@ -124,8 +126,8 @@ def latest_job(run: runs.Run) -> str:
         return LOCAL
     job = run.latest_train_job() or next(reversed(run.job_ids()), None)  # or its preparation job
     if job is None:
-        raise ConfigError("RUN", f"run {run.name} has no job to watch: `slipway submit` it (or `slipway local` it) "
-                                 "first")
+        raise ConfigError("RUN", f"run {run.name} has no job to watch: `slipway submit {shlex.quote(str(run.paths.config))}` "
+                                 "submits it")
     return job
 
 
@@ -324,6 +326,6 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
     except KeyboardInterrupt:
         goes_on = ("the run goes on (Ctrl-C in its own terminal stops it)" if watcher.job_id == LOCAL else
                    f"job {watcher.job_id} goes on (`slipway cancel {run.name}` ends it)")
-        console.print(f"stopped watching; {goes_on}", highlight=False, markup=False)
+        console.print(as_typed(f"stopped watching; {goes_on}"), highlight=False, markup=False, soft_wrap=True)
         return 130
     return snap.exit_code if snap.exit_code is not None else 1

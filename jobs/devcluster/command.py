@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in sub.choices.values():
         p.add_argument("--name", default="slpw", help="cluster name (prefix of namespaces and links)")
     args = ap.parse_args(argv)
+    named = "" if args.name == "slpw" else f" --name {shlex.quote(args.name)}"  # a suggestion names its cluster
     try:
         if args.cmd == "up":
             state_dir = args.state_dir or default_state_dir("" if args.name == "slpw" else args.name)
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             LocalSlurmCluster(spec).up(timeout=args.timeout)
             print(f"# {spec.nodes} nodes ({', '.join(spec.node_names)}) idle in partition "
                   f"{spec.partition} after {time.monotonic() - t0:.1f} s; logs in {spec.log_dir}; point Slurm's "
-                  f"commands at it in this shell: eval \"$({invocation()} cluster env)\"", file=sys.stderr)
+                  f"commands at it in this shell: eval \"$({invocation()} cluster env{named})\"", file=sys.stderr)
         else:
             spec = spec_of_running(args.name)
         if args.cmd == "down":
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(status, indent=1))
             return 0 if status["up"] else 1
         elif spec is None:
-            raise ClusterError(f"no cluster {args.name!r} is up: run `slipway cluster up`")
+            raise ClusterError(f"no cluster {args.name!r} is up: run `slipway cluster up{named}`")
         else:  # up, env
             print(f"export SLURM_CONF={shlex.quote(str(spec.conf))}")
     except ClusterError as e:

@@ -199,7 +199,7 @@ class LocalSlurmCluster:
     def _prepare_state_dir(self) -> None:
         s = self.spec.state_dir
         if s.exists() and any(s.iterdir()) and not (s / STATE_MARKER).exists():
-            raise ClusterError(f"state dir {s} is not empty and was not made by `slipway cluster up`: "
+            raise ClusterError(f"state dir {s} is not empty and was not made by slipway cluster up: "
                                "point --state-dir at a new or empty directory")
         # nodes/: each node's private dirs (enroot's data, pyxis's runtime). A new cluster numbers
         # its jobs from 1 again, so an earlier cluster's containers there would pass for this one's.

@@ -201,5 +201,10 @@ def default_state_dir(purpose: str = "") -> Path:
 def spec_of_running(name: str = "slpw") -> ClusterSpec | None:
     """The spec of the cluster `name` that is up (as recorded by its `up`), None if none is."""
     reg = read_registry(name)
-    return ClusterSpec(**reg["spec"]) if reg and "spec" in reg else None
+    if not reg or not isinstance(reg.get("spec"), dict):
+        return None
+    # A key another slipway's `up` recorded (a newer one's setting) is not this one's to read:
+    # the cluster is up all the same, and every command that asks about it keeps working.
+    known = {f.name for f in dataclasses.fields(ClusterSpec)}
+    return ClusterSpec(**{k: v for k, v in reg["spec"].items() if k in known})
 

@@ -66,7 +66,7 @@ def _node(r: dict, report: dict) -> list[str]:
     lines += [f"- {name}: {_text(value)}" for name, value in facts if value is not None]
     env = r.get("environment") or {}
     if env:
-        lines += ["", "The environment slipway exports for the ranks (`slipway local`; the batch script the same, "
+        lines += ["", "The environment slipway exports for the ranks (slipway local; the batch script the same, "
                       "with the node preset's network settings):", ""]
         lines += [f"- `{k}={_text(v)}`" for k, v in env.items()]
     return lines

@@ -51,6 +51,9 @@ class Sealed:
     files: dict[Path, str]  # each file's text, by its path in the run directory
     notes: list[str]  # what the user should know before the job runs (said at submit and dry run)
     code: Optional[Snapshot] = None  # the code snapshot the ranks run (None: code.snapshot false)
+    # What a forced launch replaced (`prepare_run`): "a different config (train.steps 200 -> 400); the
+    # old one is in runs/RUN/history/config-STAMP.yaml"; "" when it replaced no config.
+    replaced: str = ""
 
     @property
     def job_lib(self) -> dict[str, str]:
@@ -228,6 +231,8 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
             if old is not None and old != text:
                 stem, dot, ext = target.name.partition(".")
                 write_atomic(paths.history / f"{stem}-{stamp}{dot}{ext}", old)
+                if target == paths.config and differs:
+                    sealed.replaced = f"{differs}; the old one is in {paths.history / f'{stem}-{stamp}{dot}{ext}'}"
             write_atomic(target, text, _mode(paths, target))
         return run, False
     root = paths.path.parent
@@ -305,6 +310,19 @@ def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:
     return (f"the token cache is not prepared: run `slipway prepare {config_args}` first (here, or with "
             "--as-job on a CPU node), or submit with --prepare to queue the preparation before the training job; "
             f"data.tokenize_in_job: true lets rank 0 tokenize in the job while every GPU waits; {missing}")
+
+
+def preparation(cfg: Config, project_dir: Path) -> tuple[Sealed, str]:
+    """What `slipway prepare` (here) works from, nothing written: the sealed config, as a job
+    reads it, and the HF_HOME its hub downloads land in (the job's own: launch.hf_home, else
+    $HF_HOME, else the project's). A ConfigError here is that command's refusal."""
+    from edf import expand_host
+    from jobs.runs.container import default_hf_home
+
+    sealed = seal(cfg, project_dir, dry_run=True)
+    if cfg.launch.hf_home:
+        return sealed, expand_host(cfg.launch.hf_home, "launch.hf_home")
+    return sealed, os.environ.get("HF_HOME") or str(default_hf_home(sealed.paths))
 
 
 def nothing_to_train(cfg: Config, run_dir: Path, command: str) -> Optional[str]:

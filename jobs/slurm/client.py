@@ -9,6 +9,8 @@ without it, and a job slurmctld forgot is then told by events.log alone.
 
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,6 +185,9 @@ def ping(timeout: float = 20) -> tuple[bool, str]:
     """Whether a Slurm controller answers (`scontrol ping`), and what it said."""
     if not available("scontrol"):
         return False, "scontrol not on PATH"
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):  # scontrol would spend its timeout looking for a controller elsewhere
+        return False, f"SLURM_CONF={shlex.quote(conf)} is not a file"
     try:
         rc, out, err = local["scontrol"]["ping"].run(retcode=None, timeout=timeout)
     except ProcessTimedOut:

@@ -243,7 +243,12 @@ on_warning() {
   STOP_REQUESTED=1 TRAPPED=1
   STOP_CHECKPOINT=$(latest_checkpoint)
   event "time limit warning: stop requested"
+  say_stop "the time limit is near"
   touch "$STOP_FILE"
+}
+# say_stop WHY: the log says what happened above what torchrun then reports of the ranks' exits.
+say_stop() {
+  echo "slipway: $1: the ranks save a checkpoint at the step they agree on and exit $REQUEUE_EXIT (saved, resumable); what torch and torchrun report below about that exit is this stop, not a failure"
 }
 # INT: Ctrl-C to `slipway run` (the script runs in an allocation, SLIPWAY_IN_ALLOCATION): like
 # the warning, a save at the step boundary, and the run stays resumable.
@@ -251,6 +256,7 @@ on_interrupt() {
   STOP_REQUESTED=1 TRAPPED=1 STOP_WHY="stopped on request"
   STOP_CHECKPOINT=$(latest_checkpoint)
   event "interrupted: stop requested"
+  say_stop "interrupted"
   touch "$STOP_FILE"
 }
 # A job cancelled by `slipway cancel` is not waited on by a retry or a requeue, and cancel waits
@@ -263,9 +269,26 @@ on_term() { trap '' TERM USR2; event "cancelled (SIGTERM)"; exit 143; }
 # that takes at most CONTAINER_REMOVE_WAIT s (after `slipway cancel`, CANCEL_REMOVE_WAIT s; else
 # the next job on the node removes it).
 on_exit() {
-  local rc=$? pid waited=0
+  local rc=$? pid waited=0 last
   trap '' TERM USR1 USR2
+  last=$(grep -F " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} " "$RUN_DIR/events.log" 2>/dev/null | tail -n 1 | cut -d' ' -f4-) || last=""
   event "end exit $rc"
+  [ "${TRAINED:-0}" != 1 ] || ! declare -F plot_curves > /dev/null || plot_curves
+  # The log's last line: how the job ended, in the words of events.log (a requeue, a saved stop, a
+  # retry, a cancel), else by its exit.
+  case "$last" in
+    "start on "*|"preflight ok"*) last="" ;;  # no event of an end: told by the exit below
+  esac
+  case "$last" in
+    *requeue*|*retry*|*"not retrying"*|*"stop request"*|cancelled*|"out of memory"*|hang:*|"node failure"*|"preflight failed"*)
+      last+=" (exit $rc)" ;;
+    *) case "$rc" in
+         0) last="completed (exit 0)" ;;
+         "$REQUEUE_EXIT") last="saved a checkpoint and stopped (exit $rc)" ;;
+         *) last="failed with exit $rc: the lines above say why" ;;
+       esac ;;
+  esac
+  echo "slipway: job ${SLURM_JOB_ID:-} ended: $last"
   for pid in "${HELPER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   if [ -n "${SRUN_PID:-}" ] && kill -0 "$SRUN_PID" 2>/dev/null; then
     kill -TERM "$SRUN_PID" 2>/dev/null || true

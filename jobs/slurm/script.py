@@ -357,6 +357,7 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
         lines.append("set -x")
     pyxis, code = env.runtime == "pyxis", pins.code
     lines += ["", *_settings(cfg, paths, env, shared, pins), "", *_sourced(paths, library_files(env, paths)), "",
+              *_plot_curves(cfg, paths, container, prefix),
               "# ---- main: this job, from its start to its end ----",
               f"cd {shlex.quote(str(paths.project))}",
               'mkdir -p "$LOGS" "$GUTIL" "$HEARTBEATS" "$HANGS"',
@@ -408,10 +409,24 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
         "after_hang",
         'after_stop_request "$rc"',
         'after_node_failure "$rc"',
+        '[ "$rc" != 0 ] || TRAINED=1  # on_exit draws the curves, once the end is recorded',
         'exit "$rc"',
         "",
     ]
     return "\n".join(lines)
+
+
+def _plot_curves(cfg: Config, paths: RunDir, container: list[str], prefix: str) -> list[str]:
+    """plot_curves, which on_exit (jobs/slurm/job_lib.sh) calls after a job that trained all its
+    steps has recorded its end: the run's curves.png from its metrics (trainer/plot.py), as a step
+    of one task in the job's container, bounded; without matplotlib in the image it says so."""
+    if cfg.launch.command:  # the image may hold no slipway trainer
+        return []
+    srun = srun_argv(nodes=1, ntasks=1, cpus_per_task=1, container=container)
+    plot = [cfg.launch.python, "-m", "trainer.plot", str(paths.path)]
+    return ["# The run's curves once it has trained all its steps (on_exit, after the end is recorded).",
+            f'plot_curves() {{ echo "curves: $({prefix}timeout 60 {words(srun)} {words(plot)} 2>&1 | tail -n 1)"; }}',
+            ""]
 
 
 def render_prepare_sbatch(cfg: Config, paths: RunDir, env: Environment) -> str:
