@@ -50,11 +50,9 @@ def test_local_refuses_an_unprepared_cache_at_once_and_its_prepare_command_works
     corpus(project)
     given = ["tiny_cpu", "--dataset", "./corpus", "--text-column", "body", "run.project=my project",
              "data.validation_fraction=0.001"]
-    start = time.monotonic()
     line = one_error_line(slipway("local", *given))
-    # Before any process starts (the trainer would find it after 40 s of start-up); generous
-    # for a loaded machine, far below that.
-    assert time.monotonic() - start < 20
+    # Before any process starts (the trainer would find it after 40 s of start-up): the run
+    # directory, which a launch writes before it starts a process, was never made.
     assert not (project / "runs").exists()
     suggested = re.search(r"run `(slipway prepare [^`]*)` first", line).group(1)
     argv = shlex.split(suggested)
