@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import pwd
 import stat
 import tempfile
 from pathlib import Path
@@ -76,10 +77,26 @@ def open_regular(path: str | os.PathLike) -> Optional[BinaryIO]:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        what = next((name for test, name in _KINDS if test(mode)), "not a regular file")
-        raise NotRegularFile(errno.EINVAL, f"is {what}, not a regular file", os.fspath(path))
+        raise NotRegularFile(errno.EINVAL, f"is {file_kind(mode)}, not a regular file", os.fspath(path))
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
+
+
+def file_kind(mode: int) -> str:
+    """`a FIFO`, `a directory`...: what a file of st_mode `mode` is, for a message."""
+    return next((name for test, name in _KINDS if test(mode)), "a regular file" if stat.S_ISREG(mode) else
+                "not a regular file")
+
+
+def read_whole(f: BinaryIO, limit: int) -> bytes:
+    """What the open regular file `f` holds from where it stands, at most `limit` + 1 bytes (more
+    than `limit`: the caller's sign that it is too large). It asks for what the file holds, not for
+    `limit`: a read of `limit` bytes allocates that much, however small the file."""
+    size = os.fstat(f.fileno()).st_size
+    data = f.read(min(size, limit) + 1)
+    if size < len(data) <= limit:  # it grew as it was read: the rest too, within the bound
+        data += f.read(limit + 1 - len(data))
+    return data
 
 
 def read_tail(path: str | os.PathLike, limit: int) -> Optional[bytes]:
@@ -95,3 +112,17 @@ def read_tail(path: str | os.PathLike, limit: int) -> Optional[bytes]:
     if size > limit:  # the first line is cut: drop it
         data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
     return data
+
+
+def ownership(path: str | os.PathLike) -> str:
+    """`owned by NAME, mode 0700`: why a path may be closed to this user, for a message ('' where
+    even that cannot be told)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    try:
+        name = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        name = f"uid {st.st_uid}"
+    return f"owned by {name}, mode {stat.S_IMODE(st.st_mode):04o}"

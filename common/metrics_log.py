@@ -11,19 +11,29 @@ node (or a laptop with the run directory) can read it.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from common.errors import ConfigError
+from common.fs import open_regular, read_whole
 from common.rundir import RunDir
+
+MAX_METRICS_BYTES = 1 << 30  # a million steps' records are about 300 MiB
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Every record of run_dir/metrics.jsonl in file order (a line cut by a crash is skipped)."""
     path = RunDir(Path(run_dir)).metrics
-    if not path.is_file():
+    f = open_regular(path)  # a FIFO or a device raises NotRegularFile: never a hang
+    if f is None:
         raise ConfigError("RUN", f"{path} does not exist yet: the run has not logged a step")
+    with f:
+        data = read_whole(f, MAX_METRICS_BYTES)
+    if len(data) > MAX_METRICS_BYTES:
+        raise ConfigError("RUN", f"{path} is larger than {MAX_METRICS_BYTES >> 30} GiB, more than any run logs: "
+                                 "check that it is the run's own")
     records = []
-    for line in path.read_text().splitlines():
+    for line in data.decode(errors="replace").splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -51,8 +61,8 @@ def latest_by_step(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_duration(seconds: Optional[float]) -> str:
-    """12s, 3m05s, 1h02m; ? when unknown."""
-    if seconds is None:
+    """12s, 3m05s, 1h02m; ? when unknown (or no finite number: what a file said)."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds):
         return "?"
     seconds = int(round(seconds))
     if seconds < 60:

@@ -14,7 +14,6 @@ to it from here.
 from __future__ import annotations
 
 import argparse
-import os
 import copy
 import shlex
 import sys
@@ -35,7 +34,9 @@ QUIET_S = 30  # `image containers`: a line at least this often while the nodes w
 
 
 def _project_dir() -> Path:
-    return Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute()
+    from common import environ
+
+    return environ.project_dir()
 
 
 def _root(cfg: Config) -> Path:

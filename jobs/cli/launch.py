@@ -19,7 +19,9 @@ REFUSED = "a real submission would fail: "  # how runs.seal marks a dry run's no
 
 
 def project_dir() -> Path:
-    return Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute()
+    from common import environ
+
+    return environ.project_dir()
 
 
 def rich_console(stderr: bool = False):
