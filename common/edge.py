@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from common.environ import as_typed
 from common.errors import ConfigError, bounded, bounded_path, one_line
+from common.fs import closed_by
 from common.rundir import BAD_INPUT_EXIT, BUG_EXIT, FAILED_EXIT
 from common.secrets import mask
 
@@ -42,6 +43,10 @@ def error_line(exc: BaseException) -> tuple[str, int]:
             fix = ("shorten the path (each name at most 255 bytes)" if exc.errno == errno.ENAMETOOLONG
                    else "check the path and its permissions")
             shown = os.fsdecode(name) if isinstance(name, (str, bytes, os.PathLike)) else str(name)
+            closed = closed_by(shown) if isinstance(exc, PermissionError) else None
+            if closed and closed[1]:  # whose it is: a teammate's folder is no typo to fix
+                where = "it is" if str(closed[0]) == os.path.abspath(shown) else f"{bounded_path(closed[0])} is"
+                reason = f"{reason} ({where} {closed[1]})"
             return f"{bounded_path(shown)}: {reason}: {fix}", BAD_INPUT_EXIT
         if exc.errno in _PATH_ERRNOS:
             return f"{reason}: check the paths in the config and on the command line", BAD_INPUT_EXIT

@@ -88,15 +88,17 @@ def file_kind(mode: int) -> str:
                 "not a regular file")
 
 
-def read_whole(f: BinaryIO, limit: int) -> bytes:
-    """What the open regular file `f` holds from where it stands, at most `limit` + 1 bytes (more
-    than `limit`: the caller's sign that it is too large). It asks for what the file holds, not for
-    `limit`: a read of `limit` bytes allocates that much, however small the file."""
-    size = os.fstat(f.fileno()).st_size
-    data = f.read(min(size, limit) + 1)
-    if size < len(data) <= limit:  # it grew as it was read: the rest too, within the bound
+def read_whole(f: BinaryIO, limit: int) -> Optional[bytes]:
+    """What the open regular file `f` holds from where it stands; None, unread, where that is more
+    than `limit` bytes. It asks for what the file holds, not for `limit`: a read of `limit` bytes
+    allocates that much, however small the file."""
+    size = os.fstat(f.fileno()).st_size - f.tell()
+    if size > limit:
+        return None
+    data = f.read(size + 1)
+    if len(data) > size:  # it grew as it was read: the rest too, within the bound
         data += f.read(limit + 1 - len(data))
-    return data
+    return None if len(data) > limit else data
 
 
 def read_tail(path: str | os.PathLike, limit: int) -> Optional[bytes]:
@@ -112,6 +114,20 @@ def read_tail(path: str | os.PathLike, limit: int) -> Optional[bytes]:
     if size > limit:  # the first line is cut: drop it
         data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
     return data
+
+
+def closed_by(path: str | os.PathLike) -> Optional[tuple[Path, str]]:
+    """The first folder on the way to `path`, or `path` itself, that this user may not enter or
+    read, with its `ownership`: what a "Permission denied" is about (None where none is found)."""
+    path = Path(os.path.abspath(path))
+    for step in [*reversed(path.parents), path]:
+        try:
+            closed = not os.access(step, os.X_OK | os.R_OK if step.is_dir() else os.R_OK)
+        except OSError:
+            return None
+        if closed:
+            return step, ownership(step)
+    return None
 
 
 def ownership(path: str | os.PathLike) -> str:

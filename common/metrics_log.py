@@ -29,7 +29,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         raise ConfigError("RUN", f"{path} does not exist yet: the run has not logged a step")
     with f:
         data = read_whole(f, MAX_METRICS_BYTES)
-    if len(data) > MAX_METRICS_BYTES:
+    if data is None:
         raise ConfigError("RUN", f"{path} is larger than {MAX_METRICS_BYTES >> 30} GiB, more than any run logs: "
                                  "check that it is the run's own")
     records = []

@@ -169,7 +169,7 @@ def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
     with f:
         data = read_whole(f, limit)
-    if len(data) > limit:
+    if data is None:
         raise ConfigError(where, f"{bounded(str(path))} is larger than {limit} bytes, more than any config or "
                                  "EDF holds: check that this is the file you meant")
     try:

@@ -27,6 +27,7 @@ from containers.prune import prune_images
 from containers.tools import ToolError, stream, which
 from jobs.config import Config, dump_config, load_config
 from jobs.slurm import srun_argv
+from common.errors import one_line
 from common.fs import write_atomic
 
 
@@ -208,7 +209,7 @@ def _tool_error(exc: BaseException) -> int | None:
     from jobs.slurm import SlurmError
 
     if isinstance(exc, (ToolError, SlurmError)):
-        Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[red]error:[/] {escape(one_line(str(exc)))}", highlight=False, soft_wrap=True)
         return 1
     return None
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from common.environ import as_typed, invocation
-from common.errors import ConfigError
+from common.errors import ConfigError, one_line
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
 from common.extras import require as require_extra
 
@@ -54,7 +54,8 @@ def _notes(console, notes: list[str]) -> None:
     from common.secrets import mask
 
     for note in notes:  # a note quotes paths and overrides (`container.mounts=[...]`): never markup
-        console.print(f"[yellow]note:[/] {escape(mask(as_typed(note)))}", soft_wrap=True, markup=True, highlight=False)
+        console.print(f"[yellow]note:[/] {escape(mask(one_line(as_typed(note))))}", soft_wrap=True, markup=True,
+                      highlight=False)
 
 
 def _submitted(args: argparse.Namespace, job_id: str, notes: list[str]):
@@ -68,9 +69,11 @@ def _submitted(args: argparse.Namespace, job_id: str, notes: list[str]):
 
 
 def _follow(console, run, job_id: str) -> int:
+    from rich.markup import escape
+
     from jobs.cli.status import follow_logs
 
-    return follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
+    return follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {escape(one_line(s))}[/]"))
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

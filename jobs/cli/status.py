@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History
 from jobs.runs.manifest import Launch, ManifestError
-from common.errors import ConfigError, one_line
+from common.errors import ConfigError, one_line, shown
 from common.events import Event
 from common.fs import open_regular
 from common.rundir import LOCAL_JOB, HangLine
@@ -230,7 +231,16 @@ def _print_history(run: runs.Run, history: History, console) -> None:
         say(console, f"preflight: {history.preflight.removeprefix('preflight ')}")
 
 
+def job_arg(job_id: Optional[str]) -> Optional[str]:
+    """--job as given on the command line: a Slurm job id, or `local` (it names a log file and
+    goes to squeue)."""
+    if job_id is not None and job_id != LOCAL_JOB and not re.fullmatch(r"[0-9]{1,12}(_[0-9]{1,9})?", job_id):
+        raise ConfigError("--job", f"{shown(job_id)} is not a Slurm job id: give one that `slipway status RUN` lists")
+    return job_id
+
+
 def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> int:
+    job_id = job_arg(job_id)
     launches = run.launches()
     if not launches:
         raise ConfigError("RUN", f"run {run.name} has no job yet: `slipway submit` it first")

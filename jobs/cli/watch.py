@@ -315,8 +315,10 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
     from rich.console import Console
     from rich.live import Live
 
+    from jobs.cli.status import job_arg
+
     console = console or Console(highlight=False)
-    watcher = Watcher(run, job_id or latest_job(run))
+    watcher = Watcher(run, job_arg(job_id) or latest_job(run))
     snap = watcher.snapshot()
     if once:
         console.print(render(snap))

@@ -217,7 +217,7 @@ def read(path: Path) -> Manifest:
             f"cannot be read: it {exc.strerror or exc}" if isinstance(exc, NotRegularFile) else \
             f"cannot be read: {exc.strerror or exc}"
         raise ManifestError(path, why, denied=denied) from None
-    if len(data) > MAX_BYTES:
+    if data is None:
         raise ManifestError(path, f"larger than {MAX_BYTES >> 20} MiB")
     if not data.strip():
         raise ManifestError(path, "empty")

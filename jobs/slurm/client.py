@@ -207,7 +207,8 @@ def jobs_info(job_ids: list[str]) -> dict[str, JobInfo]:
     if wanted and available("squeue"):
         for i in range(0, len(wanted), BATCH):
             asked = set(wanted[i:i + BATCH])
-            for line in _ask(squeue_argv(wanted[i:i + BATCH])).splitlines():
+            # By "\n" alone: a job's name or reason may hold what str.splitlines() also breaks at.
+            for line in _ask(squeue_argv(wanted[i:i + BATCH])).split("\n"):
                 parts = line.split("|", 6)
                 if len(parts) == 7 and parts[0] in asked:
                     job, state, reason, elapsed, nodes, code, name = parts
@@ -218,7 +219,7 @@ def jobs_info(job_ids: list[str]) -> dict[str, JobInfo]:
     if missing and available("sacct"):
         for i in range(0, len(missing), BATCH):
             asked = set(missing[i:i + BATCH])
-            for line in _ask(sacct_argv(missing[i:i + BATCH])).splitlines():  # a requeued job's last line counts
+            for line in _ask(sacct_argv(missing[i:i + BATCH])).split("\n"):  # a requeued job's last line counts
                 parts = line.split("|", 5)
                 if len(parts) == 6 and parts[0] in asked:
                     found[parts[0]] = JobInfo(job_id=parts[0], state=parts[1], exit_code=parts[2],
