@@ -153,12 +153,12 @@ def _listing(title: str, rows: list[tuple[str, ...]], width: Optional[int] = Non
     left of `width` (cut short; on a line of its own below its row when too little is left; whole
     without a width: into a pipe). Plain text, as rich's tables take half a millisecond a row and a
     project may hold ten thousand runs."""
-    rows = [LISTING, *[tuple(one_line(c) for c in row) for row in rows]]
+    rows = [LISTING, *[[one_line(c) for c in row] for row in rows]]
     widths = [max(len(row[i]) for row in rows) for i in range(len(LISTING) - 1)]
+    heads = "  ".join(f"{{:<{w}}}" for w in widths) + "  "
     lines = []
     for row in rows:
-        head = "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  "
-        last = row[-1]
+        head, last = heads.format(*row), row[-1]
         room = None if width is None else width - len(head)
         if room is None or len(last) <= room:
             lines.append(head + last)

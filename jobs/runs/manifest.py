@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional, Union
 
 from common.errors import ConfigError, bounded, bounded_path, shown
-from common.fs import NotRegularFile, open_regular, ownership, read_whole, write_atomic
+from common.fs import NotRegularFile, ownership, read_file, write_atomic
 from common.rundir import LOCAL_JOB, CodeSnapshot
 from common.schema import from_dict, require
 from jobs.runs.container import ImagePin
@@ -205,12 +205,16 @@ def to_record(obj: Any) -> dict:
 
 def read(path: Path) -> Manifest:
     """The manifest at `path`, validated; ManifestError when it cannot be read."""
+    return read_keyed(path)[1]
+
+
+def read_keyed(path: Path) -> tuple[tuple[int, int, int], Manifest]:
+    """(the file's `file_key`, the manifest) at `path`: one open and one fstat."""
     try:
-        f = open_regular(path)
-        if f is None:
+        found = read_file(path, MAX_BYTES)
+        if found is None:
             raise ManifestError(path, "missing")
-        with f:
-            data = read_whole(f, MAX_BYTES)
+        data, st = found
     except OSError as exc:
         denied = isinstance(exc, PermissionError)
         why = f"not readable by you ({ownership(path)})" if denied else \
@@ -235,7 +239,7 @@ def read(path: Path) -> Manifest:
     if type(schema) is int and schema > SCHEMA:  # its keys may mean what this slipway cannot tell
         raise ManifestError(path, "newer", newer=schema)
     try:
-        return from_dict(Manifest, raw, "manifest", record=True)
+        return (st.st_ino, st.st_mtime_ns, st.st_size), from_dict(Manifest, raw, "manifest", record=True)
     except ConfigError as exc:
         raise ManifestError(path, str(exc).removeprefix("manifest.")) from None
 

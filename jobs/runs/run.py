@@ -26,7 +26,7 @@ from jobs.runs.manifest import Launch, Manifest, ManifestError
 from common import environ
 from common.errors import ConfigError, one_line, shown
 from common.events import Event, read_events, tail_events
-from common.fs import NotRegularFile, file_kind, open_regular, ownership
+from common.fs import NotRegularFile, file_kind, ownership, pread_all, regular_fd
 from common.rundir import CodeSnapshot, RunDir
 
 
@@ -49,12 +49,11 @@ class Run:
         """The run's manifest as the file holds it now (read again only once the file changed);
         ManifestError, naming the file and what to do, when it cannot be read."""
         path = self.paths.manifest
-        key = manifests.file_key(path)
-        if key is None or self._read is None or self._read[0] != key:
+        if self._read is None or self._read[0] is None or self._read[0] != manifests.file_key(path):
             try:
-                self._read = (key, manifests.read(path))
+                self._read = manifests.read_keyed(path)
             except ManifestError as exc:
-                self._read = (key, exc)
+                self._read = (manifests.file_key(path), exc)
         found = self._read[1]
         if isinstance(found, ManifestError):
             raise found
@@ -134,15 +133,15 @@ class Run:
         metrics.jsonl that is no regular file raises NotRegularFile (open_regular)."""
         from common.metrics_log import latest_by_step
 
-        f = open_regular(self.paths.metrics)
-        if f is None:
+        opened = regular_fd(self.paths.metrics)
+        if opened is None:
             return None
-        with f:
-            size = f.seek(0, os.SEEK_END)
+        fd, st = opened
+        try:
+            size = st.st_size
             for window in (1024, 65536):
-                f.seek(max(0, size - window))
                 records = []
-                for line in f.read(window).decode(errors="replace").splitlines():
+                for line in pread_all(fd, min(size, window), max(0, size - window)).decode(errors="replace").splitlines():
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError:
@@ -152,6 +151,8 @@ class Run:
                 train = [r for r in latest_by_step(records) if r.get("kind") == "train"]
                 if train or size <= window:
                     return train[-1] if train else None
+        finally:
+            os.close(fd)
         return None
 
     def total_steps(self, launch: Optional[Launch] = None) -> Optional[int]:
