@@ -10,7 +10,7 @@ commands run without the capabilities that override permissions (setpriv), as an
 The stand-in Slurm (tests/slurm_standin.py) knows the jobs as Slurm would: active ones
 in slurmctld, ended ones in accounting. Every command runs through the CLI, as a user types it;
 "Slurm calls" counts squeue, sacct and `scontrol show job`; "CPU s" is the command's user and
-system time. `--before REF` runs the same commands with slipway at git commit REF too (sizes up
+system time; "lines" what it printed (a listing: two heads and a line a run). `--before REF` runs the same commands with slipway at git commit REF too (sizes up
 to --before-max), side by side.
 
     python bench/status.py [--sizes 1,100,1000,10000] [--repeat 3] [--before REF] [--clean]
@@ -139,27 +139,29 @@ def as_a_user() -> list[str]:
     return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
 
 
-def timed(args: list[str], env: dict, cwd: Path, slurm: StandInSlurm, repeat: int) -> tuple[float, float, int, int]:
-    """(best wall seconds, its CPU seconds, Slurm state calls of one run, exit status) of `slipway ARGS`."""
-    best, cpu, calls, rc = float("inf"), 0.0, 0, 0
+def timed(args: list[str], env: dict, cwd: Path, slurm: StandInSlurm,
+          repeat: int) -> tuple[float, float, int, int, int]:
+    """(best wall seconds, its CPU seconds, Slurm state calls of one run, lines it printed, exit
+    status) of `slipway ARGS`."""
+    best, cpu, calls, lines, rc = float("inf"), 0.0, 0, 0, 0
     for _ in range(repeat):
         slurm.reset_calls()
         before = os.times()
         start = time.perf_counter()
-        rc = subprocess.run([*as_a_user(), sys.executable, "-m", "jobs", *args], cwd=cwd, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+        done = subprocess.run([*as_a_user(), sys.executable, "-m", "jobs", *args], cwd=cwd, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         wall = time.perf_counter() - start
         after = os.times()
         if wall < best:
             best = wall
             cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
-        calls = len(slurm.state_calls())
-    return best, cpu, calls, rc
+        calls, lines, rc = len(slurm.state_calls()), done.stdout.count(b"\n"), done.returncode
+    return best, cpu, calls, lines, rc
 
 
-def report(n: int, label: str, name: str, seconds: float, cpu: float, calls: int, rc: int) -> None:
-    print(f"{n:>6} {label:<14} {name:<22} {seconds:>8.2f} {cpu:>6.2f} {calls:>11}" + (f"  (exit {rc})" if rc else ""),
-          flush=True)
+def report(n: int, label: str, name: str, seconds: float, cpu: float, calls: int, lines: int, rc: int) -> None:
+    print(f"{n:>6} {label:<14} {name:<22} {seconds:>8.2f} {cpu:>6.2f} {calls:>11} {lines:>6}"
+          + (f"  (exit {rc})" if rc else ""), flush=True)
 
 
 def checkout(ref: str, into: Path) -> Path:
@@ -186,7 +188,7 @@ def main() -> None:
             versions[f"at {args.before}"] = checkout(args.before, work / "before")
         config_text = dump_config(load_config(str(ROOT / "configs" / "tiny_cpu.yaml")))
         print(f"load average before: {os.getloadavg()[0]:.1f}")
-        print(f"{'N':>6} {'slipway':<14} {'command':<22} {'seconds':>8} {'CPU s':>6} {'Slurm calls':>11}")
+        print(f"{'N':>6} {'slipway':<14} {'command':<22} {'seconds':>8} {'CPU s':>6} {'Slurm calls':>11} {'lines':>6}")
         for n in sizes:
             project = work / f"n{n}"
             (project / "configs").mkdir(parents=True)
@@ -206,14 +208,13 @@ def main() -> None:
             # Last, as each adds a run: a launch prunes the code store (it reads every run's
             # manifest); the next one within the hour does not.
             for label in shown:
-                pair = [[float("inf"), 0.0, 0, 0], [float("inf"), 0.0, 0, 0]]
+                pair = [[float("inf"), 0.0, 0, 0, 0], [float("inf"), 0.0, 0, 0, 0]]
                 for k in range(args.repeat):
                     (project / "runs" / ".code.pruned").unlink(missing_ok=True)
                     for j, best in enumerate(pair):
                         name = f"{'ab'[j]}{k}-{'now' if label == 'now' else 'before'}"
-                        seconds, cpu, calls, rc = timed(["submit", "tiny_cpu", "--run-name", name], env[label],
-                                                        project, slurm, 1)
-                        pair[j] = [seconds, cpu, calls, rc] if seconds < best[0] else best
+                        result = timed(["submit", "tiny_cpu", "--run-name", name], env[label], project, slurm, 1)
+                        pair[j] = list(result) if result[0] < best[0] else best
                 report(n, label, "submit (prunes)", *pair[0])
                 report(n, label, "submit again", *pair[1])
             shutil.rmtree(project)

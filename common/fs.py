@@ -5,7 +5,7 @@ A reader sees the old file or the new one, never half of one: write a temp file 
 target, fsync it, rename it over the target. A reader of a file that others may have made (a
 run directory is shared by a team and written by jobs) opens it only when it is a regular file,
 judged without blocking (a FIFO would hang an open or a read, a device would never end), and
-reads at most a bounded part of it (`open_regular`, `read_tail`).
+reads at most a bounded part of it (`regular_fd`, `open_regular`, `read_file`, `read_tail`).
 """
 
 from __future__ import annotations
@@ -106,19 +106,6 @@ def pread_all(fd: int, size: int, offset: int) -> bytes:
             break
         data += more
     return data
-
-
-def read_whole(f: BinaryIO, limit: int) -> Optional[bytes]:
-    """What the open regular file `f` holds from where it stands; None, unread, where that is more
-    than `limit` bytes. It asks for what the file holds, not for `limit`: a read of `limit` bytes
-    allocates that much, however small the file."""
-    size = os.fstat(f.fileno()).st_size - f.tell()
-    if size > limit:
-        return None
-    data = f.read(size + 1)
-    if len(data) > size:  # it grew as it was read: the rest too, within the bound
-        data += f.read(limit + 1 - len(data))
-    return None if len(data) > limit else data
 
 
 def read_file(path: str | os.PathLike, limit: int) -> Optional[tuple[Optional[bytes], os.stat_result]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from common.errors import ConfigError
-from common.fs import open_regular, read_whole
+from common.fs import read_file
 from common.rundir import RunDir
 
 MAX_METRICS_BYTES = 1 << 30  # a million steps' records are about 300 MiB
@@ -24,11 +24,10 @@ MAX_METRICS_BYTES = 1 << 30  # a million steps' records are about 300 MiB
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Every record of run_dir/metrics.jsonl in file order (a line cut by a crash is skipped)."""
     path = RunDir(Path(run_dir)).metrics
-    f = open_regular(path)  # a FIFO or a device raises NotRegularFile: never a hang
-    if f is None:
+    found = read_file(path, MAX_METRICS_BYTES)  # a FIFO or a device raises NotRegularFile: never a hang
+    if found is None:
         raise ConfigError("RUN", f"{path} does not exist yet: the run has not logged a step")
-    with f:
-        data = read_whole(f, MAX_METRICS_BYTES)
+    data = found[0]
     if data is None:
         raise ConfigError("RUN", f"{path} is larger than {MAX_METRICS_BYTES >> 30} GiB, more than any run logs: "
                                  "check that it is the run's own")

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import yaml
 
 from common.errors import ConfigError, bounded, shown
-from common.fs import open_regular, read_whole
+from common.fs import read_file
 
 
 # --------------------------------------------------------------------------
@@ -164,11 +164,10 @@ def read_yaml(text: str, source: str, *, lines: bool = True) -> Any:
 def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:
     """The UTF-8 text of `path`, refused (without reading it all) when larger than `limit`; a path
     that is no regular file (a FIFO, a device) raises NotRegularFile at once, never blocks."""
-    f = open_regular(path)
-    if f is None:
+    found = read_file(path, limit)
+    if found is None:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
-    with f:
-        data = read_whole(f, limit)
+    data = found[0]
     if data is None:
         raise ConfigError(where, f"{bounded(str(path))} is larger than {limit} bytes, more than any config or "
                                  "EDF holds: check that this is the file you meant")

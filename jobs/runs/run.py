@@ -130,7 +130,7 @@ class Run:
     def last_metrics(self) -> dict | None:
         """The latest training record of the history that stands (a restart undoes the steps
         after its checkpoint), read from the end of metrics.jsonl: its last KiB, else 64 KiB. A
-        metrics.jsonl that is no regular file raises NotRegularFile (open_regular)."""
+        metrics.jsonl that is no regular file raises NotRegularFile (regular_fd)."""
         from common.metrics_log import latest_by_step
 
         opened = regular_fd(self.paths.metrics)
@@ -257,7 +257,7 @@ def _stat_manifest(run_dir: Path) -> "int | Unreadable | None":
     except OSError as exc:  # a link loop, a name too long
         return Unreadable(run_dir, f"manifest.json: {exc.strerror or exc}")
     if not stat.S_ISREG(st.st_mode):
-        return Unreadable.of(run_dir, NotRegularFile(0, f"is {file_kind(st.st_mode)}, not a regular file", str(path)))
+        return Unreadable(run_dir, f"manifest.json is {file_kind(st.st_mode)}, not a regular file")
     return st.st_mtime_ns
 
 

@@ -78,7 +78,8 @@ class SlurmSection:
     qos: Optional[str] = None
     # Mail this address when the job ends or fails.
     email: Optional[str] = None
-    # sbatch --mem (memory per node, e.g. 200G; 0: all of it); null: the partition's default.
+    # sbatch --mem: memory per node in Slurm's form, a whole number with an optional unit K, M,
+    # G or T (200G, 200000M; 0: all of it); null: the partition's default.
     mem: Optional[str] = None
     # Relative to the run directory; %j is the job id (known before the log is read).
     output: str = "logs/%j.out"
