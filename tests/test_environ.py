@@ -166,6 +166,7 @@ def _recording_sbatch(slurm: StandInSlurm) -> Path:
     return seen
 
 
+@pytest.mark.slow
 def test_sbatch_variables_that_outrank_the_script_are_cleared_or_refused(project, tmp_path):
     slurm = StandInSlurm(tmp_path / "slurm")
     seen = _recording_sbatch(slurm)
@@ -234,6 +235,7 @@ def test_slurm_mem_in_slurms_grammar_is_written_as_given(project, value):
 # ---------------------------------------------------------------- stdout, and the local cluster
 
 
+@pytest.mark.slow
 def test_a_full_or_closed_stdout_is_named_as_such(project):
     env = {"SLIPWAY_PROJECT": str(project)}
     for args in (["status"], ["--help"], ["submit", "tiny_cpu", "--dry-run"]):

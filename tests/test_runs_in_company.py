@@ -164,9 +164,10 @@ def test_huge_and_special_side_files_leave_a_run_readable(hostile):
 # ---------------------------------------------------------------- a teammate's closed runs
 
 
-def test_a_teammates_closed_run_is_one_line_for_every_command(teammate, tmp_path):
-    """Root's runs in a shared project, read by a second user: a run directory closed to it (0700),
-    one whose events.log is closed (0600), and a closed code store; every other run is listed."""
+@pytest.fixture
+def shared_project(teammate) -> tuple[object, dict, Path]:
+    """Root's runs in a project a second user reads: a run directory closed to it (0700), one
+    whose events.log is closed (0600), a closed code store, and an open run."""
     project = teammate.shared / "proj"
     shutil.copytree(Path(__file__).resolve().parent.parent / "configs", project / "configs")
     root = project / "runs"
@@ -180,23 +181,36 @@ def test_a_teammates_closed_run_is_one_line_for_every_command(teammate, tmp_path
     (slurm.root / "calls").chmod(0o666)
     env = teammate.env(PATH=f"{slurm.bin}:{os.environ['PATH']}", STANDIN=str(slurm.root),
                        SLIPWAY_PROJECT=str(project))
+    return teammate, env, project
 
-    r = teammate.slipway("status", env=env, cwd=project)
+
+def test_a_teammates_closed_run_is_one_row_and_every_other_run_is_listed(shared_project):
+    mate, env, project = shared_project
+    r = mate.slipway("status", env=env, cwd=project)
     assert r.returncode == 0 and r.stderr == "", r.stderr  # a teammate's run is no damage to fix
     shown = rows(r.stdout)
     assert sorted(shown) == ["closed", "closed-events", "open"] and shown["open"][2] == "COMPLETED", r.stdout
     assert shown["closed"][2] == "UNREADABLE" and "not readable by you (owned by root, mode 0700)" in shown["closed"][-1]
     assert shown["closed-events"][2] == "UNREADABLE" and \
         "events.log not readable by you (owned by root, mode 0600)" in shown["closed-events"][-1], r.stdout
+
+
+@pytest.mark.slow
+def test_every_command_on_a_teammates_closed_run_is_one_line(shared_project):
+    mate, env, project = shared_project
+    root = project / "runs"
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*"))
     for args in (["status", "closed"], ["watch", "closed", "--once"], ["cancel", "closed"], ["logs", "closed"],
                  ["submit", "tiny_cpu", "--run-name", "closed", "data.tokenize_in_job=true"],
                  ["status", "closed-events"], ["watch", "closed-events", "--once"], ["cancel", "closed-events"]):
-        r = teammate.slipway(*args, env=env, cwd=project, timeout=HANG)
+        r = mate.slipway(*args, env=env, cwd=project, timeout=HANG)
         lines = r.stderr.splitlines()
         assert r.returncode == 2 and len(lines) == 1, (args, r.stderr)
         assert "not readable by you (owned by root, mode 0700)" in lines[0] or \
             "Permission denied (" in lines[0] and "owned by root, mode 0" in lines[0], (args, r.stderr)
-    assert not (root / "closed" / "config.yaml").stat().st_uid  # nothing of the teammate's was written over
+    # Nothing of the runs was written over; a refused submission leaves only its lock file.
+    after = sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*") if not p.name.endswith(".lock"))
+    assert after == [entry for entry in before if not entry[0].endswith(".lock")]
 
 
 # ---------------------------------------------------------------- the terminal
