@@ -253,14 +253,15 @@ def test_a_full_or_closed_stdout_is_named_as_such(project):
             and err.count("\n") == 1, (args, err)
 
 
-def test_cluster_env_says_when_the_cluster_is_another_checkouts(tmp_path):
+def test_cluster_env_says_when_the_cluster_is_another_checkouts():
     from jobs.devcluster.host import RUN_DIR, registry_path
     from jobs.devcluster.spec import CHECKOUT
 
     if os.geteuid() != 0:
         pytest.skip(f"the local cluster's registry ({RUN_DIR}) is root's")
     name = f"e{os.getpid() % 10_000_000}"
-    spec = {"state_dir": str(tmp_path / "c"), "nodes": 2, "name": name}
+    state = Path("/tmp") / f"slipway-{name}"  # short, as slurm.conf's sockets need; never made
+    spec = {"state_dir": str(state), "nodes": 2, "name": name}
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     try:
         for checkout, noted in (("/elsewhere/slipway", True), (str(CHECKOUT), False), (None, True)):
@@ -269,7 +270,7 @@ def test_cluster_env_says_when_the_cluster_is_another_checkouts(tmp_path):
             registry_path(name).write_text(json.dumps(record))
             r = subprocess.run([PY, "-m", "jobs", "cluster", "env", "--name", name], capture_output=True, text=True,
                                timeout=60)
-            assert r.returncode == 0 and r.stdout == f"export SLURM_CONF={tmp_path / 'c' / 'slurm.conf'}\n", r
+            assert r.returncode == 0 and r.stdout == f"export SLURM_CONF={state / 'slurm.conf'}\n", r
             if noted:
                 assert r.stderr.startswith(f"slipway cluster env: note: cluster '{name}' was started by ") and \
                     (checkout or "did not record its checkout") in r.stderr and str(CHECKOUT) in r.stderr, r.stderr
