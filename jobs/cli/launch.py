@@ -69,11 +69,16 @@ def _submitted(args: argparse.Namespace, job_id: str, notes: list[str]):
 
 
 def _follow(console, run, job_id: str) -> int:
-    from rich.markup import escape
-
     from jobs.cli.status import follow_logs
 
-    return follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {escape(one_line(s))}[/]"))
+    return follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {_plain(s)}[/]"))
+
+
+def _plain(value: object) -> str:
+    """A path or value from the environment or a file, inside markup: escaped, never markup."""
+    from rich.markup import escape
+
+    return escape(one_line(value))
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -86,19 +91,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                                before_writing=_check_controller)
     console = _submitted(args, job_id, sealed.notes)
     if prep_id:
-        console.print(f"data preparation job [bold]{prep_id}[/] (log {run.log_path(prep_id)}); the training job "
-                      "starts once it has completed", soft_wrap=True)
+        console.print(f"data preparation job [bold]{prep_id}[/] (log {_plain(run.log_path(prep_id))}); the training "
+                      "job starts once it has completed", soft_wrap=True)
     resumed = sum(1 for x in run.launches() if x.kind == "train") > 1
     console.print(f"{'resubmitted' if resumed else 'submitted'} [bold]{cfg.run.name}[/] as job [bold]{job_id}[/]"
-                  f"{' (resumes from its latest checkpoint)' if resumed else ''}  run dir: {run.dir}",
+                  f"{' (resumes from its latest checkpoint)' if resumed else ''}  run dir: {_plain(run.dir)}",
                   soft_wrap=True)
     if sealed.pin.path:
-        console.print(f"[dim]image {sealed.pin.path} ({sealed.pin.source}"
+        console.print(f"[dim]image {_plain(sealed.pin.path)} ({sealed.pin.source}"
                       f"{', build ' + sealed.pin.build_hash[:12] if sealed.pin.build_hash else ''})[/]",
                       soft_wrap=True)
     if not args.show_logs:
         return 0
-    console.print(f"following {run.log_path(job_id)} until the job ends (Ctrl-C stops following, "
+    console.print(f"following {_plain(run.log_path(job_id))} until the job ends (Ctrl-C stops following, "
                   "not the job)", style="dim", soft_wrap=True)
     code = _follow(console, run, job_id)
     console.print(f"job {job_id} ended with exit code {code}")
