@@ -260,37 +260,21 @@ class _Slow(Exception):
     """The fast reading of a record declines a value."""
 
 
+# The values each plain type takes as they are, as the general path would return them.
+_TAKES = {str: lambda v: type(v) is str and "\0" not in v, bool: lambda v: type(v) is bool,
+          dict: lambda v: type(v) is dict, int: lambda v: type(v) is int and -MAX_INT <= v <= MAX_INT,
+          float: lambda v: type(v) is float and math.isfinite(v), Any: lambda v: True}
+
+
 def _fast(tp: Any) -> typing.Callable[[Any], Any]:
     origin = get_origin(tp)
+    if tp in _TAKES:
+        takes = _TAKES[tp]
 
-    def slow(value: Any) -> Any:
-        raise _Slow
-
-    if tp is str:
         def read(value: Any) -> Any:
-            if type(value) is str and "\0" not in value:
+            if takes(value):
                 return value
             raise _Slow
-    elif tp is bool or tp is dict:
-        def read(value: Any) -> Any:
-            if type(value) is tp:
-                return value
-            raise _Slow
-    elif tp is int:
-        def read(value: Any) -> Any:
-            if type(value) is int and -MAX_INT <= value <= MAX_INT:
-                return value
-            raise _Slow
-    elif tp is float:
-        def read(value: Any) -> Any:
-            if type(value) is float and math.isfinite(value):
-                return value
-            if type(value) is int and abs(value) <= 10 ** 300:
-                return float(value)
-            raise _Slow
-    elif tp is Any:
-        def read(value: Any) -> Any:
-            return value
     elif origin in (Union, types.UnionType):
         options = [_fast(arg) for arg in get_args(tp) if arg is not type(None)]
         nullable = type(None) in get_args(tp)
@@ -319,8 +303,9 @@ def _fast(tp: Any) -> typing.Callable[[Any], Any]:
                 return _from_record(tp, value, "")
             except ConfigError:
                 raise _Slow from None
-    else:
-        read = slow
+    else:  # a Literal, a class with its own text form, a float given as an integer: the general path
+        def read(value: Any) -> Any:
+            raise _Slow
     return read
 
 
