@@ -4,12 +4,16 @@ code store's pruning) against N synthetic runs and a stand-in Slurm that counts 
 Each size gets its own runs directory: ended runs (completed, failed, hung, cancelled by
 `slipway cancel`, by a plain scancel), running, queued, requeued and ones Slurm no longer knows,
 mixed; one run in a hundred with a long metrics.jsonl (2 MiB) and a long events.log (a thousand
-attempts). The stand-in Slurm (tests/slurm_standin.py) knows the jobs as Slurm would: active ones
+attempts); and, unless --clean, a damaged run (its manifest.json cut short) and a teammate's run
+closed to the user (mode 0700, another uid's). As root, which every permission lets through, the
+commands run without the capabilities that override permissions (setpriv), as any user's would.
+The stand-in Slurm (tests/slurm_standin.py) knows the jobs as Slurm would: active ones
 in slurmctld, ended ones in accounting. Every command runs through the CLI, as a user types it;
-"Slurm calls" counts squeue, sacct and `scontrol show job`. `--before REF` runs the same commands
-with slipway at git commit REF too (sizes up to --before-max), side by side.
+"Slurm calls" counts squeue, sacct and `scontrol show job`; "CPU s" is the command's user and
+system time; "lines" what it printed (a listing: two heads and a line a run). `--before REF` runs the same commands with slipway at git commit REF too (sizes up
+to --before-max), side by side.
 
-    python bench/status.py [--sizes 1,100,1000,10000] [--repeat 3] [--before REF]
+    python bench/status.py [--sizes 1,100,1000,10000] [--repeat 3] [--before REF] [--clean]
 """
 
 from __future__ import annotations
@@ -109,21 +113,55 @@ def make_runs(root: Path, n: int, slurm: StandInSlurm, config_text: str) -> None
             slurm.job(job, state, exit_code, reason=reason, where=where, name=run.name)
 
 
-def timed(args: list[str], env: dict, cwd: Path, slurm: StandInSlurm, repeat: int) -> tuple[float, int, int]:
-    """(best wall seconds, Slurm state calls of one run, exit status) of `slipway ARGS`."""
-    best, calls, rc = float("inf"), 0, 0
+FOREIGN_UID = 4242  # a teammate's, as far as file ownership goes
+
+
+def make_hostile(root: Path) -> None:
+    """A damaged run and a teammate's closed one among the others (named to sort among them)."""
+    damaged = root / "run00000-damaged"
+    shutil.copytree(root / "run00000", damaged)
+    (damaged / "manifest.json").write_text('{"submissions": [{"job_id": "1"')
+    foreign = root / "run00000-foreign"
+    shutil.copytree(root / "run00000", foreign)
+    if os.geteuid() == 0:
+        for path in (foreign, *foreign.rglob("*")):
+            os.chown(path, FOREIGN_UID, FOREIGN_UID, follow_symlinks=False)
+        foreign.chmod(0o700)
+    else:  # closed to its own user, as a teammate's is
+        foreign.chmod(0o000)
+
+
+def as_a_user() -> list[str]:
+    """The prefix that runs a command as an ordinary user would: root without the capabilities
+    that let it read any file (permission bits then bind for it too)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        return []
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+
+
+def timed(args: list[str], env: dict, cwd: Path, slurm: StandInSlurm,
+          repeat: int) -> tuple[float, float, int, int, int]:
+    """(best wall seconds, its CPU seconds, Slurm state calls of one run, lines it printed, exit
+    status) of `slipway ARGS`."""
+    best, cpu, calls, lines, rc = float("inf"), 0.0, 0, 0, 0
     for _ in range(repeat):
         slurm.reset_calls()
+        before = os.times()
         start = time.perf_counter()
-        rc = subprocess.run([sys.executable, "-m", "jobs", *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL).returncode
-        best = min(best, time.perf_counter() - start)
-        calls = len(slurm.state_calls())
-    return best, calls, rc
+        done = subprocess.run([*as_a_user(), sys.executable, "-m", "jobs", *args], cwd=cwd, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        wall = time.perf_counter() - start
+        after = os.times()
+        if wall < best:
+            best = wall
+            cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
+        calls, lines, rc = len(slurm.state_calls()), done.stdout.count(b"\n"), done.returncode
+    return best, cpu, calls, lines, rc
 
 
-def report(n: int, label: str, name: str, seconds: float, calls: int, rc: int) -> None:
-    print(f"{n:>6} {label:<14} {name:<22} {seconds:>8.2f} {calls:>11}" + (f"  (exit {rc})" if rc else ""), flush=True)
+def report(n: int, label: str, name: str, seconds: float, cpu: float, calls: int, lines: int, rc: int) -> None:
+    print(f"{n:>6} {label:<14} {name:<22} {seconds:>8.2f} {cpu:>6.2f} {calls:>11} {lines:>6}"
+          + (f"  (exit {rc})" if rc else ""), flush=True)
 
 
 def checkout(ref: str, into: Path) -> Path:
@@ -140,6 +178,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--before", metavar="REF", help="also run slipway at this git commit")
     parser.add_argument("--before-max", type=int, default=1000, help="the largest size --before runs (default 1000)")
+    parser.add_argument("--clean", action="store_true", help="no damaged or teammate's run among them")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="slipway-bench-status-"))
@@ -149,13 +188,15 @@ def main() -> None:
             versions[f"at {args.before}"] = checkout(args.before, work / "before")
         config_text = dump_config(load_config(str(ROOT / "configs" / "tiny_cpu.yaml")))
         print(f"load average before: {os.getloadavg()[0]:.1f}")
-        print(f"{'N':>6} {'slipway':<14} {'command':<22} {'seconds':>8} {'Slurm calls':>11}")
+        print(f"{'N':>6} {'slipway':<14} {'command':<22} {'seconds':>8} {'CPU s':>6} {'Slurm calls':>11} {'lines':>6}")
         for n in sizes:
             project = work / f"n{n}"
             (project / "configs").mkdir(parents=True)
             shutil.copy(ROOT / "configs" / "tiny_cpu.yaml", project / "configs")
             slurm = StandInSlurm(work / f"slurm{n}")
             make_runs(project / "runs", n, slurm, config_text)
+            if not args.clean:
+                make_hostile(project / "runs")
             running = next((f"run{i:05d}" for i, k in enumerate(kinds(n)) if k == "running"), "run00000")
             shown = [label for label in versions if label == "now" or n <= args.before_max]
             env = {label: {**slurm.env(), "PYTHONPATH": str(versions[label]), "SLIPWAY_PROJECT": str(project),
@@ -163,19 +204,17 @@ def main() -> None:
             for label in shown:
                 for name, argv in (("status", ["status"]), ("status RUN", ["status", "run00000"]),
                                    ("watch RUN --once", ["watch", running, "--once"])):
-                    seconds, calls, rc = timed(argv, env[label], project, slurm, args.repeat)
-                    report(n, label, name, seconds, calls, rc)
+                    report(n, label, name, *timed(argv, env[label], project, slurm, args.repeat))
             # Last, as each adds a run: a launch prunes the code store (it reads every run's
             # manifest); the next one within the hour does not.
             for label in shown:
-                pair = [[float("inf"), 0, 0], [float("inf"), 0, 0]]
+                pair = [[float("inf"), 0.0, 0, 0, 0], [float("inf"), 0.0, 0, 0, 0]]
                 for k in range(args.repeat):
                     (project / "runs" / ".code.pruned").unlink(missing_ok=True)
                     for j, best in enumerate(pair):
                         name = f"{'ab'[j]}{k}-{'now' if label == 'now' else 'before'}"
-                        seconds, calls, rc = timed(["submit", "tiny_cpu", "--run-name", name], env[label], project,
-                                                   slurm, 1)
-                        pair[j] = [min(best[0], seconds), calls, rc or best[2]]
+                        result = timed(["submit", "tiny_cpu", "--run-name", name], env[label], project, slurm, 1)
+                        pair[j] = list(result) if result[0] < best[0] else best
                 report(n, label, "submit (prunes)", *pair[0])
                 report(n, label, "submit again", *pair[1])
             shutil.rmtree(project)

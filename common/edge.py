@@ -9,13 +9,15 @@ shows the traceback instead. Imports neither torch nor the host side (the traine
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
 from typing import Callable, Optional
 
 from common.environ import as_typed
-from common.errors import ConfigError, bounded, bounded_path
+from common.errors import ConfigError, bounded, bounded_path, one_line
+from common.fs import closed_by
 from common.rundir import BAD_INPUT_EXIT, BUG_EXIT, FAILED_EXIT
 from common.secrets import mask
 
@@ -41,6 +43,10 @@ def error_line(exc: BaseException) -> tuple[str, int]:
             fix = ("shorten the path (each name at most 255 bytes)" if exc.errno == errno.ENAMETOOLONG
                    else "check the path and its permissions")
             shown = os.fsdecode(name) if isinstance(name, (str, bytes, os.PathLike)) else str(name)
+            closed = closed_by(shown) if isinstance(exc, PermissionError) else None
+            if closed and closed[1]:  # whose it is: a teammate's folder is no typo to fix
+                where = "it is" if str(closed[0]) == os.path.abspath(shown) else f"{bounded_path(closed[0])} is"
+                reason = f"{reason} ({where} {closed[1]})"
             return f"{bounded_path(shown)}: {reason}: {fix}", BAD_INPUT_EXIT
         if exc.errno in _PATH_ERRNOS:
             return f"{reason}: check the paths in the config and on the command line", BAD_INPUT_EXIT
@@ -62,22 +68,96 @@ def run_at_edge(work: Callable[[], int], prog: str = "slipway",
     error than bad input (a ConfigError) or those is the work's crash, not a bug of slipway's: it
     propagates with its traceback (exit 1), as a training process's must for the log. `silent`: this process says
     nothing (every rank but the first of a launch, so that an error is one line, not one a rank)."""
+    stdout = sys.stdout
+    sys.stdout = _Stdout(stdout)  # type: ignore[assignment]
     try:
-        return work()
+        return _run(work, prog, handled, errors or {}, crashes, silent)
+    finally:
+        sys.stdout = stdout
+
+
+def _run(work: Callable[[], int], prog: str, handled: Optional[Callable[[BaseException], Optional[int]]],
+         errors: dict[type, int], crashes: bool, silent: bool) -> int:
+    try:
+        try:
+            status = work()
+        except SystemExit:  # argparse's --help, and its errors: what they printed is flushed too
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()  # here, not at exit: a full disk or a closed pipe is then told like any error
+        return status
     except KeyboardInterrupt:
         raise
     except Exception as exc:
+        if isinstance(exc, OutputError):
+            _silence(sys.stdout)
+            if not silent:
+                with contextlib.suppress(OSError):
+                    print(f"{prog + ': ' if prog else ''}error: {exc}", file=sys.stderr)
+            return FAILED_EXIT
         if handled is not None:
             status = handled(exc)
             if status is not None:
                 return status
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             raise
-        own = next((code for kind, code in (errors or {}).items() if isinstance(exc, kind)), None)
+        own = next((code for kind, code in errors.items() if isinstance(exc, kind)), None)
         if crashes and own is None and not isinstance(exc, ConfigError):
             raise
         line, status = (str(exc), own) if own is not None else error_line(exc)
         line = as_typed(line) if prog == "slipway" else line  # its suggested commands, as this shell runs them
-        if not silent:  # masked once more, judged word by word too: an argument echoed back is what the user gave
-            print(f"{prog + ': ' if prog else ''}error: {mask(' '.join(line.split()), values=True)}", file=sys.stderr)
+        if not silent:  # masked once more (judged word by word too), and escaped: an argument echoed back is the user's
+            print(f"{prog + ': ' if prog else ''}error: {mask(one_line(' '.join(line.split())), values=True)}",
+                  file=sys.stderr)
         return status
+
+
+# Why a write to stdout fails: a pipe whose reader ended, a disk or device that is full.
+_OUTPUT_ERRNOS = {errno.EPIPE: "closed before all of it was written (the reader of the pipe ended)",
+                  errno.ENOSPC: "the disk or device it goes to is full", errno.EDQUOT: "the disk quota is used up",
+                  errno.EFBIG: "the file it goes to is too large", errno.EIO: "an I/O error on the device it goes to"}
+
+
+class OutputError(OSError):
+    """A write to stdout failed: named as such, never blamed on the config or a path."""
+
+    def __init__(self, exc: OSError):
+        why = _OUTPUT_ERRNOS.get(exc.errno, exc.strerror or type(exc).__name__)
+        super().__init__(exc.errno, f"stdout: {why}: the output could not be written (not a problem in the config)")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+class _Stdout:
+    """sys.stdout while a command runs: a write error names no file, so this says it was stdout's
+    (whatever wrote: print, rich, a log copied through)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._failed: Optional[OSError] = None  # a failure some writer swallowed (argparse does)
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            self._failed = exc
+            raise OutputError(exc) from exc
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            self._failed = exc
+        if self._failed is not None:
+            raise OutputError(self._failed) from self._failed
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _silence(stdout) -> None:
+    """Point stdout at /dev/null: what its buffer still holds is dropped, and the interpreter's own
+    flush at exit says nothing more."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())

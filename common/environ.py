@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Optional
 
-from common.errors import ConfigError, shown
+from common.errors import ConfigError, bounded_path, shown
 
 JOB_ID = re.compile(r"[0-9]{1,12}")  # SLURM_JOB_ID: an array task's own id is one too
 WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a name that is safe as a file name's part
@@ -30,6 +30,65 @@ def _value(name: str, pattern: re.Pattern, what: str, environ: Optional[Mapping[
     if not pattern.fullmatch(value):
         raise ConfigError(f"${name}", f"{shown(value)} is not {what}, as Slurm sets it: unset it, or run "
                                       "slipway from a shell of the job or allocation that set it")
+    return value
+
+
+def _text(name: str, environ: Optional[Mapping[str, str]]) -> Optional[str]:
+    """A variable's value; None where it is unset or empty (`VAR=` in a shell unsets, as in a config)."""
+    value = (os.environ if environ is None else environ).get(name)
+    return value or None
+
+
+def project_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
+    """The project checkout every command acts for: $SLIPWAY_PROJECT, else the working directory.
+    A value that names no directory is refused: a typo must not become a new, empty project."""
+    value = _text("SLIPWAY_PROJECT", environ)
+    if value is None:
+        return Path(os.getcwd()).absolute()
+    path = Path(_no_nul("SLIPWAY_PROJECT", value)).expanduser().absolute()
+    if not path.is_dir():
+        what = "does not exist" if not path.exists() else "is not a directory"
+        raise ConfigError("$SLIPWAY_PROJECT", f"{bounded_path(path)} {what}: point it at the project's checkout, "
+                                              "or unset it to use the working directory")
+    return path
+
+
+def runs_dir(project: Path, environ: Optional[Mapping[str, str]] = None) -> Path:
+    """Where runs live: $SLIPWAY_RUNS (relative to the project, as config paths are), else the
+    project's runs/. Its parent must exist: a submission creates the runs directory itself, never
+    a tree of a mistyped path."""
+    value = _text("SLIPWAY_RUNS", environ)
+    if value is None:
+        return (project / "runs").absolute()
+    path = (project / Path(_no_nul("SLIPWAY_RUNS", value)).expanduser()).absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError("$SLIPWAY_RUNS", f"{bounded_path(path)} is not a directory: point it at the directory "
+                                           "that holds the runs, or unset it to use the project's runs/")
+    if not path.parent.is_dir():
+        raise ConfigError("$SLIPWAY_RUNS", f"{bounded_path(path.parent)} does not exist, so neither can "
+                                           f"{bounded_path(path.name)} in it: create it, or fix the variable")
+    return path
+
+
+def seconds(name: str, default: float, environ: Optional[Mapping[str, str]] = None) -> float:
+    """A duration in seconds from the environment (a positive, finite number), checked; `default`
+    where it is unset or empty."""
+    value = _text(name, environ)
+    if value is None:
+        return default
+    try:
+        number = float(value) if len(value) <= 40 else float("nan")
+    except ValueError:
+        number = float("nan")
+    if not (0 < number < 10 ** 9):
+        raise ConfigError(f"${name}", f"{shown(value)} is not a number of seconds (a positive number such as "
+                                      f"{default:g}): fix it, or unset it for {default:g}")
+    return number
+
+
+def _no_nul(name: str, value: str) -> str:
+    if "\0" in value or len(value) > 4096:
+        raise ConfigError(f"${name}", "is not a path (a NUL byte, or longer than any path): fix it, or unset it")
     return value
 
 
@@ -47,6 +106,23 @@ def count(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[in
     """A whole number from the environment (a node count, a rank), checked."""
     value = _value(name, COUNT, "a whole number", environ)
     return None if value is None else int(value)
+
+
+HOSTLIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._,\[\]-]{0,65535}")  # SLURM_JOB_NODELIST: `nid[001-004],gpu7`
+
+
+def allocation(environ: Optional[Mapping[str, str]] = None) -> tuple[Optional[str], Optional[int]]:
+    """(the allocation's job id, its node count) from a shell inside one (`slipway run`), every
+    SLURM_* value the batch script then reads checked first: its job id, node list, partition and
+    restart count name files, events and commands. (None, None) outside an allocation."""
+    job = job_id(environ)
+    if job is None:
+        return None, None
+    _value("SLURM_JOB_NODELIST", HOSTLIST, "a Slurm host list such as nid[001-004]", environ)
+    word("SLURM_JOB_PARTITION", environ)
+    count("SLURM_RESTART_COUNT", environ)
+    nodes = count("SLURM_JOB_NUM_NODES", environ)
+    return job, count("SLURM_NNODES", environ) if nodes is None else nodes
 
 
 def invocation() -> str:

@@ -37,15 +37,23 @@ MAX_FIELD_SHOWN = 400
 MAX_MESSAGE = 1000
 
 
-# What would end a line or drive a terminal in a message: every break str.splitlines() knows
-# (\v, \f, \x1c-\x1e, NEL, U+2028/9 as well as \n and \r) and the C0/C1 control characters.
-_UNPRINTABLE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
-_ESCAPES = {"\n": "\\n", "\r": "\\r"}
+# What would end a line, drive a terminal or reorder what it shows: every break str.splitlines()
+# knows (\v, \f, \x1c-\x1e, NEL, U+2028/9 as well as \n and \r), the C0 and C1 control characters
+# (ESC starts every sequence that retitles, clears or moves on a terminal; a tab breaks a
+# column) and Unicode's bidirectional controls (which show text in another order than it is).
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
-def one_line(text: str) -> str:
-    """`text` on one line, whatever it holds: a line break or control character is shown escaped."""
-    return _UNPRINTABLE.sub(lambda m: _ESCAPES.get(m[0]) or ascii(m[0])[1:-1], str(text))
+def one_line(text: object) -> str:
+    """`text` as one line of plain text, whatever it holds: a line break, a control character or
+    a bidirectional control is shown escaped (`\\x1b`, `\\u202e`). The one way from a file, a job,
+    a run name, Slurm or the environment to a terminal: every message, listing, table and frame
+    slipway prints passes what it quotes through here."""
+    text = str(text)
+    if text.isprintable():  # no control, break or format character: the common case, in C
+        return text
+    return _UNPRINTABLE.sub(lambda m: _ESCAPES.get(m[0]) or ascii(m[0])[1:-1], text)
 
 
 def bounded(text: str, limit: int = MAX_SHOWN) -> str:

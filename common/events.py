@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from common.errors import one_line
-from common.fs import open_regular, read_tail
+from common.fs import pread_all, read_tail, regular_fd
 from common.rundir import INTERRUPTED_EXIT, RunDir
 
 # What a reader takes of events.log at most, from its end: thousands of attempts' events (a line
@@ -182,17 +182,17 @@ def tail_events(run_dir: str | os.PathLike, until: Callable[[Event], bool], bloc
     for which `until` holds (every event of the last MAX_EVENTS_BYTES when none does). The file is
     read backwards, a block at a time, so that a reader of the latest attempt reads no more of a
     long history; read_events' rules for what is no regular file."""
-    f = open_regular(RunDir(Path(run_dir)).events)
-    if f is None:
+    opened = regular_fd(RunDir(Path(run_dir)).events)
+    if opened is None:
         return []
+    fd, st = opened
     found: list[Event] = []  # newest first
-    with f:
-        end = f.seek(0, os.SEEK_END)
+    try:
+        end = st.st_size
         pos, rest = end, b""
         while pos > 0 and end - pos < MAX_EVENTS_BYTES:
             start = max(0, pos - block, end - MAX_EVENTS_BYTES)
-            f.seek(start)
-            lines = (f.read(pos - start) + rest).split(b"\n")
+            lines = (pread_all(fd, pos - start, start) + rest).split(b"\n")
             pos, block = start, block * 2
             rest = lines.pop(0) if start > 0 else b""  # maybe cut: read whole with the block before it
             for line in reversed(lines):
@@ -201,6 +201,8 @@ def tail_events(run_dir: str | os.PathLike, until: Callable[[Event], bool], bloc
                     found.append(event)
                     if until(event):
                         return found[::-1]
+    finally:
+        os.close(fd)
     return found[::-1]
 
 

@@ -5,7 +5,7 @@ A reader sees the old file or the new one, never half of one: write a temp file 
 target, fsync it, rename it over the target. A reader of a file that others may have made (a
 run directory is shared by a team and written by jobs) opens it only when it is a regular file,
 judged without blocking (a FIFO would hang an open or a read, a device would never end), and
-reads at most a bounded part of it (`open_regular`, `read_tail`).
+reads at most a bounded part of it (`regular_fd`, `open_regular`, `read_file`, `read_tail`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import pwd
 import stat
 import tempfile
 from pathlib import Path
@@ -79,34 +80,108 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat
           (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
 
 
-def open_regular(path: str | os.PathLike) -> Optional[BinaryIO]:
-    """`path` opened for reading when it is a regular file (a link to one followed); None where
-    nothing is. Anything else raises NotRegularFile, decided by fstat on a descriptor opened with
-    O_NONBLOCK, so that a FIFO never blocks the open; a file the user may not read raises
-    PermissionError."""
+def regular_fd(path: str | os.PathLike) -> Optional[tuple[int, os.stat_result]]:
+    """A descriptor of `path` for reading, and its stat, when it is a regular file (a link to one
+    followed); None where nothing is. Anything else raises NotRegularFile, decided by fstat on a
+    descriptor opened with O_NONBLOCK, so that a FIFO never blocks the open; a file the user may
+    not read raises PermissionError. The caller closes it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        what = next((name for test, name in _KINDS if test(mode)), "not a regular file")
-        raise NotRegularFile(errno.EINVAL, f"is {what}, not a regular file", os.fspath(path))
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
+        raise NotRegularFile(errno.EINVAL, f"is {file_kind(st.st_mode)}, not a regular file", os.fspath(path))
+    return fd, st
+
+
+def open_regular(path: str | os.PathLike) -> Optional[BinaryIO]:
+    """`path` opened for reading when it is a regular file (`regular_fd`'s rules); None where
+    nothing is."""
+    found = regular_fd(path)
+    if found is None:
+        return None
+    os.set_blocking(found[0], True)
+    return os.fdopen(found[0], "rb")
+
+
+def file_kind(mode: int) -> str:
+    """`a FIFO`, `a directory`...: what a file of st_mode `mode` is, for a message."""
+    return next((name for test, name in _KINDS if test(mode)), "a regular file" if stat.S_ISREG(mode) else
+                "not a regular file")
+
+
+def pread_all(fd: int, size: int, offset: int) -> bytes:
+    """`size` bytes of regular file `fd` from `offset` (fewer at its end)."""
+    data = os.pread(fd, size, offset)
+    while 0 < len(data) < size:  # a short read (a signal, a network filesystem): the rest
+        more = os.pread(fd, size - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
+def read_file(path: str | os.PathLike, limit: int) -> Optional[tuple[Optional[bytes], os.stat_result]]:
+    """The bytes of the regular file `path` (`regular_fd`'s rules) and its stat; the bytes None,
+    unread, where it holds more than `limit`; None where there is no file. One open and one fstat:
+    a listing reads ten thousand of them."""
+    found = regular_fd(path)
+    if found is None:
+        return None
+    fd, st = found
+    try:
+        if st.st_size > limit:
+            return None, st
+        data = pread_all(fd, st.st_size + 1, 0)
+        if len(data) > st.st_size:  # it grew as it was read: the rest too, within the bound
+            data += pread_all(fd, limit + 1 - len(data), len(data))
+    finally:
+        os.close(fd)
+    return (None if len(data) > limit else data), st
 
 
 def read_tail(path: str | os.PathLike, limit: int) -> Optional[bytes]:
-    """At most the last `limit` bytes of the regular file `path` (open_regular's rules), from the
+    """At most the last `limit` bytes of the regular file `path` (`regular_fd`'s rules), from the
     start of a line where they are cut; None where there is no file."""
-    f = open_regular(path)
-    if f is None:
+    found = regular_fd(path)
+    if found is None:
         return None
-    with f:
-        size = f.seek(0, os.SEEK_END)
-        f.seek(max(0, size - limit))
-        data = f.read(limit)
+    fd, st = found
+    try:
+        size = st.st_size
+        data = pread_all(fd, min(size, limit), max(0, size - limit))
+    finally:
+        os.close(fd)
     if size > limit:  # the first line is cut: drop it
         data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
     return data
+
+
+def closed_by(path: str | os.PathLike) -> Optional[tuple[Path, str]]:
+    """The first folder on the way to `path`, or `path` itself, that this user may not enter or
+    read, with its `ownership`: what a "Permission denied" is about (None where none is found)."""
+    path = Path(os.path.abspath(path))
+    for step in [*reversed(path.parents), path]:
+        try:
+            closed = not os.access(step, os.X_OK | os.R_OK if step.is_dir() else os.R_OK)
+        except OSError:
+            return None
+        if closed:
+            return step, ownership(step)
+    return None
+
+
+def ownership(path: str | os.PathLike) -> str:
+    """`owned by NAME, mode 0700`: why a path may be closed to this user, for a message ('' where
+    even that cannot be told)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    try:
+        name = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        name = f"uid {st.st_uid}"
+    return f"owned by {name}, mode {stat.S_IMODE(st.st_mode):04o}"

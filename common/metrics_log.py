@@ -11,19 +11,28 @@ node (or a laptop with the run directory) can read it.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from common.errors import ConfigError
+from common.fs import read_file
 from common.rundir import RunDir
+
+MAX_METRICS_BYTES = 1 << 30  # a million steps' records are about 300 MiB
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Every record of run_dir/metrics.jsonl in file order (a line cut by a crash is skipped)."""
     path = RunDir(Path(run_dir)).metrics
-    if not path.is_file():
+    found = read_file(path, MAX_METRICS_BYTES)  # a FIFO or a device raises NotRegularFile: never a hang
+    if found is None:
         raise ConfigError("RUN", f"{path} does not exist yet: the run has not logged a step")
+    data = found[0]
+    if data is None:
+        raise ConfigError("RUN", f"{path} is larger than {MAX_METRICS_BYTES >> 30} GiB, more than any run logs: "
+                                 "check that it is the run's own")
     records = []
-    for line in path.read_text().splitlines():
+    for line in data.decode(errors="replace").splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -51,9 +60,9 @@ def latest_by_step(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_duration(seconds: Optional[float], fine: bool = False) -> str:
-    """12s, 3m05s, 1h02m, 12d04h; ? when unknown. `fine`: below a second to two digits (0.21s),
-    for a step's time (elsewhere 0s)."""
-    if seconds is None:
+    """12s, 3m05s, 1h02m, 12d04h; ? when unknown (or no finite number: what a file said). `fine`:
+    below a second to two digits (0.21s), for a step's time (elsewhere 0s)."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds):
         return "?"
     if fine and 0 < seconds < 0.995:
         return f"{seconds:.2g}s"

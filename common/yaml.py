@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -9,6 +10,7 @@ from typing import Any, Optional
 import yaml
 
 from common.errors import ConfigError, bounded, shown
+from common.fs import read_file
 
 
 # --------------------------------------------------------------------------
@@ -160,10 +162,13 @@ def read_yaml(text: str, source: str, *, lines: bool = True) -> Any:
 
 
 def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:
-    """The UTF-8 text of `path`, refused (without reading it all) when larger than `limit`."""
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
+    """The UTF-8 text of `path`, refused (without reading it all) when larger than `limit`; a path
+    that is no regular file (a FIFO, a device) raises NotRegularFile at once, never blocks."""
+    found = read_file(path, limit)
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+    data = found[0]
+    if data is None:
         raise ConfigError(where, f"{bounded(str(path))} is larger than {limit} bytes, more than any config or "
                                  "EDF holds: check that this is the file you meant")
     try:

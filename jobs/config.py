@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from common.environ import project_dir
 from common.errors import ConfigError, bounded, shown
 from common.schema import from_dict, require, to_dict
 from common.yaml import Plain, read_text_bounded, read_yaml
@@ -379,12 +380,6 @@ def this_python() -> str:
     project reached through a symlink, `/home` for `/users`, is one path), its own name kept (a
     venv's python is a link to the base interpreter, which would leave the venv)."""
     return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
-
-
-def project_dir() -> Path:
-    """The project root: where runs/ (and the token cache) go; the working directory unless
-    SLIPWAY_PROJECT names another. Configs are looked up from the working directory."""
-    return Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute()
 
 
 def dump_config(cfg: Config) -> str:

@@ -108,12 +108,10 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
     flags, run directory and events; rank 0's output on the terminal. Ctrl-C asks the ranks to
     save at the step boundary (the run stays resumable, exit 75); a second one stops them. Under
     pyxis the steps name their container by the allocation, so running again reuses it."""
-    job = environ.job_id()
+    job, have = environ.allocation()
     salloc = f"`salloc --nodes={cfg.slurm.nodes} ...` first and run it in that shell, or `slipway submit {cfg.config_args}`"
     if not job:
         raise ConfigError("slipway run", f"not inside a Slurm allocation: {salloc}")
-    have = environ.count("SLURM_JOB_NUM_NODES")
-    have = environ.count("SLURM_NNODES") if have is None else have
     if have is not None and have < cfg.slurm.nodes:
         raise ConfigError("slurm.nodes", f"the run needs {cfg.slurm.nodes} nodes, allocation {job} has {have}: "
                                          f"salloc --nodes={cfg.slurm.nodes}, or run with --nodes {have}")

@@ -470,6 +470,7 @@ def test_no_config_says_where_slipway_looked_and_which_project_root(tmp_path, mo
     r = subprocess.run(f"{line.split('`')[1]} && {shlex.quote(PY)} -m jobs submit tiny_cpu --dry-run", shell=True,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("dry run: tiny_cpu"), r.stderr
+    (tmp_path / "proj").mkdir()
     line = one_error_line(slipway("local", "nope", env={"SLIPWAY_PROJECT": str(tmp_path / "proj")}))
     assert f"the project root, where runs/ goes, is {tmp_path / 'proj'} (SLIPWAY_PROJECT)" in line, line
 

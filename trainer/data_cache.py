@@ -47,7 +47,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from common import environ
 from common.errors import ConfigError
@@ -61,8 +61,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 HEARTBEAT_S = 10.0
-STALE_S = float(os.environ.get("SLIPWAY_DATA_STALE_S", 180))  # NFS may cache mtimes for a minute
-TIMEOUT_S = float(os.environ.get("SLIPWAY_DATA_TIMEOUT_S", 1800))
+STALE_S = 180.0  # NFS may cache mtimes for a minute ($SLIPWAY_DATA_STALE_S, read where it is used)
+TIMEOUT_S = 1800.0  # $SLIPWAY_DATA_TIMEOUT_S
 POLL_S = 1.0
 
 
@@ -281,11 +281,13 @@ def open_tokens(paths: CachePaths) -> TokenFile | None:
 
 
 def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path, *, rank: int | None = None,
-                  num_proc: int = 0, timeout_s: float = TIMEOUT_S, stale_s: float = STALE_S,
+                  num_proc: int = 0, timeout_s: Optional[float] = None, stale_s: Optional[float] = None,
                   progress: ProgressSink = None, role: str = "rank 0 of the training job") -> TokenFile:
     """The tokenized `source`: read from the cache, or written by rank 0 while
     the others wait. `role` says who rank 0 is, for the index (`prepared_by`)."""
     rank = (environ.count("RANK") or 0) if rank is None else rank
+    timeout_s = environ.seconds("SLIPWAY_DATA_TIMEOUT_S", TIMEOUT_S) if timeout_s is None else timeout_s
+    stale_s = environ.seconds("SLIPWAY_DATA_STALE_S", STALE_S) if stale_s is None else stale_s
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -424,7 +426,7 @@ def _live_writer(lock: Path) -> str | None:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return None
-    if info is None or age > STALE_S:
+    if info is None or age > environ.seconds("SLIPWAY_DATA_STALE_S", STALE_S):
         return None
     if info.get("host") == _host() and not pid_alive(int(info.get("pid", -1))):
         return None

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from common.environ import as_typed
-from common.errors import ConfigError, bounded
+from common.errors import ConfigError, bounded, one_line
 from jobs.cli.launch import (cmd_edf, cmd_local, cmd_prepare, cmd_run, cmd_shell, cmd_submit, load, project_dir,
                              rich_console)
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
@@ -22,8 +22,8 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         # argparse quotes what it could not read (`invalid int value: '999...'`): bounded, one line,
-        # masked by the secret policy; the help it points to as this shell runs slipway.
-        message = " ".join(bounded(message, 300).split())
+        # masked by the secret policy and escaped; the help it points to as this shell runs slipway.
+        message = one_line(" ".join(bounded(message, 300).split()))
         self.exit(2, f"slipway: error: {message} ({as_typed(f'see `{self.prog} --help`')})\n")
 
 
@@ -275,7 +275,7 @@ def _slurm_error(exc: BaseException) -> int | None:
     if isinstance(exc, SlurmError):
         from common.secrets import mask
 
-        print(f"slipway: error: {mask(as_typed(str(exc)))}", file=sys.stderr)
+        print(f"slipway: error: {mask(one_line(as_typed(str(exc))))}", file=sys.stderr)
         return 1
     return None
 

@@ -14,7 +14,6 @@ to it from here.
 from __future__ import annotations
 
 import argparse
-import os
 import copy
 import shlex
 import sys
@@ -28,6 +27,7 @@ from containers.prune import prune_images
 from containers.tools import ToolError, stream, which
 from jobs.config import Config, dump_config, load_config
 from jobs.slurm import srun_argv
+from common.errors import one_line
 from common.fs import write_atomic
 
 
@@ -35,7 +35,9 @@ QUIET_S = 30  # `image containers`: a line at least this often while the nodes w
 
 
 def _project_dir() -> Path:
-    return Path(os.environ.get("SLIPWAY_PROJECT", os.getcwd())).absolute()
+    from common import environ
+
+    return environ.project_dir()
 
 
 def _root(cfg: Config) -> Path:
@@ -209,7 +211,8 @@ def _tool_error(exc: BaseException) -> int | None:
     if isinstance(exc, (ToolError, SlurmError)):
         from common.environ import as_typed  # its suggestions as this shell runs slipway
 
-        Console(stderr=True).print(f"[red]error:[/] {escape(as_typed(str(exc)))}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[red]error:[/] {escape(one_line(as_typed(str(exc))))}", highlight=False,
+                                   soft_wrap=True)
         return 1
     return None
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from common import environ
 from common.environ import as_typed, invocation
-from common.errors import ConfigError
-from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS, project_dir
+from common.environ import project_dir
+from common.errors import ConfigError, one_line
+from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
 from common.extras import EXTRAS, require as require_extra
 
 REFUSED = "a real submission would fail: "  # how runs.seal marks a dry run's note that is a refusal
@@ -52,7 +53,8 @@ def _notes(console, notes: list[str]) -> None:
     from common.secrets import mask
 
     for note in notes:  # a note quotes paths and overrides (`container.mounts=[...]`): never markup
-        console.print(f"[yellow]note:[/] {escape(mask(as_typed(note)))}", soft_wrap=True, markup=True, highlight=False)
+        console.print(f"[yellow]note:[/] {escape(mask(one_line(as_typed(note))))}", soft_wrap=True, markup=True,
+                      highlight=False)
 
 
 def _submitted(args: argparse.Namespace, job_id: str, notes: list[str]):
@@ -68,7 +70,14 @@ def _submitted(args: argparse.Namespace, job_id: str, notes: list[str]):
 def _follow(console, run, job_id: str) -> int:
     from jobs.cli.status import follow_logs
 
-    return follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {s}[/]"))
+    return follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {_plain(s)}[/]"))
+
+
+def _plain(value: object) -> str:
+    """A path or value from the environment or a file, inside markup: escaped, never markup."""
+    from rich.markup import escape
+
+    return escape(one_line(value))
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -83,21 +92,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                                before_writing=_check_controller)
     console = _submitted(args, job_id, sealed.notes)
     if prep_id:
-        console.print(f"data preparation job [bold]{prep_id}[/] (log {run.log_path(prep_id)}); the training job "
-                      "starts once it has completed", soft_wrap=True)
+        console.print(f"data preparation job [bold]{prep_id}[/] (log {_plain(run.log_path(prep_id))}); the training "
+                      "job starts once it has completed", soft_wrap=True)
     resumed = sum(1 for x in run.launches() if x.kind == "train") > 1
     console.print(f"{'resubmitted' if resumed else 'submitted'} [bold]{cfg.run.name}[/] as job [bold]{job_id}[/]"
-                  f"{' (resumes from its latest checkpoint)' if resumed else ''}  run dir: {run.dir}",
+                  f"{' (resumes from its latest checkpoint)' if resumed else ''}  run dir: {_plain(run.dir)}",
                   soft_wrap=True)
     if sealed.replaced:
         console.print(f"config replaced (--force): {escape(sealed.replaced)}", soft_wrap=True, highlight=False)
     if sealed.pin.path:
-        console.print(f"[dim]image {sealed.pin.path} ({sealed.pin.source}"
+        console.print(f"[dim]image {_plain(sealed.pin.path)} ({sealed.pin.source}"
                       f"{', build ' + sealed.pin.build_hash[:12] if sealed.pin.build_hash else ''})[/]",
                       soft_wrap=True)
     if not args.show_logs:
         return 0
-    console.print(f"following {run.log_path(job_id)} until the job ends (Ctrl-C stops following, "
+    console.print(f"following {_plain(run.log_path(job_id))} until the job ends (Ctrl-C stops following, "
                   "not the job)", style="dim", soft_wrap=True)
     code = _follow(console, run, job_id)
     console.print(f"job {job_id} ended with exit code {code}")

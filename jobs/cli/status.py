@@ -7,13 +7,15 @@ only the end of each run's events.log and metrics.jsonl.
 
 from __future__ import annotations
 
+import codecs
+import gc
+import os
+import re
 import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence, TextIO
-
-from rich.markup import escape
 
 from jobs import runs, slurm
 from jobs.runs import lifecycle
@@ -21,8 +23,9 @@ from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History
 from jobs.runs.manifest import Launch, ManifestError
 from common.environ import as_typed
-from common.errors import ConfigError
+from common.errors import ConfigError, one_line, shown
 from common.events import Event
+from common.fs import open_regular
 from common.rundir import LOCAL_JOB, HangLine
 
 
@@ -46,9 +49,9 @@ def _progress(run: runs.Run, launches: Sequence[Launch]) -> str:
     m = run.last_metrics()
     if not m:
         return ""
-    loss = m.get("loss")
+    loss, step = m.get("loss"), m.get("step")
     total = run.total_steps(next((x for x in reversed(launches) if x.kind == "train"), None))
-    step = f"step {m.get('step')}" + (f"/{total}" if total else "")
+    step = f"step {step if isinstance(step, int) else '?'}" + (f"/{total}" if total else "")
     return step + (f", loss {loss:.3f}" if isinstance(loss, (int, float)) else "")
 
 
@@ -104,39 +107,48 @@ def image_drift(run: runs.Run) -> str | None:
     return None
 
 
+def say(console, *parts: str | tuple[str, str]) -> None:
+    """One line on the terminal of what files, jobs, Slurm or the environment said: each part (a
+    string, or (string, style)) escaped by the one rule (common.errors.one_line), never read as
+    markup."""
+    from rich.text import Text
+
+    console.print(Text.assemble(*[(one_line(p), "") if isinstance(p, str) else (one_line(p[0]), p[1]) for p in parts]),
+                  soft_wrap=True, highlight=False)
+
+
 def show_status(project_dir, run_name: str | None, console) -> int:
     from rich.table import Table
+    from rich.text import Text
 
-    if run_name:
-        run = runs.find_run(run_name, project_dir)
-        launches = run.launches()
-        events = run.events()
-        owns = [run.events_of(x, events) for x in launches]
-        answers = lifecycle.ask_slurm(zip(launches, owns))
-        table = Table(title=f"run {run.name}  {_progress(run, launches)}", title_justify="left")
-        for col in ("job", "state", "exit", "elapsed", "last event / reason"):
-            table.add_column(col)
-        for launch, own in zip(launches, owns):
-            table.add_row(*_job_row(launch, own, answers.get(launch.id)))
-        console.print(table)
-        latest = run.latest_train_job()
-        if latest:
-            _print_history(run, job_history(run, latest), console)
-        image = run.image()
-        if image is not None and image.image:
-            console.print(f"image {image.image}" + (f" (build {image.build_hash[:12]})" if image.build_hash else ""),
-                          soft_wrap=True, highlight=False)
-        for line in code_lines(run):
-            console.print(line, soft_wrap=True, highlight=False)
-        drift = image_drift(run)
-        if drift:
-            console.print(f"[yellow]note:[/] {drift}", soft_wrap=True)
-        return 0
-    return _show_runs(project_dir, console)
+    if not run_name:
+        return _show_runs(project_dir, console)
+    run = runs.find_run(run_name, project_dir)
+    launches = run.launches()
+    events = run.events()
+    owns = [run.events_of(x, events) for x in launches]
+    answers = lifecycle.ask_slurm(zip(launches, owns))
+    table = Table(title=Text(one_line(f"run {run.name}  {_progress(run, launches)}")), title_justify="left")
+    for col in ("job", "state", "exit", "elapsed", "last event / reason"):
+        table.add_column(col)
+    for launch, own in zip(launches, owns):
+        table.add_row(*[Text(one_line(cell)) for cell in _job_row(launch, own, answers.get(launch.id))])
+    console.print(table)
+    latest = run.latest_train_job()
+    if latest:
+        _print_history(run, job_history(run, latest), console)
+    image = run.image()
+    if image is not None and image.image:
+        say(console, f"image {image.image}" + (f" (build {image.build_hash[:12]})" if image.build_hash else ""))
+    for line in code_lines(run):
+        say(console, line)
+    drift = image_drift(run)
+    if drift:
+        say(console, ("note:", "yellow"), f" {drift}")
+    return 0
 
 
 LISTING = ("run", "jobs", "latest", "state", "exit", "progress", "last event")  # short: seven columns in 80
-_CONTROL = {c: "?" for c in [*range(32), 127]}  # a cell is one line on the terminal, whatever a file held
 
 
 def _listing(title: str, rows: list[tuple[str, ...]], width: Optional[int] = None) -> str:
@@ -144,12 +156,12 @@ def _listing(title: str, rows: list[tuple[str, ...]], width: Optional[int] = Non
     left of `width` (cut short; on a line of its own below its row when too little is left; whole
     without a width: into a pipe). Plain text, as rich's tables take half a millisecond a row and a
     project may hold ten thousand runs."""
-    rows = [LISTING, *[tuple(c.translate(_CONTROL) for c in row) for row in rows]]
+    rows = [LISTING, *[[one_line(c) for c in row] for row in rows]]
     widths = [max(len(row[i]) for row in rows) for i in range(len(LISTING) - 1)]
+    heads = "  ".join(f"{{:<{w}}}" for w in widths) + "  "
     lines = []
     for row in rows:
-        head = "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  "
-        last = row[-1]
+        head, last = heads.format(*row), row[-1]
         room = None if width is None else width - len(head)
         if room is None or len(last) <= room:
             lines.append(head + last)
@@ -157,6 +169,7 @@ def _listing(title: str, rows: list[tuple[str, ...]], width: Optional[int] = Non
             lines.append(head + last[:room - 3] + "...")
         else:  # the last event below its row, indented, as much of it as fits
             lines += [head.rstrip(), "    " + (last if len(last) <= width - 4 else last[:width - 7] + "...")]
+    title = one_line(title)
     return "\n".join([title[:width] if width else title, *(line.rstrip() for line in lines)]) + "\n"
 
 
@@ -171,51 +184,76 @@ def _width() -> Optional[int]:
 
 
 def _show_runs(project_dir, console) -> int:
-    """Every run: its latest launch's state, from the end of its events.log and one Slurm query for all."""
-    found = runs.list_runs(project_dir)
-    if not found:
-        console.print(f"no runs in {runs.runs_root(project_dir)}: slipway local or slipway submit makes one")
+    """Every run: its latest launch's state, from the end of its events.log and one Slurm query for
+    all. A run that cannot be read is one row saying why (and, when it is damaged rather than a
+    teammate's, one error line); every other run is listed all the same."""
+    # Ten thousand runs' records, all alive until the listing is printed: the cyclic collector
+    # would walk them again and again (a sixth of the time) and free nothing.
+    gc.disable()
+    try:
+        return _list_runs(project_dir, console)
+    finally:
+        gc.enable()
+
+
+def _list_runs(project_dir, console) -> int:
+    found, unreadable = runs.scan_runs(project_dir)
+    if not found and not unreadable:
+        console.print(one_line(f"no runs in {runs.runs_root(project_dir)}: slipway local or slipway submit makes one"),
+                      markup=False, highlight=False)
         return 0
-    damaged: list[ManifestError] = []
-    shown: list[tuple[runs.Run, list[Launch], list[Event], Optional[ManifestError]]] = []
+    problems: list[tuple[runs.Unreadable, str]] = [(u, u.line()) for u in unreadable]
+    read: list[tuple[runs.Run, list[Launch], list[Event]]] = []
     for run in found:
         try:
             launches = run.launches()
-        except ManifestError as exc:  # that run alone: the others are listed
-            damaged.append(exc)
-            shown.append((run, [], [], exc))
-            continue
-        shown.append((run, launches, run.recent_events(launches[-1]) if launches else [], None))
-    answers = lifecycle.ask_slurm((launches[-1], own) for _, launches, own, _ in shown if launches)
+            read.append((run, launches, run.recent_events(launches[-1]) if launches else []))
+        except (ManifestError, OSError) as exc:  # that run alone: the others are listed
+            problems.append((runs.Unreadable.of(run.dir, exc), str(exc) if isinstance(exc, ManifestError) else ""))
+    answers = lifecycle.ask_slurm((launches[-1], own) for _, launches, own in read if launches)
     rows = []
-    for run, launches, own, error in shown:
-        if error is not None:
-            rows.append((run.name, "", "", "DAMAGED", "", "", f"{run.paths.manifest.name}: {error.why}"))
-        elif launches:
+    for run, launches, own in read:
+        try:
+            progress = _progress(run, launches)
+        except OSError as exc:
+            problems.append((runs.Unreadable.of(run.dir, exc), ""))
+            continue
+        if launches:
             job, state, code, _, event = _job_row(launches[-1], own, answers.get(launches[-1].id))
-            rows.append((run.name, str(len(launches)), job, state, code, _progress(run, launches), event))
+            rows.append((run.name, str(len(launches)), job, state, code, progress, event))
         else:
             rows.append((run.name, "0", "", "not submitted", "", "", ""))
+    told = sorted(problems, key=lambda p: p[0].name)
+    rows[:0] = [(u.name, "", "", "UNREADABLE" if u.denied else "DAMAGED", "", "", u.why) for u, _ in told]
     console.file.write(_listing(f"runs in {runs.runs_root(project_dir)}", rows, _width()))
-    for exc in damaged:
-        print(f"slipway: error: {exc}", file=sys.stderr)
+    damaged = [message or f"{u.line()}: move the run directory aside, or put back the file its jobs write"
+               for u, message in told if not u.denied]
+    for message in damaged:
+        print(f"slipway: error: {one_line(message)}", file=sys.stderr)
     return 2 if damaged else 0
 
 
 def _print_history(run: runs.Run, history: History, console) -> None:
     for line in history.lines():
-        console.print(line, soft_wrap=True, highlight=False, markup=False)
+        say(console, line)
     if history.hang:
-        console.print(f"[red]hung[/] (attempt {escape(history.hang_tag)}): {escape(history.hang.removeprefix('hang: '))}",
-                      soft_wrap=True, highlight=False)
+        say(console, ("hung", "red"), f" (attempt {history.hang_tag}): {history.hang.removeprefix('hang: ')}")
         for line in hang_dumps(run, history.hang_tag):
-            console.print(f"  {line}", soft_wrap=True, highlight=False, markup=False)
+            say(console, f"  {line}")
     if history.preflight:
-        console.print(f"preflight: {history.preflight.removeprefix('preflight ')}", soft_wrap=True,
-                      highlight=False, markup=False)
+        say(console, f"preflight: {history.preflight.removeprefix('preflight ')}")
+
+
+def job_arg(job_id: Optional[str]) -> Optional[str]:
+    """--job as given on the command line: a Slurm job id, or `local` (it names a log file and
+    goes to squeue)."""
+    if job_id is not None and job_id != LOCAL_JOB and not re.fullmatch(r"[0-9]{1,12}(_[0-9]{1,9})?", job_id):
+        raise ConfigError("--job", f"{shown(job_id)} is not a Slurm job id: give one that slipway status RUN lists")
+    return job_id
 
 
 def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> int:
+    job_id = job_arg(job_id)
     launches = run.launches()
     if not launches:
         raise ConfigError("RUN", f"run {run.name} has no job yet: `slipway submit {shlex.quote(str(run.paths.config))}` "
@@ -228,24 +266,20 @@ def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> i
     if follow:
         return follow_logs(run, job_id)
     path = run.log_path(job_id, stream)
-    if not path.exists():
+    tail = _Tail(path, sys.stdout, shlex.quote(str(run.paths.config)))
+    if not tail.pump():
         info = slurm.job_info(job_id)
         state = info.state if info else "unknown"
         raise ConfigError("RUN", f"no log yet at {path} (job {job_id} is {state})")
-    with path.open("rb") as f:
-        text = f.read().decode(errors="replace")
-    # the trainer's suggestions (`slipway prepare CONFIG`) with this run's config, as this shell runs them
-    sys.stdout.write(as_typed(text, shlex.quote(str(run.paths.config))))
     return 0
 
 
 def _show_local_log(run: runs.Run, launch: Launch, follow: bool) -> int:
     """A local run's log (`make local` writes logs/local-STAMP.out); -f follows it while it runs."""
     path = run.dir / launch.log
-    if not launch.log or not path.is_file():
+    tail = _Tail(path, sys.stdout, shlex.quote(str(run.paths.config)))
+    if not launch.log or not tail.pump():
         raise ConfigError("RUN", f"no log at {path}")
-    tail = _Tail(path, sys.stdout)
-    tail.pump()
     state = run.state(launch)
     while follow and not state.ended:
         time.sleep(1.0)
@@ -258,36 +292,54 @@ def _show_local_log(run: runs.Run, launch: Launch, follow: bool) -> int:
 
 
 class _Tail:
-    """Follows one growing file from its start."""
+    """Follows one growing file from its start: opened only while it is a regular file (a FIFO
+    or a device is one error line, never a hang) and copied a bounded chunk at a time, as the
+    job wrote it (a log is the job's own output: `logs` is `cat`)."""
 
-    def __init__(self, path: Path, out: TextIO):
+    CHUNK = 1 << 20
+
+    def __init__(self, path: Path, out: TextIO, config_args: Optional[str] = None):
         self.path, self.out, self.pos = path, out, 0
+        self.text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut by a chunk's end
+        # The trainer's suggestions (`slipway prepare CONFIG`) with the run's config, as this shell runs
+        # them: typed a whole line at a time (a hint is never cut by a chunk's end).
+        self.config_args, self.partial = config_args, ""
 
-    def pump(self) -> None:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.pos)
-                chunk = f.read()
-        except FileNotFoundError:
-            return
-        if chunk:
-            self.pos += len(chunk)
-            self.out.write(chunk.decode(errors="replace"))
+    def pump(self) -> bool:
+        """Copy what was added since the last pump; whether the file exists."""
+        f = open_regular(self.path)
+        if f is None:
+            return False
+        with f:
+            if f.seek(0, os.SEEK_END) < self.pos:  # cut short or replaced: from its start again
+                self.pos = 0
+                self.text.reset()
+            f.seek(self.pos)
+            while chunk := f.read(self.CHUNK):
+                self.pos += len(chunk)
+                lines = (self.partial + self.text.decode(chunk)).split("\n")
+                self.partial = lines.pop()
+                self.out.write("".join(as_typed(line, self.config_args) + "\n" for line in lines))
+            if self.partial and not f.read(1):  # the file's last line, written whole so far
+                self.out.write(as_typed(self.partial, self.config_args))
+                self.partial = ""
             self.out.flush()
+        return True
 
 
 def follow_logs(run: runs.Run, job_id: str, *, interval: float = 1.0,
-                on_state: Optional[Callable[[str], None]] = None, out: TextIO = sys.stdout,
-                err: TextIO = sys.stderr) -> int:
+                on_state: Optional[Callable[[str], None]] = None, out: Optional[TextIO] = None,
+                err: Optional[TextIO] = None) -> int:
     """Print job `job_id`'s output and error logs as they grow until the job ends; its exit code.
 
     The log paths are known before the job starts, so nothing can be missed between submission
     and the first line. Slurm is asked once a poll, and no more once events.log settles the end.
     """
-    tails = [_Tail(run.log_path(job_id, "output"), out)]
+    typed = shlex.quote(str(run.paths.config))
+    tails = [_Tail(run.log_path(job_id, "output"), out or sys.stdout, typed)]  # the streams of now, not of import time
     err_path = run.log_path(job_id, "error")
     if err_path != tails[0].path:
-        tails.append(_Tail(err_path, err))
+        tails.append(_Tail(err_path, err or sys.stderr, typed))
     launch = run.launch(job_id) or Launch(job_id=job_id)
     last_state = None
     gone = 0

@@ -30,12 +30,15 @@ from jobs.runs import lifecycle
 from jobs.runs.manifest import Launch
 from jobs.slurm.script import NODE_HEARTBEAT_SECONDS
 from common.environ import as_typed
-from common.errors import ConfigError
+from common.errors import ConfigError, one_line
+from common.fs import read_tail
 from common.metrics_log import format_duration
 from common.events import Event, EventKind
 from common.rundir import LOCAL_JOB
 
 EVENTS_SHOWN = 8
+GUTIL_TAIL_BYTES = 64 << 10  # the latest samples of up to 8 GPUs, many times over
+PROGRESS_BYTES = 64 << 10
 LOCAL = LOCAL_JOB  # the job id events.log gives launches on this machine
 GONE_POLLS = 5  # polls without any record of the job before its end is read from events.log
 # How an event is shown: a failure in red, a retry or requeue in yellow.
@@ -81,10 +84,11 @@ class Snapshot:
 def parse_gutil(path: Path) -> tuple[int, Optional[float], Optional[float]]:
     """(GPUs, mean SM %, framebuffer GiB in use) from the latest sample of each GPU in an
     `nvidia-smi dmon --options DT` file; columns are found by the header line's names."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()[-400:]
-    except OSError:
+    try:  # the end only: nvidia-smi dmon appends a line per GPU every few seconds for days
+        data = read_tail(path, GUTIL_TAIL_BYTES)
+    except OSError:  # a FIFO or a device among them is no sample
         return 0, None, None
+    lines = [] if data is None else data.decode(errors="replace").splitlines()[-400:]
     columns: list[str] = []
     latest: dict[str, list[str]] = {}
     for line in lines:
@@ -186,8 +190,9 @@ class Watcher:
         return shown, launch.host, lifecycle.elapsed(launch, state), state.ended
 
     def _progress(self, snap: Snapshot, now: float) -> None:
-        try:
-            progress = json.loads(self.run.paths.progress.read_text())
+        try:  # a few hundred bytes, rewritten whole at each step: more is no progress file
+            data = read_tail(self.run.paths.progress, PROGRESS_BYTES)
+            progress = json.loads(data) if data else {}
         except (OSError, ValueError):
             progress = {}
         # A record in metrics.jsonl is written once a step completed: its last write bounds the
@@ -196,7 +201,8 @@ class Watcher:
         if isinstance(progress, dict) and isinstance(progress.get("unix"), (int, float)):
             ages.append(max(0.0, now - progress["unix"]))
             snap.progress_step = progress.get("step") if isinstance(progress.get("step"), int) else None
-            snap.hang_timeout = progress.get("hang_timeout")
+            timeout = progress.get("hang_timeout")
+            snap.hang_timeout = timeout if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else None
         known = [a for a in ages if a is not None]
         snap.step_age = min(known) if known else None
 
@@ -228,12 +234,13 @@ def render(snap: Snapshot):
 
     state = snap.state
     state_style = {"RUNNING": "green", "PENDING": "yellow", "COMPLETED": "green"}.get(state.state.split()[0], "red")
-    head = Text.assemble(("run ", "dim"), (snap.run, "bold"), ("  job ", "dim"), (snap.job_id, "bold"), "  ",
-                         (state.state, f"bold {state_style}"))
+    # Every string below came from a file, Slurm or a job: escaped by the one rule (one_line).
+    head = Text.assemble(("run ", "dim"), (one_line(snap.run), "bold"), ("  job ", "dim"),
+                         (one_line(snap.job_id), "bold"), "  ", (one_line(state.state), f"bold {state_style}"))
     if state.reason:
-        head.append(f" ({state.reason})", style="yellow")
+        head.append(f" ({one_line(state.reason)})", style="yellow")
     if snap.where:
-        head.append(f"  on {snap.where}")
+        head.append(f"  on {one_line(snap.where)}")
     if snap.elapsed:
         head.append(f"  elapsed {snap.elapsed}", style="dim")
 
@@ -253,7 +260,7 @@ def render(snap: Snapshot):
         f"loss {loss:.4f}" if isinstance(loss, (int, float)) else "loss -",
         f"{tps:,.0f} tokens/s" if isinstance(tps, (int, float)) else "tokens/s -",
         f"MFU {100 * mfu:.1f}%" if isinstance(mfu, (int, float)) else "MFU n/a",
-        f"ETA {format_duration(m.get('eta_s'))}",
+        f"ETA {format_duration(m.get('eta_s') if isinstance(m.get('eta_s'), (int, float)) else None)}",
         Text(f"last step {_fmt_age(age)}", style=age_style),
         Text(f"hang_timeout {snap.hang_timeout:g} s", style="dim") if snap.hang_timeout else "",
     )
@@ -265,7 +272,7 @@ def render(snap: Snapshot):
     for n in snap.nodes:
         beat = Text(_fmt_age(n.heartbeat_age),
                     style="red" if n.heartbeat_age is None or n.heartbeat_age > stale else "green")
-        nodes.add_row(n.name, beat, str(n.gpus) if n.gpus else "-",
+        nodes.add_row(Text(one_line(n.name)), beat, str(n.gpus) if n.gpus else "-",
                       f"{n.sm_percent:.0f}%" if n.sm_percent is not None else "-",
                       f"{n.memory_gib:.1f} GiB" if n.memory_gib is not None else "-")
 
@@ -274,14 +281,15 @@ def render(snap: Snapshot):
     events.add_column()
     for event in snap.events:
         when = event.when
-        stamp = when.strftime("%H:%M:%S") if when else event.time
+        stamp = when.strftime("%H:%M:%S") if when else one_line(event.time)
         kind = event.kind
         style = "red" if kind in _RED or (kind in (EventKind.END, EventKind.PREPARE_END) and event.exit_code) else \
             "yellow" if kind in _YELLOW else ""
-        events.add_row(stamp, Text(f"job {event.job} {event.text}", style=style))
-    parts = [head, train, *[Text(h, style="dim") for h in snap.history], *([nodes] if snap.nodes else []), events]
+        events.add_row(Text(stamp), Text(one_line(f"job {event.job} {event.text}"), style=style))
+    parts = [head, train, *[Text(one_line(h), style="dim") for h in snap.history], *([nodes] if snap.nodes else []),
+             events]
     if snap.ended:
-        parts.append(Text(f"job {snap.job_id} ended: {state.state}, exit code {snap.exit_code}",
+        parts.append(Text(one_line(f"job {snap.job_id} ended: {state.state}, exit code {snap.exit_code}"),
                           style="bold green" if snap.exit_code == 0 else "bold red"))
     return Group(*parts)
 
@@ -309,8 +317,10 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
     from rich.console import Console
     from rich.live import Live
 
+    from jobs.cli.status import job_arg
+
     console = console or Console(highlight=False)
-    watcher = Watcher(run, job_id or latest_job(run))
+    watcher = Watcher(run, job_arg(job_id) or latest_job(run))
     snap = watcher.snapshot()
     if once:
         console.print(render(snap))
@@ -326,6 +336,6 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
     except KeyboardInterrupt:
         goes_on = ("the run goes on (Ctrl-C in its own terminal stops it)" if watcher.job_id == LOCAL else
                    f"job {watcher.job_id} goes on (`slipway cancel {run.name}` ends it)")
-        console.print(as_typed(f"stopped watching; {goes_on}"), highlight=False, markup=False, soft_wrap=True)
+        console.print(one_line(as_typed(f"stopped watching; {goes_on}")), highlight=False, markup=False, soft_wrap=True)
         return 130
     return snap.exit_code if snap.exit_code is not None else 1

@@ -13,7 +13,7 @@ from pathlib import Path
 from common.environ import as_typed, invocation
 from jobs.devcluster.daemons import LocalSlurmCluster
 from jobs.devcluster.host import HOSTS, ClusterError, alive, leftovers, our_netns, read_registry, teardown
-from jobs.devcluster.spec import ClusterSpec, default_state_dir, spec_of_running
+from jobs.devcluster.spec import ClusterSpec, default_state_dir, spec_of_running, started_elsewhere
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         elif spec is None:
             raise ClusterError(f"no cluster {args.name!r} is up: run `slipway cluster up{named}`")
         else:  # up, env
+            elsewhere = started_elsewhere(args.name)
+            if elsewhere:  # on stderr: `eval "$(slipway cluster env)"` shows it and evaluates only the export
+                print(f"slipway cluster {args.cmd}: note: {elsewhere}", file=sys.stderr)
             print(f"export SLURM_CONF={shlex.quote(str(spec.conf))}")
     except ClusterError as e:
         print(f"slipway cluster {args.cmd}: {as_typed(str(e))}", file=sys.stderr)

@@ -32,7 +32,7 @@ from pathlib import Path
 from jobs.devcluster.host import (HOSTS, NETNS_DIR, ClusterError, alive, check_subnet_free, leftovers, locked,
                                network_up, no_core_dumps, our_links, our_netns, proc_stat, read_registry,
                                registry_path, run as host_run, set_hosts_block, split_hosts, teardown, write_atomic)
-from jobs.devcluster.spec import ClusterSpec, render_slurm_conf
+from jobs.devcluster.spec import CHECKOUT, ClusterSpec, render_slurm_conf
 
 STATE_MARKER = ".slipway-slurm"  # a state dir `up` may wipe carries this file
 DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "squeue", "scontrol")
@@ -127,7 +127,8 @@ class LocalSlurmCluster:
         old = read_registry(spec.name)
         if old or our_netns(spec.name) or our_links(spec.name):
             print(f"slipway cluster: tearing down an earlier cluster {spec.name!r} "
-                  f"({(old or {}).get('state_dir', 'unrecorded')})", file=sys.stderr)
+                  f"({(old or {}).get('state_dir', 'unrecorded')}, started from "
+                  f"{(old or {}).get('checkout') or 'an unrecorded checkout'})", file=sys.stderr)
         teardown(spec.name)
         self._check_hosts_free()
         check_subnet_free(spec.subnet, spec.name)
@@ -174,7 +175,7 @@ class LocalSlurmCluster:
                  for p in reg["processes"]]
         ctld = any(p["alive"] for p in procs if p["role"] == "slurmctld")
         return {"name": self.spec.name, "up": bool(procs) and all(p["alive"] for p in procs),
-                "state_dir": reg["state_dir"],
+                "state_dir": reg["state_dir"], "checkout": reg.get("checkout"),
                 "env": self.env(), "processes": procs, "nodes": self.node_states() if ctld else {}}
 
     def start_node(self, node: str) -> None:
@@ -244,7 +245,7 @@ class LocalSlurmCluster:
     def _record(self, processes: list[dict]) -> None:
         with locked():
             write_atomic(registry_path(self.spec.name), json.dumps(
-                {"state_dir": str(self.spec.state_dir), "conf": str(self.spec.conf),
+                {"state_dir": str(self.spec.state_dir), "conf": str(self.spec.conf), "checkout": str(CHECKOUT),
                  "spec": {**dataclasses.asdict(self.spec), "state_dir": str(self.spec.state_dir),
                           "plugstack": str(self.spec.plugstack) if self.spec.plugstack else None},
                  "processes": processes}, indent=1))

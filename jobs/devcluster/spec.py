@@ -17,6 +17,9 @@ from pathlib import Path
 from jobs.devcluster.host import ClusterError, read_registry
 
 CONF_HEADER = "# Written by `slipway cluster up` for a local test cluster; rewritten on every `up`."
+# The checkout whose slipway runs (the folder holding this `jobs` package): the registry records
+# which one started a cluster, as every checkout on the machine names its cluster `slpw` by default.
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def is_local_conf(path: str | os.PathLike) -> bool:
@@ -196,6 +199,22 @@ PartitionName={spec.partition} Nodes={",".join(spec.node_names)} Default=YES Max
 def default_state_dir(purpose: str = "") -> Path:
     """/tmp/slipway-slurm-UID (the command line's), /tmp/slipway-slurm-UID-PURPOSE for others."""
     return Path(tempfile.gettempdir()) / "-".join(filter(None, ["slipway-slurm", str(os.getuid()), purpose]))
+
+
+def started_elsewhere(name: str = "slpw") -> str | None:
+    """A line saying that the cluster `name` that is up was started by another checkout than this
+    one (or does not say by which), None when it is this checkout's or none is up."""
+    reg = read_registry(name)
+    if not reg:
+        return None
+    checkout = reg.get("checkout")
+    if checkout == str(CHECKOUT):
+        return None
+    whose = (f"by another checkout ({checkout})" if isinstance(checkout, str) and checkout
+             else "by a slipway that did not record its checkout")
+    return (f"cluster {name!r} was started {whose}, not this one ({CHECKOUT}): its jobs run that checkout's "
+            f"daemons and settings and it may stop them any time; slipway cluster up --name NAME starts one of "
+            f"this checkout's")
 
 
 def spec_of_running(name: str = "slpw") -> ClusterSpec | None:

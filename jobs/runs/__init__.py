@@ -10,10 +10,12 @@
     lock.py       one launch of a run at a time
 """
 
-from jobs.runs.run import Run, active_jobs, find_run, list_runs, pinned_images, runs_root, update_manifest
+from jobs.runs.run import (Run, Unreadable, active_jobs, find_run, list_runs, pinned_images, runs_root, scan_runs,
+                          update_manifest)
 from jobs.runs.submit import (Sealed, check_submittable, config_difference, nothing_to_train, no_world_write,
                               preparation, prepare_run, record_code, seal, submit, submit_prepare, unprepared_data)
 
-__all__ = ["Run", "Sealed", "active_jobs", "check_submittable", "config_difference", "find_run", "list_runs",
-           "no_world_write", "nothing_to_train", "pinned_images", "preparation", "prepare_run", "record_code",
-           "runs_root", "seal", "submit", "submit_prepare", "unprepared_data", "update_manifest"]
+__all__ = ["Run", "Sealed", "Unreadable", "active_jobs", "check_submittable", "config_difference", "find_run",
+           "list_runs", "no_world_write", "nothing_to_train", "pinned_images", "preparation", "prepare_run",
+           "record_code", "runs_root", "scan_runs", "seal", "submit", "submit_prepare", "unprepared_data",
+           "update_manifest"]

@@ -50,7 +50,7 @@ class ImagePin:
 
     def check(self, where: str) -> None:
         """A pin as a manifest records it (common/schema.py calls this as it reads one)."""
-        require(self.source in SOURCES, f"{where}.source", f"{shown(self.source)} is not one of {', '.join(SOURCES)}")
+        require(self.source in SOURCES, f"{where}.source", lambda: f"{shown(self.source)} is not one of {', '.join(SOURCES)}")
 
     def pins(self, code: Optional[CodeSnapshot], build: Optional[str], project: Optional[str] = None) -> Pins:
         """What a job of this image checks on every node: the squashfs file by its size, mtime

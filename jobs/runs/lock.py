@@ -21,6 +21,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from common.errors import ConfigError
+from common.fs import file_kind, read_tail
 from common.secrets import mask
 
 WAIT_SECONDS = 30.0  # how long a launch waits for another's submission to finish before it is refused
@@ -58,8 +60,8 @@ def holder(run_dir: Path) -> dict:
     """What the lock file says of its holder ({} when it says nothing readable). Meaningful only
     while the lock is held: the file keeps the last holder's record after it let go."""
     for _ in range(5):  # a holder writes its record just after taking the lock: a moment to finish
-        try:
-            record = json.loads(lock_path(run_dir).read_text() or "null")
+        try:  # a record is a line: more is no record of ours
+            record = json.loads(read_tail(lock_path(run_dir), 64 << 10) or b"null")
         except (OSError, ValueError):
             record = None
         if isinstance(record, dict):
@@ -108,10 +110,17 @@ def _write_record(fd: int, record: dict) -> None:
 
 
 def _open(path: Path) -> int:
+    # O_NONBLOCK: a FIFO in the lock file's place must not hang the open; it is refused below.
     try:  # never writable by others: whoever may write it could swap the record a refusal shows
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
     except PermissionError:  # someone else's lock file: flock works on a read-only descriptor
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ConfigError("run.name", f"{path} is {file_kind(mode)}, not the run's lock file: move it aside, then "
+                                      "run the command again")
+    return fd
 
 
 def _same_file(fd: int, path: Path) -> bool:

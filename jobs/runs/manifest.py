@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional, Union
 
 from common.errors import ConfigError, bounded, bounded_path, shown
-from common.fs import open_regular, write_atomic
+from common.fs import NotRegularFile, ownership, read_file, write_atomic
 from common.rundir import LOCAL_JOB, CodeSnapshot
 from common.schema import from_dict, require
 from jobs.runs.image import ImagePin
@@ -39,8 +39,10 @@ NOT_A_KEY = {"config": False}  # a field of the model that is no key of the file
 class ManifestError(ConfigError):
     """A run's manifest.json that cannot be read: for that run, nothing can be told of its launches."""
 
-    def __init__(self, path: Path, why: str, stake: str = "", fix: str = "", newer: Optional[int] = None):
-        self.path, self.why, self.newer = Path(path), why, newer
+    def __init__(self, path: Path, why: str, stake: str = "", fix: str = "", newer: Optional[int] = None,
+                 denied: bool = False):
+        # denied: the user may not read it (a teammate's run), which is no damage
+        self.path, self.why, self.newer, self.denied = Path(path), why, newer, denied
         name = self.path.parent.name
         stake = stake or "slipway cannot tell this run's launches from it"
         if newer is not None:  # not damaged: this slipway is too old to read it, and must not rewrite it
@@ -48,13 +50,16 @@ class ManifestError(ConfigError):
             super().__init__(bounded_path(self.path), f"written by a newer slipway (manifest format {newer}; this one "
                                                       f"reads format {SCHEMA} and older): {stake}; {fix}")
             return
+        if denied:  # not damaged either: someone else's run
+            super().__init__(bounded_path(self.path), f"{why}: {stake}; a teammate's run? ask its owner")
+            return
         fix = fix or (f"restore it from a backup, or move the run directory aside and submit afresh "
                       f"(`squeue --name {name},{name}-prepare` lists the run's jobs still in Slurm)")
         super().__init__(bounded_path(self.path), f"damaged ({why}): {stake}; {fix}")
 
     def restated(self, stake: str, fix: str) -> "ManifestError":
         """The same damage, told for what a command could not do because of it."""
-        return ManifestError(self.path, self.why, stake, fix, self.newer)
+        return ManifestError(self.path, self.why, stake, fix, self.newer, self.denied)
 
 
 def _signal_number(value: Any) -> Optional[int]:
@@ -129,13 +134,13 @@ class Launch:
 
     def check(self, where: str) -> None:
         require(self.local or (isinstance(self.job_id, str) and _JOB_ID.fullmatch(self.job_id) is not None),
-                f"{where}.job_id", f"{shown(self.job_id, 'job_id')} is no Slurm job id (and it is no local launch)")
+                f"{where}.job_id", lambda: f"{shown(self.job_id, 'job_id')} is no Slurm job id (and it is no local launch)")
         require(self.kind in ("train", "prepare"), f"{where}.kind",
-                f"{shown(self.kind, 'kind')} is neither train nor prepare")
+                lambda: f"{shown(self.kind, 'kind')} is neither train nor prepare")
         require(not self.log or not (Path(self.log).is_absolute() or ".." in Path(self.log).parts), f"{where}.log",
-                f"{shown(self.log, 'log')} is not a path inside the run directory")
+                lambda: f"{shown(self.log, 'log')} is not a path inside the run directory")
         require(not isinstance(self.exit, str) or self.interrupted, f"{where}.exit",
-                f"{shown(self.exit, 'exit')} is neither an exit code nor \"interrupted\"")
+                lambda: f"{shown(self.exit, 'exit')} is neither an exit code nor \"interrupted\"")
 
 
 @dataclass
@@ -200,15 +205,23 @@ def to_record(obj: Any) -> dict:
 
 def read(path: Path) -> Manifest:
     """The manifest at `path`, validated; ManifestError when it cannot be read."""
+    return read_keyed(path)[1]
+
+
+def read_keyed(path: Path) -> tuple[tuple[int, int, int], Manifest]:
+    """(the file's `file_key`, the manifest) at `path`: one open and one fstat."""
     try:
-        f = open_regular(path)
-        if f is None:
+        found = read_file(path, MAX_BYTES)
+        if found is None:
             raise ManifestError(path, "missing")
-        with f:
-            data = f.read(MAX_BYTES + 1)
+        data, st = found
     except OSError as exc:
-        raise ManifestError(path, f"cannot be read: {exc.strerror or exc}") from None
-    if len(data) > MAX_BYTES:
+        denied = isinstance(exc, PermissionError)
+        why = f"not readable by you ({ownership(path)})" if denied else \
+            f"cannot be read: it {exc.strerror or exc}" if isinstance(exc, NotRegularFile) else \
+            f"cannot be read: {exc.strerror or exc}"
+        raise ManifestError(path, why, denied=denied) from None
+    if data is None:
         raise ManifestError(path, f"larger than {MAX_BYTES >> 20} MiB")
     if not data.strip():
         raise ManifestError(path, "empty")
@@ -226,7 +239,7 @@ def read(path: Path) -> Manifest:
     if type(schema) is int and schema > SCHEMA:  # its keys may mean what this slipway cannot tell
         raise ManifestError(path, "newer", newer=schema)
     try:
-        return from_dict(Manifest, raw, "manifest", record=True)
+        return (st.st_ino, st.st_mtime_ns, st.st_size), from_dict(Manifest, raw, "manifest", record=True)
     except ConfigError as exc:
         raise ManifestError(path, str(exc).removeprefix("manifest.")) from None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -22,10 +23,11 @@ from jobs.runs import manifest as manifests
 from jobs.runs.image import ImagePin
 from jobs.runs.lifecycle import LaunchState
 from jobs.runs.manifest import Launch, Manifest, ManifestError
-from common.rundir import RunDir
-from common.errors import ConfigError
+from common import environ
+from common.errors import ConfigError, one_line, shown
 from common.events import Event, read_events, tail_events
-from common.rundir import CodeSnapshot
+from common.fs import NotRegularFile, file_kind, ownership, pread_all, regular_fd
+from common.rundir import CodeSnapshot, RunDir
 
 
 @dataclass
@@ -47,12 +49,11 @@ class Run:
         """The run's manifest as the file holds it now (read again only once the file changed);
         ManifestError, naming the file and what to do, when it cannot be read."""
         path = self.paths.manifest
-        key = manifests.file_key(path)
-        if key is None or self._read is None or self._read[0] != key:
+        if self._read is None or self._read[0] is None or self._read[0] != manifests.file_key(path):
             try:
-                self._read = (key, manifests.read(path))
+                self._read = manifests.read_keyed(path)
             except ManifestError as exc:
-                self._read = (key, exc)
+                self._read = (manifests.file_key(path), exc)
         found = self._read[1]
         if isinstance(found, ManifestError):
             raise found
@@ -128,29 +129,30 @@ class Run:
 
     def last_metrics(self) -> dict | None:
         """The latest training record of the history that stands (a restart undoes the steps
-        after its checkpoint), read from the end of metrics.jsonl: its last KiB, else 64 KiB."""
+        after its checkpoint), read from the end of metrics.jsonl: its last KiB, else 64 KiB. A
+        metrics.jsonl that is no regular file raises NotRegularFile (regular_fd)."""
         from common.metrics_log import latest_by_step
 
-        path = self.paths.metrics
-        for window in (1024, 65536):
-            try:
-                with path.open("rb") as f:
-                    size = f.seek(0, os.SEEK_END)
-                    f.seek(max(0, size - window))
-                    lines = f.read().decode(errors="replace").splitlines()
-            except FileNotFoundError:
-                return None
-            records = []
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # the window's first, cut line, or one a crash cut
-                if isinstance(record, dict):
-                    records.append(record)
-            train = [r for r in latest_by_step(records) if r.get("kind") == "train"]
-            if train or size <= window:
-                return train[-1] if train else None
+        opened = regular_fd(self.paths.metrics)
+        if opened is None:
+            return None
+        fd, st = opened
+        try:
+            size = st.st_size
+            for window in (1024, 65536):
+                records = []
+                for line in pread_all(fd, min(size, window), max(0, size - window)).decode(errors="replace").splitlines():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # the window's first, cut line, or one a crash cut
+                    if isinstance(record, dict):
+                        records.append(record)
+                train = [r for r in latest_by_step(records) if r.get("kind") == "train"]
+                if train or size <= window:
+                    return train[-1] if train else None
+        finally:
+            os.close(fd)
         return None
 
     def total_steps(self, launch: Optional[Launch] = None) -> Optional[int]:
@@ -166,31 +168,127 @@ class Run:
 
 
 def runs_root(project_dir: Path) -> Path:
-    return Path(os.environ.get("SLIPWAY_RUNS", project_dir / "runs")).absolute()
+    return environ.runs_dir(project_dir)
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A run that slipway cannot read: a teammate's it may not open (`denied`), or one whose files
+    are damaged (a FIFO, a device or a directory where a file belongs, a manifest too large or
+    garbled). It is one line, `line`; every other run is still read."""
+
+    path: Path
+    why: str
+    denied: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def line(self) -> str:
+        return one_line(f"run {self.name}: {self.why}")
+
+    @classmethod
+    def of(cls, run_dir: Path, exc: OSError | ManifestError) -> "Unreadable":
+        """What reading one of the run's files raised, told for that run."""
+        if isinstance(exc, ManifestError):
+            why = exc.why if exc.newer is None else f"written by a newer slipway (manifest format {exc.newer})"
+            return cls(run_dir, f"{exc.path.name}: {why}", exc.denied)
+        if isinstance(exc, PermissionError):
+            return cls(run_dir, _denied(run_dir, exc), True)
+        name = Path(exc.filename).name if exc.filename else "a file"
+        return cls(run_dir, f"{name} {exc.strerror or exc}" if isinstance(exc, NotRegularFile)
+                   else f"{name}: {exc.strerror or exc}")
+
+
+def _denied(run_dir: Path, exc: OSError) -> str:
+    """Why the user may not read a run: whose it is, and how it is closed (the run directory, or
+    one file of it)."""
+    closed = run_dir
+    if os.access(run_dir, os.R_OK | os.X_OK) and exc.filename:
+        closed = Path(exc.filename)
+    owner = ownership(closed)
+    what = "" if closed == run_dir else f"{closed.name} "
+    return f"{what}not readable by you{f' ({owner})' if owner else ''}: a teammate's run? ask its owner"
+
+
+def run_name(name: str) -> str:
+    """`name` as RUN on the command line: one entry of the runs directory, never a path out of it
+    nor one of the entries that are no run (the code store, locks, temporary directories)."""
+    if not name or name.startswith(".") or "/" in name or "\0" in name or len(name.encode()) > 255:
+        raise ConfigError("RUN", f"{shown(name)} is not a run name: give the name of a directory in the runs "
+                                 "directory (slipway status lists them)")
+    return name
+
+
+def run_exists(run_dir: Path, field: str = "run.name") -> bool:
+    """Whether a run is at `run_dir` (it has a manifest.json); one line naming `field` when one is
+    there that this user may not read (a teammate's) or whose manifest is no regular file."""
+    found = _stat_manifest(run_dir)
+    if isinstance(found, Unreadable):
+        if found.denied:
+            raise ConfigError(field, found.line())
+        raise ManifestError(RunDir(run_dir).manifest, found.why.removeprefix("manifest.json "))
+    return found is not None
 
 
 def find_run(name: str, project_dir: Path) -> Run:
-    run_dir = runs_root(project_dir) / name
-    if not RunDir(run_dir).manifest.is_file():
-        known = list_runs(project_dir)
+    """The run called `name`; one line when there is none, or none this user may read."""
+    root = runs_root(project_dir)
+    run_dir = root / run_name(name)
+    if not run_exists(run_dir, "RUN"):
+        known = scan_runs(project_dir)[0]
         hint = f"; runs: {', '.join(r.name for r in known[-8:])}" if known else ""
-        raise ConfigError("RUN", f"no run {name!r} in {runs_root(project_dir)}{hint}")
+        raise ConfigError("RUN", f"no run {shown(name)} in {root}{hint}")
     return Run(RunDir(run_dir, project_dir))
 
 
-def list_runs(project_dir: Path) -> list[Run]:
-    root = runs_root(project_dir)
-    if not root.is_dir():
-        return []
-    found = [Run(RunDir(p, project_dir)) for p in root.iterdir() if RunDir(p).manifest.is_file()]
-    return sorted(found, key=lambda r: (_created(r), r.name))
-
-
-def _created(run: Run) -> str:
+def _stat_manifest(run_dir: Path) -> "int | Unreadable | None":
+    """When the run at `run_dir` last recorded a launch (its manifest's mtime, in ns); None where
+    there is no run; Unreadable where it is one that cannot be read. One stat, no read: a listing
+    of ten thousand runs is ordered by it."""
+    path = RunDir(run_dir).manifest
     try:
-        return run.manifest().created
-    except ManifestError:
-        return ""  # listed first, where its damage is seen
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except PermissionError as exc:
+        return Unreadable(run_dir, _denied(run_dir, exc), True)
+    except OSError as exc:  # a link loop, a name too long
+        return Unreadable(run_dir, f"manifest.json: {exc.strerror or exc}")
+    if not stat.S_ISREG(st.st_mode):
+        return Unreadable(run_dir, f"manifest.json is {file_kind(st.st_mode)}, not a regular file")
+    return st.st_mtime_ns
+
+
+def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
+    """The runs of the project, in the order they last recorded a launch (oldest first), and the
+    runs that cannot be read, by name. What is no run is passed over unread: an entry whose name
+    starts with `.` (the code store, run locks, a submission's temporary directory) and anything
+    without a manifest.json."""
+    root = runs_root(project_dir)
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return [], []
+    found: list[tuple[int, str, Run]] = []
+    unreadable: list[Unreadable] = []
+    for name in names:
+        if name.startswith("."):
+            continue
+        run_dir = root / name
+        key = _stat_manifest(run_dir)
+        if isinstance(key, Unreadable):
+            unreadable.append(key)
+        elif key is not None:
+            found.append((key, name, Run(RunDir(run_dir, project_dir))))
+    found.sort(key=lambda item: item[:2])
+    return [run for _, _, run in found], sorted(unreadable, key=lambda u: u.name)
+
+
+def list_runs(project_dir: Path) -> list[Run]:
+    """The runs that can be read (scan_runs)."""
+    return scan_runs(project_dir)[0]
 
 
 def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
@@ -201,7 +299,12 @@ def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
     pins: dict[Path, list[str]] = {}
     seen: set[Path] = set()
     for project_dir in project_dirs:
-        for run in list_runs(project_dir):
+        found, unreadable = scan_runs(project_dir)
+        if unreadable:  # it may pin any image
+            raise ConfigError("image prune", f"{unreadable[0].line()}; it may pin an image, so nothing was pruned: "
+                                             "move the run directory aside (or have its owner open it), then "
+                                             "prune again")
+        for run in found:
             if run.dir.resolve() in seen:
                 continue
             seen.add(run.dir.resolve())

@@ -29,11 +29,12 @@ from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, p
 from jobs.runs.image import ImagePin, container_project, kept_build, pin_image
 from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve_paths, run_environment
 from jobs.runs.manifest import Launch, Manifest
-from jobs.runs.run import Run, active_jobs, runs_root, update_manifest
+from jobs.runs.run import Run, active_jobs, run_exists, runs_root, update_manifest
 from jobs.slurm.script import library_files, render_prepare_sbatch, render_sbatch
 from common import environ
 from common.errors import ConfigError
 from common.fs import write_atomic
+from common.yaml import read_text_bounded
 from common.events import append_event, now_iso
 from common.secrets import refusal
 from common.rundir import CodeSnapshot, RunDir, complete_checkpoints
@@ -107,6 +108,7 @@ def check_submittable(cfg: Config) -> None:
     """What must hold on disk at submission, beyond the image and the paths `seal` checks."""
     c = cfg.container
     check_env_from_host(cfg)
+    slurm.check_sbatch_environment()
     if c.in_container:
         for i, mount in enumerate(c.mounts):
             src = expand_host(mount.src, f"container.mounts[{i}]")
@@ -181,8 +183,8 @@ def config_difference(path: Path, new: str) -> Optional[str]:
     """How the run's config.yaml differs from `new` (the resolved config a launch would write),
     None if it does not. The old file is read through today's schema and dumped again: a key a
     later slipway added, at its default, is no difference."""
-    try:
-        old = path.read_text()
+    try:  # a FIFO or a device in its place raises NotRegularFile (one line), never hangs
+        old = read_text_bounded(path, "config.yaml")
     except FileNotFoundError:
         return "no config.yaml"
     if old == new:
@@ -209,7 +211,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
     run = Run(paths)
     no_world_write()
-    if paths.manifest.is_file():
+    if run_exists(paths.path):
         mode = paths.path.stat().st_mode
         if mode & 0o002:  # made under umask 000 before slipway masked it
             os.chmod(paths.path, mode & 0o7775)
@@ -227,7 +229,10 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
             sealed.code.write()  # before job.sbatch names it; content-addressed, so never rewritten
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
         for target, text in files.items():
-            old = target.read_text() if target.exists() else None
+            try:
+                old: Optional[str] = read_text_bounded(target, target.name)
+            except FileNotFoundError:
+                old = None
             if old is not None and old != text:
                 stem, dot, ext = target.name.partition(".")
                 write_atomic(paths.history / f"{stem}-{stamp}{dot}{ext}", old)

@@ -10,14 +10,18 @@ without it, and a job slurmctld forgot is then told by events.log alone.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError, ProcessTimedOut
+
+from common.errors import ConfigError, warn
+from common.yaml import read_text_bounded
 
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
                  "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT", "STOPPED"}
@@ -79,9 +83,77 @@ def sbatch_argv(script: Path, after: str | None = None) -> list[str]:
             str(script)]
 
 
+# sbatch's input variables (sbatch(1), INPUT ENVIRONMENT VARIABLES) outrank a script's #SBATCH lines.
+# Cleared for the call, each one said: a variable that stands for an option the batch script states
+# (by the options it stands for, or competes with). The config decided that option and the run
+# records it, and the job's own arithmetic depends on it (the time limit and the warning before it,
+# the log paths `status` reads, the job name squeue is asked by, whether it requeues); a variable
+# left in a shell by a module or another project is no decision about this run.
+STATED_BY_SCRIPT = {  # variable: (the config key behind the option, the #SBATCH options it competes with)
+    "SBATCH_JOB_NAME": ("run.name", "--job-name"), "SBATCH_TIMELIMIT": ("slurm.time", "--time"),
+    "SBATCH_SIGNAL": ("slurm.signal_seconds", "--signal"),
+    "SBATCH_REQUEUE": ("slurm.requeue", "--requeue", "--no-requeue"),
+    "SBATCH_NO_REQUEUE": ("slurm.requeue", "--requeue", "--no-requeue"),
+    "SBATCH_OUTPUT": ("slurm.output", "--output"), "SBATCH_ERROR": ("slurm.error", "--error"),
+    "SBATCH_OPEN_MODE": ("slurm.output", "--open-mode"), "SBATCH_ACCOUNT": ("slurm.account", "--account"),
+    "SBATCH_PARTITION": ("slurm.partition", "--partition"), "SBATCH_QOS": ("slurm.qos", "--qos"),
+    "SBATCH_MEM_PER_NODE": ("slurm.mem", "--mem"), "SBATCH_MEM_PER_CPU": ("slurm.mem", "--mem"),
+    "SBATCH_MEM_PER_GPU": ("slurm.mem", "--mem"), "SBATCH_GPUS_PER_NODE": ("slurm.gpus_per_node", "--gpus-per-node"),
+    "SBATCH_GPUS": ("slurm.gpus_per_node", "--gpus-per-node"),
+    "SBATCH_GPUS_PER_TASK": ("slurm.gpus_per_node", "--gpus-per-node"),
+    "SBATCH_GPUS_PER_SOCKET": ("slurm.gpus_per_node", "--gpus-per-node"),
+    "SBATCH_CPUS_PER_GPU": ("slurm.cpus_per_task", "--cpus-per-task"), "SBATCH_EXCLUSIVE": ("slurm.extra", "--exclusive"),
+}
+# Refused in one line naming them: what no config key states and slipway cannot honour, so the
+# user decides (unset it). The others (SBATCH_ACCOUNT where the config names no account, a
+# reservation, a constraint, a wckey...) are a site's defaults for what the script leaves to Slurm.
+REFUSED_VARIABLES = {
+    "SBATCH_ARRAY_INX": "it would make an array of the run's job, every task writing the one run directory",
+    "SBATCH_WAIT": "sbatch would wait for the job's end before slipway records the job (`submit --show-logs` "
+                   "follows one)",
+    "SBATCH_CLUSTERS": "the job would go to a cluster that squeue, sacct and scancel here do not ask about",
+    "SLURM_CLUSTERS": "the job would go to a cluster that squeue, sacct and scancel here do not ask about",
+    "SBATCH_CONTAINER": "Slurm's own container would run the batch script itself (container.runtime runs the "
+                        "ranks in the image)",
+    "SBATCH_GET_USER_ENV": "the job would take a login shell's environment instead of the one it is submitted "
+                           "from (its PATH, container.env_from_host)",
+    "SBATCH_EXPORT": "the job would not get the environment it is submitted from (its PATH and interpreter, "
+                     "container.env_from_host), as it does not hold ALL; a chosen list belongs in the config, "
+                     "as slurm.extra --export=..., which the run records",
+}
+_SBATCH_LINE = re.compile(r"^#SBATCH\s+(--[a-z-]+)", re.MULTILINE)
+
+
+def check_sbatch_environment(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse, in one line naming them, the sbatch input variables slipway cannot honour."""
+    environ = os.environ if environ is None else environ
+    refused = [name for name in REFUSED_VARIABLES if environ.get(name)
+               and not (name == "SBATCH_EXPORT" and "ALL" in environ[name].split(","))]
+    if refused:
+        raise ConfigError(f"${refused[0]}", f"set in this shell, where {REFUSED_VARIABLES[refused[0]]}: unset "
+                                            f"{' '.join(refused)} and submit again")
+
+
+def cleared_variables(script_text: str, environ: Mapping[str, str]) -> list[str]:
+    """The sbatch input variables of `environ` that would outrank a #SBATCH line of the script."""
+    stated = set(_SBATCH_LINE.findall(script_text))
+    return [name for name, (_, *options) in STATED_BY_SCRIPT.items() if environ.get(name) and stated & set(options)]
+
+
 def sbatch(script: Path, cwd: Path, after: str | None = None) -> str:
-    """Submit `script`; return the job id (cluster suffix stripped)."""
-    out = _run(_tool("sbatch"), *sbatch_argv(script, after)[1:], cwd=cwd)
+    """Submit `script`; return the job id (cluster suffix stripped). The input variables that would
+    outrank its #SBATCH lines are left out of sbatch's environment (each said); those slipway cannot
+    honour are refused."""
+    check_sbatch_environment(local.env)
+    cleared = cleared_variables(read_text_bounded(script, script.name), local.env)
+    for name in cleared:
+        key, option, *_ = STATED_BY_SCRIPT[name]
+        warn(f"${name} is left out of sbatch's environment: {script.name} states {option} from the run's {key}, "
+             f"which the run records (set {key} instead)")
+    with local.env():
+        for name in cleared:
+            local.env.pop(name, None)
+        out = _run(_tool("sbatch"), *sbatch_argv(script, after)[1:], cwd=cwd)
     job_id = out.strip().split(";")[0]
     if not job_id.isdigit():
         raise SlurmError(f"sbatch printed {out.strip()!r} instead of a job id")
@@ -136,7 +208,8 @@ def jobs_info(job_ids: list[str]) -> dict[str, JobInfo]:
     if wanted and available("squeue"):
         for i in range(0, len(wanted), BATCH):
             asked = set(wanted[i:i + BATCH])
-            for line in _ask(squeue_argv(wanted[i:i + BATCH])).splitlines():
+            # By "\n" alone: a job's name or reason may hold what str.splitlines() also breaks at.
+            for line in _ask(squeue_argv(wanted[i:i + BATCH])).split("\n"):
                 parts = line.split("|", 6)
                 if len(parts) == 7 and parts[0] in asked:
                     job, state, reason, elapsed, nodes, code, name = parts
@@ -147,7 +220,7 @@ def jobs_info(job_ids: list[str]) -> dict[str, JobInfo]:
     if missing and available("sacct"):
         for i in range(0, len(missing), BATCH):
             asked = set(missing[i:i + BATCH])
-            for line in _ask(sacct_argv(missing[i:i + BATCH])).splitlines():  # a requeued job's last line counts
+            for line in _ask(sacct_argv(missing[i:i + BATCH])).split("\n"):  # a requeued job's last line counts
                 parts = line.split("|", 5)
                 if len(parts) == 6 and parts[0] in asked:
                     found[parts[0]] = JobInfo(job_id=parts[0], state=parts[1], exit_code=parts[2],

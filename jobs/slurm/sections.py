@@ -25,6 +25,22 @@ TIME_RULE = "use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
 MAX_TIME_SECONDS = 365 * 86400
 # Slurm's --signal takes at most 65535 seconds (sbatch(1)).
 MAX_SIGNAL_SECONDS = 65535
+# sbatch --mem: a whole number of megabytes, or of K, M, G or T (Slurm's str_to_mbytes); 0 asks
+# for all of a node's memory. A sign, a fraction or an exponent is no size Slurm reads.
+MEM_FORM = re.compile(r"([0-9]{1,16})([KMGT]?)", re.IGNORECASE)
+MAX_MEM_MB = 1 << 30  # a PiB: more than any node has
+MEM_RULE = "a whole number with an optional unit K, M, G or T, such as 200G or 200000M (0: all of a node's memory)"
+
+
+def mem_megabytes(text: str) -> int:
+    """Megabytes in a Slurm memory size (`200G`, `512`, `0`); ValueError if it is not one."""
+    m = MEM_FORM.fullmatch(text)
+    if m is None:
+        raise ValueError(text)
+    number, unit = int(m.group(1)), m.group(2).upper()
+    if unit == "K":
+        return (number + 1023) // 1024
+    return number * {"": 1, "M": 1, "G": 1 << 10, "T": 1 << 20}[unit]
 
 
 def time_limit_seconds(text: str) -> Optional[int]:
@@ -62,7 +78,8 @@ class SlurmSection:
     qos: Optional[str] = None
     # Mail this address when the job ends or fails.
     email: Optional[str] = None
-    # sbatch --mem (memory per node, e.g. 200G; 0: all of it); null: the partition's default.
+    # sbatch --mem: memory per node in Slurm's form, a whole number with an optional unit K, M,
+    # G or T (200G, 200000M; 0: all of it); null: the partition's default.
     mem: Optional[str] = None
     # Relative to the run directory; %j is the job id (known before the log is read).
     output: str = "logs/%j.out"
@@ -143,7 +160,14 @@ class SlurmSection:
         for i, opt in enumerate(self.extra):
             require(opt.startswith("--") and "\n" not in opt, f"{where}.extra[{i}]",
                     f"must be one long sbatch option such as --exclusive or --mem=0, got {shown(opt)}")
-        for name in ("account", "partition", "qos", "email", "mem", "prepare_partition"):
+        if self.mem is not None:
+            try:
+                megabytes = mem_megabytes(self.mem)
+            except ValueError:
+                raise ConfigError(f"{where}.mem", f"{shown(self.mem)} is not a Slurm memory size: {MEM_RULE}") from None
+            require(megabytes <= MAX_MEM_MB, f"{where}.mem",
+                    f"{shown(self.mem)} is more memory than any node has: {MEM_RULE}")
+        for name in ("account", "partition", "qos", "email", "prepare_partition"):
             value = getattr(self, name)
             require(value is None or (bool(value) and "\n" not in value and (name == "partition" or "," not in value)),
                     f"{where}.{name}", f"must be a single line without commas, got {shown(value)}")
