@@ -100,6 +100,19 @@ class Fit:
         return f"`slipway local {self.args}` {self.what} (~{self.memory / 1e9:.1f} GB{time_said})"
 
 
+def gpus_here() -> bool:
+    """Whether the trainer started here would find a CUDA GPU (trainer/parallel.py takes one when
+    torch sees it): the driver lists one and CUDA_VISIBLE_DEVICES does not hide them all. The CPU
+    arithmetic above says nothing of a GPU's step, nor of its memory."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    try:
+        return any(Path("/proc/driver/nvidia/gpus").iterdir())
+    except OSError:
+        return False
+
+
 def plan_here(original: Config, local: Config, run_dir: Path, reload: Callable[[list[str]], Config], console, *,
               yes: bool = False, rename: bool = True) -> Optional[float]:
     """Whether the try `local` (the local view of `original`) fits this machine: refused (a
@@ -110,6 +123,10 @@ def plan_here(original: Config, local: Config, run_dir: Path, reload: Callable[[
     if local.launch.command or local.train.script:
         console.print("[dim]expected step time here: not known (train.script or launch.command trains a model of "
                       "its own)[/]", soft_wrap=True)
+        return None
+    if gpus_here():
+        console.print("[dim]expected step time here: not known (this machine's GPUs train it; the estimate and "
+                      "the memory check are for CPUs)[/]", soft_wrap=True)
         return None
     done = _done(local, run_dir)
     available = available_memory()

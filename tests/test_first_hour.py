@@ -565,6 +565,28 @@ def test_a_long_try_is_asked_about_on_a_terminal(project):
     assert "new run tiny_cpu" in out, out
 
 
+def test_a_try_on_a_machine_with_gpus_is_not_bounded_by_the_cpus_estimate(project, monkeypatch, tmp_path):
+    """The trainer takes a GPU when torch sees one (trainer/parallel.py): a long try there is not
+    refused by arithmetic made for CPUs, and says its time is not known; CUDA_VISIBLE_DEVICES
+    hiding every GPU brings the CPU bound back."""
+    from rich.console import Console
+
+    from jobs import local_checks
+    from jobs.cli.commands import parse
+    from jobs.cli.launch import load
+
+    cfg = load(parse(["local", "tiny_cpu", "train.steps=100000000"]), quiet=True)
+    out = tmp_path / "said.txt"
+    with out.open("w") as f, monkeypatch.context() as m:
+        m.setattr(local_checks, "gpus_here", lambda: True)
+        assert local_checks.plan_here(cfg, cfg, tmp_path / "run", lambda w: cfg, Console(file=f)) is None
+    assert "not known (this machine's GPUs train it" in out.read_text()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not local_checks.gpus_here()
+    with pytest.raises(local_checks.ConfigError, match="more than a try on this machine"):
+        local_checks.plan_here(cfg, cfg, tmp_path / "run", lambda w: cfg, Console(file=out.open("w")))
+
+
 # ---------------------------------------------------------------- issue 42: no silent minute, the end
 
 

@@ -171,7 +171,7 @@ def test_a_slipway_local_stopped_mid_run_takes_its_trainer_with_it(tmp_path):
     config = check.training_config("long", dp=2, tp=1)
     config.write_text(config.read_text().replace("steps: 8", "steps: 100000"))
     env = clean_env(SLIPWAY_PROJECT=str(check.work), SLIPWAY_RUNS=str(check.runs))
-    proc = subprocess.Popen([sys.executable, "-m", "jobs", "local", str(config)], cwd=check.work, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "jobs", "local", str(config), "--yes"], cwd=check.work, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     metrics, patience = check.runs / "long" / "metrics.jsonl", time.monotonic() + 600
     while proc.poll() is None and '"kind": "train"' not in (metrics.read_text() if metrics.exists() else ""):
