@@ -300,6 +300,13 @@ def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict
 
     `sets` holds overrides already split into dotted key and typed value (the CLI's named flags).
     """
+    path, raw = read_config(path)
+    return config_from(path, raw, overrides, sets)
+
+
+def read_config(path: str | Path) -> tuple[Path, dict]:
+    """The config file `path` names (`resolve_config_path`) and its raw tree, read once (a sweep
+    builds each of its points from it: `config_from`)."""
     path = resolve_config_path(path)
     try:
         text = read_text_bounded(path, "CONFIG")
@@ -311,13 +318,20 @@ def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict
                                     "start from a copy of configs/tiny_cpu.yaml")
     if not isinstance(raw, dict):
         raise ConfigError("CONFIG", f"{path} must hold a mapping of sections such as run:, slurm:, model:")
+    return path, raw
+
+
+def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets: dict[str, Any] | None = None,
+                settings: dict[str, Any] | None = None) -> Config:
+    """The config of file `path` from its raw tree (left as it is), the overrides, the named flags'
+    `sets`, then `settings` (dotted key -> value, as an override's value parses), validated."""
     raw = copy.deepcopy(raw)
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(item, "an override must look like section.key=value, e.g. train.steps=100")
         apply_override(raw, key.strip(), parse_value(value, key.strip()))
-    for key, value in (sets or {}).items():
+    for key, value in [*(sets or {}).items(), *(settings or {}).items()]:
         apply_override(raw, key, value)
     run = raw.setdefault("run", {}) if isinstance(raw.get("run", {}), dict) else raw["run"]
     if isinstance(run, dict) and not run.get("name"):

@@ -34,16 +34,22 @@ def load(args: argparse.Namespace):
     from jobs.config import load_config
     from common.errors import warn
 
-    sets = {k[4:]: v for k, v in vars(args).items() if k.startswith("set:") and v is not None}
+    sets, given = config_sets(args)
     cfg = load_config(args.config, args.overrides, sets)
+    cfg.given_args = given
+    for text in cfg.launch.secret_warnings():  # the user's own lines: said once per command, not refused
+        warn(text)
+    return cfg
+
+
+def config_sets(args: argparse.Namespace) -> tuple[dict, str]:
+    """The config flags given (dotted key -> value) and the command's config arguments, shell-quoted."""
+    sets = {k[4:]: v for k, v in vars(args).items() if k.startswith("set:") and v is not None}
     given, switches = [args.config, *args.overrides], {key for _, key, _ in BOOL_FLAGS}
     for flag, key, *_ in NAMED_FLAGS + CLUSTER_FLAGS + BOOL_FLAGS:
         if key in sets:
             given += [flag] if key in switches else [flag, str(sets[key])]
-    cfg.given_args = shlex.join(given)
-    for text in cfg.launch.secret_warnings():  # the user's own lines: said once per command, not refused
-        warn(text)
-    return cfg
+    return sets, shlex.join(given)
 
 
 def _notes(console, notes: list[str]) -> None:

@@ -7,7 +7,8 @@
 """
 
 from jobs.slurm.client import (ACTIVE_STATES, JobInfo, SlurmError, available, can_ask, hostnames, job_info, jobs_info,
-                               ping, responding_nodes, sacct_argv, sbatch, scancel, squeue_argv, srun_argv)
+                               max_array_size, ping, responding_nodes, sacct_argv, sbatch, scancel, squeue_argv,
+                               srun_argv)
 
 __all__ = ["ACTIVE_STATES", "JobInfo", "SlurmError", "available", "can_ask", "hostnames", "job_info", "jobs_info",
-           "ping", "responding_nodes", "sacct_argv", "sbatch", "scancel", "squeue_argv", "srun_argv"]
+           "max_array_size", "ping", "responding_nodes", "sacct_argv", "sbatch", "scancel", "squeue_argv", "srun_argv"]

@@ -1,0 +1,347 @@
+"""Sweeps (jobs/runs/sweep.py, jobs/cli/sweep.py): a set of runs as Slurm job arrays, through the
+command a user types. Without Slurm: the points listed, validated and named, the arrays written
+against a stand-in Slurm that counts its calls (the split over MaxArraySize, a re-run submitting
+only what is not finished, the hostile cases: a damaged record, two sweeps at once, a run of a
+point's name that is no point), and status, cancel, compare and plot of a sweep. On the real local
+Slurm (marked `slurm`): a 2 x 2 grid trains as one array, a point killed mid-run resumes exactly
+while the others finish and a re-run submits only it; the split over a small MaxArraySize and a
+cancel that ends every task. The local cluster's MaxArraySize is 4 (tests/slurm_fixtures.py)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from common.events import append_event
+from common.rundir import RunDir
+from conftest import tree
+from edf.environment import SAFE_NAME
+from jobs.runs import sweep as sweeps
+from slurm_standin import StandInSlurm
+
+PY = sys.executable
+TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=4",
+        "model.num_kv_heads=2", "data.seq_len=64", "model.max_position_embeddings=64", "train.micro_batch_size=4",
+        "train.warmup_steps=2", "logging.interval=1"]
+GRID = ["train.lr=[3e-3, 1e-3]", "train.micro_batch_size=[4, 8]"]
+NAMES = ["g-lr3e-3-micro_batch_size4", "g-lr3e-3-micro_batch_size8", "g-lr1e-3-micro_batch_size4",
+         "g-lr1e-3-micro_batch_size8"]
+
+
+def slipway(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "200", **(env or {})})
+
+
+def one_error(r: subprocess.CompletedProcess, start: str) -> None:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"slipway: error: {start}"), \
+        (r.returncode, r.stdout, r.stderr)
+
+
+@pytest.fixture
+def standin(project, tmp_path) -> tuple[StandInSlurm, dict]:
+    slurm = StandInSlurm(tmp_path / "slurm")
+    return slurm, slurm.env()
+
+
+def record(project: Path, name: str = "g") -> dict:
+    return json.loads((project / "runs" / ".sweeps" / name / "sweep.json").read_text())
+
+
+def submissions(project: Path, run: str) -> list[str]:
+    return [s["job_id"] for s in json.loads((project / "runs" / run / "manifest.json").read_text())["submissions"]]
+
+
+# ------------------------------------------------------------------ points: listed, named, validated
+
+
+def test_dry_run_lists_points_resources_and_arrays_writing_nothing(project, standin):
+    slurm, env = standin
+    (slurm.root / "max-array-size").write_text("3")
+    before = tree(project)
+    r = slipway("sweep", "tiny_cpu", "--name", "g", *GRID, "--max-parallel", "2", "--dry-run", "--gpus-per-node",
+                "0", env=env)
+    assert r.returncode == 0, r.stderr
+    for name in NAMES:
+        assert re.search(rf"^{name}\s+new\s+1\s+0\s+00:30:00\s+lr=", r.stdout, re.M), r.stdout
+    assert "lr=1e-3 micro_batch_size=8" in r.stdout
+    assert "2.0 node-hours, 0.0 GPU-hours" in r.stdout
+    assert "array 1: 3 point(s), --array=0-2%2 (MaxArraySize 3" in r.stdout
+    assert "array 2: 1 point(s), --array=0-0%2" in r.stdout and "--cpus-per-task=1 --time=00:30:00" in r.stdout
+    assert "verdict: would be submitted" in r.stdout
+    assert tree(project) == before
+    assert not slurm.calls("sbatch")
+
+
+@pytest.mark.parametrize("args, start", [
+    (["train.lr=[1e-3, -1]"], "point g-lr-1: train.lr: must be > 0"),
+    (["train.lr=[1e-3, 1e-3]"], "train.lr: the value 1e-3 is given twice"),
+    (["train.lr=[]"], "train.lr: an axis needs at least one value"),
+    (["run.name=[a, b]"], "run.name: a sweep names its points itself"),
+    (["parallel.dp=[2, 3]"], "point g-dp3: parallel:"),
+    (["train.lr=[1e-3, 0.001]"], "point g-lr0.001: has the same config as point g-lr1e-3"),
+    (["train.nope=[1, 2]"], "point g-nope1: train.nope: unknown key"),
+    (["slurm.output=[logs/%x.out, logs/%j.out]"], "point g-output"),
+])
+def test_a_bad_point_is_one_line_and_nothing_is_written(project, standin, args, start):
+    slurm, env = standin
+    before = tree(project)
+    r = slipway("sweep", "tiny_cpu", "--name", "g", *args, env=env)
+    one_error(r, start)
+    assert tree(project) == before and not slurm.calls("sbatch")
+
+
+def test_point_names_are_readable_bounded_safe_and_stable():
+    hostile = ["$(touch pwned)", "a b'c\"d", "/scratch/x", "x" * 300, "1e-3"]
+    settings = [{"train.lr": v} for v in hostile] + [{"train.lr": "1e-3", "model.dropout": "0.1"}, {}]
+    names = sweeps.point_names("s", settings)
+    assert len(set(names)) == len(names)
+    assert all(SAFE_NAME.match(n) and len(n) <= 100 for n in names), names
+    assert names[4] == "s-lr1e-3" and names[-1] == "s-base" and names[5] == "s-lr1e-3-dropout0.1"
+    assert re.fullmatch(r"s-lr_scratch_x-[0-9a-f]{8}", names[2])
+    # A point's name is its own values' alone: more points leave it as it was.
+    assert sweeps.point_names("s", settings[:3])[:3] == names[:3]
+    assert sweeps.short_keys(["model.dropout", "train.dropout", "train.lr"]) == ["model_dropout", "train_dropout", "lr"]
+
+
+def test_an_axis_of_a_list_field_is_a_list_of_lists(project, standin):
+    _, env = standin
+    r = slipway("sweep", "tiny_cpu", "--name", "g", "launch.pre_launch=[[echo a], [echo b, echo c]]", "--dry-run",
+                env=env)
+    assert r.returncode == 0, r.stderr
+    assert "2 point(s)" in r.stdout and "pre_launch=[echo b, echo c]" in r.stdout
+    plain = slipway("sweep", "tiny_cpu", "--name", "g", "launch.pre_launch=[echo a, echo b]", "--dry-run", env=env)
+    assert plain.returncode == 0 and "1 point(s)" in plain.stdout and "g-base" in plain.stdout, plain.stdout
+
+
+def test_points_file_is_a_sweep_that_is_no_grid(project, standin):
+    _, env = standin
+    (project / "points.yaml").write_text("- {train.lr: 0.001, train.steps: 10}\n- train: {lr: 0.002}\n")
+    r = slipway("sweep", "tiny_cpu", "--name", "g", "--points", "points.yaml", "--dry-run", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "g-lr0.001-steps10" in r.stdout and "g-lr0.002 " in r.stdout
+    (project / "bad.yaml").write_text("- 3\n")
+    one_error(slipway("sweep", "tiny_cpu", "--points", "bad.yaml", env=env), "--points[0]")
+    one_error(slipway("sweep", "tiny_cpu", "--points", str(project), env=env), "--points")
+
+
+# ------------------------------------------------------------------ arrays, against a stand-in Slurm
+
+
+def submit_grid(project: Path, env: dict, *extra: str) -> subprocess.CompletedProcess:
+    r = slipway("sweep", "tiny_cpu", "--name", "g", *GRID, "--max-parallel", "2", *extra, env=env)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    return r
+
+
+def test_points_go_to_arrays_split_over_max_array_size(project, standin):
+    slurm, env = standin
+    (slurm.root / "max-array-size").write_text("3")
+    r = submit_grid(project, env)
+    assert "4 to submit" in r.stdout and "submitted array 1001 (3 point(s), tasks 0-2%2)" in r.stdout, r.stdout
+    assert "submitted array 1002 (1 point(s), tasks 0-0%2)" in r.stdout
+    assert len(slurm.calls("sbatch")) == 2 and slurm.calls("scontrol") == ["scontrol ping", "scontrol show config"]
+    rec = record(project)
+    assert [p["run"] for p in rec["points"]] == NAMES and rec["axes"] == ["train.lr", "train.micro_batch_size"]
+    assert rec["points"][3]["values"] == {"train.lr": "1e-3", "train.micro_batch_size": "8"}
+    assert [(a["job_id"], a["points"]) for a in rec["arrays"]] == [("1001", NAMES[:3]), ("1002", NAMES[3:])]
+    for i, name in enumerate(NAMES):
+        assert submissions(project, name) == [f"1001_{i}" if i < 3 else "1002_0"]
+    home = project / "runs" / ".sweeps" / "g"
+    script = home / rec["arrays"][0]["script"]
+    text = script.read_text()
+    # The array asks what each point's own job.sbatch asks; task I runs point I's job.sbatch.
+    own = (project / "runs" / NAMES[0] / "job.sbatch").read_text().splitlines()
+    shared = [line for line in own if line.startswith("#SBATCH") and not line.startswith(
+        ("#SBATCH --job-name", "#SBATCH --output", "#SBATCH --error"))]
+    assert all(line in text.splitlines() for line in shared)
+    assert "#SBATCH --array=0-2%2" in text and "#SBATCH --job-name=g" in text
+    assert f"POINTS=({' '.join(NAMES[:3])})" in text
+    assert re.search(r"#SBATCH --output=.*/%a/logs/%A_%a\.out", text)
+    for i, name in enumerate(NAMES[:3]):
+        assert (script.parent / str(i)).resolve() == (project / "runs" / name).resolve()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_rerun_submits_only_what_is_not_finished_and_adds_new_points(project, standin):
+    slurm, env = standin
+    submit_grid(project, env)
+    runs = project / "runs"
+    # Point 0 completed all its steps, point 1 runs, points 2 and 3 failed.
+    append_event(runs / NAMES[0], "1001_0", "end exit 0")
+    slurm.job("1001_0", "COMPLETED", where="ctld")
+    slurm.job("1001_1", "RUNNING", where="ctld")
+    for i in (2, 3):
+        append_event(runs / NAMES[i], f"1001_{i}", "end exit 1")
+        slurm.job(f"1001_{i}", "FAILED", "1:0", where="ctld")
+    r = submit_grid(project, env)
+    assert "2 to resume, 1 finished, 1 queued or running; 2 to submit" in r.stdout, r.stdout
+    assert "submitted array 1002 (2 point(s)" in r.stdout
+    assert [submissions(project, n) for n in NAMES] == [["1001_0"], ["1001_1"], ["1001_2", "1002_0"],
+                                                        ["1001_3", "1002_1"]]
+    # Another value on an axis adds its points; the others are where they were.
+    more = slipway("sweep", "tiny_cpu", "--name", "g", "train.lr=[3e-3, 1e-3, 2e-3]", "train.micro_batch_size=[4, 8]",
+                   env=env)
+    assert more.returncode == 0 and "2 new, 1 finished, 3 queued or running; 2 to submit" in more.stdout, more.stdout
+    assert [p["run"] for p in record(project)["points"]][4:] == ["g-lr2e-3-micro_batch_size4",
+                                                                 "g-lr2e-3-micro_batch_size8"]
+    assert len(record(project)["arrays"]) == 3
+
+
+def test_a_changed_point_config_is_refused_unless_force(project, standin):
+    slurm, env = standin
+    submit_grid(project, env)
+    for i in range(4):
+        append_event(project / "runs" / NAMES[i], f"1001_{i}", "end exit 1")
+        slurm.job(f"1001_{i}", "FAILED", "1:0", where="ctld")
+    before = record(project)
+    r = slipway("sweep", "tiny_cpu", "--name", "g", *GRID, "train.steps=300", env=env)
+    one_error(r, f"point {NAMES[0]}: exists with a different config (train.steps 200 -> 300) (and 3 more point(s))")
+    assert record(project) == before and len(slurm.calls("sbatch")) == 1
+    forced = slipway("sweep", "tiny_cpu", "--name", "g", *GRID, "train.steps=300", "--force", env=env)
+    assert forced.returncode == 0 and "4 to submit" in forced.stdout, forced.stderr
+    assert list((project / "runs" / NAMES[0] / "history").glob("config-*.yaml"))
+
+
+def test_hostile_state_damaged_record_and_a_run_of_a_points_name(project, standin):
+    slurm, env = standin
+    # A run of a point's name that is no point of the sweep: refused, nothing written.
+    other = slipway("submit", "tiny_cpu", "--run-name", NAMES[1], env=env)
+    assert other.returncode == 0, other.stderr
+    before = tree(project)
+    one_error(slipway("sweep", "tiny_cpu", "--name", "g", *GRID, env=env), f"point {NAMES[1]}: run.name:")
+    assert tree(project) == before
+    # A sweep named as a run would be found as the run.
+    one_error(slipway("sweep", "tiny_cpu", "--name", NAMES[1], "train.lr=[1e-3]", env=env), "--name")
+    # A damaged record: one line naming it, for every command; never written over.
+    submit_grid(project, env, "--name", "h")
+    path = project / "runs" / ".sweeps" / "h" / "sweep.json"
+    path.write_text('{"points": [{"run": "x"')
+    for args in (["status", "h"], ["compare", "h"], ["cancel", "h"], ["plot", "h"],
+                 ["sweep", "tiny_cpu", "--name", "h", *GRID]):
+        one_error(slipway(*args, env=env), str(path))
+    assert path.read_text() == '{"points": [{"run": "x"'
+    path.write_text(json.dumps({"schema": 1, "points": [{"run": "../x"}]}))
+    one_error(slipway("status", "h", env=env), str(path))
+
+
+def test_two_sweeps_of_one_name_at_once_submit_each_point_once(project, standin):
+    slurm, env = standin
+    argv = [PY, "-m", "jobs", "sweep", "tiny_cpu", "--name", "g", *GRID]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **env}) for _ in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert len(slurm.calls("sbatch")) == 1
+    assert sorted(len(submissions(project, n)) for n in NAMES) == [1, 1, 1, 1]
+    assert any("4 queued or running; nothing to submit" in out for out, _ in outs), outs
+
+
+# ------------------------------------------------------------------ reading a sweep
+
+
+def metrics(run_dir: Path, losses: list[float], evals: float, tps: float = 12345.0) -> None:
+    lines = [json.dumps({"kind": "train", "step": s, "loss": loss, "tokens_per_s": tps, "mfu": 0.41})
+             for s, loss in enumerate(losses, 1)]
+    lines.append(json.dumps({"kind": "eval", "step": len(losses), "eval_loss": evals}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture
+def ended(project, standin) -> tuple[StandInSlurm, dict]:
+    """The 2 x 2 grid submitted and ended: points 0-2 completed with metrics, 3 still queued."""
+    slurm, env = standin
+    submit_grid(project, env)
+    for i, (loss, ev) in enumerate([(4.0, 4.5), (3.0, 3.2), (5.0, 5.5)]):
+        metrics(project / "runs" / NAMES[i], [9.0, loss], ev, tps=1000.0 * (i + 1))
+        append_event(project / "runs" / NAMES[i], f"1001_{i}", "end exit 0")
+    return slurm, env
+
+
+def test_status_of_a_sweep_is_one_line_a_point_and_two_slurm_calls(project, ended):
+    slurm, env = ended
+    slurm.reset_calls()
+    r = slipway("status", "g", env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("sweep g: 4 point(s) (3 COMPLETED, 1 PENDING); arrays 1001"), lines[0]
+    assert [line.split()[0] for line in lines[2:]] == NAMES
+    assert "step 2/200, loss 3.000, 2k tok/s" in r.stdout
+    assert len(slurm.state_calls()) <= 2 and slurm.state_calls()[0].startswith("squeue")
+    # A point is a run: every command takes it by its name.
+    assert slipway("status", NAMES[1], env=env).returncode == 0
+
+
+def test_compare_ranks_by_eval_loss_in_80_columns_and_csv(project, ended):
+    _, env = ended
+    r = slipway("compare", "g", env={**env, "COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), r.stdout
+    assert lines[1].split()[:4] == ["lr", "micro_batch_size", "eval", "train"]
+    rows = [line for line in lines[2:] if not line.startswith("    ")]  # a run's name on its own line below
+    assert [line.split()[2] for line in rows[:3]] == ["3.2000", "4.5000", "5.5000"]
+    assert rows[0].split()[:2] == ["3e-3", "8"] and "41.0%" in rows[0] and "2/200" in rows[0]
+    rows = list(csv.DictReader(io.StringIO(slipway("compare", "g", "--csv", env=env).stdout)))
+    assert [row["run"] for row in rows] == [NAMES[1], NAMES[0], NAMES[2], NAMES[3]]
+    assert rows[0]["train.lr"] == "3e-3" and rows[0]["eval_loss"] == "3.2" and rows[3]["state"] == "PENDING"
+    # Any runs: the keys that tell them apart.
+    mixed = slipway("compare", NAMES[0], NAMES[2], env=env)
+    assert mixed.returncode == 0 and mixed.stdout.splitlines()[1].split()[0] == "lr", mixed.stdout
+
+
+def test_plot_of_a_sweep_overlays_its_points(project, ended):
+    _, env = ended
+    r = slipway("plot", "g", env=env)
+    assert r.returncode == 0, r.stderr
+    png = project / "runs" / ".sweeps" / "g" / "curves.png"
+    assert r.stdout.strip() == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cancel_of_a_sweep_cancels_every_task(project, standin):
+    slurm, env = standin
+    submit_grid(project, env)
+    slurm.job("1001_0", "RUNNING", where="ctld")
+    r = slipway("cancel", "g", env=env)
+    assert r.returncode == 0 and "cancelled 4 task(s) of sweep g" in r.stdout, (r.stdout, r.stderr)
+    # The pending tasks first (they would start as the running one ends), then the running
+    # task's batch shell is asked to stop; every task is ended.
+    assert slurm.calls("scancel") == ["scancel 1001_1 1001_2 1001_3", "scancel --signal=USR2 --batch 1001_0"]
+    for name in NAMES[1:]:
+        assert "cancelled by slipway cancel" in (project / "runs" / name / "events.log").read_text()
+    assert slipway("cancel", "g", env=env).stdout.strip() == "sweep g has no active task"
+
+
+# ------------------------------------------------------------------ tried here first
+
+
+def test_local_sweep_checks_every_point_fits_before_running_any(project):
+    before = tree(project)
+    r = slipway("sweep", "tiny_cpu", "--name", "g", "train.micro_batch_size=[2, 4096]", "data.seq_len=4096",
+                "model.max_position_embeddings=4096", "--local")
+    one_error(r, "point g-micro_batch_size4096: train.micro_batch_size:")
+    assert tree(project) == before
+
+
+def test_local_sweep_runs_each_point_through_slipway_local(project):
+    r = slipway("sweep", "tiny_cpu", "--name", "g", *TINY, "train.steps=2", "train.eval_interval=0",
+                "train.lr=[3e-3, 1e-3]", "--local", timeout=600)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "sweep g: 2 of 2 point(s) ended 0" in r.stdout
+    for name in ("g-lr3e-3", "g-lr1e-3"):
+        launches = json.loads((project / "runs" / name / "manifest.json").read_text())["submissions"]
+        assert [x.get("local") for x in launches] == [True]
+        assert (project / "runs" / name / "metrics.jsonl").is_file()
+    again = slipway("sweep", "tiny_cpu", "--name", "g", *TINY, "train.steps=2", "train.eval_interval=0",
+                    "train.lr=[3e-3, 1e-3]", "--local", timeout=600)
+    assert again.returncode == 0 and "nothing to train" in again.stdout, again.stdout
