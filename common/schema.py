@@ -4,6 +4,7 @@ slipway wrote itself (manifest.json) read by the same rules (`from_dict(..., rec
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -39,13 +40,20 @@ class OutOfRange(ConfigError):
         self.number = number
 
 
+@functools.lru_cache(maxsize=8192)
+def _refusal(value: Any, name: Any, policy: str, edf: bool):
+    """`refusal`, remembered: a pure function of its arguments, and a sweep reads the same
+    strings in each of its thousand points."""
+    return refusal(value, name=name, policy=policy, edf=edf)
+
+
 def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = None) -> None:
     """The secret policy on one value as it is read, and on the mapping key it is given under."""
-    if isinstance(key, str) and (found := refusal(key)) is not None and not found.expansion:
+    if isinstance(key, str) and (found := _refusal(key, None, REFUSE, False)) is not None and not found.expansion:
         raise ConfigError(where, found.message())  # a key that is a token itself
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # `PASSWORD: 123456` from a caller that typed it as a number
-    found = refusal(value, name=key if isinstance(key, str) else None, policy=policy, edf=edf)
+    found = _refusal(value, key if isinstance(key, str) else None, policy, edf)
     if found is not None:
         raise ConfigError(where, found.message())
 
@@ -189,8 +197,9 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
     return _scalar(tp, value, where)
 
 
+@functools.lru_cache(maxsize=None)
 def config_fields(cls: type) -> dict[str, dataclasses.Field]:
-    """The fields of section `cls` that a config file sets."""
+    """The fields of section `cls` that a config file sets (the same for a class: read once)."""
     return {f.name: f for f in dataclasses.fields(cls) if f.init and f.metadata.get("config", True)}
 
 

@@ -8,7 +8,6 @@ dataclasses. Nothing downstream reads raw dicts.
 
 from __future__ import annotations
 
-import copy
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -325,7 +324,7 @@ def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets:
                 settings: dict[str, Any] | None = None) -> Config:
     """The config of file `path` from its raw tree (left as it is), the overrides, the named flags'
     `sets`, then `settings` (dotted key -> value, as an override's value parses), validated."""
-    raw = copy.deepcopy(raw)
+    raw = _copied(raw)
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -339,6 +338,16 @@ def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets:
     cfg = from_dict(Config, raw)
     cfg.source = path
     return cfg
+
+
+def _copied(node: Any) -> Any:
+    """The raw tree's mappings and lists copied, for overrides to set into (the values are
+    strings and numbers, which none changes): deepcopy's work without its bookkeeping."""
+    if isinstance(node, dict):
+        return {key: _copied(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_copied(value) for value in node]
+    return node
 
 
 def resolve_config_path(name: str | Path) -> Path:

@@ -345,3 +345,111 @@ def test_local_sweep_runs_each_point_through_slipway_local(project):
     again = slipway("sweep", "tiny_cpu", "--name", "g", *TINY, "train.steps=2", "train.eval_interval=0",
                     "train.lr=[3e-3, 1e-3]", "--local", timeout=600)
     assert again.returncode == 0 and "nothing to train" in again.stdout, again.stdout
+
+
+# ------------------------------------------------------------------ the real local Slurm
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def active_tasks(*arrays: str) -> list[str]:
+    """squeue's lines for the tasks of `arrays` that Slurm still queues or runs: ARRAY_TASK STATE."""
+    r = subprocess.run(["squeue", "--array", "--noheader", f"--jobs={','.join(arrays)}", "--Format=JobArrayID:|,State:"],
+                       capture_output=True, text=True)
+    return [line.replace("|", " ").strip() for line in r.stdout.splitlines() if line.strip()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "train":
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def train_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()
+            if json.loads(line).get("kind") == "train"] if path.exists() else []
+
+
+def checkpoints(run_dir: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*/COMPLETE"))
+
+
+@pytest.mark.slurm
+def test_grid_trains_as_one_array_and_a_killed_point_resumes_exactly(project, slurm_env):
+    """Its points differ in the learning rate and in the checkpoint interval, which changes no
+    loss: the killed point's sibling with the other interval is its uninterrupted reference."""
+    from test_e2e import sigkill_one_worker
+
+    args = ["sweep", "tiny_cpu", "--name", "g", *TINY, "train.micro_batch_size=16", "train.steps=20",
+            "train.eval_interval=10", "train.lr=[3e-3, 1e-3]", "checkpoint.interval=[2, 50]", "--max-parallel", "4"]
+    r = slipway(*args)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    array = record(project)["arrays"][0]["job_id"]
+    assert "submitted array" in r.stdout and len(record(project)["arrays"]) == 1
+    runs = project / "runs"
+    killed, sibling = runs / "g-lr3e-3-interval2", runs / "g-lr3e-3-interval50"
+    shown = subprocess.run(["scontrol", "show", "job", f"{array}_0"], capture_output=True, text=True).stdout
+    assert f"ArrayJobId={array} ArrayTaskId=0" in shown, shown
+    wait_for(lambda: checkpoints(killed) and len(train_steps(killed)) >= 3, 300, "a checkpoint and three steps")
+    sigkill_one_worker(killed.name)
+    wait_for(lambda: not active_tasks(array), 400, "every task of the array to end")
+    status = slipway("status", "g")
+    assert status.returncode == 0 and "(3 COMPLETED, 1 FAILED)" in status.stdout, status.stdout
+    for name in ("g-lr3e-3-interval50", "g-lr1e-3-interval2", "g-lr1e-3-interval50"):
+        assert train_steps(runs / name)[-1] == 20 and f"job {array}_" in (runs / name / "events.log").read_text()
+        assert list((runs / name / "logs").glob(f"{array}_*.out"))  # each task's log is its run's own
+    last = checkpoints(killed)[-1]
+    assert last < 20
+
+    again = slipway(*args)
+    assert again.returncode == 0 and "1 to resume, 3 finished; 1 to submit" in again.stdout, again.stdout
+    second = record(project)["arrays"][1]
+    assert second["points"] == [killed.name]
+    wait_for(lambda: not active_tasks(second["job_id"]), 300, "the resumed point to end")
+    logged = train_steps(killed)
+    restart = max(i for i, s in enumerate(logged) if i and s <= logged[i - 1])
+    assert logged[restart] == last + 1 and logged[-1] == 20, (last, logged)
+    reference, got = train_losses(sibling), train_losses(killed)
+    assert sorted(got) == sorted(reference) == list(range(1, 21))
+    for step in reference:
+        assert got[step] == pytest.approx(reference[step], abs=1e-6), step
+    compared = slipway("compare", "g", "--csv")
+    rows = list(csv.DictReader(io.StringIO(compared.stdout)))
+    assert len(rows) == 4 and {row["state"] for row in rows} == {"COMPLETED"}, compared.stdout
+    assert [float(row["eval_loss"]) for row in rows] == sorted(float(row["eval_loss"]) for row in rows)
+
+
+@pytest.mark.slurm
+def test_split_over_max_array_size_and_cancel_ends_every_task(project, slurm_env):
+    sleep = ["launch.launcher=srun", "launch.procs_per_node=1", "--dp", "1",
+             f"launch.command=[{PY}, -c, 'import time; time.sleep(120)']"]
+    r = slipway("sweep", "tiny_cpu", "--name", "s", *sleep, "train.lr=[1e-3, 2e-3, 3e-3, 4e-3, 5e-3]",
+                "--max-parallel", "2")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    arrays = record(project, "s")["arrays"]
+    assert [len(a["points"]) for a in arrays] == [4, 1], arrays  # MaxArraySize 4: indices 0-3
+    ids = [a["job_id"] for a in arrays]
+    wait_for(lambda: sum(t.endswith("RUNNING") for t in active_tasks(*ids)) >= 3, 120, "three running tasks")
+    assert any(t.endswith("PENDING") for t in active_tasks(*ids))  # the throttle (%2) holds the others
+    cancelled = slipway("cancel", "s", timeout=300)
+    assert cancelled.returncode == 0 and "cancelled 5 task(s) of sweep s" in cancelled.stdout, \
+        (cancelled.stdout, cancelled.stderr)
+    assert active_tasks(*ids) == []
+    for point in record(project, "s")["points"]:
+        assert "cancelled by slipway cancel" in (project / "runs" / point["run"] / "events.log").read_text()
+    status = slipway("status", "s")
+    assert "(5 CANCELLED)" in status.stdout, status.stdout

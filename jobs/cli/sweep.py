@@ -96,10 +96,11 @@ def _dry_run(plan: sweeps.Plan, max_parallel: Optional[int], console) -> int:
     from jobs import slurm
 
     rows, node_h, gpu_h, unbounded = [], 0.0, 0.0, 0
+    todo = plan.to_submit
     for p in plan.points:
         nodes, gpus, limit, hours = _resources(p.cfg)
         rows.append((p.point.run, p.state, nodes, gpus, limit, p.point.label()))
-        if p in plan.to_submit:
+        if p.state in (sweeps.NEW, sweeps.RESUME):
             unbounded += hours is None
             node_h += int(nodes) * (hours or 0)
             gpu_h += int(gpus) * (hours or 0)
@@ -112,13 +113,16 @@ def _dry_run(plan: sweeps.Plan, max_parallel: Optional[int], console) -> int:
         limit, where = slurm.max_array_size(), "scontrol show config"
     except slurm.SlurmError:
         limit, where = 1001, "Slurm's default: no controller answered"
-    for i, chunk in enumerate(sweeps.arrays_of(plan.to_submit, limit)):
+    for i, chunk in enumerate(sweeps.arrays_of(todo, limit)):
         spec = f"0-{len(chunk) - 1}" + (f"%{max_parallel}" if max_parallel else "")
         asks = " ".join(line[8:] for line in sweeps.allocation(chunk[0].sealed) if line.startswith("#SBATCH "))
         out.write(f"array {i + 1}: {len(chunk)} point(s), --array={spec} (MaxArraySize {limit}, {where}): {asks}\n")
-    verdict = "would be submitted" if not plan.refusals else f"would be refused ({len(plan.refusals)})"
+    from jobs.cli.doctor import controller_problem
+
+    refusals = [str(r) for r in plan.refusals] + ([p] if todo and (p := controller_problem()) else [])
+    verdict = "would be submitted" if not refusals else f"would be refused ({len(refusals)})"
     out.write(f"verdict: {verdict}\n")
-    for refusal in plan.refusals:
+    for refusal in refusals:
         out.write(f"  - {refusal}\n")
     _notes(console, plan.notes)
     return 0
@@ -158,7 +162,7 @@ def show_sweep(project: Path, sweep: sweeps.Sweep, console) -> int:
     for row in rows:
         states[row[3]] = states.get(row[3], 0) + 1
     arrays = ", ".join(a.job_id for a in sweep.arrays) or "none"
-    title = (f"sweep {sweep.name}: {len(rows)} point(s) ({', '.join(f'{n} {s}' for s, n in states.items())}); "
+    title = (f"sweep {sweep.name}: {len(rows)} point(s) ({', '.join(f'{n} {s}' for s, n in sorted(states.items()))}); "
              f"arrays {arrays}")
     console.file.write(listing(title, rows, width()))
     for exc in damaged:

@@ -208,6 +208,17 @@ def field_type(key: str) -> Any:
     return _bare(tp)
 
 
+def typed(cfg: Config, key: str) -> Any:
+    """The value of config field `key` in `cfg` (a mapping's entry for `container.env.NAME`)."""
+    node: Any = cfg
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if isinstance(node, dict):
+            return node.get(".".join(parts[i:]))
+        node = getattr(node, part, None)
+    return node
+
+
 def split_axes(overrides: list[str]) -> tuple[list[Axis], list[str]]:
     """The axes among `overrides` (KEY=[V1, V2, ...] on a field that is no list, a list field's
     axis being a list of lists) and the plain overrides left."""
@@ -331,7 +342,7 @@ def point_names(sweep: str, settings: list[dict[str, Any]]) -> list[str]:
 # ---------------------------------------------------------------- the plan: every point checked
 
 
-@dataclass
+@dataclass(eq=False)  # a point's plan is itself: compared by identity
 class PointPlan:
     point: Point
     sealed: Sealed
@@ -379,6 +390,7 @@ def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_
     old = find_sweep(name, project_dir)
     known = {p.run for p in old.points} if old else set()
     shared, seen, plans, refusals = Shared(), {}, [], []
+    keys = sorted({k for values in settings for k in values})
     for values, run_name in zip(settings, names):
         point = Point(run_name, values)
         try:
@@ -393,7 +405,7 @@ def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_
                           config_text=not dry_run or RunDir(runs_root(project_dir) / run_name).path.exists())
         except ConfigError as exc:
             raise ConfigError(f"point {run_name}", f"{exc} ({point.label(120)})") from None
-        same = json.dumps({**to_dict(cfg), "run": {**to_dict(cfg.run), "name": ""}}, default=str)
+        same = tuple(repr(typed(cfg, key)) for key in keys)  # what the values became, typed by their fields
         if same in seen:
             raise ConfigError(f"point {run_name}", f"has the same config as point {seen[same]} ({point.label(120)}): "
                                                    "drop one of the two values")
