@@ -2,7 +2,8 @@
 against a stand-in Slurm that counts its calls (tests/slurm_standin.py): `slipway sweep --dry-run`,
 the submission (one array, or several under a smaller MaxArraySize), the re-run that finds every
 point queued, then `status SWEEP` and `compare SWEEP` once every point has its metrics (a train
-record a step and an eval record every tenth) and Slurm's record of its task.
+record a step and an eval record every tenth) and Slurm's record of its task (one in ten still
+running, the others ended as events.log says).
 
 Targets (issue 36): the dry run and compare under 2 s each on the development machine, at most two
 Slurm calls for the sweep's status ("Slurm calls" counts squeue, sacct and `scontrol show job`).
@@ -70,10 +71,11 @@ def ended(project: Path, slurm: StandInSlurm) -> int:
                 if step % 10 == 0:
                     lines.append(json.dumps({"kind": "eval", "step": step, "eval_loss": 10.5 - step / 50 - n / 1e4}))
             (project / "runs" / run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+            running = n % 10 == 9  # one task in ten still runs: Slurm is asked about those alone
             with open(project / "runs" / run / "events.log", "a") as f:
                 f.write(f"2026-01-01T00:00:00+00:00 job {task} start on node1 (restart 0)\n"
-                        f"2026-01-01T00:10:00+00:00 job {task} end exit 0\n")
-            slurm.job(task, "COMPLETED", where="acct", name="b")
+                        + ("" if running else f"2026-01-01T00:10:00+00:00 job {task} end exit 0\n"))
+            slurm.job(task, "RUNNING" if running else "COMPLETED", where="ctld" if running else "acct", name="b")
             n += 1
     return n
 

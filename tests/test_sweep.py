@@ -16,13 +16,11 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 from common.events import append_event
-from common.rundir import RunDir
 from conftest import tree
 from edf.environment import SAFE_NAME
 from jobs.runs import sweep as sweeps
@@ -345,6 +343,8 @@ def test_local_sweep_runs_each_point_through_slipway_local(project):
     again = slipway("sweep", "tiny_cpu", "--name", "g", *TINY, "train.steps=2", "train.eval_interval=0",
                     "train.lr=[3e-3, 1e-3]", "--local", timeout=600)
     assert again.returncode == 0 and "nothing to train" in again.stdout, again.stdout
+    # Its hint repeats the point's own arguments: the axis replaced by the point's value.
+    assert "train.lr=3e-3 --run-name g-lr3e-3 --train-steps 4 --force" in " ".join(again.stdout.split()), again.stdout
 
 
 # ------------------------------------------------------------------ the real local Slurm
@@ -364,8 +364,8 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
 
 def active_tasks(*arrays: str) -> list[str]:
     """squeue's lines for the tasks of `arrays` that Slurm still queues or runs: ARRAY_TASK STATE."""
-    r = subprocess.run(["squeue", "--array", "--noheader", f"--jobs={','.join(arrays)}", "--Format=JobArrayID:|,State:"],
-                       capture_output=True, text=True)
+    r = subprocess.run(["squeue", "--array", "--noheader", f"--jobs={','.join(arrays)}",
+                        "--Format=JobArrayID:|,State:"], capture_output=True, text=True)
     return [line.replace("|", " ").strip() for line in r.stdout.splitlines() if line.strip()]
 
 
@@ -420,9 +420,11 @@ def test_grid_trains_as_one_array_and_a_killed_point_resumes_exactly(project, sl
     second = record(project)["arrays"][1]
     assert second["points"] == [killed.name]
     wait_for(lambda: not active_tasks(second["job_id"]), 300, "the resumed point to end")
-    logged = train_steps(killed)
-    restart = max(i for i, s in enumerate(logged) if i and s <= logged[i - 1])
-    assert logged[restart] == last + 1 and logged[-1] == 20, (last, logged)
+    records = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    restart = max(i for i, rec in enumerate(records) if rec.get("kind") == "restart")  # the first is step 0
+    assert records[restart]["step"] == last, records[restart]  # resumed from its latest checkpoint
+    assert next(rec["step"] for rec in records[restart:] if rec.get("kind") == "train") == last + 1
+    assert train_steps(killed)[-1] == 20
     reference, got = train_losses(sibling), train_losses(killed)
     assert sorted(got) == sorted(reference) == list(range(1, 21))
     for step in reference:

@@ -15,6 +15,7 @@ from common.errors import ConfigError
 from common.rundir import INTERRUPTED_EXIT, RunDir
 from jobs.cli.launch import _check_controller, _notes, config_sets, project_dir, rich_console
 from jobs.cli.status import listing, listing_rows, tokens, width
+from jobs.runs import arrays
 from jobs.runs import sweep as sweeps
 from jobs.runs.manifest import ManifestError
 from jobs.runs.run import Run, find_run, runs_root
@@ -35,48 +36,48 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise ConfigError("--max-parallel", f"must be at least 1, got {args.max_parallel}")
     project, console = project_dir(), rich_console()
     sets, given = config_sets(args)
-    view = None
+    def here(cfg):  # a point as `slipway local` runs it, checked to fit in this machine's memory
+        local, _ = interactive.local_view(cfg, rename=False)
+        interactive.check_fits_here(local)
+        return local
+
     if args.local:
         from common.extras import require
 
         require("sweep --local", "trainer")
-
-        def view(cfg):  # each point as `slipway local` runs it, checked to fit in memory here
-            local, _ = interactive.local_view(cfg, rename=False)
-            interactive.check_fits_here(local)
-            return local
     _, plain = sweeps.split_axes(args.overrides)
     base = load_config(args.config, plain, sets)
     # As `slipway local` keeps a cluster config's trial apart (RUN-local), so does a sweep's.
-    here = args.local and bool(interactive.local_view(base, rename=False)[1])
-    name = args.name or base.run.name + ("-local" if here else "")
+    apart = args.local and bool(interactive.local_view(base, rename=False)[1])
+    name = args.name or base.run.name + ("-local" if apart else "")
 
-    def plan(dry_run: bool) -> sweeps.Plan:
-        return sweeps.plan_sweep(args.config, args.overrides, sets, project, name=name, points_file=args.points,
-                                 given_args=given, dry_run=dry_run, force=args.force, view=view)
+    def plan(dry_run: bool) -> arrays.Plan:
+        return arrays.plan_sweep(args.config, args.overrides, sets, project, name=name, points_file=args.points,
+                                 given_args=given, dry_run=dry_run, force=args.force,
+                                 view=here if args.local else None)
     if args.dry_run:
         return _dry_run(plan(True), args.max_parallel, console)
-    with sweeps.hold(project, name, f"slipway sweep {given}"):
+    with arrays.hold(project, name, f"slipway sweep {given}"):
         planned = plan(False)
         _notes(console, planned.notes)
         if args.local:
             return _run_here(planned, project, args.force, console)
-        arrays = sweeps.submit_sweep(planned, project, force=args.force, max_parallel=args.max_parallel,
+        queued = arrays.submit_sweep(planned, project, force=args.force, max_parallel=args.max_parallel,
                                      before_writing=_check_controller)
     console.print(_summary(planned), soft_wrap=True, highlight=False)
-    for array in arrays:
+    for array in queued:
         console.print(f"submitted array [bold]{array.job_id}[/] ({len(array.points)} point(s), tasks "
                       f"0-{len(array.points) - 1}{f'%{args.max_parallel}' if args.max_parallel else ''})",
                       soft_wrap=True)
-    if arrays:
+    if queued:
         console.print(f"`slipway status {name}` follows it; `slipway compare {name}` ranks its points",
                       soft_wrap=True, highlight=False)
     return 0
 
 
-def _summary(plan: sweeps.Plan) -> str:
+def _summary(plan: arrays.Plan) -> str:
     counts = {state: sum(p.state == state for p in plan.points)
-              for state in (sweeps.NEW, sweeps.RESUME, sweeps.FINISHED, sweeps.ACTIVE)}
+              for state in (arrays.NEW, arrays.RESUME, arrays.FINISHED, arrays.ACTIVE)}
     told = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
     todo = plan.to_submit
     return (f"sweep {plan.sweep.name}: {len(plan.points)} point(s): {told}; "
@@ -90,7 +91,7 @@ def _resources(cfg) -> tuple[str, str, str, Optional[float]]:
     return str(s.nodes), str(s.nodes * s.gpus_per_node), s.time, None if seconds is None else seconds / 3600
 
 
-def _dry_run(plan: sweeps.Plan, max_parallel: Optional[int], console) -> int:
+def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console) -> int:
     """Every point (its run, what it would become, its resources, its values), the total, the
     arrays and what would refuse the submission; nothing written."""
     from jobs import slurm
@@ -100,12 +101,12 @@ def _dry_run(plan: sweeps.Plan, max_parallel: Optional[int], console) -> int:
     for p in plan.points:
         nodes, gpus, limit, hours = _resources(p.cfg)
         rows.append((p.point.run, p.state, nodes, gpus, limit, p.point.label()))
-        if p.state in (sweeps.NEW, sweeps.RESUME):
+        if p.state in (arrays.NEW, arrays.RESUME):
             unbounded += hours is None
             node_h += int(nodes) * (hours or 0)
             gpu_h += int(gpus) * (hours or 0)
     out = console.file
-    out.write(listing(f"dry run: sweep {plan.sweep.name}, {_summary(plan)}; nothing written, nothing submitted",
+    out.write(listing(f"dry run: {_summary(plan)}; nothing written, nothing submitted",
                       rows, width(), ("point", "state", "nodes", "GPUs", "time", "values")))
     out.write(f"at the time limit: {node_h:.1f} node-hours, {gpu_h:.1f} GPU-hours for the points to submit"
               + (f" ({unbounded} without a limit)" if unbounded else "") + "\n")
@@ -113,9 +114,9 @@ def _dry_run(plan: sweeps.Plan, max_parallel: Optional[int], console) -> int:
         limit, where = slurm.max_array_size(), "scontrol show config"
     except slurm.SlurmError:
         limit, where = 1001, "Slurm's default: no controller answered"
-    for i, chunk in enumerate(sweeps.arrays_of(todo, limit)):
+    for i, chunk in enumerate(arrays.arrays_of(todo, limit)):
         spec = f"0-{len(chunk) - 1}" + (f"%{max_parallel}" if max_parallel else "")
-        asks = " ".join(line[8:] for line in sweeps.allocation(chunk[0].sealed) if line.startswith("#SBATCH "))
+        asks = " ".join(line[8:] for line in arrays.allocation(chunk[0].sealed) if line.startswith("#SBATCH "))
         out.write(f"array {i + 1}: {len(chunk)} point(s), --array={spec} (MaxArraySize {limit}, {where}): {asks}\n")
     from jobs.cli.doctor import controller_problem
 
@@ -128,7 +129,7 @@ def _dry_run(plan: sweeps.Plan, max_parallel: Optional[int], console) -> int:
     return 0
 
 
-def _run_here(plan: sweeps.Plan, project: Path, force: bool, console) -> int:
+def _run_here(plan: arrays.Plan, project: Path, force: bool, console) -> int:
     """--local: each point through `slipway local`'s path, one after another; a failed point does
     not stop the others, Ctrl-C stops them all. Exits with the first failure's code."""
     from jobs import interactive
@@ -175,7 +176,7 @@ def cancel_sweep(project: Path, sweep: sweeps.Sweep, console) -> int:
     from jobs.cli.status import cancel_jobs
 
     damaged = []
-    with sweeps.hold(project, sweep.name, f"slipway cancel {sweep.name}"):
+    with arrays.hold(project, sweep.name, f"slipway cancel {sweep.name}"):
         found = []
         for run in sweep.runs(project):
             if run.paths.manifest.is_file():
