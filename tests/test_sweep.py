@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -351,8 +352,6 @@ def test_local_sweep_runs_each_point_through_slipway_local(project):
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
-    import time
-
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
@@ -391,7 +390,9 @@ def checkpoints(run_dir: Path) -> list[int]:
 @pytest.mark.slurm
 def test_grid_trains_as_one_array_and_a_killed_point_resumes_exactly(project, slurm_env):
     """Its points differ in the learning rate and in the checkpoint interval, which changes no
-    loss: the killed point's sibling with the other interval is its uninterrupted reference."""
+    loss: a point's sibling with the other interval is its uninterrupted reference. One point is
+    killed mid-run (the re-run of the sweep submits it alone), another warned of its time limit
+    (its task requeues itself alone, as a run's job does)."""
     from test_e2e import sigkill_one_worker
 
     args = ["sweep", "tiny_cpu", "--name", "g", *TINY, "train.micro_batch_size=16", "train.steps=20",
@@ -402,11 +403,24 @@ def test_grid_trains_as_one_array_and_a_killed_point_resumes_exactly(project, sl
     assert "submitted array" in r.stdout and len(record(project)["arrays"]) == 1
     runs = project / "runs"
     killed, sibling = runs / "g-lr3e-3-interval2", runs / "g-lr3e-3-interval50"
+    warned, warned_sibling = runs / "g-lr1e-3-interval2", runs / "g-lr1e-3-interval50"
     shown = subprocess.run(["scontrol", "show", "job", f"{array}_0"], capture_output=True, text=True).stdout
     assert f"ArrayJobId={array} ArrayTaskId=0" in shown, shown
     wait_for(lambda: checkpoints(killed) and len(train_steps(killed)) >= 3, 300, "a checkpoint and three steps")
     sigkill_one_worker(killed.name)
+    # What Slurm does for --signal=B:USR1@N near the time limit: the task saves and requeues itself.
+    wait_for(lambda: len(train_steps(warned)) >= 3, 300, "three steps of the warned point")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", f"{array}_2"], check=True)
+    wait_for(lambda: "requeueing" in (warned / "events.log").read_text(), 120, "the task to requeue itself")
+    wait_for(lambda: f"{array}_2 PENDING" in active_tasks(array), 60, "the task to be pending again")
+    time.sleep(3)  # a requeued task's credential expires first (see test_e2e): let it start at once
+    subprocess.run(["scontrol", "update", f"JobId={array}_2", "StartTime=now"], check=True, capture_output=True)
     wait_for(lambda: not active_tasks(array), 400, "every task of the array to end")
+    events = (warned / "events.log").read_text()
+    assert f"job {array}_2 time-limit requeue 1/" in events and f"job {array}_2 start on" in events, events
+    assert "(restart 1)" in events and "(restart 1)" not in (warned_sibling / "events.log").read_text()
+    for step, loss in train_losses(warned_sibling).items():
+        assert train_losses(warned)[step] == pytest.approx(loss, abs=1e-6), step
     status = slipway("status", "g")
     assert status.returncode == 0 and "(3 COMPLETED, 1 FAILED)" in status.stdout, status.stdout
     for name in ("g-lr3e-3-interval50", "g-lr1e-3-interval2", "g-lr1e-3-interval50"):

@@ -36,6 +36,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise ConfigError("--max-parallel", f"must be at least 1, got {args.max_parallel}")
     project, console = project_dir(), rich_console()
     sets, given = config_sets(args)
+
     def here(cfg):  # a point as `slipway local` runs it, checked to fit in this machine's memory
         local, _ = interactive.local_view(cfg, rename=False)
         interactive.check_fits_here(local)
