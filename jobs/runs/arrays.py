@@ -32,7 +32,7 @@ from common.rundir import RunDir
 from common.schema import to_dict
 from edf.environment import SAFE_NAME
 from jobs import slurm
-from jobs.config import Config, config_from, read_config
+from jobs.config import Config, config_from, dump_config, read_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
@@ -112,8 +112,7 @@ def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_
                 if "%x" in getattr(cfg.slurm, stream).replace("%%", ""):
                     raise ConfigError(f"slurm.{stream}", "%x is the array's job name in a sweep, not the point's: "
                                                          "use %j (the task's ARRAY_TASK id) or a fixed name")
-            sealed = seal(cfg, project_dir, dry_run=dry_run, shared=shared,
-                          config_text=not dry_run or RunDir(runs_root(project_dir) / run_name).path.exists())
+            sealed = seal(cfg, project_dir, dry_run=dry_run, shared=shared, config_text=False)
         except ConfigError as exc:
             raise ConfigError(f"point {run_name}", f"{exc} ({point.label(120)})") from None
         same = tuple(repr(typed(cfg, key)) for key in keys)  # what the values became, typed by their fields
@@ -133,6 +132,8 @@ def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_
         _existing(plan, force)
         data: dict[str, Optional[str]] = {}
         for p in plan.to_submit:
+            if not dry_run:
+                _frozen(p)
             key = json.dumps(to_dict(p.cfg.data), default=str)
             if key not in data:
                 data[key] = unprepared_data(p.sealed, p.cfg.config_args)
@@ -189,7 +190,7 @@ def _existing(plan: Plan, force: bool) -> None:
             p.state = FINISHED
         else:
             p.state = RESUME
-            differs = config_difference(run.paths.config, p.sealed.files[run.paths.config])
+            differs = config_difference(run.paths.config, _frozen(p))
             if differs and not force:
                 changed.append((p.point.run, differs))
     if changed:
@@ -197,6 +198,15 @@ def _existing(plan: Plan, force: bool) -> None:
         plan.refusals.append(ConfigError(f"point {changed[0][0]}", f"exists with {changed[0][1]}{more}: pass --force "
                                                                    "to replace their configs (the old ones are kept "
                                                                    "in history/)"))
+
+
+def _frozen(p: PointPlan) -> str:
+    """The point's config.yaml, among its files: made only for the points written or compared (a
+    sweep of a thousand points made it for each in seconds)."""
+    path = p.sealed.paths.config
+    if path not in p.sealed.files:
+        p.sealed.files[path] = dump_config(p.cfg)
+    return p.sealed.files[path]
 
 
 # ---------------------------------------------------------------- the arrays

@@ -142,8 +142,8 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
          config_text: bool = True) -> Sealed:
     """Resolve a submission of `cfg` (nothing written). A dry run reports a missing image as a
     note and renders with the path `make image` would write, instead of failing. `shared`: what
-    the points of a sweep share; without `config_text` (a sweep's dry run lists a thousand points)
-    the frozen config.yaml is left out of the files."""
+    the points of a sweep share; without `config_text` the frozen config.yaml is left out of the
+    files, for the caller to add where it needs it (a sweep lists a thousand points)."""
     paths = RunDir(runs_root(project_dir) / cfg.run.name, project_dir.absolute())
     cfg = resolve_paths(cfg, paths)
     notes: list[str] = []
