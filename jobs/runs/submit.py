@@ -127,7 +127,7 @@ def _check_script_syntax(cfg: Config, script: str) -> None:
 
 
 class Shared:
-    """What the points of one sweep (jobs/runs/sweep.py) share, resolved once for all of them: the
+    """What the points of one sweep (jobs/runs/arrays.py) share, resolved once for all of them: the
     image pin (by the container and image settings), the code snapshot (by train.script) and the
     batch script's syntax (by launch.pre_launch, the only text of it a user writes). A sweep is
     sealed once: one image and one code snapshot, whatever its number of points."""
@@ -149,7 +149,8 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
     notes: list[str] = []
     # What pin_image reads: the container and image settings, what the run needs of the image
     # (containers/image.py ImageConfig), whether the code is snapshotted.
-    pin_key = json.dumps([to_dict(cfg.container), to_dict(cfg.image), repr(cfg.image_needs), cfg.code.snapshot])
+    pin_key = json.dumps([to_dict(cfg.container), to_dict(cfg.image), repr(cfg.image_needs), cfg.code.snapshot],
+                         default=str)
     if shared is None or pin_key not in shared.pins:
         pinned: list[str] = []
         try:
