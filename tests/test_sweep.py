@@ -332,6 +332,8 @@ def test_local_sweep_checks_every_point_fits_before_running_any(project):
     assert tree(project) == before
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_local_sweep_runs_each_point_through_slipway_local(project):
     r = slipway("sweep", "tiny_cpu", "--name", "g", *TINY, "train.steps=2", "train.eval_interval=0",
                 "train.lr=[3e-3, 1e-3]", "--local", timeout=600)
