@@ -9,6 +9,7 @@ is masked by that policy once more as it is made, whoever built it.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from typing import Any
@@ -56,11 +57,18 @@ def one_line(text: object) -> str:
     return _UNPRINTABLE.sub(lambda m: _ESCAPES.get(m[0]) or ascii(m[0])[1:-1], text)
 
 
+@functools.lru_cache(maxsize=4096)
+def _masked(text: str) -> str:
+    """`mask` of a value the user gave, remembered (a pure function): config checks quote the same
+    values again and again."""
+    return mask(text, values=True)
+
+
 def bounded(text: str, limit: int = MAX_SHOWN) -> str:
     """`text` cut to `limit` characters (with `...`), for quoting what the user gave in a message;
     masked first (as a value the user gave), so that no cut leaves a secret's start too short to
     be recognised."""
-    text = mask(str(text), values=True)
+    text = _masked(str(text))
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
@@ -109,7 +117,7 @@ def _brief(value: Any, room: int) -> str:
     if value is None:
         return "null"
     if isinstance(value, str):  # masked before it is cut (a token cut short is no longer recognised)
-        value = mask(str(value), values=True)
+        value = _masked(str(value))
         return repr(value if len(value) <= room else value[:max(room - 5, 1)] + "...")
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
         return f"<a {len(str(abs(value))) if abs(value) < 10 ** 4000 else 'huge'}-digit number>"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -40,15 +41,24 @@ class OutOfRange(ConfigError):
         self.number = number
 
 
+@functools.lru_cache(maxsize=8192)
+def _refusal(value: Any, name: Any, policy: str, edf: bool, hint: Any = None):
+    """`refusal`, remembered: a pure function of its arguments, and a sweep reads the same
+    strings in each of its thousand points."""
+    return refusal(value, name=name, policy=policy, edf=edf, hint=hint)
+
+
 def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = None, hint: Any = None) -> None:
     """The secret policy on one value as it is read, and on the mapping key it is given under
     (`hint`: the list item before it, a flag such as --revision that says what it is)."""
-    if isinstance(key, str) and (found := refusal(key)) is not None and not found.expansion:
+    if isinstance(key, str) and (found := _refusal(key, None, REFUSE, False)) is not None and not found.expansion:
         raise ConfigError(where, found.message())  # a key that is a token itself
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # `PASSWORD: 123456` from a caller that typed it as a number
-    found = refusal(value, name=key if isinstance(key, str) else None, policy=policy, edf=edf,
-                    hint=hint if isinstance(hint, str) and hint.startswith("-") else None)
+    name, hint = key if isinstance(key, str) else None, hint if isinstance(hint, str) and hint.startswith("-") else None
+    # Remembered for the strings a config repeats; a mapping or list (a docker auth blob) is judged afresh.
+    found = (_refusal(value, name, policy, edf, hint) if isinstance(value, (str, type(None), bool))
+             else refusal(value, name=name, policy=policy, edf=edf, hint=hint))
     if found is not None:
         raise ConfigError(where, found.message())
 
@@ -193,8 +203,9 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
     return _scalar(tp, value, where)
 
 
+@functools.lru_cache(maxsize=None)
 def config_fields(cls: type) -> dict[str, dataclasses.Field]:
-    """The fields of section `cls` that a config file sets."""
+    """The fields of section `cls` that a config file sets (the same for a class: read once)."""
     return {f.name: f for f in dataclasses.fields(cls) if f.init and f.metadata.get("config", True)}
 
 
@@ -363,10 +374,13 @@ def require(cond: bool, where: str, message: Union[str, typing.Callable[[], str]
         raise ConfigError(where, message() if callable(message) else message)
 
 
+# The message is built only for a value that fails: quoting one masks it by the secret policy, which
+# costs more than the check, and a sweep reads a thousand configs.
 def positive(obj: Any, where: str, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        require(value is not None and value > 0, f"{where}.{name}", f"must be > 0, got {shown(value)}")
+        if value is None or not value > 0:
+            raise ConfigError(f"{where}.{name}", f"must be > 0, got {shown(value)}")
 
 
 def at_most(obj: Any, where: str, **limits: float) -> None:
@@ -374,8 +388,8 @@ def at_most(obj: Any, where: str, **limits: float) -> None:
     an extra digit is refused here, not by the job hours later)."""
     for name, limit in limits.items():
         value = getattr(obj, name)
-        require(value is None or value <= limit, f"{where}.{name}",
-                f"must be at most {limit:g}, got {shown(value)}")
+        if value is not None and not value <= limit:
+            raise ConfigError(f"{where}.{name}", f"must be at most {limit:g}, got {shown(value)}")
 
 
 DAY = 86400

@@ -136,10 +136,9 @@ def plan_here(original: Config, local: Config, run_dir: Path, reload: Callable[[
     step_s = cpu_step_seconds(local, rate) if rate else None
     left = max(0, local.train.steps - done)
     if not fits:
-        said = (f"{world} processes of about {need / 1e9:.1f} GB each (common/layouts.py's arithmetic) need "
-                f"{world * need / 1e9:.1f} GB, this machine has {available / 1e9:.1f} GB free")
         fit = first_fit(original, run_dir, reload, rate, available, rename=rename)
-        raise ConfigError("train.micro_batch_size", f"{said}: {fit.said() if fit else _NOTHING_FITS}")
+        raise ConfigError("train.micro_batch_size",
+                          f"{_memory_said(world, need, available)}: {fit.said() if fit else _NOTHING_FITS}")
     if step_s is None:
         return None
     flops, reached = step_flops(local), rate * CPU_STEP_EFFICIENCY
@@ -168,6 +167,24 @@ def plan_here(original: Config, local: Config, run_dir: Path, reload: Callable[[
     if answer.strip().lower() not in ("y", "yes"):
         raise ConfigError("train.steps", "not started (nothing written): run the command above, or add --yes")
     return step_s
+
+
+def check_memory(local: Config) -> None:
+    """A sweep's point in its local view: refused, before any point is written, when its
+    processes need more memory than this machine has free, naming the batch under which it fits.
+    (Its time is asked about as each point starts, by `plan_here`.)"""
+    available = available_memory()
+    if local.launch.command or local.train.script or available is None or gpus_here():
+        return
+    world, need = local.launch.procs_per_node, process_memory(local)
+    if world * need > available:
+        raise ConfigError("train.micro_batch_size", f"{_memory_said(world, need, available)}: "
+                                                    f"{smaller_batch(local, FIT_SHARE * available / world)}")
+
+
+def _memory_said(world: int, need: float, available: float) -> str:
+    return (f"{world} processes of about {need / 1e9:.1f} GB each (common/layouts.py's arithmetic) need "
+            f"{world * need / 1e9:.1f} GB, this machine has {available / 1e9:.1f} GB free")
 
 
 _NOTHING_FITS = ("nothing smaller of this layout fits here (not even one sequence a rank on a smaller model): try "

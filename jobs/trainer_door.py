@@ -41,8 +41,13 @@ def prepare(data: Any, cache_dir: Path | str, *, num_proc: int, progress: Any):
         raise ConfigError("data.cache_dir", str(exc)) from None
 
 
-def plot(run_dirs: Sequence[Path], out: Optional[Path] = None) -> Path:
-    """The loss and throughput curves of `run_dirs` in one PNG (default: the first run's curves.png)."""
-    from trainer.plot import plot_run
+def plot(run_dirs: Sequence[Path], out: Optional[Path] = None, labels: Optional[Sequence[str]] = None,
+         title: str = "") -> Path:
+    """The loss and throughput curves of one run (default: its curves.png), or the loss curves of
+    several overlaid into `out`, with a legend of `labels` (a sweep's values)."""
+    from trainer.plot import plot_run, plot_runs
 
-    return plot_run(run_dirs[0], out)
+    if len(run_dirs) == 1 and labels is None:
+        return plot_run(run_dirs[0], out)
+    return plot_runs(list(run_dirs), list(labels or [d.name for d in run_dirs]), out or run_dirs[0] / "curves.png",
+                     title)

@@ -5,7 +5,7 @@ tests/conftest.py makes them available to every test module:
     from slurm_fixtures import slurm_cluster, slurm_env  # noqa: F401
 
 `slurm_cluster` (session): a 2-node cluster (node1, node2; partition `debug`,
-the default; 4 CPUs each; state and logs in /tmp/slipway-slurm-UID-pytest),
+the default; 4 CPUs each; MaxArraySize 4; state and logs in /tmp/slipway-slurm-UID-pytest),
 started once and stopped by the ids it started at the end of the session (and
 at interpreter exit if the session dies first). It takes over from any
 cluster `slipway cluster up` started: one cluster per machine.
@@ -31,6 +31,7 @@ import pytest
 from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir, unavailable_reason  # noqa: E402
 
 SLURM_NODES = 2
+MAX_ARRAY_SIZE = 4  # small, so that a sweep of five points takes two arrays (tests/test_sweep.py)
 _RUNNING: list[LocalSlurmCluster] = []  # the session's cluster, once started
 
 
@@ -42,7 +43,8 @@ def slurm_cluster() -> Iterator[LocalSlurmCluster]:
     # Not a pytest tmp dir: pytest deletes all but the 3 newest basetemps when a
     # session starts, so a concurrent pytest run could remove a live cluster's
     # conf and munge socket. This one is wiped at each start; its logs stay.
-    cluster = LocalSlurmCluster(ClusterSpec(state_dir=default_state_dir("pytest"), nodes=SLURM_NODES))
+    cluster = LocalSlurmCluster(ClusterSpec(state_dir=default_state_dir("pytest"), nodes=SLURM_NODES,
+                                            max_array_size=MAX_ARRAY_SIZE))
     atexit.register(cluster.down, check=False)
     cluster.up()
     _RUNNING.append(cluster)

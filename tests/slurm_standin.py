@@ -3,8 +3,9 @@
 Each tool is a bash script in `bin/` that logs its argument list to `calls` and answers from
 files: `ctld` holds the jobs slurmctld still knows, `acct` those the accounting database
 knows, a line `ID|STATE|EXITCODE|REASON|ELAPSED|NODELIST|NAME` each (a job's latest line counts). sbatch queues a new job
-PENDING, scancel cancels, squeue and `scontrol show job` answer from ctld, sacct from acct
-(or fails as Slurm without accounting does, when `no-accounting` exists). They answer the
+PENDING (an array's tasks, as ID_TASK), scancel cancels, squeue and `scontrol show job` answer from ctld, sacct from acct
+(or fails as Slurm without accounting does, when `no-accounting` exists); `scontrol show config`
+gives MaxArraySize from `max-array-size` (1001, Slurm's default, without it). They answer the
 command lines jobs/slurm/__init__.py builds, and print what Slurm 22.05 prints for them (squeue's
 exit_code is the wait status: 768 for exit 3, 9 for SIGKILL; one unknown id is an error, several not).
 """
@@ -21,13 +22,16 @@ LATEST = """latest() { [ -f "$1" ] || return 0; echo "$2" | tr ',' '\\n' |
   awk -F'|' 'NR == FNR { want[$1]; next } ($1 in want) { last[$1] = $0 } END { for (id in last) print last[id] }' - "$1"; }
 """
 TOOLS = {
+    # An array (#SBATCH --array=0-N[%K] in the script) queues its tasks, ID_0 ... ID_N.
     "sbatch": LOG + """n=$(( $(cat "$STANDIN/next" 2>/dev/null || echo 1000) + 1 )); echo "$n" > "$STANDIN/next"
-echo "$n|PENDING|0:0|None|0:00||job" >> "$STANDIN/ctld"; echo "$n"
+last=$(sed -n 's/^#SBATCH --array=0-\\([0-9]*\\).*/\\1/p' "${@: -1}" 2>/dev/null | head -n1)
+if [ -n "$last" ]; then for i in $(seq 0 "$last"); do echo "${n}_$i|PENDING|0:0|None|0:00||job" >> "$STANDIN/ctld"; done
+else echo "$n|PENDING|0:0|None|0:00||job" >> "$STANDIN/ctld"; fi; echo "$n"
 """,
     "scancel": LOG + LATEST + """ids=$(printf '%s,' "$@" | sed 's/-[^,]*,//g')
 latest "$STANDIN/ctld" "$ids" | awk -F'|' -v OFS='|' '{ $2 = "CANCELLED"; $3 = "0:15"; print }' >> "$STANDIN/ctld"
 """,
-    # squeue --noheader --states=all --jobs=ID,... --Format=JobID:|,State:|,Reason:|,TimeUsed:|,NodeList:|,exit_code:|,Name:
+    # squeue --noheader --array --states=all --jobs=ID,... --Format=JobArrayID:|,State:|,Reason:|,TimeUsed:|,NodeList:|,exit_code:|,Name:
     "squeue": LOG + LATEST + """jobs=""
 for a in "$@"; do case "$a" in --jobs=*) jobs=${a#--jobs=} ;; esac; done
 out=$(latest "$STANDIN/ctld" "$jobs" | awk -F'|' -v OFS='|' '{
@@ -44,6 +48,7 @@ latest "$STANDIN/acct" "$jobs" | awk -F'|' -v OFS='|' '{ print $1, $2, $3, $5, $
     "scontrol": LOG + LATEST + """case "$1 $2" in
   "ping ") echo "Slurmctld(primary) at stand-in is UP" ;;
   "show hostnames") echo "$3" | tr ',' '\\n' ;;
+  "show config") echo "MaxArraySize            = $(cat "$STANDIN/max-array-size" 2>/dev/null || echo 1001)" ;;
   "show job") line=$(latest "$STANDIN/ctld" "$4")
     [ -n "$line" ] || { echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1; }
     IFS='|' read -r id s c r e n j <<< "$line"

@@ -255,6 +255,25 @@ def test_submit_instead_of_running_outside_an_allocation(project, shell, tmp_pat
     assert submitted.returncode == 0 and "submitted tiny_cpu as job 4242" in submitted.stdout, submitted.stderr
 
 
+@covers("jobs/cli/sweep.py: slipway status {name}", "jobs/cli/sweep.py: slipway compare {name}",
+        "jobs/runs/sweep.py: slipway status")
+def test_a_sweeps_commands(project, shell, tmp_path):
+    from slurm_standin import StandInSlurm
+
+    env = StandInSlurm(tmp_path / "slurm").env(shell)
+    r = slipway(shell, "sweep", "tiny_cpu", "--name", "g", "train.lr=[1e-3, 3e-3]", extra=env)
+    assert r.returncode == 0 and "submitted array" in r.stdout, r.stderr
+    status = pasted(hint(r.stdout, "status"), shell, env)
+    assert status.returncode == 0 and status.stdout.startswith("sweep g: 2 point(s)"), (status.stdout, status.stderr)
+    compare = pasted(hint(r.stdout, "compare"), shell, env)
+    assert compare.returncode == 0 and compare.stdout.startswith("2 run(s) by eval loss"), compare.stderr
+    (project / "runs" / ".sweeps" / "g" / "sweep.json").write_text("{")  # the sweep's record damaged
+    r = slipway(shell, "status", "g", extra=env)
+    assert r.returncode == 2 and "its points stay runs of their own" in r.stderr, r.stderr
+    listed = pasted(hint(r.stderr, "status"), shell, env)
+    assert "g-lr1e-3" in listed.stdout and "g-lr3e-3" in listed.stdout, (listed.stdout, listed.stderr)
+
+
 # ---------------------------------------------------------------- doctor and the local cluster
 
 

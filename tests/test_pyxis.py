@@ -185,6 +185,26 @@ def test_pyxis_job_trains_in_the_image_on_two_nodes(pyxis_cluster: LocalSlurmClu
     assert all(containers(node) == [kept] and complete(node) for node in nodes), {n: containers(n) for n in nodes}
     assert slurmd_log().count("pyxis: creating container filesystem") == 0, slurmd_log()[-3000:]
 
+    # A sweep's points (jobs/runs/sweep.py) are tasks of one array, jobs of one build alike: two
+    # tasks, the first of the build, starting at once on the same nodes train in the container
+    # each node unpacked once, whole.
+    removed = run(PY, "-m", "jobs", "image", "containers", "tiny_cpu", "--nodes", ",".join(nodes), "--remove",
+                  env=env, cwd=project)
+    assert removed.returncode == 0 and not [n for n in nodes if containers(n)], (removed.stdout, removed.stderr)
+    r = run(PY, "-m", "jobs", "sweep", "tiny_cpu", "--name", "pyxs", "--nodes", "2", "--dp", "4", *TINY,
+            "container.runtime=pyxis", *image, "train.lr=[3e-3, 1e-3]", "slurm.extra=[--hold]", env=env, cwd=project)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    array = json.loads((project / "runs" / ".sweeps" / "pyxs" / "sweep.json").read_text())["arrays"][0]["job_id"]
+    run("scontrol", "release", array, env=env, cwd=project).check_returncode()  # both tasks at once
+    wait_gone(array, env)
+    for task, name in enumerate(("pyxs-lr3e-3", "pyxs-lr1e-3")):
+        events = (project / "runs" / name / "events.log").read_text()
+        assert f"job {array}_{task} end exit 0" in events, events
+        assert "retry" not in events and "preflight failed" not in events, events
+        assert (project / "runs" / name / "checkpoints" / "step-000006" / "COMPLETE").is_file()
+    assert all(containers(node) == [kept] and complete(node) for node in nodes), {n: containers(n) for n in nodes}
+    assert slurmd_log().count("pyxis: creating container filesystem") == 0, slurmd_log()[-3000:]
+
     # The squashfs removed between submission and start: one line, exit 2, no retry, no node blamed.
     r = run(PY, "-m", "jobs", "submit", "tiny_cpu", "--run-name", "pyxgone", "--nodes", "2", "--dp", "4", *TINY,
             "container.runtime=pyxis", *image, "--parsable", "slurm.extra=[--hold]", env=env, cwd=project)

@@ -1,5 +1,6 @@
 """Loss and throughput curves of a run as one PNG (`slipway plot RUN`, the end of `slipway
-local`, and `python -m trainer.plot RUN_DIR`, the batch script's last step).
+local`, and `python -m trainer.plot RUN_DIR`, the batch script's last step), and the loss curves
+of several runs overlaid (`slipway plot SWEEP`: a sweep's points, labelled by their values).
 
 Reads only `metrics.jsonl`, as the history that stands (a resumed run's
 repeated steps drawn once, from the latest attempt); imports neither torch nor
@@ -17,7 +18,7 @@ from common.extras import require
 from common.fs import write_atomic
 from common.metrics_log import latest_by_step, read_metrics
 
-__all__ = ["plot_run", "read_metrics"]
+__all__ = ["plot_run", "plot_runs", "read_metrics"]
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
@@ -47,6 +48,42 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     ax_tps.set(xlabel="step", ylabel="tokens/s", title="throughput")
     fig.tight_layout()
     out = out or run_dir / "curves.png"
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    write_atomic(out, buf.getvalue())
+    return out
+
+
+def plot_runs(run_dirs: list[Path], labels: list[str], out: Path, title: str = "") -> Path:
+    """The train loss of each run (eval loss dashed, in its colour) in one plot, with a legend of
+    `labels`; runs without training steps yet are left out (ConfigError when none has any)."""
+    require("plot", "plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 6))
+    drawn = 0
+    for run_dir, label in zip(run_dirs, labels):
+        records = latest_by_step(read_metrics(run_dir))
+        train = [r for r in records if r.get("kind") == "train" and r.get("loss") is not None]
+        if not train:
+            continue
+        line, = ax.plot([r["step"] for r in train], [r["loss"] for r in train], label=label)
+        evals = [r for r in records if r.get("kind") == "eval" and r.get("eval_loss") is not None]
+        if evals:
+            ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", color=line.get_color())
+        drawn += 1
+    if not drawn:
+        plt.close(fig)
+        raise ConfigError("RUN", f"none of the {len(run_dirs)} run(s) has training steps in its metrics.jsonl yet")
+    ax.set(xlabel="step", ylabel="loss (eval dashed)", title=title or "loss")
+    ax.legend(fontsize="small", ncol=max(1, drawn // 12 + 1))
+    fig.tight_layout()
     import io
 
     buf = io.BytesIO()

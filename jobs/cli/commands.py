@@ -80,9 +80,18 @@ def _run(args: argparse.Namespace):
     return runs.find_run(args.run, project_dir())
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from jobs.cli import status
+def _sweep(name: str):
+    """The sweep NAME names, where no run has that name (None: a run, or nothing)."""
+    from jobs.cli.sweep import sweep_named
 
+    return sweep_named(name, project_dir())
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from jobs.cli import status, sweep
+
+    if args.run and (found := _sweep(args.run)) is not None:
+        return sweep.show_sweep(project_dir(), found, rich_console())
     return status.show_status(project_dir(), args.run, console=rich_console())
 
 
@@ -93,8 +102,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from jobs.cli import status
+    from jobs.cli import status, sweep
 
+    if (found := _sweep(args.run)) is not None:
+        return sweep.cancel_sweep(project_dir(), found, rich_console())
     return status.cancel(_run(args), console=rich_console())
 
 
@@ -108,7 +119,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from jobs import trainer_door
+    from jobs.cli import sweep
 
+    if (found := _sweep(args.run)) is not None:
+        return sweep.plot_sweep(project_dir(), found, args.out)
     print(trainer_door.plot([_run(args).dir], Path(args.out) if args.out else None))
     return 0
 
@@ -139,6 +153,16 @@ def _positive(text: str) -> bool:
         return float(text) > 0
     except ValueError:
         return False
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from jobs.cli import sweep
+
+    return sweep.cmd_sweep(args)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from jobs.cli import sweep
+
+    return sweep.compare(project_dir(), args.runs, args.csv, rich_console())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +181,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parsable", action="store_true", help="print only the job id on stdout (the rest on stderr), "
                                                           "for scripts")
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("sweep", help="many runs of one config as one Slurm job array: the grid of the axes "
+                                     "KEY=[V1, V2, ...] (or --points FILE); again: the points not finished",
+                       description="Each point is a run (runs/SWEEP-VALUES/) that every command takes by its "
+                                   "name. An axis is KEY=[V1, V2, ...] on a field that is no list (a list field's "
+                                   "axis is a list of lists); several make their grid. Run it again to submit the "
+                                   "points not finished, or with more values to add points.")
+    _config_args(p)
+    p.add_argument("--name", help="the sweep's name (default: the config's run name); points are runs NAME-VALUES")
+    p.add_argument("--points", metavar="FILE", help="a YAML list of override maps, one point each (a sweep that "
+                                                   "is not a grid; crossed with the axes, if any)")
+    p.add_argument("--max-parallel", type=int, metavar="K", help="at most K tasks of an array run at once (%%K)")
+    p.add_argument("--dry-run", action="store_true", help="list the points, their resources and GPU-hours, and "
+                                                          "the arrays; write and submit nothing")
+    p.add_argument("--force", action="store_true", help="replace the configs of points that changed")
+    p.add_argument("--local", action="store_true", help="run the points one after another on this machine, as "
+                                                        "slipway local runs one, instead of submitting them")
+    p.add_argument("--yes", action="store_true", help="with --local: start each point even when it is expected to "
+                                                      "take more than half an hour here")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("compare", help="a sweep's points (or any runs) side by side: values, final eval and "
+                                       "train loss, tokens/s, MFU, steps, state; by eval loss")
+    p.add_argument("runs", nargs="+", metavar="SWEEP|RUN")
+    p.add_argument("--csv", action="store_true", help="comma-separated values, every key that differs")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("prepare", help="download and tokenise the config's dataset into the token cache, here or "
                                        "as a CPU job (--as-job), so no GPU allocation waits for it")
@@ -210,8 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", metavar="RUN", help="check this run (runs/RUN) instead of a config")
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("status", help="runs and their jobs (squeue, scontrol, sacct, events.log)")
-    p.add_argument("run", nargs="?", metavar="RUN")
+    p = sub.add_parser("status", help="runs and their jobs (squeue, scontrol, sacct, events.log); a sweep's points")
+    p.add_argument("run", nargs="?", metavar="RUN|SWEEP")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("logs", help="print a run's job log")
@@ -230,8 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true", help="print one frame and exit 0")
     p.set_defaults(func=cmd_watch)
 
-    p = sub.add_parser("cancel", help="scancel a run's active jobs")
-    p.add_argument("run", metavar="RUN")
+    p = sub.add_parser("cancel", help="scancel a run's active jobs (a sweep's: every task)")
+    p.add_argument("run", metavar="RUN|SWEEP")
     p.set_defaults(func=cmd_cancel)
 
     # Listed for --help; `main` hands `slipway image ...` to jobs.cli.image and
@@ -251,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a part's time budget (node 45, correctness 75, training 150, allreduce 30, speed 280)")
     p.set_defaults(func=cmd_gpu_check)
 
-    p = sub.add_parser("plot", help="loss and throughput curves of a run as a PNG")
-    p.add_argument("run", metavar="RUN")
-    p.add_argument("--out", help="PNG path (default: runs/RUN/curves.png)")
+    p = sub.add_parser("plot", help="loss and throughput curves of a run as a PNG (a sweep's loss curves overlaid)")
+    p.add_argument("run", metavar="RUN|SWEEP")
+    p.add_argument("--out", help="PNG path (default: runs/RUN/curves.png, runs/.sweeps/SWEEP/curves.png)")
     p.set_defaults(func=cmd_plot)
     return parser
 

@@ -33,18 +33,24 @@ def load(args: argparse.Namespace, quiet: bool = False):
     from jobs.config import load_config
     from common.errors import warn
 
-    sets = {k[4:]: v for k, v in vars(args).items() if k.startswith("set:") and v is not None}
+    sets, given = config_sets(args)
     cfg = load_config(args.config, args.overrides, sets)
-    given, switches = [args.config, *args.overrides], {key for _, key, _ in BOOL_FLAGS}
-    for flag, key, *_ in NAMED_FLAGS + CLUSTER_FLAGS + BOOL_FLAGS:
-        if key in sets:
-            given += [flag] if key in switches else [flag, str(sets[key])]
-    cfg.given_args = shlex.join(given)
+    cfg.given_args = given
     if not quiet:  # a suggestion's CONFIG, wherever its text comes from, is what the user gave
         environ.given_config(cfg.config_args)
     for text in [] if quiet else cfg.launch.secret_warnings():  # the user's own lines: said once, not refused
         warn(text)
     return cfg
+
+
+def config_sets(args: argparse.Namespace) -> tuple[dict, str]:
+    """The config flags given (dotted key -> value) and the command's config arguments, shell-quoted."""
+    sets = {k[4:]: v for k, v in vars(args).items() if k.startswith("set:") and v is not None}
+    given, switches = [args.config, *args.overrides], {key for _, key, _ in BOOL_FLAGS}
+    for flag, key, *_ in NAMED_FLAGS + CLUSTER_FLAGS + BOOL_FLAGS:
+        if key in sets:
+            given += [flag] if key in switches else [flag, str(sets[key])]
+    return sets, shlex.join(given)
 
 
 def _notes(console, notes: list[str]) -> None:

@@ -45,14 +45,23 @@ def hang_dumps(run: runs.Run, tag: str) -> list[str]:
     return out
 
 
-def _progress(run: runs.Run, launches: Sequence[Launch]) -> str:
+def _progress(run: runs.Run, launches: Sequence[Launch], throughput: bool = False) -> str:
     m = run.last_metrics()
     if not m:
         return ""
-    loss, step = m.get("loss"), m.get("step")
+    loss, step, tps = m.get("loss"), m.get("step"), m.get("tokens_per_s")
     total = run.total_steps(next((x for x in reversed(launches) if x.kind == "train"), None))
     step = f"step {step if isinstance(step, int) else '?'}" + (f"/{total}" if total else "")
-    return step + (f", loss {loss:.3f}" if isinstance(loss, (int, float)) else "")
+    return (step + (f", loss {loss:.3f}" if isinstance(loss, (int, float)) else "")
+            + (f", {tokens(tps)} tok/s" if throughput and isinstance(tps, (int, float)) else ""))
+
+
+def tokens(n: float) -> str:
+    """12.3k, 1.20M: a throughput in a narrow column."""
+    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def _job_row(launch: Launch, own: Sequence[Event], info: Optional[slurm.JobInfo]) -> tuple[str, str, str, str, str]:
@@ -151,17 +160,18 @@ def show_status(project_dir, run_name: str | None, console) -> int:
 LISTING = ("run", "jobs", "latest", "state", "exit", "progress", "last event")  # short: seven columns in 80
 
 
-def _listing(title: str, rows: list[tuple[str, ...]], width: Optional[int] = None) -> str:
-    """Rows under LISTING's heads, columns as wide as their widest cell and the last one what is
+def listing(title: str, rows: list[tuple[str, ...]], width: Optional[int] = None,
+            heads: tuple[str, ...] = LISTING) -> str:
+    """Rows under `heads`, columns as wide as their widest cell and the last one what is
     left of `width` (cut short; on a line of its own below its row when too little is left; whole
     without a width: into a pipe). Plain text, as rich's tables take half a millisecond a row and a
-    project may hold ten thousand runs."""
-    rows = [LISTING, *[[one_line(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(LISTING) - 1)]
-    heads = "  ".join(f"{{:<{w}}}" for w in widths) + "  "
+    project may hold ten thousand runs. The one table of run listings (status, sweeps, compare)."""
+    rows = [heads, *[[one_line(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(heads) - 1)]
+    form = "  ".join(f"{{:<{w}}}" for w in widths) + "  "
     lines = []
     for row in rows:
-        head, last = heads.format(*row), row[-1]
+        head, last = form.format(*row), row[-1]
         room = None if width is None else width - len(head)
         if room is None or len(last) <= room:
             lines.append(head + last)
@@ -173,7 +183,7 @@ def _listing(title: str, rows: list[tuple[str, ...]], width: Optional[int] = Non
     return "\n".join([title[:width] if width else title, *(line.rstrip() for line in lines)]) + "\n"
 
 
-def _width() -> Optional[int]:
+def width() -> Optional[int]:
     """The terminal's width ($COLUMNS first); None into a pipe or a file, where nothing is cut."""
     import os
     import shutil
@@ -202,9 +212,60 @@ def _list_runs(project_dir, console) -> int:
         console.print(one_line(f"no runs in {runs.runs_root(project_dir)}: slipway local or slipway submit makes one"),
                       markup=False, highlight=False)
         return 0
-    problems: list[tuple[runs.Unreadable, str]] = [(u, u.line()) for u in unreadable]
-    read: list[tuple[runs.Run, list[Launch], list[Event]]] = []
+    unread = [(u.name, "", "", "UNREADABLE" if u.denied else "DAMAGED", "", "", u.why) for u in unreadable]
+    damaged = [u.line() for u in unreadable if not u.denied]
+    rows, more = listing_rows(found)
+    # What cannot be read first, by name: the rows a user must act on.
+    rows = sorted(unread + [r for r in rows if r[3] in _PROBLEMS], key=lambda r: r[0]) + [
+        r for r in rows if r[3] not in _PROBLEMS]
+    console.file.write(listing(f"runs in {runs.runs_root(project_dir)}", rows, width()))
+    for message in damaged + more:
+        print(f"slipway: error: {one_line(message)}", file=sys.stderr)
+    return 2 if damaged or more else 0
+
+
+_PROBLEMS = ("UNREADABLE", "DAMAGED")
+
+
+def listing_rows(found: Sequence[runs.Run], throughput: bool = False) -> tuple[list[tuple[str, ...]], list[str]]:
+    """LISTING's row of each run of `found`, in its order (its latest launch's state; one Slurm
+    query for all), and the error lines of the damaged ones. A run that cannot be read is a row
+    that says why: UNREADABLE (a teammate's, no error) or DAMAGED (an error line)."""
+    problems: dict[str, tuple[runs.Unreadable, str]] = {}
+    read: dict[str, tuple[list[Launch], list[Event]]] = {}
     for run in found:
+        try:
+            if not (run.paths.manifest.exists() or run.paths.manifest.is_symlink()):  # a sweep's point not written
+                read[run.name] = ([], [])
+                continue
+            launches = run.launches()
+            read[run.name] = (launches, run.recent_events(launches[-1]) if launches else [])
+        except (ManifestError, OSError) as exc:  # that run alone: the others are listed
+            problems[run.name] = (runs.Unreadable.of(run.dir, exc), str(exc) if isinstance(exc, ManifestError) else "")
+    answers = lifecycle.ask_slurm((launches[-1], own) for launches, own in read.values() if launches)
+    rows = []
+    for run in found:
+        if run.name in read:
+            launches, own = read[run.name]
+            try:
+                progress = _progress(run, launches, throughput)
+            except OSError as exc:
+                problems[run.name] = (runs.Unreadable.of(run.dir, exc), "")
+        if run.name in problems:
+            u, _ = problems[run.name]
+            rows.append((u.name, "", "", "UNREADABLE" if u.denied else "DAMAGED", "", "", u.why))
+        elif launches:
+            job, state, code, _, event = _job_row(launches[-1], own, answers.get(launches[-1].id))
+            rows.append((run.name, str(len(launches)), job, state, code, progress, event))
+        else:
+            rows.append((run.name, "0", "", "not submitted", "", "", ""))
+    damaged = [message or f"{u.line()}: move the run directory aside, or put back the file its jobs write"
+               for u, message in sorted(problems.values(), key=lambda p: p[0].name) if not u.denied]
+    return rows, damaged
+    for run in found:
+        if not (run.paths.manifest.exists() or run.paths.manifest.is_symlink()):  # a sweep's point not written
+            shown.append((run, [], [], None))
+            continue
         try:
             launches = run.launches()
             read.append((run, launches, run.recent_events(launches[-1]) if launches else []))
@@ -220,17 +281,6 @@ def _list_runs(project_dir, console) -> int:
             continue
         if launches:
             job, state, code, _, event = _job_row(launches[-1], own, answers.get(launches[-1].id))
-            rows.append((run.name, str(len(launches)), job, state, code, progress, event))
-        else:
-            rows.append((run.name, "0", "", "not submitted", "", "", ""))
-    told = sorted(problems, key=lambda p: p[0].name)
-    rows[:0] = [(u.name, "", "", "UNREADABLE" if u.denied else "DAMAGED", "", "", u.why) for u, _ in told]
-    console.file.write(_listing(f"runs in {runs.runs_root(project_dir)}", rows, _width()))
-    damaged = [message or f"{u.line()}: move the run directory aside, or put back the file its jobs write"
-               for u, message in told if not u.denied]
-    for message in damaged:
-        print(f"slipway: error: {one_line(message)}", file=sys.stderr)
-    return 2 if damaged else 0
 
 
 def _print_history(run: runs.Run, history: History, console) -> None:
@@ -392,32 +442,60 @@ def cancel(run: runs.Run, console) -> int:
 
 
 def _cancel(run: runs.Run, launches: list[Launch], console) -> int:
-    events = run.events()
-    answers = lifecycle.ask_slurm((x, run.events_of(x, events)) for x in launches if not x.local)
+    cancelled = cancel_jobs([(run, launches)])
+    console.print(f"cancelled {', '.join(cancelled)}" if cancelled else f"run {run.name} has no active job")
+    return 0
+
+
+def cancel_jobs(found: Sequence[tuple[runs.Run, Sequence[Launch]]]) -> list[str]:
+    """Cancel every active Slurm job of the runs `found` (with their launches); the ids cancelled.
+    One query for all. Pending jobs first (they have no batch shell to signal; and a sweep's
+    pending tasks would start as its running ones end), then the running ones' batch shells are
+    signalled at once, with one grace for all, and what is left is scancelled."""
+    owner: dict[str, runs.Run] = {}
+    asked = []
+    for run, launches in found:
+        events = run.events()
+        for x in launches:
+            if not x.local:
+                owner[x.id] = run
+                asked.append((x, run.events_of(x, events)))
+    answers = lifecycle.ask_slurm(asked)
     active = [j for j, info in answers.items() if info.active]
     if not active:
-        console.print(f"run {run.name} has no active job")
-        return 0
+        return []
 
     def still_active() -> list[str]:
         return [j for j, info in slurm.jobs_info(active).items() if info.active]
 
-    # A pending job has no batch shell to signal: scancel alone ends it.
     running = [j for j in active if answers[j].state.split()[:1] == ["RUNNING"]]
+    pending = [j for j in active if j not in running]
+    if pending:
+        _scancel(pending, still_active)
+        for job in pending:
+            _cancel_events(owner[job], [job])
     if running:
-        slurm.scancel(running, "USR2", batch=True)
+        _scancel(running, still_active, "USR2")
         deadline = time.time() + CANCEL_GRACE_SECONDS
         while time.time() < deadline and still_active():
             time.sleep(0.5)
     left = still_active()
     if left:
-        slurm.scancel(left)
-        _cancel_events(run, [j for j in left if j not in running])
+        _scancel(left, still_active)
     deadline = time.time() + 30
     while time.time() < deadline and still_active():
         time.sleep(0.5)
-    console.print(f"cancelled {', '.join(active)}")
-    return 0
+    return active
+
+
+def _scancel(jobs: list[str], still_active: Callable[[], list[str]], signal: Optional[str] = None) -> None:
+    """scancel (`signal`: to the batch shells), where a job that ended meanwhile is no failure:
+    scancel then fails for that one alone."""
+    try:
+        slurm.scancel(jobs, signal, batch=signal is not None)
+    except slurm.SlurmError:
+        if set(jobs) & set(still_active()):
+            raise
 
 
 def _cancel_events(run: runs.Run, jobs: list[str]) -> None:

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--ctld-port", type=int, default=6917)
     up.add_argument("--slurmd-port", type=int, default=6918)
     up.add_argument("--timeout", type=float, default=60, help="seconds to wait for idle nodes")
+    up.add_argument("--max-array-size", type=int, default=1001,
+                    help="slurm.conf MaxArraySize: job array indices stay below it (default 1001, Slurm's)")
     up.add_argument("--plugstack", type=Path, help="a SPANK plugstack.conf for the nodes (e.g. loading pyxis)")
     up.add_argument("--node-private", default="", metavar="DIR,...",
                     help="directories each node gets its own copy of (e.g. enroot's and pyxis's runtime dirs)")
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
             state_dir = args.state_dir or default_state_dir("" if args.name == "slpw" else args.name)
             spec = ClusterSpec(state_dir=Path(state_dir), nodes=args.nodes, cpus=args.cpus, name=args.name,
                                subnet=args.subnet, ctld_port=args.ctld_port, slurmd_port=args.slurmd_port,
-                               plugstack=args.plugstack, node_private=tuple(filter(None, args.node_private.split(","))))
+                               plugstack=args.plugstack, max_array_size=args.max_array_size,
+                               node_private=tuple(filter(None, args.node_private.split(","))))
             t0 = time.monotonic()
             LocalSlurmCluster(spec).up(timeout=args.timeout)
             print(f"# {spec.nodes} nodes ({', '.join(spec.node_names)}) idle in partition "

@@ -57,6 +57,9 @@ class ClusterSpec:
     # minimum 5). A requeued job may not start again before it has passed: tests that requeue
     # lower it.
     cred_expire: int = 120
+    # slurm.conf MaxArraySize: a job array's task indices stay below it (Slurm's default 1001). Small
+    # values let a test split a sweep over several arrays (jobs/runs/sweep.py).
+    max_array_size: int = 1001
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
@@ -75,6 +78,8 @@ class ClusterSpec:
             raise ClusterError(f"state dir {str(self.state_dir)!r} holds a character slurm.conf cannot "
                                "carry (blank, #, =, quote, backslash): pick a plain path")
         object.__setattr__(self, "node_private", tuple(self.node_private))
+        if not 1 <= self.max_array_size <= 4_000_001:
+            raise ClusterError(f"max_array_size={self.max_array_size}: Slurm takes 1 to 4000001")
         if self.cred_expire < 5:
             raise ClusterError(f"cred_expire={self.cred_expire}: Slurm takes 5 s or more")
         for d in self.node_private:
@@ -187,6 +192,7 @@ MessageTimeout=10
 KillWait=5
 InactiveLimit=0
 MinJobAge=300
+MaxArraySize={spec.max_array_size}
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=2
 # Accounting is off: AccountingStorageType and JobCompType are left out (Debian's

@@ -8,6 +8,8 @@
     container.py  the run's container environment and the paths it mounts
     code.py       the code snapshot and its store
     lock.py       one launch of a run at a time
+    sweep.py      a sweep: its record, its axes and points, their names
+    arrays.py     a sweep planned (every point checked and sealed) and queued as Slurm job arrays
 """
 
 from jobs.runs.run import (Run, Unreadable, active_jobs, find_run, list_runs, pinned_images, runs_root, scan_runs,

@@ -116,9 +116,11 @@ class Snapshot:
         self.untracked = untracked
         self.created = False  # this launch wrote it (a refused submission takes it back)
         self._written = 0  # its mtime then: a later one means another launch reused it
+        self._ready = False  # written or checked by this process: the points of a sweep share it
 
     def discard(self) -> None:
         """Remove the snapshot if this launch wrote it and no other launch has reused it since."""
+        self._ready = False
         if not self.created:
             return
         target = Path(self.value.dir)
@@ -133,17 +135,22 @@ class Snapshot:
                     target.parent.rmdir()
 
     def write(self) -> CodeSnapshot:
+        if self._ready:
+            return self.value
         target = Path(self.value.dir)
         target.parent.mkdir(parents=True, exist_ok=True)
         with store_lock(target.parent, exclusive=False):
             if target.is_dir():
                 if damage(target, self.value.hash) is None:  # content-addressed: the same hash, the same files
                     os.utime(target)  # reused now: a pruning leaves it its grace
+                    self._ready = True
                     return self.value
                 # Changed in place since it was written (an editor, a script): the next job of any
                 # run naming it would refuse it, so it is written anew, whole, by the same rename.
                 os.rename(target, target.parent / f"{_REMOVING}{target.name}.{os.getpid()}")
-            return self._write(target)
+            self._write(target)
+            self._ready = True
+            return self.value
 
     def _write(self, target: Path) -> CodeSnapshot:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))

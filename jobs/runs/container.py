@@ -84,7 +84,9 @@ def resolve_paths(cfg: Config, paths: RunDir) -> Config:
     """`cfg` with every path the trainer reads made absolute (relative ones are relative
     to the project directory, where slipway runs), and the token cache named: the frozen
     config then means the same on every node, whatever the container's working directory."""
-    cfg = copy.deepcopy(cfg)
+    # A copy of the sections it changes (the rest is shared, read only): a sweep resolves a thousand.
+    cfg = copy.copy(cfg)
+    cfg.data, cfg.model, cfg.train = copy.copy(cfg.data), copy.copy(cfg.model), copy.copy(cfg.train)
     base = paths.project
     d = cfg.data
     d.cache_dir = str(_absolute(d.cache_dir, "data.cache_dir", base)) if d.cache_dir else \

@@ -127,10 +127,11 @@ class Run:
             info = lifecycle.ask_slurm([(launch, own)]).get(launch.id)
         return lifecycle.launch_state(launch, own, info)
 
-    def last_metrics(self) -> dict | None:
-        """The latest training record of the history that stands (a restart undoes the steps
-        after its checkpoint), read from the end of metrics.jsonl: its last KiB, else 64 KiB. A
-        metrics.jsonl that is no regular file raises NotRegularFile (regular_fd)."""
+    def last_metrics(self, kind: str = "train") -> dict | None:
+        """The latest training record (or of another `kind`: eval) of the history that stands (a
+        restart undoes the steps after its checkpoint), read from the end of metrics.jsonl: its last
+        KiB, else 64 KiB (1 MiB for an eval record, written more rarely). A metrics.jsonl that is no
+        regular file raises NotRegularFile (regular_fd)."""
         from common.metrics_log import latest_by_step
 
         opened = regular_fd(self.paths.metrics)
@@ -139,7 +140,7 @@ class Run:
         fd, st = opened
         try:
             size = st.st_size
-            for window in (1024, 65536):
+            for window in (1024, 65536, *((1 << 20,) if kind != "train" else ())):
                 records = []
                 for line in pread_all(fd, min(size, window), max(0, size - window)).decode(errors="replace").splitlines():
                     try:
@@ -148,9 +149,9 @@ class Run:
                         continue  # the window's first, cut line, or one a crash cut
                     if isinstance(record, dict):
                         records.append(record)
-                train = [r for r in latest_by_step(records) if r.get("kind") == "train"]
-                if train or size <= window:
-                    return train[-1] if train else None
+                found = [r for r in latest_by_step(records) if r.get("kind") == kind]
+                if found or size <= window:
+                    return found[-1] if found else None
         finally:
             os.close(fd)
         return None
@@ -323,8 +324,12 @@ def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
     return pins
 
 
-def active_jobs(run: Run) -> list[tuple[str, str]]:
-    """(job id, state) of this run's jobs that Slurm still runs or queues (one query for all)."""
+def active_jobs(run: Run, asked: Optional[dict[str, slurm.JobInfo]] = None) -> list[tuple[str, str]]:
+    """(job id, state) of this run's jobs that Slurm still runs or queues (one query for all;
+    none where the caller `asked` Slurm for them, with other runs', since the manifest last changed)."""
+    if asked is not None:
+        ids = set(run.job_ids())
+        return [(job, info.state) for job, info in asked.items() if job in ids and info.active]
     events = run.events()
     answers = lifecycle.ask_slurm((x, run.events_of(x, events)) for x in run.launches() if not x.local)
     return [(job, info.state) for job, info in answers.items() if info.active]

@@ -33,6 +33,7 @@ from jobs.runs.run import Run, active_jobs, run_exists, runs_root, update_manife
 from jobs.slurm.script import library_files, render_prepare_sbatch, render_sbatch
 from common import environ
 from common.errors import ConfigError
+from common.schema import to_dict
 from common.fs import write_atomic
 from common.yaml import read_text_bounded
 from common.events import append_event, now_iso
@@ -130,32 +131,71 @@ def _check_script_syntax(cfg: Config, script: str) -> None:
                                  f"launch.pre_launch")
 
 
-def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
+class Shared:
+    """What the points of one sweep (jobs/runs/arrays.py) share, resolved once for all of them: the
+    image pin (by the container and image settings), the code snapshot (by train.script) and the
+    batch script's syntax (by launch.pre_launch, the only text of it a user writes). A sweep is
+    sealed once: one image and one code snapshot, whatever its number of points."""
+
+    def __init__(self) -> None:
+        self.pins: dict[str, tuple[ImagePin, list[str], Optional[ConfigError]]] = {}
+        self.codes: dict[Optional[str], Snapshot] = {}
+        self.parsed: set[tuple[str, ...]] = set()
+
+
+def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optional[Shared] = None,
+         config_text: bool = True) -> Sealed:
     """Resolve a submission of `cfg` (nothing written). A dry run reports a missing image as a
-    note and renders with the path `make image` would write, instead of failing."""
+    note and renders with the path `make image` would write, instead of failing. `shared`: what
+    the points of a sweep share; without `config_text` the frozen config.yaml is left out of the
+    files, for the caller to add where it needs it (a sweep lists a thousand points)."""
     paths = RunDir(runs_root(project_dir) / cfg.run.name, project_dir.absolute())
     cfg = resolve_paths(cfg, paths)
     notes: list[str] = []
-    try:
-        pin = pin_image(cfg, paths.project, notes)
-    except ConfigError as exc:
+    # What pin_image reads: the container and image settings, what the run needs of the image
+    # (containers/image.py ImageConfig), whether the code is snapshotted.
+    pin_key = json.dumps([to_dict(cfg.container), to_dict(cfg.image), repr(cfg.image_needs), cfg.code.snapshot],
+                         default=str)
+    if shared is None or pin_key not in shared.pins:
+        pinned: list[str] = []
+        try:
+            found = (pin_image(cfg, paths.project, pinned), pinned, None)
+        except ConfigError as exc:
+            found = (None, pinned, exc)
+        if shared is not None:
+            shared.pins[pin_key] = found
+    else:
+        found = shared.pins[pin_key]
+    pin, pin_notes, refused = found
+    notes += pin_notes
+    if refused is not None:
         if not dry_run:
-            raise
-        notes.append(f"a real submission would fail: {exc}")
+            raise refused
+        notes.append(f"a real submission would fail: {refused}")
         from containers.context import resolve_path
 
         link = resolve_path(paths.project, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
         pin = ImagePin(cfg.container.image, cfg.container.image or str(link), "none")
-    code = (plan_snapshot(paths.path.parent / CODE_STORE, cfg.train.script, paths.project)
-            if cfg.code.snapshot else None)
+    code = None
+    if cfg.code.snapshot:
+        code = shared.codes.get(cfg.train.script) if shared is not None else None
+        if code is None:
+            code = plan_snapshot(paths.path.parent / CODE_STORE, cfg.train.script, paths.project)
+            if shared is not None:
+                shared.codes[cfg.train.script] = code
     if code is not None and code.untracked:
         shown = ", ".join(code.untracked[:5]) + (f" and {len(code.untracked) - 5} more" if len(code.untracked) > 5 else "")
         notes.append(f"not in the code snapshot, as git does not track them: {shown} (`git add` what the run needs)")
     env = run_environment(cfg, paths, pin, code.value if code else None)
     script = render_sbatch(cfg, paths, env, pin.pins(code.value if code else None, kept_build(cfg, pin),
                                                      container_project(cfg, paths.project)))
-    _check_script_syntax(cfg, script)
-    files = {paths.config: dump_config(cfg), paths.job_script: script, **library_files(env, paths)}
+    # What else the script holds is rendered and quoted by slipway: one parse per pre_launch text.
+    if shared is None or tuple(cfg.launch.pre_launch) not in shared.parsed:
+        _check_script_syntax(cfg, script)
+        if shared is not None:
+            shared.parsed.add(tuple(cfg.launch.pre_launch))
+    files = {**({paths.config: dump_config(cfg)} if config_text else {}), paths.job_script: script,
+             **library_files(env, paths)}
     if env.in_container:
         files[paths.env_toml] = render_edf(env)
         if env.runtime == "pyxis":
@@ -201,13 +241,16 @@ def _mode(paths: RunDir, path: Path) -> int:
     return 0o755 if path == paths.job_script else 0o444 if path.parent == paths.lib else 0o644
 
 
-def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
+def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str, slurm.JobInfo]] = None,
+                git: Optional[dict] = None) -> tuple[Run, bool]:
     """Create or reuse `runs/RUN/`; returns (run, created).
 
     Same run name and same resolved config: the run resumes (generated files refreshed,
     earlier versions kept in history/). A different config is refused unless `force`,
     and then the old config is kept in `history/` too. A run with a job still queued or
-    running is never rewritten: that job reads these files."""
+    running is never rewritten: that job reads these files. `asked`: what Slurm said of the
+    run's launches, where the caller asked for many runs at once (a sweep); `git`: the checkout's
+    state, where the caller knows it."""
     cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
     run = Run(paths)
     no_world_write()
@@ -215,7 +258,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
         mode = paths.path.stat().st_mode
         if mode & 0o002:  # made under umask 000 before slipway masked it
             os.chmod(paths.path, mode & 0o7775)
-        active = active_jobs(run)
+        active = active_jobs(run, asked)
         if active:
             jobs = ", ".join(f"{j} ({state})" for j, state in active)
             raise ConfigError("run.name", f"run {cfg.run.name} has a job queued or running ({jobs}), which reads "
@@ -252,7 +295,8 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
             write_atomic(tmp / target.relative_to(paths.path), text, _mode(paths, target))
         staged.logs.mkdir()
         manifests.write(staged.manifest, Manifest(
-            run=cfg.run.name, created=now_iso(), project_dir=str(paths.project), git=git_state(paths.project),
+            run=cfg.run.name, created=now_iso(), project_dir=str(paths.project),
+            git=git_state(paths.project) if git is None else git,
             image=sealed.pin, runtime=cfg.container.runtime, launcher=cfg.launch.launcher,
             config_sha256=hashlib.sha256(files[paths.config].encode()).hexdigest()))
         try:
@@ -267,9 +311,12 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
     return run, True
 
 
-def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", after: str = "") -> None:
+def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", after: str = "",
+                      git: Optional[dict] = None) -> None:
+    """The job in the run's manifest (`git`: the checkout's state, where the caller knows it)."""
     script = run.paths.prepare_script if kind == "prepare" else run.paths.job_script
-    entry = Launch(job_id=job_id, kind=kind, submitted=now_iso(), after=after, git=git_state(run.paths.project),
+    entry = Launch(job_id=job_id, kind=kind, submitted=now_iso(), after=after,
+                   git=git_state(run.paths.project) if git is None else git,
                    image=sealed.pin, code=sealed.snapshot, steps=sealed.cfg.train.steps if kind == "train" else None,
                    script_sha256=hashlib.sha256(script.read_bytes()).hexdigest(),
                    job_lib=sealed.job_lib if kind == "train" else {})

@@ -7,9 +7,9 @@
 """
 
 from jobs.slurm.client import (ACTIVE_STATES, JobInfo, SlurmError, available, can_ask, check_sbatch_environment,
-                               hostnames, job_info, jobs_info, ping, responding_nodes, sacct_argv, sbatch, scancel,
-                               squeue_argv, srun_argv)
+                               hostnames, job_info, jobs_info, max_array_size, ping, responding_nodes, sacct_argv,
+                               sbatch, scancel, squeue_argv, srun_argv)
 
 __all__ = ["ACTIVE_STATES", "JobInfo", "SlurmError", "available", "can_ask", "check_sbatch_environment", "hostnames",
-           "job_info", "jobs_info", "ping", "responding_nodes", "sacct_argv", "sbatch", "scancel", "squeue_argv",
-           "srun_argv"]
+           "job_info", "jobs_info", "max_array_size", "ping", "responding_nodes", "sacct_argv", "sbatch", "scancel",
+           "squeue_argv", "srun_argv"]

@@ -169,12 +169,15 @@ def scancel(job_ids: list[str], signal: str | None = None, *, batch: bool = Fals
 
 
 # squeue's fields, each ended by "|" (no width: nothing is cut); the job name last, as it may hold "|".
-_SQUEUE_FORMAT = "JobID:|,State:|,Reason:|,TimeUsed:|,NodeList:|,exit_code:|,Name:"
+# JobArrayID is a job's id, and an array task's ARRAY_TASK (JobID is the task's own id); --array
+# lists an array's pending tasks one a line, as ARRAY_TASK too.
+_SQUEUE_FORMAT = "JobArrayID:|,State:|,Reason:|,TimeUsed:|,NodeList:|,exit_code:|,Name:"
 _SACCT_FIELDS = "JobID,State,ExitCode,Elapsed,NodeList,JobName"
 
 
 def squeue_argv(job_ids: list[str]) -> list[str]:
-    return ["squeue", "--noheader", "--states=all", f"--jobs={','.join(job_ids)}", f"--Format={_SQUEUE_FORMAT}"]
+    return ["squeue", "--noheader", "--array", "--states=all", f"--jobs={','.join(job_ids)}",
+            f"--Format={_SQUEUE_FORMAT}"]
 
 
 def sacct_argv(job_ids: list[str]) -> list[str]:
@@ -231,6 +234,15 @@ def jobs_info(job_ids: list[str]) -> dict[str, JobInfo]:
 def job_info(job_id: str) -> JobInfo | None:
     """State of one job: squeue while slurmctld remembers it, else sacct."""
     return jobs_info([job_id]).get(job_id)
+
+
+def max_array_size() -> int:
+    """The cluster's MaxArraySize (`scontrol show config`): a job array's task indices stay below it."""
+    out = _run(_tool("scontrol"), "show", "config")
+    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", out, re.M)
+    if m is None:
+        raise SlurmError("scontrol show config names no MaxArraySize: is this a Slurm controller?")
+    return int(m.group(1))
 
 
 def can_ask() -> bool:

@@ -1,0 +1,291 @@
+"""`slipway sweep` (planned, listed with --dry-run, queued as job arrays, or run here one point
+after another with --local), and the commands that read a sweep or any runs together: `status
+SWEEP`, `cancel SWEEP`, `compare`, `plot SWEEP`. The model is jobs/runs/sweep.py; the tables are
+jobs/cli/status.py's `listing`, the one table of run listings."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from common.environ import as_typed
+from common.errors import ConfigError, one_line
+from common.rundir import INTERRUPTED_EXIT, RunDir
+from jobs.cli.launch import _check_controller, _notes, config_sets, project_dir, rich_console
+from jobs.cli.status import listing, listing_rows, tokens, width
+from jobs.runs import arrays
+from jobs.runs import sweep as sweeps
+from jobs.runs.manifest import ManifestError
+from jobs.runs.run import Run, find_run, runs_root
+
+
+def sweep_named(name: str, project: Path) -> Optional[sweeps.Sweep]:
+    """The sweep `name`, where no run has that name (a run is found as ever); None if none."""
+    if RunDir(runs_root(project) / name).manifest.is_file():
+        return None
+    return sweeps.find_sweep(name, project)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from jobs import interactive, local_checks
+    from jobs.config import load_config
+
+    if args.max_parallel is not None and args.max_parallel < 1:
+        raise ConfigError("--max-parallel", f"must be at least 1, got {args.max_parallel}")
+    project, console = project_dir(), rich_console()
+    sets, given = config_sets(args)
+
+    def here(cfg):  # a point as `slipway local` runs it, checked to fit in this machine's memory
+        local, _ = interactive.local_view(cfg, rename=False)
+        local_checks.check_memory(local)
+        return local
+
+    if args.local:
+        from common.extras import require
+
+        require("sweep --local", "trainer")
+    _, plain = sweeps.split_axes(args.overrides)
+    base = load_config(args.config, plain, sets)
+    # As `slipway local` keeps a cluster config's trial apart (RUN-local), so does a sweep's.
+    apart = args.local and bool(interactive.local_view(base, rename=False)[1])
+    name = args.name or base.run.name + ("-local" if apart else "")
+
+    def plan(dry_run: bool) -> arrays.Plan:
+        return arrays.plan_sweep(args.config, args.overrides, sets, project, name=name, points_file=args.points,
+                                 given_args=given, dry_run=dry_run, force=args.force,
+                                 view=here if args.local else None)
+    if args.dry_run:
+        return _dry_run(plan(True), args.max_parallel, console)
+    with arrays.hold(project, name, f"slipway sweep {given}"):
+        planned = plan(False)
+        _notes(console, planned.notes)
+        if args.local:
+            return _run_here(planned, project, args.force, console, yes=args.yes)
+        queued = arrays.submit_sweep(planned, project, force=args.force, max_parallel=args.max_parallel,
+                                     before_writing=_check_controller)
+    console.print(_summary(planned), soft_wrap=True, highlight=False)
+    for array in queued:
+        console.print(f"submitted array [bold]{array.job_id}[/] ({len(array.points)} point(s), tasks "
+                      f"0-{len(array.points) - 1}{f'%{args.max_parallel}' if args.max_parallel else ''})",
+                      soft_wrap=True)
+    if queued:
+        console.print(as_typed(f"`slipway status {name}` follows it; `slipway compare {name}` ranks its points"),
+                      soft_wrap=True, highlight=False, markup=False)
+    return 0
+
+
+def _summary(plan: arrays.Plan) -> str:
+    counts = {state: sum(p.state == state for p in plan.points)
+              for state in (arrays.NEW, arrays.RESUME, arrays.FINISHED, arrays.ACTIVE)}
+    told = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
+    todo = plan.to_submit
+    return (f"sweep {plan.sweep.name}: {len(plan.points)} point(s): {told}; "
+            + (f"{len(todo)} to submit" if todo else "nothing to submit"))
+
+
+def _resources(cfg) -> tuple[str, str, str, Optional[float]]:
+    """(nodes, GPUs, time limit, hours at it: None when unlimited) of a point."""
+    s = cfg.slurm
+    seconds = s.time_seconds()
+    return str(s.nodes), str(s.nodes * s.gpus_per_node), s.time, None if seconds is None else seconds / 3600
+
+
+def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console) -> int:
+    """Every point (its run, what it would become, its resources, its values), the total, the
+    arrays and what would refuse the submission; nothing written."""
+    from jobs import slurm
+
+    rows, node_h, gpu_h, unbounded = [], 0.0, 0.0, 0
+    todo = plan.to_submit
+    for p in plan.points:
+        nodes, gpus, limit, hours = _resources(p.cfg)
+        rows.append((p.point.run, p.state, nodes, gpus, limit, p.point.label()))
+        if p.state in (arrays.NEW, arrays.RESUME):
+            unbounded += hours is None
+            node_h += int(nodes) * (hours or 0)
+            gpu_h += int(gpus) * (hours or 0)
+    out = console.file
+    out.write(listing(f"dry run: {_summary(plan)}; nothing written, nothing submitted",
+                      rows, width(), ("point", "state", "nodes", "GPUs", "time", "values")))
+    out.write(f"at the time limit: {node_h:.1f} node-hours, {gpu_h:.1f} GPU-hours for the points to submit"
+              + (f" ({unbounded} without a limit)" if unbounded else "") + "\n")
+    try:
+        limit, where = slurm.max_array_size(), "scontrol show config"
+    except slurm.SlurmError:
+        limit, where = 1001, "Slurm's default: no controller answered"
+    for i, chunk in enumerate(arrays.arrays_of(todo, limit)):
+        spec = f"0-{len(chunk) - 1}" + (f"%{max_parallel}" if max_parallel else "")
+        asks = " ".join(line[8:] for line in arrays.allocation(chunk[0].sealed) if line.startswith("#SBATCH "))
+        out.write(f"array {i + 1}: {len(chunk)} point(s), --array={spec} (MaxArraySize {limit}, {where}): {asks}\n")
+    from jobs.cli.doctor import controller_problem
+
+    refusals = [str(r) for r in plan.refusals] + ([p] if todo and (p := controller_problem()) else [])
+    verdict = "would be submitted" if not refusals else f"would be refused ({len(refusals)})"
+    out.write(f"verdict: {verdict}\n")
+    for refusal in refusals:
+        out.write(f"  - {refusal}\n")
+    _notes(console, plan.notes)
+    return 0
+
+
+def _run_here(plan: arrays.Plan, project: Path, force: bool, console, *, yes: bool) -> int:
+    """--local: each point through `slipway local`'s path, one after another; a failed point does
+    not stop the others, Ctrl-C stops them all. Exits with the first failure's code."""
+    from jobs import interactive
+
+    if plan.refusals:
+        raise plan.refusals[0]
+    sweeps.write_sweep(sweeps.sweep_dir(project, plan.sweep.name) / "sweep.json", plan.sweep)
+    ends: list[tuple[str, int]] = []
+    for i, p in enumerate(plan.points, 1):
+        console.print(f"[bold]point {i}/{len(plan.points)}: {p.point.run}[/] ({p.point.label()})", soft_wrap=True,
+                      highlight=False)
+        try:
+            rc = interactive.run_local(p.cfg, project, force=force, console=console, rename=False, yes=yes)
+        except ConfigError as exc:  # that point alone (a run launched meanwhile, a job of it queued)
+            print(f"slipway: error: {exc}", file=sys.stderr)
+            rc = 2
+        ends.append((p.point.run, rc))
+        if rc == INTERRUPTED_EXIT:
+            break
+    failed = [(run, rc) for run, rc in ends if rc]
+    console.print(f"sweep {plan.sweep.name}: {len(ends) - len(failed)} of {len(plan.points)} point(s) ended 0"
+                  + (f"; {', '.join(f'{run} exit {rc}' for run, rc in failed)}" if failed else ""), soft_wrap=True,
+                  highlight=False)
+    return failed[0][1] if failed else 0
+
+
+def show_sweep(project: Path, sweep: sweeps.Sweep, console) -> int:
+    """One line per point (its latest launch's state, step, loss, tokens/s): one Slurm query for all."""
+    rows, damaged = listing_rows(sweep.runs(project), throughput=True)
+    states: dict[str, int] = {}
+    for row in rows:
+        states[row[3]] = states.get(row[3], 0) + 1
+    arrays = ", ".join(a.job_id for a in sweep.arrays) or "none"
+    title = (f"sweep {sweep.name}: {len(rows)} point(s) ({', '.join(f'{n} {s}' for s, n in sorted(states.items()))}); "
+             f"arrays {arrays}")
+    console.file.write(listing(title, rows, width()))
+    for message in damaged:
+        print(f"slipway: error: {one_line(message)}", file=sys.stderr)
+    return 2 if damaged else 0
+
+
+def cancel_sweep(project: Path, sweep: sweeps.Sweep, console) -> int:
+    """Every active task of every point, as `slipway cancel` ends a run's jobs, under the sweep's lock."""
+    from jobs.cli.status import cancel_jobs
+
+    damaged = []
+    with arrays.hold(project, sweep.name, f"slipway cancel {sweep.name}"):
+        found = []
+        for run in sweep.runs(project):
+            if run.paths.manifest.is_file():
+                try:
+                    found.append((run, run.launches()))
+                except ManifestError as exc:
+                    damaged.append(exc)
+        cancelled = cancel_jobs(found)
+    console.print(f"cancelled {len(cancelled)} task(s) of sweep {sweep.name}" if cancelled else
+                  f"sweep {sweep.name} has no active task", soft_wrap=True, highlight=False)
+    for exc in damaged:
+        print(f"slipway: error: {exc.restated('slipway cannot tell its jobs', 'scancel them by id')}",
+              file=sys.stderr)
+    return 2 if damaged else 0
+
+
+def plot_sweep(project: Path, sweep: sweeps.Sweep, out: Optional[str]) -> int:
+    from jobs import trainer_door
+
+    found = [(run.dir, p.label(60)) for run, p in zip(sweep.runs(project), sweep.points) if run.paths.metrics.is_file()]
+    if not found:
+        raise ConfigError("SWEEP", f"no point of sweep {sweep.name} has metrics yet")
+    target = Path(out) if out else sweeps.sweep_dir(project, sweep.name) / "curves.png"
+    print(trainer_door.plot([d for d, _ in found], target, [label for _, label in found], title=f"sweep {sweep.name}"))
+    return 0
+
+
+# ---------------------------------------------------------------- compare
+
+COMPARED = ("eval", "train", "tok/s", "MFU", "steps", "state", "run")
+
+
+def _compared(project: Path, names: list[str]) -> tuple[list[Run], list[str], list[dict[str, Any]]]:
+    """The runs named (a sweep's points for a sweep), the keys that tell them apart, each run's values."""
+    found: list[tuple[Run, dict]] = []
+    keys: list[str] = []
+    for name in names:
+        sweep = sweep_named(name, project)
+        if sweep is not None:
+            keys += sweep.axes
+            found += [(run, p.values) for run, p in zip(sweep.runs(project), sweep.points)]
+        else:
+            found.append((find_run(name, project), {}))
+    if len(names) > 1 or not keys:  # runs of their own (or several sweeps): the config keys that differ
+        keys, values = _differing([run for run, _ in found])
+        return [run for run, _ in found], keys, values
+    return [run for run, _ in found], list(dict.fromkeys(keys)), [v for _, v in found]
+
+
+def _differing(found: list[Run]) -> tuple[list[str], list[dict[str, Any]]]:
+    import yaml
+
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(tree, dict):
+            return {prefix[:-1]: tree}
+        return {k: v for key, value in tree.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+    configs = []
+    for run in found:
+        try:
+            configs.append(flat(yaml.safe_load(run.paths.config.read_text()) or {}))
+        except (OSError, yaml.YAMLError):
+            configs.append({})
+    keys = sorted({k for c in configs for k in c})
+    differ = [k for k in keys if k != "run.name" and len({repr(c.get(k)) for c in configs}) > 1
+              and not any(run.name in str(c.get(k, "")) for run, c in zip(found, configs))]
+    return differ, [{k: c.get(k) for k in differ} for c in configs]
+
+
+def compare(project: Path, names: list[str], as_csv: bool, console) -> int:
+    """The runs side by side, by final eval loss (then train loss): their values, losses, tokens/s,
+    MFU, steps and state; one Slurm query for all."""
+    found, keys, values = _compared(project, names)
+    rows, damaged = listing_rows(found)
+    table = []
+    for run, vals, row in zip(found, values, rows):
+        train, ev = run.last_metrics(), run.last_metrics("eval")
+        total = run.total_steps() if row[3] not in ("DAMAGED", "not submitted") else None
+        table.append({"run": run.name, "values": vals, "train": (train or {}).get("loss"),
+                      "eval": (ev or {}).get("eval_loss"), "tps": (train or {}).get("tokens_per_s"),
+                      "mfu": (train or {}).get("mfu"), "step": (train or {}).get("step"), "steps": total,
+                      "state": row[3]})
+
+    def number(x: Any) -> Optional[float]:
+        return x if isinstance(x, (int, float)) else None
+    table.sort(key=lambda r: (number(r["eval"]) is None, number(r["eval"]) or 0.0,
+                              number(r["train"]) is None, number(r["train"]) or 0.0))
+    if as_csv:
+        writer = csv.writer(sys.stdout)
+        writer.writerow(["run", *keys, "eval_loss", "train_loss", "tokens_per_s", "mfu", "step", "steps", "state"])
+        for r in table:
+            writer.writerow([r["run"], *(sweeps.value_text(r["values"][k]) if k in r["values"] else "" for k in keys),
+                             *("" if r[c] is None else r[c] for c in ("eval", "train", "tps", "mfu", "step", "steps")),
+                             r["state"]])
+        return 2 if damaged else 0
+    shown = keys[:3]  # the table fits 80 columns; --csv has every key
+    heads = tuple(h[:16] for h in sweeps.short_keys(shown)) + COMPARED
+
+    def cell(x: Any, fmt: str) -> str:
+        return "" if number(x) is None else format(x, fmt)
+    out = [(*(sweeps.value_text(r["values"].get(k, ""))[:16] for k in shown),
+            cell(r["eval"], ".4f"), cell(r["train"], ".4f"),
+            tokens(r["tps"]) if number(r["tps"]) is not None else "",
+            cell(100 * r["mfu"], ".1f") + "%" if number(r["mfu"]) is not None else "",
+            f"{r['step'] or 0}/{r['steps']}" if r["steps"] else "", r["state"], r["run"]) for r in table]
+    title = f"{len(table)} run(s) by eval loss" + (f"; {len(keys) - 3} more key(s) differ: --csv" if len(keys) > 3
+                                                   else "")
+    console.file.write(listing(title, out, width(), heads))
+    for message in damaged:
+        print(f"slipway: error: {one_line(message)}", file=sys.stderr)
+    return 2 if damaged else 0

@@ -1,0 +1,361 @@
+"""A sweep planned (every point built, checked and sealed before anything is written) and queued
+as Slurm job arrays (jobs/runs/sweep.py is what a sweep is).
+
+Each point is sealed and written by the submit path (jobs/runs/submit.py `seal`, `prepare_run`,
+`record_submission`); the sweep is sealed once (one image pin, one code snapshot: `Shared`). Its
+points go to one `sbatch --array` per allocation they ask and per MaxArraySize, through a small
+batch script, arrays/STAMP/array.sbatch, whose task I runs its point's own job.sbatch; STAMP/I
+links to the point's run directory, so that Slurm writes each task's log into that run's logs/
+(an array has one --output). A task's SLURM_JOB_ID is its own (requeues and `scontrol update` act
+on it alone); its events and its manifest entry name it ARRAY_TASK, as squeue and scancel do
+(SLIPWAY_EVENT_JOB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import shlex
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from common.errors import ConfigError, shown
+from common.events import now_iso
+from common.fs import write_atomic
+from common.rundir import RunDir
+from common.schema import to_dict
+from edf.environment import SAFE_NAME
+from jobs import slurm
+from jobs.config import Config, config_from, dump_config, read_config
+from jobs.runs import lifecycle
+from jobs.runs import lock as runlock
+from jobs.runs import manifest as manifests
+from jobs.runs.code import git_state
+from jobs.runs.container import create_needed_dirs, remove_created_dirs
+from jobs.runs.manifest import ManifestError
+from jobs.runs.run import Run, runs_root
+from jobs.runs.submit import (Sealed, Shared, check_submittable, config_difference, nothing_to_train, no_world_write,
+                              prepare_run, record_submission, seal, unprepared_data)
+from jobs.runs.sweep import (NAME_ROOM, Axis, ArrayJob, Point, Sweep, find_sweep, grid, point_names, read_points,
+                             split_axes, sweep_dir, typed, value_text, write_sweep)
+from jobs.slurm.script import sbatch_quote
+
+NEW, RESUME, FINISHED, ACTIVE = "new", "to resume", "finished", "queued or running"  # a point's, in this order
+
+
+@dataclass(eq=False)  # a point's plan is itself: compared by identity
+class PointPlan:
+    point: Point
+    sealed: Sealed
+    state: str  # NEW, RESUME, ACTIVE, FINISHED
+    key: Optional[tuple] = None  # its manifest's file key when Slurm was asked (unchanged: the answer holds)
+
+    @property
+    def cfg(self) -> Config:
+        return self.sealed.cfg
+
+
+@dataclass
+class Plan:
+    sweep: Sweep  # the record as it will be written: earlier points, then the new ones
+    points: list[PointPlan]  # this command's points
+    refusals: list[ConfigError] = field(default_factory=list)  # what refuses the submission
+    notes: list[str] = field(default_factory=list)
+    asked: dict = field(default_factory=dict)  # what Slurm said of the points' launches
+    git: dict = field(default_factory=dict)
+
+    @property
+    def to_submit(self) -> list[PointPlan]:
+        return [p for p in self.points if p.state in (NEW, RESUME)]
+
+
+def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_dir: Path, *,
+               name: Optional[str] = None, points_file: Optional[str] = None, given_args: str = "",
+               dry_run: bool = False, force: bool = False, view: Optional[Callable[[Config], Config]] = None) -> Plan:
+    """Every point of the sweep built, validated and sealed (nothing written): one bad point is a
+    ConfigError naming it. What would refuse the submission (an unrelated run of a point's name, a
+    point whose config changed, data not prepared) is in `refusals`. `view`: how a point runs
+    here (`slipway sweep --local`), applied to each point's config before it is checked."""
+    axes, plain = split_axes(overrides)
+    entries = read_points(points_file) if points_file else None
+    path, raw = read_config(config)
+    base = config_from(path, raw, plain, sets)
+    name = name or base.run.name
+    if not SAFE_NAME.match(name) or len(name) > NAME_ROOM:
+        raise ConfigError("--name", f"{shown(name)} is no sweep name: use 1-{NAME_ROOM} letters, digits, '.', '_' "
+                                    "or '-', starting with a letter or digit")
+    if RunDir(runs_root(project_dir) / name).manifest.is_file():
+        raise ConfigError("--name", f"{name} is a run, not a sweep: give the sweep another --name")
+    settings = grid(axes, entries)
+    names = point_names(name, settings)
+    old = find_sweep(name, project_dir)
+    known = {p.run for p in old.points} if old else set()
+    shared, seen, plans, refusals = Shared(), {}, [], []
+    keys = sorted({k for values in settings for k in values})
+    # A point's own arguments (what a hint repeats, `slipway local ...`): the axes' items replaced by its values.
+    swept = [o for o in overrides if o not in plain]
+    words = [w for w in shlex.split(given_args or config) if w not in swept]
+    for values, run_name in zip(settings, names):
+        point = Point(run_name, values)
+        try:
+            cfg = config_from(path, raw, plain, sets, {**values, "run.name": run_name})
+            cfg.given_args = shlex.join([*words, *(f"{k}={value_text(v)}" for k, v in values.items()),
+                                         "--run-name", run_name])
+            cfg = view(cfg) if view else cfg
+            for stream in ("output", "error"):
+                if "%x" in getattr(cfg.slurm, stream).replace("%%", ""):
+                    raise ConfigError(f"slurm.{stream}", "%x is the array's job name in a sweep, not the point's: "
+                                                         "use %j (the task's ARRAY_TASK id) or a fixed name")
+            sealed = seal(cfg, project_dir, dry_run=dry_run, shared=shared, config_text=False)
+        except ConfigError as exc:
+            raise ConfigError(f"point {run_name}", f"{exc} ({point.label(120)})") from None
+        same = tuple(repr(typed(cfg, key)) for key in keys)  # what the values became, typed by their fields
+        if same in seen:
+            raise ConfigError(f"point {run_name}", f"has the same config as point {seen[same]} ({point.label(120)}): "
+                                                   "drop one of the two values")
+        seen[same] = run_name
+        plans.append(PointPlan(point, sealed, NEW))
+        for check in (lambda: check_submittable(cfg), lambda: _unrelated(sealed, name, known)):
+            try:
+                check()
+            except ConfigError as exc:
+                refusals.append(ConfigError(f"point {run_name}", str(exc)))
+    plan = Plan(_merged(old, name, base, axes, given_args, [p.point for p in plans]), plans, refusals)
+    plan.notes = list(dict.fromkeys(n for p in plans for n in p.sealed.notes))
+    if not refusals:
+        _existing(plan, force)
+        data: dict[str, Optional[str]] = {}
+        for p in plan.to_submit:
+            if not dry_run:
+                _frozen(p)
+            key = json.dumps(to_dict(p.cfg.data), default=str)
+            if key not in data:
+                data[key] = unprepared_data(p.sealed, p.cfg.config_args)
+            if data[key]:
+                plan.refusals.append(ConfigError(f"point {p.point.run}", f"data: {data[key]}"))
+                break
+    plan.git = git_state(project_dir)
+    return plan
+
+
+def _unrelated(sealed: Sealed, sweep: str, known: set[str]) -> None:
+    paths = sealed.paths
+    if (paths.path.exists() or paths.path.is_symlink()) and sealed.cfg.run.name not in known:
+        raise ConfigError("run.name", f"{paths.path} exists and is no point of sweep {sweep}: move it aside, or give "
+                                      "the sweep another --name")
+
+
+def _merged(old: Optional[Sweep], name: str, base: Config, axes: list[Axis], given: str, points: list[Point]) -> Sweep:
+    """The record with this command's points: earlier ones kept, new ones added after them."""
+    sweep = old or Sweep(name=name, created=now_iso())
+    have = {p.run for p in sweep.points}
+    sweep.points = [*sweep.points, *(p for p in points if p.run not in have)]
+    sweep.axes = list(dict.fromkeys([*sweep.axes, *(a.key for a in axes), *(k for p in points for k in p.values)]))
+    sweep.config = given or base.config_args
+    return sweep
+
+
+def _existing(plan: Plan, force: bool) -> None:
+    """The points whose run exists: queued or running, finished, to resume, or (a changed config
+    without `force`) refused. Slurm is asked once for all of them."""
+    there = []
+    for p in plan.points:
+        run = Run(p.sealed.paths)
+        if not run.paths.manifest.is_file():
+            continue
+        try:
+            there.append((p, run, manifests.file_key(run.paths.manifest), run.launches()))
+        except ManifestError as exc:
+            plan.refusals.append(ConfigError(f"point {p.point.run}", str(exc)))
+    owns = {}
+    for _, run, _, launches in there:
+        events = run.events()
+        owns.update({id(x): run.events_of(x, events) for x in launches})
+    plan.asked = lifecycle.ask_slurm((x, owns[id(x)]) for *_, launches in there for x in launches if not x.local)
+    changed = []
+    for p, run, key, launches in there:
+        p.key = key
+        train = [x for x in launches if x.kind == "train"]
+        last = lifecycle.launch_state(train[-1], owns[id(train[-1])], plan.asked.get(train[-1].id)) if train else None
+        if any(x.id in plan.asked and plan.asked[x.id].active for x in launches):
+            p.state = ACTIVE
+        elif nothing_to_train(p.cfg, run.dir, "sweep") or (
+                last is not None and last.state == lifecycle.COMPLETED and train[-1].steps == p.cfg.train.steps):
+            p.state = FINISHED
+        else:
+            p.state = RESUME
+            differs = config_difference(run.paths.config, _frozen(p))
+            if differs and not force:
+                changed.append((p.point.run, differs))
+    if changed:
+        more = f" (and {len(changed) - 1} more point(s))" if len(changed) > 1 else ""
+        plan.refusals.append(ConfigError(f"point {changed[0][0]}", f"exists with {changed[0][1]}{more}: pass --force "
+                                                                   "to replace their configs (the old ones are kept "
+                                                                   "in history/)"))
+
+
+def _frozen(p: PointPlan) -> str:
+    """The point's config.yaml, among its files: made only for the points written or compared (a
+    sweep of a thousand points made it for each in seconds)."""
+    path = p.sealed.paths.config
+    if path not in p.sealed.files:
+        p.sealed.files[path] = dump_config(p.cfg)
+    return p.sealed.files[path]
+
+
+# ---------------------------------------------------------------- the arrays
+
+
+def allocation(sealed: Sealed) -> tuple[str, ...]:
+    """The #SBATCH lines of a point's job.sbatch that its array shares (all but its name and logs):
+    what it asks of Slurm, exactly as the point's own script says it."""
+    lines = [line for line in sealed.files[sealed.paths.job_script].splitlines() if line.startswith("#SBATCH ")]
+    mine = ("--job-name=", "--output=", "--error=")
+    s = sealed.cfg.slurm
+    return (*(line for line in lines if not line[8:].startswith(mine)), f"#output {s.output}", f"#error {s.error}")
+
+
+def arrays_of(points: list[PointPlan], limit: int) -> list[list[PointPlan]]:
+    """The points in arrays: one per allocation they ask (an array asks one), each of at most
+    `limit` tasks (the cluster's MaxArraySize: task indices stay below it)."""
+    groups: dict[tuple, list[PointPlan]] = {}
+    for p in points:
+        groups.setdefault(allocation(p.sealed), []).append(p)
+    return [g[i:i + limit] for g in groups.values() for i in range(0, len(g), limit)]
+
+
+def _array_pattern(pattern: str) -> str:
+    """A point's log pattern as its task's: %j, the job id, becomes the task's ARRAY_TASK."""
+    return pattern.replace("%%", "\0").replace("%j", "%A_%a").replace("\0", "%%")
+
+
+def render_array(sweep: str, where: Path, points: list[PointPlan], max_parallel: Optional[int]) -> str:
+    """The array's batch script: the points' shared allocation lines, the array, and task I
+    running the run directory `where/I` links to by its own job.sbatch."""
+    first = points[0].sealed
+    s = first.cfg.slurm
+    own = [line for line in allocation(first) if line.startswith("#SBATCH ")]
+    spec = f"0-{len(points) - 1}" + (f"%{max_parallel}" if max_parallel else "")
+    root = first.paths.path.parent
+    return "\n".join([
+        "#!/bin/bash",
+        f"# slipway sweep {sweep}: {len(points)} point(s) as one Slurm job array; generated. Task I runs",
+        "# POINTS[I] by its own batch script, runs/POINT/job.sbatch, whose allocation lines these are;",
+        "# I/ beside this script links to that run, so the task's log is the run's own.",
+        f"#SBATCH --job-name={sweep}",
+        *own,
+        f"#SBATCH --output={sbatch_quote(str(where / '%a' / _array_pattern(s.output)))}",
+        f"#SBATCH --error={sbatch_quote(str(where / '%a' / _array_pattern(s.error)))}",
+        f"#SBATCH --array={spec}",
+        "",
+        "set -euo pipefail",
+        "POINTS=(" + " ".join(shlex.quote(p.point.run) for p in points) + ")",
+        'POINT=${POINTS[$SLURM_ARRAY_TASK_ID]}',
+        "# The task's events and manifest entry name it ARRAY_TASK, as squeue and scancel do; its",
+        "# SLURM_JOB_ID is its own, which its requeues and exclusions act on.",
+        'export SLIPWAY_EVENT_JOB="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
+        f'exec /bin/bash {shlex.quote(str(root))}/"$POINT"/job.sbatch',
+        "",
+    ])
+
+
+def _write_array(sweep: str, home: Path, points: list[PointPlan], max_parallel: Optional[int]) -> Path:
+    """arrays/STAMP/: the array's script and, for task I, a link I -> its point's run directory;
+    made whole under a temporary name, then renamed into place."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    arrays = home / "arrays"
+    arrays.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{stamp}-", dir=arrays))
+    final = arrays / tmp.name[1:]
+    try:
+        for i, p in enumerate(points):
+            os.symlink(os.path.relpath(p.sealed.paths.path, final), tmp / str(i))
+        write_atomic(tmp / "array.sbatch", render_array(sweep, final, points, max_parallel), 0o755)
+        os.chmod(tmp, 0o777 & ~no_world_write())
+        os.rename(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final / "array.sbatch"
+
+
+def _open_files_for(n: int) -> None:
+    """Room for `n` more open files (a lock per point is held while the arrays are submitted)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = n + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+
+
+def submit_sweep(plan: Plan, project_dir: Path, *, force: bool = False, max_parallel: Optional[int] = None,
+                 before_writing: Optional[Callable[[], None]] = None) -> list[ArrayJob]:
+    """Write the record, the points' run directories and their arrays, and sbatch each array;
+    the arrays submitted. The caller holds the sweep's lock (`hold`); each point's is held from
+    its directory's writing to its job's record, as `slipway submit` holds it."""
+    if plan.refusals:
+        raise plan.refusals[0]
+    home = sweep_dir(project_dir, plan.sweep.name)
+    todo = plan.to_submit
+    if before_writing is not None and todo:
+        before_writing()
+    limit = slurm.max_array_size() if todo else 1
+    no_world_write()
+    write_sweep(home / "sweep.json", plan.sweep)
+    if not todo:
+        return []
+    _open_files_for(len(todo))
+    submitted: list[ArrayJob] = []
+    with contextlib.ExitStack() as held:
+        for p in todo:
+            held.enter_context(runlock.hold(p.sealed.paths.path, f"slipway sweep {plan.sweep.config}"))
+        for chunk in arrays_of(todo, limit):
+            made: list[tuple[PointPlan, bool, list[Path]]] = []
+            try:
+                for p in chunk:
+                    unchanged = manifests.file_key(p.sealed.paths.manifest) == p.key
+                    dirs = create_needed_dirs(p.cfg, p.sealed.paths)
+                    _, created = prepare_run(p.sealed, force=force, asked=plan.asked if unchanged else None,
+                                             git=plan.git)
+                    made.append((p, created, dirs))
+                script = _write_array(plan.sweep.name, home, chunk, max_parallel)
+                job = slurm.sbatch(script, cwd=project_dir)
+            except BaseException:
+                for p, created, dirs in made:  # nothing of this array ran: no trace of its new runs
+                    remove_created_dirs(dirs)
+                    if created:
+                        shutil.rmtree(p.sealed.paths.path, ignore_errors=True)
+                raise
+            for i, p in enumerate(chunk):
+                record_submission(Run(p.sealed.paths), f"{job}_{i}", p.sealed, git=plan.git)
+            array = ArrayJob(job, [p.point.run for p in chunk], str(script.relative_to(home)), now_iso(), max_parallel)
+            plan.sweep.arrays.append(array)
+            submitted.append(array)
+            write_sweep(home / "sweep.json", plan.sweep)
+    return submitted
+
+
+@contextlib.contextmanager
+def hold(project_dir: Path, name: str, command: str) -> Iterator[None]:
+    """The sweep's lock (runs/.sweeps/.NAME.lock, the runs' own kind): one `slipway sweep` or
+    `cancel` of it at a time; a second waits for a short holder, and is refused naming it."""
+    where = sweep_dir(project_dir, name)
+    made = not where.parent.parent.exists()  # a refused first sweep leaves no runs/ behind
+    try:
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(runlock.hold(where, command))
+            except ConfigError:
+                raise ConfigError("--name", f"sweep {name} is being submitted, run or cancelled by "
+                                            f"{runlock.describe(runlock.holder(where))}: try again once it is "
+                                            "done") from None
+            yield
+    finally:
+        if made:
+            with contextlib.suppress(OSError):
+                where.parent.parent.rmdir()  # only if that left it empty

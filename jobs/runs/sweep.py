@@ -1,0 +1,313 @@
+"""A sweep: a set of runs from one config and the values that vary (its points), and its record.
+
+Each point is a run (runs/POINT/), sealed and written by the submit path: every command takes a
+point by its run name, and every single-run guarantee holds per point. What groups them is the
+sweep's record, runs/.sweeps/SWEEP/sweep.json (its axes, its points with their values, its
+arrays), one typed model read by the schema engine and written atomically. Here: the record, the
+axes and points a command line gives, and the points' names; jobs/runs/arrays.py plans a sweep
+and queues its points as Slurm job arrays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, ClassVar, Optional, get_args, get_origin
+
+from common.errors import ConfigError, bounded, bounded_path, shown
+from common.fs import open_regular, write_atomic
+from common.rundir import RunDir
+from common.schema import from_dict
+from common.yaml import read_text_bounded, read_yaml
+from edf.environment import SAFE_NAME
+from jobs.config import MAP_FIELDS, Config, parse_value
+from jobs.runs import manifest as manifests
+from jobs.runs.manifest import NOT_A_KEY
+from jobs.runs.run import Run, runs_root
+
+SWEEPS = ".sweeps"  # runs/.sweeps/SWEEP/: a sweep's record and array scripts (no run directory)
+SCHEMA = 1
+MAX_BYTES = 32 << 20
+NAME_ROOM = 60  # a sweep's name leaves its points' values room in a run name's 100 characters
+
+
+class SweepError(ConfigError):
+    """A sweep record that cannot be read: one line naming the file and what to do."""
+
+    def __init__(self, path: Path, why: str):
+        self.path, self.why = path, why
+        super().__init__(bounded_path(path), f"damaged ({why}): slipway cannot tell this sweep's points and arrays "
+                                             f"from it; restore it from a backup, or move {path.parent.name} aside "
+                                             f"(its points stay runs of their own: `slipway status` lists them)")
+
+
+@dataclass(frozen=True)
+class Point:
+    """A point of a sweep: its run's name and the values it sets (dotted key -> as given)."""
+
+    run: str = ""
+    values: dict = field(default_factory=dict)
+    others: dict = field(default_factory=dict, compare=False, repr=False, metadata=NOT_A_KEY)
+
+    ALWAYS: ClassVar[tuple[str, ...]] = ("*",)
+
+    def label(self, limit: int = 0) -> str:
+        """`lr=0.001 micro_batch_size=8`: the values by their shortest distinct key."""
+        text = " ".join(f"{k}={value_text(v)}" for k, v in zip(short_keys(list(self.values)), self.values.values()))
+        return text if not limit or len(text) <= limit else text[:limit - 3] + "..."
+
+
+@dataclass
+class ArrayJob:
+    """One `sbatch --array` of a sweep: its job id and its points, by task index."""
+
+    job_id: str = ""
+    points: list[str] = field(default_factory=list)
+    script: str = ""  # relative to the sweep's directory
+    submitted: str = ""
+    max_parallel: Optional[int] = None
+    others: dict = field(default_factory=dict, compare=False, repr=False, metadata=NOT_A_KEY)
+
+    ALWAYS: ClassVar[tuple[str, ...]] = ("*",)
+
+
+@dataclass
+class Sweep:
+    """runs/.sweeps/SWEEP/sweep.json."""
+
+    schema: int = SCHEMA
+    name: str = ""
+    created: str = ""
+    config: str = ""  # the config arguments it was last given (CONFIG, overrides, flags)
+    axes: list[str] = field(default_factory=list)  # the keys it sweeps, in order
+    points: list[Point] = field(default_factory=list)
+    arrays: list[ArrayJob] = field(default_factory=list)
+    others: dict = field(default_factory=dict, repr=False, metadata=NOT_A_KEY)
+
+    ALWAYS: ClassVar[tuple[str, ...]] = ("*",)
+
+    def check(self, where: str) -> None:
+        for i, p in enumerate(self.points):
+            if not SAFE_NAME.match(p.run):
+                raise ConfigError(f"{where}.points[{i}].run", f"{shown(p.run)} is no run name")
+
+    def runs(self, project_dir: Path) -> list[Run]:
+        root = runs_root(project_dir)
+        return [Run(RunDir(root / p.run, project_dir)) for p in self.points]
+
+
+# ---------------------------------------------------------------- the record
+
+
+def sweep_dir(project_dir: Path, name: str) -> Path:
+    return runs_root(project_dir) / SWEEPS / name
+
+
+def find_sweep(name: str, project_dir: Path) -> Optional[Sweep]:
+    """The sweep `name` (None: there is none); SweepError when its record cannot be read."""
+    if not SAFE_NAME.match(name):
+        return None
+    path = sweep_dir(project_dir, name) / "sweep.json"
+    return read_sweep(path) if path.exists() or path.is_symlink() else None
+
+
+def read_sweep(path: Path) -> Sweep:
+    """The record at `path`, checked by the schema engine; SweepError when it cannot be read."""
+    try:
+        f = open_regular(path)
+        if f is None:
+            raise SweepError(path, "missing")
+        with f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise SweepError(path, f"cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_BYTES:
+        raise SweepError(path, f"larger than {MAX_BYTES >> 20} MiB")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise SweepError(path, f"not JSON: {bounded(str(exc), 120)}") from None
+    if not isinstance(raw, dict):
+        raise SweepError(path, "not an object")
+    if type(raw.get("schema")) is int and raw["schema"] > SCHEMA:
+        raise SweepError(path, f"written by a newer slipway (format {raw['schema']})")
+    try:
+        return from_dict(Sweep, raw, "sweep", record=True)
+    except ConfigError as exc:
+        raise SweepError(path, str(exc).removeprefix("sweep.")) from None
+
+
+def write_sweep(path: Path, sweep: Sweep) -> None:
+    write_atomic(path, json.dumps(manifests.to_record(sweep), indent=1) + "\n")
+
+
+# ---------------------------------------------------------------- axes, points and their names
+
+
+@dataclass(frozen=True)
+class Axis:
+    key: str
+    values: tuple  # each as an override's value parses (what apply_override sets)
+
+
+@lru_cache(maxsize=None)
+def _hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _bare(tp: Any) -> Any:
+    """`tp` without its Optional."""
+    args = [a for a in get_args(tp) if a is not type(None)]
+    return args[0] if get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
+
+
+def field_type(key: str) -> Any:
+    """The type of config field `key` (a mapping's values for `container.env.NAME`), None if no field."""
+    tp: Any = Config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        tp = _bare(tp)
+        if get_origin(tp) is dict:
+            return get_args(tp)[1] if ".".join(parts[:i]) in MAP_FIELDS else None
+        if not hasattr(tp, "__dataclass_fields__") or part not in _hints(tp):
+            return None
+        tp = _hints(tp)[part]
+    return _bare(tp)
+
+
+def typed(cfg: Config, key: str) -> Any:
+    """The value of config field `key` in `cfg` (a mapping's entry for `container.env.NAME`)."""
+    node: Any = cfg
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if isinstance(node, dict):
+            return node.get(".".join(parts[i:]))
+        node = getattr(node, part, None)
+    return node
+
+
+def split_axes(overrides: list[str]) -> tuple[list[Axis], list[str]]:
+    """The axes among `overrides` (KEY=[V1, V2, ...] on a field that is no list, a list field's
+    axis being a list of lists) and the plain overrides left."""
+    axes, plain = [], []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key, stripped = key.strip(), text.strip()
+        if not (sep and stripped.startswith("[") and stripped.endswith("]")):
+            plain.append(item)
+            continue
+        if get_origin(field_type(key)) is list:
+            parsed = read_yaml(text, key, lines=False)
+            if not (isinstance(parsed, list) and parsed and all(isinstance(v, list) for v in parsed)):
+                plain.append(item)  # a value of the list field itself
+                continue
+            values = tuple(parsed)
+        else:
+            values = tuple(parse_value(text, key))
+        if key == "run.name":
+            raise ConfigError(key, "a sweep names its points itself: name the sweep with --name")
+        if not values:
+            raise ConfigError(key, f"an axis needs at least one value: {key}=[V1, V2, ...]")
+        if any(a.key == key for a in axes):
+            raise ConfigError(key, "swept twice: give its values in one list")
+        seen = [value_text(v) for v in values]
+        dupes = sorted({t for t in seen if seen.count(t) > 1})
+        if dupes:
+            raise ConfigError(key, f"the value {dupes[0]} is given twice: each value once")
+        axes.append(Axis(key, values))
+    return axes, plain
+
+
+def read_points(path: str) -> list[dict[str, Any]]:
+    """--points FILE: a YAML list of override maps (dotted keys, or nested sections), one point each."""
+    if not Path(path).is_file():
+        raise ConfigError("--points", f"{bounded_path(path)} is no file: give a YAML file of override maps")
+    data = read_yaml(read_text_bounded(Path(path), "--points"), path)
+    if not isinstance(data, list) or not data:
+        raise ConfigError("--points", f"{path} must hold a YAML list of override maps, one point each, such as "
+                                      "- {train.lr: 0.001, train.steps: 100}")
+    out = []
+    for i, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise ConfigError(f"--points[{i}]", f"expected a map of overrides such as {{train.lr: 0.001}}, got "
+                                                f"{shown(item)}")
+        flat: dict[str, Any] = {}
+
+        def walk(node: dict, prefix: str) -> None:
+            for k, v in node.items():
+                key = f"{prefix}{k}"
+                if isinstance(v, dict) and key not in MAP_FIELDS and field_type(key) is not None \
+                        and get_origin(field_type(key)) is not dict:
+                    walk(v, key + ".")
+                else:
+                    flat[key] = v
+        walk(item, "")
+        if "run.name" in flat:
+            raise ConfigError(f"--points[{i}].run.name", "a sweep names its points itself: name the sweep with --name")
+        out.append(flat)
+    return out
+
+
+def grid(axes: list[Axis], entries: Optional[list[dict[str, Any]]] = None) -> list[dict[str, Any]]:
+    """Every point's settings: each --points entry (or none) with each combination of the axes."""
+    points = []
+    for i, entry in enumerate(entries or [{}]):
+        both = sorted(set(entry) & {a.key for a in axes})
+        if both:
+            raise ConfigError(f"--points[{i}].{both[0]}", "is also an axis on the command line: set it in one place")
+        for combo in itertools.product(*(a.values for a in axes)):
+            points.append({**entry, **{a.key: v for a, v in zip(axes, combo)}})
+    return points
+
+
+def value_text(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(value_text(v) for v in value) + "]"
+    return "null" if value is None else str(value)
+
+
+def short_keys(keys: list[str]) -> list[str]:
+    """Each dotted key by its shortest last parts that no other key ends with (`lr`, `model_dropout`)."""
+    out = []
+    for key in keys:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            tail = parts[-n:]
+            if n == len(parts) or not any(k != key and k.split(".")[-n:] == tail for k in keys):
+                out.append("_".join(tail))
+                break
+    return out
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def point_names(sweep: str, settings: list[dict[str, Any]]) -> list[str]:
+    """Each point's run name: the sweep's, then each value after its short key (`tiny-lr0.001-micro_batch_size8`).
+    Stable: it depends on the point's own values alone. A value no run name can hold as it is
+    (a path, a list), or a name past 100 characters, is cut and ends in a hash of the values; so
+    do names two points would share."""
+    keys = list(dict.fromkeys(k for s in settings for k in s))
+    labels = dict(zip(keys, short_keys(keys)))
+
+    def digest(s: dict) -> str:
+        return hashlib.sha256(json.dumps(sorted((k, value_text(v)) for k, v in s.items())).encode()).hexdigest()[:8]
+
+    def name(s: dict, hashed: bool) -> str:
+        words = [f"{labels[k]}{value_text(v)}" for k, v in s.items()] or ["base"]
+        body = "-".join(_UNSAFE.sub("_", w) for w in words)
+        hashed = hashed or body != "-".join(words) or len(sweep) + 1 + len(body) > 100
+        if not hashed:
+            return f"{sweep}-{body}"
+        return f"{sweep}-{body[:100 - len(sweep) - 10].rstrip('-_.')}-{digest(s)}"
+
+    names = [name(s, False) for s in settings]
+    shared = {n for n in names if names.count(n) > 1}
+    return [name(s, True) if n in shared else n for s, n in zip(settings, names)]
