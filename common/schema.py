@@ -240,6 +240,29 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
     return obj
 
 
+def part_of(cls: type, data: Any, where: str) -> dict:
+    """The keys `data` sets of section `cls`, each read by its field's type and secret policy as
+    `from_dict` reads it (unknown keys refused, listing the valid ones), with no defaults filled
+    and no checks between fields: a part of a section (a cluster profile's) that is merged into a
+    whole config, which is then read and checked whole. Returns `data` as given (the raw values)."""
+    if not isinstance(data, dict):
+        raise ConfigError(where, f"expected a mapping of keys, got {shown(data)}")
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    fields = config_fields(cls)
+    edf = bool(getattr(cls, "EDF_TEXT", False))
+    for key, value in data.items():
+        path = f"{where}.{key}"
+        if key not in fields:
+            raise ConfigError(path, f"unknown key; valid keys of {where.rsplit(' ', 1)[-1]} are: {', '.join(fields)}")
+        tp = _HINTS[cls][key]
+        if dataclasses.is_dataclass(tp):
+            part_of(tp, value, path)
+        else:
+            _convert(tp, value, path, fields[key].metadata.get("secrets", REFUSE), edf)
+    return data
+
+
 def to_dict(obj: Any) -> Any:
     """The plain-YAML form of a section tree (what `config.yaml` holds)."""
     if hasattr(obj, "to_config_value"):

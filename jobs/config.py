@@ -22,6 +22,7 @@ from common.schema import from_dict, require, to_dict
 from common.yaml import Plain, read_text_bounded, read_yaml
 from containers.record import ImageNeeds, ImageSection
 from edf.environment import NOT_CONFIG, SAFE_NAME, Environment
+from jobs.clusters import ClusterProfile, merged
 from jobs.slurm.sections import NODE_PRESETS, LaunchSection, SlurmSection
 from trainer.config import TrainerConfig, check_trainer_sections
 
@@ -114,6 +115,9 @@ class Config(TrainerConfig):
     # The command line's CONFIG, overrides and config flags, shell-quoted (set by the CLI), so a
     # suggested `slipway ...` reads the same config the user's own command did.
     given_args: Optional[str] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
+    # The cluster profile merged in (jobs/clusters.py), None without one: the manifest records it
+    # and the cluster's remembered bad nodes go by its name.
+    cluster: Optional[ClusterProfile] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
 
     @property
     def config_name(self) -> str:
@@ -295,8 +299,10 @@ def apply_override(raw: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict[str, Any] | None = None) -> Config:
-    """Read `configs/NAME.yaml` (or a path), apply `key=value` overrides, validate.
+def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict[str, Any] | None = None,
+                cluster: Optional[ClusterProfile] = None) -> Config:
+    """Read `configs/NAME.yaml` (or a path), merge the `cluster` profile in, apply `key=value`
+    overrides, validate: the config < the profile < the command line (jobs/clusters.py says why).
 
     `sets` holds overrides already split into dotted key and typed value (the CLI's named flags).
     """
@@ -311,19 +317,26 @@ def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict
                                     "start from a copy of configs/tiny_cpu.yaml")
     if not isinstance(raw, dict):
         raise ConfigError("CONFIG", f"{path} must hold a mapping of sections such as run:, slurm:, model:")
-    raw = copy.deepcopy(raw)
+    raw = merged(raw, cluster.settings) if cluster is not None else copy.deepcopy(raw)
+    given = set(sets or {})
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(item, "an override must look like section.key=value, e.g. train.steps=100")
         apply_override(raw, key.strip(), parse_value(value, key.strip()))
+        given.add(key.strip())
     for key, value in (sets or {}).items():
         apply_override(raw, key, value)
     run = raw.setdefault("run", {}) if isinstance(raw.get("run", {}), dict) else raw["run"]
     if isinstance(run, dict) and not run.get("name"):
         run["name"] = path.stem
-    cfg = from_dict(Config, raw)
-    cfg.source = path
+    try:
+        cfg = from_dict(Config, raw)
+    except ConfigError as exc:  # a value the profile gave: say where it came from
+        if cluster is None or not cluster.sets(exc.field) or exc.field in given:
+            raise
+        raise ConfigError(exc.field, f"{str(exc)[len(exc.field) + 2:]} (set by {cluster.where})") from None
+    cfg.source, cfg.cluster = path, cluster
     return cfg
 
 

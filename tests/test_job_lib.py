@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from common.rundir import HangLine, RunDir
-from jobs.slurm.script import JOB_LIB, PYXIS_LIB
+from jobs.nodes import BadNode
+from jobs.slurm.script import JOB_LIB, MEMORY_LIB, PYXIS_LIB
 
 SETTINGS = """{paths}
 NODES_NEEDED=2 PROCS_PER_NODE=2 RANKS=4 REQUEUE=1 MAX_RETRIES=2 MAX_REQUEUES=3 PREFLIGHT_TIMEOUT=300
@@ -23,7 +24,9 @@ NO_REQUEUE='slurm.requeue is off'
 PREFLIGHT_EXIT=5 HANG_EXIT=4 REQUEUE_EXIT=75 BAD_INPUT_EXIT=2
 CONTAINER_PREFIX={prefix} CONTAINER_BUILD={build} KEEP_BUILDS=2
 STEP_STOP_WAIT=5 CONTAINER_REMOVE_WAIT=1 CANCEL_REMOVE_WAIT=3 STALE_REMOVE_TIMEOUT=60
-JOB_TAG=41 NODES="node1 node2" RETRIES=0 REQUEUES=0 HELPER_PIDS=() SRUN_PID="" STOP_REQUESTED=0 TRAPPED=0
+JOB_TAG=41 NODES="node1 node2" RETRIES=0 REQUEUES=0 PREEMPTIONS=0 HELPER_PIDS=() SRUN_PID="" STOP_REQUESTED=0 TRAPPED=0
+CLUSTER=alps BAD_NODES_DIR={nodes}
+LEAD_AUTO=1 LEAD_MIN=60 LEAD_DEFAULT=300 LEAD_MAX=1800 WARNING_POLL=1 CHECKPOINT_BYTES=1073741824 SYNC_STEPS=10
 """
 
 
@@ -38,6 +41,7 @@ class Lib:
         self.bin = tmp_path / "bin"
         self.bin.mkdir()
         self.prefix, self.build = prefix, build
+        self.nodes = tmp_path / "runs" / ".nodes" / "alps"  # the cluster's remembered bad nodes
         for name in ("scontrol", "sinfo", "srun", "squeue", "enroot"):
             self.stand_in(name, "")
 
@@ -49,8 +53,9 @@ class Lib:
     def script(self, body: str) -> str:
         paths = "\n".join(f"{name}={shlex.quote(str(path))}"  # where the batch script says the run's files are
                           for name, path in RunDir(self.run_dir).shell_paths("checkpoints").items())
-        return ("set -euo pipefail\n" + SETTINGS.format(paths=paths, prefix=self.prefix, build=self.build)
-                + JOB_LIB + PYXIS_LIB + "\nCONTAINER_NAME=$(container_name)\n" + body + "\n")
+        return ("set -euo pipefail\n" + SETTINGS.format(paths=paths, prefix=self.prefix, build=self.build,
+                                                        nodes=shlex.quote(str(self.nodes)))
+                + JOB_LIB + MEMORY_LIB + PYXIS_LIB + "\nCONTAINER_NAME=$(container_name)\n" + body + "\n")
 
     def env(self) -> dict[str, str]:
         return {"PATH": f"{self.bin}:{os.environ['PATH']}", "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "node[1-2]",
@@ -317,7 +322,11 @@ def test_a_silent_node_in_a_hang_is_blamed(tmp_path):
     assert lib.events() == [
         "hang: no step completed for 20 s after step 9; stack dumps from 2 of 4 ranks in hangs/41-*.txt; "
         "not answering in time: the ranks on node2",
+        "bad nodes remembered for cluster alps: node2 (its later jobs exclude them)",
         "retry 1/2 (hang): requeueing without node2 (excluded nodes: node2)"]
+    record = BadNode.parse((lib.nodes / "node2").read_text())  # what the cluster's next submission reads
+    assert (record.node, record.kind, record.run, record.job) == ("node2", "hang", "run", "41"), record
+    assert record.reason == "hang: its ranks wrote no stack dump in time" and record.since == record.at
     assert [c for c in lib.calls() if not c.startswith(("scontrol show", "sinfo"))] == [
         "scontrol requeuehold 41", "scontrol update JobId=41 ExcNodeList=node2", "scontrol release 41"]
 
@@ -530,6 +539,7 @@ def test_verify_nodes_retries_without_a_node_that_sent_no_report(tmp_path):
     r = lib.run("CODE_DIR='' CODE_SHA256=''; verify_nodes; echo verified")
     assert r.returncode == 0 and "verified" not in r.stdout, r.stderr
     assert lib.events() == ["preflight failed on node2: no verification report within 300 s (step exit 1)",
+                            "bad nodes remembered for cluster alps: node2 (its later jobs exclude them)",
                             "retry 1/2 (preflight): requeueing without node2 (excluded nodes: node2)"]
 
 
@@ -548,4 +558,5 @@ def test_verify_nodes_leaves_out_a_node_that_does_not_see_what_the_others_see(tm
     assert r.returncode == 0 and "verified" not in r.stdout, r.stderr
     assert lib.events() == ["preflight failed on node2: the code snapshot /not/mounted/here is not there (removed "
                             "after submission, or this node does not see its filesystem)",
+                            "bad nodes remembered for cluster alps: node2 (its later jobs exclude them)",
                             "retry 1/2 (preflight): requeueing without node2 (excluded nodes: node2)"]

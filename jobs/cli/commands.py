@@ -38,6 +38,14 @@ def _config_args(p: argparse.ArgumentParser, optional: bool = False, cluster: bo
                        help=f"{help_} ({key})" if shown else argparse.SUPPRESS)
     for flag, key, help_ in BOOL_FLAGS:
         g.add_argument(flag, dest=f"set:{key}", action="store_const", const=True, help=f"{help_} ({key})")
+    if cluster:
+        _cluster_arg(p)
+
+
+def _cluster_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", metavar="NAME", help="the cluster profile to run with (clusters.yaml of the project "
+                                                    "or of ~/.config/slipway; default $SLIPWAY_CLUSTER): it wins "
+                                                    "over the config, overrides and flags win over it")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -101,6 +109,14 @@ def cmd_watch(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         raise ConfigError("--interval", f"must be > 0 seconds, got {args.interval:g}")
     return watch.watch(_run(args), args.job, interval=args.interval, once=args.once, console=rich_console())
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    from jobs import clusters, nodes, runs
+
+    profile = clusters.resolve(args.cluster, project_dir())
+    memory, after = nodes.memory_of(argparse.Namespace(cluster=profile), runs.runs_root(project_dir()))
+    return nodes.show(memory, after, args.forget or [], rich_console())
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -206,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("image", help="build / show / prune the training image (podman + enroot); see image --help")
     sub.add_parser("cluster", help="a real Slurm cluster on this machine to try slipway on: up | down | env | "
                                    "status (root; Debian slurm-wlm and munge)")
+
+    p = sub.add_parser("nodes", help="the bad nodes a cluster remembers (blamed by a preflight, a hang or a node "
+                                     "death; excluded from its later jobs): why and since when; --forget NODE")
+    _cluster_arg(p)
+    p.add_argument("--forget", metavar="NODE", action="append", help="forget NODE: later jobs may run on it again "
+                                                                     "(repeat for more)")
+    p.set_defaults(func=cmd_nodes)
 
     p = sub.add_parser("plot", help="loss and throughput curves of a run as a PNG")
     p.add_argument("run", metavar="RUN")

@@ -34,9 +34,14 @@ def load(args: argparse.Namespace):
     from jobs.config import load_config
     from common.errors import warn
 
+    from jobs import clusters
+
     sets = {k[4:]: v for k, v in vars(args).items() if k.startswith("set:") and v is not None}
-    cfg = load_config(args.config, args.overrides, sets)
+    given_cluster = getattr(args, "cluster", None)
+    profile = clusters.resolve(given_cluster, project_dir()) if hasattr(args, "cluster") else None
+    cfg = load_config(args.config, args.overrides, sets, cluster=profile)
     given, switches = [args.config, *args.overrides], {key for _, key, _ in BOOL_FLAGS}
+    given += ["--cluster", given_cluster] if given_cluster else []
     for flag, key, *_ in NAMED_FLAGS + CLUSTER_FLAGS + BOOL_FLAGS:
         if key in sets:
             given += [flag] if key in switches else [flag, str(sets[key])]

@@ -120,6 +120,10 @@ def show_status(project_dir, run_name: str | None, console) -> int:
         latest = run.latest_train_job()
         if latest:
             _print_history(run, job_history(run, latest), console)
+        cluster = next((x.cluster for x in reversed(launches) if x.kind == "train" and not x.local), None)
+        if cluster and isinstance(cluster.get("name"), str):
+            console.print(f"cluster {cluster['name']} (its profile, as submitted, is in manifest.json)",
+                          soft_wrap=True, highlight=False, markup=False)
         image = run.image()
         if image is not None and image.image:
             console.print(f"image {image.image}" + (f" (build {image.build_hash[:12]})" if image.build_hash else ""),

@@ -179,6 +179,34 @@ def responding_nodes(partition: str | None) -> list[str]:
     return list(dict.fromkeys(out.split()))
 
 
+# Node states (sinfo %t, its power-saving suffixes ~#% stripped) in which Slurm can place a job: what
+# job_lib.sh's retry_or_stop counts as usable too.
+USABLE_STATES = ("idle", "mix", "alloc", "comp", "plnd")
+
+
+def usable_state(state: str) -> bool:
+    return state.rstrip("~#%") in USABLE_STATES
+
+
+def partition_nodes(partition: str | None) -> tuple[str, dict[str, str]]:
+    """(the partition, each of its nodes' sinfo state) in one sinfo: `partition`'s, else the
+    default partition's (sinfo marks it with a `*`); ("", {}) when there is none."""
+    out = _run(_tool("sinfo"), "-h", "-N", "-o", "%N|%t|%P")
+    rows = [line.split("|") for line in out.splitlines() if line.count("|") == 2]
+    if partition is None:
+        partition = next((p.rstrip("*") for _, _, p in rows if p.endswith("*")), "")
+    return partition, {node: state for node, state, p in rows if p.rstrip("*") == partition}
+
+
+def cluster_config() -> dict[str, str]:
+    """`scontrol show config` as key -> value ({} without an answer)."""
+    if not available("scontrol"):
+        return {}
+    rc, out, _ = local["scontrol"]["show", "config"].run(retcode=None, timeout=30)
+    return {k.strip(): v.strip() for k, sep, v in (line.partition("=") for line in out.splitlines()) if sep} \
+        if rc == 0 else {}
+
+
 def ping(timeout: float = 20) -> tuple[bool, str]:
     """Whether a Slurm controller answers (`scontrol ping`), and what it said."""
     if not available("scontrol"):
