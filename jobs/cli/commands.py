@@ -59,8 +59,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         run_name = args.config
     if run_name:
         return doctor.run_doctor_run(runs.find_run(run_name, project_dir()), console=rich_console())
+    from jobs import clusters
+
     cfg = load(args) if args.config else None
-    return doctor.run_doctor(cfg, project_dir(), console=rich_console())
+    profile = cfg.cluster if cfg is not None else clusters.resolve(args.cluster, project_dir())
+    return doctor.run_doctor(cfg, project_dir(), console=rich_console(), profile=profile)
 
 
 def _names_a_run_only(args: argparse.Namespace) -> bool:

@@ -137,7 +137,8 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
     where = (f"{s.nodes} node(s) x {scfg.launch.procs_per_node} process(es)"
              f"{f' x {s.gpus_per_node} GPU(s)' if s.gpus_per_node else ''}, time {s.time}"
              + "".join(f", {k} {v}" for k, v in (("partition", s.partition), ("account", s.account)) if v)
-             + f"; runtime {scfg.container.runtime}, launcher {scfg.launch.launcher}")
+             + f"; runtime {scfg.container.runtime}, launcher {scfg.launch.launcher}"
+             + (f"; cluster {scfg.cluster.name}" if scfg.cluster is not None else ""))
     built = f"build {pin.build_hash[:12]}" if pin.build_hash else "not built yet" if pin.source == "none" else pin.source
     image = f"{pin.image} ({built})" if pin.image else "none: this environment's Python on the nodes"
     source = (f"git {code.commit[:12]}{' with uncommitted changes' if code.dirty else ''}" if code and code.commit
@@ -270,7 +271,8 @@ def cmd_edf(args: argparse.Namespace) -> int:
     sealed = runs.seal(cfg, project_dir(), dry_run=not args.install)
     _notes(rich_console(), sealed.notes)
     if args.install:
-        print(install_edf(sealed.env, cfg.container.edf_name or cfg.run.name, force=args.force))
+        edf_dir = cfg.cluster.cluster.edf_dir if cfg.cluster is not None else None  # the cluster's EDF_PATH there
+        print(install_edf(sealed.env, cfg.container.edf_name or cfg.run.name, edf_path=edf_dir, force=args.force))
     else:
         sys.stdout.write(mask(render_edf(sealed.env)))
     return 0

@@ -6,10 +6,11 @@
   (job_lib.sh, pyxis_lib.sh).
 """
 
-from jobs.slurm.client import (ACTIVE_STATES, JobInfo, SlurmError, available, can_ask, cluster_config, hostnames,
+from jobs.slurm.client import (ACTIVE_STATES, JobInfo, SlurmError, associations, available, can_ask, cluster_config,
+                               hostnames, partitions,
                                job_info, jobs_info, partition_nodes, ping, responding_nodes, sacct_argv, sbatch,
                                scancel, squeue_argv, srun_argv, usable_state)
 
-__all__ = ["ACTIVE_STATES", "JobInfo", "SlurmError", "available", "can_ask", "cluster_config", "hostnames",
+__all__ = ["ACTIVE_STATES", "JobInfo", "SlurmError", "associations", "available", "partitions", "can_ask", "cluster_config", "hostnames",
            "job_info", "jobs_info", "partition_nodes", "ping", "responding_nodes", "sacct_argv", "sbatch", "scancel",
            "squeue_argv", "srun_argv", "usable_state"]

@@ -198,6 +198,24 @@ def partition_nodes(partition: str | None) -> tuple[str, dict[str, str]]:
     return partition, {node: state for node, state, p in rows if p.rstrip("*") == partition}
 
 
+def partitions() -> dict[str, list[tuple[str, str]]]:
+    """Each partition's nodes as (name, generic resources: `gpu:4`, `(null)`), in one sinfo."""
+    out = _run(_tool("sinfo"), "-h", "-N", "-o", "%P|%N|%G")
+    found: dict[str, list[tuple[str, str]]] = {}
+    for part, node, gres in (line.split("|", 2) for line in out.splitlines() if line.count("|") == 2):
+        found.setdefault(part.rstrip("*"), []).append((node, gres))
+    return found
+
+
+def associations(user: str) -> list[tuple[str, str]] | None:
+    """(account, QoS list) of each of `user`'s associations (sacctmgr); None without accounting."""
+    if not available("sacctmgr"):
+        return None
+    rc, out, _ = local["sacctmgr"]["-n", "-P", "show", "associations", f"user={user}", "format=account,qos"].run(
+        retcode=None, timeout=30)
+    return [tuple(line.split("|", 1)) for line in out.splitlines() if "|" in line] if rc == 0 else None
+
+
 def cluster_config() -> dict[str, str]:
     """`scontrol show config` as key -> value ({} without an answer)."""
     if not available("scontrol"):

@@ -393,7 +393,7 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
               'rm -f "$STOP_FILE"',
               "# What this job (its id survives requeues) has used: failure retries, time-limit requeues;",
               "# and the preemptions (requeues by Slurm), counted apart.",
-              "RETRIES=$(count_events retry) REQUEUES=$(count_events time-limit requeue) PREEMPTIONS=$(count_events preempted)",
+              "RETRIES=$(count_events retry) REQUEUES=$(count_events time-limit requeue) PREEMPTIONS=$(count_events preempted:)",
               "note_preemption",
               "JOB_TAG=$(job_tag)",
               *(["CONTAINER_NAME=$(container_name)"] if pyxis else []),
