@@ -3,7 +3,8 @@ to read, each defined once (the host's run model, the batch script's renderer, t
 launcher and the trainer all take their paths from `RunDir`; the batch script gets them as the
 variables `RunDir.shell_paths` renders, never composing one itself). Also what the three agree on
 beyond paths: the exit codes of a launch (EXIT_CODES, the one table), the code snapshot's
-record, the rule for a whole checkpoint, and the hang dump's first line (`HangLine`, by keys).
+record, the rule for a whole checkpoint, a save's record (`SaveLine`) and the hang dump's first
+line (`HangLine`), by keys.
 events.log's lines are common/events.py's. Stdlib only: the trainer imports it, and so does the
 host (never the other way round).
 """
@@ -231,7 +232,7 @@ class HangLine:
     """The first line of a hang dump (trainer/watchdog.py writes it; the batch script, `slipway
     status` and the local launcher read it), by keys: `slipway-hang rank=R host=H step=S
     idle=SECONDS limit=SECONDS answered=on-time|late`. `answered` late: the rank was frozen or
-    starved until the teardown woke it. The bash reader is job_lib.sh's `hang_field`."""
+    starved until the teardown woke it. The bash reader is job_lib.sh's `line_field`."""
 
     rank: int
     host: str

@@ -204,8 +204,8 @@ def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
         out.notes.append(f"excluding the bad nodes cluster {memory.cluster} remembers: {_described(shown_nodes)}; "
                          f"`slipway nodes --cluster {memory.cluster} --forget NODE` to use one again")
     if left:
-        out.notes.append(f"not excluding {_described(left)}, remembered as bad by cluster {memory.cluster}: without "
-                         f"them {where} would have {usable} usable node(s) for a job of {needed}")
+        out.notes.append(f"not excluding {_described(left)}, remembered as bad by cluster {memory.cluster}: {where} "
+                         f"has {usable} usable node(s) besides those excluded and the job needs {needed}")
     return out
 
 

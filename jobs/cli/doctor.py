@@ -216,12 +216,20 @@ def cluster_checks(profile, cfg: Optional[Config] = None) -> list[Result]:
         directory = profile.cluster.edf_dir
         if not directory:
             return []
+        import tempfile
+
         path = Path(directory)
         while not path.exists() and path != path.parent:
             path = path.parent
-        ok = os.access(path, os.W_OK)
-        return [("EDF directory", ok, f"{directory} is writable" if ok else f"{directory} is not writable here "
-                 f"({path} is not): fix cluster.edf_dir in {_file_of(profile)} or the directory's permissions")]
+        try:  # a file made and removed: permissions alone do not say (root, read-only mounts, /proc)
+            fd, probe = tempfile.mkstemp(prefix=".slipway-doctor-", dir=path)
+            os.close(fd)
+            os.unlink(probe)
+            why = ""
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+        return [("EDF directory", not why, f"{directory} is writable" if not why else f"{directory} is not writable "
+                 f"here ({path}: {why}): fix cluster.edf_dir in {_file_of(profile)} or the directory's permissions")]
 
     for what, check in (("partition", nodes), ("account and QoS", access), ("MaxArraySize", array),
                         ("EDF directory", edf_dir)):

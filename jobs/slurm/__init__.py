@@ -7,10 +7,9 @@
 """
 
 from jobs.slurm.client import (ACTIVE_STATES, JobInfo, SlurmError, associations, available, can_ask, cluster_config,
-                               hostnames, partitions,
-                               job_info, jobs_info, partition_nodes, ping, responding_nodes, sacct_argv, sbatch,
-                               scancel, squeue_argv, srun_argv, usable_state)
+                               hostnames, job_info, jobs_info, partition_nodes, partitions, ping, responding_nodes,
+                               sacct_argv, sbatch, scancel, squeue_argv, srun_argv, usable_state)
 
-__all__ = ["ACTIVE_STATES", "JobInfo", "SlurmError", "associations", "available", "partitions", "can_ask", "cluster_config", "hostnames",
-           "job_info", "jobs_info", "partition_nodes", "ping", "responding_nodes", "sacct_argv", "sbatch", "scancel",
-           "squeue_argv", "srun_argv", "usable_state"]
+__all__ = ["ACTIVE_STATES", "JobInfo", "SlurmError", "associations", "available", "can_ask", "cluster_config",
+           "hostnames", "job_info", "jobs_info", "partition_nodes", "partitions", "ping", "responding_nodes",
+           "sacct_argv", "sbatch", "scancel", "squeue_argv", "srun_argv", "usable_state"]
