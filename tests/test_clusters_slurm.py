@@ -38,8 +38,13 @@ two:
 """
 
 
+def log_text(run_dir: Path) -> str:
+    path = run_dir / "events.log"
+    return path.read_text() if path.exists() else ""
+
+
 def events(run_dir: Path) -> list[str]:
-    return [line.split(" ", 3)[3] for line in (run_dir / "events.log").read_text().splitlines()]
+    return [line.split(" ", 3)[3] for line in log_text(run_dir).splitlines()]
 
 
 def submit(*args: str) -> tuple[str, subprocess.CompletedProcess]:
@@ -136,7 +141,7 @@ def restart(job_id: str, run_dir: Path, attempt: int) -> None:
     wait_for(lambda: job_state(job_id) == "PENDING", 120, "the job to be pending again")
     time.sleep(3)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, capture_output=True)
-    wait_for(lambda: f"(restart {attempt})" in (run_dir / "events.log").read_text(), 120, f"attempt {attempt}")
+    wait_for(lambda: f"(restart {attempt})" in log_text(run_dir), 120, f"attempt {attempt}")
 
 
 def test_a_slow_checkpoint_directory_grows_the_lead_and_the_save_beats_the_kill(project, slurm_env, tmp_path):
@@ -149,7 +154,7 @@ def test_a_slow_checkpoint_directory_grows_the_lead_and_the_save_beats_the_kill(
         wait_for(lambda: job_state(job_id) == "RUNNING", 120, "the job to run")
         out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True).stdout
         end = datetime.strptime(out.strip(), "%Y-%m-%dT%H:%M:%S").astimezone()
-        wait_for(lambda: "time-limit requeue 1/" in (run_dir / "events.log").read_text(), 240, "the requeue")
+        wait_for(lambda: "time-limit requeue 1/" in log_text(run_dir), 240, "the requeue")
         lines = [parse_event(line) for line in (run_dir / "events.log").read_text().splitlines()]
         said = [e.text for e in lines]
         lead = next(e for e in said if e.startswith("warning lead "))

@@ -87,13 +87,13 @@ retry_or_stop() {
 # step of trainer/preflight.py); a node that failed or sent no report is named, and the job
 # retried without it. Every node failing alike (a full filesystem, a bad config) blames none.
 preflight_nodes() {
-  local log=$1 step_rc=$2 node line bad="" bps
+  local log=$1 step_rc=$2 node line bad=""
   WRITE_BPS=0
   for node in $NODES; do
     line=$(grep -F -m1 "slipway-preflight $node " "$log") || line=""
     case "$line" in
-      "slipway-preflight $node ok"*) clear_bad_node "$node"
-        bps=$(line_field write_bps "${line//;/ }"); [[ $bps =~ ^[0-9]{1,15}$ ]] && WRITE_BPS=$((WRITE_BPS + bps)) ;;
+      "slipway-preflight $node ok"*) clear_bad_node "$node"  # no fork per node: a job may have thousands
+        if [[ $line =~ write_bps=([0-9]{1,15}) ]]; then WRITE_BPS=$((WRITE_BPS + BASH_REMATCH[1])); fi ;;
       "") bad+="$node "; BLAME[$node]="no preflight report within $PREFLIGHT_TIMEOUT s"
           event "preflight failed on $node: no report within $PREFLIGHT_TIMEOUT s (its container did not start there, or the node is unreachable; step exit $step_rc)" ;;
       *) bad+="$node "; BLAME[$node]="preflight failed: ${line#*fail: }"; event "preflight failed on $node: ${line#*fail: }" ;;

@@ -119,16 +119,21 @@ job_end_time() {
 # administrator may move it) and said in events.log whenever it changes. `--signal` is fixed at
 # sbatch time; this is how every job and every requeue gets the lead of the latest measurements.
 warning_timer() {
-  local end="" lead why said="" left polls=0
+  local end="" lead why said="" left polls=0 nap=""
+  # Ended (on_exit) while it sleeps: its sleep goes with it, holding nothing of the job's open.
+  trap '[ -z "$nap" ] || kill "$nap" 2>/dev/null; exit 0' TERM
   while :; do
     if [ -z "$end" ] || [ $((polls % 10)) = 0 ]; then end=$(job_end_time) || end=""; fi
     polls=$((polls + 1))
-    if [ -z "$end" ]; then sleep "$WARNING_POLL"; continue; fi
-    read -r lead why < <(warning_lead)
-    [ "$lead" = "$said" ] || { event "warning lead $lead s: $why"; said=$lead; }
-    left=$((end - $(date +%s)))
-    if [ "$left" -le "$lead" ]; then kill -USR1 $$; return 0; fi
-    sleep $(( left - lead < WARNING_POLL ? left - lead : WARNING_POLL ))
+    left=$WARNING_POLL
+    if [ -n "$end" ]; then
+      read -r lead why < <(warning_lead)
+      [ "$lead" = "$said" ] || { event "warning lead $lead s: $why"; said=$lead; }
+      left=$((end - $(date +%s) - lead))
+      if [ "$left" -le 0 ]; then kill -USR1 $$; return 0; fi
+    fi
+    sleep $(( left < WARNING_POLL ? left : WARNING_POLL )) & nap=$!
+    wait "$nap" || true; nap=""
   done
 }
 

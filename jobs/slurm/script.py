@@ -430,7 +430,7 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
         'export SLIPWAY_EXITS="$EXITS/$JOB_TAG"  # read once below, then removed',
         'rm -rf "$SLIPWAY_EXITS"; mkdir -p "$SLIPWAY_EXITS"',
         "# The time-limit warning as early as the run's saves need (warning_timer), unless fixed.",
-        '[ "${LEAD_AUTO:-0}" != 1 ] || { warning_timer & HELPER_PIDS+=("$!"); }',
+        '[ "${LEAD_AUTO:-0}" != 1 ] || { warning_timer > /dev/null 2>&1 & HELPER_PIDS+=("$!"); }',
         launch_line(cfg, paths, container, prefix, code=code) + " &",
         'SRUN_PID=$!',
         'set +e; wait_step "$SRUN_PID"; set -e',
