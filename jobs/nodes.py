@@ -160,9 +160,8 @@ class Exclusions:
     notes: list[str] = field(default_factory=list)
 
 
-def memory_of(cfg, runs_root: Path) -> tuple[NodeMemory, int]:
-    """The node memory of `cfg`'s cluster and how long its records stand."""
-    profile = cfg.cluster
+def memory_of(profile: Optional[clusters.ClusterProfile], runs_root: Path) -> tuple[NodeMemory, int]:
+    """The node memory of `profile`'s cluster (DEFAULT's without one) and how long its records stand."""
     after = profile.cluster.forget_bad_nodes_after if profile is not None else clusters.DAY
     return NodeMemory.of(runs_root, clusters.key(profile)), after
 
@@ -172,7 +171,7 @@ def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
     (sbatch refuses a name it does not), the most recently blamed first, as long as enough usable
     nodes are left for the job; the others are left in, and the notes say which and why. One
     sinfo, asked only when the cluster remembers a node."""
-    memory, after = memory_of(cfg, runs_root)
+    memory, after = memory_of(cfg.cluster, runs_root)
     recall = memory.read(after) if after else Recall()
     out = Exclusions(notes=[f"a remembered bad node's record is damaged: {d}" for d in recall.damaged])
     if not recall.live:

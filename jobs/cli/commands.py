@@ -118,7 +118,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     from jobs import clusters, nodes, runs
 
     profile = clusters.resolve(args.cluster, project_dir())
-    memory, after = nodes.memory_of(argparse.Namespace(cluster=profile), runs.runs_root(project_dir()))
+    memory, after = nodes.memory_of(profile, runs.runs_root(project_dir()))
     return nodes.show(memory, after, args.forget or [], rich_console())
 
 

@@ -314,7 +314,7 @@ def _settings(cfg: Config, paths: RunDir, env: Environment, container_named: boo
 
 def _memory_settings(cfg: Config, paths: RunDir) -> list[str]:
     """Where the cluster remembers bad nodes (jobs/nodes.py): the runs root, which every node reaches."""
-    memory, after = memory_of(cfg, paths.path.parent)
+    memory, after = memory_of(cfg.cluster, paths.path.parent)
     where = shlex.quote(str(memory.dir)) if after else "''"
     return ["# The bad nodes this cluster remembers (a node the job blames is excluded from its later jobs).",
             f"CLUSTER={shlex.quote(memory.cluster)} BAD_NODES_DIR={where}"]
