@@ -182,9 +182,9 @@ def cluster_checks(profile, cfg: Optional[Config] = None) -> list[Result]:
         found = [("partition", True, f"{default}: {len(members)} node(s)")]
         if gpus:
             carrying = [n for n, gres in members if _gres_gpus(gres) >= gpus]
+            by = f"launch.preset {preset}" if preset in NODE_PRESETS else "slurm.gpus_per_node"
             found.append(("GPUs per node", bool(carrying), f"{len(carrying)} of {len(members)} node(s) of {default} "
-                          f"carry the {gpus} GPUs {'launch.preset ' + preset if preset in NODE_PRESETS else 'slurm.gpus_per_node'} expects"
-                          if carrying else f"no node of {default} carries {gpus} GPUs (sinfo's gres: "
+                          f"carry the {gpus} GPUs {by} expects" if carrying else f"no node of {default} carries {gpus} GPUs (sinfo's gres: "
                           f"{', '.join(sorted({g for _, g in members})) or 'none'}): set slurm.partition to a GPU "
                           f"partition or lower slurm.gpus_per_node in {_file_of(profile)}"))
         return found
@@ -198,8 +198,8 @@ def cluster_checks(profile, cfg: Optional[Config] = None) -> list[Result]:
         found = []
         if account:
             found.append(("account", account in accounts, f"{account} is {user}'s" if account in accounts else
-                          f"{user} has no association with account {account} (theirs: {', '.join(accounts) or 'none'}): "
-                          f"fix slurm.account in {_file_of(profile)}"))
+                          f"{user} has no association with account {account} (theirs: "
+                          f"{', '.join(accounts) or 'none'}): fix slurm.account in {_file_of(profile)}"))
         if qos:
             allowed = sorted({q for a, qs in assocs if not account or a == account for q in qs.split(",") if q})
             found.append(("QoS", qos in allowed, f"{qos} is allowed" if qos in allowed else
