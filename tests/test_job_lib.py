@@ -681,7 +681,8 @@ def test_the_timer_asks_for_the_save_at_the_lead_before_the_jobs_end(tmp_path):
 def test_a_requeue_by_slurm_is_a_preemption_counted_apart(tmp_path):
     lib = Lib(tmp_path)
     log = lib.run_dir / "events.log"
-    log.write_text("2026-01-01T00:00:00+00:00 job 41 start on node1 (restart 0), failure retries 0/2, time-limit "
+    earlier = "".join(f"2026-01-01T00:00:00+00:00 job 41 an earlier attempt's event {i}\n" for i in range(20000))
+    log.write_text(earlier + "2026-01-01T00:00:00+00:00 job 41 start on node1 (restart 0), failure retries 0/2, time-limit "
                    "requeues 0/3\n2026-01-01T00:01:00+00:00 job 41 cancelled (SIGTERM)\n"
                    "2026-01-01T00:01:00+00:00 job 41 end exit 143\n")
     r = lib.run('SLURM_RESTART_COUNT=1; note_preemption; echo "$PREEMPTIONS|$PREEMPTIONS_SAID"')

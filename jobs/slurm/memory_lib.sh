@@ -61,7 +61,9 @@ note_preemption() {
   local attempt
   PREEMPTIONS_SAID=""
   if [ "${SLURM_RESTART_COUNT:-0}" != 0 ]; then
-    attempt=$(grep -sF " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} " "$EVENTS_LOG" | tac | awk '/ start on /{exit} {print}') || attempt=""
+    # The previous attempt's events, newest first (awk reads to the end: no SIGPIPE under pipefail).
+    attempt=$( { grep -sF " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} " "$EVENTS_LOG" || true; } | tac |
+               awk '/ start on /{done=1} !done') || attempt=""
     case "$attempt" in
       *" retry "[0-9]*|*" time-limit requeue "[0-9]*) ;;
       *) PREEMPTIONS=$((PREEMPTIONS + 1))
