@@ -49,6 +49,8 @@ class EventKind(str, enum.Enum):
     HANG = "hang"
     NODE_FAILURE = "node failure"
     CANCELLED = "cancelled"
+    PREEMPTED = "preempted"  # requeued by Slurm (a preemption, an `scontrol requeue`), said by the next attempt
+    WARNING_LEAD = "warning lead"  # how long before the time limit the job asks for the save, and why
     OTHER = "other"
 
 
@@ -71,6 +73,8 @@ _KINDS: tuple[tuple[str, EventKind], ...] = (
     ("hang:", EventKind.HANG),
     ("node failure", EventKind.NODE_FAILURE),
     ("cancelled", EventKind.CANCELLED),
+    ("preempted:", EventKind.PREEMPTED),
+    ("warning lead ", EventKind.WARNING_LEAD),
 )
 _EXIT = re.compile(r"end exit (-?\d+)\b")
 _HANG_TAG = re.compile(r"hangs/(\S+)-\*\.txt")

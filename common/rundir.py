@@ -3,7 +3,8 @@ to read, each defined once (the host's run model, the batch script's renderer, t
 launcher and the trainer all take their paths from `RunDir`; the batch script gets them as the
 variables `RunDir.shell_paths` renders, never composing one itself). Also what the three agree on
 beyond paths: the exit codes of a launch (EXIT_CODES, the one table), the code snapshot's
-record, the rule for a whole checkpoint, and the hang dump's first line (`HangLine`, by keys).
+record, the rule for a whole checkpoint, a save's record (`SaveLine`) and the hang dump's first
+line (`HangLine`), by keys.
 events.log's lines are common/events.py's. Stdlib only: the trainer imports it, and so does the
 host (never the other way round).
 """
@@ -88,6 +89,8 @@ class RunDir:
     # On Slurm's time-limit warning (or a stop request) the batch script creates it; the trainer
     # saves at the step boundary and exits REQUEUE_EXIT ("requeue me").
     stop_file = property(lambda self: self.path / "stop-requested")
+    # One SaveLine per completed checkpoint save (rank 0): what the batch script's warning lead reads.
+    saves = property(lambda self: self.path / "saves.log")
     curves = property(lambda self: self.path / "curves.png")  # `slipway plot`
 
     def checkpoints(self, setting: str | os.PathLike) -> Path:
@@ -112,7 +115,7 @@ class RunDir:
         library uses only these)."""
         return {"RUN_DIR": self.path, "EVENTS_LOG": self.events, "LOGS": self.logs, "HEARTBEAT": self.heartbeat,
                 "HEARTBEATS": self.heartbeats, "GUTIL": self.gutil, "HANGS": self.hangs, "EXITS": self.exits,
-                "STOP_FILE": self.stop_file, "CHECKPOINT_DIR": self.checkpoints(checkpoint_dir)}
+                "STOP_FILE": self.stop_file, "SAVES": self.saves, "CHECKPOINT_DIR": self.checkpoints(checkpoint_dir)}
 
 
 def glob_escape(text: str) -> str:
@@ -186,11 +189,50 @@ def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[int]:
 
 
 @dataclass(frozen=True)
+class SaveLine:
+    """One completed checkpoint save, a line of saves.log (trainer/checkpoint.py writes it; the batch
+    script's warning lead reads it, job_lib.sh `warning_lead`): `slipway-save step=N ms=DURATION
+    bytes=SIZE step_ms=STEP_TIME at=TIME`, whole milliseconds, as bash reckons in integers. The
+    duration runs from the save's start to its commit (an asynchronous save's writing included);
+    the step time is the mean of the steps logged before it (0: none yet)."""
+
+    step: int
+    ms: int
+    bytes: int
+    step_ms: int
+    at: str
+
+    TAG = "slipway-save"
+
+    def line(self) -> str:
+        return f"{self.TAG} step={self.step} ms={self.ms} bytes={self.bytes} step_ms={self.step_ms} at={self.at}"
+
+    @classmethod
+    def parse(cls, line: str) -> Optional["SaveLine"]:
+        words = line.split()
+        if not words or words[0] != cls.TAG:
+            return None
+        keys = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+        try:
+            return cls(int(keys["step"]), int(keys["ms"]), int(keys["bytes"]), int(keys["step_ms"]), keys["at"])
+        except (KeyError, ValueError):
+            return None
+
+    def append_to(self, path: Path) -> None:
+        """One write(2) of one whole line under O_APPEND (a reader never sees half of one)."""
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (self.line() + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+@dataclass(frozen=True)
 class HangLine:
     """The first line of a hang dump (trainer/watchdog.py writes it; the batch script, `slipway
     status` and the local launcher read it), by keys: `slipway-hang rank=R host=H step=S
     idle=SECONDS limit=SECONDS answered=on-time|late`. `answered` late: the rank was frozen or
-    starved until the teardown woke it. The bash reader is job_lib.sh's `hang_field`."""
+    starved until the teardown woke it. The bash reader is job_lib.sh's `line_field`."""
 
     rank: int
     host: str

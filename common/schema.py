@@ -350,6 +350,25 @@ def _from_record(cls: type, data: dict, where: str) -> Any:
     if check is not None:
         check(where)
     return obj
+def part_of(cls: type, data: Any, where: str) -> dict:
+    """The keys `data` sets of section `cls`, each read by its field's type and secret policy as
+    `from_dict` reads it (unknown keys refused, listing the valid ones), with no defaults filled
+    and no checks between fields: a part of a section (a cluster profile's) that is merged into a
+    whole config, which is then read and checked whole. Returns `data` as given (the raw values)."""
+    if not isinstance(data, dict):
+        raise ConfigError(where, f"expected a mapping of keys, got {shown(data)}")
+    hints, fields = _hints(cls), config_fields(cls)
+    edf = bool(getattr(cls, "EDF_TEXT", False))
+    for key, value in data.items():
+        path = f"{where}.{key}"
+        if key not in fields:
+            raise ConfigError(path, f"unknown key; valid keys of {where.rsplit(' ', 1)[-1]} are: {', '.join(fields)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            part_of(tp, value, path)
+        else:
+            _convert(tp, value, path, fields[key].metadata.get("secrets", REFUSE), edf)
+    return data
 
 
 def to_dict(obj: Any) -> Any:

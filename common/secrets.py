@@ -198,7 +198,7 @@ def _find_secrets(text: str, code: bool) -> list[Found]:
         if is_literal(m.group(1)) and not shapes.placeholder(m.group(1)):
             found.append(Found(m.start(1), m.end(1), "a URL with a password"))
     for m in _URL_USER.finditer(text):
-        if shapes.judge_word(m.group(1)):
+        if shapes.judge_url_user(m.group(1)):
             found.append(Found(m.start(1), m.end(1), "a URL with a token as its user"))
     for m in _ASSIGNMENT.finditer(text):
         group = next(g for g in (2, 3, 4) if m.group(g) is not None)

@@ -23,6 +23,7 @@ from common.schema import from_dict, require, to_dict
 from common.yaml import Plain, read_text_bounded, read_yaml
 from containers.record import ImageNeeds, ImageSection
 from edf.environment import NOT_CONFIG, SAFE_NAME, Environment
+from jobs.clusters import ClusterProfile, merged
 from jobs.slurm.sections import NODE_PRESETS, LaunchSection, SlurmSection
 from trainer.config import MODEL_DIMENSIONS, MODEL_PRESETS, TrainerConfig, check_trainer_sections
 
@@ -115,6 +116,9 @@ class Config(TrainerConfig):
     # The command line's CONFIG, overrides and config flags, shell-quoted (set by the CLI), so a
     # suggested `slipway ...` reads the same config the user's own command did.
     given_args: Optional[str] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
+    # The cluster profile merged in (jobs/clusters.py), None without one: the manifest records it
+    # and the cluster's remembered bad nodes go by its name.
+    cluster: Optional[ClusterProfile] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
 
     @property
     def config_name(self) -> str:
@@ -296,13 +300,15 @@ def apply_override(raw: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict[str, Any] | None = None) -> Config:
-    """Read `configs/NAME.yaml` (or a path), apply `key=value` overrides, validate.
+def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict[str, Any] | None = None,
+                cluster: Optional[ClusterProfile] = None) -> Config:
+    """Read `configs/NAME.yaml` (or a path), merge the `cluster` profile in, apply `key=value`
+    overrides, validate: the config < the profile < the command line (jobs/clusters.py says why).
 
     `sets` holds overrides already split into dotted key and typed value (the CLI's named flags).
     """
     path, raw = read_config(path)
-    return config_from(path, raw, overrides, sets)
+    return config_from(path, raw, overrides, sets, cluster=cluster)
 
 
 def read_config(path: str | Path) -> tuple[Path, dict]:
@@ -323,23 +329,31 @@ def read_config(path: str | Path) -> tuple[Path, dict]:
 
 
 def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets: dict[str, Any] | None = None,
-                settings: dict[str, Any] | None = None) -> Config:
-    """The config of file `path` from its raw tree (left as it is), the overrides, the named flags'
-    `sets`, then `settings` (dotted key -> value, as an override's value parses), validated."""
-    raw = _copied(raw)
+                settings: dict[str, Any] | None = None, cluster: Optional[ClusterProfile] = None) -> Config:
+    """The config of file `path` from its raw tree (left as it is), the `cluster` profile merged in,
+    the overrides, the named flags' `sets`, then `settings` (dotted key -> value, as an override's
+    value parses), validated: the config < the profile < the command line (jobs/clusters.py says why)."""
+    raw = merged(raw, cluster.settings) if cluster is not None else _copied(raw)
+    given = {*(sets or {}), *(settings or {})}
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(item, "an override must look like section.key=value, e.g. train.steps=100")
         apply_override(raw, key.strip(), parse_value(value, key.strip()))
+        given.add(key.strip())
     for key, value in [*(sets or {}).items(), *(settings or {}).items()]:
         apply_override(raw, key, value)
     _refuse_ineffective_size(raw, path, overrides or [], sets or {})
     run = raw.setdefault("run", {}) if isinstance(raw.get("run", {}), dict) else raw["run"]
     if isinstance(run, dict) and not run.get("name"):
         run["name"] = path.stem
-    cfg = from_dict(Config, raw)
-    cfg.source = path
+    try:
+        cfg = from_dict(Config, raw)
+    except ConfigError as exc:  # a value the profile gave: say where it came from
+        if cluster is None or not cluster.sets(exc.field) or exc.field in given:
+            raise
+        raise ConfigError(exc.field, f"{str(exc)[len(exc.field) + 2:]} (set by {cluster.where})") from None
+    cfg.source, cfg.cluster = path, cluster
     return cfg
 
 
@@ -357,6 +371,8 @@ def _refuse_ineffective_size(raw: dict, path: Path, overrides: list[str], sets: 
                                         f"dimension of the model ({', '.join(MODEL_DIMENSIONS)}), which a preset only "
                                         "fills where unset; use a config that leaves them unset, or set the "
                                         "dimensions themselves (--hidden-size, --num-layers, ...)")
+
+
 def _copied(node: Any) -> Any:
     """The raw tree's mappings and lists copied, for overrides to set into (the values are
     strings and numbers, which none changes): deepcopy's work without its bookkeeping."""

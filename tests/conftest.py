@@ -132,8 +132,8 @@ def pytest_runtest_setup(item) -> None:
 # drive the real local Slurm cluster (one session cluster per machine, at fixed names,
 # addresses and state directory), and those that build images with podman.
 SHARED_WORKER = {
-    "slurm": {"test_cluster.py", "test_dev_loop.py", "test_e2e.py", "test_environ.py", "test_hang_slurm.py",
-              "test_submit.py", "test_sweep.py", "test_watch.py"},
+    "slurm": {"test_cluster.py", "test_clusters_slurm.py", "test_dev_loop.py", "test_e2e.py", "test_environ.py",
+              "test_hang_slurm.py", "test_submit.py", "test_sweep.py", "test_watch.py"},
     "podman": {"test_image.py", "test_image_project.py", "test_pyxis.py"},
 }
 

@@ -157,11 +157,14 @@ def test_every_slurm_time_form(text, seconds):
     assert cfg.slurm.time_seconds() == seconds
 
 
-@pytest.mark.parametrize("time, signal, warning", [
-    ("00:05:00", None, 30),  # a tenth of a short job, not the 300 s that would stop it at once
-    ("01:00:00", None, 300), ("UNLIMITED", None, 300), ("00:00:15", None, 0),
-    ("00:10:00", "120", 120), ("00:10:00", "0", 0),
+@pytest.mark.parametrize("time, signal, warning, bounds", [
+    # Slurm's own warning is the measured lead's floor; the lead starts at a tenth of the limit (at
+    # most 300 s) until saves are measured, and never takes more than half the limit.
+    ("00:05:00", None, 30, (30, 30, 150)),  # a tenth of a short job, not the 300 s that would stop it at once
+    ("01:00:00", None, 60, (60, 300, 1800)), ("UNLIMITED", None, 300, None), ("00:00:15", None, 0, None),
+    ("00:10:00", "120", 120, None), ("00:10:00", "0", 0, None),  # fixed: Slurm's --signal alone
 ])
-def test_time_limit_warning_fits_inside_the_limit(time, signal, warning):
+def test_time_limit_warning_fits_inside_the_limit(time, signal, warning, bounds):
     overrides = [f"slurm.time={time}"] + ([f"slurm.signal_seconds={signal}"] if signal else [])
-    assert load_config("tiny_cpu", overrides).slurm.warning_seconds() == warning
+    slurm = load_config("tiny_cpu", overrides).slurm
+    assert (slurm.warning_seconds(), slurm.warning_bounds()) == (warning, bounds)

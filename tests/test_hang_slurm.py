@@ -185,8 +185,8 @@ def test_a_node_failing_its_preflight_is_left_out_and_the_job_completes(project,
 
     status = slipway("status", "badnode")
     assert status.returncode == 0 and "COMPLETED" in status.stdout, status.stdout
-    assert (f"job {job_id}: 2 attempt(s); failure retries 1/2 (preflight); time-limit requeues 0/20; excluded nodes "
-            "slpwh-node2") in status.stdout.replace("\n", " "), status.stdout
+    assert (f"job {job_id}: 2 attempt(s); failure retries 1/2 (preflight); time-limit requeues 0/20; preemptions 0; "
+            "excluded nodes slpwh-node2") in status.stdout.replace("\n", " "), status.stdout
     assert "last failure: preflight failed on slpwh-node2: the code snapshot" in status.stdout
 
 

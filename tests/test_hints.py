@@ -274,6 +274,32 @@ def test_a_sweeps_commands(project, shell, tmp_path):
     assert "g-lr1e-3" in listed.stdout and "g-lr3e-3" in listed.stdout, (listed.stdout, listed.stderr)
 
 
+@covers("jobs/nodes.py: slipway nodes{forgetting(self.cluster, [name])}",
+        "jobs/nodes.py: slipway nodes{forgetting(memory.cluster, out.nodes)}")
+def test_a_clusters_remembered_bad_nodes_forgotten(project, shell, tmp_path):
+    from jobs.nodes import BadNode
+
+    (project / "clusters.yaml").write_text("alps:\n  slurm: {partition: normal}\n")
+    memory = project / "runs" / ".nodes" / "alps"
+    memory.mkdir(parents=True)
+    now = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+    (memory / "nid001").write_text(BadNode("nid001", now, now, "r", "41", "preflight", "preflight fail: no GPU").line()
+                                   + "\n")
+    (memory / "nid004").write_text("half a rec")
+    shell = {**shell, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    r = slipway(shell, "nodes", "--cluster", "alps")
+    assert r.returncode == 0 and "nid004: not a bad node's record" in r.stdout, r.stdout
+    forgot = pasted(hint(r.stdout, "nodes"), shell)
+    assert forgot.stdout == "forgot nid004 (cluster alps)\n", (forgot.stdout, forgot.stderr)
+    env = slurm(tmp_path, shell)
+    stand_in(Path(env["PATH"].split(os.pathsep)[0]), "sinfo", "printf 'nid001|idle|normal*\\nnid002|idle|normal\\n'\n")
+    r = slipway(shell, "submit", "tiny_cpu", "--cluster", "alps", extra=env)
+    assert r.returncode == 0 and "excluding the bad nodes cluster alps remembers: nid001" in r.stdout, r.stderr
+    forgot = pasted(hint(r.stdout, "nodes"), shell)
+    assert forgot.stdout == "forgot nid001 (cluster alps)\n", (forgot.stdout, forgot.stderr)
+    assert not any(memory.iterdir())
+
+
 # ---------------------------------------------------------------- doctor and the local cluster
 
 

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from common.rundir import HangLine, RunDir
-from jobs.slurm.script import JOB_LIB, PYXIS_LIB
+from jobs.nodes import BadNode
+from jobs.slurm.script import JOB_LIB, MEMORY_LIB, PYXIS_LIB
 
 SETTINGS = """{paths}
 NODES_NEEDED=2 PROCS_PER_NODE=2 RANKS=4 REQUEUE=1 MAX_RETRIES=2 MAX_REQUEUES=3 PREFLIGHT_TIMEOUT=300
@@ -23,7 +24,9 @@ NO_REQUEUE='slurm.requeue is off'
 PREFLIGHT_EXIT=5 HANG_EXIT=4 REQUEUE_EXIT=75 BAD_INPUT_EXIT=2
 CONTAINER_PREFIX={prefix} CONTAINER_BUILD={build} KEEP_BUILDS=2
 STEP_STOP_WAIT=5 CONTAINER_REMOVE_WAIT=1 CANCEL_REMOVE_WAIT=3 STALE_REMOVE_TIMEOUT=60
-JOB_TAG=41 NODES="node1 node2" RETRIES=0 REQUEUES=0 HELPER_PIDS=() SRUN_PID="" STOP_REQUESTED=0 TRAPPED=0
+JOB_TAG=41 NODES="node1 node2" RETRIES=0 REQUEUES=0 PREEMPTIONS=0 HELPER_PIDS=() SRUN_PID="" STOP_REQUESTED=0 TRAPPED=0
+CLUSTER=alps BAD_NODES_DIR={nodes}
+LEAD_AUTO=1 LEAD_MIN=60 LEAD_DEFAULT=300 LEAD_MAX=1800 WARNING_POLL=1 CHECKPOINT_BYTES=1073741824 SYNC_STEPS=10
 """
 
 
@@ -38,6 +41,7 @@ class Lib:
         self.bin = tmp_path / "bin"
         self.bin.mkdir()
         self.prefix, self.build = prefix, build
+        self.nodes = tmp_path / "runs" / ".nodes" / "alps"  # the cluster's remembered bad nodes
         for name in ("scontrol", "sinfo", "srun", "squeue", "enroot"):
             self.stand_in(name, "")
 
@@ -49,8 +53,9 @@ class Lib:
     def script(self, body: str) -> str:
         paths = "\n".join(f"{name}={shlex.quote(str(path))}"  # where the batch script says the run's files are
                           for name, path in RunDir(self.run_dir).shell_paths("checkpoints").items())
-        return ("set -euo pipefail\n" + SETTINGS.format(paths=paths, prefix=self.prefix, build=self.build)
-                + JOB_LIB + PYXIS_LIB + "\nCONTAINER_NAME=$(container_name)\n" + body + "\n")
+        return ("set -euo pipefail\n" + SETTINGS.format(paths=paths, prefix=self.prefix, build=self.build,
+                                                        nodes=shlex.quote(str(self.nodes)))
+                + JOB_LIB + MEMORY_LIB + PYXIS_LIB + "\nCONTAINER_NAME=$(container_name)\n" + body + "\n")
 
     def env(self) -> dict[str, str]:
         return {"PATH": f"{self.bin}:{os.environ['PATH']}", "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "node[1-2]",
@@ -316,7 +321,11 @@ def test_a_silent_node_in_a_hang_is_blamed(tmp_path):
     assert lib.events() == [
         "hang: no step completed for 20 s after step 9; stack dumps from 2 of 4 ranks in hangs/41-*.txt; "
         "not answering in time: the ranks on node2",
+        "bad nodes remembered for cluster alps: node2 (its later jobs exclude them)",
         "retry 1/2 (hang): requeueing without node2 (excluded nodes: node2)"]
+    record = BadNode.parse((lib.nodes / "node2").read_text())  # what the cluster's next submission reads
+    assert (record.node, record.kind, record.run, record.job) == ("node2", "hang", "run", "41"), record
+    assert record.reason == "hang: its ranks wrote no stack dump in time" and record.since == record.at
     assert [c for c in lib.calls() if not c.startswith(("scontrol show", "sinfo"))] == [
         "scontrol requeuehold 41", "scontrol update JobId=41 ExcNodeList=node2", "scontrol release 41"]
 
@@ -529,6 +538,7 @@ def test_verify_nodes_retries_without_a_node_that_sent_no_report(tmp_path):
     r = lib.run("CODE_DIR='' CODE_SHA256=''; verify_nodes; echo verified")
     assert r.returncode == 0 and "verified" not in r.stdout, r.stderr
     assert lib.events() == ["preflight failed on node2: no verification report within 300 s (step exit 1)",
+                            "bad nodes remembered for cluster alps: node2 (its later jobs exclude them)",
                             "retry 1/2 (preflight): requeueing without node2 (excluded nodes: node2)"]
 
 
@@ -547,4 +557,143 @@ def test_verify_nodes_leaves_out_a_node_that_does_not_see_what_the_others_see(tm
     assert r.returncode == 0 and "verified" not in r.stdout, r.stderr
     assert lib.events() == ["preflight failed on node2: the code snapshot /not/mounted/here is not there (removed "
                             "after submission, or this node does not see its filesystem)",
+                            "bad nodes remembered for cluster alps: node2 (its later jobs exclude them)",
                             "retry 1/2 (preflight): requeueing without node2 (excluded nodes: node2)"]
+
+
+# ---------------------------------------------------------------- what a job leaves for the next ones (memory_lib.sh)
+
+
+def test_a_blamed_node_is_remembered_with_its_first_blame_and_a_clean_preflight_clears_it(tmp_path):
+    lib = Lib(tmp_path)
+    r = lib.run('BLAME[node2]="preflight failed: bad GPU"; remember_bad_nodes preflight node2')
+    assert r.returncode == 0, r.stderr
+    first = BadNode.parse((lib.nodes / "node2").read_text())
+    assert (first.kind, first.reason, first.run, first.job) == ("preflight", "preflight failed: bad GPU", "run", "41")
+    time.sleep(1.1)
+    lib.run('remember_bad_nodes "node failure" node2').check_returncode()  # blamed again: since stands
+    again = BadNode.parse((lib.nodes / "node2").read_text())
+    assert again.since == first.since and again.at > first.at and again.kind == "node-failure"
+    assert again.reason == "node failure"
+    lib.run("clear_bad_node node1; clear_bad_node node2").check_returncode()
+    assert not (lib.nodes / "node2").exists()
+    assert lib.events()[-1] == f"bad node node2 cleared for cluster alps: a clean preflight (remembered since {first.since})"
+    assert [e for e in lib.events() if "node1" in e] == []  # nothing remembered of it, nothing said
+
+
+def test_jobs_blaming_nodes_at_once_never_tear_a_record(tmp_path):
+    lib = Lib(tmp_path)
+    procs = [subprocess.Popen(["bash", "-c", lib.script(f'BLAME[{node}]="hang: writer {i}"; '
+                                                        f"remember_bad_nodes hang {node}")],
+                              env=lib.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i in range(12) for node in ("node1", "node2")]
+    assert [p.wait(timeout=60) for p in procs] == [0] * len(procs)
+    for node in ("node1", "node2"):
+        record = BadNode.parse((lib.nodes / node).read_text())
+        assert record is not None and record.node == node and record.reason.startswith("hang: writer ")
+    assert sorted(p.name for p in lib.nodes.iterdir()) == ["node1", "node2"]  # no temporary left behind
+
+
+def test_a_record_that_cannot_be_written_or_read_never_stops_the_job(tmp_path):
+    lib = Lib(tmp_path)
+    lib.nodes.mkdir(parents=True)
+    os.mkfifo(lib.nodes / "node1")  # a FIFO where a record would be: never opened, never blocks
+    r = lib.run("clear_bad_node node1; remember_bad_nodes hang node1; echo went-on")
+    assert r.stdout.strip() == "went-on", r.stderr
+    assert lib.events() == ["bad nodes remembered for cluster alps: node1 (its later jobs exclude them)"]
+    assert BadNode.parse((lib.nodes / "node1").read_text()).kind == "hang"  # replaced whole, by rename
+    lib.nodes.chmod(0o500)
+    try:
+        r = lib.run('remember_bad_nodes hang node2 "../../etc/x"; echo went-on')
+    finally:
+        lib.nodes.chmod(0o700)
+    if os.geteuid() != 0:  # root writes anyway
+        assert f"could not remember node2 as a bad node of cluster alps (in {lib.nodes})" in lib.events()
+    assert r.stdout.strip() == "went-on" and "could not remember ../../etc/x as a bad node of cluster alps " \
+        f"(in {lib.nodes})" in lib.events()
+    assert not (tmp_path / "etc").exists()
+
+
+def test_a_passed_preflight_sums_the_nodes_write_speed(tmp_path):
+    lib = Lib(tmp_path)
+    log = tmp_path / "preflight.out"
+    log.write_text("slipway-preflight node1 ok: run directory writable; writes 2.0 MiB/s where checkpoints go "
+                   "write_bps=2097152\nslipway-preflight node2 ok: writes 1.0 MiB/s where checkpoints go "
+                   "write_bps=1048576\n")
+    r = lib.run(f'preflight_nodes {shlex.quote(str(log))} 0; echo "$WRITE_BPS"')
+    assert r.stdout.strip() == str(3 << 20), r.stderr
+
+
+def _saves(lib: Lib, *lines: str) -> None:
+    (lib.run_dir / "saves.log").write_text("".join(line + "\n" for line in lines))
+
+
+def test_the_warning_lead_is_the_slowest_recent_save_plus_the_steps_plus_a_margin(tmp_path):
+    from common.rundir import SaveLine
+
+    lib = Lib(tmp_path)
+    assert lib.run("warning_lead").stdout == "300 no save and no write speed measured yet: a tenth of the time limit\n"
+    # Before the first save: a 1 GiB checkpoint at the 4 MiB/s the preflight measured.
+    assert lib.run("WRITE_BPS=4194304; warning_lead").stdout.startswith(
+        "338 no save yet: about 1024 MiB at the 4096 KiB/s the preflight measured where checkpoints go take 257 s, "
+        "+ 0 s to the next stop point (10 step(s)), + 81 s margin")
+    old = [SaveLine(step, 900_000, 10, 100, "t").line() for step in (10, 20)]  # slow, but six saves ago and more
+    recent = [SaveLine(step, ms, 10, 2500, "t").line() for step, ms in ((30, 40_000), (40, 95_500), (50, 41_000),
+                                                                          (60, 42_000), (70, 39_000))]
+    _saves(lib, *old, "garbage line", "slipway-save step=x ms=oops", *recent)
+    assert lib.run("WRITE_BPS=4194304; warning_lead").stdout == (  # measured saves win over the estimate
+        "162 the slowest of the run's last 5 save(s) took 96 s, + 25 s to the next stop point (10 step(s)), "
+        "+ 54 s margin\n".replace("162", str(96 + 25 + 54)))
+    _saves(lib, SaveLine(1, 100, 10, 10, "t").line())
+    assert lib.run("warning_lead").stdout.startswith("60 the slowest of the run's last 1 save(s) took 1 s") and \
+        "at least 60 s, Slurm's own warning" in lib.run("warning_lead").stdout
+    _saves(lib, SaveLine(1, 5_000_000, 10, 10, "t").line())
+    assert lib.run("warning_lead").stdout.startswith("1800 ") and "at most 1800 s, half the time limit: raise " \
+        "slurm.time for saves this slow" in lib.run("warning_lead").stdout
+
+
+def test_the_timer_asks_for_the_save_at_the_lead_before_the_jobs_end(tmp_path):
+    """The job's end from squeue, the lead from the run's saves: the batch shell gets USR1 (on_warning)
+    when the time left reaches the lead, and events.log says the lead and why."""
+    from datetime import datetime, timedelta
+
+    from common.rundir import SaveLine
+
+    lib = Lib(tmp_path)
+    _saves(lib, SaveLine(10, 1000, 10, 0, "t").line())  # lead: 1 + 0 + 30 margin -> LEAD_MIN (set to 31 below)
+    end = (datetime.now() + timedelta(seconds=35)).strftime("%Y-%m-%dT%H:%M:%S")
+    lib.stand_in("squeue", f'echo {end}')
+    start = time.monotonic()
+    r = lib.run('LEAD_MIN=31; trap on_warning USR1; STOP_CHECKPOINT=0\n'
+                'warning_timer & t=$!\n'
+                'while [ "$STOP_REQUESTED" != 1 ]; do sleep 0.2; done; kill "$t" 2>/dev/null || true; echo asked')
+    took = time.monotonic() - start
+    said = r.stdout.strip().splitlines()
+    assert said[-1] == "asked" and said[0].startswith("slipway: the time limit is near"), (r.stdout, r.stderr)
+    assert 2 <= took <= 30, took  # at the end less the lead (35 - 31 s), not Slurm's floor
+    assert lib.events()[:2] == ["warning lead 31 s: the slowest of the run's last 1 save(s) took 1 s, + 0 s to the next "
+                                "stop point (10 step(s)), + 30 s margin", "time limit warning: stop requested"]
+    assert (lib.run_dir / "stop-requested").exists()
+    r = lib.run("STOP_REQUESTED=1; on_warning; echo $TRAPPED")  # Slurm's own warning after the timer's: once
+    assert r.stdout.strip() == "1" and lib.events().count("time limit warning: stop requested") == 1
+
+
+def test_a_requeue_by_slurm_is_a_preemption_counted_apart(tmp_path):
+    lib = Lib(tmp_path)
+    log = lib.run_dir / "events.log"
+    earlier = "".join(f"2026-01-01T00:00:00+00:00 job 41 an earlier attempt's event {i}\n" for i in range(20000))
+    log.write_text(earlier + "2026-01-01T00:00:00+00:00 job 41 start on node1 (restart 0), failure retries 0/2, time-limit "
+                   "requeues 0/3\n2026-01-01T00:01:00+00:00 job 41 cancelled (SIGTERM)\n"
+                   "2026-01-01T00:01:00+00:00 job 41 end exit 143\n")
+    r = lib.run('SLURM_RESTART_COUNT=1; note_preemption; echo "$PREEMPTIONS|$PREEMPTIONS_SAID"')
+    assert r.stdout.strip() == "1|, preemptions 1", r.stderr
+    assert lib.events()[-1] == ("preempted: requeued by Slurm (a preemption, or scontrol requeue) in its previous "
+                                "attempt; preemption 1, counted apart from failure retries and time-limit requeues")
+    with log.open("a") as f:  # the next attempt requeued itself at the time-limit warning: no preemption
+        f.write("2026-01-01T00:02:00+00:00 job 41 start on node1 (restart 1), failure retries 0/2, time-limit "
+                "requeues 0/3, preemptions 1\n2026-01-01T00:09:00+00:00 job 41 time-limit requeue 1/3: saved, "
+                "requeueing\n2026-01-01T00:09:01+00:00 job 41 could not exclude x\n"
+                "2026-01-01T00:09:01+00:00 job 41 end exit 0\n")
+    r = lib.run('SLURM_RESTART_COUNT=2 PREEMPTIONS=$(count_events preempted:); note_preemption; echo "$PREEMPTIONS"')
+    assert r.stdout.strip() == "1" and lib.events()[-1] == "end exit 0", lib.events()
+    assert lib.run("note_preemption; echo \"[$PREEMPTIONS_SAID]\"").stdout.strip() == "[]"  # a first attempt

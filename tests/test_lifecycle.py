@@ -253,5 +253,5 @@ def test_history_counts_attempts_retries_and_requeues():
     h = lifecycle.history("41", evs)
     assert (h.attempts, h.max_retries, h.max_requeues, h.requeues, h.excluded, h.hang_tag) == (3, 2, 20, 1, "node2", "41r1")
     assert h.lines() == ["job 41: 3 attempt(s); failure retries 1/2 (hang); time-limit requeues 1/20; "
-                         "excluded nodes node2"]
+                         "preemptions 0; excluded nodes node2"]
     assert h.preflight.startswith("preflight ok")

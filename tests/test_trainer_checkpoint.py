@@ -174,6 +174,26 @@ def test_round_trip_restores_everything_exactly(tmp_path, async_save):
     assert_same(snapshot(model2, opt2), after_one_more)
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_every_save_records_its_duration_size_and_the_step_time(tmp_path, async_save):
+    """saves.log, which the batch script's warning lead reads (an async save's writing counted)."""
+    from common.rundir import SaveLine
+    from trainer.preflight import check_write_speed
+
+    model, opt, sched = make(seed=0)
+    saves = tmp_path / "saves.log"
+    ck = Checkpointer(tmp_path / "ckpt", ckpt_cfg(async_save=async_save), saves=saves)
+    ck.save(1, states_of(model, opt, sched), step_s=0.25)
+    ck.save(2, states_of(model, opt, sched), step_s=0.5)
+    ck.close()
+    records = [SaveLine.parse(line) for line in saves.read_text().splitlines()]
+    assert [(r.step, r.step_ms) for r in records] == [(1, 250), (2, 500)]
+    for r in records:
+        assert r.bytes == sum(f.stat().st_size for f in step_dir(tmp_path / "ckpt", r.step).iterdir()) and r.ms >= 0
+    ok, text = check_write_speed(tmp_path / "ckpt", 8 << 20, seconds=0.5)  # the preflight's estimate before any
+    assert ok and int(text.rsplit("write_bps=", 1)[1]) > 0 and not list((tmp_path / "ckpt").glob(".preflight-*"))
+
+
 def test_trainer_model_round_trip(tmp_path):
     """The real Transformer: weights only (rotary tables are recomputed, never saved), tie intact."""
     from trainer.config import ModelSection

@@ -15,9 +15,9 @@ then rank 0 writes `COMPLETE` and renames the directory to `step-N/` (one
 previous checkpoints as they were; the next successful save deletes the
 leftovers. Old checkpoints are pruned the same way round: renamed out of the
 `step-*` namespace first, deleted after, so a half-deleted one is never seen;
-the deleting runs in a thread of its own, off the training step's path (a large
-checkpoint on a busy parallel file system takes minutes to delete), and the
-next prune or `close()` waits for it.
+the deleting runs in a thread of its own, off the training step's path, and the
+next prune or `close()` waits for it. Rank 0 records each save's duration and size
+(common/rundir.py SaveLine), which the batch script's time-limit warning is sized by.
 
 Saves, loads and the waits for background work run inside `pause(what)`, which
 the trainer sets to its hang watchdog's: checkpoint work has a bound of its own
@@ -66,14 +66,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from common.errors import ConfigError
 from trainer.config import CheckpointSection
 from common.fs import fsync_dir, write_atomic
-from common.rundir import CHECKPOINT_MARKER, checkpoint_complete, complete_checkpoints
+from common.rundir import CHECKPOINT_MARKER, SaveLine, checkpoint_complete, complete_checkpoints
 from common.layouts import size
 from trainer.preflight import check_free_space
+from trainer.states import local_tensors, nonfinite_names
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,8 @@ class _Pending:
     step: int
     tmp: Path
     nbytes: int  # this rank's share, for the diagnosis of a failed write
+    started: float  # time.monotonic() at the save's start, for its record (SaveLine)
+    step_ms: int
 
 
 class Checkpointer:
@@ -134,12 +136,15 @@ class Checkpointer:
 
     def __init__(self, ckpt_dir: Path, cfg: CheckpointSection, expected_bytes: int | None = None,
                  timeout: timedelta | None = None, async_save: Optional[bool] = None,
-                 pause: Optional[Callable[[str], AbstractContextManager]] = None):
+                 pause: Optional[Callable[[str], AbstractContextManager]] = None, saves: Optional[Path] = None):
         """`expected_bytes`: the size of one checkpoint, for the room check of the first save
         (later ones use the latest checkpoint's real size); None checks only later saves.
         `timeout`: its process group's (trainer.watchdog.collective_timeout). `async_save`:
         checkpoint.async_save resolved for the device (None: true only if the config says true).
-        `pause(what)`: a context the checkpoint work runs in (trainer.watchdog.HangWatchdog.paused)."""
+        `pause(what)`: a context the checkpoint work runs in (trainer.watchdog.HangWatchdog.paused).
+        `saves`: where rank 0 records each completed save's duration and size (RunDir.saves), which
+        the batch script's warning lead reads."""
+        self._saves = saves
         self.dir = Path(ckpt_dir)
         self.cfg = cfg
         self.async_save = cfg.async_save is True if async_save is None else async_save
@@ -194,18 +199,19 @@ class Checkpointer:
 
     # ---- writing ------------------------------------------------------------
 
-    def save(self, step: int, states: dict[str, Any], final: bool = False) -> None:
+    def save(self, step: int, states: dict[str, Any], final: bool = False, step_s: float = 0.0) -> None:
         """Save `states` as checkpoint `step` (0 included, for save_initial). With
         `checkpoint.async_save` this returns once the state is staged in CPU memory and the
         files are written in the background, made visible by the next save or `close()`;
         `final=True` always saves synchronously. A complete checkpoint of the same step is
-        never overwritten: the save is skipped with a warning."""
+        never overwritten: the save is skipped with a warning. `step_s`, the mean step time before
+        it, goes into its record beside its duration and size."""
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
         with self._pause(f"the checkpoint save of step {step}"):
-            self._save(step, states, final)
+            self._save(step, states, final, time.monotonic(), int(step_s * 1000))
 
-    def _save(self, step: int, states: dict[str, Any], final: bool) -> None:
+    def _save(self, step: int, states: dict[str, Any], final: bool, started: float, step_ms: int) -> None:
         self._wait_pending()
         shared, local = _split(states)
         # State dicts taken once: checked for non-finite values, then handed to DCP as they are.
@@ -228,20 +234,20 @@ class Checkpointer:
                 self._delete_in_background([tmp])
             tmp.mkdir()
         self._barrier()
-        nbytes = sum(t.numel() * t.element_size() for _, t in _local_tensors(shared))
+        nbytes = sum(t.numel() * t.element_size() for _, t in local_tensors(shared))
         try:
             self._save_rank_local(tmp, local)
             if self.async_save and not final:
                 response = dcp.async_save(shared, checkpoint_id=tmp, process_group=self._pg,
                                           no_dist=not self.distributed)
                 future = getattr(response, "upload_completion", response)
-                self._pending = _Pending(future, step, tmp, nbytes)
+                self._pending = _Pending(future, step, tmp, nbytes, started, step_ms)
                 return
             dcp.save(shared, checkpoint_id=tmp, process_group=self._pg, no_dist=not self.distributed)
         except (Exception, CheckpointException) as exc:  # the latter is a BaseException
             self._raise_if_full(step, tmp, nbytes, exc)
             raise
-        self._commit(step, tmp, final)
+        self._commit(step, tmp, final, started, step_ms)
 
     def close(self) -> None:
         """Wait for an async save still in flight and make it visible, and for the deleting of
@@ -254,7 +260,7 @@ class Checkpointer:
 
     def _check_finite(self, step: int, state: dict[str, Any]) -> None:
         """Raise NonFiniteError on every rank if any rank's shards hold a NaN or an infinity."""
-        bad = _nonfinite_names(state)
+        bad = nonfinite_names(state)
         flag = torch.tensor([float(bool(bad))])
         if self.distributed:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
@@ -281,7 +287,7 @@ class Checkpointer:
         except (Exception, CheckpointException) as exc:
             self._raise_if_full(pending.step, pending.tmp, pending.nbytes, exc)
             raise
-        self._commit(pending.step, pending.tmp, final=False)
+        self._commit(pending.step, pending.tmp, False, pending.started, pending.step_ms)
 
     def _room_problem(self) -> str | None:
         """Rank 0: why one more checkpoint would not fit, or None. It needs what the latest one
@@ -317,8 +323,9 @@ class Checkpointer:
             f"free, this rank alone writes {size(nbytes)}): free space there (the partial {tmp.name} can go) or "
             f"set checkpoint.dir elsewhere, then resume; {self._latest_stays()}") from exc
 
-    def _commit(self, step: int, tmp: Path, final: bool) -> None:
-        """Every rank's files are in `tmp`: rank 0 marks it complete and renames it into place."""
+    def _commit(self, step: int, tmp: Path, final: bool, started: float, step_ms: int) -> None:
+        """Every rank's files are in `tmp`: rank 0 marks it complete, renames it into place and
+        records how long the save took and how large it is."""
         self._barrier()
         if self.rank == 0:
             meta = {"format": FORMAT, "step": step, "world_size": self.world_size, "final": final,
@@ -329,8 +336,18 @@ class Checkpointer:
             os.replace(tmp, final_path)
             fsync_dir(self.dir)
             log.info("saved checkpoint %s", final_path)
+            if self._saves is not None:
+                self._record(step, final_path, started, step_ms)
             self._prune()
         self._barrier()
+
+    def _record(self, step: int, path: Path, started: float, step_ms: int) -> None:
+        try:
+            nbytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+            SaveLine(step, int((time.monotonic() - started) * 1000), nbytes, step_ms,
+                     time.strftime("%Y-%m-%dT%H:%M:%S%z")).append_to(self._saves)
+        except OSError as exc:  # the lead falls back on its estimate: no reason to stop training
+            log.warning("could not record the save of step %d in %s: %s", step, self._saves, exc)
 
     def _prune(self) -> None:
         """Rank 0: keep the newest `keep_last` checkpoints; the older ones and crash leftovers
@@ -416,39 +433,6 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
             log.info("%s is not in the checkpoint (saved before it existed): it keeps its current value", key)
             del self.state_dict[key]
         return super().create_local_plan()
-
-
-def _local_tensors(state: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every non-empty tensor in a (nested) state dict, this rank's shards only."""
-    tensors: list[tuple[str, torch.Tensor]] = []
-
-    def walk(value: Any, name: str) -> None:
-        if isinstance(value, DTensor):
-            value = value.to_local()
-        if isinstance(value, torch.Tensor):
-            if value.numel():
-                tensors.append((name, value))
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{name}.{key}" if name else str(key))
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(item, f"{name}.{i}")
-
-    walk(state, prefix)
-    return tensors
-
-
-def _nonfinite_names(state: Any, prefix: str = "") -> list[str]:
-    """Names of the floating-point tensors in a (nested) state dict that hold a NaN or an
-    infinity, this rank's shards only. One host sync per device, not one per tensor."""
-    tensors = [(name, t) for name, t in _local_tensors(state, prefix) if t.is_floating_point()]
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for _, t in tensors:
-        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
-    if all(bool(torch.stack(flags).all()) for flags in by_device.values()):
-        return []
-    return [name for name, t in tensors if not bool(torch.isfinite(t).all())]
 
 
 def _delete(entries: list[Path]) -> None:

@@ -10,6 +10,7 @@ The batch script runs it in the run's container, each part bounded by
 or `slipway-preflight NODE fail: REASON`: the run directory is reachable and
 writable from the container (which also proves the container started from its
 image there), there is room for one more checkpoint where checkpoints go,
+how fast this node writes there (for the time-limit warning's lead before the run's first save),
 numactl runs where the launch binds each rank to a NUMA node (`--numa-binding`; what
 `numactl --show` says goes to the log), for GPU jobs the expected GPUs are visible and
 healthy (nvidia-smi, where it exists: count and uncorrected ECC errors; torch: each GPU
@@ -88,6 +89,29 @@ def check_free_space(checkpoint_dir: Path, needed: int) -> tuple[bool, str]:
         return False, (f"{size(free)} free at {where} (where checkpoints go), one checkpoint needs about "
                        f"{size(needed)}: free space there or set checkpoint.dir elsewhere")
     return True, f"{size(free)} free for checkpoints (one needs about {size(needed)})"
+
+
+def check_write_speed(checkpoint_dir: Path, needed: int, seconds: float = 3.0) -> tuple[bool, str]:
+    """How fast this node writes where checkpoints go: up to 64 MiB (at most one checkpoint's size)
+    in 1 MiB blocks, each synced to disk, for at most `seconds`; the batch script sizes its
+    time-limit warning by it before the run's first save (`write_bps=N`, job_lib's warning_lead)."""
+    probe = checkpoint_dir / f".preflight-write-{node_name()}-{os.getpid()}"
+    block, total = b"\0" * (1 << 20), max(1 << 20, min(64 << 20, needed))
+    written, start = 0, time.monotonic()
+    try:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            while written < total and (written == 0 or time.monotonic() - start < seconds):
+                f.write(block)
+                f.flush()
+                os.fsync(f.fileno())
+                written += len(block)
+        took = max(time.monotonic() - start, 1e-6)
+    except OSError as exc:
+        return False, f"{checkpoint_dir} (where checkpoints go) is not writable from this node ({exc.strerror or exc})"
+    finally:
+        probe.unlink(missing_ok=True)
+    return True, f"writes {size(int(written / took))}/s where checkpoints go write_bps={int(written / took)}"
 
 
 def check_gpus(expected: int) -> tuple[bool, str]:
@@ -261,6 +285,8 @@ def _log(text: str) -> None:
 def node_checks(run_dir: Path, checkpoint_dir: Path, needed_bytes: int, gpus: int,
                 binds_numa: bool = False) -> tuple[bool, str]:
     results = [check_run_dir(run_dir), check_free_space(checkpoint_dir, needed_bytes)]
+    if results[1][0]:  # room there: how fast it takes a checkpoint
+        results.append(check_write_speed(checkpoint_dir, needed_bytes))
     if binds_numa:
         results.append(check_numactl())
     if gpus:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -111,3 +112,36 @@ class RNGState:
             np.random.set_state(state_dict["numpy"])
         if "cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state(state_dict["cuda"])
+
+
+def local_tensors(state: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every non-empty tensor in a (nested) state dict, this rank's shards only."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value: Any, name: str) -> None:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            if value.numel():
+                tensors.append((name, value))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{name}.{key}" if name else str(key))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{name}.{i}")
+
+    walk(state, prefix)
+    return tensors
+
+
+def nonfinite_names(state: Any, prefix: str = "") -> list[str]:
+    """Names of the floating-point tensors in a (nested) state dict that hold a NaN or an
+    infinity, this rank's shards only. One host sync per device, not one per tensor."""
+    tensors = [(name, t) for name, t in local_tensors(state, prefix) if t.is_floating_point()]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, t in tensors:
+        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    if all(bool(torch.stack(flags).all()) for flags in by_device.values()):
+        return []
+    return [name for name, t in tensors if not bool(torch.isfinite(t).all())]

@@ -198,6 +198,7 @@ class Loop:
     window_start: float = field(default_factory=time.perf_counter)
     window_steps: int = 0
     data_s: float = 0.0
+    step_s: float = 0.0  # the mean step time of the last window logged, for the saves' records
 
 
 def train_step(training: Training, batches: list[Batch]) -> tuple[int, float, torch.Tensor]:
@@ -235,6 +236,7 @@ def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, s
         else:
             training.metrics.log_train(state.step, loss, lr, grad_norm, training.tokens_per_step * loop.window_steps,
                                   elapsed, loop.window_steps, loop.data_s, skipped_steps=state.skipped_steps)
+            loop.step_s = elapsed / loop.window_steps
         loop.window_start, loop.window_steps, loop.data_s = time.perf_counter(), 0, 0.0
     t_aside = time.perf_counter()  # evaluation and saving are not training time
     if training.evaluating and state.step % cfg.train.eval_interval == 0:
@@ -243,7 +245,7 @@ def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, s
                                                       training.env.device))
     result.step, result.requeue = state.step, stopping and not last
     if last or result.requeue or (loop.save_due and not nonfinite):
-        training.checkpointer.save(state.step, training.states, final=last)  # refuses non-finite values
+        training.checkpointer.save(state.step, training.states, final=last, step_s=loop.step_s)  # refuses non-finite values
         loop.save_due = False
     elif loop.save_due and state.nonfinite_streak == 1 and training.env.rank == 0:
         log.warning("step %d: checkpoint deferred to the next step with a finite loss and gradient norm", state.step)
@@ -292,7 +294,7 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     checkpointer = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint,
                                 expected_bytes=checkpoint_bytes(cfg.model.num_params()), timeout=timeout,
                                 async_save=resolve_async_save(cfg.checkpoint.async_save, env.device),
-                                pause=watchdog.paused)
+                                pause=watchdog.paused, saves=RunDir(run_dir).saves)
     state.step = checkpointer.load_latest(states)
     if state.step >= cfg.train.steps and env.rank == 0:
         log.warning("this run already reached train.steps=%d (checkpoint at step %d): nothing to train; "

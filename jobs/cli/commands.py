@@ -41,6 +41,14 @@ def _config_args(p: argparse.ArgumentParser, optional: bool = False, cluster: bo
                        help=f"{help_} ({key})" if shown else argparse.SUPPRESS)
     for flag, key, help_ in BOOL_FLAGS:
         g.add_argument(flag, dest=f"set:{key}", action="store_const", const=True, help=f"{help_} ({key})")
+    if cluster:
+        _cluster_arg(p)
+
+
+def _cluster_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", metavar="NAME", help="the cluster profile to run with (clusters.yaml of the project "
+                                                    "or of ~/.config/slipway; default $SLIPWAY_CLUSTER): it wins "
+                                                    "over the config, overrides and flags win over it")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -54,8 +62,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         run_name = args.config
     if run_name:
         return doctor.run_doctor_run(runs.find_run(run_name, project_dir()), console=rich_console())
+    from jobs import clusters
+
     cfg = load(args) if args.config else None
-    return doctor.run_doctor(cfg, project_dir(), console=rich_console())
+    profile = cfg.cluster if cfg is not None else clusters.resolve(args.cluster, project_dir())
+    return doctor.run_doctor(cfg, project_dir(), console=rich_console(), profile=profile)
 
 
 def _names_a_run_only(args: argparse.Namespace) -> bool:
@@ -115,6 +126,14 @@ def cmd_watch(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         raise ConfigError("--interval", f"must be > 0 seconds, got {args.interval:g}")
     return watch.watch(_run(args), args.job, interval=args.interval, once=args.once, console=rich_console())
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    from jobs import clusters, nodes, runs
+
+    profile = clusters.resolve(args.cluster, project_dir())
+    memory, after = nodes.memory_of(profile, runs.runs_root(project_dir()))
+    return nodes.show(memory, after, args.forget or [], rich_console())
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -300,6 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
                    help="a part's time budget (node 45, correctness 75, training 150, allreduce 30, speed 280)")
     p.set_defaults(func=cmd_gpu_check)
+
+    p = sub.add_parser("nodes", help="the bad nodes a cluster remembers (blamed by a preflight, a hang or a node "
+                                     "death; excluded from its later jobs): why and since when; --forget NODE")
+    _cluster_arg(p)
+    p.add_argument("--forget", metavar="NODE", action="append", help="forget NODE: later jobs may run on it again "
+                                                                     "(repeat for more)")
+    p.set_defaults(func=cmd_nodes)
 
     p = sub.add_parser("plot", help="loss and throughput curves of a run as a PNG (a sweep's loss curves overlaid)")
     p.add_argument("run", metavar="RUN|SWEEP")

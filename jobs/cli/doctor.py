@@ -226,13 +226,109 @@ def _flash_attn(cfg: Config, record: Optional[BuildRecord]) -> list[Result]:
                                   f"'{preset.capability.replace('.', '')}' and rebuild, or model.attention: sdpa")]
 
 
-def checks(cfg: Config | None, project_dir: Path) -> list[Result]:
+def _gres_gpus(gres: str) -> int:
+    """GPUs in a node's generic resources as sinfo prints them (`gpu:4`, `gpu:a100:4(S:0-1)`)."""
+    total = 0
+    for item in gres.split(","):
+        parts = item.split("(")[0].split(":")
+        if parts[0] == "gpu" and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
+def cluster_checks(profile, cfg: Optional[Config] = None) -> list[Result]:
+    """The profile against the live cluster (Slurm's own answers, through jobs/slurm/client.py):
+    partition and QoS, the account, the GPUs the preset expects, MaxArraySize, the EDF directory."""
+    from jobs.slurm.sections import NODE_PRESETS, SlurmSection
+
+    slurm_part = profile.settings.get("slurm", {})
+    s = cfg.slurm if cfg is not None else SlurmSection()
+    partition = cfg.slurm.partition if cfg is not None else slurm_part.get("partition")
+    qos, account = (s.qos, s.account) if cfg is not None else (slurm_part.get("qos"), slurm_part.get("account"))
+    preset = (cfg.launch.preset if cfg is not None else profile.settings.get("launch", {}).get("preset")) or "none"
+    gpus = NODE_PRESETS[preset].gpus if preset in NODE_PRESETS else (
+        cfg.slurm.gpus_per_node if cfg is not None else int(slurm_part.get("gpus_per_node") or 0))
+    name = f"cluster {profile.name}"
+    out: list[Result] = [(name, True, f"profile from {', '.join(profile.sources)}")]
+
+    def nodes() -> list[Result]:
+        parts = slurm.partitions()
+        default = partition or next(iter(parts), None)
+        if partition and partition not in parts:
+            return [("partition", False, f"slurm.partition {partition} is not a partition of this cluster (it has "
+                                         f"{', '.join(parts) or 'none'}): fix it in {_file_of(profile)}")]
+        members = parts.get(default or "", [])
+        found = [("partition", True, f"{default}: {len(members)} node(s)")]
+        if gpus:
+            carrying = [n for n, gres in members if _gres_gpus(gres) >= gpus]
+            by = f"launch.preset {preset}" if preset in NODE_PRESETS else "slurm.gpus_per_node"
+            found.append(("GPUs per node", bool(carrying), f"{len(carrying)} of {len(members)} node(s) of {default} "
+                          f"carry the {gpus} GPUs {by} expects" if carrying else f"no node of {default} carries {gpus} GPUs (sinfo's gres: "
+                          f"{', '.join(sorted({g for _, g in members})) or 'none'}): set slurm.partition to a GPU "
+                          f"partition or lower slurm.gpus_per_node in {_file_of(profile)}"))
+        return found
+
+    def access() -> list[Result]:
+        user = os.environ.get("USER") or os.environ.get("LOGNAME") or ""
+        assocs = slurm.associations(user)
+        if assocs is None:
+            return [("account and QoS", True, "note: this cluster runs no accounting (sacctmgr): not checked")]
+        accounts = sorted({a for a, _ in assocs})
+        found = []
+        if account:
+            found.append(("account", account in accounts, f"{account} is {user}'s" if account in accounts else
+                          f"{user} has no association with account {account} (theirs: "
+                          f"{', '.join(accounts) or 'none'}): fix slurm.account in {_file_of(profile)}"))
+        if qos:
+            allowed = sorted({q for a, qs in assocs if not account or a == account for q in qs.split(",") if q})
+            found.append(("QoS", qos in allowed, f"{qos} is allowed" if qos in allowed else
+                          f"QoS {qos} is not among {user}'s ({', '.join(allowed) or 'none'}): fix slurm.qos in "
+                          f"{_file_of(profile)}"))
+        return found
+
+    def array() -> list[Result]:
+        size = slurm.cluster_config().get("MaxArraySize", "")
+        return [("MaxArraySize", size.isdigit(), f"{size}: a sweep of up to {int(size) - 1} points runs as one array"
+                 if size.isdigit() else "scontrol show config gave no MaxArraySize: is a controller answering?")]
+
+    def edf_dir() -> list[Result]:
+        directory = profile.cluster.edf_dir
+        if not directory:
+            return []
+        import tempfile
+
+        path = Path(directory)
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        try:  # a file made and removed: permissions alone do not say (root, read-only mounts, /proc)
+            fd, probe = tempfile.mkstemp(prefix=".slipway-doctor-", dir=path)
+            os.close(fd)
+            os.unlink(probe)
+            why = ""
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+        return [("EDF directory", not why, f"{directory} is writable" if not why else f"{directory} is not writable "
+                 f"here ({path}: {why}): fix cluster.edf_dir in {_file_of(profile)} or the directory's permissions")]
+
+    for what, check in (("partition", nodes), ("account and QoS", access), ("MaxArraySize", array),
+                        ("EDF directory", edf_dir)):
+        out += _guard(what, check)
+    return out
+
+
+def _file_of(profile) -> str:
+    return " or ".join(profile.sources) or "clusters.yaml"
+
+
+def checks(cfg: Config | None, project_dir: Path, profile=None) -> list[Result]:
     """(name, ok, detail or fix) for every check that applies."""
     out = _tools()
     if cfg is None or cfg.container.in_container:
         out += _image_tools()
     if cfg is not None:
         out += _run_checks(cfg, project_dir)
+    if profile is not None and shutil.which("sinfo"):
+        out += cluster_checks(profile, cfg)
     return out
 
 
@@ -253,8 +349,8 @@ def _merge_repeats(results: list[Result]) -> list[Result]:
     return out
 
 
-def run_doctor(cfg: Config | None, project_dir: Path, console) -> int:
-    return _print(_merge_repeats(checks(cfg, project_dir)), console)
+def run_doctor(cfg: Config | None, project_dir: Path, console, profile=None) -> int:
+    return _print(_merge_repeats(checks(cfg, project_dir, profile)), console)
 
 
 def _print(results: list[Result], console) -> int:

@@ -34,7 +34,7 @@ def load(args: argparse.Namespace, quiet: bool = False):
     from common.errors import warn
 
     sets, given = config_sets(args)
-    cfg = load_config(args.config, args.overrides, sets)
+    cfg = load_config(args.config, args.overrides, sets, cluster=cluster_of(args))
     cfg.given_args = given
     if not quiet:  # a suggestion's CONFIG, wherever its text comes from, is what the user gave
         environ.given_config(cfg.config_args)
@@ -43,10 +43,19 @@ def load(args: argparse.Namespace, quiet: bool = False):
     return cfg
 
 
+def cluster_of(args: argparse.Namespace):
+    """The cluster profile a command that takes --cluster runs on (jobs/clusters.py `resolve`), else None."""
+    from jobs import clusters
+
+    return clusters.resolve(args.cluster, project_dir()) if hasattr(args, "cluster") else None
+
+
 def config_sets(args: argparse.Namespace) -> tuple[dict, str]:
     """The config flags given (dotted key -> value) and the command's config arguments, shell-quoted."""
     sets = {k[4:]: v for k, v in vars(args).items() if k.startswith("set:") and v is not None}
+    given_cluster = getattr(args, "cluster", None)
     given, switches = [args.config, *args.overrides], {key for _, key, _ in BOOL_FLAGS}
+    given += ["--cluster", given_cluster] if given_cluster else []
     for flag, key, *_ in NAMED_FLAGS + CLUSTER_FLAGS + BOOL_FLAGS:
         if key in sets:
             given += [flag] if key in switches else [flag, str(sets[key])]
@@ -152,7 +161,8 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
     where = (f"{s.nodes} node(s) x {scfg.launch.procs_per_node} process(es)"
              f"{f' x {s.gpus_per_node} GPU(s)' if s.gpus_per_node else ''}, time {s.time}"
              + "".join(f", {k} {v}" for k, v in (("partition", s.partition), ("account", s.account)) if v)
-             + f"; runtime {scfg.container.runtime}, launcher {scfg.launch.launcher}")
+             + f"; runtime {scfg.container.runtime}, launcher {scfg.launch.launcher}"
+             + (f"; cluster {scfg.cluster.name}" if scfg.cluster is not None else ""))
     built = f"build {pin.build_hash[:12]}" if pin.build_hash else "not built yet" if pin.source == "none" else pin.source
     image = f"{pin.image} ({built})" if pin.image else "none: this environment's Python on the nodes"
     source = (f"git {code.commit[:12]}{' with uncommitted changes' if code.dirty else ''}" if code and code.commit
@@ -286,7 +296,8 @@ def cmd_edf(args: argparse.Namespace) -> int:
     sealed = runs.seal(cfg, project_dir(), dry_run=not args.install)
     _notes(rich_console(), sealed.notes)
     if args.install:
-        print(install_edf(sealed.env, cfg.container.edf_name or cfg.run.name, force=args.force))
+        edf_dir = cfg.cluster.cluster.edf_dir if cfg.cluster is not None else None  # the cluster's EDF_PATH there
+        print(install_edf(sealed.env, cfg.container.edf_name or cfg.run.name, edf_path=edf_dir, force=args.force))
     else:
         sys.stdout.write(mask(render_edf(sealed.env)))
     return 0

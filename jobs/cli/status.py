@@ -146,6 +146,9 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     latest = run.latest_train_job()
     if latest:
         _print_history(run, job_history(run, latest), console)
+    cluster = next((x.cluster for x in reversed(launches) if x.kind == "train" and not x.local), None)
+    if cluster and isinstance(cluster.get("name"), str):
+        say(console, f"cluster {cluster['name']} (its profile, as submitted, is in manifest.json)")
     image = run.image()
     if image is not None and image.image:
         say(console, f"image {image.image}" + (f" (build {image.build_hash[:12]})" if image.build_hash else ""))

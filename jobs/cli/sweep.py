@@ -14,7 +14,7 @@ from typing import Any, Optional
 from common.environ import as_typed
 from common.errors import ConfigError, one_line
 from common.rundir import INTERRUPTED_EXIT, RunDir
-from jobs.cli.launch import _check_controller, _notes, config_sets, project_dir, rich_console
+from jobs.cli.launch import _check_controller, _notes, cluster_of, config_sets, project_dir, rich_console
 from jobs.cli.status import listing, listing_rows, tokens, width
 from jobs.runs import arrays
 from jobs.runs import sweep as sweeps
@@ -48,7 +48,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
         require("sweep --local", "trainer")
     _, plain = sweeps.split_axes(args.overrides)
-    base = load_config(args.config, plain, sets)
+    profile = cluster_of(args)
+    base = load_config(args.config, plain, sets, cluster=profile)
     # As `slipway local` keeps a cluster config's trial apart (RUN-local), so does a sweep's.
     apart = args.local and bool(interactive.local_view(base, rename=False)[1])
     name = args.name or base.run.name + ("-local" if apart else "")
@@ -56,7 +57,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     def plan(dry_run: bool) -> arrays.Plan:
         return arrays.plan_sweep(args.config, args.overrides, sets, project, name=name, points_file=args.points,
                                  given_args=given, dry_run=dry_run, force=args.force,
-                                 view=here if args.local else None)
+                                 view=here if args.local else None, cluster=profile)
     if args.dry_run:
         return _dry_run(plan(True), args.max_parallel, console)
     with arrays.hold(project, name, f"slipway sweep {given}"):

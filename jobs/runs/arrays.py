@@ -32,6 +32,7 @@ from common.rundir import RunDir
 from common.schema import to_dict
 from edf.environment import SAFE_NAME
 from jobs import slurm
+from jobs.clusters import ClusterProfile
 from jobs.config import Config, config_from, dump_config, read_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
@@ -77,15 +78,17 @@ class Plan:
 
 def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_dir: Path, *,
                name: Optional[str] = None, points_file: Optional[str] = None, given_args: str = "",
-               dry_run: bool = False, force: bool = False, view: Optional[Callable[[Config], Config]] = None) -> Plan:
+               dry_run: bool = False, force: bool = False, view: Optional[Callable[[Config], Config]] = None,
+               cluster: Optional[ClusterProfile] = None) -> Plan:
     """Every point of the sweep built, validated and sealed (nothing written): one bad point is a
     ConfigError naming it. What would refuse the submission (an unrelated run of a point's name, a
     point whose config changed, data not prepared) is in `refusals`. `view`: how a point runs
-    here (`slipway sweep --local`), applied to each point's config before it is checked."""
+    here (`slipway sweep --local`), applied to each point's config before it is checked. `cluster`:
+    the profile every point runs with (`--cluster`)."""
     axes, plain = split_axes(overrides)
     entries = read_points(points_file) if points_file else None
     path, raw = read_config(config)
-    base = config_from(path, raw, plain, sets)
+    base = config_from(path, raw, plain, sets, cluster=cluster)
     name = name or base.run.name
     if not SAFE_NAME.match(name) or len(name) > NAME_ROOM:
         raise ConfigError("--name", f"{shown(name)} is no sweep name: use 1-{NAME_ROOM} letters, digits, '.', '_' "
@@ -104,7 +107,7 @@ def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_
     for values, run_name in zip(settings, names):
         point = Point(run_name, values)
         try:
-            cfg = config_from(path, raw, plain, sets, {**values, "run.name": run_name})
+            cfg = config_from(path, raw, plain, sets, {**values, "run.name": run_name}, cluster=cluster)
             cfg.given_args = shlex.join([*words, *(f"{k}={value_text(v)}" for k, v in values.items()),
                                          "--run-name", run_name])
             cfg = view(cfg) if view else cfg

@@ -28,6 +28,7 @@ from common.rundir import HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT
 PENDING, RUNNING = "PENDING", "RUNNING"
 COMPLETED, FAILED, HUNG, CANCELLED = "COMPLETED", "FAILED", "HUNG", "CANCELLED"
 TIMEOUT, NODE_FAIL, PREFLIGHT_FAILED = "TIMEOUT", "NODE_FAIL", "PREFLIGHT_FAILED"
+PREEMPTED = "PREEMPTED"  # Slurm preempted it and did not requeue it
 STOPPED = "STOPPED"  # saved a checkpoint and stopped, to be resumed (exit REQUEUE_EXIT, not requeued)
 INTERRUPTED = "INTERRUPTED"  # a local launch stopped by Ctrl-C
 TERMINATED = "TERMINATED"  # a local launch ended by another signal
@@ -241,7 +242,9 @@ def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchSta
     if word == "NODE_FAIL":
         node = _last(attempt, EventKind.NODE_FAILURE)
         return LaunchState(NODE_FAIL, code, node.text if node else info.reason or "a node of the job failed")
-    if word in ("OUT_OF_MEMORY", "BOOT_FAIL", "PREEMPTED"):
+    if word == "PREEMPTED":
+        return LaunchState(PREEMPTED, code, f"preempted by Slurm{': ' + info.reason if info.reason else ''}")
+    if word in ("OUT_OF_MEMORY", "BOOT_FAIL"):
         return LaunchState(FAILED, code, f"{word.lower().replace('_', ' ')}" + (f": {info.reason}" if info.reason else ""))
     if code is None:
         code = 0 if word == "COMPLETED" else 1
@@ -308,18 +311,23 @@ class History:
     hang: str = ""
     hang_tag: str = ""  # the attempt whose stack dumps the last hang names (hangs/TAG-*.txt)
     preflight: str = ""  # the last preflight result (its bandwidth when it passed)
+    preemptions: int = 0  # attempts Slurm requeued (a preemption, an scontrol requeue), apart from the others
+    lead: str = ""  # the last warning lead the job said, and why
 
     def lines(self) -> list[str]:
         out = []
-        if self.retries or self.requeues or self.attempts > 1:
+        if self.retries or self.requeues or self.preemptions or self.attempts > 1:
             kinds = ", ".join(re.sub(r"^retry \S+ \(([^)]*)\).*", r"\1", r) for r in self.retries)
             out.append(f"job {self.job_id}: {self.attempts} attempt(s); failure retries {len(self.retries)}"
                        f"{'/' + str(self.max_retries) if self.max_retries is not None else ''}"
                        f"{' (' + kinds + ')' if kinds else ''}; time-limit requeues {self.requeues}"
                        f"{'/' + str(self.max_requeues) if self.max_requeues is not None else ''}"
+                       f"; preemptions {self.preemptions}"
                        f"{'; excluded nodes ' + self.excluded if self.excluded else ''}")
         if self.last_failure and self.last_failure != self.hang:  # the hang has lines of its own
             out.append(f"last failure: {self.last_failure}")
+        if self.lead:
+            out.append(f"time-limit {self.lead}")
         return out
 
 
@@ -342,6 +350,10 @@ def history(job_id: str, events: Sequence[Event]) -> History:
                 h.excluded = m.group(1)
         elif kind is EventKind.TIME_LIMIT_REQUEUE:
             h.requeues += 1
+        elif kind is EventKind.PREEMPTED:
+            h.preemptions += 1
+        elif kind is EventKind.WARNING_LEAD:
+            h.lead = e.text
         elif kind in (EventKind.PREFLIGHT_OK, EventKind.PREFLIGHT_FAILED):
             h.preflight = e.text
         if kind in FAILURE_KINDS:

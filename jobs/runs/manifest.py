@@ -100,6 +100,7 @@ class Launch:
     code: Optional[CodeSnapshot] = field(default=None, compare=False)
     script_sha256: str = ""
     job_lib: dict = field(default_factory=dict, compare=False)  # the libraries its batch script sources
+    cluster: dict = field(default_factory=dict, compare=False)  # the cluster profile it was submitted with
     others: dict = field(default_factory=dict, compare=False, repr=False, metadata=NOT_A_KEY)  # keys it does not know
 
     ALWAYS: ClassVar[tuple[str, ...]] = ("job_id", "kind")  # written even at their defaults

@@ -30,6 +30,7 @@ from jobs.runs.image import ImagePin, container_project, kept_build, pin_image
 from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve_paths, run_environment
 from jobs.runs.manifest import Launch, Manifest
 from jobs.runs.run import Run, active_jobs, run_exists, runs_root, update_manifest
+from jobs.nodes import plan_exclusions
 from jobs.slurm.script import library_files, render_prepare_sbatch, render_sbatch
 from common import environ
 from common.errors import ConfigError
@@ -187,8 +188,10 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
         shown = ", ".join(code.untracked[:5]) + (f" and {len(code.untracked) - 5} more" if len(code.untracked) > 5 else "")
         notes.append(f"not in the code snapshot, as git does not track them: {shown} (`git add` what the run needs)")
     env = run_environment(cfg, paths, pin, code.value if code else None)
+    exclusions = plan_exclusions(cfg, paths.path.parent)  # the bad nodes the cluster remembers
+    notes += exclusions.notes
     script = render_sbatch(cfg, paths, env, pin.pins(code.value if code else None, kept_build(cfg, pin),
-                                                     container_project(cfg, paths.project)))
+                                                     container_project(cfg, paths.project)), exclusions.nodes)
     # What else the script holds is rendered and quoted by slipway: one parse per pre_launch text.
     if shared is None or tuple(cfg.launch.pre_launch) not in shared.parsed:
         _check_script_syntax(cfg, script)
@@ -319,7 +322,8 @@ def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train"
                    git=git_state(run.paths.project) if git is None else git,
                    image=sealed.pin, code=sealed.snapshot, steps=sealed.cfg.train.steps if kind == "train" else None,
                    script_sha256=hashlib.sha256(script.read_bytes()).hexdigest(),
-                   job_lib=sealed.job_lib if kind == "train" else {})
+                   job_lib=sealed.job_lib if kind == "train" else {},
+                   cluster=sealed.cfg.cluster.record() if sealed.cfg.cluster is not None else {})
 
     def add(manifest: Manifest) -> None:
         manifest.image = sealed.pin  # what the latest job runs

@@ -6,10 +6,11 @@
   (job_lib.sh, pyxis_lib.sh).
 """
 
-from jobs.slurm.client import (ACTIVE_STATES, JobInfo, SlurmError, available, can_ask, check_sbatch_environment,
-                               hostnames, job_info, jobs_info, max_array_size, ping, responding_nodes, sacct_argv,
-                               sbatch, scancel, squeue_argv, srun_argv)
+from jobs.slurm.client import (ACTIVE_STATES, JobInfo, SlurmError, associations, available, can_ask,
+                               check_sbatch_environment, cluster_config, hostnames, job_info, jobs_info,
+                               max_array_size, partition_nodes, partitions, ping, responding_nodes, sacct_argv, sbatch,
+                               scancel, squeue_argv, srun_argv, usable_state)
 
-__all__ = ["ACTIVE_STATES", "JobInfo", "SlurmError", "available", "can_ask", "check_sbatch_environment", "hostnames",
-           "job_info", "jobs_info", "max_array_size", "ping", "responding_nodes", "sacct_argv", "sbatch", "scancel",
-           "squeue_argv", "srun_argv"]
+__all__ = ["ACTIVE_STATES", "JobInfo", "SlurmError", "associations", "available", "can_ask", "check_sbatch_environment",
+           "cluster_config", "hostnames", "job_info", "jobs_info", "max_array_size", "partition_nodes", "partitions",
+           "ping", "responding_nodes", "sacct_argv", "sbatch", "scancel", "squeue_argv", "srun_argv", "usable_state"]

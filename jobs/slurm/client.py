@@ -238,11 +238,10 @@ def job_info(job_id: str) -> JobInfo | None:
 
 def max_array_size() -> int:
     """The cluster's MaxArraySize (`scontrol show config`): a job array's task indices stay below it."""
-    out = _run(_tool("scontrol"), "show", "config")
-    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", out, re.M)
-    if m is None:
-        raise SlurmError("scontrol show config names no MaxArraySize: is this a Slurm controller?")
-    return int(m.group(1))
+    size = cluster_config().get("MaxArraySize", "")
+    if not size.isdigit():
+        raise SlurmError("scontrol show config names no MaxArraySize: is a Slurm controller answering?")
+    return int(size)
 
 
 def can_ask() -> bool:
@@ -264,6 +263,52 @@ def responding_nodes(partition: str | None) -> list[str]:
     """The nodes of `partition` (every partition's when None) that answer the controller."""
     out = _run(_tool("sinfo"), "-h", "-N", "-r", "-o", "%N", *(["-p", partition] if partition else []))
     return list(dict.fromkeys(out.split()))
+
+
+# Node states (sinfo %t, its power-saving suffixes ~#% stripped) in which Slurm can place a job: what
+# job_lib.sh's retry_or_stop counts as usable too.
+USABLE_STATES = ("idle", "mix", "alloc", "comp", "plnd")
+
+
+def usable_state(state: str) -> bool:
+    return state.rstrip("~#%") in USABLE_STATES
+
+
+def partition_nodes(partition: str | None) -> tuple[str, dict[str, str]]:
+    """(the partition, each of its nodes' sinfo state) in one sinfo: `partition`'s, else the
+    default partition's (sinfo marks it with a `*`); ("", {}) when there is none."""
+    out = _run(_tool("sinfo"), "-h", "-N", "-o", "%N|%t|%P")
+    rows = [line.split("|") for line in out.splitlines() if line.count("|") == 2]
+    if partition is None:
+        partition = next((p.rstrip("*") for _, _, p in rows if p.endswith("*")), "")
+    return partition, {node: state for node, state, p in rows if p.rstrip("*") == partition}
+
+
+def partitions() -> dict[str, list[tuple[str, str]]]:
+    """Each partition's nodes as (name, generic resources: `gpu:4`, `(null)`), in one sinfo."""
+    out = _run(_tool("sinfo"), "-h", "-N", "-o", "%P|%N|%G")
+    found: dict[str, list[tuple[str, str]]] = {}
+    for part, node, gres in (line.split("|", 2) for line in out.splitlines() if line.count("|") == 2):
+        found.setdefault(part.rstrip("*"), []).append((node, gres))
+    return found
+
+
+def associations(user: str) -> list[tuple[str, str]] | None:
+    """(account, QoS list) of each of `user`'s associations (sacctmgr); None without accounting."""
+    if not available("sacctmgr"):
+        return None
+    rc, out, _ = local["sacctmgr"]["-n", "-P", "show", "associations", f"user={user}", "format=account,qos"].run(
+        retcode=None, timeout=30)
+    return [tuple(line.split("|", 1)) for line in out.splitlines() if "|" in line] if rc == 0 else None
+
+
+def cluster_config() -> dict[str, str]:
+    """`scontrol show config` as key -> value ({} without an answer)."""
+    if not available("scontrol"):
+        return {}
+    rc, out, _ = local["scontrol"]["show", "config"].run(retcode=None, timeout=30)
+    return {k.strip(): v.strip() for k, sep, v in (line.partition("=") for line in out.splitlines()) if sep} \
+        if rc == 0 else {}
 
 
 def ping(timeout: float = 20) -> tuple[bool, str]:

@@ -6,16 +6,17 @@
 # batch host outside the container depends only on what compute nodes have: bash, coreutils and
 # the Slurm client commands, no Python. Pinned, not inlined: a submission writes a copy into
 # runs/RUN/lib/ named by its hash, and job.sbatch checks that hash before it sources the copy,
-# so runs/RUN/ alone says what ran, through every requeue. The pyxis part (pyxis_lib.sh, kept
-# containers) is pinned the same way and sourced by pyxis jobs alone.
+# so runs/RUN/ alone says what ran, through every requeue. What a job leaves for the next ones
+# (memory_lib.sh: bad nodes, the warning lead, preemptions) is pinned and sourced the same way, and
+# the pyxis part (pyxis_lib.sh, kept containers) too, by pyxis jobs alone.
 #
 # The functions take data: the run's values are the plain variables the settings block at the
 # top of job.sbatch sets once (NODES_NEEDED, PROCS_PER_NODE, RANKS, MAX_RETRIES, MAX_REQUEUES,
 # REQUEUE, PREFLIGHT_TIMEOUT, the exit codes; what the job runs: CODE_DIR, CODE_SHA256,
 # IMAGE_FILE, IMAGE_SHA256, IMAGE_SIZE, IMAGE_MTIME; and where the run's files are, rendered from
 # common/rundir.py's RunDir: RUN_DIR, EVENTS_LOG, LOGS, HEARTBEAT, HEARTBEATS, GUTIL, HANGS, EXITS,
-# STOP_FILE, CHECKPOINT_DIR: this library composes no path of the run's itself); the main part
-# sets JOB_TAG, NODES, RETRIES and REQUEUES.
+# STOP_FILE, SAVES, CHECKPOINT_DIR: this library composes no path of the run's itself); the main
+# part sets JOB_TAG, NODES, RETRIES, REQUEUES and PREEMPTIONS.
 #
 # Every end is told truthfully in events.log and recorded before anything slow: the EXIT trap
 # writes `end exit N` first, and nothing slow is on the path to the job's end.
@@ -48,6 +49,7 @@ latest_checkpoint() {
 retry_or_stop() {
   local kind=$1 code=$2; shift 2
   local bad="$*" excluded="" usable=0 node state
+  [ -z "$bad" ] || remember_bad_nodes "$kind" $bad
   if [ "$REQUEUE" != 1 ]; then
     event "not retrying ($kind): $NO_REQUEUE"
     exit "$code"
@@ -86,12 +88,15 @@ retry_or_stop() {
 # retried without it. Every node failing alike (a full filesystem, a bad config) blames none.
 preflight_nodes() {
   local log=$1 step_rc=$2 node line bad=""
+  WRITE_BPS=0
   for node in $NODES; do
     line=$(grep -F -m1 "slipway-preflight $node " "$log") || line=""
     case "$line" in
-      "slipway-preflight $node ok"*) ;;
-      "") bad+="$node "; event "preflight failed on $node: no report within $PREFLIGHT_TIMEOUT s (its container did not start there, or the node is unreachable; step exit $step_rc)" ;;
-      *) bad+="$node "; event "preflight failed on $node: ${line#*fail: }" ;;
+      "slipway-preflight $node ok"*) clear_bad_node "$node"  # no fork per node: a job may have thousands
+        if [[ $line =~ write_bps=([0-9]{1,15}) ]]; then WRITE_BPS=$((WRITE_BPS + BASH_REMATCH[1])); fi ;;
+      "") bad+="$node "; BLAME[$node]="no preflight report within $PREFLIGHT_TIMEOUT s"
+          event "preflight failed on $node: no report within $PREFLIGHT_TIMEOUT s (its container did not start there, or the node is unreachable; step exit $step_rc)" ;;
+      *) bad+="$node "; BLAME[$node]="preflight failed: ${line#*fail: }"; event "preflight failed on $node: ${line#*fail: }" ;;
     esac
   done
   [ -n "$bad" ] || return 0
@@ -152,9 +157,10 @@ after_oom() {
   event "out of memory: the out-of-memory killer ended a process of the training step on $OOM_NODES (step exit $1): $OOM_HINT"
 }
 
-# hang_field KEY LINE: the value of KEY in a hang dump's first line, `slipway-hang rank=R host=H
-# step=S idle=I limit=L answered=on-time|late` (common/rundir.py HangLine writes it), "?" if none.
-hang_field() { local w; for w in $2; do case $w in "$1="*) echo "${w#*=}"; return ;; esac; done; echo "?"; }
+# line_field KEY LINE: the value of KEY in a line of KEY=VALUE words, "?" if none: a hang dump's
+# first line, `slipway-hang rank=R host=H step=S idle=I limit=L answered=on-time|late` (common/rundir.py
+# HangLine writes it), a save's (SaveLine), a bad node's record (jobs/nodes.py BadNode).
+line_field() { local w; for w in $2; do case $w in "$1="*) echo "${w#*=}"; return ;; esac; done; echo "?"; }
 
 # after_hang: the ranks' watchdogs wrote their stacks to HANGS (trainer/watchdog.py): a hang.
 # The nodes some of whose ranks wrote none in time (frozen, dead; a frozen rank may dump `late`
@@ -168,12 +174,12 @@ after_hang() {
     for f in "$HANGS/$JOB_TAG-$node-"*.txt; do
       r=${f##*/"$JOB_TAG-$node-"}; [[ ${r%.txt} =~ ^[0-9]+$ ]] || continue
       first=""; read -r first < "$f" || true
-      [ "$(hang_field answered "$first")" != on-time ] || dumped=$((dumped + 1))
+      [ "$(line_field answered "$first")" != on-time ] || dumped=$((dumped + 1))
     done
-    [ "$dumped" -ge "$PROCS_PER_NODE" ] || silent+="$node "
+    [ "$dumped" -ge "$PROCS_PER_NODE" ] || { silent+="$node "; BLAME[$node]="hang: its ranks wrote no stack dump in time"; }
   done
   first=""; read -r first < "${dumps[0]}" || true
-  event "hang: no step completed for $(hang_field limit "$first") s after step $(hang_field step "$first"); stack dumps from ${#dumps[@]} of $RANKS ranks in hangs/$JOB_TAG-*.txt${silent:+; not answering in time: the ranks on ${silent% }}"
+  event "hang: no step completed for $(line_field limit "$first") s after step $(line_field step "$first"); stack dumps from ${#dumps[@]} of $RANKS ranks in hangs/$JOB_TAG-*.txt${silent:+; not answering in time: the ranks on ${silent% }}"
   retry_or_stop hang "$HANG_EXIT" $silent
 }
 
@@ -213,7 +219,7 @@ after_node_failure() {
   [ "$rc" != 0 ] || return 0
   while read -r node state; do
     case "$state" in down*|drain*|drng*|fail*|*'*') ;; *) continue ;; esac
-    case " $dead" in *" $node "*) ;; *) dead+="$node " ;; esac
+    case " $dead" in *" $node "*) ;; *) dead+="$node "; BLAME[$node]="node failure: $state after a failed step" ;; esac
   done < <(sinfo -h -N -n "$SLURM_JOB_NODELIST" -o '%N %t' 2>/dev/null)
   [ -n "$dead" ] || return 0
   event "node failure: ${dead% } not responding, down or drained after the step failed (exit $rc)"
@@ -233,14 +239,16 @@ wait_step() {
   done
 }
 
-# Signals. USR1 (#SBATCH --signal=B:USR1@...): Slurm's warning before the time limit, the
-# trainer is asked to save at the step boundary. USR2: `slipway cancel` (scancel --batch
+# Signals. USR1 (warning_timer at the measured lead, and #SBATCH --signal=B:USR1@... as the floor):
+# the warning before the time limit, the trainer is asked to save at the step boundary. USR2: `slipway cancel` (scancel --batch
 # --signal=USR2), before it cancels the job: the allocation still exists, so the trap can end
 # the step and remove the container. TERM: a plain scancel (or a preemption), which Slurm sends
 # to the batch shell and the steps at once. Each says so in events.log and ends the job with
 # the signal's exit (128 + the signal: USR2 140, TERM 143).
 on_warning() {
-  STOP_REQUESTED=1 TRAPPED=1
+  TRAPPED=1
+  [ "$STOP_REQUESTED" != 1 ] || return 0  # the timer's and Slurm's own warning: the first one asks
+  STOP_REQUESTED=1
   STOP_CHECKPOINT=$(latest_checkpoint)
   event "time limit warning: stop requested"
   say_stop "the time limit is near"
@@ -407,8 +415,10 @@ verify_nodes() {
       "slipway-verify $node ok") ;;
       "slipway-verify $node differs: "*) differ+="$node "; said[$node]=${line#*differs: }
         [ -n "$why" ] || why="${line#*differs: } (on $node)" ;;
-      "slipway-verify $node node: "*) bad+="$node "; event "preflight failed on $node: ${line#*node: }" ;;
-      *) bad+="$node "; event "preflight failed on $node: no verification report within $PREFLIGHT_TIMEOUT s (step exit $rc)" ;;
+      "slipway-verify $node node: "*) bad+="$node "; BLAME[$node]="preflight failed: ${line#*node: }"
+        event "preflight failed on $node: ${line#*node: }" ;;
+      *) bad+="$node "; BLAME[$node]="no verification report within $PREFLIGHT_TIMEOUT s"
+         event "preflight failed on $node: no verification report within $PREFLIGHT_TIMEOUT s (step exit $rc)" ;;
     esac
   done
   if [ -n "$differ" ] && { [ "${differ% }" = "$NODES" ] || [ "$NODES_NEEDED" -eq 1 ]; }; then
@@ -417,6 +427,7 @@ verify_nodes() {
   fi
   for node in $differ; do
     event "preflight failed on $node: ${said[$node]}"
+    BLAME[$node]="preflight failed: ${said[$node]}"
     bad+="$node "
   done
   [ -n "$bad" ] || return 0

@@ -13,7 +13,7 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from common.errors import ConfigError
 from common.layouts import ALLOC_CONF, ALLOC_CONF_NAMES, checkpoint_bytes, smaller_batch_hint
@@ -21,6 +21,7 @@ from common.rundir import (BAD_INPUT_EXIT, HANG_EXIT, PREFLIGHT_ENV, PREFLIGHT_E
                            CodeSnapshot, RunDir)
 from edf import Environment
 from jobs.config import Config
+from jobs.nodes import memory_of, merged_exclude
 from jobs.slurm.sections import NODE_PRESETS
 from jobs.slurm.client import srun_argv
 from jobs.slurm.ranks import Value, container_args, launch_line, shell_value, words
@@ -45,7 +46,7 @@ def _allocation(cfg: Config, *, partition: str | None) -> list[str]:
     return opts + ([f"--mail-user={sbatch_quote(s.email)}", "--mail-type=END,FAIL"] if s.email else [])
 
 
-def _header(cfg: Config, paths: RunDir) -> list[str]:
+def _header(cfg: Config, paths: RunDir, exclude: Sequence[str] = ()) -> list[str]:
     s = cfg.slurm
     tasks = 1 if cfg.launch.launcher == "torchrun" else cfg.launch.procs_per_node
     opts = [f"--job-name={cfg.run.name}", f"--nodes={s.nodes}", f"--ntasks-per-node={tasks}",
@@ -53,9 +54,13 @@ def _header(cfg: Config, paths: RunDir) -> list[str]:
             f"--time={s.time}", *_allocation(cfg, partition=s.partition)]
     opts += [f"--output={sbatch_quote(str(paths.path / s.output))}",
              f"--error={sbatch_quote(str(paths.path / s.error))}", "--open-mode=append"]
-    # B: only the batch shell gets the warning; it tells the trainer through STOP_FILE.
+    # B: only the batch shell gets the warning; it tells the trainer through STOP_FILE. With a
+    # measured lead this is the floor: the script's own timer (warning_timer) asks earlier.
     opts += [f"--signal=B:USR1@{s.warning_seconds()}"] if s.warning_seconds() else []
-    opts += ["--requeue" if s.requeue else "--no-requeue", *(sbatch_quote(o) for o in s.extra)]
+    extra, excluded = merged_exclude(s.extra, list(exclude))
+    opts += ["--requeue" if s.requeue else "--no-requeue", *(sbatch_quote(o) for o in extra)]
+    # The bad nodes this cluster remembers (jobs/nodes.py), with any --exclude of slurm.extra.
+    opts += [f"--exclude={sbatch_quote(','.join(excluded))}"] if excluded else []
     return ["#!/bin/bash", f"# slipway run {cfg.run.name}: generated, edit configs/ instead"] + \
         [f"#SBATCH {o}" for o in opts]
 
@@ -71,6 +76,7 @@ def _hf_home(cfg: Config, paths: RunDir) -> str:
 # named containers), pinned into each run directory by their hash (`library_files`) and sourced by
 # job.sbatch once that hash is checked.
 JOB_LIB = (Path(__file__).with_name("job_lib.sh")).read_text()
+MEMORY_LIB = (Path(__file__).with_name("memory_lib.sh")).read_text()
 PYXIS_LIB = (Path(__file__).with_name("pyxis_lib.sh")).read_text()
 EVENT_WRITER = next(line for line in JOB_LIB.splitlines() if line.startswith("event() "))
 
@@ -78,7 +84,8 @@ EVENT_WRITER = next(line for line in JOB_LIB.splitlines() if line.startswith("ev
 def library_files(env: Environment, paths: RunDir) -> dict[Path, str]:
     """The libraries a job of `env`'s runtime sources, by their place in the run directory
     (RunDir.lib/NAME-HASH12.sh: a new text is a new file, never an old one rewritten)."""
-    libs = [("job_lib", JOB_LIB)] + ([("pyxis_lib", PYXIS_LIB)] if env.runtime == "pyxis" else [])
+    libs = [("job_lib", JOB_LIB), ("memory_lib", MEMORY_LIB)] + \
+        ([("pyxis_lib", PYXIS_LIB)] if env.runtime == "pyxis" else [])
     return {paths.lib / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh": text for name, text in libs}
 
 
@@ -282,6 +289,8 @@ def _settings(cfg: Config, paths: RunDir, env: Environment, container_named: boo
         f"BAD_INPUT_EXIT={BAD_INPUT_EXIT}",
         f"STEP_STOP_WAIT={STEP_STOP_WAIT}",
         f"OOM_HINT={q(smaller_batch_hint(cfg))}",
+        *_memory_settings(cfg, paths),
+        *_lead_settings(cfg),
     ]
     empty = "''"
     if env.runtime == "pyxis":
@@ -307,6 +316,29 @@ def _settings(cfg: Config, paths: RunDir, env: Environment, container_named: boo
     return lines
 
 
+def _memory_settings(cfg: Config, paths: RunDir) -> list[str]:
+    """Where the cluster remembers bad nodes (jobs/nodes.py): the runs root, which every node reaches."""
+    memory, after = memory_of(cfg.cluster, paths.path.parent)
+    where = shlex.quote(str(memory.dir)) if after else "''"
+    return ["# The bad nodes this cluster remembers (a node the job blames is excluded from its later jobs).",
+            f"CLUSTER={shlex.quote(memory.cluster)} BAD_NODES_DIR={where}"]
+
+
+# How often the warning timer re-reads the run's saves (and, every tenth time, the job's end).
+WARNING_POLL = 30
+
+
+def _lead_settings(cfg: Config) -> list[str]:
+    """The warning lead's terms (job_lib.sh warning_lead): measured unless slurm.signal_seconds fixes it."""
+    bounds = cfg.slurm.warning_bounds()
+    if bounds is None:
+        return ["LEAD_AUTO=0  # the time-limit warning is Slurm's own (#SBATCH --signal), fixed"]
+    floor, default, ceiling = bounds
+    return ["# The time-limit warning's lead, measured from the run's saves (warning_lead), within these bounds.",
+            f"LEAD_AUTO=1 LEAD_MIN={floor} LEAD_DEFAULT={default} LEAD_MAX={ceiling} WARNING_POLL={WARNING_POLL}",
+            f"CHECKPOINT_BYTES={checkpoint_bytes(cfg.model.num_params())} SYNC_STEPS={cfg.logging.interval}"]
+
+
 def _path_settings(cfg: Config, paths: RunDir) -> list[str]:
     """RUN_DIR and the run's other paths (`RunDir.shell_paths`), those inside it relative to it."""
     words = []
@@ -326,7 +358,7 @@ def _sourced(paths: RunDir, libs: dict[Path, str]) -> list[str]:
         digest = hashlib.sha256(text.encode()).hexdigest()
         lines.append(f"pinned \"$RUN_DIR\"/{shlex.quote(path.relative_to(paths.path).as_posix())} {digest}")
     return [
-        "# The job library (jobs/slurm/job_lib.sh" + (", pyxis_lib.sh" if len(libs) > 1 else "")
+        "# The job library (jobs/slurm/job_lib.sh, memory_lib.sh" + (", pyxis_lib.sh" if len(libs) > 2 else "")
         + "), as submitted: checked, then sourced.",
         "pinned() {",
         '  if ! printf \'%s  %s\\n\' "$2" "$1" | sha256sum --check --status 2>/dev/null; then',
@@ -341,18 +373,20 @@ def _sourced(paths: RunDir, libs: dict[Path, str]) -> list[str]:
     ]
 
 
-def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pins()) -> str:
-    """The whole batch script for `cfg`, reading and writing only inside `paths.path`;
-    `env` is the run's container environment (`jobs.runs.container.run_environment`), `pins`
-    what the job runs (its code snapshot, image and kept container), which it checks on every
-    node first. It sources the libraries `library_files` puts in the run directory."""
+def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pins(), exclude: Sequence[str] = ()) -> str:
+    """The whole batch script for `cfg`, reading and writing only inside `paths.path` (and the
+    cluster's bad-node memory beside it); `env` is the run's container environment
+    (`jobs.runs.container.run_environment`), `pins` what the job runs (its code snapshot, image and
+    kept container), which it checks on every node first; `exclude` the remembered bad nodes it
+    keeps away from (jobs/nodes.py plan_exclusions). It sources the libraries `library_files` puts
+    in the run directory."""
     container, prefix = container_args(env, paths)
     # Under pyxis every srun step unpacks the image into a container of its own, unless the
     # steps name one: the preflight's steps then create it and training starts in it at once.
     shared = env.runtime == "pyxis" and cfg.slurm.preflight and not cfg.launch.command
     if shared:
         container.append(Value("--container-name=" + PYXIS_CONTAINER))
-    lines = _header(cfg, paths) + ["", "set -euo pipefail"]
+    lines = _header(cfg, paths, exclude) + ["", "set -euo pipefail"]
     if cfg.launch.debug:
         lines.append("set -x")
     pyxis, code = env.runtime == "pyxis", pins.code
@@ -362,13 +396,15 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
               f"cd {shlex.quote(str(paths.project))}",
               'mkdir -p "$LOGS" "$GUTIL" "$HEARTBEATS" "$HANGS"',
               'rm -f "$STOP_FILE"',
-              "# What this job (its id survives requeues) has used: failure retries, time-limit requeues.",
-              "RETRIES=$(count_events retry) REQUEUES=$(count_events time-limit requeue)",
+              "# What this job (its id survives requeues) has used: failure retries, time-limit requeues;",
+              "# and the preemptions (requeues by Slurm), counted apart.",
+              "RETRIES=$(count_events retry) REQUEUES=$(count_events time-limit requeue) PREEMPTIONS=$(count_events preempted:)",
+              "note_preemption",
               "JOB_TAG=$(job_tag)",
               *(["CONTAINER_NAME=$(container_name)"] if pyxis else []),
               'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd " " -)',
               'event "start on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0}), failure retries '
-              '$RETRIES/$MAX_RETRIES, time-limit requeues $REQUEUES/$MAX_REQUEUES"',
+              '$RETRIES/$MAX_RETRIES, time-limit requeues $REQUEUES/$MAX_REQUEUES$PREEMPTIONS_SAID"',
               *(["keep_container"] if pyxis else []),
               "",
               *_environment(cfg, paths, code),
@@ -398,6 +434,8 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
         "# its exit into SLIPWAY_EXITS, from which step_exit decides the step's.",
         'export SLIPWAY_EXITS="$EXITS/$JOB_TAG"  # read once below, then removed',
         'rm -rf "$SLIPWAY_EXITS"; mkdir -p "$SLIPWAY_EXITS"',
+        "# The time-limit warning as early as the run's saves need (warning_timer), unless fixed.",
+        '[ "${LEAD_AUTO:-0}" != 1 ] || { warning_timer > /dev/null 2>&1 & HELPER_PIDS+=("$!"); }',
         launch_line(cfg, paths, container, prefix, code=code) + " &",
         'SRUN_PID=$!',
         'set +e; wait_step "$SRUN_PID"; set -e',

@@ -85,9 +85,13 @@ class SlurmSection:
     output: str = "logs/%j.out"
     # Slurm's error log, relative to the run directory like output.
     error: str = "logs/%j.err"
-    # Seconds before the time limit at which the batch script is warned (USR1):
-    # the trainer saves at the step boundary and the job requeues itself.
-    # Default: a tenth of the limit, at most 300 s; 0 disables the warning.
+    # Seconds before the time limit at which the batch script asks the trainer to save at the step
+    # boundary (the job then requeues itself). Default (null): measured, the warning lead: the
+    # run's slowest recent save plus the steps to the next stop point plus a margin (before the
+    # first save, the checkpoint's size at the write speed the preflight measured; with neither, a
+    # tenth of the limit, at most 300 s), at least Slurm's own warning (a tenth, at most 60 s) and
+    # at most half the limit, recomputed through the job (docs/runs.md). A number fixes it (Slurm's
+    # --signal); 0 disables the warning.
     signal_seconds: Optional[int] = None
     # Whether the job requeues itself (sbatch --requeue): off, it neither requeues at the
     # time-limit warning nor retries a failure.
@@ -177,14 +181,23 @@ class SlurmSection:
         return time_limit_seconds(self.time)
 
     def warning_seconds(self) -> int:
-        """When Slurm warns the batch script before the limit (0: never)."""
+        """When Slurm warns the batch script before the limit (#SBATCH --signal; 0: never): the
+        fixed signal_seconds, else the measured lead's floor (`warning_bounds`)."""
         if self.signal_seconds is not None:
             return self.signal_seconds
+        bounds = self.warning_bounds()
+        return bounds[0] if bounds else (300 if self.time_seconds() is None else 0)
+
+    def warning_bounds(self) -> Optional[tuple[int, int, int]]:
+        """The measured warning lead's (floor, default before any measurement, ceiling) in seconds;
+        None when it is not measured (a fixed signal_seconds, no time limit, a limit too short)."""
         limit = self.time_seconds()
-        if limit is None:
-            return 300
-        auto = min(300, max(10, limit // 10))
-        return auto if auto * 2 <= limit else 0
+        if self.signal_seconds is not None or limit is None:
+            return None
+        default = min(300, max(10, limit // 10))
+        if default * 2 > limit:
+            return None
+        return min(60, default), default, limit // 2
 
 @dataclass(frozen=True)
 class NodePreset:

@@ -1,0 +1,263 @@
+"""Bad nodes remembered per cluster: what one job blamed, later jobs of that cluster exclude.
+
+Where: `RUNS/.nodes/CLUSTER/NODE`, one file per node, beside the runs (the runs root: the one
+place every node of every job of the project reaches, as the job writes its events.log there;
+a user's $HOME or state directory need not be mounted on compute nodes). The batch script writes
+a node's record when it blames the node (job_lib.sh `remember_bad_node`: a failed preflight, a
+hang, a node that died) and removes it when a preflight on the node passes (`clear_bad_node`);
+each write is a whole file renamed into place, so jobs blaming nodes at once never tear one
+another's records, and a reader sees a node's old record or its new one. The host reads them at
+each submission of that cluster (`plan_exclusions`: only names the partition knows, never so
+many that the partition cannot run the job) and in `slipway nodes`; a record expires after the
+profile's `cluster.forget_bad_nodes_after` (a day), and `slipway nodes --forget NODE` removes it.
+A record that cannot be read (cut, foreign, not a regular file) is named, never trusted, never
+fatal. CLUSTER is the profile's name (jobs/clusters.py `key`), `default` without one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+from common.environ import as_typed
+from common.errors import ConfigError, one_line, shown
+from common.fs import NotRegularFile, open_regular
+from jobs import clusters, slurm
+
+NODES_DIR = ".nodes"
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # as job_lib.sh checks a name before writing
+MAX_RECORD = 4096
+
+
+@dataclass(frozen=True)
+class BadNode:
+    """A node's record, one line (job_lib.sh writes it): `slipway-bad-node node=N since=TIME
+    at=TIME run=RUN job=JOB kind=KIND reason: TEXT`; `since` the first blame still standing, `at`
+    the latest."""
+
+    node: str
+    since: str
+    at: str
+    run: str
+    job: str
+    kind: str
+    reason: str
+
+    TAG = "slipway-bad-node"
+
+    def line(self) -> str:
+        return (f"{self.TAG} node={self.node} since={self.since} at={self.at} run={self.run} job={self.job} "
+                f"kind={self.kind} reason: {self.reason}")
+
+    @classmethod
+    def parse(cls, text: str) -> Optional["BadNode"]:
+        head, sep, reason = text.partition(" reason: ")
+        words = head.split()
+        if not sep or not words or words[0] != cls.TAG:
+            return None
+        keys = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+        try:
+            record = cls(keys["node"], keys["since"], keys["at"], keys["run"], keys["job"], keys["kind"],
+                         reason.strip())
+        except KeyError:
+            return None
+        return record if _time(record.at) and _time(record.since) and NODE_NAME.fullmatch(record.node) else None
+
+    def age(self, now: datetime) -> float:
+        return (now - _time(self.at)).total_seconds()
+
+
+def _time(stamp: str) -> Optional[datetime]:
+    try:
+        when = datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    return when if when.tzinfo else None
+
+
+@dataclass
+class Recall:
+    """What a cluster's records say now."""
+
+    live: list[BadNode] = field(default_factory=list)  # newest blame first
+    expired: list[BadNode] = field(default_factory=list)
+    damaged: list[str] = field(default_factory=list)  # one line each: the file and why
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """A cluster's remembered bad nodes: RUNS/.nodes/CLUSTER/, one file per node."""
+
+    dir: Path
+    cluster: str
+
+    @classmethod
+    def of(cls, runs_root: Path, cluster: str) -> "NodeMemory":
+        return cls(Path(runs_root) / NODES_DIR / cluster, cluster)
+
+    def record(self, node: str) -> Path:
+        return self.dir / node
+
+    def read(self, forget_after: int, now: Optional[datetime] = None) -> Recall:
+        now = now or datetime.now(timezone.utc)
+        recall = Recall()
+        try:
+            names = sorted(n for n in os.listdir(self.dir) if not n.startswith("."))
+        except FileNotFoundError:
+            return recall
+        except OSError as exc:
+            recall.damaged.append(f"{self.dir}: cannot be listed ({exc.strerror})")
+            return recall
+        for name in names:
+            record = self._read_one(name, recall)
+            if record is None:
+                continue
+            (recall.live if forget_after and record.age(now) < forget_after else recall.expired).append(record)
+        recall.live.sort(key=lambda r: _time(r.at), reverse=True)
+        return recall
+
+    def _read_one(self, name: str, recall: Recall) -> Optional[BadNode]:
+        path = self.record(name)
+        try:
+            f = open_regular(path)
+            if f is None:
+                return None
+            with f:
+                data = f.read(MAX_RECORD)
+        except NotRegularFile as exc:
+            recall.damaged.append(f"{path}: {exc.strerror}")
+            return None
+        except OSError as exc:
+            recall.damaged.append(f"{path}: cannot be read ({exc.strerror})")
+            return None
+        record = BadNode.parse(data.decode("utf-8", errors="replace").split("\n", 1)[0])
+        if record is None or record.node != name:
+            recall.damaged.append(f"{path}: not a bad node's record (`slipway nodes{forgetting(self.cluster, [name])}` "
+                                  "removes it)")
+            return None
+        return record
+
+    def forget(self, node: str) -> bool:
+        """Remove `node`'s record (whatever it holds); False when there was none."""
+        if not NODE_NAME.fullmatch(node):
+            raise ConfigError("--forget", f"{shown(node)} is not a node name (letters, digits, '.', '_' or '-')")
+        path = self.record(node)
+        if not (path.is_file() or path.is_symlink() or path.exists()):
+            return False
+        if path.is_dir() and not path.is_symlink():
+            raise ConfigError("--forget", f"{path} is a directory, not a node's record: remove it by hand")
+        path.unlink()
+        return True
+
+
+@dataclass
+class Exclusions:
+    """The remembered bad nodes a submission excludes (`nodes`), and what it says about them."""
+
+    nodes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def memory_of(profile: Optional[clusters.ClusterProfile], runs_root: Path) -> tuple[NodeMemory, int]:
+    """The node memory of `profile`'s cluster (DEFAULT's without one) and how long its records stand."""
+    after = profile.cluster.forget_bad_nodes_after if profile is not None else clusters.DAY
+    return NodeMemory.of(runs_root, clusters.key(profile)), after
+
+
+def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
+    """Which remembered bad nodes of `cfg`'s cluster its job excludes: those its partition knows
+    (sbatch refuses a name it does not), the most recently blamed first, as long as enough usable
+    nodes are left for the job; the others are left in, and the notes say which and why. One
+    sinfo, asked only when the cluster remembers a node."""
+    memory, after = memory_of(cfg.cluster, runs_root)
+    recall = memory.read(after) if after else Recall()
+    out = Exclusions(notes=[f"a remembered bad node's record is damaged: {d}" for d in recall.damaged])
+    if not recall.live:
+        return out
+    if not slurm.available("sinfo"):
+        out.notes.append(f"cluster {memory.cluster} remembers bad nodes ({_names(recall.live)}) but sinfo is not "
+                         "here to check them against the partition: none excluded")
+        return out
+    try:
+        partition, states = slurm.partition_nodes(cfg.slurm.partition)
+    except slurm.SlurmError as exc:  # a real submission fails at sbatch for the same reason
+        out.notes.append(f"cluster {memory.cluster} remembers bad nodes ({_names(recall.live)}) but sinfo could not "
+                         f"list the partition's nodes ({exc}): none excluded")
+        return out
+    known = [r for r in recall.live if r.node in states]
+    usable = sum(1 for s in states.values() if slurm.usable_state(s))
+    needed, left = cfg.slurm.nodes, []
+    for record in known:
+        if not slurm.usable_state(states[record.node]):
+            out.nodes.append(record.node)  # Slurm would not place the job there anyway
+        elif usable - 1 >= needed:
+            out.nodes.append(record.node)
+            usable -= 1
+        else:
+            left.append(record)
+    where = f"partition {partition or '(the default)'}"
+    if out.nodes:
+        shown_nodes = [r for r in known if r.node in out.nodes]
+        out.notes.append(f"excluding the bad nodes cluster {memory.cluster} remembers: {_described(shown_nodes)}; "
+                         f"`slipway nodes{forgetting(memory.cluster, out.nodes)}` to use them again")
+    if left:
+        out.notes.append(f"not excluding {_described(left)}, remembered as bad by cluster {memory.cluster}: {where} "
+                         f"has {usable} usable node(s) besides those excluded and the job needs {needed}")
+    return out
+
+
+def forgetting(cluster: str, nodes: list[str]) -> str:
+    """The arguments of `slipway nodes` that forget `nodes` of `cluster` (DEFAULT: the memory of no profile)."""
+    where = "" if cluster == clusters.DEFAULT else f" --cluster {shlex.quote(cluster)}"
+    return where + "".join(f" --forget {shlex.quote(n)}" for n in nodes)
+
+
+def _names(records: list[BadNode]) -> str:
+    return ", ".join(r.node for r in records)
+
+
+def _described(records: list[BadNode]) -> str:
+    return "; ".join(f"{r.node} ({r.kind}, since {r.since}, run {r.run} job {r.job})" for r in records)
+
+
+def merged_exclude(extra: list[str], nodes: list[str]) -> tuple[list[str], list[str]]:
+    """`slurm.extra` and the nodes to exclude as one `--exclude` (sbatch keeps only the last one
+    given): (extra without its --exclude, every node to exclude)."""
+    kept, excluded = [], []
+    for opt in extra:
+        if opt.startswith("--exclude="):
+            excluded += [n for n in opt.split("=", 1)[1].split(",") if n]
+        else:
+            kept.append(opt)
+    return kept, list(dict.fromkeys(excluded + nodes))
+
+
+def show(memory: NodeMemory, after: int, forget: list[str], console) -> int:
+    """`slipway nodes`: the cluster's remembered bad nodes, why and since when; `--forget NODE`."""
+    if forget:
+        for node in forget:
+            if not memory.forget(node):
+                recall = memory.read(after)
+                names = _names(recall.live + recall.expired) or "none"
+                raise ConfigError("--forget", f"cluster {memory.cluster} remembers no node {shown(node)} (it "
+                                              f"remembers: {names})")
+            console.print(f"forgot {node} (cluster {memory.cluster})", highlight=False, markup=False)
+        return 0
+    recall = memory.read(after)
+    now = datetime.now(timezone.utc)
+    if not recall.live:
+        console.print(f"cluster {memory.cluster} remembers no bad node" + (
+            f" ({len(recall.expired)} expired)" if recall.expired else ""), highlight=False, markup=False)
+    for r in recall.live:
+        left = int(after - r.age(now))
+        console.print(one_line(f"{r.node}: {r.kind} since {r.since} (last {r.at}, run {r.run} job {r.job}; "
+                               f"excluded for {left // 3600}h{left % 3600 // 60:02d}m more): {r.reason}"),
+                      highlight=False, markup=False, soft_wrap=True)
+    for line in recall.damaged:
+        console.print(one_line(as_typed(f"damaged: {line}")), highlight=False, markup=False, soft_wrap=True)
+    return 0
