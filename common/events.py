@@ -48,6 +48,7 @@ class EventKind(str, enum.Enum):
     PREFLIGHT_FAILED = "preflight failed"
     HANG = "hang"
     NODE_FAILURE = "node failure"
+    RANK_FAILED = "rank failed"  # `rank failed: rank R on NODE was killed by SIGKILL (exit 137)` / `exited N`
     CANCELLED = "cancelled"
     OTHER = "other"
 
@@ -70,6 +71,7 @@ _KINDS: tuple[tuple[str, EventKind], ...] = (
     ("preflight failed", EventKind.PREFLIGHT_FAILED),
     ("hang:", EventKind.HANG),
     ("node failure", EventKind.NODE_FAILURE),
+    ("rank failed:", EventKind.RANK_FAILED),
     ("cancelled", EventKind.CANCELLED),
 )
 _EXIT = re.compile(r"end exit (-?\d+)\b")

@@ -87,28 +87,42 @@ def test_retries_and_requeues_are_counted_per_job(tmp_path):
 
 
 def test_a_rank_killed_by_a_signal_decides_the_steps_exit_whatever_srun_says(tmp_path):
-    """srun said 143 or 1 depending on the node; the rank's own report says 137 (SIGKILL)."""
+    """srun said 143 or 1 depending on the node; the rank's own report says 137 (SIGKILL), and
+    events.log names it, its node and the signal."""
     lib = Lib(tmp_path)
     reports = tmp_path / "exits"
     reports.mkdir()
-    for rank, code in (("3", "0"), ("2", "137"), ("0", "143")):  # oldest first: 0 finished, 2 killed, 0 induced
-        (reports / rank).write_text(code + "\n")
+    # oldest first: rank 3 finished, rank 2 killed, node1's torchrun agent exited 1 after it, rank 0 induced
+    for name, code in (("rank-3", "0 node2"), ("rank-2", "137 node2"), ("task-0", "1 node1"), ("rank-0", "143 node1")):
+        (reports / name).write_text(code + "\n")
         time.sleep(0.02)
+    (reports / "preflight-failed").write_text("not a code\n")
     for srun_rc in ("1", "143"):
-        assert lib.run(f'step_exit {srun_rc} "{reports}"').stdout.strip() == "137"
-    assert lib.run(f'step_exit 0 "{reports}"').stdout.strip() == "0"
-    assert lib.run(f'step_exit 1 "{tmp_path / "none"}"').stdout.strip() == "1"  # no report: a node died
+        r = lib.run(f'step_exit {srun_rc} "{reports}"; echo "$STEP_EXIT|$FAILED_WHO"; after_rank_failure "$STEP_EXIT"')
+        assert r.stdout.strip() == "137|rank 2 on node2", r.stderr
+    assert lib.events() == ["rank failed: rank 2 on node2 was killed by SIGKILL (exit 137)"] * 2
+    assert lib.run(f'step_exit 0 "{reports}"; echo "$STEP_EXIT|$FAILED_WHO"').stdout.strip() == "0|"
+    assert lib.run(f'step_exit 1 "{tmp_path / "none"}"; echo "$STEP_EXIT|$FAILED_WHO"').stdout.strip() == "1|"  # a node died
+    # An agent's report alone, and a plain failure: named as such; the ends told otherwise are not.
+    (reports / "rank-2").unlink()
+    (reports / "rank-0").unlink()
+    r = lib.run(f'step_exit 1 "{reports}"; after_rank_failure "$STEP_EXIT"; after_rank_failure 75; '
+                'after_rank_failure 4; STOP_REQUESTED=1 after_rank_failure 1')
+    assert lib.events()[2:] == ["rank failed: the torchrun agent of task 0 on node1 exited 1"], r.stderr
 
 
 def test_the_task_wrapper_reports_what_killed_its_rank(tmp_path):
-    """The wrapper jobs/slurm/ranks.py puts around each task: its report is what step_exit reads."""
+    """The wrapper jobs/slurm/ranks.py puts around each rank (and each torchrun agent): its report
+    is what step_exit reads."""
     from jobs.slurm.ranks import REPORT_EXIT
 
     reports = tmp_path / "exits"
     reports.mkdir()
-    env = {**os.environ, "SLIPWAY_EXITS": str(reports), "SLURM_PROCID": "5"}
-    r = subprocess.run(["bash", "-c", REPORT_EXIT, "slipway-task", "bash", "-c", "kill -KILL $$"], env=env)
-    assert r.returncode == 137 and (reports / "5").read_text() == "137\n"
+    env = {**os.environ, "SLIPWAY_EXITS": str(reports), "SLURM_PROCID": "5", "RANK": "7", "SLURMD_NODENAME": "nodeA"}
+    r = subprocess.run(["bash", "-c", REPORT_EXIT, "slipway-rank", "bash", "-c", "kill -KILL $$"], env=env)
+    assert r.returncode == 137 and (reports / "rank-7").read_text() == "137 nodeA\n"
+    r = subprocess.run(["bash", "-c", REPORT_EXIT, "slipway-task", "bash", "-c", "exit 1"], env=env)
+    assert r.returncode == 1 and (reports / "task-5").read_text() == "1 nodeA\n"
 
 
 def test_a_plain_scancel_is_told_as_cancelled_with_exit_143(tmp_path):

@@ -55,10 +55,9 @@ def _job_row(launch: Launch, own: Sequence[Event], info: Optional[slurm.JobInfo]
     what Slurm said of it (None: not asked, or it does not know the job), as the tables show it."""
     if launch.local:
         state = lifecycle.launch_state(launch, own, process=lifecycle.observe_local(launch))
-        elapsed = lifecycle.elapsed(launch, state)
     else:
         state = lifecycle.launch_state(launch, own, info)
-        elapsed = info.elapsed if info else ""
+    elapsed = lifecycle.elapsed(launch, state, own, info)
     code = "" if state.exit_code is None else str(state.exit_code)
     return (launch.id, state.state, code, elapsed, state.reason or (own[-1].text if own else ""))
 
@@ -204,7 +203,8 @@ def _print_history(run: runs.Run, history: History, console) -> None:
     for line in history.lines():
         console.print(line, soft_wrap=True, highlight=False, markup=False)
     if history.hang:
-        console.print(f"[red]hung[/] (attempt {escape(history.hang_tag)}): {escape(history.hang.removeprefix('hang: '))}",
+        attempt = f"attempt {history.hang_attempt} of job {history.job_id}" if history.hang_attempt else f"job {history.job_id}"
+        console.print(f"[red]hung[/] ({escape(attempt)}): {escape(history.hang.removeprefix('hang: '))}",
                       soft_wrap=True, highlight=False)
         for line in hang_dumps(run, history.hang_tag):
             console.print(f"  {line}", soft_wrap=True, highlight=False, markup=False)

@@ -125,23 +125,50 @@ after_preflight() {
   retry_or_stop preflight "$PREFLIGHT_EXIT"
 }
 
-# step_exit SRUN_EXIT REPORTS_DIR: the training step's exit, one code whatever node failed.
+# step_exit SRUN_EXIT REPORTS_DIR: the training step's exit, one code whatever node failed; sets
+# STEP_EXIT to it and FAILED_WHO to the report that decided it ("rank R on NODE", "the torchrun
+# agent of task T on NODE"; "" when none did).
 # With --kill-on-bad-exit, srun ends the other tasks with SIGTERM/SIGKILL once one fails, and its
 # own exit is then the first failing task's or that of a task it killed, depending on which
-# node answered first (a killed rank gave the job 1 or 143). So each task reports its own exit
-# in REPORTS_DIR (the task wrapper of jobs/slurm/script.py; a task that Slurm killed reports nothing,
-# its wrapper dying with it). The rule: a step that srun says succeeded exited 0; otherwise the
-# oldest non-zero report decides (a rank killed by a signal: 128 + the signal; under torchrun
-# the node's torchrun, which exits 1 whatever its worker died of); with no report at all (a node
-# died), srun's exit stands.
+# node answered first (a killed rank gave the job 1 or 143). So each rank reports its own exit
+# in REPORTS_DIR as `CODE NODE` (rank-R: the task wrapper of jobs/slurm/ranks.py around every
+# rank, under torchrun too; task-T: the one around a node's torchrun agent, which exits 1
+# whatever its worker died of). A rank that Slurm or its agent killed reports nothing or later,
+# its wrapper dying with it. The rule: a step that srun says succeeded exited 0; otherwise the
+# oldest non-zero report decides (a rank killed by a signal: 128 + the signal); with no report
+# at all (a node died), srun's exit stands.
 step_exit() {
-  local rc=$1 dir=$2 f code
-  if [ "$rc" = 0 ]; then echo 0; return; fi
+  local rc=$1 dir=$2 f code node
+  STEP_EXIT=$rc FAILED_WHO=""
+  if [ "$rc" = 0 ]; then STEP_EXIT=0; return 0; fi
   while read -r f; do
-    code=""; read -r code < "$dir/$f" || true
-    if [[ $code =~ ^[0-9]+$ ]] && [ "$code" != 0 ]; then echo "$code"; return; fi
+    case $f in rank-*|task-*) ;; *) continue ;; esac
+    code="" node=""; read -r code node < "$dir/$f" || true
+    if [[ $code =~ ^[0-9]+$ ]] && [ "$code" != 0 ]; then
+      STEP_EXIT=$code
+      case $f in rank-*) FAILED_WHO="rank ${f#rank-} on ${node:-?}" ;; *) FAILED_WHO="the torchrun agent of task ${f#task-} on ${node:-?}" ;; esac
+      return 0
+    fi
   done < <(ls -tr "$dir" 2>/dev/null)
-  echo "$rc"
+}
+
+# how_ended CODE: what an exit code says: "was killed by SIGKILL (exit 137)", "exited 1".
+how_ended() {
+  local name
+  if [ "$1" -gt 128 ] && [ "$1" -lt 193 ] && name=$(kill -l "$(($1 - 128))" 2>/dev/null); then
+    echo "was killed by SIG$name (exit $1)"
+  else
+    echo "exited $1"
+  fi
+}
+
+# after_rank_failure STEP_EXIT: the rank whose end failed the step, its node and how it ended
+# (a signal named), in events.log; not for the ends told otherwise (a save on request, a hang,
+# a failed preflight).
+after_rank_failure() {
+  [ "$1" != 0 ] && [ -n "$FAILED_WHO" ] && [ "$1" != "$REQUEUE_EXIT" ] && [ "$1" != "$HANG_EXIT" ] || return 0
+  [ "$STOP_REQUESTED" != 1 ] || return 0
+  event "rank failed: $FAILED_WHO $(how_ended "$1")"
 }
 
 # after_oom STEP_EXIT: a failed step during which the out-of-memory killer ran on the nodes in
