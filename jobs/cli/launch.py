@@ -132,7 +132,7 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
     where = (f"{s.nodes} node(s) x {scfg.launch.procs_per_node} process(es)"
              f"{f' x {s.gpus_per_node} GPU(s)' if s.gpus_per_node else ''}, time {s.time}"
              + "".join(f", {k} {v}" for k, v in (("partition", s.partition), ("account", s.account)) if v)
-             + f"; runtime {scfg.container.runtime}, launcher {scfg.launch.launcher}")
+             + f"; runtime {scfg.container.runtime}, launcher {scfg.launcher} ({scfg.launch_choice[1]})")
     built = f"build {pin.build_hash[:12]}" if pin.build_hash else "not built yet" if pin.source == "none" else pin.source
     image = f"{pin.image} ({built})" if pin.image else "none: this environment's Python on the nodes"
     source = (f"git {code.commit[:12]}{' with uncommitted changes' if code.dirty else ''}" if code and code.commit

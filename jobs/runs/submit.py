@@ -243,7 +243,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False) -> tuple[Run, bool]:
         staged.logs.mkdir()
         manifests.write(staged.manifest, Manifest(
             run=cfg.run.name, created=now_iso(), project_dir=str(paths.project), git=git_state(paths.project),
-            image=sealed.pin, runtime=cfg.container.runtime, launcher=cfg.launch.launcher,
+            image=sealed.pin, runtime=cfg.container.runtime, launcher=cfg.launcher,
             config_sha256=hashlib.sha256(files[paths.config].encode()).hexdigest()))
         try:
             # rename(2) onto a missing name: two submissions racing for one name cannot both win.

@@ -106,7 +106,7 @@ def launch_line(cfg: Config, paths: RunDir, container: list[str], prefix: str,
     step's tasks report their exits into $SLIPWAY_EXITS."""
     report = cmd is None
     cmd = task_command(cfg, paths, code) if cmd is None else cmd
-    torchrun = cfg.launch.launcher == "torchrun"
+    torchrun = cfg.launcher == "torchrun"
     # A node preset's srun launcher runs one task per GPU, on the cores and memory next to it:
     # task i gets GPU i and cores [i * cpus_per_task, (i + 1) * cpus_per_task), on a GH200 its own Grace.
     srun = [*wrap, *srun_argv(nodes=cfg.slurm.nodes, ntasks_per_node=1 if torchrun else cfg.launch.procs_per_node,

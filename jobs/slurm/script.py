@@ -47,7 +47,7 @@ def _allocation(cfg: Config, *, partition: str | None) -> list[str]:
 
 def _header(cfg: Config, paths: RunDir) -> list[str]:
     s = cfg.slurm
-    tasks = 1 if cfg.launch.launcher == "torchrun" else cfg.launch.procs_per_node
+    tasks = 1 if cfg.launcher == "torchrun" else cfg.launch.procs_per_node
     opts = [f"--job-name={cfg.run.name}", f"--nodes={s.nodes}", f"--ntasks-per-node={tasks}",
             f"--cpus-per-task={s.cpus_per_task}", *([f"--gpus-per-node={s.gpus_per_node}"] if s.gpus_per_node else []),
             f"--time={s.time}", *_allocation(cfg, partition=s.partition)]
@@ -119,7 +119,7 @@ def _code_environment(code: Optional[CodeSnapshot]) -> list[str]:
 
 def _environment(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None) -> list[str]:
     debug, hf_home = cfg.launch.debug, _hf_home(cfg, paths)
-    per_task = cfg.launch.procs_per_node if cfg.launch.launcher == "torchrun" else 1  # processes sharing its CPUs
+    per_task = cfg.launch.procs_per_node if cfg.launcher == "torchrun" else 1  # processes sharing its CPUs
     lines = [
         "# Rendezvous: the first host of the allocation, never `hostname --ip-address`. sed reads",
         "# the whole list: `head` would close the pipe early, and pipefail would kill the script",
