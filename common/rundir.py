@@ -89,6 +89,8 @@ class RunDir:
     # saves at the step boundary and exits REQUEUE_EXIT ("requeue me").
     stop_file = property(lambda self: self.path / "stop-requested")
     curves = property(lambda self: self.path / "curves.png")  # `slipway plot`
+    # Beside the runs, not of one: the warm processes' logs (`slipway run`), ALLOCATION-KEY.out.
+    warm_logs = property(lambda self: self.path.parent / ".warm")
 
     def checkpoints(self, setting: str | os.PathLike) -> Path:
         """Where checkpoints go for checkpoint.dir `setting` (relative to the run directory, or absolute)."""

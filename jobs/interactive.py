@@ -116,6 +116,11 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
     if have is not None and have < cfg.slurm.nodes:
         raise ConfigError("slurm.nodes", f"the run needs {cfg.slurm.nodes} nodes, allocation {job} has {have}: "
                                          f"salloc --nodes={cfg.slurm.nodes}, or run with --nodes {have}")
+    tasks, cpus = (cfg.launch.procs_per_node if cfg.launcher == "srun" else 1), cfg.slurm.cpus_per_task or 1
+    if (fewest := environ.fewest_cpus()) is not None and fewest < tasks * cpus:
+        raise ConfigError("slurm.cpus_per_task", f"the run starts {tasks} task(s) x {cpus} CPU(s) per node, allocation "
+                                                 f"{job} has {fewest} CPU(s) on a node: salloc --nodes={cfg.slurm.nodes} "
+                                                 f"--ntasks-per-node={tasks} --cpus-per-task={cpus} (or --exclusive)")
     info = slurm.job_info(job)  # a shell left from an allocation that ended still says its id
     if info is None or info.state.split()[0] != "RUNNING":
         state = f"is {info.state.split()[0]}" if info is not None else "is unknown to Slurm"

@@ -269,7 +269,7 @@ def test_the_stale_sweep_runs_in_the_background_on_every_node(tmp_path):
     r = lib.run('remove_stale_containers; wait "${HELPER_PIDS[@]}"')
     assert r.returncode == 0, r.stderr
     srun = [c for c in lib.calls() if c.startswith("srun")]
-    assert len(srun) == 1 and srun[0].startswith("srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=1 --overlap"), srun
+    assert len(srun) == 1 and srun[0].startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=1 --overlap"), srun
     assert "enroot remove --force pyxis_slipway-30" in lib.calls()
     assert not any("remove --force pyxis_slipway-41" in c for c in lib.calls())  # this job's own
 

@@ -217,7 +217,26 @@ def cmd_local(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from jobs import interactive
 
+    if args.stop_warm:
+        return _stop_warm(args)
+    if not args.config:
+        raise ConfigError("CONFIG", "name the config to run (`slipway run tiny_cpu`), or pass --stop-warm")
     return interactive.run_in_allocation(load(args), project_dir(), force=args.force, console=rich_console())
+
+
+def _stop_warm(args: argparse.Namespace) -> int:
+    from common import environ
+    from jobs.slurm import warm
+
+    if args.config or args.overrides:
+        raise ConfigError("--stop-warm", "stops every warm process of the allocation: give no config with it")
+    job = environ.job_id()
+    if not job:
+        raise ConfigError("--stop-warm", "not inside a Slurm allocation: run it in the allocation's shell")
+    steps = warm.stop(job)
+    print(f"asked {len(steps)} warm step(s) of allocation {job} to stop: {', '.join(steps)}" if steps
+          else f"allocation {job} keeps no warm processes")
+    return 0
 
 
 def cmd_edf(args: argparse.Namespace) -> int:

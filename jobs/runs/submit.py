@@ -30,6 +30,7 @@ from jobs.runs.container import (ImagePin, container_project, create_needed_dirs
                                  remove_created_dirs, resolve_paths, run_environment)
 from jobs.runs.manifest import Launch, Manifest
 from jobs.runs.run import Run, active_jobs, runs_root, update_manifest
+from jobs.slurm import warm as warm_ranks
 from jobs.slurm.script import library_files, render_prepare_sbatch, render_sbatch
 from common import environ
 from common.errors import ConfigError
@@ -147,8 +148,10 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False) -> Sealed:
         shown = ", ".join(code.untracked[:5]) + (f" and {len(code.untracked) - 5} more" if len(code.untracked) > 5 else "")
         notes.append(f"not in the code snapshot, as git does not track them: {shown} (`git add` what the run needs)")
     env = run_environment(cfg, paths, pin, code.value if code else None)
+    warm = warm_ranks.plan(cfg, paths, lambda where: run_environment(cfg, where, pin), code.value if code else None,
+                           f"{pin.identity} {pin.size} {pin.mtime}")
     script = render_sbatch(cfg, paths, env, pin.pins(code.value if code else None, kept_build(cfg, pin),
-                                                     container_project(cfg, paths.project)))
+                                                     container_project(cfg, paths.project)), warm)
     _check_script_syntax(cfg, script)
     files = {paths.config: dump_config(cfg), paths.job_script: script, **library_files(env, paths)}
     if env.in_container:

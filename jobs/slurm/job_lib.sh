@@ -369,7 +369,7 @@ verify_image() {
 on_every_node() {
   local limit=$1 name=$2 functions=$3; shift 3
   # shellcheck disable=SC2086  # FUNCTIONS is a list of names
-  timeout -k 5 "$limit" srun --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 --overlap \
+  timeout -k 5 "$limit" srun --nodes="$NODES_NEEDED" --ntasks="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 --overlap \
     --kill-on-bad-exit=0 bash -c "$(declare -f $functions)"'; "$@"' "$name" "$@"
 }
 
@@ -377,15 +377,17 @@ on_every_node() {
 # library defines it, other runs keep nothing on the nodes.
 ensure_container() { :; }
 
-# node_check CODE_DIR CODE_SHA256 IMAGE_FILE IMAGE_SHA256 IMAGE_SIZE IMAGE_MTIME [KEPT IDENTITY]
-# (on a node, one task each): one line, `slipway-verify NODE ok`, `... differs: WHAT` (what the
-# job runs is not what was submitted), or `... node: WHAT` (this node could not ready the kept
-# container KEPT).
+# node_check CODE_DIR CODE_SHA256 IMAGE_FILE IMAGE_SHA256 IMAGE_SIZE IMAGE_MTIME [KEPT IDENTITY
+# [WARM_NAME]] (on a node, one task each): one line, `slipway-verify NODE ok` (`ok warm`: the
+# warm process WARM_NAME has bound its name there: the abstract sockets of the node's network
+# namespace, which its containers share), `... differs: WHAT` (what the job runs is not what was
+# submitted), or `... node: WHAT` (this node could not ready the kept container KEPT).
 node_check() {
   local n=${SLURMD_NODENAME:-$(hostname)} why
   if [ -n "$1" ] && ! why=$(verify_code "$1" "$2"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if ! why=$(verify_image "$3" "$4" "$5" "$6"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if [ -n "${7:-}" ] && ! why=$(ensure_container "$7" "$3" "$8" 2>&1); then echo "slipway-verify $n node: $why"; return 0; fi
+  if [ -n "${9:-}" ] && grep -qE " @$9\$" /proc/net/unix 2>/dev/null; then echo "slipway-verify $n ok warm"; return 0; fi
   echo "slipway-verify $n ok"
 }
 
@@ -402,13 +404,14 @@ verify_nodes() {
   set +e
   out=$(on_every_node "$PREFLIGHT_TIMEOUT" slipway-verify "verify_code verify_image ensure_container enroot_data node_check" \
     node_check "$CODE_DIR" "$CODE_SHA256" "${IMAGE_FILE:-}" "${IMAGE_SHA256:-}" "${IMAGE_SIZE:-}" "${IMAGE_MTIME:-}" \
-    "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" 2>&1)
+    "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" "${WARM_NAME:-}" 2>&1)
   rc=$?
   set -e
   for node in $NODES; do
     line=$(grep -F -m1 "slipway-verify $node " <<< "$out") || line=""
     case "$line" in
-      "slipway-verify $node ok") ;;
+      "slipway-verify $node ok warm") ;;
+      "slipway-verify $node ok") WARM_COLD+="$node " ;;
       "slipway-verify $node differs: "*) differ+="$node "; said[$node]=${line#*differs: }
         [ -n "$why" ] || why="${line#*differs: } (on $node)" ;;
       "slipway-verify $node node: "*) bad+="$node "; event "preflight failed on $node: ${line#*node: }" ;;
@@ -428,6 +431,37 @@ verify_nodes() {
     retry_or_stop preflight "$PREFLIGHT_EXIT"
   fi
   retry_or_stop preflight "$PREFLIGHT_EXIT" $bad
+}
+
+# warm_up: under `slipway run`, the warm processes of this key on every node (jobs/slurm/warm.py,
+# trainer/warm.py): the allocation's warm steps of another key are asked to stop (SIGTERM: they
+# take no more ranks and end once theirs have), and a warm step is started on the nodes where
+# verify_nodes found none (WARM_COLD), then waited for until each has bound its name, at most
+# PREFLIGHT_TIMEOUT s: it imports after that, and the ranks that come meanwhile wait in its
+# backlog. A warm step that cannot start costs nothing but the wait: each rank then starts cold.
+warm_up() {
+  local step name n waited=0 bound
+  [ -n "${WARM_NAME:-}" ] || return 0
+  while read -r step name; do
+    case $name in
+      "slipway-warm-$SLIPWAY_WARM_ID") ;;
+      slipway-warm-*) if scancel --signal=TERM "$step" 2>/dev/null; then event "warm: stopping the warm processes of step $step (another key)"; fi ;;
+    esac
+  done < <(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null || true)
+  if [ -z "${WARM_COLD// /}" ]; then event "warm: ranks start from the warm processes on $NODES (key $SLIPWAY_WARM_ID)"; return 0; fi
+  n=$(wc -w <<< "$WARM_COLD")
+  mkdir -p "${WARM_LOG%/*}"
+  name=${WARM_COLD% }
+  warm_start "${name// /,}" "$n"
+  while bound=$(grep -cE '^slipway-warm [^ ]+ (bound|already served)' "$WARM_LOG" 2>/dev/null) || true; [ "${bound:-0}" -lt "$n" ]; do
+    kill -0 "$WARM_PID" 2>/dev/null && [ "$waited" -lt $((PREFLIGHT_TIMEOUT * 10)) ] || break
+    sleep 0.1; waited=$((waited + 1))
+  done
+  if [ "${bound:-0}" -ge "$n" ]; then
+    event "warm: started the warm processes on ${WARM_COLD% } (key $SLIPWAY_WARM_ID, log $WARM_LOG)"
+  else
+    event "warm: the warm processes did not start on ${WARM_COLD% } (log $WARM_LOG): ranks start cold there"
+  fi
 }
 
 # remove_container SECONDS: removes this attempt's own container at the job's end; the pyxis

@@ -99,11 +99,12 @@ def container_args(env: Environment, paths: RunDir) -> tuple[list[str], str]:
 
 def launch_line(cfg: Config, paths: RunDir, container: list[str], prefix: str,
             cmd: list[str] | None = None, port: str = "MASTER_PORT", wrap: list[str] = (),
-            code: Optional[CodeSnapshot] = None) -> str:
+            code: Optional[CodeSnapshot] = None, warm: bool = False) -> str:
     """The `srun` line that starts every rank: the trainer, or `cmd` (the preflight's all-reduce)
     launched the same way with its rendezvous on `$port`, as a step bounded by the words `wrap`
     (`timeout ...`), whose ranks end together (no --wait); not backgrounded. The training
-    step's tasks report their exits into $SLIPWAY_EXITS."""
+    step's tasks report their exits into $SLIPWAY_EXITS. `warm`: each rank starts through
+    $WARM_CLIENT (jobs/slurm/warm.py: empty in a batch job)."""
     report = cmd is None
     cmd = task_command(cfg, paths, code) if cmd is None else cmd
     torchrun = cfg.launcher == "torchrun"
@@ -127,7 +128,8 @@ def launch_line(cfg: Config, paths: RunDir, container: list[str], prefix: str,
     else:  # one task per process: the rank variables come from Slurm's own
         mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
                   'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; ')
-        argv = ["bash", "-c", mapper + (REPORT_EXIT if report else 'exec "$@"'), "slipway-rank", *cmd]
+        client = [Expand("${WARM_CLIENT[@]}")] if warm else []
+        argv = ["bash", "-c", mapper + (REPORT_EXIT if report else 'exec "$@"'), "slipway-rank", *client, *cmd]
         if port != "MASTER_PORT":  # init_process_group reads MASTER_PORT: this launch's own, for its srun alone
             prefix += f'MASTER_PORT="${port}" '
     return f"{prefix}{words(srun)} \\\n  {words(argv)}"

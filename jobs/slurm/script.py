@@ -24,6 +24,7 @@ from jobs.config import Config
 from jobs.slurm.sections import NODE_PRESETS
 from jobs.slurm.client import srun_argv
 from jobs.slurm.ranks import Value, container_args, launch_line, shell_value, words
+from jobs.slurm import warm as warm_ranks
 
 HEARTBEAT_SECONDS = 60
 NODE_HEARTBEAT_SECONDS = 15  # heartbeats/NODE, which `slipway watch` shows by age
@@ -337,11 +338,13 @@ def _sourced(paths: RunDir, libs: dict[Path, str]) -> list[str]:
     ]
 
 
-def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pins()) -> str:
+def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pins(),
+                  warm: Optional[warm_ranks.WarmPlan] = None) -> str:
     """The whole batch script for `cfg`, reading and writing only inside `paths.path`;
     `env` is the run's container environment (`jobs.runs.container.run_environment`), `pins`
     what the job runs (its code snapshot, image and kept container), which it checks on every
-    node first. It sources the libraries `library_files` puts in the run directory."""
+    node first, `warm` the warm processes `slipway run` keeps (jobs/slurm/warm.py). It sources
+    the libraries `library_files` puts in the run directory."""
     container, prefix = container_args(env, paths)
     # Under pyxis every srun step unpacks the image into a container of its own, unless the
     # steps name one: the preflight's steps then create it and training starts in it at once.
@@ -352,7 +355,9 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
     if cfg.launch.debug:
         lines.append("set -x")
     pyxis, code = env.runtime == "pyxis", pins.code
-    lines += ["", *_settings(cfg, paths, env, shared, pins), "", *_sourced(paths, library_files(env, paths)), "",
+    lines += ["", *_settings(cfg, paths, env, shared, pins), *warm_ranks.settings(warm, cfg), "",
+              *_sourced(paths, library_files(env, paths)),
+              *warm_ranks.start_function(cfg, paths, warm, PYXIS_CONTAINER if shared else None), "",
               "# ---- main: this job, from its start to its end ----",
               f"cd {shlex.quote(str(paths.project))}",
               'mkdir -p "$LOGS" "$GUTIL" "$HEARTBEATS" "$HANGS"',
@@ -382,6 +387,7 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
               "# Every node checks the code and image against what was submitted" +
               (", and readies the build's kept container." if pyxis else "."),
               "verify_nodes",
+              *(["warm_up"] if warm else []),
               *(["remove_stale_containers"] if pyxis else [])]
     if cfg.launch.pre_launch:
         lines += ["", "# Pre-launch commands from launch.pre_launch (run as written, on the first node)."]
@@ -393,7 +399,7 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
         "# its exit into SLIPWAY_EXITS, from which step_exit decides the step's.",
         'export SLIPWAY_EXITS="$EXITS/$JOB_TAG"  # read once below, then removed',
         'rm -rf "$SLIPWAY_EXITS"; mkdir -p "$SLIPWAY_EXITS"',
-        launch_line(cfg, paths, container, prefix, code=code) + " &",
+        launch_line(cfg, paths, container, prefix, code=code, warm=warm is not None) + " &",
         'SRUN_PID=$!',
         'set +e; wait_step "$SRUN_PID"; set -e',
         'step_exit "$STEP_RC" "$SLIPWAY_EXITS"; rc=$STEP_EXIT',

@@ -225,6 +225,10 @@ class LaunchSection:
     # (srun --cpu-bind with launcher srun, torchrun --numa-binding with torchrun) and sets the
     # network's communication variables. `none`: nothing of the kind.
     preset: Literal["none", "alps-gh200"] = "none"
+    # `slipway run`: keep, per node and allocation, a warm process that has imported torch and the
+    # rest of what the trainer imports, and start each rank from it (the run's code, process group
+    # and model still fresh). It ends with the allocation, or on `slipway run --stop-warm`.
+    warm: bool = True
 
     def check(self, where: str) -> None:
         require(self.procs_per_node is None or self.procs_per_node > 0, f"{where}.procs_per_node",

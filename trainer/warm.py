@@ -1,0 +1,453 @@
+"""Warm ranks: ranks started from a process that has already paid for the interpreter, torch and
+the other heavy imports, with the run's own code imported fresh (`slipway run`, issue 41).
+
+Run as a file, never imported as `trainer.warm`: a warm process must hold no module of the
+trainer's (nor of `common`), so that each run imports its own code snapshot.
+
+    python3 .../trainer/warm.py serve NAME --code DIR    # one per node and allocation (a Slurm step)
+    python3 -S .../trainer/warm.py rank NAME -- python3 -m trainer --config ...   # each rank's task
+
+`serve` binds the abstract Unix socket NAME first (clients that come while it imports wait in
+its backlog), imports what the code snapshot DIR imports at module level (torch and the rest,
+never trainer/ nor common/), then forks a rank for each request. `rank` is the task srun starts
+for each rank: it hands its standard streams, environment, working directory, CPU set and umask
+to the warm process, passes on the signals it gets, and exits as its rank did. Where no warm
+process answers (none on the node, another key, a refusal) it starts the rank cold: it execs the
+command itself, as if there were no warm processes at all.
+
+What survives the fork, and why that is safe:
+- the imported modules, as a fresh import would leave them: the warm process runs no torch
+  operation, so it has no thread (checked before every fork: one thread or no fork), no OpenMP
+  pool and no CUDA context (checked: none or no fork). Each rank creates its own, as a cold rank.
+- nothing of the run's: the rank gets the client's environment whole, sys.path rebuilt from its
+  PYTHONPATH, its own intra-op thread count (OMP_NUM_THREADS, which OpenMP read at the warm
+  process's import), Python's `random` reseeded, the default signal handlers; it then imports
+  the run's code and builds its process group and model anew, as a cold rank does.
+- a changed image, container settings or interpreter give another NAME (the batch script's
+  WARM_KEY); torch changed under a running warm process (a venv reinstalled) is found at the next
+  request, which then starts cold and ends that warm process.
+A rank is the warm process's child, in a session of its own: a signal its client gets is passed
+to the rank's process group; a client that dies (Slurm's SIGKILL) takes its rank with it. The
+warm process is a step of the allocation: it ends with the allocation, or on SIGTERM (`slipway
+run --stop-warm`, another key started) once its ranks have ended.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+# The signals a client passes on to its rank (SIGKILL cannot be caught: the client's death is).
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGCONT)
+OWN = ("trainer", "common")  # slipway's packages: each rank imports the run's own
+MAX_MESSAGE = 1 << 20  # a request: the environment, the command
+
+
+def _node() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+
+
+def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
+    data = json.dumps(message).encode()
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.send(data)
+
+
+# ---------------------------------------------------------------------------- the rank's task
+
+
+def client(name: str, argv: list[str]) -> int:
+    """Start `argv` as a rank through the warm process NAME, or cold (exec) where none answers."""
+    why, sock = "", None
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect("\0" + name)
+        if _peer_uid(sock) != os.getuid():  # another user's socket under our name: never tell it anything
+            raise ConnectionRefusedError(f"the socket {name} is another user's")
+        _send(sock, {"argv": argv, "executable": os.path.realpath(sys.executable), "env": dict(os.environ),
+                     "cwd": os.getcwd(), "cpus": sorted(os.sched_getaffinity(0)), "umask": _umask()}, [0, 1, 2])
+        reply = json.loads(sock.recv(MAX_MESSAGE) or b'{"cold": "the warm process ended"}')
+        why = reply.get("cold", "")
+    except (OSError, ValueError) as exc:
+        why = "no warm process on this node" if isinstance(exc, (ConnectionRefusedError, FileNotFoundError)) \
+            else f"the warm process did not answer ({exc})"
+    if why or sock is None:
+        if sock is not None:
+            sock.close()
+        if os.environ.get("SLIPWAY_WARM_SAY", "1") != "0":
+            print(f"slipway-warm {_node()}: rank {os.environ.get('RANK', '?')} starts cold: {why}", file=sys.stderr,
+                  flush=True)
+        os.execvp(argv[0], argv)
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, _frame: _send(sock, {"signal": signum}))
+    while True:
+        try:
+            data = sock.recv(MAX_MESSAGE)
+        except InterruptedError:
+            continue
+        if not data:
+            print(f"slipway-warm {_node()}: the warm process ended under rank {os.environ.get('RANK', '?')}",
+                  file=sys.stderr, flush=True)
+            return 1
+        message = json.loads(data)
+        if "exit" in message:
+            code, sig = message["exit"], message.get("signal")
+            return 128 + sig if sig else code
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# ---------------------------------------------------------------------------- the warm process
+
+
+def module_imports(code_dir: Path) -> list[str]:
+    """The modules the trainer and common packages of the code snapshot import at module level
+    (statements at the top, or under a top-level if/try), theirs excluded, in the order found."""
+    found: list[str] = []
+
+    def add(name: str) -> None:
+        if name and name.split(".")[0] not in OWN and name != "__future__" and name not in found:
+            found.append(name)
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    add(alias.name)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                add(node.module)
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    for package in OWN:
+        for path in sorted((code_dir / package).glob("*.py")):
+            try:
+                visit(ast.parse(path.read_text(), str(path)).body)
+            except (OSError, SyntaxError, ValueError):
+                continue
+    return found
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _torch_stamp() -> str:
+    """What says torch is still the one imported: its files' sizes and times."""
+    torch = sys.modules.get("torch")
+    if torch is None or not getattr(torch, "__file__", None):
+        return ""
+    here = Path(torch.__file__).parent
+    stamps = []
+    for name in ("__init__.py", "version.py"):
+        try:
+            st = (here / name).stat()
+            stamps.append(f"{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            stamps.append("-")
+    return " ".join(stamps)
+
+
+def preload(code_dir: Path) -> tuple[int, str]:
+    """Import what the code imports; (how many modules that loaded, why forking is unsafe or "")."""
+    before = len(sys.modules)
+    for name in module_imports(code_dir):
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001 - a module the image lacks is the rank's to report, cold
+            continue
+    for name in [m for m in sys.modules if m.split(".")[0] in OWN]:
+        del sys.modules[name]  # a third party's import of ours: each rank imports the run's
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "cuda") and torch.cuda.is_initialized():
+        return len(sys.modules) - before, "an import created a CUDA context"
+    if _threads() != 1:
+        return len(sys.modules) - before, f"an import started threads ({_threads()} running): forking is unsafe"
+    return len(sys.modules) - before, ""
+
+
+class Rank:
+    """A forked child's request: what it becomes once the warm process's loop has let it go."""
+
+    def __init__(self, request: dict, fds: list[int]):
+        self.request, self.fds = request, fds
+
+
+def serve(name: str, key: str, code_dir: Path) -> "Rank | None":
+    """Serve NAME until SIGTERM and no rank is left (None), or return in a forked child (its Rank)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        listener.bind("\0" + name)
+    except OSError:
+        print(f"slipway-warm {_node()} already served", flush=True)
+        return None
+    listener.listen(64)
+    print(f"slipway-warm {_node()} bound", flush=True)
+    started = time.monotonic()
+    loaded, unsafe = preload(code_dir)
+    stamp = _torch_stamp()
+    print(f"slipway-warm {_node()} ready: {loaded} modules in {time.monotonic() - started:.1f} s"
+          f"{'; every rank starts cold: ' + unsafe if unsafe else ''}", flush=True)
+    base_path = _base_path(os.environ.get("PYTHONPATH", ""))
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    draining = []
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: draining.append(True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the run's, not ours
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "listen")
+    sel.register(wake_r, selectors.EVENT_READ, "wake")
+    ranks: dict[int, "socket.socket | None"] = {}  # pid -> its client's connection (None: the client is gone)
+    conns: dict[socket.socket, int] = {}  # connection -> its rank's pid (0 before the fork)
+
+    def close(conn: socket.socket) -> None:
+        if conns.pop(conn, None) is not None:
+            sel.unregister(conn)
+            conn.close()
+
+    while True:
+        if draining and listener.fileno() >= 0:
+            sel.unregister(listener)
+            listener.close()  # the name is free: a new warm process may take it
+        if draining and not ranks:
+            print(f"slipway-warm {_node()} stopped", flush=True)
+            return None
+        for event, _ in sel.select():
+            what = event.data
+            if what == "wake":
+                try:
+                    os.read(wake_r, 512)
+                except BlockingIOError:
+                    pass
+                _reap(ranks, conns, close)
+            elif what == "listen":
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    continue
+                if _peer_uid(conn) != os.getuid():
+                    conn.close()
+                    continue
+                conns[conn] = 0
+                sel.register(conn, selectors.EVENT_READ, conn)
+            else:
+                conn = what
+                try:
+                    data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
+                except OSError:
+                    data, fds = b"", []
+                pid = conns.get(conn, 0)
+                if not data:  # the client is gone: so is its rank (reaped later)
+                    if pid:
+                        _kill(pid, signal.SIGKILL)
+                        ranks[pid] = None
+                    close(conn)
+                    continue
+                message = json.loads(data)
+                if pid:
+                    if "signal" in message:
+                        _kill(pid, int(message["signal"]))
+                    continue
+                why = _refusal(message, key, stamp, unsafe)
+                if why:
+                    _send(conn, {"cold": why})
+                    for fd in fds:
+                        os.close(fd)
+                    close(conn)
+                    if why.startswith("torch changed"):
+                        draining.append(True)
+                    continue
+                child = os.fork()
+                if child == 0:
+                    signal.set_wakeup_fd(-1)
+                    for c in list(conns):
+                        c.close()
+                    sel.close()
+                    for fd in (wake_r, wake_w):
+                        os.close(fd)
+                    if listener.fileno() >= 0:
+                        listener.close()
+                    message["base_path"] = base_path
+                    return Rank(message, fds)
+                for fd in fds:
+                    os.close(fd)
+                conns[conn], ranks[child] = child, conn
+                _send(conn, {"pid": child})
+
+
+def _reap(ranks: dict, conns: dict, close) -> None:
+    while ranks:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if pid not in ranks:
+            continue
+        conn = ranks.pop(pid)
+        if conn is None:
+            continue
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        try:
+            _send(conn, {"exit": os.waitstatus_to_exitcode(status) if sig is None else 0, "signal": sig})
+        except OSError:
+            pass
+        close(conn)
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except OSError:
+        pass
+
+
+def _refusal(message: dict, key: str, stamp: str, unsafe: str) -> str:
+    """Why this request starts cold, "" to fork it."""
+    argv = message.get("argv") or []
+    if unsafe:
+        return unsafe
+    if message.get("executable") != os.path.realpath(sys.executable):
+        return f"its interpreter {message.get('executable')} is not the warm process's {sys.executable}"
+    if len(argv) < 2 or (argv[1] == "-m" and len(argv) < 3) or (argv[1].startswith("-") and argv[1] != "-m"):
+        return "its command is not `PYTHON -m MODULE ...` or `PYTHON SCRIPT ...`"
+    if message.get("env", {}).get("SLIPWAY_WARM_ID", key) != key:
+        return "another key"
+    if _torch_stamp() != stamp:
+        return "torch changed under the warm process; it stops"
+    threads = _threads()
+    if threads != 1:
+        return f"the warm process runs {threads} threads: forking is unsafe"
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "cuda") and torch.cuda.is_initialized():
+        return "the warm process holds a CUDA context"
+    return ""
+
+
+def _base_path(pythonpath: str) -> list[str]:
+    """sys.path without PYTHONPATH's entries and the script's own directory: what every rank's
+    sys.path ends with, after its own PYTHONPATH."""
+    own = {os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p}
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [p for p in sys.path if p and os.path.abspath(p) not in own and os.path.abspath(p) != here]
+
+
+def run_rank(rank: Rank) -> None:
+    """In the forked child: become the rank the request describes, as `python -m MODULE` or
+    `python SCRIPT` would start it, then run it (its SystemExit is this process's exit)."""
+    import importlib
+    import runpy
+
+    req = rank.request
+    os.setsid()
+    for target, fd in enumerate(rank.fds):
+        os.dup2(fd, target)
+        if fd > 2:
+            os.close(fd)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, *FORWARDED):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.umask(int(req.get("umask", 0o022)))
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    argv = req["argv"]
+    module = argv[2] if argv[1] == "-m" else None
+    own = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = [] if os.environ.get("PYTHONSAFEPATH") else [os.getcwd() if module else os.path.dirname(argv[1])]
+    sys.path[:] = first + own + req["base_path"]
+    importlib.invalidate_caches()
+    try:
+        os.sched_setaffinity(0, req["cpus"])
+    except (OSError, KeyError, ValueError):
+        pass
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))  # OpenMP read the variable at the warm process's import
+    if "random" in sys.modules:
+        sys.modules["random"].seed()  # as a fresh interpreter seeds it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if module:
+        sys.argv = [argv[0], *argv[3:]]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv[1:]
+        runpy.run_path(argv[1], run_name="__main__")
+
+
+def finish(rank: Rank) -> int:
+    """Run the rank and end this process as a fork child ends (multiprocessing's way): its threads
+    joined and its atexit functions run as at any exit, then os._exit, without tearing down the
+    thousands of modules it shares with the warm process page by page (seconds on a loaded node)."""
+    import atexit
+    import threading
+    import traceback
+
+    code = 0
+    try:
+        run_rank(rank)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as the interpreter would report it
+        traceback.print_exc()
+        code = 1
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def main(args: list[str]) -> int:
+    if len(args) >= 3 and args[0] == "rank" and "--" in args:
+        return client(args[1], args[args.index("--") + 1:])
+    if len(args) == 4 and args[0] == "serve" and args[2] == "--code":
+        rank = serve(args[1], os.environ.get("SLIPWAY_WARM_ID", ""), Path(args[3]))
+        if rank is None:
+            return 0
+        return finish(rank)
+    print("usage: warm.py serve NAME --code DIR | warm.py rank NAME -- PYTHON (-m MODULE | SCRIPT) ARGS...",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
