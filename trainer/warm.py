@@ -35,6 +35,7 @@ run --stop-warm`, another key started) once its ranks have ended.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import selectors
@@ -73,14 +74,15 @@ def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
 
 def client(name: str, argv: list[str]) -> int:
     """Start `argv` as a rank through the warm process NAME, or cold (exec) where none answers."""
-    why, sock = "", None
+    why, sock, umask = "", None, os.umask(0o022)
+    os.umask(umask)
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.connect("\0" + name)
         if _peer_uid(sock) != os.getuid():  # another user's socket under our name: never tell it anything
             raise ConnectionRefusedError(f"the socket {name} is another user's")
         _send(sock, {"argv": argv, "executable": os.path.realpath(sys.executable), "env": dict(os.environ),
-                     "cwd": os.getcwd(), "cpus": sorted(os.sched_getaffinity(0)), "umask": _umask()}, [0, 1, 2])
+                     "cwd": os.getcwd(), "cpus": sorted(os.sched_getaffinity(0)), "umask": umask}, [0, 1, 2])
         reply = json.loads(sock.recv(MAX_MESSAGE) or b'{"cold": "the warm process ended"}')
         why = reply.get("cold", "")
     except (OSError, ValueError) as exc:
@@ -89,9 +91,8 @@ def client(name: str, argv: list[str]) -> int:
     if why or sock is None:
         if sock is not None:
             sock.close()
-        if os.environ.get("SLIPWAY_WARM_SAY", "1") != "0":
-            print(f"slipway-warm {_node()}: rank {os.environ.get('RANK', '?')} starts cold: {why}", file=sys.stderr,
-                  flush=True)
+        print(f"slipway-warm {_node()}: rank {os.environ.get('RANK', '?')} starts cold: {why}", file=sys.stderr,
+              flush=True)
         os.execvp(argv[0], argv)
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _send(sock, {"signal": signum}))
@@ -108,12 +109,6 @@ def client(name: str, argv: list[str]) -> int:
         if "exit" in message:
             code, sig = message["exit"], message.get("signal")
             return 128 + sig if sig else code
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 # ---------------------------------------------------------------------------- the warm process
@@ -151,10 +146,7 @@ def module_imports(code_dir: Path) -> list[str]:
 
 
 def _threads() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return 1
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
 
 
 def _torch_stamp() -> str:
@@ -173,29 +165,188 @@ def _torch_stamp() -> str:
     return " ".join(stamps)
 
 
-def preload(code_dir: Path) -> tuple[int, str]:
-    """Import what the code imports; (how many modules that loaded, why forking is unsafe or "")."""
-    before = len(sys.modules)
-    for name in module_imports(code_dir):
+def _fork_unsafe() -> str:
+    """Why forking this process now is unsafe ("" when it is not)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "cuda") and torch.cuda.is_initialized():
+        return "an import created a CUDA context"
+    threads = _threads()
+    return f"an import started threads ({threads} running): forking is unsafe" if threads != 1 else ""
+
+
+def _import_all(names) -> None:
+    for name in names:
         try:
             __import__(name)
         except Exception:  # noqa: BLE001 - a module the image lacks is the rank's to report, cold
             continue
     for name in [m for m in sys.modules if m.split(".")[0] in OWN]:
         del sys.modules[name]  # a third party's import of ours: each rank imports the run's
-    torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "cuda") and torch.cuda.is_initialized():
-        return len(sys.modules) - before, "an import created a CUDA context"
-    if _threads() != 1:
-        return len(sys.modules) - before, f"an import started threads ({_threads()} running): forking is unsafe"
-    return len(sys.modules) - before, ""
+
+
+def learn(names: set[str]) -> int:
+    """Import what the ranks imported after the fork (torch's lazy imports: torch._dynamo, numpy
+    for checkpoints...), so the next ranks start with them; first in a throwaway child, so that
+    a module that would start a thread or a CUDA context is never imported here. How many came."""
+    names = {n for n in names if n not in sys.modules}
+    if not names:
+        return 0
+    probe = os.fork()
+    if probe == 0:
+        _import_all(sorted(names))
+        os._exit(0 if not _fork_unsafe() else 1)
+    _, status = os.waitpid(probe, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        return 0
+    before = len(sys.modules)
+    _import_all(sorted(names))
+    return len(sys.modules) - before
 
 
 class Rank:
     """A forked child's request: what it becomes once the warm process's loop has let it go."""
 
-    def __init__(self, request: dict, fds: list[int]):
-        self.request, self.fds = request, fds
+    def __init__(self, request: dict, fds: list[int], report: int):
+        self.request, self.fds, self.report = request, fds, report  # report: where to say what it imported
+
+
+class Warm:
+    """The warm process's loop: one thread, selectors over its socket, the clients' connections,
+    the ranks' reports of their imports and a self-pipe for SIGCHLD and SIGTERM."""
+
+    def __init__(self, listener: socket.socket, key: str):
+        self.listener, self.key, self.stamp = listener, key, _torch_stamp()
+        self.base_path = _base_path(os.environ.get("PYTHONPATH", ""))
+        self.ranks: dict[int, "socket.socket | None"] = {}  # pid -> its client's connection (None: gone)
+        self.conns: dict[socket.socket, int] = {}  # connection -> its rank's pid (0 before the fork)
+        self.reports: dict[int, bytes] = {}  # a rank's report pipe -> what it said so far
+        self.learned: set[str] = set()
+        self.draining = False
+        self.wake_r, wake_w = os.pipe()
+        for fd in (self.wake_r, wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "draining", True))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the run's, not ours
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(listener, selectors.EVENT_READ, "listen")
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
+
+    def serve(self, unsafe: str) -> "Rank | None":
+        while True:
+            if self.draining and self.listener.fileno() >= 0:
+                self.sel.unregister(self.listener)
+                self.listener.close()  # the name is free: a new warm process may take it
+            if not self.ranks and self.learned:
+                came = learn(self.learned)
+                self.learned = set()
+                if came:
+                    print(f"slipway-warm {_node()} learned {came} modules the ranks imported", flush=True)
+            if self.draining and not self.ranks:
+                print(f"slipway-warm {_node()} stopped", flush=True)
+                return None
+            for event, _ in self.sel.select():
+                what = event.data
+                if what == "wake":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake_r, 512)
+                    self.reap()
+                elif what == "listen":
+                    self.accept()
+                elif isinstance(what, int):
+                    self.read_report(what)
+                else:
+                    rank = self.receive(what, unsafe)
+                    if rank is not None:
+                        return rank
+
+    def accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        if _peer_uid(conn) != os.getuid():
+            conn.close()
+            return
+        self.conns[conn] = 0
+        self.sel.register(conn, selectors.EVENT_READ, conn)
+
+    def close(self, conn: socket.socket) -> None:
+        if self.conns.pop(conn, None) is not None:
+            self.sel.unregister(conn)
+            conn.close()
+
+    def read_report(self, fd: int) -> None:
+        data = os.read(fd, 65536)
+        if data and len(self.reports[fd]) < MAX_MESSAGE:
+            self.reports[fd] += data
+            return
+        self.sel.unregister(fd)
+        os.close(fd)
+        self.learned |= set(self.reports.pop(fd).decode(errors="replace").split())
+
+    def receive(self, conn: socket.socket, unsafe: str) -> "Rank | None":
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
+        except OSError:
+            data, fds = b"", []
+        pid = self.conns.get(conn, 0)
+        if not data:  # the client is gone: so is its rank (reaped later)
+            if pid:
+                _kill(pid, signal.SIGKILL)
+                self.ranks[pid] = None
+            self.close(conn)
+            return None
+        message = json.loads(data)
+        if pid:
+            if "signal" in message:
+                _kill(pid, int(message["signal"]))
+            return None
+        why = unsafe or _refusal(message, self.key, self.stamp)
+        if why:
+            _send(conn, {"cold": why})
+            for fd in fds:
+                os.close(fd)
+            self.close(conn)
+            self.draining |= why.startswith("torch changed")
+            return None
+        report_r, report_w = os.pipe()
+        child = os.fork()
+        if child == 0:  # the rank: nothing of the loop's goes with it
+            signal.set_wakeup_fd(-1)
+            for c in list(self.conns):
+                c.close()
+            self.sel.close()
+            for fd in (self.wake_r, report_r, *self.reports):
+                os.close(fd)
+            if self.listener.fileno() >= 0:
+                self.listener.close()
+            message["base_path"] = self.base_path
+            return Rank(message, fds, report_w)
+        for fd in (*fds, report_w):
+            os.close(fd)
+        self.reports[report_r] = b""
+        self.sel.register(report_r, selectors.EVENT_READ, report_r)
+        self.conns[conn], self.ranks[child] = child, conn
+        _send(conn, {"pid": child})
+        return None
+
+    def reap(self) -> None:
+        while self.ranks:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.ranks.pop(pid, None)
+            if conn is None:
+                continue
+            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+            with contextlib.suppress(OSError):
+                _send(conn, {"exit": os.waitstatus_to_exitcode(status) if sig is None else 0, "signal": sig})
+            self.close(conn)
 
 
 def serve(name: str, key: str, code_dir: Path) -> "Rank | None":
@@ -208,134 +359,22 @@ def serve(name: str, key: str, code_dir: Path) -> "Rank | None":
         return None
     listener.listen(64)
     print(f"slipway-warm {_node()} bound", flush=True)
-    started = time.monotonic()
-    loaded, unsafe = preload(code_dir)
-    stamp = _torch_stamp()
-    print(f"slipway-warm {_node()} ready: {loaded} modules in {time.monotonic() - started:.1f} s"
+    started, before = time.monotonic(), len(sys.modules)
+    _import_all(module_imports(code_dir))
+    unsafe = _fork_unsafe()
+    print(f"slipway-warm {_node()} ready: {len(sys.modules) - before} modules in {time.monotonic() - started:.1f} s"
           f"{'; every rank starts cold: ' + unsafe if unsafe else ''}", flush=True)
-    base_path = _base_path(os.environ.get("PYTHONPATH", ""))
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    os.set_blocking(wake_r, False)
-    draining = []
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGTERM, lambda *_: draining.append(True))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the run's, not ours
-    sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ, "listen")
-    sel.register(wake_r, selectors.EVENT_READ, "wake")
-    ranks: dict[int, "socket.socket | None"] = {}  # pid -> its client's connection (None: the client is gone)
-    conns: dict[socket.socket, int] = {}  # connection -> its rank's pid (0 before the fork)
-
-    def close(conn: socket.socket) -> None:
-        if conns.pop(conn, None) is not None:
-            sel.unregister(conn)
-            conn.close()
-
-    while True:
-        if draining and listener.fileno() >= 0:
-            sel.unregister(listener)
-            listener.close()  # the name is free: a new warm process may take it
-        if draining and not ranks:
-            print(f"slipway-warm {_node()} stopped", flush=True)
-            return None
-        for event, _ in sel.select():
-            what = event.data
-            if what == "wake":
-                try:
-                    os.read(wake_r, 512)
-                except BlockingIOError:
-                    pass
-                _reap(ranks, conns, close)
-            elif what == "listen":
-                try:
-                    conn, _ = listener.accept()
-                except OSError:
-                    continue
-                if _peer_uid(conn) != os.getuid():
-                    conn.close()
-                    continue
-                conns[conn] = 0
-                sel.register(conn, selectors.EVENT_READ, conn)
-            else:
-                conn = what
-                try:
-                    data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
-                except OSError:
-                    data, fds = b"", []
-                pid = conns.get(conn, 0)
-                if not data:  # the client is gone: so is its rank (reaped later)
-                    if pid:
-                        _kill(pid, signal.SIGKILL)
-                        ranks[pid] = None
-                    close(conn)
-                    continue
-                message = json.loads(data)
-                if pid:
-                    if "signal" in message:
-                        _kill(pid, int(message["signal"]))
-                    continue
-                why = _refusal(message, key, stamp, unsafe)
-                if why:
-                    _send(conn, {"cold": why})
-                    for fd in fds:
-                        os.close(fd)
-                    close(conn)
-                    if why.startswith("torch changed"):
-                        draining.append(True)
-                    continue
-                child = os.fork()
-                if child == 0:
-                    signal.set_wakeup_fd(-1)
-                    for c in list(conns):
-                        c.close()
-                    sel.close()
-                    for fd in (wake_r, wake_w):
-                        os.close(fd)
-                    if listener.fileno() >= 0:
-                        listener.close()
-                    message["base_path"] = base_path
-                    return Rank(message, fds)
-                for fd in fds:
-                    os.close(fd)
-                conns[conn], ranks[child] = child, conn
-                _send(conn, {"pid": child})
-
-
-def _reap(ranks: dict, conns: dict, close) -> None:
-    while ranks:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        if pid not in ranks:
-            continue
-        conn = ranks.pop(pid)
-        if conn is None:
-            continue
-        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-        try:
-            _send(conn, {"exit": os.waitstatus_to_exitcode(status) if sig is None else 0, "signal": sig})
-        except OSError:
-            pass
-        close(conn)
+    return Warm(listener, key).serve(unsafe)
 
 
 def _kill(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.killpg(pid, sig)
-    except OSError:
-        pass
 
 
-def _refusal(message: dict, key: str, stamp: str, unsafe: str) -> str:
+def _refusal(message: dict, key: str, stamp: str) -> str:
     """Why this request starts cold, "" to fork it."""
     argv = message.get("argv") or []
-    if unsafe:
-        return unsafe
     if message.get("executable") != os.path.realpath(sys.executable):
         return f"its interpreter {message.get('executable')} is not the warm process's {sys.executable}"
     if len(argv) < 2 or (argv[1] == "-m" and len(argv) < 3) or (argv[1].startswith("-") and argv[1] != "-m"):
@@ -344,13 +383,9 @@ def _refusal(message: dict, key: str, stamp: str, unsafe: str) -> str:
         return "another key"
     if _torch_stamp() != stamp:
         return "torch changed under the warm process; it stops"
-    threads = _threads()
-    if threads != 1:
-        return f"the warm process runs {threads} threads: forking is unsafe"
-    torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "cuda") and torch.cuda.is_initialized():
-        return "the warm process holds a CUDA context"
-    return ""
+    if not os.path.isdir(message.get("cwd", "")):
+        return f"its working directory {message.get('cwd')} is not in the warm process's view"
+    return _fork_unsafe()
 
 
 def _base_path(pythonpath: str) -> list[str]:
@@ -386,10 +421,8 @@ def run_rank(rank: Rank) -> None:
     first = [] if os.environ.get("PYTHONSAFEPATH") else [os.getcwd() if module else os.path.dirname(argv[1])]
     sys.path[:] = first + own + req["base_path"]
     importlib.invalidate_caches()
-    try:
+    with contextlib.suppress(OSError, KeyError, ValueError):
         os.sched_setaffinity(0, req["cpus"])
-    except (OSError, KeyError, ValueError):
-        pass
     torch = sys.modules.get("torch")
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:
@@ -414,7 +447,7 @@ def finish(rank: Rank) -> int:
     import threading
     import traceback
 
-    code = 0
+    code, forked_with = 0, set(sys.modules)
     try:
         run_rank(rank)
     except SystemExit as exc:
@@ -427,13 +460,26 @@ def finish(rank: Rank) -> int:
     try:
         threading._shutdown()
         atexit._run_exitfuncs()
+        _report(rank.report, forked_with)
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-            except (OSError, ValueError):
-                pass
         os._exit(code)
+
+
+def _report(fd: int, forked_with: set[str]) -> None:
+    """Tell the warm process what this rank imported from where it imports too (not the run's own
+    code: trainer/, common/, anything on the rank's PYTHONPATH), for the next ranks (`learn`)."""
+    own = tuple(os.path.abspath(p) + os.sep for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    names = []
+    for name in set(sys.modules) - forked_with:
+        file = getattr(sys.modules.get(name), "__file__", None) or ""
+        if name.split(".")[0] not in OWN and not (own and os.path.abspath(file).startswith(own)):
+            names.append(name)
+    with contextlib.suppress(OSError):
+        with os.fdopen(fd, "w") as out:
+            out.write("\n".join(sorted(names)))
 
 
 def main(args: list[str]) -> int:

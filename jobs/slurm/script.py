@@ -23,7 +23,7 @@ from edf import Environment
 from jobs.config import Config
 from jobs.slurm.sections import NODE_PRESETS
 from jobs.slurm.client import srun_argv
-from jobs.slurm.ranks import Value, container_args, launch_line, shell_value, words
+from jobs.slurm.ranks import Expand, Value, container_args, launch_line, shell_value, words
 from jobs.slurm import warm as warm_ranks
 
 HEARTBEAT_SECONDS = 60
@@ -219,7 +219,7 @@ def _preflight_megabytes(cfg: Config) -> int:
     return 64 if cfg.slurm.gpus_per_node else 4
 
 
-def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str) -> list[str]:
+def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str, warm: bool = False) -> list[str]:
     """The preflight (trainer/preflight.py): each node's checks, then an all-reduce across every
     rank, in a step of its own for a train.script (else in the training step)."""
     s = cfg.slurm
@@ -232,7 +232,8 @@ def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str) ->
     # (where the cluster sets KillOnBadExit=1), or they would be blamed for sending none.
     node_srun = [*limit, *srun_argv(nodes=s.nodes, cpus_per_task=s.cpus_per_task, kill_on_bad_exit=False,
                                     container=container)]
-    node_cmd = [cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.path),
+    node_cmd = [*([Expand("${WARM_CLIENT[@]}")] if warm else []),  # from the warm processes too
+                cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.path),
                 "--checkpoint-dir", str(checkpoint_dir),
                 "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node),
                 *(["--numa-binding"] if cfg.binds_numa else [])]
@@ -392,7 +393,7 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
     if cfg.launch.pre_launch:
         lines += ["", "# Pre-launch commands from launch.pre_launch (run as written, on the first node)."]
         lines += list(cfg.launch.pre_launch)
-    lines += _preflight(cfg, paths, container, prefix)
+    lines += _preflight(cfg, paths, container, prefix, warm is not None)
     lines += [
         "",
         "# The training step, in the background so the signal traps run at once; each task reports",
