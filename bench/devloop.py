@@ -100,21 +100,26 @@ def inside(project: Path, repeat: int, extra: list[str], out: Path) -> None:
 
 def baseline(project: Path, like: str, name: str, extra: list[str]) -> list[str]:
     """`srun torchrun` of run `like`'s code snapshot and config (a run directory of its own), in
-    the same container: the command a user would write, with slipway's container flags."""
-    from jobs.config import load_config
-    from jobs import runs
+    the same container (pyxis: the build's container kept on the nodes, with the mounts slipway
+    gives a run): the command a user would write."""
+    import re
 
-    src = project / "runs" / like
-    dst = project / "runs" / name
+    from edf import srun_flags
+    from jobs import runs
+    from jobs.config import load_config
+
+    src, dst = project / "runs" / like, project / "runs" / name
     dst.mkdir(parents=True)
     shutil.copy(src / "config.yaml", dst / "config.yaml")
-    manifest = json.loads((src / "manifest.json").read_text())
-    code = manifest["code"]["dir"]
-    cfg = load_config("tiny_cpu", [*[a for a in MODEL if "=" in a], "slurm.nodes=2", "parallel.dp=4", *extra])
+    code = json.loads((src / "manifest.json").read_text())["code"]["dir"]
+    cfg = load_config("tiny_cpu", [*[a for a in MODEL if "=" in a], "slurm.nodes=2", "parallel.dp=4", *extra,
+                                   f"run.name={name}"])
     sealed = runs.seal(cfg, project, dry_run=True)
-    from edf import srun_flags
-
+    assert sealed.snapshot is not None and sealed.snapshot.dir == code, "the baseline would run other code"
     flags, exports = srun_flags(sealed.env, sealed.paths.env_toml).expanded() if sealed.env.in_container else ([], {})
+    kept = re.search(r"CONTAINER_PREFIX=(\S+) CONTAINER_BUILD=(\S+)", (src / "job.sbatch").read_text())
+    if kept and kept.group(2) != "''":
+        flags.append(f"--container-name={kept.group(1)}{kept.group(2)}:no_exec")
     nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True,
                            text=True, check=True).stdout.split()
     env = [f"{k}={v}" for k, v in {**exports, "PYTHONPATH": code, "SLIPWAY_CODE": code, "PYTHONSAFEPATH": "1",

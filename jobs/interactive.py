@@ -132,6 +132,9 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
         return 0
     check_before_start(sealed, cfg.config_args)
     with runlock.hold(sealed.paths.path, f"slipway run {cfg.config_args}", trains=True):
+        from jobs.runs.container import create_needed_dirs
+
+        create_needed_dirs(sealed.cfg, sealed.paths)  # a container's mount sources, as submit makes them
         run, created = runs.prepare_run(sealed, force=force)
         return _train_here(run, sealed, project_dir, created, console, allocation=job)
 

@@ -1,35 +1,30 @@
 """Warm ranks: ranks started from a process that has already paid for the interpreter, torch and
 the other heavy imports, with the run's own code imported fresh (`slipway run`, issue 41).
 
-Run as a file, never imported as `trainer.warm`: a warm process must hold no module of the
-trainer's (nor of `common`), so that each run imports its own code snapshot.
+Run as a file, never imported as `trainer.warm`: a warm process holds no module of the trainer's
+(nor of `common`), so that each run imports its own code snapshot.
 
     python3 .../trainer/warm.py serve NAME --code DIR    # one per node and allocation (a Slurm step)
     python3 -S .../trainer/warm.py rank NAME -- python3 -m trainer --config ...   # each rank's task
 
 `serve` binds the abstract Unix socket NAME first (clients that come while it imports wait in
-its backlog), imports what the code snapshot DIR imports at module level (torch and the rest,
-never trainer/ nor common/), then forks a rank for each request. `rank` is the task srun starts
-for each rank: it hands its standard streams, environment, working directory, CPU set and umask
-to the warm process, passes on the signals it gets, and exits as its rank did. Where no warm
-process answers (none on the node, another key, a refusal) it starts the rank cold: it execs the
-command itself, as if there were no warm processes at all.
+its backlog), imports what the code snapshot DIR imports at module level (never trainer/ nor
+common/), then forks a rank for each request. `rank` hands its standard streams, environment,
+working directory, CPU set and umask to the warm process, passes on the signals it gets, and exits
+as its rank did; where no warm process answers (none, another key, a refusal) it execs the
+command itself: the rank starts cold, as without warm processes.
 
-What survives the fork, and why that is safe:
-- the imported modules, as a fresh import would leave them: the warm process runs no torch
-  operation, so it has no thread (checked before every fork: one thread or no fork), no OpenMP
-  pool and no CUDA context (checked: none or no fork). Each rank creates its own, as a cold rank.
-- nothing of the run's: the rank gets the client's environment whole, sys.path rebuilt from its
-  PYTHONPATH, its own intra-op thread count (OMP_NUM_THREADS, which OpenMP read at the warm
-  process's import), Python's `random` reseeded, the default signal handlers; it then imports
-  the run's code and builds its process group and model anew, as a cold rank does.
-- a changed image, container settings or interpreter give another NAME (the batch script's
-  WARM_KEY); torch changed under a running warm process (a venv reinstalled) is found at the next
-  request, which then starts cold and ends that warm process.
-A rank is the warm process's child, in a session of its own: a signal its client gets is passed
-to the rank's process group; a client that dies (Slurm's SIGKILL) takes its rank with it. The
-warm process is a step of the allocation: it ends with the allocation, or on SIGTERM (`slipway
-run --stop-warm`, another key started) once its ranks have ended.
+Why the fork is safe: the warm process runs no torch operation, so it has no thread, OpenMP pool
+or CUDA context (checked before every fork, else no fork). The rank gets the client's environment
+whole, sys.path rebuilt from its PYTHONPATH, its own intra-op thread count (OpenMP read
+OMP_NUM_THREADS at the warm process's import), `random` reseeded and the default signal handlers;
+it then imports the run's code and builds its process group and model as a cold rank does. A
+changed image, container settings or interpreter give another NAME (jobs/slurm/warm.py); torch
+changed under a warm process (a venv reinstalled) is found at the next request, which starts cold
+and ends that warm process. A rank is the warm process's child in a session of its own: a signal
+its client gets goes to the rank's process group, and a client that dies (Slurm's SIGKILL) takes
+its rank with it. The warm process is a step of the allocation: it ends with it, or on SIGTERM
+(`slipway run --stop-warm`, another key started) once its ranks have ended.
 """
 
 from __future__ import annotations
@@ -151,18 +146,12 @@ def _threads() -> int:
 
 def _torch_stamp() -> str:
     """What says torch is still the one imported: its files' sizes and times."""
-    torch = sys.modules.get("torch")
-    if torch is None or not getattr(torch, "__file__", None):
-        return ""
-    here = Path(torch.__file__).parent
-    stamps = []
-    for name in ("__init__.py", "version.py"):
-        try:
-            st = (here / name).stat()
-            stamps.append(f"{st.st_size}:{st.st_mtime_ns}")
-        except OSError:
-            stamps.append("-")
-    return " ".join(stamps)
+    torch_file, out = getattr(sys.modules.get("torch"), "__file__", None), []
+    for name in ("__init__.py", "version.py") if torch_file else ():
+        with contextlib.suppress(OSError):
+            st = (Path(torch_file).parent / name).stat()
+            out.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+    return " ".join(out)
 
 
 def _fork_unsafe() -> str:
