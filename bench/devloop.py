@@ -7,7 +7,8 @@ side by side in one run on the real local Slurm (2 nodes x 2 ranks of tiny_cpu, 
 - `slipway run` again after a one-line change of the checkout's trainer/ (the warm processes
   kept), --repeat times;
 - the hand-written baseline: `srun torchrun` of the same code (the same code snapshot, config and
-  container) in the same allocation, as a user would type it.
+  container) in the same allocation, as a user would type it;
+- `slipway run` cold with each launcher: torchrun (an agent per node) and srun (a task per rank).
 
 Each row is split by the moments its output shows them: the batch script starting (slipway's own
 host side), the preflight's node step reporting, the trainer's first line (the ranks imported and
@@ -95,6 +96,10 @@ def inside(project: Path, repeat: int, extra: list[str], out: Path) -> None:
         edit(project, 2 + i)
         row("code change -> slipway run, warm", [*run, "--run-name", f"warm-{i}"], f"warm-{i}")
         row("hand-written srun torchrun", baseline(project, f"warm-{i}", f"base-{i}", extra), f"base-{i}")
+        for launcher in ("torchrun", "srun"):  # issue 41 item 2: the launchers side by side, both cold
+            edit(project, 100 + i)
+            row(f"cold, launch.launcher {launcher}", [*run, "--run-name", f"{launcher}-{i}", "launch.warm=false",
+                                                      f"launch.launcher={launcher}"], f"{launcher}-{i}")
     subprocess.run([sys.executable, "-m", "jobs", "run", "--stop-warm"], env=env, cwd=project, check=True)
 
 

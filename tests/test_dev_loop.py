@@ -450,8 +450,12 @@ def test_warm_ranks_in_an_allocation(project, slurm_env):
         return [line.split()[0] for line in out.splitlines() if line.split()[1:] and line.split()[1].startswith("slipway-warm-")]
 
     def servers() -> list[str]:
-        pattern = rf"^[^ ]*python[^ ]* [^ ]*warm\.py serve slipway-warm-{os.getuid()}-{job}-"  # not srun's line
-        return subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        """The warm processes of the allocation (not srun's line; not their forks: ranks, probes)."""
+        pattern = rf"^[^ ]*python[^ ]* .*warm\.py serve slipway-warm-{os.getuid()}-{job}-"
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        parents = {pid: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] for pid in found
+                   if Path(f"/proc/{pid}/stat").exists()}
+        return [pid for pid, parent in parents.items() if parent not in found]
 
     runs = project / "runs"
     try:

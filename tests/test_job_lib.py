@@ -563,3 +563,39 @@ def test_verify_nodes_leaves_out_a_node_that_does_not_see_what_the_others_see(tm
     assert lib.events() == ["preflight failed on node2: the code snapshot /not/mounted/here is not there (removed "
                             "after submission, or this node does not see its filesystem)",
                             "retry 1/2 (preflight): requeueing without node2 (excluded nodes: node2)"]
+
+
+def test_warm_up_keeps_one_key_and_starts_warm_processes_only_where_none_answers(tmp_path):
+    """`slipway run`'s warm processes (jobs/slurm/warm.py): verify_nodes finds each node's by the
+    abstract socket it bound (here one this test binds), warm_up asks the allocation's warm steps
+    of another key to stop and starts one on the nodes that lack theirs, waiting until it bound."""
+    import socket
+    import uuid
+
+    lib = Lib(tmp_path)
+    name = f"slipway-warm-test-{uuid.uuid4().hex[:12]}"
+    lib.stand_in("srun", 'while [ "${1#--}" != "$1" ]; do shift; done\n'
+                         'for n in node1 node2; do SLURMD_NODENAME=$n "$@"; done')
+    lib.stand_in("squeue", 'printf "41.3 slipway-warm-0ld\\n41.4 slipway-warm-k3y\\n41.5 bash\\n"')
+    setting = ("CODE_DIR='' CODE_SHA256=''; SLIPWAY_WARM_ID=k3y WARM_CLIENT=() WARM_COLD=''; "
+               f"WARM_NAME={name}; WARM_LOG={tmp_path / 'warm' / 'w.out'}; "
+               'warm_start() { echo "warm_start $*" >> "$CALLS"; '
+               '( sleep 0.3; echo "slipway-warm node1 bound"; echo "slipway-warm node2 already served" ) > "$WARM_LOG" & '
+               'WARM_PID=$!; }; ')
+    r = lib.run(setting + 'verify_nodes; echo "cold: $WARM_COLD"; warm_up')
+    assert r.returncode == 0 and "cold: node1 node2" in r.stdout, (r.stdout, r.stderr)
+    assert "warm_start node1,node2 2" in lib.calls() and "scancel --signal=TERM 41.3" in lib.calls()
+    assert not [c for c in lib.calls() if "41.4" in c or "41.5" in c]
+    assert lib.events() == ["warm: stopping the warm processes of step 41.3 (another key)",
+                            f"warm: started the warm processes on node1 node2 (key k3y, log {tmp_path / 'warm' / 'w.out'})"]
+    # A node whose warm process is there (its name bound in this network namespace): none started.
+    bound = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    bound.bind("\0" + name)
+    try:
+        (tmp_path / "calls.log").unlink()
+        (lib.run_dir / "events.log").unlink()
+        r = lib.run(setting + "verify_nodes; warm_up")
+        assert r.returncode == 0 and not [c for c in lib.calls() if c.startswith("warm_start")], r.stderr
+        assert lib.events()[-1] == "warm: ranks start from the warm processes on node1 node2 (key k3y)"
+    finally:
+        bound.close()

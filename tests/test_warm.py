@@ -197,3 +197,64 @@ def test_sigterm_drains_the_warm_process(server, tmp_path):
     late = server.client([PY, str(script)])  # the name is free: a new warm process could take it
     assert "starts cold" in late.communicate(timeout=30)[1]
     assert proc.wait(timeout=30) == 0 and server.proc.wait(timeout=30) == 0
+
+
+# ------------------------------------------------------------------ the batch script's part
+
+
+def _script(project: Path, *overrides: str) -> tuple[str, str]:
+    """(job.sbatch as `slipway run` would write it, its warm key)."""
+    import re
+
+    from jobs import runs
+    from jobs.config import load_config
+
+    cfg = load_config("tiny_cpu", ["slurm.nodes=2", "parallel.dp=4", *overrides])
+    sealed = runs.seal(cfg, project, dry_run=True)
+    text = sealed.files[sealed.paths.job_script]
+    key = re.search(r"^export SLIPWAY_WARM_ID=([0-9a-f]{16})$", text, re.M)
+    return text, key.group(1) if key else ""
+
+
+def test_slipway_run_starts_its_ranks_and_node_step_through_the_warm_processes(project):
+    text, key = _script(project)
+    assert key
+    lines = text.splitlines()
+    # Under `slipway run` only (SLIPWAY_IN_ALLOCATION): a batch job runs one launch and keeps none.
+    i = lines.index('if [ -n "${SLIPWAY_IN_ALLOCATION:-}" ]; then')
+    assert lines[i + 2].startswith("  WARM_CLIENT=(") and '"$CODE_DIR"/trainer/warm.py rank "$WARM_NAME" --)' in lines[i + 2]
+    assert lines.index("warm_up") == lines.index("verify_nodes") + 1
+    launch = next(line for line in lines if "slipway-rank" in line)
+    assert launch.index('"${WARM_CLIENT[@]}"') < launch.index("-m trainer --config")
+    node = next(line for line in lines if "trainer.preflight node" in line)
+    assert node.lstrip().startswith('"${WARM_CLIENT[@]}"')
+    start = text[text.index("warm_start() {"):]
+    # The warm step: not of this run (a launcher sweeps its processes by these), one task per node.
+    assert "env -u SLIPWAY_RUN_DIR -u SLIPWAY_JOB_TAG -u SLIPWAY_CODE -u SLIPWAY_EVENT_JOB setsid srun --overlap" in start
+    assert '"--nodes=$2" "--ntasks=$2"' in start and '"--job-name=slipway-warm-$SLIPWAY_WARM_ID"' in start
+
+
+def test_the_warm_key_is_what_the_warm_processes_started_with(project, tmp_path):
+    """The same for another run name or a code change (each rank imports the run's code), another
+    for a setting the warm process took at its start; no warm processes where they cannot serve."""
+    import shutil
+
+    for package in ("common", "trainer"):  # the project's own checkout of the code
+        shutil.copytree(WARM.parents[1] / package, project / package, ignore=shutil.ignore_patterns("__pycache__"))
+    _, key = _script(project)
+    with open(project / "trainer" / "model.py", "a") as f:
+        f.write("# a one-line change\n")
+    assert _script(project)[1] == key
+    assert _script(project, "run.name=other", "train.steps=7")[1] == key
+    assert _script(project, "launch.env.OMP_PROC_BIND=close")[1] not in ("", key)
+    assert _script(project, "launch.python=/usr/bin/python3")[1] not in ("", key)
+    image = tmp_path / "a.sqsh"
+    image.write_bytes(b"squashfs one")
+    pyxis = ["container.runtime=pyxis", f"container.image={image}"]
+    _, one = _script(project, *pyxis)
+    image.write_bytes(b"squashfs two, rebuilt")
+    _, two = _script(project, *pyxis)
+    assert one and two and len({key, one, two}) == 3
+    for cold in ("launch.warm=false", "launch.launcher=torchrun", "code.snapshot=false", "container.runtime=edf"):
+        text, key = _script(project, cold)
+        assert not key and "WARM_CLIENT" not in text and "warm_up" not in text, cold
