@@ -123,6 +123,13 @@ def allocation(environ: Optional[Mapping[str, str]] = None) -> tuple[Optional[st
     count("SLURM_RESTART_COUNT", environ)
     nodes = count("SLURM_JOB_NUM_NODES", environ)
     return job, count("SLURM_NNODES", environ) if nodes is None else nodes
+CPUS_PER_NODE = re.compile(r"[0-9]{1,6}(\(x[0-9]{1,6}\))?(,[0-9]{1,6}(\(x[0-9]{1,6}\))?){0,4095}")
+
+
+def fewest_cpus(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The fewest CPUs the allocation has on one of its nodes (SLURM_JOB_CPUS_PER_NODE, `4(x2),2`), checked."""
+    value = _value("SLURM_JOB_CPUS_PER_NODE", CPUS_PER_NODE, "a list of CPU counts such as 4(x2),2", environ)
+    return None if value is None else min(int(part.split("(")[0]) for part in value.split(","))
 
 
 def invocation() -> str:

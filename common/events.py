@@ -48,6 +48,7 @@ class EventKind(str, enum.Enum):
     PREFLIGHT_FAILED = "preflight failed"
     HANG = "hang"
     NODE_FAILURE = "node failure"
+    RANK_FAILED = "rank failed"  # `rank failed: rank R on NODE was killed by SIGKILL (exit 137)` / `exited N`
     CANCELLED = "cancelled"
     PREEMPTED = "preempted"  # requeued by Slurm (a preemption, an `scontrol requeue`), said by the next attempt
     WARNING_LEAD = "warning lead"  # how long before the time limit the job asks for the save, and why
@@ -72,6 +73,7 @@ _KINDS: tuple[tuple[str, EventKind], ...] = (
     ("preflight failed", EventKind.PREFLIGHT_FAILED),
     ("hang:", EventKind.HANG),
     ("node failure", EventKind.NODE_FAILURE),
+    ("rank failed:", EventKind.RANK_FAILED),
     ("cancelled", EventKind.CANCELLED),
     ("preempted:", EventKind.PREEMPTED),
     ("warning lead ", EventKind.WARNING_LEAD),

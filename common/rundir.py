@@ -33,9 +33,9 @@ CANCEL_EXIT = 140  # `slipway cancel`: USR2 to the batch shell (128 + SIGUSR2)
 TERM_EXIT = 143  # SIGTERM to a job: a plain scancel, a preemption, the time limit (128 + SIGTERM)
 EXIT_CODES = {
     0: "completed",
-    FAILED_EXIT: "failed (a crash; torchrun reports 2 and 3 as 1)",
-    BAD_INPUT_EXIT: "bad config or input (launcher: srun)",
-    NONFINITE_EXIT: "stopped on non-finite numbers (launcher: srun)",
+    FAILED_EXIT: "failed (a crash; slipway local's torchrun reports 2 and 3 as 1)",
+    BAD_INPUT_EXIT: "bad config or input",
+    NONFINITE_EXIT: "stopped on non-finite numbers",
     HANG_EXIT: "hung, not retried",
     PREFLIGHT_EXIT: "a node failed its preflight, not retried",
     REQUEUE_EXIT: "saved a checkpoint and stopped after the time-limit warning, no requeue left",
@@ -92,6 +92,8 @@ class RunDir:
     # One SaveLine per completed checkpoint save (rank 0): what the batch script's warning lead reads.
     saves = property(lambda self: self.path / "saves.log")
     curves = property(lambda self: self.path / "curves.png")  # `slipway plot`
+    # Beside the runs, not of one: the warm processes' logs (`slipway run`), ALLOCATION-KEY.out.
+    warm_logs = property(lambda self: self.path.parent / ".warm")
 
     def checkpoints(self, setting: str | os.PathLike) -> Path:
         """Where checkpoints go for checkpoint.dir `setting` (relative to the run directory, or absolute)."""

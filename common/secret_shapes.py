@@ -157,6 +157,8 @@ def judge_word(word: str, hash_named: bool = False) -> Optional[str]:
     _, b64, hexa, _ = library()
     limit = b64.entropy_limit if b64 else 4.5
     entropy = b64.calculate_shannon_entropy(word) if b64 else _entropy(word, B64_CHARS)
+    if word.startswith("/") and _top_dir(word.split("/")[1]):
+        return None  # an absolute path under a directory this machine has (/run, /scratch): a place
     if _AWS_SECRET.fullmatch(word) and _classes(word) == 3 and (
             entropy > limit or (entropy > _AWS_LIMIT and _changes(word) >= 0.5)):
         # AWS's own format (40 base64 characters, `/` and `+` among them) is judged closer than any
@@ -165,8 +167,6 @@ def judge_word(word: str, hash_named: bool = False) -> Optional[str]:
         return "an AWS secret access key (40 random base64 characters)"
     if "/" in word and set(word) <= B64_CHARS:  # a path or a hub name, unless base64 through and through: between
         # its slashes the class of character changes at almost every other one (a name's, once a word)
-        if word.startswith("/") and _top_dir(word.split("/")[1]):
-            return None  # an absolute path under a directory this machine has (/run, /scratch): a place
         parts = [part for part in word.split("/") if len(part) >= 4]
         changes = sum(_changes(part) * (len(part) - 1) for part in parts) / max(sum(len(p) - 1 for p in parts), 1)
         if len(word) >= 32 and not set(word) & set("-_.") and _classes(word) == 3 and entropy > limit \

@@ -79,7 +79,7 @@ CLUSTER_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("--email", "slurm.email", str, "mail on job end or failure"),
     ("--runtime", "container.runtime", str, "edf | pyxis | none"),
     ("--image", "container.image", str, "squashfs path (absolute or ./) or registry reference"),
-    ("--launcher", "launch.launcher", str, "torchrun (one task per node) | srun (one task per process)"),
+    ("--launcher", "launch.launcher", str, "auto | torchrun (one task per node) | srun (one task per process)"),
 ]
 BOOL_FLAGS = [
     ("--save-initial-state", "checkpoint.save_initial", "save a checkpoint before the first step"),
@@ -172,7 +172,7 @@ class Config(TrainerConfig):
     def _check_preset(self) -> None:
         s, launch = self.slurm, self.launch
         preset = NODE_PRESETS.get(launch.preset)
-        tasks = 1 if launch.launcher == "torchrun" else launch.procs_per_node
+        tasks = 1 if self.launcher == "torchrun" else launch.procs_per_node
         if preset is None:
             if s.cpus_per_task is None:
                 s.cpus_per_task = 8
@@ -185,7 +185,7 @@ class Config(TrainerConfig):
             s.cpus_per_task = cores
         require(s.cpus_per_task == cores, "slurm.cpus_per_task",
                 f"launch.preset {launch.preset} gives each rank the {preset.cores // preset.gpus} cores next to "
-                f"its GPU, so with launcher {launch.launcher} ({tasks} task(s) per node) cpus_per_task must be "
+                f"its GPU, so with launcher {self.launcher} ({tasks} task(s) per node) cpus_per_task must be "
                 f"{cores}, got {s.cpus_per_task}: drop slurm.cpus_per_task or set it to {cores}")
 
     @property
@@ -193,10 +193,31 @@ class Config(TrainerConfig):
         return self.slurm.nodes * self.launch.procs_per_node
 
     @property
+    def launcher(self) -> str:
+        """What starts the ranks, torchrun or srun: launch.launcher, `auto` decided (`launch_choice`)."""
+        return self.launch_choice[0]
+
+    @property
+    def launch_choice(self) -> tuple[str, str]:
+        """(the launcher, why it is the one): launch.launcher's `auto` takes srun wherever torchrun's
+        agents would only cost, as slipway asks them for no elastic restarts (--max-restarts=0)."""
+        launch = self.launch
+        if launch.launcher != "auto":
+            return launch.launcher, f"launch.launcher {launch.launcher}"
+        if launch.command and launch.command[0] != launch.python:
+            return "srun", "launch.launcher auto: launch.command is no Python program torchrun could start"
+        if launch.command or self.train.script:
+            what = "launch.command" if launch.command else "train.script"
+            return "torchrun", (f"launch.launcher auto: {what} is your program, which may read torchrun's own "
+                                "variables; launch.launcher srun starts it without agents")
+        return "srun", ("launch.launcher auto: slipway's trainer needs no torchrun agent (no elastic restarts: "
+                        "one process and a rendezvous less per node); one srun task per rank")
+
+    @property
     def binds_numa(self) -> bool:
         """Each rank bound to its GPU's NUMA node by `torchrun --numa-binding` (a node preset with
         the torchrun launcher), which runs every worker under numactl."""
-        return self.launch.preset in NODE_PRESETS and self.launch.launcher == "torchrun"
+        return self.launch.preset in NODE_PRESETS and self.launcher == "torchrun"
 
     @property
     def image_needs(self) -> ImageNeeds:

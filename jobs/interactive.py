@@ -115,6 +115,11 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
     if have is not None and have < cfg.slurm.nodes:
         raise ConfigError("slurm.nodes", f"the run needs {cfg.slurm.nodes} nodes, allocation {job} has {have}: "
                                          f"salloc --nodes={cfg.slurm.nodes}, or run with --nodes {have}")
+    tasks, cpus = (cfg.launch.procs_per_node if cfg.launcher == "srun" else 1), cfg.slurm.cpus_per_task or 1
+    if (fewest := environ.fewest_cpus()) is not None and fewest < tasks * cpus:
+        raise ConfigError("slurm.cpus_per_task", f"the run starts {tasks} task(s) x {cpus} CPU(s) per node, allocation "
+                                                 f"{job} has {fewest} CPU(s) on a node: salloc --nodes={cfg.slurm.nodes} "
+                                                 f"--ntasks-per-node={tasks} --cpus-per-task={cpus} (or --exclusive)")
     info = slurm.job_info(job)  # a shell left from an allocation that ended still says its id
     if info is None or info.state.split()[0] != "RUNNING":
         state = f"is {info.state.split()[0]}" if info is not None else "is unknown to Slurm"
@@ -126,6 +131,9 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
         return 0
     local_checks.check_before_start(sealed, cfg)
     with runlock.hold(sealed.paths.path, f"slipway run {cfg.config_args}", trains=True):
+        from jobs.runs.container import create_needed_dirs
+
+        create_needed_dirs(sealed.cfg, sealed.paths)  # a container's mount sources, as submit makes them
         run, created = runs.prepare_run(sealed, force=force)
         return _train_here(run, sealed, project_dir, created, console, allocation=job)
 

@@ -406,3 +406,112 @@ def test_slipway_run_inside_an_allocation_stops_resumably_and_resumes(project, s
     steps = metrics_steps(run_dir)
     assert steps[-1] == saved[-1] + 2 and "resum" in (r.stdout + r.stderr).lower()
     assert not (run_dir / "stop-requested").exists()
+
+
+def mark_parent(project: Path, word: str) -> None:
+    """Make the checkout's trainer append `WORD PARENT` to RUN/code-marks when rank 0 starts,
+    PARENT its parent process's command line (a warm process's `warm.py serve ...`, or srun's task)."""
+    text = (ROOT / "trainer" / "train.py").read_text()
+    anchor = "    args = parser.parse_args(argv)\n"
+    line = ("    if os.environ.get('RANK', '0') == '0':\n"
+            "        parent = open(f'/proc/{os.getppid()}/cmdline').read().replace(chr(0), ' ')\n"
+            f"        open(os.path.join(os.environ['SLIPWAY_RUN_DIR'], 'code-marks'), 'a').write("
+            f"'{word} ' + str(os.getppid()) + ' ' + parent + '\\n')\n")
+    (project / "trainer" / "train.py").write_text(text.replace(anchor, anchor + line, 1))
+
+
+def losses(run_dir: Path) -> list[float]:
+    path = run_dir / "metrics.jsonl"
+    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == "train"]
+
+
+@pytest.mark.slurm
+def test_warm_ranks_in_an_allocation(project, slurm_env):
+    """`slipway run` in one allocation, 2 nodes x 2 ranks: the first run starts a warm process on
+    each node; the next, after a one-line code change, starts its ranks from the same ones with the
+    new code, loss for loss as cold ranks train; a changed setting starts new warm processes and
+    stops the old; a changed config is refused without --force, as ever; --stop-warm and the
+    allocation's end leave none."""
+    checkout(project)
+    mark_parent(project, "one")
+    alloc = subprocess.run(["salloc", "--nodes=2", "--ntasks-per-node=2", "--no-shell"], capture_output=True,
+                           text=True, check=True, timeout=120)
+    job = alloc.stderr.split("Granted job allocation ")[1].split()[0]
+    nodes = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True).stdout.strip()
+    inside = {**os.environ, "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": nodes, "SLURM_JOB_NUM_NODES": "2",
+              "SLURM_JOB_CPUS_PER_NODE": "2(x2)"}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        with_preflight = [a for a in TINY if not a.startswith("slurm.preflight")]  # its node step starts warm too
+        return subprocess.run([PY, "-m", "jobs", "run", "tiny_cpu", "--nodes", "2", "--dp", "4", *with_preflight,
+                               "train.steps=3", *args], capture_output=True, text=True, timeout=400, env=inside)
+
+    def warm_steps() -> list[str]:
+        out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True, text=True).stdout
+        return [line.split()[0] for line in out.splitlines() if line.split()[1:] and line.split()[1].startswith("slipway-warm-")]
+
+    def servers() -> list[str]:
+        """The warm processes of the allocation (not srun's line; not their forks: ranks, probes)."""
+        pattern = rf"^[^ ]*python[^ ]* .*warm\.py serve slipway-warm-{os.getuid()}-{job}-"
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        parents = {pid: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] for pid in found
+                   if Path(f"/proc/{pid}/stat").exists()}
+        return [pid for pid, parent in parents.items() if parent not in found]
+
+    runs = project / "runs"
+    try:
+        first = run("--run-name", "w1")
+        assert first.returncode == 0, (first.stdout[-3000:], first.stderr[-3000:])
+        assert "job local warm: started the warm processes on node1 node2" in (runs / "w1" / "events.log").read_text()
+        (word, parent, cmdline), = [line.split(" ", 2) for line in (runs / "w1" / "code-marks").read_text().splitlines()]
+        assert word == "one" and "warm.py serve slipway-warm-" in cmdline, cmdline
+        steps = warm_steps()
+        assert len(steps) == 1 and len(servers()) == 2, (steps, servers())
+
+        mark_parent(project, "two")  # a one-line change: the same warm processes, the new code
+        second = run("--run-name", "w2")
+        assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-3000:])
+        events = (runs / "w2" / "events.log").read_text()
+        assert "job local warm: ranks start from the warm processes on node1 node2" in events, events
+        (word2, parent2, _), = [line.split(" ", 2) for line in (runs / "w2" / "code-marks").read_text().splitlines()]
+        assert word2 == "two" and parent2 == parent and warm_steps() == steps  # reused
+        # Cold ranks of the same code and config train loss for loss alike: nothing of the warm
+        # process's state reached the training.
+        cold = run("--run-name", "w2cold", "launch.warm=false")
+        assert cold.returncode == 0, (cold.stdout[-3000:], cold.stderr[-3000:])
+        (_, parent_cold, cmdline_cold), = [line.split(" ", 2) for line in (runs / "w2cold" / "code-marks").read_text().splitlines()]
+        assert "warm.py" not in cmdline_cold and parent_cold != parent
+        assert losses(runs / "w2") == losses(runs / "w2cold") and len(losses(runs / "w2")) == 3
+
+        # A changed config is refused without --force, as without warm processes.
+        refused = run("--run-name", "w2", "train.steps=4")
+        assert refused.returncode == 2 and "exists with" in refused.stderr, refused.stderr
+
+        # A setting the warm processes were started with changed: new ones, the old asked to stop.
+        renewed = run("--run-name", "w3", "launch.env.SLIPWAY_TEST_KNOB=1")
+        assert renewed.returncode == 0, (renewed.stdout[-3000:], renewed.stderr[-3000:])
+        events = (runs / "w3" / "events.log").read_text()
+        assert f"warm: stopping the warm processes of step {steps[0]} (another key)" in events, events
+        assert "warm: started the warm processes on node1 node2" in events
+        (_, parent3, _), = [line.split(" ", 2) for line in (runs / "w3" / "code-marks").read_text().splitlines()]
+        assert parent3 != parent
+        deadline = time.monotonic() + 60
+        while len(warm_steps()) != 1 or warm_steps() == steps:
+            assert time.monotonic() < deadline, warm_steps()
+            time.sleep(0.5)
+
+        stop = subprocess.run([PY, "-m", "jobs", "run", "--stop-warm"], capture_output=True, text=True, env=inside)
+        assert stop.returncode == 0 and "asked 1 warm step(s)" in stop.stdout, (stop.stdout, stop.stderr)
+        while warm_steps() or servers():
+            assert time.monotonic() < deadline + 60, (warm_steps(), servers())
+            time.sleep(0.5)
+
+        # Started again, then the allocation ends: none outlives it.
+        again = run("--run-name", "w4")
+        assert again.returncode == 0 and len(servers()) == 2, (again.stderr[-2000:], servers())
+    finally:
+        subprocess.run(["scancel", job])
+    deadline = time.monotonic() + 90
+    while servers():
+        assert time.monotonic() < deadline, f"warm processes outlived allocation {job}: {servers()}"
+        time.sleep(0.5)

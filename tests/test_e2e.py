@@ -88,16 +88,19 @@ def complete_checkpoints(run_dir: Path) -> list[int]:
     return sorted(int(p.parent.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*/COMPLETE"))
 
 
-def sigkill_one_worker(run_name: str) -> int:
-    """SIGKILL one trainer worker (not torchrun itself) of the run; returns its pid."""
+def sigkill_one_worker(run_name: str) -> tuple[int, str, str]:
+    """SIGKILL one trainer worker (not torchrun itself, nor the wrapper reporting its exit) of the
+    run; returns its pid, its rank and its node (its environment says)."""
     r = subprocess.run(["pgrep", "-f", f"trainer --config .*runs/{run_name}/config.yaml"],
                        capture_output=True, text=True)
     pids = [int(p) for p in r.stdout.split()]
     for pid in pids:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"torch.distributed.run" not in cmdline and b"-m" in cmdline:
+        if (b"torch.distributed.run" not in cmdline and b"-m" in cmdline
+                and Path(cmdline[0].decode()).name.startswith("python")):
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
             os.kill(pid, signal.SIGKILL)
-            return pid
+            return pid, env[b"RANK"].decode(), env[b"SLURMD_NODENAME"].decode()
     pytest.fail(f"no trainer worker of {run_name} among {pids}")
 
 
@@ -179,7 +182,7 @@ def test_dead_rank_fails_fast_and_resubmission_resumes(project, slurm_env):
     job_id = submit(*args)
     wait_for(lambda: complete_checkpoints(run_dir) and len(steps_logged(run_dir)) >= 3, 150,
              "a checkpoint and three logged steps")
-    sigkill_one_worker("killed")
+    _, rank, node = sigkill_one_worker("killed")
     killed_at = time.time()
     state = wait_job_end(job_id, 120)
     assert time.time() - killed_at < 120
@@ -189,8 +192,15 @@ def test_dead_rank_fails_fast_and_resubmission_resumes(project, slurm_env):
     last = saved[-1]
     marker = json.loads((run_dir / "checkpoints" / f"step-{last:06d}" / "COMPLETE").read_text())
     assert marker["step"] == last
-    status = slipway("status", "killed")
-    assert "FAILED" in status.stdout, status.stdout
+    # What ended it: the rank, its node and the signal, in events.log and `status RUN`, with the
+    # job's elapsed time (events.log settles the end: Slurm is not asked).
+    said = f"rank failed: rank {rank} on {node} was killed by SIGKILL (exit 137)"
+    assert f"job {job_id} {said}" in (run_dir / "events.log").read_text()
+    status = subprocess.run([PY, "-m", "jobs", "status", "killed"], capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "COLUMNS": "400"})  # a table row on one line
+    row = next(line for line in status.stdout.splitlines() if job_id in line)
+    assert "FAILED" in row and "137" in row and re.search(r"\d\d:\d\d:\d\d", row), status.stdout
+    assert f"rank {rank} on {node} was killed by SIGKILL" in row, status.stdout
 
     resubmit_resumes(run_dir, args, last, 24)
 

@@ -13,7 +13,7 @@ from containers.record import BuildRecord
 from test_pinned import fake_build, pin_config, slipway  # noqa: F401  (a fixture)
 
 GH200 = ["container.runtime=edf", "launch.preset=alps-gh200", "slurm.gpus_per_node=4", "launch.procs_per_node=4",
-         "slurm.cpus_per_task=288", "parallel.dp=4"]
+         "slurm.cpus_per_task=72", "parallel.dp=4"]
 HOOK = "container.annotations.com.hooks.aws_ofi_nccl"
 
 

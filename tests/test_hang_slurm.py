@@ -61,7 +61,7 @@ def freeze_worker(run_name: str, node: str) -> tuple[int, str]:
                        if b"=" in kv)
         except OSError:
             continue
-        if (b"trainer" in argv and b"torch.distributed.run" not in argv
+        if (b"trainer" in argv and b"torch.distributed.run" not in argv and Path(argv[0].decode()).name.startswith("python")
                 and f"runs/{run_name}/config.yaml".encode() in b" ".join(argv)
                 and env.get(b"SLURMD_NODENAME") == node.encode() and env.get(b"LOCAL_RANK") == b"1"):
             os.kill(int(pid), signal.SIGSTOP)
@@ -117,7 +117,7 @@ def test_a_frozen_rank_ends_the_job_with_stack_dumps_and_a_resubmission_resumes(
     status = slipway("status", "frozen")
     # Slurm says FAILED; the run's own state says what happened (jobs/runs/lifecycle.py)
     assert status.returncode == 0 and "HUNG" in status.stdout and "FAILED" not in status.stdout, status.stdout
-    assert "hung (attempt" in status.stdout and "not answering in time: the ranks on node2" in status.stdout
+    assert f"hung (attempt 1 of job {job_id})" in status.stdout and "not answering in time: the ranks on node2" in status.stdout
     assert f"rank {rank} on node2:" in status.stdout or f"hangs/{job_id}-node1-" in status.stdout
 
     resubmit_resumes(run_dir, args, complete_checkpoints(run_dir)[-1], 40)

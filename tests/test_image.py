@@ -258,7 +258,7 @@ def test_compute_build_command_line_and_run(project: Path, fakes: Path):
     plan = image_plan(cfg, root=project, enroot_mount=False, force=True)
     frozen = project / "images" / f".build-{plan.hash[:12]}.yaml"
     argv = compute_argv(cfg, plan, force=True, do_import=True)
-    assert argv == ["srun", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=00:45:00",
+    assert argv == ["srun", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=00:45:00",
                     "--account=a-07", "--partition=debug", "--job-name=slipway-image",
                     sys.executable, "-m", "jobs", "image", "build", "--here", str(frozen), "--force"]
     # The image code alone does not know Slurm: it says which command does.
@@ -1052,7 +1052,7 @@ def test_what_the_run_needs_of_the_image_are_build_args(project: Path):
     cfg.image.build_args = {"EXTRAS": "plot"}  # the user's extras, and float8 for the run
     assert image_plan(cfg, root=project, enroot_mount=False).build_args["EXTRAS"] == "plot float8"
     cfg = make_cfg()
-    cfg.launch.preset = "alps-gh200"
+    cfg.launch.preset, cfg.launch.launcher = "alps-gh200", "torchrun"
     numa = image_plan(cfg, root=project, enroot_mount=False)
     assert cfg.binds_numa and numa.build_args["NUMACTL"] == "1" and numa.hash != base.hash
     cfg.image.build_args = {"NUMACTL": "0"}  # the user's build arg cannot take away what the preset needs
@@ -1602,7 +1602,7 @@ def test_real_build_resolves_against_the_bases_pins_and_installs_what_the_run_ne
     cfg = make_cfg(name="slipway-pintest", base_image=base, flash_attn=False, isolation="chroot",
                    wheelhouse=str(wheels), output_dir=str(tmp_path / "images"), build_args={"SMOKE": checks})
     cfg.train.float8 = True
-    cfg.launch.preset = "alps-gh200"
+    cfg.launch.preset, cfg.launch.launcher = "alps-gh200", "torchrun"
     log = real_build(tmp_path, cfg)
     assert "pip_requirements: resolving against the base's 2 pins (/etc/pip/constraint.txt)" in log
     assert "(extras trainer, float8; the image has no torch: installing one)" in log

@@ -92,28 +92,42 @@ def test_retries_and_requeues_are_counted_per_job(tmp_path):
 
 
 def test_a_rank_killed_by_a_signal_decides_the_steps_exit_whatever_srun_says(tmp_path):
-    """srun said 143 or 1 depending on the node; the rank's own report says 137 (SIGKILL)."""
+    """srun said 143 or 1 depending on the node; the rank's own report says 137 (SIGKILL), and
+    events.log names it, its node and the signal."""
     lib = Lib(tmp_path)
     reports = tmp_path / "exits"
     reports.mkdir()
-    for rank, code in (("3", "0"), ("2", "137"), ("0", "143")):  # oldest first: 0 finished, 2 killed, 0 induced
-        (reports / rank).write_text(code + "\n")
+    # oldest first: rank 3 finished, rank 2 killed, node1's torchrun agent exited 1 after it, rank 0 induced
+    for name, code in (("rank-3", "0 node2"), ("rank-2", "137 node2"), ("task-0", "1 node1"), ("rank-0", "143 node1")):
+        (reports / name).write_text(code + "\n")
         time.sleep(0.02)
+    (reports / "preflight-failed").write_text("not a code\n")
     for srun_rc in ("1", "143"):
-        assert lib.run(f'step_exit {srun_rc} "{reports}"').stdout.strip() == "137"
-    assert lib.run(f'step_exit 0 "{reports}"').stdout.strip() == "0"
-    assert lib.run(f'step_exit 1 "{tmp_path / "none"}"').stdout.strip() == "1"  # no report: a node died
+        r = lib.run(f'step_exit {srun_rc} "{reports}"; echo "$STEP_EXIT|$FAILED_WHO"; after_rank_failure "$STEP_EXIT"')
+        assert r.stdout.strip() == "137|rank 2 on node2", r.stderr
+    assert lib.events() == ["rank failed: rank 2 on node2 was killed by SIGKILL (exit 137)"] * 2
+    assert lib.run(f'step_exit 0 "{reports}"; echo "$STEP_EXIT|$FAILED_WHO"').stdout.strip() == "0|"
+    assert lib.run(f'step_exit 1 "{tmp_path / "none"}"; echo "$STEP_EXIT|$FAILED_WHO"').stdout.strip() == "1|"  # a node died
+    # An agent's report alone, and a plain failure: named as such; the ends told otherwise are not.
+    (reports / "rank-2").unlink()
+    (reports / "rank-0").unlink()
+    r = lib.run(f'step_exit 1 "{reports}"; after_rank_failure "$STEP_EXIT"; after_rank_failure 75; '
+                'after_rank_failure 4; STOP_REQUESTED=1 after_rank_failure 1')
+    assert lib.events()[2:] == ["rank failed: the torchrun agent of task 0 on node1 exited 1"], r.stderr
 
 
 def test_the_task_wrapper_reports_what_killed_its_rank(tmp_path):
-    """The wrapper jobs/slurm/ranks.py puts around each task: its report is what step_exit reads."""
+    """The wrapper jobs/slurm/ranks.py puts around each rank (and each torchrun agent): its report
+    is what step_exit reads."""
     from jobs.slurm.ranks import REPORT_EXIT
 
     reports = tmp_path / "exits"
     reports.mkdir()
-    env = {**os.environ, "SLIPWAY_EXITS": str(reports), "SLURM_PROCID": "5"}
-    r = subprocess.run(["bash", "-c", REPORT_EXIT, "slipway-task", "bash", "-c", "kill -KILL $$"], env=env)
-    assert r.returncode == 137 and (reports / "5").read_text() == "137\n"
+    env = {**os.environ, "SLIPWAY_EXITS": str(reports), "SLURM_PROCID": "5", "RANK": "7", "SLURMD_NODENAME": "nodeA"}
+    r = subprocess.run(["bash", "-c", REPORT_EXIT, "slipway-rank", "bash", "-c", "kill -KILL $$"], env=env)
+    assert r.returncode == 137 and (reports / "rank-7").read_text() == "137 nodeA\n"
+    r = subprocess.run(["bash", "-c", REPORT_EXIT, "slipway-task", "bash", "-c", "exit 1"], env=env)
+    assert r.returncode == 1 and (reports / "task-5").read_text() == "1 nodeA\n"
 
 
 def test_a_plain_scancel_is_told_as_cancelled_with_exit_143(tmp_path):
@@ -260,7 +274,7 @@ def test_the_stale_sweep_runs_in_the_background_on_every_node(tmp_path):
     r = lib.run('remove_stale_containers; wait "${HELPER_PIDS[@]}"')
     assert r.returncode == 0, r.stderr
     srun = [c for c in lib.calls() if c.startswith("srun")]
-    assert len(srun) == 1 and srun[0].startswith("srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=1 --overlap"), srun
+    assert len(srun) == 1 and srun[0].startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=1 --overlap"), srun
     assert "enroot remove --force pyxis_slipway-30" in lib.calls()
     assert not any("remove --force pyxis_slipway-41" in c for c in lib.calls())  # this job's own
 
@@ -697,3 +711,38 @@ def test_a_requeue_by_slurm_is_a_preemption_counted_apart(tmp_path):
     r = lib.run('SLURM_RESTART_COUNT=2 PREEMPTIONS=$(count_events preempted:); note_preemption; echo "$PREEMPTIONS"')
     assert r.stdout.strip() == "1" and lib.events()[-1] == "end exit 0", lib.events()
     assert lib.run("note_preemption; echo \"[$PREEMPTIONS_SAID]\"").stdout.strip() == "[]"  # a first attempt
+def test_warm_up_keeps_one_key_and_starts_warm_processes_only_where_none_answers(tmp_path):
+    """`slipway run`'s warm processes (jobs/slurm/warm.py): verify_nodes finds each node's by the
+    abstract socket it bound (here one this test binds), warm_up asks the allocation's warm steps
+    of another key to stop and starts one on the nodes that lack theirs, waiting until it bound."""
+    import socket
+    import uuid
+
+    lib = Lib(tmp_path)
+    name = f"slipway-warm-test-{uuid.uuid4().hex[:12]}"
+    lib.stand_in("srun", 'while [ "${1#--}" != "$1" ]; do shift; done\n'
+                         'for n in node1 node2; do SLURMD_NODENAME=$n "$@"; done')
+    lib.stand_in("squeue", 'printf "41.3 slipway-warm-0ld\\n41.4 slipway-warm-k3y\\n41.5 bash\\n"')
+    lib.stand_in("scancel", "")
+    setting = ("CODE_DIR='' CODE_SHA256=''; SLIPWAY_WARM_ID=k3y WARM_CLIENT=() WARM_COLD=''; "
+               f"WARM_NAME={name}; WARM_LOG={tmp_path / 'warm' / 'w.out'}; "
+               'warm_start() { echo "warm_start $*" >> "$CALLS"; '
+               '( sleep 0.3; echo "slipway-warm node1 bound"; echo "slipway-warm node2 already served" ) > "$WARM_LOG" & '
+               'WARM_PID=$!; }; ')
+    r = lib.run(setting + 'verify_nodes; echo "cold: $WARM_COLD"; warm_up')
+    assert r.returncode == 0 and "cold: node1 node2" in r.stdout, (r.stdout, r.stderr)
+    assert "warm_start node1,node2 2" in lib.calls() and "scancel --signal=TERM 41.3" in lib.calls()
+    assert not [c for c in lib.calls() if "41.4" in c or "41.5" in c]
+    assert lib.events() == ["warm: stopping the warm processes of step 41.3 (another key)",
+                            f"warm: started the warm processes on node1 node2 (key k3y, log {tmp_path / 'warm' / 'w.out'})"]
+    # A node whose warm process is there (its name bound in this network namespace): none started.
+    bound = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    bound.bind("\0" + name)
+    try:
+        (tmp_path / "calls.log").unlink()
+        (lib.run_dir / "events.log").unlink()
+        r = lib.run(setting + "verify_nodes; warm_up")
+        assert r.returncode == 0 and not [c for c in lib.calls() if c.startswith("warm_start")], r.stderr
+        assert lib.events()[-1] == "warm: ranks start from the warm processes on node1 node2 (key k3y)"
+    finally:
+        bound.close()

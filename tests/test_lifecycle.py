@@ -222,6 +222,16 @@ CASES = [
     ("local launcher killed after its end event", LOCAL, ["start on this machine", "end exit 0"], GONE,
      ("COMPLETED", 0, "")),
     ("local on another machine", LOCAL, ["start on this machine"], LocalProcess(), ("UNKNOWN", None, "h")),
+    ("a rank killed", SLURM, [START, "rank failed: rank 3 on node2 was killed by SIGKILL (exit 137)", "end exit 137"],
+     info("FAILED", "137:0"), ("FAILED", 137, "rank 3 on node2 was killed by SIGKILL")),
+    ("a rank killed, Slurm forgot the job", SLURM, [START, "rank failed: rank 3 on node2 was killed by SIGKILL (exit 137)",
+                                                     "end exit 137"], None, ("FAILED", 137, "rank 3 on node2")),
+    # `slipway run`: the batch script's end is the launch's; its 137 is a rank's, not a signal to the launcher
+    ("slipway run, a rank killed", Launch(local=True, exit=137, allocation="40"),
+     ["start on node[1-2] (restart 0)", "rank failed: rank 1 on node1 was killed by SIGKILL (exit 137)", "end exit 137"],
+     GONE, ("FAILED", 137, "rank 1 on node1 was killed by SIGKILL")),
+    ("slipway run, the allocation cancelled", Launch(local=True, exit=143, allocation="40"),
+     ["start on node[1-2] (restart 0)", "cancelled (SIGTERM)", "end exit 143"], GONE, ("CANCELLED", 143, "SIGTERM")),
 ]
 
 
@@ -246,12 +256,35 @@ def test_the_exit_a_command_ends_with():
     assert launch_state(SLURM, [], info("FAILED", "")).final_exit == 1
 
 
+ELAPSED = [
+    # (name, launch, event texts with their seconds, Slurm's record) -> elapsed
+    ("ended: from its last attempt's start to its end", SLURM,
+     [(0, START), (5, "retry 1/2 (hang): requeueing"), (6, "end exit 0"), (70, START), (95, "end exit 1")], None,
+     "00:00:25"),
+    ("cancelled by slipway cancel", SLURM, [(0, START), (42, "cancelled by slipway cancel"), (43, "end exit 140")],
+     None, "00:00:43"),
+    ("a failed verification", SLURM, [(0, START), (1, "verification failed: x"), (1, "end exit 2")], None, "00:00:01"),
+    ("running: Slurm's figure", SLURM, [(0, START)], slurm.JobInfo("41", "RUNNING", elapsed="00:01:00"), "00:01:00"),
+    ("ended without an end event: Slurm's", SLURM, [(0, START)],
+     slurm.JobInfo("41", "CANCELLED", "0:9", elapsed="00:00:09"), "00:00:09"),
+    ("never started, Slurm forgot it", SLURM, [(0, "cancelled by slipway cancel")], None, ""),
+]
+
+
+@pytest.mark.parametrize("launch,texts,seen,want", [c[1:] for c in ELAPSED], ids=[c[0] for c in ELAPSED])
+def test_every_ended_job_has_its_elapsed_time(launch, texts, seen, want):
+    evs = [Event(f"2026-01-01T12:{s // 60:02d}:{s % 60:02d}+00:00", "41", t) for s, t in texts]
+    state = launch_state(launch, evs, seen)
+    assert lifecycle.elapsed(launch, state, evs, seen) == want, state
+
+
 def test_history_counts_attempts_retries_and_requeues():
     evs = events("41", START, "preflight ok on node[1-2]: 1 GB/s", HANG,
                  "retry 1/2 (hang): requeueing without node2 (excluded nodes: node2)", "end exit 0", START,
                  "time-limit requeue 1/20: saved, requeueing", "end exit 0", START) + events("42", START)
     h = lifecycle.history("41", evs)
     assert (h.attempts, h.max_retries, h.max_requeues, h.requeues, h.excluded, h.hang_tag) == (3, 2, 20, 1, "node2", "41r1")
+    assert h.hang_attempt == 1  # numbered among the job's attempts, not by its id
     assert h.lines() == ["job 41: 3 attempt(s); failure retries 1/2 (hang); time-limit requeues 1/20; "
                          "preemptions 0; excluded nodes node2"]
     assert h.preflight.startswith("preflight ok")

@@ -145,8 +145,8 @@ def numa_launch(tmp_path: Path, path: str, procs: int) -> tuple[subprocess.Compl
     from jobs.config import load_config
     from jobs.slurm.ranks import torchrun_argv
 
-    cfg = load_config("configs/tiny_wikitext.yaml", ["run.name=numa"])
-    assert cfg.binds_numa  # the flagship's launch binds each rank to its GPU's NUMA node
+    cfg = load_config("configs/tiny_wikitext.yaml", ["run.name=numa", "launch.launcher=torchrun"])
+    assert cfg.binds_numa  # the flagship's preset binds each rank to its GPU's NUMA node, here by torchrun
     argv = torchrun_argv(cfg, nnodes="1", rdzv=["--standalone"])
     assert argv[1:3] == ["-m", "torch.distributed.run"] and "--numa-binding=node" in argv
     launcher = tmp_path / "launcher.py"

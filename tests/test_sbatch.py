@@ -178,6 +178,23 @@ def test_hostile_script_runs_without_executing_anything(tmp_path):
     assert (run_dir / "srun-preflight-env").read_text() == "4 300"
 
 
+@pytest.mark.parametrize("extra, launcher, why", [
+    ({}, "srun", "slipway's trainer needs no torchrun agent"),
+    ({"train.script": "scripts/my train.py"}, "torchrun", "train.script is your program"),
+    ({"launch.command": "[/usr/bin/python3, -c, pass]"}, "torchrun", "launch.command is your program"),
+    ({"launch.command": "[/bin/hostname]"}, "srun", "no Python program torchrun could start"),
+])
+def test_the_cheapest_equivalent_launcher_by_default(extra, launcher, why):
+    """launch.launcher auto: slipway's trainer starts one srun task per rank, as torchrun's agents,
+    asked for no elastic restarts, would only cost; the same script as launcher srun, and the
+    choice said with its reason."""
+    cfg = config("none", "auto", **extra)
+    assert cfg.launcher == launcher and why in cfg.launch_choice[1], cfg.launch_choice
+    same = config("none", launcher, **extra)
+    assert render_sbatch(cfg, PATHS, cfg.container) == render_sbatch(same, PATHS, same.container)
+    assert load_config("configs/tiny_cpu.yaml", []).launcher == "srun"  # the shipped configs take the default
+
+
 def test_local_argv_is_the_same_launch():
     cfg = config("none", "torchrun", **{"slurm.nodes": 1, "parallel.dp": 4})
     argv = local_argv(cfg, PATHS)
@@ -234,8 +251,9 @@ def test_gh200_preset_binds_ranks_and_sets_the_slingshot_environment(launcher, t
 @pytest.mark.parametrize("overrides, field, words", [
     (["launch.preset=alps-gh200", "slurm.gpus_per_node=2", "parallel.dp=1", "parallel.tp=4", "slurm.nodes=2"],
      "launch.preset", "needs slurm.gpus_per_node and launch.procs_per_node 4"),
-    (["launch.preset=alps-gh200", "slurm.cpus_per_task=32"], "slurm.cpus_per_task", "must be 288, got 32"),
-    (["launch.launcher=srun", "slurm.cpus_per_task=288"], "slurm.cpus_per_task",
+    (["launch.launcher=torchrun", "launch.preset=alps-gh200", "slurm.cpus_per_task=32"], "slurm.cpus_per_task",
+     "must be 288, got 32"),
+    (["slurm.cpus_per_task=288"], "slurm.cpus_per_task",
      "must be 72"),
     (["launch.preset=h100"], "launch.preset", "must be one of 'none', 'alps-gh200'"),
 ])

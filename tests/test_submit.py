@@ -195,7 +195,7 @@ def test_shell_command_line(project, tmp_path):
     *edf_lines, command = r.stdout.splitlines()  # the EDF a shell would write (privately, while it runs)
     words = shlex.split(command)
     env_toml = Path(words[-2].split("=", 1)[1])
-    assert words == ["srun", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=00:30:00",
+    assert words == ["srun", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=00:30:00",
                      "--account=a-01", "--pty", f"--environment={env_toml}", "bash"]
     assert env_toml.parent.parent == project / "runs" / ".shell" and not (project / "runs").exists()
     from edf import parse_edf

@@ -248,8 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="inside an allocation (salloc): run the batch script's steps here, rank 0's "
                                    "output on the terminal; Ctrl-C saves and stops (resumable)")
-    _config_args(p)
+    _config_args(p, optional=True)
     p.add_argument("--force", action="store_true", help="replace an existing run's different config")
+    p.add_argument("--stop-warm", action="store_true", help="stop the warm processes this allocation keeps "
+                                                           "(launch.warm) instead of running")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("edf", help="print a config's EDF as a run would use it; --install it into EDF_PATH; "

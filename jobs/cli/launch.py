@@ -161,7 +161,7 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
     where = (f"{s.nodes} node(s) x {scfg.launch.procs_per_node} process(es)"
              f"{f' x {s.gpus_per_node} GPU(s)' if s.gpus_per_node else ''}, time {s.time}"
              + "".join(f", {k} {v}" for k, v in (("partition", s.partition), ("account", s.account)) if v)
-             + f"; runtime {scfg.container.runtime}, launcher {scfg.launch.launcher}"
+             + f"; runtime {scfg.container.runtime}, launcher {scfg.launcher} ({scfg.launch_choice[1]})"
              + (f"; cluster {scfg.cluster.name}" if scfg.cluster is not None else ""))
     built = f"build {pin.build_hash[:12]}" if pin.build_hash else "not built yet" if pin.source == "none" else pin.source
     image = f"{pin.image} ({built})" if pin.image else "none: this environment's Python on the nodes"
@@ -248,7 +248,26 @@ def cmd_local(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from jobs import interactive
 
+    if args.stop_warm:
+        return _stop_warm(args)
+    if not args.config:
+        raise ConfigError("CONFIG", "name the config to run (slipway run CONFIG), or pass --stop-warm")
     return interactive.run_in_allocation(load(args), project_dir(), force=args.force, console=rich_console())
+
+
+def _stop_warm(args: argparse.Namespace) -> int:
+    from common import environ
+    from jobs.slurm import warm
+
+    if args.config or args.overrides:
+        raise ConfigError("--stop-warm", "stops every warm process of the allocation: give no config with it")
+    job = environ.job_id()
+    if not job:
+        raise ConfigError("--stop-warm", "not inside a Slurm allocation: run it in the allocation's shell")
+    steps = warm.stop(job)
+    print(f"asked {len(steps)} warm step(s) of allocation {job} to stop: {', '.join(steps)}" if steps
+          else f"allocation {job} keeps no warm processes")
+    return 0
 
 
 def cmd_edf(args: argparse.Namespace) -> int:

@@ -69,10 +69,9 @@ def _job_row(launch: Launch, own: Sequence[Event], info: Optional[slurm.JobInfo]
     what Slurm said of it (None: not asked, or it does not know the job), as the tables show it."""
     if launch.local:
         state = lifecycle.launch_state(launch, own, process=lifecycle.observe_local(launch))
-        elapsed = lifecycle.elapsed(launch, state)
     else:
         state = lifecycle.launch_state(launch, own, info)
-        elapsed = info.elapsed if info else ""
+    elapsed = lifecycle.elapsed(launch, state, own, info)
     code = "" if state.exit_code is None else str(state.exit_code)
     return (launch.id, state.state, code, elapsed, state.reason or (own[-1].text if own else ""))
 
@@ -290,7 +289,9 @@ def _print_history(run: runs.Run, history: History, console) -> None:
     for line in history.lines():
         say(console, line)
     if history.hang:
-        say(console, ("hung", "red"), f" (attempt {history.hang_tag}): {history.hang.removeprefix('hang: ')}")
+        attempt = f"attempt {history.hang_attempt} of job {history.job_id}" if history.hang_attempt else \
+            f"job {history.job_id}"
+        say(console, ("hung", "red"), f" ({attempt}): {history.hang.removeprefix('hang: ')}")
         for line in hang_dumps(run, history.hang_tag):
             say(console, f"  {line}")
     if history.preflight:

@@ -37,7 +37,8 @@ UNKNOWN = "UNKNOWN"  # no word from Slurm or the launcher, no end in events.log
 
 # Events that end an attempt badly (the batch script's words, jobs/slurm/script.py).
 FAILURE_KINDS = frozenset({EventKind.HANG, EventKind.PREFLIGHT_FAILED, EventKind.NODE_FAILURE, EventKind.VERIFICATION_FAILED,
-                           EventKind.NOT_RETRYING, EventKind.NOT_REQUEUEING, EventKind.REQUEUE_FAILED})
+                           EventKind.NOT_RETRYING, EventKind.NOT_REQUEUEING, EventKind.REQUEUE_FAILED,
+                           EventKind.RANK_FAILED})
 # Slurm's words for a job not ended yet; its own STOPPED (SIGSTOPped, holding its nodes) is told as
 # SUSPENDED, as STOPPED here is a launch that saved and ended.
 _ACTIVE = (ACTIVE_STATES - {STOPPED}) | {"SUSPENDED"}
@@ -273,6 +274,11 @@ def _local_state(launch: Launch, attempt: Sequence[Event], process: LocalProcess
         if process.alive is False:
             return LaunchState(DIED, None, "its processes are gone and it recorded no end (killed?)")
         return LaunchState(UNKNOWN, None, f"launched on {launch.host or 'another machine'}")
+    if launch.allocation:  # the batch script's own end: its events say why (a rank's signal is no stop of ours)
+        cancelled = _last(attempt, EventKind.CANCELLED)
+        if cancelled is not None and code != 0:
+            return LaunchState(CANCELLED, code, cancelled.text)
+        return _by_code(code, attempt, last_text)
     sig = _signal_exit(code)
     if sig is not None and code != HANG_EXIT:
         if sig == signal.SIGINT:
@@ -281,11 +287,25 @@ def _local_state(launch: Launch, attempt: Sequence[Event], process: LocalProcess
     return _by_code(code, attempt, last_text)
 
 
-def elapsed(launch: Launch, state: LaunchState, now: Optional[datetime] = None) -> str:
-    """How long a local launch ran (until now while it runs), as Slurm writes elapsed times
-    ([D-]HH:MM:SS); empty when the manifest does not say (a launch that died: its end is unknown)."""
-    start, end = _when(launch.started), _when(launch.ended)
-    if start is None or (end is None and state.state != RUNNING):
+def elapsed(launch: Launch, state: LaunchState, events: Sequence[Event] = (), info: Optional[JobInfo] = None,
+            now: Optional[datetime] = None) -> str:
+    """How long a launch ran (until now while it runs), as Slurm writes elapsed times
+    ([D-]HH:MM:SS): a local launch by its manifest record; a Slurm job's last attempt (as Slurm's
+    own Elapsed counts it) from its start event to its end event (`events`: the launch's own),
+    Slurm's figure where those do not tell (`info`); empty when nothing says (a launch that died:
+    its end is unknown)."""
+    if launch.local:
+        start, end = _when(launch.started), _when(launch.ended)
+        running = state.state == RUNNING
+    else:
+        attempt = last_attempt(events)
+        began, ended = _last(attempt, STARTS), _last(attempt, _ENDS)
+        start = _when(began.time) if began else None
+        end = _when(ended.time) if ended else None
+        running = not state.ended
+        if start is None or (running and info is not None) or (end is None and not running):
+            return info.elapsed if info else ""
+    if start is None or (end is None and not running):
         return ""
     if end is None:
         end = now or datetime.now(start.tzinfo)
@@ -310,6 +330,7 @@ class History:
     last_failure: str = ""
     hang: str = ""
     hang_tag: str = ""  # the attempt whose stack dumps the last hang names (hangs/TAG-*.txt)
+    hang_attempt: int = 0  # its number among the job's attempts (1: the first)
     preflight: str = ""  # the last preflight result (its bandwidth when it passed)
     preemptions: int = 0  # attempts Slurm requeued (a preemption, an scontrol requeue), apart from the others
     lead: str = ""  # the last warning lead the job said, and why
@@ -359,5 +380,5 @@ def history(job_id: str, events: Sequence[Event]) -> History:
         if kind in FAILURE_KINDS:
             h.last_failure = e.text
         if kind is EventKind.HANG:
-            h.hang, h.hang_tag = e.text, e.hang_tag
+            h.hang, h.hang_tag, h.hang_attempt = e.text, e.hang_tag, h.attempts
     return h

@@ -31,6 +31,7 @@ from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve
 from jobs.runs.manifest import Launch, Manifest
 from jobs.runs.run import Run, active_jobs, run_exists, runs_root, update_manifest
 from jobs.nodes import plan_exclusions
+from jobs.slurm import warm as warm_ranks
 from jobs.slurm.script import library_files, render_prepare_sbatch, render_sbatch
 from common import environ
 from common.errors import ConfigError
@@ -190,8 +191,10 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
     env = run_environment(cfg, paths, pin, code.value if code else None)
     exclusions = plan_exclusions(cfg, paths.path.parent)  # the bad nodes the cluster remembers
     notes += exclusions.notes
+    warm = warm_ranks.plan(cfg, paths, lambda where: run_environment(cfg, where, pin), code.value if code else None,
+                           f"{pin.identity} {pin.size} {pin.mtime}")
     script = render_sbatch(cfg, paths, env, pin.pins(code.value if code else None, kept_build(cfg, pin),
-                                                     container_project(cfg, paths.project)), exclusions.nodes)
+                                                     container_project(cfg, paths.project)), exclusions.nodes, warm)
     # What else the script holds is rendered and quoted by slipway: one parse per pre_launch text.
     if shared is None or tuple(cfg.launch.pre_launch) not in shared.parsed:
         _check_script_syntax(cfg, script)
@@ -300,7 +303,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str
         manifests.write(staged.manifest, Manifest(
             run=cfg.run.name, created=now_iso(), project_dir=str(paths.project),
             git=git_state(paths.project) if git is None else git,
-            image=sealed.pin, runtime=cfg.container.runtime, launcher=cfg.launch.launcher,
+            image=sealed.pin, runtime=cfg.container.runtime, launcher=cfg.launcher,
             config_sha256=hashlib.sha256(files[paths.config].encode()).hexdigest()))
         try:
             # rename(2) onto a missing name: two submissions racing for one name cannot both win.

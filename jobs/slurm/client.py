@@ -242,6 +242,15 @@ def max_array_size() -> int:
     if not size.isdigit():
         raise SlurmError("scontrol show config names no MaxArraySize: is a Slurm controller answering?")
     return int(size)
+def job_steps(job_id: str) -> list[tuple[str, str]]:
+    """(JOB.STEP, name) of each step of job `job_id` that runs; [] when Slurm does not say."""
+    out = _ask(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"]) if available("squeue") else ""
+    return [(parts[0], parts[1]) for line in out.splitlines() if len(parts := line.split(None, 1)) == 2]
+
+
+def signal_steps(step_ids: list[str], signal: str) -> None:
+    """Send `signal` to every process of each step (JOB.STEP)."""
+    _run(_tool("scancel"), f"--signal={signal}", *step_ids)
 
 
 def can_ask() -> bool:
@@ -344,7 +353,10 @@ def srun_argv(*, nodes: int, cpus_per_task: int, ntasks_per_node: int = 1, ntask
     argv = ["srun", *(["--overlap"] if overlap else [])]
     argv += [] if kill_on_bad_exit is None else [f"--kill-on-bad-exit={int(kill_on_bad_exit)}"]
     argv += [] if wait is None else [f"--wait={wait}"]
-    argv += [f"--nodes={nodes}", f"--ntasks={ntasks}" if ntasks else f"--ntasks-per-node={ntasks_per_node}",
+    # The task count in full with the count per node: srun takes a missing one from the allocation's
+    # SLURM_NTASKS, and then ignores --ntasks-per-node (a step of one task per node ran one per rank).
+    argv += [f"--nodes={nodes}", *([f"--ntasks={ntasks}"] if ntasks else
+                                   [f"--ntasks={nodes * ntasks_per_node}", f"--ntasks-per-node={ntasks_per_node}"]),
              f"--cpus-per-task={cpus_per_task}", *([f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else [])]
     argv += ["--gpus-per-task=1", "--cpu-bind=verbose,cores", "--mem-bind=local"] if near_gpu else []
     argv += [f"--{name}={value}" for name, value in (("time", time), ("account", account), ("partition", partition))

@@ -130,23 +130,50 @@ after_preflight() {
   retry_or_stop preflight "$PREFLIGHT_EXIT"
 }
 
-# step_exit SRUN_EXIT REPORTS_DIR: the training step's exit, one code whatever node failed.
+# step_exit SRUN_EXIT REPORTS_DIR: the training step's exit, one code whatever node failed; sets
+# STEP_EXIT to it and FAILED_WHO to the report that decided it ("rank R on NODE", "the torchrun
+# agent of task T on NODE"; "" when none did).
 # With --kill-on-bad-exit, srun ends the other tasks with SIGTERM/SIGKILL once one fails, and its
 # own exit is then the first failing task's or that of a task it killed, depending on which
-# node answered first (a killed rank gave the job 1 or 143). So each task reports its own exit
-# in REPORTS_DIR (the task wrapper of jobs/slurm/script.py; a task that Slurm killed reports nothing,
-# its wrapper dying with it). The rule: a step that srun says succeeded exited 0; otherwise the
-# oldest non-zero report decides (a rank killed by a signal: 128 + the signal; under torchrun
-# the node's torchrun, which exits 1 whatever its worker died of); with no report at all (a node
-# died), srun's exit stands.
+# node answered first (a killed rank gave the job 1 or 143). So each rank reports its own exit
+# in REPORTS_DIR as `CODE NODE` (rank-R: the task wrapper of jobs/slurm/ranks.py around every
+# rank, under torchrun too; task-T: the one around a node's torchrun agent, which exits 1
+# whatever its worker died of). A rank that Slurm or its agent killed reports nothing or later,
+# its wrapper dying with it. The rule: a step that srun says succeeded exited 0; otherwise the
+# oldest non-zero report decides (a rank killed by a signal: 128 + the signal); with no report
+# at all (a node died), srun's exit stands.
 step_exit() {
-  local rc=$1 dir=$2 f code
-  if [ "$rc" = 0 ]; then echo 0; return; fi
+  local rc=$1 dir=$2 f code node
+  STEP_EXIT=$rc FAILED_WHO=""
+  if [ "$rc" = 0 ]; then STEP_EXIT=0; return 0; fi
   while read -r f; do
-    code=""; read -r code < "$dir/$f" || true
-    if [[ $code =~ ^[0-9]+$ ]] && [ "$code" != 0 ]; then echo "$code"; return; fi
+    case $f in rank-*|task-*) ;; *) continue ;; esac
+    code="" node=""; read -r code node < "$dir/$f" || true
+    if [[ $code =~ ^[0-9]+$ ]] && [ "$code" != 0 ]; then
+      STEP_EXIT=$code
+      case $f in rank-*) FAILED_WHO="rank ${f#rank-} on ${node:-?}" ;; *) FAILED_WHO="the torchrun agent of task ${f#task-} on ${node:-?}" ;; esac
+      return 0
+    fi
   done < <(ls -tr "$dir" 2>/dev/null)
-  echo "$rc"
+}
+
+# how_ended CODE: what an exit code says: "was killed by SIGKILL (exit 137)", "exited 1".
+how_ended() {
+  local name
+  if [ "$1" -gt 128 ] && [ "$1" -lt 193 ] && name=$(kill -l "$(($1 - 128))" 2>/dev/null); then
+    echo "was killed by SIG$name (exit $1)"
+  else
+    echo "exited $1"
+  fi
+}
+
+# after_rank_failure STEP_EXIT: the rank whose end failed the step, its node and how it ended
+# (a signal named), in events.log; not for the ends told otherwise (a save on request, a hang,
+# a failed preflight).
+after_rank_failure() {
+  [ "$1" != 0 ] && [ -n "$FAILED_WHO" ] && [ "$1" != "$REQUEUE_EXIT" ] && [ "$1" != "$HANG_EXIT" ] || return 0
+  [ "$STOP_REQUESTED" != 1 ] || return 0
+  event "rank failed: $FAILED_WHO $(how_ended "$1")"
 }
 
 # after_oom STEP_EXIT: a failed step during which the out-of-memory killer ran on the nodes in
@@ -373,7 +400,7 @@ verify_image() {
 on_every_node() {
   local limit=$1 name=$2 functions=$3; shift 3
   # shellcheck disable=SC2086  # FUNCTIONS is a list of names
-  timeout -k 5 "$limit" srun --nodes="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 --overlap \
+  timeout -k 5 "$limit" srun --nodes="$NODES_NEEDED" --ntasks="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 --overlap \
     --kill-on-bad-exit=0 bash -c "$(declare -f $functions)"'; "$@"' "$name" "$@"
 }
 
@@ -381,15 +408,17 @@ on_every_node() {
 # library defines it, other runs keep nothing on the nodes.
 ensure_container() { :; }
 
-# node_check CODE_DIR CODE_SHA256 IMAGE_FILE IMAGE_SHA256 IMAGE_SIZE IMAGE_MTIME [KEPT IDENTITY]
-# (on a node, one task each): one line, `slipway-verify NODE ok`, `... differs: WHAT` (what the
-# job runs is not what was submitted), or `... node: WHAT` (this node could not ready the kept
-# container KEPT).
+# node_check CODE_DIR CODE_SHA256 IMAGE_FILE IMAGE_SHA256 IMAGE_SIZE IMAGE_MTIME [KEPT IDENTITY
+# [WARM_NAME]] (on a node, one task each): one line, `slipway-verify NODE ok` (`ok warm`: the
+# warm process WARM_NAME has bound its name there: the abstract sockets of the node's network
+# namespace, which its containers share), `... differs: WHAT` (what the job runs is not what was
+# submitted), or `... node: WHAT` (this node could not ready the kept container KEPT).
 node_check() {
   local n=${SLURMD_NODENAME:-$(hostname)} why
   if [ -n "$1" ] && ! why=$(verify_code "$1" "$2"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if ! why=$(verify_image "$3" "$4" "$5" "$6"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if [ -n "${7:-}" ] && ! why=$(ensure_container "$7" "$3" "$8" 2>&1); then echo "slipway-verify $n node: $why"; return 0; fi
+  if [ -n "${9:-}" ] && grep -qE " @$9\$" /proc/net/unix 2>/dev/null; then echo "slipway-verify $n ok warm"; return 0; fi
   echo "slipway-verify $n ok"
 }
 
@@ -406,13 +435,14 @@ verify_nodes() {
   set +e
   out=$(on_every_node "$PREFLIGHT_TIMEOUT" slipway-verify "verify_code verify_image ensure_container enroot_data node_check" \
     node_check "$CODE_DIR" "$CODE_SHA256" "${IMAGE_FILE:-}" "${IMAGE_SHA256:-}" "${IMAGE_SIZE:-}" "${IMAGE_MTIME:-}" \
-    "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" 2>&1)
+    "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" "${WARM_NAME:-}" 2>&1)
   rc=$?
   set -e
   for node in $NODES; do
     line=$(grep -F -m1 "slipway-verify $node " <<< "$out") || line=""
     case "$line" in
-      "slipway-verify $node ok") ;;
+      "slipway-verify $node ok warm") ;;
+      "slipway-verify $node ok") WARM_COLD+="$node " ;;
       "slipway-verify $node differs: "*) differ+="$node "; said[$node]=${line#*differs: }
         [ -n "$why" ] || why="${line#*differs: } (on $node)" ;;
       "slipway-verify $node node: "*) bad+="$node "; BLAME[$node]="preflight failed: ${line#*node: }"
@@ -435,6 +465,37 @@ verify_nodes() {
     retry_or_stop preflight "$PREFLIGHT_EXIT"
   fi
   retry_or_stop preflight "$PREFLIGHT_EXIT" $bad
+}
+
+# warm_up: under `slipway run`, the warm processes of this key on every node (jobs/slurm/warm.py,
+# trainer/warm.py): the allocation's warm steps of another key are asked to stop (SIGTERM: they
+# take no more ranks and end once theirs have), and a warm step is started on the nodes where
+# verify_nodes found none (WARM_COLD), then waited for until each has bound its name, at most
+# PREFLIGHT_TIMEOUT s: it imports after that, and the ranks that come meanwhile wait in its
+# backlog. A warm step that cannot start costs nothing but the wait: each rank then starts cold.
+warm_up() {
+  local step name n waited=0 bound
+  [ -n "${WARM_NAME:-}" ] || return 0
+  while read -r step name; do
+    case $name in
+      "slipway-warm-$SLIPWAY_WARM_ID") ;;
+      slipway-warm-*) if scancel --signal=TERM "$step" 2>/dev/null; then event "warm: stopping the warm processes of step $step (another key)"; fi ;;
+    esac
+  done < <(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null || true)
+  if [ -z "${WARM_COLD// /}" ]; then event "warm: ranks start from the warm processes on $NODES (key $SLIPWAY_WARM_ID)"; return 0; fi
+  n=$(wc -w <<< "$WARM_COLD")
+  mkdir -p "${WARM_LOG%/*}"
+  name=${WARM_COLD% }
+  warm_start "${name// /,}" "$n"
+  while bound=$(grep -cE '^slipway-warm [^ ]+ (bound|already served)' "$WARM_LOG" 2>/dev/null) || true; [ "${bound:-0}" -lt "$n" ]; do
+    kill -0 "$WARM_PID" 2>/dev/null && [ "$waited" -lt $((PREFLIGHT_TIMEOUT * 10)) ] || break
+    sleep 0.1; waited=$((waited + 1))
+  done
+  if [ "${bound:-0}" -ge "$n" ]; then
+    event "warm: started the warm processes on ${WARM_COLD% } (key $SLIPWAY_WARM_ID, log $WARM_LOG)"
+  else
+    event "warm: the warm processes did not start on ${WARM_COLD% } (log $WARM_LOG): ranks start cold there"
+  fi
 }
 
 # remove_container SECONDS: removes this attempt's own container at the job's end; the pyxis

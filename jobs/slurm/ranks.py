@@ -99,14 +99,15 @@ def container_args(env: Environment, paths: RunDir) -> tuple[list[str], str]:
 
 def launch_line(cfg: Config, paths: RunDir, container: list[str], prefix: str,
             cmd: list[str] | None = None, port: str = "MASTER_PORT", wrap: list[str] = (),
-            code: Optional[CodeSnapshot] = None) -> str:
+            code: Optional[CodeSnapshot] = None, warm: bool = False) -> str:
     """The `srun` line that starts every rank: the trainer, or `cmd` (the preflight's all-reduce)
     launched the same way with its rendezvous on `$port`, as a step bounded by the words `wrap`
     (`timeout ...`), whose ranks end together (no --wait); not backgrounded. The training
-    step's tasks report their exits into $SLIPWAY_EXITS."""
+    step's tasks report their exits into $SLIPWAY_EXITS. `warm`: each rank starts through
+    $WARM_CLIENT (jobs/slurm/warm.py: empty in a batch job)."""
     report = cmd is None
     cmd = task_command(cfg, paths, code) if cmd is None else cmd
-    torchrun = cfg.launch.launcher == "torchrun"
+    torchrun = cfg.launcher == "torchrun"
     # A node preset's srun launcher runs one task per GPU, on the cores and memory next to it:
     # task i gets GPU i and cores [i * cpus_per_task, (i + 1) * cpus_per_task), on a GH200 its own Grace.
     srun = [*wrap, *srun_argv(nodes=cfg.slurm.nodes, ntasks_per_node=1 if torchrun else cfg.launch.procs_per_node,
@@ -118,20 +119,29 @@ def launch_line(cfg: Config, paths: RunDir, container: list[str], prefix: str,
                                                 f"({cfg.launch.python}); use launcher srun for other programs")
         rdzv = [Expand(f"--rdzv-endpoint=$MASTER_ADDR:${port}"), Expand("--rdzv-id=$SLURM_JOB_ID"),
                 "--rdzv-backend=c10d"]
-        argv = torchrun_argv(cfg, nnodes=Expand("$SLURM_NNODES"), rdzv=rdzv) + cmd[1:]
-        argv = ["bash", "-c", REPORT_EXIT, "slipway-task", *argv] if report else argv
+        argv = torchrun_argv(cfg, nnodes=Expand("$SLURM_NNODES"), rdzv=rdzv)
+        if report:  # each worker in the wrapper too: the agent's own exit is 1 whatever ended its worker
+            argv = ["bash", "-c", REPORT_EXIT, "slipway-task", *argv, "--no-python", "bash", "-c", REPORT_EXIT,
+                    "slipway-rank", *cmd]
+        else:
+            argv += cmd[1:]
     else:  # one task per process: the rank variables come from Slurm's own
         mapper = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
                   'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE NODE_RANK=$SLURM_NODEID; ')
-        argv = ["bash", "-c", mapper + (REPORT_EXIT if report else 'exec "$@"'), "slipway-task", *cmd]
+        client = [Expand("${WARM_CLIENT[@]}")] if warm else []
+        argv = ["bash", "-c", mapper + (REPORT_EXIT if report else 'exec "$@"'), "slipway-rank", *client, *cmd]
         if port != "MASTER_PORT":  # init_process_group reads MASTER_PORT: this launch's own, for its srun alone
             prefix += f'MASTER_PORT="${port}" '
     return f"{prefix}{words(srun)} \\\n  {words(argv)}"
 
 
-# Each task of the training step reports its own exit (step_exit in jobs/slurm/job_lib.sh): a task
-# that Slurm kills reports nothing, its wrapper dying with it. A failed task during which its
-# node's out-of-memory killer ran (/proc/vmstat's oom_kill moved) names the node too (after_oom).
-REPORT_EXIT = ('o=$(grep -s "^oom_kill " /proc/vmstat); "$@"; rc=$?; echo "$rc" > "$SLIPWAY_EXITS/$SLURM_PROCID" '
-                '2>/dev/null; [ "$rc" = 0 ] || [ "$(grep -s "^oom_kill " /proc/vmstat)" = "$o" ] || echo '
-                '"${SLURMD_NODENAME:-$(hostname)}" > "$SLIPWAY_EXITS/oom-$SLURM_PROCID" 2>/dev/null; exit "$rc"')
+# Each rank of the training step reports its own exit and node (step_exit in jobs/slurm/job_lib.sh):
+# rank-RANK as $0 `slipway-rank` says (srun's task, or torchrun's worker), task-PROCID around a
+# torchrun agent. A wrapper that Slurm kills reports nothing, dying with its rank. A failed rank
+# during which its node's out-of-memory killer ran (/proc/vmstat's oom_kill moved) names the node
+# too (after_oom).
+REPORT_EXIT = ('o=$(grep -s "^oom_kill " /proc/vmstat); n=${SLURMD_NODENAME:-$(hostname)}; "$@"; rc=$?; '
+               'if [ "$0" = slipway-rank ]; then f=rank-$RANK; else f=task-$SLURM_PROCID; fi; '
+               'echo "$rc $n" > "$SLIPWAY_EXITS/$f" 2>/dev/null; [ "$rc" = 0 ] || '
+               '[ "$(grep -s "^oom_kill " /proc/vmstat)" = "$o" ] || echo "$n" > "$SLIPWAY_EXITS/oom-$f" 2>/dev/null; '
+               'exit "$rc"')

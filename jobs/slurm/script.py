@@ -24,7 +24,8 @@ from jobs.config import Config
 from jobs.nodes import memory_of, merged_exclude
 from jobs.slurm.sections import NODE_PRESETS
 from jobs.slurm.client import srun_argv
-from jobs.slurm.ranks import Value, container_args, launch_line, shell_value, words
+from jobs.slurm.ranks import Expand, Value, container_args, launch_line, shell_value, words
+from jobs.slurm import warm as warm_ranks
 
 HEARTBEAT_SECONDS = 60
 NODE_HEARTBEAT_SECONDS = 15  # heartbeats/NODE, which `slipway watch` shows by age
@@ -48,7 +49,7 @@ def _allocation(cfg: Config, *, partition: str | None) -> list[str]:
 
 def _header(cfg: Config, paths: RunDir, exclude: Sequence[str] = ()) -> list[str]:
     s = cfg.slurm
-    tasks = 1 if cfg.launch.launcher == "torchrun" else cfg.launch.procs_per_node
+    tasks = 1 if cfg.launcher == "torchrun" else cfg.launch.procs_per_node
     opts = [f"--job-name={cfg.run.name}", f"--nodes={s.nodes}", f"--ntasks-per-node={tasks}",
             f"--cpus-per-task={s.cpus_per_task}", *([f"--gpus-per-node={s.gpus_per_node}"] if s.gpus_per_node else []),
             f"--time={s.time}", *_allocation(cfg, partition=s.partition)]
@@ -126,7 +127,7 @@ def _code_environment(code: Optional[CodeSnapshot]) -> list[str]:
 
 def _environment(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None) -> list[str]:
     debug, hf_home = cfg.launch.debug, _hf_home(cfg, paths)
-    per_task = cfg.launch.procs_per_node if cfg.launch.launcher == "torchrun" else 1  # processes sharing its CPUs
+    per_task = cfg.launch.procs_per_node if cfg.launcher == "torchrun" else 1  # processes sharing its CPUs
     lines = [
         "# Rendezvous: the first host of the allocation, never `hostname --ip-address`. sed reads",
         "# the whole list: `head` would close the pipe early, and pipefail would kill the script",
@@ -229,7 +230,7 @@ def _preflight_megabytes(cfg: Config) -> int:
     return 64 if cfg.slurm.gpus_per_node else 4
 
 
-def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str) -> list[str]:
+def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str, warm: bool = False) -> list[str]:
     """The preflight (trainer/preflight.py): each node's checks, then an all-reduce across every
     rank, in a step of its own for a train.script (else in the training step)."""
     s = cfg.slurm
@@ -242,7 +243,8 @@ def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str) ->
     # (where the cluster sets KillOnBadExit=1), or they would be blamed for sending none.
     node_srun = [*limit, *srun_argv(nodes=s.nodes, cpus_per_task=s.cpus_per_task, kill_on_bad_exit=False,
                                     container=container)]
-    node_cmd = [cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.path),
+    node_cmd = [*([Expand("${WARM_CLIENT[@]}")] if warm else []),  # from the warm processes too
+                cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.path),
                 "--checkpoint-dir", str(checkpoint_dir),
                 "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node),
                 *(["--numa-binding"] if cfg.binds_numa else [])]
@@ -373,13 +375,14 @@ def _sourced(paths: RunDir, libs: dict[Path, str]) -> list[str]:
     ]
 
 
-def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pins(), exclude: Sequence[str] = ()) -> str:
+def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pins(), exclude: Sequence[str] = (),
+                  warm: Optional[warm_ranks.WarmPlan] = None) -> str:
     """The whole batch script for `cfg`, reading and writing only inside `paths.path` (and the
     cluster's bad-node memory beside it); `env` is the run's container environment
     (`jobs.runs.container.run_environment`), `pins` what the job runs (its code snapshot, image and
     kept container), which it checks on every node first; `exclude` the remembered bad nodes it
-    keeps away from (jobs/nodes.py plan_exclusions). It sources the libraries `library_files` puts
-    in the run directory."""
+    keeps away from (jobs/nodes.py plan_exclusions); `warm` the warm processes `slipway run` keeps
+    (jobs/slurm/warm.py). It sources the libraries `library_files` puts in the run directory."""
     container, prefix = container_args(env, paths)
     # Under pyxis every srun step unpacks the image into a container of its own, unless the
     # steps name one: the preflight's steps then create it and training starts in it at once.
@@ -390,7 +393,9 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
     if cfg.launch.debug:
         lines.append("set -x")
     pyxis, code = env.runtime == "pyxis", pins.code
-    lines += ["", *_settings(cfg, paths, env, shared, pins), "", *_sourced(paths, library_files(env, paths)), "",
+    lines += ["", *_settings(cfg, paths, env, shared, pins), *warm_ranks.settings(warm, cfg), "",
+              *_sourced(paths, library_files(env, paths)),
+              *warm_ranks.start_function(cfg, paths, warm, PYXIS_CONTAINER if shared else None), "",
               *_plot_curves(cfg, paths, container, prefix),
               "# ---- main: this job, from its start to its end ----",
               f"cd {shlex.quote(str(paths.project))}",
@@ -423,11 +428,12 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
               "# Every node checks the code and image against what was submitted" +
               (", and readies the build's kept container." if pyxis else "."),
               "verify_nodes",
+              *(["warm_up"] if warm else []),
               *(["remove_stale_containers"] if pyxis else [])]
     if cfg.launch.pre_launch:
         lines += ["", "# Pre-launch commands from launch.pre_launch (run as written, on the first node)."]
         lines += list(cfg.launch.pre_launch)
-    lines += _preflight(cfg, paths, container, prefix)
+    lines += _preflight(cfg, paths, container, prefix, warm is not None)
     lines += [
         "",
         "# The training step, in the background so the signal traps run at once; each task reports",
@@ -436,13 +442,14 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
         'rm -rf "$SLIPWAY_EXITS"; mkdir -p "$SLIPWAY_EXITS"',
         "# The time-limit warning as early as the run's saves need (warning_timer), unless fixed.",
         '[ "${LEAD_AUTO:-0}" != 1 ] || { warning_timer > /dev/null 2>&1 & HELPER_PIDS+=("$!"); }',
-        launch_line(cfg, paths, container, prefix, code=code) + " &",
+        launch_line(cfg, paths, container, prefix, code=code, warm=warm is not None) + " &",
         'SRUN_PID=$!',
         'set +e; wait_step "$SRUN_PID"; set -e',
-        'rc=$(step_exit "$STEP_RC" "$SLIPWAY_EXITS")',
+        'step_exit "$STEP_RC" "$SLIPWAY_EXITS"; rc=$STEP_EXIT',
         'OOM_NODES=$(cat "$SLIPWAY_EXITS"/oom-* 2>/dev/null | sort -u | paste -sd " " - || true)',
         f'PREFLIGHT_FAILURE=$(cat "$SLIPWAY_EXITS/{PREFLIGHT_FAILED_FILE}" 2>/dev/null || true); rm -rf "$SLIPWAY_EXITS"',
         'after_preflight "$PREFLIGHT_FAILURE"',
+        'after_rank_failure "$rc"',
         'after_oom "$rc"',
         "after_hang",
         'after_stop_request "$rc"',

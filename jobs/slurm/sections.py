@@ -235,9 +235,13 @@ NODE_PRESETS = {
 class LaunchSection:
     """How the training command starts inside the allocation."""
 
-    # torchrun: one task per node, c10d rendezvous; srun: one task per process,
-    # RANK/LOCAL_RANK/WORLD_SIZE mapped from SLURM_*.
-    launcher: Literal["torchrun", "srun"] = "torchrun"
+    # How the ranks start. srun: one task per process, RANK/LOCAL_RANK/WORLD_SIZE mapped from
+    # SLURM_*; torchrun: one agent per node, c10d rendezvous; auto: srun for slipway's trainer
+    # (it needs nothing of torchrun's, and slipway asks torchrun for no elastic restarts, so its
+    # agents only cost a process and a rendezvous per node), torchrun for a train.script or a
+    # launch.command started by launch.python (the user's program may read torchrun's own
+    # variables). `slipway submit --dry-run` says which, and why.
+    launcher: Literal["auto", "torchrun", "srun"] = "auto"
     # Processes per node; default: gpus_per_node (or 1 without GPUs).
     procs_per_node: Optional[int] = None
     # The interpreter that runs the trainer; default: python3 in a container,
@@ -260,6 +264,10 @@ class LaunchSection:
     # (srun --cpu-bind with launcher srun, torchrun --numa-binding with torchrun) and sets the
     # network's communication variables. `none`: nothing of the kind.
     preset: Literal["none", "alps-gh200"] = "none"
+    # `slipway run`: keep, per node and allocation, a warm process that has imported torch and the
+    # rest of what the trainer imports, and start each rank from it (the run's code, process group
+    # and model still fresh). It ends with the allocation, or on `slipway run --stop-warm`.
+    warm: bool = True
 
     def check(self, where: str) -> None:
         require(self.procs_per_node is None or self.procs_per_node > 0, f"{where}.procs_per_node",

@@ -1,0 +1,157 @@
+"""Warm ranks in an allocation (`slipway run`, launch.warm): the batch script's part, and
+`slipway run --stop-warm`. The warm process itself is trainer/warm.py (run as a file in the
+run's container); its design, and why forking it is safe, is said there.
+
+Per node and allocation, one warm process per key: a Slurm step of the allocation named
+`slipway-warm-KEY` (so Slurm ends it with the allocation, and `squeue --steps` lists it). KEY
+says what the warm process was started with: the image, the container settings (with the runs
+root mounted in place of one run's directory, so that every later run and code snapshot is seen
+there), the interpreter and torch (runtime none), the environment the batch script sets before
+the ranks' imports, and trainer/warm.py itself. Any of them changed: another key, a new warm
+process, and the old one asked to stop. What a run changes beyond those (its code, config, run
+directory, rendezvous) each rank takes fresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from common.errors import ConfigError
+from common.rundir import CodeSnapshot, RunDir
+from edf import Environment, srun_flags
+from jobs.config import Config
+from jobs.slurm.client import srun_argv
+from jobs.slurm.sections import NODE_PRESETS
+
+STEP = "slipway-warm-"  # the warm steps' names: STEP + KEY
+
+
+@dataclass(frozen=True)
+class WarmPlan:
+    key: str  # 16 hex digits
+    env: Environment  # the warm step's container environment
+
+
+def why_cold(cfg: Config, code: Optional[CodeSnapshot]) -> str:
+    """Why `slipway run` of `cfg` starts every rank cold, "" where it keeps warm processes."""
+    if not cfg.launch.warm:
+        return "launch.warm is off"
+    if code is None:
+        return "code.snapshot is off (a warm process imports the run's code from its snapshot)"
+    if cfg.launcher != "srun":
+        return f"the ranks start by torchrun ({cfg.launch_choice[1]})"
+    if cfg.launch.command and (len(cfg.launch.command) < 2 or cfg.launch.command[0] != cfg.launch.python):
+        return "launch.command is no `launch.python SCRIPT|-m MODULE` program"
+    if cfg.container.runtime == "edf":
+        return "runtime edf: the Container Engine's warm processes are not supported yet"
+    return ""
+
+
+def plan(cfg: Config, paths: RunDir, env_of, code: Optional[CodeSnapshot], image: str = "") -> Optional[WarmPlan]:
+    """The warm processes `slipway run` keeps for `cfg` (None: it starts every rank cold, see
+    `why_cold`). `env_of(paths)` is the run's container environment for a run directory and no code
+    snapshot (jobs/runs/container.py run_environment): called with the runs root, the one
+    directory every run and code snapshot of the project lies under. `image` is what the image
+    is (its build hash or its bytes' identity)."""
+    if why_cold(cfg, code):
+        return None
+    try:
+        env = env_of(RunDir(paths.path.parent, paths.project))
+        flags = srun_flags(env).expanded() if env.in_container else ([], {})
+    except ConfigError:  # a mount of the user's would hide the runs root: the run's own check says so
+        return None
+    preset = NODE_PRESETS.get(cfg.launch.preset)
+    warm_py = Path(code.source) / "warm.py" if code and code.source else None
+    what = {
+        "image": image or env.image, "container": flags, "python": cfg.launch.python,
+        "torch": _torch_version(cfg.launch.python) if not env.in_container else "",
+        "env": sorted(cfg.launch.env.items()), "preset": sorted(preset.env) if preset else [],
+        "debug": cfg.launch.debug, "gpus": cfg.slurm.gpus_per_node, "cpus": _cpus_per_node(cfg),
+        "warm.py": hashlib.sha256(warm_py.read_bytes()).hexdigest() if warm_py and warm_py.is_file() else "",
+    }
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return WarmPlan(key, env)
+
+
+def _torch_version(python: Optional[str]) -> str:
+    """torch's version in this interpreter's environment (read from its metadata, never imported),
+    where the ranks run this interpreter; "" elsewhere (the warm process checks torch itself)."""
+    if not python or os.path.realpath(python) != os.path.realpath(sys.executable):
+        return ""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution("torch")
+    except PackageNotFoundError:
+        return ""
+    record = dist.locate_file(f"{dist.metadata['Name']}-{dist.version}.dist-info")
+    return f"{dist.version} {os.stat(record).st_mtime_ns if os.path.exists(record) else ''}"
+
+
+def _cpus_per_node(cfg: Config) -> int:
+    return cfg.launch.procs_per_node * (cfg.slurm.cpus_per_task or 1)
+
+
+def settings(warm: Optional[WarmPlan], cfg: Config) -> list[str]:
+    """The batch script's warm settings: under `slipway run` (SLIPWAY_IN_ALLOCATION) the warm
+    process's name on every node and the client each rank starts through (WARM_CLIENT); none
+    in a batch job, which runs one launch."""
+    if warm is None:
+        return []
+    python = shlex.quote(cfg.launch.python)
+    return [
+        "# Warm ranks (`slipway run`, launch.warm; jobs/slurm/warm.py): each rank starts from the node's warm",
+        "# process of this key (trainer/warm.py), which holds torch imported; none: the rank starts cold.",
+        f"export SLIPWAY_WARM_ID={warm.key}",
+        "WARM_NAME='' WARM_CLIENT=() WARM_COLD=''",
+        'if [ -n "${SLIPWAY_IN_ALLOCATION:-}" ]; then',
+        f'  WARM_NAME="{STEP}$(id -u)-$SLURM_JOB_ID-$SLIPWAY_WARM_ID"',
+        f'  WARM_CLIENT=({python} -S "$CODE_DIR"/trainer/warm.py rank "$WARM_NAME" --)',
+        "fi",
+    ]
+
+
+def start_function(cfg: Config, paths: RunDir, warm: Optional[WarmPlan], container_name: Optional[str]) -> list[str]:
+    """`warm_start NODELIST COUNT`: the warm step on those nodes, in a session of its own so that
+    it outlives this script (the allocation ends it), its output in WARM_LOG. It asks for every
+    CPU and GPU the ranks of a node use, as the ranks it starts share its cgroup."""
+    if warm is None:
+        return []
+    from jobs.slurm.ranks import Expand, Value, container_args, words
+
+    container, prefix = container_args(warm.env, paths) if warm.env.in_container else ([], "")
+    if container_name:
+        container.append(Value(f"--container-name={container_name}"))
+    argv = srun_argv(nodes=1, ntasks=1, cpus_per_task=_cpus_per_node(cfg), gpus_per_node=cfg.slurm.gpus_per_node,
+                     overlap=True, kill_on_bad_exit=False, container=container,
+                     extra=[Expand("--nodelist=$1"), Expand(f"--job-name={STEP}$SLIPWAY_WARM_ID")])
+    argv[argv.index("--nodes=1")] = Expand("--nodes=$2")  # one task on each node of NODELIST
+    argv[argv.index("--ntasks=1")] = Expand("--ntasks=$2")
+    return [
+        f"WARM_LOG={shlex.quote(str(paths.warm_logs))}/\"$SLURM_JOB_ID-$SLIPWAY_WARM_ID.out\"",
+        "warm_start() {",
+        # Not of this run: nothing that names it (a launcher sweeping its run's processes by them).
+        f"  {prefix}env -u SLIPWAY_RUN_DIR -u SLIPWAY_JOB_TAG -u SLIPWAY_CODE -u SLIPWAY_EVENT_JOB setsid {words(argv)} \\",
+        f'    {shlex.quote(cfg.launch.python)} "$CODE_DIR"/trainer/warm.py serve "$WARM_NAME" --code "$CODE_DIR" \\',
+        '    > "$WARM_LOG" 2>&1 < /dev/null &',
+        "  WARM_PID=$!",
+        "}",
+    ]
+
+
+def stop(job_id: str) -> list[str]:
+    """`slipway run --stop-warm`: the warm steps of allocation `job_id` asked to stop (SIGTERM: each
+    takes no more ranks and ends once its ranks have, at once when idle); the steps asked."""
+    from jobs.slurm.client import job_steps, signal_steps
+
+    steps = [step for step, name in job_steps(job_id) if name.startswith(STEP)]
+    if steps:
+        signal_steps(steps, "TERM")
+    return steps
