@@ -26,6 +26,7 @@ from common.events import parse_event
 from common.rundir import PREFLIGHT_EXIT, SaveLine
 from jobs.devcluster import unavailable_reason
 from test_e2e import TINY, job_state, slipway, wait_for, wait_job_end
+from slurm_fixtures import MAX_ARRAY_SIZE
 
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
@@ -195,7 +196,9 @@ def test_doctor_checks_a_profile_against_the_live_cluster(profiled):
                                            "wrong:\n  slurm: {partition: nope}\n  cluster: {edf_dir: /proc/edf}\n")
     lines = {line.split(":", 1)[0]: line for line in slipway("doctor", "--cluster", "two").stdout.splitlines()}
     assert lines["ok   partition"].endswith("debug: 2 node(s)"), lines
-    assert lines["ok   MaxArraySize"].startswith("ok   MaxArraySize: 1001: a sweep of up to 1000 points"), lines
+    size = MAX_ARRAY_SIZE  # the session cluster's (tests/slurm_fixtures.py), read from Slurm by doctor
+    assert lines["ok   MaxArraySize"] == f"ok   MaxArraySize: {size}: a sweep of up to {size - 1} points runs as one " \
+                                          "array", lines
     assert "this cluster runs no accounting" in lines["ok   account and QoS"]
     r = slipway("doctor", "--cluster", "gpus")
     assert r.returncode == 1 and ("fail GPUs per node: no node of debug carries 4 GPUs (sinfo's gres: (null)): set "
