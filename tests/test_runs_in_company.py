@@ -155,7 +155,7 @@ def test_huge_and_special_side_files_leave_a_run_readable(hostile):
         assert r.returncode == 0, (args, r.stderr)
         assert peak < MEMORY_KIB, (args, f"{peak} KiB")
     r, _ = slipway("status", "fifo-side-files", env=env, cwd=project)
-    assert "hung (attempt 14)" in r.stdout and "COMPLETED" in r.stdout, r.stdout
+    assert "hung (attempt 1 of job 14)" in r.stdout and "COMPLETED" in r.stdout, r.stdout
     for name in (".code", "..", "../runs/ok1", "ok1/"):  # the code store, or a path, is no run
         r, _ = slipway("status", name, env=env, cwd=project)
         assert r.returncode == 2 and r.stderr.startswith("slipway: error: RUN: "), (name, r.stderr)
