@@ -190,6 +190,16 @@ def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[int]:
                   if (m := _CHECKPOINT_STEP.match(p.name)) and p.is_dir() and checkpoint_complete(p))
 
 
+def tagged(line: str, tag: str) -> Optional[dict[str, str]]:
+    """The `key=value` words of a line the job writes for a reader (`TAG key=value ...`: a save, a
+    hang dump's head, a bad node), None for a line of another tag. job_lib.sh's `line_field`
+    reads the same."""
+    words = line.split()
+    if not words or words[0] != tag:
+        return None
+    return dict(w.split("=", 1) for w in words[1:] if "=" in w)
+
+
 @dataclass(frozen=True)
 class SaveLine:
     """One completed checkpoint save, a line of saves.log (trainer/checkpoint.py writes it; the batch
@@ -211,10 +221,8 @@ class SaveLine:
 
     @classmethod
     def parse(cls, line: str) -> Optional["SaveLine"]:
-        words = line.split()
-        if not words or words[0] != cls.TAG:
+        if (keys := tagged(line, cls.TAG)) is None:
             return None
-        keys = dict(w.split("=", 1) for w in words[1:] if "=" in w)
         try:
             return cls(int(keys["step"]), int(keys["ms"]), int(keys["bytes"]), int(keys["step_ms"]), keys["at"])
         except (KeyError, ValueError):
@@ -251,10 +259,8 @@ class HangLine:
 
     @classmethod
     def parse(cls, line: str) -> Optional["HangLine"]:
-        words = line.split()
-        if not words or words[0] != cls.TAG:
+        if (keys := tagged(line, cls.TAG)) is None:
             return None
-        keys = dict(w.split("=", 1) for w in words[1:] if "=" in w)
         try:
             return cls(int(keys["rank"]), keys["host"], int(keys["step"]), float(keys["idle"]), float(keys["limit"]),
                        keys["answered"] == "on-time")

@@ -27,6 +27,7 @@ from typing import Optional
 from common.environ import as_typed
 from common.errors import ConfigError, one_line, shown
 from common.fs import NotRegularFile, open_regular
+from common.rundir import tagged
 from jobs import clusters, slurm
 
 NODES_DIR = ".nodes"
@@ -57,10 +58,8 @@ class BadNode:
     @classmethod
     def parse(cls, text: str) -> Optional["BadNode"]:
         head, sep, reason = text.partition(" reason: ")
-        words = head.split()
-        if not sep or not words or words[0] != cls.TAG:
+        if not sep or (keys := tagged(head, cls.TAG)) is None:
             return None
-        keys = dict(w.split("=", 1) for w in words[1:] if "=" in w)
         try:
             record = cls(keys["node"], keys["since"], keys["at"], keys["run"], keys["job"], keys["kind"],
                          reason.strip())
