@@ -29,6 +29,7 @@ from common.rundir import INTERRUPTED_EXIT, RunDir
 # is about 120 bytes), where a longer file is a runaway or hostile one.
 MAX_EVENTS_BYTES = 4 << 20
 
+
 class EventKind(str, enum.Enum):
     """What an event says, from the start of its text (the batch script's and the local launcher's words)."""
 

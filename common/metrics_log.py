@@ -21,6 +21,7 @@ from common.rundir import RunDir
 
 MAX_METRICS_BYTES = 1 << 30  # a million steps' records are about 300 MiB
 
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Every record of run_dir/metrics.jsonl in file order (a line cut by a crash is skipped)."""
     path = RunDir(Path(run_dir)).metrics

@@ -350,6 +350,8 @@ def _from_record(cls: type, data: dict, where: str) -> Any:
     if check is not None:
         check(where)
     return obj
+
+
 def part_of(cls: type, data: Any, where: str) -> dict:
     """The keys `data` sets of section `cls`, each read by its field's type and secret policy as
     `from_dict` reads it (unknown keys refused, listing the valid ones), with no defaults filled

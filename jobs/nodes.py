@@ -168,6 +168,15 @@ def memory_of(profile: Optional[clusters.ClusterProfile], runs_root: Path) -> tu
     return NodeMemory.of(runs_root, clusters.key(profile)), after
 
 
+def memory_settings(cfg, runs_root: Path) -> list[str]:
+    """The batch script's lines that say where the cluster remembers bad nodes (memory_lib.sh):
+    under the runs root, which every node reaches."""
+    memory, after = memory_of(cfg.cluster, runs_root)
+    where = shlex.quote(str(memory.dir)) if after else "''"
+    return ["# The bad nodes this cluster remembers (a node the job blames is excluded from its later jobs).",
+            f"CLUSTER={shlex.quote(memory.cluster)} BAD_NODES_DIR={where}"]
+
+
 def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
     """Which remembered bad nodes of `cfg`'s cluster its job excludes: those its partition knows
     (sbatch refuses a name it does not), the most recently blamed first, as long as enough usable

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from trainer.config import TrainerConfig
 from trainer.parallel import Batch, ParallelDims
 
+
 def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy in fp32. Vocabulary-sharded logits (a DTensor, under the
     runners' loss_parallel context) give a replicated DTensor loss, returned as the plain

@@ -172,6 +172,8 @@ def _positive(text: str) -> bool:
         return float(text) > 0
     except ValueError:
         return False
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from jobs.cli import sweep
 

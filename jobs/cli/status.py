@@ -24,7 +24,7 @@ from jobs.runs.lifecycle import History
 from jobs.runs.manifest import Launch, ManifestError
 from common.environ import as_typed
 from common.errors import ConfigError, one_line, shown
-from common.events import Event
+from common.events import Event, append_event
 from common.fs import open_regular
 from common.rundir import LOCAL_JOB, HangLine
 
@@ -442,11 +442,7 @@ def cancel(run: runs.Run, console) -> int:
                                f"`squeue --name {run.name},{run.name}-prepare` lists the jobs of the run's name: "
                                "`scancel` them by id, then restore the file or move the run directory aside") \
                 from None
-        return _cancel(run, launches, console)
-
-
-def _cancel(run: runs.Run, launches: list[Launch], console) -> int:
-    cancelled = cancel_jobs([(run, launches)])
+        cancelled = cancel_jobs([(run, launches)])
     console.print(f"cancelled {', '.join(cancelled)}" if cancelled else f"run {run.name} has no active job")
     return 0
 
@@ -476,8 +472,8 @@ def cancel_jobs(found: Sequence[tuple[runs.Run, Sequence[Launch]]]) -> list[str]
     pending = [j for j in active if j not in running]
     if pending:
         _scancel(pending, still_active)
-        for job in pending:
-            _cancel_events(owner[job], [job])
+        for job in pending:  # no batch shell to say so itself
+            append_event(owner[job].dir, job, "cancelled by slipway cancel")
     if running:
         _scancel(running, still_active, "USR2")
         deadline = time.time() + CANCEL_GRACE_SECONDS
@@ -500,11 +496,3 @@ def _scancel(jobs: list[str], still_active: Callable[[], list[str]], signal: Opt
     except slurm.SlurmError:
         if set(jobs) & set(still_active()):
             raise
-
-
-def _cancel_events(run: runs.Run, jobs: list[str]) -> None:
-    """The jobs without a batch shell to say so themselves (pending ones): cancel says it."""
-    from common.events import append_event
-
-    for job in jobs:
-        append_event(run.dir, job, "cancelled by slipway cancel")

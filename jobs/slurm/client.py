@@ -242,6 +242,8 @@ def max_array_size() -> int:
     if not size.isdigit():
         raise SlurmError("scontrol show config names no MaxArraySize: is a Slurm controller answering?")
     return int(size)
+
+
 def job_steps(job_id: str) -> list[tuple[str, str]]:
     """(JOB.STEP, name) of each step of job `job_id` that runs; [] when Slurm does not say."""
     out = _ask(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"]) if available("squeue") else ""

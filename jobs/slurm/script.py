@@ -21,7 +21,7 @@ from common.rundir import (BAD_INPUT_EXIT, HANG_EXIT, PREFLIGHT_ENV, PREFLIGHT_E
                            CodeSnapshot, RunDir)
 from edf import Environment
 from jobs.config import Config
-from jobs.nodes import memory_of, merged_exclude
+from jobs.nodes import memory_settings, merged_exclude
 from jobs.slurm.sections import NODE_PRESETS
 from jobs.slurm.client import srun_argv
 from jobs.slurm.ranks import Expand, Value, container_args, launch_line, shell_value, words
@@ -29,6 +29,8 @@ from jobs.slurm import warm as warm_ranks
 
 HEARTBEAT_SECONDS = 60
 NODE_HEARTBEAT_SECONDS = 15  # heartbeats/NODE, which `slipway watch` shows by age
+
+
 def sbatch_quote(value: str) -> str:
     """A value for an `#SBATCH` line: sbatch splits those lines itself (not a shell),
     honouring double quotes and backslash escapes."""
@@ -105,6 +107,8 @@ class Pins:
     image_identity: Optional[str] = None  # what the kept container is of: the build hash or the bytes'
     build: Optional[str] = None
     project: Optional[str] = None  # the token the project's pyxis containers are named with (containers/project.py)
+
+
 # A stopped step and a container removal at the job's end wait at most this long (on_exit);
 # the background removal of stale containers at its start, at most STALE_REMOVE_TIMEOUT.
 STEP_STOP_WAIT = 30
@@ -291,7 +295,7 @@ def _settings(cfg: Config, paths: RunDir, env: Environment, container_named: boo
         f"BAD_INPUT_EXIT={BAD_INPUT_EXIT}",
         f"STEP_STOP_WAIT={STEP_STOP_WAIT}",
         f"OOM_HINT={q(smaller_batch_hint(cfg))}",
-        *_memory_settings(cfg, paths),
+        *memory_settings(cfg, paths.path.parent),
         *_lead_settings(cfg),
     ]
     empty = "''"
@@ -316,14 +320,6 @@ def _settings(cfg: Config, paths: RunDir, env: Environment, container_named: boo
         lines.append(f"IMAGE_FILE={q(pins.image_file)} IMAGE_SHA256={pins.image_sha256 or empty} "
                      f"IMAGE_SIZE={pins.image_size} IMAGE_MTIME={pins.image_mtime}")
     return lines
-
-
-def _memory_settings(cfg: Config, paths: RunDir) -> list[str]:
-    """Where the cluster remembers bad nodes (jobs/nodes.py): the runs root, which every node reaches."""
-    memory, after = memory_of(cfg.cluster, paths.path.parent)
-    where = shlex.quote(str(memory.dir)) if after else "''"
-    return ["# The bad nodes this cluster remembers (a node the job blames is excluded from its later jobs).",
-            f"CLUSTER={shlex.quote(memory.cluster)} BAD_NODES_DIR={where}"]
 
 
 # How often the warning timer re-reads the run's saves (and, every tenth time, the job's end).
@@ -378,11 +374,10 @@ def _sourced(paths: RunDir, libs: dict[Path, str]) -> list[str]:
 def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pins(), exclude: Sequence[str] = (),
                   warm: Optional[warm_ranks.WarmPlan] = None) -> str:
     """The whole batch script for `cfg`, reading and writing only inside `paths.path` (and the
-    cluster's bad-node memory beside it); `env` is the run's container environment
-    (`jobs.runs.container.run_environment`), `pins` what the job runs (its code snapshot, image and
-    kept container), which it checks on every node first; `exclude` the remembered bad nodes it
-    keeps away from (jobs/nodes.py plan_exclusions); `warm` the warm processes `slipway run` keeps
-    (jobs/slurm/warm.py). It sources the libraries `library_files` puts in the run directory."""
+    cluster's bad-node memory beside it): `env` the run's container environment, `pins` what the
+    job runs (checked on every node first), `exclude` the remembered bad nodes (jobs/nodes.py),
+    `warm` the warm processes of `slipway run` (jobs/slurm/warm.py); the libraries it sources are
+    `library_files`'."""
     container, prefix = container_args(env, paths)
     # Under pyxis every srun step unpacks the image into a container of its own, unless the
     # steps name one: the preflight's steps then create it and training starts in it at once.

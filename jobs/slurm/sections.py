@@ -57,6 +57,7 @@ def time_limit_seconds(text: str) -> Optional[int]:
         return g["h3"] * 3600 + g["m3"] * 60 + g["s3"]
     return g["m"] * 60 + g.get("s", 0)
 
+
 @dataclass
 class SlurmSection:
     """The Slurm allocation: the job's sbatch options, its time-limit requeues, failure retries and
@@ -198,6 +199,7 @@ class SlurmSection:
         if default * 2 > limit:
             return None
         return min(60, default), default, limit // 2
+
 
 @dataclass(frozen=True)
 class NodePreset:
