@@ -80,7 +80,9 @@ def test_a_frozen_rank_ends_the_job_with_stack_dumps_and_a_resubmission_resumes(
             f"train.hang_timeout={HANG_TIMEOUT}", "train.hang_timeout_first_step=120"]
     run_dir = project / "runs" / "frozen"
     job_id = submit(*args)
-    wait_for(lambda: complete_checkpoints(run_dir), 150, "the first checkpoint")
+    # A few steps past it, which the resubmission repeats (resubmit_resumes finds the restart by them).
+    wait_for(lambda: complete_checkpoints(run_dir) and len(steps_logged(run_dir)) >= 24, 150,
+             "the first checkpoint and four steps after it")
     pid, rank = freeze_worker("frozen", "node2")
     frozen_at = time.time()
     try:
