@@ -16,7 +16,7 @@ their process group formed), the first training step, and the command's end. The
 is printed with every row.
 
     .venv/bin/python bench/devloop.py [--repeat 3]                 # runtime none; root, slurm-wlm, munge
-    PATH=/work/lab/enroot/bin:$PATH .venv/bin/python bench/devloop.py --pyxis PLUGIN   # + podman
+    PATH=ENROOT_BIN:$PATH .venv/bin/python bench/devloop.py --pyxis PLUGIN   # + podman; pyxis: docs/clusters.md, a Slurm cluster on this machine
 """
 
 from __future__ import annotations
