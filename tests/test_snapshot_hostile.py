@@ -388,8 +388,8 @@ def test_an_unchanged_checkout_is_not_scanned_again(checkout, tmp_path, monkeypa
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     scanned = []
-    real = sources.secret_content
-    monkeypatch.setattr(sources, "secret_content", lambda data, name="": scanned.append(name) or real(data, name))
+    real = sources.file_findings
+    monkeypatch.setattr(sources, "file_findings", lambda data, name="": scanned.append(name) or real(data, name))
     first = plan_snapshot(checkout / "runs" / STORE, None, checkout)
     assert len(scanned) == first.value.files > 20
     scanned.clear()
