@@ -53,7 +53,7 @@ class Baseline:
 
     def label(self, file: Path, secret_hash: str) -> Optional[bool]:
         """False: audited as no secret; True: as a secret; None: not audited, or not there."""
-        return self.labels.get((os.path.relpath(file, self.root), secret_hash))
+        return self.labels.get((os.path.relpath(os.path.realpath(file), os.path.realpath(self.root)), secret_hash))
 
     def command(self) -> str:
         """The one command that records what the project's files hold by detect-secrets' scan (with
@@ -67,18 +67,18 @@ class Baseline:
         return f"{cd}{scan} && python3 -I {plugin} audit {BASELINE}"  # -I: not common/ on sys.path
 
 
+@functools.lru_cache(maxsize=64)
 class _Accepting:
     """What config file `path` accepts: values on a line detect-secrets' allowlist takes (a
     `# pragma: allowlist secret` on it, or `# pragma: allowlist nextline secret` above it), and
     values its project's baseline audited as no secret."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, text: str):
         from detect_secrets.core.potential_secret import PotentialSecret
         from detect_secrets.filters.allowlist import is_line_allowlisted
         from detect_secrets.util.code_snippet import get_code_snippet
 
-        found = read_file(path, MAX_BYTES)
-        self.path, self.lines = path, (found and found[0] or b"").decode("utf-8", "replace").splitlines()
+        self.path, self.lines = path, text.splitlines()
         self.allowed = [line for i, line in enumerate(self.lines, 1)
                         if is_line_allowlisted(str(path), line, get_code_snippet(self.lines, i))]
         top = next((d for d in path.resolve().parents if (d / BASELINE).exists() or (d / ".git").exists()), path.parent)
@@ -96,19 +96,12 @@ class _Accepting:
                                           f"`sed -i '{number}s/$/  # pragma: allowlist secret/' {shown}`)")
 
 
-@functools.lru_cache(maxsize=64)
-def _accepting(path: Path, mtime: int, size: int) -> _Accepting:
-    return _Accepting(path)
-
-
 @contextlib.contextmanager
 def accepting(path: Path) -> Iterator[None]:
-    """While config file `path` is read, what it accepts passes the secret policy (common/schema.py)."""
-    try:
-        st = path.stat()
-    except OSError:
-        st = None
-    token = ACCEPTING.set(_accepting(path, st.st_mtime_ns, st.st_size) if st else None)
+    """While config file `path` is read, what it accepts passes the secret policy (common/schema.py);
+    judged once a content (a sweep reads its points from one file)."""
+    found = read_file(path, MAX_BYTES)
+    token = ACCEPTING.set(_Accepting(path, found[0].decode("utf-8", "replace")) if found and found[0] else None)
     try:
         yield
     finally:

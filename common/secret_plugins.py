@@ -219,7 +219,7 @@ class NamedValueDetector(BasePlugin):
     def analyze_string(self, string: str, code: bool = False) -> Iterator[str]:
         yield from (value for _, value in self.pairs(string, code))
 
-    def analyze_line(self, filename: str, line: str, line_number: int = 0, context: object = None, **kwargs: object):
+    def analyze_line(self, filename: str, line: str, line_number: int = 0, context: object = None, **_kwargs: object):
         return super().analyze_line(filename=filename, line=line, line_number=line_number, context=context,
                                     code=filename.lower().endswith(_CODE))
 
@@ -235,7 +235,7 @@ class LoneKeyDetector(BasePlugin):
         if word and not any(c.isspace() for c in word) and random_word(word):
             yield word
 
-    def analyze_line(self, filename: str, line: str, line_number: int = 0, context: object = None, **kwargs: object):
+    def analyze_line(self, filename: str, line: str, line_number: int = 0, context: object = None, **_kwargs: object):
         at, lines = getattr(context, "target_index", 0), getattr(context, "lines", [])
         if any(len(n.strip()) >= 60 and len(n.split()) == 1 for n in lines[max(at - 1, 0):at] + lines[at + 1:at + 2]):
             return set()
@@ -246,9 +246,8 @@ TEXT_PLUGINS = [*PLUGINS, Base64LoginDetector, NamedValueDetector]  # what any t
 PLUGINS += [Base64LoginDetector, NamedValueDetector, LoneKeyDetector]
 
 
-if __name__ == "__main__":  # `python3 -I secret_plugins.py audit .secrets.baseline`: detect-secrets' own audit, which
-    # cannot audit a custom plugin's finding otherwise (Yelp/detect-secrets#611: its table of plugins is made
-    # before the baseline names them)
+if __name__ == "__main__":  # `python3 -I secret_plugins.py audit .secrets.baseline`: detect-secrets' audit, which
+    # cannot load a custom plugin otherwise (Yelp/detect-secrets#611: its plugins are listed before the baseline's)
     import sys
 
     from detect_secrets.core import baseline

@@ -212,7 +212,7 @@ def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_f
             entry = _entry(folder, rel, folders, in_git=in_git, field_name=field_name)
             if entry is not None:
                 out.files.append(entry)
-                in_git_of[entry.dest], top_of[entry.dest] = in_git, root if in_git and root else folder.src
+                in_git_of[entry.dest], top_of[entry.dest] = in_git, root if in_git else folder.src
     out.files.sort(key=lambda f: f.dest)
     _check_size(out, field_name, max_bytes, max_files)
     _check_links(out.files, field_name, in_git_of)
@@ -294,16 +294,15 @@ def _scanned(f: SourceFile, field_name: str, in_git: bool, clean: "CleanFiles", 
         data = handle.read()
     digest = hashlib.sha256(data).hexdigest()
     if digest not in clean:
-        found = [] if f.src.name == BASELINE else file_findings(data, f.src.name)  # hashes, not secrets
-        baseline = Baseline.of(top) if found else None
-        left = [s for s in found if baseline is not None and baseline.label(f.src, s.secret_hash) is not False]
+        found = [] if f.src.name == BASELINE else file_findings(data, f.src.name)  # a baseline holds hashes
+        left = [s for s in found if Baseline.of(top).label(f.src, s.secret_hash) is not False]
         if left:
-            shown, real = os.path.relpath(f.src), baseline.label(f.src, left[0].secret_hash)  # type: ignore[union-attr]
-            said = f", audited as one in {BASELINE}" if real else ""
+            shown = os.path.relpath(f.src)
+            said = f", audited as one in {BASELINE}" if Baseline.of(top).label(f.src, left[0].secret_hash) else ""
             raise ConfigError(field_name, f"{bounded_path(shown)} looks like a secret ({left[0].type}, line "
                                           f"{left[0].line_number}{said}), and a code snapshot or image would copy "
                                           f"it: {_remedy(in_git, shown)}; if it is none, record and audit it: "
-                                          f"`{baseline.command()}`")  # type: ignore[union-attr]
+                                          f"`{Baseline.of(top).command()}`")
         if not found:
             clean.add(digest)
     return SourceFile(f.dest, f.src, None, digest)
