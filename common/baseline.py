@@ -1,10 +1,8 @@
-"""What a project accepts that the secret policy's detector refuses, by the detector's own
-conventions (detect-secrets'): a `pragma: allowlist secret` comment on the line, and the
-project's `.secrets.baseline` at its top, made by `detect-secrets scan` and labelled by
-`detect-secrets audit`: an entry audited as no secret is accepted; one not audited, or audited as
-a secret, is not. A copied file is scanned by detect-secrets itself, which leaves pragma lines out
-(common/secrets.py `file_findings`), then held to the baseline (containers/sources.py); a config
-file's values are accepted here while it is read (`accepting`).
+"""What a project accepts that the secret policy refuses, by detect-secrets' own conventions: a
+`pragma: allowlist secret` comment on the line, and the project's `.secrets.baseline` (made by
+`detect-secrets scan`): an entry `detect-secrets audit` labelled no secret is accepted, one not
+audited or labelled a secret is not. Copied files are held to it by containers/sources.py, a
+config file's values while it is read (`accepting`).
 """
 
 from __future__ import annotations
@@ -26,45 +24,37 @@ BASELINE = ".secrets.baseline"
 MAX_BYTES = 32 << 20
 
 
-class Baseline:
-    """What `detect-secrets audit` said of each finding, by file (relative to `root`, the project's
-    top where the baseline lies) and the secret's hash (detect-secrets' own)."""
+@functools.lru_cache(maxsize=16)
+def labels(root: Path) -> dict[tuple[str, str], Optional[bool]]:
+    """What `detect-secrets audit` said of each finding of the baseline at the project's top `root`
+    (none: nothing), by file (relative to `root`) and secret hash, read once a process: False, no
+    secret; True, a secret; None, not audited. A ConfigError where detect-secrets could not read it."""
+    from detect_secrets.core.secrets_collection import SecretsCollection
 
-    def __init__(self, root: Path, labels: dict[tuple[str, str], Optional[bool]]):
-        self.root, self.labels = root, labels
+    try:
+        found = read_file(root / BASELINE, MAX_BYTES)
+        collection = SecretsCollection.load_from_baseline(json.loads(found[0])) if found else []  # type: ignore
+        return {(file, secret.secret_hash): secret.is_secret for file, secret in collection}
+    except (OSError, TypeError, ValueError, KeyError, AttributeError) as exc:
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        raise ConfigError(bounded_path(root / BASELINE), f"is not a baseline detect-secrets can read ({why}): make "
+                                                         f"it again: {command(root)}") from None
 
-    @staticmethod
-    @functools.lru_cache(maxsize=16)
-    def of(root: Path) -> "Baseline":
-        """The baseline at `root`, read once a process (none: an empty one); a ConfigError where
-        detect-secrets could not read it (damaged, not a file, huge)."""
-        from detect_secrets.core.secrets_collection import SecretsCollection
 
-        try:
-            found = read_file(root / BASELINE, MAX_BYTES)
-            if found is None:
-                return Baseline(root, {})
-            collection = SecretsCollection.load_from_baseline(json.loads(found[0]))  # type: ignore[arg-type]
-            return Baseline(root, {(file, secret.secret_hash): secret.is_secret for file, secret in collection})
-        except (OSError, TypeError, ValueError, KeyError, AttributeError) as exc:
-            why = getattr(exc, "strerror", None) or type(exc).__name__
-            raise ConfigError(bounded_path(root / BASELINE), f"is not a baseline detect-secrets can read ({why}): "
-                                                             f"make it again: {Baseline(root, {}).command()}") from None
+def label(root: Path, file: Path, secret_hash: str) -> Optional[bool]:
+    return labels(root).get((os.path.relpath(os.path.realpath(file), os.path.realpath(root)), secret_hash))
 
-    def label(self, file: Path, secret_hash: str) -> Optional[bool]:
-        """False: audited as no secret; True: as a secret; None: not audited, or not there."""
-        return self.labels.get((os.path.relpath(os.path.realpath(file), os.path.realpath(self.root)), secret_hash))
 
-    def command(self) -> str:
-        """The one command that records what the project's files hold by detect-secrets' scan (with
-        slipway's plugins, which find what its own leave: a key alone on a line; never verifying a
-        secret over the network) and audits it (with them: secret_plugins.py's `audit`)."""
-        plugin = Path(secret_plugins.__file__)
-        plugin = shlex.quote(str(plugin.relative_to(self.root) if self.root in plugin.parents else plugin))
-        scan = f"detect-secrets scan --no-verify --plugin {plugin}"
-        scan += f" --baseline {BASELINE}" if (self.root / BASELINE).exists() else f" > {BASELINE}"
-        cd = "" if Path.cwd().resolve() == self.root.resolve() else f"cd {shlex.quote(str(self.root))} && "
-        return f"{cd}{scan} && python3 -I {plugin} audit {BASELINE}"  # -I: not common/ on sys.path
+def command(root: Path) -> str:
+    """The one command that records what the project's files hold by detect-secrets' scan (with
+    slipway's plugins, which find what its own leave: a key alone on a line; never verifying a
+    secret over the network) and audits it (with them: secret_plugins.py's `audit`)."""
+    plugin = Path(secret_plugins.__file__)
+    plugin = shlex.quote(str(plugin.relative_to(root) if root in plugin.parents else plugin))
+    scan = f"detect-secrets scan --no-verify --plugin {plugin}"
+    scan += f" --baseline {BASELINE}" if (root / BASELINE).exists() else f" > {BASELINE}"
+    cd = "" if Path.cwd().resolve() == root.resolve() else f"cd {shlex.quote(str(root))} && "
+    return f"{cd}{scan} && python3 -I {plugin} audit {BASELINE}"  # -I: not common/ on sys.path
 
 
 @functools.lru_cache(maxsize=64)
@@ -81,12 +71,12 @@ class _Accepting:
         self.path, self.lines = path, text.splitlines()
         self.allowed = [line for i, line in enumerate(self.lines, 1)
                         if is_line_allowlisted(str(path), line, get_code_snippet(self.lines, i))]
-        top = next((d for d in path.resolve().parents if (d / BASELINE).exists() or (d / ".git").exists()), path.parent)
-        self.baseline, self.hash = Baseline.of(top), PotentialSecret.hash_secret
+        self.top = next((d for d in path.resolve().parents if (d / BASELINE).exists() or (d / ".git").exists()),
+                        path.parent)
+        self.hash = PotentialSecret.hash_secret
 
     def accepts(self, secret: str) -> bool:
-        return any(secret in line for line in self.allowed) or \
-            self.baseline.label(self.path, self.hash(secret)) is False
+        return any(secret in line for line in self.allowed) or label(self.top, self.path, self.hash(secret)) is False
 
     def how(self, secret: str) -> str:
         """Where the file holds `secret`, and the command that accepts that line."""

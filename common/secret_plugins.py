@@ -1,8 +1,6 @@
-"""What a secret looks like, as detect-secrets plugins beside its own (common/secrets.py runs
-both): secrets' names, token formats it has no plugin for, a key alone on a line, and what is no
-secret. detect-secrets loads this file itself (`detect-secrets scan --plugin
-common/secret_plugins.py`, as a refusal says), so it imports nothing of slipway's; without
-detect-secrets (an image built before slipway needed it) its formats still mask the trainer's messages.
+"""What a secret looks like, as detect-secrets plugins beside its own: secrets' names, token formats
+it has no plugin for, a key alone on a line, and what is no secret. detect-secrets loads this file
+itself (`detect-secrets scan --plugin common/secret_plugins.py`), so it imports nothing of slipway's.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The secret policy: what must never reach a file, a command line or a terminal, judged by
-detect-secrets (Yelp's maintained scanner) and slipway's plugins for it (common/secret_plugins.py);
-docs/secrets.md has the whole of it.
-
-- Every message, record and dry run is masked (`mask`) by detect-secrets' per-provider plugins
-  and slipway's.
-- A config value is judged by what its field holds, as the field says where it is declared
-  (metadata {"secrets": KIND}): an IDENTIFIER (a name, path, revision, image: the default) by
-  those plugins alone; a text that may carry a credential (TEXT, PASSTHROUGH, REFERENCE) also by
-  the name it is given and each word's randomness. No verdict depends on the machine.
-- A file the code snapshot or the image copies: by its name where it is a credential's
-  (`secret_file`), else by detect-secrets' own scan of its content (`file_findings`).
-- What the detector gets wrong, a project accepts by the detector's own conventions
-  (common/baseline.py); a value accepted so is still masked.
+"""The secret policy (docs/secrets.md): what must never reach a file, a command line or a
+terminal, judged by detect-secrets and slipway's plugins for it (common/secret_plugins.py). Every
+message is masked by their patterns (`mask`); a config value by what its field holds (`refusal`);
+a copied file by a credential's name or detect-secrets' own scan (`file_findings`); what the
+detector gets wrong, a project accepts by its conventions (common/baseline.py).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
-from common.baseline import BASELINE, Baseline
+from common.baseline import BASELINE, command, label
 from common.errors import ConfigError, bounded_path
 from common.secrets import file_findings, policy_fingerprint, secret_file
 
@@ -295,14 +295,14 @@ def _scanned(f: SourceFile, field_name: str, in_git: bool, clean: "CleanFiles", 
     digest = hashlib.sha256(data).hexdigest()
     if digest not in clean:
         found = [] if f.src.name == BASELINE else file_findings(data, f.src.name)  # a baseline holds hashes
-        left = [s for s in found if Baseline.of(top).label(f.src, s.secret_hash) is not False]
+        left = [s for s in found if label(top, f.src, s.secret_hash) is not False]
         if left:
             shown = os.path.relpath(f.src)
-            said = f", audited as one in {BASELINE}" if Baseline.of(top).label(f.src, left[0].secret_hash) else ""
+            said = f", audited as one in {BASELINE}" if label(top, f.src, left[0].secret_hash) else ""
             raise ConfigError(field_name, f"{bounded_path(shown)} looks like a secret ({left[0].type}, line "
                                           f"{left[0].line_number}{said}), and a code snapshot or image would copy "
                                           f"it: {_remedy(in_git, shown)}; if it is none, record and audit it: "
-                                          f"`{Baseline.of(top).command()}`")
+                                          f"`{command(top)}`")
         if not found:
             clean.add(digest)
     return SourceFile(f.dest, f.src, None, digest)

@@ -219,17 +219,15 @@ def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *
 def secret_lines(text: str, where: str) -> list[str]:
     """A hand-written EDF's lines that hold what looks like a secret, by detect-secrets' scan of it:
     the file is the user's, read as it is; these are said by line, never by value (`edf --check`)."""
-    lines, found = text.splitlines(), {}
-    for secret in file_findings(text.encode(), "edf.toml"):
-        found.setdefault(secret.line_number, secret.type)
-    out = []
-    for number, what in found.items():
-        key = re.match(r"""\s*["']?([\w.-]*)""", lines[number - 1]).group(1)  # type: ignore[union-attr]
+    lines, out = text.splitlines(), {}
+    for found in file_findings(text.encode(), "edf.toml"):  # one line, once: the first plugin's word for it
+        key = re.match(r"""\s*["']?([\w.-]*)""", lines[found.line_number - 1]).group(1)  # type: ignore[union-attr]
         variable = flag_variable(key.rsplit(".", 1)[-1]) if key else "NAME"
-        out.append(f"{where} line {number} holds what looks like a secret ({what}): whoever reads the file reads it, "
-                   f"and under pyxis it is written into the batch script; write \"${{{variable}}}\" and export "
-                   f"{variable} in the shell that runs srun instead")
-    return out
+        out.setdefault(found.line_number, f"{where} line {found.line_number} holds what looks like a secret "
+                                          f"({found.type}): whoever reads the file reads it, and under pyxis it is "
+                                          f"written into the batch script; write \"${{{variable}}}\" and export "
+                                          f"{variable} in the shell that runs srun instead")
+    return list(out.values())
 
 
 def missing_host_paths(env: Environment, origin: str, notes: list[str],
