@@ -91,8 +91,8 @@ def not_a_secret(secret: str, line: str = "", plugin: object = None) -> bool:
     if type(plugin) in map(type, ENTROPY) and not random_word(secret):
         return True
     run = max(re.findall(r"[A-Za-z0-9]+", secret) or [""], key=len)
-    return (not run or len(run) >= 4 and 2 * max(map(run.count, set(run))) >= len(run) or "EXAMPLE" in secret or _JWT_IO in secret
-            or bool(re.fullmatch(r"[A-Za-z0-9+/=]{512,}", secret)) or not is_literal(secret)
+    return (not run or len(run) >= 4 and 2 * max(map(run.count, set(run))) >= len(run) or "EXAMPLE" in secret
+            or _JWT_IO in secret or bool(re.fullmatch(r"[A-Za-z0-9+/=]{512,}", secret)) or not is_literal(secret)
             or set(secret) <= set(string.hexdigits) and not ID_WORDS.isdisjoint(name_words(line[:line.find(secret)])))
 
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import secrets
-import shlex
 import subprocess
 import sys
 import typing
@@ -34,10 +34,12 @@ from common.errors import ConfigError
 from common.secrets import IDENTIFIER, TEXT, file_findings, refusal
 from jobs.config import load_config
 from test_secret_policy import BARE, LINE_FORMS, SHAPES, shaped
-from test_secrets import FIELDS, host  # noqa: F401 (a fixture: Slurm's commands stood in)
-from test_snapshot_hostile import ROOT, SECRET, _git, checkout, dry_run, refused  # noqa: F401 (a fixture)
+from conftest import git, squeue_answering, stand_in
+from test_secrets import FIELDS
+from test_snapshot_hostile import ROOT, SECRET, dry_run, refused
 
-HEX40, HEX64 = "0e9e39f249a16976918f6564b8830bc894c89659", "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+HEX40 = "0e9e39f249a16976918f6564b8830bc894c89659"
+HEX64 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 # What a config holds that is no secret, however random it looks (issue 48's seven kinds and more).
 IDENTIFIERS = [
     HEX40, "d41d8cd98f00b204e9800998ecf8427e", "3f2504e04f8911d39a0c0305e82c3301",  # a commit, an MD5, a UUID bare
@@ -110,7 +112,8 @@ def test_no_verdict_depends_on_the_machine(project):
 
 PNG = "iVBORw0KGgoAAAANSUhEUgAA" + base64.b64encode(__import__("random").Random(4).randbytes(3000)).decode()
 LLM_FILES = {
-    "tokenizer/added_tokens.json": '{\n  "<|endoftext|>": 151643,\n  "<|im_end|>": 151645,\n  "<|im_start|>": 151644\n}\n',
+    "tokenizer/added_tokens.json": '{\n  "<|endoftext|>": 151643,\n  "<|im_end|>": 151645,\n'
+                                   '  "<|im_start|>": 151644\n}\n',
     "tokenizer/special_tokens_map.json": json.dumps({
         "bos_token": {"content": "<|begin_of_text|>", "lstrip": False, "normalized": False, "rstrip": False},
         "eos_token": "<|eot_id|>", "pad_token": "<|finetune_right_pad_id|>", "unk_token": "[UNK]"}, indent=2),
@@ -147,7 +150,8 @@ LLM_FILES = {
     "CHANGELOG.md": f"# Changelog\n\n## 0.3.0 (2024-05-02)\n- Fix FSDP resume ({HEX40})\n- [`9c1e2b7`](https://"
                     f"github.com/org/repo/commit/{HEX40}) bump torch\n- Revert {HEX40[:12]}\n",
     ".env.example": "HF_TOKEN=\nWANDB_API_KEY=your-wandb-api-key\nOPENAI_API_KEY=sk-...\nHF_HOME=/scratch/$USER/hf\n",
-    "kubeconfig.example": "apiVersion: v1\nclusters:\n- cluster:\n    server: https://k8s.example.org:6443\n  name: dev\n"
+    "kubeconfig.example": "apiVersion: v1\nclusters:\n- cluster:\n    server: https://k8s.example.org:6443\n"
+                          "  name: dev\n"
                           "users:\n- name: dev\n  user:\n    token: <your-token>\n",
     "configs/sft.yaml": f"model_name_or_path: meta-llama/Llama-3.1-8B\nrevision: {HEX40}\nrun_name: "
                         "wandb-run-3kx9q2mz7f8a9b0c1d2e3f4g\ndataset: HuggingFaceH4/ultrachat_200k\n",
@@ -161,17 +165,21 @@ def test_ordinary_files_are_never_refused():
     assert not flagged, flagged
 
 
-def test_a_fresh_clone_tracking_a_tokenizer_folder_submits(checkout, host):
+def test_a_fresh_clone_tracking_a_tokenizer_folder_submits(checkout, tmp_path, monkeypatch):
     """The project's files as a user tracks them go into the code snapshot of a real submission
-    (sbatch stood in), every one of them; a dry run passes the same."""
+    (Slurm's commands stood in), every one of them; a dry run passes the same."""
+    ping = 'case "$1" in ping) echo "Slurmctld(primary) at n1 is UP" ;; *) echo n1 ;; esac\n'
+    for tool, body in (("sbatch", "echo 4242\n"), ("squeue", squeue_answering("PENDING")), ("scontrol", ping)):
+        stand_in(tmp_path / "slurm-bin", tool, body)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'slurm-bin'}:{os.environ['PATH']}")
     for name, content in LLM_FILES.items():
         (checkout / "trainer" / name).parent.mkdir(parents=True, exist_ok=True)
         (checkout / "trainer" / name).write_text(content)
-    _git(checkout, "add", "-f", "trainer")
+    git(checkout, "add", "-f", "trainer")
     proc = dry_run(checkout)
     assert proc.returncode == 0, proc.stderr
     proc = subprocess.run([sys.executable, "-m", "jobs", "submit", "tiny_cpu", "--run-name", "clone"], cwd=checkout,
-                          capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                          capture_output=True, text=True, timeout=300, env={**os.environ,
                                                                              "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     snapshot = next((checkout / "runs" / ".code").glob("*/trainer/tokenizer/added_tokens.json")).parents[2]
@@ -201,7 +209,7 @@ def test_every_secret_shape_in_a_file_is_found():
 ])
 def test_a_key_alone_in_a_file_is_refused_naming_it(checkout, name, content):
     (checkout / "trainer" / name).write_text(content + "\n")
-    _git(checkout, "add", "-f", "trainer")
+    git(checkout, "add", "-f", "trainer")
     line = refused(dry_run(checkout), f"trainer/{name}", "line 1", "git rm --cached", "detect-secrets scan", " audit ")
     assert content not in line and not (checkout / "runs").exists()
 
@@ -217,7 +225,7 @@ def test_a_secret_as_a_mapping_s_key_is_never_shown(project):
 
 def _run(project: Path, command: str, answer: str = "") -> None:
     """A command as the user pastes it into a shell, at the project's top."""
-    env = {**__import__("os").environ, "PATH": f"{Path(sys.executable).parent}:{__import__('os').environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.run(["bash", "-c", command], cwd=project, input=answer, text=True, capture_output=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
@@ -229,7 +237,7 @@ def test_a_key_is_accepted_once_the_baseline_audits_it_as_none(checkout, answer,
     answered (`y`: it should be committed), makes the submission pass; audited as a secret (`n`),
     or not audited (`s`), it is still refused."""
     (checkout / "trainer" / "key.txt").write_text(secrets.token_hex(32) + "\n")
-    _git(checkout, "add", "trainer")
+    git(checkout, "add", "trainer")
     line = refused(dry_run(checkout), "trainer/key.txt", "line 1")
     command = re.search(r"`(detect-secrets scan [^`]*)`", line).group(1)
     _run(checkout, command, answer)
@@ -244,7 +252,7 @@ def test_a_key_is_accepted_once_the_baseline_audits_it_as_none(checkout, answer,
 
 def test_a_damaged_baseline_is_named_with_how_to_make_it_again(checkout):
     (checkout / "trainer" / "key.txt").write_text(secrets.token_hex(32) + "\n")
-    _git(checkout, "add", "trainer")
+    git(checkout, "add", "trainer")
     (checkout / ".secrets.baseline").write_text('{"results": ')
     refused(dry_run(checkout), ".secrets.baseline", "is not a baseline", "detect-secrets scan")
 
@@ -259,15 +267,16 @@ def test_a_config_line_is_accepted_by_its_pragma_and_never_shown(project):
     path = project / "configs" / "noted.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     proc = subprocess.run([sys.executable, "-m", "jobs", "submit", "noted", "--dry-run"], cwd=project, text=True,
-                          capture_output=True, timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                          capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2 and value not in proc.stdout + proc.stderr, proc.stderr
     number = next(i for i, line in enumerate(path.read_text().splitlines(), 1) if value in line)
     assert f"configs/noted.yaml line {number}" in proc.stderr and "pragma: allowlist secret" in proc.stderr
     _run(project, re.search(r"`(sed [^`]*)`", proc.stderr).group(1))
     assert path.read_text().splitlines()[number - 1].endswith("# pragma: allowlist secret")
     proc = subprocess.run([sys.executable, "-m", "jobs", "submit", "noted", "--dry-run"], cwd=project, text=True,
-                          capture_output=True, timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0 and "export NOTE=" in proc.stdout and value not in proc.stdout + proc.stderr, proc.stderr
+                          capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and "export NOTE=" in proc.stdout, proc.stderr
+    assert value not in proc.stdout + proc.stderr
 
 
 # ------------------------------------------------------------------ the numbers docs/secrets.md states
