@@ -78,7 +78,6 @@ def secret_policy(repeat: int, configs: int) -> None:
                                   check=True).stdout) for _ in range(repeat)]
     rows.append(("detector's first use in a process (detect-secrets loaded)", first, "s"))
     def cold() -> None:  # every judgment made anew, as for a config of values never seen
-        secrets._find_cached.cache_clear()
         schema._refusal.cache_clear()
 
     def policy_off(work):

@@ -50,15 +50,6 @@ def find_secrets(text: str) -> list[Found]:
     masked by (messages, records, dry runs, a job's output)."""
     if not isinstance(text, str) or not text:
         return []
-    return list(_find_cached(text)) if len(text) <= 2048 else _find(text)
-
-
-@functools.lru_cache(maxsize=16384)  # a sweep's configs and messages hold the same strings again and again
-def _find_cached(text: str) -> tuple[Found, ...]:
-    return tuple(_find(text))
-
-
-def _find(text: str) -> list[Found]:
     found = []
     for detector in detectors():
         for name, start, end in _hits(detector, text):
