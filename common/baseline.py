@@ -45,14 +45,16 @@ def label(root: Path, file: Path, secret_hash: str) -> Optional[bool]:
     return labels(root).get((os.path.relpath(os.path.realpath(file), os.path.realpath(root)), secret_hash))
 
 
-def command(root: Path) -> str:
+def command(root: Path, file: Optional[Path] = None) -> str:
     """The one command that records what the project's files hold by detect-secrets' scan (with
     slipway's plugins, which find what its own leave: a key alone on a line; never verifying a
-    secret over the network) and audits it (with them: secret_plugins.py's `audit`)."""
+    secret over the network) and audits it (with them: secret_plugins.py's `audit`): a new baseline
+    of `file` alone, or the project's baseline scanned again (its labels kept)."""
     plugin = Path(secret_plugins.__file__)
     plugin = shlex.quote(str(plugin.relative_to(root) if root in plugin.parents else plugin))
+    only = f" {shlex.quote(os.path.relpath(os.path.realpath(file), os.path.realpath(root)))}" if file else ""
     scan = f"detect-secrets scan --no-verify --plugin {plugin}"
-    scan += f" --baseline {BASELINE}" if (root / BASELINE).exists() else f" > {BASELINE}"
+    scan += f" --baseline {BASELINE}" if (root / BASELINE).exists() else f"{only} > {BASELINE}"
     cd = "" if Path.cwd().resolve() == root.resolve() else f"cd {shlex.quote(str(root))} && "
     return f"{cd}{scan} && python3 -I {plugin} audit {BASELINE}"  # -I: not common/ on sys.path
 

@@ -302,7 +302,7 @@ def _scanned(f: SourceFile, field_name: str, in_git: bool, clean: "CleanFiles", 
             raise ConfigError(field_name, f"{bounded_path(shown)} looks like a secret ({left[0].type}, line "
                                           f"{left[0].line_number}{said}), and a code snapshot or image would copy "
                                           f"it: {_remedy(in_git, shown)}; if it is none, record and audit it: "
-                                          f"`{command(top)}`")
+                                          f"`{command(top, f.src)}`")
         if not found:
             clean.add(digest)
     return SourceFile(f.dest, f.src, None, digest)

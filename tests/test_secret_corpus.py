@@ -250,6 +250,20 @@ def test_a_key_is_accepted_once_the_baseline_audits_it_as_none(checkout, answer,
         refused(proc, "trainer/key.txt", *(["audited as one"] if answer == "n\n" else []))
 
 
+def test_a_second_key_is_accepted_into_the_baseline_with_the_first_s_label_kept(checkout):
+    """Where the project has a baseline, the command scans it again (detect-secrets' `scan
+    --baseline`): the audit asks of the new finding alone, the first one's label stays."""
+    for name in ("key.txt", "key2.txt"):
+        (checkout / "trainer" / name).write_text(secrets.token_hex(32) + "\n")
+        git(checkout, "add", "trainer")
+        command = re.search(r"`(detect-secrets scan [^`]*)`", refused(dry_run(checkout), f"trainer/{name}")).group(1)
+        assert ("--baseline .secrets.baseline" in command) == (name == "key2.txt"), command
+        _run(checkout, command, "y\n")
+    assert dry_run(checkout).returncode == 0
+    labels = json.loads((checkout / ".secrets.baseline").read_text())["results"]
+    assert [s["is_secret"] for name in ("trainer/key.txt", "trainer/key2.txt") for s in labels[name]] == [False, False]
+
+
 def test_a_damaged_baseline_is_named_with_how_to_make_it_again(checkout):
     (checkout / "trainer" / "key.txt").write_text(secrets.token_hex(32) + "\n")
     git(checkout, "add", "trainer")
