@@ -59,13 +59,13 @@ def secret_name(name: object) -> Optional[str]:
 # ---------------------------------------------------------------------------- values
 
 # No secret itself: a reference ($X, ${X}, $(command)), a placeholder (sk-..., <pad>, [UNK], ***,
-# xxx, {}, %s, a word in capitals), a file's path (where a secret is kept); under any name, a
+# xxx, {}, %s, PASSWORD, YOUR_TOKEN), a file's path (where a secret is kept); under any name, a
 # number or flag (KEY_SIZE=2048, NCCL_IB_PKEY=0x8014) or a plain word (SORT_KEY=length).
 _REFERENCE = re.compile(r"\$[({]?[A-Za-z_][A-Za-z0-9_]*(?::-[^}]*)?[)}]?|\$\(.*", re.S)
-_PLACEHOLDER = re.compile(r".*\.{3}|<.*|\[[^\[\]]*\]|\*+|[Xx]{3,}|\{[^{}]*\}|%s|[A-Z][A-Z_]{0,15}", re.S)
+_PLACEHOLDER = re.compile(r".*\.{3}|<.*|\[[^\[\]]*\]|\*+|[Xx]{3,}|\{[^{}]*\}|%s|[A-Z]{1,8}|[A-Z]+_[A-Z_]*", re.S)
 PATH = re.compile(r"(?:/|\./|\.\./|~/|\$\{[A-Za-z_][A-Za-z0-9_]*\}/|\$[A-Za-z_][A-Za-z0-9_]*/)[^\s=,;&'\"]*")
 _PLAIN = re.compile(r"[-+]?(?:0[xX][0-9a-fA-F]+|[0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)"
-                    r"|[a-z][a-z_-]*|[A-Z][A-Z_-]*|[A-Z][a-z]+")
+                    r"|[a-z][a-z_-]*|[A-Z][a-z]+|[A-Z]{1,8}")
 _JWT_IO = "eyJzdWIiOiIxMjM0NTY3ODkwIiwibmFtZSI6IkpvaG4gRG9lIi"  # pragma: allowlist secret (jwt.io's sample's payload)
 
 
@@ -84,14 +84,14 @@ ID_WORDS = frozenset({"COMMIT", "SHA", "SHA1", "SHA256", "SHA512", "REV", "REVIS
 
 def not_a_secret(secret: str, line: str = "", plugin: object = None) -> bool:
     """What no plugin's finding is (a filter of detect-secrets', by this name): no literal; a
-    template's placeholder (hf_xxxxxxxx..., ghp_0000...: one character in half of the token);
+    template's placeholder (hf_xxxxxxxx..., ghp_0000...: one character in more than half of it);
     AWS's documented keys (all end in EXAMPLE) and jwt.io's sample; an encoded blob (a notebook's
     image); hex after a hash's or an id's name on its `line` (`revision: 0e9e39f2...`); of an
     entropy plugin, what is no random word (a name, a path: `random_word`)."""
     if type(plugin) in map(type, ENTROPY) and not random_word(secret):
         return True
     run = max(re.findall(r"[A-Za-z0-9]+", secret) or [""], key=len)
-    return (not run or len(run) >= 4 and 2 * max(map(run.count, set(run))) >= len(run) or "EXAMPLE" in secret
+    return (not run or len(run) >= 4 and 2 * max(map(run.count, set(run))) > len(run) or "EXAMPLE" in secret
             or _JWT_IO in secret or bool(re.fullmatch(r"[A-Za-z0-9+/=]{512,}", secret)) or not is_literal(secret)
             or set(secret) <= set(string.hexdigits) and not ID_WORDS.isdisjoint(name_words(line[:line.find(secret)])))
 
@@ -101,8 +101,7 @@ _NAME_PART = re.compile(r"[a-z]+|[A-Z][a-z]*|[A-Z]+|[0-9]+|.{1,12}", re.S)
 
 
 def _named(word: str) -> bool:
-    """A name of parts (between - _ . /) each a word, a number or short (llama3-8b-lr3e-5,
-    Models/Llama3/Step100Final), or with a word of 3 small letters among them (wandb-run-3kx9q2...)."""
+    """A name (llama3-8b-lr3e-5, Models/Llama3/Step100Final, wandb-run-3kx9q2..., a path)."""
     parts = [p for p in re.split(r"[-_./]+", word) if p]
     return all(_NAME_PART.fullmatch(p) for p in parts) or len(parts) > 1 and any(
         re.fullmatch("[a-z]{3,}", p) for p in parts)
@@ -117,10 +116,9 @@ def _text(word: str) -> bool:
 
 
 def random_word(word: str, id_named: bool = False) -> Optional[str]:
-    """What a whole word (a value, a line) is when a random key by detect-secrets' entropy plugins
-    (their charset, limit and entropy): 32 or more hex digits, or 20 or more base64 characters of
-    two classes; never a path, a URL, a name, a digest, base64 of text, or a word given under a
-    hash's or an id's name (`id_named`: GIT_COMMIT=, --revision, RUN_ID=)."""
+    """What a whole word is when a random key by detect-secrets' entropy plugins (their charset,
+    limit and entropy): never a URL, a name, a number, a digest, base64 of text, or a word given
+    under a hash's or an id's name (`id_named`: GIT_COMMIT=, --revision, RUN_ID=)."""
     if id_named or len(word) < 20 or "://" in word or word.isdigit() or _DIGEST.fullmatch(word) or _named(word) \
             or _text(word):  # a path is a name of parts (/capstor/scratch/u/tmpAb3X.../out)
         return None

@@ -105,7 +105,6 @@ def find_values(text: str, hint: Optional[str] = None) -> list[Found]:
     return _merged(found)
 
 
-HIDDEN = "<hidden>"
 ACCEPTED: set[str] = set()  # values a project accepted (common/baseline.py): never shown all the same
 
 
@@ -121,7 +120,7 @@ def mask(text: str, values: bool = False) -> str:
                                  for m in re.finditer(re.escape(v), text)])
     out, pos = [], 0
     for f in found:
-        out += [text[pos:f.start], HIDDEN]
+        out += [text[pos:f.start], "<hidden>"]
         pos = f.end
     return "".join(out) + text[pos:]
 

@@ -14,11 +14,9 @@ they run, so both follow one rule, here:
   rewritten relative, so that it points at the copy); one pointing anywhere else (a token
   file in $HOME, /proc/self/environ) is refused in one line naming it: its target would be
   copied as if it were the project's.
-- A file that looks like a secret (common/secrets.py: by a credential's name, else by
-  detect-secrets' scan of its content) is refused in one line naming it, its line, how to leave
-  it out and how to accept it (the project's audited `.secrets.baseline`, common/baseline.py).
-  The scan is kept by content: a content found clean before, under the same detector, is not
-  read again (`CleanFiles`).
+- A file that looks like a secret (common/secrets.py) is refused in one line naming it, its line,
+  how to leave it out and how to accept it (common/baseline.py). The scan is kept by content: a
+  content found clean before, under the same detector, is not read again (`CleanFiles`).
 - Nothing is copied that is not plainly a file of the project's: a hard link whose other names
   lie outside what is copied (its content is anyone's file), a tracked path that is now a FIFO,
   a device or a socket, a submodule that is not checked out or a repository inside this one
