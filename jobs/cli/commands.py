@@ -5,6 +5,7 @@ jobs/cli/launch.py; `slipway image` and `slipway cluster` parse their own argume
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import shlex
 import sys
@@ -246,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing run's different config")
     p.add_argument("--yes", action="store_true", help="start even when it is expected to take more than half an "
                                                       "hour here (asked on a terminal, refused elsewhere)")
-    p.set_defaults(func=cmd_local)
+    p.set_defaults(func=functools.partial(cmd_local, parse=parse))
 
     p = sub.add_parser("run", help="inside an allocation (salloc): run the batch script's steps here, rank 0's "
                                    "output on the terminal; Ctrl-C saves and stops (resumable)")
