@@ -63,7 +63,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         run_name = args.config
     if run_name:
         return doctor.run_doctor_run(runs.find_run(run_name, project_dir()), console=rich_console())
-    from jobs import clusters
+    from jobs.config import clusters
 
     cfg = load(args) if args.config else None
     profile = cfg.cluster if cfg is not None else clusters.resolve(args.cluster, project_dir())
@@ -130,11 +130,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
-    from jobs import clusters, nodes, runs
+    from jobs import runs
+    from jobs.config import clusters
+    from jobs.slurm import bad_nodes
 
     profile = clusters.resolve(args.cluster, project_dir())
-    memory, after = nodes.memory_of(profile, runs.runs_root(project_dir()))
-    return nodes.show(memory, after, args.forget or [], rich_console())
+    remembered, after = bad_nodes.bad_nodes_of(profile, runs.runs_root(project_dir()))
+    return bad_nodes.show(remembered, after, args.forget or [], rich_console())
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

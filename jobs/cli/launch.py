@@ -44,8 +44,8 @@ def load(args: argparse.Namespace, quiet: bool = False):
 
 
 def cluster_of(args: argparse.Namespace):
-    """The cluster profile a command that takes --cluster runs on (jobs/clusters.py `resolve`), else None."""
-    from jobs import clusters
+    """The cluster profile a command that takes --cluster runs on (jobs/config/clusters.py `resolve`), else None."""
+    from jobs.config import clusters
 
     return clusters.resolve(args.cluster, project_dir()) if hasattr(args, "cluster") else None
 

@@ -30,7 +30,7 @@ from jobs.runs.image import ImagePin, container_project, kept_build, pin_image
 from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve_paths, run_environment
 from jobs.runs.manifest import Launch, Manifest
 from jobs.runs.run import Run, active_jobs, run_exists, runs_root, update_manifest
-from jobs.nodes import plan_exclusions
+from jobs.slurm.bad_nodes import plan_exclusions
 from jobs.slurm import warm as warm_ranks
 from jobs.slurm.script import library_files, render_prepare_sbatch, render_sbatch
 from common import environ

@@ -23,8 +23,8 @@ from common.schema import from_dict, require, to_dict
 from common.yaml import Plain, read_text_bounded, read_yaml
 from containers.record import ImageNeeds, ImageSection
 from edf.environment import NOT_CONFIG, SAFE_NAME, Environment
-from jobs.clusters import ClusterProfile, merged
-from jobs.slurm.sections import NODE_PRESETS, LaunchSection, SlurmSection
+from jobs.config.clusters import ClusterProfile, merged
+from jobs.config.sections import NODE_PRESETS, LaunchSection, SlurmSection
 from trainer.config import MODEL_DIMENSIONS, MODEL_PRESETS, TrainerConfig, check_trainer_sections
 
 # Slurm job names, file names and EDF names all come from run names (SAFE_NAME).
@@ -116,7 +116,7 @@ class Config(TrainerConfig):
     # The command line's CONFIG, overrides and config flags, shell-quoted (set by the CLI), so a
     # suggested `slipway ...` reads the same config the user's own command did.
     given_args: Optional[str] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
-    # The cluster profile merged in (jobs/clusters.py), None without one: the manifest records it
+    # The cluster profile merged in (jobs/config/clusters.py), None without one: the manifest records it
     # and the cluster's remembered bad nodes go by its name.
     cluster: Optional[ClusterProfile] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
 
@@ -324,7 +324,7 @@ def apply_override(raw: dict, dotted: str, value: Any) -> None:
 def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict[str, Any] | None = None,
                 cluster: Optional[ClusterProfile] = None) -> Config:
     """Read `configs/NAME.yaml` (or a path), merge the `cluster` profile in, apply `key=value`
-    overrides, validate: the config < the profile < the command line (jobs/clusters.py says why).
+    overrides, validate: the config < the profile < the command line (jobs/config/clusters.py says why).
 
     `sets` holds overrides already split into dotted key and typed value (the CLI's named flags).
     """
@@ -353,7 +353,7 @@ def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets:
                 settings: dict[str, Any] | None = None, cluster: Optional[ClusterProfile] = None) -> Config:
     """The config of file `path` from its raw tree (left as it is), the `cluster` profile merged in,
     the overrides, the named flags' `sets`, then `settings` (dotted key -> value, as an override's
-    value parses), validated: the config < the profile < the command line (jobs/clusters.py says why)."""
+    value parses), validated: the config < the profile < the command line (jobs/config/clusters.py says why)."""
     raw = merged(raw, cluster.settings) if cluster is not None else _copied(raw)
     given = {*(sets or {}), *(settings or {})}
     for item in overrides or []:
