@@ -41,7 +41,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from containers.context import (
-    ContextFile,
     HashCache,
     content_hashes,
     context_files,
@@ -237,11 +236,10 @@ class ImageResult:
     plan: ImagePlan
     squashfs: Optional[Path]  # None with do_import=False
     built: bool  # podman build ran
-    imported: bool  # enroot import ran
     seconds: float
     record: Optional[BuildRecord] = None
     notes: list[str] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, build, import
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, build, import (where it ran)
 
     @property
     def size(self) -> int | None:
@@ -322,8 +320,8 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
             make_current(plan, record)
         console.print(f"image up to date: {plan.squashfs} ({human(plan.squashfs.stat().st_size)}, "
                       f"tag {plan.tag})", highlight=False, markup=False)
-        return ImageResult(plan, plan.squashfs, built=False, imported=False, seconds=time.perf_counter() - t0,
-                           record=record, timings=timings)
+        return ImageResult(plan, plan.squashfs, built=False, seconds=time.perf_counter() - t0, record=record,
+                           timings=timings)
 
     if plan.build_on == "compute" and not here:
         if elsewhere is None:
@@ -331,8 +329,8 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
                             "(or set image.build_on: local)")
         elsewhere(plan)
         record = BuildRecord.read(plan.sidecar)
-        return ImageResult(plan, plan.squashfs if plan.exists else None, built=True, imported=plan.exists,
-                           seconds=time.perf_counter() - t0, record=record)
+        return ImageResult(plan, plan.squashfs if plan.exists else None, built=True, seconds=time.perf_counter() - t0,
+                           record=record)
 
     if plan.project is None:
         assert plan.project_error is not None
@@ -363,8 +361,7 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
         if not do_import:
             console.print(f"[green]built[/] {plan.tag} ({time.perf_counter() - t0:.1f} s); import skipped "
                           "(--no-import)", highlight=False)
-            return ImageResult(plan, None, built=built, imported=False, seconds=time.perf_counter() - t0,
-                               timings=timings)
+            return ImageResult(plan, None, built=built, seconds=time.perf_counter() - t0, timings=timings)
         if enroot is None:
             raise ToolError(f"enroot not found: install enroot (https://github.com/NVIDIA/enroot) or run `make "
                             f"image` on a node that has it; the podman image {plan.tag} is built")
@@ -378,8 +375,7 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
     seconds = time.perf_counter() - t0
     console.print(f"[green]image ready[/]: {escape(str(plan.squashfs))} ({human(record.size_bytes)}) in "
                   f"{seconds:.0f} s; {escape(plan.link.name)} -> {escape(plan.squashfs.name)}", highlight=False)
-    return ImageResult(plan, plan.squashfs, built=built, imported=True, seconds=seconds, record=record, notes=notes,
-                       timings=timings)
+    return ImageResult(plan, plan.squashfs, built=built, seconds=seconds, record=record, notes=notes, timings=timings)
 
 
 def next_steps(plan: ImagePlan, *, force: bool = False, do_import: bool = True, here: bool = False) -> list[str]:

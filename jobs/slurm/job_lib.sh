@@ -296,8 +296,8 @@ on_interrupt() {
 }
 # A job cancelled by `slipway cancel` is not waited on by a retry or a requeue, and cancel waits
 # for it (a bounded grace): its container gets CANCEL_REMOVE_WAIT s to be removed instead of a few.
-on_cancel() { trap '' TERM USR2; event "cancelled by slipway cancel"; REMOVE_WAIT=${CANCEL_REMOVE_WAIT:-0}; exit 140; }
-on_term() { trap '' TERM USR2; event "cancelled (SIGTERM)"; exit 143; }
+on_cancel() { trap '' TERM USR2; event "cancelled by slipway cancel"; REMOVE_WAIT=${CANCEL_REMOVE_WAIT:-0}; exit "$CANCEL_EXIT"; }
+on_term() { trap '' TERM USR2; event "cancelled (SIGTERM)"; exit "$TERM_EXIT"; }
 
 # on_exit: the end first, then the cleanup, none of it slow: background helpers stopped, a step
 # still running ended (bounded by STEP_STOP_WAIT s), this attempt's own container removed if

@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 
 from common.errors import ConfigError
 from common.layouts import ALLOC_CONF, ALLOC_CONF_NAMES, checkpoint_bytes, smaller_batch_hint
-from common.rundir import (BAD_INPUT_EXIT, HANG_EXIT, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE, REQUEUE_EXIT,
-                           CodeSnapshot, RunDir)
+from common.rundir import (BAD_INPUT_EXIT, CANCEL_EXIT, HANG_EXIT, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
+                           REQUEUE_EXIT, TERM_EXIT, CodeSnapshot, RunDir)
 from edf import Environment
 from jobs.config import Config
 from jobs.slurm.bad_nodes import bad_nodes_settings, merged_exclude
@@ -292,7 +292,7 @@ def _settings(cfg: Config, paths: RunDir, env: Environment, container_named: boo
         '[ -z "${SLIPWAY_IN_ALLOCATION:-}" ] || REQUEUE=0 NO_REQUEUE=\'slipway run: not requeued, run it again to resume\'',
         f"PREFLIGHT_TIMEOUT={s.preflight_timeout}",
         f"PREFLIGHT_EXIT={PREFLIGHT_EXIT} HANG_EXIT={HANG_EXIT} REQUEUE_EXIT={REQUEUE_EXIT} "
-        f"BAD_INPUT_EXIT={BAD_INPUT_EXIT}",
+        f"BAD_INPUT_EXIT={BAD_INPUT_EXIT} CANCEL_EXIT={CANCEL_EXIT} TERM_EXIT={TERM_EXIT}",
         f"STEP_STOP_WAIT={STEP_STOP_WAIT}",
         f"OOM_HINT={q(smaller_batch_hint(cfg))}",
         *bad_nodes_settings(cfg, paths.path.parent),
