@@ -8,7 +8,9 @@ dataclasses. Nothing downstream reads raw dicts.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -434,10 +436,26 @@ def resolve_config_path(name: str | Path) -> Path:
 
 
 def this_python() -> str:
-    """This interpreter, as a run without a container records it: its directory resolved (a
-    project reached through a symlink, `/home` for `/users`, is one path), its own name kept (a
-    venv's python is a link to the base interpreter, which would leave the venv)."""
-    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+    """This interpreter, as a run without a container records it (`interpreter`)."""
+    return interpreter(sys.executable)
+
+
+@functools.lru_cache(maxsize=256)
+def interpreter(path: str) -> str:
+    """The interpreter at `path` by what it is, not the alias that ran it: its directory resolved (a
+    project reached through a symlink, `/home` for `/users`, is one path) and the name there with
+    its version that is the same file (`python3.11` for a venv's `python` and `python3`). Not the
+    file it links to: a venv's python links to the base interpreter, which would leave the venv."""
+    if not os.path.isabs(path):  # a name the PATH finds where the job runs
+        return path
+    where = os.path.realpath(os.path.dirname(path))
+    same = os.path.realpath(os.path.join(where, os.path.basename(path)))
+    try:
+        versions = sorted(n for n in os.listdir(where) if re.fullmatch(r"python\d+\.\d+", n))
+    except OSError:  # not a directory here (a compute node's path): as given
+        return os.path.join(where, os.path.basename(path))
+    named = [n for n in versions if os.path.realpath(os.path.join(where, n)) == same]
+    return os.path.join(where, named[0] if named else os.path.basename(path))
 
 
 # libyaml's emitter where PyYAML has it: the same text, a third of the time (a sweep writes a thousand).
