@@ -110,13 +110,17 @@ def test_no_private_name_leaves_its_module(where):
     strays = []
     for path in paths:
         rel = path.relative_to(ROOT)
-        tree = ast.parse(path.read_text(), str(path))
-        bound = {}  # a name bound to a product module -> that module
         for line, module, names in _imports(path):
-            if _top(module) in packages:
-                private = [n for n in names if n.startswith("_") and not n.startswith("__")]
-                strays += [f"{rel}:{line} imports {', '.join(private)} from {module}"] if private else []
-                bound.update({n: f"{module}.{n}" for n in names} if names else {module.split(".")[0]: module})
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if _top(module) in packages and private:
+                strays.append(f"{rel}:{line} imports {', '.join(private)} from {module}")
+        tree = ast.parse(path.read_text(), str(path))
+        bound = set()  # the names bound here to the product's modules and objects
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and _top(node.module or "") in packages:
+                bound |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                bound |= {a.asname or a.name.split(".")[0] for a in node.names if _top(a.name) in packages}
         if where == "product":
             strays += [f"{rel}:{node.lineno} uses {node.value.id}.{node.attr}" for node in ast.walk(tree)
                        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
