@@ -428,7 +428,7 @@ def resolve_config_path(name: str | Path) -> Path:
     where = (f"in the working directory {cwd}, which is also the project root (runs/ goes there)" if root == cwd
              else f"in the working directory {cwd}; the project root, where runs/ goes, is {root} (SLIPWAY_PROJECT)")
     # The checkout this slipway runs from (an editable install, as `make setup` makes) may hold it.
-    home = Path(__file__).resolve().parent.parent
+    home = Path(__file__).resolve().parents[2]  # jobs/config/__init__.py in the checkout
     there = next((c for c in candidates if not c.is_absolute() and (home / c).is_file()), None)
     fix = (f"; the checkout slipway runs from has {there}: `cd {shlex.quote(str(home))}` first" if there and home != cwd
            else "; give a path, or run slipway from the directory that holds configs/")
