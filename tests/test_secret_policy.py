@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs.slurm.sections import NODE_PRESETS
+from jobs.config.sections import NODE_PRESETS
 from common.errors import ConfigError, bounded, shown
 from common.secret_plugins import plain
 from common.secrets import (PASSTHROUGH, REFERENCE, TEXT, file_findings, find_secrets, find_values, mask, name_words,
