@@ -206,7 +206,7 @@ def test_every_secret_shape_in_a_file_is_found():
 @pytest.mark.parametrize("name, content", [
     ("wandb_key", secrets.token_hex(20)), ("key.txt", secrets.token_hex(32)), ("ngc_key", "nvapi-" + "aZ3" * 20),
     ("secret_key.txt", next(k for k in iter(lambda: secrets.token_urlsafe(32), None) if refusal(k, policy=TEXT))),
-])
+], ids=["wandb_key", "key.txt", "ngc_key", "secret_key.txt"])  # a random value in an id splits xdist's workers
 def test_a_key_alone_in_a_file_is_refused_naming_it(checkout, name, content):
     (checkout / "trainer" / name).write_text(content + "\n")
     git(checkout, "add", "-f", "trainer")
