@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 
 import tomli_w
 
-from edf.environment import Environment, Expansion, Mount, is_local_image, split_expansions
+from edf.environment import SAFE_NAME, Environment, Expansion, Mount, is_local_image, split_expansions
 from common.errors import ConfigError, bounded, bounded_path, shown, warn
 from common.secrets import PASSTHROUGH, refusal, warning
 from common.yaml import MAX_DEPTH, MAX_TEXT, read_text_bounded
@@ -27,12 +27,9 @@ from common.fs import write_atomic
 
 TOP_KEYS = ("base_environment", "image", "workdir", "entrypoint", "writable", "mounts", "env", "annotations")
 MAX_BASE_DEPTH = 10  # "Supports up to 10 levels of recursion" (EDF reference)
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
-# --------------------------------------------------------------------------
-# Render and parse
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- Render and parse
 
 
 def render_edf(env: Environment) -> str:
@@ -80,19 +77,24 @@ def parse_edf(source: Union[str, os.PathLike]) -> Environment:
     path: Optional[Path] = None
     if isinstance(source, os.PathLike) or ("\n" not in source and "=" not in source and source.strip()):
         path = Path(source)
-        try:
-            text = read_text_bounded(path, str(path))
-        except FileNotFoundError:
-            raise ConfigError(str(path), "no such EDF file: check the path, or pass the TOML text itself") from None
-        except OSError as exc:
-            raise ConfigError(str(path), f"cannot read this EDF: {exc.strerror or exc}") from None
+        text = _read(path, "no such EDF file: check the path, or pass the TOML text itself")
     else:
         text = str(source)
-    origin = f"{path}:" if path is not None else ""
-    doc = load_toml(text, str(path) if path else "EDF")
-    env = from_document(doc, origin)
+    env, problems = _from_document(load_toml(text, str(path) if path else "EDF"), f"{path}:" if path else "")
+    if problems:
+        raise problems[0]
     env.source = path
     return env
+
+
+def _read(path: Path, missing: str) -> str:
+    """The text of the EDF file `path`; a missing or unreadable one is a one-line error naming it."""
+    try:
+        return read_text_bounded(path, str(path))
+    except FileNotFoundError:
+        raise ConfigError(str(path), missing) from None
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read this EDF: {exc.strerror or exc}") from None
 
 
 def load_toml(text: str, where: str) -> dict[str, Any]:
@@ -121,16 +123,9 @@ def _depth(value: Any, limit: int) -> int:
     return 1 + max((_depth(v, limit - 1) for v in items), default=0)
 
 
-def from_document(doc: dict[str, Any], origin: str = "") -> Environment:
-    """The model from a parsed EDF table; `origin` prefixes the keys in errors."""
-    env, problems = _from_document(doc, origin)
-    if problems:
-        raise problems[0]
-    return env
-
-
 def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[ConfigError]]:
-    """The model built from every well-typed key, and every problem found (not only the first)."""
+    """The model built from every well-typed key of a parsed EDF table, and every problem found (not
+    only the first); `origin` prefixes the keys in errors."""
     problems: list[ConfigError] = []
     unknown = [k for k in doc if k not in TOP_KEYS]
     for key in unknown:
@@ -194,16 +189,13 @@ def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *
     path = Path(source)
     origin = f"{path}:"
     try:
-        doc = load_toml(read_text_bounded(path, str(path)), str(path))
-    except FileNotFoundError:
-        return None, [ConfigError(str(path), "no such EDF file: check the path")]
-    except OSError as exc:
-        return None, [ConfigError(str(path), f"cannot read this EDF: {exc.strerror or exc}")]
+        text = _read(path, "no such EDF file: check the path")
+        doc = load_toml(text, str(path))
     except ConfigError as exc:
         return None, [exc]
     env, problems = _from_document(doc, origin)
     env.source = path
-    for line in secret_lines(read_text_bounded(path, str(path)), str(path)):
+    for line in secret_lines(text, str(path)):
         warn(line)
     resolved = env
     if not problems and env.base_environment:
@@ -297,9 +289,7 @@ def _flatten(table: dict[str, Any], where: str, prefix: str, out: dict[str, str]
             problems.append(ConfigError(f"{where}.{full}", f'expected a string such as "true", got {shown(value)}'))
 
 
-# --------------------------------------------------------------------------
-# EDF_PATH and base environments
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- EDF_PATH and base environments
 
 
 def edf_search_path(edf_path: Optional[str] = None) -> list[Path]:
@@ -402,9 +392,7 @@ def _merge(base: Environment, child: Environment) -> Environment:
     )
 
 
-# --------------------------------------------------------------------------
-# Writing
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- Writing
 
 
 def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = False) -> Path:
