@@ -165,20 +165,6 @@ def step_name(step: str) -> str:
     return step if len(step) <= 100 else step[:99] + "…"
 
 
-def _find(known: Known, body: list[str]) -> Optional[tuple[str, re.Match]]:
-    hits = [(line, m) for line in body if (m := known.pattern.search(line))]
-    if not hits:
-        return None
-    return hits[0] if known.first else hits[-1]
-
-
-def _fallback(body: list[str]) -> str:
-    ends = [line for line in body if _TRACEBACK_END.match(line)]
-    errors = [line for line in body if ERROR_LIKE.search(line)]
-    pick = ends[-1] if ends else errors[-1] if errors else body[-1] if body else "(no output)"
-    return excerpt(pick)
-
-
 def diagnose_build(text: str, *, build_args: dict[str, str], log: Path, rc: int) -> str:
     """One line for a failed `podman build`: where, the line that explains it, the fix, the log."""
     step, body = failing_step(text.splitlines())
@@ -196,19 +182,19 @@ def diagnose_build(text: str, *, build_args: dict[str, str], log: Path, rc: int)
                         "network_host: true), or install offline from image.wheelhouse"),
     }
     for known in KNOWN:
-        if known.from_step_only and not from_step:
+        hits = [(line, m) for line in body if (m := known.pattern.search(line))]
+        if not hits or (known.from_step_only and not from_step):
             continue
-        found = _find(known, body)
-        if found is None:
-            continue
-        quote = excerpt(*found, limit=known.quote_max)
+        quote = excerpt(*hits[0 if known.first else -1], limit=known.quote_max)
         fix = (known.flash_fix if flash_step and known.flash_fix else known.fix).format(**values)
         fix = f". Fix: {fix}" if fix else ""
         if known.name == "pull":
             return f"podman could not pull the base image {build_args.get('BASE_IMAGE')}: {quote}{fix}; full log: {log}"
         return f"podman build failed at {where} (exit {rc}): {quote}{fix}; full log: {log}"
-    hint = ""
-    if flash_step:
-        hint = (". Fix: flash-attn builds against the base's torch and CUDA: " + WHEEL_ROUTE +
-                ", lower MAX_JOBS if the compiler was killed, or set image.flash_attn: false")
-    return f"podman build failed at {where} (exit {rc}): {_fallback(body)}{hint}; full log: {log}"
+    # Nothing known: the last line that ends a traceback, else the last error-like one, else the last.
+    ends = [line for line in body if _TRACEBACK_END.match(line)]
+    errors = [line for line in body if ERROR_LIKE.search(line)]
+    pick = ends[-1] if ends else errors[-1] if errors else body[-1] if body else "(no output)"
+    hint = (". Fix: flash-attn builds against the base's torch and CUDA: " + WHEEL_ROUTE + ", lower MAX_JOBS if "
+            "the compiler was killed, or set image.flash_attn: false") if flash_step else ""
+    return f"podman build failed at {where} (exit {rc}): {excerpt(pick)}{hint}; full log: {log}"

@@ -13,6 +13,7 @@ import re
 import shutil
 import socket
 import time
+from collections import deque
 from pathlib import Path
 
 from rich.console import Console
@@ -21,7 +22,7 @@ from rich.markup import escape
 from common.environ import as_typed
 from common.fs import pid_alive
 from containers.plan import ImagePlan
-from containers.tools import Container, Enroot, Podman, Tail, ToolError, squashfs_ok
+from containers.tools import Container, Enroot, Podman, ToolError, squashfs_ok
 
 # enroot unpacks the image (its uncompressed size) before squashing it to about half.
 SQUASH_RATIO = 0.5
@@ -131,7 +132,7 @@ def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Cons
         stale.unlink(missing_ok=True)
     tmp = plan.temp_squashfs
     tmp.unlink(missing_ok=True)
-    tail = Tail(40)
+    tail = deque(maxlen=40)
     try:  # what exists before, so the cleanup after can tell this import's container from others
         before: set[str] | None = {c.id for c in podman.containers(Enroot.CONTAINER_FILTER)}
     except ToolError as exc:
@@ -149,7 +150,7 @@ def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Cons
 
                 def on_line(line: str) -> None:
                     log.write(line + "\n")
-                    tail(line)
+                    tail.append(line)
                     printed.update(_CONTAINER_ID.findall(line))
                     status.update(f"enroot import: {escape(line[:100])}")
 
@@ -166,11 +167,11 @@ def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Cons
                 notes.append(f"enroot exited {rc} but the squashfs reads back whole: kept{why}")
                 console.print(f"[yellow]note:[/] {escape(notes[-1])}", highlight=False)
             else:
-                text = tail.text()
+                text = "\n".join(tail)
                 if _NO_SPACE.search(text):
                     raise ToolError(f"enroot import ran out of disk: free space in {plan.output_dir} and "
                                     f"{Enroot.temp_dir()} (ENROOT_TEMP_PATH); log: {plan.log}")
-                last = tail.lines[-1].strip()[:300] if tail.lines else ""
+                last = tail[-1].strip()[:300] if tail else ""
                 raise ToolError(f"enroot import failed (exit {rc}): {last}; the podman image {plan.tag} is built, "
                                 f"rerun to retry the import; log: {plan.log}")
         if not tmp.is_file():
