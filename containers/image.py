@@ -45,7 +45,6 @@ from containers.context import (
     HashCache,
     content_hashes,
     context_files,
-    input_digests,
     materialize_context,
     project_root,
     project_version,
@@ -146,10 +145,8 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
     cache = HashCache(out / ".hashcache.json")
     wheels = "".join(f"{f.dest} {cache.digest(f.src)}\n" for f in files if f.dest.startswith("wheels/"))
     build_args = _build_args(cfg, root, hashlib.sha256(wheels.encode()).hexdigest()[:16] if wheels else "", git)
-    dockerfile_text = dockerfile.read_text()
-    digest, image_digest = content_hashes(dockerfile=dockerfile_text, build_args=build_args,
-                                          squash_options=image.squash_options, files=files, cache=cache)
-    inputs = input_digests(dockerfile_text, files, cache)
+    digest, image_digest, inputs = content_hashes(dockerfile=dockerfile.read_text(), build_args=build_args,
+                                                  squash_options=image.squash_options, files=files, cache=cache)
     cache.save()
     h12 = digest[:12]
     try:
@@ -242,10 +239,6 @@ class ImageResult:
     record: Optional[BuildRecord] = None
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, build, import (where it ran)
-
-    @property
-    def size(self) -> int | None:
-        return self.squashfs.stat().st_size if self.squashfs and self.squashfs.is_file() else None
 
 
 def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:

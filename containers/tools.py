@@ -124,19 +124,23 @@ class Podman:
     def image_exists(self, tag: str) -> bool:
         return _capture([self.exe, "image", "exists", tag])[0] == 0
 
+    def _inspect(self, tag: str, template: str) -> str:
+        """`podman image inspect --format TEMPLATE` of `tag`; "" where it fails."""
+        rc, out = _capture([self.exe, "image", "inspect", "--format", template, tag])
+        return out if rc == 0 else ""
+
     def image_size(self, tag: str) -> int | None:
         """Uncompressed size in bytes (what enroot unpacks before squashing)."""
-        rc, out = _capture([self.exe, "image", "inspect", "--format", "{{.Size}}", tag])
-        return int(out.strip()) if rc == 0 and out.strip().isdigit() else None
+        out = self._inspect(tag, "{{.Size}}").strip()
+        return int(out) if out.isdigit() else None
 
     def image_id(self, tag: str) -> str | None:
-        rc, out = _capture([self.exe, "image", "inspect", "--format", "{{.Id}}", tag])
-        return out.strip() or None if rc == 0 else None
+        return self._inspect(tag, "{{.Id}}").strip() or None
 
     def image_env(self, tag: str) -> dict[str, str]:
         """The image's ENV (its base's included: NGC's CUDA_VERSION); {} when it cannot be read."""
-        rc, out = _capture([self.exe, "image", "inspect", "--format", "{{range .Config.Env}}{{println .}}{{end}}", tag])
-        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line) if rc == 0 else {}
+        out = self._inspect(tag, "{{range .Config.Env}}{{println .}}{{end}}")
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
     def _rows(self, *argv: str) -> list:
         """The rows `podman ARGV` (a listing with `--format json`) prints; a ToolError where it fails."""
@@ -202,17 +206,13 @@ class Container:
     image: str  # the reference it was created from, e.g. localhost/slipway:0123456789ab
     image_id: str
     state: str  # created, exited, running, ...
-    created: float  # seconds since the epoch
     labels: dict = field(default_factory=dict)  # its image's labels, which podman gives the containers made from it
 
     @classmethod
     def from_ps(cls, row: dict) -> "Container":
-        names = row.get("Names") or [""]
-        created = row.get("Created")
-        labels = row.get("Labels")
+        names, labels = row.get("Names") or [""], row.get("Labels")
         return cls(id=str(row.get("Id", "")), name=str(names[0]), image=str(row.get("Image", "")),
                    image_id=str(row.get("ImageID", "")), state=str(row.get("State", "")).lower(),
-                   created=float(created) if isinstance(created, (int, float)) else 0.0,
                    labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {})
 
 

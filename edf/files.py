@@ -35,26 +35,19 @@ MAX_BASE_DEPTH = 10  # "Supports up to 10 levels of recursion" (EDF reference)
 def render_edf(env: Environment) -> str:
     """The EDF for `env`, unspecified keys left out. `mount_home` (pyxis only) is not part of it."""
     env.check()
-    doc: dict[str, Any] = {}
-    if env.base_environment:
-        doc["base_environment"] = list(env.base_environment)
-    if env.image:
-        doc["image"] = env.image
-    if env.workdir is not None:
-        doc["workdir"] = env.workdir
-    if env.entrypoint is not None:
-        doc["entrypoint"] = env.entrypoint
-    if env.writable is not None:
-        doc["writable"] = env.writable
-    if env.mounts:
-        doc["mounts"] = [m.spec() for m in env.mounts]
-    if env.env or env.env_from_host:
+    doc = {  # None, and an empty list or table, is "not specified"
+        "base_environment": list(env.base_environment) or None,
+        "image": env.image or None,
+        "workdir": env.workdir,
+        "entrypoint": env.entrypoint,
+        "writable": env.writable,
+        "mounts": [m.spec() for m in env.mounts] or None,
         # env_from_host as a reference the Container Engine expands from srun's environment:
         # the name is written, never the value.
-        doc["env"] = {**env.env, **{name: f"${{{name}}}" for name in env.env_from_host}}
-    if env.annotations:
-        doc["annotations"] = _nest(env.annotations)
-    return tomli_w.dumps(doc)
+        "env": {**env.env, **{name: f"${{{name}}}" for name in env.env_from_host}} or None,
+        "annotations": _nest(env.annotations) or None,
+    }
+    return tomli_w.dumps({key: value for key, value in doc.items() if value is not None})
 
 
 def _nest(flat: dict[str, str]) -> dict[str, Any]:
