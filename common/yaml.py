@@ -147,8 +147,6 @@ def read_yaml(text: str, source: str, *, lines: bool = True) -> Any:
                                  "indentation there") from None
 
 
-
-
 def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:
     """The UTF-8 text of `path`, refused (without reading it all) when larger than `limit`; a path
     that is no regular file (a FIFO, a device) raises NotRegularFile at once, never blocks."""

@@ -407,9 +407,7 @@ def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = Fal
             return path
         if not force:
             raise ConfigError(str(path), "already exists with different content: pass --force to overwrite it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, text)
-    return path
+    return write_atomic(path, text)  # its directory made where missing
 
 
 def install_edf(env: Environment, name: str, edf_path: Optional[str] = None, force: bool = False) -> Path:
@@ -418,6 +416,4 @@ def install_edf(env: Environment, name: str, edf_path: Optional[str] = None, for
     if not SAFE_NAME.match(name) or name.endswith(".toml"):
         raise ConfigError("container.edf_name", f"{name!r} is not a safe EDF name: use 1-100 letters, digits, "
                                                 "'.', '_' or '-', starting with a letter or digit, without .toml")
-    directory = edf_search_path(edf_path)[0]
-    directory.mkdir(parents=True, exist_ok=True)
-    return write_edf(env, directory / f"{name}.toml", force=force)
+    return write_edf(env, edf_search_path(edf_path)[0] / f"{name}.toml", force=force)

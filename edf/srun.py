@@ -19,7 +19,6 @@ batch script expands what the Container Engine would.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -47,11 +46,9 @@ class SrunFlags:
     def expanded(self, environ: Optional[dict[str, str]] = None) -> tuple[list[str], dict[str, str]]:
         """(args, exports) with `${VAR}` taken from `environ` (default: this process's), for an
         srun started without a shell (`slipway shell`); an unset variable is a one-line error."""
-        environ = dict(os.environ) if environ is None else environ
         args = [expand_host(a, "container", environ) for a in self.args]
         exports = {name: expand_host(value, f"container.env.{name}", environ) for name, value in self.exports}
         return args, exports
-
 
 
 def srun_flags(env: Environment, edf_file: Optional[Path] = None, edf_path: Optional[str] = None) -> SrunFlags:
