@@ -50,6 +50,7 @@ def _re(text: str) -> re.Pattern:
     return re.compile(text, re.I)
 
 
+CHROOT_ROUTE = "set image.isolation: chroot (RUN steps then run without an OCI runtime)"
 WHEEL_ROUTE = ("put a flash_attn wheel built for this base's Python, torch and CUDA into image.wheelhouse "
                "(installed instead of compiling)")
 KNOWN: tuple[Known, ...] = (
@@ -65,11 +66,9 @@ KNOWN: tuple[Known, ...] = (
           "image.base_image to an image podman has locally", from_step_only=True),
     Known("cgroups", _re(r"cgroups? in hybrid mode not supported|cannot (set up|create|enter) cgroup|"
                          r"cgroup.*(not supported|read-only file system|no such file or directory)"),
-          "podman's OCI runtime cannot create containers with this host's cgroups: set image.isolation: chroot "
-          "(RUN steps then run without an OCI runtime)"),
+          "podman's OCI runtime cannot create containers with this host's cgroups: " + CHROOT_ROUTE),
     Known("setrlimit", _re(r"setrlimit"),
-          "podman's OCI runtime may not set the container's resource limits here: set image.isolation: chroot "
-          "(RUN steps then run without an OCI runtime)"),
+          "podman's OCI runtime may not set the container's resource limits here: " + CHROOT_ROUTE),
     Known("subuid", _re(r"newuidmap|newgidmap|not enough (UIDs|IDs|GIDs)|cannot find UID/GID for user|"
                         r"insufficient UIDs or GIDs"),
           "rootless podman needs subordinate IDs for your user: an admin adds `USER:100000:65536` to /etc/subuid "
