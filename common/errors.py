@@ -95,7 +95,6 @@ def bounded_path(path: object) -> str:
     return f"{text[:half]}...{text[-half:]}"
 
 
-
 def shown(value: Any, where: str = "") -> str:
     """A value as the user wrote it, for error messages: at most about MAX_SHOWN characters
     (a long string, a deep or shared list or a huge number is cut, never printed whole), and

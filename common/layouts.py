@@ -93,17 +93,21 @@ def gpu_memory_estimate(model: Any, micro_batch_size: int, seq_len: int, dp: int
     `model` is a ModelSection. Arithmetic, not a measurement."""
     params = model.num_params()
     tokens = micro_batch_size * seq_len
-    per_token_block = (12 * model.hidden_size + 4 * model.intermediate_size) * 2
-    blocks = model.num_layers
-    if activation_checkpointing == "full":  # block inputs kept, one block's whole activations at a time
-        activations = tokens * (blocks * model.hidden_size * 2 + per_token_block)
-    else:
-        activations = tokens * per_token_block * blocks * (0.5 if activation_checkpointing == "selective" else 1.0)
-    per_block = params / blocks  # gathered bf16 weights: every block's, or two at a time
+    per_block = params / model.num_layers  # gathered bf16 weights: every block's, or two at a time
     return {"state": 16 * params / dp,
             "gathered": 2 * (2 * per_block if reshard_after_forward else params),
-            "activations": activations,
+            "activations": activation_bytes(model, tokens, 2, 1, activation_checkpointing),
             "logits": 10 * tokens * model.padded_vocab_size}
+
+
+def activation_bytes(model: Any, tokens: int, width: int, tp: int, activation_checkpointing: str) -> float:
+    """Activations of `tokens` through every block, `width` bytes a value, split by `tp`: about (12 x
+    hidden + 4 x intermediate) values per token per block, half that with selective checkpointing;
+    with full, the block inputs and one block's whole activations at a time."""
+    per_token_block = (12 * model.hidden_size + 4 * model.intermediate_size) * width / tp
+    if activation_checkpointing == "full":
+        return tokens * (model.num_layers * model.hidden_size * width + per_token_block)
+    return tokens * per_token_block * model.num_layers * (0.5 if activation_checkpointing == "selective" else 1.0)
 
 
 def resolve_reshard(cfg: Any) -> tuple[bool, str]:
@@ -202,12 +206,7 @@ def process_memory(cfg: Any, micro_batch_size: Optional[int] = None, seq_len: Op
     fsdp = parallel.dp_mode == "fsdp" and parallel.dp > 1
     state = 16 * params / (parallel.dp if fsdp else 1)
     gathered = width * params if fsdp else 0.0
-    per_token_block = (12 * model.hidden_size + 4 * model.intermediate_size) * width / parallel.tp
-    if train.activation_checkpointing == "full":
-        activations = tokens * (model.num_layers * model.hidden_size * width + per_token_block)
-    else:
-        activations = tokens * per_token_block * model.num_layers * (
-            0.5 if train.activation_checkpointing == "selective" else 1.0)
+    activations = activation_bytes(model, tokens, width, parallel.tp, train.activation_checkpointing)
     logits = 10 * tokens * model.padded_vocab_size / (parallel.tp if parallel.loss_parallel else 1)
     return PROCESS_BASE_BYTES + state + gathered + activations + logits
 
@@ -275,13 +274,10 @@ def cpu_step_seconds(cfg: Any, matmul_flops_per_s: float) -> float:
     return step_flops(cfg) / (matmul_flops_per_s * CPU_STEP_EFFICIENCY)
 
 
-# One checkpoint holds the fp32 weights and AdamW's two moments: about 12 bytes a parameter.
-CHECKPOINT_BYTES_PER_PARAM = 12
-
-
 def checkpoint_bytes(num_params: int) -> int:
-    """The room one more checkpoint of a model of `num_params` parameters needs."""
-    return CHECKPOINT_BYTES_PER_PARAM * num_params
+    """The room one more checkpoint of a model of `num_params` parameters needs: the fp32 weights and
+    AdamW's two moments, about 12 bytes a parameter."""
+    return 12 * num_params
 
 
 def size(n: float) -> str:

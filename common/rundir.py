@@ -141,7 +141,6 @@ class CodeSnapshot:
         return {CODE_ENV: self.dir, "PYTHONPATH": ":".join(path), "PYTHONSAFEPATH": "1"}
 
 
-
 def check_code(package_file: str, environ: Optional[dict] = None) -> Optional[str]:
     """Where the running `trainer` package comes from, against the snapshot the launch named
     ($SLIPWAY_CODE): None when it is the snapshot's (or none was named), else why not, in one line."""

@@ -122,20 +122,14 @@ class BuildRecord:
 
     @classmethod
     def from_json(cls, data: object) -> Optional["BuildRecord"]:
-        """The record in a parsed JSON document, or None if it is not one (unknown keys ignored)."""
+        """The record in a parsed JSON document, or None if it is not one (unknown keys ignored; a
+        value of the wrong type, as in a damaged record, leaves its field's default)."""
         if not isinstance(data, dict) or not all(isinstance(data.get(k), str) and data.get(k)
                                                  for k in ("name", "hash", "tag", "squashfs")):
             return None
         known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        for key, kind in (("build_args", dict), ("build_env", dict), ("inputs", dict)):
-            if key in values and not isinstance(values[key], kind):
-                values.pop(key)
-        if not isinstance(values.get("size_bytes", 0), int):
-            values.pop("size_bytes")
-        if not isinstance(values.get("project", ""), str):
-            values.pop("project")
-        return cls(**values)
+        kinds = {"build_args": dict, "build_env": dict, "inputs": dict, "size_bytes": int, "project": str}
+        return cls(**{k: v for k, v in data.items() if k in known and isinstance(v, kinds.get(k, object))})
 
     @classmethod
     def read(cls, path: Path) -> Optional["BuildRecord"]:

@@ -28,6 +28,7 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 ANNOTATION_KEY = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}")
+_DOLLAR = re.compile(rf"\$\$|{EXPANSION.pattern}|\$\{{")  # what `split_expansions` reads; a lone `$` is text
 
 # Bind-mount options of enroot's mount helper (what pyxis and the Container
 # Engine pass them to), plus `sqsh`, which the Container Engine alone takes
@@ -44,9 +45,7 @@ SQSH = "sqsh"
 MOUNT_FLAGS = BIND_FLAGS | {SQSH}
 
 
-# --------------------------------------------------------------------------
-# `${VAR}` syntax
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- `${VAR}` syntax
 
 
 @dataclass(frozen=True)
@@ -63,35 +62,20 @@ def split_expansions(value: str, where: str) -> list[Union[str, Expansion]]:
     A `$` followed by neither `$` nor `{` is literal text, as in the shell.
     """
     pieces: list[Union[str, Expansion]] = []
-    literal: list[str] = []
-    i = 0
-    while i < len(value):
-        j = value.find("$", i)
-        if j < 0:
-            literal.append(value[i:])
-            break
-        literal.append(value[i:j])
-        nxt = value[j + 1: j + 2]
-        if nxt == "$":
-            literal.append("$")
-            i = j + 2
-        elif nxt == "{":
-            m = EXPANSION.match(value, j)
-            if m is None:
-                bad = value[j: value.find("}", j) + 1 or len(value)]
-                raise ConfigError(where, f"{bad!r} in {shown(value, where)} is not a valid expansion: write ${{NAME}} or "
-                                         "${NAME:-default}, or $${ for a literal '${'")
-            if "".join(literal):
-                pieces.append("".join(literal))
-            literal = []
-            pieces.append(Expansion(m.group(1), m.group(0)))
-            i = m.end()
+    literal, i = "", 0
+    for m in _DOLLAR.finditer(value):
+        literal += value[i:m.start()]
+        i = m.end()
+        if m.group() == "$$":
+            literal += "$"
+        elif m.group(1) is None:  # `${` that starts no valid expansion
+            bad = value[m.start(): value.find("}", m.start()) + 1 or len(value)]
+            raise ConfigError(where, f"{bad!r} in {shown(value, where)} is not a valid expansion: write ${{NAME}} or "
+                                     "${NAME:-default}, or $${ for a literal '${'")
         else:
-            literal.append("$")
-            i = j + 1
-    if "".join(literal):
-        pieces.append("".join(literal))
-    return pieces
+            pieces += [literal, Expansion(m.group(1), m.group())]
+            literal = ""
+    return [p for p in [*pieces, literal + value[i:]] if p != ""]
 
 
 def references(value: str, where: str) -> list[str]:
@@ -101,24 +85,18 @@ def references(value: str, where: str) -> list[str]:
 
 def _split_outside_braces(text: str, sep: str) -> list[str]:
     """`text.split(sep)`, except inside `${...}` (a default may hold a ':')."""
-    parts, current, depth, i = [], [], 0, 0
-    while i < len(text):
+    parts, current, depth = [], "", 0
+    for i, ch in enumerate(text):
         if text.startswith("${", i):
             depth += 1
-            current.append("${")
-            i += 2
-            continue
-        ch = text[i]
-        if ch == "}" and depth:
+        elif ch == "}" and depth:
             depth -= 1
-        if ch == sep and not depth:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-        i += 1
-    parts.append("".join(current))
-    return parts
+        elif ch == sep and not depth:
+            parts.append(current)
+            current = ""
+            continue
+        current += ch
+    return [*parts, current]
 
 
 def check_path(value: str, where: str, what: str) -> None:
@@ -136,9 +114,7 @@ def check_path(value: str, where: str, what: str) -> None:
                              f"against the directory srun runs in): write {fix!r}")
 
 
-# --------------------------------------------------------------------------
-# The model
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- The model
 
 
 @dataclass(frozen=True)
@@ -359,15 +335,10 @@ class Environment:
                                                    "takes the submitting environment's value, never written down)")
             seen.add(name)
 
-    def missing_from_host(self, environ: Optional[dict[str, str]] = None) -> list[str]:
-        """The `env_from_host` names not set in `environ` (default: this process's)."""
-        environ = os.environ if environ is None else environ
-        return [name for name in self.env_from_host if name not in environ]
-
     def require_host_env(self, environ: Optional[dict[str, str]] = None) -> None:
-        """A one-line error if a variable of `env_from_host` is not set where the job is submitted
-        (or `slipway local`/`shell` run): the job would start without it."""
-        missing = self.missing_from_host(environ)
+        """A one-line error if a variable of `env_from_host` is not set in `environ` (default: this
+        process's) where the job is submitted (or `slipway local`/`shell` run): the job would start without it."""
+        missing = [name for name in self.env_from_host if name not in (os.environ if environ is None else environ)]
         if missing:
             names = ", ".join(missing)
             first = missing[0]

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir, read_registry, unavailable_reason
+from slurm_fixtures import job_info
 from test_e2e import (TINY, complete_checkpoints, job_state, resubmit_resumes, slipway, steps_logged, wait_for,
                       wait_job_end)
 from common.rundir import HANG_EXIT, PREFLIGHT_EXIT, HangLine
@@ -184,7 +185,7 @@ def test_a_node_failing_its_preflight_is_left_out_and_the_job_completes(project,
                             "node(s) (gloo): ") and "GB/s bus bandwidth" in e for e in log), log
     assert log[-1] == f"job {job_id} end exit 0"
     assert steps_logged(run_dir)[-1] == 6
-    info = cluster.job(job_id)
+    info = job_info(cluster, job_id)
     assert info["ExcNodeList"] == "slpwh-node2" and info["NodeList"] == "slpwh-node[1,3]"
 
     status = slipway("status", "badnode")

@@ -1379,7 +1379,7 @@ def test_real_podman_build_then_noop(tmp_path: Path, monkeypatch: pytest.MonkeyP
         prune_s = real_prune_of_import_leftovers(cfg, root, tmp_path)
         t = result.timings
         print(f"\n[real podman build] {build_s:.1f} s: build {t['build']:.1f} s ({log.count('Using cache')} steps "
-              f"cached), import {t['import']:.1f} s, squashfs {img.human(result.size)}; no-op {noop_s * 1000:.0f} ms; "
+              f"cached), import {t['import']:.1f} s, squashfs {img.human(result.record.size_bytes)}; no-op {noop_s * 1000:.0f} ms; "
               f"leftover + prune {prune_s:.1f} s; smoke: {smoke!r}")
     finally:
         # Keep this run's tag only: it holds podman's layer cache for the next run (removing the

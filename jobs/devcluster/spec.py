@@ -121,22 +121,11 @@ class ClusterSpec:
     def bridge(self) -> str:
         return f"{self.name}-br"
 
-    # files
-    @property
-    def conf(self) -> Path:
-        return self.state_dir / "slurm.conf"
-
-    @property
-    def munge_socket(self) -> Path:
-        return self.state_dir / "munge" / "munge.socket"
-
-    @property
-    def munge_key(self) -> Path:
-        return self.state_dir / "munge" / "munge.key"
-
-    @property
-    def log_dir(self) -> Path:
-        return self.state_dir / "log"
+    # files, all in the state dir
+    conf = property(lambda self: self.state_dir / "slurm.conf")
+    munge_socket = property(lambda self: self.state_dir / "munge" / "munge.socket")
+    munge_key = property(lambda self: self.state_dir / "munge" / "munge.key")
+    log_dir = property(lambda self: self.state_dir / "log")
 
     def hosts_lines(self) -> list[str]:
         """Each name with its address, also in the IPv4-mapped IPv6 form (::ffff:a.b.c.d): torch's
