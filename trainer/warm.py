@@ -258,9 +258,7 @@ class Warm:
         self.reports: dict[int, bytes] = {}  # a rank's report pipe -> what it said so far
         self.learned: set[str] = set()
         self.draining = False
-        self.wake_r, wake_w = os.pipe()
-        for fd in (self.wake_r, wake_w):
-            os.set_blocking(fd, False)
+        self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "draining", True))
