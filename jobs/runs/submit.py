@@ -22,7 +22,7 @@ from plumbum import local
 
 from edf import Environment, expand_host, render_edf, srun_flags
 from jobs import slurm
-from jobs.config import Config, config_changes, dump_config, load_config
+from jobs.config import Config, config_changes, dump_config, interpreter, load_config
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_code_store
@@ -30,7 +30,7 @@ from jobs.runs.image import ImagePin, container_project, kept_build, pin_image
 from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve_paths, run_environment
 from jobs.runs.manifest import Launch, Manifest
 from jobs.runs.run import Run, active_jobs, run_exists, runs_root, update_manifest
-from jobs.nodes import plan_exclusions
+from jobs.slurm.bad_nodes import plan_exclusions
 from jobs.slurm import warm as warm_ranks
 from jobs.slurm.script import library_files, render_prepare_sbatch, render_sbatch
 from common import environ
@@ -39,7 +39,7 @@ from common.schema import to_dict
 from common.fs import write_atomic
 from common.yaml import read_text_bounded
 from common.events import append_event, now_iso
-from common.secrets import refusal
+from common.secrets import TEXT, refusal
 from common.rundir import CodeSnapshot, RunDir, complete_checkpoints
 
 
@@ -97,7 +97,7 @@ def check_env_from_host(cfg: Config, environ: dict[str, str] | None = None) -> N
     for where, value in exports:
         listed = [v.split("=", 1)[0] for v in value.split(",")]
         for item, name in zip(value.split(","), listed):  # slurm.extra's were refused as the config was read
-            found = refusal(item.split("=", 1)[1], name=name) if "=" in item else None
+            found = refusal(item.split("=", 1)[1], name=name, policy=TEXT) if "=" in item else None
             if found is not None:
                 raise ConfigError(where, found.message())
         dropped = [n for n in names if "ALL" not in listed and n not in listed]
@@ -236,9 +236,13 @@ def config_difference(path: Path, new: str) -> Optional[str]:
     if old == new:
         return None
     try:
-        resolved = dump_config(load_config(path))
+        cfg = load_config(path)
     except ConfigError as exc:
         return f"a config this slipway no longer reads ({exc})"
+    resolved = dump_config(cfg)
+    if resolved != new and cfg.container.runtime == "none":  # its interpreter recorded by an alias (`python3`)
+        cfg.launch.python = interpreter(cfg.launch.python)
+        resolved = dump_config(cfg)
     return None if resolved == new else f"a different config ({config_changes(resolved, new)})"
 
 
