@@ -237,16 +237,16 @@ def _pools(env: dict, cpus: int) -> int:
 def _request(message: dict, fds: list[int]) -> dict:
     """`message` if it is a request as clients send it (and its three streams came), else ValueError."""
     kinds = {"argv": list, "executable": str, "env": dict, "cwd": str, "cpus": list, "umask": int}
-    if len(fds) != 3 or any(not isinstance(message.get(k), kind) for k, kind in kinds.items()) or not all(
-            isinstance(w, str) for w in (*message["argv"], *message["env"], *message["env"].values())) or \
-            not all(isinstance(c, int) for c in message["cpus"]) or len(message["argv"]) < 2:
+    words = [*message.get("argv", ()), *message.get("env", {}), *message.get("env", {}).values()]
+    if len(fds) != 3 or any(not isinstance(message.get(k), kind) for k, kind in kinds.items()) or \
+            not all(isinstance(w, str) for w in words) or {type(c) for c in message["cpus"]} - {int} or len(message["argv"]) < 2:
         raise ValueError("a request off the protocol")
     return message
 
 
 class Warm:
-    """The warm process's loop: one thread, selectors over its socket, the clients' connections,
-    the ranks' reports of their imports and a self-pipe for SIGCHLD and SIGTERM."""
+    """The warm process's loop: one thread, selectors over its socket, the clients' connections
+    (the ranks' too, at their end, to say what they imported) and a self-pipe for SIGCHLD and SIGTERM."""
 
     def __init__(self, listener: socket.socket, prefix: str, record: dict[str, str]):
         self.listener, self.prefix, self.record = listener, prefix, record  # record: the environment it started with
@@ -255,7 +255,6 @@ class Warm:
         self.ranks: dict[int, "socket.socket | None"] = {}  # pid -> its client's connection (None: gone)
         # A connection -> its challenge and deadline while unproven, then its rank's pid (0 before the fork).
         self.conns: dict[socket.socket, "tuple[str, float] | int"] = {}
-        self.reports: dict[int, bytes] = {}  # a rank's report pipe -> what it said so far
         self.learned: set[str] = set()
         self.draining = False
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -296,8 +295,6 @@ class Warm:
                         self.conns[conn] = (secrets.token_hex(16), time.monotonic() + PROOF_SECONDS)
                         self.sel.register(conn, selectors.EVENT_READ, conn)
                         _send(conn, {"challenge": self.conns[conn][0]})
-                elif isinstance(event.data, int):
-                    self.read_report(event.data)
                 elif (rank := self.receive(event.data, unsafe)) is not None:
                     return rank
 
@@ -310,17 +307,10 @@ class Warm:
             self.sel.unregister(conn)
             conn.close()
 
-    def read_report(self, fd: int) -> None:
-        if (data := os.read(fd, 65536)) and len(self.reports[fd]) < MAX_MESSAGE:
-            self.reports[fd] += data
-            return
-        self.sel.unregister(fd)
-        os.close(fd)
-        self.learned |= set(self.reports.pop(fd).decode(errors="replace").split())
-
     def receive(self, conn: socket.socket, unsafe: str) -> "dict | None":
-        """A client's message: its proof, its request, a signal for its rank. Anything else, or
-        nothing (the client is gone: so is its rank, reaped later), ends that connection only."""
+        """A client's message: its proof, its request, a signal for its rank, or a rank's imports at
+        its end. Anything else, or nothing (the client is gone: so is its rank, reaped later), ends
+        that connection only."""
         fds, state = [], self.conns[conn]
         try:
             data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
@@ -333,6 +323,9 @@ class Warm:
                 _send(conn, {"answer": _mac(self.secret, message.get("challenge"))})
             elif state:
                 _kill(state, int(message["signal"]))
+            elif isinstance(message.get("imported"), list):
+                self.learned |= {name for name in message["imported"] if isinstance(name, str)}
+                self.close(conn)
             else:
                 request, streams, fds = _request(message, fds), fds, []  # fork() owns the streams now
                 return self.fork(conn, request, streams, unsafe)
@@ -348,8 +341,8 @@ class Warm:
         return None
 
     def fork(self, conn: socket.socket, request: dict, fds: list[int], unsafe: str) -> "dict | None":
-        """Fork the rank `request` asks for (the child returns it, with its streams and report
-        pipe), or answer why it starts cold."""
+        """Fork the rank `request` asks for (the child returns it, with its streams), or answer why
+        it starts cold."""
         request["path"] = _rank_path(request, self.base_path)
         request["set"] = {k: os.environ.get(k) for k in {*os.environ, *self.record} if os.environ.get(k) != self.record.get(k)}
         if why := unsafe or self.refusal(request):
@@ -357,19 +350,15 @@ class Warm:
             for fd in fds:
                 os.close(fd)
             return self.close(conn)
-        report_r, report_w = os.pipe()
         if (child := os.fork()) == 0:  # the rank: nothing of the loop's goes with it
             signal.set_wakeup_fd(-1)
             for c in [*self.conns, *([self.listener] if self.listener.fileno() >= 0 else [])]:
                 c.close()
             self.sel.close()
-            for fd in (self.wake_r, report_r, *self.reports):
-                os.close(fd)
-            return {**request, "fds": fds, "report": report_w}
-        for fd in (*fds, report_w):
+            os.close(self.wake_r)
+            return {**request, "fds": fds, "prefix": self.prefix}
+        for fd in fds:
             os.close(fd)
-        self.reports[report_r] = b""
-        self.sel.register(report_r, selectors.EVENT_READ, report_r)
         self.conns[conn], self.ranks[child] = child, conn
         _send(conn, {"pid": child})
         return None
@@ -523,8 +512,8 @@ def finish(req: dict) -> int:
         own = tuple(os.path.abspath(p) + os.sep for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
         names = [name for name in set(sys.modules) - forked_with if name.split(".")[0] not in OWN and not (
             own and os.path.abspath(getattr(sys.modules.get(name), "__file__", None) or "").startswith(own))]
-        with contextlib.suppress(OSError), os.fdopen(req["report"], "w") as out:
-            out.write("\n".join(sorted(names)))
+        with contextlib.suppress(Cold, OSError, ValueError):
+            _send(_connect(req["prefix"]), {"imported": names})
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):

@@ -410,12 +410,12 @@ ensure_container() { :; }
 
 # node_check CODE_DIR CODE_SHA256 IMAGE_FILE IMAGE_SHA256 IMAGE_SIZE IMAGE_MTIME [KEPT IDENTITY
 # [WARM_SOCKET]] (on a node, one task each): one line, `slipway-verify NODE ok` (`ok warm`: the
-# user's warm process of WARM_SOCKET listens there, on its socket in the user's own folder; `ok
-# cgroup`: Slurm tracks this job's processes by cgroup, where a forked rank would be the warm
-# step's), `... differs: WHAT` (what the job runs is not what was submitted), or `... node: WHAT`
-# (this node could not ready the kept container KEPT).
+# user's warm process listens on WARM_SOCKET there, in the user's folder; `ok cgroup`: Slurm tracks
+# the job's processes by cgroup), `... differs: WHAT` (what the job runs is not what was
+# submitted), or `... node: WHAT` (this node could not ready the kept container KEPT).
 node_check() {
-  local n=${SLURMD_NODENAME:-$(hostname)} why w="${9:-}-${SLURMD_NODENAME:-$(hostname)}.sock"
+  local n=${SLURMD_NODENAME:-$(hostname)} why w
+  w="${9:-}-$n.sock"
   if [ -n "$1" ] && ! why=$(verify_code "$1" "$2"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if ! why=$(verify_image "$3" "$4" "$5" "$6"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if [ -n "${7:-}" ] && ! why=$(ensure_container "$7" "$3" "$8" 2>&1); then echo "slipway-verify $n node: $why"; return 0; fi
@@ -475,10 +475,9 @@ verify_nodes() {
 # trainer/warm.py): the allocation's warm steps of another key are asked to stop (SIGTERM: they
 # take no more ranks and end once theirs have), and a warm step is started on the nodes where
 # verify_nodes found none (WARM_COLD), then waited for until each has bound its socket (or said
-# why it cannot), at most PREFLIGHT_TIMEOUT s: it imports after that, and the ranks that come
-# meanwhile wait. A warm step that cannot start costs nothing but the wait: each rank then starts
-# cold, and says so (`slipway run` tells each rank's start in events.log). Where Slurm tracks the
-# job's processes by cgroup (WARM_OFF), none is kept: a forked rank would be the warm step's.
+# why not), at most PREFLIGHT_TIMEOUT s: it imports after that, and the ranks that come meanwhile
+# wait. One that cannot start costs the wait: each rank then starts cold, and says so. Where Slurm
+# tracks the job's processes by cgroup (WARM_OFF), none: a forked rank would be the warm step's.
 warm_up() {
   local step name n waited=0 bound
   [ -n "${WARM_SOCKET:-}" ] || return 0
