@@ -31,7 +31,9 @@ from typing import Callable, Optional
 from common.edge import DEBUG_VARIABLE
 from common.environ import as_typed
 from common.metrics_log import format_duration
-from common.rundir import RunDir
+from common.errors import one_line
+from common.events import append_event
+from common.rundir import LOCAL_JOB, RunDir
 
 # Signals that stop a launch: the ranks are asked to save and stop (a closed terminal's SIGHUP
 # as SIGTERM, the signal Slurm stops a job with).
@@ -166,6 +168,7 @@ _RANK = re.compile(r"^\[rank(\d+)\]:\s?")  # torch's prefix of a rank's tracebac
 _TORCH_LOG = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+(?: +\d+)? \S+:\d+\]")
 _CPP_LOG = re.compile(r"^\[[IWEF] \S+\.(?:cpp|h|hpp|cc):\d+\]")  # older C++ warnings: [W socket.cpp:663]
 _CPP_TRACE = re.compile(r"^(frame #\d+: |Exception raised from |terminate called |  what\(\): |\(no backtrace)")
+_WARM = re.compile(r"^slipway-warm (\S+): (rank \d+|the node step) (?:started warm\b.*|starts cold: (.*))$")  # trainer/warm.py
 _BOX = re.compile(r"^={20,}\s*$")  # torchrun's failure report sits between two such lines
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
 _DELIBERATE = ("KeyboardInterrupt", "SystemExit", "torch.distributed.elastic.multiprocessing.api.SignalException",
@@ -273,6 +276,7 @@ class Output(threading.Thread):
         self._lock = threading.Lock()  # the log and the terminal, between this thread, the heartbeat's and notes
         self._last, self._last_at, self._stepping = "", time.monotonic(), False
         self._ended = threading.Event()
+        self._cold_said = False
 
     @property
     def error(self) -> str:
@@ -318,11 +322,24 @@ class Output(threading.Thread):
         finally:
             self._ended.set()
 
+    def _warm(self, node: str, what: str, why: Optional[str]) -> None:
+        """A rank's start as its task told it (trainer/warm.py): each in events.log, as it happens;
+        the first that should have been warm and started cold on the terminal too."""
+        told = one_line(f"{what} on {node} started {'cold: ' + why if why is not None else 'warm'}")
+        with contextlib.suppress(OSError):
+            append_event(self.stopper.run_dir, LOCAL_JOB, f"warm: {told}")
+        if why is not None and not self._cold_said:
+            self._cold_said = True
+            self.note(f"warm: {told} (each rank's start: events.log)", terminal=True)
+
     def _copy(self) -> None:
         rank, root = None, False
         for line in iter(self.stream.readline, b""):
             text = line.decode(errors="replace")
-            shown = self.noise.shown(text)
+            warm = _WARM.match(text.rstrip("\n"))
+            if warm:
+                self._warm(*warm.groups())
+            shown = self.noise.shown(text) and not warm
             with self._lock:
                 if self.everything or (shown and self.stopper.signum is None):
                     # the trainer's suggestions, as this shell runs them with this run's config

@@ -409,16 +409,19 @@ on_every_node() {
 ensure_container() { :; }
 
 # node_check CODE_DIR CODE_SHA256 IMAGE_FILE IMAGE_SHA256 IMAGE_SIZE IMAGE_MTIME [KEPT IDENTITY
-# [WARM_NAME]] (on a node, one task each): one line, `slipway-verify NODE ok` (`ok warm`: the
-# warm process WARM_NAME has bound its name there: the abstract sockets of the node's network
-# namespace, which its containers share), `... differs: WHAT` (what the job runs is not what was
+# [WARM_SOCKET]] (on a node, one task each): one line, `slipway-verify NODE ok` (`ok warm`: the
+# user's warm process listens on WARM_SOCKET there, in the user's folder; `ok cgroup`: Slurm tracks
+# the job's processes by cgroup), `... differs: WHAT` (what the job runs is not what was
 # submitted), or `... node: WHAT` (this node could not ready the kept container KEPT).
 node_check() {
-  local n=${SLURMD_NODENAME:-$(hostname)} why
+  local n=${SLURMD_NODENAME:-$(hostname)} why w
+  w="${9:-}-$n.sock"
   if [ -n "$1" ] && ! why=$(verify_code "$1" "$2"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if ! why=$(verify_image "$3" "$4" "$5" "$6"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if [ -n "${7:-}" ] && ! why=$(ensure_container "$7" "$3" "$8" 2>&1); then echo "slipway-verify $n node: $why"; return 0; fi
-  if [ -n "${9:-}" ] && grep -qE " @$9\$" /proc/net/unix 2>/dev/null; then echo "slipway-verify $n ok warm"; return 0; fi
+  if [ -n "${9:-}" ] && grep -qs "/job_$SLURM_JOB_ID/" /proc/self/cgroup; then echo "slipway-verify $n ok cgroup"; return 0; fi
+  if [ -n "${9:-}" ] && [ ! -L "${w%/*}" ] && [ -O "${w%/*}" ] && [ -O "$w" ] && [ -S "$w" ] &&
+    awk -v w="$w" '$NF == w { found = 1 } END { exit !found }' /proc/net/unix; then echo "slipway-verify $n ok warm"; return 0; fi
   echo "slipway-verify $n ok"
 }
 
@@ -435,13 +438,14 @@ verify_nodes() {
   set +e
   out=$(on_every_node "$PREFLIGHT_TIMEOUT" slipway-verify "verify_code verify_image ensure_container enroot_data node_check" \
     node_check "$CODE_DIR" "$CODE_SHA256" "${IMAGE_FILE:-}" "${IMAGE_SHA256:-}" "${IMAGE_SIZE:-}" "${IMAGE_MTIME:-}" \
-    "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" "${WARM_NAME:-}" 2>&1)
+    "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" "${WARM_SOCKET:-}" 2>&1)
   rc=$?
   set -e
   for node in $NODES; do
     line=$(grep -F -m1 "slipway-verify $node " <<< "$out") || line=""
     case "$line" in
       "slipway-verify $node ok warm") ;;
+      "slipway-verify $node ok cgroup") WARM_OFF=$node ;;
       "slipway-verify $node ok") WARM_COLD+="$node " ;;
       "slipway-verify $node differs: "*) differ+="$node "; said[$node]=${line#*differs: }
         [ -n "$why" ] || why="${line#*differs: } (on $node)" ;;
@@ -470,31 +474,38 @@ verify_nodes() {
 # warm_up: under `slipway run`, the warm processes of this key on every node (jobs/slurm/warm.py,
 # trainer/warm.py): the allocation's warm steps of another key are asked to stop (SIGTERM: they
 # take no more ranks and end once theirs have), and a warm step is started on the nodes where
-# verify_nodes found none (WARM_COLD), then waited for until each has bound its name, at most
-# PREFLIGHT_TIMEOUT s: it imports after that, and the ranks that come meanwhile wait in its
-# backlog. A warm step that cannot start costs nothing but the wait: each rank then starts cold.
+# verify_nodes found none (WARM_COLD), then waited for until each has bound its socket (or said
+# why not), at most PREFLIGHT_TIMEOUT s: it imports after that, and the ranks that come meanwhile
+# wait. One that cannot start costs the wait: each rank then starts cold, and says so. Where Slurm
+# tracks the job's processes by cgroup (WARM_OFF), none: a forked rank would be the warm step's.
 warm_up() {
   local step name n waited=0 bound
-  [ -n "${WARM_NAME:-}" ] || return 0
+  [ -n "${WARM_SOCKET:-}" ] || return 0
+  if [ -n "${WARM_OFF:-}" ]; then
+    WARM_CLIENT=()
+    event "warm: off: Slurm tracks this job's processes by cgroup (on $WARM_OFF), where a rank forked by a warm process would be the warm step's, outside its own step's accounting and limits; every rank starts cold"
+    echo "slipway: warm ranks are off here: Slurm tracks this job's processes by cgroup; every rank starts cold"
+    return 0
+  fi
   while read -r step name; do
     case $name in
       "slipway-warm-$SLIPWAY_WARM_ID") ;;
       slipway-warm-*) if scancel --signal=TERM "$step" 2>/dev/null; then event "warm: stopping the warm processes of step $step (another key)"; fi ;;
     esac
   done < <(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null || true)
-  if [ -z "${WARM_COLD// /}" ]; then event "warm: ranks start from the warm processes on $NODES (key $SLIPWAY_WARM_ID)"; return 0; fi
+  if [ -z "${WARM_COLD// /}" ]; then event "warm: the warm processes of key $SLIPWAY_WARM_ID are up on $NODES"; return 0; fi
   n=$(wc -w <<< "$WARM_COLD")
   mkdir -p "${WARM_LOG%/*}"
   name=${WARM_COLD% }
   warm_start "${name// /,}" "$n"
-  while bound=$(grep -cE '^slipway-warm [^ ]+ (bound|already served)' "$WARM_LOG" 2>/dev/null) || true; [ "${bound:-0}" -lt "$n" ]; do
+  while bound=$(grep -cE '^slipway-warm [^ ]+ (bound|already served|cannot serve)' "$WARM_LOG" 2>/dev/null) || true; [ "${bound:-0}" -lt "$n" ]; do
     kill -0 "$WARM_PID" 2>/dev/null && [ "$waited" -lt $((PREFLIGHT_TIMEOUT * 10)) ] || break
     sleep 0.1; waited=$((waited + 1))
   done
-  if [ "${bound:-0}" -ge "$n" ]; then
+  if [ "$(grep -cE '^slipway-warm [^ ]+ (bound|already served)' "$WARM_LOG" 2>/dev/null)" -ge "$n" ]; then
     event "warm: started the warm processes on ${WARM_COLD% } (key $SLIPWAY_WARM_ID, log $WARM_LOG)"
   else
-    event "warm: the warm processes did not start on ${WARM_COLD% } (log $WARM_LOG): ranks start cold there"
+    event "warm: the warm processes did not start on ${WARM_COLD% } ($(grep -m1 -o 'cannot serve: .*' "$WARM_LOG" 2>/dev/null || echo "log $WARM_LOG")): ranks start cold there"
   fi
 }
 
