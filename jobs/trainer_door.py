@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 # The trainer modules behind the door (tests/test_contract.py imports them with torch blocked).
-MODULES = ("trainer.prepare", "trainer.plot")
+MODULES = ("trainer.prepare", "trainer.plot", "trainer.data_sources")
 
 
 def data_status(data: Any, cache_dir: Path | str):
@@ -26,6 +26,13 @@ def data_status(data: Any, cache_dir: Path | str):
     from trainer.prepare import cache_status
 
     return cache_status(data, cache_dir)
+
+
+def hub_unreachable() -> Optional[str]:
+    """Why the Hugging Face hub cannot be reached from here, in a few seconds; None when it can."""
+    from trainer.data_sources import hub_unreachable as unreachable
+
+    return unreachable()
 
 
 def prepare(data: Any, cache_dir: Path | str, *, num_proc: int, progress: Any):
