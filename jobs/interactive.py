@@ -41,7 +41,7 @@ def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -
     env = {
         "PYTHONFAULTHANDLER": "1",
         "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cfg.launch.procs_per_node)),
+        "OMP_NUM_THREADS": str(local_checks.rank_threads(cfg.launch.procs_per_node)),
         "SLIPWAY_RUN_DIR": str(run.dir),
         "HF_HOME": os.environ.get("HF_HOME", str(run.paths.project / ".cache" / "huggingface")),
         "WANDB_MODE": os.environ.get("WANDB_MODE", "online") if os.environ.get("WANDB_API_KEY") else "offline",

@@ -28,6 +28,7 @@ from common.errors import ConfigError, one_line
 from common.layouts import cpu_step_seconds, fitting_batch, process_memory
 from common.metrics_log import format_duration
 from common.rundir import complete_checkpoints
+from common.schema import to_dict
 from jobs import runs
 from jobs.config import Config, dump_config
 from jobs.runs import lock as runlock
@@ -53,46 +54,50 @@ def rank_threads(procs: int) -> int:
 @dataclass
 class Speed:
     """How fast this machine trains a config: trainer/probe.py's rates of one rank, by dtype and
-    part (FLOP a CPU second), and the threads of other work runnable meanwhile."""
+    part (FLOP a CPU second), and the threads of other work that shared the cores meanwhile."""
 
     rates: dict[str, dict[str, float]]
     others: float
 
     def step_s(self, cfg: Config) -> float:
-        procs, threads = cfg.launch.procs_per_node, rank_threads(cfg.launch.procs_per_node)
-        cores = len(os.sched_getaffinity(0))
+        procs, threads, cores = cfg.launch.procs_per_node, rank_threads(cfg.launch.procs_per_node), os.cpu_count() or 1
         per_second = min(threads, threads * cores / (self.others + procs * threads))  # CPU seconds a rank gets
-        return cpu_step_seconds(cfg, self.rates, self.dtype(cfg)) / per_second
-
-    def dtype(self, cfg: Config) -> str:
-        return cfg.train.dtype if cfg.train.dtype in self.rates else "float32"
+        return cpu_step_seconds(cfg, self.rates, cfg.train.dtype if cfg.train.dtype in self.rates else "float32") \
+            / per_second
 
     def slow_bf16(self) -> bool:
-        bf16 = self.rates.get("bfloat16")
-        return bf16 is not None and bf16["block"] * SLOW_BF16 < self.rates["float32"]["block"]
+        return "bfloat16" in self.rates and self.rates["bfloat16"]["block"] * SLOW_BF16 < self.rates["float32"]["block"]
 
     def said(self, cfg: Config) -> str:
-        dtype, cores = self.dtype(cfg), len(os.sched_getaffinity(0))
+        dtype = cfg.train.dtype if cfg.train.dtype in self.rates else "float32"
         block, head = (self.rates[dtype][k] / 1e9 for k in ("block", "head"))
         slow = (f"; this CPU runs bfloat16 at {block:,.1f} GFLOP/s, float32 at "
                 f"{self.rates['float32']['block'] / 1e9:,.0f}: it has no bfloat16 units" if self.slow_bf16() else "")
         return (f"measured here: a rank's blocks and output layer in {dtype} at {block:,.1f} and {head:,.1f} GFLOP a "
                 f"CPU second, {cfg.launch.procs_per_node} rank(s) and ~{self.others:.0f} other busy thread(s) on "
-                f"{cores} core(s){slow}")
+                f"{os.cpu_count()} core(s){slow}")
+
+
+_measured: dict[str, Speed] = {}  # this process's measurements (a sweep's points share their shapes)
 
 
 def measure(local: Config) -> tuple[Optional[Speed], str]:
     """trainer/probe.py on `local` with a rank's threads: its rates, and from the share of the
     cores it had, the other work this machine runs now; (None, why) where it cannot tell."""
-    threads = rank_threads(local.launch.procs_per_node)
-    probe = subprocess.run([sys.executable, "-m", "trainer.probe", "--threads", str(threads)], input=dump_config(local),
+    threads, text = rank_threads(local.launch.procs_per_node), dump_config(local)
+    shapes = json.dumps([to_dict(local.model), to_dict(local.parallel), local.train.dtype, threads,
+                         local.train.micro_batch_size, local.data.seq_len], default=str)
+    if shapes in _measured:
+        return _measured[shapes], ""
+    probe = subprocess.run([sys.executable, "-m", "trainer.probe", "--threads", str(threads)], input=text,
                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if probe.returncode:
         why = probe.stderr.strip().splitlines()
         return None, f"the measurement failed: {one_line(why[-1] if why else probe.returncode)}"
     found = json.loads(probe.stdout)
-    cores, had = len(os.sched_getaffinity(0)), found.pop("cpu_per_second")
-    return Speed(found, max(0.0, threads * cores / max(had, 1e-3) - threads)), ""
+    had = max(found.pop("cpu_per_second"), 1e-3)
+    _measured[shapes] = Speed(found, max(0.0, threads * (os.cpu_count() or 1) / had - threads))
+    return _measured[shapes], ""
 
 
 @dataclass
@@ -237,7 +242,7 @@ def data_blockers(sealed: runs.Sealed, original: Config, prepare: Optional[bool]
     prepares first (or which takes builtin data where the hub cannot be reached); None: a launch
     (`slipway run`), told the `slipway prepare` of `original`'s arguments."""
     found = []
-    for check in (lambda: runs.check_submittable(sealed.cfg), lambda: _check_data_fits(sealed.cfg, sealed.data_status())):
+    for check in (lambda: runs.check_submittable(sealed.cfg), lambda: _check_tokens(sealed.cfg, sealed.data_status())):
         try:
             check()
         except ConfigError as exc:
@@ -392,33 +397,11 @@ def check_memory(local: Config) -> None:
                                                     f"{smaller_batch(local, FIT_SHARE * available / world)}")
 
 
-def _check_data_fits(cfg: Config, status) -> None:
-    """The trainer's window and vocabulary rules (trainer/data.py), from the prepared entries'
-    token counts; an entry the job will tokenize itself is judged there."""
-    data, window = cfg.data, cfg.data.seq_len + 1
+def _check_tokens(cfg: Config, status) -> None:
+    """The trainer's rules on the prepared entries' token counts (trainer/prepare.py
+    `check_tokens`); an entry the job will tokenize itself is judged there."""
+    from jobs import trainer_door
+
     index = {e.role: e.index for e in status.entries if e.prepared and e.index}
-    if "train" not in index:
-        return
-    train = index["train"]
-    n_train, source = int(train["n_tokens"]), train.get("source", data.dataset)
-    if int(train.get("vocab_size", 0)) > cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the vocabulary of "
-                                              f"data.tokenizer '{data.tokenizer}' ({train['vocab_size']}): set "
-                                              f"model.vocab_size >= {train['vocab_size']}")
-    if "validation" in index:
-        n_val = int(index["validation"]["n_tokens"])
-        if n_val < window:
-            raise ConfigError("data.validation_split", f"{n_val:,} tokens of {index['validation'].get('source')} "
-                                                       f"hold no window of data.seq_len + 1 = {window}: lower "
-                                                       "data.seq_len or use more data")
-    elif data.validation_fraction > 0 and not data.validation_split:
-        n_val = int(n_train * data.validation_fraction)
-        if n_val < window:
-            raise ConfigError("data.validation_fraction",
-                              f"{data.validation_fraction} of {n_train:,} tokens is {n_val}, less than one window "
-                              f"of data.seq_len + 1 = {window}: raise it, lower data.seq_len, or set it to 0 to "
-                              "skip validation")
-        n_train -= n_val
-    if n_train < window:
-        raise ConfigError("data.dataset", f"{n_train:,} tokens of {source} hold no window of data.seq_len + 1 = "
-                                          f"{window}: lower data.seq_len or use more data")
+    if "train" in index:
+        trainer_door.check_tokens(cfg.data, cfg.model.vocab_size, index["train"], index.get("validation"))

@@ -28,6 +28,13 @@ def data_status(data: Any, cache_dir: Path | str):
     return cache_status(data, cache_dir)
 
 
+def check_tokens(data: Any, vocab_size: int, train: dict, validation: Optional[dict]) -> None:
+    """The trainer's rules on a prepared cache's token counts (trainer.prepare.check_tokens)."""
+    from trainer.prepare import check_tokens as check
+
+    check(data, vocab_size, train, validation)
+
+
 def hub_unreachable() -> Optional[str]:
     """Why the Hugging Face hub cannot be reached from here, in a few seconds; None when it can."""
     from trainer.data_sources import hub_unreachable as unreachable

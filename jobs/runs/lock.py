@@ -216,7 +216,8 @@ def busy(run_dir: Path) -> Optional[str]:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return None
     except OSError as exc:
-        return str(_refusal(Path(run_dir), holder(Path(run_dir)))) if isinstance(exc, BlockingIOError) else None
+        refusal = _refusal(Path(run_dir), holder(Path(run_dir)))
+        return str(refusal).removeprefix(f"{refusal.field}: ") if isinstance(exc, BlockingIOError) else None
     finally:
         os.close(fd)
 
