@@ -258,12 +258,6 @@ def num_flops_per_token(model: Any, seq_len: int) -> int:
     return 6 * n_matmul + 12 * model.num_layers * model.num_heads * model.head_dim * seq_len
 
 
-def step_flops(cfg: Any) -> int:
-    """Training FLOPs of one optimizer step of `cfg`'s whole job: every token of its global batch."""
-    p, t, seq = cfg.parallel, cfg.train, cfg.data.seq_len
-    return num_flops_per_token(cfg.model, seq) * seq * t.micro_batch_size * t.grad_accum_steps * p.dp
-
-
 def block_flops_per_token(model: Any, seq_len: int) -> int:
     """Training FLOPs per token of one transformer block of `model` (as `num_flops_per_token`)."""
     h, kv = model.hidden_size, model.num_kv_heads * model.head_dim

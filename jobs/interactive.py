@@ -118,7 +118,7 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
         return 0
     sealed, original, result = try_here(cfg, project_dir, force=force, console=console, rename=rename,
                                         prepare=prepare, reload=reload)
-    asked = result.long and not yes and sys.stdin.isatty() and sys.stdout.isatty()
+    asked = not yes and sys.stdin.isatty() and sys.stdout.isatty() and "train.steps" in {b.field for b in result.blockers}
     if [b for b in result.blockers if not (b.field == "train.steps" and (yes or asked))]:
         raise local_checks.Refused(result)
     if asked:
@@ -129,8 +129,10 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
             answer = ""
         if answer.strip().lower() not in ("y", "yes"):
             raise ConfigError("train.steps", "not started (nothing written): run the command above, or add --yes")
-    if prepare and not sealed.data_status().prepared:
+    if prepare and not sealed.data_status().prepared:  # then what its token counts say, before any process
         prepare_here(sealed, local_env(sealed.cfg, runs.Run(sealed.paths))["HF_HOME"], console)
+        if blockers := local_checks.data_blockers(sealed, original, prepare=False):
+            raise local_checks.Refused(local_checks.Plan(blockers))
     with runlock.hold(sealed.paths.path, f"slipway local {sealed.cfg.config_args}", trains=True):
         run, created = runs.prepare_run(sealed, force=force)
         return _train_here(run, sealed, project_dir, created, console, step_s=result.step_s, original=original)

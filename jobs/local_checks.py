@@ -5,9 +5,10 @@ its time), and the one command that clears them all, checked as the user would p
 Memory: common/layouts.py's arithmetic against what the machine has free (`available_memory`).
 Time: trainer/probe.py measures here, in a second or two, one rank's transformer block and
 output layer in the run's dtype on the threads a rank gets, and the share of the cores it had
-(the other work this machine runs now): a step is its FLOPs at those rates, on the share of the
-cores each rank will have beside that work and the other ranks. A try expected to take more than LOCAL_TRY_SECONDS is asked about on
-a terminal (once nothing else blocks it) and refused elsewhere (`--yes` starts it all the same).
+(the other work this machine runs now): a step is its FLOPs at those rates, on the share each rank
+will have beside that work and the other ranks. A try expected to take more than
+LOCAL_TRY_SECONDS is asked about on a terminal (once nothing else blocks it) and refused elsewhere
+(`--yes` starts it all the same).
 What fits: the first of these that fits both memory and time: fewer steps; float32 where this
 CPU has no bfloat16 units; one node's layout (`--nodes 1`); a batch of one sequence a rank; a
 smaller model. The launch then checks the estimate against the first steps (jobs/supervisor.py).
@@ -122,7 +123,6 @@ class Plan:
     fix: str = ""
     step_s: Optional[float] = None
     said: str = ""
-    long: bool = False  # longer than a try: a terminal asks, elsewhere it is a blocker
 
     def lines(self) -> list[str]:
         """Each blocker, and the command that clears them all (on the line of a single one)."""
@@ -181,8 +181,7 @@ def plan(original: Config, local: Config, sealed: runs.Sealed, reload: Callable[
         result.said = (f"expected here: ~{format_duration(result.step_s, fine=True)} a step, "
                        f"~{format_duration(result.step_s * left)} for {left} steps ({speed.said(local)}), after a "
                        "start of 5 to 40 s")
-        if result.step_s * left > LOCAL_TRY_SECONDS:
-            result.long = True
+        if result.step_s * left > LOCAL_TRY_SECONDS:  # a terminal asks about it, once nothing else blocks
             blockers.append(Blocker("train.steps", f"{left} steps of ~{format_duration(result.step_s, fine=True)} "
                                                    f"take ~{format_duration(result.step_s * left)} here, more than a "
                                                    f"try on this machine ({format_duration(LOCAL_TRY_SECONDS)})",

@@ -55,15 +55,15 @@ def test_local_refuses_an_unprepared_cache_at_once_and_its_prepare_command_works
     # Before any process starts (the trainer would find it after 40 s of start-up): the run
     # directory, which a launch writes before it starts a process, was never made.
     assert not (project / "runs").exists()
-    suggested = re.search(r"run `(slipway prepare [^`]*)` first", line).group(1)
-    argv = shlex.split(suggested)
-    assert argv[:3] == ["slipway", "prepare", "tiny_cpu"] and "run.project=my project" in argv
-    assert "--dataset ./corpus" in shlex.join(argv) and "--text-column body" in shlex.join(argv)
-    prepared = slipway(*argv[1:])
-    assert prepared.returncode == 0 and "200 documents" in prepared.stdout, prepared.stderr
-    # Prepared now, the same command meets the next problem, also before any process: this small
+    assert "the token cache is not prepared: --prepare tokenizes it here first" in line, line
+    suggested = shlex.split(re.search(r"`(slipway local [^`]*)` clears it", line).group(1))
+    assert suggested[:3] == ["slipway", "local", "tiny_cpu"] and "run.project=my project" in suggested
+    assert suggested[-1] == "--prepare" and "--dataset ./corpus" in shlex.join(suggested), suggested
+    # Pasted, it prepares here, then meets the next problem, also before any process: this small
     # corpus's 0.1% validation share holds no window of data.seq_len + 1 tokens.
-    line = one_error_line(slipway("local", *given))
+    pasted = slipway(*suggested[1:])
+    assert "200 documents" in pasted.stdout, pasted.stdout
+    line = one_error_line(pasted)
     assert line.startswith("slipway: error: data.validation_fraction: 0.001 of ") and "set it to 0" in line
     assert not (project / "runs").exists()
 
@@ -121,11 +121,11 @@ def test_a_hint_names_slipway_as_the_shell_make_setup_leaves_runs_it(project):
     r = subprocess.run([".venv/bin/python", "-m", "jobs", "local", *given], capture_output=True, text=True,
                        timeout=120, env={**os.environ, **bare})
     line = one_error_line(r)
-    suggested = re.search(r"run `([^`]*)` first", line).group(1)
-    assert suggested.startswith(".venv/bin/slipway prepare tiny_cpu "), line
-    pasted = subprocess.run(shlex.split(suggested), capture_output=True, text=True, timeout=120,
+    suggested = re.search(r"`([^`]*)` clears it", line).group(1)
+    assert suggested.startswith(".venv/bin/slipway local tiny_cpu "), line
+    pasted = subprocess.run(f"{suggested} --dry-run", shell=True, capture_output=True, text=True, timeout=120,
                             env={**os.environ, **bare})
-    assert pasted.returncode == 0 and "200 documents" in pasted.stdout, (pasted.stdout, pasted.stderr)
+    assert pasted.returncode == 0 and "verdict: would be started" in pasted.stdout, (pasted.stdout, pasted.stderr)
 
 
 @pytest.fixture
