@@ -45,15 +45,16 @@ STOP_TELL_SECONDS = 10.0  # while a stop waits, a line this often says for what
 
 def stop_grace(run_dir: Path, sync_steps: int, step_s: Optional[float], setting: Optional[float]) -> tuple[float, str]:
     """Seconds a stop waits for the ranks' save before it kills them, and why: launch.stop_grace,
-    else twice what the save needs (the steps to the next sync step at `step_s`, else the step time
-    the last save recorded, and a save as long as that one), at least STOP_GRACE_SECONDS."""
+    else twice what the save needs (the step in progress and those to the next sync step, whose
+    start the ranks vote at, at `step_s`, else the step time the last save recorded, and a save as
+    long as that one), at least STOP_GRACE_SECONDS."""
     if setting is not None:
         return setting, "launch.stop_grace"
     lines = (read_tail(RunDir(run_dir).saves, 1 << 16) or b"").decode(errors="replace").splitlines()
     last = next((save for line in reversed(lines) if (save := SaveLine.parse(line))), SaveLine(0, 0, 0, 0, ""))
     step_s = step_s or last.step_ms / 1000
     sync = f" ({sync_steps} to a sync step)" if sync_steps > 1 else ""
-    return max(STOP_GRACE_SECONDS, 2 * (sync_steps * step_s + last.ms / 1000) + 30), (
+    return max(STOP_GRACE_SECONDS, 2 * ((sync_steps + 1) * step_s + last.ms / 1000) + 30), (
         f"its ~{format_duration(step_s, fine=True)} steps{sync}" + (f" and ~{format_duration(last.ms / 1000)} saves"
                                                                     if last.at else ", no save yet")
         + "; launch.stop_grace sets it")

@@ -62,8 +62,8 @@ def test_local_refuses_an_unprepared_cache_at_once_and_its_prepare_command_works
     # Pasted, it prepares here, then meets the next problem, also before any process: this small
     # corpus's 0.1% validation share holds no window of data.seq_len + 1 tokens.
     pasted = slipway(*suggested[1:])
-    assert "200 documents" in pasted.stdout, pasted.stdout
-    line = one_error_line(pasted)
+    assert pasted.returncode == 2 and "200 documents" in pasted.stderr, (pasted.stdout, pasted.stderr)  # its progress
+    line = pasted.stderr.strip().splitlines()[-1]
     assert line.startswith("slipway: error: data.validation_fraction: 0.001 of ") and "set it to 0" in line
     assert not (project / "runs").exists()
 
@@ -747,7 +747,7 @@ def test_a_stops_grace_is_sized_from_the_runs_steps_and_saves(tmp_path):
     for step, ms in ((100, 30_000), (200, 200_000)):  # the last save's duration counts
         SaveLine(step, ms, 10**9, 145_000, "2026-11-29T00:00:00+00:00").append_to(RunDir(tmp_path).saves)
     grace, why = stop_grace(tmp_path, 1, None, None)  # no step measured yet: the saves' record of it
-    assert grace == 2 * (145 + 200) + 30 and why == "its ~2m25s steps and ~3m20s saves; launch.stop_grace sets it"
+    assert grace == 2 * (2 * 145 + 200) + 30 and why == "its ~2m25s steps and ~3m20s saves; launch.stop_grace sets it"
     assert stop_grace(tmp_path, 1, 3.0, 600.0) == (600.0, "launch.stop_grace")
 
 

@@ -437,7 +437,7 @@ def test_ctrl_c_during_a_slow_step_says_what_it_waits_for_and_what_a_forced_stop
                                             r"1[45]s", waits[0]) and re.search(r" in [45]s$", waits[1]), waits
     kept = checkpoints(run_dir)[-1]
     assert 25 <= took < 90 and proc.returncode == 130, (took, said)
-    assert said[-1].startswith(f"interrupted (Ctrl-C) at step ") and (
+    assert said[-1].startswith("interrupted (Ctrl-C) at step ") and (
         f": stopped after 25s, unsaved: the last checkpoint is step {kept}; `slipway local tiny_cpu ") in said[-1], said
     resumed = subprocess.run(pasted(said[-1]) + ["--dry-run"], capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0 and f"dry run: stuck (resumes) in " in resumed.stdout, resumed.stdout
+    assert resumed.returncode == 0 and "dry run: stuck (resumes) in " in resumed.stdout, resumed.stdout

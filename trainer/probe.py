@@ -7,7 +7,8 @@ imports no torch, so `slipway local` runs it as a process (jobs/local_checks.py)
     -> {"float32": {"block": FLOP/s, "head": FLOP/s}, "bfloat16": {...}, "cpu_per_second": S}
 
 in FLOP a CPU second, float32's too for a bfloat16 run (a CPU without bfloat16 units runs it tens
-of times slower), and the CPU seconds a second the probe had: how busy this machine is now. Each
+of times slower), and the CPU seconds a second the probe had in its life (its imports too, a few
+seconds): how busy this machine is now. Each
 part runs at the most tokens a pass of PASS_SECONDS allows (one micro batch's at most), and at a
 quarter of that: what a pass costs per call (the weights' casts) and per token gives a micro
 batch's time. A second or two in all.
@@ -22,7 +23,9 @@ import statistics
 import sys
 import time
 
-import torch
+STARTED = time.perf_counter()  # the share of the cores this process had is measured from here, its whole life
+
+import torch  # noqa: E402 (after STARTED: its import counts)
 import torch.nn.functional as F
 from torch import nn
 
@@ -82,9 +85,8 @@ def main() -> int:
     torch.set_num_threads(parser.parse_args().threads)
     raw = read_yaml(sys.stdin.read(), "the config")
     cfg = from_dict(TrainerConfig, {k: v for k, v in raw.items() if k in config_fields(TrainerConfig)})
-    wall, cpu = time.perf_counter(), time.process_time()
     found: dict = {name: rates(cfg, getattr(torch, name)) for name in {"float32", cfg.train.dtype} - {"auto"}}
-    found["cpu_per_second"] = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    found["cpu_per_second"] = time.process_time() / (time.perf_counter() - STARTED)
     print(json.dumps(found))
     return 0
 

@@ -5,7 +5,6 @@ flags, and the terminal."""
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
