@@ -34,12 +34,13 @@ ifneq ($(GIVEN_UNKNOWN),)
 $(error $(foreach v,$(GIVEN_UNKNOWN),$(v)=$($(v))): make reads no such variable (make help lists those it does); slipway's settings go in ARGS (slipway local --help lists its flags): make $(or $(MAKECMDGOALS),local)$(if $(filter-out tiny_cpu,$(CONFIG)), CONFIG=$(CONFIG)) ARGS="$(or $(GIVEN_FORM),...)")
 endif
 
-.PHONY: help setup torch-index setup-oldest setup-oldest-torch prepare local test test-oldest test-gpu test-fast test-count submit dry-run shell image image-prune status doctor edf \
+.PHONY: help setup torch-index setup-oldest setup-oldest-torch prepare local lint test test-oldest test-gpu test-fast test-count submit dry-run shell image image-prune status doctor edf \
         cluster-up cluster-down bench clean
 
 help:
 	@echo "make local [CONFIG=tiny_cpu] [ARGS='--train-steps 50'] [TORCH=cpu|cuda]  train on this machine (no Slurm, no container)"
 	@echo "make test                            every test (root for its own Slurm and podman; torch 2.10 too); pytest says its time"
+	@echo "make lint                            ruff and vulture (make test runs it first)"
 	@echo "make test-fast                       the tests of seconds: no Slurm, podman or training"
 	@echo "make test-count                      how many tests each tier holds, counted now"
 	@echo "make image [CONFIG=...] [BASE_IMAGE=...]  podman build + enroot import -> images/*.sqsh"
@@ -89,7 +90,12 @@ local: $(STAMP)
 # the CPU-bound trainer tests (tests/conftest.py groups them); TEST_WORKERS=0 runs one process.
 TEST_WORKERS ?= 2
 
-test: $(STAMP)
+# ruff and vulture, as pyproject.toml configures them: zero findings, or make stops here.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check --quiet common jobs edf containers trainer tests bench
+	$(VENV)/bin/vulture
+
+test: $(STAMP) lint
 	$(PY) -m pytest -q --durations=25 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(ARGS)
 	$(MAKE) test-oldest ARGS=
 

@@ -39,8 +39,7 @@ def measure(overrides: list[str]) -> tuple[float, float, float, float]:
     import statistics
 
     from jobs.config import load_config
-    from jobs.interactive import local_view
-    from jobs.local_checks import measure as speed_here
+    from jobs.local_checks import local_view, measure as speed_here
     from common.layouts import process_memory
 
     cfg, _ = local_view(load_config(ROOT / "configs" / "tiny_cpu.yaml", overrides), rename=False)

@@ -139,6 +139,23 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
 RECORD = "record"
 
 
+def _union(tp: Any, value: Any, where: str, policy: str, edf: bool) -> Any:
+    """`value` as the first of the Union `tp`'s types it converts to (None for null where allowed)."""
+    args = get_args(tp)
+    if type(None) in args and (value is None or (isinstance(value, Plain) and (value == "" or value in NULL))):
+        return None  # null, or an empty or null override (`slurm.account=`): unset
+    options = [arg for arg in args if arg is not type(None)]
+    for arg in options:
+        try:
+            return _convert(arg, value, where, policy, edf, checked=True)
+        except OutOfRange:
+            raise
+        except ConfigError:
+            if len(options) == 1 and ((isinstance(value, str) and _scalar_type(arg)) or dataclasses.is_dataclass(arg)):
+                raise  # the one type it can be says what is wrong (a NUL byte, a number's range, a key)
+    raise ConfigError(where, f"expected {_type_name(tp)}, got {shown(value, where)}")
+
+
 def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = False, key: Any = None,
              checked: bool = False, hint: Any = None) -> Any:
     """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy
@@ -147,20 +164,7 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
         _secret_check(value, where, policy, edf, key, hint)
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if type(None) in args and (value is None or (isinstance(value, Plain) and (value == "" or value in NULL))):
-            return None  # null, or an empty or null override (`slurm.account=`): unset
-        options = [arg for arg in args if arg is not type(None)]
-        for arg in options:
-            try:
-                return _convert(arg, value, where, policy, edf, checked=True)
-            except OutOfRange:
-                raise
-            except ConfigError:
-                if len(options) == 1 and ((isinstance(value, str) and _scalar_type(arg))
-                                          or dataclasses.is_dataclass(arg)):
-                    raise  # the one type it can be says what is wrong (a NUL byte, a number's range, a key)
-        raise ConfigError(where, f"expected {_type_name(tp)}, got {shown(value, where)}")
+        return _union(tp, value, where, policy, edf)
     if origin is Literal:
         for arg in get_args(tp):
             try:

@@ -6,9 +6,11 @@ trainer's own work that a host command does on this machine, each imported only 
   so the login node's base install runs it.
 - `prepare`: `slipway prepare` here, tokenizing into that cache (the trainer extra).
 - `plot`: `slipway plot`, the curves of one run or of several into one PNG (the plot extra).
+- `check_tokens`, `hub_unreachable`: what `slipway local` checks of a prepared cache's token
+  counts and of the hub before it starts.
 
 What stands behind it imports no torch: tests/test_contract.py imports each module the door
-names with torch blocked, and holds every other host module to `trainer.config` alone. The batch
+imports with torch blocked, and holds every other host module to `trainer.config` alone. The batch
 script reaches the same code as `python -m trainer.prepare` and `python -m trainer.plot`.
 """
 
@@ -16,9 +18,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Optional, Sequence
-
-# The trainer modules behind the door (tests/test_contract.py imports them with torch blocked).
-MODULES = ("trainer.prepare", "trainer.plot", "trainer.data_sources")
 
 
 def data_status(data: Any, cache_dir: Path | str):

@@ -264,25 +264,6 @@ def listing_rows(found: Sequence[runs.Run], throughput: bool = False) -> tuple[l
     damaged = [message or f"{u.line()}: move the run directory aside, or put back the file its jobs write"
                for u, message in sorted(problems.values(), key=lambda p: p[0].name) if not u.denied]
     return rows, damaged
-    for run in found:
-        if not (run.paths.manifest.exists() or run.paths.manifest.is_symlink()):  # a sweep's point not written
-            shown.append((run, [], [], None))
-            continue
-        try:
-            launches = run.launches()
-            read.append((run, launches, run.recent_events(launches[-1]) if launches else []))
-        except (ManifestError, OSError) as exc:  # that run alone: the others are listed
-            problems.append((runs.Unreadable.of(run.dir, exc), str(exc) if isinstance(exc, ManifestError) else ""))
-    answers = lifecycle.ask_slurm((launches[-1], own) for _, launches, own in read if launches)
-    rows = []
-    for run, launches, own in read:
-        try:
-            progress = _progress(run, launches)
-        except OSError as exc:
-            problems.append((runs.Unreadable.of(run.dir, exc), ""))
-            continue
-        if launches:
-            job, state, code, _, event = _job_row(launches[-1], own, answers.get(launches[-1].id))
 
 
 def _print_history(run: runs.Run, history: History, console) -> None:
