@@ -13,6 +13,7 @@ from common import environ
 from common.environ import as_typed, invocation
 from common.environ import project_dir
 from common.errors import ConfigError, one_line
+from common.secrets import mask
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
 from common.extras import EXTRAS, require as require_extra
 
@@ -63,8 +64,6 @@ def config_sets(args: argparse.Namespace) -> tuple[dict, str]:
 
 def print_notes(console, notes: list[str]) -> None:
     from rich.markup import escape
-
-    from common.secrets import mask
 
     for note in notes:  # a note quotes paths and overrides (`container.mounts=[...]`): never markup
         console.print(f"[yellow]note:[/] {escape(mask(one_line(as_typed(note))))}", soft_wrap=True, markup=True,
@@ -195,8 +194,6 @@ def verdict(console, head: list[tuple[str, str]], would: str, refusals: list[str
     it would be refused."""
     from rich.markup import escape
 
-    from common.secrets import mask
-
     said = "[green]would be " + would + "[/]" if not refusals else f"[red]would be refused[/] ({len(refusals)})"
     reasons = [f"  - {escape(mask(as_typed(r)))}" for r in refusals] + (
         [escape(as_typed(f"  `{fix}` clears {'it' if len(refusals) == 1 else 'them all'}"))] if fix else [])
@@ -268,8 +265,6 @@ def cmd_local(args: argparse.Namespace, parse) -> int:
         sealed, _, plan = interactive.try_here(cfg, project_dir(), force=args.force, console=console,
                                                rename=not named, prepare=args.prepare, reload=reload)
     except local_checks.Refused as exc:  # every blocker on a line of its own, then what clears them all
-        from common.secrets import mask
-
         for line in exc.plan.lines():
             print(f"slipway: error: {mask(one_line(as_typed(line)), values=True)}", file=sys.stderr)
         return 2
@@ -308,7 +303,6 @@ def _stop_warm(args: argparse.Namespace) -> int:
 
 def cmd_edf(args: argparse.Namespace) -> int:
     from edf import check_edf, install_edf, parse_edf, render_edf, srun_flags
-    from common.secrets import mask
 
     if args.check or args.to_pyxis:
         path = Path(args.check or args.to_pyxis)
@@ -360,7 +354,6 @@ def cmd_edf(args: argparse.Namespace) -> int:
 
 def cmd_shell(args: argparse.Namespace) -> int:
     from jobs import shell
-    from common.secrets import mask
 
     cfg = load(args)
     if args.dry_run:
