@@ -22,21 +22,27 @@ TORCH_SIZE := $(if $(filter cpu,$(TORCH)),0.9 GB on disk from a 0.2 GB download,
 # this many seconds, name lookup included, before pip's own indexes serve torch instead.
 TORCH_PROBE_SECONDS ?= 4
 
-# `make local train.steps=50` sets a make variable named train.steps, which no recipe reads: a
-# config override given where make takes its variables is refused, with the form that passes it.
-OVERRIDES_GIVEN := $(strip $(foreach v,$(.VARIABLES),$(if $(and $(filter command line,$(origin $(v))),$(findstring .,$(v))),$(v)=$($(v)))))
-ifneq ($(OVERRIDES_GIVEN),)
-$(error $(OVERRIDES_GIVEN): a config override goes in ARGS, not to make: make $(or $(MAKECMDGOALS),local)$(if $(filter-out tiny_cpu,$(CONFIG)), CONFIG=$(CONFIG)) ARGS="$(strip $(ARGS) $(OVERRIDES_GIVEN))")
+# The variables this Makefile reads. Any other given on make's command line would reach no recipe
+# (`make local STEPS=50`, `make local train.steps=50`): refused, naming the form that passes it to
+# slipway, ARGS. One door for slipway's settings, not a make variable for each of its flags.
+KNOWN_VARIABLES := PYTHON CONFIG ARGS NODES TORCH TORCH_SPEC TORCH_INDEX TORCH_PROBE_SECONDS TEST_WORKERS \
+                   OLDEST_TORCH BASE_IMAGE OUT WHEELS WHEELS_OUT PLATFORM PYTHON_VERSION TORCHTITAN HAVE
+GIVEN_UNKNOWN := $(strip $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(if $(filter $(v),$(KNOWN_VARIABLES)),,$(v)))))
+ARGS_FORM = $(if $(findstring .,$(1)),$(1)=$($(1)),$(if $(filter STEPS,$(1)),--train-steps $($(1))))
+GIVEN_FORM := $(strip $(ARGS) $(foreach v,$(GIVEN_UNKNOWN),$(call ARGS_FORM,$(v))))
+ifneq ($(GIVEN_UNKNOWN),)
+$(error $(foreach v,$(GIVEN_UNKNOWN),$(v)=$($(v))): make reads no such variable (make help lists those it does); slipway's settings go in ARGS (slipway local --help lists its flags): make $(or $(MAKECMDGOALS),local)$(if $(filter-out tiny_cpu,$(CONFIG)), CONFIG=$(CONFIG)) ARGS="$(or $(GIVEN_FORM),...)")
 endif
 
-.PHONY: help setup torch-index setup-oldest setup-oldest-torch prepare local lint test test-oldest test-gpu test-fast submit dry-run shell image image-prune status doctor edf \
+.PHONY: help setup torch-index setup-oldest setup-oldest-torch prepare local lint test test-oldest test-gpu test-fast test-count submit dry-run shell image image-prune status doctor edf \
         cluster-up cluster-down bench clean
 
 help:
-	@echo "make local [CONFIG=tiny_cpu] [TORCH=cpu|cuda]  train on this machine (no Slurm, no container)"
-	@echo "make test                            all 1,230 tests (root for its own Slurm and podman; 15-30 min; torch 2.10 too)"
+	@echo "make local [CONFIG=tiny_cpu] [ARGS='--train-steps 50'] [TORCH=cpu|cuda]  train on this machine (no Slurm, no container)"
+	@echo "make test                            every test (root for its own Slurm and podman; torch 2.10 too); pytest says its time"
 	@echo "make lint                            ruff and vulture (make test runs it first)"
-	@echo "make test-fast                       1,015 tests of seconds (2-3 min idle, 2 cores): no Slurm, podman or training"
+	@echo "make test-fast                       the tests of seconds: no Slurm, podman or training"
+	@echo "make test-count                      how many tests each tier holds, counted now"
 	@echo "make image [CONFIG=...] [BASE_IMAGE=...]  podman build + enroot import -> images/*.sqsh"
 	@echo "make prepare CONFIG=tiny_wikitext [ARGS=--as-job]  tokenise the dataset before the allocation"
 	@echo "make submit CONFIG=tiny_wikitext [ARGS='--nodes 2 train.steps=100']"
@@ -144,6 +150,12 @@ test-gpu: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q --durations=10 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) \
 	    -m "not slurm and not podman and not multiproc and not slow" $(ARGS)
+
+# The tiers' sizes, counted now by pytest's collection (the figures no document keeps).
+test-count: $(STAMP)
+	@$(PY) -m pytest -q --collect-only -m "not slurm and not podman and not multiproc and not slow" | tail -1 \
+	    | sed 's/^/make test-fast: /'
+	@$(PY) -m pytest -q --collect-only | tail -1 | sed 's/^/make test:      /'
 
 submit: $(STAMP)
 	$(PY) -m jobs submit $(CONFIG) $(ARGS)

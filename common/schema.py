@@ -214,6 +214,14 @@ def _hints(cls: type) -> dict[str, Any]:
     return _HINTS[cls]
 
 
+def unknown_key(key: str, keys: list[str], where: str, what: str) -> ConfigError:
+    """The one line for `key`, set at `where` among `keys` (those of `what`): the nearest, then all."""
+    near, prefix = difflib.get_close_matches(key, keys, n=3, cutoff=0.6), where.rsplit(" ", 1)[-1]
+    meant = f"did you mean {' or '.join(f'{prefix}.{n}' if prefix else n for n in near)}? " if near else ""
+    return ConfigError(f"{where}.{key}" if where else key, f"unknown key; {meant}valid keys of {what} are: "
+                                                           f"{', '.join(keys)}")
+
+
 def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) -> Any:
     """Build dataclass `cls` from `data`, rejecting unknown keys and wrong types. A `record` (a
     file slipway wrote, such as manifest.json) keeps the keys it does not know in its `others`
@@ -231,11 +239,7 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
     fields = config_fields(cls)
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown and not record:
-        key = unknown[0]
-        path = f"{where}.{key}" if where else str(key)
-        near = difflib.get_close_matches(str(key), list(fields), n=3, cutoff=0.6)
-        meant = f"did you mean {' or '.join(f'{where}.{n}' if where else n for n in near)}? " if near else ""
-        raise ConfigError(path, f"unknown key; {meant}valid keys of {where or 'the config'} are: {', '.join(fields)}")
+        raise unknown_key(str(unknown[0]), list(fields), where, where or "the config")
     kwargs, too_big = {}, []
     edf = bool(getattr(cls, "EDF_TEXT", False))
     for name, f in fields.items():
@@ -360,7 +364,7 @@ def part_of(cls: type, data: Any, where: str) -> dict:
     for key, value in data.items():
         path = f"{where}.{key}"
         if key not in fields:
-            raise ConfigError(path, f"unknown key; valid keys of {where.rsplit(' ', 1)[-1]} are: {', '.join(fields)}")
+            raise unknown_key(str(key), list(fields), where, where.rsplit(' ', 1)[-1])
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             part_of(tp, value, path)

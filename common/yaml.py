@@ -147,6 +147,31 @@ def read_yaml(text: str, source: str, *, lines: bool = True) -> Any:
                                  "indentation there") from None
 
 
+def line_of(text: str, dotted: str) -> Optional[int]:
+    """The line of YAML `text` where the key `dotted` (section.key...) is written, None where it is not."""
+    try:
+        node = yaml.compose(text, Loader=_Loader)
+    except (yaml.YAMLError, ConfigError):
+        return None
+    line = None
+    for part in dotted.split("."):
+        found = [(k, v) for k, v in node.value if getattr(k, "value", None) == part] if isinstance(
+            node, yaml.MappingNode) else []
+        if not found:
+            return None
+        line, node = found[0][0].start_mark.line + 1, found[0][1]
+    return line
+
+
+def at_line(exc: ConfigError, path: Path, dotted: str) -> ConfigError:
+    """`exc` naming the file `path` and the line where `dotted` is written in it, where it is."""
+    try:
+        line = line_of(read_text_bounded(path, str(path)), dotted)
+    except (OSError, UnicodeError, ConfigError):
+        line = None
+    return exc if line is None else ConfigError(exc.field, f"{path} line {line}: {str(exc)[len(exc.field) + 2:]}")
+
+
 def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:
     """The UTF-8 text of `path`, refused (without reading it all) when larger than `limit`; a path
     that is no regular file (a FIFO, a device) raises NotRegularFile at once, never blocks."""

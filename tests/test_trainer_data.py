@@ -23,7 +23,8 @@ import torch
 import trainer.data_cache as data_cache
 from common.errors import ConfigError
 from trainer.config import DataSection, ModelSection, RunSection, TrainSection, TrainerConfig
-from trainer.data import Sampler, build_data, check_vocab_size
+from trainer.data import Sampler, build_data
+from trainer.prepare import check_tokens
 from trainer.data_cache import default_cache_dir
 from trainer.data_sources import BUILTIN_TOKENIZER, resolve_source
 from trainer.data_tokenize import load_tokenizer, resolve_tokenizer
@@ -501,9 +502,11 @@ def test_model_vocab_smaller_than_tokenizer(tmp_path):
     cfg.model.vocab_size = 1000
     err = _one_line_error(cfg, tmp_path)
     assert err.field == "model.vocab_size" and "set model.vocab_size >= 4096" in str(err)
-    check_vocab_size(4096, 4096)
+    gpt2 = cfg.data
+    gpt2.tokenizer = "gpt2"
+    assert check_tokens(gpt2, 4096, {"n_tokens": 10**6, "vocab_size": 4096}) == int(10**6 * gpt2.validation_fraction)
     with pytest.raises(ConfigError, match="^model.vocab_size: 50000 is smaller .*'gpt2' \\(50257\\)"):
-        check_vocab_size(50000, 50257, "gpt2")
+        check_tokens(gpt2, 50000, {"n_tokens": 10**6, "vocab_size": 50257})
 
 
 def test_other_bad_inputs(tmp_path):

@@ -42,11 +42,11 @@ from common.errors import ConfigError
 from trainer.config import TrainerConfig
 from trainer.data_cache import default_cache_dir, ensure_tokens, resolve_cache_dir
 from trainer.data_tokenize import load_tokenizer
-from trainer.prepare import CacheStatus, cache_status
+from trainer.prepare import CacheStatus, cache_status, check_tokens
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Sampler", "build_data", "check_vocab_size", "default_cache_dir", "load_tokenizer", "resolve_cache_dir"]
+__all__ = ["Sampler", "build_data", "default_cache_dir", "load_tokenizer", "resolve_cache_dir"]
 
 
 class Sampler:
@@ -122,14 +122,6 @@ class Sampler:
                 f"x dp {self.dp_size}, rank {self.dp_rank}, consumed {self.consumed_samples:,})")
 
 
-def check_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int, tokenizer: str = "") -> None:
-    """The embedding must have a row for every token id the tokenizer emits."""
-    if model_vocab_size < tokenizer_vocab_size:
-        raise ConfigError("model.vocab_size",
-                          f"{model_vocab_size} is smaller than the vocabulary of data.tokenizer "
-                          f"'{tokenizer}' ({tokenizer_vocab_size}): set model.vocab_size >= {tokenizer_vocab_size}")
-
-
 def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) -> tuple[Sampler, Sampler | None, int]:
     """(train sampler, validation sampler or None, tokenizer vocabulary size) for this dp rank."""
     data, batch = cfg.data, cfg.train.micro_batch_size
@@ -152,21 +144,14 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
                 log.info("opened the token cache %s: %s tokens of %s, prepared by %s at %s", files[e.role].path,
                          f"{index['n_tokens']:,}", index["source"], index.get("prepared_by") or "an earlier slipway",
                          index.get("created", "?"))
-    train = files["train"]
-    check_vocab_size(cfg.model.vocab_size, train.vocab_size, data.tokenizer)
-    train_tokens, val_tokens = train.tokens, None
-    if "validation" in files:
-        val_tokens = files["validation"].tokens
-        _check_windows(val_tokens, data.seq_len, files["validation"].index["source"], "data.validation_split")
-    elif data.validation_fraction > 0:
-        n_val = int(len(train.tokens) * data.validation_fraction)
-        if n_val < data.seq_len + 1:
-            raise ConfigError("data.validation_fraction",
-                              f"{data.validation_fraction} of {len(train.tokens):,} tokens is {n_val}, less than one "
-                              f"window of data.seq_len + 1 = {data.seq_len + 1}: raise it, lower data.seq_len, "
-                              "or set it to 0 to skip validation")
-        train_tokens, val_tokens = train.tokens[:-n_val], train.tokens[-n_val:]
-    _check_windows(train_tokens, data.seq_len, train.index["source"], "data.dataset")
+    train, split = files["train"], files.get("validation")
+
+    def counted(f):  # what the cache's index says, as the tokens mapped count it
+        return {**f.index, "n_tokens": len(f.tokens), "vocab_size": f.vocab_size}
+
+    n_val = check_tokens(data, cfg.model.vocab_size, counted(train), counted(split) if split else None)
+    train_tokens, val_tokens = (train.tokens[:-n_val], train.tokens[-n_val:]) if n_val else (
+        train.tokens, split.tokens if split else None)
     train_sampler = Sampler(train_tokens, data.seq_len, batch, dp_rank, dp_size, seed=cfg.run.seed)
     val_sampler = None
     if val_tokens is not None:
@@ -192,9 +177,3 @@ def _not_prepared(status: CacheStatus) -> str:
             f"prepared in {status.cache_dir} ({state}): run `slipway prepare CONFIG` before submitting (or "
             "`slipway submit CONFIG --prepare`), or set data.tokenize_in_job: true to let rank 0 tokenize it while "
             "the other ranks wait")
-
-
-def _check_windows(tokens: np.ndarray, seq_len: int, source: str, where: str) -> None:
-    if len(tokens) < seq_len + 1:
-        raise ConfigError(where, f"{len(tokens):,} tokens of {source} hold no window of data.seq_len + 1 = "
-                          f"{seq_len + 1}: lower data.seq_len or use more data")

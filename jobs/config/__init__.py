@@ -23,7 +23,7 @@ from common.baseline import accepting
 from common.environ import project_dir
 from common.errors import ConfigError, bounded, shown
 from common.schema import from_dict, require, to_dict
-from common.yaml import Plain, read_text_bounded, read_yaml
+from common.yaml import Plain, at_line, read_text_bounded, read_yaml
 from containers.record import ImageNeeds, ImageSection
 from edf.environment import NOT_CONFIG, SAFE_NAME, Environment
 from jobs.config.clusters import ClusterProfile, merged
@@ -148,7 +148,8 @@ class Config(TrainerConfig):
             elif word.split("=", 1)[0] not in settings:
                 kept.append(word)
         for key, value in settings.items():
-            kept += [flags[key], str(value)] if key in flags else [f"{key}={value}"]
+            kept += [flags[key], str(value)] if key in flags and value is not None else [
+                f"{key}={'null' if value is None else value}"]
         return shlex.join(kept)
 
     def check(self, where: str) -> None:
@@ -374,9 +375,11 @@ def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets:
     try:
         with accepting(path):  # what the file's own pragma lines and baseline accept (docs/secrets.md)
             cfg = from_dict(Config, raw)
-    except ConfigError as exc:  # a value the profile gave: say where it came from
-        if cluster is None or not cluster.sets(exc.field) or exc.field in given:
+    except ConfigError as exc:  # a value the profile or the file gave: say where it came from
+        if exc.field in given:
             raise
+        if cluster is None or not cluster.sets(exc.field):
+            raise at_line(exc, path, exc.field) from None
         raise ConfigError(exc.field, f"{str(exc)[len(exc.field) + 2:]} (set by {cluster.where})") from None
     cfg.source, cfg.cluster = path, cluster
     return cfg

@@ -270,10 +270,16 @@ class LaunchSection:
     # rest of what the trainer imports, and start each rank from it (the run's code, process group
     # and model still fresh). It ends with the allocation, or on `slipway run --stop-warm`.
     warm: bool = True
+    # Seconds a stop of `slipway local` or `slipway run` (Ctrl-C, SIGTERM) gives the ranks to save
+    # before it kills them, unsaved; null: twice what they need, from the run's step and save times
+    # (at least 90 s), said on the stop's first line.
+    stop_grace: Optional[float] = None
 
     def check(self, where: str) -> None:
         require(self.procs_per_node is None or self.procs_per_node > 0, f"{where}.procs_per_node",
                 f"must be > 0, got {self.procs_per_node}")
+        require(self.stop_grace is None or 0 < self.stop_grace <= 30 * 86400, f"{where}.stop_grace",
+                f"must be seconds > 0 (null: sized from the run's steps and saves), got {self.stop_grace}")
         for key in self.env:
             require(bool(ENV_NAME.match(key)), f"{where}.env.{key}",
                     "is not a valid environment variable name (letters, digits, _; not starting with a digit)")

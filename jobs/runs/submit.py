@@ -290,7 +290,8 @@ def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str
                 stem, dot, ext = target.name.partition(".")
                 write_atomic(paths.history / f"{stem}-{stamp}{dot}{ext}", old)
                 if target == paths.config and differs:
-                    sealed.replaced = f"{differs}; the old one is in {paths.history / f'{stem}-{stamp}{dot}{ext}'}"
+                    sealed.replaced = (f"{differs}{_train_on(cfg, paths.path) if 'train.steps ' in differs else ''}"
+                                       f"; the old one is in {paths.history / f'{stem}-{stamp}{dot}{ext}'}")
             write_atomic(target, text, _mode(paths, target))
         return run, False
     root = paths.path.parent
@@ -319,6 +320,17 @@ def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return run, True
+
+
+def _train_on(cfg: Config, run_dir: Path) -> str:
+    """What the learning rate does where train.steps changed on a run past its warm-up
+    (trainer/optim.py `Schedule`): it goes on from the value it reached, never back up."""
+    steps, t = complete_checkpoints(run_dir / cfg.checkpoint.dir), cfg.train
+    if not steps or steps[-1] <= t.warmup_steps:
+        return ""
+    then = ("stays there" if "constant" in (t.train_on, t.decay) else f"decays ({t.decay}) from there to "
+            f"train.min_lr {t.min_lr:g} at step {t.steps}")
+    return f"; the learning rate goes on from its value at step {steps[-1]} and {then} (train.train_on: {t.train_on})"
 
 
 def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", after: str = "",
