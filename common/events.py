@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from common.errors import one_line
-from common.fs import pread_all, read_tail, regular_fd
+from common.fs import read_tail
 from common.rundir import INTERRUPTED_EXIT, RunDir
 
 # What a reader takes of events.log at most, from its end: thousands of attempts' events (a line
@@ -182,35 +182,6 @@ def read_events(run_dir: str | os.PathLike) -> list[Event]:
     the user may not read PermissionError."""
     data = read_tail(RunDir(Path(run_dir)).events, MAX_EVENTS_BYTES)
     return [] if data is None else parse_events(data.decode("utf-8", errors="replace"))
-
-
-def tail_events(run_dir: str | os.PathLike, until: Callable[[Event], bool], block: int = 8192) -> list[Event]:
-    """The last events of a run directory's events.log, in the order written: from the latest one
-    for which `until` holds (every event of the last MAX_EVENTS_BYTES when none does). The file is
-    read backwards, a block at a time, so that a reader of the latest attempt reads no more of a
-    long history; read_events' rules for what is no regular file."""
-    opened = regular_fd(RunDir(Path(run_dir)).events)
-    if opened is None:
-        return []
-    fd, st = opened
-    found: list[Event] = []  # newest first
-    try:
-        end = st.st_size
-        pos, rest = end, b""
-        while pos > 0 and end - pos < MAX_EVENTS_BYTES:
-            start = max(0, pos - block, end - MAX_EVENTS_BYTES)
-            lines = (pread_all(fd, pos - start, start) + rest).split(b"\n")
-            pos, block = start, block * 2
-            rest = lines.pop(0) if start > 0 else b""  # maybe cut: read whole with the block before it
-            for line in reversed(lines):
-                event = parse_event(line.decode("utf-8", errors="replace"))
-                if event is not None:
-                    found.append(event)
-                    if until(event):
-                        return found[::-1]
-    finally:
-        os.close(fd)
-    return found[::-1]
 
 
 def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,

@@ -75,6 +75,7 @@ class RunDir:
     manifest = property(lambda self: self.path / "manifest.json")  # jobs/runs/manifest.py
     lib = property(lambda self: self.path / "lib")  # the job library, pinned by hash (lib/NAME-HASH12.sh)
     history = property(lambda self: self.path / "history")  # configs and code records a change replaced
+    listing = property(lambda self: self.path / ".listing.json")  # what a listing shows (jobs/runs/listing.py)
     # What the launches write.
     events = property(lambda self: self.path / "events.log")  # common/events.py
     logs = property(lambda self: self.path / "logs")  # Slurm's and the local launches' logs

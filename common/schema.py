@@ -224,11 +224,6 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
     field, if it has one (a newer slipway's), and skips the secret policy."""
     if data is None:
         data = {}
-    if record and isinstance(data, dict):
-        try:
-            return _from_record(cls, data, where)
-        except _Slow:
-            pass  # read it again the general way, which says what is wrong and where
     if not isinstance(data, dict):
         raise ConfigError(where or cls.__name__, f"expected a mapping of keys, got {shown(data)}")
     hints = _hints(cls)
@@ -263,92 +258,6 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
         check(where)  # a field's own bounds first: `must be at most 100, got ...`
     if too_big:
         raise too_big[0]
-    return obj
-
-
-# ---------------------------------------------------------------- records, read fast
-# A listing reads ten thousand manifests: a record's values, of JSON's own types, are read by a
-# reader made once per field type (`_fast`), which takes only what the general path would take
-# unchanged and declines anything else (_Slow): the whole record is then read the general way,
-# so that what is accepted, and every error's words, are the general path's.
-
-
-class _Slow(Exception):
-    """The fast reading of a record declines a value."""
-
-
-# The values each plain type takes as they are, as the general path would return them.
-_TAKES = {str: lambda v: type(v) is str and "\0" not in v, bool: lambda v: type(v) is bool,
-          dict: lambda v: type(v) is dict, int: lambda v: type(v) is int and -MAX_INT <= v <= MAX_INT,
-          float: lambda v: type(v) is float and math.isfinite(v), Any: lambda v: True}
-
-
-def _fast(tp: Any) -> typing.Callable[[Any], Any]:
-    origin = get_origin(tp)
-    if tp in _TAKES:
-        takes = _TAKES[tp]
-
-        def read(value: Any) -> Any:
-            if takes(value):
-                return value
-            raise _Slow
-    elif origin in (Union, types.UnionType):
-        options = [_fast(arg) for arg in get_args(tp) if arg is not type(None)]
-        nullable = type(None) in get_args(tp)
-
-        def read(value: Any) -> Any:
-            if value is None and nullable:
-                return None
-            for option in options:  # in the general path's order
-                try:
-                    return option(value)
-                except _Slow:
-                    pass
-            raise _Slow
-    elif origin is list:
-        item = _fast(get_args(tp)[0])
-
-        def read(value: Any) -> Any:
-            if type(value) is list:
-                return [item(v) for v in value]
-            raise _Slow
-    elif dataclasses.is_dataclass(tp) and not hasattr(tp, "from_config_value"):
-        def read(value: Any) -> Any:
-            if type(value) is not dict:
-                raise _Slow
-            try:
-                return _from_record(tp, value, "")
-            except ConfigError:
-                raise _Slow from None
-    else:  # a Literal, a class with its own text form, a float given as an integer: the general path
-        def read(value: Any) -> Any:
-            raise _Slow
-    return read
-
-
-_PLANS: dict[type, tuple[list[tuple[str, Any, bool]], frozenset, bool]] = {}
-
-
-def _from_record(cls: type, data: dict, where: str) -> Any:
-    """A record's dataclass by the fast readers; _Slow where one declines."""
-    if cls not in _PLANS:
-        hints, fields = _hints(cls), config_fields(cls)
-        _PLANS[cls] = ([(name, _fast(hints[name]), f.default is dataclasses.MISSING
-                         and f.default_factory is dataclasses.MISSING) for name, f in fields.items()],
-                       frozenset(fields), "others" in hints)
-    plan, names, keeps_others = _PLANS[cls]
-    kwargs = {}
-    for name, read, required in plan:
-        if name in data:
-            kwargs[name] = read(data[name])
-        elif required:
-            raise _Slow
-    if keeps_others and not names.issuperset(data):
-        kwargs["others"] = {key: data[key] for key in sorted(set(data) - names, key=str)}
-    obj = cls(**kwargs)
-    check = getattr(obj, "check", None)
-    if check is not None:
-        check(where)
     return obj
 
 

@@ -39,15 +39,15 @@ from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
 from jobs.runs.code import git_state
 from jobs.runs.container import create_needed_dirs, remove_created_dirs
-from jobs.runs.manifest import ManifestError
-from jobs.runs.run import Run, runs_root
+from jobs.runs.run import Run, Unreadable, run_exists, runs_root
 from jobs.runs.submit import (Sealed, Shared, check_submittable, config_difference, nothing_to_train, no_world_write,
                               prepare_run, record_submission, seal, unprepared_data)
 from jobs.runs.sweep import (NAME_ROOM, Axis, ArrayJob, Point, Sweep, find_sweep, grid, point_names, read_points,
                              split_axes, sweep_dir, typed, value_text, write_sweep)
 from jobs.slurm.script import sbatch_quote
 
-NEW, RESUME, FINISHED, ACTIVE = "new", "to resume", "finished", "queued or running"  # a point's, in this order
+# A point's, in this order; UNREADABLE: its run cannot be read (damaged, a teammate's), left as it is.
+NEW, RESUME, FINISHED, ACTIVE, UNREADABLE = "new", "to resume", "finished", "queued or running", "unreadable"
 
 
 @dataclass(eq=False)  # a point's plan is itself: compared by identity
@@ -165,24 +165,24 @@ def _merged(old: Optional[Sweep], name: str, base: Config, axes: list[Axis], giv
 
 
 def _existing(plan: Plan, force: bool) -> None:
-    """The points whose run exists: queued or running, finished, to resume, or (a changed config
-    without `force`) refused. Slurm is asked once for all of them."""
+    """The points whose run exists: queued or running, finished, to resume, (a changed config
+    without `force`) refused, or, one that cannot be read (damaged, a teammate's), left as it is
+    with a note, as the others go on. Slurm is asked once for all of them."""
     there = []
     for p in plan.points:
         run = Run(p.sealed.paths)
-        if not run.paths.manifest.is_file():
-            continue
         try:
-            there.append((p, run, manifests.file_key(run.paths.manifest), run.launches()))
-        except ManifestError as exc:
-            plan.refusals.append(ConfigError(f"point {p.point.run}", str(exc)))
-    owns = {}
-    for _, run, _, launches in there:
-        events = run.events()
-        owns.update({id(x): run.events_of(x, events) for x in launches})
-    plan.asked = lifecycle.ask_slurm((x, owns[id(x)]) for *_, launches in there for x in launches if not x.local)
+            if run_exists(run.dir, f"point {p.point.run}"):
+                launches = run.launches()
+                there.append((p, run, manifests.file_key(run.paths.manifest), launches, run.events()))
+        except (ConfigError, OSError) as exc:  # that point alone
+            p.state = UNREADABLE
+            why = str(exc) if type(exc) is ConfigError else Unreadable.of(run.dir, exc).line()
+            plan.notes.append(f"{why}: left as it is, not submitted")
+    owns = {id(x): run.events_of(x, events) for _, run, _, launches, events in there for x in launches}
+    plan.asked = lifecycle.ask_slurm((x, owns[id(x)]) for *_, launches, _ in there for x in launches if not x.local)
     changed = []
-    for p, run, key, launches in there:
+    for p, run, key, launches, _ in there:
         p.key = key
         train = [x for x in launches if x.kind == "train"]
         last = lifecycle.launch_state(train[-1], owns[id(train[-1])], plan.asked.get(train[-1].id)) if train else None
@@ -226,11 +226,22 @@ def allocation(sealed: Sealed) -> tuple[str, ...]:
 
 def arrays_of(points: list[PointPlan], limit: int) -> list[list[PointPlan]]:
     """The points in arrays: one per allocation they ask (an array asks one), each of at most
-    `limit` tasks (the cluster's MaxArraySize: task indices stay below it)."""
+    `limit` tasks (the cluster's MaxArraySize: task indices stay below it; 0, a site without job
+    arrays: each point is a job of its own)."""
     groups: dict[tuple, list[PointPlan]] = {}
     for p in points:
         groups.setdefault(allocation(p.sealed), []).append(p)
-    return [g[i:i + limit] for g in groups.values() for i in range(0, len(g), limit)]
+    return [g[i:i + (limit or 1)] for g in groups.values() for i in range(0, len(g), limit or 1)]
+
+
+# The most tasks of one array that run at once unless --max-parallel says (submitit's default too):
+# a sweep of ten thousand points does not take a whole cluster at once by default.
+MAX_PARALLEL = 256
+
+
+def array_spec(tasks: int, max_parallel: Optional[int]) -> str:
+    """`--array=`'s value for `tasks` tasks: `0-N%K`, K the tasks that run at once."""
+    return f"0-{tasks - 1}%{max_parallel or min(tasks, MAX_PARALLEL)}"
 
 
 def _array_pattern(pattern: str) -> str:
@@ -244,7 +255,6 @@ def render_array(sweep: str, where: Path, points: list[PointPlan], max_parallel:
     first = points[0].sealed
     s = first.cfg.slurm
     own = [line for line in allocation(first) if line.startswith("#SBATCH ")]
-    spec = f"0-{len(points) - 1}" + (f"%{max_parallel}" if max_parallel else "")
     root = first.paths.path.parent
     return "\n".join([
         "#!/bin/bash",
@@ -255,7 +265,7 @@ def render_array(sweep: str, where: Path, points: list[PointPlan], max_parallel:
         *own,
         f"#SBATCH --output={sbatch_quote(str(where / '%a' / _array_pattern(s.output)))}",
         f"#SBATCH --error={sbatch_quote(str(where / '%a' / _array_pattern(s.error)))}",
-        f"#SBATCH --array={spec}",
+        f"#SBATCH --array={array_spec(len(points), max_parallel)}",
         "",
         "set -euo pipefail",
         "POINTS=(" + " ".join(shlex.quote(p.point.run) for p in points) + ")",
@@ -326,7 +336,8 @@ def submit_sweep(plan: Plan, project_dir: Path, *, force: bool = False, max_para
                     _, created = prepare_run(p.sealed, force=force, asked=plan.asked if unchanged else None,
                                              git=plan.git)
                     made.append((p, created, dirs))
-                script = _write_array(plan.sweep.name, home, chunk, max_parallel)
+                # A site without arrays (MaxArraySize 0): the point's own job.sbatch, as `submit` queues it.
+                script = _write_array(plan.sweep.name, home, chunk, max_parallel) if limit else chunk[0].sealed.paths.job_script
                 job = slurm.sbatch(script, cwd=project_dir)
             except BaseException:
                 for p, created, dirs in made:  # nothing of this array ran: no trace of its new runs
@@ -335,8 +346,8 @@ def submit_sweep(plan: Plan, project_dir: Path, *, force: bool = False, max_para
                         shutil.rmtree(p.sealed.paths.path, ignore_errors=True)
                 raise
             for i, p in enumerate(chunk):
-                record_submission(Run(p.sealed.paths), f"{job}_{i}", p.sealed, git=plan.git)
-            array = ArrayJob(job, [p.point.run for p in chunk], str(script.relative_to(home)), now_iso(), max_parallel)
+                record_submission(Run(p.sealed.paths), f"{job}_{i}" if limit else job, p.sealed, git=plan.git)
+            array = ArrayJob(job, [p.point.run for p in chunk], os.path.relpath(script, home), now_iso(), max_parallel)
             plan.sweep.arrays.append(array)
             submitted.append(array)
             write_sweep(home / "sweep.json", plan.sweep)

@@ -25,7 +25,7 @@ from jobs.runs.lifecycle import LaunchState
 from jobs.runs.manifest import Launch, Manifest, ManifestError
 from common import environ
 from common.errors import ConfigError, one_line, shown
-from common.events import Event, read_events, tail_events
+from common.events import Event, read_events
 from common.fs import NotRegularFile, file_kind, ownership, pread_all, regular_fd
 from common.rundir import CodeSnapshot, RunDir
 
@@ -109,12 +109,6 @@ class Run:
 
     def events_of(self, launch: Launch, events: Optional[list[Event]] = None) -> list[Event]:
         return lifecycle.events_of(launch, self.events() if events is None else events, self.launches())
-
-    def recent_events(self, launch: Launch) -> list[Event]:
-        """The events of events.log from `launch`'s last start on, read from the file's end: a
-        listing reads no more of a long history than the state of the latest launch needs."""
-        return lifecycle.events_of(launch, tail_events(self.dir, lambda e: e.job == launch.id and
-                                                       e.kind in lifecycle.STARTS), [launch])
 
     def state(self, launch: Launch, info: Optional[slurm.JobInfo] = None, *, ask_slurm: bool = True) -> LaunchState:
         """What became of `launch`: events.log read, the local processes looked at, Slurm asked
@@ -225,7 +219,7 @@ def run_name(name: str) -> str:
 def run_exists(run_dir: Path, field: str = "run.name") -> bool:
     """Whether a run is at `run_dir` (it has a manifest.json); one line naming `field` when one is
     there that this user may not read (a teammate's) or whose manifest is no regular file."""
-    found = _stat_manifest(run_dir)
+    found = _stat_manifest(os.fspath(run_dir))
     if isinstance(found, Unreadable):
         if found.denied:
             raise ConfigError(field, found.line())
@@ -244,22 +238,24 @@ def find_run(name: str, project_dir: Path) -> Run:
     return Run(RunDir(run_dir, project_dir))
 
 
-def _stat_manifest(run_dir: Path) -> "int | Unreadable | None":
+def _stat_manifest(run_dir: str) -> "int | Unreadable | None":
     """When the run at `run_dir` last recorded a launch (its manifest's mtime, in ns); None where
-    there is no run; Unreadable where it is one that cannot be read. One stat, no read: a listing
-    of ten thousand runs is ordered by it."""
-    path = RunDir(run_dir).manifest
+    there is no run; Unreadable where it is one that cannot be read. One stat, no read (and no
+    Path made: a listing of ten thousand runs is ordered by it)."""
     try:
-        st = os.stat(path)
+        st = os.stat(os.path.join(run_dir, _MANIFEST))
     except (FileNotFoundError, NotADirectoryError):
         return None
     except PermissionError as exc:
-        return Unreadable(run_dir, _denied(run_dir, exc), True)
+        return Unreadable(Path(run_dir), _denied(Path(run_dir), exc), True)
     except OSError as exc:  # a link loop, a name too long
-        return Unreadable(run_dir, f"manifest.json: {exc.strerror or exc}")
+        return Unreadable(Path(run_dir), f"manifest.json: {exc.strerror or exc}")
     if not stat.S_ISREG(st.st_mode):
-        return Unreadable(run_dir, f"manifest.json is {file_kind(st.st_mode)}, not a regular file")
+        return Unreadable(Path(run_dir), f"manifest.json is {file_kind(st.st_mode)}, not a regular file")
     return st.st_mtime_ns
+
+
+_MANIFEST = RunDir(Path("/")).manifest.name
 
 
 def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
@@ -272,19 +268,18 @@ def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
         names = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
         return [], []
-    found: list[tuple[int, str, Run]] = []
+    found: list[tuple[int, str]] = []
     unreadable: list[Unreadable] = []
     for name in names:
         if name.startswith("."):
             continue
-        run_dir = root / name
-        key = _stat_manifest(run_dir)
+        key = _stat_manifest(os.path.join(root, name))
         if isinstance(key, Unreadable):
             unreadable.append(key)
         elif key is not None:
-            found.append((key, name, Run(RunDir(run_dir, project_dir))))
-    found.sort(key=lambda item: item[:2])
-    return [run for _, _, run in found], sorted(unreadable, key=lambda u: u.name)
+            found.append((key, name))
+    found.sort()
+    return [Run(RunDir(root / name, project_dir)) for _, name in found], sorted(unreadable, key=lambda u: u.name)
 
 
 def list_runs(project_dir: Path) -> list[Run]:
