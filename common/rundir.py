@@ -172,7 +172,7 @@ def check_code(package_file: str, environ: Optional[dict] = None) -> Optional[st
 
 
 CHECKPOINT_MARKER = "COMPLETE"
-_CHECKPOINT_STEP = re.compile(r"^step-(\d+)$")
+_CHECKPOINT_STEP = re.compile(r"step-(\d+)")
 
 
 def checkpoint_complete(path: Path) -> bool:
@@ -188,7 +188,7 @@ def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[int]:
     if not path.is_dir():
         return []
     return sorted(int(m.group(1)) for p in path.iterdir()
-                  if (m := _CHECKPOINT_STEP.match(p.name)) and p.is_dir() and checkpoint_complete(p))
+                  if (m := _CHECKPOINT_STEP.fullmatch(p.name)) and p.is_dir() and checkpoint_complete(p))
 
 
 def tagged(line: str, tag: str) -> Optional[dict[str, str]]:

@@ -11,7 +11,7 @@ import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
-from common.errors import ConfigError, shown
+from common.errors import ConfigError, shown, unprintable
 from common.secrets import REFUSE, flag_variable, refusal, secret_name
 from common.yaml import BOOL, FLOAT, INT, MAX_INT, NULL, Plain
 
@@ -139,10 +139,23 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
 RECORD = "record"
 
 
+# The one rule for control characters, where a value enters (a config, the command line, a cluster
+# profile): a field of names, paths or Slurm's values holds none of those `one_line` escapes (a
+# terminal would act on them, a script or a log hide them); a field of free text (metadata
+# {"free_text": True}: a variable's value, a command's word) holds no line break, no sink carrying
+# one whole, and is escaped where it is shown or written (one_line, the batch script's $'...').
+FREE_TEXT = {"free_text": True}
+
+
 def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = False, key: Any = None,
-             checked: bool = False, hint: Any = None) -> Any:
+             checked: bool = False, hint: Any = None, free: bool = False) -> Any:
     """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy
-    has seen it (a Union's alternatives are tried on the same value); `hint`: a list's item before."""
+    has seen it (a Union's alternatives are tried on the same value); `hint`: a list's item before;
+    `free`: a field of free text."""
+    if isinstance(value, str) and policy != RECORD and not value.isprintable() and (bad := unprintable(value, free)):
+        raise ConfigError(where, f"holds a line break ({bad}), which no file or command line it goes to carries whole: "
+                                 "remove it" if free else f"holds a control character ({bad}), which no name, path or "
+                                 "Slurm value may hold (a terminal would act on it): remove it")
     if not checked and policy != RECORD and (isinstance(value, str) or key is not None):
         _secret_check(value, where, policy, edf, key, hint)
     origin = get_origin(tp)
@@ -153,7 +166,7 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
         options = [arg for arg in args if arg is not type(None)]
         for arg in options:
             try:
-                return _convert(arg, value, where, policy, edf, checked=True)
+                return _convert(arg, value, where, policy, edf, checked=True, free=free)
             except OutOfRange:
                 raise
             except ConfigError:
@@ -175,7 +188,7 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
             raise ConfigError(where, f"expected a list such as [a, b], got {shown(value, where)}")
         if policy != RECORD:
             _list_flags(list(value), where, policy)
-        return [_convert(item_tp, v, f"{where}[{i}]", policy, edf, hint=value[i - 1] if i else None)
+        return [_convert(item_tp, v, f"{where}[{i}]", policy, edf, hint=value[i - 1] if i else None, free=free)
                 for i, v in enumerate(value)]
     if tp is dict:  # any mapping (a record's git state)
         if not isinstance(value, dict):
@@ -189,7 +202,7 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ConfigError(where, f"keys must be strings, got {shown(k, where)}")
-            out[str(k)] = _convert(val_tp, v, f"{where}.{k}", policy, edf, key=k)
+            out[str(k)] = _convert(val_tp, v, f"{where}.{k}", policy, edf, key=k, free=free)
         return out
     if hasattr(tp, "from_config_value"):  # a class with its own text form (edf.Mount: "SRC:DST:FLAGS")
         return tp.from_config_value(value, where)
@@ -241,8 +254,8 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
         path = f"{where}.{name}" if where else name
         if name in data:
             try:
-                kwargs[name] = _convert(hints[name], data[name], path,
-                                        RECORD if record else f.metadata.get("secrets", REFUSE), edf)
+                kwargs[name] = _convert(hints[name], data[name], path, RECORD if record else
+                                        f.metadata.get("secrets", REFUSE), edf, free=f.metadata.get("free_text", False))
             except OutOfRange as exc:
                 if exc.field != path:  # inside a list or a nested section: no check of this one's bounds it
                     raise
@@ -278,7 +291,8 @@ def part_of(cls: type, data: Any, where: str) -> dict:
         if dataclasses.is_dataclass(tp):
             part_of(tp, value, path)
         else:
-            _convert(tp, value, path, fields[key].metadata.get("secrets", REFUSE), edf)
+            _convert(tp, value, path, fields[key].metadata.get("secrets", REFUSE), edf,
+                     free=fields[key].metadata.get("free_text", False))
     return data
 
 

@@ -19,15 +19,14 @@ from typing import Any, Optional, Union
 
 import tomli_w
 
-from edf.environment import Environment, Expansion, Mount, is_local_image, split_expansions
-from common.errors import ConfigError, bounded, bounded_path, shown, warn
+from edf.environment import SAFE_NAME, Environment, Expansion, Mount, is_local_image, split_expansions
+from common.errors import UNPRINTABLE, ConfigError, bounded, bounded_path, shown, warn
 from common.secrets import PASSTHROUGH, refusal, warning
 from common.yaml import MAX_DEPTH, MAX_TEXT, read_text_bounded
 from common.fs import write_atomic
 
 TOP_KEYS = ("base_environment", "image", "workdir", "entrypoint", "writable", "mounts", "env", "annotations")
 MAX_BASE_DEPTH = 10  # "Supports up to 10 levels of recursion" (EDF reference)
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
 # --------------------------------------------------------------------------
@@ -57,7 +56,9 @@ def render_edf(env: Environment) -> str:
         doc["env"] = {**env.env, **{name: f"${{{name}}}" for name in env.env_from_host}}
     if env.annotations:
         doc["annotations"] = _nest(env.annotations)
-    return tomli_w.dumps(doc)
+    # tomli-w escapes the C0 controls in a value (a tab aside); the others one_line escapes (C1,
+    # bidirectional, line separators) too, as \uXXXX: an editor or a terminal showing the file would act on them.
+    return UNPRINTABLE.sub(lambda m: m[0] if m[0] in "\n\t" else f"\\u{ord(m[0]):04x}", tomli_w.dumps(doc))
 
 
 def _nest(flat: dict[str, str]) -> dict[str, Any]:
@@ -434,7 +435,7 @@ def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = Fal
 def install_edf(env: Environment, name: str, edf_path: Optional[str] = None, force: bool = False) -> Path:
     """Write the EDF as NAME.toml into the first EDF_PATH directory (created if
     missing), so that `srun --environment=NAME` finds it."""
-    if not SAFE_NAME.match(name) or name.endswith(".toml"):
+    if not SAFE_NAME.fullmatch(name) or name.endswith(".toml"):
         raise ConfigError("container.edf_name", f"{name!r} is not a safe EDF name: use 1-100 letters, digits, "
                                                 "'.', '_' or '-', starting with a letter or digit, without .toml")
     directory = edf_search_path(edf_path)[0]

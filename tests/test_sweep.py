@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import ConfigError, one_line
 from common.events import append_event
 from conftest import tree
 from edf.environment import SAFE_NAME
@@ -595,3 +596,42 @@ def test_a_teammates_points_are_marked_and_every_other_is_compared(teammates_swe
     again = mate.slipway("sweep", "tiny_cpu", "--name", "g", *GRID, env=env, cwd=project)
     assert again.returncode == 0 and "1 unreadable" in again.stdout and closed[NAMES[1]] in again.stdout, \
         (again.stdout, again.stderr)
+
+
+def test_control_characters_in_free_text_and_in_what_a_job_wrote_reach_no_csv_or_table_raw(project, standin):
+    _, env = standin
+    r = slipway("sweep", "tiny_cpu", "--name", "e", "container.env.SLIPWAY_X=[a\x1bb, c\u202ed\x07]", env=env)
+    assert r.returncode == 0, r.stderr
+    points = [p["run"] for p in record(project, "e")["points"]]
+    (project / "runs" / points[0] / "metrics.jsonl").write_text(json.dumps(
+        {"kind": "train", "step": 3, "loss": "\x1b]0;PWNED\x07", "tokens_per_s": "\u2066x"}) + "\n")
+    for args in (["compare", "e", "--csv"], ["compare", "e"], ["status", "e"]):
+        out = slipway(*args, env=env)
+        assert out.returncode == 0, out.stderr
+        raw = sorted({c for c in out.stdout + out.stderr if c != "\n" and one_line(c) != c})
+        assert not raw and ("a\\x1bb" in out.stdout or args[0] == "status"), (args, raw, out.stdout)
+
+
+@pytest.mark.parametrize("settings", [
+    {"train.lr": "1e-3"}, {"train.lr": "3e-3", "train.warmup_steps": "5", "run.seed": "7"},
+    {"model.size": "small"}, {"model.hidden_size": "128", "model.num_heads": "4"}, {"slurm.nodes": "2"},
+    {"slurm.nodes": "2", "parallel.dp": "4"}, {"container.env.X": "y"}, {"slurm.time": "10:00"}, {"train.lr": "-1"},
+    {"train.min_lr": "1", "train.lr": "2"}, {"train.min_lr": "1"}, {"train.min_lr": "1e-3", "train.lr": "5e-4"}, {"slurm.partition": "a\x1bb"}, {"train.steps": "x"},
+    {"data.cache_dir": "/tmp/" + "a" * 300}, {"launch.command": ["python3", "x.py"]}, {"nope.x": "1"}])
+def test_a_points_config_built_from_the_base_is_the_one_read_whole(settings):
+    """`Variants` (each setting read once, points built from the base) gives each point the config,
+    or the error, that reading its whole tree gives."""
+    from jobs.config import Variants, config_from, read_config
+
+    path, raw = read_config(Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml")
+    variants = Variants(path, raw, ["train.steps=50"], {}, None)
+
+    def built(make):
+        try:
+            return make()
+        except ConfigError as exc:
+            return str(exc)
+    for _ in range(2):  # the second time from what the first read
+        fast = built(lambda: variants(settings, "p-1"))
+        whole = built(lambda: config_from(path, raw, ["train.steps=50"], {}, {**settings, "run.name": "p-1"}))
+        assert fast == whole, (settings, fast, whole)

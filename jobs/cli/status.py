@@ -8,7 +8,6 @@ only the end of each run's events.log and metrics.jsonl.
 from __future__ import annotations
 
 import codecs
-import gc
 import os
 import re
 import shlex
@@ -21,6 +20,7 @@ from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History
+from jobs.runs.run import many_objects
 from jobs.runs.listing import Facts, facts as listing_facts
 from jobs.runs.manifest import Launch, ManifestError
 from common.environ import as_typed
@@ -231,8 +231,7 @@ def listing_rows(found: Sequence[runs.Run], throughput: bool = False) -> tuple[l
     why: UNREADABLE (a teammate's, no error) or DAMAGED (an error line)."""
     read: list[Facts | runs.Unreadable] = []
     damaged = []
-    gc.disable()  # what is read stays alive until printed: the cyclic collector would walk it again and again
-    try:
+    with many_objects():
         for run in found:
             try:
                 read.append(listing_facts(run))
@@ -242,8 +241,6 @@ def listing_rows(found: Sequence[runs.Run], throughput: bool = False) -> tuple[l
                     damaged.append((run.name, str(exc) if isinstance(exc, ManifestError) else
                                     f"{read[-1].line()}: move the run directory aside, or put back the file its "
                                     "jobs write"))
-    finally:
-        gc.enable()
     answers = lifecycle.ask_slurm((f.latest, f.events) for f in read if isinstance(f, Facts) and f.latest)
     rows = []
     for run, f in zip(found, read):

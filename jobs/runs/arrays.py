@@ -20,31 +20,32 @@ import resource
 import shlex
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from common.errors import ConfigError, shown
 from common.events import now_iso
 from common.fs import write_atomic
 from common.rundir import RunDir
-from common.schema import to_dict
+from common.schema import config_fields, to_dict
 from edf.environment import SAFE_NAME
 from jobs import slurm
 from jobs.clusters import ClusterProfile
-from jobs.config import Config, config_from, dump_config, read_config
+from jobs.config import Config, Variants, dump_config, read_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
 from jobs.runs.code import git_state
-from jobs.runs.container import create_needed_dirs, remove_created_dirs
-from jobs.runs.run import Run, Unreadable, run_exists, runs_root
+from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve_paths
+from jobs.runs.run import Run, Unreadable, many_objects, run_exists, runs_root
 from jobs.runs.submit import (Sealed, Shared, check_submittable, config_difference, nothing_to_train, no_world_write,
                               prepare_run, record_submission, seal, unprepared_data)
 from jobs.runs.sweep import (NAME_ROOM, Axis, ArrayJob, Point, Sweep, find_sweep, grid, point_names, read_points,
                              split_axes, sweep_dir, typed, value_text, write_sweep)
-from jobs.slurm.script import sbatch_quote
+from jobs.slurm.script import sbatch_header, sbatch_quote
+from trainer.config import TrainerConfig
 
 # A point's, in this order; UNREADABLE: its run cannot be read (damaged, a teammate's), left as it is.
 NEW, RESUME, FINISHED, ACTIVE, UNREADABLE = "new", "to resume", "finished", "queued or running", "unreadable"
@@ -88,9 +89,10 @@ def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_
     axes, plain = split_axes(overrides)
     entries = read_points(points_file) if points_file else None
     path, raw = read_config(config)
-    base = config_from(path, raw, plain, sets, cluster=cluster)
+    variants = Variants(path, raw, plain, sets, cluster)
+    base = variants.base
     name = name or base.run.name
-    if not SAFE_NAME.match(name) or len(name) > NAME_ROOM:
+    if not SAFE_NAME.fullmatch(name) or len(name) > NAME_ROOM:
         raise ConfigError("--name", f"{shown(name)} is no sweep name: use 1-{NAME_ROOM} letters, digits, '.', '_' "
                                     "or '-', starting with a letter or digit")
     if RunDir(runs_root(project_dir) / name).manifest.is_file():
@@ -99,15 +101,51 @@ def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_
     names = point_names(name, settings)
     old = find_sweep(name, project_dir)
     known = {p.run for p in old.points} if old else set()
-    shared, seen, plans, refusals = Shared(), {}, [], []
     keys = sorted({k for values in settings for k in values})
     # A point's own arguments (what a hint repeats, `slipway local ...`): the axes' items replaced by its values.
     swept = [o for o in overrides if o not in plain]
     words = [w for w in shlex.split(given_args or config) if w not in swept]
-    for values, run_name in zip(settings, names):
+    with many_objects():
+        plans, refusals = _points(variants, zip(settings, names), keys, words, project_dir, name, known,
+                                  dry_run=dry_run, view=view)
+    plan = Plan(_merged(old, name, base, axes, given_args, [p.point for p in plans]), plans, refusals)
+    plan.notes = list(dict.fromkeys(n for p in plans for n in p.sealed.notes))
+    if not refusals:
+        _existing(plan, force)
+        _data(plan, dry_run)
+    plan.git = git_state(project_dir)
+    return plan
+
+
+def _data(plan: Plan, dry_run: bool) -> None:
+    """The first point to submit whose data is not prepared refuses the submission; each point's
+    config.yaml made (as written) where it is."""
+    refused: dict[str, Optional[str]] = {}
+    texts: dict[int, str] = {}  # the data section's text, by the section (points share one an axis leaves alone)
+    for p in plan.to_submit:
+        if not dry_run:
+            _frozen(p)
+        d = p.cfg.data
+        key = texts.get(id(d)) or texts.setdefault(id(d), json.dumps(to_dict(d), default=str))
+        if key not in refused:  # its paths resolved (a dry run leaves those of a point it does not seal)
+            refused[key] = unprepared_data(replace(p.sealed, cfg=resolve_paths(p.cfg, p.sealed.paths)),
+                                           p.cfg.config_args)
+        if refused[key]:
+            plan.refusals.append(ConfigError(f"point {p.point.run}", f"data: {refused[key]}"))
+            break
+
+
+def _points(variants: Variants, points: Iterable[tuple[dict[str, Any], str]], keys: list[str], words: list[str],
+            project_dir: Path, sweep: str, known: set[str], *, dry_run: bool,
+            view: Optional[Callable[[Config], Config]]) -> tuple[list[PointPlan], list[ConfigError]]:
+    """Each point (its values, its run name) built and checked, and sealed (in a dry run, as
+    `_Fresh` says); what would refuse the submission."""
+    shared, seen, plans, refusals = Shared(), {}, [], []
+    first, fresh, checked = None, _Fresh(), {}
+    for values, run_name in points:
         point = Point(run_name, values)
         try:
-            cfg = config_from(path, raw, plain, sets, {**values, "run.name": run_name}, cluster=cluster)
+            cfg = variants(values, run_name)
             cfg.given_args = shlex.join([*words, *(f"{k}={value_text(v)}" for k, v in values.items()),
                                          "--run-name", run_name])
             cfg = view(cfg) if view else cfg
@@ -115,7 +153,11 @@ def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_
                 if "%x" in getattr(cfg.slurm, stream).replace("%%", ""):
                     raise ConfigError(f"slurm.{stream}", "%x is the array's job name in a sweep, not the point's: "
                                                          "use %j (the task's ARRAY_TASK id) or a fixed name")
-            sealed = seal(cfg, project_dir, dry_run=dry_run, shared=shared, config_text=False)
+            if dry_run and first is not None and not fresh(values):  # its config built and checked; its files
+                paths = RunDir(first.paths.path.parent / run_name, first.paths.project)  # rendered when submitted
+                sealed = replace(first, cfg=cfg, paths=paths, files={}, notes=[])
+            else:
+                sealed = first = seal(cfg, project_dir, dry_run=dry_run, shared=shared, config_text=False)
         except ConfigError as exc:
             raise ConfigError(f"point {run_name}", f"{exc} ({point.label(120)})") from None
         same = tuple(repr(typed(cfg, key)) for key in keys)  # what the values became, typed by their fields
@@ -124,32 +166,43 @@ def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_
                                                    "drop one of the two values")
         seen[same] = run_name
         plans.append(PointPlan(point, sealed, NEW))
-        for check in (lambda: check_submittable(cfg), lambda: _unrelated(sealed, name, known)):
-            try:
-                check()
-            except ConfigError as exc:
-                refusals.append(ConfigError(f"point {run_name}", str(exc)))
-    plan = Plan(_merged(old, name, base, axes, given_args, [p.point for p in plans]), plans, refusals)
-    plan.notes = list(dict.fromkeys(n for p in plans for n in p.sealed.notes))
-    if not refusals:
-        _existing(plan, force)
-        data: dict[str, Optional[str]] = {}
-        for p in plan.to_submit:
-            if not dry_run:
-                _frozen(p)
-            key = json.dumps(to_dict(p.cfg.data), default=str)
-            if key not in data:
-                data[key] = unprepared_data(p.sealed, p.cfg.config_args)
-            if data[key]:
-                plan.refusals.append(ConfigError(f"point {p.point.run}", f"data: {data[key]}"))
-                break
-    plan.git = git_state(project_dir)
-    return plan
+        # What it reads (the container's and Slurm's sections, train.script): once for the points that share them.
+        on_disk = (id(cfg.container), id(cfg.slurm), cfg.train.script)
+        if on_disk not in checked:
+            checked[on_disk] = _refused(lambda: check_submittable(cfg))
+        refusals += [ConfigError(f"point {run_name}", why) for why in
+                     (checked[on_disk], _refused(lambda: _unrelated(sealed, sweep, known))) if why]
+    return plans, refusals
+
+
+def _refused(check: Callable[[], None]) -> str:
+    """What `check()` refuses ("": nothing)."""
+    try:
+        check()
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+class _Fresh:
+    """Whether a dry run seals a point: the first, and the first of each value an axis gives a
+    field of the host's sections (slurm, container, launch, image, code: what a job's files and
+    pins come from); every point of a submission is sealed."""
+
+    HOST = set(config_fields(Config)) - set(config_fields(TrainerConfig))
+
+    def __init__(self) -> None:
+        self.sealed: set[tuple[str, str]] = set()
+
+    def __call__(self, values: dict[str, Any]) -> bool:
+        new = {(k, repr(v)) for k, v in values.items() if k.split(".")[0] in self.HOST} - self.sealed
+        self.sealed |= new
+        return bool(new)
 
 
 def _unrelated(sealed: Sealed, sweep: str, known: set[str]) -> None:
     paths = sealed.paths
-    if (paths.path.exists() or paths.path.is_symlink()) and sealed.cfg.run.name not in known:
+    if os.path.lexists(paths.path) and sealed.cfg.run.name not in known:
         raise ConfigError("run.name", f"{paths.path} exists and is no point of sweep {sweep}: move it aside, or give "
                                       "the sweep another --name")
 
@@ -208,7 +261,7 @@ def _frozen(p: PointPlan) -> str:
     sweep of a thousand points made it for each in seconds)."""
     path = p.sealed.paths.config
     if path not in p.sealed.files:
-        p.sealed.files[path] = dump_config(p.cfg)
+        p.sealed.files[path] = dump_config(resolve_paths(p.cfg, p.sealed.paths))  # resolved: a dry run may not have
     return p.sealed.files[path]
 
 
@@ -217,8 +270,8 @@ def _frozen(p: PointPlan) -> str:
 
 def allocation(sealed: Sealed) -> tuple[str, ...]:
     """The #SBATCH lines of a point's job.sbatch that its array shares (all but its name and logs):
-    what it asks of Slurm, exactly as the point's own script says it."""
-    lines = [line for line in sealed.files[sealed.paths.job_script].splitlines() if line.startswith("#SBATCH ")]
+    what it asks of Slurm, as the point's own script says it (its header, rendered the same way)."""
+    lines = [line for line in sbatch_header(sealed.cfg, sealed.paths, sealed.exclude) if line.startswith("#SBATCH ")]
     mine = ("--job-name=", "--output=", "--error=")
     s = sealed.cfg.slurm
     return (*(line for line in lines if not line[8:].startswith(mine)), f"#output {s.output}", f"#error {s.error}")
@@ -229,8 +282,11 @@ def arrays_of(points: list[PointPlan], limit: int) -> list[list[PointPlan]]:
     `limit` tasks (the cluster's MaxArraySize: task indices stay below it; 0, a site without job
     arrays: each point is a job of its own)."""
     groups: dict[tuple, list[PointPlan]] = {}
+    asks: dict[tuple, tuple] = {}  # by what a header reads (points share sections an axis leaves alone)
     for p in points:
-        groups.setdefault(allocation(p.sealed), []).append(p)
+        cfg = p.cfg
+        key = (id(cfg.slurm), id(cfg.launch), cfg.train.script, tuple(p.sealed.exclude))
+        groups.setdefault(asks[key] if key in asks else asks.setdefault(key, allocation(p.sealed)), []).append(p)
     return [g[i:i + (limit or 1)] for g in groups.values() for i in range(0, len(g), limit or 1)]
 
 

@@ -8,12 +8,14 @@ writes (metrics, checkpoints). The manifest has one writer (`update_manifest`).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from jobs import slurm
 from jobs.config import Config, load_config
@@ -160,6 +162,17 @@ class Run:
             return self.config().train.steps
         except (ConfigError, OSError):
             return None
+
+
+@contextlib.contextmanager
+def many_objects() -> Iterator[None]:
+    """The cyclic garbage collector off while a command reads what it keeps until it ends (ten
+    thousand runs' records, a sweep's points): it would walk them again and again, freeing nothing."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def runs_root(project_dir: Path) -> Path:

@@ -10,6 +10,7 @@ and queues its points as Slurm job arrays.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -95,7 +96,7 @@ class Sweep:
 
     def check(self, where: str) -> None:
         for i, p in enumerate(self.points):
-            if not SAFE_NAME.match(p.run):
+            if not SAFE_NAME.fullmatch(p.run):
                 raise ConfigError(f"{where}.points[{i}].run", f"{shown(p.run)} is no run name")
 
     def runs(self, project_dir: Path) -> list[Run]:
@@ -112,7 +113,7 @@ def sweep_dir(project_dir: Path, name: str) -> Path:
 
 def find_sweep(name: str, project_dir: Path) -> Optional[Sweep]:
     """The sweep `name` (None: there is none); SweepError when its record cannot be read."""
-    if not SAFE_NAME.match(name):
+    if not SAFE_NAME.fullmatch(name):
         return None
     path = sweep_dir(project_dir, name) / "sweep.json"
     return read_sweep(path) if path.exists() or path.is_symlink() else None
@@ -275,6 +276,11 @@ def value_text(value: Any) -> str:
 
 def short_keys(keys: list[str]) -> list[str]:
     """Each dotted key by its shortest last parts that no other key ends with (`lr`, `model_dropout`)."""
+    return list(_short_keys(tuple(keys)))
+
+
+@lru_cache(maxsize=64)  # every point of a sweep asks for the same keys
+def _short_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
     out = []
     for key in keys:
         parts = key.split(".")
@@ -283,7 +289,7 @@ def short_keys(keys: list[str]) -> list[str]:
             if n == len(parts) or not any(k != key and k.split(".")[-n:] == tail for k in keys):
                 out.append("_".join(tail))
                 break
-    return out
+    return tuple(out)
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -309,5 +315,5 @@ def point_names(sweep: str, settings: list[dict[str, Any]]) -> list[str]:
         return f"{sweep}-{body[:100 - len(sweep) - 10].rstrip('-_.')}-{digest(s)}"
 
     names = [name(s, False) for s in settings]
-    shared = {n for n in names if names.count(n) > 1}
+    shared = {n for n, count in collections.Counter(names).items() if count > 1}
     return [name(s, True) if n in shared else n for s, n in zip(settings, names)]

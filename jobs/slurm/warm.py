@@ -14,6 +14,7 @@ directory, rendezvous) each rank takes fresh.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -80,6 +81,7 @@ def plan(cfg: Config, paths: RunDir, env_of, code: Optional[CodeSnapshot], image
     return WarmPlan(key, env)
 
 
+@functools.lru_cache(maxsize=None)  # a sweep plans a thousand points: the metadata is read once
 def _torch_version(python: Optional[str]) -> str:
     """torch's version in this interpreter's environment (read from its metadata, never imported),
     where the ranks run this interpreter; "" elsewhere (the warm process checks torch itself)."""
