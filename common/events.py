@@ -31,64 +31,39 @@ MAX_EVENTS_BYTES = 4 << 20
 
 
 class EventKind(str, enum.Enum):
-    """What an event says, from the start of its text (the batch script's and the local launcher's words)."""
+    """What an event says: the start of its text (the batch script's and the local launcher's
+    words), the longest first where one starts another; OTHER, last, any other."""
 
-    START = "start"  # an attempt began: `start on NODES (restart N), ...`, `start on this machine`
-    END = "end"  # an attempt ended: `end exit N`, `end interrupted`, `end signal NAME`
+    START = "start on "  # an attempt began: `start on NODES (restart N), ...`, `start on this machine`
+    END = "end "  # an attempt ended: `end exit N`, `end interrupted`, `end signal NAME`
     PREPARE_START = "prepare start"
     PREPARE_END = "prepare end"
-    RETRY = "retry"  # a failure retry: the job requeued itself
+    RETRY = "retry "  # a failure retry: the job requeued itself
     NOT_RETRYING = "not retrying"  # a failure the job may not retry: it ends with the failure's code
     REQUEUE_FAILED = "requeue failed"
     TIME_LIMIT_WARNING = "time limit warning"
     TIME_LIMIT_REQUEUE = "time-limit requeue"
-    TIME_LIMIT_STOP = "time-limit stop"  # saved at the warning, slurm.requeue off: the job ends REQUEUE_EXIT
     NOT_REQUEUEING = "not requeueing"  # the time-limit requeues are used up: the job ends REQUEUE_EXIT
+    TIME_LIMIT_STOP = "time-limit stop"  # saved at the warning, slurm.requeue off: the job ends REQUEUE_EXIT
     VERIFICATION_FAILED = "verification failed"  # what the job runs is not what was submitted: exit 2, no retry
     PREFLIGHT_OK = "preflight ok"
     PREFLIGHT_FAILED = "preflight failed"
-    HANG = "hang"
+    HANG = "hang:"
     NODE_FAILURE = "node failure"
-    RANK_FAILED = "rank failed"  # `rank failed: rank R on NODE was killed by SIGKILL (exit 137)` / `exited N`
+    RANK_FAILED = "rank failed:"  # `rank failed: rank R on NODE was killed by SIGKILL (exit 137)` / `exited N`
     CANCELLED = "cancelled"
-    PREEMPTED = "preempted"  # requeued by Slurm (a preemption, an `scontrol requeue`), said by the next attempt
-    WARNING_LEAD = "warning lead"  # how long before the time limit the job asks for the save, and why
-    OTHER = "other"
+    PREEMPTED = "preempted:"  # requeued by Slurm (a preemption, an `scontrol requeue`), said by the next attempt
+    WARNING_LEAD = "warning lead "  # how long before the time limit the job asks for the save, and why
+    OTHER = ""
 
 
-# Longest prefix first where one starts another.
-_KINDS: tuple[tuple[str, EventKind], ...] = (
-    ("start on ", EventKind.START),
-    ("end ", EventKind.END),
-    ("prepare start", EventKind.PREPARE_START),
-    ("prepare end", EventKind.PREPARE_END),
-    ("retry ", EventKind.RETRY),
-    ("not retrying", EventKind.NOT_RETRYING),
-    ("requeue failed", EventKind.REQUEUE_FAILED),
-    ("time limit warning", EventKind.TIME_LIMIT_WARNING),
-    ("time-limit requeue", EventKind.TIME_LIMIT_REQUEUE),
-    ("not requeueing", EventKind.NOT_REQUEUEING),
-    ("time-limit stop", EventKind.TIME_LIMIT_STOP),
-    ("verification failed", EventKind.VERIFICATION_FAILED),
-    ("preflight ok", EventKind.PREFLIGHT_OK),
-    ("preflight failed", EventKind.PREFLIGHT_FAILED),
-    ("hang:", EventKind.HANG),
-    ("node failure", EventKind.NODE_FAILURE),
-    ("rank failed:", EventKind.RANK_FAILED),
-    ("cancelled", EventKind.CANCELLED),
-    ("preempted:", EventKind.PREEMPTED),
-    ("warning lead ", EventKind.WARNING_LEAD),
-)
 _EXIT = re.compile(r"end exit (-?\d+)\b")
 _HANG_TAG = re.compile(r"hangs/(\S+)-\*\.txt")
 _SIGNAL = re.compile(r"end signal (\S+)")
 
 
 def event_kind(text: str) -> EventKind:
-    for prefix, kind in _KINDS:
-        if text.startswith(prefix):
-            return kind
-    return EventKind.OTHER
+    return next(kind for kind in EventKind if text.startswith(kind.value))
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,10 @@ dataclasses. Nothing downstream reads raw dicts.
 
 from __future__ import annotations
 
-import copy
 import os
 import shlex
 import sys
-from dataclasses import dataclass, field, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -20,7 +19,7 @@ import yaml
 
 from common.environ import project_dir
 from common.errors import ConfigError, bounded, shown
-from common.schema import config_fields, from_dict, require, to_dict
+from common.schema import from_dict, require, to_dict
 from common.yaml import Plain, read_text_bounded, read_yaml
 from containers.record import ImageNeeds, ImageSection
 from edf.environment import NOT_CONFIG, SAFE_NAME, Environment
@@ -150,7 +149,7 @@ class Config(TrainerConfig):
         return shlex.join(kept)
 
     def check(self, where: str) -> None:
-        _check_path_components(to_dict(self), "")
+        check_path_components(to_dict(self), "")
         self.check_between()
 
     def check_between(self) -> None:
@@ -234,15 +233,15 @@ class Config(TrainerConfig):
 NAME_MAX = 255
 
 
-def _check_path_components(value: Any, where: str) -> None:
+def check_path_components(value: Any, where: str) -> None:
     """Every string of the tree that reads as a path (a '/', no whitespace) has components of at
     most NAME_MAX bytes."""
     if isinstance(value, dict):
         for key, item in value.items():
-            _check_path_components(item, f"{where}.{key}" if where else str(key))
+            check_path_components(item, f"{where}.{key}" if where else str(key))
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            _check_path_components(item, f"{where}[{i}]")
+            check_path_components(item, f"{where}[{i}]")
     elif isinstance(value, str) and "/" in value and not any(c.isspace() for c in value):
         longest = max(value.split("/"), key=lambda part: len(part.encode(errors="replace")))
         size = len(longest.encode(errors="replace"))
@@ -385,67 +384,6 @@ def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets:
         raise ConfigError(exc.field, f"{str(exc)[len(exc.field) + 2:]} (set by {cluster.where})") from None
     cfg.source, cfg.cluster = path, cluster
     return cfg
-
-
-class Variants:
-    """Configs of one base (`config_from`'s arguments) that each set a few fields more, as a sweep's
-    points do, without reading the whole tree again for each: every distinct setting (a section's
-    field, a value) is read once, in its section, by the schema (its type, the secret policy,
-    control characters, the section's own checks against the base); each variant is the base with
-    those fields set, its changed sections checked again and the rules across sections run. A
-    setting that is no plain field of a section, that changes more than its field (a preset) or
-    that its section refuses against the base is read the whole way, `config_from`, for that
-    variant: what is accepted, and every error, are `config_from`'s."""
-
-    def __init__(self, path: Path, raw: dict, overrides: list[str], sets: dict[str, Any],
-                 cluster: Optional[ClusterProfile]) -> None:
-        self.args, self.cluster, self.tree = (path, raw, overrides, sets), cluster, {}
-        self.base = config_from(path, raw, overrides, sets, cluster=cluster, tree=self.tree)
-        self.read: dict[tuple[str, str], Any] = {}
-
-    def __call__(self, settings: dict[str, Any], name: str) -> Config:
-        """The base with `settings` (dotted key -> value, as an override's value parses), run.name `name`."""
-        fields = [self._field(key, value) for key, value in settings.items()]
-        if any(f is None for f in fields):
-            return config_from(*self.args, {**settings, "run.name": name}, cluster=self.cluster)
-        cfg, changed = _shallow(self.base), {}
-        for section, name_, value in [("run", "name", name), *fields]:
-            if section not in changed:
-                changed[section] = _shallow(getattr(self.base, section))
-            setattr(changed[section], name_, value)
-        for section, part in changed.items():
-            if hasattr(part, "check"):
-                part.check(section)
-            setattr(cfg, section, part)
-        cfg.check_between()
-        return cfg
-
-    def _field(self, key: str, value: Any) -> Optional[tuple[str, str, Any]]:
-        """(section, field, its value read) for setting `key`, or None: no plain field of a section."""
-        marker = (key, repr(value))
-        if marker not in self.read:
-            self.read[marker] = None
-            section, _, name = key.partition(".")
-            cls = type(getattr(self.base, section)) if section in config_fields(Config) else None
-            raw = self.tree.get(section, {})
-            if cls and name in config_fields(cls) and not is_dataclass(getattr(getattr(self.base, section), name)) \
-                    and isinstance(raw, dict):
-                try:
-                    part = from_dict(cls, {**raw, name: value}, section)
-                    _check_path_components(to_dict(getattr(part, name)), key)
-                except ConfigError:
-                    return None  # read the whole way, which says what is wrong and where
-                plain = copy.copy(getattr(self.base, section))
-                setattr(plain, name, getattr(part, name))
-                self.read[marker] = (section, name, getattr(part, name)) if plain == part else None
-        return self.read[marker]
-
-
-def _shallow(obj: Any) -> Any:
-    """A copy of dataclass `obj` sharing its values: copy.copy's result, at a fifth of its cost."""
-    new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__)
-    return new
 
 
 def _refuse_ineffective_size(raw: dict, path: Path, overrides: list[str], sets: dict[str, Any]) -> None:

@@ -621,7 +621,8 @@ def test_control_characters_in_free_text_and_in_what_a_job_wrote_reach_no_csv_or
 def test_a_points_config_built_from_the_base_is_the_one_read_whole(settings):
     """`Variants` (each setting read once, points built from the base) gives each point the config,
     or the error, that reading its whole tree gives."""
-    from jobs.config import Variants, config_from, read_config
+    from jobs.config import config_from, read_config
+    from jobs.runs.sweep import Variants
 
     path, raw = read_config(Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml")
     variants = Variants(path, raw, ["train.steps=50"], {}, None)

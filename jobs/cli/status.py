@@ -138,7 +138,7 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     run = runs.find_run(run_name, project_dir)
     launches = run.launches()
     events = run.events()
-    owns = [run.events_of(x, events) for x in launches]
+    owns = [lifecycle.events_of(x, events, launches) for x in launches]
     answers = lifecycle.ask_slurm(zip(launches, owns))
     table = Table(title=Text(one_line(f"run {run.name}  {_progress(listing_facts(run))}")), title_justify="left")
     for col in ("job", "state", "exit", "elapsed", "last event / reason"):

@@ -33,7 +33,7 @@ from common.schema import config_fields, to_dict
 from edf.environment import SAFE_NAME
 from jobs import slurm
 from jobs.clusters import ClusterProfile
-from jobs.config import Config, Variants, dump_config, read_config
+from jobs.config import Config, dump_config, read_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
@@ -42,8 +42,8 @@ from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve
 from jobs.runs.run import Run, Unreadable, many_objects, run_exists, runs_root
 from jobs.runs.submit import (Sealed, Shared, check_submittable, config_difference, nothing_to_train, no_world_write,
                               prepare_run, record_submission, seal, unprepared_data)
-from jobs.runs.sweep import (NAME_ROOM, Axis, ArrayJob, Point, Sweep, find_sweep, grid, point_names, read_points,
-                             split_axes, sweep_dir, typed, value_text, write_sweep)
+from jobs.runs.sweep import (NAME_ROOM, Axis, ArrayJob, Point, Sweep, Variants, find_sweep, grid, point_names,
+                             read_points, split_axes, sweep_dir, typed, value_text, write_sweep)
 from jobs.slurm.script import sbatch_header, sbatch_quote
 from trainer.config import TrainerConfig
 

@@ -1,15 +1,11 @@
 """What a listing shows of a run, from one small record a run: runs/RUN/.listing.json.
 
 A listing of ten thousand runs (`slipway status`, a sweep's status, `compare`) reads no manifest
-and no events.log. Each run's listing facts (how many launches, the latest one's end once it is
-told for good, else that launch and its latest attempt's events, to be judged with Slurm's
-answer; the latest train and eval metrics; the step total) are kept in a record with the
-identity (inode, size, mtime) of each file they come from. A listing stats those three files
-and reads the record; one missing, stale (a file changed since), damaged or of a newer format is
-replaced by reading that run alone (`from_files`), and written again where the user may write
-(a teammate's run is read alone every time). The files are stat'ed before they are read, so a
-record is never newer than the identities it keeps: a change between the two makes it stale,
-never wrong. Nothing in it is trusted beyond its types: a record is a cache, the files the truth.
+and no events.log: each run's `Facts` are kept in a record with the identity (inode, size, mtime)
+of each file they come from, stat'ed before they are read (a change between the two makes the
+record stale, never wrong). A record missing, stale, damaged or of a newer format is replaced by
+reading that run alone (`from_files`), written again where the user may write (a teammate's run
+is read alone every time). A record is a cache, trusted no further than its types.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from jobs.runs.manifest import Launch, to_record
 from jobs.runs.run import Run
 
 FORMAT = 1
-MAX_BYTES = 64 << 10  # a record is a few hundred bytes; a latest attempt's events rarely more than a few KiB
+MAX_BYTES = 64 << 10  # a record is a few hundred bytes; a latest attempt's events a few KiB
 # What a record keeps of a launch Slurm or its processes must still tell: lifecycle's inputs, not
 # its pins (git state, image, code, cluster), which no listing shows.
 _KEPT = ("job_id", "kind", "local", "started", "ended", "pid", "trainer_pid", "host", "allocation", "exit",
@@ -115,42 +111,31 @@ def _encoded(found: Facts, where: list) -> dict:
     return out
 
 
+_TYPES = {"launches": int, "job": str, "said": str, "train": dict, "eval": dict, "total": (int, type(None))}
+
+
 def _read(path: str, where: list) -> Optional[Facts]:
-    """The record at `path` when it holds facts of the files as they are now; None otherwise. Read
-    without following a link, and without blocking or reading on where it is no regular file (a
-    FIFO gives nothing, a device more than a record holds, a directory an error)."""
+    """The record at `path` where it holds, of its own types, the facts of the files as they are
+    now; None otherwise. Read without following a link, nor blocking or reading on where it is
+    no regular file (a FIFO gives nothing, a device or a huge file no JSON, a directory an error)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            data = os.read(fd, MAX_BYTES + 1)
+            record = json.loads(os.read(fd, MAX_BYTES))
         finally:
             os.close(fd)
-        record = json.loads(data) if len(data) <= MAX_BYTES else None
-    except (OSError, ValueError, RecursionError):
+        if record.get("format") != FORMAT or record.get("of") != where or \
+                not all(isinstance(record[k], t) for k, t in _TYPES.items()):
+            return None
+        out = Facts(**{k: record[k] for k in _TYPES})
+        if "ended" in record:
+            state, code, reason = record["ended"]
+            if not (isinstance(state, str) and isinstance(reason, str) and isinstance(code, (int, type(None)))):
+                return None
+            out.ended = LaunchState(state, code, reason)
+        elif out.launches:  # to be judged again: the launch whole, as the manifest's reader takes it
+            out.latest = from_dict(Launch, record["launch"], "launch", record=True)
+            out.events = [e for line in record["events"] if (e := parse_event(line)) is not None]
+        return out
+    except (OSError, ValueError, RecursionError, TypeError, KeyError, AttributeError):  # garbled: the files tell
         return None
-    if type(record) is not dict or record.get("format") != FORMAT or record.get("of") != where:
-        return None
-    try:
-        return _decoded(record)
-    except (TypeError, ValueError, KeyError):  # a garbled record: the files tell
-        return None
-
-
-def _decoded(record: dict) -> Facts:
-    out = Facts(record["launches"], record["job"], None, None, [], record["said"], record["train"], record["eval"],
-                record["total"])
-    if type(out.launches) is not int or type(out.job) is not str or type(out.said) is not str \
-            or type(out.train) is not dict or type(out.eval) is not dict or type(out.total) not in (int, type(None)):
-        raise TypeError
-    if "ended" in record:
-        state, code, reason = record["ended"]
-        if type(state) is not str or type(code) not in (int, type(None)) or type(reason) is not str:
-            raise TypeError
-        out.ended = LaunchState(state, code, reason)
-    elif out.launches:  # to be judged again: the launch whole, as the manifest's reader takes it
-        kept, lines = record["launch"], record["events"]
-        if type(kept) is not dict or not set(kept) <= set(_KEPT) or type(lines) is not list:
-            raise TypeError
-        out.latest = from_dict(Launch, kept, "launch", record=True)
-        out.events = [e for line in lines if (e := parse_event(str(line))) is not None]
-    return out
