@@ -93,9 +93,6 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
     text = value if isinstance(value, str) else None
     if tp is str:
         if text is not None:
-            if "\0" in text:  # no path, command line or environment can carry one: caught here, once
-                raise ConfigError(where, "holds a NUL byte (\\0), which no file name, command line or environment "
-                                         "variable can carry: remove it")
             return str(text)
         if isinstance(value, bool):  # a Python caller's annotation value: the EDF string "true"
             return "true" if value else "false"

@@ -148,7 +148,7 @@ class NodeMemory:
     def forget(self, node: str) -> bool:
         """Remove `node`'s record (whatever it holds; a damaged record by the name it has); False
         when there was none."""
-        if not NODE_NAME.fullmatch(node) and (node.startswith(".") or node not in _listed(self.dir)):
+        if not NODE_NAME.fullmatch(node) and (node.startswith(".") or "/" in node or not os.path.lexists(self.record(node))):
             raise ConfigError("--forget", f"{shown(node)} is not a node name (letters, digits, '.', '_' or '-')")
         path = self.record(node)
         if not (path.is_file() or path.is_symlink() or path.exists()):
@@ -222,13 +222,6 @@ def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
         out.notes.append(f"not excluding {_described(left)}, remembered as bad by cluster {memory.cluster}: {where} "
                          f"has {usable} usable node(s) besides those excluded and the job needs {needed}")
     return out
-
-
-def _listed(folder: Path) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except OSError:
-        return []
 
 
 def forgetting(cluster: str, nodes: list[str]) -> str:

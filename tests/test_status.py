@@ -184,9 +184,9 @@ def test_a_listing_with_its_records_reads_no_manifest_and_no_events_log(mixed, m
 
     def unread(*args, **kwargs):
         raise AssertionError("read with a record in place")
-    monkeypatch.setattr(manifests, "read_keyed", unread)
+    monkeypatch.setattr(manifests, "read", unread)
     monkeypatch.setattr(run_module, "read_events", unread)
-    monkeypatch.setattr(run_module, "regular_fd", unread)  # metrics.jsonl
+    monkeypatch.setattr(run_module, "read_tail", unread)  # metrics.jsonl
     found, _ = runs.scan_runs(root.parent)
     with local.env(**env):  # the stand-in Slurm, for the commands plumbum runs
         listed, damaged, _ = status.listing_rows([r for r in found if r.name != "bad"])

@@ -139,9 +139,9 @@ def _points(variants: Variants, points: Iterable[tuple[dict[str, Any], str]], ke
             project_dir: Path, sweep: str, known: set[str], *, dry_run: bool,
             view: Optional[Callable[[Config], Config]]) -> tuple[list[PointPlan], list[ConfigError]]:
     """Each point (its values, its run name) built and checked, and sealed (in a dry run, as
-    `_Fresh` says); what would refuse the submission."""
+    `_fresh` says); what would refuse the submission."""
     shared, seen, plans, refusals = Shared(), {}, [], []
-    first, fresh, checked = None, _Fresh(), {}
+    first, sealed_values, checked = None, set(), {}
     for values, run_name in points:
         point = Point(run_name, values)
         try:
@@ -153,7 +153,7 @@ def _points(variants: Variants, points: Iterable[tuple[dict[str, Any], str]], ke
                 if "%x" in getattr(cfg.slurm, stream).replace("%%", ""):
                     raise ConfigError(f"slurm.{stream}", "%x is the array's job name in a sweep, not the point's: "
                                                          "use %j (the task's ARRAY_TASK id) or a fixed name")
-            if dry_run and first is not None and not fresh(values):  # its config built and checked; its files
+            if dry_run and first is not None and not _fresh(values, sealed_values):  # its config built, checked; its files
                 paths = RunDir(first.paths.path.parent / run_name, first.paths.project)  # rendered when submitted
                 sealed = replace(first, cfg=cfg, paths=paths, files={}, notes=[])
             else:
@@ -184,20 +184,16 @@ def _refused(check: Callable[[], None]) -> str:
     return ""
 
 
-class _Fresh:
-    """Whether a dry run seals a point: the first, and the first of each value an axis gives a
-    field of the host's sections (slurm, container, launch, image, code: what a job's files and
-    pins come from); every point of a submission is sealed."""
+# The host's sections (slurm, container, launch, image, code): what a job's files and pins come from.
+_HOST = set(config_fields(Config)) - set(config_fields(TrainerConfig))
 
-    HOST = set(config_fields(Config)) - set(config_fields(TrainerConfig))
 
-    def __init__(self) -> None:
-        self.sealed: set[tuple[str, str]] = set()
-
-    def __call__(self, values: dict[str, Any]) -> bool:
-        new = {(k, repr(v)) for k, v in values.items() if k.split(".")[0] in self.HOST} - self.sealed
-        self.sealed |= new
-        return bool(new)
+def _fresh(values: dict[str, Any], sealed: set[tuple[str, str]]) -> bool:
+    """Whether a dry run seals a point (the first aside): the first of a value an axis gives a
+    field of the host's sections (`sealed` notes it); a submission seals every point."""
+    new = {(k, repr(v)) for k, v in values.items() if k.split(".")[0] in _HOST} - sealed
+    sealed |= new
+    return bool(new)
 
 
 def _unrelated(sealed: Sealed, sweep: str, known: set[str]) -> None:

@@ -13,7 +13,7 @@ import gc
 import json
 import os
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -28,7 +28,7 @@ from jobs.runs.manifest import Launch, Manifest, ManifestError
 from common import environ
 from common.errors import ConfigError, one_line, shown
 from common.events import Event, read_events
-from common.fs import NotRegularFile, file_kind, ownership, pread_all, regular_fd
+from common.fs import NotRegularFile, file_kind, ownership, read_tail
 from common.rundir import CodeSnapshot, RunDir
 
 
@@ -37,7 +37,6 @@ class Run:
     """A run directory on disk."""
 
     paths: RunDir
-    _read: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)  # (file key, manifest or error)
 
     @property
     def dir(self) -> Path:
@@ -48,18 +47,9 @@ class Run:
         return self.dir.name
 
     def manifest(self) -> Manifest:
-        """The run's manifest as the file holds it now (read again only once the file changed);
-        ManifestError, naming the file and what to do, when it cannot be read."""
-        path = self.paths.manifest
-        if self._read is None or self._read[0] is None or self._read[0] != manifests.file_key(path):
-            try:
-                self._read = manifests.read_keyed(path)
-            except ManifestError as exc:
-                self._read = (manifests.file_key(path), exc)
-        found = self._read[1]
-        if isinstance(found, ManifestError):
-            raise found
-        return found
+        """The run's manifest as the file holds it now; ManifestError, naming the file and what to
+        do, when it cannot be read."""
+        return manifests.read(self.paths.manifest)
 
     def image(self) -> Optional[ImagePin]:
         """The image the run's latest job runs, as pinned at its submission (None: never submitted)."""
@@ -110,7 +100,8 @@ class Run:
         return read_events(self.dir)
 
     def events_of(self, launch: Launch, events: Optional[list[Event]] = None) -> list[Event]:
-        return lifecycle.events_of(launch, self.events() if events is None else events, self.launches())
+        return lifecycle.events_of(launch, self.events() if events is None else events,
+                                   self.launches() if launch.local else ())  # a local one's end: the next's start
 
     def state(self, launch: Launch, info: Optional[slurm.JobInfo] = None, *, ask_slurm: bool = True) -> LaunchState:
         """What became of `launch`: events.log read, the local processes looked at, Slurm asked
@@ -125,32 +116,21 @@ class Run:
 
     def last_metrics(self, kind: str = "train") -> dict | None:
         """The latest training record (or of another `kind`: eval) of the history that stands (a
-        restart undoes the steps after its checkpoint), read from the end of metrics.jsonl: its last
-        KiB, else 64 KiB (1 MiB for an eval record, written more rarely). A metrics.jsonl that is no
-        regular file raises NotRegularFile (regular_fd)."""
+        restart undoes the steps after its checkpoint), read from the last 64 KiB of metrics.jsonl
+        (1 MiB for an eval record, written more rarely). A metrics.jsonl that is no regular file
+        raises NotRegularFile, one the user may not read PermissionError."""
         from common.metrics_log import latest_by_step
 
-        opened = regular_fd(self.paths.metrics)
-        if opened is None:
-            return None
-        fd, st = opened
-        try:
-            size = st.st_size
-            for window in (1024, 65536, *((1 << 20,) if kind != "train" else ())):
-                records = []
-                for line in pread_all(fd, min(size, window), max(0, size - window)).decode(errors="replace").splitlines():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # the window's first, cut line, or one a crash cut
-                    if isinstance(record, dict):
-                        records.append(record)
-                found = [r for r in latest_by_step(records) if r.get("kind") == kind]
-                if found or size <= window:
-                    return found[-1] if found else None
-        finally:
-            os.close(fd)
-        return None
+        data = read_tail(self.paths.metrics, 65536 if kind == "train" else 1 << 20)
+        records = []
+        for line in (data or b"").decode(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line a crash cut
+            if isinstance(record, dict):
+                records.append(record)
+        return next((r for r in reversed(latest_by_step(records)) if r.get("kind") == kind), None)
 
     def total_steps(self, launch: Optional[Launch] = None) -> Optional[int]:
         """train.steps of the latest training launch (its manifest entry says; the config for one
