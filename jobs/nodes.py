@@ -148,7 +148,8 @@ class NodeMemory:
     def forget(self, node: str) -> bool:
         """Remove `node`'s record (whatever it holds; a damaged record by the name it has); False
         when there was none."""
-        if not NODE_NAME.fullmatch(node) and (node.startswith(".") or "/" in node or not os.path.lexists(self.record(node))):
+        damaged = not (node.startswith(".") or "/" in node) and os.path.lexists(self.record(node))  # by its own name
+        if not NODE_NAME.fullmatch(node) and not damaged:
             raise ConfigError("--forget", f"{shown(node)} is not a node name (letters, digits, '.', '_' or '-')")
         path = self.record(node)
         if not (path.is_file() or path.is_symlink() or path.exists()):

@@ -616,7 +616,8 @@ def test_control_characters_in_free_text_and_in_what_a_job_wrote_reach_no_csv_or
     {"train.lr": "1e-3"}, {"train.lr": "3e-3", "train.warmup_steps": "5", "run.seed": "7"},
     {"model.size": "small"}, {"model.hidden_size": "128", "model.num_heads": "4"}, {"slurm.nodes": "2"},
     {"slurm.nodes": "2", "parallel.dp": "4"}, {"container.env.X": "y"}, {"slurm.time": "10:00"}, {"train.lr": "-1"},
-    {"train.min_lr": "1", "train.lr": "2"}, {"train.min_lr": "1"}, {"train.min_lr": "1e-3", "train.lr": "5e-4"}, {"slurm.partition": "a\x1bb"}, {"train.steps": "x"},
+    {"train.min_lr": "1", "train.lr": "2"}, {"train.min_lr": "1"}, {"train.min_lr": "1e-3", "train.lr": "5e-4"},
+    {"slurm.partition": "a\x1bb"}, {"train.steps": "x"},
     {"data.cache_dir": "/tmp/" + "a" * 300}, {"launch.command": ["python3", "x.py"]}, {"nope.x": "1"}])
 def test_a_points_config_built_from_the_base_is_the_one_read_whole(settings):
     """`Variants` (each setting read once, points built from the base) gives each point the config,

@@ -71,7 +71,7 @@ def plot_runs(run_dirs: list[Path], labels: list[str], out: Path, title: str = "
     for run_dir, label in zip(run_dirs, labels):
         try:
             records = latest_by_step(read_metrics(run_dir))
-        except (OSError, ConfigError) as exc:  # that run alone (a FIFO, a teammate's, no steps yet): the others are drawn
+        except (OSError, ConfigError) as exc:  # that run alone (a FIFO, a teammate's, no steps): the others drawn
             warn(f"{run_dir.name} left out of the plot: {getattr(exc, 'strerror', None) or exc}")
             continue
         train = [r for r in records if r.get("kind") == "train" and r.get("loss") is not None]

@@ -14,6 +14,7 @@ on it alone); its events and its manifest entry name it ARRAY_TASK, as squeue an
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import resource
@@ -43,7 +44,7 @@ from jobs.runs.run import Run, Unreadable, many_objects, run_exists, runs_root
 from jobs.runs.submit import (Sealed, Shared, check_submittable, config_difference, nothing_to_train, no_world_write,
                               prepare_run, record_submission, seal, unprepared_data)
 from jobs.runs.sweep import (NAME_ROOM, Axis, ArrayJob, Point, Sweep, Variants, find_sweep, grid, point_names,
-                             read_points, split_axes, sweep_dir, typed, value_text, write_sweep)
+                             read_points, split_axes, sweep_dir, value_text, write_sweep)
 from jobs.slurm.script import sbatch_header, sbatch_quote
 from trainer.config import TrainerConfig
 
@@ -141,26 +142,27 @@ def _points(variants: Variants, points: Iterable[tuple[dict[str, Any], str]], ke
     """Each point (its values, its run name) built and checked, and sealed (in a dry run, as
     `_fresh` says); what would refuse the submission."""
     shared, seen, plans, refusals = Shared(), {}, [], []
-    first, sealed_values, checked = None, set(), {}
+    first, sealed_values, checked, given = None, set(), {}, shlex.join(words)
     for values, run_name in points:
         point = Point(run_name, values)
         try:
             cfg = variants(values, run_name)
-            cfg.given_args = shlex.join([*words, *(f"{k}={value_text(v)}" for k, v in values.items()),
-                                         "--run-name", run_name])
+            cfg.given_args = f"{given} " + shlex.join([*(f"{k}={value_text(v)}" for k, v in values.items()),
+                                                       "--run-name", run_name])
             cfg = view(cfg) if view else cfg
             for stream in ("output", "error"):
                 if "%x" in getattr(cfg.slurm, stream).replace("%%", ""):
                     raise ConfigError(f"slurm.{stream}", "%x is the array's job name in a sweep, not the point's: "
                                                          "use %j (the task's ARRAY_TASK id) or a fixed name")
-            if dry_run and first is not None and not _fresh(values, sealed_values):  # its config built, checked; its files
-                paths = RunDir(first.paths.path.parent / run_name, first.paths.project)  # rendered when submitted
-                sealed = replace(first, cfg=cfg, paths=paths, files={}, notes=[])
+            if dry_run and first is not None and not _fresh(values, sealed_values):  # built and checked; its
+                paths = RunDir(first.paths.path.parent / run_name, first.paths.project)  # files rendered when submitted
+                sealed = copy.copy(first)
+                sealed.cfg, sealed.paths, sealed.files, sealed.notes = cfg, paths, {}, []
             else:
                 sealed = first = seal(cfg, project_dir, dry_run=dry_run, shared=shared, config_text=False)
         except ConfigError as exc:
             raise ConfigError(f"point {run_name}", f"{exc} ({point.label(120)})") from None
-        same = tuple(repr(typed(cfg, key)) for key in keys)  # what the values became, typed by their fields
+        same = tuple(repr(variants.typed(cfg, key, values.get(key))) for key in keys)  # the values typed by their fields
         if same in seen:
             raise ConfigError(f"point {run_name}", f"has the same config as point {seen[same]} ({point.label(120)}): "
                                                    "drop one of the two values")
@@ -191,7 +193,7 @@ _HOST = set(config_fields(Config)) - set(config_fields(TrainerConfig))
 def _fresh(values: dict[str, Any], sealed: set[tuple[str, str]]) -> bool:
     """Whether a dry run seals a point (the first aside): the first of a value an axis gives a
     field of the host's sections (`sealed` notes it); a submission seals every point."""
-    new = {(k, repr(v)) for k, v in values.items() if k.split(".")[0] in _HOST} - sealed
+    new = {(k, repr(v)) for k, v in values.items() if k.partition(".")[0] in _HOST} - sealed
     sealed |= new
     return bool(new)
 
@@ -389,7 +391,8 @@ def submit_sweep(plan: Plan, project_dir: Path, *, force: bool = False, max_para
                                              git=plan.git)
                     made.append((p, created, dirs))
                 # A site without arrays (MaxArraySize 0): the point's own job.sbatch, as `submit` queues it.
-                script = _write_array(plan.sweep.name, home, chunk, max_parallel) if limit else chunk[0].sealed.paths.job_script
+                script = (_write_array(plan.sweep.name, home, chunk, max_parallel) if limit
+                          else chunk[0].sealed.paths.job_script)
                 job = slurm.sbatch(script, cwd=project_dir)
             except BaseException:
                 for p, created, dirs in made:  # nothing of this array ran: no trace of its new runs

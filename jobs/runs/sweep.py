@@ -184,6 +184,11 @@ class Variants:
         cfg.check_between()
         return cfg
 
+    def typed(self, cfg: Config, key: str, value: Any) -> Any:
+        """The value setting `key` to `value` gave `cfg`, a point of these (`typed` where it was read whole)."""
+        found = self.read.get((key, repr(value)))
+        return found[2] if found else typed(cfg, key)
+
     def _field(self, key: str, value: Any) -> Optional[tuple[str, str, Any]]:
         """(section, field, its value read) for setting `key`, or None: no plain field of a section."""
         marker = (key, repr(value))

@@ -8,7 +8,6 @@ line carries is quoted here: `shlex.quote`, or `shell_value` where a config valu
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 from typing import Optional
 
