@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--max-array-size", type=int, default=1001)
     parser.add_argument("--one-axis", action="store_true", help="one axis of --points values, not a grid of tens")
+    parser.add_argument("--dry-run-only", action="store_true", help="the dry run alone")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="slipway-bench-sweep-"))
     try:
@@ -121,6 +122,8 @@ def main() -> None:
               f"{args.max_array_size}")
         print(f"{'command':<30} {'CPU s':>8} {'wall s':>8} {'load':>5} {'MiB':>6} {'Slurm calls':>11}")
         report("sweep --dry-run", *timed([*sweep, "--dry-run"], env, project, slurm, args.repeat))
+        if args.dry_run_only:
+            return
         result = timed(sweep, env, project, slurm, 1)
         report("sweep (writes, submits)", *result)
         print("  " + " / ".join([line for line in result[-1].splitlines() if line.startswith(("sweep b", "submitted"))][:3]))
