@@ -29,12 +29,13 @@ ifneq ($(OVERRIDES_GIVEN),)
 $(error $(OVERRIDES_GIVEN): a config override goes in ARGS, not to make: make $(or $(MAKECMDGOALS),local)$(if $(filter-out tiny_cpu,$(CONFIG)), CONFIG=$(CONFIG)) ARGS="$(strip $(ARGS) $(OVERRIDES_GIVEN))")
 endif
 
-.PHONY: help setup torch-index setup-oldest setup-oldest-torch prepare local test test-oldest test-gpu test-fast submit dry-run shell image image-prune status doctor edf \
+.PHONY: help setup torch-index setup-oldest setup-oldest-torch prepare local lint test test-oldest test-gpu test-fast submit dry-run shell image image-prune status doctor edf \
         cluster-up cluster-down bench clean
 
 help:
 	@echo "make local [CONFIG=tiny_cpu] [TORCH=cpu|cuda]  train on this machine (no Slurm, no container)"
 	@echo "make test                            all 1,230 tests (root for its own Slurm and podman; 15-30 min; torch 2.10 too)"
+	@echo "make lint                            ruff and vulture (make test runs it first)"
 	@echo "make test-fast                       1,015 tests of seconds (2-3 min idle, 2 cores): no Slurm, podman or training"
 	@echo "make image [CONFIG=...] [BASE_IMAGE=...]  podman build + enroot import -> images/*.sqsh"
 	@echo "make prepare CONFIG=tiny_wikitext [ARGS=--as-job]  tokenise the dataset before the allocation"
@@ -83,7 +84,12 @@ local: $(STAMP)
 # the CPU-bound trainer tests (tests/conftest.py groups them); TEST_WORKERS=0 runs one process.
 TEST_WORKERS ?= 2
 
-test: $(STAMP)
+# ruff and vulture, as pyproject.toml configures them: zero findings, or make stops here.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check --quiet common jobs edf containers trainer tests bench
+	$(VENV)/bin/vulture
+
+test: $(STAMP) lint
 	$(PY) -m pytest -q --durations=25 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(ARGS)
 	$(MAKE) test-oldest ARGS=
 

@@ -38,7 +38,7 @@ def measure(overrides: list[str]) -> tuple[float, float, float, float]:
     import statistics
 
     from jobs.config import load_config
-    from jobs.interactive import local_view
+    from jobs.local_checks import local_view
     from jobs.local_checks import matmul_rate
     from common.layouts import cpu_step_seconds, process_memory
 

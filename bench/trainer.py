@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -119,14 +120,25 @@ def check_torchtitan_model(args: argparse.Namespace) -> tuple[Optional[int], str
     python, why = titan_python(args)
     if python is None:
         return None, why
-    return speed.titan_parameters(args, str(python), args.timeout)
+    work = Path(tempfile.mkdtemp(prefix="slipway-titan-check-"))
+    try:  # the config module as the comparison writes it; its model built on the meta device and counted
+        (work / "slipway_titan.py").write_text(speed.TITAN_MODULE.format(params=speed.titan_params(args, "sdpa", work)))
+        count = ("import torch, slipway_titan\nmodel = slipway_titan.slipway_llama().model_spec.model\n"
+                 "with torch.device('meta'):\n    built = model.build()\n"
+                 "print('TITAN_PARAMS', sum(p.numel() for p in built.parameters()))")
+        proc = subprocess.run([str(python), "-c", count], cwd=work, env=speed.titan_env(work), capture_output=True,
+                              text=True, timeout=args.timeout)
+        m = re.search(r"^TITAN_PARAMS (\d+)$", proc.stdout, re.M)
+        return (int(m[1]) if m else None), proc.stdout + proc.stderr
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def run_torchtitan(args: argparse.Namespace, attention: str = "sdpa") -> tuple[Optional[dict], str]:
     python, why = titan_python(args)
     if python is None:
         return None, why
-    return run_subprocess([str(python), *speed.case_argv(args, "torchtitan"), "--attention-titan", attention],
+    return run_subprocess([str(python), *case_argv(args, "torchtitan"), "--attention-titan", attention],
                           args.timeout)
 
 
@@ -135,8 +147,17 @@ def run_torchtitan(args: argparse.Namespace, attention: str = "sdpa") -> tuple[O
 # --------------------------------------------------------------------------
 
 
-def case_argv(args: argparse.Namespace, case: str) -> list[str]:
-    return speed.case_argv(args, case)
+def case_argv(case: argparse.Namespace, name: str) -> list[str]:
+    """`-m trainer.speed NAME ...` for `case` (bench's arguments: trainer/speed.py's flags as attributes)."""
+    argv = ["-m", "trainer.speed", name, "--device", case.device, "--preset", case.preset, "--seq-len",
+            str(case.seq_len), "--micro-batch", str(case.micro_batch), "--steps", str(case.steps), "--warmup",
+            str(case.warmup), "--log-interval", str(case.log_interval), "--dtype", case.dtype, "--data", case.data,
+            "--ac", case.ac, "--attention", case.attention]
+    for flag in ("hidden", "layers", "heads", "kv_heads", "vocab", "ffn", "hang_timeout", "cache_dir", "run_dir",
+                 "attention_titan"):
+        if getattr(case, flag, None) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(case, flag))]
+    return argv + (["--compile"] if case.compile else [])
 
 
 def run_subprocess(argv: list[str], timeout: float, env: Optional[dict] = None) -> tuple[Optional[dict], str]:

@@ -63,7 +63,7 @@ _SIGNAL = re.compile(r"end signal (\S+)")
 
 
 def event_kind(text: str) -> EventKind:
-    return next(kind for kind in EventKind if text.startswith(kind.value))
+    return next((kind for kind in EventKind if kind.value and text.startswith(kind.value)), EventKind.OTHER)
 
 
 @dataclass(frozen=True)

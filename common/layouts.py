@@ -67,7 +67,6 @@ GPU_BUDGET_FRACTION = 0.85  # of a GPU's memory that the arithmetic below may pl
 # local`) unless launch.env or the environment sets either name: torch reads the first set.
 ALLOC_CONF = "expandable_segments:True"
 ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-GPU_MEMORY_GB = {"H100": 80, "GH200": 96}
 
 
 LAYOUT_DEFAULTS: dict[str, LayoutDefault] = {

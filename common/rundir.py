@@ -2,7 +2,7 @@
 to read, each defined once (the host's run model, the batch script's renderer, the local
 launcher and the trainer all take their paths from `RunDir`; the batch script gets them as the
 variables `RunDir.shell_paths` renders, never composing one itself). Also what the three agree on
-beyond paths: the exit codes of a launch (EXIT_CODES, the one table), the code snapshot's
+beyond paths: the exit codes of a launch (the *_EXIT constants), the code snapshot's
 record, the rule for a whole checkpoint, a save's record (`SaveLine`) and the hang dump's first
 line (`HangLine`), by keys.
 events.log's lines are common/events.py's. Stdlib only: the trainer imports it, and so does the
@@ -21,28 +21,16 @@ from common.fs import open_regular
 # Exit codes of a launch, one per end: the trainer's and the batch script's (jobs/slurm/job_lib.sh),
 # and the same code in events.log (`end exit N`), `slipway status`, `watch` and `logs -f`. Where the
 # batch script recorded its end, that code is the launch's, whatever Slurm says of a cleanup it
-# killed after it (jobs/runs/lifecycle.py). docs/runs.md lists EXIT_CODES; tests/test_docs.py checks.
+# killed after it (jobs/runs/lifecycle.py). docs/runs.md's table says each; tests/test_docs.py checks it.
 FAILED_EXIT = 1  # a crash (its traceback in the log), or a checkpoint that does not fit (one `error:` line)
 BAD_INPUT_EXIT = 2  # bad config or input: one `error:` line
 NONFINITE_EXIT = 3  # stopped on non-finite numbers (train.max_nonfinite_steps)
-HANG_EXIT = 4
+HANG_EXIT = 4  # hung, not retried
 PREFLIGHT_EXIT = 5  # a node failed the preflight (trainer/preflight.py) and the job was not retried elsewhere
-REQUEUE_EXIT = 75
+REQUEUE_EXIT = 75  # saved and stopped after the time-limit warning, no requeue left
 INTERRUPTED_EXIT = 130  # a local launch stopped by Ctrl-C (128 + SIGINT)
 CANCEL_EXIT = 140  # `slipway cancel`: USR2 to the batch shell (128 + SIGUSR2)
 TERM_EXIT = 143  # SIGTERM to a job: a plain scancel, a preemption, the time limit (128 + SIGTERM)
-EXIT_CODES = {
-    0: "completed",
-    FAILED_EXIT: "failed (a crash; slipway local's torchrun reports 2 and 3 as 1)",
-    BAD_INPUT_EXIT: "bad config or input",
-    NONFINITE_EXIT: "stopped on non-finite numbers",
-    HANG_EXIT: "hung, not retried",
-    PREFLIGHT_EXIT: "a node failed its preflight, not retried",
-    REQUEUE_EXIT: "saved a checkpoint and stopped after the time-limit warning, no requeue left",
-    INTERRUPTED_EXIT: "a local launch stopped by Ctrl-C",
-    CANCEL_EXIT: "cancelled by slipway cancel",
-    TERM_EXIT: "SIGTERM: a plain `scancel`, a preemption, or the time limit without a save",
-}
 # Any other code above 128 is 128 + the signal that ended the launch (a rank, or a local launch's launcher).
 # slipway's own commands end 0, FAILED_EXIT (a Slurm command failed), BAD_INPUT_EXIT or, for an
 # internal error (a bug, said as such; common/edge.py), BUG_EXIT (EX_SOFTWARE).

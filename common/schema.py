@@ -144,33 +144,42 @@ RECORD = "record"
 FREE_TEXT = {"free_text": True}
 
 
+def _control(value: Any, where: str, free: bool, policy: str) -> None:
+    if isinstance(value, str) and policy != RECORD and not value.isprintable() and \
+            (bad := unprintable(value, free)) is not None:
+        raise ConfigError(where, f"holds a line break ({bad}), which no file or command line it goes to carries whole: "
+                                 "remove it" if free else f"holds a control character ({bad}), which no name, path or "
+                                 "Slurm value may hold (a terminal would act on it): remove it")
+
+
+def _union(tp: Any, value: Any, where: str, policy: str, edf: bool, free: bool) -> Any:
+    """`value` as the first of the Union `tp`'s types it converts to (None for null where allowed)."""
+    args = get_args(tp)
+    if type(None) in args and (value is None or (isinstance(value, Plain) and (value == "" or value in NULL))):
+        return None  # null, or an empty or null override (`slurm.account=`): unset
+    options = [arg for arg in args if arg is not type(None)]
+    for arg in options:
+        try:
+            return _convert(arg, value, where, policy, edf, checked=True, free=free)
+        except OutOfRange:
+            raise
+        except ConfigError:
+            if len(options) == 1 and ((isinstance(value, str) and _scalar_type(arg)) or dataclasses.is_dataclass(arg)):
+                raise  # the one type it can be says what is wrong (a NUL byte, a number's range, a key)
+    raise ConfigError(where, f"expected {_type_name(tp)}, got {shown(value, where)}")
+
+
 def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = False, key: Any = None,
              checked: bool = False, hint: Any = None, free: bool = False) -> Any:
     """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy
     has seen it (a Union's alternatives are tried on the same value); `hint`: a list's item before;
     `free`: a field of free text."""
-    if isinstance(value, str) and policy != RECORD and not value.isprintable() and (bad := unprintable(value, free)):
-        raise ConfigError(where, f"holds a line break ({bad}), which no file or command line it goes to carries whole: "
-                                 "remove it" if free else f"holds a control character ({bad}), which no name, path or "
-                                 "Slurm value may hold (a terminal would act on it): remove it")
+    _control(value, where, free, policy)
     if not checked and policy != RECORD and (isinstance(value, str) or key is not None):
         _secret_check(value, where, policy, edf, key, hint)
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if type(None) in args and (value is None or (isinstance(value, Plain) and (value == "" or value in NULL))):
-            return None  # null, or an empty or null override (`slurm.account=`): unset
-        options = [arg for arg in args if arg is not type(None)]
-        for arg in options:
-            try:
-                return _convert(arg, value, where, policy, edf, checked=True, free=free)
-            except OutOfRange:
-                raise
-            except ConfigError:
-                if len(options) == 1 and ((isinstance(value, str) and _scalar_type(arg))
-                                          or dataclasses.is_dataclass(arg)):
-                    raise  # the one type it can be says what is wrong (a NUL byte, a number's range, a key)
-        raise ConfigError(where, f"expected {_type_name(tp)}, got {shown(value, where)}")
+        return _union(tp, value, where, policy, edf, free)
     if origin is Literal:
         for arg in get_args(tp):
             try:

@@ -41,7 +41,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from containers.context import (
-    ContextFile,
     HashCache,
     content_hashes,
     context_files,
@@ -53,6 +52,7 @@ from containers.context import (
 )
 from containers.diagnose import diagnose_build
 from containers.importer import enroot_import, human, host_name
+from containers.plan import ImagePlan
 from containers.project import Project
 from containers.record import BuildRecord, ImageNeeds, ImageSection
 from containers.storage import check_storage_conf
@@ -79,53 +79,6 @@ class ImageConfig(Protocol):
 BUILD_ENV_KEYS = ("MAX_JOBS", "NVCC_THREADS")
 FLOAT8_EXTRA = "float8"  # pyproject's extra for train.float8 (torchao); trainer/compute.py names it too
 
-
-# ---------------------------------------------------------------- the plan
-
-
-@dataclass
-class ImagePlan:
-    """Everything a build would do, computed without running podman."""
-
-    name: str
-    hash: str  # the squashfs's: names it and its record
-    tag: str  # localhost/NAME:IMAGEHASH12-PROJECT: the podman image, which import-only settings do not change
-    root: Path
-    output_dir: Path
-    dockerfile: Path
-    files: list[ContextFile]
-    build_args: dict[str, str]
-    squash_options: str
-    squashfs: Path  # OUTPUT_DIR/NAME-HASH12.sqsh
-    temp_squashfs: Path  # where enroot writes before the rename
-    link: Path  # OUTPUT_DIR/NAME.sqsh -> the current squashfs
-    record: Path  # OUTPUT_DIR/NAME.json: the current image
-    sidecar: Path  # OUTPUT_DIR/NAME-HASH12.json: this image
-    log: Path
-    context_dir: Path
-    podman_argv: list[str]
-    enroot_argv: list[str]
-    enroot_env: dict[str, str]
-    enroot_mount: bool
-    build_env: dict[str, str] = field(default_factory=dict)  # buildenv/flash-attn.env: MAX_JOBS, NVCC_THREADS
-    # What the hash covers beyond build_args and squash_options, per part (Dockerfile, source
-    # directories, wheels): recorded so that a later check names what changed, not just that something did.
-    inputs: dict = field(default_factory=dict)
-    build_on: str = "local"
-    # image.build_on: compute: the config the srun's inner build reads (written by the caller).
-    frozen_config: Optional[Path] = None
-    # Whose image it is (containers/project.py): None only where the checkout cannot record one,
-    # which a plan may read but a build refuses.
-    project: Optional[Project] = None
-    project_error: Optional[ConfigError] = None
-
-    @property
-    def hash12(self) -> str:
-        return self.hash[:12]
-
-    @property
-    def exists(self) -> bool:
-        return self.squashfs.is_file()
 
 
 def build_env(build_args: dict[str, str]) -> dict[str, str]:
@@ -283,11 +236,10 @@ class ImageResult:
     plan: ImagePlan
     squashfs: Optional[Path]  # None with do_import=False
     built: bool  # podman build ran
-    imported: bool  # enroot import ran
     seconds: float
     record: Optional[BuildRecord] = None
     notes: list[str] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, build, import
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, build, import (where it ran)
 
     @property
     def size(self) -> int | None:
@@ -368,8 +320,8 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
             make_current(plan, record)
         console.print(f"image up to date: {plan.squashfs} ({human(plan.squashfs.stat().st_size)}, "
                       f"tag {plan.tag})", highlight=False, markup=False)
-        return ImageResult(plan, plan.squashfs, built=False, imported=False, seconds=time.perf_counter() - t0,
-                           record=record, timings=timings)
+        return ImageResult(plan, plan.squashfs, built=False, seconds=time.perf_counter() - t0, record=record,
+                           timings=timings)
 
     if plan.build_on == "compute" and not here:
         if elsewhere is None:
@@ -377,8 +329,8 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
                             "(or set image.build_on: local)")
         elsewhere(plan)
         record = BuildRecord.read(plan.sidecar)
-        return ImageResult(plan, plan.squashfs if plan.exists else None, built=True, imported=plan.exists,
-                           seconds=time.perf_counter() - t0, record=record)
+        return ImageResult(plan, plan.squashfs if plan.exists else None, built=True, seconds=time.perf_counter() - t0,
+                           record=record)
 
     if plan.project is None:
         assert plan.project_error is not None
@@ -409,8 +361,7 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
         if not do_import:
             console.print(f"[green]built[/] {plan.tag} ({time.perf_counter() - t0:.1f} s); import skipped "
                           "(--no-import)", highlight=False)
-            return ImageResult(plan, None, built=built, imported=False, seconds=time.perf_counter() - t0,
-                               timings=timings)
+            return ImageResult(plan, None, built=built, seconds=time.perf_counter() - t0, timings=timings)
         if enroot is None:
             raise ToolError(f"enroot not found: install enroot (https://github.com/NVIDIA/enroot) or run `make "
                             f"image` on a node that has it; the podman image {plan.tag} is built")
@@ -424,8 +375,7 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
     seconds = time.perf_counter() - t0
     console.print(f"[green]image ready[/]: {escape(str(plan.squashfs))} ({human(record.size_bytes)}) in "
                   f"{seconds:.0f} s; {escape(plan.link.name)} -> {escape(plan.squashfs.name)}", highlight=False)
-    return ImageResult(plan, plan.squashfs, built=built, imported=True, seconds=seconds, record=record, notes=notes,
-                       timings=timings)
+    return ImageResult(plan, plan.squashfs, built=built, seconds=seconds, record=record, notes=notes, timings=timings)
 
 
 def next_steps(plan: ImagePlan, *, force: bool = False, do_import: bool = True, here: bool = False) -> list[str]:

@@ -14,17 +14,14 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
 
 from common.environ import as_typed
 from common.fs import pid_alive
+from containers.plan import ImagePlan
 from containers.tools import Container, Enroot, Podman, Tail, ToolError, squashfs_ok
-
-if TYPE_CHECKING:
-    from containers.image import ImagePlan
 
 # enroot unpacks the image (its uncompressed size) before squashing it to about half.
 SQUASH_RATIO = 0.5

@@ -258,7 +258,6 @@ class Enroot:
     # removes the dir and calls `docker rm -f -v NAME`. Without a working docker
     # that fails (enroot then exits non-zero under `set -e`) and the stopped
     # container stays, keeping the image in use: slipway removes it itself.
-    CONTAINER_NAME = re.compile(r"enroot\.[A-Za-z0-9]{6,}")
     CONTAINER_FILTER = r"^enroot\.[A-Za-z0-9]+$"
 
     @staticmethod

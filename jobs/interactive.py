@@ -6,7 +6,6 @@ jobs/supervisor.py. `slipway shell` is jobs/shell.py."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import shlex
@@ -23,7 +22,7 @@ from rich.markup import escape
 from jobs import local_checks, runs, slurm
 from jobs.runs import lock as runlock
 from jobs.runs.code import git_state, prune_code_store
-from jobs.config import Config, this_python
+from jobs.config import Config
 from jobs.supervisor import FORWARDED, Heartbeat, Output, Stopper, oom_kills, wait_for_exit
 from jobs.runs.manifest import Launch, Manifest
 from jobs.slurm.ranks import local_argv
@@ -53,31 +52,6 @@ def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -
     return env
 
 
-def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
-    """`cfg` as it runs on this machine: the whole dp x tp x pp layout as processes of one
-    node, on its CPUs (gloo), with this environment's Python and no container; what changed.
-
-    A cluster config trained here gets its own run directory (`NAME-local`, unless the user
-    named the run) so a trial never mixes its checkpoints into the cluster run's."""
-    local = copy.deepcopy(cfg)
-    changed = []
-    world = cfg.parallel.world_size if not cfg.launch.command else cfg.world_size
-    if cfg.slurm.nodes != 1 or cfg.launch.procs_per_node != world:
-        changed.append(f"{cfg.slurm.nodes} node(s) x {cfg.launch.procs_per_node} -> 1 x {world} processes")
-    if cfg.slurm.gpus_per_node:
-        changed.append(f"{cfg.slurm.gpus_per_node} GPUs per node -> this machine's CPUs")
-    if cfg.container.runtime != "none":
-        changed.append(f"runtime {cfg.container.runtime} -> none (this environment's Python)")
-    local.slurm.nodes, local.slurm.gpus_per_node = 1, 0
-    local.launch.procs_per_node = world
-    local.container.runtime = "none"
-    local.launch.python = this_python()
-    local.launch.preset = "none"  # this machine is not the cluster's node type
-    if changed and rename:
-        local.run.name = f"{cfg.run.name}-local"
-    return local, changed
-
-
 def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True, yes: bool = False,
               reload: Optional[Callable[[list[str]], Config]] = None) -> int:
     """Create or resume the run directory and train here; the output also goes to logs/local-*.out.
@@ -87,7 +61,7 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
     FORWARDED); the end is recorded, and nothing of the trainer's is left running."""
     cfg.container.require_host_env()  # the trainer takes them from this process's environment
     original = cfg
-    cfg, changed = local_view(cfg, rename=rename)
+    cfg, changed = local_checks.local_view(cfg, rename=rename)
     if changed:
         console.print(f"[dim]on this machine: {'; '.join(changed)}[/]", soft_wrap=True)
     sealed = runs.seal(cfg, project_dir)

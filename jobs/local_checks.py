@@ -15,6 +15,7 @@ layout (`--nodes 1`); a batch of one sequence a rank; a smaller model.
 
 from __future__ import annotations
 
+import copy
 import os
 import shlex
 import statistics
@@ -28,7 +29,7 @@ from common.errors import ConfigError
 from common.layouts import CPU_STEP_EFFICIENCY, cpu_step_seconds, fitting_batch, process_memory, step_flops
 from common.rundir import complete_checkpoints
 from jobs import runs
-from jobs.config import Config
+from jobs.config import Config, this_python
 from common.metrics_log import format_duration
 from jobs.supervisor import available_memory
 
@@ -221,13 +222,36 @@ def _rungs(cfg: Config) -> list[tuple[dict, str]]:
     return rungs
 
 
+def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
+    """`cfg` as it runs on this machine: the whole dp x tp x pp layout as processes of one
+    node, on its CPUs (gloo), with this environment's Python and no container; what changed.
+
+    A cluster config trained here gets its own run directory (`NAME-local`, unless the user
+    named the run) so a trial never mixes its checkpoints into the cluster run's."""
+    local = copy.deepcopy(cfg)
+    changed = []
+    world = cfg.parallel.world_size if not cfg.launch.command else cfg.world_size
+    if cfg.slurm.nodes != 1 or cfg.launch.procs_per_node != world:
+        changed.append(f"{cfg.slurm.nodes} node(s) x {cfg.launch.procs_per_node} -> 1 x {world} processes")
+    if cfg.slurm.gpus_per_node:
+        changed.append(f"{cfg.slurm.gpus_per_node} GPUs per node -> this machine's CPUs")
+    if cfg.container.runtime != "none":
+        changed.append(f"runtime {cfg.container.runtime} -> none (this environment's Python)")
+    local.slurm.nodes, local.slurm.gpus_per_node = 1, 0
+    local.launch.procs_per_node = world
+    local.container.runtime = "none"
+    local.launch.python = this_python()
+    local.launch.preset = "none"  # this machine is not the cluster's node type
+    if changed and rename:
+        local.run.name = f"{cfg.run.name}-local"
+    return local, changed
+
+
 def first_fit(original: Config, run_dir: Path, reload: Callable[[list[str]], Config], rate: Optional[float],
               available: Optional[int], *, rename: bool = True) -> Optional[Fit]:
     """The first of `_rungs` whose command, loaded as typed, is a valid config that fits this
     machine's memory (a smaller micro batch, else a shorter sequence, where needed) and, with
     `rate`, LOCAL_TRY_SECONDS (fewer steps where needed, at least MIN_TRY_STEPS)."""
-    from jobs.interactive import local_view
-
     for settings, what in _rungs(original):
         settings = dict(settings)
         for _ in range(3):  # the memory's change, then the time's, each checked by loading it

@@ -112,7 +112,7 @@ def _shell_notes(notes: list[str]) -> None:
         print(f"note: {note}", file=sys.stderr)
 
 
-def _exit_on_signal(signum: int, frame) -> None:
+def _exit_on_signal(signum: int, _frame) -> None:
     raise SystemExit(128 + signum)  # unwinds through run_shell's cleanup
 
 

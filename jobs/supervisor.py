@@ -60,7 +60,7 @@ class Stopper:
         self._marks = {f"SLIPWAY_RUN_DIR={run_dir}".encode(), f"SLIPWAY_JOB_TAG={tag}".encode()}
         self._killer: Optional[threading.Timer] = None
 
-    def handle(self, signum: int, frame) -> None:
+    def handle(self, signum: int, _frame) -> None:
         first = self.signum is None
         if first:
             self.signum = signum

@@ -8,7 +8,7 @@ trainer's own work that a host command does on this machine, each imported only 
 - `plot`: `slipway plot`, the curves of one run or of several into one PNG (the plot extra).
 
 What stands behind it imports no torch: tests/test_contract.py imports each module the door
-names with torch blocked, and holds every other host module to `trainer.config` alone. The batch
+imports with torch blocked, and holds every other host module to `trainer.config` alone. The batch
 script reaches the same code as `python -m trainer.prepare` and `python -m trainer.plot`.
 """
 
@@ -16,9 +16,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Optional, Sequence
-
-# The trainer modules behind the door (tests/test_contract.py imports them with torch blocked).
-MODULES = ("trainer.prepare", "trainer.plot")
 
 
 def data_status(data: Any, cache_dir: Path | str):

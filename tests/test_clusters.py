@@ -1,4 +1,4 @@
-"""Cluster profiles (jobs/clusters.py) and a cluster's remembered bad nodes (jobs/nodes.py),
+"""Cluster profiles (jobs/config/clusters.py) and a cluster's remembered bad nodes (jobs/slurm/bad_nodes.py),
 through the command line, without Slurm: one config rendered for two clusters, the precedence
 config < profile < command line, an unknown cluster, hostile profile files (damaged, huge, a
 FIFO, a secret, a key that does not exist), and `slipway nodes` (why, since when, expiry,
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.nodes import BadNode
+from jobs.slurm.bad_nodes import BadNode
 
 PROFILES = """\
 alps:

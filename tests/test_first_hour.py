@@ -250,6 +250,36 @@ def test_a_refused_config_change_says_what_changed_and_the_dry_run_says_it_first
     assert forced.stdout.splitlines()[4] == "verdict: would be submitted", forced.stdout
 
 
+def test_one_interpreter_by_another_of_its_names_is_the_same_config_and_resumes(project, tmp_path):
+    """`make local` runs `.venv/bin/python`, the `slipway` script `.venv/bin/python3`: one interpreter,
+    recorded by what it is (its directory resolved, its versioned name), so a run sealed under one name
+    resumes under the other, and so does one whose config.yaml an older slipway wrote with the alias."""
+    venv = Path(sys.executable).parent
+    if not ((venv / "python").exists() and (venv / "python3").exists()):
+        pytest.skip(f"{venv} lacks python or python3")
+    bin_dir = tmp_path / "slurm-bin"
+    stand_in(bin_dir, "sbatch", 'echo 4242\n')
+    stand_in(bin_dir, "scontrol", 'case "$1" in ping) echo "Slurmctld(primary) at n1 is UP" ;;\n'
+                                  '  show) echo "JobId=$4 JobState=COMPLETED ExitCode=0:0" ;; esac\n')
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+    def submit(python: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(venv / python), "-m", "jobs", "submit", "tiny_cpu"], capture_output=True,
+                              text=True, timeout=120, env=env)
+
+    first = submit("python")
+    assert first.returncode == 0, first.stderr
+    config = project / "runs" / "tiny_cpu" / "config.yaml"
+    recorded = re.search(r"^  python: (.+)$", config.read_text(), re.M)[1]
+    assert Path(recorded).parent == venv.resolve() and re.fullmatch(r"python\d+\.\d+", Path(recorded).name), recorded
+    again = submit("python3")
+    assert again.returncode == 0 and "resubmitted tiny_cpu as job 4242" in again.stdout, (again.stdout, again.stderr)
+    # As an older slipway wrote it: the alias that ran it.
+    config.write_text(config.read_text().replace(f"python: {recorded}", f"python: {venv.resolve() / 'python'}"))
+    again = submit("python3")
+    assert again.returncode == 0 and "resubmitted tiny_cpu as job 4242" in again.stdout, (again.stdout, again.stderr)
+
+
 def test_a_refused_submission_suggests_prepare_with_the_users_own_arguments(project, tmp_path):
     corpus(project)
     r = slipway("submit", "tiny_cpu", "data.text_column=body", "--dataset", "./corpus", "--nodes", "1",

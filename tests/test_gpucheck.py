@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.gpucheck.check import Check, OutOfTime, Part
+from jobs.gpucheck.check import Check, Part
 from jobs.gpucheck.report import render_markdown
 from trainer_helpers import ROOT, clean_env
 

@@ -274,10 +274,10 @@ def test_a_sweeps_commands(project, shell, tmp_path):
     assert "g-lr1e-3" in listed.stdout and "g-lr3e-3" in listed.stdout, (listed.stdout, listed.stderr)
 
 
-@covers("jobs/nodes.py: slipway nodes{forgetting(self.cluster, [name])}",
-        "jobs/nodes.py: slipway nodes{forgetting(memory.cluster, out.nodes)}")
+@covers("jobs/slurm/bad_nodes.py: slipway nodes{forgetting(self.cluster, [name])}",
+        "jobs/slurm/bad_nodes.py: slipway nodes{forgetting(remembered.cluster, out.nodes)}")
 def test_a_clusters_remembered_bad_nodes_forgotten(project, shell, tmp_path):
-    from jobs.nodes import BadNode
+    from jobs.slurm.bad_nodes import BadNode
 
     (project / "clusters.yaml").write_text("alps:\n  slurm: {partition: normal}\n")
     memory = project / "runs" / ".nodes" / "alps"
@@ -300,12 +300,12 @@ def test_a_clusters_remembered_bad_nodes_forgotten(project, shell, tmp_path):
     assert not any(memory.iterdir())
 
 
-@covers("jobs/nodes.py: slipway nodes{forgetting(self.cluster, [name])}")
+@covers("jobs/slurm/bad_nodes.py: slipway nodes{forgetting(self.cluster, [name])}")
 def test_every_forget_hint_of_a_hostile_record_forgets_it_when_pasted(project, shell, tmp_path):
     """Records named, or naming a node, with control and bidirectional characters, and one dated
     in the future (it would exclude its node until then): each is one line whose `--forget` hint,
     pasted, removes it; none is taken for a live bad node."""
-    from jobs.nodes import BadNode
+    from jobs.slurm.bad_nodes import BadNode
 
     (project / "clusters.yaml").write_text("alps:\n  slurm: {partition: normal}\n")
     memory = project / "runs" / ".nodes" / "alps"

@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 
 from common.rundir import HangLine, RunDir
-from jobs.nodes import BadNode
-from jobs.slurm.script import JOB_LIB, MEMORY_LIB, PYXIS_LIB
+from jobs.slurm.bad_nodes import BadNode
+from jobs.slurm.script import BAD_NODES_LIB, JOB_LIB, PYXIS_LIB, REQUEUE_LIB
 
 SETTINGS = """{paths}
 NODES_NEEDED=2 PROCS_PER_NODE=2 RANKS=4 REQUEUE=1 MAX_RETRIES=2 MAX_REQUEUES=3 PREFLIGHT_TIMEOUT=300
 NO_REQUEUE='slurm.requeue is off'
-PREFLIGHT_EXIT=5 HANG_EXIT=4 REQUEUE_EXIT=75 BAD_INPUT_EXIT=2
+PREFLIGHT_EXIT=5 HANG_EXIT=4 REQUEUE_EXIT=75 BAD_INPUT_EXIT=2 CANCEL_EXIT=140 TERM_EXIT=143
 CONTAINER_PREFIX={prefix} CONTAINER_BUILD={build} KEEP_BUILDS=2
 STEP_STOP_WAIT=5 CONTAINER_REMOVE_WAIT=1 CANCEL_REMOVE_WAIT=3 STALE_REMOVE_TIMEOUT=60
 JOB_TAG=41 NODES="node1 node2" RETRIES=0 REQUEUES=0 PREEMPTIONS=0 HELPER_PIDS=() SRUN_PID="" STOP_REQUESTED=0 TRAPPED=0
@@ -55,7 +55,7 @@ class Lib:
                           for name, path in RunDir(self.run_dir).shell_paths("checkpoints").items())
         return ("set -euo pipefail\n" + SETTINGS.format(paths=paths, prefix=self.prefix, build=self.build,
                                                         nodes=shlex.quote(str(self.nodes)))
-                + JOB_LIB + MEMORY_LIB + PYXIS_LIB + "\nCONTAINER_NAME=$(container_name)\n" + body + "\n")
+                + JOB_LIB + BAD_NODES_LIB + REQUEUE_LIB + PYXIS_LIB + "\nCONTAINER_NAME=$(container_name)\n" + body + "\n")
 
     def env(self) -> dict[str, str]:
         return {"PATH": f"{self.bin}:{os.environ['PATH']}", "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "node[1-2]",
@@ -594,7 +594,7 @@ def test_verify_nodes_leaves_out_a_node_that_does_not_see_what_the_others_see(tm
                             "retry 1/2 (preflight): requeueing without node2 (excluded nodes: node2)"]
 
 
-# ---------------------------------------------------------------- what a job leaves for the next ones (memory_lib.sh)
+# ---------------------------------------------------------------- what a job leaves for the next ones (bad_nodes_lib.sh, requeue_lib.sh)
 
 
 def test_a_blamed_node_is_remembered_with_its_first_blame_and_a_clean_preflight_clears_it(tmp_path):

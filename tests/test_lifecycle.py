@@ -14,7 +14,6 @@ from jobs.runs import lifecycle
 from jobs.runs.lifecycle import LocalProcess, launch_state
 from jobs.runs.manifest import Launch
 from jobs.runs.manifest import ManifestError, read as read_manifest
-from common.rundir import RunDir
 from jobs.slurm.script import EVENT_WRITER
 from common.events import Event, EventKind, append_event, format_event, parse_event, read_events
 from common.rundir import LOCAL_JOB, RunDir

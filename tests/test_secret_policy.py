@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs.slurm.sections import NODE_PRESETS
+from jobs.config.sections import NODE_PRESETS
 from common.errors import ConfigError, bounded, shown
 from common.secrets import (PASSTHROUGH, REFERENCE, find_secrets, find_values, mask, name_words, refusal,
                             secret_content, secret_name, secret_shape)

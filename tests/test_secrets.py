@@ -34,7 +34,7 @@ from conftest import SRUN_PASSING_PREFLIGHT, squeue_answering, tree
 from jobs.cli import main
 from jobs.config import Config
 from common.schema import config_fields
-from test_secret_policy import (BARE, ORDINARY_NAMES, ORDINARY_VALUES, SECRET_NAMES, SHAPES, SPELLINGS, shaped,
+from test_secret_policy import (ORDINARY_NAMES, ORDINARY_VALUES, SECRET_NAMES, SHAPES, SPELLINGS, shaped,
                                 spellings)
 
 PY = sys.executable

@@ -88,7 +88,7 @@ def test_a_link_out_of_the_checkout_is_refused_naming_it(checkout, tmp_path, tar
     else:
         link.symlink_to(target)
     _git(checkout, "add", "trainer")
-    line = refused(dry_run(checkout), "trainer/settings.py", "symbolic link", "replace the link")
+    refused(dry_run(checkout), "trainer/settings.py", "symbolic link", "replace the link")
     assert not (checkout / "runs").exists()  # nothing half-written
 
 
@@ -362,7 +362,7 @@ def test_a_script_in_the_home_directory_is_refused_not_the_home_copied(project, 
     proc = subprocess.run([sys.executable, "-m", "jobs", "submit", "tiny_cpu", "--dry-run", "train.script=~/train.py"],
                           cwd=project, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(home)})
-    line = refused(proc, "train.script", "home directory", "folder of its own")
+    refused(proc, "train.script", "home directory", "folder of its own")
     assert "AKIA" not in proc.stdout + proc.stderr and not (project / "runs").exists()
 
 

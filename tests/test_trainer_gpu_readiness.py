@@ -21,7 +21,7 @@ from common.errors import ConfigError
 from common.rundir import RunDir
 from common.schema import from_dict
 from trainer.config import ModelSection, TrainSection, TrainerConfig
-from common.layouts import GPU_BUDGET_FRACTION, GPU_MEMORY_GB, LAYOUT_DEFAULTS, gpu_memory_estimate, resolve_reshard
+from common.layouts import GPU_BUDGET_FRACTION, LAYOUT_DEFAULTS, gpu_memory_estimate, resolve_reshard
 from trainer.watchdog import COLLECTIVE_MARGIN_SECONDS, HARD_EXIT_SECONDS, collective_timeout
 from trainer_helpers import ROOT, TINY_MODEL, clean_env, read_metrics, synthetic_data, tiny_config, write_run
 
@@ -245,6 +245,9 @@ def test_the_tensor_parallel_plan_maps_the_float8_linears(tmp_path):
 
 
 # ---- D. memory defaults -------------------------------------------------------------------
+
+
+GPU_MEMORY_GB = {"H100": 80, "GH200": 96}
 
 
 @pytest.mark.parametrize("preset", list(LAYOUT_DEFAULTS))

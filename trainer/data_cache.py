@@ -53,7 +53,7 @@ from common import environ
 from common.errors import ConfigError
 from trainer.config import DataSection
 from trainer.data_sources import TextSource
-from trainer.data_tokenize import TokenizerSpec
+from trainer.data_tokenize import CachePaths, TokenizerSpec
 from trainer.data_tokenize import FORMAT_VERSION, TOKEN_DTYPES, ProgressSink, note, partial_tokens, write_tokens
 from common.fs import pid_alive, write_atomic
 
@@ -107,22 +107,6 @@ class TokenFile:
     @property
     def vocab_size(self) -> int:
         return int(self.index["vocab_size"])
-
-
-@dataclass(frozen=True)
-class CachePaths:
-    dir: Path
-    stem: str
-
-    def _p(self, suffix: str) -> Path:
-        return self.dir / f"{self.stem}{suffix}"
-
-    bin = property(lambda self: self._p(".bin"))
-    index = property(lambda self: self._p(".json"))
-    partial = property(lambda self: self._p(".bin.partial"))
-    progress = property(lambda self: self._p(".progress"))
-    lock = property(lambda self: self._p(".lock"))
-    error = property(lambda self: self._p(".error"))
 
 
 def cache_paths(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path) -> CachePaths:

@@ -54,8 +54,6 @@ if TYPE_CHECKING:
     import numpy as np
     from rich.console import Console
 
-    from trainer.data_cache import CachePaths
-
 FORMAT_VERSION = 1
 # The token file's dtypes by vocabulary size, with their bytes per token: what reading an index
 # needs, without numpy (numpy is imported only where tokens are made or mapped, so that looking
@@ -204,6 +202,24 @@ def _encoded(batches: Iterator[Batch], encode: Callable[[list[str]], np.ndarray]
             yield done, future.result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class CachePaths:
+    """A cache entry's files (trainer/data_cache.py names them), which the writer here fills."""
+
+    dir: Path
+    stem: str
+
+    def _p(self, suffix: str) -> Path:
+        return self.dir / f"{self.stem}{suffix}"
+
+    bin = property(lambda self: self._p(".bin"))
+    index = property(lambda self: self._p(".json"))
+    partial = property(lambda self: self._p(".bin.partial"))
+    progress = property(lambda self: self._p(".progress"))
+    lock = property(lambda self: self._p(".lock"))
+    error = property(lambda self: self._p(".error"))
 
 
 # --------------------------------------------------------------------------

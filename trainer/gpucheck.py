@@ -84,9 +84,9 @@ def _driver() -> Optional[str]:
 
 def _flash_attn() -> Optional[str]:
     """flash-attn's version where it imports, `broken: ...` where it is installed and does not, None without it."""
-    from trainer.model import _flash_import_error
+    from trainer.model import flash_import_error
 
-    error, missing = _flash_import_error()
+    error, missing = flash_import_error()
     if missing:
         return None
     if error is not None:

@@ -141,7 +141,7 @@ class StopSignal:
         self._interrupted: Optional[float] = None
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, _frame) -> None:
         if signum == signal.SIGINT:
             now = time.monotonic()
             if self._interrupted is not None and now - self._interrupted > self.AGAIN_SECONDS:

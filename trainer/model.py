@@ -53,7 +53,7 @@ def import_flash_attn() -> Callable:
     return flash_attn_func
 
 
-def _flash_import_error() -> tuple[Optional[BaseException], bool]:
+def flash_import_error() -> tuple[Optional[BaseException], bool]:
     """(the error importing flash-attn or None, whether it is simply not installed)."""
     try:
         import_flash_attn()
@@ -78,7 +78,7 @@ def select_attention(cfg: ModelSection, device: torch.device, dtype: torch.dtype
                                              f"{device.type} with {dtype}: set model.attention to auto or sdpa")
     if not capable:
         return "sdpa"
-    error, missing = _flash_import_error()
+    error, missing = flash_import_error()
     if error is None:
         return "flash"
     why = f"{type(error).__name__}: {' '.join(str(error).split())}"

@@ -295,11 +295,6 @@ def slipway_llama():
     )
     spec = model_registry("debugmodel")
     spec.model, spec.flavor = model, "slipway"
-    if P.get("count_only"):  # the CPU check: the model's parameter count, built on the meta device
-        import torch
-        with torch.device("meta"):
-            built = model.build()
-        print("TITAN_PARAMS", sum(p.numel() for p in built.parameters()), flush=True)
     return Trainer.Config(
         loss=CrossEntropyLoss.Config(global_vocab_size=vocab),
         hf_assets_path=P["assets"],
@@ -337,21 +332,6 @@ def titan_params(case: Any, attention: str, work: Path) -> dict[str, Any]:
 def titan_env(work: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(work), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "HF_DATASETS_CACHE": str(work / "hf-datasets")}
-
-
-def titan_parameters(case: Any, python: str, timeout: float) -> tuple[Optional[int], str]:
-    """torchtitan's config module, as the comparison writes it, built on the meta device: (its
-    parameter count or None, the output). The CPU half of the comparison."""
-    work = Path(tempfile.mkdtemp(prefix="slipway-titan-check-"))
-    try:
-        params = {**titan_params(case, "sdpa", work), "count_only": True}
-        (work / "slipway_titan.py").write_text(TITAN_MODULE.format(params=params))
-        proc = subprocess.run([python, "-c", "import slipway_titan; slipway_titan.slipway_llama()"], cwd=work,
-                              env=titan_env(work), capture_output=True, text=True, timeout=timeout)
-        m = re.search(r"^TITAN_PARAMS (\d+)$", proc.stdout, re.M)
-        return (int(m[1]) if m else None), proc.stdout + proc.stderr
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def case_torchtitan(case: Any, python: Optional[str] = None) -> dict[str, Any]:
@@ -427,19 +407,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="ours with --data builtin: the token cache")
     p.add_argument("--run-dir", help="ours: the run directory (needed under torchrun; default a temporary one)")
     return p
-
-
-def case_argv(case: Any, name: str) -> list[str]:
-    """`-m trainer.speed NAME ...` for `case` (an object with this module's flags as attributes)."""
-    argv = ["-m", "trainer.speed", name, "--device", case.device, "--preset", case.preset, "--seq-len",
-            str(case.seq_len), "--micro-batch", str(case.micro_batch), "--steps", str(case.steps), "--warmup",
-            str(case.warmup), "--log-interval", str(case.log_interval), "--dtype", case.dtype, "--data", case.data,
-            "--ac", case.ac, "--attention", case.attention]
-    for flag in ("hidden", "layers", "heads", "kv_heads", "vocab", "ffn", "hang_timeout", "cache_dir", "run_dir",
-                 "attention_titan"):
-        if getattr(case, flag, None) is not None:
-            argv += [f"--{flag.replace('_', '-')}", str(getattr(case, flag))]
-    return argv + (["--compile"] if case.compile else [])
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -34,7 +34,7 @@ of the last good step). A checkpoint that would hold a non-finite value is
 refused, and an interval save that falls inside a run of skipped steps waits
 for the next good step, so such steps never rotate good checkpoints out.
 
-Exit status of `python -m trainer` (common/rundir.py EXIT_CODES): 0 done; 2 bad
+Exit status of `python -m trainer` (common/rundir.py's *_EXIT): 0 done; 2 bad
 config or input (one `error:` line); 3 (NONFINITE_EXIT) stopped on non-finite
 numbers, with the latest checkpoint left as the last good one; 1 a checkpoint
 did not fit where checkpoints go (one `error:` line; any other crash is 1 with

@@ -197,7 +197,6 @@ class HangWatchdog:
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._device: Optional[int] = None  # the rank's CUDA device, which the thread asks the markers on
-        self.fired: Optional[Path] = None  # the dump written, once it has fired
 
     @property
     def enabled(self) -> bool:
@@ -328,7 +327,6 @@ class HangWatchdog:
                 f"train.{'hang_timeout_first_step' if step == self._start_step else 'hang_timeout'})")
         try:
             self._write_dump(path, what, step, idle_s, limit_s)
-            self.fired = path
             log.error("rank %d on %s: %s; stacks of every thread in %s; exiting %d", self.rank, node_name(), what,
                       path, HANG_EXIT)
         except OSError as exc:

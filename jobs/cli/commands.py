@@ -5,6 +5,7 @@ jobs/cli/launch.py; `slipway image` and `slipway cluster` parse their own argume
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import shlex
 import sys
@@ -62,7 +63,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         run_name = args.config
     if run_name:
         return doctor.run_doctor_run(runs.find_run(run_name, project_dir()), console=rich_console())
-    from jobs import clusters
+    from jobs.config import clusters
 
     cfg = load(args) if args.config else None
     profile = cfg.cluster if cfg is not None else clusters.resolve(args.cluster, project_dir())
@@ -129,11 +130,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
-    from jobs import clusters, nodes, runs
+    from jobs import runs
+    from jobs.config import clusters
+    from jobs.slurm import bad_nodes
 
     profile = clusters.resolve(args.cluster, project_dir())
-    memory, after = nodes.memory_of(profile, runs.runs_root(project_dir()))
-    return nodes.show(memory, after, args.forget or [], rich_console())
+    remembered, after = bad_nodes.bad_nodes_of(profile, runs.runs_root(project_dir()))
+    return bad_nodes.show(remembered, after, args.forget or [], rich_console())
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -246,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing run's different config")
     p.add_argument("--yes", action="store_true", help="start even when it is expected to take more than half an "
                                                       "hour here (asked on a terminal, refused elsewhere)")
-    p.set_defaults(func=cmd_local)
+    p.set_defaults(func=functools.partial(cmd_local, parse=parse))
 
     p = sub.add_parser("run", help="inside an allocation (salloc): run the batch script's steps here, rank 0's "
                                    "output on the terminal; Ctrl-C saves and stops (resumable)")

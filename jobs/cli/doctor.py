@@ -25,7 +25,7 @@ from containers.record import BuildRecord
 from edf import Environment, resolve_base
 from jobs.config import Config
 from jobs.runs.image import ImagePin
-from jobs.slurm.sections import NODE_PRESETS
+from jobs.config.sections import NODE_PRESETS
 from common.rundir import RunDir
 from common.environ import as_typed
 from common.errors import ConfigError, bounded
@@ -239,7 +239,7 @@ def _gres_gpus(gres: str) -> int:
 def cluster_checks(profile, cfg: Optional[Config] = None) -> list[Result]:
     """The profile against the live cluster (Slurm's own answers, through jobs/slurm/client.py):
     partition and QoS, the account, the GPUs the preset expects, MaxArraySize, the EDF directory."""
-    from jobs.slurm.sections import NODE_PRESETS, SlurmSection
+    from jobs.config.sections import NODE_PRESETS, SlurmSection
 
     slurm_part = profile.settings.get("slurm", {})
     s = cfg.slurm if cfg is not None else SlurmSection()

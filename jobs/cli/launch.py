@@ -44,8 +44,8 @@ def load(args: argparse.Namespace, quiet: bool = False):
 
 
 def cluster_of(args: argparse.Namespace):
-    """The cluster profile a command that takes --cluster runs on (jobs/clusters.py `resolve`), else None."""
-    from jobs import clusters
+    """The cluster profile a command that takes --cluster runs on (jobs/config/clusters.py `resolve`), else None."""
+    from jobs.config import clusters
 
     return clusters.resolve(args.cluster, project_dir()) if hasattr(args, "cluster") else None
 
@@ -62,7 +62,7 @@ def config_sets(args: argparse.Namespace) -> tuple[dict, str]:
     return sets, shlex.join(given)
 
 
-def _notes(console, notes: list[str]) -> None:
+def print_notes(console, notes: list[str]) -> None:
     from rich.markup import escape
 
     from common.secrets import mask
@@ -78,7 +78,7 @@ def _submitted(args: argparse.Namespace, job_id: str, notes: list[str]):
     if args.parsable:
         print(job_id)
     console = rich_console(stderr=args.parsable)
-    _notes(console, notes)
+    print_notes(console, notes)
     return console
 
 
@@ -104,7 +104,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(cfg, args, rich_console())
     run, job_id, sealed, prep_id = runs.submit(cfg, project_dir(), force=args.force, prepare=args.prepare,
-                                               before_writing=_check_controller)
+                                               before_writing=check_controller)
     console = _submitted(args, job_id, sealed.notes)
     if prep_id:
         console.print(f"data preparation job [bold]{prep_id}[/] (log {_plain(run.log_path(prep_id))}); the training "
@@ -177,7 +177,7 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
         console.print(f"[bold]{label}:[/] {text}", soft_wrap=True, highlight=False)
     for refusal in refusals:
         console.print(f"  - {escape(mask(as_typed(refusal)))}", soft_wrap=True, highlight=False)
-    _notes(console, notes)
+    print_notes(console, notes)
     for path in (paths.job_script, paths.env_toml):
         if path in sealed.files:
             print(f"==> {path} <==", flush=True)
@@ -188,7 +188,7 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
     return 0
 
 
-def _check_controller() -> None:
+def check_controller() -> None:
     """Once the input is checked and before anything is written: a submission no controller
     would take fails with doctor's one-line diagnosis, not sbatch's resolver errors."""
     from jobs.cli.doctor import controller_problem
@@ -228,7 +228,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_local(args: argparse.Namespace) -> int:
+def cmd_local(args: argparse.Namespace, parse) -> int:
+    """`parse`: the command line's parser (jobs/cli/commands.py's, which calls this)."""
     from jobs import interactive
 
     cfg = load(args)
@@ -237,8 +238,6 @@ def cmd_local(args: argparse.Namespace) -> int:
     named = getattr(args, "set:run.name") is not None or any(o.startswith("run.name=") for o in args.overrides)
 
     def reload(words: list[str]):  # a `slipway local` command line, loaded as it would be when pasted
-        from jobs.cli.commands import parse
-
         return load(parse(["local", *words]), quiet=True)
 
     return interactive.run_local(cfg, project_dir(), force=args.force, console=rich_console(), rename=not named,
@@ -313,7 +312,7 @@ def cmd_edf(args: argparse.Namespace) -> int:
     # snapshot comes with each launch (submit, run), not with the environment.
     cfg.code.snapshot = False
     sealed = runs.seal(cfg, project_dir(), dry_run=not args.install)
-    _notes(rich_console(), sealed.notes)
+    print_notes(rich_console(), sealed.notes)
     if args.install:
         edf_dir = cfg.cluster.cluster.edf_dir if cfg.cluster is not None else None  # the cluster's EDF_PATH there
         print(install_edf(sealed.env, cfg.container.edf_name or cfg.run.name, edf_path=edf_dir, force=args.force))

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from common.environ import as_typed
 from common.errors import ConfigError, one_line
 from common.rundir import INTERRUPTED_EXIT, RunDir
-from jobs.cli.launch import _check_controller, _notes, cluster_of, config_sets, project_dir, rich_console
+from jobs.cli.launch import check_controller, print_notes, cluster_of, config_sets, project_dir, rich_console
 from jobs.cli.status import listing, listing_rows, tokens, width
 from jobs.runs import arrays
 from jobs.runs import sweep as sweeps
@@ -30,7 +30,7 @@ def sweep_named(name: str, project: Path) -> Optional[sweeps.Sweep]:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from jobs import interactive, local_checks
+    from jobs import local_checks
     from jobs.config import load_config
 
     if args.max_parallel is not None and args.max_parallel < 1:
@@ -39,7 +39,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     sets, given = config_sets(args)
 
     def here(cfg):  # a point as `slipway local` runs it, checked to fit in this machine's memory
-        local, _ = interactive.local_view(cfg, rename=False)
+        local, _ = local_checks.local_view(cfg, rename=False)
         local_checks.check_memory(local)
         return local
 
@@ -51,7 +51,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     profile = cluster_of(args)
     base = load_config(args.config, plain, sets, cluster=profile)
     # As `slipway local` keeps a cluster config's trial apart (RUN-local), so does a sweep's.
-    apart = args.local and bool(interactive.local_view(base, rename=False)[1])
+    apart = args.local and bool(local_checks.local_view(base, rename=False)[1])
     name = args.name or base.run.name + ("-local" if apart else "")
 
     def plan(dry_run: bool) -> arrays.Plan:
@@ -62,11 +62,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return _dry_run(plan(True), args.max_parallel, console)
     with arrays.hold(project, name, f"slipway sweep {given}"):
         planned = plan(False)
-        _notes(console, planned.notes)
+        print_notes(console, planned.notes)
         if args.local:
             return _run_here(planned, project, args.force, console, yes=args.yes)
         queued = arrays.submit_sweep(planned, project, force=args.force, max_parallel=args.max_parallel,
-                                     before_writing=_check_controller)
+                                     before_writing=check_controller)
     console.print(_summary(planned), soft_wrap=True, highlight=False)
     for array in queued:
         console.print(f"submitted array [bold]{array.job_id}[/] ({len(array.points)} point(s), tasks "
@@ -133,7 +133,7 @@ def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console) -> int:
     out.write(f"verdict: {verdict}\n")
     for refusal in refusals:
         out.write(f"  - {refusal}\n")
-    _notes(console, plan.notes)
+    print_notes(console, plan.notes)
     return 0
 
 

@@ -49,8 +49,9 @@ def gpu_check(out: Path, device: str = "auto", budgets: Optional[dict[str, float
         check.start(device="cuda" if device == "auto" and cuda else ("cpu" if device == "auto" else device),
                     gpus=len(info["gpus"]) if info and cuda else 0)
         check.node(node, info, t0)
-        for name in ("correctness", "training", "allreduce", "speed"):
-            check.run_part(name, getattr(check, f"plan_{name}")())
+        for name, plan in (("correctness", check.plan_correctness), ("training", check.plan_training),
+                           ("allreduce", check.plan_allreduce), ("speed", check.plan_speed)):
+            check.run_part(name, plan())
     return 1 if any(not c["ok"] for p in check.parts for c in p.checks) else 0
 
 
@@ -61,7 +62,7 @@ def _existing_parent(path: Path) -> Path:
 
 
 class GpuCheck(Check):
-    """The check's parts on this node: `plan_NAME` lists part NAME's steps."""
+    """The check's parts on this node: `plan_NAME` lists part NAME's steps (gpu_check runs them in order)."""
 
     # ---------------------------------------------------------------- node
 

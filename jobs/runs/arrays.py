@@ -33,7 +33,7 @@ from common.rundir import RunDir
 from common.schema import config_fields, to_dict
 from edf.environment import SAFE_NAME
 from jobs import slurm
-from jobs.clusters import ClusterProfile
+from jobs.config.clusters import ClusterProfile
 from jobs.config import Config, dump_config, read_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock

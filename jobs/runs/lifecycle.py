@@ -25,7 +25,7 @@ from common.events import Event, EventKind
 from common.rundir import HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT
 
 # The states `launch_state` gives an ended launch, beside Slurm's own words for one that is not.
-PENDING, RUNNING = "PENDING", "RUNNING"
+RUNNING = "RUNNING"
 COMPLETED, FAILED, HUNG, CANCELLED = "COMPLETED", "FAILED", "HUNG", "CANCELLED"
 TIMEOUT, NODE_FAIL, PREFLIGHT_FAILED = "TIMEOUT", "NODE_FAIL", "PREFLIGHT_FAILED"
 PREEMPTED = "PREEMPTED"  # Slurm preempted it and did not requeue it
@@ -228,7 +228,7 @@ def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchSta
             return LaunchState(FAILED, None, end.text)
         return _by_code(end_code, attempt, last_text)
     word = info.state.split()[0] if info.state else UNKNOWN
-    # One exit code per end (common/rundir.py EXIT_CODES): the one the batch script recorded as the
+    # One exit code per end (common/rundir.py's *_EXIT): the one the batch script recorded as the
     # job's end. Slurm's own tells only an end the script could not record (killed outright): after
     # a plain scancel the script records 143 while Slurm, which SIGKILLs its cleanup KillWait
     # seconds later, says 0:9.

@@ -22,7 +22,7 @@ from plumbum import local
 
 from edf import Environment, expand_host, render_edf, srun_flags
 from jobs import slurm
-from jobs.config import Config, config_changes, dump_config, load_config
+from jobs.config import Config, config_changes, dump_config, interpreter, load_config
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_code_store
@@ -30,7 +30,7 @@ from jobs.runs.image import ImagePin, container_project, kept_build, pin_image
 from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve_paths, run_environment
 from jobs.runs.manifest import Launch, Manifest
 from jobs.runs.run import Run, active_jobs, run_exists, runs_root, update_manifest
-from jobs.nodes import plan_exclusions
+from jobs.slurm.bad_nodes import plan_exclusions
 from jobs.slurm import warm as warm_ranks
 from jobs.slurm.script import library_files, render_prepare_sbatch, render_sbatch
 from common import environ
@@ -237,9 +237,13 @@ def config_difference(path: Path, new: str) -> Optional[str]:
     if old == new:
         return None
     try:
-        resolved = dump_config(load_config(path))
+        cfg = load_config(path)
     except ConfigError as exc:
         return f"a config this slipway no longer reads ({exc})"
+    resolved = dump_config(cfg)
+    if resolved != new and cfg.container.runtime == "none":  # its interpreter recorded by an alias (`python3`)
+        cfg.launch.python = interpreter(cfg.launch.python)
+        resolved = dump_config(cfg)
     return None if resolved == new else f"a different config ({config_changes(resolved, new)})"
 
 

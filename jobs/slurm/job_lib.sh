@@ -7,7 +7,7 @@
 # the Slurm client commands, no Python. Pinned, not inlined: a submission writes a copy into
 # runs/RUN/lib/ named by its hash, and job.sbatch checks that hash before it sources the copy,
 # so runs/RUN/ alone says what ran, through every requeue. What a job leaves for the next ones
-# (memory_lib.sh: bad nodes, the warning lead, preemptions) is pinned and sourced the same way, and
+# (bad_nodes_lib.sh; requeue_lib.sh: the warning lead, preemptions) is pinned and sourced the same way, and
 # the pyxis part (pyxis_lib.sh, kept containers) too, by pyxis jobs alone.
 #
 # The functions take data: the run's values are the plain variables the settings block at the
@@ -188,7 +188,7 @@ after_oom() {
 
 # line_field KEY LINE: the value of KEY in a line of KEY=VALUE words, "?" if none: a hang dump's
 # first line, `slipway-hang rank=R host=H step=S idle=I limit=L answered=on-time|late` (common/rundir.py
-# HangLine writes it), a save's (SaveLine), a bad node's record (jobs/nodes.py BadNode).
+# HangLine writes it), a save's (SaveLine), a bad node's record (jobs/slurm/bad_nodes.py BadNode).
 line_field() { local w; for w in $2; do case $w in "$1="*) echo "${w#*=}"; return ;; esac; done; echo "?"; }
 
 # after_hang: the ranks' watchdogs wrote their stacks to HANGS (trainer/watchdog.py): a hang.
@@ -298,8 +298,8 @@ on_interrupt() {
 }
 # A job cancelled by `slipway cancel` is not waited on by a retry or a requeue, and cancel waits
 # for it (a bounded grace): its container gets CANCEL_REMOVE_WAIT s to be removed instead of a few.
-on_cancel() { trap '' TERM USR2; event "cancelled by slipway cancel"; REMOVE_WAIT=${CANCEL_REMOVE_WAIT:-0}; exit 140; }
-on_term() { trap '' TERM USR2; event "cancelled (SIGTERM)"; exit 143; }
+on_cancel() { trap '' TERM USR2; event "cancelled by slipway cancel"; REMOVE_WAIT=${CANCEL_REMOVE_WAIT:-0}; exit "$CANCEL_EXIT"; }
+on_term() { trap '' TERM USR2; event "cancelled (SIGTERM)"; exit "$TERM_EXIT"; }
 
 # on_exit: the end first, then the cleanup, none of it slow: background helpers stopped, a step
 # still running ended (bounded by STEP_STOP_WAIT s), this attempt's own container removed if

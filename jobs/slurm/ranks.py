@@ -15,7 +15,7 @@ from common.errors import ConfigError, pasteable
 from common.rundir import CodeSnapshot, RunDir
 from edf import Environment, srun_flags
 from jobs.config import Config
-from jobs.slurm.sections import NODE_PRESETS
+from jobs.config.sections import NODE_PRESETS
 from jobs.slurm.client import srun_argv
 
 # `${VAR}` or `${VAR:-default}` with a default that is literal inside double quotes.

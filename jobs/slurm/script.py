@@ -17,12 +17,12 @@ from typing import Optional, Sequence
 
 from common.errors import ConfigError
 from common.layouts import ALLOC_CONF, ALLOC_CONF_NAMES, checkpoint_bytes, smaller_batch_hint
-from common.rundir import (BAD_INPUT_EXIT, HANG_EXIT, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE, REQUEUE_EXIT,
-                           CodeSnapshot, RunDir)
+from common.rundir import (BAD_INPUT_EXIT, CANCEL_EXIT, HANG_EXIT, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
+                           REQUEUE_EXIT, TERM_EXIT, CodeSnapshot, RunDir)
 from edf import Environment
 from jobs.config import Config
-from jobs.nodes import memory_settings, merged_exclude
-from jobs.slurm.sections import NODE_PRESETS
+from jobs.slurm.bad_nodes import bad_nodes_settings, merged_exclude
+from jobs.config.sections import NODE_PRESETS
 from jobs.slurm.client import srun_argv
 from jobs.slurm.ranks import Expand, Value, container_args, launch_line, shell_value, words
 from jobs.slurm import warm as warm_ranks
@@ -63,7 +63,7 @@ def sbatch_header(cfg: Config, paths: RunDir, exclude: Sequence[str] = ()) -> li
     opts += [f"--signal=B:USR1@{s.warning_seconds()}"] if s.warning_seconds() else []
     extra, excluded = merged_exclude(s.extra, list(exclude))
     opts += ["--requeue" if s.requeue else "--no-requeue", *(sbatch_quote(o) for o in extra)]
-    # The bad nodes this cluster remembers (jobs/nodes.py), with any --exclude of slurm.extra.
+    # The bad nodes this cluster remembers (jobs/slurm/bad_nodes.py), with any --exclude of slurm.extra.
     opts += [f"--exclude={sbatch_quote(','.join(excluded))}"] if excluded else []
     return ["#!/bin/bash", f"# slipway run {cfg.run.name}: generated, edit configs/ instead"] + \
         [f"#SBATCH {o}" for o in opts]
@@ -76,19 +76,19 @@ def _hf_home(cfg: Config, paths: RunDir) -> str:
     return f'[ -n "${{HF_HOME:-}}" ] || export HF_HOME={shlex.quote(str(paths.project / ".cache" / "huggingface"))}'
 
 
-# The job library (jobs/slurm/job_lib.sh: the job's decisions) and its pyxis part (pyxis_lib.sh:
-# named containers), pinned into each run directory by their hash (`library_files`) and sourced by
-# job.sbatch once that hash is checked.
-JOB_LIB = (Path(__file__).with_name("job_lib.sh")).read_text()
-MEMORY_LIB = (Path(__file__).with_name("memory_lib.sh")).read_text()
-PYXIS_LIB = (Path(__file__).with_name("pyxis_lib.sh")).read_text()
+# The job library (jobs/slurm/job_lib.sh: the job's decisions), its parts for the bad nodes a cluster
+# remembers (bad_nodes_lib.sh) and for a job stopped and back (requeue_lib.sh: the warning lead, the
+# preemptions), and its pyxis part (pyxis_lib.sh: named containers), pinned into each run directory by
+# their hash (`library_files`) and sourced by job.sbatch once that hash is checked.
+JOB_LIB, BAD_NODES_LIB, REQUEUE_LIB, PYXIS_LIB = (Path(__file__).with_name(f"{name}.sh").read_text()
+                                                  for name in ("job_lib", "bad_nodes_lib", "requeue_lib", "pyxis_lib"))
 EVENT_WRITER = next(line for line in JOB_LIB.splitlines() if line.startswith("event() "))
 
 
 def library_files(env: Environment, paths: RunDir) -> dict[Path, str]:
     """The libraries a job of `env`'s runtime sources, by their place in the run directory
     (RunDir.lib/NAME-HASH12.sh: a new text is a new file, never an old one rewritten)."""
-    libs = [("job_lib", JOB_LIB), ("memory_lib", MEMORY_LIB)] + \
+    libs = [("job_lib", JOB_LIB), ("bad_nodes_lib", BAD_NODES_LIB), ("requeue_lib", REQUEUE_LIB)] + \
         ([("pyxis_lib", PYXIS_LIB)] if env.runtime == "pyxis" else [])
     return {paths.lib / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh": text for name, text in libs}
 
@@ -293,10 +293,10 @@ def _settings(cfg: Config, paths: RunDir, env: Environment, container_named: boo
         '[ -z "${SLIPWAY_IN_ALLOCATION:-}" ] || REQUEUE=0 NO_REQUEUE=\'slipway run: not requeued, run it again to resume\'',
         f"PREFLIGHT_TIMEOUT={s.preflight_timeout}",
         f"PREFLIGHT_EXIT={PREFLIGHT_EXIT} HANG_EXIT={HANG_EXIT} REQUEUE_EXIT={REQUEUE_EXIT} "
-        f"BAD_INPUT_EXIT={BAD_INPUT_EXIT}",
+        f"BAD_INPUT_EXIT={BAD_INPUT_EXIT} CANCEL_EXIT={CANCEL_EXIT} TERM_EXIT={TERM_EXIT}",
         f"STEP_STOP_WAIT={STEP_STOP_WAIT}",
         f"OOM_HINT={q(smaller_batch_hint(cfg))}",
-        *memory_settings(cfg, paths.path.parent),
+        *bad_nodes_settings(cfg, paths.path.parent),
         *_lead_settings(cfg),
     ]
     empty = "''"
@@ -357,8 +357,8 @@ def _sourced(paths: RunDir, libs: dict[Path, str]) -> list[str]:
         digest = hashlib.sha256(text.encode()).hexdigest()
         lines.append(f"pinned \"$RUN_DIR\"/{shlex.quote(path.relative_to(paths.path).as_posix())} {digest}")
     return [
-        "# The job library (jobs/slurm/job_lib.sh, memory_lib.sh" + (", pyxis_lib.sh" if len(libs) > 2 else "")
-        + "), as submitted: checked, then sourced.",
+        f"# The job library (jobs/slurm/{', '.join(p.name.rsplit('-', 1)[0] + '.sh' for p in libs)}), as submitted: "
+        "checked, then sourced.",
         "pinned() {",
         '  if ! printf \'%s  %s\\n\' "$2" "$1" | sha256sum --check --status 2>/dev/null; then',
         '    printf \'%s job %s %s\\n\' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" \\',
@@ -375,8 +375,8 @@ def _sourced(paths: RunDir, libs: dict[Path, str]) -> list[str]:
 def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pins(), exclude: Sequence[str] = (),
                   warm: Optional[warm_ranks.WarmPlan] = None) -> str:
     """The whole batch script for `cfg`, reading and writing only inside `paths.path` (and the
-    cluster's bad-node memory beside it): `env` the run's container environment, `pins` what the
-    job runs (checked on every node first), `exclude` the remembered bad nodes (jobs/nodes.py),
+    cluster's remembered bad nodes beside it): `env` the run's container environment, `pins` what the
+    job runs (checked on every node first), `exclude` the remembered bad nodes (jobs/slurm/bad_nodes.py),
     `warm` the warm processes of `slipway run` (jobs/slurm/warm.py); the libraries it sources are
     `library_files`'."""
     container, prefix = container_args(env, paths)

@@ -29,7 +29,7 @@ from common.rundir import CodeSnapshot, RunDir
 from edf import Environment, srun_flags
 from jobs.config import Config
 from jobs.slurm.client import srun_argv
-from jobs.slurm.sections import NODE_PRESETS
+from jobs.config.sections import NODE_PRESETS
 
 STEP = "slipway-warm-"  # the warm steps' names: STEP + KEY
 

@@ -1,57 +1,9 @@
-# ---- slipway job library, what a job leaves for the next ones (jobs/slurm/memory_lib.sh) ----
-# Pinned and sourced beside job_lib.sh (whose `event`, `line_field` and `retry_or_stop` it uses, and
-# which calls these): the bad nodes a cluster remembers across jobs (jobs/nodes.py reads them at
-# submission), the warning lead taken from the run's own saves at every start and requeue, and the
-# preemptions told apart from the job's own requeues. Its settings: CLUSTER, BAD_NODES_DIR; LEAD_AUTO,
-# LEAD_MIN, LEAD_DEFAULT, LEAD_MAX, WARNING_POLL, CHECKPOINT_BYTES, SYNC_STEPS; and RUN_DIR, SAVES.
-
-# ---- what a cluster remembers of its nodes (jobs/nodes.py reads it) ----
-
-declare -gA BLAME=()  # why each node is blamed: set where a node is named, read by remember_bad_nodes
-
-# remember_bad_nodes KIND NODE...: each NODE blamed for this run's cluster (CLUSTER): later jobs
-# of the cluster exclude it until its record expires, a clean preflight on it clears it, or
-# `slipway nodes --forget`. A record that cannot be written costs the job a line in events.log.
-remember_bad_nodes() {
-  local kind=$1 node done=""; shift
-  [ -n "${BAD_NODES_DIR:-}" ] || return 0
-  for node in "$@"; do
-    if remember_bad_node "$node" "$kind" "${BLAME[$node]:-$kind}"; then done+="$node "
-    else event "could not remember $node as a bad node of cluster $CLUSTER (in $BAD_NODES_DIR)"; fi
-  done
-  [ -z "$done" ] || event "bad nodes remembered for cluster $CLUSTER: ${done% } (its later jobs exclude them)"
-}
-
-# bad_node_record NODE: the first line of NODE's record (at most 4 KiB; nothing for a missing,
-# foreign or special file: a FIFO is never opened).
-bad_node_record() { [ -f "$BAD_NODES_DIR/$1" ] && head -c 4096 -- "$BAD_NODES_DIR/$1" 2>/dev/null | head -n 1 || true; }
-
-# remember_bad_node NODE KIND REASON: NODE's record (jobs/nodes.py BadNode), a whole file renamed
-# into place, so that jobs blaming nodes at once never tear one; `since` kept from the record it
-# replaces. Fails (returns 1) on a name that is no node's or a directory it cannot write.
-remember_bad_node() {
-  local node=$1 kind=${2// /-} reason=$3 now since tmp
-  [[ $node =~ ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$ ]] || return 1
-  now=$(date --iso-8601=seconds)
-  since=$(line_field since "$(bad_node_record "$node" | sed 's/ reason: .*//')")
-  [[ $since =~ ^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9:]{8}[-+][0-9:]{5}$ ]] || since=$now
-  mkdir -p -- "$BAD_NODES_DIR" 2>/dev/null && tmp=$(mktemp "$BAD_NODES_DIR/.$node.XXXXXX" 2>/dev/null) || return 1
-  if printf 'slipway-bad-node node=%s since=%s at=%s run=%s job=%s kind=%s reason: %s\n' "$node" "$since" "$now" \
-       "${RUN_DIR##*/}" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "$kind" "${reason//[$'\n\r']/ }" > "$tmp" \
-     && mv -f -- "$tmp" "$BAD_NODES_DIR/$node"; then
-    return 0
-  fi
-  rm -f -- "$tmp"; return 1
-}
-
-# clear_bad_node NODE: a clean preflight on NODE clears what its cluster remembered of it.
-clear_bad_node() {
-  local since
-  [ -n "${BAD_NODES_DIR:-}" ] && [ -f "$BAD_NODES_DIR/$1" ] || return 0
-  since=$(line_field since "$(bad_node_record "$1" | sed 's/ reason: .*//')")
-  rm -f -- "$BAD_NODES_DIR/$1" 2>/dev/null || return 0
-  event "bad node $1 cleared for cluster $CLUSTER: a clean preflight (remembered since $since)"
-}
+# ---- slipway job library: a job stopped and back (jobs/slurm/requeue_lib.sh) ----
+# Pinned and sourced beside job_lib.sh (whose `event` and `line_field` it uses): the warning lead
+# before the time limit, taken from the run's own saves at every start and requeue, so the save
+# before a time-limit requeue fits; and the preemptions, requeues by Slurm, counted apart from the
+# job's own. Its settings: LEAD_AUTO, LEAD_MIN, LEAD_DEFAULT, LEAD_MAX, WARNING_POLL, CHECKPOINT_BYTES,
+# SYNC_STEPS; and SAVES, EVENTS_LOG.
 
 # note_preemption: an attempt after the first whose previous attempt did not requeue itself (a
 # failure retry, a time-limit requeue) was requeued by Slurm: a preemption, or the site's `scontrol
@@ -139,4 +91,4 @@ warning_timer() {
   done
 }
 
-# ---- end of the memory library ----
+# ---- end of the requeue library ----

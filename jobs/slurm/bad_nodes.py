@@ -3,7 +3,7 @@
 Where: `RUNS/.nodes/CLUSTER/NODE`, one file per node, beside the runs (the runs root: the one
 place every node of every job of the project reaches, as the job writes its events.log there;
 a user's $HOME or state directory need not be mounted on compute nodes). The batch script writes
-a node's record when it blames the node (job_lib.sh `remember_bad_node`: a failed preflight, a
+a node's record when it blames the node (bad_nodes_lib.sh `remember_bad_node`: a failed preflight, a
 hang, a node that died) and removes it when a preflight on the node passes (`clear_bad_node`);
 each write is a whole file renamed into place, so jobs blaming nodes at once never tear one
 another's records, and a reader sees a node's old record or its new one. The host reads them at
@@ -11,7 +11,7 @@ each submission of that cluster (`plan_exclusions`: only names the partition kno
 many that the partition cannot run the job) and in `slipway nodes`; a record expires after the
 profile's `cluster.forget_bad_nodes_after` (a day), and `slipway nodes --forget NODE` removes it.
 A record that cannot be read (cut, foreign, not a regular file) is named, never trusted, never
-fatal. CLUSTER is the profile's name (jobs/clusters.py `key`), `default` without one.
+fatal. CLUSTER is the profile's name (jobs/config/clusters.py `key`), `default` without one.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from common.environ import WORD, as_typed
 from common.errors import ConfigError, one_line, pasteable, shown
 from common.fs import NotRegularFile, open_regular
 from common.rundir import tagged
-from jobs import clusters, slurm
+from jobs.config import clusters
+from jobs.slurm import client as slurm
 
 NODES_DIR = ".nodes"
 NODE_NAME = WORD  # a node's name, as $SLURMD_NODENAME is checked and job_lib.sh checks one before writing it
@@ -89,14 +90,14 @@ class Recall:
 
 
 @dataclass(frozen=True)
-class NodeMemory:
+class BadNodes:
     """A cluster's remembered bad nodes: RUNS/.nodes/CLUSTER/, one file per node."""
 
     dir: Path
     cluster: str
 
     @classmethod
-    def of(cls, runs_root: Path, cluster: str) -> "NodeMemory":
+    def of(cls, runs_root: Path, cluster: str) -> "BadNodes":
         return cls(Path(runs_root) / NODES_DIR / cluster, cluster)
 
     def record(self, node: str) -> Path:
@@ -168,19 +169,19 @@ class Exclusions:
     notes: list[str] = field(default_factory=list)
 
 
-def memory_of(profile: Optional[clusters.ClusterProfile], runs_root: Path) -> tuple[NodeMemory, int]:
-    """The node memory of `profile`'s cluster (DEFAULT's without one) and how long its records stand."""
+def bad_nodes_of(profile: Optional[clusters.ClusterProfile], runs_root: Path) -> tuple[BadNodes, int]:
+    """The remembered bad nodes of `profile`'s cluster (DEFAULT's without one) and how long its records stand."""
     after = profile.cluster.forget_bad_nodes_after if profile is not None else clusters.DAY
-    return NodeMemory.of(runs_root, clusters.key(profile)), after
+    return BadNodes.of(runs_root, clusters.key(profile)), after
 
 
-def memory_settings(cfg, runs_root: Path) -> list[str]:
-    """The batch script's lines that say where the cluster remembers bad nodes (memory_lib.sh):
+def bad_nodes_settings(cfg, runs_root: Path) -> list[str]:
+    """The batch script's lines that say where the cluster remembers bad nodes (bad_nodes_lib.sh):
     under the runs root, which every node reaches."""
-    memory, after = memory_of(cfg.cluster, runs_root)
-    where = shlex.quote(str(memory.dir)) if after else "''"
+    remembered, after = bad_nodes_of(cfg.cluster, runs_root)
+    where = shlex.quote(str(remembered.dir)) if after else "''"
     return ["# The bad nodes this cluster remembers (a node the job blames is excluded from its later jobs).",
-            f"CLUSTER={shlex.quote(memory.cluster)} BAD_NODES_DIR={where}"]
+            f"CLUSTER={shlex.quote(remembered.cluster)} BAD_NODES_DIR={where}"]
 
 
 def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
@@ -188,19 +189,19 @@ def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
     (sbatch refuses a name it does not), the most recently blamed first, as long as enough usable
     nodes are left for the job; the others are left in, and the notes say which and why. One
     sinfo, asked only when the cluster remembers a node."""
-    memory, after = memory_of(cfg.cluster, runs_root)
-    recall = memory.read(after) if after else Recall()
+    remembered, after = bad_nodes_of(cfg.cluster, runs_root)
+    recall = remembered.read(after) if after else Recall()
     out = Exclusions(notes=[f"a remembered bad node's record is damaged: {d}" for d in recall.damaged])
     if not recall.live:
         return out
     if not slurm.available("sinfo"):
-        out.notes.append(f"cluster {memory.cluster} remembers bad nodes ({_names(recall.live)}) but sinfo is not "
+        out.notes.append(f"cluster {remembered.cluster} remembers bad nodes ({_names(recall.live)}) but sinfo is not "
                          "here to check them against the partition: none excluded")
         return out
     try:
         partition, states = slurm.partition_nodes(cfg.slurm.partition)
     except slurm.SlurmError as exc:  # a real submission fails at sbatch for the same reason
-        out.notes.append(f"cluster {memory.cluster} remembers bad nodes ({_names(recall.live)}) but sinfo could not "
+        out.notes.append(f"cluster {remembered.cluster} remembers bad nodes ({_names(recall.live)}) but sinfo could not "
                          f"list the partition's nodes ({exc}): none excluded")
         return out
     known = [r for r in recall.live if r.node in states]
@@ -217,16 +218,16 @@ def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
     where = f"partition {partition or '(the default)'}"
     if out.nodes:
         shown_nodes = [r for r in known if r.node in out.nodes]
-        out.notes.append(f"excluding the bad nodes cluster {memory.cluster} remembers: {_described(shown_nodes)}; "
-                         f"`slipway nodes{forgetting(memory.cluster, out.nodes)}` to use them again")
+        out.notes.append(f"excluding the bad nodes cluster {remembered.cluster} remembers: {_described(shown_nodes)}; "
+                         f"`slipway nodes{forgetting(remembered.cluster, out.nodes)}` to use them again")
     if left:
-        out.notes.append(f"not excluding {_described(left)}, remembered as bad by cluster {memory.cluster}: {where} "
+        out.notes.append(f"not excluding {_described(left)}, remembered as bad by cluster {remembered.cluster}: {where} "
                          f"has {usable} usable node(s) besides those excluded and the job needs {needed}")
     return out
 
 
 def forgetting(cluster: str, nodes: list[str]) -> str:
-    """The arguments of `slipway nodes` that forget `nodes` of `cluster` (DEFAULT: the memory of no
+    """The arguments of `slipway nodes` that forget `nodes` of `cluster` (DEFAULT: the cluster of no
     profile), each as a shell word that pastes back whole (a damaged record's name may hold anything)."""
     where = "" if cluster == clusters.DEFAULT else f" --cluster {pasteable(cluster)}"
     return where + "".join(f" --forget {pasteable(n)}" for n in nodes)
@@ -252,21 +253,21 @@ def merged_exclude(extra: list[str], nodes: list[str]) -> tuple[list[str], list[
     return kept, list(dict.fromkeys(excluded + nodes))
 
 
-def show(memory: NodeMemory, after: int, forget: list[str], console) -> int:
+def show(remembered: BadNodes, after: int, forget: list[str], console) -> int:
     """`slipway nodes`: the cluster's remembered bad nodes, why and since when; `--forget NODE`."""
     if forget:
         for node in forget:
-            if not memory.forget(node):
-                recall = memory.read(after)
+            if not remembered.forget(node):
+                recall = remembered.read(after)
                 names = _names(recall.live + recall.expired) or "none"
-                raise ConfigError("--forget", f"cluster {memory.cluster} remembers no node {shown(node)} (it "
+                raise ConfigError("--forget", f"cluster {remembered.cluster} remembers no node {shown(node)} (it "
                                               f"remembers: {names})")
-            console.print(one_line(f"forgot {node} (cluster {memory.cluster})"), highlight=False, markup=False)
+            console.print(one_line(f"forgot {node} (cluster {remembered.cluster})"), highlight=False, markup=False)
         return 0
-    recall = memory.read(after)
+    recall = remembered.read(after)
     now = datetime.now(timezone.utc)
     if not recall.live:
-        console.print(f"cluster {memory.cluster} remembers no bad node" + (
+        console.print(f"cluster {remembered.cluster} remembers no bad node" + (
             f" ({len(recall.expired)} expired)" if recall.expired else ""), highlight=False, markup=False)
     for r in recall.live:
         left = int(after - r.age(now))

@@ -1,6 +1,6 @@
 """The config's slurm: and launch: sections: the allocation a job asks of Slurm (its sbatch options,
 time limit, requeues, retries and preflight) and how the ranks start in it (launcher, processes,
-interpreter, environment, node preset). jobs/config.py composes them into the one config tree.
+interpreter, environment, node preset). jobs/config/ composes them into the one config tree.
 """
 
 from __future__ import annotations

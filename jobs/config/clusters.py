@@ -11,7 +11,7 @@ Precedence: the config < the profile < the command line. The profile is what the
 this command, naming where the run goes, so it wins over what a config says (a config written for
 one cluster runs on another under that cluster's profile); what the user types for this one
 command (overrides, flags) wins over both. The profile is merged into the config's YAML tree
-before the overrides, and the tree is then read once, whole (jobs/config.py `load_config`): every
+before the overrides, and the tree is then read once, whole (jobs/config/__init__.py `load_config`): every
 check between fields sees the values that will run.
 """
 
@@ -29,14 +29,14 @@ from common.schema import from_dict, part_of, require, to_dict
 from common.yaml import MAX_TEXT, read_yaml
 from containers.record import ImageSection
 from edf.environment import SAFE_NAME, Environment
-from jobs.slurm.sections import LaunchSection, SlurmSection
+from jobs.config.sections import LaunchSection, SlurmSection
 
 # The config's sections a profile may set: where a run goes, never what it trains.
 SECTIONS: dict[str, type] = {"slurm": SlurmSection, "container": Environment, "launch": LaunchSection,
                              "image": ImageSection}
 ENV = "SLIPWAY_CLUSTER"
 FILE = "clusters.yaml"
-# The cluster whose bad nodes a submission without a profile remembers (jobs/nodes.py).
+# The cluster whose bad nodes a submission without a profile remembers (jobs/slurm/bad_nodes.py).
 DEFAULT = "default"
 DAY = 86400
 

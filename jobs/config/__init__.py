@@ -8,7 +8,9 @@ dataclasses. Nothing downstream reads raw dicts.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -23,8 +25,8 @@ from common.schema import from_dict, require, to_dict
 from common.yaml import Plain, read_text_bounded, read_yaml
 from containers.record import ImageNeeds, ImageSection
 from edf.environment import NOT_CONFIG, SAFE_NAME, Environment
-from jobs.clusters import ClusterProfile, merged
-from jobs.slurm.sections import NODE_PRESETS, LaunchSection, SlurmSection
+from jobs.config.clusters import ClusterProfile, merged
+from jobs.config.sections import NODE_PRESETS, LaunchSection, SlurmSection
 from trainer.config import MODEL_DIMENSIONS, MODEL_PRESETS, TrainerConfig, check_trainer_sections
 
 # Slurm job names, file names and EDF names all come from run names (SAFE_NAME).
@@ -116,7 +118,7 @@ class Config(TrainerConfig):
     # The command line's CONFIG, overrides and config flags, shell-quoted (set by the CLI), so a
     # suggested `slipway ...` reads the same config the user's own command did.
     given_args: Optional[str] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
-    # The cluster profile merged in (jobs/clusters.py), None without one: the manifest records it
+    # The cluster profile merged in (jobs/config/clusters.py), None without one: the manifest records it
     # and the cluster's remembered bad nodes go by its name.
     cluster: Optional[ClusterProfile] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
 
@@ -328,7 +330,7 @@ def apply_override(raw: dict, dotted: str, value: Any) -> None:
 def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict[str, Any] | None = None,
                 cluster: Optional[ClusterProfile] = None) -> Config:
     """Read `configs/NAME.yaml` (or a path), merge the `cluster` profile in, apply `key=value`
-    overrides, validate: the config < the profile < the command line (jobs/clusters.py says why).
+    overrides, validate: the config < the profile < the command line (jobs/config/clusters.py says why).
 
     `sets` holds overrides already split into dotted key and typed value (the CLI's named flags).
     """
@@ -358,7 +360,7 @@ def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets:
                 tree: Optional[dict] = None) -> Config:
     """The config of file `path` from its raw tree (left as it is), the `cluster` profile merged in,
     the overrides, the named flags' `sets`, then `settings` (dotted key -> value, as an override's
-    value parses), validated: the config < the profile < the command line (jobs/clusters.py says why).
+    value parses), validated: the config < the profile < the command line (jobs/config/clusters.py says why).
     `tree`: filled with the raw tree as read (a sweep's `Variants` reads its settings into it)."""
     raw = merged(raw, cluster.settings) if cluster is not None else _copied(raw)
     given = {*(sets or {}), *(settings or {})}
@@ -434,7 +436,7 @@ def resolve_config_path(name: str | Path) -> Path:
     where = (f"in the working directory {cwd}, which is also the project root (runs/ goes there)" if root == cwd
              else f"in the working directory {cwd}; the project root, where runs/ goes, is {root} (SLIPWAY_PROJECT)")
     # The checkout this slipway runs from (an editable install, as `make setup` makes) may hold it.
-    home = Path(__file__).resolve().parent.parent
+    home = Path(__file__).resolve().parents[2]  # jobs/config/__init__.py in the checkout
     there = next((c for c in candidates if not c.is_absolute() and (home / c).is_file()), None)
     fix = (f"; the checkout slipway runs from has {there}: `cd {shlex.quote(str(home))}` first" if there and home != cwd
            else "; give a path, or run slipway from the directory that holds configs/")
@@ -442,10 +444,26 @@ def resolve_config_path(name: str | Path) -> Path:
 
 
 def this_python() -> str:
-    """This interpreter, as a run without a container records it: its directory resolved (a
-    project reached through a symlink, `/home` for `/users`, is one path), its own name kept (a
-    venv's python is a link to the base interpreter, which would leave the venv)."""
-    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+    """This interpreter, as a run without a container records it (`interpreter`)."""
+    return interpreter(sys.executable)
+
+
+@functools.lru_cache(maxsize=256)
+def interpreter(path: str) -> str:
+    """The interpreter at `path` by what it is, not the alias that ran it: its directory resolved (a
+    project reached through a symlink, `/home` for `/users`, is one path) and the name there with
+    its version that is the same file (`python3.11` for a venv's `python` and `python3`). Not the
+    file it links to: a venv's python links to the base interpreter, which would leave the venv."""
+    if not os.path.isabs(path):  # a name the PATH finds where the job runs
+        return path
+    where = os.path.realpath(os.path.dirname(path))
+    same = os.path.realpath(os.path.join(where, os.path.basename(path)))
+    try:
+        versions = sorted(n for n in os.listdir(where) if re.fullmatch(r"python\d+\.\d+", n))
+    except OSError:  # not a directory here (a compute node's path): as given
+        return os.path.join(where, os.path.basename(path))
+    named = [n for n in versions if os.path.realpath(os.path.join(where, n)) == same]
+    return os.path.join(where, named[0] if named else os.path.basename(path))
 
 
 # libyaml's emitter where PyYAML has it: the same text, a third of the time (a sweep writes a thousand).
