@@ -24,7 +24,8 @@ class ConfigError(ValueError):
     def __init__(self, field_path: str, message: str):
         # One line, whatever the user typed: a key or value holding a newline is shown escaped,
         # and a line never grows past a screenful, however long a value a message quotes.
-        self.field = bounded(one_line(field_path), MAX_FIELD_SHOWN)
+        # A secret given as a mapping's key is masked in the path too, judged part by part.
+        self.field = bounded(_PART.sub(lambda m: _masked(m.group()), mask(one_line(field_path))), MAX_FIELD_SHOWN)
         message = _QUOTED.sub(lambda m: mask(m.group(), values=True), mask(one_line(message)))
         if len(message) > MAX_MESSAGE:  # keep the start (the rule) and the end (the fix)
             message = f"{message[:MAX_MESSAGE // 2]} ... {message[-MAX_MESSAGE // 2:]}"
@@ -34,6 +35,7 @@ class ConfigError(ValueError):
 # What a message quotes (a value as repr or `...` shows it) is what the user gave: judged by the
 # secret policy as a value, word by word (a random-looking key is hidden whole, common/secrets.py).
 _QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"|`[^`\n]*`")
+_PART = re.compile(r"[^.\[\]]+")
 MAX_SHOWN = 80  # characters of a value quoted in an error message
 MAX_FIELD_SHOWN = 400
 MAX_MESSAGE = 1000

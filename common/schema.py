@@ -12,7 +12,7 @@ import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
 from common.errors import ConfigError, shown, unprintable
-from common.secrets import REFUSE, flag_variable, refusal, secret_name
+from common.secrets import IDENTIFIER, accepted, refusal
 from common.yaml import BOOL, FLOAT, INT, MAX_INT, NULL, Plain
 
 
@@ -25,9 +25,9 @@ from common.yaml import BOOL, FLOAT, INT, MAX_INT, NULL, Plain
 #
 # Every string of a config reaches a file (config.yaml, job.sbatch, env.toml), a command
 # line or a terminal, so the secret policy (common/secrets.py) is applied here, to every
-# field, as the value is read: a field says only what it lets through besides
-# (metadata {"secrets": PASSTHROUGH, REFERENCE or OWN_TEXT}), and a section whose
-# strings are EDF text (where `$$` is a literal `$`) says so (`EDF_TEXT = True`).
+# field, as the value is read, by what the field holds (metadata {"secrets": TEXT, PASSTHROUGH,
+# REFERENCE or OWN_TEXT}; an identifier where it says nothing), and a section whose strings
+# are EDF text (where `$$` is a literal `$`) says so (`EDF_TEXT = True`).
 # --------------------------------------------------------------------------
 
 
@@ -50,8 +50,10 @@ def _refusal(value: Any, name: Any, policy: str, edf: bool, hint: Any = None):
 
 def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = None, hint: Any = None) -> None:
     """The secret policy on one value as it is read, and on the mapping key it is given under
-    (`hint`: the list item before it, a flag such as --revision that says what it is)."""
-    if isinstance(key, str) and (found := _refusal(key, None, REFUSE, False)) is not None and not found.expansion:
+    (`hint`: the list item before it, a flag such as --revision that says what it is); what the
+    config file being read accepts passes (common/baseline.py)."""
+    if isinstance(key, str) and (found := _refusal(key, None, policy, False)) is not None and not found.expansion \
+            and not accepted(found):
         raise ConfigError(where, found.message())  # a key that is a token itself
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # `PASSWORD: 123456` from a caller that typed it as a number
@@ -59,16 +61,8 @@ def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = Non
     # Remembered for the strings a config repeats; a mapping or list (a docker auth blob) is judged afresh.
     found = (_refusal(value, name, policy, edf, hint) if isinstance(value, (str, type(None), bool))
              else refusal(value, name=name, policy=policy, edf=edf, hint=hint))
-    if found is not None:
+    if found is not None and not accepted(found):
         raise ConfigError(where, found.message())
-
-
-def _list_flags(items: list, where: str, policy: str) -> None:
-    """A list of words (a command): `--token VALUE` gives VALUE under a secret's name."""
-    for i, (flag, value) in enumerate(zip(items, items[1:])):
-        if isinstance(flag, str) and flag.startswith("-") and "=" not in flag and isinstance(value, str) \
-                and not value.startswith("-") and secret_name(flag.lstrip("-")):
-            _secret_check(value, f"{where}[{i + 1}]", policy, False, flag_variable(flag))
 
 
 def _type_name(tp: Any) -> str:
@@ -169,14 +163,14 @@ def _union(tp: Any, value: Any, where: str, policy: str, edf: bool, free: bool) 
     raise ConfigError(where, f"expected {_type_name(tp)}, got {shown(value, where)}")
 
 
-def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = False, key: Any = None,
+def _convert(tp: Any, value: Any, where: str, policy: str = IDENTIFIER, edf: bool = False, key: Any = None,
              checked: bool = False, hint: Any = None, free: bool = False) -> Any:
     """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy
     has seen it (a Union's alternatives are tried on the same value); `hint`: a list's item before;
     `free`: a field of free text."""
-    _control(value, where, free, policy)
     if not checked and policy != RECORD and (isinstance(value, str) or key is not None):
-        _secret_check(value, where, policy, edf, key, hint)
+        _secret_check(value, where, policy, edf, key, hint)  # first: a secret's refusal says how to pass it
+    _control(value, where, free, policy)
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
         return _union(tp, value, where, policy, edf, free)
@@ -192,8 +186,6 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
         (item_tp,) = get_args(tp)
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise ConfigError(where, f"expected a list such as [a, b], got {shown(value, where)}")
-        if policy != RECORD:
-            _list_flags(list(value), where, policy)
         return [_convert(item_tp, v, f"{where}[{i}]", policy, edf, hint=value[i - 1] if i else None, free=free)
                 for i, v in enumerate(value)]
     if tp is dict:  # any mapping (a record's git state)
@@ -261,7 +253,7 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
         if name in data:
             try:
                 kwargs[name] = _convert(hints[name], data[name], path, RECORD if record else
-                                        f.metadata.get("secrets", REFUSE), edf, free=f.metadata.get("free_text", False))
+                                        f.metadata.get("secrets", IDENTIFIER), edf, free=f.metadata.get("free_text", False))
             except OutOfRange as exc:
                 if exc.field != path:  # inside a list or a nested section: no check of this one's bounds it
                     raise
@@ -297,7 +289,7 @@ def part_of(cls: type, data: Any, where: str) -> dict:
         if dataclasses.is_dataclass(tp):
             part_of(tp, value, path)
         else:
-            _convert(tp, value, path, fields[key].metadata.get("secrets", REFUSE), edf,
+            _convert(tp, value, path, fields[key].metadata.get("secrets", IDENTIFIER), edf,
                      free=fields[key].metadata.get("free_text", False))
     return data
 

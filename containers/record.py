@@ -17,6 +17,7 @@ from typing import Literal, Optional
 
 from edf.environment import ENV_NAME
 from common.schema import FREE_TEXT, require
+from common.secrets import TEXT
 
 
 @dataclass
@@ -42,7 +43,7 @@ class ImageSection:
     flash_attn: bool = True
     # Extra `--build-arg`s (e.g. MAX_JOBS, FLASH_ATTN_VERSION, SMOKE); they override slipway's own. A
     # value stays in the image's history: a name or value that looks like a secret's is refused.
-    build_args: dict[str, str] = field(default_factory=dict, metadata=FREE_TEXT)
+    build_args: dict[str, str] = field(default_factory=dict, metadata={"secrets": TEXT, **FREE_TEXT})
     # podman build --network=host (needed on CSCS).
     network_host: bool = False
     # podman build --isolation: chroot where the host's cgroups or rlimits stop podman's OCI

@@ -100,20 +100,6 @@ def references(value: str, where: str) -> list[str]:
     return [p.name for p in split_expansions(value, where) if isinstance(p, Expansion)]
 
 
-# --------------------------------------------------------------------------
-# Secrets: passed by name from the submitting environment, never by value
-# --------------------------------------------------------------------------
-
-
-def check_secret_entry(where: str, name: str, value: object) -> None:
-    """An [env] entry of a merged environment that the batch script would hold (a base
-    environment's, resolved under pyxis): the secret policy as for container.env, whose own
-    entries the schema engine checked as they were read (common/schema.py)."""
-    found = refusal(value, name=name, policy=PASSTHROUGH, edf=True)
-    if found is not None:
-        raise ConfigError(where, found.message())
-
-
 def _split_outside_braces(text: str, sep: str) -> list[str]:
     """`text.split(sep)`, except inside `${...}` (a default may hold a ':')."""
     parts, current, depth, i = [], [], 0, 0
@@ -319,13 +305,13 @@ class Environment:
         # Before the runtime none return: under every runtime the names are passed, and a
         # config's values land in config.yaml.
         run(self._check_env_from_host)
-        secret = set()  # keys refused as secrets: no other check of theirs may quote the value
-        if w == "container.":  # a config's, or one merged from base environments (pyxis resolves them)
-            for key, value in self.env.items():
-                before = len(found)
-                run(check_secret_entry, f"{w}env.{key}", key, value)
-                if len(found) > before:
-                    secret.add(key)
+        # The secret policy on entries merged from base environments too (pyxis resolves them into
+        # the script); a key refused is checked no further (no other check may quote its value).
+        secret = set()
+        for key, value in self.env.items() if w == "container." else ():
+            if (refused := refusal(value, name=key, policy=PASSTHROUGH, edf=True)) is not None:
+                found.append(ConfigError(f"{w}env.{key}", refused.message()))
+                secret.add(key)
         # Before the runtime none return too: a number's bounds do not depend on the runtime.
         if isinstance(self.keep_builds, bool) or not isinstance(self.keep_builds, int) or \
                 not 0 <= self.keep_builds <= 100:

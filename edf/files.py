@@ -21,7 +21,7 @@ import tomli_w
 
 from edf.environment import SAFE_NAME, Environment, Expansion, Mount, is_local_image, split_expansions
 from common.errors import UNPRINTABLE, ConfigError, bounded, bounded_path, shown, warn
-from common.secrets import PASSTHROUGH, refusal, warning
+from common.secrets import file_findings, flag_variable
 from common.yaml import MAX_DEPTH, MAX_TEXT, read_text_bounded
 from common.fs import write_atomic
 
@@ -217,30 +217,18 @@ def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *
     return env, problems
 
 
-# `KEY = "value"` on one line of TOML (a dotted or quoted key, a basic or literal string).
-_TOML_KEY = r"""(?:"[^"]*"|'[^']*'|[A-Za-z0-9_-]+)"""
-_TOML_ENTRY = re.compile(rf"""^\s*({_TOML_KEY}(?:\s*\.\s*{_TOML_KEY})*)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|'([^']*)')""")
-
-
 def secret_lines(text: str, where: str) -> list[str]:
-    """A hand-written EDF's lines that hold what looks like a secret (a token, or a literal value
-    under a secret's name): the file is the user's, read as it is; these are said by line, never
-    by value (`slipway edf --check`)."""
-    out = []
-    for number, line in enumerate(text.splitlines(), 1):
-        what, variable = warning(line), "NAME"
-        m = _TOML_ENTRY.match(line)
-        if m:
-            key = m.group(1).replace('"', "").replace("'", "").replace(" ", "")
-            value = m.group(2) if m.group(2) is not None else m.group(3)
-            found = refusal(value, name=key, policy=PASSTHROUGH, edf=True)
-            if found is not None and not found.expansion:
-                what, variable = what or found.what, found.variable
-        if what:
-            out.append(f"{where} line {number} holds what looks like {what}: whoever reads the file reads it, and "
-                       f"under pyxis it is written into the batch script; write \"${{{variable}}}\" and export "
-                       f"{variable} in the shell that runs srun instead")
-    return out
+    """A hand-written EDF's lines that hold what looks like a secret, by detect-secrets' scan of it:
+    the file is the user's, read as it is; these are said by line, never by value (`edf --check`)."""
+    lines, out = text.splitlines(), {}
+    for found in file_findings(text.encode(), "edf.toml"):  # one line, once: the first plugin's word for it
+        key = re.match(r"""\s*["']?([\w.-]*)""", lines[found.line_number - 1]).group(1)  # type: ignore[union-attr]
+        variable = flag_variable(key.rsplit(".", 1)[-1]) if key else "NAME"
+        out.setdefault(found.line_number, f"{where} line {found.line_number} holds what looks like a secret "
+                                          f"({found.type}): whoever reads the file reads it, and under pyxis it is "
+                                          f"written into the batch script; write \"${{{variable}}}\" and export "
+                                          f"{variable} in the shell that runs srun instead")
+    return list(out.values())
 
 
 def missing_host_paths(env: Environment, origin: str, notes: list[str],

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from common.environ import as_typed
 from common.errors import ConfigError, bounded, one_line
+from common.secrets import mask
 from jobs.cli.launch import (cmd_edf, cmd_local, cmd_prepare, cmd_run, cmd_shell, cmd_submit, load, project_dir,
                              rich_console)
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
@@ -356,8 +357,6 @@ def _slurm_error(exc: BaseException) -> int | None:
     from jobs.slurm import SlurmError
 
     if isinstance(exc, SlurmError):
-        from common.secrets import mask
-
         print(f"slipway: error: {mask(one_line(as_typed(str(exc))))}", file=sys.stderr)
         return 1
     return None

@@ -14,6 +14,7 @@ from common import environ
 from common.environ import as_typed, invocation
 from common.environ import project_dir
 from common.errors import ConfigError, one_line
+from common.secrets import mask
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
 from common.extras import EXTRAS, require as require_extra
 
@@ -64,8 +65,6 @@ def config_sets(args: argparse.Namespace) -> tuple[dict, str]:
 
 def print_notes(console, notes: list[str]) -> None:
     from rich.markup import escape
-
-    from common.secrets import mask
 
     for note in notes:  # a note quotes paths and overrides (`container.mounts=[...]`): never markup
         console.print(f"[yellow]note:[/] {escape(mask(one_line(as_typed(note))))}", soft_wrap=True, markup=True,
@@ -135,7 +134,6 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
 
     from jobs import runs
     from jobs.cli.doctor import controller_problem, gpu_stack
-    from common.secrets import mask
 
     sealed = runs.seal(cfg, project_dir(), dry_run=True)
     scfg, paths, pin, code = sealed.cfg, sealed.paths, sealed.pin, sealed.snapshot
@@ -271,7 +269,6 @@ def _stop_warm(args: argparse.Namespace) -> int:
 
 def cmd_edf(args: argparse.Namespace) -> int:
     from edf import check_edf, install_edf, parse_edf, render_edf, srun_flags
-    from common.secrets import mask
 
     if args.check or args.to_pyxis:
         path = Path(args.check or args.to_pyxis)
@@ -323,7 +320,6 @@ def cmd_edf(args: argparse.Namespace) -> int:
 
 def cmd_shell(args: argparse.Namespace) -> int:
     from jobs import shell
-    from common.secrets import mask
 
     cfg = load(args)
     if args.dry_run:

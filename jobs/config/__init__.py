@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from common.baseline import accepting
 from common.environ import project_dir
 from common.errors import ConfigError, bounded, shown
 from common.schema import from_dict, require, to_dict
@@ -379,7 +380,8 @@ def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets:
     if tree is not None:
         tree.update(raw)
     try:
-        cfg = from_dict(Config, raw)
+        with accepting(path):  # what the file's own pragma lines and baseline accept (docs/secrets.md)
+            cfg = from_dict(Config, raw)
     except ConfigError as exc:  # a value the profile gave: say where it came from
         if cluster is None or not cluster.sets(exc.field) or exc.field in given:
             raise

@@ -39,7 +39,7 @@ from common.schema import to_dict
 from common.fs import write_atomic
 from common.yaml import read_text_bounded
 from common.events import append_event, now_iso
-from common.secrets import refusal
+from common.secrets import TEXT, refusal
 from common.rundir import CodeSnapshot, RunDir, complete_checkpoints
 
 
@@ -98,7 +98,7 @@ def check_env_from_host(cfg: Config, environ: dict[str, str] | None = None) -> N
     for where, value in exports:
         listed = [v.split("=", 1)[0] for v in value.split(",")]
         for item, name in zip(value.split(","), listed):  # slurm.extra's were refused as the config was read
-            found = refusal(item.split("=", 1)[1], name=name) if "=" in item else None
+            found = refusal(item.split("=", 1)[1], name=name, policy=TEXT) if "=" in item else None
             if found is not None:
                 raise ConfigError(where, found.message())
         dropped = [n for n in names if "ALL" not in listed and n not in listed]
