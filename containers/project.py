@@ -39,7 +39,7 @@ from common.fs import write_atomic
 STATE_DIR = ".slipway"
 LABEL = "slipway.project"  # the project's id, on every image slipway builds
 PATH_LABEL = "slipway.project.path"  # where it was, for messages only (a checkout may move)
-_ID = re.compile(r"^[0-9a-f]{32}$")
+_ID = re.compile(r"[0-9a-f]{32}")
 # flock(2) on a filesystem without it (Lustre mounted without -o flock).
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
@@ -98,7 +98,7 @@ class Project:
             data = None
         except (OSError, ValueError):
             data = None  # damaged: a new id (the images labelled with the old one stay, another project's)
-        if isinstance(data, dict) and isinstance(data.get("id"), str) and _ID.match(data["id"]):
+        if isinstance(data, dict) and isinstance(data.get("id"), str) and _ID.fullmatch(data["id"]):
             made_at = Path(str(data.get("root", "")))
             if made_at == root:
                 return cls(data["id"], root, state)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from edf.environment import ENV_NAME
-from common.schema import require
+from common.schema import FREE_TEXT, require
 from common.secrets import TEXT
 
 
@@ -43,7 +43,7 @@ class ImageSection:
     flash_attn: bool = True
     # Extra `--build-arg`s (e.g. MAX_JOBS, FLASH_ATTN_VERSION, SMOKE); they override slipway's own. A
     # value stays in the image's history: a name or value that looks like a secret's is refused.
-    build_args: dict[str, str] = field(default_factory=dict, metadata={"secrets": TEXT})
+    build_args: dict[str, str] = field(default_factory=dict, metadata={"secrets": TEXT, **FREE_TEXT})
     # podman build --network=host (needed on CSCS).
     network_host: bool = False
     # podman build --isolation: chroot where the host's cgroups or rlimits stop podman's OCI
@@ -58,12 +58,12 @@ class ImageSection:
 
     def check(self, where: str) -> None:
         # podman repository names are lowercase; the name also names files in output_dir.
-        require(bool(re.match(r"^[a-z0-9][a-z0-9._-]{0,63}$", self.name)), f"{where}.name",
+        require(bool(re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", self.name)), f"{where}.name",
                 f"{self.name!r} is not a valid image name: use 1-64 lowercase letters, digits, '.', '_' or '-'")
         require(bool(self.base_image) and "\n" not in self.base_image, f"{where}.base_image",
                 "must name an image, e.g. nvcr.io/nvidia/pytorch:25.12-py3 or localhost/NAME:TAG")
         for key, value in self.build_args.items():  # secrets: refused as the config is read (common/schema.py)
-            require(bool(ENV_NAME.match(key)) and "\n" not in str(value), f"{where}.build_args.{key}",
+            require(bool(ENV_NAME.fullmatch(key)) and "\n" not in str(value), f"{where}.build_args.{key}",
                     "build arg names are letters, digits and _ (not starting with a digit); values one line")
         require("\n" not in self.squash_options, f"{where}.squash_options", "must be one line of mksquashfs options")
 

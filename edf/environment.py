@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from common.errors import ConfigError, shown
+from common.schema import FREE_TEXT
 from common.secrets import PASSTHROUGH, REFERENCE, refusal
 
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-ANNOTATION_KEY = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # names are matched whole (fullmatch)
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+ANNOTATION_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}")
 _DOLLAR = re.compile(rf"\$\$|{EXPANSION.pattern}|\$\{{")  # what `split_expansions` reads; a lone `$` is text
 
@@ -210,14 +211,14 @@ class Environment:
     writable: Optional[bool] = None
     # Values in EDF syntax; "" unsets the variable (Container Engine). A name or value that looks
     # like a secret's is refused, except `NAME: "${NAME}"`: pass secrets with env_from_host.
-    env: dict[str, str] = field(default_factory=dict, metadata={"secrets": PASSTHROUGH})
+    env: dict[str, str] = field(default_factory=dict, metadata={"secrets": PASSTHROUGH, **FREE_TEXT})
     # Variables the tasks take from the submitting environment by name, their values never written
     # (secrets: HF_TOKEN, WANDB_API_KEY): `NAME = "${NAME}"` in the EDF, `--container-env=NAME`
     # under pyxis, the job's own environment under runtime none (docs/secrets.md).
     env_from_host: list[str] = field(default_factory=list)
     # Flat dotted keys, e.g. "com.hooks.aws_ofi_nccl.enabled" -> "true". A secret-looking key takes a
     # file's path or one "${VAR}" (expanded as the container starts), never the secret itself.
-    annotations: dict[str, str] = field(default_factory=dict, metadata={"secrets": REFERENCE})
+    annotations: dict[str, str] = field(default_factory=dict, metadata={"secrets": REFERENCE, **FREE_TEXT})
     # Whether the image's entrypoint runs before the command; null: the runtime's default
     # (pyxis: it does not).
     entrypoint: Optional[bool] = None
@@ -273,7 +274,7 @@ class Environment:
 
         if self.runtime not in ("edf", "pyxis", "none"):
             found.append(ConfigError(f"{w}runtime", f"must be one of 'edf', 'pyxis', 'none', got {self.runtime!r}"))
-        if self.edf_name is not None and (not SAFE_NAME.match(self.edf_name) or self.edf_name.endswith(".toml")):
+        if self.edf_name is not None and (not SAFE_NAME.fullmatch(self.edf_name) or self.edf_name.endswith(".toml")):
             found.append(ConfigError(f"{w}edf_name", f"{self.edf_name!r} is not a safe EDF name: use 1-100 letters, "
                                                      "digits, '.', '_' or '-', starting with a letter or digit, "
                                                      "without .toml"))
@@ -325,7 +326,7 @@ class Environment:
                                      f"{type(self.env_from_host).__name__}")
         seen: set[str] = set()
         for i, name in enumerate(self.env_from_host):
-            if not isinstance(name, str) or not ENV_NAME.match(name):
+            if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
                 raise ConfigError(f"{where}[{i}]", "is not a valid environment variable name (letters, digits, _; "
                                                    "not starting with a digit)")
             if name in seen:
@@ -349,7 +350,7 @@ class Environment:
 
     def _check_env_entry(self, key: str) -> None:
         value, where = self.env[key], f"{self.origin}env.{key}"
-        if not isinstance(key, str) or not ENV_NAME.match(key):
+        if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
             raise ConfigError(where, "is not a valid environment variable name (letters, digits, _; "
                                      "not starting with a digit)")
         _require_str(value, where)
@@ -363,7 +364,7 @@ class Environment:
 
     def _check_annotation(self, key: str) -> None:
         value, where = self.annotations[key], f"{self.origin}annotations.{key}"
-        if not isinstance(key, str) or not ANNOTATION_KEY.match(key):
+        if not isinstance(key, str) or not ANNOTATION_KEY.fullmatch(key):
             raise ConfigError(where, "is not a valid annotation key: use dotted names of letters, digits, "
                                      "'_' and '-', such as com.hooks.aws_ofi_nccl.enabled")
         _require_str(value, where, example='"true"')

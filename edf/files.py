@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 import tomli_w
 
 from edf.environment import SAFE_NAME, Environment, Expansion, Mount, is_local_image, split_expansions
-from common.errors import ConfigError, bounded, bounded_path, shown, warn
+from common.errors import UNPRINTABLE, ConfigError, bounded, bounded_path, shown, warn
 from common.secrets import file_findings, flag_variable
 from common.yaml import MAX_DEPTH, MAX_TEXT, read_text_bounded
 from common.fs import write_atomic
@@ -47,7 +47,10 @@ def render_edf(env: Environment) -> str:
         "env": {**env.env, **{name: f"${{{name}}}" for name in env.env_from_host}} or None,
         "annotations": _nest(env.annotations) or None,
     }
-    return tomli_w.dumps({key: value for key, value in doc.items() if value is not None})
+    # tomli-w escapes the C0 controls in a value (a tab aside); the others one_line escapes (C1,
+    # bidirectional, line separators) too, as \uXXXX: an editor or a terminal showing the file would act on them.
+    return UNPRINTABLE.sub(lambda m: m[0] if m[0] in "\n\t" else f"\\u{ord(m[0]):04x}",
+                           tomli_w.dumps({key: value for key, value in doc.items() if value is not None}))
 
 
 def _nest(flat: dict[str, str]) -> dict[str, Any]:
@@ -401,7 +404,7 @@ def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = Fal
 def install_edf(env: Environment, name: str, edf_path: Optional[str] = None, force: bool = False) -> Path:
     """Write the EDF as NAME.toml into the first EDF_PATH directory (created if
     missing), so that `srun --environment=NAME` finds it."""
-    if not SAFE_NAME.match(name) or name.endswith(".toml"):
+    if not SAFE_NAME.fullmatch(name) or name.endswith(".toml"):
         raise ConfigError("container.edf_name", f"{name!r} is not a safe EDF name: use 1-100 letters, digits, "
                                                 "'.', '_' or '-', starting with a letter or digit, without .toml")
     return write_edf(env, edf_search_path(edf_path)[0] / f"{name}.toml", force=force)

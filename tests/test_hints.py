@@ -306,6 +306,35 @@ def test_a_clusters_remembered_bad_nodes_forgotten(project, shell, tmp_path):
     assert not any(memory.iterdir())
 
 
+@covers("jobs/slurm/bad_nodes.py: slipway nodes{forgetting(self.cluster, [name])}")
+def test_every_forget_hint_of_a_hostile_record_forgets_it_when_pasted(project, shell, tmp_path):
+    """Records named, or naming a node, with control and bidirectional characters, and one dated
+    in the future (it would exclude its node until then): each is one line whose `--forget` hint,
+    pasted, removes it; none is taken for a live bad node."""
+    from jobs.slurm.bad_nodes import BadNode
+
+    (project / "clusters.yaml").write_text("alps:\n  slurm: {partition: normal}\n")
+    memory = project / "runs" / ".nodes" / "alps"
+    memory.mkdir(parents=True)
+    now = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+    hostile = {"n\x1bode": "half a rec", "nid\u202e7\x07": BadNode("nid7", now, now, "r", "41", "hang", "x").line(),
+               "nid8": BadNode("nid\x1b8", now, now, "r", "41", "hang", "x").line(),
+               "nid9": BadNode("nid9", now, "2099-01-01T00:00:00+00:00", "r", "41", "hang", "x").line(),
+               "nid10\n": "slipway-bad-node node=nid10"}
+    for name, text in hostile.items():
+        (memory / name).write_text(text + "\n")
+    shell = {**shell, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    r = slipway(shell, "nodes", "--cluster", "alps")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and "remembers no bad node" in lines[0] and len(lines) == 1 + len(hostile), r.stdout
+    assert "nid9: dated 2099-01-01T00:00:00+00:00, ahead of this host's clock" in r.stdout
+    for line in lines[1:]:
+        assert line.isprintable(), line
+        forgot = pasted(hint(line, "nodes"), shell)
+        assert forgot.returncode == 0 and forgot.stdout.startswith("forgot "), (line, forgot.stdout, forgot.stderr)
+    assert not any(memory.iterdir()), sorted(memory.iterdir())
+
+
 # ---------------------------------------------------------------- doctor and the local cluster
 
 

@@ -87,6 +87,25 @@ def test_event_lines_keep_their_format(tmp_path):
     assert (job, job_id, text) == ("job", "41", "start on node[1-2]") and when[4] == "-" and "T" in when
 
 
+def test_a_node_name_from_the_job_side_never_forges_a_line_and_the_log_names_the_task_as_status_does(tmp_path):
+    """A rank's report naming a node `n1\\n<TIME> job 41 end exit 0` (a hostname the job side gave)
+    is no node's name: the step's failure names none, and no event text, whatever it holds, makes
+    a second line. A sweep's task ends its log naming itself ARRAY_TASK, as status names it."""
+    lib = Lib(tmp_path)
+    reports = tmp_path / "exits"
+    reports.mkdir()
+    (reports / "rank-1").write_text("137 n1\x1b\n")
+    r = lib.run(f'step_exit 1 "{reports}"; after_rank_failure "$STEP_EXIT"; '
+                'event "hang on n2$(printf \'\\n2026-01-01T00:00:00+00:00 job 41 end exit 0\\r\')"')
+    assert r.returncode == 0, r.stderr
+    assert lib.events() == ["rank failed: rank 1 on ? was killed by SIGKILL (exit 137)",
+                            "hang on n2 2026-01-01T00:00:00+00:00 job 41 end exit 0 "], lib.events()
+    proc = subprocess.run(["bash", "-c", lib.script("trap on_exit EXIT; event 'start on node1'; exit 0")],
+                          env={**lib.env(), "SLURM_JOB_ID": "3", "SLIPWAY_EVENT_JOB": "2_0"}, capture_output=True,
+                          text=True, timeout=30)
+    assert "slipway: job 2_0 ended: completed (exit 0)" in proc.stdout, (proc.stdout, proc.stderr)
+
+
 def test_retries_and_requeues_are_counted_per_job(tmp_path):
     lib = Lib(tmp_path)
     (lib.run_dir / "events.log").write_text(

@@ -153,9 +153,13 @@ class Config(TrainerConfig):
         return shlex.join(kept)
 
     def check(self, where: str) -> None:
-        _check_path_components(to_dict(self), "")
-        require(bool(SAFE_NAME.match(self.run.name)), "run.name",
-                f"{shown(self.run.name)} is not a safe run name: {SAFE_NAME_RULE}")
+        check_path_components(to_dict(self), "")
+        self.check_between()
+
+    def check_between(self) -> None:
+        """The rules across sections (each section checks its own fields as it is read)."""
+        require(bool(SAFE_NAME.fullmatch(self.run.name)), "run.name",
+                lambda: f"{shown(self.run.name)} is not a safe run name: {SAFE_NAME_RULE}")
         if self.launch.python is None:
             self.launch.python = this_python() if self.container.runtime == "none" else "python3"
         if self.launch.procs_per_node is None:
@@ -233,15 +237,15 @@ class Config(TrainerConfig):
 NAME_MAX = 255
 
 
-def _check_path_components(value: Any, where: str) -> None:
+def check_path_components(value: Any, where: str) -> None:
     """Every string of the tree that reads as a path (a '/', no whitespace) has components of at
     most NAME_MAX bytes."""
     if isinstance(value, dict):
         for key, item in value.items():
-            _check_path_components(item, f"{where}.{key}" if where else str(key))
+            check_path_components(item, f"{where}.{key}" if where else str(key))
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            _check_path_components(item, f"{where}[{i}]")
+            check_path_components(item, f"{where}[{i}]")
     elif isinstance(value, str) and "/" in value and not any(c.isspace() for c in value):
         longest = max(value.split("/"), key=lambda part: len(part.encode(errors="replace")))
         size = len(longest.encode(errors="replace"))
@@ -354,10 +358,12 @@ def read_config(path: str | Path) -> tuple[Path, dict]:
 
 
 def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets: dict[str, Any] | None = None,
-                settings: dict[str, Any] | None = None, cluster: Optional[ClusterProfile] = None) -> Config:
+                settings: dict[str, Any] | None = None, cluster: Optional[ClusterProfile] = None,
+                tree: Optional[dict] = None) -> Config:
     """The config of file `path` from its raw tree (left as it is), the `cluster` profile merged in,
     the overrides, the named flags' `sets`, then `settings` (dotted key -> value, as an override's
-    value parses), validated: the config < the profile < the command line (jobs/config/clusters.py says why)."""
+    value parses), validated: the config < the profile < the command line (jobs/config/clusters.py says why).
+    `tree`: filled with the raw tree as read (a sweep's `Variants` reads its settings into it)."""
     raw = merged(raw, cluster.settings) if cluster is not None else _copied(raw)
     given = {*(sets or {}), *(settings or {})}
     for item in overrides or []:
@@ -372,6 +378,8 @@ def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets:
     run = raw.setdefault("run", {}) if isinstance(raw.get("run", {}), dict) else raw["run"]
     if isinstance(run, dict) and not run.get("name"):
         run["name"] = path.stem
+    if tree is not None:
+        tree.update(raw)
     try:
         with accepting(path):  # what the file's own pragma lines and baseline accept (docs/secrets.md)
             cfg = from_dict(Config, raw)

@@ -105,7 +105,7 @@ def selected(given: Optional[str], environ: Optional[Mapping[str, str]] = None) 
     name, where = (given, "--cluster") if given is not None else (environ.get(ENV) or None, f"${ENV}")
     if name is None:
         return None, ""
-    if not SAFE_NAME.match(name):
+    if not SAFE_NAME.fullmatch(name):
         fix = "unset it, or export a cluster's name" if where != "--cluster" else "give a cluster's name"
         raise ConfigError(where, f"{shown(name)} is not a cluster name (1-100 letters, digits, '.', '_' or '-', "
                                  f"starting with a letter or digit): {fix} from {FILE}")
@@ -140,7 +140,7 @@ def _read(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(shown_path, "must map cluster names to profiles, e.g. `alps: {slurm: {account: a-g1}}`")
     for name, profile in raw.items():
-        require(bool(SAFE_NAME.match(name)), f"{shown_path} {shown(name)}",
+        require(bool(SAFE_NAME.fullmatch(name)), f"{shown_path} {shown(name)}",
                 "is not a cluster name: use 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit")
         if profile is not None and not isinstance(profile, dict):
             raise ConfigError(f"{shown_path} {name}", f"expected a profile (a mapping of sections: "

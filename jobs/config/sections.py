@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from common.errors import ConfigError, shown
-from common.schema import at_most, require
+from common.schema import FREE_TEXT, at_most, require
 from common.secrets import OWN_TEXT, TEXT, find_secrets
 from edf.environment import ENV_NAME
 
@@ -250,13 +250,13 @@ class LaunchSection:
     # this environment's own interpreter with runtime none.
     python: Optional[str] = None
     # Replace the trainer with another command (a list of arguments).
-    command: list[str] = field(default_factory=list, metadata={"secrets": TEXT})
+    command: list[str] = field(default_factory=list, metadata={"secrets": TEXT, **FREE_TEXT})
     # Shell lines the batch script runs as written before it launches the ranks (your own text: a
     # value in them that looks like a secret is warned about, not refused; docs/secrets.md).
     pre_launch: list[str] = field(default_factory=list, metadata={"secrets": OWN_TEXT})
     # Variables exported before srun; they override the node preset's. A name or value that looks
     # like a secret's is refused: pass secrets with container.env_from_host instead.
-    env: dict[str, str] = field(default_factory=dict, metadata={"secrets": TEXT})
+    env: dict[str, str] = field(default_factory=dict, metadata={"secrets": TEXT, **FREE_TEXT})
     # set -x in the batch script, CUDA_LAUNCH_BLOCKING=1, TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO.
     debug: bool = False
     # The Hugging Face cache (HF_HOME) of the job and of `slipway prepare`; default: the project's
@@ -281,7 +281,7 @@ class LaunchSection:
         require(self.stop_grace is None or 0 < self.stop_grace <= 30 * 86400, f"{where}.stop_grace",
                 f"must be seconds > 0 (null: sized from the run's steps and saves), got {self.stop_grace}")
         for key in self.env:
-            require(bool(ENV_NAME.match(key)), f"{where}.env.{key}",
+            require(bool(ENV_NAME.fullmatch(key)), f"{where}.env.{key}",
                     "is not a valid environment variable name (letters, digits, _; not starting with a digit)")
 
     def secret_warnings(self, where: str = "launch") -> list[str]:

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
@@ -58,6 +58,7 @@ class Sealed:
     # What a forced launch replaced (`prepare_run`): "a different config (train.steps 200 -> 400); the
     # old one is in runs/RUN/history/config-STAMP.yaml"; "" when it replaced no config.
     replaced: str = ""
+    exclude: list[str] = field(default_factory=list)  # the bad nodes its cluster remembers, which it excludes
 
     @property
     def job_lib(self) -> dict[str, str]:
@@ -206,7 +207,7 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
         files[paths.env_toml] = render_edf(env)
         if env.runtime == "pyxis":
             notes += [f"pyxis: {w}" for w in srun_flags(env, paths.env_toml).warnings]
-    return Sealed(cfg, paths, pin, env, files, notes, code)
+    return Sealed(cfg, paths, pin, env, files, notes, code, exclude=exclusions.nodes)
 
 
 def no_world_write() -> int:

@@ -21,8 +21,9 @@
 # Every end is told truthfully in events.log and recorded before anything slow: the EXIT trap
 # writes `end exit N` first, and nothing slow is on the path to the job's end.
 
-# event TEXT...: one line `ISO-TIME job JOBID TEXT` in events.log.
-event() { printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "$*" >> "$EVENTS_LOG"; }
+# event TEXT...: one line `ISO-TIME job JOBID TEXT` in events.log; a control character in TEXT (a
+# node's name from the job side holding a newline) is a space, so no text forges a line of its own.
+event() { local t="$*"; printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "${t//[[:cntrl:]]/ }" >> "$EVENTS_LOG"; }
 
 # count_events PREFIX: how many events of this job (its id survives requeues) start with PREFIX.
 count_events() { local n; n=$(grep -F " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} $* " "$EVENTS_LOG" 2>/dev/null | wc -l) || true; echo "${n:-0}"; }
@@ -149,6 +150,7 @@ step_exit() {
   while read -r f; do
     case $f in rank-*|task-*) ;; *) continue ;; esac
     code="" node=""; read -r code node < "$dir/$f" || true
+    [[ $node =~ ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$ ]] || node=""  # a node's name as jobs/nodes.py takes one, or none
     if [[ $code =~ ^[0-9]+$ ]] && [ "$code" != 0 ]; then
       STEP_EXIT=$code
       case $f in rank-*) FAILED_WHO="rank ${f#rank-} on ${node:-?}" ;; *) FAILED_WHO="the torchrun agent of task ${f#task-} on ${node:-?}" ;; esac
@@ -323,7 +325,7 @@ on_exit() {
          *) last="failed with exit $rc: the lines above say why" ;;
        esac ;;
   esac
-  echo "slipway: job ${SLURM_JOB_ID:-} ended: $last"
+  echo "slipway: job ${SLIPWAY_EVENT_JOB:-${SLURM_JOB_ID:-}} ended: $last"  # as status names it: ARRAY_TASK for a sweep's task
   for pid in "${HELPER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   if [ -n "${SRUN_PID:-}" ] && kill -0 "$SRUN_PID" 2>/dev/null; then
     kill -TERM "$SRUN_PID" 2>/dev/null || true

@@ -49,7 +49,8 @@ def _allocation(cfg: Config, *, partition: str | None) -> list[str]:
     return opts + ([f"--mail-user={sbatch_quote(s.email)}", "--mail-type=END,FAIL"] if s.email else [])
 
 
-def _header(cfg: Config, paths: RunDir, exclude: Sequence[str] = ()) -> list[str]:
+def sbatch_header(cfg: Config, paths: RunDir, exclude: Sequence[str] = ()) -> list[str]:
+    """The script's first lines: what the job asks of Slurm (a sweep's arrays group its points by them)."""
     s = cfg.slurm
     tasks = 1 if cfg.launcher == "torchrun" else cfg.launch.procs_per_node
     opts = [f"--job-name={cfg.run.name}", f"--nodes={s.nodes}", f"--ntasks-per-node={tasks}",
@@ -384,7 +385,7 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
     shared = env.runtime == "pyxis" and cfg.slurm.preflight and not cfg.launch.command
     if shared:
         container.append(Value("--container-name=" + PYXIS_CONTAINER))
-    lines = _header(cfg, paths, exclude) + ["", "set -euo pipefail"]
+    lines = sbatch_header(cfg, paths, exclude) + ["", "set -euo pipefail"]
     if cfg.launch.debug:
         lines.append("set -x")
     pyxis, code = env.runtime == "pyxis", pins.code
