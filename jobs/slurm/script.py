@@ -459,13 +459,14 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
 def _plot_curves(cfg: Config, paths: RunDir, container: list[str], prefix: str) -> list[str]:
     """plot_curves, which on_exit (jobs/slurm/job_lib.sh) calls after a job that trained all its
     steps has recorded its end: the run's curves.png from its metrics (trainer/plot.py), as a step
-    of one task in the job's container, bounded; without matplotlib in the image it says so."""
+    of one task in the job's container, bounded. Its line is trainer/plot.py's (the path, or why
+    not), never srun's own words about the step's end."""
     if cfg.launch.command:  # the image may hold no slipway trainer
         return []
     srun = srun_argv(nodes=1, ntasks=1, cpus_per_task=1, container=container)
     plot = [cfg.launch.python, "-m", "trainer.plot", str(paths.path)]
     return ["# The run's curves once it has trained all its steps (on_exit, after the end is recorded).",
-            f'plot_curves() {{ echo "curves: $({prefix}timeout 60 {words(srun)} {words(plot)} 2>&1 | tail -n 1)"; }}',
+            f'plot_curves() {{ echo "curves: $({prefix}timeout 60 {words(srun)} {words(plot)} 2>&1 | grep -v "^srun: " | tail -n 1)"; }}',
             ""]
 
 
