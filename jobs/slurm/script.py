@@ -262,18 +262,18 @@ def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str, wa
         "# (" + ("in a step of its own: the ranks run a train.script" if where == "step" else
                  "the training step's first collective") + ").",
         'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG.out"',
-        f'set +e; {prefix}{words(node_srun)} \\\n  {words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
+        f'pf_t=$SECONDS; set +e; {prefix}{words(node_srun)} \\\n  {words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
-        'preflight_nodes "$PREFLIGHT_LOG" "$pf_rc"',
+        'preflight_nodes "$PREFLIGHT_LOG" "$pf_rc" $((SECONDS - pf_t))',
     ]
     if where != "step":
         return lines
     return lines + [
         'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG-allreduce.out"',
-        "set +e; " + launch_line(cfg, paths, container, prefix, cmd=allreduce, port="PREFLIGHT_PORT", wrap=limit)
-        + ' > "$PREFLIGHT_LOG" 2>&1',
+        "pf_t=$SECONDS; set +e; " + launch_line(cfg, paths, container, prefix, cmd=allreduce, port="PREFLIGHT_PORT",
+                                                 wrap=limit) + ' > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
-        'preflight_allreduce "$PREFLIGHT_LOG" "$pf_rc"',
+        'preflight_allreduce "$PREFLIGHT_LOG" "$pf_rc" $((SECONDS - pf_t))',
     ]
 
 
