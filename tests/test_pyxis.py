@@ -84,8 +84,7 @@ class Lab:
     image: list[str]  # the image settings every command gives alike
     squashfs: str
     build_hash: str
-    named: str  # the prefix of this project's containers
-    kept: str  # the build's kept container
+    kept: str  # the build's kept container, named by this project and the build
 
     @property
     def nodes(self) -> list[str]:
@@ -185,7 +184,7 @@ def lab(tmp_path_factory) -> Lab:
         cluster = LocalSlurmCluster(spec).up()
     try:
         named = f"pyxis_slipway-{Project.of(build_root(project, 'containers/Dockerfile')).token}-"
-        yield Lab(cluster, project, {**env, **cluster.env()}, image, record["squashfs"], record["hash"], named,
+        yield Lab(cluster, project, {**env, **cluster.env()}, image, record["squashfs"], record["hash"],
                   f"{named}i{record['hash'][:16]}")
     finally:
         cluster.down()
