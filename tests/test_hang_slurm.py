@@ -114,7 +114,7 @@ def test_a_frozen_rank_ends_the_job_with_stack_dumps_and_a_resubmission_resumes(
     log = events(run_dir)
     hang = [e for e in log if e.startswith(f"job {job_id} hang: ")]
     assert len(hang) == 1 and f"no step completed for {HANG_TIMEOUT} s" in hang[0], log
-    assert hang[0].endswith("not answering in time: the ranks on node2"), hang[0]
+    assert hang[0].endswith("not answering in time: 1 of the 2 ranks on node2"), hang[0]
     assert (f"job {job_id} not retrying (hang): without node2 partition debug has 1 usable node(s), the job needs 2"
             in log), log
     assert log[-1] == f"job {job_id} end exit {HANG_EXIT}"
@@ -122,7 +122,7 @@ def test_a_frozen_rank_ends_the_job_with_stack_dumps_and_a_resubmission_resumes(
     status = slipway("status", "frozen")
     # Slurm says FAILED; the run's own state says what happened (jobs/runs/lifecycle.py)
     assert status.returncode == 0 and "HUNG" in status.stdout and "FAILED" not in status.stdout, status.stdout
-    assert f"hung (attempt 1 of job {job_id})" in status.stdout and "not answering in time: the ranks on node2" in status.stdout
+    assert f"hung (attempt 1 of job {job_id})" in status.stdout and "not answering in time: 1 of the 2 ranks on node2" in status.stdout
     assert f"rank {rank} on node2:" in status.stdout or f"hangs/{job_id}-node1-" in status.stdout
 
     resubmit_resumes(run_dir, args, complete_checkpoints(run_dir)[-1], 400)

@@ -352,6 +352,9 @@ class _Tail:
         return True
 
 
+LAST_LINES_SECONDS = 90.0  # the curves' step's bound (jobs/slurm/script.py), and its container's start
+
+
 def follow_logs(run: runs.Run, job_id: str, *, interval: float = 1.0,
                 on_state: Optional[Callable[[str], None]] = None, out: Optional[TextIO] = None,
                 err: Optional[TextIO] = None) -> int:
@@ -382,6 +385,13 @@ def follow_logs(run: runs.Run, job_id: str, *, interval: float = 1.0,
             on_state(state)
         last_state = state
         if settled or (info is not None and not info.active):
+            # After its recorded end a job still writes its last lines (its curves, drawn in a
+            # step of its own, then how it ended): followed while Slurm has it, for so long at most.
+            deadline = time.monotonic() + LAST_LINES_SECONDS
+            while settled and time.monotonic() < deadline and getattr(slurm.job_info(job_id), "active", False):
+                for t in tails:
+                    t.pump()
+                time.sleep(interval)
             time.sleep(interval)  # the last lines may land just after the end
             for t in tails:
                 t.pump()

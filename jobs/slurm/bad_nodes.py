@@ -221,8 +221,9 @@ def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
         out.notes.append(f"excluding the bad nodes cluster {remembered.cluster} remembers: {_described(shown_nodes)}; "
                          f"`slipway nodes{forgetting(remembered.cluster, out.nodes)}` to use them again")
     if left:
-        out.notes.append(f"not excluding {_described(left)}, remembered as bad by cluster {remembered.cluster}: {where} "
-                         f"has {usable} usable node(s) besides those excluded and the job needs {needed}")
+        out.notes.append(f"not excluding {_described(left)}, remembered as bad by cluster {remembered.cluster}: the job "
+                         f"needs {needed} node(s) and {where} has {usable} usable, {_names(left)} included"
+                         + (", besides those excluded" if out.nodes else ""))
     return out
 
 

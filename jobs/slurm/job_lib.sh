@@ -84,19 +84,27 @@ retry_or_stop() {
   exit 0
 }
 
-# preflight_nodes LOG STEP_EXIT: every node of NODES must have reported `ok` in LOG (the node
-# step of trainer/preflight.py); a node that failed or sent no report is named, and the job
-# retried without it. Every node failing alike (a full filesystem, a bad config) blames none.
+# waited SECONDS STEP_EXIT: how long a step that sent no report ran, as it was: out of
+# PREFLIGHT_TIMEOUT, or ended sooner (a container that did not start there).
+waited() {
+  if [ "$1" -ge "$PREFLIGHT_TIMEOUT" ]; then echo " within $PREFLIGHT_TIMEOUT s (step exit $2)"
+  else echo ": the step ended after $1 s (exit $2) without one"; fi
+}
+
+# preflight_nodes LOG STEP_EXIT SECONDS: every node of NODES must have reported `ok` in LOG (the
+# node step of trainer/preflight.py, which ran SECONDS); a node that failed or sent no report is
+# named, and the job retried without it. Every node failing alike (a full filesystem, a bad
+# config) blames none.
 preflight_nodes() {
-  local log=$1 step_rc=$2 node line bad=""
+  local log=$1 step_rc=$2 node line bad="" why
   WRITE_BPS=0
   for node in $NODES; do
     line=$(grep -F -m1 "slipway-preflight $node " "$log") || line=""
     case "$line" in
       "slipway-preflight $node ok"*) clear_bad_node "$node"  # no fork per node: a job may have thousands
         if [[ $line =~ write_bps=([0-9]{1,15}) ]]; then WRITE_BPS=$((WRITE_BPS + BASH_REMATCH[1])); fi ;;
-      "") bad+="$node "; BLAME[$node]="no preflight report within $PREFLIGHT_TIMEOUT s"
-          event "preflight failed on $node: no report within $PREFLIGHT_TIMEOUT s (its container did not start there, or the node is unreachable; step exit $step_rc)" ;;
+      "") bad+="$node "; why=$(waited "${3:-$PREFLIGHT_TIMEOUT}" "$step_rc"); BLAME[$node]="no preflight report$why"
+          event "preflight failed on $node: no report$why (its container did not start there, or the node is unreachable)" ;;
       *) bad+="$node "; BLAME[$node]="preflight failed: ${line#*fail: }"; event "preflight failed on $node: ${line#*fail: }" ;;
     esac
   done
@@ -107,14 +115,14 @@ preflight_nodes() {
   retry_or_stop preflight "$PREFLIGHT_EXIT" $bad
 }
 
-# preflight_allreduce LOG STEP_EXIT: the all-reduce step (a train.script's) gave its `ok`, or the
-# job is retried on the same nodes (no node to blame).
+# preflight_allreduce LOG STEP_EXIT SECONDS: the all-reduce step (a train.script's) gave its `ok`,
+# or the job is retried on the same nodes (no node to blame).
 preflight_allreduce() {
   local log=$1 step_rc=$2 line
   line=$(grep -F -m1 "slipway-preflight-allreduce " "$log") || line=""
   case "$line" in
     "slipway-preflight-allreduce ok: "*) event "preflight ok on $SLURM_JOB_NODELIST: ${line#*ok: }" ;;
-    "") event "preflight failed: the all-reduce across every rank gave no result within $PREFLIGHT_TIMEOUT s (step exit $step_rc)"
+    "") event "preflight failed: the all-reduce across every rank gave no result$(waited "${3:-$PREFLIGHT_TIMEOUT}" "$step_rc")"
         retry_or_stop preflight "$PREFLIGHT_EXIT" ;;
     *) event "preflight failed: ${line#*fail: }"; retry_or_stop preflight "$PREFLIGHT_EXIT" ;;
   esac
@@ -193,9 +201,9 @@ line_field() { local w; for w in $2; do case $w in "$1="*) echo "${w#*=}"; retur
 
 # after_hang: the ranks' watchdogs wrote their stacks to HANGS (trainer/watchdog.py): a hang.
 # The nodes some of whose ranks wrote none in time (frozen, dead; a frozen rank may dump `late`
-# once Slurm's teardown resumes it) are the ones to blame.
+# once Slurm's teardown resumes it) are the ones to blame, each said with how many of its ranks.
 after_hang() {
-  local dumps node f r first dumped silent=""
+  local dumps node f r first dumped silent="" said=""
   shopt -s nullglob; dumps=("$HANGS/$JOB_TAG-"*.txt); shopt -u nullglob
   [ "${#dumps[@]}" -gt 0 ] || return 0
   for node in $NODES; do
@@ -205,10 +213,12 @@ after_hang() {
       first=""; read -r first < "$f" || true
       [ "$(line_field answered "$first")" != on-time ] || dumped=$((dumped + 1))
     done
-    [ "$dumped" -ge "$PROCS_PER_NODE" ] || { silent+="$node "; BLAME[$node]="hang: its ranks wrote no stack dump in time"; }
+    [ "$dumped" -lt "$PROCS_PER_NODE" ] || continue
+    silent+="$node " said+="${said:+, }$((PROCS_PER_NODE - dumped)) of the $PROCS_PER_NODE ranks on $node"
+    BLAME[$node]="hang: $((PROCS_PER_NODE - dumped)) of its $PROCS_PER_NODE ranks wrote no stack dump in time"
   done
   first=""; read -r first < "${dumps[0]}" || true
-  event "hang: no step completed for $(line_field limit "$first") s after step $(line_field step "$first"); stack dumps from ${#dumps[@]} of $RANKS ranks in hangs/$JOB_TAG-*.txt${silent:+; not answering in time: the ranks on ${silent% }}"
+  event "hang: no step completed for $(line_field limit "$first") s after step $(line_field step "$first"); stack dumps from ${#dumps[@]} of $RANKS ranks in hangs/$JOB_TAG-*.txt${said:+; not answering in time: $said}"
   retry_or_stop hang "$HANG_EXIT" $silent
 }
 
@@ -416,15 +426,15 @@ ensure_container() { :; }
 # the job's processes by cgroup), `... differs: WHAT` (what the job runs is not what was
 # submitted), or `... node: WHAT` (this node could not ready the kept container KEPT).
 node_check() {
-  local n=${SLURMD_NODENAME:-$(hostname)} why w
+  local n=${SLURMD_NODENAME:-$(hostname)} why="" w
   w="${9:-}-$n.sock"
   if [ -n "$1" ] && ! why=$(verify_code "$1" "$2"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if ! why=$(verify_image "$3" "$4" "$5" "$6"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if [ -n "${7:-}" ] && ! why=$(ensure_container "$7" "$3" "$8" 2>&1); then echo "slipway-verify $n node: $why"; return 0; fi
-  if [ -n "${9:-}" ] && grep -qs "/job_$SLURM_JOB_ID/" /proc/self/cgroup; then echo "slipway-verify $n ok cgroup"; return 0; fi
+  if [ -n "${9:-}" ] && grep -qs "/job_$SLURM_JOB_ID/" /proc/self/cgroup; then echo "slipway-verify $n ok cgroup${why:+, $why}"; return 0; fi
   if [ -n "${9:-}" ] && [ ! -L "${w%/*}" ] && [ -O "${w%/*}" ] && [ -O "$w" ] && [ -S "$w" ] &&
-    awk -v w="$w" '$NF == w { found = 1 } END { exit !found }' /proc/net/unix; then echo "slipway-verify $n ok warm"; return 0; fi
-  echo "slipway-verify $n ok"
+    awk -v w="$w" '$NF == w { found = 1 } END { exit !found }' /proc/net/unix; then echo "slipway-verify $n ok warm${why:+, $why}"; return 0; fi
+  echo "slipway-verify $n ok${why:+, $why}"
 }
 
 # verify_nodes: before anything else starts on the nodes, every node checks what this job runs
@@ -435,7 +445,7 @@ node_check() {
 # does not see the shared filesystem), a node that could not ready the container, or one that
 # sent no report, is left out of a retry (retry_or_stop), as a failed preflight is.
 verify_nodes() {
-  local out rc node line why="" differ="" bad=""
+  local out rc node line why="" differ="" bad="" unpacked="" t=$SECONDS
   local -A said=()
   set +e
   out=$(on_every_node "$PREFLIGHT_TIMEOUT" slipway-verify "verify_code verify_image ensure_container enroot_data node_check" \
@@ -445,18 +455,20 @@ verify_nodes() {
   set -e
   for node in $NODES; do
     line=$(grep -F -m1 "slipway-verify $node " <<< "$out") || line=""
+    [[ $line != "slipway-verify $node ok"*", unpacked in "* ]] || unpacked+=", $node ${line##*, unpacked }"
     case "$line" in
-      "slipway-verify $node ok warm") ;;
-      "slipway-verify $node ok cgroup") WARM_OFF=$node ;;
-      "slipway-verify $node ok") WARM_COLD+="$node " ;;
+      "slipway-verify $node ok warm"*) ;;
+      "slipway-verify $node ok cgroup"*) WARM_OFF=$node ;;
+      "slipway-verify $node ok"*) WARM_COLD+="$node " ;;
       "slipway-verify $node differs: "*) differ+="$node "; said[$node]=${line#*differs: }
         [ -n "$why" ] || why="${line#*differs: } (on $node)" ;;
       "slipway-verify $node node: "*) bad+="$node "; BLAME[$node]="preflight failed: ${line#*node: }"
         event "preflight failed on $node: ${line#*node: }" ;;
-      *) bad+="$node "; BLAME[$node]="no verification report within $PREFLIGHT_TIMEOUT s"
-         event "preflight failed on $node: no verification report within $PREFLIGHT_TIMEOUT s (step exit $rc)" ;;
+      *) bad+="$node "; BLAME[$node]="no verification report$(waited $((SECONDS - t)) "$rc")"
+         event "preflight failed on $node: ${BLAME[$node]}" ;;
     esac
   done
+  [ -z "$unpacked" ] || event "unpacked the image into the kept container $KEPT_CONTAINER:${unpacked#,}"
   if [ -n "$differ" ] && { [ "${differ% }" = "$NODES" ] || [ "$NODES_NEEDED" -eq 1 ]; }; then
     event "verification failed: $why"
     exit "$BAD_INPUT_EXIT"

@@ -263,18 +263,18 @@ def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str, wa
         "# (" + ("in a step of its own: the ranks run a train.script" if where == "step" else
                  "the training step's first collective") + ").",
         'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG.out"',
-        f'set +e; {prefix}{words(node_srun)} \\\n  {words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
+        f'pf_t=$SECONDS; set +e; {prefix}{words(node_srun)} \\\n  {words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
-        'preflight_nodes "$PREFLIGHT_LOG" "$pf_rc"',
+        'preflight_nodes "$PREFLIGHT_LOG" "$pf_rc" $((SECONDS - pf_t))',
     ]
     if where != "step":
         return lines
     return lines + [
         'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG-allreduce.out"',
-        "set +e; " + launch_line(cfg, paths, container, prefix, cmd=allreduce, port="PREFLIGHT_PORT", wrap=limit)
-        + ' > "$PREFLIGHT_LOG" 2>&1',
+        "pf_t=$SECONDS; set +e; " + launch_line(cfg, paths, container, prefix, cmd=allreduce, port="PREFLIGHT_PORT",
+                                                 wrap=limit) + ' > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
-        'preflight_allreduce "$PREFLIGHT_LOG" "$pf_rc"',
+        'preflight_allreduce "$PREFLIGHT_LOG" "$pf_rc" $((SECONDS - pf_t))',
     ]
 
 
@@ -460,13 +460,14 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
 def _plot_curves(cfg: Config, paths: RunDir, container: list[str], prefix: str) -> list[str]:
     """plot_curves, which on_exit (jobs/slurm/job_lib.sh) calls after a job that trained all its
     steps has recorded its end: the run's curves.png from its metrics (trainer/plot.py), as a step
-    of one task in the job's container, bounded; without matplotlib in the image it says so."""
+    of one task in the job's container, bounded. Its line is trainer/plot.py's (the path, or why
+    not), never srun's own words about the step's end."""
     if cfg.launch.command:  # the image may hold no slipway trainer
         return []
     srun = srun_argv(nodes=1, ntasks=1, cpus_per_task=1, container=container)
     plot = [cfg.launch.python, "-m", "trainer.plot", str(paths.path)]
     return ["# The run's curves once it has trained all its steps (on_exit, after the end is recorded).",
-            f'plot_curves() {{ echo "curves: $({prefix}timeout 60 {words(srun)} {words(plot)} 2>&1 | tail -n 1)"; }}',
+            f'plot_curves() {{ echo "curves: $({prefix}timeout 60 {words(srun)} {words(plot)} 2>&1 | grep -v "^srun: " | tail -n 1)"; }}',
             ""]
 
 
