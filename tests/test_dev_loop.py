@@ -501,21 +501,29 @@ def test_warm_ranks_in_an_allocation(project, slurm_env):
                         "differs from the warm process's in HF_HUB_OFFLINE (each rank's start: events.log)"], said
         assert len([s for s in starts("w2hf") if s.endswith("in HF_HUB_OFFLINE")]) == 4
 
-        # Ctrl-C, then the printed command at once: nothing of the run's is held by the warm processes.
-        proc = subprocess.Popen([PY, "-m", "jobs", "run", *base, "train.steps=400", "--run-name", "ctl"], env=inside,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_signals)
+        # Ctrl-C of a run that started warm processes (a key of its own), then the printed command at
+        # once: nothing of the run's is held by them (their srun held its lock for the allocation's life).
+        proc = subprocess.Popen([PY, "-m", "jobs", "run", *base, "train.steps=400", "--run-name", "ctl",
+                                 "launch.env.SLIPWAY_TEST_KNOB=ctl"], env=inside, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, preexec_fn=default_signals)
         deadline = time.time() + 180
         while time.time() < deadline and len(metrics_steps(runs / "ctl")) < 3 and proc.poll() is None:
             time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 75 and len(servers()) == 2, out[-3000:]
+        assert proc.returncode == 75 and servers(), (out[-3000:], servers())
+        assert "warm: started the warm processes on node1 node2" in (runs / "ctl" / "events.log").read_text()
         free = subprocess.run(["flock", "-n", str(runs / ".ctl.lock"), "true"])
         assert free.returncode == 0, subprocess.run(["fuser", "-v", str(runs / ".ctl.lock")], capture_output=True, text=True)
         resume = out.split("saved it: `", 1)[1].split("`", 1)[0]
         again = subprocess.run(f"{resume} train.steps={metrics_steps(runs / 'ctl')[-1] + 1} --force", shell=True,
                                capture_output=True, text=True, timeout=400, env=inside, cwd=project)
         assert again.returncode == 0 and "resum" in again.stdout.lower(), (again.stdout[-3000:], again.stderr[-2000:])
+        deadline = time.monotonic() + 60
+        while len(warm_steps()) != 1:  # the first key's, asked to stop by the run of another
+            assert time.monotonic() < deadline, warm_steps()
+            time.sleep(0.5)
+        steps = warm_steps()
 
         # A changed config is refused without --force, as without warm processes.
         refused = run("--run-name", "w2", "train.steps=4")
