@@ -430,24 +430,29 @@ def test_setup_finds_an_unreachable_torch_index_in_seconds_and_says_how_to_choos
         silent.close()
 
 
+# The make this suite may run under (`make test ARGS=...`) passes its command line's variables on to
+# every make below it through MAKEFLAGS: the makes these tests run start from a plain shell's.
+PLAIN_MAKE_ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+
+
 def test_make_refuses_a_setting_given_as_a_make_variable():
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run(["make", "-C", str(root), "local", "train.steps=50", "CONFIG=tiny_wikitext"],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, env=PLAIN_MAKE_ENV)
     assert r.returncode == 2 and r.stdout.strip().splitlines()[-1:] != ["nothing to train"], r.stdout
     # `make local STEPS=50` is refused too, naming the flag: one door (ARGS) for slipway's settings.
     for given, form, passed in ((["train.steps=50", "CONFIG=tiny_wikitext"], 'make local CONFIG=tiny_wikitext '
                                  'ARGS="train.steps=50"', "-m jobs local tiny_wikitext train.steps=50"),
                                 (["STEPS=50"], 'make local ARGS="--train-steps 50"', "-m jobs local tiny_cpu "
                                  "--train-steps 50")):
-        r = subprocess.run(["make", "-C", str(root), "local", *given], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(["make", "-C", str(root), "local", *given], capture_output=True, text=True, timeout=60, env=PLAIN_MAKE_ENV)
         said = r.stderr.strip().splitlines()[-1]
         assert r.returncode == 2 and f"{given[0]}: make reads no such variable" in said, said
         suggested = said.split("lists its flags): ")[1].removesuffix(".  Stop.")
         assert suggested == form, suggested
         # The form it names passes the setting to slipway (-n: what make would run).
         words = shlex.split(suggested)
-        dry = subprocess.run([words[0], "-n", "-C", str(root), *words[1:]], capture_output=True, text=True, timeout=60)
+        dry = subprocess.run([words[0], "-n", "-C", str(root), *words[1:]], capture_output=True, text=True, timeout=60, env=PLAIN_MAKE_ENV)
         assert dry.returncode == 0 and passed in dry.stdout, dry.stdout
 
 
@@ -456,12 +461,12 @@ def test_make_accepts_every_variable_it_reads():
     `make help` offers ([NAME=...]) passes its check (`make -n help NAME=x`)."""
     root = Path(__file__).resolve().parent.parent
     text = (root / "Makefile").read_text()
-    helped = subprocess.run(["make", "-s", "-C", str(root), "help"], capture_output=True, text=True, timeout=60).stdout
+    helped = subprocess.run(["make", "-s", "-C", str(root), "help"], capture_output=True, text=True, timeout=60, env=PLAIN_MAKE_ENV).stdout
     names = set(re.findall(r"^([A-Z_]+) *\?=", text, re.M)) | set(re.findall(r"\b([A-Z][A-Z_]+)=", helped))
     assert {"PYXIS_SOURCES", "CONFIG", "ARGS"} <= names, names
     refused = {n: r.stderr for n in sorted(names)
                if (r := subprocess.run(["make", "-n", "-C", str(root), "help", f"{n}=x"], capture_output=True,
-                                       text=True, timeout=60)).returncode != 0}
+                                       text=True, timeout=60, env=PLAIN_MAKE_ENV)).returncode != 0}
     assert not refused, refused
 
 
@@ -523,9 +528,10 @@ def test_no_config_says_where_slipway_looked_and_which_project_root(tmp_path, mo
     assert (f"in the working directory {elsewhere}, which is also the project root (runs/ goes there)" in line
             and line.endswith(f"the checkout slipway runs from has configs/tiny_cpu.yaml: `cd {root}` first")), line
     # The fix, pasted: the same command from there.
-    r = subprocess.run(f"{line.split('`')[1]} && {shlex.quote(PY)} -m jobs submit tiny_cpu --dry-run", shell=True,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.startswith("dry run: tiny_cpu"), r.stderr
+    # (A run name of its own: the checkout's runs/ may hold the quick start's tiny_cpu, trained already.)
+    r = subprocess.run(f"{line.split('`')[1]} && {shlex.quote(PY)} -m jobs submit tiny_cpu --dry-run "
+                       "--run-name pasted-fix", shell=True, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("dry run: pasted-fix"), (r.stdout[:500], r.stderr)
     (tmp_path / "proj").mkdir()
     line = one_error_line(slipway("local", "nope", env={"SLIPWAY_PROJECT": str(tmp_path / "proj")}))
     assert f"the project root, where runs/ goes, is {tmp_path / 'proj'} (SLIPWAY_PROJECT)" in line, line
