@@ -231,6 +231,7 @@ def test_submit_parsable_prints_only_the_job_id(project, tmp_path):
     assert r.stdout.strip().splitlines()[-1] != "4242"  # no bare id line for a person to wonder about
 
 
+@pytest.mark.slow
 def test_a_refused_config_change_says_what_changed_and_the_dry_run_says_it_first(project, tmp_path):
     bin_dir = tmp_path / "slurm-bin"
     stand_in(bin_dir, "sbatch", 'echo 4242\n')
@@ -529,6 +530,7 @@ def closed_hub() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+@pytest.mark.slow
 def test_a_cluster_config_tried_here_says_every_blocker_at_once_and_the_command_that_clears_them(project):
     """tiny_wikitext here (issue 49: memory, then ${SCRATCH}, then the token cache, then the hub, one
     at a time): every blocker in one refusal before anything is written, ${SCRATCH} none of them (a
@@ -579,6 +581,7 @@ def test_the_batch_a_fit_suggests_stays_within_the_configs_own_rules(project):
     assert chosen.data.seq_len % 2 == 0 and 2 * process_memory(chosen) <= 2 * budget, fit.args
 
 
+@pytest.mark.slow
 def test_a_long_try_is_asked_about_on_a_terminal(project):
     import pty
     import signal

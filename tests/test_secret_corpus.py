@@ -250,6 +250,7 @@ def test_a_key_is_accepted_once_the_baseline_audits_it_as_none(checkout, answer,
         refused(proc, "trainer/key.txt", *(["audited as one"] if answer == "n\n" else []))
 
 
+@pytest.mark.slow
 def test_a_second_key_is_accepted_into_the_baseline_with_the_first_s_label_kept(checkout):
     """Where the project has a baseline, the command scans it again (detect-secrets' `scan
     --baseline`): the audit asks of the new finding alone, the first one's label stays."""

@@ -460,6 +460,7 @@ def test_a_secret_by_shape_is_refused_in_every_field(project, host, capfd, leaf,
     refused_cleanly(project, capfd, command, raw, field, body)
 
 
+@pytest.mark.slow
 @settings(max_examples=max(3, EXAMPLES // 6), deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(name=st.sampled_from(SECRET_NAMES), how=st.sampled_from(["upper", "lower", "camel", "pascal", "digit"]),
