@@ -618,6 +618,7 @@ def test_a_long_try_is_asked_about_on_a_terminal(project):
     assert "new run tiny_cpu" in out, out
 
 
+@pytest.mark.slow
 def test_a_try_on_a_machine_with_gpus_is_not_bounded_by_the_cpus_estimate(project, monkeypatch, tmp_path):
     """The trainer takes a GPU when torch sees one (trainer/parallel.py): a long try there is not
     refused by arithmetic made for CPUs, and says its time is not known; CUDA_VISIBLE_DEVICES
@@ -810,6 +811,7 @@ def test_train_on_continues_the_learning_rate_it_reached(project):
     assert all(lrs[s] == pytest.approx(lrs[20]) for s in range(21, 41)), lrs  # step 21 logs the new plan's too
 
 
+@pytest.mark.slow
 def test_a_misspelt_command_flag_or_key_is_told_the_nearest(project, tmp_path):
     cases = {("lcoal", "tiny_cpu"): "; did you mean local? (see `slipway --help`)",
              ("local", "tiny_cpu", "--train_steps", "5"): "unrecognized arguments: --train_steps 5; did you mean "

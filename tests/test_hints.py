@@ -382,6 +382,7 @@ def test_the_local_clusters_commands(project, shell, tmp_path):
     assert up.returncode == 1 and "missing munged" in up.stderr, up.stderr
 
 
+@pytest.mark.slow
 @covers("jobs/cli/doctor.py: slipway submit {shlex.quote(str(run.paths.config))}",
         "jobs/cli/doctor.py: slipway submit {shlex.quote(str(run.paths.config))}")
 def test_resubmit_a_run_whose_pins_are_gone(project, shell, tmp_path, pin_config):  # noqa: F811

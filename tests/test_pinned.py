@@ -277,6 +277,7 @@ def _pinned_by_dry_run(pin_config: str, *args: str) -> str:
     return r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_a_submission_runs_the_build_of_its_image_settings_not_the_latest(project, pin_config, slurm_stand_ins):
     with_flash = fake_build(project)  # the config's defaults: flash-attn on
     without = fake_build(project, "image.flash_attn=false")  # built last: the current image

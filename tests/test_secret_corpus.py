@@ -95,6 +95,7 @@ def ordinary_value_cases() -> list[tuple[str, dict]]:
     return cases
 
 
+@pytest.mark.slow
 def test_ordinary_values_are_never_refused(project):
     cases = ordinary_value_cases()
     refusals = [(field, line) for field, sets in cases if (line := _refused_as_secret(sets))]

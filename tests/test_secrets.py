@@ -197,7 +197,7 @@ def test_local_takes_them_from_its_own_environment(project, host, capfd):
 # ------------------------------------------------------------------ a variable not exported
 
 
-@pytest.mark.parametrize("command", [["submit"], ["local"], ["shell", "--command", "true"]])
+@pytest.mark.parametrize("command", [["submit"], pytest.param(["local"], marks=pytest.mark.slow), ["shell", "--command", "true"]])
 def test_an_unset_variable_is_refused_in_one_line(project, host, capfd, monkeypatch, command):
     monkeypatch.delenv("WANDB_API_KEY")
     before = tree(project)

@@ -492,6 +492,7 @@ def _damage(run_dir: Path, how: str) -> None:
     make(run_dir / name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", sorted(DAMAGE))
 def test_one_damaged_point_is_marked_and_every_other_is_compared(project, ended, how):
     _, env = ended
