@@ -231,6 +231,7 @@ def test_submit_parsable_prints_only_the_job_id(project, tmp_path):
     assert r.stdout.strip().splitlines()[-1] != "4242"  # no bare id line for a person to wonder about
 
 
+@pytest.mark.slow
 def test_a_refused_config_change_says_what_changed_and_the_dry_run_says_it_first(project, tmp_path):
     bin_dir = tmp_path / "slurm-bin"
     stand_in(bin_dir, "sbatch", 'echo 4242\n')
@@ -549,6 +550,7 @@ def closed_hub() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+@pytest.mark.slow
 def test_a_cluster_config_tried_here_says_every_blocker_at_once_and_the_command_that_clears_them(project):
     """tiny_wikitext here (issue 49: memory, then ${SCRATCH}, then the token cache, then the hub, one
     at a time): every blocker in one refusal before anything is written, ${SCRATCH} none of them (a
@@ -599,6 +601,7 @@ def test_the_batch_a_fit_suggests_stays_within_the_configs_own_rules(project):
     assert chosen.data.seq_len % 2 == 0 and 2 * process_memory(chosen) <= 2 * budget, fit.args
 
 
+@pytest.mark.slow
 def test_a_long_try_is_asked_about_on_a_terminal(project):
     import pty
     import signal
@@ -635,6 +638,7 @@ def test_a_long_try_is_asked_about_on_a_terminal(project):
     assert "new run tiny_cpu" in out, out
 
 
+@pytest.mark.slow
 def test_a_try_on_a_machine_with_gpus_is_not_bounded_by_the_cpus_estimate(project, monkeypatch, tmp_path):
     """The trainer takes a GPU when torch sees one (trainer/parallel.py): a long try there is not
     refused by arithmetic made for CPUs, and says its time is not known; CUDA_VISIBLE_DEVICES
@@ -827,6 +831,7 @@ def test_train_on_continues_the_learning_rate_it_reached(project):
     assert all(lrs[s] == pytest.approx(lrs[20]) for s in range(21, 41)), lrs  # step 21 logs the new plan's too
 
 
+@pytest.mark.slow
 def test_a_misspelt_command_flag_or_key_is_told_the_nearest(project, tmp_path):
     cases = {("lcoal", "tiny_cpu"): "; did you mean local? (see `slipway --help`)",
              ("local", "tiny_cpu", "--train_steps", "5"): "unrecognized arguments: --train_steps 5; did you mean "
