@@ -556,6 +556,7 @@ def test_a_control_character_in_any_field_is_refused_where_it_enters_or_escaped_
     base = yaml.safe_load((project / "configs" / "tiny_cpu.yaml").read_text())
     _set(base, "container.runtime", runtime)
     _set(base, "container.image", str(project / "img.sqsh"))
+    (project / "img.sqsh").write_bytes(b"hsqs" + bytes(1000))  # a dry run refuses a missing image (exit 2)
     path = project / "configs" / "hostile.yaml"
     taken = []
     for dotted, tp in FIELDS:
@@ -568,7 +569,7 @@ def test_a_control_character_in_any_field_is_refused_where_it_enters_or_escaped_
             assert_refused_in_one_line(code, err, dotted)
             assert err.startswith(f"slipway: error: {dotted}") and ("control character" in err or "line break" in err), err
             continue
-        assert code == 0, (dotted, err)
+        assert code == 0, (dotted, err, out[-1500:])
         sealed = runs.seal(load_config(path), project, dry_run=True)
         for file, text in sealed.files.items():
             assert not _raw_controls(text), (dotted, file.name, _raw_controls(text))
@@ -583,7 +584,7 @@ def test_a_control_character_in_any_field_is_refused_where_it_enters_or_escaped_
     (["--cluster", "alps\n"], {}, {}, "slipway: error: --cluster: 'alps\\n' is not a cluster name"),
     ([], {"SLIPWAY_CLUSTER": "alps\n"}, {}, "slipway: error: $SLIPWAY_CLUSTER: 'alps\\n' is not a cluster name"),
     (["--cluster", "alps"], {}, {"alps": {"slurm": {"account": "a\x07b"}}},
-     "alps.slurm.account: holds a control character (\\x07)"),
+     "alps.slurm.account: {project}/clusters.yaml line 1: holds a control character (\\x07)"),
     (["--cluster", "alps"], {}, {"alps\n": {"slurm": {"qos": "q"}}}, "clusters.yaml 'alps\\n': is not a cluster name"),
 ])
 def test_a_control_character_from_the_command_line_a_profile_or_the_environment_is_refused(project, args, env,
@@ -592,4 +593,4 @@ def test_a_control_character_from_the_command_line_a_profile_or_the_environment_
     r = subprocess.run([PY, "-m", "jobs", "submit", "tiny_cpu", "--dry-run", *args], capture_output=True, text=True,
                        env={**os.environ, **env}, timeout=120)
     assert_refused_in_one_line(r.returncode, r.stderr, args)
-    assert field in r.stderr and not _raw_controls(r.stderr), r.stderr
+    assert field.replace("{project}", str(project)) in r.stderr and not _raw_controls(r.stderr), r.stderr

@@ -352,7 +352,7 @@ def test_a_node_whose_container_cannot_start_is_told_as_it_was(lab: Lab):
                      r"\(exit \d+\) without one", events)
     assert said and int(said.group(1)) < 300 and "within 300 s" not in events, events
     assert f"job {job} end exit 5" in events and f"preflight failed on {lab.nodes[0]}" not in events, events
-    from jobs.nodes import BadNode
+    from jobs.slurm.bad_nodes import BadNode
 
     record = BadNode.parse((lab.project / "runs" / ".nodes" / "default" / lab.nodes[1]).read_text())
     assert record.reason.startswith("no preflight report: the step ended after "), record
@@ -396,7 +396,7 @@ def test_a_killed_rank_and_a_frozen_one_are_named_and_the_run_resumes_exactly(la
     events = lab.events(name)
     assert f"job {second} end exit 4" in events, events
     assert re.search(rf"job {second} hang: .*; not answering in time: 1 of the 2 ranks on {lab.nodes[1]}\n", events), events
-    from jobs.nodes import BadNode
+    from jobs.slurm.bad_nodes import BadNode
 
     record = BadNode.parse((lab.project / "runs" / ".nodes" / "default" / lab.nodes[1]).read_text())
     assert record.reason == "hang: 1 of its 2 ranks wrote no stack dump in time", record
@@ -461,7 +461,7 @@ def test_warm_ranks_run_changed_code_in_the_container_already_unpacked(lab: Lab)
                             *lab.image], capture_output=True, text=True, timeout=600, cwd=lab.project, env=inside)
         assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
         (got, parent, cmdline), = [line.split(" ", 2) for line in (lab.run_dir(name) / "code-marks").read_text().splitlines()]
-        assert got == word and "warm.py serve slipway-warm-" in cmdline, cmdline
+        assert got == word and "warm.py serve " in cmdline and "/slipway-warm-" in cmdline, cmdline
         return parent, lab.events(name)
 
     try:

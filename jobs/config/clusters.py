@@ -196,8 +196,11 @@ def find_profile(name: str, project_dir: Path, where: str = "--cluster") -> Clus
     for path, profile in found:
         try:
             settings = merged(settings, _checked(profile, f"{bounded_path(path)} {name}"))
-        except ConfigError as exc:
-            raise at_line(exc, path, exc.field.rsplit(" ", 1)[-1]) from None
+        except ConfigError as exc:  # the file named once, with the line: "KEY: FILE line N: ..."
+            dotted = exc.field.rsplit(" ", 1)[-1]
+            bare = ConfigError(dotted, str(exc)[len(exc.field) + 2:])
+            placed = at_line(bare, path, dotted)
+            raise (exc if placed is bare else placed) from None
     cluster = from_dict(ClusterSection, settings.pop("cluster", None), f"cluster {name}.cluster")
     return ClusterProfile(name, settings, cluster, tuple(str(p) for p, _ in found))
 

@@ -158,7 +158,7 @@ step_exit() {
   while read -r f; do
     case $f in rank-*|task-*) ;; *) continue ;; esac
     code="" node=""; read -r code node < "$dir/$f" || true
-    [[ $node =~ ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$ ]] || node=""  # a node's name as jobs/nodes.py takes one, or none
+    [[ $node =~ ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$ ]] || node=""  # a node's name as jobs/slurm/bad_nodes.py takes one, or none
     if [[ $code =~ ^[0-9]+$ ]] && [ "$code" != 0 ]; then
       STEP_EXIT=$code
       case $f in rank-*) FAILED_WHO="rank ${f#rank-} on ${node:-?}" ;; *) FAILED_WHO="the torchrun agent of task ${f#task-} on ${node:-?}" ;; esac
