@@ -194,9 +194,8 @@ after_oom() {
   event "out of memory: the out-of-memory killer ended a process of the training step on $OOM_NODES (step exit $1): $OOM_HINT"
 }
 
-# line_field KEY LINE: the value of KEY in a line of KEY=VALUE words, "?" if none: a hang dump's
-# first line, `slipway-hang rank=R host=H step=S idle=I limit=L answered=on-time|late` (common/rundir.py
-# HangLine writes it), a save's (SaveLine), a bad node's record (jobs/slurm/bad_nodes.py BadNode).
+# line_field KEY LINE: the value of KEY in a line of KEY=VALUE words, "?" if none: the lines the
+# job writes for a reader (common/tagged.py: a hang dump's first line, a save, a bad node's record).
 line_field() { local w; for w in $2; do case $w in "$1="*) echo "${w#*=}"; return ;; esac; done; echo "?"; }
 
 # after_hang: the ranks' watchdogs wrote their stacks to HANGS (trainer/watchdog.py): a hang.
