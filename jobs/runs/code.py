@@ -48,7 +48,7 @@ STORE = ".code"  # under the runs root: RUNS/.code/HASH16/
 # The snapshot's hash is the sha256 of SCHEME's line and its listing, LISTING inside it: one line
 # `KIND SHA256 PATH` per entry (KIND f: a file, x: an executable, l: a link, whose SHA256 is of
 # its target's text), so that a node can check the snapshot with bash and sha256sum alone
-# (jobs/slurm/job_lib.sh verify_code) against the hash its job names.
+# (jobs/slurm/verify_lib.sh verify_code) against the hash its job names.
 SCHEME = "slipway-code-v2"
 LISTING = ".slipway-files"
 # A snapshot no manifest names is kept this long after a launch last wrote or reused it: a launch
@@ -206,7 +206,7 @@ def listing_hash(listing: str) -> str:
 def damage(snapshot_dir: Path, expected: str) -> Optional[str]:
     """How the snapshot at `snapshot_dir` differs from the one whose hash is `expected` (None: it
     is that one, whole): the first file found changed, missing or added. The host's side of what
-    every node checks before training (jobs/slurm/job_lib.sh verify_code)."""
+    every node checks before training (jobs/slurm/verify_lib.sh verify_code)."""
     try:
         listing = (snapshot_dir / LISTING).read_text()
     except OSError:

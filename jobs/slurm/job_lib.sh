@@ -26,6 +26,9 @@
 # node's name from the job side holding a newline) is a space, so no text forges a line of its own.
 event() { local t="$*"; printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "${t//[[:cntrl:]]/ }" >> "$EVENTS_LOG"; }
 
+# end_with CODE TEXT...: the job ends with CODE, TEXT said in events.log first.
+end_with() { local code=$1; shift; event "$@"; exit "$code"; }
+
 # count_events PREFIX: how many events of this job (its id survives requeues) start with PREFIX.
 count_events() { local n; n=$(grep -F " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} $* " "$EVENTS_LOG" 2>/dev/null | wc -l) || true; echo "${n:-0}"; }
 
@@ -52,14 +55,8 @@ retry_or_stop() {
   local kind=$1 code=$2; shift 2
   local bad="$*" excluded="" usable=0 node state
   [ -z "$bad" ] || remember_bad_nodes "$kind" $bad
-  if [ "$REQUEUE" != 1 ]; then
-    event "not retrying ($kind): $NO_REQUEUE"
-    exit "$code"
-  fi
-  if [ "$RETRIES" -ge "$MAX_RETRIES" ]; then
-    event "not retrying ($kind): slurm.max_retries ($MAX_RETRIES) reached"
-    exit "$code"
-  fi
+  [ "$REQUEUE" = 1 ] || end_with "$code" "not retrying ($kind): $NO_REQUEUE"
+  [ "$RETRIES" -lt "$MAX_RETRIES" ] || end_with "$code" "not retrying ($kind): slurm.max_retries ($MAX_RETRIES) reached"
   if [ -n "$bad" ]; then
     excluded=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o 'ExcNodeList=[^ ]*' | sed 's/^ExcNodeList=//') || excluded=""
     [ "$excluded" != "(null)" ] || excluded=""
@@ -68,19 +65,17 @@ retry_or_stop() {
       case ",$excluded," in *",$node,"*) continue ;; esac
       case "${state%[~#%]}" in idle|mix|alloc|comp|plnd) usable=$((usable + 1)) ;; esac
     done < <(sinfo -h -N ${SLURM_JOB_PARTITION:+-p "$SLURM_JOB_PARTITION"} -o '%N %t' 2>/dev/null)
-    if [ "$usable" -lt "$NODES_NEEDED" ]; then
-      event "not retrying ($kind): without ${bad% } partition ${SLURM_JOB_PARTITION:-(default)} has $usable usable node(s), the job needs $NODES_NEEDED"
-      exit "$code"
-    fi
+    [ "$usable" -ge "$NODES_NEEDED" ] ||
+      end_with "$code" "not retrying ($kind): without ${bad% } partition ${SLURM_JOB_PARTITION:-(default)} has $usable usable node(s), the job needs $NODES_NEEDED"
     event "retry $((RETRIES + 1))/$MAX_RETRIES ($kind): requeueing without ${bad% } (excluded nodes: $excluded)"
     trap '' TERM  # the requeue ends this job's processes: the three calls must finish first
-    scontrol requeuehold "$SLURM_JOB_ID" || { event "requeue failed"; exit "$code"; }
+    scontrol requeuehold "$SLURM_JOB_ID" || end_with "$code" "requeue failed"
     scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$excluded" || event "could not exclude $excluded"
     scontrol release "$SLURM_JOB_ID"
   else
     event "retry $((RETRIES + 1))/$MAX_RETRIES ($kind): requeueing (no node to blame)"
     trap '' TERM
-    scontrol requeue "$SLURM_JOB_ID" || { event "requeue failed"; exit "$code"; }
+    scontrol requeue "$SLURM_JOB_ID" || end_with "$code" "requeue failed"
   fi
   exit 0
 }
@@ -240,14 +235,9 @@ after_stop_request() {
   else
     outcome="no checkpoint saved after the stop request (step exit $rc)"
   fi
-  if [ "$REQUEUE" != 1 ]; then
-    event "${STOP_WHY:-time-limit stop}: $outcome; $NO_REQUEUE"
-    exit "$REQUEUE_EXIT"
-  fi
-  if [ "$REQUEUES" -ge "$MAX_REQUEUES" ]; then
-    event "not requeueing after the time-limit warning: slurm.max_requeues ($MAX_REQUEUES) reached; $outcome"
-    exit "$REQUEUE_EXIT"
-  fi
+  [ "$REQUEUE" = 1 ] || end_with "$REQUEUE_EXIT" "${STOP_WHY:-time-limit stop}: $outcome; $NO_REQUEUE"
+  [ "$REQUEUES" -lt "$MAX_REQUEUES" ] ||
+    end_with "$REQUEUE_EXIT" "not requeueing after the time-limit warning: slurm.max_requeues ($MAX_REQUEUES) reached; $outcome"
   event "time-limit requeue $((REQUEUES + 1))/$MAX_REQUEUES: $outcome, requeueing"
   trap '' TERM  # the requeue ends this job's processes: not a cancellation
   scontrol requeue "$SLURM_JOB_ID"

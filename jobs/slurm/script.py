@@ -98,7 +98,7 @@ def library_files(env: Environment, paths: RunDir) -> dict[Path, str]:
 @dataclass(frozen=True)
 class Pins:
     """What a job runs, pinned at submission, which every node checks before training
-    (job_lib.sh verify_nodes): the code snapshot, the squashfs file (none for a registry
+    (verify_lib.sh verify_nodes): the code snapshot, the squashfs file (none for a registry
     image), and the key of the image build whose unpacked container pyxis keeps on the nodes
     (`jobs.runs.image.kept_build`; None: each attempt unpacks its own)."""
 

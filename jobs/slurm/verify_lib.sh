@@ -1,5 +1,5 @@
 # ---- slipway job library: what the job runs, checked on every node before anything starts there (jobs/slurm/verify_lib.sh) ----
-# Pinned and sourced beside job_lib.sh (whose `event`, `waited` and `retry_preflight` it uses), before
+# Pinned and sourced beside job_lib.sh (whose `event`, `end_with`, `waited` and `retry_preflight` it uses), before
 # the pyxis part, which defines ensure_container and uses on_every_node.
 
 # verify_code DIR SHA256 (on a node): the code snapshot DIR is the one submitted. Its listing
@@ -121,8 +121,7 @@ verify_nodes() {
   done
   [ -z "$unpacked" ] || event "unpacked the image into the kept container $KEPT_CONTAINER:${unpacked#,}"
   if [ -n "$differ" ] && { [ "${differ% }" = "$NODES" ] || [ "$NODES_NEEDED" -eq 1 ]; }; then
-    event "verification failed: $why"
-    exit "$BAD_INPUT_EXIT"
+    end_with "$BAD_INPUT_EXIT" "verification failed: $why"
   fi
   for node in $differ; do
     event "preflight failed on $node: ${said[$node]}"
