@@ -40,6 +40,7 @@ from plumbum.commands.processes import ProcessExecutionError
 
 from containers.sources import MAX_BYTES, MAX_FILES, Folder, SourceFile, collect, copy_into
 from jobs.runs import manifest as manifests
+from jobs.runs.lock import UNSUPPORTED
 from common.errors import ConfigError, bounded_path
 from common.fs import file_sha256
 from common.rundir import CodeSnapshot, RunDir
@@ -56,8 +57,6 @@ LISTING = ".slipway-files"
 PRUNE_AFTER_SECONDS = 24 * 3600
 _LOCK = ".lock"
 _REMOVING = ".removing-"
-# flock(2) on a filesystem without it (Lustre mounted without -o flock).
-_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
 def trainer_source(project_dir: Optional[Path] = None) -> Path:
@@ -249,7 +248,7 @@ def store_lock(store: Path, *, exclusive: bool, wait: bool = True) -> Iterator[b
         try:
             fcntl.flock(fd, flags)
         except OSError as exc:
-            if exc.errno in _NO_LOCKS or exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            if exc.errno in UNSUPPORTED or exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 yield False
                 return
             raise

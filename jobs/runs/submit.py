@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from plumbum import local
 
@@ -77,7 +77,6 @@ class Sealed:
         return trainer_door.data_status(self.cfg.data, self.cfg.data.cache_dir)
 
     def with_prepare_script(self) -> "Sealed":
-        """The run's files plus the data preparation job's batch script."""
         files = {**self.files, self.paths.prepare_script: render_prepare_sbatch(self.cfg, self.paths, self.env)}
         _check_script_syntax(self.cfg, files[self.paths.prepare_script])
         return replace(self, files=files)
@@ -104,7 +103,16 @@ class Shared:
     def __init__(self) -> None:
         self.pins: dict[str, tuple[ImagePin, list[str], Optional[ConfigError]]] = {}
         self.codes: dict[Optional[str], Snapshot] = {}
-        self.parsed: set[tuple[str, ...]] = set()
+        self.parsed: dict[tuple[str, ...], None] = {}
+
+
+def _once(cache: Optional[dict], key, make: Callable[[], Any]) -> Any:
+    """`make()`, once per `key` where a sweep shares `cache`, every time without one."""
+    if cache is None:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
 def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optional[Shared] = None,
@@ -117,13 +125,8 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
     cfg = resolve_paths(cfg, paths)
     notes: list[str] = []
     pin = _pin(cfg, paths, shared, dry_run, notes)
-    code = None
-    if cfg.code.snapshot:
-        code = shared.codes.get(cfg.train.script) if shared is not None else None
-        if code is None:
-            code = plan_snapshot(paths.path.parent / CODE_STORE, cfg.train.script, paths.project)
-            if shared is not None:
-                shared.codes[cfg.train.script] = code
+    code = _once(shared and shared.codes, cfg.train.script, lambda: plan_snapshot(
+        paths.path.parent / CODE_STORE, cfg.train.script, paths.project)) if cfg.code.snapshot else None
     if code is not None and code.untracked:
         shown = ", ".join(code.untracked[:5]) + (f" and {len(code.untracked) - 5} more" if len(code.untracked) > 5 else "")
         notes.append(f"not in the code snapshot, as git does not track them: {shown} (`git add` what the run needs)")
@@ -135,10 +138,7 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
     script = render_sbatch(cfg, paths, env, pin.pins(code.value if code else None, kept_build(cfg, pin),
                                                      container_project(cfg, paths.project)), exclusions.nodes, warm)
     # What else the script holds is rendered and quoted by slipway: one parse per pre_launch text.
-    if shared is None or tuple(cfg.launch.pre_launch) not in shared.parsed:
-        _check_script_syntax(cfg, script)
-        if shared is not None:
-            shared.parsed.add(tuple(cfg.launch.pre_launch))
+    _once(shared and shared.parsed, tuple(cfg.launch.pre_launch), lambda: _check_script_syntax(cfg, script))
     files = {**({paths.config: dump_config(cfg)} if config_text else {}), paths.job_script: script,
              **library_files(env, paths)}
     if env.in_container:
@@ -155,17 +155,13 @@ def _pin(cfg: Config, paths: RunDir, shared: Optional[Shared], dry_run: bool, no
     # (containers/image.py ImageConfig), whether the code is snapshotted.
     pin_key = json.dumps([to_dict(cfg.container), to_dict(cfg.image), repr(cfg.image_needs), cfg.code.snapshot],
                          default=str)
-    if shared is None or pin_key not in shared.pins:
+    def found() -> tuple[Optional[ImagePin], list[str], Optional[ConfigError]]:
         pinned: list[str] = []
         try:
-            found = (pin_image(cfg, paths.project, pinned), pinned, None)
+            return pin_image(cfg, paths.project, pinned), pinned, None
         except ConfigError as exc:
-            found = (None, pinned, exc)
-        if shared is not None:
-            shared.pins[pin_key] = found
-    else:
-        found = shared.pins[pin_key]
-    pin, pin_notes, refused = found
+            return None, pinned, exc
+    pin, pin_notes, refused = _once(shared and shared.pins, pin_key, found)
     notes += pin_notes
     if refused is None:
         return pin

@@ -235,7 +235,6 @@ def _hints(cls: type) -> dict:
 
 
 def _bare(tp: Any) -> Any:
-    """`tp` without its Optional."""
     args = [a for a in get_args(tp) if a is not type(None)]
     return args[0] if get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
 

@@ -70,8 +70,6 @@ def _time(stamp: str) -> Optional[datetime]:
 
 @dataclass
 class Recall:
-    """What a cluster's records say now."""
-
     live: list[BadNode] = field(default_factory=list)  # newest blame first
     expired: list[BadNode] = field(default_factory=list)
     damaged: list[str] = field(default_factory=list)  # one line each: the file and why
