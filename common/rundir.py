@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from common.fs import open_regular
+from common.tagged import TaggedLine, key
 # Exit codes of a launch, one per end: the trainer's and the batch script's (jobs/slurm/job_lib.sh),
 # and the same code in events.log (`end exit N`), `slipway status`, `watch` and `logs -f`. Where the
 # batch script recorded its end, that code is the launch's, whatever Slurm says of a cleanup it
@@ -178,18 +179,8 @@ def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[int]:
                   if (m := _CHECKPOINT_STEP.fullmatch(p.name)) and p.is_dir() and checkpoint_complete(p))
 
 
-def tagged(line: str, tag: str) -> Optional[dict[str, str]]:
-    """The `key=value` words of a line the job writes for a reader (`TAG key=value ...`: a save, a
-    hang dump's head, a bad node), None for a line of another tag. job_lib.sh's `line_field`
-    reads the same."""
-    words = line.split()
-    if not words or words[0] != tag:
-        return None
-    return dict(w.split("=", 1) for w in words[1:] if "=" in w)
-
-
 @dataclass(frozen=True)
-class SaveLine:
+class SaveLine(TaggedLine):
     """One completed checkpoint save, a line of saves.log (trainer/checkpoint.py writes it; the batch
     script's warning lead reads it, job_lib.sh `warning_lead`): `slipway-save step=N ms=DURATION
     bytes=SIZE step_ms=STEP_TIME at=TIME`, whole milliseconds, as bash reckons in integers. The
@@ -204,56 +195,22 @@ class SaveLine:
 
     TAG = "slipway-save"
 
-    def line(self) -> str:
-        return f"{self.TAG} step={self.step} ms={self.ms} bytes={self.bytes} step_ms={self.step_ms} at={self.at}"
-
-    @classmethod
-    def parse(cls, line: str) -> Optional["SaveLine"]:
-        if (keys := tagged(line, cls.TAG)) is None:
-            return None
-        try:
-            return cls(int(keys["step"]), int(keys["ms"]), int(keys["bytes"]), int(keys["step_ms"]), keys["at"])
-        except (KeyError, ValueError):
-            return None
-
-    def append_to(self, path: Path) -> None:
-        """One write(2) of one whole line under O_APPEND (a reader never sees half of one)."""
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (self.line() + "\n").encode())
-        finally:
-            os.close(fd)
-
 
 @dataclass(frozen=True)
-class HangLine:
+class HangLine(TaggedLine):
     """The first line of a hang dump (trainer/watchdog.py writes it; the batch script, `slipway
-    status` and the local launcher read it), by keys: `slipway-hang rank=R host=H step=S
-    idle=SECONDS limit=SECONDS answered=on-time|late`. `answered` late: the rank was frozen or
-    starved until the teardown woke it. The bash reader is job_lib.sh's `line_field`."""
+    status` and the local launcher read it): `slipway-hang rank=R host=H step=S idle=SECONDS
+    limit=SECONDS answered=on-time|late`. `answered` late: the rank was frozen or starved until
+    the teardown woke it."""
 
     rank: int
     host: str
     step: int
-    idle_s: float
-    limit_s: float
-    on_time: bool
+    idle_s: float = key("idle", "{:.1f}")
+    limit_s: float = key("limit", "{:g}")
+    on_time: bool = key("answered", words=("late", "on-time"))
 
     TAG = "slipway-hang"
-
-    def line(self) -> str:
-        return (f"{self.TAG} rank={self.rank} host={self.host} step={self.step} idle={self.idle_s:.1f} "
-                f"limit={self.limit_s:g} answered={'on-time' if self.on_time else 'late'}")
-
-    @classmethod
-    def parse(cls, line: str) -> Optional["HangLine"]:
-        if (keys := tagged(line, cls.TAG)) is None:
-            return None
-        try:
-            return cls(int(keys["rank"]), keys["host"], int(keys["step"]), float(keys["idle"]), float(keys["limit"]),
-                       keys["answered"] == "on-time")
-        except (KeyError, ValueError):
-            return None
 
     @classmethod
     def read(cls, path: Path) -> Optional["HangLine"]:

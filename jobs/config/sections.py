@@ -178,7 +178,6 @@ class SlurmSection:
                     f"{where}.{name}", f"must be a single line without commas, got {shown(value)}")
 
     def time_seconds(self) -> Optional[int]:
-        """The time limit in seconds; None for UNLIMITED."""
         return time_limit_seconds(self.time)
 
     def warning_seconds(self) -> int:

@@ -2,6 +2,7 @@
 
     run.py        a run directory on disk (`Run`), finding and listing runs, the manifest's writer
     submit.py     a submission sealed once, the run directory written whole, sbatch and its record
+    checks.py     what must hold before a launch writes a run
     manifest.py   manifest.json, typed, and what a damaged one says
     lifecycle.py  what became of a launch (events.log, Slurm, the local processes)
     image.py      the image a run pins, and what a build of its settings would be now
@@ -14,8 +15,9 @@
 
 from jobs.runs.run import (Run, Unreadable, active_jobs, find_run, list_runs, pinned_images, runs_root, scan_runs,
                           update_manifest)
-from jobs.runs.submit import (Sealed, check_submittable, config_difference, nothing_to_train, no_world_write,
-                              preparation, prepare_run, record_code, seal, submit, submit_prepare, unprepared_data)
+from jobs.runs.checks import check_submittable, config_difference
+from jobs.runs.submit import (Sealed, nothing_to_train, no_world_write, preparation, prepare_run, record_code, seal,
+                              submit, submit_prepare, unprepared_data)
 
 __all__ = ["Run", "Sealed", "Unreadable", "active_jobs", "check_submittable", "config_difference", "find_run",
            "list_runs", "no_world_write", "nothing_to_train", "pinned_images", "preparation", "prepare_run",

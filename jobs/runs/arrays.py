@@ -41,8 +41,9 @@ from jobs.runs import manifest as manifests
 from jobs.runs.code import git_state
 from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve_paths
 from jobs.runs.run import Run, Unreadable, many_objects, run_exists, runs_root
-from jobs.runs.submit import (Sealed, Shared, check_submittable, config_difference, nothing_to_train, no_world_write,
-                              prepare_run, record_submission, seal, unprepared_data)
+from jobs.runs.checks import check_submittable, config_difference
+from jobs.runs.submit import (Sealed, Shared, nothing_to_train, no_world_write, prepare_run, record_submission, seal,
+                              unprepared_data)
 from jobs.runs.sweep import (NAME_ROOM, Axis, ArrayJob, Point, Sweep, Variants, find_sweep, grid, point_names,
                              read_points, split_axes, sweep_dir, value_text, write_sweep)
 from jobs.slurm.script import sbatch_header, sbatch_quote

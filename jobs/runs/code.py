@@ -40,6 +40,7 @@ from plumbum.commands.processes import ProcessExecutionError
 
 from containers.sources import MAX_BYTES, MAX_FILES, Folder, SourceFile, collect, copy_into
 from jobs.runs import manifest as manifests
+from jobs.runs.lock import UNSUPPORTED
 from common.errors import ConfigError, bounded_path
 from common.fs import file_sha256
 from common.rundir import CodeSnapshot, RunDir
@@ -48,7 +49,7 @@ STORE = ".code"  # under the runs root: RUNS/.code/HASH16/
 # The snapshot's hash is the sha256 of SCHEME's line and its listing, LISTING inside it: one line
 # `KIND SHA256 PATH` per entry (KIND f: a file, x: an executable, l: a link, whose SHA256 is of
 # its target's text), so that a node can check the snapshot with bash and sha256sum alone
-# (jobs/slurm/job_lib.sh verify_code) against the hash its job names.
+# (jobs/slurm/verify_lib.sh verify_code) against the hash its job names.
 SCHEME = "slipway-code-v2"
 LISTING = ".slipway-files"
 # A snapshot no manifest names is kept this long after a launch last wrote or reused it: a launch
@@ -56,8 +57,6 @@ LISTING = ".slipway-files"
 PRUNE_AFTER_SECONDS = 24 * 3600
 _LOCK = ".lock"
 _REMOVING = ".removing-"
-# flock(2) on a filesystem without it (Lustre mounted without -o flock).
-_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
 def trainer_source(project_dir: Optional[Path] = None) -> Path:
@@ -206,7 +205,7 @@ def listing_hash(listing: str) -> str:
 def damage(snapshot_dir: Path, expected: str) -> Optional[str]:
     """How the snapshot at `snapshot_dir` differs from the one whose hash is `expected` (None: it
     is that one, whole): the first file found changed, missing or added. The host's side of what
-    every node checks before training (jobs/slurm/job_lib.sh verify_code)."""
+    every node checks before training (jobs/slurm/verify_lib.sh verify_code)."""
     try:
         listing = (snapshot_dir / LISTING).read_text()
     except OSError:
@@ -249,7 +248,7 @@ def store_lock(store: Path, *, exclusive: bool, wait: bool = True) -> Iterator[b
         try:
             fcntl.flock(fd, flags)
         except OSError as exc:
-            if exc.errno in _NO_LOCKS or exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            if exc.errno in UNSUPPORTED or exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 yield False
                 return
             raise

@@ -17,7 +17,9 @@ the container turns it into srun flags through `edf.srun_flags`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -63,12 +65,7 @@ def _is_path(value: Optional[str], field: str) -> bool:
 
 def _glob_root(path: Path) -> Path:
     """The directory above the first wildcard of a glob (what a mount must show)."""
-    parts = []
-    for part in path.parts:
-        if any(c in part for c in "*?["):
-            break
-        parts.append(part)
-    return Path(*parts)
+    return Path(*itertools.takewhile(lambda part: not any(c in part for c in "*?["), path.parts))
 
 
 def default_token_cache(paths: RunDir) -> Path:
@@ -131,10 +128,6 @@ def needed_paths(cfg: Config, paths: RunDir) -> list[Need]:
     return [need for need in needs if need in kept]
 
 
-def _within(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
 def _user_mounts(env: Environment) -> list[tuple[int, Mount, Path, Path]]:
     """(index, mount, source, destination) with host variables expanded."""
     out = []
@@ -163,11 +156,11 @@ def _visibility(cfg: Config, paths: RunDir) -> list[tuple[Need, Mount]]:
     for need in needed_paths(cfg, paths):
         shown = False
         for i, mount, src, dst in user:
-            if _within(dst, need.path) and not (dst == need.path and src == need.path):
+            if dst.is_relative_to(need.path) and not (dst == need.path and src == need.path):
                 raise ConfigError(f"container.mounts[{i}]", f"{mount.spec()!r} is mounted at {dst}, which is "
                                   f"{need.what} ({need.path}) or inside it, so the job would not see it there: "
                                   "mount it elsewhere or drop it")
-            if _within(need.path, dst):  # mounts apply in order: the last one over the path decides
+            if need.path.is_relative_to(dst):  # mounts apply in order: the last one over the path decides
                 shown = src / need.path.relative_to(dst) == need.path and not (need.writable and "ro" in mount.flags)
         if not shown:
             flags = () if need.writable else ("ro",)
@@ -203,10 +196,8 @@ def create_needed_dirs(cfg: Config, paths: RunDir) -> list[Path]:
 def remove_created_dirs(created: list[Path]) -> None:
     """Undo `create_needed_dirs` where the directories stayed empty (a submission that failed)."""
     for path in sorted(created, key=lambda p: len(p.parts), reverse=True):
-        try:
+        with contextlib.suppress(OSError):
             path.rmdir()
-        except OSError:
-            pass
 
 
 def run_environment(cfg: Config, paths: RunDir, pin: ImagePin, code: Optional[CodeSnapshot] = None) -> Environment:

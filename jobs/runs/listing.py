@@ -37,8 +37,6 @@ _TRAIN = ("step", "loss", "tokens_per_s", "mfu")
 
 @dataclass
 class Facts:
-    """What a listing shows of one run."""
-
     launches: int = 0
     job: str = ""  # the latest launch's id
     ended: Optional[LaunchState] = None  # the latest launch's end, where nothing can change it any more

@@ -146,8 +146,6 @@ class Launch:
 
 @dataclass
 class Manifest:
-    """A run's manifest.json."""
-
     schema: int = SCHEMA
     run: str = ""
     created: str = ""

@@ -34,8 +34,6 @@ from common.rundir import CodeSnapshot, RunDir
 
 @dataclass
 class Run:
-    """A run directory on disk."""
-
     paths: RunDir
 
     @property
@@ -72,7 +70,6 @@ class Run:
         return list(self.manifest().submissions)
 
     def launch(self, job_id: str) -> Optional[Launch]:
-        """Slurm job `job_id` of this run, or None."""
         return next((x for x in self.launches() if not x.local and x.id == job_id), None)
 
     def job_ids(self) -> list[str]:
@@ -276,7 +273,6 @@ def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
 
 
 def list_runs(project_dir: Path) -> list[Run]:
-    """The runs that can be read (scan_runs)."""
     return scan_runs(project_dir)[0]
 
 

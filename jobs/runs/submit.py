@@ -16,15 +16,16 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from plumbum import local
 
 from edf import Environment, expand_host, render_edf, srun_flags
 from jobs import slurm
-from jobs.config import Config, config_changes, dump_config, interpreter, load_config
+from jobs.config import Config, dump_config
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
+from jobs.runs.checks import check_submittable, config_difference
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_code_store
 from jobs.runs.image import ImagePin, container_project, kept_build, pin_image
 from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve_paths, run_environment
@@ -39,7 +40,6 @@ from common.schema import to_dict
 from common.fs import write_atomic
 from common.yaml import read_text_bounded
 from common.events import append_event, now_iso
-from common.secrets import TEXT, refusal
 from common.rundir import CodeSnapshot, RunDir, complete_checkpoints
 
 
@@ -77,49 +77,9 @@ class Sealed:
         return trainer_door.data_status(self.cfg.data, self.cfg.data.cache_dir)
 
     def with_prepare_script(self) -> "Sealed":
-        """The run's files plus the data preparation job's batch script."""
         files = {**self.files, self.paths.prepare_script: render_prepare_sbatch(self.cfg, self.paths, self.env)}
         _check_script_syntax(self.cfg, files[self.paths.prepare_script])
         return replace(self, files=files)
-
-
-def check_env_from_host(cfg: Config, environ: dict[str, str] | None = None) -> None:
-    """At submission: every `container.env_from_host` variable is set here, and sbatch hands it
-    to the job. The job takes these variables from the environment sbatch exports (its default,
-    --export=ALL; the batch script's sruns keep it); an --export that leaves one out (slurm.extra,
-    or $SBATCH_EXPORT, which outranks #SBATCH lines) would start the job without it."""
-    environ = dict(os.environ) if environ is None else environ
-    names = cfg.container.env_from_host
-    cfg.container.require_host_env(environ)
-    exports = [(f"slurm.extra[{i}]", opt.split("=", 1)[1]) for i, opt in enumerate(cfg.slurm.extra)
-               if opt.startswith("--export=")]
-    if "SBATCH_EXPORT" in environ:
-        exports.append(("SBATCH_EXPORT", environ["SBATCH_EXPORT"]))
-    for where, value in exports:
-        listed = [v.split("=", 1)[0] for v in value.split(",")]
-        for item, name in zip(value.split(","), listed):  # slurm.extra's were refused as the config was read
-            found = refusal(item.split("=", 1)[1], name=name, policy=TEXT) if "=" in item else None
-            if found is not None:
-                raise ConfigError(where, found.message())
-        dropped = [n for n in names if "ALL" not in listed and n not in listed]
-        if dropped:  # the names alone are shown: an --export may hold NAME=value pairs
-            raise ConfigError(where, f"an --export that names {', '.join(listed)} does not pass "
-                                     f"{', '.join(dropped)} (container.env_from_host) to the job: use --export=ALL, "
-                                     f"or add {dropped[0]} to it")
-
-
-def check_submittable(cfg: Config) -> None:
-    """What must hold on disk at submission, beyond the image and the paths `seal` checks."""
-    c = cfg.container
-    check_env_from_host(cfg)
-    slurm.check_sbatch_environment()
-    if c.in_container:
-        for i, mount in enumerate(c.mounts):
-            src = expand_host(mount.src, f"container.mounts[{i}]")
-            if not Path(src).exists():
-                raise ConfigError(f"container.mounts[{i}]", f"mount source {src} does not exist on this node")
-    if cfg.train.script and not Path(cfg.train.script).is_file():
-        raise ConfigError("train.script", f"training script {cfg.train.script} does not exist")
 
 
 def _check_script_syntax(cfg: Config, script: str) -> None:
@@ -143,7 +103,16 @@ class Shared:
     def __init__(self) -> None:
         self.pins: dict[str, tuple[ImagePin, list[str], Optional[ConfigError]]] = {}
         self.codes: dict[Optional[str], Snapshot] = {}
-        self.parsed: set[tuple[str, ...]] = set()
+        self.parsed: dict[tuple[str, ...], None] = {}
+
+
+def _once(cache: Optional[dict], key, make: Callable[[], Any]) -> Any:
+    """`make()`, once per `key` where a sweep shares `cache`, every time without one."""
+    if cache is None:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
 def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optional[Shared] = None,
@@ -155,37 +124,9 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
     paths = RunDir(runs_root(project_dir) / cfg.run.name, project_dir.absolute())
     cfg = resolve_paths(cfg, paths)
     notes: list[str] = []
-    # What pin_image reads: the container and image settings, what the run needs of the image
-    # (containers/image.py ImageConfig), whether the code is snapshotted.
-    pin_key = json.dumps([to_dict(cfg.container), to_dict(cfg.image), repr(cfg.image_needs), cfg.code.snapshot],
-                         default=str)
-    if shared is None or pin_key not in shared.pins:
-        pinned: list[str] = []
-        try:
-            found = (pin_image(cfg, paths.project, pinned), pinned, None)
-        except ConfigError as exc:
-            found = (None, pinned, exc)
-        if shared is not None:
-            shared.pins[pin_key] = found
-    else:
-        found = shared.pins[pin_key]
-    pin, pin_notes, refused = found
-    notes += pin_notes
-    if refused is not None:
-        if not dry_run:
-            raise refused
-        notes.append(f"a real submission would fail: {refused}")
-        from containers.context import resolve_path
-
-        link = resolve_path(paths.project, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
-        pin = ImagePin(cfg.container.image, cfg.container.image or str(link), "none")
-    code = None
-    if cfg.code.snapshot:
-        code = shared.codes.get(cfg.train.script) if shared is not None else None
-        if code is None:
-            code = plan_snapshot(paths.path.parent / CODE_STORE, cfg.train.script, paths.project)
-            if shared is not None:
-                shared.codes[cfg.train.script] = code
+    pin = _pin(cfg, paths, shared, dry_run, notes)
+    code = _once(shared and shared.codes, cfg.train.script, lambda: plan_snapshot(
+        paths.path.parent / CODE_STORE, cfg.train.script, paths.project)) if cfg.code.snapshot else None
     if code is not None and code.untracked:
         shown = ", ".join(code.untracked[:5]) + (f" and {len(code.untracked) - 5} more" if len(code.untracked) > 5 else "")
         notes.append(f"not in the code snapshot, as git does not track them: {shown} (`git add` what the run needs)")
@@ -197,10 +138,7 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
     script = render_sbatch(cfg, paths, env, pin.pins(code.value if code else None, kept_build(cfg, pin),
                                                      container_project(cfg, paths.project)), exclusions.nodes, warm)
     # What else the script holds is rendered and quoted by slipway: one parse per pre_launch text.
-    if shared is None or tuple(cfg.launch.pre_launch) not in shared.parsed:
-        _check_script_syntax(cfg, script)
-        if shared is not None:
-            shared.parsed.add(tuple(cfg.launch.pre_launch))
+    _once(shared and shared.parsed, tuple(cfg.launch.pre_launch), lambda: _check_script_syntax(cfg, script))
     files = {**({paths.config: dump_config(cfg)} if config_text else {}), paths.job_script: script,
              **library_files(env, paths)}
     if env.in_container:
@@ -208,6 +146,32 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
         if env.runtime == "pyxis":
             notes += [f"pyxis: {w}" for w in srun_flags(env, paths.env_toml).warnings]
     return Sealed(cfg, paths, pin, env, files, notes, code, exclude=exclusions.nodes)
+
+
+def _pin(cfg: Config, paths: RunDir, shared: Optional[Shared], dry_run: bool, notes: list[str]) -> ImagePin:
+    """The image the run runs (`pin_image`), once per sweep; a dry run notes a refusal and goes on
+    with the path `make image` would write."""
+    # What pin_image reads: the container and image settings, what the run needs of the image
+    # (containers/image.py ImageConfig), whether the code is snapshotted.
+    pin_key = json.dumps([to_dict(cfg.container), to_dict(cfg.image), repr(cfg.image_needs), cfg.code.snapshot],
+                         default=str)
+    def found() -> tuple[Optional[ImagePin], list[str], Optional[ConfigError]]:
+        pinned: list[str] = []
+        try:
+            return pin_image(cfg, paths.project, pinned), pinned, None
+        except ConfigError as exc:
+            return None, pinned, exc
+    pin, pin_notes, refused = _once(shared and shared.pins, pin_key, found)
+    notes += pin_notes
+    if refused is None:
+        return pin
+    if not dry_run:
+        raise refused
+    notes.append(f"a real submission would fail: {refused}")
+    from containers.context import resolve_path
+
+    link = resolve_path(paths.project, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
+    return ImagePin(cfg.container.image, cfg.container.image or str(link), "none")
 
 
 def no_world_write() -> int:
@@ -224,27 +188,6 @@ def _group_readable(path: Path) -> None:
     """mkdtemp makes 0700 directories: give the run directory the user's umask (teammates
     on a shared project folder read runs), never writable by others."""
     os.chmod(path, 0o777 & ~no_world_write())
-
-
-def config_difference(path: Path, new: str) -> Optional[str]:
-    """How the run's config.yaml differs from `new` (the resolved config a launch would write),
-    None if it does not. The old file is read through today's schema and dumped again: a key a
-    later slipway added, at its default, is no difference."""
-    try:  # a FIFO or a device in its place raises NotRegularFile (one line), never hangs
-        old = read_text_bounded(path, "config.yaml")
-    except FileNotFoundError:
-        return "no config.yaml"
-    if old == new:
-        return None
-    try:
-        cfg = load_config(path)
-    except ConfigError as exc:
-        return f"a config this slipway no longer reads ({exc})"
-    resolved = dump_config(cfg)
-    if resolved != new and cfg.container.runtime == "none":  # its interpreter recorded by an alias (`python3`)
-        cfg.launch.python = interpreter(cfg.launch.python)
-        resolved = dump_config(cfg)
-    return None if resolved == new else f"a different config ({config_changes(resolved, new)})"
 
 
 def _mode(paths: RunDir, path: Path) -> int:
@@ -266,34 +209,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str
     run = Run(paths)
     no_world_write()
     if run_exists(paths.path):
-        mode = paths.path.stat().st_mode
-        if mode & 0o002:  # made under umask 000 before slipway masked it
-            os.chmod(paths.path, mode & 0o7775)
-        active = active_jobs(run, asked)
-        if active:
-            jobs = ", ".join(f"{j} ({state})" for j, state in active)
-            raise ConfigError("run.name", f"run {cfg.run.name} has a job queued or running ({jobs}), which reads "
-                                          f"its files: wait for it to end or `slipway cancel {cfg.run.name}` first")
-        differs = config_difference(paths.config, files[paths.config])
-        if differs and not force:
-            raise ConfigError("run.name", f"run {cfg.run.name} exists with {differs} in {paths.config}: pick "
-                                          "another --run-name, or pass --force to replace its config (the old "
-                                          "one is kept in history/)")
-        if sealed.code is not None:
-            sealed.code.write()  # before job.sbatch names it; content-addressed, so never rewritten
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-        for target, text in files.items():
-            try:
-                old: Optional[str] = read_text_bounded(target, target.name)
-            except FileNotFoundError:
-                old = None
-            if old is not None and old != text:
-                stem, dot, ext = target.name.partition(".")
-                write_atomic(paths.history / f"{stem}-{stamp}{dot}{ext}", old)
-                if target == paths.config and differs:
-                    sealed.replaced = (f"{differs}{_train_on(cfg, paths.path) if 'train.steps ' in differs else ''}"
-                                       f"; the old one is in {paths.history / f'{stem}-{stamp}{dot}{ext}'}")
-            write_atomic(target, text, _mode(paths, target))
+        _refresh(sealed, run, force, asked)
         return run, False
     root = paths.path.parent
     root.mkdir(parents=True, exist_ok=True)
@@ -321,6 +237,39 @@ def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return run, True
+
+
+def _refresh(sealed: Sealed, run: Run, force: bool, asked: Optional[dict[str, slurm.JobInfo]]) -> None:
+    """An existing run's files rewritten for a launch, each earlier version kept in history/."""
+    cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
+    mode = paths.path.stat().st_mode
+    if mode & 0o002:  # made under umask 000 before slipway masked it
+        os.chmod(paths.path, mode & 0o7775)
+    active = active_jobs(run, asked)
+    if active:
+        jobs = ", ".join(f"{j} ({state})" for j, state in active)
+        raise ConfigError("run.name", f"run {cfg.run.name} has a job queued or running ({jobs}), which reads "
+                                      f"its files: wait for it to end or `slipway cancel {cfg.run.name}` first")
+    differs = config_difference(paths.config, files[paths.config])
+    if differs and not force:
+        raise ConfigError("run.name", f"run {cfg.run.name} exists with {differs} in {paths.config}: pick "
+                                      "another --run-name, or pass --force to replace its config (the old "
+                                      "one is kept in history/)")
+    if sealed.code is not None:
+        sealed.code.write()  # before job.sbatch names it; content-addressed, so never rewritten
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    for target, text in files.items():
+        try:
+            old: Optional[str] = read_text_bounded(target, target.name)
+        except FileNotFoundError:
+            old = None
+        if old is not None and old != text:
+            stem, dot, ext = target.name.partition(".")
+            write_atomic(paths.history / f"{stem}-{stamp}{dot}{ext}", old)
+            if target == paths.config and differs:
+                sealed.replaced = (f"{differs}{_train_on(cfg, paths.path) if 'train.steps ' in differs else ''}"
+                                   f"; the old one is in {paths.history / f'{stem}-{stamp}{dot}{ext}'}")
+        write_atomic(target, text, _mode(paths, target))
 
 
 def _train_on(cfg: Config, run_dir: Path) -> str:
@@ -392,7 +341,6 @@ def preparation(cfg: Config, project_dir: Path) -> tuple[Sealed, str]:
     """What `slipway prepare` (here) works from, nothing written: the sealed config, as a job
     reads it, and the HF_HOME its hub downloads land in (the job's own: launch.hf_home, else
     $HF_HOME, else the project's). A ConfigError here is that command's refusal."""
-    from edf import expand_host
     from jobs.runs.container import default_hf_home
 
     sealed = seal(cfg, project_dir, dry_run=True)

@@ -29,7 +29,8 @@ from common.schema import config_fields, from_dict, to_dict
 from common.yaml import read_text_bounded, read_yaml
 from edf.environment import SAFE_NAME
 from jobs.config.clusters import ClusterProfile
-from jobs.config import MAP_FIELDS, Config, check_path_components, config_from, parse_value
+from jobs.config import Config, check_path_components, config_from
+from jobs.config.overrides import MAP_FIELDS, parse_value
 from jobs.runs import manifest as manifests
 from jobs.runs.manifest import NOT_A_KEY
 from jobs.runs.run import Run, runs_root
@@ -234,7 +235,6 @@ def _hints(cls: type) -> dict:
 
 
 def _bare(tp: Any) -> Any:
-    """`tp` without its Optional."""
     args = [a for a in get_args(tp) if a is not type(None)]
     return args[0] if get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
 

@@ -4,8 +4,9 @@
   (every command line built there; `srun_argv` for every srun a run or a command starts);
 - bad_nodes.py: the bad nodes a cluster remembers, which the batch script excludes;
 - ranks.py, warm.py: how the ranks start, and the warm processes of `slipway run`;
+- preflight.py: the batch script's preflight;
 - script.py: the batch script's one render function, with the job library it pins and sources
-  (job_lib.sh, bad_nodes_lib.sh, requeue_lib.sh, pyxis_lib.sh).
+  (job_lib.sh, bad_nodes_lib.sh, requeue_lib.sh, verify_lib.sh, pyxis_lib.sh).
 """
 
 from jobs.slurm.client import (ACTIVE_STATES, JobInfo, SlurmError, associations, available, can_ask,

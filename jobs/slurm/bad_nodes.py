@@ -26,7 +26,7 @@ from typing import Optional
 from common.environ import WORD, as_typed
 from common.errors import ConfigError, one_line, pasteable, shown
 from common.fs import NotRegularFile, open_regular
-from common.rundir import tagged
+from common.tagged import TaggedLine
 from jobs.config import clusters
 from jobs.slurm import client as slurm
 
@@ -37,7 +37,7 @@ SKEW = 600  # seconds a record may be dated ahead of this host's clock (a node's
 
 
 @dataclass(frozen=True)
-class BadNode:
+class BadNode(TaggedLine):
     """A node's record, one line (job_lib.sh writes it): `slipway-bad-node node=N since=TIME
     at=TIME run=RUN job=JOB kind=KIND reason: TEXT`; `since` the first blame still standing, `at`
     the latest."""
@@ -51,22 +51,10 @@ class BadNode:
     reason: str
 
     TAG = "slipway-bad-node"
+    REST = "reason"
 
-    def line(self) -> str:
-        return (f"{self.TAG} node={self.node} since={self.since} at={self.at} run={self.run} job={self.job} "
-                f"kind={self.kind} reason: {self.reason}")
-
-    @classmethod
-    def parse(cls, text: str) -> Optional["BadNode"]:
-        head, sep, reason = text.partition(" reason: ")
-        if not sep or (keys := tagged(head, cls.TAG)) is None:
-            return None
-        try:
-            record = cls(keys["node"], keys["since"], keys["at"], keys["run"], keys["job"], keys["kind"],
-                         reason.strip())
-        except KeyError:
-            return None
-        return record if _time(record.at) and _time(record.since) and NODE_NAME.fullmatch(record.node) else None
+    def valid(self) -> bool:
+        return bool(_time(self.at) and _time(self.since) and NODE_NAME.fullmatch(self.node))
 
     def age(self, now: datetime) -> float:
         return (now - _time(self.at)).total_seconds()
@@ -82,8 +70,6 @@ def _time(stamp: str) -> Optional[datetime]:
 
 @dataclass
 class Recall:
-    """What a cluster's records say now."""
-
     live: list[BadNode] = field(default_factory=list)  # newest blame first
     expired: list[BadNode] = field(default_factory=list)
     damaged: list[str] = field(default_factory=list)  # one line each: the file and why

@@ -253,7 +253,6 @@ def job_steps(job_id: str) -> list[tuple[str, str]]:
 
 
 def signal_steps(step_ids: list[str], signal: str) -> None:
-    """Send `signal` to every process of each step (JOB.STEP)."""
     _run(_tool("scancel"), f"--signal={signal}", *step_ids)
 
 

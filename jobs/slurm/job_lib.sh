@@ -7,8 +7,9 @@
 # the Slurm client commands, no Python. Pinned, not inlined: a submission writes a copy into
 # runs/RUN/lib/ named by its hash, and job.sbatch checks that hash before it sources the copy,
 # so runs/RUN/ alone says what ran, through every requeue. What a job leaves for the next ones
-# (bad_nodes_lib.sh; requeue_lib.sh: the warning lead, preemptions) is pinned and sourced the same way, and
-# the pyxis part (pyxis_lib.sh, kept containers) too, by pyxis jobs alone.
+# (bad_nodes_lib.sh; requeue_lib.sh: the warning lead, preemptions), what every node checks before
+# anything starts there (verify_lib.sh) are pinned and sourced the same way, and the pyxis part
+# (pyxis_lib.sh, kept containers) too, by pyxis jobs alone.
 #
 # The functions take data: the run's values are the plain variables the settings block at the
 # top of job.sbatch sets once (NODES_NEEDED, PROCS_PER_NODE, RANKS, MAX_RETRIES, MAX_REQUEUES,
@@ -24,6 +25,9 @@
 # event TEXT...: one line `ISO-TIME job JOBID TEXT` in events.log; a control character in TEXT (a
 # node's name from the job side holding a newline) is a space, so no text forges a line of its own.
 event() { local t="$*"; printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "${t//[[:cntrl:]]/ }" >> "$EVENTS_LOG"; }
+
+# end_with CODE TEXT...: the job ends with CODE, TEXT said in events.log first.
+end_with() { local code=$1; shift; event "$@"; exit "$code"; }
 
 # count_events PREFIX: how many events of this job (its id survives requeues) start with PREFIX.
 count_events() { local n; n=$(grep -F " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} $* " "$EVENTS_LOG" 2>/dev/null | wc -l) || true; echo "${n:-0}"; }
@@ -51,14 +55,8 @@ retry_or_stop() {
   local kind=$1 code=$2; shift 2
   local bad="$*" excluded="" usable=0 node state
   [ -z "$bad" ] || remember_bad_nodes "$kind" $bad
-  if [ "$REQUEUE" != 1 ]; then
-    event "not retrying ($kind): $NO_REQUEUE"
-    exit "$code"
-  fi
-  if [ "$RETRIES" -ge "$MAX_RETRIES" ]; then
-    event "not retrying ($kind): slurm.max_retries ($MAX_RETRIES) reached"
-    exit "$code"
-  fi
+  [ "$REQUEUE" = 1 ] || end_with "$code" "not retrying ($kind): $NO_REQUEUE"
+  [ "$RETRIES" -lt "$MAX_RETRIES" ] || end_with "$code" "not retrying ($kind): slurm.max_retries ($MAX_RETRIES) reached"
   if [ -n "$bad" ]; then
     excluded=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o 'ExcNodeList=[^ ]*' | sed 's/^ExcNodeList=//') || excluded=""
     [ "$excluded" != "(null)" ] || excluded=""
@@ -67,19 +65,17 @@ retry_or_stop() {
       case ",$excluded," in *",$node,"*) continue ;; esac
       case "${state%[~#%]}" in idle|mix|alloc|comp|plnd) usable=$((usable + 1)) ;; esac
     done < <(sinfo -h -N ${SLURM_JOB_PARTITION:+-p "$SLURM_JOB_PARTITION"} -o '%N %t' 2>/dev/null)
-    if [ "$usable" -lt "$NODES_NEEDED" ]; then
-      event "not retrying ($kind): without ${bad% } partition ${SLURM_JOB_PARTITION:-(default)} has $usable usable node(s), the job needs $NODES_NEEDED"
-      exit "$code"
-    fi
+    [ "$usable" -ge "$NODES_NEEDED" ] ||
+      end_with "$code" "not retrying ($kind): without ${bad% } partition ${SLURM_JOB_PARTITION:-(default)} has $usable usable node(s), the job needs $NODES_NEEDED"
     event "retry $((RETRIES + 1))/$MAX_RETRIES ($kind): requeueing without ${bad% } (excluded nodes: $excluded)"
     trap '' TERM  # the requeue ends this job's processes: the three calls must finish first
-    scontrol requeuehold "$SLURM_JOB_ID" || { event "requeue failed"; exit "$code"; }
+    scontrol requeuehold "$SLURM_JOB_ID" || end_with "$code" "requeue failed"
     scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$excluded" || event "could not exclude $excluded"
     scontrol release "$SLURM_JOB_ID"
   else
     event "retry $((RETRIES + 1))/$MAX_RETRIES ($kind): requeueing (no node to blame)"
     trap '' TERM
-    scontrol requeue "$SLURM_JOB_ID" || { event "requeue failed"; exit "$code"; }
+    scontrol requeue "$SLURM_JOB_ID" || end_with "$code" "requeue failed"
   fi
   exit 0
 }
@@ -91,10 +87,18 @@ waited() {
   else echo ": the step ended after $1 s (exit $2) without one"; fi
 }
 
+# retry_preflight NODE...: the job retried without the nodes that failed its preflight or its
+# verification; every node of a multi-node job failing alike (a full filesystem, a bad config)
+# blames none.
+retry_preflight() {
+  [ $# -gt 0 ] || return 0
+  if [ "$NODES_NEEDED" -gt 1 ] && [ "$*" = "$NODES" ]; then retry_or_stop preflight "$PREFLIGHT_EXIT"; fi
+  retry_or_stop preflight "$PREFLIGHT_EXIT" "$@"
+}
+
 # preflight_nodes LOG STEP_EXIT SECONDS: every node of NODES must have reported `ok` in LOG (the
 # node step of trainer/preflight.py, which ran SECONDS); a node that failed or sent no report is
-# named, and the job retried without it. Every node failing alike (a full filesystem, a bad
-# config) blames none.
+# named, and the job retried without it (retry_preflight).
 preflight_nodes() {
   local log=$1 step_rc=$2 node line bad="" why
   WRITE_BPS=0
@@ -108,11 +112,7 @@ preflight_nodes() {
       *) bad+="$node "; BLAME[$node]="preflight failed: ${line#*fail: }"; event "preflight failed on $node: ${line#*fail: }" ;;
     esac
   done
-  [ -n "$bad" ] || return 0
-  if [ "$NODES_NEEDED" -gt 1 ] && [ "${bad% }" = "$NODES" ]; then
-    retry_or_stop preflight "$PREFLIGHT_EXIT"
-  fi
-  retry_or_stop preflight "$PREFLIGHT_EXIT" $bad
+  retry_preflight $bad
 }
 
 # preflight_allreduce LOG STEP_EXIT SECONDS: the all-reduce step (a train.script's) gave its `ok`,
@@ -194,9 +194,8 @@ after_oom() {
   event "out of memory: the out-of-memory killer ended a process of the training step on $OOM_NODES (step exit $1): $OOM_HINT"
 }
 
-# line_field KEY LINE: the value of KEY in a line of KEY=VALUE words, "?" if none: a hang dump's
-# first line, `slipway-hang rank=R host=H step=S idle=I limit=L answered=on-time|late` (common/rundir.py
-# HangLine writes it), a save's (SaveLine), a bad node's record (jobs/slurm/bad_nodes.py BadNode).
+# line_field KEY LINE: the value of KEY in a line of KEY=VALUE words, "?" if none: the lines the
+# job writes for a reader (common/tagged.py: a hang dump's first line, a save, a bad node's record).
 line_field() { local w; for w in $2; do case $w in "$1="*) echo "${w#*=}"; return ;; esac; done; echo "?"; }
 
 # after_hang: the ranks' watchdogs wrote their stacks to HANGS (trainer/watchdog.py): a hang.
@@ -236,14 +235,9 @@ after_stop_request() {
   else
     outcome="no checkpoint saved after the stop request (step exit $rc)"
   fi
-  if [ "$REQUEUE" != 1 ]; then
-    event "${STOP_WHY:-time-limit stop}: $outcome; $NO_REQUEUE"
-    exit "$REQUEUE_EXIT"
-  fi
-  if [ "$REQUEUES" -ge "$MAX_REQUEUES" ]; then
-    event "not requeueing after the time-limit warning: slurm.max_requeues ($MAX_REQUEUES) reached; $outcome"
-    exit "$REQUEUE_EXIT"
-  fi
+  [ "$REQUEUE" = 1 ] || end_with "$REQUEUE_EXIT" "${STOP_WHY:-time-limit stop}: $outcome; $NO_REQUEUE"
+  [ "$REQUEUES" -lt "$MAX_REQUEUES" ] ||
+    end_with "$REQUEUE_EXIT" "not requeueing after the time-limit warning: slurm.max_requeues ($MAX_REQUEUES) reached; $outcome"
   event "time-limit requeue $((REQUEUES + 1))/$MAX_REQUEUES: $outcome, requeueing"
   trap '' TERM  # the requeue ends this job's processes: not a cancellation
   scontrol requeue "$SLURM_JOB_ID"
@@ -347,142 +341,6 @@ on_exit() {
   # run in the same allocation; the next batch job on the node removes it once the allocation is over.
   [ -n "${SLIPWAY_IN_ALLOCATION:-}" ] || remove_container "${REMOVE_WAIT:-${CONTAINER_REMOVE_WAIT:-0}}"
   return 0
-}
-
-# ---- what the job runs, checked on every node before anything starts there ----
-
-# verify_code DIR SHA256 (on a node): the code snapshot DIR is the one submitted. Its listing
-# (.slipway-files: `KIND SHA256 PATH` per entry, jobs/runs/code.py) must hash to SHA256 with the
-# scheme's line, every file and link must match it, and nothing may be added. Prints what
-# differs and returns 1 then. One sha256sum for every file: well under a second for the trainer.
-verify_code() {
-  local dir=$1 want=$2 got kind sum path sums="" out name
-  local -A listed=()
-  if [ ! -r "$dir/.slipway-files" ]; then echo "the code snapshot $dir is not there (removed after submission, or this node does not see its filesystem)"; return 1; fi
-  got=$( { printf 'slipway-code-v2\n'; cat "$dir/.slipway-files"; } | sha256sum) || got=""
-  if [ "${got%% *}" != "$want" ]; then echo "$dir/.slipway-files is not the listing recorded at submission"; return 1; fi
-  while read -r kind sum path; do
-    listed[$path]=1
-    case $kind in
-      l) got=$(readlink "$dir/$path" 2>/dev/null) && got=$(printf %s "$got" | sha256sum) || got=""
-         if [ "${got%% *}" != "$sum" ]; then echo "$dir/$path differs from the link submitted"; return 1; fi ;;
-      x) if [ ! -x "$dir/$path" ] || [ -L "$dir/$path" ]; then echo "$dir/$path is missing or no longer executable"; return 1; fi
-         sums+="$sum  $path"$'\n' ;;
-      *) if [ -L "$dir/$path" ]; then echo "$dir/$path was replaced by a link"; return 1; fi
-         sums+="$sum  $path"$'\n' ;;
-    esac
-  done < "$dir/.slipway-files"
-  if ! out=$(cd "$dir" && printf %s "$sums" | sha256sum --check --quiet 2>&1); then
-    name=$(grep -m1 -E ': FAILED' <<< "$out") || name=""
-    case "$name" in
-      *": FAILED open or read") echo "$dir/${name%: FAILED open or read} is missing" ;;
-      *": FAILED") echo "$dir/${name%: FAILED} differs from the file submitted" ;;
-      *) echo "the code snapshot $dir cannot be read ($(head -n1 <<< "$out"))" ;;
-    esac
-    return 1
-  fi
-  while IFS= read -r -d '' path; do
-    [ "$path" = .slipway-files ] || [ -n "${listed[$path]:-}" ] || { echo "$dir/$path was added after submission"; return 1; }
-  done < <(find "$dir" -mindepth 1 \( -type f -o -type l \) -printf '%P\0')
-}
-
-# verify_image FILE SHA256 SIZE MTIME (on a node): the squashfs FILE is the one submitted (no
-# FILE: a registry image, nothing to check). Its size and mtime unchanged vouch for it at no cost;
-# otherwise its bytes must hash to SHA256 (when the submission knew it).
-verify_image() {
-  local file=$1 want=$2 size=$3 mtime=$4 st got
-  [ -n "$file" ] || return 0
-  if ! st=$(stat -L -c '%s %Y' -- "$file" 2>/dev/null); then
-    echo "the image $file is not there (removed or moved after submission, or this node does not see its filesystem): restore it, or build the image again and submit again"
-    return 1
-  fi
-  [ "$st" != "$size $mtime" ] || return 0
-  if [ -n "$want" ]; then
-    got=$(sha256sum < "$file" 2>/dev/null) || got=""
-    [ "${got%% *}" != "$want" ] || return 0
-  fi
-  echo "the image $file changed after submission (size ${st% *} bytes, submitted ${size} bytes${want:+; its bytes differ}): build the image again and submit again"
-  return 1
-}
-
-# on_every_node SECONDS NAME FUNCTIONS CALL [ARG...]: one task on every node of the job beside
-# whatever runs there (--overlap), bounded by SECONDS, running CALL ARG... with the library
-# FUNCTIONS defined (their text travels with the step: nothing is sourced on the node). The one
-# srun of the job library; the training and preflight steps are rendered by jobs/slurm/script.py.
-on_every_node() {
-  local limit=$1 name=$2 functions=$3; shift 3
-  # shellcheck disable=SC2086  # FUNCTIONS is a list of names
-  timeout -k 5 "$limit" srun --nodes="$NODES_NEEDED" --ntasks="$NODES_NEEDED" --ntasks-per-node=1 --cpus-per-task=1 --overlap \
-    --kill-on-bad-exit=0 bash -c "$(declare -f $functions)"'; "$@"' "$name" "$@"
-}
-
-# ensure_container NAME IMAGE IDENTITY (on a node): readies a kept pyxis container; the pyxis
-# library defines it, other runs keep nothing on the nodes.
-ensure_container() { :; }
-
-# node_check CODE_DIR CODE_SHA256 IMAGE_FILE IMAGE_SHA256 IMAGE_SIZE IMAGE_MTIME [KEPT IDENTITY
-# [WARM_SOCKET]] (on a node, one task each): one line, `slipway-verify NODE ok` (`ok warm`: the
-# user's warm process listens on WARM_SOCKET there, in the user's folder; `ok cgroup`: Slurm tracks
-# the job's processes by cgroup), `... differs: WHAT` (what the job runs is not what was
-# submitted), or `... node: WHAT` (this node could not ready the kept container KEPT).
-node_check() {
-  local n=${SLURMD_NODENAME:-$(hostname)} why="" w
-  w="${9:-}-$n.sock"
-  if [ -n "$1" ] && ! why=$(verify_code "$1" "$2"); then echo "slipway-verify $n differs: $why"; return 0; fi
-  if ! why=$(verify_image "$3" "$4" "$5" "$6"); then echo "slipway-verify $n differs: $why"; return 0; fi
-  if [ -n "${7:-}" ] && ! why=$(ensure_container "$7" "$3" "$8" 2>&1); then echo "slipway-verify $n node: $why"; return 0; fi
-  if [ -n "${9:-}" ] && grep -qs "/job_$SLURM_JOB_ID/" /proc/self/cgroup; then echo "slipway-verify $n ok cgroup${why:+, $why}"; return 0; fi
-  if [ -n "${9:-}" ] && [ ! -L "${w%/*}" ] && [ -O "${w%/*}" ] && [ -O "$w" ] && [ -S "$w" ] &&
-    awk -v w="$w" '$NF == w { found = 1 } END { exit !found }' /proc/net/unix; then echo "slipway-verify $n ok warm${why:+, $why}"; return 0; fi
-  echo "slipway-verify $n ok${why:+, $why}"
-}
-
-# verify_nodes: before anything else starts on the nodes, every node checks what this job runs
-# against what was submitted (verify_code, verify_image) and readies the image build's kept
-# container (KEPT_CONTAINER, pyxis). What differs on every node (or on the one node of the job)
-# ends the job at once with BAD_INPUT_EXIT: the same files are wrong everywhere and on every
-# retry, so none is retried and no node blamed. What differs on some nodes only (a node that
-# does not see the shared filesystem), a node that could not ready the container, or one that
-# sent no report, is left out of a retry (retry_or_stop), as a failed preflight is.
-verify_nodes() {
-  local out rc node line why="" differ="" bad="" unpacked="" t=$SECONDS
-  local -A said=()
-  set +e
-  out=$(on_every_node "$PREFLIGHT_TIMEOUT" slipway-verify "verify_code verify_image ensure_container enroot_data node_check" \
-    node_check "$CODE_DIR" "$CODE_SHA256" "${IMAGE_FILE:-}" "${IMAGE_SHA256:-}" "${IMAGE_SIZE:-}" "${IMAGE_MTIME:-}" \
-    "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" "${WARM_SOCKET:-}" 2>&1)
-  rc=$?
-  set -e
-  for node in $NODES; do
-    line=$(grep -F -m1 "slipway-verify $node " <<< "$out") || line=""
-    [[ $line != "slipway-verify $node ok"*", unpacked in "* ]] || unpacked+=", $node ${line##*, unpacked }"
-    case "$line" in
-      "slipway-verify $node ok warm"*) ;;
-      "slipway-verify $node ok cgroup"*) WARM_OFF=$node ;;
-      "slipway-verify $node ok"*) WARM_COLD+="$node " ;;
-      "slipway-verify $node differs: "*) differ+="$node "; said[$node]=${line#*differs: }
-        [ -n "$why" ] || why="${line#*differs: } (on $node)" ;;
-      "slipway-verify $node node: "*) bad+="$node "; BLAME[$node]="preflight failed: ${line#*node: }"
-        event "preflight failed on $node: ${line#*node: }" ;;
-      *) bad+="$node "; BLAME[$node]="no verification report$(waited $((SECONDS - t)) "$rc")"
-         event "preflight failed on $node: ${BLAME[$node]}" ;;
-    esac
-  done
-  [ -z "$unpacked" ] || event "unpacked the image into the kept container $KEPT_CONTAINER:${unpacked#,}"
-  if [ -n "$differ" ] && { [ "${differ% }" = "$NODES" ] || [ "$NODES_NEEDED" -eq 1 ]; }; then
-    event "verification failed: $why"
-    exit "$BAD_INPUT_EXIT"
-  fi
-  for node in $differ; do
-    event "preflight failed on $node: ${said[$node]}"
-    BLAME[$node]="preflight failed: ${said[$node]}"
-    bad+="$node "
-  done
-  [ -n "$bad" ] || return 0
-  if [ "$NODES_NEEDED" -gt 1 ] && [ "${bad% }" = "$NODES" ]; then
-    retry_or_stop preflight "$PREFLIGHT_EXIT"
-  fi
-  retry_or_stop preflight "$PREFLIGHT_EXIT" $bad
 }
 
 # warm_up: under `slipway run`, the warm processes of this key on every node (jobs/slurm/warm.py,

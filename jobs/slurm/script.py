@@ -17,15 +17,15 @@ from typing import Optional, Sequence
 
 from common.errors import ConfigError
 from common.layouts import ALLOC_CONF, ALLOC_CONF_NAMES, checkpoint_bytes, smaller_batch_hint
-from common.rundir import (BAD_INPUT_EXIT, CANCEL_EXIT, HANG_EXIT, PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
+from common.rundir import (BAD_INPUT_EXIT, CANCEL_EXIT, HANG_EXIT, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE,
                            REQUEUE_EXIT, TERM_EXIT, CodeSnapshot, RunDir)
 from edf import Environment
 from jobs.config import Config
 from jobs.slurm.bad_nodes import bad_nodes_settings, merged_exclude
 from jobs.config.sections import NODE_PRESETS
 from jobs.slurm.client import srun_argv
-from jobs.slurm.ranks import Expand, Value, container_args, launch_line, shell_value, words
-from jobs.slurm import warm as warm_ranks
+from jobs.slurm.ranks import Value, container_args, launch_line, shell_value, words
+from jobs.slurm import preflight, warm as warm_ranks
 
 HEARTBEAT_SECONDS = 60
 NODE_HEARTBEAT_SECONDS = 15  # heartbeats/NODE, which `slipway watch` shows by age
@@ -77,26 +77,28 @@ def _hf_home(cfg: Config, paths: RunDir) -> str:
 
 
 # The job library (jobs/slurm/job_lib.sh: the job's decisions), its parts for the bad nodes a cluster
-# remembers (bad_nodes_lib.sh) and for a job stopped and back (requeue_lib.sh: the warning lead, the
-# preemptions), and its pyxis part (pyxis_lib.sh: named containers), pinned into each run directory by
-# their hash (`library_files`) and sourced by job.sbatch once that hash is checked.
-JOB_LIB, BAD_NODES_LIB, REQUEUE_LIB, PYXIS_LIB = (Path(__file__).with_name(f"{name}.sh").read_text()
-                                                  for name in ("job_lib", "bad_nodes_lib", "requeue_lib", "pyxis_lib"))
+# remembers (bad_nodes_lib.sh), for a job stopped and back (requeue_lib.sh: the warning lead, the
+# preemptions) and for what the job runs, checked on every node (verify_lib.sh), and its pyxis part
+# (pyxis_lib.sh: named containers), pinned into each run directory by their hash (`library_files`)
+# and sourced by job.sbatch once that hash is checked.
+LIBRARIES = ("job_lib", "bad_nodes_lib", "requeue_lib", "verify_lib", "pyxis_lib")
+JOB_LIB, BAD_NODES_LIB, REQUEUE_LIB, VERIFY_LIB, PYXIS_LIB = (Path(__file__).with_name(f"{name}.sh").read_text()
+                                                              for name in LIBRARIES)
 EVENT_WRITER = next(line for line in JOB_LIB.splitlines() if line.startswith("event() "))
 
 
 def library_files(env: Environment, paths: RunDir) -> dict[Path, str]:
     """The libraries a job of `env`'s runtime sources, by their place in the run directory
     (RunDir.lib/NAME-HASH12.sh: a new text is a new file, never an old one rewritten)."""
-    libs = [("job_lib", JOB_LIB), ("bad_nodes_lib", BAD_NODES_LIB), ("requeue_lib", REQUEUE_LIB)] + \
-        ([("pyxis_lib", PYXIS_LIB)] if env.runtime == "pyxis" else [])
+    libs = list(zip(LIBRARIES, (JOB_LIB, BAD_NODES_LIB, REQUEUE_LIB, VERIFY_LIB, PYXIS_LIB)))
+    libs = libs if env.runtime == "pyxis" else libs[:-1]
     return {paths.lib / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh": text for name, text in libs}
 
 
 @dataclass(frozen=True)
 class Pins:
     """What a job runs, pinned at submission, which every node checks before training
-    (job_lib.sh verify_nodes): the code snapshot, the squashfs file (none for a registry
+    (verify_lib.sh verify_nodes): the code snapshot, the squashfs file (none for a registry
     image), and the key of the image build whose unpacked container pyxis keeps on the nodes
     (`jobs.runs.image.kept_build`; None: each attempt unpacks its own)."""
 
@@ -172,19 +174,7 @@ def _environment(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None
             lines += ["# The caching allocator grows its segments: what common/layouts.py's memory estimate assumes.",
                       f'[ -n "${{{ALLOC_CONF_NAMES[0]}:-}}${{{ALLOC_CONF_NAMES[1]}:-}}" ] || '
                       f"export {ALLOC_CONF_NAMES[0]}={ALLOC_CONF}"]
-    if _preflight_where(cfg) == "step":
-        lines += [
-            "# The preflight's all-reduce forms a group of its own, on the next free port.",
-            "PREFLIGHT_PORT=$(( MASTER_PORT + 1 ))",
-            'while (exec 3<>"/dev/tcp/$MASTER_ADDR/$PREFLIGHT_PORT") 2>/dev/null; do '
-            "PREFLIGHT_PORT=$(( PREFLIGHT_PORT + 1 )); done",
-        ]
-    elif _preflight_where(cfg) == "training":
-        lines += [
-            "# The preflight's all-reduce (MiB, seconds): the training step's first collective",
-            "# (trainer/preflight.py AllReduceGate); after_preflight reads a failure.",
-            f"export {PREFLIGHT_ENV}={shlex.quote(f'{_preflight_megabytes(cfg)} {cfg.slurm.preflight_timeout}')}",
-        ]
+    lines += preflight.environment(cfg)
     if debug:
         lines += ["export CUDA_LAUNCH_BLOCKING=1", "export TORCH_DISTRIBUTED_DEBUG=DETAIL",
                   "export NCCL_DEBUG_SUBSYS=INIT,NET"]
@@ -219,63 +209,6 @@ def _node_helper(cfg: Config) -> list[str]:
 # container, it only shares its unpacked filesystem.
 PYXIS_PREFIX = "slipway-"
 PYXIS_CONTAINER = "${CONTAINER_NAME}:no_exec"
-
-
-def _preflight_where(cfg: Config) -> Optional[str]:
-    """Where the preflight's all-reduce runs: "training" (slipway's trainer runs it first in its
-    own process group, saving a torch start and a rendezvous per rank), "step" (a train.script of
-    the user's: a step of its own before training), None (no preflight: off, or launch.command,
-    whose image may not hold slipway's trainer)."""
-    if not cfg.slurm.preflight or cfg.launch.command:
-        return None
-    return "step" if cfg.train.script else "training"
-
-
-def _preflight_megabytes(cfg: Config) -> int:
-    return 64 if cfg.slurm.gpus_per_node else 4
-
-
-def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str, warm: bool = False) -> list[str]:
-    """The preflight (trainer/preflight.py): each node's checks, then an all-reduce across every
-    rank, in a step of its own for a train.script (else in the training step)."""
-    s = cfg.slurm
-    where = _preflight_where(cfg)
-    if where is None:
-        return []
-    limit = ["timeout", "-k", "15", str(s.preflight_timeout)]
-    checkpoint_dir = paths.path / cfg.checkpoint.dir
-    # --kill-on-bad-exit=0: a node that fails fast must not cut the other nodes' reports short
-    # (where the cluster sets KillOnBadExit=1), or they would be blamed for sending none.
-    node_srun = [*limit, *srun_argv(nodes=s.nodes, cpus_per_task=s.cpus_per_task, kill_on_bad_exit=False,
-                                    container=container)]
-    node_cmd = [*([Expand("${WARM_CLIENT[@]}")] if warm else []),  # from the warm processes too
-                cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.path),
-                "--checkpoint-dir", str(checkpoint_dir),
-                "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node),
-                *(["--numa-binding"] if cfg.binds_numa else [])]
-    allreduce = [cfg.launch.python, "-m", "trainer.preflight", "allreduce", "--megabytes",
-                 str(_preflight_megabytes(cfg)), "--timeout", str(s.preflight_timeout)]
-    lines = [
-        "",
-        "# Preflight (trainer/preflight.py), each part at most slurm.preflight_timeout: every node checks",
-        "# the run directory, free space and its GPUs, reporting on its own; a node that fails or sends",
-        "# no report is named and the job retried without it. Then every rank joins a short all-reduce",
-        "# (" + ("in a step of its own: the ranks run a train.script" if where == "step" else
-                 "the training step's first collective") + ").",
-        'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG.out"',
-        f'pf_t=$SECONDS; set +e; {prefix}{words(node_srun)} \\\n  {words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
-        'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
-        'preflight_nodes "$PREFLIGHT_LOG" "$pf_rc" $((SECONDS - pf_t))',
-    ]
-    if where != "step":
-        return lines
-    return lines + [
-        'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG-allreduce.out"',
-        "pf_t=$SECONDS; set +e; " + launch_line(cfg, paths, container, prefix, cmd=allreduce, port="PREFLIGHT_PORT",
-                                                 wrap=limit) + ' > "$PREFLIGHT_LOG" 2>&1',
-        'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
-        'preflight_allreduce "$PREFLIGHT_LOG" "$pf_rc" $((SECONDS - pf_t))',
-    ]
 
 
 def _settings(cfg: Config, paths: RunDir, env: Environment, container_named: bool, pins: Pins) -> list[str]:
@@ -393,43 +326,11 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
               *_sourced(paths, library_files(env, paths)),
               *warm_ranks.start_function(cfg, paths, warm, PYXIS_CONTAINER if shared else None), "",
               *_plot_curves(cfg, paths, container, prefix),
-              "# ---- main: this job, from its start to its end ----",
-              f"cd {shlex.quote(str(paths.project))}",
-              'mkdir -p "$LOGS" "$GUTIL" "$HEARTBEATS" "$HANGS"',
-              'rm -f "$STOP_FILE"',
-              "# What this job (its id survives requeues) has used: failure retries, time-limit requeues;",
-              "# and the preemptions (requeues by Slurm), counted apart.",
-              "RETRIES=$(count_events retry) REQUEUES=$(count_events time-limit requeue) PREEMPTIONS=$(count_events preempted:)",
-              "note_preemption",
-              "JOB_TAG=$(job_tag)",
-              *(["CONTAINER_NAME=$(container_name)"] if pyxis else []),
-              'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd " " -)',
-              'event "start on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0}), failure retries '
-              '$RETRIES/$MAX_RETRIES, time-limit requeues $REQUEUES/$MAX_REQUEUES$PREEMPTIONS_SAID"',
-              *(["keep_container"] if pyxis else []),
-              "",
-              *_environment(cfg, paths, code),
-              "",
-              "# Background helpers, ended by the trap whatever happens.",
-              'HELPER_PIDS=() SRUN_PID="" STOP_REQUESTED=0 TRAPPED=0',
-              "trap on_exit EXIT",
-              "trap on_warning USR1",
-              "trap on_cancel USR2",
-              "trap on_term TERM",
-              "trap on_interrupt INT",
-              f'( while sleep {HEARTBEAT_SECONDS}; do date --iso-8601=seconds > "$HEARTBEAT"; done ) &',
-              'HELPER_PIDS+=("$!")',
-              'date --iso-8601=seconds > "$HEARTBEAT"',
-              *_node_helper(cfg),
-              "# Every node checks the code and image against what was submitted" +
-              (", and readies the build's kept container." if pyxis else "."),
-              "verify_nodes",
-              *(["warm_up"] if warm else []),
-              *(["remove_stale_containers"] if pyxis else [])]
+              *_main_start(cfg, paths, code, pyxis, warm is not None)]
     if cfg.launch.pre_launch:
         lines += ["", "# Pre-launch commands from launch.pre_launch (run as written, on the first node)."]
         lines += list(cfg.launch.pre_launch)
-    lines += _preflight(cfg, paths, container, prefix, warm is not None)
+    lines += preflight.steps(cfg, paths, container, prefix, warm is not None)
     lines += [
         "",
         "# The training step, in the background so the signal traps run at once; each task reports",
@@ -455,6 +356,46 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
         "",
     ]
     return "\n".join(lines)
+
+
+def _main_start(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot], pyxis: bool, warm: bool) -> list[str]:
+    """The job's start: its counts and nodes in events.log, its environment, the traps, the helpers,
+    every node's verification."""
+    return [
+        "# ---- main: this job, from its start to its end ----",
+        f"cd {shlex.quote(str(paths.project))}",
+        'mkdir -p "$LOGS" "$GUTIL" "$HEARTBEATS" "$HANGS"',
+        'rm -f "$STOP_FILE"',
+        "# What this job (its id survives requeues) has used: failure retries, time-limit requeues;",
+        "# and the preemptions (requeues by Slurm), counted apart.",
+        "RETRIES=$(count_events retry) REQUEUES=$(count_events time-limit requeue) PREEMPTIONS=$(count_events preempted:)",
+        "note_preemption",
+        "JOB_TAG=$(job_tag)",
+        *(["CONTAINER_NAME=$(container_name)"] if pyxis else []),
+        'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd " " -)',
+        'event "start on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0}), failure retries '
+        '$RETRIES/$MAX_RETRIES, time-limit requeues $REQUEUES/$MAX_REQUEUES$PREEMPTIONS_SAID"',
+        *(["keep_container"] if pyxis else []),
+        "",
+        *_environment(cfg, paths, code),
+        "",
+        "# Background helpers, ended by the trap whatever happens.",
+        'HELPER_PIDS=() SRUN_PID="" STOP_REQUESTED=0 TRAPPED=0',
+        "trap on_exit EXIT",
+        "trap on_warning USR1",
+        "trap on_cancel USR2",
+        "trap on_term TERM",
+        "trap on_interrupt INT",
+        f'( while sleep {HEARTBEAT_SECONDS}; do date --iso-8601=seconds > "$HEARTBEAT"; done ) &',
+        'HELPER_PIDS+=("$!")',
+        'date --iso-8601=seconds > "$HEARTBEAT"',
+        *_node_helper(cfg),
+        "# Every node checks the code and image against what was submitted" +
+        (", and readies the build's kept container." if pyxis else "."),
+        "verify_nodes",
+        *(["warm_up"] if warm else []),
+        *(["remove_stale_containers"] if pyxis else []),
+    ]
 
 
 def _plot_curves(cfg: Config, paths: RunDir, container: list[str], prefix: str) -> list[str]:

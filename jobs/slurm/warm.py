@@ -103,7 +103,7 @@ def start_function(cfg: Config, paths: RunDir, warm: Optional[WarmPlan], contain
     """`warm_start NODELIST COUNT`: the warm step on those nodes, in a session of its own so that
     it outlives this script (the allocation ends it), its output in WARM_LOG. It asks for every
     CPU and GPU the ranks of a node use, as the ranks it starts share its cgroup (a Slurm that
-    tracks processes by cgroup gets none: jobs/slurm/job_lib.sh node_check)."""
+    tracks processes by cgroup gets none: jobs/slurm/verify_lib.sh node_check)."""
     if warm is None:
         return []
     from jobs.slurm.ranks import Expand, Value, container_args, words
