@@ -26,8 +26,8 @@ def data_status(data: Any, cache_dir: Path | str):
 
 
 def prepare(data: Any, cache_dir: Path | str, *, num_proc: int, progress: Any):
-    """Tokenize what `cache_dir` lacks of `data` (trainer.prepare.PrepareResult); a damaged cache is
-    a ConfigError naming data.cache_dir."""
+    """Tokenize what `cache_dir` lacks of `data` (trainer.prepare.CacheStatus after); a damaged cache
+    is a ConfigError naming data.cache_dir."""
     from common.errors import ConfigError
     from trainer.data_cache import DataCacheError
     from trainer.prepare import prepare as tokenize

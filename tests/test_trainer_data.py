@@ -23,8 +23,8 @@ import torch
 import trainer.data_cache as data_cache
 from common.errors import ConfigError
 from trainer.config import DataSection, ModelSection, RunSection, TrainSection, TrainerConfig
-from trainer.data import Sampler, build_data, check_vocab_size
-from trainer.data_cache import default_cache_dir
+from trainer.data import Sampler, build_data
+from trainer.data_cache import resolve_cache_dir
 from trainer.data_sources import BUILTIN_TOKENIZER, resolve_source
 from trainer.data_tokenize import load_tokenizer, resolve_tokenizer
 
@@ -98,7 +98,7 @@ def test_builtin_corpus_built_once_then_reused(tmp_path, monkeypatch):
 
 
 def test_default_cache_dir_is_beside_runs(tmp_path):
-    assert default_cache_dir(tmp_path / "runs" / "exp1") == tmp_path.resolve() / ".cache" / "tokens"
+    assert resolve_cache_dir(DataSection(), tmp_path / "runs" / "exp1") == tmp_path.resolve() / ".cache" / "tokens"
     cfg = config(tmp_path, dataset=str(write_jsonl(tmp_path / "d.jsonl", DOCS)))
     cfg.data.cache_dir = None
     build_data(cfg, tmp_path / "runs" / "exp1", 0, 1)
@@ -497,13 +497,17 @@ def test_missing_tokenizer_path(tmp_path):
 
 
 def test_model_vocab_smaller_than_tokenizer(tmp_path):
+    """The trainer's check, on whatever its data builder says the tokenizer holds."""
+    from trainer.train import train
+
     cfg = config(tmp_path, dataset=str(write_jsonl(tmp_path / "d.jsonl", DOCS)))
     cfg.model.vocab_size = 1000
-    err = _one_line_error(cfg, tmp_path)
-    assert err.field == "model.vocab_size" and "set model.vocab_size >= 4096" in str(err)
-    check_vocab_size(4096, 4096)
+    with pytest.raises(ConfigError, match="^model.vocab_size: 1000 is smaller .*'builtin' \\(4096\\): set "
+                                          "model.vocab_size >= 4096$"):
+        train(cfg, tmp_path)
+    cfg.model.vocab_size, cfg.data.tokenizer = 50000, "gpt2"
     with pytest.raises(ConfigError, match="^model.vocab_size: 50000 is smaller .*'gpt2' \\(50257\\)"):
-        check_vocab_size(50000, 50257, "gpt2")
+        train(cfg, tmp_path, data=lambda *args: (None, None, 50257))
 
 
 def test_other_bad_inputs(tmp_path):

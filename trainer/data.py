@@ -40,13 +40,10 @@ import torch
 from common import environ
 from common.errors import ConfigError
 from trainer.config import TrainerConfig
-from trainer.data_cache import default_cache_dir, ensure_tokens, resolve_cache_dir
-from trainer.data_tokenize import load_tokenizer
-from trainer.prepare import CacheStatus, cache_status
+from trainer.data_cache import ensure_tokens, resolve_cache_dir
+from trainer.prepare import cache_status
 
 log = logging.getLogger(__name__)
-
-__all__ = ["Sampler", "build_data", "check_vocab_size", "default_cache_dir", "load_tokenizer", "resolve_cache_dir"]
 
 
 class Sampler:
@@ -122,14 +119,6 @@ class Sampler:
                 f"x dp {self.dp_size}, rank {self.dp_rank}, consumed {self.consumed_samples:,})")
 
 
-def check_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int, tokenizer: str = "") -> None:
-    """The embedding must have a row for every token id the tokenizer emits."""
-    if model_vocab_size < tokenizer_vocab_size:
-        raise ConfigError("model.vocab_size",
-                          f"{model_vocab_size} is smaller than the vocabulary of data.tokenizer "
-                          f"'{tokenizer}' ({tokenizer_vocab_size}): set model.vocab_size >= {tokenizer_vocab_size}")
-
-
 def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) -> tuple[Sampler, Sampler | None, int]:
     """(train sampler, validation sampler or None, tokenizer vocabulary size) for this dp rank."""
     data, batch = cfg.data, cfg.train.micro_batch_size
@@ -137,7 +126,10 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
     status = cache_status(data, resolve_cache_dir(data, run_dir))
     if not status.prepared:
         if not status.tokenize_in_job:
-            raise ConfigError("data.tokenize_in_job", _not_prepared(status))
+            raise ConfigError("data.tokenize_in_job", "the token cache is not prepared for this run: run `slipway "
+                              "prepare CONFIG` before submitting (or `slipway submit CONFIG --prepare`), or set "
+                              "data.tokenize_in_job: true to let rank 0 tokenize it while the other ranks wait; "
+                              + "; ".join(e.describe() for e in status.missing))
         if rank0:
             (log.info if data.dataset == "builtin" else log.warning)(
                 "the token cache lacks %s: rank 0 tokenizes it now while the other ranks wait "
@@ -153,7 +145,6 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
                          f"{index['n_tokens']:,}", index["source"], index.get("prepared_by") or "an earlier slipway",
                          index.get("created", "?"))
     train = files["train"]
-    check_vocab_size(cfg.model.vocab_size, train.vocab_size, data.tokenizer)
     train_tokens, val_tokens = train.tokens, None
     if "validation" in files:
         val_tokens = files["validation"].tokens
@@ -176,22 +167,6 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
                  f"{train_sampler.n_windows:,}", f"{val_sampler.n_windows:,} windows" if val_sampler else "none",
                  train.path)
     return train_sampler, val_sampler, train.vocab_size
-
-
-def _not_prepared(status: CacheStatus) -> str:
-    """Why the job stops, and the two ways on: one line."""
-    first, *more = status.missing
-    if first.problem:
-        state = first.problem
-    else:
-        now = f"being written by {first.writer}" if first.writer else "missing"
-        so_far = f", {first.partial_tokens:,} tokens so far" if first.partial_tokens else ""
-        state = f"{first.paths.bin.name} {now}{so_far}"
-    others = f" (and {len(more)} more split)" if more else ""
-    return (f"the token cache for {first.source.description} with {first.tokenizer.description}{others} is not "
-            f"prepared in {status.cache_dir} ({state}): run `slipway prepare CONFIG` before submitting (or "
-            "`slipway submit CONFIG --prepare`), or set data.tokenize_in_job: true to let rank 0 tokenize it while "
-            "the other ranks wait")
 
 
 def _check_windows(tokens: np.ndarray, seq_len: int, source: str, where: str) -> None:

@@ -66,29 +66,13 @@ TIMEOUT_S = 1800.0  # $SLIPWAY_DATA_TIMEOUT_S
 POLL_S = 1.0
 
 
-def project_cache_dir(project_dir: Path) -> Path:
-    """The default `data.cache_dir` of a project: `<project>/.cache/tokens`,
-    shared by all its runs (independent of HF_HOME, which only holds hub
-    downloads)."""
-    return Path(project_dir).resolve() / ".cache" / "tokens"
-
-
-def default_cache_dir(run_dir: Path) -> Path:
-    """`project_cache_dir` of `runs/RUN`'s project: `<run_dir>/../../.cache/tokens`."""
-    return project_cache_dir(Path(run_dir).resolve().parent.parent)
-
-
-def resolve_cache_dir(data: DataSection, run_dir: Path | None = None, *, project_dir: Path | None = None) -> Path:
-    """`data.cache_dir` (`~` and `$VARS` expanded, relative to the working
-    directory), else the default of the run's project (`run_dir`) or of
-    `project_dir` (the host, before a run exists)."""
+def resolve_cache_dir(data: DataSection, run_dir: Path) -> Path:
+    """`data.cache_dir` (`~` and `$VARS` expanded, relative to the working directory), else the
+    project's own `<project>/.cache/tokens` (`runs/RUN/../../`), shared by all its runs and
+    independent of HF_HOME, which only holds hub downloads; the host finds the same place."""
     if data.cache_dir:
         return Path(os.path.expanduser(os.path.expandvars(data.cache_dir))).resolve()
-    if project_dir is not None:
-        return project_cache_dir(project_dir)
-    if run_dir is None:
-        raise ValueError("resolve_cache_dir needs run_dir or project_dir when data.cache_dir is unset")
-    return default_cache_dir(run_dir)
+    return Path(run_dir).resolve().parent.parent / ".cache" / "tokens"
 
 
 class DataCacheError(RuntimeError):
@@ -369,18 +353,23 @@ class CacheEntry:
     source: TextSource
     tokenizer: TokenizerSpec
     paths: CachePaths
-    prepared: bool  # the index and the tokens are there, and agree
-    index: dict[str, Any] | None  # the index, when prepared
+    index: dict[str, Any] | None  # the index of a complete entry (its tokens there and agreeing), else None
     partial_tokens: int  # tokens an unfinished writer recorded (a rerun continues from there)
     writer: str | None  # "pid N on HOST" while a writer holds the lock
     problem: str | None  # a damaged entry: what is wrong and what to do
+    tokenized: bool = False  # this process tokenized it (`slipway prepare`)
+
+    @property
+    def prepared(self) -> bool:
+        return self.index is not None
 
     def describe(self) -> str:
         """One line for a person."""
         what = f"{self.role} {self.source.description} with {self.tokenizer.description}"
-        if self.prepared and self.index is not None:
-            return (f"{what}: prepared, {self.index['n_tokens']:,} tokens in {self.paths.bin} "
-                    f"(by {self.index.get('prepared_by') or 'an earlier slipway'}, {self.index.get('created', '?')})")
+        if self.index is not None:
+            return (f"{what}: {'tokenized' if self.tokenized else 'prepared'}, {self.index['n_tokens']:,} tokens in "
+                    f"{self.paths.bin} (by {self.index.get('prepared_by') or 'an earlier slipway'}, "
+                    f"{self.index.get('created', '?')})")
         if self.problem:
             return f"{what}: damaged, {self.problem}"
         state = f"being written by {self.writer}" if self.writer else "not prepared"
@@ -398,8 +387,8 @@ def entry_status(role: str, source: TextSource, tokenizer: TokenizerSpec, cache_
     except OSError as exc:  # not a directory, no permission
         raise ConfigError("data.cache_dir", f"cannot read '{cache_dir}' ({exc.strerror}); "
                           "set data.cache_dir to a shared directory this user can write") from None
-    return CacheEntry(role, source, tokenizer, paths, index is not None, index,
-                      partial_tokens(paths) if index is None else 0, _live_writer(paths.lock), problem)
+    return CacheEntry(role, source, tokenizer, paths, index, partial_tokens(paths) if index is None else 0,
+                      _live_writer(paths.lock), problem)
 
 
 def _live_writer(lock: Path) -> str | None:
