@@ -1,4 +1,5 @@
-"""Distributed checkpoints: DCP shards in atomic, pruned step directories.
+"""Distributed checkpoints: DCP shards in atomic, pruned step directories (what users see of
+them: docs/trainer.md, "Checkpoints").
 
 Layout of `ckpt_dir` (shared by every node):
 
@@ -9,38 +10,21 @@ Layout of `ckpt_dir` (shared by every node):
         COMPLETE            JSON written last, before the rename: step, world size, time
     .tmp-step-000200/       a save in progress, or the remains of a crash: never loaded
 
-A save writes everything into `.tmp-step-N/`, all ranks meet at a barrier,
-then rank 0 writes `COMPLETE` and renames the directory to `step-N/` (one
-`rename(2)`, then an fsync of the parent). A crash at any point leaves the
-previous checkpoints as they were; the next successful save deletes the
-leftovers. Old checkpoints are pruned the same way round: renamed out of the
-`step-*` namespace first, deleted after, so a half-deleted one is never seen;
-the deleting runs in a thread of its own, off the training step's path, and the
-next prune or `close()` waits for it. Rank 0 records each save's duration and size
-(common/rundir.py SaveLine), which the batch script's time-limit warning is sized by.
+A save writes everything into `.tmp-step-N/`, all ranks meet at a barrier, then rank 0 writes
+`COMPLETE` and renames the directory to `step-N/` (one `rename(2)`, then an fsync of the parent).
+Old checkpoints are pruned the same way round: renamed out of the `step-*` namespace first,
+deleted after (in a thread of their own), so a half-deleted one is never seen. Saves, loads and
+the waits for background work run inside `pause(what)`, the hang watchdog's.
 
-Saves, loads and the waits for background work run inside `pause(what)`, which
-the trainer sets to its hang watchdog's: checkpoint work has a bound of its own
-(train.checkpoint_timeout) and never counts as a hung step.
+DCP stores every tensor under its full-model name with its shard offsets, so a checkpoint saved by
+one layout loads into any other. What differs per rank and is not a shard of anything (RNG
+streams) goes beside the shards in one file per rank: a state object with `rank_local = True`.
 
-DCP (`torch.distributed.checkpoint`) stores every tensor under its full-model
-name with its shard offsets, so a checkpoint saved by one layout (FSDP2, TP
-DTensors, pipeline stages that each hold some layers, DDP, one process) loads
-into any other. What differs per rank and is not a shard of anything (RNG
-streams) goes beside the shards in one file per rank instead: a state object
-with `rank_local = True` (trainer/states.py `RNGState`) takes that path.
-
-A save whose floating-point values are not all finite (on any rank) is refused
-with `NonFiniteError` before anything is written: a checkpoint is never a NaN
-trap to resume into, and the good ones stay in place.
-
-A save that cannot fit is refused with `CheckpointWriteError` before anything is
-written: the room it needs is the size of the latest complete checkpoint (or,
-for the first one, the trainer's estimate from the model's size), checked by
-rank 0 against the free space where checkpoints go. When the disk fills while
-the shards are written (another job wrote there meanwhile), the failure that
-torch reports (for a short write, `unexpected pos 704 vs 598`) becomes the same
-one-line error, naming the directory, the free space and the fix.
+A save is refused before anything is written when a value is not finite on any rank
+(`NonFiniteError`: a checkpoint is never a NaN trap to resume into) or when it cannot fit
+(`CheckpointWriteError`: the room it needs is the latest checkpoint's size, or the trainer's
+estimate before the first); a disk that fills during the write (torch's `unexpected pos 704 vs
+598`) becomes the same one-line error.
 """
 
 from __future__ import annotations
@@ -261,22 +245,16 @@ class Checkpointer:
     def _check_finite(self, step: int, state: dict[str, Any]) -> None:
         """Raise NonFiniteError on every rank if any rank's shards hold a NaN or an infinity."""
         bad = nonfinite_names(state)
-        flag = torch.tensor([float(bool(bad))])
-        if self.distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
-        if not flag.item():
-            return
         names = [bad]
         if self.distributed:
             names = [None] * self.world_size
             dist.all_gather_object(names, bad, group=self._pg)
         found = sorted({n for rank_names in names for n in rank_names})
-        latest = self._from_rank0(self.latest_step() if self.rank == 0 else None)
-        raise NonFiniteError(f"not saving checkpoint step {step}: {', '.join(found[:3])}"
-                             f"{f' and {len(found) - 3} more' if len(found) > 3 else ''} "
-                             f"{'holds' if len(found) == 1 else 'hold'} non-finite values "
-                             f"(NaN or inf); the latest checkpoint stays "
-                             f"{step_dir(self.dir, latest) if latest is not None else 'none'}")
+        if found:
+            raise NonFiniteError(f"not saving checkpoint step {step}: {', '.join(found[:3])}"
+                                 f"{f' and {len(found) - 3} more' if len(found) > 3 else ''} "
+                                 f"{'holds' if len(found) == 1 else 'hold'} non-finite values (NaN or inf); "
+                                 f"{self._latest_stays()}")
 
     def _wait_pending(self) -> None:
         pending, self._pending = self._pending, None

@@ -108,18 +108,14 @@ def init_distributed(timeout: Optional[timedelta] = None) -> DistEnv:
     return DistEnv(rank, local_rank, world_size, device, owns)
 
 
-def destroy_distributed(env: DistEnv) -> None:
-    if env.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @contextlib.contextmanager
 def distributed_session(timeout: Optional[timedelta] = None) -> Iterator[DistEnv]:
     env = init_distributed(timeout)
     try:
         yield env
     finally:
-        destroy_distributed(env)
+        if env.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------
