@@ -56,7 +56,7 @@ from trainer.config import CheckpointSection
 from common.fs import fsync_dir, write_atomic
 from common.rundir import CHECKPOINT_MARKER, SaveLine, checkpoint_complete, complete_checkpoints
 from common.layouts import size
-from trainer.preflight import check_free_space
+from trainer.topology import check_free_space
 from trainer.states import local_tensors, nonfinite_names
 
 log = logging.getLogger(__name__)
@@ -112,22 +112,15 @@ class _Pending:
 
 
 class Checkpointer:
-    """Saves and loads `dict[str, Stateful]` at `ckpt_dir/step-NNNNNN/`.
-
-    Every rank constructs it and calls every method (all are collective when a
-    process group exists), in the same order. Rank 0 alone touches directory names; every rank writes
-    its own shards and its rank-local file."""
+    """Saves and loads `dict[str, Stateful]` at `ckpt_dir/step-NNNNNN/`. Every rank constructs it and
+    calls every method (all are collective), in the same order; rank 0 alone touches directory names."""
 
     def __init__(self, ckpt_dir: Path, cfg: CheckpointSection, expected_bytes: int | None = None,
                  timeout: timedelta | None = None, async_save: Optional[bool] = None,
                  pause: Optional[Callable[[str], AbstractContextManager]] = None, saves: Optional[Path] = None):
-        """`expected_bytes`: the size of one checkpoint, for the room check of the first save
-        (later ones use the latest checkpoint's real size); None checks only later saves.
-        `timeout`: its process group's (trainer.watchdog.collective_timeout). `async_save`:
-        checkpoint.async_save resolved for the device (None: true only if the config says true).
-        `pause(what)`: a context the checkpoint work runs in (trainer.watchdog.HangWatchdog.paused).
-        `saves`: where rank 0 records each completed save's duration and size (RunDir.saves), which
-        the batch script's warning lead reads."""
+        """`expected_bytes`: one checkpoint's size before the first exists (None: no room check
+        then). `async_save`: checkpoint.async_save resolved for the device (None: the config's true
+        only). `saves`: where rank 0 records each save's duration and size (the warning lead's)."""
         self._saves = saves
         self.dir = Path(ckpt_dir)
         self.cfg = cfg
@@ -149,26 +142,22 @@ class Checkpointer:
     # ---- reading ------------------------------------------------------------
 
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step as this process sees the directory."""
         steps = complete_checkpoints(self.dir)
         return steps[-1] if steps else None
 
     def load_latest(self, states: dict[str, Any]) -> int:
         """Load the newest complete checkpoint into `states` in place; return its step (0 if none)."""
         with self._pause("the checkpoint load"):
-            return self._load_latest(states)
-
-    def _load_latest(self, states: dict[str, Any]) -> int:
-        self._wait_pending()
-        step = self._from_rank0(self.latest_step())
-        if step is None:
-            return 0
-        path = step_dir(self.dir, step)
-        shared, local = _split(states)
-        if shared:
+            self._wait_pending()
+            step = self._from_rank0(self.latest_step())
+            if step is None:
+                return 0
+            path = step_dir(self.dir, step)
+            shared, local = _split(states)
             try:
-                dcp.load(shared, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed,
-                         planner=_LoadPlanner())
+                if shared:
+                    dcp.load(shared, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed,
+                             planner=_LoadPlanner())
             except (Exception, CheckpointException) as exc:  # the latter is a BaseException: DCP's wrapper
                 mismatch = _SIZE_MISMATCH.search(str(exc))
                 if mismatch is None:
@@ -177,19 +166,17 @@ class Checkpointer:
                 raise ConfigError("checkpoint", f"{path} holds {name} of shape {saved}, this model has {current}: "
                                   "resume with the model section it was saved with (one saved before vocabulary "
                                   "padding needs model.pad_vocab_multiple: 1), or start another run") from None
-        self._load_rank_local(path, local)
-        log.info("loaded checkpoint %s", path)
-        return step
+            self._load_rank_local(path, local)
+            log.info("loaded checkpoint %s", path)
+            return step
 
     # ---- writing ------------------------------------------------------------
 
     def save(self, step: int, states: dict[str, Any], final: bool = False, step_s: float = 0.0) -> None:
-        """Save `states` as checkpoint `step` (0 included, for save_initial). With
-        `checkpoint.async_save` this returns once the state is staged in CPU memory and the
-        files are written in the background, made visible by the next save or `close()`;
-        `final=True` always saves synchronously. A complete checkpoint of the same step is
-        never overwritten: the save is skipped with a warning. `step_s`, the mean step time before
-        it, goes into its record beside its duration and size."""
+        """Save `states` as checkpoint `step` (0 included, for save_initial). An async save returns
+        once the state is staged in CPU memory and is made visible by the next save or `close()`;
+        `final=True` always saves synchronously. A complete checkpoint of the same step is never
+        overwritten. `step_s`, the mean step time before it, goes into its record."""
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
         with self._pause(f"the checkpoint save of step {step}"):
@@ -434,9 +421,7 @@ def quiet_single_process() -> None:
 
 
 def _dir_status(path: Path) -> str:
-    if not path.exists():
-        return "absent"
-    return "complete" if checkpoint_complete(path) else "foreign"
+    return "absent" if not path.exists() else "complete" if checkpoint_complete(path) else "foreign"
 
 
 def _saved_world_size(path: Path) -> Any:

@@ -12,26 +12,17 @@ One dataset split + one tokenizer = one cache entry in `data.cache_dir`:
     <slug>-<key>.lock         held by the one process that writes (pid, host)
     <slug>-<key>.error        why the writer failed, for the ranks waiting on it
 
-The key hashes the dataset's identity (hub name, config and split; or each
-local file's path, size and mtime), the text column, the tokenizer's
-identity (hub name, or the sha256 of its file) and `FORMAT_VERSION`. The
-sequence length, `num_proc` and who writes are not part of it: the cache is
-a flat stream and windows are cut when it is read, so one entry serves every
-run and every `data.seq_len`.
+The key hashes the dataset's identity (hub name, config and split; or each local file's path,
+size and mtime), the text column, the tokenizer's identity and `FORMAT_VERSION`; not the sequence
+length: windows are cut when the flat stream is read, so one entry serves every run.
 
-Writers are `slipway prepare` (`trainer.prepare`, before the allocation) or,
-when allowed, global rank 0 of the job (env `RANK`, default 0) while the
-others poll for the index. The writer touches its lock every `HEARTBEAT_S`
-seconds; a lock whose heartbeat stopped for `stale_s` (or whose pid is gone,
-on the same host) is stale, and a writer takes it over, continuing the dead
-one's partial file. Waiters give up after `timeout_s` without a live writer,
-naming the lock. The index is written last, atomically, so a crash never
-leaves an index that points at partial data; and since two writers would
-write the same bytes at the same offsets, even a broken lock cannot corrupt
-the cache.
-
-numpy is imported only where tokens are mapped (`open_tokens`): `entry_status`
-reads an index and file sizes, so the login node's base install can run it.
+Writers are `slipway prepare` or, when allowed, global rank 0 of the job while the others poll for
+the index. The writer touches its lock every `HEARTBEAT_S` seconds; a lock whose heartbeat stopped
+for `stale_s` (or whose pid is gone, on the same host) is taken over, its partial file continued.
+Waiters give up after `timeout_s` without a live writer, naming the lock. The index is written
+last, atomically; and since two writers write the same bytes at the same offsets, even a broken
+lock cannot corrupt the cache. numpy is imported only where tokens are mapped (`open_tokens`), so
+the login node's base install can run `entry_status`.
 """
 
 from __future__ import annotations
@@ -107,12 +98,6 @@ def _host() -> str:
     except OSError:
         ns = ""
     return f"{socket.gethostname()}/{ns}"
-
-
-def _launch_id() -> str:
-    """The same for every rank of one launch, so waiters only trust its errors."""
-    ids = [os.environ.get(k, "") for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID")]
-    return "/".join(ids) if any(ids) else ""
 
 
 def _sweep_tmp(paths: CachePaths) -> None:
@@ -263,7 +248,9 @@ def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path,
                           "set data.cache_dir to a writable shared directory") from None
     paths = cache_paths(source, tokenizer, cache_dir)
     watch = LockWatch(paths.lock, stale_s)
-    launch = _launch_id()
+    # The same for every rank of one launch, so waiters only trust its errors.
+    ids = [os.environ.get(k, "") for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID")]
+    launch = "/".join(ids) if any(ids) else ""
     last_activity = time.monotonic()
     said_waiting = False
     while True:

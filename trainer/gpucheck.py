@@ -21,7 +21,7 @@ import platform
 import sys
 from typing import Any, Optional
 
-from trainer.preflight import process_group, time_all_reduce
+from trainer.preflight import time_all_reduce
 from trainer.topology import cpu_ranges, gpu_numa_node, gpu_pci_addresses, numa_nodes, numactl_show, tool_output
 
 
@@ -154,15 +154,18 @@ def attention(device_name: str) -> dict[str, Any]:
 
 def allreduce(sizes: list[float], iters: int) -> Optional[dict[str, Any]]:
     """Bus bandwidth of all-reduces of each size across this torchrun world (rank 0's answer)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    with process_group(120) as device:
+    from trainer.parallel import distributed_session
+
+    with distributed_session(timedelta(seconds=120)) as env:
         rows = []
         for megabytes in sizes:
-            wrong, numel, per, bus = time_all_reduce(megabytes, iters, device)
+            wrong, numel, per, bus = time_all_reduce(megabytes, iters, env.device)
             rows.append({"mib": megabytes, "ms": per * 1e3, "bus_gbs": bus, "wrong": wrong})
-        return {"backend": dist.get_backend(), "world": dist.get_world_size(), "sizes": rows} \
-            if dist.get_rank() == 0 else None
+        return {"backend": dist.get_backend(), "world": dist.get_world_size(), "sizes": rows} if env.rank == 0 else None
 
 
 def main(argv: Optional[list[str]] = None) -> int:

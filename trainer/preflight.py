@@ -20,7 +20,6 @@ Exit status: 0 passed, PREFLIGHT_EXIT (5) failed, 2 bad arguments.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import sys
@@ -28,14 +27,14 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Optional
 
 from common.environ import count as env_count
 from common.rundir import PREFLIGHT_EXIT
 from common.events import append_event
 from common.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE
 from common.layouts import size
-from trainer.topology import gpu_pci_addresses, numa_binding, numactl_show, tool_output
+from trainer.topology import check_free_space, gpu_pci_addresses, numa_binding, numactl_show, tool_output
 from trainer.watchdog import node_name
 
 # ---------------------------------------------------------------- node checks
@@ -55,21 +54,6 @@ def check_run_dir(run_dir: Path) -> tuple[bool, str]:
     if seen != node_name():
         return False, f"run directory {run_dir}: a file written there read back as {seen!r}"
     return True, "run directory writable"
-
-
-def check_free_space(checkpoint_dir: Path, needed: int) -> tuple[bool, str]:
-    """Room for one more checkpoint on the filesystem of `checkpoint_dir` (or its nearest existing parent)."""
-    where = checkpoint_dir
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        free = shutil.disk_usage(where).free
-    except OSError as exc:
-        return False, f"free space at {where} (where checkpoints go) cannot be read ({exc.strerror or exc})"
-    if free < needed:
-        return False, (f"{size(free)} free at {where} (where checkpoints go), one checkpoint needs about "
-                       f"{size(needed)}: free space there or set checkpoint.dir elsewhere")
-    return True, f"{size(free)} free for checkpoints (one needs about {size(needed)})"
 
 
 def check_write_speed(checkpoint_dir: Path, needed: int, seconds: float = 3.0) -> tuple[bool, str]:
@@ -179,36 +163,14 @@ def node_checks(run_dir: Path, checkpoint_dir: Path, needed_bytes: int, gpus: in
 # ---------------------------------------------------------------- the collective
 
 
-@contextlib.contextmanager
-def process_group(timeout_s: float) -> Iterator[Any]:
-    """This launch's ranks (torchrun's variables, else Slurm's) in a default process group of their
-    own, on this rank's device (nccl on CUDA, gloo on the CPU), destroyed after."""
-    import torch
-    import torch.distributed as dist
-
-    for name, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS")):
-        if slurm in os.environ:
-            os.environ.setdefault(name, os.environ[slurm])
-    local = env_count("LOCAL_RANK")
-    local = env_count("SLURM_LOCALID") or 0 if local is None else local
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
-                            device_id=device if cuda else None)
-    try:
-        yield device
-    finally:
-        dist.destroy_process_group()
-
-
 def all_reduce_check(megabytes: float, iters: int, timeout_s: float) -> tuple[bool, str]:
     """`sum_across_ranks` in a process group of its own (the separate step of a `train.script`)."""
     if (env_count("WORLD_SIZE") or env_count("SLURM_NTASKS") or 1) == 1:  # torchrun's, else Slurm's
         return True, "a single rank: no collective to test"
-    with process_group(timeout_s) as device:
-        return sum_across_ranks(megabytes, iters, device)
+    from trainer.parallel import distributed_session
+
+    with distributed_session(timedelta(seconds=timeout_s)) as env:
+        return sum_across_ranks(megabytes, iters, env.device)
 
 
 def sum_across_ranks(megabytes: float, iters: int, device) -> tuple[bool, str]:

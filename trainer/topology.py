@@ -1,6 +1,6 @@
-"""What a node is, as its tools and the kernel say it: NUMA nodes and their CPUs, the GPUs' PCI
-addresses and NUMA nodes, and whether `torchrun --numa-binding` can bind each GPU's rank. Read by
-the preflight (trainer/preflight.py) and `slipway gpu-check` (trainer/gpucheck.py); no torch at
+"""What a node is and has, as its tools and the kernel say it: room where checkpoints go, NUMA nodes
+and their CPUs, the GPUs' PCI addresses and NUMA nodes, and whether `torchrun --numa-binding` can
+bind each GPU's rank. Read by the preflight, the checkpointer and `slipway gpu-check`; no torch at
 import."""
 
 from __future__ import annotations
@@ -9,6 +9,23 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Optional
+
+from common.layouts import size
+
+def check_free_space(checkpoint_dir: Path, needed: int) -> tuple[bool, str]:
+    """Room for one more checkpoint on the filesystem of `checkpoint_dir` (or its nearest existing parent)."""
+    where = checkpoint_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError as exc:
+        return False, f"free space at {where} (where checkpoints go) cannot be read ({exc.strerror or exc})"
+    if free < needed:
+        return False, (f"{size(free)} free at {where} (where checkpoints go), one checkpoint needs about "
+                       f"{size(needed)}: free space there or set checkpoint.dir elsewhere")
+    return True, f"{size(free)} free for checkpoints (one needs about {size(needed)})"
+
 
 def tool_output(*argv: str) -> tuple[Optional[str], str]:
     """A tool's standard output; None and why where it gives none (not installed, did not run, failed)."""
