@@ -22,26 +22,33 @@ TORCH_SIZE := $(if $(filter cpu,$(TORCH)),0.9 GB on disk from a 0.2 GB download,
 # this many seconds, name lookup included, before pip's own indexes serve torch instead.
 TORCH_PROBE_SECONDS ?= 4
 
-# `make local train.steps=50` sets a make variable named train.steps, which no recipe reads: a
-# config override given where make takes its variables is refused, with the form that passes it.
-OVERRIDES_GIVEN := $(strip $(foreach v,$(.VARIABLES),$(if $(and $(filter command line,$(origin $(v))),$(findstring .,$(v))),$(v)=$($(v)))))
-ifneq ($(OVERRIDES_GIVEN),)
-$(error $(OVERRIDES_GIVEN): a config override goes in ARGS, not to make: make $(or $(MAKECMDGOALS),local)$(if $(filter-out tiny_cpu,$(CONFIG)), CONFIG=$(CONFIG)) ARGS="$(strip $(ARGS) $(OVERRIDES_GIVEN))")
+# The variables this Makefile reads. Any other given on make's command line would reach no recipe
+# (`make local STEPS=50`, `make local train.steps=50`): refused, naming the form that passes it to
+# slipway, ARGS. One door for slipway's settings, not a make variable for each of its flags.
+KNOWN_VARIABLES := PYTHON CONFIG ARGS NODES TORCH TORCH_SPEC TORCH_INDEX TORCH_PROBE_SECONDS TEST_WORKERS \
+                   OLDEST_TORCH BASE_IMAGE OUT WHEELS WHEELS_OUT PLATFORM PYTHON_VERSION TORCHTITAN HAVE
+GIVEN_UNKNOWN := $(strip $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(if $(filter $(v),$(KNOWN_VARIABLES)),,$(v)))))
+ARGS_FORM = $(if $(findstring .,$(1)),$(1)=$($(1)),$(if $(filter STEPS,$(1)),--train-steps $($(1))))
+GIVEN_FORM := $(strip $(ARGS) $(foreach v,$(GIVEN_UNKNOWN),$(call ARGS_FORM,$(v))))
+ifneq ($(GIVEN_UNKNOWN),)
+$(error $(foreach v,$(GIVEN_UNKNOWN),$(v)=$($(v))): make reads no such variable (make help lists those it does); slipway's settings go in ARGS (slipway local --help lists its flags): make $(or $(MAKECMDGOALS),local)$(if $(filter-out tiny_cpu,$(CONFIG)), CONFIG=$(CONFIG)) ARGS="$(or $(GIVEN_FORM),...)")
 endif
 
-.PHONY: help setup torch-index setup-oldest setup-oldest-torch prepare local lint test test-oldest test-gpu test-fast submit dry-run shell image image-prune status doctor edf \
-        cluster-up cluster-down bench clean
+.PHONY: help setup torch-index setup-oldest setup-oldest-torch prepare local lint test test-oldest test-gpu test-fast test-count submit dry-run shell image image-prune status doctor edf \
+        cluster-up cluster-down bench clean pyxis
 
 help:
-	@echo "make local [CONFIG=tiny_cpu] [TORCH=cpu|cuda]  train on this machine (no Slurm, no container)"
-	@echo "make test                            all 1,230 tests (root for its own Slurm and podman; 15-30 min; torch 2.10 too)"
+	@echo "make local [CONFIG=tiny_cpu] [ARGS='--train-steps 50'] [TORCH=cpu|cuda]  train on this machine (no Slurm, no container)"
+	@echo "make test                            every test (root for its own Slurm and podman; torch 2.10 too); pytest says its time"
 	@echo "make lint                            ruff and vulture (make test runs it first)"
-	@echo "make test-fast                       1,015 tests of seconds (2-3 min idle, 2 cores): no Slurm, podman or training"
+	@echo "make test-fast                       the tests of seconds: no Slurm, podman or training"
+	@echo "make test-count                      how many tests each tier holds, counted now"
 	@echo "make image [CONFIG=...] [BASE_IMAGE=...]  podman build + enroot import -> images/*.sqsh"
 	@echo "make prepare CONFIG=tiny_wikitext [ARGS=--as-job]  tokenise the dataset before the allocation"
 	@echo "make submit CONFIG=tiny_wikitext [ARGS='--nodes 2 train.steps=100']"
 	@echo "make shell CONFIG=...                interactive srun --pty bash in the image"
 	@echo "make status | doctor CONFIG=... | edf CONFIG=... | cluster-up | cluster-down | bench"
+	@echo "make pyxis [PYXIS_SOURCES=DIR]       enroot + pyxis from their release sources into .pyxis/ (pytest -m pyxis)"
 	@echo "make gpu-check [OUT=gpu-check] [WHEELS=DIR]   on a GPU node, offline, 10 min: does it train correctly and fast?"
 	@echo "make gpu-check-wheels [PYTHON_VERSION=3.12] [PLATFORM=manylinux_2_28_x86_64] [TORCHTITAN=1] [HAVE=FILE]"
 
@@ -145,6 +152,12 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q --durations=10 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) \
 	    -m "not slurm and not podman and not multiproc and not slow" $(ARGS)
 
+# The tiers' sizes, counted now by pytest's collection (the figures no document keeps).
+test-count: $(STAMP)
+	@$(PY) -m pytest -q --collect-only -m "not slurm and not podman and not multiproc and not slow" | tail -1 \
+	    | sed 's/^/make test-fast: /'
+	@$(PY) -m pytest -q --collect-only | tail -1 | sed 's/^/make test:      /'
+
 submit: $(STAMP)
 	$(PY) -m jobs submit $(CONFIG) $(ARGS)
 
@@ -178,6 +191,81 @@ cluster-up: $(STAMP)
 
 cluster-down: $(STAMP)
 	$(PY) -m jobs cluster down
+
+# The real container runtime of most Slurm clusters, built here from its release sources: enroot
+# (its prefix in $(PYXIS_RUNTIME)/enroot) and pyxis ($(PYXIS_RUNTIME)/spank_pyxis.so, loaded by the
+# nodes of `slipway cluster up --plugstack $(PYXIS_RUNTIME)/plugstack.conf`), for the tests marked
+# pyxis (tests/test_pyxis.py finds them there) and for trying pyxis on the local cluster
+# (docs/clusters.md). PYXIS_SOURCES: a folder holding the two release archives, checked against
+# the sha256 pinned here (those of `git archive` of the release tags). enroot's git submodules are
+# empty in such an archive: it builds against glibc (FORCE_GLIBC) with Debian's makeself and
+# libbsd in their place. Seconds each; built once, again only when an archive is newer.
+PYXIS_RUNTIME  := .pyxis
+PYXIS_SOURCES  ?= $(wildcard ../shared/vendor)
+ENROOT_RELEASE := enroot-4.1.2.tar.gz
+ENROOT_SHA256  := 817e8d551135e6f3fc311d1ee57b03fb4d30325acba732f8dea43069ca11f8d3
+PYXIS_RELEASE  := pyxis-0.24.0.tar.gz
+PYXIS_SHA256   := 063653ba39125ac29796cc6079701d1ec34dd4c5baf698efacc0f36bf3619681
+# To build both, and what enroot runs for slipway (podman:// imports, create, start, list).
+PYXIS_PACKAGES := gcc make libc6-dev makeself libbsd-dev libslurm-dev squashfs-tools jq zstd bsdextrautils
+ENROOT_BIN     := $(PYXIS_RUNTIME)/enroot/bin/enroot
+PYXIS_PLUGIN   := $(PYXIS_RUNTIME)/spank_pyxis.so
+
+comma := ,
+ifneq ($(filter pyxis,$(MAKECMDGOALS)),)
+PYXIS_ABSENT := $(strip $(foreach f,$(if $(wildcard $(ENROOT_BIN)),,$(ENROOT_RELEASE)) $(if $(wildcard $(PYXIS_PLUGIN)),,$(PYXIS_RELEASE)),$(if $(wildcard $(PYXIS_SOURCES)/$(f)),,$(f))))
+ifneq ($(PYXIS_ABSENT),)
+$(error make pyxis: $(subst $() ,$(comma) ,$(PYXIS_ABSENT)) not in $(or $(PYXIS_SOURCES),../shared/vendor (no such folder)): it builds from the release sources enroot-4.1.2.tar.gz (NVIDIA/enroot v4.1.2) and pyxis-0.24.0.tar.gz (NVIDIA/pyxis v0.24.0), each `git archive` of its tag: put both in ../shared/vendor, or in a folder FOLDER and run make pyxis PYXIS_SOURCES=FOLDER)
+endif
+endif
+
+pyxis: $(ENROOT_BIN) $(PYXIS_PLUGIN) $(PYXIS_RUNTIME)/plugstack.conf
+
+# The nodes' pyxis, with its default runtime path: `--node-private` gives each node its own, as it
+# does enroot's directories, which enroot.conf pins below whatever XDG_* the submitting shell sets.
+$(PYXIS_RUNTIME)/plugstack.conf: $(PYXIS_PLUGIN)
+	@echo "required $(abspath $(PYXIS_PLUGIN)) runtime_path=/run/pyxis" > $@
+
+# Debian's packages the build and enroot need, installed where missing (root, as .ci/run does).
+define pyxis_packages
+need=$$(for p in $(PYXIS_PACKAGES); do dpkg -s "$$p" >/dev/null 2>&1 || echo "$$p"; done); \
+if [ -n "$$need" ] && command -v dpkg >/dev/null; then \
+  if [ "$$(id -u)" != 0 ]; then echo "make pyxis: install Debian's $$(echo $$need) first (as root: apt-get install)" >&2; exit 1; fi; \
+  echo "==> installing Debian's $$(echo $$need)"; \
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need >/dev/null || exit 1; \
+fi
+endef
+
+# release_source ARCHIVE SHA256 DIR: the archive unpacked into DIR (new) once its sha256 is the one pinned.
+define release_source
+echo "$(2)  $(PYXIS_SOURCES)/$(1)" | sha256sum --check --status || { echo "make pyxis: $(PYXIS_SOURCES)/$(1) is not \
+the release source pinned here (sha256 $(2)): put the one of the release tag there" >&2; exit 1; }; \
+rm -rf $(3) && mkdir -p $(3) && tar -xzf $(PYXIS_SOURCES)/$(1) -C $(3) --strip-components=1
+endef
+
+$(ENROOT_BIN): $(wildcard $(PYXIS_SOURCES)/$(ENROOT_RELEASE))
+	@$(pyxis_packages)
+	@echo "==> building enroot from $(PYXIS_SOURCES)/$(ENROOT_RELEASE) into $(PYXIS_RUNTIME)/enroot"
+	@src=$(PYXIS_RUNTIME)/build/enroot; $(call release_source,$(ENROOT_RELEASE),$(ENROOT_SHA256),$$src) && \
+	mkdir -p $$src/deps/dist/makeself/bin && cp "$$(command -v makeself)" $$src/deps/dist/makeself/bin/enroot-makeself && \
+	touch $$src/deps/makeself/.stamp $$src/deps/linux-headers/.stamp && rm -rf $(PYXIS_RUNTIME)/enroot && \
+	if ! $(MAKE) -s -C $$src install prefix=$(abspath $(PYXIS_RUNTIME)/enroot) FORCE_GLIBC=1 \
+	     LDLIBS="-l:libbsd.a $$(gcc -print-file-name=libbsd.so)" > $$src.log 2>&1; then \
+	  tail -n 20 $$src.log; rm -rf $(PYXIS_RUNTIME)/enroot; echo "make pyxis: enroot did not build (its log: $$src.log)" >&2; exit 1; fi; \
+	rm -rf $$src $$src.log; rmdir $(PYXIS_RUNTIME)/build 2>/dev/null; \
+	printf '%s\n' '# make pyxis: where jobs unpack, whatever XDG_* they carry (the local cluster gives each node its own)' \
+	  'ENROOT_RUNTIME_PATH /run/enroot' 'ENROOT_DATA_PATH $${HOME}/.local/share/enroot' \
+	  'ENROOT_CACHE_PATH $${HOME}/.cache/enroot' >> $(PYXIS_RUNTIME)/enroot/etc/enroot/enroot.conf; \
+	echo "    $(ENROOT_BIN): enroot $$($(ENROOT_BIN) version)"
+
+$(PYXIS_PLUGIN): $(wildcard $(PYXIS_SOURCES)/$(PYXIS_RELEASE))
+	@$(pyxis_packages)
+	@echo "==> building pyxis from $(PYXIS_SOURCES)/$(PYXIS_RELEASE) into $(PYXIS_PLUGIN)"
+	@src=$(PYXIS_RUNTIME)/build/pyxis; $(call release_source,$(PYXIS_RELEASE),$(PYXIS_SHA256),$$src) && \
+	if ! $(MAKE) -s -C $$src > $$src.log 2>&1; then \
+	  tail -n 20 $$src.log; echo "make pyxis: pyxis did not build (its log: $$src.log)" >&2; exit 1; fi; \
+	mv $$src/spank_pyxis.so $(PYXIS_PLUGIN).tmp && mv $(PYXIS_PLUGIN).tmp $(PYXIS_PLUGIN) && rm -rf $$src $$src.log; rmdir $(PYXIS_RUNTIME)/build 2>/dev/null; \
+	echo "    $(PYXIS_PLUGIN): pyxis $(patsubst pyxis-%.tar.gz,%,$(PYXIS_RELEASE))"
 
 bench: $(STAMP)
 	$(PY) bench/submit.py

@@ -1,13 +1,16 @@
-"""The dev loop in an allocation (issue 41): a one-line code change -> the first training step,
-side by side in one run on the real local Slurm (2 nodes x 2 ranks of tiny_cpu, gloo):
+"""The dev loop in an allocation (issues 41, 46): a one-line code change -> the first training step,
+side by side in one run on the real local Slurm, on a GPU-like config: the default tiny_cpu model,
+2 nodes x 2 ranks of 2 CPUs each (the batch script's OMP_NUM_THREADS=2, which starts OpenBLAS's
+pool at import), the default launcher (srun), the HF environment set as on a cluster without
+internet (HF_HOME, HF_HUB_OFFLINE, HF_DATASETS_OFFLINE), gloo:
 
 - `slipway run` without warm processes (launch.warm=false): every rank imports torch;
 - `slipway run`, first with warm processes: it starts them (one per node) and its ranks wait for
   their imports;
 - `slipway run` again after a one-line change of the checkout's trainer/ (the warm processes
-  kept), --repeat times;
-- the hand-written baseline: `srun torchrun` of the same code (the same code snapshot, config and
-  container) in the same allocation, as a user would type it;
+  kept), --repeat times; each says on the terminal whether a rank started cold;
+- the hand-written baseline: `srun torchrun` of the same code (the same code snapshot, config,
+  environment and container) in the same allocation, as a user would type it;
 - `slipway run` cold with each launcher: torchrun (an agent per node) and srun (a task per rank).
 
 Each row is split by the moments its output shows them: the batch script starting (slipway's own
@@ -37,10 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir  # noqa: E402
 
-MODEL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=4",
-         "model.num_kv_heads=2", "data.seq_len=64", "model.max_position_embeddings=64", "train.micro_batch_size=4",
-         "train.eval_interval=0", "train.warmup_steps=1", "logging.interval=1", "checkpoint.interval=1000",
-         "train.steps=2", "--nodes", "2", "--dp", "4"]
+MODEL = ["train.eval_interval=0", "train.warmup_steps=1", "logging.interval=1", "checkpoint.interval=1000",
+         "train.steps=2", "slurm.cpus_per_task=2", "--nodes", "2", "--dp", "4"]
+HF = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # and HF_HOME, the project's cache
 # What each phase's end looks like in the output (the first line that matches), in order.
 MARKS = (("script", "$ bash "), ("node step", "slipway-preflight "), ("trainer up", "INFO trainer.train: world"),
          ("first step", "step 1/"))
@@ -73,7 +75,8 @@ def edit(project: Path, i: int) -> None:
 def inside(project: Path, repeat: int, extra: list[str], out: Path) -> None:
     """In the allocation: the rows, as JSON lines in `out`."""
     os.chdir(project)
-    env = {**os.environ, "SLIPWAY_PROJECT": str(project), "COLUMNS": "200"}
+    env = {**os.environ, "SLIPWAY_PROJECT": str(project), "COLUMNS": "200", **HF,
+           "HF_HOME": str(project / ".cache" / "huggingface")}
     logs = project / "bench-logs"
     logs.mkdir(exist_ok=True)
     rows = []
@@ -81,7 +84,8 @@ def inside(project: Path, repeat: int, extra: list[str], out: Path) -> None:
     def row(what: str, argv: list[str], name: str) -> dict:
         load = os.getloadavg()[0]
         got = timed(argv, env, project, logs / f"{name}.out")
-        got.update(what=what, load=(load + os.getloadavg()[0]) / 2)
+        got.update(what=what, load=(load + os.getloadavg()[0]) / 2,
+                   cold=sum("started cold" in line for line in (logs / f"{name}.out").read_text().splitlines()))
         rows.append(got)
         with out.open("a") as f:
             f.write(json.dumps(got) + "\n")
@@ -128,8 +132,8 @@ def baseline(project: Path, like: str, name: str, extra: list[str]) -> list[str]
     nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True,
                            text=True, check=True).stdout.split()
     env = [f"{k}={v}" for k, v in {**exports, "PYTHONPATH": code, "SLIPWAY_CODE": code, "PYTHONSAFEPATH": "1",
-                                    "SLIPWAY_RUN_DIR": str(dst), "OMP_NUM_THREADS": "1"}.items()]
-    return ["env", *env, "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=2", *flags,
+                                    "SLIPWAY_RUN_DIR": str(dst), "OMP_NUM_THREADS": "2"}.items()]
+    return ["env", *env, "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=4", *flags,
             cfg.launch.python, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes[0]}:{29400 + os.getpid() % 1000}",
             f"--rdzv-id={name}", "-m", "trainer", "--config", str(dst / "config.yaml")]
@@ -147,6 +151,8 @@ def report(path: Path) -> None:
             cells.append(f"{statistics.median(values):11.2f}" if values else f"{'-':>11s}")
         print(f"{what:36s} " + " ".join(cells) + f"   {statistics.median(r['load'] for r in group):.1f}"
               + f"  (n={len(group)})")
+    cold = sum(r.get("cold", 0) for r in rows if not r["what"].startswith(("cold", "slipway run, no", "hand")))
+    print(f"warm runs whose terminal said a rank started cold: {cold}")
     warm = [r["first step"] for r in rows if r["what"].startswith("code change")]
     base = [r["first step"] for r in rows if r["what"].startswith("hand-written")]
     if warm and base:
@@ -192,7 +198,7 @@ def main() -> None:
     try:
         env = {**os.environ, **cluster.env()}
         env.pop("SLIPWAY_RUNS", None)
-        subprocess.run(["salloc", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", sys.executable,
+        subprocess.run(["salloc", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=2", sys.executable,
                         __file__, "--inside", str(project), str(out), "--repeat", str(args.repeat), "--extra",
                         shlex.join(extra)], env=env, check=True)
     finally:

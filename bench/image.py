@@ -91,7 +91,7 @@ def main() -> int:
     t = full.timings
     detail = f"podman build --no-cache {t.get('build', 0):.1f} s"
     if do_import:
-        detail += f" + import {t.get('import', 0):.1f} s -> {human(full.size or 0)}"
+        detail += f" + import {t.get('import', 0):.1f} s -> {human(full.record.size_bytes if full.record else 0)}"
     table.add_row("full rebuild (--force)", f"{full.seconds:.1f}", "build", detail)
     console.print(table)
     console.print(f"speed-up of a no-op over a rebuild: {full.seconds / max(cli_s, 1e-9):.0f}x "

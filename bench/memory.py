@@ -1,6 +1,7 @@
-"""A local run's memory and time: common/layouts.py's arithmetic (`process_memory`, and
-`cpu_step_seconds` from this machine's matmul rate: what `slipway local` checks before it starts
-any process) against the peak a rank reaches and the step time it trains at, side by side.
+"""A local run's memory and time: common/layouts.py's arithmetic (`process_memory`) and the step
+time `slipway local` expects (jobs/local_checks.py `measure`: trainer/probe.py's rates here), what
+it checks before it starts any process, against the peak a rank reaches and the step time it trains
+at, side by side.
 
 Each case is `slipway local tiny_cpu` with the overrides below, trained for a few steps in a
 project of its own; rank 0's peak RSS is the `mem` of its last logged step (metrics.jsonl's
@@ -38,12 +39,14 @@ def measure(overrides: list[str]) -> tuple[float, float, float, float]:
     import statistics
 
     from jobs.config import load_config
-    from jobs.local_checks import local_view
-    from jobs.local_checks import matmul_rate
-    from common.layouts import cpu_step_seconds, process_memory
+    from jobs.local_checks import local_view, measure as speed_here
+    from common.layouts import process_memory
 
     cfg, _ = local_view(load_config(ROOT / "configs" / "tiny_cpu.yaml", overrides), rename=False)
-    expected = cpu_step_seconds(cfg, matmul_rate())
+    speed, why = speed_here(cfg)
+    if speed is None:
+        raise SystemExit(why)
+    expected = speed.step_s(cfg)
     project = Path(tempfile.mkdtemp(prefix="slipway-bench-memory-"))
     try:
         (project / "configs").mkdir()

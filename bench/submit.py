@@ -78,8 +78,7 @@ def secret_policy(repeat: int, configs: int) -> None:
                                   check=True).stdout) for _ in range(repeat)]
     rows.append(("detector's first use in a process (detect-secrets loaded)", first, "s"))
     def cold() -> None:  # every judgment made anew, as for a config of values never seen
-        secrets._find_secrets_cached.cache_clear()
-        secrets.shapes.judge_word.cache_clear()
+        schema._refusal.cache_clear()
 
     def policy_off(work):
         def run():
@@ -91,7 +90,7 @@ def secret_policy(repeat: int, configs: int) -> None:
         return run
 
     seeds = iter(range(10 ** 9))
-    message = ("container.env.HF_TOKEN: looks like a secret (its name contains TOKEN), and a value given here "
+    message = ("container.env.HF_TOKEN: looks like a secret (its name ends in TOKEN), and a value given here "
                "is written into the run directory: export it and pass it by name")
     cases = []
     for name in ("tiny_wikitext", "tiny_cpu"):

@@ -2,7 +2,8 @@
 share, with no torch and nothing of either side.
 
 - errors.py: ConfigError, the one error for bad input, and how a message quotes a value;
-- secrets.py: the secret policy (names, value shapes, files), which every field and message obeys;
+- secrets.py: the secret policy, which every field, file and message obeys, over detect-secrets and
+  slipway's plugins for it (secret_plugins.py); baseline.py: what a project accepts of it;
 - yaml.py and schema.py: configs read with the schema's rules into dataclasses, strictly;
 - edge.py: every entry point's error edge (one line, exit 2; a bug says so, exit 70);
 - environ.py: values from the environment, checked like config values;

@@ -23,20 +23,17 @@ WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a name that is safe as
 COUNT = re.compile(r"[0-9]{1,7}")
 
 
+def _text(name: str, environ: Optional[Mapping[str, str]]) -> Optional[str]:
+    """A variable's value; None where it is unset or empty (`VAR=` in a shell unsets, as in a config)."""
+    return (os.environ if environ is None else environ).get(name) or None
+
+
 def _value(name: str, pattern: re.Pattern, what: str, environ: Optional[Mapping[str, str]]) -> Optional[str]:
-    value = (os.environ if environ is None else environ).get(name)
-    if value is None or value == "":
-        return None
-    if not pattern.fullmatch(value):
+    value = _text(name, environ)
+    if value is not None and not pattern.fullmatch(value):
         raise ConfigError(f"${name}", f"{shown(value)} is not {what}, as Slurm sets it: unset it, or run "
                                       "slipway from a shell of the job or allocation that set it")
     return value
-
-
-def _text(name: str, environ: Optional[Mapping[str, str]]) -> Optional[str]:
-    """A variable's value; None where it is unset or empty (`VAR=` in a shell unsets, as in a config)."""
-    value = (os.environ if environ is None else environ).get(name)
-    return value or None
 
 
 def project_dir(environ: Optional[Mapping[str, str]] = None) -> Path:

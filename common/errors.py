@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import functools
 import re
+import shlex
 import sys
-from typing import Any
+from typing import Any, Optional
 
 from common.secrets import mask, secret_name
 
@@ -23,7 +24,8 @@ class ConfigError(ValueError):
     def __init__(self, field_path: str, message: str):
         # One line, whatever the user typed: a key or value holding a newline is shown escaped,
         # and a line never grows past a screenful, however long a value a message quotes.
-        self.field = bounded(one_line(field_path), MAX_FIELD_SHOWN)
+        # A secret given as a mapping's key is masked in the path too, judged part by part.
+        self.field = bounded(_PART.sub(lambda m: _masked(m.group()), mask(one_line(field_path))), MAX_FIELD_SHOWN)
         message = _QUOTED.sub(lambda m: mask(m.group(), values=True), mask(one_line(message)))
         if len(message) > MAX_MESSAGE:  # keep the start (the rule) and the end (the fix)
             message = f"{message[:MAX_MESSAGE // 2]} ... {message[-MAX_MESSAGE // 2:]}"
@@ -33,6 +35,7 @@ class ConfigError(ValueError):
 # What a message quotes (a value as repr or `...` shows it) is what the user gave: judged by the
 # secret policy as a value, word by word (a random-looking key is hidden whole, common/secrets.py).
 _QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"|`[^`\n]*`")
+_PART = re.compile(r"[^.\[\]]+")
 MAX_SHOWN = 80  # characters of a value quoted in an error message
 MAX_FIELD_SHOWN = 400
 MAX_MESSAGE = 1000
@@ -42,8 +45,18 @@ MAX_MESSAGE = 1000
 # knows (\v, \f, \x1c-\x1e, NEL, U+2028/9 as well as \n and \r), the C0 and C1 control characters
 # (ESC starts every sequence that retitles, clears or moves on a terminal; a tab breaks a
 # column) and Unicode's bidirectional controls (which show text in another order than it is).
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+_BREAKS = re.compile("[\x00\n\r\v\f\x1c-\x1e\x85\u2028\u2029]")  # what ends a line (and NUL)
+
+
+def unprintable(text: str, breaks: bool = False) -> Optional[str]:
+    """The first character of `text` that `one_line` escapes (with `breaks`: the first line break
+    or NUL), as it shows it (`\\x1b`); None where there is none."""
+    found = (_BREAKS if breaks else UNPRINTABLE).search(text)
+    return one_line(found[0]) if found else None
 
 
 def one_line(text: object) -> str:
@@ -54,7 +67,17 @@ def one_line(text: object) -> str:
     text = str(text)
     if text.isprintable():  # no control, break or format character: the common case, in C
         return text
-    return _UNPRINTABLE.sub(lambda m: _ESCAPES.get(m[0]) or ascii(m[0])[1:-1], text)
+    return UNPRINTABLE.sub(lambda m: _ESCAPES.get(m[0]) or ascii(m[0])[1:-1], text)
+
+
+def pasteable(word: str) -> str:
+    """`word` as one shell word that a pasted command gives back whole: shlex's quoting, or where it
+    holds what `one_line` escapes, bash's $'...' with those characters' bytes escaped (`$'n\\x1bode'`),
+    which is escaped on a terminal and pastes as the name it is."""
+    if word.isprintable():
+        return shlex.quote(word)
+    return "$'" + "".join("\\" + c if c in "\\'" else c if c.isprintable() else
+                          "".join(f"\\x{b:02x}" for b in c.encode()) for c in word) + "'"  # bytes: any locale
 
 
 @functools.lru_cache(maxsize=4096)
@@ -91,7 +114,6 @@ def bounded_path(path: object) -> str:
         return text
     half = (MAX_PATH_SHOWN - 3) // 2
     return f"{text[:half]}...{text[-half:]}"
-
 
 
 def shown(value: Any, where: str = "") -> str:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from common.errors import one_line
-from common.fs import pread_all, read_tail, regular_fd
+from common.fs import read_tail
 from common.rundir import INTERRUPTED_EXIT, RunDir
 
 # What a reader takes of events.log at most, from its end: thousands of attempts' events (a line
@@ -31,64 +31,39 @@ MAX_EVENTS_BYTES = 4 << 20
 
 
 class EventKind(str, enum.Enum):
-    """What an event says, from the start of its text (the batch script's and the local launcher's words)."""
+    """What an event says: the start of its text (the batch script's and the local launcher's
+    words), the longest first where one starts another; OTHER, last, any other."""
 
-    START = "start"  # an attempt began: `start on NODES (restart N), ...`, `start on this machine`
-    END = "end"  # an attempt ended: `end exit N`, `end interrupted`, `end signal NAME`
+    START = "start on "  # an attempt began: `start on NODES (restart N), ...`, `start on this machine`
+    END = "end "  # an attempt ended: `end exit N`, `end interrupted`, `end signal NAME`
     PREPARE_START = "prepare start"
     PREPARE_END = "prepare end"
-    RETRY = "retry"  # a failure retry: the job requeued itself
+    RETRY = "retry "  # a failure retry: the job requeued itself
     NOT_RETRYING = "not retrying"  # a failure the job may not retry: it ends with the failure's code
     REQUEUE_FAILED = "requeue failed"
     TIME_LIMIT_WARNING = "time limit warning"
     TIME_LIMIT_REQUEUE = "time-limit requeue"
-    TIME_LIMIT_STOP = "time-limit stop"  # saved at the warning, slurm.requeue off: the job ends REQUEUE_EXIT
     NOT_REQUEUEING = "not requeueing"  # the time-limit requeues are used up: the job ends REQUEUE_EXIT
+    TIME_LIMIT_STOP = "time-limit stop"  # saved at the warning, slurm.requeue off: the job ends REQUEUE_EXIT
     VERIFICATION_FAILED = "verification failed"  # what the job runs is not what was submitted: exit 2, no retry
     PREFLIGHT_OK = "preflight ok"
     PREFLIGHT_FAILED = "preflight failed"
-    HANG = "hang"
+    HANG = "hang:"
     NODE_FAILURE = "node failure"
-    RANK_FAILED = "rank failed"  # `rank failed: rank R on NODE was killed by SIGKILL (exit 137)` / `exited N`
+    RANK_FAILED = "rank failed:"  # `rank failed: rank R on NODE was killed by SIGKILL (exit 137)` / `exited N`
     CANCELLED = "cancelled"
-    PREEMPTED = "preempted"  # requeued by Slurm (a preemption, an `scontrol requeue`), said by the next attempt
-    WARNING_LEAD = "warning lead"  # how long before the time limit the job asks for the save, and why
-    OTHER = "other"
+    PREEMPTED = "preempted:"  # requeued by Slurm (a preemption, an `scontrol requeue`), said by the next attempt
+    WARNING_LEAD = "warning lead "  # how long before the time limit the job asks for the save, and why
+    OTHER = ""
 
 
-# Longest prefix first where one starts another.
-_KINDS: tuple[tuple[str, EventKind], ...] = (
-    ("start on ", EventKind.START),
-    ("end ", EventKind.END),
-    ("prepare start", EventKind.PREPARE_START),
-    ("prepare end", EventKind.PREPARE_END),
-    ("retry ", EventKind.RETRY),
-    ("not retrying", EventKind.NOT_RETRYING),
-    ("requeue failed", EventKind.REQUEUE_FAILED),
-    ("time limit warning", EventKind.TIME_LIMIT_WARNING),
-    ("time-limit requeue", EventKind.TIME_LIMIT_REQUEUE),
-    ("not requeueing", EventKind.NOT_REQUEUEING),
-    ("time-limit stop", EventKind.TIME_LIMIT_STOP),
-    ("verification failed", EventKind.VERIFICATION_FAILED),
-    ("preflight ok", EventKind.PREFLIGHT_OK),
-    ("preflight failed", EventKind.PREFLIGHT_FAILED),
-    ("hang:", EventKind.HANG),
-    ("node failure", EventKind.NODE_FAILURE),
-    ("rank failed:", EventKind.RANK_FAILED),
-    ("cancelled", EventKind.CANCELLED),
-    ("preempted:", EventKind.PREEMPTED),
-    ("warning lead ", EventKind.WARNING_LEAD),
-)
 _EXIT = re.compile(r"end exit (-?\d+)\b")
 _HANG_TAG = re.compile(r"hangs/(\S+)-\*\.txt")
 _SIGNAL = re.compile(r"end signal (\S+)")
 
 
 def event_kind(text: str) -> EventKind:
-    for prefix, kind in _KINDS:
-        if text.startswith(prefix):
-            return kind
-    return EventKind.OTHER
+    return next((kind for kind in EventKind if kind.value and text.startswith(kind.value)), EventKind.OTHER)
 
 
 @dataclass(frozen=True)
@@ -182,35 +157,6 @@ def read_events(run_dir: str | os.PathLike) -> list[Event]:
     the user may not read PermissionError."""
     data = read_tail(RunDir(Path(run_dir)).events, MAX_EVENTS_BYTES)
     return [] if data is None else parse_events(data.decode("utf-8", errors="replace"))
-
-
-def tail_events(run_dir: str | os.PathLike, until: Callable[[Event], bool], block: int = 8192) -> list[Event]:
-    """The last events of a run directory's events.log, in the order written: from the latest one
-    for which `until` holds (every event of the last MAX_EVENTS_BYTES when none does). The file is
-    read backwards, a block at a time, so that a reader of the latest attempt reads no more of a
-    long history; read_events' rules for what is no regular file."""
-    opened = regular_fd(RunDir(Path(run_dir)).events)
-    if opened is None:
-        return []
-    fd, st = opened
-    found: list[Event] = []  # newest first
-    try:
-        end = st.st_size
-        pos, rest = end, b""
-        while pos > 0 and end - pos < MAX_EVENTS_BYTES:
-            start = max(0, pos - block, end - MAX_EVENTS_BYTES)
-            lines = (pread_all(fd, pos - start, start) + rest).split(b"\n")
-            pos, block = start, block * 2
-            rest = lines.pop(0) if start > 0 else b""  # maybe cut: read whole with the block before it
-            for line in reversed(lines):
-                event = parse_event(line.decode("utf-8", errors="replace"))
-                if event is not None:
-                    found.append(event)
-                    if until(event):
-                        return found[::-1]
-    finally:
-        os.close(fd)
-    return found[::-1]
 
 
 def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,

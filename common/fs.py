@@ -29,7 +29,8 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644) -> Path:
+def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, sync: bool = True) -> Path:
+    """`sync`: durable before it replaces the old file (not for a cache, which a reader checks)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -37,7 +38,8 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644) 
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:

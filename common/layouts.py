@@ -93,17 +93,21 @@ def gpu_memory_estimate(model: Any, micro_batch_size: int, seq_len: int, dp: int
     `model` is a ModelSection. Arithmetic, not a measurement."""
     params = model.num_params()
     tokens = micro_batch_size * seq_len
-    per_token_block = (12 * model.hidden_size + 4 * model.intermediate_size) * 2
-    blocks = model.num_layers
-    if activation_checkpointing == "full":  # block inputs kept, one block's whole activations at a time
-        activations = tokens * (blocks * model.hidden_size * 2 + per_token_block)
-    else:
-        activations = tokens * per_token_block * blocks * (0.5 if activation_checkpointing == "selective" else 1.0)
-    per_block = params / blocks  # gathered bf16 weights: every block's, or two at a time
+    per_block = params / model.num_layers  # gathered bf16 weights: every block's, or two at a time
     return {"state": 16 * params / dp,
             "gathered": 2 * (2 * per_block if reshard_after_forward else params),
-            "activations": activations,
+            "activations": activation_bytes(model, tokens, 2, 1, activation_checkpointing),
             "logits": 10 * tokens * model.padded_vocab_size}
+
+
+def activation_bytes(model: Any, tokens: int, width: int, tp: int, activation_checkpointing: str) -> float:
+    """Activations of `tokens` through every block, `width` bytes a value, split by `tp`: about (12 x
+    hidden + 4 x intermediate) values per token per block, half that with selective checkpointing;
+    with full, the block inputs and one block's whole activations at a time."""
+    per_token_block = (12 * model.hidden_size + 4 * model.intermediate_size) * width / tp
+    if activation_checkpointing == "full":
+        return tokens * (model.num_layers * model.hidden_size * width + per_token_block)
+    return tokens * per_token_block * model.num_layers * (0.5 if activation_checkpointing == "selective" else 1.0)
 
 
 def resolve_reshard(cfg: Any) -> tuple[bool, str]:
@@ -202,12 +206,7 @@ def process_memory(cfg: Any, micro_batch_size: Optional[int] = None, seq_len: Op
     fsdp = parallel.dp_mode == "fsdp" and parallel.dp > 1
     state = 16 * params / (parallel.dp if fsdp else 1)
     gathered = width * params if fsdp else 0.0
-    per_token_block = (12 * model.hidden_size + 4 * model.intermediate_size) * width / parallel.tp
-    if train.activation_checkpointing == "full":
-        activations = tokens * (model.num_layers * model.hidden_size * width + per_token_block)
-    else:
-        activations = tokens * per_token_block * model.num_layers * (
-            0.5 if train.activation_checkpointing == "selective" else 1.0)
+    activations = activation_bytes(model, tokens, width, parallel.tp, train.activation_checkpointing)
     logits = 10 * tokens * model.padded_vocab_size / (parallel.tp if parallel.loss_parallel else 1)
     return PROCESS_BASE_BYTES + state + gathered + activations + logits
 
@@ -257,31 +256,37 @@ def num_flops_per_token(model: Any, seq_len: int) -> int:
     return 6 * n_matmul + 12 * model.num_layers * model.num_heads * model.head_dim * seq_len
 
 
-def step_flops(cfg: Any) -> int:
-    """Training FLOPs of one optimizer step of `cfg`'s whole job: every token of its global batch."""
-    p, t, seq = cfg.parallel, cfg.train, cfg.data.seq_len
-    return num_flops_per_token(cfg.model, seq) * seq * t.micro_batch_size * t.grad_accum_steps * p.dp
+def block_flops_per_token(model: Any, seq_len: int) -> int:
+    """Training FLOPs per token of one transformer block of `model` (as `num_flops_per_token`)."""
+    h, kv = model.hidden_size, model.num_kv_heads * model.head_dim
+    return 6 * (2 * h * h + 2 * h * kv + 3 * h * model.intermediate_size) + 12 * h * seq_len
 
 
-# Of the FLOP/s this machine's float32 matrix products reach (measured by `slipway local` before it
-# starts), what the trainer's steps reach on its CPUs: 0.32 for tiny_cpu (2 ranks, 1M parameters,
-# 0.2 s a step) and 0.43 for the tiny preset (124M, float32) on a 2-core EPYC (BENCHMARKS.md).
-# The lower figure: an estimate that errs long, never one that hides a 10-minute step.
-CPU_STEP_EFFICIENCY = 0.3
+# What a CPU step spends beyond its blocks' and output layer's forward and backward (the
+# embedding, the optimizer, gloo's collectives, the data, Python) does not depend on the dtype:
+# about this share of what those take in float32 (set against tiny_cpu and the flagship's try
+# here, in float32 and in bfloat16 with and without bfloat16 units: BENCHMARKS.md).
+CPU_STEP_OVERHEAD = 0.5
 
 
-def cpu_step_seconds(cfg: Any, matmul_flops_per_s: float) -> float:
-    """Seconds one step of `cfg` takes on CPUs whose float32 matrix products reach `matmul_flops_per_s`."""
-    return step_flops(cfg) / (matmul_flops_per_s * CPU_STEP_EFFICIENCY)
+def cpu_step_seconds(cfg: Any, rates: dict[str, dict[str, float]], dtype: str) -> float:
+    """CPU seconds one rank spends on a step of `cfg` in `dtype`, where its block and output layer
+    run at `rates[dtype]` (FLOP a CPU second: trainer/probe.py), with CPU_STEP_OVERHEAD of float32's."""
+    m, p, t, seq = cfg.model, cfg.parallel, cfg.train, cfg.data.seq_len
+    tokens = t.micro_batch_size * t.grad_accum_steps * seq  # a data-parallel rank's, each step
+    block = -(-m.num_layers // p.pp) * block_flops_per_token(m, seq) / p.tp
+    head = 6 * m.hidden_size * m.padded_vocab_size / p.tp
 
+    def spent(r: dict[str, float]) -> float:
+        return tokens * (block / r["block"] + head / r["head"])
 
-# One checkpoint holds the fp32 weights and AdamW's two moments: about 12 bytes a parameter.
-CHECKPOINT_BYTES_PER_PARAM = 12
+    return spent(rates[dtype]) + CPU_STEP_OVERHEAD * spent(rates["float32"])
 
 
 def checkpoint_bytes(num_params: int) -> int:
-    """The room one more checkpoint of a model of `num_params` parameters needs."""
-    return CHECKPOINT_BYTES_PER_PARAM * num_params
+    """The room one more checkpoint of a model of `num_params` parameters needs: the fp32 weights and
+    AdamW's two moments, about 12 bytes a parameter."""
+    return 12 * num_params
 
 
 def size(n: float) -> str:

@@ -63,6 +63,7 @@ class RunDir:
     manifest = property(lambda self: self.path / "manifest.json")  # jobs/runs/manifest.py
     lib = property(lambda self: self.path / "lib")  # the job library, pinned by hash (lib/NAME-HASH12.sh)
     history = property(lambda self: self.path / "history")  # configs and code records a change replaced
+    listing = property(lambda self: self.path / ".listing.json")  # what a listing shows (jobs/runs/listing.py)
     # What the launches write.
     events = property(lambda self: self.path / "events.log")  # common/events.py
     logs = property(lambda self: self.path / "logs")  # Slurm's and the local launches' logs
@@ -141,7 +142,6 @@ class CodeSnapshot:
         return {CODE_ENV: self.dir, "PYTHONPATH": ":".join(path), "PYTHONSAFEPATH": "1"}
 
 
-
 def check_code(package_file: str, environ: Optional[dict] = None) -> Optional[str]:
     """Where the running `trainer` package comes from, against the snapshot the launch named
     ($SLIPWAY_CODE): None when it is the snapshot's (or none was named), else why not, in one line."""
@@ -159,7 +159,7 @@ def check_code(package_file: str, environ: Optional[dict] = None) -> Optional[st
 
 
 CHECKPOINT_MARKER = "COMPLETE"
-_CHECKPOINT_STEP = re.compile(r"^step-(\d+)$")
+_CHECKPOINT_STEP = re.compile(r"step-(\d+)")
 
 
 def checkpoint_complete(path: Path) -> bool:
@@ -175,7 +175,7 @@ def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[int]:
     if not path.is_dir():
         return []
     return sorted(int(m.group(1)) for p in path.iterdir()
-                  if (m := _CHECKPOINT_STEP.match(p.name)) and p.is_dir() and checkpoint_complete(p))
+                  if (m := _CHECKPOINT_STEP.fullmatch(p.name)) and p.is_dir() and checkpoint_complete(p))
 
 
 def tagged(line: str, tag: str) -> Optional[dict[str, str]]:

@@ -11,8 +11,8 @@ import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
-from common.errors import ConfigError, shown
-from common.secrets import REFUSE, flag_variable, refusal, secret_name
+from common.errors import ConfigError, shown, unprintable
+from common.secrets import IDENTIFIER, accepted, refusal
 from common.yaml import BOOL, FLOAT, INT, MAX_INT, NULL, Plain
 
 
@@ -25,9 +25,9 @@ from common.yaml import BOOL, FLOAT, INT, MAX_INT, NULL, Plain
 #
 # Every string of a config reaches a file (config.yaml, job.sbatch, env.toml), a command
 # line or a terminal, so the secret policy (common/secrets.py) is applied here, to every
-# field, as the value is read: a field says only what it lets through besides
-# (metadata {"secrets": PASSTHROUGH, REFERENCE or OWN_TEXT}), and a section whose
-# strings are EDF text (where `$$` is a literal `$`) says so (`EDF_TEXT = True`).
+# field, as the value is read, by what the field holds (metadata {"secrets": TEXT, PASSTHROUGH,
+# REFERENCE or OWN_TEXT}; an identifier where it says nothing), and a section whose strings
+# are EDF text (where `$$` is a literal `$`) says so (`EDF_TEXT = True`).
 # --------------------------------------------------------------------------
 
 
@@ -50,8 +50,10 @@ def _refusal(value: Any, name: Any, policy: str, edf: bool, hint: Any = None):
 
 def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = None, hint: Any = None) -> None:
     """The secret policy on one value as it is read, and on the mapping key it is given under
-    (`hint`: the list item before it, a flag such as --revision that says what it is)."""
-    if isinstance(key, str) and (found := _refusal(key, None, REFUSE, False)) is not None and not found.expansion:
+    (`hint`: the list item before it, a flag such as --revision that says what it is); what the
+    config file being read accepts passes (common/baseline.py)."""
+    if isinstance(key, str) and (found := _refusal(key, None, policy, False)) is not None and not found.expansion \
+            and not accepted(found):
         raise ConfigError(where, found.message())  # a key that is a token itself
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # `PASSWORD: 123456` from a caller that typed it as a number
@@ -59,16 +61,8 @@ def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = Non
     # Remembered for the strings a config repeats; a mapping or list (a docker auth blob) is judged afresh.
     found = (_refusal(value, name, policy, edf, hint) if isinstance(value, (str, type(None), bool))
              else refusal(value, name=name, policy=policy, edf=edf, hint=hint))
-    if found is not None:
+    if found is not None and not accepted(found):
         raise ConfigError(where, found.message())
-
-
-def _list_flags(items: list, where: str, policy: str) -> None:
-    """A list of words (a command): `--token VALUE` gives VALUE under a secret's name."""
-    for i, (flag, value) in enumerate(zip(items, items[1:])):
-        if isinstance(flag, str) and flag.startswith("-") and "=" not in flag and isinstance(value, str) \
-                and not value.startswith("-") and secret_name(flag.lstrip("-")):
-            _secret_check(value, f"{where}[{i + 1}]", policy, False, flag_variable(flag))
 
 
 def _type_name(tp: Any) -> str:
@@ -93,9 +87,6 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
     text = value if isinstance(value, str) else None
     if tp is str:
         if text is not None:
-            if "\0" in text:  # no path, command line or environment can carry one: caught here, once
-                raise ConfigError(where, "holds a NUL byte (\\0), which no file name, command line or environment "
-                                         "variable can carry: remove it")
             return str(text)
         if isinstance(value, bool):  # a Python caller's annotation value: the EDF string "true"
             return "true" if value else "false"
@@ -139,7 +130,23 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
 RECORD = "record"
 
 
-def _union(tp: Any, value: Any, where: str, policy: str, edf: bool) -> Any:
+# The one rule for control characters, where a value enters (a config, the command line, a cluster
+# profile): a field of names, paths or Slurm's values holds none of those `one_line` escapes (a
+# terminal would act on them, a script or a log hide them); a field of free text (metadata
+# {"free_text": True}: a variable's value, a command's word) holds no line break, no sink carrying
+# one whole, and is escaped where it is shown or written (one_line, the batch script's $'...').
+FREE_TEXT = {"free_text": True}
+
+
+def _control(value: Any, where: str, free: bool, policy: str) -> None:
+    if isinstance(value, str) and policy != RECORD and not value.isprintable() and \
+            (bad := unprintable(value, free)) is not None:
+        raise ConfigError(where, f"holds a line break ({bad}), which no file or command line it goes to carries whole: "
+                                 "remove it" if free else f"holds a control character ({bad}), which no name, path or "
+                                 "Slurm value may hold (a terminal would act on it): remove it")
+
+
+def _union(tp: Any, value: Any, where: str, policy: str, edf: bool, free: bool) -> Any:
     """`value` as the first of the Union `tp`'s types it converts to (None for null where allowed)."""
     args = get_args(tp)
     if type(None) in args and (value is None or (isinstance(value, Plain) and (value == "" or value in NULL))):
@@ -147,7 +154,7 @@ def _union(tp: Any, value: Any, where: str, policy: str, edf: bool) -> Any:
     options = [arg for arg in args if arg is not type(None)]
     for arg in options:
         try:
-            return _convert(arg, value, where, policy, edf, checked=True)
+            return _convert(arg, value, where, policy, edf, checked=True, free=free)
         except OutOfRange:
             raise
         except ConfigError:
@@ -156,15 +163,17 @@ def _union(tp: Any, value: Any, where: str, policy: str, edf: bool) -> Any:
     raise ConfigError(where, f"expected {_type_name(tp)}, got {shown(value, where)}")
 
 
-def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = False, key: Any = None,
-             checked: bool = False, hint: Any = None) -> Any:
+def _convert(tp: Any, value: Any, where: str, policy: str = IDENTIFIER, edf: bool = False, key: Any = None,
+             checked: bool = False, hint: Any = None, free: bool = False) -> Any:
     """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy
-    has seen it (a Union's alternatives are tried on the same value); `hint`: a list's item before."""
+    has seen it (a Union's alternatives are tried on the same value); `hint`: a list's item before;
+    `free`: a field of free text."""
     if not checked and policy != RECORD and (isinstance(value, str) or key is not None):
-        _secret_check(value, where, policy, edf, key, hint)
+        _secret_check(value, where, policy, edf, key, hint)  # first: a secret's refusal says how to pass it
+    _control(value, where, free, policy)
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
-        return _union(tp, value, where, policy, edf)
+        return _union(tp, value, where, policy, edf, free)
     if origin is Literal:
         for arg in get_args(tp):
             try:
@@ -177,9 +186,7 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
         (item_tp,) = get_args(tp)
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise ConfigError(where, f"expected a list such as [a, b], got {shown(value, where)}")
-        if policy != RECORD:
-            _list_flags(list(value), where, policy)
-        return [_convert(item_tp, v, f"{where}[{i}]", policy, edf, hint=value[i - 1] if i else None)
+        return [_convert(item_tp, v, f"{where}[{i}]", policy, edf, hint=value[i - 1] if i else None, free=free)
                 for i, v in enumerate(value)]
     if tp is dict:  # any mapping (a record's git state)
         if not isinstance(value, dict):
@@ -193,7 +200,7 @@ def _convert(tp: Any, value: Any, where: str, policy: str = REFUSE, edf: bool = 
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ConfigError(where, f"keys must be strings, got {shown(k, where)}")
-            out[str(k)] = _convert(val_tp, v, f"{where}.{k}", policy, edf, key=k)
+            out[str(k)] = _convert(val_tp, v, f"{where}.{k}", policy, edf, key=k, free=free)
         return out
     if hasattr(tp, "from_config_value"):  # a class with its own text form (edf.Mount: "SRC:DST:FLAGS")
         return tp.from_config_value(value, where)
@@ -222,36 +229,35 @@ def _hints(cls: type) -> dict[str, Any]:
     return _HINTS[cls]
 
 
+def unknown_key(key: str, keys: list[str], where: str, what: str) -> ConfigError:
+    """The one line for `key`, set at `where` among `keys` (those of `what`): the nearest, then all."""
+    near, prefix = difflib.get_close_matches(key, keys, n=3, cutoff=0.6), where.rsplit(" ", 1)[-1]
+    meant = f"did you mean {' or '.join(f'{prefix}.{n}' if prefix else n for n in near)}? " if near else ""
+    return ConfigError(f"{where}.{key}" if where else key, f"unknown key; {meant}valid keys of {what} are: "
+                                                           f"{', '.join(keys)}")
+
+
 def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) -> Any:
     """Build dataclass `cls` from `data`, rejecting unknown keys and wrong types. A `record` (a
     file slipway wrote, such as manifest.json) keeps the keys it does not know in its `others`
     field, if it has one (a newer slipway's), and skips the secret policy."""
     if data is None:
         data = {}
-    if record and isinstance(data, dict):
-        try:
-            return _from_record(cls, data, where)
-        except _Slow:
-            pass  # read it again the general way, which says what is wrong and where
     if not isinstance(data, dict):
         raise ConfigError(where or cls.__name__, f"expected a mapping of keys, got {shown(data)}")
     hints = _hints(cls)
     fields = config_fields(cls)
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown and not record:
-        key = unknown[0]
-        path = f"{where}.{key}" if where else str(key)
-        near = difflib.get_close_matches(str(key), list(fields), n=3, cutoff=0.6)
-        meant = f"did you mean {' or '.join(f'{where}.{n}' if where else n for n in near)}? " if near else ""
-        raise ConfigError(path, f"unknown key; {meant}valid keys of {where or 'the config'} are: {', '.join(fields)}")
+        raise unknown_key(str(unknown[0]), list(fields), where, where or "the config")
     kwargs, too_big = {}, []
     edf = bool(getattr(cls, "EDF_TEXT", False))
     for name, f in fields.items():
         path = f"{where}.{name}" if where else name
         if name in data:
             try:
-                kwargs[name] = _convert(hints[name], data[name], path,
-                                        RECORD if record else f.metadata.get("secrets", REFUSE), edf)
+                kwargs[name] = _convert(hints[name], data[name], path, RECORD if record else
+                                        f.metadata.get("secrets", IDENTIFIER), edf, free=f.metadata.get("free_text", False))
             except OutOfRange as exc:
                 if exc.field != path:  # inside a list or a nested section: no check of this one's bounds it
                     raise
@@ -270,92 +276,6 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
     return obj
 
 
-# ---------------------------------------------------------------- records, read fast
-# A listing reads ten thousand manifests: a record's values, of JSON's own types, are read by a
-# reader made once per field type (`_fast`), which takes only what the general path would take
-# unchanged and declines anything else (_Slow): the whole record is then read the general way,
-# so that what is accepted, and every error's words, are the general path's.
-
-
-class _Slow(Exception):
-    """The fast reading of a record declines a value."""
-
-
-# The values each plain type takes as they are, as the general path would return them.
-_TAKES = {str: lambda v: type(v) is str and "\0" not in v, bool: lambda v: type(v) is bool,
-          dict: lambda v: type(v) is dict, int: lambda v: type(v) is int and -MAX_INT <= v <= MAX_INT,
-          float: lambda v: type(v) is float and math.isfinite(v), Any: lambda v: True}
-
-
-def _fast(tp: Any) -> typing.Callable[[Any], Any]:
-    origin = get_origin(tp)
-    if tp in _TAKES:
-        takes = _TAKES[tp]
-
-        def read(value: Any) -> Any:
-            if takes(value):
-                return value
-            raise _Slow
-    elif origin in (Union, types.UnionType):
-        options = [_fast(arg) for arg in get_args(tp) if arg is not type(None)]
-        nullable = type(None) in get_args(tp)
-
-        def read(value: Any) -> Any:
-            if value is None and nullable:
-                return None
-            for option in options:  # in the general path's order
-                try:
-                    return option(value)
-                except _Slow:
-                    pass
-            raise _Slow
-    elif origin is list:
-        item = _fast(get_args(tp)[0])
-
-        def read(value: Any) -> Any:
-            if type(value) is list:
-                return [item(v) for v in value]
-            raise _Slow
-    elif dataclasses.is_dataclass(tp) and not hasattr(tp, "from_config_value"):
-        def read(value: Any) -> Any:
-            if type(value) is not dict:
-                raise _Slow
-            try:
-                return _from_record(tp, value, "")
-            except ConfigError:
-                raise _Slow from None
-    else:  # a Literal, a class with its own text form, a float given as an integer: the general path
-        def read(value: Any) -> Any:
-            raise _Slow
-    return read
-
-
-_PLANS: dict[type, tuple[list[tuple[str, Any, bool]], frozenset, bool]] = {}
-
-
-def _from_record(cls: type, data: dict, where: str) -> Any:
-    """A record's dataclass by the fast readers; _Slow where one declines."""
-    if cls not in _PLANS:
-        hints, fields = _hints(cls), config_fields(cls)
-        _PLANS[cls] = ([(name, _fast(hints[name]), f.default is dataclasses.MISSING
-                         and f.default_factory is dataclasses.MISSING) for name, f in fields.items()],
-                       frozenset(fields), "others" in hints)
-    plan, names, keeps_others = _PLANS[cls]
-    kwargs = {}
-    for name, read, required in plan:
-        if name in data:
-            kwargs[name] = read(data[name])
-        elif required:
-            raise _Slow
-    if keeps_others and not names.issuperset(data):
-        kwargs["others"] = {key: data[key] for key in sorted(set(data) - names, key=str)}
-    obj = cls(**kwargs)
-    check = getattr(obj, "check", None)
-    if check is not None:
-        check(where)
-    return obj
-
-
 def part_of(cls: type, data: Any, where: str) -> dict:
     """The keys `data` sets of section `cls`, each read by its field's type and secret policy as
     `from_dict` reads it (unknown keys refused, listing the valid ones), with no defaults filled
@@ -368,12 +288,13 @@ def part_of(cls: type, data: Any, where: str) -> dict:
     for key, value in data.items():
         path = f"{where}.{key}"
         if key not in fields:
-            raise ConfigError(path, f"unknown key; valid keys of {where.rsplit(' ', 1)[-1]} are: {', '.join(fields)}")
+            raise unknown_key(str(key), list(fields), where, where.rsplit(' ', 1)[-1])
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             part_of(tp, value, path)
         else:
-            _convert(tp, value, path, fields[key].metadata.get("secrets", REFUSE), edf)
+            _convert(tp, value, path, fields[key].metadata.get("secrets", IDENTIFIER), edf,
+                     free=fields[key].metadata.get("free_text", False))
     return data
 
 

@@ -99,42 +99,30 @@ MAX_NODES = 100_000  # values in a document with its aliases expanded
 MAX_INT = 2 ** 53 - 1  # exact in a float and in JSON, well within bash's 64-bit arithmetic
 
 
-def _expanded_size(node: yaml.Node, depth: int, heights: dict[int, int], count: list[int]) -> int:
-    """The height of `node` with aliases expanded (shared nodes visited once, counted each time
-    they are used), refusing a document deeper than MAX_DEPTH or larger than MAX_NODES."""
+def _expanded_size(node: yaml.Node, depth: int, seen: dict[int, tuple[int, int]], count: list[int]) -> tuple[int, int]:
+    """(height, values below) of `node` with aliases expanded (a shared node measured once,
+    counted each time it is used), refusing a document deeper than MAX_DEPTH or larger than
+    MAX_NODES."""
     where = f"line {node.start_mark.line + 1}"
-    known = heights.get(id(node))
-    children: list[yaml.Node] = []
-    if isinstance(node, yaml.SequenceNode):
-        children = node.value
-    elif isinstance(node, yaml.MappingNode):
-        children = [n for pair in node.value for n in pair]
+    known = seen.get(id(node))
     if known is None:
-        known = 1 + max((_expanded_size(child, depth + 1, heights, count) for child in children), default=0)
-        heights[id(node)] = known
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        sizes = [_expanded_size(child, depth + 1, seen, count) for child in children]
+        known = seen[id(node)] = (1 + max((h for h, _ in sizes), default=0), sum(1 + n for _, n in sizes))
     else:
-        count[0] += _subtree_size(node, {})
+        count[0] += known[1]
     count[0] += 1
-    if depth + known - 1 > MAX_DEPTH:
+    if depth + known[0] - 1 > MAX_DEPTH:
         raise ConfigError(where, f"nested deeper than {MAX_DEPTH} levels (aliases expanded): no config field takes "
                                  "that; flatten it")
     if count[0] > MAX_NODES:
         raise ConfigError(where, f"more than {MAX_NODES} values once its aliases (*name) are expanded: a config "
                                  "needs far fewer; write the values out")
     return known
-
-
-def _subtree_size(node: yaml.Node, sizes: dict[int, int]) -> int:
-    """Values below `node`, aliases expanded (memoized: a shared node is sized once)."""
-    size = sizes.get(id(node))
-    if size is None:
-        children: list[yaml.Node] = []
-        if isinstance(node, yaml.SequenceNode):
-            children = node.value
-        elif isinstance(node, yaml.MappingNode):
-            children = [n for pair in node.value for n in pair]
-        size = sizes[id(node)] = sum(1 + _subtree_size(c, sizes) for c in children)
-    return size
 
 
 _Loader.add_constructor("tag:yaml.org,2002:str", _Loader.construct_yaml_str)
@@ -159,6 +147,29 @@ def read_yaml(text: str, source: str, *, lines: bool = True) -> Any:
                                  "indentation there") from None
 
 
+def line_of(text: str, dotted: str) -> Optional[int]:
+    """The line of YAML `text` where the key `dotted` (section.key...) is written, None where it is not."""
+    try:
+        node = yaml.compose(text, Loader=_Loader)
+    except (yaml.YAMLError, ConfigError):
+        return None
+    line = None
+    for part in dotted.split("."):
+        found = [(k, v) for k, v in node.value if getattr(k, "value", None) == part] if isinstance(
+            node, yaml.MappingNode) else []
+        if not found:
+            return None
+        line, node = found[0][0].start_mark.line + 1, found[0][1]
+    return line
+
+
+def at_line(exc: ConfigError, path: Path, dotted: str) -> ConfigError:
+    """`exc` naming the file `path` and the line where `dotted` is written in it, where it is."""
+    try:
+        line = line_of(read_text_bounded(path, str(path)), dotted)
+    except (OSError, UnicodeError, ConfigError):
+        line = None
+    return exc if line is None else ConfigError(exc.field, f"{path} line {line}: {str(exc)[len(exc.field) + 2:]}")
 
 
 def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:

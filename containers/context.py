@@ -18,12 +18,11 @@ import os
 import shlex
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from containers.pip_requirements import toml_loads
-from containers.sources import MAX_BYTES, MAX_FILES, Folder, collect, copy_into
+from containers.sources import MAX_BYTES, MAX_FILES, Folder, SourceFile, collect, copy_into
 from containers.record import ImageSection
 from common.errors import ConfigError
 from common.fs import file_sha256, write_atomic
@@ -56,44 +55,27 @@ def build_root(project_dir: Optional[Path], dockerfile: str) -> Path:
 # ---------------------------------------------------------------- the build context
 
 
-@dataclass(frozen=True)
-class ContextFile:
-    dest: str  # path inside the build context, e.g. src/trainer/model.py
-    src: Path  # the file on this machine
-    link: Optional[str] = None  # a symbolic link's target, relative, inside the context (sources.py)
-
-
 def resolve_path(root: Path, path: str) -> Path:
     p = Path(os.path.expandvars(os.path.expanduser(path)))
     return p if p.is_absolute() else root / p
 
 
-def context_files(root: Path, image: "ImageSection") -> list[ContextFile]:
-    """Exactly the files the build context holds, sorted by destination: the project's own
-    sources by the rules a code snapshot follows too (containers/sources.py), and the wheelhouse."""
-    files = [ContextFile(f"src/{name}", root / name) for name in CONTEXT_FILES if (root / name).is_file()]
+def context_files(root: Path, image: "ImageSection") -> list[SourceFile]:
+    """Exactly the files the build context holds (`dest` a path inside it, e.g. src/trainer/model.py),
+    sorted by destination: the project's own sources by the rules a code snapshot follows too
+    (containers/sources.py), and the wheelhouse."""
+    files = [SourceFile(f"src/{name}", root / name) for name in CONTEXT_FILES if (root / name).is_file()]
     found = collect([Folder(root / top, f"src/{top}") for top in CONTEXT_DIRS if (root / top).is_dir()],
                     field_name="image", max_bytes=MAX_BYTES, max_files=MAX_FILES)
-    files += [ContextFile(f.dest, f.src, f.link) for f in found.files]
+    files += found.files
     if image.wheelhouse:
         wheels = resolve_path(root, image.wheelhouse)
         if not wheels.is_dir():
             raise ConfigError("image.wheelhouse", f"{wheels} is not a directory: fill one on a machine with "
                               "internet (`pip download -d DIR ...`) or unset image.wheelhouse")
-        files += [ContextFile(f"wheels/{p.name}", p) for p in sorted(wheels.iterdir())
+        files += [SourceFile(f"wheels/{p.name}", p) for p in sorted(wheels.iterdir())
                   if p.is_file() and p.name.endswith(WHEEL_SUFFIXES)]
     return sorted(files, key=lambda f: f.dest)
-
-
-def _digest(f: ContextFile, cache: "HashCache") -> str:
-    """What identifies one entry's content: its bytes, or a link's target."""
-    if f.link is not None:
-        return "l" + hashlib.sha256(f.link.encode()).hexdigest()
-    return cache.digest(f.src)
-
-
-def _mode(f: ContextFile) -> str:
-    return "l" if f.link is not None else "x" if os.access(f.src, os.X_OK) else "-"
 
 
 class HashCache:
@@ -129,11 +111,13 @@ class HashCache:
 
 
 def content_hashes(*, dockerfile: str, build_args: dict[str, str], squash_options: str,
-                   files: list[ContextFile], cache: HashCache) -> tuple[str, str]:
-    """(the squashfs's hash, the podman image's). The first names the squashfs and its record;
-    the second the podman tag, and covers only what the Dockerfile's steps read: a setting only
-    the import reads (the squash options, the output directory) then re-imports the image built
-    already instead of building it again."""
+                   files: list[SourceFile], cache: HashCache) -> tuple[str, str, dict]:
+    """(the squashfs's hash, the podman image's, the inputs). The first names the squashfs and its
+    record; the second the podman tag, and covers only what the Dockerfile's steps read: a setting
+    only the import reads (the squash options, the output directory) then re-imports the image
+    built already instead of building it again. The inputs, what the hashes cover besides the build
+    args per part (the Dockerfile, each source directory, the wheels), go into the build record, so
+    that a later check can name what changed."""
     squashfs, image = hashlib.sha256(), hashlib.sha256()
 
     def add(*parts: str, only_squashfs: bool = False) -> None:
@@ -143,30 +127,25 @@ def content_hashes(*, dockerfile: str, build_args: dict[str, str], squash_option
             image.update(line)
 
     add(HASH_SCHEME)
-    add("dockerfile", hashlib.sha256(dockerfile.encode()).hexdigest())
+    add("dockerfile", dockerfile_digest := hashlib.sha256(dockerfile.encode()).hexdigest())
     for key in sorted(build_args):
         if key not in UNHASHED_ARGS:
             add("arg", key, build_args[key])
     add("squash", squash_options, only_squashfs=True)
-    for f in files:
-        add("file", f.dest, _mode(f), _digest(f, cache))
-    return squashfs.hexdigest(), image.hexdigest()
-
-
-def input_digests(dockerfile: str, files: list[ContextFile], cache: HashCache) -> dict:
-    """What the content hash covers besides the build args, per part, for the build record: so a
-    later check can name what changed (the Dockerfile, which source directory, which wheels)."""
-    groups: dict[str, "hashlib._Hash"] = {}
-    for f in files:
+    parts: dict[str, "hashlib._Hash"] = {}
+    for f in files:  # each entry by its content: its bytes, or a link's target
+        link = f.link
+        entry = (f.dest, "l" if link is not None else "x" if os.access(f.src, os.X_OK) else "-",
+                 "l" + hashlib.sha256(link.encode()).hexdigest() if link is not None else cache.digest(f.src))
+        add("file", *entry)
         top, _, rest = f.dest.partition("/")
         part = rest.split("/", 1)[0] + ("/" if "/" in rest else "") if top == "src" else f"{top}/"
-        h = groups.setdefault(part, hashlib.sha256())
-        h.update(f"{f.dest}\0{_mode(f)}\0{_digest(f, cache)}\n".encode())
-    return {"dockerfile": hashlib.sha256(dockerfile.encode()).hexdigest(),
-            "sources": {part: h.hexdigest()[:16] for part, h in sorted(groups.items())}}
+        parts.setdefault(part, hashlib.sha256()).update(("\0".join(entry) + "\n").encode())
+    return squashfs.hexdigest(), image.hexdigest(), {
+        "dockerfile": dockerfile_digest, "sources": {part: h.hexdigest()[:16] for part, h in sorted(parts.items())}}
 
 
-def materialize_context(files: list[ContextFile], dest: Path, build_env: dict[str, str] | None = None) -> None:
+def materialize_context(files: list[SourceFile], dest: Path, build_env: dict[str, str] | None = None) -> None:
     """Lay the context out under `dest` (wheels hard-linked where possible) with
     `buildenv/flash-attn.env` holding `build_env` as shell assignments."""
     if dest.exists():

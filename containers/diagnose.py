@@ -50,6 +50,7 @@ def _re(text: str) -> re.Pattern:
     return re.compile(text, re.I)
 
 
+CHROOT_ROUTE = "set image.isolation: chroot (RUN steps then run without an OCI runtime)"
 WHEEL_ROUTE = ("put a flash_attn wheel built for this base's Python, torch and CUDA into image.wheelhouse "
                "(installed instead of compiling)")
 KNOWN: tuple[Known, ...] = (
@@ -65,11 +66,9 @@ KNOWN: tuple[Known, ...] = (
           "image.base_image to an image podman has locally", from_step_only=True),
     Known("cgroups", _re(r"cgroups? in hybrid mode not supported|cannot (set up|create|enter) cgroup|"
                          r"cgroup.*(not supported|read-only file system|no such file or directory)"),
-          "podman's OCI runtime cannot create containers with this host's cgroups: set image.isolation: chroot "
-          "(RUN steps then run without an OCI runtime)"),
+          "podman's OCI runtime cannot create containers with this host's cgroups: " + CHROOT_ROUTE),
     Known("setrlimit", _re(r"setrlimit"),
-          "podman's OCI runtime may not set the container's resource limits here: set image.isolation: chroot "
-          "(RUN steps then run without an OCI runtime)"),
+          "podman's OCI runtime may not set the container's resource limits here: " + CHROOT_ROUTE),
     Known("subuid", _re(r"newuidmap|newgidmap|not enough (UIDs|IDs|GIDs)|cannot find UID/GID for user|"
                         r"insufficient UIDs or GIDs"),
           "rootless podman needs subordinate IDs for your user: an admin adds `USER:100000:65536` to /etc/subuid "
@@ -165,20 +164,6 @@ def step_name(step: str) -> str:
     return step if len(step) <= 100 else step[:99] + "…"
 
 
-def _find(known: Known, body: list[str]) -> Optional[tuple[str, re.Match]]:
-    hits = [(line, m) for line in body if (m := known.pattern.search(line))]
-    if not hits:
-        return None
-    return hits[0] if known.first else hits[-1]
-
-
-def _fallback(body: list[str]) -> str:
-    ends = [line for line in body if _TRACEBACK_END.match(line)]
-    errors = [line for line in body if ERROR_LIKE.search(line)]
-    pick = ends[-1] if ends else errors[-1] if errors else body[-1] if body else "(no output)"
-    return excerpt(pick)
-
-
 def diagnose_build(text: str, *, build_args: dict[str, str], log: Path, rc: int) -> str:
     """One line for a failed `podman build`: where, the line that explains it, the fix, the log."""
     step, body = failing_step(text.splitlines())
@@ -196,19 +181,19 @@ def diagnose_build(text: str, *, build_args: dict[str, str], log: Path, rc: int)
                         "network_host: true), or install offline from image.wheelhouse"),
     }
     for known in KNOWN:
-        if known.from_step_only and not from_step:
+        hits = [(line, m) for line in body if (m := known.pattern.search(line))]
+        if not hits or (known.from_step_only and not from_step):
             continue
-        found = _find(known, body)
-        if found is None:
-            continue
-        quote = excerpt(*found, limit=known.quote_max)
+        quote = excerpt(*hits[0 if known.first else -1], limit=known.quote_max)
         fix = (known.flash_fix if flash_step and known.flash_fix else known.fix).format(**values)
         fix = f". Fix: {fix}" if fix else ""
         if known.name == "pull":
             return f"podman could not pull the base image {build_args.get('BASE_IMAGE')}: {quote}{fix}; full log: {log}"
         return f"podman build failed at {where} (exit {rc}): {quote}{fix}; full log: {log}"
-    hint = ""
-    if flash_step:
-        hint = (". Fix: flash-attn builds against the base's torch and CUDA: " + WHEEL_ROUTE +
-                ", lower MAX_JOBS if the compiler was killed, or set image.flash_attn: false")
-    return f"podman build failed at {where} (exit {rc}): {_fallback(body)}{hint}; full log: {log}"
+    # Nothing known: the last line that ends a traceback, else the last error-like one, else the last.
+    ends = [line for line in body if _TRACEBACK_END.match(line)]
+    errors = [line for line in body if ERROR_LIKE.search(line)]
+    pick = ends[-1] if ends else errors[-1] if errors else body[-1] if body else "(no output)"
+    hint = (". Fix: flash-attn builds against the base's torch and CUDA: " + WHEEL_ROUTE + ", lower MAX_JOBS if "
+            "the compiler was killed, or set image.flash_attn: false") if flash_step else ""
+    return f"podman build failed at {where} (exit {rc}): {excerpt(pick)}{hint}; full log: {log}"

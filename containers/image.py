@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Protocol
@@ -44,7 +45,6 @@ from containers.context import (
     HashCache,
     content_hashes,
     context_files,
-    input_digests,
     materialize_context,
     project_root,
     project_version,
@@ -56,10 +56,9 @@ from containers.plan import ImagePlan
 from containers.project import Project
 from containers.record import BuildRecord, ImageNeeds, ImageSection
 from containers.storage import check_storage_conf
-from containers.tools import Enroot, Podman, Tail, ToolError, git_commit
+from containers.tools import Enroot, Podman, ToolError, git_commit
 from common.errors import ConfigError
 from common.fs import write_atomic
-
 
 
 class ImageConfig(Protocol):
@@ -80,7 +79,6 @@ BUILD_ENV_KEYS = ("MAX_JOBS", "NVCC_THREADS")
 FLOAT8_EXTRA = "float8"  # pyproject's extra for train.float8 (torchao); trainer/compute.py names it too
 
 
-
 def build_env(build_args: dict[str, str]) -> dict[str, str]:
     """MAX_JOBS / NVCC_THREADS for the flash-attn compile: image.build_args, then this process's environment."""
     env: dict[str, str] = {}
@@ -96,27 +94,15 @@ def build_env(build_args: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = False, do_import: bool = True,
-               enroot_mount: bool | None = None, git: bool = True) -> ImagePlan:
-    """Hash, tag, paths and the exact podman / enroot / srun command lines.
-
-    `enroot_mount`: whether to pass `-x mount`; None asks the installed enroot.
-    """
+def _build_args(cfg: ImageConfig, root: Path, wheel_digest: str, git: bool) -> dict[str, str]:
+    """slipway's own build args, what the run needs beyond the Dockerfile's defaults, then the
+    user's (image.build_args less the compile settings of BUILD_ENV_KEYS), each checked."""
     image = cfg.image
-    root = (root or project_root()).resolve()
-    dockerfile = resolve_path(root, image.dockerfile)
-    if not dockerfile.is_file():
-        raise ConfigError("image.dockerfile", f"{dockerfile} does not exist (default: containers/Dockerfile)")
-    out = resolve_path(root, image.output_dir)
-    files = context_files(root, image)
-    cache = HashCache(out / ".hashcache.json")
-    wheels = [f for f in files if f.dest.startswith("wheels/")]
-    wheel_digest = hashlib.sha256("".join(f"{f.dest} {cache.digest(f.src)}\n" for f in wheels).encode()).hexdigest()
     build_args = {
         "BASE_IMAGE": image.base_image,
         "FLASH_ATTN": "1" if image.flash_attn else "0",
         "WHEELHOUSE": "offline" if image.wheelhouse else "",
-        "WHEELHOUSE_DIGEST": wheel_digest[:16] if wheels else "",
+        "WHEELHOUSE_DIGEST": wheel_digest,
         "SLIPWAY_VERSION": project_version(root),
     }
     # What the run needs beyond the Dockerfile's defaults (no numactl, no extra, flash-attn for
@@ -140,10 +126,27 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
                                                      + build_args.get("EXTRAS", "").split()))
     build_args.update(user_args)
     build_args["GIT_COMMIT"] = user_args.get("GIT_COMMIT") or (git_commit(root) if git else "unknown")
-    dockerfile_text = dockerfile.read_text()
-    digest, image_digest = content_hashes(dockerfile=dockerfile_text, build_args=build_args,
-                                          squash_options=image.squash_options, files=files, cache=cache)
-    inputs = input_digests(dockerfile_text, files, cache)
+    return build_args
+
+
+def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = False, do_import: bool = True,
+               enroot_mount: bool | None = None, git: bool = True) -> ImagePlan:
+    """Hash, tag, paths and the exact podman / enroot / srun command lines.
+
+    `enroot_mount`: whether to pass `-x mount`; None asks the installed enroot.
+    """
+    image = cfg.image
+    root = (root or project_root()).resolve()
+    dockerfile = resolve_path(root, image.dockerfile)
+    if not dockerfile.is_file():
+        raise ConfigError("image.dockerfile", f"{dockerfile} does not exist (default: containers/Dockerfile)")
+    out = resolve_path(root, image.output_dir)
+    files = context_files(root, image)
+    cache = HashCache(out / ".hashcache.json")
+    wheels = "".join(f"{f.dest} {cache.digest(f.src)}\n" for f in files if f.dest.startswith("wheels/"))
+    build_args = _build_args(cfg, root, hashlib.sha256(wheels.encode()).hexdigest()[:16] if wheels else "", git)
+    digest, image_digest, inputs = content_hashes(dockerfile=dockerfile.read_text(), build_args=build_args,
+                                                  squash_options=image.squash_options, files=files, cache=cache)
     cache.save()
     h12 = digest[:12]
     try:
@@ -157,7 +160,7 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
     if enroot_mount is None:
         enroot = Enroot.find()
         enroot_mount = enroot.supports_mount() if enroot else False
-    plan = ImagePlan(
+    return ImagePlan(
         name=image.name, hash=digest, tag=tag, root=root, output_dir=out, dockerfile=dockerfile, files=files,
         build_args=build_args, squash_options=image.squash_options, squashfs=squashfs, temp_squashfs=temp,
         link=out / f"{image.name}.sqsh", record=out / f"{image.name}.json",
@@ -170,29 +173,25 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
         enroot_env=Enroot.import_env(image.squash_options), enroot_mount=enroot_mount,
         build_env=build_env(image.build_args), build_on=image.build_on, inputs=inputs, project=project,
         project_error=project_error,
+        frozen_config=out / f".build-{h12}.yaml" if image.build_on == "compute" else None,
     )
-    if image.build_on == "compute":
-        plan.frozen_config = out / f".build-{h12}.yaml"
-    return plan
 
 
 # ---------------------------------------------------------------- records
 
 
-def _point_link(link: Path, target: Path) -> None:
-    """Atomically make `link` a (relative) symlink to `target`."""
+def make_current(plan: ImagePlan, record: BuildRecord) -> None:
+    """Record `plan`'s image as the current one, and atomically point the link at its squashfs
+    (relatively: the output directory may move)."""
+    write_atomic(plan.record, record.to_json())
+    link = plan.link
     if link.exists() and not link.is_symlink():
         raise ToolError(f"{link} is a regular file, not slipway's link to the current image: move it away "
                         f"(slipway keeps {link.name} as a symlink to {link.stem}-HASH.sqsh)")
     tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)
-    os.symlink(os.path.relpath(target, link.parent), tmp)
+    os.symlink(os.path.relpath(plan.squashfs, link.parent), tmp)
     os.replace(tmp, link)
-
-
-def make_current(plan: ImagePlan, record: BuildRecord) -> None:
-    write_atomic(plan.record, record.to_json())
-    _point_link(plan.link, plan.squashfs)
 
 
 def build_record(plan: ImagePlan, *, image_id: str | None, enroot_version: str | None,
@@ -241,14 +240,10 @@ class ImageResult:
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, build, import (where it ran)
 
-    @property
-    def size(self) -> int | None:
-        return self.squashfs.stat().st_size if self.squashfs and self.squashfs.is_file() else None
-
 
 def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
     materialize_context(plan.files, plan.context_dir, plan.build_env)
-    tail = Tail(15)
+    tail = deque(maxlen=15)
     console.print(f"[bold]podman build[/] {plan.tag}  (base {escape(str(plan.build_args.get('BASE_IMAGE')))}, "
                   f"{len(plan.files)} context files, log {escape(str(plan.log))})", highlight=False)
     try:
@@ -266,7 +261,7 @@ def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
 
             def on_line(line: str) -> None:
                 log.write(line + "\n")
-                tail(line)
+                tail.append(line)
                 if line.startswith("STEP "):
                     flush()
                     pending.append(line)
@@ -284,7 +279,7 @@ def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
     finally:
         shutil.rmtree(plan.context_dir, ignore_errors=True)
     if rc != 0:
-        console.print(tail.text(), style="red", highlight=False, markup=False)
+        console.print("\n".join(tail), style="red", highlight=False, markup=False)
         # The whole log, not the tail: a compiler's first error can be thousands of lines up.
         raise ToolError(diagnose_build(plan.log.read_text(errors="replace"), build_args=plan.build_args,
                                        log=plan.log, rc=rc))
@@ -307,7 +302,6 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
     # the image but the output directory is new (images/ removed, image.output_dir changed).
     plan.log.parent.mkdir(parents=True, exist_ok=True)
     timings = {"plan": time.perf_counter() - t0}
-
     if do_import and plan.exists and not force:
         record = BuildRecord.read(plan.sidecar) or build_record(plan, image_id=None, enroot_version=None)
         if record.hash == plan.hash and record.inputs is None:
@@ -322,16 +316,19 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
                       f"tag {plan.tag})", highlight=False, markup=False)
         return ImageResult(plan, plan.squashfs, built=False, seconds=time.perf_counter() - t0, record=record,
                            timings=timings)
-
     if plan.build_on == "compute" and not here:
         if elsewhere is None:
             raise ToolError("image.build_on: compute builds through Slurm: run it with slipway image build CONFIG "
                             "(or set image.build_on: local)")
         elsewhere(plan)
-        record = BuildRecord.read(plan.sidecar)
         return ImageResult(plan, plan.squashfs if plan.exists else None, built=True, seconds=time.perf_counter() - t0,
-                           record=record)
+                           record=BuildRecord.read(plan.sidecar))
+    return _build_here(plan, force=force, do_import=do_import, console=console, t0=t0, timings=timings)
 
+
+def _build_here(plan: ImagePlan, *, force: bool, do_import: bool, console: Console, t0: float,
+                timings: dict[str, float]) -> ImageResult:
+    """The podman build (unless podman has the tag) and enroot's import, on this machine."""
     if plan.project is None:
         assert plan.project_error is not None
         raise plan.project_error
@@ -348,12 +345,11 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
         if not guarded:
             console.print(f"[yellow]note:[/] {escape(str(plan.project.lock_path(plan.tag).parent))} has no flock: a "
                           "slipway image prune meanwhile cannot tell that this build runs", highlight=False)
-        built = False
-        if force or not podman.image_exists(plan.tag):
+        built = force or not podman.image_exists(plan.tag)
+        if built:
             t1 = time.perf_counter()
             _podman_build(plan, podman, console)
             timings["build"] = time.perf_counter() - t1
-            built = True
         else:
             console.print(f"podman image {plan.tag} exists: not rebuilding (only the import's settings differ)"
                           if do_import else f"podman image {plan.tag} exists: not rebuilding", highlight=False,

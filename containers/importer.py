@@ -13,6 +13,7 @@ import re
 import shutil
 import socket
 import time
+from collections import deque
 from pathlib import Path
 
 from rich.console import Console
@@ -21,7 +22,7 @@ from rich.markup import escape
 from common.environ import as_typed
 from common.fs import pid_alive
 from containers.plan import ImagePlan
-from containers.tools import Container, Enroot, Podman, Tail, ToolError, squashfs_ok
+from containers.tools import Enroot, Podman, ToolError, squashfs_ok
 
 # enroot unpacks the image (its uncompressed size) before squashing it to about half.
 SQUASH_RATIO = 0.5
@@ -31,16 +32,12 @@ def host_name() -> str:
     return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
 
 
-
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-_NO_SPACE = re.compile(r"no space left on device", re.I)
 
 
 def check_free_space(*, image_size: int, output_dir: Path, temp_dir: Path | None) -> None:
@@ -84,28 +81,20 @@ def stale_temps(output_dir: Path, glob: str) -> list[Path]:
 _CONTAINER_ID = re.compile(r"\b[0-9a-f]{64}\b")
 
 
-def _same_image(container: Container, tag: str, image_id: str | None) -> bool:
-    bare = (image_id or "").removeprefix("sha256:")
-    return container.image == tag or bool(bare) and container.image_id.removeprefix("sha256:") == bare
-
-
-def _import_leftovers(podman: Podman, tag: str, before: set[str], printed: set[str]) -> list[Container]:
-    """The stopped `enroot.*` containers this import left (see Enroot): new since the
-    import began, created from our tag, and, when enroot printed container ids
-    (`podman create` does), one of those: never another import's or another image's."""
-    image_id = podman.image_id(tag)
-    new = [c for c in podman.containers(Enroot.CONTAINER_FILTER)
-           if c.id not in before and _same_image(c, tag, image_id) and c.state not in ("running", "paused")]
-    return [c for c in new if c.id in printed] if printed else new
-
-
 def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, printed: set[str],
                   console: Console) -> tuple[list[str], list[str]]:
-    """Remove this import's leftover container(s): (removed names, warnings)."""
+    """Remove the stopped `enroot.*` containers this import left (see Enroot): (removed names,
+    warnings). Only those new since the import began, created from our tag and, when enroot
+    printed container ids (`podman create` does), one of those: never another import's or
+    another image's."""
     if before is None:
         return [], []
     try:
-        leftovers = _import_leftovers(podman, plan.tag, before, printed)
+        bare = (podman.image_id(plan.tag) or "").removeprefix("sha256:")
+        leftovers = [c for c in podman.containers(Enroot.CONTAINER_FILTER)
+                     if c.id not in before and c.state not in ("running", "paused")
+                     and (c.image == plan.tag or bool(bare) and c.image_id.removeprefix("sha256:") == bare)
+                     and (c.id in printed or not printed)]
     except ToolError as exc:
         return [], [f"could not look for enroot's leftover podman container: {exc}"]
     removed, warnings = [], []
@@ -131,7 +120,7 @@ def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Cons
         stale.unlink(missing_ok=True)
     tmp = plan.temp_squashfs
     tmp.unlink(missing_ok=True)
-    tail = Tail(40)
+    tail = deque(maxlen=40)
     try:  # what exists before, so the cleanup after can tell this import's container from others
         before: set[str] | None = {c.id for c in podman.containers(Enroot.CONTAINER_FILTER)}
     except ToolError as exc:
@@ -149,7 +138,7 @@ def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Cons
 
                 def on_line(line: str) -> None:
                     log.write(line + "\n")
-                    tail(line)
+                    tail.append(line)
                     printed.update(_CONTAINER_ID.findall(line))
                     status.update(f"enroot import: {escape(line[:100])}")
 
@@ -166,11 +155,11 @@ def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Cons
                 notes.append(f"enroot exited {rc} but the squashfs reads back whole: kept{why}")
                 console.print(f"[yellow]note:[/] {escape(notes[-1])}", highlight=False)
             else:
-                text = tail.text()
-                if _NO_SPACE.search(text):
+                text = "\n".join(tail)
+                if re.search("no space left on device", text, re.I):
                     raise ToolError(f"enroot import ran out of disk: free space in {plan.output_dir} and "
                                     f"{Enroot.temp_dir()} (ENROOT_TEMP_PATH); log: {plan.log}")
-                last = tail.lines[-1].strip()[:300] if tail.lines else ""
+                last = tail[-1].strip()[:300] if tail else ""
                 raise ToolError(f"enroot import failed (exit {rc}): {last}; the podman image {plan.tag} is built, "
                                 f"rerun to retry the import; log: {plan.log}")
         if not tmp.is_file():

@@ -2,7 +2,8 @@
 
 Runs inside the image build (stdlib only, any Python >= 3.8) and on the host (the
 tests compute the wheelhouse from it). The list is slipway's runtime dependencies
-plus its `trainer` extra and the extras the run asks for (`--extras float8`: torchao
+plus its `trainer` and `plot` extras (the batch script's last step draws the run's curves in the
+image: trainer/plot.py) and the extras the run asks for (`--extras float8`: torchao
 for train.float8), plus its build requirements (`[build-system] requires`:
 slipway itself is installed without build isolation, so that step can run
 offline, and a base's older setuptools cannot read the PEP 639 license field). When the image already has a torch (NGC), torch is left
@@ -33,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
-EXTRAS = ("trainer",)
+EXTRAS = ("trainer", "plot")
 NAME_RE = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 # pip's resolver, explaining a conflict: "The conflict is caused by:" then one line per party.
 CONSTRAINED = re.compile(r"^\s*The user requested \(constraint\) (\S+)")

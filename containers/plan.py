@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from common.errors import ConfigError
-from containers.context import ContextFile
+from containers.sources import SourceFile
 from containers.project import Project
 
 
@@ -22,7 +22,7 @@ class ImagePlan:
     root: Path
     output_dir: Path
     dockerfile: Path
-    files: list[ContextFile]
+    files: list[SourceFile]
     build_args: dict[str, str]
     squash_options: str
     squashfs: Path  # OUTPUT_DIR/NAME-HASH12.sqsh

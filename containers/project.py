@@ -39,7 +39,7 @@ from common.fs import write_atomic
 STATE_DIR = ".slipway"
 LABEL = "slipway.project"  # the project's id, on every image slipway builds
 PATH_LABEL = "slipway.project.path"  # where it was, for messages only (a checkout may move)
-_ID = re.compile(r"^[0-9a-f]{32}$")
+_ID = re.compile(r"[0-9a-f]{32}")
 # flock(2) on a filesystem without it (Lustre mounted without -o flock).
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
@@ -98,7 +98,7 @@ class Project:
             data = None
         except (OSError, ValueError):
             data = None  # damaged: a new id (the images labelled with the old one stay, another project's)
-        if isinstance(data, dict) and isinstance(data.get("id"), str) and _ID.match(data["id"]):
+        if isinstance(data, dict) and isinstance(data.get("id"), str) and _ID.fullmatch(data["id"]):
             made_at = Path(str(data.get("root", "")))
             if made_at == root:
                 return cls(data["id"], root, state)
@@ -118,27 +118,23 @@ class Project:
     def building(self, tag: str) -> Iterator[bool]:
         """Hold `tag`'s lock (shared: two builds of one tag may run) for the block; yields False
         where the filesystem has no flock (nothing then tells prune that this build runs)."""
-        path = self.lock_path(tag)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd: Optional[int] = _lock(path, fcntl.LOCK_SH)
-        except _NoFlock:
-            fd = None
-        try:
-            yield fd is not None
-        finally:
-            if fd is not None:
-                os.close(fd)
+        with self._held(tag, fcntl.LOCK_SH) as held:
+            yield held is not None
 
-    @contextlib.contextmanager
-    def idle(self, tag: str) -> Iterator[Optional[bool]]:
+    def idle(self, tag: str) -> contextlib.AbstractContextManager[Optional[bool]]:
         """Whether no build or import of `tag` runs (True), one does (False), or it cannot be told
         (None: no flock here); while True, none can start until the block ends."""
+        return self._held(tag, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    @contextlib.contextmanager
+    def _held(self, tag: str, how: int) -> Iterator[Optional[bool]]:
+        """`tag`'s lock taken `how` for the block: True, False where another holds it (LOCK_NB),
+        None where the filesystem has no flock."""
         path = self.lock_path(tag)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = None
         try:
-            fd = _lock(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = _lock(path, how)
             state: Optional[bool] = True
         except BlockingIOError:
             state = False

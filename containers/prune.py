@@ -38,7 +38,10 @@ _IMAGE_FILE = r"{name}-(?P<h>[0-9a-f]{{12}})\.sqsh"
 
 @dataclass
 class PruneResult:
-    removed: list[Path] = field(default_factory=list)  # files and directories (dry run: would be)
+    """What a prune removed (dry run: would remove), kept and left alone; each said on `console` as
+    it is decided."""
+
+    removed: list[Path] = field(default_factory=list)  # files and directories
     containers: list[str] = field(default_factory=list)  # enroot's leftover podman containers
     tags: list[str] = field(default_factory=list)  # podman tags
     failed: list[str] = field(default_factory=list)  # one line each: what stayed, and why
@@ -46,47 +49,42 @@ class PruneResult:
     kept_tags: dict[str, str] = field(default_factory=dict)  # podman tag -> why it stayed
     left_alone: list[str] = field(default_factory=list)  # what is not this project's, one line per kind
     dry_run: bool = False
+    console: Console = field(default_factory=Console, repr=False)
 
     @property
     def ok(self) -> bool:
         return not self.failed
 
-
-class _Report:
-    def __init__(self, console: Console, result: PruneResult):
-        self.console, self.result = console, result
-
     def say(self, line: str) -> None:
         self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def done(self, what: str) -> None:
-        self.say(f"{'would remove' if self.result.dry_run else 'removed'} {what}")
+        self.say(f"{'would remove' if self.dry_run else 'removed'} {what}")
 
-    def failed(self, what: str) -> None:
-        self.result.failed.append(what)
+    def fail(self, what: str) -> None:
+        self.failed.append(what)
         self.console.print(f"[yellow]could not remove[/] {escape(what)}", highlight=False, soft_wrap=True)
 
-    def left_alone(self, what: str, names: list[str]) -> None:
+    def leave(self, what: str, names: list[str]) -> None:
         if names:
             shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-            self.result.left_alone.append(f"left alone {len(names)} {what}: {shown}")
-            self.say(self.result.left_alone[-1])
+            self.left_alone.append(f"left alone {len(names)} {what}: {shown}")
+            self.say(self.left_alone[-1])
 
-
-def _remove_path(path: Path, result: PruneResult, report: _Report, label: str | None = None) -> bool:
-    if not path.exists() and not path.is_symlink():
-        return False
-    if not result.dry_run:
-        try:
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-        except FileNotFoundError:
+    def remove(self, path: Path, label: str | None = None) -> bool:
+        if not path.exists() and not path.is_symlink():
             return False
-        except OSError as exc:
-            report.failed(f"{path}: {exc.strerror or exc}")
-            return False
-    result.removed.append(path)
-    report.done(label or str(path))
-    return True
+        if not self.dry_run:
+            try:
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                self.fail(f"{path}: {exc.strerror or exc}")
+                return False
+        self.removed.append(path)
+        self.done(label or str(path))
+        return True
 
 
 def _owner(squashfs: Path, project: Optional[Project], out: Path, root: Path) -> tuple[Optional[str], Optional[str]]:
@@ -111,27 +109,56 @@ def prune_images(cfg: ImageConfig, keep: int = 1, *, pinned: dict[Path, list[str
     `dry_run`: say what would be removed, remove nothing."""
     if keep < 1:
         raise ConfigError("--keep", f"must be >= 1 (the current image is always kept), got {keep}")
-    console = console or Console()
-    result = PruneResult(dry_run=dry_run)
-    report = _Report(console, result)
+    result = PruneResult(dry_run=dry_run, console=console or Console())
     root = (root or project_root()).resolve()
-    out = resolve_path(root, cfg.image.output_dir)
-    name = cfg.image.name
+    out, name = resolve_path(root, cfg.image.output_dir), cfg.image.name
     try:
         project: Optional[Project] = Project.of(root)
     except ConfigError as exc:
         project = None
-        report.say(f"no podman image or container is this project's: {exc}")
+        result.say(f"no podman image or container is this project's: {exc}")
     pattern = re.compile(_IMAGE_FILE.format(name=re.escape(name)))
     found = [p for p in out.glob(f"{name}-*.sqsh") if pattern.fullmatch(p.name) and not p.is_symlink()]
     owners = {p: _owner(p, project, out, root) for p in found}
-    report.left_alone(f"squashfs files in {out} that are not this project's (their records name another "
-                      "project) or whose project is not known", [f"{p.name} ({owners[p][1]})" for p in sorted(found)
-                                                                  if owners[p][1]])
+    result.leave(f"squashfs files in {out} that are not this project's (their records name another project) or "
+                 "whose project is not known", [f"{p.name} ({owners[p][1]})" for p in sorted(found) if owners[p][1]])
     images = sorted((p for p in found if not owners[p][1]), key=lambda p: p.stat().st_mtime, reverse=True)
-    current = resolve_image(cfg, root=root)
+    _choose(cfg, images, keep, pinned, remove or [], result, out, root)
+    for img in images:
+        if img not in result.kept:
+            h12 = pattern.fullmatch(img.name).group("h")
+            if result.remove(img, f"{img} ({human(img.stat().st_size)})"):
+                for path in (out / f"{name}-{h12}.json", out / "logs" / f"{name}-{h12}.log"):
+                    result.remove(path)
+    # Leftovers of interrupted builds and imports.
+    old = time.time() - 86400
+    leftovers = [p for p in [*out.glob(".context-*"), *out.glob(".build-*.yaml")] if p.stat().st_mtime < old]
+    for leftover in leftovers + stale_temps(out, f".{name}-*.sqsh.tmp-*"):
+        result.remove(leftover)
+    if Podman.available():
+        # A kept squashfs keeps its tag (a pinned run's image can be imported again from it), and
+        # so does what this config builds now.
+        keep_tags = {owners[p][0]: f"the tag of {p.name}, kept" for p in result.kept if owners[p][0]}
+        try:
+            keep_tags.setdefault(image_plan(cfg, root=root, enroot_mount=False, git=False).tag,
+                                 "what this config builds now")
+        except (ConfigError, ToolError):
+            pass
+        _prune_podman(Podman.find(), name, project, keep_tags, result)
+    if not (result.removed or result.containers or result.tags or result.failed):
+        result.say(f"nothing to prune: {len(result.kept)} image(s) kept in {out}")
+    elif dry_run:
+        result.say("dry run: nothing was removed (run it again without --dry-run to remove the above)")
+    return result
+
+
+def _choose(cfg: ImageConfig, images: list[Path], keep: int, pinned: dict[Path, list[str]], remove: list[str],
+            result: PruneResult, out: Path, root: Path) -> None:
+    """Which of this project's `images` (newest first) stay, each with why, into `result.kept`: the
+    current one, those runs pin (unless `remove` names them), and the newest others up to `keep`."""
+    current, name = resolve_image(cfg, root=root), cfg.image.name
     forced: set[Path] = set()
-    for given in remove or []:
+    for given in remove:
         path = Path(os.path.realpath(resolve_path(Path.cwd(), given)))
         if not any(p.resolve() == path for p in images):
             raise ConfigError("--remove", f"{given} is not one of this project's {name}-HASH.sqsh images in {out}: "
@@ -140,55 +167,24 @@ def prune_images(cfg: ImageConfig, keep: int = 1, *, pinned: dict[Path, list[str
             raise ConfigError("--remove", f"{given} is the current image ({name}.sqsh): build another first, or "
                                           "remove it by hand")
         forced.add(path)
-    kept = [p for p in images if current and p.resolve() == current]
-    result.kept.update({p: "the current image" for p in kept})
+    kept = result.kept
+    kept.update({p: "the current image" for p in images if current and p.resolve() == current})
+    has_current = bool(kept)
     for p in images:
         runs = pinned.get(p.resolve())
         if runs and p.resolve() not in forced:
             shown = ", ".join(runs[:8]) + (f" and {len(runs) - 8} more" if len(runs) > 8 else "")
             why = f"pinned by run{'s' if len(runs) > 1 else ''} {shown}"
-            result.kept[p] = f"{result.kept[p]}, {why}" if p in result.kept else why
-            if p not in kept:
-                kept.append(p)
-    has_current = any(current and p.resolve() == current for p in images)
+            kept[p] = f"{kept[p]}, {why}" if p in kept else why
     # --keep counts the current image and the newest others; pinned ones are kept besides.
     newest = [p for p in images if p not in kept and p.resolve() not in forced][: keep - has_current]
-    result.kept.update({p: f"among the newest (--keep {keep})" for p in newest})
-    kept += newest
-    for img in kept:
-        report.say(f"kept {img}: {result.kept[img]}")
-    for img in images:
-        if img in kept:
-            continue
-        h12 = pattern.fullmatch(img.name).group("h")
-        size = img.stat().st_size
-        if _remove_path(img, result, report, f"{img} ({human(size)})"):
-            for path in (out / f"{name}-{h12}.json", out / "logs" / f"{name}-{h12}.log"):
-                _remove_path(path, result, report)
-    # Leftovers of interrupted builds and imports.
-    old = time.time() - 86400
-    leftovers = [p for p in [*out.glob(".context-*"), *out.glob(".build-*.yaml")] if p.stat().st_mtime < old]
-    for leftover in leftovers + stale_temps(out, f".{name}-*.sqsh.tmp-*"):
-        _remove_path(leftover, result, report)
-    if Podman.available():
-        # A kept squashfs keeps its tag (a pinned run's image can be imported again from it), and
-        # so does what this config builds now.
-        keep_tags = {owners[p][0]: f"the tag of {p.name}, kept" for p in kept if owners[p][0]}
-        try:
-            keep_tags.setdefault(image_plan(cfg, root=root, enroot_mount=False, git=False).tag,
-                                 "what this config builds now")
-        except (ConfigError, ToolError):
-            pass
-        _prune_podman(Podman.find(), name, project, keep_tags, result, report)
-    if not (result.removed or result.containers or result.tags or result.failed):
-        report.say(f"nothing to prune: {len(kept)} image(s) kept in {out}")
-    elif dry_run:
-        report.say("dry run: nothing was removed (run it again without --dry-run to remove the above)")
-    return result
+    kept.update({p: f"among the newest (--keep {keep})" for p in newest})
+    for img, why in kept.items():
+        result.say(f"kept {img}: {why}")
 
 
 def _prune_podman(podman: Podman, name: str, project: Optional[Project], keep_tags: dict[str, str],
-                  result: PruneResult, report: _Report) -> None:
+                  result: PruneResult) -> None:
     """This project's podman tags of `name` not in `keep_tags` and its stopped `enroot.*`
     containers, each while no build or import of its tag runs; the rest left alone, counted."""
     repository = f"localhost/{name}"
@@ -196,7 +192,7 @@ def _prune_podman(podman: Podman, name: str, project: Optional[Project], keep_ta
         tags = podman.tags(repository)
         containers = podman.containers(Enroot.CONTAINER_FILTER)
     except ToolError as exc:
-        report.failed(f"podman tags and enroot's leftover containers: cannot list them ({exc})")
+        result.fail(f"podman tags and enroot's leftover containers: cannot list them ({exc})")
         return
     ours = re.compile(rf"{re.escape(repository)}:[0-9a-f]{{12}}-{project.token}") if project else None
 
@@ -205,51 +201,58 @@ def _prune_podman(podman: Podman, name: str, project: Optional[Project], keep_ta
 
     other = [f"{t} ({labels.get(PATH_LABEL) or 'another project'})" for t, labels in tags.items()
              if labels.get(LABEL) and not mine(labels)]
-    report.left_alone(f"podman tags of {repository} that are another project's", other)
-    report.left_alone(f"podman tags of {repository} with no project label (not built by this slipway, or before "
-                      "it labelled its images: `podman rmi` them by hand if they are yours)",
-                      [t for t, labels in tags.items() if not labels.get(LABEL)])
+    result.leave(f"podman tags of {repository} that are another project's", other)
+    result.leave(f"podman tags of {repository} with no project label (not built by this slipway, or before it "
+                 "labelled its images: `podman rmi` them by hand if they are yours)",
+                 [t for t, labels in tags.items() if not labels.get(LABEL)])
     candidates = [t for t, labels in tags.items() if mine(labels) and ours and ours.fullmatch(t)]
-    report.left_alone("podman tags with this project's label but a name slipway does not give (yours: left as "
-                      "they are)", [t for t, labels in tags.items() if mine(labels) and t not in candidates])
+    result.leave("podman tags with this project's label but a name slipway does not give (yours: left as they "
+                 "are)", [t for t, labels in tags.items() if mine(labels) and t not in candidates])
     leftovers: dict[str, list[Container]] = {}
     for c in containers:
         if mine(c.labels):
             leftovers.setdefault(c.image, []).append(c)
-    report.left_alone("enroot import containers of other projects' or unlabelled images",
-                      [f"{c.name} ({c.image})" for c in containers if not mine(c.labels)])
-    if project is None:
-        return
-    for tag in sorted(set(candidates) | set(leftovers)):
-        with project.idle(tag) as idle:
-            if not idle:
-                why = ("a build or import of it is running now" if idle is False else
-                       f"whether a build of it runs cannot be told ({project.lock_path(tag).parent} has no flock)")
-                for c in leftovers.get(tag, []):
-                    report.say(f"kept podman container {c.name} (left by enroot import of {tag}): {why}")
-                if tag in candidates:
-                    result.kept_tags[tag] = why
-                    report.say(f"kept podman tag {tag}: {why}")
-                continue
-            # First the containers: while one exists, podman refuses to remove its image's tag.
-            for c in leftovers.get(tag, []):
-                what = f"podman container {c.name} (left by enroot import of {tag})"
-                if c.state in ("running", "paused"):
-                    report.failed(f"{what}: it is {c.state}; `podman rm -f {c.name}` if nothing uses it")
-                elif result.dry_run or (outcome := podman.remove_container(c.id)):
-                    result.containers.append(c.name)
-                    report.done(what)
-                else:
-                    report.failed(f"{what}: podman rm {outcome.why}")
-            if tag not in candidates:
-                continue
-            if tag in keep_tags:
-                result.kept_tags[tag] = keep_tags[tag]
-                report.say(f"kept podman tag {tag}: {keep_tags[tag]}")
-            elif result.dry_run or (outcome := podman.untag(tag)):
-                result.tags.append(tag)
-                report.done(f"podman tag {tag}")
-                if not result.dry_run:
-                    project.forget(tag)
+    result.leave("enroot import containers of other projects' or unlabelled images",
+                 [f"{c.name} ({c.image})" for c in containers if not mine(c.labels)])
+    if project is not None:
+        for tag in sorted(set(candidates) | set(leftovers)):
+            _prune_tag(podman, project, tag, leftovers.get(tag, []), keep_tags if tag in candidates else None,
+                       result)
+
+
+def _prune_tag(podman: Podman, project: Project, tag: str, leftovers: list[Container],
+               keep_tags: Optional[dict[str, str]], result: PruneResult) -> None:
+    """`tag`'s leftover containers, then the tag itself unless `keep_tags` names it (None: the tag is
+    not one to remove), while no build or import of it runs."""
+    with project.idle(tag) as idle:
+        if not idle:
+            why = ("a build or import of it is running now" if idle is False else
+                   f"whether a build of it runs cannot be told ({project.lock_path(tag).parent} has no flock)")
+            for c in leftovers:
+                result.say(f"kept podman container {c.name} (left by enroot import of {tag}): {why}")
+            if keep_tags is not None:
+                result.kept_tags[tag] = why
+                result.say(f"kept podman tag {tag}: {why}")
+            return
+        # First the containers: while one exists, podman refuses to remove its image's tag.
+        for c in leftovers:
+            what = f"podman container {c.name} (left by enroot import of {tag})"
+            if c.state in ("running", "paused"):
+                result.fail(f"{what}: it is {c.state}; `podman rm -f {c.name}` if nothing uses it")
+            elif result.dry_run or (outcome := podman.remove_container(c.id)):
+                result.containers.append(c.name)
+                result.done(what)
             else:
-                report.failed(f"podman tag {tag}: podman rmi {outcome.why}")
+                result.fail(f"{what}: podman rm {outcome.why}")
+        if keep_tags is None:
+            return
+        if tag in keep_tags:
+            result.kept_tags[tag] = keep_tags[tag]
+            result.say(f"kept podman tag {tag}: {keep_tags[tag]}")
+        elif result.dry_run or (outcome := podman.untag(tag)):
+            result.tags.append(tag)
+            result.done(f"podman tag {tag}")
+            if not result.dry_run:
+                project.forget(tag)
+        else:
+            result.fail(f"podman tag {tag}: podman rmi {outcome.why}")

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from edf.environment import ENV_NAME
-from common.schema import require
+from common.schema import FREE_TEXT, require
+from common.secrets import TEXT
 
 
 @dataclass
@@ -42,7 +43,7 @@ class ImageSection:
     flash_attn: bool = True
     # Extra `--build-arg`s (e.g. MAX_JOBS, FLASH_ATTN_VERSION, SMOKE); they override slipway's own. A
     # value stays in the image's history: a name or value that looks like a secret's is refused.
-    build_args: dict[str, str] = field(default_factory=dict)
+    build_args: dict[str, str] = field(default_factory=dict, metadata={"secrets": TEXT, **FREE_TEXT})
     # podman build --network=host (needed on CSCS).
     network_host: bool = False
     # podman build --isolation: chroot where the host's cgroups or rlimits stop podman's OCI
@@ -57,12 +58,12 @@ class ImageSection:
 
     def check(self, where: str) -> None:
         # podman repository names are lowercase; the name also names files in output_dir.
-        require(bool(re.match(r"^[a-z0-9][a-z0-9._-]{0,63}$", self.name)), f"{where}.name",
+        require(bool(re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", self.name)), f"{where}.name",
                 f"{self.name!r} is not a valid image name: use 1-64 lowercase letters, digits, '.', '_' or '-'")
         require(bool(self.base_image) and "\n" not in self.base_image, f"{where}.base_image",
                 "must name an image, e.g. nvcr.io/nvidia/pytorch:25.12-py3 or localhost/NAME:TAG")
         for key, value in self.build_args.items():  # secrets: refused as the config is read (common/schema.py)
-            require(bool(ENV_NAME.match(key)) and "\n" not in str(value), f"{where}.build_args.{key}",
+            require(bool(ENV_NAME.fullmatch(key)) and "\n" not in str(value), f"{where}.build_args.{key}",
                     "build arg names are letters, digits and _ (not starting with a digit); values one line")
         require("\n" not in self.squash_options, f"{where}.squash_options", "must be one line of mksquashfs options")
 
@@ -121,20 +122,14 @@ class BuildRecord:
 
     @classmethod
     def from_json(cls, data: object) -> Optional["BuildRecord"]:
-        """The record in a parsed JSON document, or None if it is not one (unknown keys ignored)."""
+        """The record in a parsed JSON document, or None if it is not one (unknown keys ignored; a
+        value of the wrong type, as in a damaged record, leaves its field's default)."""
         if not isinstance(data, dict) or not all(isinstance(data.get(k), str) and data.get(k)
                                                  for k in ("name", "hash", "tag", "squashfs")):
             return None
         known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        for key, kind in (("build_args", dict), ("build_env", dict), ("inputs", dict)):
-            if key in values and not isinstance(values[key], kind):
-                values.pop(key)
-        if not isinstance(values.get("size_bytes", 0), int):
-            values.pop("size_bytes")
-        if not isinstance(values.get("project", ""), str):
-            values.pop("project")
-        return cls(**values)
+        kinds = {"build_args": dict, "build_env": dict, "inputs": dict, "size_bytes": int, "project": str}
+        return cls(**{k: v for k, v in data.items() if k in known and isinstance(v, kinds.get(k, object))})
 
     @classmethod
     def read(cls, path: Path) -> Optional["BuildRecord"]:

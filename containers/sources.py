@@ -14,11 +14,9 @@ they run, so both follow one rule, here:
   rewritten relative, so that it points at the copy); one pointing anywhere else (a token
   file in $HOME, /proc/self/environ) is refused in one line naming it: its target would be
   copied as if it were the project's.
-- A file that looks like a secret is refused in one line naming it and how to leave it out:
-  by its name (a private key, a credentials, token or password file, .netrc, an env file, a
-  kubeconfig), and by its whole content, read by the secret policy's detector
-  (common/secrets.py `secret_content`). The scan is kept by content: a file whose sha256 was
-  found clean before, under the same detector, is not read again (`CleanFiles`).
+- A file that looks like a secret (common/secrets.py) is refused in one line naming it, its line,
+  how to leave it out and how to accept it (common/baseline.py). The scan is kept by content: a
+  content found clean before, under the same detector, is not read again (`CleanFiles`).
 - Nothing is copied that is not plainly a file of the project's: a hard link whose other names
   lie outside what is copied (its content is anyone's file), a tracked path that is now a FIFO,
   a device or a socket, a submodule that is not checked out or a repository inside this one
@@ -45,8 +43,9 @@ from typing import Optional, Sequence
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
+from common.baseline import BASELINE, command, label
 from common.errors import ConfigError, bounded_path
-from common.secrets import policy_fingerprint, secret_content, secret_file
+from common.secrets import file_findings, policy_fingerprint, secret_file
 
 # What is copied is bounded: a data file or a checkpoint left in the code folders is not code.
 MAX_FILES = 5000
@@ -189,6 +188,7 @@ def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_f
     folders = [Folder(f.src.resolve(), f.dest.strip("/")) for f in folders]
     out = Sources()
     in_git_of: dict[str, bool] = {}
+    top_of: dict[str, Path] = {}  # where each file's project keeps its baseline
     for folder in folders:
         root = _git_root(folder.src)
         in_git = root is not None
@@ -210,12 +210,12 @@ def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_f
             entry = _entry(folder, rel, folders, in_git=in_git, field_name=field_name)
             if entry is not None:
                 out.files.append(entry)
-                in_git_of[entry.dest] = in_git
+                in_git_of[entry.dest], top_of[entry.dest] = in_git, root if in_git else folder.src
     out.files.sort(key=lambda f: f.dest)
     _check_size(out, field_name, max_bytes, max_files)
     _check_links(out.files, field_name, in_git_of)
     clean = CleanFiles.load()
-    out.files = [_scanned(f, field_name, in_git_of[f.dest], clean) for f in out.files]
+    out.files = [_scanned(f, field_name, in_git_of[f.dest], clean, top_of[f.dest]) for f in out.files]
     clean.save()
     return out
 
@@ -274,9 +274,10 @@ def _check_links(files: Sequence[SourceFile], field_name: str, in_git_of: dict[s
                                           f"(`cp {shown} {shown}.copy && mv {shown}.copy {shown}`)")
 
 
-def _scanned(f: SourceFile, field_name: str, in_git: bool, clean: "CleanFiles") -> SourceFile:
+def _scanned(f: SourceFile, field_name: str, in_git: bool, clean: "CleanFiles", top: Path) -> SourceFile:
     """`f` with its content's sha256, the content scanned whole by the secret policy unless a
-    file of the same content was found clean before."""
+    file of the same content was found clean before; what the baseline at `top` audited as no
+    secret passes (a content that holds any finding is scanned again: the baseline may change)."""
     if f.link is not None:
         return f
     try:  # never blocks: a FIFO put in its place since it was listed is no regular file
@@ -291,12 +292,17 @@ def _scanned(f: SourceFile, field_name: str, in_git: bool, clean: "CleanFiles") 
         data = handle.read()
     digest = hashlib.sha256(data).hexdigest()
     if digest not in clean:
-        why = secret_content(data, f.src.name)
-        if why:
+        found = [] if f.src.name == BASELINE else file_findings(data, f.src.name)  # a baseline holds hashes
+        left = [s for s in found if label(top, f.src, s.secret_hash) is not False]
+        if left:
             shown = os.path.relpath(f.src)
-            raise ConfigError(field_name, f"{bounded_path(shown)} looks like a secret ({why}), and a code snapshot "
-                                          f"or image would copy it: {_remedy(in_git, shown)}")
-        clean.add(digest)
+            said = f", audited as one in {BASELINE}" if label(top, f.src, left[0].secret_hash) else ""
+            raise ConfigError(field_name, f"{bounded_path(shown)} looks like a secret ({left[0].type}, line "
+                                          f"{left[0].line_number}{said}), and a code snapshot or image would copy "
+                                          f"it: {_remedy(in_git, shown)}; if it is none, record and audit it: "
+                                          f"`{command(top, f.src)}`")
+        if not found:
+            clean.add(digest)
     return SourceFile(f.dest, f.src, None, digest)
 
 

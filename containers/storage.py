@@ -75,10 +75,6 @@ def filesystem_type(path: Path, mounts_file: Path = Path("/proc/self/mounts")) -
     return "unknown"
 
 
-def _expand(value: str) -> str:
-    return os.path.expandvars(os.path.expanduser(value))
-
-
 def check_storage_conf(path: Optional[Path] = None, mounts_file: Path = Path("/proc/self/mounts")) -> list[Check]:
     """Check podman's graphroot/runroot filesystems and driver; one `Check` per finding."""
     rootless = os.geteuid() != 0
@@ -104,7 +100,7 @@ def check_storage_conf(path: Optional[Path] = None, mounts_file: Path = Path("/p
            f"{'~/.config/containers/storage.conf' if rootless else '/etc/containers/storage.conf'}, e.g. on "
            f"CSCS: {CSCS_STORAGE_CONF}, and build with image.build_on: compute")
     for key, value in (("graphroot", graphroot), ("runroot", runroot)):
-        resolved = Path(_expand(value))
+        resolved = Path(os.path.expandvars(os.path.expanduser(value)))
         fstype = filesystem_type(resolved, mounts_file)
         bad = fstype in NETWORK_FS or (fstype.startswith("fuse.") and fstype != "fuse.fuse-overlayfs")
         checks.append(Check(not bad, f"podman {key} {resolved} is on {fstype} ({where})", fix if bad else None))

@@ -15,7 +15,6 @@ import select
 import shutil
 import subprocess
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -34,16 +33,10 @@ def which(name: str) -> Optional[str]:
     return shutil.which(name, path=os.environ.get("PATH"))
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(extra or {})
-    return env
-
-
 def _capture(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
     """Run a short command; return (exit code, stdout+stderr)."""
     cmd = local[argv[0]][argv[1:]]
-    proc = cmd.popen(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(env))
+    proc = cmd.popen(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     out, _ = proc.communicate()
     return proc.returncode, out.decode(errors="replace")
 
@@ -55,7 +48,8 @@ def stream(argv: list[str], on_line: Callable[[str], None], *, env: dict[str, st
     stops the child before re-raising. `quiet` (SECONDS, CALL): CALL(seconds since the start)
     after each SECONDS without output, so a long silent stretch still shows it is alive."""
     cmd = local[argv[0]][argv[1:]]
-    proc = cmd.popen(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(env), cwd=str(cwd) if cwd else None)
+    proc = cmd.popen(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                     cwd=str(cwd) if cwd else None)
     try:
         assert proc.stdout is not None
         buf = b""
@@ -85,20 +79,6 @@ def stream(argv: list[str], on_line: Callable[[str], None], *, env: dict[str, st
         except subprocess.TimeoutExpired:
             proc.kill()
         raise
-
-
-class Tail:
-    """The last lines of a command's output, for error messages."""
-
-    def __init__(self, n: int = 40):
-        self.lines: deque[str] = deque(maxlen=n)
-
-    def __call__(self, line: str) -> None:
-        self.lines.append(line)
-
-    def text(self, n: int | None = None) -> str:
-        lines = list(self.lines)[-(n or len(self.lines)):]
-        return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- podman
@@ -138,40 +118,44 @@ class Podman:
             argv.append("--no-cache")
         return argv + [str(context)]
 
-    def _argv(self, argv: list[str]) -> list[str]:
-        return [self.exe, *argv[1:]]
-
     def build(self, argv: list[str], on_line: Callable[[str], None]) -> int:
-        return stream(self._argv(argv), on_line)
+        return stream([self.exe, *argv[1:]], on_line)
 
     def image_exists(self, tag: str) -> bool:
         return _capture([self.exe, "image", "exists", tag])[0] == 0
 
+    def _inspect(self, tag: str, template: str) -> str:
+        """`podman image inspect --format TEMPLATE` of `tag`; "" where it fails."""
+        rc, out = _capture([self.exe, "image", "inspect", "--format", template, tag])
+        return out if rc == 0 else ""
+
     def image_size(self, tag: str) -> int | None:
         """Uncompressed size in bytes (what enroot unpacks before squashing)."""
-        rc, out = _capture([self.exe, "image", "inspect", "--format", "{{.Size}}", tag])
-        return int(out.strip()) if rc == 0 and out.strip().isdigit() else None
+        out = self._inspect(tag, "{{.Size}}").strip()
+        return int(out) if out.isdigit() else None
 
     def image_id(self, tag: str) -> str | None:
-        rc, out = _capture([self.exe, "image", "inspect", "--format", "{{.Id}}", tag])
-        return out.strip() or None if rc == 0 else None
+        return self._inspect(tag, "{{.Id}}").strip() or None
 
     def image_env(self, tag: str) -> dict[str, str]:
         """The image's ENV (its base's included: NGC's CUDA_VERSION); {} when it cannot be read."""
-        rc, out = _capture([self.exe, "image", "inspect", "--format", "{{range .Config.Env}}{{println .}}{{end}}", tag])
-        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line) if rc == 0 else {}
+        out = self._inspect(tag, "{{range .Config.Env}}{{println .}}{{end}}")
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def _rows(self, *argv: str) -> list:
+        """The rows `podman ARGV` (a listing with `--format json`) prints; a ToolError where it fails."""
+        rc, out = _capture([self.exe, *argv])
+        if rc != 0:
+            raise ToolError(f"podman {argv[0]} failed (exit {rc}): {_last_line(out)}")
+        try:
+            return json.loads(out or "[]") or []
+        except ValueError:
+            raise ToolError(f"podman {argv[0]} --format json printed something else: {_last_line(out)}") from None
 
     def tags(self, repository: str) -> dict[str, dict[str, str]]:
         """`localhost/NAME:TAG` references of one repository, each with its image's labels."""
-        rc, out = _capture([self.exe, "images", "--format", "json", "--filter", f"reference={repository}"])
-        if rc != 0:
-            raise ToolError(f"podman images failed (exit {rc}): {_last_line(out)}")
-        try:
-            rows = json.loads(out or "[]") or []
-        except ValueError:
-            raise ToolError(f"podman images --format json printed something else: {_last_line(out)}") from None
         found: dict[str, dict[str, str]] = {}
-        for row in rows:
+        for row in self._rows("images", "--format", "json", "--filter", f"reference={repository}"):
             labels = row.get("Labels") or {}
             for name in row.get("Names") or []:
                 if isinstance(name, str) and name.startswith(repository + ":"):
@@ -185,14 +169,8 @@ class Podman:
 
     def containers(self, name_regex: str) -> list["Container"]:
         """All containers (any state) whose name matches `name_regex` (podman's own filter)."""
-        rc, out = _capture([self.exe, "ps", "--all", "--format", "json", "--filter", f"name={name_regex}"])
-        if rc != 0:
-            raise ToolError(f"podman ps failed (exit {rc}): {_last_line(out)}")
-        try:
-            rows = json.loads(out or "[]")
-        except ValueError:
-            raise ToolError(f"podman ps --format json printed something else: {_last_line(out)}") from None
-        return [Container.from_ps(row) for row in rows or []]
+        return [Container.from_ps(row) for row in self._rows("ps", "--all", "--format", "json", "--filter",
+                                                              f"name={name_regex}")]
 
     def remove_container(self, ident: str) -> "Outcome":
         """`podman rm -v` (anonymous volumes too), never --force: a running container stays."""
@@ -228,17 +206,13 @@ class Container:
     image: str  # the reference it was created from, e.g. localhost/slipway:0123456789ab
     image_id: str
     state: str  # created, exited, running, ...
-    created: float  # seconds since the epoch
     labels: dict = field(default_factory=dict)  # its image's labels, which podman gives the containers made from it
 
     @classmethod
     def from_ps(cls, row: dict) -> "Container":
-        names = row.get("Names") or [""]
-        created = row.get("Created")
-        labels = row.get("Labels")
+        names, labels = row.get("Names") or [""], row.get("Labels")
         return cls(id=str(row.get("Id", "")), name=str(names[0]), image=str(row.get("Image", "")),
                    image_id=str(row.get("ImageID", "")), state=str(row.get("State", "")).lower(),
-                   created=float(created) if isinstance(created, (int, float)) else 0.0,
                    labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {})
 
 
@@ -260,17 +234,10 @@ class Enroot:
     # container stays, keeping the image in use: slipway removes it itself.
     CONTAINER_FILTER = r"^enroot\.[A-Za-z0-9]+$"
 
-    @staticmethod
-    def available() -> bool:
-        return which("enroot") is not None
-
     @classmethod
     def find(cls) -> "Enroot | None":
         path = which("enroot")
         return cls(path) if path else None
-
-    def import_help(self) -> str:
-        return _capture([self.exe, "import", "--help"])[1]
 
     def version(self) -> str:
         rc, out = _capture([self.exe, "version"])
@@ -278,7 +245,7 @@ class Enroot:
 
     def supports_mount(self) -> bool:
         """Whether `enroot import -x mount` exists (CSCS's build; not upstream)."""
-        return bool(_MOUNT_OPTION.search(self.import_help()))
+        return bool(_MOUNT_OPTION.search(_capture([self.exe, "import", "--help"])[1]))
 
     @staticmethod
     def import_argv(*, output: Path, uri: str, mount: bool) -> list[str]:

@@ -11,11 +11,9 @@ rendered as an EDF (CSCS Container Engine) or as `srun` flags (pyxis, or
     flags = srun_flags(env, edf_file)                  # .args, .exports, .warnings, .expanded()
 """
 
-from edf.environment import MOUNT_FLAGS, Environment, Mount, is_local_image, registry_image
+from edf.environment import Environment, Mount, is_local_image
 from edf.files import (
-    TOP_KEYS,
     check_edf,
-    edf_search_path,
     expand_host,
     find_edf,
     install_edf,
@@ -24,23 +22,17 @@ from edf.files import (
     resolve_base,
     write_edf,
 )
-from edf.srun import SrunFlags, pyxis_exports, srun_flags, to_pyxis_args
+from edf.srun import srun_flags, to_pyxis_args
 
 __all__ = [
-    "MOUNT_FLAGS",
-    "TOP_KEYS",
     "Environment",
     "Mount",
-    "SrunFlags",
     "check_edf",
-    "edf_search_path",
     "expand_host",
     "find_edf",
     "install_edf",
     "is_local_image",
     "parse_edf",
-    "pyxis_exports",
-    "registry_image",
     "render_edf",
     "resolve_base",
     "srun_flags",

@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from common.errors import ConfigError, shown
+from common.schema import FREE_TEXT
 from common.secrets import PASSTHROUGH, REFERENCE, refusal
 
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-ANNOTATION_KEY = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # names are matched whole (fullmatch)
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+ANNOTATION_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}")
+_DOLLAR = re.compile(rf"\$\$|{EXPANSION.pattern}|\$\{{")  # what `split_expansions` reads; a lone `$` is text
 
 # Bind-mount options of enroot's mount helper (what pyxis and the Container
 # Engine pass them to), plus `sqsh`, which the Container Engine alone takes
@@ -44,9 +46,7 @@ SQSH = "sqsh"
 MOUNT_FLAGS = BIND_FLAGS | {SQSH}
 
 
-# --------------------------------------------------------------------------
-# `${VAR}` syntax
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- `${VAR}` syntax
 
 
 @dataclass(frozen=True)
@@ -63,35 +63,20 @@ def split_expansions(value: str, where: str) -> list[Union[str, Expansion]]:
     A `$` followed by neither `$` nor `{` is literal text, as in the shell.
     """
     pieces: list[Union[str, Expansion]] = []
-    literal: list[str] = []
-    i = 0
-    while i < len(value):
-        j = value.find("$", i)
-        if j < 0:
-            literal.append(value[i:])
-            break
-        literal.append(value[i:j])
-        nxt = value[j + 1: j + 2]
-        if nxt == "$":
-            literal.append("$")
-            i = j + 2
-        elif nxt == "{":
-            m = EXPANSION.match(value, j)
-            if m is None:
-                bad = value[j: value.find("}", j) + 1 or len(value)]
-                raise ConfigError(where, f"{bad!r} in {shown(value, where)} is not a valid expansion: write ${{NAME}} or "
-                                         "${NAME:-default}, or $${ for a literal '${'")
-            if "".join(literal):
-                pieces.append("".join(literal))
-            literal = []
-            pieces.append(Expansion(m.group(1), m.group(0)))
-            i = m.end()
+    literal, i = "", 0
+    for m in _DOLLAR.finditer(value):
+        literal += value[i:m.start()]
+        i = m.end()
+        if m.group() == "$$":
+            literal += "$"
+        elif m.group(1) is None:  # `${` that starts no valid expansion
+            bad = value[m.start(): value.find("}", m.start()) + 1 or len(value)]
+            raise ConfigError(where, f"{bad!r} in {shown(value, where)} is not a valid expansion: write ${{NAME}} or "
+                                     "${NAME:-default}, or $${ for a literal '${'")
         else:
-            literal.append("$")
-            i = j + 1
-    if "".join(literal):
-        pieces.append("".join(literal))
-    return pieces
+            pieces += [literal, Expansion(m.group(1), m.group())]
+            literal = ""
+    return [p for p in [*pieces, literal + value[i:]] if p != ""]
 
 
 def references(value: str, where: str) -> list[str]:
@@ -99,40 +84,20 @@ def references(value: str, where: str) -> list[str]:
     return [p.name for p in split_expansions(value, where) if isinstance(p, Expansion)]
 
 
-# --------------------------------------------------------------------------
-# Secrets: passed by name from the submitting environment, never by value
-# --------------------------------------------------------------------------
-
-
-def check_secret_entry(where: str, name: str, value: object) -> None:
-    """An [env] entry of a merged environment that the batch script would hold (a base
-    environment's, resolved under pyxis): the secret policy as for container.env, whose own
-    entries the schema engine checked as they were read (common/schema.py)."""
-    found = refusal(value, name=name, policy=PASSTHROUGH, edf=True)
-    if found is not None:
-        raise ConfigError(where, found.message())
-
-
 def _split_outside_braces(text: str, sep: str) -> list[str]:
     """`text.split(sep)`, except inside `${...}` (a default may hold a ':')."""
-    parts, current, depth, i = [], [], 0, 0
-    while i < len(text):
+    parts, current, depth = [], "", 0
+    for i, ch in enumerate(text):
         if text.startswith("${", i):
             depth += 1
-            current.append("${")
-            i += 2
-            continue
-        ch = text[i]
-        if ch == "}" and depth:
+        elif ch == "}" and depth:
             depth -= 1
-        if ch == sep and not depth:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-        i += 1
-    parts.append("".join(current))
-    return parts
+        elif ch == sep and not depth:
+            parts.append(current)
+            current = ""
+            continue
+        current += ch
+    return [*parts, current]
 
 
 def check_path(value: str, where: str, what: str) -> None:
@@ -150,9 +115,7 @@ def check_path(value: str, where: str, what: str) -> None:
                              f"against the directory srun runs in): write {fix!r}")
 
 
-# --------------------------------------------------------------------------
-# The model
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- The model
 
 
 @dataclass(frozen=True)
@@ -248,14 +211,14 @@ class Environment:
     writable: Optional[bool] = None
     # Values in EDF syntax; "" unsets the variable (Container Engine). A name or value that looks
     # like a secret's is refused, except `NAME: "${NAME}"`: pass secrets with env_from_host.
-    env: dict[str, str] = field(default_factory=dict, metadata={"secrets": PASSTHROUGH})
+    env: dict[str, str] = field(default_factory=dict, metadata={"secrets": PASSTHROUGH, **FREE_TEXT})
     # Variables the tasks take from the submitting environment by name, their values never written
     # (secrets: HF_TOKEN, WANDB_API_KEY): `NAME = "${NAME}"` in the EDF, `--container-env=NAME`
     # under pyxis, the job's own environment under runtime none (docs/secrets.md).
     env_from_host: list[str] = field(default_factory=list)
     # Flat dotted keys, e.g. "com.hooks.aws_ofi_nccl.enabled" -> "true". A secret-looking key takes a
     # file's path or one "${VAR}" (expanded as the container starts), never the secret itself.
-    annotations: dict[str, str] = field(default_factory=dict, metadata={"secrets": REFERENCE})
+    annotations: dict[str, str] = field(default_factory=dict, metadata={"secrets": REFERENCE, **FREE_TEXT})
     # Whether the image's entrypoint runs before the command; null: the runtime's default
     # (pyxis: it does not).
     entrypoint: Optional[bool] = None
@@ -311,20 +274,20 @@ class Environment:
 
         if self.runtime not in ("edf", "pyxis", "none"):
             found.append(ConfigError(f"{w}runtime", f"must be one of 'edf', 'pyxis', 'none', got {self.runtime!r}"))
-        if self.edf_name is not None and (not SAFE_NAME.match(self.edf_name) or self.edf_name.endswith(".toml")):
+        if self.edf_name is not None and (not SAFE_NAME.fullmatch(self.edf_name) or self.edf_name.endswith(".toml")):
             found.append(ConfigError(f"{w}edf_name", f"{self.edf_name!r} is not a safe EDF name: use 1-100 letters, "
                                                      "digits, '.', '_' or '-', starting with a letter or digit, "
                                                      "without .toml"))
         # Before the runtime none return: under every runtime the names are passed, and a
         # config's values land in config.yaml.
         run(self._check_env_from_host)
-        secret = set()  # keys refused as secrets: no other check of theirs may quote the value
-        if w == "container.":  # a config's, or one merged from base environments (pyxis resolves them)
-            for key, value in self.env.items():
-                before = len(found)
-                run(check_secret_entry, f"{w}env.{key}", key, value)
-                if len(found) > before:
-                    secret.add(key)
+        # The secret policy on entries merged from base environments too (pyxis resolves them into
+        # the script); a key refused is checked no further (no other check may quote its value).
+        secret = set()
+        for key, value in self.env.items() if w == "container." else ():
+            if (refused := refusal(value, name=key, policy=PASSTHROUGH, edf=True)) is not None:
+                found.append(ConfigError(f"{w}env.{key}", refused.message()))
+                secret.add(key)
         # Before the runtime none return too: a number's bounds do not depend on the runtime.
         if isinstance(self.keep_builds, bool) or not isinstance(self.keep_builds, int) or \
                 not 0 <= self.keep_builds <= 100:
@@ -363,7 +326,7 @@ class Environment:
                                      f"{type(self.env_from_host).__name__}")
         seen: set[str] = set()
         for i, name in enumerate(self.env_from_host):
-            if not isinstance(name, str) or not ENV_NAME.match(name):
+            if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
                 raise ConfigError(f"{where}[{i}]", "is not a valid environment variable name (letters, digits, _; "
                                                    "not starting with a digit)")
             if name in seen:
@@ -373,15 +336,10 @@ class Environment:
                                                    "takes the submitting environment's value, never written down)")
             seen.add(name)
 
-    def missing_from_host(self, environ: Optional[dict[str, str]] = None) -> list[str]:
-        """The `env_from_host` names not set in `environ` (default: this process's)."""
-        environ = os.environ if environ is None else environ
-        return [name for name in self.env_from_host if name not in environ]
-
     def require_host_env(self, environ: Optional[dict[str, str]] = None) -> None:
-        """A one-line error if a variable of `env_from_host` is not set where the job is submitted
-        (or `slipway local`/`shell` run): the job would start without it."""
-        missing = self.missing_from_host(environ)
+        """A one-line error if a variable of `env_from_host` is not set in `environ` (default: this
+        process's) where the job is submitted (or `slipway local`/`shell` run): the job would start without it."""
+        missing = [name for name in self.env_from_host if name not in (os.environ if environ is None else environ)]
         if missing:
             names = ", ".join(missing)
             first = missing[0]
@@ -392,7 +350,7 @@ class Environment:
 
     def _check_env_entry(self, key: str) -> None:
         value, where = self.env[key], f"{self.origin}env.{key}"
-        if not isinstance(key, str) or not ENV_NAME.match(key):
+        if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
             raise ConfigError(where, "is not a valid environment variable name (letters, digits, _; "
                                      "not starting with a digit)")
         _require_str(value, where)
@@ -406,7 +364,7 @@ class Environment:
 
     def _check_annotation(self, key: str) -> None:
         value, where = self.annotations[key], f"{self.origin}annotations.{key}"
-        if not isinstance(key, str) or not ANNOTATION_KEY.match(key):
+        if not isinstance(key, str) or not ANNOTATION_KEY.fullmatch(key):
             raise ConfigError(where, "is not a valid annotation key: use dotted names of letters, digits, "
                                      "'_' and '-', such as com.hooks.aws_ofi_nccl.enabled")
         _require_str(value, where, example='"true"')

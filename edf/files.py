@@ -19,45 +19,38 @@ from typing import Any, Optional, Union
 
 import tomli_w
 
-from edf.environment import Environment, Expansion, Mount, is_local_image, split_expansions
-from common.errors import ConfigError, bounded, bounded_path, shown, warn
-from common.secrets import PASSTHROUGH, refusal, warning
+from edf.environment import SAFE_NAME, Environment, Expansion, Mount, is_local_image, split_expansions
+from common.errors import UNPRINTABLE, ConfigError, bounded, bounded_path, shown, warn
+from common.secrets import file_findings, flag_variable
 from common.yaml import MAX_DEPTH, MAX_TEXT, read_text_bounded
 from common.fs import write_atomic
 
 TOP_KEYS = ("base_environment", "image", "workdir", "entrypoint", "writable", "mounts", "env", "annotations")
 MAX_BASE_DEPTH = 10  # "Supports up to 10 levels of recursion" (EDF reference)
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
-# --------------------------------------------------------------------------
-# Render and parse
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- Render and parse
 
 
 def render_edf(env: Environment) -> str:
     """The EDF for `env`, unspecified keys left out. `mount_home` (pyxis only) is not part of it."""
     env.check()
-    doc: dict[str, Any] = {}
-    if env.base_environment:
-        doc["base_environment"] = list(env.base_environment)
-    if env.image:
-        doc["image"] = env.image
-    if env.workdir is not None:
-        doc["workdir"] = env.workdir
-    if env.entrypoint is not None:
-        doc["entrypoint"] = env.entrypoint
-    if env.writable is not None:
-        doc["writable"] = env.writable
-    if env.mounts:
-        doc["mounts"] = [m.spec() for m in env.mounts]
-    if env.env or env.env_from_host:
+    doc = {  # None, and an empty list or table, is "not specified"
+        "base_environment": list(env.base_environment) or None,
+        "image": env.image or None,
+        "workdir": env.workdir,
+        "entrypoint": env.entrypoint,
+        "writable": env.writable,
+        "mounts": [m.spec() for m in env.mounts] or None,
         # env_from_host as a reference the Container Engine expands from srun's environment:
         # the name is written, never the value.
-        doc["env"] = {**env.env, **{name: f"${{{name}}}" for name in env.env_from_host}}
-    if env.annotations:
-        doc["annotations"] = _nest(env.annotations)
-    return tomli_w.dumps(doc)
+        "env": {**env.env, **{name: f"${{{name}}}" for name in env.env_from_host}} or None,
+        "annotations": _nest(env.annotations) or None,
+    }
+    # tomli-w escapes the C0 controls in a value (a tab aside); the others one_line escapes (C1,
+    # bidirectional, line separators) too, as \uXXXX: an editor or a terminal showing the file would act on them.
+    return UNPRINTABLE.sub(lambda m: m[0] if m[0] in "\n\t" else f"\\u{ord(m[0]):04x}",
+                           tomli_w.dumps({key: value for key, value in doc.items() if value is not None}))
 
 
 def _nest(flat: dict[str, str]) -> dict[str, Any]:
@@ -80,19 +73,24 @@ def parse_edf(source: Union[str, os.PathLike]) -> Environment:
     path: Optional[Path] = None
     if isinstance(source, os.PathLike) or ("\n" not in source and "=" not in source and source.strip()):
         path = Path(source)
-        try:
-            text = read_text_bounded(path, str(path))
-        except FileNotFoundError:
-            raise ConfigError(str(path), "no such EDF file: check the path, or pass the TOML text itself") from None
-        except OSError as exc:
-            raise ConfigError(str(path), f"cannot read this EDF: {exc.strerror or exc}") from None
+        text = _read(path, "no such EDF file: check the path, or pass the TOML text itself")
     else:
         text = str(source)
-    origin = f"{path}:" if path is not None else ""
-    doc = load_toml(text, str(path) if path else "EDF")
-    env = from_document(doc, origin)
+    env, problems = _from_document(load_toml(text, str(path) if path else "EDF"), f"{path}:" if path else "")
+    if problems:
+        raise problems[0]
     env.source = path
     return env
+
+
+def _read(path: Path, missing: str) -> str:
+    """The text of the EDF file `path`; a missing or unreadable one is a one-line error naming it."""
+    try:
+        return read_text_bounded(path, str(path))
+    except FileNotFoundError:
+        raise ConfigError(str(path), missing) from None
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read this EDF: {exc.strerror or exc}") from None
 
 
 def load_toml(text: str, where: str) -> dict[str, Any]:
@@ -121,16 +119,9 @@ def _depth(value: Any, limit: int) -> int:
     return 1 + max((_depth(v, limit - 1) for v in items), default=0)
 
 
-def from_document(doc: dict[str, Any], origin: str = "") -> Environment:
-    """The model from a parsed EDF table; `origin` prefixes the keys in errors."""
-    env, problems = _from_document(doc, origin)
-    if problems:
-        raise problems[0]
-    return env
-
-
 def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[ConfigError]]:
-    """The model built from every well-typed key, and every problem found (not only the first)."""
+    """The model built from every well-typed key of a parsed EDF table, and every problem found (not
+    only the first); `origin` prefixes the keys in errors."""
     problems: list[ConfigError] = []
     unknown = [k for k in doc if k not in TOP_KEYS]
     for key in unknown:
@@ -194,16 +185,13 @@ def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *
     path = Path(source)
     origin = f"{path}:"
     try:
-        doc = load_toml(read_text_bounded(path, str(path)), str(path))
-    except FileNotFoundError:
-        return None, [ConfigError(str(path), "no such EDF file: check the path")]
-    except OSError as exc:
-        return None, [ConfigError(str(path), f"cannot read this EDF: {exc.strerror or exc}")]
+        text = _read(path, "no such EDF file: check the path")
+        doc = load_toml(text, str(path))
     except ConfigError as exc:
         return None, [exc]
     env, problems = _from_document(doc, origin)
     env.source = path
-    for line in secret_lines(read_text_bounded(path, str(path)), str(path)):
+    for line in secret_lines(text, str(path)):
         warn(line)
     resolved = env
     if not problems and env.base_environment:
@@ -216,30 +204,18 @@ def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *
     return env, problems
 
 
-# `KEY = "value"` on one line of TOML (a dotted or quoted key, a basic or literal string).
-_TOML_KEY = r"""(?:"[^"]*"|'[^']*'|[A-Za-z0-9_-]+)"""
-_TOML_ENTRY = re.compile(rf"""^\s*({_TOML_KEY}(?:\s*\.\s*{_TOML_KEY})*)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|'([^']*)')""")
-
-
 def secret_lines(text: str, where: str) -> list[str]:
-    """A hand-written EDF's lines that hold what looks like a secret (a token, or a literal value
-    under a secret's name): the file is the user's, read as it is; these are said by line, never
-    by value (`slipway edf --check`)."""
-    out = []
-    for number, line in enumerate(text.splitlines(), 1):
-        what, variable = warning(line), "NAME"
-        m = _TOML_ENTRY.match(line)
-        if m:
-            key = m.group(1).replace('"', "").replace("'", "").replace(" ", "")
-            value = m.group(2) if m.group(2) is not None else m.group(3)
-            found = refusal(value, name=key, policy=PASSTHROUGH, edf=True)
-            if found is not None and not found.expansion:
-                what, variable = what or found.what, found.variable
-        if what:
-            out.append(f"{where} line {number} holds what looks like {what}: whoever reads the file reads it, and "
-                       f"under pyxis it is written into the batch script; write \"${{{variable}}}\" and export "
-                       f"{variable} in the shell that runs srun instead")
-    return out
+    """A hand-written EDF's lines that hold what looks like a secret, by detect-secrets' scan of it:
+    the file is the user's, read as it is; these are said by line, never by value (`edf --check`)."""
+    lines, out = text.splitlines(), {}
+    for found in file_findings(text.encode(), "edf.toml"):  # one line, once: the first plugin's word for it
+        key = re.match(r"""\s*["']?([\w.-]*)""", lines[found.line_number - 1]).group(1)  # type: ignore[union-attr]
+        variable = flag_variable(key.rsplit(".", 1)[-1]) if key else "NAME"
+        out.setdefault(found.line_number, f"{where} line {found.line_number} holds what looks like a secret "
+                                          f"({found.type}): whoever reads the file reads it, and under pyxis it is "
+                                          f"written into the batch script; write \"${{{variable}}}\" and export "
+                                          f"{variable} in the shell that runs srun instead")
+    return list(out.values())
 
 
 def missing_host_paths(env: Environment, origin: str, notes: list[str],
@@ -297,9 +273,7 @@ def _flatten(table: dict[str, Any], where: str, prefix: str, out: dict[str, str]
             problems.append(ConfigError(f"{where}.{full}", f'expected a string such as "true", got {shown(value)}'))
 
 
-# --------------------------------------------------------------------------
-# EDF_PATH and base environments
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- EDF_PATH and base environments
 
 
 def edf_search_path(edf_path: Optional[str] = None) -> list[Path]:
@@ -402,9 +376,7 @@ def _merge(base: Environment, child: Environment) -> Environment:
     )
 
 
-# --------------------------------------------------------------------------
-# Writing
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- Writing
 
 
 def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = False) -> Path:
@@ -426,17 +398,13 @@ def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = Fal
             return path
         if not force:
             raise ConfigError(str(path), "already exists with different content: pass --force to overwrite it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, text)
-    return path
+    return write_atomic(path, text)  # its directory made where missing
 
 
 def install_edf(env: Environment, name: str, edf_path: Optional[str] = None, force: bool = False) -> Path:
     """Write the EDF as NAME.toml into the first EDF_PATH directory (created if
     missing), so that `srun --environment=NAME` finds it."""
-    if not SAFE_NAME.match(name) or name.endswith(".toml"):
+    if not SAFE_NAME.fullmatch(name) or name.endswith(".toml"):
         raise ConfigError("container.edf_name", f"{name!r} is not a safe EDF name: use 1-100 letters, digits, "
                                                 "'.', '_' or '-', starting with a letter or digit, without .toml")
-    directory = edf_search_path(edf_path)[0]
-    directory.mkdir(parents=True, exist_ok=True)
-    return write_edf(env, directory / f"{name}.toml", force=force)
+    return write_edf(env, edf_search_path(edf_path)[0] / f"{name}.toml", force=force)

@@ -19,12 +19,11 @@ batch script expands what the Container Engine would.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
-from edf.environment import (EXPANSION, SQSH, Environment, Expansion, is_local_image, registry_image,
+from edf.environment import (EXPANSION, SQSH, Environment, Expansion, is_local_image, references, registry_image,
                              split_expansions)
 from edf.files import expand_host, resolve_base
 from common.errors import ConfigError, shown
@@ -47,11 +46,9 @@ class SrunFlags:
     def expanded(self, environ: Optional[dict[str, str]] = None) -> tuple[list[str], dict[str, str]]:
         """(args, exports) with `${VAR}` taken from `environ` (default: this process's), for an
         srun started without a shell (`slipway shell`); an unset variable is a one-line error."""
-        environ = dict(os.environ) if environ is None else environ
         args = [expand_host(a, "container", environ) for a in self.args]
         exports = {name: expand_host(value, f"container.env.{name}", environ) for name, value in self.exports}
         return args, exports
-
 
 
 def srun_flags(env: Environment, edf_file: Optional[Path] = None, edf_path: Optional[str] = None) -> SrunFlags:
@@ -114,11 +111,6 @@ def pyxis_image(image: str) -> str:
     return registry_image(image)
 
 
-def pyxis_exports(env: Environment, edf_path: Optional[str] = None) -> list[tuple[str, str]]:
-    """The (NAME, value) pairs to export before `srun` (the same as `to_pyxis_args(env).exports`)."""
-    return to_pyxis_args(env, edf_path).exports
-
-
 def _mount(env: Environment, i: int) -> str:
     where, mount = f"{env.origin}mounts[{i}]", env.mounts[i]
     if SQSH in mount.flags:
@@ -151,7 +143,7 @@ def _exports(env: Environment) -> tuple[list[tuple[str, str]], list[str]]:
         exports.append((key, to_shell(value, where)))
         if value == "":
             warnings.append(f"{where} is empty: the Container Engine unsets it, pyxis sets it to an empty string")
-        refs = [p.name for p in split_expansions(value, where) if isinstance(p, Expansion)]
+        refs = references(value, where)
         if refs:
             names = ", ".join(f"${{{r}}}" for r in refs)
             warnings.append(f"{where} uses {names}: pyxis takes it from the batch script's environment, the "
@@ -163,34 +155,15 @@ def to_shell(value: str, where: str) -> str:
     """EDF text as shell text: `$$` becomes `$`; `${NAME}` stays an expansion.
 
     A literal `${` (written `$${` in an EDF) cannot be told apart from an
-    expansion in the batch script, so it is an error here.
+    expansion in the batch script, so it is an error here: the shell text must
+    expand exactly the EDF's expansions, where they stand.
     """
-    pieces = split_expansions(value, where)
-    text = "".join(p.text if isinstance(p, Expansion) else p for p in pieces)
-    if _shell_pieces(text) != _normal(pieces):
+    text, spans = "", []
+    for piece in split_expansions(value, where):
+        if isinstance(piece, Expansion):
+            spans.append((len(text), piece.text))
+        text += piece.text if isinstance(piece, Expansion) else piece
+    if spans != [(m.start(), m.group()) for m in EXPANSION.finditer(text)]:
         raise ConfigError(where, f"{shown(value, where)} holds a literal '${{' (written $${{), which the batch script would "
                                  "expand: pyxis cannot pass it; use container.runtime edf")
     return text
-
-
-def _shell_pieces(text: str) -> list[Union[str, Expansion]]:
-    pieces: list[Union[str, Expansion]] = []
-    pos = 0
-    for m in EXPANSION.finditer(text):
-        if m.start() > pos:
-            pieces.append(text[pos:m.start()])
-        pieces.append(Expansion(m.group(1), m.group(0)))
-        pos = m.end()
-    if pos < len(text):
-        pieces.append(text[pos:])
-    return pieces
-
-
-def _normal(pieces: list[Union[str, Expansion]]) -> list[Union[str, Expansion]]:
-    out: list[Union[str, Expansion]] = []
-    for piece in pieces:
-        if isinstance(piece, str) and out and isinstance(out[-1], str):
-            out[-1] += piece
-        elif piece != "":
-            out.append(piece)
-    return out

@@ -12,6 +12,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,7 +24,7 @@ from jobs import local_checks, runs, slurm
 from jobs.runs import lock as runlock
 from jobs.runs.code import git_state, prune_code_store
 from jobs.config import Config
-from jobs.supervisor import FORWARDED, Heartbeat, Output, Stopper, oom_kills, wait_for_exit
+from jobs.supervisor import FORWARDED, Heartbeat, Output, Stopper, oom_kills, stop_grace, wait_for_exit
 from jobs.runs.manifest import Launch, Manifest
 from jobs.slurm.ranks import local_argv
 from common import environ
@@ -31,6 +32,7 @@ from common.errors import ConfigError
 from common.events import append_event, now_iso
 from common.rundir import HANG_EXIT, LOCAL_JOB, REQUEUE_EXIT, CodeSnapshot, HangLine, complete_checkpoints
 from common.layouts import ALLOC_CONF, ALLOC_CONF_NAMES, PROCESS_BASE_BYTES, process_memory
+from common.metrics_log import format_duration
 
 
 def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -> dict[str, str]:
@@ -38,7 +40,7 @@ def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -
     env = {
         "PYTHONFAULTHANDLER": "1",
         "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cfg.launch.procs_per_node)),
+        "OMP_NUM_THREADS": str(local_checks.rank_threads(cfg.launch.procs_per_node)),
         "SLIPWAY_RUN_DIR": str(run.dir),
         "HF_HOME": os.environ.get("HF_HOME", str(run.paths.project / ".cache" / "huggingface")),
         "WANDB_MODE": os.environ.get("WANDB_MODE", "online") if os.environ.get("WANDB_API_KEY") else "offline",
@@ -52,28 +54,76 @@ def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -
     return env
 
 
-def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True, yes: bool = False,
-              reload: Optional[Callable[[list[str]], Config]] = None) -> int:
-    """Create or resume the run directory and train here; the output also goes to logs/local-*.out.
-
-    The run's lock is held for the whole launch: a second `slipway local` or `submit` of the
-    run is refused while this one trains. SIGINT, SIGTERM and SIGHUP stop the trainer (see
-    FORWARDED); the end is recorded, and nothing of the trainer's is left running."""
-    cfg.container.require_host_env()  # the trainer takes them from this process's environment
+def try_here(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True, prepare: bool = False,
+             reload: Optional[Callable[[list[str]], Config]] = None) -> tuple[runs.Sealed, Config, local_checks.Plan]:
+    """`cfg` as a try on this machine (its local view, sealed, nothing written) and its plan: every
+    blocker at once, the command that clears them all, the expected time (measured here)."""
     original = cfg
     cfg, changed = local_checks.local_view(cfg, rename=rename)
     if changed:
         console.print(f"[dim]on this machine: {'; '.join(changed)}[/]", soft_wrap=True)
     sealed = runs.seal(cfg, project_dir)
-    if _finished(sealed, "local", console):
+    speed, why = None, ("train.script or launch.command trains a model of its own" if cfg.launch.command or
+                        cfg.train.script else "this machine's GPUs train it; the estimate and the memory check are "
+                        "for CPUs" if local_checks.gpus_here() else "")
+    if not why:
+        console.print("[dim]measuring how fast this machine trains it (a few seconds)[/]", soft_wrap=True)
+        speed, why = local_checks.measure(cfg)
+    result = local_checks.plan(original, cfg, sealed, reload or (lambda words: original), force=force, prepare=prepare,
+                               speed=speed, rename=rename)
+    console.print(f"[dim]{escape(result.said or f'expected step time here: not known ({why})')}[/]", soft_wrap=True)
+    return sealed, original, result
+
+
+def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True, yes: bool = False,
+              prepare: bool = False, reload: Optional[Callable[[list[str]], Config]] = None) -> int:
+    """Create or resume the run directory and train here; the output also goes to logs/local-*.out.
+
+    Every blocker is said at once before anything is written (`try_here`); a try longer than
+    LOCAL_TRY_SECONDS is asked about on a terminal once nothing else blocks it. The run's lock is
+    held for the whole launch: a second `slipway local` or `submit` of the run is refused while
+    this one trains. SIGINT, SIGTERM and SIGHUP stop the trainer (see FORWARDED); the end is
+    recorded, and nothing of the trainer's is left running."""
+    local, _ = local_checks.local_view(cfg, rename=rename)
+    run_dir = runs.runs_root(project_dir) / local.run.name
+    if busy := runlock.busy(run_dir):
+        raise ConfigError("run.name", busy)
+    if _finished(local, run_dir, "local", console):
         return 0
-    # Seconds here, not after every process has started: the memory and the time it needs, its data.
-    step_s = local_checks.plan_here(original, cfg, sealed.paths.path, reload or (lambda words: original),
-                                    console, yes=yes, rename=rename)
-    local_checks.check_before_start(sealed, original)
-    with runlock.hold(sealed.paths.path, f"slipway local {cfg.config_args}", trains=True):
+    sealed, original, result = try_here(cfg, project_dir, force=force, console=console, rename=rename,
+                                        prepare=prepare, reload=reload)
+    asked = not yes and sys.stdin.isatty() and sys.stdout.isatty() and "train.steps" in {b.field for b in result.blockers}
+    if [b for b in result.blockers if not (b.field == "train.steps" and (yes or asked))]:
+        raise local_checks.Refused(result)
+    if asked:
+        console.print(f"[yellow]{escape(environ.as_typed('; '.join(result.lines())))}[/]", soft_wrap=True)
+        try:
+            answer = input("start it all the same? [y/N] ")
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            raise ConfigError("train.steps", "not started (nothing written): run the command above, or add --yes")
+    if prepare and not sealed.data_status().prepared:  # then what its token counts say, before any process
+        prepare_here(sealed, local_env(sealed.cfg, runs.Run(sealed.paths))["HF_HOME"], console)
+        if blockers := local_checks.data_blockers(sealed, original, prepare=False):
+            raise local_checks.Refused(local_checks.Plan(blockers))
+    with runlock.hold(sealed.paths.path, f"slipway local {sealed.cfg.config_args}", trains=True):
         run, created = runs.prepare_run(sealed, force=force)
-        return _train_here(run, sealed, project_dir, created, console, step_s=step_s, original=original)
+        return _train_here(run, sealed, project_dir, created, console, step_s=result.step_s, original=original)
+
+
+def prepare_here(sealed: runs.Sealed, hf_home: str, console, num_proc: Optional[int] = None) -> None:
+    """`slipway prepare` here (and `slipway local --prepare`): the token cache of the sealed config
+    filled on this machine, hub downloads into `hf_home`."""
+    from jobs import trainer_door
+
+    data = sealed.cfg.data
+    os.environ["HF_HOME"] = hf_home  # before the hub libraries load
+    console.print(f"preparing {data.dataset} with tokenizer {data.tokenizer} into {data.cache_dir}", soft_wrap=True)
+    result = trainer_door.prepare(data, data.cache_dir, num_proc=data.num_proc if num_proc is None else num_proc,
+                                  progress=console)
+    for entry in result.entries:
+        console.print(entry.describe(), soft_wrap=True, highlight=False)
 
 
 def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -> int:
@@ -101,9 +151,10 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
                                            f"live allocation; {salloc}")
     cfg.container.require_host_env()
     sealed = runs.seal(cfg, project_dir)
-    if _finished(sealed, "run", console):
+    if _finished(sealed.cfg, sealed.paths.path, "run", console):
         return 0
-    local_checks.check_before_start(sealed, cfg)
+    if blockers := local_checks.data_blockers(sealed, cfg):
+        raise local_checks.Refused(local_checks.Plan(blockers))
     with runlock.hold(sealed.paths.path, f"slipway run {cfg.config_args}", trains=True):
         from jobs.runs.container import create_needed_dirs
 
@@ -112,10 +163,10 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
         return _train_here(run, sealed, project_dir, created, console, allocation=job)
 
 
-def _finished(sealed: runs.Sealed, command: str, console) -> bool:
+def _finished(cfg: Config, run_dir: Path, command: str, console) -> bool:
     """Whether the run already reached train.steps, said in one line: a complete run is no
     failure (exit 0), as for make's "nothing to be done"; `submit` refuses it, by the same rule."""
-    done = runs.nothing_to_train(sealed.cfg, sealed.paths.path, command)
+    done = runs.nothing_to_train(cfg, run_dir, command)
     if done:
         console.print(escape(done), soft_wrap=True)
     return done is not None
@@ -151,16 +202,25 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
                   + "[/]", soft_wrap=True)
     env = {**os.environ, **extra}
     outputs: list[Output] = []
+    done = complete_checkpoints(run.dir / cfg.checkpoint.dir)
+    compiling = cfg.train.compile is True or (cfg.train.compile == "auto" and bool(cfg.slurm.gpus_per_node))
+    heartbeat = Heartbeat(run.dir, tag, world, step_s=step_s, compiling=compiling, resume_step=done[-1] if done else 0,
+                          own=_own_program(cfg), steps=cfg.train.steps, checkpoints=run.dir / cfg.checkpoint.dir)
 
     def notify(signum: int) -> None:
-        _say_stopping(console, signum)
+        if signum == signal.SIGINT:
+            console.print(f"[yellow]Ctrl-C[/]: saving a checkpoint at the next step the ranks agree on, then stopping; "
+                          f"a forced stop (unsaved) in {format_duration(stopper.grace_s)} ({stopper.grace_why}); "
+                          "Ctrl-C again stops at once, unsaved", soft_wrap=True, highlight=False)
         for out in outputs:  # the log says it first: torch's and torchrun's lines about the exit follow
             out.note(f"{_signal_name(signum)}: the ranks were asked to save a checkpoint at the step they agree on and "
                      f"stop (exit {REQUEUE_EXIT}: saved, resumable); what torch and torchrun report below about that "
                      "exit is this stop, not a failure")
 
     stopper = Stopper(run.dir, tag, agent=argv[1:3] == ["-m", "torch.distributed.run"],
-                      leader_only=bool(allocation), notify=notify)
+                      leader_only=bool(allocation), notify=notify,
+                      grace=lambda: stop_grace(run.dir, cfg.logging.interval, heartbeat.measured or step_s,
+                                               cfg.launch.stop_grace))
     previous = {sig: signal.signal(sig, stopper.handle) for sig in FORWARDED}
     ooms = oom_kills()
     try:
@@ -179,12 +239,7 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
             if not allocation:  # the batch script says where it starts
                 append_event(run.dir, LOCAL_JOB, "start on this machine")
             assert proc.stdout is not None
-            done = complete_checkpoints(run.dir / cfg.checkpoint.dir)
-            compiling = cfg.train.compile is True or (cfg.train.compile == "auto" and bool(cfg.slurm.gpus_per_node))
-            output = Output(proc.stdout, log, stopper, Heartbeat(run.dir, tag, world, step_s=step_s, compiling=compiling,
-                                                                 resume_step=done[-1] if done else 0,
-                                                                 own=_own_program(cfg)),
-                            config_args=cfg.config_args)
+            output = Output(proc.stdout, log, stopper, heartbeat, config_args=cfg.config_args)
             outputs.append(output)
             output.start()
             wait_for_exit(proc.pid)
@@ -206,7 +261,7 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
     left = cfg.train.steps - (done[-1] if done else 0)
     confirmed = " --yes" if not allocation and step_s and step_s * left > local_checks.LOCAL_TRY_SECONDS else ""
     command = escape(f"`{environ.invocation()} {'run' if allocation else 'local'} {cfg.config_args}{confirmed}`")
-    said = _end_lines(end, rc, step, command, log_path, run, cfg, output.error)
+    said = _end_lines(end, rc, step, command, log_path, run, cfg, output.error, stopper.forced)
     if end.code == 0 and not allocation:
         said += _what_next(run, original or cfg)
     from rich.text import Text
@@ -236,21 +291,17 @@ def _what_next(run: runs.Run, original: Config) -> list[str]:
     except ConfigError as exc:  # no matplotlib (the plot extra), no steps logged
         curves = f"curves not drawn: {escape(str(exc))}"
     name, prog = shlex.quote(run.name), environ.invocation()
+    cluster = original.config_args_setting({"run.name": local_checks.free_name(original.run.name, run.dir, "cluster")})
     return [curves, escape(f"next: `{prog} status {name}` (this run and its launches); `{prog} watch {name}` (a run "
-                           f"live, from a second terminal while it trains); `{prog} submit {original.config_args} "
-                           "--dry-run` (a first cluster run: what it would submit, nothing submitted)")]
-
-
-def _say_stopping(console, signum: int) -> None:
-    if signum == signal.SIGINT:
-        console.print("[yellow]Ctrl-C[/]: saving a checkpoint, then stopping (Ctrl-C again stops at once, unsaved)",
-                      soft_wrap=True)
+                           f"live, from a second terminal while it trains); `{prog} submit {cluster} --dry-run` (a "
+                           "first cluster run, as a run of its own: what it would submit, nothing submitted)")]
 
 
 def _end_lines(end: "_End", rc: int, step: Optional[int], command: str, log_path: Path, run: runs.Run,
-               cfg: Config, error: str) -> list[str]:
+               cfg: Config, error: str, forced: Optional[float] = None) -> list[str]:
     """The end in one line (two for a hang), in rich markup: what ended the run, where, what was
-    saved, the command that resumes it and the log."""
+    saved (`forced`: killed that many seconds after the stop, its grace out), the command that
+    resumes it and the log."""
     lines: list[str] = []
     log = escape(str(log_path))
     steps = complete_checkpoints(run.dir / cfg.checkpoint.dir)
@@ -259,7 +310,11 @@ def _end_lines(end: "_End", rc: int, step: Optional[int], command: str, log_path
     if end.signum is not None:
         what = "interrupted (Ctrl-C)" if end.signum == signal.SIGINT else f"terminated by {_signal_name(end.signum)}"
         where = "" if step is None else f" at step {step}"
-        if steps and steps[-1] == step:
+        if forced is not None:
+            told = (f"{where}: stopped after {format_duration(forced)}, unsaved: " + (
+                f"the last checkpoint is step {steps[-1]}; {command} resumes from there" if steps else
+                f"no checkpoint yet; {start}"))
+        elif steps and steps[-1] == step:
             told = f"{where} and saved it: {command} resumes from there"
         else:
             told = f"{where}, unsaved: {resume}" if steps else f"{where} before its first checkpoint: {start}"

@@ -1,36 +1,39 @@
-"""What `slipway local` checks before any process starts (jobs/interactive.py): that the try fits
-this machine's memory and its time, and that its data, and the preparation a hint would send the
-user to, are ready. Each refusal names a command that fits, checked as the user would paste it.
+"""What `slipway local` checks before any process starts (jobs/interactive.py), all at once: every
+blocker of the try (its data, this machine's memory, a run of the same name with another config,
+its time), and the one command that clears them all, checked as the user would paste it.
 
 Memory: common/layouts.py's arithmetic against what the machine has free (`available_memory`).
-Time: the FLOPs of one step of the whole job (common/layouts.py `step_flops`) against what this
-machine's float32 matrix products reach now, measured here in a fraction of a second with numpy:
-the host imports no torch, and asking the trainer instead would cost torch's import and the
-process group (10 to 40 s) before the answer, and could not refuse before anything started. The
-trainer's steps reach about CPU_STEP_EFFICIENCY of that rate, so the estimate errs long. A try
-expected to take more than LOCAL_TRY_SECONDS is asked about on a terminal and refused elsewhere
-(`--yes` starts it all the same), with the first of these that fits both: fewer steps; one node's
-layout (`--nodes 1`); a batch of one sequence a rank; a smaller model.
+Time: trainer/probe.py measures here, in a second or two, one rank's transformer block and
+output layer in the run's dtype on the threads a rank gets, and the share of the cores it had
+(the other work this machine runs now): a step is its FLOPs at those rates, on the share each rank
+will have beside that work and the other ranks. A try expected to take more than
+LOCAL_TRY_SECONDS is asked about on a terminal (once nothing else blocks it) and refused elsewhere
+(`--yes` starts it all the same).
+What fits: the first of these that fits both memory and time: fewer steps; float32 where this
+CPU has no bfloat16 units; one node's layout (`--nodes 1`); a batch of one sequence a rank; a
+smaller model. The launch then checks the estimate against the first steps (jobs/supervisor.py).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shlex
-import statistics
+import subprocess
 import sys
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from common.errors import ConfigError
-from common.layouts import CPU_STEP_EFFICIENCY, cpu_step_seconds, fitting_batch, process_memory, step_flops
-from common.rundir import complete_checkpoints
-from jobs import runs
-from jobs.config import Config, this_python
+from common.errors import ConfigError, one_line
+from common.layouts import cpu_step_seconds, fitting_batch, process_memory
 from common.metrics_log import format_duration
+from common.rundir import complete_checkpoints
+from common.schema import to_dict
+from jobs import runs
+from jobs.config import Config, dump_config, this_python
+from jobs.runs import lock as runlock
 from jobs.supervisor import available_memory
 
 # Of the memory free, what a suggested batch plans for: the arithmetic is within about 5% of a
@@ -40,65 +43,103 @@ FIT_SHARE = 0.8
 # is a run that wants a cluster, or a choice the user makes knowingly.
 LOCAL_TRY_SECONDS = 30 * 60
 MIN_TRY_STEPS = 10  # fewer steps than this is no try: a smaller one is suggested instead
+SLOW_BF16 = 4  # a CPU whose bfloat16 runs this many times slower than its float32 has no bfloat16 units
+BUILTIN_DATA = {"data.dataset": "builtin", "data.tokenizer": "builtin", "data.dataset_config": None,
+                "data.validation_split": None}
 
 
-def matmul_rate(bursts: int = 5, seconds: float = 0.02, n: int = 384) -> Optional[float]:
-    """FLOP/s of float32 n x n matrix products on this machine: one core's, the median of
-    `bursts` of `seconds` of this thread's CPU time each after one to warm up (the first products
-    of a process run slower), times the cores this process may use. CPU time, not the clock: what
-    the cores give, the same answer on a busy machine as on an idle one (`busy` says when the
-    cores are shared), so a command suggested from it fits again when pasted. One thread, as
-    each rank's torch uses its share: BLAS's own threads spin against the other processes of a
-    loaded machine. None without numpy (the trainer extra brings it)."""
-    threads = {name: os.environ.get(name) for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
-    os.environ.update(dict.fromkeys(threads, "1"))  # read once, when numpy loads its BLAS
-    try:
-        import numpy as np
-    except ImportError:
-        return None
-    finally:
-        for name, value in threads.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
-    a = np.random.default_rng(0).random((n, n), dtype=np.float32)
-
-    def burst() -> float:
-        done, start = 0, time.thread_time()
-        while (elapsed := time.thread_time() - start) < seconds:
-            a @ a
-            done += 1
-        return 2 * n ** 3 * done / elapsed
-
-    burst()
-    return statistics.median(burst() for _ in range(bursts)) * len(os.sched_getaffinity(0))
-
-
-def busy() -> str:
-    """A note when other work shares this machine's cores now (the load average past the cores):
-    steps take longer than the cores alone would make them."""
-    cores = len(os.sched_getaffinity(0))
-    load = os.getloadavg()[0]
-    return f"; this machine is busy (load {load:.0f} on {cores} cores): expect longer" if load > cores else ""
+def rank_threads(procs: int) -> int:
+    """The threads each of `procs` ranks here gets (OMP_NUM_THREADS): the cores shared out."""
+    return max(1, (os.cpu_count() or 1) // procs)
 
 
 @dataclass
-class Fit:
-    """A `slipway local` command line that fits this machine: its arguments, what it keeps or
-    changes, and its figures."""
+class Speed:
+    """How fast this machine trains a config: trainer/probe.py's rates of one rank, by dtype and
+    part (FLOP a CPU second), and the threads of other work that shared the cores meanwhile."""
 
-    args: str
-    what: str
-    memory: float  # bytes, all processes
-    step_s: Optional[float]
-    steps: int  # left to train
+    rates: dict[str, dict[str, float]]
+    others: float
 
-    def said(self) -> str:
-        time_said = "" if self.step_s is None else (
-            f", ~{format_duration(self.step_s, fine=True)} a step, ~{format_duration(self.step_s * self.steps)} for "
-            f"{self.steps} steps")
-        return f"`slipway local {self.args}` {self.what} (~{self.memory / 1e9:.1f} GB{time_said})"
+    def step_s(self, cfg: Config) -> float:
+        procs, threads, cores = cfg.launch.procs_per_node, rank_threads(cfg.launch.procs_per_node), os.cpu_count() or 1
+        per_second = min(threads, threads * cores / (self.others + procs * threads))  # CPU seconds a rank gets
+        return cpu_step_seconds(cfg, self.rates, cfg.train.dtype if cfg.train.dtype in self.rates else "float32") \
+            / per_second
+
+    def slow_bf16(self) -> bool:
+        return "bfloat16" in self.rates and self.rates["bfloat16"]["block"] * SLOW_BF16 < self.rates["float32"]["block"]
+
+    def said(self, cfg: Config) -> str:
+        dtype = cfg.train.dtype if cfg.train.dtype in self.rates else "float32"
+        block, head = (self.rates[dtype][k] / 1e9 for k in ("block", "head"))
+        slow = (f"; this CPU runs bfloat16 at {block:,.1f} GFLOP/s, float32 at "
+                f"{self.rates['float32']['block'] / 1e9:,.0f}: it has no bfloat16 units" if self.slow_bf16() else "")
+        return (f"measured here: a rank's blocks and output layer in {dtype} at {block:,.1f} and {head:,.1f} GFLOP a "
+                f"CPU second, {cfg.launch.procs_per_node} rank(s) and ~{self.others:.0f} other busy thread(s) on "
+                f"{os.cpu_count()} core(s){slow}")
+
+
+_measured: dict[str, Speed] = {}  # this process's measurements (a sweep's points share their shapes)
+
+
+def measure(local: Config) -> tuple[Optional[Speed], str]:
+    """trainer/probe.py on `local` with a rank's threads: its rates, and from the share of the
+    cores it had, the other work this machine runs now; (None, why) where it cannot tell."""
+    threads, text = rank_threads(local.launch.procs_per_node), dump_config(local)
+    shapes = json.dumps([to_dict(local.model), to_dict(local.parallel), local.train.dtype, threads,
+                         local.train.micro_batch_size, local.data.seq_len], default=str)
+    if shapes in _measured:
+        return _measured[shapes], ""
+    probe = subprocess.run([sys.executable, "-m", "trainer.probe", "--threads", str(threads)], input=text,
+                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if probe.returncode:
+        why = probe.stderr.strip().splitlines()
+        return None, f"the measurement failed: {one_line(why[-1] if why else probe.returncode)}"
+    found = json.loads(probe.stdout)
+    had = max(found.pop("cpu_per_second"), 1e-3)
+    _measured[shapes] = Speed(found, max(0.0, threads * (os.cpu_count() or 1) / had - threads))
+    return _measured[shapes], ""
+
+
+@dataclass
+class Blocker:
+    """What stops a try, and what clears it: config settings (dotted key -> value) or flags."""
+
+    field: str
+    text: str
+    settings: dict = field(default_factory=dict)
+    flags: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.text}"
+
+
+@dataclass
+class Plan:
+    """A try's verdict before anything starts: its blockers, the `slipway local` arguments that
+    clear them all ("" where none found does), its expected seconds a step and the line saying so."""
+
+    blockers: list[Blocker]
+    fix: str = ""
+    step_s: Optional[float] = None
+    said: str = ""
+
+    def lines(self) -> list[str]:
+        """Each blocker, and the command that clears them all (on the line of a single one)."""
+        lines = [str(b) for b in self.blockers]
+        if self.fix:
+            clears = f"`slipway local {self.fix}` clears {'it' if len(lines) == 1 else 'them all'}"
+            lines = [f"{lines[0]}; {clears}"] if len(lines) == 1 else [*lines, clears]
+        return lines
+
+
+class Refused(ConfigError):
+    """A try refused before anything started: its plan's blockers (each a line) and their fix."""
+
+    def __init__(self, result: Plan) -> None:
+        super().__init__(result.blockers[0].field, "; ".join(result.lines())[len(result.blockers[0].field) + 2:])
+        self.plan = result
 
 
 def gpus_here() -> bool:
@@ -114,73 +155,124 @@ def gpus_here() -> bool:
         return False
 
 
-def plan_here(original: Config, local: Config, run_dir: Path, reload: Callable[[list[str]], Config], console, *,
-              yes: bool = False, rename: bool = True) -> Optional[float]:
-    """Whether the try `local` (the local view of `original`) fits this machine: refused (a
-    ConfigError) when its memory does not, said with its expected time, and asked about or refused
-    when that passes LOCAL_TRY_SECONDS. `reload(words)` loads a `slipway local` command line as
-    typed, so that a suggested one is checked as it will be pasted. Returns the expected seconds a
-    step (None: not known), for the launch's heartbeat."""
-    if local.launch.command or local.train.script:
-        console.print("[dim]expected step time here: not known (train.script or launch.command trains a model of "
-                      "its own)[/]", soft_wrap=True)
-        return None
-    if gpus_here():
-        console.print("[dim]expected step time here: not known (this machine's GPUs train it; the estimate and "
-                      "the memory check are for CPUs)[/]", soft_wrap=True)
-        return None
-    done = _done(local, run_dir)
-    available = available_memory()
+def plan(original: Config, local: Config, sealed: runs.Sealed, reload: Callable[[list[str]], Config], *,
+         force: bool = False, prepare: bool = False, speed: Optional[Speed] = None, rename: bool = True,
+         fix: bool = True) -> Plan:
+    """Every blocker of the try `local` (the local view of `original`, sealed) at once, with the
+    command that clears them all, checked (`reload` loads a `slipway local` command line as typed)."""
+    run_dir, blockers = sealed.paths.path, data_blockers(sealed, original, prepare)
+    own = local.launch.command or local.train.script
+    available = None if own or gpus_here() else available_memory()
     world, need = local.launch.procs_per_node, process_memory(local)
-    rate = matmul_rate()
-    fits = available is None or world * need <= available
-    step_s = cpu_step_seconds(local, rate) if rate else None
-    left = max(0, local.train.steps - done)
-    if not fits:
-        fit = first_fit(original, run_dir, reload, rate, available, rename=rename)
-        raise ConfigError("train.micro_batch_size",
-                          f"{_memory_said(world, need, available)}: {fit.said() if fit else _NOTHING_FITS}")
-    if step_s is None:
-        return None
-    flops, reached = step_flops(local), rate * CPU_STEP_EFFICIENCY
-    console.print(f"[dim]expected here: ~{format_duration(step_s, fine=True)} a step, "
-                  f"~{format_duration(step_s * left)} for {left} steps (the model's {flops / 1e9:,.1f} GFLOP a step "
-                  f"at ~{reached / 1e9:,.0f} GFLOP/s: {CPU_STEP_EFFICIENCY:.0%} of the {rate / 1e9:,.0f} GFLOP/s "
-                  f"this machine's float32 matrix products reach), after a start of 5 to 40 s{busy()}[/]",
-                  soft_wrap=True)
-    if step_s * left <= LOCAL_TRY_SECONDS or yes:
-        return step_s
-    fit = first_fit(original, run_dir, reload, rate, available, rename=rename)
-    over = (f"{left} steps of ~{format_duration(step_s, fine=True)} take ~{format_duration(step_s * left)} here, "
-            f"more than a try on this machine ({format_duration(LOCAL_TRY_SECONDS)}): "
-            f"{fit.said() if fit else _NOTHING_FITS}")
-    if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        raise ConfigError("train.steps", f"{over}; or --yes to start it all the same")
-    from rich.markup import escape
+    if available is not None and world * need > available:
+        blockers.append(Blocker("train.micro_batch_size", _memory_said(world, need, available)))
+    if busy := runlock.busy(run_dir):
+        blockers.append(Blocker("run.name", busy, settings={"run.name": free_name(local.run.name, run_dir)}))
+    elif not force and (run_dir / "manifest.json").is_file() and \
+            (differs := runs.config_difference(sealed.paths.config, sealed.files[sealed.paths.config])):
+        steps_only = differs.startswith("a different config (train.steps ") and "," not in differs
+        blockers.append(Blocker("run.name", f"run {local.run.name} exists with {differs}: "
+                                            + ("--force trains on (the old config kept in history/)" if steps_only else
+                                               "another --run-name keeps both (--force would replace its config)"),
+                                flags=("--force",) if steps_only else (),
+                                settings={} if steps_only else {"run.name": free_name(local.run.name, run_dir)}))
+    result = Plan(blockers)
+    if not (own or gpus_here() or speed is None):
+        result.step_s, left = speed.step_s(local), max(0, local.train.steps - _done(local, run_dir))
+        result.said = (f"expected here: ~{format_duration(result.step_s, fine=True)} a step, "
+                       f"~{format_duration(result.step_s * left)} for {left} steps ({speed.said(local)}), after a "
+                       "start of 5 to 40 s")
+        if result.step_s * left > LOCAL_TRY_SECONDS:  # a terminal asks about it, once nothing else blocks
+            blockers.append(Blocker("train.steps", f"{left} steps of ~{format_duration(result.step_s, fine=True)} "
+                                                   f"take ~{format_duration(result.step_s * left)} here, more than a "
+                                                   f"try on this machine ({format_duration(LOCAL_TRY_SECONDS)})",
+                                    flags=("--yes",)))
+    return _fixed(result, original, sealed, reload, available, speed, rename) if fix and blockers else result
 
-    from common.environ import as_typed
 
-    console.print(f"[yellow]{escape(as_typed(over))}[/]", soft_wrap=True)
+_FITS = ("train.micro_batch_size", "train.steps")  # the blockers a smaller try clears (`first_fit`)
+
+
+def _fixed(result: Plan, original: Config, sealed: runs.Sealed, reload: Callable[[list[str]], Config],
+           available: Optional[int], speed: Optional[Speed], rename: bool) -> Plan:
+    """`result` with the command that clears all its blockers where one is found: the fit of
+    memory and time (`first_fit`) with the other blockers' fixes, loaded as typed and planned
+    again, then with the fixes of what that meets (a run name taken), at most three times."""
+    fit = first_fit(original, sealed.paths.path, reload, speed, available) if any(
+        b.field in _FITS for b in result.blockers) else None
+    fitted = next((b for b in result.blockers if b.field in _FITS), None)
+    if fitted:
+        fitted.text += f": {fit.said()}" if fit else f": {_NOTHING_FITS}"
+    if fit is None and any(b.field in _FITS for b in result.blockers):
+        return result
+    settings, flags, blockers = dict(fit.settings if fit else {}), set(), result.blockers
+    for _ in range(3):
+        for b in blockers:
+            if not (b.field in _FITS and fit):
+                settings.update(b.settings)
+                flags.update(b.flags)
+        args = " ".join([original.config_args_setting(settings), *sorted(flags - {"--yes"})])
+        try:
+            cand = reload(shlex.split(args))
+            local, _ = local_view(cand, rename=rename and "run.name" not in settings)
+            sealed = runs.seal(local, sealed.paths.project)
+        except (ConfigError, SystemExit):
+            return result
+        blockers = plan(cand, local, sealed, reload, force="--force" in flags, prepare="--prepare" in flags,
+                        speed=speed, fix=False).blockers
+        if not blockers:
+            result.fix = args
+            break
+        if any(not (b.settings or b.flags) or b.field in _FITS for b in blockers):
+            break
+    return result
+
+
+_NOTHING_FITS = ("nothing smaller of this layout fits here (not even one sequence a rank on a smaller model): try "
+                 "it on a cluster, or with fewer processes (--dp, --tp, --pp)")
+
+
+def data_blockers(sealed: runs.Sealed, original: Config, prepare: Optional[bool] = None) -> list[Blocker]:
+    """What the trainer would refuse only once every process has started (torch imported, the
+    process group formed), checked from the config and the token cache's index: files the run
+    needs, a token cache not prepared, data too short for the sequence length or the validation
+    share, a tokenizer larger than the model's vocabulary. `prepare`: a try here, which --prepare
+    prepares first (or which takes builtin data where the hub cannot be reached); None: a launch
+    (`slipway run`), told the `slipway prepare` of `original`'s arguments."""
+    found = []
+    for check in (lambda: runs.check_submittable(sealed.cfg), lambda: _check_tokens(sealed.cfg, sealed.data_status())):
+        try:
+            check()
+        except ConfigError as exc:
+            found.append(Blocker(exc.field, str(exc).removeprefix(exc.field + ": ")))
     try:
-        answer = input("start it all the same? [y/N] ")
-    except EOFError:
-        answer = ""
-    if answer.strip().lower() not in ("y", "yes"):
-        raise ConfigError("train.steps", "not started (nothing written): run the command above, or add --yes")
-    return step_s
+        status = sealed.data_status()
+    except ConfigError:
+        return found
+    if status.prepared or status.tokenize_in_job or prepare:
+        return found
+    if prepare is None:
+        return found + [Blocker("data", runs.unprepared_data(sealed, original.config_args) or "")]
+    from jobs import trainer_door
+
+    missing = "; ".join(e.describe() for e in status.missing)
+    hub = any(e.source.kind == "hub" for e in status.missing) and trainer_door.hub_unreachable()
+    if hub:
+        builtin = {k: v for k, v in BUILTIN_DATA.items() if getattr(sealed.cfg.data, k.split(".")[1]) != v}
+        return found + [Blocker("data", f"the token cache is not prepared, and {hub}: try it on the corpus that ships "
+                                        f"with slipway ({_as_args(builtin)}); {missing}", settings=builtin)]
+    return found + [Blocker("data", f"the token cache is not prepared: --prepare tokenizes it here first; {missing}",
+                            flags=("--prepare",))]
 
 
-def check_memory(local: Config) -> None:
-    """A sweep's point in its local view: refused, before any point is written, when its
-    processes need more memory than this machine has free, naming the batch under which it fits.
-    (Its time is asked about as each point starts, by `plan_here`.)"""
-    available = available_memory()
-    if local.launch.command or local.train.script or available is None or gpus_here():
-        return
-    world, need = local.launch.procs_per_node, process_memory(local)
-    if world * need > available:
-        raise ConfigError("train.micro_batch_size", f"{_memory_said(world, need, available)}: "
-                                                    f"{smaller_batch(local, FIT_SHARE * available / world)}")
+def _as_args(settings: dict) -> str:
+    return " ".join(f"{k}={'null' if v is None else v}" for k, v in settings.items())
+
+
+def free_name(name: str, run_dir: Path, kind: str = "try") -> str:
+    """A run name beside `name` (whose run is `run_dir`) that no run has yet: NAME-try, NAME-try2, ..."""
+    names = (f"{name}-{kind}{n if n > 1 else ''}" for n in range(1, 10**4))
+    return next(n for n in names if not (run_dir.parent / n).exists())
 
 
 def _memory_said(world: int, need: float, available: float) -> str:
@@ -188,28 +280,44 @@ def _memory_said(world: int, need: float, available: float) -> str:
             f"{world * need / 1e9:.1f} GB, this machine has {available / 1e9:.1f} GB free")
 
 
-_NOTHING_FITS = ("nothing smaller of this layout fits here (not even one sequence a rank on a smaller model): try "
-                 "it on a cluster, or with fewer processes (--dp, --tp, --pp)")
-
-
 def _done(cfg: Config, run_dir: Path) -> int:
     steps = complete_checkpoints(run_dir / cfg.checkpoint.dir)
     return steps[-1] if steps else 0
 
 
-def _rungs(cfg: Config) -> list[tuple[dict, str]]:
+@dataclass
+class Fit:
+    """Settings under which a `slipway local` of a config fits this machine: what they keep or
+    change, and its figures."""
+
+    settings: dict
+    what: str
+    memory: float  # bytes, all processes
+    step_s: Optional[float]
+    steps: int  # left to train
+
+    def said(self) -> str:
+        time_said = "" if self.step_s is None else (
+            f", ~{format_duration(self.step_s, fine=True)} a step, ~{format_duration(self.step_s * self.steps)} for "
+            f"{self.steps} steps")
+        return f"a try that fits {self.what} (~{self.memory / 1e9:.1f} GB{time_said})"
+
+
+def _rungs(cfg: Config, speed: Optional[Speed]) -> list[tuple[dict, str]]:
     """Ways to make a try of `cfg` smaller, each the one before with one more change: (the
     settings, what the command keeps or changes)."""
     p, s, t, m = cfg.parallel, cfg.slurm, cfg.train, cfg.model
     rungs: list[tuple[dict, str]] = [({}, "keeps the layout and the global batch")]
     settings: dict = {}
+    if speed is not None and speed.slow_bf16() and t.dtype == "bfloat16":
+        settings = {"train.dtype": "float32"}
+        rungs.append((dict(settings), "trains in float32, which this CPU runs faster"))
     if s.nodes > 1 and p.dp % s.nodes == 0:
-        settings = {"slurm.nodes": 1, "parallel.dp": p.dp // s.nodes}
+        settings = {**settings, "slurm.nodes": 1, "parallel.dp": p.dp // s.nodes}
         rungs.append((dict(settings), f"trains one node's layout (dp {p.dp // s.nodes}: {s.nodes}x fewer sequences a "
                                       "step)"))
-    accum = max(1, p.pp)
-    if t.micro_batch_size * t.grad_accum_steps > accum:
-        settings = {**settings, "train.micro_batch_size": 1, "train.grad_accum_steps": accum}
+    if t.micro_batch_size * t.grad_accum_steps > max(1, p.pp):
+        settings = {**settings, "train.micro_batch_size": 1, "train.grad_accum_steps": max(1, p.pp)}
         rungs.append((dict(settings), "trains a batch of one sequence a rank" + (", on one node's layout"
                                                                                   if "slurm.nodes" in settings else "")))
     heads = p.tp * -(-4 // p.tp)  # at least 4, a multiple of tp; key/value heads: tp
@@ -247,18 +355,18 @@ def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
     return local, changed
 
 
-def first_fit(original: Config, run_dir: Path, reload: Callable[[list[str]], Config], rate: Optional[float],
-              available: Optional[int], *, rename: bool = True) -> Optional[Fit]:
+def first_fit(original: Config, run_dir: Path, reload: Callable[[list[str]], Config], speed: Optional[Speed],
+              available: Optional[int]) -> Optional[Fit]:
     """The first of `_rungs` whose command, loaded as typed, is a valid config that fits this
     machine's memory (a smaller micro batch, else a shorter sequence, where needed) and, with
-    `rate`, LOCAL_TRY_SECONDS (fewer steps where needed, at least MIN_TRY_STEPS)."""
-    for settings, what in _rungs(original):
+    `speed`, LOCAL_TRY_SECONDS (fewer steps where needed, at least MIN_TRY_STEPS)."""
+    for settings, what in _rungs(original, speed):
         settings = dict(settings)
         for _ in range(3):  # the memory's change, then the time's, each checked by loading it
-            cand = _load(original, settings, reload)
-            if cand is None:
+            try:
+                local, _ = local_view(reload(shlex.split(original.config_args_setting(settings))), rename=False)
+            except (ConfigError, SystemExit):  # a bound or rule of the config's own
                 break
-            local, _ = local_view(cand, rename=rename)
             world = local.launch.procs_per_node
             if available is not None and world * process_memory(local) > FIT_SHARE * available:
                 fit = fitting_batch(local, FIT_SHARE * available / world)
@@ -269,8 +377,7 @@ def first_fit(original: Config, run_dir: Path, reload: Callable[[list[str]], Con
                     settings["data.seq_len"] = fit[2]
                     what += f", at seq_len {fit[2]} instead of {local.data.seq_len}"
                 continue
-            done = _done(local, run_dir)
-            step_s = cpu_step_seconds(local, rate) if rate else None
+            done, step_s = _done(local, run_dir), speed.step_s(local) if speed else None
             left = max(0, local.train.steps - done)
             if step_s is not None and step_s * left > LOCAL_TRY_SECONDS:
                 steps = int(LOCAL_TRY_SECONDS / 2 // step_s)  # half: a busier machine measured next still fits it
@@ -279,29 +386,8 @@ def first_fit(original: Config, run_dir: Path, reload: Callable[[list[str]], Con
                 settings["train.steps"] = done + steps
                 what += f", {steps} steps" if not done else f", {steps} more steps"
                 continue
-            args = _runnable(original, local, settings, run_dir)
-            return Fit(args, what, world * process_memory(local), step_s, left)
+            return Fit(settings, what, world * process_memory(local), step_s, left)
     return None
-
-
-def _load(original: Config, settings: dict, reload: Callable[[list[str]], Config]) -> Optional[Config]:
-    """The config of `original`'s command line with `settings`, as `slipway local` loads it when
-    pasted; None where that command would be refused (a bound or rule of the config's own)."""
-    try:
-        return reload(shlex.split(original.config_args_setting(settings)))
-    except (ConfigError, SystemExit):
-        return None
-
-
-def _runnable(original: Config, local: Config, settings: dict, run_dir: Path) -> str:
-    """`original`'s arguments with `settings`, and what lets them start where the run exists
-    already: --force where only the step count changes (the old config kept in history/), else
-    a run of its own (the checkpoints of another model or layout would not load)."""
-    if not settings or not (run_dir / "manifest.json").is_file():
-        return original.config_args_setting(settings)
-    if set(settings) == {"train.steps"}:
-        return f"{original.config_args_setting(settings)} --force"
-    return original.config_args_setting({**settings, "run.name": f"{local.run.name}-try"})
 
 
 def smaller_batch(cfg: Config, budget: float) -> str:
@@ -315,56 +401,28 @@ def smaller_batch(cfg: Config, budget: float) -> str:
     if seq != cfg.data.seq_len:
         settings["data.seq_len"], keeps = seq, f"the layout, at seq_len {seq} instead of {cfg.data.seq_len}"
     world = cfg.launch.procs_per_node * cfg.slurm.nodes
-    return Fit(cfg.config_args_setting(settings), f"keeps {keeps}", world * process_memory(cfg, micro, seq), None,
-               0).said()
+    return (f"`slipway local {cfg.config_args_setting(settings)}` keeps {keeps} "
+            f"(~{world * process_memory(cfg, micro, seq) / 1e9:.1f} GB)")
 
 
-def check_before_start(sealed: runs.Sealed, original: Config) -> None:
-    """What the trainer would refuse only once every process has started (torch imported, the
-    process group formed), checked from the config and the token cache's index: files the run
-    needs, a token cache `slipway prepare` has not made (the same refusal as `submit`, once that
-    command is known to get past its own checks), data too short for the sequence length or the
-    validation share, a tokenizer larger than the model's vocabulary."""
-    cfg = sealed.cfg
-    runs.check_submittable(cfg)
-    why = runs.unprepared_data(sealed, original.config_args)
-    if why:
-        try:  # the suggested `slipway prepare` reads the config as a job would: its paths too
-            runs.preparation(original, sealed.paths.project)
-        except ConfigError as exc:
-            raise ConfigError(exc.field, f"{str(exc).removeprefix(exc.field + ': ')} (the token cache is not "
-                                         "prepared, and preparing it with slipway prepare reads this)") from None
-        raise ConfigError("data", why)
-    _check_data_fits(cfg, sealed.data_status())
-
-
-def _check_data_fits(cfg: Config, status) -> None:
-    """The trainer's window and vocabulary rules (trainer/data.py), from the prepared entries'
-    token counts; an entry the job will tokenize itself is judged there."""
-    data, window = cfg.data, cfg.data.seq_len + 1
-    index = {e.role: e.index for e in status.entries if e.prepared and e.index}
-    if "train" not in index:
+def check_memory(local: Config) -> None:
+    """A sweep's point in its local view: refused, before any point is written, when its
+    processes need more memory than this machine has free, naming the batch under which it fits.
+    (Its other blockers are said as each point starts, by `plan`.)"""
+    available = available_memory()
+    if local.launch.command or local.train.script or available is None or gpus_here():
         return
-    train = index["train"]
-    n_train, source = int(train["n_tokens"]), train.get("source", data.dataset)
-    if int(train.get("vocab_size", 0)) > cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the vocabulary of "
-                                              f"data.tokenizer '{data.tokenizer}' ({train['vocab_size']}): set "
-                                              f"model.vocab_size >= {train['vocab_size']}")
-    if "validation" in index:
-        n_val = int(index["validation"]["n_tokens"])
-        if n_val < window:
-            raise ConfigError("data.validation_split", f"{n_val:,} tokens of {index['validation'].get('source')} "
-                                                       f"hold no window of data.seq_len + 1 = {window}: lower "
-                                                       "data.seq_len or use more data")
-    elif data.validation_fraction > 0 and not data.validation_split:
-        n_val = int(n_train * data.validation_fraction)
-        if n_val < window:
-            raise ConfigError("data.validation_fraction",
-                              f"{data.validation_fraction} of {n_train:,} tokens is {n_val}, less than one window "
-                              f"of data.seq_len + 1 = {window}: raise it, lower data.seq_len, or set it to 0 to "
-                              "skip validation")
-        n_train -= n_val
-    if n_train < window:
-        raise ConfigError("data.dataset", f"{n_train:,} tokens of {source} hold no window of data.seq_len + 1 = "
-                                          f"{window}: lower data.seq_len or use more data")
+    world, need = local.launch.procs_per_node, process_memory(local)
+    if world * need > available:
+        raise ConfigError("train.micro_batch_size", f"{_memory_said(world, need, available)}: "
+                                                    f"{smaller_batch(local, FIT_SHARE * available / world)}")
+
+
+def _check_tokens(cfg: Config, status) -> None:
+    """The trainer's rules on the prepared entries' token counts (trainer/prepare.py
+    `check_tokens`); an entry the job will tokenize itself is judged there."""
+    from jobs import trainer_door
+
+    index = {e.role: e.index for e in status.entries if e.prepared and e.index}
+    if "train" in index:
+        trainer_door.check_tokens(cfg.data, cfg.model.vocab_size, index["train"], index.get("validation"))

@@ -31,14 +31,35 @@ from typing import Callable, Optional
 from common.edge import DEBUG_VARIABLE
 from common.environ import as_typed
 from common.metrics_log import format_duration
-from common.rundir import RunDir
+from common.errors import one_line
+from common.events import append_event
+from common.fs import read_tail
+from common.rundir import LOCAL_JOB, RunDir, SaveLine
 
 # Signals that stop a launch: the ranks are asked to save and stop (a closed terminal's SIGHUP
 # as SIGTERM, the signal Slurm stops a job with).
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# How long the ranks get after the first signal (they finish the step, agree and save) before
-# every process of the launch is killed.
+# The least the ranks get after the first signal (they finish the steps to the next sync step,
+# agree and save) before every process of the launch is killed: `stop_grace` sizes it.
 STOP_GRACE_SECONDS = 90.0
+STOP_TELL_SECONDS = 10.0  # while a stop waits, a line this often says for what
+
+
+def stop_grace(run_dir: Path, sync_steps: int, step_s: Optional[float], setting: Optional[float]) -> tuple[float, str]:
+    """Seconds a stop waits for the ranks' save before it kills them, and why: launch.stop_grace,
+    else twice what the save needs (the step in progress and those to the next sync step, whose
+    start the ranks vote at, at `step_s`, else the step time the last save recorded, and a save as
+    long as that one), at least STOP_GRACE_SECONDS."""
+    if setting is not None:
+        return setting, "launch.stop_grace"
+    lines = (read_tail(RunDir(run_dir).saves, 1 << 16) or b"").decode(errors="replace").splitlines()
+    last = next((save for line in reversed(lines) if (save := SaveLine.parse(line))), SaveLine(0, 0, 0, 0, ""))
+    step_s = step_s or last.step_ms / 1000
+    sync = f" ({sync_steps} to a sync step)" if sync_steps > 1 else ""
+    return max(STOP_GRACE_SECONDS, 2 * ((sync_steps + 1) * step_s + last.ms / 1000) + 30), (
+        f"its ~{format_duration(step_s, fine=True)} steps{sync}" + (f" and ~{format_duration(last.ms / 1000)} saves"
+                                                                    if last.at else ", no save yet")
+        + "; launch.stop_grace sets it")
 
 
 class Stopper:
@@ -49,11 +70,16 @@ class Stopper:
     torchrun starts each rank in a session of its own, so its process group alone is not all."""
 
     def __init__(self, run_dir: Path, tag: str, *, agent: bool = False, leader_only: bool = False,
-                 notify: Callable[[int], None] = lambda signum: None) -> None:
+                 notify: Callable[[int], None] = lambda signum: None,
+                 grace: Callable[[], tuple[float, str]] = lambda: (STOP_GRACE_SECONDS, "")) -> None:
         # agent: the launch's first process is torchrun, whose children are the ranks.
         # leader_only (`slipway run`): the batch script alone gets the signal; its trap asks the
         # ranks to save and stop, and srun and the ranks (other nodes' too) are its to stop.
+        # grace: the seconds the first signal's save gets, and why (`stop_grace`), asked at that signal.
         self.run_dir, self.agent, self.leader_only, self.notify = run_dir, agent, leader_only, notify
+        self.grace, self.grace_s, self.grace_why = grace, STOP_GRACE_SECONDS, ""
+        self.asked: Optional[float] = None  # when the first signal came (monotonic)
+        self.forced: Optional[float] = None  # seconds after it, when the grace ran out and it killed the launch
         self.signum: Optional[int] = None
         self.pgid: Optional[int] = None
         self.stop_file = RunDir(run_dir).stop_file
@@ -63,7 +89,9 @@ class Stopper:
     def handle(self, signum: int, _frame) -> None:
         first = self.signum is None
         if first:
-            self.signum = signum
+            self.signum, self.asked = signum, time.monotonic()
+            with contextlib.suppress(Exception):  # a measurement that fails keeps the least grace
+                self.grace_s, self.grace_why = self.grace()
             with contextlib.suppress(Exception):  # a closed terminal: the stop goes on all the same
                 self.notify(signum)
         if self.pgid is None:
@@ -87,7 +115,7 @@ class Stopper:
         for pid in [self.pgid] if not self.agent else self.ranks():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
-        self._killer = threading.Timer(STOP_GRACE_SECONDS, self.kill)
+        self._killer = threading.Timer(self.grace_s, self.force)
         self._killer.daemon = True
         self._killer.start()
 
@@ -130,6 +158,11 @@ class Stopper:
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
 
+    def force(self) -> None:
+        """The grace ran out: everything of the launch killed, unsaved."""
+        self.forced = time.monotonic() - (self.asked or time.monotonic())
+        self.kill()
+
     def sweep(self) -> None:
         """Kill what remains of the launch once its first process has exited (a rank torchrun
         left behind), until none is left."""
@@ -166,6 +199,7 @@ _RANK = re.compile(r"^\[rank(\d+)\]:\s?")  # torch's prefix of a rank's tracebac
 _TORCH_LOG = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+(?: +\d+)? \S+:\d+\]")
 _CPP_LOG = re.compile(r"^\[[IWEF] \S+\.(?:cpp|h|hpp|cc):\d+\]")  # older C++ warnings: [W socket.cpp:663]
 _CPP_TRACE = re.compile(r"^(frame #\d+: |Exception raised from |terminate called |  what\(\): |\(no backtrace)")
+_WARM = re.compile(r"^slipway-warm (\S+): (rank \d+|the node step) (?:started warm\b.*|starts cold: (.*))$")  # trainer/warm.py
 _BOX = re.compile(r"^={20,}\s*$")  # torchrun's failure report sits between two such lines
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
 _DELIBERATE = ("KeyboardInterrupt", "SystemExit", "torch.distributed.elastic.multiprocessing.api.SignalException",
@@ -210,6 +244,7 @@ class Noise:
 # A launch that prints nothing for this long says what it is waiting for (the trainer's start,
 # its first step, a step longer than the logging interval): never a silent half minute.
 HEARTBEAT_SECONDS = 20.0
+SLOW_FACTOR = 1.5  # steps this many times slower than expected are said, with the new total
 
 
 class Heartbeat:
@@ -217,11 +252,45 @@ class Heartbeat:
     config and rank 0's progress record (common.rundir.RunDir.progress)."""
 
     def __init__(self, run_dir: Path, tag: str, procs: int, *, step_s: Optional[float] = None,
-                 compiling: bool = False, resume_step: int = 0, own: str = "") -> None:
+                 compiling: bool = False, resume_step: int = 0, own: str = "", steps: int = 0,
+                 checkpoints: Optional[Path] = None) -> None:
         # own: a program of the user's (train.script, launch.command), whose phases slipway cannot tell
         self.run_dir, self.tag, self.procs, self.step_s = run_dir, tag, procs, step_s
         self.compiling, self.resume_step, self.own = compiling, resume_step, own
+        self.steps, self.checkpoints = steps, checkpoints or run_dir / "checkpoints"
         self.started = time.monotonic()
+        self.first: Optional[tuple[int, float]] = None  # the first step seen done, and when
+        self.measured: Optional[float] = None  # the mean step since then
+        self.slow_said = False
+
+    def pace(self) -> str:
+        """The steps of this launch timed from its progress record (its first step, the warm-up,
+        left out): once, a line when they take more than SLOW_FACTOR times the expected time."""
+        done = self._progress()
+        if done is None:
+            return ""
+        self.first = self.first or done
+        if done[0] - self.first[0] < 2:
+            return ""
+        self.measured = (done[1] - self.first[1]) / (done[0] - self.first[0])
+        if self.slow_said or not self.step_s or self.measured <= SLOW_FACTOR * self.step_s:
+            return ""
+        self.slow_said, left = True, max(0, self.steps - done[0])
+        return (f"slower than expected: ~{format_duration(self.measured, fine=True)} a step here, not the "
+                f"~{format_duration(self.step_s, fine=True)} measured before the start: ~"
+                f"{format_duration(self.measured * left)} for the {left} steps left")
+
+    def stopping(self, stopper: "Stopper") -> str:
+        """What a stop waits for: the step in progress, or the save of a checkpoint."""
+        since = time.monotonic() - (stopper.asked or time.monotonic())
+        saving = sorted(self.checkpoints.glob(".tmp-step-*"), key=lambda p: p.stat().st_mtime if p.exists() else 0)
+        done = self._progress()
+        what = (f"the checkpoint of step {int(saving[-1].name.rsplit('-', 1)[1])} to be saved" if saving and
+                saving[-1].stat().st_mtime > time.time() - since else
+                f"the ranks to finish step {done[0] + 1} (step {done[0]} done {format_duration(time.time() - done[1])} "
+                "ago) and save" if done else "the ranks to reach a step and save")
+        return (f"{format_duration(since)} since the stop was asked, waiting for {what}; a forced stop (unsaved) in "
+                f"{format_duration(max(0.0, stopper.grace_s - since))}")
 
     def waiting_for(self, last: str, stepping: bool) -> str:
         """`last`: the last line shown; `stepping`: whether a step line was shown yet."""
@@ -273,6 +342,7 @@ class Output(threading.Thread):
         self._lock = threading.Lock()  # the log and the terminal, between this thread, the heartbeat's and notes
         self._last, self._last_at, self._stepping = "", time.monotonic(), False
         self._ended = threading.Event()
+        self._cold_said = False
 
     @property
     def error(self) -> str:
@@ -300,8 +370,14 @@ class Output(threading.Thread):
     def _beat(self) -> None:
         assert self.heartbeat is not None
         while not self._ended.wait(1.0):
-            if self.stopper.signum is not None:
-                return
+            with contextlib.suppress(OSError):  # a progress record or checkpoint that went meanwhile
+                if self.stopper.signum is not None:
+                    if time.monotonic() - max(self._last_at, self.stopper.asked or 0) >= STOP_TELL_SECONDS:
+                        self.note(self.heartbeat.stopping(self.stopper), terminal=True)
+                        self._last_at = time.monotonic()
+                    continue
+                if slow := self.heartbeat.pace():
+                    self.note(slow, terminal=True)
             if time.monotonic() - self._last_at >= HEARTBEAT_SECONDS:
                 since = format_duration(time.monotonic() - self.heartbeat.started)
                 self.note(f"{since} since the launch, waiting for "
@@ -318,11 +394,24 @@ class Output(threading.Thread):
         finally:
             self._ended.set()
 
+    def _warm(self, node: str, what: str, why: Optional[str]) -> None:
+        """A rank's start as its task told it (trainer/warm.py): each in events.log, as it happens;
+        the first that should have been warm and started cold on the terminal too."""
+        told = one_line(f"{what} on {node} started {'cold: ' + why if why is not None else 'warm'}")
+        with contextlib.suppress(OSError):
+            append_event(self.stopper.run_dir, LOCAL_JOB, f"warm: {told}")
+        if why is not None and not self._cold_said:
+            self._cold_said = True
+            self.note(f"warm: {told} (each rank's start: events.log)", terminal=True)
+
     def _copy(self) -> None:
         rank, root = None, False
         for line in iter(self.stream.readline, b""):
             text = line.decode(errors="replace")
-            shown = self.noise.shown(text)
+            warm = _WARM.match(text.rstrip("\n"))
+            if warm:
+                self._warm(*warm.groups())
+            shown = self.noise.shown(text) and not warm
             with self._lock:
                 if self.everything or (shown and self.stopper.signum is None):
                     # the trainer's suggestions, as this shell runs them with this run's config

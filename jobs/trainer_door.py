@@ -6,6 +6,8 @@ trainer's own work that a host command does on this machine, each imported only 
   so the login node's base install runs it.
 - `prepare`: `slipway prepare` here, tokenizing into that cache (the trainer extra).
 - `plot`: `slipway plot`, the curves of one run or of several into one PNG (the plot extra).
+- `check_tokens`, `hub_unreachable`: what `slipway local` checks of a prepared cache's token
+  counts and of the hub before it starts.
 
 What stands behind it imports no torch: tests/test_contract.py imports each module the door
 imports with torch blocked, and holds every other host module to `trainer.config` alone. The batch
@@ -23,6 +25,20 @@ def data_status(data: Any, cache_dir: Path | str):
     from trainer.prepare import cache_status
 
     return cache_status(data, cache_dir)
+
+
+def check_tokens(data: Any, vocab_size: int, train: dict, validation: Optional[dict]) -> None:
+    """The trainer's rules on a prepared cache's token counts (trainer.prepare.check_tokens)."""
+    from trainer.prepare import check_tokens as check
+
+    check(data, vocab_size, train, validation)
+
+
+def hub_unreachable() -> Optional[str]:
+    """Why the Hugging Face hub cannot be reached from here, in a few seconds; None when it can."""
+    from trainer.data_sources import hub_unreachable as unreachable
+
+    return unreachable()
 
 
 def prepare(data: Any, cache_dir: Path | str, *, num_proc: int, progress: Any):

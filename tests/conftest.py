@@ -114,6 +114,27 @@ def squeue_answering(state: str) -> str:
             f'for id in ${{jobs//,/ }}; do echo "$id|{state}|None|0:00|node1|0|x"; done\n')
 
 
+def git(project: Path, *args: str) -> None:
+    import subprocess
+
+    subprocess.run(["git", "-C", str(project), *args], check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t"})
+
+
+@pytest.fixture
+def checkout(project: Path) -> Path:
+    """The project as a git checkout of slipway's code folders (what a user clones)."""
+    import shutil
+
+    for name in ("common", "trainer"):
+        shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
+    git(project, "init", "-q")
+    git(project, "add", "common", "trainer", "configs")
+    git(project, "commit", "-qm", "c")
+    return project
+
+
 def tree(path: Path) -> list[str]:
     """Every file and directory under `path`, for "nothing was written" checks."""
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))

@@ -24,11 +24,13 @@ from __future__ import annotations
 import atexit
 import time
 import warnings
+from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir, unavailable_reason  # noqa: E402
+from jobs.devcluster import (ClusterSpec, LocalSlurmCluster, default_state_dir, read_registry,  # noqa: E402
+                             unavailable_reason)
 
 SLURM_NODES = 2
 MAX_ARRAY_SIZE = 4  # small, so that a sweep of five points takes two arrays (tests/test_sweep.py)
@@ -91,3 +93,35 @@ def restart_dead_session_nodes() -> None:
         if names:
             warnings.warn(f"slurmd of {', '.join(names)} had exited and was started again (its log: "
                           f"{cluster.spec.log_dir})", stacklevel=1)
+
+
+def job_info(cluster: LocalSlurmCluster, job_id: str) -> dict[str, str]:
+    """`scontrol show job` as a dict (JobState, ExitCode, NodeList, StdOut, ...)."""
+    out = cluster.run("scontrol", "show", "job", "-o", job_id).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def sbatch(cluster: LocalSlurmCluster, script: Path) -> str:
+    """Submit `script` from its folder; return the job id."""
+    return cluster.run("sbatch", "--parsable", str(script), cwd=script.parent).stdout.strip().split(";")[0]
+
+
+def wait_job(cluster: LocalSlurmCluster, job_id: str, timeout: float = 120) -> dict[str, str]:
+    """Wait until `job_id` has ended; return its last `job_info`. On timeout the job is cancelled
+    and the failure says where it was stuck, with the daemons' logs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = job_info(cluster, job_id)
+        if info.get("JobState") not in {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING",
+                                        "REQUEUED", "RESIZING", "SUSPENDED"}:
+            return info
+        if time.monotonic() > deadline:
+            cluster.run("scancel", job_id, check=False)
+            raise AssertionError(f"job {job_id} still {info.get('JobState')} ({info.get('Reason')}) after "
+                                 f"{timeout:.0f} s; cancelled. Its output: {info.get('StdOut')}\n{cluster.log_tails()}")
+        time.sleep(0.25)
+
+
+def cluster_pids(cluster: LocalSlurmCluster) -> list[tuple[int, int]]:
+    """(pid, start time) of the daemons `cluster` started, from its registry."""
+    return [(p["pid"], p["start"]) for p in (read_registry(cluster.spec.name) or {}).get("processes", [])]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from jobs.devcluster import host as cluster_host
-from slurm_fixtures import restart_dead_nodes
+from slurm_fixtures import cluster_pids, restart_dead_nodes, sbatch, wait_job
 from jobs.devcluster import (ClusterError, ClusterSpec, LocalSlurmCluster, alive, default_state_dir, leftovers,
                           read_registry, render_slurm_conf, unavailable_reason)
 
@@ -33,7 +33,7 @@ def _script(path: Path, body: str) -> Path:
 
 
 def _completed(cluster: LocalSlurmCluster, job_id: str, out: Path, timeout: float = 90) -> str:
-    info = cluster.wait(job_id, timeout=timeout)
+    info = wait_job(cluster, job_id, timeout=timeout)
     text = out.read_text() if out.exists() else "(no output file)"
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", \
         f"job {job_id}: {info.get('JobState')} exit {info.get('ExitCode')}\n{text}"
@@ -62,7 +62,7 @@ def test_two_node_job_runs_on_distinct_hosts(slurm_cluster: LocalSlurmCluster, t
 set -euo pipefail
 srun hostname
 """)
-    job_id = slurm_cluster.sbatch(script)
+    job_id = sbatch(slurm_cluster, script)
     assert job_id.isdigit()
     out = _completed(slurm_cluster, job_id, tmp_path / f"hosts-{job_id}.out")
     assert sorted(out.split()) == ["node1", "node2"]
@@ -118,7 +118,7 @@ srun {shlex.quote(sys.executable)} -m torch.distributed.run --nnodes=2 --nproc-p
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\
     gloo_check.py {shlex.quote(str(results))}
 """)
-    job_id = slurm_cluster.sbatch(script)
+    job_id = sbatch(slurm_cluster, script)
     _completed(slurm_cluster, job_id, tmp_path / f"gloo-{job_id}.out", timeout=100)
     ranks = [json.loads((results / f"rank{r}.json").read_text()) for r in range(4)]
     assert {r["world"] for r in ranks} == {4}
@@ -172,7 +172,7 @@ def test_up_cleans_a_crashed_cluster_and_down_leaves_nothing() -> None:
     spec = ClusterSpec(state_dir=a, nodes=2, name="slpwt", node_prefix="slpwt-node",
                        ctl_host="slpwt-ctl", subnet="10.213.1", ctld_port=6927, slurmd_port=6928)
     first = LocalSlurmCluster(spec).up()
-    first_pids = first.pids()
+    first_pids = cluster_pids(first)
     assert len(first_pids) == 4 and all(alive(p, s) for p, s in first_pids)
     # The first owner "crashes" (never calls down); a new up must clear what it left.
     second = LocalSlurmCluster(dataclasses.replace(spec, state_dir=b))
@@ -181,7 +181,7 @@ def test_up_cleans_a_crashed_cluster_and_down_leaves_nothing() -> None:
         assert not any(alive(p, s) for p, s in first_pids)
         assert second.node_states() == {"slpwt-node1": "idle", "slpwt-node2": "idle"}
         assert read_registry("slpwt")["state_dir"] == str(b)
-        second_pids = second.pids()
+        second_pids = cluster_pids(second)
     finally:
         second.down()
     assert not any(alive(p, s) for p, s in first_pids + second_pids)

@@ -128,8 +128,8 @@ def test_a_blamed_node_is_left_out_of_its_clusters_next_jobs_only(profiled, tmp_
     # again, passes its preflight, which clears the record.
     mark.unlink()
     fourth, said = submit("--cluster", "one", "--run-name", "cleared", *two_nodes, *common)
-    assert ("not excluding node2 (preflight, since" in said.stderr and "remembered as bad by cluster one: partition "
-            "debug has 2 usable node(s) besides those excluded and the job needs 2" in said.stderr), said.stderr
+    assert ("not excluding node2 (preflight, since" in said.stderr and "remembered as bad by cluster one: the job "
+            "needs 2 node(s) and partition debug has 2 usable, node2 included" in said.stderr), said.stderr
     assert wait_job_end(fourth, 300) == "COMPLETED"
     log = events(project / "runs" / "cleared")
     assert any(e.startswith("bad node node2 cleared for cluster one: a clean preflight (remembered since ") for e in log)

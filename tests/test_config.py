@@ -62,7 +62,7 @@ def test_overrides_and_named_sets(tmp_path):
     (["container.mounts=/a"], "container.mounts", "expected a list such as [a, b]"),
     (["container.mounts=[/a"], "container.mounts", "not valid YAML"),
     (["model.size=huge"], "model.size", "must be one of"),
-    (["launch.env.WANDB_API_KEY=abc"], "launch.env.WANDB_API_KEY", "secret"),
+    (["launch.env.WANDB_API_KEY=abc123"], "launch.env.WANDB_API_KEY", "secret"),
     (["trainsteps=3"], "trainsteps", "section.key=value"),
     (["parallel.pp=2", "parallel.dp=1"], "model.tie_embeddings", "pipeline"),
 ])

@@ -427,24 +427,29 @@ def losses(run_dir: Path) -> list[float]:
 
 @pytest.mark.slurm
 def test_warm_ranks_in_an_allocation(project, slurm_env):
-    """`slipway run` in one allocation, 2 nodes x 2 ranks: the first run starts a warm process on
-    each node; the next, after a one-line code change, starts its ranks from the same ones with the
-    new code, loss for loss as cold ranks train; a changed setting starts new warm processes and
-    stops the old; a changed config is refused without --force, as ever; --stop-warm and the
-    allocation's end leave none."""
+    """`slipway run` in one allocation, 2 nodes x 2 ranks of 2 CPUs each (a GPU-like config, whose
+    OMP_NUM_THREADS starts OpenBLAS's pool at import): the first run starts a warm process on each
+    node and its ranks start from them, each rank's start told in events.log; the next, after a
+    one-line code change, starts its ranks from the same ones with the new code, loss for loss as
+    cold ranks train; a changed HF_HUB_OFFLINE starts them cold, said once on the terminal; Ctrl-C
+    leaves nothing of the run's held, so the printed command resumes at once; a changed setting
+    starts new warm processes and stops the old; --stop-warm and the allocation's end leave none."""
+    import signal
+
     checkout(project)
     mark_parent(project, "one")
-    alloc = subprocess.run(["salloc", "--nodes=2", "--ntasks-per-node=2", "--no-shell"], capture_output=True,
-                           text=True, check=True, timeout=120)
+    alloc = subprocess.run(["salloc", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=2", "--no-shell"],
+                           capture_output=True, text=True, check=True, timeout=120)
     job = alloc.stderr.split("Granted job allocation ")[1].split()[0]
     nodes = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True).stdout.strip()
     inside = {**os.environ, "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": nodes, "SLURM_JOB_NUM_NODES": "2",
-              "SLURM_JOB_CPUS_PER_NODE": "2(x2)"}
+              "SLURM_JOB_CPUS_PER_NODE": "4(x2)"}
+    with_preflight = [a for a in TINY if not a.startswith("slurm.preflight")]  # its node step starts warm too
+    base = ["tiny_cpu", "--nodes", "2", "--dp", "4", "slurm.cpus_per_task=2", *with_preflight]
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        with_preflight = [a for a in TINY if not a.startswith("slurm.preflight")]  # its node step starts warm too
-        return subprocess.run([PY, "-m", "jobs", "run", "tiny_cpu", "--nodes", "2", "--dp", "4", *with_preflight,
-                               "train.steps=3", *args], capture_output=True, text=True, timeout=400, env=inside)
+    def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([PY, "-m", "jobs", "run", *base, "train.steps=3", *args], capture_output=True, text=True,
+                              timeout=400, env={**inside, **(env or {})})
 
     def warm_steps() -> list[str]:
         out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True, text=True).stdout
@@ -452,27 +457,32 @@ def test_warm_ranks_in_an_allocation(project, slurm_env):
 
     def servers() -> list[str]:
         """The warm processes of the allocation (not srun's line; not their forks: ranks, probes)."""
-        pattern = rf"^[^ ]*python[^ ]* .*warm\.py serve slipway-warm-{os.getuid()}-{job}-"
+        pattern = rf"^[^ ]*python[^ ]* .*warm\.py serve .*/slipway-warm-{os.getuid()}/{job}-"
         found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
         parents = {pid: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] for pid in found
                    if Path(f"/proc/{pid}/stat").exists()}
         return [pid for pid, parent in parents.items() if parent not in found]
 
+    def starts(run_name: str) -> list[str]:
+        return sorted(line.split(" warm: ", 1)[1] for line in (runs / run_name / "events.log").read_text().splitlines()
+                      if " warm: rank " in line)
+
+    warm = [f"rank {r} on node{1 + r // 2} started warm" for r in range(4)]
     runs = project / "runs"
     try:
         first = run("--run-name", "w1")
         assert first.returncode == 0, (first.stdout[-3000:], first.stderr[-3000:])
         assert "job local warm: started the warm processes on node1 node2" in (runs / "w1" / "events.log").read_text()
+        assert starts("w1") == warm and "started cold" not in first.stdout  # its ranks waited for the imports
         (word, parent, cmdline), = [line.split(" ", 2) for line in (runs / "w1" / "code-marks").read_text().splitlines()]
-        assert word == "one" and "warm.py serve slipway-warm-" in cmdline, cmdline
+        assert word == "one" and "warm.py serve " in cmdline, cmdline
         steps = warm_steps()
         assert len(steps) == 1 and len(servers()) == 2, (steps, servers())
 
         mark_parent(project, "two")  # a one-line change: the same warm processes, the new code
         second = run("--run-name", "w2")
         assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-3000:])
-        events = (runs / "w2" / "events.log").read_text()
-        assert "job local warm: ranks start from the warm processes on node1 node2" in events, events
+        assert starts("w2") == warm, (runs / "w2" / "events.log").read_text()
         (word2, parent2, _), = [line.split(" ", 2) for line in (runs / "w2" / "code-marks").read_text().splitlines()]
         assert word2 == "two" and parent2 == parent and warm_steps() == steps  # reused
         # Cold ranks of the same code and config train loss for loss alike: nothing of the warm
@@ -482,6 +492,38 @@ def test_warm_ranks_in_an_allocation(project, slurm_env):
         (_, parent_cold, cmdline_cold), = [line.split(" ", 2) for line in (runs / "w2cold" / "code-marks").read_text().splitlines()]
         assert "warm.py" not in cmdline_cold and parent_cold != parent
         assert losses(runs / "w2") == losses(runs / "w2cold") and len(losses(runs / "w2")) == 3
+
+        # The shell's environment changed what an import reads: cold, said once, each rank in events.log.
+        offline = run("--run-name", "w2hf", env={"HF_HUB_OFFLINE": "1"})
+        assert offline.returncode == 0, (offline.stdout[-3000:], offline.stderr[-3000:])
+        said = [line for line in offline.stdout.splitlines() if "started cold" in line]
+        assert said == [f"warm: {said[0].split('warm: ', 1)[1].split(' started cold')[0]} started cold: its environment "
+                        "differs from the warm process's in HF_HUB_OFFLINE (each rank's start: events.log)"], said
+        assert len([s for s in starts("w2hf") if s.endswith("in HF_HUB_OFFLINE")]) == 4
+
+        # Ctrl-C of a run that started warm processes (a key of its own), then the printed command at
+        # once: nothing of the run's is held by them (their srun held its lock for the allocation's life).
+        proc = subprocess.Popen([PY, "-m", "jobs", "run", *base, "train.steps=400", "--run-name", "ctl",
+                                 "launch.env.SLIPWAY_TEST_KNOB=ctl"], env=inside, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, preexec_fn=default_signals)
+        deadline = time.time() + 180
+        while time.time() < deadline and len(metrics_steps(runs / "ctl")) < 3 and proc.poll() is None:
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 75 and servers(), (out[-3000:], servers())
+        assert "warm: started the warm processes on node1 node2" in (runs / "ctl" / "events.log").read_text()
+        free = subprocess.run(["flock", "-n", str(runs / ".ctl.lock"), "true"])
+        assert free.returncode == 0, subprocess.run(["fuser", "-v", str(runs / ".ctl.lock")], capture_output=True, text=True)
+        resume = out.split("saved it: `", 1)[1].split("`", 1)[0]
+        again = subprocess.run(f"{resume} train.steps={metrics_steps(runs / 'ctl')[-1] + 1} --force", shell=True,
+                               capture_output=True, text=True, timeout=400, env=inside, cwd=project)
+        assert again.returncode == 0 and "resum" in again.stdout.lower(), (again.stdout[-3000:], again.stderr[-2000:])
+        deadline = time.monotonic() + 60
+        while len(warm_steps()) != 1:  # the first key's, asked to stop by the run of another
+            assert time.monotonic() < deadline, warm_steps()
+            time.sleep(0.5)
+        steps = warm_steps()
 
         # A changed config is refused without --force, as without warm processes.
         refused = run("--run-name", "w2", "train.steps=4")
@@ -515,3 +557,54 @@ def test_warm_ranks_in_an_allocation(project, slurm_env):
     while servers():
         assert time.monotonic() < deadline, f"warm processes outlived allocation {job}: {servers()}"
         time.sleep(0.5)
+
+
+@pytest.mark.slurm
+def test_where_slurm_tracks_processes_by_cgroup_slipway_run_says_so_once_and_ranks_start_cold(project, monkeypatch):
+    """proctrack/cgroup and task/cgroup, as every production Slurm runs (here Debian's Slurm on
+    cgroup v1, a cgroup root per node): a rank forked by a warm process would be the warm step's,
+    outside its own step's accounting and its memory and device limits. `slipway run` keeps no warm
+    processes there, says so once, and every rank starts in the training step's own cgroups."""
+    import jobs.devcluster.daemons as daemons
+    from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir, unavailable_reason
+
+    if reason := unavailable_reason():
+        pytest.skip(reason)
+    linuxproc = daemons.render_slurm_conf
+
+    def with_cgroups(spec: ClusterSpec) -> str:
+        (spec.conf.parent / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nConstrainCores=yes\n"
+                                                       "ConstrainRAMSpace=yes\nConstrainDevices=yes\n")
+        return linuxproc(spec).replace("ProctrackType=proctrack/linuxproc", "ProctrackType=proctrack/cgroup") \
+            .replace("TaskPlugin=task/none", "TaskPlugin=task/cgroup,task/affinity")
+
+    monkeypatch.setattr(daemons, "render_slurm_conf", with_cgroups)
+    cluster = LocalSlurmCluster(ClusterSpec(state_dir=default_state_dir("pytest-cgroup"), nodes=2, name="slpwcg",
+                                            node_prefix="cgnode", ctl_host="slpwcg-ctl", subnet="10.213.7",
+                                            ctld_port=6927, slurmd_port=6928))
+    checkout(project)
+    text = (ROOT / "trainer" / "train.py").read_text()
+    anchor = "    args = parser.parse_args(argv)\n"
+    (project / "trainer" / "train.py").write_text(text.replace(anchor, anchor + (
+        "    open(os.path.join(os.environ['SLIPWAY_RUN_DIR'], f\"cgroup-{os.environ['RANK']}\"), 'w').write("
+        "open('/proc/self/cgroup').read())\n"), 1))
+    cluster.up()
+    try:
+        env = {**os.environ, **cluster.env()}
+        r = subprocess.run(["salloc", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=2", PY, "-m", "jobs", "run",
+                            "tiny_cpu", "--run-name", "cg", "--nodes", "2", "--dp", "4", "slurm.cpus_per_task=2",
+                            *[a for a in TINY if not a.startswith("slurm.preflight")], "train.steps=2"],
+                           capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+        assert r.stdout.count("warm ranks are off here") == 1 and "started warm" not in r.stdout, r.stdout
+        events = (project / "runs" / "cg" / "events.log").read_text()
+        assert "warm: off: Slurm tracks this job's processes by cgroup" in events and "warm: rank" not in events
+        for rank in range(4):
+            freezer = next(line for line in (project / "runs" / "cg" / f"cgroup-{rank}").read_text().splitlines()
+                           if ":freezer:" in line)
+            assert re.search(r"/job_\d+/step_\d+$", freezer), freezer  # its own step's, the training step
+        doctor = subprocess.run([PY, "-m", "jobs", "doctor", "tiny_cpu"], capture_output=True, text=True, timeout=300,
+                                env={**env, "COLUMNS": "400"})
+        assert "warm ranks" in doctor.stdout and "ProctrackType=proctrack/cgroup" in doctor.stdout, doctor.stdout
+    finally:
+        cluster.down(check=False)

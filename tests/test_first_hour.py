@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -54,15 +55,15 @@ def test_local_refuses_an_unprepared_cache_at_once_and_its_prepare_command_works
     # Before any process starts (the trainer would find it after 40 s of start-up): the run
     # directory, which a launch writes before it starts a process, was never made.
     assert not (project / "runs").exists()
-    suggested = re.search(r"run `(slipway prepare [^`]*)` first", line).group(1)
-    argv = shlex.split(suggested)
-    assert argv[:3] == ["slipway", "prepare", "tiny_cpu"] and "run.project=my project" in argv
-    assert "--dataset ./corpus" in shlex.join(argv) and "--text-column body" in shlex.join(argv)
-    prepared = slipway(*argv[1:])
-    assert prepared.returncode == 0 and "200 documents" in prepared.stdout, prepared.stderr
-    # Prepared now, the same command meets the next problem, also before any process: this small
+    assert "the token cache is not prepared: --prepare tokenizes it here first" in line, line
+    suggested = shlex.split(re.search(r"`(slipway local [^`]*)` clears it", line).group(1))
+    assert suggested[:3] == ["slipway", "local", "tiny_cpu"] and "run.project=my project" in suggested
+    assert suggested[-1] == "--prepare" and "--dataset ./corpus" in shlex.join(suggested), suggested
+    # Pasted, it prepares here, then meets the next problem, also before any process: this small
     # corpus's 0.1% validation share holds no window of data.seq_len + 1 tokens.
-    line = one_error_line(slipway("local", *given))
+    pasted = slipway(*suggested[1:])
+    assert pasted.returncode == 2 and "200 documents" in pasted.stderr, (pasted.stdout, pasted.stderr)  # its progress
+    line = pasted.stderr.strip().splitlines()[-1]
     assert line.startswith("slipway: error: data.validation_fraction: 0.001 of ") and "set it to 0" in line
     assert not (project / "runs").exists()
 
@@ -120,11 +121,11 @@ def test_a_hint_names_slipway_as_the_shell_make_setup_leaves_runs_it(project):
     r = subprocess.run([".venv/bin/python", "-m", "jobs", "local", *given], capture_output=True, text=True,
                        timeout=120, env={**os.environ, **bare})
     line = one_error_line(r)
-    suggested = re.search(r"run `([^`]*)` first", line).group(1)
-    assert suggested.startswith(".venv/bin/slipway prepare tiny_cpu "), line
-    pasted = subprocess.run(shlex.split(suggested), capture_output=True, text=True, timeout=120,
+    suggested = re.search(r"`([^`]*)` clears it", line).group(1)
+    assert suggested.startswith(".venv/bin/slipway local tiny_cpu "), line
+    pasted = subprocess.run(f"{suggested} --dry-run", shell=True, capture_output=True, text=True, timeout=120,
                             env={**os.environ, **bare})
-    assert pasted.returncode == 0 and "200 documents" in pasted.stdout, (pasted.stdout, pasted.stderr)
+    assert pasted.returncode == 0 and "verdict: would be started" in pasted.stdout, (pasted.stdout, pasted.stderr)
 
 
 @pytest.fixture
@@ -239,15 +240,20 @@ def test_a_refused_config_change_says_what_changed_and_the_dry_run_says_it_first
     assert slipway("submit", "tiny_cpu", env=env).returncode == 0
     line = one_error_line(slipway("submit", "tiny_cpu", "--train-steps", "300", "train.lr=0.001", env=env))
     assert "run tiny_cpu exists with a different config (train.lr 0.003 -> 0.001, train.steps 200 -> 300) in " in line
-    dry = slipway("submit", "tiny_cpu", "--train-steps", "300", "train.lr=0.001", "--dry-run", env=env).stdout
-    head = dry.splitlines()[:6]
+    r = slipway("submit", "tiny_cpu", "--train-steps", "300", "train.lr=0.001", "--dry-run", env=env)
+    head, fix = r.stdout.splitlines()[:7], "`slipway submit tiny_cpu train.lr=0.001 --train-steps 300 --force` clears it"
     assert head[0].startswith("dry run: tiny_cpu (resumes) in ") and head[3].startswith("code: a snapshot"), head
     assert head[4] == "verdict: would be refused (1)", head
     assert head[5].startswith("  - run.name: run tiny_cpu exists with a different config (train.lr 0.003 -> 0.001"), head
-    assert dry.splitlines()[-1] == ("dry run: nothing written, nothing submitted; would be refused (1) (the reasons "
-                                    "are at the top)")
+    assert head[6] == f"  {fix}", head
+    # A refusal exits 2, and says its verdict last as well: 170 lines of script scroll nothing away.
+    assert r.returncode == 2 and r.stdout.splitlines()[-3:] == ["dry run: nothing written; would be refused (1)",
+                                                                head[5], head[6]], r.stdout.splitlines()[-3:]
     forced = slipway("submit", "tiny_cpu", "--train-steps", "300", "train.lr=0.001", "--dry-run", "--force", env=env)
-    assert forced.stdout.splitlines()[4] == "verdict: would be submitted", forced.stdout
+    assert forced.stdout.splitlines()[4] == "verdict: would be submitted" and forced.returncode == 0, forced.stdout
+    pasted = subprocess.run(shlex.split(fix.split("`")[1]), capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **env})  # the flag it names, checked before it was printed
+    assert pasted.returncode == 0 and "resubmitted tiny_cpu" in pasted.stdout, pasted.stderr
 
 
 def test_one_interpreter_by_another_of_its_names_is_the_same_config_and_resumes(project, tmp_path):
@@ -424,19 +430,25 @@ def test_setup_finds_an_unreachable_torch_index_in_seconds_and_says_how_to_choos
         silent.close()
 
 
-def test_make_refuses_a_config_override_given_as_a_make_variable():
+def test_make_refuses_a_setting_given_as_a_make_variable():
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run(["make", "-C", str(root), "local", "train.steps=50", "CONFIG=tiny_wikitext"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stdout.strip().splitlines()[-1:] != ["nothing to train"], r.stdout
-    said = r.stderr.strip().splitlines()[-1]
-    assert "train.steps=50: a config override goes in ARGS, not to make: " in said, said
-    suggested = said.split("not to make: ")[1].removesuffix(".  Stop.")
-    assert suggested == 'make local CONFIG=tiny_wikitext ARGS="train.steps=50"', suggested
-    # The form it names passes the override to slipway (-n: what make would run).
-    words = shlex.split(suggested)
-    dry = subprocess.run([words[0], "-n", "-C", str(root), *words[1:]], capture_output=True, text=True, timeout=60)
-    assert dry.returncode == 0 and "-m jobs local tiny_wikitext train.steps=50" in dry.stdout, dry.stdout
+    # `make local STEPS=50` is refused too, naming the flag: one door (ARGS) for slipway's settings.
+    for given, form, passed in ((["train.steps=50", "CONFIG=tiny_wikitext"], 'make local CONFIG=tiny_wikitext '
+                                 'ARGS="train.steps=50"', "-m jobs local tiny_wikitext train.steps=50"),
+                                (["STEPS=50"], 'make local ARGS="--train-steps 50"', "-m jobs local tiny_cpu "
+                                 "--train-steps 50")):
+        r = subprocess.run(["make", "-C", str(root), "local", *given], capture_output=True, text=True, timeout=60)
+        said = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and f"{given[0]}: make reads no such variable" in said, said
+        suggested = said.split("lists its flags): ")[1].removesuffix(".  Stop.")
+        assert suggested == form, suggested
+        # The form it names passes the setting to slipway (-n: what make would run).
+        words = shlex.split(suggested)
+        dry = subprocess.run([words[0], "-n", "-C", str(root), *words[1:]], capture_output=True, text=True, timeout=60)
+        assert dry.returncode == 0 and passed in dry.stdout, dry.stdout
 
 
 # ---------------------------------------------------------------- issue 42: mistakes told their fix
@@ -470,7 +482,7 @@ def test_a_model_size_that_cannot_take_effect_is_refused(project, tmp_path):
                                "the command line) sets every dimension of the model (hidden_size, "), line
     # Where the config leaves the dimensions to the preset, the flag takes effect.
     r = slipway("submit", "tiny_wikitext", "--model-size", "small", "--dry-run", env={"SCRATCH": str(tmp_path)})
-    assert r.returncode == 0, r.stderr
+    assert r.stderr == "" and "verdict: would be " in r.stdout and "model.size" not in r.stdout, r.stdout
 
 
 def test_argparse_hints_name_slipway_as_this_shell_runs_it_and_ask_for_no_override(project):
@@ -508,37 +520,44 @@ def test_no_config_says_where_slipway_looked_and_which_project_root(tmp_path, mo
 # ---------------------------------------------------------------- issue 42: a local try that fits
 
 
-def test_a_cluster_config_tried_here_fits_or_says_the_fix_for_scratch_up_front(project, tmp_path):
-    """tiny_wikitext here (issue 42: 9 minutes without a line, then a prepare that refused): refused
-    at once with the command that fits this machine's memory and time, and that command, pasted,
-    names ${SCRATCH} before suggesting a preparation; with it set, the preparation it suggests gets
-    past its own checks (to the hub, which is out of reach from here)."""
-    env = {k: v for k, v in os.environ.items() if k != "SCRATCH"}
-    r = subprocess.run([PY, "-m", "jobs", "local", "tiny_wikitext"], capture_output=True, text=True, timeout=120,
-                       env=env)
-    line = one_error_line(r)
-    assert line.startswith("slipway: error: train.micro_batch_size: 8 processes of about "), line
-    fit = shlex.split(line.split("`")[1])
-    assert fit[:3] == ["slipway", "local", "tiny_wikitext"] and "--train-steps" in fit, fit
-    assert not (project / "runs").exists()
-    r = subprocess.run(fit, capture_output=True, text=True, timeout=120, env=env)
-    line = one_error_line(r)
-    assert line.startswith("slipway: error: container.mounts[0]: ${SCRATCH} is not set in this environment: export "
-                           "it"), line
-    assert line.endswith("(the token cache is not prepared, and preparing it with slipway prepare reads this)")
-    assert r.stdout.splitlines()[-1].startswith("expected here: ~"), r.stdout  # its time, said before
-    env["SCRATCH"] = str(tmp_path / "scratch")
-    line = one_error_line(subprocess.run(fit, capture_output=True, text=True, timeout=120, env=env))
-    prepare = shlex.split(re.search(r"run `(slipway prepare [^`]*)` first", line).group(1))
+def closed_hub() -> str:
+    """A Hugging Face hub that cannot be reached from here: a port nothing listens on."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        hub = f"http://127.0.0.1:{s.getsockname()[1]}"
-    line = one_error_line(subprocess.run(prepare, capture_output=True, text=True, timeout=120,
-                                         env={**env, "HF_ENDPOINT": hub}))
-    assert re.match(r"slipway: error: data\.(dataset|tokenizer): '(wikitext|gpt2)' is no local (path|file) and the "
-                    r"Hugging Face hub \(127\.0\.0\.1\) cannot be reached from here", line), line
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_cluster_config_tried_here_says_every_blocker_at_once_and_the_command_that_clears_them(project):
+    """tiny_wikitext here (issue 49: memory, then ${SCRATCH}, then the token cache, then the hub, one
+    at a time): every blocker in one refusal before anything is written, ${SCRATCH} none of them (a
+    try here mounts nothing), and one command that clears them all, checked before it is printed:
+    pasted as a dry run, it would start."""
+    env = {**{k: v for k, v in os.environ.items() if k != "SCRATCH"}, "HF_ENDPOINT": closed_hub()}
+    r = subprocess.run([PY, "-m", "jobs", "local", "tiny_wikitext"], capture_output=True, text=True, timeout=300,
+                       env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 4 and all(x.startswith("slipway: error: ") for x in lines), r.stderr
+    assert lines[0].startswith("slipway: error: data: the token cache is not prepared, and the Hugging Face hub "
+                               "(127.0.0.1) cannot be reached from here"), lines[0]
+    assert lines[1].startswith("slipway: error: train.micro_batch_size: 8 processes of about "), lines[1]
+    assert lines[2].startswith("slipway: error: train.steps: 1500 steps of ~"), lines[2]
+    assert "SCRATCH" not in r.stderr and not (project / "runs").exists()
+    fix = shlex.split(lines[3].split("`")[1])
+    assert lines[3].endswith("` clears them all") and fix[:3] == ["slipway", "local", "tiny_wikitext"], lines[3]
+    assert "--dataset" in fix and "builtin" in fix and "--train-steps" in fix and "--micro-batch-size" in fix, fix
+    dry = subprocess.run([*fix, "--dry-run"], capture_output=True, text=True, timeout=300, env=env)
+    assert dry.returncode == 0 and "verdict: would be started" in dry.stdout, (dry.stdout, dry.stderr)
+    assert dry.stdout.splitlines()[-1] == "dry run: nothing written; would be started", dry.stdout
+    # The same refusal as a dry run: each blocker under the verdict, the command, the verdict again.
+    r = subprocess.run([PY, "-m", "jobs", "local", "tiny_wikitext", "--dry-run"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    out = r.stdout.splitlines()
+    assert r.returncode == 2 and out[-1] == "dry run: nothing written; would be refused (3)", r.stdout
+    assert "verdict: would be refused (3)" in out and out[-2].startswith("  `slipway local tiny_wikitext --nodes 1 ")
+    assert out[-2].endswith("` clears them all"), out
+    assert not (project / "runs").exists()
 
 
 def test_the_batch_a_fit_suggests_stays_within_the_configs_own_rules(project):
@@ -556,7 +575,7 @@ def test_the_batch_a_fit_suggests_stays_within_the_configs_own_rules(project):
     assert fitting_batch(cfg, budget)[2] == 25  # what the arithmetic alone says
     fit = first_fit(cfg, project / "runs" / "tiny_cpu", reload, None, int(2 * budget / FIT_SHARE))
     assert fit is not None
-    chosen = reload(shlex.split(fit.args))  # loads: within the config's rules
+    chosen = reload(shlex.split(cfg.config_args_setting(fit.settings)))  # loads: within the config's rules
     assert chosen.data.seq_len % 2 == 0 and 2 * process_memory(chosen) <= 2 * budget, fit.args
 
 
@@ -588,7 +607,8 @@ def test_a_long_try_is_asked_about_on_a_terminal(project):
 
     status, out = on_a_terminal(b"n\n")
     assert os.waitstatus_to_exitcode(status) == 2, out
-    assert "expected here: ~" in out and "more than a try on this machine (30m00s): `slipway local tiny_cpu " in out
+    assert "expected here: ~" in out and "more than a try on this machine (30m00s): a try that fits " in out, out
+    assert "; `slipway local tiny_cpu --train-steps " in out and "` clears it\nstart it all the same? [y/N]" in out
     assert "slipway: error: train.steps: not started (nothing written)" in out, out
     assert not (project / "runs").exists()
     status, out = on_a_terminal(b"y\n")
@@ -601,7 +621,7 @@ def test_a_try_on_a_machine_with_gpus_is_not_bounded_by_the_cpus_estimate(projec
     hiding every GPU brings the CPU bound back."""
     from rich.console import Console
 
-    from jobs import local_checks
+    from jobs import interactive, local_checks
     from jobs.cli.commands import parse
     from jobs.cli.launch import load
 
@@ -609,12 +629,13 @@ def test_a_try_on_a_machine_with_gpus_is_not_bounded_by_the_cpus_estimate(projec
     out = tmp_path / "said.txt"
     with out.open("w") as f, monkeypatch.context() as m:
         m.setattr(local_checks, "gpus_here", lambda: True)
-        assert local_checks.plan_here(cfg, cfg, tmp_path / "run", lambda w: cfg, Console(file=f)) is None
-    assert "not known (this machine's GPUs train it" in out.read_text()
+        _, _, plan = interactive.try_here(cfg, project, force=False, console=Console(file=f, width=300))
+    assert plan.blockers == [] and plan.step_s is None
+    assert "expected step time here: not known (this machine's GPUs train it" in out.read_text()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert not local_checks.gpus_here()
-    with pytest.raises(local_checks.ConfigError, match="more than a try on this machine"):
-        local_checks.plan_here(cfg, cfg, tmp_path / "run", lambda w: cfg, Console(file=out.open("w")))
+    _, _, plan = interactive.try_here(cfg, project, force=False, console=Console(file=out.open("w")))
+    assert [b.field for b in plan.blockers] == ["train.steps"] and "more than a try on this machine" in plan.lines()[0]
 
 
 # ---------------------------------------------------------------- issue 42: no silent minute, the end
@@ -686,3 +707,150 @@ def test_a_cluster_a_newer_slipway_recorded_is_still_read(tmp_path, monkeypatch)
     assert spec_of_running("fhnewer") == spec
     (tmp_path / "fhnewer.json").write_text(json.dumps({"spec": ["damaged"]}))
     assert spec_of_running("fhnewer") is None
+
+
+# ---------------------------------------------------------------- issue 49: the first hour, third pass
+
+
+def launch_reading(*args: str, env: dict | None = None):
+    """`slipway ARGS` in a session of its own (a terminal's foreground job), its output read line by
+    line into a list as it comes (`lines`)."""
+    import threading
+
+    from conftest import default_signals
+
+    proc = subprocess.Popen([PY, "-m", "jobs", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=default_signals, env={**os.environ, **(env or {})})
+    proc.lines = []  # type: ignore[attr-defined]
+    threading.Thread(target=lambda: proc.lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    return proc
+
+
+def ranks_of(run_dir: Path) -> list[int]:
+    """The pids of the run's trainer ranks (its config on their command line, RANK in their environment)."""
+    from test_stopping import rank_pid
+
+    return [pid for rank in (0, 1) if (pid := rank_pid(run_dir, rank))]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_try_slower_than_it_was_said_says_so_with_the_new_total(project):
+    """The estimate is checked against the first steps: steps slowed past 1.5x what was said (here
+    its ranks are stopped most of the time, as a machine that got busy would) say so, once, with
+    the total for the steps left; then Ctrl-C."""
+    from test_stopping import SMALL, losses, wait_for
+
+    run_dir = project / "runs" / "pace"
+    proc = launch_reading("local", "tiny_cpu", "--run-name", "pace", *SMALL, "train.steps=100000", "--yes")
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and len(losses(run_dir)) >= 3, 240, "three steps")
+        expected = next(x for x in proc.lines if x.startswith("expected here: ~"))
+        deadline = time.monotonic() + 120
+        while not any(x.startswith("slower than expected: ") for x in proc.lines) and time.monotonic() < deadline:
+            for pid in ranks_of(run_dir):  # each step waits 2 s for its ranks: a machine that got busy
+                os.kill(pid, signal.SIGSTOP)
+            time.sleep(2)
+            for pid in ranks_of(run_dir):
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        for pid in ranks_of(run_dir):
+            os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    slow = [x for x in proc.lines if x.startswith("slower than expected: ")]
+    assert len(slow) == 1, proc.lines[-20:]
+    said = re.match(r"slower than expected: ~(\S+) a step here, not the ~(\S+) measured before the start: ~(\S+) "
+                    r"for the (\d+) steps left$", slow[0].strip())
+    assert said and said[2] in expected and int(said[4]) > 99000, slow[0]
+
+
+def test_a_stops_grace_is_sized_from_the_runs_steps_and_saves(tmp_path):
+    from common.rundir import RunDir, SaveLine
+    from jobs.supervisor import STOP_GRACE_SECONDS, stop_grace
+
+    assert stop_grace(tmp_path, 10, 0.5, None) == (STOP_GRACE_SECONDS, "its ~0.5s steps (10 to a sync step), no "
+                                                                       "save yet; launch.stop_grace sets it")
+    for step, ms in ((100, 30_000), (200, 200_000)):  # the last save's duration counts
+        SaveLine(step, ms, 10**9, 145_000, "2026-11-29T00:00:00+00:00").append_to(RunDir(tmp_path).saves)
+    grace, why = stop_grace(tmp_path, 1, None, None)  # no step measured yet: the saves' record of it
+    assert grace == 2 * (2 * 145 + 200) + 30 and why == "its ~2m25s steps and ~3m20s saves; launch.stop_grace sets it"
+    assert stop_grace(tmp_path, 1, 3.0, 600.0) == (600.0, "launch.stop_grace")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_train_on_continues_the_learning_rate_it_reached(project):
+    """Trained to its min_lr, then on with `--train-steps 40 --force`: the schedule goes on from
+    there (train.train_on: decay, from min_lr to min_lr), said by the launch and by the trainer,
+    and no step after the checkpoint jumps back up (the old rule re-stretched the cosine: 5x)."""
+    from test_stopping import SMALL
+
+    run = project / "runs" / "on"
+    first = slipway("local", "tiny_cpu", "--run-name", "on", *SMALL, "train.steps=20", timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:]
+    on = slipway("local", "tiny_cpu", "--run-name", "on", *SMALL, "--train-steps", "40", "--force", timeout=600)
+    assert on.returncode == 0, on.stdout[-3000:]
+    assert ("(train.steps 20 -> 40); the learning rate goes on from its value at step 20 and decays (cosine) from "
+            "there to train.min_lr 0.0003 at step 40 (train.train_on: decay)") in on.stdout, on.stdout
+    assert "train.steps 20 -> 40 at step 20: the learning rate goes on from 3.00e-04, decaying (cosine) to " \
+           "3.00e-04 at step 40 (train.train_on)" in on.stdout, on.stdout
+    lrs = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "train":
+            lrs[record["step"]] = record["lr"]
+    assert sorted(lrs) == list(range(1, 41))
+    assert all(lrs[s] == pytest.approx(lrs[20]) for s in range(21, 41)), lrs  # step 21 logs the new plan's too
+
+
+def test_a_misspelt_command_flag_or_key_is_told_the_nearest(project, tmp_path):
+    cases = {("lcoal", "tiny_cpu"): "; did you mean local? (see `slipway --help`)",
+             ("local", "tiny_cpu", "--train_steps", "5"): "unrecognized arguments: --train_steps 5; did you mean "
+                                                          "--train-steps? (see `slipway local --help`)",
+             ("submit", "tiny_cpu", "--dryrun"): "; did you mean --dry-run? (see `slipway submit --help`)"}
+    for words, said in cases.items():
+        line = one_error_line(slipway(*words))
+        assert line.endswith(said), line
+    (project / "clusters.yaml").write_text("alps:\n  slurm:\n    acount: a-01\n")
+    line = one_error_line(slipway("submit", "tiny_cpu", "--cluster", "alps", "--dry-run",
+                                  env={"XDG_CONFIG_HOME": str(tmp_path / "xdg")}))
+    assert "alps.slurm.acount: " in line and f"{project / 'clusters.yaml'} line 3: unknown key; did you mean " \
+                                               "alps.slurm.account? " in line, line
+    # An unknown key in a config file names the file and the line it is on.
+    text = (project / "configs" / "tiny_cpu.yaml").read_text().replace("  steps: 200", "  stpes: 200")
+    (project / "configs" / "typo.yaml").write_text(text)
+    line = one_error_line(slipway("local", "typo"))
+    number = text.splitlines().index("  stpes: 200") + 1
+    assert line.startswith(f"slipway: error: train.stpes: configs/typo.yaml line {number}: unknown key; did you mean "
+                           "train.steps or train.dtype?"), line
+    assert one_error_line(slipway("local", "tiny_cpu", "train.stpes=3")).startswith(
+        "slipway: error: train.stpes: unknown key; did you mean")  # on the command line: no file to name
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_second_make_local_names_the_launch_that_holds_the_run(project):
+    from test_stopping import SMALL, losses, wait_for
+
+    root, run_dir = Path(__file__).resolve().parent.parent, project / "runs" / "held"
+    args = shlex.join(["--run-name", "held", *SMALL, "train.steps=100000", "--yes"])
+    proc = launch_reading("local", "tiny_cpu", *shlex.split(args))
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and len(losses(run_dir)) >= 1, 240, "a step")
+        again = subprocess.run(["make", "-s", "-C", str(root), "local", f"ARGS={args}"], capture_output=True,
+                               text=True, timeout=120, env={**os.environ, "SLIPWAY_PROJECT": str(project)})
+        assert again.returncode == 2, (again.stdout, again.stderr)
+        line = next(x for x in again.stderr.splitlines() if x.startswith("slipway: error: "))
+        assert line.startswith("slipway: error: run.name: run held is training: `slipway local tiny_cpu ") and \
+            f"(pid {proc.pid} on host " in line, line
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = next((run_dir / "logs").glob("local-*.out")).read_text()
+    assert "stopping after step" in log and "to be requeued" not in log  # a local stop is no job's requeue

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir, read_registry, unavailable_reason
+from slurm_fixtures import job_info
 from test_e2e import (TINY, complete_checkpoints, job_state, resubmit_resumes, slipway, steps_logged, wait_for,
                       wait_job_end)
 from common.rundir import HANG_EXIT, PREFLIGHT_EXIT, HangLine
@@ -113,7 +114,7 @@ def test_a_frozen_rank_ends_the_job_with_stack_dumps_and_a_resubmission_resumes(
     log = events(run_dir)
     hang = [e for e in log if e.startswith(f"job {job_id} hang: ")]
     assert len(hang) == 1 and f"no step completed for {HANG_TIMEOUT} s" in hang[0], log
-    assert hang[0].endswith("not answering in time: the ranks on node2"), hang[0]
+    assert hang[0].endswith("not answering in time: 1 of the 2 ranks on node2"), hang[0]
     assert (f"job {job_id} not retrying (hang): without node2 partition debug has 1 usable node(s), the job needs 2"
             in log), log
     assert log[-1] == f"job {job_id} end exit {HANG_EXIT}"
@@ -121,7 +122,7 @@ def test_a_frozen_rank_ends_the_job_with_stack_dumps_and_a_resubmission_resumes(
     status = slipway("status", "frozen")
     # Slurm says FAILED; the run's own state says what happened (jobs/runs/lifecycle.py)
     assert status.returncode == 0 and "HUNG" in status.stdout and "FAILED" not in status.stdout, status.stdout
-    assert f"hung (attempt 1 of job {job_id})" in status.stdout and "not answering in time: the ranks on node2" in status.stdout
+    assert f"hung (attempt 1 of job {job_id})" in status.stdout and "not answering in time: 1 of the 2 ranks on node2" in status.stdout
     assert f"rank {rank} on node2:" in status.stdout or f"hangs/{job_id}-node1-" in status.stdout
 
     resubmit_resumes(run_dir, args, complete_checkpoints(run_dir)[-1], 400)
@@ -184,7 +185,7 @@ def test_a_node_failing_its_preflight_is_left_out_and_the_job_completes(project,
                             "node(s) (gloo): ") and "GB/s bus bandwidth" in e for e in log), log
     assert log[-1] == f"job {job_id} end exit 0"
     assert steps_logged(run_dir)[-1] == 6
-    info = cluster.job(job_id)
+    info = job_info(cluster, job_id)
     assert info["ExcNodeList"] == "slpwh-node2" and info["NodeList"] == "slpwh-node[1,3]"
 
     status = slipway("status", "badnode")

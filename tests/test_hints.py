@@ -172,7 +172,8 @@ def test_train_on_a_finished_run(project, shell, tmp_path):
     again = pasted(hint(r.stderr, "submit"), shell, env)
     assert again.returncode == 0 and "resubmitted tiny_cpu" in again.stdout, again.stderr
     replaced = next(line for line in again.stdout.splitlines() if line.startswith("config replaced (--force): "))
-    assert "(train.steps 200 -> 400); the old one is in " in replaced, replaced
+    assert ("(train.steps 200 -> 400); the learning rate goes on from its value at step 200 and decays (cosine) from "
+            "there to train.min_lr 0.0003 at step 400 (train.train_on: decay); the old one is in ") in replaced, replaced
     assert Path(replaced.split("the old one is in ")[1]).read_text().count("steps: 200") == 1
 
 
@@ -203,10 +204,15 @@ def test_submit_after_prepare_here_and_as_a_job(project, shell, tmp_path):
 
 
 @covers("jobs/runs/submit.py: slipway prepare {config_args}")
-def test_prepare_an_unprepared_cache(project, shell):
+def test_prepare_an_unprepared_cache(project, shell, tmp_path):
     corpus(project)
-    r = slipway(shell, "local", "tiny_cpu", "--dataset", "./corpus", "--text-column", "body",
-                "data.validation_fraction=0")
+    given = ["tiny_cpu", "--dataset", "./corpus", "--text-column", "body", "data.validation_fraction=0"]
+    # A try here: --prepare prepares it first (a dry run of the command it names would start).
+    r = slipway(shell, "local", *given, "--run-name", "here")
+    assert r.returncode == 2 and "the token cache is not prepared: --prepare tokenizes it here first" in r.stderr
+    dry = pasted(f"{hint(r.stderr, 'local')} --dry-run", shell)
+    assert dry.returncode == 0 and dry.stdout.splitlines()[-1] == "dry run: nothing written; would be started", dry
+    r = slipway(shell, "submit", *given, extra=slurm(tmp_path, shell))
     assert r.returncode == 2 and "the token cache is not prepared" in r.stderr
     prepared = pasted(hint(r.stderr, "prepare"), shell)
     assert prepared.returncode == 0 and "200 documents" in prepared.stdout, prepared.stderr
@@ -300,11 +306,41 @@ def test_a_clusters_remembered_bad_nodes_forgotten(project, shell, tmp_path):
     assert not any(memory.iterdir())
 
 
+@covers("jobs/slurm/bad_nodes.py: slipway nodes{forgetting(self.cluster, [name])}")
+def test_every_forget_hint_of_a_hostile_record_forgets_it_when_pasted(project, shell, tmp_path):
+    """Records named, or naming a node, with control and bidirectional characters, and one dated
+    in the future (it would exclude its node until then): each is one line whose `--forget` hint,
+    pasted, removes it; none is taken for a live bad node."""
+    from jobs.slurm.bad_nodes import BadNode
+
+    (project / "clusters.yaml").write_text("alps:\n  slurm: {partition: normal}\n")
+    memory = project / "runs" / ".nodes" / "alps"
+    memory.mkdir(parents=True)
+    now = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+    hostile = {"n\x1bode": "half a rec", "nid\u202e7\x07": BadNode("nid7", now, now, "r", "41", "hang", "x").line(),
+               "nid8": BadNode("nid\x1b8", now, now, "r", "41", "hang", "x").line(),
+               "nid9": BadNode("nid9", now, "2099-01-01T00:00:00+00:00", "r", "41", "hang", "x").line(),
+               "nid10\n": "slipway-bad-node node=nid10"}
+    for name, text in hostile.items():
+        (memory / name).write_text(text + "\n")
+    shell = {**shell, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    r = slipway(shell, "nodes", "--cluster", "alps")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and "remembers no bad node" in lines[0] and len(lines) == 1 + len(hostile), r.stdout
+    assert "nid9: dated 2099-01-01T00:00:00+00:00, ahead of this host's clock" in r.stdout
+    for line in lines[1:]:
+        assert line.isprintable(), line
+        forgot = pasted(hint(line, "nodes"), shell)
+        assert forgot.returncode == 0 and forgot.stdout.startswith("forgot "), (line, forgot.stdout, forgot.stderr)
+    assert not any(memory.iterdir()), sorted(memory.iterdir())
+
+
 # ---------------------------------------------------------------- doctor and the local cluster
 
 
 @covers("jobs/cli/doctor.py: slipway cluster up", "jobs/cli/doctor.py: slipway cluster up",
-        "jobs/cli/doctor.py: slipway cluster status", "jobs/devcluster/command.py: slipway cluster up{named}")
+        "jobs/cli/doctor.py: slipway cluster status", "jobs/devcluster/command.py: slipway cluster up{named}",
+        "jobs/devcluster/command.py: slipway cluster up{named}")
 def test_the_local_clusters_commands(project, shell, tmp_path):
     from jobs.devcluster import ClusterSpec, render_slurm_conf
 
@@ -324,8 +360,14 @@ def test_the_local_clusters_commands(project, shell, tmp_path):
         # SLURM_CONF naming no file: no controller answers.
         r = slipway(shell, "submit", "tiny_cpu", extra={"SLURM_CONF": str(tmp_path / "none.conf")})
         status = pasted(hint(r.stderr, "cluster status"), shell)  # the machine's test cluster, up or not
-        assert json.loads(status.stdout)["name"] == "slpw" and status.returncode == (0 if json.loads(
-            status.stdout)["up"] else 1), status.stdout
+        said = status.stdout.splitlines()  # for a person: up or not first, then its nodes and processes
+        assert said[0].startswith("cluster slpw: up, state in ") if status.returncode == 0 else (
+            len(said) == 1 and re.fullmatch(r"cluster slpw: not up; `\S*slipway cluster up` starts it", said[0])), said
+        if status.returncode:  # the command it names, pasted: gets as far as naming what this machine lacks
+            up = pasted(hint(status.stdout, "cluster up"), shell, bare)
+            assert up.returncode == 1 and "missing munged" in up.stderr, up.stderr
+        machine = pasted(f"{hint(r.stderr, 'cluster status')} --json", shell)
+        assert json.loads(machine.stdout)["name"] == "slpw" and machine.returncode == status.returncode
     # A cluster of another name that is not up: the command that starts that one.
     r = slipway(shell, "cluster", "env", "--name", "fhx")
     command = hint(r.stderr, "cluster up")
@@ -397,7 +439,7 @@ def test_the_image_commands(project, shell, tmp_path, pin_config):  # noqa: F811
 @pytest.mark.slow
 @pytest.mark.multiproc
 @covers("jobs/interactive.py: {prog} status {name}", "jobs/interactive.py: {prog} watch {name}",
-        "jobs/interactive.py: {prog} submit {original.config_args} --dry-run",
+        "jobs/interactive.py: {prog} submit {cluster} --dry-run",
         "trainer/data.py: slipway prepare CONFIG")
 def test_what_next_after_a_local_run(project, shell):
     r = slipway(shell, "local", "tiny_cpu", *SMALL, "train.steps=3", timeout=600)
@@ -410,8 +452,8 @@ def test_what_next_after_a_local_run(project, shell):
     assert status.returncode == 0 and "tiny_cpu" in status.stdout and "COMPLETED" in status.stdout, status.stdout
     watch = pasted(hint(nxt, "watch"), shell)
     assert watch.returncode == 0 and "job local ended: COMPLETED, exit code 0" in watch.stdout, watch.stdout
-    dry = pasted(hint(nxt, "submit"), shell)
-    assert dry.returncode == 0 and dry.stdout.startswith("dry run: tiny_cpu"), dry.stdout
+    dry = pasted(hint(nxt, "submit"), shell)  # a run of its own: nothing of this one's refuses it
+    assert dry.returncode == 0 and dry.stdout.startswith("dry run: tiny_cpu-cluster (new run)"), dry.stdout
 
 
 @pytest.mark.slow
@@ -436,7 +478,7 @@ def test_resume_an_interrupted_local_run(project, shell):
     assert resumed.returncode == 0 and "resuming run cc" in resumed.stdout, resumed.stdout[-3000:]
 
 
-@covers("jobs/local_checks.py: slipway local {self.args}")
+@covers("jobs/local_checks.py: slipway local {self.fix}")
 def test_a_try_that_fits_this_machines_time(project, shell):
     r = slipway(shell, "local", "tiny_cpu", *SMALL, "train.steps=100000000")
     assert r.returncode == 2 and "more than a try on this machine (30m00s)" in r.stderr, r.stderr
@@ -446,14 +488,23 @@ def test_a_try_that_fits_this_machines_time(project, shell):
     launcher = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=shell, start_new_session=True, preexec_fn=default_signals)
     try:
-        first = launcher.stdout.readline() + launcher.stdout.readline()
-        assert first.startswith("expected here: ~") and "new run tiny_cpu" in first, first
+        first = "".join(launcher.stdout.readline() for _ in range(3))
+        assert "\nexpected here: ~" in first and "new run tiny_cpu" in first, first
         os.killpg(launcher.pid, signal.SIGINT)
         launcher.communicate(timeout=180)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
+
+
+@covers("jobs/local_checks.py: slipway local {cfg.config_args_setting(settings)}")
+def test_a_sweep_point_that_fits_this_machines_memory(project, shell):
+    r = slipway(shell, "sweep", "tiny_cpu", "train.micro_batch_size=[8, 4096]", "--local", "--dry-run")
+    assert r.returncode == 2 and "GB free: `" in r.stderr and "keeps the layout and the global batch" in r.stderr
+    dry = pasted(f"{hint(r.stderr, 'local')} --dry-run", shell)  # its memory fits (its time is another matter)
+    assert dry.returncode in (0, 2) and "verdict: would be" in dry.stdout, (dry.stdout, dry.stderr)
+    assert "train.micro_batch_size:" not in dry.stdout, dry.stdout
 
 
 # ---------------------------------------------------------------- the trainer's data hints

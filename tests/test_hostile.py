@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from conftest import SRUN_PASSING_PREFLIGHT, tree
 from jobs.cli import main
 from jobs.config import Config, load_config
-from common.errors import ConfigError
+from common.errors import ConfigError, one_line
 from common.schema import config_fields
 from common.yaml import read_yaml
 
@@ -511,3 +511,85 @@ def test_prepare_as_job_refused_by_an_existing_run_leaves_no_directories(project
     code, _, err = cli(*args, "train.steps=7")  # a different config for the same run: refused
     assert_refused_in_one_line(code, err)
     assert err.startswith("slipway: error: run.name:") and tree(project) == before
+
+
+# --------------------------------------------------------------------------
+# One escaping rule at every sink (issue 50): a control character in any field.
+# --------------------------------------------------------------------------
+
+CONTROLS = ["\x1b", "\x07", "\r", "\n", "\u202e", "\u2066", "\u2067", "\u2068", "\u2069"]
+
+
+def _raw_controls(text: str) -> list[str]:
+    """The characters in `text` that `one_line` would escape, line ends apart (a file's own lines)."""
+    return sorted({c for c in text if c != "\n" and one_line(c) != c})
+
+
+def _free_text(dotted: str) -> bool:
+    """Whether the schema declares field `dotted` free text (common/schema.py FREE_TEXT)."""
+    cls, *parts = [Config, *dotted.split(".")]
+    for part in parts[:-1]:
+        cls = typing.get_type_hints(cls)[part]
+    return config_fields(cls)[parts[-1]].metadata.get("free_text", False)
+
+
+def _holding(tp: Any, text: str) -> Any:
+    """A value of field type `tp` (a list's item, a mapping's value) that holds `text`."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return _holding(next(a for a in get_args(tp) if a is not type(None)), text)
+    if origin is list:
+        return [_holding(get_args(tp)[0], text)]
+    if origin is dict:
+        return {"SLIPWAY_X": _holding(get_args(tp)[1], text)}
+    return f"/a{text}b:/c" if getattr(tp, "__name__", "") == "Mount" else text
+
+
+@pytest.mark.parametrize("char", CONTROLS, ids=[one_line(c) for c in CONTROLS])
+@pytest.mark.parametrize("runtime", ["edf", "pyxis"])
+def test_a_control_character_in_any_field_is_refused_where_it_enters_or_escaped_at_every_sink(project, char, runtime):
+    """Every field of the config tree given a value holding `char`: a name, a path or a Slurm value
+    refuses it in one line naming the field; free text takes it but a line break, and no sink shows
+    it raw: the dry run's terminal output, the batch script, the EDF file."""
+    from jobs import runs
+
+    base = yaml.safe_load((project / "configs" / "tiny_cpu.yaml").read_text())
+    _set(base, "container.runtime", runtime)
+    _set(base, "container.image", str(project / "img.sqsh"))
+    path = project / "configs" / "hostile.yaml"
+    taken = []
+    for dotted, tp in FIELDS:
+        raw = json.loads(json.dumps(base))
+        _set(raw, dotted, _holding(tp, f"a{char}b"))
+        write_config(path, raw)
+        code, out, err = cli("submit", str(path), "--dry-run")
+        assert not _raw_controls(out + err), (dotted, _raw_controls(out + err), out[-500:], err)
+        if not _free_text(dotted) or char in "\r\n":
+            assert_refused_in_one_line(code, err, dotted)
+            assert err.startswith(f"slipway: error: {dotted}") and ("control character" in err or "line break" in err), err
+            continue
+        assert code == 0, (dotted, err)
+        sealed = runs.seal(load_config(path), project, dry_run=True)
+        for file, text in sealed.files.items():
+            assert not _raw_controls(text), (dotted, file.name, _raw_controls(text))
+        taken.append(dotted)
+    assert sorted(taken) == ([] if char in "\r\n" else ["container.annotations", "container.env", "image.build_args",
+                                                         "launch.command", "launch.env"]), taken
+
+
+@pytest.mark.parametrize("args, env, profiles, field", [
+    (["--partition", "a\x1bb"], {}, {}, "slipway: error: slurm.partition: holds a control character (\\x1b)"),
+    (["--text-column", "t\u202ex"], {}, {}, "slipway: error: data.text_column: holds a control character (\\u202e)"),
+    (["--cluster", "alps\n"], {}, {}, "slipway: error: --cluster: 'alps\\n' is not a cluster name"),
+    ([], {"SLIPWAY_CLUSTER": "alps\n"}, {}, "slipway: error: $SLIPWAY_CLUSTER: 'alps\\n' is not a cluster name"),
+    (["--cluster", "alps"], {}, {"alps": {"slurm": {"account": "a\x07b"}}},
+     "alps.slurm.account: holds a control character (\\x07)"),
+    (["--cluster", "alps"], {}, {"alps\n": {"slurm": {"qos": "q"}}}, "clusters.yaml 'alps\\n': is not a cluster name"),
+])
+def test_a_control_character_from_the_command_line_a_profile_or_the_environment_is_refused(project, args, env,
+                                                                                           profiles, field):
+    (project / "clusters.yaml").write_text(json.dumps(profiles))
+    r = subprocess.run([PY, "-m", "jobs", "submit", "tiny_cpu", "--dry-run", *args], capture_output=True, text=True,
+                       env={**os.environ, **env}, timeout=120)
+    assert_refused_in_one_line(r.returncode, r.stderr, args)
+    assert field in r.stderr and not _raw_controls(r.stderr), r.stderr

@@ -37,7 +37,7 @@ from containers.image import (
 )
 from containers.importer import check_free_space, host_name
 from containers.context import context_files
-from containers.pip_requirements import requirement_name, requirements, toml_loads
+from containers.pip_requirements import EXTRAS, requirement_name, requirements, toml_loads
 from containers.prune import prune_images
 from containers.storage import check_storage_conf, filesystem_type
 from containers.tools import Enroot, Podman, ToolError
@@ -1180,7 +1180,7 @@ def test_pip_requirements_take_the_runs_extras(tmp_path: Path):
     script = [sys.executable, str(REPO / "containers" / "pip_requirements.py"), str(REPO / "pyproject.toml"),
               str(tmp_path / "r.txt"), str(tmp_path / "c.txt")]
     out = subprocess.run([*script, "--extras", "float8"], capture_output=True, text=True, check=True)
-    assert "(extras trainer, float8;" in out.stdout and "torchao>=" in (tmp_path / "r.txt").read_text()
+    assert "(extras trainer, plot, float8;" in out.stdout and "torchao>=" in (tmp_path / "r.txt").read_text()
     bad = subprocess.run([*script, "--extras", "float9"], capture_output=True, text=True)
     assert bad.returncode == 1
     assert bad.stdout.strip() == ("dependencies FAILED: pyproject.toml has no optional-dependencies.float9 "
@@ -1305,7 +1305,7 @@ def ensure_wheelhouse() -> Path:
     wheels = CACHE / "wheelhouse"
     # The float8 extra too: a config with train.float8 gets torchao in its image.
     reqs = requirements(toml_loads((REPO / "pyproject.toml").read_text()), have_torch=False,
-                        extras=("trainer", "float8"))
+                        extras=(*EXTRAS, "float8"))
     # The CPU torch this machine has as a wheel (the image installs whatever satisfies pyproject's torch here).
     reqs = ["torch==2.13.0" if requirement_name(r) == "torch" else r for r in reqs]
     stamp = wheels / ".requirements"
@@ -1379,7 +1379,7 @@ def test_real_podman_build_then_noop(tmp_path: Path, monkeypatch: pytest.MonkeyP
         prune_s = real_prune_of_import_leftovers(cfg, root, tmp_path)
         t = result.timings
         print(f"\n[real podman build] {build_s:.1f} s: build {t['build']:.1f} s ({log.count('Using cache')} steps "
-              f"cached), import {t['import']:.1f} s, squashfs {img.human(result.size)}; no-op {noop_s * 1000:.0f} ms; "
+              f"cached), import {t['import']:.1f} s, squashfs {img.human(result.record.size_bytes)}; no-op {noop_s * 1000:.0f} ms; "
               f"leftover + prune {prune_s:.1f} s; smoke: {smoke!r}")
     finally:
         # Keep this run's tag only: it holds podman's layer cache for the next run (removing the

@@ -6,13 +6,18 @@ tests/test_hang_slurm.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
+
+import pytest
 
 from common.rundir import HangLine, RunDir
 from jobs.slurm.bad_nodes import BadNode
@@ -80,6 +85,25 @@ def test_event_lines_keep_their_format(tmp_path):
     line = (lib.run_dir / "events.log").read_text()
     when, job, job_id, text = line.rstrip("\n").split(" ", 3)
     assert (job, job_id, text) == ("job", "41", "start on node[1-2]") and when[4] == "-" and "T" in when
+
+
+def test_a_node_name_from_the_job_side_never_forges_a_line_and_the_log_names_the_task_as_status_does(tmp_path):
+    """A rank's report naming a node `n1\\n<TIME> job 41 end exit 0` (a hostname the job side gave)
+    is no node's name: the step's failure names none, and no event text, whatever it holds, makes
+    a second line. A sweep's task ends its log naming itself ARRAY_TASK, as status names it."""
+    lib = Lib(tmp_path)
+    reports = tmp_path / "exits"
+    reports.mkdir()
+    (reports / "rank-1").write_text("137 n1\x1b\n")
+    r = lib.run(f'step_exit 1 "{reports}"; after_rank_failure "$STEP_EXIT"; '
+                'event "hang on n2$(printf \'\\n2026-01-01T00:00:00+00:00 job 41 end exit 0\\r\')"')
+    assert r.returncode == 0, r.stderr
+    assert lib.events() == ["rank failed: rank 1 on ? was killed by SIGKILL (exit 137)",
+                            "hang on n2 2026-01-01T00:00:00+00:00 job 41 end exit 0 "], lib.events()
+    proc = subprocess.run(["bash", "-c", lib.script("trap on_exit EXIT; event 'start on node1'; exit 0")],
+                          env={**lib.env(), "SLURM_JOB_ID": "3", "SLIPWAY_EVENT_JOB": "2_0"}, capture_output=True,
+                          text=True, timeout=30)
+    assert "slipway: job 2_0 ended: completed (exit 0)" in proc.stdout, (proc.stdout, proc.stderr)
 
 
 def test_retries_and_requeues_are_counted_per_job(tmp_path):
@@ -334,12 +358,12 @@ def test_a_silent_node_in_a_hang_is_blamed(tmp_path):
     assert r.returncode == 0, r.stderr
     assert lib.events() == [
         "hang: no step completed for 20 s after step 9; stack dumps from 2 of 4 ranks in hangs/41-*.txt; "
-        "not answering in time: the ranks on node2",
+        "not answering in time: 2 of the 2 ranks on node2",
         "bad nodes remembered for cluster alps: node2 (its later jobs exclude them)",
         "retry 1/2 (hang): requeueing without node2 (excluded nodes: node2)"]
     record = BadNode.parse((lib.nodes / "node2").read_text())  # what the cluster's next submission reads
     assert (record.node, record.kind, record.run, record.job) == ("node2", "hang", "run", "41"), record
-    assert record.reason == "hang: its ranks wrote no stack dump in time" and record.since == record.at
+    assert record.reason == "hang: 2 of its 2 ranks wrote no stack dump in time" and record.since == record.at
     assert [c for c in lib.calls() if not c.startswith(("scontrol show", "sinfo"))] == [
         "scontrol requeuehold 41", "scontrol update JobId=41 ExcNodeList=node2", "scontrol release 41"]
 
@@ -470,7 +494,9 @@ def test_two_jobs_of_one_build_on_one_node_unpack_its_container_once(tmp_path):
                               env=lib.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=60) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0] and [o[0] for o in outs] == ["ready\n", "ready\n"], outs
+    # The one that unpacked says so (node_check's `ok, unpacked in N s`), the other nothing.
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sorted(re.sub(r"\d+ s", "N s", o[0]) for o in outs) == ["ready\n", "unpacked in N s\nready\n"], outs
     assert sorted(p.name for p in (data / name / "usr").iterdir()) == ["f1", "f2", "f3", "f4", "f5"]
     creates = [c for c in lib.calls() if c.startswith("enroot create")]
     assert len(creates) == 1 and re.fullmatch(rf"enroot create --name \.slipway-unpacking-{name}\.\d+ {image}",
@@ -551,7 +577,8 @@ def test_verify_nodes_retries_without_a_node_that_sent_no_report(tmp_path):
                              '[ "$1 $2" = "show hostnames" ] && tr , "\\n" <<< "$3"; true')
     r = lib.run("CODE_DIR='' CODE_SHA256=''; verify_nodes; echo verified")
     assert r.returncode == 0 and "verified" not in r.stdout, r.stderr
-    assert lib.events() == ["preflight failed on node2: no verification report within 300 s (step exit 1)",
+    assert lib.events() == ["preflight failed on node2: no verification report: the step ended after 0 s (exit 1) "
+                            "without one",
                             "bad nodes remembered for cluster alps: node2 (its later jobs exclude them)",
                             "retry 1/2 (preflight): requeueing without node2 (excluded nodes: node2)"]
 
@@ -713,36 +740,64 @@ def test_a_requeue_by_slurm_is_a_preemption_counted_apart(tmp_path):
     assert lib.run("note_preemption; echo \"[$PREEMPTIONS_SAID]\"").stdout.strip() == "[]"  # a first attempt
 def test_warm_up_keeps_one_key_and_starts_warm_processes_only_where_none_answers(tmp_path):
     """`slipway run`'s warm processes (jobs/slurm/warm.py): verify_nodes finds each node's by the
-    abstract socket it bound (here one this test binds), warm_up asks the allocation's warm steps
-    of another key to stop and starts one on the nodes that lack theirs, waiting until it bound."""
+    socket it listens on in the user's folder (here ones this test binds), warm_up asks the
+    allocation's warm steps of another key to stop and starts one on the nodes that lack theirs,
+    waiting until it bound; a socket file nobody listens on, or one outside a folder of the user's,
+    is none. Where Slurm tracks the job's processes by cgroup, no warm process is kept."""
     import socket
-    import uuid
 
     lib = Lib(tmp_path)
-    name = f"slipway-warm-test-{uuid.uuid4().hex[:12]}"
+    folder = Path(tempfile.mkdtemp(prefix="slipway-warm-", dir="/tmp"))  # a socket's path is 107 bytes at most
     lib.stand_in("srun", 'while [ "${1#--}" != "$1" ]; do shift; done\n'
                          'for n in node1 node2; do SLURMD_NODENAME=$n "$@"; done')
     lib.stand_in("squeue", 'printf "41.3 slipway-warm-0ld\\n41.4 slipway-warm-k3y\\n41.5 bash\\n"')
     lib.stand_in("scancel", "")
-    setting = ("CODE_DIR='' CODE_SHA256=''; SLIPWAY_WARM_ID=k3y WARM_CLIENT=() WARM_COLD=''; "
-               f"WARM_NAME={name}; WARM_LOG={tmp_path / 'warm' / 'w.out'}; "
+    setting = ("CODE_DIR='' CODE_SHA256=''; SLIPWAY_WARM_ID=k3y WARM_CLIENT=(x) WARM_COLD=''; SLURM_JOB_ID=41; "
+               f"WARM_SOCKET={folder}/41-k3y; WARM_LOG={tmp_path / 'warm' / 'w.out'}; "
                'warm_start() { echo "warm_start $*" >> "$CALLS"; '
                '( sleep 0.3; echo "slipway-warm node1 bound"; echo "slipway-warm node2 already served" ) > "$WARM_LOG" & '
                'WARM_PID=$!; }; ')
-    r = lib.run(setting + 'verify_nodes; echo "cold: $WARM_COLD"; warm_up')
-    assert r.returncode == 0 and "cold: node1 node2" in r.stdout, (r.stdout, r.stderr)
-    assert "warm_start node1,node2 2" in lib.calls() and "scancel --signal=TERM 41.3" in lib.calls()
-    assert not [c for c in lib.calls() if "41.4" in c or "41.5" in c]
-    assert lib.events() == ["warm: stopping the warm processes of step 41.3 (another key)",
-                            f"warm: started the warm processes on node1 node2 (key k3y, log {tmp_path / 'warm' / 'w.out'})"]
-    # A node whose warm process is there (its name bound in this network namespace): none started.
+    stale, listening = folder / "41-k3y-node1.sock", []
+    step = Path(f"/sys/fs/cgroup/pids/slipway-test-{os.getpid()}/job_41/step_0")
     bound = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    bound.bind("\0" + name)
+    bound.bind(str(stale))
+    bound.close()  # the file stays, nobody listens
     try:
+        r = lib.run(setting + 'verify_nodes; echo "cold: $WARM_COLD"; warm_up')
+        assert r.returncode == 0 and "cold: node1 node2" in r.stdout, (r.stdout, r.stderr)
+        assert "warm_start node1,node2 2" in lib.calls() and "scancel --signal=TERM 41.3" in lib.calls()
+        assert not [c for c in lib.calls() if "41.4" in c or "41.5" in c]
+        assert lib.events() == ["warm: stopping the warm processes of step 41.3 (another key)",
+                                f"warm: started the warm processes on node1 node2 (key k3y, log {tmp_path / 'warm' / 'w.out'})"]
+        stale.unlink()
+        for node in ("node1", "node2"):  # each node's warm process listens: none started
+            listening.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+            listening[-1].bind(f"{folder}/41-k3y-{node}.sock")
+            listening[-1].listen(1)
         (tmp_path / "calls.log").unlink()
         (lib.run_dir / "events.log").unlink()
         r = lib.run(setting + "verify_nodes; warm_up")
         assert r.returncode == 0 and not [c for c in lib.calls() if c.startswith("warm_start")], r.stderr
-        assert lib.events()[-1] == "warm: ranks start from the warm processes on node1 node2 (key k3y)"
+        assert lib.events()[-1] == "warm: the warm processes of key k3y are up on node1 node2"
+        folder.chmod(0o755)
+        os.chown(folder, 65534, 65534)  # the same sockets in a folder that is not the user's: none there
+        r = lib.run(setting + 'verify_nodes; echo "cold: $WARM_COLD"')
+        assert "cold: node1 node2" in r.stdout or os.geteuid() != 0, r.stdout
+        # Processes tracked by cgroup: each step's in a cgroup of this job's, as Slurm's plugins make
+        # them (a real one, where this machine lets root make it). No warm process, no client.
+        try:
+            step.mkdir(parents=True)
+        except OSError as exc:
+            pytest.skip(f"no cgroup to put a step in here ({exc.strerror}): the rest passed")
+        lib.stand_in("srun", f'echo $$ > {step}/cgroup.procs\nwhile [ "${{1#--}}" != "$1" ]; do shift; done\n'
+                             'for n in node1 node2; do SLURMD_NODENAME=$n "$@"; done')
+        r = lib.run(setting + 'verify_nodes; warm_up; echo "client: ${WARM_CLIENT[*]}."')
+        assert "client: ." in r.stdout and "slipway: warm ranks are off here: Slurm tracks" in r.stdout, r.stdout
+        assert lib.events()[-1].startswith("warm: off: Slurm tracks this job's processes by cgroup (on node2)")
     finally:
-        bound.close()
+        for sock in listening:
+            sock.close()
+        shutil.rmtree(folder)
+        for level in (step, step.parent, step.parent.parent):
+            with contextlib.suppress(OSError):
+                level.rmdir()

@@ -20,7 +20,7 @@ from common.rundir import LOCAL_JOB, RunDir
 
 T0 = "2026-01-01T12:00:00+00:00"
 HANG = ("hang: no step completed for 20 s after step 7; stack dumps from 4 of 4 ranks in hangs/41r1-*.txt; "
-        "not answering in time: the ranks on node2")
+        "not answering in time: 1 of the 2 ranks on node2")
 START = "start on node[1-2] (restart 0), failure retries 0/2, time-limit requeues 0/20"
 
 

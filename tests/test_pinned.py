@@ -151,7 +151,7 @@ def test_submit_and_doctor_refuse_a_missing_squashfs_whatever_names_it(project, 
         assert str(gone) in one_line_error(r, field)
         assert tree(project) == before
         r = slipway("submit", "tiny_cpu", *args, "--dry-run", env=env)
-        assert r.returncode == 0 and f"\n  - {field}: " in r.stdout, r.stdout
+        assert r.returncode == 2 and f"\n  - {field}: " in r.stdout, r.stdout
         r = slipway("doctor", "tiny_cpu", *args, env=env)
         (line,) = [line for line in r.stdout.splitlines() if line.startswith("fail image:")]
         assert r.returncode == 1 and f"fail image: {field}: " in line and str(gone) in line, r.stdout

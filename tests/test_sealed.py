@@ -115,7 +115,7 @@ def test_edf_mounts_are_written_in_the_documented_form(project):
     data.mkdir()
     r = slipway("submit", "tiny_cpu", "--dry-run", "container.runtime=edf", f"container.image={img}",
                 "data.dataset=./corpus dir", "launch.hf_home=/tmp/hf", "code.snapshot=false")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 2, r.stderr  # refused (an empty corpus): its files are rendered all the same
     edf = dry_run_files(r)["env.toml"]
     run_dir, cache = project / "runs" / "tiny_cpu", project / ".cache" / "tokens"
     from edf import parse_edf
@@ -165,7 +165,7 @@ def test_a_user_mount_that_would_hide_the_run_directory_is_refused(project):
 def test_relative_paths_are_absolute_in_the_frozen_config(project):
     (project / "data").mkdir()
     r = slipway("submit", "tiny_cpu", "--dry-run", "data.dataset=./data", "data.cache_dir=cache")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 2, r.stderr  # refused (an empty corpus): its files are rendered all the same
     from jobs import runs
     from jobs.config import load_config
 
@@ -188,7 +188,7 @@ def test_no_image_built_is_one_line_with_the_command(project):
     assert "make image CONFIG=tiny_cpu" in line
     assert tree(project) == before
     r = slipway("submit", "tiny_cpu", *PYXIS, "--dry-run")
-    assert r.returncode == 0 and "\n  - container.image: " in r.stdout
+    assert r.returncode == 2 and "\n  - container.image: " in r.stdout
 
 
 def test_image_is_pinned_to_the_content_addressed_file(project, slurm_stand_ins):

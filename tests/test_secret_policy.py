@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from jobs.config.sections import NODE_PRESETS
 from common.errors import ConfigError, bounded, shown
-from common.secrets import (PASSTHROUGH, REFERENCE, find_secrets, find_values, mask, name_words, refusal,
-                            secret_content, secret_name, secret_shape)
+from common.secret_plugins import plain
+from common.secrets import (PASSTHROUGH, REFERENCE, TEXT, file_findings, find_secrets, find_values, mask, name_words,
+                            refusal, secret_name)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,8 +35,8 @@ SECRET_NAMES = [
     "COOKIE", "SESSION_COOKIE", "PHPSESSID", "SESSIONID", "SIG", "URL_SIG", "SIGNATURE", "CREDENTIALS",
     "GIT_CREDENTIALS", "CRED", "CREDS", "AUTH", "OAUTH_TOKEN", "AUTHORIZATION", "HTTP_AUTHORIZATION",
     "PROXY_AUTHORIZATION", "AUTHTOKEN", "AUTH_KEY", "X_AUTH_TOKEN", "PRIVATE_KEY", "SSH_PRIVATE_KEY", "DSN",
-    "SENTRY_DSN", "DATABASE_DSN", "AZURE_STORAGE_CONNECTION_STRING", "BEARER", "BEARER_TOKEN", "NCCL_IB_PKEY",
-    "HF_HUB_DISABLE_IMPLICIT_TOKEN", "TOKEN2", "S3_KEY",
+    "SENTRY_DSN", "DATABASE_DSN", "AZURE_STORAGE_CONNECTION_STRING", "BEARER", "BEARER_TOKEN", "TOKEN2", "S3_KEY",
+    "HF_HUB_DISABLE_IMPLICIT_TOKEN", "PRIMARY_KEY", "TWO_PASS",  # secrets' names, whose settings (1, id) pass
 ]
 # Names users set every day: none of them is refused, in any field.
 ORDINARY_NAMES = [
@@ -51,6 +52,9 @@ ORDINARY_NAMES = [
     "HF_TOKEN_PATH", "PASSWORD_FILE", "SECRETS_DIR", "TOKEN_URL", "DESKTOP_SESSION", "XDG_SESSION_TYPE",
     "XDG_SESSION_ID", "PRIVILEGED", "DATABASE_URL", "REDIS_URL", "SEQ_LEN", "DATASET", "TORCH_COMPILE",
     "PYTORCH_CUDA_ALLOC_CONF", "SLURM_JOB_ID", "MAX_JOBS", "FLASH_ATTN_VERSION", "SMOKE", "BASE_IMAGE",
+    # judged by the name's meaning as a whole, not by a part (issue 48)
+    "NCCL_IB_PKEY", "UCX_IB_PKEY", "KEY_SIZE", "CACHE_KEY_PREFIX", "PASS_THROUGH", "AUTH_MODE", "PRIVATE_NETWORK",
+    "SIG_LEVEL", "JWT_DISABLED",
     *(name for preset in NODE_PRESETS.values() for name, _ in preset.env),
 ]
 
@@ -157,7 +161,8 @@ def _bare_body(shape: str, rng) -> str:
 # test_the_judgment_s_miss_rate's (docs/secrets.md states the rates). Every other test proves
 # the plumbing (each field, sink and message holds what the judgment flags) with a fixed corpus,
 # 200 of each kind drawn once from seeds, less the few the judgment passes.
-BARE_CORPUS = {shape: [b for i in range(200) if refusal(b := _bare_body(shape, __import__("random").Random(f"{shape}-{i}")))]
+BARE_CORPUS = {shape: [b for i in range(200)
+                        if refusal(b := _bare_body(shape, __import__("random").Random(f"{shape}-{i}")), policy=TEXT)]
                for shape in sorted(BARE)}
 
 
@@ -254,55 +259,54 @@ def test_every_shape_is_found_and_masked(shape):
     assert (find_values(value) if bare else find_secrets(value)), (shape, value)
     masked = mask(value, values=bare)
     assert "<hidden>" in masked and body not in masked, (shape, masked)
-    assert refusal(value) is not None and refusal(value, name="SOME_NAME") is not None, shape
-    assert refusal(value, name="GIT_COMMIT") is not None or bare, shape  # a hash's name excuses hex alone
+    assert refusal(value, policy=TEXT) is not None and refusal(value, name="SOME_NAME", policy=TEXT) is not None, shape
+    assert refusal(value, name="GIT_COMMIT", policy=TEXT) is not None or bare, shape  # a hash's name excuses hex
+    assert (refusal(value) is None) == bare, shape  # an identifier's field: by the detectors' shapes alone
 
 
 # How often a fresh random key of each bare kind is judged no key (its characters repeat): at most.
-MISS_RATES = {"wandb": 0.0, "hex64": 0.0, "hex32 key": 0.002, "aws secret": 0.005, "random key": 0.005,
-              "urlsafe": 0.03, "base64 key": 0.02}
+MISS_RATES = {"wandb": 0.0, "hex64": 0.0, "hex32 key": 0.002, "aws secret": 0.04, "random key": 0.002,
+              "urlsafe": 0.035, "base64 key": 0.015}
 
 
 @pytest.mark.parametrize("shape", sorted(BARE))
 def test_the_judgment_s_miss_rate(shape):
     rng = __import__("random").Random()  # fresh draws, unlike the fixed corpus
     draws = [_bare_body(shape, rng) for _ in range(3000)]
-    missed = sum(refusal(body) is None for body in draws)
+    missed = sum(refusal(body, policy=TEXT) is None for body in draws)
     assert missed / len(draws) <= MISS_RATES[shape], (shape, missed)
     assert len(BARE_CORPUS[shape]) >= 200 * (1 - 2 * MISS_RATES[shape]) - 2, shape
 
 
-def test_a_token_as_a_urls_user_is_hidden_and_a_user_name_is_not():
-    """https://TOKEN@host: the word's entropy limit missed one random 40-character token in ten
-    (the property test below found it); a user name, however long, passes."""
-    rng = __import__("random").Random()
-    alnum = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-    assert "<hidden>@" in mask("=https://VQIbugVI2LGlMhIWfLiihuGHin0brmoSAHXMTLWI@gitlab.example.org/g/r.git=")
-    for n, rate in ((20, 0.05), (40, 0.005)):
-        draws = ["".join(rng.choice(alnum) for _ in range(n)) for _ in range(2000)]
-        missed = sum(token in mask(f"=https://{token}@gitlab.example.org/g/r.git=") for token in draws)
-        assert missed / len(draws) <= rate, (n, missed)
-    for user in ("oauth2", "gitlab-ci-token", "x-access-token", "firstname.lastname", "jean-pierre.dupont-2024",
-                 "deploy-bot-for-project-42", "MaryJaneWatsonParker", "ci-runner-Project42Deploy",
-                 "serviceAccount-trainer01", "HPC-Cluster-Admin-User01"):
-        url = f"https://{user}@gitlab.example.org/g/r.git"
-        assert mask(url) == url and refusal(url) is None, user
+@pytest.mark.parametrize("user, secret", [
+    ("oauth2", False), ("gitlab-ci-token", False), ("x-access-token", False), ("firstname.lastname", False),
+    ("deadbeef" * 5, True), ("jean-pierre.dupont-2024", True), ("MaryJaneWatsonParker", True),  # 20 or more
+    ("oauth2:Zk93jQ2a", True), ("u:p4ssw0rd", True), ("u:<password>", False), ("u:PASSWORD", False),
+])
+def test_a_url_s_user_part_is_a_secret_by_its_length_or_a_password(user, secret):
+    """https://USER@host: a user part of 20 characters or more, or any user:password, is a secret
+    whatever its randomness (a low-variety token, deadbeef...); a short user name, a reference or a
+    placeholder is not."""
+    url = f"https://{user}@gitlab.example.org/g/r.git"
+    assert (mask(url) != url) == secret and (refusal(url) is not None) == secret, mask(url)
+    assert user.split(":")[-1] not in mask(url) or not secret
 
 
 @pytest.mark.parametrize("value", ORDINARY_VALUES)
 def test_an_ordinary_value_is_not_a_secret(value):
-    assert secret_shape(value) is None and mask(value) == value, find_secrets(value)
+    assert find_secrets(value) == [] and mask(value) == value, find_secrets(value)
     assert mask(value, values=True) == value, find_values(value)
-    assert refusal(value) is None or "${HF_TOKEN}" in value  # a config value may not expand a secret
+    assert refusal(value, policy=TEXT) is None or "${HF_TOKEN}" in value  # a config value may not expand a secret
 
 
 @pytest.mark.parametrize("name, value", HASHES)
 def test_a_hash_under_its_name_is_no_key(name, value):
-    assert refusal(value, name=name) is None and find_values(f"{name}={value}") == []
+    assert refusal(value, name=name, policy=TEXT) is None and find_values(f"{name}={value}") == []
     assert find_values(f"--{name.lower().replace('_', '-')} {value}") == []
-    assert refusal(value, hint="--revision") is None
-    if len(value) >= 32:  # the same hex alone, with nothing saying what it is, may be a key (W&B's are 40)
-        assert refusal(value) is not None and refusal(value, name="NOTE") is not None
+    assert refusal(value, hint="--revision", policy=TEXT) is None
+    if len(value) >= 32:  # the same hex alone in a text, with nothing saying what it is, may be a key (W&B's are 40)
+        assert refusal(value, policy=TEXT) is not None and refusal(value, name="NOTE", policy=TEXT) is not None
+        assert refusal(value) is None  # where an identifier is held: a commit, a digest
 
 
 SEPARATORS = [" ", "\n", "\t", ",", ";", "'", '"', "(", "[", "{", "=", ":", "/", "|", "`"]
@@ -379,7 +383,7 @@ def test_every_documented_value_passes():
     values = documented_values()
     assert len(values) > 60 and {w for w, _, _ in values} > {"tiny_cpu.yaml", "config.md", "secrets.md"}
     refused = [(where, name, value, r.what) for where, name, value in values
-               if (r := refusal(value, name=name)) is not None and "$" not in value]
+               if (r := refusal(value, name=name, policy=TEXT)) is not None and "$" not in value]
     assert not refused, refused
 
 
@@ -390,8 +394,8 @@ def test_the_project_s_own_files_pass_the_content_scan():
 
     files = subprocess.run(["git", "ls-files", "-z", "common", "trainer", "jobs", "edf", "containers", "configs"],
                            cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
-    flagged = [(f, why) for f in files if f and (ROOT / f).is_file()
-               and (why := secret_content((ROOT / f).read_bytes(), f))]
+    flagged = [(f, [(s.type, s.line_number) for s in found]) for f in files if f and (ROOT / f).is_file()
+               and (found := file_findings((ROOT / f).read_bytes(), Path(f).name))]
     assert len(files) > 50 and not flagged, flagged
 
 
@@ -406,15 +410,16 @@ def test_mask_never_fails_and_keeps_what_is_not_a_secret(text):
 
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(name=st.sampled_from(SECRET_NAMES), how=st.sampled_from(SPELLINGS),
-       value=st.text(alphabet=ALNUM + "+-_.~!#%^", min_size=1, max_size=30))
+       value=st.text(alphabet=ALNUM + "+-_.~!#%^", min_size=1, max_size=30).filter(lambda v: not plain(v)))
 def test_a_secret_name_given_a_literal_value_is_refused(name, how, value):
+    """Any literal but a number, a flag or a plain word (KEY_SIZE=2048, SORT_KEY=length pass)."""
     spelled = spellings(name)[how]
-    assert refusal(value, name=spelled) is not None
+    assert refusal(value, name=spelled, policy=TEXT) is not None
     assert refusal(value, name=spelled, policy=REFERENCE) is not None
     # the pass-through forms: its own variable, a file's path, nothing
     assert refusal(f"${{{spelled}}}", name=spelled, policy=PASSTHROUGH) is None or how in ("kebab", "annotation")
-    assert refusal("/run/secrets/" + value.replace("/", ""), name=spelled) is None
-    assert refusal("", name=spelled) is None
+    assert refusal("/run/secrets/" + value.replace("/", ""), name=spelled, policy=TEXT) is None
+    assert refusal("", name=spelled, policy=TEXT) is None
 
 
 def test_expansions_of_a_secret_variable():
@@ -424,8 +429,8 @@ def test_expansions_of_a_secret_variable():
     assert refusal("${HF_TOKEN}", name="X", policy=PASSTHROUGH).expansion  # pyxis would assign it on the srun line
     assert refusal("${HF_TOKEN}", name="com.example.hf_token", policy=REFERENCE) is None  # expanded by the CE
     # `$$` is a literal `$` in EDF text: `$${HF_TOKEN}` expands nothing there; in a shell value it does
-    assert refusal("$${HF_TOKEN}", name="X", edf=True) is None
-    assert refusal("$${HF_TOKEN}", name="X").expansion
+    assert refusal("$${HF_TOKEN}", name="X", edf=True, policy=TEXT) is None
+    assert refusal("$${HF_TOKEN}", name="X", policy=TEXT).expansion
     assert refusal("${SSH_AUTH_SOCK}:/agent") is None and refusal("${HOME}/x") is None
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from plumbum import local
 
@@ -34,7 +34,8 @@ from conftest import SRUN_PASSING_PREFLIGHT, squeue_answering, tree
 from jobs.cli import main
 from jobs.config import Config
 from common.schema import config_fields
-from test_secret_policy import (ORDINARY_NAMES, ORDINARY_VALUES, SECRET_NAMES, SHAPES, SPELLINGS, shaped,
+from common.secrets import IDENTIFIER
+from test_secret_policy import (BARE, ORDINARY_NAMES, ORDINARY_VALUES, SECRET_NAMES, SHAPES, SPELLINGS, shaped,
                                 spellings)
 
 PY = sys.executable
@@ -213,9 +214,10 @@ def test_a_dry_run_says_it_as_a_note(project, host, capfd, monkeypatch, command)
     """Once: `submit --dry-run` among what would refuse the submission, `shell --dry-run` as a note."""
     monkeypatch.delenv("HF_TOKEN")
     rc, out, err = slipway(capfd, *command, "tiny_cpu", FROM_HOST)
-    assert rc == 0, err
+    assert rc == (2 if command[0] == "submit" else 0), err  # a dry run that would be refused exits 2
     said = "  - " if command[0] == "submit" else "note:"
-    notes = [line for line in (out + err).splitlines() if line.startswith(said) and "env_from_host" in line]
+    before_files = (out + err).split("==> ")[0]  # a refused dry run says its verdict last again, after the files
+    notes = [line for line in before_files.splitlines() if line.startswith(said) and "env_from_host" in line]
     assert len(notes) == 1 and "export HF_TOKEN=..." in notes[0], out + err
 
 
@@ -335,7 +337,7 @@ def test_a_base_environment_s_literal_is_replaced_or_refused_under_pyxis(project
 def test_an_export_with_a_secret_value_is_refused(project, host, capfd):
     before = tree(project)
     rc, out, err = slipway(capfd, "submit", "tiny_cpu", f"slurm.extra=[\"--export=ALL,HF_TOKEN={MARKERS['HF_TOKEN']}\"]")
-    assert rc == 2 and err.startswith("slipway: error: slurm.extra[0]: looks like a Hugging Face token"), err
+    assert rc == 2 and err.startswith("slipway: error: slurm.extra[0]: looks like a secret (Hugging Face Token)"), err
     assert "container.env_from_host: [HF_TOKEN]" in err
     assert not leaks(out, err) and tree(project) == before
     rc, out, err = slipway(capfd, "submit", "tiny_cpu", "slurm.extra=[\"--export=ALL,AUTHORIZATION=abc123\"]")
@@ -418,26 +420,33 @@ def test_a_secret_by_name_is_refused_in_every_field(project, host, capfd, name, 
     refused_cleanly(project, capfd, command, raw, field, value)
 
 
-def _leaves(cls: type, prefix: str = "") -> list[tuple[str, typing.Any]]:
-    """(dotted field, type) for every field of the config tree."""
+def _leaves(cls: type, prefix: str = "") -> list[tuple[str, typing.Any, str]]:
+    """(dotted field, type, what it holds: its secret policy's kind) for every field of the config tree."""
     out = []
     hints = typing.get_type_hints(cls)
-    for name in config_fields(cls):
+    for name, f in config_fields(cls).items():
         tp, path = hints[name], f"{prefix}{name}"
-        out += _leaves(tp, f"{path}.") if dataclasses.is_dataclass(tp) else [(path, tp)]
+        out += _leaves(tp, f"{path}.") if dataclasses.is_dataclass(tp) else [(path, tp, f.metadata.get("secrets", IDENTIFIER))]
     return out
 
 
-# Every field, whatever its type: a value shaped like a secret is refused as it is read. The
-# user's own shell lines are the one exception (warned about: see below).
-FIELDS = [(f, tp) for f, tp in _leaves(Config) if f != "launch.pre_launch"]
+# Every field, whatever its type: a value shaped like a secret is refused as it is read; a bare key
+# (BARE: a random word, which only its randomness tells from a commit or a digest) where the field
+# may hold a credential (its kind is no IDENTIFIER). The user's own shell lines are the one
+# exception (warned about: see below).
+FIELDS = [(f, tp, kind) for f, tp, kind in _leaves(Config) if f != "launch.pre_launch"]
+
+
+def _judged(shape: str, kind: str) -> bool:
+    return shape not in BARE or kind != IDENTIFIER
 
 
 @PROPERTY
 @given(leaf=st.sampled_from(FIELDS), shape=st.sampled_from(sorted(SHAPES)), runtime=st.sampled_from(RUNTIMES),
        command=st.sampled_from(COMMANDS))
 def test_a_secret_by_shape_is_refused_in_every_field(project, host, capfd, leaf, shape, runtime, command):
-    dotted, tp = leaf
+    dotted, tp, kind = leaf
+    assume(_judged(shape, kind))
     value, body = shaped(shape)
     origin = typing.get_origin(tp)
     if origin is list:
@@ -502,7 +511,7 @@ def test_names_and_values_users_set_every_day_pass(project, host, capfd, runtime
     path = project / "configs" / "everyday.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     rc, out, err = slipway(capfd, "submit", "--dry-run", "everyday", *args[1:])
-    assert rc == 0, err
+    assert rc == 2 and "\n  - data: the token cache is not prepared" in out, err  # refused for its data alone
     assert "warning" not in err, err
     missing = [n for n in ORDINARY_NAMES if f"export {n}=" not in out]  # launch.env, exported by the script
     assert not missing, missing
@@ -520,7 +529,7 @@ def test_the_same_through_a_real_process(project, host):
     before = tree(project)
     r = run("submit", "tiny_cpu", f"container.env.OPENAI_API_KEY={value}")
     assert r.returncode == 2 and r.stderr.startswith("slipway: error: container.env.OPENAI_API_KEY: looks like a "
-                                                     "secret (its name contains KEY)"), r.stderr
+                                                     "secret (its name ends in KEY)"), r.stderr
     r2 = run("submit", "tiny_cpu", "--dry-run", f"launch.command=[python3, tool.py, --api-key, {value}]")
     assert r2.returncode == 2 and r2.stderr.startswith("slipway: error: launch.command[3]: looks like"), r2.stderr
     r3 = run("submit", "tiny_cpu", "--dry-run", f"launch.pre_launch=[curl -H 'Authorization: Bearer {value}' x]")
@@ -541,7 +550,7 @@ def test_pre_launch_is_the_user_s_own_text_and_is_warned_about_by_line(project, 
         rc, out, err = slipway(capfd, *command, *args)
         assert rc == 0, err
         warnings = [w for w in err.splitlines() if w.startswith("slipway: warning:")]
-        assert len(warnings) == 1 and "launch.pre_launch[1] holds what looks like a Hugging Face token" in warnings[0]
+        assert len(warnings) == 1 and "launch.pre_launch[1] holds what looks like a secret (Hugging Face Token)" in warnings[0]
         assert body not in out + err  # a dry run prints job.sbatch masked
     assert line in (project / "runs" / "own" / "job.sbatch").read_text()  # written as the user wrote it
 
@@ -557,8 +566,8 @@ def test_a_hand_written_edf_is_warned_about_by_line_and_never_printed(project, h
     warnings = [w for w in err.splitlines() if w.startswith("slipway: warning:")]
     assert [w.split(" holds")[0] for w in warnings] == [f"slipway: warning: {edf} line 4",
                                                           f"slipway: warning: {edf} line 5"], err
-    assert "GitHub token" in warnings[0] and 'write "${GH_TOKEN}"' in warnings[0]
-    assert "its name contains PASSWORD" in warnings[1]
+    assert "GitHub Token" in warnings[0] and 'write "${GH_TOKEN}"' in warnings[0]
+    assert 'write "${DB_PASSWORD}"' in warnings[1]
     rc, out, err = slipway(capfd, "edf", "--to-pyxis", str(edf))
     assert rc == 0, err
     assert "export GH_TOKEN=<hidden>" in out and "export DB_PASSWORD=<hidden>" in out
@@ -642,12 +651,14 @@ def test_a_hash_under_its_name_passes_and_the_same_hex_alone_does_not(project, h
                            "launch.launcher=srun", f"launch.command=[python3, t.py, --revision, {commit}]")
     assert rc == 0, err
     rc, out, err = slipway(capfd, "submit", "--dry-run", "tiny_cpu", f"launch.command=[python3, t.py, {commit}]")
-    assert rc == 2 and err.startswith("slipway: error: launch.command[2]: looks like 40 random hex digits"), err
+    assert rc == 2 and err.startswith("slipway: error: launch.command[2]: looks like a random key (Hex High Entropy String)"), err
     assert commit not in out + err
 
 
-def _in_every_field(value: str) -> typing.Iterator[tuple[str, dict]]:
-    for dotted, tp in FIELDS:
+def _in_every_field(value: str, shape: str) -> typing.Iterator[tuple[str, dict]]:
+    for dotted, tp, kind in FIELDS:
+        if not _judged(shape, kind):
+            continue
         origin = typing.get_origin(tp)
         if origin is list:
             yield f"{dotted}[0]", {dotted: [value]}
@@ -668,7 +679,7 @@ def test_every_shape_in_every_field_is_refused_at_the_one_edge(project, shape):
 
     value, body = shaped(shape)
     missed = []
-    for field, sets in _in_every_field(value):
+    for field, sets in _in_every_field(value, shape):
         try:
             load_config("tiny_cpu", sets=sets)
         except ConfigError as exc:

@@ -17,29 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import git
 from containers.sources import Folder, collect
 from jobs.runs.code import LISTING, STORE, damage, plan_snapshot
 from common.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "hf_sEcReTvAlUe0123456789abcdefghij"  # what must never reach a terminal or the store
-
-
-def _git(project: Path, *args: str) -> None:
-    subprocess.run(["git", "-C", str(project), *args], check=True, capture_output=True,
-                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-                        "GIT_COMMITTER_EMAIL": "t@t"})
-
-
-@pytest.fixture
-def checkout(project: Path) -> Path:
-    """The project as a git checkout of slipway's code folders (what a user clones)."""
-    for name in ("common", "trainer"):
-        shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
-    _git(project, "init", "-q")
-    _git(project, "add", "common", "trainer", "configs")
-    _git(project, "commit", "-qm", "c")
-    return project
 
 
 def dry_run(project: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -63,7 +47,7 @@ def test_a_link_inside_is_kept_as_a_link_to_the_copy(checkout):
     (checkout / "trainer" / "alias.py").symlink_to("model.py")
     (checkout / "trainer" / "kern").symlink_to("../common")  # a link to a directory that is copied too
     (checkout / "trainer" / "abs.py").symlink_to(checkout / "common" / "fs.py")  # absolute, inside
-    _git(checkout, "add", "trainer")
+    git(checkout, "add", "trainer")
     value = plan_snapshot(checkout / "runs" / STORE, None, checkout).write()
     snap = Path(value.dir)
     assert os.readlink(snap / "trainer" / "alias.py") == "model.py"
@@ -87,7 +71,7 @@ def test_a_link_out_of_the_checkout_is_refused_naming_it(checkout, tmp_path, tar
         link.symlink_to("missing.py")
     else:
         link.symlink_to(target)
-    _git(checkout, "add", "trainer")
+    git(checkout, "add", "trainer")
     refused(dry_run(checkout), "trainer/settings.py", "symbolic link", "replace the link")
     assert not (checkout / "runs").exists()  # nothing half-written
 
@@ -112,7 +96,7 @@ def test_untracked_files_are_left_out_and_named(checkout):
     ("hf.token", SECRET)])
 def test_a_tracked_secret_looking_file_is_refused_with_how_to_leave_it_out(checkout, name, content):
     (checkout / "trainer" / name).write_text(content)
-    _git(checkout, "add", "-f", "trainer")
+    git(checkout, "add", "-f", "trainer")
     refused(dry_run(checkout), f"trainer/{name}", "looks like a secret", "git rm --cached")
     assert not (checkout / "runs").exists()
 
@@ -140,7 +124,7 @@ def test_a_huge_file_is_refused_naming_the_largest(checkout):
     big = checkout / "trainer" / "weights.bin"
     with open(big, "wb") as f:  # sparse: a gigabyte that costs nothing to make
         f.truncate(1 << 30)
-    _git(checkout, "add", "trainer")
+    git(checkout, "add", "trainer")
     refused(dry_run(checkout), "the code to copy holds", "trainer/weights.bin (1.0 GB)", "move data")
 
 
@@ -148,7 +132,7 @@ def test_an_untracked_script_beside_tracked_ones_is_refused(checkout):
     folder = checkout / "experiments"
     folder.mkdir()
     (folder / "common.py").write_text("X = 1\n")
-    _git(checkout, "add", "experiments")
+    git(checkout, "add", "experiments")
     (folder / "train_new.py").write_text("import common\n")
     proc = dry_run(checkout, "train.script=experiments/train_new.py")
     refused(proc, "train.script", "not tracked by git", "git add")
@@ -238,7 +222,7 @@ def test_the_image_context_follows_the_same_rules(checkout):
     """containers/context.py takes the same walk: a link out of jobs/ is refused for the image too."""
     (checkout / "jobs").mkdir()
     (checkout / "jobs" / "x.py").symlink_to("/etc/passwd")
-    _git(checkout, "add", "jobs")
+    git(checkout, "add", "jobs")
     with pytest.raises(ConfigError, match=r"^image: jobs/x.py is a symbolic link to /etc/passwd"):
         collect([Folder(checkout / "jobs", "src/jobs")], field_name="image", max_bytes=1 << 30, max_files=100)
 
@@ -270,7 +254,7 @@ def test_a_tracked_file_holding_a_secret_is_refused_by_its_content(checkout, nam
     path = checkout / "trainer" / "data" / name
     path.parent.mkdir()
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    _git(checkout, "add", "-f", "trainer")
+    git(checkout, "add", "-f", "trainer")
     line = refused(dry_run(checkout), f"trainer/data/{name}", "looks like a secret", "git rm --cached")
     for part in (SECRET, DOCKER_AUTH, "Tr0ub4dor", "MIIEvQ", "nvapi-", "dapi", REMOTE_HEX):
         assert part not in line
@@ -284,12 +268,12 @@ def test_a_hard_link_to_a_file_outside_is_refused(checkout, tmp_path):
     home.mkdir()
     (home / "pw").write_text("correct horse\n")  # nothing a content scan could tell
     os.link(home / "pw", checkout / "trainer" / "notes.txt")
-    _git(checkout, "add", "trainer")
+    git(checkout, "add", "trainer")
     refused(dry_run(checkout), "trainer/notes.txt", "hard link", "a file of its own")
     os.unlink(checkout / "trainer" / "notes.txt")
     (checkout / "trainer" / "notes.txt").write_text("notes\n")
     os.link(checkout / "trainer" / "notes.txt", checkout / "common" / "notes_copy.txt")
-    _git(checkout, "add", "trainer", "common")
+    git(checkout, "add", "trainer", "common")
     assert dry_run(checkout).returncode == 0
 
 
@@ -326,15 +310,15 @@ def test_a_submodule_is_copied_and_one_not_checked_out_is_named(checkout, tmp_pa
     lib = tmp_path / "lib"
     lib.mkdir()
     (lib / "helper.py").write_text("X = 1\n")
-    _git(lib, "init", "-q")
-    _git(lib, "add", ".")
-    _git(lib, "commit", "-qm", "lib")
-    _git(checkout, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "trainer/vendor")
-    _git(checkout, "commit", "-qm", "sub")
+    git(lib, "init", "-q")
+    git(lib, "add", ".")
+    git(lib, "commit", "-qm", "lib")
+    git(checkout, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "trainer/vendor")
+    git(checkout, "commit", "-qm", "sub")
     value = plan_snapshot(checkout / "runs" / STORE, None, checkout).write()
     assert (Path(value.dir) / "trainer" / "vendor" / "helper.py").read_text() == "X = 1\n"
     # Not checked out (a fresh clone without --recurse-submodules): named, not left out in silence.
-    _git(checkout, "submodule", "deinit", "-q", "-f", "trainer/vendor")
+    git(checkout, "submodule", "deinit", "-q", "-f", "trainer/vendor")
     refused(dry_run(checkout), "trainer/vendor", "submodule", "git submodule update --init")
 
 
@@ -342,10 +326,10 @@ def test_a_repository_inside_the_checkout_is_named(checkout):
     nested = checkout / "trainer" / "nested"
     nested.mkdir()
     (nested / "x.py").write_text("X = 1\n")
-    _git(nested, "init", "-q")
-    _git(nested, "add", ".")
-    _git(nested, "commit", "-qm", "n")
-    _git(checkout, "add", "trainer/nested")  # git records it by its commit alone
+    git(nested, "init", "-q")
+    git(nested, "add", ".")
+    git(nested, "commit", "-qm", "n")
+    git(checkout, "add", "trainer/nested")  # git records it by its commit alone
     refused(dry_run(checkout), "trainer/nested", "by its commit alone", "git rm --cached")
 
 
@@ -388,8 +372,8 @@ def test_an_unchanged_checkout_is_not_scanned_again(checkout, tmp_path, monkeypa
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     scanned = []
-    real = sources.secret_content
-    monkeypatch.setattr(sources, "secret_content", lambda data, name="": scanned.append(name) or real(data, name))
+    real = sources.file_findings
+    monkeypatch.setattr(sources, "file_findings", lambda data, name="": scanned.append(name) or real(data, name))
     first = plan_snapshot(checkout / "runs" / STORE, None, checkout)
     assert len(scanned) == first.value.files > 20
     scanned.clear()

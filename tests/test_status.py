@@ -7,12 +7,14 @@ launch whose end events.log settles; what each run shows is what Slurm and event
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from plumbum import local
 
 from jobs.config import dump_config, load_config
 from jobs.runs import manifest as manifests
@@ -164,3 +166,88 @@ def test_cancel_and_a_resubmission_ask_once_for_all_the_runs_jobs(mixed, project
     r = slipway("submit", "tiny_cpu", "--run-name", "running", env=env)
     assert r.returncode == 2 and "has a job queued or running (14 (RUNNING))" in r.stderr
     assert slurm.state_calls() == [" ".join(squeue_argv(["14"]))]
+
+
+# ---------------------------------------------------------------- the listing record (jobs/runs/listing.py)
+
+RECORD = ".listing.json"
+
+
+def test_a_listing_with_its_records_reads_no_manifest_and_no_events_log(mixed, monkeypatch):
+    from jobs import runs
+    from jobs.cli import status
+    from jobs.runs import run as run_module
+
+    slurm, env, root = mixed
+    first = slipway("status", env=env)  # reads every run and writes its record
+    assert all((root / name / RECORD).is_file() for name in RUNS), sorted(p.name for p in root.iterdir())
+
+    def unread(*args, **kwargs):
+        raise AssertionError("read with a record in place")
+    monkeypatch.setattr(manifests, "read", unread)
+    monkeypatch.setattr(run_module, "read_events", unread)
+    monkeypatch.setattr(run_module, "read_tail", unread)  # metrics.jsonl
+    found, _ = runs.scan_runs(root.parent)
+    with local.env(**env):  # the stand-in Slurm, for the commands plumbum runs
+        listed, damaged, _ = status.listing_rows([r for r in found if r.name != "bad"])
+    assert {row[0]: list(row[1:]) for row in listed} == {k: v for k, v in rows(first.stdout).items() if k != "bad"}
+    assert damaged == []
+
+
+def _garble(record: Path, how: str) -> None:
+    if how == "binary":
+        record.write_bytes(b"\x00\xff\xfe" * 100)
+    elif how == "cut":
+        record.write_text(record.read_text()[:40])
+    elif how == "wrong types":  # of the files as they are, but not what a record holds
+        data = json.loads(record.read_text())
+        record.write_text(json.dumps({**data, "launches": "9", "ended": ["COMPLETED", "0", 1]}))
+    elif how == "newer":
+        record.write_text(json.dumps({**json.loads(record.read_text()), "format": 99, "ended": ["RUNNING", None, ""]}))
+    else:  # missing, or something else in its place
+        record.unlink()
+        if how == "fifo":
+            os.mkfifo(record)
+        elif how == "directory":
+            record.mkdir()
+        elif how == "device":
+            record.symlink_to("/dev/zero")
+        elif how == "huge":
+            with record.open("wb") as f:
+                f.truncate(1 << 30)
+
+
+def _change(root: Path, how: str) -> None:
+    if how == "events":  # the running job recorded its end: events.log settles it
+        append_event(root / "running", "14", "end exit 0", T0)
+    elif how == "metrics":
+        with (root / "done" / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"kind": "train", "step": 21, "loss": 2.5}) + "\n")
+    elif how == "manifest":  # a second launch recorded
+        record = manifests.read(root / "failed" / "manifest.json")
+        record.submissions.append(Launch(job_id="30", submitted=T0, steps=50))
+        manifests.write(root / "failed" / "manifest.json", record)
+
+
+@pytest.mark.parametrize("how", ["missing", "binary", "cut", "wrong types", "newer", "fifo", "directory", "device",
+                                 "huge"])
+def test_a_missing_or_damaged_record_is_read_again_from_the_run_alone(mixed, how):
+    slurm, env, root = mixed
+    first = slipway("status", env=env)
+    _garble(root / "done" / RECORD, how)
+    again = slipway("status", env=env)
+    assert (again.returncode, rows(again.stdout)) == (first.returncode, rows(first.stdout)), again.stdout
+    assert again.stderr == first.stderr
+    if how not in ("directory",):  # written anew (a directory in its place is left: a rename cannot replace it)
+        assert json.loads((root / "done" / RECORD).read_text())["ended"][0] == "COMPLETED"
+
+
+@pytest.mark.parametrize("how, run, cells", [("events", "running", ["1", "14", "COMPLETED", "0"]),
+                                             ("metrics", "done", ["1", "11", "COMPLETED", "0", "step 21/50, loss 2.500"]),
+                                             ("manifest", "failed", ["2", "30", "UNKNOWN", ""])])
+def test_a_record_older_than_the_files_it_was_read_from_is_read_again(mixed, how, run, cells):
+    slurm, env, root = mixed
+    slipway("status", env=env)
+    _change(root, how)
+    shown = rows(slipway("status", env=env).stdout)
+    assert shown[run][:len(cells)] == cells, shown[run]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -248,10 +249,10 @@ def test_a_try_that_cannot_fit_here_is_refused_before_any_process_with_the_batch
     # A few steps: the batch that fits is also a try of minutes here (tests/test_first_hour.py has the
     # command that fits in time as well).
     r = slipway("local", "tiny_cpu", "--run-name", "big", f"train.micro_batch_size={micro}", "train.steps=3")
-    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.returncode == 2 and "new run" not in r.stdout and r.stderr.count("\n") == 1, (r.stdout, r.stderr)
     line = r.stderr.strip()
     assert line.startswith("slipway: error: train.micro_batch_size: 2 processes of about "), line
-    assert "(common/layouts.py's arithmetic) need " in line and " GB free: `slipway local tiny_cpu " in line, line
+    assert "(common/layouts.py's arithmetic) need " in line and "; `slipway local tiny_cpu " in line, line
     command = pasted(line)
     assert f"train.micro_batch_size={micro}" not in command and "--micro-batch-size" in command, command
     fit = int(command[command.index("--micro-batch-size") + 1])
@@ -317,7 +318,7 @@ def test_the_refusals_pasted_batch_trains_in_the_memory_a_cgroup_leaves(project,
     args = ["local", "tiny_cpu", "--run-name", "fit", *SMALL, "train.micro_batch_size=2048", "train.steps=2"]
     r = subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, timeout=120,
                        preexec_fn=cgroup.enter)
-    assert r.returncode == 2 and "GB free: `slipway local " in r.stderr, (r.stdout, r.stderr)
+    assert r.returncode == 2 and " GB free: " in r.stderr and "; `slipway local " in r.stderr, (r.stdout, r.stderr)
     free = float(r.stderr.split(" GB free")[0].rsplit(" ", 1)[1])
     assert free <= 3.0, r.stderr
     again = subprocess.run(pasted(r.stderr), capture_output=True, text=True, timeout=600, preexec_fn=cgroup.enter)
@@ -402,3 +403,41 @@ def test_a_job_step_that_fails_otherwise_says_nothing_of_memory(tmp_path):
     job.script("train.sh", "exit 3")
     assert job.run() == 3, job.out
     assert not [e for e in job.events() if "memory" in e], job.events()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_ctrl_c_during_a_slow_step_says_what_it_waits_for_and_what_a_forced_stop_lost(project):
+    """A rank stuck in a step (stopped here) never reaches the save the first Ctrl-C asks for: the
+    first line states the grace (launch.stop_grace sets it), a line every 10 s says what the stop
+    waits for, and the forced stop says how long it waited, what was lost (the last checkpoint is
+    the one kept) and the command that resumes from there."""
+    from test_first_hour import launch_reading, ranks_of
+
+    run_dir = project / "runs" / "stuck"
+    proc = launch_reading("local", "tiny_cpu", "--run-name", "stuck", *SMALL, "checkpoint.interval=5",
+                          "train.steps=100000", "launch.stop_grace=25", "--yes")
+    try:
+        wait_for(lambda: checkpoints(run_dir) and len(losses(run_dir)) >= 7, 240, "a checkpoint and two steps more")
+        stuck = ranks_of(run_dir)[1]
+        os.kill(stuck, signal.SIGSTOP)  # rank 1 in a step that does not end
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = after_ctrl_c("".join(proc.lines))
+    assert said[0] == ("Ctrl-C: saving a checkpoint at the next step the ranks agree on, then stopping; a forced stop "
+                       "(unsaved) in 25s (launch.stop_grace); Ctrl-C again stops at once, unsaved"), said
+    waits = [x for x in said if "since the stop was asked, waiting for " in x]  # told once a second: 10 s, 20 s
+    assert len(waits) == 2 and re.fullmatch(r"1[01]s since the stop was asked, waiting for the ranks to finish step "
+                                            r"\d+ \(step \d+ done \d+s ago\) and save; a forced stop \(unsaved\) in "
+                                            r"1[45]s", waits[0]) and re.search(r" in [45]s$", waits[1]), waits
+    kept = checkpoints(run_dir)[-1]
+    assert 25 <= took < 90 and proc.returncode == 130, (took, said)
+    assert said[-1].startswith("interrupted (Ctrl-C) at step ") and (
+        f": stopped after 25s, unsaved: the last checkpoint is step {kept}; `slipway local tiny_cpu ") in said[-1], said
+    resumed = subprocess.run(pasted(said[-1]) + ["--dry-run"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "dry run: stuck (resumes) in " in resumed.stdout, resumed.stdout

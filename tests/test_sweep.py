@@ -14,6 +14,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -21,10 +22,12 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import ConfigError, one_line
 from common.events import append_event
 from conftest import tree
 from edf.environment import SAFE_NAME
 from jobs.runs import sweep as sweeps
+from other_user import teammate  # noqa: F401,F811 (a fixture)
 from slurm_standin import StandInSlurm
 
 PY = sys.executable
@@ -77,7 +80,7 @@ def test_dry_run_lists_points_resources_and_arrays_writing_nothing(project, stan
         assert re.search(rf"^{name}\s+new\s+1\s+0\s+00:30:00\s+lr=", r.stdout, re.M), r.stdout
     assert "lr=1e-3 micro_batch_size=8" in r.stdout
     assert "2.0 node-hours, 0.0 GPU-hours" in r.stdout
-    assert "array 1: 3 point(s), --array=0-2%2 (MaxArraySize 3" in r.stdout
+    assert "array 1: 3 point(s), --array=0-2%2 (at most 2 at once: --max-parallel; MaxArraySize 3" in r.stdout
     assert "array 2: 1 point(s), --array=0-0%2" in r.stdout and "--cpus-per-task=1 --time=00:30:00" in r.stdout
     assert "verdict: would be submitted" in r.stdout
     assert tree(project) == before
@@ -473,3 +476,164 @@ def test_split_over_max_array_size_and_cancel_ends_every_task(project, slurm_env
         assert "cancelled by slipway cancel" in (project / "runs" / point["run"] / "events.log").read_text()
     status = slipway("status", "s")
     assert "(5 CANCELLED)" in status.stdout, status.stdout
+
+
+# ------------------------------------------------------------------ never hide, never crash (issue 50)
+
+# A point's file in another state than its job left it: what stands in its place.
+DAMAGE = {"fifo-metrics": ("metrics.jsonl", os.mkfifo), "fifo-events": ("events.log", os.mkfifo),
+          "binary-manifest": ("manifest.json", lambda p: p.write_bytes(b"\x00\xff" * 64))}
+
+
+def _damage(run_dir: Path, how: str) -> None:
+    name, make = DAMAGE[how]
+    (run_dir / name).unlink(missing_ok=True)
+    make(run_dir / name)
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGE))
+def test_one_damaged_point_is_marked_and_every_other_is_compared(project, ended, how):
+    _, env = ended
+    _damage(project / "runs" / NAMES[1], how)
+    for args in (["compare", "g"], ["compare", "g", "--csv"], ["status", "g"]):
+        r = slipway(*args, env=env, timeout=90)
+        errors = r.stderr.splitlines()
+        assert r.returncode == 2 and len(errors) == 1 and NAMES[1] in errors[0], (args, r.stderr)
+        assert errors[0].startswith("slipway: error: ") and "Traceback" not in r.stderr
+        assert all(name in r.stdout for name in NAMES), (args, r.stdout)
+        marked = [line for line in r.stdout.splitlines() if NAMES[1] in line]
+        assert len(marked) == 1 and "DAMAGED" in marked[0], (args, r.stdout)
+    plot = slipway("plot", "g", env=env, timeout=90)
+    assert plot.returncode == 0 and plot.stdout.strip().endswith("curves.png"), plot.stderr
+    assert (NAMES[1] in plot.stderr) == (how == "fifo-metrics"), plot.stderr  # the plot reads metrics alone
+    # A re-run leaves the damaged point as it is, says so, and plans the others.
+    again = slipway("sweep", "tiny_cpu", "--name", "g", *GRID, "--max-parallel", "2", env=env, timeout=90)
+    if how == "fifo-metrics":  # the re-run reads no metrics: the point is finished
+        assert again.returncode == 0 and "3 finished, 1 queued or running" in again.stdout, again.stdout
+    else:
+        assert again.returncode == 0 and "2 finished, 1 queued or running, 1 unreadable" in again.stdout, \
+            (again.stdout, again.stderr)
+        assert f"run {NAMES[1]}: " in again.stdout and "left as it is, not submitted" in again.stdout
+
+
+def test_compare_of_runs_names_a_config_it_cannot_read(project, ended):
+    _, env = ended
+    (project / "runs" / NAMES[2] / "config.yaml").write_bytes(b"\xff\xfe" * 40)
+    r = slipway("compare", NAMES[0], NAMES[2], env=env)
+    assert r.returncode == 0 and NAMES[0] in r.stdout and NAMES[2] in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and f"run {NAMES[2]}: config.yaml cannot be read" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("answer, said", [("0", None), ("-1", "'-1'"), ("abc", "'abc'"), ("", "''")])
+def test_max_array_size_zero_submits_points_as_jobs_and_a_garbled_one_is_named(project, standin, answer, said):
+    slurm, env = standin
+    (slurm.root / "max-array-size").write_text(answer)
+    dry = slipway("sweep", "tiny_cpu", "--name", "g", *GRID, "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    r = slipway("sweep", "tiny_cpu", "--name", "g", *GRID, env=env)
+    if said is None:  # a site without arrays: each point is a job of its own, as `submit` queues it
+        assert "no arrays: MaxArraySize 0 (scontrol show config)" in dry.stdout, dry.stdout
+        assert r.returncode == 0 and [submissions(project, n) for n in NAMES] == [["1001"], ["1002"], ["1003"],
+                                                                                  ["1004"]], (r.stdout, r.stderr)
+        assert "submitted job 1001 (point g-lr3e-3-micro_batch_size4)" in r.stdout
+        assert slurm.calls("sbatch")[0].endswith(f"{NAMES[0]}/job.sbatch")
+        status = slipway("status", "g", env=env)
+        assert status.returncode == 0 and [line.split()[3] for line in status.stdout.splitlines()[2:]] == \
+            ["PENDING"] * 4, status.stdout
+    else:
+        assert f"MaxArraySize = {said}, no count of tasks" in dry.stdout, dry.stdout
+        assert r.returncode == 1 and r.stderr.startswith(f"slipway: error: scontrol show config says MaxArraySize = "
+                                                         f"{said}, no count of tasks") and r.stderr.count("\n") == 1
+        assert not (project / "runs" / NAMES[0]).exists() and not (project / "runs" / ".sweeps" / "g").exists()
+
+
+def test_an_array_runs_at_most_256_tasks_at_once_unless_told(project, standin):
+    from jobs.runs.arrays import array_spec
+
+    _, env = standin
+    assert (array_spec(1000, None), array_spec(4, None), array_spec(1000, 50)) == ("0-999%256", "0-3%4", "0-999%50")
+    r = slipway("sweep", "tiny_cpu", "--name", "g", *GRID, "--dry-run", env=env)
+    assert "--array=0-3%4 (at most 4 at once: --max-parallel" in r.stdout, r.stdout
+
+
+@pytest.fixture
+def teammates_sweep(teammate) -> tuple:
+    """The 2 x 2 grid ended as in `ended`, in a project a second user owns, but for two points of
+    root's: one whose run directory is closed (0700), one whose metrics.jsonl is (0600)."""
+    project = teammate.shared / "proj"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "configs", project / "configs")
+    slurm = StandInSlurm(teammate.shared / "slurm")
+    mine = {**os.environ, **slurm.env(), "SLIPWAY_PROJECT": str(project)}
+    made = subprocess.run([PY, "-m", "jobs", "sweep", "tiny_cpu", "--name", "g", *GRID], cwd=project, env=mine,
+                          capture_output=True, text=True, timeout=240)
+    assert made.returncode == 0, made.stderr
+    for i, (loss, ev) in enumerate([(4.0, 4.5), (3.0, 3.2), (5.0, 5.5)]):
+        metrics(project / "runs" / NAMES[i], [9.0, loss], ev)
+        append_event(project / "runs" / NAMES[i], f"1001_{i}", "end exit 0")
+    subprocess.run(["chown", "-R", f"{teammate.uid}:{teammate.gid}", str(project), str(slurm.root)], check=True)
+    os.chown(project / "runs" / NAMES[1], 0, 0)
+    (project / "runs" / NAMES[1]).chmod(0o700)
+    os.chown(project / "runs" / NAMES[2] / "metrics.jsonl", 0, 0)
+    (project / "runs" / NAMES[2] / "metrics.jsonl").chmod(0o600)
+    env = teammate.env(PATH=f"{slurm.bin}:{os.environ['PATH']}", STANDIN=str(slurm.root), SLIPWAY_PROJECT=str(project))
+    return teammate, env, project
+
+
+def test_a_teammates_points_are_marked_and_every_other_is_compared(teammates_sweep):
+    mate, env, project = teammates_sweep
+    closed = {NAMES[1]: "not readable by you (owned by root, mode 0700)",
+              NAMES[2]: "metrics.jsonl not readable by you (owned by root, mode 0600)"}
+    for args in (["compare", "g"], ["compare", "g", "--csv"], ["status", "g"]):
+        r = mate.slipway(*args, env=env, cwd=project)
+        assert r.returncode == 0 and "error" not in r.stderr, (args, r.stderr)  # a teammate's point is no damage
+        assert all(name in r.stdout for name in NAMES), (args, r.stdout)
+        for name, why in closed.items():
+            assert [line for line in r.stdout.splitlines() if name in line and "UNREADABLE" in line], (args, r.stdout)
+            assert why in r.stdout + r.stderr, (args, name, r.stdout, r.stderr)
+    plot = mate.slipway("plot", "g", env=env, cwd=project)
+    assert plot.returncode == 0 and plot.stdout.strip().endswith("curves.png"), plot.stderr
+    assert all(f"{name} left out of the plot" in plot.stderr for name in closed), plot.stderr
+    again = mate.slipway("sweep", "tiny_cpu", "--name", "g", *GRID, env=env, cwd=project)
+    assert again.returncode == 0 and "1 unreadable" in again.stdout and closed[NAMES[1]] in again.stdout, \
+        (again.stdout, again.stderr)
+
+
+def test_control_characters_in_free_text_and_in_what_a_job_wrote_reach_no_csv_or_table_raw(project, standin):
+    _, env = standin
+    r = slipway("sweep", "tiny_cpu", "--name", "e", "container.env.SLIPWAY_X=[a\x1bb, c\u202ed\x07]", env=env)
+    assert r.returncode == 0, r.stderr
+    points = [p["run"] for p in record(project, "e")["points"]]
+    (project / "runs" / points[0] / "metrics.jsonl").write_text(json.dumps(
+        {"kind": "train", "step": 3, "loss": "\x1b]0;PWNED\x07", "tokens_per_s": "\u2066x"}) + "\n")
+    for args in (["compare", "e", "--csv"], ["compare", "e"], ["status", "e"]):
+        out = slipway(*args, env=env)
+        assert out.returncode == 0, out.stderr
+        raw = sorted({c for c in out.stdout + out.stderr if c != "\n" and one_line(c) != c})
+        assert not raw and ("a\\x1bb" in out.stdout or args[0] == "status"), (args, raw, out.stdout)
+
+
+@pytest.mark.parametrize("settings", [
+    {"train.lr": "1e-3"}, {"train.lr": "3e-3", "train.warmup_steps": "5", "run.seed": "7"},
+    {"model.size": "small"}, {"model.hidden_size": "128", "model.num_heads": "4"}, {"slurm.nodes": "2"},
+    {"slurm.nodes": "2", "parallel.dp": "4"}, {"container.env.X": "y"}, {"slurm.time": "10:00"}, {"train.lr": "-1"},
+    {"train.min_lr": "1", "train.lr": "2"}, {"train.min_lr": "1"}, {"train.min_lr": "1e-3", "train.lr": "5e-4"},
+    {"slurm.partition": "a\x1bb"}, {"train.steps": "x"},
+    {"data.cache_dir": "/tmp/" + "a" * 300}, {"launch.command": ["python3", "x.py"]}, {"nope.x": "1"}])
+def test_a_points_config_built_from_the_base_is_the_one_read_whole(settings):
+    """`Variants` (each setting read once, points built from the base) gives each point the config,
+    or the error, that reading its whole tree gives."""
+    from jobs.config import config_from, read_config
+    from jobs.runs.sweep import Variants
+
+    path, raw = read_config(Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml")
+    variants = Variants(path, raw, ["train.steps=50"], {}, None)
+
+    def built(make):
+        try:
+            return make()
+        except ConfigError as exc:
+            return str(exc)
+    for _ in range(2):  # the second time from what the first read
+        fast = built(lambda: variants(settings, "p-1"))
+        whole = built(lambda: config_from(path, raw, ["train.steps=50"], {}, {**settings, "run.name": "p-1"}))
+        assert fast == whole, (settings, fast, whole)

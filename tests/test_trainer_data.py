@@ -25,6 +25,7 @@ from common.errors import ConfigError
 from trainer.config import DataSection, ModelSection, RunSection, TrainSection, TrainerConfig
 from trainer.data import Sampler, build_data
 from trainer.data_cache import resolve_cache_dir
+from trainer.prepare import check_tokens
 from trainer.data_sources import BUILTIN_TOKENIZER, resolve_source
 from trainer.data_tokenize import load_tokenizer, resolve_tokenizer
 
@@ -497,17 +498,15 @@ def test_missing_tokenizer_path(tmp_path):
 
 
 def test_model_vocab_smaller_than_tokenizer(tmp_path):
-    """The trainer's check, on whatever its data builder says the tokenizer holds."""
-    from trainer.train import train
-
     cfg = config(tmp_path, dataset=str(write_jsonl(tmp_path / "d.jsonl", DOCS)))
     cfg.model.vocab_size = 1000
-    with pytest.raises(ConfigError, match="^model.vocab_size: 1000 is smaller .*'builtin' \\(4096\\): set "
-                                          "model.vocab_size >= 4096$"):
-        train(cfg, tmp_path)
-    cfg.model.vocab_size, cfg.data.tokenizer = 50000, "gpt2"
+    err = _one_line_error(cfg, tmp_path)
+    assert err.field == "model.vocab_size" and "set model.vocab_size >= 4096" in str(err)
+    gpt2 = cfg.data
+    gpt2.tokenizer = "gpt2"
+    assert check_tokens(gpt2, 4096, {"n_tokens": 10**6, "vocab_size": 4096}) == int(10**6 * gpt2.validation_fraction)
     with pytest.raises(ConfigError, match="^model.vocab_size: 50000 is smaller .*'gpt2' \\(50257\\)"):
-        train(cfg, tmp_path, data=lambda *args: (None, None, 50257))
+        check_tokens(gpt2, 50000, {"n_tokens": 10**6, "vocab_size": 50257})
 
 
 def test_other_bad_inputs(tmp_path):

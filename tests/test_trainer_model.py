@@ -14,7 +14,7 @@ from common.errors import ConfigError
 from trainer.config import ModelSection, ParallelSection, TrainSection
 from common.layouts import num_flops_per_token
 from trainer.model import Transformer, seeded_normal, select_attention
-from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_factor, param_groups
+from trainer.optim import Schedule, build_optimizer, clip_grad_norm_, lr_at, param_groups
 from trainer.parallel import ParallelDims, split_for_stage, stage_layers
 
 from trainer_helpers import TINY_MODEL
@@ -166,26 +166,38 @@ def test_no_weight_decay_on_norms(model):
 
 def test_lr_schedule():
     cfg = TrainSection(steps=100, warmup_steps=10, lr=1.0, min_lr=0.1, decay="cosine")
-    assert lr_factor(1, cfg) == pytest.approx(0.1)
-    assert lr_factor(10, cfg) == pytest.approx(1.0)
-    assert lr_factor(55, cfg) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
-    assert lr_factor(100, cfg) == pytest.approx(0.1)
+    assert lr_at(1, cfg) == pytest.approx(0.1)
+    assert lr_at(10, cfg) == pytest.approx(1.0)
+    assert lr_at(55, cfg) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
+    assert lr_at(100, cfg) == pytest.approx(0.1)
     linear = TrainSection(steps=100, warmup_steps=0, lr=1.0, min_lr=0.0, decay="linear")
-    assert lr_factor(50, linear) == pytest.approx(0.5)
-    assert lr_factor(77, TrainSection(steps=100, warmup_steps=10, decay="constant")) == 1.0
-    # The scheduler applies factor(step) during optimizer step `step` and round-trips its state.
+    assert lr_at(50, linear) == pytest.approx(0.5)
+    assert lr_at(77, TrainSection(steps=100, warmup_steps=10, lr=1.0, decay="constant")) == 1.0
+    # The scheduler applies lr_at(step) during optimizer step `step` and round-trips its state.
     m = torch.nn.Linear(2, 2)
     opt = build_optimizer(m, cfg, torch.device("cpu"))
-    sched = build_lr_scheduler(opt, cfg)
+    sched = Schedule(opt, cfg)
     seen = []
-    for _ in range(12):
+    for _ in range(60):
         seen.append(sched.get_last_lr()[0])
         opt.step()
         sched.step()
     assert seen[0] == pytest.approx(0.1) and seen[9] == pytest.approx(1.0)
-    fresh = build_lr_scheduler(build_optimizer(m, cfg, torch.device("cpu")), cfg)
+    fresh = Schedule(build_optimizer(m, cfg, torch.device("cpu")), cfg)
     fresh.load_state_dict(sched.state_dict())
-    assert fresh.get_last_lr() == sched.get_last_lr()
+    assert fresh.get_last_lr() == sched.get_last_lr() and not fresh.said
+    # Trained on (train.steps 100 -> 200 at step 60): the rate goes on from where it was, never up.
+    for train_on, after in (("decay", lambda lr: lr < seen[-1]), ("constant", lambda lr: lr == pytest.approx(seen[-1]))):
+        longer = TrainSection(steps=200, warmup_steps=10, lr=1.0, min_lr=0.1, decay="cosine", train_on=train_on)
+        on = Schedule(build_optimizer(m, longer, torch.device("cpu")), longer)
+        on.load_state_dict(sched.state_dict())
+        lrs = [on.get_last_lr()[0]] + [(on.step(), on.get_last_lr()[0])[1] for _ in range(139)]
+        assert lrs[0] == pytest.approx(seen[-1], rel=0.01) and after(lrs[70]) and "train.steps 100 -> 200" in on.said
+        assert all(b <= a + 1e-12 for a, b in zip(lrs, lrs[1:])), lrs
+        again = Schedule(build_optimizer(m, longer, torch.device("cpu")), longer)  # resumed under the same plan
+        again.load_state_dict(on.state_dict())
+        assert again.get_last_lr() == on.get_last_lr() and not again.said
+    assert lrs[-1] == pytest.approx(seen[-1])
 
 
 def test_clip_grad_norm_matches_torch():

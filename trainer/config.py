@@ -245,6 +245,10 @@ class TrainSection:
     warmup_steps: int = 150
     # How the learning rate goes from lr to min_lr after the warm-up.
     decay: Literal["cosine", "linear", "constant"] = "cosine"
+    # A run resumed past its warm-up with another train.steps (training on: `--train-steps N
+    # --force`) goes on from the learning rate it reached, never back up: decay, from there to
+    # min_lr at the new train.steps (in train.decay's shape); constant, that rate to the end.
+    train_on: Literal["decay", "constant"] = "decay"
     # AdamW's beta1 (decay of the gradient's running mean).
     beta1: float = 0.9
     # AdamW's beta2 (decay of the squared gradient's running mean).

@@ -38,7 +38,7 @@ from common import environ
 from common.errors import ConfigError
 from trainer.config import TrainerConfig
 from trainer.data_cache import ensure_tokens, resolve_cache_dir
-from trainer.prepare import cache_status
+from trainer.prepare import cache_status, check_tokens
 
 log = logging.getLogger(__name__)
 
@@ -124,20 +124,14 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
                 log.info("opened the token cache %s: %s tokens of %s, prepared by %s at %s", files[e.role].path,
                          f"{index['n_tokens']:,}", index["source"], index.get("prepared_by") or "an earlier slipway",
                          index.get("created", "?"))
-    train = files["train"]
-    train_tokens, val_tokens = train.tokens, None
-    if "validation" in files:
-        val_tokens = files["validation"].tokens
-        _check_windows(val_tokens, data.seq_len, files["validation"].index["source"], "data.validation_split")
-    elif data.validation_fraction > 0:
-        n_val = int(len(train.tokens) * data.validation_fraction)
-        if n_val < data.seq_len + 1:
-            raise ConfigError("data.validation_fraction",
-                              f"{data.validation_fraction} of {len(train.tokens):,} tokens is {n_val}, less than one "
-                              f"window of data.seq_len + 1 = {data.seq_len + 1}: raise it, lower data.seq_len, "
-                              "or set it to 0 to skip validation")
-        train_tokens, val_tokens = train.tokens[:-n_val], train.tokens[-n_val:]
-    _check_windows(train_tokens, data.seq_len, train.index["source"], "data.dataset")
+    train, split = files["train"], files.get("validation")
+
+    def counted(f):  # what the cache's index says, as the tokens mapped count it
+        return {**f.index, "n_tokens": len(f.tokens), "vocab_size": f.vocab_size}
+
+    n_val = check_tokens(data, cfg.model.vocab_size, counted(train), counted(split) if split else None)
+    train_tokens, val_tokens = (train.tokens[:-n_val], train.tokens[-n_val:]) if n_val else (
+        train.tokens, split.tokens if split else None)
     train_sampler = Sampler(train_tokens, data.seq_len, batch, dp_rank, dp_size, seed=cfg.run.seed)
     val_sampler = None
     if val_tokens is not None:
@@ -149,7 +143,3 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
     return train_sampler, val_sampler, train.vocab_size
 
 
-def _check_windows(tokens: np.ndarray, seq_len: int, source: str, where: str) -> None:
-    if len(tokens) < seq_len + 1:
-        raise ConfigError(where, f"{len(tokens):,} tokens of {source} hold no window of data.seq_len + 1 = "
-                          f"{seq_len + 1}: lower data.seq_len or use more data")

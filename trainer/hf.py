@@ -48,8 +48,8 @@ _IN_LAYER = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.
              "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
              "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
              "post_attention_layernorm": "ffn_norm"}
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
-_OUR_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.weight$")
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
+_OUR_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)\.weight")
 # HF config.json key -> ModelSection field, compared before any weight is read.
 _MATCHED = (("hidden_size", "hidden_size"), ("intermediate_size", "intermediate_size"),
             ("num_hidden_layers", "num_layers"), ("num_attention_heads", "num_heads"),
@@ -88,7 +88,7 @@ def hf_to_ours(name: str) -> Optional[str]:
     """Our name for an HF tensor name; None for what we do not keep (rotary caches)."""
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
-    match = _HF_LAYER_RE.match(name)
+    match = _HF_LAYER_RE.fullmatch(name)
     if match and match.group(2) in _IN_LAYER:
         return f"layers.{match.group(1)}.{_IN_LAYER[match.group(2)]}.weight"
     if name.endswith("rotary_emb.inv_freq"):  # recomputed, stored by old transformers versions
@@ -100,7 +100,7 @@ def hf_to_ours(name: str) -> Optional[str]:
 def ours_to_hf(name: str) -> str:
     top = {ours: hf for hf, ours in _TOP_LEVEL.items()}
     in_layer = {ours: hf for hf, ours in _IN_LAYER.items()}
-    match = _OUR_LAYER_RE.match(name)
+    match = _OUR_LAYER_RE.fullmatch(name)
     if name in top:
         return top[name]
     if match and match.group(2) in in_layer:

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import TrainSection
 
@@ -75,25 +74,67 @@ class SkippableStep:
         return skip
 
 
-def lr_factor(step: int, cfg: TrainSection) -> float:
-    """lr(step) / lr for optimizer step `step` (1-based): linear warmup over
-    warmup_steps, then decay (cosine, linear or constant) to min_lr at `steps`."""
-    if cfg.warmup_steps > 0 and step <= cfg.warmup_steps:
-        return step / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    if cfg.decay == "constant":
-        return 1.0
-    if cfg.decay == "linear":
-        shape = 1.0 - progress
-    else:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return (cfg.min_lr + (cfg.lr - cfg.min_lr) * shape) / cfg.lr
+def lr_at(step: int, cfg: TrainSection, start: Optional[tuple[int, float]] = None) -> float:
+    """The learning rate of optimizer step `step` (1-based): linear warm-up over warmup_steps,
+    then decay (cosine, linear or constant) to min_lr at `steps`, from `start` (step, rate): the
+    warm-up's end at lr, or where a train-on took over (`Schedule`)."""
+    if start is None:
+        if cfg.warmup_steps > 0 and step <= cfg.warmup_steps:
+            return cfg.lr * step / cfg.warmup_steps
+        start = (cfg.warmup_steps, cfg.lr)
+    first, rate = start
+    if cfg.decay == "constant" or (first > cfg.warmup_steps and cfg.train_on == "constant"):
+        return rate
+    progress = min(1.0, (step - first) / max(1, cfg.steps - first))
+    shape = 1.0 - progress if cfg.decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr + (rate - cfg.min_lr) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainSection) -> LambdaLR:
-    """LambdaLR counts completed steps from 0, so step i+1 uses lr_factor(i + 1).
-    It is Stateful (state_dict/load_state_dict) as a checkpoint wants."""
-    return LambdaLR(optimizer, lambda done: lr_factor(done + 1, cfg))
+class Schedule:
+    """The optimizer's learning rate, step by step (`lr_at`); Stateful, as a checkpoint wants. A
+    checkpoint resumed under another train.steps than it planned for (a train-on: `--train-steps
+    N --force`) goes on from the rate it reached, never back up: from there the decay is planned
+    anew to the new train.steps (train.train_on: decay), or the rate stays (constant). Within the
+    warm-up nothing changes: the warm-up does not depend on train.steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainSection):
+        self.optimizer, self.cfg = optimizer, cfg
+        self.last_epoch = 0  # the steps done (LambdaLR's name: the checkpoints it wrote hold it)
+        self.steps = cfg.steps  # the train.steps the plan decays to
+        self.start: Optional[tuple[int, float]] = None  # where a train-on took over, and its rate
+        self.said = ""  # a train-on's plan, for the log
+        self._apply()
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.last_epoch + 1, self.cfg, self.start)
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        reached = lr_at(self.last_epoch, self.cfg, self.start) if self.last_epoch else 0.0
+        first, rate = self.start or (-1, 0.0)
+        return {"last_epoch": self.last_epoch, "steps": self.steps, "start_step": first, "start_lr": rate,
+                "lr": reached}
+
+    def load_state_dict(self, state: dict) -> None:
+        # A checkpoint written before train-ons were planned holds last_epoch alone: the plan stays.
+        self.last_epoch, steps = int(state["last_epoch"]), int(state.get("steps", self.cfg.steps))
+        self.start = (int(state["start_step"]), float(state["start_lr"])) if state.get("start_step", -1) >= 0 else None
+        if steps != self.cfg.steps and self.last_epoch > self.cfg.warmup_steps:
+            self.start = (self.last_epoch, float(state["lr"]))
+            constant = self.cfg.train_on == "constant" or self.cfg.decay == "constant"
+            self.said = (f"train.steps {steps} -> {self.cfg.steps} at step {self.last_epoch}: the learning rate goes on "
+                         f"from {self.start[1]:.2e}, " + ("constant to the end" if constant else
+                                                          f"decaying ({self.cfg.decay}) to {self.cfg.min_lr:.2e} at step "
+                                                          f"{self.cfg.steps}") + " (train.train_on)")
+        self.steps = self.cfg.steps
+        self._apply()
 
 
 def _sharded_norm_sq(grads: list[DTensor]) -> torch.Tensor:

@@ -14,7 +14,7 @@ import io
 import sys
 from pathlib import Path
 
-from common.errors import ConfigError
+from common.errors import ConfigError, warn
 from common.extras import require
 from common.fs import write_atomic
 from common.metrics_log import latest_by_step, read_metrics
@@ -52,7 +52,11 @@ def plot_runs(run_dirs: list[Path], labels: list[str], out: Path, title: str = "
     fig, ax = plt.subplots(figsize=(11, 6))
     drawn = 0
     for run_dir, label in zip(run_dirs, labels):
-        records = latest_by_step(read_metrics(run_dir))
+        try:
+            records = latest_by_step(read_metrics(run_dir))
+        except (OSError, ConfigError) as exc:  # that run alone (a FIFO, a teammate's, no steps): the others drawn
+            warn(f"{run_dir.name} left out of the plot: {getattr(exc, 'strerror', None) or exc}")
+            continue
         train = [r for r in records if r.get("kind") == "train" and r.get("loss") is not None]
         if not train:
             continue

@@ -33,6 +33,31 @@ from trainer.data_sources import BUILTIN, run_sources
 from trainer.data_tokenize import ProgressSink, resolve_tokenizer
 
 
+def check_tokens(data: DataSection, vocab_size: int, train: dict, validation: dict | None = None) -> int:
+    """The trainer's rules on a prepared cache's token counts (an entry's index: `n_tokens`,
+    `vocab_size`, `source`), a ConfigError naming the field and the fix: a model vocabulary as
+    large as the tokenizer's, a window of data.seq_len + 1 tokens in each split. Returns the
+    tokens data.validation_fraction takes from the end of train (0 with a split of its own)."""
+    window, n_train, n_val = data.seq_len + 1, int(train["n_tokens"]), 0
+    if int(train.get("vocab_size", 0)) > vocab_size:
+        raise ConfigError("model.vocab_size", f"{vocab_size} is smaller than the vocabulary of data.tokenizer "
+                                              f"'{data.tokenizer}' ({train['vocab_size']}): set model.vocab_size >= "
+                                              f"{train['vocab_size']}")
+    if validation is None and data.validation_fraction > 0 and not data.validation_split:
+        n_val = int(n_train * data.validation_fraction)
+        if n_val < window:
+            raise ConfigError("data.validation_fraction",
+                              f"{data.validation_fraction} of {n_train:,} tokens is {n_val}, less than one window "
+                              f"of data.seq_len + 1 = {window}: raise it, lower data.seq_len, or set it to 0 to "
+                              "skip validation")
+    for field, split, n in (("data.validation_split", validation, validation and int(validation["n_tokens"])),
+                            ("data.dataset", train, n_train - n_val)):
+        if split is not None and n < window:
+            raise ConfigError(field, f"{n:,} tokens of {split.get('source')} hold no window of data.seq_len + 1 = "
+                                     f"{window}: lower data.seq_len or use more data")
+    return n_val
+
+
 @dataclass(frozen=True)
 class CacheStatus:
     """Whether the token cache holds everything a run reads."""

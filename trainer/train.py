@@ -41,7 +41,6 @@ import logging
 import os
 import re
 import time
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -61,7 +60,7 @@ from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
 from trainer.watchdog import HangWatchdog, collective_timeout
 from common.layouts import num_flops_per_token
 from trainer.model import select_attention
-from trainer.optim import SkippableStep, build_lr_scheduler, build_optimizer, clip_grad_norm_
+from trainer.optim import Schedule, SkippableStep, build_optimizer, clip_grad_norm_
 from trainer.parallel import (Batch, DistEnv, ParallelDims, build_model, distributed_session, global_mean, resolve_dtype,
                               step_stats)
 from trainer.runners import Runner, build_runner
@@ -159,7 +158,7 @@ class Training:
     model: nn.Module
     runner: Runner
     optimizer: torch.optim.Optimizer
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    lr_scheduler: Schedule
     update: SkippableStep
     feeder: BatchFeeder
     val_data: Optional[Sampler]
@@ -199,9 +198,7 @@ def train_step(training: Training, batches: list[Batch]) -> tuple[int, float, to
     lr = training.lr_scheduler.get_last_lr()[0]
     stats = step_stats(loss, grad_norm, training.dims)  # on the device: loss, norm, non-finite
     skipped = training.update.step(stats[2])
-    with warnings.catch_warnings():  # a skipped first step (foreach path) is not the misuse torch warns of
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
-        training.lr_scheduler.step()  # the schedule moves on with the step count, skipped or not
+    training.lr_scheduler.step()  # the schedule moves on with the step count, skipped or not
     training.optimizer.zero_grad(set_to_none=True)
     return training.state.step, lr, torch.cat([stats[:2], skipped[None]])
 
@@ -239,8 +236,9 @@ def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, s
         log.warning("step %d: checkpoint deferred to the next step with a finite loss and gradient norm", state.step)
     loop.window_start += time.perf_counter() - t_aside
     if result.requeue:
-        log.warning("stopping after step %d on %s: exit %d to be requeued", state.step,
-                    training.stop.received or "a request seen by another rank", REQUEUE_EXIT)
+        log.warning("stopping after step %d on %s: saved, exit %d (resumable: a job is requeued, a launch "
+                    "started again resumes)", state.step, training.stop.received or "a request seen by another rank",
+                    REQUEUE_EXIT)
     return result.requeue
 
 
@@ -261,15 +259,12 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp
     _describe(cfg, env, dims, dtype, attn_impl, timeout, tokens_per_step)
 
-    train_data, val_data, vocab_size = data(cfg, run_dir, dims.dp_rank, dims.dp)
-    if vocab_size > cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the vocabulary of "
-                          f"data.tokenizer '{cfg.data.tokenizer}' ({vocab_size}): set model.vocab_size >= {vocab_size}")
+    train_data, val_data, _ = data(cfg, run_dir, dims.dp_rank, dims.dp)
     feeder = BatchFeeder(train_data, cfg.train.grad_accum_steps, env.device, read_ahead=cfg.train.prefetch)
     model = build_model(cfg, dims, env.device, dtype, attn_impl)
     runner = build_runner(model, dims, cfg, env.device, dtype)
     optimizer = build_optimizer(model, cfg.train, env.device)
-    lr_scheduler = build_lr_scheduler(optimizer, cfg.train)
+    lr_scheduler = Schedule(optimizer, cfg.train)
     state = TrainState()
     # What a checkpoint holds; model and optimizer under full-model names, so any
     # dp/tp/pp layout can load what another saved.
@@ -315,6 +310,8 @@ def _resume(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta,
                     "raise train.steps (with --force) or pick another --run-name", cfg.train.steps, step)
     elif step and step < cfg.train.steps:
         log.info("resumed from step %d of %s", step, run_dir / cfg.checkpoint.dir)
+        if states["lr_scheduler"].said and env.rank == 0:
+            log.info("%s", states["lr_scheduler"].said)
     elif cfg.checkpoint.save_initial:
         checkpointer.save(0, states)
     return checkpointer

@@ -1,42 +1,33 @@
-"""Warm ranks: ranks started from a process that has already paid for the interpreter, torch and
-the other heavy imports, with the run's own code imported fresh (`slipway run`, issue 41).
+"""Warm ranks: ranks forked from a process that has already paid for the interpreter, torch and
+the other heavy imports, each importing its run's own code (`slipway run`; docs/runs.md).
 
-Run as a file, never imported as `trainer.warm`: a warm process holds no module of the trainer's
-(nor of `common`), so that each run imports its own code snapshot.
+    python3 .../trainer/warm.py serve SOCKET --code DIR    # one per node, allocation and key (a Slurm step)
+    python3 -S .../trainer/warm.py rank SOCKET -- python3 -m trainer --config ...   # each rank's task
 
-    python3 .../trainer/warm.py serve NAME --code DIR    # one per node and allocation (a Slurm step)
-    python3 -S .../trainer/warm.py rank NAME -- python3 -m trainer --config ...   # each rank's task
-
-`serve` binds the abstract Unix socket NAME first (clients that come while it imports wait in
-its backlog), imports what the code snapshot DIR imports at module level (never trainer/ nor
-common/), then forks a rank for each request. `rank` hands its standard streams, environment,
-working directory, CPU set and umask to the warm process, passes on the signals it gets, and exits
-as its rank did; where no warm process answers (none, another key, a refusal) it execs the
-command itself: the rank starts cold, as without warm processes.
-
-Why the fork is safe: the warm process runs no torch operation, so it has no thread, OpenMP pool
-or CUDA context (checked before every fork, else no fork). The rank gets the client's environment
-whole, sys.path rebuilt from its PYTHONPATH, its own intra-op thread count (OpenMP read
-OMP_NUM_THREADS at the warm process's import), `random` reseeded and the default signal handlers;
-it then imports the run's code and builds its process group and model as a cold rank does. A
-changed image, container settings or interpreter give another NAME (jobs/slurm/warm.py); torch
-changed under a warm process (a venv reinstalled) is found at the next request, which starts cold
-and ends that warm process. A rank is the warm process's child in a session of its own: a signal
-its client gets goes to the rank's process group, and a client that dies (Slurm's SIGKILL) takes
-its rank with it. The warm process is a step of the allocation: it ends with it, or on SIGTERM
-(`slipway run --stop-warm`, another key started) once its ranks have ended.
+Run as a file: a warm process holds no module of trainer/ nor common/. It binds SOCKET-NODE.sock
+in SOCKET's folder, the user's alone, beside the allocation's secret (JOB.secret, JOB from
+SLURM_JOB_ID); each side proves the secret by an HMAC over the other's random challenge (as
+CPython's forkserver does), and a message off the protocol ends its connection only. A rank starts
+warm only where it then starts as it would cold (`Warm.refusal`: its environment but for PER_LAUNCH,
+the modules its sys.path finds, unchanged on disk, no thread that outlives a fork), with its
+task's streams, environment, directory, umask, CPUs, sys.path and fresh global generators (an
+unset PYTHONHASHSEED draws one seed per warm process); else its task execs it cold, saying why.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import fcntl
+import hmac
 import json
 import os
+import re
+import secrets
 import selectors
 import signal
 import socket
-import struct
+import stat
 import sys
 import time
 from pathlib import Path
@@ -46,64 +37,110 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
              signal.SIGCONT)
 OWN = ("trainer", "common")  # slipway's packages: each rank imports the run's own
 MAX_MESSAGE = 1 << 20  # a request: the environment, the command
+PROOF_SECONDS = 10  # a connection that has not proved itself by then is closed
+# Set per launch, step or rank (by Slurm, its GPU binding, the launcher, the shell, slipway) and
+# read by no import, the devices at their first use: where a rank's environment may differ from its
+# warm process's (PYTHONPATH: see `_shadowed`).
+PER_LAUNCH = re.compile(r"(SLURM|SLURMD|PMI|PMIX|SLIPWAY)_\w*|((LOCAL|GROUP|ROLE)_)?(RANK|WORLD_SIZE)|NODE_RANK|"
+                        r"MASTER_(ADDR|PORT)|(CUDA|ROCR|HIP|NVIDIA)_VISIBLE_DEVICES|GPU_DEVICE_ORDINAL|"
+                        r"ZE_AFFINITY_MASK|PYTHONPATH|SHLVL|OLDPWD|_")
+NODE = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def _node() -> str:
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+class Cold(Exception):
+    """Why a rank starts cold."""
 
 
-def _peer_uid(sock: socket.socket) -> int:
-    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+def _say(text: str, stream=None) -> None:
+    print(f"slipway-warm {NODE}{text}", file=stream or sys.stdout, flush=True)
 
 
 def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
-    data = json.dumps(message).encode()
-    if fds:
-        socket.send_fds(sock, [data], list(fds))
-    else:
-        sock.send(data)
+    socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
+
+
+def _recv(sock: socket.socket) -> dict:
+    """The next message ({} once the other side is gone); ValueError for one off the protocol."""
+    message = json.loads(data) if (data := sock.recv(MAX_MESSAGE)) else {}
+    if not isinstance(message, dict):
+        raise ValueError("a message that is no JSON object")
+    return message
+
+
+def _mac(secret: bytes, challenge: object) -> str:
+    return hmac.new(secret, str(challenge).encode(), "sha256").hexdigest()
+
+
+def _secret(prefix: str, create: bool = False) -> bytes:
+    """This allocation's secret, in SOCKET's folder, which must be this user's alone; made once,
+    whole under another name, then linked (never seen half made, whoever is first)."""
+    folder, st = Path(prefix).parent, os.lstat(Path(prefix).parent)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise Cold(f"{folder} is not a folder of this user's closed to others: not a warm process's")
+    path, tmp = folder / f"{os.environ.get('SLURM_JOB_ID') or 'none'}.secret", folder / f".{os.getpid()}.secret"
+    if create and not path.exists():
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
+            f.write(secrets.token_bytes(32))
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+        os.unlink(tmp)
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
+            st, data = os.fstat(f.fileno()), f.read(64)
+    except OSError as exc:
+        raise Cold(f"no secret of this allocation's ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077 or len(data) != 32:
+        raise Cold(f"{path} is no secret of this user's")
+    return data
 
 
 # ---------------------------------------------------------------------------- the rank's task
 
 
-def client(name: str, argv: list[str]) -> int:
-    """Start `argv` as a rank through the warm process NAME, or cold (exec) where none answers."""
-    why, sock, umask = "", None, os.umask(0o022)
+def _connect(prefix: str) -> socket.socket:
+    """A connection to this node's warm process of SOCKET `prefix`, each side proven to the other."""
+    secret, sock = _secret(prefix), socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(f"{prefix}-{NODE}.sock")
+        mine = secrets.token_hex(16)
+        _send(sock, {"answer": _mac(secret, _recv(sock).get("challenge")), "challenge": mine})
+        if not hmac.compare_digest(str(_recv(sock).get("answer")), _mac(secret, mine)):
+            raise Cold("the process on the warm socket did not prove this allocation's secret")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def client(prefix: str, argv: list[str]) -> int:
+    """Start `argv` as a rank through this node's warm process, or cold (exec) where none takes it;
+    one line on stderr says which (`slipway run` tells it on the terminal and in events.log)."""
+    what, umask = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "the node step", os.umask(0o022)
     os.umask(umask)
     try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.connect("\0" + name)
-        if _peer_uid(sock) != os.getuid():  # another user's socket under our name: never tell it anything
-            raise ConnectionRefusedError(f"the socket {name} is another user's")
+        sock = _connect(prefix)
         _send(sock, {"argv": argv, "executable": os.path.realpath(sys.executable), "env": dict(os.environ),
                      "cwd": os.getcwd(), "cpus": sorted(os.sched_getaffinity(0)), "umask": umask}, [0, 1, 2])
-        reply = json.loads(sock.recv(MAX_MESSAGE) or b'{"cold": "the warm process ended"}')
-        why = reply.get("cold", "")
-    except (OSError, ValueError) as exc:
-        why = "no warm process on this node" if isinstance(exc, (ConnectionRefusedError, FileNotFoundError)) \
-            else f"the warm process did not answer ({exc})"
-    if why or sock is None:
-        if sock is not None:
-            sock.close()
-        print(f"slipway-warm {_node()}: rank {os.environ.get('RANK', '?')} starts cold: {why}", file=sys.stderr,
-              flush=True)
+        if "pid" not in (reply := _recv(sock)):  # (sockets close at exec)
+            raise Cold(str(reply.get("cold") or "the warm process closed the connection"))
+    except (Cold, OSError, ValueError) as exc:
+        why = "no warm process on this node" if isinstance(exc, (FileNotFoundError, ConnectionRefusedError)) else \
+            str(exc) if isinstance(exc, Cold) else f"the warm process did not answer ({exc})"
+        _say(f": {what} starts cold: {why}", sys.stderr)
         os.execvp(argv[0], argv)
+    _say(f": {what} started warm (pid {reply['pid']})", sys.stderr)
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _send(sock, {"signal": signum}))
-    while True:
+    while True:  # (a signal's handler returns: recv goes on, PEP 475)
         try:
-            data = sock.recv(MAX_MESSAGE)
-        except InterruptedError:
-            continue
-        if not data:
-            print(f"slipway-warm {_node()}: the warm process ended under rank {os.environ.get('RANK', '?')}",
-                  file=sys.stderr, flush=True)
-            return 1
-        message = json.loads(data)
+            message = _recv(sock)
+        except (OSError, ValueError):
+            message = {}
         if "exit" in message:
-            code, sig = message["exit"], message.get("signal")
-            return 128 + sig if sig else code
+            return 128 + message["signal"] if message.get("signal") else message["exit"]
+        if not message:
+            _say(f": the warm process ended under {what}", sys.stderr)
+            return 1
 
 
 # ---------------------------------------------------------------------------- the warm process
@@ -114,61 +151,40 @@ def module_imports(code_dir: Path) -> list[str]:
     (statements at the top, or under a top-level if/try), theirs excluded, in the order found."""
     found: list[str] = []
 
-    def add(name: str) -> None:
-        if name and name.split(".")[0] not in OWN and name != "__future__" and name not in found:
-            found.append(name)
-
     def visit(body: list[ast.stmt]) -> None:
         for node in body:
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    add(alias.name)
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                add(node.module)
-            elif isinstance(node, (ast.If, ast.Try)):
-                visit(node.body)
-                visit(getattr(node, "orelse", []))
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found.extend(n for n in names if n and n.split(".")[0] not in OWN and n != "__future__" and n not in found)
+            if isinstance(node, (ast.If, ast.Try)):
+                for block in (node.body, node.orelse, *(h.body for h in getattr(node, "handlers", []))):
+                    visit(block)
 
     for package in OWN:
         for path in sorted((code_dir / package).glob("*.py")):
-            try:
+            with contextlib.suppress(OSError, SyntaxError, ValueError):
                 visit(ast.parse(path.read_text(), str(path)).body)
-            except (OSError, SyntaxError, ValueError):
-                continue
     return found
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-
-
-def _torch_stamp() -> str:
-    """What says torch is still the one imported: its files' sizes and times."""
-    torch_file, out = getattr(sys.modules.get("torch"), "__file__", None), []
-    for name in ("__init__.py", "version.py") if torch_file else ():
-        with contextlib.suppress(OSError):
-            st = (Path(torch_file).parent / name).stat()
-            out.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
-    return " ".join(out)
-
-
 def _fork_unsafe() -> str:
-    """Why forking this process now is unsafe ("" when it is not)."""
+    """Why forking this process now is unsafe ("" when it is not): a CUDA context, or a thread that
+    outlives a fork (after a throwaway one: OpenBLAS, say, stops its pool for a fork)."""
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "cuda") and torch.cuda.is_initialized():
         return "an import created a CUDA context"
-    threads = _threads()
-    return f"an import started threads ({threads} running): forking is unsafe" if threads != 1 else ""
+    if (threads := len(os.listdir("/proc/self/task"))) > 1:
+        if (probe := os.fork()) == 0:
+            os._exit(0)
+        os.waitpid(probe, 0)
+        threads = len(os.listdir("/proc/self/task"))
+    return f"an import started threads that outlive a fork ({threads} running): forking is unsafe" if threads > 1 else ""
 
 
 def _import_all(names) -> None:
     for name in names:
-        try:
+        with contextlib.suppress(Exception):  # a module the image lacks is the rank's to report, cold
             __import__(name)
-        except Exception:  # noqa: BLE001 - a module the image lacks is the rank's to report, cold
-            continue
     for name in [m for m in sys.modules if m.split(".")[0] in OWN]:
         del sys.modules[name]  # a third party's import of ours: each rank imports the run's
 
@@ -177,43 +193,71 @@ def learn(names: set[str]) -> int:
     """Import what the ranks imported after the fork (torch's lazy imports: torch._dynamo, numpy
     for checkpoints...), so the next ranks start with them; first in a throwaway child, so that
     a module that would start a thread or a CUDA context is never imported here. How many came."""
-    names = {n for n in names if n not in sys.modules}
-    if not names:
+    if not (names := {n for n in names if n not in sys.modules}):
         return 0
-    probe = os.fork()
-    if probe == 0:
+    if (probe := os.fork()) == 0:
         _import_all(sorted(names))
-        os._exit(0 if not _fork_unsafe() else 1)
-    _, status = os.waitpid(probe, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
+        os._exit(1 if _fork_unsafe() else 0)
+    if os.waitstatus_to_exitcode(os.waitpid(probe, 0)[1]) != 0:
         return 0
     before = len(sys.modules)
     _import_all(sorted(names))
     return len(sys.modules) - before
 
 
-class Rank:
-    """A forked child's request: what it becomes once the warm process's loop has let it go."""
+def _stamp(files) -> dict[str, tuple]:
+    """What says `files` are still those imported: each one's identity on disk."""
+    out: dict[str, tuple] = {}
+    for file in files:
+        with contextlib.suppress(OSError):
+            st = os.stat(file)
+            out[file] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        out.setdefault(file, ())
+    return out
 
-    def __init__(self, request: dict, fds: list[int], report: int):
-        self.request, self.fds, self.report = request, fds, report  # report: where to say what it imported
+
+def _shadowed(path: list[str]) -> str:
+    """A module held that `path`, a rank's sys.path, would find elsewhere, said ("" if none)."""
+    from importlib.machinery import PathFinder
+
+    for name, module in list(sys.modules.items()):
+        spec, file = getattr(module, "__spec__", None), getattr(module, "__file__", None)
+        if "." not in name and file and spec is not None and spec.name == name and spec.has_location:
+            if (found := PathFinder.find_spec(name, path)) is None or found.origin != file:
+                return f"its sys.path finds {name} {f'at {found.origin}' if found else 'nowhere'}, not at {file}"
+    return ""
+
+
+def _pools(env: dict, cpus: int) -> int:
+    """The thread count a library sizes its pool by at import: OMP_NUM_THREADS, at most the CPUs."""
+    value = env.get("OMP_NUM_THREADS", "")
+    return min(cpus, int(value)) if value.isdigit() and int(value) > 0 else cpus
+
+
+def _request(message: dict, fds: list[int]) -> dict:
+    """`message` if it is a request as clients send it (and its three streams came), else ValueError."""
+    kinds = {"argv": list, "executable": str, "env": dict, "cwd": str, "cpus": list, "umask": int}
+    words = [*message.get("argv", ()), *message.get("env", {}), *message.get("env", {}).values()]
+    if len(fds) != 3 or any(not isinstance(message.get(k), kind) for k, kind in kinds.items()) or \
+            not all(isinstance(w, str) for w in words) or {type(c) for c in message["cpus"]} - {int} or len(message["argv"]) < 2:
+        raise ValueError("a request off the protocol")
+    return message
 
 
 class Warm:
-    """The warm process's loop: one thread, selectors over its socket, the clients' connections,
-    the ranks' reports of their imports and a self-pipe for SIGCHLD and SIGTERM."""
+    """The warm process's loop: one thread, selectors over its socket, the clients' connections
+    (the ranks' too, at their end, to say what they imported) and a self-pipe for SIGCHLD and SIGTERM."""
 
-    def __init__(self, listener: socket.socket, key: str):
-        self.listener, self.key, self.stamp = listener, key, _torch_stamp()
-        self.base_path = _base_path(os.environ.get("PYTHONPATH", ""))
+    def __init__(self, listener: socket.socket, prefix: str, record: dict[str, str]):
+        self.listener, self.prefix, self.record = listener, prefix, record  # record: the environment it started with
+        self.secret, self.base_path = _secret(prefix), _base_path(os.environ.get("PYTHONPATH", ""))
+        self.restamp()
         self.ranks: dict[int, "socket.socket | None"] = {}  # pid -> its client's connection (None: gone)
-        self.conns: dict[socket.socket, int] = {}  # connection -> its rank's pid (0 before the fork)
-        self.reports: dict[int, bytes] = {}  # a rank's report pipe -> what it said so far
+        # A connection -> its challenge and deadline while unproven, then its rank's pid (0 before the fork).
+        self.conns: dict[socket.socket, "tuple[str, float] | int"] = {}
         self.learned: set[str] = set()
         self.draining = False
-        self.wake_r, wake_w = os.pipe()
-        for fd in (self.wake_r, wake_w):
-            os.set_blocking(fd, False)
+        self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "draining", True))
@@ -222,138 +266,159 @@ class Warm:
         self.sel.register(listener, selectors.EVENT_READ, "listen")
         self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
 
-    def serve(self, unsafe: str) -> "Rank | None":
+    def serve(self, unsafe: str) -> "dict | None":
         while True:
             if self.draining and self.listener.fileno() >= 0:
                 self.sel.unregister(self.listener)
-                self.listener.close()  # the name is free: a new warm process may take it
+                with contextlib.suppress(OSError):  # the name is free: a new warm process may take it
+                    os.unlink(f"{self.prefix}-{NODE}.sock")
+                self.listener.close()
             if not self.ranks and self.learned:
-                came = learn(self.learned)
-                self.learned = set()
+                came, self.learned = learn(self.learned), set()
+                unsafe = unsafe or _fork_unsafe()
+                self.restamp()
                 if came:
-                    print(f"slipway-warm {_node()} learned {came} modules the ranks imported", flush=True)
+                    _say(f" learned {came} modules the ranks imported")
             if self.draining and not self.ranks:
-                print(f"slipway-warm {_node()} stopped", flush=True)
+                _say(" stopped")
                 return None
-            for event, _ in self.sel.select():
-                what = event.data
-                if what == "wake":
+            for conn in [c for c, s in self.conns.items() if isinstance(s, tuple) and time.monotonic() > s[1]]:
+                self.close(conn)
+            for event, _ in self.sel.select(timeout=PROOF_SECONDS):
+                if event.data == "wake":
                     with contextlib.suppress(BlockingIOError):
                         os.read(self.wake_r, 512)
                     self.reap()
-                elif what == "listen":
-                    self.accept()
-                elif isinstance(what, int):
-                    self.read_report(what)
-                else:
-                    rank = self.receive(what, unsafe)
-                    if rank is not None:
-                        return rank
+                elif event.data == "listen":
+                    with contextlib.suppress(OSError):
+                        conn, _ = self.listener.accept()
+                        self.conns[conn] = (secrets.token_hex(16), time.monotonic() + PROOF_SECONDS)
+                        self.sel.register(conn, selectors.EVENT_READ, conn)
+                        _send(conn, {"challenge": self.conns[conn][0]})
+                elif (rank := self.receive(event.data, unsafe)) is not None:
+                    return rank
 
-    def accept(self) -> None:
-        try:
-            conn, _ = self.listener.accept()
-        except OSError:
-            return
-        if _peer_uid(conn) != os.getuid():
-            conn.close()
-            return
-        self.conns[conn] = 0
-        self.sel.register(conn, selectors.EVENT_READ, conn)
+    def restamp(self) -> None:  # the files of the modules held, and the sys.path folders (an install changes one)
+        modules = {f for f in (getattr(m, "__file__", None) for m in list(sys.modules.values())) if isinstance(f, str)}
+        self.stamp = _stamp(modules | set(self.base_path))
 
     def close(self, conn: socket.socket) -> None:
         if self.conns.pop(conn, None) is not None:
             self.sel.unregister(conn)
             conn.close()
 
-    def read_report(self, fd: int) -> None:
-        data = os.read(fd, 65536)
-        if data and len(self.reports[fd]) < MAX_MESSAGE:
-            self.reports[fd] += data
-            return
-        self.sel.unregister(fd)
-        os.close(fd)
-        self.learned |= set(self.reports.pop(fd).decode(errors="replace").split())
-
-    def receive(self, conn: socket.socket, unsafe: str) -> "Rank | None":
+    def receive(self, conn: socket.socket, unsafe: str) -> "dict | None":
+        """A client's message: its proof, its request, a signal for its rank, or a rank's imports at
+        its end. Anything else, or nothing (the client is gone: so is its rank, reaped later), ends
+        that connection only."""
+        fds, state = [], self.conns[conn]
         try:
             data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
-        except OSError:
-            data, fds = b"", []
-        pid = self.conns.get(conn, 0)
-        if not data:  # the client is gone: so is its rank (reaped later)
-            if pid:
-                _kill(pid, signal.SIGKILL)
-                self.ranks[pid] = None
+            if not isinstance(message := json.loads(data) if data else None, dict):
+                raise EOFError if not data else ValueError("a message that is no JSON object")
+            if isinstance(state, tuple):
+                if not hmac.compare_digest(str(message.get("answer")), _mac(self.secret, state[0])):
+                    raise ValueError("a client without this allocation's secret")
+                self.conns[conn] = 0
+                _send(conn, {"answer": _mac(self.secret, message.get("challenge"))})
+            elif state:
+                _kill(state, int(message["signal"]))
+            elif isinstance(message.get("imported"), list):
+                self.learned |= {name for name in message["imported"] if isinstance(name, str)}
+                self.close(conn)
+            else:
+                request, streams, fds = _request(message, fds), fds, []  # fork() owns the streams now
+                return self.fork(conn, request, streams, unsafe)
+        except Exception as exc:  # noqa: BLE001 - whatever a client sends, the warm process serves on
+            if not isinstance(exc, EOFError):
+                _say(f": a connection ended: {type(exc).__name__}: {exc}"[:300])
+            if isinstance(state, int) and state:
+                _kill(state, signal.SIGKILL)
+                self.ranks[state] = None
             self.close(conn)
-            return None
-        message = json.loads(data)
-        if pid:
-            if "signal" in message:
-                _kill(pid, int(message["signal"]))
-            return None
-        why = unsafe or _refusal(message, self.key, self.stamp)
-        if why:
+            for fd in fds:
+                os.close(fd)
+        return None
+
+    def fork(self, conn: socket.socket, request: dict, fds: list[int], unsafe: str) -> "dict | None":
+        """Fork the rank `request` asks for (the child returns it, with its streams), or answer why
+        it starts cold."""
+        request["path"] = _rank_path(request, self.base_path)
+        request["set"] = {k: os.environ.get(k) for k in {*os.environ, *self.record} if os.environ.get(k) != self.record.get(k)}
+        if why := unsafe or self.refusal(request):
             _send(conn, {"cold": why})
             for fd in fds:
                 os.close(fd)
-            self.close(conn)
-            self.draining |= why.startswith("torch changed")
-            return None
-        report_r, report_w = os.pipe()
-        child = os.fork()
-        if child == 0:  # the rank: nothing of the loop's goes with it
+            return self.close(conn)
+        if (child := os.fork()) == 0:  # the rank: nothing of the loop's goes with it
             signal.set_wakeup_fd(-1)
-            for c in list(self.conns):
+            for c in [*self.conns, *([self.listener] if self.listener.fileno() >= 0 else [])]:
                 c.close()
             self.sel.close()
-            for fd in (self.wake_r, report_r, *self.reports):
-                os.close(fd)
-            if self.listener.fileno() >= 0:
-                self.listener.close()
-            message["base_path"] = self.base_path
-            return Rank(message, fds, report_w)
-        for fd in (*fds, report_w):
+            os.close(self.wake_r)
+            return {**request, "fds": fds, "prefix": self.prefix}
+        for fd in fds:
             os.close(fd)
-        self.reports[report_r] = b""
-        self.sel.register(report_r, selectors.EVENT_READ, report_r)
         self.conns[conn], self.ranks[child] = child, conn
         _send(conn, {"pid": child})
         return None
 
+    def refusal(self, request: dict) -> str:
+        """Why this request starts cold, "" to fork it; a changed module retires the warm process."""
+        argv, env, cpus = request["argv"], request["env"], len(request["cpus"])
+        if request["executable"] != os.path.realpath(sys.executable):
+            return f"its interpreter {request['executable']} is not the warm process's {sys.executable}"
+        if (argv[1] == "-m" and len(argv) < 3) or (argv[1].startswith("-") and argv[1] != "-m"):
+            return "its command is not `PYTHON -m MODULE ...` or `PYTHON SCRIPT ...`"
+        if differ := sorted(k for k in {*env, *self.record} if env.get(k) != self.record.get(k) and not PER_LAUNCH.fullmatch(k)):
+            return f"its environment differs from the warm process's in {', '.join(differ[:6])}{' ...' * (len(differ) > 6)}"
+        if _pools(env, cpus) != _pools(env, len(os.sched_getaffinity(0))):
+            return f"its {cpus} CPUs size the libraries' thread pools otherwise than the warm process's"
+        if not os.path.isdir(request["cwd"]):
+            return f"its working directory {request['cwd']} is not in the warm process's view"
+        now = _stamp(self.stamp)
+        if changed := next((f for f in now if now[f] != self.stamp[f]), None):
+            self.draining = True
+            return f"{changed} changed on disk since the warm process imported it; it stops"
+        return _shadowed(request["path"]) or _fork_unsafe()
+
     def reap(self) -> None:
-        while self.ranks:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            conn = self.ranks.pop(pid, None)
-            if conn is None:
-                continue
-            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-            with contextlib.suppress(OSError):
-                _send(conn, {"exit": os.waitstatus_to_exitcode(status) if sig is None else 0, "signal": sig})
-            self.close(conn)
+        with contextlib.suppress(ChildProcessError):
+            while self.ranks and (ended := os.waitpid(-1, os.WNOHANG))[0]:
+                pid, status = ended
+                if (conn := self.ranks.pop(pid, None)) is not None:
+                    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+                    with contextlib.suppress(OSError):
+                        _send(conn, {"exit": os.waitstatus_to_exitcode(status) if sig is None else 0, "signal": sig})
+                    self.close(conn)
 
 
-def serve(name: str, key: str, code_dir: Path) -> "Rank | None":
-    """Serve NAME until SIGTERM and no rank is left (None), or return in a forked child (its Rank)."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+def serve(prefix: str, code_dir: Path) -> "dict | None":
+    """Serve SOCKET until SIGTERM and no rank is left (None), or return in a forked child (its request)."""
+    path = f"{prefix}-{NODE}.sock"
     try:
-        listener.bind("\0" + name)
-    except OSError:
-        print(f"slipway-warm {_node()} already served", flush=True)
-        return None
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(Path(prefix).parent, 0o700)
+        _secret(prefix, create=True)
+        lock = os.open(path[:-5] + ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for life: one warm process per name
+        except BlockingIOError:
+            return _say(" already served")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # left by a warm process killed outright: the lock says none serves it
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(path)
+    except (Cold, OSError) as exc:
+        return _say(f" cannot serve: {exc}")
     listener.listen(64)
-    print(f"slipway-warm {_node()} bound", flush=True)
-    started, before = time.monotonic(), len(sys.modules)
+    _say(" bound")
+    record, started, before = dict(os.environ), time.monotonic(), len(sys.modules)
     _import_all(module_imports(code_dir))
     unsafe = _fork_unsafe()
-    print(f"slipway-warm {_node()} ready: {len(sys.modules) - before} modules in {time.monotonic() - started:.1f} s"
-          f"{'; every rank starts cold: ' + unsafe if unsafe else ''}", flush=True)
-    return Warm(listener, key).serve(unsafe)
+    _say(f" ready: {len(sys.modules) - before} modules in {time.monotonic() - started:.1f} s"
+         f"{'; every rank starts cold: ' + unsafe if unsafe else ''}")
+    return Warm(listener, prefix, record).serve(unsafe)
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -361,84 +426,79 @@ def _kill(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
 
 
-def _refusal(message: dict, key: str, stamp: str) -> str:
-    """Why this request starts cold, "" to fork it."""
-    argv = message.get("argv") or []
-    if message.get("executable") != os.path.realpath(sys.executable):
-        return f"its interpreter {message.get('executable')} is not the warm process's {sys.executable}"
-    if len(argv) < 2 or (argv[1] == "-m" and len(argv) < 3) or (argv[1].startswith("-") and argv[1] != "-m"):
-        return "its command is not `PYTHON -m MODULE ...` or `PYTHON SCRIPT ...`"
-    if message.get("env", {}).get("SLIPWAY_WARM_ID", key) != key:
-        return "another key"
-    if _torch_stamp() != stamp:
-        return "torch changed under the warm process; it stops"
-    if not os.path.isdir(message.get("cwd", "")):
-        return f"its working directory {message.get('cwd')} is not in the warm process's view"
-    return _fork_unsafe()
-
-
 def _base_path(pythonpath: str) -> list[str]:
     """sys.path without PYTHONPATH's entries and the script's own directory: what every rank's
     sys.path ends with, after its own PYTHONPATH."""
-    own = {os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p}
-    here = os.path.dirname(os.path.abspath(__file__))
-    return [p for p in sys.path if p and os.path.abspath(p) not in own and os.path.abspath(p) != here]
+    own = {os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p} | {os.path.dirname(os.path.abspath(__file__))}
+    return [p for p in sys.path if p and os.path.abspath(p) not in own]
 
 
-def run_rank(rank: Rank) -> None:
-    """In the forked child: become the rank the request describes, as `python -m MODULE` or
-    `python SCRIPT` would start it, then run it (its SystemExit is this process's exit)."""
-    import importlib
+def _rank_path(request: dict, base: list[str]) -> list[str]:
+    """sys.path as the request's command builds it: its first entry (none under PYTHONSAFEPATH),
+    its PYTHONPATH, then the interpreter's own (`base`)."""
+    argv, env, cwd = request["argv"], request["env"], request["cwd"]
+    first = [] if env.get("PYTHONSAFEPATH") else \
+        [cwd if argv[1] == "-m" else os.path.dirname(os.path.realpath(os.path.join(cwd, argv[1])))]
+    return first + [os.path.join(cwd, p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + base
+
+
+def run_rank(req: dict) -> None:
+    """In the forked child: become the rank `req` describes, as `python -m MODULE` or `python
+    SCRIPT` would start it, then run it (its SystemExit is this process's exit)."""
+    import builtins
+    import importlib.machinery
     import runpy
+    import types
 
-    req = rank.request
+    argv = req["argv"]
     os.setsid()
-    for target, fd in enumerate(rank.fds):
+    for target, fd in enumerate(req["fds"]):
         os.dup2(fd, target)
         if fd > 2:
             os.close(fd)
     for sig in (signal.SIGCHLD, signal.SIGTERM, *FORWARDED):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.umask(int(req.get("umask", 0o022)))
+    os.umask(req["umask"])
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
-    argv = req["argv"]
-    module = argv[2] if argv[1] == "-m" else None
-    own = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    first = [] if os.environ.get("PYTHONSAFEPATH") else [os.getcwd() if module else os.path.dirname(argv[1])]
-    sys.path[:] = first + own + req["base_path"]
+    for key, value in req["set"].items():  # what the imports held set in the environment (setdefault...)
+        os.environ.pop(key, None) if value is None else os.environ.update({key: value})
+    sys.path[:] = req["path"]
     importlib.invalidate_caches()
-    with contextlib.suppress(OSError, KeyError, ValueError):
+    with contextlib.suppress(OSError, ValueError):
         os.sched_setaffinity(0, req["cpus"])
-    torch = sys.modules.get("torch")
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))  # OpenMP read the variable at the warm process's import
-    if "random" in sys.modules:
-        sys.modules["random"].seed()  # as a fresh interpreter seeds it
+    for generator in (sys.modules.get("numpy.random"), getattr(sys.modules.get("torch"), "default_generator", None)):
+        getattr(generator, "seed", lambda: None)()  # from fresh entropy, as at their import in a cold rank
+    main, warm_main = types.ModuleType("__main__"), sys.modules["__main__"]
+    for name in [n for n, m in sys.modules.items() if m is warm_main]:  # multiprocessing's __mp_main__ too
+        sys.modules[name] = main
     sys.stdout.flush()
     sys.stderr.flush()
-    if module:
+    if argv[1] == "-m":
         sys.argv = [argv[0], *argv[3:]]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        runpy._run_module_as_main(argv[2])  # `python -m`'s own: in __main__'s namespace, with its errors
     else:
         sys.argv = argv[1:]
-        runpy.run_path(argv[1], run_name="__main__")
+        main.__dict__.update(__file__=argv[1], __cached__=None, __builtins__=builtins,
+                             __loader__=importlib.machinery.SourceFileLoader("__main__", argv[1]))
+        exec(compile(Path(argv[1]).read_bytes(), argv[1], "exec"), main.__dict__)
 
 
-def finish(rank: Rank) -> int:
+def finish(req: dict) -> int:
     """Run the rank and end this process as a fork child ends (multiprocessing's way): its threads
     joined and its atexit functions run as at any exit, then os._exit, without tearing down the
-    thousands of modules it shares with the warm process page by page (seconds on a loaded node)."""
+    thousands of modules it shares with the warm process page by page (seconds on a loaded node);
+    then tell the warm process what it imported (not the run's own code: trainer/, common/, its
+    PYTHONPATH), for the next ranks (`learn`)."""
     import atexit
     import threading
     import traceback
 
     code, forked_with = 0, set(sys.modules)
     try:
-        run_rank(rank)
+        run_rank(req)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
@@ -449,7 +509,11 @@ def finish(rank: Rank) -> int:
     try:
         threading._shutdown()
         atexit._run_exitfuncs()
-        _report(rank.report, forked_with)
+        own = tuple(os.path.abspath(p) + os.sep for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+        names = [name for name in set(sys.modules) - forked_with if name.split(".")[0] not in OWN and not (
+            own and os.path.abspath(getattr(sys.modules.get(name), "__file__", None) or "").startswith(own))]
+        with contextlib.suppress(Cold, OSError, ValueError):
+            _send(_connect(req["prefix"]), {"imported": names})
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
@@ -457,29 +521,12 @@ def finish(rank: Rank) -> int:
         os._exit(code)
 
 
-def _report(fd: int, forked_with: set[str]) -> None:
-    """Tell the warm process what this rank imported from where it imports too (not the run's own
-    code: trainer/, common/, anything on the rank's PYTHONPATH), for the next ranks (`learn`)."""
-    own = tuple(os.path.abspath(p) + os.sep for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
-    names = []
-    for name in set(sys.modules) - forked_with:
-        file = getattr(sys.modules.get(name), "__file__", None) or ""
-        if name.split(".")[0] not in OWN and not (own and os.path.abspath(file).startswith(own)):
-            names.append(name)
-    with contextlib.suppress(OSError):
-        with os.fdopen(fd, "w") as out:
-            out.write("\n".join(sorted(names)))
-
-
 def main(args: list[str]) -> int:
-    if len(args) >= 3 and args[0] == "rank" and "--" in args:
-        return client(args[1], args[args.index("--") + 1:])
+    if len(args) >= 3 and args[0] == "rank" and args[2] == "--":
+        return client(args[1], args[3:])
     if len(args) == 4 and args[0] == "serve" and args[2] == "--code":
-        rank = serve(args[1], os.environ.get("SLIPWAY_WARM_ID", ""), Path(args[3]))
-        if rank is None:
-            return 0
-        return finish(rank)
-    print("usage: warm.py serve NAME --code DIR | warm.py rank NAME -- PYTHON (-m MODULE | SCRIPT) ARGS...",
+        return 0 if (rank := serve(args[1], Path(args[3]))) is None else finish(rank)
+    print("usage: warm.py serve SOCKET --code DIR | warm.py rank SOCKET -- PYTHON (-m MODULE | SCRIPT) ARGS...",
           file=sys.stderr)
     return 2
 

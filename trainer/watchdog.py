@@ -105,8 +105,10 @@ def process_group_timeouts() -> list[str]:
 
 
 def node_name() -> str:
-    """The Slurm node this rank runs on (the name `scontrol show hostnames` gives), else the hostname."""
-    return environ.word("SLURMD_NODENAME") or socket.gethostname()
+    """The Slurm node this rank runs on (the name `scontrol show hostnames` gives), else the hostname
+    where it is a name (it goes into file names and events: `unnamed` where it is not)."""
+    host = socket.gethostname()
+    return environ.word("SLURMD_NODENAME") or (host if environ.WORD.fullmatch(host) else "unnamed")
 
 
 def job_tag() -> str:

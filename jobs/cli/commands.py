@@ -5,6 +5,7 @@ jobs/cli/launch.py; `slipway image` and `slipway cluster` parse their own argume
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import re
 import shlex
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from common.environ import as_typed
 from common.errors import ConfigError, bounded, one_line
+from common.secrets import mask
 from jobs.cli.launch import (cmd_edf, cmd_local, cmd_prepare, cmd_run, cmd_shell, cmd_submit, load, project_dir,
                              rich_console)
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
@@ -24,8 +26,20 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         # argparse quotes what it could not read (`invalid int value: '999...'`): bounded, one line,
         # masked by the secret policy and escaped; the help it points to as this shell runs slipway.
-        message = one_line(" ".join(bounded(message, 300).split()))
+        # A misspelt command or flag gets the nearest one (a stray's candidates: this command's help).
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        flags = re.findall(r"(?<![\w-])--?[a-z][\w-]*", self.format_help())
+        near = (_nearest(choice[1], re.findall(r"'([^']*)'", choice[2])) if choice else next(
+            (n for w in message.split()[2:] if w.startswith("-") and (n := _nearest(w.split("=")[0], flags))), "")
+            if message.startswith("unrecognized arguments: ") else "")
+        message = one_line(" ".join(bounded(message, 300).split())) + (f"; did you mean {near}?" if near else "")
         self.exit(2, f"slipway: error: {message} ({as_typed(f'see `{self.prog} --help`')})\n")
+
+
+def _nearest(word: str, candidates: list[str]) -> str:
+    """The candidate nearest to `word` (difflib's closest, `_` read as `-`), "" where none is near."""
+    near = difflib.get_close_matches(word.replace("_", "-"), candidates, n=1, cutoff=0.6)
+    return near[0] if near else ""
 
 
 def _config_args(p: argparse.ArgumentParser, optional: bool = False, cluster: bool = True) -> None:
@@ -246,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("local", help="run the same launch on this machine (torchrun --standalone), no Slurm")
     _config_args(p, cluster=False)
+    p.add_argument("--dry-run", action="store_true", help="every check of the try, its expected time and what "
+                                                          "blocks it, with the command that clears it all; nothing "
+                                                          "written or started")
+    p.add_argument("--prepare", action="store_true", help="prepare the token cache here first (slipway prepare)")
     p.add_argument("--force", action="store_true", help="replace an existing run's different config")
     p.add_argument("--yes", action="store_true", help="start even when it is expected to take more than half an "
                                                       "hour here (asked on a terminal, refused elsewhere)")
@@ -338,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN|SWEEP")
     p.add_argument("--out", help="PNG path (default: runs/RUN/curves.png, runs/.sweeps/SWEEP/curves.png)")
     p.set_defaults(func=cmd_plot)
+    parser.commands = sub.choices  # type: ignore[attr-defined]
     return parser
 
 
@@ -356,8 +375,6 @@ def _slurm_error(exc: BaseException) -> int | None:
     from jobs.slurm import SlurmError
 
     if isinstance(exc, SlurmError):
-        from common.secrets import mask
-
         print(f"slipway: error: {mask(one_line(as_typed(str(exc))))}", file=sys.stderr)
         return 1
     return None
@@ -389,7 +406,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         _override_form([*([args.config] if args.config else []), *args.overrides, *extra])
     strays = [e for e in extra if e.startswith("-") or "=" not in e or not takes]
     if strays:  # the help of the command given, which lists what it takes
-        Parser(prog=f"{parser.prog} {args.command}").error(f"unrecognized arguments: {' '.join(strays)}")
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(strays)}")
     if extra:
         args.overrides = list(args.overrides) + extra
     return args

@@ -159,6 +159,13 @@ def _run_checks(cfg: Config, project_dir: Path) -> list[Result]:
     return out
 
 
+def _warm_ranks() -> list[Result]:
+    """`slipway run`'s warm ranks, off where Slurm tracks processes by cgroup (jobs/slurm/job_lib.sh warm_up)."""
+    by = ", ".join(f"{k}={v}" for k, v in slurm.cluster_config().items() if k in ("ProctrackType", "TaskPlugin") and "cgroup" in v)
+    return [("warm ranks", True, f"note: off here, `slipway run` starts every rank cold: Slurm tracks processes by cgroup "
+             f"({by}), where a forked rank would be its warm step's" if by else "`slipway run` starts its ranks from warm processes (launch.warm)")]
+
+
 # ---------------------------------------------------------------- the GPU stack a run gets
 
 HOOK = "com.hooks.aws_ofi_nccl"  # the Container Engine's hook that brings the aws-ofi-nccl plugin into the container
@@ -327,6 +334,8 @@ def checks(cfg: Config | None, project_dir: Path, profile=None) -> list[Result]:
         out += _image_tools()
     if cfg is not None:
         out += _run_checks(cfg, project_dir)
+    if cfg is not None and cfg.launch.warm and ("slurm controller", True) in [r[:2] for r in out]:
+        out += _guard("warm ranks", _warm_ranks)
     if profile is not None and shutil.which("sinfo"):
         out += cluster_checks(profile, cfg)
     return out

@@ -144,8 +144,11 @@ def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console
     prefix = f"{PYXIS_PREFIX}{Project.of(_root(cfg)).token}-"
     sweep = f'sweep_containers "" "" "" 0 {"" if remove else "list"!r} {shlex.quote(prefix)}'
     # Each line as it comes (sed into a pipe would hold them back to the end), stderr's progress too.
-    script = (f'{PYXIS_LIB}\nnode=${{SLURMD_NODENAME:-$(hostname)}}\n{sweep} 2>&1 | '
-              'while IFS= read -r line; do printf "%s: %s\\n" "$node" "$line"; done')
+    # Each node says itself that it has none, and why it cannot tell: never a silence read as none.
+    script = (f'{PYXIS_LIB}\nnode=${{SLURMD_NODENAME:-$(hostname)}}\ncommand -v enroot >/dev/null || '
+              '{ echo "$node: enroot is not on this node\'s PATH (the one this command runs with): its containers cannot be listed"; exit 1; }\n'
+              f'{sweep} 2>&1 | {{ said=0; while IFS= read -r line; do said=1; printf "%s: %s\\n" "$node" "$line"; done; '
+              '[ "$said" = 1 ] || echo "$node: none of this project\'s"; }')
     s = cfg.slurm
     argv = srun_argv(nodes=len(names), cpus_per_task=1, account=s.account, partition=s.partition,
                      extra=[f"--nodelist={','.join(names)}", "--job-name=slipway-containers", "bash", "-c", script])
@@ -162,9 +165,7 @@ def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console
                       "an unpacked image takes minutes)", markup=False, highlight=False, soft_wrap=True)
 
     rc = stream([which("srun") or "srun", *argv[1:]], show, quiet=(QUIET_S, alive))
-    if rc == 0 and not lines:
-        console.print("none", highlight=False)
-    elif rc == 0 and not remove and any(": would remove " in line for line in lines):
+    if rc == 0 and not remove and any(": would remove " in line for line in lines):
         console.print(f"remove them with: slipway image containers {cfg.config_args}"
                       f"{' --nodes ' + shlex.quote(nodes) if nodes else ''} --remove", markup=False, highlight=False)
     return 0 if rc == 0 else 1

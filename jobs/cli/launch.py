@@ -5,7 +5,6 @@ flags, and the terminal."""
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from common import environ
 from common.environ import as_typed, invocation
 from common.environ import project_dir
 from common.errors import ConfigError, one_line
+from common.secrets import mask
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
 from common.extras import EXTRAS, require as require_extra
 
@@ -64,8 +64,6 @@ def config_sets(args: argparse.Namespace) -> tuple[dict, str]:
 
 def print_notes(console, notes: list[str]) -> None:
     from rich.markup import escape
-
-    from common.secrets import mask
 
     for note in notes:  # a note quotes paths and overrides (`container.mounts=[...]`): never markup
         console.print(f"[yellow]note:[/] {escape(mask(one_line(as_typed(note))))}", soft_wrap=True, markup=True,
@@ -129,34 +127,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _dry_run(cfg, args: argparse.Namespace, console) -> int:
-    """`submit --dry-run`: the verdict first (what would be submitted, where, with which image and
-    code, and what would refuse it), then the notes and the rendered files; nothing written."""
-    from rich.markup import escape
-
-    from jobs import runs
-    from jobs.cli.doctor import controller_problem, gpu_stack
-    from common.secrets import mask
-
-    sealed = runs.seal(cfg, project_dir(), dry_run=True)
+    """`submit --dry-run`: the verdict (what would be submitted, where, with which image and code,
+    what would refuse it and the flags that clear that, checked), the notes and the rendered
+    files; nothing written."""
+    sealed, refusals, notes = _refusals(cfg, args.prepare, args.force)
+    flags = {"--prepare" for r in refusals if r.startswith("data: ")} | {
+        "--force" for r in refusals if r.startswith("run.name: ")}
+    fix = ""
+    if flags and not _refusals(cfg, args.prepare or "--prepare" in flags, args.force or "--force" in flags, False)[1]:
+        fix = f"slipway submit {cfg.config_args} {' '.join(sorted(flags))}"
     scfg, paths, pin, code = sealed.cfg, sealed.paths, sealed.pin, sealed.snapshot
-    refusals = [n.removeprefix(REFUSED) for n in sealed.notes if n.startswith(REFUSED)]
-    notes = [n for n in sealed.notes if not n.startswith(REFUSED)]
-    notes += [f"{name}: {detail}" for name, _, detail in gpu_stack(sealed.cfg, sealed.env, sealed.pin)]
-    exists = paths.manifest.is_file()
-    try:
-        runs.check_submittable(scfg)
-        done = runs.nothing_to_train(scfg, paths.path, "submit")
-        why = runs.unprepared_data(sealed, cfg.config_args)
-        differs = exists and runs.config_difference(paths.config, sealed.files[paths.config])
-        refusals += [f"train.steps: {done}"] if done else []
-        refusals += [f"data: {why}"] if why and not args.prepare else []
-        notes += ["the token cache is not prepared: a CPU job would prepare it first, and the training job wait "
-                  "for it (--prepare)"] if why and args.prepare else []
-        refusals += [f"run.name: run {scfg.run.name} exists with {differs}: pass --force to replace its config"
-                     ] if differs and not args.force else []
-        refusals += [problem] if (problem := controller_problem()) else []
-    except ConfigError as exc:
-        refusals.append(str(exc))
     s = scfg.slurm
     where = (f"{s.nodes} node(s) x {scfg.launch.procs_per_node} process(es)"
              f"{f' x {s.gpus_per_node} GPU(s)' if s.gpus_per_node else ''}, time {s.time}"
@@ -169,23 +149,67 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
               else "not a git checkout")
     code_line = (f"a snapshot of this checkout ({source}; {code.files} files, {code.hash12})" if code
                  else "the image's own (code.snapshot: false)")
-    verdict = "[green]would be submitted[/]" if not refusals else f"[red]would be refused[/] ({len(refusals)})"
-    for label, text in (("dry run", f"{escape(scfg.run.name)} ({'resumes' if exists else 'new run'}) in "
-                                    f"{escape(str(paths.path))}: nothing written, nothing submitted"),
-                        ("where", escape(where)), ("image", escape(image)), ("code", escape(code_line)),
-                        ("verdict", verdict)):
-        console.print(f"[bold]{label}:[/] {text}", soft_wrap=True, highlight=False)
-    for refusal in refusals:
-        console.print(f"  - {escape(mask(as_typed(refusal)))}", soft_wrap=True, highlight=False)
+    files = [(path, sealed.files[path]) for path in (paths.job_script, paths.env_toml) if path in sealed.files]
+    return verdict(console, [("dry run", f"{scfg.run.name} ({'resumes' if paths.manifest.is_file() else 'new run'}) "
+                                         f"in {paths.path}: nothing written, nothing submitted"),
+                             ("where", where), ("image", image), ("code", code_line)],
+                   "submitted", refusals, notes, files, fix)
+
+
+def _refusals(cfg, prepare: bool, force: bool, ping: bool = True):
+    """(the sealed submission, what would refuse it, the notes) of `submit` with these flags;
+    `ping`: ask the controller too (a note)."""
+    from jobs import runs
+    from jobs.cli.doctor import controller_problem, gpu_stack
+
+    sealed = runs.seal(cfg, project_dir(), dry_run=True)
+    refusals = [n.removeprefix(REFUSED) for n in sealed.notes if n.startswith(REFUSED)]
+    notes = [n for n in sealed.notes if not n.startswith(REFUSED)]
+    notes += [f"{name}: {detail}" for name, _, detail in gpu_stack(sealed.cfg, sealed.env, sealed.pin)]
+    paths = sealed.paths
+    try:
+        runs.check_submittable(sealed.cfg)
+        done = runs.nothing_to_train(sealed.cfg, paths.path, "submit")
+        why = runs.unprepared_data(sealed, cfg.config_args)
+        differs = paths.manifest.is_file() and runs.config_difference(paths.config, sealed.files[paths.config])
+        refusals += [f"train.steps: {done}"] if done else []
+        refusals += [f"data: {why}"] if why and not prepare else []
+        notes += ["the token cache is not prepared: a CPU job would prepare it first, and the training job wait "
+                  "for it (--prepare)"] if why and prepare else []
+        refusals += [f"run.name: run {sealed.cfg.run.name} exists with {differs}: pass --force to replace its config"
+                     ] if differs and not force else []
+        # Where this shell reaches no controller, the submission is still judged: said, not counted.
+        notes += [f"{problem} (a real submission from here would fail at sbatch)"] if ping and (
+            problem := controller_problem()) else []
+    except ConfigError as exc:
+        refusals.append(str(exc))
+    return sealed, refusals, notes
+
+
+def verdict(console, head: list[tuple[str, str]], would: str, refusals: list[str], notes: list[str],
+            files: list[tuple[Path, str]] = (), fix: str = "") -> int:
+    """A dry run's verdict (`slipway submit --dry-run`, `slipway local --dry-run`): what it would do
+    (`head`), whether it `would` be done or what refuses it, its notes, the files it would write,
+    and the verdict again last, with its reasons: nothing below it scrolls them away. Exit 2 where
+    it would be refused."""
+    from rich.markup import escape
+
+    said = "[green]would be " + would + "[/]" if not refusals else f"[red]would be refused[/] ({len(refusals)})"
+    reasons = [f"  - {escape(mask(as_typed(r)))}" for r in refusals] + (
+        [escape(as_typed(f"  `{fix}` clears {'it' if len(refusals) == 1 else 'them all'}"))] if fix else [])
+    for label, text in [*head, ("verdict", None)]:
+        console.print(f"[bold]{label}:[/] {said if text is None else escape(text)}", soft_wrap=True, highlight=False)
+    for line in reasons:
+        console.print(line, soft_wrap=True, highlight=False)
     print_notes(console, notes)
-    for path in (paths.job_script, paths.env_toml):
-        if path in sealed.files:
-            print(f"==> {path} <==", flush=True)
-            sys.stdout.write(mask(sealed.files[path]))  # launch.pre_launch is the user's own text
-            sys.stdout.flush()
-    console.print(f"[bold]dry run:[/] nothing written, nothing submitted; {verdict}"
-                  f"{' (the reasons are at the top)' if refusals else ''}", soft_wrap=True)
-    return 0
+    for path, text in files:
+        print(f"==> {path} <==", flush=True)
+        sys.stdout.write(mask(text))  # launch.pre_launch is the user's own text
+        sys.stdout.flush()
+    console.print(f"[bold]dry run:[/] nothing written; {said}", soft_wrap=True, highlight=False)
+    for line in reasons if files else []:
+        console.print(line, soft_wrap=True, highlight=False)
+    return 2 if refusals else 0
 
 
 def check_controller() -> None:
@@ -213,16 +237,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     console = rich_console()
     require_extra("prepare", "trainer", ("numpy", "tokenizers", "datasets"),
                   instead=f"prepare in the image as a CPU job: slipway prepare {cfg.config_args} --as-job")
-    sealed, hf_home = runs.preparation(cfg, project_dir())
-    data = sealed.cfg.data
-    os.environ["HF_HOME"] = hf_home  # hub downloads land where the job's own go (before the hub libraries load)
-    from jobs import trainer_door
+    from jobs import interactive
 
-    console.print(f"preparing {data.dataset} with tokenizer {data.tokenizer} into {data.cache_dir}", soft_wrap=True)
-    result = trainer_door.prepare(data, data.cache_dir, num_proc=data.num_proc if args.cpus is None else args.cpus,
-                                  progress=console)
-    for entry in result.entries:
-        console.print(entry.describe(), soft_wrap=True, highlight=False)
+    interactive.prepare_here(*runs.preparation(cfg, project_dir()), console, num_proc=args.cpus)
     console.print(f"[green]prepared[/]: `{invocation()} submit {cfg.config_args}` will only open this cache",
                   soft_wrap=True)
     return 0
@@ -230,7 +247,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_local(args: argparse.Namespace, parse) -> int:
     """`parse`: the command line's parser (jobs/cli/commands.py's, which calls this)."""
-    from jobs import interactive
+    from jobs import interactive, local_checks
 
     cfg = load(args)
     builtin = cfg.data.dataset == "builtin" and not cfg.data.validation_split  # the shipped corpus: no datasets
@@ -240,8 +257,23 @@ def cmd_local(args: argparse.Namespace, parse) -> int:
     def reload(words: list[str]):  # a `slipway local` command line, loaded as it would be when pasted
         return load(parse(["local", *words]), quiet=True)
 
-    return interactive.run_local(cfg, project_dir(), force=args.force, console=rich_console(), rename=not named,
-                                 yes=args.yes, reload=reload)
+    console = rich_console()
+    try:
+        if not args.dry_run:
+            return interactive.run_local(cfg, project_dir(), force=args.force, console=console, rename=not named,
+                                         yes=args.yes, prepare=args.prepare, reload=reload)
+        sealed, _, plan = interactive.try_here(cfg, project_dir(), force=args.force, console=console,
+                                               rename=not named, prepare=args.prepare, reload=reload)
+    except local_checks.Refused as exc:  # every blocker on a line of its own, then what clears them all
+        for line in exc.plan.lines():
+            print(f"slipway: error: {mask(one_line(as_typed(line)), values=True)}", file=sys.stderr)
+        return 2
+    exists = sealed.paths.manifest.is_file()
+    reasons = [str(b) for b in plan.blockers if not (b.field == "train.steps" and args.yes)]
+    return verdict(console, [("dry run", f"{sealed.cfg.run.name} ({'resumes' if exists else 'new run'}) in "
+                                         f"{sealed.paths.path}: nothing written, nothing started"),
+                             ("where", f"this machine: {sealed.cfg.launch.procs_per_node} process(es) on its CPUs")],
+                   "started", reasons, [], fix=f"slipway local {plan.fix}" if plan.fix and reasons else "")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -271,7 +303,6 @@ def _stop_warm(args: argparse.Namespace) -> int:
 
 def cmd_edf(args: argparse.Namespace) -> int:
     from edf import check_edf, install_edf, parse_edf, render_edf, srun_flags
-    from common.secrets import mask
 
     if args.check or args.to_pyxis:
         path = Path(args.check or args.to_pyxis)
@@ -323,7 +354,6 @@ def cmd_edf(args: argparse.Namespace) -> int:
 
 def cmd_shell(args: argparse.Namespace) -> int:
     from jobs import shell
-    from common.secrets import mask
 
     cfg = load(args)
     if args.dry_run:

@@ -8,7 +8,6 @@ only the end of each run's events.log and metrics.jsonl.
 from __future__ import annotations
 
 import codecs
-import gc
 import os
 import re
 import shlex
@@ -21,6 +20,8 @@ from jobs import runs, slurm
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History
+from jobs.runs.run import many_objects
+from jobs.runs.listing import Facts, facts as listing_facts
 from jobs.runs.manifest import Launch, ManifestError
 from common.environ import as_typed
 from common.errors import ConfigError, one_line, shown
@@ -45,13 +46,12 @@ def hang_dumps(run: runs.Run, tag: str) -> list[str]:
     return out
 
 
-def _progress(run: runs.Run, launches: Sequence[Launch], throughput: bool = False) -> str:
-    m = run.last_metrics()
+def _progress(f: Facts, throughput: bool = False) -> str:
+    m = f.train
     if not m:
         return ""
     loss, step, tps = m.get("loss"), m.get("step"), m.get("tokens_per_s")
-    total = run.total_steps(next((x for x in reversed(launches) if x.kind == "train"), None))
-    step = f"step {step if isinstance(step, int) else '?'}" + (f"/{total}" if total else "")
+    step = f"step {step if isinstance(step, int) else '?'}" + (f"/{f.total}" if f.total else "")
     return (step + (f", loss {loss:.3f}" if isinstance(loss, (int, float)) else "")
             + (f", {tokens(tps)} tok/s" if throughput and isinstance(tps, (int, float)) else ""))
 
@@ -64,13 +64,17 @@ def tokens(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _job_row(launch: Launch, own: Sequence[Event], info: Optional[slurm.JobInfo]) -> tuple[str, str, str, str, str]:
-    """(job, state, exit, elapsed, last event or reason) of one launch, from its own events and
-    what Slurm said of it (None: not asked, or it does not know the job), as the tables show it."""
+def _state(launch: Launch, own: Sequence[Event], info: Optional[slurm.JobInfo]) -> lifecycle.LaunchState:
+    """What became of `launch`, from its own events and what Slurm said of it (None: not asked,
+    or it does not know the job) or, for a local launch, what its processes say."""
     if launch.local:
-        state = lifecycle.launch_state(launch, own, process=lifecycle.observe_local(launch))
-    else:
-        state = lifecycle.launch_state(launch, own, info)
+        return lifecycle.launch_state(launch, own, process=lifecycle.observe_local(launch))
+    return lifecycle.launch_state(launch, own, info)
+
+
+def _job_row(launch: Launch, own: Sequence[Event], info: Optional[slurm.JobInfo]) -> tuple[str, str, str, str, str]:
+    """(job, state, exit, elapsed, last event or reason) of one launch, as the tables show it."""
+    state = _state(launch, own, info)
     elapsed = lifecycle.elapsed(launch, state, own, info)
     code = "" if state.exit_code is None else str(state.exit_code)
     return (launch.id, state.state, code, elapsed, state.reason or (own[-1].text if own else ""))
@@ -134,9 +138,9 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     run = runs.find_run(run_name, project_dir)
     launches = run.launches()
     events = run.events()
-    owns = [run.events_of(x, events) for x in launches]
+    owns = [lifecycle.events_of(x, events, launches) for x in launches]
     answers = lifecycle.ask_slurm(zip(launches, owns))
-    table = Table(title=Text(one_line(f"run {run.name}  {_progress(run, launches)}")), title_justify="left")
+    table = Table(title=Text(one_line(f"run {run.name}  {_progress(listing_facts(run))}")), title_justify="left")
     for col in ("job", "state", "exit", "elapsed", "last event / reason"):
         table.add_column(col)
     for launch, own in zip(launches, owns):
@@ -168,8 +172,8 @@ def listing(title: str, rows: list[tuple[str, ...]], width: Optional[int] = None
     left of `width` (cut short; on a line of its own below its row when too little is left; whole
     without a width: into a pipe). Plain text, as rich's tables take half a millisecond a row and a
     project may hold ten thousand runs. The one table of run listings (status, sweeps, compare)."""
-    rows = [heads, *[[one_line(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(heads) - 1)]
+    rows = [heads, *[row if "".join(row).isprintable() else [one_line(c) for c in row] for row in rows]]
+    widths = [max(map(len, column)) for column in list(zip(*rows))[:-1]]
     form = "  ".join(f"{{:<{w}}}" for w in widths) + "  "
     lines = []
     for row in rows:
@@ -196,19 +200,9 @@ def width() -> Optional[int]:
 
 
 def _show_runs(project_dir, console) -> int:
-    """Every run: its latest launch's state, from the end of its events.log and one Slurm query for
-    all. A run that cannot be read is one row saying why (and, when it is damaged rather than a
+    """Every run: its latest launch's state, from its listing record and one Slurm query for all.
+    A run that cannot be read is one row saying why (and, when it is damaged rather than a
     teammate's, one error line); every other run is listed all the same."""
-    # Ten thousand runs' records, all alive until the listing is printed: the cyclic collector
-    # would walk them again and again (a sixth of the time) and free nothing.
-    gc.disable()
-    try:
-        return _list_runs(project_dir, console)
-    finally:
-        gc.enable()
-
-
-def _list_runs(project_dir, console) -> int:
     found, unreadable = runs.scan_runs(project_dir)
     if not found and not unreadable:
         console.print(one_line(f"no runs in {runs.runs_root(project_dir)}: slipway local or slipway submit makes one"),
@@ -216,7 +210,7 @@ def _list_runs(project_dir, console) -> int:
         return 0
     unread = [(u.name, "", "", "UNREADABLE" if u.denied else "DAMAGED", "", "", u.why) for u in unreadable]
     damaged = [u.line() for u in unreadable if not u.denied]
-    rows, more = listing_rows(found)
+    rows, more, _ = listing_rows(found)
     # What cannot be read first, by name: the rows a user must act on.
     rows = sorted(unread + [r for r in rows if r[3] in _PROBLEMS], key=lambda r: r[0]) + [
         r for r in rows if r[3] not in _PROBLEMS]
@@ -229,41 +223,37 @@ def _list_runs(project_dir, console) -> int:
 _PROBLEMS = ("UNREADABLE", "DAMAGED")
 
 
-def listing_rows(found: Sequence[runs.Run], throughput: bool = False) -> tuple[list[tuple[str, ...]], list[str]]:
+def listing_rows(found: Sequence[runs.Run], throughput: bool = False) -> tuple[list[tuple[str, ...]], list[str],
+                                                                               list[Optional[Facts]]]:
     """LISTING's row of each run of `found`, in its order (its latest launch's state; one Slurm
-    query for all), and the error lines of the damaged ones. A run that cannot be read is a row
-    that says why: UNREADABLE (a teammate's, no error) or DAMAGED (an error line)."""
-    problems: dict[str, tuple[runs.Unreadable, str]] = {}
-    read: dict[str, tuple[list[Launch], list[Event]]] = {}
-    for run in found:
-        try:
-            if not (run.paths.manifest.exists() or run.paths.manifest.is_symlink()):  # a sweep's point not written
-                read[run.name] = ([], [])
-                continue
-            launches = run.launches()
-            read[run.name] = (launches, run.recent_events(launches[-1]) if launches else [])
-        except (ManifestError, OSError) as exc:  # that run alone: the others are listed
-            problems[run.name] = (runs.Unreadable.of(run.dir, exc), str(exc) if isinstance(exc, ManifestError) else "")
-    answers = lifecycle.ask_slurm((launches[-1], own) for launches, own in read.values() if launches)
-    rows = []
-    for run in found:
-        if run.name in read:
-            launches, own = read[run.name]
+    query for all whose end events.log does not tell), the error lines of the damaged ones, and
+    each run's facts (None where it cannot be read). A run that cannot be read is a row that says
+    why: UNREADABLE (a teammate's, no error) or DAMAGED (an error line)."""
+    read: list[Facts | runs.Unreadable] = []
+    damaged = []
+    with many_objects():
+        for run in found:
             try:
-                progress = _progress(run, launches, throughput)
-            except OSError as exc:
-                problems[run.name] = (runs.Unreadable.of(run.dir, exc), "")
-        if run.name in problems:
-            u, _ = problems[run.name]
-            rows.append((u.name, "", "", "UNREADABLE" if u.denied else "DAMAGED", "", "", u.why))
-        elif launches:
-            job, state, code, _, event = _job_row(launches[-1], own, answers.get(launches[-1].id))
-            rows.append((run.name, str(len(launches)), job, state, code, progress, event))
-        else:
+                read.append(listing_facts(run))
+            except (ManifestError, OSError) as exc:  # that run alone: the others are listed
+                read.append(runs.Unreadable.of(run.dir, exc))
+                if not read[-1].denied:
+                    damaged.append((run.name, str(exc) if isinstance(exc, ManifestError) else
+                                    f"{read[-1].line()}: move the run directory aside, or put back the file its "
+                                    "jobs write"))
+    answers = lifecycle.ask_slurm((f.latest, f.events) for f in read if isinstance(f, Facts) and f.latest)
+    rows = []
+    for run, f in zip(found, read):
+        if isinstance(f, runs.Unreadable):
+            rows.append((f.name, "", "", "UNREADABLE" if f.denied else "DAMAGED", "", "", f.why))
+        elif not f.launches:
             rows.append((run.name, "0", "", "not submitted", "", "", ""))
-    damaged = [message or f"{u.line()}: move the run directory aside, or put back the file its jobs write"
-               for u, message in sorted(problems.values(), key=lambda p: p[0].name) if not u.denied]
-    return rows, damaged
+        else:
+            state = f.ended or _state(f.latest, f.events, answers.get(f.job))
+            rows.append((run.name, str(f.launches), f.job, state.state,
+                         "" if state.exit_code is None else str(state.exit_code), _progress(f, throughput),
+                         state.reason or f.said))
+    return rows, [message for _, message in sorted(damaged)], [f if isinstance(f, Facts) else None for f in read]
 
 
 def _print_history(run: runs.Run, history: History, console) -> None:
@@ -362,6 +352,9 @@ class _Tail:
         return True
 
 
+LAST_LINES_SECONDS = 90.0  # the curves' step's bound (jobs/slurm/script.py), and its container's start
+
+
 def follow_logs(run: runs.Run, job_id: str, *, interval: float = 1.0,
                 on_state: Optional[Callable[[str], None]] = None, out: Optional[TextIO] = None,
                 err: Optional[TextIO] = None) -> int:
@@ -392,6 +385,13 @@ def follow_logs(run: runs.Run, job_id: str, *, interval: float = 1.0,
             on_state(state)
         last_state = state
         if settled or (info is not None and not info.active):
+            # After its recorded end a job still writes its last lines (its curves, drawn in a
+            # step of its own, then how it ended): followed while Slurm has it, for so long at most.
+            deadline = time.monotonic() + LAST_LINES_SECONDS
+            while settled and time.monotonic() < deadline and getattr(slurm.job_info(job_id), "active", False):
+                for t in tails:
+                    t.pump()
+                time.sleep(interval)
             time.sleep(interval)  # the last lines may land just after the end
             for t in tails:
                 t.pump()

@@ -70,8 +70,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     console.print(_summary(planned), soft_wrap=True, highlight=False)
     for array in queued:
         console.print(f"submitted array [bold]{array.job_id}[/] ({len(array.points)} point(s), tasks "
-                      f"0-{len(array.points) - 1}{f'%{args.max_parallel}' if args.max_parallel else ''})",
-                      soft_wrap=True)
+                      f"{arrays.array_spec(len(array.points), args.max_parallel)})" if array.script.endswith(
+                          "array.sbatch") else f"submitted job [bold]{array.job_id}[/] (point {array.points[0]})",
+                      soft_wrap=True, highlight=False)
     if queued:
         console.print(as_typed(f"`slipway status {name}` follows it; `slipway compare {name}` ranks its points"),
                       soft_wrap=True, highlight=False, markup=False)
@@ -80,7 +81,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _summary(plan: arrays.Plan) -> str:
     counts = {state: sum(p.state == state for p in plan.points)
-              for state in (arrays.NEW, arrays.RESUME, arrays.FINISHED, arrays.ACTIVE)}
+              for state in (arrays.NEW, arrays.RESUME, arrays.FINISHED, arrays.ACTIVE, arrays.UNREADABLE)}
     told = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
     todo = plan.to_submit
     return (f"sweep {plan.sweep.name}: {len(plan.points)} point(s): {told}; "
@@ -115,12 +116,16 @@ def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console) -> int:
               + (f" ({unbounded} without a limit)" if unbounded else "") + "\n")
     try:
         limit, where = slurm.max_array_size(), "scontrol show config"
-    except slurm.SlurmError:
-        limit, where = 1001, "Slurm's default: no controller answered"
-    for i, chunk in enumerate(arrays.arrays_of(todo, limit)):
-        spec = f"0-{len(chunk) - 1}" + (f"%{max_parallel}" if max_parallel else "")
+    except slurm.SlurmError as exc:
+        limit, where = 1001, f"Slurm's default, as {one_line(exc)}"
+    if not limit:
+        out.write(f"no arrays: MaxArraySize 0 ({where}), this site allows none: each of the {len(todo)} point(s) to "
+                  "submit goes as a job of its own\n")
+    for i, chunk in enumerate(arrays.arrays_of(todo, limit) if limit else []):
+        spec = arrays.array_spec(len(chunk), max_parallel)
         asks = " ".join(line[8:] for line in arrays.allocation(chunk[0].sealed) if line.startswith("#SBATCH "))
-        out.write(f"array {i + 1}: {len(chunk)} point(s), --array={spec} (MaxArraySize {limit}, {where}): {asks}\n")
+        out.write(f"array {i + 1}: {len(chunk)} point(s), --array={spec} (at most {spec.split('%')[1]} at once: "
+                  f"--max-parallel; MaxArraySize {limit}, {where}): {asks}\n")
     from jobs.cli.doctor import controller_problem
 
     refusals = [str(r) for r in plan.refusals] + ([p] if todo and (p := controller_problem()) else [])
@@ -161,7 +166,7 @@ def _run_here(plan: arrays.Plan, project: Path, force: bool, console, *, yes: bo
 
 def show_sweep(project: Path, sweep: sweeps.Sweep, console) -> int:
     """One line per point (its latest launch's state, step, loss, tokens/s): one Slurm query for all."""
-    rows, damaged = listing_rows(sweep.runs(project), throughput=True)
+    rows, damaged, _ = listing_rows(sweep.runs(project), throughput=True)
     states: dict[str, int] = {}
     for row in rows:
         states[row[3]] = states.get(row[3], 0) + 1
@@ -197,23 +202,23 @@ def cancel_sweep(project: Path, sweep: sweeps.Sweep, console) -> int:
 
 
 def plot_sweep(project: Path, sweep: sweeps.Sweep, out: Optional[str]) -> int:
+    """The points' loss curves overlaid; one that cannot be drawn (no steps yet, unreadable) is left out, saying why."""
     from jobs import trainer_door
 
-    found = [(run.dir, p.label(60)) for run, p in zip(sweep.runs(project), sweep.points) if run.paths.metrics.is_file()]
-    if not found:
-        raise ConfigError("SWEEP", f"no point of sweep {sweep.name} has metrics yet")
     target = Path(out) if out else sweeps.sweep_dir(project, sweep.name) / "curves.png"
-    print(trainer_door.plot([d for d, _ in found], target, [label for _, label in found], title=f"sweep {sweep.name}"))
+    print(trainer_door.plot([run.dir for run in sweep.runs(project)], target, [p.label(60) for p in sweep.points],
+                            title=f"sweep {sweep.name}"))
     return 0
 
 
 # ---------------------------------------------------------------- compare
 
-COMPARED = ("eval", "train", "tok/s", "MFU", "steps", "state", "run")
+COMPARED = ("eval", "train", "tok/s", "MFU", "progress", "state", "run")
 
 
-def _compared(project: Path, names: list[str]) -> tuple[list[Run], list[str], list[dict[str, Any]]]:
-    """The runs named (a sweep's points for a sweep), the keys that tell them apart, each run's values."""
+def _compared(project: Path, names: list[str]) -> tuple[list[Run], list[str], list[dict[str, Any]], list[str]]:
+    """The runs named (a sweep's points for a sweep), the keys that tell them apart, each run's
+    values, and a line for each run whose config cannot be read (its values are then unknown)."""
     found: list[tuple[Run, dict]] = []
     keys: list[str] = []
     for name in names:
@@ -224,69 +229,80 @@ def _compared(project: Path, names: list[str]) -> tuple[list[Run], list[str], li
         else:
             found.append((find_run(name, project), {}))
     if len(names) > 1 or not keys:  # runs of their own (or several sweeps): the config keys that differ
-        keys, values = _differing([run for run, _ in found])
-        return [run for run, _ in found], keys, values
-    return [run for run, _ in found], list(dict.fromkeys(keys)), [v for _, v in found]
+        return [run for run, _ in found], *_differing([run for run, _ in found])
+    return [run for run, _ in found], list(dict.fromkeys(keys)), [v for _, v in found], []
 
 
-def _differing(found: list[Run]) -> tuple[list[str], list[dict[str, Any]]]:
+def _differing(found: list[Run]) -> tuple[list[str], list[dict[str, Any]], list[str]]:
     import yaml
+
+    from common.yaml import read_text_bounded
 
     def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
         if not isinstance(tree, dict):
             return {prefix[:-1]: tree}
         return {k: v for key, value in tree.items() for k, v in flat(value, f"{prefix}{key}.").items()}
-    configs = []
+    configs, unread = [], []
     for run in found:
         try:
-            configs.append(flat(yaml.safe_load(run.paths.config.read_text()) or {}))
-        except (OSError, yaml.YAMLError):
+            configs.append(flat(yaml.safe_load(read_text_bounded(run.paths.config, "config.yaml")) or {}))
+        except (OSError, ConfigError, yaml.YAMLError) as exc:  # that run's values unknown: it is compared all the same
             configs.append({})
+            unread.append(f"run {run.name}: {run.paths.config.name} cannot be read, its values are left out "
+                          f"({getattr(exc, 'strerror', None) or exc})")
     keys = sorted({k for c in configs for k in c})
     differ = [k for k in keys if k != "run.name" and len({repr(c.get(k)) for c in configs}) > 1
               and not any(run.name in str(c.get(k, "")) for run, c in zip(found, configs))]
-    return differ, [{k: c.get(k) for k in differ} for c in configs]
+    return differ, [{k: c.get(k) for k in differ} for c in configs], unread
 
 
 def compare(project: Path, names: list[str], as_csv: bool, console) -> int:
     """The runs side by side, by final eval loss (then train loss): their values, losses, tokens/s,
     MFU, steps and state; one Slurm query for all."""
-    found, keys, values = _compared(project, names)
-    rows, damaged = listing_rows(found)
+    found, keys, values, unread = _compared(project, names)
+    rows, damaged, read = listing_rows(found)
     table = []
-    for run, vals, row in zip(found, values, rows):
-        train, ev = run.last_metrics(), run.last_metrics("eval")
-        total = run.total_steps() if row[3] not in ("DAMAGED", "not submitted") else None
-        table.append({"run": run.name, "values": vals, "train": (train or {}).get("loss"),
-                      "eval": (ev or {}).get("eval_loss"), "tps": (train or {}).get("tokens_per_s"),
-                      "mfu": (train or {}).get("mfu"), "step": (train or {}).get("step"), "steps": total,
-                      "state": row[3]})
-
-    def number(x: Any) -> Optional[float]:
-        return x if isinstance(x, (int, float)) else None
-    table.sort(key=lambda r: (number(r["eval"]) is None, number(r["eval"]) or 0.0,
-                              number(r["train"]) is None, number(r["train"]) or 0.0))
-    if as_csv:
+    for run, vals, row, f in zip(found, values, rows, read):
+        train, ev = (f.train, f.eval) if f else ({}, {})
+        table.append({"run": run.name, "values": vals, "train": train.get("loss"), "eval": ev.get("eval_loss"),
+                      "tps": train.get("tokens_per_s"), "mfu": train.get("mfu"), "step": train.get("step"),
+                      "steps": f.total if f else None, "state": row[3]})
+    table.sort(key=lambda r: (_number(r["eval"]) is None, _number(r["eval"]) or 0.0,
+                              _number(r["train"]) is None, _number(r["train"]) or 0.0))
+    if as_csv:  # every cell escaped as on a terminal: a CSV is read on one
         writer = csv.writer(sys.stdout)
-        writer.writerow(["run", *keys, "eval_loss", "train_loss", "tokens_per_s", "mfu", "step", "steps", "state"])
+        writer.writerow(map(one_line, ["run", *keys, "eval_loss", "train_loss", "tokens_per_s", "mfu", "step", "steps",
+                                       "state"]))
         for r in table:
-            writer.writerow([r["run"], *(sweeps.value_text(r["values"][k]) if k in r["values"] else "" for k in keys),
-                             *("" if r[c] is None else r[c] for c in ("eval", "train", "tps", "mfu", "step", "steps")),
-                             r["state"]])
-        return 2 if damaged else 0
+            values = [sweeps.value_text(r["values"][k]) if k in r["values"] else "" for k in keys]
+            numbers = ["" if r[c] is None else r[c] for c in ("eval", "train", "tps", "mfu", "step", "steps")]
+            writer.writerow(map(one_line, [r["run"], *values, *numbers, r["state"]]))
+    else:
+        _compare_table(table, keys, console)
+    # One line for each run not shown whole: why (a teammate's is no error), and the damaged ones' errors.
+    for line in unread + [f"run {row[0]}: {row[-1]}" for row in rows if row[3] == "UNREADABLE"]:
+        print(f"slipway: note: {one_line(line)}", file=sys.stderr)
+    for message in damaged:
+        print(f"slipway: error: {one_line(message)}", file=sys.stderr)
+    return 2 if damaged else 0
+
+
+def _number(x: Any) -> Optional[float]:
+    return x if isinstance(x, (int, float)) else None
+
+
+def _compare_table(table: list[dict], keys: list[str], console) -> None:
     shown = keys[:3]  # the table fits 80 columns; --csv has every key
-    heads = tuple(h[:16] for h in sweeps.short_keys(shown)) + COMPARED
+    # An axis by its short key, or whole where that is a column's name (`train.steps`, not a second `steps`).
+    heads = tuple((k if h in COMPARED else h)[:16] for k, h in zip(shown, sweeps.short_keys(shown))) + COMPARED
 
     def cell(x: Any, fmt: str) -> str:
-        return "" if number(x) is None else format(x, fmt)
+        return "" if _number(x) is None else format(x, fmt)
     out = [(*(sweeps.value_text(r["values"].get(k, ""))[:16] for k in shown),
             cell(r["eval"], ".4f"), cell(r["train"], ".4f"),
-            tokens(r["tps"]) if number(r["tps"]) is not None else "",
-            cell(100 * r["mfu"], ".1f") + "%" if number(r["mfu"]) is not None else "",
+            tokens(r["tps"]) if _number(r["tps"]) is not None else "",
+            cell(100 * r["mfu"], ".1f") + "%" if _number(r["mfu"]) is not None else "",
             f"{r['step'] or 0}/{r['steps']}" if r["steps"] else "", r["state"], r["run"]) for r in table]
     title = f"{len(table)} run(s) by eval loss" + (f"; {len(keys) - 3} more key(s) differ: --csv" if len(keys) > 3
                                                    else "")
     console.file.write(listing(title, out, width(), heads))
-    for message in damaged:
-        print(f"slipway: error: {one_line(message)}", file=sys.stderr)
-    return 2 if damaged else 0

@@ -19,10 +19,11 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from common.baseline import accepting
 from common.environ import project_dir
 from common.errors import ConfigError, bounded, shown
 from common.schema import from_dict, require, to_dict
-from common.yaml import Plain, read_text_bounded, read_yaml
+from common.yaml import Plain, at_line, read_text_bounded, read_yaml
 from containers.record import ImageNeeds, ImageSection
 from edf.environment import NOT_CONFIG, SAFE_NAME, Environment
 from jobs.config.clusters import ClusterProfile, merged
@@ -147,13 +148,18 @@ class Config(TrainerConfig):
             elif word.split("=", 1)[0] not in settings:
                 kept.append(word)
         for key, value in settings.items():
-            kept += [flags[key], str(value)] if key in flags else [f"{key}={value}"]
+            kept += [flags[key], str(value)] if key in flags and value is not None else [
+                f"{key}={'null' if value is None else value}"]
         return shlex.join(kept)
 
     def check(self, where: str) -> None:
-        _check_path_components(to_dict(self), "")
-        require(bool(SAFE_NAME.match(self.run.name)), "run.name",
-                f"{shown(self.run.name)} is not a safe run name: {SAFE_NAME_RULE}")
+        check_path_components(to_dict(self), "")
+        self.check_between()
+
+    def check_between(self) -> None:
+        """The rules across sections (each section checks its own fields as it is read)."""
+        require(bool(SAFE_NAME.fullmatch(self.run.name)), "run.name",
+                lambda: f"{shown(self.run.name)} is not a safe run name: {SAFE_NAME_RULE}")
         if self.launch.python is None:
             self.launch.python = this_python() if self.container.runtime == "none" else "python3"
         if self.launch.procs_per_node is None:
@@ -231,15 +237,15 @@ class Config(TrainerConfig):
 NAME_MAX = 255
 
 
-def _check_path_components(value: Any, where: str) -> None:
+def check_path_components(value: Any, where: str) -> None:
     """Every string of the tree that reads as a path (a '/', no whitespace) has components of at
     most NAME_MAX bytes."""
     if isinstance(value, dict):
         for key, item in value.items():
-            _check_path_components(item, f"{where}.{key}" if where else str(key))
+            check_path_components(item, f"{where}.{key}" if where else str(key))
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            _check_path_components(item, f"{where}[{i}]")
+            check_path_components(item, f"{where}[{i}]")
     elif isinstance(value, str) and "/" in value and not any(c.isspace() for c in value):
         longest = max(value.split("/"), key=lambda part: len(part.encode(errors="replace")))
         size = len(longest.encode(errors="replace"))
@@ -352,10 +358,12 @@ def read_config(path: str | Path) -> tuple[Path, dict]:
 
 
 def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets: dict[str, Any] | None = None,
-                settings: dict[str, Any] | None = None, cluster: Optional[ClusterProfile] = None) -> Config:
+                settings: dict[str, Any] | None = None, cluster: Optional[ClusterProfile] = None,
+                tree: Optional[dict] = None) -> Config:
     """The config of file `path` from its raw tree (left as it is), the `cluster` profile merged in,
     the overrides, the named flags' `sets`, then `settings` (dotted key -> value, as an override's
-    value parses), validated: the config < the profile < the command line (jobs/config/clusters.py says why)."""
+    value parses), validated: the config < the profile < the command line (jobs/config/clusters.py says why).
+    `tree`: filled with the raw tree as read (a sweep's `Variants` reads its settings into it)."""
     raw = merged(raw, cluster.settings) if cluster is not None else _copied(raw)
     given = {*(sets or {}), *(settings or {})}
     for item in overrides or []:
@@ -370,11 +378,16 @@ def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets:
     run = raw.setdefault("run", {}) if isinstance(raw.get("run", {}), dict) else raw["run"]
     if isinstance(run, dict) and not run.get("name"):
         run["name"] = path.stem
+    if tree is not None:
+        tree.update(raw)
     try:
-        cfg = from_dict(Config, raw)
-    except ConfigError as exc:  # a value the profile gave: say where it came from
-        if cluster is None or not cluster.sets(exc.field) or exc.field in given:
+        with accepting(path):  # what the file's own pragma lines and baseline accept (docs/secrets.md)
+            cfg = from_dict(Config, raw)
+    except ConfigError as exc:  # a value the profile or the file gave: say where it came from
+        if exc.field in given:
             raise
+        if cluster is None or not cluster.sets(exc.field):
+            raise at_line(exc, path, exc.field) from None
         raise ConfigError(exc.field, f"{str(exc)[len(exc.field) + 2:]} (set by {cluster.where})") from None
     cfg.source, cfg.cluster = path, cluster
     return cfg

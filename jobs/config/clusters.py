@@ -25,8 +25,8 @@ from typing import Any, Mapping, Optional
 
 from common.errors import ConfigError, bounded_path, shown
 from common.fs import NotRegularFile, open_regular
-from common.schema import from_dict, part_of, require, to_dict
-from common.yaml import MAX_TEXT, read_yaml
+from common.schema import from_dict, part_of, require, to_dict, unknown_key
+from common.yaml import MAX_TEXT, at_line, read_yaml
 from containers.record import ImageSection
 from edf.environment import SAFE_NAME, Environment
 from jobs.config.sections import LaunchSection, SlurmSection
@@ -105,7 +105,7 @@ def selected(given: Optional[str], environ: Optional[Mapping[str, str]] = None) 
     name, where = (given, "--cluster") if given is not None else (environ.get(ENV) or None, f"${ENV}")
     if name is None:
         return None, ""
-    if not SAFE_NAME.match(name):
+    if not SAFE_NAME.fullmatch(name):
         fix = "unset it, or export a cluster's name" if where != "--cluster" else "give a cluster's name"
         raise ConfigError(where, f"{shown(name)} is not a cluster name (1-100 letters, digits, '.', '_' or '-', "
                                  f"starting with a letter or digit): {fix} from {FILE}")
@@ -140,7 +140,7 @@ def _read(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(shown_path, "must map cluster names to profiles, e.g. `alps: {slurm: {account: a-g1}}`")
     for name, profile in raw.items():
-        require(bool(SAFE_NAME.match(name)), f"{shown_path} {shown(name)}",
+        require(bool(SAFE_NAME.fullmatch(name)), f"{shown_path} {shown(name)}",
                 "is not a cluster name: use 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit")
         if profile is not None and not isinstance(profile, dict):
             raise ConfigError(f"{shown_path} {name}", f"expected a profile (a mapping of sections: "
@@ -153,7 +153,7 @@ def _checked(profile: Optional[dict], where: str) -> dict:
     profile = profile or {}
     for key, part in profile.items():
         if key not in KEYS:
-            raise ConfigError(f"{where}.{key}", f"unknown key; valid keys of a cluster profile are: {', '.join(KEYS)}")
+            raise unknown_key(key, list(KEYS), where, "a cluster profile")
         if key == "cluster":
             from_dict(ClusterSection, part, f"{where}.cluster")
         else:
@@ -194,7 +194,10 @@ def find_profile(name: str, project_dir: Path, where: str = "--cluster") -> Clus
         raise ConfigError(where, f"no cluster {shown(name)} in {looked}; {listing}")
     settings: dict = {}
     for path, profile in found:
-        settings = merged(settings, _checked(profile, f"{bounded_path(path)} {name}"))
+        try:
+            settings = merged(settings, _checked(profile, f"{bounded_path(path)} {name}"))
+        except ConfigError as exc:
+            raise at_line(exc, path, exc.field.rsplit(" ", 1)[-1]) from None
     cluster = from_dict(ClusterSection, settings.pop("cluster", None), f"cluster {name}.cluster")
     return ClusterProfile(name, settings, cluster, tuple(str(p) for p, _ in found))
 

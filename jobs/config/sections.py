@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from common.errors import ConfigError, shown
-from common.schema import at_most, require
-from common.secrets import OWN_TEXT, warning
+from common.schema import FREE_TEXT, at_most, require
+from common.secrets import OWN_TEXT, TEXT, find_secrets
 from edf.environment import ENV_NAME
 
 # Slurm's time formats (sbatch --time): MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
@@ -113,7 +113,7 @@ class SlurmSection:
     # Seconds each of the preflight's two parts (the node checks, the all-reduce) may take.
     preflight_timeout: int = 300
     # More sbatch options, each one long option such as --exclusive or --mem=0.
-    extra: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list, metadata={"secrets": TEXT})
     # The data preparation job (`slipway prepare --as-job`, `submit --prepare`): one CPU task,
     # no GPU. Defaults: the training job's partition and cpus_per_task.
     prepare_partition: Optional[str] = None
@@ -250,13 +250,13 @@ class LaunchSection:
     # this environment's own interpreter with runtime none.
     python: Optional[str] = None
     # Replace the trainer with another command (a list of arguments).
-    command: list[str] = field(default_factory=list)
+    command: list[str] = field(default_factory=list, metadata={"secrets": TEXT, **FREE_TEXT})
     # Shell lines the batch script runs as written before it launches the ranks (your own text: a
     # value in them that looks like a secret is warned about, not refused; docs/secrets.md).
     pre_launch: list[str] = field(default_factory=list, metadata={"secrets": OWN_TEXT})
     # Variables exported before srun; they override the node preset's. A name or value that looks
     # like a secret's is refused: pass secrets with container.env_from_host instead.
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, metadata={"secrets": TEXT, **FREE_TEXT})
     # set -x in the batch script, CUDA_LAUNCH_BLOCKING=1, TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO.
     debug: bool = False
     # The Hugging Face cache (HF_HOME) of the job and of `slipway prepare`; default: the project's
@@ -270,18 +270,24 @@ class LaunchSection:
     # rest of what the trainer imports, and start each rank from it (the run's code, process group
     # and model still fresh). It ends with the allocation, or on `slipway run --stop-warm`.
     warm: bool = True
+    # Seconds a stop of `slipway local` or `slipway run` (Ctrl-C, SIGTERM) gives the ranks to save
+    # before it kills them, unsaved; null: twice what they need, from the run's step and save times
+    # (at least 90 s), said on the stop's first line.
+    stop_grace: Optional[float] = None
 
     def check(self, where: str) -> None:
         require(self.procs_per_node is None or self.procs_per_node > 0, f"{where}.procs_per_node",
                 f"must be > 0, got {self.procs_per_node}")
+        require(self.stop_grace is None or 0 < self.stop_grace <= 30 * 86400, f"{where}.stop_grace",
+                f"must be seconds > 0 (null: sized from the run's steps and saves), got {self.stop_grace}")
         for key in self.env:
-            require(bool(ENV_NAME.match(key)), f"{where}.env.{key}",
+            require(bool(ENV_NAME.fullmatch(key)), f"{where}.env.{key}",
                     "is not a valid environment variable name (letters, digits, _; not starting with a digit)")
 
     def secret_warnings(self, where: str = "launch") -> list[str]:
         """pre_launch lines holding what looks like a secret: written into config.yaml and job.sbatch
         as the user wrote them, so said (the line, never the value) rather than refused."""
-        return [f"{where}.pre_launch[{i}] holds what looks like {what}: it is written into config.yaml and "
-                "job.sbatch as you wrote it (and traced under launch.debug); export it in the shell you submit "
+        return [f"{where}.pre_launch[{i}] holds what looks like {found[0].what}: it is written into config.yaml "
+                "and job.sbatch as you wrote it (and traced under launch.debug); export it in the shell you submit "
                 "from and pass it with container.env_from_host instead"
-                for i, line in enumerate(self.pre_launch) if (what := warning(line))]
+                for i, line in enumerate(self.pre_launch) if (found := find_secrets(line))]

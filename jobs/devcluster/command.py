@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--node-private", default="", metavar="DIR,...",
                     help="directories each node gets its own copy of (e.g. enroot's and pyxis's runtime dirs)")
     sub.add_parser("down", help="stop it: processes by id, namespaces, links, /etc/hosts block")
-    sub.add_parser("status", help="its processes and node states, as JSON (exit 1 if not up)")
+    sub.add_parser("status", help="whether it is up, its nodes' states and its processes (exit 1 if not up)"
+                   ).add_argument("--json", action="store_true", help="the same as one JSON object")
     sub.add_parser("env", help="the export line for client commands")
     for p in sub.choices.values():
         p.add_argument("--name", default="slpw", help="cluster name (prefix of namespaces and links)")
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             _down(args.name, spec)
         elif args.cmd == "status":
             status = LocalSlurmCluster(spec).status() if spec else {"name": args.name, "up": False}
-            print(json.dumps(status, indent=1))
+            print(json.dumps(status, indent=1) if args.json else _said(status, named))
             return 0 if status["up"] else 1
         elif spec is None:
             raise ClusterError(f"no cluster {args.name!r} is up: run `slipway cluster up{named}`")
@@ -72,6 +73,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slipway cluster {args.cmd}: {as_typed(str(e))}", file=sys.stderr)
         return 1
     return 0
+
+
+def _said(status: dict, named: str) -> str:
+    """`slipway cluster status` for a person: up or not, the nodes' states, the processes not alive."""
+    if not status.get("processes"):
+        return as_typed(f"cluster {status['name']}: not up; `slipway cluster up{named}` starts it")
+    nodes = ", ".join(f"{node} {state}" for node, state in status["nodes"].items()) or "none answering"
+    dead = [f"{p['role']} (pid {p['pid']})" for p in status["processes"] if not p["alive"]]
+    return as_typed(f"cluster {status['name']}: {'up' if status['up'] else 'not up'}, state in {status['state_dir']}\n"
+                    f"nodes: {nodes}\nprocesses: {len(status['processes']) - len(dead)} of {len(status['processes'])} "
+                    f"alive{': not ' + ', '.join(dead) if dead else ''}\nits client commands here: "
+                    f"`eval \"$(slipway cluster env{named})\"`")
 
 
 def _down(name: str, spec: ClusterSpec | None) -> None:

@@ -50,13 +50,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no file)"
-
-
 class LocalSlurmCluster:
     """A munged, a slurmctld and `spec.nodes` slurmds, each node in its own namespaces."""
 
@@ -78,43 +71,19 @@ class LocalSlurmCluster:
         """Run a Slurm client command against this cluster."""
         return host_run(*argv, check=check, cwd=cwd, timeout=timeout, env={**os.environ, **self.env()})
 
-    def sbatch(self, script: Path, *args: str, cwd: Path | None = None) -> str:
-        """Submit `script`; return the job id."""
-        out = self.run("sbatch", "--parsable", *args, str(script), cwd=cwd or Path(script).parent)
-        return out.stdout.strip().split(";")[0]
-
-    def job(self, job_id: str) -> dict[str, str]:
-        """`scontrol show job` as a dict (JobState, ExitCode, NodeList, StdOut, ...)."""
-        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
-        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-
-    def wait(self, job_id: str, timeout: float = 120) -> dict[str, str]:
-        """Wait until `job_id` has ended; return its last `scontrol show job` record.
-        On timeout the job is cancelled and ClusterError says where it was stuck."""
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.job(job_id)
-            if info.get("JobState") not in {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING",
-                                            "REQUEUED", "RESIZING", "SUSPENDED"}:
-                return info
-            if time.monotonic() > deadline:
-                self.run("scancel", job_id, check=False)
-                raise ClusterError(f"job {job_id} still {info.get('JobState')} "
-                                   f"({info.get('Reason')}) after {timeout:.0f} s; cancelled. "
-                                   f"Its output: {info.get('StdOut')}\n{self.log_tails()}")
-            time.sleep(0.25)
-
     def node_states(self) -> dict[str, str]:
         out = self.run("sinfo", "-h", "-N", "-p", self.spec.partition, "-o", "%N %T",
                        check=False, timeout=15).stdout
         return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
 
     def log_tails(self, lines: int = 25) -> str:
+        """The last `lines` of each daemon's log, for an error that says why the cluster failed."""
         logs = [self.spec.log_dir / "munged.out", self.spec.log_dir / "slurmctld.log",
                 self.spec.log_dir / "slurmctld.out"]
         for n in self.node_names:
             logs += [self.spec.log_dir / f"slurmd-{n}.log", self.spec.log_dir / f"slurmd-{n}.out"]
-        return "\n".join(f"--- {p}:\n{_tail(p, lines)}" for p in logs if p.exists())
+        return "\n".join(f"--- {p}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
+                         for p in logs if p.exists())
 
     # -- lifecycle
     def up(self, timeout: float = 60) -> "LocalSlurmCluster":
@@ -190,11 +159,6 @@ class LocalSlurmCluster:
         argv = ["nsenter", f"--net={NETNS_DIR / spec.netns(spec.node_names.index(node) + 1)}",
                 *self._in_uts(node, "slurmd", "-D", "-N", node, "-f", str(spec.conf), binds=binds)]
         self._start(role, argv, f"slurmd-{node}.out")
-
-    def pids(self) -> list[tuple[int, int]]:
-        """(pid, start time) of the daemons this cluster started."""
-        reg = read_registry(self.spec.name) or {}
-        return [(p["pid"], p["start"]) for p in reg.get("processes", [])]
 
     # -- internals
     def _prepare_state_dir(self) -> None:

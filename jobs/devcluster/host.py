@@ -1,6 +1,6 @@
 """Host plumbing for the local Slurm cluster (jobs/devcluster/, `slipway cluster`): processes by id,
 the registry of running clusters, our block in /etc/hosts, network namespaces,
-and the teardown that removes all of a cluster's traces. Standard library only."""
+and the teardown that removes all of a cluster's traces."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import json
 import os
 import resource
 import shlex
-import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Iterator
+
+from common import fs
 
 RUN_DIR = Path("/run/slipway-slurm")  # registry of running clusters (tmpfs: gone on reboot)
 HOSTS = Path("/etc/hosts")
@@ -110,14 +111,11 @@ def read_registry(name: str) -> dict | None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    with contextlib.suppress(FileNotFoundError):
-        shutil.copymode(path, tmp)
+    """common.fs's atomic write, or a write in place where the rename is refused (/etc/hosts
+    bind-mounted into a container)."""
     try:
-        os.replace(tmp, path)
-    except OSError as e:  # /etc/hosts bind-mounted into a container: rename over it is refused
-        tmp.unlink()
+        fs.write_atomic(path, text)
+    except OSError as e:
         if e.errno not in (errno.EBUSY, errno.EXDEV, errno.EPERM):
             raise
         path.write_text(text)

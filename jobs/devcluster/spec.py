@@ -60,6 +60,9 @@ class ClusterSpec:
     # slurm.conf MaxArraySize: a job array's task indices stay below it (Slurm's default 1001). Small
     # values let a test split a sweep over several arrays (jobs/runs/sweep.py).
     max_array_size: int = 1001
+    # slurm.conf FirstJobId: two clusters up at once (the tests' session one and the pyxis tier's)
+    # then never give the same job id, which names a job's processes and containers on the machine.
+    first_job_id: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
@@ -121,22 +124,11 @@ class ClusterSpec:
     def bridge(self) -> str:
         return f"{self.name}-br"
 
-    # files
-    @property
-    def conf(self) -> Path:
-        return self.state_dir / "slurm.conf"
-
-    @property
-    def munge_socket(self) -> Path:
-        return self.state_dir / "munge" / "munge.socket"
-
-    @property
-    def munge_key(self) -> Path:
-        return self.state_dir / "munge" / "munge.key"
-
-    @property
-    def log_dir(self) -> Path:
-        return self.state_dir / "log"
+    # files, all in the state dir
+    conf = property(lambda self: self.state_dir / "slurm.conf")
+    munge_socket = property(lambda self: self.state_dir / "munge" / "munge.socket")
+    munge_key = property(lambda self: self.state_dir / "munge" / "munge.key")
+    log_dir = property(lambda self: self.state_dir / "log")
 
     def hosts_lines(self) -> list[str]:
         """Each name with its address, also in the IPv4-mapped IPv6 form (::ffff:a.b.c.d): torch's
@@ -193,6 +185,7 @@ KillWait=5
 InactiveLimit=0
 MinJobAge=300
 MaxArraySize={spec.max_array_size}
+FirstJobId={spec.first_job_id}
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=2
 # Accounting is off: AccountingStorageType and JobCompType are left out (Debian's

@@ -14,40 +14,42 @@ on it alone); its events and its manifest entry name it ARRAY_TASK, as squeue an
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import resource
 import shlex
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from common.errors import ConfigError, shown
 from common.events import now_iso
 from common.fs import write_atomic
 from common.rundir import RunDir
-from common.schema import to_dict
+from common.schema import config_fields, to_dict
 from edf.environment import SAFE_NAME
 from jobs import slurm
 from jobs.config.clusters import ClusterProfile
-from jobs.config import Config, config_from, dump_config, read_config
+from jobs.config import Config, dump_config, read_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
 from jobs.runs.code import git_state
-from jobs.runs.container import create_needed_dirs, remove_created_dirs
-from jobs.runs.manifest import ManifestError
-from jobs.runs.run import Run, runs_root
+from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve_paths
+from jobs.runs.run import Run, Unreadable, many_objects, run_exists, runs_root
 from jobs.runs.submit import (Sealed, Shared, check_submittable, config_difference, nothing_to_train, no_world_write,
                               prepare_run, record_submission, seal, unprepared_data)
-from jobs.runs.sweep import (NAME_ROOM, Axis, ArrayJob, Point, Sweep, find_sweep, grid, point_names, read_points,
-                             split_axes, sweep_dir, typed, value_text, write_sweep)
-from jobs.slurm.script import sbatch_quote
+from jobs.runs.sweep import (NAME_ROOM, Axis, ArrayJob, Point, Sweep, Variants, find_sweep, grid, point_names,
+                             read_points, split_axes, sweep_dir, value_text, write_sweep)
+from jobs.slurm.script import sbatch_header, sbatch_quote
+from trainer.config import TrainerConfig
 
-NEW, RESUME, FINISHED, ACTIVE = "new", "to resume", "finished", "queued or running"  # a point's, in this order
+# A point's, in this order; UNREADABLE: its run cannot be read (damaged, a teammate's), left as it is.
+NEW, RESUME, FINISHED, ACTIVE, UNREADABLE = "new", "to resume", "finished", "queued or running", "unreadable"
 
 
 @dataclass(eq=False)  # a point's plan is itself: compared by identity
@@ -88,9 +90,10 @@ def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_
     axes, plain = split_axes(overrides)
     entries = read_points(points_file) if points_file else None
     path, raw = read_config(config)
-    base = config_from(path, raw, plain, sets, cluster=cluster)
+    variants = Variants(path, raw, plain, sets, cluster)
+    base = variants.base
     name = name or base.run.name
-    if not SAFE_NAME.match(name) or len(name) > NAME_ROOM:
+    if not SAFE_NAME.fullmatch(name) or len(name) > NAME_ROOM:
         raise ConfigError("--name", f"{shown(name)} is no sweep name: use 1-{NAME_ROOM} letters, digits, '.', '_' "
                                     "or '-', starting with a letter or digit")
     if RunDir(runs_root(project_dir) / name).manifest.is_file():
@@ -99,57 +102,105 @@ def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_
     names = point_names(name, settings)
     old = find_sweep(name, project_dir)
     known = {p.run for p in old.points} if old else set()
-    shared, seen, plans, refusals = Shared(), {}, [], []
     keys = sorted({k for values in settings for k in values})
     # A point's own arguments (what a hint repeats, `slipway local ...`): the axes' items replaced by its values.
     swept = [o for o in overrides if o not in plain]
     words = [w for w in shlex.split(given_args or config) if w not in swept]
-    for values, run_name in zip(settings, names):
+    with many_objects():
+        plans, refusals = _points(variants, zip(settings, names), keys, words, project_dir, name, known,
+                                  dry_run=dry_run, view=view)
+    plan = Plan(_merged(old, name, base, axes, given_args, [p.point for p in plans]), plans, refusals)
+    plan.notes = list(dict.fromkeys(n for p in plans for n in p.sealed.notes))
+    if not refusals:
+        _existing(plan, force)
+        _data(plan, dry_run)
+    plan.git = git_state(project_dir)
+    return plan
+
+
+def _data(plan: Plan, dry_run: bool) -> None:
+    """The first point to submit whose data is not prepared refuses the submission; each point's
+    config.yaml made (as written) where it is."""
+    refused: dict[str, Optional[str]] = {}
+    texts: dict[int, str] = {}  # the data section's text, by the section (points share one an axis leaves alone)
+    for p in plan.to_submit:
+        if not dry_run:
+            _frozen(p)
+        d = p.cfg.data
+        key = texts.get(id(d)) or texts.setdefault(id(d), json.dumps(to_dict(d), default=str))
+        if key not in refused:  # its paths resolved (a dry run leaves those of a point it does not seal)
+            refused[key] = unprepared_data(replace(p.sealed, cfg=resolve_paths(p.cfg, p.sealed.paths)),
+                                           p.cfg.config_args)
+        if refused[key]:
+            plan.refusals.append(ConfigError(f"point {p.point.run}", f"data: {refused[key]}"))
+            break
+
+
+def _points(variants: Variants, points: Iterable[tuple[dict[str, Any], str]], keys: list[str], words: list[str],
+            project_dir: Path, sweep: str, known: set[str], *, dry_run: bool,
+            view: Optional[Callable[[Config], Config]]) -> tuple[list[PointPlan], list[ConfigError]]:
+    """Each point (its values, its run name) built and checked, and sealed (in a dry run, as
+    `_fresh` says); what would refuse the submission."""
+    shared, seen, plans, refusals = Shared(), {}, [], []
+    first, sealed_values, checked, given = None, set(), {}, shlex.join(words)
+    for values, run_name in points:
         point = Point(run_name, values)
         try:
-            cfg = config_from(path, raw, plain, sets, {**values, "run.name": run_name}, cluster=cluster)
-            cfg.given_args = shlex.join([*words, *(f"{k}={value_text(v)}" for k, v in values.items()),
-                                         "--run-name", run_name])
+            cfg = variants(values, run_name)
+            cfg.given_args = f"{given} " + shlex.join([*(f"{k}={value_text(v)}" for k, v in values.items()),
+                                                       "--run-name", run_name])
             cfg = view(cfg) if view else cfg
             for stream in ("output", "error"):
                 if "%x" in getattr(cfg.slurm, stream).replace("%%", ""):
                     raise ConfigError(f"slurm.{stream}", "%x is the array's job name in a sweep, not the point's: "
                                                          "use %j (the task's ARRAY_TASK id) or a fixed name")
-            sealed = seal(cfg, project_dir, dry_run=dry_run, shared=shared, config_text=False)
+            if dry_run and first is not None and not _fresh(values, sealed_values):  # built and checked; its
+                paths = RunDir(first.paths.path.parent / run_name, first.paths.project)  # files rendered when submitted
+                sealed = copy.copy(first)
+                sealed.cfg, sealed.paths, sealed.files, sealed.notes = cfg, paths, {}, []
+            else:
+                sealed = first = seal(cfg, project_dir, dry_run=dry_run, shared=shared, config_text=False)
         except ConfigError as exc:
             raise ConfigError(f"point {run_name}", f"{exc} ({point.label(120)})") from None
-        same = tuple(repr(typed(cfg, key)) for key in keys)  # what the values became, typed by their fields
+        same = tuple(repr(variants.typed(cfg, key, values.get(key))) for key in keys)  # the values typed by their fields
         if same in seen:
             raise ConfigError(f"point {run_name}", f"has the same config as point {seen[same]} ({point.label(120)}): "
                                                    "drop one of the two values")
         seen[same] = run_name
         plans.append(PointPlan(point, sealed, NEW))
-        for check in (lambda: check_submittable(cfg), lambda: _unrelated(sealed, name, known)):
-            try:
-                check()
-            except ConfigError as exc:
-                refusals.append(ConfigError(f"point {run_name}", str(exc)))
-    plan = Plan(_merged(old, name, base, axes, given_args, [p.point for p in plans]), plans, refusals)
-    plan.notes = list(dict.fromkeys(n for p in plans for n in p.sealed.notes))
-    if not refusals:
-        _existing(plan, force)
-        data: dict[str, Optional[str]] = {}
-        for p in plan.to_submit:
-            if not dry_run:
-                _frozen(p)
-            key = json.dumps(to_dict(p.cfg.data), default=str)
-            if key not in data:
-                data[key] = unprepared_data(p.sealed, p.cfg.config_args)
-            if data[key]:
-                plan.refusals.append(ConfigError(f"point {p.point.run}", f"data: {data[key]}"))
-                break
-    plan.git = git_state(project_dir)
-    return plan
+        # What it reads (the container's and Slurm's sections, train.script): once for the points that share them.
+        on_disk = (id(cfg.container), id(cfg.slurm), cfg.train.script)
+        if on_disk not in checked:
+            checked[on_disk] = _refused(lambda: check_submittable(cfg))
+        refusals += [ConfigError(f"point {run_name}", why) for why in
+                     (checked[on_disk], _refused(lambda: _unrelated(sealed, sweep, known))) if why]
+    return plans, refusals
+
+
+def _refused(check: Callable[[], None]) -> str:
+    """What `check()` refuses ("": nothing)."""
+    try:
+        check()
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+# The host's sections (slurm, container, launch, image, code): what a job's files and pins come from.
+_HOST = set(config_fields(Config)) - set(config_fields(TrainerConfig))
+
+
+def _fresh(values: dict[str, Any], sealed: set[tuple[str, str]]) -> bool:
+    """Whether a dry run seals a point (the first aside): the first of a value an axis gives a
+    field of the host's sections (`sealed` notes it); a submission seals every point."""
+    new = {(k, repr(v)) for k, v in values.items() if k.partition(".")[0] in _HOST} - sealed
+    sealed |= new
+    return bool(new)
 
 
 def _unrelated(sealed: Sealed, sweep: str, known: set[str]) -> None:
     paths = sealed.paths
-    if (paths.path.exists() or paths.path.is_symlink()) and sealed.cfg.run.name not in known:
+    if os.path.lexists(paths.path) and sealed.cfg.run.name not in known:
         raise ConfigError("run.name", f"{paths.path} exists and is no point of sweep {sweep}: move it aside, or give "
                                       "the sweep another --name")
 
@@ -165,24 +216,24 @@ def _merged(old: Optional[Sweep], name: str, base: Config, axes: list[Axis], giv
 
 
 def _existing(plan: Plan, force: bool) -> None:
-    """The points whose run exists: queued or running, finished, to resume, or (a changed config
-    without `force`) refused. Slurm is asked once for all of them."""
+    """The points whose run exists: queued or running, finished, to resume, (a changed config
+    without `force`) refused, or, one that cannot be read (damaged, a teammate's), left as it is
+    with a note, as the others go on. Slurm is asked once for all of them."""
     there = []
     for p in plan.points:
         run = Run(p.sealed.paths)
-        if not run.paths.manifest.is_file():
-            continue
         try:
-            there.append((p, run, manifests.file_key(run.paths.manifest), run.launches()))
-        except ManifestError as exc:
-            plan.refusals.append(ConfigError(f"point {p.point.run}", str(exc)))
-    owns = {}
-    for _, run, _, launches in there:
-        events = run.events()
-        owns.update({id(x): run.events_of(x, events) for x in launches})
-    plan.asked = lifecycle.ask_slurm((x, owns[id(x)]) for *_, launches in there for x in launches if not x.local)
+            if run_exists(run.dir, f"point {p.point.run}"):
+                launches = run.launches()
+                there.append((p, run, manifests.file_key(run.paths.manifest), launches, run.events()))
+        except (ConfigError, OSError) as exc:  # that point alone
+            p.state = UNREADABLE
+            why = str(exc) if type(exc) is ConfigError else Unreadable.of(run.dir, exc).line()
+            plan.notes.append(f"{why}: left as it is, not submitted")
+    owns = {id(x): run.events_of(x, events) for _, run, _, launches, events in there for x in launches}
+    plan.asked = lifecycle.ask_slurm((x, owns[id(x)]) for *_, launches, _ in there for x in launches if not x.local)
     changed = []
-    for p, run, key, launches in there:
+    for p, run, key, launches, _ in there:
         p.key = key
         train = [x for x in launches if x.kind == "train"]
         last = lifecycle.launch_state(train[-1], owns[id(train[-1])], plan.asked.get(train[-1].id)) if train else None
@@ -208,7 +259,7 @@ def _frozen(p: PointPlan) -> str:
     sweep of a thousand points made it for each in seconds)."""
     path = p.sealed.paths.config
     if path not in p.sealed.files:
-        p.sealed.files[path] = dump_config(p.cfg)
+        p.sealed.files[path] = dump_config(resolve_paths(p.cfg, p.sealed.paths))  # resolved: a dry run may not have
     return p.sealed.files[path]
 
 
@@ -217,8 +268,8 @@ def _frozen(p: PointPlan) -> str:
 
 def allocation(sealed: Sealed) -> tuple[str, ...]:
     """The #SBATCH lines of a point's job.sbatch that its array shares (all but its name and logs):
-    what it asks of Slurm, exactly as the point's own script says it."""
-    lines = [line for line in sealed.files[sealed.paths.job_script].splitlines() if line.startswith("#SBATCH ")]
+    what it asks of Slurm, as the point's own script says it (its header, rendered the same way)."""
+    lines = [line for line in sbatch_header(sealed.cfg, sealed.paths, sealed.exclude) if line.startswith("#SBATCH ")]
     mine = ("--job-name=", "--output=", "--error=")
     s = sealed.cfg.slurm
     return (*(line for line in lines if not line[8:].startswith(mine)), f"#output {s.output}", f"#error {s.error}")
@@ -226,11 +277,25 @@ def allocation(sealed: Sealed) -> tuple[str, ...]:
 
 def arrays_of(points: list[PointPlan], limit: int) -> list[list[PointPlan]]:
     """The points in arrays: one per allocation they ask (an array asks one), each of at most
-    `limit` tasks (the cluster's MaxArraySize: task indices stay below it)."""
+    `limit` tasks (the cluster's MaxArraySize: task indices stay below it; 0, a site without job
+    arrays: each point is a job of its own)."""
     groups: dict[tuple, list[PointPlan]] = {}
+    asks: dict[tuple, tuple] = {}  # by what a header reads (points share sections an axis leaves alone)
     for p in points:
-        groups.setdefault(allocation(p.sealed), []).append(p)
-    return [g[i:i + limit] for g in groups.values() for i in range(0, len(g), limit)]
+        cfg = p.cfg
+        key = (id(cfg.slurm), id(cfg.launch), cfg.train.script, tuple(p.sealed.exclude))
+        groups.setdefault(asks[key] if key in asks else asks.setdefault(key, allocation(p.sealed)), []).append(p)
+    return [g[i:i + (limit or 1)] for g in groups.values() for i in range(0, len(g), limit or 1)]
+
+
+# The most tasks of one array that run at once unless --max-parallel says (submitit's default too):
+# a sweep of ten thousand points does not take a whole cluster at once by default.
+MAX_PARALLEL = 256
+
+
+def array_spec(tasks: int, max_parallel: Optional[int]) -> str:
+    """`--array=`'s value for `tasks` tasks: `0-N%K`, K the tasks that run at once."""
+    return f"0-{tasks - 1}%{max_parallel or min(tasks, MAX_PARALLEL)}"
 
 
 def _array_pattern(pattern: str) -> str:
@@ -244,7 +309,6 @@ def render_array(sweep: str, where: Path, points: list[PointPlan], max_parallel:
     first = points[0].sealed
     s = first.cfg.slurm
     own = [line for line in allocation(first) if line.startswith("#SBATCH ")]
-    spec = f"0-{len(points) - 1}" + (f"%{max_parallel}" if max_parallel else "")
     root = first.paths.path.parent
     return "\n".join([
         "#!/bin/bash",
@@ -255,7 +319,7 @@ def render_array(sweep: str, where: Path, points: list[PointPlan], max_parallel:
         *own,
         f"#SBATCH --output={sbatch_quote(str(where / '%a' / _array_pattern(s.output)))}",
         f"#SBATCH --error={sbatch_quote(str(where / '%a' / _array_pattern(s.error)))}",
-        f"#SBATCH --array={spec}",
+        f"#SBATCH --array={array_spec(len(points), max_parallel)}",
         "",
         "set -euo pipefail",
         "POINTS=(" + " ".join(shlex.quote(p.point.run) for p in points) + ")",
@@ -326,7 +390,9 @@ def submit_sweep(plan: Plan, project_dir: Path, *, force: bool = False, max_para
                     _, created = prepare_run(p.sealed, force=force, asked=plan.asked if unchanged else None,
                                              git=plan.git)
                     made.append((p, created, dirs))
-                script = _write_array(plan.sweep.name, home, chunk, max_parallel)
+                # A site without arrays (MaxArraySize 0): the point's own job.sbatch, as `submit` queues it.
+                script = (_write_array(plan.sweep.name, home, chunk, max_parallel) if limit
+                          else chunk[0].sealed.paths.job_script)
                 job = slurm.sbatch(script, cwd=project_dir)
             except BaseException:
                 for p, created, dirs in made:  # nothing of this array ran: no trace of its new runs
@@ -335,8 +401,8 @@ def submit_sweep(plan: Plan, project_dir: Path, *, force: bool = False, max_para
                         shutil.rmtree(p.sealed.paths.path, ignore_errors=True)
                 raise
             for i, p in enumerate(chunk):
-                record_submission(Run(p.sealed.paths), f"{job}_{i}", p.sealed, git=plan.git)
-            array = ArrayJob(job, [p.point.run for p in chunk], str(script.relative_to(home)), now_iso(), max_parallel)
+                record_submission(Run(p.sealed.paths), f"{job}_{i}" if limit else job, p.sealed, git=plan.git)
+            array = ArrayJob(job, [p.point.run for p in chunk], os.path.relpath(script, home), now_iso(), max_parallel)
             plan.sweep.arrays.append(array)
             submitted.append(array)
             write_sweep(home / "sweep.json", plan.sweep)

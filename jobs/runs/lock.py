@@ -202,6 +202,26 @@ def hold(run_dir: Path, command: str, *, trains: bool = False, wait_s: float = W
             os.close(fd)
 
 
+def busy(run_dir: Path) -> Optional[str]:
+    """Why a launch of the run would be refused now (another process holds its lock), None when
+    none does; nothing is written."""
+    path = lock_path(Path(run_dir).absolute())
+    if path in _held:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except OSError as exc:
+        refusal = _refusal(Path(run_dir), holder(Path(run_dir)))
+        return str(refusal).removeprefix(f"{refusal.field}: ") if isinstance(exc, BlockingIOError) else None
+    finally:
+        os.close(fd)
+
+
 def held_fd(run_dir: Path) -> Optional[int]:
     """This process's descriptor of the run's lock (for a child to inherit), None if not held."""
     held = _held.get(lock_path(Path(run_dir).absolute()))

@@ -206,16 +206,11 @@ def to_record(obj: Any) -> dict:
 
 def read(path: Path) -> Manifest:
     """The manifest at `path`, validated; ManifestError when it cannot be read."""
-    return read_keyed(path)[1]
-
-
-def read_keyed(path: Path) -> tuple[tuple[int, int, int], Manifest]:
-    """(the file's `file_key`, the manifest) at `path`: one open and one fstat."""
     try:
         found = read_file(path, MAX_BYTES)
         if found is None:
             raise ManifestError(path, "missing")
-        data, st = found
+        data = found[0]
     except OSError as exc:
         denied = isinstance(exc, PermissionError)
         why = f"not readable by you ({ownership(path)})" if denied else \
@@ -240,7 +235,7 @@ def read_keyed(path: Path) -> tuple[tuple[int, int, int], Manifest]:
     if type(schema) is int and schema > SCHEMA:  # its keys may mean what this slipway cannot tell
         raise ManifestError(path, "newer", newer=schema)
     try:
-        return (st.st_ino, st.st_mtime_ns, st.st_size), from_dict(Manifest, raw, "manifest", record=True)
+        return from_dict(Manifest, raw, "manifest", record=True)
     except ConfigError as exc:
         raise ManifestError(path, str(exc).removeprefix("manifest.")) from None
 

@@ -8,12 +8,14 @@ writes (metrics, checkpoints). The manifest has one writer (`update_manifest`).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from jobs import slurm
 from jobs.config import Config, load_config
@@ -25,8 +27,8 @@ from jobs.runs.lifecycle import LaunchState
 from jobs.runs.manifest import Launch, Manifest, ManifestError
 from common import environ
 from common.errors import ConfigError, one_line, shown
-from common.events import Event, read_events, tail_events
-from common.fs import NotRegularFile, file_kind, ownership, pread_all, regular_fd
+from common.events import Event, read_events
+from common.fs import NotRegularFile, file_kind, ownership, read_tail
 from common.rundir import CodeSnapshot, RunDir
 
 
@@ -35,7 +37,6 @@ class Run:
     """A run directory on disk."""
 
     paths: RunDir
-    _read: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)  # (file key, manifest or error)
 
     @property
     def dir(self) -> Path:
@@ -46,18 +47,9 @@ class Run:
         return self.dir.name
 
     def manifest(self) -> Manifest:
-        """The run's manifest as the file holds it now (read again only once the file changed);
-        ManifestError, naming the file and what to do, when it cannot be read."""
-        path = self.paths.manifest
-        if self._read is None or self._read[0] is None or self._read[0] != manifests.file_key(path):
-            try:
-                self._read = manifests.read_keyed(path)
-            except ManifestError as exc:
-                self._read = (manifests.file_key(path), exc)
-        found = self._read[1]
-        if isinstance(found, ManifestError):
-            raise found
-        return found
+        """The run's manifest as the file holds it now; ManifestError, naming the file and what to
+        do, when it cannot be read."""
+        return manifests.read(self.paths.manifest)
 
     def image(self) -> Optional[ImagePin]:
         """The image the run's latest job runs, as pinned at its submission (None: never submitted)."""
@@ -108,13 +100,8 @@ class Run:
         return read_events(self.dir)
 
     def events_of(self, launch: Launch, events: Optional[list[Event]] = None) -> list[Event]:
-        return lifecycle.events_of(launch, self.events() if events is None else events, self.launches())
-
-    def recent_events(self, launch: Launch) -> list[Event]:
-        """The events of events.log from `launch`'s last start on, read from the file's end: a
-        listing reads no more of a long history than the state of the latest launch needs."""
-        return lifecycle.events_of(launch, tail_events(self.dir, lambda e: e.job == launch.id and
-                                                       e.kind in lifecycle.STARTS), [launch])
+        return lifecycle.events_of(launch, self.events() if events is None else events,
+                                   self.launches() if launch.local else ())  # a local one's end: the next's start
 
     def state(self, launch: Launch, info: Optional[slurm.JobInfo] = None, *, ask_slurm: bool = True) -> LaunchState:
         """What became of `launch`: events.log read, the local processes looked at, Slurm asked
@@ -129,32 +116,21 @@ class Run:
 
     def last_metrics(self, kind: str = "train") -> dict | None:
         """The latest training record (or of another `kind`: eval) of the history that stands (a
-        restart undoes the steps after its checkpoint), read from the end of metrics.jsonl: its last
-        KiB, else 64 KiB (1 MiB for an eval record, written more rarely). A metrics.jsonl that is no
-        regular file raises NotRegularFile (regular_fd)."""
+        restart undoes the steps after its checkpoint), read from the last 64 KiB of metrics.jsonl
+        (1 MiB for an eval record, written more rarely). A metrics.jsonl that is no regular file
+        raises NotRegularFile, one the user may not read PermissionError."""
         from common.metrics_log import latest_by_step
 
-        opened = regular_fd(self.paths.metrics)
-        if opened is None:
-            return None
-        fd, st = opened
-        try:
-            size = st.st_size
-            for window in (1024, 65536, *((1 << 20,) if kind != "train" else ())):
-                records = []
-                for line in pread_all(fd, min(size, window), max(0, size - window)).decode(errors="replace").splitlines():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # the window's first, cut line, or one a crash cut
-                    if isinstance(record, dict):
-                        records.append(record)
-                found = [r for r in latest_by_step(records) if r.get("kind") == kind]
-                if found or size <= window:
-                    return found[-1] if found else None
-        finally:
-            os.close(fd)
-        return None
+        data = read_tail(self.paths.metrics, 65536 if kind == "train" else 1 << 20)
+        records = []
+        for line in (data or b"").decode(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line a crash cut
+            if isinstance(record, dict):
+                records.append(record)
+        return next((r for r in reversed(latest_by_step(records)) if r.get("kind") == kind), None)
 
     def total_steps(self, launch: Optional[Launch] = None) -> Optional[int]:
         """train.steps of the latest training launch (its manifest entry says; the config for one
@@ -166,6 +142,17 @@ class Run:
             return self.config().train.steps
         except (ConfigError, OSError):
             return None
+
+
+@contextlib.contextmanager
+def many_objects() -> Iterator[None]:
+    """The cyclic garbage collector off while a command reads what it keeps until it ends (ten
+    thousand runs' records, a sweep's points): it would walk them again and again, freeing nothing."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def runs_root(project_dir: Path) -> Path:
@@ -225,7 +212,7 @@ def run_name(name: str) -> str:
 def run_exists(run_dir: Path, field: str = "run.name") -> bool:
     """Whether a run is at `run_dir` (it has a manifest.json); one line naming `field` when one is
     there that this user may not read (a teammate's) or whose manifest is no regular file."""
-    found = _stat_manifest(run_dir)
+    found = _stat_manifest(os.fspath(run_dir))
     if isinstance(found, Unreadable):
         if found.denied:
             raise ConfigError(field, found.line())
@@ -244,22 +231,24 @@ def find_run(name: str, project_dir: Path) -> Run:
     return Run(RunDir(run_dir, project_dir))
 
 
-def _stat_manifest(run_dir: Path) -> "int | Unreadable | None":
+def _stat_manifest(run_dir: str) -> "int | Unreadable | None":
     """When the run at `run_dir` last recorded a launch (its manifest's mtime, in ns); None where
-    there is no run; Unreadable where it is one that cannot be read. One stat, no read: a listing
-    of ten thousand runs is ordered by it."""
-    path = RunDir(run_dir).manifest
+    there is no run; Unreadable where it is one that cannot be read. One stat, no read (and no
+    Path made: a listing of ten thousand runs is ordered by it)."""
     try:
-        st = os.stat(path)
+        st = os.stat(os.path.join(run_dir, _MANIFEST))
     except (FileNotFoundError, NotADirectoryError):
         return None
     except PermissionError as exc:
-        return Unreadable(run_dir, _denied(run_dir, exc), True)
+        return Unreadable(Path(run_dir), _denied(Path(run_dir), exc), True)
     except OSError as exc:  # a link loop, a name too long
-        return Unreadable(run_dir, f"manifest.json: {exc.strerror or exc}")
+        return Unreadable(Path(run_dir), f"manifest.json: {exc.strerror or exc}")
     if not stat.S_ISREG(st.st_mode):
-        return Unreadable(run_dir, f"manifest.json is {file_kind(st.st_mode)}, not a regular file")
+        return Unreadable(Path(run_dir), f"manifest.json is {file_kind(st.st_mode)}, not a regular file")
     return st.st_mtime_ns
+
+
+_MANIFEST = RunDir(Path("/")).manifest.name
 
 
 def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
@@ -272,19 +261,18 @@ def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
         names = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
         return [], []
-    found: list[tuple[int, str, Run]] = []
+    found: list[tuple[int, str]] = []
     unreadable: list[Unreadable] = []
     for name in names:
         if name.startswith("."):
             continue
-        run_dir = root / name
-        key = _stat_manifest(run_dir)
+        key = _stat_manifest(os.path.join(root, name))
         if isinstance(key, Unreadable):
             unreadable.append(key)
         elif key is not None:
-            found.append((key, name, Run(RunDir(run_dir, project_dir))))
-    found.sort(key=lambda item: item[:2])
-    return [run for _, _, run in found], sorted(unreadable, key=lambda u: u.name)
+            found.append((key, name))
+    found.sort()
+    return [Run(RunDir(root / name, project_dir)) for _, name in found], sorted(unreadable, key=lambda u: u.name)
 
 
 def list_runs(project_dir: Path) -> list[Run]:

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
@@ -39,7 +39,7 @@ from common.schema import to_dict
 from common.fs import write_atomic
 from common.yaml import read_text_bounded
 from common.events import append_event, now_iso
-from common.secrets import refusal
+from common.secrets import TEXT, refusal
 from common.rundir import CodeSnapshot, RunDir, complete_checkpoints
 
 
@@ -58,6 +58,7 @@ class Sealed:
     # What a forced launch replaced (`prepare_run`): "a different config (train.steps 200 -> 400); the
     # old one is in runs/RUN/history/config-STAMP.yaml"; "" when it replaced no config.
     replaced: str = ""
+    exclude: list[str] = field(default_factory=list)  # the bad nodes its cluster remembers, which it excludes
 
     @property
     def job_lib(self) -> dict[str, str]:
@@ -97,7 +98,7 @@ def check_env_from_host(cfg: Config, environ: dict[str, str] | None = None) -> N
     for where, value in exports:
         listed = [v.split("=", 1)[0] for v in value.split(",")]
         for item, name in zip(value.split(","), listed):  # slurm.extra's were refused as the config was read
-            found = refusal(item.split("=", 1)[1], name=name) if "=" in item else None
+            found = refusal(item.split("=", 1)[1], name=name, policy=TEXT) if "=" in item else None
             if found is not None:
                 raise ConfigError(where, found.message())
         dropped = [n for n in names if "ALL" not in listed and n not in listed]
@@ -206,7 +207,7 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
         files[paths.env_toml] = render_edf(env)
         if env.runtime == "pyxis":
             notes += [f"pyxis: {w}" for w in srun_flags(env, paths.env_toml).warnings]
-    return Sealed(cfg, paths, pin, env, files, notes, code)
+    return Sealed(cfg, paths, pin, env, files, notes, code, exclude=exclusions.nodes)
 
 
 def no_world_write() -> int:
@@ -290,7 +291,8 @@ def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str
                 stem, dot, ext = target.name.partition(".")
                 write_atomic(paths.history / f"{stem}-{stamp}{dot}{ext}", old)
                 if target == paths.config and differs:
-                    sealed.replaced = f"{differs}; the old one is in {paths.history / f'{stem}-{stamp}{dot}{ext}'}"
+                    sealed.replaced = (f"{differs}{_train_on(cfg, paths.path) if 'train.steps ' in differs else ''}"
+                                       f"; the old one is in {paths.history / f'{stem}-{stamp}{dot}{ext}'}")
             write_atomic(target, text, _mode(paths, target))
         return run, False
     root = paths.path.parent
@@ -319,6 +321,17 @@ def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return run, True
+
+
+def _train_on(cfg: Config, run_dir: Path) -> str:
+    """What the learning rate does where train.steps changed on a run past its warm-up
+    (trainer/optim.py `Schedule`): it goes on from the value it reached, never back up."""
+    steps, t = complete_checkpoints(run_dir / cfg.checkpoint.dir), cfg.train
+    if not steps or steps[-1] <= t.warmup_steps:
+        return ""
+    then = ("stays there" if "constant" in (t.train_on, t.decay) else f"decays ({t.decay}) from there to "
+            f"train.min_lr {t.min_lr:g} at step {t.steps}")
+    return f"; the learning rate goes on from its value at step {steps[-1]} and {then} (train.train_on: {t.train_on})"
 
 
 def record_submission(run: Run, job_id: str, sealed: Sealed, kind: str = "train", after: str = "",

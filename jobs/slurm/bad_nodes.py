@@ -17,23 +17,23 @@ fatal. CLUSTER is the profile's name (jobs/config/clusters.py `key`), `default` 
 from __future__ import annotations
 
 import os
-import re
 import shlex
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from common.environ import as_typed
-from common.errors import ConfigError, one_line, shown
+from common.environ import WORD, as_typed
+from common.errors import ConfigError, one_line, pasteable, shown
 from common.fs import NotRegularFile, open_regular
 from common.rundir import tagged
 from jobs.config import clusters
 from jobs.slurm import client as slurm
 
 NODES_DIR = ".nodes"
-NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # as job_lib.sh checks a name before writing
+NODE_NAME = WORD  # a node's name, as $SLURMD_NODENAME is checked and job_lib.sh checks one before writing it
 MAX_RECORD = 4096
+SKEW = 600  # seconds a record may be dated ahead of this host's clock (a node's clock runs ahead): never more
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,10 @@ class BadNodes:
             record = self._read_one(name, recall)
             if record is None:
                 continue
+            if record.age(now) < -SKEW:  # else it would stand until that date, excluding the node all along
+                recall.damaged.append(f"{self.record(name)}: dated {record.at}, ahead of this host's clock "
+                                      f"(`slipway nodes{forgetting(self.cluster, [name])}` removes it)")
+                continue
             (recall.live if forget_after and record.age(now) < forget_after else recall.expired).append(record)
         recall.live.sort(key=lambda r: _time(r.at), reverse=True)
         return recall
@@ -143,8 +147,10 @@ class BadNodes:
         return record
 
     def forget(self, node: str) -> bool:
-        """Remove `node`'s record (whatever it holds); False when there was none."""
-        if not NODE_NAME.fullmatch(node):
+        """Remove `node`'s record (whatever it holds; a damaged record by the name it has); False
+        when there was none."""
+        damaged = not (node.startswith(".") or "/" in node) and os.path.lexists(self.record(node))  # by its own name
+        if not NODE_NAME.fullmatch(node) and not damaged:
             raise ConfigError("--forget", f"{shown(node)} is not a node name (letters, digits, '.', '_' or '-')")
         path = self.record(node)
         if not (path.is_file() or path.is_symlink() or path.exists()):
@@ -215,15 +221,17 @@ def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
         out.notes.append(f"excluding the bad nodes cluster {remembered.cluster} remembers: {_described(shown_nodes)}; "
                          f"`slipway nodes{forgetting(remembered.cluster, out.nodes)}` to use them again")
     if left:
-        out.notes.append(f"not excluding {_described(left)}, remembered as bad by cluster {remembered.cluster}: {where} "
-                         f"has {usable} usable node(s) besides those excluded and the job needs {needed}")
+        out.notes.append(f"not excluding {_described(left)}, remembered as bad by cluster {remembered.cluster}: the job "
+                         f"needs {needed} node(s) and {where} has {usable} usable, {_names(left)} included"
+                         + (", besides those excluded" if out.nodes else ""))
     return out
 
 
 def forgetting(cluster: str, nodes: list[str]) -> str:
-    """The arguments of `slipway nodes` that forget `nodes` of `cluster` (DEFAULT: the cluster of no profile)."""
-    where = "" if cluster == clusters.DEFAULT else f" --cluster {shlex.quote(cluster)}"
-    return where + "".join(f" --forget {shlex.quote(n)}" for n in nodes)
+    """The arguments of `slipway nodes` that forget `nodes` of `cluster` (DEFAULT: the cluster of no
+    profile), each as a shell word that pastes back whole (a damaged record's name may hold anything)."""
+    where = "" if cluster == clusters.DEFAULT else f" --cluster {pasteable(cluster)}"
+    return where + "".join(f" --forget {pasteable(n)}" for n in nodes)
 
 
 def _names(records: list[BadNode]) -> str:
@@ -255,7 +263,7 @@ def show(remembered: BadNodes, after: int, forget: list[str], console) -> int:
                 names = _names(recall.live + recall.expired) or "none"
                 raise ConfigError("--forget", f"cluster {remembered.cluster} remembers no node {shown(node)} (it "
                                               f"remembers: {names})")
-            console.print(f"forgot {node} (cluster {remembered.cluster})", highlight=False, markup=False)
+            console.print(one_line(f"forgot {node} (cluster {remembered.cluster})"), highlight=False, markup=False)
         return 0
     recall = remembered.read(after)
     now = datetime.now(timezone.utc)

@@ -20,7 +20,7 @@ from typing import Mapping, Optional, Sequence
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError, ProcessTimedOut
 
-from common.errors import ConfigError, warn
+from common.errors import ConfigError, shown, warn
 from common.yaml import read_text_bounded
 
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
@@ -237,10 +237,12 @@ def job_info(job_id: str) -> JobInfo | None:
 
 
 def max_array_size() -> int:
-    """The cluster's MaxArraySize (`scontrol show config`): a job array's task indices stay below it."""
-    size = cluster_config().get("MaxArraySize", "")
-    if not size.isdigit():
-        raise SlurmError("scontrol show config names no MaxArraySize: is a Slurm controller answering?")
+    """The cluster's MaxArraySize (`scontrol show config`): a job array's task indices stay below
+    it; 0: the site allows no job arrays. An answer that is no count names what it read."""
+    size = cluster_config().get("MaxArraySize")
+    if size is None or not size.isdigit() or len(size) > 9:
+        said = "names no MaxArraySize" if size is None else f"says MaxArraySize = {shown(size)}, no count of tasks"
+        raise SlurmError(f"scontrol show config {said}: is a Slurm controller answering?")
     return int(size)
 
 

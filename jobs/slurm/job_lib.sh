@@ -21,8 +21,9 @@
 # Every end is told truthfully in events.log and recorded before anything slow: the EXIT trap
 # writes `end exit N` first, and nothing slow is on the path to the job's end.
 
-# event TEXT...: one line `ISO-TIME job JOBID TEXT` in events.log.
-event() { printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "$*" >> "$EVENTS_LOG"; }
+# event TEXT...: one line `ISO-TIME job JOBID TEXT` in events.log; a control character in TEXT (a
+# node's name from the job side holding a newline) is a space, so no text forges a line of its own.
+event() { local t="$*"; printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "${t//[[:cntrl:]]/ }" >> "$EVENTS_LOG"; }
 
 # count_events PREFIX: how many events of this job (its id survives requeues) start with PREFIX.
 count_events() { local n; n=$(grep -F " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} $* " "$EVENTS_LOG" 2>/dev/null | wc -l) || true; echo "${n:-0}"; }
@@ -83,19 +84,27 @@ retry_or_stop() {
   exit 0
 }
 
-# preflight_nodes LOG STEP_EXIT: every node of NODES must have reported `ok` in LOG (the node
-# step of trainer/preflight.py); a node that failed or sent no report is named, and the job
-# retried without it. Every node failing alike (a full filesystem, a bad config) blames none.
+# waited SECONDS STEP_EXIT: how long a step that sent no report ran, as it was: out of
+# PREFLIGHT_TIMEOUT, or ended sooner (a container that did not start there).
+waited() {
+  if [ "$1" -ge "$PREFLIGHT_TIMEOUT" ]; then echo " within $PREFLIGHT_TIMEOUT s (step exit $2)"
+  else echo ": the step ended after $1 s (exit $2) without one"; fi
+}
+
+# preflight_nodes LOG STEP_EXIT SECONDS: every node of NODES must have reported `ok` in LOG (the
+# node step of trainer/preflight.py, which ran SECONDS); a node that failed or sent no report is
+# named, and the job retried without it. Every node failing alike (a full filesystem, a bad
+# config) blames none.
 preflight_nodes() {
-  local log=$1 step_rc=$2 node line bad=""
+  local log=$1 step_rc=$2 node line bad="" why
   WRITE_BPS=0
   for node in $NODES; do
     line=$(grep -F -m1 "slipway-preflight $node " "$log") || line=""
     case "$line" in
       "slipway-preflight $node ok"*) clear_bad_node "$node"  # no fork per node: a job may have thousands
         if [[ $line =~ write_bps=([0-9]{1,15}) ]]; then WRITE_BPS=$((WRITE_BPS + BASH_REMATCH[1])); fi ;;
-      "") bad+="$node "; BLAME[$node]="no preflight report within $PREFLIGHT_TIMEOUT s"
-          event "preflight failed on $node: no report within $PREFLIGHT_TIMEOUT s (its container did not start there, or the node is unreachable; step exit $step_rc)" ;;
+      "") bad+="$node "; why=$(waited "${3:-$PREFLIGHT_TIMEOUT}" "$step_rc"); BLAME[$node]="no preflight report$why"
+          event "preflight failed on $node: no report$why (its container did not start there, or the node is unreachable)" ;;
       *) bad+="$node "; BLAME[$node]="preflight failed: ${line#*fail: }"; event "preflight failed on $node: ${line#*fail: }" ;;
     esac
   done
@@ -106,14 +115,14 @@ preflight_nodes() {
   retry_or_stop preflight "$PREFLIGHT_EXIT" $bad
 }
 
-# preflight_allreduce LOG STEP_EXIT: the all-reduce step (a train.script's) gave its `ok`, or the
-# job is retried on the same nodes (no node to blame).
+# preflight_allreduce LOG STEP_EXIT SECONDS: the all-reduce step (a train.script's) gave its `ok`,
+# or the job is retried on the same nodes (no node to blame).
 preflight_allreduce() {
   local log=$1 step_rc=$2 line
   line=$(grep -F -m1 "slipway-preflight-allreduce " "$log") || line=""
   case "$line" in
     "slipway-preflight-allreduce ok: "*) event "preflight ok on $SLURM_JOB_NODELIST: ${line#*ok: }" ;;
-    "") event "preflight failed: the all-reduce across every rank gave no result within $PREFLIGHT_TIMEOUT s (step exit $step_rc)"
+    "") event "preflight failed: the all-reduce across every rank gave no result$(waited "${3:-$PREFLIGHT_TIMEOUT}" "$step_rc")"
         retry_or_stop preflight "$PREFLIGHT_EXIT" ;;
     *) event "preflight failed: ${line#*fail: }"; retry_or_stop preflight "$PREFLIGHT_EXIT" ;;
   esac
@@ -149,6 +158,7 @@ step_exit() {
   while read -r f; do
     case $f in rank-*|task-*) ;; *) continue ;; esac
     code="" node=""; read -r code node < "$dir/$f" || true
+    [[ $node =~ ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$ ]] || node=""  # a node's name as jobs/nodes.py takes one, or none
     if [[ $code =~ ^[0-9]+$ ]] && [ "$code" != 0 ]; then
       STEP_EXIT=$code
       case $f in rank-*) FAILED_WHO="rank ${f#rank-} on ${node:-?}" ;; *) FAILED_WHO="the torchrun agent of task ${f#task-} on ${node:-?}" ;; esac
@@ -191,9 +201,9 @@ line_field() { local w; for w in $2; do case $w in "$1="*) echo "${w#*=}"; retur
 
 # after_hang: the ranks' watchdogs wrote their stacks to HANGS (trainer/watchdog.py): a hang.
 # The nodes some of whose ranks wrote none in time (frozen, dead; a frozen rank may dump `late`
-# once Slurm's teardown resumes it) are the ones to blame.
+# once Slurm's teardown resumes it) are the ones to blame, each said with how many of its ranks.
 after_hang() {
-  local dumps node f r first dumped silent=""
+  local dumps node f r first dumped silent="" said=""
   shopt -s nullglob; dumps=("$HANGS/$JOB_TAG-"*.txt); shopt -u nullglob
   [ "${#dumps[@]}" -gt 0 ] || return 0
   for node in $NODES; do
@@ -203,10 +213,12 @@ after_hang() {
       first=""; read -r first < "$f" || true
       [ "$(line_field answered "$first")" != on-time ] || dumped=$((dumped + 1))
     done
-    [ "$dumped" -ge "$PROCS_PER_NODE" ] || { silent+="$node "; BLAME[$node]="hang: its ranks wrote no stack dump in time"; }
+    [ "$dumped" -lt "$PROCS_PER_NODE" ] || continue
+    silent+="$node " said+="${said:+, }$((PROCS_PER_NODE - dumped)) of the $PROCS_PER_NODE ranks on $node"
+    BLAME[$node]="hang: $((PROCS_PER_NODE - dumped)) of its $PROCS_PER_NODE ranks wrote no stack dump in time"
   done
   first=""; read -r first < "${dumps[0]}" || true
-  event "hang: no step completed for $(line_field limit "$first") s after step $(line_field step "$first"); stack dumps from ${#dumps[@]} of $RANKS ranks in hangs/$JOB_TAG-*.txt${silent:+; not answering in time: the ranks on ${silent% }}"
+  event "hang: no step completed for $(line_field limit "$first") s after step $(line_field step "$first"); stack dumps from ${#dumps[@]} of $RANKS ranks in hangs/$JOB_TAG-*.txt${said:+; not answering in time: $said}"
   retry_or_stop hang "$HANG_EXIT" $silent
 }
 
@@ -323,7 +335,7 @@ on_exit() {
          *) last="failed with exit $rc: the lines above say why" ;;
        esac ;;
   esac
-  echo "slipway: job ${SLURM_JOB_ID:-} ended: $last"
+  echo "slipway: job ${SLIPWAY_EVENT_JOB:-${SLURM_JOB_ID:-}} ended: $last"  # as status names it: ARRAY_TASK for a sweep's task
   for pid in "${HELPER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   if [ -n "${SRUN_PID:-}" ] && kill -0 "$SRUN_PID" 2>/dev/null; then
     kill -TERM "$SRUN_PID" 2>/dev/null || true
@@ -409,17 +421,20 @@ on_every_node() {
 ensure_container() { :; }
 
 # node_check CODE_DIR CODE_SHA256 IMAGE_FILE IMAGE_SHA256 IMAGE_SIZE IMAGE_MTIME [KEPT IDENTITY
-# [WARM_NAME]] (on a node, one task each): one line, `slipway-verify NODE ok` (`ok warm`: the
-# warm process WARM_NAME has bound its name there: the abstract sockets of the node's network
-# namespace, which its containers share), `... differs: WHAT` (what the job runs is not what was
+# [WARM_SOCKET]] (on a node, one task each): one line, `slipway-verify NODE ok` (`ok warm`: the
+# user's warm process listens on WARM_SOCKET there, in the user's folder; `ok cgroup`: Slurm tracks
+# the job's processes by cgroup), `... differs: WHAT` (what the job runs is not what was
 # submitted), or `... node: WHAT` (this node could not ready the kept container KEPT).
 node_check() {
-  local n=${SLURMD_NODENAME:-$(hostname)} why
+  local n=${SLURMD_NODENAME:-$(hostname)} why="" w
+  w="${9:-}-$n.sock"
   if [ -n "$1" ] && ! why=$(verify_code "$1" "$2"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if ! why=$(verify_image "$3" "$4" "$5" "$6"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if [ -n "${7:-}" ] && ! why=$(ensure_container "$7" "$3" "$8" 2>&1); then echo "slipway-verify $n node: $why"; return 0; fi
-  if [ -n "${9:-}" ] && grep -qE " @$9\$" /proc/net/unix 2>/dev/null; then echo "slipway-verify $n ok warm"; return 0; fi
-  echo "slipway-verify $n ok"
+  if [ -n "${9:-}" ] && grep -qs "/job_$SLURM_JOB_ID/" /proc/self/cgroup; then echo "slipway-verify $n ok cgroup${why:+, $why}"; return 0; fi
+  if [ -n "${9:-}" ] && [ ! -L "${w%/*}" ] && [ -O "${w%/*}" ] && [ -O "$w" ] && [ -S "$w" ] &&
+    awk -v w="$w" '$NF == w { found = 1 } END { exit !found }' /proc/net/unix; then echo "slipway-verify $n ok warm${why:+, $why}"; return 0; fi
+  echo "slipway-verify $n ok${why:+, $why}"
 }
 
 # verify_nodes: before anything else starts on the nodes, every node checks what this job runs
@@ -430,27 +445,30 @@ node_check() {
 # does not see the shared filesystem), a node that could not ready the container, or one that
 # sent no report, is left out of a retry (retry_or_stop), as a failed preflight is.
 verify_nodes() {
-  local out rc node line why="" differ="" bad=""
+  local out rc node line why="" differ="" bad="" unpacked="" t=$SECONDS
   local -A said=()
   set +e
   out=$(on_every_node "$PREFLIGHT_TIMEOUT" slipway-verify "verify_code verify_image ensure_container enroot_data node_check" \
     node_check "$CODE_DIR" "$CODE_SHA256" "${IMAGE_FILE:-}" "${IMAGE_SHA256:-}" "${IMAGE_SIZE:-}" "${IMAGE_MTIME:-}" \
-    "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" "${WARM_NAME:-}" 2>&1)
+    "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" "${WARM_SOCKET:-}" 2>&1)
   rc=$?
   set -e
   for node in $NODES; do
     line=$(grep -F -m1 "slipway-verify $node " <<< "$out") || line=""
+    [[ $line != "slipway-verify $node ok"*", unpacked in "* ]] || unpacked+=", $node ${line##*, unpacked }"
     case "$line" in
-      "slipway-verify $node ok warm") ;;
-      "slipway-verify $node ok") WARM_COLD+="$node " ;;
+      "slipway-verify $node ok warm"*) ;;
+      "slipway-verify $node ok cgroup"*) WARM_OFF=$node ;;
+      "slipway-verify $node ok"*) WARM_COLD+="$node " ;;
       "slipway-verify $node differs: "*) differ+="$node "; said[$node]=${line#*differs: }
         [ -n "$why" ] || why="${line#*differs: } (on $node)" ;;
       "slipway-verify $node node: "*) bad+="$node "; BLAME[$node]="preflight failed: ${line#*node: }"
         event "preflight failed on $node: ${line#*node: }" ;;
-      *) bad+="$node "; BLAME[$node]="no verification report within $PREFLIGHT_TIMEOUT s"
-         event "preflight failed on $node: no verification report within $PREFLIGHT_TIMEOUT s (step exit $rc)" ;;
+      *) bad+="$node "; BLAME[$node]="no verification report$(waited $((SECONDS - t)) "$rc")"
+         event "preflight failed on $node: ${BLAME[$node]}" ;;
     esac
   done
+  [ -z "$unpacked" ] || event "unpacked the image into the kept container $KEPT_CONTAINER:${unpacked#,}"
   if [ -n "$differ" ] && { [ "${differ% }" = "$NODES" ] || [ "$NODES_NEEDED" -eq 1 ]; }; then
     event "verification failed: $why"
     exit "$BAD_INPUT_EXIT"
@@ -470,31 +488,38 @@ verify_nodes() {
 # warm_up: under `slipway run`, the warm processes of this key on every node (jobs/slurm/warm.py,
 # trainer/warm.py): the allocation's warm steps of another key are asked to stop (SIGTERM: they
 # take no more ranks and end once theirs have), and a warm step is started on the nodes where
-# verify_nodes found none (WARM_COLD), then waited for until each has bound its name, at most
-# PREFLIGHT_TIMEOUT s: it imports after that, and the ranks that come meanwhile wait in its
-# backlog. A warm step that cannot start costs nothing but the wait: each rank then starts cold.
+# verify_nodes found none (WARM_COLD), then waited for until each has bound its socket (or said
+# why not), at most PREFLIGHT_TIMEOUT s: it imports after that, and the ranks that come meanwhile
+# wait. One that cannot start costs the wait: each rank then starts cold, and says so. Where Slurm
+# tracks the job's processes by cgroup (WARM_OFF), none: a forked rank would be the warm step's.
 warm_up() {
   local step name n waited=0 bound
-  [ -n "${WARM_NAME:-}" ] || return 0
+  [ -n "${WARM_SOCKET:-}" ] || return 0
+  if [ -n "${WARM_OFF:-}" ]; then
+    WARM_CLIENT=()
+    event "warm: off: Slurm tracks this job's processes by cgroup (on $WARM_OFF), where a rank forked by a warm process would be the warm step's, outside its own step's accounting and limits; every rank starts cold"
+    echo "slipway: warm ranks are off here: Slurm tracks this job's processes by cgroup; every rank starts cold"
+    return 0
+  fi
   while read -r step name; do
     case $name in
       "slipway-warm-$SLIPWAY_WARM_ID") ;;
       slipway-warm-*) if scancel --signal=TERM "$step" 2>/dev/null; then event "warm: stopping the warm processes of step $step (another key)"; fi ;;
     esac
   done < <(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null || true)
-  if [ -z "${WARM_COLD// /}" ]; then event "warm: ranks start from the warm processes on $NODES (key $SLIPWAY_WARM_ID)"; return 0; fi
+  if [ -z "${WARM_COLD// /}" ]; then event "warm: the warm processes of key $SLIPWAY_WARM_ID are up on $NODES"; return 0; fi
   n=$(wc -w <<< "$WARM_COLD")
   mkdir -p "${WARM_LOG%/*}"
   name=${WARM_COLD% }
   warm_start "${name// /,}" "$n"
-  while bound=$(grep -cE '^slipway-warm [^ ]+ (bound|already served)' "$WARM_LOG" 2>/dev/null) || true; [ "${bound:-0}" -lt "$n" ]; do
+  while bound=$(grep -cE '^slipway-warm [^ ]+ (bound|already served|cannot serve)' "$WARM_LOG" 2>/dev/null) || true; [ "${bound:-0}" -lt "$n" ]; do
     kill -0 "$WARM_PID" 2>/dev/null && [ "$waited" -lt $((PREFLIGHT_TIMEOUT * 10)) ] || break
     sleep 0.1; waited=$((waited + 1))
   done
-  if [ "${bound:-0}" -ge "$n" ]; then
+  if [ "$(grep -cE '^slipway-warm [^ ]+ (bound|already served)' "$WARM_LOG" 2>/dev/null)" -ge "$n" ]; then
     event "warm: started the warm processes on ${WARM_COLD% } (key $SLIPWAY_WARM_ID, log $WARM_LOG)"
   else
-    event "warm: the warm processes did not start on ${WARM_COLD% } (log $WARM_LOG): ranks start cold there"
+    event "warm: the warm processes did not start on ${WARM_COLD% } ($(grep -m1 -o 'cannot serve: .*' "$WARM_LOG" 2>/dev/null || echo "log $WARM_LOG")): ranks start cold there"
   fi
 }
 

@@ -183,15 +183,17 @@ remove_stale_containers() {
 # (DATA/.slipway/NAME.lock), under a hidden temporary name, renamed into place, then marked
 # complete (DATA/.slipway/NAME.ready holds IDENTITY). A container without its mark (an unpack
 # cut short, or one pyxis made before) is never used: it is removed and unpacked again. Prints
-# why and returns 1 when it cannot; without enroot's data path it leaves the unpack to pyxis.
+# `unpacked in N s` when this job unpacked it; why, returning 1, when it cannot; without enroot's
+# data path it leaves the unpack to pyxis.
 ensure_container() {
-  local name=$1 image=$2 id=$3 data uses tmp out old
+  local name=$1 image=$2 id=$3 data uses tmp out old t
   data=$(enroot_data)
   [ -n "$data" ] || return 0
   uses=$data/.slipway
   mkdir -p "$uses" || { echo "cannot create $uses"; return 1; }
   (
     flock -w "${PREFLIGHT_TIMEOUT:-300}" 9 || { echo "the unpack of $name by another job did not end within ${PREFLIGHT_TIMEOUT:-300} s"; exit 1; }
+    t=$SECONDS
     if [ -d "$data/$name" ] && [ "$(cat "$uses/$name.ready" 2>/dev/null)" = "$id" ]; then
       touch "$uses/$name.ready"
       exit 0
@@ -211,6 +213,7 @@ ensure_container() {
     fi
     mv "$data/$tmp" "$data/$name" || { echo "could not rename the unpacked container into $data/$name"; exit 1; }
     printf '%s\n' "$id" > "$uses/$name.ready.$$" && mv -f "$uses/$name.ready.$$" "$uses/$name.ready"
+    echo "unpacked in $((SECONDS - t)) s"
   ) 9>>"$uses/$name.lock"
 }
 # ---- end of the slipway pyxis library ----

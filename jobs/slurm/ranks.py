@@ -8,11 +8,10 @@ line carries is quoted here: `shlex.quote`, or `shell_value` where a config valu
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 from typing import Optional
 
-from common.errors import ConfigError
+from common.errors import ConfigError, pasteable
 from common.rundir import CodeSnapshot, RunDir
 from edf import Environment, srun_flags
 from jobs.config import Config
@@ -34,11 +33,11 @@ def shell_value(text: str) -> str:
     parts, pos = [], 0
     for m in _VAR.finditer(text):
         if m.start() > pos:
-            parts.append(shlex.quote(text[pos:m.start()]))
+            parts.append(pasteable(text[pos:m.start()]))
         parts.append(f'"{m.group(0)}"')
         pos = m.end()
     if pos < len(text) or not parts:
-        parts.append(shlex.quote(text[pos:]))
+        parts.append(pasteable(text[pos:]))  # a control character as $'\x1b': the script shows none raw
     return "".join(parts)
 
 
@@ -85,7 +84,7 @@ class Value(str):
 
 def words(argv: list[str]) -> str:
     return " ".join(f'"{a}"' if isinstance(a, Expand) else shell_value(a) if isinstance(a, Value)
-                    else shlex.quote(a) for a in argv)
+                    else pasteable(a) for a in argv)
 
 
 def container_args(env: Environment, paths: RunDir) -> tuple[list[str], str]:

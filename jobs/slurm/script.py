@@ -49,7 +49,8 @@ def _allocation(cfg: Config, *, partition: str | None) -> list[str]:
     return opts + ([f"--mail-user={sbatch_quote(s.email)}", "--mail-type=END,FAIL"] if s.email else [])
 
 
-def _header(cfg: Config, paths: RunDir, exclude: Sequence[str] = ()) -> list[str]:
+def sbatch_header(cfg: Config, paths: RunDir, exclude: Sequence[str] = ()) -> list[str]:
+    """The script's first lines: what the job asks of Slurm (a sweep's arrays group its points by them)."""
     s = cfg.slurm
     tasks = 1 if cfg.launcher == "torchrun" else cfg.launch.procs_per_node
     opts = [f"--job-name={cfg.run.name}", f"--nodes={s.nodes}", f"--ntasks-per-node={tasks}",
@@ -262,18 +263,18 @@ def _preflight(cfg: Config, paths: RunDir, container: list[str], prefix: str, wa
         "# (" + ("in a step of its own: the ranks run a train.script" if where == "step" else
                  "the training step's first collective") + ").",
         'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG.out"',
-        f'set +e; {prefix}{words(node_srun)} \\\n  {words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
+        f'pf_t=$SECONDS; set +e; {prefix}{words(node_srun)} \\\n  {words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
-        'preflight_nodes "$PREFLIGHT_LOG" "$pf_rc"',
+        'preflight_nodes "$PREFLIGHT_LOG" "$pf_rc" $((SECONDS - pf_t))',
     ]
     if where != "step":
         return lines
     return lines + [
         'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG-allreduce.out"',
-        "set +e; " + launch_line(cfg, paths, container, prefix, cmd=allreduce, port="PREFLIGHT_PORT", wrap=limit)
-        + ' > "$PREFLIGHT_LOG" 2>&1',
+        "pf_t=$SECONDS; set +e; " + launch_line(cfg, paths, container, prefix, cmd=allreduce, port="PREFLIGHT_PORT",
+                                                 wrap=limit) + ' > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
-        'preflight_allreduce "$PREFLIGHT_LOG" "$pf_rc"',
+        'preflight_allreduce "$PREFLIGHT_LOG" "$pf_rc" $((SECONDS - pf_t))',
     ]
 
 
@@ -384,7 +385,7 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
     shared = env.runtime == "pyxis" and cfg.slurm.preflight and not cfg.launch.command
     if shared:
         container.append(Value("--container-name=" + PYXIS_CONTAINER))
-    lines = _header(cfg, paths, exclude) + ["", "set -euo pipefail"]
+    lines = sbatch_header(cfg, paths, exclude) + ["", "set -euo pipefail"]
     if cfg.launch.debug:
         lines.append("set -x")
     pyxis, code = env.runtime == "pyxis", pins.code
@@ -459,13 +460,14 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
 def _plot_curves(cfg: Config, paths: RunDir, container: list[str], prefix: str) -> list[str]:
     """plot_curves, which on_exit (jobs/slurm/job_lib.sh) calls after a job that trained all its
     steps has recorded its end: the run's curves.png from its metrics (trainer/plot.py), as a step
-    of one task in the job's container, bounded; without matplotlib in the image it says so."""
+    of one task in the job's container, bounded. Its line is trainer/plot.py's (the path, or why
+    not), never srun's own words about the step's end."""
     if cfg.launch.command:  # the image may hold no slipway trainer
         return []
     srun = srun_argv(nodes=1, ntasks=1, cpus_per_task=1, container=container)
     plot = [cfg.launch.python, "-m", "trainer.plot", str(paths.path)]
     return ["# The run's curves once it has trained all its steps (on_exit, after the end is recorded).",
-            f'plot_curves() {{ echo "curves: $({prefix}timeout 60 {words(srun)} {words(plot)} 2>&1 | tail -n 1)"; }}',
+            f'plot_curves() {{ echo "curves: $({prefix}timeout 60 {words(srun)} {words(plot)} 2>&1 | grep -v "^srun: " | tail -n 1)"; }}',
             ""]
 
 

@@ -1,24 +1,20 @@
 """Warm ranks in an allocation (`slipway run`, launch.warm): the batch script's part, and
-`slipway run --stop-warm`. The warm process itself is trainer/warm.py (run as a file in the
-run's container); its design, and why forking it is safe, is said there.
+`slipway run --stop-warm`. The warm process itself is trainer/warm.py (run as a file in the run's
+container): when a rank it forks starts as it would cold, and when it starts cold, is said there.
 
 Per node and allocation, one warm process per key: a Slurm step of the allocation named
-`slipway-warm-KEY` (so Slurm ends it with the allocation, and `squeue --steps` lists it). KEY
-says what the warm process was started with: the image, the container settings (with the runs
-root mounted in place of one run's directory, so that every later run and code snapshot is seen
-there), the interpreter and torch (runtime none), the environment the batch script sets before
-the ranks' imports, and trainer/warm.py itself. Any of them changed: another key, a new warm
-process, and the old one asked to stop. What a run changes beyond those (its code, config, run
-directory, rendezvous) each rank takes fresh.
+`slipway-warm-KEY` (Slurm ends it with the allocation; `squeue --steps` lists it), its socket in
+a folder of the user's in the node's /dev/shm, which containers share. KEY says what it was
+started with: the image, the container settings (with the runs root mounted in place of one run's
+directory, so that every later run and code snapshot is seen there), the interpreter, the
+environment the batch script sets and trainer/warm.py itself; any changed, a new warm process.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -71,7 +67,6 @@ def plan(cfg: Config, paths: RunDir, env_of, code: Optional[CodeSnapshot], image
     warm_py = Path(code.source) / "warm.py" if code and code.source else None
     what = {
         "image": image or env.image, "container": flags, "python": cfg.launch.python,
-        "torch": _torch_version(cfg.launch.python) if not env.in_container else "",
         "env": sorted(cfg.launch.env.items()), "preset": sorted(preset.env) if preset else [],
         "debug": cfg.launch.debug, "gpus": cfg.slurm.gpus_per_node, "cpus": _cpus_per_node(cfg),
         "warm.py": hashlib.sha256(warm_py.read_bytes()).hexdigest() if warm_py and warm_py.is_file() else "",
@@ -80,29 +75,14 @@ def plan(cfg: Config, paths: RunDir, env_of, code: Optional[CodeSnapshot], image
     return WarmPlan(key, env)
 
 
-def _torch_version(python: Optional[str]) -> str:
-    """torch's version in this interpreter's environment (read from its metadata, never imported),
-    where the ranks run this interpreter; "" elsewhere (the warm process checks torch itself)."""
-    if not python or os.path.realpath(python) != os.path.realpath(sys.executable):
-        return ""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        dist = distribution("torch")
-    except PackageNotFoundError:
-        return ""
-    record = dist.locate_file(f"{dist.metadata['Name']}-{dist.version}.dist-info")
-    return f"{dist.version} {os.stat(record).st_mtime_ns if os.path.exists(record) else ''}"
-
-
 def _cpus_per_node(cfg: Config) -> int:
     return cfg.launch.procs_per_node * (cfg.slurm.cpus_per_task or 1)
 
 
 def settings(warm: Optional[WarmPlan], cfg: Config) -> list[str]:
     """The batch script's warm settings: under `slipway run` (SLIPWAY_IN_ALLOCATION) the warm
-    process's name on every node and the client each rank starts through (WARM_CLIENT); none
-    in a batch job, which runs one launch."""
+    processes' socket (trainer/warm.py's SOCKET) and the client each rank starts through
+    (WARM_CLIENT); none in a batch job, which runs one launch."""
     if warm is None:
         return []
     python = shlex.quote(cfg.launch.python)
@@ -110,10 +90,11 @@ def settings(warm: Optional[WarmPlan], cfg: Config) -> list[str]:
         "# Warm ranks (`slipway run`, launch.warm; jobs/slurm/warm.py): each rank starts from the node's warm",
         "# process of this key (trainer/warm.py), which holds torch imported; none: the rank starts cold.",
         f"export SLIPWAY_WARM_ID={warm.key}",
-        "WARM_NAME='' WARM_CLIENT=() WARM_COLD=''",
+        "WARM_SOCKET='' WARM_CLIENT=() WARM_COLD='' WARM_OFF=''",
         'if [ -n "${SLIPWAY_IN_ALLOCATION:-}" ]; then',
-        f'  WARM_NAME="{STEP}$(id -u)-$SLURM_JOB_ID-$SLIPWAY_WARM_ID"',
-        f'  WARM_CLIENT=({python} -S "$CODE_DIR"/trainer/warm.py rank "$WARM_NAME" --)',
+        f'  WARM_SOCKET="${{SLIPWAY_WARM_DIR:-/dev/shm}}/{STEP}$(id -u)/$SLURM_JOB_ID-$SLIPWAY_WARM_ID"',
+        f'  WARM_CLIENT=({python} -S "$CODE_DIR"/trainer/warm.py rank "$WARM_SOCKET" --)',
+        '  export TMPDIR="${TMPDIR:-/tmp}"  # as every task sees it: Slurm sets it unset for a node\'s first alone',
         "fi",
     ]
 
@@ -121,7 +102,8 @@ def settings(warm: Optional[WarmPlan], cfg: Config) -> list[str]:
 def start_function(cfg: Config, paths: RunDir, warm: Optional[WarmPlan], container_name: Optional[str]) -> list[str]:
     """`warm_start NODELIST COUNT`: the warm step on those nodes, in a session of its own so that
     it outlives this script (the allocation ends it), its output in WARM_LOG. It asks for every
-    CPU and GPU the ranks of a node use, as the ranks it starts share its cgroup."""
+    CPU and GPU the ranks of a node use, as the ranks it starts share its cgroup (a Slurm that
+    tracks processes by cgroup gets none: jobs/slurm/job_lib.sh node_check)."""
     if warm is None:
         return []
     from jobs.slurm.ranks import Expand, Value, container_args, words
@@ -137,10 +119,12 @@ def start_function(cfg: Config, paths: RunDir, warm: Optional[WarmPlan], contain
     return [
         f"WARM_LOG={shlex.quote(str(paths.warm_logs))}/\"$SLURM_JOB_ID-$SLIPWAY_WARM_ID.out\"",
         "warm_start() {",
-        # Not of this run: nothing that names it (a launcher sweeping its run's processes by them).
-        f"  {prefix}env -u SLIPWAY_RUN_DIR -u SLIPWAY_JOB_TAG -u SLIPWAY_CODE -u SLIPWAY_EVENT_JOB setsid {words(argv)} \\",
-        f'    {shlex.quote(cfg.launch.python)} "$CODE_DIR"/trainer/warm.py serve "$WARM_NAME" --code "$CODE_DIR" \\',
-        '    > "$WARM_LOG" 2>&1 < /dev/null &',
+        # Nothing of this run's goes with it: no descriptor (the run's lock, which would keep the run
+        # locked while the allocation lasts), no variable that names it (a launcher sweeps by them).
+        '  ( for fd in /proc/$BASHPID/fd/*; do fd=${fd##*/}; [ "$fd" -le 2 ] || eval "exec $fd>&-" 2>/dev/null; done',
+        f"    {prefix}exec env -u SLIPWAY_RUN_DIR -u SLIPWAY_JOB_TAG -u SLIPWAY_CODE -u SLIPWAY_EVENT_JOB setsid {words(argv)} \\",
+        f'    {shlex.quote(cfg.launch.python)} "$CODE_DIR"/trainer/warm.py serve "$WARM_SOCKET" --code "$CODE_DIR"',
+        '  ) > "$WARM_LOG" 2>&1 < /dev/null &',
         "  WARM_PID=$!",
         "}",
     ]

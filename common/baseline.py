@@ -1,0 +1,100 @@
+"""What a project accepts that the secret policy refuses, by detect-secrets' own conventions: a
+`pragma: allowlist secret` comment on the line, and the project's `.secrets.baseline` (made by
+`detect-secrets scan`): an entry `detect-secrets audit` labelled no secret is accepted, one not
+audited or labelled a secret is not. Copied files are held to it by containers/sources.py, a
+config file's values while it is read (`accepting`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Iterator, Optional
+
+from common import secret_plugins
+from common.errors import ConfigError, bounded_path
+from common.fs import read_file
+from common.secrets import ACCEPTING
+
+BASELINE = ".secrets.baseline"
+MAX_BYTES = 32 << 20
+
+
+@functools.lru_cache(maxsize=16)
+def labels(root: Path) -> dict[tuple[str, str], Optional[bool]]:
+    """What `detect-secrets audit` said of each finding of the baseline at the project's top `root`
+    (none: nothing), by file (relative to `root`) and secret hash, read once a process: False, no
+    secret; True, a secret; None, not audited. A ConfigError where detect-secrets could not read it."""
+    from detect_secrets.core.secrets_collection import SecretsCollection
+
+    try:
+        found = read_file(root / BASELINE, MAX_BYTES)
+        collection = SecretsCollection.load_from_baseline(json.loads(found[0])) if found else []  # type: ignore
+        return {(file, secret.secret_hash): secret.is_secret for file, secret in collection}
+    except (OSError, TypeError, ValueError, KeyError, AttributeError) as exc:
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        raise ConfigError(bounded_path(root / BASELINE), f"is not a baseline detect-secrets can read ({why}): make "
+                                                         f"it again: {command(root)}") from None
+
+
+def label(root: Path, file: Path, secret_hash: str) -> Optional[bool]:
+    return labels(root).get((os.path.relpath(os.path.realpath(file), os.path.realpath(root)), secret_hash))
+
+
+def command(root: Path, file: Optional[Path] = None) -> str:
+    """The one command that records what the project's files hold by detect-secrets' scan (with
+    slipway's plugins, which find what its own leave: a key alone on a line; never verifying a
+    secret over the network) and audits it (with them: secret_plugins.py's `audit`): a new baseline
+    of `file` alone, or the project's baseline scanned again (its labels kept)."""
+    plugin = Path(secret_plugins.__file__)
+    plugin = shlex.quote(str(plugin.relative_to(root) if root in plugin.parents else plugin))
+    only = f" {shlex.quote(os.path.relpath(os.path.realpath(file), os.path.realpath(root)))}" if file else ""
+    scan = f"detect-secrets scan --no-verify --plugin {plugin}"
+    scan += f" --baseline {BASELINE}" if (root / BASELINE).exists() else f"{only} > {BASELINE}"
+    cd = "" if Path.cwd().resolve() == root.resolve() else f"cd {shlex.quote(str(root))} && "
+    return f"{cd}{scan} && python3 -I {plugin} audit {BASELINE}"  # -I: not common/ on sys.path
+
+
+@functools.lru_cache(maxsize=64)
+class _Accepting:
+    """What config file `path` accepts: values on a line detect-secrets' allowlist takes (a
+    `# pragma: allowlist secret` on it, or `# pragma: allowlist nextline secret` above it), and
+    values its project's baseline audited as no secret."""
+
+    def __init__(self, path: Path, text: str):
+        from detect_secrets.core.potential_secret import PotentialSecret
+        from detect_secrets.filters.allowlist import is_line_allowlisted
+        from detect_secrets.util.code_snippet import get_code_snippet
+
+        self.path, self.lines = path, text.splitlines()
+        self.allowed = [line for i, line in enumerate(self.lines, 1)
+                        if is_line_allowlisted(str(path), line, get_code_snippet(self.lines, i))]
+        self.top = next((d for d in path.resolve().parents if (d / BASELINE).exists() or (d / ".git").exists()),
+                        path.parent)
+        self.hash = PotentialSecret.hash_secret
+
+    def accepts(self, secret: str) -> bool:
+        return any(secret in line for line in self.allowed) or label(self.top, self.path, self.hash(secret)) is False
+
+    def how(self, secret: str) -> str:
+        """Where the file holds `secret`, and the command that accepts that line."""
+        number = next((i for i, line in enumerate(self.lines, 1) if secret and secret in line), None)
+        shown = shlex.quote(os.path.relpath(self.path))
+        return "" if number is None else (f" ({shown} line {number}; if it is no secret, accept the line: "
+                                          f"`sed -i '{number}s/$/  # pragma: allowlist secret/' {shown}`)")
+
+
+@contextlib.contextmanager
+def accepting(path: Path) -> Iterator[None]:
+    """While config file `path` is read, what it accepts passes the secret policy (common/schema.py);
+    judged once a content (a sweep reads its points from one file)."""
+    found = read_file(path, MAX_BYTES)
+    token = ACCEPTING.set(_Accepting(path, found[0].decode("utf-8", "replace")) if found and found[0] else None)
+    try:
+        yield
+    finally:
+        ACCEPTING.reset(token)
