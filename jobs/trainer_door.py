@@ -1,17 +1,7 @@
 """The one door from the host into trainer/ beyond its config sections (`trainer.config`): the
 trainer's own work that a host command does on this machine, each imported only when called.
-
-- `data_status`: where a run's data stands in its token cache (`slipway submit`, `local`, `run`
-  refuse an unprepared one). It reads an index and file sizes: no numpy, tokenizers or datasets,
-  so the login node's base install runs it.
-- `prepare`: `slipway prepare` here, tokenizing into that cache (the trainer extra).
-- `plot`: `slipway plot`, the curves of one run or of several into one PNG (the plot extra).
-- `check_tokens`, `hub_unreachable`: what `slipway local` checks of a prepared cache's token
-  counts and of the hub before it starts.
-
-What stands behind it imports no torch: tests/test_contract.py imports each module the door
-imports with torch blocked, and holds every other host module to `trainer.config` alone. The batch
-script reaches the same code as `python -m trainer.prepare` and `python -m trainer.plot`.
+What stands behind it imports no torch (tests/test_contract.py imports each module the door imports
+with torch blocked); `data_status` needs not even numpy, so the login node's base install runs it.
 """
 
 from __future__ import annotations

@@ -354,9 +354,9 @@ class CacheEntry:
         """One line for a person."""
         what = f"{self.role} {self.source.description} with {self.tokenizer.description}"
         if self.index is not None:
-            return (f"{what}: {'tokenized' if self.tokenized else 'prepared'}, {self.index['n_tokens']:,} tokens in "
-                    f"{self.paths.bin} (by {self.index.get('prepared_by') or 'an earlier slipway'}, "
-                    f"{self.index.get('created', '?')})")
+            return (f"{what}: {'tokenized' if self.tokenized else 'prepared'}, {self.index.get('n_documents', 0):,} "
+                    f"documents, {self.index['n_tokens']:,} tokens in {self.paths.bin} (by "
+                    f"{self.index.get('prepared_by') or 'an earlier slipway'}, {self.index.get('created', '?')})")
         if self.problem:
             return f"{what}: damaged, {self.problem}"
         state = f"being written by {self.writer}" if self.writer else "not prepared"

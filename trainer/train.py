@@ -1,35 +1,23 @@
 """The training loop: `python -m trainer --config runs/RUN/config.yaml`.
 
-`train(cfg, run_dir)` reads top to bottom, in torchtitan's shape: `set_up`
-(processes and mesh, data, model, optimizer, the checkpoint resumed, the loop's
-helpers), then the steps: `train_step` (forward and backward, clip, the
-optimizer's update) on every step, `sync_step` (metrics, evaluation, the
-checkpoint, the stop decision) on sync steps. The run directory is the config
-file's directory; metrics.jsonl, checkpoints/ and profiler/ go there.
+`train(cfg, run_dir)` reads top to bottom, in torchtitan's shape: `set_up` (processes and mesh,
+data, model, optimizer, the checkpoint resumed, the loop's helpers), then `train_step` (forward and
+backward, clip, the update) on every step, `sync_step` (metrics, evaluation, the checkpoint, the
+stop decision) on sync steps. The run directory is the config file's directory.
 
-The host does not wait for the device inside a step. What a step reports
-(its loss averaged over ranks, gradient norm, and whether its update was
-skipped) stays on the device until a sync step: a logged step
-(`logging.interval`, the first step of each attempt, the last), a step with
-a checkpoint due, or one on which the run stops. There the host reads every
-step since the last sync in one copy and writes their records. Stop requests
-travel on the host instead, and only on sync steps: there each rank's stop
-flag (a signal it received; the stop file, which rank 0 alone looks for) goes
-into a gloo all-reduce started at the step's beginning and read at its end, so
-all ranks stop after the same step, and no step costs more as ranks are added
-(a request waits at most `logging.interval` steps). Batches for the next step
-are read (pinned and copied, on CUDA) while this one runs, and Python's
-garbage collector runs every `train.gc_interval` steps on every rank at once.
+The host does not wait for the device inside a step. What a step reports (its loss averaged over
+ranks, gradient norm, and whether its update was skipped) stays on the device until a sync step: a
+logged step (`logging.interval`, the first step of each attempt, the last), a step with a
+checkpoint due, or one on which the run stops. There the host reads every step since the last sync
+in one copy. Stop requests travel on the host instead, and only on sync steps: each rank's stop flag
+goes into a gloo all-reduce started at the step's beginning and read at its end, so all ranks stop
+after the same step, and no step costs more as ranks are added.
 
-Non-finite numbers are never trained on nor saved: a step whose loss or
-gradient norm is not finite on any rank skips its optimizer update, decided
-on the device (`trainer.optim.SkippableStep`); it is logged and counted as
-`skipped_steps` in metrics.jsonl at the next sync step, and
-`train.max_nonfinite_steps` of them in a row stop the run there (the updates
-after the streak reached the limit are skipped too, so the weights are those
-of the last good step). A checkpoint that would hold a non-finite value is
-refused, and an interval save that falls inside a run of skipped steps waits
-for the next good step, so such steps never rotate good checkpoints out.
+Non-finite numbers are never trained on nor saved: a step whose loss or gradient norm is not finite
+on any rank skips its update, decided on the device (`trainer.optim.SkippableStep`), and is counted
+at the next sync step; `train.max_nonfinite_steps` of them in a row stop the run (the weights are
+those of the last good step). An interval save that falls inside a run of skipped steps waits for
+the next good step, so such steps never rotate good checkpoints out.
 """
 
 from __future__ import annotations
@@ -84,11 +72,8 @@ def unsupported_torch(version: str) -> Optional[str]:
     """A one-line warning when torch `version` (torch.__version__: 2.13.0+cpu, NGC's 2.10.0a0+...)
     is outside SUPPORTED_TORCH; None inside it, or when the version cannot be read."""
     match = re.match(r"(\d+)\.(\d+)", version)
-    if match is None:
-        return None
-    found = (int(match[1]), int(match[2]))
     (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_TORCH
-    if (lo_major, lo_minor) <= found <= (hi_major, hi_minor):
+    if match is None or (lo_major, lo_minor) <= (int(match[1]), int(match[2])) <= (hi_major, hi_minor):
         return None
     return (f"torch {version} is outside the supported range {lo_major}.{lo_minor} to {hi_major}.{hi_minor} (the "
             f"releases tested): install torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1} if this run "
@@ -117,7 +102,9 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
     with distributed_session(timeout) as env, contextlib.ExitStack() as closing:
         if gate is not None:
             gate.check(env.device)
-        training = set_up(cfg, run_dir, env, timeout, data or _default_data(), closing)
+        if data is None:
+            from trainer.data import build_data as data
+        training = set_up(cfg, run_dir, env, timeout, data, closing)
         state, loop = training.state, Loop(first_step=training.state.step + 1)
         result = TrainResult(state.step, None, requeue=False)
         while state.step < cfg.train.steps:
@@ -416,12 +403,6 @@ def evaluate(runner: Runner, val_data: Sampler, val_start: dict, cfg: TrainerCon
     for _ in range(cfg.train.eval_batches):
         total += runner.eval_step(next_batches(val_data, cfg.train.grad_accum_steps, device, device.type == "cuda"))
     return global_mean(total / cfg.train.eval_batches, dims)
-
-
-def _default_data() -> DataBuilder:
-    from trainer.data import build_data
-
-    return build_data
 
 
 def main(argv: Optional[list[str]] = None, data: Optional[DataBuilder] = None) -> int:

@@ -1,19 +1,9 @@
-"""The wheels `slipway gpu-check` needs on a node without network, beside the node's own torch:
-gathered on a machine with an index (a login node) for the node's Python and platform
-(`make gpu-check-wheels`), carried over, installed with no index:
-
-    python -m jobs.gpucheck.wheels --out DIR [--python-version 3.12] [--platform manylinux_2_28_x86_64]
-                                   [--torchtitan] [--have NODE-FREEZE.txt]
-    # on the node:
-    python3 -m venv --system-site-packages V && V/bin/pip install --no-index --find-links DIR -r DIR/requirements.txt
-
-What goes in: slipway's own wheel, its dependencies, and the trainer extra less torch and
-datasets (the shipped corpus needs no datasets), pure-Python and manylinux wheels only;
-`--torchtitan` adds torchtitan and what it needs. torch is the node's, and so is whatever
-`--have` lists (`python3 -m pip list --format=freeze` on the node): each is stood in for by an
-empty wheel of its version while pip resolves, so neither it nor what only it needs is
-fetched. The directory appears whole or not at all, says its size, and is refused past
-MAX_BYTES (what a node's scratch and a copy over a slow link bear).
+"""The wheels `slipway gpu-check` needs on a node without network, beside the node's own torch,
+gathered where an index is reachable (`make gpu-check-wheels`; what goes in and how the node
+installs them: docs/trainer.md). torch is the node's, and so is whatever `--have` lists: each is
+stood in for by an empty wheel of its version while pip resolves, so neither it nor what only it
+needs is fetched. The directory appears whole or not at all, and is refused past MAX_BYTES (what a
+node's scratch and a copy over a slow link bear).
 """
 
 from __future__ import annotations
