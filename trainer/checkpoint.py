@@ -11,14 +11,11 @@ Layout of `ckpt_dir` (shared by every node):
     .tmp-step-000200/       a save in progress, or the remains of a crash: never loaded
 
 A save writes everything into `.tmp-step-N/`, all ranks meet at a barrier, then rank 0 writes
-`COMPLETE` and renames the directory to `step-N/` (one `rename(2)`, then an fsync of the parent).
-Old checkpoints are pruned the same way round: renamed out of the `step-*` namespace first,
-deleted after (in a thread of their own), so a half-deleted one is never seen. Saves, loads and
-the waits for background work run inside `pause(what)`, the hang watchdog's.
-
-DCP stores every tensor under its full-model name with its shard offsets, so a checkpoint saved by
-one layout loads into any other. What differs per rank and is not a shard of anything (RNG
-streams) goes beside the shards in one file per rank: a state object with `rank_local = True`.
+`COMPLETE` and renames the directory to `step-N/` (then an fsync of the parent). Old checkpoints
+are renamed out of the `step-*` namespace before they are deleted (in a thread of their own), so a
+half-deleted one is never seen. Saves, loads and the waits for background work run inside
+`pause(what)`, the hang watchdog's. What differs per rank and is no shard (RNG streams) goes beside
+the shards, one file per rank: a state object with `rank_local = True`.
 
 A save is refused before anything is written when a value is not finite on any rank
 (`NonFiniteError`: a checkpoint is never a NaN trap to resume into) or when it cannot fit

@@ -1,18 +1,15 @@
 """The preflight: before training starts, every node of the allocation proves it can train
-(what it checks and why: docs/runs.md, "Preflight"). The batch script runs it in the run's
-container, each part bounded by `slurm.preflight_timeout`:
+(what it checks and why: docs/runs.md, "Preflight"), each part bounded by `slurm.preflight_timeout`:
 
     python -m trainer.preflight node ...   one task per node, no collective, before training
     AllReduceGate                          every rank, first thing in the training step
 
 `node` prints one line the batch script reads, `slipway-preflight NODE ok: ...` or
-`slipway-preflight NODE fail: REASON`; its log lines go to stderr. The nodes report independently,
-so a bad node cannot hide the others' answers. The all-reduce runs inside the training step's own
-process group (asked for through PREFLIGHT_ENV): the same launcher, backend and world as training
-by construction, and one torch start and one rendezvous per rank instead of two. A rank that fails
-it writes why to PREFLIGHT_FAILED_FILE among the step's exit reports and exits PREFLIGHT_EXIT; a
-`train.script` of the user's own runs `python -m trainer.preflight allreduce` as a step of its own
-instead (`slipway-preflight-allreduce ok: ...`).
+`slipway-preflight NODE fail: REASON` (its log lines go to stderr), each node on its own, so a bad
+node cannot hide the others' answers. The all-reduce runs in the training step's own process group
+(asked for through PREFLIGHT_ENV); a rank that fails it writes why to PREFLIGHT_FAILED_FILE among
+the step's exit reports and exits PREFLIGHT_EXIT; a `train.script` of the user's own runs `python -m
+trainer.preflight allreduce` as a step of its own (`slipway-preflight-allreduce ok: ...`).
 
 Exit status: 0 passed, PREFLIGHT_EXIT (5) failed, 2 bad arguments.
 """

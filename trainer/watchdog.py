@@ -1,21 +1,17 @@
 """The hang watchdog: a run that stops making progress ends, with every rank's stacks on disk
 (what it writes and when: docs/runs.md, "Hang watchdog").
 
-Each rank runs one `HangWatchdog`, a thread that the training loop tells of every step it queues
-(`step_queued`: one append). On CUDA the host runs ahead of the device, so a step counts as done
-when its completion marker (a CUDA event recorded after its optimizer update) says the device got
-there, which the thread asks without blocking; at a sync step the host has waited for the device
-and says so (`step_done`). When no step completes in time, the thread writes the rank's dump, waits
-until `dump_window_s` after it noticed (the other ranks, whose watchdogs fire within milliseconds
-of this one at the same all-reduce, finish their dumps before torchrun or srun tear the job down
-on this rank's exit), and exits with HANG_EXIT: the main thread is stuck, so nothing short of
-`os._exit` ends it, and a timer started first makes the exit sure even if writing the dump blocks
-(a hung filesystem). torchrun turns a worker's exit code into 1, so the batch script decides
-"hung" from the dump files, not from the exit status.
-
-Checkpoint work is no step (`paused`): `train.checkpoint_timeout` bounds it instead, and past it
-every rank exits SLOW_CHECKPOINT_EXIT, a failure no node is blamed for. Rank 0's watchdog also
-keeps `RUN/progress.json` (the last completed step and its wall-clock time) for `slipway watch`.
+Each rank runs one `HangWatchdog`, a thread the training loop tells of every step it queues
+(`step_queued`: one append); on CUDA a step is done when its completion marker says the device got
+there (asked without blocking), and a sync step, where the host has waited, says so (`step_done`).
+When no step completes in time, the thread writes the rank's dump, waits until `dump_window_s`
+after it noticed (the other ranks, whose watchdogs fire within milliseconds at the same all-reduce,
+finish their dumps before the launcher tears the job down on this rank's exit), and exits with
+HANG_EXIT by `os._exit` (the main thread is stuck), a timer started first making the exit sure even
+if writing the dump blocks. torchrun turns a worker's exit code into 1, so the batch script decides
+"hung" from the dump files, not from the exit status. Checkpoint work is no step (`paused`): past
+`train.checkpoint_timeout` every rank exits SLOW_CHECKPOINT_EXIT. Rank 0's watchdog also keeps
+`RUN/progress.json` (the last completed step and its wall-clock time) for `slipway watch`.
 """
 
 from __future__ import annotations
