@@ -67,9 +67,7 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-# --------------------------------------------------------------------------
-# Progress
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- progress
 
 
 @dataclass(frozen=True)
@@ -148,9 +146,7 @@ def _display(sink: ProgressSink, description: str, reader: Reader) -> Iterator[C
         yield update
 
 
-# --------------------------------------------------------------------------
-# Encoding on threads
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- encoding on threads
 
 
 def _encoder(tok: Any, eos: int, dtype: np.dtype) -> Callable[[list[str]], np.ndarray]:
@@ -204,9 +200,7 @@ class CachePaths:
     error = property(lambda self: self._p(".error"))
 
 
-# --------------------------------------------------------------------------
-# Writing, with a resume record
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- writing, with a resume record
 
 
 @dataclass
@@ -328,9 +322,7 @@ def _write_partial(description: str, reader: Reader, paths: CachePaths, state: _
         os.fsync(f.fileno())
 
 
-# --------------------------------------------------------------------------
-# Tokenizers
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- tokenizers
 
 
 @dataclass(frozen=True)
