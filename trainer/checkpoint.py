@@ -75,7 +75,9 @@ class CheckpointWriteError(RuntimeError):
     its write failed on a full file system. The latest complete one stays as it was."""
 
 
-# ---------------------------------------- the directory layout, readable without a process group (hf.py reads it too)
+# --------------------------------------------------------------------------
+# The directory layout, readable without a process group (hf.py reads it too).
+# --------------------------------------------------------------------------
 
 
 def step_dir(ckpt_dir: Path, step: int) -> Path:
@@ -89,7 +91,9 @@ def resolve_async_save(setting: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
-# ---------------------------------------------------------------- the Checkpointer
+# --------------------------------------------------------------------------
+# The Checkpointer.
+# --------------------------------------------------------------------------
 
 
 @dataclass

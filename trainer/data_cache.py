@@ -115,7 +115,9 @@ def prepared_by(role: str) -> str:
     return f"{role} on {socket.gethostname()}{f' (Slurm job {job})' if job else ''}"
 
 
-# ---------------------------------------------------------------- the lock
+# --------------------------------------------------------------------------
+# The lock
+# --------------------------------------------------------------------------
 
 
 class Lock:
@@ -193,7 +195,9 @@ def _holder(info: dict[str, Any]) -> str:
     return f"pid {info.get('pid', '?')} on {str(info.get('host', '?')).split('/')[0]}"
 
 
-# ---------------------------------------------------------------- reading, waiting, writing
+# --------------------------------------------------------------------------
+# Reading, waiting, writing
+# --------------------------------------------------------------------------
 
 
 def read_index(paths: CachePaths) -> dict[str, Any] | None:
@@ -323,7 +327,9 @@ def _write(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, laun
     return dataclasses.replace(found, written=True)
 
 
-# ----------------------------------------------------- status: is an entry there, without reading or locking anything
+# --------------------------------------------------------------------------
+# Status: is an entry there, without reading or locking anything
+# --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

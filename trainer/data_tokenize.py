@@ -67,7 +67,9 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-# ---------------------------------------------------------------- progress
+# --------------------------------------------------------------------------
+# Progress
+# --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,9 @@ def _display(sink: ProgressSink, description: str, reader: Reader) -> Iterator[C
         yield update
 
 
-# ---------------------------------------------------------------- encoding on threads
+# --------------------------------------------------------------------------
+# Encoding on threads
+# --------------------------------------------------------------------------
 
 
 def _encoder(tok: Any, eos: int, dtype: np.dtype) -> Callable[[list[str]], np.ndarray]:
@@ -200,7 +204,9 @@ class CachePaths:
     error = property(lambda self: self._p(".error"))
 
 
-# ---------------------------------------------------------------- writing, with a resume record
+# --------------------------------------------------------------------------
+# Writing, with a resume record
+# --------------------------------------------------------------------------
 
 
 @dataclass
@@ -322,7 +328,9 @@ def _write_partial(description: str, reader: Reader, paths: CachePaths, state: _
         os.fsync(f.fileno())
 
 
-# ---------------------------------------------------------------- tokenizers
+# --------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,9 @@ _MATCHED = (("hidden_size", "hidden_size"), ("intermediate_size", "intermediate_
             ("tie_word_embeddings", "tie_embeddings"))
 
 
-# ---------------------------------------------------------------- names
+# --------------------------------------------------------------------------
+# Names.
+# --------------------------------------------------------------------------
 
 
 def read_model_weights(path: Path, key: str = MODEL_KEY) -> dict[str, torch.Tensor]:
@@ -148,7 +150,9 @@ def _resize_vocab(weights: dict[str, torch.Tensor], rows: int) -> None:
             weights[name] = torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
 
 
-# ---------------------------------------------------------------- config.json
+# --------------------------------------------------------------------------
+# config.json.
+# --------------------------------------------------------------------------
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
@@ -232,7 +236,9 @@ def hf_config_dict(cfg: ModelSection, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------- loading an HF checkpoint into our model
+# --------------------------------------------------------------------------
+# Loading an HF checkpoint into our model.
+# --------------------------------------------------------------------------
 
 
 def _safetensors_files(hf_dir: Path) -> list[Path]:
@@ -294,7 +300,9 @@ def load_hf_into(model: nn.Module, hf_dir: Path, cfg: ModelSection) -> None:
     set_model_state_dict(model, subset, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
-# ---------------------------------------------------------------- exporting to an HF checkpoint
+# --------------------------------------------------------------------------
+# Exporting to an HF checkpoint.
+# --------------------------------------------------------------------------
 
 
 def export_hf(source: Path | nn.Module, out_dir: Path, cfg: ModelSection, *, dtype: torch.dtype | None = None,
@@ -370,7 +378,9 @@ def _replace_dir(new: Path, dest: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# ---------------------------------------------------------------- command line
+# --------------------------------------------------------------------------
+# Command line.
+# --------------------------------------------------------------------------
 
 
 def _export_run(run_dir: Path, step: Optional[int], out: Path, dtype: Optional[str], overwrite: bool) -> str:

@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs_BT, targets_BT)
 
 
-# ---------------------------------------------------------------- processes: torchrun, srun, or one plain process
+# --------------------------------------------------------------------------
+# Processes: torchrun, srun, or one plain process.
+# --------------------------------------------------------------------------
 
 
 @dataclass
@@ -113,7 +115,9 @@ def distributed_session(timeout: Optional[timedelta] = None) -> Iterator[DistEnv
             dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------- the mesh
+# --------------------------------------------------------------------------
+# The mesh.
+# --------------------------------------------------------------------------
 
 MESH_DIMS = ("pp", "dp", "tp")  # tp innermost: tensor-parallel peers are neighbouring ranks
 
@@ -200,7 +204,9 @@ class ParallelDims:
         return sub.get_group() if sub is not None else None
 
 
-# ---------------------------------------------------------------- pipeline split, tensor parallel, data parallel
+# --------------------------------------------------------------------------
+# Pipeline split, tensor parallel, data parallel.
+# --------------------------------------------------------------------------
 
 
 def stage_layers(num_layers: int, pp: int) -> list[range]:
