@@ -44,6 +44,14 @@ def prepare(data: Any, cache_dir: Path | str, *, num_proc: int, progress: Any):
         raise ConfigError("data.cache_dir", str(exc)) from None
 
 
+def warm_code() -> tuple[str, ...]:
+    """The files of trainer/ a warm process runs from (trainer/warm.py and what it imports of its
+    folder): what its key hashes."""
+    from trainer.warm_rank import CODE
+
+    return CODE
+
+
 def plot(run_dirs: Sequence[Path], out: Optional[Path] = None, labels: Optional[Sequence[str]] = None,
          title: str = "") -> Path:
     """The loss and throughput curves of one run (default: its curves.png), or the loss curves of
