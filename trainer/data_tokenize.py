@@ -60,13 +60,6 @@ CHECKPOINT_S = 10.0  # at most this much tokenizing is redone after a crash
 LOG_EVERY_S = 30.0  # progress lines in a log file (no terminal)
 
 
-def available_cores() -> int:
-    """Cores this process may run on (a Slurm task's cpuset, not the node's count)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 # --------------------------------------------------------------------------
 # Progress
 # --------------------------------------------------------------------------
@@ -262,7 +255,7 @@ def write_tokens(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths
     interrupted run where one was recorded. Returns the index."""
     import numpy as np
 
-    workers = num_proc or available_cores()
+    workers = num_proc or len(os.sched_getaffinity(0))  # a Slurm task's cpuset, not the node's cores
     tok = load_tokenizer(tokenizer)
     eos = eos_id(tok, tokenizer.spec)
     vocab = tok.get_vocab_size(with_added_tokens=True)
