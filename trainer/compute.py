@@ -108,10 +108,8 @@ def graph_break_report() -> str:
 def compile_error(exc: BaseException) -> Optional[ConfigError]:
     """A torch.compile failure (dynamo or inductor: on the first call of each block, so the runners'
     first step is where it shows) as one line naming the way out; None for any other exception."""
-    try:
-        from torch._dynamo.exc import TorchDynamoException
-    except ImportError:  # a torch without dynamo: nothing of ours was compiled
-        return None
+    from torch._dynamo.exc import TorchDynamoException
+
     chain, seen = exc, set()
     while chain is not None and id(chain) not in seen:  # inductor's errors arrive wrapped
         seen.add(id(chain))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -68,8 +69,8 @@ def _reset_step_counters(opt: torch.optim.Optimizer) -> None:
 
 
 class RNGState:
-    """This rank's random streams: Python `random`, numpy's global one (if numpy is
-    installed), torch CPU, and the current CUDA device's (if CUDA is in use).
+    """This rank's random streams: Python `random`, numpy's global one, torch CPU, and the
+    current CUDA device's (if CUDA is in use).
 
     `rank_local = True`: the Checkpointer saves it to this rank's own file beside
     the shards, so each rank gets exactly its own streams back."""
@@ -77,13 +78,8 @@ class RNGState:
     rank_local = True
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        try:
-            import numpy as np
-        except ImportError:
-            pass
-        else:
-            state["numpy"] = np.random.get_state()
+        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(),
+                                 "numpy": np.random.get_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state()
         return state
@@ -91,9 +87,7 @@ class RNGState:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         random.setstate(state_dict["python"])
         torch.set_rng_state(state_dict["torch"])
-        if "numpy" in state_dict:
-            import numpy as np
-
+        if "numpy" in state_dict:  # absent from a checkpoint of a trainer that ran without numpy
             np.random.set_state(state_dict["numpy"])
         if "cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state(state_dict["cuda"])
