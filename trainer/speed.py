@@ -330,16 +330,15 @@ def titan_env(work: Path) -> dict[str, str]:
             "HF_DATASETS_CACHE": str(work / "hf-datasets")}
 
 
-def case_torchtitan(case: Any, python: Optional[str] = None) -> dict[str, Any]:
+def case_torchtitan(case: Any) -> dict[str, Any]:
     """torchtitan under torchrun (one process), its logged tps over the windows from --warmup on."""
-    python = python or sys.executable
     work = Path(tempfile.mkdtemp(prefix="slipway-titan-"))
     try:
         (work / "assets").mkdir()
         shutil.copy(ASSETS / "tokenizer.json", work / "assets" / "tokenizer.json")
         (work / "slipway_titan.py").write_text(TITAN_MODULE.format(params=titan_params(case, case.attention_titan,
                                                                                        work)))
-        argv = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                 "-m", "torchtitan.train", "--module", "slipway_titan", "--config", "slipway_llama"]
         env = titan_env(work)
         if case.device == "cpu":
