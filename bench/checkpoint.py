@@ -56,7 +56,7 @@ def case(mode: str, size: str, saves: int, micro_batch: int, seq_len: int, where
         optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
-    states = {"model": ModelState([model]), "optimizer": OptimizerState([model], [optimizer]), "rng": RNGState()}
+    states = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "rng": RNGState()}
     ckpt_dir = where / f"{mode}-{os.getpid()}"
     checkpointer = Checkpointer(ckpt_dir, CheckpointSection(keep_last=2), async_save=mode == "async")
     plain, blocked, after, visible = [], [], [], []

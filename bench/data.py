@@ -119,7 +119,7 @@ def case_prepare(data: Path, tokenizer: str, n: int, work: Path) -> dict:
     with timed(result):
         prepared = prepare(DataSection(dataset=str(data), tokenizer=tokenizer), work, num_proc=n,
                            progress=lambda p: None)
-    return {**result, "tokens": prepared.n_tokens}
+    return {**result, "tokens": sum(e.index["n_tokens"] for e in prepared.entries)}
 
 
 _worker: dict = {}

@@ -1,17 +1,7 @@
 """The one door from the host into trainer/ beyond its config sections (`trainer.config`): the
 trainer's own work that a host command does on this machine, each imported only when called.
-
-- `data_status`: where a run's data stands in its token cache (`slipway submit`, `local`, `run`
-  refuse an unprepared one). It reads an index and file sizes: no numpy, tokenizers or datasets,
-  so the login node's base install runs it.
-- `prepare`: `slipway prepare` here, tokenizing into that cache (the trainer extra).
-- `plot`: `slipway plot`, the curves of one run or of several into one PNG (the plot extra).
-- `check_tokens`, `hub_unreachable`: what `slipway local` checks of a prepared cache's token
-  counts and of the hub before it starts.
-
-What stands behind it imports no torch: tests/test_contract.py imports each module the door
-imports with torch blocked, and holds every other host module to `trainer.config` alone. The batch
-script reaches the same code as `python -m trainer.prepare` and `python -m trainer.plot`.
+What stands behind it imports no torch (tests/test_contract.py imports each module the door imports
+with torch blocked); `data_status` needs not even numpy, so the login node's base install runs it.
 """
 
 from __future__ import annotations
@@ -42,8 +32,8 @@ def hub_unreachable() -> Optional[str]:
 
 
 def prepare(data: Any, cache_dir: Path | str, *, num_proc: int, progress: Any):
-    """Tokenize what `cache_dir` lacks of `data` (trainer.prepare.PrepareResult); a damaged cache is
-    a ConfigError naming data.cache_dir."""
+    """Tokenize what `cache_dir` lacks of `data` (trainer.prepare.CacheStatus after); a damaged cache
+    is a ConfigError naming data.cache_dir."""
     from common.errors import ConfigError
     from trainer.data_cache import DataCacheError
     from trainer.prepare import prepare as tokenize
@@ -52,6 +42,14 @@ def prepare(data: Any, cache_dir: Path | str, *, num_proc: int, progress: Any):
         return tokenize(data, cache_dir, num_proc=num_proc, progress=progress)
     except DataCacheError as exc:
         raise ConfigError("data.cache_dir", str(exc)) from None
+
+
+def warm_code() -> tuple[str, ...]:
+    """The files of trainer/ a warm process runs from (trainer/warm.py and what it imports of its
+    folder): what its key hashes."""
+    from trainer.warm_rank import CODE
+
+    return CODE
 
 
 def plot(run_dirs: Sequence[Path], out: Optional[Path] = None, labels: Optional[Sequence[str]] = None,

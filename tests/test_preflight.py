@@ -240,7 +240,7 @@ GH200_GPUS = ["0009:01:00.0", "0019:01:00.0", "0029:01:00.0", "0039:01:00.0"]
 
 
 def test_each_gpu_is_bound_to_the_cpus_of_its_numa_node(tmp_path):
-    from trainer.preflight import numa_binding
+    from trainer.topology import numa_binding
 
     sysfs = fake_sysfs(tmp_path, GH200_NODES, dict(zip(GH200_GPUS, range(4))))
     ok, lines = numa_binding(GH200_GPUS, set(range(288)), sysfs)
@@ -256,7 +256,7 @@ def test_each_gpu_is_bound_to_the_cpus_of_its_numa_node(tmp_path):
     (1, set(range(72)), "is on NUMA node 1, which has no CPU this job may use (its CPUs 72-143, the job's 0-71)"),
 ])
 def test_a_gpu_on_a_node_without_usable_cpus_is_refused_in_one_line(tmp_path, gpu_node, allowed, words):
-    from trainer.preflight import numa_binding
+    from trainer.topology import numa_binding
 
     sysfs = fake_sysfs(tmp_path, GH200_NODES, {GH200_GPUS[0]: 0, GH200_GPUS[1]: gpu_node})
     ok, lines = numa_binding(GH200_GPUS[:2], allowed, sysfs)
@@ -269,7 +269,7 @@ def test_a_gpu_on_a_node_without_usable_cpus_is_refused_in_one_line(tmp_path, gp
 
 
 def test_damaged_sysfs_entries_are_unknown_not_a_crash(tmp_path):
-    from trainer.preflight import cpu_set, numa_binding
+    from trainer.topology import cpu_set, numa_binding
 
     sysfs = fake_sysfs(tmp_path, {0: "0-3", 1: "garbage"}, {})
     ok, lines = numa_binding(["0000:3b:00.0"], {0, 1}, sysfs)  # no such device: torch's binding would fail on it

@@ -64,23 +64,23 @@ def test_two_runs_with_the_same_data_share_one_cache(tmp_path, monkeypatch):
     project = tmp_path / "project"
     run_a = DataSection(dataset=data, seq_len=16, validation_fraction=0.0)
     run_b = DataSection(dataset=data, seq_len=64, validation_fraction=0.1, num_proc=1)  # cut at read time
-    cache = resolve_cache_dir(run_a, project_dir=project)
-    # the host (from the project) and the trainer (from runs/RUN) find the same place
+    cache = resolve_cache_dir(run_a, project / "runs" / "a")
+    # every run of the project finds the same place
     assert cache == resolve_cache_dir(run_b, project / "runs" / "b") == project.resolve() / ".cache" / "tokens"
 
     before = cache_status(run_a, cache)
     assert not before.prepared and not before.tokenize_in_job and len(before.missing) == 1
     assert "not prepared" in before.describe() and "d.jsonl" in before.describe()
     first = prepare(run_a, cache, num_proc=2)
-    assert first.entries[0].tokenized and first.n_tokens == len(expected_stream(DOCS))
-    assert "slipway prepare on" in first.entries[0].prepared_by
+    assert first.entries[0].tokenized and first.entries[0].index["n_tokens"] == len(expected_stream(DOCS))
+    assert "slipway prepare on" in first.entries[0].index["prepared_by"] and "tokenized, " in first.describe()
 
     status_b = cache_status(run_b, cache)
-    assert status_b.prepared and status_b.entries[0].paths.bin == first.entries[0].path
+    assert status_b.prepared and status_b.entries[0].paths.bin == first.entries[0].paths.bin
     assert "prepared, " in status_b.describe()
     monkeypatch.setattr("trainer.data_cache.write_tokens", lambda *a, **k: pytest.fail("tokenized again"))
     second = prepare(run_b, cache)
-    assert not second.entries[0].tokenized and second.entries[0].path == first.entries[0].path
+    assert not second.entries[0].tokenized and second.entries[0].paths.bin == first.entries[0].paths.bin
     assert sorted(p.suffix for p in cache.iterdir()) == [".bin", ".json"]
     np.testing.assert_array_equal(np.fromfile(only_bin(cache), np.uint16), expected_stream(DOCS))
 
@@ -109,7 +109,8 @@ def test_validation_split_is_prepared_too(tmp_path):
     data = DataSection(dataset=str(tmp_path / "dd"), validation_split="validation")
     result = prepare(data, tmp_path / "c", num_proc=1)
     assert [e.role for e in result.entries] == ["train", "validation"]
-    assert [e.n_tokens for e in result.entries] == [len(expected_stream(DOCS)), len(expected_stream(DOCS[:20]))]
+    assert [e.index["n_tokens"] for e in result.entries] == [len(expected_stream(DOCS)),
+                                                            len(expected_stream(DOCS[:20]))]
     assert cache_status(data, tmp_path / "c").prepared
 
 
@@ -133,14 +134,14 @@ def test_prepare_then_train_only_opens_the_cache(tmp_path, monkeypatch, caplog):
 
     data = {"dataset": str(write_jsonl(tmp_path / "d.jsonl", DOCS * 3))}
     config = _run_config(tmp_path, data)
-    result = prepare(DataSection(**data), resolve_cache_dir(DataSection(**data), project_dir=tmp_path / "project"))
+    result = prepare(DataSection(**data), resolve_cache_dir(DataSection(**data), config.parent))
     assert result.entries[0].tokenized
 
     monkeypatch.setattr("trainer.data_cache.write_tokens", lambda *a, **k: pytest.fail("the trainer tokenized"))
     caplog.set_level(logging.INFO, logger="trainer")
     assert train_main(["--config", str(config)]) == 0
     opened = [r.getMessage() for r in caplog.records if r.getMessage().startswith("opened the token cache")]
-    assert len(opened) == 1 and str(result.entries[0].path) in opened[0]
+    assert len(opened) == 1 and str(result.entries[0].paths.bin) in opened[0]
     assert "prepared by slipway prepare on" in opened[0]
     steps = [json.loads(line) for line in (config.parent / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if s.get("kind") == "train"] == [1, 2]
@@ -156,7 +157,8 @@ def test_trainer_refuses_a_missing_cache_in_one_line(tmp_path, capsys):
     errors = [line for line in lines if line.startswith("error: ")]
     assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in "\n".join(lines)
     err = errors[0]
-    assert err.startswith("error: data.tokenize_in_job: the token cache for ")
+    assert err.startswith("error: data.tokenize_in_job: the token cache is not prepared for this run: ")
+    assert "d.jsonl (1 json file) with builtin (trainer/assets/tokenizer.json): not prepared" in err and "d.jsonl-" in err
     assert "run `slipway prepare CONFIG`" in err and "set data.tokenize_in_job: true" in err
     assert not list((tmp_path / "project").rglob("*.bin*"))  # nothing was tokenized
 
@@ -240,11 +242,12 @@ def test_killed_preparation_continues_to_identical_bytes(tmp_path):
     assert 150_000 <= status.entries[0].partial_tokens < 730_974
 
     resumed = prepare(DataSection(dataset=data), killed, num_proc=1).entries[0]
-    assert resumed.tokenized and resumed.resumed_from_tokens >= 150_000
+    assert resumed.tokenized and resumed.index["resumed_from_tokens"] >= 150_000
     reference = prepare(DataSection(dataset=data), clean, num_proc=2).entries[0]
-    assert reference.resumed_from_tokens == 0 and resumed.n_tokens == reference.n_tokens == 730_974
-    assert resumed.path.read_bytes() == reference.path.read_bytes()
-    assert index_without_provenance(resumed.path) == index_without_provenance(reference.path)
+    assert reference.index["resumed_from_tokens"] == 0
+    assert resumed.index["n_tokens"] == reference.index["n_tokens"] == 730_974
+    assert resumed.paths.bin.read_bytes() == reference.paths.bin.read_bytes()
+    assert index_without_provenance(resumed.paths.bin) == index_without_provenance(reference.paths.bin)
     assert sorted(p.suffix for p in killed.iterdir()) == [".bin", ".json"]  # record, partial and lock gone
 
 
@@ -305,9 +308,9 @@ def test_interrupted_at_any_batch_then_resumed_gives_identical_bytes(tmp_path, m
     monkeypatch.setattr(data_tokenize, "CHECKPOINT_S", 0.0)
     seen: list[Progress] = []
     reference = prepare(data, tmp_path / "clean", num_proc=2, progress=seen.append).entries[0]
-    np.testing.assert_array_equal(np.fromfile(reference.path, np.uint16), expected_stream(DOCS))
+    np.testing.assert_array_equal(np.fromfile(reference.paths.bin, np.uint16), expected_stream(DOCS))
     batches = len(seen)
-    assert batches > 15 and seen[-1].done == seen[-1].total and seen[-1].tokens == reference.n_tokens
+    assert batches > 15 and seen[-1].done == seen[-1].total and seen[-1].tokens == reference.index["n_tokens"]
 
     resumed_at = []
     for k in (2, batches // 2, batches - 1):
@@ -317,11 +320,11 @@ def test_interrupted_at_any_batch_then_resumed_gives_identical_bytes(tmp_path, m
         assert not list(cache.glob("*.bin")) and not list(cache.glob("*.json"))
         last: list[Progress] = []
         again = prepare(data, cache, num_proc=1, progress=last.append).entries[0]
-        resumed_at.append(again.resumed_from_tokens)
-        assert again.path.read_bytes() == reference.path.read_bytes(), f"cut after batch {k}"
-        assert index_without_provenance(again.path) == index_without_provenance(reference.path)
-        assert last[-1].done == last[-1].total and last[0].resumed_tokens == again.resumed_from_tokens
-    assert 0 < resumed_at[0] < resumed_at[1] < resumed_at[2] < reference.n_tokens
+        resumed_at.append(again.index["resumed_from_tokens"])
+        assert again.paths.bin.read_bytes() == reference.paths.bin.read_bytes(), f"cut after batch {k}"
+        assert index_without_provenance(again.paths.bin) == index_without_provenance(reference.paths.bin)
+        assert last[-1].done == last[-1].total and last[0].resumed_tokens == resumed_at[-1]
+    assert 0 < resumed_at[0] < resumed_at[1] < resumed_at[2] < reference.index["n_tokens"]
 
 
 def test_a_record_that_does_not_fit_restarts_cleanly(tmp_path, monkeypatch):
@@ -345,7 +348,8 @@ def test_a_record_that_does_not_fit_restarts_cleanly(tmp_path, monkeypatch):
         with open(partial, "r+b") as f:  # garbage a restart must overwrite
             f.write(b"\xff" * 64)
         again = prepare(data, cache).entries[0]
-        assert again.resumed_from_tokens == 0 and again.path.read_bytes() == reference.path.read_bytes(), damage
+        assert again.index["resumed_from_tokens"] == 0, damage
+        assert again.paths.bin.read_bytes() == reference.paths.bin.read_bytes(), damage
 
 
 # --------------------------------------------------------------------------
@@ -445,8 +449,8 @@ def test_hub_dataset_gets_its_config_and_split(tmp_path, monkeypatch):
     result = prepare(data, tmp_path, progress=Console(file=bar, force_terminal=True, width=200))
     assert asked == [("acme/books", "en-v2", "train")]
     assert "tokenizing acme/books/en-v2[train]" in bar.getvalue() and "100%" in bar.getvalue()  # of 200 rows
-    assert result.entries[0].source == "acme/books/en-v2[train]"
-    np.testing.assert_array_equal(np.fromfile(result.entries[0].path, np.uint16), expected_stream(DOCS))
+    assert result.entries[0].source.description == "acme/books/en-v2[train]"
+    np.testing.assert_array_equal(np.fromfile(result.entries[0].paths.bin, np.uint16), expected_stream(DOCS))
     assert cache_status(data, tmp_path).prepared  # and the job (no network) finds it by name alone
 
 
@@ -491,7 +495,7 @@ def test_prepare_imports_no_torch():
 
 def test_damaged_entry_is_reported_not_used(tmp_path):
     data = DataSection(dataset=str(write_jsonl(tmp_path / "d.jsonl", DOCS)))
-    path = prepare(data, tmp_path / "c").entries[0].path
+    path = prepare(data, tmp_path / "c").entries[0].paths.bin
     with open(path, "r+b") as f:
         f.truncate(100)
     status = cache_status(data, tmp_path / "c")

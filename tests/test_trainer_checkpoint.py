@@ -101,7 +101,7 @@ def make(seed: int = 0, tie: bool = False, lr: float = 1e-2):
 
 
 def states_of(model, opt, sched, data=None, rng=True) -> dict:
-    states = {"model": ModelState([model]), "optimizer": OptimizerState([model], [opt]), "lr_scheduler": sched}
+    states = {"model": ModelState(model), "optimizer": OptimizerState(model, opt), "lr_scheduler": sched}
     if data is not None:
         states["data"] = data
     if rng:
@@ -112,7 +112,7 @@ def states_of(model, opt, sched, data=None, rng=True) -> dict:
 def snapshot(model, opt) -> dict:
     """Model and flattened optimizer state, cloned (what must come back exactly)."""
     out = {}
-    parts = {"model": ModelState([model]), "optimizer": OptimizerState([model], [opt])}
+    parts = {"model": ModelState(model), "optimizer": OptimizerState(model, opt)}
     for key, state in parts.items():
         for name, value in state.state_dict().items():
             out[f"{key}.{name}"] = value.detach().clone() if isinstance(value, torch.Tensor) else value
@@ -202,13 +202,13 @@ def test_trainer_model_round_trip(tmp_path):
     cfg = ModelSection(size="custom", hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
                        num_kv_heads=2, vocab_size=40, max_position_embeddings=8, tie_embeddings=True)
     model = Transformer(cfg)
-    Checkpointer(tmp_path, ckpt_cfg()).save(1, {"model": ModelState([model])})
+    Checkpointer(tmp_path, ckpt_cfg()).save(1, {"model": ModelState(model)})
     other = Transformer(cfg)
     other.init_weights(seed=1)
-    assert Checkpointer(tmp_path, ckpt_cfg()).load_latest({"model": ModelState([other])}) == 1
+    assert Checkpointer(tmp_path, ckpt_cfg()).load_latest({"model": ModelState(other)}) == 1
     assert_same(other.state_dict(), model.state_dict())
     assert other.output.weight is other.tok_embeddings.weight
-    assert "rope_cos" not in ModelState([model]).state_dict()
+    assert "rope_cos" not in ModelState(model).state_dict()
 
 
 def test_empty_dir_loads_nothing(tmp_path):
@@ -216,7 +216,7 @@ def test_empty_dir_loads_nothing(tmp_path):
     before = snapshot(model, opt)
     ck = Checkpointer(tmp_path / "missing", ckpt_cfg())
     assert ck.latest_step() is None
-    assert ck.load_latest({"model": ModelState([model])}) == 0
+    assert ck.load_latest({"model": ModelState(model)}) == 0
     assert_same(snapshot(model, opt), before)
 
 
@@ -549,12 +549,12 @@ def test_a_checkpoint_of_other_dimensions_is_a_config_error(tmp_path):
 
     dims = dict(size="custom", hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,
                 vocab_size=40, max_position_embeddings=8)
-    Checkpointer(tmp_path, ckpt_cfg()).save(1, {"model": ModelState([Transformer(ModelSection(**dims,
-                                                                                            pad_vocab_multiple=1))])})
+    Checkpointer(tmp_path, ckpt_cfg()).save(1, {"model": ModelState(Transformer(ModelSection(**dims,
+                                                                                            pad_vocab_multiple=1)))})
     padded = Transformer(ModelSection(**dims))  # 40 -> 64 rows
     with pytest.raises(ConfigError, match=r"^checkpoint: .*step-000001 holds model\.tok_embeddings\.weight of shape "
                                           r"\[40, 16\], this model has \[64, 16\]: .*model\.pad_vocab_multiple: 1"):
-        Checkpointer(tmp_path, ckpt_cfg()).load_latest({"model": ModelState([padded])})
+        Checkpointer(tmp_path, ckpt_cfg()).load_latest({"model": ModelState(padded)})
 
 
 # --------------------------------------------------------------------------

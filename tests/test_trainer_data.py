@@ -24,8 +24,8 @@ import trainer.data_cache as data_cache
 from common.errors import ConfigError
 from trainer.config import DataSection, ModelSection, RunSection, TrainSection, TrainerConfig
 from trainer.data import Sampler, build_data
+from trainer.data_cache import resolve_cache_dir
 from trainer.prepare import check_tokens
-from trainer.data_cache import default_cache_dir
 from trainer.data_sources import BUILTIN_TOKENIZER, resolve_source
 from trainer.data_tokenize import load_tokenizer, resolve_tokenizer
 
@@ -98,8 +98,24 @@ def test_builtin_corpus_built_once_then_reused(tmp_path, monkeypatch):
     assert int(inputs_BT.max()) < vocab and val is not None and val.n_windows > 10
 
 
+@pytest.mark.slow
+def test_make_assets_regenerates_the_shipped_assets_byte_for_byte(tmp_path):
+    """tests/make_assets.py, under the CPython and tokenizers versions trainer/assets/README.md
+    names, makes exactly the files the product ships."""
+    import tokenizers
+
+    assets = Path(__file__).resolve().parents[1] / "trainer" / "assets"
+    versions = f"CPython {sys.version.split()[0]} and tokenizers {'.'.join(tokenizers.__version__.split('.')[:2])}"
+    if versions not in (assets / "README.md").read_text():
+        pytest.skip(f"the assets were made under other versions than {versions}")
+    subprocess.run([sys.executable, Path(__file__).with_name("make_assets.py"), tmp_path], check=True,
+                   capture_output=True)
+    for name in ("corpus.jsonl.gz", "tokenizer.json", "LICENSE-Python.txt"):
+        assert (tmp_path / name).read_bytes() == (assets / name).read_bytes(), name
+
+
 def test_default_cache_dir_is_beside_runs(tmp_path):
-    assert default_cache_dir(tmp_path / "runs" / "exp1") == tmp_path.resolve() / ".cache" / "tokens"
+    assert resolve_cache_dir(DataSection(), tmp_path / "runs" / "exp1") == tmp_path.resolve() / ".cache" / "tokens"
     cfg = config(tmp_path, dataset=str(write_jsonl(tmp_path / "d.jsonl", DOCS)))
     cfg.data.cache_dir = None
     build_data(cfg, tmp_path / "runs" / "exp1", 0, 1)

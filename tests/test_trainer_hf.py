@@ -126,7 +126,7 @@ def test_cli_exports_a_runs_checkpoint(tmp_path, capsys):
                "slurm": {"nodes": 1}}  # host sections are the host's business: skipped
     (run / "config.yaml").write_text(yaml.safe_dump(run_cfg))
     ck = Checkpointer(run / "checkpoints", CheckpointSection())
-    ck.save(7, {"model": ModelState([ours]), "train": {"step": 7}})
+    ck.save(7, {"model": ModelState(ours), "train": {"step": 7}})
 
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "exp"), "--dtype", "bfloat16"]) == 0
     assert "step-000007" in capsys.readouterr().out

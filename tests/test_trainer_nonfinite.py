@@ -197,7 +197,7 @@ def test_checkpointer_refuses_non_finite_state(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
-    states = {"model": ModelState([model]), "optimizer": OptimizerState([model], [opt])}
+    states = {"model": ModelState(model), "optimizer": OptimizerState(model, opt)}
     ck = Checkpointer(tmp_path, CheckpointSection(keep_last=1))
     ck.save(1, states)
     with torch.no_grad():

@@ -397,6 +397,11 @@ def test_the_warm_key_is_what_the_warm_processes_started_with(project, tmp_path)
     with open(project / "trainer" / "model.py", "a") as f:
         f.write("# a one-line change\n")
     assert _script(project)[1] == key
+    for own in ("warm.py", "warm_rank.py"):  # the warm process's own code: each file of it
+        with open(project / "trainer" / own, "a") as f:
+            f.write("# a one-line change\n")
+        assert _script(project)[1] not in ("", key), own
+        key = _script(project)[1]
     assert _script(project, "run.name=other", "train.steps=7")[1] == key
     assert _script(project, "launch.env.OMP_PROC_BIND=close")[1] not in ("", key)
     assert _script(project, "launch.python=/usr/bin/python3")[1] not in ("", key)

@@ -1,4 +1,5 @@
-"""Distributed checkpoints: DCP shards in atomic, pruned step directories.
+"""Distributed checkpoints: DCP shards in atomic, pruned step directories (what users see of
+them: docs/trainer.md, "Checkpoints").
 
 Layout of `ckpt_dir` (shared by every node):
 
@@ -9,38 +10,18 @@ Layout of `ckpt_dir` (shared by every node):
         COMPLETE            JSON written last, before the rename: step, world size, time
     .tmp-step-000200/       a save in progress, or the remains of a crash: never loaded
 
-A save writes everything into `.tmp-step-N/`, all ranks meet at a barrier,
-then rank 0 writes `COMPLETE` and renames the directory to `step-N/` (one
-`rename(2)`, then an fsync of the parent). A crash at any point leaves the
-previous checkpoints as they were; the next successful save deletes the
-leftovers. Old checkpoints are pruned the same way round: renamed out of the
-`step-*` namespace first, deleted after, so a half-deleted one is never seen;
-the deleting runs in a thread of its own, off the training step's path, and the
-next prune or `close()` waits for it. Rank 0 records each save's duration and size
-(common/rundir.py SaveLine), which the batch script's time-limit warning is sized by.
+A save writes everything into `.tmp-step-N/`, all ranks meet at a barrier, then rank 0 writes
+`COMPLETE` and renames the directory to `step-N/` (then an fsync of the parent). Old checkpoints
+are renamed out of the `step-*` namespace before they are deleted (in a thread of their own), so a
+half-deleted one is never seen. Saves, loads and the waits for background work run inside
+`pause(what)`, the hang watchdog's. What differs per rank and is no shard (RNG streams) goes beside
+the shards, one file per rank: a state object with `rank_local = True`.
 
-Saves, loads and the waits for background work run inside `pause(what)`, which
-the trainer sets to its hang watchdog's: checkpoint work has a bound of its own
-(train.checkpoint_timeout) and never counts as a hung step.
-
-DCP (`torch.distributed.checkpoint`) stores every tensor under its full-model
-name with its shard offsets, so a checkpoint saved by one layout (FSDP2, TP
-DTensors, pipeline stages that each hold some layers, DDP, one process) loads
-into any other. What differs per rank and is not a shard of anything (RNG
-streams) goes beside the shards in one file per rank instead: a state object
-with `rank_local = True` (trainer/states.py `RNGState`) takes that path.
-
-A save whose floating-point values are not all finite (on any rank) is refused
-with `NonFiniteError` before anything is written: a checkpoint is never a NaN
-trap to resume into, and the good ones stay in place.
-
-A save that cannot fit is refused with `CheckpointWriteError` before anything is
-written: the room it needs is the size of the latest complete checkpoint (or,
-for the first one, the trainer's estimate from the model's size), checked by
-rank 0 against the free space where checkpoints go. When the disk fills while
-the shards are written (another job wrote there meanwhile), the failure that
-torch reports (for a short write, `unexpected pos 704 vs 598`) becomes the same
-one-line error, naming the directory, the free space and the fix.
+A save is refused before anything is written when a value is not finite on any rank
+(`NonFiniteError`: a checkpoint is never a NaN trap to resume into) or when it cannot fit
+(`CheckpointWriteError`: the room it needs is the latest checkpoint's size, or the trainer's
+estimate before the first); a disk that fills during the write (torch's `unexpected pos 704 vs
+598`) becomes the same one-line error.
 """
 
 from __future__ import annotations
@@ -72,7 +53,7 @@ from trainer.config import CheckpointSection
 from common.fs import fsync_dir, write_atomic
 from common.rundir import CHECKPOINT_MARKER, SaveLine, checkpoint_complete, complete_checkpoints
 from common.layouts import size
-from trainer.preflight import check_free_space
+from trainer.topology import check_free_space
 from trainer.states import local_tensors, nonfinite_names
 
 log = logging.getLogger(__name__)
@@ -128,22 +109,15 @@ class _Pending:
 
 
 class Checkpointer:
-    """Saves and loads `dict[str, Stateful]` at `ckpt_dir/step-NNNNNN/`.
-
-    Every rank constructs it and calls every method (all are collective when a
-    process group exists), in the same order. Rank 0 alone touches directory names; every rank writes
-    its own shards and its rank-local file."""
+    """Saves and loads `dict[str, Stateful]` at `ckpt_dir/step-NNNNNN/`. Every rank constructs it and
+    calls every method (all are collective), in the same order; rank 0 alone touches directory names."""
 
     def __init__(self, ckpt_dir: Path, cfg: CheckpointSection, expected_bytes: int | None = None,
                  timeout: timedelta | None = None, async_save: Optional[bool] = None,
                  pause: Optional[Callable[[str], AbstractContextManager]] = None, saves: Optional[Path] = None):
-        """`expected_bytes`: the size of one checkpoint, for the room check of the first save
-        (later ones use the latest checkpoint's real size); None checks only later saves.
-        `timeout`: its process group's (trainer.watchdog.collective_timeout). `async_save`:
-        checkpoint.async_save resolved for the device (None: true only if the config says true).
-        `pause(what)`: a context the checkpoint work runs in (trainer.watchdog.HangWatchdog.paused).
-        `saves`: where rank 0 records each completed save's duration and size (RunDir.saves), which
-        the batch script's warning lead reads."""
+        """`expected_bytes`: one checkpoint's size before the first exists (None: no room check
+        then). `async_save`: checkpoint.async_save resolved for the device (None: the config's true
+        only). `saves`: where rank 0 records each save's duration and size (the warning lead's)."""
         self._saves = saves
         self.dir = Path(ckpt_dir)
         self.cfg = cfg
@@ -165,26 +139,22 @@ class Checkpointer:
     # ---- reading ------------------------------------------------------------
 
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step as this process sees the directory."""
         steps = complete_checkpoints(self.dir)
         return steps[-1] if steps else None
 
     def load_latest(self, states: dict[str, Any]) -> int:
         """Load the newest complete checkpoint into `states` in place; return its step (0 if none)."""
         with self._pause("the checkpoint load"):
-            return self._load_latest(states)
-
-    def _load_latest(self, states: dict[str, Any]) -> int:
-        self._wait_pending()
-        step = self._from_rank0(self.latest_step())
-        if step is None:
-            return 0
-        path = step_dir(self.dir, step)
-        shared, local = _split(states)
-        if shared:
+            self._wait_pending()
+            step = self._from_rank0(self.latest_step())
+            if step is None:
+                return 0
+            path = step_dir(self.dir, step)
+            shared, local = _split(states)
             try:
-                dcp.load(shared, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed,
-                         planner=_LoadPlanner())
+                if shared:
+                    dcp.load(shared, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed,
+                             planner=_LoadPlanner())
             except (Exception, CheckpointException) as exc:  # the latter is a BaseException: DCP's wrapper
                 mismatch = _SIZE_MISMATCH.search(str(exc))
                 if mismatch is None:
@@ -193,19 +163,17 @@ class Checkpointer:
                 raise ConfigError("checkpoint", f"{path} holds {name} of shape {saved}, this model has {current}: "
                                   "resume with the model section it was saved with (one saved before vocabulary "
                                   "padding needs model.pad_vocab_multiple: 1), or start another run") from None
-        self._load_rank_local(path, local)
-        log.info("loaded checkpoint %s", path)
-        return step
+            self._load_rank_local(path, local)
+            log.info("loaded checkpoint %s", path)
+            return step
 
     # ---- writing ------------------------------------------------------------
 
     def save(self, step: int, states: dict[str, Any], final: bool = False, step_s: float = 0.0) -> None:
-        """Save `states` as checkpoint `step` (0 included, for save_initial). With
-        `checkpoint.async_save` this returns once the state is staged in CPU memory and the
-        files are written in the background, made visible by the next save or `close()`;
-        `final=True` always saves synchronously. A complete checkpoint of the same step is
-        never overwritten: the save is skipped with a warning. `step_s`, the mean step time before
-        it, goes into its record beside its duration and size."""
+        """Save `states` as checkpoint `step` (0 included, for save_initial). An async save returns
+        once the state is staged in CPU memory and is made visible by the next save or `close()`;
+        `final=True` always saves synchronously. A complete checkpoint of the same step is never
+        overwritten. `step_s`, the mean step time before it, goes into its record."""
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
         with self._pause(f"the checkpoint save of step {step}"):
@@ -261,22 +229,16 @@ class Checkpointer:
     def _check_finite(self, step: int, state: dict[str, Any]) -> None:
         """Raise NonFiniteError on every rank if any rank's shards hold a NaN or an infinity."""
         bad = nonfinite_names(state)
-        flag = torch.tensor([float(bool(bad))])
-        if self.distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
-        if not flag.item():
-            return
         names = [bad]
         if self.distributed:
             names = [None] * self.world_size
             dist.all_gather_object(names, bad, group=self._pg)
         found = sorted({n for rank_names in names for n in rank_names})
-        latest = self._from_rank0(self.latest_step() if self.rank == 0 else None)
-        raise NonFiniteError(f"not saving checkpoint step {step}: {', '.join(found[:3])}"
-                             f"{f' and {len(found) - 3} more' if len(found) > 3 else ''} "
-                             f"{'holds' if len(found) == 1 else 'hold'} non-finite values "
-                             f"(NaN or inf); the latest checkpoint stays "
-                             f"{step_dir(self.dir, latest) if latest is not None else 'none'}")
+        if found:
+            raise NonFiniteError(f"not saving checkpoint step {step}: {', '.join(found[:3])}"
+                                 f"{f' and {len(found) - 3} more' if len(found) > 3 else ''} "
+                                 f"{'holds' if len(found) == 1 else 'hold'} non-finite values (NaN or inf); "
+                                 f"{self._latest_stays()}")
 
     def _wait_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -456,9 +418,7 @@ def quiet_single_process() -> None:
 
 
 def _dir_status(path: Path) -> str:
-    if not path.exists():
-        return "absent"
-    return "complete" if checkpoint_complete(path) else "foreign"
+    return "absent" if not path.exists() else "complete" if checkpoint_complete(path) else "foreign"
 
 
 def _saved_world_size(path: Path) -> Any:

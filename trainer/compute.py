@@ -99,44 +99,27 @@ def graph_break_report() -> str:
     breaks = graph_breaks()
     if not breaks:
         return "compile: 0 graph breaks (every block one graph)"
-    total = sum(breaks.values())
     top = sorted(breaks.items(), key=lambda kv: -kv[1])[:3]
     reasons = "; ".join(f"{n}x {' '.join(reason.split())[:160]}" for reason, n in top)
-    return (f"compile: {total} graph breaks, each a slowdown (TORCH_LOGS=graph_breaks shows them whole): "
-            f"{reasons}")
+    return (f"compile: {sum(breaks.values())} graph breaks, each a slowdown (TORCH_LOGS=graph_breaks shows them "
+            f"whole): {reasons}")
 
 
-def _compile_failure(exc: BaseException) -> Optional[str]:
-    """What failed, when `exc` is a torch.compile failure (dynamo or inductor): its type and first
-    line; None for any other exception. Compilation happens on the first call of each block, so
-    the runners' first step is where it shows."""
-    try:
-        from torch._dynamo.exc import TorchDynamoException
-    except ImportError:  # a torch without dynamo: nothing of ours was compiled
-        return None
+def compile_error(exc: BaseException) -> Optional[ConfigError]:
+    """A torch.compile failure (dynamo or inductor: on the first call of each block, so the runners'
+    first step is where it shows) as one line naming the way out; None for any other exception."""
+    from torch._dynamo.exc import TorchDynamoException
+
     chain, seen = exc, set()
     while chain is not None and id(chain) not in seen:  # inductor's errors arrive wrapped
         seen.add(id(chain))
         if isinstance(chain, TorchDynamoException) or type(chain).__module__.startswith("torch._inductor"):
             first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
-            return f"{type(exc).__name__}: {first[:300]}"
+            return ConfigError("train.compile", f"torch.compile failed ({type(exc).__name__}: {first[:300]}): set "
+                                                "train.compile: false to train without compiling, or fix the compiler "
+                                                "(inductor needs a working C++ compiler on the CPU and triton on CUDA)")
         chain = chain.__cause__ or chain.__context__
     return None
-
-
-COMPILER_FIX = "inductor needs a working C++ compiler on the CPU and triton on CUDA"
-
-
-def compile_error(exc: BaseException) -> Optional[ConfigError]:
-    """A torch.compile failure as one line naming the way out; None for any other exception."""
-    what = _compile_failure(exc)
-    if what is None:
-        return None
-    return ConfigError("train.compile", f"torch.compile failed ({what}): set train.compile: false to train without "
-                                        f"compiling, or fix the compiler ({COMPILER_FIX})")
-
-
-FLOAT8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper (H100, GH200) have float8 tensor cores
 
 
 def check_float8(cfg: TrainSection, device: torch.device) -> None:
@@ -147,7 +130,7 @@ def check_float8(cfg: TrainSection, device: torch.device) -> None:
         raise ConfigError("train.float8", f"float8 matmuls need a CUDA GPU of compute capability >= 8.9 (H100, "
                                           f"GH200), but this run is on {device.type}: set train.float8: false")
     capability = torch.cuda.get_device_capability(device)
-    if capability < FLOAT8_MIN_CAPABILITY:
+    if capability < (8, 9):  # Ada and Hopper (H100, GH200) have float8 tensor cores
         raise ConfigError("train.float8", f"{torch.cuda.get_device_name(device)} has compute capability "
                                           f"{capability[0]}.{capability[1]}, float8 needs >= 8.9 (H100, GH200): "
                                           "set train.float8: false")

@@ -1,10 +1,7 @@
 """The trainer's sections of the one config tree (run, model, parallel, data, train,
-checkpoint, logging) and the rules across them.
-
-No torch and no host side here: the host's `jobs.config.Config` extends `TrainerConfig` with
-its own sections, and the trainer reads the frozen runs/RUN/config.yaml back into these
-dataclasses inside the image, its own sections only. The schema engine that reads them
-(unknown keys, wrong types and impossible values refused naming the field) is common/schema.py.
+checkpoint, logging) and the rules across them. No torch and no host side: the host's
+`jobs.config.Config` extends `TrainerConfig` with its own sections, and the image reads
+runs/RUN/config.yaml back into these alone, through common/schema.py's checks.
 """
 
 from __future__ import annotations
@@ -299,10 +296,9 @@ class TrainSection:
     # Seconds without a completed step (its evaluation included; checkpoint work has a bound of
     # its own, checkpoint_timeout) before the run counts as hung: every rank writes its stacks to
     # hangs/ and exits HANG_EXIT (4), and the batch script retries without the node that did not
-    # answer (trainer/watchdog.py). The first step after a start or resume gets
-    # hang_timeout_first_step (compilation, the first batches). 0 turns the watchdog off.
+    # answer (trainer/watchdog.py). 0 turns the watchdog off.
     hang_timeout: float = 600.0
-    # hang_timeout for the first step after a start or resume.
+    # hang_timeout for the first step after a start or resume (compilation, the first batches).
     hang_timeout_first_step: float = 1800.0
     # Seconds a checkpoint save, load or prune may take: hang_timeout does not run meanwhile
     # (a save on a busy file system is no hang), this bounds it instead. Past it the run ends as
@@ -437,7 +433,6 @@ def check_trainer_sections(cfg: Any) -> None:
     require(cfg.data.seq_len <= m.max_position_embeddings, "data.seq_len",
             f"data.seq_len({cfg.data.seq_len}) exceeds model.max_position_embeddings"
             f"({m.max_position_embeddings}): lower seq_len or raise max_position_embeddings")
-
 
 
 def load_trainer_config(path: str | Path) -> TrainerConfig:

@@ -4,12 +4,9 @@
     inputs_BT, targets_BT = train.next_batch()       # torch.long [B, T]
     state = train.state_dict(); train.load_state_dict(state)
 
-Every rank calls `build_data`, which maps the token cache entries that
-`slipway prepare` wrote into `data.cache_dir` (`trainer.prepare`) read-only.
-An entry that is not there stops the job with a message saying to prepare
-it, unless `data.tokenize_in_job` (or the data is the builtin corpus): then
-global rank 0 (env `RANK`) tokenizes it while the other ranks wait (see
-`trainer.data_cache`).
+Every rank maps the token cache entries `slipway prepare` wrote (trainer/data_cache.py) read-only;
+a missing one stops the job, unless `data.tokenize_in_job` (or the builtin corpus) lets rank 0
+tokenize it while the other ranks wait.
 
 The token stream is cut into windows of `seq_len + 1` tokens with stride
 `seq_len` (inputs are a window's first T tokens, targets its last T).
@@ -24,8 +21,8 @@ samples consumed, which does not depend on dp_size.
 Validation is `data.validation_split` when given (a split name; for local
 file datasets a path), else the last `data.validation_fraction` of the
 token stream, held out from training (training windows end before it). It
-is read in order, unshuffled; `reset()` returns to its start, so calling it
-before each evaluation scores the same batches every time.
+is read in order, unshuffled; the trainer restores its start state before each evaluation, so
+each scores the same batches.
 """
 
 from __future__ import annotations
@@ -40,13 +37,10 @@ import torch
 from common import environ
 from common.errors import ConfigError
 from trainer.config import TrainerConfig
-from trainer.data_cache import default_cache_dir, ensure_tokens, resolve_cache_dir
-from trainer.data_tokenize import load_tokenizer
-from trainer.prepare import CacheStatus, cache_status, check_tokens
+from trainer.data_cache import ensure_tokens, resolve_cache_dir
+from trainer.prepare import cache_status, check_tokens
 
 log = logging.getLogger(__name__)
-
-__all__ = ["Sampler", "build_data", "default_cache_dir", "load_tokenizer", "resolve_cache_dir"]
 
 
 class Sampler:
@@ -64,12 +58,7 @@ class Sampler:
         if self.n_windows < 1:
             raise ValueError(f"{name}: {len(tokens)} tokens hold no window of seq_len + 1 = {seq_len + 1}")
         self.consumed_samples = 0
-        self._perm: tuple[int, torch.Tensor | None] = (-1, None)
-
-    # Sizes the loop may want.
-    @property
-    def global_batch_size(self) -> int:
-        return self.batch_size * self.dp_size
+        self._perm: tuple[int, np.ndarray | None] = (-1, None)
 
     @property
     def epoch(self) -> int:
@@ -77,23 +66,15 @@ class Sampler:
 
     def _window_ids(self, start: int, count: int) -> np.ndarray:
         """Window ids of global samples [start, start + count), across epoch boundaries."""
-        out = np.empty(count, dtype=np.int64)
-        done = 0
-        while done < count:
-            g = start + done
-            epoch, pos = divmod(g, self.n_windows)
-            take = min(count - done, self.n_windows - pos)
-            if self.shuffle:
-                out[done:done + take] = self._permutation(epoch)[pos:pos + take].numpy()
-            else:
-                out[done:done + take] = np.arange(pos, pos + take)
-            done += take
-        return out
+        epochs, pos = np.divmod(np.arange(start, start + count), self.n_windows)
+        if not self.shuffle:
+            return pos
+        return np.concatenate([self._permutation(int(e))[pos[epochs == e]] for e in np.unique(epochs)])
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
+    def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm[0] != epoch:
             gen = torch.Generator().manual_seed((self.seed + epoch) % (1 << 63))
-            self._perm = (epoch, torch.randperm(self.n_windows, generator=gen))
+            self._perm = (epoch, torch.randperm(self.n_windows, generator=gen).numpy())
         return self._perm[1]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +83,7 @@ class Sampler:
         ids = self._window_ids(first, self.batch_size)
         offsets_B1 = (ids * self.seq_len)[:, None] + np.arange(self.seq_len + 1)[None, :]
         window_BT1 = torch.from_numpy(self.tokens[offsets_B1].astype(np.int64))
-        self.consumed_samples += self.global_batch_size
+        self.consumed_samples += self.batch_size * self.dp_size
         return window_BT1[:, :-1].contiguous(), window_BT1[:, 1:].contiguous()
 
     def state_dict(self) -> dict[str, Any]:
@@ -117,10 +98,6 @@ class Sampler:
                                  "resuming would not replay the same samples")
         self.consumed_samples = int(state["consumed_samples"])
 
-    def __repr__(self) -> str:
-        return (f"Sampler({self.name}: {self.n_windows:,} windows of {self.seq_len}+1, batch {self.batch_size} "
-                f"x dp {self.dp_size}, rank {self.dp_rank}, consumed {self.consumed_samples:,})")
-
 
 def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) -> tuple[Sampler, Sampler | None, int]:
     """(train sampler, validation sampler or None, tokenizer vocabulary size) for this dp rank."""
@@ -129,7 +106,10 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
     status = cache_status(data, resolve_cache_dir(data, run_dir))
     if not status.prepared:
         if not status.tokenize_in_job:
-            raise ConfigError("data.tokenize_in_job", _not_prepared(status))
+            raise ConfigError("data.tokenize_in_job", "the token cache is not prepared for this run: run `slipway "
+                              "prepare CONFIG` before submitting (or `slipway submit CONFIG --prepare`), or set "
+                              "data.tokenize_in_job: true to let rank 0 tokenize it while the other ranks wait; "
+                              + "; ".join(e.describe() for e in status.missing))
         if rank0:
             (log.info if data.dataset == "builtin" else log.warning)(
                 "the token cache lacks %s: rank 0 tokenizes it now while the other ranks wait "
@@ -163,17 +143,3 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
     return train_sampler, val_sampler, train.vocab_size
 
 
-def _not_prepared(status: CacheStatus) -> str:
-    """Why the job stops, and the two ways on: one line."""
-    first, *more = status.missing
-    if first.problem:
-        state = first.problem
-    else:
-        now = f"being written by {first.writer}" if first.writer else "missing"
-        so_far = f", {first.partial_tokens:,} tokens so far" if first.partial_tokens else ""
-        state = f"{first.paths.bin.name} {now}{so_far}"
-    others = f" (and {len(more)} more split)" if more else ""
-    return (f"the token cache for {first.source.description} with {first.tokenizer.description}{others} is not "
-            f"prepared in {status.cache_dir} ({state}): run `slipway prepare CONFIG` before submitting (or "
-            "`slipway submit CONFIG --prepare`), or set data.tokenize_in_job: true to let rank 0 tokenize it while "
-            "the other ranks wait")

@@ -12,26 +12,17 @@ One dataset split + one tokenizer = one cache entry in `data.cache_dir`:
     <slug>-<key>.lock         held by the one process that writes (pid, host)
     <slug>-<key>.error        why the writer failed, for the ranks waiting on it
 
-The key hashes the dataset's identity (hub name, config and split; or each
-local file's path, size and mtime), the text column, the tokenizer's
-identity (hub name, or the sha256 of its file) and `FORMAT_VERSION`. The
-sequence length, `num_proc` and who writes are not part of it: the cache is
-a flat stream and windows are cut when it is read, so one entry serves every
-run and every `data.seq_len`.
+The key hashes the dataset's identity (hub name, config and split; or each local file's path,
+size and mtime), the text column, the tokenizer's identity and `FORMAT_VERSION`; not the sequence
+length: windows are cut when the flat stream is read, so one entry serves every run.
 
-Writers are `slipway prepare` (`trainer.prepare`, before the allocation) or,
-when allowed, global rank 0 of the job (env `RANK`, default 0) while the
-others poll for the index. The writer touches its lock every `HEARTBEAT_S`
-seconds; a lock whose heartbeat stopped for `stale_s` (or whose pid is gone,
-on the same host) is stale, and a writer takes it over, continuing the dead
-one's partial file. Waiters give up after `timeout_s` without a live writer,
-naming the lock. The index is written last, atomically, so a crash never
-leaves an index that points at partial data; and since two writers would
-write the same bytes at the same offsets, even a broken lock cannot corrupt
-the cache.
-
-numpy is imported only where tokens are mapped (`open_tokens`): `entry_status`
-reads an index and file sizes, so the login node's base install can run it.
+Writers are `slipway prepare` or, when allowed, global rank 0 of the job while the others poll for
+the index. The writer touches its lock every `HEARTBEAT_S` seconds; a lock whose heartbeat stopped
+for `stale_s` (or whose pid is gone, on the same host) is taken over, its partial file continued.
+Waiters give up after `timeout_s` without a live writer, naming the lock. The index is written
+last, atomically; and since two writers write the same bytes at the same offsets, even a broken
+lock cannot corrupt the cache. numpy is imported only where tokens are mapped (`open_tokens`), so
+the login node's base install can run `entry_status`.
 """
 
 from __future__ import annotations
@@ -66,29 +57,13 @@ TIMEOUT_S = 1800.0  # $SLIPWAY_DATA_TIMEOUT_S
 POLL_S = 1.0
 
 
-def project_cache_dir(project_dir: Path) -> Path:
-    """The default `data.cache_dir` of a project: `<project>/.cache/tokens`,
-    shared by all its runs (independent of HF_HOME, which only holds hub
-    downloads)."""
-    return Path(project_dir).resolve() / ".cache" / "tokens"
-
-
-def default_cache_dir(run_dir: Path) -> Path:
-    """`project_cache_dir` of `runs/RUN`'s project: `<run_dir>/../../.cache/tokens`."""
-    return project_cache_dir(Path(run_dir).resolve().parent.parent)
-
-
-def resolve_cache_dir(data: DataSection, run_dir: Path | None = None, *, project_dir: Path | None = None) -> Path:
-    """`data.cache_dir` (`~` and `$VARS` expanded, relative to the working
-    directory), else the default of the run's project (`run_dir`) or of
-    `project_dir` (the host, before a run exists)."""
+def resolve_cache_dir(data: DataSection, run_dir: Path) -> Path:
+    """`data.cache_dir` (`~` and `$VARS` expanded, relative to the working directory), else the
+    project's own `<project>/.cache/tokens` (`runs/RUN/../../`), shared by all its runs and
+    independent of HF_HOME, which only holds hub downloads; the host finds the same place."""
     if data.cache_dir:
         return Path(os.path.expanduser(os.path.expandvars(data.cache_dir))).resolve()
-    if project_dir is not None:
-        return project_cache_dir(project_dir)
-    if run_dir is None:
-        raise ValueError("resolve_cache_dir needs run_dir or project_dir when data.cache_dir is unset")
-    return default_cache_dir(run_dir)
+    return Path(run_dir).resolve().parent.parent / ".cache" / "tokens"
 
 
 class DataCacheError(RuntimeError):
@@ -123,12 +98,6 @@ def _host() -> str:
     except OSError:
         ns = ""
     return f"{socket.gethostname()}/{ns}"
-
-
-def _launch_id() -> str:
-    """The same for every rank of one launch, so waiters only trust its errors."""
-    ids = [os.environ.get(k, "") for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID")]
-    return "/".join(ids) if any(ids) else ""
 
 
 def _sweep_tmp(paths: CachePaths) -> None:
@@ -279,7 +248,9 @@ def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path,
                           "set data.cache_dir to a writable shared directory") from None
     paths = cache_paths(source, tokenizer, cache_dir)
     watch = LockWatch(paths.lock, stale_s)
-    launch = _launch_id()
+    # The same for every rank of one launch, so waiters only trust its errors.
+    ids = [os.environ.get(k, "") for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID")]
+    launch = "/".join(ids) if any(ids) else ""
     last_activity = time.monotonic()
     said_waiting = False
     while True:
@@ -369,18 +340,23 @@ class CacheEntry:
     source: TextSource
     tokenizer: TokenizerSpec
     paths: CachePaths
-    prepared: bool  # the index and the tokens are there, and agree
-    index: dict[str, Any] | None  # the index, when prepared
+    index: dict[str, Any] | None  # the index of a complete entry (its tokens there and agreeing), else None
     partial_tokens: int  # tokens an unfinished writer recorded (a rerun continues from there)
     writer: str | None  # "pid N on HOST" while a writer holds the lock
     problem: str | None  # a damaged entry: what is wrong and what to do
+    tokenized: bool = False  # this process tokenized it (`slipway prepare`)
+
+    @property
+    def prepared(self) -> bool:
+        return self.index is not None
 
     def describe(self) -> str:
         """One line for a person."""
         what = f"{self.role} {self.source.description} with {self.tokenizer.description}"
-        if self.prepared and self.index is not None:
-            return (f"{what}: prepared, {self.index['n_tokens']:,} tokens in {self.paths.bin} "
-                    f"(by {self.index.get('prepared_by') or 'an earlier slipway'}, {self.index.get('created', '?')})")
+        if self.index is not None:
+            return (f"{what}: {'tokenized' if self.tokenized else 'prepared'}, {self.index.get('n_documents', 0):,} "
+                    f"documents, {self.index['n_tokens']:,} tokens in {self.paths.bin} (by "
+                    f"{self.index.get('prepared_by') or 'an earlier slipway'}, {self.index.get('created', '?')})")
         if self.problem:
             return f"{what}: damaged, {self.problem}"
         state = f"being written by {self.writer}" if self.writer else "not prepared"
@@ -398,8 +374,8 @@ def entry_status(role: str, source: TextSource, tokenizer: TokenizerSpec, cache_
     except OSError as exc:  # not a directory, no permission
         raise ConfigError("data.cache_dir", f"cannot read '{cache_dir}' ({exc.strerror}); "
                           "set data.cache_dir to a shared directory this user can write") from None
-    return CacheEntry(role, source, tokenizer, paths, index is not None, index,
-                      partial_tokens(paths) if index is None else 0, _live_writer(paths.lock), problem)
+    return CacheEntry(role, source, tokenizer, paths, index, partial_tokens(paths) if index is None else 0,
+                      _live_writer(paths.lock), problem)
 
 
 def _live_writer(lock: Path) -> str | None:

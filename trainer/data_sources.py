@@ -1,26 +1,18 @@
-"""Where the training text comes from, and the tokenizer that cuts it.
+"""Where the training text comes from (`data.dataset`): `builtin` (`assets/corpus.jsonl.gz`, real
+English prose shipped with slipway); a local path: a `save_to_disk` directory (Dataset or
+DatasetDict), or parquet, JSON Lines / JSON-array, or `.txt` files (`.gz` allowed for the text
+formats; a `.txt` file holds one document per blank-line-separated paragraph), given as one
+file, a directory of them, or a glob; anything else is a Hugging Face hub name for
+`datasets.load_dataset`. Local paths never touch the network. Empty documents are skipped.
 
-`resolve_source` and `resolve_tokenizer` are cheap and run on every rank:
-they check paths and splits and compute each input's identity (what the
-token cache key hashes) without reading the data. Only the one process that
-tokenizes calls `TextSource.open` and `load_tokenizer`.
-
-Datasets (`data.dataset`):
-- `builtin`: `assets/corpus.jsonl.gz`, real English prose shipped with slipway.
-- a local path: a `save_to_disk` directory (Dataset or DatasetDict), or
-  parquet, JSON Lines / JSON-array, or `.txt` files (`.gz` allowed for the
-  text formats), given as one file, a directory of them, or a glob. A `.txt`
-  file holds one document per blank-line-separated paragraph.
-- anything else is a Hugging Face hub name for `datasets.load_dataset`
-  (`wikitext` with `data.dataset_config: wikitext-103-v1`).
-Local paths never touch the network. Empty documents are skipped.
-
-Tokenizers (`data.tokenizer`): `builtin`, a `tokenizer.json` file, a directory
-holding one (or a saved transformers tokenizer), or a hub name (`gpt2`).
+`resolve_source` is cheap and runs on every rank: it checks paths and splits and computes the
+source's identity (what the token cache key hashes) without reading the data. Only the one
+process that tokenizes calls `TextSource.open`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import gzip
@@ -28,7 +20,7 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,27 +229,20 @@ def _column_error(column: str, columns: list[str], where: str) -> ConfigError:
                        f"column '{column}' not in {where} (columns: {', '.join(columns) or 'none'})")
 
 
-class _TextFile:
-    """A text file (gzip or not) that also tells how many bytes of the file
-    on disk have been read, for an honest progress bar."""
+@contextlib.contextmanager
+def _text_file(path: Path) -> Iterator[tuple[io.TextIOWrapper, Callable[[], int]]]:
+    """A text file (gzip or not), and how many bytes of the file on disk were read since the last
+    call, for an honest progress bar."""
+    with open(path, "rb") as raw:
+        stream: Any = gzip.GzipFile(fileobj=raw) if path.name.lower().endswith(".gz") else raw
+        read = [0]
 
-    def __init__(self, path: Path):
-        self.raw = open(path, "rb")
-        stream: Any = gzip.GzipFile(fileobj=self.raw) if path.name.lower().endswith(".gz") else self.raw
-        self.text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
-        self._pos = 0
+        def advance() -> int:
+            delta, read[0] = raw.tell() - read[0], raw.tell()
+            return delta
 
-    def advance(self) -> int:
-        now = self.raw.tell()
-        delta, self._pos = now - self._pos, now
-        return delta
-
-    def __enter__(self) -> _TextFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.text.close()
-        self.raw.close()
+        with io.TextIOWrapper(stream, encoding="utf-8", errors="replace") as text:
+            yield text, advance
 
 
 # Each reader yields every row of its file as (text or None, progress units), in
@@ -269,14 +254,14 @@ def _read_text(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str | N
     """Blank-line-separated paragraphs, each a document."""
     lines: list[str] = []
     row = 0
-    with _TextFile(path) as f:
-        for line in f.text:
+    with _text_file(path) as (text, advance):
+        for line in text:
             if line.strip():
                 lines.append(line)
             elif lines:
-                yield ("".join(lines).rstrip("\n") if row >= skip else None), f.advance()
+                yield ("".join(lines).rstrip("\n") if row >= skip else None), advance()
                 lines, row = [], row + 1
-        yield ("".join(lines).rstrip("\n") if lines and row >= skip else None), f.advance()
+        yield ("".join(lines).rstrip("\n") if lines and row >= skip else None), advance()
 
 
 def _pick(record: Any, column: str, where: str) -> str | None:
@@ -292,30 +277,30 @@ def _pick(record: Any, column: str, where: str) -> str | None:
 
 def _read_json(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str | None, int]]:
     """JSON Lines, or one JSON array of objects."""
-    with _TextFile(path) as f:
-        if f.text.read(4096).lstrip()[:1] == "[":  # parsed whole: JSON Lines for data larger than memory
-            f.text.seek(0)
-            records = json.loads(f.text.read())
+    with _text_file(path) as (text, _):
+        if text.read(4096).lstrip()[:1] == "[":  # parsed whole: JSON Lines for data larger than memory
+            text.seek(0)
+            records = json.loads(text.read())
             for i, record in enumerate(records):
                 yield (_pick(record, column, f"{path} item {i}") if i >= skip else None), 0
             yield None, path.stat().st_size
             return
-    with _TextFile(path) as f:
+    with _text_file(path) as (text, advance):
         row = 0
-        for lineno, line in enumerate(f.text, 1):
+        for lineno, line in enumerate(text, 1):
             if not line.strip():
                 continue
             if row < skip:  # parsed and checked by the run that wrote it
                 row += 1
-                yield None, f.advance()
+                yield None, advance()
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError("data.dataset", f"{path} line {lineno} is not JSON ({exc.msg})") from None
             row += 1
-            yield _pick(record, column, str(path) if lineno == 1 else f"{path} line {lineno}"), f.advance()
-        yield None, f.advance()
+            yield _pick(record, column, str(path) if lineno == 1 else f"{path} line {lineno}"), advance()
+        yield None, advance()
 
 
 def _read_parquet(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str | None, int]]:

@@ -9,13 +9,9 @@ flight, and tokens go to disk as they come.
 Threads, not processes: each of `num_proc` threads runs `encode_batch` on a
 whole batch with the tokenizers library's own (Rayon) parallelism off, the
 GIL released while Rust encodes; the main thread reads ahead and writes in
-order. Against Rayon's pool inside one `encode_batch` per batch this keeps
-every core busy (Rayon waits for each batch's longest document, and reading
-and writing run between batches on one thread), overlaps the GIL-bound
-reading and flattening with encoding, and follows `num_proc` on every call
-(Rayon's pool is sized once per process). A process pool pays start-up, a
-tokenizer load per worker and pickled batches, and lost on every count in
-`bench/data.py` (figures in BENCHMARKS.md).
+order. This keeps every core busy (Rayon's pool waits for each batch's longest
+document, and is sized once per process), and won on every count in
+`bench/data.py` against Rayon's pool and a process pool (BENCHMARKS.md).
 
 Crashes and reruns: tokens go to `<stem>.bin.partial` at their final
 offsets. Every `CHECKPOINT_S` seconds the partial file is fsynced and then
@@ -38,6 +34,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,13 +58,6 @@ FORMAT_VERSION = 1
 TOKEN_DTYPES = {"uint16": 2, "uint32": 4}
 CHECKPOINT_S = 10.0  # at most this much tokenizing is redone after a crash
 LOG_EVERY_S = 30.0  # progress lines in a log file (no terminal)
-
-
-def available_cores() -> int:
-    """Cores this process may run on (a Slurm task's cpuset, not the node's count)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 # --------------------------------------------------------------------------
@@ -154,21 +144,6 @@ def _display(sink: ProgressSink, description: str, reader: Reader) -> Iterator[C
 # --------------------------------------------------------------------------
 # Encoding on threads
 # --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _tokenizers_serial() -> Iterator[None]:
-    """Each `encode_batch` on one core: our threads share out the cores, and
-    Rayon's pool (sized once per process) would not follow `num_proc`."""
-    old = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
 def _encoder(tok: Any, eos: int, dtype: np.dtype) -> Callable[[list[str]], np.ndarray]:
@@ -280,40 +255,21 @@ def write_tokens(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths
     interrupted run where one was recorded. Returns the index."""
     import numpy as np
 
-    workers = num_proc or available_cores()
+    workers = num_proc or len(os.sched_getaffinity(0))  # a Slurm task's cpuset, not the node's cores
     tok = load_tokenizer(tokenizer)
     eos = eos_id(tok, tokenizer.spec)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype("uint16" if vocab <= 1 << 16 else "uint32")
     inputs = {"source": source.identity, "tokenizer": tokenizer.identity}
     state = _read_record(paths, inputs, dtype) or _State()
-    resumed = state.n_tokens
-    reader = source.open(state.position)
-    if resumed:
-        note(f"data: resuming the tokenization of {source.description} at {resumed:,} tokens "
-             f"({workers} threads) -> {paths.bin}")
-    else:
-        note(f"data: tokenizing {source.description} with {tokenizer.description} ({workers} threads) -> {paths.bin}")
-    start = last_checkpoint = time.monotonic()
-    units = 0  # read by this run (rows skipped in the first file included)
+    resumed, reader = state.n_tokens, source.open(state.position)
+    what = (f"resuming the tokenization of {source.description} at {resumed:,} tokens" if resumed
+            else f"tokenizing {source.description} with {tokenizer.description}")
+    note(f"data: {what} ({workers} threads) -> {paths.bin}")
+    start = time.monotonic()
     try:
-        with open(paths.partial, "r+b" if paths.partial.exists() else "wb") as f, \
-                _display(progress, source.description, reader) as show, _tokenizers_serial():
-            f.seek(state.n_tokens * dtype.itemsize)
-            for batch, ids in _encoded(reader.batches, _encoder(tok, eos, dtype), workers):
-                f.write(ids.data)
-                state.position, units = batch.position, units + batch.units
-                state.n_tokens += len(ids)
-                state.n_documents += len(batch.texts)
-                state.n_chars += sum(map(len, batch.texts))
-                show(Progress(source.description, state.n_documents, state.n_tokens, reader.done + units,
-                              reader.total, reader.unit, time.monotonic() - start, resumed, reader.done))
-                if time.monotonic() - last_checkpoint >= CHECKPOINT_S:
-                    _checkpoint(f, paths, state, inputs, dtype)
-                    last_checkpoint = time.monotonic()
-            f.truncate(state.n_tokens * dtype.itemsize)  # a restart over a longer partial file
-            f.flush()
-            os.fsync(f.fileno())
+        _write_partial(source.description, reader, paths, state, inputs, dtype, _encoder(tok, eos, dtype), workers,
+                       progress)
         if state.n_tokens == 0:
             raise ConfigError(source.field, f"{source.description} holds no text in column '{source.column}'")
     except ConfigError:  # the inputs are wrong: nothing worth resuming
@@ -335,6 +291,34 @@ def write_tokens(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths
          f"in {seconds:.1f}s ({rate / 1e6:.2f} M tokens/s{f', resumed at {resumed:,}' if resumed else ''}) "
          f"-> {paths.bin}")
     return index
+
+
+def _write_partial(description: str, reader: Reader, paths: CachePaths, state: _State, inputs: dict,
+                   dtype: np.dtype, encode: Callable[[list[str]], np.ndarray], workers: int,
+                   progress: ProgressSink) -> None:
+    """The reader's tokens into `paths.partial` from `state` on (updated as they are written),
+    with a resume record every CHECKPOINT_S seconds; synced to disk at the end."""
+    resumed, start = state.n_tokens, time.monotonic()
+    last_checkpoint, units = start, 0  # units: read by this run (rows skipped in the first file included)
+    # Each encode_batch on one core: our threads share out the cores (Rayon's pool would not follow num_proc).
+    with open(paths.partial, "r+b" if paths.partial.exists() else "wb") as f, \
+            _display(progress, description, reader) as show, \
+            mock.patch.dict(os.environ, {"TOKENIZERS_PARALLELISM": "false"}):
+        f.seek(state.n_tokens * dtype.itemsize)
+        for batch, ids in _encoded(reader.batches, encode, workers):
+            f.write(ids.data)
+            state.position, units = batch.position, units + batch.units
+            state.n_tokens += len(ids)
+            state.n_documents += len(batch.texts)
+            state.n_chars += sum(map(len, batch.texts))
+            show(Progress(description, state.n_documents, state.n_tokens, reader.done + units,
+                          reader.total, reader.unit, time.monotonic() - start, resumed, reader.done))
+            if time.monotonic() - last_checkpoint >= CHECKPOINT_S:
+                _checkpoint(f, paths, state, inputs, dtype)
+                last_checkpoint = time.monotonic()
+        f.truncate(state.n_tokens * dtype.itemsize)  # a restart over a longer partial file
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # --------------------------------------------------------------------------

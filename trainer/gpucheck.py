@@ -6,8 +6,9 @@ line); the trainer's runs and the throughput cases (trainer/speed.py) it starts 
                                                        flash-attn, torchtitan, NUMA layout
     python -m trainer.gpucheck attention --device D    SDPA's flash backend and flash-attn (where it
                                                        imports) against the math path, forward and backward
-    torchrun --nproc-per-node N -m trainer.gpucheck allreduce --device D --sizes 1 64 1024
+    torchrun --nproc-per-node N -m trainer.gpucheck allreduce --sizes 1 64 1024
                                                        all-reduce bus bandwidth across the node's GPUs
+                                                       (the CPU's, gloo, where CUDA is hidden)
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ import importlib.metadata
 import json
 import os
 import platform
-import shutil
-import subprocess
 import sys
 from typing import Any, Optional
 
-from trainer.preflight import cpu_ranges, gpu_numa_node, gpu_pci_addresses, numa_nodes, time_all_reduce
+from trainer.preflight import time_all_reduce
+from trainer.topology import cpu_ranges, gpu_numa_node, gpu_pci_addresses, numa_nodes, numactl_show, tool_output
 
 
 def node() -> dict[str, Any]:
@@ -41,6 +41,7 @@ def node() -> dict[str, Any]:
                      "memory_gib": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count,
                      "pci": addresses[i], "numa_node": gpu_numa_node(addresses[i])})
     archs = torch.cuda.get_arch_list() if cuda else []
+    driver = (tool_output("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")[0] or "").split()
     nccl = None
     if cuda:
         try:
@@ -52,10 +53,11 @@ def node() -> dict[str, Any]:
         "host": platform.node(), "python": platform.python_version(), "machine": platform.machine(),
         "torch": torch.__version__, "torch_supported": unsupported_torch(torch.__version__) is None,
         "torch_cuda": torch.version.cuda, "cuda_available": cuda, "nccl": nccl, "torch_archs": archs,
-        "gpus": gpus, "driver": _driver(), "flash_attn": _flash_attn(), "torchtitan": _version("torchtitan"),
+        "gpus": gpus, "driver": driver[0] if driver else None, "flash_attn": _flash_attn(),
+        "torchtitan": _version("torchtitan"),
         "cpus": os.cpu_count(), "affinity": cpu_ranges(os.sched_getaffinity(0)),
         "numa": {str(n): cpu_ranges(cpus) or "no CPUs" for n, cpus in numa_nodes().items()},
-        "numactl": _numactl_show(), "unserved": sorted({g["capability"] for g in gpus if not _served(g, archs)}),
+        "numactl": numactl_show()[0], "unserved": sorted({g["capability"] for g in gpus if not _served(g, archs)}),
     }
 
 
@@ -68,18 +70,6 @@ def _served(gpu: dict, archs: list[str]) -> bool:
         if digits.isdigit() and int(digits[:-1]) == major and (int(digits[-1]) <= minor or kind == "compute"):
             return True
     return False
-
-
-def _driver() -> Optional[str]:
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout.split()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out[0] if out else None
 
 
 def _flash_attn() -> Optional[str]:
@@ -99,17 +89,6 @@ def _version(dist: str) -> Optional[str]:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _numactl_show() -> Optional[str]:
-    exe = shutil.which("numactl")
-    if exe is None:
-        return None
-    try:
-        proc = subprocess.run([exe, "--show"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return "; ".join(line.strip() for line in proc.stdout.splitlines() if line.strip()) or None
 
 
 # ---------------------------------------------------------------- attention kernels against the math path
@@ -173,28 +152,20 @@ def attention(device_name: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- all-reduce bandwidth
 
 
-def allreduce(device_name: str, sizes: list[float], iters: int) -> Optional[dict[str, Any]]:
+def allreduce(sizes: list[float], iters: int) -> Optional[dict[str, Any]]:
     """Bus bandwidth of all-reduces of each size across this torchrun world (rank 0's answer)."""
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(device_name, local) if device_name == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=120),
-                            device_id=device if device.type == "cuda" else None)
-    try:
+    from trainer.parallel import distributed_session
+
+    with distributed_session(timedelta(seconds=120)) as env:
         rows = []
         for megabytes in sizes:
-            wrong, numel, per, bus = time_all_reduce(megabytes, iters, device)
+            wrong, numel, per, bus = time_all_reduce(megabytes, iters, env.device)
             rows.append({"mib": megabytes, "ms": per * 1e3, "bus_gbs": bus, "wrong": wrong})
-        return {"backend": dist.get_backend(), "world": dist.get_world_size(), "sizes": rows} \
-            if dist.get_rank() == 0 else None
-    finally:
-        dist.destroy_process_group()
+        return {"backend": dist.get_backend(), "world": dist.get_world_size(), "sizes": rows} if env.rank == 0 else None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -204,7 +175,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = sub.add_parser("attention")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p = sub.add_parser("allreduce")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--sizes", type=float, nargs="+", default=[1.0, 64.0, 1024.0], help="MiB")
     p.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
@@ -213,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     elif args.what == "attention":
         result = attention(args.device)
     else:
-        result = allreduce(args.device, args.sizes, args.iters)
+        result = allreduce(args.sizes, args.iters)
     if result is not None:
         print("RESULT " + json.dumps(result), flush=True)
     return 0

@@ -1,17 +1,7 @@
 """Hugging Face Llama interop: initialise from an HF checkpoint, export to one.
 
-Names map one to one (torchtitan's `state_dict_adapter` pattern):
-
-    model.embed_tokens.weight                 tok_embeddings.weight
-    model.layers.N.self_attn.{q,k,v,o}_proj   layers.N.attention.w{q,k,v,o}
-    model.layers.N.mlp.gate_proj / up_proj    layers.N.feed_forward.w1 / w3
-    model.layers.N.mlp.down_proj              layers.N.feed_forward.w2
-    model.layers.N.input_layernorm            layers.N.attention_norm
-    model.layers.N.post_attention_layernorm   layers.N.ffn_norm
-    model.norm.weight                         norm.weight
-    lm_head.weight                            output.weight (absent when tied)
-
-Our rotary embeddings use HF's rotate_half layout (see trainer/model.py), so
+Names map one to one (torchtitan's `state_dict_adapter` pattern: `_TOP_LEVEL` and `_IN_LAYER`
+below; HF's `lm_head.weight` is absent when tied). Our rotary embeddings use HF's rotate_half layout (see trainer/model.py), so
 q/k weights need no permutation; the tests compare logits with transformers.
 Our embedding and output carry padded vocabulary rows (model.pad_vocab_multiple):
 an import fills them with zeros, an export writes the real vocab_size rows only.
@@ -108,14 +98,13 @@ def hf_to_ours(name: str) -> Optional[str]:
 
 
 def ours_to_hf(name: str) -> str:
-    for hf, ours in _TOP_LEVEL.items():
-        if name == ours:
-            return hf
+    top = {ours: hf for hf, ours in _TOP_LEVEL.items()}
+    in_layer = {ours: hf for hf, ours in _IN_LAYER.items()}
     match = _OUR_LAYER_RE.fullmatch(name)
-    if match:
-        for hf, ours in _IN_LAYER.items():
-            if match.group(2) == ours:
-                return f"model.layers.{match.group(1)}.{hf}.weight"
+    if name in top:
+        return top[name]
+    if match and match.group(2) in in_layer:
+        return f"model.layers.{match.group(1)}.{in_layer[match.group(2)]}.weight"
     raise ValueError(f"{name!r} is not a weight of trainer.model.Transformer")
 
 
@@ -149,24 +138,16 @@ def _check_complete(weights: dict[str, torch.Tensor], cfg: ModelSection, source:
                                      f"section implies {shape}")
 
 
-_VOCAB_ROWS = ("tok_embeddings.weight", "output.weight")
-
-
-def _pad_vocab(weights: dict[str, torch.Tensor], cfg: ModelSection) -> None:
-    """HF's vocab_size rows -> our padded_vocab_size rows (zeros: no token id reaches them
-    and the model cuts their logits off)."""
-    for name in _VOCAB_ROWS:
+def _resize_vocab(weights: dict[str, torch.Tensor], rows: int) -> None:
+    """The embedding and the output cut or zero-padded to `rows`: HF's vocab_size rows to our
+    padded_vocab_size on import (no token id reaches the padding and the model cuts its logits
+    off), ours to HF's on export, whatever padding the checkpoint was saved with."""
+    for name in ("tok_embeddings.weight", "output.weight"):
         w = weights.get(name)
-        if w is not None and w.shape[0] < cfg.padded_vocab_size:
-            weights[name] = torch.cat([w, w.new_zeros(cfg.padded_vocab_size - w.shape[0], *w.shape[1:])])
-
-
-def _trim_vocab(weights: dict[str, torch.Tensor], cfg: ModelSection) -> None:
-    """Our padded rows -> HF's vocab_size rows, whatever padding the checkpoint was saved with."""
-    for name in _VOCAB_ROWS:
-        w = weights.get(name)
-        if w is not None and w.shape[0] > cfg.vocab_size:
-            weights[name] = w[:cfg.vocab_size]
+        if w is not None and w.shape[0] > rows:
+            weights[name] = w[:rows]
+        elif w is not None and w.shape[0] < rows:
+            weights[name] = torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
 
 
 # --------------------------------------------------------------------------
@@ -307,7 +288,7 @@ def load_hf_into(model: nn.Module, hf_dir: Path, cfg: ModelSection) -> None:
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("load_hf_into needs a materialised model: call model.to_empty(device=...) first")
     weights = read_hf_weights(hf_dir, cfg)
-    _pad_vocab(weights, cfg)
+    _resize_vocab(weights, cfg.padded_vocab_size)
     if cfg.tie_embeddings:
         weights["output.weight"] = weights["tok_embeddings.weight"]
     wanted = model.state_dict()  # persistent entries only; a pipeline stage holds some
@@ -341,7 +322,7 @@ def export_hf(source: Path | nn.Module, out_dir: Path, cfg: ModelSection, *, dty
         weights = read_model_weights(Path(source))
     if cfg.tie_embeddings:
         weights.pop("output.weight", None)
-    _trim_vocab(weights, cfg)
+    _resize_vocab(weights, cfg.vocab_size)
     _check_complete(weights, cfg, str(source) if not isinstance(source, nn.Module) else "the model")
     dtype = dtype or weights["tok_embeddings.weight"].dtype
     hf = {ours_to_hf(name): weights[name].to("cpu", dtype).contiguous() for name in expected_shapes(cfg)}

@@ -9,6 +9,7 @@ import copy
 import gc
 import signal
 import time
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Protocol
@@ -101,17 +102,17 @@ class GarbageCollection:
             gc.enable()
 
 
+@dataclass
 class TrainState:
     """The step count (the same on every rank), the steps skipped as non-finite, and
     how many of the latest steps in a row were."""
 
-    def __init__(self):
-        self.step = 0
-        self.skipped_steps = 0
-        self.nonfinite_streak = 0
+    step: int = 0
+    skipped_steps: int = 0
+    nonfinite_streak: int = 0
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "skipped_steps": self.skipped_steps, "nonfinite_streak": self.nonfinite_streak}
+        return asdict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.step = int(state_dict["step"])

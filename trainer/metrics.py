@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import re
 import resource
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from rich.console import Console
 
 from common.schema import to_dict
 from trainer.config import LoggingSection, TrainerConfig
@@ -82,7 +82,7 @@ class MetricsLogger:
         self.total_steps = cfg.train.steps
         self._started: Optional[tuple[float, int]] = None  # (time, step) of this attempt's start: the ETA
         self._jsonl = open(run_dir / "metrics.jsonl", "a") if self.enabled else None
-        self._console = _console() if self.enabled else None
+        self._console = Console(highlight=False, soft_wrap=True) if self.enabled else None
         self._wandb = _init_wandb(cfg, run_dir) if self.enabled and cfg.logging.wandb else None
 
     def log_restart(self, step: int, layout: dict[str, int]) -> None:
@@ -130,7 +130,7 @@ class MetricsLogger:
                      f"step {record['step_time_s']:.3f}s data {record['data_time_s']:.3f}s")
         else:
             speed = f"warm-up {warmup_s or 0.0:.3f}s (first step: compiling, allocating; not in tokens/s)"
-        self._print(f"[bold]step {step}/{self.total_steps}[/] [green]loss {loss:.4f}[/] lr {lr:.2e} "
+        self._console.print(f"[bold]step {step}/{self.total_steps}[/] [green]loss {loss:.4f}[/] lr {lr:.2e} "
                     f"gnorm {grad_norm:.3f} {speed} "
                     f"mem {record['peak_memory_gib']:.2f}GiB eta {format_duration(record['eta_s'])}{skipped}")
         self._write(record)
@@ -143,14 +143,8 @@ class MetricsLogger:
     def log_eval(self, step: int, loss: float) -> None:
         if not self.enabled:
             return
-        self._print(f"[bold]step {step}[/] [magenta]eval loss {loss:.4f}[/]")
+        self._console.print(f"[bold]step {step}[/] [magenta]eval loss {loss:.4f}[/]")
         self._write({"kind": "eval", "step": step, "eval_loss": loss})
-
-    def _print(self, line: str) -> None:
-        if self._console is not None:
-            self._console.print(line)
-        else:
-            print(re.sub(r"\[/?[a-z ]*\]", "", line), flush=True)
 
     def _write(self, record: dict[str, Any]) -> None:
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
@@ -165,14 +159,6 @@ class MetricsLogger:
             self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
-
-
-def _console():
-    try:
-        from rich.console import Console
-    except ImportError:
-        return None
-    return Console(highlight=False, soft_wrap=True)
 
 
 def _init_wandb(cfg: TrainerConfig, run_dir: Path):

@@ -14,11 +14,8 @@ second halves of each head are the two rotation coordinates), so HF Llama
 
 A pipeline stage may have `tok_embeddings`, `norm` and `output` set to None:
 it then takes hidden states in and/or hands hidden states on (as torchtitan).
-
-The embedding and the output have `padded_vocab_size` rows (model.pad_vocab_multiple);
-the model returns logits over the real `vocab_size` only (or, vocabulary-sharded under
-loss parallel, with the padded columns at -inf), so the padded rows never take part in
-the softmax, get no gradient, and the loss is exactly the unpadded model's.
+The embedding and the output have `padded_vocab_size` rows (`Transformer.forward` says how the
+padding stays out of the loss).
 """
 
 from __future__ import annotations
@@ -243,11 +240,6 @@ class Transformer(nn.Module):
     # Initialisation that does not depend on the parallel layout.
     # ------------------------------------------------------------------
 
-    def init_buffers(self, device: torch.device | str) -> None:
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_position_embeddings, self.cfg.rope_theta)
-        self.rope_cos = cos.to(device)
-        self.rope_sin = sin.to(device)
-
     def init_std(self, fqn: str) -> Optional[float]:
         """normal(0, init_std) everywhere; residual output projections (wo, w2)
         scaled by 1/sqrt(2 * num_layers) (GPT-2); None means ones (norms)."""
@@ -268,13 +260,14 @@ class Transformer(nn.Module):
         """
         for fqn, param in self.named_parameters():  # tied weights appear once
             std = self.init_std(fqn)
-            local = _local_tensor(param)
+            local = param.to_local() if isinstance(param, DTensor) else param
             if std is None:
                 local.fill_(1.0)
                 continue
             shape, offset = _global_offset(param)
             local.copy_(seeded_normal(seed, fqn, param.shape, offset, shape, std))
-        self.init_buffers(self.rope_cos.device)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_position_embeddings, self.cfg.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_cos.device)
 
 
 def mask_padded_vocab(logits_BTP: DTensor, vocab_size: int) -> DTensor:
@@ -309,10 +302,6 @@ def seeded_normal(seed: int, fqn: str, full_shape: torch.Size, offset: tuple[int
         values = torch.randn((rows, *full_shape[1:]), generator=gen, dtype=torch.float32) * std
         pieces.append(values[(slice(max(r0, b0) - b0, min(r1, b0 + rows) - b0), *cols)])
     return torch.cat(pieces) if pieces else torch.empty(local_shape)
-
-
-def _local_tensor(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _global_offset(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -11,7 +11,6 @@ way, whatever the layout (torchtitan's parallelize.py):
     -> FSDP2 -> allocate on the device -> seeded init of each rank's shard ->
     (DDP wraps last)
 
-(trainer/runners.py gives the forward/backward of one optimizer step on it.)
 `step_stats` gathers what a step reports (loss, gradient norm, non-finite) on
 the device, without waiting for it.
 """
@@ -75,12 +74,10 @@ def set_group_timeout(timeout: Optional[timedelta], group: Optional[dist.Process
 
 
 def init_distributed(timeout: Optional[timedelta] = None) -> DistEnv:
-    """Join (or create) the default process group: nccl on CUDA, gloo on CPU, with `timeout`
-    (trainer.watchdog.collective_timeout) for its collectives.
-
-    A group is created for several processes, and also for one that a launcher started
-    with a rendezvous (torchrun sets MASTER_ADDR and MASTER_PORT): a 1-GPU job then runs
-    the same NCCL collectives as an 8-GPU one. A plain `python -m trainer` has none."""
+    """Join (or create) the default process group (nccl on CUDA, gloo on CPU) with `timeout` for its
+    collectives: for several processes, and also for one that a launcher started with a rendezvous
+    (a 1-GPU job then runs the same NCCL collectives as an 8-GPU one); a plain `python -m trainer`
+    has none."""
     _env_from_slurm()
     rank = environ.count("RANK") or 0
     local_rank = environ.count("LOCAL_RANK") or 0
@@ -108,18 +105,14 @@ def init_distributed(timeout: Optional[timedelta] = None) -> DistEnv:
     return DistEnv(rank, local_rank, world_size, device, owns)
 
 
-def destroy_distributed(env: DistEnv) -> None:
-    if env.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @contextlib.contextmanager
 def distributed_session(timeout: Optional[timedelta] = None) -> Iterator[DistEnv]:
     env = init_distributed(timeout)
     try:
         yield env
     finally:
-        destroy_distributed(env)
+        if env.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------
@@ -237,15 +230,11 @@ def split_for_stage(model: Transformer, stage: int, pp: int) -> None:
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool = False) -> None:
-    """Megatron-style tensor parallel: q/k/v and gate/up split by columns (heads,
-    hidden units), o and down by rows; with sequence parallel the norms and the
-    residual stream are split along the sequence (torchtitan's plan).
-
-    With loss parallel the logits stay a DTensor sharded over the vocabulary
-    (Shard(-1)) and the runners compute the cross-entropy under torch's
-    `loss_parallel()`; otherwise they are gathered whole (Replicate), which for
-    tiny_wikitext is 3.3 GB of bf16 logits a GPU plus an fp32 copy and its gradient.
-    """
+    """Megatron-style tensor parallel (torchtitan's plan): q/k/v and gate/up split by columns, o and
+    down by rows; with sequence parallel the norms and the residual stream split along the sequence.
+    With loss parallel the logits stay sharded over the vocabulary (Shard(-1)) for the runners'
+    `loss_parallel()`; otherwise they are gathered whole (for tiny_wikitext 3.3 GB of bf16 logits a
+    GPU, plus an fp32 copy and its gradient)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
@@ -292,18 +281,10 @@ def _retie(model: Transformer) -> None:
 
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, param_dtype: torch.dtype,
                reshard_after_forward: Optional[bool] = None) -> None:
-    """FSDP2 per block, then the root (embeddings, final norm, output).
-
-    FSDP2 always shards parameters, gradients and optimizer state; the ZeRO
-    stage only picks whether parameters are resharded after the forward:
-    3 frees them (all-gathered again for the backward), 1 and 2 keep them
-    unsharded until after the backward (one all-gather per step, more memory).
-    So zero_stage 1 and 2 are an approximation: both behave like ZeRO-2.
-    `reshard_after_forward` (parallel.reshard_after_forward resolved by
-    common.layouts.resolve_reshard) overrides what the stage implies.
-    Parameters stay fp32 (the optimizer's master copy); compute is in
-    `param_dtype`, gradients are reduced in fp32.
-    """
+    """FSDP2 per block, then the root (embeddings, final norm, output). The ZeRO stage only picks
+    whether parameters are resharded after the forward (3: yes; 1 and 2 alike, as ZeRO-2);
+    `reshard_after_forward` (common.layouts.resolve_reshard's) overrides it. Parameters stay fp32
+    (the optimizer's master copy); compute is in `param_dtype`, gradients are reduced in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # With a padded vocabulary the root returns logits[..., :vocab_size], a view; FSDP2 (torch

@@ -10,6 +10,7 @@ the host side, so the login node (or a laptop with the run directory) can draw i
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from pathlib import Path
 
@@ -22,12 +23,7 @@ __all__ = ["plot_run", "plot_runs", "read_metrics"]
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
-    require("plot", "plot")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     records = latest_by_step(read_metrics(run_dir))
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval" and r.get("eval_loss") is not None]
@@ -46,26 +42,13 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         ax_mfu.plot([r["step"] for r in train], [100 * (r.get("mfu") or 0) for r in train], "g:", label="MFU %")
         ax_mfu.set_ylabel("MFU %")
     ax_tps.set(xlabel="step", ylabel="tokens/s", title="throughput")
-    fig.tight_layout()
-    out = out or run_dir / "curves.png"
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    write_atomic(out, buf.getvalue())
-    return out
+    return _save(plt, fig, out or run_dir / "curves.png")
 
 
 def plot_runs(run_dirs: list[Path], labels: list[str], out: Path, title: str = "") -> Path:
     """The train loss of each run (eval loss dashed, in its colour) in one plot, with a legend of
     `labels`; runs without training steps yet are left out (ConfigError when none has any)."""
-    require("plot", "plot")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(11, 6))
     drawn = 0
     for run_dir, label in zip(run_dirs, labels):
@@ -87,9 +70,22 @@ def plot_runs(run_dirs: list[Path], labels: list[str], out: Path, title: str = "
         raise ConfigError("RUN", f"none of the {len(run_dirs)} run(s) has training steps in its metrics.jsonl yet")
     ax.set(xlabel="step", ylabel="loss (eval dashed)", title=title or "loss")
     ax.legend(fontsize="small", ncol=max(1, drawn // 12 + 1))
-    fig.tight_layout()
-    import io
+    return _save(plt, fig, out)
 
+
+def _pyplot():
+    require("plot", "plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, out: Path) -> Path:
+    """The figure as a PNG at `out`, written whole or not at all."""
+    fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)

@@ -1,38 +1,15 @@
-"""The preflight: before training starts, every node of the allocation proves it can train.
-
-The batch script runs it in the run's container, each part bounded by
-`slurm.preflight_timeout`:
+"""The preflight: before training starts, every node of the allocation proves it can train
+(what it checks and why: docs/runs.md, "Preflight"), each part bounded by `slurm.preflight_timeout`:
 
     python -m trainer.preflight node ...   one task per node, no collective, before training
     AllReduceGate                          every rank, first thing in the training step
 
-`node` checks what one node needs and prints one line, `slipway-preflight NODE ok: ...`
-or `slipway-preflight NODE fail: REASON`: the run directory is reachable and
-writable from the container (which also proves the container started from its
-image there), there is room for one more checkpoint where checkpoints go,
-how fast this node writes there (for the time-limit warning's lead before the run's first save),
-numactl runs where the launch binds each rank to a NUMA node (`--numa-binding`; what
-`numactl --show` says goes to the log), for GPU jobs the expected GPUs are visible and
-healthy (nvidia-smi, where it exists: count and uncorrected ECC errors; torch: each GPU
-computes), and each GPU's NUMA node goes to the log; where the launch binds, a GPU whose
-node holds no CPU the job may use (a GH200's HBM node) is refused in one line, as torch
-would bind its rank to no core. A node that
-prints nothing at all (its container did not start, it is unreachable) is named
-by the batch script for that. The nodes report independently, so a bad node
-cannot hide the others' answers, and training starts only once all passed.
-
-The all-reduce sums a buffer across every rank, checks the sum, and measures the
-bus bandwidth. It runs inside the training step's own process group, before any
-data or model work (`AllReduceGate`, asked for by the batch script through
-PREFLIGHT_ENV): the same launcher, backend and world as training by
-construction, and one torch start and one rendezvous per rank instead of two,
-which was most of a job's start-up. Rank 0 writes `preflight ok on NODES: ...` to
-events.log; a rank that fails it (a wrong sum, a collective error, no result
-within the bound) writes why to PREFLIGHT_FAILED_FILE among the step's exit
-reports and exits PREFLIGHT_EXIT, and the batch script retries the job on the
-same nodes. A `train.script` of the user's own runs `python -m trainer.preflight
-allreduce` as a step of its own before training instead (the same check, its
-result printed as `slipway-preflight-allreduce ok: ...`).
+`node` prints one line the batch script reads, `slipway-preflight NODE ok: ...` or
+`slipway-preflight NODE fail: REASON` (its log lines go to stderr), each node on its own, so a bad
+node cannot hide the others' answers. The all-reduce runs in the training step's own process group
+(asked for through PREFLIGHT_ENV); a rank that fails it writes why to PREFLIGHT_FAILED_FILE among
+the step's exit reports and exits PREFLIGHT_EXIT; a `train.script` of the user's own runs `python -m
+trainer.preflight allreduce` as a step of its own (`slipway-preflight-allreduce ok: ...`).
 
 Exit status: 0 passed, PREFLIGHT_EXIT (5) failed, 2 bad arguments.
 """
@@ -42,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -55,6 +31,7 @@ from common.rundir import PREFLIGHT_EXIT
 from common.events import append_event
 from common.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE
 from common.layouts import size
+from trainer.topology import check_free_space, gpu_pci_addresses, numa_binding, numactl_show, tool_output
 from trainer.watchdog import node_name
 
 # ---------------------------------------------------------------- node checks
@@ -74,21 +51,6 @@ def check_run_dir(run_dir: Path) -> tuple[bool, str]:
     if seen != node_name():
         return False, f"run directory {run_dir}: a file written there read back as {seen!r}"
     return True, "run directory writable"
-
-
-def check_free_space(checkpoint_dir: Path, needed: int) -> tuple[bool, str]:
-    """Room for one more checkpoint on the filesystem of `checkpoint_dir` (or its nearest existing parent)."""
-    where = checkpoint_dir
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        free = shutil.disk_usage(where).free
-    except OSError as exc:
-        return False, f"free space at {where} (where checkpoints go) cannot be read ({exc.strerror or exc})"
-    if free < needed:
-        return False, (f"{size(free)} free at {where} (where checkpoints go), one checkpoint needs about "
-                       f"{size(needed)}: free space there or set checkpoint.dir elsewhere")
-    return True, f"{size(free)} free for checkpoints (one needs about {size(needed)})"
 
 
 def check_write_speed(checkpoint_dir: Path, needed: int, seconds: float = 3.0) -> tuple[bool, str]:
@@ -117,16 +79,12 @@ def check_write_speed(checkpoint_dir: Path, needed: int, seconds: float = 3.0) -
 def check_gpus(expected: int) -> tuple[bool, str]:
     """`expected` GPUs visible and healthy: nvidia-smi (where it exists) and torch."""
     problems, seen = [], ""
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            proc = subprocess.run([smi, "--query-gpu=index,name,ecc.errors.uncorrected.volatile.total",
-                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return False, f"nvidia-smi did not answer ({exc})"
-        if proc.returncode != 0:
-            return False, f"nvidia-smi failed (exit {proc.returncode}): {' '.join((proc.stderr or proc.stdout).split())}"
-        rows = [[c.strip() for c in line.split(",")] for line in proc.stdout.splitlines() if line.strip()]
+    if shutil.which("nvidia-smi"):
+        out, why = tool_output("nvidia-smi", "--query-gpu=index,name,ecc.errors.uncorrected.volatile.total",
+                               "--format=csv,noheader,nounits")
+        if out is None:
+            return False, why
+        rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
         if len(rows) < expected:
             problems.append(f"nvidia-smi sees {len(rows)} GPU(s), the job asked for {expected}")
         for row in rows:
@@ -153,112 +111,14 @@ def check_gpus(expected: int) -> tuple[bool, str]:
 
 def check_numactl() -> tuple[bool, str]:
     """numactl runs here: `torchrun --numa-binding` starts every worker under it, and without it
-    torchrun stops before any rank starts (torch does not fall back to no binding). What
-    `numactl --show` says goes to the log."""
-    exe = shutil.which("numactl")
-    fix = ("the launch binds each rank to its GPU's NUMA node (launch.preset with torchrun --numa-binding), which "
-           "runs every worker under numactl: rebuild the image (`slipway image build CONFIG` installs numactl where "
-           "the config binds NUMA nodes) or set launch.preset: none")
-    if exe is None:
-        return False, f"numactl is not in this node's container: {fix}"
-    try:
-        proc = subprocess.run([exe, "--show"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, f"numactl did not run ({exc}): {fix}"
-    if proc.returncode != 0:
-        return False, f"numactl --show failed (exit {proc.returncode}: {' '.join(proc.stderr.split())[:200]}): {fix}"
-    _log(f"numactl --show: {'; '.join(line.strip() for line in proc.stdout.splitlines() if line.strip())}")
+    torchrun stops before any rank starts (torch does not fall back to no binding)."""
+    shown, why = numactl_show()
+    if shown is None:
+        return False, (f"{why}: the launch binds each rank to its GPU's NUMA node (launch.preset with torchrun "
+                       "--numa-binding), which runs every worker under numactl: rebuild the image (`slipway image "
+                       "build CONFIG` installs numactl where the config binds NUMA nodes) or set launch.preset: none")
+    _log(f"numactl --show: {shown}")
     return True, "numactl runs"
-
-
-# ---------------------------------------------------------------- NUMA nodes and GPUs
-
-SYSFS = Path("/sys")  # where the kernel tells which NUMA node holds which CPUs and PCI devices
-
-
-def cpu_set(text: str) -> set[int]:
-    """A kernel CPU list ("0-71,144-215"; "" for none) as a set."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if part:
-            first, _, last = part.partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
-def numa_nodes(sysfs: Path = SYSFS) -> dict[int, set[int]]:
-    """Each NUMA node's CPUs; an empty set for a node of memory alone (GH200's HBM, CXL)."""
-    nodes = {}
-    for path in sorted((sysfs / "devices" / "system" / "node").glob("node[0-9]*")):
-        try:
-            nodes[int(path.name[4:])] = cpu_set((path / "cpulist").read_text())
-        except (OSError, ValueError):
-            continue
-    return nodes
-
-
-def gpu_pci_addresses(count: int) -> list[str]:
-    """The sysfs PCI address of CUDA devices 0..count-1, as torch's NUMA binding forms it ("?" where
-    this torch's device properties lack the PCI ids)."""
-    import torch
-
-    out = []
-    for i in range(count):
-        props = torch.cuda.get_device_properties(i)
-        ids = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
-        out.append("{:04x}:{:02x}:{:02x}.0".format(*ids) if all(isinstance(x, int) for x in ids) else "?")
-    return out
-
-
-def gpu_numa_node(pci_address: str, sysfs: Path = SYSFS) -> Optional[int]:
-    """The NUMA node the kernel puts a PCI device on (-1, one node only, is node 0 as for torch); None:
-    the device is not in sysfs."""
-    try:
-        return max(int((sysfs / "bus" / "pci" / "devices" / pci_address / "numa_node").read_text().strip()), 0)
-    except (OSError, ValueError):
-        return None
-
-
-def numa_binding(pci_addresses: list[str], allowed: set[int], sysfs: Path = SYSFS) -> tuple[bool, list[str]]:
-    """Whether `torchrun --numa-binding=node` can bind each GPU's rank: the GPU's NUMA node must
-    hold CPUs this process may use (`allowed`: its affinity, which Slurm's cgroup narrows). A
-    node of memory alone binds a rank to no core, and torch then stops before training. (ok,
-    one line a GPU; the first line of a failure is its one-line reason.)"""
-    nodes = numa_nodes(sysfs)
-    lines, bad = [], []
-    for i, address in enumerate(pci_addresses):
-        node = gpu_numa_node(address, sysfs)
-        cpus = nodes.get(node, set()) if node is not None else set()
-        usable = cpus & allowed
-        of = "" if usable == cpus else f" of {cpu_ranges(cpus) or 'none'}"
-        lines.append(f"GPU {i} ({address}) on NUMA node {node if node is not None else '?'} "
-                     f"({cpu_ranges(usable) or 'no CPUs'}{of})")
-        if node is None:
-            bad.append(f"GPU {i}'s PCI device {address} is not in {sysfs}/bus/pci/devices, where torchrun "
-                       "--numa-binding=node reads its NUMA node (it would stop before training): mount /sys in "
-                       "the container, or set launch.preset: none")
-        elif not usable:
-            with_cpus = sorted(n for n, c in nodes.items() if c & allowed)
-            what = "has no CPUs (a node of memory alone, as a GH200's HBM)" if not cpus else \
-                f"has no CPU this job may use (its CPUs {cpu_ranges(cpus)}, the job's {cpu_ranges(allowed)})"
-            bad.append(f"GPU {i} ({address}) is on NUMA node {node}, which {what}: torchrun --numa-binding=node would "
-                       f"bind its rank to no core and stop before training (NUMA nodes with CPUs here: "
-                       f"{', '.join(map(str, with_cpus)) or 'none'}); set launch.launcher: srun (srun binds the cores "
-                       "next to each GPU) or launch.preset: none")
-    return not bad, bad[:1] + lines if bad else lines
-
-
-def cpu_ranges(cpus: set[int]) -> str:
-    """A CPU set in the kernel's list form (0-3,8)."""
-    out, run = [], []
-    for cpu in sorted(cpus):
-        if run and cpu != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(cpu)
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
 
 
 def check_gpu_numa(gpus: int, bind: bool) -> Optional[tuple[bool, str]]:
@@ -300,37 +160,14 @@ def node_checks(run_dir: Path, checkpoint_dir: Path, needed_bytes: int, gpus: in
 # ---------------------------------------------------------------- the collective
 
 
-def _first_count(*names: str, default: int) -> int:
-    """The first of `names` the environment sets (torchrun's, then Slurm's), checked (common.environ)."""
-    for name in names:
-        value = env_count(name)
-        if value is not None:
-            return value
-    return default
-
-
 def all_reduce_check(megabytes: float, iters: int, timeout_s: float) -> tuple[bool, str]:
     """`sum_across_ranks` in a process group of its own (the separate step of a `train.script`)."""
-    import torch
-    import torch.distributed as dist
-
-    rank = _first_count("RANK", "SLURM_PROCID", default=0)
-    world = _first_count("WORLD_SIZE", "SLURM_NTASKS", default=1)
-    local = _first_count("LOCAL_RANK", "SLURM_LOCALID", default=0)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world == 1:
+    if (env_count("WORLD_SIZE") or env_count("SLURM_NTASKS") or 1) == 1:  # torchrun's, else Slurm's
         return True, "a single rank: no collective to test"
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("WORLD_SIZE", str(world))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
-                            device_id=device if cuda else None)
-    try:
-        return sum_across_ranks(megabytes, iters, device)
-    finally:
-        dist.destroy_process_group()
+    from trainer.parallel import distributed_session
+
+    with distributed_session(timedelta(seconds=timeout_s)) as env:
+        return sum_across_ranks(megabytes, iters, env.device)
 
 
 def sum_across_ranks(megabytes: float, iters: int, device) -> tuple[bool, str]:
@@ -471,12 +308,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         ok, text = node_checks(args.run_dir, args.checkpoint_dir, args.checkpoint_bytes, args.gpus, args.numa_binding)
         print(f"slipway-preflight {node_name()} {'ok' if ok else 'fail'}: {text}", flush=True)
         return 0 if ok else PREFLIGHT_EXIT
-    rank = _first_count("RANK", "SLURM_PROCID", default=0)
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     try:
         ok, text = all_reduce_check(args.megabytes, args.iters, args.timeout)
     except Exception as exc:  # any failure of the collective is the answer, on one line
         ok, text = False, f"rank {rank} on {node_name()}: {_one_line(exc)}"
-    if rank == 0 or not ok:
+    if rank == "0" or not ok:
         print(f"slipway-preflight-allreduce {'ok' if ok else 'fail'}: {text}", flush=True)
     return 0 if ok else PREFLIGHT_EXIT
 

@@ -2,7 +2,7 @@
 
     status = cache_status(cfg.data, cache_dir)       # cheap: no download, no lock
     if not status.prepared and not status.tokenize_in_job: refuse, print status.describe()
-    result = prepare(cfg.data, cache_dir, num_proc=16, progress=console)
+    status = prepare(cfg.data, cache_dir, num_proc=16, progress=console)
 
 `prepare` downloads (where the machine reaches the hub) and tokenizes every
 split the run reads into the token cache the trainer maps, so the job only
@@ -15,16 +15,13 @@ tokenizers or datasets, which are imported where tokens are made or mapped, so
 `slipway submit` checks the cache on the base install (`prepare` itself needs the
 trainer extra: `slipway prepare` says so in one line, see `common.extras`).
 
-`cache_dir` is `resolve_cache_dir(cfg.data, project_dir=...)` on the host
-(`data.cache_dir`, else `<project>/.cache/tokens`), the same place the
-trainer finds from its run directory, `runs/RUN/../../.cache/tokens`.
-
 In the image, for a preparation job: `python -m trainer.prepare --config runs/RUN/config.yaml`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +30,7 @@ from common.errors import ConfigError
 from trainer.config import DataSection, load_trainer_config
 from trainer.data_cache import CacheEntry, DataCacheError, ensure_tokens, entry_status, resolve_cache_dir
 from trainer.data_sources import BUILTIN, run_sources
-from trainer.data_tokenize import resolve_tokenizer
-from trainer.data_tokenize import Progress, ProgressSink
-
-__all__ = ["CacheEntry", "CacheStatus", "ConfigError", "DataCacheError", "Prepared", "PrepareResult", "Progress",
-           "cache_status", "check_tokens", "prepare", "resolve_cache_dir"]
+from trainer.data_tokenize import ProgressSink, resolve_tokenizer
 
 
 def check_tokens(data: DataSection, vocab_size: int, train: dict, validation: dict | None = None) -> int:
@@ -96,63 +89,23 @@ def cache_status(data: DataSection, cache_dir: Path | str) -> CacheStatus:
     return CacheStatus(cache_dir, entries, data.tokenize_in_job or builtin)
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """One split after `prepare`."""
-
-    role: str
-    source: str  # its description
-    path: Path  # the .bin
-    n_tokens: int
-    n_documents: int
-    tokenized: bool  # False: it was already prepared, nothing was done
-    seconds: float  # tokenizing time (this run's, when tokenized)
-    resumed_from_tokens: int  # > 0: an interrupted preparation was continued
-    prepared_by: str
-
-    def describe(self) -> str:
-        if not self.tokenized:
-            return f"{self.role} {self.source}: already prepared, {self.n_tokens:,} tokens in {self.path}"
-        resumed = f", continued at {self.resumed_from_tokens:,}" if self.resumed_from_tokens else ""
-        rate = (self.n_tokens - self.resumed_from_tokens) / max(self.seconds, 1e-9)
-        return (f"{self.role} {self.source}: {self.n_documents:,} documents, {self.n_tokens:,} tokens in "
-                f"{self.seconds:.1f}s ({rate / 1e6:.2f} M tokens/s{resumed}) -> {self.path}")
-
-
-@dataclass(frozen=True)
-class PrepareResult:
-    cache_dir: Path
-    entries: tuple[Prepared, ...]
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(e.n_tokens for e in self.entries)
-
-    def describe(self) -> str:
-        return "\n".join(e.describe() for e in self.entries)
-
-
 def prepare(data: DataSection, cache_dir: Path | str, *, num_proc: int = 0,
-            progress: ProgressSink = None) -> PrepareResult:
+            progress: ProgressSink = None) -> CacheStatus:
     """Tokenize every split of `data` that `cache_dir` lacks, on `num_proc`
     threads (0: every core this process may use). `progress`: a rich Console
     to draw a bar on (documents, tokens, tokens/s, ETA), a callback taking
-    `Progress`, or None (a bar on a terminal, else a log line every 30 s)."""
+    `Progress`, or None (a bar on a terminal, else a log line every 30 s).
+    Returns the cache's status after: every entry prepared, `tokenized` where this call did it."""
     if num_proc < 0:
         raise ConfigError("data.num_proc", f"must be >= 0 (0 = every core), got {num_proc}")
-    cache_dir = Path(cache_dir)
     status = cache_status(data, cache_dir)
-    done = []
+    entries = []
     for entry in status.entries:
-        found = ensure_tokens(entry.source, entry.tokenizer, cache_dir, rank=0, num_proc=num_proc,
+        found = ensure_tokens(entry.source, entry.tokenizer, status.cache_dir, rank=0, num_proc=num_proc,
                               progress=progress, role="slipway prepare")
-        index = found.index
-        done.append(Prepared(entry.role, entry.source.description, found.path, int(index["n_tokens"]),
-                             int(index["n_documents"]), tokenized=found.written,
-                             seconds=float(index.get("seconds", 0.0)),
-                             resumed_from_tokens=int(index.get("resumed_from_tokens", 0)),
-                             prepared_by=str(index.get("prepared_by", ""))))
-    return PrepareResult(cache_dir, tuple(done))
+        entries.append(dataclasses.replace(entry, index=found.index, partial_tokens=0, writer=None, problem=None,
+                                           tokenized=found.written))
+    return dataclasses.replace(status, entries=tuple(entries))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,11 +130,11 @@ def _main(argv: list[str] | None) -> int:
             status = cache_status(cfg.data, cache_dir)
             print(status.describe())
             return 0 if status.prepared else 1
-        result = prepare(cfg.data, cache_dir, num_proc=cfg.data.num_proc if args.cpus is None else args.cpus)
+        status = prepare(cfg.data, cache_dir, num_proc=cfg.data.num_proc if args.cpus is None else args.cpus)
     except KeyboardInterrupt:
         print("interrupted: run the same command again to continue where it stopped", file=sys.stderr)
         return 130
-    print(result.describe())
+    print(status.describe())
     return 0
 
 

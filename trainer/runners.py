@@ -47,6 +47,15 @@ class Runner:
 
     can_eval = True
 
+    def __init__(self, device: torch.device, autocast_dtype: Optional[torch.dtype], dims: Optional[ParallelDims]):
+        self.device, self.autocast_dtype, self.dims = device, autocast_dtype, dims
+        self.loss_context = _loss_context(dims) if dims is not None else contextlib.nullcontext
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         raise NotImplementedError
 
@@ -65,16 +74,9 @@ class AccumulationRunner(Runner):
 
     def __init__(self, model: nn.Module, autocast_dtype: Optional[torch.dtype], device: torch.device,
                  dims: Optional[ParallelDims] = None):
+        super().__init__(device, autocast_dtype, dims)
         self.model = model
-        self.device = device
-        self.autocast_dtype = autocast_dtype
-        self.loss_context = _loss_context(dims) if dims is not None else contextlib.nullcontext
         self.sync_every = dims is not None and dims.cfg.grad_sync == "every_micro_batch"
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Gradient reduction on (sync) or deferred for this micro batch's backward."""
@@ -117,10 +119,7 @@ class PipelineRunner(Runner):
                  autocast_dtype: Optional[torch.dtype]):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        self.dims = dims
-        self.device = device
-        self.autocast_dtype = autocast_dtype
-        self.loss_context = _loss_context(dims)
+        super().__init__(device, autocast_dtype, dims)
         stage = PipelineStage(model, dims.pp_rank, dims.pp, device, group=dims.pp_group)
         schedule_cls = Schedule1F1B if dims.cfg.pp_schedule == "1f1b" else ScheduleGPipe
         self.schedule = schedule_cls(stage, n_microbatches=n_microbatches, scale_grads=False,
@@ -131,9 +130,7 @@ class PipelineRunner(Runner):
         inputs_BT = torch.cat([b[0] for b in batches])
         targets_BT = torch.cat([b[1] for b in batches])
         losses: list[torch.Tensor] = []
-        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
-                    if self.autocast_dtype is not None else contextlib.nullcontext())
-        with autocast, self.loss_context():
+        with self._autocast(), self.loss_context():
             if self.dims.is_first_stage:
                 fn(inputs_BT)
             elif self.dims.is_last_stage:

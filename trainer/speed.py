@@ -5,20 +5,16 @@ user's node and bench/trainer.py here. One case per process (peak memory is per 
 
 prints `RESULT {json}`: steady-state tokens/s (a whole and per device), the step time, peak
 memory, the model's FLOPs per token (torchtitan's convention, the padded vocabulary included),
-TFLOP/s per device and MFU (null on the CPU or an unknown GPU).
+TFLOP/s per device and MFU (null on the CPU or an unknown GPU). The first `--warmup` steps are
+left out, and so is each trainer's first logged window.
 
-- ours: `trainer.train.train` (what `python -m trainer` runs) with its defaults: losses kept
-  on the device between logged steps, batches read ahead, the device-side non-finite skip,
-  the hang watchdog on. Under torchrun, dp = the world (FSDP2).
+- ours: `trainer.train.train` with its defaults; under torchrun, dp = the world (FSDP2).
 - bare: a plain loop on the same `trainer.model.Transformer`: the same batch, fused AdamW,
   clipping, dtype, compile and activation checkpointing; one host sync after the timed steps.
-- torchtitan: its llama3 trainer, through its own entry point, on this torch, with the same
-  model (dimensions, padded vocabulary, unfused q/k/v), batch, sequence, dtype, compile (the
-  model only, as ours compiles the blocks and not the loss) and activation checkpointing,
-  logging as often as ours; its logged tps parsed. SDPA's flash backend alone on CUDA in
-  16 bits, in every case, so all three run the same attention kernel. torchtitan needs CUDA.
-
-The first `--warmup` steps are left out, and so is each trainer's first logged window.
+- torchtitan: its llama3 trainer through its own entry point, on this torch, with the same model,
+  batch, dtype, compile and activation checkpointing (TITAN_MODULE); its logged tps parsed. It
+  needs CUDA. SDPA's flash backend alone on CUDA in 16 bits, in every case, so all three run the
+  same attention kernel.
 """
 
 from __future__ import annotations
@@ -334,41 +330,35 @@ def titan_env(work: Path) -> dict[str, str]:
             "HF_DATASETS_CACHE": str(work / "hf-datasets")}
 
 
-def case_torchtitan(case: Any, python: Optional[str] = None) -> dict[str, Any]:
+def case_torchtitan(case: Any) -> dict[str, Any]:
     """torchtitan under torchrun (one process), its logged tps over the windows from --warmup on."""
-    python = python or sys.executable
     work = Path(tempfile.mkdtemp(prefix="slipway-titan-"))
     try:
         (work / "assets").mkdir()
         shutil.copy(ASSETS / "tokenizer.json", work / "assets" / "tokenizer.json")
         (work / "slipway_titan.py").write_text(TITAN_MODULE.format(params=titan_params(case, case.attention_titan,
                                                                                        work)))
-        argv = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                 "-m", "torchtitan.train", "--module", "slipway_titan", "--config", "slipway_llama"]
         env = titan_env(work)
         if case.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
         output = proc.stdout + proc.stderr
-        rows = []
-        for line in re.sub(r"\x1b\[[0-9;]*m", "", output).splitlines():
-            m = TPS_LINE.search(line)
-            if m:
-                rows.append(dict(step=int(m[1]), mem=float(m[2]), tps=float(m[3].replace(",", ""))))
+        rows = [m for m in map(TPS_LINE.search, re.sub(r"\x1b\[[0-9;]*m", "", output).splitlines()) if m]
         if proc.returncode != 0 or not rows:
             reason = titan_error(output)
             if "_cuda_setDevice" in reason or "Torch not compiled with CUDA" in reason:
                 reason = ("torchtitan needs CUDA: without an accelerator it still picks device 'cuda' "
                           f"(torchtitan/tools/utils.py) and fails in Trainer.__init__ ({reason})")
             raise RuntimeError(reason)
-        windows = [(r["step"] - prev["step"], r) for prev, r in zip(rows, rows[1:]) if prev["step"] >= case.warmup]
-        if not windows:
-            raise RuntimeError(f"no logged window starts at or after step {case.warmup}: raise --steps")
-        tokens = case.micro_batch * case.seq_len
-        seconds = sum(n * tokens / r["tps"] for n, r in windows)
-        timed = sum(n for n, _ in windows)
-        return _rates(case, {"steps_timed": timed, "step_time_s": seconds / timed, "tokens_per_s": timed * tokens / seconds,
-                             "peak_memory_gib": None, "peak_reserved_gib": max(r["mem"] for r in rows)})
+        records = []
+        for m in rows:  # its memory is what it reserved, not what it allocated
+            tps = float(m[3].replace(",", ""))
+            records.append({"step": int(m[1]), "tokens_per_s": tps, "step_time_s": case.micro_batch * case.seq_len / tps,
+                            "peak_memory_gib": float(m[2])})
+        out = steady(records, case.warmup)
+        return _rates(case, {**out, "peak_memory_gib": None, "peak_reserved_gib": out["peak_memory_gib"]})
     finally:
         if not os.environ.get("SLIPWAY_SPEED_KEEP"):
             shutil.rmtree(work, ignore_errors=True)
@@ -413,7 +403,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     case = parser().parse_args(argv)
     try:
         result = {"ours": case_ours, "bare": case_bare, "torchtitan": case_torchtitan}[case.case](case)
-    except RuntimeError as exc:  # torchtitan's failure, already one line
+    except (RuntimeError, ValueError) as exc:  # torchtitan's failure, or no steady window: one line
         print(f"speed {case.case}: not run: {exc}", file=sys.stderr)
         return 1
     if result:

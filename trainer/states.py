@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -20,57 +21,42 @@ from torch.distributed.checkpoint.state_dict import (
 
 
 class ModelState:
-    """The model's parameters under full-model names, whatever the parallel layout.
+    """The model's parameters under full-model names, whatever the parallel layout. A pipeline
+    stage holds some of the names; loading sets those it has (strict=False: a stage lacks the
+    other stages' layers; DCP itself fails on a name the checkpoint lacks)."""
 
-    `model_parts` is one module, or one per pipeline stage held by this rank;
-    each part contributes the names it holds, and loading sets each part from
-    the names it has (strict=False: a stage lacks the other stages' layers;
-    DCP itself fails on a name the checkpoint lacks)."""
-
-    def __init__(self, model_parts: list[nn.Module]):
-        self.model_parts = list(model_parts)
+    def __init__(self, model: nn.Module):
+        self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for part in self.model_parts:
-            out.update(get_model_state_dict(part))
-        return out
+        return get_model_state_dict(self.model)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for part in self.model_parts:
-            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=False))
 
 
 class OptimizerState:
     """Optimizer state flattened to full-model parameter names (`state.<fqn>.exp_avg`,
-    `param_groups.<fqn>.lr`), so it reshards like the model. One optimizer per model part."""
+    `param_groups.<fqn>.lr`), so it reshards like the model."""
 
     _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-    def __init__(self, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
-        if len(model_parts) != len(optimizers):
-            raise ValueError(f"OptimizerState needs one optimizer per model part: got {len(model_parts)} "
-                             f"parts and {len(optimizers)} optimizers")
-        self.model_parts = list(model_parts)
-        self.optimizers = list(optimizers)
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for part, opt in zip(self.model_parts, self.optimizers):
-            fresh = not opt.state
-            sd = get_optimizer_state_dict(part, opt, options=self._OPTIONS)
-            if fresh:
-                # DCP materialises an empty Adam state by one step with zero grads and lr 0,
-                # which leaves `step` at 1 and would shift bias correction after a
-                # save_initial; put the counter back to where a fresh optimizer starts.
-                _reset_step_counters(opt)
-                sd = get_optimizer_state_dict(part, opt, options=self._OPTIONS)
-            out.update(sd)
-        return out
+        fresh = not self.optimizer.state
+        sd = get_optimizer_state_dict(self.model, self.optimizer, options=self._OPTIONS)
+        if fresh:
+            # DCP materialises an empty Adam state by one step with zero grads and lr 0,
+            # which leaves `step` at 1 and would shift bias correction after a
+            # save_initial; put the counter back to where a fresh optimizer starts.
+            _reset_step_counters(self.optimizer)
+            sd = get_optimizer_state_dict(self.model, self.optimizer, options=self._OPTIONS)
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for part, opt in zip(self.model_parts, self.optimizers):
-            set_optimizer_state_dict(part, opt, state_dict, options=self._OPTIONS)
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=self._OPTIONS)
 
 
 def _reset_step_counters(opt: torch.optim.Optimizer) -> None:
@@ -83,8 +69,8 @@ def _reset_step_counters(opt: torch.optim.Optimizer) -> None:
 
 
 class RNGState:
-    """This rank's random streams: Python `random`, numpy's global one (if numpy is
-    installed), torch CPU, and the current CUDA device's (if CUDA is in use).
+    """This rank's random streams: Python `random`, numpy's global one, torch CPU, and the
+    current CUDA device's (if CUDA is in use).
 
     `rank_local = True`: the Checkpointer saves it to this rank's own file beside
     the shards, so each rank gets exactly its own streams back."""
@@ -92,13 +78,8 @@ class RNGState:
     rank_local = True
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        try:
-            import numpy as np
-        except ImportError:
-            pass
-        else:
-            state["numpy"] = np.random.get_state()
+        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(),
+                                 "numpy": np.random.get_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state()
         return state
@@ -106,9 +87,7 @@ class RNGState:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         random.setstate(state_dict["python"])
         torch.set_rng_state(state_dict["torch"])
-        if "numpy" in state_dict:
-            import numpy as np
-
+        if "numpy" in state_dict:  # absent from a checkpoint of a trainer that ran without numpy
             np.random.set_state(state_dict["numpy"])
         if "cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state(state_dict["cuda"])

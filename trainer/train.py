@@ -1,46 +1,23 @@
 """The training loop: `python -m trainer --config runs/RUN/config.yaml`.
 
-`train(cfg, run_dir)` reads top to bottom, in torchtitan's shape: `set_up`
-(processes and mesh, data, model, optimizer, the checkpoint resumed, the loop's
-helpers), then the steps: `train_step` (forward and backward, clip, the
-optimizer's update) on every step, `sync_step` (metrics, evaluation, the
-checkpoint, the stop decision) on sync steps. The run directory is the config
-file's directory; metrics.jsonl, checkpoints/ and profiler/ go there.
+`train(cfg, run_dir)` reads top to bottom, in torchtitan's shape: `set_up` (processes and mesh,
+data, model, optimizer, the checkpoint resumed, the loop's helpers), then `train_step` (forward and
+backward, clip, the update) on every step, `sync_step` (metrics, evaluation, the checkpoint, the
+stop decision) on sync steps. The run directory is the config file's directory.
 
-The host does not wait for the device inside a step. What a step reports
-(its loss averaged over ranks, gradient norm, and whether its update was
-skipped) stays on the device until a sync step: a logged step
-(`logging.interval`, the first step of each attempt, the last), a step with
-a checkpoint due, or one on which the run stops. There the host reads every
-step since the last sync in one copy and writes their records. Stop requests
-travel on the host instead, and only on sync steps: there each rank's stop
-flag (a signal it received; the stop file, which rank 0 alone looks for) goes
-into a gloo all-reduce started at the step's beginning and read at its end, so
-all ranks stop after the same step, and no step costs more as ranks are added
-(a request waits at most `logging.interval` steps). Batches for the next step
-are read (pinned and copied, on CUDA) while this one runs, and Python's
-garbage collector runs every `train.gc_interval` steps on every rank at once.
-With train.compile, the first step's log names the graph breaks compilation
-found (each a silent slowdown otherwise), and a compile failure is one line
-naming train.compile (exit 2).
+The host does not wait for the device inside a step. What a step reports (its loss averaged over
+ranks, gradient norm, and whether its update was skipped) stays on the device until a sync step: a
+logged step (`logging.interval`, the first step of each attempt, the last), a step with a
+checkpoint due, or one on which the run stops. There the host reads every step since the last sync
+in one copy. Stop requests travel on the host instead, and only on sync steps: each rank's stop flag
+goes into a gloo all-reduce started at the step's beginning and read at its end, so all ranks stop
+after the same step, and no step costs more as ranks are added.
 
-Non-finite numbers are never trained on nor saved: a step whose loss or
-gradient norm is not finite on any rank skips its optimizer update, decided
-on the device (`trainer.optim.SkippableStep`); it is logged and counted as
-`skipped_steps` in metrics.jsonl at the next sync step, and
-`train.max_nonfinite_steps` of them in a row stop the run there (the updates
-after the streak reached the limit are skipped too, so the weights are those
-of the last good step). A checkpoint that would hold a non-finite value is
-refused, and an interval save that falls inside a run of skipped steps waits
-for the next good step, so such steps never rotate good checkpoints out.
-
-Exit status of `python -m trainer` (common/rundir.py's *_EXIT): 0 done; 2 bad
-config or input (one `error:` line); 3 (NONFINITE_EXIT) stopped on non-finite
-numbers, with the latest checkpoint left as the last good one; 1 a checkpoint
-did not fit where checkpoints go (one `error:` line; any other crash is 1 with
-its traceback); 75 (REQUEUE_EXIT) stopped by a signal or the stop file after
-saving, to be requeued; 4 (HANG_EXIT) no step completed for train.hang_timeout:
-stacks in hangs/ (trainer/watchdog.py).
+Non-finite numbers are never trained on nor saved: a step whose loss or gradient norm is not finite
+on any rank skips its update, decided on the device (`trainer.optim.SkippableStep`), and is counted
+at the next sync step; `train.max_nonfinite_steps` of them in a row stop the run (the weights are
+those of the last good step). An interval save that falls inside a run of skipped steps waits for
+the next good step, so such steps never rotate good checkpoints out.
 """
 
 from __future__ import annotations
@@ -64,7 +41,7 @@ from torch import nn
 from trainer.compute import check_float8, compile_error, graph_break_report, reset_graph_breaks
 from common.errors import ConfigError
 from common.edge import run_at_edge
-from common.rundir import BAD_INPUT_EXIT, FAILED_EXIT, NONFINITE_EXIT, REQUEUE_EXIT, RunDir
+from common.rundir import BAD_INPUT_EXIT, FAILED_EXIT, HANG_EXIT, NONFINITE_EXIT, REQUEUE_EXIT, RunDir
 from trainer.config import TrainerConfig, load_trainer_config
 from common.layouts import layout_advice, memory_report, resolve_reshard
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
@@ -95,11 +72,8 @@ def unsupported_torch(version: str) -> Optional[str]:
     """A one-line warning when torch `version` (torch.__version__: 2.13.0+cpu, NGC's 2.10.0a0+...)
     is outside SUPPORTED_TORCH; None inside it, or when the version cannot be read."""
     match = re.match(r"(\d+)\.(\d+)", version)
-    if match is None:
-        return None
-    found = (int(match[1]), int(match[2]))
     (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_TORCH
-    if (lo_major, lo_minor) <= found <= (hi_major, hi_minor):
+    if match is None or (lo_major, lo_minor) <= (int(match[1]), int(match[2])) <= (hi_major, hi_minor):
         return None
     return (f"torch {version} is outside the supported range {lo_major}.{lo_minor} to {hi_major}.{hi_minor} (the "
             f"releases tested): install torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1} if this run "
@@ -128,7 +102,9 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
     with distributed_session(timeout) as env, contextlib.ExitStack() as closing:
         if gate is not None:
             gate.check(env.device)
-        training = set_up(cfg, run_dir, env, timeout, data or _default_data(), closing)
+        if data is None:
+            from trainer.data import build_data as data
+        training = set_up(cfg, run_dir, env, timeout, data, closing)
         state, loop = training.state, Loop(first_step=training.state.step + 1)
         result = TrainResult(state.step, None, requeue=False)
         while state.step < cfg.train.steps:
@@ -149,7 +125,7 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
             loop.window_steps += 1
             stopping = training.vote.result() if sync else False
             training.watchdog.step_queued(state.step, step_marker(env.device))  # done once the device gets there
-            if training.compiled and state.step == loop.first_step and env.rank == 0:
+            if cfg.train.compile and state.step == loop.first_step and env.rank == 0:
                 log.info("%s", graph_break_report())
             if sync and sync_step(training, loop, result, last, stopping):
                 break
@@ -165,7 +141,6 @@ class Training:
     run_dir: Path
     env: DistEnv
     dims: ParallelDims
-    compiled: bool
     tokens_per_step: int
     model: nn.Module
     runner: Runner
@@ -204,7 +179,7 @@ def train_step(training: Training, batches: list[Batch]) -> tuple[int, float, to
     """One optimizer step, queued on the device without waiting for it: forward and backward
     over the micro batches, clip, the update (skipped on the device where a number is not
     finite), the schedule. Returns (step, lr, [loss, grad norm, skipped]) still on the device."""
-    with _compile_errors(training.compiled):
+    with _compile_errors(training.cfg.train.compile):
         loss = training.runner.forward_backward(batches)
     grad_norm = clip_grad_norm_(training.model.parameters(), training.cfg.train.grad_clip, training.dims.pp_group)
     lr = training.lr_scheduler.get_last_lr()[0]
@@ -232,14 +207,14 @@ def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, s
                                   skipped_steps=state.skipped_steps, warmup_s=elapsed)
         else:
             training.metrics.log_train(state.step, loss, lr, grad_norm, training.tokens_per_step * loop.window_steps,
-                                  elapsed, loop.window_steps, loop.data_s, skipped_steps=state.skipped_steps)
+                                       elapsed, loop.window_steps, loop.data_s, skipped_steps=state.skipped_steps)
             loop.step_s = elapsed / loop.window_steps
         loop.window_start, loop.window_steps, loop.data_s = time.perf_counter(), 0, 0.0
     t_aside = time.perf_counter()  # evaluation and saving are not training time
     if training.evaluating and state.step % cfg.train.eval_interval == 0:
-        with _compile_errors(training.compiled):
-            training.metrics.log_eval(state.step, evaluate(training.runner, training.val_data, training.val_start, cfg, training.dims,
-                                                      training.env.device))
+        with _compile_errors(cfg.train.compile):
+            training.metrics.log_eval(state.step, evaluate(training.runner, training.val_data, training.val_start, cfg,
+                                                           training.dims, training.env.device))
     result.step, result.requeue = state.step, stopping and not last
     if last or result.requeue or (loop.save_due and not nonfinite):
         training.checkpointer.save(state.step, training.states, final=last, step_s=loop.step_s)  # refuses non-finite values
@@ -267,15 +242,11 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     dtype = resolve_dtype(cfg.train.dtype, env.device)
     attn_impl = select_attention(cfg.model, env.device, dtype)  # config errors: before the data work
     check_float8(cfg.train, env.device)
-    compiled = cfg.train.compile
     torch.manual_seed(cfg.run.seed)
     tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp
-    _describe(cfg, env, dims, dtype, attn_impl, compiled, timeout, tokens_per_step)
+    _describe(cfg, env, dims, dtype, attn_impl, timeout, tokens_per_step)
 
-    train_data, val_data, vocab_size = data(cfg, run_dir, dims.dp_rank, dims.dp)
-    if vocab_size > cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", f"the tokenizer has {vocab_size} tokens but model.vocab_size is "
-                          f"{cfg.model.vocab_size}: set model.vocab_size >= {vocab_size}")
+    train_data, val_data, _ = data(cfg, run_dir, dims.dp_rank, dims.dp)
     feeder = BatchFeeder(train_data, cfg.train.grad_accum_steps, env.device, read_ahead=cfg.train.prefetch)
     model = build_model(cfg, dims, env.device, dtype, attn_impl)
     runner = build_runner(model, dims, cfg, env.device, dtype)
@@ -284,51 +255,59 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     state = TrainState()
     # What a checkpoint holds; model and optimizer under full-model names, so any
     # dp/tp/pp layout can load what another saved.
-    states = {"model": ModelState([model]), "optimizer": OptimizerState([model], [optimizer]),
+    states = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
               "lr_scheduler": lr_scheduler, "data": feeder, "train_state": state, "rng": RNGState()}
     # The hang watchdog (trainer/watchdog.py) from here on: the load is checkpoint work, bounded by its own limit.
     watchdog = HangWatchdog(cfg.train, run_dir, env.rank).start(0)
     closing.callback(watchdog.stop)  # last: it guards the wait for a save in flight too
-    checkpointer = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint,
-                                expected_bytes=checkpoint_bytes(cfg.model.num_params()), timeout=timeout,
-                                async_save=resolve_async_save(cfg.checkpoint.async_save, env.device),
-                                pause=watchdog.paused, saves=RunDir(run_dir).saves)
-    state.step = checkpointer.load_latest(states)
-    if state.step >= cfg.train.steps and env.rank == 0:
-        log.warning("this run already reached train.steps=%d (checkpoint at step %d): nothing to train; "
-                    "raise train.steps (with --force) or pick another --run-name", cfg.train.steps, state.step)
-    elif state.step and state.step < cfg.train.steps:
-        log.info("resumed from step %d of %s", state.step, run_dir / cfg.checkpoint.dir)
-        if lr_scheduler.said and env.rank == 0:
-            log.info("%s", lr_scheduler.said)
-    elif cfg.checkpoint.save_initial:
-        checkpointer.save(0, states)
+    checkpointer = _resume(cfg, run_dir, env, timeout, states, watchdog)
     closing.callback(checkpointer.close)
     metrics = closing.enter_context(contextlib.closing(MetricsLogger(
         cfg, run_dir, env.rank, env.world_size, env.device, num_flops_per_token(cfg.model, cfg.data.seq_len))))
     # Steps after state.step that an earlier attempt logged are superseded from here on.
     metrics.log_restart(state.step, dict(dp=dims.dp, tp=dims.tp, pp=dims.pp))
-    profiler = closing.enter_context(contextlib.closing(StepProfiler(cfg.logging, run_dir, env.rank)))
-    vote = StopVote(timeout)
-    update = SkippableStep(optimizer, cfg.train.max_nonfinite_steps, state.nonfinite_streak, env.device)
-    collector = closing.enter_context(contextlib.closing(GarbageCollection(cfg.train.gc_interval)))
     evaluating = val_data is not None and cfg.train.eval_interval > 0 and runner.can_eval
     if val_data is not None and cfg.train.eval_interval > 0 and not runner.can_eval:
         log.warning("evaluation off: this torch has no forward-only pipeline schedule (torch >= 2.9 has)")
-    val_start = copy.deepcopy(val_data.state_dict()) if val_data is not None else None
     watchdog.start(state.step)  # the first step's allowance from here
-    if compiled:
+    if cfg.train.compile:
         reset_graph_breaks()
-    return Training(cfg=cfg, run_dir=run_dir, env=env, dims=dims, compiled=compiled, tokens_per_step=tokens_per_step,
-                    model=model, runner=runner, optimizer=optimizer, lr_scheduler=lr_scheduler, update=update,
-                    feeder=feeder, val_data=val_data, val_start=val_start, evaluating=evaluating, state=state,
-                    states=states, checkpointer=checkpointer, metrics=metrics, profiler=profiler, stop=stop, vote=vote,
-                    collector=collector, watchdog=watchdog)
+    return Training(
+        cfg=cfg, run_dir=run_dir, env=env, dims=dims, tokens_per_step=tokens_per_step, model=model, runner=runner,
+        optimizer=optimizer, lr_scheduler=lr_scheduler, feeder=feeder, val_data=val_data, evaluating=evaluating,
+        state=state, states=states,
+        val_start=copy.deepcopy(val_data.state_dict()) if val_data is not None else None,
+        update=SkippableStep(optimizer, cfg.train.max_nonfinite_steps, state.nonfinite_streak, env.device),
+        checkpointer=checkpointer, metrics=metrics, stop=stop, vote=StopVote(timeout), watchdog=watchdog,
+        profiler=closing.enter_context(contextlib.closing(StepProfiler(cfg.logging, run_dir, env.rank))),
+        collector=closing.enter_context(contextlib.closing(GarbageCollection(cfg.train.gc_interval))))
+
+
+def _resume(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, states: dict,
+            watchdog: HangWatchdog) -> Checkpointer:
+    """The checkpointer, with the latest checkpoint loaded into `states` (or step 0 saved, with
+    checkpoint.save_initial)."""
+    checkpointer = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint,
+                                expected_bytes=checkpoint_bytes(cfg.model.num_params()), timeout=timeout,
+                                async_save=resolve_async_save(cfg.checkpoint.async_save, env.device),
+                                pause=watchdog.paused, saves=RunDir(run_dir).saves)
+    step = states["train_state"].step = checkpointer.load_latest(states)
+    if step >= cfg.train.steps and env.rank == 0:
+        log.warning("this run already reached train.steps=%d (checkpoint at step %d): nothing to train; "
+                    "raise train.steps (with --force) or pick another --run-name", cfg.train.steps, step)
+    elif step and step < cfg.train.steps:
+        log.info("resumed from step %d of %s", step, run_dir / cfg.checkpoint.dir)
+        if states["lr_scheduler"].said and env.rank == 0:
+            log.info("%s", states["lr_scheduler"].said)
+    elif cfg.checkpoint.save_initial:
+        checkpointer.save(0, states)
+    return checkpointer
 
 
 def _describe(cfg: TrainerConfig, env: DistEnv, dims: ParallelDims, dtype: torch.dtype, attn_impl: str,
-              compiled: bool, timeout: timedelta, tokens_per_step: int) -> None:
+              timeout: timedelta, tokens_per_step: int) -> None:
     """The run's shape and options in the log, and the warnings a config earns before it trains."""
+    compiled = cfg.train.compile
     torch_warning = unsupported_torch(torch.__version__)
     if torch_warning and env.rank == 0:
         log.warning("%s", torch_warning)
@@ -426,18 +405,13 @@ def evaluate(runner: Runner, val_data: Sampler, val_start: dict, cfg: TrainerCon
     return global_mean(total / cfg.train.eval_batches, dims)
 
 
-def _default_data() -> DataBuilder:
-    from trainer.data import build_data
-
-    return build_data
-
-
 def main(argv: Optional[list[str]] = None, data: Optional[DataBuilder] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m trainer", description="Train the Llama decoder of a run.",
         epilog=f"exit status: 0 done; 1 failed (a checkpoint that does not fit: one error line); "
                f"{BAD_INPUT_EXIT} bad config or input; {NONFINITE_EXIT} stopped on non-finite numbers "
-               f"(train.max_nonfinite_steps); {REQUEUE_EXIT} stopped by a signal or the stop file after saving")
+               f"(train.max_nonfinite_steps); {HANG_EXIT} hung (train.hang_timeout: stacks in hangs/); "
+               f"{REQUEUE_EXIT} stopped by a signal or the stop file after saving")
     parser.add_argument("--config", required=True, type=Path, help="runs/RUN/config.yaml (its folder is the run)")
     args = parser.parse_args(argv)
 

@@ -4,14 +4,15 @@ the other heavy imports, each importing its run's own code (`slipway run`; docs/
     python3 .../trainer/warm.py serve SOCKET --code DIR    # one per node, allocation and key (a Slurm step)
     python3 -S .../trainer/warm.py rank SOCKET -- python3 -m trainer --config ...   # each rank's task
 
-Run as a file: a warm process holds no module of trainer/ nor common/. It binds SOCKET-NODE.sock
-in SOCKET's folder, the user's alone, beside the allocation's secret (JOB.secret, JOB from
-SLURM_JOB_ID); each side proves the secret by an HMAC over the other's random challenge (as
-CPython's forkserver does), and a message off the protocol ends its connection only. A rank starts
-warm only where it then starts as it would cold (`Warm.refusal`: its environment but for PER_LAUNCH,
-the modules its sys.path finds, unchanged on disk, no thread that outlives a fork), with its
-task's streams, environment, directory, umask, CPUs, sys.path and fresh global generators (an
-unset PYTHONHASHSEED draws one seed per warm process); else its task execs it cold, saying why.
+Run as a file: a warm process holds no module of trainer/ nor common/, only its own code
+(warm_rank.CODE: this file and warm_rank.py, a rank's side, imported from its folder). It binds
+SOCKET-NODE.sock in SOCKET's folder, the user's alone, beside the allocation's secret (JOB.secret,
+JOB from SLURM_JOB_ID); each side proves the secret by an HMAC over the other's random challenge
+(as CPython's forkserver does), and a message off the protocol ends its connection only. A rank
+starts warm only where it then starts as it would cold (`Warm.refusal`: its environment but for
+PER_LAUNCH, the modules its sys.path finds, unchanged on disk, no thread that outlives a fork),
+with its task's streams, environment, directory, umask, CPUs, sys.path and fresh global generators
+(an unset PYTHONHASHSEED draws one seed per warm process); else its task execs it cold, saying why.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import ast
 import contextlib
 import fcntl
 import hmac
+import importlib.util
 import json
 import os
 import re
@@ -27,16 +29,16 @@ import secrets
 import selectors
 import signal
 import socket
-import stat
 import sys
 import time
 from pathlib import Path
 
-# The signals a client passes on to its rank (SIGKILL cannot be caught: the client's death is).
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-             signal.SIGCONT)
-OWN = ("trainer", "common")  # slipway's packages: each rank imports the run's own
-MAX_MESSAGE = 1 << 20  # a request: the environment, the command
+# Its own code, from its folder whether sys.path holds that or not (PYTHONSAFEPATH: it does not).
+_rank_spec = importlib.util.spec_from_file_location("warm_rank", Path(__file__).with_name("warm_rank.py"))
+sys.modules["warm_rank"] = importlib.util.module_from_spec(_rank_spec)
+_rank_spec.loader.exec_module(sys.modules["warm_rank"])
+from warm_rank import CODE, MAX_MESSAGE, NODE, OWN, Cold, allocation_secret, client, finish, mac, say, send
+
 PROOF_SECONDS = 10  # a connection that has not proved itself by then is closed
 # Set per launch, step or rank (by Slurm, its GPU binding, the launcher, the shell, slipway) and
 # read by no import, the devices at their first use: where a rank's environment may differ from its
@@ -44,106 +46,6 @@ PROOF_SECONDS = 10  # a connection that has not proved itself by then is closed
 PER_LAUNCH = re.compile(r"(SLURM|SLURMD|PMI|PMIX|SLIPWAY)_\w*|((LOCAL|GROUP|ROLE)_)?(RANK|WORLD_SIZE)|NODE_RANK|"
                         r"MASTER_(ADDR|PORT)|(CUDA|ROCR|HIP|NVIDIA)_VISIBLE_DEVICES|GPU_DEVICE_ORDINAL|"
                         r"ZE_AFFINITY_MASK|PYTHONPATH|SHLVL|OLDPWD|_")
-NODE = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-class Cold(Exception):
-    """Why a rank starts cold."""
-
-
-def _say(text: str, stream=None) -> None:
-    print(f"slipway-warm {NODE}{text}", file=stream or sys.stdout, flush=True)
-
-
-def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
-    socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
-
-
-def _recv(sock: socket.socket) -> dict:
-    """The next message ({} once the other side is gone); ValueError for one off the protocol."""
-    message = json.loads(data) if (data := sock.recv(MAX_MESSAGE)) else {}
-    if not isinstance(message, dict):
-        raise ValueError("a message that is no JSON object")
-    return message
-
-
-def _mac(secret: bytes, challenge: object) -> str:
-    return hmac.new(secret, str(challenge).encode(), "sha256").hexdigest()
-
-
-def _secret(prefix: str, create: bool = False) -> bytes:
-    """This allocation's secret, in SOCKET's folder, which must be this user's alone; made once,
-    whole under another name, then linked (never seen half made, whoever is first)."""
-    folder, st = Path(prefix).parent, os.lstat(Path(prefix).parent)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise Cold(f"{folder} is not a folder of this user's closed to others: not a warm process's")
-    path, tmp = folder / f"{os.environ.get('SLURM_JOB_ID') or 'none'}.secret", folder / f".{os.getpid()}.secret"
-    if create and not path.exists():
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
-            f.write(secrets.token_bytes(32))
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, path)
-        os.unlink(tmp)
-    try:
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
-            st, data = os.fstat(f.fileno()), f.read(64)
-    except OSError as exc:
-        raise Cold(f"no secret of this allocation's ({exc.strerror})") from None
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077 or len(data) != 32:
-        raise Cold(f"{path} is no secret of this user's")
-    return data
-
-
-# ---------------------------------------------------------------------------- the rank's task
-
-
-def _connect(prefix: str) -> socket.socket:
-    """A connection to this node's warm process of SOCKET `prefix`, each side proven to the other."""
-    secret, sock = _secret(prefix), socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        sock.connect(f"{prefix}-{NODE}.sock")
-        mine = secrets.token_hex(16)
-        _send(sock, {"answer": _mac(secret, _recv(sock).get("challenge")), "challenge": mine})
-        if not hmac.compare_digest(str(_recv(sock).get("answer")), _mac(secret, mine)):
-            raise Cold("the process on the warm socket did not prove this allocation's secret")
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def client(prefix: str, argv: list[str]) -> int:
-    """Start `argv` as a rank through this node's warm process, or cold (exec) where none takes it;
-    one line on stderr says which (`slipway run` tells it on the terminal and in events.log)."""
-    what, umask = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "the node step", os.umask(0o022)
-    os.umask(umask)
-    try:
-        sock = _connect(prefix)
-        _send(sock, {"argv": argv, "executable": os.path.realpath(sys.executable), "env": dict(os.environ),
-                     "cwd": os.getcwd(), "cpus": sorted(os.sched_getaffinity(0)), "umask": umask}, [0, 1, 2])
-        if "pid" not in (reply := _recv(sock)):  # (sockets close at exec)
-            raise Cold(str(reply.get("cold") or "the warm process closed the connection"))
-    except (Cold, OSError, ValueError) as exc:
-        why = "no warm process on this node" if isinstance(exc, (FileNotFoundError, ConnectionRefusedError)) else \
-            str(exc) if isinstance(exc, Cold) else f"the warm process did not answer ({exc})"
-        _say(f": {what} starts cold: {why}", sys.stderr)
-        os.execvp(argv[0], argv)
-    _say(f": {what} started warm (pid {reply['pid']})", sys.stderr)
-    for sig in FORWARDED:
-        signal.signal(sig, lambda signum, _frame: _send(sock, {"signal": signum}))
-    while True:  # (a signal's handler returns: recv goes on, PEP 475)
-        try:
-            message = _recv(sock)
-        except (OSError, ValueError):
-            message = {}
-        if "exit" in message:
-            return 128 + message["signal"] if message.get("signal") else message["exit"]
-        if not message:
-            _say(f": the warm process ended under {what}", sys.stderr)
-            return 1
-
-
-# ---------------------------------------------------------------------------- the warm process
 
 
 def module_imports(code_dir: Path) -> list[str]:
@@ -217,12 +119,14 @@ def _stamp(files) -> dict[str, tuple]:
 
 
 def _shadowed(path: list[str]) -> str:
-    """A module held that `path`, a rank's sys.path, would find elsewhere, said ("" if none)."""
+    """A module held that `path`, a rank's sys.path, would find elsewhere, said ("" if none); the warm
+    process's own code is not the rank's to find."""
     from importlib.machinery import PathFinder
 
     for name, module in list(sys.modules.items()):
         spec, file = getattr(module, "__spec__", None), getattr(module, "__file__", None)
-        if "." not in name and file and spec is not None and spec.name == name and spec.has_location:
+        if "." not in name and file and spec is not None and spec.name == name and spec.has_location and \
+                f"{name}.py" not in CODE:
             if (found := PathFinder.find_spec(name, path)) is None or found.origin != file:
                 return f"its sys.path finds {name} {f'at {found.origin}' if found else 'nowhere'}, not at {file}"
     return ""
@@ -250,7 +154,7 @@ class Warm:
 
     def __init__(self, listener: socket.socket, prefix: str, record: dict[str, str]):
         self.listener, self.prefix, self.record = listener, prefix, record  # record: the environment it started with
-        self.secret, self.base_path = _secret(prefix), _base_path(os.environ.get("PYTHONPATH", ""))
+        self.secret, self.base_path = allocation_secret(prefix), _base_path(os.environ.get("PYTHONPATH", ""))
         self.restamp()
         self.ranks: dict[int, "socket.socket | None"] = {}  # pid -> its client's connection (None: gone)
         # A connection -> its challenge and deadline while unproven, then its rank's pid (0 before the fork).
@@ -278,9 +182,9 @@ class Warm:
                 unsafe = unsafe or _fork_unsafe()
                 self.restamp()
                 if came:
-                    _say(f" learned {came} modules the ranks imported")
+                    say(f" learned {came} modules the ranks imported")
             if self.draining and not self.ranks:
-                _say(" stopped")
+                say(" stopped")
                 return None
             for conn in [c for c, s in self.conns.items() if isinstance(s, tuple) and time.monotonic() > s[1]]:
                 self.close(conn)
@@ -294,7 +198,7 @@ class Warm:
                         conn, _ = self.listener.accept()
                         self.conns[conn] = (secrets.token_hex(16), time.monotonic() + PROOF_SECONDS)
                         self.sel.register(conn, selectors.EVENT_READ, conn)
-                        _send(conn, {"challenge": self.conns[conn][0]})
+                        send(conn, {"challenge": self.conns[conn][0]})
                 elif (rank := self.receive(event.data, unsafe)) is not None:
                     return rank
 
@@ -317,10 +221,10 @@ class Warm:
             if not isinstance(message := json.loads(data) if data else None, dict):
                 raise EOFError if not data else ValueError("a message that is no JSON object")
             if isinstance(state, tuple):
-                if not hmac.compare_digest(str(message.get("answer")), _mac(self.secret, state[0])):
+                if not hmac.compare_digest(str(message.get("answer")), mac(self.secret, state[0])):
                     raise ValueError("a client without this allocation's secret")
                 self.conns[conn] = 0
-                _send(conn, {"answer": _mac(self.secret, message.get("challenge"))})
+                send(conn, {"answer": mac(self.secret, message.get("challenge"))})
             elif state:
                 _kill(state, int(message["signal"]))
             elif isinstance(message.get("imported"), list):
@@ -331,7 +235,7 @@ class Warm:
                 return self.fork(conn, request, streams, unsafe)
         except Exception as exc:  # noqa: BLE001 - whatever a client sends, the warm process serves on
             if not isinstance(exc, EOFError):
-                _say(f": a connection ended: {type(exc).__name__}: {exc}"[:300])
+                say(f": a connection ended: {type(exc).__name__}: {exc}"[:300])
             if isinstance(state, int) and state:
                 _kill(state, signal.SIGKILL)
                 self.ranks[state] = None
@@ -346,7 +250,7 @@ class Warm:
         request["path"] = _rank_path(request, self.base_path)
         request["set"] = {k: os.environ.get(k) for k in {*os.environ, *self.record} if os.environ.get(k) != self.record.get(k)}
         if why := unsafe or self.refusal(request):
-            _send(conn, {"cold": why})
+            send(conn, {"cold": why})
             for fd in fds:
                 os.close(fd)
             return self.close(conn)
@@ -360,7 +264,7 @@ class Warm:
         for fd in fds:
             os.close(fd)
         self.conns[conn], self.ranks[child] = child, conn
-        _send(conn, {"pid": child})
+        send(conn, {"pid": child})
         return None
 
     def refusal(self, request: dict) -> str:
@@ -389,7 +293,7 @@ class Warm:
                 if (conn := self.ranks.pop(pid, None)) is not None:
                     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
                     with contextlib.suppress(OSError):
-                        _send(conn, {"exit": os.waitstatus_to_exitcode(status) if sig is None else 0, "signal": sig})
+                        send(conn, {"exit": os.waitstatus_to_exitcode(status) if sig is None else 0, "signal": sig})
                     self.close(conn)
 
 
@@ -399,24 +303,24 @@ def serve(prefix: str, code_dir: Path) -> "dict | None":
     try:
         with contextlib.suppress(FileExistsError):
             os.mkdir(Path(prefix).parent, 0o700)
-        _secret(prefix, create=True)
+        allocation_secret(prefix, create=True)
         lock = os.open(path[:-5] + ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for life: one warm process per name
         except BlockingIOError:
-            return _say(" already served")
+            return say(" already served")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # left by a warm process killed outright: the lock says none serves it
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(path)
     except (Cold, OSError) as exc:
-        return _say(f" cannot serve: {exc}")
+        return say(f" cannot serve: {exc}")
     listener.listen(64)
-    _say(" bound")
+    say(" bound")
     record, started, before = dict(os.environ), time.monotonic(), len(sys.modules)
     _import_all(module_imports(code_dir))
     unsafe = _fork_unsafe()
-    _say(f" ready: {len(sys.modules) - before} modules in {time.monotonic() - started:.1f} s"
+    say(f" ready: {len(sys.modules) - before} modules in {time.monotonic() - started:.1f} s"
          f"{'; every rank starts cold: ' + unsafe if unsafe else ''}")
     return Warm(listener, prefix, record).serve(unsafe)
 
@@ -440,85 +344,6 @@ def _rank_path(request: dict, base: list[str]) -> list[str]:
     first = [] if env.get("PYTHONSAFEPATH") else \
         [cwd if argv[1] == "-m" else os.path.dirname(os.path.realpath(os.path.join(cwd, argv[1])))]
     return first + [os.path.join(cwd, p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + base
-
-
-def run_rank(req: dict) -> None:
-    """In the forked child: become the rank `req` describes, as `python -m MODULE` or `python
-    SCRIPT` would start it, then run it (its SystemExit is this process's exit)."""
-    import builtins
-    import importlib.machinery
-    import runpy
-    import types
-
-    argv = req["argv"]
-    os.setsid()
-    for target, fd in enumerate(req["fds"]):
-        os.dup2(fd, target)
-        if fd > 2:
-            os.close(fd)
-    for sig in (signal.SIGCHLD, signal.SIGTERM, *FORWARDED):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.umask(req["umask"])
-    os.chdir(req["cwd"])
-    os.environ.clear()
-    os.environ.update(req["env"])
-    for key, value in req["set"].items():  # what the imports held set in the environment (setdefault...)
-        os.environ.pop(key, None) if value is None else os.environ.update({key: value})
-    sys.path[:] = req["path"]
-    importlib.invalidate_caches()
-    with contextlib.suppress(OSError, ValueError):
-        os.sched_setaffinity(0, req["cpus"])
-    for generator in (sys.modules.get("numpy.random"), getattr(sys.modules.get("torch"), "default_generator", None)):
-        getattr(generator, "seed", lambda: None)()  # from fresh entropy, as at their import in a cold rank
-    main, warm_main = types.ModuleType("__main__"), sys.modules["__main__"]
-    for name in [n for n, m in sys.modules.items() if m is warm_main]:  # multiprocessing's __mp_main__ too
-        sys.modules[name] = main
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if argv[1] == "-m":
-        sys.argv = [argv[0], *argv[3:]]
-        runpy._run_module_as_main(argv[2])  # `python -m`'s own: in __main__'s namespace, with its errors
-    else:
-        sys.argv = argv[1:]
-        main.__dict__.update(__file__=argv[1], __cached__=None, __builtins__=builtins,
-                             __loader__=importlib.machinery.SourceFileLoader("__main__", argv[1]))
-        exec(compile(Path(argv[1]).read_bytes(), argv[1], "exec"), main.__dict__)
-
-
-def finish(req: dict) -> int:
-    """Run the rank and end this process as a fork child ends (multiprocessing's way): its threads
-    joined and its atexit functions run as at any exit, then os._exit, without tearing down the
-    thousands of modules it shares with the warm process page by page (seconds on a loaded node);
-    then tell the warm process what it imported (not the run's own code: trainer/, common/, its
-    PYTHONPATH), for the next ranks (`learn`)."""
-    import atexit
-    import threading
-    import traceback
-
-    code, forked_with = 0, set(sys.modules)
-    try:
-        run_rank(req)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - as the interpreter would report it
-        traceback.print_exc()
-        code = 1
-    try:
-        threading._shutdown()
-        atexit._run_exitfuncs()
-        own = tuple(os.path.abspath(p) + os.sep for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
-        names = [name for name in set(sys.modules) - forked_with if name.split(".")[0] not in OWN and not (
-            own and os.path.abspath(getattr(sys.modules.get(name), "__file__", None) or "").startswith(own))]
-        with contextlib.suppress(Cold, OSError, ValueError):
-            _send(_connect(req["prefix"]), {"imported": names})
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
 
 
 def main(args: list[str]) -> int:

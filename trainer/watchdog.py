@@ -1,48 +1,17 @@
-"""The hang watchdog: a run that stops making progress ends, with every rank's stacks on disk.
+"""The hang watchdog: a run that stops making progress ends, with every rank's stacks on disk
+(what it writes and when: docs/runs.md, "Hang watchdog").
 
-What costs multi-node users the most time is a silent hang: one rank stuck (a
-dead NIC, a wedged GPU, a frozen process), every other rank waiting for it in
-a collective, nothing in the logs until the time limit. Each rank runs one
-`HangWatchdog`, a thread that the training loop tells of every step it queues
-(`step_queued`: one append). On CUDA the host runs ahead of the device, so a
-step counts as done when its completion marker (a CUDA event recorded after its
-optimizer update) says the device got there, which the thread asks without
-blocking; at a sync step the host has waited for the device and says so
-(`step_done`). When no step completes for `train.hang_timeout` seconds
-(`train.hang_timeout_first_step` for the first step after a start or resume:
-compilation, the first batches), the thread:
-
-1. writes `RUN/hangs/<job>-<host>-<rank>.txt`: what hung (step, seconds, the
-   limit), the Python stacks of all threads (faulthandler, which needs nothing
-   from the stuck thread), torch's flight recorder's last collectives (the
-   whole trace goes to `<job>-<host>-<rank>.fr.pkl`), and `py-spy dump` when
-   py-spy is installed;
-2. waits until `dump_window_s` after it noticed, so that the other ranks, whose
-   watchdogs fire within milliseconds of this one (every rank finishes a step
-   at the same all-reduce), finish their dumps before torchrun or srun tear
-   the job down on this rank's exit;
-3. exits the process with HANG_EXIT (4): the main thread is stuck, so nothing
-   short of `os._exit` ends it. A timer started first makes the exit sure even if
-   writing the dump blocks (a hung filesystem): at most `hard_exit_s` after it
-   noticed.
-
-A rank frozen whole (SIGSTOP, a process that never gives the interpreter back)
-cannot dump itself: the others name it by its missing dump. torchrun turns a
-worker's exit code into 1, so the batch script decides "hung" from the dump
-files, not from the exit status.
-
-A checkpoint save, load or prune is no step, and on a busy parallel file system
-it can take longer than a step's limit: while one runs (`paused`) the step limit
-stops, and `train.checkpoint_timeout` bounds it instead. Past that bound the
-thread ends the run as a slow checkpoint, not a hang: the stacks go to the
-rank's log, rank 0 writes `slow checkpoint: ...` to events.log, and every rank
-exits SLOW_CHECKPOINT_EXIT (a failure the batch script retries on the same
-nodes: no node is to blame for a slow file system). The step limit starts anew
-when the checkpoint work ends.
-
-Rank 0's watchdog also keeps `RUN/progress.json` (the last completed step and
-its wall-clock time), at most every PROGRESS_SECONDS, from its own thread: the
-live view (`slipway watch`) shows the step and the time since it from it.
+Each rank runs one `HangWatchdog`, a thread the training loop tells of every step it queues
+(`step_queued`: one append); on CUDA a step is done when its completion marker says the device got
+there (asked without blocking), and a sync step, where the host has waited, says so (`step_done`).
+When no step completes in time, the thread writes the rank's dump, waits until `dump_window_s`
+after it noticed (the other ranks, whose watchdogs fire within milliseconds at the same all-reduce,
+finish their dumps before the launcher tears the job down on this rank's exit), and exits with
+HANG_EXIT by `os._exit` (the main thread is stuck), a timer started first making the exit sure even
+if writing the dump blocks. torchrun turns a worker's exit code into 1, so the batch script decides
+"hung" from the dump files, not from the exit status. Checkpoint work is no step (`paused`): past
+`train.checkpoint_timeout` every rank exits SLOW_CHECKPOINT_EXIT. Rank 0's watchdog also keeps
+`RUN/progress.json` (the last completed step and its wall-clock time) for `slipway watch`.
 """
 
 from __future__ import annotations
@@ -316,12 +285,15 @@ class HangWatchdog:
         except OSError as exc:  # the view loses a figure; training must not
             log.debug("progress.json not written: %s", exc)
 
-    def _fire(self, idle_s: float, step: int, limit_s: float) -> None:
-        noticed = time.monotonic()
-        # Whatever happens below (a dump blocked on a hung filesystem), the process ends.
-        killer = threading.Timer(self.hard_exit_s, self._exit, (HANG_EXIT,))
+    def _exit_timer(self, code: int) -> threading.Timer:
+        """Whatever happens after it (a dump blocked on a hung filesystem), the process ends."""
+        killer = threading.Timer(self.hard_exit_s, self._exit, (code,))
         killer.daemon = True
         killer.start()
+        return killer
+
+    def _fire(self, idle_s: float, step: int, limit_s: float) -> None:
+        noticed, killer = time.monotonic(), self._exit_timer(HANG_EXIT)
         path = dump_path(self.run_dir, self.rank)
         what = (f"no training step completed for {idle_s:.1f} s after step {step} (limit {limit_s:g} s: "
                 f"train.{'hang_timeout_first_step' if step == self._start_step else 'hang_timeout'})")
@@ -338,10 +310,7 @@ class HangWatchdog:
     def _fire_slow_checkpoint(self, what: str, seconds: float) -> None:
         """Checkpoint work outlasted train.checkpoint_timeout: say so (not a hang), with the
         stacks in this rank's log, and end the process as a failure."""
-        noticed = time.monotonic()
-        killer = threading.Timer(self.hard_exit_s, self._exit, (SLOW_CHECKPOINT_EXIT,))
-        killer.daemon = True
-        killer.start()
+        noticed, killer = time.monotonic(), self._exit_timer(SLOW_CHECKPOINT_EXIT)
         text = (f"slow checkpoint: {what} has taken {seconds:.0f} s, over train.checkpoint_timeout "
                 f"({self.checkpoint_timeout_s:g} s), on rank {self.rank} ({node_name()}): the file system where "
                 "checkpoints go is slow or stuck, not a node; the run ends (exit "

@@ -125,7 +125,9 @@ class Check:
         if left < MIN_STEP_SECONDS:
             raise OutOfTime(f"not started: {max(left, 0):.0f} s of the part's {part.budget_s:g} s budget was left, "
                             f"less than a step's {MIN_STEP_SECONDS:g} s")
-        self._say(f"{part.name}: {what}")
+        if self.console is not None:
+            self.console.print(f"[dim]gpu-check {time.monotonic() - self._clock:5.0f} s  {part.name}: {what}[/]",
+                               highlight=False)
         hide = {"CUDA_VISIBLE_DEVICES": ""} if self.device == "cpu" else {}  # --device cpu on a GPU node too
         proc = subprocess.Popen(argv, cwd=cwd or self.work, env={**os.environ, **(env or {}), **hide}, text=True,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -181,10 +183,6 @@ class Check:
                        "incomplete" if ran and any("budget" in s["why"] for s in part.skipped) else
                        "ok" if ran else "skipped")
         self.write_report()
-
-    def _say(self, text: str) -> None:
-        if self.console is not None:
-            self.console.print(f"[dim]gpu-check {time.monotonic() - self._clock:5.0f} s  {text}[/]", highlight=False)
 
     # ---------------------------------------------------------------- the report
 

@@ -119,12 +119,6 @@ class GpuCheck(Check):
         raw["train"]["grad_accum_steps"] = accum
         return write_atomic(self.work / "configs" / f"{name}.yaml", yaml.safe_dump(raw, sort_keys=False))
 
-    def trainer_run(self, name: str, dtype: str) -> Path:
-        """A run directory for `python -m trainer` (the correctness part's): its config.yaml."""
-        raw = {"run": {"name": name, "seed": 7}, **self.trainer_sections(12, dtype),
-               "parallel": {"dp": 1, "tp": 1, "pp": 1}, "checkpoint": {"interval": 10**6}}
-        return write_atomic(self.work / "correctness" / name / "config.yaml", yaml.safe_dump(raw, sort_keys=False))
-
     # ---------------------------------------------------------------- correctness
 
     def plan_correctness(self) -> Plan:
@@ -133,26 +127,26 @@ class GpuCheck(Check):
                 ("attention kernels", self.attention)]
 
     def trainer_losses(self, part: Part, what: str, dtype: str, cpu: bool) -> None:
-        config = self.trainer_run("fp32-cpu" if cpu else f"bf16-{self.device}", dtype)
-        env = {"CUDA_VISIBLE_DEVICES": ""} if cpu else {}
+        name = "fp32-cpu" if cpu else f"bf16-{self.device}"
+        raw = {"run": {"name": name, "seed": 7}, **self.trainer_sections(12, dtype),
+               "parallel": {"dp": 1, "tp": 1, "pp": 1}, "checkpoint": {"interval": 10**6}}
+        config = write_atomic(self.work / "correctness" / name / "config.yaml", yaml.safe_dump(raw, sort_keys=False))
         rc, output = self.run(part, what, [sys.executable, "-m", "trainer", "--config", str(config)],
-                              env={**env, "OMP_NUM_THREADS": "1" if self.device == "cpu" else "4"})
-        losses = _losses(config.parent) if rc == 0 else {}
-        part.results[what] = losses
-        part.check(f"the trainer, {what}", rc == 0 and sorted(losses) == list(range(1, 13)),
-                   f"12 steps, loss {losses.get(1, 0):.4f} -> {losses.get(12, 0):.4f}" if rc == 0 and losses
-                   else f"exit {rc}: {failure_line(output)}")
+                              env={**({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}),
+                                   "OMP_NUM_THREADS": "1" if self.device == "cpu" else "4"})
+        part.results[what] = losses = (_attempts(config.parent) or [{}])[-1] if rc == 0 else {}
+        _trained(part, f"the trainer, {what}", rc, output, losses, range(1, 13),
+                 f"12 steps, loss {losses.get(1, 0):.4f} -> {losses.get(12, 0):.4f}")
 
     def bf16_against_fp32(self, part: Part) -> None:
         what = f"bf16 on the {self.device.upper()}"
         self.trainer_losses(part, what, "bfloat16", cpu=False)
         ref, got = part.results.get("fp32 on the CPU") or {}, part.results.get(what) or {}
-        if not ref or not got:
-            return
-        worst = _worst(got, ref)
-        part.check("bf16 against the fp32 reference", worst <= BF16_LOSS_RTOL and ref[1] - ref[12] > 0.3,
-                   f"the losses of 12 steps within {worst:.1e} of fp32's (bound {BF16_LOSS_RTOL:g}), "
-                   f"fp32 learned {ref[1] - ref[12]:.2f}")
+        if ref and got:
+            worst = _worst(got, ref)
+            part.check("bf16 against the fp32 reference", worst <= BF16_LOSS_RTOL and ref[1] - ref[12] > 0.3,
+                       f"the losses of 12 steps within {worst:.1e} of fp32's (bound {BF16_LOSS_RTOL:g}), "
+                       f"fp32 learned {ref[1] - ref[12]:.2f}")
 
     def attention(self, part: Part) -> None:
         result = self.run_json(part, "attention kernels", [sys.executable, "-m", "trainer.gpucheck", "attention",
@@ -164,10 +158,9 @@ class GpuCheck(Check):
             detail = kernel.get("error") or ", ".join(f"{k} {v['error']:.3g} (bound {v['bound']:.3g})"
                                                       for k, v in kernel["errors"].items())
             part.check(f"{name} against the math path", kernel["ok"], detail)
-        if not result["flash_attn"]:
-            part.skip("flash-attn against the math path", "flash-attn is not installed here")
-        elif self.device == "cpu":
-            part.skip("flash-attn against the math path", "flash-attn runs on CUDA only")
+        if not result["flash_attn"] or self.device == "cpu":
+            part.skip("flash-attn against the math path", "flash-attn runs on CUDA only" if result["flash_attn"]
+                      else "flash-attn is not installed here")
 
     # ---------------------------------------------------------------- training through `slipway local`
 
@@ -182,18 +175,18 @@ class GpuCheck(Check):
         return self.run(part, what, [sys.executable, "-m", "jobs", "local", str(config)], env=env, interrupt=True)
 
     def first_attempt(self, part: Part) -> None:
-        what = f"FSDP2 over {self.devices}"
+        what, run = f"FSDP2 over {self.devices}", RunDir(self.runs / "gpucheck-dp")
         rc, output = self.local(part, what, self.training_config("gpucheck-dp", dp=self.devices, tp=1))
-        run = self.runs / "gpucheck-dp"
-        attempts = _attempts(run)
-        losses = attempts[0] if attempts else {}
+        losses = (_attempts(run.path) or [{}])[0]
         part.results["losses"] = {"first attempt": losses}
-        saved = complete_checkpoints(run / "checkpoints") if run.is_dir() else []
-        hangs = sorted(p.name for p in RunDir(run).hangs.glob("*.txt")) if run.is_dir() else []
-        progress = _json(RunDir(run).progress)
-        part.check(f"slipway local, {what}", rc == 0 and sorted(losses) == list(range(1, STEPS + 1)),
-                   f"{STEPS} steps, loss {losses.get(1, 0):.4f} -> {losses.get(STEPS, 0):.4f}" if rc == 0 and losses
-                   else f"exit {rc}: {failure_line(output)}")
+        saved = complete_checkpoints(run.path / "checkpoints")
+        hangs = sorted(p.name for p in run.hangs.glob("*.txt"))
+        try:
+            progress = json.loads(run.progress.read_text())
+        except (OSError, ValueError):
+            progress = {}
+        _trained(part, f"slipway local, {what}", rc, output, losses, range(1, STEPS + 1),
+                 f"{STEPS} steps, loss {losses.get(1, 0):.4f} -> {losses.get(STEPS, 0):.4f}")
         part.check("checkpoints", saved == [SAVED, STEPS], f"complete at steps {saved or 'none'}")
         part.check("hang watchdog", not hangs and progress.get("step") == STEPS and progress.get("hang_timeout", 0) > 0,
                    f"on (train.hang_timeout {progress.get('hang_timeout')} s), no hang; progress.json at step "
@@ -209,15 +202,12 @@ class GpuCheck(Check):
             return
         shutil.rmtree(last)
         rc, output = self.local(part, what, self.work / "configs" / "gpucheck-dp.yaml")
-        attempts = _attempts(run)
-        first, second = (attempts + [{}, {}])[:2]
+        first, second = (_attempts(run) + [{}, {}])[:2]
         part.results["losses"]["resumed"] = second
-        if not part.check(f"slipway local, {what}", rc == 0 and sorted(second) == list(range(SAVED + 1, STEPS + 1)),
-                          f"steps {SAVED + 1}-{STEPS} trained again" if rc == 0 else
-                          f"exit {rc}: {failure_line(output)}"):
+        if not _trained(part, f"slipway local, {what}", rc, output, second, range(SAVED + 1, STEPS + 1),
+                        f"steps {SAVED + 1}-{STEPS} trained again"):
             return
-        same = all(second[s] == first.get(s) for s in second)
-        worst = _worst(second, first)
+        same, worst = all(second[s] == first.get(s) for s in second), _worst(second, first)
         tolerance = 0.0 if self.device == "cpu" else LAYOUT_RTOL["bfloat16"] / 10
         part.check("exact resume", same or worst <= tolerance,
                    f"the losses of steps {SAVED + 1}-{STEPS} are the first attempt's, bit for bit" if same else
@@ -227,18 +217,16 @@ class GpuCheck(Check):
     def layouts(self, part: Part) -> None:
         """dp x tp (tp 2) trains what dp alone does on the same global batch (twice the gradient
         accumulation), to the precision's rounding."""
-        dp, what = self.devices // 2, "dp x tp"
-        rc, output = self.local(part, what, self.training_config("gpucheck-tp", dp=dp, tp=2, accum=2))
+        dp, dtype = self.devices // 2, "bfloat16" if self.device == "cuda" else "float32"
+        rc, output = self.local(part, "dp x tp", self.training_config("gpucheck-tp", dp=dp, tp=2, accum=2))
         got = (_attempts(self.runs / "gpucheck-tp") or [{}])[0]
         part.results["losses"][f"dp {dp} x tp 2"] = got
         ref = part.results["losses"].get("first attempt") or {}
-        if not part.check(f"slipway local, dp {dp} x tp 2", rc == 0 and sorted(got) == list(range(1, STEPS + 1)),
-                          f"{STEPS} steps" if rc == 0 else f"exit {rc}: {failure_line(output)}") or not ref:
-            return
-        dtype = "bfloat16" if self.device == "cuda" else "float32"
-        worst = _worst(got, ref)
-        part.check("dp x tp against dp", worst <= LAYOUT_RTOL[dtype],
-                   f"losses within {worst:.1e} of the FSDP2 run's (bound {LAYOUT_RTOL[dtype]:g}, {dtype})")
+        if _trained(part, f"slipway local, dp {dp} x tp 2", rc, output, got, range(1, STEPS + 1), f"{STEPS} steps") \
+                and ref:
+            worst = _worst(got, ref)
+            part.check("dp x tp against dp", worst <= LAYOUT_RTOL[dtype],
+                       f"losses within {worst:.1e} of the FSDP2 run's (bound {LAYOUT_RTOL[dtype]:g}, {dtype})")
 
     # ---------------------------------------------------------------- all-reduce
 
@@ -250,7 +238,7 @@ class GpuCheck(Check):
     def allreduce(self, part: Part) -> None:
         sizes = ["1", "64", "1024"] if self.device == "cuda" else ["1", "8"]
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.devices}",
-                "-m", "trainer.gpucheck", "allreduce", "--device", self.device, "--sizes", *sizes,
+                "-m", "trainer.gpucheck", "allreduce", "--sizes", *sizes,
                 "--iters", "10" if self.device == "cuda" else "3"]
         result = self.run_json(part, f"all-reduce over {self.devices}", argv, env={"OMP_NUM_THREADS": "1"})
         if result is not None:
@@ -304,8 +292,10 @@ class GpuCheck(Check):
         part.check(f"{what} trains", result["tokens_per_s"] > 0, f"{result['tokens_per_s']:,.0f} tokens/s")
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    return (_attempts(run_dir) or [{}])[-1]
+def _trained(part: Part, what: str, rc: int, output: str, losses: dict[int, float], steps: range, detail: str) -> bool:
+    """A check that a run ended well with the losses of `steps` logged; its output's last line where not."""
+    return part.check(what, rc == 0 and sorted(losses) == list(steps),
+                      detail if rc == 0 and losses else f"exit {rc}: {failure_line(output)}")
 
 
 def _worst(got: dict[int, float], ref: dict[int, float]) -> float:
@@ -324,11 +314,3 @@ def _attempts(run_dir: Path) -> list[dict[int, float]]:
             if record.get("kind") == "train":
                 attempts[-1][record["step"]] = record["loss"]
     return [a for a in attempts if a]
-
-
-def _json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -1,19 +1,9 @@
-"""The wheels `slipway gpu-check` needs on a node without network, beside the node's own torch:
-gathered on a machine with an index (a login node) for the node's Python and platform
-(`make gpu-check-wheels`), carried over, installed with no index:
-
-    python -m jobs.gpucheck.wheels --out DIR [--python-version 3.12] [--platform manylinux_2_28_x86_64]
-                                   [--torchtitan] [--have NODE-FREEZE.txt]
-    # on the node:
-    python3 -m venv --system-site-packages V && V/bin/pip install --no-index --find-links DIR -r DIR/requirements.txt
-
-What goes in: slipway's own wheel, its dependencies, and the trainer extra less torch and
-datasets (the shipped corpus needs no datasets), pure-Python and manylinux wheels only;
-`--torchtitan` adds torchtitan and what it needs. torch is the node's, and so is whatever
-`--have` lists (`python3 -m pip list --format=freeze` on the node): each is stood in for by an
-empty wheel of its version while pip resolves, so neither it nor what only it needs is
-fetched. The directory appears whole or not at all, says its size, and is refused past
-MAX_BYTES (what a node's scratch and a copy over a slow link bear).
+"""The wheels `slipway gpu-check` needs on a node without network, beside the node's own torch,
+gathered where an index is reachable (`make gpu-check-wheels`; what goes in and how the node
+installs them: docs/trainer.md). torch is the node's, and so is whatever `--have` lists: each is
+stood in for by an empty wheel of its version while pip resolves, so neither it nor what only it
+needs is fetched. The directory appears whole or not at all, and is refused past MAX_BYTES (what a
+node's scratch and a copy over a slow link bear).
 """
 
 from __future__ import annotations
@@ -115,55 +105,27 @@ def gather(out: Path, python_version: str, platform: str, torchtitan: bool = Fal
     if not (ROOT / "pyproject.toml").is_file():
         raise ConfigError("gpu-check-wheels", f"{ROOT} is no checkout of slipway (no pyproject.toml): run it there")
     pip = pip or [sys.executable, "-m", "pip"]
-    nodot = python_version.replace(".", "")
     target = ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
               *(a for tag in tags for a in ("--platform", tag))]
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        wheels, stubs = work / "wheels", work / "stubs"
-        wheels.mkdir()
-        stubs.mkdir()
-        source = work / "source"  # what pyproject.toml packages, copied: a checkout's build/ may hold stale files
-        source.mkdir()
-        for name in PACKAGED:
-            if (ROOT / name).is_dir():
-                shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-            else:
-                shutil.copy2(ROOT / name, source / name)
-        _pip(pip + ["wheel", "--no-deps", "-q", "-w", str(wheels), str(source)], "building slipway's wheel")
-        (own,) = wheels.glob("slipway-*.whl")
-        reqs = requirements(own, torchtitan)
+        wheels = work / "wheels"
+        reqs = requirements(_own_wheel(work, wheels, pip), torchtitan)
         nodes = node_has(have)
-        for name, version in nodes.items():
-            stub_wheel(stubs, name, f"{version}+slipway")
-        (work / "constraints.txt").write_text("".join(f"{n}=={v}+slipway\n" for n, v in nodes.items()))
         say(f"resolving {', '.join(reqs)} for CPython {python_version} on {platform} (the node has: "
             f"{', '.join(sorted(nodes))})")
-        _pip(pip + ["install", "-q", "--dry-run", "--ignore-installed", "--report", str(work / "report.json"),
-                    "--target", str(work / "target"), *target, "--abi", f"cp{nodot}", "--abi", "abi3", "--abi", "none",
-                    "--find-links", str(stubs), "--find-links", str(wheels), "-c", str(work / "constraints.txt"),
-                    *reqs], "resolving")
-        chosen = [f"{i['metadata']['name']}=={i['metadata']['version']}"
-                  for i in json.loads((work / "report.json").read_text())["install"]
-                  if _norm(i["metadata"]["name"]) not in nodes and _norm(i["metadata"]["name"]) != "slipway"]
+        chosen = _resolve(work, pip, [*target, "--abi", f"cp{python_version.replace('.', '')}", "--abi", "abi3",
+                                      "--abi", "none"], reqs, nodes)
         if chosen:
             _pip(pip + ["download", "-q", "--no-deps", *target, "-d", str(wheels), *chosen], "downloading")
-        size = sum(p.stat().st_size for p in wheels.iterdir())
-        biggest = sorted(wheels.iterdir(), key=lambda p: p.stat().st_size, reverse=True)[:4]
-        if size > MAX_BYTES:
-            largest = ", ".join(f"{p.name.split('-')[0]} {p.stat().st_size / 2**20:.1f}" for p in biggest)
-            raise ConfigError("gpu-check-wheels", f"{size / 2**20:.1f} MiB of wheels, over the {MAX_BYTES // 2**20} MiB "
-                                                  f"this bundle may take (largest, MiB: {largest}): give --have the "
-                                                  "node's `python3 -m pip list --format=freeze` to leave out what it "
-                                                  "has" + (", or leave out --torchtitan" if torchtitan else ""))
+        size = _within_limit(wheels, torchtitan)
         write_atomic(wheels / "requirements.txt",
                      f"# slipway gpu-check for CPython {python_version} on {platform}, beside the node's torch\n"
                      + "".join(f"{r}\n" for r in reqs))
         (wheels / MARK).write_text(json.dumps({"python": python_version, "platform": platform, "bytes": size}) + "\n")
         if out.exists():
-            old = work / "old"
-            os.replace(out, old)
+            os.replace(out, work / "old")
         os.replace(wheels, out)
         say(f"{out}: {len(list(out.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB (at most {MAX_BYTES // 2**20}); on the "
             f"node: python3 -m venv --system-site-packages V && V/bin/pip install --no-index --find-links {out} "
@@ -171,6 +133,50 @@ def gather(out: Path, python_version: str, platform: str, torchtitan: bool = Fal
         return size
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _own_wheel(work: Path, wheels: Path, pip: list[str]) -> Path:
+    """slipway's wheel, built into `wheels` from a copy of what pyproject.toml packages (a checkout's
+    build/ may hold stale files)."""
+    source = work / "source"
+    source.mkdir()
+    for name in PACKAGED:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(ROOT / name, source / name)
+    _pip(pip + ["wheel", "--no-deps", "-q", "-w", str(wheels), str(source)], "building slipway's wheel")
+    (own,) = wheels.glob("slipway-*.whl")
+    return own
+
+
+def _resolve(work: Path, pip: list[str], target: list[str], reqs: list[str], nodes: dict[str, str]) -> list[str]:
+    """NAME==VERSION of every wheel `reqs` need for the node that it does not have (stood in for by
+    empty wheels while pip resolves), slipway's own left out."""
+    stubs = work / "stubs"
+    stubs.mkdir()
+    for name, version in nodes.items():
+        stub_wheel(stubs, name, f"{version}+slipway")
+    (work / "constraints.txt").write_text("".join(f"{n}=={v}+slipway\n" for n, v in nodes.items()))
+    _pip(pip + ["install", "-q", "--dry-run", "--ignore-installed", "--report", str(work / "report.json"),
+                "--target", str(work / "target"), *target, "--find-links", str(stubs), "--find-links",
+                str(work / "wheels"), "-c", str(work / "constraints.txt"), *reqs], "resolving")
+    return [f"{i['metadata']['name']}=={i['metadata']['version']}"
+            for i in json.loads((work / "report.json").read_text())["install"]
+            if _norm(i["metadata"]["name"]) not in nodes and _norm(i["metadata"]["name"]) != "slipway"]
+
+
+def _within_limit(wheels: Path, torchtitan: bool) -> int:
+    """The wheels' size in bytes, refused past MAX_BYTES."""
+    size = sum(p.stat().st_size for p in wheels.iterdir())
+    if size > MAX_BYTES:
+        biggest = sorted(wheels.iterdir(), key=lambda p: p.stat().st_size, reverse=True)[:4]
+        largest = ", ".join(f"{p.name.split('-')[0]} {p.stat().st_size / 2**20:.1f}" for p in biggest)
+        raise ConfigError("gpu-check-wheels", f"{size / 2**20:.1f} MiB of wheels, over the {MAX_BYTES // 2**20} MiB "
+                                              f"this bundle may take (largest, MiB: {largest}): give --have the "
+                                              "node's `python3 -m pip list --format=freeze` to leave out what it "
+                                              "has" + (", or leave out --torchtitan" if torchtitan else ""))
+    return size
 
 
 def _pip(argv: list[str], what: str) -> None:

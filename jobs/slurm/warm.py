@@ -7,7 +7,7 @@ Per node and allocation, one warm process per key: a Slurm step of the allocatio
 a folder of the user's in the node's /dev/shm, which containers share. KEY says what it was
 started with: the image, the container settings (with the runs root mounted in place of one run's
 directory, so that every later run and code snapshot is seen there), the interpreter, the
-environment the batch script sets and trainer/warm.py itself; any changed, a new warm process.
+environment the batch script sets and the warm process's own code; any changed, a new warm process.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Optional
 from common.errors import ConfigError
 from common.rundir import CodeSnapshot, RunDir
 from edf import Environment, srun_flags
+from jobs import trainer_door
 from jobs.config import Config
 from jobs.slurm.client import srun_argv
 from jobs.config.sections import NODE_PRESETS
@@ -64,12 +65,12 @@ def plan(cfg: Config, paths: RunDir, env_of, code: Optional[CodeSnapshot], image
     except ConfigError:  # a mount of the user's would hide the runs root: the run's own check says so
         return None
     preset = NODE_PRESETS.get(cfg.launch.preset)
-    warm_py = Path(code.source) / "warm.py" if code and code.source else None
+    warm_code = [Path(code.source) / name for name in trainer_door.warm_code()] if code and code.source else []
     what = {
         "image": image or env.image, "container": flags, "python": cfg.launch.python,
         "env": sorted(cfg.launch.env.items()), "preset": sorted(preset.env) if preset else [],
         "debug": cfg.launch.debug, "gpus": cfg.slurm.gpus_per_node, "cpus": _cpus_per_node(cfg),
-        "warm.py": hashlib.sha256(warm_py.read_bytes()).hexdigest() if warm_py and warm_py.is_file() else "",
+        "warm code": [hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else "" for f in warm_code],
     }
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return WarmPlan(key, env)

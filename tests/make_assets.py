@@ -1,4 +1,4 @@
-"""Regenerate the builtin corpus and tokenizer: `python trainer/assets/make_assets.py`.
+"""Regenerate the builtin corpus and tokenizer: `.venv/bin/python tests/make_assets.py [OUT]`.
 
 The corpus is real English prose written by people: the docstrings of the
 Python standard library and the Python language reference topics that ship
@@ -8,7 +8,7 @@ the text comes from the interpreter that runs this script, so the output is
 byte-identical when run again with the same CPython version (the one used is
 recorded in README.md) and the same `tokenizers` version.
 
-Outputs, beside this file:
+Outputs, in OUT (default: trainer/assets/, where the product reads them):
 - corpus.jsonl.gz: one JSON object per document, {"text": ..., "source": ...};
   documents are shuffled with a fixed seed so a held-out tail is a fair sample.
 - tokenizer.json: byte-level BPE with `VOCAB_SIZE` entries, trained on the
@@ -33,7 +33,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 VOCAB_SIZE = 4096
 EOS = "<|endoftext|>"
 SEED = 1234
-HERE = Path(__file__).resolve().parent
+ASSETS = Path(__file__).resolve().parents[1] / "trainer" / "assets"
 # Trivial or machine-generated docstrings (codecs tables), tests and vendored code.
 SKIP_PARTS = {"site-packages", "test", "tests", "encodings", "pydoc_data", "_bundled", "__phello__"}
 MIN_DOC_CHARS = 200
@@ -112,25 +112,25 @@ def train_tokenizer(texts: list[str]) -> Tokenizer:
     return tok
 
 
-def main() -> None:
+def main(out: Path = ASSETS) -> None:
     import contextlib
 
     with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints
         docs = collect_documents()
-    write_corpus(docs, HERE / "corpus.jsonl.gz")
+    write_corpus(docs, out / "corpus.jsonl.gz")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     license_file = next(p for p in (stdlib / "LICENSE.txt", stdlib.parent / "LICENSE.txt") if p.exists())
-    (HERE / "LICENSE-Python.txt").write_bytes(license_file.read_bytes())
+    (out / "LICENSE-Python.txt").write_bytes(license_file.read_bytes())
     tok = train_tokenizer([d["text"] for d in docs])
-    tok.save(str(HERE / "tokenizer.json"), pretty=False)
+    tok.save(str(out / "tokenizer.json"), pretty=False)
     n_chars = sum(len(d["text"]) for d in docs)
     n_bytes = sum(len(d["text"].encode("utf-8")) for d in docs)
     n_tokens = sum(len(e.ids) for e in tok.encode_batch([d["text"] for d in docs], add_special_tokens=False))
     print(f"python {sys.version.split()[0]}: {len(docs)} documents, {n_chars:,} characters, "
           f"{n_bytes:,} bytes of UTF-8, {n_tokens:,} tokens (vocab {tok.get_vocab_size()}, "
-          f"{EOS} = {tok.token_to_id(EOS)}); corpus.jsonl.gz {(HERE / 'corpus.jsonl.gz').stat().st_size:,} bytes, "
-          f"tokenizer.json {(HERE / 'tokenizer.json').stat().st_size:,} bytes")
+          f"{EOS} = {tok.token_to_id(EOS)}); corpus.jsonl.gz {(out / 'corpus.jsonl.gz').stat().st_size:,} bytes, "
+          f"tokenizer.json {(out / 'tokenizer.json').stat().st_size:,} bytes")
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ASSETS)
