@@ -160,7 +160,8 @@ def _refusals(cfg, prepare: bool, force: bool, ping: bool = True):
     """(the sealed submission, what would refuse it, the notes) of `submit` with these flags;
     `ping`: ask the controller too (a note)."""
     from jobs import runs
-    from jobs.cli.doctor import controller_problem, gpu_stack
+    from jobs.cli.doctor import controller_problem
+    from jobs.cli.gpu_stack import gpu_stack
 
     sealed = runs.seal(cfg, project_dir(), dry_run=True)
     refusals = [n.removeprefix(REFUSED) for n in sealed.notes if n.startswith(REFUSED)]
