@@ -227,14 +227,13 @@ def _fmt_age(seconds: Optional[float]) -> str:
 
 
 def render(snap: Snapshot):
-    """The frame: rich renderables, no I/O."""
+    """The frame: rich renderables, no I/O. Every string in it that came from a file, Slurm or a
+    job is escaped by the one rule (one_line)."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     state = snap.state
     state_style = {"RUNNING": "green", "PENDING": "yellow", "COMPLETED": "green"}.get(state.state.split()[0], "red")
-    # Every string below came from a file, Slurm or a job: escaped by the one rule (one_line).
     head = Text.assemble(("run ", "dim"), (one_line(snap.run), "bold"), ("  job ", "dim"),
                          (one_line(snap.job_id), "bold"), "  ", (one_line(state.state), f"bold {state_style}"))
     if state.reason:
@@ -243,6 +242,17 @@ def render(snap: Snapshot):
         head.append(f"  on {one_line(snap.where)}")
     if snap.elapsed:
         head.append(f"  elapsed {snap.elapsed}", style="dim")
+    parts = [head, _training_row(snap), *[Text(one_line(h), style="dim") for h in snap.history],
+             *([_nodes_table(snap)] if snap.nodes else []), _events_table(snap)]
+    if snap.ended:
+        parts.append(Text(one_line(f"job {snap.job_id} ended: {state.state}, exit code {snap.exit_code}"),
+                          style="bold green" if snap.exit_code == 0 else "bold red"))
+    return Group(*parts)
+
+
+def _training_row(snap: Snapshot):
+    from rich.table import Table
+    from rich.text import Text
 
     m = snap.metrics
     steps = [s for s in (m.get("step"), snap.progress_step) if isinstance(s, int)]
@@ -250,10 +260,7 @@ def render(snap: Snapshot):
     train = Table.grid(padding=(0, 2))
     for _ in range(7):
         train.add_column()
-    mfu = m.get("mfu")
-    tps = m.get("tokens_per_s")
-    loss = m.get("loss")
-    age = snap.step_age
+    mfu, tps, loss, age = m.get("mfu"), m.get("tokens_per_s"), m.get("loss"), snap.step_age
     age_style = "red" if (age is not None and snap.hang_timeout and age > snap.hang_timeout / 2) else ""
     train.add_row(
         Text(f"step {step if step is not None else '-'}/{snap.total_steps or '?'}", style="bold"),
@@ -264,6 +271,12 @@ def render(snap: Snapshot):
         Text(f"last step {_fmt_age(age)}", style=age_style),
         Text(f"hang_timeout {snap.hang_timeout:g} s", style="dim") if snap.hang_timeout else "",
     )
+    return train
+
+
+def _nodes_table(snap: Snapshot):
+    from rich.table import Table
+    from rich.text import Text
 
     nodes = Table(title="nodes", title_justify="left", show_edge=False, pad_edge=False)
     for col in ("node", "heartbeat", "GPUs", "GPU use", "GPU memory"):
@@ -275,23 +288,23 @@ def render(snap: Snapshot):
         nodes.add_row(Text(one_line(n.name)), beat, str(n.gpus) if n.gpus else "-",
                       f"{n.sm_percent:.0f}%" if n.sm_percent is not None else "-",
                       f"{n.memory_gib:.1f} GiB" if n.memory_gib is not None else "-")
+    return nodes
+
+
+def _events_table(snap: Snapshot):
+    from rich.table import Table
+    from rich.text import Text
 
     events = Table(title="events", title_justify="left", show_header=False, show_edge=False, pad_edge=False)
     events.add_column(no_wrap=True, style="dim")
     events.add_column()
     for event in snap.events:
-        when = event.when
-        stamp = when.strftime("%H:%M:%S") if when else one_line(event.time)
+        stamp = when.strftime("%H:%M:%S") if (when := event.when) else one_line(event.time)
         kind = event.kind
         style = "red" if kind in _RED or (kind in (EventKind.END, EventKind.PREPARE_END) and event.exit_code) else \
             "yellow" if kind in _YELLOW else ""
         events.add_row(Text(stamp), Text(one_line(f"job {event.job} {event.text}"), style=style))
-    parts = [head, train, *[Text(one_line(h), style="dim") for h in snap.history], *([nodes] if snap.nodes else []),
-             events]
-    if snap.ended:
-        parts.append(Text(one_line(f"job {snap.job_id} ended: {state.state}, exit code {snap.exit_code}"),
-                          style="bold green" if snap.exit_code == 0 else "bold red"))
-    return Group(*parts)
+    return events
 
 
 def _watch_plain(watcher: "Watcher", snap: Snapshot, interval: float, console) -> int:
