@@ -106,31 +106,24 @@ def _run(args: argparse.Namespace):
     return runs.find_run(args.run, project_dir())
 
 
-def _sweep(name: str):
-    """The sweep NAME names, where no run has that name (None: a run, or nothing)."""
-    from jobs.cli.sweep import sweep_named
-
-    return sweep_named(name, project_dir())
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     from jobs.cli import status, sweep
 
-    if args.run and (found := _sweep(args.run)) is not None:
+    if args.run and (found := sweep.sweep_named(args.run, project_dir())) is not None:
         return sweep.show_sweep(project_dir(), found, rich_console())
     return status.show_status(project_dir(), args.run, console=rich_console())
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from jobs.cli import status
+    from jobs.cli import logs
 
-    return status.show_logs(_run(args), job_id=args.job, follow=args.follow, stream="error" if args.err else "output")
+    return logs.show_logs(_run(args), job_id=args.job, follow=args.follow, stream="error" if args.err else "output")
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from jobs.cli import status, sweep
 
-    if (found := _sweep(args.run)) is not None:
+    if (found := sweep.sweep_named(args.run, project_dir())) is not None:
         return sweep.cancel_sweep(project_dir(), found, rich_console())
     return status.cancel(_run(args), console=rich_console())
 
@@ -157,7 +150,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from jobs import trainer_door
     from jobs.cli import sweep
 
-    if (found := _sweep(args.run)) is not None:
+    if (found := sweep.sweep_named(args.run, project_dir())) is not None:
         return sweep.plot_sweep(project_dir(), found, args.out)
     print(trainer_door.plot([_run(args).dir], Path(args.out) if args.out else None))
     return 0

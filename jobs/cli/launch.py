@@ -81,7 +81,7 @@ def _submitted(args: argparse.Namespace, job_id: str, notes: list[str]):
 
 
 def _follow(console, run, job_id: str) -> int:
-    from jobs.cli.status import follow_logs
+    from jobs.cli.logs import follow_logs
 
     return follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {_plain(s)}[/]"))
 

@@ -1,19 +1,9 @@
-"""`slipway watch RUN`: a live view of a run's job in the terminal, until the job ends.
-
-Everything it shows comes from the run directory and Slurm, refreshed every
-`interval` seconds: the job's state and nodes (one squeue, or sacct once
-slurmctld forgot the job; none once events.log tells its end), step / total,
-loss, tokens/s, MFU and ETA (the end of metrics.jsonl), the time since the
-last completed step (progress.json, which rank 0's hang watchdog keeps; see
-trainer/watchdog.py), each node's heartbeat age (heartbeats/NODE, written by
-the batch script's helper on every node) and GPU use (gutil/NODE.gutil,
-nvidia-smi dmon), and the latest lines of events.log as they come. It follows
-the job through requeues and retries (the same job id), and exits with the
-job's exit code once the job has ended. Ctrl-C stops watching, not the job.
-
-A run whose latest launch was `slipway local` (`make local`) is watched the same
-way: its state from the launcher's process (the manifest records its pid), no
-nodes to show.
+"""`slipway watch RUN` (docs/runs.md): a live view of a run's job until it ends, refreshed every
+`interval` seconds from the run directory (metrics.jsonl's end, progress.json that rank 0's hang
+watchdog keeps, heartbeats/NODE and gutil/NODE.gutil that the batch script's helpers write on
+every node, events.log) and from Slurm (one squeue, or sacct once slurmctld forgot the job; none
+once events.log tells its end). A launch on this machine's state comes from its launcher's process
+(the manifest records its pid). Ctrl-C stops watching, not the job.
 """
 
 from __future__ import annotations
@@ -330,7 +320,7 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
     from rich.console import Console
     from rich.live import Live
 
-    from jobs.cli.status import job_arg
+    from jobs.cli.logs import job_arg
 
     console = console or Console(highlight=False)
     watcher = Watcher(run, job_arg(job_id) or latest_job(run))
