@@ -307,7 +307,6 @@ def _end_lines(end: "_End", rc: int, step: Optional[int], command: str, log_path
     """The end in one line (two for a hang), in rich markup: what ended the run, where, what was
     saved (`forced`: killed that many seconds after the stop, its grace out), the command that
     resumes it and the log."""
-    lines: list[str] = []
     log = escape(str(log_path))
     steps = complete_checkpoints(run.dir / cfg.checkpoint.dir)
     start = f"{command} starts from step 0"
@@ -323,20 +322,16 @@ def _end_lines(end: "_End", rc: int, step: Optional[int], command: str, log_path
             told = f"{where} and saved it: {command} resumes from there"
         else:
             told = f"{where}, unsaved: {resume}" if steps else f"{where} before its first checkpoint: {start}"
-        lines.append(f"[yellow]{what}[/]{told}; log: {log}")
-    elif end.hang:
-        lines.append(f"log: {log}; {resume}")
-        lines.append(f"[red]{escape(end.hang)}[/]")  # the last line: what ended the run
-    elif end.reason:
-        lines.append(f"[red]{escape(end.reason)}[/]{f'; {resume}' if end.resumable else ''}; log: {log}")
-    elif rc == REQUEUE_EXIT:
-        lines.append(f"stopped after saving a checkpoint: {resume}")
-    elif rc:
-        lines.append(f"[red]training failed with exit code {rc}[/]{': ' + escape(error) if error else ''}; "
-                      f"log: {log}")
-    else:
-        lines.append(escape(f"done: metrics in {run.dir / 'metrics.jsonl'}, checkpoints in {run.dir / cfg.checkpoint.dir}"))
-    return lines
+        return [f"[yellow]{what}[/]{told}; log: {log}"]
+    if end.hang:  # its last line: what ended the run
+        return [f"log: {log}; {resume}", f"[red]{escape(end.hang)}[/]"]
+    if end.reason:
+        return [f"[red]{escape(end.reason)}[/]{f'; {resume}' if end.resumable else ''}; log: {log}"]
+    if rc == REQUEUE_EXIT:
+        return [f"stopped after saving a checkpoint: {resume}"]
+    if rc:
+        return [f"[red]training failed with exit code {rc}[/]{': ' + escape(error) if error else ''}; log: {log}"]
+    return [escape(f"done: metrics in {run.dir / 'metrics.jsonl'}, checkpoints in {run.dir / cfg.checkpoint.dir}")]
 
 
 @dataclass

@@ -1,10 +1,6 @@
-"""`slipway doctor`: preflight checks before burning an allocation, one line each with the fix.
-
-With a config: what a submission of it would get. With a run (`--run RUN`): what the run's
-next job (a requeue, a resubmission) needs: its pinned image there and as recorded, its
-config still loading, its mount sources, and what its config would build now.
-
-Every check runs, whatever failed before it, so one run lists everything to fix.
+"""`slipway doctor` (docs/runs.md): preflight checks of a config (what a submission of it would
+get) or of a run (what its next job, a requeue or a resubmission, needs), one line each with the
+fix. Every check runs, whatever failed before it, so one run lists everything to fix.
 """
 
 from __future__ import annotations
