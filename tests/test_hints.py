@@ -218,7 +218,7 @@ def test_prepare_an_unprepared_cache(project, shell, tmp_path):
     assert prepared.returncode == 0 and "200 documents" in prepared.stdout, prepared.stderr
 
 
-@covers("jobs/cli/status.py: slipway submit {shlex.quote(str(run.paths.config))}",
+@covers("jobs/cli/logs.py: slipway submit {shlex.quote(str(run.paths.config))}",
         "jobs/cli/watch.py: slipway submit {shlex.quote(str(run.paths.config))}")
 def test_submit_a_run_that_has_no_job(project, shell, tmp_path):
     env = slurm(tmp_path, shell)
