@@ -41,7 +41,7 @@ help:
 	@echo "make local [CONFIG=tiny_cpu] [ARGS='--train-steps 50'] [TORCH=cpu|cuda]  train on this machine (no Slurm, no container)"
 	@echo "make test                            every test (root for its own Slurm and podman; torch 2.10 too); pytest says its time"
 	@echo "make lint                            ruff and vulture (make test runs it first)"
-	@echo "make test-fast                       the tests of seconds: no Slurm, podman or training"
+	@echo "make test-fast                       the quick tier: no Slurm, podman, training or test of over 20 s"
 	@echo "make test-count                      how many tests each tier holds, counted now"
 	@echo "make image [CONFIG=...] [BASE_IMAGE=...]  podman build + enroot import -> images/*.sqsh"
 	@echo "make prepare CONFIG=tiny_wikitext [ARGS=--as-job]  tokenise the dataset before the allocation"
@@ -145,9 +145,10 @@ test-oldest: $(OLDEST_STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/test_gpu.py $(ARGS)
 
-# The tests that need no Slurm, podman or process group and take seconds at most (`slow`
-# marks the rest; `make test` runs every test), on TEST_WORKERS workers: for the edit-test loop.
-# --durations names the slowest, so one that grows is seen where it grows.
+# The tests that need no Slurm, podman or process group, on TEST_WORKERS workers: for the
+# edit-test loop (`make test` runs every test). A test of more than 20 s is marked `slow` and left
+# out; --durations names the slowest, so one that grows is seen where it grows. Its measured time:
+# docs/development.md#tests.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q --durations=10 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) \
 	    -m "not slurm and not podman and not multiproc and not slow" $(ARGS)

@@ -129,6 +129,7 @@ def _record(directory: Path, node: str, hours_ago: float, kind: str = "hang") ->
     return record
 
 
+@pytest.mark.slow
 def test_nodes_lists_why_and_since_when_expires_and_forgets(profiles, project):
     alps = project / "runs" / ".nodes" / "alps"
     _record(alps, "nid001", 2)

@@ -143,6 +143,7 @@ def test_a_train_script_is_snapshotted_with_its_folder_and_bounded(project, monk
         plan_snapshot(project / "runs" / STORE, str(folder / "train_mine.py"))
 
 
+@pytest.mark.slow
 def test_the_trainer_refuses_to_run_other_code_than_the_snapshot(tmp_path):
     snap = tmp_path / "snap"
     (snap / "trainer").mkdir(parents=True)
@@ -156,6 +157,7 @@ def test_the_trainer_refuses_to_run_other_code_than_the_snapshot(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not the run's code snapshot" in r.stderr
 
 
+@pytest.mark.slow
 def test_every_runtime_runs_the_snapshot(project):
     """The dry run's files: env.toml (edf), the srun line (pyxis) and the job's exports (none)
     all put the snapshot first; code.snapshot: false leaves the image's code."""

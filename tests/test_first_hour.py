@@ -231,6 +231,7 @@ def test_submit_parsable_prints_only_the_job_id(project, tmp_path):
     assert r.stdout.strip().splitlines()[-1] != "4242"  # no bare id line for a person to wonder about
 
 
+@pytest.mark.slow
 def test_a_refused_config_change_says_what_changed_and_the_dry_run_says_it_first(project, tmp_path):
     bin_dir = tmp_path / "slurm-bin"
     stand_in(bin_dir, "sbatch", 'echo 4242\n')
@@ -430,24 +431,29 @@ def test_setup_finds_an_unreachable_torch_index_in_seconds_and_says_how_to_choos
         silent.close()
 
 
+# The make this suite may run under (`make test ARGS=...`) passes its command line's variables on to
+# every make below it through MAKEFLAGS: the makes these tests run start from a plain shell's.
+PLAIN_MAKE_ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+
+
 def test_make_refuses_a_setting_given_as_a_make_variable():
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run(["make", "-C", str(root), "local", "train.steps=50", "CONFIG=tiny_wikitext"],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, env=PLAIN_MAKE_ENV)
     assert r.returncode == 2 and r.stdout.strip().splitlines()[-1:] != ["nothing to train"], r.stdout
     # `make local STEPS=50` is refused too, naming the flag: one door (ARGS) for slipway's settings.
     for given, form, passed in ((["train.steps=50", "CONFIG=tiny_wikitext"], 'make local CONFIG=tiny_wikitext '
                                  'ARGS="train.steps=50"', "-m jobs local tiny_wikitext train.steps=50"),
                                 (["STEPS=50"], 'make local ARGS="--train-steps 50"', "-m jobs local tiny_cpu "
                                  "--train-steps 50")):
-        r = subprocess.run(["make", "-C", str(root), "local", *given], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(["make", "-C", str(root), "local", *given], capture_output=True, text=True, timeout=60, env=PLAIN_MAKE_ENV)
         said = r.stderr.strip().splitlines()[-1]
         assert r.returncode == 2 and f"{given[0]}: make reads no such variable" in said, said
         suggested = said.split("lists its flags): ")[1].removesuffix(".  Stop.")
         assert suggested == form, suggested
         # The form it names passes the setting to slipway (-n: what make would run).
         words = shlex.split(suggested)
-        dry = subprocess.run([words[0], "-n", "-C", str(root), *words[1:]], capture_output=True, text=True, timeout=60)
+        dry = subprocess.run([words[0], "-n", "-C", str(root), *words[1:]], capture_output=True, text=True, timeout=60, env=PLAIN_MAKE_ENV)
         assert dry.returncode == 0 and passed in dry.stdout, dry.stdout
 
 
@@ -456,12 +462,12 @@ def test_make_accepts_every_variable_it_reads():
     `make help` offers ([NAME=...]) passes its check (`make -n help NAME=x`)."""
     root = Path(__file__).resolve().parent.parent
     text = (root / "Makefile").read_text()
-    helped = subprocess.run(["make", "-s", "-C", str(root), "help"], capture_output=True, text=True, timeout=60).stdout
+    helped = subprocess.run(["make", "-s", "-C", str(root), "help"], capture_output=True, text=True, timeout=60, env=PLAIN_MAKE_ENV).stdout
     names = set(re.findall(r"^([A-Z_]+) *\?=", text, re.M)) | set(re.findall(r"\b([A-Z][A-Z_]+)=", helped))
     assert {"PYXIS_SOURCES", "CONFIG", "ARGS"} <= names, names
     refused = {n: r.stderr for n in sorted(names)
                if (r := subprocess.run(["make", "-n", "-C", str(root), "help", f"{n}=x"], capture_output=True,
-                                       text=True, timeout=60)).returncode != 0}
+                                       text=True, timeout=60, env=PLAIN_MAKE_ENV)).returncode != 0}
     assert not refused, refused
 
 
@@ -523,9 +529,10 @@ def test_no_config_says_where_slipway_looked_and_which_project_root(tmp_path, mo
     assert (f"in the working directory {elsewhere}, which is also the project root (runs/ goes there)" in line
             and line.endswith(f"the checkout slipway runs from has configs/tiny_cpu.yaml: `cd {root}` first")), line
     # The fix, pasted: the same command from there.
-    r = subprocess.run(f"{line.split('`')[1]} && {shlex.quote(PY)} -m jobs submit tiny_cpu --dry-run", shell=True,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.startswith("dry run: tiny_cpu"), r.stderr
+    # (A run name of its own: the checkout's runs/ may hold the quick start's tiny_cpu, trained already.)
+    r = subprocess.run(f"{line.split('`')[1]} && {shlex.quote(PY)} -m jobs submit tiny_cpu --dry-run "
+                       "--run-name pasted-fix", shell=True, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("dry run: pasted-fix"), (r.stdout[:500], r.stderr)
     (tmp_path / "proj").mkdir()
     line = one_error_line(slipway("local", "nope", env={"SLIPWAY_PROJECT": str(tmp_path / "proj")}))
     assert f"the project root, where runs/ goes, is {tmp_path / 'proj'} (SLIPWAY_PROJECT)" in line, line
@@ -543,6 +550,7 @@ def closed_hub() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+@pytest.mark.slow
 def test_a_cluster_config_tried_here_says_every_blocker_at_once_and_the_command_that_clears_them(project):
     """tiny_wikitext here (issue 49: memory, then ${SCRATCH}, then the token cache, then the hub, one
     at a time): every blocker in one refusal before anything is written, ${SCRATCH} none of them (a
@@ -593,6 +601,7 @@ def test_the_batch_a_fit_suggests_stays_within_the_configs_own_rules(project):
     assert chosen.data.seq_len % 2 == 0 and 2 * process_memory(chosen) <= 2 * budget, fit.args
 
 
+@pytest.mark.slow
 def test_a_long_try_is_asked_about_on_a_terminal(project):
     import pty
     import signal
@@ -629,6 +638,7 @@ def test_a_long_try_is_asked_about_on_a_terminal(project):
     assert "new run tiny_cpu" in out, out
 
 
+@pytest.mark.slow
 def test_a_try_on_a_machine_with_gpus_is_not_bounded_by_the_cpus_estimate(project, monkeypatch, tmp_path):
     """The trainer takes a GPU when torch sees one (trainer/parallel.py): a long try there is not
     refused by arithmetic made for CPUs, and says its time is not known; CUDA_VISIBLE_DEVICES
@@ -821,6 +831,7 @@ def test_train_on_continues_the_learning_rate_it_reached(project):
     assert all(lrs[s] == pytest.approx(lrs[20]) for s in range(21, 41)), lrs  # step 21 logs the new plan's too
 
 
+@pytest.mark.slow
 def test_a_misspelt_command_flag_or_key_is_told_the_nearest(project, tmp_path):
     cases = {("lcoal", "tiny_cpu"): "; did you mean local? (see `slipway --help`)",
              ("local", "tiny_cpu", "--train_steps", "5"): "unrecognized arguments: --train_steps 5; did you mean "

@@ -187,6 +187,7 @@ def test_cancel_a_job_that_holds_the_run(project, shell, tmp_path):
     assert cancel.returncode == 0 and "cancelled 4242" in cancel.stdout, (cancel.stdout, cancel.stderr)
 
 
+@pytest.mark.slow
 @covers("jobs/cli/launch.py: {invocation()} submit {cfg.config_args}",
         "jobs/cli/launch.py: {invocation()} submit {cfg.config_args}")
 def test_submit_after_prepare_here_and_as_a_job(project, shell, tmp_path):
@@ -203,6 +204,7 @@ def test_submit_after_prepare_here_and_as_a_job(project, shell, tmp_path):
     assert submitted.returncode == 0 and "submitted here as job 4244" in submitted.stdout, submitted.stderr
 
 
+@pytest.mark.slow
 @covers("jobs/runs/submit.py: slipway prepare {config_args}")
 def test_prepare_an_unprepared_cache(project, shell, tmp_path):
     corpus(project)
@@ -218,6 +220,7 @@ def test_prepare_an_unprepared_cache(project, shell, tmp_path):
     assert prepared.returncode == 0 and "200 documents" in prepared.stdout, prepared.stderr
 
 
+@pytest.mark.slow
 @covers("jobs/cli/logs.py: slipway submit {shlex.quote(str(run.paths.config))}",
         "jobs/cli/watch.py: slipway submit {shlex.quote(str(run.paths.config))}")
 def test_submit_a_run_that_has_no_job(project, shell, tmp_path):
@@ -261,6 +264,7 @@ def test_submit_instead_of_running_outside_an_allocation(project, shell, tmp_pat
     assert submitted.returncode == 0 and "submitted tiny_cpu as job 4242" in submitted.stdout, submitted.stderr
 
 
+@pytest.mark.slow
 @covers("jobs/cli/sweep.py: slipway status {name}", "jobs/cli/sweep.py: slipway compare {name}",
         "jobs/runs/sweep.py: slipway status")
 def test_a_sweeps_commands(project, shell, tmp_path):
@@ -280,6 +284,7 @@ def test_a_sweeps_commands(project, shell, tmp_path):
     assert "g-lr1e-3" in listed.stdout and "g-lr3e-3" in listed.stdout, (listed.stdout, listed.stderr)
 
 
+@pytest.mark.slow
 @covers("jobs/slurm/bad_nodes.py: slipway nodes{forgetting(self.cluster, [name])}",
         "jobs/slurm/bad_nodes.py: slipway nodes{forgetting(remembered.cluster, out.nodes)}")
 def test_a_clusters_remembered_bad_nodes_forgotten(project, shell, tmp_path):
@@ -306,6 +311,7 @@ def test_a_clusters_remembered_bad_nodes_forgotten(project, shell, tmp_path):
     assert not any(memory.iterdir())
 
 
+@pytest.mark.slow
 @covers("jobs/slurm/bad_nodes.py: slipway nodes{forgetting(self.cluster, [name])}")
 def test_every_forget_hint_of_a_hostile_record_forgets_it_when_pasted(project, shell, tmp_path):
     """Records named, or naming a node, with control and bidirectional characters, and one dated
@@ -338,6 +344,7 @@ def test_every_forget_hint_of_a_hostile_record_forgets_it_when_pasted(project, s
 # ---------------------------------------------------------------- doctor and the local cluster
 
 
+@pytest.mark.slow
 @covers("jobs/cli/doctor.py: slipway cluster up", "jobs/cli/doctor.py: slipway cluster up",
         "jobs/cli/doctor.py: slipway cluster status", "jobs/devcluster/command.py: slipway cluster up{named}",
         "jobs/devcluster/command.py: slipway cluster up{named}")
@@ -376,6 +383,7 @@ def test_the_local_clusters_commands(project, shell, tmp_path):
     assert up.returncode == 1 and "missing munged" in up.stderr, up.stderr
 
 
+@pytest.mark.slow
 @covers("jobs/cli/doctor.py: slipway submit {shlex.quote(str(run.paths.config))}",
         "jobs/cli/doctor.py: slipway submit {shlex.quote(str(run.paths.config))}")
 def test_resubmit_a_run_whose_pins_are_gone(project, shell, tmp_path, pin_config):  # noqa: F811
@@ -403,6 +411,7 @@ def test_resubmit_a_run_whose_pins_are_gone(project, shell, tmp_path, pin_config
 # ---------------------------------------------------------------- the image
 
 
+@pytest.mark.slow
 @covers("containers/diagnose.py: slipway doctor", "containers/importer.py: slipway image prune",
         "trainer/compute.py: slipway image build CONFIG", "trainer/preflight.py: slipway image build CONFIG")
 def test_the_image_commands(project, shell, tmp_path, pin_config):  # noqa: F811
@@ -478,6 +487,7 @@ def test_resume_an_interrupted_local_run(project, shell):
     assert resumed.returncode == 0 and "resuming run cc" in resumed.stdout, resumed.stdout[-3000:]
 
 
+@pytest.mark.slow
 @covers("jobs/local_checks.py: slipway local {self.fix}")
 def test_a_try_that_fits_this_machines_time(project, shell):
     r = slipway(shell, "local", "tiny_cpu", *SMALL, "train.steps=100000000")
@@ -498,6 +508,7 @@ def test_a_try_that_fits_this_machines_time(project, shell):
             launcher.wait()
 
 
+@pytest.mark.slow
 @covers("jobs/local_checks.py: slipway local {cfg.config_args_setting(settings)}")
 def test_a_sweep_point_that_fits_this_machines_memory(project, shell):
     r = slipway(shell, "sweep", "tiny_cpu", "train.micro_batch_size=[8, 4096]", "--local", "--dry-run")

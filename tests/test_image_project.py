@@ -167,6 +167,7 @@ def standin(bin_dir: Path, *args: str) -> str:
     return subprocess.run([str(bin_dir / "podman"), *args], capture_output=True, text=True, check=True).stdout
 
 
+@pytest.mark.slow
 def test_prune_acts_on_this_projects_images_alone(tmp_path: Path, fakes: Path):
     """Two projects with the default image name in one podman storage, and an unlabelled tag:
     A's prune removes A's old build alone, its dry run nothing."""

@@ -199,6 +199,7 @@ def damaged(project, tmp_path):
     return slurm, env, path
 
 
+@pytest.mark.slow
 def test_every_command_that_reads_a_damaged_manifest_says_so_for_that_run_only(project, damaged):
     slurm, env, path = damaged
     before = path.read_text()
@@ -218,6 +219,7 @@ def test_every_command_that_reads_a_damaged_manifest_says_so_for_that_run_only(p
     assert slipway("submit", "tiny_cpu", "--run-name", "good", env=env).returncode == 0
 
 
+@pytest.mark.slow
 def test_local_refuses_a_run_whose_manifest_is_damaged(project, damaged):
     _, env, path = damaged
     one_line(slipway("local", "tiny_cpu", "--run-name", "bad", env=env), path)

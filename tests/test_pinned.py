@@ -77,6 +77,7 @@ def submit(run: str, *args: str, env: dict) -> dict:
 # ------------------------------------------------------------------ prune
 
 
+@pytest.mark.slow
 def test_prune_keeps_what_runs_pin_and_removes_the_rest(project, pin_config, slurm_stand_ins, tmp_path):
     pinned = fake_build(project, source="1")
     manifest = submit("old", env=slurm_stand_ins)
@@ -137,6 +138,7 @@ def test_prune_removes_nothing_while_a_runs_manifest_is_damaged(project, pin_con
 # ------------------------------------------------------------------ a pinned squashfs that is not there
 
 
+@pytest.mark.slow
 def test_submit_and_doctor_refuse_a_missing_squashfs_whatever_names_it(project, tmp_path, slurm_stand_ins):
     gone = project / "images" / "gone.sqsh"
     edf_dir = tmp_path / "edfs"
@@ -167,6 +169,7 @@ def test_submit_and_doctor_refuse_a_missing_squashfs_whatever_names_it(project, 
 # ------------------------------------------------------------------ doctor RUN
 
 
+@pytest.mark.slow
 def test_doctor_of_a_run_says_its_pinned_image_is_gone(project, pin_config, slurm_stand_ins):
     pinned = fake_build(project, source="1")
     submit("kept", env=slurm_stand_ins)
@@ -188,6 +191,7 @@ def test_doctor_of_a_run_says_its_pinned_image_is_gone(project, pin_config, slur
     one_line_error(slipway("doctor", "--run", "nope"), "RUN")
 
 
+@pytest.mark.slow
 def test_doctor_of_a_run_names_what_its_config_would_build_now(project, pin_config, slurm_stand_ins):
     pinned = fake_build(project, source="1")
     submit("r", env=slurm_stand_ins)
@@ -273,6 +277,7 @@ def _pinned_by_dry_run(pin_config: str, *args: str) -> str:
     return r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_a_submission_runs_the_build_of_its_image_settings_not_the_latest(project, pin_config, slurm_stand_ins):
     with_flash = fake_build(project)  # the config's defaults: flash-attn on
     without = fake_build(project, "image.flash_attn=false")  # built last: the current image

@@ -54,6 +54,7 @@ def sbatch_calls(slurm: dict[str, str]) -> list[str]:
     return Path(slurm["SLURM_CALLS"]).read_text().splitlines()
 
 
+@pytest.mark.slow
 def test_parallel_submissions_of_one_run_queue_one_job(project, slurm):
     with ThreadPoolExecutor(max_workers=20) as pool:
         results = list(pool.map(lambda _: slipway("submit", "tiny_cpu", "--run-name", "same", env=slurm), range(20)))
@@ -79,6 +80,7 @@ def stat_mode(path: Path) -> int:
     return path.stat().st_mode & 0o777
 
 
+@pytest.mark.slow
 def test_a_config_key_added_since_resumes_the_run(project, slurm):
     """A run made by an older slipway has no line for a key added since (at its default): the
     same config resubmitted resumes it. A changed value, or a file that no longer reads, is refused."""

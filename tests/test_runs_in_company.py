@@ -249,6 +249,7 @@ def hostile_text(project, tmp_path):
     return slurm.env(), project
 
 
+@pytest.mark.slow
 def test_nothing_a_file_a_job_or_slurm_says_reaches_the_terminal_raw(hostile_text):
     env, project = hostile_text
     for args in (["status"], ["status", "evil"], ["watch", "evil", "--once"], ["status", f"named{HOSTILE}"],

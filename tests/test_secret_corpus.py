@@ -95,6 +95,7 @@ def ordinary_value_cases() -> list[tuple[str, dict]]:
     return cases
 
 
+@pytest.mark.slow
 def test_ordinary_values_are_never_refused(project):
     cases = ordinary_value_cases()
     refusals = [(field, line) for field, sets in cases if (line := _refused_as_secret(sets))]
@@ -250,6 +251,7 @@ def test_a_key_is_accepted_once_the_baseline_audits_it_as_none(checkout, answer,
         refused(proc, "trainer/key.txt", *(["audited as one"] if answer == "n\n" else []))
 
 
+@pytest.mark.slow
 def test_a_second_key_is_accepted_into_the_baseline_with_the_first_s_label_kept(checkout):
     """Where the project has a baseline, the command scans it again (detect-secrets' `scan
     --baseline`): the audit asks of the new finding alone, the first one's label stays."""

@@ -387,6 +387,7 @@ def test_every_documented_value_passes():
     assert not refused, refused
 
 
+@pytest.mark.slow
 def test_the_project_s_own_files_pass_the_content_scan():
     """What a code snapshot and the image copy of this checkout (containers/context.py
     CONTEXT_DIRS) holds no secret by the detector: no false refusal of the project itself."""

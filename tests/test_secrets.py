@@ -197,7 +197,7 @@ def test_local_takes_them_from_its_own_environment(project, host, capfd):
 # ------------------------------------------------------------------ a variable not exported
 
 
-@pytest.mark.parametrize("command", [["submit"], ["local"], ["shell", "--command", "true"]])
+@pytest.mark.parametrize("command", [["submit"], pytest.param(["local"], marks=pytest.mark.slow), ["shell", "--command", "true"]])
 def test_an_unset_variable_is_refused_in_one_line(project, host, capfd, monkeypatch, command):
     monkeypatch.delenv("WANDB_API_KEY")
     before = tree(project)
@@ -460,6 +460,7 @@ def test_a_secret_by_shape_is_refused_in_every_field(project, host, capfd, leaf,
     refused_cleanly(project, capfd, command, raw, field, body)
 
 
+@pytest.mark.slow
 @settings(max_examples=max(3, EXAMPLES // 6), deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(name=st.sampled_from(SECRET_NAMES), how=st.sampled_from(["upper", "lower", "camel", "pascal", "digit"]),

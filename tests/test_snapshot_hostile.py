@@ -120,6 +120,7 @@ def test_outside_git_the_same_rules_hold(project, monkeypatch):
         plan_snapshot(project / "runs" / STORE, str(folder / "train_mine.py"))
 
 
+@pytest.mark.slow
 def test_a_huge_file_is_refused_naming_the_largest(checkout):
     big = checkout / "trainer" / "weights.bin"
     with open(big, "wb") as f:  # sparse: a gigabyte that costs nothing to make
@@ -249,6 +250,7 @@ CONTENT_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, content", CONTENT_CASES, ids=[name for name, _ in CONTENT_CASES])
 def test_a_tracked_file_holding_a_secret_is_refused_by_its_content(checkout, name, content):
     path = checkout / "trainer" / "data" / name
@@ -367,6 +369,7 @@ def test_a_folder_that_is_no_project_s_is_refused(project, setup, why):
 # ------------------------------------------------------------------ the scan, kept by content
 
 
+@pytest.mark.slow
 def test_an_unchanged_checkout_is_not_scanned_again(checkout, tmp_path, monkeypatch):
     from containers import sources
 

@@ -109,6 +109,7 @@ def test_status_asks_slurm_once_for_every_run_it_shows_and_not_for_ended_ones(mi
     assert slurm.state_calls() == [" ".join(squeue_argv(ASKED)), " ".join(sacct_argv(["17", "18"]))]
 
 
+@pytest.mark.slow
 def test_status_of_a_run_asks_only_about_its_open_launches(mixed):
     slurm, env, _ = mixed
     r = slipway("status", "requeued", env=env)
@@ -143,6 +144,7 @@ def test_slurm_without_accounting_tells_what_it_told_before(mixed):
     assert slurm.state_calls() == [" ".join(squeue_argv(ASKED)), " ".join(sacct_argv(["17", "18"]))]
 
 
+@pytest.mark.slow
 def test_a_thousand_runs_cost_the_same_two_calls(mixed):
     slurm, env, root = mixed
     for i in range(1000):

@@ -236,6 +236,7 @@ def test_the_batch_that_fits_keeps_the_layout_and_the_global_batch():
     assert fitting_batch(cfg, PROCESS_BASE_BYTES) is None
 
 
+@pytest.mark.slow
 def test_a_try_that_cannot_fit_here_is_refused_before_any_process_with_the_batch_that_would(project):
     from jobs.local_checks import available_memory
     from common.layouts import process_memory

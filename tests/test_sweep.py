@@ -217,6 +217,7 @@ def test_a_changed_point_config_is_refused_unless_force(project, standin):
     assert list((project / "runs" / NAMES[0] / "history").glob("config-*.yaml"))
 
 
+@pytest.mark.slow
 def test_hostile_state_damaged_record_and_a_run_of_a_points_name(project, standin):
     slurm, env = standin
     # A run of a point's name that is no point of the sweep: refused, nothing written.
@@ -491,6 +492,7 @@ def _damage(run_dir: Path, how: str) -> None:
     make(run_dir / name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", sorted(DAMAGE))
 def test_one_damaged_point_is_marked_and_every_other_is_compared(project, ended, how):
     _, env = ended
@@ -579,6 +581,7 @@ def teammates_sweep(teammate) -> tuple:
     return teammate, env, project
 
 
+@pytest.mark.slow
 def test_a_teammates_points_are_marked_and_every_other_is_compared(teammates_sweep):
     mate, env, project = teammates_sweep
     closed = {NAMES[1]: "not readable by you (owned by root, mode 0700)",
