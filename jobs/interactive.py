@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from rich.markup import escape
+from rich.text import Text
 
 from jobs import local_checks, runs, slurm
 from jobs.runs import lock as runlock
 from jobs.runs.code import git_state, prune_code_store
+from jobs.runs.container import create_needed_dirs
 from jobs.config import Config
 from jobs.supervisor import FORWARDED, Heartbeat, Output, Stopper, oom_kills, stop_grace, wait_for_exit
 from jobs.runs.manifest import Launch, Manifest
@@ -156,8 +158,6 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
     if blockers := local_checks.data_blockers(sealed, cfg):
         raise local_checks.Refused(local_checks.Plan(blockers))
     with runlock.hold(sealed.paths.path, f"slipway run {cfg.config_args}", trains=True):
-        from jobs.runs.container import create_needed_dirs
-
         create_needed_dirs(sealed.cfg, sealed.paths)  # a container's mount sources, as submit makes them
         run, created = runs.prepare_run(sealed, force=force)
         return _train_here(run, sealed, project_dir, created, console, allocation=job)
@@ -176,19 +176,17 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
                 allocation: Optional[str] = None, step_s: Optional[float] = None,
                 original: Optional[Config] = None) -> int:
     cfg = sealed.cfg
-    code = sealed.snapshot
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     if allocation:
         # The batch script itself; its events are this launch's ("local": the launcher's pid,
         # not Slurm, says whether it runs), its tag the allocation's (the steps' container).
-        argv = ["bash", str(run.paths.job_script)]
-        tag = allocation
+        argv, tag = ["bash", str(run.paths.job_script)], allocation
         extra = {"SLIPWAY_IN_ALLOCATION": "1", "SLIPWAY_EVENT_JOB": LOCAL_JOB}
         log_path = run.paths.logs / f"run-{allocation}-{stamp}.out"
     else:
-        argv = local_argv(cfg, run.paths, code)
+        argv = local_argv(cfg, run.paths, sealed.snapshot)
         tag = f"local-{stamp}"  # names this launch's files: its log, its hang dumps (trainer.watchdog.job_tag)
-        extra = {**local_env(cfg, run, code), "SLIPWAY_JOB_TAG": tag}
+        extra = {**local_env(cfg, run, sealed.snapshot), "SLIPWAY_JOB_TAG": tag}
         log_path = run.paths.logs / f"{tag}.out"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     console.print(f"{'new run' if created else 'resuming run'} [bold]{cfg.run.name}[/] in {run.dir}", soft_wrap=True)
@@ -200,12 +198,41 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
                              if allocation else f"starting {world} trainer processes: torchrun, then each imports "
                                                 "torch and joins the process group (5 to 40 s); their lines follow")
                   + "[/]", soft_wrap=True)
-    env = {**os.environ, **extra}
-    outputs: list[Output] = []
     done = complete_checkpoints(run.dir / cfg.checkpoint.dir)
     compiling = cfg.train.compile is True or (cfg.train.compile == "auto" and bool(cfg.slurm.gpus_per_node))
     heartbeat = Heartbeat(run.dir, tag, world, step_s=step_s, compiling=compiling, resume_step=done[-1] if done else 0,
                           own=_own_program(cfg), steps=cfg.train.steps, checkpoints=run.dir / cfg.checkpoint.dir)
+    ooms = oom_kills()
+    rc, stopper, output, launch = _supervise(run, sealed, project_dir, argv, {**os.environ, **extra}, log_path,
+                                             heartbeat, console, allocation, step_s)
+    # The batch script records its own end (and classifies a hang); the launcher only its code.
+    step = _last_step(run, tag)
+    end = (_End(rc, rc, [], stopper.signum if rc == REQUEUE_EXIT else None) if allocation and rc >= 0
+           else _how_it_ended(run, cfg, tag, rc, stopper.signum, output, step, ooms))
+    for text in end.events:
+        append_event(run.dir, LOCAL_JOB, text)
+    _finish_local(run, launch, end.outcome, **end.extra)
+    # A try past the bound of local_checks was started with --yes (or a yes): so is its resumption.
+    left = cfg.train.steps - (done[-1] if done else 0)
+    confirmed = " --yes" if not allocation and step_s and step_s * left > local_checks.LOCAL_TRY_SECONDS else ""
+    command = escape(f"`{environ.invocation()} {'run' if allocation else 'local'} {cfg.config_args}{confirmed}`")
+    said = _end_lines(end, rc, step, command, log_path, run, cfg, output.error, stopper.forced)
+    if end.code == 0 and not allocation:
+        said += _what_next(run, original or cfg)
+    with contextlib.suppress(OSError), log_path.open("a") as log:  # the log ends as the terminal does
+        log.writelines(f"slipway: {Text.from_markup(line).plain}\n" for line in said)
+    with contextlib.suppress(OSError):  # a closed terminal (SIGHUP): the end is recorded all the same
+        for line in said:
+            console.print(line, soft_wrap=True, highlight=False)
+    return end.code
+
+
+def _supervise(run: runs.Run, sealed: runs.Sealed, project_dir: Path, argv: list[str], env: dict[str, str],
+               log_path: Path, heartbeat: Heartbeat, console, allocation: Optional[str],
+               step_s: Optional[float]) -> tuple[int, Stopper, Output, Launch]:
+    """The launch's first process started, recorded and watched over until it and all of its
+    launch have ended: its exit code, the stopper, its output's reader and the launch recorded."""
+    cfg, outputs = sealed.cfg, []
 
     def notify(signum: int) -> None:
         if signum == signal.SIGINT:
@@ -217,12 +244,11 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
                      f"stop (exit {REQUEUE_EXIT}: saved, resumable); what torch and torchrun report below about that "
                      "exit is this stop, not a failure")
 
-    stopper = Stopper(run.dir, tag, agent=argv[1:3] == ["-m", "torch.distributed.run"],
+    stopper = Stopper(run.dir, heartbeat.tag, agent=argv[1:3] == ["-m", "torch.distributed.run"],
                       leader_only=bool(allocation), notify=notify,
                       grace=lambda: stop_grace(run.dir, cfg.logging.interval, heartbeat.measured or step_s,
                                                cfg.launch.stop_grace))
     previous = {sig: signal.signal(sig, stopper.handle) for sig in FORWARDED}
-    ooms = oom_kills()
     try:
         with log_path.open("w") as log:
             lock_fd = runlock.held_fd(run.dir)
@@ -250,28 +276,7 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    # The batch script records its own end (and classifies a hang); the launcher only its code.
-    step = _last_step(run, tag)
-    end = (_End(rc, rc, [], stopper.signum if rc == REQUEUE_EXIT else None) if allocation and rc >= 0
-           else _how_it_ended(run, cfg, tag, rc, stopper.signum, output, step, ooms))
-    for text in end.events:
-        append_event(run.dir, LOCAL_JOB, text)
-    _finish_local(run, launch, end.outcome, **end.extra)
-    # A try past the bound of local_checks was started with --yes (or a yes): so is its resumption.
-    left = cfg.train.steps - (done[-1] if done else 0)
-    confirmed = " --yes" if not allocation and step_s and step_s * left > local_checks.LOCAL_TRY_SECONDS else ""
-    command = escape(f"`{environ.invocation()} {'run' if allocation else 'local'} {cfg.config_args}{confirmed}`")
-    said = _end_lines(end, rc, step, command, log_path, run, cfg, output.error, stopper.forced)
-    if end.code == 0 and not allocation:
-        said += _what_next(run, original or cfg)
-    from rich.text import Text
-
-    with contextlib.suppress(OSError), log_path.open("a") as log:  # the log ends as the terminal does
-        log.writelines(f"slipway: {Text.from_markup(line).plain}\n" for line in said)
-    with contextlib.suppress(OSError):  # a closed terminal (SIGHUP): the end is recorded all the same
-        for line in said:
-            console.print(line, soft_wrap=True, highlight=False)
-    return end.code
+    return rc, stopper, output, launch
 
 
 def _own_program(cfg: Config) -> str:
@@ -302,7 +307,6 @@ def _end_lines(end: "_End", rc: int, step: Optional[int], command: str, log_path
     """The end in one line (two for a hang), in rich markup: what ended the run, where, what was
     saved (`forced`: killed that many seconds after the stop, its grace out), the command that
     resumes it and the log."""
-    lines: list[str] = []
     log = escape(str(log_path))
     steps = complete_checkpoints(run.dir / cfg.checkpoint.dir)
     start = f"{command} starts from step 0"
@@ -318,20 +322,16 @@ def _end_lines(end: "_End", rc: int, step: Optional[int], command: str, log_path
             told = f"{where} and saved it: {command} resumes from there"
         else:
             told = f"{where}, unsaved: {resume}" if steps else f"{where} before its first checkpoint: {start}"
-        lines.append(f"[yellow]{what}[/]{told}; log: {log}")
-    elif end.hang:
-        lines.append(f"log: {log}; {resume}")
-        lines.append(f"[red]{escape(end.hang)}[/]")  # the last line: what ended the run
-    elif end.reason:
-        lines.append(f"[red]{escape(end.reason)}[/]{f'; {resume}' if end.resumable else ''}; log: {log}")
-    elif rc == REQUEUE_EXIT:
-        lines.append(f"stopped after saving a checkpoint: {resume}")
-    elif rc:
-        lines.append(f"[red]training failed with exit code {rc}[/]{': ' + escape(error) if error else ''}; "
-                      f"log: {log}")
-    else:
-        lines.append(escape(f"done: metrics in {run.dir / 'metrics.jsonl'}, checkpoints in {run.dir / cfg.checkpoint.dir}"))
-    return lines
+        return [f"[yellow]{what}[/]{told}; log: {log}"]
+    if end.hang:  # its last line: what ended the run
+        return [f"log: {log}; {resume}", f"[red]{escape(end.hang)}[/]"]
+    if end.reason:
+        return [f"[red]{escape(end.reason)}[/]{f'; {resume}' if end.resumable else ''}; log: {log}"]
+    if rc == REQUEUE_EXIT:
+        return [f"stopped after saving a checkpoint: {resume}"]
+    if rc:
+        return [f"[red]training failed with exit code {rc}[/]{': ' + escape(error) if error else ''}; log: {log}"]
+    return [escape(f"done: metrics in {run.dir / 'metrics.jsonl'}, checkpoints in {run.dir / cfg.checkpoint.dir}")]
 
 
 @dataclass

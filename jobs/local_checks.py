@@ -1,21 +1,15 @@
-"""What `slipway local` checks before any process starts (jobs/interactive.py), all at once: every
-blocker of the try (its data, this machine's memory, a run of the same name with another config,
-its time), and the one command that clears them all, checked as the user would paste it.
+"""What `slipway local` checks before any process starts (jobs/interactive.py), all at once, with
+the one command that clears every blocker, checked as the user would paste it (docs/runs.md).
 
 Memory: common/layouts.py's arithmetic against what the machine has free (`available_memory`).
-Time: trainer/probe.py measures here, in a second or two, one rank's transformer block and
-output layer in the run's dtype on the threads a rank gets, and the share of the cores it had
-(the other work this machine runs now): a step is its FLOPs at those rates, on the share each rank
-will have beside that work and the other ranks. A try expected to take more than
-LOCAL_TRY_SECONDS is asked about on a terminal (once nothing else blocks it) and refused elsewhere
-(`--yes` starts it all the same).
-What fits: the first of these that fits both memory and time: fewer steps; float32 where this
-CPU has no bfloat16 units; one node's layout (`--nodes 1`); a batch of one sequence a rank; a
-smaller model. The launch then checks the estimate against the first steps (jobs/supervisor.py).
+Time: trainer/probe.py's rates of one rank's block and output layer here, on the threads a rank
+gets, and the share of the cores it had: a step is its FLOPs at those rates, on the share each
+rank will have beside the other work this machine runs and the other ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -34,7 +28,6 @@ from common.schema import to_dict
 from jobs import runs
 from jobs.config import Config, dump_config, this_python
 from jobs.runs import lock as runlock
-from jobs.supervisor import available_memory
 
 # Of the memory free, what a suggested batch plans for: the arithmetic is within about 5% of a
 # rank's peak, and the machine's other processes grow too.
@@ -155,6 +148,34 @@ def gpus_here() -> bool:
         return False
 
 
+def available_memory() -> Optional[int]:
+    """Bytes this machine can give a launch now: /proc/meminfo's MemAvailable, less where this
+    process's memory cgroup (v1 or v2, a Slurm allocation's or a container's, and each above it)
+    leaves less; None where none of that can be read."""
+    found = []
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as f:
+        found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if controllers == "memory":
+                root, files = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            elif controllers == "":
+                root, files = Path("/sys/fs/cgroup"), ("memory.max", "memory.current")
+            else:
+                continue
+            group = root / path.lstrip("/")
+            while True:
+                with contextlib.suppress(OSError, ValueError):
+                    limit, used = ((group / name).read_text().strip() for name in files)
+                    if limit != "max" and int(limit) < 2**60:
+                        found.append(max(0, int(limit) - int(used)))
+                if group == root or root not in group.parents:
+                    break
+                group = group.parent
+    return min(found) if found else None
+
+
 def plan(original: Config, local: Config, sealed: runs.Sealed, reload: Callable[[list[str]], Config], *,
          force: bool = False, prepare: bool = False, speed: Optional[Speed] = None, rename: bool = True,
          fix: bool = True) -> Plan:
@@ -162,10 +183,9 @@ def plan(original: Config, local: Config, sealed: runs.Sealed, reload: Callable[
     command that clears them all, checked (`reload` loads a `slipway local` command line as typed)."""
     run_dir, blockers = sealed.paths.path, data_blockers(sealed, original, prepare)
     own = local.launch.command or local.train.script
-    available = None if own or gpus_here() else available_memory()
-    world, need = local.launch.procs_per_node, process_memory(local)
-    if available is not None and world * need > available:
-        blockers.append(Blocker("train.micro_batch_size", _memory_said(world, need, available)))
+    available, too_big = _memory(local)
+    if too_big:
+        blockers.append(Blocker("train.micro_batch_size", too_big))
     if busy := runlock.busy(run_dir):
         blockers.append(Blocker("run.name", busy, settings={"run.name": free_name(local.run.name, run_dir)}))
     elif not force and (run_dir / "manifest.json").is_file() and \
@@ -198,13 +218,12 @@ def _fixed(result: Plan, original: Config, sealed: runs.Sealed, reload: Callable
     """`result` with the command that clears all its blockers where one is found: the fit of
     memory and time (`first_fit`) with the other blockers' fixes, loaded as typed and planned
     again, then with the fixes of what that meets (a run name taken), at most three times."""
-    fit = first_fit(original, sealed.paths.path, reload, speed, available) if any(
-        b.field in _FITS for b in result.blockers) else None
     fitted = next((b for b in result.blockers if b.field in _FITS), None)
+    fit = first_fit(original, sealed.paths.path, reload, speed, available) if fitted else None
     if fitted:
-        fitted.text += f": {fit.said()}" if fit else f": {_NOTHING_FITS}"
-    if fit is None and any(b.field in _FITS for b in result.blockers):
-        return result
+        fitted.text += f": {fit.said() if fit else _NOTHING_FITS}"
+        if fit is None:
+            return result
     settings, flags, blockers = dict(fit.settings if fit else {}), set(), result.blockers
     for _ in range(3):
         for b in blockers:
@@ -259,14 +278,11 @@ def data_blockers(sealed: runs.Sealed, original: Config, prepare: Optional[bool]
     hub = any(e.source.kind == "hub" for e in status.missing) and trainer_door.hub_unreachable()
     if hub:
         builtin = {k: v for k, v in BUILTIN_DATA.items() if getattr(sealed.cfg.data, k.split(".")[1]) != v}
+        typed = " ".join(f"{k}={'null' if v is None else v}" for k, v in builtin.items())
         return found + [Blocker("data", f"the token cache is not prepared, and {hub}: try it on the corpus that ships "
-                                        f"with slipway ({_as_args(builtin)}); {missing}", settings=builtin)]
+                                        f"with slipway ({typed}); {missing}", settings=builtin)]
     return found + [Blocker("data", f"the token cache is not prepared: --prepare tokenizes it here first; {missing}",
                             flags=("--prepare",))]
-
-
-def _as_args(settings: dict) -> str:
-    return " ".join(f"{k}={'null' if v is None else v}" for k, v in settings.items())
 
 
 def free_name(name: str, run_dir: Path, kind: str = "try") -> str:
@@ -275,9 +291,15 @@ def free_name(name: str, run_dir: Path, kind: str = "try") -> str:
     return next(n for n in names if not (run_dir.parent / n).exists())
 
 
-def _memory_said(world: int, need: float, available: float) -> str:
-    return (f"{world} processes of about {need / 1e9:.1f} GB each (common/layouts.py's arithmetic) need "
-            f"{world * need / 1e9:.1f} GB, this machine has {available / 1e9:.1f} GB free")
+def _memory(local: Config) -> tuple[Optional[int], str]:
+    """What this machine has free for the processes of `local` (None where it is not judged: a
+    program of the user's, a GPU's), and why they do not fit in it ("" where they do)."""
+    available = None if local.launch.command or local.train.script or gpus_here() else available_memory()
+    world, need = local.launch.procs_per_node, process_memory(local)
+    if available is None or world * need <= available:
+        return available, ""
+    return available, (f"{world} processes of about {need / 1e9:.1f} GB each (common/layouts.py's arithmetic) need "
+                       f"{world * need / 1e9:.1f} GB, this machine has {available / 1e9:.1f} GB free")
 
 
 def _done(cfg: Config, run_dir: Path) -> int:
@@ -409,13 +431,10 @@ def check_memory(local: Config) -> None:
     """A sweep's point in its local view: refused, before any point is written, when its
     processes need more memory than this machine has free, naming the batch under which it fits.
     (Its other blockers are said as each point starts, by `plan`.)"""
-    available = available_memory()
-    if local.launch.command or local.train.script or available is None or gpus_here():
-        return
-    world, need = local.launch.procs_per_node, process_memory(local)
-    if world * need > available:
-        raise ConfigError("train.micro_batch_size", f"{_memory_said(world, need, available)}: "
-                                                    f"{smaller_batch(local, FIT_SHARE * available / world)}")
+    available, too_big = _memory(local)
+    if too_big:
+        budget = FIT_SHARE * available / local.launch.procs_per_node
+        raise ConfigError("train.micro_batch_size", f"{too_big}: {smaller_batch(local, budget)}")
 
 
 def _check_tokens(cfg: Config, status) -> None:

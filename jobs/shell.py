@@ -26,16 +26,13 @@ SHELL_EDF_SHOWN = "slipway-shell-XXXXXXXX"
 
 def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None, edf_dir: Path | None = None,
                write_code: bool = False) -> tuple[list[str], dict[str, str], str | None, list[str]]:
-    """`srun ... --pty bash` in the image (or `command` without a pty), one node, one task;
-    the variables to set in srun's environment (pyxis passes container.env that way); the
-    text of the Container Engine's EDF (None for the other runtimes), to be written as
-    `edf_dir`/env.toml (default: the name a dry run shows) before srun starts; and notes.
-
-    The environment is the one a submitted run of `cfg` would get (pinned image, its paths
-    mounted) less the paths not created yet, through the same `srun_flags` as the batch
-    script; every mount source is checked here (jobs.runs.container.shell_environment). It never
-    writes into a run directory. Variables of `container.env_from_host` are only named,
-    never expanded: srun hands them on from this process's environment."""
+    """`srun ... --pty bash` in the image (or `command` without a pty), one node, one task; the
+    variables to set in srun's environment (pyxis passes container.env that way); the text of the
+    Container Engine's EDF (None for the other runtimes), to be written as `edf_dir`/env.toml
+    (default: the name a dry run shows) before srun starts; and notes. The environment is a
+    submitted run's (jobs.runs.container.shell_environment), through the batch script's
+    `srun_flags`, never written into a run directory; `container.env_from_host` is only named:
+    srun hands it on from this process's environment."""
     from jobs.runs.container import shell_environment
 
     sealed = runs.seal(cfg, project_dir)

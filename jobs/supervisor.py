@@ -1,24 +1,18 @@
 """The supervisor of a launch started from the terminal (`slipway local`, `slipway run`,
-jobs/interactive.py): stopping its processes when asked, and what of their output reaches the terminal.
+jobs/interactive.py): stopping its processes when asked, and what of their output reaches the
+terminal (docs/runs.md).
 
-A stop (Ctrl-C, SIGTERM, a closed terminal) is asked of the ranks, never of torchrun: the
-ranks save at the step they agree on and exit (trainer/loop.py StopSignal), while torchrun,
-asked itself, would send them its own signal and kill them after its shutdown timeout. The
-stop file (common.rundir.RunDir.stop_file, what the batch script uses on Slurm's warning) says it
-too, to ranks not started yet. A second signal, or STOP_GRACE_SECONDS, kills every process
-of the launch.
-
-Every line goes to the launch's log; the terminal gets the training's own output. What
-torch and torchrun print about processes ending (Python tracebacks, torchrun's failure
-report and its agent's log lines, C++ stack frames, srun's step messages once a stop was
-asked) goes to the log alone, and after a stop request nothing more reaches the terminal but
-the launcher's own report. A failure's one-line reason (the trainer's `error:` line, or the
-last traceback's exception) is kept for that report. SLIPWAY_DEBUG=1 shows every line.
+A stop is asked of the ranks, never of torchrun: the ranks save at the step they agree on and
+exit (trainer/loop.py StopSignal), while torchrun, asked itself, would send them its own signal
+and kill them after its shutdown timeout. The stop file (common.rundir.RunDir.stop_file) says it
+too, to ranks not started yet. Every line goes to the launch's log; what torch and torchrun say
+of processes ending (`Noise`) stays out of the terminal, which keeps the training's own output.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -147,16 +141,13 @@ class Stopper:
                 ranks.append(pid)
         return ranks
 
-    def _signal(self, sig: int) -> None:
+    def kill(self) -> None:
         if self.pgid is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, sig)
+                os.killpg(self.pgid, signal.SIGKILL)
         for pid in self.processes():
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-
-    def kill(self) -> None:
-        self._signal(signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
 
     def force(self) -> None:
         """The grace ran out: everything of the launch killed, unsaved."""
@@ -184,13 +175,10 @@ class Stopper:
 
 def wait_for_exit(pid: int) -> None:
     """Until process `pid` has exited, without reaping it (its pid keeps naming its process
-    group until then, so the sweep can never reach another's). Signals run their handlers meanwhile."""
-    while True:
-        try:
-            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-            return
-        except ChildProcessError:
-            return
+    group until then, so the sweep can never reach another's). Signals run their handlers meanwhile
+    (and the wait resumes after them: PEP 475)."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
 
 
 _RANK = re.compile(r"^\[rank(\d+)\]:\s?")  # torch's prefix of a rank's traceback lines
@@ -207,9 +195,10 @@ _DELIBERATE = ("KeyboardInterrupt", "SystemExit", "torch.distributed.elastic.mul
 
 
 class Noise:
-    """Which lines of a launch's output are torch's and torchrun's own (see the module
-    docstring): `shown(line)` is False for them. Keeps the last traceback's exception line,
-    `exception` ("rank R: Type: message"), a crash's one-line reason."""
+    """Which lines of a launch's output are torch's and torchrun's own (Python tracebacks,
+    torchrun's failure report and its agent's log lines, C++ stack frames): `shown(line)` is False
+    for them. Keeps the last traceback's exception line, `exception` ("rank R: Type: message"), a
+    crash's one-line reason."""
 
     def __init__(self) -> None:
         self.exception = ""
@@ -312,8 +301,6 @@ class Heartbeat:
         return f"the model's build, {load}the first step: {first}{expected}"
 
     def _progress(self) -> Optional[tuple[int, float]]:
-        import json
-
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             record = json.loads(RunDir(self.run_dir).progress.read_text())
             if record.get("job") == self.tag and record["step"] > 0:
@@ -435,42 +422,11 @@ class Output(threading.Thread):
                 self.failed_rank, self.rank_signal = rank, int(m.group(1))
 
 
-def available_memory() -> Optional[int]:
-    """Bytes this machine can give a launch now: /proc/meminfo's MemAvailable, less where this
-    process's memory cgroup (v1 or v2, a Slurm allocation's or a container's, and each above it)
-    leaves less; None where none of that can be read."""
-    found = []
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/proc/meminfo") as f:
-            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
-    with contextlib.suppress(OSError):
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                _, controllers, path = line.rstrip("\n").split(":", 2)
-                if controllers == "memory":
-                    root, files = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
-                elif controllers == "":
-                    root, files = Path("/sys/fs/cgroup"), ("memory.max", "memory.current")
-                else:
-                    continue
-                group = root / path.lstrip("/")
-                while True:
-                    with contextlib.suppress(OSError, ValueError):
-                        limit, used = ((group / name).read_text().strip() for name in files)
-                        if limit != "max" and int(limit) < 2**60:
-                            found.append(max(0, int(limit) - int(used)))
-                    if group == root or root not in group.parents:
-                        break
-                    group = group.parent
-    return min(found) if found else None
-
-
 def oom_kills() -> Optional[int]:
     """How many processes the kernel's out-of-memory killer has ended since boot (any cgroup's
     too): /proc/vmstat's oom_kill; None where it cannot be read."""
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/vmstat") as f:
-            for line in f:
-                if line.startswith("oom_kill "):
-                    return int(line.split()[1])
+    with contextlib.suppress(OSError, ValueError), open("/proc/vmstat") as f:
+        for line in f:
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
     return None

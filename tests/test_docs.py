@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cli import reference
+from tests import config_reference as reference
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -35,7 +35,7 @@ def test_every_config_key_has_a_meaning(monkeypatch):
 
 def test_generator_command_writes_the_page(tmp_path):
     out = tmp_path / "config.md"
-    done = subprocess.run([sys.executable, "-m", "jobs.cli.reference", "--out", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "tests.config_reference", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     text = out.read_text()
@@ -43,7 +43,7 @@ def test_generator_command_writes_the_page(tmp_path):
     assert "- **`slurm.max_retries`**: integer; default `2`." in text
     assert "- **`container.runtime`**: one of `edf`, `pyxis`, `none`; default `edf`." in text
     out.write_text(text.replace("default `2`", "default `3`"))
-    check = subprocess.run([sys.executable, "-m", "jobs.cli.reference", "--check", "--out", str(out)], cwd=ROOT,
+    check = subprocess.run([sys.executable, "-m", "tests.config_reference", "--check", "--out", str(out)], cwd=ROOT,
                            capture_output=True, text=True)
     assert check.returncode == 1 and "-- **`slurm.max_retries`**: integer; default `3`." in check.stdout
     assert reference.COMMAND in check.stderr

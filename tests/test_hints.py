@@ -221,7 +221,7 @@ def test_prepare_an_unprepared_cache(project, shell, tmp_path):
 
 
 @pytest.mark.slow
-@covers("jobs/cli/status.py: slipway submit {shlex.quote(str(run.paths.config))}",
+@covers("jobs/cli/logs.py: slipway submit {shlex.quote(str(run.paths.config))}",
         "jobs/cli/watch.py: slipway submit {shlex.quote(str(run.paths.config))}")
 def test_submit_a_run_that_has_no_job(project, shell, tmp_path):
     env = slurm(tmp_path, shell)

@@ -238,7 +238,7 @@ def test_the_batch_that_fits_keeps_the_layout_and_the_global_batch():
 
 @pytest.mark.slow
 def test_a_try_that_cannot_fit_here_is_refused_before_any_process_with_the_batch_that_would(project):
-    from jobs.supervisor import available_memory
+    from jobs.local_checks import available_memory
     from common.layouts import process_memory
 
     available = available_memory()

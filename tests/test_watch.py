@@ -165,7 +165,7 @@ def test_a_local_launch_is_running_until_its_launcher_records_the_outcome():
 def test_logs_f_of_a_local_launch_that_died_exits_1(tmp_path, capsys):
     """`slipway logs RUN -f` ends with the launch's exit code, as for a Slurm job; one that died
     without recording it is a failure, not a success. Printing the log alone succeeds."""
-    from jobs.cli.status import show_logs
+    from jobs.cli.logs import show_logs
 
     run = fake_run(tmp_path)
     gone = dead_pid()

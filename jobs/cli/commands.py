@@ -106,31 +106,24 @@ def _run(args: argparse.Namespace):
     return runs.find_run(args.run, project_dir())
 
 
-def _sweep(name: str):
-    """The sweep NAME names, where no run has that name (None: a run, or nothing)."""
-    from jobs.cli.sweep import sweep_named
-
-    return sweep_named(name, project_dir())
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     from jobs.cli import status, sweep
 
-    if args.run and (found := _sweep(args.run)) is not None:
+    if args.run and (found := sweep.sweep_named(args.run, project_dir())) is not None:
         return sweep.show_sweep(project_dir(), found, rich_console())
     return status.show_status(project_dir(), args.run, console=rich_console())
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from jobs.cli import status
+    from jobs.cli import logs
 
-    return status.show_logs(_run(args), job_id=args.job, follow=args.follow, stream="error" if args.err else "output")
+    return logs.show_logs(_run(args), job_id=args.job, follow=args.follow, stream="error" if args.err else "output")
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from jobs.cli import status, sweep
 
-    if (found := _sweep(args.run)) is not None:
+    if (found := sweep.sweep_named(args.run, project_dir())) is not None:
         return sweep.cancel_sweep(project_dir(), found, rich_console())
     return status.cancel(_run(args), console=rich_console())
 
@@ -157,7 +150,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from jobs import trainer_door
     from jobs.cli import sweep
 
-    if (found := _sweep(args.run)) is not None:
+    if (found := sweep.sweep_named(args.run, project_dir())) is not None:
         return sweep.plot_sweep(project_dir(), found, args.out)
     print(trainer_door.plot([_run(args).dir], Path(args.out) if args.out else None))
     return 0
@@ -203,161 +196,156 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return sweep.compare(project_dir(), args.runs, args.csv, rich_console())
 
 
+def _command(sub, name: str, func, help_: str, **kwargs) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_, **kwargs)
+    p.set_defaults(func=func)
+    return p
+
+
+def _switches(p: argparse.ArgumentParser, **helps: str) -> None:
+    """On/off flags, `dry_run=HELP` for --dry-run; several commands share the texts below."""
+    for name, help_ in helps.items():
+        p.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=help_)
+
+
+REPLACE = "replace an existing run's different config"
+PARSABLE = "print only the job id on stdout (the rest on stderr), for scripts"
+LONG_TRY = "start even when it is expected to take more than half an hour here (asked on a terminal, refused elsewhere)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="slipway",
         description="Build the training image and launch it across Slurm nodes, from one config in configs/.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _submit_commands(sub)
+    _launch_commands(sub)
+    _reading_commands(sub)
+    parser.commands = sub.choices  # type: ignore[attr-defined]
+    return parser
 
-    p = sub.add_parser("submit", help="write runs/RUN/ (config, EDF, sbatch, manifest) and sbatch it")
+
+def _launch_commands(sub) -> None:
+    """The commands that prepare, train here or give a run's environment (jobs/cli/launch.py)."""
+    p = _command(sub, "prepare", cmd_prepare, "download and tokenise the config's dataset into the token cache, "
+                                              "here or as a CPU job (--as-job), so no GPU allocation waits for it")
     _config_args(p)
-    p.add_argument("--dry-run", action="store_true", help="print the script and EDF; write and submit nothing")
-    p.add_argument("--show-logs", action="store_true", help="follow the job's output; exit with its exit code")
-    p.add_argument("--force", action="store_true", help="replace an existing run's different config")
-    p.add_argument("--prepare", action="store_true", help="if the token cache is not prepared, queue a CPU job that "
-                                                         "prepares it and make the training job wait for it")
-    p.add_argument("--parsable", action="store_true", help="print only the job id on stdout (the rest on stderr), "
-                                                          "for scripts")
-    p.set_defaults(func=cmd_submit)
+    _switches(p, as_job="run it as a one-task CPU Slurm job (slurm.prepare_* settings), in the run's container; log "
+                        "in runs/RUN/logs/")
+    p.add_argument("--cpus", type=int, help="tokenizer threads here (default data.num_proc; 0: every core)")
+    _switches(p, show_logs="with --as-job: follow its log until it ends", parsable=f"with --as-job: {PARSABLE}",
+              force=f"with --as-job: {REPLACE}")
 
-    p = sub.add_parser("sweep", help="many runs of one config as one Slurm job array: the grid of the axes "
-                                     "KEY=[V1, V2, ...] (or --points FILE); again: the points not finished",
-                       description="Each point is a run (runs/SWEEP-VALUES/) that every command takes by its "
-                                   "name. An axis is KEY=[V1, V2, ...] on a field that is no list (a list field's "
-                                   "axis is a list of lists); several make their grid. Run it again to submit the "
-                                   "points not finished, or with more values to add points.")
+    # `local` and `run` train from this terminal, with the same config arguments and --force.
+    p = _command(sub, "local", functools.partial(cmd_local, parse=parse),
+                 "run the same launch on this machine (torchrun --standalone), no Slurm")
+    _config_args(p, cluster=False)
+    _switches(p, dry_run="every check of the try, its expected time and what blocks it, with the command that "
+                         "clears it all; nothing written or started",
+              prepare="prepare the token cache here first (slipway prepare)", force=REPLACE, yes=LONG_TRY)
+    p = _command(sub, "run", cmd_run, "inside an allocation (salloc): run the batch script's steps here, rank 0's "
+                                      "output on the terminal; Ctrl-C saves and stops (resumable)")
+    _config_args(p, optional=True)
+    _switches(p, force=REPLACE, stop_warm="stop the warm processes this allocation keeps (launch.warm) instead of "
+                                          "running")
+
+    p = _command(sub, "edf", cmd_edf, "print a config's EDF as a run would use it; --install it into EDF_PATH; "
+                                      "--check or --to-pyxis a hand-written EDF")
+    _config_args(p, optional=True)
+    _switches(p, install="write it as NAME.toml into EDF_PATH's first directory",
+              force="overwrite a different existing EDF when installing")
+    p.add_argument("--check", metavar="FILE", help="read a hand-written EDF and report every problem in it")
+    p.add_argument("--to-pyxis", metavar="FILE", help="print the pyxis srun flags of an EDF")
+
+    p = _command(sub, "shell", cmd_shell, "an interactive srun --pty bash inside the image")
+    _config_args(p)
+    _switches(p, dry_run="print the srun command instead of running it")
+    p.add_argument("--command", nargs=argparse.REMAINDER, default=None,
+                   help="run this command (no --pty) instead of an interactive bash; put it last")
+
+
+def _submit_commands(sub) -> None:
+    """The commands that submit to Slurm (jobs/cli/launch.py, jobs/cli/sweep.py)."""
+    p = _command(sub, "submit", cmd_submit, "write runs/RUN/ (config, EDF, sbatch, manifest) and sbatch it")
+    _config_args(p)
+    _switches(p, dry_run="print the script and EDF; write and submit nothing",
+              show_logs="follow the job's output; exit with its exit code", force=REPLACE,
+              prepare="if the token cache is not prepared, queue a CPU job that prepares it and make the training "
+                      "job wait for it", parsable=PARSABLE)
+
+    p = _command(sub, "sweep", cmd_sweep, "many runs of one config as one Slurm job array: the grid of the axes "
+                                          "KEY=[V1, V2, ...] (or --points FILE); again: the points not finished",
+                 description="Each point is a run (runs/SWEEP-VALUES/) that every command takes by its name. An "
+                             "axis is KEY=[V1, V2, ...] on a field that is no list (a list field's axis is a list of "
+                             "lists); several make their grid. Run it again to submit the points not finished, or "
+                             "with more values to add points.")
     _config_args(p)
     p.add_argument("--name", help="the sweep's name (default: the config's run name); points are runs NAME-VALUES")
     p.add_argument("--points", metavar="FILE", help="a YAML list of override maps, one point each (a sweep that "
                                                    "is not a grid; crossed with the axes, if any)")
     p.add_argument("--max-parallel", type=int, metavar="K", help="at most K tasks of an array run at once (%%K)")
-    p.add_argument("--dry-run", action="store_true", help="list the points, their resources and GPU-hours, and "
-                                                          "the arrays; write and submit nothing")
-    p.add_argument("--force", action="store_true", help="replace the configs of points that changed")
-    p.add_argument("--local", action="store_true", help="run the points one after another on this machine, as "
-                                                        "slipway local runs one, instead of submitting them")
-    p.add_argument("--yes", action="store_true", help="with --local: start each point even when it is expected to "
-                                                      "take more than half an hour here")
-    p.set_defaults(func=cmd_sweep)
+    _switches(p, dry_run="list the points, their resources and GPU-hours, and the arrays; write and submit nothing",
+              force="replace the configs of points that changed",
+              local="run the points one after another on this machine, as slipway local runs one, instead of "
+                    "submitting them",
+              yes="with --local: start each point even when it is expected to take more than half an hour here")
 
-    p = sub.add_parser("compare", help="a sweep's points (or any runs) side by side: values, final eval and "
-                                       "train loss, tokens/s, MFU, steps, state; by eval loss")
+    p = _command(sub, "compare", cmd_compare, "a sweep's points (or any runs) side by side: values, final eval and "
+                                              "train loss, tokens/s, MFU, steps, state; by eval loss")
     p.add_argument("runs", nargs="+", metavar="SWEEP|RUN")
-    p.add_argument("--csv", action="store_true", help="comma-separated values, every key that differs")
-    p.set_defaults(func=cmd_compare)
+    _switches(p, csv="comma-separated values, every key that differs")
 
-    p = sub.add_parser("prepare", help="download and tokenise the config's dataset into the token cache, here or "
-                                       "as a CPU job (--as-job), so no GPU allocation waits for it")
-    _config_args(p)
-    p.add_argument("--as-job", action="store_true", help="run it as a one-task CPU Slurm job (slurm.prepare_* "
-                                                        "settings), in the run's container; log in runs/RUN/logs/")
-    p.add_argument("--cpus", type=int, help="tokenizer threads here (default data.num_proc; 0: every core)")
-    p.add_argument("--show-logs", action="store_true", help="with --as-job: follow its log until it ends")
-    p.add_argument("--parsable", action="store_true", help="with --as-job: print only the job id on stdout (the rest "
-                                                          "on stderr), for scripts")
-    p.add_argument("--force", action="store_true", help="with --as-job: replace an existing run's different config")
-    p.set_defaults(func=cmd_prepare)
 
-    p = sub.add_parser("local", help="run the same launch on this machine (torchrun --standalone), no Slurm")
-    _config_args(p, cluster=False)
-    p.add_argument("--dry-run", action="store_true", help="every check of the try, its expected time and what "
-                                                          "blocks it, with the command that clears it all; nothing "
-                                                          "written or started")
-    p.add_argument("--prepare", action="store_true", help="prepare the token cache here first (slipway prepare)")
-    p.add_argument("--force", action="store_true", help="replace an existing run's different config")
-    p.add_argument("--yes", action="store_true", help="start even when it is expected to take more than half an "
-                                                      "hour here (asked on a terminal, refused elsewhere)")
-    p.set_defaults(func=functools.partial(cmd_local, parse=parse))
-
-    p = sub.add_parser("run", help="inside an allocation (salloc): run the batch script's steps here, rank 0's "
-                                   "output on the terminal; Ctrl-C saves and stops (resumable)")
-    _config_args(p, optional=True)
-    p.add_argument("--force", action="store_true", help="replace an existing run's different config")
-    p.add_argument("--stop-warm", action="store_true", help="stop the warm processes this allocation keeps "
-                                                           "(launch.warm) instead of running")
-    p.set_defaults(func=cmd_run)
-
-    p = sub.add_parser("edf", help="print a config's EDF as a run would use it; --install it into EDF_PATH; "
-                                   "--check or --to-pyxis a hand-written EDF")
-    _config_args(p, optional=True)
-    p.add_argument("--install", action="store_true", help="write it as NAME.toml into EDF_PATH's first directory")
-    p.add_argument("--force", action="store_true", help="overwrite a different existing EDF when installing")
-    p.add_argument("--check", metavar="FILE", help="read a hand-written EDF and report every problem in it")
-    p.add_argument("--to-pyxis", metavar="FILE", help="print the pyxis srun flags of an EDF")
-    p.set_defaults(func=cmd_edf)
-
-    p = sub.add_parser("shell", help="an interactive srun --pty bash inside the image")
-    _config_args(p)
-    p.add_argument("--dry-run", action="store_true", help="print the srun command instead of running it")
-    p.add_argument("--command", nargs=argparse.REMAINDER, default=None,
-                   help="run this command (no --pty) instead of an interactive bash; put it last")
-    p.set_defaults(func=cmd_shell)
-
-    p = sub.add_parser("doctor", help="preflight checks before burning an allocation (with a config: of exactly "
-                                      "what `submit` would get from the same arguments; with a run: what its "
-                                      "next job needs)",
-                       description="With CONFIG: checks what `submit` would get from the same arguments. With "
-                                   "--run RUN, or a bare RUN that names a run directory and no config: checks "
-                                   "the run (its pinned image there and as recorded, what its config builds "
-                                   "now, its config loading, its mount sources).")
+def _reading_commands(sub) -> None:
+    """The commands that check, read or stop what runs."""
+    p = _command(sub, "doctor", cmd_doctor, "preflight checks before burning an allocation (with a config: of "
+                                            "exactly what `submit` would get from the same arguments; with a run: "
+                                            "what its next job needs)",
+                 description="With CONFIG: checks what `submit` would get from the same arguments. With --run RUN, "
+                             "or a bare RUN that names a run directory and no config: checks the run (its pinned "
+                             "image there and as recorded, what its config builds now, its config loading, its "
+                             "mount sources).")
     _config_args(p, optional=True)
     p.add_argument("--run", metavar="RUN", help="check this run (runs/RUN) instead of a config")
-    p.set_defaults(func=cmd_doctor)
-
-    p = sub.add_parser("status", help="runs and their jobs (squeue, scontrol, sacct, events.log); a sweep's points")
+    p = _command(sub, "status", cmd_status, "runs and their jobs (squeue, scontrol, sacct, events.log); a sweep's "
+                                            "points")
     p.add_argument("run", nargs="?", metavar="RUN|SWEEP")
-    p.set_defaults(func=cmd_status)
-
-    p = sub.add_parser("logs", help="print a run's job log")
+    p = _command(sub, "logs", cmd_logs, "print a run's job log")
     p.add_argument("run", metavar="RUN")
     p.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
     p.add_argument("--job", help="job id (default: the latest)")
-    p.add_argument("--err", action="store_true", help="the error log instead of the output")
-    p.set_defaults(func=cmd_logs)
-
-    p = sub.add_parser("watch", help="a live view of a run's job (step, loss, tokens/s, MFU, ETA, time since the "
-                                     "last step, per-node heartbeat and GPU use, events) until it ends; exits "
-                                     "with the job's exit code")
+    _switches(p, err="the error log instead of the output")
+    p = _command(sub, "watch", cmd_watch, "a live view of a run's job (step, loss, tokens/s, MFU, ETA, time since "
+                                          "the last step, per-node heartbeat and GPU use, events) until it ends; "
+                                          "exits with the job's exit code")
     p.add_argument("run", metavar="RUN")
     p.add_argument("--job", help="job id (default: the run's latest training job)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
-    p.add_argument("--once", action="store_true", help="print one frame and exit 0")
-    p.set_defaults(func=cmd_watch)
-
-    p = sub.add_parser("cancel", help="scancel a run's active jobs (a sweep's: every task)")
+    _switches(p, once="print one frame and exit 0")
+    p = _command(sub, "cancel", cmd_cancel, "scancel a run's active jobs (a sweep's: every task)")
     p.add_argument("run", metavar="RUN|SWEEP")
-    p.set_defaults(func=cmd_cancel)
-
     # Listed for --help; `main` hands `slipway image ...` to jobs.cli.image and
     # `slipway cluster ...` to jobs.devcluster before parsing.
     sub.add_parser("image", help="build / show / prune the training image (podman + enroot); see image --help")
     sub.add_parser("cluster", help="a real Slurm cluster on this machine to try slipway on: up | down | env | "
                                    "status (root; Debian slurm-wlm and munge)")
-
-    p = sub.add_parser("gpu-check", help="on a GPU node, offline, in at most 10 minutes: does it train correctly and "
-                                         "fast? (the node, bf16 against fp32, slipway local with an exact resume, "
-                                         "NCCL bandwidth, tokens/s and MFU against a bare loop and torchtitan), "
-                                         "written to DIR/report.md and report.json")
+    p = _command(sub, "gpu-check", cmd_gpu_check, "on a GPU node, offline, in at most 10 minutes: does it train "
+                                                  "correctly and fast? (the node, bf16 against fp32, slipway local "
+                                                  "with an exact resume, NCCL bandwidth, tokens/s and MFU against a "
+                                                  "bare loop and torchtitan), written to DIR/report.md and report.json")
     p.add_argument("--out", required=True, metavar="DIR", help="where report.md, report.json and the work go")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="cuda, or cpu to check what needs no GPU with a tiny model (default: cuda where torch sees one)")
     p.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
                    help="a part's time budget (node 45, correctness 75, training 150, allreduce 30, speed 280)")
-    p.set_defaults(func=cmd_gpu_check)
-
-    p = sub.add_parser("nodes", help="the bad nodes a cluster remembers (blamed by a preflight, a hang or a node "
-                                     "death; excluded from its later jobs): why and since when; --forget NODE")
+    p = _command(sub, "nodes", cmd_nodes, "the bad nodes a cluster remembers (blamed by a preflight, a hang or a "
+                                          "node death; excluded from its later jobs): why and since when; --forget NODE")
     _cluster_arg(p)
     p.add_argument("--forget", metavar="NODE", action="append", help="forget NODE: later jobs may run on it again "
                                                                      "(repeat for more)")
-    p.set_defaults(func=cmd_nodes)
-
-    p = sub.add_parser("plot", help="loss and throughput curves of a run as a PNG (a sweep's loss curves overlaid)")
+    p = _command(sub, "plot", cmd_plot, "loss and throughput curves of a run as a PNG (a sweep's loss curves overlaid)")
     p.add_argument("run", metavar="RUN|SWEEP")
     p.add_argument("--out", help="PNG path (default: runs/RUN/curves.png, runs/.sweeps/SWEEP/curves.png)")
-    p.set_defaults(func=cmd_plot)
-    parser.commands = sub.choices  # type: ignore[attr-defined]
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,17 +1,11 @@
-"""`slipway doctor`: preflight checks before burning an allocation, one line each with the fix.
-
-With a config: what a submission of it would get. With a run (`--run RUN`): what the run's
-next job (a requeue, a resubmission) needs: its pinned image there and as recorded, its
-config still loading, its mount sources, and what its config would build now.
-
-Every check runs, whatever failed before it, so one run lists everything to fix.
+"""`slipway doctor` (docs/runs.md): preflight checks of a config (what a submission of it would
+get) or of a run (what its next job, a requeue or a resubmission, needs), one line each with the
+fix. Every check runs, whatever failed before it, so one run lists everything to fix.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import shlex
 import shutil
 from datetime import datetime, timezone
@@ -22,7 +16,8 @@ from rich.markup import escape
 
 from jobs import runs, slurm
 from containers.record import BuildRecord
-from edf import Environment, resolve_base
+from edf import expand_host, parse_edf, resolve_base
+from jobs.cli.gpu_stack import Result, gpu_stack
 from jobs.config import Config
 from jobs.runs.image import ImagePin
 from jobs.config.sections import NODE_PRESETS
@@ -30,14 +25,6 @@ from common.rundir import RunDir
 from common.environ import as_typed
 from common.errors import ConfigError, bounded
 from common.layouts import layout_advice
-
-Result = tuple[str, bool, str]  # (name, ok, detail or the fix)
-
-
-def _storage_conf() -> list[Result]:
-    from containers.storage import check_storage_conf
-
-    return [("podman storage", c.ok, c.what + (f": {c.fix}" if c.fix else "")) for c in check_storage_conf()]
 
 
 def _guard(name: str, check: Callable[[], list[Result]]) -> list[Result]:
@@ -94,7 +81,9 @@ def _image_tools() -> list[Result]:
     podman = shutil.which("podman")
     out.append(("podman", podman is not None, podman or "podman not found: needed by `make image`"))
     if podman:
-        out += _storage_conf()
+        from containers.storage import check_storage_conf
+
+        out += [("podman storage", c.ok, c.what + (f": {c.fix}" if c.fix else "")) for c in check_storage_conf()]
     enroot = shutil.which("enroot")
     out.append(("enroot", enroot is not None, enroot or "enroot not found: `make image` builds the podman "
                                                        "image but cannot import it to squashfs here"))
@@ -166,73 +155,6 @@ def _warm_ranks() -> list[Result]:
              f"({by}), where a forked rank would be its warm step's" if by else "slipway run starts its ranks from warm processes (launch.warm)")]
 
 
-# ---------------------------------------------------------------- the GPU stack a run gets
-
-HOOK = "com.hooks.aws_ofi_nccl"  # the Container Engine's hook that brings the aws-ofi-nccl plugin into the container
-
-
-def gpu_stack(cfg: Config, env: Environment, pin: ImagePin) -> list[Result]:
-    """What the ranks' NCCL talks over and which CUDA it runs on (the dry run says the same as
-    notes): the image's CUDA, the network NCCL is forced onto and the Container Engine's
-    aws_ofi_nccl hook and its variant against that CUDA, flash-attn's compiled architectures
-    against the nodes' compute capability. Empty for a CPU job."""
-    if not cfg.slurm.gpus_per_node:
-        return []
-    record = BuildRecord.beside(Path(pin.path)) if pin.path else None
-    cuda = record.cuda if record else None
-    if cuda:
-        said = f"{cuda} (the image's CUDA_VERSION, build {record.hash12})"
-    elif record:
-        said = "unknown (a build record from before slipway kept it: rebuild to record it)"
-    else:
-        said = "unknown (no build record of slipway's for this image)"
-    return [("image CUDA", True, said), _nccl_network(cfg, env, cuda), *_flash_attn(cfg, record)]
-
-
-def _nccl_network(cfg: Config, env: Environment, cuda: Optional[str]) -> Result:
-    preset = NODE_PRESETS.get(cfg.launch.preset)
-    net = cfg.launch.env.get("NCCL_NET") or dict(preset.env if preset else ()).get("NCCL_NET")
-    source = "launch.env" if "NCCL_NET" in cfg.launch.env else f"launch.preset {cfg.launch.preset}"
-    forced = f"NCCL_NET={net!r} ({source}): NCCL stops where its plugin is missing" if net else \
-        "NCCL_NET unset: NCCL picks the network it finds"
-    if cfg.container.runtime != "edf":
-        where = "the nodes' own" if cfg.container.runtime == "none" else "the image's own (pyxis runs no CE hook)"
-        return ("NCCL network", True, f"{where} NCCL and plugin; {forced}")
-    with contextlib.suppress(ConfigError, OSError):  # a site's base EDF may enable the hook
-        env = resolve_base(env) if env.base_environment else env
-    major = cuda.split(".")[0] if cuda else None
-    fix = f"container.annotations.{HOOK}.variant: cuda{major}" if major else ""
-    variant = env.annotations.get(f"{HOOK}.variant")
-    if env.annotations.get(f"{HOOK}.enabled", "").lower() != "true":
-        said = f"the Container Engine's aws_ofi_nccl hook is off; {forced}"
-        if net:
-            said += (f"; note: the image must bring the plugin itself (CSCS's alps images do), else set "
-                     f"container.annotations.{HOOK}.enabled: 'true'" + (f" and {fix}" if fix else ""))
-        return ("NCCL network", True, said)
-    said = f"the Container Engine's aws_ofi_nccl hook, variant {variant or 'unset (the site default)'}; {forced}"
-    if variant and major and re.fullmatch(r"cuda\d+", variant) and variant != f"cuda{major}":
-        return ("NCCL network", False, f"{said}: the variant is for another CUDA than the image's {cuda}, so the "
-                                       f"plugin may not load: set {fix}")
-    return ("NCCL network", True, said + (f"; note: set {fix} to match the image's CUDA" if not variant and fix else ""))
-
-
-def _flash_attn(cfg: Config, record: Optional[BuildRecord]) -> list[Result]:
-    """flash-attn's compiled architectures against the nodes' (the node preset's) compute capability."""
-    if record is None or not record.flash_attn_archs or cfg.model.attention == "sdpa":
-        return []
-    preset = NODE_PRESETS.get(cfg.launch.preset)
-    archs = f"flash-attn compiled for CUDA architectures {record.flash_attn_archs}"
-    if preset is None or not preset.capability:
-        return [("flash-attn", True, f"{archs}; the nodes' compute capability is not known here (no launch.preset): "
-                                     "slipway gpu-check, run on a node, reports it")]
-    if record.flash_attn_serves(preset.capability):
-        return [("flash-attn", True, f"{archs}; the nodes ({cfg.launch.preset}) are compute capability "
-                                     f"{preset.capability}")]
-    return [("flash-attn", False, f"{archs}, which no GPU of compute capability {preset.capability} "
-                                  f"({cfg.launch.preset}) runs: set image.build_args.FLASH_ATTN_CUDA_ARCHS: "
-                                  f"'{preset.capability.replace('.', '')}' and rebuild, or model.attention: sdpa")]
-
-
 def _gres_gpus(gres: str) -> int:
     """GPUs in a node's generic resources as sinfo prints them (`gpu:4`, `gpu:a100:4(S:0-1)`)."""
     total = 0
@@ -246,85 +168,78 @@ def _gres_gpus(gres: str) -> int:
 def cluster_checks(profile, cfg: Optional[Config] = None) -> list[Result]:
     """The profile against the live cluster (Slurm's own answers, through jobs/slurm/client.py):
     partition and QoS, the account, the GPUs the preset expects, MaxArraySize, the EDF directory."""
-    from jobs.config.sections import NODE_PRESETS, SlurmSection
-
-    slurm_part = profile.settings.get("slurm", {})
-    s = cfg.slurm if cfg is not None else SlurmSection()
-    partition = cfg.slurm.partition if cfg is not None else slurm_part.get("partition")
-    qos, account = (s.qos, s.account) if cfg is not None else (slurm_part.get("qos"), slurm_part.get("account"))
+    wanted = vars(cfg.slurm) if cfg is not None else profile.settings.get("slurm", {})
     preset = (cfg.launch.preset if cfg is not None else profile.settings.get("launch", {}).get("preset")) or "none"
-    gpus = NODE_PRESETS[preset].gpus if preset in NODE_PRESETS else (
-        cfg.slurm.gpus_per_node if cfg is not None else int(slurm_part.get("gpus_per_node") or 0))
-    name = f"cluster {profile.name}"
-    out: list[Result] = [(name, True, f"profile from {', '.join(profile.sources)}")]
-
-    def nodes() -> list[Result]:
-        parts = slurm.partitions()
-        default = partition or next(iter(parts), None)
-        if partition and partition not in parts:
-            return [("partition", False, f"slurm.partition {partition} is not a partition of this cluster (it has "
-                                         f"{', '.join(parts) or 'none'}): fix it in {_file_of(profile)}")]
-        members = parts.get(default or "", [])
-        found = [("partition", True, f"{default}: {len(members)} node(s)")]
-        if gpus:
-            carrying = [n for n, gres in members if _gres_gpus(gres) >= gpus]
-            by = f"launch.preset {preset}" if preset in NODE_PRESETS else "slurm.gpus_per_node"
-            found.append(("GPUs per node", bool(carrying), f"{len(carrying)} of {len(members)} node(s) of {default} "
-                          f"carry the {gpus} GPUs {by} expects" if carrying else f"no node of {default} carries {gpus} GPUs (sinfo's gres: "
-                          f"{', '.join(sorted({g for _, g in members})) or 'none'}): set slurm.partition to a GPU "
-                          f"partition or lower slurm.gpus_per_node in {_file_of(profile)}"))
-        return found
-
-    def access() -> list[Result]:
-        user = os.environ.get("USER") or os.environ.get("LOGNAME") or ""
-        assocs = slurm.associations(user)
-        if assocs is None:
-            return [("account and QoS", True, "note: this cluster runs no accounting (sacctmgr): not checked")]
-        accounts = sorted({a for a, _ in assocs})
-        found = []
-        if account:
-            found.append(("account", account in accounts, f"{account} is {user}'s" if account in accounts else
-                          f"{user} has no association with account {account} (theirs: "
-                          f"{', '.join(accounts) or 'none'}): fix slurm.account in {_file_of(profile)}"))
-        if qos:
-            allowed = sorted({q for a, qs in assocs if not account or a == account for q in qs.split(",") if q})
-            found.append(("QoS", qos in allowed, f"{qos} is allowed" if qos in allowed else
-                          f"QoS {qos} is not among {user}'s ({', '.join(allowed) or 'none'}): fix slurm.qos in "
-                          f"{_file_of(profile)}"))
-        return found
-
-    def array() -> list[Result]:
-        size = slurm.cluster_config().get("MaxArraySize", "")
-        return [("MaxArraySize", size.isdigit(), f"{size}: a sweep of up to {int(size) - 1} points runs as one array"
-                 if size.isdigit() else "scontrol show config gave no MaxArraySize: is a controller answering?")]
-
-    def edf_dir() -> list[Result]:
-        directory = profile.cluster.edf_dir
-        if not directory:
-            return []
-        import tempfile
-
-        path = Path(directory)
-        while not path.exists() and path != path.parent:
-            path = path.parent
-        try:  # a file made and removed: permissions alone do not say (root, read-only mounts, /proc)
-            fd, probe = tempfile.mkstemp(prefix=".slipway-doctor-", dir=path)
-            os.close(fd)
-            os.unlink(probe)
-            why = ""
-        except OSError as exc:
-            why = exc.strerror or str(exc)
-        return [("EDF directory", not why, f"{directory} is writable" if not why else f"{directory} is not writable "
-                 f"here ({path}: {why}): fix cluster.edf_dir in {_file_of(profile)} or the directory's permissions")]
-
-    for what, check in (("partition", nodes), ("account and QoS", access), ("MaxArraySize", array),
-                        ("EDF directory", edf_dir)):
+    gpus = NODE_PRESETS[preset].gpus if preset in NODE_PRESETS else int(wanted.get("gpus_per_node") or 0)
+    where = " or ".join(profile.sources) or "clusters.yaml"  # the file a fix goes in
+    out: list[Result] = [(f"cluster {profile.name}", True, f"profile from {', '.join(profile.sources)}")]
+    for what, check in (("partition", lambda: _partition(wanted.get("partition"), gpus, preset, where)),
+                        ("account and QoS", lambda: _access(wanted.get("account"), wanted.get("qos"), where)),
+                        ("MaxArraySize", _array_size),
+                        ("EDF directory", lambda: _edf_dir(profile.cluster.edf_dir, where))):
         out += _guard(what, check)
     return out
 
 
-def _file_of(profile) -> str:
-    return " or ".join(profile.sources) or "clusters.yaml"
+def _partition(partition: Optional[str], gpus: int, preset: str, where: str) -> list[Result]:
+    parts = slurm.partitions()
+    default = partition or next(iter(parts), None)
+    if partition and partition not in parts:
+        return [("partition", False, f"slurm.partition {partition} is not a partition of this cluster (it has "
+                                     f"{', '.join(parts) or 'none'}): fix it in {where}")]
+    members = parts.get(default or "", [])
+    found = [("partition", True, f"{default}: {len(members)} node(s)")]
+    if gpus:
+        carrying = [n for n, gres in members if _gres_gpus(gres) >= gpus]
+        by = f"launch.preset {preset}" if preset in NODE_PRESETS else "slurm.gpus_per_node"
+        found.append(("GPUs per node", bool(carrying), f"{len(carrying)} of {len(members)} node(s) of {default} "
+                      f"carry the {gpus} GPUs {by} expects" if carrying else f"no node of {default} carries {gpus} "
+                      f"GPUs (sinfo's gres: {', '.join(sorted({g for _, g in members})) or 'none'}): set "
+                      f"slurm.partition to a GPU partition or lower slurm.gpus_per_node in {where}"))
+    return found
+
+
+def _access(account: Optional[str], qos: Optional[str], where: str) -> list[Result]:
+    user = os.environ.get("USER") or os.environ.get("LOGNAME") or ""
+    assocs = slurm.associations(user)
+    if assocs is None:
+        return [("account and QoS", True, "note: this cluster runs no accounting (sacctmgr): not checked")]
+    accounts = sorted({a for a, _ in assocs})
+    found = []
+    if account:
+        found.append(("account", account in accounts, f"{account} is {user}'s" if account in accounts else
+                      f"{user} has no association with account {account} (theirs: "
+                      f"{', '.join(accounts) or 'none'}): fix slurm.account in {where}"))
+    if qos:
+        allowed = sorted({q for a, qs in assocs if not account or a == account for q in qs.split(",") if q})
+        found.append(("QoS", qos in allowed, f"{qos} is allowed" if qos in allowed else
+                      f"QoS {qos} is not among {user}'s ({', '.join(allowed) or 'none'}): fix slurm.qos in {where}"))
+    return found
+
+
+def _array_size() -> list[Result]:
+    size = slurm.cluster_config().get("MaxArraySize", "")
+    return [("MaxArraySize", size.isdigit(), f"{size}: a sweep of up to {int(size) - 1} points runs as one array"
+             if size.isdigit() else "scontrol show config gave no MaxArraySize: is a controller answering?")]
+
+
+def _edf_dir(directory: Optional[str], where: str) -> list[Result]:
+    if not directory:
+        return []
+    import tempfile
+
+    path = Path(directory)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:  # a file made and removed: permissions alone do not say (root, read-only mounts, /proc)
+        fd, probe = tempfile.mkstemp(prefix=".slipway-doctor-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+        why = ""
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    return [("EDF directory", not why, f"{directory} is writable" if not why else f"{directory} is not writable "
+             f"here ({path}: {why}): fix cluster.edf_dir in {where} or the directory's permissions")]
 
 
 def checks(cfg: Config | None, project_dir: Path, profile=None) -> list[Result]:
@@ -359,10 +274,11 @@ def _merge_repeats(results: list[Result]) -> list[Result]:
 
 
 def run_doctor(cfg: Config | None, project_dir: Path, console, profile=None) -> int:
-    return _print(_merge_repeats(checks(cfg, project_dir, profile)), console)
+    return _print(checks(cfg, project_dir, profile), console)
 
 
 def _print(results: list[Result], console) -> int:
+    results = _merge_repeats(results)
     for name, ok, detail in results:
         mark = "[green]ok  [/]" if ok else "[red]fail[/]"
         console.print(f"{mark} {escape(name)}: {escape(as_typed(detail))}", soft_wrap=True, highlight=False)
@@ -436,8 +352,6 @@ def _current_build(run: "runs.Run", pin: Optional[ImagePin]) -> list[Result]:
 
 
 def _run_mounts(run: "runs.Run") -> list[Result]:
-    from edf import expand_host, parse_edf, resolve_base
-
     if not run.paths.env_toml.is_file():
         return [("mount sources", True, "no env.toml: the run uses no container")]
     env = parse_edf(run.paths.env_toml)
@@ -501,4 +415,4 @@ def _pinned_code(run: "runs.Run", manifest) -> list[Result]:
 
 
 def run_doctor_run(run: "runs.Run", console) -> int:
-    return _print(_merge_repeats(run_checks(run)), console)
+    return _print(run_checks(run), console)

@@ -27,6 +27,7 @@ from containers.prune import prune_images
 from containers.tools import ToolError, stream, which
 from jobs.config import Config, dump_config, load_config
 from jobs.slurm import srun_argv
+from common.environ import project_dir
 from common.errors import one_line
 from common.fs import write_atomic
 
@@ -34,18 +35,12 @@ from common.fs import write_atomic
 QUIET_S = 30  # `image containers`: a line at least this often while the nodes work
 
 
-def _project_dir() -> Path:
-    from common import environ
-
-    return environ.project_dir()
-
-
 def _root(cfg: Config) -> Path:
     """The checkout the image commands act for: the one a submission from here builds its image
     from (containers.context.build_root), so that both name the same images and project."""
     from containers.context import build_root
 
-    return build_root(_project_dir(), cfg.image.dockerfile)
+    return build_root(project_dir(), cfg.image.dockerfile)
 
 
 def _config(name: str | None, overrides: list[str], base_image: str | None = None) -> Config:
@@ -117,7 +112,7 @@ def prune(cfg: Config, keep: int = 1, *, root: Path | None = None, remove: list[
 
     root = (root or _root(cfg)).resolve()
     # Where runs live: the directory slipway's run commands use and the checkout the image is built from.
-    project_dirs = list(dict.fromkeys([_project_dir(), root]))
+    project_dirs = list(dict.fromkeys([project_dir(), root]))
     return prune_images(cfg, keep=keep, root=root, remove=remove, console=console, dry_run=dry_run,
                         pinned=pinned_images(project_dirs))
 
@@ -174,25 +169,20 @@ def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console
 def _show(cfg, console: Console) -> None:
     plan = image_plan(cfg, root=_root(cfg))
     record = current_image(cfg, root=plan.root)
-    console.print(f"hash      {plan.hash}", highlight=False, markup=False, soft_wrap=True)
     project = f"{plan.project.id} ({plan.project.file})" if plan.project else f"none ({plan.project_error})"
-    console.print(f"project   {project}", highlight=False, markup=False, soft_wrap=True)
-    console.print(f"tag       {plan.tag}", highlight=False, markup=False, soft_wrap=True)
     exists = f"exists, {human(plan.squashfs.stat().st_size)}" if plan.exists else "not built"
-    console.print(f"squashfs  {plan.squashfs} ({exists})", highlight=False, markup=False, soft_wrap=True)
-    current = f"{record.squashfs} (hash {record.hash12})" if record else "none"
-    console.print(f"current   {plan.link} -> {current}", highlight=False, markup=False, soft_wrap=True)
-    console.print(f"context   {len(plan.files)} files", highlight=False, markup=False, soft_wrap=True)
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.enroot_env.items())
+    lines = [("hash", plan.hash), ("project", project), ("tag", plan.tag), ("squashfs", f"{plan.squashfs} ({exists})"),
+             ("current", f"{plan.link} -> {f'{record.squashfs} (hash {record.hash12})' if record else 'none'}"),
+             ("context", f"{len(plan.files)} files")]
     if plan.build_env:
         build_env = " ".join(f"{k}={v}" for k, v in plan.build_env.items())
-        console.print(f"buildenv  {build_env} (flash-attn compile; not hashed)", highlight=False, markup=False,
-                      soft_wrap=True)
-    console.print(f"podman    {shlex.join(plan.podman_argv)}", highlight=False, markup=False, soft_wrap=True)
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.enroot_env.items())
-    console.print(f"enroot    {env} {shlex.join(plan.enroot_argv)}", highlight=False, markup=False, soft_wrap=True)
+        lines.append(("buildenv", f"{build_env} (flash-attn compile; not hashed)"))
+    lines += [("podman", shlex.join(plan.podman_argv)), ("enroot", f"{env} {shlex.join(plan.enroot_argv)}")]
     if plan.build_on == "compute":
-        argv = compute_argv(cfg, plan, force=False, do_import=True)
-        console.print(f"srun      {shlex.join(argv)}", highlight=False, markup=False, soft_wrap=True)
+        lines.append(("srun", shlex.join(compute_argv(cfg, plan, force=False, do_import=True))))
+    for label, text in lines:
+        console.print(f"{label:<9} {text}", highlight=False, markup=False, soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,24 +208,25 @@ def _tool_error(exc: BaseException) -> int | None:
     return None
 
 
+def _config_args(p: argparse.ArgumentParser, nargs: str | None = None) -> None:
+    p.add_argument("config", nargs=nargs)
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+
+
 def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="slipway image", description="Build and manage the training image.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="podman build + enroot import, unless the squashfs for this tree exists")
-    b.add_argument("config")
-    b.add_argument("overrides", nargs="*", help="section.key=value")
+    _config_args(b)
     b.add_argument("--no-import", action="store_true", help="stop after podman build")
     b.add_argument("--force", action="store_true", help="rebuild without layer cache and reimport")
     b.add_argument("--base-image", help="override image.base_image")
     b.add_argument("--here", action="store_true", help="build on this machine even if image.build_on is compute")
     b.add_argument("--dry-run", action="store_true", help="say which steps would run (podman build, enroot import, "
                                                           "nothing), running none")
-    s = sub.add_parser("show", help="hash, tag, squashfs and the exact commands, running nothing")
-    s.add_argument("config")
-    s.add_argument("overrides", nargs="*")
+    _config_args(sub.add_parser("show", help="hash, tag, squashfs and the exact commands, running nothing"))
     p = sub.add_parser("prune", help="remove this project's old images (keeps the current one)")
-    p.add_argument("config", nargs="?")
-    p.add_argument("overrides", nargs="*")
+    _config_args(p, nargs="?")
     p.add_argument("--keep", type=int, default=1, help="squashfs files to keep, the current one included "
                                                        "(besides those runs pin: always kept)")
     p.add_argument("--remove", action="append", metavar="SQUASHFS", default=[],
@@ -243,8 +234,7 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--dry-run", action="store_true", help="say what would be removed and what kept, remove nothing")
     c = sub.add_parser("containers", help="the unpacked pyxis containers this project's jobs keep on the nodes "
                                           "(container.keep_builds): list them, or remove them with --remove")
-    c.add_argument("config", nargs="?")
-    c.add_argument("overrides", nargs="*")
+    _config_args(c, nargs="?")
     c.add_argument("--nodes", metavar="NODELIST", help="the nodes to look at (default: every responding node of "
                                                        "slurm.partition)")
     c.add_argument("--remove", action="store_true", help="remove every one that no queued or running job uses")
@@ -274,6 +264,3 @@ def _main(argv: list[str] | None) -> int:
             return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -81,7 +81,7 @@ def _submitted(args: argparse.Namespace, job_id: str, notes: list[str]):
 
 
 def _follow(console, run, job_id: str) -> int:
-    from jobs.cli.status import follow_logs
+    from jobs.cli.logs import follow_logs
 
     return follow_logs(run, job_id, on_state=lambda s: console.print(f"[dim]job {job_id}: {_plain(s)}[/]"))
 
@@ -160,7 +160,8 @@ def _refusals(cfg, prepare: bool, force: bool, ping: bool = True):
     """(the sealed submission, what would refuse it, the notes) of `submit` with these flags;
     `ping`: ask the controller too (a note)."""
     from jobs import runs
-    from jobs.cli.doctor import controller_problem, gpu_stack
+    from jobs.cli.doctor import controller_problem
+    from jobs.cli.gpu_stack import gpu_stack
 
     sealed = runs.seal(cfg, project_dir(), dry_run=True)
     refusals = [n.removeprefix(REFUSED) for n in sealed.notes if n.startswith(REFUSED)]

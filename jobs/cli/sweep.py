@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -167,9 +168,7 @@ def _run_here(plan: arrays.Plan, project: Path, force: bool, console, *, yes: bo
 def show_sweep(project: Path, sweep: sweeps.Sweep, console) -> int:
     """One line per point (its latest launch's state, step, loss, tokens/s): one Slurm query for all."""
     rows, damaged, _ = listing_rows(sweep.runs(project), throughput=True)
-    states: dict[str, int] = {}
-    for row in rows:
-        states[row[3]] = states.get(row[3], 0) + 1
+    states = Counter(row[3] for row in rows)
     arrays = ", ".join(a.job_id for a in sweep.arrays) or "none"
     title = (f"sweep {sweep.name}: {len(rows)} point(s) ({', '.join(f'{n} {s}' for s, n in sorted(states.items()))}); "
              f"arrays {arrays}")

@@ -1,19 +1,9 @@
-"""`slipway watch RUN`: a live view of a run's job in the terminal, until the job ends.
-
-Everything it shows comes from the run directory and Slurm, refreshed every
-`interval` seconds: the job's state and nodes (one squeue, or sacct once
-slurmctld forgot the job; none once events.log tells its end), step / total,
-loss, tokens/s, MFU and ETA (the end of metrics.jsonl), the time since the
-last completed step (progress.json, which rank 0's hang watchdog keeps; see
-trainer/watchdog.py), each node's heartbeat age (heartbeats/NODE, written by
-the batch script's helper on every node) and GPU use (gutil/NODE.gutil,
-nvidia-smi dmon), and the latest lines of events.log as they come. It follows
-the job through requeues and retries (the same job id), and exits with the
-job's exit code once the job has ended. Ctrl-C stops watching, not the job.
-
-A run whose latest launch was `slipway local` (`make local`) is watched the same
-way: its state from the launcher's process (the manifest records its pid), no
-nodes to show.
+"""`slipway watch RUN` (docs/runs.md): a live view of a run's job until it ends, refreshed every
+`interval` seconds from the run directory (metrics.jsonl's end, progress.json that rank 0's hang
+watchdog keeps, heartbeats/NODE and gutil/NODE.gutil that the batch script's helpers write on
+every node, events.log) and from Slurm (one squeue, or sacct once slurmctld forgot the job; none
+once events.log tells its end). A launch on this machine's state comes from its launcher's process
+(the manifest records its pid). Ctrl-C stops watching, not the job.
 """
 
 from __future__ import annotations
@@ -227,14 +217,13 @@ def _fmt_age(seconds: Optional[float]) -> str:
 
 
 def render(snap: Snapshot):
-    """The frame: rich renderables, no I/O."""
+    """The frame: rich renderables, no I/O. Every string in it that came from a file, Slurm or a
+    job is escaped by the one rule (one_line)."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     state = snap.state
     state_style = {"RUNNING": "green", "PENDING": "yellow", "COMPLETED": "green"}.get(state.state.split()[0], "red")
-    # Every string below came from a file, Slurm or a job: escaped by the one rule (one_line).
     head = Text.assemble(("run ", "dim"), (one_line(snap.run), "bold"), ("  job ", "dim"),
                          (one_line(snap.job_id), "bold"), "  ", (one_line(state.state), f"bold {state_style}"))
     if state.reason:
@@ -243,6 +232,17 @@ def render(snap: Snapshot):
         head.append(f"  on {one_line(snap.where)}")
     if snap.elapsed:
         head.append(f"  elapsed {snap.elapsed}", style="dim")
+    parts = [head, _training_row(snap), *[Text(one_line(h), style="dim") for h in snap.history],
+             *([_nodes_table(snap)] if snap.nodes else []), _events_table(snap)]
+    if snap.ended:
+        parts.append(Text(one_line(f"job {snap.job_id} ended: {state.state}, exit code {snap.exit_code}"),
+                          style="bold green" if snap.exit_code == 0 else "bold red"))
+    return Group(*parts)
+
+
+def _training_row(snap: Snapshot):
+    from rich.table import Table
+    from rich.text import Text
 
     m = snap.metrics
     steps = [s for s in (m.get("step"), snap.progress_step) if isinstance(s, int)]
@@ -250,10 +250,7 @@ def render(snap: Snapshot):
     train = Table.grid(padding=(0, 2))
     for _ in range(7):
         train.add_column()
-    mfu = m.get("mfu")
-    tps = m.get("tokens_per_s")
-    loss = m.get("loss")
-    age = snap.step_age
+    mfu, tps, loss, age = m.get("mfu"), m.get("tokens_per_s"), m.get("loss"), snap.step_age
     age_style = "red" if (age is not None and snap.hang_timeout and age > snap.hang_timeout / 2) else ""
     train.add_row(
         Text(f"step {step if step is not None else '-'}/{snap.total_steps or '?'}", style="bold"),
@@ -264,6 +261,12 @@ def render(snap: Snapshot):
         Text(f"last step {_fmt_age(age)}", style=age_style),
         Text(f"hang_timeout {snap.hang_timeout:g} s", style="dim") if snap.hang_timeout else "",
     )
+    return train
+
+
+def _nodes_table(snap: Snapshot):
+    from rich.table import Table
+    from rich.text import Text
 
     nodes = Table(title="nodes", title_justify="left", show_edge=False, pad_edge=False)
     for col in ("node", "heartbeat", "GPUs", "GPU use", "GPU memory"):
@@ -275,23 +278,23 @@ def render(snap: Snapshot):
         nodes.add_row(Text(one_line(n.name)), beat, str(n.gpus) if n.gpus else "-",
                       f"{n.sm_percent:.0f}%" if n.sm_percent is not None else "-",
                       f"{n.memory_gib:.1f} GiB" if n.memory_gib is not None else "-")
+    return nodes
+
+
+def _events_table(snap: Snapshot):
+    from rich.table import Table
+    from rich.text import Text
 
     events = Table(title="events", title_justify="left", show_header=False, show_edge=False, pad_edge=False)
     events.add_column(no_wrap=True, style="dim")
     events.add_column()
     for event in snap.events:
-        when = event.when
-        stamp = when.strftime("%H:%M:%S") if when else one_line(event.time)
+        stamp = when.strftime("%H:%M:%S") if (when := event.when) else one_line(event.time)
         kind = event.kind
         style = "red" if kind in _RED or (kind in (EventKind.END, EventKind.PREPARE_END) and event.exit_code) else \
             "yellow" if kind in _YELLOW else ""
         events.add_row(Text(stamp), Text(one_line(f"job {event.job} {event.text}"), style=style))
-    parts = [head, train, *[Text(one_line(h), style="dim") for h in snap.history], *([nodes] if snap.nodes else []),
-             events]
-    if snap.ended:
-        parts.append(Text(one_line(f"job {snap.job_id} ended: {state.state}, exit code {snap.exit_code}"),
-                          style="bold green" if snap.exit_code == 0 else "bold red"))
-    return Group(*parts)
+    return events
 
 
 def _watch_plain(watcher: "Watcher", snap: Snapshot, interval: float, console) -> int:
@@ -317,7 +320,7 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
     from rich.console import Console
     from rich.live import Live
 
-    from jobs.cli.status import job_arg
+    from jobs.cli.logs import job_arg
 
     console = console or Console(highlight=False)
     watcher = Watcher(run, job_arg(job_id) or latest_job(run))

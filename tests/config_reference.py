@@ -1,4 +1,4 @@
-"""docs/config.md, generated from the config schema: `python -m jobs.cli.reference`.
+"""docs/config.md, generated from the config schema: `python -m tests.config_reference`.
 
 Every key of every section of `jobs.config.Config`, with its type, its default and its
 meaning. The meaning is the `#` comment above the field (or at the end of its line) in the
@@ -31,8 +31,8 @@ from jobs.config.sections import NODE_PRESETS
 from common.schema import AutoBool, config_fields
 from trainer.config import MODEL_PRESETS
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
-COMMAND = "python -m jobs.cli.reference"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+COMMAND = "python -m tests.config_reference"
 
 # Types with a text form of their own (the schema reads them with `from_config_value`).
 CUSTOM_TYPES = {
@@ -59,7 +59,7 @@ def type_text(tp: Any) -> str:
         return CUSTOM_TYPES[tp]
     if tp in SCALARS:
         return SCALARS[tp]
-    raise TypeError(f"no readable name for config type {tp!r}: add it to jobs.cli.reference.CUSTOM_TYPES")
+    raise TypeError(f"no readable name for config type {tp!r}: add it to tests/config_reference.py CUSTOM_TYPES")
 
 
 def _plural(text: str) -> str:

@@ -1,0 +1,164 @@
+"""`slipway logs` (and `submit --show-logs`): a run's job log, printed as the job wrote it, or
+followed until the job ends."""
+
+from __future__ import annotations
+
+import codecs
+import os
+import re
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional, TextIO
+
+from common.environ import as_typed
+from common.errors import ConfigError, shown
+from common.fs import open_regular
+from common.rundir import LOCAL_JOB
+from jobs import runs, slurm
+from jobs.runs import lifecycle
+from jobs.runs.manifest import Launch
+
+
+def job_arg(job_id: Optional[str]) -> Optional[str]:
+    """--job as given on the command line: a Slurm job id, or `local` (it names a log file and
+    goes to squeue)."""
+    if job_id is not None and job_id != LOCAL_JOB and not re.fullmatch(r"[0-9]{1,12}(_[0-9]{1,9})?", job_id):
+        raise ConfigError("--job", f"{shown(job_id)} is not a Slurm job id: give one that slipway status RUN lists")
+    return job_id
+
+
+def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> int:
+    job_id = job_arg(job_id)
+    launches = run.launches()
+    if not launches:
+        raise ConfigError("RUN", f"run {run.name} has no job yet: `slipway submit {shlex.quote(str(run.paths.config))}` "
+                                 "submits it")
+    if job_id is None and launches[-1].local:
+        return _show_local_log(run, launches[-1], follow)
+    job_id = job_id or next((x.id for x in reversed(launches) if not x.local), None)
+    if job_id is None:
+        raise ConfigError("--job", f"run {run.name} has no Slurm job")
+    if follow:
+        return follow_logs(run, job_id)
+    path = run.log_path(job_id, stream)
+    tail = _Tail(path, sys.stdout, shlex.quote(str(run.paths.config)))
+    if not tail.pump():
+        info = slurm.job_info(job_id)
+        state = info.state if info else "unknown"
+        raise ConfigError("RUN", f"no log yet at {path} (job {job_id} is {state})")
+    return 0
+
+
+def _show_local_log(run: runs.Run, launch: Launch, follow: bool) -> int:
+    """A local run's log (`make local` writes logs/local-STAMP.out); -f follows it while it runs."""
+    path = run.dir / launch.log
+    tail = _Tail(path, sys.stdout, shlex.quote(str(run.paths.config)))
+    if not launch.log or not tail.pump():
+        raise ConfigError("RUN", f"no log at {path}")
+    state = run.state(launch)
+    while follow and not state.ended:
+        time.sleep(1.0)
+        tail.pump()
+        launch = next((x for x in run.launches() if x.same(launch)), launch)
+        state = run.state(launch)
+    tail.pump()
+    # as for a Slurm job: printing the log succeeds; following it ends with the launch's exit code
+    return state.final_exit if follow else 0
+
+
+class _Tail:
+    """Follows one growing file from its start: opened only while it is a regular file (a FIFO
+    or a device is one error line, never a hang) and copied a bounded chunk at a time, as the
+    job wrote it (a log is the job's own output: `logs` is `cat`)."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, path: Path, out: TextIO, config_args: Optional[str] = None):
+        self.path, self.out, self.pos = path, out, 0
+        self.text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut by a chunk's end
+        # The trainer's suggestions (`slipway prepare CONFIG`) with the run's config, as this shell runs
+        # them: typed a whole line at a time (a hint is never cut by a chunk's end).
+        self.config_args, self.partial = config_args, ""
+        self.ended = False  # the batch script's last line, how the job ended, was copied
+
+    def pump(self) -> bool:
+        """Copy what was added since the last pump; whether the file exists."""
+        f = open_regular(self.path)
+        if f is None:
+            return False
+        with f:
+            if f.seek(0, os.SEEK_END) < self.pos:  # cut short or replaced: from its start again
+                self.pos = 0
+                self.text.reset()
+            f.seek(self.pos)
+            while chunk := f.read(self.CHUNK):
+                self.pos += len(chunk)
+                lines = (self.partial + self.text.decode(chunk)).split("\n")
+                self.partial = lines.pop()
+                self.out.write("".join(as_typed(line, self.config_args) + "\n" for line in lines))
+                self.ended = self.ended or any(line.startswith("slipway: job ") and " ended: " in line for line in lines)
+            if self.partial and not f.read(1):  # the file's last line, written whole so far
+                self.out.write(as_typed(self.partial, self.config_args))
+                self.partial = ""
+            self.out.flush()
+        return True
+
+
+LAST_LINES_SECONDS = 90.0  # the curves' step's bound (jobs/slurm/script.py), and its container's start
+
+
+def follow_logs(run: runs.Run, job_id: str, *, interval: float = 1.0,
+                on_state: Optional[Callable[[str], None]] = None, out: Optional[TextIO] = None,
+                err: Optional[TextIO] = None) -> int:
+    """Print job `job_id`'s output and error logs as they grow until the job ends; its exit code.
+
+    The log paths are known before the job starts, so nothing can be missed between submission
+    and the first line. Slurm is asked once a poll, and no more once events.log settles the end.
+    """
+    typed = shlex.quote(str(run.paths.config))
+    tails = [_Tail(run.log_path(job_id, "output"), out or sys.stdout, typed)]  # the streams of now, not of import time
+    err_path = run.log_path(job_id, "error")
+    if err_path != tails[0].path:
+        tails.append(_Tail(err_path, err or sys.stderr, typed))
+    launch = run.launch(job_id) or Launch(job_id=job_id)
+    last_state = None
+    gone = 0
+    while True:
+        for t in tails:
+            t.pump()
+        own = run.events_of(launch)
+        settled = lifecycle.settled(launch, own)
+        info = None if settled else slurm.job_info(job_id)
+        if settled:
+            state = lifecycle.launch_state(launch, own).state
+        else:
+            state = info.state if info else "UNKNOWN"
+        if state != last_state and on_state:
+            on_state(state)
+        last_state = state
+        if settled or (info is not None and not info.active):
+            # After its recorded end a job still writes its last lines (its curves, drawn in a
+            # step of its own, then how it ended): followed while Slurm has it, for so long at most
+            # after that end; an end recorded longer ago, or the log's last line, says they are written.
+            end = lifecycle.final_end(lifecycle.last_attempt(own)) if settled else None
+            ended = end.when if end is not None else None
+            deadline = time.monotonic() + LAST_LINES_SECONDS - (
+                (datetime.now(timezone.utc) - ended).total_seconds() if ended else LAST_LINES_SECONDS)
+            while time.monotonic() < deadline and not tails[0].ended and getattr(slurm.job_info(job_id), "active", False):
+                for t in tails:
+                    t.pump()
+                time.sleep(interval)
+            time.sleep(interval)  # the last lines may land just after the end
+            for t in tails:
+                t.pump()
+            return lifecycle.launch_state(launch, run.events_of(launch), info).final_exit
+        if info is None:
+            gone += 1
+            if gone > 5:  # slurmctld forgot the job and there is no accounting: events.log tells
+                for t in tails:
+                    t.pump()
+                return run.state(launch, ask_slurm=False).final_exit
+        time.sleep(interval)
