@@ -15,7 +15,7 @@ import shlex
 import sys
 from typing import Any, Optional
 
-from common.secrets import mask, secret_name
+from common.secrets import mask, plugins
 
 
 class ConfigError(ValueError):
@@ -122,7 +122,7 @@ def shown(value: Any, where: str = "") -> str:
     never a secret's: the value of a field whose name looks like one (`where`'s last part) is
     hidden whole, and every secret-looking part of any other (a token, NAME=value) is masked.
     Every message quoting a value comes through here."""
-    if where and secret_name(re.split(r"[.\[]", where)[-1] or where):
+    if where and plugins().secret_name(re.split(r"[.\[]", where)[-1] or where):
         return "<a value, hidden: the name looks like a secret's>"
     return bounded(_brief(value, MAX_SHOWN), 2 * MAX_SHOWN)
 
