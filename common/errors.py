@@ -103,6 +103,15 @@ def failure_line(output: str) -> str:
     return ((errors or lines or ["no output"])[-1])[:300]
 
 
+def human(n: float) -> str:
+    """Bytes for a message: 12 B, 3.4 KiB ... 1.2 TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 MAX_PATH_SHOWN = 400  # a path is what the user must find: longer than other values, cut in the middle
 
 
