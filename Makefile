@@ -26,7 +26,7 @@ TORCH_PROBE_SECONDS ?= 4
 # (`make local STEPS=50`, `make local train.steps=50`): refused, naming the form that passes it to
 # slipway, ARGS. One door for slipway's settings, not a make variable for each of its flags.
 KNOWN_VARIABLES := PYTHON CONFIG ARGS NODES TORCH TORCH_SPEC TORCH_INDEX TORCH_PROBE_SECONDS TEST_WORKERS \
-                   OLDEST_TORCH BASE_IMAGE OUT WHEELS WHEELS_OUT PLATFORM PYTHON_VERSION TORCHTITAN HAVE
+                   OLDEST_TORCH BASE_IMAGE OUT WHEELS WHEELS_OUT PLATFORM PYTHON_VERSION TORCHTITAN HAVE PYXIS_SOURCES
 GIVEN_UNKNOWN := $(strip $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(if $(filter $(v),$(KNOWN_VARIABLES)),,$(v)))))
 ARGS_FORM = $(if $(findstring .,$(1)),$(1)=$($(1)),$(if $(filter STEPS,$(1)),--train-steps $($(1))))
 GIVEN_FORM := $(strip $(ARGS) $(foreach v,$(GIVEN_UNKNOWN),$(call ARGS_FORM,$(v))))

@@ -451,6 +451,20 @@ def test_make_refuses_a_setting_given_as_a_make_variable():
         assert dry.returncode == 0 and passed in dry.stdout, dry.stdout
 
 
+def test_make_accepts_every_variable_it_reads():
+    """What make refuses is what no recipe reads: every variable the Makefile defaults (`?=`) or
+    `make help` offers ([NAME=...]) passes its check (`make -n help NAME=x`)."""
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "Makefile").read_text()
+    helped = subprocess.run(["make", "-s", "-C", str(root), "help"], capture_output=True, text=True, timeout=60).stdout
+    names = set(re.findall(r"^([A-Z_]+) *\?=", text, re.M)) | set(re.findall(r"\b([A-Z][A-Z_]+)=", helped))
+    assert {"PYXIS_SOURCES", "CONFIG", "ARGS"} <= names, names
+    refused = {n: r.stderr for n in sorted(names)
+               if (r := subprocess.run(["make", "-n", "-C", str(root), "help", f"{n}=x"], capture_output=True,
+                                       text=True, timeout=60)).returncode != 0}
+    assert not refused, refused
+
+
 # ---------------------------------------------------------------- issue 42: mistakes told their fix
 
 

@@ -450,7 +450,7 @@ def test_doctor_says_warm_ranks_are_off_where_slurm_tracks_processes_by_cgroup(p
     r = subprocess.run([PY, "-m", "jobs", "doctor", "tiny_cpu"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "COLUMNS": "400"})
     said = [line for line in r.stdout.splitlines() if "warm ranks" in line]
-    expected = ("note: off here, `slipway run` starts every rank cold: Slurm tracks processes by cgroup "
+    expected = ("note: off here, slipway run starts every rank cold: Slurm tracks processes by cgroup "
                 "(ProctrackType=proctrack/cgroup), where a forked rank would be its warm step's"
-                if proctrack == "proctrack/cgroup" else "`slipway run` starts its ranks from warm processes (launch.warm)")
+                if proctrack == "proctrack/cgroup" else "slipway run starts its ranks from warm processes (launch.warm)")
     assert len(said) == 1 and expected in said[0], r.stdout

@@ -162,8 +162,8 @@ def _run_checks(cfg: Config, project_dir: Path) -> list[Result]:
 def _warm_ranks() -> list[Result]:
     """`slipway run`'s warm ranks, off where Slurm tracks processes by cgroup (jobs/slurm/job_lib.sh warm_up)."""
     by = ", ".join(f"{k}={v}" for k, v in slurm.cluster_config().items() if k in ("ProctrackType", "TaskPlugin") and "cgroup" in v)
-    return [("warm ranks", True, f"note: off here, `slipway run` starts every rank cold: Slurm tracks processes by cgroup "
-             f"({by}), where a forked rank would be its warm step's" if by else "`slipway run` starts its ranks from warm processes (launch.warm)")]
+    return [("warm ranks", True, f"note: off here, slipway run starts every rank cold: Slurm tracks processes by cgroup "
+             f"({by}), where a forked rank would be its warm step's" if by else "slipway run starts its ranks from warm processes (launch.warm)")]
 
 
 # ---------------------------------------------------------------- the GPU stack a run gets

@@ -13,6 +13,7 @@ import re
 import shlex
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional, Sequence, TextIO
 
@@ -329,6 +330,7 @@ class _Tail:
         # The trainer's suggestions (`slipway prepare CONFIG`) with the run's config, as this shell runs
         # them: typed a whole line at a time (a hint is never cut by a chunk's end).
         self.config_args, self.partial = config_args, ""
+        self.ended = False  # the batch script's last line, how the job ended, was copied
 
     def pump(self) -> bool:
         """Copy what was added since the last pump; whether the file exists."""
@@ -345,6 +347,7 @@ class _Tail:
                 lines = (self.partial + self.text.decode(chunk)).split("\n")
                 self.partial = lines.pop()
                 self.out.write("".join(as_typed(line, self.config_args) + "\n" for line in lines))
+                self.ended = self.ended or any(line.startswith("slipway: job ") and " ended: " in line for line in lines)
             if self.partial and not f.read(1):  # the file's last line, written whole so far
                 self.out.write(as_typed(self.partial, self.config_args))
                 self.partial = ""
@@ -386,9 +389,13 @@ def follow_logs(run: runs.Run, job_id: str, *, interval: float = 1.0,
         last_state = state
         if settled or (info is not None and not info.active):
             # After its recorded end a job still writes its last lines (its curves, drawn in a
-            # step of its own, then how it ended): followed while Slurm has it, for so long at most.
-            deadline = time.monotonic() + LAST_LINES_SECONDS
-            while settled and time.monotonic() < deadline and getattr(slurm.job_info(job_id), "active", False):
+            # step of its own, then how it ended): followed while Slurm has it, for so long at most
+            # after that end; an end recorded longer ago, or the log's last line, says they are written.
+            end = lifecycle.final_end(lifecycle.last_attempt(own)) if settled else None
+            ended = end.when if end is not None else None
+            deadline = time.monotonic() + LAST_LINES_SECONDS - (
+                (datetime.now(timezone.utc) - ended).total_seconds() if ended else LAST_LINES_SECONDS)
+            while time.monotonic() < deadline and not tails[0].ended and getattr(slurm.job_info(job_id), "active", False):
                 for t in tails:
                     t.pump()
                 time.sleep(interval)

@@ -177,11 +177,14 @@ class Variants:
             if section not in changed:
                 changed[section] = _shallow(getattr(self.base, section))
             setattr(changed[section], name_, value)
-        for section, part in changed.items():
-            if hasattr(part, "check"):
-                part.check(section)
-            setattr(cfg, section, part)
-        cfg.check_between()
+        try:
+            for section, part in changed.items():
+                if hasattr(part, "check"):
+                    part.check(section)
+                setattr(cfg, section, part)
+            cfg.check_between()
+        except ConfigError:  # refused: read the whole way, whose error says where the value was written
+            return config_from(*self.args, {**settings, "run.name": name}, cluster=self.cluster)
         return cfg
 
     def typed(self, cfg: Config, key: str, value: Any) -> Any:
