@@ -1605,7 +1605,7 @@ def test_real_build_resolves_against_the_bases_pins_and_installs_what_the_run_ne
     cfg.launch.preset, cfg.launch.launcher = "alps-gh200", "torchrun"
     log = real_build(tmp_path, cfg)
     assert "pip_requirements: resolving against the base's 2 pins (/etc/pip/constraint.txt)" in log
-    assert "(extras trainer, float8; the image has no torch: installing one)" in log
+    assert "(extras trainer, plot, float8; the image has no torch: installing one)" in log
     assert "numactl: installed (" in log, log[-3000:]
     assert re.search(rf"^checked fsspec {re.escape(fsspec)} torchao \d", log, re.M), log[-3000:]
     assert "numactl runs" in log and "smoke ok" in log
