@@ -12,13 +12,13 @@ import functools
 import json
 import os
 import shlex
+import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
-from common import secret_plugins
 from common.errors import ConfigError, bounded_path
 from common.fs import read_file
-from common.secrets import ACCEPTING
+from common.secrets import ACCEPTING, plugins
 
 BASELINE = ".secrets.baseline"
 MAX_BYTES = 32 << 20
@@ -50,13 +50,16 @@ def command(root: Path, file: Optional[Path] = None) -> str:
     slipway's plugins, which find what its own leave: a key alone on a line; never verifying a
     secret over the network) and audits it (with them: secret_plugins.py's `audit`): a new baseline
     of `file` alone, or the project's baseline scanned again (its labels kept)."""
-    plugin = Path(secret_plugins.__file__)
+    plugin = Path(plugins().__file__)
     plugin = shlex.quote(str(plugin.relative_to(root) if root in plugin.parents else plugin))
     only = f" {shlex.quote(os.path.relpath(os.path.realpath(file), os.path.realpath(root)))}" if file else ""
-    scan = f"detect-secrets scan --no-verify --plugin {plugin}"
+    # The interpreter running slipway, which has detect-secrets (no venv need be active); -I: neither
+    # the project's top nor common/ on sys.path, where a yaml.py would shadow the library's
+    python = f"{shlex.quote(sys.executable or 'python3')} -I"
+    scan = f"{python} -m detect_secrets scan --no-verify --plugin {plugin}"
     scan += f" --baseline {BASELINE}" if (root / BASELINE).exists() else f"{only} > {BASELINE}"
     cd = "" if Path.cwd().resolve() == root.resolve() else f"cd {shlex.quote(str(root))} && "
-    return f"{cd}{scan} && python3 -I {plugin} audit {BASELINE}"  # -I: not common/ on sys.path
+    return f"{cd}{scan} && {python} {plugin} audit {BASELINE}"
 
 
 @functools.lru_cache(maxsize=64)

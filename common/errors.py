@@ -15,7 +15,7 @@ import shlex
 import sys
 from typing import Any, Optional
 
-from common.secrets import mask, secret_name
+from common.secrets import mask, plugins
 
 
 class ConfigError(ValueError):
@@ -103,6 +103,15 @@ def failure_line(output: str) -> str:
     return ((errors or lines or ["no output"])[-1])[:300]
 
 
+def human(n: float) -> str:
+    """Bytes for a message: 12 B, 3.4 KiB ... 1.2 TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 MAX_PATH_SHOWN = 400  # a path is what the user must find: longer than other values, cut in the middle
 
 
@@ -122,7 +131,7 @@ def shown(value: Any, where: str = "") -> str:
     never a secret's: the value of a field whose name looks like one (`where`'s last part) is
     hidden whole, and every secret-looking part of any other (a token, NAME=value) is masked.
     Every message quoting a value comes through here."""
-    if where and secret_name(re.split(r"[.\[]", where)[-1] or where):
+    if where and plugins().secret_name(re.split(r"[.\[]", where)[-1] or where):
         return "<a value, hidden: the name looks like a secret's>"
     return bounded(_brief(value, MAX_SHOWN), 2 * MAX_SHOWN)
 

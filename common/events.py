@@ -1,13 +1,10 @@
 """events.log: one line per event of a run, the record every end is told in.
 
-A line is `TIME job JOB TEXT`: TIME as `date --iso-8601=seconds` writes it, JOB the Slurm job
-id (it survives requeues) or `local` for a launch on this machine, TEXT free words whose start
-says what happened (`EventKind`). Two writers, one per language: the batch script's bash
-`event()` (jobs/slurm/job_lib.sh, one printf of the same format) and `append_event` here
-(tests/test_lifecycle.py runs the bash writer and reads its lines back with `parse_event`).
-Readers go through `parse_event`, which never fails on a torn or foreign line, and read the
-file only when it is a regular one, and at most its last MAX_EVENTS_BYTES: a FIFO, a device or a
-runaway log never blocks nor floods a listing. Stdlib only: the trainer writes here too.
+A line is `TIME job JOB TEXT` (`date --iso-8601=seconds`; the Slurm job id, which survives
+requeues, or `local`; words whose start says what happened: `EventKind`). Two writers, one per
+language: the batch script's `event()` (jobs/slurm/job_lib.sh) and `append_event` here. Readers go
+through `parse_event`, which never fails on a torn or foreign line, and read at most the last
+MAX_EVENTS_BYTES of a regular file. Stdlib only: the trainer writes here too.
 """
 
 from __future__ import annotations
@@ -62,10 +59,6 @@ _HANG_TAG = re.compile(r"hangs/(\S+)-\*\.txt")
 _SIGNAL = re.compile(r"end signal (\S+)")
 
 
-def event_kind(text: str) -> EventKind:
-    return next((kind for kind in EventKind if kind.value and text.startswith(kind.value)), EventKind.OTHER)
-
-
 @dataclass(frozen=True)
 class Event:
     """One line of events.log."""
@@ -76,7 +69,8 @@ class Event:
 
     @cached_property  # asked of every event by each reader: decided once
     def kind(self) -> EventKind:
-        return event_kind(self.text)
+        return next((kind for kind in EventKind if kind.value and self.text.startswith(kind.value)),
+                    EventKind.OTHER)
 
     @property
     def when(self) -> Optional[datetime]:
@@ -147,16 +141,13 @@ def parse_event(line: str) -> Optional[Event]:
     return Event(stamp, job, text)
 
 
-def parse_events(text: str) -> list[Event]:
-    return [e for line in text.splitlines() if (e := parse_event(line)) is not None]
-
-
 def read_events(run_dir: str | os.PathLike) -> list[Event]:
     """The events of a run directory, in the order written (at most the last MAX_EVENTS_BYTES of
     them); [] before the first. An events.log that is no regular file raises NotRegularFile, one
     the user may not read PermissionError."""
     data = read_tail(RunDir(Path(run_dir)).events, MAX_EVENTS_BYTES)
-    return [] if data is None else parse_events(data.decode("utf-8", errors="replace"))
+    lines = [] if data is None else data.decode("utf-8", errors="replace").splitlines()
+    return [e for line in lines if (e := parse_event(line)) is not None]
 
 
 def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,

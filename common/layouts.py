@@ -1,46 +1,8 @@
 """Which layout to train each model preset with, and advice when a config strays from it.
 
 Imports no torch: `slipway doctor` (the host side) calls `layout_advice(cfg)` with the
-full config tree, and the trainer can call it with its own.
-
-The defaults are for nodes of 4 GPUs (4 x H100 80 GB, or GH200 96 GB), bf16, FSDP2
-across every GPU of the job. They are sized by arithmetic, not measured
-(`gpu_memory_estimate`): fp32 master weights, gradients and AdamW's two moments (16
-bytes a parameter) sharded over the dp ranks; without resharding after the forward
-(`parallel.reshard_after_forward`, what zero_stage 1 and 2 give) every block's gathered
-bf16 weights stay until its backward (2 bytes a parameter, unsharded), with it two blocks'
-at a time; bf16 activations of about (12 x hidden + 4 x intermediate) x 2 bytes per token
-per block (half that with selective checkpointing, the block inputs only with full); the
-logits, their fp32 copy and gradient at 10 bytes per token per vocabulary entry. A preset
-fits where that sum stays under GPU_BUDGET_FRACTION of the GPU (the rest: the allocator's
-fragmentation, NCCL's buffers, the CUDA context). That share assumes the caching allocator
-grows its segments (ALLOC_CONF, which every rank gets): FSDP2's all-gathers and
-reduce-scatters change size from block to block, and fixed segments split and cached for
-them fragment beyond it (torchtitan sets the same). At the published micro batch and seq_len,
-on one node (dp 4):
-
-    preset  params  state/GPU  gathered bf16  activations      logits  total
-    tiny     109M     0.4 GB      0.2 GB       6.0 GB (none)   8.2 GB  ~15 GB
-    small    335M     1.3 GB      0.7 GB      18.5 GB (none)   8.2 GB  ~29 GB
-    base     1.1B     4.4 GB      2.2 GB      17.0 GB (none)   2.6 GB  ~26 GB
-    large    6.7B    27.0 GB      0.8 GB      24.4 GB (sel.)   2.6 GB  ~55 GB, resharded after the forward
-
-against budgets of 68 GB (H100 80 GB) and 82 GB (GH200 96 GB). Without resharding `large`
-would keep 13.5 GB of gathered weights, ~68 GB: the whole of an H100's budget, nothing
-to spare for a longer sequence or a fragmented allocator. So `large` reshards after the
-forward by default (one more all-gather a step, overlapped) and checkpoints selectively;
-the others keep their gathered weights (one all-gather a step fewer), checkpoint nothing,
-and have room for twice their micro batch. Over 2 nodes (dp 8) `large` takes ~41 GB.
-torchtitan's published Llama 3 8B recipe (FSDP only on 8 H100, selective activation
-checkpointing) is the anchor for `large`. The trainer logs the estimate for its own run
-(`memory_report`) and warns when it passes the GPU's budget. Run `bench/trainer.py` on
-your GPUs to check a preset's micro batch (BENCHMARKS.md).
-
-Why tensor parallel stays off for all four: tp splits every matmul and adds two
-all-reduces per block in the forward and two in the backward; below ~8B parameters the
-split matmuls are too small to keep a GPU busy and the all-reduces sit on the critical
-path, while FSDP's all-gathers and reduce-scatters overlap with compute. tp=4 on the
-109M `tiny` preset is slower than dp=8 on the same 8 GPUs.
+full config tree, and the trainer can call it with its own. The defaults, the memory
+arithmetic they are sized by and why tensor parallel stays off: docs/trainer.md#layouts.
 """
 
 from __future__ import annotations
@@ -89,7 +51,7 @@ LAYOUT_DEFAULTS: dict[str, LayoutDefault] = {
 
 def gpu_memory_estimate(model: Any, micro_batch_size: int, seq_len: int, dp: int, reshard_after_forward: bool,
                         activation_checkpointing: str) -> dict[str, float]:
-    """Bytes one GPU holds at the peak of an FSDP2 bf16 step, by part (see the module docstring);
+    """Bytes one GPU holds at the peak of an FSDP2 bf16 step, by part (docs/trainer.md#layouts);
     `model` is a ModelSection. Arithmetic, not a measurement."""
     params = model.num_params()
     tokens = micro_batch_size * seq_len

@@ -1,11 +1,7 @@
-"""metrics.jsonl read as the run's history (`slipway plot`, `slipway status`).
-
-The file is append-only across attempts: a run that resumes from the
-checkpoint of step N logs steps N+1, N+2, ... again after a record
-`{"kind": "restart", "step": N}`. The honest history keeps, for every step,
-what the latest attempt logged, and drops steps that a restart undid and no
-later attempt reached. Imports neither torch nor the host side, so the login
-node (or a laptop with the run directory) can read it.
+"""metrics.jsonl read as the run's history (`slipway plot`, `slipway status`). The file is
+append-only across attempts: a resume from step N logs `{"kind": "restart", "step": N}`, then
+N+1... again. The history keeps, for every step, what the latest attempt logged, and drops the
+steps a restart undid and no later attempt reached. No torch, nothing of the host side.
 """
 
 from __future__ import annotations

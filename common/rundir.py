@@ -11,6 +11,7 @@ host (never the other way round).
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ class RunDir:
 
     def hang_dumps(self, tag: str) -> list[Path]:
         """The dumps the ranks of attempt `tag` wrote, in name order."""
-        return sorted(self.hangs.glob(f"{glob_escape(tag)}-*.txt"))
+        return sorted(self.hangs.glob(f"{glob.escape(tag)}-*.txt"))
 
     def node_heartbeat(self, node: str) -> Path:
         return self.heartbeats / node
@@ -108,10 +109,6 @@ class RunDir:
         return {"RUN_DIR": self.path, "EVENTS_LOG": self.events, "LOGS": self.logs, "HEARTBEAT": self.heartbeat,
                 "HEARTBEATS": self.heartbeats, "GUTIL": self.gutil, "HANGS": self.hangs, "EXITS": self.exits,
                 "STOP_FILE": self.stop_file, "SAVES": self.saves, "CHECKPOINT_DIR": self.checkpoints(checkpoint_dir)}
-
-
-def glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", text)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,10 @@
 """The schema engine: a dict from YAML into nested dataclasses, strictly, and back; and a record
-slipway wrote itself (manifest.json) read by the same rules (`from_dict(..., record=True)`)."""
+slipway wrote itself (manifest.json) read by the same rules (`from_dict(..., record=True)`).
+Written by hand, not with dacite or pydantic: the image needs no extra package, and every error
+names the dotted field and the valid keys. Fields with metadata {"config": False} are not the
+config's. Every string of a config reaches a file, a command line or a terminal, so the secret
+policy (common/secrets.py) judges every field as it is read, by what the field holds (metadata
+{"secrets": ...}; an identifier where it says nothing; `EDF_TEXT = True`: `$$` is a literal `$`)."""
 
 from __future__ import annotations
 
@@ -15,20 +20,6 @@ from common.errors import ConfigError, shown, unprintable
 from common.secrets import IDENTIFIER, accepted, refusal
 from common.yaml import BOOL, FLOAT, INT, MAX_INT, NULL, Plain
 
-
-# --------------------------------------------------------------------------
-# Schema machinery: a dict from YAML into nested dataclasses, strictly.
-# Written by hand (rather than dacite/pydantic) because the image must not
-# need extra packages and every error must carry the dotted field path and
-# the list of valid keys. Fields with metadata {"config": False} are not
-# part of the config (e.g. where a model came from).
-#
-# Every string of a config reaches a file (config.yaml, job.sbatch, env.toml), a command
-# line or a terminal, so the secret policy (common/secrets.py) is applied here, to every
-# field, as the value is read, by what the field holds (metadata {"secrets": TEXT, PASSTHROUGH,
-# REFERENCE or OWN_TEXT}; an identifier where it says nothing), and a section whose strings
-# are EDF text (where `$$` is a literal `$`) says so (`EDF_TEXT = True`).
-# --------------------------------------------------------------------------
 
 
 class OutOfRange(ConfigError):
@@ -76,10 +67,6 @@ def _type_name(tp: Any) -> str:
     if origin is dict:
         return f"mapping of {_type_name(get_args(tp)[1])}"
     return getattr(tp, "__name__", str(tp))
-
-
-def _scalar_type(tp: Any) -> bool:
-    return tp in (str, int, float, bool)
 
 
 def _scalar(tp: Any, value: Any, where: str) -> Any:
@@ -158,7 +145,7 @@ def _union(tp: Any, value: Any, where: str, policy: str, edf: bool, free: bool) 
         except OutOfRange:
             raise
         except ConfigError:
-            if len(options) == 1 and ((isinstance(value, str) and _scalar_type(arg)) or dataclasses.is_dataclass(arg)):
+            if len(options) == 1 and ((isinstance(value, str) and arg in (str, int, float, bool)) or dataclasses.is_dataclass(arg)):
                 raise  # the one type it can be says what is wrong (a NUL byte, a number's range, a key)
     raise ConfigError(where, f"expected {_type_name(tp)}, got {shown(value, where)}")
 

@@ -16,8 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from common import secret_plugins as plugins
-from common.secret_plugins import name_words, random_word, secret_name  # noqa: F401 (the policy's own)
+
+def plugins():
+    """common/secret_plugins.py, imported at the first scan rather than with this module: it loads
+    detect-secrets (about 90 ms of CPU), which a command or a rank that scans nothing never pays."""
+    from common import secret_plugins
+
+    return secret_plugins
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class Found:
 def detectors() -> tuple:
     """detect-secrets' per-provider plugins (but its public-IP one: an address names a machine)
     and slipway's; slipway's alone where detect-secrets is not installed (an old image)."""
-    ours = tuple(cls() for cls in plugins.TEXT_PLUGINS)
+    ours = tuple(cls() for cls in plugins().TEXT_PLUGINS)
     try:
         from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
         from detect_secrets.plugins.base import RegexBasedDetector
@@ -53,7 +58,7 @@ def find_secrets(text: str) -> list[Found]:
     found = []
     for detector in detectors():
         for name, start, end in _hits(detector, text):
-            if not plugins.not_a_secret(text[start:end]):
+            if not plugins().not_a_secret(text[start:end]):
                 what = f"a secret ({name.lstrip('-')}=...)" if name else f"a secret ({detector.secret_type})"
                 found.append(Found(start, end, what, name))
     return _merged(found)
@@ -63,8 +68,8 @@ def _hits(detector: Any, text: str) -> list[tuple[Optional[str], int, int]]:
     """(name, start, end) of what `detector` finds: of slipway's, each value wherever it stands; of
     detect-secrets', a regex's match from the value it yields on (its own checks decide: a JWT must
     decode), to the match's end where the value is its start (GitHub's and GitLab's yield a prefix)."""
-    pairs = list(detector.pairs(text)) if isinstance(detector, plugins.NamedValueDetector) \
-        else [(None, value) for value in detector.analyze_string(text) if value and not plugins.not_a_secret(value)]
+    pairs = list(detector.pairs(text)) if isinstance(detector, plugins().NamedValueDetector) \
+        else [(None, value) for value in detector.analyze_string(text) if value and not plugins().not_a_secret(value)]
     if not pairs or not detector.__module__.startswith("detect_secrets."):
         return [(name, m.start(), m.end()) for name, value in pairs for m in re.finditer(re.escape(value), text)]
     return [(None, m.start() + at, m.end() if at == 0 else m.start() + at + len(value))
@@ -99,7 +104,8 @@ def find_values(text: str, hint: Optional[str] = None) -> list[Found]:
         if "=" in word.rstrip("="):  # NAME=value (base64's padding is no assignment)
             name, _, word = word.partition("=")
             start += len(name) + 1
-        if what := random_word(word, bool(name) and not plugins.ID_WORDS.isdisjoint(name_words(name))):
+        id_named = bool(name) and not plugins().ID_WORDS.isdisjoint(plugins().name_words(name))
+        if what := plugins().random_word(word, id_named):
             found.append(Found(start, start + len(word), what))
         before = m.group() if re.fullmatch(r"--?[A-Za-z][A-Za-z0-9_.-]*", m.group()) else None
     return _merged(found)
@@ -173,17 +179,18 @@ def refusal(value: object, *, name: Optional[str] = None, policy: str = IDENTIFI
         return None
     text = policy != IDENTIFIER
     if name is None and hint and "=" not in hint and not value.startswith("-"):  # `--token VALUE` in a list
-        name = hint.lstrip("-") if secret_name(hint.lstrip("-")) else None
-    if text and name is not None and secret_name(name) and value and not plugins.PATH.fullmatch(value) \
-            and not plugins.plain(value) and not (policy == PASSTHROUGH and value == f"${{{name}}}") \
+        name = hint.lstrip("-") if plugins().secret_name(hint.lstrip("-")) else None
+    if text and name is not None and plugins().secret_name(name) and value and not plugins().PATH.fullmatch(value) \
+            and not plugins().plain(value) and not (policy == PASSTHROUGH and value == f"${{{name}}}") \
             and not (policy == REFERENCE and _EXPANSION.fullmatch(value)):
-        return Refusal(f"a secret (its name ends in {secret_name(name)})", _variable(name), policy=policy, secret=value)
+        return Refusal(f"a secret (its name ends in {plugins().secret_name(name)})", _variable(name), policy=policy,
+                       secret=value)
     found = find_values(value, hint=name or hint) if text else find_secrets(value)
     if found:
         return Refusal(found[0].what, _variable(found[0].name or name or "NAME"), policy=policy,
                        secret=value[found[0].start:found[0].end])
     for ref in _EXPANSION.findall(value.replace("$$", "") if edf else value):
-        if secret_name(ref) and not ((policy == PASSTHROUGH and value == f"${{{ref}}}" and ref == name)
+        if plugins().secret_name(ref) and not ((policy == PASSTHROUGH and value == f"${{{ref}}}" and ref == name)
                                      or (policy == REFERENCE and _EXPANSION.fullmatch(value))):
             return Refusal(f"an expansion of ${{{ref}}}", ref, expansion=True)
     return None
@@ -206,7 +213,7 @@ def _variable(name: str) -> str:
 
 def flag_variable(flag: str) -> str:
     """The variable a command-line flag's secret would travel in: --hf-token -> HF_TOKEN."""
-    text = "_".join(name_words(flag)) or "NAME"
+    text = "_".join(plugins().name_words(flag)) or "NAME"
     return "_" + text if text[0].isdigit() else text
 
 
@@ -243,7 +250,7 @@ def file_findings(data: bytes, name: str) -> list:
     if is_non_text_file(name):  # an image, an archive, a lock file: detect-secrets' own list
         return []
     text = data.decode("utf-16" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else "latin-1", "replace")
-    if not (find_secrets(text) or _keywords().search(text) or any(map(random_word, _RUN.findall(text)))):
+    if not (find_secrets(text) or _keywords().search(text) or any(map(plugins().random_word, _RUN.findall(text)))):
         return []
     _configure()
     with tempfile.TemporaryDirectory(prefix="slipway-scan-") as tmp:
@@ -266,10 +273,10 @@ def _configure() -> None:
     from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class as mapping
     from detect_secrets.settings import configure_settings_from_baseline, get_filters, get_settings
 
-    path = f"file://{plugins.__file__}"
+    path = f"file://{plugins().__file__}"
     configure_settings_from_baseline({"plugins_used": [
         *({"name": cls.__name__} for cls in mapping().values() if cls.__name__ != "IPPublicDetector"),
-        *({"name": cls.__name__, "path": path} for cls in plugins.PLUGINS)]})
+        *({"name": cls.__name__, "path": path} for cls in plugins().PLUGINS)]})
     get_settings().filters[f"{path}::not_a_secret"] = {}
     mapping.cache_clear()
     get_filters.cache_clear()
@@ -282,6 +289,6 @@ def policy_fingerprint() -> str:
     from detect_secrets.__version__ import VERSION
 
     digest = hashlib.sha256(VERSION.encode())
-    for module in (__file__, plugins.__file__):
+    for module in (__file__, plugins().__file__):
         digest.update(Path(module).read_bytes())
     return digest.hexdigest()[:16]

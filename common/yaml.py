@@ -1,4 +1,11 @@
-"""Bounded YAML: configs, overrides and EDF files read with the schema's rules, never YAML 1.1's."""
+"""Bounded YAML: configs, overrides and EDF files read with the schema's rules, never YAML 1.1's.
+
+PyYAML implements YAML 1.1, where `10:00` is the integer 600, `0123` is 83, `yes` is true and a
+second `train:` silently replaces the first. Here every plain scalar stays the text the user
+wrote (`Plain`), but YAML 1.2's null, and the dataclass field it lands in converts it
+(common/schema.py); a duplicate key is an error naming both lines. The same reader serves
+configs, overrides and the frozen runs/RUN/config.yaml the trainer reads (no extra package).
+"""
 
 from __future__ import annotations
 
@@ -12,19 +19,6 @@ import yaml
 from common.errors import ConfigError, bounded, shown
 from common.fs import read_file
 
-
-# --------------------------------------------------------------------------
-# Reading YAML: the schema decides what a scalar means, not YAML 1.1.
-#
-# PyYAML implements YAML 1.1, where `10:00` is the integer 600, `0123` is 83,
-# `yes` is true and a second `train:` silently replaces the first. Here every
-# plain scalar stays the text the user wrote (`Plain`), except YAML 1.2's null
-# (`null`, `~`, nothing), and the dataclass field it lands in converts it: a
-# string field keeps `0123` and `10:00` as written, an int field parses YAML
-# 1.2 integers, a bool field takes true/false only. Duplicate keys are errors
-# naming both lines. The same reader serves configs/*.yaml, overrides and the
-# frozen runs/RUN/config.yaml the trainer reads (no extra package in the image).
-# --------------------------------------------------------------------------
 
 
 class Plain(str):

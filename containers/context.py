@@ -1,13 +1,7 @@
-"""The build context: exactly which files go into the image, and their hash.
-
-The context is assembled from the same list that is hashed, so a file outside
-it (runs/, tests/, caches) can change neither the image nor its tag. Layout
-(what containers/Dockerfile expects):
-
-    src/       pyproject.toml, README.md, LICENSE, common/ trainer/ jobs/ edf/ containers/ configs/
-    wheels/    the offline wheelhouse (image.wheelhouse), empty without one
-    buildenv/  flash-attn.env: compile settings that do not change the image
-               (MAX_JOBS, NVCC_THREADS), neither hashed nor in podman's cache key
+"""The build context: exactly which files go into the image, and their hash; assembled from the
+list that is hashed, so a file outside it can change neither the image nor its tag. Its layout
+(containers/Dockerfile's): src/ (the project's files), wheels/ (image.wheelhouse), buildenv/
+(flash-attn's compile settings, MAX_JOBS and NVCC_THREADS: neither hashed nor in podman's cache key).
 """
 
 from __future__ import annotations

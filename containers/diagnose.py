@@ -1,13 +1,9 @@
 """Why a `podman build` failed, in one line: the line that explains it, and the fix.
 
-podman ends every failure with its own trailer ("Error: building at STEP ...:
-while running runtime: exit status 1") and crun adds noise after the real
-error, so the last error-like line rarely explains anything. The diagnosis
-reads only the failing step's output (the lines after the last `STEP` line:
-earlier steps succeeded, whatever warnings they printed), looks for the
-failures users meet (the table below, most specific first) and quotes the
-line that matched. flash-attn is blamed only when it was being built
-(FLASH_ATTN=1) and the failing step is its step.
+podman ends every failure with its own trailer and crun adds noise after the real error, so the
+last error-like line rarely explains anything: the diagnosis reads only the failing step's output
+(after the last `STEP` line) and quotes the line that matched a known failure (the table below,
+most specific first); flash-attn is blamed only when its own step failed.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Pick a prebuilt flash-attn wheel from the wheelhouse that fits this Python and torch.
 
-Runs inside the image build (stdlib only, any Python >= 3.8) before flash-attn
-would be compiled; the tests call `pick` on the host. pip checks a wheel's
-Python and platform tags but not the torch it was built against, and a
-flash-attn built for another torch installs fine and then fails at import
-(undefined symbols). flash-attn's own wheels say what they were built for in
-their local version, e.g. `flash_attn-2.8.3+cu13torch2.10cxx11abiTRUE-cp312-cp312-linux_aarch64.whl`:
-each of cuN, torchX.Y and cxx11abiTRUE/FALSE present there must match. A wheel
-without those tags (one built with `pip wheel` inside the base) is taken on
-trust; the image's smoke test imports it either way.
+Runs inside the image build (stdlib only, any Python >= 3.8); the tests call `pick` on the host.
+pip checks a wheel's Python and platform tags but not the torch it was built against, and a
+flash-attn built for another torch installs, then fails at import (undefined symbols): each of
+cuN, torchX.Y and cxx11abiTRUE/FALSE a wheel's local version names
+(`flash_attn-2.8.3+cu13torch2.10cxx11abiTRUE-cp312-...whl`) must match; a wheel without them
+(built with `pip wheel` in the base) is taken on trust, and the image's smoke test imports it.
 
     python3 flash_attn_wheel.py WHEELHOUSE VERSION   # prints the wheel's path, or nothing
 """

@@ -1,27 +1,12 @@
-"""Build the training image with podman, import it into a squashfs with enroot.
+"""Build the training image with podman, import it into a squashfs with enroot (docs/image.md).
 
-The image is content-addressed: a hash of the Dockerfile, the build args and
-every file of the build context names the podman tag
-(`localhost/NAME:HASH12-PROJECT`, PROJECT the checkout's identity:
-containers/project.py, also the image's `slipway.project` label), and that hash
-with the squash options names the squashfs (`OUTPUT_DIR/NAME-HASH12.sqsh`). So
-an unchanged tree finds its squashfs and returns at once, without podman, and a
-change of what only the import reads (the squash options, the output directory)
-imports the podman image built already, running no Dockerfile step. The build
-context is assembled from exactly the files that are hashed (`src/` and
-`wheels/`, see containers/Dockerfile), so nothing outside it can change the
-image nor its hash.
-
-Each build records itself in `NAME-HASH12.json` beside the squashfs and, once
-current, in `NAME.json`; `NAME.sqsh` is a symlink to the current squashfs,
-replaced atomically, so configs can name one stable path. The squashfs under
-its final name only ever appears by rename from a temporary file
-(containers/importer.py). A build holds its tag's lock (containers/project.py)
+The image is content-addressed: a hash of the Dockerfile, the build args and every file of the
+build context (assembled from exactly the files hashed, so nothing else can change the image)
+names the podman tag, `localhost/NAME:HASH12-PROJECT`; with the squash options it names the
+squashfs, `OUTPUT_DIR/NAME-HASH12.sqsh`. An unchanged tree returns at once without podman; a
+change only the import reads imports the image podman has. `NAME.sqsh` is a symlink to the
+current squashfs, replaced atomically. A build holds its tag's lock (containers/project.py)
 from its first look at podman to the end of its import, so prune leaves both alone.
-
-A failed build is explained by containers/diagnose.py; the stopped podman
-container that enroot's import leaves (containers.tools.Enroot) is removed
-after each import, and containers/prune.py removes older ones of this project.
 """
 
 from __future__ import annotations
@@ -51,13 +36,13 @@ from containers.context import (
     resolve_path,
 )
 from containers.diagnose import diagnose_build
-from containers.importer import enroot_import, human, host_name
+from containers.importer import enroot_import, host_name
 from containers.plan import ImagePlan
 from containers.project import Project
 from containers.record import BuildRecord, ImageNeeds, ImageSection
 from containers.storage import check_storage_conf
 from containers.tools import Enroot, Podman, ToolError, git_commit
-from common.errors import ConfigError
+from common.errors import ConfigError, human
 from common.fs import write_atomic
 
 
@@ -170,7 +155,7 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
                                       labels=project.labels if project else {}, network_host=image.network_host,
                                       isolation=image.isolation, no_cache=force),
         enroot_argv=Enroot.import_argv(output=temp, uri=f"podman://{tag}", mount=enroot_mount),
-        enroot_env=Enroot.import_env(image.squash_options), enroot_mount=enroot_mount,
+        enroot_env={"ENROOT_SQUASH_OPTIONS": image.squash_options}, enroot_mount=enroot_mount,
         build_env=build_env(image.build_args), build_on=image.build_on, inputs=inputs, project=project,
         project_error=project_error,
         frozen_config=out / f".build-{h12}.yaml" if image.build_on == "compute" else None,

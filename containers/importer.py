@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from common.environ import as_typed
+from common.errors import human
 from common.fs import pid_alive
 from containers.plan import ImagePlan
 from containers.tools import Enroot, Podman, ToolError, squashfs_ok
@@ -30,14 +31,6 @@ SQUASH_RATIO = 0.5
 
 def host_name() -> str:
     return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def check_free_space(*, image_size: int, output_dir: Path, temp_dir: Path | None) -> None:

@@ -1,24 +1,13 @@
 """What pip installs into the image besides slipway itself, and the install.
 
-Runs inside the image build (stdlib only, any Python >= 3.8) and on the host (the
-tests compute the wheelhouse from it). The list is slipway's runtime dependencies
-plus its `trainer` and `plot` extras (the batch script's last step draws the run's curves in the
-image: trainer/plot.py) and the extras the run asks for (`--extras float8`: torchao
-for train.float8), plus its build requirements (`[build-system] requires`:
-slipway itself is installed without build isolation, so that step can run
-offline, and a base's older setuptools cannot read the PEP 639 license field). When the image already has a torch (NGC), torch is left
-out and pinned to the installed version in a constraints file: NGC's torch is a
-pre-release such as 2.6.0a0+ecf3bae that does not satisfy `torch>=2.6`, so naming
-torch would make pip fetch a second one.
-
-With `--install` it runs pip too, against the base's own pins: NGC's images pin
-their packages in the files PIP_CONSTRAINT names (/etc/pip/constraint.txt), which
-pip honours. A pin that conflicts with what slipway needs (datasets wants a newer
-fsspec, pyarrow or huggingface-hub) makes pip's resolver fail before it installs
-anything; this says so in one line, `dependencies FAILED: the base image pins
-NAME==VERSION ...`, naming the pin, what needs another version and the way out:
-`--lift NAMES` (image.build_args.PIP_CONSTRAINT_LIFT) drops the base's pins of
-those packages for this install only.
+Runs inside the image build (stdlib only, any Python >= 3.8) and on the host (the tests
+compute the wheelhouse from it): slipway's runtime dependencies, its `trainer` and `plot`
+extras (the batch script draws the run's curves in the image), the extras the run asks for,
+and its build requirements (slipway is installed without build isolation, so that step runs
+offline). An image's own torch is pinned in a constraints file, not named: NGC's pre-release
+(2.6.0a0+ecf3bae) does not satisfy `torch>=2.6`, and pip would fetch a second one.
+`--install` runs pip against the base's pins (PIP_CONSTRAINT); a pin in conflict is named in
+one line with the way out, `--lift NAMES` (docs/image.md).
 
     python3 pip_requirements.py pyproject.toml requirements.txt constraints.txt [--extras float8]
         [--lift "fsspec pyarrow"] [--install]

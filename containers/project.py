@@ -1,22 +1,12 @@
-"""Which project an image, an import or a kept container belongs to, and which builds run now.
+"""Which project an image, an import or a kept container belongs to, and which builds run now
+(docs/image.md#whose-images-a-project).
 
-One podman storage serves every project on a machine (and one enroot data path every job on a
-node), and `image.name` defaults to `slipway` everywhere: names cannot tell projects apart. So
-each checkout gets an identity of its own, a random id kept in `ROOT/.slipway/project` (never
-committed: two clones of one repository are two projects, each with its own images). Not the
-path: a checkout that moves keeps its id, and a copy of one (whose file names a place that still
-holds the same id) gets a new id the first time it is used, so it never takes the original's
-images for its own. A checkout that cannot hold the file (read-only) keeps it in
-`$XDG_STATE_HOME/slipway/projects/`, under a hash of its path (such a checkout does not move).
-The id labels every podman image slipway builds (`slipway.project`, which
-the `enroot.*` containers made from it inherit), is part of its tag, and names the unpacked
-containers jobs keep on the nodes; `slipway image prune` and `image containers` act on nothing
-else.
-
-A build or import holds a shared flock(2) on `.slipway/locks/TAG.lock` from before it
-looks at podman until its import's leftovers are gone: prune leaves a tag, and the `enroot.*`
-containers made from it, alone while anyone holds that lock (it asks for the lock, it does not
-guess from files in a temp directory).
+Each checkout has an identity of its own, a random id in `ROOT/.slipway/project` (never
+committed: two clones are two projects), not its path: a checkout that moves keeps it, a copy
+(whose file names a place that still holds the id) gets a new one at its first use. A read-only
+checkout keeps it in `$XDG_STATE_HOME/slipway/projects/` under a hash of its path. A build or
+import holds a shared flock(2) on `.slipway/locks/TAG.lock` from before it looks at podman until
+its import's leftovers are gone: prune asks for the lock, it does not guess from temp files.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""`slipway image prune`: this project's old squashfs files, their records, logs and podman
-tags, leftovers of interrupted builds, and the stopped `enroot.*` podman containers that
-enroot's `podman://` import leaves (see containers.tools.Enroot), which keep their image in use
-so that removing its tag fails.
-
-Only this project's (containers/project.py): a podman tag whose image carries this project's
-label and whose name is this project's, an `enroot.*` container made from such an image, a
-squashfs whose record names this project (or, from before records named one, that lies in this
-checkout). Another project's, and what carries no label, are left alone and counted. A tag
-that a build or import holds the lock of is left alone too, with its import's container.
-Every kept item is said with why; `dry_run` says what would go and removes nothing. What
-cannot be removed is reported, one line each, and makes the command exit non-zero.
+"""`slipway image prune` (docs/image.md#old-images): this project's old squashfs files, their
+records, logs and podman tags, leftovers of interrupted builds, and the stopped `enroot.*`
+containers enroot's `podman://` import leaves (containers.tools.Enroot). Only this project's
+(containers/project.py), and none whose build or import holds its tag's lock; what is kept is
+said with why; what cannot be removed is reported, one line each, and makes it exit non-zero.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""What an image is asked to be (`ImageSection`) and what a build made (`BuildRecord`).
-
-Both sit below `jobs/` and `containers/` alike: the config tree holds an
-ImageSection, `make image` writes a BuildRecord beside each squashfs
-(OUTPUT_DIR/NAME-HASH12.json) and as the current one (OUTPUT_DIR/NAME.json), and
-submit, status and doctor read it back through `BuildRecord.read`, never as a
-raw dict. Nothing here imports the host's command line, Slurm or torch.
+"""What an image is asked to be (`ImageSection`, in the config tree) and what a build made
+(`BuildRecord`: OUTPUT_DIR/NAME-HASH12.json beside each squashfs, and OUTPUT_DIR/NAME.json for the
+current one, read back through `BuildRecord.read`, never as a raw dict).
 """
 
 from __future__ import annotations

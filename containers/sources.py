@@ -1,32 +1,15 @@
 """The project's own files: exactly what an image's build context and a run's code snapshot take.
 
-Both copy folders of the checkout (the code snapshot: common/ and trainer/, and a
-train.script's folder; the image: those and jobs/, edf/, containers/, configs/) to where
-they run, so both follow one rule, here:
-
-- In a git checkout, the files git tracks under each folder, with their working-tree
-  contents: what the project is, not what else lies around (an untracked credentials.json,
-  a scratch copy of a dataset). Untracked files are named in a note, never copied.
-- Outside git (an installed slipway, a script folder elsewhere, a folder of the checkout
-  where git tracks nothing), every file of the folder but hidden files, caches and editor
-  leftovers.
-- A symbolic link is kept, as a link, only when it points inside what is copied (it is
-  rewritten relative, so that it points at the copy); one pointing anywhere else (a token
-  file in $HOME, /proc/self/environ) is refused in one line naming it: its target would be
-  copied as if it were the project's.
-- A file that looks like a secret (common/secrets.py) is refused in one line naming it, its line,
-  how to leave it out and how to accept it (common/baseline.py). The scan is kept by content: a
-  content found clean before, under the same detector, is not read again (`CleanFiles`).
-- Nothing is copied that is not plainly a file of the project's: a hard link whose other names
-  lie outside what is copied (its content is anyone's file), a tracked path that is now a FIFO,
-  a device or a socket, a submodule that is not checked out or a repository inside this one
-  (git records it by commit only) are each refused in one line naming it; a checked-out
-  submodule's tracked files are copied as the project's.
-- Outside git only a project's folder is walked: the home directory (or one above it), a folder
-  holding credentials (.ssh, .aws, .netrc, ...) or more than MAX_LOOSE_FILES files is refused in
-  one line saying where to put the code instead.
-- What is copied is bounded: past `max_bytes` or `max_files` the refusal names the
-  largest files.
+Both copy folders of the checkout (the code snapshot: common/ and trainer/, and a train.script's
+folder; the image: those and jobs/, edf/, containers/, configs/), so both follow one rule, here
+(docs/runs.md): in a git checkout the files git tracks, with their working-tree contents (an
+untracked credentials.json is named in a note, never copied); outside git every file of a
+project's folder (never a home directory, a folder holding credentials or more than
+MAX_LOOSE_FILES files) but hidden files, caches and editor leftovers. Whatever is not plainly a
+file of the project's is refused in one line naming it: a symbolic link out of what is copied (a
+link inside is kept, rewritten relative), a hard link with names outside, a FIFO, a device, a
+submodule not checked out, a file that looks like a secret (common/secrets.py; accepted by
+common/baseline.py; a content found clean is not scanned again: `CleanFiles`), too much.
 """
 
 from __future__ import annotations
@@ -44,7 +27,7 @@ from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
 
 from common.baseline import BASELINE, command, label
-from common.errors import ConfigError, bounded_path
+from common.errors import ConfigError, bounded_path, human
 from common.secrets import file_findings, policy_fingerprint, secret_file
 
 # What is copied is bounded: a data file or a checkpoint left in the code folders is not code.
@@ -374,19 +357,11 @@ def _check_size(found: Sources, field_name: str, max_bytes: int, max_files: int)
     if total <= max_bytes and len(found.files) <= max_files:
         return
     largest = sorted(found.files, key=lambda f: f.size, reverse=True)[:3]
-    named = ", ".join(f"{f.dest} ({_human(f.size)})" for f in largest)
-    raise ConfigError(field_name, f"the code to copy holds {len(found.files)} files, {_human(total)}, more than a "
-                                  f"code snapshot or image takes ({max_files} files, {_human(max_bytes)}); the "
+    named = ", ".join(f"{f.dest} ({human(f.size)})" for f in largest)
+    raise ConfigError(field_name, f"the code to copy holds {len(found.files)} files, {human(total)}, more than a "
+                                  f"code snapshot or image takes ({max_files} files, {human(max_bytes)}); the "
                                   f"largest: {named}: move data and outputs out of the code folders (or set code.snapshot: false and "
                                   "rebuild the image)")
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
 
 
 def copy_into(files: Sequence["SourceFile"], dest: Path, *, file_mode: int, exec_mode: int, dir_mode: int) -> None:

@@ -1,9 +1,7 @@
-"""Is podman's storage somewhere a build can work? (`slipway doctor` calls this.)
-
-Overlay storage on a network or parallel filesystem (NFS, Lustre, GPFS, ...)
-fails in obscure ways or crawls; CSCS's recipe puts graphroot and runroot on
-node-local /dev/shm and imports the image in the same allocation, since /dev/shm
-is wiped when the job ends (`image.build_on: compute` does exactly that).
+"""Is podman's storage somewhere a build can work? (`slipway doctor`.) Overlay storage on a
+network or parallel filesystem (NFS, Lustre, GPFS) fails obscurely or crawls; CSCS's recipe puts
+graphroot and runroot on node-local /dev/shm and imports in the same allocation
+(`image.build_on: compute`).
 """
 
 from __future__ import annotations

@@ -252,10 +252,6 @@ class Enroot:
         return ["enroot", "import", *(["-x", "mount"] if mount else []), "-o", str(output), uri]
 
     @staticmethod
-    def import_env(squash_options: str) -> dict[str, str]:
-        return {"ENROOT_SQUASH_OPTIONS": squash_options}
-
-    @staticmethod
     def temp_dir() -> Path:
         """Where enroot unpacks the image before squashing it."""
         return Path(os.environ.get("ENROOT_TEMP_PATH") or os.environ.get("TMPDIR") or "/tmp")

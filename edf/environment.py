@@ -1,16 +1,9 @@
 """The one container environment model, and every rule it must satisfy.
 
-`Environment` is both the config tree's `container:` section and what an EDF
-file holds: how tasks enter the container (`runtime`: the Container Engine's
-`edf`, `pyxis` flags, or `none`), what an EDF holds (image, mounts, workdir,
-writable, env, annotations, entrypoint, base_environment), `mount_home`, which
-only pyxis has, and `edf_name` for `slipway edf --install`. Strings are kept in
-EDF syntax: `${VAR}` and `${VAR:-default}` are
-left for the Container Engine (or, under pyxis, the batch script) to expand,
-`$$` is a literal `$`. The rules are those of the CSCS EDF reference
-(eth-cscs/cscs-docs `docs/software/container-engine/edf.md`); the mount flags
-are the ones enroot's mount helper accepts for a bind mount (NVIDIA/enroot
-`bin/enroot-mount.c`), since both the Container Engine and pyxis hand them on.
+`Environment` is both the config tree's `container:` section and what an EDF file holds. Strings
+stay in EDF syntax: `${VAR}` and `${VAR:-default}` are left for the Container Engine (or, under
+pyxis, the batch script) to expand, `$$` is a literal `$`. The rules are those of the CSCS EDF
+reference (eth-cscs/cscs-docs `docs/software/container-engine/edf.md`).
 """
 
 from __future__ import annotations
@@ -31,9 +24,8 @@ ANNOTATION_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}")
 _DOLLAR = re.compile(rf"\$\$|{EXPANSION.pattern}|\$\{{")  # what `split_expansions` reads; a lone `$` is text
 
-# Bind-mount options of enroot's mount helper (what pyxis and the Container
-# Engine pass them to), plus `sqsh`, which the Container Engine alone takes
-# as the only flag of a squashfs mount.
+# Bind-mount options of enroot's mount helper (NVIDIA/enroot `bin/enroot-mount.c`: pyxis and the
+# Container Engine hand them on), plus `sqsh`, the Container Engine's only flag of a squashfs mount.
 BIND_FLAGS = frozenset({
     "ro", "rw", "bind", "rbind",
     "private", "rprivate", "shared", "rshared", "slave", "rslave", "unbindable", "runbindable",
@@ -58,10 +50,8 @@ class Expansion:
 
 
 def split_expansions(value: str, where: str) -> list[Union[str, Expansion]]:
-    """`value` as literal text (with `$$` already read as `$`) and expansions.
-
-    A `$` followed by neither `$` nor `{` is literal text, as in the shell.
-    """
+    """`value` as literal text (`$$` read as `$`; a `$` before neither `$` nor `{` is text, as in
+    the shell) and expansions."""
     pieces: list[Union[str, Expansion]] = []
     literal, i = "", 0
     for m in _DOLLAR.finditer(value):
@@ -244,7 +234,6 @@ class Environment:
     EDF_TEXT = True
 
     def __post_init__(self) -> None:
-        # Mount specs given as text ("SRC[:DST[:FLAGS]]") are parsed here.
         self.mounts = [Mount.parse(m, f"{self.origin}mounts[{i}]") if isinstance(m, str) else m
                        for i, m in enumerate(self.mounts)]
 
@@ -411,12 +400,9 @@ def _check_image(image: str, where: str) -> None:
 
 
 def registry_image(image: str) -> str:
-    """A registry reference in enroot's `[USER@][REGISTRY#]IMAGE[:TAG]` form.
-
-    Current CSCS docs write `nvcr.io/nvidia/pytorch:25.11-py3` (the Container
-    Engine reads both forms); enroot, and so pyxis, would read that as an image
-    on Docker Hub, so the registry host (a first component with a '.' or ':',
-    or `localhost`) is separated with '#'."""
+    """A registry reference in enroot's `[USER@][REGISTRY#]IMAGE[:TAG]` form: enroot (so pyxis) reads
+    `nvcr.io/nvidia/pytorch:25.11-py3`, as CSCS's docs write it, as an image on Docker Hub, so the
+    registry host (a first component with a '.' or ':', or `localhost`) is set off with '#'."""
     user, at, head = image.rpartition("@")
     if "#" in head or "/" not in head:
         return image

@@ -1,11 +1,8 @@
 """EDF files: the environment as TOML and back, base environments, EDF_PATH.
 
-One render function (`render_edf`, through tomli-w) and one parser
-(`parse_edf`, through tomllib) such that `parse_edf(render_edf(env)) == env`
-and `render_edf(parse_edf(text))` is the canonical form of `text`. The
-canonical form writes annotations as nested tables
-(`[annotations.com.hooks.aws_ofi_nccl]`), which the EDF reference declares
-equivalent to the dotted keys people write by hand; both are read.
+`parse_edf(render_edf(env)) == env`, and `render_edf(parse_edf(text))` is the canonical form of
+`text`: annotations as nested tables (`[annotations.com.hooks.aws_ofi_nccl]`), which the EDF
+reference declares equivalent to the dotted keys people write by hand; both are read.
 """
 
 from __future__ import annotations
@@ -65,11 +62,8 @@ def _nest(flat: dict[str, str]) -> dict[str, Any]:
 
 
 def parse_edf(source: Union[str, os.PathLike]) -> Environment:
-    """An EDF back into the model, validated.
-
-    `source` is a path (a `Path`, or a one-line string without '=') or the
-    TOML text itself. Errors name the file (if any) and the key.
-    """
+    """An EDF back into the model, validated: `source` is a path (a `Path`, or a one-line string
+    without '=') or the TOML text itself. Errors name the file (if any) and the key."""
     path: Optional[Path] = None
     if isinstance(source, os.PathLike) or ("\n" not in source and "=" not in source and source.strip()):
         path = Path(source)
@@ -177,11 +171,10 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
 
 def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *,
               notes: Optional[list[str]] = None) -> tuple[Optional[Environment], list[ConfigError]]:
-    """A hand-written EDF read and checked whole: (its model, or None if unreadable; every
-    problem in it and in the base environments it names). `slipway edf --check FILE`.
-
-    With `notes` (a list to fill), the image file and the mount sources must also exist on
-    this machine; the paths it cannot judge from here (an unset `${VAR}`) are noted there."""
+    """A hand-written EDF read and checked whole (`slipway edf --check FILE`): (its model, or None if
+    unreadable; every problem in it and in the base environments it names). With `notes` (a list to
+    fill), the image file and the mount sources must also exist here; those it cannot judge from
+    here (an unset `${VAR}`) are noted there."""
     path = Path(source)
     origin = f"{path}:"
     try:
@@ -359,8 +352,8 @@ def _merge(base: Environment, child: Environment) -> Environment:
     from_host += [n for n in child.env_from_host if n not in from_host]
     env = {k: v for k, v in base.env.items() if k not in child.env and k not in child.env_from_host}
     env.update(child.env)
-    return Environment(
-        runtime=child.runtime,
+    return replace(  # the child's runtime, edf_name and keep_builds
+        child,
         image=child.image or base.image,
         mounts=base.mounts + [m for m in child.mounts if m not in base.mounts],
         workdir=pick("workdir"),
@@ -371,8 +364,6 @@ def _merge(base: Environment, child: Environment) -> Environment:
         entrypoint=pick("entrypoint"),
         base_environment=[],
         mount_home=pick("mount_home"),
-        edf_name=child.edf_name,
-        keep_builds=child.keep_builds,
     )
 
 
@@ -380,11 +371,8 @@ def _merge(base: Environment, child: Environment) -> Environment:
 
 
 def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = False) -> Path:
-    """Write `render_edf(env)` to `path` atomically (temporary file + rename).
-
-    The same content already there is left alone; different content is
-    refused unless `force`.
-    """
+    """Write `render_edf(env)` to `path` atomically; the same content there is left alone,
+    different content refused unless `force`."""
     path = Path(path)
     text = render_edf(env)
     if path.is_dir():

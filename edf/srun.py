@@ -1,20 +1,12 @@
-"""The environment as `srun` flags: the one function every way into the container
-uses (the batch script, `slipway shell`, a preparation job), `srun_flags`.
+"""The environment as `srun` flags (`srun_flags`): the one function every way into the container
+uses (the batch script, `slipway shell`, a preparation job). The Container Engine takes an EDF
+file; pyxis has none (NVIDIA/pyxis README, args.c), so the environment becomes its flags, and
+`[env]` variables the batch script exports before `srun`, named in `--container-env=` so that
+pyxis keeps them over the image's (as the Container Engine's `[env]` does).
 
-The Container Engine takes the environment as a file (`--environment=EDF`);
-pyxis has no EDF (NVIDIA/pyxis README, args.c): the image, mounts (`SRC[:DST[:FLAGS]]`, comma-separated,
-flags joined with '+'), workdir, writable and entrypoint become flags;
-`[env]` becomes variables the batch script exports before `srun` plus
-`--container-env=NAME,...`, which makes pyxis keep those host values over the
-image's (as the Container Engine's `[env]` does); `env_from_host` (and
-`NAME = "${NAME}"`) is only named there, its value left in srun's environment.
-Annotations drive Container Engine hooks and have no pyxis flag, except
-`com.pyxis.entrypoint_log`.
-
-Every string returned (flag values and export values) is shell text in which
-only `${NAME}` and `${NAME:-default}` are expansions and everything else is
-literal: quote it with `jobs.slurm.ranks.shell_value`, not `shlex.quote`, so the
-batch script expands what the Container Engine would.
+Every string returned is shell text in which only `${NAME}` and `${NAME:-default}` expand:
+quote it with `jobs.slurm.ranks.shell_value`, not `shlex.quote`, so that the batch script
+expands what the Container Engine would.
 """
 
 from __future__ import annotations
@@ -33,11 +25,8 @@ ENTRYPOINT_LOG = "com.pyxis.entrypoint_log"
 
 @dataclass(frozen=True)
 class SrunFlags:
-    """What one `srun` needs to run its tasks in the container.
-
-    `args` and the export values are EDF text: `${NAME}` expands (in the batch
-    script, or by `expanded()` for a command run without a shell), the rest is
-    literal."""
+    """What one `srun` needs to run its tasks in the container; `args` and the export values are EDF
+    text (`expanded()` expands them for a command run without a shell)."""
 
     args: list[str] = field(default_factory=list)  # --environment=, or the --container-* flags in order
     exports: list[tuple[str, str]] = field(default_factory=list)  # (NAME, value) set for the srun alone
@@ -64,12 +53,9 @@ def srun_flags(env: Environment, edf_file: Optional[Path] = None, edf_path: Opti
 
 
 def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> SrunFlags:
-    """The `srun` flags for `env`, its `base_environment` resolved first (see `resolve_base`).
-
-    Unspecified values get the Container Engine's defaults explicitly, so that
-    both runtimes behave alike whatever the site's pyxis configuration:
-    writable, no entrypoint, home not mounted.
-    """
+    """The `srun` flags for `env`, its `base_environment` resolved first; what it leaves unspecified
+    gets the Container Engine's default explicitly (writable, no entrypoint, home not mounted), so
+    that both runtimes behave alike whatever the site's pyxis configuration."""
     if env.base_environment:
         env = resolve_base(env, edf_path)
     env.check()
@@ -152,12 +138,8 @@ def _exports(env: Environment) -> tuple[list[tuple[str, str]], list[str]]:
 
 
 def to_shell(value: str, where: str) -> str:
-    """EDF text as shell text: `$$` becomes `$`; `${NAME}` stays an expansion.
-
-    A literal `${` (written `$${` in an EDF) cannot be told apart from an
-    expansion in the batch script, so it is an error here: the shell text must
-    expand exactly the EDF's expansions, where they stand.
-    """
+    """EDF text as shell text: `$$` becomes `$`; `${NAME}` stays an expansion. A literal `${`
+    (`$${` in an EDF) would be one in the batch script, so it is an error here."""
     text, spans = "", []
     for piece in split_expansions(value, where):
         if isinstance(piece, Expansion):

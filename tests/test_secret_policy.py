@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 
 from jobs.config.sections import NODE_PRESETS
 from common.errors import ConfigError, bounded, shown
-from common.secret_plugins import plain
-from common.secrets import (PASSTHROUGH, REFERENCE, TEXT, file_findings, find_secrets, find_values, mask, name_words,
-                            refusal, secret_name)
+from common.secret_plugins import name_words, plain, secret_name
+from common.secrets import PASSTHROUGH, REFERENCE, TEXT, file_findings, find_secrets, find_values, mask, refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -126,7 +126,7 @@ def test_a_huge_file_is_refused_naming_the_largest(checkout):
     with open(big, "wb") as f:  # sparse: a gigabyte that costs nothing to make
         f.truncate(1 << 30)
     git(checkout, "add", "trainer")
-    refused(dry_run(checkout), "the code to copy holds", "trainer/weights.bin (1.0 GB)", "move data")
+    refused(dry_run(checkout), "the code to copy holds", "trainer/weights.bin (1.0 GiB)", "move data")
 
 
 def test_an_untracked_script_beside_tracked_ones_is_refused(checkout):

@@ -2,17 +2,11 @@
 by process id, and the Slurm client commands pointed at them.
 
 Each node is a slurmd in its own network namespace (a veth on a bridge, an address from a private
-/24, its name in /etc/hosts) and its own UTS namespace (hostname ``nodeK``), so a multi-node job
-sees distinct hosts as on a real cluster: torchrun's c10d rendezvous picks the agent that hosts the
-store by comparing the endpoint with the local hostname, and gloo resolves the hostname to pick its
-address. slurmctld runs in the root network namespace, reachable from the nodes as ``slipway-ctl``
-(the bridge's address).
-
-Everything the cluster writes (slurm.conf, munge key and socket, spool, state, logs, pid files)
-lives in one state dir. The processes it starts are recorded in /run/slipway-slurm/NAME.json and
-stopped by those ids (never by name); a later ``up`` first tears down whatever an earlier run under
-the same NAME left (processes, namespaces, links, the /etc/hosts block), so a crashed test session
-does not wedge the next one. One cluster per NAME per machine.
+/24, its name in /etc/hosts) and UTS namespace (hostname ``nodeK``): a multi-node job sees distinct
+hosts, as torchrun's c10d rendezvous (it compares the endpoint with the local hostname) and gloo
+(it resolves the hostname) need. Everything the cluster writes lives in one state dir; its
+processes are recorded in /run/slipway-slurm/NAME.json and stopped by those ids, never by name; a
+later ``up`` first tears down whatever an earlier one under the same NAME left.
 """
 
 from __future__ import annotations
