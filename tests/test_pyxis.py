@@ -341,6 +341,7 @@ def test_a_node_whose_container_cannot_start_is_told_as_it_was(lab: Lab):
     preflight time limit that never passed. The next submission keeps the node in (the job needs
     both) and says so in words that add up."""
     cache = lab.project / ".cache"
+    cache.mkdir(exist_ok=True)  # made by the tier's first training run; this test may run alone
     lab.on_node(lab.nodes[1], "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(cache))
     try:
         job = lab.submit("pyxnocache", *TINY)
