@@ -197,7 +197,10 @@ def find_profile(name: str, project_dir: Path, where: str = "--cluster") -> Clus
         try:
             settings = merged(settings, _checked(profile, f"{bounded_path(path)} {name}"))
         except ConfigError as exc:  # the file named once (in the field), the line beside it: "FILE KEY: line N: ..."
-            line = line_of(read_text_bounded(path, str(path), MAX_TEXT), exc.field.rsplit(" ", 1)[-1])
+            try:  # read again on this error alone; a file gone or changed since only loses the line
+                line = line_of(read_text_bounded(path, str(path), MAX_TEXT), exc.field.rsplit(" ", 1)[-1])
+            except (OSError, UnicodeError, ConfigError):
+                line = None
             raise (exc if line is None else ConfigError(exc.field, f"line {line}: {str(exc)[len(exc.field) + 2:]}")) \
                 from None
     cluster = from_dict(ClusterSection, settings.pop("cluster", None), f"cluster {name}.cluster")

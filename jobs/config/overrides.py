@@ -66,7 +66,6 @@ BOOL_FLAGS = [
 ]
 
 
-
 def parse_value(text: str, key: str = "") -> Any:
     """An override's value: the text itself (typed later by the field it sets, so
     `slurm.time=10:00` stays "10:00"), a list `[a, b]`, or a YAML flow mapping `{k: v}`."""
