@@ -408,8 +408,8 @@ def check_trainer_sections(cfg: Any) -> None:
     """Rules across trainer sections; `cfg` is a TrainerConfig or the host's full tree."""
     m, p = cfg.model, cfg.parallel
     require(m.num_heads % p.tp == 0, "parallel.tp",
-            f"model.num_heads({m.num_heads}) must be divisible by parallel.tp({p.tp}): "
-            f"pick tp from {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}")
+            lambda: f"model.num_heads({m.num_heads}) must be divisible by parallel.tp({p.tp}): "
+                    f"pick tp from {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}")
     require(m.num_kv_heads % p.tp == 0, "parallel.tp",
             f"model.num_kv_heads({m.num_kv_heads}) must be divisible by parallel.tp({p.tp})")
     require(m.intermediate_size % p.tp == 0, "parallel.tp",

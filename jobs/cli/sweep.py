@@ -32,7 +32,7 @@ def sweep_named(name: str, project: Path) -> Optional[sweeps.Sweep]:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from jobs import local_checks
-    from jobs.config import load_config
+    from jobs.config import read_config
 
     if args.max_parallel is not None and args.max_parallel < 1:
         raise ConfigError("--max-parallel", f"must be at least 1, got {args.max_parallel}")
@@ -49,16 +49,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
         require("sweep --local", "trainer")
     _, plain = sweeps.split_axes(args.overrides)
-    profile = cluster_of(args)
-    base = load_config(args.config, plain, sets, cluster=profile)
+    variants = sweeps.Variants(*read_config(args.config), plain, sets, cluster_of(args))
+    base = variants.base
     # As `slipway local` keeps a cluster config's trial apart (RUN-local), so does a sweep's.
     apart = args.local and bool(local_checks.local_view(base, rename=False)[1])
     name = args.name or base.run.name + ("-local" if apart else "")
 
     def plan(dry_run: bool) -> arrays.Plan:
-        return arrays.plan_sweep(args.config, args.overrides, sets, project, name=name, points_file=args.points,
+        return arrays.plan_sweep(variants, args.config, args.overrides, project, name=name, points_file=args.points,
                                  given_args=given, dry_run=dry_run, force=args.force,
-                                 view=here if args.local else None, cluster=profile)
+                                 view=here if args.local else None)
     if args.dry_run:
         return _dry_run(plan(True), args.max_parallel, console)
     with arrays.hold(project, name, f"slipway sweep {given}"):
@@ -101,10 +101,11 @@ def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console) -> int:
     arrays and what would refuse the submission; nothing written."""
     from jobs import slurm
 
-    rows, node_h, gpu_h, unbounded = [], 0.0, 0.0, 0
+    rows, node_h, gpu_h, unbounded, asks = [], 0.0, 0.0, 0, {}
     todo = plan.to_submit
-    for p in plan.points:
-        nodes, gpus, limit, hours = _resources(p.cfg)
+    for p in plan.points:  # points share the slurm section an axis leaves alone: each read once
+        s = p.cfg.slurm
+        nodes, gpus, limit, hours = asks.get(id(s)) or asks.setdefault(id(s), _resources(p.cfg))
         rows.append((p.point.run, p.state, nodes, gpus, limit, p.point.label()))
         if p.state in (arrays.NEW, arrays.RESUME):
             unbounded += hours is None

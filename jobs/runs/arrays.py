@@ -33,8 +33,7 @@ from common.rundir import RunDir
 from common.schema import config_fields, to_dict
 from edf.environment import SAFE_NAME
 from jobs import slurm
-from jobs.config.clusters import ClusterProfile
-from jobs.config import Config, dump_config, read_config
+from jobs.config import Config, dump_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
@@ -79,19 +78,18 @@ class Plan:
         return [p for p in self.points if p.state in (NEW, RESUME)]
 
 
-def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_dir: Path, *,
+def plan_sweep(variants: Variants, config: str, overrides: list[str], project_dir: Path, *,
                name: Optional[str] = None, points_file: Optional[str] = None, given_args: str = "",
-               dry_run: bool = False, force: bool = False, view: Optional[Callable[[Config], Config]] = None,
-               cluster: Optional[ClusterProfile] = None) -> Plan:
-    """Every point of the sweep built, validated and sealed (nothing written): one bad point is a
-    ConfigError naming it. What would refuse the submission (an unrelated run of a point's name, a
-    point whose config changed, data not prepared) is in `refusals`. `view`: how a point runs
-    here (`slipway sweep --local`), applied to each point's config before it is checked. `cluster`:
-    the profile every point runs with (`--cluster`)."""
+               dry_run: bool = False, force: bool = False,
+               view: Optional[Callable[[Config], Config]] = None) -> Plan:
+    """Every point of the sweep (`variants`: its base, the config file CONFIG with the
+    `overrides` that are no axis, the named flags and the cluster profile) built, validated and
+    sealed (nothing written): one bad point is a ConfigError naming it. What would refuse the
+    submission (an unrelated run of a point's name, a point whose config changed, data not
+    prepared) is in `refusals`. `view`: how a point runs here (`slipway sweep --local`), applied
+    to each point's config before it is checked."""
     axes, plain = split_axes(overrides)
     entries = read_points(points_file) if points_file else None
-    path, raw = read_config(config)
-    variants = Variants(path, raw, plain, sets, cluster)
     base = variants.base
     name = name or base.run.name
     if not SAFE_NAME.fullmatch(name) or len(name) > NAME_ROOM:
@@ -103,17 +101,18 @@ def plan_sweep(config: str, overrides: list[str], sets: dict[str, Any], project_
     names = point_names(name, settings)
     old = find_sweep(name, project_dir)
     known = {p.run for p in old.points} if old else set()
+    exists = _lister()
     keys = sorted({k for values in settings for k in values})
     # A point's own arguments (what a hint repeats, `slipway local ...`): the axes' items replaced by its values.
     swept = [o for o in overrides if o not in plain]
     words = [w for w in shlex.split(given_args or config) if w not in swept]
     with many_objects():
-        plans, refusals = _points(variants, zip(settings, names), keys, words, project_dir, name, known,
-                                  dry_run=dry_run, view=view)
+        plans, refusals = _points(variants, zip(settings, names), keys, words, project_dir,
+                                  lambda sealed: _unrelated(sealed, name, known, exists), dry_run=dry_run, view=view)
     plan = Plan(_merged(old, name, base, axes, given_args, [p.point for p in plans]), plans, refusals)
     plan.notes = list(dict.fromkeys(n for p in plans for n in p.sealed.notes))
     if not refusals:
-        _existing(plan, force)
+        _existing(plan, force, exists)
         _data(plan, dry_run)
     plan.git = git_state(project_dir)
     return plan
@@ -138,7 +137,7 @@ def _data(plan: Plan, dry_run: bool) -> None:
 
 
 def _points(variants: Variants, points: Iterable[tuple[dict[str, Any], str]], keys: list[str], words: list[str],
-            project_dir: Path, sweep: str, known: set[str], *, dry_run: bool,
+            project_dir: Path, unrelated: Callable[[Sealed], None], *, dry_run: bool,
             view: Optional[Callable[[Config], Config]]) -> tuple[list[PointPlan], list[ConfigError]]:
     """Each point (its values, its run name) built and checked, and sealed (in a dry run, as
     `_fresh` says); what would refuse the submission."""
@@ -174,7 +173,7 @@ def _points(variants: Variants, points: Iterable[tuple[dict[str, Any], str]], ke
         if on_disk not in checked:
             checked[on_disk] = _refused(lambda: check_submittable(cfg))
         refusals += [ConfigError(f"point {run_name}", why) for why in
-                     (checked[on_disk], _refused(lambda: _unrelated(sealed, sweep, known))) if why]
+                     (checked[on_disk], _refused(lambda: unrelated(sealed))) if why]
     return plans, refusals
 
 
@@ -199,9 +198,9 @@ def _fresh(values: dict[str, Any], sealed: set[tuple[str, str]]) -> bool:
     return bool(new)
 
 
-def _unrelated(sealed: Sealed, sweep: str, known: set[str]) -> None:
+def _unrelated(sealed: Sealed, sweep: str, known: set[str], exists: Callable[[Path], bool]) -> None:
     paths = sealed.paths
-    if os.path.lexists(paths.path) and sealed.cfg.run.name not in known:
+    if sealed.cfg.run.name not in known and exists(paths.path):
         raise ConfigError("run.name", f"{paths.path} exists and is no point of sweep {sweep}: move it aside, or give "
                                       "the sweep another --name")
 
@@ -216,7 +215,25 @@ def _merged(old: Optional[Sweep], name: str, base: Config, axes: list[Axis], giv
     return sweep
 
 
-def _existing(plan: Plan, force: bool) -> None:
+def _lister() -> Callable[[Path], bool]:
+    """`exists(path)` (lexists) for the points' runs: each folder they are in listed once, as a
+    sweep asks it of thousands of points."""
+    folders: dict[Path, Optional[set[str]]] = {}
+
+    def exists(path: Path) -> bool:
+        if path.parent not in folders:
+            try:
+                folders[path.parent] = set(os.listdir(path.parent))
+            except FileNotFoundError:
+                folders[path.parent] = set()
+            except OSError:  # not listable: each path asked on its own
+                folders[path.parent] = None
+        names = folders[path.parent]
+        return os.path.lexists(path) if names is None else path.name in names
+    return exists
+
+
+def _existing(plan: Plan, force: bool, exists: Callable[[Path], bool]) -> None:
     """The points whose run exists: queued or running, finished, to resume, (a changed config
     without `force`) refused, or, one that cannot be read (damaged, a teammate's), left as it is
     with a note, as the others go on. Slurm is asked once for all of them."""
@@ -224,7 +241,7 @@ def _existing(plan: Plan, force: bool) -> None:
     for p in plan.points:
         run = Run(p.sealed.paths)
         try:
-            if run_exists(run.dir, f"point {p.point.run}"):
+            if exists(run.dir) and run_exists(run.dir, f"point {p.point.run}"):
                 launches = run.launches()
                 there.append((p, run, manifests.file_key(run.paths.manifest), launches, run.events()))
         except (ConfigError, OSError) as exc:  # that point alone

@@ -144,11 +144,13 @@ class Run:
 @contextlib.contextmanager
 def many_objects() -> Iterator[None]:
     """The cyclic garbage collector off while a command reads what it keeps until it ends (ten
-    thousand runs' records, a sweep's points): it would walk them again and again, freeing nothing."""
+    thousand runs' records, a sweep's points): it would walk them again and again, freeing nothing.
+    What was read is then kept out of its later walks too (`gc.freeze`)."""
     gc.disable()
     try:
         yield
     finally:
+        gc.freeze()
         gc.enable()
 
 

@@ -167,26 +167,41 @@ class Variants:
         self.args, self.cluster, self.tree = (path, raw, overrides, sets), cluster, {}
         self.base = config_from(path, raw, overrides, sets, cluster=cluster, tree=self.tree)
         self.read: dict[tuple[str, str], Any] = {}
+        # A grid repeats each section's few settings across many points: each section so set is
+        # made and checked once, the points that set it sharing it (as they share the base's).
+        self.sections: dict[tuple, Any] = {}
 
     def __call__(self, settings: dict[str, Any], name: str) -> Config:
         """The base with `settings` (dotted key -> value, as an override's value parses), run.name `name`."""
         fields = [self._field(key, value) for key, value in settings.items()]
         if any(f is None for f in fields):
             return config_from(*self.args, {**settings, "run.name": name}, cluster=self.cluster)
-        cfg, changed = _shallow(self.base), {}
-        for section, name_, value in [("run", "name", name), *fields]:
-            if section not in changed:
-                changed[section] = _shallow(getattr(self.base, section))
-            setattr(changed[section], name_, value)
+        given: dict[str, list] = {}
+        for section, name_, value in fields:
+            given.setdefault(section, []).append((name_, value))
+        cfg = _shallow(self.base)
         try:
-            for section, part in changed.items():
-                if hasattr(part, "check"):
-                    part.check(section)
-                setattr(cfg, section, part)
+            for section, values in given.items():
+                setattr(cfg, section, self._section(section, values))
+            cfg.run = _shallow(cfg.run)
+            cfg.run.name = name
             cfg.check_between()
         except ConfigError:  # refused: read the whole way, whose error says where the value was written
             return config_from(*self.args, {**settings, "run.name": name}, cluster=self.cluster)
         return cfg
+
+    def _section(self, section: str, values: list[tuple[str, Any]]) -> Any:
+        """The base's `section` with `values` (field, value read) set, checked (ConfigError if refused)."""
+        key = (section, *((name, repr(value)) for name, value in values))
+        part = self.sections.get(key)
+        if part is None:
+            part = _shallow(getattr(self.base, section))
+            for name, value in values:
+                setattr(part, name, value)
+            if hasattr(part, "check"):
+                part.check(section)
+            self.sections[key] = part
+        return part
 
     def typed(self, cfg: Config, key: str, value: Any) -> Any:
         """The value setting `key` to `value` gave `cfg`, a point of these (`typed` where it was read whole)."""
