@@ -59,6 +59,9 @@ _HANG_TAG = re.compile(r"hangs/(\S+)-\*\.txt")
 _SIGNAL = re.compile(r"end signal (\S+)")
 
 
+_STARTS = tuple((kind.value, kind) for kind in EventKind if kind.value)  # an Enum's members are slow to walk
+
+
 @dataclass(frozen=True)
 class Event:
     """One line of events.log."""
@@ -69,8 +72,7 @@ class Event:
 
     @cached_property  # asked of every event by each reader: decided once
     def kind(self) -> EventKind:
-        return next((kind for kind in EventKind if kind.value and self.text.startswith(kind.value)),
-                    EventKind.OTHER)
+        return next((kind for start, kind in _STARTS if self.text.startswith(start)), EventKind.OTHER)
 
     @property
     def when(self) -> Optional[datetime]:
