@@ -244,6 +244,18 @@ def test_a_missing_or_damaged_record_is_read_again_from_the_run_alone(mixed, how
         assert json.loads((root / "done" / RECORD).read_text())["ended"][0] == "COMPLETED"
 
 
+@pytest.mark.parametrize("launch", [{"job_id": 14}, {"local": 1}, {"pid": True}, {"steps": "50"}, {"surprise": ""}])
+def test_a_record_whose_launch_holds_other_types_is_read_again(mixed, launch):
+    slurm, env, root = mixed
+    first = slipway("status", env=env)
+    record = root / "running" / RECORD
+    kept = json.loads(record.read_text())
+    record.write_text(json.dumps({**kept, "launch": {**kept["launch"], **launch}}))
+    again = slipway("status", env=env)
+    assert (again.returncode, rows(again.stdout)) == (first.returncode, rows(first.stdout)), again.stdout
+    assert json.loads(record.read_text()) == kept  # read from the run alone, and written anew
+
+
 @pytest.mark.parametrize("how, run, cells", [("events", "running", ["1", "14", "COMPLETED", "0"]),
                                              ("metrics", "done", ["1", "11", "COMPLETED", "0", "step 21/50, loss 2.500"]),
                                              ("manifest", "failed", ["2", "30", "UNKNOWN", ""])])

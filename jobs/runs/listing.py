@@ -15,12 +15,11 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, get_args, get_type_hints
 
 from common.events import Event, parse_event
 from common.fs import write_atomic
 from common.rundir import RunDir
-from common.schema import from_dict
 from jobs.runs import lifecycle
 from jobs.runs.lifecycle import LaunchState
 from jobs.runs.manifest import Launch, to_record
@@ -29,9 +28,11 @@ from jobs.runs.run import Run
 FORMAT = 1
 MAX_BYTES = 64 << 10  # a record is a few hundred bytes; a latest attempt's events a few KiB
 # What a record keeps of a launch Slurm or its processes must still tell: lifecycle's inputs, not
-# its pins (git state, image, code, cluster), which no listing shows.
-_KEPT = ("job_id", "kind", "local", "started", "ended", "pid", "trainer_pid", "host", "allocation", "exit",
-         "signal", "trainer_exit", "steps")
+# its pins (git state, image, code, cluster), which no listing shows. Each with the types its
+# field takes (the record's values are checked by type alone: thousands are read at once).
+_KEPT = {name: get_args(kind) or (kind,) for name, kind in get_type_hints(Launch).items()
+         if name in ("job_id", "kind", "local", "started", "ended", "pid", "trainer_pid", "host", "allocation",
+                     "exit", "signal", "trainer_exit", "steps")}
 _TRAIN = ("step", "loss", "tokens_per_s", "mfu")
 
 
@@ -132,7 +133,10 @@ def _read(path: str, where: list) -> Optional[Facts]:
                 return None
             out.ended = LaunchState(state, code, reason)
         elif out.launches:  # to be judged again: the launch whole, as the manifest's reader takes it
-            out.latest = from_dict(Launch, record["launch"], "launch", record=True)
+            kept = record["launch"]
+            if not all(type(value) in _KEPT[key] for key, value in kept.items()):  # an unknown key: KeyError
+                return None
+            out.latest = Launch(**kept)
             out.events = [e for line in record["events"] if (e := parse_event(line)) is not None]
         return out
     except (OSError, ValueError, RecursionError, TypeError, KeyError, AttributeError):  # garbled: the files tell
