@@ -263,6 +263,14 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
     return obj
 
 
+def field_of(cls: type, name: str, value: Any, where: str) -> Any:
+    """Field `name` of section `cls` set to `value`, read as `from_dict` reads it (its type, its
+    secret policy), with no check of the section (its caller checks the section it is set in)."""
+    f = config_fields(cls)[name]
+    return _convert(_hints(cls)[name], value, f"{where}.{name}", f.metadata.get("secrets", IDENTIFIER),
+                    bool(getattr(cls, "EDF_TEXT", False)), free=f.metadata.get("free_text", False))
+
+
 def part_of(cls: type, data: Any, where: str) -> dict:
     """The keys `data` sets of section `cls`, each read by its field's type and secret policy as
     `from_dict` reads it (unknown keys refused, listing the valid ones), with no defaults filled

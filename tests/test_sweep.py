@@ -625,11 +625,24 @@ def test_control_characters_in_free_text_and_in_what_a_job_wrote_reach_no_csv_or
 def test_a_points_config_built_from_the_base_is_the_one_read_whole(settings):
     """`Variants` (each setting read once, points built from the base) gives each point the config,
     or the error, that reading its whole tree gives."""
+    _built_as_whole(settings, ["train.steps=50"])
+
+
+@pytest.mark.parametrize("base, settings", [
+    ([], {"container.runtime": "pyxis"}), ([], {"container.runtime": "edf"}),  # launch.python: python3 there
+    (["launch.procs_per_node=null", "parallel.dp=1"], {"slurm.gpus_per_node": "2"}),  # 2 ranks, not the base's 1
+    (["launch.procs_per_node=null", "parallel.dp=1"], {"slurm.gpus_per_node": "2", "parallel.dp": "2"}),
+    (["slurm.cpus_per_task=null"], {"launch.preset": "alps-gh200", "slurm.gpus_per_node": "4", "parallel.dp": "4"})])
+def test_what_the_base_derived_a_point_derives_from_its_own_values(base, settings):
+    _built_as_whole(settings, base)
+
+
+def _built_as_whole(settings: dict, base: list[str]) -> None:
     from jobs.config import config_from, read_config
     from jobs.runs.sweep import Variants
 
     path, raw = read_config(Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml")
-    variants = Variants(path, raw, ["train.steps=50"], {}, None)
+    variants = Variants(path, raw, base, {}, None)
 
     def built(make):
         try:
@@ -638,5 +651,5 @@ def test_a_points_config_built_from_the_base_is_the_one_read_whole(settings):
             return str(exc)
     for _ in range(2):  # the second time from what the first read
         fast = built(lambda: variants(settings, "p-1"))
-        whole = built(lambda: config_from(path, raw, ["train.steps=50"], {}, {**settings, "run.name": "p-1"}))
+        whole = built(lambda: config_from(path, raw, base, {}, {**settings, "run.name": "p-1"}))
         assert fast == whole, (settings, fast, whole)

@@ -15,7 +15,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import yaml
 
@@ -95,6 +95,11 @@ class Config(TrainerConfig):
             kept += [flags[key], str(value)] if key in flags and value is not None else [
                 f"{key}={'null' if value is None else value}"]
         return shlex.join(kept)
+
+    # The fields the rules across sections fill where the config leaves them unset (`check_between`):
+    # a sweep's point built from its base derives its own (jobs/runs/sweep.py's Variants).
+    DERIVED: ClassVar[dict[str, tuple[str, ...]]] = {"launch": ("python", "procs_per_node"),
+                                                     "slurm": ("cpus_per_task",)}
 
     def check(self, where: str) -> None:
         check_path_components(to_dict(self), "")

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Optional, get_args, get_origin
 from common.errors import ConfigError, bounded, bounded_path, shown
 from common.fs import open_regular, write_atomic
 from common.rundir import RunDir
-from common.schema import config_fields, from_dict, to_dict
+from common.schema import config_fields, field_of, from_dict, to_dict
 from common.yaml import read_text_bounded, read_yaml
 from edf.environment import SAFE_NAME
 from jobs.config.clusters import ClusterProfile
@@ -170,6 +170,9 @@ class Variants:
         # A grid repeats each section's few settings across many points: each section so set is
         # made and checked once, the points that set it sharing it (as they share the base's).
         self.sections: dict[tuple, Any] = {}
+        # What the base derived (the config left it unset) each point derives again, from its own values.
+        self.unset = {section: [name for name in names if self._unset(section, name)]
+                      for section, names in Config.DERIVED.items()}
 
     def __call__(self, settings: dict[str, Any], name: str) -> Config:
         """The base with `settings` (dotted key -> value, as an override's value parses), run.name `name`."""
@@ -183,12 +186,23 @@ class Variants:
         try:
             for section, values in given.items():
                 setattr(cfg, section, self._section(section, values))
+            for section, names in self.unset.items():
+                if names:
+                    part = _shallow(getattr(cfg, section))
+                    part.__dict__.update(dict.fromkeys(names))
+                    setattr(cfg, section, part)
             cfg.run = _shallow(cfg.run)
             cfg.run.name = name
             cfg.check_between()
         except ConfigError:  # refused: read the whole way, whose error says where the value was written
             return config_from(*self.args, {**settings, "run.name": name}, cluster=self.cluster)
         return cfg
+
+    def _unset(self, section: str, name: str) -> bool:
+        raw = self.tree.get(section)
+        if not isinstance(raw, dict) or name not in raw:
+            return True
+        return field_of(type(getattr(self.base, section)), name, raw[name], section) is None  # `null` read as such
 
     def _section(self, section: str, values: list[tuple[str, Any]]) -> Any:
         """The base's `section` with `values` (field, value read) set, checked (ConfigError if refused)."""
@@ -219,13 +233,19 @@ class Variants:
             if cls and name in config_fields(cls) and not is_dataclass(getattr(getattr(self.base, section), name)) \
                     and isinstance(raw, dict):
                 try:
-                    part = from_dict(cls, {**raw, name: value}, section)
-                    check_path_components(to_dict(getattr(part, name)), key)
+                    if hasattr(cls, "__post_init__"):  # which may fill other fields from this one (a preset)
+                        part = from_dict(cls, {**raw, name: value}, section)
+                        read = getattr(part, name)
+                        plain = _shallow(getattr(self.base, section))
+                        setattr(plain, name, read)
+                        if plain != part:
+                            return None
+                    else:  # the one field (its section is checked where it is set)
+                        read = field_of(cls, name, value, section)
+                    check_path_components(to_dict(read), key)
                 except ConfigError:
                     return None  # read the whole way, which says what is wrong and where
-                plain = _shallow(getattr(self.base, section))
-                setattr(plain, name, getattr(part, name))
-                self.read[marker] = (section, name, getattr(part, name)) if plain == part else None
+                self.read[marker] = (section, name, read)
         return self.read[marker]
 
 
@@ -303,8 +323,7 @@ def split_axes(overrides: list[str]) -> tuple[list[Axis], list[str]]:
             raise ConfigError(key, f"an axis needs at least one value: {key}=[V1, V2, ...]")
         if any(a.key == key for a in axes):
             raise ConfigError(key, "swept twice: give its values in one list")
-        seen = [value_text(v) for v in values]
-        dupes = sorted({t for t in seen if seen.count(t) > 1})
+        dupes = sorted(t for t, n in collections.Counter(value_text(v) for v in values).items() if n > 1)
         if dupes:
             raise ConfigError(key, f"the value {dupes[0]} is given twice: each value once")
         axes.append(Axis(key, values))
