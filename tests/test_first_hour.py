@@ -843,8 +843,8 @@ def test_a_misspelt_command_flag_or_key_is_told_the_nearest(project, tmp_path):
     (project / "clusters.yaml").write_text("alps:\n  slurm:\n    acount: a-01\n")
     line = one_error_line(slipway("submit", "tiny_cpu", "--cluster", "alps", "--dry-run",
                                   env={"XDG_CONFIG_HOME": str(tmp_path / "xdg")}))
-    assert "alps.slurm.acount: " in line and f"{project / 'clusters.yaml'} line 3: unknown key; did you mean " \
-                                               "alps.slurm.account? " in line, line
+    assert f"{project / 'clusters.yaml'} alps.slurm.acount: line 3: unknown key; did you mean " \
+           "alps.slurm.account? " in line, line
     # An unknown key in a config file names the file and the line it is on.
     text = (project / "configs" / "tiny_cpu.yaml").read_text().replace("  steps: 200", "  stpes: 200")
     (project / "configs" / "typo.yaml").write_text(text)
