@@ -23,7 +23,7 @@ from common.environ import as_typed
 from common.errors import human
 from common.fs import pid_alive
 from containers.plan import ImagePlan
-from containers.tools import Enroot, Podman, ToolError, squashfs_ok
+from containers.tools import Enroot, Podman, ToolError, squashfs_ok, stream
 
 # enroot unpacks the image (its uncompressed size) before squashing it to about half.
 SQUASH_RATIO = 0.5
@@ -135,7 +135,7 @@ def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Cons
                     printed.update(_CONTAINER_ID.findall(line))
                     status.update(f"enroot import: {escape(line[:100])}")
 
-                rc = enroot.import_(plan.enroot_argv, plan.enroot_env, on_line)
+                rc = stream([enroot.exe, *plan.enroot_argv[1:]], on_line, env=plan.enroot_env)
         finally:  # also after a failed or interrupted import: the container stays either way
             removed, warnings = _clean_import(plan, podman, before, printed, console)
             notes += [f"removed enroot's leftover podman container {name}" for name in removed] + warnings

@@ -23,12 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from plumbum import local
-from plumbum.commands.processes import ProcessExecutionError
-
 from common.baseline import BASELINE, command, label
 from common.errors import ConfigError, bounded_path, human
 from common.secrets import file_findings, policy_fingerprint, secret_file
+from containers.tools import git
 
 # What is copied is bounded: a data file or a checkpoint left in the code folders is not code.
 MAX_FILES = 5000
@@ -85,23 +83,12 @@ class Folder:
     dest: str
 
 
-def _git_root(path: Path) -> Optional[Path]:
-    git = shutil.which("git")
-    if git is None:
-        return None
-    try:
-        top = local[git]("-C", str(path), "rev-parse", "--show-toplevel").strip()
-    except (ProcessExecutionError, OSError):
-        return None
-    return Path(top).resolve() if top else None
-
-
-def _git_list(root: Path, folder: Path, *, others: bool) -> list[str]:
+def _git_list(folder: Path, *, others: bool) -> Optional[list[str]]:
     """Paths (relative to `folder`) that git tracks under it (a checked-out submodule's too), or
-    with `others` the untracked, not ignored ones."""
+    with `others` the untracked, not ignored ones; None where git cannot tell."""
     which = ["--others", "--exclude-standard"] if others else ["--cached", "--recurse-submodules"]
-    out = local["git"]("-C", str(folder), "ls-files", "-z", *which, "--", ".")
-    return sorted({name for name in out.split("\0") if name})
+    out = git(folder, "ls-files", "-z", *which, "--", ".")
+    return None if out is None else sorted({name for name in out.split("\0") if name})
 
 
 def _walked(folder: Path, field_name: str) -> list[str]:
@@ -173,17 +160,13 @@ def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_f
     in_git_of: dict[str, bool] = {}
     top_of: dict[str, Path] = {}  # where each file's project keeps its baseline
     for folder in folders:
-        root = _git_root(folder.src)
-        in_git = root is not None
-        if in_git:
-            try:
-                names = _git_list(root, folder.src, others=False)
-                untracked = _git_list(root, folder.src, others=True)
-            except (ProcessExecutionError, OSError):
-                in_git, names, untracked = False, [], []
-            # A folder of the checkout git knows nothing of (a scratch folder, an installed copy in
-            # an ignored .venv): nothing there is the project's by git, so it is walked as outside git.
-            in_git = in_git and bool(names)
+        top = (git(folder.src, "rev-parse", "--show-toplevel") or "").strip()
+        names = _git_list(folder.src, others=False) if top else None
+        # A folder of the checkout git knows nothing of (a scratch folder, an installed copy in an
+        # ignored .venv): nothing there is the project's by git, so it is walked as outside git.
+        untracked = _git_list(folder.src, others=True) if names else None
+        in_git = untracked is not None
+        root = Path(top).resolve() if in_git else folder.src
         if not in_git:
             names, untracked = _walked(folder.src, field_name), []
         out.untracked += [f"{folder.dest}/{n}" for n in untracked if not _skipped(n)]
@@ -193,7 +176,7 @@ def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_f
             entry = _entry(folder, rel, folders, in_git=in_git, field_name=field_name)
             if entry is not None:
                 out.files.append(entry)
-                in_git_of[entry.dest], top_of[entry.dest] = in_git, root if in_git else folder.src
+                in_git_of[entry.dest], top_of[entry.dest] = in_git, root
     out.files.sort(key=lambda f: f.dest)
     _check_size(out, field_name, max_bytes, max_files)
     _check_links(out.files, field_name, in_git_of)
