@@ -207,13 +207,8 @@ def config_fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if f.init and f.metadata.get("config", True)}
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:  # typing.get_type_hints is slow, and a listing reads ten thousand records
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+# typing.get_type_hints is slow, and a listing reads ten thousand records: once a class.
+_hints = functools.cache(typing.get_type_hints)
 
 
 def unknown_key(key: str, keys: list[str], where: str, what: str) -> ConfigError:
