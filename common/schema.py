@@ -183,12 +183,8 @@ def _convert(tp: Any, value: Any, where: str, policy: str = IDENTIFIER, edf: boo
         _, val_tp = get_args(tp)
         if not isinstance(value, dict):
             raise ConfigError(where, f"expected a mapping, got {shown(value, where)}")
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ConfigError(where, f"keys must be strings, got {shown(k, where)}")
-            out[str(k)] = _convert(val_tp, v, f"{where}.{k}", policy, edf, key=k, free=free)
-        return out
+        # Keys are strings: YAML's reader refuses any other, and JSON has none.
+        return {str(k): _convert(val_tp, v, f"{where}.{k}", policy, edf, key=k, free=free) for k, v in value.items()}
     if hasattr(tp, "from_config_value"):  # a class with its own text form (edf.Mount: "SRC:DST:FLAGS")
         return tp.from_config_value(value, where)
     if dataclasses.is_dataclass(tp):

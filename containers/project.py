@@ -84,10 +84,8 @@ class Project:
         path = state / "project"
         try:
             data = json.loads(path.read_text())
-        except FileNotFoundError:
-            data = None
         except (OSError, ValueError):
-            data = None  # damaged: a new id (the images labelled with the old one stay, another project's)
+            data = None  # none, or damaged: a new id (the images labelled with the old one stay, another project's)
         if isinstance(data, dict) and isinstance(data.get("id"), str) and _ID.fullmatch(data["id"]):
             made_at = Path(str(data.get("root", "")))
             if made_at == root:

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from common.baseline import BASELINE, command, label
 from common.errors import ConfigError, bounded_path, human
+from common.fs import file_kind
 from common.secrets import file_findings, policy_fingerprint, secret_file
 from containers.tools import git
 
@@ -39,8 +40,6 @@ SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
 # Hidden entries that only a home directory holds: where they are, the folder is no project's.
 CREDENTIAL_ENTRIES = {".ssh", ".aws", ".gnupg", ".kube", ".docker", ".azure", ".netrc", ".git-credentials",
                       ".pgpass", ".pypirc", ".npmrc", ".vault-token", ".boto", ".s3cfg"}
-_KINDS = {stat.S_IFIFO: "a FIFO (a named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,10 @@ def _git_list(folder: Path, *, others: bool) -> Optional[list[str]]:
 def _walked(folder: Path, field_name: str) -> list[str]:
     """Every file and link under `folder` outside git, hidden ones, caches and leftovers aside; a
     ConfigError where the folder is no project's (a home directory, credentials, too many files)."""
-    home = _home()
+    try:
+        home: Optional[Path] = Path.home().resolve()
+    except (RuntimeError, KeyError, OSError):
+        home = None
     if home is not None and (folder == home or folder in home.parents):
         _not_a_project(folder, field_name, "is your home directory (or one above it)")
     names: list[str] = []
@@ -125,13 +127,6 @@ def _walked(folder: Path, field_name: str) -> list[str]:
         if len(names) > MAX_LOOSE_FILES:
             _not_a_project(folder, field_name, f"holds more than {MAX_LOOSE_FILES} files outside git")
     return names
-
-
-def _home() -> Optional[Path]:
-    try:
-        return Path.home().resolve()
-    except (RuntimeError, KeyError, OSError):
-        return None
 
 
 def _not_a_project(folder: Path, field_name: str, why: str) -> None:
@@ -213,7 +208,7 @@ def _entry(folder: Folder, rel: str, folders: Sequence[Folder], *, in_git: bool,
                                       f"update --init {shown}`), or make its files the project's (`git rm --cached "
                                       f"{shown}`, then add them)")
     if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(field_name, f"{bounded_path(shown)} is {_KINDS.get(stat.S_IFMT(st.st_mode), 'not a file')}"
+        raise ConfigError(field_name, f"{bounded_path(shown)} is {file_kind(st.st_mode)}"
                                       f", not a file, and a code snapshot or image copies files: "
                                       f"{_remedy(in_git, shown)}, or put the file back")
     return SourceFile(dest, path)
