@@ -374,19 +374,6 @@ def _check_image(image: str, where: str) -> None:
                                  "[USER@][REGISTRY#]IMAGE[:TAG] or REGISTRY/IMAGE[:TAG]")
 
 
-def registry_image(image: str) -> str:
-    """A registry reference in enroot's `[USER@][REGISTRY#]IMAGE[:TAG]` form: enroot (so pyxis) reads
-    `nvcr.io/nvidia/pytorch:25.11-py3`, as CSCS's docs write it, as an image on Docker Hub, so the
-    registry host (a first component with a '.' or ':', or `localhost`) is set off with '#'."""
-    user, at, head = image.rpartition("@")
-    if "#" in head or "/" not in head:
-        return image
-    first, rest = head.split("/", 1)
-    if "." in first or ":" in first or first == "localhost":
-        return f"{user}{at}{first}#{rest}"
-    return image
-
-
 def _check_base_entry(base: str, where: str) -> None:
     if not base:
         raise ConfigError(where, "is empty: give an EDF name from EDF_PATH or a path to a .toml file")

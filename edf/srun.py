@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from edf.environment import (EXPANSION, SQSH, Environment, Expansion, is_local_image, references, registry_image,
-                             split_expansions)
+from edf.environment import EXPANSION, SQSH, Environment, Expansion, is_local_image, references, split_expansions
 from edf.files import expand_host, resolve_base
 from common.errors import ConfigError, shown
 
@@ -86,15 +85,21 @@ def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> SrunFlags
 
 
 def pyxis_image(image: str) -> str:
-    """The image as pyxis reads it: a registry reference's host separated with '#' (see
-    `registry_image`), applied to the literal reference only. A squashfs path, and an image
-    whose registry part comes from a `${VAR}` (`${IMG:-/capstor/x.sqsh}`), stay as written."""
-    if is_local_image(image):
-        return image
+    """The image as pyxis reads it: a registry reference in enroot's `[USER@][REGISTRY#]IMAGE[:TAG]`
+    form. enroot (so pyxis) reads `nvcr.io/nvidia/pytorch:25.11-py3`, as CSCS's docs write it, as an
+    image on Docker Hub, so the registry host (a first component with a '.' or ':', or `localhost`)
+    is set off with '#'. A squashfs path, and an image whose registry part comes from a `${VAR}`
+    (`${IMG:-/capstor/x.sqsh}`), stay as written."""
     expansion, slash = image.find("${"), image.find("/")
-    if expansion != -1 and (slash == -1 or expansion < slash):
+    if is_local_image(image) or expansion != -1 and (slash == -1 or expansion < slash):
         return image
-    return registry_image(image)
+    user, at, head = image.rpartition("@")
+    if "#" in head or "/" not in head:
+        return image
+    first, rest = head.split("/", 1)
+    if "." in first or ":" in first or first == "localhost":
+        return f"{user}{at}{first}#{rest}"
+    return image
 
 
 def _mount(env: Environment, i: int) -> str:
