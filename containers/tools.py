@@ -31,12 +31,10 @@ class ToolError(RuntimeError):
     """An external tool is missing or failed; the message says what to do next."""
 
 
-def _capture(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run a short command; return (exit code, stdout+stderr)."""
-    cmd = local[argv[0]][argv[1:]]
-    proc = cmd.popen(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    out, _ = proc.communicate()
-    return proc.returncode, out.decode(errors="replace")
+def _capture(argv: list[str]) -> tuple[int, str]:
+    """Run a short command; return (exit code, its non-empty output lines, stdout and stderr)."""
+    lines: list[str] = []
+    return stream(argv, lines.append), "\n".join(lines)
 
 
 def stream(argv: list[str], on_line: Callable[[str], None], *, env: dict[str, str] | None = None,
@@ -58,7 +56,7 @@ def stream(argv: list[str], on_line: Callable[[str], None], *, env: dict[str, st
                     last = time.monotonic()
                     quiet[1](last - start)
                     continue
-            chunk = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096)
+            chunk = proc.stdout.read1(65536)
             if not chunk:
                 break
             last = time.monotonic()
