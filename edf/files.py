@@ -19,7 +19,7 @@ import tomli_w
 from edf.environment import SAFE_NAME, Environment, Expansion, Mount, is_local_image, split_expansions
 from common.errors import UNPRINTABLE, ConfigError, bounded, bounded_path, shown, warn
 from common.secrets import file_findings, flag_variable
-from common.yaml import MAX_DEPTH, MAX_TEXT, read_text_bounded
+from common.yaml import MAX_DEPTH, read_text_bounded
 from common.fs import write_atomic
 
 TOP_KEYS = ("base_environment", "image", "workdir", "entrypoint", "writable", "mounts", "env", "annotations")
@@ -88,11 +88,8 @@ def _read(path: Path, missing: str) -> str:
 
 
 def load_toml(text: str, where: str) -> dict[str, Any]:
-    """An EDF's TOML table, refused when larger or deeper than any EDF (an EDF is a few flat
-    keys and one level of tables; annotations nest a few levels)."""
-    if len(text) > MAX_TEXT:
-        raise ConfigError(where, f"{len(text)} characters: larger than any EDF ({MAX_TEXT} at most); check that "
-                                 "this is the file you meant")
+    """An EDF's TOML table, refused when deeper than any EDF (an EDF is a few flat keys and one level
+    of tables; annotations nest a few levels). Its size was bounded as its file was read."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
