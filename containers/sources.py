@@ -14,6 +14,7 @@ common/baseline.py; a content found clean is not scanned again: `CleanFiles`), t
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import re
@@ -217,14 +218,8 @@ def _entry(folder: Folder, rel: str, folders: Sequence[Folder], *, in_git: bool,
 def _check_links(files: Sequence[SourceFile], field_name: str, in_git_of: dict[str, bool]) -> None:
     """A file with more names (hard links) than are copied: its other names lie outside what is
     copied, and its content is whatever file they name (a token in $HOME under an innocent name)."""
-    names: dict[tuple[int, int], int] = {}
-    stats = {}
-    for f in files:
-        if f.link is None:
-            st = f.src.lstat()
-            stats[f.dest] = st
-            key = (st.st_dev, st.st_ino)
-            names[key] = names.get(key, 0) + 1
+    stats = {f.dest: f.src.lstat() for f in files if f.link is None}
+    names = collections.Counter((st.st_dev, st.st_ino) for st in stats.values())
     for f in files:
         st = stats.get(f.dest)
         if st is not None and st.st_nlink > names[(st.st_dev, st.st_ino)]:

@@ -19,6 +19,7 @@ from common.schema import FREE_TEXT
 from common.secrets import PASSTHROUGH, REFERENCE, refusal
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # names are matched whole (fullmatch)
+NOT_A_NAME = "is not a valid environment variable name (letters, digits, _; not starting with a digit)"
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 ANNOTATION_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}")
@@ -301,8 +302,7 @@ class Environment:
         seen: set[str] = set()
         for i, name in enumerate(self.env_from_host):
             if not ENV_NAME.fullmatch(name):
-                raise ConfigError(f"{where}[{i}]", "is not a valid environment variable name (letters, digits, _; "
-                                                   "not starting with a digit)")
+                raise ConfigError(f"{where}[{i}]", NOT_A_NAME)
             if name in seen:
                 raise ConfigError(f"{where}[{i}]", f"{name} is listed twice: list it once")
             if name in self.env:
@@ -325,8 +325,7 @@ class Environment:
     def _check_env_entry(self, key: str) -> None:
         value, where = self.env[key], f"{self.origin}env.{key}"
         if not ENV_NAME.fullmatch(key):
-            raise ConfigError(where, "is not a valid environment variable name (letters, digits, _; "
-                                     "not starting with a digit)")
+            raise ConfigError(where, NOT_A_NAME)
         if "\0" in value:
             raise ConfigError(where, f"value {shown(value, where)} contains a NUL byte, which no environment can hold")
         for ref in references(value, where):
