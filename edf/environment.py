@@ -117,9 +117,6 @@ class Mount:
     dst: str
     flags: tuple[str, ...] = ()
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "flags", tuple(self.flags))
-
     @classmethod
     def parse(cls, text: str, where: str = "mounts") -> "Mount":
         if not isinstance(text, str):
@@ -231,10 +228,6 @@ class Environment:
     source: Optional[Path] = field(default=None, compare=False, repr=False, metadata=NOT_CONFIG)
     # Its strings are EDF text: `$$` is a literal `$` (the schema engine's secret check reads them so).
     EDF_TEXT = True
-
-    def __post_init__(self) -> None:
-        self.mounts = [Mount.parse(m, f"{self.origin}mounts[{i}]") if isinstance(m, str) else m
-                       for i, m in enumerate(self.mounts)]
 
     @property
     def in_container(self) -> bool:

@@ -155,7 +155,7 @@ def test_mount_forms():
     assert Mount.parse("${A:-/x}:/b") == Mount("${A:-/x}", "/b")
     assert Mount.parse("/a:/a:ro").spec() == "/a:/a:ro"
     assert Mount("/a", "/a").spec() == "/a:/a"  # the documented SRC:DST form is what is written
-    assert Environment(mounts=["/a:/b:ro"]).mounts == [Mount("/a", "/b", ("ro",))]
+    assert container(mounts=["/a:/b:ro"]).mounts == [Mount("/a", "/b", ("ro",))]
 
 
 def container(**values) -> Environment:
