@@ -166,7 +166,7 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
     return env, problems
 
 
-def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *,
+def check_edf(source: Union[str, os.PathLike], *,
               notes: Optional[list[str]] = None) -> tuple[Optional[Environment], list[ConfigError]]:
     """A hand-written EDF read and checked whole (`slipway edf --check FILE`): (its model, or None if
     unreadable; every problem in it and in the base environments it names). With `notes` (a list to
@@ -186,7 +186,7 @@ def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *
     resolved = env
     if not problems and env.base_environment:
         try:
-            resolved = resolve_base(env, edf_path)
+            resolved = resolve_base(env)
         except ConfigError as exc:
             problems.append(exc)
     if notes is not None and not problems:
@@ -208,15 +208,14 @@ def secret_lines(text: str, where: str) -> list[str]:
     return list(out.values())
 
 
-def missing_host_paths(env: Environment, origin: str, notes: list[str],
-                       environ: Optional[dict[str, str]] = None) -> list[ConfigError]:
+def missing_host_paths(env: Environment, origin: str, notes: list[str]) -> list[ConfigError]:
     """The image file and mount sources of `env` that do not exist here (srun would fail on
     them); a path with an unset `${VAR}` (no default) cannot be judged here and is noted."""
     problems: list[ConfigError] = []
     paths = [(f"{origin}image", "image file", env.image)] if env.image and is_local_image(env.image) else []
     paths += [(f"{origin}mounts[{i}]", "mount source", m.src) for i, m in enumerate(env.mounts)]
     for where, what, value in paths:
-        host = _expanded_here(value, where, environ)
+        host = _expanded_here(value, where)
         if isinstance(host, Expansion):
             notes.append(f"{where}: cannot judge {what} {bounded_path(value)!r} from here: ${{{host.name}}} is not set "
                          "in this shell (export it to check the path)")
@@ -234,16 +233,15 @@ def missing_host_paths(env: Environment, origin: str, notes: list[str],
     return problems
 
 
-def _expanded_here(value: str, where: str, environ: Optional[dict[str, str]]) -> Union[str, Expansion]:
+def _expanded_here(value: str, where: str) -> Union[str, Expansion]:
     """`value` with `${VAR}` from this environment (a default where VAR is unset), or the first
     expansion it cannot resolve."""
-    environ = os.environ if environ is None else environ
     out = []
     for piece in split_expansions(value, where):
         if not isinstance(piece, Expansion):
             out.append(piece)
-        elif piece.name in environ:
-            out.append(environ[piece.name])
+        elif piece.name in os.environ:
+            out.append(os.environ[piece.name])
         elif ":-" in piece.text:
             out.append(piece.text[len(piece.name) + 4: -1])
         else:
@@ -282,9 +280,9 @@ def edf_search_path(edf_path: Optional[str] = None) -> list[Path]:
     return dirs or [Path.home() / ".edf"]
 
 
-def expand_host(value: str, where: str, environ: Optional[dict[str, str]] = None) -> str:
+def expand_host(value: str, where: str) -> str:
     """`value` with `${VAR}` taken from the host environment, as the Container Engine does."""
-    expanded = _expanded_here(value, where, environ)
+    expanded = _expanded_here(value, where)
     if isinstance(expanded, Expansion):
         raise ConfigError(where, f"${{{expanded.name}}} is not set in this environment: export it, or write "
                                  f"${{{expanded.name}:-}} for an empty default")

@@ -31,12 +31,11 @@ class SrunFlags:
     exports: list[tuple[str, str]] = field(default_factory=list)  # (NAME, value) set for the srun alone
     warnings: list[str] = field(default_factory=list)  # what the runtime cannot do as the EDF would
 
-    def expanded(self, environ: Optional[dict[str, str]] = None) -> tuple[list[str], dict[str, str]]:
-        """(args, exports) with `${VAR}` taken from `environ` (default: this process's), for an
-        srun started without a shell (`slipway shell`); an unset variable is a one-line error."""
-        args = [expand_host(a, "container", environ) for a in self.args]
-        exports = {name: expand_host(value, f"container.env.{name}", environ) for name, value in self.exports}
-        return args, exports
+    def expanded(self) -> tuple[list[str], dict[str, str]]:
+        """(args, exports) with `${VAR}` taken from this process's environment, for an srun started
+        without a shell (`slipway shell`); an unset variable is a one-line error."""
+        args = [expand_host(a, "container") for a in self.args]
+        return args, {name: expand_host(value, f"container.env.{name}") for name, value in self.exports}
 
 
 def srun_flags(env: Environment, edf_file: Optional[Path] = None, edf_path: Optional[str] = None) -> SrunFlags:
