@@ -92,11 +92,11 @@ def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, prin
         return [], [f"could not look for enroot's leftover podman container: {exc}"]
     removed, warnings = [], []
     for c in leftovers:
-        outcome = podman.remove_container(c.id)
-        if outcome:
+        failed = podman.remove_container(c.id)
+        if failed is None:
             removed.append(c.name)
         else:
-            warnings.append(f"could not remove enroot's leftover podman container {c.name} ({outcome.why}): it keeps "
+            warnings.append(f"could not remove enroot's leftover podman container {c.name} ({failed}): it keeps "
                             f"{plan.tag} in use; `slipway image prune` retries")
     for warning in warnings:  # on one line, its suggestion as this shell runs slipway: pasted whole
         console.print(f"[yellow]warning:[/] {escape(as_typed(warning))}", highlight=False, soft_wrap=True)

@@ -232,20 +232,20 @@ def _prune_tag(podman: Podman, project: Project, tag: str, leftovers: list[Conta
             what = f"podman container {c.name} (left by enroot import of {tag})"
             if c.state in ("running", "paused"):
                 result.fail(f"{what}: it is {c.state}; `podman rm -f {c.name}` if nothing uses it")
-            elif result.dry_run or (outcome := podman.remove_container(c.id)):
+            elif result.dry_run or (failed := podman.remove_container(c.id)) is None:
                 result.containers.append(c.name)
                 result.done(what)
             else:
-                result.fail(f"{what}: podman rm {outcome.why}")
+                result.fail(f"{what}: podman rm {failed}")
         if keep_tags is None:
             return
         if tag in keep_tags:
             result.kept_tags[tag] = keep_tags[tag]
             result.say(f"kept podman tag {tag}: {keep_tags[tag]}")
-        elif result.dry_run or (outcome := podman.untag(tag)):
+        elif result.dry_run or (failed := podman.untag(tag)) is None:
             result.tags.append(tag)
             result.done(f"podman tag {tag}")
             if not result.dry_run:
                 project.forget(tag)
         else:
-            result.fail(f"podman tag {tag}: podman rmi {outcome.why}")
+            result.fail(f"podman tag {tag}: podman rmi {failed}")

@@ -155,34 +155,24 @@ class Podman:
                     found[name] = {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
         return dict(sorted(found.items()))
 
-    def untag(self, tag: str) -> "Outcome":
-        """Remove one tag (the layers go when no other tag uses them). Fails while a
-        container (running or not) uses the image."""
-        return Outcome.of(*_capture([self.exe, "rmi", tag]))
+    def untag(self, tag: str) -> Optional[str]:
+        """Remove one tag (the layers go when no other tag uses them); why it failed, None when
+        done. Fails while a container (running or not) uses the image."""
+        return _failure(*_capture([self.exe, "rmi", tag]))
 
     def containers(self, name_regex: str) -> list["Container"]:
         """All containers (any state) whose name matches `name_regex` (podman's own filter)."""
         return [Container.from_ps(row) for row in self._rows("ps", "--all", "--format", "json", "--filter",
                                                               f"name={name_regex}")]
 
-    def remove_container(self, ident: str) -> "Outcome":
-        """`podman rm -v` (anonymous volumes too), never --force: a running container stays."""
-        return Outcome.of(*_capture([self.exe, "rm", "-v", ident]))
+    def remove_container(self, ident: str) -> Optional[str]:
+        """`podman rm -v` (anonymous volumes too), never --force: a running container stays; why it
+        failed, None when done."""
+        return _failure(*_capture([self.exe, "rm", "-v", ident]))
 
 
-@dataclass
-class Outcome:
-    """Whether a command did what was asked; `why` is its last output line when not."""
-
-    ok: bool
-    why: str = ""
-
-    @classmethod
-    def of(cls, rc: int, out: str) -> "Outcome":
-        return cls(True) if rc == 0 else cls(False, f"exit {rc}: {failure_line(out)}")
-
-    def __bool__(self) -> bool:
-        return self.ok
+def _failure(rc: int, out: str) -> Optional[str]:
+    return None if rc == 0 else f"exit {rc}: {failure_line(out)}"
 
 
 @dataclass(frozen=True)
