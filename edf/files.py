@@ -267,10 +267,8 @@ def _flatten(table: dict[str, Any], where: str, prefix: str, out: dict[str, str]
 def edf_search_path(edf_path: Optional[str] = None) -> list[Path]:
     """The EDF search directories: `edf_path` or $EDF_PATH (colon-separated), default ~/.edf."""
     value = os.environ.get("EDF_PATH") if edf_path is None else str(edf_path)
-    if not value:
-        return [Path.home() / ".edf"]
     dirs = []
-    for entry in value.split(":"):
+    for entry in (value or "").split(":"):
         if not entry:
             continue
         if not os.path.isabs(entry):
@@ -351,14 +349,11 @@ def _merge(base: Environment, child: Environment) -> Environment:
         child,
         image=child.image or base.image,
         mounts=base.mounts + [m for m in child.mounts if m not in base.mounts],
-        workdir=pick("workdir"),
-        writable=pick("writable"),
         env=env,
         env_from_host=from_host,
         annotations={**base.annotations, **child.annotations},
-        entrypoint=pick("entrypoint"),
         base_environment=[],
-        mount_home=pick("mount_home"),
+        **{name: pick(name) for name in ("workdir", "writable", "entrypoint", "mount_home")},
     )
 
 
