@@ -8,6 +8,7 @@ policy (common/secrets.py) judges every field as it is read, by what the field h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -163,11 +164,9 @@ def _convert(tp: Any, value: Any, where: str, policy: str = IDENTIFIER, edf: boo
         return _union(tp, value, where, policy, edf, free)
     if origin is Literal:
         for arg in get_args(tp):
-            try:
+            with contextlib.suppress(ConfigError):
                 if _scalar(type(arg), value, where) == arg:
                     return arg
-            except ConfigError:
-                pass
         raise ConfigError(where, f"must be one of {', '.join(repr(a) for a in get_args(tp))}, got {shown(value, where)}")
     if origin is list:
         (item_tp,) = get_args(tp)

@@ -156,12 +156,10 @@ def _lock(path: Path, how: int) -> int:
             if exc.errno in _NO_FLOCK:
                 raise _NoFlock(exc.errno, exc.strerror) from None
             raise
-        try:
+        with contextlib.suppress(FileNotFoundError):
             here, there = os.fstat(fd), os.stat(path)
             if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
                 return fd
-        except FileNotFoundError:
-            pass
         os.close(fd)  # removed (`forget`) while we waited: lock the file now at that path
 
 

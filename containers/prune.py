@@ -7,6 +7,7 @@ said with why; what cannot be removed is reported, one line each, and makes it e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -132,11 +133,9 @@ def prune_images(cfg: ImageConfig, keep: int = 1, *, pinned: dict[Path, list[str
         # A kept squashfs keeps its tag (a pinned run's image can be imported again from it), and
         # so does what this config builds now.
         keep_tags = {owners[p][0]: f"the tag of {p.name}, kept" for p in result.kept if owners[p][0]}
-        try:
+        with contextlib.suppress(ConfigError, ToolError):
             keep_tags.setdefault(image_plan(cfg, root=root, enroot_mount=False, git=False).tag,
                                  "what this config builds now")
-        except (ConfigError, ToolError):
-            pass
         _prune_podman(Podman.find(), name, project, keep_tags, result)
     if not (result.removed or result.containers or result.tags or result.failed):
         result.say(f"nothing to prune: {len(result.kept)} image(s) kept in {out}")

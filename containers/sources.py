@@ -15,6 +15,7 @@ common/baseline.py; a content found clean is not scanned again: `CleanFiles`), t
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
 import re
@@ -271,7 +272,7 @@ class CleanFiles:
     _LINE = re.compile(r"[0-9a-f]{64}")
     MAX_BYTES = 8 << 20  # past it the record starts afresh
 
-    def __init__(self, path: Optional[Path], known: set[str]):
+    def __init__(self, path: Path, known: set[str]):
         self.path, self._known, self._new = path, known, []
 
     @classmethod
@@ -293,17 +294,15 @@ class CleanFiles:
         self._new.append(digest)
 
     def save(self) -> None:
-        if not self._new or self.path is None:
+        if not self._new:
             return
-        try:
+        with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             big = self.path.exists() and self.path.stat().st_size > self.MAX_BYTES
             # One write of whole lines, appended: two launches adding at once lose nothing.
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if big else os.O_APPEND), 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write("".join(f"{d}\n" for d in self._new).encode())
-        except OSError:
-            pass
         self._new = []
 
 
