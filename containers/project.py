@@ -102,12 +102,10 @@ class Project:
     def lock_path(self, tag: str) -> Path:
         return self.state / "locks" / (re.sub(r"[^A-Za-z0-9_.-]", "_", tag.rsplit("/", 1)[-1]) + ".lock")
 
-    @contextlib.contextmanager
-    def building(self, tag: str) -> Iterator[bool]:
-        """Hold `tag`'s lock (shared: two builds of one tag may run) for the block; yields False
+    def building(self, tag: str) -> contextlib.AbstractContextManager[Optional[bool]]:
+        """Hold `tag`'s lock (shared: two builds of one tag may run) for the block; yields None
         where the filesystem has no flock (nothing then tells prune that this build runs)."""
-        with self._held(tag, fcntl.LOCK_SH) as held:
-            yield held is not None
+        return self._held(tag, fcntl.LOCK_SH)
 
     def idle(self, tag: str) -> contextlib.AbstractContextManager[Optional[bool]]:
         """Whether no build or import of `tag` runs (True), one does (False), or it cannot be told
