@@ -118,10 +118,8 @@ def _build_args(cfg: ImageConfig, root: Path, wheel_digest: str, git: bool) -> d
 
 def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = False, do_import: bool = True,
                enroot_mount: bool | None = None, git: bool = True) -> ImagePlan:
-    """Hash, tag, paths and the exact podman / enroot / srun command lines.
-
-    `enroot_mount`: whether to pass `-x mount`; None asks the installed enroot.
-    """
+    """Hash, tag, paths and the exact podman and enroot command lines; `enroot_mount`: whether to
+    pass `-x mount` (None asks the installed enroot)."""
     image = cfg.image
     root = (root or project_root()).resolve()
     dockerfile = resolve_path(root, image.dockerfile)

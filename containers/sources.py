@@ -337,8 +337,7 @@ def _check_size(found: Sources, field_name: str, max_bytes: int, max_files: int)
 
 
 def copy_into(files: Sequence["SourceFile"], dest: Path, *, file_mode: int, exec_mode: int, dir_mode: int) -> None:
-    """Lay `files` (SourceFile or ContextFile: `dest`, `src`, `link`) out under `dest`, links as
-    links, with the given modes."""
+    """Lay `files` out under `dest`, links as links, with the given modes."""
     for f in files:
         target = dest / f.dest
         target.parent.mkdir(parents=True, exist_ok=True)
