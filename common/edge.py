@@ -86,9 +86,7 @@ def _run(work: Callable[[], int], prog: str, handled: Optional[Callable[[BaseExc
             raise
         sys.stdout.flush()  # here, not at exit: a full disk or a closed pipe is then told like any error
         return status
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # not KeyboardInterrupt: Ctrl-C keeps its traceback and exit code
         if isinstance(exc, OutputError):
             _silence(sys.stdout)
             if not silent:

@@ -8,6 +8,7 @@ left over from another allocation, a user's export, a wrapper script.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -136,11 +137,9 @@ def invocation() -> str:
     `.venv/bin/slipway`, not on PATH); else `python -m jobs` with this interpreter."""
     script = Path(sys.executable).parent / "slipway"
     found = shutil.which("slipway")
-    try:
+    with contextlib.suppress(OSError):
         if found and (not script.exists() or os.path.samefile(found, script)):
             return "slipway"
-    except OSError:
-        pass
     if not script.exists():
         return f"{shlex.quote(sys.executable)} -m jobs"
     relative = os.path.relpath(script)

@@ -153,7 +153,7 @@ def read_events(run_dir: str | os.PathLike) -> list[Event]:
 
 
 def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,
-                 when: Optional[datetime | str] = None) -> Event:
+                 when: Optional[datetime | str] = None) -> None:
     """Append one event to RUN/events.log: one write(2) of one whole line under O_APPEND, so
     concurrent writers (the batch script, several ranks, the host) never interleave inside a line."""
     line = format_event(job, text, when)
@@ -165,6 +165,3 @@ def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,
             written += os.write(fd, data[written:])
     finally:
         os.close(fd)
-    stamp, _, rest = line.rstrip("\n").partition(" job ")
-    job_word, _, said = rest.partition(" ")
-    return Event(stamp, job_word, said)

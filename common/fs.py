@@ -10,6 +10,7 @@ reads at most a bounded part of it (`regular_fd`, `open_regular`, `read_file`, `
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -51,16 +52,12 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, 
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename or a new entry in directory `path` durable; a network filesystem that refuses
     fsync on a directory is no error (the rename is atomic all the same)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def pid_alive(pid: int) -> bool:

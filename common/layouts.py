@@ -250,10 +250,3 @@ def checkpoint_bytes(num_params: int) -> int:
     AdamW's two moments, about 12 bytes a parameter."""
     return 12 * num_params
 
-
-def size(n: float) -> str:
-    """Bytes for a person: 812.0 MiB, 3.4 GiB, 1.2 TiB."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n / 2**20:.2f} MiB"

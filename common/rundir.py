@@ -143,12 +143,9 @@ class CodeSnapshot:
 def check_code(package_file: str, environ: Optional[dict] = None) -> Optional[str]:
     """Where the running `trainer` package comes from, against the snapshot the launch named
     ($SLIPWAY_CODE): None when it is the snapshot's (or none was named), else why not, in one line."""
-    environ = os.environ if environ is None else environ
-    code = environ.get(CODE_ENV)
-    if not code:
-        return None
+    code = (os.environ if environ is None else environ).get(CODE_ENV)
     here = Path(package_file).resolve().parent
-    if Path(code).resolve() / "trainer" == here:
+    if not code or Path(code).resolve() / "trainer" == here:
         return None
     return (f"this process runs the trainer from {here}, not the run's code snapshot {code}/trainer "
             f"({CODE_ENV}): something ahead of PYTHONPATH shadows it (a `trainer` in the working directory "

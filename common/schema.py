@@ -8,6 +8,7 @@ policy (common/secrets.py) judges every field as it is read, by what the field h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -163,11 +164,9 @@ def _convert(tp: Any, value: Any, where: str, policy: str = IDENTIFIER, edf: boo
         return _union(tp, value, where, policy, edf, free)
     if origin is Literal:
         for arg in get_args(tp):
-            try:
+            with contextlib.suppress(ConfigError):
                 if _scalar(type(arg), value, where) == arg:
                     return arg
-            except ConfigError:
-                pass
         raise ConfigError(where, f"must be one of {', '.join(repr(a) for a in get_args(tp))}, got {shown(value, where)}")
     if origin is list:
         (item_tp,) = get_args(tp)
@@ -183,12 +182,8 @@ def _convert(tp: Any, value: Any, where: str, policy: str = IDENTIFIER, edf: boo
         _, val_tp = get_args(tp)
         if not isinstance(value, dict):
             raise ConfigError(where, f"expected a mapping, got {shown(value, where)}")
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ConfigError(where, f"keys must be strings, got {shown(k, where)}")
-            out[str(k)] = _convert(val_tp, v, f"{where}.{k}", policy, edf, key=k, free=free)
-        return out
+        # Keys are strings: YAML's reader refuses any other, and JSON has none.
+        return {str(k): _convert(val_tp, v, f"{where}.{k}", policy, edf, key=k, free=free) for k, v in value.items()}
     if hasattr(tp, "from_config_value"):  # a class with its own text form (edf.Mount: "SRC:DST:FLAGS")
         return tp.from_config_value(value, where)
     if dataclasses.is_dataclass(tp):
@@ -207,13 +202,8 @@ def config_fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if f.init and f.metadata.get("config", True)}
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:  # typing.get_type_hints is slow, and a listing reads ten thousand records
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+# typing.get_type_hints is slow, and a listing reads ten thousand records: once a class.
+_hints = functools.cache(typing.get_type_hints)
 
 
 def unknown_key(key: str, keys: list[str], where: str, what: str) -> ConfigError:

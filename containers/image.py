@@ -41,7 +41,7 @@ from containers.plan import ImagePlan
 from containers.project import Project
 from containers.record import BuildRecord, ImageNeeds, ImageSection
 from containers.storage import check_storage_conf
-from containers.tools import Enroot, Podman, ToolError, git_commit
+from containers.tools import Enroot, Podman, ToolError, git_state, stream
 from common.errors import ConfigError, human
 from common.fs import write_atomic
 
@@ -110,16 +110,16 @@ def _build_args(cfg: ImageConfig, root: Path, wheel_digest: str, git: bool) -> d
         user_args["EXTRAS"] = " ".join(dict.fromkeys(user_args["EXTRAS"].replace(",", " ").split()
                                                      + build_args.get("EXTRAS", "").split()))
     build_args.update(user_args)
-    build_args["GIT_COMMIT"] = user_args.get("GIT_COMMIT") or (git_commit(root) if git else "unknown")
+    if not user_args.get("GIT_COMMIT"):  # HEAD's commit, -dirty where tracked files differ
+        state = git_state(root) if git else {"commit": None}
+        build_args["GIT_COMMIT"] = state["commit"] + ("-dirty" if state["dirty"] else "") if state["commit"] else "unknown"
     return build_args
 
 
 def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = False, do_import: bool = True,
                enroot_mount: bool | None = None, git: bool = True) -> ImagePlan:
-    """Hash, tag, paths and the exact podman / enroot / srun command lines.
-
-    `enroot_mount`: whether to pass `-x mount`; None asks the installed enroot.
-    """
+    """Hash, tag, paths and the exact podman and enroot command lines; `enroot_mount`: whether to
+    pass `-x mount` (None asks the installed enroot)."""
     image = cfg.image
     root = (root or project_root()).resolve()
     dockerfile = resolve_path(root, image.dockerfile)
@@ -259,7 +259,7 @@ def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
                         console.print(f"    {escape(line)}", no_wrap=True, overflow="ellipsis", highlight=False)
                 status.update(f"podman build: {escape(line[:100])}")
 
-            rc = podman.build(plan.podman_argv, on_line)
+            rc = stream([podman.exe, *plan.podman_argv[1:]], on_line)
             flush()
     finally:
         shutil.rmtree(plan.context_dir, ignore_errors=True)

@@ -23,7 +23,7 @@ from common.environ import as_typed
 from common.errors import human
 from common.fs import pid_alive
 from containers.plan import ImagePlan
-from containers.tools import Enroot, Podman, ToolError, squashfs_ok
+from containers.tools import Enroot, Podman, ToolError, squashfs_ok, stream
 
 # enroot unpacks the image (its uncompressed size) before squashing it to about half.
 SQUASH_RATIO = 0.5
@@ -92,11 +92,11 @@ def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, prin
         return [], [f"could not look for enroot's leftover podman container: {exc}"]
     removed, warnings = [], []
     for c in leftovers:
-        outcome = podman.remove_container(c.id)
-        if outcome:
+        failed = podman.remove_container(c.id)
+        if failed is None:
             removed.append(c.name)
         else:
-            warnings.append(f"could not remove enroot's leftover podman container {c.name} ({outcome.why}): it keeps "
+            warnings.append(f"could not remove enroot's leftover podman container {c.name} ({failed}): it keeps "
                             f"{plan.tag} in use; `slipway image prune` retries")
     for warning in warnings:  # on one line, its suggestion as this shell runs slipway: pasted whole
         console.print(f"[yellow]warning:[/] {escape(as_typed(warning))}", highlight=False, soft_wrap=True)
@@ -135,7 +135,7 @@ def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Cons
                     printed.update(_CONTAINER_ID.findall(line))
                     status.update(f"enroot import: {escape(line[:100])}")
 
-                rc = enroot.import_(plan.enroot_argv, plan.enroot_env, on_line)
+                rc = stream([enroot.exe, *plan.enroot_argv[1:]], on_line, env=plan.enroot_env)
         finally:  # also after a failed or interrupted import: the container stays either way
             removed, warnings = _clean_import(plan, podman, before, printed, console)
             notes += [f"removed enroot's leftover podman container {name}" for name in removed] + warnings

@@ -16,10 +16,12 @@ one line with the way out, `--lift NAMES` (docs/image.md).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -65,15 +67,6 @@ def requirements(pyproject: dict, *, have_torch: bool, extras: tuple[str, ...] =
     return reqs
 
 
-def installed_version(dist: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _constraint_lines(constraint: str) -> Iterator[tuple[str, str, Optional[str]]]:
     """(file, line, the pin it holds or None) for each line of the files a PIP_CONSTRAINT value
     names (space-separated, as pip reads it). URLs and unreadable files are skipped."""
@@ -112,15 +105,10 @@ def lift_pins(constraint: str, names: set[str], out: Path) -> tuple[str, list[st
 def explain_conflict(output: str, pins: dict[str, tuple[str, str]], lifted: set[str]) -> str | None:
     """One line for pip's ResolutionImpossible when a base pin is a party to it; None otherwise."""
     lines = output.splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.strip().startswith("The conflict is caused by"))
-    except StopIteration:
+    start = next((i for i, line in enumerate(lines) if line.strip().startswith("The conflict is caused by")), None)
+    if start is None:
         return None
-    block = []
-    for line in lines[start + 1:]:
-        if not line.strip():
-            break
-        block.append(line)
+    block = list(itertools.takewhile(str.strip, lines[start + 1:]))
     for line in block:
         m = CONSTRAINED.match(line)
         if not m or requirement_name(m.group(1)) not in pins:
@@ -214,7 +202,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--install", action="store_true", help="then pip install them")
     args = parser.parse_args(argv)
     extras = EXTRAS + tuple(e for e in args.extras.replace(",", " ").split() if e not in EXTRAS)
-    torch_version = installed_version("torch")
+    try:
+        torch_version: Optional[str] = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
     try:
         reqs = requirements(toml_loads(args.pyproject.read_text()), have_torch=torch_version is not None,
                             extras=extras)

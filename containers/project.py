@@ -84,10 +84,8 @@ class Project:
         path = state / "project"
         try:
             data = json.loads(path.read_text())
-        except FileNotFoundError:
-            data = None
         except (OSError, ValueError):
-            data = None  # damaged: a new id (the images labelled with the old one stay, another project's)
+            data = None  # none, or damaged: a new id (the images labelled with the old one stay, another project's)
         if isinstance(data, dict) and isinstance(data.get("id"), str) and _ID.fullmatch(data["id"]):
             made_at = Path(str(data.get("root", "")))
             if made_at == root:
@@ -104,12 +102,10 @@ class Project:
     def lock_path(self, tag: str) -> Path:
         return self.state / "locks" / (re.sub(r"[^A-Za-z0-9_.-]", "_", tag.rsplit("/", 1)[-1]) + ".lock")
 
-    @contextlib.contextmanager
-    def building(self, tag: str) -> Iterator[bool]:
-        """Hold `tag`'s lock (shared: two builds of one tag may run) for the block; yields False
+    def building(self, tag: str) -> contextlib.AbstractContextManager[Optional[bool]]:
+        """Hold `tag`'s lock (shared: two builds of one tag may run) for the block; yields None
         where the filesystem has no flock (nothing then tells prune that this build runs)."""
-        with self._held(tag, fcntl.LOCK_SH) as held:
-            yield held is not None
+        return self._held(tag, fcntl.LOCK_SH)
 
     def idle(self, tag: str) -> contextlib.AbstractContextManager[Optional[bool]]:
         """Whether no build or import of `tag` runs (True), one does (False), or it cannot be told
@@ -158,12 +154,10 @@ def _lock(path: Path, how: int) -> int:
             if exc.errno in _NO_FLOCK:
                 raise _NoFlock(exc.errno, exc.strerror) from None
             raise
-        try:
+        with contextlib.suppress(FileNotFoundError):
             here, there = os.fstat(fd), os.stat(path)
             if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
                 return fd
-        except FileNotFoundError:
-            pass
         os.close(fd)  # removed (`forget`) while we waited: lock the file now at that path
 
 

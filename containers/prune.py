@@ -7,6 +7,7 @@ said with why; what cannot be removed is reported, one line each, and makes it e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -132,11 +133,9 @@ def prune_images(cfg: ImageConfig, keep: int = 1, *, pinned: dict[Path, list[str
         # A kept squashfs keeps its tag (a pinned run's image can be imported again from it), and
         # so does what this config builds now.
         keep_tags = {owners[p][0]: f"the tag of {p.name}, kept" for p in result.kept if owners[p][0]}
-        try:
+        with contextlib.suppress(ConfigError, ToolError):
             keep_tags.setdefault(image_plan(cfg, root=root, enroot_mount=False, git=False).tag,
                                  "what this config builds now")
-        except (ConfigError, ToolError):
-            pass
         _prune_podman(Podman.find(), name, project, keep_tags, result)
     if not (result.removed or result.containers or result.tags or result.failed):
         result.say(f"nothing to prune: {len(result.kept)} image(s) kept in {out}")
@@ -232,20 +231,20 @@ def _prune_tag(podman: Podman, project: Project, tag: str, leftovers: list[Conta
             what = f"podman container {c.name} (left by enroot import of {tag})"
             if c.state in ("running", "paused"):
                 result.fail(f"{what}: it is {c.state}; `podman rm -f {c.name}` if nothing uses it")
-            elif result.dry_run or (outcome := podman.remove_container(c.id)):
+            elif result.dry_run or (failed := podman.remove_container(c.id)) is None:
                 result.containers.append(c.name)
                 result.done(what)
             else:
-                result.fail(f"{what}: podman rm {outcome.why}")
+                result.fail(f"{what}: podman rm {failed}")
         if keep_tags is None:
             return
         if tag in keep_tags:
             result.kept_tags[tag] = keep_tags[tag]
             result.say(f"kept podman tag {tag}: {keep_tags[tag]}")
-        elif result.dry_run or (outcome := podman.untag(tag)):
+        elif result.dry_run or (failed := podman.untag(tag)) is None:
             result.tags.append(tag)
             result.done(f"podman tag {tag}")
             if not result.dry_run:
                 project.forget(tag)
         else:
-            result.fail(f"podman tag {tag}: podman rmi {outcome.why}")
+            result.fail(f"podman tag {tag}: podman rmi {failed}")

@@ -14,6 +14,8 @@ common/baseline.py; a content found clean is not scanned again: `CleanFiles`), t
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import os
 import re
@@ -23,12 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from plumbum import local
-from plumbum.commands.processes import ProcessExecutionError
-
 from common.baseline import BASELINE, command, label
 from common.errors import ConfigError, bounded_path, human
+from common.fs import file_kind
 from common.secrets import file_findings, policy_fingerprint, secret_file
+from containers.tools import git
 
 # What is copied is bounded: a data file or a checkpoint left in the code folders is not code.
 MAX_FILES = 5000
@@ -41,8 +42,6 @@ SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
 # Hidden entries that only a home directory holds: where they are, the folder is no project's.
 CREDENTIAL_ENTRIES = {".ssh", ".aws", ".gnupg", ".kube", ".docker", ".azure", ".netrc", ".git-credentials",
                       ".pgpass", ".pypirc", ".npmrc", ".vault-token", ".boto", ".s3cfg"}
-_KINDS = {stat.S_IFIFO: "a FIFO (a named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
 
 
 @dataclass(frozen=True)
@@ -85,29 +84,21 @@ class Folder:
     dest: str
 
 
-def _git_root(path: Path) -> Optional[Path]:
-    git = shutil.which("git")
-    if git is None:
-        return None
-    try:
-        top = local[git]("-C", str(path), "rev-parse", "--show-toplevel").strip()
-    except (ProcessExecutionError, OSError):
-        return None
-    return Path(top).resolve() if top else None
-
-
-def _git_list(root: Path, folder: Path, *, others: bool) -> list[str]:
+def _git_list(folder: Path, *, others: bool) -> Optional[list[str]]:
     """Paths (relative to `folder`) that git tracks under it (a checked-out submodule's too), or
-    with `others` the untracked, not ignored ones."""
+    with `others` the untracked, not ignored ones; None where git cannot tell."""
     which = ["--others", "--exclude-standard"] if others else ["--cached", "--recurse-submodules"]
-    out = local["git"]("-C", str(folder), "ls-files", "-z", *which, "--", ".")
-    return sorted({name for name in out.split("\0") if name})
+    out = git(folder, "ls-files", "-z", *which, "--", ".")
+    return None if out is None else sorted({name for name in out.split("\0") if name})
 
 
 def _walked(folder: Path, field_name: str) -> list[str]:
     """Every file and link under `folder` outside git, hidden ones, caches and leftovers aside; a
     ConfigError where the folder is no project's (a home directory, credentials, too many files)."""
-    home = _home()
+    try:
+        home: Optional[Path] = Path.home().resolve()
+    except (RuntimeError, KeyError, OSError):
+        home = None
     if home is not None and (folder == home or folder in home.parents):
         _not_a_project(folder, field_name, "is your home directory (or one above it)")
     names: list[str] = []
@@ -140,13 +131,6 @@ def _walked(folder: Path, field_name: str) -> list[str]:
     return names
 
 
-def _home() -> Optional[Path]:
-    try:
-        return Path.home().resolve()
-    except (RuntimeError, KeyError, OSError):
-        return None
-
-
 def _not_a_project(folder: Path, field_name: str, why: str) -> None:
     where = ("put the script in a folder of its own (or a git repository) and point train.script at it"
              if field_name == "train.script" else "put the code in a folder of its own or a git checkout")
@@ -173,17 +157,13 @@ def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_f
     in_git_of: dict[str, bool] = {}
     top_of: dict[str, Path] = {}  # where each file's project keeps its baseline
     for folder in folders:
-        root = _git_root(folder.src)
-        in_git = root is not None
-        if in_git:
-            try:
-                names = _git_list(root, folder.src, others=False)
-                untracked = _git_list(root, folder.src, others=True)
-            except (ProcessExecutionError, OSError):
-                in_git, names, untracked = False, [], []
-            # A folder of the checkout git knows nothing of (a scratch folder, an installed copy in
-            # an ignored .venv): nothing there is the project's by git, so it is walked as outside git.
-            in_git = in_git and bool(names)
+        top = (git(folder.src, "rev-parse", "--show-toplevel") or "").strip()
+        names = _git_list(folder.src, others=False) if top else None
+        # A folder of the checkout git knows nothing of (a scratch folder, an installed copy in an
+        # ignored .venv): nothing there is the project's by git, so it is walked as outside git.
+        untracked = _git_list(folder.src, others=True) if names else None
+        in_git = untracked is not None
+        root = Path(top).resolve() if in_git else folder.src
         if not in_git:
             names, untracked = _walked(folder.src, field_name), []
         out.untracked += [f"{folder.dest}/{n}" for n in untracked if not _skipped(n)]
@@ -193,7 +173,7 @@ def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_f
             entry = _entry(folder, rel, folders, in_git=in_git, field_name=field_name)
             if entry is not None:
                 out.files.append(entry)
-                in_git_of[entry.dest], top_of[entry.dest] = in_git, root if in_git else folder.src
+                in_git_of[entry.dest], top_of[entry.dest] = in_git, root
     out.files.sort(key=lambda f: f.dest)
     _check_size(out, field_name, max_bytes, max_files)
     _check_links(out.files, field_name, in_git_of)
@@ -230,7 +210,7 @@ def _entry(folder: Folder, rel: str, folders: Sequence[Folder], *, in_git: bool,
                                       f"update --init {shown}`), or make its files the project's (`git rm --cached "
                                       f"{shown}`, then add them)")
     if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(field_name, f"{bounded_path(shown)} is {_KINDS.get(stat.S_IFMT(st.st_mode), 'not a file')}"
+        raise ConfigError(field_name, f"{bounded_path(shown)} is {file_kind(st.st_mode)}"
                                       f", not a file, and a code snapshot or image copies files: "
                                       f"{_remedy(in_git, shown)}, or put the file back")
     return SourceFile(dest, path)
@@ -239,14 +219,8 @@ def _entry(folder: Folder, rel: str, folders: Sequence[Folder], *, in_git: bool,
 def _check_links(files: Sequence[SourceFile], field_name: str, in_git_of: dict[str, bool]) -> None:
     """A file with more names (hard links) than are copied: its other names lie outside what is
     copied, and its content is whatever file they name (a token in $HOME under an innocent name)."""
-    names: dict[tuple[int, int], int] = {}
-    stats = {}
-    for f in files:
-        if f.link is None:
-            st = f.src.lstat()
-            stats[f.dest] = st
-            key = (st.st_dev, st.st_ino)
-            names[key] = names.get(key, 0) + 1
+    stats = {f.dest: f.src.lstat() for f in files if f.link is None}
+    names = collections.Counter((st.st_dev, st.st_ino) for st in stats.values())
     for f in files:
         st = stats.get(f.dest)
         if st is not None and st.st_nlink > names[(st.st_dev, st.st_ino)]:
@@ -298,7 +272,7 @@ class CleanFiles:
     _LINE = re.compile(r"[0-9a-f]{64}")
     MAX_BYTES = 8 << 20  # past it the record starts afresh
 
-    def __init__(self, path: Optional[Path], known: set[str]):
+    def __init__(self, path: Path, known: set[str]):
         self.path, self._known, self._new = path, known, []
 
     @classmethod
@@ -320,17 +294,15 @@ class CleanFiles:
         self._new.append(digest)
 
     def save(self) -> None:
-        if not self._new or self.path is None:
+        if not self._new:
             return
-        try:
+        with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             big = self.path.exists() and self.path.stat().st_size > self.MAX_BYTES
             # One write of whole lines, appended: two launches adding at once lose nothing.
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if big else os.O_APPEND), 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write("".join(f"{d}\n" for d in self._new).encode())
-        except OSError:
-            pass
         self._new = []
 
 
@@ -365,8 +337,7 @@ def _check_size(found: Sources, field_name: str, max_bytes: int, max_files: int)
 
 
 def copy_into(files: Sequence["SourceFile"], dest: Path, *, file_mode: int, exec_mode: int, dir_mode: int) -> None:
-    """Lay `files` (SourceFile or ContextFile: `dest`, `src`, `link`) out under `dest`, links as
-    links, with the given modes."""
+    """Lay `files` out under `dest`, links as links, with the given modes."""
     for f in files:
         target = dest / f.dest
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -23,14 +23,11 @@ CSCS_STORAGE_CONF = ('[storage]\\n  driver = "overlay"\\n  runroot = "/dev/shm/$
 
 @dataclass
 class Check:
-    """One doctor line: `ok`, what was found, and the fix when not ok."""
+    """One finding (`slipway doctor`, the build's warnings): `ok`, what was found, and the fix when not ok."""
 
     ok: bool
     what: str
     fix: Optional[str] = None
-
-    def line(self) -> str:
-        return f"{'ok  ' if self.ok else 'FAIL'} {self.what}" + (f": {self.fix}" if self.fix else "")
 
 
 def storage_conf_path() -> tuple[Optional[Path], bool]:

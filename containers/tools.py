@@ -1,8 +1,8 @@
-"""One wrapper per external tool the image build drives: podman, enroot, git.
+"""One wrapper per external tool the image build and the code snapshot drive: podman, enroot, git.
 
 Every command line is built by a pure function (`*_argv`) that tests read, and run
 through plumbum where the tool exists. Tools are looked up on the PATH of
-`os.environ` at call time (not plumbum's snapshot of it), and children get a copy
+`os.environ` at call time (`shutil.which`, not plumbum's snapshot of it), and children get a copy
 of `os.environ`, so a test can put a stand-in first on PATH.
 """
 
@@ -12,15 +12,17 @@ import json
 import os
 import re
 import select
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from shutil import which
+from typing import Callable, Optional, Sequence
 
 from plumbum import local
 from plumbum.commands.processes import ProcessExecutionError
+
+from common.errors import failure_line
 
 PODMAN_URL = "https://podman.io/docs/installation"
 
@@ -29,16 +31,10 @@ class ToolError(RuntimeError):
     """An external tool is missing or failed; the message says what to do next."""
 
 
-def which(name: str) -> Optional[str]:
-    return shutil.which(name, path=os.environ.get("PATH"))
-
-
-def _capture(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run a short command; return (exit code, stdout+stderr)."""
-    cmd = local[argv[0]][argv[1:]]
-    proc = cmd.popen(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    out, _ = proc.communicate()
-    return proc.returncode, out.decode(errors="replace")
+def _capture(argv: list[str]) -> tuple[int, str]:
+    """Run a short command; return (exit code, its non-empty output lines, stdout and stderr)."""
+    lines: list[str] = []
+    return stream(argv, lines.append), "\n".join(lines)
 
 
 def stream(argv: list[str], on_line: Callable[[str], None], *, env: dict[str, str] | None = None,
@@ -60,7 +56,7 @@ def stream(argv: list[str], on_line: Callable[[str], None], *, env: dict[str, st
                     last = time.monotonic()
                     quiet[1](last - start)
                     continue
-            chunk = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096)
+            chunk = proc.stdout.read1(65536)
             if not chunk:
                 break
             last = time.monotonic()
@@ -118,9 +114,6 @@ class Podman:
             argv.append("--no-cache")
         return argv + [str(context)]
 
-    def build(self, argv: list[str], on_line: Callable[[str], None]) -> int:
-        return stream([self.exe, *argv[1:]], on_line)
-
     def image_exists(self, tag: str) -> bool:
         return _capture([self.exe, "image", "exists", tag])[0] == 0
 
@@ -146,11 +139,11 @@ class Podman:
         """The rows `podman ARGV` (a listing with `--format json`) prints; a ToolError where it fails."""
         rc, out = _capture([self.exe, *argv])
         if rc != 0:
-            raise ToolError(f"podman {argv[0]} failed (exit {rc}): {_last_line(out)}")
+            raise ToolError(f"podman {argv[0]} failed (exit {rc}): {failure_line(out)}")
         try:
             return json.loads(out or "[]") or []
         except ValueError:
-            raise ToolError(f"podman {argv[0]} --format json printed something else: {_last_line(out)}") from None
+            raise ToolError(f"podman {argv[0]} --format json printed something else: {failure_line(out)}") from None
 
     def tags(self, repository: str) -> dict[str, dict[str, str]]:
         """`localhost/NAME:TAG` references of one repository, each with its image's labels."""
@@ -162,39 +155,24 @@ class Podman:
                     found[name] = {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
         return dict(sorted(found.items()))
 
-    def untag(self, tag: str) -> "Outcome":
-        """Remove one tag (the layers go when no other tag uses them). Fails while a
-        container (running or not) uses the image."""
-        return Outcome.of(*_capture([self.exe, "rmi", tag]))
+    def untag(self, tag: str) -> Optional[str]:
+        """Remove one tag (the layers go when no other tag uses them); why it failed, None when
+        done. Fails while a container (running or not) uses the image."""
+        return _failure(*_capture([self.exe, "rmi", tag]))
 
     def containers(self, name_regex: str) -> list["Container"]:
         """All containers (any state) whose name matches `name_regex` (podman's own filter)."""
         return [Container.from_ps(row) for row in self._rows("ps", "--all", "--format", "json", "--filter",
                                                               f"name={name_regex}")]
 
-    def remove_container(self, ident: str) -> "Outcome":
-        """`podman rm -v` (anonymous volumes too), never --force: a running container stays."""
-        return Outcome.of(*_capture([self.exe, "rm", "-v", ident]))
+    def remove_container(self, ident: str) -> Optional[str]:
+        """`podman rm -v` (anonymous volumes too), never --force: a running container stays; why it
+        failed, None when done."""
+        return _failure(*_capture([self.exe, "rm", "-v", ident]))
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:300] if lines else "(no output)"
-
-
-@dataclass
-class Outcome:
-    """Whether a command did what was asked; `why` is its last output line when not."""
-
-    ok: bool
-    why: str = ""
-
-    @classmethod
-    def of(cls, rc: int, out: str) -> "Outcome":
-        return cls(True) if rc == 0 else cls(False, f"exit {rc}: {_last_line(out)}")
-
-    def __bool__(self) -> bool:
-        return self.ok
+def _failure(rc: int, out: str) -> Optional[str]:
+    return None if rc == 0 else f"exit {rc}: {failure_line(out)}"
 
 
 @dataclass(frozen=True)
@@ -256,9 +234,6 @@ class Enroot:
         """Where enroot unpacks the image before squashing it."""
         return Path(os.environ.get("ENROOT_TEMP_PATH") or os.environ.get("TMPDIR") or "/tmp")
 
-    def import_(self, argv: list[str], env: dict[str, str], on_line: Callable[[str], None]) -> int:
-        return stream([self.exe, *argv[1:]], on_line, env=env)
-
 
 def squashfs_ok(path: Path) -> bool:
     """A whole squashfs file: its directory table (at the end) lists."""
@@ -271,15 +246,24 @@ def squashfs_ok(path: Path) -> bool:
 # ---------------------------------------------------------------- git
 
 
-def git_commit(root: Path) -> str:
-    """HEAD's commit, `-dirty` when tracked files differ; `unknown` outside git."""
-    git = which("git")
-    if git is None:
-        return "unknown"
+def git(root: Path, *args: str) -> Optional[str]:
+    """`git -C ROOT ARGS...`'s output; None where git is missing or fails (outside a checkout)."""
+    exe = which("git")
+    if exe is None:
+        return None
     try:
-        with local.cwd(root):
-            commit = local[git]("rev-parse", "HEAD").strip()
-            dirty = local[git]("status", "--porcelain", "--untracked-files=no").strip()
-    except ProcessExecutionError:
-        return "unknown"
-    return commit + ("-dirty" if dirty else "")
+        return local[exe]("-C", str(root), *args)
+    except (ProcessExecutionError, OSError, ValueError):
+        return None
+
+
+def git_state(root: Path, paths: Sequence[Path] = ()) -> dict:
+    """The commit of the checkout at `root` and whether it is dirty (a tracked file differs from the
+    commit: of `paths` only, when given), or nulls outside git. Untracked files are no part of
+    what a snapshot or an image copies (containers/sources.py), so they make nothing dirty."""
+    which_paths = ["--", *(os.path.relpath(p, root) for p in paths)] if paths else []
+    commit, status = git(root, "rev-parse", "HEAD"), git(root, "status", "--porcelain", "--untracked-files=no",
+                                                        *which_paths)
+    if commit is None or status is None:
+        return {"commit": None, "dirty": None}
+    return {"commit": commit.strip(), "dirty": bool(status.strip())}

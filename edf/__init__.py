@@ -1,14 +1,6 @@
-"""The container environment: one model (also the config's `container:` section),
-rendered as an EDF (CSCS Container Engine) or as `srun` flags (pyxis, or
-`--environment=` for the Container Engine).
-
-    env = cfg.container                                # validated at load, errors name container.*
-    text = render_edf(env)                             # EDF TOML (tomli-w)
-    env == parse_edf(text)                             # and back (text or path)
-    env, problems = check_edf(path)                    # a hand-written EDF: every problem in it
-    write_edf(env, run_dir / "env.toml")               # atomic; refuses a different file
-    install_edf(env, "name")                           # into the first EDF_PATH directory
-    flags = srun_flags(env, edf_file)                  # .args, .exports, .warnings, .expanded()
+"""The container environment: one model (also the config's `container:` section), rendered as
+an EDF (CSCS Container Engine) or as `srun` flags (pyxis, or `--environment=` for the Container
+Engine); edf/files.py reads, checks, merges and writes EDF files.
 """
 
 from edf.environment import Environment, Mount, is_local_image

@@ -19,6 +19,7 @@ from common.schema import FREE_TEXT
 from common.secrets import PASSTHROUGH, REFERENCE, refusal
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # names are matched whole (fullmatch)
+NOT_A_NAME = "is not a valid environment variable name (letters, digits, _; not starting with a digit)"
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 ANNOTATION_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}")
@@ -116,9 +117,6 @@ class Mount:
     dst: str
     flags: tuple[str, ...] = ()
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "flags", tuple(self.flags))
-
     @classmethod
     def parse(cls, text: str, where: str = "mounts") -> "Mount":
         if not isinstance(text, str):
@@ -156,8 +154,6 @@ class Mount:
 
     def check(self, where: str) -> None:
         for what, path in (("mount source", self.src), ("mount destination", self.dst)):
-            if not isinstance(path, str):
-                raise ConfigError(where, f"{what} must be a string, got {shown(path, where)}")
             check_path(path, where, what)
             if len(_split_outside_braces(path, ":")) > 1:
                 raise ConfigError(where, f"{what} {shown(path, where)} contains ':', which separates SRC:DST:FLAGS: "
@@ -233,10 +229,6 @@ class Environment:
     # Its strings are EDF text: `$$` is a literal `$` (the schema engine's secret check reads them so).
     EDF_TEXT = True
 
-    def __post_init__(self) -> None:
-        self.mounts = [Mount.parse(m, f"{self.origin}mounts[{i}]") if isinstance(m, str) else m
-                       for i, m in enumerate(self.mounts)]
-
     @property
     def in_container(self) -> bool:
         return self.runtime != "none"
@@ -261,8 +253,6 @@ class Environment:
             except ConfigError as exc:
                 found.append(exc)
 
-        if self.runtime not in ("edf", "pyxis", "none"):
-            found.append(ConfigError(f"{w}runtime", f"must be one of 'edf', 'pyxis', 'none', got {self.runtime!r}"))
         if self.edf_name is not None and (not SAFE_NAME.fullmatch(self.edf_name) or self.edf_name.endswith(".toml")):
             found.append(ConfigError(f"{w}edf_name", f"{self.edf_name!r} is not a safe EDF name: use 1-100 letters, "
                                                      "digits, '.', '_' or '-', starting with a letter or digit, "
@@ -278,8 +268,7 @@ class Environment:
                 found.append(ConfigError(f"{w}env.{key}", refused.message()))
                 secret.add(key)
         # Before the runtime none return too: a number's bounds do not depend on the runtime.
-        if isinstance(self.keep_builds, bool) or not isinstance(self.keep_builds, int) or \
-                not 0 <= self.keep_builds <= 100:
+        if not 0 <= self.keep_builds <= 100:
             found.append(ConfigError(f"{w}keep_builds", f"expected a whole number from 0 to 100 (image builds kept "
                                                         f"unpacked on each node), got {shown(self.keep_builds)}"))
         if self.runtime == "none" and w == "container.":
@@ -290,15 +279,8 @@ class Environment:
         run(_check_image, self.image, f"{w}image")
         if self.workdir is not None:
             run(_check_workdir, self.workdir, f"{w}workdir")
-        for name in ("writable", "entrypoint", "mount_home"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                found.append(ConfigError(f"{w}{name}", f"expected true or false, got {shown(value)}"))
         for i, mount in enumerate(self.mounts):
-            if not isinstance(mount, Mount):
-                found.append(ConfigError(f"{w}mounts[{i}]", f"expected a Mount, got {mount!r}: use Mount.parse"))
-            else:
-                run(mount.check, f"{w}mounts[{i}]")
+            run(mount.check, f"{w}mounts[{i}]")
         for i, base in enumerate(self.base_environment):
             run(_check_base_entry, base, f"{w}base_environment[{i}]")
         for key in self.env:
@@ -310,14 +292,10 @@ class Environment:
 
     def _check_env_from_host(self) -> None:
         where = f"{self.origin}env_from_host"
-        if not isinstance(self.env_from_host, list):
-            raise ConfigError(where, f"expected a list of variable names such as [HF_TOKEN], got "
-                                     f"{type(self.env_from_host).__name__}")
         seen: set[str] = set()
         for i, name in enumerate(self.env_from_host):
-            if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
-                raise ConfigError(f"{where}[{i}]", "is not a valid environment variable name (letters, digits, _; "
-                                                   "not starting with a digit)")
+            if not ENV_NAME.fullmatch(name):
+                raise ConfigError(f"{where}[{i}]", NOT_A_NAME)
             if name in seen:
                 raise ConfigError(f"{where}[{i}]", f"{name} is listed twice: list it once")
             if name in self.env:
@@ -339,10 +317,8 @@ class Environment:
 
     def _check_env_entry(self, key: str) -> None:
         value, where = self.env[key], f"{self.origin}env.{key}"
-        if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
-            raise ConfigError(where, "is not a valid environment variable name (letters, digits, _; "
-                                     "not starting with a digit)")
-        _require_str(value, where)
+        if not ENV_NAME.fullmatch(key):
+            raise ConfigError(where, NOT_A_NAME)
         if "\0" in value:
             raise ConfigError(where, f"value {shown(value, where)} contains a NUL byte, which no environment can hold")
         for ref in references(value, where):
@@ -353,10 +329,9 @@ class Environment:
 
     def _check_annotation(self, key: str) -> None:
         value, where = self.annotations[key], f"{self.origin}annotations.{key}"
-        if not isinstance(key, str) or not ANNOTATION_KEY.fullmatch(key):
+        if not ANNOTATION_KEY.fullmatch(key):
             raise ConfigError(where, "is not a valid annotation key: use dotted names of letters, digits, "
                                      "'_' and '-', such as com.hooks.aws_ofi_nccl.enabled")
-        _require_str(value, where, example='"true"')
         split_expansions(value, where)
         clash = next((k for k in sorted(self.annotations) if k.startswith(key + ".")), None)
         if clash is not None:
@@ -364,15 +339,8 @@ class Environment:
 
 
 def _check_workdir(workdir: str, where: str) -> None:
-    _require_str(workdir, where)
     check_path(workdir, where, "workdir")
     split_expansions(workdir, where)
-
-
-def _require_str(value: object, where: str, example: str = "") -> None:
-    if not isinstance(value, str):
-        hint = f" such as {example}" if example else ""
-        raise ConfigError(where, f"expected a string{hint}, got {shown(value, where)}")
 
 
 def is_local_image(image: str) -> bool:
@@ -381,7 +349,6 @@ def is_local_image(image: str) -> bool:
 
 
 def _check_image(image: str, where: str) -> None:
-    _require_str(image, where)
     if not image:
         return
     if "\n" in image or "\0" in image:
@@ -399,21 +366,7 @@ def _check_image(image: str, where: str) -> None:
                                  "[USER@][REGISTRY#]IMAGE[:TAG] or REGISTRY/IMAGE[:TAG]")
 
 
-def registry_image(image: str) -> str:
-    """A registry reference in enroot's `[USER@][REGISTRY#]IMAGE[:TAG]` form: enroot (so pyxis) reads
-    `nvcr.io/nvidia/pytorch:25.11-py3`, as CSCS's docs write it, as an image on Docker Hub, so the
-    registry host (a first component with a '.' or ':', or `localhost`) is set off with '#'."""
-    user, at, head = image.rpartition("@")
-    if "#" in head or "/" not in head:
-        return image
-    first, rest = head.split("/", 1)
-    if "." in first or ":" in first or first == "localhost":
-        return f"{user}{at}{first}#{rest}"
-    return image
-
-
 def _check_base_entry(base: str, where: str) -> None:
-    _require_str(base, where)
     if not base:
         raise ConfigError(where, "is empty: give an EDF name from EDF_PATH or a path to a .toml file")
     split_expansions(base, where)

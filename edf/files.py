@@ -19,7 +19,7 @@ import tomli_w
 from edf.environment import SAFE_NAME, Environment, Expansion, Mount, is_local_image, split_expansions
 from common.errors import UNPRINTABLE, ConfigError, bounded, bounded_path, shown, warn
 from common.secrets import file_findings, flag_variable
-from common.yaml import MAX_DEPTH, MAX_TEXT, read_text_bounded
+from common.yaml import MAX_DEPTH, read_text_bounded
 from common.fs import write_atomic
 
 TOP_KEYS = ("base_environment", "image", "workdir", "entrypoint", "writable", "mounts", "env", "annotations")
@@ -88,11 +88,8 @@ def _read(path: Path, missing: str) -> str:
 
 
 def load_toml(text: str, where: str) -> dict[str, Any]:
-    """An EDF's TOML table, refused when larger or deeper than any EDF (an EDF is a few flat
-    keys and one level of tables; annotations nest a few levels)."""
-    if len(text) > MAX_TEXT:
-        raise ConfigError(where, f"{len(text)} characters: larger than any EDF ({MAX_TEXT} at most); check that "
-                                 "this is the file you meant")
+    """An EDF's TOML table, refused when deeper than any EDF (an EDF is a few flat keys and one level
+    of tables; annotations nest a few levels). Its size was bounded as its file was read."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -169,7 +166,7 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
     return env, problems
 
 
-def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *,
+def check_edf(source: Union[str, os.PathLike], *,
               notes: Optional[list[str]] = None) -> tuple[Optional[Environment], list[ConfigError]]:
     """A hand-written EDF read and checked whole (`slipway edf --check FILE`): (its model, or None if
     unreadable; every problem in it and in the base environments it names). With `notes` (a list to
@@ -189,7 +186,7 @@ def check_edf(source: Union[str, os.PathLike], edf_path: Optional[str] = None, *
     resolved = env
     if not problems and env.base_environment:
         try:
-            resolved = resolve_base(env, edf_path)
+            resolved = resolve_base(env)
         except ConfigError as exc:
             problems.append(exc)
     if notes is not None and not problems:
@@ -211,15 +208,14 @@ def secret_lines(text: str, where: str) -> list[str]:
     return list(out.values())
 
 
-def missing_host_paths(env: Environment, origin: str, notes: list[str],
-                       environ: Optional[dict[str, str]] = None) -> list[ConfigError]:
+def missing_host_paths(env: Environment, origin: str, notes: list[str]) -> list[ConfigError]:
     """The image file and mount sources of `env` that do not exist here (srun would fail on
     them); a path with an unset `${VAR}` (no default) cannot be judged here and is noted."""
     problems: list[ConfigError] = []
     paths = [(f"{origin}image", "image file", env.image)] if env.image and is_local_image(env.image) else []
     paths += [(f"{origin}mounts[{i}]", "mount source", m.src) for i, m in enumerate(env.mounts)]
     for where, what, value in paths:
-        host = _expanded_here(value, where, environ)
+        host = _expanded_here(value, where)
         if isinstance(host, Expansion):
             notes.append(f"{where}: cannot judge {what} {bounded_path(value)!r} from here: ${{{host.name}}} is not set "
                          "in this shell (export it to check the path)")
@@ -237,16 +233,15 @@ def missing_host_paths(env: Environment, origin: str, notes: list[str],
     return problems
 
 
-def _expanded_here(value: str, where: str, environ: Optional[dict[str, str]]) -> Union[str, Expansion]:
+def _expanded_here(value: str, where: str) -> Union[str, Expansion]:
     """`value` with `${VAR}` from this environment (a default where VAR is unset), or the first
     expansion it cannot resolve."""
-    environ = os.environ if environ is None else environ
     out = []
     for piece in split_expansions(value, where):
         if not isinstance(piece, Expansion):
             out.append(piece)
-        elif piece.name in environ:
-            out.append(environ[piece.name])
+        elif piece.name in os.environ:
+            out.append(os.environ[piece.name])
         elif ":-" in piece.text:
             out.append(piece.text[len(piece.name) + 4: -1])
         else:
@@ -272,10 +267,8 @@ def _flatten(table: dict[str, Any], where: str, prefix: str, out: dict[str, str]
 def edf_search_path(edf_path: Optional[str] = None) -> list[Path]:
     """The EDF search directories: `edf_path` or $EDF_PATH (colon-separated), default ~/.edf."""
     value = os.environ.get("EDF_PATH") if edf_path is None else str(edf_path)
-    if not value:
-        return [Path.home() / ".edf"]
     dirs = []
-    for entry in value.split(":"):
+    for entry in (value or "").split(":"):
         if not entry:
             continue
         if not os.path.isabs(entry):
@@ -285,9 +278,9 @@ def edf_search_path(edf_path: Optional[str] = None) -> list[Path]:
     return dirs or [Path.home() / ".edf"]
 
 
-def expand_host(value: str, where: str, environ: Optional[dict[str, str]] = None) -> str:
+def expand_host(value: str, where: str) -> str:
     """`value` with `${VAR}` taken from the host environment, as the Container Engine does."""
-    expanded = _expanded_here(value, where, environ)
+    expanded = _expanded_here(value, where)
     if isinstance(expanded, Expansion):
         raise ConfigError(where, f"${{{expanded.name}}} is not set in this environment: export it, or write "
                                  f"${{{expanded.name}:-}} for an empty default")
@@ -356,14 +349,11 @@ def _merge(base: Environment, child: Environment) -> Environment:
         child,
         image=child.image or base.image,
         mounts=base.mounts + [m for m in child.mounts if m not in base.mounts],
-        workdir=pick("workdir"),
-        writable=pick("writable"),
         env=env,
         env_from_host=from_host,
         annotations={**base.annotations, **child.annotations},
-        entrypoint=pick("entrypoint"),
         base_environment=[],
-        mount_home=pick("mount_home"),
+        **{name: pick(name) for name in ("workdir", "writable", "entrypoint", "mount_home")},
     )
 
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from edf.environment import (EXPANSION, SQSH, Environment, Expansion, is_local_image, references, registry_image,
-                             split_expansions)
+from edf.environment import EXPANSION, SQSH, Environment, Expansion, is_local_image, references, split_expansions
 from edf.files import expand_host, resolve_base
 from common.errors import ConfigError, shown
 
@@ -32,12 +31,11 @@ class SrunFlags:
     exports: list[tuple[str, str]] = field(default_factory=list)  # (NAME, value) set for the srun alone
     warnings: list[str] = field(default_factory=list)  # what the runtime cannot do as the EDF would
 
-    def expanded(self, environ: Optional[dict[str, str]] = None) -> tuple[list[str], dict[str, str]]:
-        """(args, exports) with `${VAR}` taken from `environ` (default: this process's), for an
-        srun started without a shell (`slipway shell`); an unset variable is a one-line error."""
-        args = [expand_host(a, "container", environ) for a in self.args]
-        exports = {name: expand_host(value, f"container.env.{name}", environ) for name, value in self.exports}
-        return args, exports
+    def expanded(self) -> tuple[list[str], dict[str, str]]:
+        """(args, exports) with `${VAR}` taken from this process's environment, for an srun started
+        without a shell (`slipway shell`); an unset variable is a one-line error."""
+        args = [expand_host(a, "container") for a in self.args]
+        return args, {name: expand_host(value, f"container.env.{name}") for name, value in self.exports}
 
 
 def srun_flags(env: Environment, edf_file: Optional[Path] = None, edf_path: Optional[str] = None) -> SrunFlags:
@@ -86,15 +84,21 @@ def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> SrunFlags
 
 
 def pyxis_image(image: str) -> str:
-    """The image as pyxis reads it: a registry reference's host separated with '#' (see
-    `registry_image`), applied to the literal reference only. A squashfs path, and an image
-    whose registry part comes from a `${VAR}` (`${IMG:-/capstor/x.sqsh}`), stay as written."""
-    if is_local_image(image):
-        return image
+    """The image as pyxis reads it: a registry reference in enroot's `[USER@][REGISTRY#]IMAGE[:TAG]`
+    form. enroot (so pyxis) reads `nvcr.io/nvidia/pytorch:25.11-py3`, as CSCS's docs write it, as an
+    image on Docker Hub, so the registry host (a first component with a '.' or ':', or `localhost`)
+    is set off with '#'. A squashfs path, and an image whose registry part comes from a `${VAR}`
+    (`${IMG:-/capstor/x.sqsh}`), stay as written."""
     expansion, slash = image.find("${"), image.find("/")
-    if expansion != -1 and (slash == -1 or expansion < slash):
+    if is_local_image(image) or expansion != -1 and (slash == -1 or expansion < slash):
         return image
-    return registry_image(image)
+    user, at, head = image.rpartition("@")
+    if "#" in head or "/" not in head:
+        return image
+    first, rest = head.split("/", 1)
+    if "." in first or ":" in first or first == "localhost":
+        return f"{user}{at}{first}#{rest}"
+    return image
 
 
 def _mount(env: Environment, i: int) -> str:

@@ -155,7 +155,7 @@ def test_mount_forms():
     assert Mount.parse("${A:-/x}:/b") == Mount("${A:-/x}", "/b")
     assert Mount.parse("/a:/a:ro").spec() == "/a:/a:ro"
     assert Mount("/a", "/a").spec() == "/a:/a"  # the documented SRC:DST form is what is written
-    assert Environment(mounts=["/a:/b:ro"]).mounts == [Mount("/a", "/b", ("ro",))]
+    assert container(mounts=["/a:/b:ro"]).mounts == [Mount("/a", "/b", ("ro",))]
 
 
 def container(**values) -> Environment:
@@ -488,7 +488,7 @@ def test_errors_from_the_config_name_container_fields():
     assert container(runtime="none", workdir="rel").workdir == "rel"  # not used, so not checked
 
 
-def test_check_edf_reports_every_problem(tmp_path):
+def test_check_edf_reports_every_problem(tmp_path, monkeypatch):
     path = write(tmp_path / "hand.toml", '\n'.join([
         'imagee = "/x.sqsh"', 'workdir = "work"', 'writable = "yes"',
         'mounts = ["/a:/b:rox", "/ok:/ok", "data:/data"]',
@@ -503,7 +503,8 @@ def test_check_edf_reports_every_problem(tmp_path):
     assert check_edf(write(tmp_path / "good.toml", 'image = "/x.sqsh"\n')) == (Environment(image="/x.sqsh"), [])
     _, problems = check_edf(write(tmp_path / "bad.toml", 'image = "x\n'))
     assert len(problems) == 1 and "not valid TOML" in str(problems[0])
-    _, problems = check_edf(write(tmp_path / "base.toml", 'base_environment = "nowhere"\n'), edf_path=str(tmp_path))
+    monkeypatch.setenv("EDF_PATH", str(tmp_path))
+    _, problems = check_edf(write(tmp_path / "base.toml", 'base_environment = "nowhere"\n'))
     assert len(problems) == 1 and "no EDF named 'nowhere'" in str(problems[0])
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -211,7 +212,7 @@ def test_a_job_that_fails_alike_everywhere_stops_after_max_retries(project, thre
             on_node(cluster, node, "umount", str(small))
     log = events(project / "runs" / "nospace")
     failed = [e for e in log if e.startswith(f"job {job_id} preflight failed on ")]
-    assert len(failed) == 6 and all(" MiB free at " in e and "one checkpoint needs about 3.8 MiB" in e for e in failed), log
+    assert len(failed) == 6 and all(re.search(r" [0-9.]+ (B|[KMGT]iB) free at ", e) and "one checkpoint needs about 3.8 MiB" in e for e in failed), log
     assert [e for e in log if " retry " in e or "retrying" in e] == [
         f"job {job_id} retry 1/2 (preflight): requeueing (no node to blame)",
         f"job {job_id} retry 2/2 (preflight): requeueing (no node to blame)",

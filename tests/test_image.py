@@ -1110,7 +1110,7 @@ def test_storage_conf_checks(tmp_path: Path):
     bad = [c for c in checks if not c.ok]
     assert [c.what.split()[1] for c in bad] == ["graphroot", "storage"]
     assert "lustre" in bad[0].what and "/dev/shm/$USER/root" in bad[0].fix
-    assert bad[0].line().startswith("FAIL podman graphroot /capstor/scratch/u/podman is on lustre")
+    assert bad[0].what.startswith("podman graphroot /capstor/scratch/u/podman is on lustre")
     assert filesystem_type(Path("/capstor/scratch/new/dir"), mounts) == "lustre"
     conf.write_text("[storage\n")
     assert not check_storage_conf(conf, mounts)[0].ok

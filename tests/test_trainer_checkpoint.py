@@ -598,15 +598,16 @@ def test_a_checkpoint_that_cannot_fit_is_one_line_and_the_last_one_stays(tmp_pat
     assert proc.returncode == 0, proc.stdout + proc.stderr
     said = json.loads(proc.stdout.splitlines()[-1])
     small = tmp_path / "small"
-    assert re.fullmatch(rf"not saving checkpoint step 2: [0-9.]+ MiB free at {re.escape(str(small / 'ckpt'))} "
-                        r"\(where checkpoints go\), one checkpoint needs about [0-9.]+ MiB: free space there or set "
+    size = r"[0-9.]+ (?:B|[KMGT]iB)"  # common/errors.py's `human`
+    assert re.fullmatch(rf"not saving checkpoint step 2: {size} free at {re.escape(str(small / 'ckpt'))} "
+                        rf"\(where checkpoints go\), one checkpoint needs about {size}: free space there or set "
                         rf"checkpoint\.dir elsewhere; the latest checkpoint stays {re.escape(str(small / 'ckpt'))}/"
                         r"step-000001", said["refused"]), said["refused"]
     assert said["after_refusal"] == ["step-000001"]  # nothing of step 2 was started
     for mode in ("sync", "async"):
         where = re.escape(str(small / mode))
         assert re.fullmatch(rf"checkpoint step 1 could not be written to {where}: the file system is full "
-                            r"\([0-9.]+ MiB free, this rank alone writes [0-9.]+ MiB\): free space there \(the "
+                            rf"\({size} free, this rank alone writes {size}\): free space there \(the "
                             r"partial \.tmp-step-000001 can go\) or set checkpoint\.dir elsewhere, then resume; the "
                             r"latest checkpoint stays none", said[mode]), said[mode]
         assert said[f"{mode}_steps"] == []

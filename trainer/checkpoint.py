@@ -48,11 +48,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from common.errors import ConfigError
+from common.errors import ConfigError, human
 from trainer.config import CheckpointSection
 from common.fs import fsync_dir, write_atomic
 from common.rundir import CHECKPOINT_MARKER, SaveLine, checkpoint_complete, complete_checkpoints
-from common.layouts import size
 from trainer.topology import check_free_space
 from trainer.states import local_tensors, nonfinite_names
 
@@ -281,8 +280,8 @@ class Checkpointer:
         if free >= nbytes:
             return
         raise CheckpointWriteError(
-            f"checkpoint step {step} could not be written to {self.dir}: the file system is full ({size(free)} "
-            f"free, this rank alone writes {size(nbytes)}): free space there (the partial {tmp.name} can go) or "
+            f"checkpoint step {step} could not be written to {self.dir}: the file system is full ({human(free)} "
+            f"free, this rank alone writes {human(nbytes)}): free space there (the partial {tmp.name} can go) or "
             f"set checkpoint.dir elsewhere, then resume; {self._latest_stays()}") from exc
 
     def _commit(self, step: int, tmp: Path, final: bool, started: float, step_ms: int) -> None:

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Optional
 
 from common.environ import count as env_count
+from common.errors import human
 from common.rundir import PREFLIGHT_EXIT
 from common.events import append_event
 from common.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE
-from common.layouts import size
 from trainer.topology import check_free_space, gpu_pci_addresses, numa_binding, numactl_show, tool_output
 from trainer.watchdog import node_name
 
@@ -73,7 +73,7 @@ def check_write_speed(checkpoint_dir: Path, needed: int, seconds: float = 3.0) -
         return False, f"{checkpoint_dir} (where checkpoints go) is not writable from this node ({exc.strerror or exc})"
     finally:
         probe.unlink(missing_ok=True)
-    return True, f"writes {size(int(written / took))}/s where checkpoints go write_bps={int(written / took)}"
+    return True, f"writes {human(int(written / took))}/s where checkpoints go write_bps={int(written / took)}"
 
 
 def check_gpus(expected: int) -> tuple[bool, str]:

@@ -10,7 +10,8 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-from common.layouts import size
+from common.errors import human
+
 
 def check_free_space(checkpoint_dir: Path, needed: int) -> tuple[bool, str]:
     """Room for one more checkpoint on the filesystem of `checkpoint_dir` (or its nearest existing parent)."""
@@ -22,9 +23,9 @@ def check_free_space(checkpoint_dir: Path, needed: int) -> tuple[bool, str]:
     except OSError as exc:
         return False, f"free space at {where} (where checkpoints go) cannot be read ({exc.strerror or exc})"
     if free < needed:
-        return False, (f"{size(free)} free at {where} (where checkpoints go), one checkpoint needs about "
-                       f"{size(needed)}: free space there or set checkpoint.dir elsewhere")
-    return True, f"{size(free)} free for checkpoints (one needs about {size(needed)})"
+        return False, (f"{human(free)} free at {where} (where checkpoints go), one checkpoint needs about "
+                       f"{human(needed)}: free space there or set checkpoint.dir elsewhere")
+    return True, f"{human(free)} free for checkpoints (one needs about {human(needed)})"
 
 
 def tool_output(*argv: str) -> tuple[Optional[str], str]:

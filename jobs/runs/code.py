@@ -35,10 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
-from plumbum import local
-from plumbum.commands.processes import ProcessExecutionError
-
 from containers.sources import MAX_BYTES, MAX_FILES, Folder, SourceFile, collect, copy_into
+from containers.tools import git, git_state
 from jobs.runs import manifest as manifests
 from jobs.runs.lock import UNSUPPORTED
 from common.errors import ConfigError, bounded_path
@@ -73,34 +71,13 @@ def trainer_source(project_dir: Optional[Path] = None) -> Path:
     return Path(list(spec.submodule_search_locations)[0]).resolve()
 
 
-def git_state(root: Path, paths: Sequence[Path] = ()) -> dict:
-    """The commit of the checkout at `root` and whether it is dirty (a tracked file differs from the
-    commit: of `paths` only, when given), or nulls outside git. Untracked files are no part of
-    what a snapshot or an image copies (containers/sources.py), so they make nothing dirty."""
-    git = shutil.which("git")
-    if git is None:
-        return {"commit": None, "dirty": None}
-    try:
-        commit = local[git]("-C", str(root), "rev-parse", "HEAD").strip()
-        which = ["--untracked-files=no", *(["--", *(os.path.relpath(p, root) for p in paths)] if paths else [])]
-        status = local[git]("-C", str(root), "status", "--porcelain", *which).strip()
-    except (ProcessExecutionError, ValueError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": bool(status)}
-
-
 def git_diff(snapshot: CodeSnapshot) -> str:
     """The snapshotted packages' difference from their commit (tracked files: all a snapshot holds)."""
     source = Path(snapshot.source)
-    git = shutil.which("git")
-    if git is None or not snapshot.commit:
+    if not snapshot.commit:
         return ""
-    root = source.parent
-    parts = [name for name in ("common", source.name) if (root / name).is_dir()]
-    try:
-        return local[git]("-C", str(root), "diff", "HEAD", "--", *parts)
-    except ProcessExecutionError:
-        return ""
+    parts = [name for name in ("common", source.name) if (source.parent / name).is_dir()]
+    return git(source.parent, "diff", "HEAD", "--", *parts) or ""
 
 
 class Snapshot:
