@@ -75,24 +75,21 @@ def pids_in_netns(ns: str) -> list[int]:
         ref = os.stat(NETNS_DIR / ns)
     except FileNotFoundError:
         return []
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                st = os.stat(f"/proc/{entry}/ns/net")
-                if (st.st_dev, st.st_ino) == (ref.st_dev, ref.st_ino) and alive(int(entry)):
-                    pids.append(int(entry))
-    return pids
+    return _pids(lambda pid: os.path.samestat(os.stat(f"/proc/{pid}/ns/net"), ref))
 
 
 def pids_mentioning(text: str) -> list[int]:
     """Processes whose command line contains `text` (a state dir path is unique to one cluster)."""
-    me = os.getpid()
+    return _pids(lambda pid: text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes())
+
+
+def _pids(matches) -> list[int]:
+    """The live processes but this one for which `matches(pid)` holds (one gone meanwhile: not)."""
     found = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != me:
+        if entry.isdigit() and int(entry) != os.getpid():
             with contextlib.suppress(OSError):
-                if text.encode() in Path(f"/proc/{entry}/cmdline").read_bytes() and alive(int(entry)):
+                if matches(entry) and alive(int(entry)):
                     found.append(int(entry))
     return found
 

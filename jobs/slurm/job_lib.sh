@@ -281,24 +281,21 @@ wait_step() {
 on_warning() {
   TRAPPED=1
   [ "$STOP_REQUESTED" != 1 ] || return 0  # the timer's and Slurm's own warning: the first one asks
-  STOP_REQUESTED=1
-  STOP_CHECKPOINT=$(latest_checkpoint)
-  event "time limit warning: stop requested"
-  say_stop "the time limit is near"
-  touch "$STOP_FILE"
+  request_stop "time limit warning" "the time limit is near"
 }
-# say_stop WHY: the log says what happened above what torchrun then reports of the ranks' exits.
-say_stop() {
-  echo "slipway: $1: the ranks save a checkpoint at the step they agree on and exit $REQUEUE_EXIT (saved, resumable); what torch and torchrun report below about that exit is this stop, not a failure"
+# request_stop EVENT WHY: the ranks asked to save (STOP_FILE); the log says what happened above
+# what torchrun then reports of the ranks' exits.
+request_stop() {
+  STOP_REQUESTED=1 STOP_CHECKPOINT=$(latest_checkpoint)
+  event "$1: stop requested"
+  echo "slipway: $2: the ranks save a checkpoint at the step they agree on and exit $REQUEUE_EXIT (saved, resumable); what torch and torchrun report below about that exit is this stop, not a failure"
+  touch "$STOP_FILE"
 }
 # INT: Ctrl-C to `slipway run` (the script runs in an allocation, SLIPWAY_IN_ALLOCATION): like
 # the warning, a save at the step boundary, and the run stays resumable.
 on_interrupt() {
-  STOP_REQUESTED=1 TRAPPED=1 STOP_WHY="stopped on request"
-  STOP_CHECKPOINT=$(latest_checkpoint)
-  event "interrupted: stop requested"
-  say_stop "interrupted"
-  touch "$STOP_FILE"
+  TRAPPED=1 STOP_WHY="stopped on request"
+  request_stop interrupted interrupted
 }
 # A job cancelled by `slipway cancel` is not waited on by a retry or a requeue, and cancel waits
 # for it (a bounded grace): its container gets CANCEL_REMOVE_WAIT s to be removed instead of a few.
