@@ -59,7 +59,8 @@ def available(tool: str) -> bool:
     return shutil.which(tool) is not None
 
 
-def _tool(name: str):
+def tool(name: str):
+    """`name` to run through plumbum, refused where it is not on PATH."""
     if not available(name):
         raise SlurmError(f"{name} not found on PATH: run slipway on a Slurm login node (or `make cluster-up` "
                          "for a local test cluster)")
@@ -139,7 +140,7 @@ def sbatch(script: Path, cwd: Path, after: str | None = None) -> str:
     with local.env(), local.cwd(cwd):
         for name in cleared:
             local.env.pop(name, None)
-        out = _run(_tool("sbatch"), "--parsable", *([f"--dependency=afterok:{after}", "--kill-on-invalid-dep=yes"]
+        out = _run(tool("sbatch"), "--parsable", *([f"--dependency=afterok:{after}", "--kill-on-invalid-dep=yes"]
                                                     if after else []), str(script))
     job_id = out.strip().split(";")[0]
     if not job_id.isdigit():
@@ -152,7 +153,7 @@ def scancel(job_ids: list[str], signal: str | None = None, *, batch: bool = Fals
     batch shell alone (`batch`), whose trap then ends the job itself."""
     scope = ["--batch"] if batch else ["--full"]
     args = ([f"--signal={signal}", *scope] if signal else []) + list(job_ids)
-    _run(_tool("scancel"), *args)
+    _run(tool("scancel"), *args)
 
 
 # squeue's fields, each ended by "|" (no width: nothing is cut); the job name last, as it may hold "|".
@@ -240,7 +241,7 @@ def job_steps(job_id: str) -> list[tuple[str, str]]:
 
 
 def signal_steps(step_ids: list[str], signal: str) -> None:
-    _run(_tool("scancel"), f"--signal={signal}", *step_ids)
+    _run(tool("scancel"), f"--signal={signal}", *step_ids)
 
 
 def can_ask() -> bool:
@@ -257,7 +258,7 @@ def hostnames(nodelist: str) -> list[str]:
 
 def responding_nodes(partition: str | None) -> list[str]:
     """The nodes of `partition` (every partition's when None) that answer the controller."""
-    out = _run(_tool("sinfo"), "-h", "-N", "-r", "-o", "%N", *(["-p", partition] if partition else []))
+    out = _run(tool("sinfo"), "-h", "-N", "-r", "-o", "%N", *(["-p", partition] if partition else []))
     return list(dict.fromkeys(out.split()))
 
 
@@ -273,7 +274,7 @@ def usable_state(state: str) -> bool:
 def partition_nodes(partition: str | None) -> tuple[str, dict[str, str]]:
     """(the partition, each of its nodes' sinfo state) in one sinfo: `partition`'s, else the
     default partition's (sinfo marks it with a `*`); ("", {}) when there is none."""
-    out = _run(_tool("sinfo"), "-h", "-N", "-o", "%N|%t|%P")
+    out = _run(tool("sinfo"), "-h", "-N", "-o", "%N|%t|%P")
     rows = [line.split("|") for line in out.splitlines() if line.count("|") == 2]
     if partition is None:
         partition = next((p.rstrip("*") for _, _, p in rows if p.endswith("*")), "")
@@ -282,7 +283,7 @@ def partition_nodes(partition: str | None) -> tuple[str, dict[str, str]]:
 
 def partitions() -> dict[str, list[tuple[str, str]]]:
     """Each partition's nodes as (name, generic resources: `gpu:4`, `(null)`), in one sinfo."""
-    out = _run(_tool("sinfo"), "-h", "-N", "-o", "%P|%N|%G")
+    out = _run(tool("sinfo"), "-h", "-N", "-o", "%P|%N|%G")
     found: dict[str, list[tuple[str, str]]] = {}
     for part, node, gres in (line.split("|", 2) for line in out.splitlines() if line.count("|") == 2):
         found.setdefault(part.rstrip("*"), []).append((node, gres))
