@@ -182,11 +182,7 @@ class Check:
         part.status = ("failed" if any(not c["ok"] for c in part.checks) else
                        "incomplete" if ran and any("budget" in s["why"] for s in part.skipped) else
                        "ok" if ran else "skipped")
-        self.write_report()
-
-    # ---------------------------------------------------------------- the report
-
-    def write_report(self) -> None:
+        # The report, rewritten after every part.
         failed = any(not c["ok"] for p in self.parts for c in p.checks)
         report = {"format": 1, "command": "slipway gpu-check", "device": self.device, "devices": self.devices,
                   "started": self.started.isoformat(timespec="seconds"),

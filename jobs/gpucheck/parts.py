@@ -46,8 +46,7 @@ def gpu_check(out: Path, device: str = "auto", budgets: Optional[dict[str, float
             raise ConfigError("--device", "torch sees no CUDA device on this node" + (
                 f" (torch {info['torch']}, built for CUDA {info['torch_cuda'] or 'none'})" if info else "") +
                 ": run it on a GPU node, or --device cpu to check the rest on the CPU")
-        check.start(device="cuda" if device == "auto" and cuda else ("cpu" if device == "auto" else device),
-                    gpus=len(info["gpus"]) if info and cuda else 0)
+        check.start(device if device != "auto" else "cuda" if cuda else "cpu", len(info["gpus"]) if cuda else 0)
         check.node(node, info, t0)
         for name, plan in (("correctness", check.plan_correctness), ("training", check.plan_training),
                            ("allreduce", check.plan_allreduce), ("speed", check.plan_speed)):
