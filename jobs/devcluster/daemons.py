@@ -56,10 +56,6 @@ class LocalSlurmCluster:
         """Environment for sbatch/squeue/scontrol/scancel/srun to reach this cluster."""
         return {"SLURM_CONF": str(self.spec.conf)}
 
-    @property
-    def node_names(self) -> list[str]:
-        return self.spec.node_names
-
     def run(self, *argv: str, cwd: Path | None = None, check: bool = True,
             timeout: float = 60) -> subprocess.CompletedProcess:
         """Run a Slurm client command against this cluster."""
@@ -72,10 +68,9 @@ class LocalSlurmCluster:
 
     def log_tails(self, lines: int = 25) -> str:
         """The last `lines` of each daemon's log, for an error that says why the cluster failed."""
-        logs = [self.spec.log_dir / "munged.out", self.spec.log_dir / "slurmctld.log",
-                self.spec.log_dir / "slurmctld.out"]
-        for n in self.node_names:
-            logs += [self.spec.log_dir / f"slurmd-{n}.log", self.spec.log_dir / f"slurmd-{n}.out"]
+        names = ["munged.out", "slurmctld.log", "slurmctld.out",
+                 *(f"slurmd-{n}.{kind}" for n in self.spec.node_names for kind in ("log", "out"))]
+        logs = [self.spec.log_dir / name for name in names]
         return "\n".join(f"--- {p}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
                          for p in logs if p.exists())
 
@@ -164,7 +159,7 @@ class LocalSlurmCluster:
         # its jobs from 1 again, so an earlier cluster's containers there would pass for this one's.
         for sub in ("ctld", "spool", "run", "log", "nodes"):
             shutil.rmtree(s / sub, ignore_errors=True)
-        for sub in ("ctld", "run", "log", *(f"spool/{n}" for n in self.node_names)):
+        for sub in ("ctld", "run", "log", *(f"spool/{n}" for n in self.spec.node_names)):
             (s / sub).mkdir(parents=True, exist_ok=True)
         (s / STATE_MARKER).touch()
         munge = s / "munge"
@@ -250,7 +245,7 @@ class LocalSlurmCluster:
                     ctld_up = True
             if ctld_up:
                 states = self.node_states()
-                if sorted(states) == sorted(self.node_names) and set(states.values()) == {"idle"}:
+                if sorted(states) == sorted(self.spec.node_names) and set(states.values()) == {"idle"}:
                     return
             time.sleep(0.2)
         raise ClusterError(f"nodes not idle after {timeout:.0f} s (controller "
