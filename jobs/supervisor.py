@@ -411,11 +411,9 @@ class Output(threading.Thread):
             # (local_rank: 1)`, then `exitcode : -9 (pid: 123)` for one a signal killed
             if "Root Cause" in text:
                 root, rank = True, None
-            m = re.match(r"\s*rank\s*:\s*(\d+)", text)
-            if m:
+            if m := re.match(r"\s*rank\s*:\s*(\d+)", text):
                 rank = m.group(1)
-            m = re.match(r"\s*exitcode\s*:\s*-(\d+)", text)
-            if m and root and self.rank_signal is None:
+            if (m := re.match(r"\s*exitcode\s*:\s*-(\d+)", text)) and root and self.rank_signal is None:
                 self.failed_rank, self.rank_signal = rank, int(m.group(1))
 
 

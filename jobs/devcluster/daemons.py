@@ -37,8 +37,7 @@ def unavailable_reason() -> str | None:
     """Why a local cluster cannot start here (None if it can): for skips."""
     if os.geteuid() != 0:
         return "the local Slurm cluster needs root (network namespaces, /etc/hosts)"
-    missing = [b for b in DAEMONS + TOOLS if shutil.which(b) is None]
-    if missing:
+    if missing := [b for b in DAEMONS + TOOLS if shutil.which(b) is None]:
         return (f"missing {', '.join(missing)}: install Debian's slurm-wlm, munge, iproute2, "
                 "util-linux to run the local Slurm cluster")
     return None
@@ -79,8 +78,7 @@ class LocalSlurmCluster:
         """Start the cluster (after tearing down leftovers under the same name);
         return once every node is idle."""
         spec = self.spec
-        reason = unavailable_reason()
-        if reason:
+        if reason := unavailable_reason():
             raise ClusterError(reason)
         old = read_registry(spec.name)
         if old or our_netns(spec.name) or our_links(spec.name):
@@ -121,8 +119,7 @@ class LocalSlurmCluster:
                 p.wait(timeout=1)
         self._children.clear()
         if check:
-            left = leftovers(self.spec.name, self.spec.state_dir, procs)
-            if left:
+            if left := leftovers(self.spec.name, self.spec.state_dir, procs):
                 raise ClusterError(f"cluster {self.spec.name} is not fully down: {', '.join(left)}")
 
     def status(self) -> dict:
@@ -179,8 +176,7 @@ class LocalSlurmCluster:
     def _check_hosts_free(self) -> None:
         ours = {line.split()[1] for line in self.spec.hosts_lines()}
         outside, _ = split_hosts(HOSTS.read_text(), self.spec.name)
-        taken = sorted({n for line in outside for n in line.split("#")[0].split()[1:] if n in ours})
-        if taken:
+        if taken := sorted({n for line in outside for n in line.split("#")[0].split()[1:] if n in ours}):
             raise ClusterError(f"{HOSTS} already maps {', '.join(taken)} outside this cluster's block "
                                "(another cluster, or a real host): bring that down or change the names")
 
@@ -237,8 +233,7 @@ class LocalSlurmCluster:
         states: dict[str, str] = {}
         ctld_up = False
         while time.monotonic() < deadline:
-            dead = [p.args for p in self._children if p.poll() is not None]
-            if dead:
+            if dead := [p.args for p in self._children if p.poll() is not None]:
                 raise ClusterError(f"a daemon exited during start: {shlex.join(dead[0])}")
             if not ctld_up:  # sinfo is slow to give up on a controller that is not listening yet
                 with contextlib.suppress(OSError), socket.create_connection((s.ctl_addr, s.ctld_port), 0.5):

@@ -239,8 +239,7 @@ class GpuCheck(Check):
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.devices}",
                 "-m", "trainer.gpucheck", "allreduce", "--sizes", *sizes,
                 "--iters", "10" if self.device == "cuda" else "3"]
-        result = self.run_json(part, f"all-reduce over {self.devices}", argv, env={"OMP_NUM_THREADS": "1"})
-        if result is not None:
+        if result := self.run_json(part, f"all-reduce over {self.devices}", argv, env={"OMP_NUM_THREADS": "1"}):
             part.results["allreduce"] = result
             best = max(result["sizes"], key=lambda r: r["bus_gbs"])
             part.check("all-reduce sums", not any(r["wrong"] for r in result["sizes"]),

@@ -69,8 +69,7 @@ def node_has(path: Optional[Path]) -> dict[str, str]:
     except OSError as exc:
         raise ConfigError("--have", f"{path}: {exc.strerror}") from None
     for line in text.splitlines():
-        m = re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][^\s;#]*)\s*", line)
-        if m:
+        if m := re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][^\s;#]*)\s*", line):
             have[_norm(m[1])] = m[2].split("+")[0]
     return have
 

@@ -132,7 +132,8 @@ def sbatch(script: Path, cwd: Path, after: str | None = None) -> str:
     honour are refused. `after`: a job id this job waits for; it starts only if that one completed."""
     check_sbatch_environment(local.env)
     stated = set(_SBATCH_LINE.findall(read_text_bounded(script, script.name)))
-    cleared = [name for name, (_, *options) in STATED_BY_SCRIPT.items() if local.env.get(name) and stated & set(options)]
+    cleared = [name for name, (_, *options) in STATED_BY_SCRIPT.items()
+               if local.env.get(name) and stated & set(options)]
     for name in cleared:
         key, option, *_ = STATED_BY_SCRIPT[name]
         warn(f"${name} is left out of sbatch's environment: {script.name} states {option} from the run's {key}, "

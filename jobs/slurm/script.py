@@ -178,8 +178,7 @@ def _environment(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None
     if debug:
         lines += ["export CUDA_LAUNCH_BLOCKING=1", "export TORCH_DISTRIBUTED_DEBUG=DETAIL",
                   "export NCCL_DEBUG_SUBSYS=INIT,NET"]
-    preset = NODE_PRESETS.get(cfg.launch.preset)
-    if preset is not None:
+    if (preset := NODE_PRESETS.get(cfg.launch.preset)) is not None:
         lines.append(f"# launch.preset {cfg.launch.preset}: {preset.what}; launch.env overrides any of these.")
         lines += [f"export {key}={shlex.quote(value)}" for key, value in preset.env if key not in cfg.launch.env]
     for key, value in cfg.launch.env.items():
