@@ -48,11 +48,10 @@ class JobInfo:
     @property
     def return_code(self) -> int | None:
         """The job's exit code as a shell would see it (signals as 128+N)."""
-        if not self.exit_code or ":" not in self.exit_code:
+        code, colon, sig = self.exit_code.partition(":")
+        if not colon:
             return None
-        code, _, sig = self.exit_code.partition(":")
-        code_i, sig_i = int(code or 0), int(sig or 0)
-        return 128 + sig_i if sig_i else code_i
+        return 128 + int(sig) if int(sig or 0) else int(code or 0)
 
 
 def available(tool: str) -> bool:
