@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from common.errors import ConfigError, bounded_path, shown
-from common.fs import NotRegularFile, open_regular
+from common.fs import NotRegularFile, read_file
 from common.schema import from_dict, part_of, require, to_dict, unknown_key
 from common.yaml import MAX_TEXT, line_of, read_text_bounded, read_yaml
 from containers.record import ImageSection
@@ -115,21 +115,18 @@ def _read(path: Path) -> dict[str, Any]:
     regular file, too large, not YAML or not a map of names to maps is one line naming it."""
     shown_path = bounded_path(path)
     try:
-        f = open_regular(path)
-        if f is None:
+        if (found := read_file(path, MAX_TEXT)) is None:
             return {}
-        with f:
-            data = f.read(MAX_TEXT + 1)
     except NotRegularFile as exc:
         raise ConfigError(shown_path, f"{exc.strerror}: {FILE} must be a YAML file of cluster profiles") from None
     except OSError as exc:
         raise ConfigError(shown_path, f"cannot be read ({exc.strerror or exc}): fix its permissions or move it "
                                       "aside") from None
-    if len(data) > MAX_TEXT:
+    if found[0] is None:
         raise ConfigError(shown_path, f"larger than {MAX_TEXT} bytes, more than any profiles need: check that "
                                       "this is the file you meant")
     try:
-        text = data.decode("utf-8")
+        text = found[0].decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(shown_path, f"is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
     raw = read_yaml(text, shown_path)
