@@ -50,7 +50,6 @@ class LocalSlurmCluster:
         self.spec = spec
         self._children: list[subprocess.Popen] = []
 
-    # -- what clients use
     def env(self) -> dict[str, str]:
         """Environment for sbatch/squeue/scontrol/scancel/srun to reach this cluster."""
         return {"SLURM_CONF": str(self.spec.conf)}
@@ -73,7 +72,6 @@ class LocalSlurmCluster:
         return "\n".join(f"--- {p}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
                          for p in logs if p.exists())
 
-    # -- lifecycle
     def up(self, timeout: float = 60) -> "LocalSlurmCluster":
         """Start the cluster (after tearing down leftovers under the same name);
         return once every node is idle."""
@@ -146,7 +144,6 @@ class LocalSlurmCluster:
                 *self._in_uts(node, "slurmd", "-D", "-N", node, "-f", str(spec.conf), binds=binds)]
         self._start(role, argv, f"slurmd-{node}.out")
 
-    # -- internals
     def _prepare_state_dir(self) -> None:
         s = self.spec.state_dir
         if s.exists() and any(s.iterdir()) and not (s / STATE_MARKER).exists():

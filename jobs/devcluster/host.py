@@ -28,8 +28,6 @@ class ClusterError(RuntimeError):
     """The local cluster could not be started, reached or stopped."""
 
 
-# ---------------------------------------------------------------- processes
-
 def proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks) of `pid`, None if it is gone."""
     try:
@@ -93,8 +91,6 @@ def _pids(matches) -> list[int]:
                     found.append(int(entry))
     return found
 
-
-# ---------------------------------------------------------------- registry and /etc/hosts
 
 def registry_path(name: str) -> Path:
     return RUN_DIR / f"{name}.json"
@@ -161,8 +157,6 @@ def hosts_block_present(name: str) -> bool:
     return hosts_markers(name)[0] in HOSTS.read_text()
 
 
-# ---------------------------------------------------------------- network
-
 def run(*argv: str, check: bool = True, **options) -> subprocess.CompletedProcess:
     """`argv`'s output as text (`options` go to subprocess.run); a failure raised with its message."""
     res = subprocess.run(argv, capture_output=True, text=True, **options)
@@ -207,8 +201,6 @@ def network_up(bridge: str, bridge_addr: str, nodes: list[tuple[str, str, str]])
         run("ip", "-n", ns, "link", "set", "eth0", "up")
         run("ip", "-n", ns, "link", "set", "lo", "up")
 
-
-# ---------------------------------------------------------------- teardown
 
 def teardown(name: str) -> list[tuple[int, int | None]]:
     """Stop everything a cluster called `name` left: its recorded processes, every

@@ -115,8 +115,6 @@ class Check:
                     self.out.rmdir()
             raise
 
-    # ---------------------------------------------------------------- processes under a budget
-
     def run(self, part: Part, what: str, argv: list[str], env: Optional[dict] = None, cwd: Optional[Path] = None,
             interrupt: bool = False, write_log: bool = True) -> tuple[int, str]:
         """`argv` as a process group of its own, stopped at the part's deadline (OutOfTime): with two
