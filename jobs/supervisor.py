@@ -207,11 +207,8 @@ class Noise:
         match = _RANK.match(line)
         rank, text = (match.group(1), line[match.end():]) if match else (None, line)
         body = text.rstrip("\n")
-        if self._box:
-            self._box = not _BOX.match(body)
-            return False
-        if _BOX.match(body):
-            self._box = True
+        if self._box or _BOX.match(body):  # a rule opens torchrun's failure report, the next closes it
+            self._box = self._box != bool(_BOX.match(body))
             return False
         if body.startswith("Traceback (most recent call last):"):
             self._traceback.add(rank)
