@@ -6,7 +6,6 @@ jobs/supervisor.py. `slipway shell` is jobs/shell.py."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import signal
@@ -206,7 +205,7 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
     rc, stopper, output, launch = _supervise(run, sealed, project_dir, argv, {**os.environ, **extra}, log_path,
                                              heartbeat, console, allocation, step_s)
     # The batch script records its own end (and classifies a hang); the launcher only its code.
-    step = _last_step(run, tag)
+    step = _last_step(run, heartbeat)
     end = (_End(rc, rc, [], stopper.signum if rc == REQUEUE_EXIT else None) if allocation and rc >= 0
            else _how_it_ended(run, cfg, tag, rc, stopper.signum, output, step, ooms))
     for text in end.events:
@@ -348,17 +347,11 @@ class _End:
     extra: dict = field(default_factory=dict)
 
 
-def _last_step(run: runs.Run, tag: str) -> Optional[int]:
+def _last_step(run: runs.Run, heartbeat: Heartbeat) -> Optional[int]:
     """The last step this launch completed: rank 0's progress record (about every second), or the
     last one it logged to metrics.jsonl; None before either."""
-    last = run.last_metrics()
-    steps = [last["step"]] if last and isinstance(last.get("step"), int) else []
-    try:
-        progress = json.loads(run.paths.progress.read_text())
-        if isinstance(progress, dict) and progress.get("job") == tag and isinstance(progress.get("step"), int):
-            steps.append(progress["step"])
-    except (OSError, ValueError):
-        pass
+    last, done = run.last_metrics(), heartbeat.progress()
+    steps = ([last["step"]] if last and isinstance(last.get("step"), int) else []) + ([done[0]] if done else [])
     return max(steps) if steps else None
 
 

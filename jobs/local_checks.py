@@ -221,10 +221,10 @@ def _fixed(result: Plan, original: Config, sealed: runs.Sealed, reload: Callable
     fitted = next((b for b in result.blockers if b.field in _FITS), None)
     fit = first_fit(original, sealed.paths.path, reload, speed, available) if fitted else None
     if fitted:
-        fitted.text += f": {fit.said() if fit else _NOTHING_FITS}"
+        fitted.text += f": {fit[1] if fit else _NOTHING_FITS}"
         if fit is None:
             return result
-    settings, flags, blockers = dict(fit.settings if fit else {}), set(), result.blockers
+    settings, flags, blockers = dict(fit[0] if fit else {}), set(), result.blockers
     for _ in range(3):
         for b in blockers:
             if not (b.field in _FITS and fit):
@@ -307,24 +307,6 @@ def _done(cfg: Config, run_dir: Path) -> int:
     return steps[-1] if steps else 0
 
 
-@dataclass
-class Fit:
-    """Settings under which a `slipway local` of a config fits this machine: what they keep or
-    change, and its figures."""
-
-    settings: dict
-    what: str
-    memory: float  # bytes, all processes
-    step_s: Optional[float]
-    steps: int  # left to train
-
-    def said(self) -> str:
-        time_said = "" if self.step_s is None else (
-            f", ~{format_duration(self.step_s, fine=True)} a step, ~{format_duration(self.step_s * self.steps)} for "
-            f"{self.steps} steps")
-        return f"a try that fits {self.what} (~{self.memory / 1e9:.1f} GB{time_said})"
-
-
 def _rungs(cfg: Config, speed: Optional[Speed]) -> list[tuple[dict, str]]:
     """Ways to make a try of `cfg` smaller, each the one before with one more change: (the
     settings, what the command keeps or changes)."""
@@ -378,10 +360,11 @@ def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
 
 
 def first_fit(original: Config, run_dir: Path, reload: Callable[[list[str]], Config], speed: Optional[Speed],
-              available: Optional[int]) -> Optional[Fit]:
-    """The first of `_rungs` whose command, loaded as typed, is a valid config that fits this
-    machine's memory (a smaller micro batch, else a shorter sequence, where needed) and, with
-    `speed`, LOCAL_TRY_SECONDS (fewer steps where needed, at least MIN_TRY_STEPS)."""
+              available: Optional[int]) -> Optional[tuple[dict, str]]:
+    """The settings of the first of `_rungs` whose command, loaded as typed, is a valid config that
+    fits this machine's memory (a smaller micro batch, else a shorter sequence, where needed) and,
+    with `speed`, LOCAL_TRY_SECONDS (fewer steps where needed, at least MIN_TRY_STEPS); and what
+    they keep or change, with its figures."""
     for settings, what in _rungs(original, speed):
         settings = dict(settings)
         for _ in range(3):  # the memory's change, then the time's, each checked by loading it
@@ -408,7 +391,9 @@ def first_fit(original: Config, run_dir: Path, reload: Callable[[list[str]], Con
                 settings["train.steps"] = done + steps
                 what += f", {steps} steps" if not done else f", {steps} more steps"
                 continue
-            return Fit(settings, what, world * process_memory(local), step_s, left)
+            time_said = "" if step_s is None else (f", ~{format_duration(step_s, fine=True)} a step, "
+                                                   f"~{format_duration(step_s * left)} for {left} steps")
+            return settings, f"a try that fits {what} (~{world * process_memory(local) / 1e9:.1f} GB{time_said})"
     return None
 
 

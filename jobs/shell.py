@@ -11,13 +11,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from plumbum import local
-
 from common.errors import ConfigError
 from common.fs import write_atomic
 from edf import render_edf, srun_flags
 from jobs import runs, slurm
 from jobs.config import Config
+from jobs.slurm.client import tool
 
 
 # Where the shell's EDF would be, as a dry run shows it (mkdtemp's Xs: a name chosen when it runs).
@@ -83,8 +82,7 @@ def run_shell(cfg: Config, project_dir: Path, command: list[str] | None = None) 
     cfg.container.require_host_env()
     if cfg.container.runtime != "edf":
         argv, exports, _, notes = shell_argv(cfg, project_dir, command, write_code=True)
-        _shell_notes(notes)
-        return exec_foreground(argv, exports)
+        return exec_foreground(argv, exports, notes)
     root = shell_edf_root(project_dir)
     runs.no_world_write()
     root.mkdir(parents=True, exist_ok=True)
@@ -95,27 +93,21 @@ def run_shell(cfg: Config, project_dir: Path, command: list[str] | None = None) 
     handlers = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         argv, exports, text, notes = shell_argv(cfg, project_dir, command, edf_dir=private, write_code=True)
-        _shell_notes(notes)
         write_atomic(private / "env.toml", text or "", 0o600)
-        return exec_foreground(argv, exports)
+        return exec_foreground(argv, exports, notes)
     finally:
         shutil.rmtree(private, ignore_errors=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
 
 
-def _shell_notes(notes: list[str]) -> None:
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-
-
 def _exit_on_signal(signum: int, _frame) -> None:
     raise SystemExit(128 + signum)  # unwinds through run_shell's cleanup
 
 
-def exec_foreground(argv: list[str], exports: dict[str, str] | None = None) -> int:
-    """Hand the terminal to `argv` (with `exports` added to its environment) and return its exit code."""
-    if not slurm.available(argv[0]):
-        raise slurm.SlurmError(f"{argv[0]} not found on PATH: run this on a Slurm login node")
-    return local[argv[0]][argv[1:]].popen(stdin=None, stdout=None, stderr=None,
-                                          env={**os.environ, **(exports or {})}).wait()
+def exec_foreground(argv: list[str], exports: dict[str, str], notes: list[str]) -> int:
+    """Hand the terminal to `argv` (with `exports` added to its environment), its notes said first;
+    its exit code."""
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    return tool(argv[0])[argv[1:]].popen(stdin=None, stdout=None, stderr=None, env={**os.environ, **exports}).wait()

@@ -161,9 +161,7 @@ class Stopper:
         while self.processes() and time.monotonic() < deadline:
             self.kill()
             time.sleep(0.05)
-        if self.pgid is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, signal.SIGKILL)
+        self.kill()  # the group's members left behind by a rank that no longer names the launch
 
     def done(self) -> None:
         if self._killer is not None:
@@ -209,11 +207,8 @@ class Noise:
         match = _RANK.match(line)
         rank, text = (match.group(1), line[match.end():]) if match else (None, line)
         body = text.rstrip("\n")
-        if self._box:
-            self._box = not _BOX.match(body)
-            return False
-        if _BOX.match(body):
-            self._box = True
+        if self._box or _BOX.match(body):  # a rule opens torchrun's failure report, the next closes it
+            self._box = self._box != bool(_BOX.match(body))
             return False
         if body.startswith("Traceback (most recent call last):"):
             self._traceback.add(rank)
@@ -255,7 +250,7 @@ class Heartbeat:
     def pace(self) -> str:
         """The steps of this launch timed from its progress record (its first step, the warm-up,
         left out): once, a line when they take more than SLOW_FACTOR times the expected time."""
-        done = self._progress()
+        done = self.progress()
         if done is None:
             return ""
         self.first = self.first or done
@@ -273,7 +268,7 @@ class Heartbeat:
         """What a stop waits for: the step in progress, or the save of a checkpoint."""
         since = time.monotonic() - (stopper.asked or time.monotonic())
         saving = sorted(self.checkpoints.glob(".tmp-step-*"), key=lambda p: p.stat().st_mtime if p.exists() else 0)
-        done = self._progress()
+        done = self.progress()
         what = (f"the checkpoint of step {int(saving[-1].name.rsplit('-', 1)[1])} to be saved" if saving and
                 saving[-1].stat().st_mtime > time.time() - since else
                 f"the ranks to finish step {done[0] + 1} (step {done[0]} done {format_duration(time.time() - done[1])} "
@@ -285,7 +280,7 @@ class Heartbeat:
         """`last`: the last line shown; `stepping`: whether a step line was shown yet."""
         expected = f"; ~{format_duration(self.step_s, fine=True)} a step expected here" if self.step_s else ""
         if stepping:
-            done = self._progress()
+            done = self.progress()
             since = f", step {done[0]} done {format_duration(time.time() - done[1])} ago" if done else ""
             return f"training{since} (steps are printed every logging.interval{expected})"
         if self.own:
@@ -300,8 +295,9 @@ class Heartbeat:
                  else "its first batch, forward and backward")
         return f"the model's build, {load}the first step: {first}{expected}"
 
-    def _progress(self) -> Optional[tuple[int, float]]:
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+    def progress(self) -> Optional[tuple[int, float]]:
+        """(the last step this launch completed, when) from rank 0's progress record; None before one."""
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):  # damaged: none
             record = json.loads(RunDir(self.run_dir).progress.read_text())
             if record.get("job") == self.tag and record["step"] > 0:
                 return int(record["step"]), float(record["unix"])
@@ -372,10 +368,8 @@ class Output(threading.Thread):
                 self._last_at = time.monotonic()
 
     def run(self) -> None:
-        beat = None
         if self.heartbeat is not None:
-            beat = threading.Thread(target=self._beat, name="slipway-heartbeat", daemon=True)
-            beat.start()
+            threading.Thread(target=self._beat, name="slipway-heartbeat", daemon=True).start()
         try:
             self._copy()
         finally:
@@ -414,11 +408,9 @@ class Output(threading.Thread):
             # (local_rank: 1)`, then `exitcode : -9 (pid: 123)` for one a signal killed
             if "Root Cause" in text:
                 root, rank = True, None
-            m = re.match(r"\s*rank\s*:\s*(\d+)", text)
-            if m:
+            if m := re.match(r"\s*rank\s*:\s*(\d+)", text):
                 rank = m.group(1)
-            m = re.match(r"\s*exitcode\s*:\s*-(\d+)", text)
-            if m and root and self.rank_signal is None:
+            if (m := re.match(r"\s*exitcode\s*:\s*-(\d+)", text)) and root and self.rank_signal is None:
                 self.failed_rank, self.rank_signal = rank, int(m.group(1))
 
 

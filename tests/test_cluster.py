@@ -41,7 +41,7 @@ def _completed(cluster: LocalSlurmCluster, job_id: str, out: Path, timeout: floa
 
 
 def test_nodes_idle_in_debug_partition(slurm_cluster: LocalSlurmCluster) -> None:
-    assert slurm_cluster.node_names == ["node1", "node2"]
+    assert slurm_cluster.spec.node_names == ["node1", "node2"]
     # The session's cluster: an earlier test's job may still be completing on it (a loaded machine
     # takes its time); the nodes are up and theirs once it is done.
     deadline = time.monotonic() + 300

@@ -597,8 +597,8 @@ def test_the_batch_a_fit_suggests_stays_within_the_configs_own_rules(project):
     assert fitting_batch(cfg, budget)[2] == 25  # what the arithmetic alone says
     fit = first_fit(cfg, project / "runs" / "tiny_cpu", reload, None, int(2 * budget / FIT_SHARE))
     assert fit is not None
-    chosen = reload(shlex.split(cfg.config_args_setting(fit.settings)))  # loads: within the config's rules
-    assert chosen.data.seq_len % 2 == 0 and 2 * process_memory(chosen) <= 2 * budget, fit.args
+    chosen = reload(shlex.split(cfg.config_args_setting(fit[0])))  # loads: within the config's rules
+    assert chosen.data.seq_len % 2 == 0 and 2 * process_memory(chosen) <= 2 * budget, fit
 
 
 @pytest.mark.slow

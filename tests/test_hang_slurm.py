@@ -200,7 +200,7 @@ def test_a_job_that_fails_alike_everywhere_stops_after_max_retries(project, thre
     cluster = three_env
     small = project / "small-disk"
     small.mkdir()
-    nodes = cluster.node_names
+    nodes = cluster.spec.node_names
     for node in nodes:  # a 1 MiB filesystem where checkpoints go, on every node
         on_node(cluster, node, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small))
     try:

@@ -87,7 +87,7 @@ class Lab:
 
     @property
     def nodes(self) -> list[str]:
-        return self.cluster.node_names
+        return self.cluster.spec.node_names
 
     def slipway(self, *args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, timeout=timeout,

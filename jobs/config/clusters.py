@@ -21,10 +21,10 @@ import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from common.errors import ConfigError, bounded_path, shown
-from common.fs import NotRegularFile, open_regular
+from common.fs import NotRegularFile, read_file
 from common.schema import from_dict, part_of, require, to_dict, unknown_key
 from common.yaml import MAX_TEXT, line_of, read_text_bounded, read_yaml
 from containers.record import ImageSection
@@ -90,19 +90,17 @@ class ClusterProfile:
         return f"cluster profile {self.name} ({', '.join(self.sources)})"
 
 
-def profile_files(project_dir: Path, environ: Optional[Mapping[str, str]] = None) -> list[Path]:
+def profile_files(project_dir: Path) -> list[Path]:
     """Where profiles are read from, the one that wins last: the user's, then the project's."""
-    environ = os.environ if environ is None else environ
-    xdg = environ.get("XDG_CONFIG_HOME", "")
+    xdg = os.environ.get("XDG_CONFIG_HOME", "")
     base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".config"  # empty or relative: unset (XDG spec)
     return [base / "slipway" / FILE, Path(project_dir) / FILE]
 
 
-def selected(given: Optional[str], environ: Optional[Mapping[str, str]] = None) -> tuple[Optional[str], str]:
+def selected(given: Optional[str]) -> tuple[Optional[str], str]:
     """The cluster a command is for, and where that was said: `--cluster`, else $SLIPWAY_CLUSTER
     (environment input, checked like a config value); (None, "") for none."""
-    environ = os.environ if environ is None else environ
-    name, where = (given, "--cluster") if given is not None else (environ.get(ENV) or None, f"${ENV}")
+    name, where = (given, "--cluster") if given is not None else (os.environ.get(ENV) or None, f"${ENV}")
     if name is None:
         return None, ""
     if not SAFE_NAME.fullmatch(name):
@@ -117,21 +115,18 @@ def _read(path: Path) -> dict[str, Any]:
     regular file, too large, not YAML or not a map of names to maps is one line naming it."""
     shown_path = bounded_path(path)
     try:
-        f = open_regular(path)
-        if f is None:
+        if (found := read_file(path, MAX_TEXT)) is None:
             return {}
-        with f:
-            data = f.read(MAX_TEXT + 1)
     except NotRegularFile as exc:
         raise ConfigError(shown_path, f"{exc.strerror}: {FILE} must be a YAML file of cluster profiles") from None
     except OSError as exc:
         raise ConfigError(shown_path, f"cannot be read ({exc.strerror or exc}): fix its permissions or move it "
                                       "aside") from None
-    if len(data) > MAX_TEXT:
+    if found[0] is None:
         raise ConfigError(shown_path, f"larger than {MAX_TEXT} bytes, more than any profiles need: check that "
                                       "this is the file you meant")
     try:
-        text = data.decode("utf-8")
+        text = found[0].decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(shown_path, f"is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
     raw = read_yaml(text, shown_path)
@@ -170,15 +165,6 @@ def merged(base: dict, top: dict) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-def known(project_dir: Path) -> dict[str, list[Path]]:
-    """Every cluster name the profile files hold, and the files that hold it."""
-    names: dict[str, list[Path]] = {}
-    for path in profile_files(project_dir):
-        for name in _read(path):
-            names.setdefault(name, []).append(path)
-    return names
 
 
 def find_profile(name: str, project_dir: Path, where: str = "--cluster") -> ClusterProfile:

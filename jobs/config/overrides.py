@@ -80,42 +80,29 @@ def parse_value(text: str, key: str = "") -> Any:
 def _split_list(inner: str, key: str) -> list[str]:
     """`a, ${X}:/b, "c, d"`: items split at commas outside quotes and `${...}` (a YAML flow
     list cannot hold `${VAR}`, which mounts need); quoted items as YAML reads them."""
-    items, current, quote, depth, i = [], [], "", 0, 0
-    while i < len(inner):
-        ch = inner[i]
-        if quote:
-            current.append(ch)
-            if ch == "\\" and quote == '"' and i + 1 < len(inner):
-                current.append(inner[i + 1])
-                i += 1
-            elif ch == quote:
-                quote = ""
-        elif ch in "\"'" and not "".join(current).strip():
+    items, current, quote, depth, escaped = [], "", "", 0, False
+    for i, ch in enumerate(inner):
+        if escaped:  # in double quotes a backslash takes the next character, whatever it is
+            escaped = False
+        elif quote:
+            escaped, quote = ch == "\\" and quote == '"', "" if ch == quote else quote
+        elif ch in "\"'" and not current.strip():
             quote = ch
-            current.append(ch)
         elif inner.startswith("${", i):
             depth += 1
-            current.append(ch)
         elif ch == "}" and depth:
             depth -= 1
-            current.append(ch)
         elif ch == "," and not depth:
-            items.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-        i += 1
+            items.append(current)
+            current = ""
+            continue
+        current += ch
     if quote:
         raise ConfigError(key or "override", f"unterminated {quote} in [{inner}]: close the quote")
-    if "".join(current).strip() or items:
-        items.append("".join(current))
-    out = []
-    for item in (it.strip() for it in items):
-        if item[:1] in "\"'" and len(item) >= 2 and item[-1] == item[0]:
-            out.append(read_yaml(item, key or "override", lines=False))  # YAML's quoting rules
-        else:
-            out.append(Plain(item))
-    return out
+    if current.strip() or items:
+        items.append(current)
+    return [read_yaml(item, key or "override", lines=False) if item[:1] in "\"'" and len(item) >= 2
+            and item[-1] == item[0] else Plain(item) for item in (it.strip() for it in items)]
 
 
 # Mappings whose keys may hold dots themselves (annotations such as com.hooks.x.enabled).

@@ -2,10 +2,6 @@
 in its own namespaces) to try slipway on (`slipway cluster up | env | status | down`, docs/clusters.md),
 and the one the tests (tests/slurm_fixtures.py) and benchmarks start for themselves. Needs root,
 slurm-wlm (slurmctld, slurmd, client commands), munge, iproute2, util-linux (nsenter, unshare).
-
-spec.py: what a cluster is and its slurm.conf; daemons.py: its daemons, started and stopped by
-process id, and the client commands pointed at it; host.py: the host plumbing (processes, the
-registry, /etc/hosts, namespaces, teardown); command.py: `slipway cluster`.
 """
 
 from jobs.devcluster.command import main

@@ -92,8 +92,7 @@ def _down(name: str, spec: ClusterSpec | None) -> None:
     running = [p["role"] for p in reg.get("processes", []) if alive(p["pid"], p["start"])]
     namespaces = our_netns(name)
     procs = teardown(name)
-    left = leftovers(name, spec.state_dir if spec else None, procs)
-    if left:
+    if left := leftovers(name, spec.state_dir if spec else None, procs):
         raise ClusterError(f"not fully down: {', '.join(left)}")
     if not reg and not namespaces:
         print(f"no cluster {name!r} was running: nothing to stop")

@@ -37,8 +37,7 @@ def unavailable_reason() -> str | None:
     """Why a local cluster cannot start here (None if it can): for skips."""
     if os.geteuid() != 0:
         return "the local Slurm cluster needs root (network namespaces, /etc/hosts)"
-    missing = [b for b in DAEMONS + TOOLS if shutil.which(b) is None]
-    if missing:
+    if missing := [b for b in DAEMONS + TOOLS if shutil.which(b) is None]:
         return (f"missing {', '.join(missing)}: install Debian's slurm-wlm, munge, iproute2, "
                 "util-linux to run the local Slurm cluster")
     return None
@@ -51,14 +50,9 @@ class LocalSlurmCluster:
         self.spec = spec
         self._children: list[subprocess.Popen] = []
 
-    # -- what clients use
     def env(self) -> dict[str, str]:
         """Environment for sbatch/squeue/scontrol/scancel/srun to reach this cluster."""
         return {"SLURM_CONF": str(self.spec.conf)}
-
-    @property
-    def node_names(self) -> list[str]:
-        return self.spec.node_names
 
     def run(self, *argv: str, cwd: Path | None = None, check: bool = True,
             timeout: float = 60) -> subprocess.CompletedProcess:
@@ -72,20 +66,17 @@ class LocalSlurmCluster:
 
     def log_tails(self, lines: int = 25) -> str:
         """The last `lines` of each daemon's log, for an error that says why the cluster failed."""
-        logs = [self.spec.log_dir / "munged.out", self.spec.log_dir / "slurmctld.log",
-                self.spec.log_dir / "slurmctld.out"]
-        for n in self.node_names:
-            logs += [self.spec.log_dir / f"slurmd-{n}.log", self.spec.log_dir / f"slurmd-{n}.out"]
+        names = ["munged.out", "slurmctld.log", "slurmctld.out",
+                 *(f"slurmd-{n}.{kind}" for n in self.spec.node_names for kind in ("log", "out"))]
+        logs = [self.spec.log_dir / name for name in names]
         return "\n".join(f"--- {p}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
                          for p in logs if p.exists())
 
-    # -- lifecycle
     def up(self, timeout: float = 60) -> "LocalSlurmCluster":
         """Start the cluster (after tearing down leftovers under the same name);
         return once every node is idle."""
         spec = self.spec
-        reason = unavailable_reason()
-        if reason:
+        if reason := unavailable_reason():
             raise ClusterError(reason)
         old = read_registry(spec.name)
         if old or our_netns(spec.name) or our_links(spec.name):
@@ -126,8 +117,7 @@ class LocalSlurmCluster:
                 p.wait(timeout=1)
         self._children.clear()
         if check:
-            left = leftovers(self.spec.name, self.spec.state_dir, procs)
-            if left:
+            if left := leftovers(self.spec.name, self.spec.state_dir, procs):
                 raise ClusterError(f"cluster {self.spec.name} is not fully down: {', '.join(left)}")
 
     def status(self) -> dict:
@@ -154,7 +144,6 @@ class LocalSlurmCluster:
                 *self._in_uts(node, "slurmd", "-D", "-N", node, "-f", str(spec.conf), binds=binds)]
         self._start(role, argv, f"slurmd-{node}.out")
 
-    # -- internals
     def _prepare_state_dir(self) -> None:
         s = self.spec.state_dir
         if s.exists() and any(s.iterdir()) and not (s / STATE_MARKER).exists():
@@ -164,7 +153,7 @@ class LocalSlurmCluster:
         # its jobs from 1 again, so an earlier cluster's containers there would pass for this one's.
         for sub in ("ctld", "spool", "run", "log", "nodes"):
             shutil.rmtree(s / sub, ignore_errors=True)
-        for sub in ("ctld", "run", "log", *(f"spool/{n}" for n in self.node_names)):
+        for sub in ("ctld", "run", "log", *(f"spool/{n}" for n in self.spec.node_names)):
             (s / sub).mkdir(parents=True, exist_ok=True)
         (s / STATE_MARKER).touch()
         munge = s / "munge"
@@ -184,8 +173,7 @@ class LocalSlurmCluster:
     def _check_hosts_free(self) -> None:
         ours = {line.split()[1] for line in self.spec.hosts_lines()}
         outside, _ = split_hosts(HOSTS.read_text(), self.spec.name)
-        taken = sorted({n for line in outside for n in line.split("#")[0].split()[1:] if n in ours})
-        if taken:
+        if taken := sorted({n for line in outside for n in line.split("#")[0].split()[1:] if n in ours}):
             raise ClusterError(f"{HOSTS} already maps {', '.join(taken)} outside this cluster's block "
                                "(another cluster, or a real host): bring that down or change the names")
 
@@ -242,15 +230,14 @@ class LocalSlurmCluster:
         states: dict[str, str] = {}
         ctld_up = False
         while time.monotonic() < deadline:
-            dead = [p.args for p in self._children if p.poll() is not None]
-            if dead:
+            if dead := [p.args for p in self._children if p.poll() is not None]:
                 raise ClusterError(f"a daemon exited during start: {shlex.join(dead[0])}")
             if not ctld_up:  # sinfo is slow to give up on a controller that is not listening yet
                 with contextlib.suppress(OSError), socket.create_connection((s.ctl_addr, s.ctld_port), 0.5):
                     ctld_up = True
             if ctld_up:
                 states = self.node_states()
-                if sorted(states) == sorted(self.node_names) and set(states.values()) == {"idle"}:
+                if sorted(states) == sorted(self.spec.node_names) and set(states.values()) == {"idle"}:
                     return
             time.sleep(0.2)
         raise ClusterError(f"nodes not idle after {timeout:.0f} s (controller "

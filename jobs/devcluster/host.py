@@ -28,8 +28,6 @@ class ClusterError(RuntimeError):
     """The local cluster could not be started, reached or stopped."""
 
 
-# ---------------------------------------------------------------- processes
-
 def proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks) of `pid`, None if it is gone."""
     try:
@@ -75,29 +73,24 @@ def pids_in_netns(ns: str) -> list[int]:
         ref = os.stat(NETNS_DIR / ns)
     except FileNotFoundError:
         return []
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                st = os.stat(f"/proc/{entry}/ns/net")
-                if (st.st_dev, st.st_ino) == (ref.st_dev, ref.st_ino) and alive(int(entry)):
-                    pids.append(int(entry))
-    return pids
+    return _pids(lambda pid: os.path.samestat(os.stat(f"/proc/{pid}/ns/net"), ref))
 
 
 def pids_mentioning(text: str) -> list[int]:
     """Processes whose command line contains `text` (a state dir path is unique to one cluster)."""
-    me = os.getpid()
+    return _pids(lambda pid: text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes())
+
+
+def _pids(matches) -> list[int]:
+    """The live processes but this one for which `matches(pid)` holds (one gone meanwhile: not)."""
     found = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != me:
+        if entry.isdigit() and int(entry) != os.getpid():
             with contextlib.suppress(OSError):
-                if text.encode() in Path(f"/proc/{entry}/cmdline").read_bytes() and alive(int(entry)):
+                if matches(entry) and alive(int(entry)):
                     found.append(int(entry))
     return found
 
-
-# ---------------------------------------------------------------- registry and /etc/hosts
 
 def registry_path(name: str) -> Path:
     return RUN_DIR / f"{name}.json"
@@ -164,8 +157,6 @@ def hosts_block_present(name: str) -> bool:
     return hosts_markers(name)[0] in HOSTS.read_text()
 
 
-# ---------------------------------------------------------------- network
-
 def run(*argv: str, check: bool = True, **options) -> subprocess.CompletedProcess:
     """`argv`'s output as text (`options` go to subprocess.run); a failure raised with its message."""
     res = subprocess.run(argv, capture_output=True, text=True, **options)
@@ -210,8 +201,6 @@ def network_up(bridge: str, bridge_addr: str, nodes: list[tuple[str, str, str]])
         run("ip", "-n", ns, "link", "set", "eth0", "up")
         run("ip", "-n", ns, "link", "set", "lo", "up")
 
-
-# ---------------------------------------------------------------- teardown
 
 def teardown(name: str) -> list[tuple[int, int | None]]:
     """Stop everything a cluster called `name` left: its recorded processes, every

@@ -115,8 +115,6 @@ class Check:
                     self.out.rmdir()
             raise
 
-    # ---------------------------------------------------------------- processes under a budget
-
     def run(self, part: Part, what: str, argv: list[str], env: Optional[dict] = None, cwd: Optional[Path] = None,
             interrupt: bool = False, write_log: bool = True) -> tuple[int, str]:
         """`argv` as a process group of its own, stopped at the part's deadline (OutOfTime): with two
@@ -182,11 +180,7 @@ class Check:
         part.status = ("failed" if any(not c["ok"] for c in part.checks) else
                        "incomplete" if ran and any("budget" in s["why"] for s in part.skipped) else
                        "ok" if ran else "skipped")
-        self.write_report()
-
-    # ---------------------------------------------------------------- the report
-
-    def write_report(self) -> None:
+        # The report, rewritten after every part.
         failed = any(not c["ok"] for p in self.parts for c in p.checks)
         report = {"format": 1, "command": "slipway gpu-check", "device": self.device, "devices": self.devices,
                   "started": self.started.isoformat(timespec="seconds"),

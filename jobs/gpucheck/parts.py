@@ -46,8 +46,7 @@ def gpu_check(out: Path, device: str = "auto", budgets: Optional[dict[str, float
             raise ConfigError("--device", "torch sees no CUDA device on this node" + (
                 f" (torch {info['torch']}, built for CUDA {info['torch_cuda'] or 'none'})" if info else "") +
                 ": run it on a GPU node, or --device cpu to check the rest on the CPU")
-        check.start(device="cuda" if device == "auto" and cuda else ("cpu" if device == "auto" else device),
-                    gpus=len(info["gpus"]) if info and cuda else 0)
+        check.start(device if device != "auto" else "cuda" if cuda else "cpu", len(info["gpus"]) if cuda else 0)
         check.node(node, info, t0)
         for name, plan in (("correctness", check.plan_correctness), ("training", check.plan_training),
                            ("allreduce", check.plan_allreduce), ("speed", check.plan_speed)):
@@ -63,8 +62,6 @@ def _existing_parent(path: Path) -> Path:
 
 class GpuCheck(Check):
     """The check's parts on this node: `plan_NAME` lists part NAME's steps (gpu_check runs them in order)."""
-
-    # ---------------------------------------------------------------- node
 
     def node(self, part: Part, info: Optional[dict], t0: float) -> None:
         if info is not None:
@@ -89,8 +86,6 @@ class GpuCheck(Check):
 
         cfg = load_config(str(self.training_config("gpucheck-dp", dp=self.devices, tp=1)), [])
         return dict(sorted(local_env(cfg, Run(RunDir(self.runs / cfg.run.name, self.work))).items()))
-
-    # ---------------------------------------------------------------- configs
 
     @property
     def runs(self) -> Path:
@@ -118,8 +113,6 @@ class GpuCheck(Check):
                "checkpoint": {"interval": SAVED, "keep_last": 3}}
         raw["train"]["grad_accum_steps"] = accum
         return write_atomic(self.work / "configs" / f"{name}.yaml", yaml.safe_dump(raw, sort_keys=False))
-
-    # ---------------------------------------------------------------- correctness
 
     def plan_correctness(self) -> Plan:
         return [("fp32 on the CPU", lambda part: self.trainer_losses(part, "fp32 on the CPU", "float32", cpu=True)),
@@ -161,8 +154,6 @@ class GpuCheck(Check):
         if not result["flash_attn"] or self.device == "cpu":
             part.skip("flash-attn against the math path", "flash-attn runs on CUDA only" if result["flash_attn"]
                       else "flash-attn is not installed here")
-
-    # ---------------------------------------------------------------- training through `slipway local`
 
     def plan_training(self) -> Plan:
         n = self.devices
@@ -228,8 +219,6 @@ class GpuCheck(Check):
             part.check("dp x tp against dp", worst <= LAYOUT_RTOL[dtype],
                        f"losses within {worst:.1e} of the FSDP2 run's (bound {LAYOUT_RTOL[dtype]:g}, {dtype})")
 
-    # ---------------------------------------------------------------- all-reduce
-
     def plan_allreduce(self) -> Plan:
         if self.devices < 2:
             return [("all-reduce", "one GPU: no all-reduce across GPUs")]
@@ -240,15 +229,12 @@ class GpuCheck(Check):
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.devices}",
                 "-m", "trainer.gpucheck", "allreduce", "--sizes", *sizes,
                 "--iters", "10" if self.device == "cuda" else "3"]
-        result = self.run_json(part, f"all-reduce over {self.devices}", argv, env={"OMP_NUM_THREADS": "1"})
-        if result is not None:
+        if result := self.run_json(part, f"all-reduce over {self.devices}", argv, env={"OMP_NUM_THREADS": "1"}):
             part.results["allreduce"] = result
             best = max(result["sizes"], key=lambda r: r["bus_gbs"])
             part.check("all-reduce sums", not any(r["wrong"] for r in result["sizes"]),
                        f"{result['backend']} over {result['world']}: {best['bus_gbs']:.1f} GB/s bus bandwidth at "
                        f"{best['mib']:g} MiB")
-
-    # ---------------------------------------------------------------- speed
 
     def plan_speed(self) -> Plan:
         titan = (self.device == "cuda" and (self.parts[0].results.get("torchtitan") or None))

@@ -91,8 +91,7 @@ def _node(r: dict, report: dict) -> list[str]:
 def _correctness(r: dict, report: dict) -> list[str]:
     series = {k: v for k, v in r.items() if isinstance(v, dict) and k != "attention" and v}
     lines = _series(series, ".5f", diff=True) if series else []
-    attention = r.get("attention")
-    if attention:
+    if attention := r.get("attention"):
         lines += ["", f"Attention, {attention['dtype']} against the math path in fp32 on {attention['device']}, "
                       f"shape {attention['shape']} (largest absolute error, bound):", ""]
         lines += _table(["kernel", "output", "dq", "dk", "dv"], "lllll", [

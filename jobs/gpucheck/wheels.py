@@ -69,8 +69,7 @@ def node_has(path: Optional[Path]) -> dict[str, str]:
     except OSError as exc:
         raise ConfigError("--have", f"{path}: {exc.strerror}") from None
     for line in text.splitlines():
-        m = re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][^\s;#]*)\s*", line)
-        if m:
+        if m := re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][^\s;#]*)\s*", line):
             have[_norm(m[1])] = m[2].split("+")[0]
     return have
 
@@ -94,7 +93,7 @@ def requirements(wheel: Path, torchtitan: bool) -> list[str]:
 
 
 def gather(out: Path, python_version: str, platform: str, torchtitan: bool = False, have: Optional[Path] = None,
-           pip: Optional[list[str]] = None, say=print) -> int:
+           say=print) -> int:
     """Fill `out` with the wheels; its size in bytes."""
     if not re.fullmatch(r"3\.\d+", python_version):
         raise ConfigError("--python-version", f"{python_version!r}: give the node's Python as 3.N, e.g. 3.12")
@@ -104,21 +103,19 @@ def gather(out: Path, python_version: str, platform: str, torchtitan: bool = Fal
                                    "which is replaced)")
     if not (ROOT / "pyproject.toml").is_file():
         raise ConfigError("gpu-check-wheels", f"{ROOT} is no checkout of slipway (no pyproject.toml): run it there")
-    pip = pip or [sys.executable, "-m", "pip"]
     target = ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
               *(a for tag in tags for a in ("--platform", tag))]
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         wheels = work / "wheels"
-        reqs = requirements(_own_wheel(work, wheels, pip), torchtitan)
+        reqs = requirements(_own_wheel(work, wheels), torchtitan)
         nodes = node_has(have)
         say(f"resolving {', '.join(reqs)} for CPython {python_version} on {platform} (the node has: "
             f"{', '.join(sorted(nodes))})")
-        chosen = _resolve(work, pip, [*target, "--abi", f"cp{python_version.replace('.', '')}", "--abi", "abi3",
-                                      "--abi", "none"], reqs, nodes)
-        if chosen:
-            _pip(pip + ["download", "-q", "--no-deps", *target, "-d", str(wheels), *chosen], "downloading")
+        abi = ["--abi", f"cp{python_version.replace('.', '')}", "--abi", "abi3", "--abi", "none"]
+        if chosen := _resolve(work, [*target, *abi], reqs, nodes):
+            _pip(["download", "-q", "--no-deps", *target, "-d", str(wheels), *chosen], "downloading")
         size = _within_limit(wheels, torchtitan)
         write_atomic(wheels / "requirements.txt",
                      f"# slipway gpu-check for CPython {python_version} on {platform}, beside the node's torch\n"
@@ -135,7 +132,7 @@ def gather(out: Path, python_version: str, platform: str, torchtitan: bool = Fal
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _own_wheel(work: Path, wheels: Path, pip: list[str]) -> Path:
+def _own_wheel(work: Path, wheels: Path) -> Path:
     """slipway's wheel, built into `wheels` from a copy of what pyproject.toml packages (a checkout's
     build/ may hold stale files)."""
     source = work / "source"
@@ -145,12 +142,12 @@ def _own_wheel(work: Path, wheels: Path, pip: list[str]) -> Path:
             shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy2(ROOT / name, source / name)
-    _pip(pip + ["wheel", "--no-deps", "-q", "-w", str(wheels), str(source)], "building slipway's wheel")
+    _pip(["wheel", "--no-deps", "-q", "-w", str(wheels), str(source)], "building slipway's wheel")
     (own,) = wheels.glob("slipway-*.whl")
     return own
 
 
-def _resolve(work: Path, pip: list[str], target: list[str], reqs: list[str], nodes: dict[str, str]) -> list[str]:
+def _resolve(work: Path, target: list[str], reqs: list[str], nodes: dict[str, str]) -> list[str]:
     """NAME==VERSION of every wheel `reqs` need for the node that it does not have (stood in for by
     empty wheels while pip resolves), slipway's own left out."""
     stubs = work / "stubs"
@@ -158,7 +155,7 @@ def _resolve(work: Path, pip: list[str], target: list[str], reqs: list[str], nod
     for name, version in nodes.items():
         stub_wheel(stubs, name, f"{version}+slipway")
     (work / "constraints.txt").write_text("".join(f"{n}=={v}+slipway\n" for n, v in nodes.items()))
-    _pip(pip + ["install", "-q", "--dry-run", "--ignore-installed", "--report", str(work / "report.json"),
+    _pip(["install", "-q", "--dry-run", "--ignore-installed", "--report", str(work / "report.json"),
                 "--target", str(work / "target"), *target, "--find-links", str(stubs), "--find-links",
                 str(work / "wheels"), "-c", str(work / "constraints.txt"), *reqs], "resolving")
     return [f"{i['metadata']['name']}=={i['metadata']['version']}"
@@ -179,8 +176,8 @@ def _within_limit(wheels: Path, torchtitan: bool) -> int:
     return size
 
 
-def _pip(argv: list[str], what: str) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True)
+def _pip(args: list[str], what: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines()
                  if ln.strip() and "is ignored: it is neither a file nor a directory" not in ln]

@@ -1,13 +1,5 @@
-"""Slurm: its client tools and the batch script a run submits.
-
-- client.py: the one wrapper around sbatch, squeue, sacct, scancel, scontrol, sinfo and srun
-  (every command line built there; `srun_argv` for every srun a run or a command starts);
-- bad_nodes.py: the bad nodes a cluster remembers, which the batch script excludes;
-- ranks.py, warm.py: how the ranks start, and the warm processes of `slipway run`;
-- preflight.py: the batch script's preflight;
-- script.py: the batch script's one render function, with the job library it pins and sources
-  (job_lib.sh, bad_nodes_lib.sh, requeue_lib.sh, verify_lib.sh, pyxis_lib.sh).
-"""
+"""Slurm: its client tools (client.py, the one wrapper, `srun_argv` for every srun), the bad nodes a
+cluster remembers, and the batch script a run submits (script.py) with its job library (*.sh)."""
 
 from jobs.slurm.client import (ACTIVE_STATES, JobInfo, SlurmError, associations, available, can_ask,
                                check_sbatch_environment, cluster_config, hostnames, job_info, jobs_info,

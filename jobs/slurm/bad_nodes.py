@@ -135,11 +135,11 @@ class BadNodes:
     def forget(self, node: str) -> bool:
         """Remove `node`'s record (whatever it holds; a damaged record by the name it has); False
         when there was none."""
-        damaged = not (node.startswith(".") or "/" in node) and os.path.lexists(self.record(node))  # by its own name
+        path = self.record(node)
+        damaged = not (node.startswith(".") or "/" in node) and os.path.lexists(path)  # by its own name
         if not NODE_NAME.fullmatch(node) and not damaged:
             raise ConfigError("--forget", f"{shown(node)} is not a node name (letters, digits, '.', '_' or '-')")
-        path = self.record(node)
-        if not (path.is_file() or path.is_symlink() or path.exists()):
+        if not os.path.lexists(path):
             return False
         if path.is_dir() and not path.is_symlink():
             raise ConfigError("--forget", f"{path} is a directory, not a node's record: remove it by hand")
@@ -180,13 +180,9 @@ def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
     out = Exclusions(notes=[f"a remembered bad node's record is damaged: {d}" for d in recall.damaged])
     if not recall.live:
         return out
-    if not slurm.available("sinfo"):
-        out.notes.append(f"cluster {remembered.cluster} remembers bad nodes ({_names(recall.live)}) but sinfo is not "
-                         "here to check them against the partition: none excluded")
-        return out
     try:
         partition, states = slurm.partition_nodes(cfg.slurm.partition)
-    except slurm.SlurmError as exc:  # a real submission fails at sbatch for the same reason
+    except slurm.SlurmError as exc:  # no sinfo here (a dry run), or no answer, where sbatch fails alike
         out.notes.append(f"cluster {remembered.cluster} remembers bad nodes ({_names(recall.live)}) but sinfo could not "
                          f"list the partition's nodes ({exc}): none excluded")
         return out

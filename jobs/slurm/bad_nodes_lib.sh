@@ -1,7 +1,7 @@
 # ---- slipway job library: the bad nodes a cluster remembers across jobs (jobs/slurm/bad_nodes_lib.sh) ----
 # Pinned and sourced beside job_lib.sh (whose `event` and `line_field` it uses, and which calls these
 # where it blames a node or a preflight clears one); jobs/slurm/bad_nodes.py reads the records at
-# submission. Its settings: CLUSTER, BAD_NODES_DIR; and RUN_DIR.
+# submission.
 
 declare -gA BLAME=()  # why each node is blamed: set where a node is named, read by remember_bad_nodes
 

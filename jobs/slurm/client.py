@@ -48,39 +48,30 @@ class JobInfo:
     @property
     def return_code(self) -> int | None:
         """The job's exit code as a shell would see it (signals as 128+N)."""
-        if not self.exit_code or ":" not in self.exit_code:
+        code, colon, sig = self.exit_code.partition(":")
+        if not colon:
             return None
-        code, _, sig = self.exit_code.partition(":")
-        code_i, sig_i = int(code or 0), int(sig or 0)
-        return 128 + sig_i if sig_i else code_i
+        return 128 + int(sig) if int(sig or 0) else int(code or 0)
 
 
 def available(tool: str) -> bool:
     return shutil.which(tool) is not None
 
 
-def _tool(name: str):
+def tool(name: str):
+    """`name` to run through plumbum, refused where it is not on PATH."""
     if not available(name):
         raise SlurmError(f"{name} not found on PATH: run slipway on a Slurm login node (or `make cluster-up` "
                          "for a local test cluster)")
     return local[name]
 
 
-def _run(cmd, *args: str, cwd: Path | None = None) -> str:
+def _run(cmd, *args: str) -> str:
     try:
-        if cwd is not None:
-            with local.cwd(cwd):
-                return cmd[args]()
         return cmd[args]()
     except ProcessExecutionError as exc:
         msg = " ".join((exc.stderr or exc.stdout or "").split())
         raise SlurmError(f"{cmd.executable.name} failed (exit {exc.retcode}): {msg}") from None
-
-
-def sbatch_argv(script: Path, after: str | None = None) -> list[str]:
-    """`after`: a job id this job waits for; it starts only if that one completed (afterok)."""
-    return ["sbatch", "--parsable", *([f"--dependency=afterok:{after}", "--kill-on-invalid-dep=yes"] if after else []),
-            str(script)]
 
 
 # sbatch's input variables (sbatch(1), INPUT ENVIRONMENT VARIABLES) outrank a script's #SBATCH lines.
@@ -134,26 +125,23 @@ def check_sbatch_environment(environ: Optional[Mapping[str, str]] = None) -> Non
                                             f"{' '.join(refused)} and submit again")
 
 
-def cleared_variables(script_text: str, environ: Mapping[str, str]) -> list[str]:
-    """The sbatch input variables of `environ` that would outrank a #SBATCH line of the script."""
-    stated = set(_SBATCH_LINE.findall(script_text))
-    return [name for name, (_, *options) in STATED_BY_SCRIPT.items() if environ.get(name) and stated & set(options)]
-
-
 def sbatch(script: Path, cwd: Path, after: str | None = None) -> str:
     """Submit `script`; return the job id (cluster suffix stripped). The input variables that would
     outrank its #SBATCH lines are left out of sbatch's environment (each said); those slipway cannot
-    honour are refused."""
+    honour are refused. `after`: a job id this job waits for; it starts only if that one completed."""
     check_sbatch_environment(local.env)
-    cleared = cleared_variables(read_text_bounded(script, script.name), local.env)
+    stated = set(_SBATCH_LINE.findall(read_text_bounded(script, script.name)))
+    cleared = [name for name, (_, *options) in STATED_BY_SCRIPT.items()
+               if local.env.get(name) and stated & set(options)]
     for name in cleared:
         key, option, *_ = STATED_BY_SCRIPT[name]
         warn(f"${name} is left out of sbatch's environment: {script.name} states {option} from the run's {key}, "
              f"which the run records (set {key} instead)")
-    with local.env():
+    with local.env(), local.cwd(cwd):
         for name in cleared:
             local.env.pop(name, None)
-        out = _run(_tool("sbatch"), *sbatch_argv(script, after)[1:], cwd=cwd)
+        out = _run(tool("sbatch"), "--parsable", *([f"--dependency=afterok:{after}", "--kill-on-invalid-dep=yes"]
+                                                    if after else []), str(script))
     job_id = out.strip().split(";")[0]
     if not job_id.isdigit():
         raise SlurmError(f"sbatch printed {out.strip()!r} instead of a job id")
@@ -165,7 +153,7 @@ def scancel(job_ids: list[str], signal: str | None = None, *, batch: bool = Fals
     batch shell alone (`batch`), whose trap then ends the job itself."""
     scope = ["--batch"] if batch else ["--full"]
     args = ([f"--signal={signal}", *scope] if signal else []) + list(job_ids)
-    _run(_tool("scancel"), *args)
+    _run(tool("scancel"), *args)
 
 
 # squeue's fields, each ended by "|" (no width: nothing is cut); the job name last, as it may hold "|".
@@ -192,42 +180,42 @@ def _wait_status(text: str) -> str:
     return f"0:{status & 0x7F}" if status & 0x7F else f"{status >> 8}:0"
 
 
-def _ask(argv: list[str]) -> str:
-    """What a query printed; "" when it failed (an id slurmctld forgot, no accounting, no answer)."""
-    rc, out, _ = local[argv[0]][argv[1:]].run(retcode=None)
-    return out if rc == 0 else ""
+def _ask(argv: list[str], timeout: float | None = None) -> str | None:
+    """What a query printed; None when it failed or its tool is not here (an id slurmctld forgot,
+    no accounting, no answer)."""
+    if not available(argv[0]):
+        return None
+    rc, out, _ = local[argv[0]][argv[1:]].run(retcode=None, timeout=timeout)
+    return out if rc == 0 else None
 
 
 # Job ids per call: a command line argument holds at most 128 KiB (Linux's MAX_ARG_STRLEN).
 BATCH = 5000
 
 
+def _squeue_info(job, state, reason, elapsed, nodes, code, name) -> JobInfo:
+    return JobInfo(job, state, _wait_status(code), "" if reason == "None" else reason, elapsed, nodes, name)
+
+
+def _sacct_info(job, state, code, elapsed, nodes, name) -> JobInfo:
+    return JobInfo(job, state, code, "", elapsed, nodes, name)
+
+
 def jobs_info(job_ids: list[str]) -> dict[str, JobInfo]:
     """The state of each job Slurm knows, in at most two calls whatever their number (up to BATCH
     ids a call): one squeue for the jobs slurmctld still holds, one sacct for the others (where
-    accounting runs)."""
+    accounting runs; a requeued job's last line counts)."""
     wanted = sorted(set(job_ids), key=lambda j: (len(j), j))  # a command line that reads the same each time
     found: dict[str, JobInfo] = {}
-    if wanted and available("squeue"):
-        for i in range(0, len(wanted), BATCH):
-            asked = set(wanted[i:i + BATCH])
-            # By "\n" alone: a job's name or reason may hold what str.splitlines() also breaks at.
-            for line in _ask(squeue_argv(wanted[i:i + BATCH])).split("\n"):
-                parts = line.split("|", 6)
-                if len(parts) == 7 and parts[0] in asked:
-                    job, state, reason, elapsed, nodes, code, name = parts
-                    found[job] = JobInfo(job_id=job, state=state, exit_code=_wait_status(code),
-                                         reason="" if reason == "None" else reason, elapsed=elapsed, nodes=nodes,
-                                         name=name)
-    missing = [j for j in wanted if j not in found]
-    if missing and available("sacct"):
+    for argv, fields, info in ((squeue_argv, 7, _squeue_info), (sacct_argv, 6, _sacct_info)):
+        missing = [j for j in wanted if j not in found]
         for i in range(0, len(missing), BATCH):
             asked = set(missing[i:i + BATCH])
-            for line in _ask(sacct_argv(missing[i:i + BATCH])).split("\n"):  # a requeued job's last line counts
-                parts = line.split("|", 5)
-                if len(parts) == 6 and parts[0] in asked:
-                    found[parts[0]] = JobInfo(job_id=parts[0], state=parts[1], exit_code=parts[2],
-                                              elapsed=parts[3], nodes=parts[4], name=parts[5])
+            # By "\n" alone: a job's name or reason may hold what str.splitlines() also breaks at.
+            for line in (_ask(argv(missing[i:i + BATCH])) or "").split("\n"):
+                parts = line.split("|", fields - 1)
+                if len(parts) == fields and parts[0] in asked:
+                    found[parts[0]] = info(*parts)
     return found
 
 
@@ -248,12 +236,12 @@ def max_array_size() -> int:
 
 def job_steps(job_id: str) -> list[tuple[str, str]]:
     """(JOB.STEP, name) of each step of job `job_id` that runs; [] when Slurm does not say."""
-    out = _ask(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"]) if available("squeue") else ""
+    out = _ask(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"]) or ""
     return [(parts[0], parts[1]) for line in out.splitlines() if len(parts := line.split(None, 1)) == 2]
 
 
 def signal_steps(step_ids: list[str], signal: str) -> None:
-    _run(_tool("scancel"), f"--signal={signal}", *step_ids)
+    _run(tool("scancel"), f"--signal={signal}", *step_ids)
 
 
 def can_ask() -> bool:
@@ -263,17 +251,14 @@ def can_ask() -> bool:
 
 def hostnames(nodelist: str) -> list[str]:
     """The node names of a Slurm host list (`node[1-3,5]`); [] for an empty one or without scontrol."""
-    if not nodelist or nodelist in ("(null)", "None") or not available("scontrol"):
+    if not nodelist or nodelist in ("(null)", "None"):
         return []
-    try:
-        return local["scontrol"]("show", "hostnames", nodelist).split()
-    except ProcessExecutionError:
-        return []
+    return (_ask(["scontrol", "show", "hostnames", nodelist]) or "").split()
 
 
 def responding_nodes(partition: str | None) -> list[str]:
     """The nodes of `partition` (every partition's when None) that answer the controller."""
-    out = _run(_tool("sinfo"), "-h", "-N", "-r", "-o", "%N", *(["-p", partition] if partition else []))
+    out = _run(tool("sinfo"), "-h", "-N", "-r", "-o", "%N", *(["-p", partition] if partition else []))
     return list(dict.fromkeys(out.split()))
 
 
@@ -289,7 +274,7 @@ def usable_state(state: str) -> bool:
 def partition_nodes(partition: str | None) -> tuple[str, dict[str, str]]:
     """(the partition, each of its nodes' sinfo state) in one sinfo: `partition`'s, else the
     default partition's (sinfo marks it with a `*`); ("", {}) when there is none."""
-    out = _run(_tool("sinfo"), "-h", "-N", "-o", "%N|%t|%P")
+    out = _run(tool("sinfo"), "-h", "-N", "-o", "%N|%t|%P")
     rows = [line.split("|") for line in out.splitlines() if line.count("|") == 2]
     if partition is None:
         partition = next((p.rstrip("*") for _, _, p in rows if p.endswith("*")), "")
@@ -298,7 +283,7 @@ def partition_nodes(partition: str | None) -> tuple[str, dict[str, str]]:
 
 def partitions() -> dict[str, list[tuple[str, str]]]:
     """Each partition's nodes as (name, generic resources: `gpu:4`, `(null)`), in one sinfo."""
-    out = _run(_tool("sinfo"), "-h", "-N", "-o", "%P|%N|%G")
+    out = _run(tool("sinfo"), "-h", "-N", "-o", "%P|%N|%G")
     found: dict[str, list[tuple[str, str]]] = {}
     for part, node, gres in (line.split("|", 2) for line in out.splitlines() if line.count("|") == 2):
         found.setdefault(part.rstrip("*"), []).append((node, gres))
@@ -307,20 +292,14 @@ def partitions() -> dict[str, list[tuple[str, str]]]:
 
 def associations(user: str) -> list[tuple[str, str]] | None:
     """(account, QoS list) of each of `user`'s associations (sacctmgr); None without accounting."""
-    if not available("sacctmgr"):
-        return None
-    rc, out, _ = local["sacctmgr"]["-n", "-P", "show", "associations", f"user={user}", "format=account,qos"].run(
-        retcode=None, timeout=30)
-    return [tuple(line.split("|", 1)) for line in out.splitlines() if "|" in line] if rc == 0 else None
+    out = _ask(["sacctmgr", "-n", "-P", "show", "associations", f"user={user}", "format=account,qos"], 30)
+    return None if out is None else [tuple(line.split("|", 1)) for line in out.splitlines() if "|" in line]
 
 
 def cluster_config() -> dict[str, str]:
     """`scontrol show config` as key -> value ({} without an answer)."""
-    if not available("scontrol"):
-        return {}
-    rc, out, _ = local["scontrol"]["show", "config"].run(retcode=None, timeout=30)
-    return {k.strip(): v.strip() for k, sep, v in (line.partition("=") for line in out.splitlines()) if sep} \
-        if rc == 0 else {}
+    out = _ask(["scontrol", "show", "config"], 30) or ""
+    return {k.strip(): v.strip() for k, sep, v in (line.partition("=") for line in out.splitlines()) if sep}
 
 
 def ping(timeout: float = 20) -> tuple[bool, str]:

@@ -5,22 +5,13 @@
 # sinfo, srun), and a user must be able to read their job.sbatch and follow it. What runs on the
 # batch host outside the container depends only on what compute nodes have: bash, coreutils and
 # the Slurm client commands, no Python. Pinned, not inlined: a submission writes a copy into
-# runs/RUN/lib/ named by its hash, and job.sbatch checks that hash before it sources the copy,
-# so runs/RUN/ alone says what ran, through every requeue. What a job leaves for the next ones
-# (bad_nodes_lib.sh; requeue_lib.sh: the warning lead, preemptions), what every node checks before
-# anything starts there (verify_lib.sh) are pinned and sourced the same way, and the pyxis part
-# (pyxis_lib.sh, kept containers) too, by pyxis jobs alone.
+# runs/RUN/lib/ named by its hash, and job.sbatch checks that hash before it sources the copy
+# (and the other *_lib.sh parts alike), so runs/RUN/ alone says what ran, through every requeue.
 #
-# The functions take data: the run's values are the plain variables the settings block at the
-# top of job.sbatch sets once (NODES_NEEDED, PROCS_PER_NODE, RANKS, MAX_RETRIES, MAX_REQUEUES,
-# REQUEUE, PREFLIGHT_TIMEOUT, the exit codes; what the job runs: CODE_DIR, CODE_SHA256,
-# IMAGE_FILE, IMAGE_SHA256, IMAGE_SIZE, IMAGE_MTIME; and where the run's files are, rendered from
-# common/rundir.py's RunDir: RUN_DIR, EVENTS_LOG, LOGS, HEARTBEAT, HEARTBEATS, GUTIL, HANGS, EXITS,
-# STOP_FILE, SAVES, CHECKPOINT_DIR: this library composes no path of the run's itself); the main
-# part sets JOB_TAG, NODES, RETRIES, REQUEUES and PREEMPTIONS.
-#
-# Every end is told truthfully in events.log and recorded before anything slow: the EXIT trap
-# writes `end exit N` first, and nothing slow is on the path to the job's end.
+# The functions take data: the plain variables job.sbatch's settings block sets once (the run's
+# values, exit codes and paths: this library composes no path of the run's itself); the main part
+# sets JOB_TAG, NODES, RETRIES, REQUEUES and PREEMPTIONS. Every end is told truthfully in
+# events.log and recorded before anything slow: the EXIT trap writes `end exit N` first.
 
 # event TEXT...: one line `ISO-TIME job JOBID TEXT` in events.log; a control character in TEXT (a
 # node's name from the job side holding a newline) is a space, so no text forges a line of its own.
@@ -281,24 +272,21 @@ wait_step() {
 on_warning() {
   TRAPPED=1
   [ "$STOP_REQUESTED" != 1 ] || return 0  # the timer's and Slurm's own warning: the first one asks
-  STOP_REQUESTED=1
-  STOP_CHECKPOINT=$(latest_checkpoint)
-  event "time limit warning: stop requested"
-  say_stop "the time limit is near"
-  touch "$STOP_FILE"
+  request_stop "time limit warning" "the time limit is near"
 }
-# say_stop WHY: the log says what happened above what torchrun then reports of the ranks' exits.
-say_stop() {
-  echo "slipway: $1: the ranks save a checkpoint at the step they agree on and exit $REQUEUE_EXIT (saved, resumable); what torch and torchrun report below about that exit is this stop, not a failure"
+# request_stop EVENT WHY: the ranks asked to save (STOP_FILE); the log says what happened above
+# what torchrun then reports of the ranks' exits.
+request_stop() {
+  STOP_REQUESTED=1 STOP_CHECKPOINT=$(latest_checkpoint)
+  event "$1: stop requested"
+  echo "slipway: $2: the ranks save a checkpoint at the step they agree on and exit $REQUEUE_EXIT (saved, resumable); what torch and torchrun report below about that exit is this stop, not a failure"
+  touch "$STOP_FILE"
 }
 # INT: Ctrl-C to `slipway run` (the script runs in an allocation, SLIPWAY_IN_ALLOCATION): like
 # the warning, a save at the step boundary, and the run stays resumable.
 on_interrupt() {
-  STOP_REQUESTED=1 TRAPPED=1 STOP_WHY="stopped on request"
-  STOP_CHECKPOINT=$(latest_checkpoint)
-  event "interrupted: stop requested"
-  say_stop "interrupted"
-  touch "$STOP_FILE"
+  TRAPPED=1 STOP_WHY="stopped on request"
+  request_stop interrupted interrupted
 }
 # A job cancelled by `slipway cancel` is not waited on by a retry or a requeue, and cancel waits
 # for it (a bounded grace): its container gets CANCEL_REMOVE_WAIT s to be removed instead of a few.

@@ -1,10 +1,8 @@
 # ---- slipway pyxis library (jobs/slurm/pyxis_lib.sh): the named containers of pyxis jobs ----
-# Sourced after the job library by pyxis jobs alone, pinned the same way (see job_lib.sh). It
-# reads the settings CONTAINER_PREFIX, CONTAINER_BUILD and KEEP_BUILDS, and the main part's
-# CONTAINER_NAME. Deleting an unpacked container takes 16 s on a quiet disk and over a minute
-# under load (tens of thousands of files), so the job's end gives it a few seconds and otherwise
-# leaves it to the next slipway job on the node, which removes stale containers in the
-# background when it starts.
+# Sourced after the job library by pyxis jobs alone, pinned the same way (see job_lib.sh).
+# Deleting an unpacked container takes 16 s on a quiet disk and over a minute under load (tens of
+# thousands of files), so the job's end gives it a few seconds and otherwise leaves it to the
+# next slipway job on the node, which removes stale containers in the background when it starts.
 
 # The steps' named pyxis container, CONTAINER_NAME (set by the main part; empty when the steps
 # name none). With an image build to reuse (CONTAINER_BUILD, from container.keep_builds) it is the

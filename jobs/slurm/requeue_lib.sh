@@ -2,8 +2,7 @@
 # Pinned and sourced beside job_lib.sh (whose `event` and `line_field` it uses): the warning lead
 # before the time limit, taken from the run's own saves at every start and requeue, so the save
 # before a time-limit requeue fits; and the preemptions, requeues by Slurm, counted apart from the
-# job's own. Its settings: LEAD_AUTO, LEAD_MIN, LEAD_DEFAULT, LEAD_MAX, WARNING_POLL, CHECKPOINT_BYTES,
-# SYNC_STEPS; and SAVES, EVENTS_LOG.
+# job's own.
 
 # note_preemption: an attempt after the first whose previous attempt did not requeue itself (a
 # failure retry, a time-limit requeue) was requeued by Slurm: a preemption, or the site's `scontrol

@@ -76,11 +76,9 @@ def _hf_home(cfg: Config, paths: RunDir) -> str:
     return f'[ -n "${{HF_HOME:-}}" ] || export HF_HOME={shlex.quote(str(paths.project / ".cache" / "huggingface"))}'
 
 
-# The job library (jobs/slurm/job_lib.sh: the job's decisions), its parts for the bad nodes a cluster
-# remembers (bad_nodes_lib.sh), for a job stopped and back (requeue_lib.sh: the warning lead, the
-# preemptions) and for what the job runs, checked on every node (verify_lib.sh), and its pyxis part
-# (pyxis_lib.sh: named containers), pinned into each run directory by their hash (`library_files`)
-# and sourced by job.sbatch once that hash is checked.
+# The job library (job_lib.sh: the job's decisions) and its parts, each saying what it holds (the pyxis
+# one for pyxis jobs alone), pinned into each run directory by their hash (`library_files`) and
+# sourced by job.sbatch once that hash is checked.
 LIBRARIES = ("job_lib", "bad_nodes_lib", "requeue_lib", "verify_lib", "pyxis_lib")
 JOB_LIB, BAD_NODES_LIB, REQUEUE_LIB, VERIFY_LIB, PYXIS_LIB = (Path(__file__).with_name(f"{name}.sh").read_text()
                                                               for name in LIBRARIES)
@@ -178,13 +176,10 @@ def _environment(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None
     if debug:
         lines += ["export CUDA_LAUNCH_BLOCKING=1", "export TORCH_DISTRIBUTED_DEBUG=DETAIL",
                   "export NCCL_DEBUG_SUBSYS=INIT,NET"]
-    preset = NODE_PRESETS.get(cfg.launch.preset)
-    if preset is not None:
+    if (preset := NODE_PRESETS.get(cfg.launch.preset)) is not None:
         lines.append(f"# launch.preset {cfg.launch.preset}: {preset.what}; launch.env overrides any of these.")
         lines += [f"export {key}={shlex.quote(value)}" for key, value in preset.env if key not in cfg.launch.env]
-    for key, value in cfg.launch.env.items():
-        lines.append(f"export {key}={shell_value(value)}")
-    return lines
+    return lines + [f"export {key}={shell_value(value)}" for key, value in cfg.launch.env.items()]
 
 
 def _node_helper(cfg: Config) -> list[str]:
@@ -285,10 +280,6 @@ def _sourced(paths: RunDir, libs: dict[Path, str]) -> list[str]:
     """The lines that check each pinned library's hash and source it: a copy changed or missing
     ends the job before anything runs (exit BAD_INPUT_EXIT, said in events.log by hand, as the
     library that would say it is the one in doubt)."""
-    lines = []
-    for path, text in libs.items():
-        digest = hashlib.sha256(text.encode()).hexdigest()
-        lines.append(f"pinned \"$RUN_DIR\"/{shlex.quote(path.relative_to(paths.path).as_posix())} {digest}")
     return [
         f"# The job library (jobs/slurm/{', '.join(p.name.rsplit('-', 1)[0] + '.sh' for p in libs)}), as submitted: "
         "checked, then sourced.",
@@ -301,7 +292,8 @@ def _sourced(paths: RunDir, libs: dict[Path, str]) -> list[str]:
         "  fi",
         '  source "$1"',
         "}",
-        *lines,
+        *(f'pinned "$RUN_DIR"/{shlex.quote(path.relative_to(paths.path).as_posix())} '
+          f"{hashlib.sha256(text.encode()).hexdigest()}" for path, text in libs.items()),
     ]
 
 
@@ -318,9 +310,7 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
     shared = env.runtime == "pyxis" and cfg.slurm.preflight and not cfg.launch.command
     if shared:
         container.append(Value("--container-name=" + PYXIS_CONTAINER))
-    lines = sbatch_header(cfg, paths, exclude) + ["", "set -euo pipefail"]
-    if cfg.launch.debug:
-        lines.append("set -x")
+    lines = sbatch_header(cfg, paths, exclude) + ["", "set -euo pipefail", *(["set -x"] if cfg.launch.debug else [])]
     pyxis, code = env.runtime == "pyxis", pins.code
     lines += ["", *_settings(cfg, paths, env, shared, pins), *warm_ranks.settings(warm, cfg), "",
               *_sourced(paths, library_files(env, paths)),
@@ -328,8 +318,8 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
               *_plot_curves(cfg, paths, container, prefix),
               *_main_start(cfg, paths, code, pyxis, warm is not None)]
     if cfg.launch.pre_launch:
-        lines += ["", "# Pre-launch commands from launch.pre_launch (run as written, on the first node)."]
-        lines += list(cfg.launch.pre_launch)
+        lines += ["", "# Pre-launch commands from launch.pre_launch (run as written, on the first node).",
+                  *cfg.launch.pre_launch]
     lines += preflight.steps(cfg, paths, container, prefix, warm is not None)
     lines += [
         "",
