@@ -38,27 +38,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.compute import check_float8, compile_error, graph_break_report, reset_graph_breaks
-from common.errors import ConfigError
 from common.edge import run_at_edge
-from common.rundir import BAD_INPUT_EXIT, FAILED_EXIT, HANG_EXIT, NONFINITE_EXIT, REQUEUE_EXIT, RunDir
+from common.errors import ConfigError
+from common.layouts import checkpoint_bytes, layout_advice, memory_report, num_flops_per_token, resolve_reshard
+from common.rundir import (BAD_INPUT_EXIT, FAILED_EXIT, HANG_EXIT, NONFINITE_EXIT, REQUEUE_EXIT, RunDir,
+                           check_code)
+from trainer.checkpoint import Checkpointer, CheckpointWriteError, NonFiniteError, resolve_async_save
+from trainer.compute import check_float8, compile_error, graph_break_report, reset_graph_breaks
 from trainer.config import TrainerConfig, load_trainer_config
-from common.layouts import layout_advice, memory_report, resolve_reshard
+from trainer.loop import (BatchFeeder, GarbageCollection, Sampler, StopSignal, StopVote, TrainState, next_batches,
+                          step_marker)
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
-from trainer.watchdog import HangWatchdog, collective_timeout
-from common.layouts import num_flops_per_token
 from trainer.model import select_attention
 from trainer.optim import Schedule, SkippableStep, build_optimizer, clip_grad_norm_
 from trainer.parallel import (Batch, DistEnv, ParallelDims, build_model, distributed_session, global_mean, resolve_dtype,
                               step_stats)
-from trainer.runners import Runner, build_runner
-from trainer.checkpoint import Checkpointer, CheckpointWriteError, NonFiniteError, resolve_async_save
-from trainer.loop import (BatchFeeder, GarbageCollection, Sampler, StopSignal, StopVote, TrainState, next_batches,
-                          step_marker)
-from common.layouts import checkpoint_bytes
 from trainer.preflight import AllReduceGate
+from trainer.runners import Runner, build_runner
 from trainer.states import ModelState, OptimizerState, RNGState
-from common.rundir import check_code
+from trainer.watchdog import HangWatchdog, collective_timeout
 
 log = logging.getLogger(__name__)
 
@@ -266,9 +264,7 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
         cfg, run_dir, env.rank, env.world_size, env.device, num_flops_per_token(cfg.model, cfg.data.seq_len))))
     # Steps after state.step that an earlier attempt logged are superseded from here on.
     metrics.log_restart(state.step, dict(dp=dims.dp, tp=dims.tp, pp=dims.pp))
-    evaluating = val_data is not None and cfg.train.eval_interval > 0 and runner.can_eval
-    if val_data is not None and cfg.train.eval_interval > 0 and not runner.can_eval:
-        log.warning("evaluation off: this torch has no forward-only pipeline schedule (torch >= 2.9 has)")
+    evaluating = val_data is not None and cfg.train.eval_interval > 0
     watchdog.start(state.step)  # the first step's allowance from here
     if cfg.train.compile:
         reset_graph_breaks()
