@@ -44,8 +44,8 @@ from common import environ
 from common.errors import ConfigError
 from trainer.config import DataSection
 from trainer.data_sources import TextSource
-from trainer.data_tokenize import CachePaths, TokenizerSpec
-from trainer.data_tokenize import FORMAT_VERSION, TOKEN_DTYPES, ProgressSink, note, partial_tokens, write_tokens
+from trainer.data_tokenize import (FORMAT_VERSION, TOKEN_DTYPES, CachePaths, ProgressSink, TokenizerSpec, note,
+                                   partial_tokens, write_tokens)
 from common.fs import pid_alive, write_atomic
 
 if TYPE_CHECKING:

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import glob
 import gzip
-import hashlib
 import io
 import json
 import os
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from common.fs import file_sha256
 from trainer.config import DataSection
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -62,14 +62,6 @@ def _stat_identity(paths: list[Path]) -> list[list[Any]]:
         st = p.stat()
         out.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
     return out
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _slug(text: str) -> str:
@@ -338,7 +330,7 @@ def resolve_source(spec: str, config: str | None, split: str, column: str,
     if spec == BUILTIN:
         return TextSource(kind="files", description="builtin corpus (trainer/assets/corpus.jsonl.gz)",
                           slug="builtin", column=column, field=field, files=(BUILTIN_CORPUS,), fmt="json",
-                          identity={"kind": "builtin", "sha256": sha256_file(BUILTIN_CORPUS), "column": column},
+                          identity={"kind": "builtin", "sha256": file_sha256(BUILTIN_CORPUS), "column": column},
                           total_bytes=BUILTIN_CORPUS.stat().st_size)
     if not looks_local(spec):
         desc = f"{spec}{'/' + config if config else ''}[{split}]"
