@@ -31,7 +31,7 @@ import threading
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterator, Mapping, Optional, Protocol
 
 from common import environ
 from common.events import append_event
@@ -79,16 +79,13 @@ def collective_timeout(cfg: TrainSection) -> timedelta:
 def process_group_timeouts() -> list[str]:
     """`name backend seconds` of each process group of this process, for the hang dumps: a
     group whose timeout is shorter than the watchdog's limit would crash the run first."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:
-        return []
-    if not dist.is_available() or not dist.is_initialized():
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
         return []
     rows = []
-    names = getattr(dist.distributed_c10d._world, "pg_names", {})
-    for pg, name in list(names.items()):
+    for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
         for device in ("cpu", "cuda"):
             try:
                 backend = pg._get_backend(torch.device(device))
@@ -113,9 +110,9 @@ def job_tag() -> str:
     return environ.word("SLIPWAY_JOB_TAG") or environ.job_id() or "local"
 
 
-def event_job() -> str:
+def event_job(env: Mapping[str, str] = os.environ) -> str:
     """The job field of this process's events.log lines, as the batch script's `event()` writes it."""
-    return os.environ.get("SLIPWAY_EVENT_JOB") or os.environ.get("SLURM_JOB_ID") or LOCAL_JOB
+    return env.get("SLIPWAY_EVENT_JOB") or env.get("SLURM_JOB_ID") or LOCAL_JOB
 
 
 def cuda_device() -> Optional[int]:
@@ -375,11 +372,8 @@ def flight_recorder(out: Path) -> str:
         return "flight recorder: not available (no torch.distributed)"
     if not dist.is_available() or not dist.is_initialized():
         return "flight recorder: no process group"
-    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
-    if dump is None:
-        return "flight recorder: this torch has none"
     try:
-        raw = dump()
+        raw = c10d._dump_fr_trace()
         trace = pickle.loads(raw)
     except Exception as exc:  # a diagnostic must not stop the dump of the stacks
         return f"flight recorder: could not be read ({type(exc).__name__}: {exc})"
