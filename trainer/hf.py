@@ -28,7 +28,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from common.edge import run_at_edge
 from common.errors import ConfigError
@@ -63,16 +62,13 @@ _MATCHED = (("hidden_size", "hidden_size"), ("intermediate_size", "intermediate_
 # --------------------------------------------------------------------------
 
 
-def read_model_weights(path: Path, key: str = MODEL_KEY) -> dict[str, torch.Tensor]:
-    """The full (unsharded) `key.*` tensors of checkpoint directory `path`, on the CPU, read by
-    this one process without a process group; the optimizer's entries are not read."""
+def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model tensors of complete checkpoint `path`, on the CPU, read by this
+    one process without a process group; the optimizer's entries are not read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a DCP checkpoint (no .metadata inside)")
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    prefix = f"{key}."
+    prefix = f"{MODEL_KEY}."
     full = {name: torch.empty(md.size, dtype=md.properties.dtype)
             for name, md in metadata.state_dict_metadata.items()
             if name.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
@@ -305,25 +301,19 @@ def load_hf_into(model: nn.Module, hf_dir: Path, cfg: ModelSection) -> None:
 # --------------------------------------------------------------------------
 
 
-def export_hf(source: Path | nn.Module, out_dir: Path, cfg: ModelSection, *, dtype: torch.dtype | None = None,
+def export_hf(source: Path, out_dir: Path, cfg: ModelSection, *, dtype: torch.dtype | None = None,
               overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write `out_dir` as an HF LlamaForCausalLM checkpoint (config.json + safetensors)
-    from a checkpoint step directory or from an unsharded model. The directory
-    appears whole (written beside it, then renamed) or not at all."""
+    """Write `out_dir` as an HF LlamaForCausalLM checkpoint (config.json + safetensors) from a
+    complete checkpoint step directory. The directory appears whole (written beside it, then
+    renamed) or not at all."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists: pick another --out or pass --overwrite")
-    if isinstance(source, nn.Module):
-        weights = {k: v.detach() for k, v in source.state_dict().items()}
-        if any(isinstance(v, DTensor) for v in weights.values()):
-            raise ValueError("export_hf takes an unsharded model; export a sharded one from its "
-                             "checkpoint directory (python -m trainer.hf export --run RUN_DIR)")
-    else:
-        weights = read_model_weights(Path(source))
+    weights = read_model_weights(Path(source))
     if cfg.tie_embeddings:
         weights.pop("output.weight", None)
     _resize_vocab(weights, cfg.vocab_size)
-    _check_complete(weights, cfg, str(source) if not isinstance(source, nn.Module) else "the model")
+    _check_complete(weights, cfg, str(source))
     dtype = dtype or weights["tok_embeddings.weight"].dtype
     hf = {ours_to_hf(name): weights[name].to("cpu", dtype).contiguous() for name in expected_shapes(cfg)}
 
