@@ -248,7 +248,7 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     feeder = BatchFeeder(train_data, cfg.train.grad_accum_steps, env.device, read_ahead=cfg.train.prefetch)
     model = build_model(cfg, dims, env.device, dtype, attn_impl)
     runner = build_runner(model, dims, cfg, env.device, dtype)
-    optimizer = build_optimizer(model, cfg.train, env.device)
+    optimizer = build_optimizer(model, cfg.train)
     lr_scheduler = Schedule(optimizer, cfg.train)
     state = TrainState()
     # What a checkpoint holds; model and optimizer under full-model names, so any
