@@ -174,8 +174,6 @@ class Checkpointer:
         once the state is staged in CPU memory and is made visible by the next save or `close()`;
         `final=True` always saves synchronously. A complete checkpoint of the same step is never
         overwritten. `step_s`, the mean step time before it, goes into its record."""
-        if step < 0:
-            raise ValueError(f"checkpoint step must be >= 0, got {step}")
         with self._pause(f"the checkpoint save of step {step}"):
             self._save(step, states, final, time.monotonic(), int(step_s * 1000))
 

@@ -387,11 +387,6 @@ def _saved_source(path: Path, spec: str, split: str, column: str, field: str) ->
                       identity={"kind": "saved", "split": split, "files": _stat_identity(files), "column": column})
 
 
-def is_single_split(source: TextSource) -> bool:
-    """Files and a lone saved Dataset have one split; a validation split must then be a path."""
-    return source.kind == "files" or (source.kind == "saved" and not source.split)
-
-
 def run_sources(data: DataSection) -> dict[str, TextSource]:
     """What a run reads: its "train" split, and its "validation" split when
     `data.validation_split` names one (a fraction is cut from train when read)."""
@@ -403,7 +398,7 @@ def run_sources(data: DataSection) -> dict[str, TextSource]:
     if not data.validation_split:
         return {"train": train}
     split = data.validation_split
-    if is_single_split(train):
+    if train.kind == "files" or (train.kind == "saved" and not train.split):  # one split: validation is a path
         if not looks_local(split):
             raise ConfigError("data.validation_split",
                               f"'{split}' is a split name, but data.dataset '{data.dataset}' has a single split; "

@@ -357,12 +357,10 @@ def resolve_tokenizer(spec: str) -> TokenizerSpec:
     return TokenizerSpec(spec, str(path), {"kind": "file", "sha256": file_sha256(path)}, path)
 
 
-def load_tokenizer(spec: TokenizerSpec | str) -> Any:
+def load_tokenizer(spec: TokenizerSpec) -> Any:
     """A `tokenizers.Tokenizer` (fast, with a parallel `encode_batch`)."""
     from tokenizers import Tokenizer
 
-    if isinstance(spec, str):
-        spec = resolve_tokenizer(spec)
     if spec.path is not None and spec.path.is_file():
         try:
             return Tokenizer.from_file(str(spec.path))
