@@ -61,11 +61,7 @@ class OptimizerState:
 
 def _reset_step_counters(opt: torch.optim.Optimizer) -> None:
     for state in opt.state.values():
-        step = state.get("step")
-        if isinstance(step, torch.Tensor):
-            step.zero_()
-        elif step is not None:
-            state["step"] = type(step)(0)
+        state["step"].zero_()  # AdamW keeps its step count as a tensor
 
 
 class RNGState:
