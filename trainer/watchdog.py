@@ -274,11 +274,8 @@ class HangWatchdog:
         wall = time.time() - (time.monotonic() - at)
         record = {"step": step, "time": datetime.fromtimestamp(wall, timezone.utc).isoformat(timespec="seconds"),
                   "unix": round(wall, 3), "job": job_tag(), "hang_timeout": self.timeout_s}
-        path = RunDir(self.run_dir).progress
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:  # renamed into place, not fsynced: a reader sees this record or the last, and a lost one is no loss
-            tmp.write_text(json.dumps(record) + "\n")
-            os.replace(tmp, path)
+            write_atomic(RunDir(self.run_dir).progress, json.dumps(record) + "\n", sync=False)
         except OSError as exc:  # the view loses a figure; training must not
             log.debug("progress.json not written: %s", exc)
 
