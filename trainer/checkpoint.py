@@ -75,9 +75,7 @@ class CheckpointWriteError(RuntimeError):
     its write failed on a full file system. The latest complete one stays as it was."""
 
 
-# --------------------------------------------------------------------------
-# The directory layout, readable without a process group (hf.py reads it too).
-# --------------------------------------------------------------------------
+# -------------------------------------- the directory layout, readable without a process group (hf.py reads it too)
 
 
 def step_dir(ckpt_dir: Path, step: int) -> Path:
@@ -91,9 +89,7 @@ def resolve_async_save(setting: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
-# --------------------------------------------------------------------------
-# The Checkpointer.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- the Checkpointer
 
 
 @dataclass

@@ -115,9 +115,7 @@ def prepared_by(role: str) -> str:
     return f"{role} on {socket.gethostname()}{f' (Slurm job {job})' if job else ''}"
 
 
-# --------------------------------------------------------------------------
-# The lock
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- the lock
 
 
 @contextlib.contextmanager
@@ -190,9 +188,7 @@ def _holder(info: dict[str, Any]) -> str:
     return f"pid {info.get('pid', '?')} on {str(info.get('host', '?')).split('/')[0]}"
 
 
-# --------------------------------------------------------------------------
-# Reading, waiting, writing
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- reading, waiting, writing
 
 
 def read_index(paths: CachePaths) -> dict[str, Any] | None:
@@ -317,9 +313,7 @@ def _write(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, laun
     return dataclasses.replace(found, written=True)
 
 
-# --------------------------------------------------------------------------
-# Status: is an entry there, without reading or locking anything
-# --------------------------------------------------------------------------
+# --------------------------------------------------- status: is an entry there, without reading or locking anything
 
 
 @dataclass(frozen=True)

@@ -60,9 +60,7 @@ CHECKPOINT_S = 10.0  # at most this much tokenizing is redone after a crash
 LOG_EVERY_S = 30.0  # progress lines in a log file (no terminal)
 
 
-# --------------------------------------------------------------------------
-# Progress
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- progress
 
 
 @dataclass(frozen=True)
@@ -141,9 +139,7 @@ def _display(sink: ProgressSink, description: str, reader: Reader) -> Iterator[C
         yield update
 
 
-# --------------------------------------------------------------------------
-# Encoding on threads
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- encoding on threads
 
 
 def _encoder(tok: Any, eos: int, dtype: np.dtype) -> Callable[[list[str]], np.ndarray]:
@@ -197,9 +193,7 @@ class CachePaths:
     error = property(lambda self: self._p(".error"))
 
 
-# --------------------------------------------------------------------------
-# Writing, with a resume record
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- writing, with a resume record
 
 
 @dataclass
@@ -321,9 +315,7 @@ def _write_partial(description: str, reader: Reader, paths: CachePaths, state: _
         os.fsync(f.fileno())
 
 
-# --------------------------------------------------------------------------
-# Tokenizers
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- tokenizers
 
 
 @dataclass(frozen=True)

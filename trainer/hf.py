@@ -57,9 +57,7 @@ _MATCHED = (("hidden_size", "hidden_size"), ("intermediate_size", "intermediate_
             ("tie_word_embeddings", "tie_embeddings"))
 
 
-# --------------------------------------------------------------------------
-# Names.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- names
 
 
 def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -146,9 +144,7 @@ def _resize_vocab(weights: dict[str, torch.Tensor], rows: int) -> None:
             weights[name] = torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
 
 
-# --------------------------------------------------------------------------
-# config.json.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- config.json
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
@@ -232,9 +228,7 @@ def hf_config_dict(cfg: ModelSection, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-# --------------------------------------------------------------------------
-# Loading an HF checkpoint into our model.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- loading an HF checkpoint into our model
 
 
 def _safetensors_files(hf_dir: Path) -> list[Path]:
@@ -296,9 +290,7 @@ def load_hf_into(model: nn.Module, hf_dir: Path, cfg: ModelSection) -> None:
     set_model_state_dict(model, subset, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
-# --------------------------------------------------------------------------
-# Exporting to an HF checkpoint.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- exporting to an HF checkpoint
 
 
 def export_hf(source: Path, out_dir: Path, cfg: ModelSection, *, dtype: torch.dtype | None = None,
@@ -368,9 +360,7 @@ def _replace_dir(new: Path, dest: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# --------------------------------------------------------------------------
-# Command line.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- command line
 
 
 def _export_run(run_dir: Path, step: Optional[int], out: Path, dtype: Optional[str], overwrite: bool) -> str:

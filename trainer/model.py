@@ -236,9 +236,7 @@ class Transformer(nn.Module):
             return mask_padded_vocab(logits_BTP, self.cfg.vocab_size)
         return logits_BTP[..., :self.cfg.vocab_size]
 
-    # ------------------------------------------------------------------
-    # Initialisation that does not depend on the parallel layout.
-    # ------------------------------------------------------------------
+    # ------------ initialisation that does not depend on the parallel layout
 
     def init_std(self, fqn: str) -> Optional[float]:
         """normal(0, init_std) everywhere; residual output projections (wo, w2)

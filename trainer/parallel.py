@@ -43,9 +43,7 @@ log = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs_BT, targets_BT)
 
 
-# --------------------------------------------------------------------------
-# Processes: torchrun, srun, or one plain process.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- processes: torchrun, srun, or one plain process
 
 
 @dataclass
@@ -115,9 +113,7 @@ def distributed_session(timeout: Optional[timedelta] = None) -> Iterator[DistEnv
             dist.destroy_process_group()
 
 
-# --------------------------------------------------------------------------
-# The mesh.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- the mesh
 
 MESH_DIMS = ("pp", "dp", "tp")  # tp innermost: tensor-parallel peers are neighbouring ranks
 
@@ -203,9 +199,7 @@ class ParallelDims:
         return sub.get_group() if sub is not None else None
 
 
-# --------------------------------------------------------------------------
-# Pipeline split, tensor parallel, data parallel.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- pipeline split, tensor parallel, data parallel
 
 
 def stage_layers(num_layers: int, pp: int) -> list[range]:
