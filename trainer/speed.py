@@ -359,8 +359,7 @@ def case_torchtitan(case: Any) -> dict[str, Any]:
         out = steady(records, case.warmup)
         return _rates(case, {**out, "peak_memory_gib": None, "peak_reserved_gib": out["peak_memory_gib"]})
     finally:
-        if not os.environ.get("SLIPWAY_SPEED_KEEP"):
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def titan_error(output: str) -> str:
