@@ -148,7 +148,6 @@ class Training:
     feeder: BatchFeeder
     val_data: Optional[Sampler]
     val_start: Optional[dict]
-    evaluating: bool
     state: TrainState
     states: dict
     checkpointer: Checkpointer
@@ -209,7 +208,7 @@ def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, s
             loop.step_s = elapsed / loop.window_steps
         loop.window_start, loop.window_steps, loop.data_s = time.perf_counter(), 0, 0.0
     t_aside = time.perf_counter()  # evaluation and saving are not training time
-    if training.evaluating and state.step % cfg.train.eval_interval == 0:
+    if training.val_data is not None and cfg.train.eval_interval and state.step % cfg.train.eval_interval == 0:
         with _compile_errors(cfg.train.compile):
             training.metrics.log_eval(state.step, evaluate(training.runner, training.val_data, training.val_start, cfg,
                                                            training.dims, training.env.device))
@@ -264,14 +263,12 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
         cfg, run_dir, env.rank, env.world_size, env.device, num_flops_per_token(cfg.model, cfg.data.seq_len))))
     # Steps after state.step that an earlier attempt logged are superseded from here on.
     metrics.log_restart(state.step, dict(dp=dims.dp, tp=dims.tp, pp=dims.pp))
-    evaluating = val_data is not None and cfg.train.eval_interval > 0
     watchdog.start(state.step)  # the first step's allowance from here
     if cfg.train.compile:
         reset_graph_breaks()
     return Training(
         cfg=cfg, run_dir=run_dir, env=env, dims=dims, tokens_per_step=tokens_per_step, model=model, runner=runner,
-        optimizer=optimizer, lr_scheduler=lr_scheduler, feeder=feeder, val_data=val_data, evaluating=evaluating,
-        state=state, states=states,
+        optimizer=optimizer, lr_scheduler=lr_scheduler, feeder=feeder, val_data=val_data, state=state, states=states,
         val_start=copy.deepcopy(val_data.state_dict()) if val_data is not None else None,
         update=SkippableStep(optimizer, cfg.train.max_nonfinite_steps, state.nonfinite_streak, env.device),
         checkpointer=checkpointer, metrics=metrics, stop=stop, vote=StopVote(timeout), watchdog=watchdog,
