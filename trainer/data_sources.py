@@ -133,7 +133,8 @@ class TextSource:
         ds = self._load_dataset()
         if self.column not in ds.column_names:
             raise _column_error(self.column, list(ds.column_names), self.description)
-        rows = ((0, text, 1) for text in _read_dataset(ds.select_columns([self.column]), self.column, first_row))
+        ds = ds.select_columns([self.column])  # read in arrow slices from first_row on: no skipping cost
+        rows = ((0, text, 1) for i in range(first_row, len(ds), 4096) for text in ds[i:i + 4096][self.column])
         return Reader(_batched(rows, (0, first_row), max_chars), len(ds), "rows", first_row)
 
     def _load_dataset(self) -> Any:
@@ -314,12 +315,6 @@ def _read_parquet(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str 
         for v in values:
             row += 1
             yield (v if row > skip else None), size * row // n_rows - size * (row - 1) // n_rows
-
-
-def _read_dataset(ds: Any, column: str, start: int) -> Iterator[str | None]:
-    """The column of a datasets.Dataset from row `start` on (arrow slices: no skipping cost)."""
-    for first in range(start, len(ds), 4096):
-        yield from ds[first:first + 4096][column]
 
 
 def resolve_source(spec: str, config: str | None, split: str, column: str,

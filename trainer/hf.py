@@ -200,7 +200,7 @@ def model_section_from_hf(hf_dir: Path) -> dict[str, Any]:
     return section
 
 
-def check_matches(hf_dir: Path, cfg: ModelSection) -> dict[str, Any]:
+def check_matches(hf_dir: Path, cfg: ModelSection) -> None:
     """Raise ConfigError naming the first dimension where config.json and `cfg` differ."""
     hf = read_hf_config(hf_dir)
     for hf_key, ours in _MATCHED:
@@ -210,7 +210,6 @@ def check_matches(hf_dir: Path, cfg: ModelSection) -> dict[str, Any]:
             raise ConfigError(WHERE, f"{hf_dir}: {hf_key} {theirs} in config.json != model.{ours} {mine}; "
                                      f"set model.{ours}: {theirs} (`python -m trainer.hf inspect {hf_dir}` "
                                      "prints the whole section)")
-    return hf
 
 
 def hf_config_dict(cfg: ModelSection, dtype: torch.dtype) -> dict[str, Any]:
@@ -316,7 +315,11 @@ def export_hf(source: Path, out_dir: Path, cfg: ModelSection, *, dtype: torch.dt
     try:
         _write_safetensors(tmp, hf, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n")
-        _replace_dir(tmp, out_dir)
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")  # the one being replaced, out of the way
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -350,14 +353,6 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> Iterator[dict[s
         shard[name] = t
         size += nbytes
     yield shard
-
-
-def _replace_dir(new: Path, dest: Path) -> None:
-    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(new, dest)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- command line

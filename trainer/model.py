@@ -115,14 +115,10 @@ def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.
     return angles_PD.cos(), angles_PD.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rope(x_BTHD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor) -> torch.Tensor:
     cos, sin = cos_TD[None, :, None, :], sin_TD[None, :, None, :]
-    return (x_BTHD.float() * cos + _rotate_half(x_BTHD.float()) * sin).type_as(x_BTHD)
+    x1, x2 = x_BTHD.float().chunk(2, dim=-1)  # rotate_half: the halves are the rotation's coordinates
+    return (x_BTHD.float() * cos + torch.cat([-x2, x1], dim=-1) * sin).type_as(x_BTHD)
 
 
 class Attention(nn.Module):

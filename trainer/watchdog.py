@@ -115,15 +115,6 @@ def event_job(env: Mapping[str, str] = os.environ) -> str:
     return env.get("SLIPWAY_EVENT_JOB") or env.get("SLURM_JOB_ID") or LOCAL_JOB
 
 
-def cuda_device() -> Optional[int]:
-    """The CUDA device of the calling thread where this process trains on CUDA (the trainer sets
-    its rank's device first), else None. Each thread has its own current device."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
-        return None
-    return torch.cuda.current_device()
-
-
 def dump_path(run_dir: Path, rank: int) -> Path:
     return RunDir(Path(run_dir)).hang_dump(job_tag(), node_name(), rank)
 
@@ -175,7 +166,9 @@ class HangWatchdog:
             self._mark = (time.monotonic(), step)
         self._queued.clear()
         if self.enabled and self._thread is None:
-            self._device = cuda_device()
+            # The rank's CUDA device (the trainer set it first; each thread has its own current device).
+            torch = sys.modules.get("torch")
+            self._device = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else None
             self._thread = threading.Thread(target=self._run, name="slipway-hang-watchdog", daemon=True)
             self._thread.start()
         return self
