@@ -45,7 +45,7 @@ def case(mode: str, size: str, saves: int, micro_batch: int, seq_len: int, where
     torch.manual_seed(0)
     cfg = ModelSection(size=size, max_position_embeddings=max(seq_len, 512))
     model = Transformer(cfg)
-    optimizer = build_optimizer(model, TrainSection(), torch.device("cpu"))
+    optimizer = build_optimizer(model, TrainSection())
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1))
 
     def step() -> float:

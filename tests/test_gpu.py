@@ -181,7 +181,7 @@ def _fused_adamw_worker() -> None:
     sharded.init_weights(seed=0)
     plain.init_weights(seed=0)
     assert all(isinstance(p, DTensor) for p in sharded.parameters())
-    opt = build_optimizer(sharded, train_cfg, env.device)
+    opt = build_optimizer(sharded, train_cfg)
     ref_opt = torch.optim.AdamW(param_groups(plain, train_cfg.weight_decay), lr=train_cfg.lr, foreach=True,
                                 betas=(train_cfg.beta1, train_cfg.beta2), eps=train_cfg.eps)
     if env.device.type == "cuda":

@@ -22,12 +22,12 @@ import trainer.data_tokenize as data_tokenize
 from common.errors import ConfigError
 from trainer.config import DataSection
 from trainer.data_cache import DataCacheError, resolve_cache_dir
-from trainer.data_tokenize import load_tokenizer
+from trainer.data_tokenize import load_tokenizer, resolve_tokenizer
 from trainer.data_tokenize import Progress
 from trainer.prepare import cache_status, main as prepare_main, prepare
 
 ROOT = Path(__file__).resolve().parent.parent
-TOK = load_tokenizer("builtin")
+TOK = load_tokenizer(resolve_tokenizer("builtin"))
 EOS = TOK.token_to_id("<|endoftext|>")
 SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Errors should never pass silently.",
              "In the face of ambiguity, refuse the temptation to guess."]

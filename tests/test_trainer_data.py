@@ -30,7 +30,7 @@ from trainer.data_sources import BUILTIN_TOKENIZER, resolve_source
 from trainer.data_tokenize import load_tokenizer, resolve_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-TOK = load_tokenizer("builtin")
+TOK = load_tokenizer(resolve_tokenizer("builtin"))
 EOS = TOK.token_to_id("<|endoftext|>")
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -59,6 +59,12 @@ def our_logits(model: Transformer) -> torch.Tensor:
         return model.eval()(tokens(model.cfg.vocab_size))
 
 
+def checkpoint_of(model: Transformer, ckpt_dir: Path) -> Path:
+    """`model` saved as the training loop saves it: the step directory an export reads."""
+    Checkpointer(ckpt_dir, CheckpointSection()).save(1, {"model": ModelState(model)})
+    return ckpt_dir / "step-000001"
+
+
 def load_ours(path: Path) -> Transformer:
     cfg = section(path)
     model = Transformer(cfg)
@@ -76,7 +82,7 @@ def test_load_and_export_give_transformers_logits(tmp_path, tie, kv_heads):
     torch.testing.assert_close(our_logits(ours), expected, atol=1e-5, rtol=1e-5)
     assert (ours.output.weight is ours.tok_embeddings.weight) == tie
 
-    export_hf(ours, tmp_path / "out", ours.cfg)
+    export_hf(checkpoint_of(ours, tmp_path / "ck"), tmp_path / "out", ours.cfg)
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     assert back.config.tie_word_embeddings == tie and back.config.num_key_value_heads == kv_heads
     torch.testing.assert_close(hf_logits(back), expected, atol=1e-5, rtol=1e-5)
@@ -96,7 +102,7 @@ def test_padded_vocabulary_round_trips_exactly(tmp_path, tie):
     assert (ours.tok_embeddings.weight[61:] == 0).all()
     torch.testing.assert_close(our_logits(ours), hf_logits(hf), atol=1e-5, rtol=1e-5)
 
-    export_hf(ours, tmp_path / "out", ours.cfg)
+    export_hf(checkpoint_of(ours, tmp_path / "ck"), tmp_path / "out", ours.cfg)
     saved, original = load_file(tmp_path / "out" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 61
     for name in ("model.embed_tokens.weight",) + (() if tie else ("lm_head.weight",)):
@@ -110,7 +116,7 @@ def test_sharded_checkpoints_both_ways(tmp_path):
     hf = make_hf(tmp_path / "hf", tie=False, max_shard_size="20KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     ours = load_ours(tmp_path / "hf")
-    export_hf(ours, tmp_path / "out", ours.cfg, max_shard_bytes=20_000)
+    export_hf(checkpoint_of(ours, tmp_path / "ck"), tmp_path / "out", ours.cfg, max_shard_bytes=20_000)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     back = load_ours(tmp_path / "out")
@@ -176,4 +182,4 @@ def test_mismatches_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="model_type is 'qwen2'"):
         load_hf_into(Transformer(cfg), tmp_path / "hf", cfg)
     with pytest.raises(FileExistsError):
-        export_hf(Transformer(cfg), tmp_path / "hf", cfg)
+        export_hf(checkpoint_of(Transformer(cfg), tmp_path / "ck"), tmp_path / "hf", cfg)

@@ -175,7 +175,7 @@ def test_lr_schedule():
     assert lr_at(77, TrainSection(steps=100, warmup_steps=10, lr=1.0, decay="constant")) == 1.0
     # The scheduler applies lr_at(step) during optimizer step `step` and round-trips its state.
     m = torch.nn.Linear(2, 2)
-    opt = build_optimizer(m, cfg, torch.device("cpu"))
+    opt = build_optimizer(m, cfg)
     sched = Schedule(opt, cfg)
     seen = []
     for _ in range(60):
@@ -183,18 +183,18 @@ def test_lr_schedule():
         opt.step()
         sched.step()
     assert seen[0] == pytest.approx(0.1) and seen[9] == pytest.approx(1.0)
-    fresh = Schedule(build_optimizer(m, cfg, torch.device("cpu")), cfg)
+    fresh = Schedule(build_optimizer(m, cfg), cfg)
     fresh.load_state_dict(sched.state_dict())
     assert fresh.get_last_lr() == sched.get_last_lr() and not fresh.said
     # Trained on (train.steps 100 -> 200 at step 60): the rate goes on from where it was, never up.
     for train_on, after in (("decay", lambda lr: lr < seen[-1]), ("constant", lambda lr: lr == pytest.approx(seen[-1]))):
         longer = TrainSection(steps=200, warmup_steps=10, lr=1.0, min_lr=0.1, decay="cosine", train_on=train_on)
-        on = Schedule(build_optimizer(m, longer, torch.device("cpu")), longer)
+        on = Schedule(build_optimizer(m, longer), longer)
         on.load_state_dict(sched.state_dict())
         lrs = [on.get_last_lr()[0]] + [(on.step(), on.get_last_lr()[0])[1] for _ in range(139)]
         assert lrs[0] == pytest.approx(seen[-1], rel=0.01) and after(lrs[70]) and "train.steps 100 -> 200" in on.said
         assert all(b <= a + 1e-12 for a, b in zip(lrs, lrs[1:])), lrs
-        again = Schedule(build_optimizer(m, longer, torch.device("cpu")), longer)  # resumed under the same plan
+        again = Schedule(build_optimizer(m, longer), longer)  # resumed under the same plan
         again.load_state_dict(on.state_dict())
         assert again.get_last_lr() == on.get_last_lr() and not again.said
     assert lrs[-1] == pytest.approx(seen[-1])

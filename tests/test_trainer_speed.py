@@ -4,7 +4,7 @@ test_trainer_parallel.py do not show by their losses alone:
 - loss parallel over a padded vocabulary: the padded columns are masked, so the loss and
   every gradient are those of the unpadded model (tp=2, gloo);
 - the stop vote: one rank alone asks to stop and every rank stops after the same step;
-- the device-side skip of a non-finite step (`SkippableStep`), fused and foreach;
+- the device-side skip of a non-finite step (`SkippableStep`) on the fused optimizer;
 - the first step of an attempt as a warm-up outside the throughput figures, and logging
   every N steps;
 - garbage collection on a fixed step interval;
@@ -181,17 +181,18 @@ def test_a_stop_seen_by_one_rank_stops_all_after_the_same_step(two_ranks):
 # ---- the device-side skip ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_skippable_step_skips_bad_steps_and_holds_after_the_limit(fused):
+def test_skippable_step_skips_bad_steps_and_holds_after_the_limit():
     """limit 2: a good update, two bad ones skipped (weights and AdamW state untouched), then a
     good step that is skipped too: the streak reached the limit, and the run stops at the next
-    sync with the weights of the last good step."""
-    from trainer.optim import SkippableStep
+    sync with the weights of the last good step. The trainer's optimizer is fused (the skip's
+    `found_inf` input) for every parameter group."""
+    from trainer.config import TrainSection
+    from trainer.optim import SkippableStep, build_optimizer
 
     model = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused, foreach=not fused)
+    opt = build_optimizer(model, TrainSection(lr=0.1, warmup_steps=0))
+    assert all(group["fused"] for group in opt.param_groups)
     guard = SkippableStep(opt, limit=2, streak=0, device=torch.device("cpu"))
-    assert guard.on_device == fused
 
     def step(bad: bool) -> float:
         for p in model.parameters():

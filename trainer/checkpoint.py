@@ -74,9 +74,7 @@ class CheckpointWriteError(RuntimeError):
     its write failed on a full file system. The latest complete one stays as it was."""
 
 
-# --------------------------------------------------------------------------
-# The directory layout, readable without a process group (hf.py reads it too).
-# --------------------------------------------------------------------------
+# -------------------------------------- the directory layout, readable without a process group (hf.py reads it too)
 
 
 def step_dir(ckpt_dir: Path, step: int) -> Path:
@@ -90,9 +88,7 @@ def resolve_async_save(setting: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
-# --------------------------------------------------------------------------
-# The Checkpointer.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- the Checkpointer
 
 
 @dataclass
@@ -173,8 +169,6 @@ class Checkpointer:
         once the state is staged in CPU memory and is made visible by the next save or `close()`;
         `final=True` always saves synchronously. A complete checkpoint of the same step is never
         overwritten. `step_s`, the mean step time before it, goes into its record."""
-        if step < 0:
-            raise ValueError(f"checkpoint step must be >= 0, got {step}")
         with self._pause(f"the checkpoint save of step {step}"):
             self._save(step, states, final, time.monotonic(), int(step_s * 1000))
 

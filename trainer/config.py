@@ -439,11 +439,15 @@ def load_trainer_config(path: str | Path) -> TrainerConfig:
     """Read the trainer's sections of a resolved config."""
     path = Path(path)
     try:
-        raw = read_yaml(read_text_bounded(path, str(path)), str(path))
+        return trainer_sections(read_yaml(read_text_bounded(path, str(path)), str(path)), str(path))
     except FileNotFoundError:
         raise ConfigError("", f"config file {path} does not exist") from None
+
+
+def trainer_sections(raw: Any, where: str) -> TrainerConfig:
+    """The trainer's sections of a config read as YAML from `where`."""
     if not isinstance(raw, dict):
-        raise ConfigError("", f"{path} must hold a mapping of sections")
+        raise ConfigError("", f"{where} must hold a mapping of sections")
     # The host validated the whole tree when it wrote this file; its sections are not ours to read.
     ours = config_fields(TrainerConfig)
     return from_dict(TrainerConfig, {k: v for k, v in raw.items() if k in ours})

@@ -48,8 +48,6 @@ class Sampler:
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                  seed: int = 0, shuffle: bool = True, name: str = "train"):
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank({dp_rank}) must be in [0, dp_size({dp_size}))")
         self.tokens, self.name = tokens, name
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size

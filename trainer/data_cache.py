@@ -38,14 +38,14 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from common import environ
 from common.errors import ConfigError
 from trainer.config import DataSection
 from trainer.data_sources import TextSource
-from trainer.data_tokenize import CachePaths, TokenizerSpec
-from trainer.data_tokenize import FORMAT_VERSION, TOKEN_DTYPES, ProgressSink, note, partial_tokens, write_tokens
+from trainer.data_tokenize import (FORMAT_VERSION, TOKEN_DTYPES, CachePaths, ProgressSink, TokenizerSpec, note,
+                                   partial_tokens, write_tokens)
 from common.fs import pid_alive, write_atomic
 
 if TYPE_CHECKING:
@@ -115,44 +115,37 @@ def prepared_by(role: str) -> str:
     return f"{role} on {socket.gethostname()}{f' (Slurm job {job})' if job else ''}"
 
 
-# --------------------------------------------------------------------------
-# The lock
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- the lock
 
 
-class Lock:
-    """An O_EXCL lock file with a heartbeat thread that touches it."""
+@contextlib.contextmanager
+def held(path: Path) -> Iterator[bool]:
+    """An O_EXCL lock file at `path`, touched by a heartbeat thread while held: whether this
+    process took it."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        yield False
+        return
+    token, stop = uuid.uuid4().hex, threading.Event()
+    with os.fdopen(fd, "w") as f:
+        json.dump({"pid": os.getpid(), "host": _host(), "token": token, "since": time.time()}, f)
 
-    def __init__(self, path: Path):
-        self.path = path
-        self.token = uuid.uuid4().hex
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def acquire(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        info = {"pid": os.getpid(), "host": _host(), "token": self.token, "since": time.time()}
-        with os.fdopen(fd, "w") as f:
-            json.dump(info, f)
-        self._thread = threading.Thread(target=self._beat, name="slipway-data-lock", daemon=True)
-        self._thread.start()
-        return True
-
-    def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
             with contextlib.suppress(OSError):
-                os.utime(self.path)
+                os.utime(path)
 
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if (read_lock(self.path) or {}).get("token") == self.token:  # never remove a lock taken over
+    thread = threading.Thread(target=beat, name="slipway-data-lock", daemon=True)
+    thread.start()
+    try:
+        yield True
+    finally:
+        stop.set()
+        thread.join()
+        if (read_lock(path) or {}).get("token") == token:  # never remove a lock taken over
             with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+                path.unlink()
 
 
 def read_lock(path: Path) -> dict[str, Any] | None:
@@ -195,9 +188,7 @@ def _holder(info: dict[str, Any]) -> str:
     return f"pid {info.get('pid', '?')} on {str(info.get('host', '?')).split('/')[0]}"
 
 
-# --------------------------------------------------------------------------
-# Reading, waiting, writing
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- reading, waiting, writing
 
 
 def read_index(paths: CachePaths) -> dict[str, Any] | None:
@@ -258,17 +249,12 @@ def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path,
         if found is not None:
             return found
         if rank == 0:
-            lock = Lock(paths.lock)
-            if lock.acquire():
-                try:
+            with held(paths.lock) as mine:
+                if mine:
                     _sweep_tmp(paths)
-                    found = open_tokens(paths)  # finished by someone between our look and our lock
-                    if found is None:
-                        found = _write(source, tokenizer, paths, launch, num_proc=num_proc, progress=progress,
-                                       prepared_by=prepared_by(role))
-                    return found
-                finally:
-                    lock.release()
+                    # finished by someone between our look and our lock, else written now
+                    return open_tokens(paths) or _write(source, tokenizer, paths, launch, num_proc=num_proc,
+                                                        progress=progress, prepared_by=prepared_by(role))
         elif launch:
             _raise_writer_error(paths, launch)
         state = watch.state()
@@ -327,9 +313,7 @@ def _write(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, laun
     return dataclasses.replace(found, written=True)
 
 
-# --------------------------------------------------------------------------
-# Status: is an entry there, without reading or locking anything
-# --------------------------------------------------------------------------
+# --------------------------------------------------- status: is an entry there, without reading or locking anything
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import glob
 import gzip
-import hashlib
 import io
 import json
 import os
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from common.fs import file_sha256
 from trainer.config import DataSection
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -64,14 +64,6 @@ def _stat_identity(paths: list[Path]) -> list[list[Any]]:
     return out
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _slug(text: str) -> str:
     keep = "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
     return "-".join(filter(None, keep.split("-")))[:60] or "data"
@@ -85,9 +77,7 @@ def looks_local(spec: str) -> bool:
             or any(c in spec for c in "*?[") or _file_format(Path(expanded)) is not None)
 
 
-# --------------------------------------------------------------------------
-# Datasets
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- datasets
 
 
 @dataclass(frozen=True)
@@ -143,7 +133,8 @@ class TextSource:
         ds = self._load_dataset()
         if self.column not in ds.column_names:
             raise _column_error(self.column, list(ds.column_names), self.description)
-        rows = ((0, text, 1) for text in _read_dataset(ds.select_columns([self.column]), self.column, first_row))
+        ds = ds.select_columns([self.column])  # read in arrow slices from first_row on: no skipping cost
+        rows = ((0, text, 1) for i in range(first_row, len(ds), 4096) for text in ds[i:i + 4096][self.column])
         return Reader(_batched(rows, (0, first_row), max_chars), len(ds), "rows", first_row)
 
     def _load_dataset(self) -> Any:
@@ -326,19 +317,13 @@ def _read_parquet(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str 
             yield (v if row > skip else None), size * row // n_rows - size * (row - 1) // n_rows
 
 
-def _read_dataset(ds: Any, column: str, start: int) -> Iterator[str | None]:
-    """The column of a datasets.Dataset from row `start` on (arrow slices: no skipping cost)."""
-    for first in range(start, len(ds), 4096):
-        yield from ds[first:first + 4096][column]
-
-
 def resolve_source(spec: str, config: str | None, split: str, column: str,
                    field: str = "data.dataset") -> TextSource:
     """The dataset `spec` names, checked without reading it (cheap, every rank)."""
     if spec == BUILTIN:
         return TextSource(kind="files", description="builtin corpus (trainer/assets/corpus.jsonl.gz)",
                           slug="builtin", column=column, field=field, files=(BUILTIN_CORPUS,), fmt="json",
-                          identity={"kind": "builtin", "sha256": sha256_file(BUILTIN_CORPUS), "column": column},
+                          identity={"kind": "builtin", "sha256": file_sha256(BUILTIN_CORPUS), "column": column},
                           total_bytes=BUILTIN_CORPUS.stat().st_size)
     if not looks_local(spec):
         desc = f"{spec}{'/' + config if config else ''}[{split}]"
@@ -395,11 +380,6 @@ def _saved_source(path: Path, spec: str, split: str, column: str, field: str) ->
                       identity={"kind": "saved", "split": split, "files": _stat_identity(files), "column": column})
 
 
-def is_single_split(source: TextSource) -> bool:
-    """Files and a lone saved Dataset have one split; a validation split must then be a path."""
-    return source.kind == "files" or (source.kind == "saved" and not source.split)
-
-
 def run_sources(data: DataSection) -> dict[str, TextSource]:
     """What a run reads: its "train" split, and its "validation" split when
     `data.validation_split` names one (a fraction is cut from train when read)."""
@@ -411,7 +391,7 @@ def run_sources(data: DataSection) -> dict[str, TextSource]:
     if not data.validation_split:
         return {"train": train}
     split = data.validation_split
-    if is_single_split(train):
+    if train.kind == "files" or (train.kind == "saved" and not train.split):  # one split: validation is a path
         if not looks_local(split):
             raise ConfigError("data.validation_split",
                               f"'{split}' is a split name, but data.dataset '{data.dataset}' has a single split; "

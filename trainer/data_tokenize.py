@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any, Union
 
 from common.errors import ConfigError
 from trainer.data_sources import (BUILTIN, BUILTIN_TOKENIZER, EOS_CANDIDATES, Batch, Reader, TextSource, expand_spec,
-                                  hub_unreachable, looks_local, sha256_file)
-from common.fs import fsync_dir, write_atomic
+                                  hub_unreachable, looks_local)
+from common.fs import file_sha256, fsync_dir, write_atomic
 
 if TYPE_CHECKING:
     import numpy as np
@@ -60,9 +60,7 @@ CHECKPOINT_S = 10.0  # at most this much tokenizing is redone after a crash
 LOG_EVERY_S = 30.0  # progress lines in a log file (no terminal)
 
 
-# --------------------------------------------------------------------------
-# Progress
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- progress
 
 
 @dataclass(frozen=True)
@@ -141,9 +139,7 @@ def _display(sink: ProgressSink, description: str, reader: Reader) -> Iterator[C
         yield update
 
 
-# --------------------------------------------------------------------------
-# Encoding on threads
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- encoding on threads
 
 
 def _encoder(tok: Any, eos: int, dtype: np.dtype) -> Callable[[list[str]], np.ndarray]:
@@ -197,9 +193,7 @@ class CachePaths:
     error = property(lambda self: self._p(".error"))
 
 
-# --------------------------------------------------------------------------
-# Writing, with a resume record
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- writing, with a resume record
 
 
 @dataclass
@@ -321,9 +315,7 @@ def _write_partial(description: str, reader: Reader, paths: CachePaths, state: _
         os.fsync(f.fileno())
 
 
-# --------------------------------------------------------------------------
-# Tokenizers
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- tokenizers
 
 
 @dataclass(frozen=True)
@@ -338,7 +330,7 @@ def resolve_tokenizer(spec: str) -> TokenizerSpec:
     """The tokenizer `spec` names, identified by content (local) or by name (hub)."""
     if spec == BUILTIN:
         return TokenizerSpec(spec, "builtin (trainer/assets/tokenizer.json)",
-                             {"kind": "builtin", "sha256": sha256_file(BUILTIN_TOKENIZER)}, BUILTIN_TOKENIZER)
+                             {"kind": "builtin", "sha256": file_sha256(BUILTIN_TOKENIZER)}, BUILTIN_TOKENIZER)
     path = Path(expand_spec(spec))
     if not path.exists():
         if looks_local(spec) or spec.endswith(".json"):
@@ -353,16 +345,14 @@ def resolve_tokenizer(spec: str) -> TokenizerSpec:
             if not files:
                 raise ConfigError("data.tokenizer", f"directory '{spec}' is empty; it needs a tokenizer.json")
             return TokenizerSpec(spec, f"{spec} (transformers, local)",
-                                 {"kind": "dir", "files": {p.name: sha256_file(p) for p in files}}, path)
-    return TokenizerSpec(spec, str(path), {"kind": "file", "sha256": sha256_file(path)}, path)
+                                 {"kind": "dir", "files": {p.name: file_sha256(p) for p in files}}, path)
+    return TokenizerSpec(spec, str(path), {"kind": "file", "sha256": file_sha256(path)}, path)
 
 
-def load_tokenizer(spec: TokenizerSpec | str) -> Any:
+def load_tokenizer(spec: TokenizerSpec) -> Any:
     """A `tokenizers.Tokenizer` (fast, with a parallel `encode_batch`)."""
     from tokenizers import Tokenizer
 
-    if isinstance(spec, str):
-        spec = resolve_tokenizer(spec)
     if spec.path is not None and spec.path.is_file():
         try:
             return Tokenizer.from_file(str(spec.path))

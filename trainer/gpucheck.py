@@ -45,8 +45,7 @@ def node() -> dict[str, Any]:
     nccl = None
     if cuda:
         try:
-            version = torch.cuda.nccl.version()
-            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
         except (RuntimeError, AttributeError) as exc:
             nccl = f"unknown ({exc})"
     return {
@@ -81,7 +80,7 @@ def _flash_attn() -> Optional[str]:
         return None
     if error is not None:
         return f"broken: {type(error).__name__}: {' '.join(str(error).split())[:200]}"
-    return _version("flash_attn") or _version("flash-attn") or "?"
+    return _version("flash-attn") or "?"
 
 
 def _version(dist: str) -> Optional[str]:

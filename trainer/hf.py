@@ -28,7 +28,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from common.edge import run_at_edge
 from common.errors import ConfigError
@@ -58,21 +57,16 @@ _MATCHED = (("hidden_size", "hidden_size"), ("intermediate_size", "intermediate_
             ("tie_word_embeddings", "tie_embeddings"))
 
 
-# --------------------------------------------------------------------------
-# Names.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- names
 
 
-def read_model_weights(path: Path, key: str = MODEL_KEY) -> dict[str, torch.Tensor]:
-    """The full (unsharded) `key.*` tensors of checkpoint directory `path`, on the CPU, read by
-    this one process without a process group; the optimizer's entries are not read."""
+def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model tensors of complete checkpoint `path`, on the CPU, read by this
+    one process without a process group; the optimizer's entries are not read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a DCP checkpoint (no .metadata inside)")
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    prefix = f"{key}."
+    prefix = f"{MODEL_KEY}."
     full = {name: torch.empty(md.size, dtype=md.properties.dtype)
             for name, md in metadata.state_dict_metadata.items()
             if name.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
@@ -150,9 +144,7 @@ def _resize_vocab(weights: dict[str, torch.Tensor], rows: int) -> None:
             weights[name] = torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
 
 
-# --------------------------------------------------------------------------
-# config.json.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- config.json
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
@@ -208,7 +200,7 @@ def model_section_from_hf(hf_dir: Path) -> dict[str, Any]:
     return section
 
 
-def check_matches(hf_dir: Path, cfg: ModelSection) -> dict[str, Any]:
+def check_matches(hf_dir: Path, cfg: ModelSection) -> None:
     """Raise ConfigError naming the first dimension where config.json and `cfg` differ."""
     hf = read_hf_config(hf_dir)
     for hf_key, ours in _MATCHED:
@@ -218,7 +210,6 @@ def check_matches(hf_dir: Path, cfg: ModelSection) -> dict[str, Any]:
             raise ConfigError(WHERE, f"{hf_dir}: {hf_key} {theirs} in config.json != model.{ours} {mine}; "
                                      f"set model.{ours}: {theirs} (`python -m trainer.hf inspect {hf_dir}` "
                                      "prints the whole section)")
-    return hf
 
 
 def hf_config_dict(cfg: ModelSection, dtype: torch.dtype) -> dict[str, Any]:
@@ -236,9 +227,7 @@ def hf_config_dict(cfg: ModelSection, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-# --------------------------------------------------------------------------
-# Loading an HF checkpoint into our model.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- loading an HF checkpoint into our model
 
 
 def _safetensors_files(hf_dir: Path) -> list[Path]:
@@ -300,30 +289,22 @@ def load_hf_into(model: nn.Module, hf_dir: Path, cfg: ModelSection) -> None:
     set_model_state_dict(model, subset, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
-# --------------------------------------------------------------------------
-# Exporting to an HF checkpoint.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- exporting to an HF checkpoint
 
 
-def export_hf(source: Path | nn.Module, out_dir: Path, cfg: ModelSection, *, dtype: torch.dtype | None = None,
+def export_hf(source: Path, out_dir: Path, cfg: ModelSection, *, dtype: torch.dtype | None = None,
               overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write `out_dir` as an HF LlamaForCausalLM checkpoint (config.json + safetensors)
-    from a checkpoint step directory or from an unsharded model. The directory
-    appears whole (written beside it, then renamed) or not at all."""
+    """Write `out_dir` as an HF LlamaForCausalLM checkpoint (config.json + safetensors) from a
+    complete checkpoint step directory. The directory appears whole (written beside it, then
+    renamed) or not at all."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists: pick another --out or pass --overwrite")
-    if isinstance(source, nn.Module):
-        weights = {k: v.detach() for k, v in source.state_dict().items()}
-        if any(isinstance(v, DTensor) for v in weights.values()):
-            raise ValueError("export_hf takes an unsharded model; export a sharded one from its "
-                             "checkpoint directory (python -m trainer.hf export --run RUN_DIR)")
-    else:
-        weights = read_model_weights(Path(source))
+    weights = read_model_weights(Path(source))
     if cfg.tie_embeddings:
         weights.pop("output.weight", None)
     _resize_vocab(weights, cfg.vocab_size)
-    _check_complete(weights, cfg, str(source) if not isinstance(source, nn.Module) else "the model")
+    _check_complete(weights, cfg, str(source))
     dtype = dtype or weights["tok_embeddings.weight"].dtype
     hf = {ours_to_hf(name): weights[name].to("cpu", dtype).contiguous() for name in expected_shapes(cfg)}
 
@@ -334,7 +315,11 @@ def export_hf(source: Path | nn.Module, out_dir: Path, cfg: ModelSection, *, dty
     try:
         _write_safetensors(tmp, hf, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n")
-        _replace_dir(tmp, out_dir)
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")  # the one being replaced, out of the way
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -370,17 +355,7 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> Iterator[dict[s
     yield shard
 
 
-def _replace_dir(new: Path, dest: Path) -> None:
-    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(new, dest)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------
-# Command line.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- command line
 
 
 def _export_run(run_dir: Path, step: Optional[int], out: Path, dtype: Optional[str], overwrite: bool) -> str:

@@ -115,14 +115,10 @@ def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.
     return angles_PD.cos(), angles_PD.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rope(x_BTHD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor) -> torch.Tensor:
     cos, sin = cos_TD[None, :, None, :], sin_TD[None, :, None, :]
-    return (x_BTHD.float() * cos + _rotate_half(x_BTHD.float()) * sin).type_as(x_BTHD)
+    x1, x2 = x_BTHD.float().chunk(2, dim=-1)  # rotate_half: the halves are the rotation's coordinates
+    return (x_BTHD.float() * cos + torch.cat([-x2, x1], dim=-1) * sin).type_as(x_BTHD)
 
 
 class Attention(nn.Module):
@@ -236,9 +232,7 @@ class Transformer(nn.Module):
             return mask_padded_vocab(logits_BTP, self.cfg.vocab_size)
         return logits_BTP[..., :self.cfg.vocab_size]
 
-    # ------------------------------------------------------------------
-    # Initialisation that does not depend on the parallel layout.
-    # ------------------------------------------------------------------
+    # ------------ initialisation that does not depend on the parallel layout
 
     def init_std(self, fqn: str) -> Optional[float]:
         """normal(0, init_std) everywhere; residual output projections (wo, w2)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import defaultdict
 from typing import Iterable, Optional
@@ -13,8 +12,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.config import TrainSection
-
-log = logging.getLogger(__name__)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -31,18 +28,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             for (decay, _), params in sorted(groups.items())]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainSection, device: torch.device) -> torch.optim.Optimizer:
-    """Fused AdamW (CUDA, and CPU: fused kernels for both since torch 2.4): one kernel per
-    parameter group, and the `found_inf` input that lets `SkippableStep` skip an update
-    without the host looking at the numbers. foreach where fused is refused."""
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    groups = param_groups(model, cfg.weight_decay)
-    try:
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    except (RuntimeError, TypeError) as exc:  # fused not supported for this dtype/tensor type
-        log.info("fused AdamW unavailable (%s); using foreach (each step's update then waits for the host to "
-                 "check its loss and gradient norm)", exc)
-    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.Optimizer:
+    """Fused AdamW (CUDA, and CPU: fused kernels for both since torch 2.4, plain and DTensor fp32
+    parameters alike): one kernel per parameter group, and the `found_inf` input that lets
+    `SkippableStep` skip an update without the host looking at the numbers."""
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), fused=True, lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
 class SkippableStep:
@@ -51,26 +42,19 @@ class SkippableStep:
     GradScaler passes it) and, when it is 1, changes no parameter, no moment and no step
     count. Once `limit` steps in a row were skipped every later update is skipped too, so the
     weights stay those of the last good step until the host, at its next sync, sees the
-    streak and stops the run (train.max_nonfinite_steps).
-
-    A foreach optimizer (fused refused) has no such input: there the host reads the flag
-    each step (one sync a step) and calls step() or not."""
+    streak and stops the run (train.max_nonfinite_steps)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, limit: int, streak: int, device: torch.device):
         self.optimizer = optimizer
         self.limit = limit
-        self.on_device = all(group.get("fused") for group in optimizer.param_groups)
         self.streak = torch.full((), float(streak), device=device)  # a fill, not a host-to-device copy
 
     def step(self, bad: torch.Tensor) -> torch.Tensor:
         """Update unless `bad` (1.0) or the streak reached the limit; returns the skip flag (1.0 skipped)."""
         skip = torch.maximum(bad, (self.streak >= self.limit).float())
         self.streak = (self.streak + skip) * skip
-        if self.on_device:
-            self.optimizer.found_inf = skip
-            self.optimizer.step()
-        elif not skip.item():
-            self.optimizer.step()
+        self.optimizer.found_inf = skip
+        self.optimizer.step()
         return skip
 
 

@@ -43,9 +43,7 @@ log = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs_BT, targets_BT)
 
 
-# --------------------------------------------------------------------------
-# Processes: torchrun, srun, or one plain process.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- processes: torchrun, srun, or one plain process
 
 
 @dataclass
@@ -115,9 +113,7 @@ def distributed_session(timeout: Optional[timedelta] = None) -> Iterator[DistEnv
             dist.destroy_process_group()
 
 
-# --------------------------------------------------------------------------
-# The mesh.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- the mesh
 
 MESH_DIMS = ("pp", "dp", "tp")  # tp innermost: tensor-parallel peers are neighbouring ranks
 
@@ -146,12 +142,11 @@ class ParallelDims:
     def _replicated(cfg: ParallelSection) -> bool:
         return cfg.dp_mode == "ddp" or cfg.zero_stage == 0
 
-    def build_mesh(self, device_type: str, timeout: Optional[timedelta] = None) -> Optional[DeviceMesh]:
+    def build_mesh(self, device_type: str, timeout: Optional[timedelta] = None) -> None:
         if self.world_size > 1:
             self.mesh = init_device_mesh(device_type, (self.cfg.pp, self.cfg.dp, self.cfg.tp), mesh_dim_names=MESH_DIMS)
             for dim in range(self.mesh.ndim):
                 set_group_timeout(timeout, self.mesh.get_group(dim))
-        return self.mesh
 
     @property
     def dp(self) -> int:
@@ -204,9 +199,7 @@ class ParallelDims:
         return sub.get_group() if sub is not None else None
 
 
-# --------------------------------------------------------------------------
-# Pipeline split, tensor parallel, data parallel.
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------- pipeline split, tensor parallel, data parallel
 
 
 def stage_layers(num_layers: int, pp: int) -> list[range]:
@@ -303,13 +296,6 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, param_d
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
-                                   device_ids=[device.index] if device.type == "cuda" else None)
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -343,7 +329,8 @@ def build_model(cfg: TrainerConfig, dims: ParallelDims, device: torch.device, dt
 
         load_hf_into(model, Path(cfg.model.init_from_hf), cfg.model)
     if dims.dp > 1 and dims.ddp:
-        return apply_ddp(model, dims.submesh("dp"), device)
+        return nn.parallel.DistributedDataParallel(model, process_group=dims.submesh("dp").get_group(),
+                                                   device_ids=[device.index] if device.type == "cuda" else None)
     return model
 
 

@@ -19,8 +19,6 @@ from common.extras import require
 from common.fs import write_atomic
 from common.metrics_log import latest_by_step, read_metrics
 
-__all__ = ["plot_run", "plot_runs", "read_metrics"]
-
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     plt = _pyplot()

@@ -28,11 +28,10 @@ from typing import Optional
 
 from common.environ import count as env_count
 from common.errors import human
-from common.rundir import PREFLIGHT_EXIT
 from common.events import append_event
-from common.rundir import LOCAL_JOB, PREFLIGHT_ENV, PREFLIGHT_FAILED_FILE
+from common.rundir import PREFLIGHT_ENV, PREFLIGHT_EXIT, PREFLIGHT_FAILED_FILE
 from trainer.topology import check_free_space, gpu_pci_addresses, numa_binding, numactl_show, tool_output
-from trainer.watchdog import node_name
+from trainer.watchdog import event_job, node_name
 
 # ---------------------------------------------------------------- node checks
 
@@ -230,7 +229,7 @@ class AllReduceGate:
         self.rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
         self.run_dir = env.get("SLIPWAY_RUN_DIR")
         self.reports = env.get("SLIPWAY_EXITS")
-        self.job = env.get("SLIPWAY_EVENT_JOB") or env.get("SLURM_JOB_ID") or LOCAL_JOB
+        self.job = event_job(env)
         self.nodelist = env.get("SLURM_JOB_NODELIST") or node_name()
         self._exit = exit
         self._timer: Optional[threading.Timer] = None

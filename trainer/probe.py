@@ -30,9 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.layouts import block_flops_per_token
-from common.schema import config_fields, from_dict
 from common.yaml import read_yaml
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, trainer_sections
 from trainer.model import TransformerBlock, rope_tables
 
 PASS_SECONDS = 0.4  # of CPU time, at most, for the larger pass of a part
@@ -83,8 +82,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="the threads a rank gets (OMP_NUM_THREADS)")
     torch.set_num_threads(parser.parse_args().threads)
-    raw = read_yaml(sys.stdin.read(), "the config")
-    cfg = from_dict(TrainerConfig, {k: v for k, v in raw.items() if k in config_fields(TrainerConfig)})
+    cfg = trainer_sections(read_yaml(sys.stdin.read(), "the config"), "the config")
     found: dict = {name: rates(cfg, getattr(torch, name)) for name in {"float32", cfg.train.dtype} - {"auto"}}
     found["cpu_per_second"] = time.process_time() / (time.perf_counter() - STARTED)
     print(json.dumps(found))

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import TrainerConfig
 from trainer.parallel import Batch, ParallelDims
@@ -29,27 +30,16 @@ def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.T
     return loss
 
 
-def _loss_context(dims: ParallelDims) -> Callable[[], contextlib.AbstractContextManager]:
-    """What the forward and backward of the loss run under: torch's loss_parallel (its
-    cross-entropy handlers for sharded logits, needed for the backward too) or nothing."""
-    if not dims.loss_parallel:
-        return contextlib.nullcontext
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel
-
-
 class Runner:
     """Forward and backward over the micro batches of one step. The returned
     loss is the mean over micro batches on ranks that compute it (the last
     pipeline stage); other ranks return zero (see `step_stats`). Neither waits
     for the device."""
 
-    can_eval = True
-
-    def __init__(self, device: torch.device, autocast_dtype: Optional[torch.dtype], dims: Optional[ParallelDims]):
+    def __init__(self, device: torch.device, autocast_dtype: Optional[torch.dtype], dims: ParallelDims):
         self.device, self.autocast_dtype, self.dims = device, autocast_dtype, dims
-        self.loss_context = _loss_context(dims) if dims is not None else contextlib.nullcontext
+        # torch's cross-entropy handlers for vocabulary-sharded logits, needed for the backward too
+        self.loss_context = loss_parallel if dims.loss_parallel else contextlib.nullcontext
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -73,10 +63,10 @@ class AccumulationRunner(Runner):
     under no_sync."""
 
     def __init__(self, model: nn.Module, autocast_dtype: Optional[torch.dtype], device: torch.device,
-                 dims: Optional[ParallelDims] = None):
+                 dims: ParallelDims):
         super().__init__(device, autocast_dtype, dims)
         self.model = model
-        self.sync_every = dims is not None and dims.cfg.grad_sync == "every_micro_batch"
+        self.sync_every = dims.cfg.grad_sync == "every_micro_batch"
 
     def _sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Gradient reduction on (sync) or deferred for this micro batch's backward."""
@@ -124,7 +114,6 @@ class PipelineRunner(Runner):
         schedule_cls = Schedule1F1B if dims.cfg.pp_schedule == "1f1b" else ScheduleGPipe
         self.schedule = schedule_cls(stage, n_microbatches=n_microbatches, scale_grads=False,
                                      loss_fn=lambda logits, targets: cross_entropy(logits, targets) / n_microbatches)
-        self.can_eval = hasattr(self.schedule, "eval")  # forward-only schedules: torch >= 2.9
 
     def _run(self, fn: Callable, batches: list[Batch]) -> torch.Tensor:
         inputs_BT = torch.cat([b[0] for b in batches])

@@ -40,7 +40,7 @@ def smoke() -> str:
     cfg.check("model")
     torch.manual_seed(0)
     model = Transformer(cfg)
-    optimizer = build_optimizer(model, TrainSection(lr=1e-3, warmup_steps=0), torch.device("cpu"))
+    optimizer = build_optimizer(model, TrainSection(lr=1e-3, warmup_steps=0))
     tokens_BT = torch.randint(0, cfg.vocab_size, (2, 17))
     loss = cross_entropy(model(tokens_BT[:, :-1]), tokens_BT[:, 1:])
     loss.backward()

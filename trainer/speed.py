@@ -192,7 +192,7 @@ def case_bare(case: Any) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from common.schema import from_dict
-    from trainer.compute import apply_ac
+    from trainer.compute import apply_ac, compile_blocks
     from trainer.config import ModelSection
     from trainer.metrics import peak_memory_gib
     from trainer.model import Transformer, select_attention
@@ -205,8 +205,7 @@ def case_bare(case: Any) -> dict[str, Any]:
     model = Transformer(mcfg, select_attention(mcfg, device, dtype)).to(device)
     apply_ac(model, case.ac, "op")
     if case.compile:
-        for layer in model.layers.values():
-            layer.compile()
+        compile_blocks(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     data = RandomTokens(mcfg.vocab_size, case.micro_batch, case.seq_len, 1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -360,8 +359,7 @@ def case_torchtitan(case: Any) -> dict[str, Any]:
         out = steady(records, case.warmup)
         return _rates(case, {**out, "peak_memory_gib": None, "peak_reserved_gib": out["peak_memory_gib"]})
     finally:
-        if not os.environ.get("SLIPWAY_SPEED_KEEP"):
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def titan_error(output: str) -> str:

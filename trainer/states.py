@@ -51,21 +51,13 @@ class OptimizerState:
             # DCP materialises an empty Adam state by one step with zero grads and lr 0,
             # which leaves `step` at 1 and would shift bias correction after a
             # save_initial; put the counter back to where a fresh optimizer starts.
-            _reset_step_counters(self.optimizer)
+            for state in self.optimizer.state.values():
+                state["step"].zero_()  # AdamW keeps its step count as a tensor
             sd = get_optimizer_state_dict(self.model, self.optimizer, options=self._OPTIONS)
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=self._OPTIONS)
-
-
-def _reset_step_counters(opt: torch.optim.Optimizer) -> None:
-    for state in opt.state.values():
-        step = state.get("step")
-        if isinstance(step, torch.Tensor):
-            step.zero_()
-        elif step is not None:
-            state["step"] = type(step)(0)
 
 
 class RNGState:

@@ -73,16 +73,11 @@ def numa_nodes(sysfs: Path = SYSFS) -> dict[int, set[int]]:
 
 
 def gpu_pci_addresses(count: int) -> list[str]:
-    """The sysfs PCI address of CUDA devices 0..count-1, as torch's NUMA binding forms it ("?" where
-    this torch's device properties lack the PCI ids)."""
+    """The sysfs PCI address of CUDA devices 0..count-1, as torch's NUMA binding forms it."""
     import torch
 
-    out = []
-    for i in range(count):
-        props = torch.cuda.get_device_properties(i)
-        ids = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
-        out.append("{:04x}:{:02x}:{:02x}.0".format(*ids) if all(isinstance(x, int) for x in ids) else "?")
-    return out
+    props = [torch.cuda.get_device_properties(i) for i in range(count)]
+    return [f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0" for p in props]
 
 
 def gpu_numa_node(pci_address: str, sysfs: Path = SYSFS) -> Optional[int]:

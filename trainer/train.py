@@ -38,27 +38,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.compute import check_float8, compile_error, graph_break_report, reset_graph_breaks
-from common.errors import ConfigError
 from common.edge import run_at_edge
-from common.rundir import BAD_INPUT_EXIT, FAILED_EXIT, HANG_EXIT, NONFINITE_EXIT, REQUEUE_EXIT, RunDir
+from common.errors import ConfigError
+from common.layouts import checkpoint_bytes, layout_advice, memory_report, num_flops_per_token, resolve_reshard
+from common.rundir import (BAD_INPUT_EXIT, FAILED_EXIT, HANG_EXIT, NONFINITE_EXIT, REQUEUE_EXIT, RunDir,
+                           check_code)
+from trainer.checkpoint import Checkpointer, CheckpointWriteError, NonFiniteError, resolve_async_save
+from trainer.compute import check_float8, compile_error, graph_break_report, reset_graph_breaks
 from trainer.config import TrainerConfig, load_trainer_config
-from common.layouts import layout_advice, memory_report, resolve_reshard
+from trainer.loop import (BatchFeeder, GarbageCollection, Sampler, StopSignal, StopVote, TrainState, next_batches,
+                          step_marker)
 from trainer.metrics import MetricsLogger, StepProfiler, setup_logging
-from trainer.watchdog import HangWatchdog, collective_timeout
-from common.layouts import num_flops_per_token
 from trainer.model import select_attention
 from trainer.optim import Schedule, SkippableStep, build_optimizer, clip_grad_norm_
 from trainer.parallel import (Batch, DistEnv, ParallelDims, build_model, distributed_session, global_mean, resolve_dtype,
                               step_stats)
-from trainer.runners import Runner, build_runner
-from trainer.checkpoint import Checkpointer, CheckpointWriteError, NonFiniteError, resolve_async_save
-from trainer.loop import (BatchFeeder, GarbageCollection, Sampler, StopSignal, StopVote, TrainState, next_batches,
-                          step_marker)
-from common.layouts import checkpoint_bytes
 from trainer.preflight import AllReduceGate
+from trainer.runners import Runner, build_runner
 from trainer.states import ModelState, OptimizerState, RNGState
-from common.rundir import check_code
+from trainer.watchdog import HangWatchdog, collective_timeout
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +148,6 @@ class Training:
     feeder: BatchFeeder
     val_data: Optional[Sampler]
     val_start: Optional[dict]
-    evaluating: bool
     state: TrainState
     states: dict
     checkpointer: Checkpointer
@@ -211,7 +208,7 @@ def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, s
             loop.step_s = elapsed / loop.window_steps
         loop.window_start, loop.window_steps, loop.data_s = time.perf_counter(), 0, 0.0
     t_aside = time.perf_counter()  # evaluation and saving are not training time
-    if training.evaluating and state.step % cfg.train.eval_interval == 0:
+    if training.val_data is not None and cfg.train.eval_interval and state.step % cfg.train.eval_interval == 0:
         with _compile_errors(cfg.train.compile):
             training.metrics.log_eval(state.step, evaluate(training.runner, training.val_data, training.val_start, cfg,
                                                            training.dims, training.env.device))
@@ -250,7 +247,7 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     feeder = BatchFeeder(train_data, cfg.train.grad_accum_steps, env.device, read_ahead=cfg.train.prefetch)
     model = build_model(cfg, dims, env.device, dtype, attn_impl)
     runner = build_runner(model, dims, cfg, env.device, dtype)
-    optimizer = build_optimizer(model, cfg.train, env.device)
+    optimizer = build_optimizer(model, cfg.train)
     lr_scheduler = Schedule(optimizer, cfg.train)
     state = TrainState()
     # What a checkpoint holds; model and optimizer under full-model names, so any
@@ -266,16 +263,12 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
         cfg, run_dir, env.rank, env.world_size, env.device, num_flops_per_token(cfg.model, cfg.data.seq_len))))
     # Steps after state.step that an earlier attempt logged are superseded from here on.
     metrics.log_restart(state.step, dict(dp=dims.dp, tp=dims.tp, pp=dims.pp))
-    evaluating = val_data is not None and cfg.train.eval_interval > 0 and runner.can_eval
-    if val_data is not None and cfg.train.eval_interval > 0 and not runner.can_eval:
-        log.warning("evaluation off: this torch has no forward-only pipeline schedule (torch >= 2.9 has)")
     watchdog.start(state.step)  # the first step's allowance from here
     if cfg.train.compile:
         reset_graph_breaks()
     return Training(
         cfg=cfg, run_dir=run_dir, env=env, dims=dims, tokens_per_step=tokens_per_step, model=model, runner=runner,
-        optimizer=optimizer, lr_scheduler=lr_scheduler, feeder=feeder, val_data=val_data, evaluating=evaluating,
-        state=state, states=states,
+        optimizer=optimizer, lr_scheduler=lr_scheduler, feeder=feeder, val_data=val_data, state=state, states=states,
         val_start=copy.deepcopy(val_data.state_dict()) if val_data is not None else None,
         update=SkippableStep(optimizer, cfg.train.max_nonfinite_steps, state.nonfinite_streak, env.device),
         checkpointer=checkpointer, metrics=metrics, stop=stop, vote=StopVote(timeout), watchdog=watchdog,

@@ -31,7 +31,7 @@ import threading
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterator, Mapping, Optional, Protocol
 
 from common import environ
 from common.events import append_event
@@ -79,16 +79,13 @@ def collective_timeout(cfg: TrainSection) -> timedelta:
 def process_group_timeouts() -> list[str]:
     """`name backend seconds` of each process group of this process, for the hang dumps: a
     group whose timeout is shorter than the watchdog's limit would crash the run first."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:
-        return []
-    if not dist.is_available() or not dist.is_initialized():
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
         return []
     rows = []
-    names = getattr(dist.distributed_c10d._world, "pg_names", {})
-    for pg, name in list(names.items()):
+    for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
         for device in ("cpu", "cuda"):
             try:
                 backend = pg._get_backend(torch.device(device))
@@ -113,18 +110,9 @@ def job_tag() -> str:
     return environ.word("SLIPWAY_JOB_TAG") or environ.job_id() or "local"
 
 
-def event_job() -> str:
+def event_job(env: Mapping[str, str] = os.environ) -> str:
     """The job field of this process's events.log lines, as the batch script's `event()` writes it."""
-    return os.environ.get("SLIPWAY_EVENT_JOB") or os.environ.get("SLURM_JOB_ID") or LOCAL_JOB
-
-
-def cuda_device() -> Optional[int]:
-    """The CUDA device of the calling thread where this process trains on CUDA (the trainer sets
-    its rank's device first), else None. Each thread has its own current device."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
-        return None
-    return torch.cuda.current_device()
+    return env.get("SLIPWAY_EVENT_JOB") or env.get("SLURM_JOB_ID") or LOCAL_JOB
 
 
 def dump_path(run_dir: Path, rank: int) -> Path:
@@ -178,7 +166,9 @@ class HangWatchdog:
             self._mark = (time.monotonic(), step)
         self._queued.clear()
         if self.enabled and self._thread is None:
-            self._device = cuda_device()
+            # The rank's CUDA device (the trainer set it first; each thread has its own current device).
+            torch = sys.modules.get("torch")
+            self._device = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else None
             self._thread = threading.Thread(target=self._run, name="slipway-hang-watchdog", daemon=True)
             self._thread.start()
         return self
@@ -277,11 +267,8 @@ class HangWatchdog:
         wall = time.time() - (time.monotonic() - at)
         record = {"step": step, "time": datetime.fromtimestamp(wall, timezone.utc).isoformat(timespec="seconds"),
                   "unix": round(wall, 3), "job": job_tag(), "hang_timeout": self.timeout_s}
-        path = RunDir(self.run_dir).progress
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:  # renamed into place, not fsynced: a reader sees this record or the last, and a lost one is no loss
-            tmp.write_text(json.dumps(record) + "\n")
-            os.replace(tmp, path)
+            write_atomic(RunDir(self.run_dir).progress, json.dumps(record) + "\n", sync=False)
         except OSError as exc:  # the view loses a figure; training must not
             log.debug("progress.json not written: %s", exc)
 
@@ -375,11 +362,8 @@ def flight_recorder(out: Path) -> str:
         return "flight recorder: not available (no torch.distributed)"
     if not dist.is_available() or not dist.is_initialized():
         return "flight recorder: no process group"
-    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
-    if dump is None:
-        return "flight recorder: this torch has none"
     try:
-        raw = dump()
+        raw = c10d._dump_fr_trace()
         trace = pickle.loads(raw)
     except Exception as exc:  # a diagnostic must not stop the dump of the stacks
         return f"flight recorder: could not be read ({type(exc).__name__}: {exc})"
