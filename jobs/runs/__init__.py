@@ -13,13 +13,11 @@
     arrays.py     a sweep planned (every point checked and sealed) and queued as Slurm job arrays
 """
 
-from jobs.runs.run import (Run, Unreadable, active_jobs, find_run, list_runs, pinned_images, runs_root, scan_runs,
-                          update_manifest)
+from jobs.runs.run import Run, Unreadable, find_run, pinned_images, runs_root, scan_runs, update_manifest
 from jobs.runs.checks import check_submittable, config_difference
 from jobs.runs.submit import (Sealed, nothing_to_train, no_world_write, preparation, prepare_run, record_code, seal,
                               submit, submit_prepare, unprepared_data)
 
-__all__ = ["Run", "Sealed", "Unreadable", "active_jobs", "check_submittable", "config_difference", "find_run",
-           "list_runs", "no_world_write", "nothing_to_train", "pinned_images", "preparation", "prepare_run",
-           "record_code", "runs_root", "scan_runs", "seal", "submit", "submit_prepare", "unprepared_data",
-           "update_manifest"]
+__all__ = ["Run", "Sealed", "Unreadable", "check_submittable", "config_difference", "find_run", "no_world_write",
+           "nothing_to_train", "pinned_images", "preparation", "prepare_run", "record_code", "runs_root", "scan_runs",
+           "seal", "submit", "submit_prepare", "unprepared_data", "update_manifest"]

@@ -22,14 +22,13 @@ from jobs.config import Config, load_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
-from jobs.runs.image import ImagePin
 from jobs.runs.lifecycle import LaunchState
 from jobs.runs.manifest import Launch, Manifest, ManifestError
 from common import environ
 from common.errors import ConfigError, one_line, shown
 from common.events import Event, read_events
 from common.fs import NotRegularFile, file_kind, ownership, read_tail
-from common.rundir import CodeSnapshot, RunDir
+from common.rundir import RunDir
 
 
 @dataclass
@@ -48,22 +47,6 @@ class Run:
         """The run's manifest as the file holds it now; ManifestError, naming the file and what to
         do, when it cannot be read."""
         return manifests.read(self.paths.manifest)
-
-    def image(self) -> Optional[ImagePin]:
-        """The image the run's latest job runs, as pinned at its submission (None: never submitted)."""
-        return self.manifest().image
-
-    def images(self) -> list[ImagePin]:
-        """Every image a job of the run was submitted with (a requeue runs its own job's)."""
-        return self.manifest().images()
-
-    def code(self) -> Optional[CodeSnapshot]:
-        """The code snapshot the run's latest launch runs (None: the image's own code)."""
-        return self.manifest().code
-
-    def code_history(self) -> list[tuple[str, Optional[CodeSnapshot]]]:
-        """(launch, its code snapshot) for each training launch, oldest first ("local" for one here)."""
-        return [(x.id, x.code) for x in self.launches() if x.kind == "train"]
 
     def launches(self) -> list[Launch]:
         """Its Slurm jobs and local launches, oldest first, as the manifest records them."""
@@ -105,11 +88,9 @@ class Run:
         where events.log does not settle it (unless `info` is given or `ask_slurm` is off);
         `lifecycle.launch_state` decides."""
         own = self.events_of(launch)
-        if launch.local:
-            return lifecycle.launch_state(launch, own, process=lifecycle.observe_local(launch))
-        if info is None and ask_slurm:
+        if info is None and ask_slurm:  # none for a local launch
             info = lifecycle.ask_slurm([(launch, own)]).get(launch.id)
-        return lifecycle.launch_state(launch, own, info)
+        return lifecycle.observed_state(launch, own, info)
 
     def last_metrics(self, kind: str = "train") -> dict | None:
         """The latest training record (or of another `kind`: eval) of the history that stands (a
@@ -272,10 +253,6 @@ def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
     return [Run(RunDir(root / name, project_dir)) for _, name in found], sorted(unreadable, key=lambda u: u.name)
 
 
-def list_runs(project_dir: Path) -> list[Run]:
-    return scan_runs(project_dir)[0]
-
-
 def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
     """Every squashfs a run pins (its manifest's `image` and each submission's: a requeue
     runs the file its env.toml / srun flags name), resolved, with the runs that pin it.
@@ -294,7 +271,7 @@ def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
                 continue
             seen.add(run.dir.resolve())
             try:
-                images = run.images()
+                images = run.manifest().images()
             except ManifestError as exc:
                 raise exc.restated("it may pin an image, so nothing was pruned",
                                    "restore it from a backup or move the run directory aside, then prune "
