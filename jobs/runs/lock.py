@@ -25,11 +25,11 @@ import stat
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, Optional
 
 from common.errors import ConfigError
+from common.events import now_iso
 from common.fs import file_kind, read_tail
 from common.secrets import mask
 
@@ -50,10 +50,6 @@ class _Held:
 
 
 _held: dict[Path, _Held] = {}  # this process's locks
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def holder(run_dir: Path) -> dict:
@@ -133,7 +129,7 @@ def _same_file(fd: int, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def _acquire(run_dir: Path, path: Path, trains: bool, wait_s: float) -> Optional[int]:
+def _acquire(run_dir: Path, path: Path, wait_s: float) -> Optional[int]:
     deadline = time.monotonic() + wait_s
     while True:
         fd = _open(path)
@@ -176,14 +172,14 @@ def hold(run_dir: Path, command: str, *, trains: bool = False, wait_s: float = W
     made_root = not path.parent.exists()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd = _acquire(run_dir, path, trains, wait_s)
+        fd = _acquire(run_dir, path, wait_s)
     except BaseException:
         if made_root:
             with contextlib.suppress(OSError):
                 path.parent.rmdir()
         raise
     if fd is not None:
-        _write_record(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": _now(),
+        _write_record(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso(),
                            "command": mask(command, values=True), "trains": trains})
     _held[path] = _Held(fd, 1)
     try:
