@@ -8,6 +8,7 @@ once events.log tells its end). A launch on this machine's state comes from its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import time
@@ -65,10 +66,6 @@ class Snapshot:
     events: list[Event] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
     ended: bool = False
-
-    @property
-    def exit_code(self) -> Optional[int]:
-        return self.state.final_exit if self.ended else None
 
 
 def parse_gutil(path: Path) -> tuple[int, Optional[float], Optional[float]]:
@@ -235,8 +232,8 @@ def render(snap: Snapshot):
     parts = [head, _training_row(snap), *[Text(one_line(h), style="dim") for h in snap.history],
              *([_nodes_table(snap)] if snap.nodes else []), _events_table(snap)]
     if snap.ended:
-        parts.append(Text(one_line(f"job {snap.job_id} ended: {state.state}, exit code {snap.exit_code}"),
-                          style="bold green" if snap.exit_code == 0 else "bold red"))
+        parts.append(Text(one_line(f"job {snap.job_id} ended: {state.state}, exit code {state.final_exit}"),
+                          style="bold green" if state.final_exit == 0 else "bold red"))
     return Group(*parts)
 
 
@@ -297,26 +294,11 @@ def _events_table(snap: Snapshot):
     return events
 
 
-def _watch_plain(watcher: "Watcher", snap: Snapshot, interval: float, console) -> int:
-    """`watch` into a pipe or a file, which a live view never reaches: a frame at once, then one
-    each time the step, the events or the job's state change, until the job ends."""
-    def key(s: Snapshot) -> tuple:
-        return s.metrics.get("step"), s.progress_step, len(s.events), s.state.state, s.ended
-
-    console.print(render(snap))
-    shown = key(snap)
-    while not snap.ended:
-        time.sleep(interval)
-        snap = watcher.snapshot()
-        if key(snap) != shown:
-            console.print(render(snap))
-            shown = key(snap)
-    return snap.exit_code if snap.exit_code is not None else 1
-
-
 def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0, once: bool = False,
           console=None) -> int:
-    """Show the job live until it ends; its exit code (with `once`: one frame, exit 0)."""
+    """Show the job live until it ends; its exit code (with `once`: one frame, exit 0). Into a pipe
+    or a file, which a live view never reaches: a frame at once, then one each time the step, the
+    events or the job's state change."""
     from rich.console import Console
     from rich.live import Live
 
@@ -328,17 +310,25 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
     if once:
         console.print(render(snap))
         return 0
+    live, shown = (Live(console=console, auto_refresh=False) if console.is_terminal else None), None
     try:
-        if not console.is_terminal:  # piped: a frame now and at each new step, event or state, not one at the end
-            return _watch_plain(watcher, snap, interval, console)
-        with Live(render(snap), console=console, refresh_per_second=4, auto_refresh=False) as live:
-            while not snap.ended:
+        with live or contextlib.nullcontext():
+            while True:
+                if live is not None:
+                    live.update(render(snap), refresh=True)
+                elif _changes(snap) != shown:
+                    console.print(render(snap))
+                    shown = _changes(snap)
+                if snap.ended:
+                    return snap.state.final_exit
                 time.sleep(interval)
                 snap = watcher.snapshot()
-                live.update(render(snap), refresh=True)
     except KeyboardInterrupt:
         goes_on = ("the run goes on (Ctrl-C in its own terminal stops it)" if watcher.job_id == LOCAL else
                    f"job {watcher.job_id} goes on (`slipway cancel {run.name}` ends it)")
         console.print(one_line(as_typed(f"stopped watching; {goes_on}")), highlight=False, markup=False, soft_wrap=True)
         return 130
-    return snap.exit_code if snap.exit_code is not None else 1
+
+
+def _changes(s: Snapshot) -> tuple:
+    return s.metrics.get("step"), s.progress_step, len(s.events), s.state.state, s.ended
