@@ -273,11 +273,8 @@ def _merge_repeats(results: list[Result]) -> list[Result]:
     return out
 
 
-def run_doctor(cfg: Config | None, project_dir: Path, console, profile=None) -> int:
-    return _print(checks(cfg, project_dir, profile), console)
-
-
-def _print(results: list[Result], console) -> int:
+def report(results: list[Result], console) -> int:
+    """The results, each problem once, and the count; exit 1 where any failed."""
     results = _merge_repeats(results)
     for name, ok, detail in results:
         mark = "[green]ok  [/]" if ok else "[red]fail[/]"
@@ -412,7 +409,3 @@ def _pinned_code(run: "runs.Run", manifest) -> list[Result]:
         out.append(("job library", ok, f"{name} as submitted" if ok else f"{path} {why}: the next job would end "
                                                                           f"at its start; {resubmit}"))
     return out
-
-
-def run_doctor_run(run: "runs.Run", console) -> int:
-    return _print(run_checks(run), console)
