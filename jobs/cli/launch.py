@@ -288,7 +288,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _stop_warm(args: argparse.Namespace) -> int:
-    from common import environ
     from jobs.slurm import warm
 
     if args.config or args.overrides:
@@ -310,8 +309,7 @@ def cmd_edf(args: argparse.Namespace) -> int:
         notes: list[str] = []
         # --check also looks for the image file and mount sources; --to-pyxis may run elsewhere.
         _, problems = check_edf(path, notes=notes if args.check else None)
-        for note in notes:
-            print(f"note: {mask(note)}", file=sys.stderr)
+        print_notes(rich_console(stderr=True), notes)
         for problem in problems:
             print(f"slipway: error: {problem}", file=sys.stderr)
         if problems:
@@ -323,8 +321,7 @@ def cmd_edf(args: argparse.Namespace) -> int:
         env = parse_edf(path)
         env.runtime = "pyxis"
         flags = srun_flags(env)
-        for warning in flags.warnings:
-            print(f"note: {mask(warning)}", file=sys.stderr)
+        print_notes(rich_console(stderr=True), flags.warnings)
         from jobs.slurm.ranks import shell_value
 
         # a hand-written EDF's values, printed: what looks like a secret is hidden (check_edf warned)
@@ -359,8 +356,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
     cfg = load(args)
     if args.dry_run:
         text, notes = shell.shell_dry_run(cfg, project_dir(), command=args.command)
-        for note in notes:
-            print(f"note: {mask(note)}", file=sys.stderr)
+        print_notes(rich_console(stderr=True), notes)
         sys.stdout.write(mask(text))  # --command is the user's own text
         return 0
     return shell.run_shell(cfg, project_dir(), command=args.command)

@@ -129,8 +129,8 @@ def _same_file(fd: int, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def _acquire(run_dir: Path, path: Path, wait_s: float) -> Optional[int]:
-    deadline = time.monotonic() + wait_s
+def _acquire(run_dir: Path, path: Path) -> Optional[int]:
+    deadline = time.monotonic() + WAIT_SECONDS
     while True:
         fd = _open(path)
         try:
@@ -155,9 +155,9 @@ def _acquire(run_dir: Path, path: Path, wait_s: float) -> Optional[int]:
 
 
 @contextlib.contextmanager
-def hold(run_dir: Path, command: str, *, trains: bool = False, wait_s: float = WAIT_SECONDS) -> Iterator[None]:
+def hold(run_dir: Path, command: str, *, trains: bool = False) -> Iterator[None]:
     """Hold the lock on the run at `run_dir` for the block, or raise a one-line ConfigError
-    naming its holder: at once when the holder trains (`trains`), else after `wait_s`. A launch
+    naming its holder: at once when the holder trains (`trains`), else after WAIT_SECONDS. A launch
     that leaves no run directory leaves no lock file either."""
     run_dir = Path(run_dir).absolute()
     path = lock_path(run_dir)
@@ -172,7 +172,7 @@ def hold(run_dir: Path, command: str, *, trains: bool = False, wait_s: float = W
     made_root = not path.parent.exists()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd = _acquire(run_dir, path, wait_s)
+        fd = _acquire(run_dir, path)
     except BaseException:
         if made_root:
             with contextlib.suppress(OSError):
