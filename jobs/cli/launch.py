@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 from common import environ
-from common.environ import as_typed, invocation
-from common.environ import project_dir
+from common.environ import as_typed, invocation, project_dir
 from common.errors import ConfigError, one_line
 from common.secrets import mask
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
@@ -94,8 +93,6 @@ def _plain(value: object) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from rich.markup import escape
-
     from jobs import runs
 
     cfg = load(args)
@@ -112,7 +109,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                   f"{' (resumes from its latest checkpoint)' if resumed else ''}  run dir: {_plain(run.dir)}",
                   soft_wrap=True)
     if sealed.replaced:
-        console.print(f"config replaced (--force): {escape(sealed.replaced)}", soft_wrap=True, highlight=False)
+        console.print(f"config replaced (--force): {_plain(sealed.replaced)}", soft_wrap=True, highlight=False)
     if sealed.pin.path:
         console.print(f"[dim]image {_plain(sealed.pin.path)} ({sealed.pin.source}"
                       f"{', build ' + sealed.pin.build_hash[:12] if sealed.pin.build_hash else ''})[/]",

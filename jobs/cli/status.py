@@ -293,6 +293,12 @@ def cancel_jobs(found: Sequence[tuple[runs.Run, Sequence[Launch]]]) -> list[str]
     def still_active() -> list[str]:
         return [j for j, info in slurm.jobs_info(active).items() if info.active]
 
+    def left_after(seconds: float) -> list[str]:
+        deadline = time.time() + seconds
+        while (left := still_active()) and time.time() < deadline:
+            time.sleep(0.5)
+        return left
+
     running = [j for j in active if answers[j].state.split()[:1] == ["RUNNING"]]
     pending = [j for j in active if j not in running]
     if pending:
@@ -301,15 +307,10 @@ def cancel_jobs(found: Sequence[tuple[runs.Run, Sequence[Launch]]]) -> list[str]
             append_event(owner[job].dir, job, "cancelled by slipway cancel")
     if running:
         _scancel(running, still_active, "USR2")
-        deadline = time.time() + CANCEL_GRACE_SECONDS
-        while time.time() < deadline and still_active():
-            time.sleep(0.5)
-    left = still_active()
+    left = left_after(CANCEL_GRACE_SECONDS if running else 0)
     if left:
         _scancel(left, still_active)
-    deadline = time.time() + 30
-    while time.time() < deadline and still_active():
-        time.sleep(0.5)
+        left_after(30)
     return active
 
 

@@ -247,8 +247,6 @@ def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchSta
         return LaunchState(FAILED, code, f"{word.lower().replace('_', ' ')}" + (f": {info.reason}" if info.reason else ""))
     if code is None:
         code = 0 if word == "COMPLETED" else 1
-    if word == "COMPLETED" and code == 0:
-        return LaunchState(COMPLETED, 0, info.reason or last_text)
     return _by_code(code, attempt, info.reason or last_text)
 
 
