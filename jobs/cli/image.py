@@ -62,7 +62,6 @@ def build_on_compute(cfg: Config, plan: ImagePlan, console: Console, *, force: b
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     frozen = copy.deepcopy(cfg)
     frozen.image.build_on = "local"  # the inner build runs where it is
-    assert plan.frozen_config is not None
     try:
         write_atomic(plan.frozen_config, dump_config(frozen))
         console.print("[bold]srun[/] " + escape(shlex.join(argv[1:])), highlight=False)
@@ -100,12 +99,11 @@ def dry_run(cfg: Config, *, force: bool, do_import: bool, here: bool, console: C
         say(f"  {step}")
 
 
-def prune(cfg: Config, keep: int = 1, *, root: Path | None = None, remove: list[str] | None = None,
-          console: Console | None = None, dry_run: bool = False):
+def prune(cfg: Config, *, keep: int, remove: list[str], console: Console, dry_run: bool):
     """`slipway image prune`: containers.prune_images, keeping every squashfs a run pins."""
     from jobs.runs import pinned_images
 
-    root = (root or _root(cfg)).resolve()
+    root = _root(cfg).resolve()
     # Where runs live: the directory slipway's run commands use and the checkout the image is built from.
     project_dirs = list(dict.fromkeys([project_dir(), root]))
     return prune_images(cfg, keep=keep, root=root, remove=remove, console=console, dry_run=dry_run,

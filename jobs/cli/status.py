@@ -28,13 +28,9 @@ from common.rundir import LOCAL_JOB, HangLine
 
 def hang_dumps(run: runs.Run, tag: str) -> list[str]:
     """One line per stack dump of attempt `tag`: rank, node, and whether it answered in time."""
-    out = []
-    for path in run.paths.hang_dumps(tag):
-        line = HangLine.read(path)
-        if line is not None:
-            late = "on time" if line.on_time else "late: frozen or starved until the teardown"
-            out.append(f"rank {line.rank} on {line.host}: {late} ({path.relative_to(run.dir)})")
-    return out
+    late = "late: frozen or starved until the teardown"
+    return [f"rank {line.rank} on {line.host}: {'on time' if line.on_time else late} ({path.relative_to(run.dir)})"
+            for path in run.paths.hang_dumps(tag) if (line := HangLine.read(path)) is not None]
 
 
 def _progress(f: Facts, throughput: bool = False) -> str:

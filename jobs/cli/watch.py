@@ -96,8 +96,6 @@ def parse_gutil(path: Path) -> tuple[int, Optional[float], Optional[float]]:
         except ValueError:  # "-": not measured
             return None
 
-    if not latest:
-        return 0, None, None
     sm = [v for r in latest.values() if (v := number(r, "sm")) is not None]
     fb = [v for r in latest.values() if (v := number(r, "fb")) is not None]
     return len(latest), (sum(sm) / len(sm) if sm else None), (sum(fb) / 1024 if fb else None)
@@ -139,11 +137,10 @@ class Watcher:
                         total_steps=self.total_steps, ended=ended)
         snap.metrics = self.run.last_metrics() or {}
         self._progress(snap, now)
-        if self.job_id != LOCAL:
-            self._nodes(snap, now)
         events = self.run.events()
         snap.events = events[-EVENTS_SHOWN:]
         if self.job_id != LOCAL:  # each `make local` is a launch of its own, not an attempt of one job
+            self._nodes(snap, now)
             snap.history = lifecycle.history(self.job_id, events).lines()
         return snap
 

@@ -188,13 +188,9 @@ def _remove(path: Path) -> None:
 
 def listing_lines(files: Sequence[SourceFile]) -> str:
     """The snapshot's listing (LISTING): `KIND SHA256 PATH` per entry, sorted by path."""
-    lines = []
-    for f in sorted(files, key=lambda f: f.dest):
-        if f.link is not None:
-            lines.append(f"l {hashlib.sha256(f.link.encode()).hexdigest()} {f.dest}\n")
-        else:
-            lines.append(f"{'x' if f.executable else 'f'} {f.sha256 or file_sha256(f.src)} {f.dest}\n")
-    return "".join(lines)
+    return "".join(f"l {hashlib.sha256(f.link.encode()).hexdigest()} {f.dest}\n" if f.link is not None else
+                   f"{'x' if f.executable else 'f'} {f.sha256 or file_sha256(f.src)} {f.dest}\n"
+                   for f in sorted(files, key=lambda f: f.dest))
 
 
 def listing_hash(listing: str) -> str:

@@ -199,8 +199,6 @@ def _shallow(obj: Any) -> Any:
     return new
 
 
-
-
 @dataclass(frozen=True)
 class Axis:
     key: str
@@ -266,8 +264,7 @@ def split_axes(overrides: list[str]) -> tuple[list[Axis], list[str]]:
             raise ConfigError(key, f"an axis needs at least one value: {key}=[V1, V2, ...]")
         if any(a.key == key for a in axes):
             raise ConfigError(key, "swept twice: give its values in one list")
-        seen = [value_text(v) for v in values]
-        dupes = sorted({t for t in seen if seen.count(t) > 1})
+        dupes = sorted(t for t, n in collections.Counter(map(value_text, values)).items() if n > 1)
         if dupes:
             raise ConfigError(key, f"the value {dupes[0]} is given twice: each value once")
         axes.append(Axis(key, values))
