@@ -125,12 +125,11 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     for launch, own in zip(launches, owns):
         table.add_row(*[Text(one_line(cell)) for cell in _job_row(launch, own, answers.get(launch.id))])
     console.print(table)
-    latest = run.latest_train_job()
+    latest = next((x for x in reversed(launches) if x.kind == "train" and not x.local), None)
     if latest:
-        _print_history(run, lifecycle.history(latest, events), console)
-    cluster = next((x.cluster for x in reversed(launches) if x.kind == "train" and not x.local), None)
-    if cluster and isinstance(cluster.get("name"), str):
-        say(console, f"cluster {cluster['name']} (its profile, as submitted, is in manifest.json)")
+        _print_history(run, lifecycle.history(latest.id, events), console)
+    if latest and isinstance(latest.cluster.get("name"), str):
+        say(console, f"cluster {latest.cluster['name']} (its profile, as submitted, is in manifest.json)")
     image = manifest.image
     if image is not None and image.image:
         say(console, f"image {image.image}" + (f" (build {image.build_hash[:12]})" if image.build_hash else ""))
