@@ -38,9 +38,7 @@ def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> i
                                  "submits it")
     if job_id is None and launches[-1].local:
         return _show_local_log(run, launches[-1], follow)
-    job_id = job_id or next((x.id for x in reversed(launches) if not x.local), None)
-    if job_id is None:
-        raise ConfigError("--job", f"run {run.name} has no Slurm job")
+    job_id = job_id or launches[-1].id  # a Slurm job: the latest launch is no local one
     if follow:
         return follow_logs(run, job_id)
     path = run.log_path(job_id, stream)

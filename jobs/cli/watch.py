@@ -111,13 +111,13 @@ def _age(path: Path, now: float) -> Optional[float]:
 def latest_job(run: runs.Run) -> str:
     """The run's latest training job; LOCAL when its latest launch was on this machine."""
     launches = run.launches()
-    if launches and launches[-1].local:
-        return LOCAL
-    job = run.latest_train_job() or next(reversed(run.job_ids()), None)  # or its preparation job
-    if job is None:
+    if not launches:
         raise ConfigError("RUN", f"run {run.name} has no job to watch: `slipway submit {shlex.quote(str(run.paths.config))}` "
                                  "submits it")
-    return job
+    if launches[-1].local:
+        return LOCAL
+    # Its latest training job, or its preparation job where it has none yet.
+    return next((x.id for x in reversed(launches) if x.kind == "train" and not x.local), launches[-1].id)
 
 
 class Watcher:

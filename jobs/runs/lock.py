@@ -24,7 +24,6 @@ import socket
 import stat
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -43,13 +42,7 @@ def lock_path(run_dir: Path) -> Path:
     return run_dir.parent / f".{run_dir.name}.lock"
 
 
-@dataclass
-class _Held:
-    fd: Optional[int]  # None where the filesystem has no locks
-    depth: int
-
-
-_held: dict[Path, _Held] = {}  # this process's locks
+_held: dict[Path, Optional[int]] = {}  # this process's locks: their descriptors (None: no locks on that filesystem)
 
 
 def holder(run_dir: Path) -> dict:
@@ -161,13 +154,8 @@ def hold(run_dir: Path, command: str, *, trains: bool = False) -> Iterator[None]
     that leaves no run directory leaves no lock file either."""
     run_dir = Path(run_dir).absolute()
     path = lock_path(run_dir)
-    held = _held.get(path)
-    if held is not None:
-        held.depth += 1
-        try:
-            yield
-        finally:
-            held.depth -= 1
+    if path in _held:  # held already: the outermost hold lets go
+        yield
         return
     made_root = not path.parent.exists()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +169,7 @@ def hold(run_dir: Path, command: str, *, trains: bool = False) -> Iterator[None]
     if fd is not None:
         _write_record(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso(),
                            "command": mask(command, values=True), "trains": trains})
-    _held[path] = _Held(fd, 1)
+    _held[path] = fd
     try:
         yield
     finally:
@@ -220,8 +208,7 @@ def busy(run_dir: Path) -> Optional[str]:
 
 def held_fd(run_dir: Path) -> Optional[int]:
     """This process's descriptor of the run's lock (for a child to inherit), None if not held."""
-    held = _held.get(lock_path(Path(run_dir).absolute()))
-    return held.fd if held else None
+    return _held.get(lock_path(Path(run_dir).absolute()))
 
 
 def note(run_dir: Path, **fields) -> None:

@@ -58,10 +58,6 @@ class Run:
     def job_ids(self) -> list[str]:
         return [x.id for x in self.launches() if not x.local]
 
-    def latest_train_job(self) -> str | None:
-        """The id of the run's latest Slurm training job (its preparation jobs aside)."""
-        return next((x.id for x in reversed(self.launches()) if not x.local and x.kind == "train"), None)
-
     def config(self) -> Config:
         return load_config(self.paths.config)
 
@@ -258,7 +254,7 @@ def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
     runs the file its env.toml / srun flags name), resolved, with the runs that pin it.
     The runs root is $SLIPWAY_RUNS, else each project directory's runs/. A manifest that cannot
     be read may pin any image: ManifestError, and nothing is pruned."""
-    pins: dict[Path, list[str]] = {}
+    pins: dict[Path, dict[str, None]] = {}  # the runs of each, in order
     seen: set[Path] = set()
     for project_dir in project_dirs:
         found, unreadable = scan_runs(project_dir)
@@ -279,10 +275,8 @@ def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
             for pin in images:
                 for value in (pin.path, pin.image):
                     if value and value.startswith("/"):
-                        names = pins.setdefault(Path(os.path.realpath(value)), [])
-                        if run.name not in names:
-                            names.append(run.name)
-    return pins
+                        pins.setdefault(Path(os.path.realpath(value)), {})[run.name] = None
+    return {path: list(names) for path, names in pins.items()}
 
 
 def active_jobs(run: Run, asked: Optional[dict[str, slurm.JobInfo]] = None) -> list[tuple[str, str]]:
