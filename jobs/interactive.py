@@ -23,6 +23,7 @@ from rich.text import Text
 from jobs import local_checks, runs, slurm
 from jobs.runs import lock as runlock
 from jobs.runs.code import git_state, prune_code_store
+from jobs.runs.lifecycle import signal_name
 from jobs.runs.container import create_needed_dirs
 from jobs.config import Config
 from jobs.supervisor import FORWARDED, Heartbeat, Output, Stopper, oom_kills, stop_grace, wait_for_exit
@@ -239,7 +240,7 @@ def _supervise(run: runs.Run, sealed: runs.Sealed, project_dir: Path, argv: list
                           f"a forced stop (unsaved) in {format_duration(stopper.grace_s)} ({stopper.grace_why}); "
                           "Ctrl-C again stops at once, unsaved", soft_wrap=True, highlight=False)
         for out in outputs:  # the log says it first: torch's and torchrun's lines about the exit follow
-            out.note(f"{_signal_name(signum)}: the ranks were asked to save a checkpoint at the step they agree on and "
+            out.note(f"{signal_name(signum)}: the ranks were asked to save a checkpoint at the step they agree on and "
                      f"stop (exit {REQUEUE_EXIT}: saved, resumable); what torch and torchrun report below about that "
                      "exit is this stop, not a failure")
 
@@ -311,7 +312,7 @@ def _end_lines(end: "_End", rc: int, step: Optional[int], command: str, log_path
     start = f"{command} starts from step 0"
     resume = f"{command} resumes from its checkpoint at step {steps[-1]}" if steps else f"no checkpoint yet: {start}"
     if end.signum is not None:
-        what = "interrupted (Ctrl-C)" if end.signum == signal.SIGINT else f"terminated by {_signal_name(end.signum)}"
+        what = "interrupted (Ctrl-C)" if end.signum == signal.SIGINT else f"terminated by {signal_name(end.signum)}"
         where = "" if step is None else f" at step {step}"
         if forced is not None:
             told = (f"{where}: stopped after {format_duration(forced)}, unsaved: " + (
@@ -372,7 +373,7 @@ def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, signum: Optiona
                     extra={"trainer_exit": rc})
     killed = -rc if rc < 0 else output.rank_signal
     if killed:
-        name = _signal_name(killed)
+        name = signal_name(killed)
         who = "the trainer" if rc < 0 or output.failed_rank is None else f"rank {output.failed_rank}"
         reason = f"{who} was killed by {name}{where}"
         oom = killed == signal.SIGKILL and ooms is not None and (oom_kills() or 0) > ooms
@@ -384,13 +385,6 @@ def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, signum: Optiona
         return _End(128 + killed, 128 + killed, [reason, f"end exit {128 + killed}"], reason=reason,
                     resumable=not oom, extra={"trainer_exit": rc})
     return _End(rc, rc, [f"end exit {rc}"])
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
 
 
 def _hang(run: runs.Run, cfg: Config, tag: str) -> str:

@@ -244,7 +244,7 @@ def test_the_containers_command_says_why_slurm_cannot_answer(project, tmp_path):
         pytest.skip("the Slurm client commands are not installed")
     r = subprocess.run([PY, "-m", "jobs", "image", "containers", "tiny_cpu"], capture_output=True, text=True,
                        timeout=600, env={**os.environ, "SLURM_CONF": str(tmp_path / "no-slurm.conf")})
-    assert r.returncode == 1 and r.stderr.startswith("error: sinfo failed"), (r.stdout, r.stderr)
+    assert r.returncode == 1 and r.stderr.startswith("slipway: error: sinfo failed"), (r.stdout, r.stderr)
     assert "internal error" not in r.stderr
 
 

@@ -134,7 +134,7 @@ def test_a_run_reads_its_launches_and_the_events_of_each(tmp_path):
                              ("local", "12:02:30", "end exit 3"), ("41", "12:03:00", "end exit 0")):
         append_event(run.dir, job, text, f"2026-01-01T{stamp}+00:00")
     slurm_job, first, second = run.launches()
-    assert run.job_ids() == ["41"] and run.latest_train_job() == "41" and run.launch("41") == slurm_job
+    assert run.job_ids() == ["41"] and run.launch("41") == slurm_job
     assert [e.text for e in run.events_of(slurm_job)] == [START, "end exit 0"]
     assert [e.text for e in run.events_of(first)] == ["start on this machine", "end exit 0"]
     assert [e.text for e in run.events_of(second)] == ["start on this machine", "end exit 3"]

@@ -87,7 +87,7 @@ def test_a_key_this_slipway_does_not_know_survives_a_rewrite(tmp_path):
     after = json.loads(path.read_text())
     assert after["note"] == [1, {"x": 2}] and after["submissions"][1]["reviewed_by"] == "ana"
     assert [s["job_id"] for s in after["submissions"]] == ["40", "41", None, "42"]
-    assert run.launches()[-1].id == "42" and run.code().hash == CODE["hash"]
+    assert run.launches()[-1].id == "42" and run.manifest().code.hash == CODE["hash"]
 
 
 def test_a_manifest_of_a_newer_format_is_refused_not_rewritten(tmp_path):

@@ -131,6 +131,15 @@ def dead_pid() -> int:
     return int(subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
 
 
+@pytest.mark.parametrize("kinds, latest", [(["train", "prepare"], "51"), (["prepare"], "51"),
+                                            (["train", "train", "prepare"], "52")])
+def test_the_job_watched_is_the_latest_training_job_else_the_preparation(tmp_path, kinds, latest):
+    run = fake_run(tmp_path)
+    (run.dir / "manifest.json").write_text(json.dumps({"submissions": [
+        {"job_id": str(51 + i), "kind": kind} for i, kind in enumerate(kinds)]}))
+    assert watch.latest_job(run) == latest
+
+
 def test_a_local_launch_that_died_ends_the_watch(tmp_path):
     run = fake_run(tmp_path)
     gone = dead_pid()

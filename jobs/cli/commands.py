@@ -1,10 +1,11 @@
 """The parser, `main` (the dispatch through the error edge) and the commands that read a
 run: doctor, status, logs, watch, cancel, plot. The commands that make runs are in
-jobs/cli/launch.py; `slipway image` and `slipway cluster` parse their own arguments."""
+jobs/cli/launch.py, `slipway image`'s in jobs/cli/image.py; `slipway cluster` parses its own arguments."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import functools
 import re
@@ -15,8 +16,8 @@ from pathlib import Path
 from common.environ import as_typed
 from common.errors import ConfigError, bounded, one_line
 from common.secrets import mask
-from jobs.cli.launch import (cmd_edf, cmd_local, cmd_prepare, cmd_run, cmd_shell, cmd_submit, load, project_dir,
-                             rich_console)
+from jobs.cli.launch import (cluster_of, cmd_edf, cmd_local, cmd_prepare, cmd_run, cmd_shell, cmd_submit, load,
+                             project_dir, rich_console)
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
 
 
@@ -42,13 +43,16 @@ def _nearest(word: str, candidates: list[str]) -> str:
     return near[0] if near else ""
 
 
-def _config_args(p: argparse.ArgumentParser, optional: bool = False, cluster: bool = True) -> None:
-    """CONFIG, its overrides and the named flags; `cluster=False` hides the Slurm and container flags."""
+def _config_args(p: argparse.ArgumentParser, optional: bool = False, cluster: bool = True, flags: bool = True) -> None:
+    """CONFIG, its overrides and the named flags; `cluster=False` hides the Slurm and container flags,
+    `flags=False` (`slipway image`, which reads the image section alone) has none."""
     p.add_argument("config", metavar="CONFIG", nargs="?" if optional else None,
                    help="configs/NAME.yaml, NAME, or a path")
     # default=[]: without it argparse counts the overrides among the required arguments.
     p.add_argument("overrides", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config value, e.g. train.steps=100 container.mounts=[/scratch]")
+    if not flags:
+        return
     g = p.add_argument_group("config flags (shorthands for overrides)")
     for flag, key, typ, help_ in NAMED_FLAGS + CLUSTER_FLAGS:
         shown = cluster or (flag, key, typ, help_) not in CLUSTER_FLAGS
@@ -76,12 +80,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if run_name is None and args.config and not args.overrides and _names_a_run_only(args):
         run_name = args.config
     if run_name:
-        return doctor.run_doctor_run(runs.find_run(run_name, project_dir()), console=rich_console())
-    from jobs.config import clusters
-
+        return doctor.report(doctor.run_checks(runs.find_run(run_name, project_dir())), rich_console())
     cfg = load(args) if args.config else None
-    profile = cfg.cluster if cfg is not None else clusters.resolve(args.cluster, project_dir())
-    return doctor.run_doctor(cfg, project_dir(), console=rich_console(), profile=profile)
+    profile = cfg.cluster if cfg is not None else cluster_of(args)
+    return doctor.report(doctor.checks(cfg, project_dir(), profile), rich_console())
 
 
 def _names_a_run_only(args: argparse.Namespace) -> bool:
@@ -160,34 +162,32 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     from common.extras import require
     from jobs import gpucheck
 
-    require("gpu-check", "trainer", EXTRAS_NEEDED_HERE, instead="on a node without network, the wheels of `make "
-            "gpu-check-wheels` beside its torch (docs/trainer.md, checking a new cluster's GPU node)")
+    # What gpu-check imports here, by way of its processes: the trainer extra less datasets (the
+    # shipped corpus needs none), which the wheel bundle carries (make gpu-check-wheels).
+    require("gpu-check", "trainer", ("torch", "numpy", "tokenizers"), instead="on a node without network, the "
+            "wheels of `make gpu-check-wheels` beside its torch (docs/trainer.md, checking a new cluster's GPU node)")
     budgets = {}
     for item in args.budget:
         part, _, seconds = item.partition("=")
-        if part not in gpucheck.BUDGETS or not _positive(seconds):
-            raise ConfigError("--budget", f"{item!r}: give PART=SECONDS, PART one of {', '.join(gpucheck.BUDGETS)} "
-                                          "and SECONDS > 0")
-        budgets[part] = float(seconds)
+        with contextlib.suppress(ValueError):
+            if part in gpucheck.BUDGETS and float(seconds) > 0:
+                budgets[part] = float(seconds)
+                continue
+        raise ConfigError("--budget", f"{item!r}: give PART=SECONDS, PART one of {', '.join(gpucheck.BUDGETS)} "
+                                      "and SECONDS > 0")
     return gpucheck.gpu_check(Path(args.out), args.device, budgets, console=rich_console())
-
-
-# What gpu-check imports here, by way of its processes: the trainer extra less datasets (the
-# shipped corpus needs none), which the wheel bundle carries (make gpu-check-wheels).
-EXTRAS_NEEDED_HERE = ("torch", "numpy", "tokenizers")
-
-
-def _positive(text: str) -> bool:
-    try:
-        return float(text) > 0
-    except ValueError:
-        return False
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from jobs.cli import sweep
 
     return sweep.cmd_sweep(args)
+
+
+def cmd_image(args: argparse.Namespace) -> int:
+    from jobs.cli import image
+
+    return image.run(args)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -236,7 +236,6 @@ def _launch_commands(sub) -> None:
     _switches(p, show_logs="with --as-job: follow its log until it ends", parsable=f"with --as-job: {PARSABLE}",
               force=f"with --as-job: {REPLACE}")
 
-    # `local` and `run` train from this terminal, with the same config arguments and --force.
     p = _command(sub, "local", functools.partial(cmd_local, parse=parse),
                  "run the same launch on this machine (torchrun --standalone), no Slurm")
     _config_args(p, cluster=False)
@@ -324,9 +323,8 @@ def _reading_commands(sub) -> None:
     _switches(p, once="print one frame and exit 0")
     p = _command(sub, "cancel", cmd_cancel, "scancel a run's active jobs (a sweep's: every task)")
     p.add_argument("run", metavar="RUN|SWEEP")
-    # Listed for --help; `main` hands `slipway image ...` to jobs.cli.image and
-    # `slipway cluster ...` to jobs.devcluster before parsing.
-    sub.add_parser("image", help="build / show / prune the training image (podman + enroot); see image --help")
+    _image_commands(sub)
+    # Listed for --help; `main` hands `slipway cluster ...` to jobs.devcluster before parsing.
     sub.add_parser("cluster", help="a real Slurm cluster on this machine to try slipway on: up | down | env | "
                                    "status (root; Debian slurm-wlm and munge)")
     p = _command(sub, "gpu-check", cmd_gpu_check, "on a GPU node, offline, in at most 10 minutes: does it train "
@@ -348,21 +346,50 @@ def _reading_commands(sub) -> None:
     p.add_argument("--out", help="PNG path (default: runs/RUN/curves.png, runs/.sweeps/SWEEP/curves.png)")
 
 
+def _image_commands(sub) -> None:
+    """`slipway image build|show|prune|containers` (jobs/cli/image.py)."""
+    p = _command(sub, "image", cmd_image, "build / show / prune the training image (podman + enroot); see image --help",
+                 description="Build and manage the training image.")
+    image = p.add_subparsers(dest="action", required=True, metavar="COMMAND")
+    p = image.add_parser("build", help="podman build + enroot import, unless the squashfs for this tree exists")
+    _config_args(p, flags=False)
+    _switches(p, no_import="stop after podman build", force="rebuild without layer cache and reimport",
+              here="build on this machine even if image.build_on is compute",
+              dry_run="say which steps would run (podman build, enroot import, nothing), running none")
+    p.add_argument("--base-image", help="override image.base_image")
+    p = image.add_parser("show", help="hash, tag, squashfs and the exact commands, running nothing")
+    _config_args(p, flags=False)
+    p = image.add_parser("prune", help="remove this project's old images (keeps the current one)")
+    _config_args(p, optional=True, flags=False)
+    p.add_argument("--keep", type=int, default=1, help="squashfs files to keep, the current one included "
+                                                       "(besides those runs pin: always kept)")
+    p.add_argument("--remove", action="append", metavar="SQUASHFS", default=[],
+                   help="remove this image although runs pin it (their requeues then fail); repeatable")
+    _switches(p, dry_run="say what would be removed and what kept, remove nothing")
+    p = image.add_parser("containers", help="the unpacked pyxis containers this project's jobs keep on the nodes "
+                                            "(container.keep_builds): list them, or remove them with --remove")
+    _config_args(p, optional=True, flags=False)
+    p.add_argument("--nodes", metavar="NODELIST", help="the nodes to look at (default: every responding node of "
+                                                       "slurm.partition)")
+    _switches(p, remove="remove every one that no queued or running job uses")
+
+
 def main(argv: list[str] | None = None) -> int:
     from common.edge import run_at_edge
 
     try:
-        return run_at_edge(lambda: _main(argv), handled=_slurm_error)
+        return run_at_edge(lambda: _main(argv), handled=_tool_error)
     except KeyboardInterrupt:
         print("slipway: interrupted", file=sys.stderr)
         return 130
 
 
-def _slurm_error(exc: BaseException) -> int | None:
-    """A Slurm command that failed: its one line, exit 1 (not the user's input: exit 2)."""
+def _tool_error(exc: BaseException) -> int | None:
+    """A Slurm command, podman or enroot that failed: its one line, exit 1 (not the user's input: exit 2)."""
+    from containers.tools import ToolError
     from jobs.slurm import SlurmError
 
-    if isinstance(exc, SlurmError):
+    if isinstance(exc, (SlurmError, ToolError)):
         print(f"slipway: error: {mask(one_line(as_typed(str(exc))))}", file=sys.stderr)
         return 1
     return None
@@ -370,17 +397,11 @@ def _slurm_error(exc: BaseException) -> int | None:
 
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["image"]:  # the image commands parse their own arguments
-        from jobs.cli.image import main as image_main
-
-        return image_main(argv[1:])
     if argv[:1] == ["cluster"]:
         from jobs.devcluster import main as cluster_main
 
         return cluster_main(argv[1:])
     args = parse(argv)
-    if getattr(args, "config", None) is None and args.command == "doctor":
-        args.overrides = []
     return args.func(args)
 
 

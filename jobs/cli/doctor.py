@@ -38,11 +38,9 @@ def _guard(name: str, check: Callable[[], list[Result]]) -> list[Result]:
 
 
 def _tools() -> list[Result]:
-    out: list[Result] = []
-    for tool in ("sbatch", "srun", "squeue", "scontrol"):
-        path = shutil.which(tool)
-        out.append((tool, path is not None, path or f"{tool} not on PATH: run on a Slurm login node "
-                                                      "(or `slipway cluster up` for a local test cluster)"))
+    out: list[Result] = [(tool, path is not None, path or f"{tool} not on PATH: run on a Slurm login node (or "
+                                                          "`slipway cluster up` for a local test cluster)")
+                         for tool in ("sbatch", "srun", "squeue", "scontrol") for path in [shutil.which(tool)]]
     if shutil.which("scontrol"):
         ok, said = slurm.ping()
         out.append(("slurm controller", ok, said if ok else controller_diagnosis(said)))
@@ -273,11 +271,8 @@ def _merge_repeats(results: list[Result]) -> list[Result]:
     return out
 
 
-def run_doctor(cfg: Config | None, project_dir: Path, console, profile=None) -> int:
-    return _print(checks(cfg, project_dir, profile), console)
-
-
-def _print(results: list[Result], console) -> int:
+def report(results: list[Result], console) -> int:
+    """The results, each problem once, and the count; exit 1 where any failed."""
     results = _merge_repeats(results)
     for name, ok, detail in results:
         mark = "[green]ok  [/]" if ok else "[red]fail[/]"
@@ -303,7 +298,6 @@ def _pinned_image(run: "runs.Run", pin: Optional[ImagePin]) -> list[Result]:
         return [("pinned image", False, f"{path} is gone (pruned or moved), so the run's next job (a requeue too) "
                                         f"fails to start: rebuild it (`{_rebuild(run)}` builds the same hash if the "
                                         f"sources are unchanged) or resubmit: {resubmit}")]
-    out: list[Result] = []
     st = file.stat()
     mtime = datetime.fromtimestamp(st.st_mtime, timezone.utc).isoformat(timespec="seconds")
     differs = [f"{what} {was} -> {now}" for what, was, now in (("size", pin.size, st.st_size),
@@ -313,12 +307,10 @@ def _pinned_image(run: "runs.Run", pin: Optional[ImagePin]) -> list[Result]:
     if pin.build_hash and built and built.hash != pin.build_hash:
         differs.append(f"build {pin.build_hash[:12]} -> {built.hash12}")
     if differs:
-        out.append(("pinned image", False, f"{path} differs from what the run pinned ({', '.join(differs)}): "
-                                           f"the next job runs other bytes; {resubmit}"))
-    else:
-        hash_ = f", build {pin.build_hash[:12]}" if pin.build_hash else ""
-        out.append(("pinned image", True, f"{path} ({st.st_size} bytes, {mtime}{hash_}) as recorded"))
-    return out
+        return [("pinned image", False, f"{path} differs from what the run pinned ({', '.join(differs)}): "
+                                        f"the next job runs other bytes; {resubmit}")]
+    hash_ = f", build {pin.build_hash[:12]}" if pin.build_hash else ""
+    return [("pinned image", True, f"{path} ({st.st_size} bytes, {mtime}{hash_}) as recorded")]
 
 
 def _rebuild(run: "runs.Run") -> str:
@@ -357,11 +349,8 @@ def _run_mounts(run: "runs.Run") -> list[Result]:
     env = parse_edf(run.paths.env_toml)
     if env.base_environment:
         env = resolve_base(env)
-    missing = []
-    for i, mount in enumerate(env.mounts):
-        src = Path(expand_host(mount.src, f"env.toml mounts[{i}]"))
-        if not src.exists():
-            missing.append(str(src))
+    missing = [src for i, mount in enumerate(env.mounts)
+               if not Path(src := expand_host(mount.src, f"env.toml mounts[{i}]")).exists()]
     if missing:
         return [("mount sources", False, f"{', '.join(missing)} missing on this node: the next job fails to start; "
                                          "create them (or restore them), or resubmit with other container.mounts")]
@@ -412,7 +401,3 @@ def _pinned_code(run: "runs.Run", manifest) -> list[Result]:
         out.append(("job library", ok, f"{name} as submitted" if ok else f"{path} {why}: the next job would end "
                                                                           f"at its start; {resubmit}"))
     return out
-
-
-def run_doctor_run(run: "runs.Run", console) -> int:
-    return _print(run_checks(run), console)

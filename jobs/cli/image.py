@@ -1,14 +1,10 @@
-"""`slipway image build|show|prune`: the image from the command line.
+"""`slipway image build|show|prune|containers` (parsed in jobs/cli/commands.py): the image from
+the command line.
 
 The image code (containers/) knows podman and enroot, not Slurm or the config
 files: what goes through Slurm (image.build_on: compute, one srun that builds on
 a compute node) and which squashfs files runs pin (prune keeps them) are given
 to it from here.
-
-    slipway image build CONFIG [KEY=VALUE ...] [--no-import] [--force] [--base-image X] [--here] [--dry-run]
-    slipway image show CONFIG [KEY=VALUE ...]
-    slipway image prune [CONFIG] [--keep N] [--remove SQUASHFS ...] [--dry-run]
-    slipway image containers [CONFIG] [--nodes NODELIST] [--remove]
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ from containers.tools import ToolError, stream, which
 from jobs.config import Config, dump_config, load_config
 from jobs.slurm import srun_argv
 from common.environ import project_dir
-from common.errors import one_line
 from common.fs import write_atomic
 
 
@@ -67,7 +62,6 @@ def build_on_compute(cfg: Config, plan: ImagePlan, console: Console, *, force: b
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     frozen = copy.deepcopy(cfg)
     frozen.image.build_on = "local"  # the inner build runs where it is
-    assert plan.frozen_config is not None
     try:
         write_atomic(plan.frozen_config, dump_config(frozen))
         console.print("[bold]srun[/] " + escape(shlex.join(argv[1:])), highlight=False)
@@ -91,7 +85,7 @@ def build(cfg: Config, *, force: bool = False, do_import: bool = True, console: 
 def dry_run(cfg: Config, *, force: bool, do_import: bool, here: bool, console: Console) -> None:
     """`slipway image build --dry-run`: which steps a build would run (a podman build, an enroot
     import, or nothing), asking podman but running nothing."""
-    plan = image_plan(cfg, root=_root(cfg), force=force, do_import=do_import)
+    plan = image_plan(cfg, root=_root(cfg), force=force)
     steps = next_steps(plan, force=force, do_import=do_import, here=here)
 
     def say(line: str) -> None:
@@ -105,12 +99,11 @@ def dry_run(cfg: Config, *, force: bool, do_import: bool, here: bool, console: C
         say(f"  {step}")
 
 
-def prune(cfg: Config, keep: int = 1, *, root: Path | None = None, remove: list[str] | None = None,
-          console: Console | None = None, dry_run: bool = False):
+def prune(cfg: Config, *, keep: int, remove: list[str], console: Console, dry_run: bool):
     """`slipway image prune`: containers.prune_images, keeping every squashfs a run pins."""
     from jobs.runs import pinned_images
 
-    root = (root or _root(cfg)).resolve()
+    root = _root(cfg).resolve()
     # Where runs live: the directory slipway's run commands use and the checkout the image is built from.
     project_dirs = list(dict.fromkeys([project_dir(), root]))
     return prune_images(cfg, keep=keep, root=root, remove=remove, console=console, dry_run=dry_run,
@@ -185,82 +178,29 @@ def _show(cfg, console: Console) -> None:
         console.print(f"{label:<9} {text}", highlight=False, markup=False, soft_wrap=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from common.edge import run_at_edge
-
+def run(args: argparse.Namespace) -> int:
+    """`slipway image COMMAND`, as jobs/cli/commands.py parsed it."""
+    console = Console()
     try:
-        return run_at_edge(lambda: _main(argv), handled=_tool_error)
+        if args.action == "build":
+            cfg = _config(args.config, args.overrides, args.base_image)
+            if args.dry_run:
+                dry_run(cfg, force=args.force, do_import=not args.no_import, here=args.here, console=console)
+            else:
+                build(cfg, force=args.force, do_import=not args.no_import, console=console, here=args.here)
+        elif args.action == "show":
+            _show(_config(args.config, args.overrides), console)
+        elif args.action == "containers":
+            return containers(_config(args.config, args.overrides), nodes=args.nodes, remove=args.remove,
+                              console=console)
+        else:
+            result = prune(_config(args.config, args.overrides), keep=args.keep, remove=args.remove, console=console,
+                           dry_run=args.dry_run)
+            if not result.ok:
+                Console(stderr=True).print(f"[red]error:[/] prune could not remove {len(result.failed)} item(s), "
+                                           "each listed above with the reason", highlight=False, soft_wrap=True)
+                return 1
     except KeyboardInterrupt:
         Console(stderr=True).print("[red]interrupted[/]: no partial squashfs was left under a final name")
         return 130
-
-
-def _tool_error(exc: BaseException) -> int | None:
-    """podman, enroot or a Slurm command failed: its one line, exit 1 (the input was fine: not 2)."""
-    from jobs.slurm import SlurmError
-
-    if isinstance(exc, (ToolError, SlurmError)):
-        from common.environ import as_typed  # its suggestions as this shell runs slipway
-
-        Console(stderr=True).print(f"[red]error:[/] {escape(one_line(as_typed(str(exc))))}", highlight=False,
-                                   soft_wrap=True)
-        return 1
-    return None
-
-
-def _config_args(p: argparse.ArgumentParser, nargs: str | None = None) -> None:
-    p.add_argument("config", nargs=nargs)
-    p.add_argument("overrides", nargs="*", help="section.key=value")
-
-
-def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="slipway image", description="Build and manage the training image.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="podman build + enroot import, unless the squashfs for this tree exists")
-    _config_args(b)
-    b.add_argument("--no-import", action="store_true", help="stop after podman build")
-    b.add_argument("--force", action="store_true", help="rebuild without layer cache and reimport")
-    b.add_argument("--base-image", help="override image.base_image")
-    b.add_argument("--here", action="store_true", help="build on this machine even if image.build_on is compute")
-    b.add_argument("--dry-run", action="store_true", help="say which steps would run (podman build, enroot import, "
-                                                          "nothing), running none")
-    _config_args(sub.add_parser("show", help="hash, tag, squashfs and the exact commands, running nothing"))
-    p = sub.add_parser("prune", help="remove this project's old images (keeps the current one)")
-    _config_args(p, nargs="?")
-    p.add_argument("--keep", type=int, default=1, help="squashfs files to keep, the current one included "
-                                                       "(besides those runs pin: always kept)")
-    p.add_argument("--remove", action="append", metavar="SQUASHFS", default=[],
-                   help="remove this image although runs pin it (their requeues then fail); repeatable")
-    p.add_argument("--dry-run", action="store_true", help="say what would be removed and what kept, remove nothing")
-    c = sub.add_parser("containers", help="the unpacked pyxis containers this project's jobs keep on the nodes "
-                                          "(container.keep_builds): list them, or remove them with --remove")
-    _config_args(c, nargs="?")
-    c.add_argument("--nodes", metavar="NODELIST", help="the nodes to look at (default: every responding node of "
-                                                       "slurm.partition)")
-    c.add_argument("--remove", action="store_true", help="remove every one that no queued or running job uses")
-    # Overrides may come after options (`build tiny_cpu --force image.flash_attn=false`).
-    args, extra = parser.parse_known_args(argv)
-    unknown = [e for e in extra if e.startswith("-") or "=" not in e]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides = [*getattr(args, "overrides", []), *extra]
-    console = Console()
-    if args.cmd == "build":
-        cfg = _config(args.config, args.overrides, args.base_image)
-        if args.dry_run:
-            dry_run(cfg, force=args.force, do_import=not args.no_import, here=args.here, console=console)
-        else:
-            build(cfg, force=args.force, do_import=not args.no_import, console=console, here=args.here)
-    elif args.cmd == "show":
-        _show(_config(args.config, args.overrides), console)
-    elif args.cmd == "containers":
-        return containers(_config(args.config, args.overrides), nodes=args.nodes, remove=args.remove, console=console)
-    else:
-        result = prune(_config(args.config, args.overrides), keep=args.keep, remove=args.remove, console=console,
-                       dry_run=args.dry_run)
-        if not result.ok:
-            Console(stderr=True).print(f"[red]error:[/] prune could not remove {len(result.failed)} item(s), "
-                                       "each listed above with the reason", highlight=False, soft_wrap=True)
-            return 1
     return 0
-

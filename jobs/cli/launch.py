@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 from common import environ
-from common.environ import as_typed, invocation
-from common.environ import project_dir
+from common.environ import as_typed, invocation, project_dir
 from common.errors import ConfigError, one_line
 from common.secrets import mask
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
@@ -94,8 +93,6 @@ def _plain(value: object) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from rich.markup import escape
-
     from jobs import runs
 
     cfg = load(args)
@@ -112,7 +109,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                   f"{' (resumes from its latest checkpoint)' if resumed else ''}  run dir: {_plain(run.dir)}",
                   soft_wrap=True)
     if sealed.replaced:
-        console.print(f"config replaced (--force): {escape(sealed.replaced)}", soft_wrap=True, highlight=False)
+        console.print(f"config replaced (--force): {_plain(sealed.replaced)}", soft_wrap=True, highlight=False)
     if sealed.pin.path:
         console.print(f"[dim]image {_plain(sealed.pin.path)} ({sealed.pin.source}"
                       f"{', build ' + sealed.pin.build_hash[:12] if sealed.pin.build_hash else ''})[/]",
@@ -288,7 +285,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _stop_warm(args: argparse.Namespace) -> int:
-    from common import environ
     from jobs.slurm import warm
 
     if args.config or args.overrides:
@@ -310,8 +306,7 @@ def cmd_edf(args: argparse.Namespace) -> int:
         notes: list[str] = []
         # --check also looks for the image file and mount sources; --to-pyxis may run elsewhere.
         _, problems = check_edf(path, notes=notes if args.check else None)
-        for note in notes:
-            print(f"note: {mask(note)}", file=sys.stderr)
+        print_notes(rich_console(stderr=True), notes)
         for problem in problems:
             print(f"slipway: error: {problem}", file=sys.stderr)
         if problems:
@@ -323,8 +318,7 @@ def cmd_edf(args: argparse.Namespace) -> int:
         env = parse_edf(path)
         env.runtime = "pyxis"
         flags = srun_flags(env)
-        for warning in flags.warnings:
-            print(f"note: {mask(warning)}", file=sys.stderr)
+        print_notes(rich_console(stderr=True), flags.warnings)
         from jobs.slurm.ranks import shell_value
 
         # a hand-written EDF's values, printed: what looks like a secret is hidden (check_edf warned)
@@ -359,8 +353,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
     cfg = load(args)
     if args.dry_run:
         text, notes = shell.shell_dry_run(cfg, project_dir(), command=args.command)
-        for note in notes:
-            print(f"note: {mask(note)}", file=sys.stderr)
+        print_notes(rich_console(stderr=True), notes)
         sys.stdout.write(mask(text))  # --command is the user's own text
         return 0
     return shell.run_shell(cfg, project_dir(), command=args.command)

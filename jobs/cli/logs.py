@@ -38,9 +38,7 @@ def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> i
                                  "submits it")
     if job_id is None and launches[-1].local:
         return _show_local_log(run, launches[-1], follow)
-    job_id = job_id or next((x.id for x in reversed(launches) if not x.local), None)
-    if job_id is None:
-        raise ConfigError("--job", f"run {run.name} has no Slurm job")
+    job_id = job_id or launches[-1].id  # a Slurm job: the latest launch is no local one
     if follow:
         return follow_logs(run, job_id)
     path = run.log_path(job_id, stream)
@@ -108,34 +106,33 @@ class _Tail:
 
 
 LAST_LINES_SECONDS = 90.0  # the curves' step's bound (jobs/slurm/script.py), and its container's start
+POLL_SECONDS = 1.0
 
 
-def follow_logs(run: runs.Run, job_id: str, *, interval: float = 1.0,
-                on_state: Optional[Callable[[str], None]] = None, out: Optional[TextIO] = None,
-                err: Optional[TextIO] = None) -> int:
+def follow_logs(run: runs.Run, job_id: str, on_state: Optional[Callable[[str], None]] = None) -> int:
     """Print job `job_id`'s output and error logs as they grow until the job ends; its exit code.
 
     The log paths are known before the job starts, so nothing can be missed between submission
     and the first line. Slurm is asked once a poll, and no more once events.log settles the end.
     """
     typed = shlex.quote(str(run.paths.config))
-    tails = [_Tail(run.log_path(job_id, "output"), out or sys.stdout, typed)]  # the streams of now, not of import time
+    tails = [_Tail(run.log_path(job_id, "output"), sys.stdout, typed)]  # the streams of now, not of import time
     err_path = run.log_path(job_id, "error")
     if err_path != tails[0].path:
-        tails.append(_Tail(err_path, err or sys.stderr, typed))
-    launch = run.launch(job_id) or Launch(job_id=job_id)
-    last_state = None
-    gone = 0
-    while True:
+        tails.append(_Tail(err_path, sys.stderr, typed))
+
+    def pump() -> None:
         for t in tails:
             t.pump()
+
+    launch = run.launch(job_id) or Launch(job_id=job_id)
+    last_state, gone = None, 0
+    while True:
+        pump()
         own = run.events_of(launch)
         settled = lifecycle.settled(launch, own)
         info = None if settled else slurm.job_info(job_id)
-        if settled:
-            state = lifecycle.launch_state(launch, own).state
-        else:
-            state = info.state if info else "UNKNOWN"
+        state = lifecycle.launch_state(launch, own).state if settled else info.state if info else "UNKNOWN"
         if state != last_state and on_state:
             on_state(state)
         last_state = state
@@ -148,17 +145,13 @@ def follow_logs(run: runs.Run, job_id: str, *, interval: float = 1.0,
             deadline = time.monotonic() + LAST_LINES_SECONDS - (
                 (datetime.now(timezone.utc) - ended).total_seconds() if ended else LAST_LINES_SECONDS)
             while time.monotonic() < deadline and not tails[0].ended and getattr(slurm.job_info(job_id), "active", False):
-                for t in tails:
-                    t.pump()
-                time.sleep(interval)
-            time.sleep(interval)  # the last lines may land just after the end
-            for t in tails:
-                t.pump()
+                pump()
+                time.sleep(POLL_SECONDS)
+            time.sleep(POLL_SECONDS)  # the last lines may land just after the end
+            pump()
             return lifecycle.launch_state(launch, run.events_of(launch), info).final_exit
-        if info is None:
-            gone += 1
-            if gone > 5:  # slurmctld forgot the job and there is no accounting: events.log tells
-                for t in tails:
-                    t.pump()
-                return run.state(launch, ask_slurm=False).final_exit
-        time.sleep(interval)
+        gone += info is None
+        if gone > 5:  # slurmctld forgot the job and there is no accounting: events.log tells
+            pump()
+            return run.state(launch, ask_slurm=False).final_exit
+        time.sleep(POLL_SECONDS)

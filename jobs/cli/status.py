@@ -19,7 +19,8 @@ from jobs.runs import lock as runlock
 from jobs.runs.lifecycle import History
 from jobs.runs.run import many_objects
 from jobs.runs.listing import Facts, facts as listing_facts
-from jobs.runs.manifest import Launch, ManifestError
+from jobs.runs.image import ImagePin
+from jobs.runs.manifest import Launch, Manifest, ManifestError
 from common.errors import ConfigError, one_line
 from common.events import Event, append_event
 from common.rundir import LOCAL_JOB, HangLine
@@ -27,13 +28,9 @@ from common.rundir import LOCAL_JOB, HangLine
 
 def hang_dumps(run: runs.Run, tag: str) -> list[str]:
     """One line per stack dump of attempt `tag`: rank, node, and whether it answered in time."""
-    out = []
-    for path in run.paths.hang_dumps(tag):
-        line = HangLine.read(path)
-        if line is not None:
-            late = "on time" if line.on_time else "late: frozen or starved until the teardown"
-            out.append(f"rank {line.rank} on {line.host}: {late} ({path.relative_to(run.dir)})")
-    return out
+    late = "late: frozen or starved until the teardown"
+    return [f"rank {line.rank} on {line.host}: {'on time' if line.on_time else late} ({path.relative_to(run.dir)})"
+            for path in run.paths.hang_dumps(tag) if (line := HangLine.read(path)) is not None]
 
 
 def _progress(f: Facts, throughput: bool = False) -> str:
@@ -54,26 +51,18 @@ def tokens(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _state(launch: Launch, own: Sequence[Event], info: Optional[slurm.JobInfo]) -> lifecycle.LaunchState:
-    """What became of `launch`, from its own events and what Slurm said of it (None: not asked,
-    or it does not know the job) or, for a local launch, what its processes say."""
-    if launch.local:
-        return lifecycle.launch_state(launch, own, process=lifecycle.observe_local(launch))
-    return lifecycle.launch_state(launch, own, info)
-
-
 def _job_row(launch: Launch, own: Sequence[Event], info: Optional[slurm.JobInfo]) -> tuple[str, str, str, str, str]:
     """(job, state, exit, elapsed, last event or reason) of one launch, as the tables show it."""
-    state = _state(launch, own, info)
+    state = lifecycle.observed_state(launch, own, info)
     elapsed = lifecycle.elapsed(launch, state, own, info)
     code = "" if state.exit_code is None else str(state.exit_code)
     return (launch.id, state.state, code, elapsed, state.reason or (own[-1].text if own else ""))
 
 
-def code_lines(run: runs.Run) -> list[str]:
+def code_lines(run: runs.Run, manifest: Manifest) -> list[str]:
     """The code the run's latest launch runs, and where it changed between launches."""
-    code = run.code()
-    history = run.code_history()
+    code = manifest.code
+    history = [(x.id, x.code) for x in manifest.submissions if x.kind == "train"]
     if code is None:
         return ["code: the image's own (code.snapshot: false)"] if history else []
     where = f"commit {code.commit[:12]}" if code.commit else "not a git checkout"
@@ -89,10 +78,9 @@ def code_lines(run: runs.Run) -> list[str]:
     return out
 
 
-def image_drift(run: runs.Run) -> str | None:
-    """A note when a resubmission of the run would run another build than its latest job did (a
-    newer build of its config's image settings), or none at all."""
-    pinned = run.image()
+def image_drift(run: runs.Run, pinned: Optional[ImagePin]) -> str | None:
+    """A note when a resubmission of the run would run another build than its latest job did
+    (`pinned`: a newer build of its config's image settings), or none at all."""
     if pinned is None or pinned.source != "build":
         return None
     from jobs.runs.image import build_of_settings
@@ -126,7 +114,8 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     if not run_name:
         return _show_runs(project_dir, console)
     run = runs.find_run(run_name, project_dir)
-    launches = run.launches()
+    manifest = run.manifest()
+    launches = manifest.submissions
     events = run.events()
     owns = [lifecycle.events_of(x, events, launches) for x in launches]
     answers = lifecycle.ask_slurm(zip(launches, owns))
@@ -136,18 +125,17 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     for launch, own in zip(launches, owns):
         table.add_row(*[Text(one_line(cell)) for cell in _job_row(launch, own, answers.get(launch.id))])
     console.print(table)
-    latest = run.latest_train_job()
+    latest = next((x for x in reversed(launches) if x.kind == "train" and not x.local), None)
     if latest:
-        _print_history(run, lifecycle.history(latest, events), console)
-    cluster = next((x.cluster for x in reversed(launches) if x.kind == "train" and not x.local), None)
-    if cluster and isinstance(cluster.get("name"), str):
-        say(console, f"cluster {cluster['name']} (its profile, as submitted, is in manifest.json)")
-    image = run.image()
+        _print_history(run, lifecycle.history(latest.id, events), console)
+    if latest and isinstance(latest.cluster.get("name"), str):
+        say(console, f"cluster {latest.cluster['name']} (its profile, as submitted, is in manifest.json)")
+    image = manifest.image
     if image is not None and image.image:
         say(console, f"image {image.image}" + (f" (build {image.build_hash[:12]})" if image.build_hash else ""))
-    for line in code_lines(run):
+    for line in code_lines(run, manifest):
         say(console, line)
-    drift = image_drift(run)
+    drift = image_drift(run, image)
     if drift:
         say(console, ("note:", "yellow"), f" {drift}")
     return 0
@@ -236,7 +224,7 @@ def listing_rows(found: Sequence[runs.Run], throughput: bool = False) -> tuple[l
         elif not f.launches:
             rows.append((run.name, "0", "", "not submitted", "", "", ""))
         else:
-            state = f.ended or _state(f.latest, f.events, answers.get(f.job))
+            state = f.ended or lifecycle.observed_state(f.latest, f.events, answers.get(f.job))
             rows.append((run.name, str(f.launches), f.job, state.state,
                          "" if state.exit_code is None else str(state.exit_code), _progress(f, throughput),
                          state.reason or f.said))
@@ -300,6 +288,12 @@ def cancel_jobs(found: Sequence[tuple[runs.Run, Sequence[Launch]]]) -> list[str]
     def still_active() -> list[str]:
         return [j for j, info in slurm.jobs_info(active).items() if info.active]
 
+    def left_after(seconds: float) -> list[str]:
+        deadline = time.time() + seconds
+        while (left := still_active()) and time.time() < deadline:
+            time.sleep(0.5)
+        return left
+
     running = [j for j in active if answers[j].state.split()[:1] == ["RUNNING"]]
     pending = [j for j in active if j not in running]
     if pending:
@@ -308,15 +302,10 @@ def cancel_jobs(found: Sequence[tuple[runs.Run, Sequence[Launch]]]) -> list[str]
             append_event(owner[job].dir, job, "cancelled by slipway cancel")
     if running:
         _scancel(running, still_active, "USR2")
-        deadline = time.time() + CANCEL_GRACE_SECONDS
-        while time.time() < deadline and still_active():
-            time.sleep(0.5)
-    left = still_active()
+    left = left_after(CANCEL_GRACE_SECONDS if running else 0)
     if left:
         _scancel(left, still_active)
-    deadline = time.time() + 30
-    while time.time() < deadline and still_active():
-        time.sleep(0.5)
+        left_after(30)
     return active
 
 

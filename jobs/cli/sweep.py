@@ -15,7 +15,7 @@ from typing import Any, Optional
 from common.environ import as_typed
 from common.errors import ConfigError, one_line
 from common.rundir import INTERRUPTED_EXIT, RunDir
-from jobs.cli.launch import check_controller, print_notes, cluster_of, config_sets, project_dir, rich_console
+from jobs.cli.launch import check_controller, cluster_of, config_sets, print_notes, project_dir, rich_console, verdict
 from jobs.cli.status import listing, listing_rows, tokens, width
 from jobs.runs import arrays
 from jobs.runs import sweep as sweeps
@@ -89,28 +89,21 @@ def _summary(plan: arrays.Plan) -> str:
             + (f"{len(todo)} to submit" if todo else "nothing to submit"))
 
 
-def _resources(cfg) -> tuple[str, str, str, Optional[float]]:
-    """(nodes, GPUs, time limit, hours at it: None when unlimited) of a point."""
-    s = cfg.slurm
-    seconds = s.time_seconds()
-    return str(s.nodes), str(s.nodes * s.gpus_per_node), s.time, None if seconds is None else seconds / 3600
-
-
 def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console) -> int:
     """Every point (its run, what it would become, its resources, its values), the total, the
-    arrays and what would refuse the submission; nothing written."""
+    arrays and the verdict (exit 2 where it would be refused); nothing written."""
     from jobs import slurm
 
-    rows, node_h, gpu_h, unbounded, asks = [], 0.0, 0.0, 0, {}
+    rows, node_h, gpu_h, unbounded, limits = [], 0.0, 0.0, 0, {}
     todo = plan.to_submit
-    for p in plan.points:  # points share the slurm section an axis leaves alone: each read once
+    for p in plan.points:  # points share the slurm section an axis leaves alone: its limit read once
         s = p.cfg.slurm
-        nodes, gpus, limit, hours = asks.get(id(s)) or asks.setdefault(id(s), _resources(p.cfg))
-        rows.append((p.point.run, p.state, nodes, gpus, limit, p.point.label()))
+        seconds = limits[id(s)] if id(s) in limits else limits.setdefault(id(s), s.time_seconds())  # None: no limit
+        rows.append((p.point.run, p.state, str(s.nodes), str(s.nodes * s.gpus_per_node), s.time, p.point.label()))
         if p.state in (arrays.NEW, arrays.RESUME):
-            unbounded += hours is None
-            node_h += int(nodes) * (hours or 0)
-            gpu_h += int(gpus) * (hours or 0)
+            unbounded += seconds is None
+            node_h += s.nodes * (seconds or 0) / 3600
+            gpu_h += s.nodes * s.gpus_per_node * (seconds or 0) / 3600
     out = console.file
     out.write(listing(f"dry run: {_summary(plan)}; nothing written, nothing submitted",
                       rows, width(), ("point", "state", "nodes", "GPUs", "time", "values")))
@@ -131,12 +124,7 @@ def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console) -> int:
     from jobs.cli.doctor import controller_problem
 
     refusals = [str(r) for r in plan.refusals] + ([p] if todo and (p := controller_problem()) else [])
-    verdict = "would be submitted" if not refusals else f"would be refused ({len(refusals)})"
-    out.write(f"verdict: {verdict}\n")
-    for refusal in refusals:
-        out.write(f"  - {refusal}\n")
-    print_notes(console, plan.notes)
-    return 0
+    return verdict(console, [], "submitted", refusals, plan.notes)
 
 
 def _run_here(plan: arrays.Plan, project: Path, force: bool, console, *, yes: bool) -> int:

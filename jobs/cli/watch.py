@@ -8,6 +8,7 @@ once events.log tells its end). A launch on this machine's state comes from its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import time
@@ -66,10 +67,6 @@ class Snapshot:
     history: list[str] = field(default_factory=list)
     ended: bool = False
 
-    @property
-    def exit_code(self) -> Optional[int]:
-        return self.state.final_exit if self.ended else None
-
 
 def parse_gutil(path: Path) -> tuple[int, Optional[float], Optional[float]]:
     """(GPUs, mean SM %, framebuffer GiB in use) from the latest sample of each GPU in an
@@ -99,8 +96,6 @@ def parse_gutil(path: Path) -> tuple[int, Optional[float], Optional[float]]:
         except ValueError:  # "-": not measured
             return None
 
-    if not latest:
-        return 0, None, None
     sm = [v for r in latest.values() if (v := number(r, "sm")) is not None]
     fb = [v for r in latest.values() if (v := number(r, "fb")) is not None]
     return len(latest), (sum(sm) / len(sm) if sm else None), (sum(fb) / 1024 if fb else None)
@@ -116,13 +111,13 @@ def _age(path: Path, now: float) -> Optional[float]:
 def latest_job(run: runs.Run) -> str:
     """The run's latest training job; LOCAL when its latest launch was on this machine."""
     launches = run.launches()
-    if launches and launches[-1].local:
-        return LOCAL
-    job = run.latest_train_job() or next(reversed(run.job_ids()), None)  # or its preparation job
-    if job is None:
+    if not launches:
         raise ConfigError("RUN", f"run {run.name} has no job to watch: `slipway submit {shlex.quote(str(run.paths.config))}` "
                                  "submits it")
-    return job
+    if launches[-1].local:
+        return LOCAL
+    # Its latest training job, or its preparation job where it has none yet.
+    return next((x.id for x in reversed(launches) if x.kind == "train" and not x.local), launches[-1].id)
 
 
 class Watcher:
@@ -142,11 +137,10 @@ class Watcher:
                         total_steps=self.total_steps, ended=ended)
         snap.metrics = self.run.last_metrics() or {}
         self._progress(snap, now)
-        if self.job_id != LOCAL:
-            self._nodes(snap, now)
         events = self.run.events()
         snap.events = events[-EVENTS_SHOWN:]
         if self.job_id != LOCAL:  # each `make local` is a launch of its own, not an attempt of one job
+            self._nodes(snap, now)
             snap.history = lifecycle.history(self.job_id, events).lines()
         return snap
 
@@ -235,8 +229,8 @@ def render(snap: Snapshot):
     parts = [head, _training_row(snap), *[Text(one_line(h), style="dim") for h in snap.history],
              *([_nodes_table(snap)] if snap.nodes else []), _events_table(snap)]
     if snap.ended:
-        parts.append(Text(one_line(f"job {snap.job_id} ended: {state.state}, exit code {snap.exit_code}"),
-                          style="bold green" if snap.exit_code == 0 else "bold red"))
+        parts.append(Text(one_line(f"job {snap.job_id} ended: {state.state}, exit code {state.final_exit}"),
+                          style="bold green" if state.final_exit == 0 else "bold red"))
     return Group(*parts)
 
 
@@ -297,26 +291,11 @@ def _events_table(snap: Snapshot):
     return events
 
 
-def _watch_plain(watcher: "Watcher", snap: Snapshot, interval: float, console) -> int:
-    """`watch` into a pipe or a file, which a live view never reaches: a frame at once, then one
-    each time the step, the events or the job's state change, until the job ends."""
-    def key(s: Snapshot) -> tuple:
-        return s.metrics.get("step"), s.progress_step, len(s.events), s.state.state, s.ended
-
-    console.print(render(snap))
-    shown = key(snap)
-    while not snap.ended:
-        time.sleep(interval)
-        snap = watcher.snapshot()
-        if key(snap) != shown:
-            console.print(render(snap))
-            shown = key(snap)
-    return snap.exit_code if snap.exit_code is not None else 1
-
-
 def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0, once: bool = False,
           console=None) -> int:
-    """Show the job live until it ends; its exit code (with `once`: one frame, exit 0)."""
+    """Show the job live until it ends; its exit code (with `once`: one frame, exit 0). Into a pipe
+    or a file, which a live view never reaches: a frame at once, then one each time the step, the
+    events or the job's state change."""
     from rich.console import Console
     from rich.live import Live
 
@@ -328,17 +307,25 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
     if once:
         console.print(render(snap))
         return 0
+    live, shown = (Live(console=console, auto_refresh=False) if console.is_terminal else None), None
     try:
-        if not console.is_terminal:  # piped: a frame now and at each new step, event or state, not one at the end
-            return _watch_plain(watcher, snap, interval, console)
-        with Live(render(snap), console=console, refresh_per_second=4, auto_refresh=False) as live:
-            while not snap.ended:
+        with live or contextlib.nullcontext():
+            while True:
+                if live is not None:
+                    live.update(render(snap), refresh=True)
+                elif _changes(snap) != shown:
+                    console.print(render(snap))
+                    shown = _changes(snap)
+                if snap.ended:
+                    return snap.state.final_exit
                 time.sleep(interval)
                 snap = watcher.snapshot()
-                live.update(render(snap), refresh=True)
     except KeyboardInterrupt:
         goes_on = ("the run goes on (Ctrl-C in its own terminal stops it)" if watcher.job_id == LOCAL else
                    f"job {watcher.job_id} goes on (`slipway cancel {run.name}` ends it)")
         console.print(one_line(as_typed(f"stopped watching; {goes_on}")), highlight=False, markup=False, soft_wrap=True)
         return 130
-    return snap.exit_code if snap.exit_code is not None else 1
+
+
+def _changes(s: Snapshot) -> tuple:
+    return s.metrics.get("step"), s.progress_step, len(s.events), s.state.state, s.ended

@@ -16,18 +16,17 @@ from jobs import slurm
 from jobs.config import Config, config_changes, dump_config, interpreter, load_config
 
 
-def check_env_from_host(cfg: Config, environ: dict[str, str] | None = None) -> None:
+def check_env_from_host(cfg: Config) -> None:
     """At submission: every `container.env_from_host` variable is set here, and sbatch hands it
     to the job. The job takes these variables from the environment sbatch exports (its default,
     --export=ALL; the batch script's sruns keep it); an --export that leaves one out (slurm.extra,
     or $SBATCH_EXPORT, which outranks #SBATCH lines) would start the job without it."""
-    environ = dict(os.environ) if environ is None else environ
     names = cfg.container.env_from_host
-    cfg.container.require_host_env(environ)
+    cfg.container.require_host_env(dict(os.environ))
     exports = [(f"slurm.extra[{i}]", opt.split("=", 1)[1]) for i, opt in enumerate(cfg.slurm.extra)
                if opt.startswith("--export=")]
-    if "SBATCH_EXPORT" in environ:
-        exports.append(("SBATCH_EXPORT", environ["SBATCH_EXPORT"]))
+    if "SBATCH_EXPORT" in os.environ:
+        exports.append(("SBATCH_EXPORT", os.environ["SBATCH_EXPORT"]))
     for where, value in exports:
         listed = [v.split("=", 1)[0] for v in value.split(",")]
         for item, name in zip(value.split(","), listed):  # slurm.extra's were refused as the config was read

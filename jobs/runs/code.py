@@ -33,7 +33,7 @@ import time
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from containers.sources import MAX_BYTES, MAX_FILES, Folder, SourceFile, collect, copy_into
 from containers.tools import git, git_state
@@ -128,7 +128,7 @@ class Snapshot:
             self._ready = True
             return self.value
 
-    def _write(self, target: Path) -> CodeSnapshot:
+    def _write(self, target: Path) -> None:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
             # Read-only (a snapshot is what ran; nothing edits it in place), and readable by whom
@@ -147,7 +147,6 @@ class Snapshot:
         finally:
             if tmp.exists():
                 _remove(tmp)
-        return self.value
 
 
 def _umask() -> int:
@@ -166,13 +165,9 @@ def _remove(path: Path) -> None:
 
 def listing_lines(files: Sequence[SourceFile]) -> str:
     """The snapshot's listing (LISTING): `KIND SHA256 PATH` per entry, sorted by path."""
-    lines = []
-    for f in sorted(files, key=lambda f: f.dest):
-        if f.link is not None:
-            lines.append(f"l {hashlib.sha256(f.link.encode()).hexdigest()} {f.dest}\n")
-        else:
-            lines.append(f"{'x' if f.executable else 'f'} {f.sha256 or file_sha256(f.src)} {f.dest}\n")
-    return "".join(lines)
+    return "".join(f"l {hashlib.sha256(f.link.encode()).hexdigest()} {f.dest}\n" if f.link is not None else
+                   f"{'x' if f.executable else 'f'} {f.sha256 or file_sha256(f.src)} {f.dest}\n"
+                   for f in sorted(files, key=lambda f: f.dest))
 
 
 def listing_hash(listing: str) -> str:
@@ -234,14 +229,12 @@ def store_lock(store: Path, *, exclusive: bool, wait: bool = True) -> Iterator[b
         os.close(fd)
 
 
-def prune_store(store: Path, named: Iterable[str], *, older_than: float = PRUNE_AFTER_SECONDS,
-                now: Optional[float] = None) -> list[tuple[str, int]]:
+def prune_store(store: Path, named: set[str]) -> list[tuple[str, int]]:
     """Remove the snapshots of `store` whose directory names (HASH16) are not in `named` and that
-    no launch wrote or reused for `older_than` seconds, and what an interrupted write or pruning
+    no launch wrote or reused for PRUNE_AFTER_SECONDS, and what an interrupted write or pruning
     left; (name, bytes) of each snapshot removed. Nothing is removed where the store cannot be
     locked (another launch is pruning it, or its filesystem has no locks)."""
-    named = set(named)
-    now = time.time() if now is None else now
+    now = time.time()
     removed: list[tuple[str, int]] = []
     if not store.is_dir():
         return removed
@@ -255,7 +248,7 @@ def prune_store(store: Path, named: Iterable[str], *, older_than: float = PRUNE_
                 _remove(Path(entry.path))  # no launch writes while this lock is held
                 continue
             try:
-                if now - entry.stat(follow_symlinks=False).st_mtime < older_than:
+                if now - entry.stat(follow_symlinks=False).st_mtime < PRUNE_AFTER_SECONDS:
                     continue
             except FileNotFoundError:
                 continue
@@ -299,26 +292,16 @@ def plan_snapshot(store: Path, script: Optional[str], project_dir: Optional[Path
 PRUNE_EVERY_SECONDS = 3600  # the store keeps what no run names for a day: an hourly pass loses nothing
 
 
-def prune_code_store(root: Path, *, now: Optional[float] = None) -> list[tuple[str, int]]:
+def prune_code_store(root: Path) -> None:
     """The code store of runs root `root` without the snapshots no run names (`prune_store`),
     after a launch recorded its own: at most once in PRUNE_EVERY_SECONDS (it reads every run's
     manifest; RUNS/.code.pruned says when it last did). Nothing is removed when a
     manifest cannot be read: what it names is then unknown."""
     stamp = root / f"{STORE}.pruned"
-    now = time.time() if now is None else now
-    try:
-        if now - stamp.stat().st_mtime < PRUNE_EVERY_SECONDS:
-            return []
-    except FileNotFoundError:
-        pass
-    named: set[str] = set()
-    try:
-        for path in root.iterdir():
-            if RunDir(path).manifest.is_file():
-                named |= {Path(c.dir).name for c in manifests.read(RunDir(path).manifest).snapshots()}
-        removed = prune_store(root / STORE, named)
+    with contextlib.suppress(OSError, manifests.ManifestError):
+        if stamp.exists() and time.time() - stamp.stat().st_mtime < PRUNE_EVERY_SECONDS:
+            return
+        named = {Path(c.dir).name for path in root.iterdir() if RunDir(path).manifest.is_file()
+                 for c in manifests.read(RunDir(path).manifest).snapshots()}
+        prune_store(root / STORE, named)
         stamp.touch()
-        os.utime(stamp, (now, now))
-        return removed
-    except (OSError, manifests.ManifestError):
-        return []

@@ -47,8 +47,7 @@ def _expand(value: str, field: str) -> str:
 
 
 def _absolute(value: str, field: str, base: Path) -> Path:
-    path = Path(_expand(value, field))
-    return path if path.is_absolute() else base / path
+    return base / _expand(value, field)  # an absolute path replaces `base`
 
 
 def _is_path(value: Optional[str], field: str) -> bool:

@@ -62,17 +62,11 @@ def events_of(launch: Launch, events: Sequence[Event], runs_launches: Sequence[L
     start = _when(launch.started)
     later = [w for x in runs_launches if x.local and (w := _when(x.started)) and start and w > start]
     until = min(later) if later else None
-    out = []
-    for e in events:
-        if e.job != LOCAL_JOB:
-            continue
-        when = e.when
-        if start is not None and (when is None or when.tzinfo is None or when < start):
-            continue
-        if until is not None and when is not None and when.tzinfo is not None and when >= until:
-            continue
-        out.append(e)
-    return out
+
+    def inside(when: Optional[datetime]) -> bool:
+        return (start is None or (when is not None and when >= start)) and not (until and when and when >= until)
+
+    return [e for e in events if e.job == LOCAL_JOB and inside(_when(e.time))]
 
 
 def last_attempt(events: Sequence[Event]) -> list[Event]:
@@ -135,8 +129,12 @@ def launch_state(launch: Launch, events: Sequence[Event], info: Optional[JobInfo
     return _slurm_state(attempt, info)
 
 
-def _last(attempt: Sequence[Event], kinds) -> Optional[Event]:
-    kinds = kinds if isinstance(kinds, (set, frozenset, tuple)) else (kinds,)
+def observed_state(launch: Launch, events: Sequence[Event], info: Optional[JobInfo] = None) -> LaunchState:
+    """`launch_state`, a local launch's processes looked at (`observe_local`)."""
+    return launch_state(launch, events, info, observe_local(launch) if launch.local else None)
+
+
+def _last(attempt: Sequence[Event], *kinds: EventKind) -> Optional[Event]:
     return next((e for e in reversed(attempt) if e.kind in kinds), None)
 
 
@@ -149,7 +147,7 @@ def _signal_exit(code: int) -> Optional[int]:
     return None
 
 
-def _signal_name(num: int) -> str:
+def signal_name(num: int) -> str:
     try:
         return signal.Signals(num).name
     except ValueError:
@@ -159,12 +157,12 @@ def _signal_name(num: int) -> str:
 def _by_code(code: int, attempt: Sequence[Event], reason: str) -> LaunchState:
     """An ended attempt classified by its exit code (as the batch script or launcher gives it) and events."""
     hang = _last(attempt, EventKind.HANG)
-    failure = _last(attempt, FAILURE_KINDS)
+    failure = _last(attempt, *FAILURE_KINDS)
     why = failure.text if failure else reason
     if code == 0:
         return LaunchState(COMPLETED, 0, reason)
     if code == REQUEUE_EXIT:
-        stop = _last(attempt, (EventKind.TIME_LIMIT_STOP, EventKind.NOT_REQUEUEING))
+        stop = _last(attempt, EventKind.TIME_LIMIT_STOP, EventKind.NOT_REQUEUEING)
         return LaunchState(STOPPED, code, stop.text if stop else reason or "saved a checkpoint and stopped")
     # The batch script exits these codes only after saying why in events.log; a code alone (a
     # user's command exiting 4) is a failure like any other.
@@ -182,10 +180,10 @@ def _by_code(code: int, attempt: Sequence[Event], reason: str) -> LaunchState:
 def final_end(attempt: Sequence[Event]) -> Optional[Event]:
     """The end the job recorded for its last attempt, when that end is the job's: None while the
     attempt runs, and when it ended by requeueing itself (the next attempt is the job's to come)."""
-    end = _last(attempt, _ENDS)
+    end = _last(attempt, *_ENDS)
     if end is None:
         return None
-    requeue = _last(attempt, (EventKind.RETRY, EventKind.TIME_LIMIT_REQUEUE, EventKind.REQUEUE_FAILED))
+    requeue = _last(attempt, EventKind.RETRY, EventKind.TIME_LIMIT_REQUEUE, EventKind.REQUEUE_FAILED)
     return end if requeue is None or requeue.kind is EventKind.REQUEUE_FAILED else None
 
 
@@ -211,7 +209,7 @@ def ask_slurm(launches: Iterable[tuple[Launch, Sequence[Event]]]) -> dict[str, J
 def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchState:
     last_text = attempt[-1].text if attempt else ""
     cancelled = _last(attempt, EventKind.CANCELLED)
-    end = _last(attempt, _ENDS)
+    end = _last(attempt, *_ENDS)
     end_code = end.exit_code if end else None
     if info is not None and info.active:
         word = info.state.split()[0]
@@ -221,7 +219,7 @@ def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchSta
             return LaunchState(CANCELLED, end_code, cancelled.text)
         if end is None:
             return LaunchState(UNKNOWN, None, last_text)
-        requeue = _last(attempt, (EventKind.RETRY, EventKind.TIME_LIMIT_REQUEUE))
+        requeue = _last(attempt, EventKind.RETRY, EventKind.TIME_LIMIT_REQUEUE)
         if requeue is not None and end_code == 0:  # it requeued itself; no word of the next attempt
             return LaunchState(UNKNOWN, None, requeue.text)
         if end_code is None:
@@ -249,8 +247,6 @@ def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchSta
         return LaunchState(FAILED, code, f"{word.lower().replace('_', ' ')}" + (f": {info.reason}" if info.reason else ""))
     if code is None:
         code = 0 if word == "COMPLETED" else 1
-    if word == "COMPLETED" and code == 0:
-        return LaunchState(COMPLETED, 0, info.reason or last_text)
     return _by_code(code, attempt, info.reason or last_text)
 
 
@@ -262,7 +258,7 @@ def _local_state(launch: Launch, attempt: Sequence[Event], process: LocalProcess
     if launch.signal_number is not None:
         sig = launch.signal_number
         return LaunchState(INTERRUPTED if sig == signal.SIGINT else TERMINATED, 128 + sig,
-                           f"stopped by {_signal_name(sig)}")
+                           f"stopped by {signal_name(sig)}")
     code = launch.recorded_exit
     if code is None and process.alive:
         return LaunchState(RUNNING, None, last_text)
@@ -283,7 +279,7 @@ def _local_state(launch: Launch, attempt: Sequence[Event], process: LocalProcess
     if sig is not None and code != HANG_EXIT:
         if sig == signal.SIGINT:
             return LaunchState(INTERRUPTED, 128 + sig, "Ctrl-C")
-        return LaunchState(TERMINATED, 128 + sig, f"stopped by {_signal_name(sig)}")
+        return LaunchState(TERMINATED, 128 + sig, f"stopped by {signal_name(sig)}")
     return _by_code(code, attempt, last_text)
 
 
@@ -299,7 +295,7 @@ def elapsed(launch: Launch, state: LaunchState, events: Sequence[Event] = (), in
         running = state.state == RUNNING
     else:
         attempt = last_attempt(events)
-        began, ended = _last(attempt, STARTS), _last(attempt, _ENDS)
+        began, ended = _last(attempt, *STARTS), _last(attempt, *_ENDS)
         start = _when(began.time) if began else None
         end = _when(ended.time) if ended else None
         running = not state.ended

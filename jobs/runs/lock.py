@@ -24,12 +24,11 @@ import socket
 import stat
 import sys
 import time
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, Optional
 
 from common.errors import ConfigError
+from common.events import now_iso
 from common.fs import file_kind, read_tail
 from common.secrets import mask
 
@@ -43,17 +42,7 @@ def lock_path(run_dir: Path) -> Path:
     return run_dir.parent / f".{run_dir.name}.lock"
 
 
-@dataclass
-class _Held:
-    fd: Optional[int]  # None where the filesystem has no locks
-    depth: int
-
-
-_held: dict[Path, _Held] = {}  # this process's locks
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+_held: dict[Path, Optional[int]] = {}  # this process's locks: their descriptors (None: no locks on that filesystem)
 
 
 def holder(run_dir: Path) -> dict:
@@ -133,8 +122,8 @@ def _same_file(fd: int, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def _acquire(run_dir: Path, path: Path, trains: bool, wait_s: float) -> Optional[int]:
-    deadline = time.monotonic() + wait_s
+def _acquire(run_dir: Path, path: Path) -> Optional[int]:
+    deadline = time.monotonic() + WAIT_SECONDS
     while True:
         fd = _open(path)
         try:
@@ -159,33 +148,28 @@ def _acquire(run_dir: Path, path: Path, trains: bool, wait_s: float) -> Optional
 
 
 @contextlib.contextmanager
-def hold(run_dir: Path, command: str, *, trains: bool = False, wait_s: float = WAIT_SECONDS) -> Iterator[None]:
+def hold(run_dir: Path, command: str, *, trains: bool = False) -> Iterator[None]:
     """Hold the lock on the run at `run_dir` for the block, or raise a one-line ConfigError
-    naming its holder: at once when the holder trains (`trains`), else after `wait_s`. A launch
+    naming its holder: at once when the holder trains (`trains`), else after WAIT_SECONDS. A launch
     that leaves no run directory leaves no lock file either."""
     run_dir = Path(run_dir).absolute()
     path = lock_path(run_dir)
-    held = _held.get(path)
-    if held is not None:
-        held.depth += 1
-        try:
-            yield
-        finally:
-            held.depth -= 1
+    if path in _held:  # held already: the outermost hold lets go
+        yield
         return
     made_root = not path.parent.exists()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd = _acquire(run_dir, path, trains, wait_s)
+        fd = _acquire(run_dir, path)
     except BaseException:
         if made_root:
             with contextlib.suppress(OSError):
                 path.parent.rmdir()
         raise
     if fd is not None:
-        _write_record(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": _now(),
+        _write_record(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso(),
                            "command": mask(command, values=True), "trains": trains})
-    _held[path] = _Held(fd, 1)
+    _held[path] = fd
     try:
         yield
     finally:
@@ -224,8 +208,7 @@ def busy(run_dir: Path) -> Optional[str]:
 
 def held_fd(run_dir: Path) -> Optional[int]:
     """This process's descriptor of the run's lock (for a child to inherit), None if not held."""
-    held = _held.get(lock_path(Path(run_dir).absolute()))
-    return held.fd if held else None
+    return _held.get(lock_path(Path(run_dir).absolute()))
 
 
 def note(run_dir: Path, **fields) -> None:

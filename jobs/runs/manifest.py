@@ -21,7 +21,7 @@ import re
 import signal
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 from common.errors import ConfigError, bounded, bounded_path, shown
 from common.fs import NotRegularFile, ownership, read_file, write_atomic
@@ -204,38 +204,45 @@ def to_record(obj: Any) -> dict:
 
 def read(path: Path) -> Manifest:
     """The manifest at `path`, validated; ManifestError when it cannot be read."""
+    return read_record(path, Manifest, "manifest", SCHEMA, ManifestError)
+
+
+def read_record(path: Path, cls: type, where: str, newest: int, error: Callable[..., ConfigError]) -> Any:
+    """The JSON record slipway wrote at `path` (manifest.json, sweep.json) as `cls`, by the schema
+    engine; `error(path, why)` where it cannot be read (`denied`: the user may not; `newer`: a
+    format past `newest`, whose keys may mean what this slipway cannot tell)."""
     try:
         found = read_file(path, MAX_BYTES)
         if found is None:
-            raise ManifestError(path, "missing")
+            raise error(path, "missing")
         data = found[0]
     except OSError as exc:
         denied = isinstance(exc, PermissionError)
         why = f"not readable by you ({ownership(path)})" if denied else \
             f"cannot be read: it {exc.strerror or exc}" if isinstance(exc, NotRegularFile) else \
             f"cannot be read: {exc.strerror or exc}"
-        raise ManifestError(path, why, denied=denied) from None
+        raise error(path, why, denied=denied) from None
     if data is None:
-        raise ManifestError(path, f"larger than {MAX_BYTES >> 20} MiB")
+        raise error(path, f"larger than {MAX_BYTES >> 20} MiB")
     if not data.strip():
-        raise ManifestError(path, "empty")
+        raise error(path, "empty")
     try:
         raw = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
-        raise ManifestError(path, "not UTF-8 text") from None
+        raise error(path, "not UTF-8 text") from None
     except RecursionError:
-        raise ManifestError(path, "nested too deeply") from None
+        raise error(path, "nested too deeply") from None
     except ValueError as exc:
-        raise ManifestError(path, f"not JSON: {bounded(str(exc), 120)}") from None
+        raise error(path, f"not JSON: {bounded(str(exc), 120)}") from None
     if not isinstance(raw, dict):
-        raise ManifestError(path, f"{_KINDS.get(type(raw), type(raw).__name__)}, not an object")
+        raise error(path, f"{_KINDS.get(type(raw), type(raw).__name__)}, not an object")
     schema = raw.get("schema")
-    if type(schema) is int and schema > SCHEMA:  # its keys may mean what this slipway cannot tell
-        raise ManifestError(path, "newer", newer=schema)
+    if type(schema) is int and schema > newest:
+        raise error(path, f"written by a newer slipway (format {schema})", newer=schema)
     try:
-        return from_dict(Manifest, raw, "manifest", record=True)
+        return from_dict(cls, raw, where, record=True)
     except ConfigError as exc:
-        raise ManifestError(path, str(exc).removeprefix("manifest.")) from None
+        raise error(path, str(exc).removeprefix(f"{where}.")) from None
 
 
 _KINDS = {list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a number",

@@ -22,14 +22,13 @@ from jobs.config import Config, load_config
 from jobs.runs import lifecycle
 from jobs.runs import lock as runlock
 from jobs.runs import manifest as manifests
-from jobs.runs.image import ImagePin
 from jobs.runs.lifecycle import LaunchState
 from jobs.runs.manifest import Launch, Manifest, ManifestError
 from common import environ
 from common.errors import ConfigError, one_line, shown
 from common.events import Event, read_events
 from common.fs import NotRegularFile, file_kind, ownership, read_tail
-from common.rundir import CodeSnapshot, RunDir
+from common.rundir import RunDir
 
 
 @dataclass
@@ -49,22 +48,6 @@ class Run:
         do, when it cannot be read."""
         return manifests.read(self.paths.manifest)
 
-    def image(self) -> Optional[ImagePin]:
-        """The image the run's latest job runs, as pinned at its submission (None: never submitted)."""
-        return self.manifest().image
-
-    def images(self) -> list[ImagePin]:
-        """Every image a job of the run was submitted with (a requeue runs its own job's)."""
-        return self.manifest().images()
-
-    def code(self) -> Optional[CodeSnapshot]:
-        """The code snapshot the run's latest launch runs (None: the image's own code)."""
-        return self.manifest().code
-
-    def code_history(self) -> list[tuple[str, Optional[CodeSnapshot]]]:
-        """(launch, its code snapshot) for each training launch, oldest first ("local" for one here)."""
-        return [(x.id, x.code) for x in self.launches() if x.kind == "train"]
-
     def launches(self) -> list[Launch]:
         """Its Slurm jobs and local launches, oldest first, as the manifest records them."""
         return list(self.manifest().submissions)
@@ -74,10 +57,6 @@ class Run:
 
     def job_ids(self) -> list[str]:
         return [x.id for x in self.launches() if not x.local]
-
-    def latest_train_job(self) -> str | None:
-        """The id of the run's latest Slurm training job (its preparation jobs aside)."""
-        return next((x.id for x in reversed(self.launches()) if not x.local and x.kind == "train"), None)
 
     def config(self) -> Config:
         return load_config(self.paths.config)
@@ -105,11 +84,9 @@ class Run:
         where events.log does not settle it (unless `info` is given or `ask_slurm` is off);
         `lifecycle.launch_state` decides."""
         own = self.events_of(launch)
-        if launch.local:
-            return lifecycle.launch_state(launch, own, process=lifecycle.observe_local(launch))
-        if info is None and ask_slurm:
+        if info is None and ask_slurm:  # none for a local launch
             info = lifecycle.ask_slurm([(launch, own)]).get(launch.id)
-        return lifecycle.launch_state(launch, own, info)
+        return lifecycle.observed_state(launch, own, info)
 
     def last_metrics(self, kind: str = "train") -> dict | None:
         """The latest training record (or of another `kind`: eval) of the history that stands (a
@@ -274,16 +251,12 @@ def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
     return [Run(RunDir(root / name, project_dir)) for _, name in found], sorted(unreadable, key=lambda u: u.name)
 
 
-def list_runs(project_dir: Path) -> list[Run]:
-    return scan_runs(project_dir)[0]
-
-
 def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
     """Every squashfs a run pins (its manifest's `image` and each submission's: a requeue
     runs the file its env.toml / srun flags name), resolved, with the runs that pin it.
     The runs root is $SLIPWAY_RUNS, else each project directory's runs/. A manifest that cannot
     be read may pin any image: ManifestError, and nothing is pruned."""
-    pins: dict[Path, list[str]] = {}
+    pins: dict[Path, dict[str, None]] = {}  # the runs of each, in order
     seen: set[Path] = set()
     for project_dir in project_dirs:
         found, unreadable = scan_runs(project_dir)
@@ -296,7 +269,7 @@ def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
                 continue
             seen.add(run.dir.resolve())
             try:
-                images = run.images()
+                images = run.manifest().images()
             except ManifestError as exc:
                 raise exc.restated("it may pin an image, so nothing was pruned",
                                    "restore it from a backup or move the run directory aside, then prune "
@@ -304,10 +277,8 @@ def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
             for pin in images:
                 for value in (pin.path, pin.image):
                     if value and value.startswith("/"):
-                        names = pins.setdefault(Path(os.path.realpath(value)), [])
-                        if run.name not in names:
-                            names.append(run.name)
-    return pins
+                        pins.setdefault(Path(os.path.realpath(value)), {})[run.name] = None
+    return {path: list(names) for path, names in pins.items()}
 
 
 def active_jobs(run: Run, asked: Optional[dict[str, slurm.JobInfo]] = None) -> list[tuple[str, str]]:

@@ -94,16 +94,16 @@ def _check_script_syntax(cfg: Config, script: str) -> None:
                                  f"launch.pre_launch")
 
 
+@dataclass
 class Shared:
     """What the points of one sweep (jobs/runs/arrays.py) share, resolved once for all of them: the
     image pin (by the container and image settings), the code snapshot (by train.script) and the
     batch script's syntax (by launch.pre_launch, the only text of it a user writes). A sweep is
     sealed once: one image and one code snapshot, whatever its number of points."""
 
-    def __init__(self) -> None:
-        self.pins: dict[str, tuple[ImagePin, list[str], Optional[ConfigError]]] = {}
-        self.codes: dict[Optional[str], Snapshot] = {}
-        self.parsed: dict[tuple[str, ...], None] = {}
+    pins: dict[str, tuple[ImagePin, list[str], Optional[ConfigError]]] = field(default_factory=dict)
+    codes: dict[Optional[str], Snapshot] = field(default_factory=dict)
+    parsed: dict[tuple[str, ...], None] = field(default_factory=dict)
 
 
 def _once(cache: Optional[dict], key, make: Callable[[], Any]) -> Any:
@@ -184,12 +184,6 @@ def no_world_write() -> int:
     return umask
 
 
-def _group_readable(path: Path) -> None:
-    """mkdtemp makes 0700 directories: give the run directory the user's umask (teammates
-    on a shared project folder read runs), never writable by others."""
-    os.chmod(path, 0o777 & ~no_world_write())
-
-
 def _mode(paths: RunDir, path: Path) -> int:
     """job.sbatch runs; a pinned library (lib/, by hash) is never edited; the rest is data."""
     return 0o755 if path == paths.job_script else 0o444 if path.parent == paths.lib else 0o644
@@ -217,7 +211,9 @@ def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str
         sealed.code.write()
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.run.name}.", suffix=".tmp", dir=root))
     try:
-        _group_readable(tmp)
+        # mkdtemp makes 0700 directories: the user's umask instead (teammates on a shared project
+        # folder read runs), never writable by others.
+        os.chmod(tmp, 0o777 & ~no_world_write())
         staged = RunDir(tmp)
         for target, text in files.items():
             write_atomic(tmp / target.relative_to(paths.path), text, _mode(paths, target))

@@ -22,8 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar, Optional, get_args, get_origin
 
-from common.errors import ConfigError, bounded, bounded_path, shown
-from common.fs import open_regular, write_atomic
+from common.errors import ConfigError, bounded_path, shown
+from common.fs import write_atomic
 from common.rundir import RunDir
 from common.schema import config_fields, field_of, from_dict, to_dict
 from common.yaml import read_text_bounded, read_yaml
@@ -37,14 +37,13 @@ from jobs.runs.run import Run, runs_root
 
 SWEEPS = ".sweeps"  # runs/.sweeps/SWEEP/: a sweep's record and array scripts (no run directory)
 SCHEMA = 1
-MAX_BYTES = 32 << 20
 NAME_ROOM = 60  # a sweep's name leaves its points' values room in a run name's 100 characters
 
 
 class SweepError(ConfigError):
     """A sweep record that cannot be read: one line naming the file and what to do."""
 
-    def __init__(self, path: Path, why: str):
+    def __init__(self, path: Path, why: str, **_: Any):  # whoever's, whichever format: damaged for this slipway
         self.path, self.why = path, why
         super().__init__(bounded_path(path), f"damaged ({why}): slipway cannot tell this sweep's points and arrays "
                                              f"from it; restore it from a backup, or move {path.parent.name} aside "
@@ -123,28 +122,7 @@ def find_sweep(name: str, project_dir: Path) -> Optional[Sweep]:
 
 def read_sweep(path: Path) -> Sweep:
     """The record at `path`, checked by the schema engine; SweepError when it cannot be read."""
-    try:
-        f = open_regular(path)
-        if f is None:
-            raise SweepError(path, "missing")
-        with f:
-            data = f.read(MAX_BYTES + 1)
-    except OSError as exc:
-        raise SweepError(path, f"cannot be read: {exc.strerror or exc}") from None
-    if len(data) > MAX_BYTES:
-        raise SweepError(path, f"larger than {MAX_BYTES >> 20} MiB")
-    try:
-        raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise SweepError(path, f"not JSON: {bounded(str(exc), 120)}") from None
-    if not isinstance(raw, dict):
-        raise SweepError(path, "not an object")
-    if type(raw.get("schema")) is int and raw["schema"] > SCHEMA:
-        raise SweepError(path, f"written by a newer slipway (format {raw['schema']})")
-    try:
-        return from_dict(Sweep, raw, "sweep", record=True)
-    except ConfigError as exc:
-        raise SweepError(path, str(exc).removeprefix("sweep.")) from None
+    return manifests.read_record(path, Sweep, "sweep", SCHEMA, SweepError)
 
 
 def write_sweep(path: Path, sweep: Sweep) -> None:
@@ -256,8 +234,6 @@ def _shallow(obj: Any) -> Any:
     return new
 
 
-
-
 @dataclass(frozen=True)
 class Axis:
     key: str
@@ -323,7 +299,7 @@ def split_axes(overrides: list[str]) -> tuple[list[Axis], list[str]]:
             raise ConfigError(key, f"an axis needs at least one value: {key}=[V1, V2, ...]")
         if any(a.key == key for a in axes):
             raise ConfigError(key, "swept twice: give its values in one list")
-        dupes = sorted(t for t, n in collections.Counter(value_text(v) for v in values).items() if n > 1)
+        dupes = sorted(t for t, n in collections.Counter(map(value_text, values)).items() if n > 1)
         if dupes:
             raise ConfigError(key, f"the value {dupes[0]} is given twice: each value once")
         axes.append(Axis(key, values))
