@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import difflib
 import os
+import signal
 import sys
 from pathlib import Path
 
 import pytest
+
+# A suite started from a background job inherits SIGINT ignored, and so would every process it
+# starts: bash cannot trap a signal ignored on entry, and Python starts with no KeyboardInterrupt.
+# Its processes start as from a terminal, so that the Ctrl-C paths are tested wherever it runs.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
