@@ -180,7 +180,10 @@ class Variants:
         raw = self.tree.get(section)
         if not isinstance(raw, dict) or name not in raw:
             return True
-        return field_of(type(getattr(self.base, section)), name, raw[name], section) is None  # `null` read as such
+        try:  # `null` read as such; a value the base's read took is no null, whatever policy read it there
+            return field_of(type(getattr(self.base, section)), name, raw[name], section) is None
+        except ConfigError:
+            return False
 
     def _section(self, section: str, values: list[tuple[str, Any]]) -> Any:
         """The base's `section` with `values` (field, value read) set, checked (ConfigError if refused)."""
