@@ -60,21 +60,33 @@ def secret_name(name: object) -> Optional[str]:
 
 # No secret itself: a reference ($X, ${X}, $(command)), a placeholder (sk-..., <pad>, [UNK], ***,
 # xxx, {}, %s, PASSWORD, YOUR_TOKEN), a file's path (where a secret is kept); under any name, a
-# number or flag (KEY_SIZE=2048, NCCL_IB_PKEY=0x8014) or a plain word (SORT_KEY=length).
+# number or flag (KEY_SIZE=2048, NCCL_IB_PKEY=0x8014); a plain word (SORT_KEY=length) but as a
+# password, which a person chose (a key or a token a machine made is never a word).
 _REFERENCE = re.compile(r"\$[({]?[A-Za-z_][A-Za-z0-9_]*(?::-[^}]*)?[)}]?|\$\(.*", re.S)
 _PLACEHOLDER = re.compile(r".*\.{3}|<.*|\[[^\[\]]*\]|\*+|[Xx]{3,}|\{[^{}]*\}|%s|[A-Z]{1,8}|[A-Z]+_[A-Z_]*", re.S)
-PATH = re.compile(r"(?:/|\./|\.\./|~/|\$\{[A-Za-z_][A-Za-z0-9_]*\}/|\$[A-Za-z_][A-Za-z0-9_]*/)[^\s=,;&'\"]*")
-_PLAIN = re.compile(r"[-+]?(?:0[xX][0-9a-fA-F]+|[0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)"
-                    r"|[a-z][a-z_-]*|[A-Z][a-z]+|[A-Z]{1,8}")
+_PATH = re.compile(r"(?:/|\./|\.\./|~/|\$\{[A-Za-z_][A-Za-z0-9_]*\}/|\$[A-Za-z_][A-Za-z0-9_]*/)[^\s=,;&'\"]*")
+_FLAG = re.compile(r"[-+]?(?:0[xX][0-9a-fA-F]+|[0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)"
+                   r"|(?i:true|false|yes|no|on|off|none|null|nil|auto|unset|disabled?|enabled?)")
+_PLAIN_WORD = re.compile(r"[a-z][a-z_-]*|[A-Z][a-z]+|[A-Z]{1,8}")
+_CHOSEN = ("PASSWORD", "PASSWD", "PASS", "PASSPHRASE", "PWD")
 _JWT_IO = "eyJzdWIiOiIxMjM0NTY3ODkwIiwibmFtZSI6IkpvaG4gRG9lIi"  # pragma: allowlist secret (jwt.io's sample's payload)
 
 
+def is_path(value: str) -> bool:
+    """A file's path; not a key that starts with a slash (base64's alphabet holds one: 1 key in 64
+    starts so), which is a random word (`random_word`) where a path is a name of parts."""
+    return bool(_PATH.fullmatch(value)) and not random_word(value)
+
+
 def is_literal(value: str) -> bool:
-    return bool(value) and not (_REFERENCE.fullmatch(value) or _PLACEHOLDER.fullmatch(value) or PATH.fullmatch(value))
+    return bool(value) and not (_REFERENCE.fullmatch(value) or _PLACEHOLDER.fullmatch(value) or is_path(value))
 
 
-def plain(value: str) -> bool:
-    return bool(_PLAIN.fullmatch(value))
+def plain(value: str, name: Optional[str] = None) -> bool:
+    """No secret given under `name`, whatever the name: a number, a flag, or a plain word but under
+    a password's name."""
+    head = secret_name(name) if name else None
+    return bool(_FLAG.fullmatch(value)) or bool(_PLAIN_WORD.fullmatch(value)) and not (head and head.endswith(_CHOSEN))
 
 
 # A name's words saying its value is a hash or an id, not a key (GIT_COMMIT, --revision, RUN_ID).
@@ -208,7 +220,7 @@ class NamedValueDetector(BasePlugin):
         for form in _FORMS[:2] if code else _FORMS:
             for m in form.finditer(text):
                 value = next(g for g in m.groups()[1:] if g is not None)
-                if secret_name(m.group(1).lstrip("-")) and is_literal(value) and not plain(value) \
+                if secret_name(m.group(1).lstrip("-")) and is_literal(value) and not plain(value, m.group(1).lstrip("-")) \
                         and (not code or m.group(4) is None):
                     yield m.group(1), value
 

@@ -180,8 +180,8 @@ def refusal(value: object, *, name: Optional[str] = None, policy: str = IDENTIFI
     text = policy != IDENTIFIER
     if name is None and hint and "=" not in hint and not value.startswith("-"):  # `--token VALUE` in a list
         name = hint.lstrip("-") if plugins().secret_name(hint.lstrip("-")) else None
-    if text and name is not None and plugins().secret_name(name) and value and not plugins().PATH.fullmatch(value) \
-            and not plugins().plain(value) and not (policy == PASSTHROUGH and value == f"${{{name}}}") \
+    if text and name is not None and plugins().secret_name(name) and value and not plugins().is_path(value) \
+            and not plugins().plain(value, name) and not (policy == PASSTHROUGH and value == f"${{{name}}}") \
             and not (policy == REFERENCE and _EXPANSION.fullmatch(value)):
         return Refusal(f"a secret (its name ends in {plugins().secret_name(name)})", _variable(name), policy=policy,
                        secret=value)

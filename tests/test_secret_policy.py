@@ -14,13 +14,13 @@ import string
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from jobs.config.sections import NODE_PRESETS
 from common.errors import ConfigError, bounded, shown
 from common.secret_plugins import name_words, plain, secret_name
-from common.secrets import PASSTHROUGH, REFERENCE, TEXT, file_findings, find_secrets, find_values, mask, refusal
+from common.secrets import IDENTIFIER, PASSTHROUGH, REFERENCE, TEXT, file_findings, find_secrets, find_values, mask, refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -410,16 +410,40 @@ def test_mask_never_fails_and_keeps_what_is_not_a_secret(text):
 
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(name=st.sampled_from(SECRET_NAMES), how=st.sampled_from(SPELLINGS),
-       value=st.text(alphabet=ALNUM + "+-_.~!#%^", min_size=1, max_size=30).filter(lambda v: not plain(v)))
+       value=st.text(alphabet=ALNUM + "+-_.~!#%^", min_size=1, max_size=30))
 def test_a_secret_name_given_a_literal_value_is_refused(name, how, value):
-    """Any literal but a number, a flag or a plain word (KEY_SIZE=2048, SORT_KEY=length pass)."""
+    """Any literal but a number, a flag or a plain word (KEY_SIZE=2048, SORT_KEY=length pass); a
+    password's plain word is no exception."""
     spelled = spellings(name)[how]
+    assume(not plain(value, spelled))
     assert refusal(value, name=spelled, policy=TEXT) is not None
     assert refusal(value, name=spelled, policy=REFERENCE) is not None
     # the pass-through forms: its own variable, a file's path, nothing
     assert refusal(f"${{{spelled}}}", name=spelled, policy=PASSTHROUGH) is None or how in ("kebab", "annotation")
     assert refusal("/run/secrets/" + value.replace("/", ""), name=spelled, policy=TEXT) is None
     assert refusal("", name=spelled, policy=TEXT) is None
+
+
+def test_a_password_may_be_a_word_and_a_key_never_is():
+    """A person chose a password, which a word can be; a machine made a key or token, which a word
+    is not (SORT_KEY=length); a number or flag is a setting under any name."""
+    for name in ("DB_PASSWORD", "PGPASSWORD", "SMTP_PASS", "GPG_PASSPHRASE", "MYSQL_PWD", "dbPassword"):
+        for value in ("vgpgsnszsl", "Lnhpzpilmq", "hunter"):
+            assert refusal(value, name=name, policy=TEXT) is not None, (name, value)
+            assert refusal(f"{name}={value}") is not None, (name, value)
+        for value in ("0", "1.5", "true", "none", "0x8014"):
+            assert refusal(value, name=name, policy=TEXT) is None, (name, value)
+    for name, value in (("SORT_KEY", "length"), ("PRIMARY_KEY", "id"), ("AUTH_TOKEN", "none"), ("SECRET", "Default")):
+        assert refusal(value, name=name, policy=TEXT) is None and refusal(f"{name}={value}") is None, (name, value)
+
+
+def test_a_key_that_starts_with_a_slash_is_a_key_in_a_value_and_in_a_file():
+    """base64's alphabet holds the slash: one key in 64 starts with it, and is no path."""
+    for key in ("/t21gtlDLSHF7TszMCuR6DuZmjoOxkEQRmLBvgJI", "/3r8D+DYVxZG1+y/ZKRoZ3zYsp4N5QuZbvPdwVxq"):
+        assert refusal(key, policy=TEXT) is not None and refusal(key, name="HF_TOKEN", policy=TEXT) is not None
+        assert file_findings(f"# notes\n{key}\n".encode(), "notes.md"), key
+    for path in ("/capstor/scratch/u/tmpAb3Xk9Lq2Zr8Wp5Ty7Mn4Bv6Cx/out", "/run/secrets/hf_token", "/scratch/user/data"):
+        assert refusal(path, policy=IDENTIFIER) is None and refusal(path, name="HF_TOKEN", policy=TEXT) is None, path
 
 
 def test_expansions_of_a_secret_variable():
