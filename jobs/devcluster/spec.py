@@ -181,6 +181,9 @@ ReturnToService=2
 SlurmctldTimeout=10
 SlurmdTimeout=30
 MessageTimeout=10
+# A connection gets 10 s, not Slurm's 2: the nodes share one machine with image builds and test
+# suites, where a step's launch on a node can wait on a connection longer than 2 s.
+TCPTimeout=10
 KillWait=5
 InactiveLimit=0
 MinJobAge=300
