@@ -82,11 +82,16 @@ def is_literal(value: str) -> bool:
     return bool(value) and not (_REFERENCE.fullmatch(value) or _PLACEHOLDER.fullmatch(value) or is_path(value))
 
 
+def flag(value: str) -> bool:
+    """A number or a flag: no secret under any name, nor holding one."""
+    return bool(_FLAG.fullmatch(value))
+
+
 def plain(value: str, name: Optional[str] = None) -> bool:
     """No secret given under `name`, whatever the name: a number, a flag, or a plain word but under
     a password's name."""
     head = secret_name(name) if name else None
-    return bool(_FLAG.fullmatch(value)) or bool(_PLAIN_WORD.fullmatch(value)) and not (head and head.endswith(_CHOSEN))
+    return flag(value) or bool(_PLAIN_WORD.fullmatch(value)) and not (head and head.endswith(_CHOSEN))
 
 
 # A name's words saying its value is a hash or an id, not a key (GIT_COMMIT, --revision, RUN_ID).

@@ -53,12 +53,12 @@ def detectors() -> tuple:
 def find_secrets(text: str) -> list[Found]:
     """Every secret-looking part of `text`, in order, overlapping ones merged: what any text is
     masked by (messages, records, dry runs, a job's output)."""
-    if not isinstance(text, str) or not text:
+    if not isinstance(text, str) or not text or plugins().flag(text):  # a number or a flag holds no secret
         return []
-    found = []
+    found, not_a_secret = [], plugins().not_a_secret
     for detector in detectors():
         for name, start, end in _hits(detector, text):
-            if not plugins().not_a_secret(text[start:end]):
+            if not not_a_secret(text[start:end]):
                 what = f"a secret ({name.lstrip('-')}=...)" if name else f"a secret ({detector.secret_type})"
                 found.append(Found(start, end, what, name))
     return _merged(found)

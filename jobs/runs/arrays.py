@@ -218,18 +218,19 @@ def _merged(old: Optional[Sweep], name: str, base: Config, axes: list[Axis], giv
 def _lister() -> Callable[[Path], bool]:
     """`exists(path)` (lexists) for the points' runs: each folder they are in listed once, as a
     sweep asks it of thousands of points."""
-    folders: dict[Path, Optional[set[str]]] = {}
+    folders: dict[str, Optional[set[str]]] = {}
 
     def exists(path: Path) -> bool:
-        if path.parent not in folders:
+        parent, name = os.path.split(str(path))  # strings: a Path's parent is a new Path each time
+        if parent not in folders:
             try:
-                folders[path.parent] = set(os.listdir(path.parent))
+                folders[parent] = set(os.listdir(parent))
             except FileNotFoundError:
-                folders[path.parent] = set()
+                folders[parent] = set()
             except OSError:  # not listable: each path asked on its own
-                folders[path.parent] = None
-        names = folders[path.parent]
-        return os.path.lexists(path) if names is None else path.name in names
+                folders[parent] = None
+        names = folders[parent]
+        return os.path.lexists(path) if names is None else name in names
     return exists
 
 

@@ -148,9 +148,11 @@ class Variants:
         # A grid repeats each section's few settings across many points: each section so set is
         # made and checked once, the points that set it sharing it (as they share the base's).
         self.sections: dict[tuple, Any] = {}
-        # What the base derived (the config left it unset) each point derives again, from its own values.
+        # What the base derived (the config left it unset) each point derives again, from its own values;
+        # the points that derive the same share the section so derived, as they share the base's.
         self.unset = {section: [name for name in names if self._unset(section, name)]
                       for section, names in Config.DERIVED.items()}
+        self.derived: dict[tuple, Any] = {}
 
     def __call__(self, settings: dict[str, Any], name: str) -> Config:
         """The base with `settings` (dotted key -> value, as an override's value parses), run.name `name`."""
@@ -164,16 +166,19 @@ class Variants:
         try:
             for section, values in given.items():
                 setattr(cfg, section, self._section(section, values))
-            for section, names in self.unset.items():
-                if names:
-                    part = _shallow(getattr(cfg, section))
-                    part.__dict__.update(dict.fromkeys(names))
-                    setattr(cfg, section, part)
+            sources = {section: getattr(cfg, section) for section, names in self.unset.items() if names}
+            for section, part in sources.items():
+                setattr(cfg, section, _shallow(part))
+                getattr(cfg, section).__dict__.update(dict.fromkeys(self.unset[section]))
             cfg.run = _shallow(cfg.run)
             cfg.run.name = name
             cfg.check_between()
         except ConfigError:  # refused: read the whole way, whose error says where the value was written
             return config_from(*self.args, {**settings, "run.name": name}, cluster=self.cluster)
+        for section, source in sources.items():
+            part = getattr(cfg, section)
+            key = (section, id(source), *(repr(getattr(part, n)) for n in self.unset[section]))
+            setattr(cfg, section, self.derived.setdefault(key, part))
         return cfg
 
     def _unset(self, section: str, name: str) -> bool:
