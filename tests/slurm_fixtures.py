@@ -64,6 +64,8 @@ def slurm_env(slurm_cluster: LocalSlurmCluster, monkeypatch: pytest.MonkeyPatch)
     env = slurm_cluster.env()
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+    # The jobs run as from a user's shell, whose Python caches bytecode (beside a run's code snapshot too).
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
     return env
 
 

@@ -13,6 +13,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -418,6 +419,20 @@ def test_a_code_snapshot_as_submitted_passes_and_any_change_is_named(tmp_path):
     spaced.write_text("X = 1\n")
     changed(lambda: (snap / "trainer" / "evil.py").write_text("x"), f"{snap}/trainer/evil.py was added after submission")
     (snap / "trainer" / "evil.py").unlink()
+    # A rank's import caches bytecode beside the sources (no PYTHONDONTWRITEBYTECODE in a user's
+    # shell): the snapshot is still the one submitted, and its next launch runs; nothing else there is.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([sys.executable, "-c", "import trainer.model, common.errors"], cwd=snap, env=env, check=True)
+    assert list(snap.glob("trainer/__pycache__/model.*.pyc"))
+    lib.run(check).check_returncode()
+    cache = snap / "trainer" / "__pycache__"
+    changed(lambda: (cache / "evil.py").write_text("x"), f"{cache}/evil.py was added after submission")
+    (cache / "evil.py").unlink()
+    changed(lambda: (cache / "deeper").mkdir() or (cache / "deeper" / "x.pyc").write_text("x"),
+            f"{cache}/deeper/x.pyc was added after submission")
+    shutil.rmtree(cache / "deeper")
+    changed(lambda: (cache / "link.pyc").symlink_to("/etc/passwd"), f"{cache}/link.pyc was added after submission")
+    (cache / "link.pyc").unlink()
     data = snap / "trainer" / "data.py"
     kept = data.read_bytes()
     changed(data.unlink, f"{data} is missing")

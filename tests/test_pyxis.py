@@ -166,7 +166,8 @@ def lab(tmp_path_factory) -> Lab:
     shutil.copytree(ROOT / "configs", project / "configs")
     checkout(project)
     path = f"{ENROOT_BIN}{os.pathsep}{os.environ['PATH']}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "ENROOT_", "SLURM_", "SLIPWAY_"))}
+    env = {k: v for k, v in os.environ.items()  # as a user's shell has it: bytecode cached
+           if not k.startswith(("XDG_", "ENROOT_", "SLURM_", "SLIPWAY_")) and k != "PYTHONDONTWRITEBYTECODE"}
     env.update(PATH=path, SLIPWAY_PROJECT=str(project))
     ensure_test_base()
     image = [f"image.base_image={TEST_BASE}", "image.flash_attn=false", f"image.wheelhouse={ensure_wheelhouse()}",

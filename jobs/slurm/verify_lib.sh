@@ -4,8 +4,10 @@
 
 # verify_code DIR SHA256 (on a node): the code snapshot DIR is the one submitted. Its listing
 # (.slipway-files: `KIND SHA256 PATH` per entry, jobs/runs/code.py) must hash to SHA256 with the
-# scheme's line, every file and link must match it, and nothing may be added. Prints what
-# differs and returns 1 then. One sha256sum for every file: well under a second for the trainer.
+# scheme's line, every file and link must match it, and nothing may be added but the bytecode
+# Python caches beside the sources it imports (__pycache__/NAME.pyc: a snapshot holds none of its
+# own, and a rank's own shell writes them). Prints what differs and returns 1 then. One
+# sha256sum for every file: well under a second for the trainer.
 verify_code() {
   local dir=$1 want=$2 got kind sum path sums="" out name
   local -A listed=()
@@ -33,6 +35,7 @@ verify_code() {
     return 1
   fi
   while IFS= read -r -d '' path; do
+    [[ ! $path =~ (^|/)__pycache__/[^/]+\.pyc$ ]] || [ -L "$dir/$path" ] || continue
     [ "$path" = .slipway-files ] || [ -n "${listed[$path]:-}" ] || { echo "$dir/$path was added after submission"; return 1; }
   done < <(find "$dir" -mindepth 1 \( -type f -o -type l \) -printf '%P\0')
 }
