@@ -163,7 +163,8 @@ def report(path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--pyxis", metavar="PLUGIN", help="under real pyxis, with this spank_pyxis.so")
+    parser.add_argument("--pyxis", metavar="PLUGIN", type=lambda p: str(Path(p).resolve()),
+                        help="under real pyxis, with this spank_pyxis.so")
     parser.add_argument("--inside", nargs=2, metavar=("PROJECT", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--extra", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -198,6 +199,8 @@ def main() -> None:
     try:
         env = {**os.environ, **cluster.env()}
         env.pop("SLIPWAY_RUNS", None)
+        # As a user's shell has it: a module compiled once is cached in the snapshot for the other ranks.
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         subprocess.run(["salloc", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=2", sys.executable,
                         __file__, "--inside", str(project), str(out), "--repeat", str(args.repeat), "--extra",
                         shlex.join(extra)], env=env, check=True)
