@@ -186,6 +186,23 @@ def test_a_snapshot_changed_in_place_is_found_and_rewritten(checkout):
     (snap / "trainer" / "added.py").write_text("x")
     assert damage(snap, value.hash) == f"{snap / 'trainer' / 'added.py'} was added after submission"
     (snap / "trainer" / "added.py").unlink()
+    # A rank's import caches bytecode beside the sources (a user's shell): the snapshot is whole,
+    # and a launch reusing it keeps it, its files the same ones (a warm process holds them).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([sys.executable, "-c", "import trainer.topology, common.errors"], cwd=snap, env=env, check=True)
+    assert list(snap.glob("trainer/__pycache__/topology.*.pyc"))
+    inode = model.stat().st_ino
+    assert damage(snap, value.hash) is None
+    assert plan_snapshot(checkout / "runs" / STORE, None, checkout).write() == value and model.stat().st_ino == inode
+    cache = snap / "trainer" / "__pycache__"
+    for added in (cache / "evil.py", cache / "deeper" / "x.pyc"):
+        added.parent.mkdir(exist_ok=True)
+        added.write_text("x")
+        assert damage(snap, value.hash) == f"{added} was added after submission"
+        added.unlink()
+    (cache / "link.pyc").symlink_to("/etc/passwd")
+    assert damage(snap, value.hash) == f"{cache / 'link.pyc'} was added after submission"
+    (cache / "link.pyc").unlink()
     (snap / "trainer" / "data.py").unlink()
     assert damage(snap, value.hash) == f"{snap / 'trainer' / 'data.py'} is missing"
 
