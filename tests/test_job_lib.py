@@ -433,6 +433,9 @@ def test_a_code_snapshot_as_submitted_passes_and_any_change_is_named(tmp_path):
     shutil.rmtree(cache / "deeper")
     changed(lambda: (cache / "link.pyc").symlink_to("/etc/passwd"), f"{cache}/link.pyc was added after submission")
     (cache / "link.pyc").unlink()
+    shutil.rmtree(cache)
+    changed(lambda: cache.symlink_to(tmp_path), f"{cache} was added after submission")  # a cache that is a link out
+    cache.unlink()
     data = snap / "trainer" / "data.py"
     kept = data.read_bytes()
     changed(data.unlink, f"{data} is missing")

@@ -203,6 +203,12 @@ def test_a_snapshot_changed_in_place_is_found_and_rewritten(checkout):
     (cache / "link.pyc").symlink_to("/etc/passwd")
     assert damage(snap, value.hash) == f"{cache / 'link.pyc'} was added after submission"
     (cache / "link.pyc").unlink()
+    outside = checkout / "elsewhere"
+    (outside / "__pycache__").mkdir(parents=True)
+    shutil.rmtree(snap / "common" / "__pycache__", ignore_errors=True)
+    (snap / "common" / "__pycache__").symlink_to(outside / "__pycache__")  # a cache that is a link out
+    assert damage(snap, value.hash) == f"{snap / 'common' / '__pycache__'} was added after submission"
+    (snap / "common" / "__pycache__").unlink()
     (snap / "trainer" / "data.py").unlink()
     assert damage(snap, value.hash) == f"{snap / 'trainer' / 'data.py'} is missing"
 
