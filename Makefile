@@ -299,11 +299,11 @@ gpu-check: $(STAMP)
 endif
 
 # The wheels gpu-check needs beside a node's torch, for the node's Python and glibc (`ldd --version`),
-# gathered where an index is reachable: at most 60 MiB. TORCHTITAN=1 adds torchtitan; HAVE=FILE (the
+# gathered where an index is reachable: at most 60 MiB. HAVE=FILE (the
 # node's `python3 -m pip list --format=freeze`) leaves out what the node has.
 WHEELS_OUT ?= gpu-check-wheels
 PLATFORM ?= manylinux_2_28_x86_64
 gpu-check-wheels: $(STAMP)
 	$(PY) -m jobs.gpucheck.wheels --out '$(WHEELS_OUT)' --platform '$(PLATFORM)' \
-		$(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) $(if $(TORCHTITAN),--torchtitan) \
+		$(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) \
 		$(if $(HAVE),--have '$(HAVE)')

@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common.errors import failure_line  # noqa: E402
 from trainer import speed  # noqa: E402  (the cases: what `slipway gpu-check` measures with)
+import titan  # noqa: E402  (bench/titan.py: torchtitan's case)
 
 BENCH_VENV = ROOT / ".cache" / "bench-venv"
 TORCHTITAN_VERSION = "0.3.0"
@@ -75,8 +76,8 @@ MATRIX_VARIANTS = ((False, "none"), (True, "none"), (False, "selective"), (True,
 
 
 # --------------------------------------------------------------------------
-# The cases live in the product (trainer/speed.py: `slipway gpu-check` measures with them on a
-# user's node); here they run, each in a process of its own, and are compared.
+# Ours and bare live in the product (trainer/speed.py: `slipway gpu-check` measures with them on a
+# user's node), torchtitan's in bench/titan.py; here they run, each in a process of its own, and are compared.
 # --------------------------------------------------------------------------
 
 
@@ -122,11 +123,11 @@ def check_torchtitan_model(args: argparse.Namespace) -> tuple[Optional[int], str
         return None, why
     work = Path(tempfile.mkdtemp(prefix="slipway-titan-check-"))
     try:  # the config module as the comparison writes it; its model built on the meta device and counted
-        (work / "slipway_titan.py").write_text(speed.TITAN_MODULE.format(params=speed.titan_params(args, "sdpa", work)))
+        (work / "slipway_titan.py").write_text(titan.TITAN_MODULE.format(params=titan.titan_params(args, "sdpa", work)))
         count = ("import torch, slipway_titan\nmodel = slipway_titan.slipway_llama().model_spec.model\n"
                  "with torch.device('meta'):\n    built = model.build()\n"
                  "print('TITAN_PARAMS', sum(p.numel() for p in built.parameters()))")
-        proc = subprocess.run([str(python), "-c", count], cwd=work, env=speed.titan_env(work), capture_output=True,
+        proc = subprocess.run([str(python), "-c", count], cwd=work, env=titan.titan_env(work), capture_output=True,
                               text=True, timeout=args.timeout)
         m = re.search(r"^TITAN_PARAMS (\d+)$", proc.stdout, re.M)
         return (int(m[1]) if m else None), proc.stdout + proc.stderr
@@ -138,8 +139,8 @@ def run_torchtitan(args: argparse.Namespace, attention: str = "sdpa") -> tuple[O
     python, why = titan_python(args)
     if python is None:
         return None, why
-    return run_subprocess([str(python), *case_argv(args, "torchtitan"), "--attention-titan", attention],
-                          args.timeout)
+    return run_subprocess([str(python), str(Path(titan.__file__)), *case_argv(args, "torchtitan")[2:],
+                           "--attention-titan", attention], args.timeout)
 
 
 # --------------------------------------------------------------------------
@@ -153,8 +154,7 @@ def case_argv(case: argparse.Namespace, name: str) -> list[str]:
             str(case.seq_len), "--micro-batch", str(case.micro_batch), "--steps", str(case.steps), "--warmup",
             str(case.warmup), "--log-interval", str(case.log_interval), "--dtype", case.dtype, "--data", case.data,
             "--ac", case.ac, "--attention", case.attention]
-    for flag in ("hidden", "layers", "heads", "kv_heads", "vocab", "ffn", "hang_timeout", "cache_dir", "run_dir",
-                 "attention_titan"):
+    for flag in ("hidden", "layers", "heads", "kv_heads", "vocab", "ffn", "hang_timeout", "cache_dir", "run_dir"):
         if getattr(case, flag, None) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(case, flag))]
     return argv + (["--compile"] if case.compile else [])

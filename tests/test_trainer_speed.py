@@ -413,8 +413,12 @@ def test_the_torchtitan_config_module_renders(ac):
     """The config module handed to torchtitan is valid Python with our settings in it (torchtitan
     itself needs CUDA: its run is the GPU half of the comparison)."""
     import ast
+    import importlib.util
 
-    from trainer.speed import TITAN_MODULE
+    spec = importlib.util.spec_from_file_location("titan", Path(__file__).resolve().parents[1] / "bench" / "titan.py")
+    titan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(titan)
+    TITAN_MODULE = titan.TITAN_MODULE
 
     params = dict(dim=64, heads=4, kv_heads=2, layers=2, vocab=256, ffn=128, seq_len=32, batch=2, steps=4,
                   dtype="bfloat16", compile=True, ac=ac, log_freq=10, corpus="c", assets="a", dump="d")

@@ -3,7 +3,7 @@ command starts them, as the batch script starts the trainer, and reads one `RESU
 line); the trainer's runs and the throughput cases (trainer/speed.py) it starts as they are.
 
     python -m trainer.gpucheck node                    the node: GPUs, driver, CUDA, torch, NCCL,
-                                                       flash-attn, torchtitan, NUMA layout
+                                                       flash-attn, NUMA layout
     python -m trainer.gpucheck attention --device D    SDPA's flash backend and flash-attn (where it
                                                        imports) against the math path, forward and backward
     torchrun --nproc-per-node N -m trainer.gpucheck allreduce --sizes 1 64 1024
@@ -53,7 +53,6 @@ def node() -> dict[str, Any]:
         "torch": torch.__version__, "torch_supported": unsupported_torch(torch.__version__) is None,
         "torch_cuda": torch.version.cuda, "cuda_available": cuda, "nccl": nccl, "torch_archs": archs,
         "gpus": gpus, "driver": driver[0] if driver else None, "flash_attn": _flash_attn(),
-        "torchtitan": _version("torchtitan"),
         "cpus": os.cpu_count(), "affinity": cpu_ranges(os.sched_getaffinity(0)),
         "numa": {str(n): cpu_ranges(cpus) or "no CPUs" for n, cpus in numa_nodes().items()},
         "numactl": numactl_show()[0], "unserved": sorted({g["capability"] for g in gpus if not _served(g, archs)}),

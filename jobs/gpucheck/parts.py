@@ -237,17 +237,13 @@ class GpuCheck(Check):
                        f"{best['mib']:g} MiB")
 
     def plan_speed(self) -> Plan:
-        titan = (self.device == "cuda" and (self.parts[0].results.get("torchtitan") or None))
         plan = []
-        for compiled in (False, True):  # compiled, torchtitan before bare: the target is ours against it
+        for compiled in (False, True):
             mode = "compiled" if compiled else "eager"
-            for case in ("ours", "torchtitan", "bare") if compiled else ("ours", "bare", "torchtitan"):
+            for case in ("ours", "bare"):
                 what = f"{case}, {mode}"
                 if compiled and self.device == "cpu":
                     plan.append((what, "on the CPU only eager runs: train.compile compiles on CUDA"))
-                elif case == "torchtitan" and not titan:
-                    plan.append((what, "torchtitan needs CUDA" if self.device == "cpu" else
-                                 "torchtitan is not installed here (`make gpu-check-wheels TORCHTITAN=1`)"))
                 else:
                     plan.append((what, lambda part, c=case, m=compiled: self.speed_case(part, c, m)))
         return plan
@@ -270,11 +266,10 @@ class GpuCheck(Check):
             return
         rows = part.results.setdefault("rows", [])
         rows.append({"case": what, **result})
-        for row in rows:  # against the bare loop and torchtitan of the same mode
+        for row in rows:  # against the bare loop of the same mode
             mode = row["case"].split(", ")[1]
-            for other in ("bare", "torchtitan"):
-                base = next((r for r in rows if r["case"] == f"{other}, {mode}"), None)
-                row[f"vs_{other}"] = row["tokens_per_s_per_device"] / base["tokens_per_s_per_device"] if base else None
+            base = next((r for r in rows if r["case"] == f"bare, {mode}"), None)
+            row["vs_bare"] = row["tokens_per_s_per_device"] / base["tokens_per_s_per_device"] if base else None
         part.check(f"{what} trains", result["tokens_per_s"] > 0, f"{result['tokens_per_s']:,.0f} tokens/s")
 
 

@@ -25,7 +25,6 @@ from common.errors import ConfigError
 from common.fs import write_atomic
 
 MAX_BYTES = 60 * 2**20
-TORCHTITAN = "torchtitan==0.3.0"  # the version bench/trainer.py's comparison is written against
 LEFT_OUT = ("torch", "datasets")  # of the trainer extra: the node's own torch; the shipped corpus needs no datasets
 MARK = ".slipway-wheels"
 # What slipway's wheel is built from (pyproject.toml's packages, readme and license).
@@ -78,8 +77,8 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def requirements(wheel: Path, torchtitan: bool) -> list[str]:
-    """slipway pinned to its wheel, the trainer extra less LEFT_OUT (as the wheel declares it), torchtitan."""
+def requirements(wheel: Path) -> list[str]:
+    """slipway pinned to its wheel, the trainer extra less LEFT_OUT (as the wheel declares it)."""
     with zipfile.ZipFile(wheel) as whl:
         meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
         parsed = email.parser.Parser().parsestr(whl.read(meta).decode())
@@ -89,11 +88,10 @@ def requirements(wheel: Path, torchtitan: bool) -> list[str]:
         name = re.match(r"[A-Za-z0-9._-]+", spec.strip())[0]
         if re.search(r"""extra\s*==\s*["']trainer["']""", marker) and _norm(name) not in LEFT_OUT:
             extra.append(spec.strip())
-    return [f"slipway=={parsed['Version']}", *extra, *([TORCHTITAN] if torchtitan else [])]
+    return [f"slipway=={parsed['Version']}", *extra]
 
 
-def gather(out: Path, python_version: str, platform: str, torchtitan: bool = False, have: Optional[Path] = None,
-           say=print) -> int:
+def gather(out: Path, python_version: str, platform: str, have: Optional[Path] = None, say=print) -> int:
     """Fill `out` with the wheels; its size in bytes."""
     if not re.fullmatch(r"3\.\d+", python_version):
         raise ConfigError("--python-version", f"{python_version!r}: give the node's Python as 3.N, e.g. 3.12")
@@ -109,14 +107,14 @@ def gather(out: Path, python_version: str, platform: str, torchtitan: bool = Fal
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         wheels = work / "wheels"
-        reqs = requirements(_own_wheel(work, wheels), torchtitan)
+        reqs = requirements(_own_wheel(work, wheels))
         nodes = node_has(have)
         say(f"resolving {', '.join(reqs)} for CPython {python_version} on {platform} (the node has: "
             f"{', '.join(sorted(nodes))})")
         abi = ["--abi", f"cp{python_version.replace('.', '')}", "--abi", "abi3", "--abi", "none"]
         if chosen := _resolve(work, [*target, *abi], reqs, nodes):
             _pip(["download", "-q", "--no-deps", *target, "-d", str(wheels), *chosen], "downloading")
-        size = _within_limit(wheels, torchtitan)
+        size = _within_limit(wheels)
         write_atomic(wheels / "requirements.txt",
                      f"# slipway gpu-check for CPython {python_version} on {platform}, beside the node's torch\n"
                      + "".join(f"{r}\n" for r in reqs))
@@ -163,7 +161,7 @@ def _resolve(work: Path, target: list[str], reqs: list[str], nodes: dict[str, st
             if _norm(i["metadata"]["name"]) not in nodes and _norm(i["metadata"]["name"]) != "slipway"]
 
 
-def _within_limit(wheels: Path, torchtitan: bool) -> int:
+def _within_limit(wheels: Path) -> int:
     """The wheels' size in bytes, refused past MAX_BYTES."""
     size = sum(p.stat().st_size for p in wheels.iterdir())
     if size > MAX_BYTES:
@@ -172,7 +170,7 @@ def _within_limit(wheels: Path, torchtitan: bool) -> int:
         raise ConfigError("gpu-check-wheels", f"{size / 2**20:.1f} MiB of wheels, over the {MAX_BYTES // 2**20} MiB "
                                               f"this bundle may take (largest, MiB: {largest}): give --have the "
                                               "node's `python3 -m pip list --format=freeze` to leave out what it "
-                                              "has" + (", or leave out --torchtitan" if torchtitan else ""))
+                                              "has")
     return size
 
 
@@ -193,11 +191,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--python-version", default=f"{sys.version_info[0]}.{sys.version_info[1]}",
                         help="the node's Python, 3.N (default: this one's)")
     parser.add_argument("--platform", default="manylinux_2_28_x86_64", help="manylinux_2_N_ARCH of the node")
-    parser.add_argument("--torchtitan", action="store_true", help=f"add {TORCHTITAN} and what it needs")
     parser.add_argument("--have", type=Path, help="the node's `python3 -m pip list --format=freeze`: left out")
     args = parser.parse_args(argv)
-    return run_at_edge(lambda: gather(args.out.absolute(), args.python_version, args.platform, args.torchtitan,
-                                      args.have) and 0)
+    return run_at_edge(lambda: gather(args.out.absolute(), args.python_version, args.platform, args.have) and 0)
 
 
 if __name__ == "__main__":
