@@ -116,8 +116,8 @@ def _build_args(cfg: ImageConfig, root: Path, wheel_digest: str, git: bool) -> d
     return build_args
 
 
-def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = False, do_import: bool = True,
-               enroot_mount: bool | None = None, git: bool = True) -> ImagePlan:
+def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = False, enroot_mount: bool | None = None,
+               git: bool = True) -> ImagePlan:
     """Hash, tag, paths and the exact podman and enroot command lines; `enroot_mount`: whether to
     pass `-x mount` (None asks the installed enroot)."""
     image = cfg.image
@@ -282,7 +282,7 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
     """
     console = console or Console()
     t0 = time.perf_counter()
-    plan = image_plan(cfg, root=root, force=force, do_import=do_import)
+    plan = image_plan(cfg, root=root, force=force)
     # The build and the import both log there: the import alone runs when podman still has
     # the image but the output directory is new (images/ removed, image.output_dir changed).
     plan.log.parent.mkdir(parents=True, exist_ok=True)

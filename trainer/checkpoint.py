@@ -37,11 +37,11 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -196,7 +196,7 @@ class Checkpointer:
             tmp.mkdir()
         self._barrier()
         nbytes = sum(t.numel() * t.element_size() for _, t in local_tensors(shared))
-        try:
+        with self._full_disk(step, tmp, nbytes):
             self._save_rank_local(tmp, local)
             if self.async_save and not final:
                 response = dcp.async_save(shared, checkpoint_id=tmp, process_group=self._pg,
@@ -205,9 +205,6 @@ class Checkpointer:
                 self._pending = _Pending(future, step, tmp, nbytes, started, step_ms)
                 return
             dcp.save(shared, checkpoint_id=tmp, process_group=self._pg, no_dist=not self.distributed)
-        except (Exception, CheckpointException) as exc:  # the latter is a BaseException
-            self._raise_if_full(step, tmp, nbytes, exc)
-            raise
         self._commit(step, tmp, final, started, step_ms)
 
     def close(self) -> None:
@@ -237,11 +234,8 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        try:
+        with self._full_disk(pending.step, pending.tmp, pending.nbytes):
             pending.future.result()  # re-raises a failed background write; the .tmp dir then stays unused
-        except (Exception, CheckpointException) as exc:
-            self._raise_if_full(pending.step, pending.tmp, pending.nbytes, exc)
-            raise
         self._commit(pending.step, pending.tmp, False, pending.started, pending.step_ms)
 
     def _room_problem(self) -> str | None:
@@ -262,21 +256,25 @@ class Checkpointer:
         latest = self.latest_step()
         return f"the latest checkpoint stays {step_dir(self.dir, latest) if latest is not None else 'none'}"
 
-    def _raise_if_full(self, step: int, tmp: Path, nbytes: int, exc: BaseException) -> None:
-        """A failed write on a file system without room for this rank's share is a full disk,
+    @contextmanager
+    def _full_disk(self, step: int, tmp: Path, nbytes: int) -> Iterator[None]:
+        """A write that fails on a file system without room for this rank's share is a full disk,
         whatever torch made of the short write: say so in one line. The partial files stay
         until the next save clears them: a rank deleting them here would let the others
         measure the freed space and miss the diagnosis."""
         try:
-            free = shutil.disk_usage(self.dir).free
-        except OSError:
-            return
-        if free >= nbytes:
-            return
-        raise CheckpointWriteError(
-            f"checkpoint step {step} could not be written to {self.dir}: the file system is full ({human(free)} "
-            f"free, this rank alone writes {human(nbytes)}): free space there (the partial {tmp.name} can go) or "
-            f"set checkpoint.dir elsewhere, then resume; {self._latest_stays()}") from exc
+            yield
+        except (Exception, CheckpointException) as exc:  # the latter is a BaseException: DCP's wrapper
+            try:
+                free: Optional[int] = shutil.disk_usage(self.dir).free
+            except OSError:
+                free = None
+            if free is None or free >= nbytes:
+                raise
+            raise CheckpointWriteError(
+                f"checkpoint step {step} could not be written to {self.dir}: the file system is full ({human(free)} "
+                f"free, this rank alone writes {human(nbytes)}): free space there (the partial {tmp.name} can go) "
+                f"or set checkpoint.dir elsewhere, then resume; {self._latest_stays()}") from exc
 
     def _commit(self, step: int, tmp: Path, final: bool, started: float, step_ms: int) -> None:
         """Every rank's files are in `tmp`: rank 0 marks it complete, renames it into place and

@@ -89,12 +89,9 @@ class ModelSection:
     pad_vocab_multiple: int = 64
 
     def __post_init__(self) -> None:
-        preset = MODEL_PRESETS.get(self.size, {})
-        for key, value in preset.items():
+        for key, value in MODEL_PRESETS.get(self.size, {"tie_embeddings": False}).items():  # custom: untied
             if getattr(self, key) is None:
                 setattr(self, key, value)
-        if self.tie_embeddings is None:
-            self.tie_embeddings = False
 
     def check(self, where: str) -> None:
         if self.size == "custom":
@@ -102,7 +99,7 @@ class ModelSection:
             require(not missing, f"{where}.{missing[0] if missing else ''}",
                     f"model.size is custom, so {', '.join(missing)} must be set (or pick a preset: "
                     f"{', '.join(MODEL_PRESETS)})")
-        positive(self, where, *MODEL_DIMENSIONS)
+        positive(self, where, *MODEL_DIMENSIONS, "init_std")
         at_most(self, where, hidden_size=2 ** 17, intermediate_size=2 ** 19, num_layers=4096, num_heads=4096,
                 num_kv_heads=4096, vocab_size=2 ** 24, max_position_embeddings=2 ** 24, pad_vocab_multiple=2 ** 16)
         require(self.hidden_size % self.num_heads == 0, f"{where}.num_heads",
@@ -112,7 +109,6 @@ class ModelSection:
         require((self.hidden_size // self.num_heads) % 2 == 0, f"{where}.num_heads",
                 f"head dimension hidden_size/num_heads = {self.hidden_size // self.num_heads} must be even "
                 "for rotary embeddings")
-        require(self.init_std > 0, f"{where}.init_std", f"must be > 0, got {self.init_std}")
         require(self.pad_vocab_multiple >= 1, f"{where}.pad_vocab_multiple",
                 f"must be >= 1 (1 disables padding), got {self.pad_vocab_multiple}")
 
@@ -410,10 +406,9 @@ def check_trainer_sections(cfg: Any) -> None:
     require(m.num_heads % p.tp == 0, "parallel.tp",
             lambda: f"model.num_heads({m.num_heads}) must be divisible by parallel.tp({p.tp}): "
                     f"pick tp from {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}")
-    require(m.num_kv_heads % p.tp == 0, "parallel.tp",
-            f"model.num_kv_heads({m.num_kv_heads}) must be divisible by parallel.tp({p.tp})")
-    require(m.intermediate_size % p.tp == 0, "parallel.tp",
-            f"model.intermediate_size({m.intermediate_size}) must be divisible by parallel.tp({p.tp})")
+    for name in ("num_kv_heads", "intermediate_size"):
+        require(getattr(m, name) % p.tp == 0, "parallel.tp",
+                f"model.{name}({getattr(m, name)}) must be divisible by parallel.tp({p.tp})")
     require(m.padded_vocab_size % p.tp == 0, "model.pad_vocab_multiple",
             f"the vocabulary padded to a multiple of {m.pad_vocab_multiple} ({m.padded_vocab_size} rows) must be "
             f"divisible by parallel.tp({p.tp}): set model.pad_vocab_multiple to a multiple of {p.tp}, e.g. "

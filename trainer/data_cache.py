@@ -143,12 +143,12 @@ def held(path: Path) -> Iterator[bool]:
     finally:
         stop.set()
         thread.join()
-        if (read_lock(path) or {}).get("token") == token:  # never remove a lock taken over
+        if (_read_json(path) or {}).get("token") == token:  # never remove a lock taken over
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
 
-def read_lock(path: Path) -> dict[str, Any] | None:
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -174,13 +174,13 @@ class LockWatch:
         sig = (st.st_ino, st.st_mtime_ns, st.st_size)
         if sig != self._sig:
             self._sig, self._changed = sig, time.monotonic()
-        info = read_lock(self.path)
+        info = _read_json(self.path)
         if info and info.get("host") == _host() and not pid_alive(int(info.get("pid", -1))):
             return "dead"
         return "stale" if time.monotonic() - self._changed > self.stale_s else "alive"
 
     def describe(self) -> str:
-        return _holder(read_lock(self.path) or {})
+        return _holder(_read_json(self.path) or {})
 
 
 def _holder(info: dict[str, Any]) -> str:
@@ -284,12 +284,9 @@ def _timeout_message(paths: CachePaths, state: str, watch: LockWatch, rank: int,
 
 
 def _raise_writer_error(paths: CachePaths, launch: str) -> None:
-    try:
-        err = json.loads(paths.error.read_text())
-    except (OSError, ValueError):
-        return
-    if err.get("launch") != launch:
-        return  # from an earlier launch: rank 0 of this one will retry
+    err = _read_json(paths.error)
+    if err is None or err.get("launch") != launch:
+        return  # none, or from an earlier launch: rank 0 of this one will retry
     if err.get("field"):
         raise ConfigError(err["field"], err["message"])
     raise DataCacheError(f"rank 0 failed to tokenize into {paths.bin}: {err['message']}")
@@ -365,7 +362,7 @@ def entry_status(role: str, source: TextSource, tokenizer: TokenizerSpec, cache_
 def _live_writer(lock: Path) -> str | None:
     """Who holds `lock`, if its pid lives (same host) and it beat within STALE_S
     (by this clock: a snapshot has no time to watch the heartbeat)."""
-    info = read_lock(lock)
+    info = _read_json(lock)
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:

@@ -216,11 +216,8 @@ def hf_config_dict(cfg: ModelSection, dtype: torch.dtype) -> dict[str, Any]:
     """config.json for LlamaForCausalLM (read by transformers 4.x and 5.x alike)."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
-        "rope_scaling": None, "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        **{hf_key: getattr(cfg, ours) for hf_key, ours in _MATCHED}, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings, "rope_scaling": None,
         "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
         "initializer_range": cfg.init_std, "pretraining_tp": 1, "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),

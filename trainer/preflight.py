@@ -24,7 +24,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from common.environ import count as env_count
 from common.errors import human
@@ -209,8 +209,11 @@ def time_all_reduce(megabytes: float, iters: int, device) -> tuple[int, int, flo
     return wrong, numel, per, numel * 4 / per * 2 * (world - 1) / world / 1e9
 
 
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+def _answer(check: Callable[[], tuple[bool, str]], rank: str) -> tuple[bool, str]:
+    try:
+        return check()
+    except Exception as exc:  # any failure of the collective is the answer, on one line
+        return False, f"rank {rank} on {node_name()}: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
 
 
 class AllReduceGate:
@@ -254,10 +257,7 @@ class AllReduceGate:
         return self
 
     def check(self, device) -> None:
-        try:
-            ok, text = sum_across_ranks(self.megabytes, 3, device)
-        except Exception as exc:  # any failure of the collective is the answer, on one line
-            ok, text = False, f"rank {self.rank} on {node_name()}: {_one_line(exc)}"
+        ok, text = _answer(lambda: sum_across_ranks(self.megabytes, 3, device), self.rank)
         if not ok:
             self.fail(text)
             return
@@ -308,10 +308,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"slipway-preflight {node_name()} {'ok' if ok else 'fail'}: {text}", flush=True)
         return 0 if ok else PREFLIGHT_EXIT
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    try:
-        ok, text = all_reduce_check(args.megabytes, args.iters, args.timeout)
-    except Exception as exc:  # any failure of the collective is the answer, on one line
-        ok, text = False, f"rank {rank} on {node_name()}: {_one_line(exc)}"
+    ok, text = _answer(lambda: all_reduce_check(args.megabytes, args.iters, args.timeout), rank)
     if rank == "0" or not ok:
         print(f"slipway-preflight-allreduce {'ok' if ok else 'fail'}: {text}", flush=True)
     return 0 if ok else PREFLIGHT_EXIT
