@@ -20,7 +20,7 @@ from typing import Callable, Optional, Union
 from rich.markup import escape
 from rich.text import Text
 
-from jobs import local_checks, runs, slurm
+from jobs import local_checks, runs, slurm, trainer_door
 from jobs.runs import lock as runlock
 from jobs.runs.code import git_state, prune_code_store
 from jobs.runs.lifecycle import signal_name
@@ -117,8 +117,6 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
 def prepare_here(sealed: runs.Sealed, hf_home: str, console, num_proc: Optional[int] = None) -> None:
     """`slipway prepare` here (and `slipway local --prepare`): the token cache of the sealed config
     filled on this machine, hub downloads into `hf_home`."""
-    from jobs import trainer_door
-
     data = sealed.cfg.data
     os.environ["HF_HOME"] = hf_home  # before the hub libraries load
     console.print(f"preparing {data.dataset} with tokenizer {data.tokenizer} into {data.cache_dir}", soft_wrap=True)
@@ -289,8 +287,6 @@ def _own_program(cfg: Config) -> str:
 def _what_next(run: runs.Run, original: Config) -> list[str]:
     """After a local run trained all its steps: its curves drawn, and the commands a user wants
     next (its status, the live view, a first cluster run of the same config)."""
-    from jobs import trainer_door
-
     try:
         curves = f"curves: {escape(str(trainer_door.plot([run.dir])))}"
     except ConfigError as exc:  # no matplotlib (the plot extra), no steps logged

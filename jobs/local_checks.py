@@ -25,7 +25,7 @@ from common.layouts import cpu_step_seconds, fitting_batch, process_memory
 from common.metrics_log import format_duration
 from common.rundir import complete_checkpoints
 from common.schema import to_dict
-from jobs import runs
+from jobs import runs, trainer_door
 from jobs.config import Config, dump_config, this_python
 from jobs.runs import lock as runlock
 
@@ -272,8 +272,6 @@ def data_blockers(sealed: runs.Sealed, original: Config, prepare: Optional[bool]
         return found
     if prepare is None:
         return found + [Blocker("data", runs.unprepared_data(sealed, original.config_args) or "")]
-    from jobs import trainer_door
-
     missing = "; ".join(e.describe() for e in status.missing)
     hub = any(e.source.kind == "hub" for e in status.missing) and trainer_door.hub_unreachable()
     if hub:
@@ -425,8 +423,6 @@ def check_memory(local: Config) -> None:
 def _check_tokens(cfg: Config, status) -> None:
     """The trainer's rules on the prepared entries' token counts (trainer/prepare.py
     `check_tokens`); an entry the job will tokenize itself is judged there."""
-    from jobs import trainer_door
-
     index = {e.role: e.index for e in status.entries if e.prepared and e.index}
     if "train" in index:
         trainer_door.check_tokens(cfg.data, cfg.model.vocab_size, index["train"], index.get("validation"))

@@ -38,11 +38,6 @@ def _root(cfg: Config) -> Path:
     return build_root(project_dir(), cfg.image.dockerfile)
 
 
-def _config(name: str | None, overrides: list[str], base_image: str | None = None) -> Config:
-    sets = {"image.base_image": base_image} if base_image else None
-    return load_config(name, overrides, sets) if name else Config()
-
-
 def compute_argv(cfg: Config, plan: ImagePlan, *, force: bool, do_import: bool) -> list[str]:
     """One srun that builds and imports on a compute node (podman storage on /dev/shm lives
     only as long as the allocation); the inner build reads the frozen config."""
@@ -182,20 +177,20 @@ def run(args: argparse.Namespace) -> int:
     """`slipway image COMMAND`, as jobs/cli/commands.py parsed it."""
     console = Console()
     try:
+        base_image = getattr(args, "base_image", None)  # only build has --base-image
+        cfg = load_config(args.config, args.overrides, {"image.base_image": base_image} if base_image else None) \
+            if args.config else Config()
         if args.action == "build":
-            cfg = _config(args.config, args.overrides, args.base_image)
             if args.dry_run:
                 dry_run(cfg, force=args.force, do_import=not args.no_import, here=args.here, console=console)
             else:
                 build(cfg, force=args.force, do_import=not args.no_import, console=console, here=args.here)
         elif args.action == "show":
-            _show(_config(args.config, args.overrides), console)
+            _show(cfg, console)
         elif args.action == "containers":
-            return containers(_config(args.config, args.overrides), nodes=args.nodes, remove=args.remove,
-                              console=console)
+            return containers(cfg, nodes=args.nodes, remove=args.remove, console=console)
         else:
-            result = prune(_config(args.config, args.overrides), keep=args.keep, remove=args.remove, console=console,
-                           dry_run=args.dry_run)
+            result = prune(cfg, keep=args.keep, remove=args.remove, console=console, dry_run=args.dry_run)
             if not result.ok:
                 Console(stderr=True).print(f"[red]error:[/] prune could not remove {len(result.failed)} item(s), "
                                            "each listed above with the reason", highlight=False, soft_wrap=True)

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
 from jobs import runs, slurm
+from jobs.cli.logs import job_arg
 from jobs.runs import lifecycle
 from jobs.runs.manifest import Launch
 from jobs.slurm.script import NODE_HEARTBEAT_SECONDS
@@ -213,9 +219,6 @@ def _fmt_age(seconds: Optional[float]) -> str:
 def render(snap: Snapshot):
     """The frame: rich renderables, no I/O. Every string in it that came from a file, Slurm or a
     job is escaped by the one rule (one_line)."""
-    from rich.console import Group
-    from rich.text import Text
-
     state = snap.state
     state_style = {"RUNNING": "green", "PENDING": "yellow", "COMPLETED": "green"}.get(state.state.split()[0], "red")
     head = Text.assemble(("run ", "dim"), (one_line(snap.run), "bold"), ("  job ", "dim"),
@@ -235,9 +238,6 @@ def render(snap: Snapshot):
 
 
 def _training_row(snap: Snapshot):
-    from rich.table import Table
-    from rich.text import Text
-
     m = snap.metrics
     steps = [s for s in (m.get("step"), snap.progress_step) if isinstance(s, int)]
     step = max(steps) if steps else None  # progress.json is ahead between logged steps
@@ -259,9 +259,6 @@ def _training_row(snap: Snapshot):
 
 
 def _nodes_table(snap: Snapshot):
-    from rich.table import Table
-    from rich.text import Text
-
     nodes = Table(title="nodes", title_justify="left", show_edge=False, pad_edge=False)
     for col in ("node", "heartbeat", "GPUs", "GPU use", "GPU memory"):
         nodes.add_column(col)
@@ -276,9 +273,6 @@ def _nodes_table(snap: Snapshot):
 
 
 def _events_table(snap: Snapshot):
-    from rich.table import Table
-    from rich.text import Text
-
     events = Table(title="events", title_justify="left", show_header=False, show_edge=False, pad_edge=False)
     events.add_column(no_wrap=True, style="dim")
     events.add_column()
@@ -296,11 +290,6 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
     """Show the job live until it ends; its exit code (with `once`: one frame, exit 0). Into a pipe
     or a file, which a live view never reaches: a frame at once, then one each time the step, the
     events or the job's state change."""
-    from rich.console import Console
-    from rich.live import Live
-
-    from jobs.cli.logs import job_arg
-
     console = console or Console(highlight=False)
     watcher = Watcher(run, job_arg(job_id) or latest_job(run))
     snap = watcher.snapshot()
