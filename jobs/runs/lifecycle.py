@@ -21,6 +21,7 @@ from typing import Iterable, Optional, Sequence
 from jobs import slurm
 from jobs.runs.manifest import Launch
 from jobs.slurm import ACTIVE_STATES, JobInfo
+from jobs.slurm.bad_nodes import aware_time
 from common.events import Event, EventKind
 from common.rundir import HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT
 
@@ -46,27 +47,19 @@ STARTS = (EventKind.START, EventKind.PREPARE_START)
 _ENDS = (EventKind.END, EventKind.PREPARE_END)
 
 
-def _when(stamp: str) -> Optional[datetime]:
-    try:
-        when = datetime.fromisoformat(stamp)
-    except (TypeError, ValueError):
-        return None
-    return when if when.tzinfo else None  # naive and aware times do not compare
-
-
 def events_of(launch: Launch, events: Sequence[Event], runs_launches: Sequence[Launch] = ()) -> list[Event]:
     """The events that belong to `launch`: its Slurm job id's; for a local launch, the `local`
     events from its start until the next local launch of the run started."""
     if not launch.local:
         return [e for e in events if e.job == launch.id]
-    start = _when(launch.started)
-    later = [w for x in runs_launches if x.local and (w := _when(x.started)) and start and w > start]
+    start = aware_time(launch.started)
+    later = [w for x in runs_launches if x.local and (w := aware_time(x.started)) and start and w > start]
     until = min(later) if later else None
 
     def inside(when: Optional[datetime]) -> bool:
         return (start is None or (when is not None and when >= start)) and not (until and when and when >= until)
 
-    return [e for e in events if e.job == LOCAL_JOB and inside(_when(e.time))]
+    return [e for e in events if e.job == LOCAL_JOB and inside(aware_time(e.time))]
 
 
 def last_attempt(events: Sequence[Event]) -> list[Event]:
@@ -291,13 +284,13 @@ def elapsed(launch: Launch, state: LaunchState, events: Sequence[Event] = (), in
     Slurm's figure where those do not tell (`info`); empty when nothing says (a launch that died:
     its end is unknown)."""
     if launch.local:
-        start, end = _when(launch.started), _when(launch.ended)
+        start, end = aware_time(launch.started), aware_time(launch.ended)
         running = state.state == RUNNING
     else:
         attempt = last_attempt(events)
         began, ended = _last(attempt, *STARTS), _last(attempt, *_ENDS)
-        start = _when(began.time) if began else None
-        end = _when(ended.time) if ended else None
+        start = aware_time(began.time) if began else None
+        end = aware_time(ended.time) if ended else None
         running = not state.ended
         if start is None or (running and info is not None) or (end is None and not running):
             return info.elapsed if info else ""

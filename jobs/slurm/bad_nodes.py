@@ -54,18 +54,19 @@ class BadNode(TaggedLine):
     REST = "reason"
 
     def valid(self) -> bool:
-        return bool(_time(self.at) and _time(self.since) and NODE_NAME.fullmatch(self.node))
+        return bool(aware_time(self.at) and aware_time(self.since) and NODE_NAME.fullmatch(self.node))
 
     def age(self, now: datetime) -> float:
-        return (now - _time(self.at)).total_seconds()
+        return (now - aware_time(self.at)).total_seconds()
 
 
-def _time(stamp: str) -> Optional[datetime]:
+def aware_time(stamp: str) -> Optional[datetime]:
+    """The time an ISO 8601 stamp with its offset says (lifecycle.py's too); None for any other."""
     try:
         when = datetime.fromisoformat(stamp)
     except ValueError:
         return None
-    return when if when.tzinfo else None
+    return when if when.tzinfo else None  # naive and aware times do not compare
 
 
 @dataclass
@@ -108,7 +109,7 @@ class BadNodes:
                                       f"(`slipway nodes{forgetting(self.cluster, [name])}` removes it)")
                 continue
             (recall.live if forget_after and record.age(now) < forget_after else recall.expired).append(record)
-        recall.live.sort(key=lambda r: _time(r.at), reverse=True)
+        recall.live.sort(key=lambda r: aware_time(r.at), reverse=True)
         return recall
 
     def _read_one(self, name: str, recall: Recall) -> Optional[BadNode]:
