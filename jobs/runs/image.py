@@ -90,8 +90,7 @@ def pin_image(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None)
     if c.image:
         if not is_local_image(c.image):
             return ImagePin(c.image, c.image, "registry")
-        path = Path(expand_host(c.image, "container.image"))
-        path = path if path.is_absolute() else project_dir / path
+        path = project_dir / expand_host(c.image, "container.image")  # an absolute path replaces project_dir
         if not path.is_file():
             raise ConfigError("container.image", f"squashfs {c.image} ({path}) does not exist: run `make image "
                                                  f"CONFIG={cfg.config_name}` (it prints the path), or set container.image")
@@ -101,8 +100,7 @@ def pin_image(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None)
         if base.image:
             if is_local_image(base.image):
                 field = base_field(c, lambda env: env.image == base.image)
-                path = Path(expand_host(base.image, field))
-                path = path if path.is_absolute() else project_dir / path
+                path = project_dir / expand_host(base.image, field)
                 if not path.is_file():
                     # Not a registry name: the job would fail on the nodes, after queueing.
                     raise ConfigError(field, f"the base environment's image, squashfs {base.image}, does not exist "
