@@ -151,20 +151,18 @@ def _acquire(run_dir: Path, path: Path) -> Optional[int]:
 def hold(run_dir: Path, command: str, *, trains: bool = False) -> Iterator[None]:
     """Hold the lock on the run at `run_dir` for the block, or raise a one-line ConfigError
     naming its holder: at once when the holder trains (`trains`), else after WAIT_SECONDS. A launch
-    that leaves no run directory leaves no lock file either."""
+    that leaves no run directory leaves no lock file either, nor the folders made for it."""
     run_dir = Path(run_dir).absolute()
     path = lock_path(run_dir)
     if path in _held:  # held already: the outermost hold lets go
         yield
         return
-    made_root = not path.parent.exists()
+    made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]  # the innermost first
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = _acquire(run_dir, path)
     except BaseException:
-        if made_root:
-            with contextlib.suppress(OSError):
-                path.parent.rmdir()
+        _remove_empty(made)
         raise
     if fd is not None:
         _write_record(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso(),
@@ -178,12 +176,16 @@ def hold(run_dir: Path, command: str, *, trains: bool = False) -> Iterator[None]
             if not run_dir.exists():  # removed while locked: see _same_file
                 with contextlib.suppress(OSError):
                     path.unlink()
-                if made_root:
-                    with contextlib.suppress(OSError):
-                        path.parent.rmdir()  # only if that left it empty
+                _remove_empty(made)
             # Closed, not unlocked: a trainer that was handed the descriptor (`held_fd`) and
             # outlives this process keeps the run locked while it trains.
             os.close(fd)
+
+
+def _remove_empty(made: list[Path]) -> None:
+    for folder in made:
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only if empty
 
 
 def busy(run_dir: Path) -> Optional[str]:
