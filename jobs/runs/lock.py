@@ -122,29 +122,35 @@ def _same_file(fd: int, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
+def try_flock(fd: int, flags: int) -> Optional[OSError]:
+    """flock(2) on `fd`; None once held, else what kept it: BlockingIOError (another holds it and
+    `flags` has LOCK_NB) or the error of a filesystem without locks (UNSUPPORTED). Others raise."""
+    try:
+        fcntl.flock(fd, flags)
+    except OSError as exc:
+        if isinstance(exc, BlockingIOError) or exc.errno in UNSUPPORTED:
+            return exc
+        raise
+    return None
+
+
 def _acquire(run_dir: Path, path: Path) -> Optional[int]:
     deadline = time.monotonic() + WAIT_SECONDS
     while True:
         fd = _open(path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        refused = try_flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if refused is None and _same_file(fd, path):
+            return fd
+        os.close(fd)
+        if isinstance(refused, BlockingIOError):
             record = holder(run_dir)
             if record.get("trains") or time.monotonic() >= deadline:
                 raise _refusal(run_dir, record) from None
             time.sleep(POLL_SECONDS)
-            continue
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in UNSUPPORTED:
-                raise
+        elif refused is not None:
             print(f"slipway: note: no lock on run {run_dir.name} ({path.parent} does not support flock: "
-                  f"{exc.strerror}): nothing stops a second launch of it meanwhile", file=sys.stderr)
+                  f"{refused.strerror}): nothing stops a second launch of it meanwhile", file=sys.stderr)
             return None
-        if _same_file(fd, path):
-            return fd
-        os.close(fd)
 
 
 @contextlib.contextmanager
