@@ -23,6 +23,7 @@ from jobs.runs.manifest import Launch
 from jobs.slurm import ACTIVE_STATES, JobInfo
 from jobs.slurm.bad_nodes import aware_time
 from common.events import Event, EventKind
+from common.fs import pid_alive
 from common.rundir import HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT
 
 # The states `launch_state` gives an ended launch, beside Slurm's own words for one that is not.
@@ -83,8 +84,6 @@ class LocalProcess:
 
 def observe_local(launch: Launch) -> LocalProcess:
     """Look at a local launch's processes (only on the host that ran it: pids mean nothing elsewhere)."""
-    from common.fs import pid_alive
-
     if not launch.pid or launch.host != socket.gethostname():
         return LocalProcess()
     return LocalProcess(pid_alive(launch.pid), pid_alive(launch.trainer_pid) if launch.trainer_pid else None)

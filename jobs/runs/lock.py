@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 
 from common.errors import ConfigError
 from common.events import now_iso
-from common.fs import file_kind, read_tail
+from common.fs import file_kind, pid_alive, read_tail
 from common.secrets import mask
 
 WAIT_SECONDS = 30.0  # how long a launch waits for another's submission to finish before it is refused
@@ -64,8 +64,6 @@ def _gone(record: dict) -> bool:
     teammate that this process may not write keeps the last writer's)."""
     if record.get("host") != socket.gethostname():
         return False
-    from common.fs import pid_alive
-
     pids = [p for p in (record.get("pid"), record.get("trainer_pid")) if isinstance(p, int) and p > 0]
     return not any(pid_alive(p) for p in pids)
 
