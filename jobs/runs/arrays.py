@@ -431,19 +431,13 @@ def submit_sweep(plan: Plan, project_dir: Path, *, force: bool = False, max_para
 @contextlib.contextmanager
 def hold(project_dir: Path, name: str, command: str) -> Iterator[None]:
     """The sweep's lock (runs/.sweeps/.NAME.lock, the runs' own kind): one `slipway sweep` or
-    `cancel` of it at a time; a second waits for a short holder, and is refused naming it."""
+    `cancel` of it at a time; a second waits for a short holder, and is refused naming it. A refused
+    first sweep leaves no runs/ behind (`runlock.hold`)."""
     where = sweep_dir(project_dir, name)
-    made = not where.parent.parent.exists()  # a refused first sweep leaves no runs/ behind
-    try:
-        with contextlib.ExitStack() as stack:
-            try:
-                stack.enter_context(runlock.hold(where, command))
-            except ConfigError:
-                raise ConfigError("--name", f"sweep {name} is being submitted, run or cancelled by "
-                                            f"{runlock.describe(runlock.holder(where))}: try again once it is "
-                                            "done") from None
-            yield
-    finally:
-        if made:
-            with contextlib.suppress(OSError):
-                where.parent.parent.rmdir()  # only if that left it empty
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(runlock.hold(where, command))
+        except ConfigError:
+            raise ConfigError("--name", f"sweep {name} is being submitted, run or cancelled by "
+                                        f"{runlock.describe(runlock.holder(where))}: try again once it is done") from None
+        yield

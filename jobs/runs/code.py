@@ -24,7 +24,6 @@ taking a snapshot that a launch has just chosen.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import importlib.util
 import hashlib
@@ -39,7 +38,7 @@ from typing import Iterator, Optional, Sequence
 from containers.sources import MAX_BYTES, MAX_FILES, Folder, SourceFile, collect, copy_into
 from containers.tools import git, git_state
 from jobs.runs import manifest as manifests
-from jobs.runs.lock import UNSUPPORTED
+from jobs.runs.lock import try_flock
 from common.errors import ConfigError, bounded_path
 from common.fs import file_sha256
 from common.rundir import CodeSnapshot, RunDir
@@ -223,15 +222,7 @@ def store_lock(store: Path, *, exclusive: bool, wait: bool = True) -> Iterator[b
         yield False
         return
     try:
-        flags = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB)
-        try:
-            fcntl.flock(fd, flags)
-        except OSError as exc:
-            if exc.errno in UNSUPPORTED or exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                yield False
-                return
-            raise
-        yield True
+        yield try_flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB)) is None
     finally:
         os.close(fd)
 

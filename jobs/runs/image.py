@@ -19,7 +19,7 @@ from common.errors import ConfigError, shown
 from common.fs import file_sha256
 from common.rundir import CodeSnapshot
 from common.schema import require
-from containers.context import build_root
+from containers.context import UNHASHED_ARGS, build_root, resolve_path
 from containers.image import ImagePlan, image_plan
 from containers.project import Project
 from containers.record import BuildRecord
@@ -90,8 +90,7 @@ def pin_image(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None)
     if c.image:
         if not is_local_image(c.image):
             return ImagePin(c.image, c.image, "registry")
-        path = Path(expand_host(c.image, "container.image"))
-        path = path if path.is_absolute() else project_dir / path
+        path = project_dir / expand_host(c.image, "container.image")  # an absolute path replaces project_dir
         if not path.is_file():
             raise ConfigError("container.image", f"squashfs {c.image} ({path}) does not exist: run `make image "
                                                  f"CONFIG={cfg.config_name}` (it prints the path), or set container.image")
@@ -101,8 +100,7 @@ def pin_image(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None)
         if base.image:
             if is_local_image(base.image):
                 field = base_field(c, lambda env: env.image == base.image)
-                path = Path(expand_host(base.image, field))
-                path = path if path.is_absolute() else project_dir / path
+                path = project_dir / expand_host(base.image, field)
                 if not path.is_file():
                     # Not a registry name: the job would fail on the nodes, after queueing.
                     raise ConfigError(field, f"the base environment's image, squashfs {base.image}, does not exist "
@@ -117,8 +115,6 @@ def pin_image(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None)
 def builds(cfg: Config, root: Path) -> list[BuildRecord]:
     """Every image `make image` built from checkout `root` for the config's image name whose
     squashfs is there, newest first (OUTPUT_DIR/NAME-HASH12.json beside OUTPUT_DIR/NAME-HASH12.sqsh)."""
-    from containers.context import resolve_path
-
     out_dir = resolve_path(root, cfg.image.output_dir)
     found = []
     for sidecar in out_dir.glob(f"{cfg.image.name}-*.json") if out_dir.is_dir() else ():
@@ -206,8 +202,6 @@ def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_sn
         return []
     if record is None or record.build_args is None:
         return ["what differs is not known: the build's record is gone"]
-    from containers.context import UNHASHED_ARGS
-
     out: list[str] = []
     old, new = record.build_args, plan.build_args
     for key in sorted((set(old) | set(new)) - set(UNHASHED_ARGS)):

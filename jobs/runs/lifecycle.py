@@ -21,7 +21,9 @@ from typing import Iterable, Optional, Sequence
 from jobs import slurm
 from jobs.runs.manifest import Launch
 from jobs.slurm import ACTIVE_STATES, JobInfo
+from jobs.slurm.bad_nodes import aware_time
 from common.events import Event, EventKind
+from common.fs import pid_alive
 from common.rundir import HANG_EXIT, INTERRUPTED_EXIT, LOCAL_JOB, PREFLIGHT_EXIT, REQUEUE_EXIT
 
 # The states `launch_state` gives an ended launch, beside Slurm's own words for one that is not.
@@ -46,27 +48,19 @@ STARTS = (EventKind.START, EventKind.PREPARE_START)
 _ENDS = (EventKind.END, EventKind.PREPARE_END)
 
 
-def _when(stamp: str) -> Optional[datetime]:
-    try:
-        when = datetime.fromisoformat(stamp)
-    except (TypeError, ValueError):
-        return None
-    return when if when.tzinfo else None  # naive and aware times do not compare
-
-
 def events_of(launch: Launch, events: Sequence[Event], runs_launches: Sequence[Launch] = ()) -> list[Event]:
     """The events that belong to `launch`: its Slurm job id's; for a local launch, the `local`
     events from its start until the next local launch of the run started."""
     if not launch.local:
         return [e for e in events if e.job == launch.id]
-    start = _when(launch.started)
-    later = [w for x in runs_launches if x.local and (w := _when(x.started)) and start and w > start]
+    start = aware_time(launch.started)
+    later = [w for x in runs_launches if x.local and (w := aware_time(x.started)) and start and w > start]
     until = min(later) if later else None
 
     def inside(when: Optional[datetime]) -> bool:
         return (start is None or (when is not None and when >= start)) and not (until and when and when >= until)
 
-    return [e for e in events if e.job == LOCAL_JOB and inside(_when(e.time))]
+    return [e for e in events if e.job == LOCAL_JOB and inside(aware_time(e.time))]
 
 
 def last_attempt(events: Sequence[Event]) -> list[Event]:
@@ -90,8 +84,6 @@ class LocalProcess:
 
 def observe_local(launch: Launch) -> LocalProcess:
     """Look at a local launch's processes (only on the host that ran it: pids mean nothing elsewhere)."""
-    from common.fs import pid_alive
-
     if not launch.pid or launch.host != socket.gethostname():
         return LocalProcess()
     return LocalProcess(pid_alive(launch.pid), pid_alive(launch.trainer_pid) if launch.trainer_pid else None)
@@ -203,7 +195,7 @@ def ask_slurm(launches: Iterable[tuple[Launch, Sequence[Event]]]) -> dict[str, J
     """What Slurm says of each launch (with its own events) that events.log does not settle: at
     most one squeue and one sacct call for all of them, none for those it settles."""
     ids = [x.id for x, own in launches if not x.local and not settled(x, own)]
-    return slurm.jobs_info(ids) if ids and slurm.can_ask() else {}
+    return slurm.jobs_info(ids) if ids else {}  # {} where neither squeue nor sacct is here
 
 
 def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchState:
@@ -291,13 +283,13 @@ def elapsed(launch: Launch, state: LaunchState, events: Sequence[Event] = (), in
     Slurm's figure where those do not tell (`info`); empty when nothing says (a launch that died:
     its end is unknown)."""
     if launch.local:
-        start, end = _when(launch.started), _when(launch.ended)
+        start, end = aware_time(launch.started), aware_time(launch.ended)
         running = state.state == RUNNING
     else:
         attempt = last_attempt(events)
         began, ended = _last(attempt, *STARTS), _last(attempt, *_ENDS)
-        start = _when(began.time) if began else None
-        end = _when(ended.time) if ended else None
+        start = aware_time(began.time) if began else None
+        end = aware_time(ended.time) if ended else None
         running = not state.ended
         if start is None or (running and info is not None) or (end is None and not running):
             return info.elapsed if info else ""

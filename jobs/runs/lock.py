@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 
 from common.errors import ConfigError
 from common.events import now_iso
-from common.fs import file_kind, read_tail
+from common.fs import file_kind, pid_alive, read_tail
 from common.secrets import mask
 
 WAIT_SECONDS = 30.0  # how long a launch waits for another's submission to finish before it is refused
@@ -64,8 +64,6 @@ def _gone(record: dict) -> bool:
     teammate that this process may not write keeps the last writer's)."""
     if record.get("host") != socket.gethostname():
         return False
-    from common.fs import pid_alive
-
     pids = [p for p in (record.get("pid"), record.get("trainer_pid")) if isinstance(p, int) and p > 0]
     return not any(pid_alive(p) for p in pids)
 
@@ -122,49 +120,53 @@ def _same_file(fd: int, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
+def try_flock(fd: int, flags: int) -> Optional[OSError]:
+    """flock(2) on `fd`; None once held, else what kept it: BlockingIOError (another holds it and
+    `flags` has LOCK_NB) or the error of a filesystem without locks (UNSUPPORTED). Others raise."""
+    try:
+        fcntl.flock(fd, flags)
+    except OSError as exc:
+        if isinstance(exc, BlockingIOError) or exc.errno in UNSUPPORTED:
+            return exc
+        raise
+    return None
+
+
 def _acquire(run_dir: Path, path: Path) -> Optional[int]:
     deadline = time.monotonic() + WAIT_SECONDS
     while True:
         fd = _open(path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        refused = try_flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if refused is None and _same_file(fd, path):
+            return fd
+        os.close(fd)
+        if isinstance(refused, BlockingIOError):
             record = holder(run_dir)
             if record.get("trains") or time.monotonic() >= deadline:
                 raise _refusal(run_dir, record) from None
             time.sleep(POLL_SECONDS)
-            continue
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in UNSUPPORTED:
-                raise
+        elif refused is not None:
             print(f"slipway: note: no lock on run {run_dir.name} ({path.parent} does not support flock: "
-                  f"{exc.strerror}): nothing stops a second launch of it meanwhile", file=sys.stderr)
+                  f"{refused.strerror}): nothing stops a second launch of it meanwhile", file=sys.stderr)
             return None
-        if _same_file(fd, path):
-            return fd
-        os.close(fd)
 
 
 @contextlib.contextmanager
 def hold(run_dir: Path, command: str, *, trains: bool = False) -> Iterator[None]:
     """Hold the lock on the run at `run_dir` for the block, or raise a one-line ConfigError
     naming its holder: at once when the holder trains (`trains`), else after WAIT_SECONDS. A launch
-    that leaves no run directory leaves no lock file either."""
+    that leaves no run directory leaves no lock file either, nor the folders made for it."""
     run_dir = Path(run_dir).absolute()
     path = lock_path(run_dir)
     if path in _held:  # held already: the outermost hold lets go
         yield
         return
-    made_root = not path.parent.exists()
+    made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]  # the innermost first
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = _acquire(run_dir, path)
     except BaseException:
-        if made_root:
-            with contextlib.suppress(OSError):
-                path.parent.rmdir()
+        _remove_empty(made)
         raise
     if fd is not None:
         _write_record(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso(),
@@ -178,12 +180,16 @@ def hold(run_dir: Path, command: str, *, trains: bool = False) -> Iterator[None]
             if not run_dir.exists():  # removed while locked: see _same_file
                 with contextlib.suppress(OSError):
                     path.unlink()
-                if made_root:
-                    with contextlib.suppress(OSError):
-                        path.parent.rmdir()  # only if that left it empty
+                _remove_empty(made)
             # Closed, not unlocked: a trainer that was handed the descriptor (`held_fd`) and
             # outlives this process keeps the run locked while it trains.
             os.close(fd)
+
+
+def _remove_empty(made: list[Path]) -> None:
+    for folder in made:
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only if empty
 
 
 def busy(run_dir: Path) -> Optional[str]:

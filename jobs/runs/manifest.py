@@ -62,18 +62,6 @@ class ManifestError(ConfigError):
         return ManifestError(self.path, self.why, stake, fix, self.newer, self.denied)
 
 
-def _signal_number(value: Any) -> Optional[int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value:
-        name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
-        try:
-            return int(signal.Signals[name])
-        except KeyError:
-            return int(value) if value.isdigit() else None
-    return None
-
-
 @dataclass(frozen=True)
 class Launch:
     """One launch of a run, as the manifest's `submissions` records it: a Slurm job (a series of
@@ -120,7 +108,16 @@ class Launch:
 
     @property
     def signal_number(self) -> Optional[int]:
-        return _signal_number(self.signal)
+        value = self.signal
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value:
+            name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
+            try:
+                return int(signal.Signals[name])
+            except KeyError:
+                return int(value) if value.isdigit() else None
+        return None
 
     @property
     def recorded(self) -> bool:

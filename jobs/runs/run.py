@@ -28,6 +28,7 @@ from common import environ
 from common.errors import ConfigError, one_line, shown
 from common.events import Event, read_events
 from common.fs import NotRegularFile, file_kind, ownership, read_tail
+from common.metrics_log import latest_by_step
 from common.rundir import RunDir
 
 
@@ -93,8 +94,6 @@ class Run:
         restart undoes the steps after its checkpoint), read from the last 64 KiB of metrics.jsonl
         (1 MiB for an eval record, written more rarely). A metrics.jsonl that is no regular file
         raises NotRegularFile, one the user may not read PermissionError."""
-        from common.metrics_log import latest_by_step
-
         data = read_tail(self.paths.metrics, 65536 if kind == "train" else 1 << 20)
         records = []
         for line in (data or b"").decode(errors="replace").splitlines():

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 from plumbum import local
 
+from containers.context import resolve_path
 from edf import Environment, expand_host, render_edf, srun_flags
 from jobs import slurm
 from jobs.config import Config, dump_config
@@ -28,7 +29,7 @@ from jobs.runs import manifest as manifests
 from jobs.runs.checks import check_submittable, config_difference
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_code_store
 from jobs.runs.image import ImagePin, container_project, kept_build, pin_image
-from jobs.runs.container import create_needed_dirs, remove_created_dirs, resolve_paths, run_environment
+from jobs.runs.container import create_needed_dirs, default_hf_home, remove_created_dirs, resolve_paths, run_environment
 from jobs.runs.manifest import Launch, Manifest
 from jobs.runs.run import Run, active_jobs, run_exists, runs_root, update_manifest
 from jobs.slurm.bad_nodes import plan_exclusions
@@ -168,8 +169,6 @@ def _pin(cfg: Config, paths: RunDir, shared: Optional[Shared], dry_run: bool, no
     if not dry_run:
         raise refused
     notes.append(f"a real submission would fail: {refused}")
-    from containers.context import resolve_path
-
     link = resolve_path(paths.project, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
     return ImagePin(cfg.container.image, cfg.container.image or str(link), "none")
 
@@ -337,8 +336,6 @@ def preparation(cfg: Config, project_dir: Path) -> tuple[Sealed, str]:
     """What `slipway prepare` (here) works from, nothing written: the sealed config, as a job
     reads it, and the HF_HOME its hub downloads land in (the job's own: launch.hf_home, else
     $HF_HOME, else the project's). A ConfigError here is that command's refusal."""
-    from jobs.runs.container import default_hf_home
-
     sealed = seal(cfg, project_dir, dry_run=True)
     if cfg.launch.hf_home:
         return sealed, expand_host(cfg.launch.hf_home, "launch.hf_home")

@@ -54,18 +54,19 @@ class BadNode(TaggedLine):
     REST = "reason"
 
     def valid(self) -> bool:
-        return bool(_time(self.at) and _time(self.since) and NODE_NAME.fullmatch(self.node))
+        return bool(aware_time(self.at) and aware_time(self.since) and NODE_NAME.fullmatch(self.node))
 
     def age(self, now: datetime) -> float:
-        return (now - _time(self.at)).total_seconds()
+        return (now - aware_time(self.at)).total_seconds()
 
 
-def _time(stamp: str) -> Optional[datetime]:
+def aware_time(stamp: str) -> Optional[datetime]:
+    """The time an ISO 8601 stamp with its offset says (lifecycle.py's too); None for any other."""
     try:
         when = datetime.fromisoformat(stamp)
     except ValueError:
         return None
-    return when if when.tzinfo else None
+    return when if when.tzinfo else None  # naive and aware times do not compare
 
 
 @dataclass
@@ -82,13 +83,6 @@ class BadNodes:
     dir: Path
     cluster: str
 
-    @classmethod
-    def of(cls, runs_root: Path, cluster: str) -> "BadNodes":
-        return cls(Path(runs_root) / NODES_DIR / cluster, cluster)
-
-    def record(self, node: str) -> Path:
-        return self.dir / node
-
     def read(self, forget_after: int, now: Optional[datetime] = None) -> Recall:
         now = now or datetime.now(timezone.utc)
         recall = Recall()
@@ -104,15 +98,15 @@ class BadNodes:
             if record is None:
                 continue
             if record.age(now) < -SKEW:  # else it would stand until that date, excluding the node all along
-                recall.damaged.append(f"{self.record(name)}: dated {record.at}, ahead of this host's clock "
+                recall.damaged.append(f"{self.dir / name}: dated {record.at}, ahead of this host's clock "
                                       f"(`slipway nodes{forgetting(self.cluster, [name])}` removes it)")
                 continue
             (recall.live if forget_after and record.age(now) < forget_after else recall.expired).append(record)
-        recall.live.sort(key=lambda r: _time(r.at), reverse=True)
+        recall.live.sort(key=lambda r: aware_time(r.at), reverse=True)
         return recall
 
     def _read_one(self, name: str, recall: Recall) -> Optional[BadNode]:
-        path = self.record(name)
+        path = self.dir / name
         try:
             f = open_regular(path)
             if f is None:
@@ -135,7 +129,7 @@ class BadNodes:
     def forget(self, node: str) -> bool:
         """Remove `node`'s record (whatever it holds; a damaged record by the name it has); False
         when there was none."""
-        path = self.record(node)
+        path = self.dir / node
         damaged = not (node.startswith(".") or "/" in node) and os.path.lexists(path)  # by its own name
         if not NODE_NAME.fullmatch(node) and not damaged:
             raise ConfigError("--forget", f"{shown(node)} is not a node name (letters, digits, '.', '_' or '-')")
@@ -158,7 +152,8 @@ class Exclusions:
 def bad_nodes_of(profile: Optional[clusters.ClusterProfile], runs_root: Path) -> tuple[BadNodes, int]:
     """The remembered bad nodes of `profile`'s cluster (DEFAULT's without one) and how long its records stand."""
     after = profile.cluster.forget_bad_nodes_after if profile is not None else clusters.DAY
-    return BadNodes.of(runs_root, clusters.key(profile)), after
+    key = clusters.key(profile)
+    return BadNodes(Path(runs_root) / NODES_DIR / key, key), after
 
 
 def bad_nodes_settings(cfg, runs_root: Path) -> list[str]:

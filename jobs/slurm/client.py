@@ -244,11 +244,6 @@ def signal_steps(step_ids: list[str], signal: str) -> None:
     _run(tool("scancel"), f"--signal={signal}", *step_ids)
 
 
-def can_ask() -> bool:
-    """Whether any Slurm tool that tells a job's state is here."""
-    return available("squeue") or available("sacct")
-
-
 def hostnames(nodelist: str) -> list[str]:
     """The node names of a Slurm host list (`node[1-3,5]`); [] for an empty one or without scontrol."""
     if not nodelist or nodelist in ("(null)", "None"):

@@ -87,6 +87,10 @@ retry_preflight() {
   retry_or_stop preflight "$PREFLIGHT_EXIT" "$@"
 }
 
+# blame_preflight NODE WHY: NODE failed its preflight or its verification for WHY, said in events.log;
+# added to the caller's `bad`, the nodes retry_preflight leaves out.
+blame_preflight() { bad+="$1 "; BLAME[$1]="preflight failed: $2"; event "preflight failed on $1: $2"; }
+
 # preflight_nodes LOG STEP_EXIT SECONDS: every node of NODES must have reported `ok` in LOG (the
 # node step of trainer/preflight.py, which ran SECONDS); a node that failed or sent no report is
 # named, and the job retried without it (retry_preflight).
@@ -100,7 +104,7 @@ preflight_nodes() {
         if [[ $line =~ write_bps=([0-9]{1,15}) ]]; then WRITE_BPS=$((WRITE_BPS + BASH_REMATCH[1])); fi ;;
       "") bad+="$node "; why=$(waited "${3:-$PREFLIGHT_TIMEOUT}" "$step_rc"); BLAME[$node]="no preflight report$why"
           event "preflight failed on $node: no report$why (its container did not start there, or the node is unreachable)" ;;
-      *) bad+="$node "; BLAME[$node]="preflight failed: ${line#*fail: }"; event "preflight failed on $node: ${line#*fail: }" ;;
+      *) blame_preflight "$node" "${line#*fail: }" ;;
     esac
   done
   retry_preflight $bad
@@ -113,9 +117,8 @@ preflight_allreduce() {
   line=$(grep -F -m1 "slipway-preflight-allreduce " "$log") || line=""
   case "$line" in
     "slipway-preflight-allreduce ok: "*) event "preflight ok on $SLURM_JOB_NODELIST: ${line#*ok: }" ;;
-    "") event "preflight failed: the all-reduce across every rank gave no result$(waited "${3:-$PREFLIGHT_TIMEOUT}" "$step_rc")"
-        retry_or_stop preflight "$PREFLIGHT_EXIT" ;;
-    *) event "preflight failed: ${line#*fail: }"; retry_or_stop preflight "$PREFLIGHT_EXIT" ;;
+    "") after_preflight "the all-reduce across every rank gave no result$(waited "${3:-$PREFLIGHT_TIMEOUT}" "$step_rc")" ;;
+    *) after_preflight "${line#*fail: }" ;;
   esac
 }
 

@@ -1,6 +1,6 @@
 # ---- slipway job library: what the job runs, checked on every node before anything starts there (jobs/slurm/verify_lib.sh) ----
-# Pinned and sourced beside job_lib.sh (whose `event`, `end_with`, `waited` and `retry_preflight` it uses), before
-# the pyxis part, which defines ensure_container and uses on_every_node.
+# Pinned and sourced beside job_lib.sh (whose `event`, `end_with`, `waited`, `blame_preflight` and
+# `retry_preflight` it uses), before the pyxis part, which defines ensure_container and uses on_every_node.
 
 # verify_code DIR SHA256 (on a node): the code snapshot DIR is the one submitted. Its listing
 # (.slipway-files: `KIND SHA256 PATH` per entry, jobs/runs/code.py) must hash to SHA256 with the
@@ -116,8 +116,7 @@ verify_nodes() {
       "slipway-verify $node ok"*) WARM_COLD+="$node " ;;
       "slipway-verify $node differs: "*) differ+="$node "; said[$node]=${line#*differs: }
         [ -n "$why" ] || why="${line#*differs: } (on $node)" ;;
-      "slipway-verify $node node: "*) bad+="$node "; BLAME[$node]="preflight failed: ${line#*node: }"
-        event "preflight failed on $node: ${line#*node: }" ;;
+      "slipway-verify $node node: "*) blame_preflight "$node" "${line#*node: }" ;;
       *) bad+="$node "; BLAME[$node]="no verification report$(waited $((SECONDS - t)) "$rc")"
          event "preflight failed on $node: ${BLAME[$node]}" ;;
     esac
@@ -126,11 +125,7 @@ verify_nodes() {
   if [ -n "$differ" ] && { [ "${differ% }" = "$NODES" ] || [ "$NODES_NEEDED" -eq 1 ]; }; then
     end_with "$BAD_INPUT_EXIT" "verification failed: $why"
   fi
-  for node in $differ; do
-    event "preflight failed on $node: ${said[$node]}"
-    BLAME[$node]="preflight failed: ${said[$node]}"
-    bad+="$node "
-  done
+  for node in $differ; do blame_preflight "$node" "${said[$node]}"; done
   retry_preflight $bad
 }
 # ---- end of the slipway job library: verification ----

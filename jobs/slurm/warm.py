@@ -24,7 +24,8 @@ from common.rundir import CodeSnapshot, RunDir
 from edf import Environment, srun_flags
 from jobs import trainer_door
 from jobs.config import Config
-from jobs.slurm.client import srun_argv
+from jobs.slurm.client import job_steps, signal_steps, srun_argv
+from jobs.slurm.ranks import Expand, Value, container_args, words
 from jobs.config.sections import NODE_PRESETS
 
 STEP = "slipway-warm-"  # the warm steps' names: STEP + KEY
@@ -107,8 +108,6 @@ def start_function(cfg: Config, paths: RunDir, warm: Optional[WarmPlan], contain
     tracks processes by cgroup gets none: jobs/slurm/verify_lib.sh node_check)."""
     if warm is None:
         return []
-    from jobs.slurm.ranks import Expand, Value, container_args, words
-
     container, prefix = container_args(warm.env, paths) if warm.env.in_container else ([], "")
     if container_name:
         container.append(Value(f"--container-name={container_name}"))
@@ -134,8 +133,6 @@ def start_function(cfg: Config, paths: RunDir, warm: Optional[WarmPlan], contain
 def stop(job_id: str) -> list[str]:
     """`slipway run --stop-warm`: the warm steps of allocation `job_id` asked to stop (SIGTERM: each
     takes no more ranks and ends once its ranks have, at once when idle); the steps asked."""
-    from jobs.slurm.client import job_steps, signal_steps
-
     steps = [step for step, name in job_steps(job_id) if name.startswith(STEP)]
     if steps:
         signal_steps(steps, "TERM")
