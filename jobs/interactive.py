@@ -24,7 +24,7 @@ from jobs import local_checks, runs, slurm, trainer_door
 from jobs.runs import lock as runlock
 from jobs.runs.code import git_state, prune_code_store
 from jobs.runs.lifecycle import signal_name
-from jobs.runs.container import create_needed_dirs
+from jobs.runs.container import create_needed_dirs, hf_home
 from jobs.config import Config
 from jobs.supervisor import FORWARDED, Heartbeat, Output, Stopper, oom_kills, stop_grace, wait_for_exit
 from jobs.runs.manifest import Launch, Manifest
@@ -44,7 +44,7 @@ def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": str(local_checks.rank_threads(cfg.launch.procs_per_node)),
         "SLIPWAY_RUN_DIR": str(run.dir),
-        "HF_HOME": os.environ.get("HF_HOME", str(run.paths.project / ".cache" / "huggingface")),
+        "HF_HOME": hf_home(cfg, run.paths),
         "WANDB_MODE": os.environ.get("WANDB_MODE", "online") if os.environ.get("WANDB_API_KEY") else "offline",
     }
     if not any(os.environ.get(name) or name in cfg.launch.env for name in ALLOC_CONF_NAMES):

@@ -117,6 +117,36 @@ def test_local_ranks_get_expandable_segments_too(monkeypatch, tmp_path):
     assert "PYTORCH_ALLOC_CONF" not in local_env(cfg, Run())
 
 
+@pytest.mark.parametrize("setting", [None, "${SCRATCH}/hf"])
+@pytest.mark.parametrize("shell_has", [None, "/home/u/hf"])
+def test_a_run_here_the_batch_script_and_prepare_put_hub_downloads_in_one_place(monkeypatch, tmp_path, setting,
+                                                                                 shell_has):
+    """launch.hf_home, else the shell's HF_HOME, else the project's cache: `slipway local` (and its
+    --prepare), `slipway prepare` and the batch script read one rule, so a dataset prepared by one is
+    found by the others."""
+    from jobs.interactive import local_env
+    from jobs.runs import preparation
+
+    monkeypatch.setenv("SCRATCH", "/scratch/u")
+    if shell_has:
+        monkeypatch.setenv("HF_HOME", shell_has)
+    else:
+        monkeypatch.delenv("HF_HOME", raising=False)
+    overrides = [f"launch.hf_home={setting}"] if setting else []
+    cfg = load_config("configs/tiny_cpu.yaml", overrides)
+    paths = RunDir(tmp_path / "runs" / "tiny_cpu", tmp_path)
+
+    class Run:
+        dir = paths.path
+
+    Run.paths = paths
+    line = next(ln for ln in render_sbatch(cfg, paths, cfg.container).splitlines() if "HF_HOME=" in ln)
+    batch = subprocess.run(["bash", "-c", f"{line}; printf %s \"$HF_HOME\""], capture_output=True, text=True,
+                           env=dict(os.environ), check=True).stdout
+    expected = "/scratch/u/hf" if setting else shell_has or str(tmp_path / ".cache" / "huggingface")
+    assert batch == local_env(cfg, Run())["HF_HOME"] == preparation(cfg, tmp_path)[1] == expected
+
+
 def test_debug_mode():
     cfg = config("none", "torchrun", **{"launch.debug": "true"})
     text = render_sbatch(cfg, PATHS, cfg.container)

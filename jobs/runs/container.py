@@ -76,6 +76,14 @@ def default_hf_home(paths: RunDir) -> Path:
     return paths.project / ".cache" / "huggingface"
 
 
+def hf_home(cfg: Config, paths: RunDir) -> str:
+    """Where hub downloads land for a launch from this shell, by the batch script's rule
+    (jobs/slurm/script.py): launch.hf_home, else $HF_HOME, else the project's cache."""
+    if cfg.launch.hf_home:
+        return expand_host(cfg.launch.hf_home, "launch.hf_home")
+    return os.environ.get("HF_HOME") or str(default_hf_home(paths))
+
+
 def resolve_paths(cfg: Config, paths: RunDir) -> Config:
     """`cfg` with every path the trainer reads made absolute (relative ones are relative
     to the project directory, where slipway runs), and the token cache named: the frozen

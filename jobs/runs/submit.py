@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from plumbum import local
 
 from containers.context import resolve_path
-from edf import Environment, expand_host, render_edf, srun_flags
+from edf import Environment, render_edf, srun_flags
 from jobs import slurm
 from jobs.config import Config, dump_config
 from jobs.runs import lock as runlock
@@ -29,7 +29,7 @@ from jobs.runs import manifest as manifests
 from jobs.runs.checks import check_submittable, config_difference
 from jobs.runs.code import STORE as CODE_STORE, Snapshot, git_diff, git_state, plan_snapshot, prune_code_store
 from jobs.runs.image import ImagePin, container_project, kept_build, pin_image
-from jobs.runs.container import create_needed_dirs, default_hf_home, remove_created_dirs, resolve_paths, run_environment
+from jobs.runs.container import create_needed_dirs, hf_home, remove_created_dirs, resolve_paths, run_environment
 from jobs.runs.manifest import Launch, Manifest
 from jobs.runs.run import Run, active_jobs, run_exists, runs_root, update_manifest
 from jobs.slurm.bad_nodes import plan_exclusions
@@ -337,9 +337,7 @@ def preparation(cfg: Config, project_dir: Path) -> tuple[Sealed, str]:
     reads it, and the HF_HOME its hub downloads land in (the job's own: launch.hf_home, else
     $HF_HOME, else the project's). A ConfigError here is that command's refusal."""
     sealed = seal(cfg, project_dir, dry_run=True)
-    if cfg.launch.hf_home:
-        return sealed, expand_host(cfg.launch.hf_home, "launch.hf_home")
-    return sealed, os.environ.get("HF_HOME") or str(default_hf_home(sealed.paths))
+    return sealed, hf_home(cfg, sealed.paths)
 
 
 def nothing_to_train(cfg: Config, run_dir: Path, command: str) -> Optional[str]:
