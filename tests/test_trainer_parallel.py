@@ -9,6 +9,7 @@ Every layout of one world size runs inside a single torchrun launch
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import signal
 import subprocess
@@ -258,3 +259,62 @@ def test_missing_config_file_exits_2(tmp_path):
                           capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
     assert proc.returncode == 2
     assert _error_lines(proc.stderr) == [f"error: config file {tmp_path / 'nope' / 'config.yaml'} does not exist"]
+
+
+# ---- rank 0's store, awaited by the other ranks (trainer/parallel.py await_store) -----------------
+
+
+def test_a_rank_connects_as_soon_as_rank_0s_store_listens():
+    """torch's store client that comes first tries again only after about half a second; the ranks
+    poll the port instead, so they connect as soon as it listens (bench/devloop.py measures the
+    gain). The store works after the probe's connection came and went."""
+    import datetime
+    import socket
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from trainer.parallel import await_store
+
+    with socket_port() as port:
+        stores = []
+        server = threading.Thread(target=lambda: (time.sleep(0.2), stores.append(
+            TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=60)))))
+        server.start()
+        await_store("127.0.0.1", str(port), within=60)
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # it listens: no giving up early
+        client = TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+        server.join()
+        stores[0].set("step", "1")
+        assert client.get("step") == b"1"
+
+
+@pytest.mark.parametrize("host, port", [("no-such-host.invalid", "29500"), ("127.0.0.1", "not-a-port"),
+                                        ("127.0.0.1", "99999")])
+def test_a_store_address_that_cannot_work_is_left_to_init_process_group(host, port):
+    """A name that does not resolve or a bad port is no reason to wait: init_process_group reports it."""
+    from trainer.parallel import await_store
+
+    started = time.monotonic()
+    await_store(host, port, within=120)
+    assert time.monotonic() - started < 60
+
+
+def test_no_store_is_waited_for_at_most_the_bound():
+    from trainer.parallel import await_store
+
+    with socket_port() as port:
+        started = time.monotonic()
+        await_store("127.0.0.1", str(port), within=0.3)
+        assert time.monotonic() - started >= 0.3
+
+
+@contextlib.contextmanager
+def socket_port():
+    """A free local port (nothing listens on it once yielded)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    yield port

@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
+import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -94,6 +96,8 @@ def init_distributed(timeout: Optional[timedelta] = None) -> DistEnv:
             verb = "is" if len(missing) == 1 else "are"
             raise ConfigError("launch", f"WORLD_SIZE is {world_size} but {' and '.join(missing)} {verb} not set: "
                               "launch with torchrun, or export them in the batch script before srun")
+        if rank != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # torchrun's store is up
+            await_store(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
                                 device_id=device if device.type == "cuda" else None, timeout=timeout)
         owns = True
@@ -101,6 +105,25 @@ def init_distributed(timeout: Optional[timedelta] = None) -> DistEnv:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         set_group_timeout(timeout)
     return DistEnv(rank, local_rank, world_size, device, owns)
+
+
+def await_store(host: str, port: str, within: float = 60.0) -> None:
+    """Wait (at most `within` s) until rank 0's store at host:port takes connections. torch's store
+    client, when it comes first, tries again only after about half a second, which warm ranks, up in
+    a fraction of that, paid on most launches (bench/devloop.py); a plain connect every 10 ms lets it
+    connect at once. A name that does not resolve, a bad port or no store within `within` returns:
+    init_process_group then reports or waits as it would have."""
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        return
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except (ConnectionRefusedError, socket.timeout):
+            time.sleep(0.01)
+        except OSError:
+            return
 
 
 @contextlib.contextmanager
