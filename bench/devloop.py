@@ -56,7 +56,7 @@ def timed(argv: list[str], env: dict, cwd: Path, log: Path) -> dict[str, float]:
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
-            out.write(line)
+            out.write(f"{time.perf_counter() - t0:7.3f} {line}")  # when each line came: where the time goes
             for name, mark in MARKS:
                 if name not in seen and mark in line:
                     seen[name] = time.perf_counter() - t0
