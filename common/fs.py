@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import pwd
 import stat
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Optional
+from typing import Any, BinaryIO, Optional
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -139,6 +140,15 @@ def read_file(path: str | os.PathLike, limit: int) -> Optional[tuple[Optional[by
     finally:
         os.close(fd)
     return (None if len(data) > limit else data), st
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON a state file of ours holds; None where it is missing, unreadable or damaged (a
+    writer cut short), which each reader takes as "none"."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def read_tail(path: str | os.PathLike, limit: int) -> Optional[bytes]:

@@ -19,7 +19,7 @@ from containers.pip_requirements import toml_loads
 from containers.sources import MAX_BYTES, MAX_FILES, Folder, SourceFile, collect, copy_into
 from containers.record import ImageSection
 from common.errors import ConfigError
-from common.fs import file_sha256, write_atomic
+from common.fs import file_sha256, read_json, write_atomic
 
 HASH_SCHEME = "slipway-image-v1"
 # What goes into the image under src/ (the repository layout, see the Dockerfile).
@@ -80,10 +80,7 @@ class HashCache:
     def __init__(self, path: Path):
         self.path = path
         self.changed = False
-        try:
-            self.entries: dict[str, list] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            self.entries = {}
+        self.entries: dict[str, list] = read_json(path) or {}
 
     def digest(self, path: Path) -> str:
         st = path.stat()

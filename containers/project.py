@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from common.errors import ConfigError
-from common.fs import write_atomic
+from common.fs import read_json, write_atomic
 
 STATE_DIR = ".slipway"
 LABEL = "slipway.project"  # the project's id, on every image slipway builds
@@ -82,10 +82,7 @@ class Project:
     @classmethod
     def _read_or_make(cls, root: Path, state: Path) -> "Project":
         path = state / "project"
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            data = None  # none, or damaged: a new id (the images labelled with the old one stay, another project's)
+        data = read_json(path)  # none, or damaged: a new id (the images labelled with the old one stay, another project's)
         if isinstance(data, dict) and isinstance(data.get("id"), str) and _ID.fullmatch(data["id"]):
             made_at = Path(str(data.get("root", "")))
             if made_at == root:

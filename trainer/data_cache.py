@@ -46,7 +46,7 @@ from trainer.config import DataSection
 from trainer.data_sources import TextSource
 from trainer.data_tokenize import (FORMAT_VERSION, TOKEN_DTYPES, CachePaths, ProgressSink, TokenizerSpec, note,
                                    partial_tokens, write_tokens)
-from common.fs import pid_alive, write_atomic
+from common.fs import pid_alive, read_json, write_atomic
 
 if TYPE_CHECKING:
     import numpy as np
@@ -143,16 +143,9 @@ def held(path: Path) -> Iterator[bool]:
     finally:
         stop.set()
         thread.join()
-        if (_read_json(path) or {}).get("token") == token:  # never remove a lock taken over
+        if (read_json(path) or {}).get("token") == token:  # never remove a lock taken over
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 class LockWatch:
@@ -174,13 +167,13 @@ class LockWatch:
         sig = (st.st_ino, st.st_mtime_ns, st.st_size)
         if sig != self._sig:
             self._sig, self._changed = sig, time.monotonic()
-        info = _read_json(self.path)
+        info = read_json(self.path)
         if info and info.get("host") == _host() and not pid_alive(int(info.get("pid", -1))):
             return "dead"
         return "stale" if time.monotonic() - self._changed > self.stale_s else "alive"
 
     def describe(self) -> str:
-        return _holder(_read_json(self.path) or {})
+        return _holder(read_json(self.path) or {})
 
 
 def _holder(info: dict[str, Any]) -> str:
@@ -284,7 +277,7 @@ def _timeout_message(paths: CachePaths, state: str, watch: LockWatch, rank: int,
 
 
 def _raise_writer_error(paths: CachePaths, launch: str) -> None:
-    err = _read_json(paths.error)
+    err = read_json(paths.error)
     if err is None or err.get("launch") != launch:
         return  # none, or from an earlier launch: rank 0 of this one will retry
     if err.get("field"):
@@ -362,7 +355,7 @@ def entry_status(role: str, source: TextSource, tokenizer: TokenizerSpec, cache_
 def _live_writer(lock: Path) -> str | None:
     """Who holds `lock`, if its pid lives (same host) and it beat within STALE_S
     (by this clock: a snapshot has no time to watch the heartbeat)."""
-    info = _read_json(lock)
+    info = read_json(lock)
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:

@@ -4,7 +4,6 @@ command itself: the tiny model's configs, the processes each part starts, what i
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -16,7 +15,7 @@ from typing import Any, Optional
 import yaml
 
 from common.errors import ConfigError, failure_line
-from common.fs import write_atomic
+from common.fs import read_json, write_atomic
 from common.metrics_log import read_metrics
 from common.rundir import RunDir, complete_checkpoints
 from jobs.gpucheck.check import BUDGETS, Check, Part, Plan
@@ -172,10 +171,7 @@ class GpuCheck(Check):
         part.results["losses"] = {"first attempt": losses}
         saved = complete_checkpoints(run.path / "checkpoints")
         hangs = sorted(p.name for p in run.hangs.glob("*.txt"))
-        try:
-            progress = json.loads(run.progress.read_text())
-        except (OSError, ValueError):
-            progress = {}
+        progress = read_json(run.progress) or {}
         _trained(part, f"slipway local, {what}", rc, output, losses, range(1, STEPS + 1),
                  f"{STEPS} steps, loss {losses.get(1, 0):.4f} -> {losses.get(STEPS, 0):.4f}")
         part.check("checkpoints", saved == [SAVED, STEPS], f"complete at steps {saved or 'none'}")
