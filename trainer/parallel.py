@@ -110,18 +110,20 @@ def init_distributed(timeout: Optional[timedelta] = None) -> DistEnv:
 def await_store(host: str, port: str, within: float = 60.0) -> None:
     """Wait (at most `within` s) until rank 0's store at host:port takes connections. torch's store
     client, when it comes first, tries again only after about half a second, which warm ranks, up in
-    a fraction of that, paid on most launches (bench/devloop.py); a plain connect every 10 ms lets it
-    connect at once. A name that does not resolve, a bad port or no store within `within` returns:
-    init_process_group then reports or waits as it would have."""
+    a fraction of that, paid on most launches (bench/devloop.py); a plain connect, 10 ms apart at
+    first and at most 100 ms apart (a thousand ranks waiting on a rank 0 that imports slowly), lets
+    it connect at once. A name that does not resolve, a bad port or no store within `within`
+    returns: init_process_group then reports or waits as it would have."""
     if not (port.isdigit() and 0 < int(port) < 65536):
         return
-    deadline = time.monotonic() + within
+    deadline, pause = time.monotonic() + within, 0.01
     while time.monotonic() < deadline:
         try:
             socket.create_connection((host, int(port)), timeout=1).close()
             return
         except (ConnectionRefusedError, socket.timeout):
-            time.sleep(0.01)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
         except OSError:
             return
 
