@@ -25,6 +25,7 @@ from common.layouts import cpu_step_seconds, fitting_batch, process_memory
 from common.metrics_log import format_duration
 from common.rundir import complete_checkpoints
 from common.schema import to_dict
+from edf import expand_host
 from jobs import runs, trainer_door
 from jobs.config import Config, dump_config, this_python
 from jobs.runs import lock as runlock
@@ -354,6 +355,13 @@ def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
     local.launch.preset = "none"  # this machine is not the cluster's node type
     if changed and rename:
         local.run.name = f"{cfg.run.name}-local"
+    if cfg.launch.hf_home:  # a cluster's path, such as ${SCRATCH}/hf, may name what this shell lacks
+        try:
+            expand_host(cfg.launch.hf_home, "launch.hf_home")
+        except ConfigError:
+            local.launch.hf_home = None
+            here = "$HF_HOME" if os.environ.get("HF_HOME") else "the project's cache"
+            changed.append(f"launch.hf_home {cfg.launch.hf_home} -> {here} (it names a variable this shell does not set)")
     return local, changed
 
 

@@ -147,6 +147,29 @@ def test_a_run_here_the_batch_script_and_prepare_put_hub_downloads_in_one_place(
     assert batch == local_env(cfg, Run())["HF_HOME"] == preparation(cfg, tmp_path)[1] == expected
 
 
+def test_a_cluster_hf_home_naming_what_this_shell_lacks_is_the_project_cache_on_this_machine(monkeypatch, tmp_path):
+    """tiny_wikitext's launch.hf_home is ${SCRATCH}/...: tried here without SCRATCH, the run uses
+    this machine's cache and says so, instead of refusing; with SCRATCH set, the config's place."""
+    from jobs.interactive import local_env
+    from jobs.local_checks import local_view
+
+    class Run:
+        dir = tmp_path / "runs" / "r"
+        paths = RunDir(tmp_path / "runs" / "r", tmp_path)
+
+    monkeypatch.delenv("SCRATCH", raising=False)
+    monkeypatch.delenv("HF_HOME", raising=False)
+    cfg = load_config("configs/tiny_wikitext.yaml", [])
+    local, changed = local_view(cfg, rename=True)
+    assert "launch.hf_home ${SCRATCH}/huggingface_home -> the project's cache (it names a variable this shell does " \
+           "not set)" in changed
+    assert local_env(local, Run())["HF_HOME"] == str(tmp_path / ".cache" / "huggingface")
+    monkeypatch.setenv("SCRATCH", "/scratch/u")
+    local, changed = local_view(cfg, rename=True)
+    assert not [c for c in changed if "hf_home" in c]
+    assert local_env(local, Run())["HF_HOME"] == "/scratch/u/huggingface_home"
+
+
 def test_debug_mode():
     cfg = config("none", "torchrun", **{"launch.debug": "true"})
     text = render_sbatch(cfg, PATHS, cfg.container)
