@@ -142,13 +142,17 @@ def read_file(path: str | os.PathLike, limit: int) -> Optional[tuple[Optional[by
     return (None if len(data) > limit else data), st
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """The JSON a state file of ours holds; None where it is missing, unreadable or damaged (a
-    writer cut short), which each reader takes as "none"."""
+def read_json(path: str | os.PathLike, limit: int = 64 << 20) -> Optional[dict[str, Any]]:
+    """The JSON object a state file of ours holds, read by `read_file`'s rules (such files sit in
+    folders a team shares: a FIFO there never blocks, a huge file is never read whole); None where
+    it is missing, unreadable, larger than `limit` or damaged (a writer cut short, anything but an
+    object), which each reader takes as "none"."""
     try:
-        return json.loads(Path(path).read_text())
+        found = read_file(path, limit)
+        data = json.loads(found[0]) if found and found[0] is not None else None
     except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def read_tail(path: str | os.PathLike, limit: int) -> Optional[bytes]:

@@ -574,3 +574,35 @@ def test_hub_names_that_cannot_be_loaded(tmp_path, offline_hub):
     data = str(write_jsonl(tmp_path / "d.jsonl", DOCS))
     err = _one_line_error(config(tmp_path, dataset=data, tokenizer="acme/missing"), tmp_path)
     assert err.field == "data.tokenizer" and "HF_HUB_OFFLINE=1" in str(err)
+
+
+def test_state_files_are_read_as_objects_never_blocking_never_whole_when_huge(tmp_path):
+    """common/fs.py read_json, the one reader of the JSON state files in shared folders (the token
+    cache's locks and error records, the build context's digests, the project's id): what is not an
+    object of ours in a regular file is "none", and a FIFO never blocks."""
+    import threading
+
+    from common.fs import read_json
+
+    (tmp_path / "ok").write_text('{"pid": 7}')
+    (tmp_path / "link").symlink_to(tmp_path / "ok")
+    (tmp_path / "list").write_text("[1, 2]")
+    (tmp_path / "cut").write_text('{"pid": ')
+    (tmp_path / "bytes").write_bytes(b'{"a": "\xff"}')
+    (tmp_path / "huge").write_text('{"a": "' + "x" * 2048 + '"}')
+    os.mkfifo(tmp_path / "fifo")
+    assert read_json(tmp_path / "ok") == read_json(tmp_path / "link") == {"pid": 7}
+    for name in ("missing", "list", "cut", "bytes", "fifo"):
+        assert read_json(tmp_path / name) is None, name
+    assert read_json(tmp_path / "huge", limit=1024) is None and read_json(tmp_path / "huge")
+    # Through a user's path: the status of a cache whose lock is a FIFO is read at once.
+    source, tok = _source_and_tok(tmp_path)
+    paths = data_cache.cache_paths(source, tok, tmp_path / "c")
+    paths.dir.mkdir(parents=True)
+    os.mkfifo(paths.lock)
+    found: list = []
+    reader = threading.Thread(target=lambda: found.append(
+        data_cache.entry_status("train", source, tok, tmp_path / "c")), daemon=True)
+    reader.start()
+    reader.join(60)
+    assert found and found[0].writer is None
