@@ -9,8 +9,8 @@ requeue, and that identical code is stored once.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -485,6 +485,11 @@ def test_warm_ranks_in_an_allocation(project, slurm_env):
         second = run("--run-name", "w2")
         assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-3000:])
         assert starts("w2") == warm, (runs / "w2" / "events.log").read_text()
+        # Its node checks ran in the warm processes, asked from the host with the verification: no
+        # node step of their own.
+        said = "".join(log.read_text() for log in (runs / "w2" / "logs").glob("run-*.out"))
+        assert len(re.findall(r"slipway-warm node\d: the node step started warm \(pid \d+, asked from the host\)", said)) == 2
+        assert len(re.findall(r"slipway-preflight node\d ok: ", said)) == 2, said[-3000:]
         (word2, parent2, _), = [line.split(" ", 2) for line in (runs / "w2" / "code-marks").read_text().splitlines()]
         assert word2 == "two" and parent2 == parent and warm_steps() == steps  # reused
         # Cold ranks of the same code and config train loss for loss alike: nothing of the warm

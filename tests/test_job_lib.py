@@ -797,6 +797,20 @@ def test_warm_up_keeps_one_key_and_starts_warm_processes_only_where_none_answers
         r = lib.run(setting + "verify_nodes; warm_up")
         assert r.returncode == 0 and not [c for c in lib.calls() if c.startswith("warm_start")], r.stderr
         assert lib.events()[-1] == "warm: the warm processes of key k3y are up on node1 node2"
+        # Each node's warm process runs the preflight's node check with the verification (WARM_CHECK,
+        # from the host): its lines are the node step's log, and no node step runs. A node whose warm
+        # process did not take it (said in events.log) runs the node step, for every node.
+        check = ('WARM_CHECK=(bash -c \'if [ "$SLURMD_NODENAME" = "$0" ]; then echo "slipway-warm $0: the node '
+                 'step runs in a step of its own: it stops" >&2; exit 3; fi; echo "slipway-preflight $SLURMD_NODENAME '
+                 'ok: fine"\' {}); PREFLIGHT_LOG=$CALLS.pf; verify_nodes; ')
+        r = lib.run(setting + check.format("none") + 'checked_warm && cat "$PREFLIGHT_LOG"')
+        assert r.returncode == 0 and r.stdout.split("\n")[:2] == ["slipway-preflight node1 ok: fine",
+                                                                   "slipway-preflight node2 ok: fine"], r
+        r = lib.run(setting + check.format("node2") + 'checked_warm || echo "node step"')
+        assert r.stdout.strip() == "node step" and lib.events()[-1] == \
+            "warm: on node2, the node step runs in a step of its own: it stops", (r, lib.events())
+        r = lib.run(setting + "WARM_CHECK=(/no/python3 -S warm.py); verify_nodes; checked_warm || echo node step")
+        assert r.returncode == 0 and r.stdout.strip() == "node step", r  # the host has no such interpreter
         folder.chmod(0o755)
         os.chown(folder, 65534, 65534)  # the same sockets in a folder that is not the user's: none there
         r = lib.run(setting + 'verify_nodes; echo "cold: $WARM_COLD"')

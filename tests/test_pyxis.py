@@ -471,6 +471,10 @@ def test_warm_ranks_run_changed_code_in_the_container_already_unpacked(lab: Lab)
         assert f"warm: started the warm processes on {' '.join(lab.nodes)}" in events, events
         again, events = run("pyxwarm2", "two")
         assert len(re.findall(r"warm: rank \d on \S+ started warm", events)) == 4 and "cold" not in events, events
+        # The node checks ran in the warm processes' container, asked from the host by its python3
+        # with the verification: no srun step entered the container for them.
+        said = "".join(log.read_text() for log in (lab.run_dir("pyxwarm2") / "logs").glob("run-*.out"))
+        assert len(re.findall(r"the node step started warm \(pid \d+, asked from the host\)", said)) == 2, said[-3000:]
         assert again == parent
         # The warm process runs in a container: a mount namespace of its own, not its node's.
         assert os.stat(f"/proc/{parent}/ns/mnt").st_ino not in {os.stat(f"/proc/{lab.slurmd(n)}/ns/mnt").st_ino

@@ -213,6 +213,42 @@ def test_sigterm_drains_the_warm_process(server, tmp_path):
     assert proc.wait(timeout=30) == 0 and server.proc.wait(timeout=30) == 0
 
 
+def _node(server: Server, argv: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """`warm.py node`: slipway's node check asked from the host, as verify_lib.sh's node_check does."""
+    return subprocess.run([PY, "-S", str(WARM), "node", server.prefix, "--", *argv], env={**server.env, **(env or {})},
+                          capture_output=True, text=True, timeout=60, **kwargs)
+
+
+def test_the_node_check_from_the_host_runs_as_the_warm_process_is_with_the_runs_code(server, tmp_path):
+    """The host's environment is not the container's: the check takes the warm process's own
+    environment, directory and CPUs, and only the run's code and variables from the host; where
+    the warm process does not take it, nothing runs on the host (the node step runs it instead)."""
+    run_code = tmp_path / "run-code"
+    run_code.mkdir()
+    (run_code / "check.py").write_text("import json, os, sys\nprint(json.dumps({'ppid': os.getppid(), 'cwd': os.getcwd(), "
+                                       "'env': dict(os.environ), 'path': sys.path[0]}))\nsys.exit(4)\n")
+    host = tmp_path / "host"
+    host.mkdir()
+    path = f"{run_code}:{server.env['PYTHONPATH']}"
+    done = _node(server, [PY, "-m", "check"], {"HF_HUB_OFFLINE": "1", "PYTHONPATH": path, "SLIPWAY_RUN_DIR": "/r"},
+                 cwd=host, preexec_fn=lambda: os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1]))
+    got = json.loads(done.stdout)
+    assert done.returncode == 4 and "the node step started warm (pid " in done.stderr, done
+    assert got["ppid"] == server.proc.pid and got["cwd"] == str(tmp_path) and got["path"] == str(run_code)
+    assert "HF_HUB_OFFLINE" not in got["env"] and got["env"]["SLIPWAY_RUN_DIR"] == "/r"
+    marker = tmp_path / "ran-on-the-host"
+    on_host = [PY, "-c", f"open({str(marker)!r}, 'w')"]
+    for env, why in (({"SLURMD_NODENAME": "n2"}, "no warm process on this node"),
+                     ({"SLURM_JOB_ID": "43"}, "no secret of this allocation's")):
+        done = _node(server, on_host, env)
+        assert done.returncode == 3 and f"the node step runs in a step of its own: {why}" in done.stderr, done
+    held = tmp_path / "site" / "torch" / "cuda.py"
+    held.write_text(held.read_text() + "# upgraded\n")
+    done = _node(server, [PY, "-m", "check"], {"PYTHONPATH": path})
+    assert done.returncode == 3 and f"{held} changed on disk since the warm process imported it" in done.stderr, done
+    assert not marker.exists() and server.proc.wait(timeout=30) == 0
+
+
 # ------------------------------------------------------------------ a hostile channel
 
 
@@ -380,8 +416,13 @@ def test_slipway_run_starts_its_ranks_and_node_step_through_the_warm_processes(p
     assert lines.index("warm_up") == lines.index("verify_nodes") + 1
     launch = next(line for line in lines if "slipway-rank" in line)
     assert launch.index('"${WARM_CLIENT[@]}"') < launch.index("-m trainer --config")
-    node = next(line for line in lines if "trainer.preflight node" in line)
+    check, node = [line for line in lines if "trainer.preflight node" in line]
+    # The node check: asked of the warm process with the verification, from the host (no container
+    # entered), bounded within the verification's bound; else the node step, through the client.
+    assert check.startswith("  WARM_CHECK=(timeout -k 5 150 ") and \
+        '-S "$CODE_DIR"/trainer/warm.py node "$WARM_SOCKET" -- ' in check and lines.index(check) == i + 3
     assert node.lstrip().startswith('"${WARM_CLIENT[@]}"')
+    assert lines[lines.index(node) - 1].startswith("pf_t=$SECONDS; set +e; checked_warm || timeout -k 15 ")
     start = text[text.index("warm_start() {"):]
     # The warm step: not of this run (a launcher sweeps its processes by these), one task per node.
     assert "env -u SLIPWAY_RUN_DIR -u SLIPWAY_JOB_TAG -u SLIPWAY_CODE -u SLIPWAY_EVENT_JOB setsid srun --overlap" in start

@@ -3,6 +3,7 @@ the other heavy imports, each importing its run's own code (`slipway run`; docs/
 
     python3 .../trainer/warm.py serve SOCKET --code DIR    # one per node, allocation and key (a Slurm step)
     python3 -S .../trainer/warm.py rank SOCKET -- python3 -m trainer --config ...   # each rank's task
+    python3 -S .../trainer/warm.py node SOCKET -- python3 -m trainer.preflight node ...  # from the host
 
 Run as a file: a warm process holds no module of trainer/ nor common/, only its own code
 (warm_rank.CODE: this file and warm_rank.py, a rank's side, imported from its folder). It binds
@@ -13,6 +14,9 @@ starts warm only where it then starts as it would cold (`Warm.refusal`: its envi
 PER_LAUNCH, the modules its sys.path finds, unchanged on disk, no thread that outlives a fork),
 with its task's streams, environment, directory, umask, CPUs, sys.path and fresh global generators
 (an unset PYTHONHASHSEED draws one seed per warm process); else its task execs it cold, saying why.
+`node` is the preflight's node check, asked from the host (jobs/slurm/verify_lib.sh): no container
+is entered for it, and it runs as the warm process is (its environment, directory and CPUs) with
+the run's code (RUNS_OWN); where the warm process does not take it, the batch script's node step does.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ PROOF_SECONDS = 10  # a connection that has not proved itself by then is closed
 PER_LAUNCH = re.compile(r"(SLURM|SLURMD|PMI|PMIX|SLIPWAY)_\w*|((LOCAL|GROUP|ROLE)_)?(RANK|WORLD_SIZE)|NODE_RANK|"
                         r"MASTER_(ADDR|PORT)|(CUDA|ROCR|HIP|NVIDIA)_VISIBLE_DEVICES|GPU_DEVICE_ORDINAL|"
                         r"ZE_AFFINITY_MASK|PYTHONPATH|SHLVL|OLDPWD|_")
+RUNS_OWN = re.compile(r"SLIPWAY_\w*|PYTHONPATH")  # what of its own the host's node check brings: the run's code
 
 
 def module_imports(code_dir: Path) -> list[str]:
@@ -247,6 +252,11 @@ class Warm:
     def fork(self, conn: socket.socket, request: dict, fds: list[int], unsafe: str) -> "dict | None":
         """Fork the rank `request` asks for (the child returns it, with its streams), or answer why
         it starts cold."""
+        if request.get("own") is True:  # slipway's node check from the host: as the warm process is, but the run's
+            request.update(executable=os.path.realpath(sys.executable), cwd=os.getcwd(),
+                           cpus=sorted(os.sched_getaffinity(0)),
+                           env={**{k: v for k, v in self.record.items() if not RUNS_OWN.fullmatch(k)},
+                                **{k: v for k, v in request["env"].items() if RUNS_OWN.fullmatch(k)}})
         request["path"] = _rank_path(request, self.base_path)
         request["set"] = {k: os.environ.get(k) for k in {*os.environ, *self.record} if os.environ.get(k) != self.record.get(k)}
         if why := unsafe or self.refusal(request):
@@ -347,11 +357,11 @@ def _rank_path(request: dict, base: list[str]) -> list[str]:
 
 
 def main(args: list[str]) -> int:
-    if len(args) >= 3 and args[0] == "rank" and args[2] == "--":
-        return client(args[1], args[3:])
+    if len(args) >= 3 and args[0] in ("rank", "node") and args[2] == "--":
+        return client(args[1], args[3:], own=args[0] == "node")
     if len(args) == 4 and args[0] == "serve" and args[2] == "--code":
         return 0 if (rank := serve(args[1], Path(args[3]))) is None else finish(rank)
-    print("usage: warm.py serve SOCKET --code DIR | warm.py rank SOCKET -- PYTHON (-m MODULE | SCRIPT) ARGS...",
+    print("usage: warm.py serve SOCKET --code DIR | warm.py rank|node SOCKET -- PYTHON (-m MODULE | SCRIPT) ARGS...",
           file=sys.stderr)
     return 2
 

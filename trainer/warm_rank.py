@@ -27,6 +27,7 @@ MAX_MESSAGE = 1 << 20  # a request: the environment, the command
 # all, and a rank's sys.path need not find them (warm.py's `_shadowed`).
 CODE = ("warm.py", "warm_rank.py")
 NODE = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+NOT_WARM = 3  # `warm.py node`'s exit where no warm process ran the check
 
 
 class Cold(Exception):
@@ -94,23 +95,29 @@ def connect(prefix: str) -> socket.socket:
     return sock
 
 
-def client(prefix: str, argv: list[str]) -> int:
+def client(prefix: str, argv: list[str], own: bool = False) -> int:
     """Start `argv` as a rank through this node's warm process, or cold (exec) where none takes it;
-    one line on stderr says which (`slipway run` tells it on the terminal and in events.log)."""
+    one line on stderr says which (`slipway run` tells it on the terminal and in events.log).
+    `own`: slipway's node check, run from the host in the warm process's own environment (the
+    rank's would be the host's, not the container's), never cold here: NOT_WARM says it was not."""
     what, umask = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "the node step", os.umask(0o022)
     os.umask(umask)
     try:
         sock = connect(prefix)
         send(sock, {"argv": argv, "executable": os.path.realpath(sys.executable), "env": dict(os.environ),
-                     "cwd": os.getcwd(), "cpus": sorted(os.sched_getaffinity(0)), "umask": umask}, [0, 1, 2])
+                     "cwd": os.getcwd(), "cpus": sorted(os.sched_getaffinity(0)), "umask": umask, "own": own},
+             [0, 1, 2])
         if "pid" not in (reply := recv(sock)):  # (sockets close at exec)
             raise Cold(str(reply.get("cold") or "the warm process closed the connection"))
     except (Cold, OSError, ValueError) as exc:
         why = "no warm process on this node" if isinstance(exc, (FileNotFoundError, ConnectionRefusedError)) else \
             str(exc) if isinstance(exc, Cold) else f"the warm process did not answer ({exc})"
+        if own:
+            say(f": {what} runs in a step of its own: {why}", sys.stderr)
+            return NOT_WARM
         say(f": {what} starts cold: {why}", sys.stderr)
         os.execvp(argv[0], argv)
-    say(f": {what} started warm (pid {reply['pid']})", sys.stderr)
+    say(f": {what} started warm (pid {reply['pid']}{', asked from the host' if own else ''})", sys.stderr)
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: send(sock, {"signal": signum}))
     while True:  # (a signal's handler returns: recv goes on, PEP 475)

@@ -46,6 +46,14 @@ def environment(cfg: Config) -> list[str]:
     return []
 
 
+def node_command(cfg: Config, paths: RunDir) -> list[str]:
+    """Each node's checks (a task per node)."""
+    return [cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.path),
+            "--checkpoint-dir", str(paths.path / cfg.checkpoint.dir),
+            "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(cfg.slurm.gpus_per_node),
+            *(["--numa-binding"] if cfg.binds_numa else [])]
+
+
 def steps(cfg: Config, paths: RunDir, container: list[str], prefix: str, warm: bool = False) -> list[str]:
     """The preflight (trainer/preflight.py): each node's checks, then an all-reduce across every
     rank, in a step of its own for a train.script (else in the training step)."""
@@ -54,16 +62,11 @@ def steps(cfg: Config, paths: RunDir, container: list[str], prefix: str, warm: b
     if part is None:
         return []
     limit = ["timeout", "-k", "15", str(s.preflight_timeout)]
-    checkpoint_dir = paths.path / cfg.checkpoint.dir
     # --kill-on-bad-exit=0: a node that fails fast must not cut the other nodes' reports short
     # (where the cluster sets KillOnBadExit=1), or they would be blamed for sending none.
     node_srun = [*limit, *srun_argv(nodes=s.nodes, cpus_per_task=s.cpus_per_task, kill_on_bad_exit=False,
                                     container=container)]
-    node_cmd = [*([Expand("${WARM_CLIENT[@]}")] if warm else []),  # from the warm processes too
-                cfg.launch.python, "-m", "trainer.preflight", "node", "--run-dir", str(paths.path),
-                "--checkpoint-dir", str(checkpoint_dir),
-                "--checkpoint-bytes", str(checkpoint_bytes(cfg.model.num_params())), "--gpus", str(s.gpus_per_node),
-                *(["--numa-binding"] if cfg.binds_numa else [])]
+    node_cmd = [*([Expand("${WARM_CLIENT[@]}")] if warm else []), *node_command(cfg, paths)]  # warm too
     allreduce = [cfg.launch.python, "-m", "trainer.preflight", "allreduce", "--megabytes",
                  str(_megabytes(cfg)), "--timeout", str(s.preflight_timeout)]
     lines = [
@@ -74,7 +77,9 @@ def steps(cfg: Config, paths: RunDir, container: list[str], prefix: str, warm: b
         "# (" + ("in a step of its own: the ranks run a train.script" if part == "step" else
                  "the training step's first collective") + ").",
         'PREFLIGHT_LOG="$LOGS/preflight-$JOB_TAG.out"',
-        f'pf_t=$SECONDS; set +e; {prefix}{words(node_srun)} \\\n  {words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
+        # Warm: each node's checks came with its verification, from its warm process (verify_lib.sh).
+        f'pf_t=$SECONDS; set +e; {"checked_warm || " if warm else ""}{prefix}{words(node_srun)} \\\n'
+        f'  {words(node_cmd)} > "$PREFLIGHT_LOG" 2>&1',
         'pf_rc=$?; set -e; cat "$PREFLIGHT_LOG"',
         'preflight_nodes "$PREFLIGHT_LOG" "$pf_rc" $((SECONDS - pf_t))',
     ]

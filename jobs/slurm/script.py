@@ -312,7 +312,7 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
         container.append(Value("--container-name=" + PYXIS_CONTAINER))
     lines = sbatch_header(cfg, paths, exclude) + ["", "set -euo pipefail", *(["set -x"] if cfg.launch.debug else [])]
     pyxis, code = env.runtime == "pyxis", pins.code
-    lines += ["", *_settings(cfg, paths, env, shared, pins), *warm_ranks.settings(warm, cfg), "",
+    lines += ["", *_settings(cfg, paths, env, shared, pins), *warm_ranks.settings(warm, cfg, paths), "",
               *_sourced(paths, library_files(env, paths)),
               *warm_ranks.start_function(cfg, paths, warm, PYXIS_CONTAINER if shared else None), "",
               *_plot_curves(cfg, paths, container, prefix),

@@ -75,10 +75,11 @@ on_every_node() {
 ensure_container() { :; }
 
 # node_check CODE_DIR CODE_SHA256 IMAGE_FILE IMAGE_SHA256 IMAGE_SIZE IMAGE_MTIME [KEPT IDENTITY
-# [WARM_SOCKET]] (on a node, one task each): one line, `slipway-verify NODE ok` (`ok warm`: the
-# user's warm process listens on WARM_SOCKET there, in the user's folder; `ok cgroup`: Slurm tracks
-# the job's processes by cgroup), `... differs: WHAT` (what the job runs is not what was
-# submitted), or `... node: WHAT` (this node could not ready the kept container KEPT).
+# [WARM_SOCKET [CHECK...]]] (on a node, one task each): one line, `slipway-verify NODE ok` (`ok
+# warm`: the user's warm process listens on WARM_SOCKET there, in the user's folder, and then
+# runs the preflight's node check CHECK, whose lines follow; `ok cgroup`: Slurm tracks the job's
+# processes by cgroup), `... differs: WHAT` (what the job runs is not what was submitted), or
+# `... node: WHAT` (this node could not ready the kept container KEPT).
 node_check() {
   local n=${SLURMD_NODENAME:-$(hostname)} why="" w
   w="${9:-}-$n.sock"
@@ -87,7 +88,11 @@ node_check() {
   if [ -n "${7:-}" ] && ! why=$(ensure_container "$7" "$3" "$8" 2>&1); then echo "slipway-verify $n node: $why"; return 0; fi
   if [ -n "${9:-}" ] && grep -qs "/job_$SLURM_JOB_ID/" /proc/self/cgroup; then echo "slipway-verify $n ok cgroup${why:+, $why}"; return 0; fi
   if [ -n "${9:-}" ] && [ ! -L "${w%/*}" ] && [ -O "${w%/*}" ] && [ -O "$w" ] && [ -S "$w" ] &&
-    awk -v w="$w" '$NF == w { found = 1 } END { exit !found }' /proc/net/unix; then echo "slipway-verify $n ok warm${why:+, $why}"; return 0; fi
+    awk -v w="$w" '$NF == w { found = 1 } END { exit !found }' /proc/net/unix; then
+    echo "slipway-verify $n ok warm${why:+, $why}"
+    if [ $# -gt 9 ]; then shift 9; "$@" 2>&1 || true; fi
+    return 0
+  fi
   echo "slipway-verify $n ok${why:+, $why}"
 }
 
@@ -104,7 +109,7 @@ verify_nodes() {
   set +e
   out=$(on_every_node "$PREFLIGHT_TIMEOUT" slipway-verify "verify_code verify_image ensure_container enroot_data node_check" \
     node_check "$CODE_DIR" "$CODE_SHA256" "${IMAGE_FILE:-}" "${IMAGE_SHA256:-}" "${IMAGE_SIZE:-}" "${IMAGE_MTIME:-}" \
-    "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" "${WARM_SOCKET:-}" 2>&1)
+    "${KEPT_CONTAINER:-}" "${IMAGE_IDENTITY:-}" "${WARM_SOCKET:-}" "${WARM_CHECK[@]}" 2>&1)
   rc=$?
   set -e
   for node in $NODES; do
@@ -122,10 +127,27 @@ verify_nodes() {
     esac
   done
   [ -z "$unpacked" ] || event "unpacked the image into the kept container $KEPT_CONTAINER:${unpacked#,}"
+  WARM_CHECKED=$(grep -E '^slipway-(preflight|warm) ' <<< "$out" || true)
   if [ -n "$differ" ] && { [ "${differ% }" = "$NODES" ] || [ "$NODES_NEEDED" -eq 1 ]; }; then
     end_with "$BAD_INPUT_EXIT" "verification failed: $why"
   fi
   for node in $differ; do blame_preflight "$node" "${said[$node]}"; done
   retry_preflight $bad
+}
+# checked_warm: every node's preflight check came with its verification, from its warm process
+# (node_check's CHECK): its lines are the node step's log, PREFLIGHT_LOG, and no srun step enters
+# the container for it. Else (a node without a warm process, or whose warm process did not take
+# it, said in events.log) the node step runs.
+checked_warm() {
+  local node why
+  for node in $NODES; do
+    if [[ $WARM_CHECKED != *"slipway-preflight $node "* ]]; then
+      if why=$(grep -m1 -F "slipway-warm $node: the node step runs in a step of its own: " <<< "$WARM_CHECKED"); then
+        event "warm: on $node, ${why#*: }"
+      fi
+      return 1
+    fi
+  done
+  printf '%s\n' "$WARM_CHECKED" > "$PREFLIGHT_LOG"
 }
 # ---- end of the slipway job library: verification ----

@@ -24,6 +24,7 @@ from common.rundir import CodeSnapshot, RunDir
 from edf import Environment, srun_flags
 from jobs import trainer_door
 from jobs.config import Config
+from jobs.slurm import preflight
 from jobs.slurm.client import job_steps, signal_steps, srun_argv
 from jobs.slurm.ranks import Expand, Value, container_args, words
 from jobs.config.sections import NODE_PRESETS
@@ -81,21 +82,30 @@ def _cpus_per_node(cfg: Config) -> int:
     return cfg.launch.procs_per_node * (cfg.slurm.cpus_per_task or 1)
 
 
-def settings(warm: Optional[WarmPlan], cfg: Config) -> list[str]:
+def settings(warm: Optional[WarmPlan], cfg: Config, paths: RunDir) -> list[str]:
     """The batch script's warm settings: under `slipway run` (SLIPWAY_IN_ALLOCATION) the warm
-    processes' socket (trainer/warm.py's SOCKET) and the client each rank starts through
-    (WARM_CLIENT); none in a batch job, which runs one launch."""
+    processes' socket (trainer/warm.py's SOCKET), the client each rank starts through
+    (WARM_CLIENT) and the node check the verification asks of them from the host (WARM_CHECK:
+    no srun step enters the container for it; the host's python3 runs its client, else
+    launch.python's, the same interpreter without a container); none in a batch job, which runs
+    one launch."""
     if warm is None:
         return []
     python = shlex.quote(cfg.launch.python)
+    check = []
+    if preflight.where(cfg):
+        host = "python3" if warm.env.in_container else cfg.launch.python
+        check = [f'  WARM_CHECK=(timeout -k 5 {max(10, cfg.slurm.preflight_timeout // 2)} {shlex.quote(host)} -S '
+                 f'"$CODE_DIR"/trainer/warm.py node "$WARM_SOCKET" -- {words(preflight.node_command(cfg, paths))})']
     return [
         "# Warm ranks (`slipway run`, launch.warm; jobs/slurm/warm.py): each rank starts from the node's warm",
         "# process of this key (trainer/warm.py), which holds torch imported; none: the rank starts cold.",
         f"export SLIPWAY_WARM_ID={warm.key}",
-        "WARM_SOCKET='' WARM_CLIENT=() WARM_COLD='' WARM_OFF=''",
+        "WARM_SOCKET='' WARM_CLIENT=() WARM_CHECK=() WARM_CHECKED='' WARM_COLD='' WARM_OFF=''",
         'if [ -n "${SLIPWAY_IN_ALLOCATION:-}" ]; then',
         f'  WARM_SOCKET="${{SLIPWAY_WARM_DIR:-/dev/shm}}/{STEP}$(id -u)/$SLURM_JOB_ID-$SLIPWAY_WARM_ID"',
         f'  WARM_CLIENT=({python} -S "$CODE_DIR"/trainer/warm.py rank "$WARM_SOCKET" --)',
+        *check,
         '  export TMPDIR="${TMPDIR:-/tmp}"  # as every task sees it: Slurm sets it unset for a node\'s first alone',
         "fi",
     ]
