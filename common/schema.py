@@ -228,13 +228,11 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
     if unknown and not record:
         raise unknown_key(str(unknown[0]), list(fields), where, where or "the config")
     kwargs, too_big = {}, []
-    edf = bool(getattr(cls, "EDF_TEXT", False))
     for name, f in fields.items():
         path = f"{where}.{name}" if where else name
         if name in data:
             try:
-                kwargs[name] = _convert(hints[name], data[name], path, RECORD if record else
-                                        f.metadata.get("secrets", IDENTIFIER), edf, free=f.metadata.get("free_text", False))
+                kwargs[name] = field_of(cls, name, data[name], where, record=record)
             except OutOfRange as exc:
                 if exc.field != path:  # inside a list or a nested section: no check of this one's bounds it
                     raise
@@ -253,12 +251,14 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
     return obj
 
 
-def field_of(cls: type, name: str, value: Any, where: str) -> Any:
-    """Field `name` of section `cls` set to `value`, read as `from_dict` reads it (its type, its
-    secret policy), with no check of the section (its caller checks the section it is set in)."""
+def field_of(cls: type, name: str, value: Any, where: str, *, record: bool = False) -> Any:
+    """Field `name` of section `cls` set to `value`, read by its type and secret policy (a `record`'s:
+    none), with no check of the section (its caller checks the section it is set in): how
+    `from_dict` and `part_of` read each field."""
     f = config_fields(cls)[name]
-    return _convert(_hints(cls)[name], value, f"{where}.{name}", f.metadata.get("secrets", IDENTIFIER),
-                    bool(getattr(cls, "EDF_TEXT", False)), free=f.metadata.get("free_text", False))
+    return _convert(_hints(cls)[name], value, f"{where}.{name}" if where else name,
+                    RECORD if record else f.metadata.get("secrets", IDENTIFIER), bool(getattr(cls, "EDF_TEXT", False)),
+                    free=f.metadata.get("free_text", False))
 
 
 def part_of(cls: type, data: Any, where: str) -> dict:
@@ -268,18 +268,14 @@ def part_of(cls: type, data: Any, where: str) -> dict:
     whole config, which is then read and checked whole. Returns `data` as given (the raw values)."""
     if not isinstance(data, dict):
         raise ConfigError(where, f"expected a mapping of keys, got {shown(data)}")
-    hints, fields = _hints(cls), config_fields(cls)
-    edf = bool(getattr(cls, "EDF_TEXT", False))
+    fields = config_fields(cls)
     for key, value in data.items():
-        path = f"{where}.{key}"
         if key not in fields:
             raise unknown_key(str(key), list(fields), where, where.rsplit(' ', 1)[-1])
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            part_of(tp, value, path)
+        if dataclasses.is_dataclass(_hints(cls)[key]):
+            part_of(_hints(cls)[key], value, f"{where}.{key}")
         else:
-            _convert(tp, value, path, fields[key].metadata.get("secrets", IDENTIFIER), edf,
-                     free=fields[key].metadata.get("free_text", False))
+            field_of(cls, key, value, where)
     return data
 
 

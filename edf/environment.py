@@ -144,13 +144,12 @@ class Mount:
             return value
         return cls.parse(value, where)
 
-    def to_config_value(self) -> str:
-        return self.spec()
-
     def spec(self) -> str:
         """The documented `SRC:DST[:FLAGS]` text (the short `SRC` is read, never written)."""
         text = f"{self.src}:{self.dst}"
         return f"{text}:{'+'.join(self.flags)}" if self.flags else text
+
+    to_config_value = spec  # how the schema engine (common/schema.py `to_dict`) writes it
 
     def check(self, where: str) -> None:
         for what, path in (("mount source", self.src), ("mount destination", self.dst)):

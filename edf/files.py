@@ -160,10 +160,8 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
         base_environment=bases,
         origin=origin,
     )
-    # Mounts were checked as they were parsed; the model's own rules do the rest.
-    seen = {str(p) for p in problems}
-    problems += [p for p in env.problems() if str(p) not in seen]
-    return env, problems
+    # The model's own rules on what parsed (a mount it refused is not in it, so never told twice).
+    return env, problems + env.problems()
 
 
 def check_edf(source: Union[str, os.PathLike], *,

@@ -79,14 +79,10 @@ def _flash_attn() -> Optional[str]:
         return None
     if error is not None:
         return f"broken: {type(error).__name__}: {' '.join(str(error).split())[:200]}"
-    return _version("flash-attn") or "?"
-
-
-def _version(dist: str) -> Optional[str]:
     try:
-        return importlib.metadata.version(dist)
+        return importlib.metadata.version("flash-attn") or "?"
     except importlib.metadata.PackageNotFoundError:
-        return None
+        return "?"
 
 
 # ---------------------------------------------------------------- attention kernels against the math path
@@ -136,13 +132,10 @@ def attention(device_name: str) -> dict[str, Any]:
         except RuntimeError as exc:  # no kernel for this GPU, dtype or shape: the answer, in one line
             results[name] = {"ok": False, "error": " ".join(str(exc).split())[:300]}
             continue
-        errors = {}
-        ok = True
-        for what, g, m, r in zip(("output", "dq", "dk", "dv"), got, math16, reference):
-            err, bound = (g - r).abs().max().item(), 2 * (m - r).abs().max().item() + 1e-2 * r.abs().max().item()
-            errors[what] = {"error": err, "bound": bound}
-            ok = ok and err <= bound
-        results[name] = {"ok": ok, "errors": errors}
+        errors = {what: {"error": (g - r).abs().max().item(),
+                         "bound": 2 * (m - r).abs().max().item() + 1e-2 * r.abs().max().item()}
+                  for what, g, m, r in zip(("output", "dq", "dk", "dv"), got, math16, reference)}
+        results[name] = {"ok": all(e["error"] <= e["bound"] for e in errors.values()), "errors": errors}
     return {"device": str(device), "dtype": "bfloat16", "shape": [2, 8, 512, 64], "kernels": results,
             "flash_attn": flash}
 
@@ -169,20 +162,16 @@ def allreduce(sizes: list[float], iters: int) -> Optional[dict[str, Any]]:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.gpucheck", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
-    sub.add_parser("node")
+    sub.add_parser("node").set_defaults(run=lambda args: node())
     p = sub.add_parser("attention")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.set_defaults(run=lambda args: attention(args.device))
     p = sub.add_parser("allreduce")
     p.add_argument("--sizes", type=float, nargs="+", default=[1.0, 64.0, 1024.0], help="MiB")
     p.add_argument("--iters", type=int, default=10)
+    p.set_defaults(run=lambda args: allreduce(args.sizes, args.iters))
     args = parser.parse_args(argv)
-    if args.what == "node":
-        result = node()
-    elif args.what == "attention":
-        result = attention(args.device)
-    else:
-        result = allreduce(args.sizes, args.iters)
-    if result is not None:
+    if (result := args.run(args)) is not None:
         print("RESULT " + json.dumps(result), flush=True)
     return 0
 

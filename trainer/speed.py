@@ -28,9 +28,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-CASES = ("ours", "bare")
-
-
 # ---------------------------------------------------------------- the case every runner shares
 
 
@@ -228,9 +225,12 @@ def case_bare(case: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------- one case, as a process
 
 
-def parser(cases: tuple[str, ...] = CASES, prog: str = "python -m trainer.speed") -> argparse.ArgumentParser:
+def main(argv: Optional[list[str]] = None, cases: Optional[dict[str, Any]] = None,
+         prog: str = "python -m trainer.speed") -> int:
+    """One case as a process; bench/titan.py runs its own case through here too."""
+    cases = cases or {"ours": case_ours, "bare": case_bare}
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("case", choices=cases)
+    p.add_argument("case", choices=tuple(cases))
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--preset", default="tiny", help="tiny|small|base|large, or custom with the dimensions below")
     for flag in ("--hidden", "--layers", "--heads", "--kv-heads", "--vocab", "--ffn"):
@@ -249,13 +249,7 @@ def parser(cases: tuple[str, ...] = CASES, prog: str = "python -m trainer.speed"
     p.add_argument("--hang-timeout", type=float, help="ours: train.hang_timeout (0: the hang watchdog off)")
     p.add_argument("--cache-dir", help="ours with --data builtin: the token cache")
     p.add_argument("--run-dir", help="ours: the run directory (needed under torchrun; default a temporary one)")
-    return p
-
-
-def main(argv: Optional[list[str]] = None, cases: Optional[dict[str, Any]] = None, prog: Optional[str] = None) -> int:
-    """One case as a process; bench/titan.py runs its own case through here too."""
-    cases = cases or {"ours": case_ours, "bare": case_bare}
-    case = parser(tuple(cases), prog or "python -m trainer.speed").parse_args(argv)
+    case = p.parse_args(argv)
     try:
         result = cases[case.case](case)
     except (RuntimeError, ValueError) as exc:  # a case's failure, or no steady window: one line

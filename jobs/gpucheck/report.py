@@ -49,19 +49,14 @@ def _num(value: Optional[float], spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
-def _at(series: dict, step: int) -> Optional[float]:
-    """A step's value in a series read back from JSON (keys are strings) or made here (ints)."""
-    return series.get(step, series.get(str(step)))
-
-
 def _series(series: dict[str, dict], spec: str, diff: bool = False) -> list[str]:
     """Loss series side by side, a row a step; `diff`: the relative difference of the last from the first."""
     names = list(series)
     header = ["step", *names, *(["relative difference"] if diff else [])]
     rows = []
-    for step in sorted({int(s) for v in series.values() for s in v}):
-        a, b = _at(series[names[0]], step), _at(series[names[-1]], step)
-        rows.append([step, *(_num(_at(v, step), spec) for v in series.values()),
+    for step in sorted({s for v in series.values() for s in v}):  # int steps: rendered before JSON holds them
+        a, b = series[names[0]].get(step), series[names[-1]].get(step)
+        rows.append([step, *(_num(v.get(step), spec) for v in series.values()),
                      *([_num(abs(b - a) / abs(a) if a and b is not None and len(names) > 1 else None, ".1e")]
                        if diff else [])])
     return _table(header, "r" * len(header), rows)

@@ -9,7 +9,6 @@ node's scratch and a copy over a slow link bear).
 from __future__ import annotations
 
 import argparse
-import email.parser
 import json
 import os
 import re
@@ -17,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from pathlib import Path
 from typing import Optional
@@ -77,18 +77,12 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def requirements(wheel: Path) -> list[str]:
-    """slipway pinned to its wheel, the trainer extra less LEFT_OUT (as the wheel declares it)."""
-    with zipfile.ZipFile(wheel) as whl:
-        meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
-        parsed = email.parser.Parser().parsestr(whl.read(meta).decode())
-    extra = []
-    for req in parsed.get_all("Requires-Dist") or []:
-        spec, _, marker = req.partition(";")
-        name = re.match(r"[A-Za-z0-9._-]+", spec.strip())[0]
-        if re.search(r"""extra\s*==\s*["']trainer["']""", marker) and _norm(name) not in LEFT_OUT:
-            extra.append(spec.strip())
-    return [f"slipway=={parsed['Version']}", *extra]
+def requirements() -> list[str]:
+    """slipway pinned to its version, the trainer extra less LEFT_OUT: pyproject.toml's, which its wheel is
+    built from."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return [f"slipway=={project['version']}", *(req for req in project["optional-dependencies"]["trainer"]
+                                                 if _norm(re.match(r"[A-Za-z0-9._-]+", req)[0]) not in LEFT_OUT)]
 
 
 def gather(out: Path, python_version: str, platform: str, have: Optional[Path] = None, say=print) -> int:
@@ -107,7 +101,8 @@ def gather(out: Path, python_version: str, platform: str, have: Optional[Path] =
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         wheels = work / "wheels"
-        reqs = requirements(_own_wheel(work, wheels))
+        _own_wheel(work, wheels)
+        reqs = requirements()
         nodes = node_has(have)
         say(f"resolving {', '.join(reqs)} for CPython {python_version} on {platform} (the node has: "
             f"{', '.join(sorted(nodes))})")
@@ -130,7 +125,7 @@ def gather(out: Path, python_version: str, platform: str, have: Optional[Path] =
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _own_wheel(work: Path, wheels: Path) -> Path:
+def _own_wheel(work: Path, wheels: Path) -> None:
     """slipway's wheel, built into `wheels` from a copy of what pyproject.toml packages (a checkout's
     build/ may hold stale files)."""
     source = work / "source"
@@ -141,8 +136,6 @@ def _own_wheel(work: Path, wheels: Path) -> Path:
         else:
             shutil.copy2(ROOT / name, source / name)
     _pip(["wheel", "--no-deps", "-q", "-w", str(wheels), str(source)], "building slipway's wheel")
-    (own,) = wheels.glob("slipway-*.whl")
-    return own
 
 
 def _resolve(work: Path, target: list[str], reqs: list[str], nodes: dict[str, str]) -> list[str]:
