@@ -57,24 +57,23 @@ def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -
 
 
 def try_here(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True, prepare: bool = False,
-             reload: Optional[Callable[[list[str]], Config]] = None) -> tuple[runs.Sealed, Config, local_checks.Plan]:
+             reload: Optional[Callable[[list[str]], Config]] = None) -> tuple[runs.Sealed, local_checks.Plan]:
     """`cfg` as a try on this machine (its local view, sealed, nothing written) and its plan: every
     blocker at once, the command that clears them all, the expected time (measured here)."""
-    original = cfg
-    cfg, changed = local_checks.local_view(cfg, rename=rename)
+    local, changed = local_checks.local_view(cfg, rename=rename)
     if changed:
         console.print(f"[dim]on this machine: {'; '.join(changed)}[/]", soft_wrap=True)
-    sealed = runs.seal(cfg, project_dir)
-    speed, why = None, ("train.script or launch.command trains a model of its own" if cfg.launch.command or
-                        cfg.train.script else "this machine's GPUs train it; the estimate and the memory check are "
+    sealed = runs.seal(local, project_dir)
+    speed, why = None, ("train.script or launch.command trains a model of its own" if local.launch.command or
+                        local.train.script else "this machine's GPUs train it; the estimate and the memory check are "
                         "for CPUs" if local_checks.gpus_here() else "")
     if not why:
         console.print("[dim]measuring how fast this machine trains it (a few seconds)[/]", soft_wrap=True)
-        speed, why = local_checks.measure(cfg)
-    result = local_checks.plan(original, cfg, sealed, reload or (lambda words: original), force=force, prepare=prepare,
+        speed, why = local_checks.measure(local)
+    result = local_checks.plan(cfg, local, sealed, reload or (lambda words: cfg), force=force, prepare=prepare,
                                speed=speed, rename=rename)
     console.print(f"[dim]{escape(result.said or f'expected step time here: not known ({why})')}[/]", soft_wrap=True)
-    return sealed, original, result
+    return sealed, result
 
 
 def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True, yes: bool = False,
@@ -92,8 +91,8 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
         raise ConfigError("run.name", busy)
     if _finished(local, run_dir, "local", console):
         return 0
-    sealed, original, result = try_here(cfg, project_dir, force=force, console=console, rename=rename,
-                                        prepare=prepare, reload=reload)
+    sealed, result = try_here(cfg, project_dir, force=force, console=console, rename=rename, prepare=prepare,
+                              reload=reload)
     asked = not yes and sys.stdin.isatty() and sys.stdout.isatty() and "train.steps" in {b.field for b in result.blockers}
     if [b for b in result.blockers if not (b.field == "train.steps" and (yes or asked))]:
         raise local_checks.Refused(result)
@@ -107,11 +106,11 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
             raise ConfigError("train.steps", "not started (nothing written): run the command above, or add --yes")
     if prepare and not sealed.data_status().prepared:  # then what its token counts say, before any process
         prepare_here(sealed, local_env(sealed.cfg, runs.Run(sealed.paths))["HF_HOME"], console)
-        if blockers := local_checks.data_blockers(sealed, original, prepare=False):
+        if blockers := local_checks.data_blockers(sealed, cfg, prepare=False):
             raise local_checks.Refused(local_checks.Plan(blockers))
     with runlock.hold(sealed.paths.path, f"slipway local {sealed.cfg.config_args}", trains=True):
         run, created = runs.prepare_run(sealed, force=force)
-        return _train_here(run, sealed, project_dir, created, console, step_s=result.step_s, original=original)
+        return _train_here(run, sealed, project_dir, created, console, step_s=result.step_s, original=cfg)
 
 
 def prepare_here(sealed: runs.Sealed, hf_home: str, console, num_proc: Optional[int] = None) -> None:
