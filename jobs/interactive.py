@@ -57,24 +57,23 @@ def local_env(cfg: Config, run: runs.Run, code: Optional[CodeSnapshot] = None) -
 
 
 def try_here(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True, prepare: bool = False,
-             reload: Optional[Callable[[list[str]], Config]] = None) -> tuple[runs.Sealed, Config, local_checks.Plan]:
+             reload: Optional[Callable[[list[str]], Config]] = None) -> tuple[runs.Sealed, local_checks.Plan]:
     """`cfg` as a try on this machine (its local view, sealed, nothing written) and its plan: every
     blocker at once, the command that clears them all, the expected time (measured here)."""
-    original = cfg
-    cfg, changed = local_checks.local_view(cfg, rename=rename)
+    local, changed = local_checks.local_view(cfg, rename=rename)
     if changed:
         console.print(f"[dim]on this machine: {'; '.join(changed)}[/]", soft_wrap=True)
-    sealed = runs.seal(cfg, project_dir)
-    speed, why = None, ("train.script or launch.command trains a model of its own" if cfg.launch.command or
-                        cfg.train.script else "this machine's GPUs train it; the estimate and the memory check are "
+    sealed = runs.seal(local, project_dir)
+    speed, why = None, ("train.script or launch.command trains a model of its own" if local.launch.command or
+                        local.train.script else "this machine's GPUs train it; the estimate and the memory check are "
                         "for CPUs" if local_checks.gpus_here() else "")
     if not why:
         console.print("[dim]measuring how fast this machine trains it (a few seconds)[/]", soft_wrap=True)
-        speed, why = local_checks.measure(cfg)
-    result = local_checks.plan(original, cfg, sealed, reload or (lambda words: original), force=force, prepare=prepare,
+        speed, why = local_checks.measure(local)
+    result = local_checks.plan(cfg, local, sealed, reload or (lambda words: cfg), force=force, prepare=prepare,
                                speed=speed, rename=rename)
     console.print(f"[dim]{escape(result.said or f'expected step time here: not known ({why})')}[/]", soft_wrap=True)
-    return sealed, original, result
+    return sealed, result
 
 
 def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True, yes: bool = False,
@@ -92,8 +91,8 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
         raise ConfigError("run.name", busy)
     if _finished(local, run_dir, "local", console):
         return 0
-    sealed, original, result = try_here(cfg, project_dir, force=force, console=console, rename=rename,
-                                        prepare=prepare, reload=reload)
+    sealed, result = try_here(cfg, project_dir, force=force, console=console, rename=rename, prepare=prepare,
+                              reload=reload)
     asked = not yes and sys.stdin.isatty() and sys.stdout.isatty() and "train.steps" in {b.field for b in result.blockers}
     if [b for b in result.blockers if not (b.field == "train.steps" and (yes or asked))]:
         raise local_checks.Refused(result)
@@ -107,11 +106,11 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
             raise ConfigError("train.steps", "not started (nothing written): run the command above, or add --yes")
     if prepare and not sealed.data_status().prepared:  # then what its token counts say, before any process
         prepare_here(sealed, local_env(sealed.cfg, runs.Run(sealed.paths))["HF_HOME"], console)
-        if blockers := local_checks.data_blockers(sealed, original, prepare=False):
+        if blockers := local_checks.data_blockers(sealed, cfg, prepare=False):
             raise local_checks.Refused(local_checks.Plan(blockers))
     with runlock.hold(sealed.paths.path, f"slipway local {sealed.cfg.config_args}", trains=True):
         run, created = runs.prepare_run(sealed, force=force)
-        return _train_here(run, sealed, project_dir, created, console, step_s=result.step_s, original=original)
+        return _train_here(run, sealed, project_dir, created, console, step_s=result.step_s, original=cfg)
 
 
 def prepare_here(sealed: runs.Sealed, hf_home: str, console, num_proc: Optional[int] = None) -> None:
@@ -203,18 +202,16 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
     ooms = oom_kills()
     rc, stopper, output, launch = _supervise(run, sealed, project_dir, argv, {**os.environ, **extra}, log_path,
                                              heartbeat, console, allocation, step_s)
-    # The batch script records its own end (and classifies a hang); the launcher only its code.
-    step = _last_step(run, heartbeat)
-    end = (_End(rc, rc, [], stopper.signum if rc == REQUEUE_EXIT else None) if allocation and rc >= 0
-           else _how_it_ended(run, cfg, tag, rc, stopper.signum, output, step, ooms))
-    for text in end.events:
-        append_event(run.dir, LOCAL_JOB, text)
-    _finish_local(run, launch, end.outcome, **end.extra)
     # A try past the bound of local_checks was started with --yes (or a yes): so is its resumption.
     left = cfg.train.steps - (done[-1] if done else 0)
     confirmed = " --yes" if not allocation and step_s and step_s * left > local_checks.LOCAL_TRY_SECONDS else ""
     command = escape(f"`{environ.invocation()} {'run' if allocation else 'local'} {cfg.config_args}{confirmed}`")
-    said = _end_lines(end, rc, step, command, log_path, run, cfg, output.error, stopper.forced)
+    end = _how_it_ended(run, cfg, tag, rc, stopper, output, _last_step(run, heartbeat), ooms, command, log_path,
+                        bool(allocation))
+    for text in end.events:
+        append_event(run.dir, LOCAL_JOB, text)
+    _finish_local(run, launch, end.outcome, **end.extra)
+    said = end.lines
     if end.code == 0 and not allocation:
         said += _what_next(run, original or cfg)
     with contextlib.suppress(OSError), log_path.open("a") as log:  # the log ends as the terminal does
@@ -298,49 +295,15 @@ def _what_next(run: runs.Run, original: Config) -> list[str]:
                            "first cluster run, as a run of its own: what it would submit, nothing submitted)")]
 
 
-def _end_lines(end: "_End", rc: int, step: Optional[int], command: str, log_path: Path, run: runs.Run,
-               cfg: Config, error: str, forced: Optional[float] = None) -> list[str]:
-    """The end in one line (two for a hang), in rich markup: what ended the run, where, what was
-    saved (`forced`: killed that many seconds after the stop, its grace out), the command that
-    resumes it and the log."""
-    log = escape(str(log_path))
-    steps = complete_checkpoints(run.dir / cfg.checkpoint.dir)
-    start = f"{command} starts from step 0"
-    resume = f"{command} resumes from its checkpoint at step {steps[-1]}" if steps else f"no checkpoint yet: {start}"
-    if end.signum is not None:
-        what = "interrupted (Ctrl-C)" if end.signum == signal.SIGINT else f"terminated by {signal_name(end.signum)}"
-        where = "" if step is None else f" at step {step}"
-        if forced is not None:
-            told = (f"{where}: stopped after {format_duration(forced)}, unsaved: " + (
-                f"the last checkpoint is step {steps[-1]}; {command} resumes from there" if steps else
-                f"no checkpoint yet; {start}"))
-        elif steps and steps[-1] == step:
-            told = f"{where} and saved it: {command} resumes from there"
-        else:
-            told = f"{where}, unsaved: {resume}" if steps else f"{where} before its first checkpoint: {start}"
-        return [f"[yellow]{what}[/]{told}; log: {log}"]
-    if end.hang:  # its last line: what ended the run
-        return [f"log: {log}; {resume}", f"[red]{escape(end.hang)}[/]"]
-    if end.reason:
-        return [f"[red]{escape(end.reason)}[/]{f'; {resume}' if end.resumable else ''}; log: {log}"]
-    if rc == REQUEUE_EXIT:
-        return [f"stopped after saving a checkpoint: {resume}"]
-    if rc:
-        return [f"[red]training failed with exit code {rc}[/]{': ' + escape(error) if error else ''}; log: {log}"]
-    return [escape(f"done: metrics in {run.dir / 'metrics.jsonl'}, checkpoints in {run.dir / cfg.checkpoint.dir}")]
-
-
 @dataclass
 class _End:
-    """How a local launch ended: the launcher's exit code, the manifest's outcome and the events."""
+    """How a launch ended: the launcher's exit code, the manifest's outcome (and its `extra`
+    fields), the events it appends and the lines (rich markup) that tell it."""
 
     code: int
     outcome: Union[int, str]
     events: list[str]
-    signum: Optional[int] = None
-    hang: str = ""
-    reason: str = ""
-    resumable: bool = True  # the same command again is worth suggesting (not after running out of memory)
+    lines: list[str]
     extra: dict = field(default_factory=dict)
 
 
@@ -352,35 +315,66 @@ def _last_step(run: runs.Run, heartbeat: Heartbeat) -> Optional[int]:
     return max(steps) if steps else None
 
 
-def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, signum: Optional[int], output: Output,
-                  step: Optional[int], ooms: Optional[int]) -> _End:
-    """`ooms`: the out-of-memory killer's count when the launch started (`oom_kills`)."""
-    where = "" if step is None else f" at step {step}"
+def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, stopper: Stopper, output: Output,
+                  step: Optional[int], ooms: Optional[int], command: str, log_path: Path, allocation: bool) -> _End:
+    """What ended the launch, where, what was saved (a forced stop: killed once its grace ran out),
+    the command that resumes it and the log; in one line, two for a hang. `ooms`: the out-of-memory
+    killer's count when the launch started (`oom_kills`). The batch script (`allocation`) records
+    its own end and classifies a hang: the launcher only its code, unless a signal killed it."""
+    own, log, where = not allocation or rc < 0, escape(str(log_path)), "" if step is None else f" at step {step}"
+    steps = complete_checkpoints(run.dir / cfg.checkpoint.dir)
+    start = f"{command} starts from step 0"
+    resume = f"{command} resumes from its checkpoint at step {steps[-1]}" if steps else f"no checkpoint yet: {start}"
+    signum = stopper.signum if own or rc == REQUEUE_EXIT else None
     if signum is not None:
-        name = signal.Signals(signum).name
+        name = signal_name(signum)
+        if stopper.forced is not None:
+            told = (f": stopped after {format_duration(stopper.forced)}, unsaved: " + (
+                f"the last checkpoint is step {steps[-1]}; {command} resumes from there" if steps else
+                f"no checkpoint yet; {start}"))
+        elif steps and steps[-1] == step:
+            told = f" and saved it: {command} resumes from there"
+        else:
+            told = f", unsaved: {resume}" if steps else f" before its first checkpoint: {start}"
+        what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"terminated by {name}"
+        said = [f"[yellow]{what}[/]{where}{told}; log: {log}"]
+        if not own:
+            return _End(rc, rc, [], said)
         if signum == signal.SIGINT:
             return _End(128 + signum, "interrupted", [f"interrupted by {name} (Ctrl-C){where}", "end interrupted"],
-                        signum, extra={"signal": name})
-        return _End(128 + signum, 128 + signum, [f"terminated by {name}{where}", f"end signal {name}"], signum,
-                    extra={"signal": name, "trainer_exit": rc})
-    hang = _hang(run, cfg, tag)
-    if hang:
-        return _End(HANG_EXIT, HANG_EXIT, [hang, f"end exit {HANG_EXIT}"], hang=f"hung: {hang.removeprefix('hang: ')}",
-                    extra={"trainer_exit": rc})
-    killed = -rc if rc < 0 else output.rank_signal
-    if killed:
-        name = signal_name(killed)
+                        said, {"signal": name})
+        return _End(128 + signum, 128 + signum, [f"terminated by {name}{where}", f"end signal {name}"], said,
+                    {"signal": name, "trainer_exit": rc})
+    if own and (hang := _hang(run, cfg, tag)):  # its last line: what ended the run
+        return _End(HANG_EXIT, HANG_EXIT, [hang, f"end exit {HANG_EXIT}"],
+                    [f"log: {log}; {resume}", f"[red]{escape('hung: ' + hang.removeprefix('hang: '))}[/]"],
+                    {"trainer_exit": rc})
+    if own and (killed := -rc if rc < 0 else output.rank_signal):
         who = "the trainer" if rc < 0 or output.failed_rank is None else f"rank {output.failed_rank}"
-        reason = f"{who} was killed by {name}{where}"
-        oom = killed == signal.SIGKILL and ooms is not None and (oom_kills() or 0) > ooms
-        if oom:
-            reason = f"{who} was killed by the out-of-memory killer ({name}){where}: this machine ran out of memory"
-            if not (cfg.launch.command or cfg.train.script):  # half the arithmetic's batch-dependent part
-                need = process_memory(cfg)
-                reason += f"; {local_checks.smaller_batch(cfg, PROCESS_BASE_BYTES + (need - PROCESS_BASE_BYTES) / 2)}"
-        return _End(128 + killed, 128 + killed, [reason, f"end exit {128 + killed}"], reason=reason,
-                    resumable=not oom, extra={"trainer_exit": rc})
-    return _End(rc, rc, [f"end exit {rc}"])
+        reason, oom = _killed(cfg, who, killed, where, ooms)
+        return _End(128 + killed, 128 + killed, [reason, f"end exit {128 + killed}"],
+                    [f"[red]{escape(reason)}[/]{'' if oom else f'; {resume}'}; log: {log}"], {"trainer_exit": rc})
+    if rc == REQUEUE_EXIT:
+        said = [f"stopped after saving a checkpoint: {resume}"]
+    elif rc:
+        said = [f"[red]training failed with exit code {rc}[/]{': ' + escape(output.error) if output.error else ''}; "
+                f"log: {log}"]
+    else:
+        said = [escape(f"done: metrics in {run.dir / 'metrics.jsonl'}, checkpoints in {run.dir / cfg.checkpoint.dir}")]
+    return _End(rc, rc, [f"end exit {rc}"] if own else [], said)
+
+
+def _killed(cfg: Config, who: str, killed: int, where: str, ooms: Optional[int]) -> tuple[str, bool]:
+    """Why signal `killed` ended the launch, and whether the out-of-memory killer sent it (its
+    count moved since `ooms`): then with the batch that fits in half the memory it planned for."""
+    name = signal_name(killed)
+    if not (killed == signal.SIGKILL and ooms is not None and (oom_kills() or 0) > ooms):
+        return f"{who} was killed by {name}{where}", False
+    reason = f"{who} was killed by the out-of-memory killer ({name}){where}: this machine ran out of memory"
+    if not (cfg.launch.command or cfg.train.script):  # half the arithmetic's batch-dependent part
+        need = process_memory(cfg)
+        reason += f"; {local_checks.smaller_batch(cfg, PROCESS_BASE_BYTES + (need - PROCESS_BASE_BYTES) / 2)}"
+    return reason, True
 
 
 def _hang(run: runs.Run, cfg: Config, tag: str) -> str:

@@ -653,12 +653,12 @@ def test_a_try_on_a_machine_with_gpus_is_not_bounded_by_the_cpus_estimate(projec
     out = tmp_path / "said.txt"
     with out.open("w") as f, monkeypatch.context() as m:
         m.setattr(local_checks, "gpus_here", lambda: True)
-        _, _, plan = interactive.try_here(cfg, project, force=False, console=Console(file=f, width=300))
+        _, plan = interactive.try_here(cfg, project, force=False, console=Console(file=f, width=300))
     assert plan.blockers == [] and plan.step_s is None
     assert "expected step time here: not known (this machine's GPUs train it" in out.read_text()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert not local_checks.gpus_here()
-    _, _, plan = interactive.try_here(cfg, project, force=False, console=Console(file=out.open("w")))
+    _, plan = interactive.try_here(cfg, project, force=False, console=Console(file=out.open("w")))
     assert [b.field for b in plan.blockers] == ["train.steps"] and "more than a try on this machine" in plan.lines()[0]
 
 

@@ -260,8 +260,8 @@ def cmd_local(args: argparse.Namespace, parse) -> int:
         if not args.dry_run:
             return interactive.run_local(cfg, project_dir(), force=args.force, console=console, rename=not named,
                                          yes=args.yes, prepare=args.prepare, reload=reload)
-        sealed, _, plan = interactive.try_here(cfg, project_dir(), force=args.force, console=console,
-                                               rename=not named, prepare=args.prepare, reload=reload)
+        sealed, plan = interactive.try_here(cfg, project_dir(), force=args.force, console=console,
+                                            rename=not named, prepare=args.prepare, reload=reload)
     except local_checks.Refused as exc:  # every blocker on a line of its own, then what clears them all
         for line in exc.plan.lines():
             print(f"slipway: error: {mask(one_line(as_typed(line)), values=True)}", file=sys.stderr)

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from jobs.devcluster.host import (HOSTS, NETNS_DIR, ClusterError, alive, check_subnet_free, leftovers, locked,
-                               network_up, no_core_dumps, our_links, our_netns, proc_stat, read_registry,
-                               registry_path, run as host_run, set_hosts_block, split_hosts, teardown, write_atomic)
+                               network_up, no_core_dumps, our_links, our_netns, outside_block, proc_stat,
+                               read_registry, registry_path, run as host_run, set_hosts_block, teardown, write_atomic)
 from jobs.devcluster.spec import CHECKOUT, ClusterSpec, render_slurm_conf
 
 STATE_MARKER = ".slipway-slurm"  # a state dir `up` may wipe carries this file
@@ -134,15 +134,13 @@ class LocalSlurmCluster:
     def start_node(self, node: str) -> None:
         """Start `node`'s slurmd in its node's namespaces; again where the one started before has
         exited (its node returns to service as it registers: ReturnToService=2)."""
-        spec, role = self.spec, f"slurmd {node}"
+        spec = self.spec
         for child in self._children:
             child.poll()  # reap an exited one
-        reg = read_registry(spec.name) or {"processes": []}
-        self._record([p for p in reg["processes"] if p["role"] != role])
         binds = [(spec.state_dir / "nodes" / node / str(i), Path(d)) for i, d in enumerate(spec.node_private)]
         argv = ["nsenter", f"--net={NETNS_DIR / spec.netns(spec.node_names.index(node) + 1)}",
                 *self._in_uts(node, "slurmd", "-D", "-N", node, "-f", str(spec.conf), binds=binds)]
-        self._start(role, argv, f"slurmd-{node}.out")
+        self._start(f"slurmd {node}", argv, f"slurmd-{node}.out")
 
     def _prepare_state_dir(self) -> None:
         s = self.spec.state_dir
@@ -172,7 +170,7 @@ class LocalSlurmCluster:
 
     def _check_hosts_free(self) -> None:
         ours = {line.split()[1] for line in self.spec.hosts_lines()}
-        outside, _ = split_hosts(HOSTS.read_text(), self.spec.name)
+        outside = outside_block(HOSTS.read_text(), self.spec.name)
         if taken := sorted({n for line in outside for n in line.split("#")[0].split()[1:] if n in ours}):
             raise ClusterError(f"{HOSTS} already maps {', '.join(taken)} outside this cluster's block "
                                "(another cluster, or a real host): bring that down or change the names")
@@ -205,9 +203,9 @@ class LocalSlurmCluster:
                                     cwd=self.spec.state_dir / "run", preexec_fn=no_core_dumps)
         self._children.append(proc)
         st = proc_stat(proc.pid)
-        reg = read_registry(self.spec.name) or {"processes": []}
-        self._record(reg["processes"] + [{"role": role, "pid": proc.pid, "start": st[1] if st else None,
-                                          "argv": argv}])
+        reg = read_registry(self.spec.name) or {"processes": []}  # a restarted role's entry replaced
+        self._record([p for p in reg["processes"] if p["role"] != role]
+                     + [{"role": role, "pid": proc.pid, "start": st[1] if st else None, "argv": argv}])
         return proc
 
     def _start_munged(self) -> None:

@@ -127,27 +127,26 @@ def hosts_markers(name: str) -> tuple[str, str]:
             f"# <<< slipway-slurm {name} <<<")
 
 
-def split_hosts(text: str, name: str) -> tuple[list[str], list[str]]:
-    """(lines outside our block, lines inside it)."""
+def outside_block(text: str, name: str) -> list[str]:
+    """The lines of /etc/hosts `text` outside cluster `name`'s block."""
     begin, end = hosts_markers(name)
-    outside, inside, inblock = [], [], False
+    outside, inblock = [], False
     for line in text.splitlines():
         if line == begin:
             inblock = True
         elif line == end and inblock:
             inblock = False
-        else:
-            (inside if inblock else outside).append(line)
-    return outside, inside
+        elif not inblock:
+            outside.append(line)
+    return outside
 
 
 def set_hosts_block(name: str, lines: list[str]) -> None:
     """Replace (or with no lines remove) our block in /etc/hosts, atomically."""
     with locked():
         text = HOSTS.read_text()
-        outside, _ = split_hosts(text, name)
         begin, end = hosts_markers(name)
-        new = outside + ([begin, *lines, end] if lines else [])
+        new = outside_block(text, name) + ([begin, *lines, end] if lines else [])
         new_text = "\n".join(new) + "\n"
         if new_text != text:
             write_atomic(HOSTS, new_text)
