@@ -283,7 +283,7 @@ def drive_check_torchtitan(args: argparse.Namespace) -> int:
     ours = from_dict(ModelSection, speed.model_dict(args)).num_params()
     titan, output = check_torchtitan_model(args)
     if titan is None:
-        print(f"torchtitan check FAILED: {speed.titan_error(output) if chr(10) in output else output}", file=sys.stderr)
+        print(f"torchtitan check FAILED: {titan.titan_error(output) if chr(10) in output else output}", file=sys.stderr)
         return 1
     same = titan == ours
     print(f"torchtitan {TORCHTITAN_VERSION} config module loads; parameters: ours {ours:,}, torchtitan {titan:,}"
