@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from common.errors import one_line
-from common.fs import read_tail
+from common.fs import append_line, read_tail
 from common.rundir import INTERRUPTED_EXIT, RunDir
 
 # What a reader takes of events.log at most, from its end: thousands of attempts' events (a line
@@ -156,12 +156,4 @@ def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,
                  when: Optional[datetime | str] = None) -> None:
     """Append one event to RUN/events.log: one write(2) of one whole line under O_APPEND, so
     concurrent writers (the batch script, several ranks, the host) never interleave inside a line."""
-    line = format_event(job, text, when)
-    fd = os.open(RunDir(Path(run_dir)).events, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
-    try:
-        data = line.encode()
-        written = os.write(fd, data)
-        while written < len(data):  # a short write (a signal, a full disk): finish the line
-            written += os.write(fd, data[written:])
-    finally:
-        os.close(fd)
+    append_line(RunDir(Path(run_dir)).events, format_event(job, text, when))

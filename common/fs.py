@@ -50,6 +50,19 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, 
     return path
 
 
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """One whole line appended under O_APPEND (a short write finished), so concurrent writers (the
+    batch script, several ranks, the host) never interleave inside one; never blocked by a FIFO."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    try:
+        data = (line.rstrip("\n") + "\n").encode()
+        written = os.write(fd, data)
+        while written < len(data):  # a signal, a full disk
+            written += os.write(fd, data[written:])
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename or a new entry in directory `path` durable; a network filesystem that refuses
     fsync on a directory is no error (the rename is atomic all the same)."""

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, Optional, TypeVar
+
+from common.fs import append_line
 
 T = TypeVar("T", bound="TaggedLine")
 
@@ -68,9 +69,4 @@ class TaggedLine:
         return True
 
     def append_to(self, path: Path) -> None:
-        """One write(2) of one whole line under O_APPEND (a reader never sees half of one)."""
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (self.line() + "\n").encode())
-        finally:
-            os.close(fd)
+        append_line(path, self.line())

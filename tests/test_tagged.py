@@ -37,3 +37,30 @@ def test_the_written_words():
     assert HangLine(3, "n", 9, 61.04, 20.0, on_time=False).line() == \
         "slipway-hang rank=3 host=n step=9 idle=61.0 limit=20 answered=late"
     assert SaveLine(1, 2, 3, 4, "t").line() == "slipway-save step=1 ms=2 bytes=3 step_ms=4 at=t"
+
+
+def test_a_record_is_appended_whole_and_a_fifo_in_its_place_never_blocks(tmp_path):
+    """The writer of every tagged line and event (common/fs.py append_line): whole lines, one each;
+    a FIFO where the file should be (rank 0's record of a save, say) is an error at once, which the
+    caller reports, never a training stuck on an open with no reader."""
+    import os
+    import signal
+
+    path = tmp_path / "saves.log"
+    for record in RECORDS[:2]:
+        record.append_to(path)
+    assert [type(r).parse(line) for r, line in zip(RECORDS, path.read_text().splitlines(keepends=True))] == RECORDS[:2]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def blocked(*_):
+        raise RuntimeError("append_to blocked on a FIFO")  # the test fails instead of hanging the suite
+
+    before = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(30)
+    try:
+        with pytest.raises(OSError):
+            RECORDS[0].append_to(fifo)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
