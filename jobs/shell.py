@@ -7,9 +7,9 @@ import os
 import shlex
 import shutil
 import signal
-import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from common.errors import ConfigError
 from common.fs import write_atomic
@@ -76,13 +76,16 @@ def shell_dry_run(cfg: Config, project_dir: Path, command: list[str] | None = No
     return out + shlex.join([*(f"{k}={v}" for k, v in exports.items()), *argv]) + "\n", notes
 
 
-def run_shell(cfg: Config, project_dir: Path, command: list[str] | None = None) -> int:
+def run_shell(cfg: Config, project_dir: Path, say: Callable[[list[str]], None],
+              command: list[str] | None = None) -> int:
     """`slipway shell`: the Container Engine's EDF in a private directory (0700, the file 0600)
-    for as long as srun runs, then removed (also on Ctrl-C, SIGTERM or a closed terminal)."""
+    for as long as srun runs, then removed (also on Ctrl-C, SIGTERM or a closed terminal); `say`
+    tells its notes, as a dry run's are told."""
     cfg.container.require_host_env()
     if cfg.container.runtime != "edf":
         argv, exports, _, notes = shell_argv(cfg, project_dir, command, write_code=True)
-        return exec_foreground(argv, exports, notes)
+        say(notes)
+        return exec_foreground(argv, exports)
     root = shell_edf_root(project_dir)
     runs.no_world_write()
     root.mkdir(parents=True, exist_ok=True)
@@ -94,7 +97,8 @@ def run_shell(cfg: Config, project_dir: Path, command: list[str] | None = None) 
     try:
         argv, exports, text, notes = shell_argv(cfg, project_dir, command, edf_dir=private, write_code=True)
         write_atomic(private / "env.toml", text or "", 0o600)
-        return exec_foreground(argv, exports, notes)
+        say(notes)
+        return exec_foreground(argv, exports)
     finally:
         shutil.rmtree(private, ignore_errors=True)
         for sig, handler in handlers.items():
@@ -105,9 +109,6 @@ def _exit_on_signal(signum: int, _frame) -> None:
     raise SystemExit(128 + signum)  # unwinds through run_shell's cleanup
 
 
-def exec_foreground(argv: list[str], exports: dict[str, str], notes: list[str]) -> int:
-    """Hand the terminal to `argv` (with `exports` added to its environment), its notes said first;
-    its exit code."""
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
+def exec_foreground(argv: list[str], exports: dict[str, str]) -> int:
+    """Hand the terminal to `argv` (with `exports` added to its environment); its exit code."""
     return tool(argv[0])[argv[1:]].popen(stdin=None, stdout=None, stderr=None, env={**os.environ, **exports}).wait()

@@ -204,6 +204,9 @@ def test_shell_runs_the_checkouts_code_as_a_submission_now_would(project, tmp_pa
     assert f"PYTHONPATH={code}" in said and any(f"{code}:{code}:ro" in line for line in said), said
     assert (Path(code) / "trainer" / "train.py").read_text() == (project / "trainer" / "train.py").read_text()
     assert not (project / "runs" / "tiny_cpu").exists()  # never into a run
+    # Its notes as a dry run tells them: one line each, masked (a note quotes paths and overrides).
+    told = [line for line in r.stderr.splitlines() if line.startswith("note: ")]
+    assert told and set(told) < set(slipway("shell", *args, "--dry-run").stderr.splitlines()), r.stderr
     dry = slipway("submit", *args, "--dry-run")
     assert f"{code}:{code}:ro" in dry.stdout.replace("'\"'\"'", "'")  # the snapshot a submission now would run
 

@@ -281,6 +281,18 @@ def test_rank0_takes_over_a_lock_whose_pid_died(tmp_path):
     assert not paths.lock.exists()
 
 
+@pytest.mark.parametrize("pid", ["4242", None, -1, 0, 10**30, True, [1]])
+def test_a_lock_whose_pid_names_no_process_is_judged_by_its_heartbeat(tmp_path, pid):
+    """Damaged, or a tool's that wrote another shape: neither a crash nor `os.kill(-1, 0)` (every
+    process) decides; a fresh lock is alive, its writer named as written, a silent one stale."""
+    lock = tmp_path / "x.lock"
+    lock.write_text(json.dumps({"pid": pid, "host": data_cache._host(), "token": "x"}))
+    watch = data_cache.LockWatch(lock, stale_s=0.2)
+    assert watch.state() == "alive" and data_cache._live_writer(lock) == f"pid {pid} on {data_cache._host().split('/')[0]}"
+    time.sleep(0.3)
+    assert watch.state() == "stale"
+
+
 def test_rank0_takes_over_a_lock_without_heartbeat_from_another_host(tmp_path):
     source, tok = _source_and_tok(tmp_path)
     paths = data_cache.cache_paths(source, tok, tmp_path / "c")

@@ -167,8 +167,7 @@ class LockWatch:
         sig = (st.st_ino, st.st_mtime_ns, st.st_size)
         if sig != self._sig:
             self._sig, self._changed = sig, time.monotonic()
-        info = read_json(self.path)
-        if info and info.get("host") == _host() and not pid_alive(int(info.get("pid", -1))):
+        if _gone(read_json(self.path) or {}):
             return "dead"
         return "stale" if time.monotonic() - self._changed > self.stale_s else "alive"
 
@@ -362,6 +361,11 @@ def _live_writer(lock: Path) -> str | None:
         return None
     if info is None or age > environ.seconds("SLIPWAY_DATA_STALE_S", STALE_S):
         return None
-    if info.get("host") == _host() and not pid_alive(int(info.get("pid", -1))):
-        return None
-    return _holder(info)
+    return None if _gone(info) else _holder(info)
+
+
+def _gone(info: dict[str, Any]) -> bool:
+    """Whether a lock's writer was a process of this host that has ended; a pid that names no
+    process (damaged, a teammate's tool's) says nothing: its heartbeat decides."""
+    pid = info.get("pid")
+    return info.get("host") == _host() and type(pid) is int and 0 < pid < 1 << 22 and not pid_alive(pid)

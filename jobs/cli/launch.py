@@ -5,6 +5,7 @@ flags, and the terminal."""
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 from pathlib import Path
@@ -351,9 +352,10 @@ def cmd_shell(args: argparse.Namespace) -> int:
     from jobs import shell
 
     cfg = load(args)
+    say = functools.partial(print_notes, rich_console(stderr=True))  # masked, one line each, as typed
     if args.dry_run:
         text, notes = shell.shell_dry_run(cfg, project_dir(), command=args.command)
-        print_notes(rich_console(stderr=True), notes)
+        say(notes)
         sys.stdout.write(mask(text))  # --command is the user's own text
         return 0
-    return shell.run_shell(cfg, project_dir(), command=args.command)
+    return shell.run_shell(cfg, project_dir(), say, command=args.command)
