@@ -50,6 +50,12 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, 
     return path
 
 
+def user_cache(name: str) -> Path:
+    """File `name` of slipway's cache of this user's ($XDG_CACHE_HOME, else ~/.cache): what is
+    worth remembering across projects, never needed (a cache that cannot be read is rebuilt)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")) / "slipway" / name
+
+
 def append_line(path: str | os.PathLike, line: str) -> None:
     """One whole line appended under O_APPEND (a short write finished), so concurrent writers (the
     batch script, several ranks, the host) never interleave inside one; never blocked by a FIFO."""

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 from common.baseline import BASELINE, command, label
 from common.errors import ConfigError, bounded_path, human
-from common.fs import file_kind
+from common.fs import file_kind, user_cache
 from common.secrets import file_findings, policy_fingerprint, secret_file
 from containers.tools import git
 
@@ -277,8 +277,7 @@ class CleanFiles:
 
     @classmethod
     def load(cls) -> "CleanFiles":
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        path = Path(base) / "slipway" / f"clean-files-{policy_fingerprint()}"
+        path = user_cache(f"clean-files-{policy_fingerprint()}")
         try:
             with open(path, "rb") as f:
                 text = f.read(cls.MAX_BYTES).decode("ascii", "replace")

@@ -166,6 +166,39 @@ def test_submit_and_doctor_refuse_a_missing_squashfs_whatever_names_it(project, 
     assert json.loads((project / "runs" / "b" / "manifest.json").read_text())["image"]["path"] == str(gone)
 
 
+def test_a_users_squashfs_is_read_once_per_version_not_at_each_launch(project, tmp_path, slurm_stand_ins):
+    """A squashfs slipway did not build is pinned by its bytes' sha256: read at its first launch
+    and remembered in the user's cache by what any write changes, so a dev loop on a 20 GB image
+    does not read 20 GB a launch; changed in place (same size, its mtime set back) it is read again;
+    a damaged, foreign or unwritable cache is read past."""
+    import hashlib
+
+    image = tmp_path / "own.sqsh"
+    image.write_bytes(b"hsqs" + os.urandom(1 << 20))
+    cache = tmp_path / "cache"
+    env = {**slurm_stand_ins, "XDG_CACHE_HOME": str(cache)}
+
+    def pinned(name: str, **more: str) -> str:
+        r = slipway("submit", "tiny_cpu", *PYXIS, f"container.image={image}", "--run-name", name, env={**env, **more})
+        assert r.returncode == 0, r.stderr
+        return json.loads((project / "runs" / name / "manifest.json").read_text())["image"]["sha256"]
+
+    assert pinned("a") == hashlib.sha256(image.read_bytes()).hexdigest()
+    remembered = cache / "slipway" / "image-digests.json"
+    (key, digest), = json.loads(remembered.read_text()).items()
+    remembered.write_text(json.dumps({key: "0" * 64}))  # what the cache says is what a launch uses: not read
+    assert pinned("b") == "0" * 64
+    st = image.stat()
+    image.write_bytes(b"hsqs" + os.urandom(1 << 20))  # the same size, its mtime set back: the change time tells
+    os.utime(image, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert pinned("c") == hashlib.sha256(image.read_bytes()).hexdigest() != digest
+    assert len(json.loads(remembered.read_text())) == 1  # the old version's entry replaced
+    for damaged in (b"[1, 2]", b"{\"k\": 3", b"\xff\xfe"):
+        remembered.write_bytes(damaged)
+        assert pinned(f"d{len(damaged)}") == hashlib.sha256(image.read_bytes()).hexdigest()
+    assert pinned("e", XDG_CACHE_HOME="/proc/no-such-cache") == hashlib.sha256(image.read_bytes()).hexdigest()
+
+
 # ------------------------------------------------------------------ doctor RUN
 
 

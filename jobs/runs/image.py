@@ -9,6 +9,9 @@ submitted run uses. Also what a build of the config's settings would be now (`bu
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import re
 import shlex
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -16,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from common.errors import ConfigError, shown
-from common.fs import file_sha256
+from common.fs import file_sha256, read_json, user_cache, write_atomic
 from common.rundir import CodeSnapshot
 from common.schema import require
 from containers.context import UNHASHED_ARGS, build_root, resolve_path
@@ -29,6 +32,7 @@ from jobs.slurm.script import Pins
 
 
 SOURCES = ("build", "file", "registry", "base_environment", "none")
+DIGESTS_KEPT = 64  # squashfs files whose digest the user's cache remembers
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,25 @@ def _file_pin(reference: str, path: Path, source: str, known: Optional[BuildReco
     record = known or BuildRecord.beside(real)
     if record:
         return ImagePin(reference, str(real), source, str(real), st.st_size, mtime, record.hash, record.tag)
-    # A squashfs slipway did not build: its bytes are its identity (read once per submission).
-    return ImagePin(reference, str(real), source, str(real), st.st_size, mtime, sha256=file_sha256(real))
+    # A squashfs slipway did not build: its bytes are its identity.
+    return ImagePin(reference, str(real), source, str(real), st.st_size, mtime, sha256=_bytes_digest(real, st))
+
+
+def _bytes_digest(real: Path, st: os.stat_result) -> str:
+    """The sha256 of squashfs `real`'s bytes, read once per version of the file, not gigabytes at
+    each launch of a dev loop: remembered in the user's cache under what any write changes (its
+    device, inode, size, and modification and change times: a user cannot set the change time
+    back, as the nodes' size-and-mtime check assumes they will not)."""
+    cache = user_cache("image-digests.json")
+    key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns} {real}"
+    known = {k: v for k, v in (read_json(cache) or {}).items() if isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v)}
+    if key in known:
+        return known[key]
+    digest = file_sha256(real)
+    others = [(k, v) for k, v in known.items() if k.split(" ", 1)[-1] != str(real)][-DIGESTS_KEPT + 1:]
+    with contextlib.suppress(OSError):  # unwritable: the next launch reads the bytes again
+        write_atomic(cache, json.dumps(dict([*others, (key, digest)]), indent=1) + "\n", sync=False)
+    return digest
 
 
 def pin_image(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None) -> ImagePin:
