@@ -193,9 +193,12 @@ def test_a_users_squashfs_is_read_once_per_version_not_at_each_launch(project, t
     os.utime(image, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert pinned("c") == hashlib.sha256(image.read_bytes()).hexdigest() != digest
     assert len(json.loads(remembered.read_text())) == 1  # the old version's entry replaced
-    for damaged in (b"[1, 2]", b"{\"k\": 3", b"\xff\xfe"):
+    for damaged in (b"[1, 2]", b"{\"k\": 3", b"\xff\xfe", b" " * (2 << 20) + b"{}"):
         remembered.write_bytes(damaged)
         assert pinned(f"d{len(damaged)}") == hashlib.sha256(image.read_bytes()).hexdigest()
+    remembered.unlink()
+    os.mkfifo(remembered)  # never opened to wait on a writer; replaced by the next write
+    assert pinned("fifo") == hashlib.sha256(image.read_bytes()).hexdigest() and remembered.is_file()
     assert pinned("e", XDG_CACHE_HOME="/proc/no-such-cache") == hashlib.sha256(image.read_bytes()).hexdigest()
 
 

@@ -92,7 +92,8 @@ def _bytes_digest(real: Path, st: os.stat_result) -> str:
     back, as the nodes' size-and-mtime check assumes they will not)."""
     cache = user_cache("image-digests.json")
     key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns} {real}"
-    known = {k: v for k, v in (read_json(cache) or {}).items() if isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v)}
+    known = {k: v for k, v in (read_json(cache, limit=1 << 20) or {}).items()
+             if isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v)}
     if key in known:
         return known[key]
     digest = file_sha256(real)
