@@ -75,9 +75,8 @@ def controller_problem() -> str | None:
 
 
 def _image_tools() -> list[Result]:
-    out: list[Result] = []
     podman = shutil.which("podman")
-    out.append(("podman", podman is not None, podman or "podman not found: needed by `make image`"))
+    out: list[Result] = [("podman", podman is not None, podman or "podman not found: needed by `make image`")]
     if podman:
         from containers.storage import check_storage_conf
 
@@ -362,12 +361,8 @@ def run_checks(run: "runs.Run") -> list[Result]:
     manifest = run.manifest()
     pin = manifest.image
     out: list[Result] = [("run", True, f"{run.dir} ({len(manifest.submissions)} submission(s))")]
-
-    def config() -> list[Result]:
-        cfg = run.config()
-        return [("run config", True, f"{run.paths.config} loads ({cfg.container.runtime})")]
-
-    out += _guard("run config", config)
+    out += _guard("run config", lambda: [("run config", True,
+                                          f"{run.paths.config} loads ({run.config().container.runtime})")])
     out += _guard("pinned image", lambda: _pinned_image(run, pin))
     out += _guard("pinned code", lambda: _pinned_code(run, manifest))
     out += _guard("current build", lambda: _current_build(run, pin))

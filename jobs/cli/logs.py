@@ -42,18 +42,16 @@ def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> i
     if follow:
         return follow_logs(run, job_id)
     path = run.log_path(job_id, stream)
-    tail = _Tail(path, sys.stdout, shlex.quote(str(run.paths.config)))
-    if not tail.pump():
+    if not _Tail(path, sys.stdout, run).pump():
         info = slurm.job_info(job_id)
-        state = info.state if info else "unknown"
-        raise ConfigError("RUN", f"no log yet at {path} (job {job_id} is {state})")
+        raise ConfigError("RUN", f"no log yet at {path} (job {job_id} is {info.state if info else 'unknown'})")
     return 0
 
 
 def _show_local_log(run: runs.Run, launch: Launch, follow: bool) -> int:
     """A local run's log (`make local` writes logs/local-STAMP.out); -f follows it while it runs."""
     path = run.dir / launch.log
-    tail = _Tail(path, sys.stdout, shlex.quote(str(run.paths.config)))
+    tail = _Tail(path, sys.stdout, run)
     if not launch.log or not tail.pump():
         raise ConfigError("RUN", f"no log at {path}")
     state = run.state(launch)
@@ -74,12 +72,12 @@ class _Tail:
 
     CHUNK = 1 << 20
 
-    def __init__(self, path: Path, out: TextIO, config_args: Optional[str] = None):
+    def __init__(self, path: Path, out: TextIO, run: runs.Run):
         self.path, self.out, self.pos = path, out, 0
         self.text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut by a chunk's end
         # The trainer's suggestions (`slipway prepare CONFIG`) with the run's config, as this shell runs
         # them: typed a whole line at a time (a hint is never cut by a chunk's end).
-        self.config_args, self.partial = config_args, ""
+        self.config_args, self.partial = shlex.quote(str(run.paths.config)), ""
         self.ended = False  # the batch script's last line, how the job ended, was copied
 
     def pump(self) -> bool:
@@ -115,11 +113,9 @@ def follow_logs(run: runs.Run, job_id: str, on_state: Optional[Callable[[str], N
     The log paths are known before the job starts, so nothing can be missed between submission
     and the first line. Slurm is asked once a poll, and no more once events.log settles the end.
     """
-    typed = shlex.quote(str(run.paths.config))
-    tails = [_Tail(run.log_path(job_id, "output"), sys.stdout, typed)]  # the streams of now, not of import time
-    err_path = run.log_path(job_id, "error")
-    if err_path != tails[0].path:
-        tails.append(_Tail(err_path, sys.stderr, typed))
+    tails = [_Tail(run.log_path(job_id, "output"), sys.stdout, run)]  # the streams of now, not of import time
+    if (err_path := run.log_path(job_id, "error")) != tails[0].path:
+        tails.append(_Tail(err_path, sys.stderr, run))
 
     def pump() -> None:
         for t in tails:

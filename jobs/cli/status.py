@@ -119,9 +119,8 @@ def show_status(project_dir, run_name: str | None, console) -> int:
     events = run.events()
     owns = [lifecycle.events_of(x, events, launches) for x in launches]
     answers = lifecycle.ask_slurm(zip(launches, owns))
-    table = Table(title=Text(one_line(f"run {run.name}  {_progress(listing_facts(run))}")), title_justify="left")
-    for col in ("job", "state", "exit", "elapsed", "last event / reason"):
-        table.add_column(col)
+    table = Table("job", "state", "exit", "elapsed", "last event / reason",
+                  title=Text(one_line(f"run {run.name}  {_progress(listing_facts(run))}")), title_justify="left")
     for launch, own in zip(launches, owns):
         table.add_row(*[Text(one_line(cell)) for cell in _job_row(launch, own, answers.get(launch.id))])
     console.print(table)

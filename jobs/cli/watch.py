@@ -139,8 +139,9 @@ class Watcher:
     def snapshot(self) -> Snapshot:
         now = time.time()
         state, where, elapsed, ended = self._local() if self.job_id == LOCAL else self._slurm()
-        snap = Snapshot(self.run.name, self.job_id, _shown(state) if ended else state, where, elapsed,
-                        total_steps=self.total_steps, ended=ended)
+        if ended and state.state == lifecycle.COMPLETED:  # a completion needs no reason
+            state = replace(state, reason="")
+        snap = Snapshot(self.run.name, self.job_id, state, where, elapsed, total_steps=self.total_steps, ended=ended)
         snap.metrics = self.run.last_metrics() or {}
         self._progress(snap, now)
         events = self.run.events()
@@ -207,11 +208,6 @@ class Watcher:
             snap.nodes.append(node)
 
 
-def _shown(state: lifecycle.LaunchState) -> lifecycle.LaunchState:
-    """An ended job's state as a frame shows it: a completion needs no reason."""
-    return replace(state, reason="") if state.state == lifecycle.COMPLETED else state
-
-
 def _fmt_age(seconds: Optional[float]) -> str:
     return "-" if seconds is None else f"{format_duration(seconds)} ago"
 
@@ -241,9 +237,7 @@ def _training_row(snap: Snapshot):
     m = snap.metrics
     steps = [s for s in (m.get("step"), snap.progress_step) if isinstance(s, int)]
     step = max(steps) if steps else None  # progress.json is ahead between logged steps
-    train = Table.grid(padding=(0, 2))
-    for _ in range(7):
-        train.add_column()
+    train = Table.grid(padding=(0, 2))  # add_row makes its columns
     mfu, tps, loss, age = m.get("mfu"), m.get("tokens_per_s"), m.get("loss"), snap.step_age
     age_style = "red" if (age is not None and snap.hang_timeout and age > snap.hang_timeout / 2) else ""
     train.add_row(
@@ -259,9 +253,8 @@ def _training_row(snap: Snapshot):
 
 
 def _nodes_table(snap: Snapshot):
-    nodes = Table(title="nodes", title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("node", "heartbeat", "GPUs", "GPU use", "GPU memory"):
-        nodes.add_column(col)
+    nodes = Table("node", "heartbeat", "GPUs", "GPU use", "GPU memory", title="nodes", title_justify="left",
+                  show_edge=False, pad_edge=False)
     stale = 2 * NODE_HEARTBEAT_SECONDS + 5
     for n in snap.nodes:
         beat = Text(_fmt_age(n.heartbeat_age),
