@@ -26,13 +26,6 @@ from common.events import Event, append_event
 from common.rundir import LOCAL_JOB, HangLine
 
 
-def hang_dumps(run: runs.Run, tag: str) -> list[str]:
-    """One line per stack dump of attempt `tag`: rank, node, and whether it answered in time."""
-    late = "late: frozen or starved until the teardown"
-    return [f"rank {line.rank} on {line.host}: {'on time' if line.on_time else late} ({path.relative_to(run.dir)})"
-            for path in run.paths.hang_dumps(tag) if (line := HangLine.read(path)) is not None]
-
-
 def _progress(f: Facts, throughput: bool = False) -> str:
     m = f.train
     if not m:
@@ -237,8 +230,11 @@ def _print_history(run: runs.Run, history: History, console) -> None:
         attempt = f"attempt {history.hang_attempt} of job {history.job_id}" if history.hang_attempt else \
             f"job {history.job_id}"
         say(console, ("hung", "red"), f" ({attempt}): {history.hang.removeprefix('hang: ')}")
-        for line in hang_dumps(run, history.hang_tag):
-            say(console, f"  {line}")
+        late = "late: frozen or starved until the teardown"
+        for path in run.paths.hang_dumps(history.hang_tag):  # a line per rank's stack dump
+            if (line := HangLine.read(path)) is not None:
+                say(console, f"  rank {line.rank} on {line.host}: {'on time' if line.on_time else late} "
+                             f"({path.relative_to(run.dir)})")
     if history.preflight:
         say(console, f"preflight: {history.preflight.removeprefix('preflight ')}")
 
