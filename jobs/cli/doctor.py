@@ -229,10 +229,8 @@ def _edf_dir(directory: Optional[str], where: str) -> list[Result]:
     while not path.exists() and path != path.parent:
         path = path.parent
     try:  # a file made and removed: permissions alone do not say (root, read-only mounts, /proc)
-        fd, probe = tempfile.mkstemp(prefix=".slipway-doctor-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-        why = ""
+        with tempfile.TemporaryFile(prefix=".slipway-doctor-", dir=path):
+            why = ""
     except OSError as exc:
         why = exc.strerror or str(exc)
     return [("EDF directory", not why, f"{directory} is writable" if not why else f"{directory} is not writable "
@@ -373,8 +371,7 @@ def run_checks(run: "runs.Run") -> list[Result]:
 def _pinned_code(run: "runs.Run", manifest) -> list[Result]:
     """The code snapshot and the job libraries the run's next job (a requeue, too) checks on every
     node before it starts: here and unchanged, the same check the nodes make."""
-    from hashlib import sha256
-
+    from common.fs import file_sha256
     from jobs.runs.code import damage
 
     out: list[Result] = []
@@ -389,7 +386,7 @@ def _pinned_code(run: "runs.Run", manifest) -> list[Result]:
     for name, digest in sorted(manifest.job_lib.items()):
         path = run.dir / name
         try:
-            ok = sha256(path.read_bytes()).hexdigest() == digest
+            ok = file_sha256(path) == digest
             why = "" if ok else "differs from the one submitted"
         except OSError as exc:
             ok, why = False, f"cannot be read ({exc.strerror})"

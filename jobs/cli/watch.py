@@ -83,23 +83,18 @@ def parse_gutil(path: Path) -> tuple[int, Optional[float], Optional[float]]:
         return 0, None, None
     lines = [] if data is None else data.decode(errors="replace").splitlines()[-400:]
     columns: list[str] = []
-    latest: dict[str, list[str]] = {}
+    latest: dict[str, dict[str, str]] = {}  # each GPU's latest sample, by column
     for line in lines:
         words = line.lstrip("#").split()
         if line.startswith("#"):
-            if "gpu" in words:
-                columns = words
-            continue
-        if not columns or len(words) != len(columns):
-            continue
-        latest[words[columns.index("gpu")]] = words
+            columns = words if "gpu" in words else columns
+        elif columns and len(words) == len(columns):
+            latest[words[columns.index("gpu")]] = dict(zip(columns, words))
 
-    def number(row: list[str], name: str) -> Optional[float]:
-        if name not in columns:
-            return None
+    def number(row: dict[str, str], name: str) -> Optional[float]:
         try:
-            return float(row[columns.index(name)])
-        except ValueError:  # "-": not measured
+            return float(row.get(name, ""))
+        except ValueError:  # "-": not measured, or no such column
             return None
 
     sm = [v for r in latest.values() if (v := number(r, "sm")) is not None]
