@@ -25,13 +25,10 @@ SHELL_EDF_SHOWN = "slipway-shell-XXXXXXXX"
 
 def shell_argv(cfg: Config, project_dir: Path, command: list[str] | None = None, edf_dir: Path | None = None,
                write_code: bool = False) -> tuple[list[str], dict[str, str], str | None, list[str]]:
-    """`srun ... --pty bash` in the image (or `command` without a pty), one node, one task; the
-    variables to set in srun's environment (pyxis passes container.env that way); the text of the
-    Container Engine's EDF (None for the other runtimes), to be written as `edf_dir`/env.toml
-    (default: the name a dry run shows) before srun starts; and notes. The environment is a
-    submitted run's (jobs.runs.container.shell_environment), through the batch script's
-    `srun_flags`, never written into a run directory; `container.env_from_host` is only named:
-    srun hands it on from this process's environment."""
+    """`srun ... --pty bash` (or `command`, no pty) on one node in a submitted run's environment, through
+    the batch script's `srun_flags`; the variables srun's environment needs (pyxis passes container.env
+    so; container.env_from_host is only named, srun hands it on); the Container Engine's EDF to write as
+    `edf_dir`/env.toml before srun starts (None for the other runtimes); and notes."""
     from jobs.runs.container import shell_environment
 
     sealed = runs.seal(cfg, project_dir)
@@ -60,8 +57,7 @@ def shell_edf_root(project_dir: Path) -> Path:
 
 
 def shell_dry_run(cfg: Config, project_dir: Path, command: list[str] | None = None) -> tuple[str, list[str]]:
-    """What `slipway shell --dry-run` prints (the EDF, then the srun command), writing nothing;
-    and its notes (what a real shell would refuse)."""
+    """What `slipway shell --dry-run` prints (the EDF, then the srun command), and its notes."""
     notes = []
     try:
         cfg.container.require_host_env()
@@ -78,9 +74,8 @@ def shell_dry_run(cfg: Config, project_dir: Path, command: list[str] | None = No
 
 def run_shell(cfg: Config, project_dir: Path, say: Callable[[list[str]], None],
               command: list[str] | None = None) -> int:
-    """`slipway shell`: the Container Engine's EDF in a private directory (0700, the file 0600)
-    for as long as srun runs, then removed (also on Ctrl-C, SIGTERM or a closed terminal); `say`
-    tells its notes, as a dry run's are told."""
+    """`slipway shell`: the Container Engine's EDF in a private directory (0700, the file 0600) while srun
+    runs, removed after (also on Ctrl-C, SIGTERM or a closed terminal); `say` tells the notes."""
     cfg.container.require_host_env()
     if cfg.container.runtime != "edf":
         argv, exports, _, notes = shell_argv(cfg, project_dir, command, write_code=True)

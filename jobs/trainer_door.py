@@ -1,8 +1,6 @@
-"""The one door from the host into trainer/ beyond its config sections (`trainer.config`): the
-trainer's own work that a host command does on this machine, each imported only when called.
-What stands behind it imports no torch (tests/test_contract.py imports each module the door imports
-with torch blocked); `data_status` needs not even numpy, so the login node's base install runs it.
-"""
+"""The one door from the host into trainer/ beyond its config sections (`trainer.config`), each import
+made only when called. What stands behind it imports no torch (tests/test_contract.py imports each module
+the door imports with torch blocked); `data_status` needs not even numpy: the login node's base install runs it."""
 
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ def prepare(data: Any, cache_dir: Path | str, *, num_proc: int, progress: Any):
 
 
 def warm_code() -> tuple[str, ...]:
-    """The files of trainer/ a warm process runs from (trainer/warm.py and what it imports of its
-    folder): what its key hashes."""
+    """The files of trainer/ a warm process runs from, which its key hashes."""
     from trainer.warm_rank import CODE
 
     return CODE

@@ -1,6 +1,5 @@
-"""The parser, `main` (the dispatch through the error edge) and the commands that read a
-run: doctor, status, logs, watch, cancel, plot. The commands that make runs are in
-jobs/cli/launch.py, `slipway image`'s in jobs/cli/image.py; `slipway cluster` parses its own arguments."""
+"""The parser, `main` (the dispatch through the error edge) and the commands that read a run; those that
+make runs are in jobs/cli/launch.py. `slipway cluster` parses its own arguments."""
 
 from __future__ import annotations
 
@@ -264,7 +263,6 @@ def _launch_commands(sub) -> None:
 
 
 def _submit_commands(sub) -> None:
-    """The commands that submit to Slurm (jobs/cli/launch.py, jobs/cli/sweep.py)."""
     p = _command(sub, "submit", cmd_submit, "write runs/RUN/ (config, EDF, sbatch, manifest) and sbatch it")
     _config_args(p)
     _switches(p, dry_run="print the script and EDF; write and submit nothing",
@@ -296,7 +294,6 @@ def _submit_commands(sub) -> None:
 
 
 def _reading_commands(sub) -> None:
-    """The commands that check, read or stop what runs."""
     p = _command(sub, "doctor", cmd_doctor, "preflight checks before burning an allocation (with a config: of "
                                             "exactly what `submit` would get from the same arguments; with a run: "
                                             "what its next job needs)",
@@ -347,7 +344,6 @@ def _reading_commands(sub) -> None:
 
 
 def _image_commands(sub) -> None:
-    """`slipway image build|show|prune|containers` (jobs/cli/image.py)."""
     p = _command(sub, "image", cmd_image, "build / show / prune the training image (podman + enroot); see image --help",
                  description="Build and manage the training image.")
     image = p.add_subparsers(dest="action", required=True, metavar="COMMAND")
@@ -425,9 +421,8 @@ _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_-]+)+")  # a dotted conf
 
 
 def _override_form(words: list[str]) -> None:
-    """The config's words as the user typed them (CONFIG, overrides, strays), refused in one line
-    naming the KEY=VALUE form where one reads as a key set another way: `train.steps 100` (two
-    words), `--train.steps=100` (a dashed key), or an override before the config."""
+    """CONFIG, overrides and strays as typed, refused in one line naming the KEY=VALUE form where one is a
+    key set another way: `train.steps 100`, `--train.steps=100`, or an override before the config."""
     flags = {key: flag for flag, key, *_ in NAMED_FLAGS + CLUSTER_FLAGS}
     for i, word in enumerate(words):
         key, sep, value = word.lstrip("-").partition("=")

@@ -1,7 +1,5 @@
-"""`slipway doctor` (docs/runs.md): preflight checks of a config (what a submission of it would
-get) or of a run (what its next job, a requeue or a resubmission, needs), one line each with the
-fix. Every check runs, whatever failed before it, so one run lists everything to fix.
-"""
+"""`slipway doctor` (docs/runs.md): preflight checks of a config (what a submission of it would get) or
+of a run (what its next job needs), one line each with the fix. Every check runs, whatever failed before."""
 
 from __future__ import annotations
 
@@ -163,8 +161,7 @@ def _gres_gpus(gres: str) -> int:
 
 
 def cluster_checks(profile, cfg: Optional[Config] = None) -> list[Result]:
-    """The profile against the live cluster (Slurm's own answers, through jobs/slurm/client.py):
-    partition and QoS, the account, the GPUs the preset expects, MaxArraySize, the EDF directory."""
+    """The profile against Slurm's own answers: partition, account and QoS, GPUs, MaxArraySize, EDF directory."""
     wanted = vars(cfg.slurm) if cfg is not None else profile.settings.get("slurm", {})
     preset = (cfg.launch.preset if cfg is not None else profile.settings.get("launch", {}).get("preset")) or "none"
     gpus = NODE_PRESETS[preset].gpus if preset in NODE_PRESETS else int(wanted.get("gpus_per_node") or 0)
@@ -369,8 +366,7 @@ def run_checks(run: "runs.Run") -> list[Result]:
 
 
 def _pinned_code(run: "runs.Run", manifest) -> list[Result]:
-    """The code snapshot and the job libraries the run's next job (a requeue, too) checks on every
-    node before it starts: here and unchanged, the same check the nodes make."""
+    """The code snapshot and job libraries every node checks before the run's next job: here and unchanged."""
     from common.fs import file_sha256
     from jobs.runs.code import damage
 

@@ -1,7 +1,6 @@
-"""What a GPU run's ranks get from the image and the nodes (doctor's checks, and the notes of
-`submit --dry-run`): the image's CUDA, the network NCCL is forced onto and the Container
-Engine's aws_ofi_nccl hook and its variant against that CUDA, flash-attn's compiled
-architectures against the nodes' compute capability."""
+"""What a GPU run's ranks get from the image and the nodes (doctor's checks, `submit --dry-run`'s notes):
+the image's CUDA, NCCL's network and the Container Engine's aws_ofi_nccl hook variant against that CUDA,
+flash-attn's compiled architectures against the nodes' compute capability."""
 
 from __future__ import annotations
 

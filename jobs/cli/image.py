@@ -1,11 +1,6 @@
-"""`slipway image build|show|prune|containers` (parsed in jobs/cli/commands.py): the image from
-the command line.
-
-The image code (containers/) knows podman and enroot, not Slurm or the config
-files: what goes through Slurm (image.build_on: compute, one srun that builds on
-a compute node) and which squashfs files runs pin (prune keeps them) are given
-to it from here.
-"""
+"""`slipway image build|show|prune|containers`. containers/ knows podman and enroot, not Slurm or runs:
+a build on a compute node (image.build_on: compute) and the squashfs files runs pin (prune keeps them)
+are given to it from here."""
 
 from __future__ import annotations
 
@@ -78,8 +73,7 @@ def build(cfg: Config, *, force: bool = False, do_import: bool = True, console: 
 
 
 def dry_run(cfg: Config, *, force: bool, do_import: bool, here: bool, console: Console) -> None:
-    """`slipway image build --dry-run`: which steps a build would run (a podman build, an enroot
-    import, or nothing), asking podman but running nothing."""
+    """`slipway image build --dry-run`: the steps a build would run, asking podman but running nothing."""
     plan = image_plan(cfg, root=_root(cfg), force=force)
     steps = next_steps(plan, force=force, do_import=do_import, here=here)
 
@@ -106,12 +100,9 @@ def prune(cfg: Config, *, keep: int, remove: list[str], console: Console, dry_ru
 
 
 def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console) -> int:
-    """This project's unpacked pyxis containers that its jobs left on the nodes
-    (container.keep_builds, and any a job's end did not finish removing): listed, or with
-    `remove` removed, except those a queued or running job uses; another project's are left
-    alone. One srun task per node runs the batch script's own sweep (jobs/slurm/pyxis_lib.sh)
-    with no build kept; what it does is printed as it goes, and a silent stretch (deleting one
-    unpacked image takes minutes) is said every QUIET_S."""
+    """This project's unpacked pyxis containers left on the nodes (container.keep_builds, or a job's end
+    that did not finish), never another project's: listed, or removed but for those a queued or running
+    job uses, by the batch script's own sweep (jobs/slurm/pyxis_lib.sh), one srun task per node."""
     from jobs.slurm import hostnames, responding_nodes
     from jobs.slurm.script import PYXIS_LIB, PYXIS_PREFIX
     from containers.project import Project

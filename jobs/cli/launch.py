@@ -1,6 +1,5 @@
-"""The commands that make a run (submit, prepare, local, run, edf, shell), and what every
-command shares: the project directory, the one config tree from CONFIG, its overrides and
-flags, and the terminal."""
+"""The commands that make a run (submit, prepare, local, run, edf, shell), and what every command
+shares: the project directory, the config from CONFIG, its overrides and flags, and the terminal."""
 
 from __future__ import annotations
 
@@ -27,9 +26,8 @@ def rich_console(stderr: bool = False):
 
 
 def load(args: argparse.Namespace, quiet: bool = False):
-    """The config from CONFIG, its overrides and the config flags. It keeps them, shell-quoted, for
-    the commands a hint suggests (`slipway prepare ...`), so a suggestion pasted reads the same config.
-    `quiet`: no warnings (a command line loaded only to check a suggestion)."""
+    """The config, keeping its arguments shell-quoted for the commands a hint suggests (`slipway prepare
+    ...`) to read the same config. `quiet`: no warnings (a command line loaded to check a suggestion)."""
     from jobs.config import load_config
     from common.errors import warn
 
@@ -71,8 +69,7 @@ def print_notes(console, notes: list[str]) -> None:
 
 
 def _submitted(args: argparse.Namespace, job_id: str, notes: list[str]):
-    """The console for what follows a submission, its notes printed; with --parsable the job id
-    alone goes to stdout (scripts read it) and everything else to stderr."""
+    """The console for what follows a submission: with --parsable the job id alone goes to stdout."""
     if args.parsable:
         print(job_id)
     console = rich_console(stderr=args.parsable)
@@ -125,9 +122,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _dry_run(cfg, args: argparse.Namespace, console) -> int:
-    """`submit --dry-run`: the verdict (what would be submitted, where, with which image and code,
-    what would refuse it and the flags that clear that, checked), the notes and the rendered
-    files; nothing written."""
+    """`submit --dry-run`: the verdict, with the flags that clear its refusals (checked); nothing written."""
     sealed, refusals, notes = _refusals(cfg, args.prepare, args.force)
     flags = {"--prepare" for r in refusals if r.startswith("data: ")} | {
         "--force" for r in refusals if r.startswith("run.name: ")}
@@ -155,8 +150,7 @@ def _dry_run(cfg, args: argparse.Namespace, console) -> int:
 
 
 def _refusals(cfg, prepare: bool, force: bool, ping: bool = True):
-    """(the sealed submission, what would refuse it, the notes) of `submit` with these flags;
-    `ping`: ask the controller too (a note)."""
+    """(sealed, refusals, notes) of `submit` with these flags; `ping`: ask the controller too (a note)."""
     from jobs import runs
     from jobs.cli.doctor import controller_problem
     from jobs.cli.gpu_stack import gpu_stack
@@ -187,10 +181,8 @@ def _refusals(cfg, prepare: bool, force: bool, ping: bool = True):
 
 def verdict(console, head: list[tuple[str, str]], would: str, refusals: list[str], notes: list[str],
             files: list[tuple[Path, str]] = (), fix: str = "") -> int:
-    """A dry run's verdict (`slipway submit --dry-run`, `slipway local --dry-run`): what it would do
-    (`head`), whether it `would` be done or what refuses it, its notes, the files it would write,
-    and the verdict again last, with its reasons: nothing below it scrolls them away. Exit 2 where
-    it would be refused."""
+    """A dry run's verdict: what it would do (`head`), whether it `would` be done or what refuses it, its
+    notes and files, and the verdict again last, so that nothing scrolls it away; exit 2 where refused."""
     from rich.markup import escape
 
     said = "[green]would be " + would + "[/]" if not refusals else f"[red]would be refused[/] ({len(refusals)})"

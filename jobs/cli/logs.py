@@ -23,8 +23,7 @@ from jobs.runs.manifest import Launch
 
 
 def job_arg(job_id: Optional[str]) -> Optional[str]:
-    """--job as given on the command line: a Slurm job id, or `local` (it names a log file and
-    goes to squeue)."""
+    """--job checked: a Slurm job id or `local` (it names a log file and goes to squeue)."""
     if job_id is not None and job_id != LOCAL_JOB and not re.fullmatch(r"[0-9]{1,12}(_[0-9]{1,9})?", job_id):
         raise ConfigError("--job", f"{shown(job_id)} is not a Slurm job id: give one that slipway status RUN lists")
     return job_id
@@ -108,11 +107,8 @@ POLL_SECONDS = 1.0
 
 
 def follow_logs(run: runs.Run, job_id: str, on_state: Optional[Callable[[str], None]] = None) -> int:
-    """Print job `job_id`'s output and error logs as they grow until the job ends; its exit code.
-
-    The log paths are known before the job starts, so nothing can be missed between submission
-    and the first line. Slurm is asked once a poll, and no more once events.log settles the end.
-    """
+    """Print the job's logs as they grow until it ends (their paths known before it starts: no line is
+    missed); its exit code. Slurm is asked once a poll, and no more once events.log settles the end."""
     tails = [_Tail(run.log_path(job_id, "output"), sys.stdout, run)]  # the streams of now, not of import time
     if (err_path := run.log_path(job_id, "error")) != tails[0].path:
         tails.append(_Tail(err_path, sys.stderr, run))

@@ -1,9 +1,6 @@
-"""`slipway status` and `cancel`: what became of a run's jobs (`logs` is jobs/cli/logs.py).
-
-Each command asks Slurm once for all the launches it shows (lifecycle.ask_slurm: one squeue, one
-sacct), and not at all for a launch whose end events.log settles; a listing of every run reads
-only the end of each run's events.log and metrics.jsonl.
-"""
+"""`slipway status` and `cancel`: what became of a run's jobs. Each command asks Slurm once for all
+the launches it shows (lifecycle.ask_slurm: one squeue, one sacct), not at all for a launch whose end
+events.log settles; a listing of every run reads only the end of each run's events.log and metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -72,8 +69,7 @@ def code_lines(run: runs.Run, manifest: Manifest) -> list[str]:
 
 
 def image_drift(run: runs.Run, pinned: Optional[ImagePin]) -> str | None:
-    """A note when a resubmission of the run would run another build than its latest job did
-    (`pinned`: a newer build of its config's image settings), or none at all."""
+    """A note when a resubmission would run another build of the run's image settings than `pinned`."""
     if pinned is None or pinned.source != "build":
         return None
     from jobs.runs.image import build_of_settings
@@ -91,9 +87,7 @@ def image_drift(run: runs.Run, pinned: Optional[ImagePin]) -> str | None:
 
 
 def say(console, *parts: str | tuple[str, str]) -> None:
-    """One line on the terminal of what files, jobs, Slurm or the environment said: each part (a
-    string, or (string, style)) escaped by the one rule (common.errors.one_line), never read as
-    markup."""
+    """One line of what files, jobs, Slurm or the environment said, each part escaped by one_line, never markup."""
     from rich.text import Text
 
     console.print(Text.assemble(*[(one_line(p), "") if isinstance(p, str) else (one_line(p[0]), p[1]) for p in parts]),
@@ -138,10 +132,9 @@ LISTING = ("run", "jobs", "latest", "state", "exit", "progress", "last event")  
 
 def listing(title: str, rows: list[tuple[str, ...]], width: Optional[int] = None,
             heads: tuple[str, ...] = LISTING) -> str:
-    """Rows under `heads`, columns as wide as their widest cell and the last one what is
-    left of `width` (cut short; on a line of its own below its row when too little is left; whole
-    without a width: into a pipe). Plain text, as rich's tables take half a millisecond a row and a
-    project may hold ten thousand runs. The one table of run listings (status, sweeps, compare)."""
+    """The one table of run listings (status, sweeps, compare): the last column gets what is left of `width`
+    (cut short, or below its row when little is left). Plain text: rich's tables take half a millisecond a
+    row, and a project may hold ten thousand runs."""
     rows = [heads, *[row if "".join(row).isprintable() else [one_line(c) for c in row] for row in rows]]
     widths = [max(map(len, column)) for column in list(zip(*rows))[:-1]]
     form = "  ".join(f"{{:<{w}}}" for w in widths) + "  "
@@ -167,9 +160,8 @@ def width() -> Optional[int]:
 
 
 def _show_runs(project_dir, console) -> int:
-    """Every run: its latest launch's state, from its listing record and one Slurm query for all.
-    A run that cannot be read is one row saying why (and, when it is damaged rather than a
-    teammate's, one error line); every other run is listed all the same."""
+    """Every run's latest launch's state; a run that cannot be read is a row saying why (and, when
+    damaged rather than a teammate's, an error line), every other run listed all the same."""
     found, unreadable = runs.scan_runs(project_dir)
     if not found and not unreadable:
         console.print(one_line(f"no runs in {runs.runs_root(project_dir)}: slipway local or slipway submit makes one"),
@@ -192,10 +184,8 @@ _PROBLEMS = ("UNREADABLE", "DAMAGED")
 
 def listing_rows(found: Sequence[runs.Run], throughput: bool = False) -> tuple[list[tuple[str, ...]], list[str],
                                                                                list[Optional[Facts]]]:
-    """LISTING's row of each run of `found`, in its order (its latest launch's state; one Slurm
-    query for all whose end events.log does not tell), the error lines of the damaged ones, and
-    each run's facts (None where it cannot be read). A run that cannot be read is a row that says
-    why: UNREADABLE (a teammate's, no error) or DAMAGED (an error line)."""
+    """LISTING's row of each run, in order; the error lines of the DAMAGED ones (an UNREADABLE one is a
+    teammate's: no error); each run's facts (None where it cannot be read)."""
     read: list[Facts | runs.Unreadable] = []
     damaged = []
     with many_objects():
@@ -245,10 +235,8 @@ CANCEL_GRACE_SECONDS = 90.0
 
 
 def cancel(run: runs.Run, console) -> int:
-    """USR2 to each job's batch shell first (jobs/slurm/job_lib.sh on_cancel: "cancelled by slipway
-    cancel", end exit 140), then, for a job still there after a bounded wait, scancel. Under the
-    run's lock: a submission in progress finishes first (and its job is cancelled too); a local
-    launch that trains refuses, naming its launcher."""
+    """Under the run's lock: a submission in progress finishes first (and its job is cancelled too); a
+    local launch that trains refuses, naming its launcher."""
     with runlock.hold(run.dir, f"slipway cancel {run.name}"):
         try:
             launches = run.launches()
@@ -263,10 +251,9 @@ def cancel(run: runs.Run, console) -> int:
 
 
 def cancel_jobs(found: Sequence[tuple[runs.Run, Sequence[Launch]]]) -> list[str]:
-    """Cancel every active Slurm job of the runs `found` (with their launches); the ids cancelled.
-    One query for all. Pending jobs first (they have no batch shell to signal; and a sweep's
-    pending tasks would start as its running ones end), then the running ones' batch shells are
-    signalled at once, with one grace for all, and what is left is scancelled."""
+    """Cancel every active Slurm job of the runs `found`; the ids cancelled. Pending jobs first (no batch
+    shell to signal, and a sweep's would start as its running ones end); then USR2 to the running ones'
+    batch shells (jobs/slurm/job_lib.sh on_cancel: end exit 140), one grace for all, and scancel the rest."""
     owner: dict[str, runs.Run] = {}
     asked = []
     for run, launches in found:
@@ -305,8 +292,7 @@ def cancel_jobs(found: Sequence[tuple[runs.Run, Sequence[Launch]]]) -> list[str]
 
 
 def _scancel(jobs: list[str], still_active: Callable[[], list[str]], signal: Optional[str] = None) -> None:
-    """scancel (`signal`: to the batch shells), where a job that ended meanwhile is no failure:
-    scancel then fails for that one alone."""
+    """scancel (`signal`: to the batch shells); a job that ended meanwhile fails it, and is no failure."""
     try:
         slurm.scancel(jobs, signal, batch=signal is not None)
     except slurm.SlurmError:

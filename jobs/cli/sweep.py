@@ -1,7 +1,5 @@
-"""`slipway sweep` (planned, listed with --dry-run, queued as job arrays, or run here one point
-after another with --local), and the commands that read a sweep or any runs together: `status
-SWEEP`, `cancel SWEEP`, `compare`, `plot SWEEP`. The model is jobs/runs/sweep.py; the tables are
-jobs/cli/status.py's `listing`, the one table of run listings."""
+"""`slipway sweep` (listed with --dry-run, queued as job arrays, or run here with --local), and the
+commands that read a sweep or runs together: `status SWEEP`, `cancel SWEEP`, `compare`, `plot SWEEP`."""
 
 from __future__ import annotations
 
@@ -90,8 +88,7 @@ def _summary(plan: arrays.Plan) -> str:
 
 
 def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console) -> int:
-    """Every point (its run, what it would become, its resources, its values), the total, the
-    arrays and the verdict (exit 2 where it would be refused); nothing written."""
+    """Every point, the resources in all, the arrays and the verdict; nothing written."""
     from jobs import slurm
 
     rows, node_h, gpu_h, unbounded, limits = [], 0.0, 0.0, 0, {}
@@ -245,8 +242,7 @@ def _differing(found: list[Run]) -> tuple[list[str], list[dict[str, Any]], list[
 
 
 def compare(project: Path, names: list[str], as_csv: bool, console) -> int:
-    """The runs side by side, by final eval loss (then train loss): their values, losses, tokens/s,
-    MFU, steps and state; one Slurm query for all."""
+    """The runs side by side, by final eval loss (then train loss); one Slurm query for all."""
     found, keys, values, unread = _compared(project, names)
     rows, damaged, read = listing_rows(found)
     table = []

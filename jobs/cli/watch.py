@@ -1,10 +1,7 @@
-"""`slipway watch RUN` (docs/runs.md): a live view of a run's job until it ends, refreshed every
-`interval` seconds from the run directory (metrics.jsonl's end, progress.json that rank 0's hang
-watchdog keeps, heartbeats/NODE and gutil/NODE.gutil that the batch script's helpers write on
-every node, events.log) and from Slurm (one squeue, or sacct once slurmctld forgot the job; none
-once events.log tells its end). A launch on this machine's state comes from its launcher's process
-(the manifest records its pid). Ctrl-C stops watching, not the job.
-"""
+"""`slipway watch RUN` (docs/runs.md): a live view of a run's job until it ends, from the run directory
+(metrics.jsonl's end, rank 0's progress.json, each node's heartbeats/NODE and gutil/NODE.gutil, events.log)
+and from Slurm (one squeue, or sacct once slurmctld forgot the job; none once events.log tells its end),
+or for a launch on this machine from its launcher's process. Ctrl-C stops watching, not the job."""
 
 from __future__ import annotations
 
@@ -38,7 +35,6 @@ GUTIL_TAIL_BYTES = 64 << 10  # the latest samples of up to 8 GPUs, many times ov
 PROGRESS_BYTES = 64 << 10
 LOCAL = LOCAL_JOB  # the job id events.log gives launches on this machine
 GONE_POLLS = 5  # polls without any record of the job before its end is read from events.log
-# How an event is shown: a failure in red, a retry or requeue in yellow.
 _RED = lifecycle.FAILURE_KINDS | {EventKind.CANCELLED}
 _YELLOW = frozenset({EventKind.RETRY, EventKind.TIME_LIMIT_REQUEUE, EventKind.TIME_LIMIT_WARNING,
                      EventKind.TIME_LIMIT_STOP})
@@ -147,8 +143,7 @@ class Watcher:
         return snap
 
     def _slurm(self) -> tuple[lifecycle.LaunchState, str, str, bool]:
-        """The job's state, nodes, elapsed time and whether it ended. Slurm is not asked once
-        events.log settles the end."""
+        """(state, nodes, elapsed, ended) of the job."""
         launch = self.run.launch(self.job_id) or Launch(job_id=self.job_id)
         own = self.run.events_of(launch)
         if lifecycle.settled(launch, own):
@@ -208,8 +203,7 @@ def _fmt_age(seconds: Optional[float]) -> str:
 
 
 def render(snap: Snapshot):
-    """The frame: rich renderables, no I/O. Every string in it that came from a file, Slurm or a
-    job is escaped by the one rule (one_line)."""
+    """The frame (no I/O); every string from a file, Slurm or a job escaped by one_line."""
     state = snap.state
     state_style = {"RUNNING": "green", "PENDING": "yellow", "COMPLETED": "green"}.get(state.state.split()[0], "red")
     head = Text.assemble(("run ", "dim"), (one_line(snap.run), "bold"), ("  job ", "dim"),
@@ -275,9 +269,8 @@ def _events_table(snap: Snapshot):
 
 def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0, once: bool = False,
           console=None) -> int:
-    """Show the job live until it ends; its exit code (with `once`: one frame, exit 0). Into a pipe
-    or a file, which a live view never reaches: a frame at once, then one each time the step, the
-    events or the job's state change."""
+    """The job live until it ends; its exit code (`once`: one frame, exit 0). Into a pipe or a file: a
+    frame at once, then one each time the step, the events or the job's state change."""
     console = console or Console(highlight=False)
     watcher = Watcher(run, job_arg(job_id) or latest_job(run))
     snap = watcher.snapshot()
