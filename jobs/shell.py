@@ -58,13 +58,11 @@ def shell_edf_root(project_dir: Path) -> Path:
 
 def shell_dry_run(cfg: Config, project_dir: Path, command: list[str] | None = None) -> tuple[str, list[str]]:
     """What `slipway shell --dry-run` prints (the EDF, then the srun command), and its notes."""
-    notes = []
+    argv, exports, text, notes = shell_argv(cfg, project_dir, command)
     try:
         cfg.container.require_host_env()
     except ConfigError as exc:
-        notes.append(f"a real shell would fail: {exc}")
-    argv, exports, text, shell_notes = shell_argv(cfg, project_dir, command)
-    notes += shell_notes
+        notes.insert(0, f"a real shell would fail: {exc}")
     out = ""
     if text is not None:
         edf_file = shell_edf_root(project_dir) / SHELL_EDF_SHOWN / "env.toml"

@@ -93,8 +93,7 @@ def _run_checks(cfg: Config, project_dir: Path) -> list[Result]:
     out: list[Result] = [("parallel layout", True, f"dp({cfg.parallel.dp}) x tp({cfg.parallel.tp}) x "
                                                    f"pp({cfg.parallel.pp}) = {cfg.parallel.world_size} = nodes("
                                                    f"{cfg.slurm.nodes}) x procs_per_node({cfg.launch.procs_per_node})")]
-    advice = layout_advice(cfg)  # the preset's published layout, when this one strays from it
-    if advice:
+    if advice := layout_advice(cfg):  # the preset's published layout, when this one strays from it
         out.append(("parallel layout", True, f"note: {advice}"))
     out += _guard("mounts and files", lambda: (runs.check_submittable(cfg), [("mounts and files", True, "found")])[1])
     frozen = resolve_paths(cfg, paths)

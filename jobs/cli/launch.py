@@ -209,8 +209,7 @@ def check_controller() -> None:
     from jobs.cli.doctor import controller_problem
     from jobs.slurm import SlurmError
 
-    problem = controller_problem()
-    if problem:
+    if problem := controller_problem():
         raise SlurmError(problem)
 
 
@@ -292,13 +291,14 @@ def _stop_warm(args: argparse.Namespace) -> int:
 
 
 def cmd_edf(args: argparse.Namespace) -> int:
-    from edf import check_edf, install_edf, parse_edf, render_edf, srun_flags
+    from edf import check_edf, install_edf, render_edf, srun_flags
+    from jobs.slurm.ranks import shell_value
 
     if args.check or args.to_pyxis:
         path = Path(args.check or args.to_pyxis)
         notes: list[str] = []
         # --check also looks for the image file and mount sources; --to-pyxis may run elsewhere.
-        _, problems = check_edf(path, notes=notes if args.check else None)
+        env, problems = check_edf(path, notes=notes if args.check else None)
         print_notes(rich_console(stderr=True), notes)
         for problem in problems:
             print(f"slipway: error: {problem}", file=sys.stderr)
@@ -308,12 +308,9 @@ def cmd_edf(args: argparse.Namespace) -> int:
         if args.check:
             print(f"{path}: ok" + (f" ({len(notes)} path(s) not judged, see the notes)" if notes else ""))
             return 0
-        env = parse_edf(path)
         env.runtime = "pyxis"
         flags = srun_flags(env)
         print_notes(rich_console(stderr=True), flags.warnings)
-        from jobs.slurm.ranks import shell_value
-
         # a hand-written EDF's values, printed: what looks like a secret is hidden (check_edf warned)
         for name, value in flags.exports:
             print(mask(f"export {name}={shell_value(value)}"))

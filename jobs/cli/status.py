@@ -121,8 +121,7 @@ def show_status(project_dir, run_name: str | None, console) -> int:
         say(console, f"image {image.image}" + (f" (build {image.build_hash[:12]})" if image.build_hash else ""))
     for line in code_lines(run, manifest):
         say(console, line)
-    drift = image_drift(run, image)
-    if drift:
+    if drift := image_drift(run, image):
         say(console, ("note:", "yellow"), f" {drift}")
     return 0
 
@@ -284,8 +283,7 @@ def cancel_jobs(found: Sequence[tuple[runs.Run, Sequence[Launch]]]) -> list[str]
             append_event(owner[job].dir, job, "cancelled by slipway cancel")
     if running:
         _scancel(running, still_active, "USR2")
-    left = left_after(CANCEL_GRACE_SECONDS if running else 0)
-    if left:
+    if left := left_after(CANCEL_GRACE_SECONDS if running else 0):
         _scancel(left, still_active)
         left_after(30)
     return active

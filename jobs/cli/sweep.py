@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from common.environ import as_typed
+from common.extras import require
 from common.errors import ConfigError, one_line
 from common.rundir import INTERRUPTED_EXIT, RunDir
 from jobs.cli.launch import check_controller, cluster_of, config_sets, print_notes, project_dir, rich_console, verdict
@@ -43,8 +44,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return local
 
     if args.local:
-        from common.extras import require
-
         require("sweep --local", "trainer")
     _, plain = sweeps.split_axes(args.overrides)
     variants = sweeps.Variants(*read_config(args.config), plain, sets, cluster_of(args))
