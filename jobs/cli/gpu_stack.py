@@ -27,12 +27,9 @@ def gpu_stack(cfg: Config, env: Environment, pin: ImagePin) -> list[Result]:
         return []
     record = BuildRecord.beside(Path(pin.path)) if pin.path else None
     cuda = record.cuda if record else None
-    if cuda:
-        said = f"{cuda} (the image's CUDA_VERSION, build {record.hash12})"
-    elif record:
-        said = "unknown (a build record from before slipway kept it: rebuild to record it)"
-    else:
-        said = "unknown (no build record of slipway's for this image)"
+    said = (f"{cuda} (the image's CUDA_VERSION, build {record.hash12})" if cuda
+            else "unknown (a build record from before slipway kept it: rebuild to record it)" if record
+            else "unknown (no build record of slipway's for this image)")
     return [("image CUDA", True, said), _nccl_network(cfg, env, cuda), *_flash_attn(cfg, record)]
 
 

@@ -76,16 +76,10 @@ def dry_run(cfg: Config, *, force: bool, do_import: bool, here: bool, console: C
     """`slipway image build --dry-run`: the steps a build would run, asking podman but running nothing."""
     plan = image_plan(cfg, root=_root(cfg), force=force)
     steps = next_steps(plan, force=force, do_import=do_import, here=here)
-
-    def say(line: str) -> None:
+    lines = ([f"would run, for {plan.squashfs.name} (tag {plan.tag}):", *(f"  {step}" for step in steps)] if steps
+             else [f"nothing to run: {plan.squashfs} exists (hash {plan.hash12}, tag {plan.tag})"])
+    for line in lines:
         console.print(line, highlight=False, markup=False, soft_wrap=True)
-
-    if not steps:
-        say(f"nothing to run: {plan.squashfs} exists (hash {plan.hash12}, tag {plan.tag})")
-        return
-    say(f"would run, for {plan.squashfs.name} (tag {plan.tag}):")
-    for step in steps:
-        say(f"  {step}")
 
 
 def prune(cfg: Config, *, keep: int, remove: list[str], console: Console, dry_run: bool):
