@@ -137,11 +137,8 @@ def needed_paths(cfg: Config, paths: RunDir) -> list[Need]:
 
 def _user_mounts(env: Environment) -> list[tuple[int, Mount, Path, Path]]:
     """(index, mount, source, destination) with host variables expanded."""
-    out = []
-    for i, mount in enumerate(env.mounts):
-        where = f"container.mounts[{i}]"
-        out.append((i, mount, Path(_expand(mount.src, where)), Path(_expand(mount.dst, where))))
-    return out
+    return [(i, m, Path(_expand(m.src, f"container.mounts[{i}]")), Path(_expand(m.dst, f"container.mounts[{i}]")))
+            for i, m in enumerate(env.mounts)]
 
 
 def visibility_mounts(cfg: Config, paths: RunDir) -> list[Mount]:

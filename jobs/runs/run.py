@@ -214,10 +214,8 @@ def _stat_manifest(run_dir: str) -> "int | Unreadable | None":
         st = os.stat(os.path.join(run_dir, _MANIFEST))
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except PermissionError as exc:
-        return Unreadable(Path(run_dir), _denied(Path(run_dir), exc), True)
-    except OSError as exc:  # a link loop, a name too long
-        return Unreadable(Path(run_dir), f"manifest.json: {exc.strerror or exc}")
+    except OSError as exc:  # denied, a link loop, a name too long
+        return Unreadable.of(Path(run_dir), exc)
     if not stat.S_ISREG(st.st_mode):
         return Unreadable(Path(run_dir), f"manifest.json is {file_kind(st.st_mode)}, not a regular file")
     return st.st_mtime_ns

@@ -117,11 +117,8 @@ def find_sweep(name: str, project_dir: Path) -> Optional[Sweep]:
     if not SAFE_NAME.fullmatch(name):
         return None
     path = sweep_dir(project_dir, name) / "sweep.json"
-    return read_sweep(path) if path.exists() or path.is_symlink() else None
-
-
-def read_sweep(path: Path) -> Sweep:
-    """The record at `path`, checked by the schema engine; SweepError when it cannot be read."""
+    if not (path.exists() or path.is_symlink()):
+        return None
     return manifests.read_record(path, Sweep, "sweep", SCHEMA, SweepError)
 
 
