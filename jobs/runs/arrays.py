@@ -1,14 +1,10 @@
 """A sweep planned (every point built, checked and sealed before anything is written) and queued
 as Slurm job arrays (jobs/runs/sweep.py is what a sweep is).
 
-Each point is sealed and written by the submit path (jobs/runs/submit.py `seal`, `prepare_run`,
-`record_submission`); the sweep is sealed once (one image pin, one code snapshot: `Shared`). Its
-points go to one `sbatch --array` per allocation they ask and per MaxArraySize, through a small
-batch script, arrays/STAMP/array.sbatch, whose task I runs its point's own job.sbatch; STAMP/I
-links to the point's run directory, so that Slurm writes each task's log into that run's logs/
-(an array has one --output). A task's SLURM_JOB_ID is its own (requeues and `scontrol update` act
-on it alone); its events and its manifest entry name it ARRAY_TASK, as squeue and scancel do
-(SLIPWAY_EVENT_JOB).
+Points are sealed and written by the submit path; the sweep is sealed once (`Shared`: one image
+pin, one code snapshot). One `sbatch --array` per allocation asked and per MaxArraySize: task I of
+arrays/STAMP/array.sbatch runs its point's own job.sbatch, and STAMP/I links to the point's run
+directory so that Slurm writes the task's log into that run's logs/ (an array has one --output).
 """
 
 from __future__ import annotations
@@ -82,12 +78,9 @@ def plan_sweep(variants: Variants, config: str, overrides: list[str], project_di
                name: Optional[str] = None, points_file: Optional[str] = None, given_args: str = "",
                dry_run: bool = False, force: bool = False,
                view: Optional[Callable[[Config], Config]] = None) -> Plan:
-    """Every point of the sweep (`variants`: its base, the config file CONFIG with the
-    `overrides` that are no axis, the named flags and the cluster profile) built, validated and
-    sealed (nothing written): one bad point is a ConfigError naming it. What would refuse the
-    submission (an unrelated run of a point's name, a point whose config changed, data not
-    prepared) is in `refusals`. `view`: how a point runs here (`slipway sweep --local`), applied
-    to each point's config before it is checked."""
+    """Every point built, validated and sealed, nothing written (one bad point: a ConfigError naming
+    it); what would refuse the submission (an unrelated run of a point's name, a changed config,
+    data not prepared) goes to `refusals`. `view`: how a point runs here (`slipway sweep --local`)."""
     axes, plain = split_axes(overrides)
     entries = read_points(points_file) if points_file else None
     base = variants.base
@@ -119,8 +112,7 @@ def plan_sweep(variants: Variants, config: str, overrides: list[str], project_di
 
 
 def _data(plan: Plan, dry_run: bool) -> None:
-    """The first point to submit whose data is not prepared refuses the submission; each point's
-    config.yaml made (as written) where it is."""
+    """The first point to submit whose data is not prepared refuses the submission."""
     refused: dict[str, Optional[str]] = {}
     texts: dict[int, str] = {}  # the data section's text, by the section (points share one an axis leaves alone)
     for p in plan.to_submit:
@@ -139,8 +131,7 @@ def _data(plan: Plan, dry_run: bool) -> None:
 def _points(variants: Variants, points: Iterable[tuple[dict[str, Any], str]], keys: list[str], words: list[str],
             project_dir: Path, unrelated: Callable[[Sealed], None], *, dry_run: bool,
             view: Optional[Callable[[Config], Config]]) -> tuple[list[PointPlan], list[ConfigError]]:
-    """Each point (its values, its run name) built and checked, and sealed (in a dry run, as
-    `_fresh` says); what would refuse the submission."""
+    """Each point built, checked and sealed (in a dry run, as `_fresh` says); the refusals."""
     shared, seen, plans, refusals = Shared(), {}, [], []
     first, sealed_values, checked, given = None, set(), {}, shlex.join(words)
     for values, run_name in points:
@@ -191,8 +182,8 @@ _HOST = set(config_fields(Config)) - set(config_fields(TrainerConfig))
 
 
 def _fresh(values: dict[str, Any], sealed: set[tuple[str, str]]) -> bool:
-    """Whether a dry run seals a point (the first aside): the first of a value an axis gives a
-    field of the host's sections (`sealed` notes it); a submission seals every point."""
+    """Whether a dry run seals a point: the first to give a host section's field a value not yet
+    sealed (`sealed` notes it); a submission seals every point."""
     new = {(k, repr(v)) for k, v in values.items() if k.partition(".")[0] in _HOST} - sealed
     sealed |= new
     return bool(new)
@@ -206,7 +197,7 @@ def _unrelated(sealed: Sealed, sweep: str, known: set[str], exists: Callable[[Pa
 
 
 def _merged(old: Optional[Sweep], name: str, base: Config, axes: list[Axis], given: str, points: list[Point]) -> Sweep:
-    """The record with this command's points: earlier ones kept, new ones added after them."""
+    """The record with this command's new points added after the earlier ones."""
     sweep = old or Sweep(name=name, created=now_iso())
     have = {p.run for p in sweep.points}
     sweep.points = [*sweep.points, *(p for p in points if p.run not in have)]
@@ -216,8 +207,7 @@ def _merged(old: Optional[Sweep], name: str, base: Config, axes: list[Axis], giv
 
 
 def _lister() -> Callable[[Path], bool]:
-    """`exists(path)` (lexists) for the points' runs: each folder they are in listed once, as a
-    sweep asks it of thousands of points."""
+    """`exists(path)` (lexists) for thousands of points' runs: each folder listed once."""
     folders: dict[str, Optional[set[str]]] = {}
 
     def exists(path: Path) -> bool:
@@ -235,9 +225,9 @@ def _lister() -> Callable[[Path], bool]:
 
 
 def _existing(plan: Plan, force: bool, exists: Callable[[Path], bool]) -> None:
-    """The points whose run exists: queued or running, finished, to resume, (a changed config
-    without `force`) refused, or, one that cannot be read (damaged, a teammate's), left as it is
-    with a note, as the others go on. Slurm is asked once for all of them."""
+    """Each point whose run exists: queued or running, finished, to resume (a changed config refused
+    without `force`), or unreadable (damaged, a teammate's) and left as it is with a note. Slurm is
+    asked once for all of them."""
     there = []
     for p in plan.points:
         run = Run(p.sealed.paths)
@@ -295,9 +285,8 @@ def allocation(sealed: Sealed) -> tuple[str, ...]:
 
 
 def arrays_of(points: list[PointPlan], limit: int) -> list[list[PointPlan]]:
-    """The points in arrays: one per allocation they ask (an array asks one), each of at most
-    `limit` tasks (the cluster's MaxArraySize: task indices stay below it; 0, a site without job
-    arrays: each point is a job of its own)."""
+    """The points in arrays, one per allocation asked, each of at most `limit` tasks (MaxArraySize:
+    task indices stay below it; 0, a site without job arrays: each point a job of its own)."""
     groups: dict[tuple, list[PointPlan]] = {}
     asks: dict[tuple, tuple] = {}  # by what a header reads (points share sections an axis leaves alone)
     for p in points:
@@ -381,9 +370,9 @@ def _open_files_for(n: int) -> None:
 
 def submit_sweep(plan: Plan, project_dir: Path, *, force: bool = False, max_parallel: Optional[int] = None,
                  before_writing: Optional[Callable[[], None]] = None) -> list[ArrayJob]:
-    """Write the record, the points' run directories and their arrays, and sbatch each array;
-    the arrays submitted. The caller holds the sweep's lock (`hold`); each point's is held from
-    its directory's writing to its job's record, as `slipway submit` holds it."""
+    """Write the record, the points' run directories and arrays, and sbatch each array. The caller
+    holds the sweep's lock (`hold`); each point's is held from its directory's writing to its job's
+    record, as `slipway submit` holds it."""
     if plan.refusals:
         raise plan.refusals[0]
     home = sweep_dir(project_dir, plan.sweep.name)

@@ -1,18 +1,11 @@
-"""What runs on the nodes is what was built and submitted.
+"""The container environment a run uses (`run_environment`; its image is pinned by
+jobs/runs/image.py), and the paths its trainer reads and writes, resolved once at submission.
 
-Two things cross from the login node into the container, and both are
-resolved once, at submission:
-
-- the image, pinned by jobs/runs/image.py (`ImagePin`);
-- the paths the trainer reads and writes: the run directory, the token cache,
-  the Hugging Face cache, local datasets, tokenizers, checkpoints to start
-  from and custom training scripts. Relative ones are made absolute in the
-  frozen config, and each is mounted at the same path inside the container
-  unless a user mount already shows it there. A user mount that would cover
-  one of them with something else is refused with the fix.
-
-`run_environment` gives the container environment a run uses; every way into
-the container turns it into srun flags through `edf.srun_flags`.
+The run directory, the token and Hugging Face caches, local datasets, tokenizers, checkpoints to
+start from and training scripts: relative ones are made absolute in the frozen config, and each is
+mounted at the same path inside the container unless a user mount already shows it there; a user
+mount that would cover one with something else is refused with the fix. Every way into the
+container turns the environment into srun flags through `edf.srun_flags`.
 """
 
 from __future__ import annotations
@@ -85,9 +78,8 @@ def hf_home(cfg: Config, paths: RunDir) -> str:
 
 
 def resolve_paths(cfg: Config, paths: RunDir) -> Config:
-    """`cfg` with every path the trainer reads made absolute (relative ones are relative
-    to the project directory, where slipway runs), and the token cache named: the frozen
-    config then means the same on every node, whatever the container's working directory."""
+    """`cfg` with every path the trainer reads made absolute (relative to the project directory)
+    and the token cache named: the frozen config means the same on every node, in any workdir."""
     # A copy of the sections it changes (the rest is shared, read only): a sweep resolves a thousand.
     cfg = copy.copy(cfg)
     cfg.data, cfg.model, cfg.train = copy.copy(cfg.data), copy.copy(cfg.model), copy.copy(cfg.train)
@@ -173,8 +165,8 @@ def _visibility(cfg: Config, paths: RunDir) -> list[tuple[Need, Mount]]:
 
 
 def create_needed_dirs(cfg: Config, paths: RunDir) -> list[Path]:
-    """Mount sources must exist: make the cache directories the job will fill (in a container;
-    without one the trainer makes them itself). Returns the directories it created."""
+    """Make the cache directories the job will fill, as mount sources must exist (without a
+    container the trainer makes them); the directories it created."""
     if not cfg.container.in_container:
         return []
     created: list[Path] = []
@@ -205,9 +197,8 @@ def remove_created_dirs(created: list[Path]) -> None:
 
 
 def run_environment(cfg: Config, paths: RunDir, pin: ImagePin, code: Optional[CodeSnapshot] = None) -> Environment:
-    """The container environment of a run: the config's, with the pinned image, the mounts
-    that make its paths visible, and the code snapshot (mounted read-only at its own path, in
-    front of the image's baked trainer); runtime none: the config's, unused."""
+    """The container environment of a run: the config's, with the pinned image, the mounts that
+    make its paths visible, and the code snapshot (`_with_code`); runtime none: the config's, unused."""
     env = cfg.container
     if not env.in_container:
         return env
@@ -218,10 +209,9 @@ def run_environment(cfg: Config, paths: RunDir, pin: ImagePin, code: Optional[Co
 
 
 def _with_code(env: Environment, code: Optional[CodeSnapshot]) -> Environment:
-    """`env` with the code snapshot mounted read-only at its own path, in front of the image's
-    baked trainer. A PYTHONPATH of the config's own, or the submitting environment's
-    (env_from_host), stays behind the snapshot; the image's is replaced. The snapshot's variables
-    are set here, so a name of env_from_host among them is passed inside their value, not beside it."""
+    """`env` with the code snapshot mounted read-only at its own path, in front of the image's baked
+    trainer. A PYTHONPATH of the config's or of env_from_host stays behind it, the image's is
+    replaced; a name of env_from_host among the snapshot's variables is passed inside their value."""
     if code is None:
         return env
     values, from_host = dict(env.env), list(env.env_from_host)
@@ -233,13 +223,11 @@ def _with_code(env: Environment, code: Optional[CodeSnapshot]) -> Environment:
 
 def shell_environment(cfg: Config, paths: RunDir, pin: ImagePin,
                       code: Optional[CodeSnapshot] = None) -> tuple[Environment, list[str]]:
-    """The container environment of `slipway shell`: the run's, with the checkout's code as the
-    code snapshot `code` (what a submission now would run, not the image's baked trainer), less
-    the paths the job would create that do not exist yet (a shell writes nothing into a run: the
-    run directory only ever comes from a submission, which creates it whole, and the caches from
-    a submission or `prepare`), and with every mount source checked on this node, so that a
-    missing one is one line before srun starts rather than a failure after the image is
-    unpacked. Returns it and notes for the user."""
+    """The container environment of `slipway shell` and notes for the user: the run's, with the
+    checkout's code as `code` (what a submission now would run), less the paths the job would
+    create that do not exist yet (a shell writes nothing into a run: a submission creates the run
+    directory whole, and it or `prepare` the caches), every mount source checked on this node (a
+    missing one is one line before srun, not a failure after the image is unpacked)."""
     env = cfg.container
     if not env.in_container:
         return env, []

@@ -148,12 +148,11 @@ def builds(cfg: Config, root: Path) -> list[BuildRecord]:
 
 
 def build_of_settings(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None) -> BuildRecord:
-    """The build a submission of `cfg` runs: the newest whose image settings are the config's (the
-    same hash; with a code snapshot, any build that differs in code alone, which the snapshot
-    brings). Switching between image variants then runs each its own build, not the latest. With
-    none, one line naming what differs from the closest build and the command that builds it.
-    Where the settings cannot be worked out here (no checkout with the Dockerfile: an install of
-    slipway without its sources), the newest build, with a note in `notes`."""
+    """The build a submission of `cfg` runs: the newest with the config's image settings (the same
+    hash; with a code snapshot, one that differs in code alone), so that image variants each run
+    their own build; with none, one line naming what differs from the closest build and the command
+    that builds it. Where the settings cannot be worked out (no checkout with the Dockerfile: an
+    install of slipway without its sources), the newest build, with a note in `notes`."""
     root = build_root(project_dir, cfg.image.dockerfile)
     found = builds(cfg, root)
     if not found:
@@ -210,16 +209,11 @@ def _shown_arg(key: str, value: Optional[str]) -> str:
     return repr(value) if value is not None else "unset"
 
 
-# The build context's sources but pyproject.toml are code, not what the image must install: with
-# a code snapshot (code.snapshot, jobs/runs/code.py) the job never runs the image's copy of them,
-# so a change to them alone needs no rebuild. pyproject.toml (the dependencies), the Dockerfile,
-# the build args and the wheels do.
-
-
 def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_snapshot: bool = False) -> list[str]:
-    """What differs between a build `record` and the build `plan` would make, one phrase each,
-    in the config's terms (None: the record is gone). Empty when the hashes agree, or, with
-    `code_snapshot`, when only code differs (the snapshot brings it: nothing to rebuild)."""
+    """What differs between a build `record` (None: gone) and the one `plan` would make, one phrase
+    each, in the config's terms. Empty when the hashes agree, or, with `code_snapshot`, when only
+    the build context's sources but pyproject.toml differ: the job never runs the image's copy of
+    them, so they alone need no rebuild (the dependencies, Dockerfile, build args and wheels do)."""
     if record is not None and record.hash == plan.hash:
         return []
     if record is None or record.build_args is None:
@@ -256,14 +250,10 @@ def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_sn
 
 
 def image_build_command(cfg: Config) -> str:
-    """`slipway image build` with the user's own CONFIG and image.* overrides: only the image
-    section (and the checkout) decide a build, so this builds exactly what this config's
-    submission looks for, and a suggestion never repeats an override unrelated to the image."""
+    """`slipway image build` with the user's own CONFIG and image.* overrides: only the image section
+    (and the checkout) decide a build, so this builds exactly what this config's submission wants."""
     words = shlex.split(cfg.given_args) if cfg.given_args else [cfg.config_name]
     return "slipway image build " + shlex.join([words[0], *(w for w in words[1:] if w.startswith("image."))])
-
-
-# ---------------------------------------------------------------- the paths
 
 
 def kept_build(cfg: Config, pin: ImagePin) -> Optional[str]:
@@ -278,9 +268,8 @@ def kept_build(cfg: Config, pin: ImagePin) -> Optional[str]:
 
 
 def container_project(cfg: Config, project_dir: Path) -> Optional[str]:
-    """The token pyxis containers of `cfg`'s jobs are named with (slipway-TOKEN-...): the project
-    of the checkout its image builds from, so that a job's sweep on a node and `slipway image
-    containers` act on this project's alone; None without pyxis."""
+    """The token of `cfg`'s jobs' pyxis containers (slipway-TOKEN-...), None without pyxis: the
+    checkout's project, so a job's sweep on a node and `slipway image containers` act on its own."""
     if cfg.container.runtime != "pyxis":
         return None
     return Project.of(build_root(project_dir, cfg.image.dockerfile)).token

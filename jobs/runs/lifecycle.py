@@ -1,12 +1,10 @@
 """A run's lifecycle on the host: its launches, their events, and what became of each.
 
-A run (runs/RUN/) is launched again and again: Slurm jobs (each a series of attempts under
-one id, through failure retries and time-limit requeues; a data preparation job too) and
-launches on this machine (`slipway local`). The manifest records each launch once
-(jobs.runs.manifest `Launch`, read there only); events.log tells what happened to
-it (`common.rundir.parse_event`); and one function, `launch_state`, turns a launch, its
-events and what Slurm or the local process says into its state, exit code and reason.
-`slipway status`, `watch` and `logs -f` all read a run through here.
+A launch is a Slurm job (a series of attempts under one id, through failure retries and
+time-limit requeues) or a launch on this machine: the manifest records it (`Launch`), events.log
+tells what happened to it, and one function, `launch_state`, turns both and what Slurm or the
+local processes say into its state, exit code and reason. `status`, `watch` and `logs -f` read
+a run through here.
 """
 
 from __future__ import annotations
@@ -113,8 +111,8 @@ class LaunchState:
 
 def launch_state(launch: Launch, events: Sequence[Event], info: Optional[JobInfo] = None,
                  process: Optional[LocalProcess] = None) -> LaunchState:
-    """The state of `launch` from its events (`events_of`), and Slurm's record of the job (`info`,
-    None when Slurm forgot it) or the local processes (`process`). Pure: reads nothing."""
+    """The state of `launch` from its own events and Slurm's record of the job (`info`, None when
+    Slurm forgot it) or the local processes (`process`). Pure: reads nothing."""
     attempt = last_attempt(events)
     if launch.local:
         return _local_state(launch, attempt, process or LocalProcess())
@@ -277,11 +275,10 @@ def _local_state(launch: Launch, attempt: Sequence[Event], process: LocalProcess
 
 def elapsed(launch: Launch, state: LaunchState, events: Sequence[Event] = (), info: Optional[JobInfo] = None,
             now: Optional[datetime] = None) -> str:
-    """How long a launch ran (until now while it runs), as Slurm writes elapsed times
-    ([D-]HH:MM:SS): a local launch by its manifest record; a Slurm job's last attempt (as Slurm's
-    own Elapsed counts it) from its start event to its end event (`events`: the launch's own),
-    Slurm's figure where those do not tell (`info`); empty when nothing says (a launch that died:
-    its end is unknown)."""
+    """How long a launch ran (until now while it runs), as [D-]HH:MM:SS: a local launch by its
+    manifest record; a Slurm job's last attempt, as Slurm's Elapsed counts it, from its own start
+    event to its end event, else Slurm's figure (`info`); empty when nothing says (a launch that
+    died: its end is unknown)."""
     if launch.local:
         start, end = aware_time(launch.started), aware_time(launch.ended)
         running = state.state == RUNNING

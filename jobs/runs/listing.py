@@ -80,8 +80,7 @@ def facts(run: Run) -> Facts:
 
 
 def from_files(run: Run) -> Facts:
-    """The run's listing facts read from its manifest, the end of its events.log and of its
-    metrics.jsonl."""
+    """The run's listing facts read from its manifest and the ends of its events.log and metrics.jsonl."""
     launches = run.launches()
     out = Facts(len(launches), train=_picked(run.last_metrics(), _TRAIN),
                 eval=_picked(run.last_metrics("eval"), ("step", "eval_loss")))

@@ -1,16 +1,12 @@
 """One launch of a run at a time: a lock on the run, held by whatever launches into it.
 
-`runs/.RUN.lock`, beside the run directory (which may not exist yet), is flock(2)ed by
-`submit`, `prepare --as-job` and `slipway local` (for the whole local launch, the trainer
-included); every read-modify-write of the run's manifest happens under it. The file says who
-holds it (pid, host, since when, the command, masked by the secret policy: a command line is
-the user's own text), so that a refusal names the holder. It is never
-removed: a process that removed it could lock a new file of the same name beside one still
-locked.
-
-The lock is per process and re-entrant: a holder that updates its manifest does not wait for
-itself. A short holder (a submission) is waited for a little; a training launch is not, as it
-holds the lock for hours.
+`runs/.RUN.lock`, beside the run directory (which may not exist yet), is flock(2)ed by `submit`,
+`prepare --as-job` and `slipway local` (for the whole local launch, the trainer included); every
+read-modify-write of the run's manifest happens under it. The file says who holds it (pid, host,
+since when, the command masked by the secret policy) so that a refusal names the holder. It is
+never removed: a process that removed it could lock a new file of the same name beside one still
+locked. The lock is per process and re-entrant (a holder that updates its manifest does not wait
+for itself); a short holder (a submission) is waited for a little, a training launch (hours) not.
 """
 
 from __future__ import annotations
@@ -193,8 +189,7 @@ def _remove_empty(made: list[Path]) -> None:
 
 
 def busy(run_dir: Path) -> Optional[str]:
-    """Why a launch of the run would be refused now (another process holds its lock), None when
-    none does; nothing is written."""
+    """Why a launch of the run would be refused now (another holds its lock), else None; writes nothing."""
     path = lock_path(Path(run_dir).absolute())
     if path in _held:
         return None

@@ -1,15 +1,11 @@
 """manifest.json: what a run pinned and launched, one typed model, read and written here only.
 
-`Manifest` holds the run's records (git state, the image and code its latest launch runs, its
-runtime and launcher, the config's hash) and its launches (`Launch`: Slurm jobs and launches on
-this machine), each a dataclass whose fields are the file's keys, read by the schema engine that
-reads configs (common/schema.py `from_dict`, as a record: every key checked against its field's
-type, the keys it does not know kept in `others` and written back). `write` is the one writer
-(atomic; jobs.runs.update_manifest calls it under the run's lock).
-
-A manifest that cannot be read (missing, empty, cut short, not JSON, wrong types, too large, or
-of a newer format than this slipway reads) is a `ManifestError`: one line naming the file and
-what to do, raised only where that run is read.
+`Manifest` and its launches (`Launch`) are dataclasses whose fields are the file's keys, read by
+the configs' schema engine as a record (common/schema.py `from_dict`: every key checked against its
+field's type, unknown keys kept in `others` and written back). `write` is the one writer (atomic;
+jobs.runs.update_manifest calls it under the run's lock). A manifest that cannot be read (missing,
+empty, cut short, not JSON, wrong types, too large, or of a newer format) is a `ManifestError`:
+one line naming the file and what to do, raised only where that run is read.
 """
 
 from __future__ import annotations

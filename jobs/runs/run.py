@@ -1,8 +1,7 @@
 """A run directory on disk, `runs/RUN/`, and the runs of a project.
 
-`runs/RUN/` holds the resolved `config.yaml` the job reads, `env.toml`,
-`job.sbatch`, `manifest.json` (git state, image, submit times, job ids), the
-Slurm logs, `events.log` written by the batch script, and what the trainer
+`runs/RUN/` holds the resolved `config.yaml` the job reads, `env.toml`, `job.sbatch`,
+`manifest.json`, the Slurm logs, `events.log` written by the batch script, and what the trainer
 writes (metrics, checkpoints). The manifest has one writer (`update_manifest`).
 """
 
@@ -45,8 +44,7 @@ class Run:
         return self.dir.name
 
     def manifest(self) -> Manifest:
-        """The run's manifest as the file holds it now; ManifestError, naming the file and what to
-        do, when it cannot be read."""
+        """The run's manifest as the file holds it now (ManifestError when it cannot be read)."""
         return manifests.read(self.paths.manifest)
 
     def launches(self) -> list[Launch]:
@@ -81,19 +79,17 @@ class Run:
                                    self.launches() if launch.local else ())  # a local one's end: the next's start
 
     def state(self, launch: Launch, info: Optional[slurm.JobInfo] = None, *, ask_slurm: bool = True) -> LaunchState:
-        """What became of `launch`: events.log read, the local processes looked at, Slurm asked
-        where events.log does not settle it (unless `info` is given or `ask_slurm` is off);
-        `lifecycle.launch_state` decides."""
+        """What became of `launch` (`lifecycle.observed_state`), Slurm asked where events.log does
+        not settle it, unless `info` is given or `ask_slurm` is off."""
         own = self.events_of(launch)
         if info is None and ask_slurm:  # none for a local launch
             info = lifecycle.ask_slurm([(launch, own)]).get(launch.id)
         return lifecycle.observed_state(launch, own, info)
 
     def last_metrics(self, kind: str = "train") -> dict | None:
-        """The latest training record (or of another `kind`: eval) of the history that stands (a
-        restart undoes the steps after its checkpoint), read from the last 64 KiB of metrics.jsonl
-        (1 MiB for an eval record, written more rarely). A metrics.jsonl that is no regular file
-        raises NotRegularFile, one the user may not read PermissionError."""
+        """The latest record of `kind` (train, eval) of the history that stands, read from the last
+        64 KiB of metrics.jsonl (1 MiB for an eval record, written more rarely); NotRegularFile or
+        PermissionError where it cannot be read."""
         data = read_tail(self.paths.metrics, 65536 if kind == "train" else 1 << 20)
         records = []
         for line in (data or b"").decode(errors="replace").splitlines():
@@ -137,8 +133,7 @@ def runs_root(project_dir: Path) -> Path:
 @dataclass(frozen=True)
 class Unreadable:
     """A run that slipway cannot read: a teammate's it may not open (`denied`), or one whose files
-    are damaged (a FIFO, a device or a directory where a file belongs, a manifest too large or
-    garbled). It is one line, `line`; every other run is still read."""
+    are damaged (a FIFO or a directory where a file belongs, a manifest garbled): one `line`."""
 
     path: Path
     why: str
@@ -165,8 +160,7 @@ class Unreadable:
 
 
 def _denied(run_dir: Path, exc: OSError) -> str:
-    """Why the user may not read a run: whose it is, and how it is closed (the run directory, or
-    one file of it)."""
+    """Why the user may not read a run: whose it is, and what is closed (the directory or a file)."""
     closed = run_dir
     if os.access(run_dir, os.R_OK | os.X_OK) and exc.filename:
         closed = Path(exc.filename)
@@ -225,10 +219,9 @@ _MANIFEST = RunDir(Path("/")).manifest.name
 
 
 def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
-    """The runs of the project, in the order they last recorded a launch (oldest first), and the
-    runs that cannot be read, by name. What is no run is passed over unread: an entry whose name
-    starts with `.` (the code store, run locks, a submission's temporary directory) and anything
-    without a manifest.json."""
+    """The runs of the project, oldest launch record first, and those that cannot be read, by name.
+    Passed over unread: entries without a manifest.json, and those starting with `.` (the code
+    store, run locks, a submission's temporary directory)."""
     root = runs_root(project_dir)
     try:
         names = os.listdir(root)
@@ -249,10 +242,9 @@ def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
 
 
 def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
-    """Every squashfs a run pins (its manifest's `image` and each submission's: a requeue
-    runs the file its env.toml / srun flags name), resolved, with the runs that pin it.
-    The runs root is $SLIPWAY_RUNS, else each project directory's runs/. A manifest that cannot
-    be read may pin any image: ManifestError, and nothing is pruned."""
+    """Every squashfs a run pins (its manifest's `image` and each submission's: a requeue runs the
+    file its env.toml / srun flags name), resolved, with the runs that pin it. A manifest that
+    cannot be read may pin any image: ManifestError, and nothing is pruned."""
     pins: dict[Path, dict[str, None]] = {}  # the runs of each, in order
     seen: set[Path] = set()
     for project_dir in project_dirs:

@@ -99,8 +99,7 @@ def _check_script_syntax(cfg: Config, script: str) -> None:
 class Shared:
     """What the points of one sweep (jobs/runs/arrays.py) share, resolved once for all of them: the
     image pin (by the container and image settings), the code snapshot (by train.script) and the
-    batch script's syntax (by launch.pre_launch, the only text of it a user writes). A sweep is
-    sealed once: one image and one code snapshot, whatever its number of points."""
+    batch script's syntax (by launch.pre_launch, the only text of it a user writes)."""
 
     pins: dict[str, tuple[ImagePin, list[str], Optional[ConfigError]]] = field(default_factory=dict)
     codes: dict[Optional[str], Snapshot] = field(default_factory=dict)
@@ -118,10 +117,9 @@ def _once(cache: Optional[dict], key, make: Callable[[], Any]) -> Any:
 
 def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optional[Shared] = None,
          config_text: bool = True) -> Sealed:
-    """Resolve a submission of `cfg` (nothing written). A dry run reports a missing image as a
-    note and renders with the path `make image` would write, instead of failing. `shared`: what
-    the points of a sweep share; without `config_text` the frozen config.yaml is left out of the
-    files, for the caller to add where it needs it (a sweep lists a thousand points)."""
+    """Resolve a submission of `cfg`, nothing written (a dry run goes on without an image: `_pin`).
+    Without `config_text` the frozen config.yaml is left out of the files, for the caller to add
+    where it needs it (a sweep lists a thousand points)."""
     paths = RunDir(runs_root(project_dir) / cfg.run.name, project_dir.absolute())
     cfg = resolve_paths(cfg, paths)
     notes: list[str] = []
@@ -190,14 +188,9 @@ def _mode(paths: RunDir, path: Path) -> int:
 
 def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str, slurm.JobInfo]] = None,
                 git: Optional[dict] = None) -> tuple[Run, bool]:
-    """Create or reuse `runs/RUN/`; returns (run, created).
-
-    Same run name and same resolved config: the run resumes (generated files refreshed,
-    earlier versions kept in history/). A different config is refused unless `force`,
-    and then the old config is kept in `history/` too. A run with a job still queued or
-    running is never rewritten: that job reads these files. `asked`: what Slurm said of the
-    run's launches, where the caller asked for many runs at once (a sweep); `git`: the checkout's
-    state, where the caller knows it."""
+    """Create `runs/RUN/`, or reuse it (`_refresh`); returns (run, created). `asked`: what Slurm
+    said of the run's launches, where the caller asked for many runs at once (a sweep); `git`: the
+    checkout's state, where the caller knows it."""
     cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
     run = Run(paths)
     no_world_write()
@@ -235,7 +228,8 @@ def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str
 
 
 def _refresh(sealed: Sealed, run: Run, force: bool, asked: Optional[dict[str, slurm.JobInfo]]) -> None:
-    """An existing run's files rewritten for a launch, each earlier version kept in history/."""
+    """An existing run's files rewritten for a launch, each earlier version kept in history/: never
+    under a queued or running job (which reads them), nor for a different config without `force`."""
     cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
     mode = paths.path.stat().st_mode
     if mode & 0o002:  # made under umask 000 before slipway masked it
@@ -334,16 +328,14 @@ def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:
 
 def preparation(cfg: Config, project_dir: Path) -> tuple[Sealed, str]:
     """What `slipway prepare` (here) works from, nothing written: the sealed config, as a job
-    reads it, and the HF_HOME its hub downloads land in (the job's own: launch.hf_home, else
-    $HF_HOME, else the project's). A ConfigError here is that command's refusal."""
+    reads it, and the HF_HOME its hub downloads land in (`hf_home`, the job's own)."""
     sealed = seal(cfg, project_dir, dry_run=True)
     return sealed, hf_home(cfg, sealed.paths)
 
 
 def nothing_to_train(cfg: Config, run_dir: Path, command: str) -> Optional[str]:
     """Why a launch of the run would train nothing (None: it has steps left): its latest
-    checkpoint already reached train.steps. `command` (`local`, `submit`) is the command the
-    suggestion to train on repeats; `slipway local` and `submit` say the same before starting."""
+    checkpoint already reached train.steps. `command` (`local`, `submit`): what the hint repeats."""
     steps = complete_checkpoints(run_dir / cfg.checkpoint.dir)
     if not steps or steps[-1] < cfg.train.steps:
         return None
@@ -355,11 +347,9 @@ def nothing_to_train(cfg: Config, run_dir: Path, command: str) -> Optional[str]:
 
 def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool = False,
            before_writing: Optional[Callable[[], None]] = None) -> tuple[Run, str, Sealed, Optional[str]]:
-    """Seal the submission, write the run directory and `sbatch` it; returns (run, job id,
-    sealed, the id of the data preparation job it waits for or None).
-
-    A run whose token cache is not prepared is refused, unless `prepare`: then a CPU job
-    prepares it and the training job starts after that one completed."""
+    """Seal the submission, write the run directory and `sbatch` it; returns (run, job id, sealed,
+    the preparation job's id or None). A token cache not prepared is refused unless `prepare`:
+    then a CPU job prepares it and the training job starts after that one completed."""
     check_submittable(cfg)
     sealed = seal(cfg, project_dir)
     done = nothing_to_train(cfg, sealed.paths.path, "submit")
