@@ -10,7 +10,6 @@ directory so that Slurm writes the task's log into that run's logs/ (an array ha
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import resource
@@ -146,9 +145,8 @@ def _points(variants: Variants, points: Iterable[tuple[dict[str, Any], str]], ke
                     raise ConfigError(f"slurm.{stream}", "%x is the array's job name in a sweep, not the point's: "
                                                          "use %j (the task's ARRAY_TASK id) or a fixed name")
             if dry_run and first is not None and not _fresh(values, sealed_values):  # built and checked; its
-                paths = RunDir(first.paths.path.parent / run_name, first.paths.project)  # files rendered when submitted
-                sealed = copy.copy(first)
-                sealed.cfg, sealed.paths, sealed.files, sealed.notes = cfg, paths, {}, []
+                sealed = replace(first, cfg=cfg, paths=RunDir(first.paths.path.parent / run_name, first.paths.project),
+                                 files={}, notes=[])  # files rendered when submitted
             else:
                 sealed = first = seal(cfg, project_dir, dry_run=dry_run, shared=shared, config_text=False)
         except ConfigError as exc:

@@ -126,7 +126,8 @@ class Snapshot:
         try:
             # Read-only (a snapshot is what ran; nothing edits it in place), and readable by whom
             # the user's umask lets read the run directories, no one else.
-            mask = _umask()
+            mask = os.umask(0o022)
+            os.umask(mask)
             copy_into(self._files, tmp, file_mode=0o444 & ~mask, exec_mode=0o555 & ~mask, dir_mode=0o755 & ~mask)
             (tmp / LISTING).write_text(self._listing)
             os.chmod(tmp / LISTING, 0o444 & ~mask)
@@ -140,12 +141,6 @@ class Snapshot:
         finally:
             if tmp.exists():
                 _remove(tmp)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _remove(path: Path) -> None:

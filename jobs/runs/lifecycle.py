@@ -128,15 +128,6 @@ def _last(attempt: Sequence[Event], *kinds: EventKind) -> Optional[Event]:
     return next((e for e in reversed(attempt) if e.kind in kinds), None)
 
 
-def _signal_exit(code: int) -> Optional[int]:
-    """The signal a shell's exit code 128+N or a negative Popen code -N says, else None."""
-    if code < 0:
-        return -code
-    if 128 < code < 128 + 65:
-        return code - 128
-    return None
-
-
 def signal_name(num: int) -> str:
     try:
         return signal.Signals(num).name
@@ -265,7 +256,7 @@ def _local_state(launch: Launch, attempt: Sequence[Event], process: LocalProcess
         if cancelled is not None and code != 0:
             return LaunchState(CANCELLED, code, cancelled.text)
         return _by_code(code, attempt, last_text)
-    sig = _signal_exit(code)
+    sig = -code if code < 0 else code - 128 if 128 < code < 128 + 65 else None  # Popen's -N, a shell's 128+N
     if sig is not None and code != HANG_EXIT:
         if sig == signal.SIGINT:
             return LaunchState(INTERRUPTED, 128 + sig, "Ctrl-C")

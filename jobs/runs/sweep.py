@@ -241,9 +241,7 @@ class Axis:
     values: tuple  # each as an override's value parses (what apply_override sets)
 
 
-@lru_cache(maxsize=None)
-def _hints(cls: type) -> dict:
-    return typing.get_type_hints(cls)
+_hints = lru_cache(maxsize=None)(typing.get_type_hints)
 
 
 def _bare(tp: Any) -> Any:
