@@ -8,12 +8,9 @@ none). PYTHONSAFEPATH keeps the working directory (the checkout, for runtime non
 it; SLIPWAY_CODE lets the trainer check that it runs from the snapshot (common/rundir.py
 `check_code`). A snapshot is never written twice and job.sbatch and env.toml name its path, so
 editing the checkout changes nothing for a submitted run, its requeues or its retries.
-`code.snapshot: false` runs the image's baked code (sealed production images).
-
-Each launch that records its code also prunes the snapshots no run's manifest names any more and
-no launch wrote or reused for PRUNE_AFTER_SECONDS; a lock on the store (shared while a launch
-writes or reuses a snapshot, exclusive while one prunes) keeps a pruning from taking a snapshot a
-launch has just chosen.
+`code.snapshot: false` runs the image's baked code (sealed production images). A lock on the store
+(shared while a launch writes or reuses a snapshot, exclusive while one prunes those no run names)
+keeps a pruning from taking a snapshot a launch has just chosen.
 """
 
 from __future__ import annotations
@@ -202,8 +199,7 @@ _BYTECODE = re.compile(r"(?:^|/)__pycache__/[^/]+\.pyc$")
 
 @contextlib.contextmanager
 def store_lock(store: Path, *, exclusive: bool, wait: bool = True) -> Iterator[bool]:
-    """flock(2) on STORE/.lock; yields whether it is held (False: another holds it and `wait` is
-    off, or the filesystem has no locks)."""
+    """flock(2) on STORE/.lock; yields whether held (False: held elsewhere and not `wait`, or no locks)."""
     try:
         fd = os.open(store / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
@@ -248,8 +244,7 @@ def prune_store(store: Path, named: set[str]) -> list[tuple[str, int]]:
 
 
 def plan_snapshot(store: Path, script: Optional[str], project_dir: Optional[Path] = None) -> Snapshot:
-    """Hash the code a launch runs: the common and trainer packages, and `script`'s folder
-    (train.script), by the rules of containers/sources.py."""
+    """Hash the code a launch runs (common, trainer and `script`'s folder) by containers/sources.py's rules."""
     source = trainer_source(project_dir)
     # The trainer imports common/ below it: a snapshot carries both, from one place.
     common = source.parent / "common"

@@ -104,8 +104,7 @@ def _bytes_digest(real: Path, st: os.stat_result) -> str:
 
 
 def pin_image(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None) -> ImagePin:
-    """The image `cfg` runs, pinned; a one-line error when there is none to run (what the user
-    should know besides goes to `notes`)."""
+    """The image `cfg` runs, pinned; a one-line error when there is none (other news to `notes`)."""
     c = cfg.container
     if not c.in_container:
         return ImagePin("", "", "none")

@@ -271,8 +271,8 @@ def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
 
 
 def active_jobs(run: Run, asked: Optional[dict[str, slurm.JobInfo]] = None) -> list[tuple[str, str]]:
-    """(job id, state) of this run's jobs that Slurm still runs or queues (one query for all;
-    none where the caller `asked` Slurm for them, with other runs', since the manifest last changed)."""
+    """(job id, state) of the run's jobs Slurm still runs or queues: one query, none where the
+    caller `asked` Slurm (for many runs at once) since the manifest last changed."""
     if asked is not None:
         ids = set(run.job_ids())
         return [(job, info.state) for job, info in asked.items() if job in ids and info.active]

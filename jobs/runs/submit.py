@@ -172,10 +172,9 @@ def _pin(cfg: Config, paths: RunDir, shared: Optional[Shared], dry_run: bool, no
 
 
 def no_world_write() -> int:
-    """Mask o+w in this process's umask, for good: whatever it and its children create (run
-    directories, logs/, history/, a local run's checkpoints; a job sbatch submits from here,
-    as Slurm applies the submitter's umask to it) is never writable by every user, even under
-    umask 000. Returns the umask now in force."""
+    """Mask o+w in this process's umask for good, so that nothing it and its children create (runs,
+    logs/, history/, checkpoints; a job sbatch submits, as Slurm applies the submitter's umask) is
+    writable by every user, even under umask 000; the umask now in force."""
     umask = os.umask(0) | 0o002
     os.umask(umask)
     return umask
