@@ -222,10 +222,8 @@ def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_sn
     for key in sorted((set(old) | set(new)) - set(UNHASHED_ARGS)):
         if old.get(key) != new.get(key):
             what = _BUILD_ARG_FIELDS.get(key, f"image.build_args.{key}")
-            if key == "WHEELHOUSE_DIGEST":
-                out.append(f"{what} changed")
-            else:
-                out.append(f"{what} {_shown_arg(key, old.get(key))} -> {_shown_arg(key, new.get(key))}")
+            out.append(f"{what} changed" if key == "WHEELHOUSE_DIGEST" else
+                       f"{what} {_shown_arg(key, old.get(key))} -> {_shown_arg(key, new.get(key))}")
     if (record.squash_options or plan.squash_options) != plan.squash_options:
         out.append(f"image.squash_options {record.squash_options!r} -> {plan.squash_options!r}")
     inputs = record.inputs

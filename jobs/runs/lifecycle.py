@@ -138,8 +138,6 @@ def signal_name(num: int) -> str:
 def _by_code(code: int, attempt: Sequence[Event], reason: str) -> LaunchState:
     """An ended attempt classified by its exit code (as the batch script or launcher gives it) and events."""
     hang = _last(attempt, EventKind.HANG)
-    failure = _last(attempt, *FAILURE_KINDS)
-    why = failure.text if failure else reason
     if code == 0:
         return LaunchState(COMPLETED, 0, reason)
     if code == REQUEUE_EXIT:
@@ -155,7 +153,8 @@ def _by_code(code: int, attempt: Sequence[Event], reason: str) -> LaunchState:
     node = _last(attempt, EventKind.NODE_FAILURE)
     if node is not None:
         return LaunchState(NODE_FAIL, code, node.text)
-    return LaunchState(FAILED, code, why)
+    failure = _last(attempt, *FAILURE_KINDS)
+    return LaunchState(FAILED, code, failure.text if failure else reason)
 
 
 def final_end(attempt: Sequence[Event]) -> Optional[Event]:

@@ -110,9 +110,7 @@ def _once(cache: Optional[dict], key, make: Callable[[], Any]) -> Any:
     """`make()`, once per `key` where a sweep shares `cache`, every time without one."""
     if cache is None:
         return make()
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
+    return cache[key] if key in cache else cache.setdefault(key, make())
 
 
 def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optional[Shared] = None,

@@ -323,8 +323,7 @@ def read_points(path: str) -> list[dict[str, Any]]:
         def walk(node: dict, prefix: str) -> None:
             for k, v in node.items():
                 key = f"{prefix}{k}"
-                if isinstance(v, dict) and key not in MAP_FIELDS and field_type(key) is not None \
-                        and get_origin(field_type(key)) is not dict:
+                if isinstance(v, dict) and field_type(key) is not None and get_origin(field_type(key)) is not dict:
                     walk(v, key + ".")
                 else:
                     flat[key] = v
