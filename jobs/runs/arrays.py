@@ -224,8 +224,7 @@ def _lister() -> Callable[[Path], bool]:
 
 def _existing(plan: Plan, force: bool, exists: Callable[[Path], bool]) -> None:
     """Each point whose run exists: queued or running, finished, to resume (a changed config refused
-    without `force`), or unreadable (damaged, a teammate's) and left as it is with a note. Slurm is
-    asked once for all of them."""
+    without `force`), or unreadable (damaged, a teammate's) and left with a note; Slurm asked once."""
     there = []
     for p in plan.points:
         run = Run(p.sealed.paths)
@@ -339,8 +338,7 @@ def render_array(sweep: str, where: Path, points: list[PointPlan], max_parallel:
 
 
 def _write_array(sweep: str, home: Path, points: list[PointPlan], max_parallel: Optional[int]) -> Path:
-    """arrays/STAMP/: the array's script and, for task I, a link I -> its point's run directory;
-    made whole under a temporary name, then renamed into place."""
+    """arrays/STAMP/: the array's script and links I -> task I's run directory, renamed into place whole."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     arrays = home / "arrays"
     arrays.mkdir(parents=True, exist_ok=True)
@@ -368,9 +366,8 @@ def _open_files_for(n: int) -> None:
 
 def submit_sweep(plan: Plan, project_dir: Path, *, force: bool = False, max_parallel: Optional[int] = None,
                  before_writing: Optional[Callable[[], None]] = None) -> list[ArrayJob]:
-    """Write the record, the points' run directories and arrays, and sbatch each array. The caller
-    holds the sweep's lock (`hold`); each point's is held from its directory's writing to its job's
-    record, as `slipway submit` holds it."""
+    """Write the record, the points' run directories and arrays, and sbatch each array, under the
+    caller's sweep lock (`hold`) and each point's, from its directory's writing to its job's record."""
     if plan.refusals:
         raise plan.refusals[0]
     home = sweep_dir(project_dir, plan.sweep.name)

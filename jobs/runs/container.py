@@ -134,8 +134,8 @@ def _user_mounts(env: Environment) -> list[tuple[int, Mount, Path, Path]]:
 
 
 def visibility_mounts(cfg: Config, paths: RunDir) -> list[Mount]:
-    """The mounts to add so that every needed path is seen at its own path in the container;
-    a one-line error if a user mount would hide one of them."""
+    """The mounts that show every needed path at its own path in the container (a user mount hiding
+    one: a one-line error)."""
     return [mount for _, mount in _visibility(cfg, paths)]
 
 
@@ -165,8 +165,7 @@ def _visibility(cfg: Config, paths: RunDir) -> list[tuple[Need, Mount]]:
 
 
 def create_needed_dirs(cfg: Config, paths: RunDir) -> list[Path]:
-    """Make the cache directories the job will fill, as mount sources must exist (without a
-    container the trainer makes them); the directories it created."""
+    """Make the cache directories the job fills (mount sources must exist); the directories it made."""
     if not cfg.container.in_container:
         return []
     created: list[Path] = []

@@ -57,9 +57,8 @@ class ImagePin:
         require(self.source in SOURCES, f"{where}.source", lambda: f"{shown(self.source)} is not one of {', '.join(SOURCES)}")
 
     def pins(self, code: Optional[CodeSnapshot], build: Optional[str], project: Optional[str] = None) -> Pins:
-        """What a job of this image checks on every node: the squashfs file by its size, mtime
-        and (where known) bytes; `code`, the kept container's build key and the project whose
-        name its containers carry ride along."""
+        """What a job of this image checks on every node: the squashfs by its size, mtime and (where
+        known) bytes; `code`, the kept container's build key and the project ride along."""
         mtime = None
         if self.mtime:
             with contextlib.suppress(ValueError):

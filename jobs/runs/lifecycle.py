@@ -180,8 +180,7 @@ def settled(launch: Launch, events: Sequence[Event]) -> bool:
 
 
 def ask_slurm(launches: Iterable[tuple[Launch, Sequence[Event]]]) -> dict[str, JobInfo]:
-    """What Slurm says of each launch (with its own events) that events.log does not settle: at
-    most one squeue and one sacct call for all of them, none for those it settles."""
+    """What Slurm says of the launches events.log does not settle: one squeue and one sacct at most."""
     ids = [x.id for x, own in launches if not x.local and not settled(x, own)]
     return slurm.jobs_info(ids) if ids else {}  # {} where neither squeue nor sacct is here
 

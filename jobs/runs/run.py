@@ -79,17 +79,15 @@ class Run:
                                    self.launches() if launch.local else ())  # a local one's end: the next's start
 
     def state(self, launch: Launch, info: Optional[slurm.JobInfo] = None, *, ask_slurm: bool = True) -> LaunchState:
-        """What became of `launch` (`lifecycle.observed_state`), Slurm asked where events.log does
-        not settle it, unless `info` is given or `ask_slurm` is off."""
+        """`lifecycle.observed_state` of `launch`, Slurm asked unless `info` is given or `ask_slurm` is off."""
         own = self.events_of(launch)
         if info is None and ask_slurm:  # none for a local launch
             info = lifecycle.ask_slurm([(launch, own)]).get(launch.id)
         return lifecycle.observed_state(launch, own, info)
 
     def last_metrics(self, kind: str = "train") -> dict | None:
-        """The latest record of `kind` (train, eval) of the history that stands, read from the last
-        64 KiB of metrics.jsonl (1 MiB for an eval record, written more rarely); NotRegularFile or
-        PermissionError where it cannot be read."""
+        """The latest record of `kind` (train, eval) of the history that stands, from the last 64 KiB of
+        metrics.jsonl (1 MiB for the rarer eval); NotRegularFile or PermissionError where unreadable."""
         data = read_tail(self.paths.metrics, 65536 if kind == "train" else 1 << 20)
         records = []
         for line in (data or b"").decode(errors="replace").splitlines():
@@ -102,8 +100,7 @@ class Run:
         return next((r for r in reversed(latest_by_step(records)) if r.get("kind") == kind), None)
 
     def total_steps(self, launch: Optional[Launch] = None) -> Optional[int]:
-        """train.steps of the latest training launch (its manifest entry says; the config for one
-        recorded before entries did), None when neither says."""
+        """train.steps of the latest training launch (its manifest entry, else the config), None if neither says."""
         launch = launch or next((x for x in reversed(self.launches()) if x.kind == "train"), None)
         if launch is not None and launch.steps is not None:
             return launch.steps

@@ -46,8 +46,7 @@ from common.rundir import CodeSnapshot, RunDir, complete_checkpoints
 
 @dataclass
 class Sealed:
-    """A submission resolved once: the frozen config (absolute paths), the pinned image,
-    the run's container environment, and the text of every file it writes."""
+    """A submission resolved once: the frozen config, pinned image, container environment, files."""
 
     cfg: Config
     paths: RunDir
@@ -146,8 +145,7 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
 
 
 def _pin(cfg: Config, paths: RunDir, shared: Optional[Shared], dry_run: bool, notes: list[str]) -> ImagePin:
-    """The image the run runs (`pin_image`), once per sweep; a dry run notes a refusal and goes on
-    with the path `make image` would write."""
+    """The image pin (`pin_image`), once per sweep; a dry run notes a refusal and uses `make image`'s path."""
     # What pin_image reads: the container and image settings, what the run needs of the image
     # (containers/image.py ImageConfig), whether the code is snapshotted.
     pin_key = json.dumps([to_dict(cfg.container), to_dict(cfg.image), repr(cfg.image_needs), cfg.code.snapshot],
@@ -185,9 +183,8 @@ def _mode(paths: RunDir, path: Path) -> int:
 
 def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str, slurm.JobInfo]] = None,
                 git: Optional[dict] = None) -> tuple[Run, bool]:
-    """Create `runs/RUN/`, or reuse it (`_refresh`); returns (run, created). `asked`: what Slurm
-    said of the run's launches, where the caller asked for many runs at once (a sweep); `git`: the
-    checkout's state, where the caller knows it."""
+    """Create `runs/RUN/`, or reuse it (`_refresh`); (run, created). `asked`: what Slurm said of its
+    launches, where the caller asked for many runs (a sweep); `git`: the checkout's state, if known."""
     cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
     run = Run(paths)
     no_world_write()
