@@ -121,8 +121,7 @@ class Snapshot:
     def _write(self, target: Path) -> None:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
-            # Read-only (a snapshot is what ran; nothing edits it in place), and readable by whom
-            # the user's umask lets read the run directories, no one else.
+            # Read-only (what ran is never edited), readable by whom the user's umask lets read runs.
             mask = os.umask(0o022)
             os.umask(mask)
             copy_into(self._files, tmp, file_mode=0o444 & ~mask, exec_mode=0o555 & ~mask, dir_mode=0o755 & ~mask)

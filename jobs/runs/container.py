@@ -117,8 +117,7 @@ def needed_paths(cfg: Config, paths: RunDir) -> list[Need]:
     if cfg.train.script:
         script = _absolute(cfg.train.script, "train.script", paths.project)
         needs.append(Need(script.parent, "train.script's directory", False, False))
-    # One mount for a path inside another one that is mounted anyway (a writable one wins);
-    # the rest in the order above.
+    # One mount for a path inside another mounted anyway (a writable one wins); the rest in order.
     kept: list[Need] = []
     for need in sorted(needs, key=lambda n: (len(n.path.parts), not n.writable)):
         outer = next((k for k in kept if need.path == k.path or k.path in need.path.parents), None)
@@ -145,8 +144,7 @@ def _visibility(cfg: Config, paths: RunDir) -> list[tuple[Need, Mount]]:
         return []
     user = _user_mounts(env)
     if env.workdir is not None:
-        # The trainer's paths are absolute, so the workdir only matters for what the user runs
-        # by hand; check that it is a path at all (variables set).
+        # The trainer's paths are absolute: the workdir matters only by hand; is it a path at all?
         _expand(env.workdir, "container.workdir")
     added: list[tuple[Need, Mount]] = []
     for need in needed_paths(cfg, paths):
@@ -222,11 +220,10 @@ def _with_code(env: Environment, code: Optional[CodeSnapshot]) -> Environment:
 
 def shell_environment(cfg: Config, paths: RunDir, pin: ImagePin,
                       code: Optional[CodeSnapshot] = None) -> tuple[Environment, list[str]]:
-    """The container environment of `slipway shell` and notes for the user: the run's, with the
-    checkout's code as `code` (what a submission now would run), less the paths the job would
-    create that do not exist yet (a shell writes nothing into a run: a submission creates the run
-    directory whole, and it or `prepare` the caches), every mount source checked on this node (a
-    missing one is one line before srun, not a failure after the image is unpacked)."""
+    """`slipway shell`'s container environment and notes: the run's, with the checkout's code as
+    `code`, less the paths the job would create that do not exist yet (a shell writes nothing into a
+    run: a submission makes the run directory, it or `prepare` the caches), each mount source checked
+    here (a missing one: one line before srun, not a failure after the image is unpacked)."""
     env = cfg.container
     if not env.in_container:
         return env, []

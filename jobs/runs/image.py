@@ -85,10 +85,9 @@ def _file_pin(reference: str, path: Path, source: str, known: Optional[BuildReco
 
 
 def _bytes_digest(real: Path, st: os.stat_result) -> str:
-    """The sha256 of squashfs `real`'s bytes, read once per version of the file, not gigabytes at
-    each launch of a dev loop: remembered in the user's cache under what any write changes (its
-    device, inode, size, and modification and change times: a user cannot set the change time
-    back, as the nodes' size-and-mtime check assumes they will not)."""
+    """The sha256 of squashfs `real`'s bytes, read once per version of the file, not at each launch
+    of a dev loop: cached under what any write changes (device, inode, size, mtime and ctime: a user
+    cannot set ctime back, as the nodes' size-and-mtime check assumes they will not)."""
     cache = user_cache("image-digests.json")
     key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns} {real}"
     known = {k: v for k, v in (read_json(cache, limit=1 << 20) or {}).items()
@@ -253,10 +252,10 @@ def image_build_command(cfg: Config) -> str:
 
 
 def kept_build(cfg: Config, pin: ImagePin) -> Optional[str]:
-    """The key of the image build whose unpacked pyxis container the nodes keep for later jobs
-    (container.keep_builds), or None: every attempt unpacks its own. Only a squashfs file whose
-    content slipway knows (its build hash, or its bytes' hash) is kept: a registry tag can move,
-    and a container kept under its name would outlive what the tag names."""
+    """The key of the build whose unpacked pyxis container the nodes keep for later jobs
+    (container.keep_builds), or None: every attempt unpacks its own. Only a squashfs whose content
+    slipway knows (build or bytes' hash) is kept: a registry tag can move, and a container kept
+    under it would outlive what it names."""
     if cfg.container.runtime != "pyxis" or cfg.container.keep_builds < 1 or pin.path is None:
         return None
     identity = pin.build_hash or pin.sha256

@@ -143,8 +143,7 @@ def _by_code(code: int, attempt: Sequence[Event], reason: str) -> LaunchState:
     if code == REQUEUE_EXIT:
         stop = _last(attempt, EventKind.TIME_LIMIT_STOP, EventKind.NOT_REQUEUEING)
         return LaunchState(STOPPED, code, stop.text if stop else reason or "saved a checkpoint and stopped")
-    # The batch script exits these codes only after saying why in events.log; a code alone (a
-    # user's command exiting 4) is a failure like any other.
+    # The script's own codes only with its why in events.log: a user's command exiting 4 just failed.
     if code == HANG_EXIT and hang is not None:
         return LaunchState(HUNG, code, hang.text, hang.hang_tag)
     preflight = _last(attempt, EventKind.PREFLIGHT_FAILED)
@@ -168,10 +167,9 @@ def final_end(attempt: Sequence[Event]) -> Optional[Event]:
 
 
 def settled(launch: Launch, events: Sequence[Event]) -> bool:
-    """Whether events.log (`events`: the launch's own) tells for good how a Slurm job ended, so that
-    Slurm need not be asked: its last attempt recorded its end and did not requeue itself. A SIGTERM
-    is no such end: only Slurm tells a plain scancel from the time limit or a preemption that
-    requeues the job."""
+    """Whether events.log (`events`: the launch's own) settles how a Slurm job ended, so that Slurm
+    need not be asked: its last attempt recorded its end and did not requeue itself. A SIGTERM does
+    not: only Slurm tells a plain scancel from a time limit or preemption that requeues the job."""
     attempt = last_attempt(events)
     if launch.local or final_end(attempt) is None:
         return False
@@ -265,9 +263,8 @@ def _local_state(launch: Launch, attempt: Sequence[Event], process: LocalProcess
 def elapsed(launch: Launch, state: LaunchState, events: Sequence[Event] = (), info: Optional[JobInfo] = None,
             now: Optional[datetime] = None) -> str:
     """How long a launch ran (until now while it runs), as [D-]HH:MM:SS: a local launch by its
-    manifest record; a Slurm job's last attempt, as Slurm's Elapsed counts it, from its own start
-    event to its end event, else Slurm's figure (`info`); empty when nothing says (a launch that
-    died: its end is unknown)."""
+    manifest record; a Slurm job's last attempt, as Slurm's Elapsed counts it, by its own start and
+    end events, else Slurm's figure (`info`); empty when nothing says (a launch that died)."""
     if launch.local:
         start, end = aware_time(launch.started), aware_time(launch.ended)
         running = state.state == RUNNING

@@ -177,8 +177,7 @@ def hold(run_dir: Path, command: str, *, trains: bool = False) -> Iterator[None]
                 with contextlib.suppress(OSError):
                     path.unlink()
                 _remove_empty(made)
-            # Closed, not unlocked: a trainer that was handed the descriptor (`held_fd`) and
-            # outlives this process keeps the run locked while it trains.
+            # Closed, not unlocked: a trainer handed the descriptor (`held_fd`) keeps the run locked.
             os.close(fd)
 
 

@@ -146,8 +146,7 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
 
 def _pin(cfg: Config, paths: RunDir, shared: Optional[Shared], dry_run: bool, notes: list[str]) -> ImagePin:
     """The image pin (`pin_image`), once per sweep; a dry run notes a refusal and uses `make image`'s path."""
-    # What pin_image reads: the container and image settings, what the run needs of the image
-    # (containers/image.py ImageConfig), whether the code is snapshotted.
+    # What pin_image reads: container and image settings, the image's needs, whether code is snapshotted.
     pin_key = json.dumps([to_dict(cfg.container), to_dict(cfg.image), repr(cfg.image_needs), cfg.code.snapshot],
                          default=str)
     def found() -> tuple[Optional[ImagePin], list[str], Optional[ConfigError]]:
@@ -197,8 +196,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str
         sealed.code.write()
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.run.name}.", suffix=".tmp", dir=root))
     try:
-        # mkdtemp makes 0700 directories: the user's umask instead (teammates on a shared project
-        # folder read runs), never writable by others.
+        # mkdtemp makes 0700: the user's umask instead (teammates read runs), never writable by others.
         os.chmod(tmp, 0o777 & ~no_world_write())
         staged = RunDir(tmp)
         for target, text in files.items():
