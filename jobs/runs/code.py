@@ -36,10 +36,9 @@ from common.fs import file_sha256
 from common.rundir import CodeSnapshot, RunDir
 
 STORE = ".code"  # under the runs root: RUNS/.code/HASH16/
-# The snapshot's hash is the sha256 of SCHEME's line and its listing, LISTING inside it: one line
-# `KIND SHA256 PATH` per entry (KIND f: a file, x: an executable, l: a link, whose SHA256 is of
-# its target's text), so that a node can check the snapshot with bash and sha256sum alone
-# (jobs/slurm/verify_lib.sh verify_code) against the hash its job names.
+# The snapshot's hash: the sha256 of SCHEME's line and its listing LISTING, a line `KIND SHA256 PATH`
+# per entry (f: a file, x: an executable, l: a link, hashed by its target's text), so that a node
+# checks it with bash and sha256sum alone (jobs/slurm/verify_lib.sh verify_code).
 SCHEME = "slipway-code-v2"
 LISTING = ".slipway-files"
 # A snapshot no manifest names is kept this long after a launch last wrote or reused it: a launch

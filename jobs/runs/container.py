@@ -1,11 +1,8 @@
-"""The container environment a run uses (`run_environment`; its image is pinned by
-jobs/runs/image.py), and the paths its trainer reads and writes, resolved once at submission.
-
-The run directory, the token and Hugging Face caches, local datasets, tokenizers, checkpoints to
-start from and training scripts: relative ones are made absolute in the frozen config, and each is
-mounted at the same path inside the container unless a user mount already shows it there; a user
-mount that would cover one with something else is refused with the fix. Every way into the
-container turns the environment into srun flags through `edf.srun_flags`.
+"""The container environment a run uses (`run_environment`; the image is pinned by image.py), and
+the paths its trainer reads and writes, resolved once at submission: relative ones made absolute in
+the frozen config, each mounted at the same path inside the container unless a user mount already
+shows it there; a user mount that would cover one with something else is refused with the fix.
+Every way into the container turns the environment into srun flags through `edf.srun_flags`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""The image a run pins: `container.image` (or, when it is empty, what `make image` built for this
-config) resolved once at submission to one content-addressed squashfs file, whose absolute path
-goes into the EDF or the pyxis flags and whose build hash, tag, size and mtime go into the
-manifest (`ImagePin`). A later `make image` repoints `images/NAME.sqsh` but cannot change what a
-submitted run uses. Also what a build of the config's settings would be now (`build_of_settings`,
-`build_differences`) and the pyxis container a run's jobs keep on the nodes (`kept_build`).
+"""The image a run pins: `container.image` (or, when empty, what `make image` built for this config)
+resolved once at submission to one content-addressed squashfs file, whose absolute path goes into
+the EDF or pyxis flags and whose build hash, tag, size and mtime into the manifest (`ImagePin`): a
+later `make image` cannot change what a submitted run uses. Also the build of the config's settings
+(`build_of_settings`, `build_differences`) and the pyxis container kept on the nodes (`kept_build`).
 """
 
 from __future__ import annotations

@@ -47,8 +47,7 @@ _ENDS = (EventKind.END, EventKind.PREPARE_END)
 
 
 def events_of(launch: Launch, events: Sequence[Event], runs_launches: Sequence[Launch] = ()) -> list[Event]:
-    """The events that belong to `launch`: its Slurm job id's; for a local launch, the `local`
-    events from its start until the next local launch of the run started."""
+    """The events of `launch`: its job id's; a local launch's from its start to the next local one's."""
     if not launch.local:
         return [e for e in events if e.job == launch.id]
     start = aware_time(launch.started)
@@ -89,8 +88,7 @@ def observe_local(launch: Launch) -> LocalProcess:
 
 @dataclass(frozen=True)
 class LaunchState:
-    """What became of a launch: a state word, the exit code it ended with (None while it runs or
-    when nothing says), and why (the event or Slurm reason that tells)."""
+    """What became of a launch: its state, exit code (None while it runs or nothing says) and why."""
 
     state: str
     exit_code: Optional[int] = None
@@ -203,10 +201,9 @@ def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchSta
             return LaunchState(FAILED, None, end.text)
         return _by_code(end_code, attempt, last_text)
     word = info.state.split()[0] if info.state else UNKNOWN
-    # One exit code per end (common/rundir.py's *_EXIT): the one the batch script recorded as the
-    # job's end. Slurm's own tells only an end the script could not record (killed outright): after
-    # a plain scancel the script records 143 while Slurm, which SIGKILLs its cleanup KillWait
-    # seconds later, says 0:9.
+    # One exit code per end (common/rundir.py's *_EXIT): the batch script's. Slurm's tells only an end
+    # the script could not record (killed outright): after a plain scancel the script records 143
+    # while Slurm, which SIGKILLs its cleanup KillWait seconds later, says 0:9.
     final = final_end(attempt)
     recorded = final.exit_code if final is not None else None
     code = recorded if recorded is not None else info.return_code
@@ -288,8 +285,7 @@ def elapsed(launch: Launch, state: LaunchState, events: Sequence[Event] = (), in
 
 @dataclass
 class History:
-    """What became of one Slurm job across its attempts, from its events: the failure retries and
-    time-limit requeues it used (of how many), the nodes excluded, the last failure, the last hang."""
+    """What became of one Slurm job across its attempts, from its events."""
 
     job_id: str
     attempts: int = 0

@@ -1,12 +1,11 @@
 """One launch of a run at a time: a lock on the run, held by whatever launches into it.
 
 `runs/.RUN.lock`, beside the run directory (which may not exist yet), is flock(2)ed by `submit`,
-`prepare --as-job` and `slipway local` (for the whole local launch, the trainer included); every
-read-modify-write of the run's manifest happens under it. The file says who holds it (pid, host,
-since when, the command masked by the secret policy) so that a refusal names the holder. It is
-never removed: a process that removed it could lock a new file of the same name beside one still
-locked. The lock is per process and re-entrant (a holder that updates its manifest does not wait
-for itself); a short holder (a submission) is waited for a little, a training launch (hours) not.
+`prepare --as-job` and `slipway local` (the trainer included); every read-modify-write of the
+manifest happens under it. The file names the holder (pid, host, since when, the command masked by
+the secret policy) for a refusal to show. It is never removed: a process that removed it could lock
+a new file of the same name beside one still locked. The lock is per process and re-entrant; a
+short holder (a submission) is waited for a little, a training launch (hours) not.
 """
 
 from __future__ import annotations
@@ -56,8 +55,7 @@ def holder(run_dir: Path) -> dict:
 
 
 def _gone(record: dict) -> bool:
-    """A record of this host whose processes have all ended: a stale one (the lock file of a
-    teammate that this process may not write keeps the last writer's)."""
+    """A record of this host whose processes all ended: stale (a teammate's file we may not write keeps it)."""
     if record.get("host") != socket.gethostname():
         return False
     pids = [p for p in (record.get("pid"), record.get("trainer_pid")) if isinstance(p, int) and p > 0]

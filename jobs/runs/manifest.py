@@ -60,8 +60,7 @@ class ManifestError(ConfigError):
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch of a run, as the manifest's `submissions` records it: a Slurm job (a series of
-    attempts under one id) or a launch on this machine (`local`). Fields are the file's keys."""
+    """One launch of a run, as `submissions` records it: a Slurm job (attempts under one id) or `local`."""
 
     job_id: Optional[str] = None  # the Slurm job id; None for a local launch
     kind: str = "train"  # "train" or "prepare" (a data preparation job); a local launch trains

@@ -1,7 +1,6 @@
 """A sweep: a set of runs from one config and the values that vary (its points), and its record.
 
-Each point is a run (runs/POINT/), sealed and written by the submit path, taken by its run name
-by every command, with every single-run guarantee. The sweep's record, runs/.sweeps/SWEEP/
+Each point is a run (runs/POINT/), with every single-run guarantee. The record, runs/.sweeps/SWEEP/
 sweep.json (axes, points with their values, arrays), is one typed model read by the schema engine
 and written atomically. Here: the record, the axes and points a command line gives, the points'
 names; jobs/runs/arrays.py plans a sweep and queues it as Slurm job arrays.
