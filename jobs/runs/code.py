@@ -271,9 +271,9 @@ PRUNE_EVERY_SECONDS = 3600  # the store keeps what no run names for a day: an ho
 
 
 def prune_code_store(root: Path) -> None:
-    """`prune_store` on runs root `root`, after a launch recorded its snapshot, at most once in
-    PRUNE_EVERY_SECONDS (it reads every manifest; RUNS/.code.pruned says when it last did). Nothing
-    is removed when a manifest cannot be read: what it names is then unknown."""
+    """`prune_store` on runs root `root` after a launch recorded its snapshot, at most once in
+    PRUNE_EVERY_SECONDS (RUNS/.code.pruned says when), as it reads every manifest; nothing when one
+    cannot be read (what it names is then unknown)."""
     stamp = root / f"{STORE}.pruned"
     with contextlib.suppress(OSError, manifests.ManifestError):
         if stamp.exists() and time.time() - stamp.stat().st_mtime < PRUNE_EVERY_SECONDS:

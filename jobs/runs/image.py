@@ -145,10 +145,10 @@ def builds(cfg: Config, root: Path) -> list[BuildRecord]:
 
 def build_of_settings(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None) -> BuildRecord:
     """The build a submission of `cfg` runs: the newest with the config's image settings (the same
-    hash; with a code snapshot, one that differs in code alone), so that image variants each run
-    their own build; with none, one line naming what differs from the closest build and the command
-    that builds it. Where the settings cannot be worked out (no checkout with the Dockerfile: an
-    install of slipway without its sources), the newest build, with a note in `notes`."""
+    hash; with a code snapshot, one differing in code alone), so that image variants each run their
+    own; with none, one line naming what differs from the closest build and the command that builds
+    it. Where the settings cannot be worked out (no Dockerfile: an install without its sources), the
+    newest build, noted in `notes`."""
     root = build_root(project_dir, cfg.image.dockerfile)
     found = builds(cfg, root)
     if not found:
@@ -206,10 +206,9 @@ def _shown_arg(key: str, value: Optional[str]) -> str:
 
 
 def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_snapshot: bool = False) -> list[str]:
-    """What differs between a build `record` (None: gone) and the one `plan` would make, one phrase
-    each, in the config's terms. Empty when the hashes agree, or, with `code_snapshot`, when only
-    the build context's sources but pyproject.toml differ: the job never runs the image's copy of
-    them, so they alone need no rebuild (the dependencies, Dockerfile, build args and wheels do)."""
+    """What differs between a build `record` (None: gone) and the one `plan` would make, one phrase each
+    in the config's terms; empty when the hashes agree or, with `code_snapshot`, when only sources
+    but pyproject.toml differ (the job never runs the image's copy of them: no rebuild needed)."""
     if record is not None and record.hash == plan.hash:
         return []
     if record is None or record.build_args is None:
@@ -252,9 +251,8 @@ def image_build_command(cfg: Config) -> str:
 
 def kept_build(cfg: Config, pin: ImagePin) -> Optional[str]:
     """The key of the build whose unpacked pyxis container the nodes keep for later jobs
-    (container.keep_builds), or None: every attempt unpacks its own. Only a squashfs whose content
-    slipway knows (build or bytes' hash) is kept: a registry tag can move, and a container kept
-    under it would outlive what it names."""
+    (container.keep_builds); None: every attempt unpacks its own. Only a squashfs whose content
+    slipway knows (build or bytes' hash) is kept: a registry tag can move under a kept container."""
     if cfg.container.runtime != "pyxis" or cfg.container.keep_builds < 1 or pin.path is None:
         return None
     identity = pin.build_hash or pin.sha256

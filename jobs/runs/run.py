@@ -198,9 +198,8 @@ def find_run(name: str, project_dir: Path) -> Run:
 
 
 def _stat_manifest(run_dir: str) -> "int | Unreadable | None":
-    """When the run at `run_dir` last recorded a launch (its manifest's mtime, in ns); None where
-    there is no run; Unreadable where it is one that cannot be read. One stat, no read (and no
-    Path made: a listing of ten thousand runs is ordered by it)."""
+    """The run's manifest mtime in ns (when it last recorded a launch); None: no run; or Unreadable.
+    One stat, no read, no Path made: a listing of ten thousand runs is ordered by it."""
     try:
         st = os.stat(os.path.join(run_dir, _MANIFEST))
     except (FileNotFoundError, NotADirectoryError):
@@ -216,9 +215,8 @@ _MANIFEST = RunDir(Path("/")).manifest.name
 
 
 def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
-    """The runs of the project, oldest launch record first, and those that cannot be read, by name.
-    Passed over unread: entries without a manifest.json, and those starting with `.` (the code
-    store, run locks, a submission's temporary directory)."""
+    """The project's runs, oldest launch record first, and those unreadable, by name; passed over unread:
+    entries without a manifest.json or starting with `.` (code store, locks, temporary directories)."""
     root = runs_root(project_dir)
     try:
         names = os.listdir(root)
@@ -279,9 +277,8 @@ def active_jobs(run: Run, asked: Optional[dict[str, slurm.JobInfo]] = None) -> l
 
 
 def update_manifest(run: Run, change: Callable[[Manifest], None]) -> Manifest:
-    """The one read-modify-write of a run's manifest.json: under the run's lock (held already by
-    a launch; else taken here), so that no two writers lose each other's entries. A damaged one
-    is left as it is (ManifestError): what it held is not written over."""
+    """The one read-modify-write of a run's manifest.json, under the run's lock (held by a launch, else
+    taken here) so that no two writers lose entries; a damaged one is left as it is (ManifestError)."""
     with runlock.hold(run.dir, f"slipway: recording in the manifest of {run.name}"):
         manifest = manifests.read(run.paths.manifest)
         change(manifest)

@@ -114,9 +114,8 @@ def _once(cache: Optional[dict], key, make: Callable[[], Any]) -> Any:
 
 def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optional[Shared] = None,
          config_text: bool = True) -> Sealed:
-    """Resolve a submission of `cfg`, nothing written (a dry run goes on without an image: `_pin`).
-    Without `config_text` the frozen config.yaml is left out of the files, for the caller to add
-    where it needs it (a sweep lists a thousand points)."""
+    """Resolve a submission of `cfg`, nothing written (a dry run goes on without an image: `_pin`);
+    without `config_text` config.yaml is left for the caller to add where needed (a sweep's thousands)."""
     paths = RunDir(runs_root(project_dir) / cfg.run.name, project_dir.absolute())
     cfg = resolve_paths(cfg, paths)
     notes: list[str] = []

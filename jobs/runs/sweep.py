@@ -129,10 +129,9 @@ def write_sweep(path: Path, sweep: Sweep) -> None:
 
 class Variants:
     """A sweep's points: the base config (`config_from`'s arguments) with a few fields set, each
-    distinct setting read once by the schema, changed sections checked again and the rules across
-    sections run, not the whole tree read per point. A setting that is no plain field, changes more
-    than its field (a preset) or is refused is read the whole way for that point, so that what is
-    accepted, and every error, are `config_from`'s."""
+    distinct setting read once by the schema and only the changed sections checked again, with the
+    rules across sections. A setting that is no plain field, changes more than its field (a preset)
+    or is refused is read the whole way, so that what is accepted, and every error, are `config_from`'s."""
 
     def __init__(self, path: Path, raw: dict, overrides: list[str], sets: dict[str, Any],
                  cluster: Optional[ClusterProfile]) -> None:
