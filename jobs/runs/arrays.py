@@ -261,8 +261,7 @@ def _existing(plan: Plan, force: bool, exists: Callable[[Path], bool]) -> None:
 
 
 def _frozen(p: PointPlan) -> str:
-    """The point's config.yaml, among its files: made only for the points written or compared (a
-    sweep of a thousand points made it for each in seconds)."""
+    """The point's config.yaml, made (into its files) only for points written or compared: a thousand cost seconds."""
     path = p.sealed.paths.config
     if path not in p.sealed.files:
         p.sealed.files[path] = dump_config(resolve_paths(p.cfg, p.sealed.paths))  # resolved: a dry run may not have
@@ -309,8 +308,7 @@ def _array_pattern(pattern: str) -> str:
 
 
 def render_array(sweep: str, where: Path, points: list[PointPlan], max_parallel: Optional[int]) -> str:
-    """The array's batch script: the points' shared allocation lines, the array, and task I
-    running the run directory `where/I` links to by its own job.sbatch."""
+    """The array's batch script: the shared allocation lines, the array, and task I running `where/I`'s job.sbatch."""
     first = points[0].sealed
     s = first.cfg.slurm
     own = [line for line in allocation(first) if line.startswith("#SBATCH ")]

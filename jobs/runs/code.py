@@ -71,8 +71,7 @@ def git_diff(snapshot: CodeSnapshot) -> str:
 
 
 class Snapshot:
-    """A snapshot planned (hashed, nothing written): `value` is what the manifest records;
-    `untracked`, the code folders' files git does not track, which it leaves out."""
+    """A snapshot planned, nothing written: `value` for the manifest; `untracked`, git-untracked files left out."""
 
     def __init__(self, value: CodeSnapshot, files: list[SourceFile], listing: str, untracked: list[str]):
         self.value = value

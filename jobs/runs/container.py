@@ -130,8 +130,7 @@ def _user_mounts(env: Environment) -> list[tuple[int, Mount, Path, Path]]:
 
 
 def visibility_mounts(cfg: Config, paths: RunDir) -> list[Mount]:
-    """The mounts that show every needed path at its own path in the container (a user mount hiding
-    one: a one-line error)."""
+    """The mounts showing each needed path at its own path in the container; a user mount hiding one: an error."""
     return [mount for _, mount in _visibility(cfg, paths)]
 
 

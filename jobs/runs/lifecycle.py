@@ -109,8 +109,7 @@ class LaunchState:
 
 def launch_state(launch: Launch, events: Sequence[Event], info: Optional[JobInfo] = None,
                  process: Optional[LocalProcess] = None) -> LaunchState:
-    """The state of `launch` from its own events and Slurm's record of the job (`info`, None when
-    Slurm forgot it) or the local processes (`process`). Pure: reads nothing."""
+    """The state of `launch` from its own events and Slurm's record (`info`, None: forgotten) or its processes; pure."""
     attempt = last_attempt(events)
     if launch.local:
         return _local_state(launch, attempt, process or LocalProcess())

@@ -61,8 +61,7 @@ _NAMES = [getattr(RunDir(Path("/")), name).name for name in ("manifest", "events
 
 
 def facts(run: Run) -> Facts:
-    """The run's listing facts: from its record while the files it was read from are unchanged,
-    else from those files (ManifestError, OSError: that run cannot be read)."""
+    """The run's listing facts: its record while its files are unchanged, else from them (ManifestError, OSError)."""
     base = os.fspath(run.dir) + os.sep
     where = [_identity(base + name) for name in _NAMES[:3]]
     if where[0] is None:

@@ -178,8 +178,7 @@ def _plain(value: Any) -> Any:
 
 
 def to_record(obj: Any) -> dict:
-    """The JSON object of a Manifest or Launch: its fields (a Launch's only where they differ from
-    their defaults), then the keys a newer slipway wrote, as they were."""
+    """A Manifest's or Launch's JSON object: its fields (a Launch's where not default), then a newer slipway's keys."""
     out: dict[str, Any] = {}
     every = "*" in obj.ALWAYS
     for f in fields(obj):

@@ -305,8 +305,7 @@ def record_code(run: Run, manifest: Manifest, sealed: Sealed, launch: str) -> No
 
 
 def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:
-    """Why the run cannot start on its token cache as it is (None: it can); `config_args` is what
-    the suggested `slipway prepare` repeats (`Config.config_args`: the user's own arguments)."""
+    """Why the run cannot start on its token cache as it is, else None; the hint repeats `config_args`."""
     status = sealed.data_status()
     if status.prepared or status.tokenize_in_job:
         return None
@@ -318,15 +317,13 @@ def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:
 
 
 def preparation(cfg: Config, project_dir: Path) -> tuple[Sealed, str]:
-    """What `slipway prepare` (here) works from, nothing written: the sealed config, as a job
-    reads it, and the HF_HOME its hub downloads land in (`hf_home`, the job's own)."""
+    """What `slipway prepare` (here) works from, nothing written: the sealed config and HF_HOME (`hf_home`)."""
     sealed = seal(cfg, project_dir, dry_run=True)
     return sealed, hf_home(cfg, sealed.paths)
 
 
 def nothing_to_train(cfg: Config, run_dir: Path, command: str) -> Optional[str]:
-    """Why a launch of the run would train nothing (None: it has steps left): its latest
-    checkpoint already reached train.steps. `command` (`local`, `submit`): what the hint repeats."""
+    """Why a launch would train nothing (a checkpoint reached train.steps), else None; the hint repeats `command`."""
     steps = complete_checkpoints(run_dir / cfg.checkpoint.dir)
     if not steps or steps[-1] < cfg.train.steps:
         return None

@@ -273,8 +273,7 @@ def typed(cfg: Config, key: str) -> Any:
 
 
 def split_axes(overrides: list[str]) -> tuple[list[Axis], list[str]]:
-    """The axes among `overrides` (KEY=[V1, V2, ...] on a field that is no list, a list field's
-    axis being a list of lists) and the plain overrides left."""
+    """The axes among `overrides` (KEY=[V1, ...] on a non-list field; a list field's a list of lists) and the rest."""
     axes, plain = [], []
     for item in overrides:
         key, sep, text = item.partition("=")
