@@ -180,8 +180,7 @@ _HOST = set(config_fields(Config)) - set(config_fields(TrainerConfig))
 
 
 def _fresh(values: dict[str, Any], sealed: set[tuple[str, str]]) -> bool:
-    """Whether a dry run seals a point: the first to give a host section's field a value not yet
-    sealed (`sealed` notes it); a submission seals every point."""
+    """Whether a dry run seals a point: the first giving a host section's field a new value (`sealed` notes it)."""
     new = {(k, repr(v)) for k, v in values.items() if k.partition(".")[0] in _HOST} - sealed
     sealed |= new
     return bool(new)
@@ -272,8 +271,7 @@ def _frozen(p: PointPlan) -> str:
 
 
 def allocation(sealed: Sealed) -> tuple[str, ...]:
-    """The #SBATCH lines of a point's job.sbatch that its array shares (all but its name and logs):
-    what it asks of Slurm, as the point's own script says it (its header, rendered the same way)."""
+    """The #SBATCH lines a point's array shares: its job.sbatch header's but its name and logs, rendered alike."""
     lines = [line for line in sbatch_header(sealed.cfg, sealed.paths, sealed.exclude) if line.startswith("#SBATCH ")]
     mine = ("--job-name=", "--output=", "--error=")
     s = sealed.cfg.slurm

@@ -190,8 +190,7 @@ def remove_created_dirs(created: list[Path]) -> None:
 
 
 def run_environment(cfg: Config, paths: RunDir, pin: ImagePin, code: Optional[CodeSnapshot] = None) -> Environment:
-    """The container environment of a run: the config's, with the pinned image, the mounts that
-    make its paths visible, and the code snapshot (`_with_code`); runtime none: the config's, unused."""
+    """The run's container environment: the config's with the pinned image, visibility mounts and `_with_code`."""
     env = cfg.container
     if not env.in_container:
         return env
