@@ -153,8 +153,7 @@ def _visibility(cfg: Config, paths: RunDir) -> list[tuple[Need, Mount]]:
             if need.path.is_relative_to(dst):  # mounts apply in order: the last one over the path decides
                 shown = src / need.path.relative_to(dst) == need.path and not (need.writable and "ro" in mount.flags)
         if not shown:
-            flags = () if need.writable else ("ro",)
-            added.append((need, Mount(str(need.path), str(need.path), flags)))
+            added.append((need, Mount(str(need.path), str(need.path), () if need.writable else ("ro",))))
     return added
 
 

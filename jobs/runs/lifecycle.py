@@ -321,9 +321,7 @@ class History:
 def history(job_id: str, events: Sequence[Event]) -> History:
     """The history of Slurm job `job_id` from the run's events."""
     h = History(job_id)
-    for e in events:
-        if e.job != job_id:
-            continue
+    for e in (e for e in events if e.job == job_id):
         kind = e.kind
         if kind is EventKind.START:
             h.attempts += 1
