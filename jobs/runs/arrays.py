@@ -267,9 +267,6 @@ def _frozen(p: PointPlan) -> str:
     return p.sealed.files[path]
 
 
-# ---------------------------------------------------------------- the arrays
-
-
 def allocation(sealed: Sealed) -> tuple[str, ...]:
     """The #SBATCH lines a point's array shares: its job.sbatch header's but its name and logs, rendered alike."""
     lines = [line for line in sbatch_header(sealed.cfg, sealed.paths, sealed.exclude) if line.startswith("#SBATCH ")]

@@ -164,9 +164,6 @@ class Manifest:
         return [c for c in (self.code, *(x.code for x in self.submissions)) if c is not None]
 
 
-# ---------------------------------------------------------------- reading and writing
-
-
 def _plain(value: Any) -> Any:
     if isinstance(value, list):
         return [_plain(v) for v in value]

@@ -103,9 +103,6 @@ class Sweep:
         return [Run(RunDir(root / p.run, project_dir)) for p in self.points]
 
 
-# ---------------------------------------------------------------- the record
-
-
 def sweep_dir(project_dir: Path, name: str) -> Path:
     return runs_root(project_dir) / SWEEPS / name
 
@@ -122,9 +119,6 @@ def find_sweep(name: str, project_dir: Path) -> Optional[Sweep]:
 
 def write_sweep(path: Path, sweep: Sweep) -> None:
     write_atomic(path, json.dumps(manifests.to_record(sweep), indent=1) + "\n")
-
-
-# ---------------------------------------------------------------- axes, points and their names
 
 
 class Variants:
