@@ -102,9 +102,7 @@ class LaunchState:
     @property
     def final_exit(self) -> int:
         """The code to exit with once it ended: its own, else 0 for a completion and 1 for anything else."""
-        if self.exit_code is not None:
-            return self.exit_code
-        return 0 if self.state == COMPLETED else 1
+        return self.exit_code if self.exit_code is not None else 0 if self.state == COMPLETED else 1
 
 
 def launch_state(launch: Launch, events: Sequence[Event], info: Optional[JobInfo] = None,
