@@ -187,10 +187,9 @@ def _fresh(values: dict[str, Any], sealed: set[tuple[str, str]]) -> bool:
 
 
 def _unrelated(sealed: Sealed, sweep: str, known: set[str], exists: Callable[[Path], bool]) -> None:
-    paths = sealed.paths
-    if sealed.cfg.run.name not in known and exists(paths.path):
-        raise ConfigError("run.name", f"{paths.path} exists and is no point of sweep {sweep}: move it aside, or give "
-                                      "the sweep another --name")
+    if sealed.cfg.run.name not in known and exists(sealed.paths.path):
+        raise ConfigError("run.name", f"{sealed.paths.path} exists and is no point of sweep {sweep}: move it aside, "
+                                      "or give the sweep another --name")
 
 
 def _merged(old: Optional[Sweep], name: str, base: Config, axes: list[Axis], given: str, points: list[Point]) -> Sweep:
@@ -307,7 +306,6 @@ def render_array(sweep: str, where: Path, points: list[PointPlan], max_parallel:
     first = points[0].sealed
     s = first.cfg.slurm
     own = [line for line in allocation(first) if line.startswith("#SBATCH ")]
-    root = first.paths.path.parent
     return "\n".join([
         "#!/bin/bash",
         f"# slipway sweep {sweep}: {len(points)} point(s) as one Slurm job array; generated. Task I runs",
@@ -325,7 +323,7 @@ def render_array(sweep: str, where: Path, points: list[PointPlan], max_parallel:
         "# The task's events and manifest entry name it ARRAY_TASK, as squeue and scancel do; its",
         "# SLURM_JOB_ID is its own, which its requeues and exclusions act on.",
         'export SLIPWAY_EVENT_JOB="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
-        f'exec /bin/bash {shlex.quote(str(root))}/"$POINT"/job.sbatch',
+        f'exec /bin/bash {shlex.quote(str(first.paths.path.parent))}/"$POINT"/job.sbatch',
         "",
     ])
 

@@ -109,10 +109,8 @@ def sweep_dir(project_dir: Path, name: str) -> Path:
 
 def find_sweep(name: str, project_dir: Path) -> Optional[Sweep]:
     """The sweep `name` (None: there is none); SweepError when its record cannot be read."""
-    if not SAFE_NAME.fullmatch(name):
-        return None
     path = sweep_dir(project_dir, name) / "sweep.json"
-    if not (path.exists() or path.is_symlink()):
+    if not SAFE_NAME.fullmatch(name) or not (path.exists() or path.is_symlink()):
         return None
     return manifests.read_record(path, Sweep, "sweep", SCHEMA, SweepError)
 
