@@ -193,7 +193,6 @@ def _unrelated(sealed: Sealed, sweep: str, known: set[str], exists: Callable[[Pa
 
 
 def _merged(old: Optional[Sweep], name: str, base: Config, axes: list[Axis], given: str, points: list[Point]) -> Sweep:
-    """The record with this command's new points added after the earlier ones."""
     sweep = old or Sweep(name=name, created=now_iso())
     have = {p.run for p in sweep.points}
     sweep.points = [*sweep.points, *(p for p in points if p.run not in have)]

@@ -243,8 +243,7 @@ def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_sn
 
 
 def image_build_command(cfg: Config) -> str:
-    """`slipway image build` with the user's own CONFIG and image.* overrides: only the image section
-    (and the checkout) decide a build, so this builds exactly what this config's submission wants."""
+    """`slipway image build` with the user's CONFIG and image.* overrides: all (with the checkout) a build reads."""
     words = shlex.split(cfg.given_args) if cfg.given_args else [cfg.config_name]
     return "slipway image build " + shlex.join([words[0], *(w for w in words[1:] if w.startswith("image."))])
 

@@ -152,8 +152,7 @@ def _by_code(code: int, attempt: Sequence[Event], reason: str) -> LaunchState:
 
 
 def final_end(attempt: Sequence[Event]) -> Optional[Event]:
-    """The end the job recorded for its last attempt, when that end is the job's: None while the
-    attempt runs, and when it ended by requeueing itself (the next attempt is the job's to come)."""
+    """The end the job recorded for its last attempt; None while it runs or if it requeued itself (more to come)."""
     end = _last(attempt, *_ENDS)
     if end is None:
         return None
@@ -317,7 +316,6 @@ class History:
 
 
 def history(job_id: str, events: Sequence[Event]) -> History:
-    """The history of Slurm job `job_id` from the run's events."""
     h = History(job_id)
     for e in (e for e in events if e.job == job_id):
         kind = e.kind

@@ -41,8 +41,7 @@ _held: dict[Path, Optional[int]] = {}  # this process's locks: their descriptors
 
 
 def holder(run_dir: Path) -> dict:
-    """What the lock file says of its holder ({} when it says nothing readable). Meaningful only
-    while the lock is held: the file keeps the last holder's record after it let go."""
+    """What the lock file says of its holder ({}: nothing readable), meaningful only while held (it keeps the last)."""
     for _ in range(5):  # a holder writes its record just after taking the lock: a moment to finish
         try:  # a record is a line: more is no record of ours
             record = json.loads(read_tail(lock_path(run_dir), 64 << 10) or b"null")
@@ -105,8 +104,7 @@ def _open(path: Path) -> int:
 
 
 def _same_file(fd: int, path: Path) -> bool:
-    """Whether `path` still names the file locked through `fd`: a launch that never was removes its
-    lock file while it holds it, and whoever waited on that file must lock the new one."""
+    """Whether `path` still names the file locked through `fd` (a launch that never was removes its own)."""
     try:
         here, there = os.fstat(fd), os.stat(path)
     except FileNotFoundError:

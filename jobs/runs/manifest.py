@@ -149,8 +149,7 @@ class Manifest:
     config_sha256: str = ""
     submissions: list[Launch] = field(default_factory=list)  # oldest first
     code: Optional[CodeSnapshot] = None  # what the latest training launch runs (None: the image's own)
-    # The job libraries the latest batch script sources (lib/NAME-HASH12.sh -> sha256), checked by it.
-    job_lib: dict = field(default_factory=dict)
+    job_lib: dict = field(default_factory=dict)  # lib/NAME-HASH12.sh -> sha256, checked by the latest script
     others: dict = field(default_factory=dict, repr=False, metadata=NOT_A_KEY)  # keys it does not know
 
     ALWAYS: ClassVar[tuple[str, ...]] = ("*",)

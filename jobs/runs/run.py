@@ -129,8 +129,7 @@ def runs_root(project_dir: Path) -> Path:
 
 @dataclass(frozen=True)
 class Unreadable:
-    """A run that slipway cannot read: a teammate's it may not open (`denied`), or one whose files
-    are damaged (a FIFO or a directory where a file belongs, a manifest garbled): one `line`."""
+    """A run slipway cannot read: a teammate's (`denied`), or damaged (a FIFO for a file, garbled): one `line`."""
 
     path: Path
     why: str

@@ -106,7 +106,6 @@ class Shared:
 
 
 def _once(cache: Optional[dict], key, make: Callable[[], Any]) -> Any:
-    """`make()`, once per `key` where a sweep shares `cache`, every time without one."""
     if cache is None:
         return make()
     return cache[key] if key in cache else cache.setdefault(key, make())
