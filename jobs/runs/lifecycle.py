@@ -138,7 +138,7 @@ def _by_code(code: int, attempt: Sequence[Event], reason: str) -> LaunchState:
     if code == REQUEUE_EXIT:
         stop = _last(attempt, EventKind.TIME_LIMIT_STOP, EventKind.NOT_REQUEUEING)
         return LaunchState(STOPPED, code, stop.text if stop else reason or "saved a checkpoint and stopped")
-    # The script's own codes only with its why in events.log: a user's command exiting 4 just failed.
+    # The batch script exits these only after saying why in events.log; a user's command exiting 4 failed.
     if code == HANG_EXIT and hang is not None:
         return LaunchState(HUNG, code, hang.text, hang.hang_tag)
     preflight = _last(attempt, EventKind.PREFLIGHT_FAILED)
