@@ -1,6 +1,4 @@
-"""Runs: the run directory, the unit of reproducibility, and what submits into it (run, submit,
-checks, manifest, lifecycle, image, container, code, lock, sweep, arrays: each module's docstring
-says its part)."""
+"""Runs: the run directory, the unit of reproducibility, and what submits into it, a module per part."""
 
 from jobs.runs.run import Run, Unreadable, find_run, pinned_images, runs_root, scan_runs, update_manifest
 from jobs.runs.checks import check_submittable, config_difference

@@ -1,20 +1,15 @@
 """A sweep planned (every point built, checked and sealed before anything is written) and queued
 as Slurm job arrays (jobs/runs/sweep.py is what a sweep is).
 
-Each point is sealed and written by the submit path (jobs/runs/submit.py `seal`, `prepare_run`,
-`record_submission`); the sweep is sealed once (one image pin, one code snapshot: `Shared`). Its
-points go to one `sbatch --array` per allocation they ask and per MaxArraySize, through a small
-batch script, arrays/STAMP/array.sbatch, whose task I runs its point's own job.sbatch; STAMP/I
-links to the point's run directory, so that Slurm writes each task's log into that run's logs/
-(an array has one --output). A task's SLURM_JOB_ID is its own (requeues and `scontrol update` act
-on it alone); its events and its manifest entry name it ARRAY_TASK, as squeue and scancel do
-(SLIPWAY_EVENT_JOB).
+Points are sealed and written by the submit path; the sweep is sealed once (`Shared`: one image
+pin, one code snapshot). One `sbatch --array` per allocation asked and per MaxArraySize: task I of
+arrays/STAMP/array.sbatch runs its point's own job.sbatch, and STAMP/I links to the point's run
+directory so that Slurm writes the task's log into that run's logs/ (an array has one --output).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import resource
@@ -82,12 +77,9 @@ def plan_sweep(variants: Variants, config: str, overrides: list[str], project_di
                name: Optional[str] = None, points_file: Optional[str] = None, given_args: str = "",
                dry_run: bool = False, force: bool = False,
                view: Optional[Callable[[Config], Config]] = None) -> Plan:
-    """Every point of the sweep (`variants`: its base, the config file CONFIG with the
-    `overrides` that are no axis, the named flags and the cluster profile) built, validated and
-    sealed (nothing written): one bad point is a ConfigError naming it. What would refuse the
-    submission (an unrelated run of a point's name, a point whose config changed, data not
-    prepared) is in `refusals`. `view`: how a point runs here (`slipway sweep --local`), applied
-    to each point's config before it is checked."""
+    """Every point built, validated and sealed, nothing written (one bad point: a ConfigError naming
+    it); what would refuse the submission (an unrelated run of a point's name, a changed config,
+    data not prepared) goes to `refusals`. `view`: how a point runs here (`slipway sweep --local`)."""
     axes, plain = split_axes(overrides)
     entries = read_points(points_file) if points_file else None
     base = variants.base
@@ -119,8 +111,7 @@ def plan_sweep(variants: Variants, config: str, overrides: list[str], project_di
 
 
 def _data(plan: Plan, dry_run: bool) -> None:
-    """The first point to submit whose data is not prepared refuses the submission; each point's
-    config.yaml made (as written) where it is."""
+    """The first point to submit whose data is not prepared refuses the submission."""
     refused: dict[str, Optional[str]] = {}
     texts: dict[int, str] = {}  # the data section's text, by the section (points share one an axis leaves alone)
     for p in plan.to_submit:
@@ -139,8 +130,7 @@ def _data(plan: Plan, dry_run: bool) -> None:
 def _points(variants: Variants, points: Iterable[tuple[dict[str, Any], str]], keys: list[str], words: list[str],
             project_dir: Path, unrelated: Callable[[Sealed], None], *, dry_run: bool,
             view: Optional[Callable[[Config], Config]]) -> tuple[list[PointPlan], list[ConfigError]]:
-    """Each point (its values, its run name) built and checked, and sealed (in a dry run, as
-    `_fresh` says); what would refuse the submission."""
+    """Each point built, checked and sealed (in a dry run, as `_fresh` says); the refusals."""
     shared, seen, plans, refusals = Shared(), {}, [], []
     first, sealed_values, checked, given = None, set(), {}, shlex.join(words)
     for values, run_name in points:
@@ -155,9 +145,8 @@ def _points(variants: Variants, points: Iterable[tuple[dict[str, Any], str]], ke
                     raise ConfigError(f"slurm.{stream}", "%x is the array's job name in a sweep, not the point's: "
                                                          "use %j (the task's ARRAY_TASK id) or a fixed name")
             if dry_run and first is not None and not _fresh(values, sealed_values):  # built and checked; its
-                paths = RunDir(first.paths.path.parent / run_name, first.paths.project)  # files rendered when submitted
-                sealed = copy.copy(first)
-                sealed.cfg, sealed.paths, sealed.files, sealed.notes = cfg, paths, {}, []
+                sealed = replace(first, cfg=cfg, paths=RunDir(first.paths.path.parent / run_name, first.paths.project),
+                                 files={}, notes=[])  # files rendered when submitted
             else:
                 sealed = first = seal(cfg, project_dir, dry_run=dry_run, shared=shared, config_text=False)
         except ConfigError as exc:
@@ -191,22 +180,19 @@ _HOST = set(config_fields(Config)) - set(config_fields(TrainerConfig))
 
 
 def _fresh(values: dict[str, Any], sealed: set[tuple[str, str]]) -> bool:
-    """Whether a dry run seals a point (the first aside): the first of a value an axis gives a
-    field of the host's sections (`sealed` notes it); a submission seals every point."""
+    """Whether a dry run seals a point: the first giving a host section's field a new value (`sealed` notes it)."""
     new = {(k, repr(v)) for k, v in values.items() if k.partition(".")[0] in _HOST} - sealed
     sealed |= new
     return bool(new)
 
 
 def _unrelated(sealed: Sealed, sweep: str, known: set[str], exists: Callable[[Path], bool]) -> None:
-    paths = sealed.paths
-    if sealed.cfg.run.name not in known and exists(paths.path):
-        raise ConfigError("run.name", f"{paths.path} exists and is no point of sweep {sweep}: move it aside, or give "
-                                      "the sweep another --name")
+    if sealed.cfg.run.name not in known and exists(sealed.paths.path):
+        raise ConfigError("run.name", f"{sealed.paths.path} exists and is no point of sweep {sweep}: move it aside, "
+                                      "or give the sweep another --name")
 
 
 def _merged(old: Optional[Sweep], name: str, base: Config, axes: list[Axis], given: str, points: list[Point]) -> Sweep:
-    """The record with this command's points: earlier ones kept, new ones added after them."""
     sweep = old or Sweep(name=name, created=now_iso())
     have = {p.run for p in sweep.points}
     sweep.points = [*sweep.points, *(p for p in points if p.run not in have)]
@@ -216,8 +202,7 @@ def _merged(old: Optional[Sweep], name: str, base: Config, axes: list[Axis], giv
 
 
 def _lister() -> Callable[[Path], bool]:
-    """`exists(path)` (lexists) for the points' runs: each folder they are in listed once, as a
-    sweep asks it of thousands of points."""
+    """`exists(path)` (lexists) for thousands of points' runs: each folder listed once."""
     folders: dict[str, Optional[set[str]]] = {}
 
     def exists(path: Path) -> bool:
@@ -235,9 +220,8 @@ def _lister() -> Callable[[Path], bool]:
 
 
 def _existing(plan: Plan, force: bool, exists: Callable[[Path], bool]) -> None:
-    """The points whose run exists: queued or running, finished, to resume, (a changed config
-    without `force`) refused, or, one that cannot be read (damaged, a teammate's), left as it is
-    with a note, as the others go on. Slurm is asked once for all of them."""
+    """Each point whose run exists: queued or running, finished, to resume (a changed config refused
+    without `force`), or unreadable (damaged, a teammate's) and left with a note; Slurm asked once."""
     there = []
     for p in plan.points:
         run = Run(p.sealed.paths)
@@ -274,20 +258,15 @@ def _existing(plan: Plan, force: bool, exists: Callable[[Path], bool]) -> None:
 
 
 def _frozen(p: PointPlan) -> str:
-    """The point's config.yaml, among its files: made only for the points written or compared (a
-    sweep of a thousand points made it for each in seconds)."""
+    """The point's config.yaml, made (into its files) only for points written or compared: a thousand cost seconds."""
     path = p.sealed.paths.config
     if path not in p.sealed.files:
         p.sealed.files[path] = dump_config(resolve_paths(p.cfg, p.sealed.paths))  # resolved: a dry run may not have
     return p.sealed.files[path]
 
 
-# ---------------------------------------------------------------- the arrays
-
-
 def allocation(sealed: Sealed) -> tuple[str, ...]:
-    """The #SBATCH lines of a point's job.sbatch that its array shares (all but its name and logs):
-    what it asks of Slurm, as the point's own script says it (its header, rendered the same way)."""
+    """The #SBATCH lines a point's array shares: its job.sbatch header's but its name and logs, rendered alike."""
     lines = [line for line in sbatch_header(sealed.cfg, sealed.paths, sealed.exclude) if line.startswith("#SBATCH ")]
     mine = ("--job-name=", "--output=", "--error=")
     s = sealed.cfg.slurm
@@ -295,9 +274,8 @@ def allocation(sealed: Sealed) -> tuple[str, ...]:
 
 
 def arrays_of(points: list[PointPlan], limit: int) -> list[list[PointPlan]]:
-    """The points in arrays: one per allocation they ask (an array asks one), each of at most
-    `limit` tasks (the cluster's MaxArraySize: task indices stay below it; 0, a site without job
-    arrays: each point is a job of its own)."""
+    """The points in arrays, one per allocation asked, each of at most `limit` tasks (MaxArraySize:
+    task indices stay below it; 0, a site without job arrays: each point a job of its own)."""
     groups: dict[tuple, list[PointPlan]] = {}
     asks: dict[tuple, tuple] = {}  # by what a header reads (points share sections an axis leaves alone)
     for p in points:
@@ -323,12 +301,10 @@ def _array_pattern(pattern: str) -> str:
 
 
 def render_array(sweep: str, where: Path, points: list[PointPlan], max_parallel: Optional[int]) -> str:
-    """The array's batch script: the points' shared allocation lines, the array, and task I
-    running the run directory `where/I` links to by its own job.sbatch."""
+    """The array's batch script: the shared allocation lines, the array, and task I running `where/I`'s job.sbatch."""
     first = points[0].sealed
     s = first.cfg.slurm
     own = [line for line in allocation(first) if line.startswith("#SBATCH ")]
-    root = first.paths.path.parent
     return "\n".join([
         "#!/bin/bash",
         f"# slipway sweep {sweep}: {len(points)} point(s) as one Slurm job array; generated. Task I runs",
@@ -346,14 +322,13 @@ def render_array(sweep: str, where: Path, points: list[PointPlan], max_parallel:
         "# The task's events and manifest entry name it ARRAY_TASK, as squeue and scancel do; its",
         "# SLURM_JOB_ID is its own, which its requeues and exclusions act on.",
         'export SLIPWAY_EVENT_JOB="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
-        f'exec /bin/bash {shlex.quote(str(root))}/"$POINT"/job.sbatch',
+        f'exec /bin/bash {shlex.quote(str(first.paths.path.parent))}/"$POINT"/job.sbatch',
         "",
     ])
 
 
 def _write_array(sweep: str, home: Path, points: list[PointPlan], max_parallel: Optional[int]) -> Path:
-    """arrays/STAMP/: the array's script and, for task I, a link I -> its point's run directory;
-    made whole under a temporary name, then renamed into place."""
+    """arrays/STAMP/: the array's script and links I -> task I's run directory, renamed into place whole."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     arrays = home / "arrays"
     arrays.mkdir(parents=True, exist_ok=True)
@@ -381,9 +356,8 @@ def _open_files_for(n: int) -> None:
 
 def submit_sweep(plan: Plan, project_dir: Path, *, force: bool = False, max_parallel: Optional[int] = None,
                  before_writing: Optional[Callable[[], None]] = None) -> list[ArrayJob]:
-    """Write the record, the points' run directories and their arrays, and sbatch each array;
-    the arrays submitted. The caller holds the sweep's lock (`hold`); each point's is held from
-    its directory's writing to its job's record, as `slipway submit` holds it."""
+    """Write the record, the points' run directories and arrays, and sbatch each array, under the
+    caller's sweep lock (`hold`) and each point's, from its directory's writing to its job's record."""
     if plan.refusals:
         raise plan.refusals[0]
     home = sweep_dir(project_dir, plan.sweep.name)

@@ -17,10 +17,9 @@ from jobs.config import Config, config_changes, dump_config, interpreter, load_c
 
 
 def check_env_from_host(cfg: Config) -> None:
-    """At submission: every `container.env_from_host` variable is set here, and sbatch hands it
-    to the job. The job takes these variables from the environment sbatch exports (its default,
-    --export=ALL; the batch script's sruns keep it); an --export that leaves one out (slurm.extra,
-    or $SBATCH_EXPORT, which outranks #SBATCH lines) would start the job without it."""
+    """At submission: every `container.env_from_host` variable is set here and reaches the job, which
+    takes them from what sbatch exports (ALL by default; its sruns keep it): an --export without one
+    (slurm.extra, or $SBATCH_EXPORT, which outranks #SBATCH lines) would start the job without it."""
     names = cfg.container.env_from_host
     cfg.container.require_host_env(dict(os.environ))
     exports = [(f"slurm.extra[{i}]", opt.split("=", 1)[1]) for i, opt in enumerate(cfg.slurm.extra)

@@ -1,24 +1,16 @@
 """The code a run runs: a snapshot of the sources, taken at each launch, shared by content.
 
-An image holds dependencies (torch, flash-attn, the base's CUDA); the code the
-job runs (the `trainer` package, and a `train.script` with the folder it lives
-in) is copied at submit, `slipway local` and `slipway run` into
-RUNS/.code/HASH/, one copy per distinct content, and put in front of the image's
-baked `trainer` for every runtime: a mount at its own path and PYTHONPATH
-(containers), the job's PYTHONPATH (runtime none). PYTHONSAFEPATH keeps the
-working directory (the checkout, for runtime none) from shadowing it, and
-SLIPWAY_CODE lets the trainer check that it runs from the snapshot at all
-(common/rundir.py `check_code`). Editing the checkout after a submission
-changes nothing for that run, its requeues or its retries: job.sbatch and
-env.toml name the snapshot's path, and a snapshot is never written twice.
-`code.snapshot: false` runs the image's baked code (sealed production images).
-
-The store keeps what runs name. Each launch that records its code also removes the
-snapshots that no run directory's manifest names any more (its run was deleted) and
-that no launch has written or reused for PRUNE_AFTER_SECONDS, the grace of a launch
-between writing its snapshot and recording it. A lock on the store (shared while a
-launch writes or reuses a snapshot, exclusive while one prunes) keeps a pruning from
-taking a snapshot that a launch has just chosen.
+An image holds the dependencies (torch, flash-attn, CUDA); the code the job runs (the `trainer`
+package, and a `train.script` with its folder) is copied at submit, `slipway local` and `slipway
+run` into RUNS/.code/HASH/, one copy per distinct content, and put in front of the image's baked
+`trainer`: a mount at its own path and PYTHONPATH (containers), the job's PYTHONPATH (runtime
+none). PYTHONSAFEPATH keeps the working directory (the checkout, for runtime none) from shadowing
+it; SLIPWAY_CODE lets the trainer check that it runs from the snapshot (common/rundir.py
+`check_code`). A snapshot is never written twice and job.sbatch and env.toml name its path, so
+editing the checkout changes nothing for a submitted run, its requeues or its retries.
+`code.snapshot: false` runs the image's baked code (sealed production images). A lock on the store
+(shared while a launch writes or reuses a snapshot, exclusive while one prunes those no run names)
+keeps a pruning from taking a snapshot a launch has just chosen.
 """
 
 from __future__ import annotations
@@ -44,10 +36,9 @@ from common.fs import file_sha256
 from common.rundir import CodeSnapshot, RunDir
 
 STORE = ".code"  # under the runs root: RUNS/.code/HASH16/
-# The snapshot's hash is the sha256 of SCHEME's line and its listing, LISTING inside it: one line
-# `KIND SHA256 PATH` per entry (KIND f: a file, x: an executable, l: a link, whose SHA256 is of
-# its target's text), so that a node can check the snapshot with bash and sha256sum alone
-# (jobs/slurm/verify_lib.sh verify_code) against the hash its job names.
+# The snapshot's hash: the sha256 of SCHEME's line and its listing LISTING, a line `KIND SHA256 PATH`
+# per entry (f: a file, x: an executable, l: a link, hashed by its target's text), so that a node
+# checks it with bash and sha256sum alone (jobs/slurm/verify_lib.sh verify_code).
 SCHEME = "slipway-code-v2"
 LISTING = ".slipway-files"
 # A snapshot no manifest names is kept this long after a launch last wrote or reused it: a launch
@@ -58,9 +49,8 @@ _REMOVING = ".removing-"
 
 
 def trainer_source(project_dir: Optional[Path] = None) -> Path:
-    """The `trainer` package a launch from `project_dir` runs: the checkout's own when slipway runs
-    from one (what the user edits, whether slipway is installed editable or not), else the one
-    this slipway imports."""
+    """The `trainer` package a launch from `project_dir` runs: the checkout's own where there is one
+    (what the user edits, whether slipway is installed editable or not), else the one it imports."""
     if project_dir is not None and (project_dir / "trainer" / "__init__.py").is_file():
         return (project_dir / "trainer").resolve()
     # Found, not imported: the host reaches into trainer/ for its config alone (jobs/trainer_door.py).
@@ -81,9 +71,7 @@ def git_diff(snapshot: CodeSnapshot) -> str:
 
 
 class Snapshot:
-    """A snapshot planned (hashed, nothing written): `value` is what the manifest records,
-    `write()` puts it into the store if no run has yet; `untracked` names the files of the code
-    folders that git does not track, which it leaves out."""
+    """A snapshot planned, nothing written: `value` for the manifest; `untracked`, git-untracked files left out."""
 
     def __init__(self, value: CodeSnapshot, files: list[SourceFile], listing: str, untracked: list[str]):
         self.value = value
@@ -131,9 +119,9 @@ class Snapshot:
     def _write(self, target: Path) -> None:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
-            # Read-only (a snapshot is what ran; nothing edits it in place), and readable by whom
-            # the user's umask lets read the run directories, no one else.
-            mask = _umask()
+            # Read-only (what ran is never edited), readable by whom the user's umask lets read runs.
+            mask = os.umask(0o022)
+            os.umask(mask)
             copy_into(self._files, tmp, file_mode=0o444 & ~mask, exec_mode=0o555 & ~mask, dir_mode=0o755 & ~mask)
             (tmp / LISTING).write_text(self._listing)
             os.chmod(tmp / LISTING, 0o444 & ~mask)
@@ -147,12 +135,6 @@ class Snapshot:
         finally:
             if tmp.exists():
                 _remove(tmp)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _remove(path: Path) -> None:
@@ -214,8 +196,7 @@ _BYTECODE = re.compile(r"(?:^|/)__pycache__/[^/]+\.pyc$")
 
 @contextlib.contextmanager
 def store_lock(store: Path, *, exclusive: bool, wait: bool = True) -> Iterator[bool]:
-    """flock(2) on STORE/.lock; yields whether it is held (False: another holds it and `wait` is
-    off, or the filesystem has no locks)."""
+    """flock(2) on STORE/.lock; yields whether held (False: held elsewhere and not `wait`, or no locks)."""
     try:
         fd = os.open(store / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
@@ -228,10 +209,9 @@ def store_lock(store: Path, *, exclusive: bool, wait: bool = True) -> Iterator[b
 
 
 def prune_store(store: Path, named: set[str]) -> list[tuple[str, int]]:
-    """Remove the snapshots of `store` whose directory names (HASH16) are not in `named` and that
-    no launch wrote or reused for PRUNE_AFTER_SECONDS, and what an interrupted write or pruning
-    left; (name, bytes) of each snapshot removed. Nothing is removed where the store cannot be
-    locked (another launch is pruning it, or its filesystem has no locks)."""
+    """Remove what an interrupted write or pruning left, and the snapshots not in `named` (HASH16)
+    that no launch wrote or reused for PRUNE_AFTER_SECONDS; (name, bytes) of each removed. Nothing
+    goes where the store cannot be locked (another launch prunes it, or its filesystem has no locks)."""
     now = time.time()
     removed: list[tuple[str, int]] = []
     if not store.is_dir():
@@ -261,8 +241,7 @@ def prune_store(store: Path, named: set[str]) -> list[tuple[str, int]]:
 
 
 def plan_snapshot(store: Path, script: Optional[str], project_dir: Optional[Path] = None) -> Snapshot:
-    """Hash the code a launch runs: the common and trainer packages, and `script`'s folder
-    (train.script), by the rules of containers/sources.py."""
+    """Hash the code a launch runs (common, trainer and `script`'s folder) by containers/sources.py's rules."""
     source = trainer_source(project_dir)
     # The trainer imports common/ below it: a snapshot carries both, from one place.
     common = source.parent / "common"
@@ -291,10 +270,9 @@ PRUNE_EVERY_SECONDS = 3600  # the store keeps what no run names for a day: an ho
 
 
 def prune_code_store(root: Path) -> None:
-    """The code store of runs root `root` without the snapshots no run names (`prune_store`),
-    after a launch recorded its own: at most once in PRUNE_EVERY_SECONDS (it reads every run's
-    manifest; RUNS/.code.pruned says when it last did). Nothing is removed when a
-    manifest cannot be read: what it names is then unknown."""
+    """`prune_store` on runs root `root` after a launch recorded its snapshot, at most once in
+    PRUNE_EVERY_SECONDS (RUNS/.code.pruned says when), as it reads every manifest; nothing when one
+    cannot be read (what it names is then unknown)."""
     stamp = root / f"{STORE}.pruned"
     with contextlib.suppress(OSError, manifests.ManifestError):
         if stamp.exists() and time.time() - stamp.stat().st_mtime < PRUNE_EVERY_SECONDS:

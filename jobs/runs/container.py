@@ -1,18 +1,8 @@
-"""What runs on the nodes is what was built and submitted.
-
-Two things cross from the login node into the container, and both are
-resolved once, at submission:
-
-- the image, pinned by jobs/runs/image.py (`ImagePin`);
-- the paths the trainer reads and writes: the run directory, the token cache,
-  the Hugging Face cache, local datasets, tokenizers, checkpoints to start
-  from and custom training scripts. Relative ones are made absolute in the
-  frozen config, and each is mounted at the same path inside the container
-  unless a user mount already shows it there. A user mount that would cover
-  one of them with something else is refused with the fix.
-
-`run_environment` gives the container environment a run uses; every way into
-the container turns it into srun flags through `edf.srun_flags`.
+"""The container environment a run uses (`run_environment`; the image is pinned by image.py), and
+the paths its trainer reads and writes, resolved once at submission: relative ones made absolute in
+the frozen config, each mounted at the same path inside the container unless a user mount already
+shows it there; a user mount that would cover one with something else is refused with the fix.
+Every way into the container turns the environment into srun flags through `edf.srun_flags`.
 """
 
 from __future__ import annotations
@@ -85,9 +75,8 @@ def hf_home(cfg: Config, paths: RunDir) -> str:
 
 
 def resolve_paths(cfg: Config, paths: RunDir) -> Config:
-    """`cfg` with every path the trainer reads made absolute (relative ones are relative
-    to the project directory, where slipway runs), and the token cache named: the frozen
-    config then means the same on every node, whatever the container's working directory."""
+    """`cfg` with every path the trainer reads made absolute (relative to the project directory)
+    and the token cache named: the frozen config means the same on every node, in any workdir."""
     # A copy of the sections it changes (the rest is shared, read only): a sweep resolves a thousand.
     cfg = copy.copy(cfg)
     cfg.data, cfg.model, cfg.train = copy.copy(cfg.data), copy.copy(cfg.model), copy.copy(cfg.train)
@@ -125,8 +114,7 @@ def needed_paths(cfg: Config, paths: RunDir) -> list[Need]:
     if cfg.train.script:
         script = _absolute(cfg.train.script, "train.script", paths.project)
         needs.append(Need(script.parent, "train.script's directory", False, False))
-    # One mount for a path inside another one that is mounted anyway (a writable one wins);
-    # the rest in the order above.
+    # One mount for a path inside another mounted anyway (a writable one wins); the rest in order.
     kept: list[Need] = []
     for need in sorted(needs, key=lambda n: (len(n.path.parts), not n.writable)):
         outer = next((k for k in kept if need.path == k.path or k.path in need.path.parents), None)
@@ -137,16 +125,12 @@ def needed_paths(cfg: Config, paths: RunDir) -> list[Need]:
 
 def _user_mounts(env: Environment) -> list[tuple[int, Mount, Path, Path]]:
     """(index, mount, source, destination) with host variables expanded."""
-    out = []
-    for i, mount in enumerate(env.mounts):
-        where = f"container.mounts[{i}]"
-        out.append((i, mount, Path(_expand(mount.src, where)), Path(_expand(mount.dst, where))))
-    return out
+    return [(i, m, Path(_expand(m.src, f"container.mounts[{i}]")), Path(_expand(m.dst, f"container.mounts[{i}]")))
+            for i, m in enumerate(env.mounts)]
 
 
 def visibility_mounts(cfg: Config, paths: RunDir) -> list[Mount]:
-    """The mounts to add so that every needed path is seen at its own path in the container;
-    a one-line error if a user mount would hide one of them."""
+    """The mounts showing each needed path at its own path in the container; a user mount hiding one: an error."""
     return [mount for _, mount in _visibility(cfg, paths)]
 
 
@@ -156,8 +140,7 @@ def _visibility(cfg: Config, paths: RunDir) -> list[tuple[Need, Mount]]:
         return []
     user = _user_mounts(env)
     if env.workdir is not None:
-        # The trainer's paths are absolute, so the workdir only matters for what the user runs
-        # by hand; check that it is a path at all (variables set).
+        # The trainer's paths are absolute: the workdir matters only by hand; is it a path at all?
         _expand(env.workdir, "container.workdir")
     added: list[tuple[Need, Mount]] = []
     for need in needed_paths(cfg, paths):
@@ -170,14 +153,12 @@ def _visibility(cfg: Config, paths: RunDir) -> list[tuple[Need, Mount]]:
             if need.path.is_relative_to(dst):  # mounts apply in order: the last one over the path decides
                 shown = src / need.path.relative_to(dst) == need.path and not (need.writable and "ro" in mount.flags)
         if not shown:
-            flags = () if need.writable else ("ro",)
-            added.append((need, Mount(str(need.path), str(need.path), flags)))
+            added.append((need, Mount(str(need.path), str(need.path), () if need.writable else ("ro",))))
     return added
 
 
 def create_needed_dirs(cfg: Config, paths: RunDir) -> list[Path]:
-    """Mount sources must exist: make the cache directories the job will fill (in a container;
-    without one the trainer makes them itself). Returns the directories it created."""
+    """Make the cache directories the job fills (mount sources must exist); the directories it made."""
     if not cfg.container.in_container:
         return []
     created: list[Path] = []
@@ -208,9 +189,7 @@ def remove_created_dirs(created: list[Path]) -> None:
 
 
 def run_environment(cfg: Config, paths: RunDir, pin: ImagePin, code: Optional[CodeSnapshot] = None) -> Environment:
-    """The container environment of a run: the config's, with the pinned image, the mounts
-    that make its paths visible, and the code snapshot (mounted read-only at its own path, in
-    front of the image's baked trainer); runtime none: the config's, unused."""
+    """The run's container environment: the config's with the pinned image, visibility mounts and `_with_code`."""
     env = cfg.container
     if not env.in_container:
         return env
@@ -221,10 +200,9 @@ def run_environment(cfg: Config, paths: RunDir, pin: ImagePin, code: Optional[Co
 
 
 def _with_code(env: Environment, code: Optional[CodeSnapshot]) -> Environment:
-    """`env` with the code snapshot mounted read-only at its own path, in front of the image's
-    baked trainer. A PYTHONPATH of the config's own, or the submitting environment's
-    (env_from_host), stays behind the snapshot; the image's is replaced. The snapshot's variables
-    are set here, so a name of env_from_host among them is passed inside their value, not beside it."""
+    """`env` with the code snapshot mounted read-only at its own path, in front of the image's baked
+    trainer. A PYTHONPATH of the config's or of env_from_host stays behind it, the image's is
+    replaced; a name of env_from_host among the snapshot's variables is passed inside their value."""
     if code is None:
         return env
     values, from_host = dict(env.env), list(env.env_from_host)
@@ -236,13 +214,10 @@ def _with_code(env: Environment, code: Optional[CodeSnapshot]) -> Environment:
 
 def shell_environment(cfg: Config, paths: RunDir, pin: ImagePin,
                       code: Optional[CodeSnapshot] = None) -> tuple[Environment, list[str]]:
-    """The container environment of `slipway shell`: the run's, with the checkout's code as the
-    code snapshot `code` (what a submission now would run, not the image's baked trainer), less
-    the paths the job would create that do not exist yet (a shell writes nothing into a run: the
-    run directory only ever comes from a submission, which creates it whole, and the caches from
-    a submission or `prepare`), and with every mount source checked on this node, so that a
-    missing one is one line before srun starts rather than a failure after the image is
-    unpacked. Returns it and notes for the user."""
+    """`slipway shell`'s container environment and notes: the run's, with the checkout's code as
+    `code`, less the paths the job would create that do not exist yet (a shell writes nothing into a
+    run: a submission makes the run directory, it or `prepare` the caches), each mount source checked
+    here (a missing one: one line before srun, not a failure after the image is unpacked)."""
     env = cfg.container
     if not env.in_container:
         return env, []

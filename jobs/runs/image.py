@@ -1,9 +1,8 @@
-"""The image a run pins: `container.image` (or, when it is empty, what `make image` built for this
-config) resolved once at submission to one content-addressed squashfs file, whose absolute path
-goes into the EDF or the pyxis flags and whose build hash, tag, size and mtime go into the
-manifest (`ImagePin`). A later `make image` repoints `images/NAME.sqsh` but cannot change what a
-submitted run uses. Also what a build of the config's settings would be now (`build_of_settings`,
-`build_differences`) and the pyxis container a run's jobs keep on the nodes (`kept_build`).
+"""The image a run pins: `container.image` (or, when empty, what `make image` built for this config)
+resolved once at submission to one content-addressed squashfs file, whose absolute path goes into
+the EDF or pyxis flags and whose build hash, tag, size and mtime into the manifest (`ImagePin`): a
+later `make image` cannot change what a submitted run uses. Also the build of the config's settings
+(`build_of_settings`, `build_differences`) and the pyxis container kept on the nodes (`kept_build`).
 """
 
 from __future__ import annotations
@@ -57,9 +56,8 @@ class ImagePin:
         require(self.source in SOURCES, f"{where}.source", lambda: f"{shown(self.source)} is not one of {', '.join(SOURCES)}")
 
     def pins(self, code: Optional[CodeSnapshot], build: Optional[str], project: Optional[str] = None) -> Pins:
-        """What a job of this image checks on every node: the squashfs file by its size, mtime
-        and (where known) bytes; `code`, the kept container's build key and the project whose
-        name its containers carry ride along."""
+        """What a job of this image checks on every node: the squashfs by its size, mtime and (where
+        known) bytes; `code`, the kept container's build key and the project ride along."""
         mtime = None
         if self.mtime:
             with contextlib.suppress(ValueError):
@@ -86,10 +84,9 @@ def _file_pin(reference: str, path: Path, source: str, known: Optional[BuildReco
 
 
 def _bytes_digest(real: Path, st: os.stat_result) -> str:
-    """The sha256 of squashfs `real`'s bytes, read once per version of the file, not gigabytes at
-    each launch of a dev loop: remembered in the user's cache under what any write changes (its
-    device, inode, size, and modification and change times: a user cannot set the change time
-    back, as the nodes' size-and-mtime check assumes they will not)."""
+    """The sha256 of squashfs `real`'s bytes, read once per version of the file, not at each launch
+    of a dev loop: cached under what any write changes (device, inode, size, mtime and ctime: a user
+    cannot set ctime back, as the nodes' size-and-mtime check assumes they will not)."""
     cache = user_cache("image-digests.json")
     key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns} {real}"
     known = {k: v for k, v in (read_json(cache, limit=1 << 20) or {}).items()
@@ -104,8 +101,7 @@ def _bytes_digest(real: Path, st: os.stat_result) -> str:
 
 
 def pin_image(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None) -> ImagePin:
-    """The image `cfg` runs, pinned; a one-line error when there is none to run (what the user
-    should know besides goes to `notes`)."""
+    """The image `cfg` runs, pinned; a one-line error when there is none (other news to `notes`)."""
     c = cfg.container
     if not c.in_container:
         return ImagePin("", "", "none")
@@ -148,12 +144,11 @@ def builds(cfg: Config, root: Path) -> list[BuildRecord]:
 
 
 def build_of_settings(cfg: Config, project_dir: Path, notes: Optional[list[str]] = None) -> BuildRecord:
-    """The build a submission of `cfg` runs: the newest whose image settings are the config's (the
-    same hash; with a code snapshot, any build that differs in code alone, which the snapshot
-    brings). Switching between image variants then runs each its own build, not the latest. With
-    none, one line naming what differs from the closest build and the command that builds it.
-    Where the settings cannot be worked out here (no checkout with the Dockerfile: an install of
-    slipway without its sources), the newest build, with a note in `notes`."""
+    """The build a submission of `cfg` runs: the newest with the config's image settings (the same
+    hash; with a code snapshot, one differing in code alone), so that image variants each run their
+    own; with none, one line naming what differs from the closest build and the command that builds
+    it. Where the settings cannot be worked out (no Dockerfile: an install without its sources), the
+    newest build, noted in `notes`."""
     root = build_root(project_dir, cfg.image.dockerfile)
     found = builds(cfg, root)
     if not found:
@@ -210,16 +205,10 @@ def _shown_arg(key: str, value: Optional[str]) -> str:
     return repr(value) if value is not None else "unset"
 
 
-# The build context's sources but pyproject.toml are code, not what the image must install: with
-# a code snapshot (code.snapshot, jobs/runs/code.py) the job never runs the image's copy of them,
-# so a change to them alone needs no rebuild. pyproject.toml (the dependencies), the Dockerfile,
-# the build args and the wheels do.
-
-
 def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_snapshot: bool = False) -> list[str]:
-    """What differs between a build `record` and the build `plan` would make, one phrase each,
-    in the config's terms (None: the record is gone). Empty when the hashes agree, or, with
-    `code_snapshot`, when only code differs (the snapshot brings it: nothing to rebuild)."""
+    """What differs between a build `record` (None: gone) and the one `plan` would make, one phrase each
+    in the config's terms; empty when the hashes agree or, with `code_snapshot`, when only sources
+    but pyproject.toml differ (the job never runs the image's copy of them: no rebuild needed)."""
     if record is not None and record.hash == plan.hash:
         return []
     if record is None or record.build_args is None:
@@ -229,10 +218,8 @@ def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_sn
     for key in sorted((set(old) | set(new)) - set(UNHASHED_ARGS)):
         if old.get(key) != new.get(key):
             what = _BUILD_ARG_FIELDS.get(key, f"image.build_args.{key}")
-            if key == "WHEELHOUSE_DIGEST":
-                out.append(f"{what} changed")
-            else:
-                out.append(f"{what} {_shown_arg(key, old.get(key))} -> {_shown_arg(key, new.get(key))}")
+            out.append(f"{what} changed" if key == "WHEELHOUSE_DIGEST" else
+                       f"{what} {_shown_arg(key, old.get(key))} -> {_shown_arg(key, new.get(key))}")
     if (record.squash_options or plan.squash_options) != plan.squash_options:
         out.append(f"image.squash_options {record.squash_options!r} -> {plan.squash_options!r}")
     inputs = record.inputs
@@ -256,21 +243,15 @@ def build_differences(record: Optional[BuildRecord], plan: ImagePlan, *, code_sn
 
 
 def image_build_command(cfg: Config) -> str:
-    """`slipway image build` with the user's own CONFIG and image.* overrides: only the image
-    section (and the checkout) decide a build, so this builds exactly what this config's
-    submission looks for, and a suggestion never repeats an override unrelated to the image."""
+    """`slipway image build` with the user's CONFIG and image.* overrides: all (with the checkout) a build reads."""
     words = shlex.split(cfg.given_args) if cfg.given_args else [cfg.config_name]
     return "slipway image build " + shlex.join([words[0], *(w for w in words[1:] if w.startswith("image."))])
 
 
-# ---------------------------------------------------------------- the paths
-
-
 def kept_build(cfg: Config, pin: ImagePin) -> Optional[str]:
-    """The key of the image build whose unpacked pyxis container the nodes keep for later jobs
-    (container.keep_builds), or None: every attempt unpacks its own. Only a squashfs file whose
-    content slipway knows (its build hash, or its bytes' hash) is kept: a registry tag can move,
-    and a container kept under its name would outlive what the tag names."""
+    """The key of the build whose unpacked pyxis container the nodes keep for later jobs
+    (container.keep_builds); None: every attempt unpacks its own. Only a squashfs whose content
+    slipway knows (build or bytes' hash) is kept: a registry tag can move under a kept container."""
     if cfg.container.runtime != "pyxis" or cfg.container.keep_builds < 1 or pin.path is None:
         return None
     identity = pin.build_hash or pin.sha256
@@ -278,9 +259,8 @@ def kept_build(cfg: Config, pin: ImagePin) -> Optional[str]:
 
 
 def container_project(cfg: Config, project_dir: Path) -> Optional[str]:
-    """The token pyxis containers of `cfg`'s jobs are named with (slipway-TOKEN-...): the project
-    of the checkout its image builds from, so that a job's sweep on a node and `slipway image
-    containers` act on this project's alone; None without pyxis."""
+    """The token of `cfg`'s jobs' pyxis containers (slipway-TOKEN-...), None without pyxis: the
+    checkout's project, so a job's sweep on a node and `slipway image containers` act on its own."""
     if cfg.container.runtime != "pyxis":
         return None
     return Project.of(build_root(project_dir, cfg.image.dockerfile)).token

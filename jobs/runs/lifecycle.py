@@ -1,12 +1,10 @@
 """A run's lifecycle on the host: its launches, their events, and what became of each.
 
-A run (runs/RUN/) is launched again and again: Slurm jobs (each a series of attempts under
-one id, through failure retries and time-limit requeues; a data preparation job too) and
-launches on this machine (`slipway local`). The manifest records each launch once
-(jobs.runs.manifest `Launch`, read there only); events.log tells what happened to
-it (`common.rundir.parse_event`); and one function, `launch_state`, turns a launch, its
-events and what Slurm or the local process says into its state, exit code and reason.
-`slipway status`, `watch` and `logs -f` all read a run through here.
+A launch is a Slurm job (a series of attempts under one id, through failure retries and
+time-limit requeues) or a launch on this machine: the manifest records it (`Launch`), events.log
+tells what happened to it, and one function, `launch_state`, turns both and what Slurm or the
+local processes say into its state, exit code and reason. `status`, `watch` and `logs -f` read
+a run through here.
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ _ENDS = (EventKind.END, EventKind.PREPARE_END)
 
 
 def events_of(launch: Launch, events: Sequence[Event], runs_launches: Sequence[Launch] = ()) -> list[Event]:
-    """The events that belong to `launch`: its Slurm job id's; for a local launch, the `local`
-    events from its start until the next local launch of the run started."""
+    """The events of `launch`: its job id's; a local launch's from its start to the next local one's."""
     if not launch.local:
         return [e for e in events if e.job == launch.id]
     start = aware_time(launch.started)
@@ -91,8 +88,7 @@ def observe_local(launch: Launch) -> LocalProcess:
 
 @dataclass(frozen=True)
 class LaunchState:
-    """What became of a launch: a state word, the exit code it ended with (None while it runs or
-    when nothing says), and why (the event or Slurm reason that tells)."""
+    """What became of a launch: its state, exit code (None while it runs or nothing says) and why."""
 
     state: str
     exit_code: Optional[int] = None
@@ -106,15 +102,12 @@ class LaunchState:
     @property
     def final_exit(self) -> int:
         """The code to exit with once it ended: its own, else 0 for a completion and 1 for anything else."""
-        if self.exit_code is not None:
-            return self.exit_code
-        return 0 if self.state == COMPLETED else 1
+        return self.exit_code if self.exit_code is not None else 0 if self.state == COMPLETED else 1
 
 
 def launch_state(launch: Launch, events: Sequence[Event], info: Optional[JobInfo] = None,
                  process: Optional[LocalProcess] = None) -> LaunchState:
-    """The state of `launch` from its events (`events_of`), and Slurm's record of the job (`info`,
-    None when Slurm forgot it) or the local processes (`process`). Pure: reads nothing."""
+    """The state of `launch` from its own events and Slurm's record (`info`, None: forgotten) or its processes; pure."""
     attempt = last_attempt(events)
     if launch.local:
         return _local_state(launch, attempt, process or LocalProcess())
@@ -130,15 +123,6 @@ def _last(attempt: Sequence[Event], *kinds: EventKind) -> Optional[Event]:
     return next((e for e in reversed(attempt) if e.kind in kinds), None)
 
 
-def _signal_exit(code: int) -> Optional[int]:
-    """The signal a shell's exit code 128+N or a negative Popen code -N says, else None."""
-    if code < 0:
-        return -code
-    if 128 < code < 128 + 65:
-        return code - 128
-    return None
-
-
 def signal_name(num: int) -> str:
     try:
         return signal.Signals(num).name
@@ -149,15 +133,12 @@ def signal_name(num: int) -> str:
 def _by_code(code: int, attempt: Sequence[Event], reason: str) -> LaunchState:
     """An ended attempt classified by its exit code (as the batch script or launcher gives it) and events."""
     hang = _last(attempt, EventKind.HANG)
-    failure = _last(attempt, *FAILURE_KINDS)
-    why = failure.text if failure else reason
     if code == 0:
         return LaunchState(COMPLETED, 0, reason)
     if code == REQUEUE_EXIT:
         stop = _last(attempt, EventKind.TIME_LIMIT_STOP, EventKind.NOT_REQUEUEING)
         return LaunchState(STOPPED, code, stop.text if stop else reason or "saved a checkpoint and stopped")
-    # The batch script exits these codes only after saying why in events.log; a code alone (a
-    # user's command exiting 4) is a failure like any other.
+    # The batch script exits these only after saying why in events.log; a user's command exiting 4 failed.
     if code == HANG_EXIT and hang is not None:
         return LaunchState(HUNG, code, hang.text, hang.hang_tag)
     preflight = _last(attempt, EventKind.PREFLIGHT_FAILED)
@@ -166,12 +147,12 @@ def _by_code(code: int, attempt: Sequence[Event], reason: str) -> LaunchState:
     node = _last(attempt, EventKind.NODE_FAILURE)
     if node is not None:
         return LaunchState(NODE_FAIL, code, node.text)
-    return LaunchState(FAILED, code, why)
+    failure = _last(attempt, *FAILURE_KINDS)
+    return LaunchState(FAILED, code, failure.text if failure else reason)
 
 
 def final_end(attempt: Sequence[Event]) -> Optional[Event]:
-    """The end the job recorded for its last attempt, when that end is the job's: None while the
-    attempt runs, and when it ended by requeueing itself (the next attempt is the job's to come)."""
+    """The end the job recorded for its last attempt; None while it runs or if it requeued itself (more to come)."""
     end = _last(attempt, *_ENDS)
     if end is None:
         return None
@@ -180,10 +161,9 @@ def final_end(attempt: Sequence[Event]) -> Optional[Event]:
 
 
 def settled(launch: Launch, events: Sequence[Event]) -> bool:
-    """Whether events.log (`events`: the launch's own) tells for good how a Slurm job ended, so that
-    Slurm need not be asked: its last attempt recorded its end and did not requeue itself. A SIGTERM
-    is no such end: only Slurm tells a plain scancel from the time limit or a preemption that
-    requeues the job."""
+    """Whether events.log (`events`: the launch's own) settles how a Slurm job ended, so that Slurm
+    need not be asked: its last attempt recorded its end and did not requeue itself. A SIGTERM does
+    not: only Slurm tells a plain scancel from a time limit or preemption that requeues the job."""
     attempt = last_attempt(events)
     if launch.local or final_end(attempt) is None:
         return False
@@ -192,8 +172,7 @@ def settled(launch: Launch, events: Sequence[Event]) -> bool:
 
 
 def ask_slurm(launches: Iterable[tuple[Launch, Sequence[Event]]]) -> dict[str, JobInfo]:
-    """What Slurm says of each launch (with its own events) that events.log does not settle: at
-    most one squeue and one sacct call for all of them, none for those it settles."""
+    """What Slurm says of the launches events.log does not settle: one squeue and one sacct at most."""
     ids = [x.id for x, own in launches if not x.local and not settled(x, own)]
     return slurm.jobs_info(ids) if ids else {}  # {} where neither squeue nor sacct is here
 
@@ -218,10 +197,9 @@ def _slurm_state(attempt: Sequence[Event], info: Optional[JobInfo]) -> LaunchSta
             return LaunchState(FAILED, None, end.text)
         return _by_code(end_code, attempt, last_text)
     word = info.state.split()[0] if info.state else UNKNOWN
-    # One exit code per end (common/rundir.py's *_EXIT): the one the batch script recorded as the
-    # job's end. Slurm's own tells only an end the script could not record (killed outright): after
-    # a plain scancel the script records 143 while Slurm, which SIGKILLs its cleanup KillWait
-    # seconds later, says 0:9.
+    # One exit code per end (common/rundir.py's *_EXIT): the batch script's. Slurm's tells only an end
+    # the script could not record (killed outright): after a plain scancel the script records 143
+    # while Slurm, which SIGKILLs its cleanup KillWait seconds later, says 0:9.
     final = final_end(attempt)
     recorded = final.exit_code if final is not None else None
     code = recorded if recorded is not None else info.return_code
@@ -267,7 +245,7 @@ def _local_state(launch: Launch, attempt: Sequence[Event], process: LocalProcess
         if cancelled is not None and code != 0:
             return LaunchState(CANCELLED, code, cancelled.text)
         return _by_code(code, attempt, last_text)
-    sig = _signal_exit(code)
+    sig = -code if code < 0 else code - 128 if 128 < code < 128 + 65 else None  # Popen's -N, a shell's 128+N
     if sig is not None and code != HANG_EXIT:
         if sig == signal.SIGINT:
             return LaunchState(INTERRUPTED, 128 + sig, "Ctrl-C")
@@ -277,11 +255,9 @@ def _local_state(launch: Launch, attempt: Sequence[Event], process: LocalProcess
 
 def elapsed(launch: Launch, state: LaunchState, events: Sequence[Event] = (), info: Optional[JobInfo] = None,
             now: Optional[datetime] = None) -> str:
-    """How long a launch ran (until now while it runs), as Slurm writes elapsed times
-    ([D-]HH:MM:SS): a local launch by its manifest record; a Slurm job's last attempt (as Slurm's
-    own Elapsed counts it) from its start event to its end event (`events`: the launch's own),
-    Slurm's figure where those do not tell (`info`); empty when nothing says (a launch that died:
-    its end is unknown)."""
+    """How long a launch ran (until now while it runs), as [D-]HH:MM:SS: a local launch by its
+    manifest record; a Slurm job's last attempt, as Slurm's Elapsed counts it, by its own start and
+    end events, else Slurm's figure (`info`); empty when nothing says (a launch that died)."""
     if launch.local:
         start, end = aware_time(launch.started), aware_time(launch.ended)
         running = state.state == RUNNING
@@ -305,8 +281,7 @@ def elapsed(launch: Launch, state: LaunchState, events: Sequence[Event] = (), in
 
 @dataclass
 class History:
-    """What became of one Slurm job across its attempts, from its events: the failure retries and
-    time-limit requeues it used (of how many), the nodes excluded, the last failure, the last hang."""
+    """What became of one Slurm job across its attempts, from its events."""
 
     job_id: str
     attempts: int = 0
@@ -341,11 +316,8 @@ class History:
 
 
 def history(job_id: str, events: Sequence[Event]) -> History:
-    """The history of Slurm job `job_id` from the run's events."""
     h = History(job_id)
-    for e in events:
-        if e.job != job_id:
-            continue
+    for e in (e for e in events if e.job == job_id):
         kind = e.kind
         if kind is EventKind.START:
             h.attempts += 1

@@ -1,11 +1,10 @@
 """What a listing shows of a run, from one small record a run: runs/RUN/.listing.json.
 
-A listing of ten thousand runs (`slipway status`, a sweep's status, `compare`) reads no manifest
-and no events.log: each run's `Facts` are kept in a record with the identity (inode, size, mtime)
-of each file they come from, stat'ed before they are read (a change between the two makes the
-record stale, never wrong). A record missing, stale, damaged or of a newer format is replaced by
-reading that run alone (`from_files`), written again where the user may write (a teammate's run
-is read alone every time). A record is a cache, trusted no further than its types.
+A listing of ten thousand runs (`status`, a sweep's status, `compare`) reads no manifest and no
+events.log: each run's `Facts` are kept with the identity (inode, size, mtime) of the files they
+come from, stat'ed before they are read (a change between the two makes the record stale, never
+wrong). A record missing, stale, damaged or newer is replaced by reading that run alone
+(`from_files`), written again where the user may write: a cache trusted no further than its types.
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ from jobs.runs.run import Run
 
 FORMAT = 1
 MAX_BYTES = 64 << 10  # a record is a few hundred bytes; a latest attempt's events a few KiB
-# What a record keeps of a launch Slurm or its processes must still tell: lifecycle's inputs, not
-# its pins (git state, image, code, cluster), which no listing shows. Each with the types its
-# field takes (the record's values are checked by type alone: thousands are read at once).
+# What a record keeps of a launch still to judge: lifecycle's inputs, not its pins (no listing shows
+# them), each with its field's types (values are checked by type alone: thousands are read at once).
 _KEPT = {name: get_args(kind) or (kind,) for name, kind in get_type_hints(Launch).items()
          if name in ("job_id", "kind", "local", "started", "ended", "pid", "trainer_pid", "host", "allocation",
                      "exit", "signal", "trainer_exit", "steps")}
@@ -63,8 +61,7 @@ _NAMES = [getattr(RunDir(Path("/")), name).name for name in ("manifest", "events
 
 
 def facts(run: Run) -> Facts:
-    """The run's listing facts: from its record while the files it was read from are unchanged,
-    else from those files (ManifestError, OSError: that run cannot be read)."""
+    """The run's listing facts: its record while its files are unchanged, else from them (ManifestError, OSError)."""
     base = os.fspath(run.dir) + os.sep
     where = [_identity(base + name) for name in _NAMES[:3]]
     if where[0] is None:
@@ -80,8 +77,7 @@ def facts(run: Run) -> Facts:
 
 
 def from_files(run: Run) -> Facts:
-    """The run's listing facts read from its manifest, the end of its events.log and of its
-    metrics.jsonl."""
+    """The run's listing facts read from its manifest and the ends of its events.log and metrics.jsonl."""
     launches = run.launches()
     out = Facts(len(launches), train=_picked(run.last_metrics(), _TRAIN),
                 eval=_picked(run.last_metrics("eval"), ("step", "eval_loss")))

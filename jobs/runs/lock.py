@@ -1,16 +1,11 @@
 """One launch of a run at a time: a lock on the run, held by whatever launches into it.
 
-`runs/.RUN.lock`, beside the run directory (which may not exist yet), is flock(2)ed by
-`submit`, `prepare --as-job` and `slipway local` (for the whole local launch, the trainer
-included); every read-modify-write of the run's manifest happens under it. The file says who
-holds it (pid, host, since when, the command, masked by the secret policy: a command line is
-the user's own text), so that a refusal names the holder. It is never
-removed: a process that removed it could lock a new file of the same name beside one still
-locked.
-
-The lock is per process and re-entrant: a holder that updates its manifest does not wait for
-itself. A short holder (a submission) is waited for a little; a training launch is not, as it
-holds the lock for hours.
+`runs/.RUN.lock`, beside the run directory (which may not exist yet), is flock(2)ed by `submit`,
+`prepare --as-job` and `slipway local` (the trainer included); every read-modify-write of the
+manifest happens under it. The file names the holder (pid, host, since when, the command masked by
+the secret policy) for a refusal to show. It is never removed: a process that removed it could lock
+a new file of the same name beside one still locked. The lock is per process and re-entrant; a
+short holder (a submission) is waited for a little, a training launch (hours) not.
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ _held: dict[Path, Optional[int]] = {}  # this process's locks: their descriptors
 
 
 def holder(run_dir: Path) -> dict:
-    """What the lock file says of its holder ({} when it says nothing readable). Meaningful only
-    while the lock is held: the file keeps the last holder's record after it let go."""
+    """What the lock file says of its holder ({}: nothing readable), meaningful only while held (it keeps the last)."""
     for _ in range(5):  # a holder writes its record just after taking the lock: a moment to finish
         try:  # a record is a line: more is no record of ours
             record = json.loads(read_tail(lock_path(run_dir), 64 << 10) or b"null")
@@ -60,8 +54,7 @@ def holder(run_dir: Path) -> dict:
 
 
 def _gone(record: dict) -> bool:
-    """A record of this host whose processes have all ended: a stale one (the lock file of a
-    teammate that this process may not write keeps the last writer's)."""
+    """A record of this host whose processes all ended: stale (a teammate's file we may not write keeps it)."""
     if record.get("host") != socket.gethostname():
         return False
     pids = [p for p in (record.get("pid"), record.get("trainer_pid")) if isinstance(p, int) and p > 0]
@@ -111,8 +104,7 @@ def _open(path: Path) -> int:
 
 
 def _same_file(fd: int, path: Path) -> bool:
-    """Whether `path` still names the file locked through `fd`: a launch that never was removes its
-    lock file while it holds it, and whoever waited on that file must lock the new one."""
+    """Whether `path` still names the file locked through `fd` (a launch that never was removes its own)."""
     try:
         here, there = os.fstat(fd), os.stat(path)
     except FileNotFoundError:
@@ -181,8 +173,7 @@ def hold(run_dir: Path, command: str, *, trains: bool = False) -> Iterator[None]
                 with contextlib.suppress(OSError):
                     path.unlink()
                 _remove_empty(made)
-            # Closed, not unlocked: a trainer that was handed the descriptor (`held_fd`) and
-            # outlives this process keeps the run locked while it trains.
+            # Closed, not unlocked: a trainer handed the descriptor (`held_fd`) keeps the run locked.
             os.close(fd)
 
 
@@ -193,8 +184,7 @@ def _remove_empty(made: list[Path]) -> None:
 
 
 def busy(run_dir: Path) -> Optional[str]:
-    """Why a launch of the run would be refused now (another process holds its lock), None when
-    none does; nothing is written."""
+    """Why a launch of the run would be refused now (another holds its lock), else None; writes nothing."""
     path = lock_path(Path(run_dir).absolute())
     if path in _held:
         return None

@@ -1,15 +1,11 @@
 """manifest.json: what a run pinned and launched, one typed model, read and written here only.
 
-`Manifest` holds the run's records (git state, the image and code its latest launch runs, its
-runtime and launcher, the config's hash) and its launches (`Launch`: Slurm jobs and launches on
-this machine), each a dataclass whose fields are the file's keys, read by the schema engine that
-reads configs (common/schema.py `from_dict`, as a record: every key checked against its field's
-type, the keys it does not know kept in `others` and written back). `write` is the one writer
-(atomic; jobs.runs.update_manifest calls it under the run's lock).
-
-A manifest that cannot be read (missing, empty, cut short, not JSON, wrong types, too large, or
-of a newer format than this slipway reads) is a `ManifestError`: one line naming the file and
-what to do, raised only where that run is read.
+`Manifest` and its launches (`Launch`) are dataclasses whose fields are the file's keys, read by
+the configs' schema engine as a record (common/schema.py `from_dict`: every key checked against its
+field's type, unknown keys kept in `others` and written back). `write` is the one writer (atomic;
+jobs.runs.update_manifest calls it under the run's lock). A manifest that cannot be read (missing,
+empty, cut short, not JSON, wrong types, too large, or of a newer format) is a `ManifestError`:
+one line naming the file and what to do, raised only where that run is read.
 """
 
 from __future__ import annotations
@@ -64,8 +60,7 @@ class ManifestError(ConfigError):
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch of a run, as the manifest's `submissions` records it: a Slurm job (a series of
-    attempts under one id) or a launch on this machine (`local`). Fields are the file's keys."""
+    """One launch of a run, as `submissions` records it: a Slurm job (attempts under one id) or `local`."""
 
     job_id: Optional[str] = None  # the Slurm job id; None for a local launch
     kind: str = "train"  # "train" or "prepare" (a data preparation job); a local launch trains
@@ -154,8 +149,7 @@ class Manifest:
     config_sha256: str = ""
     submissions: list[Launch] = field(default_factory=list)  # oldest first
     code: Optional[CodeSnapshot] = None  # what the latest training launch runs (None: the image's own)
-    # The job libraries the latest batch script sources (lib/NAME-HASH12.sh -> sha256), checked by it.
-    job_lib: dict = field(default_factory=dict)
+    job_lib: dict = field(default_factory=dict)  # lib/NAME-HASH12.sh -> sha256, checked by the latest script
     others: dict = field(default_factory=dict, repr=False, metadata=NOT_A_KEY)  # keys it does not know
 
     ALWAYS: ClassVar[tuple[str, ...]] = ("*",)
@@ -169,9 +163,6 @@ class Manifest:
         return [c for c in (self.code, *(x.code for x in self.submissions)) if c is not None]
 
 
-# ---------------------------------------------------------------- reading and writing
-
-
 def _plain(value: Any) -> Any:
     if isinstance(value, list):
         return [_plain(v) for v in value]
@@ -183,8 +174,7 @@ def _plain(value: Any) -> Any:
 
 
 def to_record(obj: Any) -> dict:
-    """The JSON object of a Manifest or Launch: its fields (a Launch's only where they differ from
-    their defaults), then the keys a newer slipway wrote, as they were."""
+    """A Manifest's or Launch's JSON object: its fields (a Launch's where not default), then a newer slipway's keys."""
     out: dict[str, Any] = {}
     every = "*" in obj.ALWAYS
     for f in fields(obj):

@@ -1,8 +1,7 @@
 """A run directory on disk, `runs/RUN/`, and the runs of a project.
 
-`runs/RUN/` holds the resolved `config.yaml` the job reads, `env.toml`,
-`job.sbatch`, `manifest.json` (git state, image, submit times, job ids), the
-Slurm logs, `events.log` written by the batch script, and what the trainer
+`runs/RUN/` holds the resolved `config.yaml` the job reads, `env.toml`, `job.sbatch`,
+`manifest.json`, the Slurm logs, `events.log` written by the batch script, and what the trainer
 writes (metrics, checkpoints). The manifest has one writer (`update_manifest`).
 """
 
@@ -45,8 +44,7 @@ class Run:
         return self.dir.name
 
     def manifest(self) -> Manifest:
-        """The run's manifest as the file holds it now; ManifestError, naming the file and what to
-        do, when it cannot be read."""
+        """The run's manifest as the file holds it now (ManifestError when it cannot be read)."""
         return manifests.read(self.paths.manifest)
 
     def launches(self) -> list[Launch]:
@@ -81,19 +79,15 @@ class Run:
                                    self.launches() if launch.local else ())  # a local one's end: the next's start
 
     def state(self, launch: Launch, info: Optional[slurm.JobInfo] = None, *, ask_slurm: bool = True) -> LaunchState:
-        """What became of `launch`: events.log read, the local processes looked at, Slurm asked
-        where events.log does not settle it (unless `info` is given or `ask_slurm` is off);
-        `lifecycle.launch_state` decides."""
+        """`lifecycle.observed_state` of `launch`, Slurm asked unless `info` is given or `ask_slurm` is off."""
         own = self.events_of(launch)
         if info is None and ask_slurm:  # none for a local launch
             info = lifecycle.ask_slurm([(launch, own)]).get(launch.id)
         return lifecycle.observed_state(launch, own, info)
 
     def last_metrics(self, kind: str = "train") -> dict | None:
-        """The latest training record (or of another `kind`: eval) of the history that stands (a
-        restart undoes the steps after its checkpoint), read from the last 64 KiB of metrics.jsonl
-        (1 MiB for an eval record, written more rarely). A metrics.jsonl that is no regular file
-        raises NotRegularFile, one the user may not read PermissionError."""
+        """The latest record of `kind` (train, eval) of the history that stands, from the last 64 KiB of
+        metrics.jsonl (1 MiB for the rarer eval); NotRegularFile or PermissionError where unreadable."""
         data = read_tail(self.paths.metrics, 65536 if kind == "train" else 1 << 20)
         records = []
         for line in (data or b"").decode(errors="replace").splitlines():
@@ -106,8 +100,7 @@ class Run:
         return next((r for r in reversed(latest_by_step(records)) if r.get("kind") == kind), None)
 
     def total_steps(self, launch: Optional[Launch] = None) -> Optional[int]:
-        """train.steps of the latest training launch (its manifest entry says; the config for one
-        recorded before entries did), None when neither says."""
+        """train.steps of the latest training launch (its manifest entry, else the config), None if neither says."""
         launch = launch or next((x for x in reversed(self.launches()) if x.kind == "train"), None)
         if launch is not None and launch.steps is not None:
             return launch.steps
@@ -136,9 +129,7 @@ def runs_root(project_dir: Path) -> Path:
 
 @dataclass(frozen=True)
 class Unreadable:
-    """A run that slipway cannot read: a teammate's it may not open (`denied`), or one whose files
-    are damaged (a FIFO, a device or a directory where a file belongs, a manifest too large or
-    garbled). It is one line, `line`; every other run is still read."""
+    """A run slipway cannot read: a teammate's (`denied`), or damaged (a FIFO for a file, garbled): one `line`."""
 
     path: Path
     why: str
@@ -165,8 +156,7 @@ class Unreadable:
 
 
 def _denied(run_dir: Path, exc: OSError) -> str:
-    """Why the user may not read a run: whose it is, and how it is closed (the run directory, or
-    one file of it)."""
+    """Why the user may not read a run: whose it is, and what is closed (the directory or a file)."""
     closed = run_dir
     if os.access(run_dir, os.R_OK | os.X_OK) and exc.filename:
         closed = Path(exc.filename)
@@ -207,17 +197,14 @@ def find_run(name: str, project_dir: Path) -> Run:
 
 
 def _stat_manifest(run_dir: str) -> "int | Unreadable | None":
-    """When the run at `run_dir` last recorded a launch (its manifest's mtime, in ns); None where
-    there is no run; Unreadable where it is one that cannot be read. One stat, no read (and no
-    Path made: a listing of ten thousand runs is ordered by it)."""
+    """The run's manifest mtime in ns (when it last recorded a launch); None: no run; or Unreadable.
+    One stat, no read, no Path made: a listing of ten thousand runs is ordered by it."""
     try:
         st = os.stat(os.path.join(run_dir, _MANIFEST))
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except PermissionError as exc:
-        return Unreadable(Path(run_dir), _denied(Path(run_dir), exc), True)
-    except OSError as exc:  # a link loop, a name too long
-        return Unreadable(Path(run_dir), f"manifest.json: {exc.strerror or exc}")
+    except OSError as exc:  # denied, a link loop, a name too long
+        return Unreadable.of(Path(run_dir), exc)
     if not stat.S_ISREG(st.st_mode):
         return Unreadable(Path(run_dir), f"manifest.json is {file_kind(st.st_mode)}, not a regular file")
     return st.st_mtime_ns
@@ -227,10 +214,8 @@ _MANIFEST = RunDir(Path("/")).manifest.name
 
 
 def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
-    """The runs of the project, in the order they last recorded a launch (oldest first), and the
-    runs that cannot be read, by name. What is no run is passed over unread: an entry whose name
-    starts with `.` (the code store, run locks, a submission's temporary directory) and anything
-    without a manifest.json."""
+    """The project's runs, oldest launch record first, and those unreadable, by name; passed over unread:
+    entries without a manifest.json or starting with `.` (code store, locks, temporary directories)."""
     root = runs_root(project_dir)
     try:
         names = os.listdir(root)
@@ -251,10 +236,9 @@ def scan_runs(project_dir: Path) -> tuple[list[Run], list[Unreadable]]:
 
 
 def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
-    """Every squashfs a run pins (its manifest's `image` and each submission's: a requeue
-    runs the file its env.toml / srun flags name), resolved, with the runs that pin it.
-    The runs root is $SLIPWAY_RUNS, else each project directory's runs/. A manifest that cannot
-    be read may pin any image: ManifestError, and nothing is pruned."""
+    """Every squashfs a run pins (its manifest's `image` and each submission's: a requeue runs the
+    file its env.toml / srun flags name), resolved, with the runs that pin it. A manifest that
+    cannot be read may pin any image: ManifestError, and nothing is pruned."""
     pins: dict[Path, dict[str, None]] = {}  # the runs of each, in order
     seen: set[Path] = set()
     for project_dir in project_dirs:
@@ -281,8 +265,8 @@ def pinned_images(project_dirs: list[Path]) -> dict[Path, list[str]]:
 
 
 def active_jobs(run: Run, asked: Optional[dict[str, slurm.JobInfo]] = None) -> list[tuple[str, str]]:
-    """(job id, state) of this run's jobs that Slurm still runs or queues (one query for all;
-    none where the caller `asked` Slurm for them, with other runs', since the manifest last changed)."""
+    """(job id, state) of the run's jobs Slurm still runs or queues: one query, none where the
+    caller `asked` Slurm (for many runs at once) since the manifest last changed."""
     if asked is not None:
         ids = set(run.job_ids())
         return [(job, info.state) for job, info in asked.items() if job in ids and info.active]
@@ -292,9 +276,8 @@ def active_jobs(run: Run, asked: Optional[dict[str, slurm.JobInfo]] = None) -> l
 
 
 def update_manifest(run: Run, change: Callable[[Manifest], None]) -> Manifest:
-    """The one read-modify-write of a run's manifest.json: under the run's lock (held already by
-    a launch; else taken here), so that no two writers lose each other's entries. A damaged one
-    is left as it is (ManifestError): what it held is not written over."""
+    """The one read-modify-write of a run's manifest.json, under the run's lock (held by a launch, else
+    taken here) so that no two writers lose entries; a damaged one is left as it is (ManifestError)."""
     with runlock.hold(run.dir, f"slipway: recording in the manifest of {run.name}"):
         manifest = manifests.read(run.paths.manifest)
         change(manifest)

@@ -46,8 +46,7 @@ from common.rundir import CodeSnapshot, RunDir, complete_checkpoints
 
 @dataclass
 class Sealed:
-    """A submission resolved once: the frozen config (absolute paths), the pinned image,
-    the run's container environment, and the text of every file it writes."""
+    """A submission resolved once: the frozen config, pinned image, container environment, files."""
 
     cfg: Config
     paths: RunDir
@@ -99,8 +98,7 @@ def _check_script_syntax(cfg: Config, script: str) -> None:
 class Shared:
     """What the points of one sweep (jobs/runs/arrays.py) share, resolved once for all of them: the
     image pin (by the container and image settings), the code snapshot (by train.script) and the
-    batch script's syntax (by launch.pre_launch, the only text of it a user writes). A sweep is
-    sealed once: one image and one code snapshot, whatever its number of points."""
+    batch script's syntax (by launch.pre_launch, the only text of it a user writes)."""
 
     pins: dict[str, tuple[ImagePin, list[str], Optional[ConfigError]]] = field(default_factory=dict)
     codes: dict[Optional[str], Snapshot] = field(default_factory=dict)
@@ -108,20 +106,15 @@ class Shared:
 
 
 def _once(cache: Optional[dict], key, make: Callable[[], Any]) -> Any:
-    """`make()`, once per `key` where a sweep shares `cache`, every time without one."""
     if cache is None:
         return make()
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
+    return cache[key] if key in cache else cache.setdefault(key, make())
 
 
 def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optional[Shared] = None,
          config_text: bool = True) -> Sealed:
-    """Resolve a submission of `cfg` (nothing written). A dry run reports a missing image as a
-    note and renders with the path `make image` would write, instead of failing. `shared`: what
-    the points of a sweep share; without `config_text` the frozen config.yaml is left out of the
-    files, for the caller to add where it needs it (a sweep lists a thousand points)."""
+    """Resolve a submission of `cfg`, nothing written (a dry run goes on without an image: `_pin`);
+    without `config_text` config.yaml is left for the caller to add where needed (a sweep's thousands)."""
     paths = RunDir(runs_root(project_dir) / cfg.run.name, project_dir.absolute())
     cfg = resolve_paths(cfg, paths)
     notes: list[str] = []
@@ -150,10 +143,8 @@ def seal(cfg: Config, project_dir: Path, *, dry_run: bool = False, shared: Optio
 
 
 def _pin(cfg: Config, paths: RunDir, shared: Optional[Shared], dry_run: bool, notes: list[str]) -> ImagePin:
-    """The image the run runs (`pin_image`), once per sweep; a dry run notes a refusal and goes on
-    with the path `make image` would write."""
-    # What pin_image reads: the container and image settings, what the run needs of the image
-    # (containers/image.py ImageConfig), whether the code is snapshotted.
+    """The image pin (`pin_image`), once per sweep; a dry run notes a refusal and uses `make image`'s path."""
+    # What pin_image reads: container and image settings, the image's needs, whether code is snapshotted.
     pin_key = json.dumps([to_dict(cfg.container), to_dict(cfg.image), repr(cfg.image_needs), cfg.code.snapshot],
                          default=str)
     def found() -> tuple[Optional[ImagePin], list[str], Optional[ConfigError]]:
@@ -174,10 +165,9 @@ def _pin(cfg: Config, paths: RunDir, shared: Optional[Shared], dry_run: bool, no
 
 
 def no_world_write() -> int:
-    """Mask o+w in this process's umask, for good: whatever it and its children create (run
-    directories, logs/, history/, a local run's checkpoints; a job sbatch submits from here,
-    as Slurm applies the submitter's umask to it) is never writable by every user, even under
-    umask 000. Returns the umask now in force."""
+    """Mask o+w in this process's umask for good, so that nothing it and its children create (runs,
+    logs/, history/, checkpoints; a job sbatch submits, as Slurm applies the submitter's umask) is
+    writable by every user, even under umask 000; the umask now in force."""
     umask = os.umask(0) | 0o002
     os.umask(umask)
     return umask
@@ -190,14 +180,8 @@ def _mode(paths: RunDir, path: Path) -> int:
 
 def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str, slurm.JobInfo]] = None,
                 git: Optional[dict] = None) -> tuple[Run, bool]:
-    """Create or reuse `runs/RUN/`; returns (run, created).
-
-    Same run name and same resolved config: the run resumes (generated files refreshed,
-    earlier versions kept in history/). A different config is refused unless `force`,
-    and then the old config is kept in `history/` too. A run with a job still queued or
-    running is never rewritten: that job reads these files. `asked`: what Slurm said of the
-    run's launches, where the caller asked for many runs at once (a sweep); `git`: the checkout's
-    state, where the caller knows it."""
+    """Create `runs/RUN/`, or reuse it (`_refresh`); (run, created). `asked`: what Slurm said of its
+    launches, where the caller asked for many runs (a sweep); `git`: the checkout's state, if known."""
     cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
     run = Run(paths)
     no_world_write()
@@ -210,8 +194,7 @@ def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str
         sealed.code.write()
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.run.name}.", suffix=".tmp", dir=root))
     try:
-        # mkdtemp makes 0700 directories: the user's umask instead (teammates on a shared project
-        # folder read runs), never writable by others.
+        # mkdtemp makes 0700: the user's umask instead (teammates read runs), never writable by others.
         os.chmod(tmp, 0o777 & ~no_world_write())
         staged = RunDir(tmp)
         for target, text in files.items():
@@ -235,7 +218,8 @@ def prepare_run(sealed: Sealed, *, force: bool = False, asked: Optional[dict[str
 
 
 def _refresh(sealed: Sealed, run: Run, force: bool, asked: Optional[dict[str, slurm.JobInfo]]) -> None:
-    """An existing run's files rewritten for a launch, each earlier version kept in history/."""
+    """An existing run's files rewritten for a launch, each earlier version kept in history/: never
+    under a queued or running job (which reads them), nor for a different config without `force`."""
     cfg, paths, files = sealed.cfg, sealed.paths, sealed.files
     mode = paths.path.stat().st_mode
     if mode & 0o002:  # made under umask 000 before slipway masked it
@@ -320,8 +304,7 @@ def record_code(run: Run, manifest: Manifest, sealed: Sealed, launch: str) -> No
 
 
 def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:
-    """Why the run cannot start on its token cache as it is (None: it can); `config_args` is what
-    the suggested `slipway prepare` repeats (`Config.config_args`: the user's own arguments)."""
+    """Why the run cannot start on its token cache as it is, else None; the hint repeats `config_args`."""
     status = sealed.data_status()
     if status.prepared or status.tokenize_in_job:
         return None
@@ -333,17 +316,13 @@ def unprepared_data(sealed: Sealed, config_args: str) -> Optional[str]:
 
 
 def preparation(cfg: Config, project_dir: Path) -> tuple[Sealed, str]:
-    """What `slipway prepare` (here) works from, nothing written: the sealed config, as a job
-    reads it, and the HF_HOME its hub downloads land in (the job's own: launch.hf_home, else
-    $HF_HOME, else the project's). A ConfigError here is that command's refusal."""
+    """What `slipway prepare` (here) works from, nothing written: the sealed config and HF_HOME (`hf_home`)."""
     sealed = seal(cfg, project_dir, dry_run=True)
     return sealed, hf_home(cfg, sealed.paths)
 
 
 def nothing_to_train(cfg: Config, run_dir: Path, command: str) -> Optional[str]:
-    """Why a launch of the run would train nothing (None: it has steps left): its latest
-    checkpoint already reached train.steps. `command` (`local`, `submit`) is the command the
-    suggestion to train on repeats; `slipway local` and `submit` say the same before starting."""
+    """Why a launch would train nothing (a checkpoint reached train.steps), else None; the hint repeats `command`."""
     steps = complete_checkpoints(run_dir / cfg.checkpoint.dir)
     if not steps or steps[-1] < cfg.train.steps:
         return None
@@ -355,11 +334,9 @@ def nothing_to_train(cfg: Config, run_dir: Path, command: str) -> Optional[str]:
 
 def submit(cfg: Config, project_dir: Path, *, force: bool = False, prepare: bool = False,
            before_writing: Optional[Callable[[], None]] = None) -> tuple[Run, str, Sealed, Optional[str]]:
-    """Seal the submission, write the run directory and `sbatch` it; returns (run, job id,
-    sealed, the id of the data preparation job it waits for or None).
-
-    A run whose token cache is not prepared is refused, unless `prepare`: then a CPU job
-    prepares it and the training job starts after that one completed."""
+    """Seal the submission, write the run directory and `sbatch` it; returns (run, job id, sealed,
+    the preparation job's id or None). A token cache not prepared is refused unless `prepare`:
+    then a CPU job prepares it and the training job starts after that one completed."""
     check_submittable(cfg)
     sealed = seal(cfg, project_dir)
     done = nothing_to_train(cfg, sealed.paths.path, "submit")

@@ -1,11 +1,9 @@
 """A sweep: a set of runs from one config and the values that vary (its points), and its record.
 
-Each point is a run (runs/POINT/), sealed and written by the submit path: every command takes a
-point by its run name, and every single-run guarantee holds per point. What groups them is the
-sweep's record, runs/.sweeps/SWEEP/sweep.json (its axes, its points with their values, its
-arrays), one typed model read by the schema engine and written atomically. Here: the record, the
-axes and points a command line gives, and the points' names; jobs/runs/arrays.py plans a sweep
-and queues its points as Slurm job arrays.
+Each point is a run (runs/POINT/), with every single-run guarantee. The record, runs/.sweeps/SWEEP/
+sweep.json (axes, points with their values, arrays), is one typed model read by the schema engine
+and written atomically. Here: the record, the axes and points a command line gives, the points'
+names; jobs/runs/arrays.py plans a sweep and queues it as Slurm job arrays.
 """
 
 from __future__ import annotations
@@ -105,23 +103,15 @@ class Sweep:
         return [Run(RunDir(root / p.run, project_dir)) for p in self.points]
 
 
-# ---------------------------------------------------------------- the record
-
-
 def sweep_dir(project_dir: Path, name: str) -> Path:
     return runs_root(project_dir) / SWEEPS / name
 
 
 def find_sweep(name: str, project_dir: Path) -> Optional[Sweep]:
     """The sweep `name` (None: there is none); SweepError when its record cannot be read."""
-    if not SAFE_NAME.fullmatch(name):
-        return None
     path = sweep_dir(project_dir, name) / "sweep.json"
-    return read_sweep(path) if path.exists() or path.is_symlink() else None
-
-
-def read_sweep(path: Path) -> Sweep:
-    """The record at `path`, checked by the schema engine; SweepError when it cannot be read."""
+    if not SAFE_NAME.fullmatch(name) or not (path.exists() or path.is_symlink()):
+        return None
     return manifests.read_record(path, Sweep, "sweep", SCHEMA, SweepError)
 
 
@@ -129,27 +119,20 @@ def write_sweep(path: Path, sweep: Sweep) -> None:
     write_atomic(path, json.dumps(manifests.to_record(sweep), indent=1) + "\n")
 
 
-# ---------------------------------------------------------------- axes, points and their names
-
-
 class Variants:
-    """A sweep's points: configs of one base (`config_from`'s arguments) setting a few fields more,
-    without reading the whole tree for each. Each distinct setting is read once, in its section,
-    by the schema; a point is the base with those fields set, its changed sections checked again
-    and the rules across sections run. A setting that is no plain field, changes more than its
-    field (a preset) or is refused against the base is read the whole way for that point, so that
-    what is accepted, and every error, are `config_from`'s."""
+    """A sweep's points: the base config (`config_from`'s arguments) with a few fields set, each
+    distinct setting read once by the schema and only the changed sections checked again, with the
+    rules across sections. A setting that is no plain field, changes more than its field (a preset)
+    or is refused is read the whole way, so that what is accepted, and every error, are `config_from`'s."""
 
     def __init__(self, path: Path, raw: dict, overrides: list[str], sets: dict[str, Any],
                  cluster: Optional[ClusterProfile]) -> None:
         self.args, self.cluster, self.tree = (path, raw, overrides, sets), cluster, {}
         self.base = config_from(path, raw, overrides, sets, cluster=cluster, tree=self.tree)
         self.read: dict[tuple[str, str], Any] = {}
-        # A grid repeats each section's few settings across many points: each section so set is
-        # made and checked once, the points that set it sharing it (as they share the base's).
+        # A section set (a grid repeats a few settings), or derived again from a point's own values
+        # where the base derived it (`unset`), is made once and shared by the points that agree.
         self.sections: dict[tuple, Any] = {}
-        # What the base derived (the config left it unset) each point derives again, from its own values;
-        # the points that derive the same share the section so derived, as they share the base's.
         self.unset = {section: [name for name in names if self._unset(section, name)]
                       for section, names in Config.DERIVED.items()}
         self.derived: dict[tuple, Any] = {}
@@ -248,9 +231,7 @@ class Axis:
     values: tuple  # each as an override's value parses (what apply_override sets)
 
 
-@lru_cache(maxsize=None)
-def _hints(cls: type) -> dict:
-    return typing.get_type_hints(cls)
+_hints = lru_cache(maxsize=None)(typing.get_type_hints)
 
 
 def _bare(tp: Any) -> Any:
@@ -284,8 +265,7 @@ def typed(cfg: Config, key: str) -> Any:
 
 
 def split_axes(overrides: list[str]) -> tuple[list[Axis], list[str]]:
-    """The axes among `overrides` (KEY=[V1, V2, ...] on a field that is no list, a list field's
-    axis being a list of lists) and the plain overrides left."""
+    """The axes among `overrides` (KEY=[V1, ...] on a non-list field; a list field's a list of lists) and the rest."""
     axes, plain = [], []
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -332,8 +312,7 @@ def read_points(path: str) -> list[dict[str, Any]]:
         def walk(node: dict, prefix: str) -> None:
             for k, v in node.items():
                 key = f"{prefix}{k}"
-                if isinstance(v, dict) and key not in MAP_FIELDS and field_type(key) is not None \
-                        and get_origin(field_type(key)) is not dict:
+                if isinstance(v, dict) and field_type(key) is not None and get_origin(field_type(key)) is not dict:
                     walk(v, key + ".")
                 else:
                     flat[key] = v
@@ -384,10 +363,9 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 def point_names(sweep: str, settings: list[dict[str, Any]]) -> list[str]:
-    """Each point's run name: the sweep's, then each value after its short key (`tiny-lr0.001-micro_batch_size8`).
-    Stable: it depends on the point's own values alone. A value no run name can hold as it is
-    (a path, a list), or a name past 100 characters, is cut and ends in a hash of the values; so
-    do names two points would share."""
+    """Each point's run name, stable (its own values alone): the sweep's, then each value after its
+    short key (`tiny-lr0.001-micro_batch_size8`). A name with a value no run name holds as it is (a
+    path, a list), past 100 characters, or two points would share, is cut and ends in a hash."""
     keys = list(dict.fromkeys(k for s in settings for k in s))
     labels = dict(zip(keys, short_keys(keys)))
 
