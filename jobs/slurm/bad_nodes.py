@@ -192,15 +192,14 @@ def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
             usable -= 1
         else:
             left.append(record)
-    where = f"partition {partition or '(the default)'}"
     if out.nodes:
-        shown_nodes = [r for r in known if r.node in out.nodes]
-        out.notes.append(f"excluding the bad nodes cluster {remembered.cluster} remembers: {_described(shown_nodes)}; "
+        out.notes.append(f"excluding the bad nodes cluster {remembered.cluster} remembers: "
+                         f"{_described([r for r in known if r.node in out.nodes])}; "
                          f"`slipway nodes{forgetting(remembered.cluster, out.nodes)}` to use them again")
     if left:
         out.notes.append(f"not excluding {_described(left)}, remembered as bad by cluster {remembered.cluster}: the job "
-                         f"needs {needed} node(s) and {where} has {usable} usable, {_names(left)} included"
-                         + (", besides those excluded" if out.nodes else ""))
+                         f"needs {needed} node(s) and partition {partition or '(the default)'} has {usable} usable, "
+                         f"{_names(left)} included" + (", besides those excluded" if out.nodes else ""))
     return out
 
 

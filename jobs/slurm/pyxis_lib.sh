@@ -10,10 +10,7 @@
 # without unpacking the image; else this attempt's own, removed at its end. pyxis names it
 # pyxis_NAME (container_scope=global, its default) or pyxis_JOBID_NAME (container_scope=job: its
 # epilog removes it at the job's end, so nothing is kept).
-container_name() {
-  [ -n "$CONTAINER_PREFIX" ] || return 0
-  if [ -n "$CONTAINER_BUILD" ]; then echo "$CONTAINER_PREFIX$CONTAINER_BUILD"; else echo "$CONTAINER_PREFIX$JOB_TAG"; fi
-}
+container_name() { [ -z "$CONTAINER_PREFIX" ] || echo "$CONTAINER_PREFIX${CONTAINER_BUILD:-$JOB_TAG}"; }
 
 # pyxis_scope: how pyxis scopes named containers here, from its line in Slurm's plugstack
 # configuration (includes followed): "job", "global" (pyxis's default), or "" (no pyxis line

@@ -79,18 +79,17 @@ def _hf_home(cfg: Config, paths: RunDir) -> str:
 # The job library (job_lib.sh: the job's decisions) and its parts, each saying what it holds (the pyxis
 # one for pyxis jobs alone), pinned into each run directory by their hash (`library_files`) and
 # sourced by job.sbatch once that hash is checked.
-LIBRARIES = ("job_lib", "bad_nodes_lib", "requeue_lib", "verify_lib", "pyxis_lib")
-JOB_LIB, BAD_NODES_LIB, REQUEUE_LIB, VERIFY_LIB, PYXIS_LIB = (Path(__file__).with_name(f"{name}.sh").read_text()
-                                                              for name in LIBRARIES)
+LIBRARIES = {name: Path(__file__).with_name(f"{name}.sh").read_text()
+             for name in ("job_lib", "bad_nodes_lib", "requeue_lib", "verify_lib", "pyxis_lib")}
+JOB_LIB, PYXIS_LIB = LIBRARIES["job_lib"], LIBRARIES["pyxis_lib"]
 EVENT_WRITER = next(line for line in JOB_LIB.splitlines() if line.startswith("event() "))
 
 
 def library_files(env: Environment, paths: RunDir) -> dict[Path, str]:
     """The libraries a job of `env`'s runtime sources, by their place in the run directory
     (RunDir.lib/NAME-HASH12.sh: a new text is a new file, never an old one rewritten)."""
-    libs = list(zip(LIBRARIES, (JOB_LIB, BAD_NODES_LIB, REQUEUE_LIB, VERIFY_LIB, PYXIS_LIB)))
-    libs = libs if env.runtime == "pyxis" else libs[:-1]
-    return {paths.lib / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh": text for name, text in libs}
+    return {paths.lib / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh": text
+            for name, text in LIBRARIES.items() if name != "pyxis_lib" or env.runtime == "pyxis"}
 
 
 @dataclass(frozen=True)
