@@ -107,9 +107,8 @@ sweep_containers() {
     echo "removing $name" >&2
     enroot remove --force "$name" >/dev/null 2>&1 && echo "removed $name"
   done < <(enroot list 2>/dev/null)
-  # Most recently used first; a kept container with no record of its use counts as the oldest.
-  # This job's build is the most recent, unpacked here or about to be. No KEEP (a job that keeps
-  # no container): the kept ones are not this job's to bound.
+  # Most recently used first (no record of use: the oldest); this job's build counts as the most
+  # recent. No KEEP (a job that keeps no container): the kept ones are not this job's to bound.
   [ -z "$build" ] || n=1
   [ -n "$keep" ] || used=()
   while read -r name; do

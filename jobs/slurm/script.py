@@ -188,9 +188,8 @@ def _node_helper(cfg: Config) -> list[str]:
     ]
 
 
-# The steps' named pyxis container: CONTAINER_NAME (job_lib.sh's container_name: the image
-# build's kept one, or this attempt's own). no_exec: a step never joins another job's running
-# container, it only shares its unpacked filesystem.
+# The steps' named pyxis container (pyxis_lib.sh container_name). no_exec: a step never joins
+# another job's running container, it only shares its unpacked filesystem.
 PYXIS_PREFIX = "slipway-"
 PYXIS_CONTAINER = "${CONTAINER_NAME}:no_exec"
 
