@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from jobs.runs.code import plan_snapshot  # noqa: E402
-from jobs.slurm.script import JOB_LIB, VERIFY_LIB  # noqa: E402
+from jobs.slurm.script import LIBRARIES  # noqa: E402
 
 
 def timed(script: str, repeat: int) -> float:
@@ -32,7 +32,8 @@ def timed(script: str, repeat: int) -> float:
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        subprocess.run(["bash", "-c", JOB_LIB + VERIFY_LIB + "\n" + script], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["bash", "-c", LIBRARIES["job_lib"] + LIBRARIES["verify_lib"] + "\n" + script], check=True,
+                       stdout=subprocess.DEVNULL)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

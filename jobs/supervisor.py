@@ -1,12 +1,10 @@
-"""The supervisor of a launch started from the terminal (`slipway local`, `slipway run`,
-jobs/interactive.py): stopping its processes when asked, and what of their output reaches the
-terminal (docs/runs.md).
+"""The supervisor of a launch from the terminal (`slipway local`, `slipway run`, jobs/interactive.py):
+stopping its processes when asked, and what of their output reaches the terminal (docs/runs.md).
 
-A stop is asked of the ranks, never of torchrun: the ranks save at the step they agree on and
-exit (trainer/loop.py StopSignal), while torchrun, asked itself, would send them its own signal
-and kill them after its shutdown timeout. The stop file (common.rundir.RunDir.stop_file) says it
-too, to ranks not started yet. Every line goes to the launch's log; what torch and torchrun say
-of processes ending (`Noise`) stays out of the terminal, which keeps the training's own output.
+A stop is asked of the ranks, never of torchrun: the ranks save at the step they agree on and exit
+(trainer/loop.py StopSignal), while torchrun would signal them itself and kill them after its
+shutdown timeout. The stop file (RunDir.stop_file) tells ranks not started yet. Every line goes to
+the log; what torch and torchrun say of processes ending (`Noise`) stays off the terminal.
 """
 
 from __future__ import annotations
@@ -30,20 +28,16 @@ from common.events import append_event
 from common.fs import read_tail
 from common.rundir import LOCAL_JOB, RunDir, SaveLine
 
-# Signals that stop a launch: the ranks are asked to save and stop (a closed terminal's SIGHUP
-# as SIGTERM, the signal Slurm stops a job with).
+# Signals that stop a launch (a closed terminal's SIGHUP forwarded as SIGTERM, Slurm's stop signal).
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# The least the ranks get after the first signal (they finish the steps to the next sync step,
-# agree and save) before every process of the launch is killed: `stop_grace` sizes it.
+# The least time the ranks' save gets after the first signal before all is killed (`stop_grace`).
 STOP_GRACE_SECONDS = 90.0
 STOP_TELL_SECONDS = 10.0  # while a stop waits, a line this often says for what
 
 
 def stop_grace(run_dir: Path, sync_steps: int, step_s: Optional[float], setting: Optional[float]) -> tuple[float, str]:
-    """Seconds a stop waits for the ranks' save before it kills them, and why: launch.stop_grace,
-    else twice what the save needs (the step in progress and those to the next sync step, whose
-    start the ranks vote at, at `step_s`, else the step time the last save recorded, and a save as
-    long as that one), at least STOP_GRACE_SECONDS."""
+    """Seconds a stop waits for the ranks' save, and why: launch.stop_grace, else twice the steps to
+    the next sync step (at `step_s`, else the last save's step time) and a save as long as the last."""
     if setting is not None:
         return setting, "launch.stop_grace"
     lines = (read_tail(RunDir(run_dir).saves, 1 << 16) or b"").decode(errors="replace").splitlines()
@@ -57,11 +51,9 @@ def stop_grace(run_dir: Path, sync_steps: int, step_s: Optional[float], setting:
 
 
 class Stopper:
-    """This process's handler of FORWARDED: the first signal asks the launch to stop (see the
-    module docstring), a second one, or STOP_GRACE_SECONDS later, kills all of it.
-
-    The processes of a launch are those whose environment names its run directory and its tag:
-    torchrun starts each rank in a session of its own, so its process group alone is not all."""
+    """This process's handler of FORWARDED: the first signal asks the launch to stop, a second one,
+    or the grace later, kills all of it: every process whose environment names its run directory
+    and tag (torchrun starts each rank in a session of its own, so its process group is not all)."""
 
     def __init__(self, run_dir: Path, tag: str, *, agent: bool = False, leader_only: bool = False,
                  notify: Callable[[int], None] = lambda signum: None,
@@ -69,7 +61,6 @@ class Stopper:
         # agent: the launch's first process is torchrun, whose children are the ranks.
         # leader_only (`slipway run`): the batch script alone gets the signal; its trap asks the
         # ranks to save and stop, and srun and the ranks (other nodes' too) are its to stop.
-        # grace: the seconds the first signal's save gets, and why (`stop_grace`), asked at that signal.
         self.run_dir, self.agent, self.leader_only, self.notify = run_dir, agent, leader_only, notify
         self.grace, self.grace_s, self.grace_why = grace, STOP_GRACE_SECONDS, ""
         self.asked: Optional[float] = None  # when the first signal came (monotonic)
@@ -114,7 +105,7 @@ class Stopper:
         self._killer.start()
 
     def processes(self) -> list[int]:
-        """The pids of this launch's processes still there (this process's own, readable, only)."""
+        """The pids of this launch's processes (those readable: this user's)."""
         found = []
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -150,13 +141,11 @@ class Stopper:
                 os.kill(pid, signal.SIGKILL)
 
     def force(self) -> None:
-        """The grace ran out: everything of the launch killed, unsaved."""
         self.forced = time.monotonic() - (self.asked or time.monotonic())
         self.kill()
 
     def sweep(self) -> None:
-        """Kill what remains of the launch once its first process has exited (a rank torchrun
-        left behind), until none is left."""
+        """Kill what remains once the launch's first process has exited (a rank torchrun left behind)."""
         deadline = time.monotonic() + 10
         while self.processes() and time.monotonic() < deadline:
             self.kill()
@@ -172,9 +161,8 @@ class Stopper:
 
 
 def wait_for_exit(pid: int) -> None:
-    """Until process `pid` has exited, without reaping it (its pid keeps naming its process
-    group until then, so the sweep can never reach another's). Signals run their handlers meanwhile
-    (and the wait resumes after them: PEP 475)."""
+    """Until process `pid` has exited, not reaping it: its pid keeps naming its process group, so the
+    sweep never reaches another's. Signal handlers run meanwhile (PEP 475 resumes the wait)."""
     with contextlib.suppress(ChildProcessError):
         os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
 
@@ -193,10 +181,8 @@ _DELIBERATE = ("KeyboardInterrupt", "SystemExit", "torch.distributed.elastic.mul
 
 
 class Noise:
-    """Which lines of a launch's output are torch's and torchrun's own (Python tracebacks,
-    torchrun's failure report and its agent's log lines, C++ stack frames): `shown(line)` is False
-    for them. Keeps the last traceback's exception line, `exception` ("rank R: Type: message"), a
-    crash's one-line reason."""
+    """`shown(line)`: False for torch's and torchrun's own lines (tracebacks, the failure report, log
+    lines, C++ frames). `exception` ("rank R: Type: message"): the last traceback's, a crash's reason."""
 
     def __init__(self) -> None:
         self.exception = ""
@@ -225,15 +211,13 @@ class Noise:
         return not (_TORCH_LOG.match(body) or _CPP_LOG.match(body) or _CPP_TRACE.match(body))
 
 
-# A launch that prints nothing for this long says what it is waiting for (the trainer's start,
-# its first step, a step longer than the logging interval): never a silent half minute.
+# A launch silent this long says what it is waiting for: never a silent half minute.
 HEARTBEAT_SECONDS = 20.0
 SLOW_FACTOR = 1.5  # steps this many times slower than expected are said, with the new total
 
 
 class Heartbeat:
-    """What a launch is waiting for while it prints nothing, told from its output so far, its
-    config and rank 0's progress record (common.rundir.RunDir.progress)."""
+    """What a silent launch waits for, from its output, config and rank 0's progress record."""
 
     def __init__(self, run_dir: Path, tag: str, procs: int, *, step_s: Optional[float] = None,
                  compiling: bool = False, resume_step: int = 0, own: str = "", steps: int = 0,
@@ -248,8 +232,7 @@ class Heartbeat:
         self.slow_said = False
 
     def pace(self) -> str:
-        """The steps of this launch timed from its progress record (its first step, the warm-up,
-        left out): once, a line when they take more than SLOW_FACTOR times the expected time."""
+        """Once, a line when the steps since the first (the warm-up) take over SLOW_FACTOR times the expected."""
         done = self.progress()
         if done is None:
             return ""
@@ -296,7 +279,7 @@ class Heartbeat:
         return f"the model's build, {load}the first step: {first}{expected}"
 
     def progress(self) -> Optional[tuple[int, float]]:
-        """(the last step this launch completed, when) from rank 0's progress record; None before one."""
+        """(the last step this launch completed, when); None before one."""
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):  # damaged: none
             record = json.loads(RunDir(self.run_dir).progress.read_text())
             if record.get("job") == self.tag and record["step"] > 0:
@@ -305,11 +288,9 @@ class Heartbeat:
 
 
 class Output(threading.Thread):
-    """Copies the launch's output to the log, and to this terminal what `Noise` lets through
-    until a stop was asked (`stopper.signum`); keeps what the end report needs: the trainer's
-    one-line error (or a crash's exception line), and the rank torchrun says a signal killed.
-    With a `heartbeat`, a silence of HEARTBEAT_SECONDS is told (`Heartbeat`), on the terminal and
-    in the log, until the launch ends or a stop is asked."""
+    """Copies the launch's output to the log, and what `Noise` lets through to the terminal until a
+    stop is asked; keeps the end report's facts (the trainer's one-line error or a crash's exception,
+    the rank a signal killed). With a `heartbeat`, a silence of HEARTBEAT_SECONDS is told."""
 
     def __init__(self, stream, log, stopper: Stopper, heartbeat: Optional[Heartbeat] = None,
                  config_args: Optional[str] = None) -> None:
@@ -332,8 +313,7 @@ class Output(threading.Thread):
         return self.trainer_error or self.noise.exception
 
     def note(self, text: str, terminal: bool = False) -> None:
-        """A line of slipway's own into the log (and the terminal): what happened, above the lines
-        of torch's and torchrun's that follow from it."""
+        """A line of slipway's own into the log (and the terminal), above torch's lines that follow from it."""
         with self._lock:
             if terminal:
                 self._write(f"{text}\n".encode())
@@ -376,8 +356,7 @@ class Output(threading.Thread):
             self._ended.set()
 
     def _warm(self, node: str, what: str, why: Optional[str]) -> None:
-        """A rank's start as its task told it (trainer/warm.py): each in events.log, as it happens;
-        the first that should have been warm and started cold on the terminal too."""
+        """A rank's start (trainer/warm.py) in events.log; the first cold one on the terminal too."""
         told = one_line(f"{what} on {node} started {'cold: ' + why if why is not None else 'warm'}")
         with contextlib.suppress(OSError):
             append_event(self.stopper.run_dir, LOCAL_JOB, f"warm: {told}")
@@ -415,8 +394,7 @@ class Output(threading.Thread):
 
 
 def oom_kills() -> Optional[int]:
-    """How many processes the kernel's out-of-memory killer has ended since boot (any cgroup's
-    too): /proc/vmstat's oom_kill; None where it cannot be read."""
+    """/proc/vmstat's oom_kill: the processes the OOM killer ended since boot (any cgroup's); None unread."""
     with contextlib.suppress(OSError, ValueError), open("/proc/vmstat") as f:
         for line in f:
             if line.startswith("oom_kill "):

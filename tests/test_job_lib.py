@@ -22,7 +22,7 @@ import pytest
 
 from common.rundir import HangLine, RunDir
 from jobs.slurm.bad_nodes import BadNode
-from jobs.slurm.script import BAD_NODES_LIB, JOB_LIB, PYXIS_LIB, REQUEUE_LIB, VERIFY_LIB
+from jobs.slurm.script import LIBRARIES
 
 SETTINGS = """{paths}
 NODES_NEEDED=2 PROCS_PER_NODE=2 RANKS=4 REQUEUE=1 MAX_RETRIES=2 MAX_REQUEUES=3 PREFLIGHT_TIMEOUT=300
@@ -61,7 +61,7 @@ class Lib:
                           for name, path in RunDir(self.run_dir).shell_paths("checkpoints").items())
         return ("set -euo pipefail\n" + SETTINGS.format(paths=paths, prefix=self.prefix, build=self.build,
                                                         nodes=shlex.quote(str(self.nodes)))
-                + JOB_LIB + BAD_NODES_LIB + REQUEUE_LIB + VERIFY_LIB + PYXIS_LIB + "\nCONTAINER_NAME=$(container_name)\n" + body + "\n")
+                + "".join(LIBRARIES.values()) + "\nCONTAINER_NAME=$(container_name)\n" + body + "\n")
 
     def env(self) -> dict[str, str]:
         return {"PATH": f"{self.bin}:{os.environ['PATH']}", "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "node[1-2]",

@@ -1,17 +1,11 @@
 """Bad nodes remembered per cluster: what one job blamed, later jobs of that cluster exclude.
 
-Where: `RUNS/.nodes/CLUSTER/NODE`, one file per node, beside the runs (the runs root: the one
-place every node of every job of the project reaches, as the job writes its events.log there;
-a user's $HOME or state directory need not be mounted on compute nodes). The batch script writes
-a node's record when it blames the node (bad_nodes_lib.sh `remember_bad_node`: a failed preflight, a
-hang, a node that died) and removes it when a preflight on the node passes (`clear_bad_node`);
-each write is a whole file renamed into place, so jobs blaming nodes at once never tear one
-another's records, and a reader sees a node's old record or its new one. The host reads them at
-each submission of that cluster (`plan_exclusions`: only names the partition knows, never so
-many that the partition cannot run the job) and in `slipway nodes`; a record expires after the
-profile's `cluster.forget_bad_nodes_after` (a day), and `slipway nodes --forget NODE` removes it.
-A record that cannot be read (cut, foreign, not a regular file) is named, never trusted, never
-fatal. CLUSTER is the profile's name (jobs/config/clusters.py `key`), `default` without one.
+`RUNS/.nodes/CLUSTER/NODE`, one file per node, under the runs root: every node of every job reaches
+it (a user's $HOME need not be mounted on compute nodes). The batch script writes a record, whole
+and renamed into place, when it blames a node (bad_nodes_lib.sh) and removes it when a preflight
+there passes. The host reads them at each submission (`plan_exclusions`) and in `slipway nodes`;
+a record expires after the profile's `cluster.forget_bad_nodes_after`. A record that cannot be
+read is named, never trusted, never fatal. CLUSTER: jobs/config/clusters.py `key`.
 """
 
 from __future__ import annotations
@@ -38,9 +32,7 @@ SKEW = 600  # seconds a record may be dated ahead of this host's clock (a node's
 
 @dataclass(frozen=True)
 class BadNode(TaggedLine):
-    """A node's record, one line (job_lib.sh writes it): `slipway-bad-node node=N since=TIME
-    at=TIME run=RUN job=JOB kind=KIND reason: TEXT`; `since` the first blame still standing, `at`
-    the latest."""
+    """A node's record, one line (bad_nodes_lib.sh writes it); `since`: the first blame still standing."""
 
     node: str
     since: str
@@ -78,7 +70,6 @@ class Recall:
 
 @dataclass(frozen=True)
 class BadNodes:
-    """A cluster's remembered bad nodes: RUNS/.nodes/CLUSTER/, one file per node."""
 
     dir: Path
     cluster: str
@@ -127,8 +118,7 @@ class BadNodes:
         return record
 
     def forget(self, node: str) -> bool:
-        """Remove `node`'s record (whatever it holds; a damaged record by the name it has); False
-        when there was none."""
+        """Remove `node`'s record (a damaged one by the name it has); False when there was none."""
         path = self.dir / node
         damaged = not (node.startswith(".") or "/" in node) and os.path.lexists(path)  # by its own name
         if not NODE_NAME.fullmatch(node) and not damaged:
@@ -143,22 +133,20 @@ class BadNodes:
 
 @dataclass
 class Exclusions:
-    """The remembered bad nodes a submission excludes (`nodes`), and what it says about them."""
 
     nodes: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
 def bad_nodes_of(profile: Optional[clusters.ClusterProfile], runs_root: Path) -> tuple[BadNodes, int]:
-    """The remembered bad nodes of `profile`'s cluster (DEFAULT's without one) and how long its records stand."""
+    """The remembered bad nodes of `profile`'s cluster and how long its records stand."""
     after = profile.cluster.forget_bad_nodes_after if profile is not None else clusters.DAY
     key = clusters.key(profile)
     return BadNodes(Path(runs_root) / NODES_DIR / key, key), after
 
 
 def bad_nodes_settings(cfg, runs_root: Path) -> list[str]:
-    """The batch script's lines that say where the cluster remembers bad nodes (bad_nodes_lib.sh):
-    under the runs root, which every node reaches."""
+    """The batch script's lines that say where the cluster remembers bad nodes (bad_nodes_lib.sh)."""
     remembered, after = bad_nodes_of(cfg.cluster, runs_root)
     where = shlex.quote(str(remembered.dir)) if after else "''"
     return ["# The bad nodes this cluster remembers (a node the job blames is excluded from its later jobs).",
@@ -166,10 +154,8 @@ def bad_nodes_settings(cfg, runs_root: Path) -> list[str]:
 
 
 def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
-    """Which remembered bad nodes of `cfg`'s cluster its job excludes: those its partition knows
-    (sbatch refuses a name it does not), the most recently blamed first, as long as enough usable
-    nodes are left for the job; the others are left in, and the notes say which and why. One
-    sinfo, asked only when the cluster remembers a node."""
+    """The remembered bad nodes `cfg`'s job excludes: those its partition knows (sbatch refuses others),
+    newest blame first, while enough usable nodes are left; the notes say which and why. One sinfo."""
     remembered, after = bad_nodes_of(cfg.cluster, runs_root)
     recall = remembered.read(after) if after else Recall()
     out = Exclusions(notes=[f"a remembered bad node's record is damaged: {d}" for d in recall.damaged])
@@ -192,21 +178,20 @@ def plan_exclusions(cfg, runs_root: Path) -> Exclusions:
             usable -= 1
         else:
             left.append(record)
-    where = f"partition {partition or '(the default)'}"
     if out.nodes:
-        shown_nodes = [r for r in known if r.node in out.nodes]
-        out.notes.append(f"excluding the bad nodes cluster {remembered.cluster} remembers: {_described(shown_nodes)}; "
+        out.notes.append(f"excluding the bad nodes cluster {remembered.cluster} remembers: "
+                         f"{_described([r for r in known if r.node in out.nodes])}; "
                          f"`slipway nodes{forgetting(remembered.cluster, out.nodes)}` to use them again")
     if left:
         out.notes.append(f"not excluding {_described(left)}, remembered as bad by cluster {remembered.cluster}: the job "
-                         f"needs {needed} node(s) and {where} has {usable} usable, {_names(left)} included"
-                         + (", besides those excluded" if out.nodes else ""))
+                         f"needs {needed} node(s) and partition {partition or '(the default)'} has {usable} usable, "
+                         f"{_names(left)} included" + (", besides those excluded" if out.nodes else ""))
     return out
 
 
 def forgetting(cluster: str, nodes: list[str]) -> str:
-    """The arguments of `slipway nodes` that forget `nodes` of `cluster` (DEFAULT: the cluster of no
-    profile), each as a shell word that pastes back whole (a damaged record's name may hold anything)."""
+    """`slipway nodes`' arguments that forget `nodes` of `cluster`, each pasting back whole (a damaged
+    record's name may hold anything)."""
     where = "" if cluster == clusters.DEFAULT else f" --cluster {pasteable(cluster)}"
     return where + "".join(f" --forget {pasteable(n)}" for n in nodes)
 

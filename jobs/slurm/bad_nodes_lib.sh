@@ -5,9 +5,8 @@
 
 declare -gA BLAME=()  # why each node is blamed: set where a node is named, read by remember_bad_nodes
 
-# remember_bad_nodes KIND NODE...: each NODE blamed for this run's cluster (CLUSTER): later jobs
-# of the cluster exclude it until its record expires, a clean preflight on it clears it, or
-# `slipway nodes --forget`. A record that cannot be written costs the job a line in events.log.
+# remember_bad_nodes KIND NODE...: later jobs of CLUSTER exclude each NODE until its record expires,
+# a clean preflight clears it, or `slipway nodes --forget`. A record not written is said, not fatal.
 remember_bad_nodes() {
   local kind=$1 node done=""; shift
   [ -n "${BAD_NODES_DIR:-}" ] || return 0
@@ -22,9 +21,8 @@ remember_bad_nodes() {
 # foreign or special file: a FIFO is never opened).
 bad_node_record() { [ -f "$BAD_NODES_DIR/$1" ] && head -c 4096 -- "$BAD_NODES_DIR/$1" 2>/dev/null | head -n 1 || true; }
 
-# remember_bad_node NODE KIND REASON: NODE's record (jobs/slurm/bad_nodes.py BadNode), a whole file renamed
-# into place, so that jobs blaming nodes at once never tear one; `since` kept from the record it
-# replaces. Fails (returns 1) on a name that is no node's or a directory it cannot write.
+# remember_bad_node NODE KIND REASON: NODE's record (jobs/slurm/bad_nodes.py BadNode), renamed into
+# place whole so jobs blaming nodes at once never tear one; `since` kept from the one it replaces.
 remember_bad_node() {
   local node=$1 kind=${2// /-} reason=$3 now since tmp
   [[ $node =~ ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$ ]] || return 1
@@ -40,7 +38,7 @@ remember_bad_node() {
   rm -f -- "$tmp"; return 1
 }
 
-# clear_bad_node NODE: a clean preflight on NODE clears what its cluster remembered of it.
+# clear_bad_node NODE: after a clean preflight on NODE.
 clear_bad_node() {
   local since
   [ -n "${BAD_NODES_DIR:-}" ] && [ -f "$BAD_NODES_DIR/$1" ] || return 0

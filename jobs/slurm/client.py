@@ -1,10 +1,7 @@
-"""The one wrapper around Slurm's client tools (sbatch, squeue, sacct, scancel, scontrol, sinfo, srun).
-
-Every command line is built here, through plumbum, so a test can read it and a
-real Slurm runs it. The state of any number of jobs costs at most two calls
-(`jobs_info`: one squeue, one sacct for the jobs slurmctld forgot). Accounting
-(`sacct`) is optional: many small clusters and the local test cluster run
-without it, and a job slurmctld forgot is then told by events.log alone.
+"""The one wrapper around Slurm's client tools (sbatch, squeue, sacct, scancel, scontrol, sinfo, srun),
+through plumbum, so a test can read every command line. Accounting (`sacct`) is optional: many small
+clusters and the local test cluster run without it, and a job slurmctld forgot is then told by
+events.log alone.
 """
 
 from __future__ import annotations
@@ -75,11 +72,9 @@ def _run(cmd, *args: str) -> str:
 
 
 # sbatch's input variables (sbatch(1), INPUT ENVIRONMENT VARIABLES) outrank a script's #SBATCH lines.
-# Cleared for the call, each one said: a variable that stands for an option the batch script states
-# (by the options it stands for, or competes with). The config decided that option and the run
-# records it, and the job's own arithmetic depends on it (the time limit and the warning before it,
-# the log paths `status` reads, the job name squeue is asked by, whether it requeues); a variable
-# left in a shell by a module or another project is no decision about this run.
+# Cleared for the call, each one said: those for an option the batch script states. The config
+# decided it, the run records it and the job's arithmetic depends on it (the time limit, the log
+# paths `status` reads, the job name, requeueing); a variable a module left is no decision about this run.
 STATED_BY_SCRIPT = {  # variable: (the config key behind the option, the #SBATCH options it competes with)
     "SBATCH_JOB_NAME": ("run.name", "--job-name"), "SBATCH_TIMELIMIT": ("slurm.time", "--time"),
     "SBATCH_SIGNAL": ("slurm.signal_seconds", "--signal"),
@@ -95,9 +90,8 @@ STATED_BY_SCRIPT = {  # variable: (the config key behind the option, the #SBATCH
     "SBATCH_GPUS_PER_SOCKET": ("slurm.gpus_per_node", "--gpus-per-node"),
     "SBATCH_CPUS_PER_GPU": ("slurm.cpus_per_task", "--cpus-per-task"), "SBATCH_EXCLUSIVE": ("slurm.extra", "--exclusive"),
 }
-# Refused in one line naming them: what no config key states and slipway cannot honour, so the
-# user decides (unset it). The others (SBATCH_ACCOUNT where the config names no account, a
-# reservation, a constraint, a wckey...) are a site's defaults for what the script leaves to Slurm.
+# Refused: what no config key states and slipway cannot honour. The others (an account the config
+# leaves out, a reservation, a constraint...) are a site's defaults for what the script leaves to Slurm.
 REFUSED_VARIABLES = {
     "SBATCH_ARRAY_INX": "it would make an array of the run's job, every task writing the one run directory",
     "SBATCH_WAIT": "sbatch would wait for the job's end before slipway records the job (`submit --show-logs` "
@@ -126,9 +120,7 @@ def check_sbatch_environment(environ: Optional[Mapping[str, str]] = None) -> Non
 
 
 def sbatch(script: Path, cwd: Path, after: str | None = None) -> str:
-    """Submit `script`; return the job id (cluster suffix stripped). The input variables that would
-    outrank its #SBATCH lines are left out of sbatch's environment (each said); those slipway cannot
-    honour are refused. `after`: a job id this job waits for; it starts only if that one completed."""
+    """Submit `script`; the job id. `after`: a job id this job waits for; it starts only if that one completed."""
     check_sbatch_environment(local.env)
     stated = set(_SBATCH_LINE.findall(read_text_bounded(script, script.name)))
     cleared = [name for name, (_, *options) in STATED_BY_SCRIPT.items()
@@ -157,8 +149,7 @@ def scancel(job_ids: list[str], signal: str | None = None, *, batch: bool = Fals
 
 
 # squeue's fields, each ended by "|" (no width: nothing is cut); the job name last, as it may hold "|".
-# JobArrayID is a job's id, and an array task's ARRAY_TASK (JobID is the task's own id); --array
-# lists an array's pending tasks one a line, as ARRAY_TASK too.
+# JobArrayID is an array task's ARRAY_TASK (JobID is its own id); --array lists pending tasks one a line.
 _SQUEUE_FORMAT = "JobArrayID:|,State:|,Reason:|,TimeUsed:|,NodeList:|,exit_code:|,Name:"
 _SACCT_FIELDS = "JobID,State,ExitCode,Elapsed,NodeList,JobName"
 
@@ -181,8 +172,7 @@ def _wait_status(text: str) -> str:
 
 
 def _ask(argv: list[str], timeout: float | None = None) -> str | None:
-    """What a query printed; None when it failed or its tool is not here (an id slurmctld forgot,
-    no accounting, no answer)."""
+    """What a query printed; None when it failed (an id slurmctld forgot, no accounting) or its tool is not here."""
     if not available(argv[0]):
         return None
     rc, out, _ = local[argv[0]][argv[1:]].run(retcode=None, timeout=timeout)
@@ -202,9 +192,8 @@ def _sacct_info(job, state, code, elapsed, nodes, name) -> JobInfo:
 
 
 def jobs_info(job_ids: list[str]) -> dict[str, JobInfo]:
-    """The state of each job Slurm knows, in at most two calls whatever their number (up to BATCH
-    ids a call): one squeue for the jobs slurmctld still holds, one sacct for the others (where
-    accounting runs; a requeued job's last line counts)."""
+    """The state of each job Slurm knows: one squeue, then one sacct for the jobs slurmctld forgot (up
+    to BATCH ids a call; a requeued job's last line counts)."""
     wanted = sorted(set(job_ids), key=lambda j: (len(j), j))  # a command line that reads the same each time
     found: dict[str, JobInfo] = {}
     for argv, fields, info in ((squeue_argv, 7, _squeue_info), (sacct_argv, 6, _sacct_info)):
@@ -225,8 +214,7 @@ def job_info(job_id: str) -> JobInfo | None:
 
 
 def max_array_size() -> int:
-    """The cluster's MaxArraySize (`scontrol show config`): a job array's task indices stay below
-    it; 0: the site allows no job arrays. An answer that is no count names what it read."""
+    """The cluster's MaxArraySize (array task indices stay below it; 0: no arrays allowed)."""
     size = cluster_config().get("MaxArraySize")
     if size is None or not size.isdigit() or len(size) > 9:
         said = "names no MaxArraySize" if size is None else f"says MaxArraySize = {shown(size)}, no count of tasks"
@@ -320,13 +308,10 @@ def srun_argv(*, nodes: int, cpus_per_task: int, ntasks_per_node: int = 1, ntask
               wait: int | None = None, near_gpu: bool = False, time: str | None = None, account: str | None = None,
               partition: str | None = None, pty: bool = False, container: Sequence[str] = (),
               extra: Sequence[str] = ()) -> list[str]:
-    """Every srun slipway starts, its options in one order: the step's behaviour (`overlap` other
-    steps, `kill_on_bad_exit`, `wait` seconds for the other tasks once one ends), its shape
-    (`ntasks` in all, else `ntasks_per_node`), `near_gpu` (each task on a GPU of its own and the
-    cores and memory next to it: a node preset), a one-off's own allocation (a batch script's
-    steps take the job's), the container's flags (`edf.srun_flags`), then `extra` (more options,
-    the command). Each word is returned as given (a `str` subclass stays one), so a batch script
-    quotes each by its kind."""
+    """Every srun slipway starts, its options in one order. `wait`: seconds for the other tasks once one
+    ends; `near_gpu`: each task on a GPU of its own and the cores and memory next to it (a node
+    preset); `time`, `account`, `partition`: a one-off's own allocation; `extra`: more options, the
+    command. Each word is returned as given (a `str` subclass stays one), so a script quotes it by kind."""
     argv = ["srun", *(["--overlap"] if overlap else [])]
     argv += [] if kill_on_bad_exit is None else [f"--kill-on-bad-exit={int(kill_on_bad_exit)}"]
     argv += [] if wait is None else [f"--wait={wait}"]

@@ -1,34 +1,26 @@
 # ---- slipway job library (jobs/slurm/job_lib.sh) ----
-# Why a static bash file: the job's decisions (verification, preflight outcome, retry or not,
-# which nodes to exclude, requeue counting, hang classification, how the job ends, cleanup) must
-# be testable without Slurm (tests/test_job_lib.py sources this file with stand-in scontrol,
-# sinfo, srun), and a user must be able to read their job.sbatch and follow it. What runs on the
-# batch host outside the container depends only on what compute nodes have: bash, coreutils and
-# the Slurm client commands, no Python. Pinned, not inlined: a submission writes a copy into
-# runs/RUN/lib/ named by its hash, and job.sbatch checks that hash before it sources the copy
-# (and the other *_lib.sh parts alike), so runs/RUN/ alone says what ran, through every requeue.
-#
-# The functions take data: the plain variables job.sbatch's settings block sets once (the run's
-# values, exit codes and paths: this library composes no path of the run's itself); the main part
-# sets JOB_TAG, NODES, RETRIES, REQUEUES and PREEMPTIONS. Every end is told truthfully in
-# events.log and recorded before anything slow: the EXIT trap writes `end exit N` first.
+# The job's decisions (verification, preflight, retries, exclusions, requeues, hangs, its end) in
+# static bash: testable without Slurm (tests/test_job_lib.py, with stand-in scontrol, sinfo, srun),
+# readable in the user's job.sbatch, needing only what compute nodes have (bash, coreutils, Slurm's
+# clients; no Python). Pinned, not inlined: runs/RUN/lib/ holds a copy named by its hash, checked
+# by job.sbatch before it is sourced (as the other *_lib.sh parts are), so runs/RUN/ alone says what
+# ran, through every requeue. The functions read the variables job.sbatch's settings set (this
+# library composes no path of the run's); the main part sets JOB_TAG, NODES, RETRIES, REQUEUES and
+# PREEMPTIONS. Every end is recorded before anything slow: the EXIT trap writes `end exit N` first.
 
-# event TEXT...: one line `ISO-TIME job JOBID TEXT` in events.log; a control character in TEXT (a
-# node's name from the job side holding a newline) is a space, so no text forges a line of its own.
+# event TEXT...: `ISO-TIME job JOBID TEXT` in events.log; a control character in TEXT (a node's
+# name holding a newline) is a space, so no text forges a line of its own.
 event() { local t="$*"; printf '%s job %s %s\n' "$(date --iso-8601=seconds)" "${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID}" "${t//[[:cntrl:]]/ }" >> "$EVENTS_LOG"; }
 
-# end_with CODE TEXT...: the job ends with CODE, TEXT said in events.log first.
 end_with() { local code=$1; shift; event "$@"; exit "$code"; }
 
 # count_events PREFIX: how many events of this job (its id survives requeues) start with PREFIX.
 count_events() { local n; n=$(grep -F " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} $* " "$EVENTS_LOG" 2>/dev/null | wc -l) || true; echo "${n:-0}"; }
 
-# job_tag: names this attempt's files (hang dumps, preflight logs, containers): the job id,
-# rN after the Nth requeue.
+# job_tag: names this attempt's files and container: the job id, rN after the Nth requeue.
 job_tag() { if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then echo "$SLURM_JOB_ID"; else echo "${SLURM_JOB_ID}r$SLURM_RESTART_COUNT"; fi; }
 
-# latest_checkpoint: the step of the latest complete checkpoint in CHECKPOINT_DIR (0: none), the
-# trainer's layout (step-NNNNNN/ with a COMPLETE marker and its .metadata), as common/rundir.py reads it.
+# latest_checkpoint: the step of CHECKPOINT_DIR's latest complete checkpoint (0: none), as common/rundir.py reads it.
 latest_checkpoint() {
   local f s n=0
   for f in "$CHECKPOINT_DIR"/step-*/COMPLETE; do
@@ -38,10 +30,9 @@ latest_checkpoint() {
   echo $n
 }
 
-# retry_or_stop KIND CODE [NODE...]: requeue this job (at most MAX_RETRIES times) without the
-# nodes to blame, where the partition has enough other usable nodes; else end with CODE. Each
-# decision in events.log. `scontrol update` changes ExcNodeList only of a pending job, so the job
-# is requeued held, updated, then released.
+# retry_or_stop KIND CODE [NODE...]: requeue this job (at most MAX_RETRIES times) without NODE...
+# where the partition keeps enough usable nodes; else end with CODE. `scontrol update` changes
+# ExcNodeList only of a pending job, so the job is requeued held, updated, then released.
 retry_or_stop() {
   local kind=$1 code=$2; shift 2
   local bad="$*" excluded="" usable=0 node state
@@ -78,22 +69,19 @@ waited() {
   else echo ": the step ended after $1 s (exit $2) without one"; fi
 }
 
-# retry_preflight NODE...: the job retried without the nodes that failed its preflight or its
-# verification; every node of a multi-node job failing alike (a full filesystem, a bad config)
-# blames none.
+# retry_preflight NODE...: retried without the nodes that failed the preflight or verification;
+# every node of a multi-node job failing alike (a full filesystem, a bad config) blames none.
 retry_preflight() {
   [ $# -gt 0 ] || return 0
   if [ "$NODES_NEEDED" -gt 1 ] && [ "$*" = "$NODES" ]; then retry_or_stop preflight "$PREFLIGHT_EXIT"; fi
   retry_or_stop preflight "$PREFLIGHT_EXIT" "$@"
 }
 
-# blame_preflight NODE WHY: NODE failed its preflight or its verification for WHY, said in events.log;
-# added to the caller's `bad`, the nodes retry_preflight leaves out.
+# blame_preflight NODE WHY: said in events.log, NODE added to the caller's `bad` (for retry_preflight).
 blame_preflight() { bad+="$1 "; BLAME[$1]="preflight failed: $2"; event "preflight failed on $1: $2"; }
 
-# preflight_nodes LOG STEP_EXIT SECONDS: every node of NODES must have reported `ok` in LOG (the
-# node step of trainer/preflight.py, which ran SECONDS); a node that failed or sent no report is
-# named, and the job retried without it (retry_preflight).
+# preflight_nodes LOG STEP_EXIT SECONDS: every node of NODES reported `ok` in LOG (trainer/preflight.py's
+# node step, which ran SECONDS), else the job is retried without those that did not.
 preflight_nodes() {
   local log=$1 step_rc=$2 node line bad="" why
   WRITE_BPS=0
@@ -110,8 +98,7 @@ preflight_nodes() {
   retry_preflight $bad
 }
 
-# preflight_allreduce LOG STEP_EXIT SECONDS: the all-reduce step (a train.script's) gave its `ok`,
-# or the job is retried on the same nodes (no node to blame).
+# preflight_allreduce LOG STEP_EXIT SECONDS: a train.script's all-reduce step said `ok`, else after_preflight.
 preflight_allreduce() {
   local log=$1 step_rc=$2 line
   line=$(grep -F -m1 "slipway-preflight-allreduce " "$log") || line=""
@@ -122,29 +109,22 @@ preflight_allreduce() {
   esac
 }
 
-# after_preflight WHY: slipway's trainer runs the preflight's all-reduce as the training step's
-# first collective (trainer/preflight.py AllReduceGate): a rank that failed it, or had no result
-# within PREFLIGHT_TIMEOUT, reported WHY among the step's exit reports and ended the step before
-# any training; the job is retried on the same nodes (no node to blame). A pass is rank 0's
-# `preflight ok` event.
+# after_preflight WHY: the preflight's all-reduce failed for WHY (as the training step's first
+# collective, trainer/preflight.py AllReduceGate, a rank reports WHY among the step's exits and
+# ends the step before any training): retried on the same nodes, no node to blame.
 after_preflight() {
   [ -n "$1" ] || return 0
   event "preflight failed: $1"
   retry_or_stop preflight "$PREFLIGHT_EXIT"
 }
 
-# step_exit SRUN_EXIT REPORTS_DIR: the training step's exit, one code whatever node failed; sets
-# STEP_EXIT to it and FAILED_WHO to the report that decided it ("rank R on NODE", "the torchrun
-# agent of task T on NODE"; "" when none did).
-# With --kill-on-bad-exit, srun ends the other tasks with SIGTERM/SIGKILL once one fails, and its
-# own exit is then the first failing task's or that of a task it killed, depending on which
-# node answered first (a killed rank gave the job 1 or 143). So each rank reports its own exit
-# in REPORTS_DIR as `CODE NODE` (rank-R: the task wrapper of jobs/slurm/ranks.py around every
-# rank, under torchrun too; task-T: the one around a node's torchrun agent, which exits 1
-# whatever its worker died of). A rank that Slurm or its agent killed reports nothing or later,
-# its wrapper dying with it. The rule: a step that srun says succeeded exited 0; otherwise the
-# oldest non-zero report decides (a rank killed by a signal: 128 + the signal); with no report
-# at all (a node died), srun's exit stands.
+# step_exit SRUN_EXIT REPORTS_DIR: sets STEP_EXIT, the training step's one exit code, and FAILED_WHO,
+# the report that decided it ("rank R on NODE", "the torchrun agent of task T on NODE", or "").
+# With --kill-on-bad-exit srun's own exit is the first failing task's or that of a task it then
+# killed, whichever node answered first (1 or 143). So each rank's wrapper (jobs/slurm/ranks.py
+# REPORT_EXIT) reports `CODE NODE` in REPORTS_DIR: rank-R, and task-T for a torchrun agent (which
+# exits 1 whatever its worker died of); a rank Slurm killed reports nothing or later. srun's 0
+# stands; else the oldest non-zero report decides; with none (a node died), srun's exit stands.
 step_exit() {
   local rc=$1 dir=$2 f code node
   STEP_EXIT=$rc FAILED_WHO=""
@@ -171,30 +151,26 @@ how_ended() {
   fi
 }
 
-# after_rank_failure STEP_EXIT: the rank whose end failed the step, its node and how it ended
-# (a signal named), in events.log; not for the ends told otherwise (a save on request, a hang,
-# a failed preflight).
+# after_rank_failure STEP_EXIT: the rank that failed the step, its node and how it ended, in
+# events.log; not for ends told otherwise (a save on request, a hang, a failed preflight).
 after_rank_failure() {
   [ "$1" != 0 ] && [ -n "$FAILED_WHO" ] && [ "$1" != "$REQUEUE_EXIT" ] && [ "$1" != "$HANG_EXIT" ] || return 0
   [ "$STOP_REQUESTED" != 1 ] || return 0
   event "rank failed: $FAILED_WHO $(how_ended "$1")"
 }
 
-# after_oom STEP_EXIT: a failed step during which the out-of-memory killer ran on the nodes in
-# OOM_NODES (the task wrapper saw /proc/vmstat's oom_kill move) failed for want of memory: said
-# in events.log with OOM_HINT, what to change. No retry: the same batch fails the same way.
+# after_oom STEP_EXIT: a failed step while the OOM killer ran on OOM_NODES (their wrappers saw
+# /proc/vmstat's oom_kill move) is said with OOM_HINT. No retry: the same batch fails the same way.
 after_oom() {
   [ "$1" != 0 ] && [ -n "${OOM_NODES:-}" ] || return 0
   event "out of memory: the out-of-memory killer ended a process of the training step on $OOM_NODES (step exit $1): $OOM_HINT"
 }
 
-# line_field KEY LINE: the value of KEY in a line of KEY=VALUE words, "?" if none: the lines the
-# job writes for a reader (common/tagged.py: a hang dump's first line, a save, a bad node's record).
+# line_field KEY LINE: KEY's value in a line of KEY=VALUE words (common/tagged.py's), "?" if none.
 line_field() { local w; for w in $2; do case $w in "$1="*) echo "${w#*=}"; return ;; esac; done; echo "?"; }
 
-# after_hang: the ranks' watchdogs wrote their stacks to HANGS (trainer/watchdog.py): a hang.
-# The nodes some of whose ranks wrote none in time (frozen, dead; a frozen rank may dump `late`
-# once Slurm's teardown resumes it) are the ones to blame, each said with how many of its ranks.
+# after_hang: stack dumps in HANGS (trainer/watchdog.py) mean a hang; the nodes some of whose
+# ranks wrote none in time are blamed (a frozen rank may dump `late`, once Slurm's teardown resumes it).
 after_hang() {
   local dumps node f r first dumped silent="" said=""
   shopt -s nullglob; dumps=("$HANGS/$JOB_TAG-"*.txt); shopt -u nullglob
@@ -238,9 +214,8 @@ after_stop_request() {
   exit 0
 }
 
-# after_node_failure STEP_EXIT: a node that died under a failed step (not responding, down or
-# drained) is retried without; one sinfo for all of them (a node in several partitions is listed
-# once for each).
+# after_node_failure STEP_EXIT: the nodes that died under a failed step (not responding, down or
+# drained) are retried without; one sinfo lists a node once per partition it is in.
 after_node_failure() {
   local rc=$1 node state dead=""
   [ "$rc" != 0 ] || return 0
@@ -253,8 +228,7 @@ after_node_failure() {
   retry_or_stop "node failure" "$rc" $dead
 }
 
-# wait_step PID: wait for the training step, again after each trap that interrupts `wait`;
-# sets STEP_RC to srun's exit.
+# wait_step PID: STEP_RC, srun's exit, waited for again after each trap that interrupts `wait`.
 wait_step() {
   local pid=$1 again
   while :; do
@@ -266,48 +240,41 @@ wait_step() {
   done
 }
 
-# Signals. USR1 (warning_timer at the measured lead, and #SBATCH --signal=B:USR1@... as the floor):
-# the warning before the time limit, the trainer is asked to save at the step boundary. USR2: `slipway cancel` (scancel --batch
-# --signal=USR2), before it cancels the job: the allocation still exists, so the trap can end
-# the step and remove the container. TERM: a plain scancel (or a preemption), which Slurm sends
-# to the batch shell and the steps at once. Each says so in events.log and ends the job with
-# the signal's exit (128 + the signal: USR2 140, TERM 143).
+# Signals. USR1 (warning_timer at the measured lead, #SBATCH --signal=B:USR1@... the floor): the
+# time-limit warning; the trainer saves at the step boundary. USR2: `slipway cancel` (scancel --batch)
+# before it cancels: the allocation still exists, so the trap can end the step and remove the
+# container. TERM: a plain scancel or a preemption, sent to the batch shell and the steps at once.
 on_warning() {
   TRAPPED=1
   [ "$STOP_REQUESTED" != 1 ] || return 0  # the timer's and Slurm's own warning: the first one asks
   request_stop "time limit warning" "the time limit is near"
 }
-# request_stop EVENT WHY: the ranks asked to save (STOP_FILE); the log says what happened above
-# what torchrun then reports of the ranks' exits.
+# request_stop EVENT WHY: the ranks asked to save (STOP_FILE), said above what torchrun then reports.
 request_stop() {
   STOP_REQUESTED=1 STOP_CHECKPOINT=$(latest_checkpoint)
   event "$1: stop requested"
   echo "slipway: $2: the ranks save a checkpoint at the step they agree on and exit $REQUEUE_EXIT (saved, resumable); what torch and torchrun report below about that exit is this stop, not a failure"
   touch "$STOP_FILE"
 }
-# INT: Ctrl-C to `slipway run` (the script runs in an allocation, SLIPWAY_IN_ALLOCATION): like
-# the warning, a save at the step boundary, and the run stays resumable.
+# INT: Ctrl-C to `slipway run` (SLIPWAY_IN_ALLOCATION): like the warning, a save at the step boundary.
 on_interrupt() {
   TRAPPED=1 STOP_WHY="stopped on request"
   request_stop interrupted interrupted
 }
-# A job cancelled by `slipway cancel` is not waited on by a retry or a requeue, and cancel waits
-# for it (a bounded grace): its container gets CANCEL_REMOVE_WAIT s to be removed instead of a few.
+# `slipway cancel` waits for the job (a bounded grace) and no retry will: its container gets
+# CANCEL_REMOVE_WAIT s to be removed instead of a few. Each ends with 128 + the signal.
 on_cancel() { trap '' TERM USR2; event "cancelled by slipway cancel"; REMOVE_WAIT=${CANCEL_REMOVE_WAIT:-0}; exit "$CANCEL_EXIT"; }
 on_term() { trap '' TERM USR2; event "cancelled (SIGTERM)"; exit "$TERM_EXIT"; }
 
-# on_exit: the end first, then the cleanup, none of it slow: background helpers stopped, a step
-# still running ended (bounded by STEP_STOP_WAIT s), this attempt's own container removed if
-# that takes at most CONTAINER_REMOVE_WAIT s (after `slipway cancel`, CANCEL_REMOVE_WAIT s; else
-# the next job on the node removes it).
+# on_exit: the end recorded first, then a bounded cleanup: helpers stopped, a running step ended
+# (STEP_STOP_WAIT s), this attempt's container removed within REMOVE_WAIT (else the next job's).
 on_exit() {
   local rc=$? pid waited=0 last
   trap '' TERM USR1 USR2
   last=$(grep -F " job ${SLIPWAY_EVENT_JOB:-$SLURM_JOB_ID} " "$RUN_DIR/events.log" 2>/dev/null | tail -n 1 | cut -d' ' -f4-) || last=""
   event "end exit $rc"
   [ "${TRAINED:-0}" != 1 ] || ! declare -F plot_curves > /dev/null || plot_curves
-  # The log's last line: how the job ended, in the words of events.log (a requeue, a saved stop, a
-  # retry, a cancel), else by its exit.
+  # The log's last line: how the job ended, in events.log's words where one told it, else by its exit.
   case "$last" in
     "start on "*|"preflight ok"*) last="" ;;  # no event of an end: told by the exit below
   esac
@@ -334,13 +301,12 @@ on_exit() {
   return 0
 }
 
-# warm_up: under `slipway run`, the warm processes of this key on every node (jobs/slurm/warm.py,
-# trainer/warm.py): the allocation's warm steps of another key are asked to stop (SIGTERM: they
-# take no more ranks and end once theirs have), and a warm step is started on the nodes where
-# verify_nodes found none (WARM_COLD), then waited for until each has bound its socket (or said
-# why not), at most PREFLIGHT_TIMEOUT s: it imports after that, and the ranks that come meanwhile
-# wait. One that cannot start costs the wait: each rank then starts cold, and says so. Where Slurm
-# tracks the job's processes by cgroup (WARM_OFF), none: a forked rank would be the warm step's.
+# warm_up: under `slipway run`, this key's warm processes on every node (jobs/slurm/warm.py): warm
+# steps of another key asked to stop (SIGTERM: they end once their ranks have), one started where
+# verify_nodes found none (WARM_COLD) and waited for until it has bound its socket, at most
+# PREFLIGHT_TIMEOUT s (it imports after; ranks that come meanwhile wait; one that cannot start
+# leaves them cold). None where Slurm tracks processes by cgroup (WARM_OFF): a forked rank would be
+# the warm step's.
 warm_up() {
   local step name n waited=0 bound
   [ -n "${WARM_SOCKET:-}" ] || return 0
@@ -372,7 +338,6 @@ warm_up() {
   fi
 }
 
-# remove_container SECONDS: removes this attempt's own container at the job's end; the pyxis
-# library defines it.
+# remove_container SECONDS: this attempt's own container removed at the job's end (pyxis_lib.sh).
 remove_container() { :; }
 # ---- end of the slipway job library ----

@@ -14,10 +14,9 @@ from jobs.slurm.ranks import Expand, launch_line, words
 
 
 def where(cfg: Config) -> Optional[str]:
-    """Where the preflight's all-reduce runs: "training" (slipway's trainer runs it first in its
-    own process group, saving a torch start and a rendezvous per rank), "step" (a train.script of
-    the user's: a step of its own before training), None (no preflight: off, or launch.command,
-    whose image may not hold slipway's trainer)."""
+    """Where the preflight's all-reduce runs: "training" (the trainer's first collective, saving a torch
+    start and a rendezvous per rank), "step" (a train.script's step of its own), None (off, or
+    launch.command, whose image may not hold slipway's trainer)."""
     if not cfg.slurm.preflight or cfg.launch.command:
         return None
     return "step" if cfg.train.script else "training"
@@ -28,8 +27,7 @@ def _megabytes(cfg: Config) -> int:
 
 
 def environment(cfg: Config) -> list[str]:
-    """The preflight's lines of the script's environment: the port of its own all-reduce step, or
-    what the training step's first collective is sized by."""
+    """The script's lines the preflight needs: its own step's port, or the first collective's size."""
     if where(cfg) == "step":
         return [
             "# The preflight's all-reduce forms a group of its own, on the next free port.",
@@ -55,8 +53,7 @@ def node_command(cfg: Config, paths: RunDir) -> list[str]:
 
 
 def steps(cfg: Config, paths: RunDir, container: list[str], prefix: str, warm: bool = False) -> list[str]:
-    """The preflight (trainer/preflight.py): each node's checks, then an all-reduce across every
-    rank, in a step of its own for a train.script (else in the training step)."""
+    """The preflight's steps: each node's checks, then the all-reduce where `where` says."""
     s = cfg.slurm
     part = where(cfg)
     if part is None:

@@ -1,23 +1,17 @@
 # ---- slipway pyxis library (jobs/slurm/pyxis_lib.sh): the named containers of pyxis jobs ----
 # Sourced after the job library by pyxis jobs alone, pinned the same way (see job_lib.sh).
 # Deleting an unpacked container takes 16 s on a quiet disk and over a minute under load (tens of
-# thousands of files), so the job's end gives it a few seconds and otherwise leaves it to the
-# next slipway job on the node, which removes stale containers in the background when it starts.
+# thousands of files): the job's end gives it a few seconds, else the next slipway job on the node
+# removes it in the background.
 
-# The steps' named pyxis container, CONTAINER_NAME (set by the main part; empty when the steps
-# name none). With an image build to reuse (CONTAINER_BUILD, from container.keep_builds) it is the
-# build's own, kept on each node after the job so that later jobs of that build start in it
-# without unpacking the image; else this attempt's own, removed at its end. pyxis names it
-# pyxis_NAME (container_scope=global, its default) or pyxis_JOBID_NAME (container_scope=job: its
-# epilog removes it at the job's end, so nothing is kept).
-container_name() {
-  [ -n "$CONTAINER_PREFIX" ] || return 0
-  if [ -n "$CONTAINER_BUILD" ]; then echo "$CONTAINER_PREFIX$CONTAINER_BUILD"; else echo "$CONTAINER_PREFIX$JOB_TAG"; fi
-}
+# container_name: the steps' named container, CONTAINER_NAME (none without CONTAINER_PREFIX): the
+# image build's (CONTAINER_BUILD, container.keep_builds), kept on the nodes for its later jobs, else
+# this attempt's own. pyxis names it pyxis_NAME (container_scope=global, its default) or
+# pyxis_JOBID_NAME (container_scope=job: its epilog removes it at the job's end, nothing is kept).
+container_name() { [ -z "$CONTAINER_PREFIX" ] || echo "$CONTAINER_PREFIX${CONTAINER_BUILD:-$JOB_TAG}"; }
 
-# pyxis_scope: how pyxis scopes named containers here, from its line in Slurm's plugstack
-# configuration (includes followed): "job", "global" (pyxis's default), or "" (no pyxis line
-# readable on this host).
+# pyxis_scope: "job", "global" (pyxis's default) or "" (none readable here), from pyxis's line in
+# Slurm's plugstack configuration, includes followed.
 pyxis_scope() {
   local conf dir kw rest f scope="" words w files=()
   conf=$(scontrol show config 2>/dev/null | sed -n 's/^PlugStackConfig *= *//p') || conf=""
@@ -40,10 +34,8 @@ pyxis_scope() {
   echo "$scope"
 }
 
-# keep_container: sets KEPT_CONTAINER, the kept container of the image build this job readies on
-# every node (ensure_container), pyxis_CONTAINER_NAME, or none. A kept container needs pyxis's
-# container_scope=global: where this cluster's pyxis removes named containers at each job's end,
-# there is none to keep, which is said once per run.
+# keep_container: KEPT_CONTAINER, the build's container this job readies on every node
+# (ensure_container), or none: under container_scope=job there is none to keep, said once per run.
 keep_container() {
   local text="containers: this cluster's pyxis removes named containers at each job's end (container_scope=job), so every job unpacks the image and container.keep_builds has no effect"
   KEPT_CONTAINER=""
@@ -58,24 +50,21 @@ keep_container() {
 # remove_named NAME (on a node): the container pyxis made for NAME, whichever scope named it.
 remove_named() { local n; for n in "pyxis_$1" "pyxis_${SLURM_JOB_ID}_$1"; do enroot remove --force "$n"; done >/dev/null 2>&1; true; }
 
-# remove_container SECONDS: remove this attempt's own container on every node, for at most
-# SECONDS (a removal cut short is finished by the next job's sweep_containers). A build's kept
-# container stays.
+# remove_container SECONDS: this attempt's own container (never a build's) removed on every node, for
+# at most SECONDS (a removal cut short is finished by the next job's sweep_containers).
 remove_container() {
   [ -n "$CONTAINER_NAME" ] && [ -z "$CONTAINER_BUILD" ] || return 0
   on_every_node "$1" slipway-rm remove_named remove_named "$CONTAINER_NAME" > /dev/null 2>&1 || true
 }
 
-# enroot_data (on a node): enroot's data path, where it unpacks containers, from enroot's own
-# configuration (the part of the enroot script above its END CONFIG line, which reads the same
-# files and variables enroot does); empty where that cannot be read.
+# enroot_data (on a node): where enroot unpacks containers, by the enroot script's own configuration
+# part (above its END CONFIG line: the files and variables enroot reads); empty where unreadable.
 enroot_data() {
   local e
   e=$(command -v enroot) && grep -q '^# ----- END CONFIG -----' "$e" 2>/dev/null || return 0
   bash -c "$(sed '/^# ----- END CONFIG -----/q' "$e")"$'\n''printf %s "$ENROOT_DATA_PATH"' 2>/dev/null || true
 }
 
-# job_over JOB_ID: whether Slurm no longer queues or runs the job.
 job_over() {
   local state
   state=$(squeue -h -j "$1" -o %T 2>/dev/null) || state=""
@@ -83,17 +72,14 @@ job_over() {
   return 1
 }
 
-# sweep_containers JOB_ID JOB_TAG BUILD KEEP [LIST] [PREFIX] (on a node): records that this job
-# uses the kept container of BUILD (empty: none), then removes what earlier jobs left, one line per
-# container (`removed NAME`, `kept NAME: WHY`; with LIST, `would remove NAME` and nothing
-# removed): each attempt's own container once its job is over (and this job's earlier attempts),
-# and the kept containers of builds beyond the KEEP most recently used (oldest first; no KEEP:
-# none of them), never one that a queued or running job has used. Only this project's: the
-# containers named PREFIX... (CONTAINER_PREFIX: slipway-pPROJECT-, see containers/project.py);
-# another project's, and those named before names carried a project, are left alone (said with
-# LIST). Which jobs used a kept container, and when last, is in DATA/.slipway/NAME (hidden from
-# `enroot list`). A kept container is renamed before it is deleted, so that no job ever starts in
-# a half-deleted one; the deleting, minutes for a big image, is said on stderr as it goes.
+# sweep_containers JOB_ID JOB_TAG BUILD KEEP [LIST] [PREFIX] (on a node): records that this job uses
+# BUILD's kept container, then removes, a line each (`removed NAME`, `kept NAME: WHY`; LIST: `would
+# remove NAME`, nothing removed), each attempt's own container once its job is over (this job's
+# earlier ones too), and the builds' beyond the KEEP most recently used (no KEEP: none), never one a
+# queued or running job used. Only
+# this project's (named PREFIX..., containers/project.py); others are left alone. The jobs that used
+# a kept container are in DATA/.slipway/NAME (hidden from `enroot list`). A kept container is renamed
+# before it is deleted, so no job starts in a half-deleted one; the deleting (minutes) goes to stderr.
 sweep_containers() {
   local job=$1 tag=$2 build=$3 keep=$4 list=${5:-} prefix=${6:-slipway-} data uses name id tag_of used=() n=0 j busy t
   data=$(enroot_data)
@@ -121,9 +107,8 @@ sweep_containers() {
     echo "removing $name" >&2
     enroot remove --force "$name" >/dev/null 2>&1 && echo "removed $name"
   done < <(enroot list 2>/dev/null)
-  # Most recently used first; a kept container with no record of its use counts as the oldest.
-  # This job's build is the most recent, unpacked here or about to be. No KEEP (a job that keeps
-  # no container): the kept ones are not this job's to bound.
+  # Most recently used first (no record of use: the oldest); this job's build counts as the most
+  # recent. No KEEP (a job that keeps no container): the kept ones are not this job's to bound.
   [ -z "$build" ] || n=1
   [ -n "$keep" ] || used=()
   while read -r name; do
@@ -163,9 +148,8 @@ sweep_containers() {
   done
 }
 
-# remove_stale_containers: at the start of every job whose steps name a container, one
-# background step per node runs sweep_containers, bounded by STALE_REMOVE_TIMEOUT s; it never
-# delays training, and the trap ends it with the other helpers.
+# remove_stale_containers: sweep_containers on every node in the background, bounded by
+# STALE_REMOVE_TIMEOUT s (never delaying training; the trap ends it with the other helpers).
 remove_stale_containers() {
   [ -n "$CONTAINER_NAME" ] || return 0
   on_every_node "$STALE_REMOVE_TIMEOUT" slipway-sweep "enroot_data job_over sweep_containers" \
@@ -174,15 +158,12 @@ remove_stale_containers() {
   HELPER_PIDS+=("$!")
 }
 
-# ensure_container NAME IMAGE IDENTITY (on a node): the image build's kept container NAME
-# (pyxis_slipway-iHASH, which pyxis then reuses instead of unpacking IMAGE) unpacked whole, once.
-# Two jobs of one build starting together on a node must not both unpack it (one dies on "File
-# exists", the other starts in a half-unpacked root), so it is made under a lock of the node
-# (DATA/.slipway/NAME.lock), under a hidden temporary name, renamed into place, then marked
-# complete (DATA/.slipway/NAME.ready holds IDENTITY). A container without its mark (an unpack
-# cut short, or one pyxis made before) is never used: it is removed and unpacked again. Prints
-# `unpacked in N s` when this job unpacked it; why, returning 1, when it cannot; without enroot's
-# data path it leaves the unpack to pyxis.
+# ensure_container NAME IMAGE IDENTITY (on a node): the build's kept container NAME (which pyxis then
+# reuses instead of unpacking IMAGE) unpacked whole, once. Two jobs of one build starting together
+# must not both unpack it (one dies on "File exists", the other starts in a half-unpacked root): it
+# is made under the node's lock (DATA/.slipway/NAME.lock) under a hidden name, renamed into place,
+# then marked complete (NAME.ready holds IDENTITY); one without its mark is removed and unpacked
+# again. Prints `unpacked in N s`, or why not (returning 1); without enroot's data path, leaves it to pyxis.
 ensure_container() {
   local name=$1 image=$2 id=$3 data uses tmp out old t
   data=$(enroot_data)

@@ -1,8 +1,6 @@
-"""How the ranks of a run start, and the one line that starts them: the task command (the trainer,
-a train.script, or launch.command), torchrun with one agent per node or srun with one task per
-rank, in the run's container; the same launch on this machine (`slipway local`). Every value a
-line carries is quoted here: `shlex.quote`, or `shell_value` where a config value may name a
-`${VAR}` of the job's environment.
+"""How the ranks of a run start (the trainer, a train.script or launch.command; by torchrun, one agent
+per node, or srun, one task per rank), on the cluster and on this machine (`slipway local`). Every
+value a line carries is quoted here: `shlex.quote`, or `shell_value` where it may name a `${VAR}`.
 """
 
 from __future__ import annotations
@@ -23,11 +21,8 @@ _VAR = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-[A-Za-z0-9_./:@%+=, -]*)?\}")
 
 
 def shell_value(text: str) -> str:
-    """Quote `text` for bash, keeping `${VAR}` and `${VAR:-default}` as expansions.
-
-    Only those two forms expand (a default only of characters that are literal
-    in double quotes); `$(...)`, backticks and everything else stay literal.
-    """
+    """Quote `text` for bash, keeping `${VAR}` and `${VAR:-default}` (a default only of characters
+    literal in double quotes) as expansions; `$(...)`, backticks and everything else stay literal."""
     if "\n" in text or "\0" in text:
         raise ConfigError("", f"value {text!r} contains a newline or NUL, which cannot be passed safely")
     parts, pos = [], 0
@@ -42,8 +37,7 @@ def shell_value(text: str) -> str:
 
 
 def task_command(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None) -> list[str]:
-    """What each rank runs: the trainer, a custom training script (the code snapshot's copy), or
-    `launch.command`."""
+    """What each rank runs: the trainer, a train.script (the code snapshot's copy), or `launch.command`."""
     if cfg.launch.command:
         return list(cfg.launch.command)
     if cfg.train.script:
@@ -55,9 +49,8 @@ def task_command(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot] = None
 
 
 def torchrun_argv(cfg: Config, *, nnodes: str, rdzv: list[str]) -> list[str]:
-    """`python -m torch.distributed.run` (an absolute interpreter: the image's PATH may not
-    reach srun, see pyxis), then the task command without its interpreter. With a node preset
-    each worker is bound to the NUMA node of its GPU (its own Grace on a GH200)."""
+    """`python -m torch.distributed.run` (an absolute interpreter: the image's PATH may not reach srun,
+    see pyxis); with a node preset each worker is bound to its GPU's NUMA node (its Grace on a GH200)."""
     binding = ["--numa-binding=node"] if cfg.binds_numa else []
     return [cfg.launch.python, "-m", "torch.distributed.run", Expand(f"--nnodes={nnodes}") if "$" in nnodes else f"--nnodes={nnodes}",
             f"--nproc-per-node={cfg.launch.procs_per_node}", *rdzv, *binding, "--max-restarts=0"]
@@ -88,10 +81,8 @@ def words(argv: list[str]) -> str:
 
 
 def container_args(env: Environment, paths: RunDir) -> tuple[list[str], str]:
-    """(srun arguments, the `NAME=value ` words that set variables for the srun line alone).
-
-    pyxis's --container-env passes the [env] values from srun's environment: they are set
-    for the srun alone so the host commands of the script keep their own (PATH...)."""
+    """(srun arguments, the `NAME=value ` words before the srun): pyxis's --container-env passes the
+    [env] values from srun's environment, set for the srun alone so the script keeps its own (PATH...)."""
     flags = srun_flags(env, paths.env_toml)
     return [Value(a) for a in flags.args], "".join(f"{name}={shell_value(value)} " for name, value in flags.exports)
 
@@ -99,11 +90,9 @@ def container_args(env: Environment, paths: RunDir) -> tuple[list[str], str]:
 def launch_line(cfg: Config, paths: RunDir, container: list[str], prefix: str,
             cmd: list[str] | None = None, port: str = "MASTER_PORT", wrap: list[str] = (),
             code: Optional[CodeSnapshot] = None, warm: bool = False) -> str:
-    """The `srun` line that starts every rank: the trainer, or `cmd` (the preflight's all-reduce)
-    launched the same way with its rendezvous on `$port`, as a step bounded by the words `wrap`
-    (`timeout ...`), whose ranks end together (no --wait); not backgrounded. The training
-    step's tasks report their exits into $SLIPWAY_EXITS. `warm`: each rank starts through
-    $WARM_CLIENT (jobs/slurm/warm.py: empty in a batch job)."""
+    """The `srun` line that starts every rank: the trainer, or `cmd` (the preflight's all-reduce, its
+    rendezvous on `$port`, bounded by the words `wrap`, its ranks ending together: no --wait). The
+    training step's tasks report their exits into $SLIPWAY_EXITS. `warm`: ranks start via $WARM_CLIENT."""
     report = cmd is None
     cmd = task_command(cfg, paths, code) if cmd is None else cmd
     torchrun = cfg.launcher == "torchrun"
@@ -134,11 +123,9 @@ def launch_line(cfg: Config, paths: RunDir, container: list[str], prefix: str,
     return f"{prefix}{words(srun)} \\\n  {words(argv)}"
 
 
-# Each rank of the training step reports its own exit and node (step_exit in jobs/slurm/job_lib.sh):
-# rank-RANK as $0 `slipway-rank` says (srun's task, or torchrun's worker), task-PROCID around a
-# torchrun agent. A wrapper that Slurm kills reports nothing, dying with its rank. A failed rank
-# during which its node's out-of-memory killer ran (/proc/vmstat's oom_kill moved) names the node
-# too (after_oom).
+# Each task of the training step reports its exit and node (job_lib.sh step_exit): rank-RANK ($0
+# `slipway-rank`: srun's task or torchrun's worker), task-PROCID around a torchrun agent; a failed
+# one during which its node's OOM killer ran (/proc/vmstat's oom_kill moved) names the node (after_oom).
 REPORT_EXIT = ('o=$(grep -s "^oom_kill " /proc/vmstat); n=${SLURMD_NODENAME:-$(hostname)}; "$@"; rc=$?; '
                'if [ "$0" = slipway-rank ]; then f=rank-$RANK; else f=task-$SLURM_PROCID; fi; '
                'echo "$rc $n" > "$SLIPWAY_EXITS/$f" 2>/dev/null; [ "$rc" = 0 ] || '

@@ -1,12 +1,9 @@
 # ---- slipway job library: a job stopped and back (jobs/slurm/requeue_lib.sh) ----
-# Pinned and sourced beside job_lib.sh (whose `event` and `line_field` it uses): the warning lead
-# before the time limit, taken from the run's own saves at every start and requeue, so the save
-# before a time-limit requeue fits; and the preemptions, requeues by Slurm, counted apart from the
-# job's own.
+# Pinned and sourced beside job_lib.sh (whose `event` and `line_field` it uses): the time-limit
+# warning's lead, from the run's own saves, so the save before a requeue fits; and the preemptions.
 
-# note_preemption: an attempt after the first whose previous attempt did not requeue itself (a
-# failure retry, a time-limit requeue) was requeued by Slurm: a preemption, or the site's `scontrol
-# requeue` of the running job. Said once, counted apart (PREEMPTIONS): it uses up neither
+# note_preemption: an attempt whose previous one did not requeue itself was requeued by Slurm (a
+# preemption, or the site's `scontrol requeue`): counted in PREEMPTIONS, using up neither
 # slurm.max_retries nor slurm.max_requeues. Sets PREEMPTIONS_SAID for the start event.
 note_preemption() {
   local attempt
@@ -24,15 +21,11 @@ note_preemption() {
   [ "$PREEMPTIONS" = 0 ] || PREEMPTIONS_SAID=", preemptions $PREEMPTIONS"
 }
 
-# ---- the warning lead: the time-limit warning as early as the run's saves need ----
-
 # warning_lead: "SECONDS WHY", how long before the time limit the trainer must be asked to save:
-# the slowest of the run's last five saves (SAVES: common/rundir.py SaveLine, written by the
-# trainer), plus the steps to the next point where the trainer reads a stop request (SYNC_STEPS x
-# the latest step time), plus a margin (30 s and a fifth of both); before the first save, the
-# checkpoint's estimated size (CHECKPOINT_BYTES) at the write speed this job's preflight measured
-# where checkpoints go (WRITE_BPS, the nodes' sum, as they write their shares at once); with
-# neither, LEAD_DEFAULT. Always between LEAD_MIN (Slurm's own warning) and LEAD_MAX (half the limit).
+# the slowest of the run's last five saves (SAVES: common/rundir.py SaveLine), plus the steps to
+# the next point where the trainer reads a stop request (SYNC_STEPS), plus a margin; before the
+# first save, CHECKPOINT_BYTES at the write speed the preflight measured (WRITE_BPS, the nodes' sum,
+# as they write their shares at once); with neither, LEAD_DEFAULT. Within LEAD_MIN and LEAD_MAX.
 warning_lead() {
   local line ms slowest=0 n=0 step_ms=0 base why lead steps margin
   while read -r line; do
@@ -58,7 +51,7 @@ warning_lead() {
   echo "$lead $why"
 }
 
-# job_end_time: when Slurm ends this job (its EndTime, in seconds since the epoch); fails unknown.
+# job_end_time: this job's EndTime in seconds since the epoch; fails unknown.
 job_end_time() {
   local end
   end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null) || return 1
@@ -66,11 +59,9 @@ job_end_time() {
   date -d "$end" +%s
 }
 
-# warning_timer (in the background, beside the training step): asks for the stop once the time
-# left is the warning lead (USR1 to this script, the same on_warning as Slurm's own warning), the
-# lead recomputed from the run's saves every WARNING_POLL s (the job's end every tenth time: an
-# administrator may move it) and said in events.log whenever it changes. `--signal` is fixed at
-# sbatch time; this is how every job and every requeue gets the lead of the latest measurements.
+# warning_timer (in the background): USR1 to this script once the time left is the warning lead,
+# recomputed every WARNING_POLL s (the job's end every tenth time: an administrator may move it),
+# said when it changes. `--signal` is fixed at sbatch time: this gives each requeue the latest lead.
 warning_timer() {
   local end="" lead why said="" left polls=0 nap=""
   # Ended (on_exit) while it sleeps: its sleep goes with it, holding nothing of the job's open.

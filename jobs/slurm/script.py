@@ -1,9 +1,6 @@
 """The batch script: one pure render function for every runtime and launcher (the line that
-starts the ranks is jobs/slurm/ranks.py's).
-
-Every config value that reaches the script goes through `shlex.quote` (or
-`shell_value`, which keeps `${VAR}` references and quotes everything else), so
-no run name, path or env value can ever run a command.
+starts the ranks is jobs/slurm/ranks.py's). Every config value in it goes through `shlex.quote`
+(or `shell_value`, which keeps `${VAR}`), so no run name, path or env value can run a command.
 """
 
 from __future__ import annotations
@@ -42,7 +39,6 @@ def sbatch_quote(value: str) -> str:
 
 
 def _allocation(cfg: Config, *, partition: str | None) -> list[str]:
-    """The #SBATCH options every job of a run shares: account, partition, QOS, memory, mail."""
     s = cfg.slurm
     opts = [f"--{name}={sbatch_quote(value)}" for name, value in
             (("account", s.account), ("partition", partition), ("qos", s.qos), ("mem", s.mem)) if value]
@@ -58,12 +54,10 @@ def sbatch_header(cfg: Config, paths: RunDir, exclude: Sequence[str] = ()) -> li
             f"--time={s.time}", *_allocation(cfg, partition=s.partition)]
     opts += [f"--output={sbatch_quote(str(paths.path / s.output))}",
              f"--error={sbatch_quote(str(paths.path / s.error))}", "--open-mode=append"]
-    # B: only the batch shell gets the warning; it tells the trainer through STOP_FILE. With a
-    # measured lead this is the floor: the script's own timer (warning_timer) asks earlier.
+    # B: only the batch shell gets the warning (it tells the trainer by STOP_FILE); warning_timer may ask earlier.
     opts += [f"--signal=B:USR1@{s.warning_seconds()}"] if s.warning_seconds() else []
     extra, excluded = merged_exclude(s.extra, list(exclude))
     opts += ["--requeue" if s.requeue else "--no-requeue", *(sbatch_quote(o) for o in extra)]
-    # The bad nodes this cluster remembers (jobs/slurm/bad_nodes.py), with any --exclude of slurm.extra.
     opts += [f"--exclude={sbatch_quote(','.join(excluded))}"] if excluded else []
     return ["#!/bin/bash", f"# slipway run {cfg.run.name}: generated, edit configs/ instead"] + \
         [f"#SBATCH {o}" for o in opts]
@@ -76,29 +70,25 @@ def _hf_home(cfg: Config, paths: RunDir) -> str:
     return f'[ -n "${{HF_HOME:-}}" ] || export HF_HOME={shlex.quote(str(paths.project / ".cache" / "huggingface"))}'
 
 
-# The job library (job_lib.sh: the job's decisions) and its parts, each saying what it holds (the pyxis
-# one for pyxis jobs alone), pinned into each run directory by their hash (`library_files`) and
-# sourced by job.sbatch once that hash is checked.
-LIBRARIES = ("job_lib", "bad_nodes_lib", "requeue_lib", "verify_lib", "pyxis_lib")
-JOB_LIB, BAD_NODES_LIB, REQUEUE_LIB, VERIFY_LIB, PYXIS_LIB = (Path(__file__).with_name(f"{name}.sh").read_text()
-                                                              for name in LIBRARIES)
+# The job library and its parts (pyxis_lib for pyxis jobs alone), pinned into each run directory
+# by their hash (`library_files`) and sourced by job.sbatch once that hash is checked.
+LIBRARIES = {name: Path(__file__).with_name(f"{name}.sh").read_text()
+             for name in ("job_lib", "bad_nodes_lib", "requeue_lib", "verify_lib", "pyxis_lib")}
+JOB_LIB, PYXIS_LIB = LIBRARIES["job_lib"], LIBRARIES["pyxis_lib"]
 EVENT_WRITER = next(line for line in JOB_LIB.splitlines() if line.startswith("event() "))
 
 
 def library_files(env: Environment, paths: RunDir) -> dict[Path, str]:
-    """The libraries a job of `env`'s runtime sources, by their place in the run directory
-    (RunDir.lib/NAME-HASH12.sh: a new text is a new file, never an old one rewritten)."""
-    libs = list(zip(LIBRARIES, (JOB_LIB, BAD_NODES_LIB, REQUEUE_LIB, VERIFY_LIB, PYXIS_LIB)))
-    libs = libs if env.runtime == "pyxis" else libs[:-1]
-    return {paths.lib / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh": text for name, text in libs}
+    """The libraries a job of `env` sources, by their place (RunDir.lib/NAME-HASH12.sh: a new text is a
+    new file, never an old one rewritten)."""
+    return {paths.lib / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh": text
+            for name, text in LIBRARIES.items() if name != "pyxis_lib" or env.runtime == "pyxis"}
 
 
 @dataclass(frozen=True)
 class Pins:
-    """What a job runs, pinned at submission, which every node checks before training
-    (verify_lib.sh verify_nodes): the code snapshot, the squashfs file (none for a registry
-    image), and the key of the image build whose unpacked container pyxis keeps on the nodes
-    (`jobs.runs.image.kept_build`; None: each attempt unpacks its own)."""
+    """What a job runs, pinned at submission and checked on every node (verify_lib.sh); `build`: the
+    image build whose container pyxis keeps on the nodes (`jobs.runs.image.kept_build`)."""
 
     code: Optional[CodeSnapshot] = None
     image_file: Optional[str] = None
@@ -110,14 +100,13 @@ class Pins:
     project: Optional[str] = None  # the token the project's pyxis containers are named with (containers/project.py)
 
 
-# A stopped step and a container removal at the job's end wait at most this long (on_exit);
-# the background removal of stale containers at its start, at most STALE_REMOVE_TIMEOUT.
+# Seconds on_exit waits for a stopped step and a container's removal.
 STEP_STOP_WAIT = 30
 CONTAINER_REMOVE_WAIT = 5
 # After `slipway cancel` (which waits CANCEL_GRACE_SECONDS, 90, for the job) the removal gets longer:
 # measured on the real pyxis, a loaded node needs more than CONTAINER_REMOVE_WAIT.
 CANCEL_REMOVE_WAIT = 45
-STALE_REMOVE_TIMEOUT = 600
+STALE_REMOVE_TIMEOUT = 600  # the sweep of stale containers at a job's start, in the background
 
 
 def _code_environment(code: Optional[CodeSnapshot]) -> list[str]:
@@ -199,15 +188,13 @@ def _node_helper(cfg: Config) -> list[str]:
     ]
 
 
-# The steps' named pyxis container: CONTAINER_NAME (job_lib.sh's container_name: the image
-# build's kept one, or this attempt's own). no_exec: a step never joins another job's running
-# container, it only shares its unpacked filesystem.
+# The steps' named pyxis container (pyxis_lib.sh container_name). no_exec: a step never joins
+# another job's running container, it only shares its unpacked filesystem.
 PYXIS_PREFIX = "slipway-"
 PYXIS_CONTAINER = "${CONTAINER_NAME}:no_exec"
 
 
 def _settings(cfg: Config, paths: RunDir, env: Environment, container_named: bool, pins: Pins) -> list[str]:
-    """The run's values, set once: the data the job library's functions decide on."""
     q = shlex.quote
     s = cfg.slurm
     lines = [
@@ -251,12 +238,11 @@ def _settings(cfg: Config, paths: RunDir, env: Environment, container_named: boo
     return lines
 
 
-# How often the warning timer re-reads the run's saves (and, every tenth time, the job's end).
-WARNING_POLL = 30
+WARNING_POLL = 30  # seconds between the warning timer's readings of the run's saves
 
 
 def _lead_settings(cfg: Config) -> list[str]:
-    """The warning lead's terms (job_lib.sh warning_lead): measured unless slurm.signal_seconds fixes it."""
+    """The warning lead's terms (requeue_lib.sh warning_lead), unless slurm.signal_seconds fixes it."""
     bounds = cfg.slurm.warning_bounds()
     if bounds is None:
         return ["LEAD_AUTO=0  # the time-limit warning is Slurm's own (#SBATCH --signal), fixed"]
@@ -277,9 +263,8 @@ def _path_settings(cfg: Config, paths: RunDir) -> list[str]:
 
 
 def _sourced(paths: RunDir, libs: dict[Path, str]) -> list[str]:
-    """The lines that check each pinned library's hash and source it: a copy changed or missing
-    ends the job before anything runs (exit BAD_INPUT_EXIT, said in events.log by hand, as the
-    library that would say it is the one in doubt)."""
+    """Each pinned library checked, then sourced: a copy changed or missing ends the job (said in
+    events.log by hand, as the library that would say it is the one in doubt)."""
     return [
         f"# The job library (jobs/slurm/{', '.join(p.name.rsplit('-', 1)[0] + '.sh' for p in libs)}), as submitted: "
         "checked, then sourced.",
@@ -300,10 +285,7 @@ def _sourced(paths: RunDir, libs: dict[Path, str]) -> list[str]:
 def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pins(), exclude: Sequence[str] = (),
                   warm: Optional[warm_ranks.WarmPlan] = None) -> str:
     """The whole batch script for `cfg`, reading and writing only inside `paths.path` (and the
-    cluster's remembered bad nodes beside it): `env` the run's container environment, `pins` what the
-    job runs (checked on every node first), `exclude` the remembered bad nodes (jobs/slurm/bad_nodes.py),
-    `warm` the warm processes of `slipway run` (jobs/slurm/warm.py); the libraries it sources are
-    `library_files`'."""
+    cluster's remembered bad nodes beside it); `exclude`: those bad nodes (jobs/slurm/bad_nodes.py)."""
     container, prefix = container_args(env, paths)
     # Under pyxis every srun step unpacks the image into a container of its own, unless the
     # steps name one: the preflight's steps then create it and training starts in it at once.
@@ -349,8 +331,6 @@ def render_sbatch(cfg: Config, paths: RunDir, env: Environment, pins: Pins = Pin
 
 
 def _main_start(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot], pyxis: bool, warm: bool) -> list[str]:
-    """The job's start: its counts and nodes in events.log, its environment, the traps, the helpers,
-    every node's verification."""
     return [
         "# ---- main: this job, from its start to its end ----",
         f"cd {shlex.quote(str(paths.project))}",
@@ -389,10 +369,8 @@ def _main_start(cfg: Config, paths: RunDir, code: Optional[CodeSnapshot], pyxis:
 
 
 def _plot_curves(cfg: Config, paths: RunDir, container: list[str], prefix: str) -> list[str]:
-    """plot_curves, which on_exit (jobs/slurm/job_lib.sh) calls after a job that trained all its
-    steps has recorded its end: the run's curves.png from its metrics (trainer/plot.py), as a step
-    of one task in the job's container, bounded. Its line is trainer/plot.py's (the path, or why
-    not), never srun's own words about the step's end."""
+    """plot_curves, which on_exit calls once a job that trained all its steps has recorded its end: a
+    bounded step of trainer/plot.py, whose line (the path, or why not) is said, never srun's words."""
     if cfg.launch.command:  # the image may hold no slipway trainer
         return []
     srun = srun_argv(nodes=1, ntasks=1, cpus_per_task=1, container=container)
@@ -403,9 +381,7 @@ def _plot_curves(cfg: Config, paths: RunDir, container: list[str], prefix: str) 
 
 
 def render_prepare_sbatch(cfg: Config, paths: RunDir, env: Environment) -> str:
-    """The data preparation job of a run: one task on one node, no GPU, tokenizing the
-    run's data into its token cache with `python -m trainer.prepare`, in the run's
-    container (the same srun flags as training). Its log goes to logs/prepare-JOB.out."""
+    """The run's data preparation job: `python -m trainer.prepare` in one task, no GPU, in the run's container."""
     s = cfg.slurm
     cpus = s.prepare_cpus or s.cpus_per_task
     opts = [f"--job-name={cfg.run.name}-prepare", "--nodes=1", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",

@@ -2,12 +2,10 @@
 # Pinned and sourced beside job_lib.sh (whose `event`, `end_with`, `waited`, `blame_preflight` and
 # `retry_preflight` it uses), before the pyxis part, which defines ensure_container and uses on_every_node.
 
-# verify_code DIR SHA256 (on a node): the code snapshot DIR is the one submitted. Its listing
-# (.slipway-files: `KIND SHA256 PATH` per entry, jobs/runs/code.py) must hash to SHA256 with the
-# scheme's line, every file and link must match it, and nothing may be added but the bytecode
-# Python caches beside the sources it imports (__pycache__/NAME.pyc: a snapshot holds none of its
-# own, and a rank's own shell writes them). Prints what differs and returns 1 then. One
-# sha256sum for every file: well under a second for the trainer.
+# verify_code DIR SHA256 (on a node): the code snapshot DIR is the one submitted: its listing
+# (.slipway-files, jobs/runs/code.py) hashes to SHA256, every file and link matches it, and nothing
+# is added but __pycache__/*.pyc (a snapshot holds none; the ranks write them). Prints what differs,
+# returning 1. One sha256sum for every file: well under a second for the trainer.
 verify_code() {
   local dir=$1 want=$2 got kind sum path sums="" out name
   local -A listed=()
@@ -40,9 +38,8 @@ verify_code() {
   done < <(find "$dir" -mindepth 1 \( -type f -o -type l \) -printf '%P\0')
 }
 
-# verify_image FILE SHA256 SIZE MTIME (on a node): the squashfs FILE is the one submitted (no
-# FILE: a registry image, nothing to check). Its size and mtime unchanged vouch for it at no cost;
-# otherwise its bytes must hash to SHA256 (when the submission knew it).
+# verify_image FILE SHA256 SIZE MTIME (on a node): the squashfs FILE (none: a registry image) is the
+# one submitted: its size and mtime unchanged, else its bytes hash to SHA256 (where one was known).
 verify_image() {
   local file=$1 want=$2 size=$3 mtime=$4 st got
   [ -n "$file" ] || return 0
@@ -59,10 +56,9 @@ verify_image() {
   return 1
 }
 
-# on_every_node SECONDS NAME FUNCTIONS CALL [ARG...]: one task on every node of the job beside
-# whatever runs there (--overlap), bounded by SECONDS, running CALL ARG... with the library
-# FUNCTIONS defined (their text travels with the step: nothing is sourced on the node). The one
-# srun of the job library; the training and preflight steps are rendered by jobs/slurm/script.py.
+# on_every_node SECONDS NAME FUNCTIONS CALL [ARG...]: CALL ARG... in one task per node (--overlap),
+# bounded by SECONDS, with FUNCTIONS' text carried in the step (nothing is sourced on the node). The
+# job library's one srun: script.py renders the others.
 on_every_node() {
   local limit=$1 name=$2 functions=$3; shift 3
   # shellcheck disable=SC2086  # FUNCTIONS is a list of names
@@ -70,16 +66,14 @@ on_every_node() {
     --kill-on-bad-exit=0 bash -c "$(declare -f $functions)"'; "$@"' "$name" "$@"
 }
 
-# ensure_container NAME IMAGE IDENTITY (on a node): readies a kept pyxis container; the pyxis
-# library defines it, other runs keep nothing on the nodes.
+# ensure_container (on a node): the pyxis library's; other runs keep nothing on the nodes.
 ensure_container() { :; }
 
 # node_check CODE_DIR CODE_SHA256 IMAGE_FILE IMAGE_SHA256 IMAGE_SIZE IMAGE_MTIME [KEPT IDENTITY
-# [WARM_SOCKET [CHECK...]]] (on a node, one task each): one line, `slipway-verify NODE ok` (`ok
-# warm`: the user's warm process listens on WARM_SOCKET there, in the user's folder, and then
-# runs the preflight's node check CHECK, whose lines follow; `ok cgroup`: Slurm tracks the job's
-# processes by cgroup), `... differs: WHAT` (what the job runs is not what was submitted), or
-# `... node: WHAT` (this node could not ready the kept container KEPT).
+# [WARM_SOCKET [CHECK...]]] (on a node): one line, `slipway-verify NODE ok` (`ok warm`: the user's
+# warm process listens on WARM_SOCKET, and CHECK's lines follow; `ok cgroup`: Slurm tracks the
+# job's processes by cgroup), `... differs: WHAT` (not what was submitted) or `... node: WHAT`
+# (the kept container KEPT could not be readied).
 node_check() {
   local n=${SLURMD_NODENAME:-$(hostname)} why="" w
   w="${9:-}-$n.sock"
@@ -96,13 +90,10 @@ node_check() {
   echo "slipway-verify $n ok${why:+, $why}"
 }
 
-# verify_nodes: before anything else starts on the nodes, every node checks what this job runs
-# against what was submitted (verify_code, verify_image) and readies the image build's kept
-# container (KEPT_CONTAINER, pyxis). What differs on every node (or on the one node of the job)
-# ends the job at once with BAD_INPUT_EXIT: the same files are wrong everywhere and on every
-# retry, so none is retried and no node blamed. What differs on some nodes only (a node that
-# does not see the shared filesystem), a node that could not ready the container, or one that
-# sent no report, is left out of a retry (retry_or_stop), as a failed preflight is.
+# verify_nodes: before anything else starts there, every node runs node_check. What differs on
+# every node (or the job's one) ends the job with BAD_INPUT_EXIT: the same files are wrong on every
+# retry, so no retry and no node blamed. A node where only it differs (it does not see the shared
+# filesystem), that could not ready the container, or that sent no report, is left out of a retry.
 verify_nodes() {
   local out rc node line why="" differ="" bad="" unpacked="" t=$SECONDS
   local -A said=()
@@ -134,10 +125,9 @@ verify_nodes() {
   for node in $differ; do blame_preflight "$node" "${said[$node]}"; done
   retry_preflight $bad
 }
-# checked_warm: every node's preflight check came with its verification, from its warm process
-# (node_check's CHECK): its lines are the node step's log, PREFLIGHT_LOG, and no srun step enters
-# the container for it. Else (a node without a warm process, or whose warm process did not take
-# it, said in events.log) the node step runs.
+# checked_warm: where every node's warm process ran the preflight's node check with its
+# verification (node_check's CHECK), its lines are PREFLIGHT_LOG and no node step runs; else
+# (why said in events.log) fails, and the node step runs.
 checked_warm() {
   local node why
   for node in $NODES; do

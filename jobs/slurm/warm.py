@@ -1,13 +1,11 @@
 """Warm ranks in an allocation (`slipway run`, launch.warm): the batch script's part, and
-`slipway run --stop-warm`. The warm process itself is trainer/warm.py (run as a file in the run's
-container): when a rank it forks starts as it would cold, and when it starts cold, is said there.
+`slipway run --stop-warm`; the warm process itself is trainer/warm.py.
 
-Per node and allocation, one warm process per key: a Slurm step of the allocation named
-`slipway-warm-KEY` (Slurm ends it with the allocation; `squeue --steps` lists it), its socket in
-a folder of the user's in the node's /dev/shm, which containers share. KEY says what it was
-started with: the image, the container settings (with the runs root mounted in place of one run's
-directory, so that every later run and code snapshot is seen there), the interpreter, the
-environment the batch script sets and the warm process's own code; any changed, a new warm process.
+Per node and allocation, one warm process per key: a step named `slipway-warm-KEY` (Slurm ends it
+with the allocation), its socket in a folder of the user's in the node's /dev/shm, which containers
+share. KEY hashes what it was started with: the image, the container settings (the runs root mounted
+in place of one run's directory, so every later run and snapshot is seen), the interpreter, the
+environment and the warm process's own code; any changed, a new warm process.
 """
 
 from __future__ import annotations
@@ -54,11 +52,9 @@ def why_cold(cfg: Config, code: Optional[CodeSnapshot]) -> str:
 
 
 def plan(cfg: Config, paths: RunDir, env_of, code: Optional[CodeSnapshot], image: str = "") -> Optional[WarmPlan]:
-    """The warm processes `slipway run` keeps for `cfg` (None: it starts every rank cold, see
-    `why_cold`). `env_of(paths)` is the run's container environment for a run directory and no code
-    snapshot (jobs/runs/container.py run_environment): called with the runs root, the one
-    directory every run and code snapshot of the project lies under. `image` is what the image
-    is (its build hash or its bytes' identity)."""
+    """The warm processes `slipway run` keeps for `cfg` (None: every rank cold, `why_cold`). `env_of`:
+    jobs/runs/container.py run_environment, called with the runs root, under which every run and code
+    snapshot lies; `image`: its build hash or its bytes' identity."""
     if why_cold(cfg, code):
         return None
     try:
@@ -83,12 +79,9 @@ def _cpus_per_node(cfg: Config) -> int:
 
 
 def settings(warm: Optional[WarmPlan], cfg: Config, paths: RunDir) -> list[str]:
-    """The batch script's warm settings: under `slipway run` (SLIPWAY_IN_ALLOCATION) the warm
-    processes' socket (trainer/warm.py's SOCKET), the client each rank starts through
-    (WARM_CLIENT) and the node check the verification asks of them from the host (WARM_CHECK:
-    no srun step enters the container for it; the host's python3 runs its client, else
-    launch.python's, the same interpreter without a container); none in a batch job, which runs
-    one launch."""
+    """The batch script's warm settings, set under `slipway run` alone: WARM_CHECK, the node check the
+    verification asks of the warm process, runs its client by the host's python3 (no srun step
+    enters the container for it), or launch.python's without a container."""
     if warm is None:
         return []
     python = shlex.quote(cfg.launch.python)
@@ -112,10 +105,9 @@ def settings(warm: Optional[WarmPlan], cfg: Config, paths: RunDir) -> list[str]:
 
 
 def start_function(cfg: Config, paths: RunDir, warm: Optional[WarmPlan], container_name: Optional[str]) -> list[str]:
-    """`warm_start NODELIST COUNT`: the warm step on those nodes, in a session of its own so that
-    it outlives this script (the allocation ends it), its output in WARM_LOG. It asks for every
-    CPU and GPU the ranks of a node use, as the ranks it starts share its cgroup (a Slurm that
-    tracks processes by cgroup gets none: jobs/slurm/verify_lib.sh node_check)."""
+    """`warm_start NODELIST COUNT`: the warm step, in a session of its own to outlive this script,
+    asking for every CPU and GPU of a node's ranks, which share its cgroup (a Slurm that tracks
+    processes by cgroup gets none: verify_lib.sh node_check)."""
     if warm is None:
         return []
     container, prefix = container_args(warm.env, paths) if warm.env.in_container else ([], "")
@@ -141,8 +133,8 @@ def start_function(cfg: Config, paths: RunDir, warm: Optional[WarmPlan], contain
 
 
 def stop(job_id: str) -> list[str]:
-    """`slipway run --stop-warm`: the warm steps of allocation `job_id` asked to stop (SIGTERM: each
-    takes no more ranks and ends once its ranks have, at once when idle); the steps asked."""
+    """`slipway run --stop-warm`: allocation `job_id`'s warm steps sent SIGTERM (each ends once its
+    ranks have); the steps asked."""
     steps = [step for step, name in job_steps(job_id) if name.startswith(STEP)]
     if steps:
         signal_steps(steps, "TERM")
