@@ -78,13 +78,9 @@ def try_here(cfg: Config, project_dir: Path, *, force: bool, console, rename: bo
 
 def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True, yes: bool = False,
               prepare: bool = False, reload: Optional[Callable[[list[str]], Config]] = None) -> int:
-    """Create or resume the run directory and train here; the output also goes to logs/local-*.out.
-
-    Every blocker is said at once before anything is written (`try_here`); a try longer than
-    LOCAL_TRY_SECONDS is asked about on a terminal once nothing else blocks it. The run's lock is
-    held for the whole launch: a second `slipway local` or `submit` of the run is refused while
-    this one trains. SIGINT, SIGTERM and SIGHUP stop the trainer (see FORWARDED); the end is
-    recorded, and nothing of the trainer's is left running."""
+    """Create or resume the run directory and train here (output also in logs/local-*.out). A try
+    longer than LOCAL_TRY_SECONDS is asked about on a terminal once nothing else blocks it; the run's
+    lock is held for the whole launch, so a second `local` or `submit` of the run is refused."""
     local, _ = local_checks.local_view(cfg, rename=rename)
     run_dir = runs.runs_root(project_dir) / local.run.name
     if busy := runlock.busy(run_dir):
@@ -126,11 +122,9 @@ def prepare_here(sealed: runs.Sealed, hf_home: str, console, num_proc: Optional[
 
 
 def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -> int:
-    """`slipway run`: the run's batch script, as submit writes it, run here inside an existing
-    allocation (salloc, or a shell on its first node): the same preflight, srun lines, container
-    flags, run directory and events; rank 0's output on the terminal. Ctrl-C asks the ranks to
-    save at the step boundary (the run stays resumable, exit 75); a second one stops them. Under
-    pyxis the steps name their container by the allocation, so running again reuses it."""
+    """`slipway run`: the run's batch script, as submit writes it, run inside the allocation this shell
+    is in; rank 0's output on the terminal. Under pyxis the steps name their container by the
+    allocation, so running again reuses it."""
     job, have = environ.allocation()
     salloc = f"`salloc --nodes={cfg.slurm.nodes} ...` first and run it in that shell, or `slipway submit {cfg.config_args}`"
     if not job:
@@ -282,8 +276,7 @@ def _own_program(cfg: Config) -> str:
 
 
 def _what_next(run: runs.Run, original: Config) -> list[str]:
-    """After a local run trained all its steps: its curves drawn, and the commands a user wants
-    next (its status, the live view, a first cluster run of the same config)."""
+    """After a local run trained all its steps: its curves drawn, and the commands a user wants next."""
     try:
         curves = f"curves: {escape(str(trainer_door.plot([run.dir])))}"
     except ConfigError as exc:  # no matplotlib (the plot extra), no steps logged
@@ -297,8 +290,7 @@ def _what_next(run: runs.Run, original: Config) -> list[str]:
 
 @dataclass
 class _End:
-    """How a launch ended: the launcher's exit code, the manifest's outcome (and its `extra`
-    fields), the events it appends and the lines (rich markup) that tell it."""
+    """How a launch ended: exit code, the manifest's outcome (and `extra` fields), events, lines (markup)."""
 
     code: int
     outcome: Union[int, str]
@@ -308,8 +300,7 @@ class _End:
 
 
 def _last_step(run: runs.Run, heartbeat: Heartbeat) -> Optional[int]:
-    """The last step this launch completed: rank 0's progress record (about every second), or the
-    last one it logged to metrics.jsonl; None before either."""
+    """The last step this launch completed, by rank 0's progress record or metrics.jsonl; None before either."""
     last, done = run.last_metrics(), heartbeat.progress()
     steps = ([last["step"]] if last and isinstance(last.get("step"), int) else []) + ([done[0]] if done else [])
     return max(steps) if steps else None
@@ -317,10 +308,9 @@ def _last_step(run: runs.Run, heartbeat: Heartbeat) -> Optional[int]:
 
 def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, stopper: Stopper, output: Output,
                   step: Optional[int], ooms: Optional[int], command: str, log_path: Path, allocation: bool) -> _End:
-    """What ended the launch, where, what was saved (a forced stop: killed once its grace ran out),
-    the command that resumes it and the log; in one line, two for a hang. `ooms`: the out-of-memory
-    killer's count when the launch started (`oom_kills`). The batch script (`allocation`) records
-    its own end and classifies a hang: the launcher only its code, unless a signal killed it."""
+    """What ended the launch, where, what was saved, the command that resumes it and the log (a line,
+    two for a hang); `ooms`: `oom_kills` at the start. The batch script (`allocation`) records its own
+    end and classifies a hang: the launcher only its code, unless a signal killed it."""
     own, log, where = not allocation or rc < 0, escape(str(log_path)), "" if step is None else f" at step {step}"
     steps = complete_checkpoints(run.dir / cfg.checkpoint.dir)
     start = f"{command} starts from step 0"
@@ -390,8 +380,8 @@ def _hang(run: runs.Run, cfg: Config, tag: str) -> str:
 
 def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: Path, sealed: runs.Sealed,
                   allocation: Optional[str] = None) -> Launch:
-    """Add this launch to the manifest. `pid` is this process, not the trainer's: it outlives the
-    trainer and writes the outcome, so a reader never sees the launch dead before its exit is recorded."""
+    """Add this launch to the manifest. Its `pid` is this process: it outlives the trainer and writes
+    the outcome, so a reader never sees the launch dead before its exit is recorded."""
     launch = Launch(local=True, started=now_iso(), pid=os.getpid(), trainer_pid=trainer_pid,
                     host=socket.gethostname(), log=str(log_path.relative_to(run.dir)),
                     git=git_state(project_dir), code=sealed.snapshot, allocation=allocation or "",
@@ -409,8 +399,7 @@ def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: 
 
 
 def _finish_local(run: runs.Run, launch: Launch, outcome: Union[int, str], **extra) -> None:
-    """Record the launch's end: `exit` (its exit code, or "interrupted" for Ctrl-C), and `extra`
-    (`signal`: the name of the signal that stopped it; `trainer_exit`: the trainer's own code)."""
+    """Record the launch's end: `exit` (its code, or "interrupted" for Ctrl-C) and `extra` (`signal`, `trainer_exit`)."""
     ended = now_iso()
 
     def finish(manifest: Manifest) -> None:

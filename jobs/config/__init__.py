@@ -204,11 +204,8 @@ def check_path_components(value: Any, where: str) -> None:
 
 def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict[str, Any] | None = None,
                 cluster: Optional[ClusterProfile] = None) -> Config:
-    """Read `configs/NAME.yaml` (or a path), merge the `cluster` profile in, apply `key=value`
-    overrides, validate: the config < the profile < the command line (jobs/config/clusters.py says why).
-
-    `sets` holds overrides already split into dotted key and typed value (the CLI's named flags).
-    """
+    """Read `configs/NAME.yaml` (or a path) into a Config (`config_from`); `sets`: the CLI's named
+    flags as dotted key -> typed value."""
     path, raw = read_config(path)
     return config_from(path, raw, overrides, sets, cluster=cluster)
 
@@ -233,10 +230,9 @@ def read_config(path: str | Path) -> tuple[Path, dict]:
 def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets: dict[str, Any] | None = None,
                 settings: dict[str, Any] | None = None, cluster: Optional[ClusterProfile] = None,
                 tree: Optional[dict] = None) -> Config:
-    """The config of file `path` from its raw tree (left as it is), the `cluster` profile merged in,
-    the overrides, the named flags' `sets`, then `settings` (dotted key -> value, as an override's
-    value parses), validated: the config < the profile < the command line (jobs/config/clusters.py says why).
-    `tree`: filled with the raw tree as read (a sweep's `Variants` reads its settings into it)."""
+    """The config of file `path` from its raw tree (left as it is) with the `cluster` profile, the
+    overrides, `sets`, then `settings` (as overrides parse) over it, validated: the config < the profile
+    < the command line (jobs/config/clusters.py says why). `tree`: filled with the raw tree as read."""
     raw = merged(raw, cluster.settings) if cluster is not None else _copied(raw)
     given = {*(sets or {}), *(settings or {})}
     for item in overrides or []:

@@ -9,9 +9,8 @@ from typing import Any, Callable
 from common.errors import ConfigError
 from common.yaml import Plain, read_yaml
 
-# The command line's names for config keys (`slipway submit CONFIG --nodes 2` is slurm.nodes=2),
-# read by the CLI and by the hints that turn a command back into overrides.
-# The seed launcher's named flags: (flag, dotted config key, type, help).
+# The command line's names for config keys (`slipway submit CONFIG --nodes 2` is slurm.nodes=2), read by
+# the CLI and by the hints that turn a command back into overrides: (flag, dotted key, type, help).
 NAMED_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("--run-name", "run.name", str, "run name: the run directory runs/NAME and the Slurm job name"),
     ("--project", "run.project", str, "project name for logging (W&B)"),

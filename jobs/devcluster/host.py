@@ -1,6 +1,5 @@
-"""Host plumbing for the local Slurm cluster (jobs/devcluster/, `slipway cluster`): processes by id,
-the registry of running clusters, our block in /etc/hosts, network namespaces,
-and the teardown that removes all of a cluster's traces."""
+"""Host plumbing for the local Slurm cluster: processes by id, the registry of running clusters, our
+block in /etc/hosts, network namespaces, and the teardown that removes all of a cluster's traces."""
 
 from __future__ import annotations
 
@@ -202,9 +201,8 @@ def network_up(bridge: str, bridge_addr: str, nodes: list[tuple[str, str, str]])
 
 
 def teardown(name: str) -> list[tuple[int, int | None]]:
-    """Stop everything a cluster called `name` left: its recorded processes, every
-    process inside its node namespaces (job steps), the namespaces, its links, its
-    /etc/hosts block and its registry entry. Returns the (pid, start) it stopped."""
+    """Stop everything cluster `name` left: its recorded processes, every process in its node namespaces
+    (job steps), the namespaces, links, /etc/hosts block and registry entry; the (pid, start) it stopped."""
     reg = read_registry(name) or {}
     procs = [(p["pid"], p["start"]) for p in reg.get("processes", [])]
     stop(procs)

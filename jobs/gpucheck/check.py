@@ -1,10 +1,9 @@
-"""The machinery of `slipway gpu-check` (jobs/gpucheck/__init__.py): parts, each a few processes
-under a time budget of its own, and the report they fill, rewritten after every part.
+"""The machinery of `slipway gpu-check`: parts, each a few processes under a time budget of its own,
+and the report they fill, rewritten after every part.
 
-A part's steps run in order, each as a process group of its own; a step still running at the
-part's deadline is stopped (its whole process group: `slipway local`'s trainer included) and
-the part's remaining steps are skipped, each named in the report with the reason, so a slow
-part never takes another's time and the check never overruns the sum of its budgets.
+A part's steps run in order, each as a process group of its own; one still running at the part's
+deadline is stopped (its whole group) and the part's remaining steps are skipped, each named in the
+report with the reason: a slow part never takes another's time, nor the check more than its budgets.
 """
 
 from __future__ import annotations
@@ -91,9 +90,8 @@ class Check:
 
     @contextlib.contextmanager
     def claimed(self):
-        """OUT is this check's alone while it runs (a lock), before anything runs: a work directory
-        there that is no earlier check's (by its mark) is refused. A refusal before `start` leaves
-        OUT as it found it."""
+        """OUT locked for this check, a work directory there that is no earlier check's refused; a
+        refusal leaves OUT as it found it."""
         created = not self.out.exists()
         self.out.mkdir(parents=True, exist_ok=True)
         lock_path = self.out / ".gpu-check.lock"
@@ -117,8 +115,7 @@ class Check:
 
     def run(self, part: Part, what: str, argv: list[str], env: Optional[dict] = None, cwd: Optional[Path] = None,
             interrupt: bool = False, write_log: bool = True) -> tuple[int, str]:
-        """`argv` as a process group of its own, stopped at the part's deadline (OutOfTime): with two
-        SIGINTs first for `slipway local` (stop now, unsaved), SIGTERM for others, SIGKILL last."""
+        """`argv` as a process group of its own, stopped at the part's deadline (`stop_group`, OutOfTime)."""
         left = part.deadline - time.monotonic()
         if left < MIN_STEP_SECONDS:
             raise OutOfTime(f"not started: {max(left, 0):.0f} s of the part's {part.budget_s:g} s budget was left, "
@@ -156,7 +153,6 @@ class Check:
         return None
 
     def run_part(self, name: str, plan: Plan) -> Part:
-        """The part's steps in order, under its budget; the report rewritten after it."""
         part, t0 = self.part(name), time.monotonic()
         for i, (what, step) in enumerate(plan):
             if isinstance(step, str):  # not for this node: the reason
@@ -180,7 +176,6 @@ class Check:
         part.status = ("failed" if any(not c["ok"] for c in part.checks) else
                        "incomplete" if ran and any("budget" in s["why"] for s in part.skipped) else
                        "ok" if ran else "skipped")
-        # The report, rewritten after every part.
         failed = any(not c["ok"] for p in self.parts for c in p.checks)
         report = {"format": 1, "command": "slipway gpu-check", "device": self.device, "devices": self.devices,
                   "started": self.started.isoformat(timespec="seconds"),
