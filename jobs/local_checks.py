@@ -27,7 +27,7 @@ from common.rundir import complete_checkpoints
 from common.schema import to_dict
 from edf import expand_host
 from jobs import runs, trainer_door
-from jobs.config import Config, dump_config, this_python
+from jobs.config import Config, dump_config, interpreter
 from jobs.runs import lock as runlock
 
 # Of the memory free, what a suggested batch plans for: the arithmetic is within about 5% of a
@@ -344,7 +344,7 @@ def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
     local.slurm.nodes, local.slurm.gpus_per_node = 1, 0
     local.launch.procs_per_node = world
     local.container.runtime = "none"
-    local.launch.python = this_python()
+    local.launch.python = interpreter(sys.executable)
     local.launch.preset = "none"  # this machine is not the cluster's node type
     if changed and rename:
         local.run.name = f"{cfg.run.name}-local"

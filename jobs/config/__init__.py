@@ -110,7 +110,7 @@ class Config(TrainerConfig):
         require(bool(SAFE_NAME.fullmatch(self.run.name)), "run.name",
                 lambda: f"{shown(self.run.name)} is not a safe run name: {SAFE_NAME_RULE}")
         if self.launch.python is None:
-            self.launch.python = this_python() if self.container.runtime == "none" else "python3"
+            self.launch.python = interpreter(sys.executable) if self.container.runtime == "none" else "python3"
         if self.launch.procs_per_node is None:
             self.launch.procs_per_node = self.slurm.gpus_per_node or 1
         self._check_preset()
@@ -315,11 +315,6 @@ def resolve_config_path(name: str | Path) -> Path:
     fix = (f"; the checkout slipway runs from has {there}: `cd {shlex.quote(str(home))}` first" if there and home != cwd
            else "; give a path, or run slipway from the directory that holds configs/")
     raise ConfigError("CONFIG", f"no config file {text!r} (looked for {shown} {where}){hint}{fix}")
-
-
-def this_python() -> str:
-    """This interpreter, as a run without a container records it (`interpreter`)."""
-    return interpreter(sys.executable)
 
 
 @functools.lru_cache(maxsize=256)

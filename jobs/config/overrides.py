@@ -113,10 +113,8 @@ def apply_override(raw: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     if len(parts) < 2 or not all(parts):
         raise ConfigError(dotted, "an override must look like section.key=value, e.g. train.steps=100")
-    for map_field in MAP_FIELDS:
-        prefix = map_field.split(".")
-        if parts[:2] == prefix and len(parts) > 2:
-            parts = prefix + [".".join(parts[2:])]
+    if len(parts) > 2 and ".".join(parts[:2]) in MAP_FIELDS:
+        parts = parts[:2] + [".".join(parts[2:])]
     node = raw
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)
