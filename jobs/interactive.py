@@ -157,8 +157,7 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
 def _finished(cfg: Config, run_dir: Path, command: str, console) -> bool:
     """Whether the run already reached train.steps, said in one line: a complete run is no
     failure (exit 0), as for make's "nothing to be done"; `submit` refuses it, by the same rule."""
-    done = runs.nothing_to_train(cfg, run_dir, command)
-    if done:
+    if done := runs.nothing_to_train(cfg, run_dir, command):
         console.print(escape(done), soft_wrap=True)
     return done is not None
 
@@ -400,12 +399,11 @@ def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: 
 
 def _finish_local(run: runs.Run, launch: Launch, outcome: Union[int, str], **extra) -> None:
     """Record the launch's end: `exit` (its code, or "interrupted" for Ctrl-C) and `extra` (`signal`, `trainer_exit`)."""
-    ended = now_iso()
 
     def finish(manifest: Manifest) -> None:
         for i in reversed(range(len(manifest.submissions))):
             if manifest.submissions[i].same(launch):
-                manifest.submissions[i] = replace(manifest.submissions[i], ended=ended, exit=outcome, **extra)
+                manifest.submissions[i] = replace(manifest.submissions[i], ended=now_iso(), exit=outcome, **extra)
                 break
 
     runs.update_manifest(run, finish)

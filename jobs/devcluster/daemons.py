@@ -113,9 +113,8 @@ class LocalSlurmCluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=1)
         self._children.clear()
-        if check:
-            if left := leftovers(self.spec.name, self.spec.state_dir, procs):
-                raise ClusterError(f"cluster {self.spec.name} is not fully down: {', '.join(left)}")
+        if check and (left := leftovers(self.spec.name, self.spec.state_dir, procs)):
+            raise ClusterError(f"cluster {self.spec.name} is not fully down: {', '.join(left)}")
 
     def status(self) -> dict:
         reg = read_registry(self.spec.name)

@@ -145,8 +145,7 @@ def set_hosts_block(name: str, lines: list[str]) -> None:
     with locked():
         text = HOSTS.read_text()
         begin, end = hosts_markers(name)
-        new = outside_block(text, name) + ([begin, *lines, end] if lines else [])
-        new_text = "\n".join(new) + "\n"
+        new_text = "\n".join(outside_block(text, name) + ([begin, *lines, end] if lines else [])) + "\n"
         if new_text != text:
             write_atomic(HOSTS, new_text)
 
@@ -177,8 +176,7 @@ def our_links(name: str) -> list[str]:
 
 def check_subnet_free(subnet: str, name: str) -> None:
     """Refuse a /24 that an interface other than ours already uses."""
-    out = run("ip", "-o", "-4", "addr", "show").stdout
-    for line in out.splitlines():
+    for line in run("ip", "-o", "-4", "addr", "show").stdout.splitlines():
         dev, addr = line.split()[1], line.split()[3]
         if addr.startswith(f"{subnet}.") and not dev.startswith(f"{name}-"):
             raise ClusterError(f"{subnet}.0/24 is already used by {dev} ({addr}): "
@@ -203,8 +201,7 @@ def network_up(bridge: str, bridge_addr: str, nodes: list[tuple[str, str, str]])
 def teardown(name: str) -> list[tuple[int, int | None]]:
     """Stop everything cluster `name` left: its recorded processes, every process in its node namespaces
     (job steps), the namespaces, links, /etc/hosts block and registry entry; the (pid, start) it stopped."""
-    reg = read_registry(name) or {}
-    procs = [(p["pid"], p["start"]) for p in reg.get("processes", [])]
+    procs = [(p["pid"], p["start"]) for p in (read_registry(name) or {}).get("processes", [])]
     stop(procs)
     for ns in our_netns(name):
         for _ in range(3):  # a dying slurmstepd may still fork: sweep until empty

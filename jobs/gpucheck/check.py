@@ -182,9 +182,8 @@ class Check:
                   "seconds": round(time.monotonic() - self._clock, 1),
                   "verdict": "failed" if failed else "passed" if all(p.status == "ok" for p in self.parts)
                   else "passed what ran",
-                  "budgets": self.budgets, "parts": [asdict(p) for p in self.parts]}
-        for part in report["parts"]:
-            part.pop("deadline")
+                  "budgets": self.budgets,
+                  "parts": [{k: v for k, v in asdict(p).items() if k != "deadline"} for p in self.parts]}
         # What the node said (its environment, paths, errors) is masked by the one secret policy.
         write_atomic(self.out / "report.json", mask(json.dumps(report, indent=1)) + "\n")
         write_atomic(self.out / "report.md", mask(render_markdown(report)))

@@ -233,16 +233,10 @@ class GpuCheck(Check):
                        f"{best['mib']:g} MiB")
 
     def plan_speed(self) -> Plan:
-        plan = []
-        for compiled in (False, True):
-            mode = "compiled" if compiled else "eager"
-            for case in ("ours", "bare"):
-                what = f"{case}, {mode}"
-                if compiled and self.device == "cpu":
-                    plan.append((what, "on the CPU only eager runs: train.compile compiles on CUDA"))
-                else:
-                    plan.append((what, lambda part, c=case, m=compiled: self.speed_case(part, c, m)))
-        return plan
+        return [(f"{case}, {mode}", "on the CPU only eager runs: train.compile compiles on CUDA"
+                 if mode == "compiled" and self.device == "cpu"
+                 else lambda part, c=case, m=mode: self.speed_case(part, c, m == "compiled"))
+                for mode in ("eager", "compiled") for case in ("ours", "bare")]
 
     def speed_case(self, part: Part, case: str, compiled: bool) -> None:
         what = f"{case}, {'compiled' if compiled else 'eager'}"
