@@ -110,8 +110,7 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
 
 
 def prepare_here(sealed: runs.Sealed, hf_home: str, console, num_proc: Optional[int] = None) -> None:
-    """`slipway prepare` here (and `slipway local --prepare`): the token cache of the sealed config
-    filled on this machine, hub downloads into `hf_home`."""
+    """`slipway prepare` (and `local --prepare`) here: the sealed config's token cache, hub downloads in `hf_home`."""
     data = sealed.cfg.data
     os.environ["HF_HOME"] = hf_home  # before the hub libraries load
     console.print(f"preparing {data.dataset} with tokenizer {data.tokenizer} into {data.cache_dir}", soft_wrap=True)
@@ -218,8 +217,7 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
 def _supervise(run: runs.Run, sealed: runs.Sealed, project_dir: Path, argv: list[str], env: dict[str, str],
                log_path: Path, heartbeat: Heartbeat, console, allocation: Optional[str],
                step_s: Optional[float]) -> tuple[int, Stopper, Output, Launch]:
-    """The launch's first process started, recorded and watched over until it and all of its
-    launch have ended: its exit code, the stopper, its output's reader and the launch recorded."""
+    """The launch started, recorded and watched until all of it has ended: (exit code, stopper, output, launch)."""
     cfg, outputs = sealed.cfg, []
 
     def notify(signum: int) -> None:

@@ -187,8 +187,7 @@ NAME_MAX = 255
 
 
 def check_path_components(value: Any, where: str) -> None:
-    """Every string of the tree that reads as a path (a '/', no whitespace) has components of at
-    most NAME_MAX bytes."""
+    """Every string of the tree that reads as a path (a '/', no whitespace): components of at most NAME_MAX bytes."""
     if isinstance(value, dict):
         for key, item in value.items():
             check_path_components(item, f"{where}.{key}" if where else str(key))
@@ -211,8 +210,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict
 
 
 def read_config(path: str | Path) -> tuple[Path, dict]:
-    """The config file `path` names (`resolve_config_path`) and its raw tree, read once (a sweep
-    builds each of its points from it: `config_from`)."""
+    """The file `path` names and its raw tree, read once (a sweep builds each point from it: `config_from`)."""
     path = resolve_config_path(path)
     try:
         text = read_text_bounded(path, "CONFIG")

@@ -165,8 +165,7 @@ def merged(base: dict, top: dict) -> dict:
 
 
 def find_profile(name: str, project_dir: Path, where: str = "--cluster") -> ClusterProfile:
-    """The profile named `name`, read and checked; one line listing the known clusters when no
-    file names it."""
+    """The profile named `name`, read and checked; one line listing the known clusters where none is."""
     files = [(path, _read(path)) for path in profile_files(project_dir)]
     found = [(path, profiles[name]) for path, profiles in files if name in profiles]
     if not found:

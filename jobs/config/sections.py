@@ -200,8 +200,7 @@ class SlurmSection:
 
 @dataclass(frozen=True)
 class NodePreset:
-    """A node type slipway knows: its GPUs and cores, how ranks are bound to them, and the
-    communication settings its network needs."""
+    """A node type slipway knows: its GPUs and cores, how ranks bind to them, its network's settings."""
 
     gpus: int
     cores: int  # per node

@@ -90,8 +90,7 @@ class Check:
 
     @contextlib.contextmanager
     def claimed(self):
-        """OUT locked for this check, a work directory there that is no earlier check's refused; a
-        refusal leaves OUT as it found it."""
+        """OUT locked for this check; a work directory no earlier check made is refused, OUT left as found."""
         created = not self.out.exists()
         self.out.mkdir(parents=True, exist_ok=True)
         lock_path = self.out / ".gpu-check.lock"
@@ -190,8 +189,7 @@ class Check:
 
 
 def stop_group(proc: subprocess.Popen, interrupt: bool) -> None:
-    """End a step's process group: two SIGINTs (slipway local: stop at once, unsaved) or SIGTERM,
-    then SIGKILL after STOP_GRACE_SECONDS."""
+    """End a step's process group: two SIGINTs (slipway local: stop now, unsaved) or SIGTERM, then SIGKILL."""
     with contextlib.suppress(ProcessLookupError):
         if interrupt:
             os.killpg(proc.pid, signal.SIGINT)

@@ -77,8 +77,7 @@ class GpuCheck(Check):
         self.finish(part, t0)
 
     def environment(self) -> dict[str, str]:
-        """What `slipway local` exports for the training part's ranks (the batch script exports the
-        same, with the node preset's network settings)."""
+        """What `slipway local` exports for the training part's ranks (as the batch script, less a preset's)."""
         from jobs.config import load_config
         from jobs.interactive import local_env
         from jobs.runs import Run
@@ -202,8 +201,7 @@ class GpuCheck(Check):
                    f"(bound {tolerance:g}{': GPU kernels that accumulate in another order' if tolerance else ''})")
 
     def layouts(self, part: Part) -> None:
-        """dp x tp (tp 2) trains what dp alone does on the same global batch (twice the gradient
-        accumulation), to the precision's rounding."""
+        """dp x tp 2 trains what dp alone does on the same global batch (twice the accumulation), to rounding."""
         dp, dtype = self.devices // 2, "bfloat16" if self.device == "cuda" else "float32"
         rc, output = self.local(part, "dp x tp", self.training_config("gpucheck-tp", dp=dp, tp=2, accum=2))
         got = (_attempts(self.runs / "gpucheck-tp") or [{}])[0]
