@@ -182,7 +182,6 @@ def plan(original: Config, local: Config, sealed: runs.Sealed, reload: Callable[
     """Every blocker of the try `local` (`original`'s local view) at once, with the command that clears
     them all, checked (`reload` loads a `slipway local` command line as typed)."""
     run_dir, blockers = sealed.paths.path, data_blockers(sealed, original, prepare)
-    own = local.launch.command or local.train.script
     available, too_big = _memory(local)
     if too_big:
         blockers.append(Blocker("train.micro_batch_size", too_big))
@@ -197,7 +196,7 @@ def plan(original: Config, local: Config, sealed: runs.Sealed, reload: Callable[
                                 flags=("--force",) if steps_only else (),
                                 settings={} if steps_only else {"run.name": free_name(local.run.name, run_dir)}))
     result = Plan(blockers)
-    if not (own or gpus_here() or speed is None):
+    if not (local.launch.command or local.train.script or gpus_here() or speed is None):
         result.step_s, left = speed.step_s(local), max(0, local.train.steps - _done(local, run_dir))
         result.said = (f"expected here: ~{format_duration(result.step_s, fine=True)} a step, "
                        f"~{format_duration(result.step_s * left)} for {left} steps ({speed.said(local)}), after a "
