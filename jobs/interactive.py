@@ -78,13 +78,9 @@ def try_here(cfg: Config, project_dir: Path, *, force: bool, console, rename: bo
 
 def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: bool = True, yes: bool = False,
               prepare: bool = False, reload: Optional[Callable[[list[str]], Config]] = None) -> int:
-    """Create or resume the run directory and train here; the output also goes to logs/local-*.out.
-
-    Every blocker is said at once before anything is written (`try_here`); a try longer than
-    LOCAL_TRY_SECONDS is asked about on a terminal once nothing else blocks it. The run's lock is
-    held for the whole launch: a second `slipway local` or `submit` of the run is refused while
-    this one trains. SIGINT, SIGTERM and SIGHUP stop the trainer (see FORWARDED); the end is
-    recorded, and nothing of the trainer's is left running."""
+    """Create or resume the run directory and train here (output also in logs/local-*.out). A try
+    longer than LOCAL_TRY_SECONDS is asked about on a terminal once nothing else blocks it; the run's
+    lock is held for the whole launch, so a second `local` or `submit` of the run is refused."""
     local, _ = local_checks.local_view(cfg, rename=rename)
     run_dir = runs.runs_root(project_dir) / local.run.name
     if busy := runlock.busy(run_dir):
@@ -114,8 +110,7 @@ def run_local(cfg: Config, project_dir: Path, *, force: bool, console, rename: b
 
 
 def prepare_here(sealed: runs.Sealed, hf_home: str, console, num_proc: Optional[int] = None) -> None:
-    """`slipway prepare` here (and `slipway local --prepare`): the token cache of the sealed config
-    filled on this machine, hub downloads into `hf_home`."""
+    """`slipway prepare` (and `local --prepare`) here: the sealed config's token cache, hub downloads in `hf_home`."""
     data = sealed.cfg.data
     os.environ["HF_HOME"] = hf_home  # before the hub libraries load
     console.print(f"preparing {data.dataset} with tokenizer {data.tokenizer} into {data.cache_dir}", soft_wrap=True)
@@ -126,11 +121,9 @@ def prepare_here(sealed: runs.Sealed, hf_home: str, console, num_proc: Optional[
 
 
 def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -> int:
-    """`slipway run`: the run's batch script, as submit writes it, run here inside an existing
-    allocation (salloc, or a shell on its first node): the same preflight, srun lines, container
-    flags, run directory and events; rank 0's output on the terminal. Ctrl-C asks the ranks to
-    save at the step boundary (the run stays resumable, exit 75); a second one stops them. Under
-    pyxis the steps name their container by the allocation, so running again reuses it."""
+    """`slipway run`: the run's batch script, as submit writes it, run inside the allocation this shell
+    is in; rank 0's output on the terminal. Under pyxis the steps name their container by the
+    allocation, so running again reuses it."""
     job, have = environ.allocation()
     salloc = f"`salloc --nodes={cfg.slurm.nodes} ...` first and run it in that shell, or `slipway submit {cfg.config_args}`"
     if not job:
@@ -163,8 +156,7 @@ def run_in_allocation(cfg: Config, project_dir: Path, *, force: bool, console) -
 def _finished(cfg: Config, run_dir: Path, command: str, console) -> bool:
     """Whether the run already reached train.steps, said in one line: a complete run is no
     failure (exit 0), as for make's "nothing to be done"; `submit` refuses it, by the same rule."""
-    done = runs.nothing_to_train(cfg, run_dir, command)
-    if done:
+    if done := runs.nothing_to_train(cfg, run_dir, command):
         console.print(escape(done), soft_wrap=True)
     return done is not None
 
@@ -225,8 +217,7 @@ def _train_here(run: runs.Run, sealed: runs.Sealed, project_dir: Path, created: 
 def _supervise(run: runs.Run, sealed: runs.Sealed, project_dir: Path, argv: list[str], env: dict[str, str],
                log_path: Path, heartbeat: Heartbeat, console, allocation: Optional[str],
                step_s: Optional[float]) -> tuple[int, Stopper, Output, Launch]:
-    """The launch's first process started, recorded and watched over until it and all of its
-    launch have ended: its exit code, the stopper, its output's reader and the launch recorded."""
+    """The launch started, recorded and watched until all of it has ended: (exit code, stopper, output, launch)."""
     cfg, outputs = sealed.cfg, []
 
     def notify(signum: int) -> None:
@@ -282,8 +273,7 @@ def _own_program(cfg: Config) -> str:
 
 
 def _what_next(run: runs.Run, original: Config) -> list[str]:
-    """After a local run trained all its steps: its curves drawn, and the commands a user wants
-    next (its status, the live view, a first cluster run of the same config)."""
+    """After a local run trained all its steps: its curves drawn, and the commands a user wants next."""
     try:
         curves = f"curves: {escape(str(trainer_door.plot([run.dir])))}"
     except ConfigError as exc:  # no matplotlib (the plot extra), no steps logged
@@ -297,8 +287,7 @@ def _what_next(run: runs.Run, original: Config) -> list[str]:
 
 @dataclass
 class _End:
-    """How a launch ended: the launcher's exit code, the manifest's outcome (and its `extra`
-    fields), the events it appends and the lines (rich markup) that tell it."""
+    """How a launch ended: exit code, the manifest's outcome (and `extra` fields), events, lines (markup)."""
 
     code: int
     outcome: Union[int, str]
@@ -308,8 +297,7 @@ class _End:
 
 
 def _last_step(run: runs.Run, heartbeat: Heartbeat) -> Optional[int]:
-    """The last step this launch completed: rank 0's progress record (about every second), or the
-    last one it logged to metrics.jsonl; None before either."""
+    """The last step this launch completed, by rank 0's progress record or metrics.jsonl; None before either."""
     last, done = run.last_metrics(), heartbeat.progress()
     steps = ([last["step"]] if last and isinstance(last.get("step"), int) else []) + ([done[0]] if done else [])
     return max(steps) if steps else None
@@ -317,10 +305,9 @@ def _last_step(run: runs.Run, heartbeat: Heartbeat) -> Optional[int]:
 
 def _how_it_ended(run: runs.Run, cfg: Config, tag: str, rc: int, stopper: Stopper, output: Output,
                   step: Optional[int], ooms: Optional[int], command: str, log_path: Path, allocation: bool) -> _End:
-    """What ended the launch, where, what was saved (a forced stop: killed once its grace ran out),
-    the command that resumes it and the log; in one line, two for a hang. `ooms`: the out-of-memory
-    killer's count when the launch started (`oom_kills`). The batch script (`allocation`) records
-    its own end and classifies a hang: the launcher only its code, unless a signal killed it."""
+    """What ended the launch, where, what was saved, the command that resumes it and the log (a line,
+    two for a hang); `ooms`: `oom_kills` at the start. The batch script (`allocation`) records its own
+    end and classifies a hang: the launcher only its code, unless a signal killed it."""
     own, log, where = not allocation or rc < 0, escape(str(log_path)), "" if step is None else f" at step {step}"
     steps = complete_checkpoints(run.dir / cfg.checkpoint.dir)
     start = f"{command} starts from step 0"
@@ -390,8 +377,8 @@ def _hang(run: runs.Run, cfg: Config, tag: str) -> str:
 
 def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: Path, sealed: runs.Sealed,
                   allocation: Optional[str] = None) -> Launch:
-    """Add this launch to the manifest. `pid` is this process, not the trainer's: it outlives the
-    trainer and writes the outcome, so a reader never sees the launch dead before its exit is recorded."""
+    """Add this launch to the manifest. Its `pid` is this process: it outlives the trainer and writes
+    the outcome, so a reader never sees the launch dead before its exit is recorded."""
     launch = Launch(local=True, started=now_iso(), pid=os.getpid(), trainer_pid=trainer_pid,
                     host=socket.gethostname(), log=str(log_path.relative_to(run.dir)),
                     git=git_state(project_dir), code=sealed.snapshot, allocation=allocation or "",
@@ -409,14 +396,12 @@ def _record_local(run: runs.Run, log_path: Path, trainer_pid: int, project_dir: 
 
 
 def _finish_local(run: runs.Run, launch: Launch, outcome: Union[int, str], **extra) -> None:
-    """Record the launch's end: `exit` (its exit code, or "interrupted" for Ctrl-C), and `extra`
-    (`signal`: the name of the signal that stopped it; `trainer_exit`: the trainer's own code)."""
-    ended = now_iso()
+    """Record the launch's end: `exit` (its code, or "interrupted" for Ctrl-C) and `extra` (`signal`, `trainer_exit`)."""
 
     def finish(manifest: Manifest) -> None:
         for i in reversed(range(len(manifest.submissions))):
             if manifest.submissions[i].same(launch):
-                manifest.submissions[i] = replace(manifest.submissions[i], ended=ended, exit=outcome, **extra)
+                manifest.submissions[i] = replace(manifest.submissions[i], ended=now_iso(), exit=outcome, **extra)
                 break
 
     runs.update_manifest(run, finish)

@@ -27,7 +27,7 @@ from common.rundir import complete_checkpoints
 from common.schema import to_dict
 from edf import expand_host
 from jobs import runs, trainer_door
-from jobs.config import Config, dump_config, this_python
+from jobs.config import Config, dump_config, interpreter
 from jobs.runs import lock as runlock
 
 # Of the memory free, what a suggested batch plans for: the arithmetic is within about 5% of a
@@ -137,9 +137,8 @@ class Refused(ConfigError):
 
 
 def gpus_here() -> bool:
-    """Whether the trainer started here would find a CUDA GPU (trainer/parallel.py takes one when
-    torch sees it): the driver lists one and CUDA_VISIBLE_DEVICES does not hide them all. The CPU
-    arithmetic above says nothing of a GPU's step, nor of its memory."""
+    """Whether the trainer started here would take a CUDA GPU (trainer/parallel.py), of whose step and
+    memory the CPU arithmetic above says nothing."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return False
@@ -180,10 +179,9 @@ def available_memory() -> Optional[int]:
 def plan(original: Config, local: Config, sealed: runs.Sealed, reload: Callable[[list[str]], Config], *,
          force: bool = False, prepare: bool = False, speed: Optional[Speed] = None, rename: bool = True,
          fix: bool = True) -> Plan:
-    """Every blocker of the try `local` (the local view of `original`, sealed) at once, with the
-    command that clears them all, checked (`reload` loads a `slipway local` command line as typed)."""
+    """Every blocker of the try `local` (`original`'s local view) at once, with the command that clears
+    them all, checked (`reload` loads a `slipway local` command line as typed)."""
     run_dir, blockers = sealed.paths.path, data_blockers(sealed, original, prepare)
-    own = local.launch.command or local.train.script
     available, too_big = _memory(local)
     if too_big:
         blockers.append(Blocker("train.micro_batch_size", too_big))
@@ -198,7 +196,7 @@ def plan(original: Config, local: Config, sealed: runs.Sealed, reload: Callable[
                                 flags=("--force",) if steps_only else (),
                                 settings={} if steps_only else {"run.name": free_name(local.run.name, run_dir)}))
     result = Plan(blockers)
-    if not (own or gpus_here() or speed is None):
+    if not (local.launch.command or local.train.script or gpus_here() or speed is None):
         result.step_s, left = speed.step_s(local), max(0, local.train.steps - _done(local, run_dir))
         result.said = (f"expected here: ~{format_duration(result.step_s, fine=True)} a step, "
                        f"~{format_duration(result.step_s * left)} for {left} steps ({speed.said(local)}), after a "
@@ -216,9 +214,8 @@ _FITS = ("train.micro_batch_size", "train.steps")  # the blockers a smaller try 
 
 def _fixed(result: Plan, original: Config, sealed: runs.Sealed, reload: Callable[[list[str]], Config],
            available: Optional[int], speed: Optional[Speed], rename: bool) -> Plan:
-    """`result` with the command that clears all its blockers where one is found: the fit of
-    memory and time (`first_fit`) with the other blockers' fixes, loaded as typed and planned
-    again, then with the fixes of what that meets (a run name taken), at most three times."""
+    """`result` with the command that clears all its blockers, if found: the fit of memory and time
+    (`first_fit`) and the other blockers' fixes, planned again with what that meets, at most three times."""
     fitted = next((b for b in result.blockers if b.field in _FITS), None)
     fit = first_fit(original, sealed.paths.path, reload, speed, available) if fitted else None
     if fitted:
@@ -253,12 +250,10 @@ _NOTHING_FITS = ("nothing smaller of this layout fits here (not even one sequenc
 
 
 def data_blockers(sealed: runs.Sealed, original: Config, prepare: Optional[bool] = None) -> list[Blocker]:
-    """What the trainer would refuse only once every process has started (torch imported, the
-    process group formed), checked from the config and the token cache's index: files the run
-    needs, a token cache not prepared, data too short for the sequence length or the validation
-    share, a tokenizer larger than the model's vocabulary. `prepare`: a try here, which --prepare
-    prepares first (or which takes builtin data where the hub cannot be reached); None: a launch
-    (`slipway run`), told the `slipway prepare` of `original`'s arguments."""
+    """What the trainer would refuse only once every process has started (missing files, an unprepared
+    token cache, too few tokens, a tokenizer past the vocabulary), checked from the config and the
+    cache's index. `prepare`: a try here (--prepare, or builtin data where the hub cannot be reached);
+    None: a launch (`slipway run`), told the `slipway prepare` of `original`'s arguments."""
     found = []
     for check in (lambda: runs.check_submittable(sealed.cfg), lambda: _check_tokens(sealed.cfg, sealed.data_status())):
         try:
@@ -307,8 +302,7 @@ def _done(cfg: Config, run_dir: Path) -> int:
 
 
 def _rungs(cfg: Config, speed: Optional[Speed]) -> list[tuple[dict, str]]:
-    """Ways to make a try of `cfg` smaller, each the one before with one more change: (the
-    settings, what the command keeps or changes)."""
+    """Ways to make a try of `cfg` smaller, each the one before with one more change, and what it keeps."""
     p, s, t, m = cfg.parallel, cfg.slurm, cfg.train, cfg.model
     rungs: list[tuple[dict, str]] = [({}, "keeps the layout and the global batch")]
     settings: dict = {}
@@ -334,11 +328,9 @@ def _rungs(cfg: Config, speed: Optional[Speed]) -> list[tuple[dict, str]]:
 
 
 def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
-    """`cfg` as it runs on this machine: the whole dp x tp x pp layout as processes of one
-    node, on its CPUs (gloo), with this environment's Python and no container; what changed.
-
-    A cluster config trained here gets its own run directory (`NAME-local`, unless the user
-    named the run) so a trial never mixes its checkpoints into the cluster run's."""
+    """`cfg` as it runs here: its dp x tp x pp layout as one node's CPU processes, this Python, no
+    container; and what changed. A changed run gets its own name (`NAME-local` with `rename`), so a
+    trial never mixes its checkpoints into the cluster run's."""
     local = copy.deepcopy(cfg)
     changed = []
     world = cfg.parallel.world_size if not cfg.launch.command else cfg.world_size
@@ -351,7 +343,7 @@ def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
     local.slurm.nodes, local.slurm.gpus_per_node = 1, 0
     local.launch.procs_per_node = world
     local.container.runtime = "none"
-    local.launch.python = this_python()
+    local.launch.python = interpreter(sys.executable)
     local.launch.preset = "none"  # this machine is not the cluster's node type
     if changed and rename:
         local.run.name = f"{cfg.run.name}-local"
@@ -367,10 +359,9 @@ def local_view(cfg: Config, *, rename: bool) -> tuple[Config, list[str]]:
 
 def first_fit(original: Config, run_dir: Path, reload: Callable[[list[str]], Config], speed: Optional[Speed],
               available: Optional[int]) -> Optional[tuple[dict, str]]:
-    """The settings of the first of `_rungs` whose command, loaded as typed, is a valid config that
-    fits this machine's memory (a smaller micro batch, else a shorter sequence, where needed) and,
-    with `speed`, LOCAL_TRY_SECONDS (fewer steps where needed, at least MIN_TRY_STEPS); and what
-    they keep or change, with its figures."""
+    """The settings of the first of `_rungs` whose command, loaded as typed, fits this machine's
+    memory (a smaller batch or sequence where needed) and, with `speed`, LOCAL_TRY_SECONDS (fewer
+    steps, at least MIN_TRY_STEPS); and what they keep or change, with its figures."""
     for settings, what in _rungs(original, speed):
         settings = dict(settings)
         for _ in range(3):  # the memory's change, then the time's, each checked by loading it
@@ -419,9 +410,8 @@ def smaller_batch(cfg: Config, budget: float) -> str:
 
 
 def check_memory(local: Config) -> None:
-    """A sweep's point in its local view: refused, before any point is written, when its
-    processes need more memory than this machine has free, naming the batch under which it fits.
-    (Its other blockers are said as each point starts, by `plan`.)"""
+    """A sweep's point (local view) refused before any point is written when its processes need more
+    memory than is free, naming a batch that fits; its other blockers `plan` says as it starts."""
     available, too_big = _memory(local)
     if too_big:
         budget = FIT_SHARE * available / local.launch.procs_per_node
@@ -429,8 +419,7 @@ def check_memory(local: Config) -> None:
 
 
 def _check_tokens(cfg: Config, status) -> None:
-    """The trainer's rules on the prepared entries' token counts (trainer/prepare.py
-    `check_tokens`); an entry the job will tokenize itself is judged there."""
+    """trainer/prepare.py `check_tokens` on the prepared entries (one the job tokenizes is judged there)."""
     index = {e.role: e.index for e in status.entries if e.prepared and e.index}
     if "train" in index:
         trainer_door.check_tokens(cfg.data, cfg.model.vocab_size, index["train"], index.get("validation"))

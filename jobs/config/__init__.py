@@ -110,7 +110,7 @@ class Config(TrainerConfig):
         require(bool(SAFE_NAME.fullmatch(self.run.name)), "run.name",
                 lambda: f"{shown(self.run.name)} is not a safe run name: {SAFE_NAME_RULE}")
         if self.launch.python is None:
-            self.launch.python = this_python() if self.container.runtime == "none" else "python3"
+            self.launch.python = interpreter(sys.executable) if self.container.runtime == "none" else "python3"
         if self.launch.procs_per_node is None:
             self.launch.procs_per_node = self.slurm.gpus_per_node or 1
         self._check_preset()
@@ -187,8 +187,7 @@ NAME_MAX = 255
 
 
 def check_path_components(value: Any, where: str) -> None:
-    """Every string of the tree that reads as a path (a '/', no whitespace) has components of at
-    most NAME_MAX bytes."""
+    """Every string of the tree that reads as a path (a '/', no whitespace): components of at most NAME_MAX bytes."""
     if isinstance(value, dict):
         for key, item in value.items():
             check_path_components(item, f"{where}.{key}" if where else str(key))
@@ -204,18 +203,14 @@ def check_path_components(value: Any, where: str) -> None:
 
 def load_config(path: str | Path, overrides: list[str] | None = None, sets: dict[str, Any] | None = None,
                 cluster: Optional[ClusterProfile] = None) -> Config:
-    """Read `configs/NAME.yaml` (or a path), merge the `cluster` profile in, apply `key=value`
-    overrides, validate: the config < the profile < the command line (jobs/config/clusters.py says why).
-
-    `sets` holds overrides already split into dotted key and typed value (the CLI's named flags).
-    """
+    """Read `configs/NAME.yaml` (or a path) into a Config (`config_from`); `sets`: the CLI's named
+    flags as dotted key -> typed value."""
     path, raw = read_config(path)
     return config_from(path, raw, overrides, sets, cluster=cluster)
 
 
 def read_config(path: str | Path) -> tuple[Path, dict]:
-    """The config file `path` names (`resolve_config_path`) and its raw tree, read once (a sweep
-    builds each of its points from it: `config_from`)."""
+    """The file `path` names and its raw tree, read once (a sweep builds each point from it: `config_from`)."""
     path = resolve_config_path(path)
     try:
         text = read_text_bounded(path, "CONFIG")
@@ -233,10 +228,9 @@ def read_config(path: str | Path) -> tuple[Path, dict]:
 def config_from(path: Path, raw: dict, overrides: list[str] | None = None, sets: dict[str, Any] | None = None,
                 settings: dict[str, Any] | None = None, cluster: Optional[ClusterProfile] = None,
                 tree: Optional[dict] = None) -> Config:
-    """The config of file `path` from its raw tree (left as it is), the `cluster` profile merged in,
-    the overrides, the named flags' `sets`, then `settings` (dotted key -> value, as an override's
-    value parses), validated: the config < the profile < the command line (jobs/config/clusters.py says why).
-    `tree`: filled with the raw tree as read (a sweep's `Variants` reads its settings into it)."""
+    """The config of file `path` from its raw tree (left as it is) with the `cluster` profile, the
+    overrides, `sets`, then `settings` (as overrides parse) over it, validated: the config < the profile
+    < the command line (jobs/config/clusters.py says why). `tree`: filled with the raw tree as read."""
     raw = merged(raw, cluster.settings) if cluster is not None else _copied(raw)
     given = {*(sets or {}), *(settings or {})}
     for item in overrides or []:
@@ -319,11 +313,6 @@ def resolve_config_path(name: str | Path) -> Path:
     fix = (f"; the checkout slipway runs from has {there}: `cd {shlex.quote(str(home))}` first" if there and home != cwd
            else "; give a path, or run slipway from the directory that holds configs/")
     raise ConfigError("CONFIG", f"no config file {text!r} (looked for {shown} {where}){hint}{fix}")
-
-
-def this_python() -> str:
-    """This interpreter, as a run without a container records it (`interpreter`)."""
-    return interpreter(sys.executable)
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,18 +1,15 @@
 """Cluster profiles: where a config runs (`--cluster NAME`, or $SLIPWAY_CLUSTER).
 
-A config says what to train; a profile says where: a cluster's account, partition, QoS, runtime,
-node preset, GPUs and CPUs per node, extra sbatch options, environment, mounts and image store,
-written in the config's own sections (slurm, container, launch, image), plus what only a cluster
-knows (`cluster:`). Profiles live in `clusters.yaml` at the project's root and in
+A config says what to train; a profile says where (account, partition, runtime, node preset,
+mounts, image store ...), in the config's own sections (slurm, container, launch, image), plus what
+only a cluster knows (`cluster:`). Profiles live in `clusters.yaml` at the project's root and in
 `${XDG_CONFIG_HOME:-~/.config}/slipway/clusters.yaml`, each a map from a cluster's name to its
 profile; a name in both is merged key by key, the project's value winning.
 
-Precedence: the config < the profile < the command line. The profile is what the user picked for
-this command, naming where the run goes, so it wins over what a config says (a config written for
-one cluster runs on another under that cluster's profile); what the user types for this one
-command (overrides, flags) wins over both. The profile is merged into the config's YAML tree
-before the overrides, and the tree is then read once, whole (jobs/config/__init__.py `load_config`): every
-check between fields sees the values that will run.
+Precedence: the config < the profile < the command line. The profile names where the run goes, so
+it wins over a config written for another cluster; what the user types for this one command wins
+over both. The profile is merged into the config's YAML tree before the overrides, and the tree is
+then read once, whole (`load_config`): every check between fields sees the values that will run.
 """
 
 from __future__ import annotations
@@ -168,8 +165,7 @@ def merged(base: dict, top: dict) -> dict:
 
 
 def find_profile(name: str, project_dir: Path, where: str = "--cluster") -> ClusterProfile:
-    """The profile named `name`, read and checked; one line listing the known clusters when no
-    file names it."""
+    """The profile named `name`, read and checked; one line listing the known clusters where none is."""
     files = [(path, _read(path)) for path in profile_files(project_dir)]
     found = [(path, profiles[name]) for path, profiles in files if name in profiles]
     if not found:

@@ -9,9 +9,8 @@ from typing import Any, Callable
 from common.errors import ConfigError
 from common.yaml import Plain, read_yaml
 
-# The command line's names for config keys (`slipway submit CONFIG --nodes 2` is slurm.nodes=2),
-# read by the CLI and by the hints that turn a command back into overrides.
-# The seed launcher's named flags: (flag, dotted config key, type, help).
+# The command line's names for config keys (`slipway submit CONFIG --nodes 2` is slurm.nodes=2), read by
+# the CLI and by the hints that turn a command back into overrides: (flag, dotted key, type, help).
 NAMED_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("--run-name", "run.name", str, "run name: the run directory runs/NAME and the Slurm job name"),
     ("--project", "run.project", str, "project name for logging (W&B)"),
@@ -114,10 +113,8 @@ def apply_override(raw: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     if len(parts) < 2 or not all(parts):
         raise ConfigError(dotted, "an override must look like section.key=value, e.g. train.steps=100")
-    for map_field in MAP_FIELDS:
-        prefix = map_field.split(".")
-        if parts[:2] == prefix and len(parts) > 2:
-            parts = prefix + [".".join(parts[2:])]
+    if len(parts) > 2 and ".".join(parts[:2]) in MAP_FIELDS:
+        parts = parts[:2] + [".".join(parts[2:])]
     node = raw
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 from common.errors import ConfigError, shown
 from common.schema import FREE_TEXT, at_most, require
@@ -56,6 +56,14 @@ def time_limit_seconds(text: str) -> Optional[int]:
     if "h3" in g:
         return g["h3"] * 3600 + g["m3"] * 60 + g["s3"]
     return g["m"] * 60 + g.get("s", 0)
+
+
+def _parsed(parse: Callable[[str], Any], value: str, where: str, form: str) -> Any:
+    """`parse(value)`, a value it refuses said as field `where`'s error, naming Slurm's `form`."""
+    try:
+        return parse(value)
+    except ValueError:
+        raise ConfigError(where, f"{shown(value)} is not a Slurm {form}") from None
 
 
 @dataclass
@@ -127,10 +135,7 @@ class SlurmSection:
         require(self.gpus_per_node >= 0, f"{where}.gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
         require(self.cpus_per_task is None or self.cpus_per_task > 0, f"{where}.cpus_per_task",
                 f"must be > 0, got {self.cpus_per_task}")
-        try:
-            limit = time_limit_seconds(self.time)
-        except ValueError:
-            raise ConfigError(f"{where}.time", f"{shown(self.time)} is not a Slurm time limit: {TIME_RULE}") from None
+        limit = _parsed(time_limit_seconds, self.time, f"{where}.time", f"time limit: {TIME_RULE}")
         require(limit is None or limit > 0, f"{where}.time", f"must be longer than 0, got {shown(self.time)}")
         require(limit is None or limit <= MAX_TIME_SECONDS, f"{where}.time",
                 f"{shown(self.time)} is longer than 365 days (365-00:00:00): lower it, or write UNLIMITED")
@@ -150,11 +155,8 @@ class SlurmSection:
                 f"must be > 0 seconds, got {self.preflight_timeout}")
         require(self.prepare_cpus is None or self.prepare_cpus > 0, f"{where}.prepare_cpus",
                 f"must be > 0, got {self.prepare_cpus}")
-        try:
-            prepare_limit = time_limit_seconds(self.prepare_time)
-        except ValueError:
-            raise ConfigError(f"{where}.prepare_time", f"{shown(self.prepare_time)} is not a Slurm time limit: "
-                                                       f"{TIME_RULE}") from None
+        prepare_limit = _parsed(time_limit_seconds, self.prepare_time, f"{where}.prepare_time",
+                                f"time limit: {TIME_RULE}")
         require(prepare_limit is None or 0 < prepare_limit <= MAX_TIME_SECONDS, f"{where}.prepare_time",
                 f"must be longer than 0 and at most 365 days, got {shown(self.prepare_time)}")
         for name in ("output", "error"):
@@ -166,12 +168,8 @@ class SlurmSection:
             require(opt.startswith("--") and "\n" not in opt, f"{where}.extra[{i}]",
                     f"must be one long sbatch option such as --exclusive or --mem=0, got {shown(opt)}")
         if self.mem is not None:
-            try:
-                megabytes = mem_megabytes(self.mem)
-            except ValueError:
-                raise ConfigError(f"{where}.mem", f"{shown(self.mem)} is not a Slurm memory size: {MEM_RULE}") from None
-            require(megabytes <= MAX_MEM_MB, f"{where}.mem",
-                    f"{shown(self.mem)} is more memory than any node has: {MEM_RULE}")
+            require(_parsed(mem_megabytes, self.mem, f"{where}.mem", f"memory size: {MEM_RULE}") <= MAX_MEM_MB,
+                    f"{where}.mem", f"{shown(self.mem)} is more memory than any node has: {MEM_RULE}")
         for name in ("account", "partition", "qos", "email", "prepare_partition"):
             value = getattr(self, name)
             require(value is None or (bool(value) and "\n" not in value and (name == "partition" or "," not in value)),
@@ -202,8 +200,7 @@ class SlurmSection:
 
 @dataclass(frozen=True)
 class NodePreset:
-    """A node type slipway knows: its GPUs and cores, how ranks are bound to them, and the
-    communication settings its network needs."""
+    """A node type slipway knows: its GPUs and cores, how ranks bind to them, its network's settings."""
 
     gpus: int
     cores: int  # per node

@@ -73,8 +73,7 @@ class LocalSlurmCluster:
                          for p in logs if p.exists())
 
     def up(self, timeout: float = 60) -> "LocalSlurmCluster":
-        """Start the cluster (after tearing down leftovers under the same name);
-        return once every node is idle."""
+        """Start the cluster (leftovers under the same name torn down first); return once every node is idle."""
         spec = self.spec
         if reason := unavailable_reason():
             raise ClusterError(reason)
@@ -107,18 +106,15 @@ class LocalSlurmCluster:
         return self
 
     def down(self, check: bool = True) -> None:
-        """Stop this cluster's processes by id, remove its namespaces, links and
-        /etc/hosts block. Logs stay in the state dir. With `check`, raise if
-        anything is left."""
+        """`teardown`, and this process's children reaped; logs stay. With `check`, raise if anything is left."""
         procs = teardown(self.spec.name)
         procs += [(p.pid, None) for p in self._children]
         for p in self._children:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=1)
         self._children.clear()
-        if check:
-            if left := leftovers(self.spec.name, self.spec.state_dir, procs):
-                raise ClusterError(f"cluster {self.spec.name} is not fully down: {', '.join(left)}")
+        if check and (left := leftovers(self.spec.name, self.spec.state_dir, procs)):
+            raise ClusterError(f"cluster {self.spec.name} is not fully down: {', '.join(left)}")
 
     def status(self) -> dict:
         reg = read_registry(self.spec.name)

@@ -1,6 +1,5 @@
-"""Host plumbing for the local Slurm cluster (jobs/devcluster/, `slipway cluster`): processes by id,
-the registry of running clusters, our block in /etc/hosts, network namespaces,
-and the teardown that removes all of a cluster's traces."""
+"""Host plumbing for the local Slurm cluster: processes by id, the registry of running clusters, our
+block in /etc/hosts, network namespaces, and the teardown that removes all of a cluster's traces."""
 
 from __future__ import annotations
 
@@ -146,8 +145,7 @@ def set_hosts_block(name: str, lines: list[str]) -> None:
     with locked():
         text = HOSTS.read_text()
         begin, end = hosts_markers(name)
-        new = outside_block(text, name) + ([begin, *lines, end] if lines else [])
-        new_text = "\n".join(new) + "\n"
+        new_text = "\n".join(outside_block(text, name) + ([begin, *lines, end] if lines else [])) + "\n"
         if new_text != text:
             write_atomic(HOSTS, new_text)
 
@@ -178,8 +176,7 @@ def our_links(name: str) -> list[str]:
 
 def check_subnet_free(subnet: str, name: str) -> None:
     """Refuse a /24 that an interface other than ours already uses."""
-    out = run("ip", "-o", "-4", "addr", "show").stdout
-    for line in out.splitlines():
+    for line in run("ip", "-o", "-4", "addr", "show").stdout.splitlines():
         dev, addr = line.split()[1], line.split()[3]
         if addr.startswith(f"{subnet}.") and not dev.startswith(f"{name}-"):
             raise ClusterError(f"{subnet}.0/24 is already used by {dev} ({addr}): "
@@ -202,11 +199,9 @@ def network_up(bridge: str, bridge_addr: str, nodes: list[tuple[str, str, str]])
 
 
 def teardown(name: str) -> list[tuple[int, int | None]]:
-    """Stop everything a cluster called `name` left: its recorded processes, every
-    process inside its node namespaces (job steps), the namespaces, its links, its
-    /etc/hosts block and its registry entry. Returns the (pid, start) it stopped."""
-    reg = read_registry(name) or {}
-    procs = [(p["pid"], p["start"]) for p in reg.get("processes", [])]
+    """Stop everything cluster `name` left: its recorded processes, every process in its node namespaces
+    (job steps), the namespaces, links, /etc/hosts block and registry entry; the (pid, start) it stopped."""
+    procs = [(p["pid"], p["start"]) for p in (read_registry(name) or {}).get("processes", [])]
     stop(procs)
     for ns in our_netns(name):
         for _ in range(3):  # a dying slurmstepd may still fork: sweep until empty

@@ -1,5 +1,4 @@
-"""What a local cluster is (ClusterSpec: nodes, names, addresses, ports, its state dir) and the
-slurm.conf it runs on; where its state goes by default, and the spec of the one that is up.
+"""What a local cluster is (ClusterSpec), the slurm.conf it runs on, and the spec of the one that is up.
 
 Accounting is off (Debian's build has no ``none`` plugins for accounting storage or job
 completion, and slurmctld dies on them): ``sacct`` does not work; ``squeue`` and ``scontrol show
@@ -46,19 +45,15 @@ class ClusterSpec:
     ctld_port: int = 6917
     slurmd_port: int = 6918
     partition: str = "debug"
-    # A SPANK plugstack.conf for every node (PlugStackConfig=), e.g. one that loads pyxis.
-    plugstack: Path | None = None
-    # Directories each node sees a copy of its own (a real node's local /run, /tmp ...):
-    # each slurmd runs in its own mount namespace with STATE_DIR/nodes/NODE/N bound over
-    # them, so per-node state (enroot's data and runtime dirs, pyxis's runtime path) of two
-    # "nodes" on one machine does not collide.
+    plugstack: Path | None = None  # a SPANK plugstack.conf for every node, e.g. one that loads pyxis
+    # Directories each node sees a copy of its own (a real node's local /run, /tmp ...), bound from
+    # STATE_DIR/nodes/NODE/N in the slurmd's own mount namespace: per-node state (enroot's, pyxis's)
+    # of two "nodes" on one machine does not collide.
     node_private: tuple[str, ...] = ()
-    # Seconds a job credential lives (slurm.conf AuthInfo cred_expire; Slurm's default 120, its
-    # minimum 5). A requeued job may not start again before it has passed: tests that requeue
-    # lower it.
+    # Seconds a job credential lives (AuthInfo cred_expire; Slurm's default, its minimum 5). A requeued
+    # job may not start again before it has passed: tests that requeue lower it.
     cred_expire: int = 120
-    # slurm.conf MaxArraySize: a job array's task indices stay below it (Slurm's default 1001). Small
-    # values let a test split a sweep over several arrays (jobs/runs/sweep.py).
+    # slurm.conf MaxArraySize (Slurm's default): small values let a test split a sweep over arrays.
     max_array_size: int = 1001
     # slurm.conf FirstJobId: two clusters up at once (the tests' session one and the pyxis tier's)
     # then never give the same job id, which names a job's processes and containers on the machine.
@@ -204,8 +199,7 @@ def default_state_dir(purpose: str = "") -> Path:
 
 
 def started_elsewhere(name: str = "slpw") -> str | None:
-    """A line saying that the cluster `name` that is up was started by another checkout than this
-    one (or does not say by which), None when it is this checkout's or none is up."""
+    """A line saying that the cluster `name` that is up is not this checkout's (or unrecorded), else None."""
     reg = read_registry(name)
     if not reg:
         return None

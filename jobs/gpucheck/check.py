@@ -1,10 +1,9 @@
-"""The machinery of `slipway gpu-check` (jobs/gpucheck/__init__.py): parts, each a few processes
-under a time budget of its own, and the report they fill, rewritten after every part.
+"""The machinery of `slipway gpu-check`: parts, each a few processes under a time budget of its own,
+and the report they fill, rewritten after every part.
 
-A part's steps run in order, each as a process group of its own; a step still running at the
-part's deadline is stopped (its whole process group: `slipway local`'s trainer included) and
-the part's remaining steps are skipped, each named in the report with the reason, so a slow
-part never takes another's time and the check never overruns the sum of its budgets.
+A part's steps run in order, each as a process group of its own; one still running at the part's
+deadline is stopped (its whole group) and the part's remaining steps are skipped, each named in the
+report with the reason: a slow part never takes another's time, nor the check more than its budgets.
 """
 
 from __future__ import annotations
@@ -91,9 +90,7 @@ class Check:
 
     @contextlib.contextmanager
     def claimed(self):
-        """OUT is this check's alone while it runs (a lock), before anything runs: a work directory
-        there that is no earlier check's (by its mark) is refused. A refusal before `start` leaves
-        OUT as it found it."""
+        """OUT locked for this check; a work directory no earlier check made is refused, OUT left as found."""
         created = not self.out.exists()
         self.out.mkdir(parents=True, exist_ok=True)
         lock_path = self.out / ".gpu-check.lock"
@@ -117,8 +114,7 @@ class Check:
 
     def run(self, part: Part, what: str, argv: list[str], env: Optional[dict] = None, cwd: Optional[Path] = None,
             interrupt: bool = False, write_log: bool = True) -> tuple[int, str]:
-        """`argv` as a process group of its own, stopped at the part's deadline (OutOfTime): with two
-        SIGINTs first for `slipway local` (stop now, unsaved), SIGTERM for others, SIGKILL last."""
+        """`argv` as a process group of its own, stopped at the part's deadline (`stop_group`, OutOfTime)."""
         left = part.deadline - time.monotonic()
         if left < MIN_STEP_SECONDS:
             raise OutOfTime(f"not started: {max(left, 0):.0f} s of the part's {part.budget_s:g} s budget was left, "
@@ -156,7 +152,6 @@ class Check:
         return None
 
     def run_part(self, name: str, plan: Plan) -> Part:
-        """The part's steps in order, under its budget; the report rewritten after it."""
         part, t0 = self.part(name), time.monotonic()
         for i, (what, step) in enumerate(plan):
             if isinstance(step, str):  # not for this node: the reason
@@ -180,24 +175,21 @@ class Check:
         part.status = ("failed" if any(not c["ok"] for c in part.checks) else
                        "incomplete" if ran and any("budget" in s["why"] for s in part.skipped) else
                        "ok" if ran else "skipped")
-        # The report, rewritten after every part.
         failed = any(not c["ok"] for p in self.parts for c in p.checks)
         report = {"format": 1, "command": "slipway gpu-check", "device": self.device, "devices": self.devices,
                   "started": self.started.isoformat(timespec="seconds"),
                   "seconds": round(time.monotonic() - self._clock, 1),
                   "verdict": "failed" if failed else "passed" if all(p.status == "ok" for p in self.parts)
                   else "passed what ran",
-                  "budgets": self.budgets, "parts": [asdict(p) for p in self.parts]}
-        for part in report["parts"]:
-            part.pop("deadline")
+                  "budgets": self.budgets,
+                  "parts": [{k: v for k, v in asdict(p).items() if k != "deadline"} for p in self.parts]}
         # What the node said (its environment, paths, errors) is masked by the one secret policy.
         write_atomic(self.out / "report.json", mask(json.dumps(report, indent=1)) + "\n")
         write_atomic(self.out / "report.md", mask(render_markdown(report)))
 
 
 def stop_group(proc: subprocess.Popen, interrupt: bool) -> None:
-    """End a step's process group: two SIGINTs (slipway local: stop at once, unsaved) or SIGTERM,
-    then SIGKILL after STOP_GRACE_SECONDS."""
+    """End a step's process group: two SIGINTs (slipway local: stop now, unsaved) or SIGTERM, then SIGKILL."""
     with contextlib.suppress(ProcessLookupError):
         if interrupt:
             os.killpg(proc.pid, signal.SIGINT)

@@ -77,8 +77,7 @@ class GpuCheck(Check):
         self.finish(part, t0)
 
     def environment(self) -> dict[str, str]:
-        """What `slipway local` exports for the training part's ranks (the batch script exports the
-        same, with the node preset's network settings)."""
+        """What `slipway local` exports for the training part's ranks (as the batch script, less a preset's)."""
         from jobs.config import load_config
         from jobs.interactive import local_env
         from jobs.runs import Run
@@ -202,8 +201,7 @@ class GpuCheck(Check):
                    f"(bound {tolerance:g}{': GPU kernels that accumulate in another order' if tolerance else ''})")
 
     def layouts(self, part: Part) -> None:
-        """dp x tp (tp 2) trains what dp alone does on the same global batch (twice the gradient
-        accumulation), to the precision's rounding."""
+        """dp x tp 2 trains what dp alone does on the same global batch (twice the accumulation), to rounding."""
         dp, dtype = self.devices // 2, "bfloat16" if self.device == "cuda" else "float32"
         rc, output = self.local(part, "dp x tp", self.training_config("gpucheck-tp", dp=dp, tp=2, accum=2))
         got = (_attempts(self.runs / "gpucheck-tp") or [{}])[0]
@@ -233,16 +231,10 @@ class GpuCheck(Check):
                        f"{best['mib']:g} MiB")
 
     def plan_speed(self) -> Plan:
-        plan = []
-        for compiled in (False, True):
-            mode = "compiled" if compiled else "eager"
-            for case in ("ours", "bare"):
-                what = f"{case}, {mode}"
-                if compiled and self.device == "cpu":
-                    plan.append((what, "on the CPU only eager runs: train.compile compiles on CUDA"))
-                else:
-                    plan.append((what, lambda part, c=case, m=compiled: self.speed_case(part, c, m)))
-        return plan
+        return [(f"{case}, {mode}", "on the CPU only eager runs: train.compile compiles on CUDA"
+                 if mode == "compiled" and self.device == "cpu"
+                 else lambda part, c=case, m=mode: self.speed_case(part, c, m == "compiled"))
+                for mode in ("eager", "compiled") for case in ("ours", "bare")]
 
     def speed_case(self, part: Part, case: str, compiled: bool) -> None:
         what = f"{case}, {'compiled' if compiled else 'eager'}"

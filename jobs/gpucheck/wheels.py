@@ -78,8 +78,7 @@ def _norm(name: str) -> str:
 
 
 def requirements() -> list[str]:
-    """slipway pinned to its version, the trainer extra less LEFT_OUT: pyproject.toml's, which its wheel is
-    built from."""
+    """slipway pinned to its version, and pyproject.toml's trainer extra (its wheel's) less LEFT_OUT."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return [f"slipway=={project['version']}", *(req for req in project["optional-dependencies"]["trainer"]
                                                  if _norm(re.match(r"[A-Za-z0-9._-]+", req)[0]) not in LEFT_OUT)]
@@ -126,8 +125,7 @@ def gather(out: Path, python_version: str, platform: str, have: Optional[Path] =
 
 
 def _own_wheel(work: Path, wheels: Path) -> None:
-    """slipway's wheel, built into `wheels` from a copy of what pyproject.toml packages (a checkout's
-    build/ may hold stale files)."""
+    """slipway's wheel, from a copy of what pyproject.toml packages (a checkout's build/ may be stale)."""
     source = work / "source"
     source.mkdir()
     for name in PACKAGED:
