@@ -397,9 +397,8 @@ def _delete(entries: list[Path]) -> None:
 
 
 def _split(states: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    shared = {k: v for k, v in states.items() if not getattr(v, "rank_local", False)}
     local = {k: v for k, v in states.items() if getattr(v, "rank_local", False)}
-    return shared, local
+    return {k: v for k, v in states.items() if k not in local}, local
 
 
 def quiet_single_process() -> None:

@@ -54,8 +54,7 @@ def peak_memory_gib(device: torch.device) -> float:
     """CUDA: the allocator's peak; CPU: the process's maximum resident set."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return rss_kib / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss: KiB on Linux
 
 
 def setup_logging(level: str, rank: int) -> None:
@@ -64,8 +63,7 @@ def setup_logging(level: str, rank: int) -> None:
     logger = logging.getLogger("trainer")
     logger.setLevel(getattr(logging, level.upper()) if rank == 0 else logging.WARNING)
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        logger.addHandler(handler)
+        logger.addHandler(logging.StreamHandler(sys.stderr))
     for handler in logger.handlers:
         handler.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
                                                datefmt="%H:%M:%S"))

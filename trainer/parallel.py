@@ -155,17 +155,14 @@ class ParallelDims:
             raise ConfigError("parallel", f"dp({cfg.dp}) x tp({cfg.tp}) x pp({cfg.pp}) = {cfg.world_size} != "
                               f"world size {world_size}: launch {cfg.world_size} processes "
                               f"or change parallel.dp/tp/pp so that their product is {world_size}")
-        if cls._replicated(cfg) and cfg.dp > 1 and (cfg.tp > 1 or cfg.pp > 1):
+        dims = cls(cfg, world_size)
+        if dims.ddp and cfg.dp > 1 and (cfg.tp > 1 or cfg.pp > 1):
             # DDP cannot reduce DTensor (tensor-parallel) gradients, and its bucket
             # rebuild breaks on a pipeline's several backwards per step (torchtitan
             # also keeps DDP 1-D).
             raise ConfigError("parallel.dp_mode", f"DDP (dp_mode ddp or zero_stage 0) is data parallel only, but "
                               f"tp is {cfg.tp} and pp is {cfg.pp}: use dp_mode fsdp with zero_stage 1, 2 or 3")
-        return cls(cfg, world_size)
-
-    @staticmethod
-    def _replicated(cfg: ParallelSection) -> bool:
-        return cfg.dp_mode == "ddp" or cfg.zero_stage == 0
+        return dims
 
     def build_mesh(self, device_type: str, timeout: Optional[timedelta] = None) -> None:
         if self.world_size > 1:
@@ -188,7 +185,7 @@ class ParallelDims:
     @property
     def ddp(self) -> bool:
         """Replicated data parallel (DDP) rather than FSDP2."""
-        return self._replicated(self.cfg)
+        return self.cfg.dp_mode == "ddp" or self.cfg.zero_stage == 0
 
     @property
     def loss_parallel(self) -> bool:

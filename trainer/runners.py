@@ -42,9 +42,7 @@ class Runner:
         self.loss_context = loss_parallel if dims.loss_parallel else contextlib.nullcontext
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         raise NotImplementedError

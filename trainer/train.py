@@ -341,13 +341,23 @@ def _replay(pending: list[tuple[int, float, torch.Tensor]], state: TrainState, c
     skipped ones (raising NonFiniteError where a streak reached train.max_nonfinite_steps).
     Returns (the latest step was skipped, its loss, its gradient norm)."""
     values = torch.stack([v for _, _, v in pending]).tolist()  # the host sync
+    limit = cfg.train.max_nonfinite_steps
     for (step, _, _), (loss, grad_norm, skipped) in zip(pending, values):
-        if skipped:
-            state.skipped_steps += 1
-            state.nonfinite_streak += 1
-            _skipped(step, state, cfg, metrics, loss, grad_norm)
-        else:
+        if not skipped:
             state.nonfinite_streak = 0
+            continue
+        state.skipped_steps += 1
+        state.nonfinite_streak += 1
+        if metrics.enabled:  # rank 0
+            log.warning("step %d: loss %s, gradient norm %s: not finite, optimizer update skipped (%d in a row, the "
+                        "run stops at %d)", step, loss, grad_norm, state.nonfinite_streak, limit)
+        metrics.log_nonfinite(step, loss, grad_norm, state.nonfinite_streak, state.skipped_steps)
+        if state.nonfinite_streak >= limit:
+            raise NonFiniteError(f"{state.nonfinite_streak} steps in a row (to step {step}) had a non-finite loss "
+                                 f"or gradient norm (train.max_nonfinite_steps={limit}); the weights are those of "
+                                 f"step {step - state.nonfinite_streak} and no checkpoint was written since: lower "
+                                 f"train.lr (now {cfg.train.lr:g}) or raise train.warmup_steps, check the data, then "
+                                 "resume from the latest checkpoint")
     loss, grad_norm, skipped = values[-1]
     return bool(skipped), loss, grad_norm
 
@@ -370,22 +380,6 @@ def _compile_errors(compiled: bool):
         if error is None:
             raise
         raise error from exc
-
-
-def _skipped(step: int, state: TrainState, cfg: TrainerConfig, metrics: MetricsLogger, loss: float,
-             grad_norm: float) -> None:
-    """Report a skipped step; stop the run when max_nonfinite_steps have come in a row."""
-    limit = cfg.train.max_nonfinite_steps
-    if metrics.enabled:  # rank 0
-        log.warning("step %d: loss %s, gradient norm %s: not finite, optimizer update skipped (%d in a row, the run "
-                    "stops at %d)", step, loss, grad_norm, state.nonfinite_streak, limit)
-    metrics.log_nonfinite(step, loss, grad_norm, state.nonfinite_streak, state.skipped_steps)
-    if state.nonfinite_streak >= limit:
-        good = step - state.nonfinite_streak
-        raise NonFiniteError(f"{state.nonfinite_streak} steps in a row (to step {step}) had a non-finite loss "
-                             f"or gradient norm (train.max_nonfinite_steps={limit}); the weights are those of step "
-                             f"{good} and no checkpoint was written since: lower train.lr (now {cfg.train.lr:g}) or "
-                             "raise train.warmup_steps, check the data, then resume from the latest checkpoint")
 
 
 def evaluate(runner: Runner, val_data: Sampler, val_start: dict, cfg: TrainerConfig, dims: ParallelDims,
