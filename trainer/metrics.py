@@ -1,12 +1,10 @@
-"""What a run reports: the console line, run_dir/metrics.jsonl, Weights &
-Biases, and torch profiler traces. Only rank 0 writes metrics; every rank
-may write a profiler trace.
+"""What a run reports: the console line, run_dir/metrics.jsonl, Weights & Biases, and torch
+profiler traces. Only rank 0 writes metrics; every rank may write a profiler trace.
 
-metrics.jsonl is an append-only history of JSON objects with a "kind":
-"restart" (training starts or resumes at "step": later records for steps after
-it supersede what an earlier attempt logged for them; `common.metrics_log.latest_by_step`
-reads the file that way), "train", "eval", and "nonfinite" (a skipped step).
-Non-finite numbers are written as null (JSON has no NaN).
+metrics.jsonl is an append-only history of JSON objects with a "kind": "restart" (training starts or
+resumes at "step": later records for steps after it supersede what an earlier attempt logged for
+them, as `common.metrics_log.latest_by_step` reads it), "train", "eval", and "nonfinite" (a skipped
+step). Non-finite numbers are written as null (JSON has no NaN).
 """
 
 from __future__ import annotations
@@ -101,10 +99,8 @@ class MetricsLogger:
 
     def log_train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, elapsed_s: float,
                   steps: int, data_s: float, skipped_steps: int = 0, warmup_s: Optional[float] = None) -> None:
-        """`tokens` processed by all ranks over the last `steps` steps, which took `elapsed_s`.
-
-        With `warmup_s` the step is an attempt's first (compiling, first allocations): its time
-        is reported as warmup_s and the throughput fields are null, so they describe training."""
+        """`tokens` processed by all ranks over the last `steps` steps, which took `elapsed_s`. With
+        `warmup_s` (an attempt's first step) the throughput fields are null: they describe training."""
         if not self.enabled:
             return
         timed = warmup_s is None and elapsed_s > 0
@@ -172,8 +168,7 @@ def _init_wandb(cfg: TrainerConfig, run_dir: Path):
 
 
 class StepProfiler:
-    """torch.profiler over optimizer steps profiler_steps[0]..profiler_steps[1]
-    (inclusive), a Chrome trace per rank in run_dir/profiler/."""
+    """torch.profiler over logging.profiler_steps, a Chrome trace per rank in run_dir/profiler/."""
 
     def __init__(self, cfg: LoggingSection, run_dir: Path, rank: int):
         self.enabled = cfg.profiler

@@ -61,11 +61,8 @@ class OptimizerState:
 
 
 class RNGState:
-    """This rank's random streams: Python `random`, numpy's global one, torch CPU, and the
-    current CUDA device's (if CUDA is in use).
-
-    `rank_local = True`: the Checkpointer saves it to this rank's own file beside
-    the shards, so each rank gets exactly its own streams back."""
+    """This rank's random streams (Python, numpy, torch CPU, the current CUDA device's), saved to the
+    rank's own file beside the shards (`rank_local`), so each rank gets exactly its own back."""
 
     rank_local = True
 
