@@ -125,11 +125,9 @@ class Attention(nn.Module):
         B, T, _ = x_BTD.shape
         # Head counts come from the projection shapes, so a tensor-parallel
         # shard (wq/wk/wv column-split) sees its local n_heads // tp heads.
-        q_BTHD = self.wq(x_BTD).view(B, T, -1, self.head_dim)
-        k_BTKD = self.wk(x_BTD).view(B, T, -1, self.head_dim)
+        q_BTHD = apply_rope(self.wq(x_BTD).view(B, T, -1, self.head_dim), cos[:T], sin[:T])
+        k_BTKD = apply_rope(self.wk(x_BTD).view(B, T, -1, self.head_dim), cos[:T], sin[:T])
         v_BTKD = self.wv(x_BTD).view(B, T, -1, self.head_dim)
-        q_BTHD = apply_rope(q_BTHD, cos[:T], sin[:T])
-        k_BTKD = apply_rope(k_BTKD, cos[:T], sin[:T])
         if self.attn_impl == "flash":
             out_BTHD = self._flash_attn(q_BTHD, k_BTKD, v_BTKD, causal=True)  # handles GQA itself
         else:

@@ -105,8 +105,7 @@ class PipelineRunner(Runner):
                                      loss_fn=lambda logits, targets: cross_entropy(logits, targets) / n_microbatches)
 
     def _run(self, fn: Callable, batches: list[Batch]) -> torch.Tensor:
-        inputs_BT = torch.cat([b[0] for b in batches])
-        targets_BT = torch.cat([b[1] for b in batches])
+        inputs_BT, targets_BT = (torch.cat(tensors) for tensors in zip(*batches))
         losses: list[torch.Tensor] = []
         with self._autocast(), self.loss_context():
             if self.dims.is_first_stage:

@@ -189,12 +189,11 @@ def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, s
     if logging_due:
         result.loss = loss
         elapsed = time.perf_counter() - loop.window_start
-        if state.step == loop.first_step:
-            training.metrics.log_train(state.step, loss, lr, grad_norm, 0, 0.0, 1, loop.data_s,
-                                  skipped_steps=state.skipped_steps, warmup_s=elapsed)
-        else:
-            training.metrics.log_train(state.step, loss, lr, grad_norm, training.tokens_per_step * loop.window_steps,
-                                       elapsed, loop.window_steps, loop.data_s, skipped_steps=state.skipped_steps)
+        warmup = state.step == loop.first_step  # a window of that one step: warm-up time, no throughput
+        training.metrics.log_train(state.step, loss, lr, grad_norm, training.tokens_per_step * loop.window_steps,
+                                   elapsed, loop.window_steps, loop.data_s, skipped_steps=state.skipped_steps,
+                                   warmup_s=elapsed if warmup else None)
+        if not warmup:
             loop.step_s = elapsed / loop.window_steps
         loop.window_start, loop.window_steps, loop.data_s = time.perf_counter(), 0, 0.0
     t_aside = time.perf_counter()  # evaluation and saving are not training time
@@ -288,8 +287,7 @@ def _describe(cfg: TrainerConfig, env: DistEnv, dims: ParallelDims, dtype: torch
               timeout: timedelta, tokens_per_step: int) -> None:
     """The run's shape and options in the log, and the warnings a config earns before it trains."""
     compiled = cfg.train.compile
-    torch_warning = unsupported_torch(torch.__version__)
-    if torch_warning and env.rank == 0:
+    if (torch_warning := unsupported_torch(torch.__version__)) and env.rank == 0:
         log.warning("%s", torch_warning)
     log.info("world %d = pp %d x dp %d x tp %d on %s (%s), %s, attention %s; global batch = micro_batch_size(%d) "
              "x grad_accum_steps(%d) x dp(%d) windows of %d = %d tokens", env.world_size, dims.pp, dims.dp, dims.tp,
@@ -317,8 +315,7 @@ def _describe(cfg: TrainerConfig, env: DistEnv, dims: ParallelDims, dtype: torch
     if cfg.train.float8 and not compiled:
         log.warning("train.float8 without train.compile: the float8 casts then run as kernels of their own and "
                     "the step is slower than in bf16; set train.compile: true")
-    advice = layout_advice(cfg)
-    if advice and env.rank == 0:
+    if (advice := layout_advice(cfg)) and env.rank == 0:
         log.warning("note: %s", advice)
 
 
