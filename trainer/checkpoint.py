@@ -79,8 +79,7 @@ def step_dir(ckpt_dir: Path, step: int) -> Path:
 
 
 def resolve_async_save(setting: bool | str, device: torch.device) -> bool:
-    """checkpoint.async_save for `device`: auto is on CUDA only (on the CPU the staging copy costs what
-    it saves, and doubles the memory)."""
+    """checkpoint.async_save for `device`: auto is CUDA only (on the CPU staging costs what it saves, and memory)."""
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
@@ -345,8 +344,7 @@ class Checkpointer:
             dist.barrier(group=self._pg)
 
     def _from_rank0(self, value: Any) -> Any:
-        """Rank 0's answer, for decisions every rank must take alike (the shared
-        filesystem's metadata cache may differ between nodes)."""
+        """Rank 0's answer, for decisions every rank must take alike (nodes' file system metadata caches differ)."""
         if not self.distributed:
             return value
         box = [value]

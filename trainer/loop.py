@@ -79,8 +79,7 @@ class BatchFeeder:
 
 
 class GarbageCollection:
-    """Python's cyclic collector off, and a young-generation collection every `interval` steps
-    instead (train.gc_interval says why); 0 leaves the collector alone."""
+    """The cyclic collector off, a young-generation collection every `interval` steps instead (train.gc_interval)."""
 
     def __init__(self, interval: int):
         self.interval = interval
@@ -154,9 +153,8 @@ class StopSignal:
 
 
 class StopVote:
-    """Whether any rank asked to stop, agreed without touching the device: an all-reduce (max) of
-    each rank's flag on a gloo group, started at a sync step's beginning and read at its end, so all
-    ranks stop after the same step; a later request is seen at the next sync step."""
+    """Whether any rank asked to stop, agreed without touching the device: a gloo all-reduce (max) of the
+    flags, started at a sync step's beginning and read at its end; a later request counts at the next sync."""
 
     def __init__(self, timeout: Optional[timedelta] = None):
         # Its own group: the default one may be NCCL (device tensors, a stream to wait on), and

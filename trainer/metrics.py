@@ -56,8 +56,7 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def setup_logging(level: str, rank: int) -> None:
-    """The `trainer` loggers: rank 0 at the configured level, the others only
-    warnings and errors. The root logger is left alone (tests, embedding apps)."""
+    """`trainer` loggers: rank 0 at `level`, others warnings only; the root logger is left alone (tests, embedders)."""
     logger = logging.getLogger("trainer")
     logger.setLevel(getattr(logging, level.upper()) if rank == 0 else logging.WARNING)
     if not logger.handlers:
@@ -90,8 +89,7 @@ class MetricsLogger:
                      "world_size": self.world_size, **layout})
 
     def eta_s(self, step: int) -> Optional[float]:
-        """Seconds until the last step at the wall-clock pace since this attempt started
-        (evaluation and saving included: they recur)."""
+        """Seconds to the last step at this attempt's wall-clock pace (evaluation and saving included: they recur)."""
         if self._started is None or step <= self._started[1]:
             return None
         started_at, first = self._started

@@ -35,8 +35,7 @@ FLASH_IMAGE_ENV = "SLIPWAY_FLASH_ATTN"
 
 
 def import_flash_attn() -> Callable:
-    """flash_attn_func, imported now (not at module import: a broken build must not take
-    SDPA runs down with it). Raises whatever the import raises."""
+    """flash_attn_func, imported at call time: a broken build must not take SDPA runs down with it."""
     from flash_attn import flash_attn_func
 
     return flash_attn_func
@@ -216,8 +215,7 @@ class Transformer(nn.Module):
         return logits_BTP[..., :self.cfg.vocab_size]
 
     def init_std(self, fqn: str) -> Optional[float]:
-        """normal(0, init_std) everywhere; residual output projections (wo, w2)
-        scaled by 1/sqrt(2 * num_layers) (GPT-2); None means ones (norms)."""
+        """normal(0, init_std); residual output projections (wo, w2) / sqrt(2 * num_layers) (GPT-2); None: ones."""
         if fqn.endswith("norm.weight"):
             return None
         if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight")):

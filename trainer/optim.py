@@ -26,9 +26,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.Optimizer:
-    """Fused AdamW (CUDA, and CPU: fused kernels for both since torch 2.4, plain and DTensor fp32
-    parameters alike): one kernel per parameter group, and the `found_inf` input that lets
-    `SkippableStep` skip an update without the host looking at the numbers."""
+    """Fused AdamW (CPU too since torch 2.4, plain and DTensor fp32 parameters alike): one kernel per
+    parameter group, and the `found_inf` input `SkippableStep` skips with, the host never looking."""
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), fused=True, lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
@@ -70,9 +69,8 @@ def lr_at(step: int, cfg: TrainSection, start: Optional[tuple[int, float]] = Non
 
 
 class Schedule:
-    """The optimizer's learning rate, step by step (`lr_at`); Stateful. A checkpoint resumed under another
-    train.steps goes on as train.train_on says; within the warm-up, which does not depend on
-    train.steps, nothing changes."""
+    """The learning rate step by step (`lr_at`); Stateful. A checkpoint resumed under another train.steps
+    goes on as train.train_on says (within the warm-up, which does not depend on it, nothing changes)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainSection):
         self.optimizer, self.cfg = optimizer, cfg

@@ -270,8 +270,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, l
 
 
 def _retie(model: Transformer) -> None:
-    """Sharding or materialising the embedding and the output separately gives
-    two parameters; tied embeddings must stay one (both are Shard(0) under TP)."""
+    """Tied embeddings one parameter again after sharding or materialising them apart (both Shard(0) under TP)."""
     if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight
 

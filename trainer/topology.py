@@ -81,8 +81,7 @@ def gpu_pci_addresses(count: int) -> list[str]:
 
 
 def gpu_numa_node(pci_address: str, sysfs: Path = SYSFS) -> Optional[int]:
-    """The NUMA node the kernel puts a PCI device on (-1, one node only, is node 0 as for torch); None:
-    the device is not in sysfs."""
+    """The NUMA node the kernel puts a PCI device on (-1, one node only, is 0 as for torch); None: not in sysfs."""
     try:
         return max(int((sysfs / "bus" / "pci" / "devices" / pci_address / "numa_node").read_text().strip()), 0)
     except (OSError, ValueError):

@@ -321,8 +321,7 @@ def _describe(cfg: TrainerConfig, env: DistEnv, dims: ParallelDims, dtype: torch
 
 def _replay(pending: list[tuple[int, float, torch.Tensor]], state: TrainState, cfg: TrainerConfig,
             metrics: MetricsLogger) -> tuple[bool, float, float]:
-    """Count and report the skipped steps since the last sync, read in one copy; returns (the latest
-    step was skipped, its loss, its gradient norm)."""
+    """The skipped steps since the last sync (one copy) counted and reported: (latest skipped, loss, norm)."""
     values = torch.stack([v for _, _, v in pending]).tolist()  # the host sync
     limit = cfg.train.max_nonfinite_steps
     for (step, _, _), (loss, grad_norm, skipped) in zip(pending, values):
