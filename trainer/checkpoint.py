@@ -6,7 +6,7 @@ Layout of `ckpt_dir` (shared by every node):
     step-000100/            a complete checkpoint (only complete ones have this name)
         .metadata           DCP's index of the shards
         __0_0.distcp ...    DCP shards, one or more files per rank
-        rank-00000.pt ...   rank-local states (RNG, per-rank data position), one file per rank
+        rank-00000.pt ...   states with `rank_local = True` (RNG streams), one file per rank
         COMPLETE            JSON written last, before the rename: step, world size, time
     .tmp-step-000200/       a save in progress, or the remains of a crash: never loaded
 
@@ -14,8 +14,7 @@ A save writes everything into `.tmp-step-N/`, all ranks meet at a barrier, then 
 `COMPLETE` and renames the directory to `step-N/` (then an fsync of the parent). Old checkpoints
 are renamed out of the `step-*` namespace before they are deleted (in a thread of their own), so a
 half-deleted one is never seen. Saves, loads and the waits for background work run inside
-`pause(what)`, the hang watchdog's. What differs per rank and is no shard (RNG streams) goes beside
-the shards, one file per rank: a state object with `rank_local = True`.
+`pause(what)`, the hang watchdog's.
 
 A save is refused before anything is written when a value is not finite on any rank
 (`NonFiniteError`: a checkpoint is never a NaN trap to resume into) or when it cannot fit
@@ -65,13 +64,11 @@ MODEL_KEY = "model"  # the training loop saves ModelState under this key; export
 
 
 class NonFiniteError(RuntimeError):
-    """Non-finite numbers where training must stop: a save that would hold them, or
-    train.max_nonfinite_steps skipped steps in a row (trainer.train)."""
+    """A save that would hold non-finite numbers, or train.max_nonfinite_steps skipped steps in a row."""
 
 
 class CheckpointWriteError(RuntimeError):
-    """A checkpoint that does not fit where checkpoints go: refused before writing, or
-    its write failed on a full file system. The latest complete one stays as it was."""
+    """A checkpoint that does not fit (refused, or its write failed): the latest complete one stays."""
 
 
 # -------------------------------------- the directory layout, readable without a process group (hf.py reads it too)
@@ -82,13 +79,8 @@ def step_dir(ckpt_dir: Path, step: int) -> Path:
 
 
 def resolve_async_save(setting: bool | str, device: torch.device) -> bool:
-    """checkpoint.async_save: auto writes in the background on CUDA, where the state is staged off
-    the GPU and the step goes on; on the CPU the staging copy costs what it saves and doubles
-    the memory."""
+    """checkpoint.async_save for `device`: auto is CUDA only (on the CPU staging costs what it saves, and memory)."""
     return device.type == "cuda" if setting == "auto" else bool(setting)
-
-
-# ---------------------------------------------------------------- the Checkpointer
 
 
 @dataclass
@@ -131,8 +123,6 @@ class Checkpointer:
             quiet_single_process()
         self._pending: _Pending | None = None
 
-    # ---- reading ------------------------------------------------------------
-
     def latest_step(self) -> int | None:
         steps = complete_checkpoints(self.dir)
         return steps[-1] if steps else None
@@ -162,13 +152,9 @@ class Checkpointer:
             log.info("loaded checkpoint %s", path)
             return step
 
-    # ---- writing ------------------------------------------------------------
-
     def save(self, step: int, states: dict[str, Any], final: bool = False, step_s: float = 0.0) -> None:
-        """Save `states` as checkpoint `step` (0 included, for save_initial). An async save returns
-        once the state is staged in CPU memory and is made visible by the next save or `close()`;
-        `final=True` always saves synchronously. A complete checkpoint of the same step is never
-        overwritten. `step_s`, the mean step time before it, goes into its record."""
+        """Save `states` as checkpoint `step`, never over a complete one. An async save (never `final`)
+        shows at the next save or `close()`. `step_s`, the mean step time before it, goes into its record."""
         with self._pause(f"the checkpoint save of step {step}"):
             self._save(step, states, final, time.monotonic(), int(step_s * 1000))
 
@@ -208,13 +194,10 @@ class Checkpointer:
         self._commit(step, tmp, final, started, step_ms)
 
     def close(self) -> None:
-        """Wait for an async save still in flight and make it visible, and for the deleting of
-        pruned checkpoints."""
+        """Wait for an async save in flight (made visible) and for the pruned checkpoints' deletion."""
         with self._pause("the checkpoint save in flight and the prune"):
             self._wait_pending()
             self._wait_deleting()
-
-    # ---- internals ----------------------------------------------------------
 
     def _check_finite(self, step: int, state: dict[str, Any]) -> None:
         """Raise NonFiniteError on every rank if any rank's shards hold a NaN or an infinity."""
@@ -277,8 +260,7 @@ class Checkpointer:
                 f"or set checkpoint.dir elsewhere, then resume; {self._latest_stays()}") from exc
 
     def _commit(self, step: int, tmp: Path, final: bool, started: float, step_ms: int) -> None:
-        """Every rank's files are in `tmp`: rank 0 marks it complete, renames it into place and
-        records how long the save took and how large it is."""
+        """Every rank's files are in `tmp`: rank 0 marks it complete, renames it into place, records it."""
         self._barrier()
         if self.rank == 0:
             meta = {"format": FORMAT, "step": step, "world_size": self.world_size, "final": final,
@@ -303,8 +285,7 @@ class Checkpointer:
             log.warning("could not record the save of step %d in %s: %s", step, self._saves, exc)
 
     def _prune(self) -> None:
-        """Rank 0: keep the newest `keep_last` checkpoints; the older ones and crash leftovers
-        are renamed out of the way here and deleted in the background."""
+        """Rank 0: keep the newest `keep_last` checkpoints; older ones and crash leftovers go."""
         for step in complete_checkpoints(self.dir)[:-self.cfg.keep_last]:
             old = step_dir(self.dir, step)
             os.replace(old, self.dir / f"{TMP_PREFIX}old-{old.name}")  # out of the step-* namespace first
@@ -363,8 +344,7 @@ class Checkpointer:
             dist.barrier(group=self._pg)
 
     def _from_rank0(self, value: Any) -> Any:
-        """Rank 0's answer, for decisions every rank must take alike (the shared
-        filesystem's metadata cache may differ between nodes)."""
+        """Rank 0's answer, for decisions every rank must take alike (nodes' file system metadata caches differ)."""
         if not self.distributed:
             return value
         box = [value]
@@ -397,9 +377,8 @@ def _delete(entries: list[Path]) -> None:
 
 
 def _split(states: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    shared = {k: v for k, v in states.items() if not getattr(v, "rank_local", False)}
     local = {k: v for k, v in states.items() if getattr(v, "rank_local", False)}
-    return shared, local
+    return {k: v for k, v in states.items() if k not in local}, local
 
 
 def quiet_single_process() -> None:

@@ -1,10 +1,6 @@
-"""How each transformer block computes: activation checkpointing, torch.compile, float8.
-
-`trainer.parallel.build_model` applies them in torchtitan's order: float8 linears
-(before tensor parallel shards them), tensor parallel, then activation
-checkpointing, then compile per block (so compile sees the recomputation), then
-FSDP2 (its hooks stay outside the compiled blocks). None of them changes a
-parameter name: checkpoints stay layout- and option-independent.
+"""How each transformer block computes: activation checkpointing, torch.compile, float8, applied
+in trainer/parallel.py's order. None changes a parameter name: checkpoints stay layout- and
+option-independent.
 """
 
 from __future__ import annotations
@@ -153,10 +149,9 @@ def require_torchao() -> None:
 
 
 def apply_float8(model: Transformer, recipe: str = "rowwise") -> None:
-    """The blocks' linear layers as torchao Float8Linear with dynamic scaling by `recipe`
-    (train.float8_recipe). The output projection stays in bf16 (the logits are sensitive and it
-    is one matmul of many), and so does any linear whose dimensions are not multiples of 16
-    (float8 matmul's tiling)."""
+    """The blocks' linear layers as torchao Float8Linear scaled by `recipe`. The output projection stays
+    bf16 (the logits are sensitive; one matmul of many), as does any linear whose dimensions are not
+    multiples of 16 (float8 matmul's tiling)."""
     require_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -85,9 +85,6 @@ def _flash_attn() -> Optional[str]:
         return "?"
 
 
-# ---------------------------------------------------------------- attention kernels against the math path
-
-
 def attention(device_name: str) -> dict[str, Any]:
     """One causal attention (GQA's shape after expansion: 2 x 8 heads x 512 x 64) forward and
     backward in bf16 through SDPA's flash backend, SDPA's math path and flash-attn (where it
@@ -138,9 +135,6 @@ def attention(device_name: str) -> dict[str, Any]:
         results[name] = {"ok": all(e["error"] <= e["bound"] for e in errors.values()), "errors": errors}
     return {"device": str(device), "dtype": "bfloat16", "shape": [2, 8, 512, 64], "kernels": results,
             "flash_attn": flash}
-
-
-# ---------------------------------------------------------------- all-reduce bandwidth
 
 
 def allreduce(sizes: list[float], iters: int) -> Optional[dict[str, Any]]:

@@ -48,11 +48,9 @@ def next_batches(sampler: Sampler, n: int, device: torch.device, pin: bool = Fal
 
 
 class BatchFeeder:
-    """One step's micro batches at a time, the next step's read ahead (train.prefetch) so that
-    reading, pinning and copying them overlap the step running on the device.
-
-    It stands for the sampler in checkpoints: its state is the position after the batches
-    handed out, not after those read ahead, so a resumed run trains on the same batches."""
+    """One step's micro batches at a time, the next step's read ahead (train.prefetch) while this one
+    runs. In checkpoints it stands for the sampler: its state is the position after the batches handed
+    out, not those read ahead, so a resumed run trains on the same batches."""
 
     def __init__(self, sampler: Sampler, n: int, device: torch.device, read_ahead: bool = True):
         self.sampler, self.n, self.device = sampler, n, device
@@ -81,10 +79,7 @@ class BatchFeeder:
 
 
 class GarbageCollection:
-    """Python's cyclic garbage collector off, and a young-generation collection every
-    `interval` steps instead (torchtitan's GarbageCollection): the collector otherwise runs
-    when allocation counts say so, at a different moment on each rank, and the rank it pauses
-    holds every other rank up at the next collective. 0 leaves the collector alone."""
+    """The cyclic collector off, a young-generation collection every `interval` steps instead (train.gc_interval)."""
 
     def __init__(self, interval: int):
         self.interval = interval
@@ -104,8 +99,7 @@ class GarbageCollection:
 
 @dataclass
 class TrainState:
-    """The step count (the same on every rank), the steps skipped as non-finite, and
-    how many of the latest steps in a row were."""
+    """The step count (the same on every rank), the steps skipped as non-finite, the latest streak."""
 
     step: int = 0
     skipped_steps: int = 0
@@ -122,15 +116,12 @@ class TrainState:
 
 
 class StopSignal:
-    """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (preemption,
-    scancel), SIGINT (Ctrl-C, forwarded by `slipway local`), or the batch
-    script's stop file (torchrun does not pass SIGUSR1 on to its workers):
-    finish the step, save, exit EX_TEMPFAIL. The handler only sets a flag;
-    ranks agree on it on sync steps (`StopVote`) so that all stop on the same
-    step, whichever of them saw it. Only `watch_file` ranks (rank 0) look for
-    the file: one stat a sync step, not one per rank. A second SIGINT, a
-    moment after the first (AGAIN_SECONDS: torchrun, run at a terminal, passes
-    the terminal's own on at once), stops at once: KeyboardInterrupt."""
+    """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (preemption, scancel), SIGINT (Ctrl-C,
+    forwarded by `slipway local`), or the batch script's stop file (torchrun does not pass SIGUSR1 on
+    to its workers): finish the step, save, exit EX_TEMPFAIL. The handler only sets a flag (`StopVote`
+    shares it). Only `watch_file` ranks look for the file: one stat a sync step, not one per rank. A
+    second SIGINT past AGAIN_SECONDS after the first (torchrun at a terminal passes the terminal's own
+    on at once) stops at once: KeyboardInterrupt."""
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
     AGAIN_SECONDS = 1.0
@@ -162,10 +153,8 @@ class StopSignal:
 
 
 class StopVote:
-    """Whether any rank asked to stop, agreed without touching the device: an all-reduce (max)
-    of each rank's flag over a gloo group of CPU tensors, started at the beginning of a sync
-    step and read at its end. All ranks read the same result after the same step, so all stop
-    together; a request that arrives later is seen at the start of the next sync step."""
+    """Whether any rank asked to stop, agreed without touching the device: a gloo all-reduce (max) of the
+    flags, started at a sync step's beginning and read at its end; a later request counts at the next sync."""
 
     def __init__(self, timeout: Optional[timedelta] = None):
         # Its own group: the default one may be NCCL (device tensors, a stream to wait on), and

@@ -1,12 +1,10 @@
-"""What a run reports: the console line, run_dir/metrics.jsonl, Weights &
-Biases, and torch profiler traces. Only rank 0 writes metrics; every rank
-may write a profiler trace.
+"""What a run reports: the console line, run_dir/metrics.jsonl, Weights & Biases, and torch
+profiler traces. Only rank 0 writes metrics; every rank may write a profiler trace.
 
-metrics.jsonl is an append-only history of JSON objects with a "kind":
-"restart" (training starts or resumes at "step": later records for steps after
-it supersede what an earlier attempt logged for them; `common.metrics_log.latest_by_step`
-reads the file that way), "train", "eval", and "nonfinite" (a skipped step).
-Non-finite numbers are written as null (JSON has no NaN).
+metrics.jsonl is an append-only history of JSON objects with a "kind": "restart" (training starts or
+resumes at "step": later records for steps after it supersede what an earlier attempt logged for
+them, as `common.metrics_log.latest_by_step` reads it), "train", "eval", and "nonfinite" (a skipped
+step). Non-finite numbers are written as null (JSON has no NaN).
 """
 
 from __future__ import annotations
@@ -54,18 +52,15 @@ def peak_memory_gib(device: torch.device) -> float:
     """CUDA: the allocator's peak; CPU: the process's maximum resident set."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return rss_kib / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss: KiB on Linux
 
 
 def setup_logging(level: str, rank: int) -> None:
-    """The `trainer` loggers: rank 0 at the configured level, the others only
-    warnings and errors. The root logger is left alone (tests, embedding apps)."""
+    """`trainer` loggers: rank 0 at `level`, others warnings only; the root logger is left alone (tests, embedders)."""
     logger = logging.getLogger("trainer")
     logger.setLevel(getattr(logging, level.upper()) if rank == 0 else logging.WARNING)
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        logger.addHandler(handler)
+        logger.addHandler(logging.StreamHandler(sys.stderr))
     for handler in logger.handlers:
         handler.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
                                                datefmt="%H:%M:%S"))
@@ -94,8 +89,7 @@ class MetricsLogger:
                      "world_size": self.world_size, **layout})
 
     def eta_s(self, step: int) -> Optional[float]:
-        """Seconds until the last step at the wall-clock pace since this attempt started
-        (evaluation and saving included: they recur)."""
+        """Seconds to the last step at this attempt's wall-clock pace (evaluation and saving included: they recur)."""
         if self._started is None or step <= self._started[1]:
             return None
         started_at, first = self._started
@@ -103,10 +97,8 @@ class MetricsLogger:
 
     def log_train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, elapsed_s: float,
                   steps: int, data_s: float, skipped_steps: int = 0, warmup_s: Optional[float] = None) -> None:
-        """`tokens` processed by all ranks over the last `steps` steps, which took `elapsed_s`.
-
-        With `warmup_s` the step is an attempt's first (compiling, first allocations): its time
-        is reported as warmup_s and the throughput fields are null, so they describe training."""
+        """`tokens` processed by all ranks over the last `steps` steps, which took `elapsed_s`. With
+        `warmup_s` (an attempt's first step) the throughput fields are null: they describe training."""
         if not self.enabled:
             return
         timed = warmup_s is None and elapsed_s > 0
@@ -174,8 +166,7 @@ def _init_wandb(cfg: TrainerConfig, run_dir: Path):
 
 
 class StepProfiler:
-    """torch.profiler over optimizer steps profiler_steps[0]..profiler_steps[1]
-    (inclusive), a Chrome trace per rank in run_dir/profiler/."""
+    """torch.profiler over logging.profiler_steps, a Chrome trace per rank in run_dir/profiler/."""
 
     def __init__(self, cfg: LoggingSection, run_dir: Path, rank: int):
         self.enabled = cfg.profiler

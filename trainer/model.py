@@ -1,21 +1,13 @@
-"""The Llama decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+"""The Llama decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; no biases.
 
-Module names are a contract (checkpoints and the HF adapter are written
-against them): `tok_embeddings`, `layers.{i}.attention_norm`,
-`layers.{i}.attention.{wq,wk,wv,wo}`, `layers.{i}.ffn_norm`,
-`layers.{i}.feed_forward.{w1,w2,w3}` (gate, down, up), `norm`, `output`.
-No biases anywhere. `layers` is a ModuleDict keyed by the global layer index,
-so a pipeline stage that deletes the layers it does not own keeps the
-full-model names (checkpoints stay layout-independent).
-
-Rotary embeddings use the Hugging Face "rotate_half" layout (the first and
-second halves of each head are the two rotation coordinates), so HF Llama
-`q_proj`/`k_proj` weights map onto `wq`/`wk` without any permutation.
-
-A pipeline stage may have `tok_embeddings`, `norm` and `output` set to None:
-it then takes hidden states in and/or hands hidden states on (as torchtitan).
-The embedding and the output have `padded_vocab_size` rows (`Transformer.forward` says how the
-padding stays out of the loss).
+Module names are a contract (checkpoints and the HF adapter are written against them):
+`tok_embeddings`, `layers.{i}.attention_norm`, `layers.{i}.attention.{wq,wk,wv,wo}`,
+`layers.{i}.ffn_norm`, `layers.{i}.feed_forward.{w1,w2,w3}` (gate, down, up), `norm`, `output`.
+`layers` is keyed by the global layer index, so a pipeline stage that deletes the layers it does not
+own keeps full-model names; it may also have `tok_embeddings`, `norm` and `output` None, and take or
+hand on hidden states (as torchtitan). Rotary embeddings use Hugging Face's rotate_half layout, so
+HF `q_proj`/`k_proj` weights map onto `wq`/`wk` without a permutation. The embedding and the output
+have `padded_vocab_size` rows (`Transformer.forward` says how the padding stays out of the loss).
 """
 
 from __future__ import annotations
@@ -43,8 +35,7 @@ FLASH_IMAGE_ENV = "SLIPWAY_FLASH_ATTN"
 
 
 def import_flash_attn() -> Callable:
-    """flash_attn_func, imported now (not at module import: a broken build must not take
-    SDPA runs down with it). Raises whatever the import raises."""
+    """flash_attn_func, imported at call time: a broken build must not take SDPA runs down with it."""
     from flash_attn import flash_attn_func
 
     return flash_attn_func
@@ -61,12 +52,8 @@ def flash_import_error() -> tuple[Optional[BaseException], bool]:
 
 
 def select_attention(cfg: ModelSection, device: torch.device, dtype: torch.dtype) -> str:
-    """'flash' or 'sdpa'. flash-attn needs the package, a CUDA device and a 16-bit dtype.
-
-    `flash` demands it; `auto` demands it in an image built with flash-attn (SLIPWAY_FLASH_ATTN=1)
-    on a CUDA bf16/fp16 run. A demanded flash-attn that does not import is a ConfigError naming
-    the import error and the fix, never a quiet SDPA run. Elsewhere `auto` takes flash-attn if it
-    imports and SDPA otherwise."""
+    """'flash' or 'sdpa'. `flash`, and `auto` in an image built with flash-attn on a CUDA bf16/fp16 run,
+    demand flash-attn: one that does not import is then a ConfigError, never a quiet SDPA run."""
     if cfg.attention == "sdpa":
         return "sdpa"
     capable = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
@@ -137,11 +124,9 @@ class Attention(nn.Module):
         B, T, _ = x_BTD.shape
         # Head counts come from the projection shapes, so a tensor-parallel
         # shard (wq/wk/wv column-split) sees its local n_heads // tp heads.
-        q_BTHD = self.wq(x_BTD).view(B, T, -1, self.head_dim)
-        k_BTKD = self.wk(x_BTD).view(B, T, -1, self.head_dim)
+        q_BTHD = apply_rope(self.wq(x_BTD).view(B, T, -1, self.head_dim), cos[:T], sin[:T])
+        k_BTKD = apply_rope(self.wk(x_BTD).view(B, T, -1, self.head_dim), cos[:T], sin[:T])
         v_BTKD = self.wv(x_BTD).view(B, T, -1, self.head_dim)
-        q_BTHD = apply_rope(q_BTHD, cos[:T], sin[:T])
-        k_BTKD = apply_rope(k_BTKD, cos[:T], sin[:T])
         if self.attn_impl == "flash":
             out_BTHD = self._flash_attn(q_BTHD, k_BTKD, v_BTKD, causal=True)  # handles GQA itself
         else:
@@ -212,12 +197,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens_or_h: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] (first stage) or hidden states [B, T, D] -> logits [B, T, V] (last stage) or hidden.
-
-        Whole logits (one process, or gathered under tensor parallel: Replicate) are cut back to
-        the real vocab_size. Vocabulary-sharded logits (tensor parallel with loss parallel: a
-        DTensor Shard(-1) over the padded vocabulary) cannot be cut without gathering them, so
-        their padded columns are set to -inf instead: exp(-inf) = 0 leaves the softmax, the loss
-        and every gradient exactly those of the unpadded model."""
+        Whole logits are cut back to vocab_size; vocabulary-sharded ones (loss parallel) cannot be
+        without a gather, so their padded columns are set to -inf: exp(-inf) = 0 leaves the softmax,
+        the loss and every gradient exactly those of the unpadded model."""
         h_BTD = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         for layer in self.layers.values():
             h_BTD = layer(h_BTD, self.rope_cos, self.rope_sin)
@@ -232,11 +214,8 @@ class Transformer(nn.Module):
             return mask_padded_vocab(logits_BTP, self.cfg.vocab_size)
         return logits_BTP[..., :self.cfg.vocab_size]
 
-    # ------------ initialisation that does not depend on the parallel layout
-
     def init_std(self, fqn: str) -> Optional[float]:
-        """normal(0, init_std) everywhere; residual output projections (wo, w2)
-        scaled by 1/sqrt(2 * num_layers) (GPT-2); None means ones (norms)."""
+        """normal(0, init_std); residual output projections (wo, w2) / sqrt(2 * num_layers) (GPT-2); None: ones."""
         if fqn.endswith("norm.weight"):
             return None
         if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
@@ -245,13 +224,9 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Fill every parameter (plain, tensor-parallel or FSDP-sharded DTensor)
-        with the values the full, unsharded model would get for `seed`.
-
-        Values come from a generator seeded by (seed, parameter name, block of
-        rows), on the CPU, and each rank fills only its own shard: the same seed
-        gives the same model on 1 process or any dp/tp/pp layout, CPU or GPU.
-        """
+        """Fill every parameter (plain or sharded DTensor) with what the full model gets for `seed`,
+        from CPU generators seeded by (seed, name, block of rows), each rank its own shard: the same
+        model on one process or any dp/tp/pp layout, CPU or GPU."""
         for fqn, param in self.named_parameters():  # tied weights appear once
             std = self.init_std(fqn)
             local = param.to_local() if isinstance(param, DTensor) else param

@@ -15,11 +15,8 @@ from trainer.config import TrainSection
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (not on norms and biases, the 1-D parameters).
-
-    Groups are also split by DTensor-ness: a foreach/fused kernel cannot mix
-    DTensor and plain tensors (tensor parallel leaves norms plain without
-    sequence parallel)."""
+    """Weight decay on matrices only (not on the 1-D norms), in groups split by DTensor-ness: a fused
+    kernel cannot mix DTensor and plain tensors (tensor parallel leaves norms plain without sequence parallel)."""
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = defaultdict(list)
     for param in model.parameters():  # shared (tied) parameters appear once
         if param.requires_grad:
@@ -29,20 +26,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.Optimizer:
-    """Fused AdamW (CUDA, and CPU: fused kernels for both since torch 2.4, plain and DTensor fp32
-    parameters alike): one kernel per parameter group, and the `found_inf` input that lets
-    `SkippableStep` skip an update without the host looking at the numbers."""
+    """Fused AdamW (CPU too since torch 2.4, plain and DTensor fp32 parameters alike): one kernel per
+    parameter group, and the `found_inf` input `SkippableStep` skips with, the host never looking."""
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), fused=True, lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
 class SkippableStep:
-    """optimizer.step(), skipped for a step whose loss or gradient norm is not finite on any
-    rank, decided on the device: fused AdamW takes a `found_inf` tensor (as torch.amp's
-    GradScaler passes it) and, when it is 1, changes no parameter, no moment and no step
-    count. Once `limit` steps in a row were skipped every later update is skipped too, so the
-    weights stay those of the last good step until the host, at its next sync, sees the
-    streak and stops the run (train.max_nonfinite_steps)."""
+    """optimizer.step(), skipped on the device where a number was not finite on any rank: fused AdamW
+    takes a `found_inf` tensor (as torch.amp's GradScaler passes it) and, at 1, changes no parameter,
+    moment or step count. After `limit` skips in a row every update is skipped, so the weights stay
+    the last good step's until the host's next sync sees the streak and stops the run."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, limit: int, streak: int, device: torch.device):
         self.optimizer = optimizer
@@ -75,11 +69,8 @@ def lr_at(step: int, cfg: TrainSection, start: Optional[tuple[int, float]] = Non
 
 
 class Schedule:
-    """The optimizer's learning rate, step by step (`lr_at`); Stateful, as a checkpoint wants. A
-    checkpoint resumed under another train.steps than it planned for (a train-on: `--train-steps
-    N --force`) goes on from the rate it reached, never back up: from there the decay is planned
-    anew to the new train.steps (train.train_on: decay), or the rate stays (constant). Within the
-    warm-up nothing changes: the warm-up does not depend on train.steps."""
+    """The learning rate step by step (`lr_at`); Stateful. A checkpoint resumed under another train.steps
+    goes on as train.train_on says (within the warm-up, which does not depend on it, nothing changes)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainSection):
         self.optimizer, self.cfg = optimizer, cfg
@@ -122,12 +113,10 @@ class Schedule:
 
 
 def _sharded_norm_sq(grads: list[DTensor]) -> torch.Tensor:
-    """The squared L2 norm of DTensor gradients of one mesh and placements: each gradient's
-    norm as DTensor computes it (partial over the mesh dimensions it is sharded on), squared,
-    summed here, then over each partial mesh dimension in turn (mesh order, every rank alike:
-    one result everywhere). `get_total_norm` and `full_tensor()` reach the same number but log on
-    every rank, every run, that two collectives on a dp x tp mesh could be one over a flattened
-    mesh: for one scalar a step that costs nothing."""
+    """The squared L2 norm of DTensor gradients of one mesh and placements: each norm (partial over the
+    mesh dimensions it is sharded on) squared and summed here, then over each partial dimension in mesh
+    order. `get_total_norm` and `full_tensor()` reach the same number but log on every rank, every run,
+    that two collectives on a dp x tp mesh could be one over a flattened mesh (for one scalar a step)."""
     norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
     placements = norms[0].placements
     if not all(getattr(p, "norm_type", None) == 2.0 for p in placements if p.is_partial()):
@@ -142,14 +131,9 @@ def _sharded_norm_sq(grads: list[DTensor]) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
                     pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """Clip gradients to a global L2 norm (max_norm 0 only measures it) and
-    return the norm, the same on every rank and for every parallel layout.
-
-    DTensor gradients (FSDP, TP) are grouped by mesh and placements and their
-    squared norms summed over the mesh dimensions their norms are partial on; plain ones (DDP, or norms under TP
-    without sequence parallel) are already whole. Pipeline stages each hold
-    different parameters, so their squared norms are summed across the pp
-    group (torchtitan's clip_grad_norm_ with pp_mesh)."""
+    """Clip gradients to a global L2 norm (max_norm 0 only measures it) and return the norm, the same
+    on every rank and layout. DTensor gradients go by mesh and placements (`_sharded_norm_sq`); plain
+    ones are whole; pipeline stages' squared norms are summed over the pp group (as torchtitan)."""
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for grad in grads:

@@ -1,18 +1,13 @@
 """Process groups, the device mesh, and how the model is split across it.
 
-All mesh arithmetic lives here (`ParallelDims`): the world is a 3-D mesh
-("pp", "dp", "tp") with tp innermost, so tensor-parallel peers are neighbouring
-ranks (on one node with one GPU per rank). The model is always built the same
-way, whatever the layout (torchtitan's parallelize.py):
+All mesh arithmetic lives here (`ParallelDims`): a 3-D mesh ("pp", "dp", "tp") with tp innermost,
+so tensor-parallel peers are neighbouring ranks (on one node). Whatever the layout, `build_model`
+builds the model in torchtitan's order (its parallelize.py):
 
-    meta-device Transformer -> keep this pipeline stage's layers -> float8
-    linears (optional) -> tensor parallel (DTensor; logits vocabulary-sharded
-    under loss parallel) -> activation checkpointing -> torch.compile per block
-    -> FSDP2 -> allocate on the device -> seeded init of each rank's shard ->
-    (DDP wraps last)
-
-`step_stats` gathers what a step reports (loss, gradient norm, non-finite) on
-the device, without waiting for it.
+    meta-device Transformer -> this pipeline stage's layers -> float8 linears (optional) -> tensor
+    parallel (logits vocabulary-sharded under loss parallel) -> activation checkpointing ->
+    torch.compile per block (it sees the recomputation) -> FSDP2 (its hooks outside the compiled
+    blocks) -> allocate on the device -> seeded init of each rank's shard -> (DDP wraps last)
 """
 
 from __future__ import annotations
@@ -45,9 +40,6 @@ log = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs_BT, targets_BT)
 
 
-# ---------------------------------------------------------------- processes: torchrun, srun, or one plain process
-
-
 @dataclass
 class DistEnv:
     rank: int
@@ -74,10 +66,9 @@ def set_group_timeout(timeout: Optional[timedelta], group: Optional[dist.Process
 
 
 def init_distributed(timeout: Optional[timedelta] = None) -> DistEnv:
-    """Join (or create) the default process group (nccl on CUDA, gloo on CPU) with `timeout` for its
-    collectives: for several processes, and also for one that a launcher started with a rendezvous
-    (a 1-GPU job then runs the same NCCL collectives as an 8-GPU one); a plain `python -m trainer`
-    has none."""
+    """Join (or create) the default process group (nccl on CUDA, gloo on CPU) with `timeout`: for one
+    process too where a launcher gave it a rendezvous (a 1-GPU job then runs an 8-GPU one's NCCL
+    collectives); a plain `python -m trainer` has none."""
     _env_from_slurm()
     rank = environ.count("RANK") or 0
     local_rank = environ.count("LOCAL_RANK") or 0
@@ -108,12 +99,10 @@ def init_distributed(timeout: Optional[timedelta] = None) -> DistEnv:
 
 
 def await_store(host: str, port: str, within: float = 60.0) -> None:
-    """Wait (at most `within` s) until rank 0's store at host:port takes connections. torch's store
-    client, when it comes first, tries again only after about half a second, which warm ranks, up in
-    a fraction of that, paid on most launches (bench/devloop.py); a plain connect, 10 ms apart at
-    first and at most 100 ms apart (a thousand ranks waiting on a rank 0 that imports slowly), lets
-    it connect at once. A name that does not resolve, a bad port or no store within `within`
-    returns: init_process_group then reports or waits as it would have."""
+    """Wait (at most `within` s) until rank 0's store at host:port takes connections: torch's client,
+    when it comes first, retries only after about half a second, which warm ranks paid on most launches
+    (bench/devloop.py). Tries 10 ms apart at first, at most 100 ms (a thousand ranks on a slow rank 0).
+    A bad name or port, or no store in time, returns: init_process_group then reports or waits."""
     if not (port.isdigit() and 0 < int(port) < 65536):
         return
     deadline, pause = time.monotonic() + within, 0.01
@@ -138,8 +127,6 @@ def distributed_session(timeout: Optional[timedelta] = None) -> Iterator[DistEnv
             dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------- the mesh
-
 MESH_DIMS = ("pp", "dp", "tp")  # tp innermost: tensor-parallel peers are neighbouring ranks
 
 
@@ -155,17 +142,14 @@ class ParallelDims:
             raise ConfigError("parallel", f"dp({cfg.dp}) x tp({cfg.tp}) x pp({cfg.pp}) = {cfg.world_size} != "
                               f"world size {world_size}: launch {cfg.world_size} processes "
                               f"or change parallel.dp/tp/pp so that their product is {world_size}")
-        if cls._replicated(cfg) and cfg.dp > 1 and (cfg.tp > 1 or cfg.pp > 1):
+        dims = cls(cfg, world_size)
+        if dims.ddp and cfg.dp > 1 and (cfg.tp > 1 or cfg.pp > 1):
             # DDP cannot reduce DTensor (tensor-parallel) gradients, and its bucket
             # rebuild breaks on a pipeline's several backwards per step (torchtitan
             # also keeps DDP 1-D).
             raise ConfigError("parallel.dp_mode", f"DDP (dp_mode ddp or zero_stage 0) is data parallel only, but "
                               f"tp is {cfg.tp} and pp is {cfg.pp}: use dp_mode fsdp with zero_stage 1, 2 or 3")
-        return cls(cfg, world_size)
-
-    @staticmethod
-    def _replicated(cfg: ParallelSection) -> bool:
-        return cfg.dp_mode == "ddp" or cfg.zero_stage == 0
+        return dims
 
     def build_mesh(self, device_type: str, timeout: Optional[timedelta] = None) -> None:
         if self.world_size > 1:
@@ -188,7 +172,7 @@ class ParallelDims:
     @property
     def ddp(self) -> bool:
         """Replicated data parallel (DDP) rather than FSDP2."""
-        return self._replicated(self.cfg)
+        return self.cfg.dp_mode == "ddp" or self.cfg.zero_stage == 0
 
     @property
     def loss_parallel(self) -> bool:
@@ -224,9 +208,6 @@ class ParallelDims:
         return sub.get_group() if sub is not None else None
 
 
-# ---------------------------------------------------------------- pipeline split, tensor parallel, data parallel
-
-
 def stage_layers(num_layers: int, pp: int) -> list[range]:
     """Contiguous layer ranges per stage, the first stages taking one extra when uneven."""
     sizes = [num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp)]
@@ -248,11 +229,9 @@ def split_for_stage(model: Transformer, stage: int, pp: int) -> None:
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool = False) -> None:
-    """Megatron-style tensor parallel (torchtitan's plan): q/k/v and gate/up split by columns, o and
-    down by rows; with sequence parallel the norms and the residual stream split along the sequence.
-    With loss parallel the logits stay sharded over the vocabulary (Shard(-1)) for the runners'
-    `loss_parallel()`; otherwise they are gathered whole (for tiny_wikitext 3.3 GB of bf16 logits a
-    GPU, plus an fp32 copy and its gradient)."""
+    """Megatron-style tensor parallel (torchtitan's plan): q/k/v and gate/up split by columns, o and down
+    by rows; sequence parallel splits the norms and the residual stream along the sequence. Without
+    loss parallel the logits are gathered whole (3.3 GB of bf16 a GPU for tiny_wikitext, plus fp32)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
@@ -291,18 +270,16 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, l
 
 
 def _retie(model: Transformer) -> None:
-    """Sharding or materialising the embedding and the output separately gives
-    two parameters; tied embeddings must stay one (both are Shard(0) under TP)."""
+    """Tied embeddings one parameter again after sharding or materialising them apart (both Shard(0) under TP)."""
     if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight
 
 
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, param_dtype: torch.dtype,
                reshard_after_forward: Optional[bool] = None) -> None:
-    """FSDP2 per block, then the root (embeddings, final norm, output). The ZeRO stage only picks
-    whether parameters are resharded after the forward (3: yes; 1 and 2 alike, as ZeRO-2);
-    `reshard_after_forward` (common.layouts.resolve_reshard's) overrides it. Parameters stay fp32
-    (the optimizer's master copy); compute is in `param_dtype`, gradients are reduced in fp32."""
+    """FSDP2 per block, then the root; resharded after the forward at zero_stage 3 unless
+    `reshard_after_forward` (common.layouts.resolve_reshard's) says. Parameters stay fp32 (the
+    optimizer's master copy); compute is in `param_dtype`, gradients are reduced in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # With a padded vocabulary the root returns logits[..., :vocab_size], a view; FSDP2 (torch
@@ -329,8 +306,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def build_model(cfg: TrainerConfig, dims: ParallelDims, device: torch.device, dtype: torch.dtype,
                 attn_impl: str = "sdpa") -> nn.Module:
-    """This rank's part of the model, sharded, on `device`, initialised from cfg.run.seed.
-    `attn_impl` is what model.select_attention chose ("flash" or "sdpa")."""
+    """This rank's part of the model (module docstring), on `device`, initialised from cfg.run.seed."""
     with torch.device("meta"):
         model = Transformer(cfg.model, attn_impl)
     if dims.pp > 1:
@@ -339,8 +315,6 @@ def build_model(cfg: TrainerConfig, dims: ParallelDims, device: torch.device, dt
         apply_float8(model, cfg.train.float8_recipe)
     if dims.tp > 1:
         apply_tp(model, dims.submesh("tp"), cfg.parallel.sequence_parallel, dims.loss_parallel)
-    # torchtitan's order: TP -> AC -> compile -> FSDP (compile sees the recomputation; FSDP's
-    # hooks stay outside the compiled blocks).
     apply_ac(model, cfg.train.activation_checkpointing, cfg.train.selective_ac)
     if cfg.train.compile:
         compile_blocks(model)
@@ -373,8 +347,7 @@ def step_stats(loss: torch.Tensor, grad_norm: torch.Tensor, dims: ParallelDims) 
 
 
 def global_mean(local: torch.Tensor, dims: ParallelDims) -> float:
-    """Mean over data-parallel ranks of a value held by last-stage ranks (0 elsewhere);
-    every tp peer holds the same value, so divide the world sum by dp x tp."""
+    """Mean over data-parallel ranks of a value held by last-stage ranks (as `step_stats` divides)."""
     value = local.detach().float().clone()
     if dist.is_initialized():  # a group of one too: its collectives are the ones a large job runs
         dist.all_reduce(value, op=dist.ReduceOp.SUM)

@@ -2,9 +2,8 @@
 local`, and `python -m trainer.plot RUN_DIR`, the batch script's last step), and the loss curves
 of several runs overlaid (`slipway plot SWEEP`: a sweep's points, labelled by their values).
 
-Reads only `metrics.jsonl`, as the history that stands (a resumed run's
-repeated steps drawn once, from the latest attempt); imports neither torch nor
-the host side, so the login node (or a laptop with the run directory) can draw it.
+Reads only `metrics.jsonl`, as the history that stands (`latest_by_step`); imports neither torch
+nor the host side, so the login node (or a laptop with the run directory) can draw it.
 """
 
 from __future__ import annotations

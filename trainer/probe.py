@@ -6,12 +6,11 @@ imports no torch, so `slipway local` runs it as a process (jobs/local_checks.py)
     python -m trainer.probe --threads N < config.yaml
     -> {"float32": {"block": FLOP/s, "head": FLOP/s}, "bfloat16": {...}, "cpu_per_second": S}
 
-in FLOP a CPU second, float32's too for a bfloat16 run (a CPU without bfloat16 units runs it tens
-of times slower), and the CPU seconds a second the probe had in its life (its imports too, a few
-seconds): how busy this machine is now. Each
-part runs at the most tokens a pass of PASS_SECONDS allows (one micro batch's at most), and at a
-quarter of that: what a pass costs per call (the weights' casts) and per token gives a micro
-batch's time. A second or two in all.
+in FLOP a CPU second, float32's too for a bfloat16 run (a CPU without bfloat16 units runs it tens of
+times slower), and the CPU seconds a second the probe had in its life (its imports too): how busy
+this machine is now. Each part runs at the most tokens a pass of PASS_SECONDS allows (one micro
+batch's at most), and at a quarter of that: the cost per call (the weights' casts) and per token
+gives a micro batch's time. A second or two in all.
 """
 
 from __future__ import annotations

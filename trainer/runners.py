@@ -1,8 +1,7 @@
-"""One optimizer step's forward and backward over its micro batches, on the mesh trainer/parallel.py
-built: plain gradient accumulation (`AccumulationRunner`, FSDP2 or DDP across dp) or a pipeline
-schedule (`PipelineRunner`: GPipe or 1F1B across pp stages); `build_runner` picks one. The loss is
-`cross_entropy` in fp32 (looked up at call time, so a test can wrap it), under loss parallel where
-the logits are vocabulary-sharded.
+"""One optimizer step's forward and backward over its micro batches: plain gradient accumulation
+(`AccumulationRunner`) or a pipeline schedule (`PipelineRunner`). The loss is `cross_entropy` in fp32
+(looked up at call time, so a test can wrap it), under loss parallel where the logits are
+vocabulary-sharded.
 """
 
 from __future__ import annotations
@@ -31,10 +30,8 @@ def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.T
 
 
 class Runner:
-    """Forward and backward over the micro batches of one step. The returned
-    loss is the mean over micro batches on ranks that compute it (the last
-    pipeline stage); other ranks return zero (see `step_stats`). Neither waits
-    for the device."""
+    """Forward and backward over one step's micro batches, without waiting for the device: the mean
+    loss on ranks that compute it (the last pipeline stage), zero elsewhere (see `step_stats`)."""
 
     def __init__(self, device: torch.device, autocast_dtype: Optional[torch.dtype], dims: ParallelDims):
         self.device, self.autocast_dtype, self.dims = device, autocast_dtype, dims
@@ -42,9 +39,7 @@ class Runner:
         self.loss_context = loss_parallel if dims.loss_parallel else contextlib.nullcontext
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         raise NotImplementedError
@@ -54,13 +49,9 @@ class Runner:
 
 
 class AccumulationRunner(Runner):
-    """No pipeline: run the micro batches one after another, loss / n each.
-
-    With grad_sync last_micro_batch the data-parallel gradient reduction runs once,
-    after the last micro batch: FSDP2 accumulates unsharded gradients and keeps the
-    parameters gathered between micro batches (set_requires_gradient_sync and
-    set_reshard_after_backward off before the others), DDP skips its all-reduce
-    under no_sync."""
+    """No pipeline: the micro batches one after another, loss / n each, the data-parallel gradient
+    reduction after the last only (parallel.grad_sync): FSDP2 with gradient sync and reshard after
+    backward off before it, DDP under no_sync."""
 
     def __init__(self, model: nn.Module, autocast_dtype: Optional[torch.dtype], device: torch.device,
                  dims: ParallelDims):
@@ -98,12 +89,10 @@ class AccumulationRunner(Runner):
 
 
 class PipelineRunner(Runner):
-    """One stage per rank; the schedule splits the concatenated micro batches
-    back into n_microbatches = grad_accum_steps. Each micro batch's loss is
-    divided by n, as AccumulationRunner does, rather than letting the schedule
-    divide the gradients afterwards: torch 2.10's in-place division of a
-    tensor-parallel Partial gradient fails (and it is one pass less). Under
-    FSDP the stage itself reduces gradients on the last backward only."""
+    """One stage per rank; the schedule splits the concatenated micro batches back into
+    grad_accum_steps. Each micro batch's loss is divided by n, rather than the schedule dividing the
+    gradients afterwards: torch 2.10's in-place division of a tensor-parallel Partial gradient fails
+    (and it is one pass less). Under FSDP the stage reduces gradients on the last backward only."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, n_microbatches: int, device: torch.device,
                  autocast_dtype: Optional[torch.dtype]):
@@ -116,8 +105,7 @@ class PipelineRunner(Runner):
                                      loss_fn=lambda logits, targets: cross_entropy(logits, targets) / n_microbatches)
 
     def _run(self, fn: Callable, batches: list[Batch]) -> torch.Tensor:
-        inputs_BT = torch.cat([b[0] for b in batches])
-        targets_BT = torch.cat([b[1] for b in batches])
+        inputs_BT, targets_BT = (torch.cat(tensors) for tensors in zip(*batches))
         losses: list[torch.Tensor] = []
         with self._autocast(), self.loss_context():
             if self.dims.is_first_stage:

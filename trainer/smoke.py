@@ -1,8 +1,7 @@
-"""`python -m trainer.smoke`: the image build's smoke test. A tiny model on the
-CPU, one forward/backward/optimizer step, finite numbers. No data, no GPU,
-no process group; a few seconds. In an image built with flash-attn
-(SLIPWAY_FLASH_ATTN=1, set by containers/Dockerfile) flash-attn must import too:
-the trainer then relies on it, so a broken one fails the build, not the job."""
+"""`python -m trainer.smoke`: the image build's smoke test. A tiny model on the CPU, one
+forward/backward/optimizer step, finite numbers; a few seconds. In an image built with flash-attn
+(SLIPWAY_FLASH_ATTN=1, set by containers/Dockerfile) flash-attn must import too: the trainer then
+relies on it, so a broken one fails the build, not the job."""
 
 from __future__ import annotations
 

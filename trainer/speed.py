@@ -12,8 +12,7 @@ left out, and so is each trainer's first logged window.
 - bare: a plain loop on the same `trainer.model.Transformer`: the same batch, fused AdamW,
   clipping, dtype, compile and activation checkpointing; one host sync after the timed steps.
 
-SDPA's flash backend alone on CUDA in 16 bits, in every case, so all run the same attention
-kernel (bench/titan.py adds torchtitan's trainer as a third case, for the benchmark).
+Every case runs the same attention kernel (`flash_only`); bench/titan.py adds torchtitan's trainer.
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
-
-# ---------------------------------------------------------------- the case every runner shares
 
 
 def model_dict(case: Any) -> dict[str, Any]:
@@ -93,9 +90,8 @@ def random_data(cfg, run_dir, dp_rank, dp_size):
 
 
 def steady(records: list[dict], warmup: int) -> dict[str, Any]:
-    """Tokens/s etc. over the logged windows that start at or after step `warmup`. A record
-    covers the steps since the one before it (the trainer logs every log_interval steps, and
-    an attempt's first step as a warm-up without throughput)."""
+    """Tokens/s etc. over the logged windows that start at or after step `warmup` (a record covers the
+    steps since the one before it; an attempt's first, a warm-up, has no throughput)."""
     records = sorted(records, key=lambda r: r["step"])
     windows = [(r["step"] - prev["step"], r) for prev, r in zip(records, records[1:])
                if prev["step"] >= warmup and r["tokens_per_s"] is not None]
@@ -144,9 +140,6 @@ def rates(case: Any, out: dict[str, Any], world: int = 1) -> dict[str, Any]:
             "device_name": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)"}
 
 
-# ---------------------------------------------------------------- the cases
-
-
 def case_ours(case: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -177,8 +170,7 @@ def case_ours(case: Any) -> dict[str, Any]:
 
 
 def case_bare(case: Any) -> dict[str, Any]:
-    """The least a training step can do on the same model: no trainer in the way. The same
-    compile and activation checkpointing as ours (they change the model, not the loop)."""
+    """The least a training step can do on the same model (module docstring)."""
     import torch
     import torch.nn.functional as F
 
@@ -220,9 +212,6 @@ def case_bare(case: Any) -> dict[str, Any]:
     tokens = case.micro_batch * case.seq_len * timed
     return rates(case, {"steps_timed": timed, "step_time_s": elapsed / timed, "tokens_per_s": tokens / elapsed,
                          "peak_memory_gib": peak_memory_gib(device)})
-
-
-# ---------------------------------------------------------------- one case, as a process
 
 
 def main(argv: Optional[list[str]] = None, cases: Optional[dict[str, Any]] = None,

@@ -36,8 +36,7 @@ class ModelState:
 
 
 class OptimizerState:
-    """Optimizer state flattened to full-model parameter names (`state.<fqn>.exp_avg`,
-    `param_groups.<fqn>.lr`), so it reshards like the model."""
+    """Optimizer state under full-model parameter names (`state.<fqn>.exp_avg`), so it reshards like the model."""
 
     _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -61,11 +60,8 @@ class OptimizerState:
 
 
 class RNGState:
-    """This rank's random streams: Python `random`, numpy's global one, torch CPU, and the
-    current CUDA device's (if CUDA is in use).
-
-    `rank_local = True`: the Checkpointer saves it to this rank's own file beside
-    the shards, so each rank gets exactly its own streams back."""
+    """This rank's random streams (Python, numpy, torch CPU, the current CUDA device's), saved to the
+    rank's own file beside the shards (`rank_local`), so each rank gets exactly its own back."""
 
     rank_local = True
 
@@ -107,8 +103,7 @@ def local_tensors(state: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]
 
 
 def nonfinite_names(state: Any, prefix: str = "") -> list[str]:
-    """Names of the floating-point tensors in a (nested) state dict that hold a NaN or an
-    infinity, this rank's shards only. One host sync per device, not one per tensor."""
+    """This rank's floating-point tensors (nested) that hold a NaN or an inf: one host sync per device."""
     tensors = [(name, t) for name, t in local_tensors(state, prefix) if t.is_floating_point()]
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for _, t in tensors:

@@ -81,8 +81,7 @@ def gpu_pci_addresses(count: int) -> list[str]:
 
 
 def gpu_numa_node(pci_address: str, sysfs: Path = SYSFS) -> Optional[int]:
-    """The NUMA node the kernel puts a PCI device on (-1, one node only, is node 0 as for torch); None:
-    the device is not in sysfs."""
+    """The NUMA node the kernel puts a PCI device on (-1, one node only, is 0 as for torch); None: not in sysfs."""
     try:
         return max(int((sysfs / "bus" / "pci" / "devices" / pci_address / "numa_node").read_text().strip()), 0)
     except (OSError, ValueError):
@@ -90,10 +89,9 @@ def gpu_numa_node(pci_address: str, sysfs: Path = SYSFS) -> Optional[int]:
 
 
 def numa_binding(pci_addresses: list[str], allowed: set[int], sysfs: Path = SYSFS) -> tuple[bool, list[str]]:
-    """Whether `torchrun --numa-binding=node` can bind each GPU's rank: the GPU's NUMA node must
-    hold CPUs this process may use (`allowed`: its affinity, which Slurm's cgroup narrows). A
-    node of memory alone binds a rank to no core, and torch then stops before training. (ok,
-    one line a GPU; the first line of a failure is its one-line reason.)"""
+    """Whether `torchrun --numa-binding=node` can bind each GPU's rank to CPUs of its NUMA node that this
+    process may use (`allowed`: its affinity, narrowed by Slurm's cgroup): (ok, one line a GPU, a
+    failure's one-line reason first)."""
     nodes = numa_nodes(sysfs)
     lines, bad = [], []
     for i, address in enumerate(pci_addresses):

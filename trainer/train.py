@@ -1,23 +1,17 @@
-"""The training loop: `python -m trainer --config runs/RUN/config.yaml`.
+"""The training loop: `python -m trainer --config runs/RUN/config.yaml` (the run directory is the
+config file's). `train` reads top to bottom, in torchtitan's shape: `set_up`, then `train_step` on
+every step and `sync_step` on sync steps.
 
-`train(cfg, run_dir)` reads top to bottom, in torchtitan's shape: `set_up` (processes and mesh,
-data, model, optimizer, the checkpoint resumed, the loop's helpers), then `train_step` (forward and
-backward, clip, the update) on every step, `sync_step` (metrics, evaluation, the checkpoint, the
-stop decision) on sync steps. The run directory is the config file's directory.
-
-The host does not wait for the device inside a step. What a step reports (its loss averaged over
-ranks, gradient norm, and whether its update was skipped) stays on the device until a sync step: a
-logged step (`logging.interval`, the first step of each attempt, the last), a step with a
-checkpoint due, or one on which the run stops. There the host reads every step since the last sync
-in one copy. Stop requests travel on the host instead, and only on sync steps: each rank's stop flag
-goes into a gloo all-reduce started at the step's beginning and read at its end, so all ranks stop
-after the same step, and no step costs more as ranks are added.
+The host waits for the device only on a sync step: a logged one (`logging.interval`, each attempt's
+first, the last), one with a checkpoint due, or one on which the run stops. There it reads what every
+step since the last sync reported (loss averaged over ranks, gradient norm, skipped) in one copy. Stop
+requests travel on the host, in a gloo all-reduce started at a sync step's beginning and read at its
+end: all ranks stop after the same step, and no step costs more as ranks are added.
 
 Non-finite numbers are never trained on nor saved: a step whose loss or gradient norm is not finite
-on any rank skips its update, decided on the device (`trainer.optim.SkippableStep`), and is counted
-at the next sync step; `train.max_nonfinite_steps` of them in a row stop the run (the weights are
-those of the last good step). An interval save that falls inside a run of skipped steps waits for
-the next good step, so such steps never rotate good checkpoints out.
+on any rank skips its update, decided on the device (`trainer.optim.SkippableStep`), and is counted at
+the next sync; `train.max_nonfinite_steps` in a row stop the run. An interval save that falls inside
+a run of skipped steps waits for the next good step, so they never rotate good checkpoints out.
 """
 
 from __future__ import annotations
@@ -132,8 +126,7 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
 
 @dataclass(kw_only=True)
 class Training:
-    """What `set_up` builds for the loop: the model and its step, the data, what a checkpoint
-    holds, and the loop's helpers (each closed by the set-up's ExitStack when training ends)."""
+    """What `set_up` builds for the loop (its helpers closed by the set-up's ExitStack)."""
 
     cfg: TrainerConfig
     run_dir: Path
@@ -173,9 +166,7 @@ class Loop:
 
 
 def train_step(training: Training, batches: list[Batch]) -> tuple[int, float, torch.Tensor]:
-    """One optimizer step, queued on the device without waiting for it: forward and backward
-    over the micro batches, clip, the update (skipped on the device where a number is not
-    finite), the schedule. Returns (step, lr, [loss, grad norm, skipped]) still on the device."""
+    """One optimizer step, queued without waiting for the device: (step, lr, [loss, grad norm, skipped])."""
     with _compile_errors(training.cfg.train.compile):
         loss = training.runner.forward_backward(batches)
     grad_norm = clip_grad_norm_(training.model.parameters(), training.cfg.train.grad_clip, training.dims.pp_group)
@@ -188,8 +179,7 @@ def train_step(training: Training, batches: list[Batch]) -> tuple[int, float, to
 
 
 def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, stopping: bool) -> bool:
-    """A sync step, where the host waits for the device and nowhere else in the loop: read the
-    steps since the last sync, log, evaluate and save when due. True when the run stops here."""
+    """Read the steps since the last sync, log, evaluate and save when due; True when the run stops here."""
     cfg, state = training.cfg, training.state
     logging_due = state.step % cfg.logging.interval == 0 or last or stopping or state.step == loop.first_step
     nonfinite, loss, grad_norm = _replay(loop.pending, state, cfg, training.metrics)
@@ -199,12 +189,11 @@ def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, s
     if logging_due:
         result.loss = loss
         elapsed = time.perf_counter() - loop.window_start
-        if state.step == loop.first_step:
-            training.metrics.log_train(state.step, loss, lr, grad_norm, 0, 0.0, 1, loop.data_s,
-                                  skipped_steps=state.skipped_steps, warmup_s=elapsed)
-        else:
-            training.metrics.log_train(state.step, loss, lr, grad_norm, training.tokens_per_step * loop.window_steps,
-                                       elapsed, loop.window_steps, loop.data_s, skipped_steps=state.skipped_steps)
+        warmup = state.step == loop.first_step  # a window of that one step: warm-up time, no throughput
+        training.metrics.log_train(state.step, loss, lr, grad_norm, training.tokens_per_step * loop.window_steps,
+                                   elapsed, loop.window_steps, loop.data_s, skipped_steps=state.skipped_steps,
+                                   warmup_s=elapsed if warmup else None)
+        if not warmup:
             loop.step_s = elapsed / loop.window_steps
         loop.window_start, loop.window_steps, loop.data_s = time.perf_counter(), 0, 0.0
     t_aside = time.perf_counter()  # evaluation and saving are not training time
@@ -228,8 +217,7 @@ def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, s
 
 def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, data: DataBuilder,
            closing: contextlib.ExitStack) -> Training:
-    """Mesh, model, data, optimizer, the checkpoint resumed, and the loop's helpers: every
-    config error before the data work, every helper's close on `closing`."""
+    """Every config error before the data work; every helper's close on `closing`."""
     setup_logging(cfg.logging.level, env.rank)
     # From here a stop request waits for the first step, which saves it (the first step syncs).
     stop = StopSignal(RunDir(run_dir).stop_file, watch_file=env.rank == 0)
@@ -250,8 +238,7 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     optimizer = build_optimizer(model, cfg.train)
     lr_scheduler = Schedule(optimizer, cfg.train)
     state = TrainState()
-    # What a checkpoint holds; model and optimizer under full-model names, so any
-    # dp/tp/pp layout can load what another saved.
+    # What a checkpoint holds (trainer/states.py: any dp/tp/pp layout loads what another saved).
     states = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
               "lr_scheduler": lr_scheduler, "data": feeder, "train_state": state, "rng": RNGState()}
     # The hang watchdog (trainer/watchdog.py) from here on: the load is checkpoint work, bounded by its own limit.
@@ -278,8 +265,7 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
 
 def _resume(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, states: dict,
             watchdog: HangWatchdog) -> Checkpointer:
-    """The checkpointer, with the latest checkpoint loaded into `states` (or step 0 saved, with
-    checkpoint.save_initial)."""
+    """The checkpointer, the latest checkpoint loaded into `states` (or step 0 saved: save_initial)."""
     checkpointer = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint,
                                 expected_bytes=checkpoint_bytes(cfg.model.num_params()), timeout=timeout,
                                 async_save=resolve_async_save(cfg.checkpoint.async_save, env.device),
@@ -301,8 +287,7 @@ def _describe(cfg: TrainerConfig, env: DistEnv, dims: ParallelDims, dtype: torch
               timeout: timedelta, tokens_per_step: int) -> None:
     """The run's shape and options in the log, and the warnings a config earns before it trains."""
     compiled = cfg.train.compile
-    torch_warning = unsupported_torch(torch.__version__)
-    if torch_warning and env.rank == 0:
+    if (torch_warning := unsupported_torch(torch.__version__)) and env.rank == 0:
         log.warning("%s", torch_warning)
     log.info("world %d = pp %d x dp %d x tp %d on %s (%s), %s, attention %s; global batch = micro_batch_size(%d) "
              "x grad_accum_steps(%d) x dp(%d) windows of %d = %d tokens", env.world_size, dims.pp, dims.dp, dims.tp,
@@ -330,24 +315,31 @@ def _describe(cfg: TrainerConfig, env: DistEnv, dims: ParallelDims, dtype: torch
     if cfg.train.float8 and not compiled:
         log.warning("train.float8 without train.compile: the float8 casts then run as kernels of their own and "
                     "the step is slower than in bf16; set train.compile: true")
-    advice = layout_advice(cfg)
-    if advice and env.rank == 0:
+    if (advice := layout_advice(cfg)) and env.rank == 0:
         log.warning("note: %s", advice)
 
 
 def _replay(pending: list[tuple[int, float, torch.Tensor]], state: TrainState, cfg: TrainerConfig,
             metrics: MetricsLogger) -> tuple[bool, float, float]:
-    """The steps since the last sync, read from the device in one copy: count and report the
-    skipped ones (raising NonFiniteError where a streak reached train.max_nonfinite_steps).
-    Returns (the latest step was skipped, its loss, its gradient norm)."""
+    """The skipped steps since the last sync (one copy) counted and reported: (latest skipped, loss, norm)."""
     values = torch.stack([v for _, _, v in pending]).tolist()  # the host sync
+    limit = cfg.train.max_nonfinite_steps
     for (step, _, _), (loss, grad_norm, skipped) in zip(pending, values):
-        if skipped:
-            state.skipped_steps += 1
-            state.nonfinite_streak += 1
-            _skipped(step, state, cfg, metrics, loss, grad_norm)
-        else:
+        if not skipped:
             state.nonfinite_streak = 0
+            continue
+        state.skipped_steps += 1
+        state.nonfinite_streak += 1
+        if metrics.enabled:  # rank 0
+            log.warning("step %d: loss %s, gradient norm %s: not finite, optimizer update skipped (%d in a row, the "
+                        "run stops at %d)", step, loss, grad_norm, state.nonfinite_streak, limit)
+        metrics.log_nonfinite(step, loss, grad_norm, state.nonfinite_streak, state.skipped_steps)
+        if state.nonfinite_streak >= limit:
+            raise NonFiniteError(f"{state.nonfinite_streak} steps in a row (to step {step}) had a non-finite loss "
+                                 f"or gradient norm (train.max_nonfinite_steps={limit}); the weights are those of "
+                                 f"step {step - state.nonfinite_streak} and no checkpoint was written since: lower "
+                                 f"train.lr (now {cfg.train.lr:g}) or raise train.warmup_steps, check the data, then "
+                                 "resume from the latest checkpoint")
     loss, grad_norm, skipped = values[-1]
     return bool(skipped), loss, grad_norm
 
@@ -361,8 +353,7 @@ def _ac_name(cfg: TrainerConfig) -> str:
 
 @contextlib.contextmanager
 def _compile_errors(compiled: bool):
-    """A torch.compile failure (on the first call of a block, or a recompile later) as a
-    ConfigError naming train.compile, instead of a page of inductor traceback."""
+    """A torch.compile failure (a block's first call, or a recompile) as compute.compile_error's one line."""
     try:
         yield
     except Exception as exc:
@@ -370,22 +361,6 @@ def _compile_errors(compiled: bool):
         if error is None:
             raise
         raise error from exc
-
-
-def _skipped(step: int, state: TrainState, cfg: TrainerConfig, metrics: MetricsLogger, loss: float,
-             grad_norm: float) -> None:
-    """Report a skipped step; stop the run when max_nonfinite_steps have come in a row."""
-    limit = cfg.train.max_nonfinite_steps
-    if metrics.enabled:  # rank 0
-        log.warning("step %d: loss %s, gradient norm %s: not finite, optimizer update skipped (%d in a row, the run "
-                    "stops at %d)", step, loss, grad_norm, state.nonfinite_streak, limit)
-    metrics.log_nonfinite(step, loss, grad_norm, state.nonfinite_streak, state.skipped_steps)
-    if state.nonfinite_streak >= limit:
-        good = step - state.nonfinite_streak
-        raise NonFiniteError(f"{state.nonfinite_streak} steps in a row (to step {step}) had a non-finite loss "
-                             f"or gradient norm (train.max_nonfinite_steps={limit}); the weights are those of step "
-                             f"{good} and no checkpoint was written since: lower train.lr (now {cfg.train.lr:g}) or "
-                             "raise train.warmup_steps, check the data, then resume from the latest checkpoint")
 
 
 def evaluate(runner: Runner, val_data: Sampler, val_start: dict, cfg: TrainerConfig, dims: ParallelDims,
