@@ -125,19 +125,18 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
     train, split = files["train"], files.get("validation")
 
     def counted(f):  # what the cache's index says, as the tokens mapped count it
-        return {**f.index, "n_tokens": len(f.tokens), "vocab_size": f.vocab_size}
+        return {**f.index, "n_tokens": len(f.tokens)}
 
     n_val = check_tokens(data, cfg.model.vocab_size, counted(train), counted(split) if split else None)
     train_tokens, val_tokens = (train.tokens[:-n_val], train.tokens[-n_val:]) if n_val else (
         train.tokens, split.tokens if split else None)
     train_sampler = Sampler(train_tokens, data.seq_len, batch, dp_rank, dp_size, seed=cfg.run.seed)
-    val_sampler = None
-    if val_tokens is not None:
-        val_sampler = Sampler(val_tokens, data.seq_len, batch, dp_rank, dp_size, shuffle=False, name="validation")
+    val_sampler = None if val_tokens is None else Sampler(val_tokens, data.seq_len, batch, dp_rank, dp_size,
+                                                          shuffle=False, name="validation")
     if rank0:
         log.info("%s; train %s windows, validation %s; tokens %s", train.index["source"],
                  f"{train_sampler.n_windows:,}", f"{val_sampler.n_windows:,} windows" if val_sampler else "none",
                  train.path)
-    return train_sampler, val_sampler, train.vocab_size
+    return train_sampler, val_sampler, int(train.index["vocab_size"])
 
 

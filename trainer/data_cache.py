@@ -79,10 +79,6 @@ class TokenFile:
     path: Path
     written: bool = False  # this process tokenized it (else it was there)
 
-    @property
-    def vocab_size(self) -> int:
-        return int(self.index["vocab_size"])
-
 
 def cache_paths(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path) -> CachePaths:
     blob = json.dumps({"format": FORMAT_VERSION, "source": source.identity, "tokenizer": tokenizer.identity},

@@ -41,6 +41,8 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id
 # threads' uneven finish at the end short; two batches per thread in flight
 # keep the memory at about 0.5 MB of text per thread.
 BATCH_CHARS = 1 << 18
+HUB_FIX = ("check the name, and run `slipway prepare CONFIG` where the hub can be reached (a login node; offline: "
+           "HF_HUB_OFFLINE=1 with HF_HOME holding it), or give a local path")
 
 
 def expand_spec(spec: str) -> str:
@@ -57,11 +59,7 @@ def _file_format(path: Path) -> str | None:
 
 def _stat_identity(paths: list[Path]) -> list[list[Any]]:
     """Size and mtime of each file: cheap, and changes whenever the data does."""
-    out = []
-    for p in paths:
-        st = p.stat()
-        out.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
-    return out
+    return [[str(p.resolve()), (st := p.stat()).st_size, st.st_mtime_ns] for p in paths]
 
 
 def _slug(text: str) -> str:
@@ -145,9 +143,7 @@ class TextSource:
             return ds[self.split] if isinstance(ds, datasets.DatasetDict) else ds
         unreachable = hub_unreachable()
         if unreachable:
-            raise ConfigError(self.field, f"'{self.name}' is no local path and {unreachable}: check the name, and run "
-                              "`slipway prepare CONFIG` where the hub can be reached (a login node; offline: HF_HUB_OFFLINE=1 "
-                              "with HF_HOME holding it), or give a local path")
+            raise ConfigError(self.field, f"'{self.name}' is no local path and {unreachable}: {HUB_FIX}")
         try:
             return datasets.load_dataset(self.name, self.config, split=self.split)
         except ValueError as exc:  # unknown split or config
@@ -158,9 +154,7 @@ class TextSource:
         except Exception as exc:  # network, missing dataset, offline without a cache
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ConfigError(self.field, f"could not load '{self.name}' from the Hugging Face hub "
-                              f"({type(exc).__name__}: {first}); check the name, and run `slipway prepare CONFIG` "
-                              "where the hub can be reached (a login node; offline: HF_HUB_OFFLINE=1 with "
-                              "HF_HOME holding it), or give a local path") from None
+                              f"({type(exc).__name__}: {first}); {HUB_FIX}") from None
 
 
 def _offline() -> bool:

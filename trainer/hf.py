@@ -192,12 +192,8 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
 def model_section_from_hf(hf_dir: Path) -> dict[str, Any]:
     """The `model:` section that matches an HF checkpoint (for a run config)."""
     hf = read_hf_config(hf_dir)
-    section: dict[str, Any] = {"size": "custom"}
-    for hf_key, ours in _MATCHED:
-        section[ours] = hf[hf_key]
-    section["max_position_embeddings"] = hf["max_position_embeddings"]
-    section["init_from_hf"] = str(hf_dir)
-    return section
+    return {"size": "custom", **{ours: hf[hf_key] for hf_key, ours in _MATCHED},
+            "max_position_embeddings": hf["max_position_embeddings"], "init_from_hf": str(hf_dir)}
 
 
 def check_matches(hf_dir: Path, cfg: ModelSection) -> None:

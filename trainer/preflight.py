@@ -24,7 +24,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from common.environ import count as env_count
 from common.errors import human
@@ -225,10 +225,8 @@ class AllReduceGate:
     rank 0 records a pass in events.log, a failing rank reports and exits PREFLIGHT_EXIT.
     Either way a failed check never reaches the data, the model or a checkpoint."""
 
-    def __init__(self, megabytes: float, timeout_s: float, environ: Optional[dict] = None,
-                 exit=os._exit) -> None:
+    def __init__(self, megabytes: float, timeout_s: float, env: Mapping[str, str], exit=os._exit) -> None:
         self.megabytes, self.timeout_s = megabytes, timeout_s
-        env = os.environ if environ is None else environ
         self.rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
         self.run_dir = env.get("SLIPWAY_RUN_DIR")
         self.reports = env.get("SLIPWAY_EXITS")
@@ -238,9 +236,8 @@ class AllReduceGate:
         self._timer: Optional[threading.Timer] = None
 
     @classmethod
-    def from_environ(cls, environ: Optional[dict] = None) -> Optional["AllReduceGate"]:
+    def from_environ(cls, env: Mapping[str, str] = os.environ) -> Optional["AllReduceGate"]:
         """The gate the batch script asked for (PREFLIGHT_ENV = "MEGABYTES TIMEOUT_S"), else None."""
-        env = os.environ if environ is None else environ
         value = env.get(PREFLIGHT_ENV, "").split()
         if not value:
             return None

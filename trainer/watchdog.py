@@ -316,10 +316,8 @@ class HangWatchdog:
         """Flush what this rank said, give the other ranks the dump window to say theirs (a rank
         that exits first would take the step's other processes down before they dumped), exit `code`."""
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-            except (OSError, ValueError):
-                pass
         rest = self.dump_window_s - (time.monotonic() - noticed)
         if rest > 0:
             time.sleep(rest)
@@ -391,10 +389,9 @@ def py_spy_dump(pid: int) -> str:
     exe = py_spy()
     if exe is None:
         return ""
-    try:  # Yama's ptrace_scope 1 lets only ancestors trace a process: allow py-spy, our child
+    # Yama's ptrace_scope 1 lets only ancestors trace a process: allow py-spy, our child
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, ANY
-    except (OSError, AttributeError):
-        pass
     try:
         proc = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
                               timeout=PYSPY_SECONDS)
