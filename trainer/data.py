@@ -115,13 +115,11 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
                 " and ".join(e.source.description for e in status.missing))
     files = {e.role: ensure_tokens(e.source, e.tokenizer, status.cache_dir, num_proc=data.num_proc)
              for e in status.entries}
-    if rank0:
-        for e in status.entries:
-            if not files[e.role].written:
-                index = files[e.role].index
-                log.info("opened the token cache %s: %s tokens of %s, prepared by %s at %s", files[e.role].path,
-                         f"{index['n_tokens']:,}", index["source"], index.get("prepared_by") or "an earlier slipway",
-                         index.get("created", "?"))
+    for f in files.values():
+        if rank0 and not f.written:
+            log.info("opened the token cache %s: %s tokens of %s, prepared by %s at %s", f.path,
+                     f"{f.index['n_tokens']:,}", f.index["source"], f.index.get("prepared_by") or "an earlier slipway",
+                     f.index.get("created", "?"))
     train, split = files["train"], files.get("validation")
 
     def counted(f):  # what the cache's index says, as the tokens mapped count it

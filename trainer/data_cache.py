@@ -285,8 +285,8 @@ def _write(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, laun
         paths.error.unlink()
     try:
         index = write_tokens(source, tokenizer, paths, **kwargs)
-    except BaseException as exc:
-        if launch and isinstance(exc, Exception):
+    except Exception as exc:
+        if launch:
             field = exc.field if isinstance(exc, ConfigError) else ""
             message = str(exc).removeprefix(f"{field}: ") if field else f"{type(exc).__name__}: {exc}"
             write_atomic(paths.error, json.dumps({"field": field, "message": message, "launch": launch}))

@@ -51,10 +51,8 @@ def expand_spec(spec: str) -> str:
 
 def _file_format(path: Path) -> str | None:
     name = path.name.lower()
-    if name.endswith(".gz"):
-        fmt = FORMATS.get(Path(name[:-3]).suffix)
-        return fmt if fmt in ("text", "json") else None
-    return FORMATS.get(path.suffix.lower())
+    fmt = FORMATS.get(Path(name.removesuffix(".gz")).suffix)
+    return None if fmt == "parquet" and name.endswith(".gz") else fmt
 
 
 def _stat_identity(paths: list[Path]) -> list[list[Any]]:
@@ -114,26 +112,24 @@ class TextSource:
     split: str = "train"
     total_bytes: int = dataclasses.field(default=0, compare=False)
 
-    def open(self, start: tuple[int, int] = (0, 0), max_chars: int | None = None) -> Reader:
-        """Batches of about `max_chars` characters from `start` (a `Batch.position`
-        of an earlier read) to the end. Rows before `start` are skipped without
-        being parsed where the format allows, so resuming costs a read, not a
-        tokenization. A hub dataset is downloaded here."""
+    def open(self, start: tuple[int, int] = (0, 0)) -> Reader:
+        """Batches from `start` (a `Batch.position` of an earlier read) on. Rows before `start` are
+        skipped unparsed where the format allows, so resuming costs a read, not a tokenization.
+        A hub dataset is downloaded here."""
         first_file, first_row = start
-        max_chars = max_chars or BATCH_CHARS
         if self.kind == "files":
             reader = {"text": _read_text, "json": _read_json, "parquet": _read_parquet}[self.fmt]
             rows: Iterator[tuple[int, str | None, int]] = (
                 (i, text, units) for i in range(first_file, len(self.files))
                 for text, units in reader(self.files[i], self.column, first_row if i == first_file else 0))
             done = sum(p.stat().st_size for p in self.files[:first_file])
-            return Reader(_batched(rows, (first_file, 0), max_chars), self.total_bytes, "bytes", done)
+            return Reader(_batched(rows, (first_file, 0)), self.total_bytes, "bytes", done)
         ds = self._load_dataset()
         if self.column not in ds.column_names:
             raise _column_error(self.column, list(ds.column_names), self.description)
         ds = ds.select_columns([self.column])  # read in arrow slices from first_row on: no skipping cost
         rows = ((0, text, 1) for i in range(first_row, len(ds), 4096) for text in ds[i:i + 4096][self.column])
-        return Reader(_batched(rows, (0, first_row), max_chars), len(ds), "rows", first_row)
+        return Reader(_batched(rows, (0, first_row)), len(ds), "rows", first_row)
 
     def _load_dataset(self) -> Any:
         import datasets
@@ -188,9 +184,8 @@ def hub_unreachable(timeout: float = 5.0) -> str | None:
     return None
 
 
-def _batched(rows: Iterator[tuple[int, str | None, int]], start: tuple[int, int],
-             max_chars: int) -> Iterator[Batch]:
-    """Rows (file, text or None, units) into batches, counting each file's rows for `Batch.position`."""
+def _batched(rows: Iterator[tuple[int, str | None, int]], start: tuple[int, int]) -> Iterator[Batch]:
+    """Rows (file, text or None, units) into batches of about BATCH_CHARS characters, rows counted per file."""
     file, row = start
     texts: list[str] = []
     chars = units = 0
@@ -202,7 +197,7 @@ def _batched(rows: Iterator[tuple[int, str | None, int]], start: tuple[int, int]
         if text and not text.isspace():
             texts.append(text)
             chars += len(text)
-        if chars >= max_chars:
+        if chars >= BATCH_CHARS:
             yield Batch(texts, (file, row), units)
             texts, chars, units = [], 0, 0
     if texts or units:
@@ -275,15 +270,14 @@ def _read_json(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str | N
         for lineno, line in enumerate(text, 1):
             if not line.strip():
                 continue
-            if row < skip:  # parsed and checked by the run that wrote it
-                row += 1
+            row += 1
+            if row <= skip:  # parsed and checked by the run that wrote it
                 yield None, advance()
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError("data.dataset", f"{path} line {lineno} is not JSON ({exc.msg})") from None
-            row += 1
             yield _pick(record, column, str(path) if lineno == 1 else f"{path} line {lineno}"), advance()
         yield None, advance()
 
@@ -305,8 +299,7 @@ def _read_parquet(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str 
     if first == pf.num_row_groups:
         return
     for batch in pf.iter_batches(columns=[column], batch_size=4096, row_groups=range(first, pf.num_row_groups)):
-        values = batch.column(0).to_pylist()
-        for v in values:
+        for v in batch.column(0).to_pylist():
             row += 1
             yield (v if row > skip else None), size * row // n_rows - size * (row - 1) // n_rows
 

@@ -38,7 +38,7 @@ from unittest import mock
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -229,8 +229,7 @@ def _checkpoint(f: Any, paths: CachePaths, state: _State, inputs: dict, dtype: n
     """Data first, then the record that points into it."""
     f.flush()
     os.fsync(f.fileno())
-    record = {"format": FORMAT_VERSION, "inputs": inputs, "dtype": dtype.name, "position": list(state.position),
-              "n_tokens": state.n_tokens, "n_documents": state.n_documents, "n_chars": state.n_chars,
+    record = {"format": FORMAT_VERSION, "inputs": inputs, "dtype": dtype.name, **asdict(state),
               "bytes": state.n_tokens * dtype.itemsize, "written": time.time()}
     write_atomic(paths.progress, json.dumps(record))
 

@@ -176,12 +176,11 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     for key, allowed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if raw.get(key, allowed) != allowed:
             raise ConfigError(WHERE, f"{path}: {key} is {raw[key]!r}; this model needs {allowed!r}")
-    cfg = dict(raw)
-    cfg["num_key_value_heads"] = raw.get("num_key_value_heads") or raw["num_attention_heads"]
-    cfg["rope_theta"] = float(raw.get("rope_theta", rope.get("rope_theta", 10000.0)))
-    cfg["rms_norm_eps"] = float(raw.get("rms_norm_eps", 1e-6))
-    cfg["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
-    cfg["max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
+    cfg = {**raw, "num_key_value_heads": raw.get("num_key_value_heads") or raw["num_attention_heads"],
+           "rope_theta": float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+           "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+           "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+           "max_position_embeddings": raw.get("max_position_embeddings", 2048)}
     head_dim = raw.get("head_dim")
     if head_dim is not None and head_dim != raw["hidden_size"] // raw["num_attention_heads"]:
         raise ConfigError(WHERE, f"{path}: head_dim {head_dim} != hidden_size / num_attention_heads; "
