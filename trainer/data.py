@@ -8,21 +8,16 @@ Every rank maps the token cache entries `slipway prepare` wrote (trainer/data_ca
 a missing one stops the job, unless `data.tokenize_in_job` (or the builtin corpus) lets rank 0
 tokenize it while the other ranks wait.
 
-The token stream is cut into windows of `seq_len + 1` tokens with stride
-`seq_len` (inputs are a window's first T tokens, targets its last T).
-Global sample g is window `perm_e[g % n]` of epoch `e = g // n`, where
-`perm_e` is a permutation of the n windows seeded by `run.seed + e`. A
-step takes the next `B * dp_size` global samples (B = micro batch size),
-and dp rank r gets the contiguous chunk `[r * B, (r + 1) * B)` of them: so a
-single process with micro batch `B * dp_size` sees exactly rank 0's samples,
-then rank 1's, and so on, in that order. The state is the number of global
-samples consumed, which does not depend on dp_size.
+The token stream is cut into windows of `seq_len + 1` tokens with stride `seq_len` (inputs are a
+window's first T tokens, targets its last T). Global sample g is window `perm_e[g % n]` of epoch
+`e = g // n`, `perm_e` a permutation of the n windows seeded by `run.seed + e`. A step takes the next
+`B * dp_size` global samples (B = micro batch size), dp rank r the contiguous chunk `[r * B, (r + 1) * B)`
+of them: so one process with micro batch `B * dp_size` sees exactly rank 0's samples, then rank 1's, in
+that order. The state is the number of global samples consumed, which does not depend on dp_size.
 
-Validation is `data.validation_split` when given (a split name; for local
-file datasets a path), else the last `data.validation_fraction` of the
-token stream, held out from training (training windows end before it). It
-is read in order, unshuffled; the trainer restores its start state before each evaluation, so
-each scores the same batches.
+Validation is `data.validation_split` when given (a split name; for local files a path), else the last
+`data.validation_fraction` of the token stream, held out from training. It is read in order, unshuffled;
+the trainer restores its start state before each evaluation, so each scores the same batches.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
 One dataset split + one tokenizer = one cache entry in `data.cache_dir`:
 
-    <slug>-<key>.bin          the token ids, documents joined by the EOS id
-                              (uint16 when the vocabulary fits, else uint32), flat
-    <slug>-<key>.json         the index: dtype, n_tokens, vocab size, EOS id,
-                              document count, the source, who prepared it;
-                              present = complete
+    <slug>-<key>.bin          the token ids, flat, documents joined by the EOS id
+    <slug>-<key>.json         the index (dtype, n_tokens, vocab size, EOS id, document count,
+                              source, who prepared it); present = complete
     <slug>-<key>.bin.partial  an unfinished writer's tokens, and
     <slug>-<key>.progress     how far they go (see `trainer.data_tokenize`)
     <slug>-<key>.lock         held by the one process that writes (pid, host)
@@ -97,9 +95,8 @@ def _host() -> str:
 
 
 def _sweep_tmp(paths: CachePaths) -> None:
-    """Remove the temporary files of atomic writes (resume record, index) that
-    killed writers left. Called holding the lock, so none is being written
-    (a writer whose lock was wrongly taken over would at worst fail its rename)."""
+    """Remove the temp files killed writers' atomic writes left. Called holding the lock, so none is
+    being written (a writer whose lock was wrongly taken over would at worst fail its rename)."""
     for tmp in paths.dir.glob(f".{paths.stem}.*.tmp"):
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -145,8 +142,7 @@ def held(path: Path) -> Iterator[bool]:
 
 
 class LockWatch:
-    """Judges another process's lock by its heartbeat as seen on *this* clock
-    (clocks of different nodes need not agree), and by its pid on this host."""
+    """Judges another process's lock by its heartbeat on *this* clock (nodes' clocks need not agree)."""
 
     def __init__(self, path: Path, stale_s: float):
         self.path, self.stale_s = path, stale_s
@@ -180,8 +176,7 @@ def _holder(info: dict[str, Any]) -> str:
 
 
 def read_index(paths: CachePaths) -> dict[str, Any] | None:
-    """The index of a complete entry, checked against its token file's size; None
-    when there is none; a damaged entry is an error. Reads no tokens (no numpy)."""
+    """The index of a complete entry, checked against its token file's size (no numpy); None when there is none."""
     try:
         index = json.loads(paths.index.read_text())
     except FileNotFoundError:
@@ -215,8 +210,7 @@ def open_tokens(paths: CachePaths) -> TokenFile | None:
 def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path, *, rank: int | None = None,
                   num_proc: int = 0, timeout_s: Optional[float] = None, stale_s: Optional[float] = None,
                   progress: ProgressSink = None, role: str = "rank 0 of the training job") -> TokenFile:
-    """The tokenized `source`: read from the cache, or written by rank 0 while
-    the others wait. `role` says who rank 0 is, for the index (`prepared_by`)."""
+    """The tokenized `source`: from the cache, or written by rank 0 (`role`, for the index) while others wait."""
     rank = (environ.count("RANK") or 0) if rank is None else rank
     timeout_s = environ.seconds("SLIPWAY_DATA_TIMEOUT_S", TIMEOUT_S) if timeout_s is None else timeout_s
     stale_s = environ.seconds("SLIPWAY_DATA_STALE_S", STALE_S) if stale_s is None else stale_s
@@ -320,7 +314,6 @@ class CacheEntry:
         return self.index is not None
 
     def describe(self) -> str:
-        """One line for a person."""
         what = f"{self.role} {self.source.description} with {self.tokenizer.description}"
         if self.index is not None:
             return (f"{what}: {'tokenized' if self.tokenized else 'prepared'}, {self.index.get('n_documents', 0):,} "

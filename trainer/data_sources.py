@@ -36,10 +36,9 @@ BUILTIN_TOKENIZER = ASSETS / "tokenizer.json"
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 # Document separators to look for, most common first.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
-# Text per batch: one thread encodes one batch. 256 K characters (~70 K
-# tokens, ~0.1 s of one core) make the per-call cost negligible and the
-# threads' uneven finish at the end short; two batches per thread in flight
-# keep the memory at about 0.5 MB of text per thread.
+# Text per batch: one thread encodes one batch. 256 K characters (~70 K tokens, ~0.1 s of one core)
+# make the per-call cost negligible and the threads' uneven finish at the end short; two batches
+# per thread in flight keep the memory at about 0.5 MB of text per thread.
 BATCH_CHARS = 1 << 18
 HUB_FIX = ("check the name, and run `slipway prepare CONFIG` where the hub can be reached (a login node; offline: "
            "HF_HUB_OFFLINE=1 with HF_HOME holding it), or give a local path")

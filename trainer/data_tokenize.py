@@ -2,28 +2,23 @@
 
     index = write_tokens(source, tokenizer, paths, num_proc=8, prepared_by="slipway prepare on login1")
 
-Memory stays bounded whatever the dataset's size: the source is read in
-batches of about `BATCH_CHARS` characters, at most two per thread are in
-flight, and tokens go to disk as they come.
+Memory stays bounded whatever the dataset's size: the source is read in batches of about
+`BATCH_CHARS` characters, at most two per thread are in flight, and tokens go to disk as they come.
 
-Threads, not processes: each of `num_proc` threads runs `encode_batch` on a
-whole batch with the tokenizers library's own (Rayon) parallelism off, the
-GIL released while Rust encodes; the main thread reads ahead and writes in
-order. This keeps every core busy (Rayon's pool waits for each batch's longest
-document, and is sized once per process), and won on every count in
-`bench/data.py` against Rayon's pool and a process pool (BENCHMARKS.md).
+Threads, not processes: each of `num_proc` threads runs `encode_batch` on a whole batch with the
+tokenizers library's own (Rayon) parallelism off, the GIL released while Rust encodes; the main
+thread reads ahead and writes in order. This keeps every core busy (Rayon's pool waits for each
+batch's longest document, and is sized once per process), and won on every count in `bench/data.py`
+against Rayon's pool and a process pool (BENCHMARKS.md).
 
-Crashes and reruns: tokens go to `<stem>.bin.partial` at their final
-offsets. Every `CHECKPOINT_S` seconds the partial file is fsynced and then
-`<stem>.progress` records, atomically, the source position after the last
-batch written and the byte count. A rerun whose inputs match the record
-continues from that position, writing from that offset; with no usable
-record it starts again from the beginning. Either way it writes the same
-bytes at the same offsets as an uninterrupted run, truncates only at the very
-end, and so yields an identical file (two writers that both think they hold
-the lock would also write identical bytes). Only when everything is written
-is the partial renamed to `<stem>.bin` and then the index written: the index
-marks a complete entry, and a crash never leaves a `.bin` or `.json` behind.
+Crashes and reruns: tokens go to `<stem>.bin.partial` at their final offsets. Every `CHECKPOINT_S`
+seconds the partial file is fsynced, then `<stem>.progress` records, atomically, the source position
+after the last batch written and the byte count. A rerun whose inputs match the record continues
+from there; with no usable record it starts again. Either way it writes the same bytes at the same
+offsets as an uninterrupted run, truncates only at the very end, and so yields an identical file (as
+two writers that both think they hold the lock would). Only when all is written is the partial
+renamed to `<stem>.bin`, then the index written: the index marks a complete entry, and a crash never
+leaves a `.bin` or `.json` behind.
 """
 
 from __future__ import annotations
@@ -52,9 +47,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 FORMAT_VERSION = 1
-# The token file's dtypes by vocabulary size, with their bytes per token: what reading an index
-# needs, without numpy (numpy is imported only where tokens are made or mapped, so that looking
-# at the cache, as `slipway submit` does on a login node, needs only the base install).
+# The token file's dtypes, with their bytes per token: what reading an index needs without numpy
+# (which only making or mapping tokens imports: the login node's base install reads indexes).
 TOKEN_DTYPES = {"uint16": 2, "uint32": 4}
 CHECKPOINT_S = 10.0  # at most this much tokenizing is redone after a crash
 LOG_EVERY_S = 30.0  # progress lines in a log file (no terminal)
@@ -244,8 +238,7 @@ def partial_tokens(paths: CachePaths) -> int:
 
 def write_tokens(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, num_proc: int = 0, *,
                  prepared_by: str = "", progress: ProgressSink = None) -> dict:
-    """Tokenize `source` into `paths.bin` and `paths.index`, continuing an
-    interrupted run where one was recorded. Returns the index."""
+    """Tokenize `source` into `paths.bin` and its index (returned), continuing an interrupted run."""
     import numpy as np
 
     workers = num_proc or len(os.sched_getaffinity(0))  # a Slurm task's cpuset, not the node's cores

@@ -1,10 +1,9 @@
 """Hugging Face Llama interop: initialise from an HF checkpoint, export to one.
 
 Names map one to one (torchtitan's `state_dict_adapter` pattern: `_TOP_LEVEL` and `_IN_LAYER`
-below; HF's `lm_head.weight` is absent when tied). Our rotary embeddings use HF's rotate_half layout (see trainer/model.py), so
-q/k weights need no permutation; the tests compare logits with transformers.
-Our embedding and output carry padded vocabulary rows (model.pad_vocab_multiple):
-an import fills them with zeros, an export writes the real vocab_size rows only.
+below; HF's `lm_head.weight` is absent when tied). Our rotary embeddings use HF's rotate_half
+layout (trainer/model.py), so q/k weights need no permutation; the tests compare logits with
+transformers. Padded vocabulary rows (model.pad_vocab_multiple) are zeros on import, cut on export.
 
 Command line (one-line errors, exit status 2 on bad input):
 
@@ -259,11 +258,8 @@ def read_hf_weights(hf_dir: Path, cfg: ModelSection) -> dict[str, torch.Tensor]:
 
 
 def load_hf_into(model: nn.Module, hf_dir: Path, cfg: ModelSection) -> None:
-    """Copy an HF Llama checkpoint into `model` in place (cast to its parameter dtype).
-
-    `model` is materialised (not on the meta device); it may be a pipeline stage
-    (it takes the names it has) or already sharded (FSDP2/TP DTensors: every rank
-    calls this and keeps its shard)."""
+    """Copy an HF Llama checkpoint into materialised `model` in place (cast to its dtypes): a pipeline
+    stage takes the names it has; sharded (FSDP2/TP DTensors), every rank calls this and keeps its shard."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if any(p.is_meta for p in model.parameters()):
@@ -286,9 +282,8 @@ def load_hf_into(model: nn.Module, hf_dir: Path, cfg: ModelSection) -> None:
 
 def export_hf(source: Path, out_dir: Path, cfg: ModelSection, *, dtype: torch.dtype | None = None,
               overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write `out_dir` as an HF LlamaForCausalLM checkpoint (config.json + safetensors) from a
-    complete checkpoint step directory. The directory appears whole (written beside it, then
-    renamed) or not at all."""
+    """Write `out_dir` as an HF LlamaForCausalLM checkpoint (config.json + safetensors) from a complete
+    checkpoint step directory; it appears whole (written beside it, then renamed) or not at all."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists: pick another --out or pass --overwrite")

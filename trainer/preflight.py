@@ -170,9 +170,8 @@ def all_reduce_check(megabytes: float, iters: int, timeout_s: float) -> tuple[bo
 
 
 def sum_across_ranks(megabytes: float, iters: int, device) -> tuple[bool, str]:
-    """Sum a buffer of `megabytes` across every rank of the default process group `iters` times
-    (after one warm-up) and check the sum; the bus bandwidth (the rate each link carried, NCCL's
-    busbw) in the text."""
+    """`time_all_reduce` checked and said in one line, with the bus bandwidth (the rate each link
+    carried, NCCL's busbw)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -217,13 +216,11 @@ def _answer(check: Callable[[], tuple[bool, str]], rank: str) -> tuple[bool, str
 
 
 class AllReduceGate:
-    """The preflight's all-reduce as the training step's first collective (the module's doc).
-
-    `arm()` before the process group forms starts the bound: a rank with no result
-    `timeout_s` later (a rendezvous or NCCL set-up that never completes, a collective that
-    never returns) reports and exits. `check()` once the group is up runs the all-reduce;
-    rank 0 records a pass in events.log, a failing rank reports and exits PREFLIGHT_EXIT.
-    Either way a failed check never reaches the data, the model or a checkpoint."""
+    """The preflight's all-reduce as the training step's first collective (the module's doc). `arm()`
+    before the process group forms starts the bound: a rank with no result `timeout_s` later (a
+    rendezvous or NCCL set-up that never completes, a collective that never returns) fails. `check()`
+    once the group is up runs it; rank 0 records a pass in events.log. A failed check never reaches
+    the data, the model or a checkpoint."""
 
     def __init__(self, megabytes: float, timeout_s: float, env: Mapping[str, str], exit=os._exit) -> None:
         self.megabytes, self.timeout_s = megabytes, timeout_s

@@ -58,7 +58,6 @@ COLLECTIVE_MARGIN_SECONDS = 120.0
 # The thread asks queued steps' completion markers this often (and a marker's step counts as
 # done when it notices, so a hang's step and idle time are this exact).
 MARKER_POLL_SECONDS = 0.5
-# A checkpoint that outlasts train.checkpoint_timeout is a failure, not a hang (the module doc).
 SLOW_CHECKPOINT_EXIT = 1
 # With the watchdog off (hang_timeout 0) the collective timeout is the only hang detector: long
 # enough for a first step that compiles (NCCL's own default, 10 min, is not).
@@ -66,10 +65,9 @@ WATCHDOG_OFF_COLLECTIVE_SECONDS = 3600.0
 
 
 def collective_timeout(cfg: TrainSection) -> timedelta:
-    """The timeout of every process group the trainer makes (the default one, the mesh's, the
-    stop vote's, the checkpointer's): longer than the watchdog's limits, the first step's and a
-    checkpoint's included. The preflight's all-reduce keeps its own bound
-    (slurm.preflight_timeout): no watchdog runs there."""
+    """The timeout of every process group the trainer makes (default, mesh, stop vote, checkpointer):
+    longer than the watchdog's limits, the first step's and a checkpoint's included. The preflight's
+    all-reduce keeps its own bound (slurm.preflight_timeout): no watchdog runs there."""
     if cfg.hang_timeout <= 0:
         return timedelta(seconds=WATCHDOG_OFF_COLLECTIVE_SECONDS)
     longest = max(cfg.hang_timeout, cfg.hang_timeout_first_step, cfg.checkpoint_timeout)
@@ -295,8 +293,7 @@ class HangWatchdog:
         self._end(noticed, killer, HANG_EXIT)
 
     def _fire_slow_checkpoint(self, what: str, seconds: float) -> None:
-        """Checkpoint work outlasted train.checkpoint_timeout: say so (not a hang), with the
-        stacks in this rank's log, and end the process as a failure."""
+        """Checkpoint work outlasted train.checkpoint_timeout: no hang, a failure, the stacks in the log."""
         noticed, killer = time.monotonic(), self._exit_timer(SLOW_CHECKPOINT_EXIT)
         text = (f"slow checkpoint: {what} has taken {seconds:.0f} s, over train.checkpoint_timeout "
                 f"({self.checkpoint_timeout_s:g} s), on rank {self.rank} ({node_name()}): the file system where "
@@ -348,9 +345,8 @@ class HangWatchdog:
 
 
 def flight_recorder(out: Path) -> str:
-    """Write torch's flight recorder trace (the last collectives of every process group, with
-    their state) to `out`; a summary line of the latest one. It records with TORCH_FR_BUFFER_SIZE
-    > 0 (torch's default, which the batch script makes explicit)."""
+    """Write torch's flight recorder trace (the last collectives of every process group, with their
+    state; TORCH_FR_BUFFER_SIZE > 0) to `out`; a summary line of the latest one."""
     try:
         import pickle
 
