@@ -198,8 +198,7 @@ def read_index(paths: CachePaths) -> dict[str, Any] | None:
 
 def open_tokens(paths: CachePaths) -> TokenFile | None:
     """The cache entry if complete, mapped, else None; a damaged one is an error."""
-    index = read_index(paths)
-    if index is None:
+    if (index := read_index(paths)) is None:
         return None
     import numpy as np  # here, not at the top: the status of the cache needs no numpy (login node)
 
@@ -227,8 +226,7 @@ def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path,
     last_activity = time.monotonic()
     said_waiting = False
     while True:
-        found = open_tokens(paths)
-        if found is not None:
+        if (found := open_tokens(paths)) is not None:
             return found
         if rank == 0:
             with held(paths.lock) as mine:
@@ -266,8 +264,7 @@ def _timeout_message(paths: CachePaths, state: str, watch: LockWatch, rank: int,
 
 
 def _raise_writer_error(paths: CachePaths, launch: str) -> None:
-    err = read_json(paths.error)
-    if err is None or err.get("launch") != launch:
+    if (err := read_json(paths.error)) is None or err.get("launch") != launch:
         return  # none, or from an earlier launch: rank 0 of this one will retry
     if err.get("field"):
         raise ConfigError(err["field"], err["message"])

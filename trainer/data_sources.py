@@ -136,8 +136,7 @@ class TextSource:
         if self.kind == "saved":
             ds = datasets.load_from_disk(self.name)
             return ds[self.split] if isinstance(ds, datasets.DatasetDict) else ds
-        unreachable = hub_unreachable()
-        if unreachable:
+        if unreachable := hub_unreachable():
             raise ConfigError(self.field, f"'{self.name}' is no local path and {unreachable}: {HUB_FIX}")
         try:
             return datasets.load_dataset(self.name, self.config, split=self.split)

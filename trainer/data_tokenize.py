@@ -353,8 +353,7 @@ def load_tokenizer(spec: TokenizerSpec) -> Any:
                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     if spec.path is not None:
         return _transformers_tokenizer(str(spec.path), spec.spec, local=True)
-    unreachable = hub_unreachable()
-    if unreachable:
+    if unreachable := hub_unreachable():
         raise ConfigError("data.tokenizer", f"'{spec.spec}' is no local file and {unreachable}: check the name, and "
                           "run `slipway prepare CONFIG` where the hub can be reached (offline: HF_HUB_OFFLINE=1 with HF_HOME "
                           "holding it), or give a local tokenizer.json")

@@ -81,8 +81,7 @@ def hf_to_ours(name: str) -> Optional[str]:
     """Our name for an HF tensor name; None for what we do not keep (rotary caches)."""
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
-    match = _HF_LAYER_RE.fullmatch(name)
-    if match and match.group(2) in _IN_LAYER:
+    if (match := _HF_LAYER_RE.fullmatch(name)) and match.group(2) in _IN_LAYER:
         return f"layers.{match.group(1)}.{_IN_LAYER[match.group(2)]}.weight"
     if name.endswith("rotary_emb.inv_freq"):  # recomputed, stored by old transformers versions
         return None
@@ -93,10 +92,9 @@ def hf_to_ours(name: str) -> Optional[str]:
 def ours_to_hf(name: str) -> str:
     top = {ours: hf for hf, ours in _TOP_LEVEL.items()}
     in_layer = {ours: hf for hf, ours in _IN_LAYER.items()}
-    match = _OUR_LAYER_RE.fullmatch(name)
     if name in top:
         return top[name]
-    if match and match.group(2) in in_layer:
+    if (match := _OUR_LAYER_RE.fullmatch(name)) and match.group(2) in in_layer:
         return f"model.layers.{match.group(1)}.{in_layer[match.group(2)]}.weight"
     raise ValueError(f"{name!r} is not a weight of trainer.model.Transformer")
 

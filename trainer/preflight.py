@@ -103,9 +103,7 @@ def check_gpus(expected: int) -> tuple[bool, str]:
                 problems.append(f"GPU {i} computed {value} for {256.0 ** 3}")
         except RuntimeError as exc:
             problems.append(f"GPU {i} failed a matmul: {' '.join(str(exc).split())[:200]}")
-    if problems:
-        return False, "; ".join(problems)
-    return True, f"{count} GPU(s) healthy{' (' + seen + ')' if seen else ''}"
+    return not problems, "; ".join(problems) or f"{count} GPU(s) healthy{' (' + seen + ')' if seen else ''}"
 
 
 def check_numactl() -> tuple[bool, str]:

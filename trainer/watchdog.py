@@ -315,9 +315,7 @@ class HangWatchdog:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-        rest = self.dump_window_s - (time.monotonic() - noticed)
-        if rest > 0:
-            time.sleep(rest)
+        time.sleep(max(0.0, self.dump_window_s - (time.monotonic() - noticed)))
         killer.cancel()
         self._exit(code)
 
@@ -332,15 +330,13 @@ class HangWatchdog:
                     f"{os.getpid()}, job {job_tag()}, at {datetime.now(timezone.utc).isoformat(timespec='seconds')}"
                     "\n\n")
             f.write(flight_recorder(path.with_suffix(".fr.pkl")) + "\n\n")
-            groups = process_group_timeouts()
-            if groups:
+            if groups := process_group_timeouts():
                 f.write("process group timeouts (name backend seconds): " + "; ".join(groups) + "\n\n")
             f.write("Python stacks of every thread (faulthandler), most recent call first:\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
             f.flush()
-            spy = py_spy_dump(os.getpid())
-            if spy:
+            if spy := py_spy_dump(os.getpid()):
                 f.write("\n" + spy + "\n")
 
 
