@@ -19,8 +19,7 @@ the index. The writer touches its lock every `HEARTBEAT_S` seconds; a lock whose
 for `stale_s` (or whose pid is gone, on the same host) is taken over, its partial file continued.
 Waiters give up after `timeout_s` without a live writer, naming the lock. The index is written
 last, atomically; and since two writers write the same bytes at the same offsets, even a broken
-lock cannot corrupt the cache. numpy is imported only where tokens are mapped (`open_tokens`), so
-the login node's base install can run `entry_status`.
+lock cannot corrupt the cache.
 """
 
 from __future__ import annotations
@@ -113,8 +112,7 @@ def prepared_by(role: str) -> str:
 
 @contextlib.contextmanager
 def held(path: Path) -> Iterator[bool]:
-    """An O_EXCL lock file at `path`, touched by a heartbeat thread while held: whether this
-    process took it."""
+    """An O_EXCL lock file at `path`, touched by a heartbeat thread while held: whether we took it."""
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
@@ -200,7 +198,7 @@ def open_tokens(paths: CachePaths) -> TokenFile | None:
     """The cache entry if complete, mapped, else None; a damaged one is an error."""
     if (index := read_index(paths)) is None:
         return None
-    import numpy as np  # here, not at the top: the status of the cache needs no numpy (login node)
+    import numpy as np  # here, not at the top: `entry_status` runs on the login node's base install
 
     tokens = np.memmap(paths.bin, dtype=np.dtype(index["dtype"]), mode="r", shape=(int(index["n_tokens"]),))
     return TokenFile(tokens, index, paths.bin)

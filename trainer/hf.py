@@ -130,9 +130,8 @@ def _check_complete(weights: dict[str, torch.Tensor], cfg: ModelSection, source:
 
 
 def _resize_vocab(weights: dict[str, torch.Tensor], rows: int) -> None:
-    """The embedding and the output cut or zero-padded to `rows`: HF's vocab_size rows to our
-    padded_vocab_size on import (no token id reaches the padding and the model cuts its logits
-    off), ours to HF's on export, whatever padding the checkpoint was saved with."""
+    """The embedding and the output cut or zero-padded to `rows`, whatever padding they were saved with
+    (no token id reaches the padding, and the model cuts its logits off)."""
     for name in ("tok_embeddings.weight", "output.weight"):
         w = weights.get(name)
         if w is not None and w.shape[0] > rows:

@@ -310,8 +310,7 @@ class HangWatchdog:
         self._end(noticed, killer, SLOW_CHECKPOINT_EXIT)
 
     def _end(self, noticed: float, killer: threading.Timer, code: int) -> None:
-        """Flush what this rank said, give the other ranks the dump window to say theirs (a rank
-        that exits first would take the step's other processes down before they dumped), exit `code`."""
+        """Flush what this rank said, wait out the dump window (the module's doc), exit `code`."""
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
