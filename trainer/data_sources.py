@@ -258,8 +258,7 @@ def _read_json(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str | N
     with _text_file(path) as (text, _):
         if text.read(4096).lstrip()[:1] == "[":  # parsed whole: JSON Lines for data larger than memory
             text.seek(0)
-            records = json.loads(text.read())
-            for i, record in enumerate(records):
+            for i, record in enumerate(json.loads(text.read())):
                 yield (_pick(record, column, f"{path} item {i}") if i >= skip else None), 0
             yield None, path.stat().st_size
             return
@@ -311,9 +310,9 @@ def resolve_source(spec: str, config: str | None, split: str, column: str,
                           identity={"kind": "builtin", "sha256": file_sha256(BUILTIN_CORPUS), "column": column},
                           total_bytes=BUILTIN_CORPUS.stat().st_size)
     if not looks_local(spec):
-        desc = f"{spec}{'/' + config if config else ''}[{split}]"
-        return TextSource(kind="hub", description=desc, slug=_slug(f"{spec}-{config or ''}-{split}"), column=column,
-                          field=field, name=spec, config=config, split=split,
+        return TextSource(kind="hub", description=f"{spec}{'/' + config if config else ''}[{split}]",
+                          slug=_slug(f"{spec}-{config or ''}-{split}"), column=column, field=field, name=spec,
+                          config=config, split=split,
                           identity={"kind": "hub", "name": spec, "config": config, "split": split, "column": column})
     path = Path(expand_spec(spec))
     if any(c in spec for c in "*?["):

@@ -108,9 +108,8 @@ def expected_shapes(cfg: ModelSection) -> dict[str, tuple[int, ...]]:
     per_layer = {"attention_norm": (h,), "attention.wq": (h, h), "attention.wk": (kv, h),
                  "attention.wv": (kv, h), "attention.wo": (h, h), "ffn_norm": (h,),
                  "feed_forward.w1": (i, h), "feed_forward.w3": (i, h), "feed_forward.w2": (h, i)}
-    for layer in range(cfg.num_layers):
-        for name, shape in per_layer.items():
-            shapes[f"layers.{layer}.{name}.weight"] = shape
+    shapes.update((f"layers.{layer}.{name}.weight", shape) for layer in range(cfg.num_layers)
+                  for name, shape in per_layer.items())
     return shapes
 
 
@@ -221,8 +220,7 @@ def hf_config_dict(cfg: ModelSection, dtype: torch.dtype) -> dict[str, Any]:
 def _safetensors_files(hf_dir: Path) -> list[Path]:
     index = hf_dir / INDEX
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [hf_dir / n for n in names]
+        files = [hf_dir / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     elif (hf_dir / "model.safetensors").is_file():
         files = [hf_dir / "model.safetensors"]
     else:
@@ -321,8 +319,8 @@ def _write_safetensors(out: Path, tensors: dict[str, torch.Tensor], max_shard_by
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 

@@ -76,8 +76,7 @@ def cache_status(data: DataSection, cache_dir: Path | str) -> CacheStatus:
     cache_dir = Path(cache_dir)
     tokenizer = resolve_tokenizer(data.tokenizer)
     entries = tuple(entry_status(role, source, tokenizer, cache_dir) for role, source in run_sources(data).items())
-    builtin = data.dataset == BUILTIN and len(entries) == 1
-    return CacheStatus(cache_dir, entries, data.tokenize_in_job or builtin)
+    return CacheStatus(cache_dir, entries, data.tokenize_in_job or (data.dataset == BUILTIN and len(entries) == 1))
 
 
 def prepare(data: DataSection, cache_dir: Path | str, *, num_proc: int = 0,

@@ -369,9 +369,8 @@ def flight_recorder(out: Path) -> str:
 
 
 def py_spy() -> Optional[str]:
-    found = shutil.which("py-spy")
     beside = Path(sys.executable).parent / "py-spy"  # a venv's own, not on PATH in a job
-    return found or (str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None)
+    return shutil.which("py-spy") or (str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None)
 
 
 def py_spy_dump(pid: int) -> str:
