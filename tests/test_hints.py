@@ -523,8 +523,7 @@ def test_a_sweep_point_that_fits_this_machines_memory(project, shell):
 
 @pytest.mark.slow  # the trainer itself, once (torch's import and a process group)
 @covers("trainer/data.py: slipway prepare CONFIG", "trainer/data.py: slipway submit CONFIG --prepare",
-        "trainer/data_sources.py: slipway prepare CONFIG", "trainer/data_sources.py: slipway prepare CONFIG",
-        "trainer/data_tokenize.py: slipway prepare CONFIG")
+        "trainer/data_sources.py: slipway prepare CONFIG", "trainer/data_tokenize.py: slipway prepare CONFIG")
 def test_the_trainers_data_hints_name_the_config(project, shell, tmp_path, hub_without_it):
     # A job's log: the trainer found the cache unprepared (it went after submission); `slipway logs`
     # shows the hint with the run's config.

@@ -8,21 +8,16 @@ Every rank maps the token cache entries `slipway prepare` wrote (trainer/data_ca
 a missing one stops the job, unless `data.tokenize_in_job` (or the builtin corpus) lets rank 0
 tokenize it while the other ranks wait.
 
-The token stream is cut into windows of `seq_len + 1` tokens with stride
-`seq_len` (inputs are a window's first T tokens, targets its last T).
-Global sample g is window `perm_e[g % n]` of epoch `e = g // n`, where
-`perm_e` is a permutation of the n windows seeded by `run.seed + e`. A
-step takes the next `B * dp_size` global samples (B = micro batch size),
-and dp rank r gets the contiguous chunk `[r * B, (r + 1) * B)` of them: so a
-single process with micro batch `B * dp_size` sees exactly rank 0's samples,
-then rank 1's, and so on, in that order. The state is the number of global
-samples consumed, which does not depend on dp_size.
+The token stream is cut into windows of `seq_len + 1` tokens with stride `seq_len` (inputs are a
+window's first T tokens, targets its last T). Global sample g is window `perm_e[g % n]` of epoch
+`e = g // n`, `perm_e` a permutation of the n windows seeded by `run.seed + e`. A step takes the next
+`B * dp_size` global samples (B = micro batch size), dp rank r the contiguous chunk `[r * B, (r + 1) * B)`
+of them: so one process with micro batch `B * dp_size` sees exactly rank 0's samples, then rank 1's, in
+that order. The state is the number of global samples consumed, which does not depend on dp_size.
 
-Validation is `data.validation_split` when given (a split name; for local
-file datasets a path), else the last `data.validation_fraction` of the
-token stream, held out from training (training windows end before it). It
-is read in order, unshuffled; the trainer restores its start state before each evaluation, so
-each scores the same batches.
+Validation is `data.validation_split` when given (a split name; for local files a path), else the last
+`data.validation_fraction` of the token stream, held out from training. It is read in order, unshuffled;
+the trainer restores its start state before each evaluation, so each scores the same batches.
 """
 
 from __future__ import annotations
@@ -115,29 +110,26 @@ def build_data(cfg: TrainerConfig, run_dir: Path, dp_rank: int, dp_size: int) ->
                 " and ".join(e.source.description for e in status.missing))
     files = {e.role: ensure_tokens(e.source, e.tokenizer, status.cache_dir, num_proc=data.num_proc)
              for e in status.entries}
-    if rank0:
-        for e in status.entries:
-            if not files[e.role].written:
-                index = files[e.role].index
-                log.info("opened the token cache %s: %s tokens of %s, prepared by %s at %s", files[e.role].path,
-                         f"{index['n_tokens']:,}", index["source"], index.get("prepared_by") or "an earlier slipway",
-                         index.get("created", "?"))
+    for f in files.values():
+        if rank0 and not f.written:
+            log.info("opened the token cache %s: %s tokens of %s, prepared by %s at %s", f.path,
+                     f"{f.index['n_tokens']:,}", f.index["source"], f.index.get("prepared_by") or "an earlier slipway",
+                     f.index.get("created", "?"))
     train, split = files["train"], files.get("validation")
 
     def counted(f):  # what the cache's index says, as the tokens mapped count it
-        return {**f.index, "n_tokens": len(f.tokens), "vocab_size": f.vocab_size}
+        return {**f.index, "n_tokens": len(f.tokens)}
 
     n_val = check_tokens(data, cfg.model.vocab_size, counted(train), counted(split) if split else None)
     train_tokens, val_tokens = (train.tokens[:-n_val], train.tokens[-n_val:]) if n_val else (
         train.tokens, split.tokens if split else None)
     train_sampler = Sampler(train_tokens, data.seq_len, batch, dp_rank, dp_size, seed=cfg.run.seed)
-    val_sampler = None
-    if val_tokens is not None:
-        val_sampler = Sampler(val_tokens, data.seq_len, batch, dp_rank, dp_size, shuffle=False, name="validation")
+    val_sampler = None if val_tokens is None else Sampler(val_tokens, data.seq_len, batch, dp_rank, dp_size,
+                                                          shuffle=False, name="validation")
     if rank0:
         log.info("%s; train %s windows, validation %s; tokens %s", train.index["source"],
                  f"{train_sampler.n_windows:,}", f"{val_sampler.n_windows:,} windows" if val_sampler else "none",
                  train.path)
-    return train_sampler, val_sampler, train.vocab_size
+    return train_sampler, val_sampler, int(train.index["vocab_size"])
 
 

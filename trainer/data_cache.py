@@ -2,11 +2,9 @@
 
 One dataset split + one tokenizer = one cache entry in `data.cache_dir`:
 
-    <slug>-<key>.bin          the token ids, documents joined by the EOS id
-                              (uint16 when the vocabulary fits, else uint32), flat
-    <slug>-<key>.json         the index: dtype, n_tokens, vocab size, EOS id,
-                              document count, the source, who prepared it;
-                              present = complete
+    <slug>-<key>.bin          the token ids, flat, documents joined by the EOS id
+    <slug>-<key>.json         the index (dtype, n_tokens, vocab size, EOS id, document count,
+                              source, who prepared it); present = complete
     <slug>-<key>.bin.partial  an unfinished writer's tokens, and
     <slug>-<key>.progress     how far they go (see `trainer.data_tokenize`)
     <slug>-<key>.lock         held by the one process that writes (pid, host)
@@ -21,8 +19,7 @@ the index. The writer touches its lock every `HEARTBEAT_S` seconds; a lock whose
 for `stale_s` (or whose pid is gone, on the same host) is taken over, its partial file continued.
 Waiters give up after `timeout_s` without a live writer, naming the lock. The index is written
 last, atomically; and since two writers write the same bytes at the same offsets, even a broken
-lock cannot corrupt the cache. numpy is imported only where tokens are mapped (`open_tokens`), so
-the login node's base install can run `entry_status`.
+lock cannot corrupt the cache.
 """
 
 from __future__ import annotations
@@ -79,10 +76,6 @@ class TokenFile:
     path: Path
     written: bool = False  # this process tokenized it (else it was there)
 
-    @property
-    def vocab_size(self) -> int:
-        return int(self.index["vocab_size"])
-
 
 def cache_paths(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path) -> CachePaths:
     blob = json.dumps({"format": FORMAT_VERSION, "source": source.identity, "tokenizer": tokenizer.identity},
@@ -101,9 +94,8 @@ def _host() -> str:
 
 
 def _sweep_tmp(paths: CachePaths) -> None:
-    """Remove the temporary files of atomic writes (resume record, index) that
-    killed writers left. Called holding the lock, so none is being written
-    (a writer whose lock was wrongly taken over would at worst fail its rename)."""
+    """Remove the temp files killed writers' atomic writes left. Called holding the lock, so none is
+    being written (a writer whose lock was wrongly taken over would at worst fail its rename)."""
     for tmp in paths.dir.glob(f".{paths.stem}.*.tmp"):
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -120,8 +112,7 @@ def prepared_by(role: str) -> str:
 
 @contextlib.contextmanager
 def held(path: Path) -> Iterator[bool]:
-    """An O_EXCL lock file at `path`, touched by a heartbeat thread while held: whether this
-    process took it."""
+    """An O_EXCL lock file at `path`, touched by a heartbeat thread while held: whether we took it."""
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
@@ -149,8 +140,7 @@ def held(path: Path) -> Iterator[bool]:
 
 
 class LockWatch:
-    """Judges another process's lock by its heartbeat as seen on *this* clock
-    (clocks of different nodes need not agree), and by its pid on this host."""
+    """Judges another process's lock by its heartbeat on *this* clock (nodes' clocks need not agree)."""
 
     def __init__(self, path: Path, stale_s: float):
         self.path, self.stale_s = path, stale_s
@@ -184,8 +174,7 @@ def _holder(info: dict[str, Any]) -> str:
 
 
 def read_index(paths: CachePaths) -> dict[str, Any] | None:
-    """The index of a complete entry, checked against its token file's size; None
-    when there is none; a damaged entry is an error. Reads no tokens (no numpy)."""
+    """The index of a complete entry, checked against its token file's size (no numpy); None when there is none."""
     try:
         index = json.loads(paths.index.read_text())
     except FileNotFoundError:
@@ -207,10 +196,9 @@ def read_index(paths: CachePaths) -> dict[str, Any] | None:
 
 def open_tokens(paths: CachePaths) -> TokenFile | None:
     """The cache entry if complete, mapped, else None; a damaged one is an error."""
-    index = read_index(paths)
-    if index is None:
+    if (index := read_index(paths)) is None:
         return None
-    import numpy as np  # here, not at the top: the status of the cache needs no numpy (login node)
+    import numpy as np  # here, not at the top: `entry_status` runs on the login node's base install
 
     tokens = np.memmap(paths.bin, dtype=np.dtype(index["dtype"]), mode="r", shape=(int(index["n_tokens"]),))
     return TokenFile(tokens, index, paths.bin)
@@ -219,8 +207,7 @@ def open_tokens(paths: CachePaths) -> TokenFile | None:
 def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path, *, rank: int | None = None,
                   num_proc: int = 0, timeout_s: Optional[float] = None, stale_s: Optional[float] = None,
                   progress: ProgressSink = None, role: str = "rank 0 of the training job") -> TokenFile:
-    """The tokenized `source`: read from the cache, or written by rank 0 while
-    the others wait. `role` says who rank 0 is, for the index (`prepared_by`)."""
+    """The tokenized `source`: from the cache, or written by rank 0 (`role`, for the index) while others wait."""
     rank = (environ.count("RANK") or 0) if rank is None else rank
     timeout_s = environ.seconds("SLIPWAY_DATA_TIMEOUT_S", TIMEOUT_S) if timeout_s is None else timeout_s
     stale_s = environ.seconds("SLIPWAY_DATA_STALE_S", STALE_S) if stale_s is None else stale_s
@@ -237,8 +224,7 @@ def ensure_tokens(source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path,
     last_activity = time.monotonic()
     said_waiting = False
     while True:
-        found = open_tokens(paths)
-        if found is not None:
+        if (found := open_tokens(paths)) is not None:
             return found
         if rank == 0:
             with held(paths.lock) as mine:
@@ -276,8 +262,7 @@ def _timeout_message(paths: CachePaths, state: str, watch: LockWatch, rank: int,
 
 
 def _raise_writer_error(paths: CachePaths, launch: str) -> None:
-    err = read_json(paths.error)
-    if err is None or err.get("launch") != launch:
+    if (err := read_json(paths.error)) is None or err.get("launch") != launch:
         return  # none, or from an earlier launch: rank 0 of this one will retry
     if err.get("field"):
         raise ConfigError(err["field"], err["message"])
@@ -289,8 +274,8 @@ def _write(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, laun
         paths.error.unlink()
     try:
         index = write_tokens(source, tokenizer, paths, **kwargs)
-    except BaseException as exc:
-        if launch and isinstance(exc, Exception):
+    except Exception as exc:
+        if launch:
             field = exc.field if isinstance(exc, ConfigError) else ""
             message = str(exc).removeprefix(f"{field}: ") if field else f"{type(exc).__name__}: {exc}"
             write_atomic(paths.error, json.dumps({"field": field, "message": message, "launch": launch}))
@@ -324,7 +309,6 @@ class CacheEntry:
         return self.index is not None
 
     def describe(self) -> str:
-        """One line for a person."""
         what = f"{self.role} {self.source.description} with {self.tokenizer.description}"
         if self.index is not None:
             return (f"{what}: {'tokenized' if self.tokenized else 'prepared'}, {self.index.get('n_documents', 0):,} "

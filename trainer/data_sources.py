@@ -36,11 +36,12 @@ BUILTIN_TOKENIZER = ASSETS / "tokenizer.json"
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 # Document separators to look for, most common first.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
-# Text per batch: one thread encodes one batch. 256 K characters (~70 K
-# tokens, ~0.1 s of one core) make the per-call cost negligible and the
-# threads' uneven finish at the end short; two batches per thread in flight
-# keep the memory at about 0.5 MB of text per thread.
+# Text per batch: one thread encodes one batch. 256 K characters (~70 K tokens, ~0.1 s of one core)
+# make the per-call cost negligible and the threads' uneven finish at the end short; two batches
+# per thread in flight keep the memory at about 0.5 MB of text per thread.
 BATCH_CHARS = 1 << 18
+HUB_FIX = ("check the name, and run `slipway prepare CONFIG` where the hub can be reached (a login node; offline: "
+           "HF_HUB_OFFLINE=1 with HF_HOME holding it), or give a local path")
 
 
 def expand_spec(spec: str) -> str:
@@ -49,19 +50,13 @@ def expand_spec(spec: str) -> str:
 
 def _file_format(path: Path) -> str | None:
     name = path.name.lower()
-    if name.endswith(".gz"):
-        fmt = FORMATS.get(Path(name[:-3]).suffix)
-        return fmt if fmt in ("text", "json") else None
-    return FORMATS.get(path.suffix.lower())
+    fmt = FORMATS.get(Path(name.removesuffix(".gz")).suffix)
+    return None if fmt == "parquet" and name.endswith(".gz") else fmt
 
 
 def _stat_identity(paths: list[Path]) -> list[list[Any]]:
     """Size and mtime of each file: cheap, and changes whenever the data does."""
-    out = []
-    for p in paths:
-        st = p.stat()
-        out.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
-    return out
+    return [[str(p.resolve()), (st := p.stat()).st_size, st.st_mtime_ns] for p in paths]
 
 
 def _slug(text: str) -> str:
@@ -116,26 +111,24 @@ class TextSource:
     split: str = "train"
     total_bytes: int = dataclasses.field(default=0, compare=False)
 
-    def open(self, start: tuple[int, int] = (0, 0), max_chars: int | None = None) -> Reader:
-        """Batches of about `max_chars` characters from `start` (a `Batch.position`
-        of an earlier read) to the end. Rows before `start` are skipped without
-        being parsed where the format allows, so resuming costs a read, not a
-        tokenization. A hub dataset is downloaded here."""
+    def open(self, start: tuple[int, int] = (0, 0)) -> Reader:
+        """Batches from `start` (a `Batch.position` of an earlier read) on. Rows before `start` are
+        skipped unparsed where the format allows, so resuming costs a read, not a tokenization.
+        A hub dataset is downloaded here."""
         first_file, first_row = start
-        max_chars = max_chars or BATCH_CHARS
         if self.kind == "files":
             reader = {"text": _read_text, "json": _read_json, "parquet": _read_parquet}[self.fmt]
             rows: Iterator[tuple[int, str | None, int]] = (
                 (i, text, units) for i in range(first_file, len(self.files))
                 for text, units in reader(self.files[i], self.column, first_row if i == first_file else 0))
             done = sum(p.stat().st_size for p in self.files[:first_file])
-            return Reader(_batched(rows, (first_file, 0), max_chars), self.total_bytes, "bytes", done)
+            return Reader(_batched(rows, (first_file, 0)), self.total_bytes, "bytes", done)
         ds = self._load_dataset()
         if self.column not in ds.column_names:
             raise _column_error(self.column, list(ds.column_names), self.description)
         ds = ds.select_columns([self.column])  # read in arrow slices from first_row on: no skipping cost
         rows = ((0, text, 1) for i in range(first_row, len(ds), 4096) for text in ds[i:i + 4096][self.column])
-        return Reader(_batched(rows, (0, first_row), max_chars), len(ds), "rows", first_row)
+        return Reader(_batched(rows, (0, first_row)), len(ds), "rows", first_row)
 
     def _load_dataset(self) -> Any:
         import datasets
@@ -143,11 +136,8 @@ class TextSource:
         if self.kind == "saved":
             ds = datasets.load_from_disk(self.name)
             return ds[self.split] if isinstance(ds, datasets.DatasetDict) else ds
-        unreachable = hub_unreachable()
-        if unreachable:
-            raise ConfigError(self.field, f"'{self.name}' is no local path and {unreachable}: check the name, and run "
-                              "`slipway prepare CONFIG` where the hub can be reached (a login node; offline: HF_HUB_OFFLINE=1 "
-                              "with HF_HOME holding it), or give a local path")
+        if unreachable := hub_unreachable():
+            raise ConfigError(self.field, f"'{self.name}' is no local path and {unreachable}: {HUB_FIX}")
         try:
             return datasets.load_dataset(self.name, self.config, split=self.split)
         except ValueError as exc:  # unknown split or config
@@ -158,9 +148,7 @@ class TextSource:
         except Exception as exc:  # network, missing dataset, offline without a cache
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ConfigError(self.field, f"could not load '{self.name}' from the Hugging Face hub "
-                              f"({type(exc).__name__}: {first}); check the name, and run `slipway prepare CONFIG` "
-                              "where the hub can be reached (a login node; offline: HF_HUB_OFFLINE=1 with "
-                              "HF_HOME holding it), or give a local path") from None
+                              f"({type(exc).__name__}: {first}); {HUB_FIX}") from None
 
 
 def _offline() -> bool:
@@ -194,9 +182,8 @@ def hub_unreachable(timeout: float = 5.0) -> str | None:
     return None
 
 
-def _batched(rows: Iterator[tuple[int, str | None, int]], start: tuple[int, int],
-             max_chars: int) -> Iterator[Batch]:
-    """Rows (file, text or None, units) into batches, counting each file's rows for `Batch.position`."""
+def _batched(rows: Iterator[tuple[int, str | None, int]], start: tuple[int, int]) -> Iterator[Batch]:
+    """Rows (file, text or None, units) into batches of about BATCH_CHARS characters, rows counted per file."""
     file, row = start
     texts: list[str] = []
     chars = units = 0
@@ -208,7 +195,7 @@ def _batched(rows: Iterator[tuple[int, str | None, int]], start: tuple[int, int]
         if text and not text.isspace():
             texts.append(text)
             chars += len(text)
-        if chars >= max_chars:
+        if chars >= BATCH_CHARS:
             yield Batch(texts, (file, row), units)
             texts, chars, units = [], 0, 0
     if texts or units:
@@ -271,8 +258,7 @@ def _read_json(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str | N
     with _text_file(path) as (text, _):
         if text.read(4096).lstrip()[:1] == "[":  # parsed whole: JSON Lines for data larger than memory
             text.seek(0)
-            records = json.loads(text.read())
-            for i, record in enumerate(records):
+            for i, record in enumerate(json.loads(text.read())):
                 yield (_pick(record, column, f"{path} item {i}") if i >= skip else None), 0
             yield None, path.stat().st_size
             return
@@ -281,15 +267,14 @@ def _read_json(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str | N
         for lineno, line in enumerate(text, 1):
             if not line.strip():
                 continue
-            if row < skip:  # parsed and checked by the run that wrote it
-                row += 1
+            row += 1
+            if row <= skip:  # parsed and checked by the run that wrote it
                 yield None, advance()
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError("data.dataset", f"{path} line {lineno} is not JSON ({exc.msg})") from None
-            row += 1
             yield _pick(record, column, str(path) if lineno == 1 else f"{path} line {lineno}"), advance()
         yield None, advance()
 
@@ -311,8 +296,7 @@ def _read_parquet(path: Path, column: str, skip: int = 0) -> Iterator[tuple[str 
     if first == pf.num_row_groups:
         return
     for batch in pf.iter_batches(columns=[column], batch_size=4096, row_groups=range(first, pf.num_row_groups)):
-        values = batch.column(0).to_pylist()
-        for v in values:
+        for v in batch.column(0).to_pylist():
             row += 1
             yield (v if row > skip else None), size * row // n_rows - size * (row - 1) // n_rows
 
@@ -326,9 +310,9 @@ def resolve_source(spec: str, config: str | None, split: str, column: str,
                           identity={"kind": "builtin", "sha256": file_sha256(BUILTIN_CORPUS), "column": column},
                           total_bytes=BUILTIN_CORPUS.stat().st_size)
     if not looks_local(spec):
-        desc = f"{spec}{'/' + config if config else ''}[{split}]"
-        return TextSource(kind="hub", description=desc, slug=_slug(f"{spec}-{config or ''}-{split}"), column=column,
-                          field=field, name=spec, config=config, split=split,
+        return TextSource(kind="hub", description=f"{spec}{'/' + config if config else ''}[{split}]",
+                          slug=_slug(f"{spec}-{config or ''}-{split}"), column=column, field=field, name=spec,
+                          config=config, split=split,
                           identity={"kind": "hub", "name": spec, "config": config, "split": split, "column": column})
     path = Path(expand_spec(spec))
     if any(c in spec for c in "*?["):

@@ -2,28 +2,23 @@
 
     index = write_tokens(source, tokenizer, paths, num_proc=8, prepared_by="slipway prepare on login1")
 
-Memory stays bounded whatever the dataset's size: the source is read in
-batches of about `BATCH_CHARS` characters, at most two per thread are in
-flight, and tokens go to disk as they come.
+Memory stays bounded whatever the dataset's size: the source is read in batches of about
+`BATCH_CHARS` characters, at most two per thread are in flight, and tokens go to disk as they come.
 
-Threads, not processes: each of `num_proc` threads runs `encode_batch` on a
-whole batch with the tokenizers library's own (Rayon) parallelism off, the
-GIL released while Rust encodes; the main thread reads ahead and writes in
-order. This keeps every core busy (Rayon's pool waits for each batch's longest
-document, and is sized once per process), and won on every count in
-`bench/data.py` against Rayon's pool and a process pool (BENCHMARKS.md).
+Threads, not processes: each of `num_proc` threads runs `encode_batch` on a whole batch with the
+tokenizers library's own (Rayon) parallelism off, the GIL released while Rust encodes; the main
+thread reads ahead and writes in order. This keeps every core busy (Rayon's pool waits for each
+batch's longest document, and is sized once per process), and won on every count in `bench/data.py`
+against Rayon's pool and a process pool (BENCHMARKS.md).
 
-Crashes and reruns: tokens go to `<stem>.bin.partial` at their final
-offsets. Every `CHECKPOINT_S` seconds the partial file is fsynced and then
-`<stem>.progress` records, atomically, the source position after the last
-batch written and the byte count. A rerun whose inputs match the record
-continues from that position, writing from that offset; with no usable
-record it starts again from the beginning. Either way it writes the same
-bytes at the same offsets as an uninterrupted run, truncates only at the very
-end, and so yields an identical file (two writers that both think they hold
-the lock would also write identical bytes). Only when everything is written
-is the partial renamed to `<stem>.bin` and then the index written: the index
-marks a complete entry, and a crash never leaves a `.bin` or `.json` behind.
+Crashes and reruns: tokens go to `<stem>.bin.partial` at their final offsets. Every `CHECKPOINT_S`
+seconds the partial file is fsynced, then `<stem>.progress` records, atomically, the source position
+after the last batch written and the byte count. A rerun whose inputs match the record continues
+from there; with no usable record it starts again. Either way it writes the same bytes at the same
+offsets as an uninterrupted run, truncates only at the very end, and so yields an identical file (as
+two writers that both think they hold the lock would). Only when all is written is the partial
+renamed to `<stem>.bin`, then the index written: the index marks a complete entry, and a crash never
+leaves a `.bin` or `.json` behind.
 """
 
 from __future__ import annotations
@@ -38,7 +33,7 @@ from unittest import mock
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -52,9 +47,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 FORMAT_VERSION = 1
-# The token file's dtypes by vocabulary size, with their bytes per token: what reading an index
-# needs, without numpy (numpy is imported only where tokens are made or mapped, so that looking
-# at the cache, as `slipway submit` does on a login node, needs only the base install).
+# The token file's dtypes, with their bytes per token: what reading an index needs without numpy
+# (which only making or mapping tokens imports: the login node's base install reads indexes).
 TOKEN_DTYPES = {"uint16": 2, "uint32": 4}
 CHECKPOINT_S = 10.0  # at most this much tokenizing is redone after a crash
 LOG_EVERY_S = 30.0  # progress lines in a log file (no terminal)
@@ -229,8 +223,7 @@ def _checkpoint(f: Any, paths: CachePaths, state: _State, inputs: dict, dtype: n
     """Data first, then the record that points into it."""
     f.flush()
     os.fsync(f.fileno())
-    record = {"format": FORMAT_VERSION, "inputs": inputs, "dtype": dtype.name, "position": list(state.position),
-              "n_tokens": state.n_tokens, "n_documents": state.n_documents, "n_chars": state.n_chars,
+    record = {"format": FORMAT_VERSION, "inputs": inputs, "dtype": dtype.name, **asdict(state),
               "bytes": state.n_tokens * dtype.itemsize, "written": time.time()}
     write_atomic(paths.progress, json.dumps(record))
 
@@ -245,8 +238,7 @@ def partial_tokens(paths: CachePaths) -> int:
 
 def write_tokens(source: TextSource, tokenizer: TokenizerSpec, paths: CachePaths, num_proc: int = 0, *,
                  prepared_by: str = "", progress: ProgressSink = None) -> dict:
-    """Tokenize `source` into `paths.bin` and `paths.index`, continuing an
-    interrupted run where one was recorded. Returns the index."""
+    """Tokenize `source` into `paths.bin` and its index (returned), continuing an interrupted run."""
     import numpy as np
 
     workers = num_proc or len(os.sched_getaffinity(0))  # a Slurm task's cpuset, not the node's cores
@@ -361,8 +353,7 @@ def load_tokenizer(spec: TokenizerSpec) -> Any:
                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     if spec.path is not None:
         return _transformers_tokenizer(str(spec.path), spec.spec, local=True)
-    unreachable = hub_unreachable()
-    if unreachable:
+    if unreachable := hub_unreachable():
         raise ConfigError("data.tokenizer", f"'{spec.spec}' is no local file and {unreachable}: check the name, and "
                           "run `slipway prepare CONFIG` where the hub can be reached (offline: HF_HUB_OFFLINE=1 with HF_HOME "
                           "holding it), or give a local tokenizer.json")

@@ -1,10 +1,9 @@
 """Hugging Face Llama interop: initialise from an HF checkpoint, export to one.
 
 Names map one to one (torchtitan's `state_dict_adapter` pattern: `_TOP_LEVEL` and `_IN_LAYER`
-below; HF's `lm_head.weight` is absent when tied). Our rotary embeddings use HF's rotate_half layout (see trainer/model.py), so
-q/k weights need no permutation; the tests compare logits with transformers.
-Our embedding and output carry padded vocabulary rows (model.pad_vocab_multiple):
-an import fills them with zeros, an export writes the real vocab_size rows only.
+below; HF's `lm_head.weight` is absent when tied). Our rotary embeddings use HF's rotate_half
+layout (trainer/model.py), so q/k weights need no permutation; the tests compare logits with
+transformers. Padded vocabulary rows (model.pad_vocab_multiple) are zeros on import, cut on export.
 
 Command line (one-line errors, exit status 2 on bad input):
 
@@ -82,8 +81,7 @@ def hf_to_ours(name: str) -> Optional[str]:
     """Our name for an HF tensor name; None for what we do not keep (rotary caches)."""
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
-    match = _HF_LAYER_RE.fullmatch(name)
-    if match and match.group(2) in _IN_LAYER:
+    if (match := _HF_LAYER_RE.fullmatch(name)) and match.group(2) in _IN_LAYER:
         return f"layers.{match.group(1)}.{_IN_LAYER[match.group(2)]}.weight"
     if name.endswith("rotary_emb.inv_freq"):  # recomputed, stored by old transformers versions
         return None
@@ -94,10 +92,9 @@ def hf_to_ours(name: str) -> Optional[str]:
 def ours_to_hf(name: str) -> str:
     top = {ours: hf for hf, ours in _TOP_LEVEL.items()}
     in_layer = {ours: hf for hf, ours in _IN_LAYER.items()}
-    match = _OUR_LAYER_RE.fullmatch(name)
     if name in top:
         return top[name]
-    if match and match.group(2) in in_layer:
+    if (match := _OUR_LAYER_RE.fullmatch(name)) and match.group(2) in in_layer:
         return f"model.layers.{match.group(1)}.{in_layer[match.group(2)]}.weight"
     raise ValueError(f"{name!r} is not a weight of trainer.model.Transformer")
 
@@ -111,9 +108,8 @@ def expected_shapes(cfg: ModelSection) -> dict[str, tuple[int, ...]]:
     per_layer = {"attention_norm": (h,), "attention.wq": (h, h), "attention.wk": (kv, h),
                  "attention.wv": (kv, h), "attention.wo": (h, h), "ffn_norm": (h,),
                  "feed_forward.w1": (i, h), "feed_forward.w3": (i, h), "feed_forward.w2": (h, i)}
-    for layer in range(cfg.num_layers):
-        for name, shape in per_layer.items():
-            shapes[f"layers.{layer}.{name}.weight"] = shape
+    shapes.update((f"layers.{layer}.{name}.weight", shape) for layer in range(cfg.num_layers)
+                  for name, shape in per_layer.items())
     return shapes
 
 
@@ -133,9 +129,8 @@ def _check_complete(weights: dict[str, torch.Tensor], cfg: ModelSection, source:
 
 
 def _resize_vocab(weights: dict[str, torch.Tensor], rows: int) -> None:
-    """The embedding and the output cut or zero-padded to `rows`: HF's vocab_size rows to our
-    padded_vocab_size on import (no token id reaches the padding and the model cuts its logits
-    off), ours to HF's on export, whatever padding the checkpoint was saved with."""
+    """The embedding and the output cut or zero-padded to `rows`, whatever padding they were saved with
+    (no token id reaches the padding, and the model cuts its logits off)."""
     for name in ("tok_embeddings.weight", "output.weight"):
         w = weights.get(name)
         if w is not None and w.shape[0] > rows:
@@ -176,12 +171,11 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     for key, allowed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if raw.get(key, allowed) != allowed:
             raise ConfigError(WHERE, f"{path}: {key} is {raw[key]!r}; this model needs {allowed!r}")
-    cfg = dict(raw)
-    cfg["num_key_value_heads"] = raw.get("num_key_value_heads") or raw["num_attention_heads"]
-    cfg["rope_theta"] = float(raw.get("rope_theta", rope.get("rope_theta", 10000.0)))
-    cfg["rms_norm_eps"] = float(raw.get("rms_norm_eps", 1e-6))
-    cfg["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
-    cfg["max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
+    cfg = {**raw, "num_key_value_heads": raw.get("num_key_value_heads") or raw["num_attention_heads"],
+           "rope_theta": float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+           "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+           "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+           "max_position_embeddings": raw.get("max_position_embeddings", 2048)}
     head_dim = raw.get("head_dim")
     if head_dim is not None and head_dim != raw["hidden_size"] // raw["num_attention_heads"]:
         raise ConfigError(WHERE, f"{path}: head_dim {head_dim} != hidden_size / num_attention_heads; "
@@ -192,12 +186,8 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
 def model_section_from_hf(hf_dir: Path) -> dict[str, Any]:
     """The `model:` section that matches an HF checkpoint (for a run config)."""
     hf = read_hf_config(hf_dir)
-    section: dict[str, Any] = {"size": "custom"}
-    for hf_key, ours in _MATCHED:
-        section[ours] = hf[hf_key]
-    section["max_position_embeddings"] = hf["max_position_embeddings"]
-    section["init_from_hf"] = str(hf_dir)
-    return section
+    return {"size": "custom", **{ours: hf[hf_key] for hf_key, ours in _MATCHED},
+            "max_position_embeddings": hf["max_position_embeddings"], "init_from_hf": str(hf_dir)}
 
 
 def check_matches(hf_dir: Path, cfg: ModelSection) -> None:
@@ -230,8 +220,7 @@ def hf_config_dict(cfg: ModelSection, dtype: torch.dtype) -> dict[str, Any]:
 def _safetensors_files(hf_dir: Path) -> list[Path]:
     index = hf_dir / INDEX
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [hf_dir / n for n in names]
+        files = [hf_dir / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     elif (hf_dir / "model.safetensors").is_file():
         files = [hf_dir / "model.safetensors"]
     else:
@@ -264,11 +253,8 @@ def read_hf_weights(hf_dir: Path, cfg: ModelSection) -> dict[str, torch.Tensor]:
 
 
 def load_hf_into(model: nn.Module, hf_dir: Path, cfg: ModelSection) -> None:
-    """Copy an HF Llama checkpoint into `model` in place (cast to its parameter dtype).
-
-    `model` is materialised (not on the meta device); it may be a pipeline stage
-    (it takes the names it has) or already sharded (FSDP2/TP DTensors: every rank
-    calls this and keeps its shard)."""
+    """Copy an HF Llama checkpoint into materialised `model` in place (cast to its dtypes): a pipeline
+    stage takes the names it has; sharded (FSDP2/TP DTensors), every rank calls this and keeps its shard."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if any(p.is_meta for p in model.parameters()):
@@ -291,9 +277,8 @@ def load_hf_into(model: nn.Module, hf_dir: Path, cfg: ModelSection) -> None:
 
 def export_hf(source: Path, out_dir: Path, cfg: ModelSection, *, dtype: torch.dtype | None = None,
               overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write `out_dir` as an HF LlamaForCausalLM checkpoint (config.json + safetensors) from a
-    complete checkpoint step directory. The directory appears whole (written beside it, then
-    renamed) or not at all."""
+    """Write `out_dir` as an HF LlamaForCausalLM checkpoint (config.json + safetensors) from a complete
+    checkpoint step directory; it appears whole (written beside it, then renamed) or not at all."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists: pick another --out or pass --overwrite")
@@ -334,8 +319,8 @@ def _write_safetensors(out: Path, tensors: dict[str, torch.Tensor], max_shard_by
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 

@@ -24,7 +24,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from common.environ import count as env_count
 from common.errors import human
@@ -103,9 +103,7 @@ def check_gpus(expected: int) -> tuple[bool, str]:
                 problems.append(f"GPU {i} computed {value} for {256.0 ** 3}")
         except RuntimeError as exc:
             problems.append(f"GPU {i} failed a matmul: {' '.join(str(exc).split())[:200]}")
-    if problems:
-        return False, "; ".join(problems)
-    return True, f"{count} GPU(s) healthy{' (' + seen + ')' if seen else ''}"
+    return not problems, "; ".join(problems) or f"{count} GPU(s) healthy{' (' + seen + ')' if seen else ''}"
 
 
 def check_numactl() -> tuple[bool, str]:
@@ -170,9 +168,8 @@ def all_reduce_check(megabytes: float, iters: int, timeout_s: float) -> tuple[bo
 
 
 def sum_across_ranks(megabytes: float, iters: int, device) -> tuple[bool, str]:
-    """Sum a buffer of `megabytes` across every rank of the default process group `iters` times
-    (after one warm-up) and check the sum; the bus bandwidth (the rate each link carried, NCCL's
-    busbw) in the text."""
+    """`time_all_reduce` checked and said in one line, with the bus bandwidth (the rate each link
+    carried, NCCL's busbw)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -217,18 +214,14 @@ def _answer(check: Callable[[], tuple[bool, str]], rank: str) -> tuple[bool, str
 
 
 class AllReduceGate:
-    """The preflight's all-reduce as the training step's first collective (the module's doc).
+    """The preflight's all-reduce as the training step's first collective (the module's doc). `arm()`
+    before the process group forms starts the bound: a rank with no result `timeout_s` later (a
+    rendezvous or NCCL set-up that never completes, a collective that never returns) fails. `check()`
+    once the group is up runs it; rank 0 records a pass in events.log. A failed check never reaches
+    the data, the model or a checkpoint."""
 
-    `arm()` before the process group forms starts the bound: a rank with no result
-    `timeout_s` later (a rendezvous or NCCL set-up that never completes, a collective that
-    never returns) reports and exits. `check()` once the group is up runs the all-reduce;
-    rank 0 records a pass in events.log, a failing rank reports and exits PREFLIGHT_EXIT.
-    Either way a failed check never reaches the data, the model or a checkpoint."""
-
-    def __init__(self, megabytes: float, timeout_s: float, environ: Optional[dict] = None,
-                 exit=os._exit) -> None:
+    def __init__(self, megabytes: float, timeout_s: float, env: Mapping[str, str], exit=os._exit) -> None:
         self.megabytes, self.timeout_s = megabytes, timeout_s
-        env = os.environ if environ is None else environ
         self.rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
         self.run_dir = env.get("SLIPWAY_RUN_DIR")
         self.reports = env.get("SLIPWAY_EXITS")
@@ -238,9 +231,8 @@ class AllReduceGate:
         self._timer: Optional[threading.Timer] = None
 
     @classmethod
-    def from_environ(cls, environ: Optional[dict] = None) -> Optional["AllReduceGate"]:
+    def from_environ(cls, env: Mapping[str, str] = os.environ) -> Optional["AllReduceGate"]:
         """The gate the batch script asked for (PREFLIGHT_ENV = "MEGABYTES TIMEOUT_S"), else None."""
-        env = os.environ if environ is None else environ
         value = env.get(PREFLIGHT_ENV, "").split()
         if not value:
             return None

@@ -4,16 +4,11 @@
     if not status.prepared and not status.tokenize_in_job: refuse, print status.describe()
     status = prepare(cfg.data, cache_dir, num_proc=16, progress=console)
 
-`prepare` downloads (where the machine reaches the hub) and tokenizes every
-split the run reads into the token cache the trainer maps, so the job only
-opens it; entries already there are left alone, and an interrupted prepare
-continues where it stopped. Bad input raises `ConfigError(field, message)`,
-one line naming the field and the fix; a damaged cache raises
-`DataCacheError`. No torch here: the login node's venv has none. `cache_status`
-only looks at files: importing this module (and what it needs) takes no numpy,
-tokenizers or datasets, which are imported where tokens are made or mapped, so
-`slipway submit` checks the cache on the base install (`prepare` itself needs the
-trainer extra: `slipway prepare` says so in one line, see `common.extras`).
+`prepare` downloads (where the hub is reachable) and tokenizes every split the run reads into the
+token cache, so the job only opens it; entries already there are kept, an interrupted prepare
+continues. Bad input raises ConfigError, a damaged cache DataCacheError. No torch here, and importing
+this module takes no numpy, tokenizers or datasets, so `slipway submit` checks the cache on the login
+node's base install (`prepare` itself needs the trainer extra: `slipway prepare` says so, see `common.extras`).
 
 In the image, for a preparation job: `python -m trainer.prepare --config runs/RUN/config.yaml`.
 """
@@ -34,9 +29,7 @@ from trainer.data_tokenize import ProgressSink, resolve_tokenizer
 
 
 def check_tokens(data: DataSection, vocab_size: int, train: dict, validation: dict | None = None) -> int:
-    """The trainer's rules on a prepared cache's token counts (an entry's index: `n_tokens`,
-    `vocab_size`, `source`), a ConfigError naming the field and the fix: a model vocabulary as
-    large as the tokenizer's, a window of data.seq_len + 1 tokens in each split. Returns the
+    """The trainer's rules on the prepared entries' indexes (`n_tokens`, `vocab_size`, `source`): the
     tokens data.validation_fraction takes from the end of train (0 with a split of its own)."""
     window, n_train, n_val = data.seq_len + 1, int(train["n_tokens"]), 0
     if int(train.get("vocab_size", 0)) > vocab_size:
@@ -75,27 +68,21 @@ class CacheStatus:
         return tuple(e for e in self.entries if not e.prepared)
 
     def describe(self) -> str:
-        """One line per entry."""
         return "\n".join(e.describe() for e in self.entries)
 
 
 def cache_status(data: DataSection, cache_dir: Path | str) -> CacheStatus:
-    """Where each split of `data` stands in `cache_dir`. Reads no data and
-    takes no lock; a bad local path or split raises ConfigError."""
+    """Where each split of `data` stands in `cache_dir`: reads no data, takes no lock."""
     cache_dir = Path(cache_dir)
     tokenizer = resolve_tokenizer(data.tokenizer)
     entries = tuple(entry_status(role, source, tokenizer, cache_dir) for role, source in run_sources(data).items())
-    builtin = data.dataset == BUILTIN and len(entries) == 1
-    return CacheStatus(cache_dir, entries, data.tokenize_in_job or builtin)
+    return CacheStatus(cache_dir, entries, data.tokenize_in_job or (data.dataset == BUILTIN and len(entries) == 1))
 
 
 def prepare(data: DataSection, cache_dir: Path | str, *, num_proc: int = 0,
             progress: ProgressSink = None) -> CacheStatus:
-    """Tokenize every split of `data` that `cache_dir` lacks, on `num_proc`
-    threads (0: every core this process may use). `progress`: a rich Console
-    to draw a bar on (documents, tokens, tokens/s, ETA), a callback taking
-    `Progress`, or None (a bar on a terminal, else a log line every 30 s).
-    Returns the cache's status after: every entry prepared, `tokenized` where this call did it."""
+    """Tokenize every split of `data` that `cache_dir` lacks on `num_proc` threads (0: every core this
+    process may use), shown on `progress`; the status after, `tokenized` where this call did it."""
     if num_proc < 0:
         raise ConfigError("data.num_proc", f"must be >= 0 (0 = every core), got {num_proc}")
     status = cache_status(data, cache_dir)

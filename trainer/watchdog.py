@@ -58,7 +58,6 @@ COLLECTIVE_MARGIN_SECONDS = 120.0
 # The thread asks queued steps' completion markers this often (and a marker's step counts as
 # done when it notices, so a hang's step and idle time are this exact).
 MARKER_POLL_SECONDS = 0.5
-# A checkpoint that outlasts train.checkpoint_timeout is a failure, not a hang (the module doc).
 SLOW_CHECKPOINT_EXIT = 1
 # With the watchdog off (hang_timeout 0) the collective timeout is the only hang detector: long
 # enough for a first step that compiles (NCCL's own default, 10 min, is not).
@@ -66,10 +65,9 @@ WATCHDOG_OFF_COLLECTIVE_SECONDS = 3600.0
 
 
 def collective_timeout(cfg: TrainSection) -> timedelta:
-    """The timeout of every process group the trainer makes (the default one, the mesh's, the
-    stop vote's, the checkpointer's): longer than the watchdog's limits, the first step's and a
-    checkpoint's included. The preflight's all-reduce keeps its own bound
-    (slurm.preflight_timeout): no watchdog runs there."""
+    """The timeout of every process group the trainer makes (default, mesh, stop vote, checkpointer):
+    longer than the watchdog's limits, the first step's and a checkpoint's included. The preflight's
+    all-reduce keeps its own bound (slurm.preflight_timeout): no watchdog runs there."""
     if cfg.hang_timeout <= 0:
         return timedelta(seconds=WATCHDOG_OFF_COLLECTIVE_SECONDS)
     longest = max(cfg.hang_timeout, cfg.hang_timeout_first_step, cfg.checkpoint_timeout)
@@ -295,8 +293,7 @@ class HangWatchdog:
         self._end(noticed, killer, HANG_EXIT)
 
     def _fire_slow_checkpoint(self, what: str, seconds: float) -> None:
-        """Checkpoint work outlasted train.checkpoint_timeout: say so (not a hang), with the
-        stacks in this rank's log, and end the process as a failure."""
+        """Checkpoint work outlasted train.checkpoint_timeout: no hang, a failure, the stacks in the log."""
         noticed, killer = time.monotonic(), self._exit_timer(SLOW_CHECKPOINT_EXIT)
         text = (f"slow checkpoint: {what} has taken {seconds:.0f} s, over train.checkpoint_timeout "
                 f"({self.checkpoint_timeout_s:g} s), on rank {self.rank} ({node_name()}): the file system where "
@@ -313,16 +310,11 @@ class HangWatchdog:
         self._end(noticed, killer, SLOW_CHECKPOINT_EXIT)
 
     def _end(self, noticed: float, killer: threading.Timer, code: int) -> None:
-        """Flush what this rank said, give the other ranks the dump window to say theirs (a rank
-        that exits first would take the step's other processes down before they dumped), exit `code`."""
+        """Flush what this rank said, wait out the dump window (the module's doc), exit `code`."""
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-            except (OSError, ValueError):
-                pass
-        rest = self.dump_window_s - (time.monotonic() - noticed)
-        if rest > 0:
-            time.sleep(rest)
+        time.sleep(max(0.0, self.dump_window_s - (time.monotonic() - noticed)))
         killer.cancel()
         self._exit(code)
 
@@ -337,22 +329,19 @@ class HangWatchdog:
                     f"{os.getpid()}, job {job_tag()}, at {datetime.now(timezone.utc).isoformat(timespec='seconds')}"
                     "\n\n")
             f.write(flight_recorder(path.with_suffix(".fr.pkl")) + "\n\n")
-            groups = process_group_timeouts()
-            if groups:
+            if groups := process_group_timeouts():
                 f.write("process group timeouts (name backend seconds): " + "; ".join(groups) + "\n\n")
             f.write("Python stacks of every thread (faulthandler), most recent call first:\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
             f.flush()
-            spy = py_spy_dump(os.getpid())
-            if spy:
+            if spy := py_spy_dump(os.getpid()):
                 f.write("\n" + spy + "\n")
 
 
 def flight_recorder(out: Path) -> str:
-    """Write torch's flight recorder trace (the last collectives of every process group, with
-    their state) to `out`; a summary line of the latest one. It records with TORCH_FR_BUFFER_SIZE
-    > 0 (torch's default, which the batch script makes explicit)."""
+    """Write torch's flight recorder trace (the last collectives of every process group, with their
+    state; TORCH_FR_BUFFER_SIZE > 0) to `out`; a summary line of the latest one."""
     try:
         import pickle
 
@@ -380,9 +369,8 @@ def flight_recorder(out: Path) -> str:
 
 
 def py_spy() -> Optional[str]:
-    found = shutil.which("py-spy")
     beside = Path(sys.executable).parent / "py-spy"  # a venv's own, not on PATH in a job
-    return found or (str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None)
+    return shutil.which("py-spy") or (str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None)
 
 
 def py_spy_dump(pid: int) -> str:
@@ -391,10 +379,9 @@ def py_spy_dump(pid: int) -> str:
     exe = py_spy()
     if exe is None:
         return ""
-    try:  # Yama's ptrace_scope 1 lets only ancestors trace a process: allow py-spy, our child
+    # Yama's ptrace_scope 1 lets only ancestors trace a process: allow py-spy, our child
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, ANY
-    except (OSError, AttributeError):
-        pass
     try:
         proc = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
                               timeout=PYSPY_SECONDS)
