@@ -71,14 +71,6 @@ def run_at_edge(work: Callable[[], int], prog: str = "slipway",
     stdout = sys.stdout
     sys.stdout = _Stdout(stdout)  # type: ignore[assignment]
     try:
-        return _run(work, prog, handled, errors or {}, crashes, silent)
-    finally:
-        sys.stdout = stdout
-
-
-def _run(work: Callable[[], int], prog: str, handled: Optional[Callable[[BaseException], Optional[int]]],
-         errors: dict[type, int], crashes: bool, silent: bool) -> int:
-    try:
         try:
             status = work()
         except SystemExit:  # argparse's --help, and its errors: what they printed is flushed too
@@ -99,7 +91,7 @@ def _run(work: Callable[[], int], prog: str, handled: Optional[Callable[[BaseExc
                 return status
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             raise
-        own = next((code for kind, code in errors.items() if isinstance(exc, kind)), None)
+        own = next((code for kind, code in (errors or {}).items() if isinstance(exc, kind)), None)
         if crashes and own is None and not isinstance(exc, ConfigError):
             raise
         line, status = (str(exc), own) if own is not None else error_line(exc)
@@ -108,6 +100,8 @@ def _run(work: Callable[[], int], prog: str, handled: Optional[Callable[[BaseExc
             print(f"{prog + ': ' if prog else ''}error: {mask(one_line(' '.join(line.split())), values=True)}",
                   file=sys.stderr)
         return status
+    finally:
+        sys.stdout = stdout
 
 
 # Why a write to stdout fails: a pipe whose reader ended, a disk or device that is full.

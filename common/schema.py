@@ -50,10 +50,9 @@ def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = Non
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # `PASSWORD: 123456` from a caller that typed it as a number
     name, hint = key if isinstance(key, str) else None, hint if isinstance(hint, str) and hint.startswith("-") else None
-    # Remembered for the strings a config repeats; a mapping or list (a docker auth blob) is judged afresh.
-    found = (_refusal(value, name, policy, edf, hint) if isinstance(value, (str, type(None), bool))
-             else refusal(value, name=name, policy=policy, edf=edf, hint=hint))
-    if found is not None and not accepted(found):
+    # `refusal` passes any other type; a typed mapping's or list's values are judged one by one as read.
+    if isinstance(value, str) and (found := _refusal(value, name, policy, edf, hint)) is not None \
+            and not accepted(found):
         raise ConfigError(where, found.message())
 
 
@@ -222,7 +221,6 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(where or cls.__name__, f"expected a mapping of keys, got {shown(data)}")
-    hints = _hints(cls)
     fields = config_fields(cls)
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown and not record:
@@ -240,7 +238,7 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
                 too_big.append(exc)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(path, "is required")
-    if record and unknown and "others" in hints:
+    if record and unknown and "others" in _hints(cls):
         kwargs["others"] = {key: data[key] for key in unknown}
     obj = cls(**kwargs)
     check = getattr(obj, "check", None)

@@ -140,9 +140,7 @@ class Mount:
     @classmethod
     def from_config_value(cls, value: Any, where: str) -> "Mount":
         """A config file's mount entry (the schema machinery calls this)."""
-        if isinstance(value, Mount):
-            return value
-        return cls.parse(value, where)
+        return value if isinstance(value, Mount) else cls.parse(value, where)
 
     def spec(self) -> str:
         """The documented `SRC:DST[:FLAGS]` text (the short `SRC` is read, never written)."""
@@ -252,10 +250,8 @@ class Environment:
             except ConfigError as exc:
                 found.append(exc)
 
-        if self.edf_name is not None and (not SAFE_NAME.fullmatch(self.edf_name) or self.edf_name.endswith(".toml")):
-            found.append(ConfigError(f"{w}edf_name", f"{self.edf_name!r} is not a safe EDF name: use 1-100 letters, "
-                                                     "digits, '.', '_' or '-', starting with a letter or digit, "
-                                                     "without .toml"))
+        if self.edf_name is not None:
+            run(check_edf_name, self.edf_name, f"{w}edf_name")
         # Before the runtime none return: under every runtime the names are passed, and a
         # config's values land in config.yaml.
         run(self._check_env_from_host)
@@ -307,12 +303,10 @@ class Environment:
         process's) where the job is submitted (or `slipway local`/`shell` run): the job would start without it."""
         missing = [name for name in self.env_from_host if name not in (os.environ if environ is None else environ)]
         if missing:
-            names = ", ".join(missing)
-            first = missing[0]
             raise ConfigError(f"{self.origin}env_from_host",
-                              f"{names} {'is' if len(missing) == 1 else 'are'} not set in this environment, and the "
-                              f"job takes {'it' if len(missing) == 1 else 'them'} from there: `export {first}=...` "
-                              f"{'(and the others) ' if len(missing) > 1 else ''}first")
+                              f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set in this environment, "
+                              f"and the job takes {'it' if len(missing) == 1 else 'them'} from there: `export "
+                              f"{missing[0]}=...` {'(and the others) ' if len(missing) > 1 else ''}first")
 
     def _check_env_entry(self, key: str) -> None:
         value, where = self.env[key], f"{self.origin}env.{key}"
@@ -335,6 +329,12 @@ class Environment:
         clash = next((k for k in sorted(self.annotations) if k.startswith(key + ".")), None)
         if clash is not None:
             raise ConfigError(where, f"is both a value and the table holding {clash!r}: keep one of them")
+
+
+def check_edf_name(name: str, where: str) -> None:
+    if not SAFE_NAME.fullmatch(name) or name.endswith(".toml"):
+        raise ConfigError(where, f"{name!r} is not a safe EDF name: use 1-100 letters, digits, '.', '_' or '-', "
+                                 "starting with a letter or digit, without .toml")
 
 
 def _check_workdir(workdir: str, where: str) -> None:

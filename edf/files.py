@@ -12,11 +12,11 @@ import re
 import tomllib
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import tomli_w
 
-from edf.environment import SAFE_NAME, Environment, Expansion, Mount, is_local_image, split_expansions
+from edf.environment import Environment, Expansion, Mount, check_edf_name, is_local_image, split_expansions
 from common.errors import UNPRINTABLE, ConfigError, bounded, bounded_path, shown, warn
 from common.secrets import file_findings, flag_variable
 from common.yaml import MAX_DEPTH, read_text_bounded
@@ -113,10 +113,8 @@ def _depth(value: Any, limit: int) -> int:
 def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[ConfigError]]:
     """The model built from every well-typed key of a parsed EDF table, and every problem found (not
     only the first); `origin` prefixes the keys in errors."""
-    problems: list[ConfigError] = []
-    unknown = [k for k in doc if k not in TOP_KEYS]
-    for key in unknown:
-        problems.append(ConfigError(f"{origin}{key}", f"unknown EDF key; valid keys: {', '.join(TOP_KEYS)}"))
+    problems = [ConfigError(f"{origin}{key}", f"unknown EDF key; valid keys: {', '.join(TOP_KEYS)}")
+                for key in doc if key not in TOP_KEYS]
 
     def get(key: str, types: tuple[type, ...], expected: str) -> Any:
         value = doc.get(key)
@@ -125,28 +123,22 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
             return None
         return value
 
+    def strings(items: list[tuple[Any, Any]], where: Callable[[Any], str], expected: str = "a string") -> dict:
+        problems.extend(ConfigError(where(k), f"expected {expected}, got {shown(v)}") for k, v in items
+                        if not isinstance(v, str))
+        return {k: v for k, v in items if isinstance(v, str)}
+
     base = get("base_environment", (str, list), "a string or an array of strings")
-    if isinstance(base, str):
-        base = [base] if base else []
-    bases = []
-    for i, entry in enumerate(base or []):
-        if isinstance(entry, str):
-            bases.append(entry)
-        else:
-            problems.append(ConfigError(f"{origin}base_environment[{i}]", f"expected a string, got {shown(entry)}"))
+    bases = strings(list(enumerate([base] if isinstance(base, str) and base else base or [])),
+                    lambda i: f"{origin}base_environment[{i}]")
     mounts = []
     for i, text in enumerate(get("mounts", (list,), 'an array of "SRC:DST[:FLAGS]" strings') or []):
         try:
             mounts.append(Mount.parse(text, f"{origin}mounts[{i}]"))
         except ConfigError as exc:
             problems.append(exc)
-    env_table = {}
-    for key, value in (get("env", (dict,), "a table of strings") or {}).items():
-        if isinstance(value, str):
-            env_table[key] = value
-        else:
-            problems.append(ConfigError(f"{origin}env.{key}", f'expected a string ("" unsets the variable), '
-                                                              f'got {shown(value)}'))
+    env_table = strings(list((get("env", (dict,), "a table of strings") or {}).items()),
+                        lambda key: f"{origin}env.{key}", 'a string ("" unsets the variable)')
     annotations: dict[str, str] = {}
     _flatten(get("annotations", (dict,), "a table") or {}, f"{origin}annotations", "", annotations, problems)
     env = Environment(
@@ -157,7 +149,7 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
         env=env_table,
         annotations=annotations,
         entrypoint=get("entrypoint", (bool,), "true or false"),
-        base_environment=bases,
+        base_environment=list(bases.values()),
         origin=origin,
     )
     # The model's own rules on what parsed (a mount it refused is not in it, so never told twice).
@@ -380,7 +372,5 @@ def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = Fal
 def install_edf(env: Environment, name: str, edf_path: Optional[str] = None, force: bool = False) -> Path:
     """Write the EDF as NAME.toml into the first EDF_PATH directory (created if
     missing), so that `srun --environment=NAME` finds it."""
-    if not SAFE_NAME.fullmatch(name) or name.endswith(".toml"):
-        raise ConfigError("container.edf_name", f"{name!r} is not a safe EDF name: use 1-100 letters, digits, "
-                                                "'.', '_' or '-', starting with a letter or digit, without .toml")
+    check_edf_name(name, "container.edf_name")
     return write_edf(env, edf_search_path(edf_path)[0] / f"{name}.toml", force=force)
