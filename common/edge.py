@@ -1,10 +1,9 @@
 """The command line's edge: every error from what the user gave becomes one line and exit 2.
 
-Each entry point (`slipway`, `python -m trainer.prepare`) runs its
-work through `run_at_edge`, so an error class a new field brings (a path component longer
-than the filesystem takes, a document nested too deeply) is caught here once instead of
-field by field. A genuine bug still gets one line, saying it is one; `SLIPWAY_DEBUG=1`
-shows the traceback instead. Imports neither torch nor the host side (the trainer uses it).
+Each entry point runs its work through `run_at_edge`, so an error class a new field brings (a path
+component too long for the filesystem, a document nested too deeply) is caught here once, not
+field by field. A genuine bug still gets one line, saying it is one; `SLIPWAY_DEBUG=1` shows the
+traceback instead. Imports neither torch nor the host side (the trainer uses it).
 """
 
 from __future__ import annotations
@@ -60,14 +59,11 @@ def error_line(exc: BaseException) -> tuple[str, int]:
 def run_at_edge(work: Callable[[], int], prog: str = "slipway",
                 handled: Optional[Callable[[BaseException], Optional[int]]] = None, *,
                 errors: Optional[dict[type, int]] = None, crashes: bool = False, silent: bool = False) -> int:
-    """`work()`'s exit status; any exception it raises printed as one line (see `error_line`).
-
-    `handled` may deal with an exception itself (returning a status) before the generic rules;
-    `errors` maps exception classes of the work's own to the exit status their one line ends
-    with (the trainer's non-finite stop, a checkpoint that does not fit). With `crashes` any other
-    error than bad input (a ConfigError) or those is the work's crash, not a bug of slipway's: it
-    propagates with its traceback (exit 1), as a training process's must for the log. `silent`: this process says
-    nothing (every rank but the first of a launch, so that an error is one line, not one a rank)."""
+    """`work()`'s exit status; any exception it raises printed as one line (`error_line`). `handled`
+    may take an exception first (returning a status); `errors`: the work's own exception classes and
+    their exit statuses (the trainer's non-finite stop). `crashes`: any other error but a ConfigError
+    is the work's crash, not slipway's bug, and propagates with its traceback (exit 1), as a training
+    process's must for the log. `silent`: say nothing (every rank but the first, so that an error is one line)."""
     stdout = sys.stdout
     sys.stdout = _Stdout(stdout)  # type: ignore[assignment]
     try:

@@ -1,10 +1,8 @@
 """Errors from input, and how a message quotes what the user gave.
 
-`ConfigError` is the one error for bad input: one line naming the field, the rule
-and the fix (the error edge, common/edge.py, prints it and exits 2). Every message
-that quotes a value goes through `shown`, which bounds it and hides what the
-secret policy (common/secrets.py) says must never be printed; and every error's line
-is masked by that policy once more as it is made, whoever built it.
+`ConfigError` is the one error for bad input: one line naming the field, the rule and the fix (the
+error edge, common/edge.py, prints it and exits 2). Every message quoting a value goes through
+`shown`, and every error's line is masked by the secret policy (common/secrets.py) as it is made.
 """
 
 from __future__ import annotations
@@ -60,10 +58,9 @@ def unprintable(text: str, breaks: bool = False) -> Optional[str]:
 
 
 def one_line(text: object) -> str:
-    """`text` as one line of plain text, whatever it holds: a line break, a control character or
-    a bidirectional control is shown escaped (`\\x1b`, `\\u202e`). The one way from a file, a job,
-    a run name, Slurm or the environment to a terminal: every message, listing, table and frame
-    slipway prints passes what it quotes through here."""
+    """`text` as one line of plain text, a line break or a (bidirectional) control shown escaped
+    (`\\x1b`, `\\u202e`): the one way from a file, a job, a run name, Slurm or the environment to a
+    terminal, for every message, listing and table slipway prints."""
     text = str(text)
     if text.isprintable():  # no control, break or format character: the common case, in C
         return text
@@ -82,15 +79,13 @@ def pasteable(word: str) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _masked(text: str) -> str:
-    """`mask` of a value the user gave, remembered (a pure function): config checks quote the same
-    values again and again."""
+    """`mask` of a value the user gave, remembered: config checks quote the same values again and again."""
     return mask(text, values=True)
 
 
 def bounded(text: str, limit: int = MAX_SHOWN) -> str:
-    """`text` cut to `limit` characters (with `...`), for quoting what the user gave in a message;
-    masked first (as a value the user gave), so that no cut leaves a secret's start too short to
-    be recognised."""
+    """`text` cut to `limit` characters (with `...`) for a message; masked first, so that no cut leaves
+    a secret's start too short to be recognised."""
     text = _masked(str(text))
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
@@ -126,11 +121,9 @@ def bounded_path(path: object) -> str:
 
 
 def shown(value: Any, where: str = "") -> str:
-    """A value as the user wrote it, for error messages: at most about MAX_SHOWN characters
-    (a long string, a deep or shared list or a huge number is cut, never printed whole), and
-    never a secret's: the value of a field whose name looks like one (`where`'s last part) is
-    hidden whole, and every secret-looking part of any other (a token, NAME=value) is masked.
-    Every message quoting a value comes through here."""
+    """A value as the user wrote it, for every error message that quotes one: about MAX_SHOWN characters
+    at most (a deep or shared list or a huge number is cut too), and hidden whole where `where`'s last
+    part looks like a secret's name; every secret-looking part of any other is masked."""
     if where and plugins().secret_name(re.split(r"[.\[]", where)[-1] or where):
         return "<a value, hidden: the name looks like a secret's>"
     return bounded(_brief(value, MAX_SHOWN), 2 * MAX_SHOWN)

@@ -144,9 +144,8 @@ def parse_event(line: str) -> Optional[Event]:
 
 
 def read_events(run_dir: str | os.PathLike) -> list[Event]:
-    """The events of a run directory, in the order written (at most the last MAX_EVENTS_BYTES of
-    them); [] before the first. An events.log that is no regular file raises NotRegularFile, one
-    the user may not read PermissionError."""
+    """The events of a run directory, in the order written; [] before the first. An events.log that
+    is no regular file raises NotRegularFile."""
     data = read_tail(RunDir(Path(run_dir)).events, MAX_EVENTS_BYTES)
     lines = [] if data is None else data.decode("utf-8", errors="replace").splitlines()
     return [e for line in lines if (e := parse_event(line)) is not None]
@@ -154,6 +153,5 @@ def read_events(run_dir: str | os.PathLike) -> list[Event]:
 
 def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,
                  when: Optional[datetime | str] = None) -> None:
-    """Append one event to RUN/events.log: one write(2) of one whole line under O_APPEND, so
-    concurrent writers (the batch script, several ranks, the host) never interleave inside a line."""
+    """Append one event to RUN/events.log (`append_line`: concurrent writers never interleave in a line)."""
     append_line(RunDir(Path(run_dir)).events, format_event(job, text, when))

@@ -1,11 +1,10 @@
 """The optional installs a command may need beyond the base one, said in one line when missing.
 
-`pip install slipway` (plumbum, pyyaml, tomli-w, rich) is the login node's install: every
-host command runs on it, and `slipway submit` looks at the token cache without numpy. The
-few commands that do the trainer's work on this machine (`slipway prepare` here, `slipway
-local`, `slipway plot`) call `require` before they start, so a missing extra is one line
-naming the pip install, exit 2, with nothing written, not an import traceback halfway
-through. Imports neither torch nor the host side; looking a module up imports nothing.
+`pip install slipway` is the login node's install: every host command runs there, and `slipway
+submit` reads the token cache without numpy. The commands that do the trainer's work on this
+machine (`slipway prepare`, `local`, `plot`) call `require` first, so a missing extra is one line
+naming the pip install, exit 2, nothing written, not an import traceback halfway through. Imports
+neither torch nor the host side; looking a module up imports nothing.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ def missing(modules: Iterable[str]) -> list[str]:
 
 
 def require(command: str, extra: str, modules: Iterable[str] | None = None, instead: str = "") -> None:
-    """Raise ConfigError (one line, exit 2 at the CLI) unless `modules` (default: all of
-    `extra`'s) can be imported here; `instead` names another way to the same result."""
+    """A ConfigError unless `modules` (default: all of `extra`'s) import here; `instead`: another way
+    to the same result."""
     absent = missing(EXTRAS[extra] if modules is None else modules)
     if absent:
         raise ConfigError(command, f"needs {', '.join(absent)} (the {extra} extra), which this Python "

@@ -1,11 +1,10 @@
-"""Atomic file writes, bounded reads and file digests, shared by every layer (the trainer, the run
-directory, the EDF, the image and code snapshots). No torch here.
+"""Atomic file writes, bounded reads and file digests, shared by every layer. No torch here.
 
-A reader sees the old file or the new one, never half of one: write a temp file beside the
-target, fsync it, rename it over the target. A reader of a file that others may have made (a
-run directory is shared by a team and written by jobs) opens it only when it is a regular file,
-judged without blocking (a FIFO would hang an open or a read, a device would never end), and
-reads at most a bounded part of it (`regular_fd`, `open_regular`, `read_file`, `read_tail`).
+A writer writes a temp file beside the target, fsyncs it and renames it over the target: a reader
+sees the old file or the new one, never half of one. A reader of a file that others may have made
+(a run directory is shared by a team and written by jobs) opens it only when it is a regular file,
+judged without blocking (a FIFO would hang an open or a read, a device would never end), and reads
+a bounded part of it.
 """
 
 from __future__ import annotations
@@ -100,10 +99,9 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat
 
 
 def regular_fd(path: str | os.PathLike) -> Optional[tuple[int, os.stat_result]]:
-    """A descriptor of `path` for reading, and its stat, when it is a regular file (a link to one
-    followed); None where nothing is. Anything else raises NotRegularFile, decided by fstat on a
-    descriptor opened with O_NONBLOCK, so that a FIFO never blocks the open; a file the user may
-    not read raises PermissionError. The caller closes it."""
+    """A read descriptor of `path` and its stat when it is a regular file (a link to one followed);
+    None where nothing is. Anything else raises NotRegularFile, judged by fstat on an O_NONBLOCK
+    descriptor, so that a FIFO never blocks the open. The caller closes it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
@@ -116,8 +114,7 @@ def regular_fd(path: str | os.PathLike) -> Optional[tuple[int, os.stat_result]]:
 
 
 def open_regular(path: str | os.PathLike) -> Optional[BinaryIO]:
-    """`path` opened for reading when it is a regular file (`regular_fd`'s rules); None where
-    nothing is."""
+    """`path` opened for reading by `regular_fd`'s rules; None where nothing is."""
     found = regular_fd(path)
     if found is None:
         return None
@@ -126,7 +123,7 @@ def open_regular(path: str | os.PathLike) -> Optional[BinaryIO]:
 
 
 def file_kind(mode: int) -> str:
-    """`a FIFO`, `a directory`...: what a file of st_mode `mode` is, for a message."""
+    """What a file of st_mode `mode` is, for a message: `a FIFO`, `a directory`..."""
     return next((name for test, name in _KINDS if test(mode)), "a regular file" if stat.S_ISREG(mode) else
                 "not a regular file")
 
@@ -162,10 +159,8 @@ def read_file(path: str | os.PathLike, limit: int) -> Optional[tuple[Optional[by
 
 
 def read_json(path: str | os.PathLike, limit: int = 64 << 20) -> Optional[dict[str, Any]]:
-    """The JSON object a state file of ours holds, read by `read_file`'s rules (such files sit in
-    folders a team shares: a FIFO there never blocks, a huge file is never read whole); None where
-    it is missing, unreadable, larger than `limit` or damaged (a writer cut short, anything but an
-    object), which each reader takes as "none"."""
+    """The JSON object a state file of ours holds, read by `read_file`'s rules; None where it is
+    missing, unreadable, larger than `limit` or damaged (anything but an object): "none" to each reader."""
     try:
         found = read_file(path, limit)
         data = json.loads(found[0]) if found and found[0] is not None else None

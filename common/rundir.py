@@ -1,12 +1,9 @@
-"""The run directory: every path a run holds, and the lines one side writes there for the other
-to read, each defined once (the host's run model, the batch script's renderer, the local
-launcher and the trainer all take their paths from `RunDir`; the batch script gets them as the
-variables `RunDir.shell_paths` renders, never composing one itself). Also what the three agree on
-beyond paths: the exit codes of a launch (the *_EXIT constants), the code snapshot's
-record, the rule for a whole checkpoint, a save's record (`SaveLine`) and the hang dump's first
-line (`HangLine`), by keys.
-events.log's lines are common/events.py's. Stdlib only: the trainer imports it, and so does the
-host (never the other way round).
+"""The run directory: every path a run holds, defined once in `RunDir` (the host, the batch
+script's renderer, the local launcher and the trainer take their paths from it; the batch script
+gets them as the variables `RunDir.shell_paths` renders, never composing one), and what the sides
+agree on beyond paths: a launch's exit codes, the code snapshot's record, the rule for a whole
+checkpoint, and the `SaveLine` and `HangLine` records. events.log's lines are common/events.py's.
+Stdlib only: the trainer imports it, and so does the host.
 """
 
 from __future__ import annotations
@@ -175,11 +172,9 @@ def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[int]:
 
 @dataclass(frozen=True)
 class SaveLine(TaggedLine):
-    """One completed checkpoint save, a line of saves.log (trainer/checkpoint.py writes it; the batch
-    script's warning lead reads it, job_lib.sh `warning_lead`): `slipway-save step=N ms=DURATION
-    bytes=SIZE step_ms=STEP_TIME at=TIME`, whole milliseconds, as bash reckons in integers. The
-    duration runs from the save's start to its commit (an asynchronous save's writing included);
-    the step time is the mean of the steps logged before it (0: none yet)."""
+    """One completed checkpoint save, a line of saves.log (trainer/checkpoint.py writes it, job_lib.sh
+    `warning_lead` reads it), in whole milliseconds as bash reckons: `ms` from the save's start to its
+    commit (an asynchronous save's writing included), `step_ms` the mean step before it (0: none yet)."""
 
     step: int
     ms: int
@@ -192,10 +187,9 @@ class SaveLine(TaggedLine):
 
 @dataclass(frozen=True)
 class HangLine(TaggedLine):
-    """The first line of a hang dump (trainer/watchdog.py writes it; the batch script, `slipway
-    status` and the local launcher read it): `slipway-hang rank=R host=H step=S idle=SECONDS
-    limit=SECONDS answered=on-time|late`. `answered` late: the rank was frozen or starved until
-    the teardown woke it."""
+    """The first line of a hang dump (trainer/watchdog.py writes it; the batch script, `slipway status`
+    and the local launcher read it). `answered=late`: the rank was frozen or starved until the teardown
+    woke it."""
 
     rank: int
     host: str

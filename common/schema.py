@@ -1,10 +1,9 @@
-"""The schema engine: a dict from YAML into nested dataclasses, strictly, and back; and a record
-slipway wrote itself (manifest.json) read by the same rules (`from_dict(..., record=True)`).
+"""The schema engine: a dict from YAML into nested dataclasses, strictly, and back; a record
+slipway wrote itself (manifest.json) is read by the same rules (`from_dict(..., record=True)`).
 Written by hand, not with dacite or pydantic: the image needs no extra package, and every error
-names the dotted field and the valid keys. Fields with metadata {"config": False} are not the
-config's. Every string of a config reaches a file, a command line or a terminal, so the secret
-policy (common/secrets.py) judges every field as it is read, by what the field holds (metadata
-{"secrets": ...}; an identifier where it says nothing; `EDF_TEXT = True`: `$$` is a literal `$`)."""
+names the dotted field and the valid keys. Every string of a config reaches a file, a command line
+or a terminal, so the secret policy (common/secrets.py) judges every field as it is read, by what
+the field holds (metadata {"secrets": ...}, default an identifier; `EDF_TEXT`: `$$` is a literal `$`)."""
 
 from __future__ import annotations
 
@@ -251,8 +250,7 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
 
 def field_of(cls: type, name: str, value: Any, where: str, *, record: bool = False) -> Any:
     """Field `name` of section `cls` set to `value`, read by its type and secret policy (a `record`'s:
-    none), with no check of the section (its caller checks the section it is set in): how
-    `from_dict` and `part_of` read each field."""
+    none), with no check of the section: its caller checks that."""
     f = config_fields(cls)[name]
     return _convert(_hints(cls)[name], value, f"{where}.{name}" if where else name,
                     RECORD if record else f.metadata.get("secrets", IDENTIFIER), bool(getattr(cls, "EDF_TEXT", False)),
@@ -260,10 +258,8 @@ def field_of(cls: type, name: str, value: Any, where: str, *, record: bool = Fal
 
 
 def part_of(cls: type, data: Any, where: str) -> dict:
-    """The keys `data` sets of section `cls`, each read by its field's type and secret policy as
-    `from_dict` reads it (unknown keys refused, listing the valid ones), with no defaults filled
-    and no checks between fields: a part of a section (a cluster profile's) that is merged into a
-    whole config, which is then read and checked whole. Returns `data` as given (the raw values)."""
+    """`data` as given, each key read as `from_dict` reads it but with no defaults and no checks
+    between fields: a part of a section (a cluster profile's) merged into a config later read whole."""
     if not isinstance(data, dict):
         raise ConfigError(where, f"expected a mapping of keys, got {shown(data)}")
     fields = config_fields(cls)

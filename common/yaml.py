@@ -1,10 +1,8 @@
-"""Bounded YAML: configs, overrides and EDF files read with the schema's rules, never YAML 1.1's.
-
-PyYAML implements YAML 1.1, where `10:00` is the integer 600, `0123` is 83, `yes` is true and a
-second `train:` silently replaces the first. Here every plain scalar stays the text the user
-wrote (`Plain`), but YAML 1.2's null, and the dataclass field it lands in converts it
-(common/schema.py); a duplicate key is an error naming both lines. The same reader serves
-configs, overrides and the frozen runs/RUN/config.yaml the trainer reads (no extra package).
+"""Bounded YAML: configs, overrides, EDF files and the frozen runs/RUN/config.yaml the trainer
+reads, by the schema's rules, never YAML 1.1's (PyYAML's: `10:00` is 600, `0123` is 83, `yes` is
+true, a second `train:` silently replaces the first). Every plain scalar but YAML 1.2's null stays
+the text written (`Plain`), for the field it lands in to convert (common/schema.py); a duplicate
+key is an error naming both lines. No extra package.
 """
 
 from __future__ import annotations
