@@ -1,9 +1,8 @@
-"""The one container environment model, and every rule it must satisfy.
-
-`Environment` is both the config tree's `container:` section and what an EDF file holds. Strings
-stay in EDF syntax: `${VAR}` and `${VAR:-default}` are left for the Container Engine (or, under
-pyxis, the batch script) to expand, `$$` is a literal `$`. The rules are those of the CSCS EDF
-reference (eth-cscs/cscs-docs `docs/software/container-engine/edf.md`).
+"""The one container environment model, and every rule it must satisfy (those of the CSCS EDF
+reference, eth-cscs/cscs-docs `docs/software/container-engine/edf.md`). `Environment` is both the
+config's `container:` section and what an EDF file holds. Strings stay in EDF syntax: `${VAR}` and
+`${VAR:-default}` are left for the Container Engine (under pyxis, the batch script) to expand, `$$`
+is a literal `$`.
 """
 
 from __future__ import annotations
@@ -231,8 +230,7 @@ class Environment:
         return self.runtime != "none"
 
     def check(self, where: Optional[str] = None) -> None:
-        """Every rule of the EDF reference; raises the first `ConfigError`, naming the key.
-        `where` (the config section's name) becomes the prefix of every error."""
+        """Raises the first of `problems()`; `where` (the config section's name) prefixes every error."""
         if where is not None:
             self.origin = f"{where}." if where else ""
         problems = self.problems()
@@ -300,7 +298,7 @@ class Environment:
 
     def require_host_env(self, environ: Optional[dict[str, str]] = None) -> None:
         """A one-line error if a variable of `env_from_host` is not set in `environ` (default: this
-        process's) where the job is submitted (or `slipway local`/`shell` run): the job would start without it."""
+        process's) where the job is submitted: the job would start without it."""
         missing = [name for name in self.env_from_host if name not in (os.environ if environ is None else environ)]
         if missing:
             raise ConfigError(f"{self.origin}env_from_host",

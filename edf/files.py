@@ -78,7 +78,6 @@ def parse_edf(source: Union[str, os.PathLike]) -> Environment:
 
 
 def _read(path: Path, missing: str) -> str:
-    """The text of the EDF file `path`; a missing or unreadable one is a one-line error naming it."""
     try:
         return read_text_bounded(path, str(path))
     except FileNotFoundError:
@@ -158,10 +157,8 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
 
 def check_edf(source: Union[str, os.PathLike], *,
               notes: Optional[list[str]] = None) -> tuple[Optional[Environment], list[ConfigError]]:
-    """A hand-written EDF read and checked whole (`slipway edf --check FILE`): (its model, or None if
-    unreadable; every problem in it and in the base environments it names). With `notes` (a list to
-    fill), the image file and the mount sources must also exist here; those it cannot judge from
-    here (an unset `${VAR}`) are noted there."""
+    """`slipway edf --check FILE`: (its model, or None if unreadable; every problem in it and its bases).
+    With `notes` (a list to fill), its host paths must exist here too (`missing_host_paths`)."""
     path = Path(source)
     origin = f"{path}:"
     try:
@@ -185,8 +182,8 @@ def check_edf(source: Union[str, os.PathLike], *,
 
 
 def secret_lines(text: str, where: str) -> list[str]:
-    """A hand-written EDF's lines that hold what looks like a secret, by detect-secrets' scan of it:
-    the file is the user's, read as it is; these are said by line, never by value (`edf --check`)."""
+    """A hand-written EDF's lines that detect-secrets' scan finds a secret on: the file is the user's,
+    so they are warned of by line, never by value, and not refused."""
     lines, out = text.splitlines(), {}
     for found in file_findings(text.encode(), "edf.toml"):  # one line, once: the first plugin's word for it
         key = re.match(r"""\s*["']?([\w.-]*)""", lines[found.line_number - 1]).group(1)  # type: ignore[union-attr]
@@ -199,8 +196,8 @@ def secret_lines(text: str, where: str) -> list[str]:
 
 
 def missing_host_paths(env: Environment, origin: str, notes: list[str]) -> list[ConfigError]:
-    """The image file and mount sources of `env` that do not exist here (srun would fail on
-    them); a path with an unset `${VAR}` (no default) cannot be judged here and is noted."""
+    """The image file and mount sources of `env` that do not exist here (srun would fail on them); a
+    path with an unset `${VAR}` cannot be judged here and is noted."""
     problems: list[ConfigError] = []
     paths = [(f"{origin}image", "image file", env.image)] if env.image and is_local_image(env.image) else []
     paths += [(f"{origin}mounts[{i}]", "mount source", m.src) for i, m in enumerate(env.mounts)]
@@ -224,8 +221,7 @@ def missing_host_paths(env: Environment, origin: str, notes: list[str]) -> list[
 
 
 def _expanded_here(value: str, where: str) -> Union[str, Expansion]:
-    """`value` with `${VAR}` from this environment (a default where VAR is unset), or the first
-    expansion it cannot resolve."""
+    """`value` with `${VAR}` from this environment (else its default), or the first it cannot resolve."""
     out = []
     for piece in split_expansions(value, where):
         if not isinstance(piece, Expansion):
@@ -297,9 +293,8 @@ def find_edf(entry: str, where: str = "environment", edf_path: Optional[str] = N
 
 
 def resolve_base(env: Environment, edf_path: Optional[str] = None) -> Environment:
-    """`env` with its `base_environment` chain loaded and merged (what the Container
-    Engine evaluates): bases in order, then `env` itself; a later scalar wins, later
-    mounts and env entries are appended. `edf_path` defaults to $EDF_PATH, then ~/.edf."""
+    """`env` with its `base_environment` chain merged as the Container Engine does: bases in order,
+    then `env`; a later scalar wins, later mounts and env entries are appended."""
     stack = (env.source.resolve(),) if env.source is not None else ()
     return _resolve(env, edf_path, stack, 0)
 
@@ -351,8 +346,7 @@ def _merge(base: Environment, child: Environment) -> Environment:
 
 
 def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = False) -> Path:
-    """Write `render_edf(env)` to `path` atomically; the same content there is left alone,
-    different content refused unless `force`."""
+    """Write `render_edf(env)` to `path` atomically; different content there is refused unless `force`."""
     path = Path(path)
     text = render_edf(env)
     if path.is_dir():
@@ -370,7 +364,7 @@ def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = Fal
 
 
 def install_edf(env: Environment, name: str, edf_path: Optional[str] = None, force: bool = False) -> Path:
-    """Write the EDF as NAME.toml into the first EDF_PATH directory (created if
-    missing), so that `srun --environment=NAME` finds it."""
+    """Write the EDF as NAME.toml into the first EDF_PATH directory, where `srun --environment=NAME`
+    finds it."""
     check_edf_name(name, "container.edf_name")
     return write_edf(env, edf_search_path(edf_path)[0] / f"{name}.toml", force=force)
