@@ -152,10 +152,8 @@ def _brief(value: Any, room: int) -> str:
             if used >= room:
                 parts.append("...")
                 break
-            if isinstance(value, dict):
-                text = f"{_brief(item[0], room - used)}: {_brief(item[1], room - used)}"
-            else:
-                text = _brief(item, room - used)
+            text = (f"{_brief(item[0], room - used)}: {_brief(item[1], room - used)}" if isinstance(value, dict)
+                    else _brief(item, room - used))
             parts.append(text)
             used += len(text) + 2
         return ("{%s}" if isinstance(value, dict) else "[%s]") % ", ".join(parts)

@@ -91,8 +91,7 @@ def layout_advice(cfg: Any) -> Optional[str]:
     default = LAYOUT_DEFAULTS.get(model.size)
     if default is None or parallel.tp * parallel.pp <= default.tp:
         return None
-    gpus = parallel.world_size
-    dp = gpus // default.tp
+    dp = parallel.world_size // default.tp
     sequences = train.micro_batch_size * train.grad_accum_steps * parallel.dp  # the global batch
     split, costs = [], []
     if parallel.tp > default.tp:

@@ -139,7 +139,7 @@ TEXT = "text"  # may carry a credential: also by the name it is given and each w
 PASSTHROUGH = "passthrough"  # container.env: TEXT, and NAME = "${NAME}", the host's own variable
 REFERENCE = "reference"  # container.annotations: TEXT, and one ${VAR}, expanded as the container starts
 OWN_TEXT = "own text"  # launch.pre_launch: the user's own shell lines, warned about, never refused
-_EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}")
+EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}")  # ${NAME}, ${NAME:-default}: EDF text's only expansion
 # While a config file is read (common/baseline.py `accepting`): what its own conventions accept.
 ACCEPTING: contextvars.ContextVar[Any] = contextvars.ContextVar("accepting", default=None)
 
@@ -180,18 +180,17 @@ def refusal(value: object, *, name: Optional[str] = None, policy: str = IDENTIFI
     text = policy != IDENTIFIER
     if name is None and hint and "=" not in hint and not value.startswith("-"):  # `--token VALUE` in a list
         name = hint.lstrip("-") if plugins().secret_name(hint.lstrip("-")) else None
+    passed = policy == PASSTHROUGH and value == f"${{{name}}}" or policy == REFERENCE and EXPANSION.fullmatch(value)
     if text and name is not None and plugins().secret_name(name) and value and not plugins().is_path(value) \
-            and not plugins().plain(value, name) and not (policy == PASSTHROUGH and value == f"${{{name}}}") \
-            and not (policy == REFERENCE and _EXPANSION.fullmatch(value)):
+            and not plugins().plain(value, name) and not passed:
         return Refusal(f"a secret (its name ends in {plugins().secret_name(name)})", _variable(name), policy=policy,
                        secret=value)
     found = find_values(value, hint=name or hint) if text else find_secrets(value)
     if found:
         return Refusal(found[0].what, _variable(found[0].name or name or "NAME"), policy=policy,
                        secret=value[found[0].start:found[0].end])
-    for ref in _EXPANSION.findall(value.replace("$$", "") if edf else value):
-        if plugins().secret_name(ref) and not ((policy == PASSTHROUGH and value == f"${{{ref}}}" and ref == name)
-                                     or (policy == REFERENCE and _EXPANSION.fullmatch(value))):
+    for ref in EXPANSION.findall(value.replace("$$", "") if edf else value):
+        if plugins().secret_name(ref) and not passed:
             return Refusal(f"an expansion of ${{{ref}}}", ref, expansion=True)
     return None
 

@@ -15,13 +15,12 @@ from typing import Any, Literal, Optional, Union
 
 from common.errors import ConfigError, shown
 from common.schema import FREE_TEXT
-from common.secrets import PASSTHROUGH, REFERENCE, refusal
+from common.secrets import EXPANSION, PASSTHROUGH, REFERENCE, refusal
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # names are matched whole (fullmatch)
 NOT_A_NAME = "is not a valid environment variable name (letters, digits, _; not starting with a digit)"
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 ANNOTATION_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
-EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}")
 _DOLLAR = re.compile(rf"\$\$|{EXPANSION.pattern}|\$\{{")  # what `split_expansions` reads; a lone `$` is text
 
 # Bind-mount options of enroot's mount helper (NVIDIA/enroot `bin/enroot-mount.c`: pyxis and the
@@ -302,9 +301,9 @@ class Environment:
         missing = [name for name in self.env_from_host if name not in (os.environ if environ is None else environ)]
         if missing:
             raise ConfigError(f"{self.origin}env_from_host",
-                              f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set in this environment, "
-                              f"and the job takes {'it' if len(missing) == 1 else 'them'} from there: `export "
-                              f"{missing[0]}=...` {'(and the others) ' if len(missing) > 1 else ''}first")
+                              f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set in this "
+                              f"environment, and the job takes {'it' if len(missing) == 1 else 'them'} from there: "
+                              f"`export {missing[0]}=...` {'(and the others) ' if len(missing) > 1 else ''}first")
 
     def _check_env_entry(self, key: str) -> None:
         value, where = self.env[key], f"{self.origin}env.{key}"

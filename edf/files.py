@@ -70,10 +70,9 @@ def parse_edf(source: Union[str, os.PathLike]) -> Environment:
         text = _read(path, "no such EDF file: check the path, or pass the TOML text itself")
     else:
         text = str(source)
-    env, problems = _from_document(load_toml(text, str(path) if path else "EDF"), f"{path}:" if path else "")
+    env, problems = _from_document(load_toml(text, str(path) if path else "EDF"), path)
     if problems:
         raise problems[0]
-    env.source = path
     return env
 
 
@@ -109,9 +108,10 @@ def _depth(value: Any, limit: int) -> int:
     return 1 + max((_depth(v, limit - 1) for v in items), default=0)
 
 
-def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[ConfigError]]:
-    """The model built from every well-typed key of a parsed EDF table, and every problem found (not
-    only the first); `origin` prefixes the keys in errors."""
+def _from_document(doc: dict[str, Any], path: Optional[Path]) -> tuple[Environment, list[ConfigError]]:
+    """The model built from every well-typed key of a parsed EDF table (of file `path`, if any), and
+    every problem found, not only the first."""
+    origin = f"{path}:" if path else ""
     problems = [ConfigError(f"{origin}{key}", f"unknown EDF key; valid keys: {', '.join(TOP_KEYS)}")
                 for key in doc if key not in TOP_KEYS]
 
@@ -150,6 +150,7 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
         entrypoint=get("entrypoint", (bool,), "true or false"),
         base_environment=list(bases.values()),
         origin=origin,
+        source=path,
     )
     # The model's own rules on what parsed (a mount it refused is not in it, so never told twice).
     return env, problems + env.problems()
@@ -160,14 +161,12 @@ def check_edf(source: Union[str, os.PathLike], *,
     """`slipway edf --check FILE`: (its model, or None if unreadable; every problem in it and its bases).
     With `notes` (a list to fill), its host paths must exist here too (`missing_host_paths`)."""
     path = Path(source)
-    origin = f"{path}:"
     try:
         text = _read(path, "no such EDF file: check the path")
         doc = load_toml(text, str(path))
     except ConfigError as exc:
         return None, [exc]
-    env, problems = _from_document(doc, origin)
-    env.source = path
+    env, problems = _from_document(doc, path)
     for line in secret_lines(text, str(path)):
         warn(line)
     resolved = env
@@ -177,7 +176,7 @@ def check_edf(source: Union[str, os.PathLike], *,
         except ConfigError as exc:
             problems.append(exc)
     if notes is not None and not problems:
-        problems += missing_host_paths(resolved, origin, notes)
+        problems += missing_host_paths(resolved, f"{path}:", notes)
     return env, problems
 
 
@@ -286,8 +285,7 @@ def find_edf(entry: str, where: str = "environment", edf_path: Optional[str] = N
         candidate = directory / f"{name}.toml"
         if candidate.is_file():
             return candidate
-    searched = ":".join(map(str, dirs))
-    raise ConfigError(where, f"no EDF named {name!r} ({name}.toml) in EDF_PATH {searched!r}: "
+    raise ConfigError(where, f"no EDF named {name!r} ({name}.toml) in EDF_PATH {':'.join(map(str, dirs))!r}: "
                              "install it with slipway edf CONFIG --install (the config whose environment it is) "
                              "or give a path")
 
@@ -321,24 +319,19 @@ def _resolve(env: Environment, edf_path: Optional[str], stack: tuple[Path, ...],
 
 
 def _merge(base: Environment, child: Environment) -> Environment:
-    def pick(name: str) -> Any:
-        value = getattr(child, name)
-        return getattr(base, name) if value is None else value
-
-    # A child's entry, by value or from the host, replaces the base's of the same name.
+    # A child's entry, by value or from the host, replaces the base's of the same name (placed as the child's).
     from_host = [n for n in base.env_from_host if n not in child.env]
     from_host += [n for n in child.env_from_host if n not in from_host]
-    env = {k: v for k, v in base.env.items() if k not in child.env and k not in child.env_from_host}
-    env.update(child.env)
     return replace(  # the child's runtime, edf_name and keep_builds
         child,
         image=child.image or base.image,
         mounts=base.mounts + [m for m in child.mounts if m not in base.mounts],
-        env=env,
+        env={**{k: v for k, v in base.env.items() if k not in child.env and k not in child.env_from_host}, **child.env},
         env_from_host=from_host,
         annotations={**base.annotations, **child.annotations},
         base_environment=[],
-        **{name: pick(name) for name in ("workdir", "writable", "entrypoint", "mount_home")},
+        **{name: getattr(base, name) if getattr(child, name) is None else getattr(child, name)
+           for name in ("workdir", "writable", "entrypoint", "mount_home")},
     )
 
 

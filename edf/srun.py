@@ -128,9 +128,8 @@ def _exports(env: Environment) -> tuple[list[tuple[str, str]], list[str]]:
             warnings.append(f"{where} is empty: the Container Engine unsets it, pyxis sets it to an empty string")
         refs = references(value, where)
         if refs:
-            names = ", ".join(f"${{{r}}}" for r in refs)
-            warnings.append(f"{where} uses {names}: pyxis takes it from the batch script's environment, the "
-                            "Container Engine from the image's environment first")
+            warnings.append(f"{where} uses {', '.join(f'${{{r}}}' for r in refs)}: pyxis takes it from the batch "
+                            "script's environment, the Container Engine from the image's environment first")
     return exports, warnings
 
 
