@@ -51,8 +51,7 @@ _BREAKS = re.compile("[\x00\n\r\v\f\x1c-\x1e\x85\u2028\u2029]")  # what ends a l
 
 
 def unprintable(text: str, breaks: bool = False) -> Optional[str]:
-    """The first character of `text` that `one_line` escapes (with `breaks`: the first line break
-    or NUL), as it shows it (`\\x1b`); None where there is none."""
+    """The first character `one_line` escapes (`breaks`: the first line break or NUL) as it shows it, or None."""
     found = (_BREAKS if breaks else UNPRINTABLE).search(text)
     return one_line(found[0]) if found else None
 
@@ -111,8 +110,7 @@ MAX_PATH_SHOWN = 400  # a path is what the user must find: longer than other val
 
 
 def bounded_path(path: object) -> str:
-    """A path for an error message: whole up to MAX_PATH_SHOWN characters, else its start and
-    its end (the file name) around `...`."""
+    """A path for a message: whole up to MAX_PATH_SHOWN characters, else its start and end around `...`."""
     text = mask(str(path))
     if len(text) <= MAX_PATH_SHOWN:
         return text

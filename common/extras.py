@@ -29,8 +29,7 @@ def missing(modules: Iterable[str]) -> list[str]:
 
 
 def require(command: str, extra: str, modules: Iterable[str] | None = None, instead: str = "") -> None:
-    """A ConfigError unless `modules` (default: all of `extra`'s) import here; `instead`: another way
-    to the same result."""
+    """A ConfigError unless `modules` (default: `extra`'s) import here; `instead`: another way to the result."""
     absent = missing(EXTRAS[extra] if modules is None else modules)
     if absent:
         raise ConfigError(command, f"needs {', '.join(absent)} (the {extra} extra), which this Python "

@@ -170,8 +170,7 @@ def read_json(path: str | os.PathLike, limit: int = 64 << 20) -> Optional[dict[s
 
 
 def read_tail(path: str | os.PathLike, limit: int) -> Optional[bytes]:
-    """At most the last `limit` bytes of the regular file `path` (`regular_fd`'s rules), from the
-    start of a line where they are cut; None where there is no file."""
+    """At most the last `limit` bytes of `path` (`regular_fd`'s rules), from a line's start; None if no file."""
     found = regular_fd(path)
     if found is None:
         return None
@@ -201,8 +200,7 @@ def closed_by(path: str | os.PathLike) -> Optional[tuple[Path, str]]:
 
 
 def ownership(path: str | os.PathLike) -> str:
-    """`owned by NAME, mode 0700`: why a path may be closed to this user, for a message ('' where
-    even that cannot be told)."""
+    """`owned by NAME, mode 0700`, for a message about a path closed to this user ('' where unknown)."""
     try:
         st = os.stat(path)
     except OSError:

@@ -51,8 +51,7 @@ LAYOUT_DEFAULTS: dict[str, LayoutDefault] = {
 
 def gpu_memory_estimate(model: Any, micro_batch_size: int, seq_len: int, dp: int, reshard_after_forward: bool,
                         activation_checkpointing: str) -> dict[str, float]:
-    """Bytes one GPU holds at the peak of an FSDP2 bf16 step, by part (docs/trainer.md#layouts);
-    `model` is a ModelSection. Arithmetic, not a measurement."""
+    """Bytes by part one GPU holds at an FSDP2 bf16 step's peak, by arithmetic (docs/trainer.md#layouts)."""
     params = model.num_params()
     tokens = micro_batch_size * seq_len
     per_block = params / model.num_layers  # gathered bf16 weights: every block's, or two at a time
@@ -117,8 +116,7 @@ def layout_advice(cfg: Any) -> Optional[str]:
 
 def memory_report(cfg: Any, dp: int, reshard_after_forward: bool,
                   gpu_bytes: Optional[int]) -> tuple[str, Optional[str]]:
-    """The trainer's log line of `gpu_memory_estimate`, and a warning line when it passes
-    GPU_BUDGET_FRACTION of `gpu_bytes` (None: no GPU)."""
+    """The trainer's log line of `gpu_memory_estimate`, and a warning where it passes GPU_BUDGET_FRACTION."""
     train = cfg.train
     parts = gpu_memory_estimate(cfg.model, train.micro_batch_size, cfg.data.seq_len, dp, reshard_after_forward,
                                 train.activation_checkpointing)
@@ -231,7 +229,6 @@ def cpu_step_seconds(cfg: Any, rates: dict[str, dict[str, float]], dtype: str) -
 
 
 def checkpoint_bytes(num_params: int) -> int:
-    """The room one more checkpoint of a model of `num_params` parameters needs: the fp32 weights and
-    AdamW's two moments, about 12 bytes a parameter."""
+    """One more checkpoint's bytes: the fp32 weights and AdamW's two moments, about 12 a parameter."""
     return 12 * num_params
 

@@ -40,8 +40,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def latest_by_step(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records of the history that stands, in step order (the module's rule); restart records and
-    records without a step are left out."""
+    """The history that stands (the module's rule) in step order, without restart or stepless records."""
     kept: dict[tuple[str, int], dict[str, Any]] = {}
     for record in records:
         step = record.get("step")

@@ -101,8 +101,7 @@ class RunDir:
         return self.gutil / f"{node}.gutil"
 
     def shell_paths(self, checkpoint_dir: str) -> dict[str, Path]:
-        """The batch script's names for these paths (its settings block sets them once; the job
-        library uses only these)."""
+        """The batch script's names for these paths: the job library uses only these."""
         return {"RUN_DIR": self.path, "EVENTS_LOG": self.events, "LOGS": self.logs, "HEARTBEAT": self.heartbeat,
                 "HEARTBEATS": self.heartbeats, "GUTIL": self.gutil, "HANGS": self.hangs, "EXITS": self.exits,
                 "STOP_FILE": self.stop_file, "SAVES": self.saves, "CHECKPOINT_DIR": self.checkpoints(checkpoint_dir)}
@@ -161,8 +160,7 @@ def checkpoint_complete(path: Path) -> bool:
 
 
 def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[int]:
-    """The steps of the complete checkpoints in `ckpt_dir` (the trainer's `step-NNNNNN/`; the batch
-    script's latest_checkpoint reads the same), ascending."""
+    """The steps of `ckpt_dir`'s complete checkpoints, ascending (job_lib.sh's latest_checkpoint agrees)."""
     path = Path(ckpt_dir)
     if not path.is_dir():
         return []

@@ -249,8 +249,7 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
 
 
 def field_of(cls: type, name: str, value: Any, where: str, *, record: bool = False) -> Any:
-    """Field `name` of section `cls` set to `value`, read by its type and secret policy (a `record`'s:
-    none), with no check of the section: its caller checks that."""
+    """Field `name` of `cls` read by its type and secret policy (a `record`'s: none); the caller checks `cls`."""
     f = config_fields(cls)[name]
     return _convert(_hints(cls)[name], value, f"{where}.{name}" if where else name,
                     RECORD if record else f.metadata.get("secrets", IDENTIFIER), bool(getattr(cls, "EDF_TEXT", False)),

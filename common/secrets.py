@@ -136,7 +136,7 @@ TEXT = "text"  # may carry a credential: also by the name it is given and each w
 PASSTHROUGH = "passthrough"  # container.env: TEXT, and NAME = "${NAME}", the host's own variable
 REFERENCE = "reference"  # container.annotations: TEXT, and one ${VAR}, expanded as the container starts
 OWN_TEXT = "own text"  # launch.pre_launch: the user's own shell lines, warned about, never refused
-EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}")  # ${NAME}, ${NAME:-default}: EDF text's only expansion
+EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}")  # EDF text's one expansion
 # While a config file is read (common/baseline.py `accepting`): what its own conventions accept.
 ACCEPTING: contextvars.ContextVar[Any] = contextvars.ContextVar("accepting", default=None)
 
@@ -191,8 +191,7 @@ def refusal(value: object, *, name: Optional[str] = None, policy: str = IDENTIFI
 
 
 def accepted(found: Refusal) -> bool:
-    """Whether the config file being read accepts what `found` refused (common/baseline.py); what it
-    accepts is masked from then on."""
+    """Whether the config file being read accepts `found` (common/baseline.py): if so, masked from then on."""
     accepting = ACCEPTING.get()
     if found.expansion or accepting is None or not accepting.accepts(found.secret):
         return False

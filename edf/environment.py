@@ -49,8 +49,7 @@ class Expansion:
 
 
 def split_expansions(value: str, where: str) -> list[Union[str, Expansion]]:
-    """`value` as literal text (`$$` read as `$`; a `$` before neither `$` nor `{` is text, as in
-    the shell) and expansions."""
+    """`value` as literal text (`$$` read as `$`; a lone `$` is text, as in the shell) and expansions."""
     pieces: list[Union[str, Expansion]] = []
     literal, i = "", 0
     for m in _DOLLAR.finditer(value):
@@ -296,8 +295,7 @@ class Environment:
             seen.add(name)
 
     def require_host_env(self, environ: Optional[dict[str, str]] = None) -> None:
-        """A one-line error if a variable of `env_from_host` is not set in `environ` (default: this
-        process's) where the job is submitted: the job would start without it."""
+        """A one-line error where a variable of `env_from_host` is unset here: the job would start without it."""
         missing = [name for name in self.env_from_host if name not in (os.environ if environ is None else environ)]
         if missing:
             raise ConfigError(f"{self.origin}env_from_host",

@@ -109,8 +109,7 @@ def _depth(value: Any, limit: int) -> int:
 
 
 def _from_document(doc: dict[str, Any], path: Optional[Path]) -> tuple[Environment, list[ConfigError]]:
-    """The model built from every well-typed key of a parsed EDF table (of file `path`, if any), and
-    every problem found, not only the first."""
+    """The model from every well-typed key of a parsed EDF table (of file `path`), and every problem in it."""
     origin = f"{path}:" if path else ""
     problems = [ConfigError(f"{origin}{key}", f"unknown EDF key; valid keys: {', '.join(TOP_KEYS)}")
                 for key in doc if key not in TOP_KEYS]
@@ -357,7 +356,6 @@ def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = Fal
 
 
 def install_edf(env: Environment, name: str, edf_path: Optional[str] = None, force: bool = False) -> Path:
-    """Write the EDF as NAME.toml into the first EDF_PATH directory, where `srun --environment=NAME`
-    finds it."""
+    """Write the EDF as NAME.toml into the first EDF_PATH directory, where `srun --environment=NAME` finds it."""
     check_edf_name(name, "container.edf_name")
     return write_edf(env, edf_search_path(edf_path)[0] / f"{name}.toml", force=force)

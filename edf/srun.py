@@ -28,8 +28,7 @@ class SrunFlags:
     warnings: list[str] = field(default_factory=list)  # what the runtime cannot do as the EDF would
 
     def expanded(self) -> tuple[list[str], dict[str, str]]:
-        """(args, exports) with `${VAR}` taken from this process's environment, for an srun started
-        without a shell (`slipway shell`); an unset variable is a one-line error."""
+        """(args, exports) with `${VAR}` from this process's environment, for an srun without a shell."""
         args = [expand_host(a, "container") for a in self.args]
         return args, {name: expand_host(value, f"container.env.{name}") for name, value in self.exports}
 
