@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import os
 import re
+import signal
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import cached_property
@@ -88,20 +89,14 @@ class Event:
         m = _EXIT.search(self.text)
         if m and self.kind in (EventKind.END, EventKind.PREPARE_END):
             return int(m.group(1))
-        if self.kind is EventKind.END and self.text.startswith("end interrupted"):
+        if self.text.startswith("end interrupted"):  # an END event, as is `end signal` below
             return INTERRUPTED_EXIT
         s = _SIGNAL.match(self.text)
-        if s and self.kind is EventKind.END:
-            name = s.group(1).rstrip(",;:")
-            if name.isdigit():
-                return 128 + int(name)
-            import signal
-
-            try:
-                return 128 + int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
-            except KeyError:
-                return None
-        return None
+        name = s.group(1).rstrip(",;:") if s else ""
+        if name.isdigit():
+            return 128 + int(name)
+        number = signal.Signals.__members__.get(name if name.startswith("SIG") else f"SIG{name}")
+        return None if number is None else 128 + int(number)
 
     @property
     def hang_tag(self) -> str:

@@ -83,10 +83,6 @@ class RunDir:
     # Beside the runs, not of one: the warm processes' logs (`slipway run`), ALLOCATION-KEY.out.
     warm_logs = property(lambda self: self.path.parent / ".warm")
 
-    def checkpoints(self, setting: str | os.PathLike) -> Path:
-        """Where checkpoints go for checkpoint.dir `setting` (relative to the run directory, or absolute)."""
-        return self.path / setting
-
     def hang_dump(self, tag: str, host: str, rank: int) -> Path:
         return self.hangs / f"{tag}-{host}-{rank}.txt"
 
@@ -101,10 +97,11 @@ class RunDir:
         return self.gutil / f"{node}.gutil"
 
     def shell_paths(self, checkpoint_dir: str) -> dict[str, Path]:
-        """The batch script's names for these paths: the job library uses only these."""
+        """The batch script's names for these paths: the job library uses only these. `checkpoint_dir`:
+        checkpoint.dir, relative to the run directory or absolute."""
         return {"RUN_DIR": self.path, "EVENTS_LOG": self.events, "LOGS": self.logs, "HEARTBEAT": self.heartbeat,
                 "HEARTBEATS": self.heartbeats, "GUTIL": self.gutil, "HANGS": self.hangs, "EXITS": self.exits,
-                "STOP_FILE": self.stop_file, "SAVES": self.saves, "CHECKPOINT_DIR": self.checkpoints(checkpoint_dir)}
+                "STOP_FILE": self.stop_file, "SAVES": self.saves, "CHECKPOINT_DIR": self.path / checkpoint_dir}
 
 
 @dataclass(frozen=True)

@@ -216,8 +216,7 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
     """Build dataclass `cls` from `data`, rejecting unknown keys and wrong types. A `record` (a
     file slipway wrote, such as manifest.json) keeps the keys it does not know in its `others`
     field, if it has one (a newer slipway's), and skips the secret policy."""
-    if data is None:
-        data = {}
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(where or cls.__name__, f"expected a mapping of keys, got {shown(data)}")
     fields = config_fields(cls)

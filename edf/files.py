@@ -7,6 +7,7 @@ reference declares equivalent to the dotted keys people write by hand; both are 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tomllib
@@ -344,12 +345,9 @@ def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = Fal
     if path.is_dir():
         raise ConfigError(str(path), "is a directory: give the EDF file's path, e.g. env.toml")
     if path.exists():
-        try:
-            current: Optional[str] = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            current = None
-        if current == text:
-            return path
+        with contextlib.suppress(OSError, UnicodeDecodeError):  # unreadable: different
+            if path.read_text(encoding="utf-8") == text:
+                return path
         if not force:
             raise ConfigError(str(path), "already exists with different content: pass --force to overwrite it")
     return write_atomic(path, text)  # its directory made where missing

@@ -68,12 +68,11 @@ def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> SrunFlags
     args.append("--container-mount-home" if env.mount_home else "--no-container-mount-home")
     args.append("--container-entrypoint" if env.entrypoint else "--no-container-entrypoint")
     for key, value in env.annotations.items():
-        if key == ENTRYPOINT_LOG and value in ("true", "false"):
-            if value == "true":
-                args.append("--container-entrypoint-log")
-            continue
-        warnings.append(f"{w}annotations.{key} = {shown(value, key)} has no pyxis equivalent and is dropped "
-                        "(only the Container Engine runs its hooks)")
+        if key != ENTRYPOINT_LOG or value not in ("true", "false"):
+            warnings.append(f"{w}annotations.{key} = {shown(value, key)} has no pyxis equivalent and is dropped "
+                            "(only the Container Engine runs its hooks)")
+        elif value == "true":
+            args.append("--container-entrypoint-log")
     return SrunFlags(args, exports, warnings)
 
 
