@@ -172,16 +172,14 @@ def _convert(tp: Any, value: Any, where: str, policy: str = IDENTIFIER, edf: boo
             raise ConfigError(where, f"expected a list such as [a, b], got {shown(value, where)}")
         return [_convert(item_tp, v, f"{where}[{i}]", policy, edf, hint=value[i - 1] if i else None, free=free)
                 for i, v in enumerate(value)]
-    if tp is dict:  # any mapping (a record's git state)
+    if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(where, f"expected a mapping, got {shown(value, where)}")
-        return value
-    if origin is dict:
-        _, val_tp = get_args(tp)
-        if not isinstance(value, dict):
-            raise ConfigError(where, f"expected a mapping, got {shown(value, where)}")
+        if tp is dict:  # any mapping (a record's git state)
+            return value
         # Keys are strings: YAML's reader refuses any other, and JSON has none.
-        return {str(k): _convert(val_tp, v, f"{where}.{k}", policy, edf, key=k, free=free) for k, v in value.items()}
+        return {str(k): _convert(get_args(tp)[1], v, f"{where}.{k}", policy, edf, key=k, free=free)
+                for k, v in value.items()}
     if hasattr(tp, "from_config_value"):  # a class with its own text form (edf.Mount: "SRC:DST:FLAGS")
         return tp.from_config_value(value, where)
     if dataclasses.is_dataclass(tp):
