@@ -1,9 +1,7 @@
-"""The command line's edge: every error from what the user gave becomes one line and exit 2.
-
-Each entry point runs its work through `run_at_edge`, so an error class a new field brings (a path
-component too long for the filesystem, a document nested too deeply) is caught here once, not
-field by field. A genuine bug still gets one line, saying it is one; `SLIPWAY_DEBUG=1` shows the
-traceback instead. Imports neither torch nor the host side (the trainer uses it).
+"""The command line's edge: every error from what the user gave becomes one line and exit 2. Each
+entry point runs its work through `run_at_edge`, so an error class a new field brings (a path part
+too long, a document nested too deeply) is caught here once, not field by field; a genuine bug gets
+one line saying it is one (`SLIPWAY_DEBUG=1`: the traceback). No torch, nothing of the host side.
 """
 
 from __future__ import annotations

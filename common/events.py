@@ -1,10 +1,8 @@
-"""events.log: one line per event of a run, the record every end is told in.
-
-A line is `TIME job JOB TEXT` (`date --iso-8601=seconds`; the Slurm job id, which survives
-requeues, or `local`; words whose start says what happened: `EventKind`). Two writers, one per
-language: the batch script's `event()` (jobs/slurm/job_lib.sh) and `append_event` here. Readers go
-through `parse_event`, which never fails on a torn or foreign line, and read at most the last
-MAX_EVENTS_BYTES of a regular file. Stdlib only: the trainer writes here too.
+"""events.log: one line per event of a run, the record every end is told in: `TIME job JOB TEXT`
+(`date --iso-8601=seconds`; the Slurm job id, which survives requeues, or `local`; text whose start
+says what happened: `EventKind`). Written by the batch script's `event()` (jobs/slurm/job_lib.sh) and
+`append_event`; read through `parse_event`, which never fails on a torn or foreign line, at most the
+last MAX_EVENTS_BYTES of a regular file. Stdlib only: the trainer writes here too.
 """
 
 from __future__ import annotations

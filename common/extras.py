@@ -1,10 +1,8 @@
 """The optional installs a command may need beyond the base one, said in one line when missing.
-
-`pip install slipway` is the login node's install: every host command runs there, and `slipway
-submit` reads the token cache without numpy. The commands that do the trainer's work on this
-machine (`slipway prepare`, `local`, `plot`) call `require` first, so a missing extra is one line
-naming the pip install, exit 2, nothing written, not an import traceback halfway through. Imports
-neither torch nor the host side; looking a module up imports nothing.
+`pip install slipway` is the login node's install (`slipway submit` reads the token cache without
+numpy); the commands doing the trainer's work here (`slipway prepare`, `local`, `plot`) call
+`require` first: one line naming the pip install, exit 2, nothing written, not an import traceback
+halfway through. Imports neither torch nor the host side; looking a module up imports nothing.
 """
 
 from __future__ import annotations

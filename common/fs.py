@@ -1,10 +1,8 @@
-"""Atomic file writes, bounded reads and file digests, shared by every layer. No torch here.
-
-A writer writes a temp file beside the target, fsyncs it and renames it over the target: a reader
-sees the old file or the new one, never half of one. A reader of a file that others may have made
-(a run directory is shared by a team and written by jobs) opens it only when it is a regular file,
-judged without blocking (a FIFO would hang an open or a read, a device would never end), and reads
-a bounded part of it.
+"""Atomic file writes (a temp file beside the target, fsynced and renamed over it: a reader sees the
+old file or the new one, never half), bounded reads and file digests, for every layer; no torch. A
+file others may have made (a team shares a run directory, jobs write it) is opened only when it is
+a regular file, judged without blocking (a FIFO would hang an open, a device never ends), and read
+with a bound.
 """
 
 from __future__ import annotations

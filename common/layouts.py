@@ -1,8 +1,6 @@
-"""Which layout to train each model preset with, and advice when a config strays from it.
-
-Imports no torch: `slipway doctor` (the host side) calls `layout_advice(cfg)` with the
-full config tree, and the trainer can call it with its own. The defaults, the memory
-arithmetic they are sized by and why tensor parallel stays off: docs/trainer.md#layouts.
+"""Which layout to train each model preset with, and advice when a config strays from it. No torch:
+`slipway doctor` calls `layout_advice` with the host's config tree, the trainer with its own. The
+defaults, their memory arithmetic and why tensor parallel stays off: docs/trainer.md#layouts.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""EDF files: the environment as TOML and back, base environments, EDF_PATH.
-
-`parse_edf(render_edf(env)) == env`, and `render_edf(parse_edf(text))` is the canonical form of
-`text`: annotations as nested tables (`[annotations.com.hooks.aws_ofi_nccl]`), which the EDF
-reference declares equivalent to the dotted keys people write by hand; both are read.
+"""EDF files: the environment as TOML and back, base environments, EDF_PATH. parse_edf undoes
+render_edf, and `render_edf(parse_edf(text))` is `text`'s canonical form: annotations as nested
+tables (`[annotations.com.hooks.aws_ofi_nccl]`), which the EDF reference declares equivalent to the
+dotted keys people write by hand; both are read.
 """
 
 from __future__ import annotations
