@@ -98,7 +98,6 @@ def run_at_edge(work: Callable[[], int], prog: str = "slipway",
         sys.stdout = stdout
 
 
-# Why a write to stdout fails: a pipe whose reader ended, a disk or device that is full.
 _OUTPUT_ERRNOS = {errno.EPIPE: "closed before all of it was written (the reader of the pipe ended)",
                   errno.ENOSPC: "the disk or device it goes to is full", errno.EDQUOT: "the disk quota is used up",
                   errno.EFBIG: "the file it goes to is too large", errno.EIO: "an I/O error on the device it goes to"}

@@ -20,9 +20,8 @@ class ConfigError(ValueError):
     """Bad user input: one line naming the field, the rule and the fix."""
 
     def __init__(self, field_path: str, message: str):
-        # One line, whatever the user typed: a key or value holding a newline is shown escaped,
-        # and a line never grows past a screenful, however long a value a message quotes.
-        # A secret given as a mapping's key is masked in the path too, judged part by part.
+        # One line, whatever the user typed, never past a screenful; a secret given as a mapping's
+        # key is masked in the path too, judged part by part.
         self.field = bounded(_PART.sub(lambda m: _masked(m.group()), mask(one_line(field_path))), MAX_FIELD_SHOWN)
         message = _QUOTED.sub(lambda m: mask(m.group(), values=True), mask(one_line(message)))
         if len(message) > MAX_MESSAGE:  # keep the start (the rule) and the end (the fix)
@@ -40,9 +39,8 @@ MAX_MESSAGE = 1000
 
 
 # What would end a line, drive a terminal or reorder what it shows: every break str.splitlines()
-# knows (\v, \f, \x1c-\x1e, NEL, U+2028/9 as well as \n and \r), the C0 and C1 control characters
-# (ESC starts every sequence that retitles, clears or moves on a terminal; a tab breaks a
-# column) and Unicode's bidirectional controls (which show text in another order than it is).
+# knows (\v, \f, \x1c-\x1e, NEL, U+2028/9, \n, \r), the C0 and C1 controls (ESC starts every
+# terminal sequence; a tab breaks a column) and Unicode's bidirectional controls.
 UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -67,9 +65,8 @@ def one_line(text: object) -> str:
 
 
 def pasteable(word: str) -> str:
-    """`word` as one shell word that a pasted command gives back whole: shlex's quoting, or where it
-    holds what `one_line` escapes, bash's $'...' with those characters' bytes escaped (`$'n\\x1bode'`),
-    which is escaped on a terminal and pastes as the name it is."""
+    """`word` as one shell word a pasted command gives back whole: shlex's quoting, or where it holds
+    what `one_line` escapes, bash's $'...' with their bytes escaped (`$'n\\x1bode'`), safe on a terminal."""
     if word.isprintable():
         return shlex.quote(word)
     return "$'" + "".join("\\" + c if c in "\\'" else c if c.isprintable() else

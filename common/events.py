@@ -21,8 +21,8 @@ from common.errors import one_line
 from common.fs import append_line, read_tail
 from common.rundir import INTERRUPTED_EXIT, RunDir
 
-# What a reader takes of events.log at most, from its end: thousands of attempts' events (a line
-# is about 120 bytes), where a longer file is a runaway or hostile one.
+# What a reader takes of events.log at most, from its end: thousands of attempts' events (a line is
+# about 120 bytes); a longer file is a runaway or hostile one.
 MAX_EVENTS_BYTES = 4 << 20
 
 

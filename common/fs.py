@@ -138,9 +138,8 @@ def pread_all(fd: int, size: int, offset: int) -> bytes:
 
 
 def read_file(path: str | os.PathLike, limit: int) -> Optional[tuple[Optional[bytes], os.stat_result]]:
-    """The bytes of the regular file `path` (`regular_fd`'s rules) and its stat; the bytes None,
-    unread, where it holds more than `limit`; None where there is no file. One open and one fstat:
-    a listing reads ten thousand of them."""
+    """(bytes, stat) of `path` by `regular_fd`'s rules, the bytes None where more than `limit`; None
+    where there is no file. One open and one fstat: a listing reads ten thousand of them."""
     found = regular_fd(path)
     if found is None:
         return None

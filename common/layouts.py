@@ -141,9 +141,8 @@ def memory_report(cfg: Any, dp: int, reshard_after_forward: bool,
                   f"{gpu_bytes / 1e9:.0f} GB: expect out-of-memory; set {' or '.join(fixes)}")
 
 
-# What one CPU rank holds before any model: the interpreter, torch, gloo and the data reader
-# (tiny_cpu's ranks peak at 0.5 GB with a 1M-parameter model). bench/memory.py sets the
-# arithmetic below beside measured peaks (BENCHMARKS.md): at or up to 10% above them.
+# What one CPU rank holds before any model (tiny_cpu's ranks peak at 0.5 GB with 1M parameters).
+# bench/memory.py sets the arithmetic below beside measured peaks: at or up to 10% above them.
 PROCESS_BASE_BYTES = 0.6e9
 
 

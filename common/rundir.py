@@ -36,10 +36,9 @@ TERM_EXIT = 143  # SIGTERM to a job: a plain scancel, a preemption, the time lim
 BUG_EXIT = 70
 
 LOCAL_JOB = "local"  # the job field of a launch on this machine
-# The preflight's all-reduce in the training step (trainer/preflight.py AllReduceGate): the batch
-# script asks for it with PREFLIGHT_ENV="MEGABYTES TIMEOUT_S"; a rank that fails it writes its
-# one-line reason to PREFLIGHT_FAILED_FILE among the step's exit reports ($SLIPWAY_EXITS), which
-# the batch script reads (job_lib.sh `after_preflight`).
+# The preflight's all-reduce (trainer/preflight.py AllReduceGate), asked for by PREFLIGHT_ENV="MEGABYTES
+# TIMEOUT_S"; a rank that fails it writes why to PREFLIGHT_FAILED_FILE in $SLIPWAY_EXITS (job_lib.sh
+# `after_preflight` reads it).
 PREFLIGHT_ENV = "SLIPWAY_PREFLIGHT_ALLREDUCE"
 PREFLIGHT_FAILED_FILE = "preflight-failed"
 # The code snapshot the ranks run (jobs/runs/code.py): its directory, set in their environment.
@@ -48,8 +47,8 @@ CODE_ENV = "SLIPWAY_CODE"
 
 @dataclass(frozen=True)
 class RunDir:
-    """`runs/RUN/`: where each of its files is. `project` is the checkout it was launched from (the
-    batch script works there; None where only the run's own files matter, as in the trainer)."""
+    """`runs/RUN/`: where each of its files is. `project`: the checkout it was launched from, where the
+    batch script works (None in the trainer)."""
 
     path: Path
     project: Optional[Path] = None
@@ -74,8 +73,7 @@ class RunDir:
     # The trainer's (trainer/metrics.py, trainer/watchdog.py, trainer/loop.py).
     metrics = property(lambda self: self.path / "metrics.jsonl")  # common/metrics_log.py
     progress = property(lambda self: self.path / "progress.json")  # rank 0's last step, for `slipway watch`
-    # On Slurm's time-limit warning (or a stop request) the batch script creates it; the trainer
-    # saves at the step boundary and exits REQUEUE_EXIT ("requeue me").
+    # Made at the time-limit warning or a stop request: the trainer saves and exits REQUEUE_EXIT.
     stop_file = property(lambda self: self.path / "stop-requested")
     # One SaveLine per completed checkpoint save (rank 0): what the batch script's warning lead reads.
     saves = property(lambda self: self.path / "saves.log")

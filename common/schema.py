@@ -40,9 +40,8 @@ def _refusal(value: Any, name: Any, policy: str, edf: bool, hint: Any = None):
 
 
 def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = None, hint: Any = None) -> None:
-    """The secret policy on one value as it is read, and on the mapping key it is given under
-    (`hint`: the list item before it, a flag such as --revision that says what it is); what the
-    config file being read accepts passes (common/baseline.py)."""
+    """The secret policy on one value and the mapping key it is given under (`hint`: the flag before it,
+    such as --revision); what the config file being read accepts passes (common/baseline.py)."""
     if isinstance(key, str) and (found := _refusal(key, None, policy, False)) is not None and not found.expansion \
             and not accepted(found):
         raise ConfigError(where, found.message())  # a key that is a token itself
@@ -116,11 +115,10 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
 RECORD = "record"
 
 
-# The one rule for control characters, where a value enters (a config, the command line, a cluster
-# profile): a field of names, paths or Slurm's values holds none of those `one_line` escapes (a
-# terminal would act on them, a script or a log hide them); a field of free text (metadata
-# {"free_text": True}: a variable's value, a command's word) holds no line break, no sink carrying
-# one whole, and is escaped where it is shown or written (one_line, the batch script's $'...').
+# The one rule for control characters, where a value enters: a field of names, paths or Slurm's
+# values holds none of those `one_line` escapes (a terminal would act on them, a script or a log
+# hide them); a field of free text (a variable's value, a command's word) holds no line break, which
+# no sink carries whole, and is escaped where it is shown or written.
 FREE_TEXT = {"free_text": True}
 
 
@@ -151,9 +149,8 @@ def _union(tp: Any, value: Any, where: str, policy: str, edf: bool, free: bool) 
 
 def _convert(tp: Any, value: Any, where: str, policy: str = IDENTIFIER, edf: bool = False, key: Any = None,
              checked: bool = False, hint: Any = None, free: bool = False) -> Any:
-    """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy
-    has seen it (a Union's alternatives are tried on the same value); `hint`: a list's item before;
-    `free`: a field of free text."""
+    """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy has
+    seen it (a Union's alternatives); `hint`: a list's item before; `free`: a field of free text."""
     if not checked and policy != RECORD and (isinstance(value, str) or key is not None):
         _secret_check(value, where, policy, edf, key, hint)  # first: a secret's refusal says how to pass it
     _control(value, where, free, policy)
@@ -211,9 +208,8 @@ def unknown_key(key: str, keys: list[str], where: str, what: str) -> ConfigError
 
 
 def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) -> Any:
-    """Build dataclass `cls` from `data`, rejecting unknown keys and wrong types. A `record` (a
-    file slipway wrote, such as manifest.json) keeps the keys it does not know in its `others`
-    field, if it has one (a newer slipway's), and skips the secret policy."""
+    """Dataclass `cls` from `data`, unknown keys and wrong types refused. A `record` keeps the keys it
+    does not know (a newer slipway's) in its `others` field, if it has one, and skips the secret policy."""
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(where or cls.__name__, f"expected a mapping of keys, got {shown(data)}")

@@ -212,9 +212,8 @@ def flag_variable(flag: str) -> str:
 
 # ---------------------------------------------------------------------------- files
 
-# Names that are credentials by definition (private keys, credentials, token, password and key
-# files, .netrc, env files, a kubeconfig), but no template of one (.env.example) nor a source
-# file (credentials.py): their content decides.
+# Names that are credentials by definition (keys, credentials, token, password, .netrc, env files,
+# a kubeconfig), but no template (.env.example) nor source (credentials.py): their content decides.
 _SECRET_FILE = re.compile(
     r"id_(rsa|dsa|ecdsa|ed25519)|.*\.(pem|key|p12|pfx|jks|keystore|ppk|kdbx)|\.?netrc|_netrc|\.pgpass|\.?htpasswd"
     r"|(.*[._-])?(credentials?|secrets?|passw(or)?ds?|api[._-]?keys?)(\.\w+)?|\.git-credentials|client_secret.*\.json"

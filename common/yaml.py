@@ -58,9 +58,8 @@ class _Loader(yaml.SafeLoader):
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
-    # A config is a few hundred short lines: these bounds refuse what no config needs (a
-    # "billion laughs" of nested aliases, a document nested hundreds of levels deep) before
-    # it is built, so such a file is refused at once instead of exhausting time or memory.
+    # A config is a few hundred short lines: these bounds refuse a "billion laughs" of nested aliases
+    # or a document nested hundreds deep before it is built, not after exhausting time or memory.
     def compose_document(self) -> yaml.Node:
         self._depth, self._aliases = 0, 0
         node = super().compose_document()
@@ -92,9 +91,8 @@ MAX_INT = 2 ** 53 - 1  # exact in a float and in JSON, well within bash's 64-bit
 
 
 def _expanded_size(node: yaml.Node, depth: int, seen: dict[int, tuple[int, int]], count: list[int]) -> tuple[int, int]:
-    """(height, values below) of `node` with aliases expanded (a shared node measured once,
-    counted each time it is used), refusing a document deeper than MAX_DEPTH or larger than
-    MAX_NODES."""
+    """(height, values below) of `node`, aliases expanded (a shared node measured once, counted each
+    time it is used); a document deeper than MAX_DEPTH or larger than MAX_NODES refused."""
     where = f"line {node.start_mark.line + 1}"
     known = seen.get(id(node))
     if known is None:
