@@ -130,10 +130,7 @@ def parse_event(line: str) -> Optional[Event]:
         return None
     # An empty job id (no SLURM_JOB_ID) leaves two spaces: the job is "" and the text follows.
     job, _, text = rest.partition(" ")
-    text = text.strip()
-    if not text:
-        return None
-    return Event(stamp, job, text)
+    return Event(stamp, job, text.strip()) if text.strip() else None
 
 
 def read_events(run_dir: str | os.PathLike) -> list[Event]:

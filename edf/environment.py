@@ -122,15 +122,11 @@ class Mount:
         if len(parts) > 3:
             raise ConfigError(where, f"{shown(text, where)} has {len(parts)} ':'-separated parts: use SRC[:DST[:FLAGS]] "
                                      "(a path containing ':' cannot be mounted this way)")
-        src = parts[0]
-        dst = parts[1] if len(parts) > 1 else src
-        flags: tuple[str, ...] = ()
-        if len(parts) == 3:
-            if not parts[2]:
-                raise ConfigError(where, f"{shown(text, where)} ends with an empty FLAGS part: drop the trailing ':' "
-                                         "or give flags such as ro or ro+private")
-            flags = tuple(parts[2].split("+"))
-        mount = cls(src, dst, flags)
+        if len(parts) == 3 and not parts[2]:
+            raise ConfigError(where, f"{shown(text, where)} ends with an empty FLAGS part: drop the trailing ':' "
+                                     "or give flags such as ro or ro+private")
+        src, dst = parts[0], parts[1] if len(parts) > 1 else parts[0]
+        mount = cls(src, dst, tuple(parts[2].split("+")) if len(parts) == 3 else ())
         mount.check(where)
         return mount
 
@@ -283,16 +279,14 @@ class Environment:
 
     def _check_env_from_host(self) -> None:
         where = f"{self.origin}env_from_host"
-        seen: set[str] = set()
         for i, name in enumerate(self.env_from_host):
             if not ENV_NAME.fullmatch(name):
                 raise ConfigError(f"{where}[{i}]", NOT_A_NAME)
-            if name in seen:
+            if name in self.env_from_host[:i]:
                 raise ConfigError(f"{where}[{i}]", f"{name} is listed twice: list it once")
             if name in self.env:
                 raise ConfigError(f"{where}[{i}]", f"{name} is also set in {self.origin}env: keep one (env_from_host "
                                                    "takes the submitting environment's value, never written down)")
-            seen.add(name)
 
     def require_host_env(self, environ: Optional[dict[str, str]] = None) -> None:
         """A one-line error where a variable of `env_from_host` is unset here: the job would start without it."""
