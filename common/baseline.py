@@ -44,9 +44,8 @@ def label(root: Path, file: Path, secret_hash: str) -> Optional[bool]:
 
 
 def command(root: Path, file: Optional[Path] = None) -> str:
-    """The one command that scans the project with detect-secrets and slipway's plugins (never
-    verifying a secret over the network) and audits it: a new baseline of `file` alone, or the
-    project's baseline scanned again, its labels kept."""
+    """The one command that scans the project with detect-secrets and slipway's plugins (never verifying a
+    secret over the network) and audits it: a new baseline of `file`, or the baseline scanned again, labels kept."""
     plugin = Path(plugins().__file__)
     plugin = shlex.quote(str(plugin.relative_to(root) if root in plugin.parents else plugin))
     only = f" {shlex.quote(os.path.relpath(os.path.realpath(file), os.path.realpath(root)))}" if file else ""
@@ -61,9 +60,8 @@ def command(root: Path, file: Optional[Path] = None) -> str:
 
 @functools.lru_cache(maxsize=64)
 class _Accepting:
-    """What config file `path` accepts: values on a line detect-secrets' allowlist takes (a
-    `# pragma: allowlist secret` on it, or `# pragma: allowlist nextline secret` above it), and
-    values its project's baseline audited as no secret."""
+    """What config file `path` accepts: values on a line detect-secrets' allowlist takes (`# pragma:
+    allowlist secret` on it, or `...nextline secret` above), and values its baseline audited as no secret."""
 
     def __init__(self, path: Path, text: str):
         from detect_secrets.core.potential_secret import PotentialSecret

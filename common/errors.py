@@ -55,9 +55,8 @@ def unprintable(text: str, breaks: bool = False) -> Optional[str]:
 
 
 def one_line(text: object) -> str:
-    """`text` as one line of plain text, a line break or a (bidirectional) control shown escaped
-    (`\\x1b`, `\\u202e`): the one way from a file, a job, a run name, Slurm or the environment to a
-    terminal, for every message, listing and table slipway prints."""
+    """`text` as one line, a line break or (bidirectional) control shown escaped (`\\x1b`, `\\u202e`): the one
+    way from a file, a job, a run name, Slurm or the environment to any terminal slipway prints to."""
     text = str(text)
     if text.isprintable():  # no control, break or format character: the common case, in C
         return text
@@ -87,8 +86,7 @@ def bounded(text: str, limit: int = MAX_SHOWN) -> str:
 
 
 def failure_line(output: str) -> str:
-    """The line of a process's output that says what went wrong: its last error line, else its
-    last line; whitespace collapsed, at most 300 characters."""
+    """The last error line of a process's output, else its last line; whitespace collapsed, 300 characters."""
     lines = [" ".join(line.split()) for line in str(output).splitlines() if line.strip()]
     errors = [line for line in lines if re.search(r"(Error|Exception|error:|FAILED)", line)]
     return ((errors or lines or ["no output"])[-1])[:300]

@@ -48,8 +48,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, 
 
 
 def user_cache(name: str) -> Path:
-    """File `name` of slipway's cache of this user's ($XDG_CACHE_HOME, else ~/.cache): what is
-    worth remembering across projects, never needed (a cache that cannot be read is rebuilt)."""
+    """File `name` of this user's slipway cache ($XDG_CACHE_HOME or ~/.cache): never needed, rebuilt if unreadable."""
     return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")) / "slipway" / name
 
 

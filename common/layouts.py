@@ -82,8 +82,7 @@ def resolve_reshard(cfg: Any) -> tuple[bool, str]:
 
 
 def layout_advice(cfg: Any) -> Optional[str]:
-    """One line of advice when `cfg` (a TrainerConfig or the host's full tree) trains a preset
-    model with more tensor or pipeline parallelism than its default; None otherwise."""
+    """One line of advice where `cfg` trains a preset model with more tp or pp than its default, else None."""
     model, parallel, train = cfg.model, cfg.parallel, cfg.train
     default = LAYOUT_DEFAULTS.get(model.size)
     if default is None or parallel.tp * parallel.pp <= default.tp:

@@ -104,8 +104,7 @@ class RunDir:
 
 @dataclass(frozen=True)
 class CodeSnapshot:
-    """A run's code snapshot (jobs/runs/code.py takes it): its content hash, where it lives, and
-    where the code came from. The manifest records it; the batch script and env.toml name `dir`."""
+    """A run's code snapshot (jobs/runs/code.py), as the manifest records it; the job script and env.toml name `dir`."""
 
     hash: str
     dir: str  # absolute: RUNS/.code/HASH16
@@ -180,9 +179,8 @@ class SaveLine(TaggedLine):
 
 @dataclass(frozen=True)
 class HangLine(TaggedLine):
-    """The first line of a hang dump (trainer/watchdog.py writes it; the batch script, `slipway status`
-    and the local launcher read it). `answered=late`: the rank was frozen or starved until the teardown
-    woke it."""
+    """The first line of a hang dump (trainer/watchdog.py writes it; the batch script, `slipway status` and
+    the local launcher read it). `answered=late`: the rank was frozen or starved until the teardown woke it."""
 
     rank: int
     host: str

@@ -34,8 +34,7 @@ class OutOfRange(ConfigError):
 
 @functools.lru_cache(maxsize=8192)
 def _refusal(value: Any, name: Any, policy: str, edf: bool, hint: Any = None):
-    """`refusal`, remembered: a pure function of its arguments, and a sweep reads the same
-    strings in each of its thousand points."""
+    """`refusal`, remembered: a sweep reads the same strings in each of its thousand points."""
     return refusal(value, name=name, policy=policy, edf=edf, hint=hint)
 
 
@@ -309,8 +308,7 @@ DAY = 86400
 BIG = 10 ** 9  # steps and step intervals: more than any run takes
 
 class AutoBool:
-    """A field that is true, false or auto (decided where the trainer runs). Its values are
-    the plain bool or the string "auto"; this class only reads and names them."""
+    """A field of true, false or "auto" (the trainer decides by the device): this class only reads them."""
 
     @staticmethod
     def from_config_value(value: Any, where: str) -> Union[bool, str]:

@@ -143,8 +143,7 @@ ACCEPTING: contextvars.ContextVar[Any] = contextvars.ContextVar("accepting", def
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a config value may not be written down: what it looks like, the variable to pass by name
-    instead, and the secret part of the value (what a project may accept)."""
+    """Why a config value may not be written down, and its secret part (what a project may accept)."""
 
     what: str
     variable: str

@@ -78,9 +78,8 @@ def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> SrunFlags
 
 def pyxis_image(image: str) -> str:
     """The image in enroot's `[USER@][REGISTRY#]IMAGE[:TAG]` form: enroot (so pyxis) reads CSCS's
-    `nvcr.io/nvidia/pytorch:25.11-py3` as an image on Docker Hub, so the registry host (a first part
-    with '.' or ':', or `localhost`) is set off with '#'. A squashfs path, or a registry from a `${VAR}`,
-    stays as written."""
+    `nvcr.io/nvidia/pytorch:25.11-py3` as a Docker Hub image, so a registry host (a first part with '.'
+    or ':', or `localhost`) is set off with '#'. A squashfs path, or a registry from a `${VAR}`, stays."""
     expansion, slash = image.find("${"), image.find("/")
     if is_local_image(image) or expansion != -1 and (slash == -1 or expansion < slash):
         return image
