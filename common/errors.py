@@ -123,8 +123,7 @@ def shown(value: Any, where: str = "") -> str:
 
 
 def warn(message: str) -> None:
-    """A warning on stderr, in one line and masked: what the user should know about their own text
-    (a secret-looking value in launch.pre_launch or a hand-written EDF), which is not refused."""
+    """A warning on stderr, one line, masked: the user's own text, not refused (launch.pre_launch, an EDF)."""
     print(f"slipway: warning: {mask(one_line(message))}", file=sys.stderr)
 
 

@@ -53,8 +53,7 @@ def user_cache(name: str) -> Path:
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:
-    """One whole line appended under O_APPEND (a short write finished), so concurrent writers (the
-    batch script, several ranks, the host) never interleave inside one; never blocked by a FIFO."""
+    """One whole line appended under O_APPEND, never blocked by a FIFO: concurrent writers never interleave in one."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
     try:
         data = (line.rstrip("\n") + "\n").encode()

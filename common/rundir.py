@@ -1,9 +1,8 @@
-"""The run directory: every path a run holds, defined once in `RunDir` (the host, the batch
-script's renderer, the local launcher and the trainer take their paths from it; the batch script
-gets them as the variables `RunDir.shell_paths` renders, never composing one), and what the sides
-agree on beyond paths: a launch's exit codes, the code snapshot's record, the rule for a whole
-checkpoint, and the `SaveLine` and `HangLine` records. events.log's lines are common/events.py's.
-Stdlib only: the trainer imports it, and so does the host.
+"""The run directory: every path a run holds, defined once in `RunDir` (the host, the batch script's
+renderer, the local launcher and the trainer take them from it; the batch script gets them from
+`RunDir.shell_paths`, never composing one), and what the sides agree on beyond paths: exit codes,
+the code snapshot's record, a whole checkpoint, `SaveLine` and `HangLine`. events.log's lines are
+common/events.py's. Stdlib only: the trainer imports it, and so does the host.
 """
 
 from __future__ import annotations

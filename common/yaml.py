@@ -1,8 +1,7 @@
-"""Bounded YAML: configs, overrides, EDF files and the frozen runs/RUN/config.yaml the trainer
-reads, by the schema's rules, never YAML 1.1's (PyYAML's: `10:00` is 600, `0123` is 83, `yes` is
-true, a second `train:` silently replaces the first). Every plain scalar but YAML 1.2's null stays
-the text written (`Plain`), for the field it lands in to convert (common/schema.py); a duplicate
-key is an error naming both lines. No extra package.
+"""Bounded YAML: configs, overrides, EDF files and the frozen runs/RUN/config.yaml, by the schema's
+rules, never YAML 1.1's (PyYAML's: `10:00` is 600, `0123` is 83, `yes` is true, a second `train:`
+silently replaces the first). Plain scalars but YAML 1.2's null stay the text written (`Plain`), for
+the field they land in to convert (common/schema.py); a duplicate key is an error naming both lines.
 """
 
 from __future__ import annotations
@@ -120,8 +119,7 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|
 
 
 def read_yaml(text: str, source: str, *, lines: bool = True) -> Any:
-    """`text` parsed with the rules above; `source` (a file name, or a field for an
-    override: `lines=False`) names the place in errors, with the line."""
+    """`text` parsed by the rules above; `source` (a file, or an override's field: `lines=False`) names it in errors."""
     if len(text) > MAX_TEXT:
         raise ConfigError(source, f"{len(text)} characters: larger than any config ({MAX_TEXT} at most); "
                                   "check that this is the file you meant")
@@ -163,8 +161,8 @@ def at_line(exc: ConfigError, path: Path, dotted: str) -> ConfigError:
 
 
 def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:
-    """The UTF-8 text of `path`, refused (without reading it all) when larger than `limit`; a path
-    that is no regular file (a FIFO, a device) raises NotRegularFile at once, never blocks."""
+    """The UTF-8 text of `path`, refused unread when larger than `limit`; a path that is no regular file
+    (a FIFO, a device) raises NotRegularFile at once."""
     found = read_file(path, limit)
     if found is None:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
