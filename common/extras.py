@@ -21,14 +21,9 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 }
 
 
-def missing(modules: Iterable[str]) -> list[str]:
-    """Those of `modules` this Python cannot import."""
-    return [m for m in modules if importlib.util.find_spec(m) is None]
-
-
 def require(command: str, extra: str, modules: Iterable[str] | None = None, instead: str = "") -> None:
     """A ConfigError unless `modules` (default: `extra`'s) import here; `instead`: another way to the result."""
-    absent = missing(EXTRAS[extra] if modules is None else modules)
+    absent = [m for m in (EXTRAS[extra] if modules is None else modules) if importlib.util.find_spec(m) is None]
     if absent:
         raise ConfigError(command, f"needs {', '.join(absent)} (the {extra} extra), which this Python "
                                    f"({sys.executable}) lacks: pip install 'slipway[{extra}]'"

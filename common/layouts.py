@@ -75,8 +75,7 @@ def resolve_reshard(cfg: Any) -> tuple[bool, str]:
         return bool(setting), "parallel.reshard_after_forward"
     if cfg.parallel.zero_stage == 3:
         return True, "zero_stage 3"
-    default = LAYOUT_DEFAULTS.get(cfg.model.size)
-    if default is not None and default.reshard_after_forward:
+    if getattr(LAYOUT_DEFAULTS.get(cfg.model.size), "reshard_after_forward", False):
         return True, f"the {cfg.model.size} preset's default, common/layouts.py"
     return False, f"zero_stage {cfg.parallel.zero_stage}"
 
