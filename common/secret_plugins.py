@@ -88,8 +88,7 @@ def flag(value: str) -> bool:
 
 
 def plain(value: str, name: Optional[str] = None) -> bool:
-    """No secret given under `name`, whatever the name: a number, a flag, or a plain word but under
-    a password's name."""
+    """No secret given under `name`, whatever the name: a number, a flag, or a plain word but as a password."""
     head = secret_name(name) if name else None
     return flag(value) or bool(_PLAIN_WORD.fullmatch(value)) and not (head and head.endswith(_CHOSEN))
 
