@@ -73,8 +73,9 @@ def run_at_edge(work: Callable[[], int], prog: str = "slipway",
         sys.stdout.flush()  # here, not at exit: a full disk or a closed pipe is then told like any error
         return status
     except Exception as exc:  # not KeyboardInterrupt: Ctrl-C keeps its traceback and exit code
-        if isinstance(exc, OutputError):
-            _silence(sys.stdout)
+        if isinstance(exc, OutputError):  # stdout to /dev/null: its buffer dropped, the flush at exit silent
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             if not silent:
                 with contextlib.suppress(OSError):
                     print(f"{prog + ': ' if prog else ''}error: {exc}", file=sys.stderr)
@@ -139,10 +140,3 @@ class _Stdout:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
-
-
-def _silence(stdout) -> None:
-    """Point stdout at /dev/null: what its buffer still holds is dropped, and the interpreter's own
-    flush at exit says nothing more."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
