@@ -126,9 +126,8 @@ def fewest_cpus(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
 
 
 def invocation() -> str:
-    """How a suggested command runs this slipway from this shell: `slipway` where PATH finds this one;
-    else the `slipway` beside this interpreter (`make setup`'s `.venv/bin/slipway` is not on PATH),
-    relative where it is below the working directory; else `python -m jobs` with this interpreter."""
+    """How a suggested command runs this slipway from this shell: `slipway` where PATH finds this one, else
+    the `slipway` beside this interpreter (`make setup`'s `.venv/bin/slipway` is not on PATH), else `python -m jobs`."""
     script = Path(sys.executable).parent / "slipway"
     found = shutil.which("slipway")
     with contextlib.suppress(OSError):

@@ -114,9 +114,8 @@ def bounded_path(path: object) -> str:
 
 
 def shown(value: Any, where: str = "") -> str:
-    """A value as the user wrote it, for every error message that quotes one: about MAX_SHOWN characters
-    at most (a deep or shared list or a huge number is cut too), and hidden whole where `where`'s last
-    part looks like a secret's name; every secret-looking part of any other is masked."""
+    """A value as the user wrote it, for every message quoting one: about MAX_SHOWN characters at most, hidden
+    whole where `where`'s last part looks like a secret's name; any other's secret-looking parts masked."""
     if where and plugins().secret_name(re.split(r"[.\[]", where)[-1] or where):
         return "<a value, hidden: the name looks like a secret's>"
     return bounded(_brief(value, MAX_SHOWN), 2 * MAX_SHOWN)
