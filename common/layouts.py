@@ -145,9 +145,8 @@ PROCESS_BASE_BYTES = 0.6e9
 
 
 def process_memory(cfg: Any, micro_batch_size: Optional[int] = None, seq_len: Optional[int] = None) -> float:
-    """Bytes one process of `cfg`'s layout holds at its peak on this machine's CPUs, in the run's
-    dtype (float32 on CPUs unless set): AdamW state is 16 bytes a parameter, split by tp and pp,
-    sharded over dp under FSDP. Arithmetic, not a measurement."""
+    """Bytes one process of `cfg`'s layout holds at its peak on CPUs, by arithmetic, in the run's dtype
+    (float32 unless set): AdamW state is 16 bytes a parameter, split by tp and pp, sharded by FSDP."""
     model, parallel, train = cfg.model, cfg.parallel, cfg.train
     micro = train.micro_batch_size if micro_batch_size is None else micro_batch_size
     tokens = micro * (cfg.data.seq_len if seq_len is None else seq_len)

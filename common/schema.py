@@ -23,8 +23,7 @@ from common.yaml import BOOL, FLOAT, INT, MAX_INT, NULL, Plain
 
 
 class OutOfRange(ConfigError):
-    """An integer beyond what any field takes (MAX_INT). Told only when the field's own check
-    (`check`) has nothing to say first: that check names the field's own bounds."""
+    """An integer beyond MAX_INT, told only where the field's own check (naming its bounds) says nothing first."""
 
     def __init__(self, where: str, value: Any, number: int):
         super().__init__(where, f"{shown(value, where)} is out of range: use a whole number between -{MAX_INT} and "

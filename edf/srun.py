@@ -1,9 +1,8 @@
-"""The environment as `srun` flags (`srun_flags`): the one function every way into the container
-uses (the batch script, `slipway shell`, a preparation job). pyxis has no EDF (NVIDIA/pyxis README,
-args.c), so the environment becomes its flags, and `[env]` variables the batch script exports before
-`srun`, named in `--container-env=` so that pyxis keeps them over the image's, as the Container
-Engine's `[env]` does. Every string returned is shell text in which only `${NAME}` and
-`${NAME:-default}` expand: quote it with `jobs.slurm.ranks.shell_value`, not `shlex.quote`.
+"""The environment as `srun` flags (`srun_flags`), for every way into the container (the batch script,
+`slipway shell`, a preparation job). pyxis has no EDF (NVIDIA/pyxis README, args.c): the environment
+becomes its flags, and `[env]` variables the batch script exports, named in `--container-env=` so that
+pyxis keeps them over the image's as the Container Engine does. Every string returned is shell text
+where only `${NAME}` and `${NAME:-default}` expand: quote it with `jobs.slurm.ranks.shell_value`.
 """
 
 from __future__ import annotations
