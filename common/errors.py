@@ -79,8 +79,7 @@ def _masked(text: str) -> str:
 
 
 def bounded(text: str, limit: int = MAX_SHOWN) -> str:
-    """`text` cut to `limit` characters (with `...`) for a message; masked first, so that no cut leaves
-    a secret's start too short to be recognised."""
+    """`text` cut to `limit` characters with `...`, masked first: no cut leaves a secret too short to recognise."""
     text = _masked(str(text))
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 

@@ -46,8 +46,7 @@ CODE_ENV = "SLIPWAY_CODE"
 
 @dataclass(frozen=True)
 class RunDir:
-    """`runs/RUN/`: where each of its files is. `project`: the checkout it was launched from, where the
-    batch script works (None in the trainer)."""
+    """`runs/RUN/`'s files; `project`: the checkout launched from, where the batch script works (None: the trainer)."""
 
     path: Path
     project: Optional[Path] = None
