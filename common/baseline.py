@@ -1,8 +1,7 @@
 """What a project accepts that the secret policy refuses, by detect-secrets' own conventions: a
-`pragma: allowlist secret` comment on the line, and the project's `.secrets.baseline` (made by
-`detect-secrets scan`): an entry `detect-secrets audit` labelled no secret is accepted, one not
-audited or labelled a secret is not. Copied files are held to it by containers/sources.py, a
-config file's values while it is read (`accepting`).
+`pragma: allowlist secret` comment on the line, and an entry of the project's `.secrets.baseline`
+that `detect-secrets audit` labelled no secret. Copied files are held to it by containers/sources.py,
+a config file's values while it is read (`accepting`).
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ MAX_BYTES = 32 << 20
 
 @functools.lru_cache(maxsize=16)
 def labels(root: Path) -> dict[tuple[str, str], Optional[bool]]:
-    """What `detect-secrets audit` said of each finding of the baseline at the project's top `root`
-    (none: nothing), by file (relative to `root`) and secret hash, read once a process: False, no
-    secret; True, a secret; None, not audited. A ConfigError where detect-secrets could not read it."""
+    """What `detect-secrets audit` said of each finding of `root`'s baseline, by file (relative to
+    `root`) and secret hash, read once a process: False, no secret; True, a secret; None, not audited."""
     from detect_secrets.core.secrets_collection import SecretsCollection
 
     try:
@@ -46,10 +44,8 @@ def label(root: Path, file: Path, secret_hash: str) -> Optional[bool]:
 
 
 def command(root: Path, file: Optional[Path] = None) -> str:
-    """The one command that records what the project's files hold by detect-secrets' scan (with
-    slipway's plugins, which find what its own leave: a key alone on a line; never verifying a
-    secret over the network) and audits it (with them: secret_plugins.py's `audit`): a new baseline
-    of `file` alone, or the project's baseline scanned again (its labels kept)."""
+    """The one command that scans the project with detect-secrets and slipway's plugins (never verifying a
+    secret over the network) and audits it: a new baseline of `file`, or the baseline scanned again, labels kept."""
     plugin = Path(plugins().__file__)
     plugin = shlex.quote(str(plugin.relative_to(root) if root in plugin.parents else plugin))
     only = f" {shlex.quote(os.path.relpath(os.path.realpath(file), os.path.realpath(root)))}" if file else ""
@@ -64,9 +60,8 @@ def command(root: Path, file: Optional[Path] = None) -> str:
 
 @functools.lru_cache(maxsize=64)
 class _Accepting:
-    """What config file `path` accepts: values on a line detect-secrets' allowlist takes (a
-    `# pragma: allowlist secret` on it, or `# pragma: allowlist nextline secret` above it), and
-    values its project's baseline audited as no secret."""
+    """What config file `path` accepts: values on a line detect-secrets' allowlist takes (`# pragma:
+    allowlist secret` on it, or `...nextline secret` above), and values its baseline audited as no secret."""
 
     def __init__(self, path: Path, text: str):
         from detect_secrets.core.potential_secret import PotentialSecret
@@ -93,8 +88,8 @@ class _Accepting:
 
 @contextlib.contextmanager
 def accepting(path: Path) -> Iterator[None]:
-    """While config file `path` is read, what it accepts passes the secret policy (common/schema.py);
-    judged once a content (a sweep reads its points from one file)."""
+    """While config file `path` is read, what it accepts passes the secret policy; judged once a
+    content (a sweep reads its points from one file)."""
     found = read_file(path, MAX_BYTES)
     token = ACCEPTING.set(_Accepting(path, found[0].decode("utf-8", "replace")) if found and found[0] else None)
     try:

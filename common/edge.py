@@ -1,10 +1,7 @@
-"""The command line's edge: every error from what the user gave becomes one line and exit 2.
-
-Each entry point (`slipway`, `python -m trainer.prepare`) runs its
-work through `run_at_edge`, so an error class a new field brings (a path component longer
-than the filesystem takes, a document nested too deeply) is caught here once instead of
-field by field. A genuine bug still gets one line, saying it is one; `SLIPWAY_DEBUG=1`
-shows the traceback instead. Imports neither torch nor the host side (the trainer uses it).
+"""The command line's edge: every error from what the user gave becomes one line and exit 2. Each
+entry point runs its work through `run_at_edge`, so an error class a new field brings (a path part
+too long, a document nested too deeply) is caught here once, not field by field; a genuine bug gets
+one line saying it is one (`SLIPWAY_DEBUG=1`: the traceback). No torch, nothing of the host side.
 """
 
 from __future__ import annotations
@@ -60,24 +57,13 @@ def error_line(exc: BaseException) -> tuple[str, int]:
 def run_at_edge(work: Callable[[], int], prog: str = "slipway",
                 handled: Optional[Callable[[BaseException], Optional[int]]] = None, *,
                 errors: Optional[dict[type, int]] = None, crashes: bool = False, silent: bool = False) -> int:
-    """`work()`'s exit status; any exception it raises printed as one line (see `error_line`).
-
-    `handled` may deal with an exception itself (returning a status) before the generic rules;
-    `errors` maps exception classes of the work's own to the exit status their one line ends
-    with (the trainer's non-finite stop, a checkpoint that does not fit). With `crashes` any other
-    error than bad input (a ConfigError) or those is the work's crash, not a bug of slipway's: it
-    propagates with its traceback (exit 1), as a training process's must for the log. `silent`: this process says
-    nothing (every rank but the first of a launch, so that an error is one line, not one a rank)."""
+    """`work()`'s exit status; any exception it raises printed as one line (`error_line`). `handled`
+    may take an exception first (returning a status); `errors`: the work's own exception classes and
+    their exit statuses (the trainer's non-finite stop). `crashes`: any other error but a ConfigError
+    is the work's crash, not slipway's bug, and propagates with its traceback (exit 1), as a training
+    process's must for the log. `silent`: say nothing (every rank but the first, so that an error is one line)."""
     stdout = sys.stdout
     sys.stdout = _Stdout(stdout)  # type: ignore[assignment]
-    try:
-        return _run(work, prog, handled, errors or {}, crashes, silent)
-    finally:
-        sys.stdout = stdout
-
-
-def _run(work: Callable[[], int], prog: str, handled: Optional[Callable[[BaseException], Optional[int]]],
-         errors: dict[type, int], crashes: bool, silent: bool) -> int:
     try:
         try:
             status = work()
@@ -87,8 +73,9 @@ def _run(work: Callable[[], int], prog: str, handled: Optional[Callable[[BaseExc
         sys.stdout.flush()  # here, not at exit: a full disk or a closed pipe is then told like any error
         return status
     except Exception as exc:  # not KeyboardInterrupt: Ctrl-C keeps its traceback and exit code
-        if isinstance(exc, OutputError):
-            _silence(sys.stdout)
+        if isinstance(exc, OutputError):  # stdout to /dev/null: its buffer dropped, the flush at exit silent
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             if not silent:
                 with contextlib.suppress(OSError):
                     print(f"{prog + ': ' if prog else ''}error: {exc}", file=sys.stderr)
@@ -99,7 +86,7 @@ def _run(work: Callable[[], int], prog: str, handled: Optional[Callable[[BaseExc
                 return status
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             raise
-        own = next((code for kind, code in errors.items() if isinstance(exc, kind)), None)
+        own = next((code for kind, code in (errors or {}).items() if isinstance(exc, kind)), None)
         if crashes and own is None and not isinstance(exc, ConfigError):
             raise
         line, status = (str(exc), own) if own is not None else error_line(exc)
@@ -108,9 +95,10 @@ def _run(work: Callable[[], int], prog: str, handled: Optional[Callable[[BaseExc
             print(f"{prog + ': ' if prog else ''}error: {mask(one_line(' '.join(line.split())), values=True)}",
                   file=sys.stderr)
         return status
+    finally:
+        sys.stdout = stdout
 
 
-# Why a write to stdout fails: a pipe whose reader ended, a disk or device that is full.
 _OUTPUT_ERRNOS = {errno.EPIPE: "closed before all of it was written (the reader of the pipe ended)",
                   errno.ENOSPC: "the disk or device it goes to is full", errno.EDQUOT: "the disk quota is used up",
                   errno.EFBIG: "the file it goes to is too large", errno.EIO: "an I/O error on the device it goes to"}
@@ -152,10 +140,3 @@ class _Stdout:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
-
-
-def _silence(stdout) -> None:
-    """Point stdout at /dev/null: what its buffer still holds is dropped, and the interpreter's own
-    flush at exit says nothing more."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())

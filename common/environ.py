@@ -1,9 +1,7 @@
 """Values slipway takes from its environment, checked like config values: the environment is input.
-
-Slurm's variables land in paths (the job id in a log's name, a node's name in a hang dump's), in
-command lines and in arithmetic. A value of the wrong shape (`../x`, `1;rm -rf ~`, an empty node
-name) is refused where it is read, in one line naming the variable, whatever set it: a shell
-left over from another allocation, a user's export, a wrapper script.
+Slurm's variables land in paths, command lines and arithmetic, so a value of the wrong shape (`../x`,
+`1;rm -rf ~`, an empty node name) is refused where it is read, in one line naming the variable,
+whatever set it (a shell left from another allocation, a user's export, a wrapper script).
 """
 
 from __future__ import annotations
@@ -52,9 +50,8 @@ def project_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
 
 
 def runs_dir(project: Path, environ: Optional[Mapping[str, str]] = None) -> Path:
-    """Where runs live: $SLIPWAY_RUNS (relative to the project, as config paths are), else the
-    project's runs/. Its parent must exist: a submission creates the runs directory itself, never
-    a tree of a mistyped path."""
+    """Where runs live: $SLIPWAY_RUNS (relative to the project), else the project's runs/. Its parent
+    must exist: a submission creates the runs directory, never a tree of a mistyped path."""
     value = _text("SLIPWAY_RUNS", environ)
     if value is None:
         return (project / "runs").absolute()
@@ -69,8 +66,7 @@ def runs_dir(project: Path, environ: Optional[Mapping[str, str]] = None) -> Path
 
 
 def seconds(name: str, default: float, environ: Optional[Mapping[str, str]] = None) -> float:
-    """A duration in seconds from the environment (a positive, finite number), checked; `default`
-    where it is unset or empty."""
+    """A positive duration in seconds from the environment, checked; `default` where it is unset."""
     value = _text(name, environ)
     if value is None:
         return default
@@ -110,9 +106,8 @@ HOSTLIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._,\[\]-]{0,65535}")  # SLURM_JOB_N
 
 
 def allocation(environ: Optional[Mapping[str, str]] = None) -> tuple[Optional[str], Optional[int]]:
-    """(the allocation's job id, its node count) from a shell inside one (`slipway run`), every
-    SLURM_* value the batch script then reads checked first: its job id, node list, partition and
-    restart count name files, events and commands. (None, None) outside an allocation."""
+    """(job id, node count) of the allocation this shell is in (`slipway run`), (None, None) outside
+    one; every SLURM_* value the batch script then reads in names of files, events and commands checked."""
     job = job_id(environ)
     if job is None:
         return None, None
@@ -131,10 +126,8 @@ def fewest_cpus(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
 
 
 def invocation() -> str:
-    """How to run this slipway from the shell it was started in, as a suggested command shows it:
-    `slipway` where that name on PATH is this installation; else its `slipway` beside this
-    interpreter, relative to the working directory below it (`make setup` leaves the user with
-    `.venv/bin/slipway`, not on PATH); else `python -m jobs` with this interpreter."""
+    """How a suggested command runs this slipway from this shell: `slipway` where PATH finds this one, else
+    the `slipway` beside this interpreter (`make setup`'s `.venv/bin/slipway` is not on PATH), else `python -m jobs`."""
     script = Path(sys.executable).parent / "slipway"
     found = shutil.which("slipway")
     with contextlib.suppress(OSError):
@@ -146,9 +139,8 @@ def invocation() -> str:
     return shlex.quote(relative if not relative.startswith("..") else str(script))
 
 
-# The config arguments of the command running (`Config.config_args`, set once it has loaded its
-# config): what a suggestion's CONFIG stands for, wherever its text was written (the trainer's own
-# messages cannot know the user's command line).
+# The config arguments of the command running (`Config.config_args`): what a suggestion's CONFIG stands
+# for, wherever its text was written (the trainer's messages cannot know the user's command line).
 _config_args: Optional[str] = None
 
 
@@ -161,9 +153,8 @@ _SUGGESTED = re.compile(r"(`|\$\()slipway ([^`)]*)")
 
 
 def as_typed(text: str, config_args: Optional[str] = None) -> str:
-    """`text` with each command it suggests (`` `slipway ...` ``, `$(slipway ...)`) in the form
-    this shell runs (`invocation`), its CONFIG placeholder the config arguments given (`config_args`,
-    else those of the command running): a hint must work when pasted."""
+    """`text` with each command it suggests (`` `slipway ...` ``, `$(slipway ...)`) as this shell runs it,
+    CONFIG replaced by the config arguments (else the running command's): a hint must work when pasted."""
     if "slipway " not in text:
         return text
     prog, args = invocation(), config_args or _config_args

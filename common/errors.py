@@ -1,10 +1,8 @@
 """Errors from input, and how a message quotes what the user gave.
 
-`ConfigError` is the one error for bad input: one line naming the field, the rule
-and the fix (the error edge, common/edge.py, prints it and exits 2). Every message
-that quotes a value goes through `shown`, which bounds it and hides what the
-secret policy (common/secrets.py) says must never be printed; and every error's line
-is masked by that policy once more as it is made, whoever built it.
+`ConfigError` is the one error for bad input: one line naming the field, the rule and the fix (the
+error edge, common/edge.py, prints it and exits 2). Every message quoting a value goes through
+`shown`, and every error's line is masked by the secret policy (common/secrets.py) as it is made.
 """
 
 from __future__ import annotations
@@ -22,9 +20,8 @@ class ConfigError(ValueError):
     """Bad user input: one line naming the field, the rule and the fix."""
 
     def __init__(self, field_path: str, message: str):
-        # One line, whatever the user typed: a key or value holding a newline is shown escaped,
-        # and a line never grows past a screenful, however long a value a message quotes.
-        # A secret given as a mapping's key is masked in the path too, judged part by part.
+        # One line, whatever the user typed, never past a screenful; a secret given as a mapping's
+        # key is masked in the path too, judged part by part.
         self.field = bounded(_PART.sub(lambda m: _masked(m.group()), mask(one_line(field_path))), MAX_FIELD_SHOWN)
         message = _QUOTED.sub(lambda m: mask(m.group(), values=True), mask(one_line(message)))
         if len(message) > MAX_MESSAGE:  # keep the start (the rule) and the end (the fix)
@@ -42,9 +39,8 @@ MAX_MESSAGE = 1000
 
 
 # What would end a line, drive a terminal or reorder what it shows: every break str.splitlines()
-# knows (\v, \f, \x1c-\x1e, NEL, U+2028/9 as well as \n and \r), the C0 and C1 control characters
-# (ESC starts every sequence that retitles, clears or moves on a terminal; a tab breaks a
-# column) and Unicode's bidirectional controls (which show text in another order than it is).
+# knows (\v, \f, \x1c-\x1e, NEL, U+2028/9, \n, \r), the C0 and C1 controls (ESC starts every
+# terminal sequence; a tab breaks a column) and Unicode's bidirectional controls.
 UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -53,17 +49,14 @@ _BREAKS = re.compile("[\x00\n\r\v\f\x1c-\x1e\x85\u2028\u2029]")  # what ends a l
 
 
 def unprintable(text: str, breaks: bool = False) -> Optional[str]:
-    """The first character of `text` that `one_line` escapes (with `breaks`: the first line break
-    or NUL), as it shows it (`\\x1b`); None where there is none."""
+    """The first character `one_line` escapes (`breaks`: the first line break or NUL) as it shows it, or None."""
     found = (_BREAKS if breaks else UNPRINTABLE).search(text)
     return one_line(found[0]) if found else None
 
 
 def one_line(text: object) -> str:
-    """`text` as one line of plain text, whatever it holds: a line break, a control character or
-    a bidirectional control is shown escaped (`\\x1b`, `\\u202e`). The one way from a file, a job,
-    a run name, Slurm or the environment to a terminal: every message, listing, table and frame
-    slipway prints passes what it quotes through here."""
+    """`text` as one line, a line break or (bidirectional) control shown escaped (`\\x1b`, `\\u202e`): the one
+    way from a file, a job, a run name, Slurm or the environment to any terminal slipway prints to."""
     text = str(text)
     if text.isprintable():  # no control, break or format character: the common case, in C
         return text
@@ -71,9 +64,8 @@ def one_line(text: object) -> str:
 
 
 def pasteable(word: str) -> str:
-    """`word` as one shell word that a pasted command gives back whole: shlex's quoting, or where it
-    holds what `one_line` escapes, bash's $'...' with those characters' bytes escaped (`$'n\\x1bode'`),
-    which is escaped on a terminal and pastes as the name it is."""
+    """`word` as one shell word a pasted command gives back whole: shlex's quoting, or where it holds
+    what `one_line` escapes, bash's $'...' with their bytes escaped (`$'n\\x1bode'`), safe on a terminal."""
     if word.isprintable():
         return shlex.quote(word)
     return "$'" + "".join("\\" + c if c in "\\'" else c if c.isprintable() else
@@ -82,22 +74,18 @@ def pasteable(word: str) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _masked(text: str) -> str:
-    """`mask` of a value the user gave, remembered (a pure function): config checks quote the same
-    values again and again."""
+    """`mask` of a value the user gave, remembered: config checks quote the same values again and again."""
     return mask(text, values=True)
 
 
 def bounded(text: str, limit: int = MAX_SHOWN) -> str:
-    """`text` cut to `limit` characters (with `...`), for quoting what the user gave in a message;
-    masked first (as a value the user gave), so that no cut leaves a secret's start too short to
-    be recognised."""
+    """`text` cut to `limit` characters with `...`, masked first: no cut leaves a secret too short to recognise."""
     text = _masked(str(text))
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 def failure_line(output: str) -> str:
-    """The line of a process's output that says what went wrong: its last error line, else its
-    last line; whitespace collapsed, at most 300 characters."""
+    """The last error line of a process's output, else its last line; whitespace collapsed, 300 characters."""
     lines = [" ".join(line.split()) for line in str(output).splitlines() if line.strip()]
     errors = [line for line in lines if re.search(r"(Error|Exception|error:|FAILED)", line)]
     return ((errors or lines or ["no output"])[-1])[:300]
@@ -116,8 +104,7 @@ MAX_PATH_SHOWN = 400  # a path is what the user must find: longer than other val
 
 
 def bounded_path(path: object) -> str:
-    """A path for an error message: whole up to MAX_PATH_SHOWN characters, else its start and
-    its end (the file name) around `...`."""
+    """A path for a message: whole up to MAX_PATH_SHOWN characters, else its start and end around `...`."""
     text = mask(str(path))
     if len(text) <= MAX_PATH_SHOWN:
         return text
@@ -126,19 +113,15 @@ def bounded_path(path: object) -> str:
 
 
 def shown(value: Any, where: str = "") -> str:
-    """A value as the user wrote it, for error messages: at most about MAX_SHOWN characters
-    (a long string, a deep or shared list or a huge number is cut, never printed whole), and
-    never a secret's: the value of a field whose name looks like one (`where`'s last part) is
-    hidden whole, and every secret-looking part of any other (a token, NAME=value) is masked.
-    Every message quoting a value comes through here."""
+    """A value as the user wrote it, for every message quoting one: about MAX_SHOWN characters at most, hidden
+    whole where `where`'s last part looks like a secret's name; any other's secret-looking parts masked."""
     if where and plugins().secret_name(re.split(r"[.\[]", where)[-1] or where):
         return "<a value, hidden: the name looks like a secret's>"
     return bounded(_brief(value, MAX_SHOWN), 2 * MAX_SHOWN)
 
 
 def warn(message: str) -> None:
-    """A warning on stderr, in one line and masked: what the user should know about their own text
-    (a secret-looking value in launch.pre_launch or a hand-written EDF), which is not refused."""
+    """A warning on stderr, one line, masked: the user's own text, not refused (launch.pre_launch, an EDF)."""
     print(f"slipway: warning: {mask(one_line(message))}", file=sys.stderr)
 
 
@@ -159,10 +142,8 @@ def _brief(value: Any, room: int) -> str:
             if used >= room:
                 parts.append("...")
                 break
-            if isinstance(value, dict):
-                text = f"{_brief(item[0], room - used)}: {_brief(item[1], room - used)}"
-            else:
-                text = _brief(item, room - used)
+            text = (f"{_brief(item[0], room - used)}: {_brief(item[1], room - used)}" if isinstance(value, dict)
+                    else _brief(item, room - used))
             parts.append(text)
             used += len(text) + 2
         return ("{%s}" if isinstance(value, dict) else "[%s]") % ", ".join(parts)

@@ -1,10 +1,8 @@
-"""events.log: one line per event of a run, the record every end is told in.
-
-A line is `TIME job JOB TEXT` (`date --iso-8601=seconds`; the Slurm job id, which survives
-requeues, or `local`; words whose start says what happened: `EventKind`). Two writers, one per
-language: the batch script's `event()` (jobs/slurm/job_lib.sh) and `append_event` here. Readers go
-through `parse_event`, which never fails on a torn or foreign line, and read at most the last
-MAX_EVENTS_BYTES of a regular file. Stdlib only: the trainer writes here too.
+"""events.log: one line per event of a run, the record every end is told in: `TIME job JOB TEXT`
+(`date --iso-8601=seconds`; the Slurm job id, which survives requeues, or `local`; text whose start
+says what happened: `EventKind`). Written by the batch script's `event()` (jobs/slurm/job_lib.sh) and
+`append_event`; read through `parse_event`, which never fails on a torn or foreign line, at most the
+last MAX_EVENTS_BYTES of a regular file. Stdlib only: the trainer writes here too.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ from __future__ import annotations
 import enum
 import os
 import re
+import signal
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import cached_property
@@ -22,8 +21,8 @@ from common.errors import one_line
 from common.fs import append_line, read_tail
 from common.rundir import INTERRUPTED_EXIT, RunDir
 
-# What a reader takes of events.log at most, from its end: thousands of attempts' events (a line
-# is about 120 bytes), where a longer file is a runaway or hostile one.
+# What a reader takes of events.log at most, from its end: thousands of attempts' events (a line is
+# about 120 bytes); a longer file is a runaway or hostile one.
 MAX_EVENTS_BYTES = 4 << 20
 
 
@@ -88,20 +87,14 @@ class Event:
         m = _EXIT.search(self.text)
         if m and self.kind in (EventKind.END, EventKind.PREPARE_END):
             return int(m.group(1))
-        if self.kind is EventKind.END and self.text.startswith("end interrupted"):
+        if self.text.startswith("end interrupted"):  # an END event, as is `end signal` below
             return INTERRUPTED_EXIT
         s = _SIGNAL.match(self.text)
-        if s and self.kind is EventKind.END:
-            name = s.group(1).rstrip(",;:")
-            if name.isdigit():
-                return 128 + int(name)
-            import signal
-
-            try:
-                return 128 + int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
-            except KeyError:
-                return None
-        return None
+        name = s.group(1).rstrip(",;:") if s else ""
+        if name.isdigit():
+            return 128 + int(name)
+        number = signal.Signals.__members__.get(name if name.startswith("SIG") else f"SIG{name}")
+        return None if number is None else 128 + int(number)
 
     @property
     def hang_tag(self) -> str:
@@ -137,16 +130,11 @@ def parse_event(line: str) -> Optional[Event]:
         return None
     # An empty job id (no SLURM_JOB_ID) leaves two spaces: the job is "" and the text follows.
     job, _, text = rest.partition(" ")
-    text = text.strip()
-    if not text:
-        return None
-    return Event(stamp, job, text)
+    return Event(stamp, job, text.strip()) if text.strip() else None
 
 
 def read_events(run_dir: str | os.PathLike) -> list[Event]:
-    """The events of a run directory, in the order written (at most the last MAX_EVENTS_BYTES of
-    them); [] before the first. An events.log that is no regular file raises NotRegularFile, one
-    the user may not read PermissionError."""
+    """The events of a run directory, in the order written; [] before the first."""
     data = read_tail(RunDir(Path(run_dir)).events, MAX_EVENTS_BYTES)
     lines = [] if data is None else data.decode("utf-8", errors="replace").splitlines()
     return [e for line in lines if (e := parse_event(line)) is not None]
@@ -154,6 +142,5 @@ def read_events(run_dir: str | os.PathLike) -> list[Event]:
 
 def append_event(run_dir: str | os.PathLike, job: Optional[str], text: str,
                  when: Optional[datetime | str] = None) -> None:
-    """Append one event to RUN/events.log: one write(2) of one whole line under O_APPEND, so
-    concurrent writers (the batch script, several ranks, the host) never interleave inside a line."""
+    """Append one event to RUN/events.log (`append_line`: concurrent writers never interleave in a line)."""
     append_line(RunDir(Path(run_dir)).events, format_event(job, text, when))

@@ -1,11 +1,8 @@
 """The optional installs a command may need beyond the base one, said in one line when missing.
-
-`pip install slipway` (plumbum, pyyaml, tomli-w, rich) is the login node's install: every
-host command runs on it, and `slipway submit` looks at the token cache without numpy. The
-few commands that do the trainer's work on this machine (`slipway prepare` here, `slipway
-local`, `slipway plot`) call `require` before they start, so a missing extra is one line
-naming the pip install, exit 2, with nothing written, not an import traceback halfway
-through. Imports neither torch nor the host side; looking a module up imports nothing.
+`pip install slipway` is the login node's install (`slipway submit` reads the token cache without
+numpy); the commands doing the trainer's work here (`slipway prepare`, `local`, `plot`) call
+`require` first: one line naming the pip install, exit 2, nothing written, not an import traceback
+halfway through. Imports neither torch nor the host side; looking a module up imports nothing.
 """
 
 from __future__ import annotations
@@ -24,15 +21,9 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 }
 
 
-def missing(modules: Iterable[str]) -> list[str]:
-    """Those of `modules` this Python cannot import."""
-    return [m for m in modules if importlib.util.find_spec(m) is None]
-
-
 def require(command: str, extra: str, modules: Iterable[str] | None = None, instead: str = "") -> None:
-    """Raise ConfigError (one line, exit 2 at the CLI) unless `modules` (default: all of
-    `extra`'s) can be imported here; `instead` names another way to the same result."""
-    absent = missing(EXTRAS[extra] if modules is None else modules)
+    """A ConfigError unless `modules` (default: `extra`'s) import here; `instead`: another way to the result."""
+    absent = [m for m in (EXTRAS[extra] if modules is None else modules) if importlib.util.find_spec(m) is None]
     if absent:
         raise ConfigError(command, f"needs {', '.join(absent)} (the {extra} extra), which this Python "
                                    f"({sys.executable}) lacks: pip install 'slipway[{extra}]'"

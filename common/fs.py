@@ -1,11 +1,8 @@
-"""Atomic file writes, bounded reads and file digests, shared by every layer (the trainer, the run
-directory, the EDF, the image and code snapshots). No torch here.
-
-A reader sees the old file or the new one, never half of one: write a temp file beside the
-target, fsync it, rename it over the target. A reader of a file that others may have made (a
-run directory is shared by a team and written by jobs) opens it only when it is a regular file,
-judged without blocking (a FIFO would hang an open or a read, a device would never end), and
-reads at most a bounded part of it (`regular_fd`, `open_regular`, `read_file`, `read_tail`).
+"""Atomic file writes (a temp file beside the target, fsynced and renamed over it: a reader sees the
+old file or the new one, never half), bounded reads and file digests, for every layer; no torch. A
+file others may have made (a team shares a run directory, jobs write it) is opened only when it is
+a regular file, judged without blocking (a FIFO would hang an open, a device never ends), and read
+with a bound.
 """
 
 from __future__ import annotations
@@ -51,14 +48,12 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, 
 
 
 def user_cache(name: str) -> Path:
-    """File `name` of slipway's cache of this user's ($XDG_CACHE_HOME, else ~/.cache): what is
-    worth remembering across projects, never needed (a cache that cannot be read is rebuilt)."""
+    """File `name` of this user's slipway cache ($XDG_CACHE_HOME or ~/.cache): never needed, rebuilt if unreadable."""
     return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")) / "slipway" / name
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:
-    """One whole line appended under O_APPEND (a short write finished), so concurrent writers (the
-    batch script, several ranks, the host) never interleave inside one; never blocked by a FIFO."""
+    """One whole line appended under O_APPEND, never blocked by a FIFO: concurrent writers never interleave in one."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
     try:
         data = (line.rstrip("\n") + "\n").encode()
@@ -100,10 +95,9 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat
 
 
 def regular_fd(path: str | os.PathLike) -> Optional[tuple[int, os.stat_result]]:
-    """A descriptor of `path` for reading, and its stat, when it is a regular file (a link to one
-    followed); None where nothing is. Anything else raises NotRegularFile, decided by fstat on a
-    descriptor opened with O_NONBLOCK, so that a FIFO never blocks the open; a file the user may
-    not read raises PermissionError. The caller closes it."""
+    """A read descriptor of `path` and its stat when it is a regular file (a link to one followed);
+    None where nothing is. Anything else raises NotRegularFile, judged by fstat on an O_NONBLOCK
+    descriptor, so that a FIFO never blocks the open. The caller closes it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
@@ -116,8 +110,7 @@ def regular_fd(path: str | os.PathLike) -> Optional[tuple[int, os.stat_result]]:
 
 
 def open_regular(path: str | os.PathLike) -> Optional[BinaryIO]:
-    """`path` opened for reading when it is a regular file (`regular_fd`'s rules); None where
-    nothing is."""
+    """`path` opened for reading by `regular_fd`'s rules; None where nothing is."""
     found = regular_fd(path)
     if found is None:
         return None
@@ -126,7 +119,7 @@ def open_regular(path: str | os.PathLike) -> Optional[BinaryIO]:
 
 
 def file_kind(mode: int) -> str:
-    """`a FIFO`, `a directory`...: what a file of st_mode `mode` is, for a message."""
+    """What a file of st_mode `mode` is, for a message: `a FIFO`, `a directory`..."""
     return next((name for test, name in _KINDS if test(mode)), "a regular file" if stat.S_ISREG(mode) else
                 "not a regular file")
 
@@ -143,9 +136,8 @@ def pread_all(fd: int, size: int, offset: int) -> bytes:
 
 
 def read_file(path: str | os.PathLike, limit: int) -> Optional[tuple[Optional[bytes], os.stat_result]]:
-    """The bytes of the regular file `path` (`regular_fd`'s rules) and its stat; the bytes None,
-    unread, where it holds more than `limit`; None where there is no file. One open and one fstat:
-    a listing reads ten thousand of them."""
+    """(bytes, stat) of `path` by `regular_fd`'s rules, the bytes None where more than `limit`; None
+    where there is no file. One open and one fstat: a listing reads ten thousand of them."""
     found = regular_fd(path)
     if found is None:
         return None
@@ -162,10 +154,8 @@ def read_file(path: str | os.PathLike, limit: int) -> Optional[tuple[Optional[by
 
 
 def read_json(path: str | os.PathLike, limit: int = 64 << 20) -> Optional[dict[str, Any]]:
-    """The JSON object a state file of ours holds, read by `read_file`'s rules (such files sit in
-    folders a team shares: a FIFO there never blocks, a huge file is never read whole); None where
-    it is missing, unreadable, larger than `limit` or damaged (a writer cut short, anything but an
-    object), which each reader takes as "none"."""
+    """The JSON object a state file of ours holds, read by `read_file`'s rules; None where it is
+    missing, unreadable, larger than `limit` or damaged (anything but an object): "none" to each reader."""
     try:
         found = read_file(path, limit)
         data = json.loads(found[0]) if found and found[0] is not None else None
@@ -175,8 +165,7 @@ def read_json(path: str | os.PathLike, limit: int = 64 << 20) -> Optional[dict[s
 
 
 def read_tail(path: str | os.PathLike, limit: int) -> Optional[bytes]:
-    """At most the last `limit` bytes of the regular file `path` (`regular_fd`'s rules), from the
-    start of a line where they are cut; None where there is no file."""
+    """At most the last `limit` bytes of `path` (`regular_fd`'s rules), from a line's start; None if no file."""
     found = regular_fd(path)
     if found is None:
         return None
@@ -206,8 +195,7 @@ def closed_by(path: str | os.PathLike) -> Optional[tuple[Path, str]]:
 
 
 def ownership(path: str | os.PathLike) -> str:
-    """`owned by NAME, mode 0700`: why a path may be closed to this user, for a message ('' where
-    even that cannot be told)."""
+    """`owned by NAME, mode 0700`, for a message about a path closed to this user ('' where unknown)."""
     try:
         st = os.stat(path)
     except OSError:

@@ -1,8 +1,6 @@
-"""Which layout to train each model preset with, and advice when a config strays from it.
-
-Imports no torch: `slipway doctor` (the host side) calls `layout_advice(cfg)` with the
-full config tree, and the trainer can call it with its own. The defaults, the memory
-arithmetic they are sized by and why tensor parallel stays off: docs/trainer.md#layouts.
+"""Which layout to train each model preset with, and advice when a config strays from it. No torch:
+`slipway doctor` calls `layout_advice` with the host's config tree, the trainer with its own. The
+defaults, their memory arithmetic and why tensor parallel stays off: docs/trainer.md#layouts.
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ LAYOUT_DEFAULTS: dict[str, LayoutDefault] = {
 
 def gpu_memory_estimate(model: Any, micro_batch_size: int, seq_len: int, dp: int, reshard_after_forward: bool,
                         activation_checkpointing: str) -> dict[str, float]:
-    """Bytes one GPU holds at the peak of an FSDP2 bf16 step, by part (docs/trainer.md#layouts);
-    `model` is a ModelSection. Arithmetic, not a measurement."""
+    """Bytes by part one GPU holds at an FSDP2 bf16 step's peak, by arithmetic (docs/trainer.md#layouts)."""
     params = model.num_params()
     tokens = micro_batch_size * seq_len
     per_block = params / model.num_layers  # gathered bf16 weights: every block's, or two at a time
@@ -63,9 +60,8 @@ def gpu_memory_estimate(model: Any, micro_batch_size: int, seq_len: int, dp: int
 
 
 def activation_bytes(model: Any, tokens: int, width: int, tp: int, activation_checkpointing: str) -> float:
-    """Activations of `tokens` through every block, `width` bytes a value, split by `tp`: about (12 x
-    hidden + 4 x intermediate) values per token per block, half that with selective checkpointing;
-    with full, the block inputs and one block's whole activations at a time."""
+    """Activations of `tokens` through every block, `width` bytes a value: about (12 x hidden + 4 x
+    intermediate) a token a block, half with selective checkpointing; with full, the block inputs and one block's."""
     per_token_block = (12 * model.hidden_size + 4 * model.intermediate_size) * width / tp
     if activation_checkpointing == "full":
         return tokens * (model.num_layers * model.hidden_size * width + per_token_block)
@@ -79,21 +75,18 @@ def resolve_reshard(cfg: Any) -> tuple[bool, str]:
         return bool(setting), "parallel.reshard_after_forward"
     if cfg.parallel.zero_stage == 3:
         return True, "zero_stage 3"
-    default = LAYOUT_DEFAULTS.get(cfg.model.size)
-    if default is not None and default.reshard_after_forward:
+    if getattr(LAYOUT_DEFAULTS.get(cfg.model.size), "reshard_after_forward", False):
         return True, f"the {cfg.model.size} preset's default, common/layouts.py"
     return False, f"zero_stage {cfg.parallel.zero_stage}"
 
 
 def layout_advice(cfg: Any) -> Optional[str]:
-    """One line of advice when `cfg` (a TrainerConfig or the host's full tree) trains a preset
-    model with more tensor or pipeline parallelism than its default; None otherwise."""
+    """One line of advice where `cfg` trains a preset model with more tp or pp than its default, else None."""
     model, parallel, train = cfg.model, cfg.parallel, cfg.train
     default = LAYOUT_DEFAULTS.get(model.size)
     if default is None or parallel.tp * parallel.pp <= default.tp:
         return None
-    gpus = parallel.world_size
-    dp = gpus // default.tp
+    dp = parallel.world_size // default.tp
     sequences = train.micro_batch_size * train.grad_accum_steps * parallel.dp  # the global batch
     split, costs = [], []
     if parallel.tp > default.tp:
@@ -119,8 +112,7 @@ def layout_advice(cfg: Any) -> Optional[str]:
 
 def memory_report(cfg: Any, dp: int, reshard_after_forward: bool,
                   gpu_bytes: Optional[int]) -> tuple[str, Optional[str]]:
-    """The trainer's log line of `gpu_memory_estimate` for an FSDP run of `cfg` over `dp` GPUs,
-    and a warning line when it passes GPU_BUDGET_FRACTION of `gpu_bytes` (None: no GPU)."""
+    """The trainer's log line of `gpu_memory_estimate`, and a warning where it passes GPU_BUDGET_FRACTION."""
     train = cfg.train
     parts = gpu_memory_estimate(cfg.model, train.micro_batch_size, cfg.data.seq_len, dp, reshard_after_forward,
                                 train.activation_checkpointing)
@@ -147,18 +139,14 @@ def memory_report(cfg: Any, dp: int, reshard_after_forward: bool,
                   f"{gpu_bytes / 1e9:.0f} GB: expect out-of-memory; set {' or '.join(fixes)}")
 
 
-# What one CPU rank holds before any model: the interpreter, torch, gloo and the data reader
-# (tiny_cpu's ranks peak at 0.5 GB with a 1M-parameter model). bench/memory.py sets the
-# arithmetic below beside measured peaks (BENCHMARKS.md): at or up to 10% above them.
+# What one CPU rank holds before any model (tiny_cpu's ranks peak at 0.5 GB with 1M parameters).
+# bench/memory.py sets the arithmetic below beside measured peaks: at or up to 10% above them.
 PROCESS_BASE_BYTES = 0.6e9
 
 
 def process_memory(cfg: Any, micro_batch_size: Optional[int] = None, seq_len: Optional[int] = None) -> float:
-    """Bytes one process of `cfg`'s dp x tp x pp layout holds at its peak on this machine's CPUs
-    (a TrainerConfig or the host's tree): PROCESS_BASE_BYTES, its share of the weights, gradients
-    and AdamW state (16 bytes a parameter, split by tp and pp, sharded over dp under FSDP), the
-    weights gathered for the forward, the activations of its blocks and the logits, in the run's
-    dtype (float32 on CPUs unless set). Arithmetic, not a measurement."""
+    """Bytes one process of `cfg`'s layout holds at its peak on CPUs, by arithmetic, in the run's dtype
+    (float32 unless set): AdamW state is 16 bytes a parameter, split by tp and pp, sharded by FSDP."""
     model, parallel, train = cfg.model, cfg.parallel, cfg.train
     micro = train.micro_batch_size if micro_batch_size is None else micro_batch_size
     tokens = micro * (cfg.data.seq_len if seq_len is None else seq_len)
@@ -174,10 +162,8 @@ def process_memory(cfg: Any, micro_batch_size: Optional[int] = None, seq_len: Op
 
 
 def fitting_batch(cfg: Any, budget: float) -> Optional[tuple[int, int, int]]:
-    """(micro batch, gradient accumulation, seq_len) under which one process of `cfg` stays within
-    `budget` bytes (`process_memory`), keeping the layout: the largest micro batch that divides the
-    sequences a rank trains each step (the global batch unchanged), else micro batch 1 at the
-    longest power-of-two fraction of seq_len; None when not even that fits."""
+    """(micro batch, gradient accumulation, seq_len) within `budget` bytes a process, the layout and
+    global batch kept: else micro batch 1 at the longest power-of-two fraction of seq_len; else None."""
     train, seq = cfg.train, cfg.data.seq_len
     per_rank = train.micro_batch_size * train.grad_accum_steps
     for micro in range(train.micro_batch_size, 0, -1):
@@ -191,9 +177,8 @@ def fitting_batch(cfg: Any, budget: float) -> Optional[tuple[int, int, int]]:
 
 
 def smaller_batch_hint(cfg: Any) -> str:
-    """What to change after a rank ran out of memory in a job: the micro batch halved (the largest
-    that divides the sequences a rank trains each step, the global batch unchanged), or, at micro
-    batch 1, activation checkpointing or a shorter sequence."""
+    """What to change after a rank ran out of memory in a job: the micro batch halved or less, the
+    global batch unchanged; at micro batch 1, activation checkpointing or a shorter sequence."""
     train = cfg.train
     per_rank = train.micro_batch_size * train.grad_accum_steps
     micro = max((d for d in range(1, train.micro_batch_size // 2 + 1) if per_rank % d == 0), default=0)
@@ -204,16 +189,10 @@ def smaller_batch_hint(cfg: Any) -> str:
 
 
 def num_flops_per_token(model: Any, seq_len: int) -> int:
-    """Training FLOPs per token of `model` (a ModelSection), torchtitan's convention:
-    6 * N + 12 * L * H * Q * T.
-
-    N counts the parameters that do a matmul per token: every layer plus the
-    output projection (padded vocab x hidden: the padded rows are computed too),
-    not the input embedding (a lookup);
-    with tied embeddings the shared matrix is counted once, as the output.
-    6 = forward (2) + backward (4) FLOPs per parameter; 12 * L * H * Q * T is
-    the attention score and value matmuls (H heads of size Q, context T).
-    """
+    """Training FLOPs per token of `model` (a ModelSection), torchtitan's 6 * N + 12 * L * H * Q * T:
+    forward (2) and backward (4) FLOPs for each parameter N that does a matmul (every layer and the
+    output projection with its padded rows; not the input embedding, a lookup; a tied matrix once),
+    and the attention score and value matmuls (H heads of size Q, context T)."""
     n_matmul = model.num_params() - model.padded_vocab_size * model.hidden_size * (0 if model.tie_embeddings else 1)
     return 6 * n_matmul + 12 * model.num_layers * model.num_heads * model.head_dim * seq_len
 
@@ -224,10 +203,8 @@ def block_flops_per_token(model: Any, seq_len: int) -> int:
     return 6 * (2 * h * h + 2 * h * kv + 3 * h * model.intermediate_size) + 12 * h * seq_len
 
 
-# What a CPU step spends beyond its blocks' and output layer's forward and backward (the
-# embedding, the optimizer, gloo's collectives, the data, Python) does not depend on the dtype:
-# about this share of what those take in float32 (set against tiny_cpu and the flagship's try
-# here, in float32 and in bfloat16 with and without bfloat16 units: BENCHMARKS.md).
+# What a CPU step spends beyond its blocks' and output layer's matmuls (embedding, optimizer, gloo,
+# data, Python) does not depend on the dtype: about this share of their float32 time (BENCHMARKS.md).
 CPU_STEP_OVERHEAD = 0.5
 
 
@@ -246,7 +223,6 @@ def cpu_step_seconds(cfg: Any, rates: dict[str, dict[str, float]], dtype: str) -
 
 
 def checkpoint_bytes(num_params: int) -> int:
-    """The room one more checkpoint of a model of `num_params` parameters needs: the fp32 weights and
-    AdamW's two moments, about 12 bytes a parameter."""
+    """One more checkpoint's bytes: the fp32 weights and AdamW's two moments, about 12 a parameter."""
     return 12 * num_params
 

@@ -1,7 +1,7 @@
 """metrics.jsonl read as the run's history (`slipway plot`, `slipway status`). The file is
-append-only across attempts: a resume from step N logs `{"kind": "restart", "step": N}`, then
-N+1... again. The history keeps, for every step, what the latest attempt logged, and drops the
-steps a restart undid and no later attempt reached. No torch, nothing of the host side.
+append-only across attempts: a resume from step N logs `{"kind": "restart", "step": N}`, then N+1...
+again; the history keeps, for every (kind, step), what the latest attempt logged, and drops the steps
+a restart undid. No torch, nothing of the host side.
 """
 
 from __future__ import annotations
@@ -40,9 +40,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def latest_by_step(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records of the history that stands, in step order: for each (kind, step) the
-    latest one, where a restart at step N first discards every earlier record of a
-    step after N. Restart records themselves, and records without a step, are left out."""
+    """The history that stands (the module's rule) in step order, without restart or stepless records."""
     kept: dict[tuple[str, int], dict[str, Any]] = {}
     for record in records:
         step = record.get("step")

@@ -1,12 +1,8 @@
-"""The run directory: every path a run holds, and the lines one side writes there for the other
-to read, each defined once (the host's run model, the batch script's renderer, the local
-launcher and the trainer all take their paths from `RunDir`; the batch script gets them as the
-variables `RunDir.shell_paths` renders, never composing one itself). Also what the three agree on
-beyond paths: the exit codes of a launch (the *_EXIT constants), the code snapshot's
-record, the rule for a whole checkpoint, a save's record (`SaveLine`) and the hang dump's first
-line (`HangLine`), by keys.
-events.log's lines are common/events.py's. Stdlib only: the trainer imports it, and so does the
-host (never the other way round).
+"""The run directory: every path a run holds, defined once in `RunDir` (the host, the batch script's
+renderer, the local launcher and the trainer take them from it; the batch script gets them from
+`RunDir.shell_paths`, never composing one), and what the sides agree on beyond paths: exit codes,
+the code snapshot's record, a whole checkpoint, `SaveLine` and `HangLine`. events.log's lines are
+common/events.py's. Stdlib only: the trainer imports it, and so does the host.
 """
 
 from __future__ import annotations
@@ -39,10 +35,9 @@ TERM_EXIT = 143  # SIGTERM to a job: a plain scancel, a preemption, the time lim
 BUG_EXIT = 70
 
 LOCAL_JOB = "local"  # the job field of a launch on this machine
-# The preflight's all-reduce in the training step (trainer/preflight.py AllReduceGate): the batch
-# script asks for it with PREFLIGHT_ENV="MEGABYTES TIMEOUT_S"; a rank that fails it writes its
-# one-line reason to PREFLIGHT_FAILED_FILE among the step's exit reports ($SLIPWAY_EXITS), which
-# the batch script reads (job_lib.sh `after_preflight`).
+# The preflight's all-reduce (trainer/preflight.py AllReduceGate), asked for by PREFLIGHT_ENV="MEGABYTES
+# TIMEOUT_S"; a rank that fails it writes why to PREFLIGHT_FAILED_FILE in $SLIPWAY_EXITS (job_lib.sh
+# `after_preflight` reads it).
 PREFLIGHT_ENV = "SLIPWAY_PREFLIGHT_ALLREDUCE"
 PREFLIGHT_FAILED_FILE = "preflight-failed"
 # The code snapshot the ranks run (jobs/runs/code.py): its directory, set in their environment.
@@ -51,8 +46,7 @@ CODE_ENV = "SLIPWAY_CODE"
 
 @dataclass(frozen=True)
 class RunDir:
-    """`runs/RUN/`: where each of its files is. `project` is the checkout it was launched from (the
-    batch script works there; None where only the run's own files matter, as in the trainer)."""
+    """`runs/RUN/`'s files; `project`: the checkout launched from, where the batch script works (None: the trainer)."""
 
     path: Path
     project: Optional[Path] = None
@@ -77,18 +71,13 @@ class RunDir:
     # The trainer's (trainer/metrics.py, trainer/watchdog.py, trainer/loop.py).
     metrics = property(lambda self: self.path / "metrics.jsonl")  # common/metrics_log.py
     progress = property(lambda self: self.path / "progress.json")  # rank 0's last step, for `slipway watch`
-    # On Slurm's time-limit warning (or a stop request) the batch script creates it; the trainer
-    # saves at the step boundary and exits REQUEUE_EXIT ("requeue me").
+    # Made at the time-limit warning or a stop request: the trainer saves and exits REQUEUE_EXIT.
     stop_file = property(lambda self: self.path / "stop-requested")
     # One SaveLine per completed checkpoint save (rank 0): what the batch script's warning lead reads.
     saves = property(lambda self: self.path / "saves.log")
     curves = property(lambda self: self.path / "curves.png")  # `slipway plot`
     # Beside the runs, not of one: the warm processes' logs (`slipway run`), ALLOCATION-KEY.out.
     warm_logs = property(lambda self: self.path.parent / ".warm")
-
-    def checkpoints(self, setting: str | os.PathLike) -> Path:
-        """Where checkpoints go for checkpoint.dir `setting` (relative to the run directory, or absolute)."""
-        return self.path / setting
 
     def hang_dump(self, tag: str, host: str, rank: int) -> Path:
         return self.hangs / f"{tag}-{host}-{rank}.txt"
@@ -104,17 +93,16 @@ class RunDir:
         return self.gutil / f"{node}.gutil"
 
     def shell_paths(self, checkpoint_dir: str) -> dict[str, Path]:
-        """The batch script's names for these paths (its settings block sets them once; the job
-        library uses only these)."""
+        """The batch script's names for these paths: the job library uses only these. `checkpoint_dir`:
+        checkpoint.dir, relative to the run directory or absolute."""
         return {"RUN_DIR": self.path, "EVENTS_LOG": self.events, "LOGS": self.logs, "HEARTBEAT": self.heartbeat,
                 "HEARTBEATS": self.heartbeats, "GUTIL": self.gutil, "HANGS": self.hangs, "EXITS": self.exits,
-                "STOP_FILE": self.stop_file, "SAVES": self.saves, "CHECKPOINT_DIR": self.checkpoints(checkpoint_dir)}
+                "STOP_FILE": self.stop_file, "SAVES": self.saves, "CHECKPOINT_DIR": self.path / checkpoint_dir}
 
 
 @dataclass(frozen=True)
 class CodeSnapshot:
-    """A run's code snapshot (jobs/runs/code.py takes it): its content hash, where it lives, and
-    where the code came from. The manifest records it; the batch script and env.toml name `dir`."""
+    """A run's code snapshot (jobs/runs/code.py), as the manifest records it; the job script and env.toml name `dir`."""
 
     hash: str
     dir: str  # absolute: RUNS/.code/HASH16
@@ -164,8 +152,7 @@ def checkpoint_complete(path: Path) -> bool:
 
 
 def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[int]:
-    """The steps of the complete checkpoints in `ckpt_dir` (the trainer's `step-NNNNNN/`; the batch
-    script's latest_checkpoint reads the same), ascending."""
+    """The steps of `ckpt_dir`'s complete checkpoints, ascending (job_lib.sh's latest_checkpoint agrees)."""
     path = Path(ckpt_dir)
     if not path.is_dir():
         return []
@@ -175,11 +162,9 @@ def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[int]:
 
 @dataclass(frozen=True)
 class SaveLine(TaggedLine):
-    """One completed checkpoint save, a line of saves.log (trainer/checkpoint.py writes it; the batch
-    script's warning lead reads it, job_lib.sh `warning_lead`): `slipway-save step=N ms=DURATION
-    bytes=SIZE step_ms=STEP_TIME at=TIME`, whole milliseconds, as bash reckons in integers. The
-    duration runs from the save's start to its commit (an asynchronous save's writing included);
-    the step time is the mean of the steps logged before it (0: none yet)."""
+    """One completed checkpoint save, a line of saves.log (trainer/checkpoint.py writes it, job_lib.sh
+    `warning_lead` reads it), in whole milliseconds as bash reckons: `ms` from the save's start to its
+    commit (an asynchronous save's writing included), `step_ms` the mean step before it (0: none yet)."""
 
     step: int
     ms: int
@@ -192,10 +177,8 @@ class SaveLine(TaggedLine):
 
 @dataclass(frozen=True)
 class HangLine(TaggedLine):
-    """The first line of a hang dump (trainer/watchdog.py writes it; the batch script, `slipway
-    status` and the local launcher read it): `slipway-hang rank=R host=H step=S idle=SECONDS
-    limit=SECONDS answered=on-time|late`. `answered` late: the rank was frozen or starved until
-    the teardown woke it."""
+    """The first line of a hang dump (trainer/watchdog.py writes it; the batch script, `slipway status` and
+    the local launcher read it). `answered=late`: the rank was frozen or starved until the teardown woke it."""
 
     rank: int
     host: str

@@ -1,10 +1,9 @@
-"""The schema engine: a dict from YAML into nested dataclasses, strictly, and back; and a record
-slipway wrote itself (manifest.json) read by the same rules (`from_dict(..., record=True)`).
+"""The schema engine: a dict from YAML into nested dataclasses, strictly, and back; a record
+slipway wrote itself (manifest.json) is read by the same rules (`from_dict(..., record=True)`).
 Written by hand, not with dacite or pydantic: the image needs no extra package, and every error
-names the dotted field and the valid keys. Fields with metadata {"config": False} are not the
-config's. Every string of a config reaches a file, a command line or a terminal, so the secret
-policy (common/secrets.py) judges every field as it is read, by what the field holds (metadata
-{"secrets": ...}; an identifier where it says nothing; `EDF_TEXT = True`: `$$` is a literal `$`)."""
+names the dotted field and the valid keys. Every string of a config reaches a file, a command line
+or a terminal, so the secret policy (common/secrets.py) judges every field as it is read, by what
+the field holds (metadata {"secrets": ...}, default an identifier; `EDF_TEXT`: `$$` is a literal `$`)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ from common.yaml import BOOL, FLOAT, INT, MAX_INT, NULL, Plain
 
 
 class OutOfRange(ConfigError):
-    """An integer beyond what any field takes (MAX_INT). Told only when the field's own check
-    (`check`) has nothing to say first: that check names the field's own bounds."""
+    """An integer beyond MAX_INT, told only where the field's own check (naming its bounds) says nothing first."""
 
     def __init__(self, where: str, value: Any, number: int):
         super().__init__(where, f"{shown(value, where)} is out of range: use a whole number between -{MAX_INT} and "
@@ -35,25 +33,22 @@ class OutOfRange(ConfigError):
 
 @functools.lru_cache(maxsize=8192)
 def _refusal(value: Any, name: Any, policy: str, edf: bool, hint: Any = None):
-    """`refusal`, remembered: a pure function of its arguments, and a sweep reads the same
-    strings in each of its thousand points."""
+    """`refusal`, remembered: a sweep reads the same strings in each of its thousand points."""
     return refusal(value, name=name, policy=policy, edf=edf, hint=hint)
 
 
 def _secret_check(value: Any, where: str, policy: str, edf: bool, key: Any = None, hint: Any = None) -> None:
-    """The secret policy on one value as it is read, and on the mapping key it is given under
-    (`hint`: the list item before it, a flag such as --revision that says what it is); what the
-    config file being read accepts passes (common/baseline.py)."""
+    """The secret policy on one value and the mapping key it is given under (`hint`: the flag before it,
+    such as --revision); what the config file being read accepts passes (common/baseline.py)."""
     if isinstance(key, str) and (found := _refusal(key, None, policy, False)) is not None and not found.expansion \
             and not accepted(found):
         raise ConfigError(where, found.message())  # a key that is a token itself
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # `PASSWORD: 123456` from a caller that typed it as a number
     name, hint = key if isinstance(key, str) else None, hint if isinstance(hint, str) and hint.startswith("-") else None
-    # Remembered for the strings a config repeats; a mapping or list (a docker auth blob) is judged afresh.
-    found = (_refusal(value, name, policy, edf, hint) if isinstance(value, (str, type(None), bool))
-             else refusal(value, name=name, policy=policy, edf=edf, hint=hint))
-    if found is not None and not accepted(found):
+    # `refusal` passes any other type; a typed mapping's or list's values are judged one by one as read.
+    if isinstance(value, str) and (found := _refusal(value, name, policy, edf, hint)) is not None \
+            and not accepted(found):
         raise ConfigError(where, found.message())
 
 
@@ -118,11 +113,10 @@ def _scalar(tp: Any, value: Any, where: str) -> Any:
 RECORD = "record"
 
 
-# The one rule for control characters, where a value enters (a config, the command line, a cluster
-# profile): a field of names, paths or Slurm's values holds none of those `one_line` escapes (a
-# terminal would act on them, a script or a log hide them); a field of free text (metadata
-# {"free_text": True}: a variable's value, a command's word) holds no line break, no sink carrying
-# one whole, and is escaped where it is shown or written (one_line, the batch script's $'...').
+# The one rule for control characters, where a value enters: a field of names, paths or Slurm's
+# values holds none of those `one_line` escapes (a terminal would act on them, a script or a log
+# hide them); a field of free text (a variable's value, a command's word) holds no line break, which
+# no sink carries whole, and is escaped where it is shown or written.
 FREE_TEXT = {"free_text": True}
 
 
@@ -153,9 +147,8 @@ def _union(tp: Any, value: Any, where: str, policy: str, edf: bool, free: bool) 
 
 def _convert(tp: Any, value: Any, where: str, policy: str = IDENTIFIER, edf: bool = False, key: Any = None,
              checked: bool = False, hint: Any = None, free: bool = False) -> Any:
-    """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy
-    has seen it (a Union's alternatives are tried on the same value); `hint`: a list's item before;
-    `free`: a field of free text."""
+    """`value` as type `tp`; `key`: the mapping key it is given under; `checked`: the secret policy has
+    seen it (a Union's alternatives); `hint`: a list's item before; `free`: a field of free text."""
     if not checked and policy != RECORD and (isinstance(value, str) or key is not None):
         _secret_check(value, where, policy, edf, key, hint)  # first: a secret's refusal says how to pass it
     _control(value, where, free, policy)
@@ -174,16 +167,14 @@ def _convert(tp: Any, value: Any, where: str, policy: str = IDENTIFIER, edf: boo
             raise ConfigError(where, f"expected a list such as [a, b], got {shown(value, where)}")
         return [_convert(item_tp, v, f"{where}[{i}]", policy, edf, hint=value[i - 1] if i else None, free=free)
                 for i, v in enumerate(value)]
-    if tp is dict:  # any mapping (a record's git state)
+    if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(where, f"expected a mapping, got {shown(value, where)}")
-        return value
-    if origin is dict:
-        _, val_tp = get_args(tp)
-        if not isinstance(value, dict):
-            raise ConfigError(where, f"expected a mapping, got {shown(value, where)}")
+        if tp is dict:  # any mapping (a record's git state)
+            return value
         # Keys are strings: YAML's reader refuses any other, and JSON has none.
-        return {str(k): _convert(val_tp, v, f"{where}.{k}", policy, edf, key=k, free=free) for k, v in value.items()}
+        return {str(k): _convert(get_args(tp)[1], v, f"{where}.{k}", policy, edf, key=k, free=free)
+                for k, v in value.items()}
     if hasattr(tp, "from_config_value"):  # a class with its own text form (edf.Mount: "SRC:DST:FLAGS")
         return tp.from_config_value(value, where)
     if dataclasses.is_dataclass(tp):
@@ -215,14 +206,11 @@ def unknown_key(key: str, keys: list[str], where: str, what: str) -> ConfigError
 
 
 def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) -> Any:
-    """Build dataclass `cls` from `data`, rejecting unknown keys and wrong types. A `record` (a
-    file slipway wrote, such as manifest.json) keeps the keys it does not know in its `others`
-    field, if it has one (a newer slipway's), and skips the secret policy."""
-    if data is None:
-        data = {}
+    """Dataclass `cls` from `data`, unknown keys and wrong types refused. A `record` keeps the keys it
+    does not know (a newer slipway's) in its `others` field, if it has one, and skips the secret policy."""
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(where or cls.__name__, f"expected a mapping of keys, got {shown(data)}")
-    hints = _hints(cls)
     fields = config_fields(cls)
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown and not record:
@@ -240,7 +228,7 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
                 too_big.append(exc)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(path, "is required")
-    if record and unknown and "others" in hints:
+    if record and unknown and "others" in _hints(cls):
         kwargs["others"] = {key: data[key] for key in unknown}
     obj = cls(**kwargs)
     check = getattr(obj, "check", None)
@@ -252,9 +240,7 @@ def from_dict(cls: type, data: Any, where: str = "", *, record: bool = False) ->
 
 
 def field_of(cls: type, name: str, value: Any, where: str, *, record: bool = False) -> Any:
-    """Field `name` of section `cls` set to `value`, read by its type and secret policy (a `record`'s:
-    none), with no check of the section (its caller checks the section it is set in): how
-    `from_dict` and `part_of` read each field."""
+    """Field `name` of `cls` read by its type and secret policy (a `record`'s: none); the caller checks `cls`."""
     f = config_fields(cls)[name]
     return _convert(_hints(cls)[name], value, f"{where}.{name}" if where else name,
                     RECORD if record else f.metadata.get("secrets", IDENTIFIER), bool(getattr(cls, "EDF_TEXT", False)),
@@ -262,10 +248,8 @@ def field_of(cls: type, name: str, value: Any, where: str, *, record: bool = Fal
 
 
 def part_of(cls: type, data: Any, where: str) -> dict:
-    """The keys `data` sets of section `cls`, each read by its field's type and secret policy as
-    `from_dict` reads it (unknown keys refused, listing the valid ones), with no defaults filled
-    and no checks between fields: a part of a section (a cluster profile's) that is merged into a
-    whole config, which is then read and checked whole. Returns `data` as given (the raw values)."""
+    """`data` as given, each key read as `from_dict` reads it but with no defaults and no checks
+    between fields: a part of a section (a cluster profile's) merged into a config later read whole."""
     if not isinstance(data, dict):
         raise ConfigError(where, f"expected a mapping of keys, got {shown(data)}")
     fields = config_fields(cls)
@@ -323,8 +307,7 @@ DAY = 86400
 BIG = 10 ** 9  # steps and step intervals: more than any run takes
 
 class AutoBool:
-    """A field that is true, false or auto (decided where the trainer runs). Its values are
-    the plain bool or the string "auto"; this class only reads and names them."""
+    """A field of true, false or "auto" (the trainer decides by the device): this class only reads them."""
 
     @staticmethod
     def from_config_value(value: Any, where: str) -> Union[bool, str]:

@@ -88,8 +88,7 @@ def flag(value: str) -> bool:
 
 
 def plain(value: str, name: Optional[str] = None) -> bool:
-    """No secret given under `name`, whatever the name: a number, a flag, or a plain word but under
-    a password's name."""
+    """No secret given under `name`, whatever the name: a number, a flag, or a plain word but as a password."""
     head = secret_name(name) if name else None
     return flag(value) or bool(_PLAIN_WORD.fullmatch(value)) and not (head and head.endswith(_CHOSEN))
 
@@ -133,9 +132,8 @@ def _text(word: str) -> bool:
 
 
 def random_word(word: str, id_named: bool = False) -> Optional[str]:
-    """What a whole word is when a random key by detect-secrets' entropy plugins (their charset,
-    limit and entropy): never a URL, a name, a number, a digest, base64 of text, or a word given
-    under a hash's or an id's name (`id_named`: GIT_COMMIT=, --revision, RUN_ID=)."""
+    """What a whole word is when a random key by detect-secrets' entropy plugins: never a URL, a name, a
+    number, a digest, base64 of text, or a word given under a hash's or an id's name (`id_named`)."""
     if id_named or len(word) < 20 or "://" in word or word.isdigit() or _DIGEST.fullmatch(word) or _named(word) \
             or _text(word):  # a path is a name of parts (/capstor/scratch/u/tmpAb3X.../out)
         return None

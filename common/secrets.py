@@ -1,8 +1,8 @@
-"""The secret policy (docs/secrets.md): what must never reach a file, a command line or a
-terminal, judged by detect-secrets and slipway's plugins for it (common/secret_plugins.py). Every
-message is masked by their patterns (`mask`); a config value by what its field holds (`refusal`);
-a copied file by a credential's name or detect-secrets' own scan (`file_findings`); what the
-detector gets wrong, a project accepts by its conventions (common/baseline.py).
+"""The secret policy (docs/secrets.md): what must never reach a file, a command line or a terminal,
+judged by detect-secrets and slipway's plugins (common/secret_plugins.py): every message is masked
+by them (`mask`), a config value judged by what its field holds (`refusal`), a copied file by its
+name or detect-secrets' own scan (`file_findings`). A project accepts what the detector gets wrong
+by its conventions (common/baseline.py).
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ def detectors() -> tuple:
 
 
 def find_secrets(text: str) -> list[Found]:
-    """Every secret-looking part of `text`, in order, overlapping ones merged: what any text is
-    masked by (messages, records, dry runs, a job's output)."""
+    """Every secret-looking part of `text`, in order, overlapping ones merged: what any text is masked by."""
     if not isinstance(text, str) or not text or plugins().flag(text):  # a number or a flag holds no secret
         return []
     found, not_a_secret = [], plugins().not_a_secret
@@ -93,9 +92,8 @@ _WORD = re.compile(r"[^\s'\"`,;()\[\]{}<>|]+")  # a value's words; NAME=value is
 
 
 def find_values(text: str, hint: Optional[str] = None) -> list[Found]:
-    """`find_secrets`, and each word of `text` that is a random key (`random_word`): for what the
-    user gave (a value of a text field, a command line), which no detector reads as a substring.
-    `hint`: the name `text` is given under (a mapping's key, the flag before it)."""
+    """`find_secrets`, and each word that is a random key (`random_word`), which no detector finds in a
+    longer text: for what the user gave. `hint`: the name `text` is given under (a key, the flag before it)."""
     if not isinstance(text, str) or not text:
         return []
     found, before = find_secrets(text), hint
@@ -115,9 +113,8 @@ ACCEPTED: set[str] = set()  # values a project accepted (common/baseline.py): ne
 
 
 def mask(text: str, values: bool = False) -> str:
-    """`text` with every secret-looking part replaced by <hidden>: what any message, record of a
-    command line or dry run shows instead. `values`: `text` is what the user gave (a command line,
-    a value quoted in a message), judged word by word too (`find_values`)."""
+    """`text` with every secret-looking part replaced by <hidden>. `values`: `text` is what the user gave
+    (a command line, a value quoted in a message), judged word by word too (`find_values`)."""
     if not isinstance(text, str) or not text:
         return text
     found = find_values(text) if values else find_secrets(text)
@@ -139,15 +136,14 @@ TEXT = "text"  # may carry a credential: also by the name it is given and each w
 PASSTHROUGH = "passthrough"  # container.env: TEXT, and NAME = "${NAME}", the host's own variable
 REFERENCE = "reference"  # container.annotations: TEXT, and one ${VAR}, expanded as the container starts
 OWN_TEXT = "own text"  # launch.pre_launch: the user's own shell lines, warned about, never refused
-_EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}")
+EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}")  # EDF text's one expansion
 # While a config file is read (common/baseline.py `accepting`): what its own conventions accept.
 ACCEPTING: contextvars.ContextVar[Any] = contextvars.ContextVar("accepting", default=None)
 
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a config value may not be written down: what it looks like, the variable to pass by
-    name instead, and the part of the value that is the secret (what a project may accept)."""
+    """Why a config value may not be written down, and its secret part (what a project may accept)."""
 
     what: str
     variable: str
@@ -156,8 +152,7 @@ class Refusal:
     secret: str = ""
 
     def message(self) -> str:
-        """What it saw (never the value) and the pass-through form; where a config file holds it,
-        how to accept it there."""
+        """What it saw (never the value), the pass-through form, and how a config file may accept it."""
         if self.expansion:
             return (f"expands ${{{self.variable}}}, which looks like a secret: a command line holding it could be "
                     f"printed (launch.debug's set -x, a dry run): pass the variable itself with "
@@ -172,33 +167,30 @@ class Refusal:
 
 def refusal(value: object, *, name: Optional[str] = None, policy: str = IDENTIFIER,
             edf: bool = False, hint: Optional[str] = None) -> Optional[Refusal]:
-    """Why a config value may not be written into a file or a command line, or None. `name`: the
-    mapping key it is given under (an environment variable, a build arg, an annotation); `edf`:
-    the value is EDF text (`$$` is a literal `$`); `hint`: the flag before it in a list."""
+    """Why a config value may not be written into a file or a command line, or None. `name`: the key it
+    is given under; `edf`: the value is EDF text (`$$` is a literal `$`); `hint`: the flag before it."""
     if policy == OWN_TEXT or not isinstance(value, str):
         return None
     text = policy != IDENTIFIER
     if name is None and hint and "=" not in hint and not value.startswith("-"):  # `--token VALUE` in a list
         name = hint.lstrip("-") if plugins().secret_name(hint.lstrip("-")) else None
+    passed = policy == PASSTHROUGH and value == f"${{{name}}}" or policy == REFERENCE and EXPANSION.fullmatch(value)
     if text and name is not None and plugins().secret_name(name) and value and not plugins().is_path(value) \
-            and not plugins().plain(value, name) and not (policy == PASSTHROUGH and value == f"${{{name}}}") \
-            and not (policy == REFERENCE and _EXPANSION.fullmatch(value)):
+            and not plugins().plain(value, name) and not passed:
         return Refusal(f"a secret (its name ends in {plugins().secret_name(name)})", _variable(name), policy=policy,
                        secret=value)
     found = find_values(value, hint=name or hint) if text else find_secrets(value)
     if found:
         return Refusal(found[0].what, _variable(found[0].name or name or "NAME"), policy=policy,
                        secret=value[found[0].start:found[0].end])
-    for ref in _EXPANSION.findall(value.replace("$$", "") if edf else value):
-        if plugins().secret_name(ref) and not ((policy == PASSTHROUGH and value == f"${{{ref}}}" and ref == name)
-                                     or (policy == REFERENCE and _EXPANSION.fullmatch(value))):
+    for ref in EXPANSION.findall(value.replace("$$", "") if edf else value):
+        if plugins().secret_name(ref) and not passed:
             return Refusal(f"an expansion of ${{{ref}}}", ref, expansion=True)
     return None
 
 
 def accepted(found: Refusal) -> bool:
-    """Whether the config file being read accepts what `found` refused (a pragma on its line, its
-    baseline); what it accepts is masked from then on."""
+    """Whether the config file being read accepts `found` (common/baseline.py): if so, masked from then on."""
     accepting = ACCEPTING.get()
     if found.expansion or accepting is None or not accepting.accepts(found.secret):
         return False
@@ -219,9 +211,8 @@ def flag_variable(flag: str) -> str:
 
 # ---------------------------------------------------------------------------- files
 
-# Names that are credentials by definition (private keys, credentials, token, password and key
-# files, .netrc, env files, a kubeconfig), but no template of one (.env.example) nor a source
-# file (credentials.py): their content decides.
+# Names that are credentials by definition (keys, credentials, token, password, .netrc, env files,
+# a kubeconfig), but no template (.env.example) nor source (credentials.py): their content decides.
 _SECRET_FILE = re.compile(
     r"id_(rsa|dsa|ecdsa|ed25519)|.*\.(pem|key|p12|pfx|jks|keystore|ppk|kdbx)|\.?netrc|_netrc|\.pgpass|\.?htpasswd"
     r"|(.*[._-])?(credentials?|secrets?|passw(or)?ds?|api[._-]?keys?)(\.\w+)?|\.git-credentials|client_secret.*\.json"
@@ -240,10 +231,9 @@ _RUN = re.compile(r"[\w+/-]{20,}=*")  # what any entropy plugin may judge: a quo
 
 
 def file_findings(data: bytes, name: str) -> list:
-    """What detect-secrets' own scan finds in a file's content (its plugins and slipway's, its
-    transformers and filters; a `pragma: allowlist secret` line left out): its PotentialSecrets, by
-    line. Read as bytes whatever the encoding (a token is ASCII in any), and first as a whole: a
-    content where no plugin has anything to look at is clean without the line-by-line scan."""
+    """The PotentialSecrets detect-secrets' own scan (its plugins, filters and allowlist, and ours)
+    finds in a file's content, by line. Read as bytes whatever the encoding (a token is ASCII in any),
+    and first as a whole: where no plugin has anything to look at, the slow line-by-line scan is skipped."""
     from detect_secrets.core.scan import scan_file
     from detect_secrets.filters.heuristic import is_non_text_file
 
@@ -284,8 +274,7 @@ def _configure() -> None:
 
 @functools.lru_cache(maxsize=1)
 def policy_fingerprint() -> str:
-    """What decides a file's scan (this policy's code and plugins, detect-secrets' version): a
-    record of files found clean holds for the same fingerprint only."""
+    """This policy's code and detect-secrets' version: a record of files found clean holds for it only."""
     from detect_secrets.__version__ import VERSION
 
     digest = hashlib.sha256(VERSION.encode())

@@ -1,8 +1,7 @@
 """The one record type of the lines a job writes for a reader: `TAG key=value ... [REST: text]`
-(a save, a hang dump's head, a bad node). A record is a frozen dataclass whose fields are its
-keys, in order; `key()` renames a field's key or sets how its value is written, and the field
-REST names is free text after `REST: ` (it may hold spaces). job_lib.sh's `line_field` reads the
-same words in bash. Stdlib only: the trainer writes some of these lines.
+(a save, a hang dump's head, a bad node). A record is a frozen dataclass whose fields are its keys,
+in order (`key()` renames one or sets how it is written); the field REST names is free text after
+`REST: `. job_lib.sh's `line_field` reads the same words in bash. Stdlib only: the trainer writes some.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ class TaggedLine:
 
     @classmethod
     def parse(cls: type[T], line: str) -> Optional[T]:
-        """The record of `line`; None for a line of another tag, or one missing a key or holding a bad value."""
+        """The record of `line`; None for another tag's, or one missing a key or holding a bad value."""
         head, sep, rest = line.partition(f" {cls.REST}: ") if cls.REST else (line, "", "")
         words = head.split()
         if (cls.REST and not sep) or not words or words[0] != cls.TAG:

@@ -1,10 +1,7 @@
-"""Bounded YAML: configs, overrides and EDF files read with the schema's rules, never YAML 1.1's.
-
-PyYAML implements YAML 1.1, where `10:00` is the integer 600, `0123` is 83, `yes` is true and a
-second `train:` silently replaces the first. Here every plain scalar stays the text the user
-wrote (`Plain`), but YAML 1.2's null, and the dataclass field it lands in converts it
-(common/schema.py); a duplicate key is an error naming both lines. The same reader serves
-configs, overrides and the frozen runs/RUN/config.yaml the trainer reads (no extra package).
+"""Bounded YAML: configs, overrides, EDF files and the frozen runs/RUN/config.yaml, by the schema's
+rules, never YAML 1.1's (PyYAML's: `10:00` is 600, `0123` is 83, `yes` is true, a second `train:`
+silently replaces the first). Plain scalars but YAML 1.2's null stay the text written (`Plain`), for
+the field they land in to convert (common/schema.py); a duplicate key is an error naming both lines.
 """
 
 from __future__ import annotations
@@ -60,9 +57,8 @@ class _Loader(yaml.SafeLoader):
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
-    # A config is a few hundred short lines: these bounds refuse what no config needs (a
-    # "billion laughs" of nested aliases, a document nested hundreds of levels deep) before
-    # it is built, so such a file is refused at once instead of exhausting time or memory.
+    # A config is a few hundred short lines: these bounds refuse a "billion laughs" of nested aliases
+    # or a document nested hundreds deep before it is built, not after exhausting time or memory.
     def compose_document(self) -> yaml.Node:
         self._depth, self._aliases = 0, 0
         node = super().compose_document()
@@ -94,9 +90,8 @@ MAX_INT = 2 ** 53 - 1  # exact in a float and in JSON, well within bash's 64-bit
 
 
 def _expanded_size(node: yaml.Node, depth: int, seen: dict[int, tuple[int, int]], count: list[int]) -> tuple[int, int]:
-    """(height, values below) of `node` with aliases expanded (a shared node measured once,
-    counted each time it is used), refusing a document deeper than MAX_DEPTH or larger than
-    MAX_NODES."""
+    """(height, values below) of `node`, aliases expanded (a shared node measured once, counted each
+    time it is used); a document deeper than MAX_DEPTH or larger than MAX_NODES refused."""
     where = f"line {node.start_mark.line + 1}"
     known = seen.get(id(node))
     if known is None:
@@ -124,8 +119,7 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|
 
 
 def read_yaml(text: str, source: str, *, lines: bool = True) -> Any:
-    """`text` parsed with the rules above; `source` (a file name, or a field for an
-    override: `lines=False`) names the place in errors, with the line."""
+    """`text` parsed by the rules above; `source` (a file, or an override's field: `lines=False`) names it in errors."""
     if len(text) > MAX_TEXT:
         raise ConfigError(source, f"{len(text)} characters: larger than any config ({MAX_TEXT} at most); "
                                   "check that this is the file you meant")
@@ -167,8 +161,8 @@ def at_line(exc: ConfigError, path: Path, dotted: str) -> ConfigError:
 
 
 def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:
-    """The UTF-8 text of `path`, refused (without reading it all) when larger than `limit`; a path
-    that is no regular file (a FIFO, a device) raises NotRegularFile at once, never blocks."""
+    """The UTF-8 text of `path`, refused unread when larger than `limit`; a path that is no regular file
+    (a FIFO, a device) raises NotRegularFile at once."""
     found = read_file(path, limit)
     if found is None:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))

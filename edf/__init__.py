@@ -7,27 +7,22 @@ from edf.environment import Environment, Mount, is_local_image
 from edf.files import (
     check_edf,
     expand_host,
-    find_edf,
     install_edf,
     parse_edf,
     render_edf,
     resolve_base,
-    write_edf,
 )
-from edf.srun import srun_flags, to_pyxis_args
+from edf.srun import srun_flags
 
 __all__ = [
     "Environment",
     "Mount",
     "check_edf",
     "expand_host",
-    "find_edf",
     "install_edf",
     "is_local_image",
     "parse_edf",
     "render_edf",
     "resolve_base",
     "srun_flags",
-    "to_pyxis_args",
-    "write_edf",
 ]

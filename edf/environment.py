@@ -1,9 +1,8 @@
-"""The one container environment model, and every rule it must satisfy.
-
-`Environment` is both the config tree's `container:` section and what an EDF file holds. Strings
-stay in EDF syntax: `${VAR}` and `${VAR:-default}` are left for the Container Engine (or, under
-pyxis, the batch script) to expand, `$$` is a literal `$`. The rules are those of the CSCS EDF
-reference (eth-cscs/cscs-docs `docs/software/container-engine/edf.md`).
+"""The one container environment model, and every rule it must satisfy (those of the CSCS EDF
+reference, eth-cscs/cscs-docs `docs/software/container-engine/edf.md`). `Environment` is both the
+config's `container:` section and what an EDF file holds. Strings stay in EDF syntax: `${VAR}` and
+`${VAR:-default}` are left for the Container Engine (under pyxis, the batch script) to expand, `$$`
+is a literal `$`.
 """
 
 from __future__ import annotations
@@ -16,13 +15,12 @@ from typing import Any, Literal, Optional, Union
 
 from common.errors import ConfigError, shown
 from common.schema import FREE_TEXT
-from common.secrets import PASSTHROUGH, REFERENCE, refusal
+from common.secrets import EXPANSION, PASSTHROUGH, REFERENCE, refusal
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # names are matched whole (fullmatch)
 NOT_A_NAME = "is not a valid environment variable name (letters, digits, _; not starting with a digit)"
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 ANNOTATION_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
-EXPANSION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}")
 _DOLLAR = re.compile(rf"\$\$|{EXPANSION.pattern}|\$\{{")  # what `split_expansions` reads; a lone `$` is text
 
 # Bind-mount options of enroot's mount helper (NVIDIA/enroot `bin/enroot-mount.c`: pyxis and the
@@ -51,8 +49,7 @@ class Expansion:
 
 
 def split_expansions(value: str, where: str) -> list[Union[str, Expansion]]:
-    """`value` as literal text (`$$` read as `$`; a `$` before neither `$` nor `{` is text, as in
-    the shell) and expansions."""
+    """`value` as literal text (`$$` read as `$`; a lone `$` is text, as in the shell) and expansions."""
     pieces: list[Union[str, Expansion]] = []
     literal, i = "", 0
     for m in _DOLLAR.finditer(value):
@@ -125,24 +122,18 @@ class Mount:
         if len(parts) > 3:
             raise ConfigError(where, f"{shown(text, where)} has {len(parts)} ':'-separated parts: use SRC[:DST[:FLAGS]] "
                                      "(a path containing ':' cannot be mounted this way)")
-        src = parts[0]
-        dst = parts[1] if len(parts) > 1 else src
-        flags: tuple[str, ...] = ()
-        if len(parts) == 3:
-            if not parts[2]:
-                raise ConfigError(where, f"{shown(text, where)} ends with an empty FLAGS part: drop the trailing ':' "
-                                         "or give flags such as ro or ro+private")
-            flags = tuple(parts[2].split("+"))
-        mount = cls(src, dst, flags)
+        if len(parts) == 3 and not parts[2]:
+            raise ConfigError(where, f"{shown(text, where)} ends with an empty FLAGS part: drop the trailing ':' "
+                                     "or give flags such as ro or ro+private")
+        src, dst = parts[0], parts[1] if len(parts) > 1 else parts[0]
+        mount = cls(src, dst, tuple(parts[2].split("+")) if len(parts) == 3 else ())
         mount.check(where)
         return mount
 
     @classmethod
     def from_config_value(cls, value: Any, where: str) -> "Mount":
         """A config file's mount entry (the schema machinery calls this)."""
-        if isinstance(value, Mount):
-            return value
-        return cls.parse(value, where)
+        return value if isinstance(value, Mount) else cls.parse(value, where)
 
     def spec(self) -> str:
         """The documented `SRC:DST[:FLAGS]` text (the short `SRC` is read, never written)."""
@@ -233,8 +224,7 @@ class Environment:
         return self.runtime != "none"
 
     def check(self, where: Optional[str] = None) -> None:
-        """Every rule of the EDF reference; raises the first `ConfigError`, naming the key.
-        `where` (the config section's name) becomes the prefix of every error."""
+        """Raises the first of `problems()`; `where` (the config section's name) prefixes every error."""
         if where is not None:
             self.origin = f"{where}." if where else ""
         problems = self.problems()
@@ -252,10 +242,8 @@ class Environment:
             except ConfigError as exc:
                 found.append(exc)
 
-        if self.edf_name is not None and (not SAFE_NAME.fullmatch(self.edf_name) or self.edf_name.endswith(".toml")):
-            found.append(ConfigError(f"{w}edf_name", f"{self.edf_name!r} is not a safe EDF name: use 1-100 letters, "
-                                                     "digits, '.', '_' or '-', starting with a letter or digit, "
-                                                     "without .toml"))
+        if self.edf_name is not None:
+            run(check_edf_name, self.edf_name, f"{w}edf_name")
         # Before the runtime none return: under every runtime the names are passed, and a
         # config's values land in config.yaml.
         run(self._check_env_from_host)
@@ -291,28 +279,23 @@ class Environment:
 
     def _check_env_from_host(self) -> None:
         where = f"{self.origin}env_from_host"
-        seen: set[str] = set()
         for i, name in enumerate(self.env_from_host):
             if not ENV_NAME.fullmatch(name):
                 raise ConfigError(f"{where}[{i}]", NOT_A_NAME)
-            if name in seen:
+            if name in self.env_from_host[:i]:
                 raise ConfigError(f"{where}[{i}]", f"{name} is listed twice: list it once")
             if name in self.env:
                 raise ConfigError(f"{where}[{i}]", f"{name} is also set in {self.origin}env: keep one (env_from_host "
                                                    "takes the submitting environment's value, never written down)")
-            seen.add(name)
 
     def require_host_env(self, environ: Optional[dict[str, str]] = None) -> None:
-        """A one-line error if a variable of `env_from_host` is not set in `environ` (default: this
-        process's) where the job is submitted (or `slipway local`/`shell` run): the job would start without it."""
+        """A one-line error where a variable of `env_from_host` is unset here: the job would start without it."""
         missing = [name for name in self.env_from_host if name not in (os.environ if environ is None else environ)]
         if missing:
-            names = ", ".join(missing)
-            first = missing[0]
             raise ConfigError(f"{self.origin}env_from_host",
-                              f"{names} {'is' if len(missing) == 1 else 'are'} not set in this environment, and the "
-                              f"job takes {'it' if len(missing) == 1 else 'them'} from there: `export {first}=...` "
-                              f"{'(and the others) ' if len(missing) > 1 else ''}first")
+                              f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set in this "
+                              f"environment, and the job takes {'it' if len(missing) == 1 else 'them'} from there: "
+                              f"`export {missing[0]}=...` {'(and the others) ' if len(missing) > 1 else ''}first")
 
     def _check_env_entry(self, key: str) -> None:
         value, where = self.env[key], f"{self.origin}env.{key}"
@@ -335,6 +318,12 @@ class Environment:
         clash = next((k for k in sorted(self.annotations) if k.startswith(key + ".")), None)
         if clash is not None:
             raise ConfigError(where, f"is both a value and the table holding {clash!r}: keep one of them")
+
+
+def check_edf_name(name: str, where: str) -> None:
+    if not SAFE_NAME.fullmatch(name) or name.endswith(".toml"):
+        raise ConfigError(where, f"{name!r} is not a safe EDF name: use 1-100 letters, digits, '.', '_' or '-', "
+                                 "starting with a letter or digit, without .toml")
 
 
 def _check_workdir(workdir: str, where: str) -> None:

@@ -1,22 +1,22 @@
-"""EDF files: the environment as TOML and back, base environments, EDF_PATH.
-
-`parse_edf(render_edf(env)) == env`, and `render_edf(parse_edf(text))` is the canonical form of
-`text`: annotations as nested tables (`[annotations.com.hooks.aws_ofi_nccl]`), which the EDF
-reference declares equivalent to the dotted keys people write by hand; both are read.
+"""EDF files: the environment as TOML and back, base environments, EDF_PATH. parse_edf undoes
+render_edf, and `render_edf(parse_edf(text))` is `text`'s canonical form: annotations as nested
+tables (`[annotations.com.hooks.aws_ofi_nccl]`), which the EDF reference declares equivalent to the
+dotted keys people write by hand; both are read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tomllib
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import tomli_w
 
-from edf.environment import SAFE_NAME, Environment, Expansion, Mount, is_local_image, split_expansions
+from edf.environment import Environment, Expansion, Mount, check_edf_name, is_local_image, split_expansions
 from common.errors import UNPRINTABLE, ConfigError, bounded, bounded_path, shown, warn
 from common.secrets import file_findings, flag_variable
 from common.yaml import MAX_DEPTH, read_text_bounded
@@ -70,15 +70,13 @@ def parse_edf(source: Union[str, os.PathLike]) -> Environment:
         text = _read(path, "no such EDF file: check the path, or pass the TOML text itself")
     else:
         text = str(source)
-    env, problems = _from_document(load_toml(text, str(path) if path else "EDF"), f"{path}:" if path else "")
+    env, problems = _from_document(load_toml(text, str(path) if path else "EDF"), path)
     if problems:
         raise problems[0]
-    env.source = path
     return env
 
 
 def _read(path: Path, missing: str) -> str:
-    """The text of the EDF file `path`; a missing or unreadable one is a one-line error naming it."""
     try:
         return read_text_bounded(path, str(path))
     except FileNotFoundError:
@@ -110,13 +108,11 @@ def _depth(value: Any, limit: int) -> int:
     return 1 + max((_depth(v, limit - 1) for v in items), default=0)
 
 
-def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[ConfigError]]:
-    """The model built from every well-typed key of a parsed EDF table, and every problem found (not
-    only the first); `origin` prefixes the keys in errors."""
-    problems: list[ConfigError] = []
-    unknown = [k for k in doc if k not in TOP_KEYS]
-    for key in unknown:
-        problems.append(ConfigError(f"{origin}{key}", f"unknown EDF key; valid keys: {', '.join(TOP_KEYS)}"))
+def _from_document(doc: dict[str, Any], path: Optional[Path]) -> tuple[Environment, list[ConfigError]]:
+    """The model from every well-typed key of a parsed EDF table (of file `path`), and every problem in it."""
+    origin = f"{path}:" if path else ""
+    problems = [ConfigError(f"{origin}{key}", f"unknown EDF key; valid keys: {', '.join(TOP_KEYS)}")
+                for key in doc if key not in TOP_KEYS]
 
     def get(key: str, types: tuple[type, ...], expected: str) -> Any:
         value = doc.get(key)
@@ -125,28 +121,22 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
             return None
         return value
 
+    def strings(items: list[tuple[Any, Any]], where: Callable[[Any], str], expected: str = "a string") -> dict:
+        problems.extend(ConfigError(where(k), f"expected {expected}, got {shown(v)}") for k, v in items
+                        if not isinstance(v, str))
+        return {k: v for k, v in items if isinstance(v, str)}
+
     base = get("base_environment", (str, list), "a string or an array of strings")
-    if isinstance(base, str):
-        base = [base] if base else []
-    bases = []
-    for i, entry in enumerate(base or []):
-        if isinstance(entry, str):
-            bases.append(entry)
-        else:
-            problems.append(ConfigError(f"{origin}base_environment[{i}]", f"expected a string, got {shown(entry)}"))
+    bases = strings(list(enumerate([base] if isinstance(base, str) and base else base or [])),
+                    lambda i: f"{origin}base_environment[{i}]")
     mounts = []
     for i, text in enumerate(get("mounts", (list,), 'an array of "SRC:DST[:FLAGS]" strings') or []):
         try:
             mounts.append(Mount.parse(text, f"{origin}mounts[{i}]"))
         except ConfigError as exc:
             problems.append(exc)
-    env_table = {}
-    for key, value in (get("env", (dict,), "a table of strings") or {}).items():
-        if isinstance(value, str):
-            env_table[key] = value
-        else:
-            problems.append(ConfigError(f"{origin}env.{key}", f'expected a string ("" unsets the variable), '
-                                                              f'got {shown(value)}'))
+    env_table = strings(list((get("env", (dict,), "a table of strings") or {}).items()),
+                        lambda key: f"{origin}env.{key}", 'a string ("" unsets the variable)')
     annotations: dict[str, str] = {}
     _flatten(get("annotations", (dict,), "a table") or {}, f"{origin}annotations", "", annotations, problems)
     env = Environment(
@@ -157,8 +147,9 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
         env=env_table,
         annotations=annotations,
         entrypoint=get("entrypoint", (bool,), "true or false"),
-        base_environment=bases,
+        base_environment=list(bases.values()),
         origin=origin,
+        source=path,
     )
     # The model's own rules on what parsed (a mount it refused is not in it, so never told twice).
     return env, problems + env.problems()
@@ -166,19 +157,15 @@ def _from_document(doc: dict[str, Any], origin: str) -> tuple[Environment, list[
 
 def check_edf(source: Union[str, os.PathLike], *,
               notes: Optional[list[str]] = None) -> tuple[Optional[Environment], list[ConfigError]]:
-    """A hand-written EDF read and checked whole (`slipway edf --check FILE`): (its model, or None if
-    unreadable; every problem in it and in the base environments it names). With `notes` (a list to
-    fill), the image file and the mount sources must also exist here; those it cannot judge from
-    here (an unset `${VAR}`) are noted there."""
+    """`slipway edf --check FILE`: (its model, or None if unreadable; every problem in it and its bases).
+    With `notes` (a list to fill), its host paths must exist here too (`missing_host_paths`)."""
     path = Path(source)
-    origin = f"{path}:"
     try:
         text = _read(path, "no such EDF file: check the path")
         doc = load_toml(text, str(path))
     except ConfigError as exc:
         return None, [exc]
-    env, problems = _from_document(doc, origin)
-    env.source = path
+    env, problems = _from_document(doc, path)
     for line in secret_lines(text, str(path)):
         warn(line)
     resolved = env
@@ -188,13 +175,13 @@ def check_edf(source: Union[str, os.PathLike], *,
         except ConfigError as exc:
             problems.append(exc)
     if notes is not None and not problems:
-        problems += missing_host_paths(resolved, origin, notes)
+        problems += missing_host_paths(resolved, f"{path}:", notes)
     return env, problems
 
 
 def secret_lines(text: str, where: str) -> list[str]:
-    """A hand-written EDF's lines that hold what looks like a secret, by detect-secrets' scan of it:
-    the file is the user's, read as it is; these are said by line, never by value (`edf --check`)."""
+    """A hand-written EDF's lines that detect-secrets' scan finds a secret on: the file is the user's,
+    so they are warned of by line, never by value, and not refused."""
     lines, out = text.splitlines(), {}
     for found in file_findings(text.encode(), "edf.toml"):  # one line, once: the first plugin's word for it
         key = re.match(r"""\s*["']?([\w.-]*)""", lines[found.line_number - 1]).group(1)  # type: ignore[union-attr]
@@ -207,8 +194,8 @@ def secret_lines(text: str, where: str) -> list[str]:
 
 
 def missing_host_paths(env: Environment, origin: str, notes: list[str]) -> list[ConfigError]:
-    """The image file and mount sources of `env` that do not exist here (srun would fail on
-    them); a path with an unset `${VAR}` (no default) cannot be judged here and is noted."""
+    """The image file and mount sources of `env` that do not exist here (srun would fail on them); a
+    path with an unset `${VAR}` cannot be judged here and is noted."""
     problems: list[ConfigError] = []
     paths = [(f"{origin}image", "image file", env.image)] if env.image and is_local_image(env.image) else []
     paths += [(f"{origin}mounts[{i}]", "mount source", m.src) for i, m in enumerate(env.mounts)]
@@ -232,8 +219,7 @@ def missing_host_paths(env: Environment, origin: str, notes: list[str]) -> list[
 
 
 def _expanded_here(value: str, where: str) -> Union[str, Expansion]:
-    """`value` with `${VAR}` from this environment (a default where VAR is unset), or the first
-    expansion it cannot resolve."""
+    """`value` with `${VAR}` from this environment (else its default), or the first it cannot resolve."""
     out = []
     for piece in split_expansions(value, where):
         if not isinstance(piece, Expansion):
@@ -298,16 +284,14 @@ def find_edf(entry: str, where: str = "environment", edf_path: Optional[str] = N
         candidate = directory / f"{name}.toml"
         if candidate.is_file():
             return candidate
-    searched = ":".join(map(str, dirs))
-    raise ConfigError(where, f"no EDF named {name!r} ({name}.toml) in EDF_PATH {searched!r}: "
+    raise ConfigError(where, f"no EDF named {name!r} ({name}.toml) in EDF_PATH {':'.join(map(str, dirs))!r}: "
                              "install it with slipway edf CONFIG --install (the config whose environment it is) "
                              "or give a path")
 
 
 def resolve_base(env: Environment, edf_path: Optional[str] = None) -> Environment:
-    """`env` with its `base_environment` chain loaded and merged (what the Container
-    Engine evaluates): bases in order, then `env` itself; a later scalar wins, later
-    mounts and env entries are appended. `edf_path` defaults to $EDF_PATH, then ~/.edf."""
+    """`env` with its `base_environment` chain merged as the Container Engine does: bases in order,
+    then `env`; a later scalar wins, later mounts and env entries are appended."""
     stack = (env.source.resolve(),) if env.source is not None else ()
     return _resolve(env, edf_path, stack, 0)
 
@@ -334,24 +318,19 @@ def _resolve(env: Environment, edf_path: Optional[str], stack: tuple[Path, ...],
 
 
 def _merge(base: Environment, child: Environment) -> Environment:
-    def pick(name: str) -> Any:
-        value = getattr(child, name)
-        return getattr(base, name) if value is None else value
-
-    # A child's entry, by value or from the host, replaces the base's of the same name.
+    # A child's entry, by value or from the host, replaces the base's of the same name (placed as the child's).
     from_host = [n for n in base.env_from_host if n not in child.env]
     from_host += [n for n in child.env_from_host if n not in from_host]
-    env = {k: v for k, v in base.env.items() if k not in child.env and k not in child.env_from_host}
-    env.update(child.env)
     return replace(  # the child's runtime, edf_name and keep_builds
         child,
         image=child.image or base.image,
         mounts=base.mounts + [m for m in child.mounts if m not in base.mounts],
-        env=env,
+        env={**{k: v for k, v in base.env.items() if k not in child.env and k not in child.env_from_host}, **child.env},
         env_from_host=from_host,
         annotations={**base.annotations, **child.annotations},
         base_environment=[],
-        **{name: pick(name) for name in ("workdir", "writable", "entrypoint", "mount_home")},
+        **{name: getattr(base, name) if getattr(child, name) is None else getattr(child, name)
+           for name in ("workdir", "writable", "entrypoint", "mount_home")},
     )
 
 
@@ -359,28 +338,21 @@ def _merge(base: Environment, child: Environment) -> Environment:
 
 
 def write_edf(env: Environment, path: Union[str, os.PathLike], force: bool = False) -> Path:
-    """Write `render_edf(env)` to `path` atomically; the same content there is left alone,
-    different content refused unless `force`."""
+    """Write `render_edf(env)` to `path` atomically; different content there is refused unless `force`."""
     path = Path(path)
     text = render_edf(env)
     if path.is_dir():
         raise ConfigError(str(path), "is a directory: give the EDF file's path, e.g. env.toml")
     if path.exists():
-        try:
-            current: Optional[str] = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            current = None
-        if current == text:
-            return path
+        with contextlib.suppress(OSError, UnicodeDecodeError):  # unreadable: different
+            if path.read_text(encoding="utf-8") == text:
+                return path
         if not force:
             raise ConfigError(str(path), "already exists with different content: pass --force to overwrite it")
     return write_atomic(path, text)  # its directory made where missing
 
 
 def install_edf(env: Environment, name: str, edf_path: Optional[str] = None, force: bool = False) -> Path:
-    """Write the EDF as NAME.toml into the first EDF_PATH directory (created if
-    missing), so that `srun --environment=NAME` finds it."""
-    if not SAFE_NAME.fullmatch(name) or name.endswith(".toml"):
-        raise ConfigError("container.edf_name", f"{name!r} is not a safe EDF name: use 1-100 letters, digits, "
-                                                "'.', '_' or '-', starting with a letter or digit, without .toml")
+    """Write the EDF as NAME.toml into the first EDF_PATH directory, where `srun --environment=NAME` finds it."""
+    check_edf_name(name, "container.edf_name")
     return write_edf(env, edf_search_path(edf_path)[0] / f"{name}.toml", force=force)

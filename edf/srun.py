@@ -1,12 +1,8 @@
-"""The environment as `srun` flags (`srun_flags`): the one function every way into the container
-uses (the batch script, `slipway shell`, a preparation job). The Container Engine takes an EDF
-file; pyxis has none (NVIDIA/pyxis README, args.c), so the environment becomes its flags, and
-`[env]` variables the batch script exports before `srun`, named in `--container-env=` so that
-pyxis keeps them over the image's (as the Container Engine's `[env]` does).
-
-Every string returned is shell text in which only `${NAME}` and `${NAME:-default}` expand:
-quote it with `jobs.slurm.ranks.shell_value`, not `shlex.quote`, so that the batch script
-expands what the Container Engine would.
+"""The environment as `srun` flags (`srun_flags`), for every way into the container (the batch script,
+`slipway shell`, a preparation job). pyxis has no EDF (NVIDIA/pyxis README, args.c): the environment
+becomes its flags, and `[env]` variables the batch script exports, named in `--container-env=` so that
+pyxis keeps them over the image's as the Container Engine does. Every string returned is shell text
+where only `${NAME}` and `${NAME:-default}` expand: quote it with `jobs.slurm.ranks.shell_value`.
 """
 
 from __future__ import annotations
@@ -24,23 +20,21 @@ ENTRYPOINT_LOG = "com.pyxis.entrypoint_log"
 
 @dataclass(frozen=True)
 class SrunFlags:
-    """What one `srun` needs to run its tasks in the container; `args` and the export values are EDF
-    text (`expanded()` expands them for a command run without a shell)."""
+    """What one `srun` needs to run its tasks in the container, in EDF text."""
 
     args: list[str] = field(default_factory=list)  # --environment=, or the --container-* flags in order
     exports: list[tuple[str, str]] = field(default_factory=list)  # (NAME, value) set for the srun alone
     warnings: list[str] = field(default_factory=list)  # what the runtime cannot do as the EDF would
 
     def expanded(self) -> tuple[list[str], dict[str, str]]:
-        """(args, exports) with `${VAR}` taken from this process's environment, for an srun started
-        without a shell (`slipway shell`); an unset variable is a one-line error."""
+        """(args, exports) with `${VAR}` from this process's environment, for an srun without a shell."""
         args = [expand_host(a, "container") for a in self.args]
         return args, {name: expand_host(value, f"container.env.{name}") for name, value in self.exports}
 
 
 def srun_flags(env: Environment, edf_file: Optional[Path] = None, edf_path: Optional[str] = None) -> SrunFlags:
-    """The srun flags for `env` by its runtime: `--environment=EDF_FILE` (an absolute path, so
-    srun never searches EDF_PATH for it), the pyxis flags, or none."""
+    """The srun flags for `env` by its runtime: `--environment=EDF_FILE` (absolute, so that srun never
+    searches EDF_PATH for it), the pyxis flags, or none."""
     if env.runtime == "edf":
         if edf_file is None or not Path(edf_file).is_absolute():
             raise ValueError(f"runtime edf needs the absolute path of the EDF file, got {edf_file!r}")
@@ -51,9 +45,8 @@ def srun_flags(env: Environment, edf_file: Optional[Path] = None, edf_path: Opti
 
 
 def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> SrunFlags:
-    """The `srun` flags for `env`, its `base_environment` resolved first; what it leaves unspecified
-    gets the Container Engine's default explicitly (writable, no entrypoint, home not mounted), so
-    that both runtimes behave alike whatever the site's pyxis configuration."""
+    """The pyxis flags for `env`, its bases resolved; what it leaves unspecified gets the Container
+    Engine's default explicitly, so that both runtimes behave alike whatever the site's pyxis settings."""
     if env.base_environment:
         env = resolve_base(env, edf_path)
     env.check()
@@ -74,21 +67,18 @@ def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> SrunFlags
     args.append("--container-mount-home" if env.mount_home else "--no-container-mount-home")
     args.append("--container-entrypoint" if env.entrypoint else "--no-container-entrypoint")
     for key, value in env.annotations.items():
-        if key == ENTRYPOINT_LOG and value in ("true", "false"):
-            if value == "true":
-                args.append("--container-entrypoint-log")
-            continue
-        warnings.append(f"{w}annotations.{key} = {shown(value, key)} has no pyxis equivalent and is dropped "
-                        "(only the Container Engine runs its hooks)")
+        if key != ENTRYPOINT_LOG or value not in ("true", "false"):
+            warnings.append(f"{w}annotations.{key} = {shown(value, key)} has no pyxis equivalent and is dropped "
+                            "(only the Container Engine runs its hooks)")
+        elif value == "true":
+            args.append("--container-entrypoint-log")
     return SrunFlags(args, exports, warnings)
 
 
 def pyxis_image(image: str) -> str:
-    """The image as pyxis reads it: a registry reference in enroot's `[USER@][REGISTRY#]IMAGE[:TAG]`
-    form. enroot (so pyxis) reads `nvcr.io/nvidia/pytorch:25.11-py3`, as CSCS's docs write it, as an
-    image on Docker Hub, so the registry host (a first component with a '.' or ':', or `localhost`)
-    is set off with '#'. A squashfs path, and an image whose registry part comes from a `${VAR}`
-    (`${IMG:-/capstor/x.sqsh}`), stay as written."""
+    """The image in enroot's `[USER@][REGISTRY#]IMAGE[:TAG]` form: enroot (so pyxis) reads CSCS's
+    `nvcr.io/nvidia/pytorch:25.11-py3` as a Docker Hub image, so a registry host (a first part with '.'
+    or ':', or `localhost`) is set off with '#'. A squashfs path, or a registry from a `${VAR}`, stays."""
     expansion, slash = image.find("${"), image.find("/")
     if is_local_image(image) or expansion != -1 and (slash == -1 or expansion < slash):
         return image
@@ -114,9 +104,8 @@ def _mount(env: Environment, i: int) -> str:
 
 
 def passed_from_host(env: Environment) -> list[str]:
-    """The variables pyxis takes from srun's own environment by name, nothing assigned: those of
-    `env_from_host`, and `[env]` entries that are exactly `NAME = "${NAME}"` (the same thing
-    written as an EDF does). No value of theirs reaches the batch script's text or its trace."""
+    """The variables pyxis takes from srun's environment by name: `env_from_host`'s, and `[env]`'s
+    `NAME = "${NAME}"`. No value of theirs reaches the batch script's text or its trace."""
     return [key for key, value in env.env.items() if value == f"${{{key}}}"] + list(env.env_from_host)
 
 
@@ -135,9 +124,8 @@ def _exports(env: Environment) -> tuple[list[tuple[str, str]], list[str]]:
             warnings.append(f"{where} is empty: the Container Engine unsets it, pyxis sets it to an empty string")
         refs = references(value, where)
         if refs:
-            names = ", ".join(f"${{{r}}}" for r in refs)
-            warnings.append(f"{where} uses {names}: pyxis takes it from the batch script's environment, the "
-                            "Container Engine from the image's environment first")
+            warnings.append(f"{where} uses {', '.join(f'${{{r}}}' for r in refs)}: pyxis takes it from the batch "
+                            "script's environment, the Container Engine from the image's environment first")
     return exports, warnings
 
 

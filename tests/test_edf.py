@@ -12,18 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_golden
-from edf import (
-    Environment,
-    Mount,
-    check_edf,
-    find_edf,
-    install_edf,
-    parse_edf,
-    render_edf,
-    resolve_base,
-    to_pyxis_args,
-    write_edf,
-)
+from edf import Environment, Mount, check_edf, install_edf, parse_edf, render_edf, resolve_base
+from edf.files import find_edf, write_edf
+from edf.srun import to_pyxis_args
 from common.errors import ConfigError
 from common.schema import from_dict
 
