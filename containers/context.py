@@ -55,9 +55,8 @@ def resolve_path(root: Path, path: str) -> Path:
 
 
 def context_files(root: Path, image: "ImageSection") -> list[SourceFile]:
-    """Exactly the files the build context holds (`dest` a path inside it, e.g. src/trainer/model.py),
-    sorted by destination: the project's own sources by the rules a code snapshot follows too
-    (containers/sources.py), and the wheelhouse."""
+    """The build context's files (`dest` e.g. src/trainer/model.py), sorted: the project's own sources by
+    containers/sources.py's rules, and the wheelhouse."""
     files = [SourceFile(f"src/{name}", root / name) for name in CONTEXT_FILES if (root / name).is_file()]
     found = collect([Folder(root / top, f"src/{top}") for top in CONTEXT_DIRS if (root / top).is_dir()],
                     field_name="image", max_bytes=MAX_BYTES, max_files=MAX_FILES)
@@ -73,9 +72,8 @@ def context_files(root: Path, image: "ImageSection") -> list[SourceFile]:
 
 
 class HashCache:
-    """sha256 of files, remembered by (size, mtime, inode) like git's index, so
-    a no-op build rereads no wheelhouse. Entries younger than 2 s are not kept
-    (a same-second edit could go unseen)."""
+    """sha256 of files, remembered by (size, mtime, inode) like git's index, so a no-op build rereads no
+    wheelhouse. Entries younger than 2 s are not kept (a same-second edit could go unseen)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -103,12 +101,10 @@ class HashCache:
 
 def content_hashes(*, dockerfile: str, build_args: dict[str, str], squash_options: str,
                    files: list[SourceFile], cache: HashCache) -> tuple[str, str, dict]:
-    """(the squashfs's hash, the podman image's, the inputs). The first names the squashfs and its
-    record; the second the podman tag, and covers only what the Dockerfile's steps read: a setting
-    only the import reads (the squash options, the output directory) then re-imports the image
-    built already instead of building it again. The inputs, what the hashes cover besides the build
-    args per part (the Dockerfile, each source directory, the wheels), go into the build record, so
-    that a later check can name what changed."""
+    """(the squashfs's hash, the podman tag's, the inputs). The tag's covers only what the Dockerfile's
+    steps read: a setting only the import reads (the squash options) re-imports the image built already.
+    The inputs (what the hashes cover besides the build args, per part: the Dockerfile, each source
+    directory, the wheels) go into the build record, so that a later check can name what changed."""
     squashfs, image = hashlib.sha256(), hashlib.sha256()
 
     def add(*parts: str, only_squashfs: bool = False) -> None:
@@ -137,8 +133,7 @@ def content_hashes(*, dockerfile: str, build_args: dict[str, str], squash_option
 
 
 def materialize_context(files: list[SourceFile], dest: Path, build_env: dict[str, str] | None = None) -> None:
-    """Lay the context out under `dest` (wheels hard-linked where possible) with
-    `buildenv/flash-attn.env` holding `build_env` as shell assignments."""
+    """Lay the context out under `dest`, with `buildenv/flash-attn.env` holding `build_env` as shell assignments."""
     if dest.exists():
         shutil.rmtree(dest)
     (dest / "wheels").mkdir(parents=True)

@@ -47,8 +47,7 @@ from common.fs import write_atomic
 
 
 class ImageConfig(Protocol):
-    """What the image functions read of a config (jobs.config.Config is one): its image section,
-    and what the run needs of the image beyond the trainer."""
+    """What the image functions read of a config (jobs.config.Config is one)."""
 
     image: ImageSection
 
@@ -56,10 +55,9 @@ class ImageConfig(Protocol):
     def image_needs(self) -> ImageNeeds: ...
 
 
-# flash-attn compile settings that do not change the image: passed through the
-# build context's buildenv/ (containers/Dockerfile), not as build args, so they
-# change neither the image hash nor podman's layer cache. image.build_args sets
-# them; the environment of `make image` (MAX_JOBS=4 make image) overrides that.
+# flash-attn compile settings, passed through the build context's buildenv/ (containers/Dockerfile), not as
+# build args, so they change neither the image hash nor podman's layer cache; `make image`'s environment
+# (MAX_JOBS=4 make image) overrides image.build_args.
 BUILD_ENV_KEYS = ("MAX_JOBS", "NVCC_THREADS")
 FLOAT8_EXTRA = "float8"  # pyproject's extra for train.float8 (torchao); trainer/compute.py names it too
 
@@ -80,8 +78,7 @@ def build_env(build_args: dict[str, str]) -> dict[str, str]:
 
 
 def _build_args(cfg: ImageConfig, root: Path, wheel_digest: str, git: bool) -> dict[str, str]:
-    """slipway's own build args, what the run needs beyond the Dockerfile's defaults, then the
-    user's (image.build_args less the compile settings of BUILD_ENV_KEYS), each checked."""
+    """slipway's own build args, then the user's (image.build_args less BUILD_ENV_KEYS), each checked."""
     image = cfg.image
     build_args = {
         "BASE_IMAGE": image.base_image,
@@ -90,8 +87,7 @@ def _build_args(cfg: ImageConfig, root: Path, wheel_digest: str, git: bool) -> d
         "WHEELHOUSE_DIGEST": wheel_digest,
         "SLIPWAY_VERSION": project_version(root),
     }
-    # What the run needs beyond the Dockerfile's defaults (no numactl, no extra, flash-attn for
-    # 90): named only when needed, so a config that needs nothing more keeps its image.
+    # Beyond the Dockerfile's defaults, named only when needed: a config that needs nothing more keeps its image.
     needs = cfg.image_needs
     if needs.numactl:
         build_args["NUMACTL"] = "1"
@@ -118,8 +114,7 @@ def _build_args(cfg: ImageConfig, root: Path, wheel_digest: str, git: bool) -> d
 
 def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = False, enroot_mount: bool | None = None,
                git: bool = True) -> ImagePlan:
-    """Hash, tag, paths and the exact podman and enroot command lines; `enroot_mount`: whether to
-    pass `-x mount` (None asks the installed enroot)."""
+    """Hash, tag, paths and the exact command lines; `enroot_mount`: pass `-x mount` (None: ask enroot)."""
     image = cfg.image
     root = (root or project_root()).resolve()
     dockerfile = resolve_path(root, image.dockerfile)
@@ -273,13 +268,9 @@ def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
 def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True, console: Console | None = None,
                 root: Path | None = None, here: bool = False,
                 elsewhere: Optional[Callable[[ImagePlan], None]] = None) -> ImageResult:
-    """Build (podman) and import (enroot) the image unless its squashfs exists.
-
-    `force`: rebuild without podman's layer cache and reimport. `here`: build on
-    this machine even when image.build_on is compute (what the srun runs).
-    `elsewhere`: how an image.build_on: compute build runs (the Slurm side,
-    jobs/cli/image.py, gives it; the inner build then runs here).
-    """
+    """Build (podman) and import (enroot) the image unless its squashfs exists. `force`: without podman's
+    layer cache, and reimport; `here`: on this machine even with image.build_on: compute (what the srun
+    runs); `elsewhere`: how a build_on: compute build runs (jobs/cli/image.py gives it)."""
     console = console or Console()
     t0 = time.perf_counter()
     plan = image_plan(cfg, root=root, force=force)
@@ -324,8 +315,6 @@ def _build_here(plan: ImagePlan, *, force: bool, do_import: bool, console: Conso
     for check in check_storage_conf():
         if not check.ok:
             console.print(f"[yellow]warning:[/] {escape(check.what)}: {escape(check.fix or '')}", highlight=False)
-    # From the first look at podman to the import's cleanup: prune leaves this tag and its
-    # import's container alone meanwhile.
     with plan.project.building(plan.tag) as guarded:
         if not guarded:
             console.print(f"[yellow]note:[/] {escape(str(plan.project.lock_path(plan.tag).parent))} has no flock: a "

@@ -34,8 +34,7 @@ def host_name() -> str:
 
 
 def check_free_space(*, image_size: int, output_dir: Path, temp_dir: Path | None) -> None:
-    """Room for the squashfs (about half the image) and, unless enroot mounts
-    the image (`-x mount`), for the unpacked image in enroot's temp dir."""
+    """Room for the squashfs and, unless enroot mounts the image (`-x mount`), the unpacked image."""
     needs: dict[int, list] = {}
     for path, need, what in ((output_dir, int(image_size * SQUASH_RATIO), "the squashfs"),
                              (temp_dir, image_size, "the image unpacked by enroot")):
@@ -57,8 +56,7 @@ def check_free_space(*, image_size: int, output_dir: Path, temp_dir: Path | None
 
 
 def stale_temps(output_dir: Path, glob: str) -> list[Path]:
-    """Leftovers of interrupted imports (`.NAME-HASH12.sqsh.tmp-HOST-PID`): this
-    host's whose process is gone, or another host's older than a day."""
+    """Leftovers of interrupted imports: this host's whose process is gone, or another host's older than a day."""
     host, stale = host_name(), []
     for tmp in output_dir.glob(glob):
         tmp_host, _, pid = tmp.name.rsplit(".tmp-", 1)[-1].rpartition("-")
@@ -76,10 +74,9 @@ _CONTAINER_ID = re.compile(r"\b[0-9a-f]{64}\b")
 
 def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, printed: set[str],
                   console: Console) -> tuple[list[str], list[str]]:
-    """Remove the stopped `enroot.*` containers this import left (see Enroot): (removed names,
-    warnings). Only those new since the import began, created from our tag and, when enroot
-    printed container ids (`podman create` does), one of those: never another import's or
-    another image's."""
+    """Remove the stopped `enroot.*` containers this import left (see Enroot): (removed names, warnings).
+    Only those new since the import began, made from our tag and, where enroot printed container ids
+    (`podman create` does), one of those: never another import's or another image's."""
     if before is None:
         return [], []
     try:

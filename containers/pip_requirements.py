@@ -53,7 +53,7 @@ def requirement_name(req: str) -> str:
 
 
 def requirements(pyproject: dict, *, have_torch: bool, extras: tuple[str, ...] = EXTRAS) -> list[str]:
-    """Runtime dependencies plus `extras`; torch only when the image has none."""
+    """Runtime dependencies, `extras` and build requirements; torch only when the image has none."""
     project = pyproject["project"]
     reqs = list(project.get("dependencies", []))
     optional = project.get("optional-dependencies", {})
@@ -160,8 +160,7 @@ def _unavailable(lines: list[str]) -> set[str]:
 
 
 def install(req_out: Path, constraints_out: Path, lift: set[str]) -> int:
-    """pip install the requirements against the base's pins (less the lifted ones); one line on a
-    conflict with a pin."""
+    """pip install the requirements against the base's pins (less the lifted ones)."""
     env = dict(os.environ)
     constraint = env.get("PIP_CONSTRAINT", "")
     pins = base_pins(constraint)

@@ -14,8 +14,6 @@ from containers.project import Project
 
 @dataclass
 class ImagePlan:
-    """Everything a build would do, computed without running podman."""
-
     name: str
     hash: str  # the squashfs's: names it and its record
     tag: str  # localhost/NAME:IMAGEHASH12-PROJECT: the podman image, which import-only settings do not change

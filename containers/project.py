@@ -111,8 +111,7 @@ class Project:
 
     @contextlib.contextmanager
     def _held(self, tag: str, how: int) -> Iterator[Optional[bool]]:
-        """`tag`'s lock taken `how` for the block: True, False where another holds it (LOCK_NB),
-        None where the filesystem has no flock."""
+        """`tag`'s lock taken `how` for the block: True, False (LOCK_NB: another holds it), None (no flock)."""
         path = self.lock_path(tag)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = None

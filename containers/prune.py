@@ -32,8 +32,7 @@ _IMAGE_FILE = r"{name}-(?P<h>[0-9a-f]{{12}})\.sqsh"
 
 @dataclass
 class PruneResult:
-    """What a prune removed (dry run: would remove), kept and left alone; each said on `console` as
-    it is decided."""
+    """What a prune removed (dry run: would remove), kept and left alone, each said on `console`."""
 
     removed: list[Path] = field(default_factory=list)  # files and directories
     containers: list[str] = field(default_factory=list)  # enroot's leftover podman containers
@@ -94,13 +93,9 @@ def _owner(squashfs: Path, project: Optional[Project], out: Path, root: Path) ->
 def prune_images(cfg: ImageConfig, keep: int = 1, *, pinned: dict[Path, list[str]], root: Path | None = None,
                  remove: list[str] | None = None, console: Console | None = None,
                  dry_run: bool = False) -> PruneResult:
-    """Remove all but the current image, the images runs pin, and the newest others, up to
-    `keep` squashfs files besides the pinned ones, with their records, logs and podman tags;
-    enroot's leftover containers of this project's images; stale build leftovers. Only this
-    project's, and none whose build or import runs now.
-    `pinned`: each squashfs (resolved) runs pin, with their names (jobs.runs.pinned_images).
-    `remove`: squashfs files to remove although runs pin them (never the current one).
-    `dry_run`: say what would be removed, remove nothing."""
+    """Prune all but the current image, those runs pin and the newest others, `keep` in all besides
+    the pinned. `pinned`: squashfs (resolved) -> the runs that pin it (jobs.runs.pinned_images);
+    `remove`: squashfs files to remove although runs pin them (never the current one)."""
     if keep < 1:
         raise ConfigError("--keep", f"must be >= 1 (the current image is always kept), got {keep}")
     result = PruneResult(dry_run=dry_run, console=console or Console())
@@ -146,8 +141,7 @@ def prune_images(cfg: ImageConfig, keep: int = 1, *, pinned: dict[Path, list[str
 
 def _choose(cfg: ImageConfig, images: list[Path], keep: int, pinned: dict[Path, list[str]], remove: list[str],
             result: PruneResult, out: Path, root: Path) -> None:
-    """Which of this project's `images` (newest first) stay, each with why, into `result.kept`: the
-    current one, those runs pin (unless `remove` names them), and the newest others up to `keep`."""
+    """Which of this project's `images` (newest first) stay, each with why, into `result.kept`."""
     current, name = resolve_image(cfg, root=root), cfg.image.name
     forced: set[Path] = set()
     for given in remove:

@@ -1,15 +1,14 @@
 """The project's own files: exactly what an image's build context and a run's code snapshot take.
 
-Both copy folders of the checkout (the code snapshot: common/ and trainer/, and a train.script's
-folder; the image: those and jobs/, edf/, containers/, configs/), so both follow one rule, here
-(docs/runs.md): in a git checkout the files git tracks, with their working-tree contents (an
-untracked credentials.json is named in a note, never copied); outside git every file of a
-project's folder (never a home directory, a folder holding credentials or more than
-MAX_LOOSE_FILES files) but hidden files, caches and editor leftovers. Whatever is not plainly a
-file of the project's is refused in one line naming it: a symbolic link out of what is copied (a
-link inside is kept, rewritten relative), a hard link with names outside, a FIFO, a device, a
-submodule not checked out, a file that looks like a secret (common/secrets.py; accepted by
-common/baseline.py; a content found clean is not scanned again: `CleanFiles`), too much.
+Both copy folders of the checkout (jobs/runs/code.py's, containers/context.py's), so both follow one
+rule, here (docs/runs.md): in a git checkout the files git tracks, with their working-tree contents
+(an untracked credentials.json is named in a note, never copied); outside git every file of a
+project's folder (never a home directory, a folder holding credentials or more than MAX_LOOSE_FILES
+files) but hidden files, caches and editor leftovers. Whatever is not plainly a file of the project's
+is refused in one line naming it: a symbolic link out of what is copied (a link inside is kept,
+rewritten relative), a hard link with names outside, a FIFO, a device, a submodule not checked out,
+a file that looks like a secret (common/secrets.py; accepted by common/baseline.py; a content found
+clean is not scanned again: `CleanFiles`), too much.
 """
 
 from __future__ import annotations
@@ -46,14 +45,12 @@ CREDENTIAL_ENTRIES = {".ssh", ".aws", ".gnupg", ".kube", ".docker", ".azure", ".
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One entry to copy: `dest` (where it goes, posix, relative), `src` (on this machine),
-    `link`: the relative target a symbolic link keeps (None for a file), and `sha256`: the
-    content's, as it was scanned."""
+    """One entry to copy: `dest` (posix, relative) from `src` (on this machine)."""
 
     dest: str
     src: Path
-    link: Optional[str] = None
-    sha256: Optional[str] = None
+    link: Optional[str] = None  # the relative target a symbolic link keeps; None: a file
+    sha256: Optional[str] = None  # the content's, as it was scanned
 
     @property
     def executable(self) -> bool:
@@ -150,8 +147,7 @@ def _remedy(in_git: bool, shown: str) -> str:
 
 
 def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_files: int) -> Sources:
-    """The entries `folders` give, in a stable order (see the module's rules); a one-line
-    ConfigError for a link out, a secret-looking file, an unreadable one, or too much."""
+    """The entries `folders` give, sorted by `dest`, by the module's rules (a one-line ConfigError)."""
     folders = [Folder(f.src.resolve(), f.dest.strip("/")) for f in folders]
     out = Sources()
     in_git_of: dict[str, bool] = {}
@@ -306,8 +302,7 @@ class CleanFiles:
 
 
 def _link_target(path: Path, dest: str, folders: Sequence[Folder], field_name: str) -> str:
-    """The relative target a copied link keeps: where its target lands in the copy. A link to
-    anything not copied (outside every folder, or nowhere) is refused."""
+    """The relative target a copied link keeps: where its target lands in the copy (else refused)."""
     target = Path(os.path.realpath(path))
     for folder in folders:
         if target == folder.src or folder.src in target.parents:
