@@ -94,9 +94,9 @@ def _build_args(cfg: ImageConfig, root: Path, wheel_digest: str, git: bool) -> d
     if needs.float8:
         build_args["EXTRAS"] = FLOAT8_EXTRA
     user_args = {k: str(v) for k, v in image.build_args.items() if k not in BUILD_ENV_KEYS}
-    for key, allowed, instead in (("FLASH_ATTN", ("0", "1"), "set image.flash_attn: true or false instead"),
-                                  ("NUMACTL", ("0", "1"), "1 installs numactl where the base lacks it")):
-        if user_args.get(key, allowed[0]) not in allowed:
+    for key, instead in (("FLASH_ATTN", "set image.flash_attn: true or false instead"),
+                         ("NUMACTL", "1 installs numactl where the base lacks it")):
+        if user_args.get(key, "0") not in ("0", "1"):
             raise ConfigError(f"image.build_args.{key}", f"must be 0 or 1, got {user_args[key]!r}: {instead}")
     if needs.numactl and user_args.get("NUMACTL") == "0":
         raise ConfigError("image.build_args.NUMACTL", "0 leaves numactl out, but the node preset binds each rank to "
@@ -138,8 +138,7 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
     squashfs = out / f"{image.name}-{h12}.sqsh"
     temp = out / f".{squashfs.name}.tmp-{host_name()}-{os.getpid()}"
     if enroot_mount is None:
-        enroot = Enroot.find()
-        enroot_mount = enroot.supports_mount() if enroot else False
+        enroot_mount = bool((enroot := Enroot.find()) and enroot.supports_mount())
     return ImagePlan(
         name=image.name, hash=digest, tag=tag, root=root, output_dir=out, dockerfile=dockerfile, files=files,
         build_args=build_args, squash_options=image.squash_options, squashfs=squashfs, temp_squashfs=temp,
@@ -199,11 +198,10 @@ def current_image(cfg: ImageConfig, *, root: Path | None = None) -> Optional[Bui
 
 def resolve_image(cfg: ImageConfig, *, root: Path | None = None) -> Path | None:
     """The current squashfs as an absolute path with the link resolved, or None."""
-    root = (root or project_root()).resolve()
     record = current_image(cfg, root=root)
     if record and Path(record.squashfs).is_file():
         return Path(record.squashfs).resolve()
-    link = resolve_path(root, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
+    link = resolve_path((root or project_root()).resolve(), cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
     return link.resolve() if link.is_file() else None
 
 
@@ -242,16 +240,13 @@ def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
             def on_line(line: str) -> None:
                 log.write(line + "\n")
                 tail.append(line)
+                cached = line.startswith("--> Using cache")
+                flush(" (cached)" if cached else "")
                 if line.startswith("STEP "):
-                    flush()
                     pending.append(line)
-                elif line.startswith("--> Using cache"):
-                    flush(" (cached)")
-                else:
-                    flush()
-                    if "smoke ok" in line or line.startswith(("pip_requirements:", "flash-attn", "numactl",
-                                                              "dependencies FAILED")):
-                        console.print(f"    {escape(line)}", no_wrap=True, overflow="ellipsis", highlight=False)
+                elif not cached and ("smoke ok" in line or line.startswith(("pip_requirements:", "flash-attn",
+                                                                            "numactl", "dependencies FAILED"))):
+                    console.print(f"    {escape(line)}", no_wrap=True, overflow="ellipsis", highlight=False)
                 status.update(f"podman build: {escape(line[:100])}")
 
             rc = stream([podman.exe, *plan.podman_argv[1:]], on_line)
@@ -325,9 +320,8 @@ def _build_here(plan: ImagePlan, *, force: bool, do_import: bool, console: Conso
             _podman_build(plan, podman, console)
             timings["build"] = time.perf_counter() - t1
         else:
-            console.print(f"podman image {plan.tag} exists: not rebuilding (only the import's settings differ)"
-                          if do_import else f"podman image {plan.tag} exists: not rebuilding", highlight=False,
-                          markup=False)
+            console.print(f"podman image {plan.tag} exists: not rebuilding" + (" (only the import's settings differ)"
+                          if do_import else ""), highlight=False, markup=False)
         if not do_import:
             console.print(f"[green]built[/] {plan.tag} ({time.perf_counter() - t0:.1f} s); import skipped "
                           "(--no-import)", highlight=False)

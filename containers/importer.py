@@ -43,8 +43,7 @@ def check_free_space(*, image_size: int, output_dir: Path, temp_dir: Path | None
         probe = path
         while not probe.exists():
             probe = probe.parent
-        dev = probe.stat().st_dev
-        entry = needs.setdefault(dev, [probe, 0, []])
+        entry = needs.setdefault(probe.stat().st_dev, [probe, 0, []])
         entry[1] += need
         entry[2].append(f"{what} in {path}")
     for probe, need, whats in needs.values():
@@ -101,7 +100,6 @@ def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, prin
 
 
 def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Console) -> list[str]:
-    notes: list[str] = []
     size = podman.image_size(plan.tag)
     if size:
         check_free_space(image_size=size, output_dir=plan.output_dir,
@@ -135,7 +133,7 @@ def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Cons
                 rc = stream([enroot.exe, *plan.enroot_argv[1:]], on_line, env=plan.enroot_env)
         finally:  # also after a failed or interrupted import: the container stays either way
             removed, warnings = _clean_import(plan, podman, before, printed, console)
-            notes += [f"removed enroot's leftover podman container {name}" for name in removed] + warnings
+            notes = [f"removed enroot's leftover podman container {name}" for name in removed] + warnings
         if rc != 0:
             # enroot can exit non-zero after a complete write: upstream's cleanup runs
             # `docker rm` (fails without docker), CSCS's has its own errors. Keep the
@@ -145,8 +143,7 @@ def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Cons
                 notes.append(f"enroot exited {rc} but the squashfs reads back whole: kept{why}")
                 console.print(f"[yellow]note:[/] {escape(notes[-1])}", highlight=False)
             else:
-                text = "\n".join(tail)
-                if re.search("no space left on device", text, re.I):
+                if any("no space left on device" in line.lower() for line in tail):
                     raise ToolError(f"enroot import ran out of disk: free space in {plan.output_dir} and "
                                     f"{Enroot.temp_dir()} (ENROOT_TEMP_PATH); log: {plan.log}")
                 last = tail[-1].strip()[:300] if tail else ""

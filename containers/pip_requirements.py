@@ -111,9 +111,8 @@ def explain_conflict(output: str, pins: dict[str, tuple[str, str]], lifted: set[
     block = list(itertools.takewhile(str.strip, lines[start + 1:]))
     for line in block:
         m = CONSTRAINED.match(line)
-        if not m or requirement_name(m.group(1)) not in pins:
+        if not m or (name := requirement_name(m.group(1))) not in pins:
             continue
-        name = requirement_name(m.group(1))
         pin, where = pins[name]
         wants = []
         for other in block:  # pip names every party; the ones the pinned version does not satisfy

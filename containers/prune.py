@@ -211,19 +211,14 @@ def _prune_tag(podman: Podman, project: Project, tag: str, leftovers: list[Conta
     """`tag`'s leftover containers, then the tag itself unless `keep_tags` names it (None: the tag is
     not one to remove), while no build or import of it runs."""
     with project.idle(tag) as idle:
-        if not idle:
-            why = ("a build or import of it is running now" if idle is False else
-                   f"whether a build of it runs cannot be told ({project.lock_path(tag).parent} has no flock)")
-            for c in leftovers:
-                result.say(f"kept podman container {c.name} (left by enroot import of {tag}): {why}")
-            if keep_tags is not None:
-                result.kept_tags[tag] = why
-                result.say(f"kept podman tag {tag}: {why}")
-            return
+        busy = (None if idle else "a build or import of it is running now" if idle is False else
+                f"whether a build of it runs cannot be told ({project.lock_path(tag).parent} has no flock)")
         # First the containers: while one exists, podman refuses to remove its image's tag.
         for c in leftovers:
             what = f"podman container {c.name} (left by enroot import of {tag})"
-            if c.state in ("running", "paused"):
+            if busy:
+                result.say(f"kept {what}: {busy}")
+            elif c.state in ("running", "paused"):
                 result.fail(f"{what}: it is {c.state}; `podman rm -f {c.name}` if nothing uses it")
             elif result.dry_run or (failed := podman.remove_container(c.id)) is None:
                 result.containers.append(c.name)
@@ -232,9 +227,10 @@ def _prune_tag(podman: Podman, project: Project, tag: str, leftovers: list[Conta
                 result.fail(f"{what}: podman rm {failed}")
         if keep_tags is None:
             return
-        if tag in keep_tags:
-            result.kept_tags[tag] = keep_tags[tag]
-            result.say(f"kept podman tag {tag}: {keep_tags[tag]}")
+        why = busy or keep_tags.get(tag)  # kept while a build runs, or when asked to
+        if why:
+            result.kept_tags[tag] = why
+            result.say(f"kept podman tag {tag}: {why}")
         elif result.dry_run or (failed := podman.untag(tag)) is None:
             result.tags.append(tag)
             result.done(f"podman tag {tag}")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from edf.environment import ENV_NAME
+from common.fs import read_json
 from common.schema import FREE_TEXT, require
 from common.secrets import TEXT
 
@@ -129,10 +130,7 @@ class BuildRecord:
 
     @classmethod
     def read(cls, path: Path) -> Optional["BuildRecord"]:
-        try:
-            return cls.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            return None
+        return cls.from_json(read_json(path))
 
     @classmethod
     def beside(cls, squashfs: Path) -> Optional["BuildRecord"]:

@@ -150,8 +150,7 @@ def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_f
     """The entries `folders` give, sorted by `dest`, by the module's rules (a one-line ConfigError)."""
     folders = [Folder(f.src.resolve(), f.dest.strip("/")) for f in folders]
     out = Sources()
-    in_git_of: dict[str, bool] = {}
-    top_of: dict[str, Path] = {}  # where each file's project keeps its baseline
+    origin: dict[str, tuple[bool, Path]] = {}  # dest -> (in git, where its project keeps its baseline)
     for folder in folders:
         top = (git(folder.src, "rev-parse", "--show-toplevel") or "").strip()
         names = _git_list(folder.src, others=False) if top else None
@@ -169,12 +168,12 @@ def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_f
             entry = _entry(folder, rel, folders, in_git=in_git, field_name=field_name)
             if entry is not None:
                 out.files.append(entry)
-                in_git_of[entry.dest], top_of[entry.dest] = in_git, root
+                origin[entry.dest] = in_git, root
     out.files.sort(key=lambda f: f.dest)
     _check_size(out, field_name, max_bytes, max_files)
-    _check_links(out.files, field_name, in_git_of)
+    _check_links(out.files, field_name)
     clean = CleanFiles.load()
-    out.files = [_scanned(f, field_name, in_git_of[f.dest], clean, top_of[f.dest]) for f in out.files]
+    out.files = [_scanned(f, field_name, clean, *origin[f.dest]) for f in out.files]
     clean.save()
     return out
 
@@ -212,7 +211,7 @@ def _entry(folder: Folder, rel: str, folders: Sequence[Folder], *, in_git: bool,
     return SourceFile(dest, path)
 
 
-def _check_links(files: Sequence[SourceFile], field_name: str, in_git_of: dict[str, bool]) -> None:
+def _check_links(files: Sequence[SourceFile], field_name: str) -> None:
     """A file with more names (hard links) than are copied: its other names lie outside what is
     copied, and its content is whatever file they name (a token in $HOME under an innocent name)."""
     stats = {f.dest: f.src.lstat() for f in files if f.link is None}
@@ -227,7 +226,7 @@ def _check_links(files: Sequence[SourceFile], field_name: str, in_git_of: dict[s
                                           f"(`cp {shown} {shown}.copy && mv {shown}.copy {shown}`)")
 
 
-def _scanned(f: SourceFile, field_name: str, in_git: bool, clean: "CleanFiles", top: Path) -> SourceFile:
+def _scanned(f: SourceFile, field_name: str, clean: "CleanFiles", in_git: bool, top: Path) -> SourceFile:
     """`f` with its content's sha256, the content scanned whole by the secret policy unless a
     file of the same content was found clean before; what the baseline at `top` audited as no
     secret passes (a content that holds any finding is scanned again: the baseline may change)."""
@@ -339,6 +338,6 @@ def copy_into(files: Sequence["SourceFile"], dest: Path, *, file_mode: int, exec
             os.symlink(f.link, target)
             continue
         shutil.copyfile(f.src, target)
-        os.chmod(target, exec_mode if os.stat(f.src).st_mode & stat.S_IXUSR else file_mode)
+        os.chmod(target, exec_mode if f.executable else file_mode)
     for dirpath, _, _ in os.walk(dest):
         os.chmod(dirpath, dir_mode)
