@@ -135,14 +135,11 @@ def _excludes(spec: str, pin: str) -> bool:
     """Whether requirement `spec` as pip prints it ("fsspec<=2026.9.0 and >=2023.1.0") rules out the
     version `pin` fixes ("fsspec==2021.4.0"); True where that cannot be told."""
     version = pin.split("==", 1)[1].strip() if "==" in pin else None
-    try:
-        from pip._vendor.packaging.specifiers import InvalidSpecifier, SpecifierSet
-    except ImportError:
-        return True
     rule = re.sub(r"^[A-Za-z0-9._-]+(\[[^\]]*\])?", "", spec).replace(" and ", ",").split(";")[0].strip()
     try:
+        from pip._vendor.packaging.specifiers import SpecifierSet
         return version is None or not SpecifierSet(rule).contains(version, prereleases=True)
-    except InvalidSpecifier:
+    except (ImportError, ValueError):  # no vendored packaging; InvalidSpecifier is a ValueError
         return True
 
 
