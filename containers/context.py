@@ -26,8 +26,7 @@ HASH_SCHEME = "slipway-image-v1"
 CONTEXT_FILES = ("pyproject.toml", "README.md", "LICENSE")
 CONTEXT_DIRS = ("common", "trainer", "jobs", "edf", "containers", "configs")
 WHEEL_SUFFIXES = (".whl", ".tar.gz", ".zip")
-# Build args that label the image without changing its contents: not hashed,
-# so a new commit with the same files reuses the image.
+# Build args that only label the image: not hashed, so a new commit with the same files reuses the image.
 UNHASHED_ARGS = ("GIT_COMMIT",)
 
 
@@ -44,9 +43,6 @@ def build_root(project_dir: Optional[Path], dockerfile: str) -> Path:
     if project_dir is not None and resolve_path(project_dir, dockerfile).is_file():
         return project_dir.resolve()
     return project_root().resolve()
-
-
-# ---------------------------------------------------------------- the build context
 
 
 def resolve_path(root: Path, path: str) -> Path:

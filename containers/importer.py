@@ -135,9 +135,8 @@ def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Cons
             removed, warnings = _clean_import(plan, podman, before, printed, console)
             notes = [f"removed enroot's leftover podman container {name}" for name in removed] + warnings
         if rc != 0:
-            # enroot can exit non-zero after a complete write: upstream's cleanup runs
-            # `docker rm` (fails without docker), CSCS's has its own errors. Keep the
-            # file only if its tables read back whole.
+            # enroot can exit non-zero after a complete write: upstream's cleanup runs `docker rm` (fails
+            # without docker), CSCS's has its own errors. Keep the file only if its tables read back whole.
             if tmp.is_file() and squashfs_ok(tmp):
                 why = " (its cleanup calls `docker rm`; slipway removed the container itself)" if removed else ""
                 notes.append(f"enroot exited {rc} but the squashfs reads back whole: kept{why}")

@@ -56,8 +56,7 @@ class Project:
 
     @classmethod
     def of(cls, root: Path) -> "Project":
-        """The project of checkout `root`: its recorded id, made on first use, moved with the
-        checkout, and new for a copy."""
+        """The project of checkout `root`: its recorded id, made on first use, kept by a move, new for a copy."""
         root = Path(os.path.abspath(root))
         xdg = os.environ.get("XDG_STATE_HOME", "")  # empty or relative: unset, as the XDG spec says
         user = (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "state") / "slipway" / "projects"
@@ -158,9 +157,8 @@ def _lock(path: Path, how: int) -> int:
 
 
 def _is_copy_of(mine: Path, original: Path, project_id: str) -> bool:
-    """Whether the id file at `mine` is a copy of `original`'s: that file still exists, is
-    another file than ours (not the same checkout seen through a link or a bind mount), and
-    holds the same id."""
+    """Whether the id file at `mine` is a copy of `original`'s: that file still exists, is another file
+    than ours (not the same checkout seen through a link or a bind mount), and holds the same id."""
     try:
         if os.path.samefile(mine, original):
             return False

@@ -33,9 +33,7 @@ from containers.tools import git
 # What is copied is bounded: a data file or a checkpoint left in the code folders is not code.
 MAX_FILES = 5000
 MAX_BYTES = 100 * 1024 * 1024
-# Outside git, a folder with more files than this is no project's code folder (a home, a scratch
-# space): its walk stops there.
-MAX_LOOSE_FILES = 1000
+MAX_LOOSE_FILES = 1000  # outside git, a folder with more is no project's (a home, a scratch space)
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".ipynb_checkpoints", ".git"}
 SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
 # Hidden entries that only a home directory holds: where they are, the folder is no project's.
@@ -90,8 +88,7 @@ def _git_list(folder: Path, *, others: bool) -> Optional[list[str]]:
 
 
 def _walked(folder: Path, field_name: str) -> list[str]:
-    """Every file and link under `folder` outside git, hidden ones, caches and leftovers aside; a
-    ConfigError where the folder is no project's (a home directory, credentials, too many files)."""
+    """Every file and link under `folder`, outside git, by the module's rules."""
     try:
         home: Optional[Path] = Path.home().resolve()
     except (RuntimeError, KeyError, OSError):

@@ -75,9 +75,6 @@ def stream(argv: list[str], on_line: Callable[[str], None], *, env: dict[str, st
         raise
 
 
-# ---------------------------------------------------------------- podman
-
-
 @dataclass
 class Podman:
     exe: str = "podman"
@@ -190,8 +187,6 @@ class Container:
                    labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {})
 
 
-# ---------------------------------------------------------------- enroot
-
 # CSCS's enroot lists `-x, --... mount` among import's options; upstream has no -x.
 _MOUNT_OPTION = re.compile(r"^\s*-x\b", re.MULTILINE)
 
@@ -200,12 +195,11 @@ _MOUNT_OPTION = re.compile(r"^\s*-x\b", re.MULTILINE)
 class Enroot:
     exe: str = "enroot"
 
-    # `enroot import podman://IMAGE` (src/docker.sh) makes a work dir with
-    # `mktemp -d -p $ENROOT_TEMP_PATH enroot.XXXXXXXXXX`, runs `podman create --name`
-    # with that dir's name (printing the container id), exports it, and on exit
-    # removes the dir and calls `docker rm -f -v NAME`. Without a working docker
-    # that fails (enroot then exits non-zero under `set -e`) and the stopped
-    # container stays, keeping the image in use: slipway removes it itself.
+    # `enroot import podman://IMAGE` (src/docker.sh) makes a work dir with `mktemp -d -p $ENROOT_TEMP_PATH
+    # enroot.XXXXXXXXXX`, runs `podman create --name` with that dir's name (printing the container id),
+    # exports it, and on exit removes the dir and calls `docker rm -f -v NAME`. Without a working docker that
+    # fails (enroot then exits non-zero under `set -e`) and the stopped container stays, keeping the image in
+    # use: slipway removes it itself.
     CONTAINER_FILTER = r"^enroot\.[A-Za-z0-9]+$"
 
     @classmethod
@@ -237,9 +231,6 @@ def squashfs_ok(path: Path) -> bool:
     if tool is None:
         return path.is_file() and path.stat().st_size > 0
     return _capture([tool, "-l", str(path)])[0] == 0
-
-
-# ---------------------------------------------------------------- git
 
 
 def git(root: Path, *args: str) -> Optional[str]:
