@@ -54,9 +54,8 @@ def context_files(root: Path, image: "ImageSection") -> list[SourceFile]:
     """The build context's files (`dest` e.g. src/trainer/model.py), sorted: the project's own sources by
     containers/sources.py's rules, and the wheelhouse."""
     files = [SourceFile(f"src/{name}", root / name) for name in CONTEXT_FILES if (root / name).is_file()]
-    found = collect([Folder(root / top, f"src/{top}") for top in CONTEXT_DIRS if (root / top).is_dir()],
-                    field_name="image", max_bytes=MAX_BYTES, max_files=MAX_FILES)
-    files += found.files
+    files += collect([Folder(root / top, f"src/{top}") for top in CONTEXT_DIRS if (root / top).is_dir()],
+                     field_name="image", max_bytes=MAX_BYTES, max_files=MAX_FILES).files
     if image.wheelhouse:
         wheels = resolve_path(root, image.wheelhouse)
         if not wheels.is_dir():

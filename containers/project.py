@@ -64,15 +64,9 @@ class Project:
         for state in (root / STATE_DIR, user / hashlib.sha256(str(root).encode()).hexdigest()[:16]):
             try:
                 state.mkdir(parents=state.name != STATE_DIR, exist_ok=True)
-                try:
-                    fd: Optional[int] = _lock(state / "project.lock", fcntl.LOCK_EX)
-                except _NoFlock:
-                    fd = None  # two first uses at once may then make two ids: the last one written stays
-                try:
+                # Without flock, two first uses at once may make two ids: the last one written stays.
+                with _held(state / "project.lock", fcntl.LOCK_EX):
                     return cls._read_or_make(root, state)
-                finally:
-                    if fd is not None:
-                        os.close(fd)
             except OSError as exc:
                 tried.append(f"{state / 'project'}: {exc.strerror or exc}")
         raise ConfigError("image", f"cannot record this project's identity ({'; '.join(tried)}): slipway labels "
@@ -101,31 +95,12 @@ class Project:
     def building(self, tag: str) -> contextlib.AbstractContextManager[Optional[bool]]:
         """Hold `tag`'s lock (shared: two builds of one tag may run) for the block; yields None
         where the filesystem has no flock (nothing then tells prune that this build runs)."""
-        return self._held(tag, fcntl.LOCK_SH)
+        return _held(self.lock_path(tag), fcntl.LOCK_SH)
 
     def idle(self, tag: str) -> contextlib.AbstractContextManager[Optional[bool]]:
         """Whether no build or import of `tag` runs (True), one does (False), or it cannot be told
         (None: no flock here); while True, none can start until the block ends."""
-        return self._held(tag, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-    @contextlib.contextmanager
-    def _held(self, tag: str, how: int) -> Iterator[Optional[bool]]:
-        """`tag`'s lock taken `how` for the block: True, False (LOCK_NB: another holds it), None (no flock)."""
-        path = self.lock_path(tag)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = None
-        try:
-            fd = _lock(path, how)
-            state: Optional[bool] = True
-        except BlockingIOError:
-            state = False
-        except _NoFlock:
-            state = None
-        try:
-            yield state
-        finally:
-            if fd is not None:
-                os.close(fd)
+        return _held(self.lock_path(tag), fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     def forget(self, tag: str) -> None:
         """Remove the lock file of a tag that is gone (only inside `idle`: a build that opened the
@@ -154,6 +129,25 @@ def _lock(path: Path, how: int) -> int:
             if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
                 return fd
         os.close(fd)  # removed (`forget`) while we waited: lock the file now at that path
+
+
+@contextlib.contextmanager
+def _held(path: Path, how: int) -> Iterator[Optional[bool]]:
+    """`path` locked `how` for the block: True, False (LOCK_NB: another holds it), None (no flock)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = None
+    try:
+        fd = _lock(path, how)
+        state: Optional[bool] = True
+    except BlockingIOError:
+        state = False
+    except _NoFlock:
+        state = None
+    try:
+        yield state
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _is_copy_of(mine: Path, original: Path, project_id: str) -> bool:

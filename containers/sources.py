@@ -107,19 +107,11 @@ def _walked(folder: Path, field_name: str) -> list[str]:
         found = CREDENTIAL_ENTRIES.intersection(dirnames + filenames)
         if found:
             _not_a_project(folder, field_name, f"holds credentials ({os.path.join(dirpath, min(found))})")
-        keep = []
-        for d in dirnames:
-            if d in SKIP_DIRS or d.startswith(".") or d.endswith(".egg-info"):
-                continue
-            if os.path.islink(os.path.join(dirpath, d)):
-                filenames.append(d)  # a link to a directory is a link like any other
-            else:
-                keep.append(d)
-        dirnames[:] = keep
-        for name in sorted(filenames):
-            if name.startswith(".") or name.endswith(SKIP_SUFFIXES):
-                continue
-            names.append(os.path.relpath(os.path.join(dirpath, name), folder))
+        dirnames[:] = [d for d in dirnames if not (d in SKIP_DIRS or d.startswith(".") or d.endswith(".egg-info"))]
+        # A link to a directory is a link like any other (os.walk does not follow it).
+        filenames += [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        names += [os.path.relpath(os.path.join(dirpath, name), folder) for name in sorted(filenames)
+                  if not name.startswith(".") and not name.endswith(SKIP_SUFFIXES)]
         if len(names) > MAX_LOOSE_FILES:
             _not_a_project(folder, field_name, f"holds more than {MAX_LOOSE_FILES} files outside git")
     return names
