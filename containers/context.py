@@ -51,8 +51,7 @@ def resolve_path(root: Path, path: str) -> Path:
 
 
 def context_files(root: Path, image: "ImageSection") -> list[SourceFile]:
-    """The build context's files (`dest` e.g. src/trainer/model.py), sorted: the project's own sources by
-    containers/sources.py's rules, and the wheelhouse."""
+    """The build context's files (`dest` e.g. src/trainer/model.py), sorted: sources.py's, and the wheels."""
     files = [SourceFile(f"src/{name}", root / name) for name in CONTEXT_FILES if (root / name).is_file()]
     files += collect([Folder(root / top, f"src/{top}") for top in CONTEXT_DIRS if (root / top).is_dir()],
                      field_name="image", max_bytes=MAX_BYTES, max_files=MAX_FILES).files

@@ -1,12 +1,11 @@
 """Build the training image with podman, import it into a squashfs with enroot (docs/image.md).
 
-The image is content-addressed: a hash of the Dockerfile, the build args and every file of the
-build context (assembled from exactly the files hashed, so nothing else can change the image)
-names the podman tag, `localhost/NAME:HASH12-PROJECT`; with the squash options it names the
-squashfs, `OUTPUT_DIR/NAME-HASH12.sqsh`. An unchanged tree returns at once without podman; a
-change only the import reads imports the image podman has. `NAME.sqsh` is a symlink to the
-current squashfs, replaced atomically. A build holds its tag's lock (containers/project.py)
-from its first look at podman to the end of its import, so prune leaves both alone.
+The image is content-addressed: a hash of the Dockerfile, the build args and every file of the build
+context (assembled from exactly the files hashed, so nothing else can change the image) names the
+podman tag, `localhost/NAME:HASH12-PROJECT`; with the squash options it names the squashfs,
+`OUTPUT_DIR/NAME-HASH12.sqsh`. An unchanged tree returns at once without podman; a change only the
+import reads imports the image podman has. `NAME.sqsh` is a symlink to the current squashfs,
+replaced atomically. A build holds its tag's lock (containers/project.py) through its import.
 """
 
 from __future__ import annotations

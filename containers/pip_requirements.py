@@ -90,8 +90,7 @@ def base_pins(constraint: str) -> dict[str, tuple[str, str]]:
 
 
 def lift_pins(constraint: str, names: set[str], out: Path) -> tuple[str, list[str]]:
-    """The base's constraint files less the pins of `names`, as one file `out`: (the PIP_CONSTRAINT
-    value for the install, the pins lifted)."""
+    """The base's constraints less the pins of `names`, as file `out`: (its PIP_CONSTRAINT value, the pins lifted)."""
     kept, lifted = [], []
     for _, line, pin in _constraint_lines(constraint):
         if pin and requirement_name(pin) in names:

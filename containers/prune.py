@@ -171,8 +171,7 @@ def _choose(cfg: ImageConfig, images: list[Path], keep: int, pinned: dict[Path, 
 
 def _prune_podman(podman: Podman, name: str, project: Optional[Project], keep_tags: dict[str, str],
                   result: PruneResult) -> None:
-    """This project's podman tags of `name` not in `keep_tags` and its stopped `enroot.*`
-    containers, each while no build or import of its tag runs; the rest left alone, counted."""
+    """This project's tags of `name` not in `keep_tags` and `enroot.*` containers; the rest left alone."""
     repository = f"localhost/{name}"
     try:
         tags = podman.tags(repository)

@@ -90,9 +90,7 @@ class BuildRecord:
     build_args: Optional[dict] = None  # None: a record too old to say
     build_env: dict = field(default_factory=dict)
     squash_options: Optional[str] = None
-    # What the hash covers beyond build_args and squash_options, per part (Dockerfile, the
-    # dependency list, source directories, wheels); None in records from before it was kept.
-    inputs: Optional[dict] = None
+    inputs: Optional[dict] = None  # what the hash covers, per part (context.content_hashes); None: an older record
     podman_image_id: Optional[str] = None
     enroot_version: Optional[str] = None
     enroot_mount: Optional[bool] = None

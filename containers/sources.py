@@ -1,14 +1,11 @@
 """The project's own files: exactly what an image's build context and a run's code snapshot take.
 
-Both copy folders of the checkout (jobs/runs/code.py's, containers/context.py's), so both follow one
-rule, here (docs/runs.md): in a git checkout the files git tracks, with their working-tree contents
-(an untracked credentials.json is named in a note, never copied); outside git every file of a
-project's folder (never a home directory, a folder holding credentials or more than MAX_LOOSE_FILES
-files) but hidden files, caches and editor leftovers. Whatever is not plainly a file of the project's
-is refused in one line naming it: a symbolic link out of what is copied (a link inside is kept,
-rewritten relative), a hard link with names outside, a FIFO, a device, a submodule not checked out,
-a file that looks like a secret (common/secrets.py; accepted by common/baseline.py; a content found
-clean is not scanned again: `CleanFiles`), too much.
+Both follow one rule, here (docs/runs.md, docs/secrets.md): in a git checkout the files git tracks,
+with their working-tree contents; outside git every file of a project's folder (never a home
+directory, a folder holding credentials or more than MAX_LOOSE_FILES files) but hidden files, caches
+and editor leftovers. Whatever is not plainly a file of the project's (a link out, a hard link with
+names outside, a FIFO, a device, a submodule not checked out, a secret by common/secrets.py, too
+much) is refused in one line naming it.
 """
 
 from __future__ import annotations
