@@ -179,10 +179,8 @@ def install(req_out: Path, constraints_out: Path, lift: set[str]) -> int:
         sys.stdout.write(line)
         seen.append(line)
     rc = proc.wait()
-    if rc != 0:
-        line = explain_conflict("".join(seen), base_pins(env.get("PIP_CONSTRAINT", "")), lift)
-        if line:
-            print(line, flush=True)
+    if rc != 0 and (line := explain_conflict("".join(seen), base_pins(env.get("PIP_CONSTRAINT", "")), lift)):
+        print(line, flush=True)
     return rc
 
 
