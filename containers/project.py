@@ -154,8 +154,6 @@ def _is_copy_of(mine: Path, original: Path, project_id: str) -> bool:
     """Whether the id file at `mine` is a copy of `original`'s: that file still exists, is another file
     than ours (not the same checkout seen through a link or a bind mount), and holds the same id."""
     try:
-        if os.path.samefile(mine, original):
-            return False
-        return json.loads(original.read_text()).get("id") == project_id
-    except (OSError, ValueError, AttributeError):
+        return not os.path.samefile(mine, original) and (read_json(original) or {}).get("id") == project_id
+    except OSError:
         return False

@@ -86,12 +86,10 @@ def _git_list(folder: Path, *, others: bool) -> Optional[list[str]]:
 
 def _walked(folder: Path, field_name: str) -> list[str]:
     """Every file and link under `folder`, outside git, by the module's rules."""
-    try:
-        home: Optional[Path] = Path.home().resolve()
-    except (RuntimeError, KeyError, OSError):
-        home = None
-    if home is not None and (folder == home or folder in home.parents):
-        _not_a_project(folder, field_name, "is your home directory (or one above it)")
+    with contextlib.suppress(RuntimeError, KeyError, OSError):  # no home to tell
+        home = Path.home().resolve()
+        if folder == home or folder in home.parents:
+            _not_a_project(folder, field_name, "is your home directory (or one above it)")
     names: list[str] = []
 
     def unreadable(exc: OSError) -> None:
