@@ -88,8 +88,7 @@ def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, prin
         return [], [f"could not look for enroot's leftover podman container: {exc}"]
     removed, warnings = [], []
     for c in leftovers:
-        failed = podman.remove_container(c.id)
-        if failed is None:
+        if (failed := podman.remove_container(c.id)) is None:
             removed.append(c.name)
         else:
             warnings.append(f"could not remove enroot's leftover podman container {c.name} ({failed}): it keeps "

@@ -236,10 +236,8 @@ def squashfs_ok(path: Path) -> bool:
 def git(root: Path, *args: str) -> Optional[str]:
     """`git -C ROOT ARGS...`'s output; None where git is missing or fails (outside a checkout)."""
     exe = which("git")
-    if exe is None:
-        return None
     try:
-        return local[exe]("-C", str(root), *args)
+        return local[exe]("-C", str(root), *args) if exe else None
     except (ProcessExecutionError, OSError, ValueError):
         return None
 
