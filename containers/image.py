@@ -159,8 +159,7 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
 
 
 def make_current(plan: ImagePlan, record: BuildRecord) -> None:
-    """Record `plan`'s image as the current one, and atomically point the link at its squashfs
-    (relatively: the output directory may move)."""
+    """Record `plan`'s image as current; point the link at its squashfs atomically and relatively (the dir may move)."""
     write_atomic(plan.record, record.to_json())
     link = plan.link
     if link.exists() and not link.is_symlink():

@@ -42,8 +42,7 @@ class Project:
 
     @property
     def token(self) -> str:
-        """What names carry: `p` and 12 hex digits (never read as a job id or a build, which
-        start with a digit or `i`)."""
+        """What names carry: `p` and 12 hex digits (never a job id or a build's: those start with a digit or `i`)."""
         return f"p{self.id[:12]}"
 
     @property

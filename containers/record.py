@@ -94,12 +94,10 @@ class BuildRecord:
     podman_image_id: Optional[str] = None
     enroot_version: Optional[str] = None
     enroot_mount: Optional[bool] = None
-    # The project that built it (containers/project.py); None in records from before builds carried one.
-    project: Optional[str] = None
-    # The image's CUDA (its ENV CUDA_VERSION, as NGC and nvidia/cuda bases set it) and the CUDA
-    # architectures a compile of flash-attn targets ("90", "80;90;100;120"; a flash-attn kept from
-    # the base or a wheel brings its own); None: unknown, or a record from before they were kept.
-    cuda: Optional[str] = None
+    project: Optional[str] = None  # the project that built it (containers/project.py); None: an older record
+    cuda: Optional[str] = None  # its ENV CUDA_VERSION (as NGC and nvidia/cuda bases set it); None: unknown
+    # The CUDA architectures a compile of flash-attn targets ("90", "80;90;100;120"; a flash-attn kept
+    # from the base or a wheel brings its own); None: unknown, or a record from before they were kept.
     flash_attn_archs: Optional[str] = None
 
     def flash_attn_serves(self, capability: str) -> Optional[bool]:

@@ -211,9 +211,8 @@ def _check_links(files: Sequence[SourceFile], field_name: str) -> None:
 
 
 def _scanned(f: SourceFile, field_name: str, clean: "CleanFiles", in_git: bool, top: Path) -> SourceFile:
-    """`f` with its content's sha256, the content scanned whole by the secret policy unless a
-    file of the same content was found clean before; what the baseline at `top` audited as no
-    secret passes (a content that holds any finding is scanned again: the baseline may change)."""
+    """`f` with its content's sha256, scanned whole by the secret policy unless found clean before; what
+    the baseline at `top` audited as no secret passes (but is never recorded clean: the baseline may change)."""
     if f.link is not None:
         return f
     try:  # never blocks: a FIFO put in its place since it was listed is no regular file
@@ -243,10 +242,9 @@ def _scanned(f: SourceFile, field_name: str, clean: "CleanFiles", in_git: bool, 
 
 
 class CleanFiles:
-    """The sha256 of every file content the secret policy found clean, under one policy (its
-    fingerprint names the record): a checkout scanned once is not read by the detector again.
-    Kept in the user's cache (`$XDG_CACHE_HOME/slipway/`), appended to, never trusted beyond
-    well-formed lines; where it cannot be read or written, every file is scanned."""
+    """The sha256 of every content the secret policy found clean, in the user's cache under the policy's
+    fingerprint (docs/secrets.md): appended to, never trusted beyond well-formed lines; where it cannot
+    be read or written, every file is scanned."""
 
     _LINE = re.compile(r"[0-9a-f]{64}")
     MAX_BYTES = 8 << 20  # past it the record starts afresh
