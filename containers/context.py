@@ -26,8 +26,7 @@ HASH_SCHEME = "slipway-image-v1"
 CONTEXT_FILES = ("pyproject.toml", "README.md", "LICENSE")
 CONTEXT_DIRS = ("common", "trainer", "jobs", "edf", "containers", "configs")
 WHEEL_SUFFIXES = (".whl", ".tar.gz", ".zip")
-# Build args that label the image without changing its contents: not hashed,
-# so a new commit with the same files reuses the image.
+# Build args that only label the image: not hashed, so a new commit with the same files reuses the image.
 UNHASHED_ARGS = ("GIT_COMMIT",)
 
 
@@ -46,22 +45,16 @@ def build_root(project_dir: Optional[Path], dockerfile: str) -> Path:
     return project_root().resolve()
 
 
-# ---------------------------------------------------------------- the build context
-
-
 def resolve_path(root: Path, path: str) -> Path:
     p = Path(os.path.expandvars(os.path.expanduser(path)))
     return p if p.is_absolute() else root / p
 
 
 def context_files(root: Path, image: "ImageSection") -> list[SourceFile]:
-    """Exactly the files the build context holds (`dest` a path inside it, e.g. src/trainer/model.py),
-    sorted by destination: the project's own sources by the rules a code snapshot follows too
-    (containers/sources.py), and the wheelhouse."""
+    """The build context's files (`dest` e.g. src/trainer/model.py), sorted: sources.py's, and the wheels."""
     files = [SourceFile(f"src/{name}", root / name) for name in CONTEXT_FILES if (root / name).is_file()]
-    found = collect([Folder(root / top, f"src/{top}") for top in CONTEXT_DIRS if (root / top).is_dir()],
-                    field_name="image", max_bytes=MAX_BYTES, max_files=MAX_FILES)
-    files += found.files
+    files += collect([Folder(root / top, f"src/{top}") for top in CONTEXT_DIRS if (root / top).is_dir()],
+                     field_name="image", max_bytes=MAX_BYTES, max_files=MAX_FILES).files
     if image.wheelhouse:
         wheels = resolve_path(root, image.wheelhouse)
         if not wheels.is_dir():
@@ -73,9 +66,8 @@ def context_files(root: Path, image: "ImageSection") -> list[SourceFile]:
 
 
 class HashCache:
-    """sha256 of files, remembered by (size, mtime, inode) like git's index, so
-    a no-op build rereads no wheelhouse. Entries younger than 2 s are not kept
-    (a same-second edit could go unseen)."""
+    """sha256 of files, remembered by (size, mtime, inode) like git's index, so a no-op build rereads no
+    wheelhouse. Entries younger than 2 s are not kept (a same-second edit could go unseen)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -103,12 +95,10 @@ class HashCache:
 
 def content_hashes(*, dockerfile: str, build_args: dict[str, str], squash_options: str,
                    files: list[SourceFile], cache: HashCache) -> tuple[str, str, dict]:
-    """(the squashfs's hash, the podman image's, the inputs). The first names the squashfs and its
-    record; the second the podman tag, and covers only what the Dockerfile's steps read: a setting
-    only the import reads (the squash options, the output directory) then re-imports the image
-    built already instead of building it again. The inputs, what the hashes cover besides the build
-    args per part (the Dockerfile, each source directory, the wheels), go into the build record, so
-    that a later check can name what changed."""
+    """(the squashfs's hash, the podman tag's, the inputs). The tag's covers only what the Dockerfile's
+    steps read: a setting only the import reads (the squash options) re-imports the image built already.
+    The inputs (what the hashes cover besides the build args, per part: the Dockerfile, each source
+    directory, the wheels) go into the build record, so that a later check can name what changed."""
     squashfs, image = hashlib.sha256(), hashlib.sha256()
 
     def add(*parts: str, only_squashfs: bool = False) -> None:
@@ -137,8 +127,7 @@ def content_hashes(*, dockerfile: str, build_args: dict[str, str], squash_option
 
 
 def materialize_context(files: list[SourceFile], dest: Path, build_env: dict[str, str] | None = None) -> None:
-    """Lay the context out under `dest` (wheels hard-linked where possible) with
-    `buildenv/flash-attn.env` holding `build_env` as shell assignments."""
+    """Lay the context out under `dest`, with `buildenv/flash-attn.env` holding `build_env` as shell assignments."""
     if dest.exists():
         shutil.rmtree(dest)
     (dest / "wheels").mkdir(parents=True)

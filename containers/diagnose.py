@@ -141,8 +141,7 @@ def failing_step(lines: list[str]) -> tuple[str, list[str]]:
     """The failing step's STEP line ("" before the first) and its output, without podman's noise."""
     last = max((i for i, line in enumerate(lines) if STEP.match(line)), default=-1)
     step = " ".join(lines[last].split()) if last >= 0 else ""
-    body = [line for line in lines[last + 1:] if line.strip() and not NOISE.match(line.strip())]
-    return step, body
+    return step, [line for line in lines[last + 1:] if line.strip() and not NOISE.match(line.strip())]
 
 
 def _is_run(step: str) -> bool:

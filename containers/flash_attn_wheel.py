@@ -30,10 +30,6 @@ class Target(NamedTuple):
     cxx11abi: Optional[bool]
 
 
-def public(version: str) -> str:
-    return version.split("+", 1)[0]
-
-
 def rejection(filename: str, version: str, target: Target) -> Optional[str]:
     """Why this wheel does not fit (None: it fits)."""
     m = WHEEL_RE.match(filename)
@@ -41,15 +37,15 @@ def rejection(filename: str, version: str, target: Target) -> Optional[str]:
         return "not a wheel file name"
     if re.sub(r"[-_.]+", "-", m["name"]).lower() != "flash-attn":
         return "not flash-attn"
-    if version and public(m["version"]) != version:
-        return (f"version {public(m['version'])}, not FLASH_ATTN_VERSION={version} (set "
-                "image.build_args.FLASH_ATTN_VERSION to use it)")
+    release, _, local = m["version"].partition("+")
+    if version and release != version:
+        return (f"version {release}, not FLASH_ATTN_VERSION={version} (set image.build_args.FLASH_ATTN_VERSION "
+                "to use it)")
     pys = m["py"].split(".")
     if target.python not in pys and "py3" not in pys:
         return f"built for {m['py']}, this Python is {target.python}"
     if not any(p.endswith("_" + target.machine) or p == "any" for p in m["plat"].split(".")):
         return f"built for {m['plat']}, this machine is {target.machine}"
-    local = m["version"].split("+", 1)[1] if "+" in m["version"] else ""
     torch = re.search(r"torch(\d+\.\d+)", local)
     if torch and torch.group(1) != target.torch:
         return f"built for torch {torch.group(1)}, the base has torch {target.torch}"

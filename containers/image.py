@@ -1,12 +1,11 @@
 """Build the training image with podman, import it into a squashfs with enroot (docs/image.md).
 
-The image is content-addressed: a hash of the Dockerfile, the build args and every file of the
-build context (assembled from exactly the files hashed, so nothing else can change the image)
-names the podman tag, `localhost/NAME:HASH12-PROJECT`; with the squash options it names the
-squashfs, `OUTPUT_DIR/NAME-HASH12.sqsh`. An unchanged tree returns at once without podman; a
-change only the import reads imports the image podman has. `NAME.sqsh` is a symlink to the
-current squashfs, replaced atomically. A build holds its tag's lock (containers/project.py)
-from its first look at podman to the end of its import, so prune leaves both alone.
+The image is content-addressed: a hash of the Dockerfile, the build args and every file of the build
+context (assembled from exactly the files hashed, so nothing else can change the image) names the
+podman tag, `localhost/NAME:HASH12-PROJECT`; with the squash options it names the squashfs,
+`OUTPUT_DIR/NAME-HASH12.sqsh`. An unchanged tree returns at once without podman; a change only the
+import reads imports the image podman has. `NAME.sqsh` is a symlink to the current squashfs,
+replaced atomically. A build holds its tag's lock (containers/project.py) through its import.
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ from common.fs import write_atomic
 
 
 class ImageConfig(Protocol):
-    """What the image functions read of a config (jobs.config.Config is one): its image section,
-    and what the run needs of the image beyond the trainer."""
+    """What the image functions read of a config (jobs.config.Config is one)."""
 
     image: ImageSection
 
@@ -56,10 +54,9 @@ class ImageConfig(Protocol):
     def image_needs(self) -> ImageNeeds: ...
 
 
-# flash-attn compile settings that do not change the image: passed through the
-# build context's buildenv/ (containers/Dockerfile), not as build args, so they
-# change neither the image hash nor podman's layer cache. image.build_args sets
-# them; the environment of `make image` (MAX_JOBS=4 make image) overrides that.
+# flash-attn compile settings, passed through the build context's buildenv/ (containers/Dockerfile), not as
+# build args, so they change neither the image hash nor podman's layer cache; `make image`'s environment
+# (MAX_JOBS=4 make image) overrides image.build_args.
 BUILD_ENV_KEYS = ("MAX_JOBS", "NVCC_THREADS")
 FLOAT8_EXTRA = "float8"  # pyproject's extra for train.float8 (torchao); trainer/compute.py names it too
 
@@ -80,8 +77,7 @@ def build_env(build_args: dict[str, str]) -> dict[str, str]:
 
 
 def _build_args(cfg: ImageConfig, root: Path, wheel_digest: str, git: bool) -> dict[str, str]:
-    """slipway's own build args, what the run needs beyond the Dockerfile's defaults, then the
-    user's (image.build_args less the compile settings of BUILD_ENV_KEYS), each checked."""
+    """slipway's own build args, then the user's (image.build_args less BUILD_ENV_KEYS), each checked."""
     image = cfg.image
     build_args = {
         "BASE_IMAGE": image.base_image,
@@ -90,17 +86,16 @@ def _build_args(cfg: ImageConfig, root: Path, wheel_digest: str, git: bool) -> d
         "WHEELHOUSE_DIGEST": wheel_digest,
         "SLIPWAY_VERSION": project_version(root),
     }
-    # What the run needs beyond the Dockerfile's defaults (no numactl, no extra, flash-attn for
-    # 90): named only when needed, so a config that needs nothing more keeps its image.
+    # Beyond the Dockerfile's defaults, named only when needed: a config that needs nothing more keeps its image.
     needs = cfg.image_needs
     if needs.numactl:
         build_args["NUMACTL"] = "1"
     if needs.float8:
         build_args["EXTRAS"] = FLOAT8_EXTRA
     user_args = {k: str(v) for k, v in image.build_args.items() if k not in BUILD_ENV_KEYS}
-    for key, allowed, instead in (("FLASH_ATTN", ("0", "1"), "set image.flash_attn: true or false instead"),
-                                  ("NUMACTL", ("0", "1"), "1 installs numactl where the base lacks it")):
-        if user_args.get(key, allowed[0]) not in allowed:
+    for key, instead in (("FLASH_ATTN", "set image.flash_attn: true or false instead"),
+                         ("NUMACTL", "1 installs numactl where the base lacks it")):
+        if user_args.get(key, "0") not in ("0", "1"):
             raise ConfigError(f"image.build_args.{key}", f"must be 0 or 1, got {user_args[key]!r}: {instead}")
     if needs.numactl and user_args.get("NUMACTL") == "0":
         raise ConfigError("image.build_args.NUMACTL", "0 leaves numactl out, but the node preset binds each rank to "
@@ -118,8 +113,7 @@ def _build_args(cfg: ImageConfig, root: Path, wheel_digest: str, git: bool) -> d
 
 def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = False, enroot_mount: bool | None = None,
                git: bool = True) -> ImagePlan:
-    """Hash, tag, paths and the exact podman and enroot command lines; `enroot_mount`: whether to
-    pass `-x mount` (None asks the installed enroot)."""
+    """Hash, tag, paths and the exact command lines; `enroot_mount`: pass `-x mount` (None: ask enroot)."""
     image = cfg.image
     root = (root or project_root()).resolve()
     dockerfile = resolve_path(root, image.dockerfile)
@@ -143,8 +137,7 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
     squashfs = out / f"{image.name}-{h12}.sqsh"
     temp = out / f".{squashfs.name}.tmp-{host_name()}-{os.getpid()}"
     if enroot_mount is None:
-        enroot = Enroot.find()
-        enroot_mount = enroot.supports_mount() if enroot else False
+        enroot_mount = bool((enroot := Enroot.find()) and enroot.supports_mount())
     return ImagePlan(
         name=image.name, hash=digest, tag=tag, root=root, output_dir=out, dockerfile=dockerfile, files=files,
         build_args=build_args, squash_options=image.squash_options, squashfs=squashfs, temp_squashfs=temp,
@@ -166,8 +159,7 @@ def image_plan(cfg: ImageConfig, *, root: Path | None = None, force: bool = Fals
 
 
 def make_current(plan: ImagePlan, record: BuildRecord) -> None:
-    """Record `plan`'s image as the current one, and atomically point the link at its squashfs
-    (relatively: the output directory may move)."""
+    """Record `plan`'s image as current; point the link at its squashfs atomically and relatively (the dir may move)."""
     write_atomic(plan.record, record.to_json())
     link = plan.link
     if link.exists() and not link.is_symlink():
@@ -204,11 +196,10 @@ def current_image(cfg: ImageConfig, *, root: Path | None = None) -> Optional[Bui
 
 def resolve_image(cfg: ImageConfig, *, root: Path | None = None) -> Path | None:
     """The current squashfs as an absolute path with the link resolved, or None."""
-    root = (root or project_root()).resolve()
     record = current_image(cfg, root=root)
     if record and Path(record.squashfs).is_file():
         return Path(record.squashfs).resolve()
-    link = resolve_path(root, cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
+    link = resolve_path((root or project_root()).resolve(), cfg.image.output_dir) / f"{cfg.image.name}.sqsh"
     return link.resolve() if link.is_file() else None
 
 
@@ -247,16 +238,13 @@ def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
             def on_line(line: str) -> None:
                 log.write(line + "\n")
                 tail.append(line)
+                cached = line.startswith("--> Using cache")
+                flush(" (cached)" if cached else "")
                 if line.startswith("STEP "):
-                    flush()
                     pending.append(line)
-                elif line.startswith("--> Using cache"):
-                    flush(" (cached)")
-                else:
-                    flush()
-                    if "smoke ok" in line or line.startswith(("pip_requirements:", "flash-attn", "numactl",
-                                                              "dependencies FAILED")):
-                        console.print(f"    {escape(line)}", no_wrap=True, overflow="ellipsis", highlight=False)
+                elif not cached and ("smoke ok" in line or line.startswith(("pip_requirements:", "flash-attn",
+                                                                            "numactl", "dependencies FAILED"))):
+                    console.print(f"    {escape(line)}", no_wrap=True, overflow="ellipsis", highlight=False)
                 status.update(f"podman build: {escape(line[:100])}")
 
             rc = stream([podman.exe, *plan.podman_argv[1:]], on_line)
@@ -273,13 +261,9 @@ def _podman_build(plan: ImagePlan, podman: Podman, console: Console) -> None:
 def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True, console: Console | None = None,
                 root: Path | None = None, here: bool = False,
                 elsewhere: Optional[Callable[[ImagePlan], None]] = None) -> ImageResult:
-    """Build (podman) and import (enroot) the image unless its squashfs exists.
-
-    `force`: rebuild without podman's layer cache and reimport. `here`: build on
-    this machine even when image.build_on is compute (what the srun runs).
-    `elsewhere`: how an image.build_on: compute build runs (the Slurm side,
-    jobs/cli/image.py, gives it; the inner build then runs here).
-    """
+    """Build (podman) and import (enroot) the image unless its squashfs exists. `force`: without podman's
+    layer cache, and reimport; `here`: on this machine even with image.build_on: compute (what the srun
+    runs); `elsewhere`: how a build_on: compute build runs (jobs/cli/image.py gives it)."""
     console = console or Console()
     t0 = time.perf_counter()
     plan = image_plan(cfg, root=root, force=force)
@@ -324,8 +308,6 @@ def _build_here(plan: ImagePlan, *, force: bool, do_import: bool, console: Conso
     for check in check_storage_conf():
         if not check.ok:
             console.print(f"[yellow]warning:[/] {escape(check.what)}: {escape(check.fix or '')}", highlight=False)
-    # From the first look at podman to the import's cleanup: prune leaves this tag and its
-    # import's container alone meanwhile.
     with plan.project.building(plan.tag) as guarded:
         if not guarded:
             console.print(f"[yellow]note:[/] {escape(str(plan.project.lock_path(plan.tag).parent))} has no flock: a "
@@ -336,9 +318,8 @@ def _build_here(plan: ImagePlan, *, force: bool, do_import: bool, console: Conso
             _podman_build(plan, podman, console)
             timings["build"] = time.perf_counter() - t1
         else:
-            console.print(f"podman image {plan.tag} exists: not rebuilding (only the import's settings differ)"
-                          if do_import else f"podman image {plan.tag} exists: not rebuilding", highlight=False,
-                          markup=False)
+            console.print(f"podman image {plan.tag} exists: not rebuilding" + (" (only the import's settings differ)"
+                          if do_import else ""), highlight=False, markup=False)
         if not do_import:
             console.print(f"[green]built[/] {plan.tag} ({time.perf_counter() - t0:.1f} s); import skipped "
                           "(--no-import)", highlight=False)

@@ -34,8 +34,7 @@ def host_name() -> str:
 
 
 def check_free_space(*, image_size: int, output_dir: Path, temp_dir: Path | None) -> None:
-    """Room for the squashfs (about half the image) and, unless enroot mounts
-    the image (`-x mount`), for the unpacked image in enroot's temp dir."""
+    """Room for the squashfs and, unless enroot mounts the image (`-x mount`), the unpacked image."""
     needs: dict[int, list] = {}
     for path, need, what in ((output_dir, int(image_size * SQUASH_RATIO), "the squashfs"),
                              (temp_dir, image_size, "the image unpacked by enroot")):
@@ -44,8 +43,7 @@ def check_free_space(*, image_size: int, output_dir: Path, temp_dir: Path | None
         probe = path
         while not probe.exists():
             probe = probe.parent
-        dev = probe.stat().st_dev
-        entry = needs.setdefault(dev, [probe, 0, []])
+        entry = needs.setdefault(probe.stat().st_dev, [probe, 0, []])
         entry[1] += need
         entry[2].append(f"{what} in {path}")
     for probe, need, whats in needs.values():
@@ -57,8 +55,7 @@ def check_free_space(*, image_size: int, output_dir: Path, temp_dir: Path | None
 
 
 def stale_temps(output_dir: Path, glob: str) -> list[Path]:
-    """Leftovers of interrupted imports (`.NAME-HASH12.sqsh.tmp-HOST-PID`): this
-    host's whose process is gone, or another host's older than a day."""
+    """Leftovers of interrupted imports: this host's whose process is gone, or another host's older than a day."""
     host, stale = host_name(), []
     for tmp in output_dir.glob(glob):
         tmp_host, _, pid = tmp.name.rsplit(".tmp-", 1)[-1].rpartition("-")
@@ -76,10 +73,9 @@ _CONTAINER_ID = re.compile(r"\b[0-9a-f]{64}\b")
 
 def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, printed: set[str],
                   console: Console) -> tuple[list[str], list[str]]:
-    """Remove the stopped `enroot.*` containers this import left (see Enroot): (removed names,
-    warnings). Only those new since the import began, created from our tag and, when enroot
-    printed container ids (`podman create` does), one of those: never another import's or
-    another image's."""
+    """Remove the stopped `enroot.*` containers this import left (see Enroot): (removed names, warnings).
+    Only those new since the import began, made from our tag and, where enroot printed container ids
+    (`podman create` does), one of those: never another import's or another image's."""
     if before is None:
         return [], []
     try:
@@ -92,8 +88,7 @@ def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, prin
         return [], [f"could not look for enroot's leftover podman container: {exc}"]
     removed, warnings = [], []
     for c in leftovers:
-        failed = podman.remove_container(c.id)
-        if failed is None:
+        if (failed := podman.remove_container(c.id)) is None:
             removed.append(c.name)
         else:
             warnings.append(f"could not remove enroot's leftover podman container {c.name} ({failed}): it keeps "
@@ -104,7 +99,6 @@ def _clean_import(plan: ImagePlan, podman: Podman, before: set[str] | None, prin
 
 
 def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Console) -> list[str]:
-    notes: list[str] = []
     size = podman.image_size(plan.tag)
     if size:
         check_free_space(image_size=size, output_dir=plan.output_dir,
@@ -138,18 +132,16 @@ def enroot_import(plan: ImagePlan, enroot: Enroot, podman: Podman, console: Cons
                 rc = stream([enroot.exe, *plan.enroot_argv[1:]], on_line, env=plan.enroot_env)
         finally:  # also after a failed or interrupted import: the container stays either way
             removed, warnings = _clean_import(plan, podman, before, printed, console)
-            notes += [f"removed enroot's leftover podman container {name}" for name in removed] + warnings
+            notes = [f"removed enroot's leftover podman container {name}" for name in removed] + warnings
         if rc != 0:
-            # enroot can exit non-zero after a complete write: upstream's cleanup runs
-            # `docker rm` (fails without docker), CSCS's has its own errors. Keep the
-            # file only if its tables read back whole.
+            # enroot can exit non-zero after a complete write: upstream's cleanup runs `docker rm` (fails
+            # without docker), CSCS's has its own errors. Keep the file only if its tables read back whole.
             if tmp.is_file() and squashfs_ok(tmp):
                 why = " (its cleanup calls `docker rm`; slipway removed the container itself)" if removed else ""
                 notes.append(f"enroot exited {rc} but the squashfs reads back whole: kept{why}")
                 console.print(f"[yellow]note:[/] {escape(notes[-1])}", highlight=False)
             else:
-                text = "\n".join(tail)
-                if re.search("no space left on device", text, re.I):
+                if any("no space left on device" in line.lower() for line in tail):
                     raise ToolError(f"enroot import ran out of disk: free space in {plan.output_dir} and "
                                     f"{Enroot.temp_dir()} (ENROOT_TEMP_PATH); log: {plan.log}")
                 last = tail[-1].strip()[:300] if tail else ""

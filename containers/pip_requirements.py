@@ -53,7 +53,7 @@ def requirement_name(req: str) -> str:
 
 
 def requirements(pyproject: dict, *, have_torch: bool, extras: tuple[str, ...] = EXTRAS) -> list[str]:
-    """Runtime dependencies plus `extras`; torch only when the image has none."""
+    """Runtime dependencies, `extras` and build requirements; torch only when the image has none."""
     project = pyproject["project"]
     reqs = list(project.get("dependencies", []))
     optional = project.get("optional-dependencies", {})
@@ -90,8 +90,7 @@ def base_pins(constraint: str) -> dict[str, tuple[str, str]]:
 
 
 def lift_pins(constraint: str, names: set[str], out: Path) -> tuple[str, list[str]]:
-    """The base's constraint files less the pins of `names`, as one file `out`: (the PIP_CONSTRAINT
-    value for the install, the pins lifted)."""
+    """The base's constraints less the pins of `names`, as file `out`: (its PIP_CONSTRAINT value, the pins lifted)."""
     kept, lifted = [], []
     for _, line, pin in _constraint_lines(constraint):
         if pin and requirement_name(pin) in names:
@@ -111,9 +110,8 @@ def explain_conflict(output: str, pins: dict[str, tuple[str, str]], lifted: set[
     block = list(itertools.takewhile(str.strip, lines[start + 1:]))
     for line in block:
         m = CONSTRAINED.match(line)
-        if not m or requirement_name(m.group(1)) not in pins:
+        if not m or (name := requirement_name(m.group(1))) not in pins:
             continue
-        name = requirement_name(m.group(1))
         pin, where = pins[name]
         wants = []
         for other in block:  # pip names every party; the ones the pinned version does not satisfy
@@ -136,14 +134,11 @@ def _excludes(spec: str, pin: str) -> bool:
     """Whether requirement `spec` as pip prints it ("fsspec<=2026.9.0 and >=2023.1.0") rules out the
     version `pin` fixes ("fsspec==2021.4.0"); True where that cannot be told."""
     version = pin.split("==", 1)[1].strip() if "==" in pin else None
-    try:
-        from pip._vendor.packaging.specifiers import InvalidSpecifier, SpecifierSet
-    except ImportError:
-        return True
     rule = re.sub(r"^[A-Za-z0-9._-]+(\[[^\]]*\])?", "", spec).replace(" and ", ",").split(";")[0].strip()
     try:
+        from pip._vendor.packaging.specifiers import SpecifierSet
         return version is None or not SpecifierSet(rule).contains(version, prereleases=True)
-    except InvalidSpecifier:
+    except (ImportError, ValueError):  # no vendored packaging; InvalidSpecifier is a ValueError
         return True
 
 
@@ -160,8 +155,7 @@ def _unavailable(lines: list[str]) -> set[str]:
 
 
 def install(req_out: Path, constraints_out: Path, lift: set[str]) -> int:
-    """pip install the requirements against the base's pins (less the lifted ones); one line on a
-    conflict with a pin."""
+    """pip install the requirements against the base's pins (less the lifted ones)."""
     env = dict(os.environ)
     constraint = env.get("PIP_CONSTRAINT", "")
     pins = base_pins(constraint)
@@ -185,10 +179,8 @@ def install(req_out: Path, constraints_out: Path, lift: set[str]) -> int:
         sys.stdout.write(line)
         seen.append(line)
     rc = proc.wait()
-    if rc != 0:
-        line = explain_conflict("".join(seen), base_pins(env.get("PIP_CONSTRAINT", "")), lift)
-        if line:
-            print(line, flush=True)
+    if rc != 0 and (line := explain_conflict("".join(seen), base_pins(env.get("PIP_CONSTRAINT", "")), lift)):
+        print(line, flush=True)
     return rc
 
 

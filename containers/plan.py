@@ -14,8 +14,6 @@ from containers.project import Project
 
 @dataclass
 class ImagePlan:
-    """Everything a build would do, computed without running podman."""
-
     name: str
     hash: str  # the squashfs's: names it and its record
     tag: str  # localhost/NAME:IMAGEHASH12-PROJECT: the podman image, which import-only settings do not change
@@ -37,9 +35,7 @@ class ImagePlan:
     enroot_env: dict[str, str]
     enroot_mount: bool
     build_env: dict[str, str] = field(default_factory=dict)  # buildenv/flash-attn.env: MAX_JOBS, NVCC_THREADS
-    # What the hash covers beyond build_args and squash_options, per part (Dockerfile, source
-    # directories, wheels): recorded so that a later check names what changed, not just that something did.
-    inputs: dict = field(default_factory=dict)
+    inputs: dict = field(default_factory=dict)  # what the hash covers, per part (containers/context.py content_hashes)
     build_on: str = "local"
     # image.build_on: compute: the config the srun's inner build reads (written by the caller).
     frozen_config: Optional[Path] = None

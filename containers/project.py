@@ -42,8 +42,7 @@ class Project:
 
     @property
     def token(self) -> str:
-        """What names carry: `p` and 12 hex digits (never read as a job id or a build, which
-        start with a digit or `i`)."""
+        """What names carry: `p` and 12 hex digits (never a job id or a build's: those start with a digit or `i`)."""
         return f"p{self.id[:12]}"
 
     @property
@@ -56,8 +55,7 @@ class Project:
 
     @classmethod
     def of(cls, root: Path) -> "Project":
-        """The project of checkout `root`: its recorded id, made on first use, moved with the
-        checkout, and new for a copy."""
+        """The project of checkout `root`: its recorded id, made on first use, kept by a move, new for a copy."""
         root = Path(os.path.abspath(root))
         xdg = os.environ.get("XDG_STATE_HOME", "")  # empty or relative: unset, as the XDG spec says
         user = (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "state") / "slipway" / "projects"
@@ -65,15 +63,9 @@ class Project:
         for state in (root / STATE_DIR, user / hashlib.sha256(str(root).encode()).hexdigest()[:16]):
             try:
                 state.mkdir(parents=state.name != STATE_DIR, exist_ok=True)
-                try:
-                    fd: Optional[int] = _lock(state / "project.lock", fcntl.LOCK_EX)
-                except _NoFlock:
-                    fd = None  # two first uses at once may then make two ids: the last one written stays
-                try:
+                # Without flock, two first uses at once may make two ids: the last one written stays.
+                with _held(state / "project.lock", fcntl.LOCK_EX):
                     return cls._read_or_make(root, state)
-                finally:
-                    if fd is not None:
-                        os.close(fd)
             except OSError as exc:
                 tried.append(f"{state / 'project'}: {exc.strerror or exc}")
         raise ConfigError("image", f"cannot record this project's identity ({'; '.join(tried)}): slipway labels "
@@ -102,32 +94,12 @@ class Project:
     def building(self, tag: str) -> contextlib.AbstractContextManager[Optional[bool]]:
         """Hold `tag`'s lock (shared: two builds of one tag may run) for the block; yields None
         where the filesystem has no flock (nothing then tells prune that this build runs)."""
-        return self._held(tag, fcntl.LOCK_SH)
+        return _held(self.lock_path(tag), fcntl.LOCK_SH)
 
     def idle(self, tag: str) -> contextlib.AbstractContextManager[Optional[bool]]:
         """Whether no build or import of `tag` runs (True), one does (False), or it cannot be told
         (None: no flock here); while True, none can start until the block ends."""
-        return self._held(tag, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-    @contextlib.contextmanager
-    def _held(self, tag: str, how: int) -> Iterator[Optional[bool]]:
-        """`tag`'s lock taken `how` for the block: True, False where another holds it (LOCK_NB),
-        None where the filesystem has no flock."""
-        path = self.lock_path(tag)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = None
-        try:
-            fd = _lock(path, how)
-            state: Optional[bool] = True
-        except BlockingIOError:
-            state = False
-        except _NoFlock:
-            state = None
-        try:
-            yield state
-        finally:
-            if fd is not None:
-                os.close(fd)
+        return _held(self.lock_path(tag), fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     def forget(self, tag: str) -> None:
         """Remove the lock file of a tag that is gone (only inside `idle`: a build that opened the
@@ -158,13 +130,29 @@ def _lock(path: Path, how: int) -> int:
         os.close(fd)  # removed (`forget`) while we waited: lock the file now at that path
 
 
-def _is_copy_of(mine: Path, original: Path, project_id: str) -> bool:
-    """Whether the id file at `mine` is a copy of `original`'s: that file still exists, is
-    another file than ours (not the same checkout seen through a link or a bind mount), and
-    holds the same id."""
+@contextlib.contextmanager
+def _held(path: Path, how: int) -> Iterator[Optional[bool]]:
+    """`path` locked `how` for the block: True, False (LOCK_NB: another holds it), None (no flock)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = None
     try:
-        if os.path.samefile(mine, original):
-            return False
-        return json.loads(original.read_text()).get("id") == project_id
-    except (OSError, ValueError, AttributeError):
+        fd = _lock(path, how)
+        state: Optional[bool] = True
+    except BlockingIOError:
+        state = False
+    except _NoFlock:
+        state = None
+    try:
+        yield state
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _is_copy_of(mine: Path, original: Path, project_id: str) -> bool:
+    """Whether the id file at `mine` is a copy of `original`'s: that file still exists, is another file
+    than ours (not the same checkout seen through a link or a bind mount), and holds the same id."""
+    try:
+        return not os.path.samefile(mine, original) and (read_json(original) or {}).get("id") == project_id
+    except OSError:
         return False

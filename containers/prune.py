@@ -32,8 +32,7 @@ _IMAGE_FILE = r"{name}-(?P<h>[0-9a-f]{{12}})\.sqsh"
 
 @dataclass
 class PruneResult:
-    """What a prune removed (dry run: would remove), kept and left alone; each said on `console` as
-    it is decided."""
+    """What a prune removed (dry run: would remove), kept and left alone, each said on `console`."""
 
     removed: list[Path] = field(default_factory=list)  # files and directories
     containers: list[str] = field(default_factory=list)  # enroot's leftover podman containers
@@ -94,13 +93,9 @@ def _owner(squashfs: Path, project: Optional[Project], out: Path, root: Path) ->
 def prune_images(cfg: ImageConfig, keep: int = 1, *, pinned: dict[Path, list[str]], root: Path | None = None,
                  remove: list[str] | None = None, console: Console | None = None,
                  dry_run: bool = False) -> PruneResult:
-    """Remove all but the current image, the images runs pin, and the newest others, up to
-    `keep` squashfs files besides the pinned ones, with their records, logs and podman tags;
-    enroot's leftover containers of this project's images; stale build leftovers. Only this
-    project's, and none whose build or import runs now.
-    `pinned`: each squashfs (resolved) runs pin, with their names (jobs.runs.pinned_images).
-    `remove`: squashfs files to remove although runs pin them (never the current one).
-    `dry_run`: say what would be removed, remove nothing."""
+    """Prune all but the current image, those runs pin and the newest others, `keep` in all besides
+    the pinned. `pinned`: squashfs (resolved) -> the runs that pin it (jobs.runs.pinned_images);
+    `remove`: squashfs files to remove although runs pin them (never the current one)."""
     if keep < 1:
         raise ConfigError("--keep", f"must be >= 1 (the current image is always kept), got {keep}")
     result = PruneResult(dry_run=dry_run, console=console or Console())
@@ -146,8 +141,7 @@ def prune_images(cfg: ImageConfig, keep: int = 1, *, pinned: dict[Path, list[str
 
 def _choose(cfg: ImageConfig, images: list[Path], keep: int, pinned: dict[Path, list[str]], remove: list[str],
             result: PruneResult, out: Path, root: Path) -> None:
-    """Which of this project's `images` (newest first) stay, each with why, into `result.kept`: the
-    current one, those runs pin (unless `remove` names them), and the newest others up to `keep`."""
+    """Which of this project's `images` (newest first) stay, each with why, into `result.kept`."""
     current, name = resolve_image(cfg, root=root), cfg.image.name
     forced: set[Path] = set()
     for given in remove:
@@ -177,8 +171,7 @@ def _choose(cfg: ImageConfig, images: list[Path], keep: int, pinned: dict[Path, 
 
 def _prune_podman(podman: Podman, name: str, project: Optional[Project], keep_tags: dict[str, str],
                   result: PruneResult) -> None:
-    """This project's podman tags of `name` not in `keep_tags` and its stopped `enroot.*`
-    containers, each while no build or import of its tag runs; the rest left alone, counted."""
+    """This project's tags of `name` not in `keep_tags` and `enroot.*` containers; the rest left alone."""
     repository = f"localhost/{name}"
     try:
         tags = podman.tags(repository)
@@ -217,19 +210,14 @@ def _prune_tag(podman: Podman, project: Project, tag: str, leftovers: list[Conta
     """`tag`'s leftover containers, then the tag itself unless `keep_tags` names it (None: the tag is
     not one to remove), while no build or import of it runs."""
     with project.idle(tag) as idle:
-        if not idle:
-            why = ("a build or import of it is running now" if idle is False else
-                   f"whether a build of it runs cannot be told ({project.lock_path(tag).parent} has no flock)")
-            for c in leftovers:
-                result.say(f"kept podman container {c.name} (left by enroot import of {tag}): {why}")
-            if keep_tags is not None:
-                result.kept_tags[tag] = why
-                result.say(f"kept podman tag {tag}: {why}")
-            return
+        busy = (None if idle else "a build or import of it is running now" if idle is False else
+                f"whether a build of it runs cannot be told ({project.lock_path(tag).parent} has no flock)")
         # First the containers: while one exists, podman refuses to remove its image's tag.
         for c in leftovers:
             what = f"podman container {c.name} (left by enroot import of {tag})"
-            if c.state in ("running", "paused"):
+            if busy:
+                result.say(f"kept {what}: {busy}")
+            elif c.state in ("running", "paused"):
                 result.fail(f"{what}: it is {c.state}; `podman rm -f {c.name}` if nothing uses it")
             elif result.dry_run or (failed := podman.remove_container(c.id)) is None:
                 result.containers.append(c.name)
@@ -238,9 +226,10 @@ def _prune_tag(podman: Podman, project: Project, tag: str, leftovers: list[Conta
                 result.fail(f"{what}: podman rm {failed}")
         if keep_tags is None:
             return
-        if tag in keep_tags:
-            result.kept_tags[tag] = keep_tags[tag]
-            result.say(f"kept podman tag {tag}: {keep_tags[tag]}")
+        why = busy or keep_tags.get(tag)  # kept while a build runs, or when asked to
+        if why:
+            result.kept_tags[tag] = why
+            result.say(f"kept podman tag {tag}: {why}")
         elif result.dry_run or (failed := podman.untag(tag)) is None:
             result.tags.append(tag)
             result.done(f"podman tag {tag}")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from edf.environment import ENV_NAME
+from common.fs import read_json
 from common.schema import FREE_TEXT, require
 from common.secrets import TEXT
 
@@ -89,18 +90,14 @@ class BuildRecord:
     build_args: Optional[dict] = None  # None: a record too old to say
     build_env: dict = field(default_factory=dict)
     squash_options: Optional[str] = None
-    # What the hash covers beyond build_args and squash_options, per part (Dockerfile, the
-    # dependency list, source directories, wheels); None in records from before it was kept.
-    inputs: Optional[dict] = None
+    inputs: Optional[dict] = None  # what the hash covers, per part (context.content_hashes); None: an older record
     podman_image_id: Optional[str] = None
     enroot_version: Optional[str] = None
     enroot_mount: Optional[bool] = None
-    # The project that built it (containers/project.py); None in records from before builds carried one.
-    project: Optional[str] = None
-    # The image's CUDA (its ENV CUDA_VERSION, as NGC and nvidia/cuda bases set it) and the CUDA
-    # architectures a compile of flash-attn targets ("90", "80;90;100;120"; a flash-attn kept from
-    # the base or a wheel brings its own); None: unknown, or a record from before they were kept.
-    cuda: Optional[str] = None
+    project: Optional[str] = None  # the project that built it (containers/project.py); None: an older record
+    cuda: Optional[str] = None  # its ENV CUDA_VERSION (as NGC and nvidia/cuda bases set it); None: unknown
+    # The CUDA architectures a compile of flash-attn targets ("90", "80;90;100;120"; a flash-attn kept
+    # from the base or a wheel brings its own); None: unknown, or a record from before they were kept.
     flash_attn_archs: Optional[str] = None
 
     def flash_attn_serves(self, capability: str) -> Optional[bool]:
@@ -129,10 +126,7 @@ class BuildRecord:
 
     @classmethod
     def read(cls, path: Path) -> Optional["BuildRecord"]:
-        try:
-            return cls.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            return None
+        return cls.from_json(read_json(path))
 
     @classmethod
     def beside(cls, squashfs: Path) -> Optional["BuildRecord"]:

@@ -1,15 +1,11 @@
 """The project's own files: exactly what an image's build context and a run's code snapshot take.
 
-Both copy folders of the checkout (the code snapshot: common/ and trainer/, and a train.script's
-folder; the image: those and jobs/, edf/, containers/, configs/), so both follow one rule, here
-(docs/runs.md): in a git checkout the files git tracks, with their working-tree contents (an
-untracked credentials.json is named in a note, never copied); outside git every file of a
-project's folder (never a home directory, a folder holding credentials or more than
-MAX_LOOSE_FILES files) but hidden files, caches and editor leftovers. Whatever is not plainly a
-file of the project's is refused in one line naming it: a symbolic link out of what is copied (a
-link inside is kept, rewritten relative), a hard link with names outside, a FIFO, a device, a
-submodule not checked out, a file that looks like a secret (common/secrets.py; accepted by
-common/baseline.py; a content found clean is not scanned again: `CleanFiles`), too much.
+Both follow one rule, here (docs/runs.md, docs/secrets.md): in a git checkout the files git tracks,
+with their working-tree contents; outside git every file of a project's folder (never a home
+directory, a folder holding credentials or more than MAX_LOOSE_FILES files) but hidden files, caches
+and editor leftovers. Whatever is not plainly a file of the project's (a link out, a hard link with
+names outside, a FIFO, a device, a submodule not checked out, a secret by common/secrets.py, too
+much) is refused in one line naming it.
 """
 
 from __future__ import annotations
@@ -34,9 +30,7 @@ from containers.tools import git
 # What is copied is bounded: a data file or a checkpoint left in the code folders is not code.
 MAX_FILES = 5000
 MAX_BYTES = 100 * 1024 * 1024
-# Outside git, a folder with more files than this is no project's code folder (a home, a scratch
-# space): its walk stops there.
-MAX_LOOSE_FILES = 1000
+MAX_LOOSE_FILES = 1000  # outside git, a folder with more is no project's (a home, a scratch space)
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".ipynb_checkpoints", ".git"}
 SKIP_SUFFIXES = (".pyc", ".pyo", ".swp", ".swo", "~", ".orig", ".rej")
 # Hidden entries that only a home directory holds: where they are, the folder is no project's.
@@ -46,14 +40,12 @@ CREDENTIAL_ENTRIES = {".ssh", ".aws", ".gnupg", ".kube", ".docker", ".azure", ".
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One entry to copy: `dest` (where it goes, posix, relative), `src` (on this machine),
-    `link`: the relative target a symbolic link keeps (None for a file), and `sha256`: the
-    content's, as it was scanned."""
+    """One entry to copy: `dest` (posix, relative) from `src` (on this machine)."""
 
     dest: str
     src: Path
-    link: Optional[str] = None
-    sha256: Optional[str] = None
+    link: Optional[str] = None  # the relative target a symbolic link keeps; None: a file
+    sha256: Optional[str] = None  # the content's, as it was scanned
 
     @property
     def executable(self) -> bool:
@@ -93,14 +85,11 @@ def _git_list(folder: Path, *, others: bool) -> Optional[list[str]]:
 
 
 def _walked(folder: Path, field_name: str) -> list[str]:
-    """Every file and link under `folder` outside git, hidden ones, caches and leftovers aside; a
-    ConfigError where the folder is no project's (a home directory, credentials, too many files)."""
-    try:
-        home: Optional[Path] = Path.home().resolve()
-    except (RuntimeError, KeyError, OSError):
-        home = None
-    if home is not None and (folder == home or folder in home.parents):
-        _not_a_project(folder, field_name, "is your home directory (or one above it)")
+    """Every file and link under `folder`, outside git, by the module's rules."""
+    with contextlib.suppress(RuntimeError, KeyError, OSError):  # no home to tell
+        home = Path.home().resolve()
+        if folder == home or folder in home.parents:
+            _not_a_project(folder, field_name, "is your home directory (or one above it)")
     names: list[str] = []
 
     def unreadable(exc: OSError) -> None:
@@ -113,19 +102,11 @@ def _walked(folder: Path, field_name: str) -> list[str]:
         found = CREDENTIAL_ENTRIES.intersection(dirnames + filenames)
         if found:
             _not_a_project(folder, field_name, f"holds credentials ({os.path.join(dirpath, min(found))})")
-        keep = []
-        for d in dirnames:
-            if d in SKIP_DIRS or d.startswith(".") or d.endswith(".egg-info"):
-                continue
-            if os.path.islink(os.path.join(dirpath, d)):
-                filenames.append(d)  # a link to a directory is a link like any other
-            else:
-                keep.append(d)
-        dirnames[:] = keep
-        for name in sorted(filenames):
-            if name.startswith(".") or name.endswith(SKIP_SUFFIXES):
-                continue
-            names.append(os.path.relpath(os.path.join(dirpath, name), folder))
+        dirnames[:] = [d for d in dirnames if not (d in SKIP_DIRS or d.startswith(".") or d.endswith(".egg-info"))]
+        # A link to a directory is a link like any other (os.walk does not follow it).
+        filenames += [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        names += [os.path.relpath(os.path.join(dirpath, name), folder) for name in sorted(filenames)
+                  if not name.startswith(".") and not name.endswith(SKIP_SUFFIXES)]
         if len(names) > MAX_LOOSE_FILES:
             _not_a_project(folder, field_name, f"holds more than {MAX_LOOSE_FILES} files outside git")
     return names
@@ -150,12 +131,10 @@ def _remedy(in_git: bool, shown: str) -> str:
 
 
 def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_files: int) -> Sources:
-    """The entries `folders` give, in a stable order (see the module's rules); a one-line
-    ConfigError for a link out, a secret-looking file, an unreadable one, or too much."""
+    """The entries `folders` give, sorted by `dest`, by the module's rules (a one-line ConfigError)."""
     folders = [Folder(f.src.resolve(), f.dest.strip("/")) for f in folders]
     out = Sources()
-    in_git_of: dict[str, bool] = {}
-    top_of: dict[str, Path] = {}  # where each file's project keeps its baseline
+    origin: dict[str, tuple[bool, Path]] = {}  # dest -> (in git, where its project keeps its baseline)
     for folder in folders:
         top = (git(folder.src, "rev-parse", "--show-toplevel") or "").strip()
         names = _git_list(folder.src, others=False) if top else None
@@ -173,12 +152,12 @@ def collect(folders: Sequence[Folder], *, field_name: str, max_bytes: int, max_f
             entry = _entry(folder, rel, folders, in_git=in_git, field_name=field_name)
             if entry is not None:
                 out.files.append(entry)
-                in_git_of[entry.dest], top_of[entry.dest] = in_git, root
+                origin[entry.dest] = in_git, root
     out.files.sort(key=lambda f: f.dest)
     _check_size(out, field_name, max_bytes, max_files)
-    _check_links(out.files, field_name, in_git_of)
+    _check_links(out.files, field_name)
     clean = CleanFiles.load()
-    out.files = [_scanned(f, field_name, in_git_of[f.dest], clean, top_of[f.dest]) for f in out.files]
+    out.files = [_scanned(f, field_name, clean, *origin[f.dest]) for f in out.files]
     clean.save()
     return out
 
@@ -216,7 +195,7 @@ def _entry(folder: Folder, rel: str, folders: Sequence[Folder], *, in_git: bool,
     return SourceFile(dest, path)
 
 
-def _check_links(files: Sequence[SourceFile], field_name: str, in_git_of: dict[str, bool]) -> None:
+def _check_links(files: Sequence[SourceFile], field_name: str) -> None:
     """A file with more names (hard links) than are copied: its other names lie outside what is
     copied, and its content is whatever file they name (a token in $HOME under an innocent name)."""
     stats = {f.dest: f.src.lstat() for f in files if f.link is None}
@@ -231,10 +210,9 @@ def _check_links(files: Sequence[SourceFile], field_name: str, in_git_of: dict[s
                                           f"(`cp {shown} {shown}.copy && mv {shown}.copy {shown}`)")
 
 
-def _scanned(f: SourceFile, field_name: str, in_git: bool, clean: "CleanFiles", top: Path) -> SourceFile:
-    """`f` with its content's sha256, the content scanned whole by the secret policy unless a
-    file of the same content was found clean before; what the baseline at `top` audited as no
-    secret passes (a content that holds any finding is scanned again: the baseline may change)."""
+def _scanned(f: SourceFile, field_name: str, clean: "CleanFiles", in_git: bool, top: Path) -> SourceFile:
+    """`f` with its content's sha256, scanned whole by the secret policy unless found clean before; what
+    the baseline at `top` audited as no secret passes (but is never recorded clean: the baseline may change)."""
     if f.link is not None:
         return f
     try:  # never blocks: a FIFO put in its place since it was listed is no regular file
@@ -264,10 +242,9 @@ def _scanned(f: SourceFile, field_name: str, in_git: bool, clean: "CleanFiles", 
 
 
 class CleanFiles:
-    """The sha256 of every file content the secret policy found clean, under one policy (its
-    fingerprint names the record): a checkout scanned once is not read by the detector again.
-    Kept in the user's cache (`$XDG_CACHE_HOME/slipway/`), appended to, never trusted beyond
-    well-formed lines; where it cannot be read or written, every file is scanned."""
+    """The sha256 of every content the secret policy found clean, in the user's cache under the policy's
+    fingerprint (docs/secrets.md): appended to, never trusted beyond well-formed lines; where it cannot
+    be read or written, every file is scanned."""
 
     _LINE = re.compile(r"[0-9a-f]{64}")
     MAX_BYTES = 8 << 20  # past it the record starts afresh
@@ -306,8 +283,7 @@ class CleanFiles:
 
 
 def _link_target(path: Path, dest: str, folders: Sequence[Folder], field_name: str) -> str:
-    """The relative target a copied link keeps: where its target lands in the copy. A link to
-    anything not copied (outside every folder, or nowhere) is refused."""
+    """The relative target a copied link keeps: where its target lands in the copy (else refused)."""
     target = Path(os.path.realpath(path))
     for folder in folders:
         if target == folder.src or folder.src in target.parents:
@@ -344,6 +320,6 @@ def copy_into(files: Sequence["SourceFile"], dest: Path, *, file_mode: int, exec
             os.symlink(f.link, target)
             continue
         shutil.copyfile(f.src, target)
-        os.chmod(target, exec_mode if os.stat(f.src).st_mode & stat.S_IXUSR else file_mode)
+        os.chmod(target, exec_mode if f.executable else file_mode)
     for dirpath, _, _ in os.walk(dest):
         os.chmod(dirpath, dir_mode)

@@ -1,9 +1,8 @@
 """One wrapper per external tool the image build and the code snapshot drive: podman, enroot, git.
 
-Every command line is built by a pure function (`*_argv`) that tests read, and run
-through plumbum where the tool exists. Tools are looked up on the PATH of
-`os.environ` at call time (`shutil.which`, not plumbum's snapshot of it), and children get a copy
-of `os.environ`, so a test can put a stand-in first on PATH.
+Command lines are built by pure functions (`*_argv`) that tests read, and run through plumbum. Tools
+are looked up on `os.environ`'s PATH at call time (`shutil.which`, not plumbum's snapshot of it) and
+children get a copy of `os.environ`, so a test can put a stand-in first on PATH.
 """
 
 from __future__ import annotations
@@ -39,10 +38,9 @@ def _capture(argv: list[str]) -> tuple[int, str]:
 
 def stream(argv: list[str], on_line: Callable[[str], None], *, env: dict[str, str] | None = None,
            cwd: Path | None = None, quiet: Optional[tuple[float, Callable[[float], None]]] = None) -> int:
-    """Run a long command, handing each output line (stdout and stderr, split on
-    newlines and carriage returns) to `on_line`; return the exit code. Ctrl-C
-    stops the child before re-raising. `quiet` (SECONDS, CALL): CALL(seconds since the start)
-    after each SECONDS without output, so a long silent stretch still shows it is alive."""
+    """Hand each output line (stdout and stderr, split on newlines and carriage returns) to `on_line`;
+    the exit code. Ctrl-C stops the child before re-raising. `quiet` (SECONDS, CALL): CALL(seconds
+    since the start) after each SECONDS without output, so a long silent stretch shows it is alive."""
     cmd = local[argv[0]][argv[1:]]
     proc = cmd.popen(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                      cwd=str(cwd) if cwd else None)
@@ -75,9 +73,6 @@ def stream(argv: list[str], on_line: Callable[[str], None], *, env: dict[str, st
         except subprocess.TimeoutExpired:
             proc.kill()
         raise
-
-
-# ---------------------------------------------------------------- podman
 
 
 @dataclass
@@ -156,8 +151,7 @@ class Podman:
         return dict(sorted(found.items()))
 
     def untag(self, tag: str) -> Optional[str]:
-        """Remove one tag (the layers go when no other tag uses them); why it failed, None when
-        done. Fails while a container (running or not) uses the image."""
+        """Remove one tag (its layers go with the last); why it failed (a container of it, even stopped), or None."""
         return _failure(*_capture([self.exe, "rmi", tag]))
 
     def containers(self, name_regex: str) -> list["Container"]:
@@ -166,8 +160,7 @@ class Podman:
                                                               f"name={name_regex}")]
 
     def remove_container(self, ident: str) -> Optional[str]:
-        """`podman rm -v` (anonymous volumes too), never --force: a running container stays; why it
-        failed, None when done."""
+        """`podman rm -v` (anonymous volumes too), never --force: a running one stays; why it failed, or None."""
         return _failure(*_capture([self.exe, "rm", "-v", ident]))
 
 
@@ -194,8 +187,6 @@ class Container:
                    labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {})
 
 
-# ---------------------------------------------------------------- enroot
-
 # CSCS's enroot lists `-x, --... mount` among import's options; upstream has no -x.
 _MOUNT_OPTION = re.compile(r"^\s*-x\b", re.MULTILINE)
 
@@ -204,12 +195,11 @@ _MOUNT_OPTION = re.compile(r"^\s*-x\b", re.MULTILINE)
 class Enroot:
     exe: str = "enroot"
 
-    # `enroot import podman://IMAGE` (src/docker.sh) makes a work dir with
-    # `mktemp -d -p $ENROOT_TEMP_PATH enroot.XXXXXXXXXX`, runs `podman create --name`
-    # with that dir's name (printing the container id), exports it, and on exit
-    # removes the dir and calls `docker rm -f -v NAME`. Without a working docker
-    # that fails (enroot then exits non-zero under `set -e`) and the stopped
-    # container stays, keeping the image in use: slipway removes it itself.
+    # `enroot import podman://IMAGE` (src/docker.sh) makes a work dir with `mktemp -d -p $ENROOT_TEMP_PATH
+    # enroot.XXXXXXXXXX`, runs `podman create --name` with that dir's name (printing the container id),
+    # exports it, and on exit removes the dir and calls `docker rm -f -v NAME`. Without a working docker that
+    # fails (enroot then exits non-zero under `set -e`) and the stopped container stays, keeping the image in
+    # use: slipway removes it itself.
     CONTAINER_FILTER = r"^enroot\.[A-Za-z0-9]+$"
 
     @classmethod
@@ -243,16 +233,11 @@ def squashfs_ok(path: Path) -> bool:
     return _capture([tool, "-l", str(path)])[0] == 0
 
 
-# ---------------------------------------------------------------- git
-
-
 def git(root: Path, *args: str) -> Optional[str]:
     """`git -C ROOT ARGS...`'s output; None where git is missing or fails (outside a checkout)."""
     exe = which("git")
-    if exe is None:
-        return None
     try:
-        return local[exe]("-C", str(root), *args)
+        return local[exe]("-C", str(root), *args) if exe else None
     except (ProcessExecutionError, OSError, ValueError):
         return None
 
