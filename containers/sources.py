@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import io
 import os
 import re
 import shutil
@@ -23,7 +24,7 @@ from typing import Optional, Sequence
 
 from common.baseline import BASELINE, command, label
 from common.errors import ConfigError, bounded_path, human
-from common.fs import file_kind, user_cache
+from common.fs import file_kind, open_regular, user_cache
 from common.secrets import file_findings, policy_fingerprint, secret_file
 from containers.tools import git
 
@@ -255,8 +256,8 @@ class CleanFiles:
     @classmethod
     def load(cls) -> "CleanFiles":
         path = user_cache(f"clean-files-{policy_fingerprint()}")
-        try:
-            with open(path, "rb") as f:
+        try:  # a FIFO or a device in its place is refused by its open, never waited on
+            with open_regular(path) or io.BytesIO() as f:
                 text = f.read(cls.MAX_BYTES).decode("ascii", "replace")
         except OSError:
             return cls(path, set())
@@ -276,7 +277,8 @@ class CleanFiles:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             big = self.path.exists() and self.path.stat().st_size > self.MAX_BYTES
             # One write of whole lines, appended: two launches adding at once lose nothing.
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if big else os.O_APPEND), 0o600)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | (os.O_TRUNC if big else os.O_APPEND),
+                         0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write("".join(f"{d}\n" for d in self._new).encode())
         self._new = []

@@ -413,6 +413,12 @@ def test_an_unchanged_checkout_is_not_scanned_again(checkout, tmp_path, monkeypa
     scanned.clear()
     plan_snapshot(checkout / "runs" / STORE, None, checkout)
     assert len(scanned) == first.value.files
+    # A FIFO in the record's place is neither waited on when read nor when written: every file scanned.
+    record.unlink()
+    os.mkfifo(record)
+    scanned.clear()
+    plan_snapshot(checkout / "runs" / STORE, None, checkout)
+    assert len(scanned) == first.value.files and record.is_fifo()
     monkeypatch.setenv("XDG_CACHE_HOME", "/proc/no-such-cache")
     scanned.clear()
     plan_snapshot(checkout / "runs" / STORE, None, checkout)
