@@ -48,6 +48,19 @@ def test_a_failing_rank_reports_once_and_exits(tmp_path, capsys):
     assert "slipway-preflight-allreduce fail: rank 1 on node2" in capsys.readouterr().err
 
 
+def test_a_report_that_cannot_be_written_still_exits(tmp_path, monkeypatch):
+    """A full disk fails the report's write, never the exit: a rank must not wait on a dead group."""
+    exits = []
+
+    def full(fd, *args, **kwargs):
+        os.close(fd)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fdopen", full)
+    AllReduceGate(1, 60, gate_env(tmp_path), exit=exits.append).fail("rank 1 on node2: timed out")
+    assert exits == [PREFLIGHT_EXIT]
+
+
 def test_no_result_within_the_bound_is_a_failure(tmp_path):
     exits = []
     AllReduceGate(1, 0.2, gate_env(tmp_path), exit=exits.append).arm()  # the group never forms

@@ -17,6 +17,7 @@ Exit status: 0 passed, PREFLIGHT_EXIT (5) failed, 2 bad arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -266,12 +267,10 @@ class AllReduceGate:
         """Report `text` (the first failing rank's report is the one kept) and exit PREFLIGHT_EXIT
         at once: a collective that failed may never let the process group be torn down."""
         print(f"slipway-preflight-allreduce fail: {text}", file=sys.stderr, flush=True)
-        if self.reports:
-            try:
+        # Another rank reported first, the directory is gone or the disk is full: the exit comes all the same.
+        with contextlib.suppress(OSError):
+            if self.reports:
                 fd = os.open(Path(self.reports) / PREFLIGHT_FAILED_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except OSError:  # another rank reported first, or the directory is gone
-                pass
-            else:
                 with os.fdopen(fd, "w") as f:
                     f.write(" ".join(text.split()) + "\n")
         sys.stdout.flush()
