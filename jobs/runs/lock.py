@@ -3,9 +3,10 @@
 `runs/.RUN.lock`, beside the run directory (which may not exist yet), is flock(2)ed by `submit`,
 `prepare --as-job` and `slipway local` (the trainer included); every read-modify-write of the
 manifest happens under it. The file names the holder (pid, host, since when, the command masked by
-the secret policy) for a refusal to show. It is never removed: a process that removed it could lock
-a new file of the same name beside one still locked. The lock is per process and re-entrant; a
-short holder (a submission) is waited for a little, a training launch (hours) not.
+the secret policy) for a refusal to show. Only its holder removes it, still locked, when the launch left
+no run directory; a waiter then finds it locked a file no longer at that name (`_same_file`). The
+lock is per process and re-entrant; a short holder (a submission) is waited for a little, a training
+launch (hours) not.
 """
 
 from __future__ import annotations
