@@ -29,7 +29,6 @@ import json
 import os
 import sys
 import time
-from unittest import mock
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -286,6 +285,8 @@ def _write_partial(description: str, reader: Reader, paths: CachePaths, state: _
     with a resume record every CHECKPOINT_S seconds; synced to disk at the end."""
     resumed, start = state.n_tokens, time.monotonic()
     last_checkpoint, units = start, 0  # units: read by this run (rows skipped in the first file included)
+    from unittest import mock  # here: its import (asyncio's) costs every command that reads a cache 30 ms
+
     # Each encode_batch on one core: our threads share out the cores (Rayon's pool would not follow num_proc).
     with open(paths.partial, "r+b" if paths.partial.exists() else "wb") as f, \
             _display(progress, description, reader) as show, \
