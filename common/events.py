@@ -134,7 +134,8 @@ def parse_event(line: str) -> Optional[Event]:
 
 
 def read_events(run_dir: str | os.PathLike) -> list[Event]:
-    """The events of a run directory, in the order written; [] before the first."""
+    """The events of a run directory, in the order written; [] before the first. An events.log that is
+    no regular file raises NotRegularFile; one the user may not read, PermissionError."""
     data = read_tail(RunDir(Path(run_dir)).events, MAX_EVENTS_BYTES)
     lines = [] if data is None else data.decode("utf-8", errors="replace").splitlines()
     return [e for line in lines if (e := parse_event(line)) is not None]
