@@ -24,6 +24,7 @@ from other_user import teammate  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM = ROOT / "trainer" / "warm.py"
+CLIENT = ROOT / "trainer" / "warm_rank.py"
 PY = sys.executable
 
 
@@ -78,7 +79,7 @@ class Server:
             time.sleep(0.05)
 
     def client(self, argv: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
-        return subprocess.Popen([PY, "-S", str(WARM), "rank", self.prefix, "--", *argv], env={**self.env, **(env or {})},
+        return subprocess.Popen([PY, "-S", str(CLIENT), "rank", self.prefix, "--", *argv], env={**self.env, **(env or {})},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
     def done(self) -> None:
@@ -214,8 +215,8 @@ def test_sigterm_drains_the_warm_process(server, tmp_path):
 
 
 def _node(server: Server, argv: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
-    """`warm.py node`: slipway's node check asked from the host, as verify_lib.sh's node_check does."""
-    return subprocess.run([PY, "-S", str(WARM), "node", server.prefix, "--", *argv], env={**server.env, **(env or {})},
+    """`warm_rank.py node`: slipway's node check asked from the host, as verify_lib.sh's node_check does."""
+    return subprocess.run([PY, "-S", str(CLIENT), "node", server.prefix, "--", *argv], env={**server.env, **(env or {})},
                           capture_output=True, text=True, timeout=60, **kwargs)
 
 
@@ -288,6 +289,38 @@ def test_a_malformed_request_ends_its_connection_only(server, tmp_path):
     assert server.log.read_text().count("a connection ended: ") == 9
 
 
+HOSTILE_RANK = """import os, socket
+fds = {int(f): os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{f}")}
+assert not [t for fd, t in fds.items() if fd > 2 and not t.startswith("socket:")], fds  # nothing else of the warm process's
+for fd in [fd for fd, t in fds.items() if fd > 2]:  # its report channel
+    with socket.socket(fileno=os.dup(fd)) as s:
+        s.send(b"\\xff not json")
+print(len(fds) - 3, flush=True)
+"""
+
+
+def test_only_a_forked_rank_says_what_it_imported_and_garbage_there_ends_that_channel_only(server, tmp_path):
+    """What the next ranks start with comes from the ranks' own report channels, made with each fork:
+    a proven client that claims imports is cut off with nothing learned; a rank that writes garbage
+    on its channel ends that channel only; a rank's real imports are held for the next one."""
+    sock = _proven(server, (server.folder / "41.secret").read_bytes())
+    sock.send(json.dumps({"imported": ["wave"]}).encode())
+    assert sock.recv(4096) == b""
+    sock.close()
+    for name, text in (("hostile.py", HOSTILE_RANK), ("wave_user.py", "import wave\n"),
+                       ("held.py", "import sys\nprint('wave' in sys.modules)\n")):
+        (tmp_path / name).write_text(text)
+        out, err = server.client([PY, str(tmp_path / name)]).communicate(timeout=60)
+        assert "started warm" in err, err
+        deadline = time.monotonic() + 60
+        while name == "wave_user.py" and "learned" not in server.log.read_text():
+            assert time.monotonic() < deadline, server.log.read_text()
+            time.sleep(0.05)
+        assert name != "hostile.py" or out == "1\n", (out, err)
+    assert out == "True\n" and server.proc.poll() is None
+    assert server.log.read_text().count("a connection ended: ") == 2
+
+
 def test_another_allocations_client_gets_nothing(server, code, tmp_path):
     """Allocation 42's warm process and client hold 42's secret: asked of 41's warm process, each
     side refuses the other's proof, and the rank starts cold."""
@@ -309,7 +342,7 @@ def test_another_users_client_and_folder_are_refused(code, tmp_path, teammate):
         script = teammate.shared / "r.py"
         script.write_text("import os\nprint(os.getppid())\n")
         proc = subprocess.run(["setpriv", f"--reuid={teammate.uid}", f"--regid={teammate.gid}", "--clear-groups", "--",
-                               teammate.python, "-S", str(WARM), "rank", s.prefix, "--", teammate.python, str(script)],
+                               teammate.python, "-S", str(CLIENT), "rank", s.prefix, "--", teammate.python, str(script)],
                               capture_output=True, text=True, timeout=60, cwd=teammate.shared,
                               env={"SLURM_JOB_ID": "41", "SLURMD_NODENAME": "n1", "PATH": os.environ["PATH"]})
         assert proc.returncode == 0 and int(proc.stdout) != s.proc.pid and "starts cold" in proc.stderr, proc
@@ -370,7 +403,7 @@ def test_a_warm_rank_sees_what_a_cold_one_sees(tmp_path, cpus_per_task):
         seen = {}
         for i, (how, extra) in enumerate([("warm", {}), ("cold", {}), ("warm", {}), ("cold", {}),
                                           ("cold", {"HF_HUB_OFFLINE": "1"}), ("warm", {"HF_HUB_OFFLINE": "1"})]):
-            argv = [PY, str(probe)] if how == "cold" else [PY, "-S", str(WARM), "rank", server.prefix, "--", PY, str(probe)]
+            argv = [PY, str(probe)] if how == "cold" else [PY, "-S", str(CLIENT), "rank", server.prefix, "--", PY, str(probe)]
             r = subprocess.run(argv, env={**server.env, **extra}, capture_output=True, text=True, timeout=300, cwd=tmp_path)
             assert r.returncode == 0, r.stderr[-3000:]
             assert how == "cold" or ("started warm" in r.stderr) == (not extra), r.stderr[-2000:]
@@ -412,7 +445,7 @@ def test_slipway_run_starts_its_ranks_and_node_step_through_the_warm_processes(p
     lines = text.splitlines()
     # Under `slipway run` only (SLIPWAY_IN_ALLOCATION): a batch job runs one launch and keeps none.
     i = lines.index('if [ -n "${SLIPWAY_IN_ALLOCATION:-}" ]; then')
-    assert lines[i + 2].startswith("  WARM_CLIENT=(") and '"$CODE_DIR"/trainer/warm.py rank "$WARM_SOCKET" --)' in lines[i + 2]
+    assert lines[i + 2].startswith("  WARM_CLIENT=(") and '"$CODE_DIR"/trainer/warm_rank.py rank "$WARM_SOCKET" --)' in lines[i + 2]
     assert lines.index("warm_up") == lines.index("verify_nodes") + 1
     launch = next(line for line in lines if "slipway-rank" in line)
     assert launch.index('"${WARM_CLIENT[@]}"') < launch.index("-m trainer --config")
@@ -420,7 +453,7 @@ def test_slipway_run_starts_its_ranks_and_node_step_through_the_warm_processes(p
     # The node check: asked of the warm process with the verification, from the host (no container
     # entered), bounded within the verification's bound; else the node step, through the client.
     assert check.startswith("  WARM_CHECK=(timeout -k 5 150 ") and \
-        '-S "$CODE_DIR"/trainer/warm.py node "$WARM_SOCKET" -- ' in check and lines.index(check) == i + 3
+        '-S "$CODE_DIR"/trainer/warm_rank.py node "$WARM_SOCKET" -- ' in check and lines.index(check) == i + 3
     assert node.lstrip().startswith('"${WARM_CLIENT[@]}"')
     assert lines[lines.index(node) - 1].startswith("pf_t=$SECONDS; set +e; checked_warm || timeout -k 15 ")
     start = text[text.index("warm_start() {"):]

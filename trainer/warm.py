@@ -2,8 +2,8 @@
 the other heavy imports, each importing its run's own code (`slipway run`; docs/runs.md).
 
     python3 .../trainer/warm.py serve SOCKET --code DIR    # one per node, allocation and key (a Slurm step)
-    python3 -S .../trainer/warm.py rank SOCKET -- python3 -m trainer --config ...   # each rank's task
-    python3 -S .../trainer/warm.py node SOCKET -- python3 -m trainer.preflight node ...  # from the host
+
+Each rank's task, the client, is trainer/warm_rank.py's.
 
 Run as a file: a warm process holds no module of trainer/ nor common/, only its own code
 (warm_rank.CODE: this file and warm_rank.py, a rank's side, imported from its folder). It binds
@@ -14,7 +14,7 @@ starts warm only where it then starts as it would cold (`Warm.refusal`: its envi
 PER_LAUNCH, the modules its sys.path finds, unchanged on disk, no thread that outlives a fork),
 with its task's streams, environment, directory, umask, CPUs, sys.path and fresh global generators
 (an unset PYTHONHASHSEED draws one seed per warm process); else its task execs it cold, saying why.
-`node` is the preflight's node check, asked from the host (jobs/slurm/verify_lib.sh): no container
+A client's `node` is the preflight's node check, asked from the host (jobs/slurm/verify_lib.sh): no container
 is entered for it, and it runs as the warm process is (its environment, directory and CPUs) with
 the run's code (RUNS_OWN); where the warm process does not take it, the batch script's node step does.
 """
@@ -41,9 +41,10 @@ from pathlib import Path
 _rank_spec = importlib.util.spec_from_file_location("warm_rank", Path(__file__).with_name("warm_rank.py"))
 sys.modules["warm_rank"] = importlib.util.module_from_spec(_rank_spec)
 _rank_spec.loader.exec_module(sys.modules["warm_rank"])
-from warm_rank import CODE, MAX_MESSAGE, NODE, OWN, Cold, allocation_secret, client, finish, mac, say, send
+from warm_rank import CODE, MAX_MESSAGE, NODE, OWN, Cold, allocation_secret, finish, mac, say, send
 
 PROOF_SECONDS = 10  # a connection that has not proved itself by then is closed
+REPORT = "report"  # a forked rank's channel back (Warm.conns)
 # Set per launch, step or rank (by Slurm, its GPU binding, the launcher, the shell, slipway) and
 # read by no import, the devices at their first use: where a rank's environment may differ from its
 # warm process's (PYTHONPATH: see `_shadowed`).
@@ -154,20 +155,21 @@ def _request(message: dict, fds: list[int]) -> dict:
 
 
 class Warm:
-    """The warm process's loop: one thread, selectors over its socket, the clients' connections
-    (the ranks' too, at their end, to say what they imported) and a self-pipe for SIGCHLD and SIGTERM."""
+    """The warm process's loop: one thread, selectors over its socket, the clients' connections, each
+    forked rank's report channel (what it imported, said at its end) and a self-pipe for SIGCHLD and SIGTERM."""
 
     def __init__(self, listener: socket.socket, prefix: str, record: dict[str, str]):
         self.listener, self.prefix, self.record = listener, prefix, record  # record: the environment it started with
         self.secret, self.base_path = allocation_secret(prefix), _base_path(os.environ.get("PYTHONPATH", ""))
         self.restamp()
         self.ranks: dict[int, "socket.socket | None"] = {}  # pid -> its client's connection (None: gone)
-        # A connection -> its challenge and deadline while unproven, then its rank's pid (0 before the fork).
-        self.conns: dict[socket.socket, "tuple[str, float] | int"] = {}
+        # A connection -> its challenge and deadline while unproven, then its rank's pid (0 before the
+        # fork); a rank's report channel -> REPORT.
+        self.conns: dict[socket.socket, "tuple[str, float] | int | str"] = {}
         self.learned: set[str] = set()
         self.draining = False
-        self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        signal.set_wakeup_fd(wake_w)
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "draining", True))
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the run's, not ours
@@ -217,24 +219,24 @@ class Warm:
             conn.close()
 
     def receive(self, conn: socket.socket, unsafe: str) -> "dict | None":
-        """A client's message: its proof, its request, a signal for its rank, or a rank's imports at
-        its end. Anything else, or nothing (the client is gone: so is its rank, reaped later), ends
-        that connection only."""
+        """A client's message: its proof, its request or a signal for its rank; or a rank's imports at
+        its end, on its report channel. Anything else, or nothing (the client is gone: so is its rank,
+        reaped later), ends that connection only."""
         fds, state = [], self.conns[conn]
         try:
             data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
             if not isinstance(message := json.loads(data) if data else None, dict):
                 raise EOFError if not data else ValueError("a message that is no JSON object")
-            if isinstance(state, tuple):
+            if state == REPORT:
+                self.learned |= {name for name in message.get("imported", ()) if isinstance(name, str)}
+                self.close(conn)
+            elif isinstance(state, tuple):
                 if not hmac.compare_digest(str(message.get("answer")), mac(self.secret, state[0])):
                     raise ValueError("a client without this allocation's secret")
                 self.conns[conn] = 0
                 send(conn, {"answer": mac(self.secret, message.get("challenge"))})
             elif state:
                 _kill(state, int(message["signal"]))
-            elif isinstance(message.get("imported"), list):
-                self.learned |= {name for name in message["imported"] if isinstance(name, str)}
-                self.close(conn)
             else:
                 request, streams, fds = _request(message, fds), fds, []  # fork() owns the streams now
                 return self.fork(conn, request, streams, unsafe)
@@ -264,15 +266,21 @@ class Warm:
             for fd in fds:
                 os.close(fd)
             return self.close(conn)
+        # The rank's own channel back, for what it imported: no proof to make at its end.
+        report, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         if (child := os.fork()) == 0:  # the rank: nothing of the loop's goes with it
             signal.set_wakeup_fd(-1)
-            for c in [*self.conns, *([self.listener] if self.listener.fileno() >= 0 else [])]:
+            for c in [*self.conns, report, *([self.listener] if self.listener.fileno() >= 0 else [])]:
                 c.close()
             self.sel.close()
             os.close(self.wake_r)
-            return {**request, "fds": fds, "prefix": self.prefix}
+            os.close(self.wake_w)
+            return {**request, "fds": fds, "report": theirs}
+        theirs.close()
         for fd in fds:
             os.close(fd)
+        self.conns[report] = REPORT
+        self.sel.register(report, selectors.EVENT_READ, report)
         self.conns[conn], self.ranks[child] = child, conn
         send(conn, {"pid": child})
         return None
@@ -332,7 +340,9 @@ def serve(prefix: str, code_dir: Path) -> "dict | None":
     unsafe = _fork_unsafe()
     say(f" ready: {len(sys.modules) - before} modules in {time.monotonic() - started:.1f} s"
          f"{'; every rank starts cold: ' + unsafe if unsafe else ''}")
-    return Warm(listener, prefix, record).serve(unsafe)
+    if (rank := Warm(listener, prefix, record).serve(unsafe)) is not None:
+        os.close(lock)  # a rank must not hold the name: a warm process started after this one ends takes it
+    return rank
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -357,12 +367,9 @@ def _rank_path(request: dict, base: list[str]) -> list[str]:
 
 
 def main(args: list[str]) -> int:
-    if len(args) >= 3 and args[0] in ("rank", "node") and args[2] == "--":
-        return client(args[1], args[3:], own=args[0] == "node")
     if len(args) == 4 and args[0] == "serve" and args[2] == "--code":
         return 0 if (rank := serve(args[1], Path(args[3]))) is None else finish(rank)
-    print("usage: warm.py serve SOCKET --code DIR | warm.py rank|node SOCKET -- PYTHON (-m MODULE | SCRIPT) ARGS...",
-          file=sys.stderr)
+    print("usage: warm.py serve SOCKET --code DIR (a rank's client: warm_rank.py)", file=sys.stderr)
     return 2
 
 

@@ -1,8 +1,12 @@
 """Warm ranks, a rank's side (trainer/warm.py is the warm process): the protocol both sides speak,
-each rank's task (`warm.py rank`: the client) and the rank the warm process forks (`finish`).
+each rank's task (the client) and the rank the warm process forks (`finish`).
 
-In a warm process, warm.py imports it from its own folder as `warm_rank`, never as a module of the
-trainer package (a warm process holds none of trainer/ nor common/).
+    python3 -S .../trainer/warm_rank.py rank SOCKET -- python3 -m trainer --config ...   # each rank's task
+    python3 -S .../trainer/warm_rank.py node SOCKET -- python3 -m trainer.preflight node ...  # from the host
+
+A client is on the way to every rank's start: it imports only what it uses, the standard library's
+lightest. In a warm process, warm.py imports this file from its own folder as `warm_rank`, never as
+a module of the trainer package (a warm process holds none of trainer/ nor common/).
 """
 
 from __future__ import annotations
@@ -11,12 +15,10 @@ import contextlib
 import hmac
 import json
 import os
-import secrets
 import signal
 import socket
 import stat
 import sys
-from pathlib import Path
 
 # The signals a client passes on to its rank (SIGKILL cannot be caught: the client's death is).
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
@@ -27,7 +29,7 @@ MAX_MESSAGE = 1 << 20  # a request: the environment, the command
 # all, and a rank's sys.path need not find them (warm.py's `_shadowed`).
 CODE = ("warm.py", "warm_rank.py")
 NODE = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-NOT_WARM = 3  # `warm.py node`'s exit where no warm process ran the check
+NOT_WARM = 3  # `warm_rank.py node`'s exit where no warm process ran the check
 
 
 class Cold(Exception):
@@ -57,13 +59,15 @@ def mac(secret: bytes, challenge: object) -> str:
 def allocation_secret(prefix: str, create: bool = False) -> bytes:
     """This allocation's secret, in SOCKET's folder, which must be this user's alone; made once,
     whole under another name, then linked (never seen half made, whoever is first)."""
-    folder, st = Path(prefix).parent, os.lstat(Path(prefix).parent)
+    folder = os.path.dirname(prefix)
+    st = os.lstat(folder)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise Cold(f"{folder} is not a folder of this user's closed to others: not a warm process's")
-    path, tmp = folder / f"{os.environ.get('SLURM_JOB_ID') or 'none'}.secret", folder / f".{os.getpid()}.secret"
-    if create and not path.exists():
+    path = os.path.join(folder, f"{os.environ.get('SLURM_JOB_ID') or 'none'}.secret")
+    tmp = os.path.join(folder, f".{os.getpid()}.secret")
+    if create and not os.path.exists(path):
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
-            f.write(secrets.token_bytes(32))
+            f.write(os.urandom(32))
         with contextlib.suppress(FileExistsError):
             os.link(tmp, path)
         os.unlink(tmp)
@@ -85,7 +89,7 @@ def connect(prefix: str) -> socket.socket:
     secret, sock = allocation_secret(prefix), socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.connect(f"{prefix}-{NODE}.sock")
-        mine = secrets.token_hex(16)
+        mine = os.urandom(16).hex()
         send(sock, {"answer": mac(secret, recv(sock).get("challenge")), "challenge": mine})
         if not hmac.compare_digest(str(recv(sock).get("answer")), mac(secret, mine)):
             raise Cold("the process on the warm socket did not prove this allocation's secret")
@@ -176,7 +180,9 @@ def run_rank(req: dict) -> None:
         sys.argv = argv[1:]
         main.__dict__.update(__file__=argv[1], __cached__=None, __builtins__=builtins,
                              __loader__=importlib.machinery.SourceFileLoader("__main__", argv[1]))
-        exec(compile(Path(argv[1]).read_bytes(), argv[1], "exec"), main.__dict__)
+        with open(argv[1], "rb") as source:
+            code = compile(source.read(), argv[1], "exec")
+        exec(code, main.__dict__)
 
 
 def finish(req: dict) -> int:
@@ -184,7 +190,7 @@ def finish(req: dict) -> int:
     joined and its atexit functions run as at any exit, then os._exit, without tearing down the
     thousands of modules it shares with the warm process page by page (seconds on a loaded node);
     then tell the warm process what it imported (not the run's own code: trainer/, common/, its
-    PYTHONPATH), for the next ranks (`learn`)."""
+    PYTHONPATH), for the next ranks (`learn`), on the channel made with the fork."""
     import atexit
     import threading
     import traceback
@@ -205,10 +211,17 @@ def finish(req: dict) -> int:
         own = tuple(os.path.abspath(p) + os.sep for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
         names = [name for name in set(sys.modules) - forked_with if name.split(".")[0] not in OWN and not (
             own and os.path.abspath(getattr(sys.modules.get(name), "__file__", None) or "").startswith(own))]
-        with contextlib.suppress(Cold, OSError, ValueError):
-            send(connect(req["prefix"]), {"imported": names})
+        with contextlib.suppress(OSError, ValueError):
+            send(req["report"], {"imported": names})
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
         os._exit(code)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 5 and sys.argv[1] in ("rank", "node") and sys.argv[3] == "--":
+        sys.exit(client(sys.argv[2], sys.argv[4:], own=sys.argv[1] == "node"))
+    print("usage: warm_rank.py rank|node SOCKET -- PYTHON (-m MODULE | SCRIPT) ARGS...", file=sys.stderr)
+    sys.exit(2)

@@ -89,7 +89,7 @@ def settings(warm: Optional[WarmPlan], cfg: Config, paths: RunDir) -> list[str]:
     if preflight.where(cfg):
         host = "python3" if warm.env.in_container else cfg.launch.python
         check = [f'  WARM_CHECK=(timeout -k 5 {max(10, cfg.slurm.preflight_timeout // 2)} {shlex.quote(host)} -S '
-                 f'"$CODE_DIR"/trainer/warm.py node "$WARM_SOCKET" -- {words(preflight.node_command(cfg, paths))})']
+                 f'"$CODE_DIR"/trainer/warm_rank.py node "$WARM_SOCKET" -- {words(preflight.node_command(cfg, paths))})']
     return [
         "# Warm ranks (`slipway run`, launch.warm; jobs/slurm/warm.py): each rank starts from the node's warm",
         "# process of this key (trainer/warm.py), which holds torch imported; none: the rank starts cold.",
@@ -97,7 +97,7 @@ def settings(warm: Optional[WarmPlan], cfg: Config, paths: RunDir) -> list[str]:
         "WARM_SOCKET='' WARM_CLIENT=() WARM_CHECK=() WARM_CHECKED='' WARM_COLD='' WARM_OFF=''",
         'if [ -n "${SLIPWAY_IN_ALLOCATION:-}" ]; then',
         f'  WARM_SOCKET="${{SLIPWAY_WARM_DIR:-/dev/shm}}/{STEP}$(id -u)/$SLURM_JOB_ID-$SLIPWAY_WARM_ID"',
-        f'  WARM_CLIENT=({python} -S "$CODE_DIR"/trainer/warm.py rank "$WARM_SOCKET" --)',
+        f'  WARM_CLIENT=({python} -S "$CODE_DIR"/trainer/warm_rank.py rank "$WARM_SOCKET" --)',
         *check,
         '  export TMPDIR="${TMPDIR:-/tmp}"  # as every task sees it: Slurm sets it unset for a node\'s first alone',
         "fi",
