@@ -426,8 +426,13 @@ def test_a_code_snapshot_as_submitted_passes_and_any_change_is_named(tmp_path):
     assert list(snap.glob("trainer/__pycache__/model.*.pyc"))
     lib.run(check).check_returncode()
     cache = snap / "trainer" / "__pycache__"
+    (cache / "model.cpython-311.pyc.140234567").write_bytes(b"\0")  # a rank on another node writing it now
+    lib.run(check).check_returncode()
+    (cache / "model.cpython-311.pyc.140234567").unlink()
     changed(lambda: (cache / "evil.py").write_text("x"), f"{cache}/evil.py was added after submission")
     (cache / "evil.py").unlink()
+    changed(lambda: (cache / "x.pyc.sh").write_text("x"), f"{cache}/x.pyc.sh was added after submission")
+    (cache / "x.pyc.sh").unlink()
     changed(lambda: (cache / "deeper").mkdir() or (cache / "deeper" / "x.pyc").write_text("x"),
             f"{cache}/deeper/x.pyc was added after submission")
     shutil.rmtree(cache / "deeper")

@@ -195,7 +195,10 @@ def test_a_snapshot_changed_in_place_is_found_and_rewritten(checkout):
     assert damage(snap, value.hash) is None
     assert plan_snapshot(checkout / "runs" / STORE, None, checkout).write() == value and model.stat().st_ino == inode
     cache = snap / "trainer" / "__pycache__"
-    for added in (cache / "evil.py", cache / "deeper" / "x.pyc"):
+    (cache / "topology.cpython-311.pyc.140234567").write_bytes(b"\0")  # a rank writing it at this instant
+    assert damage(snap, value.hash) is None
+    (cache / "topology.cpython-311.pyc.140234567").unlink()
+    for added in (cache / "evil.py", cache / "deeper" / "x.pyc", cache / "x.pyc.sh"):
         added.parent.mkdir(exist_ok=True)
         added.write_text("x")
         assert damage(snap, value.hash) == f"{added} was added after submission"

@@ -190,8 +190,9 @@ def damage(snapshot_dir: Path, expected: str) -> Optional[str]:
 
 
 # The bytecode Python caches beside the sources a rank imports (a snapshot holds none of its own:
-# containers/sources.py leaves __pycache__ out): no addition, as verify_code says too.
-_BYTECODE = re.compile(r"(?:^|/)__pycache__/[^/]+\.pyc$")
+# containers/sources.py leaves __pycache__ out), and the file it writes one through (NAME.pyc.ID,
+# renamed into place: a rank starting on another node meanwhile): no addition, as verify_code says too.
+_BYTECODE = re.compile(r"(?:^|/)__pycache__/[^/]+\.pyc(?:\.[0-9]+)?$")
 
 
 @contextlib.contextmanager

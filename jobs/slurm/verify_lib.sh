@@ -4,7 +4,8 @@
 
 # verify_code DIR SHA256 (on a node): the code snapshot DIR is the one submitted: its listing
 # (.slipway-files, jobs/runs/code.py) hashes to SHA256, every file and link matches it, and nothing
-# is added but __pycache__/*.pyc (a snapshot holds none; the ranks write them). Prints what differs,
+# is added but __pycache__/*.pyc (a snapshot holds none; the ranks write them, each through a
+# NAME.pyc.ID renamed into place: another node's rank may be writing one). Prints what differs,
 # returning 1. One sha256sum for every file: well under a second for the trainer.
 verify_code() {
   local dir=$1 want=$2 got kind sum path sums="" out name
@@ -33,7 +34,7 @@ verify_code() {
     return 1
   fi
   while IFS= read -r -d '' path; do
-    [[ ! $path =~ (^|/)__pycache__/[^/]+\.pyc$ ]] || [ -L "$dir/$path" ] || continue
+    [[ ! $path =~ (^|/)__pycache__/[^/]+\.pyc(\.[0-9]+)?$ ]] || [ -L "$dir/$path" ] || continue
     [ "$path" = .slipway-files ] || [ -n "${listed[$path]:-}" ] || { echo "$dir/$path was added after submission"; return 1; }
   done < <(find "$dir" -mindepth 1 \( -type f -o -type l \) -printf '%P\0')
 }
