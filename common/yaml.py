@@ -151,13 +151,15 @@ def line_of(text: str, dotted: str) -> Optional[int]:
     return line
 
 
-def at_line(exc: ConfigError, path: Path, dotted: str) -> ConfigError:
-    """`exc` naming the file `path` and the line where `dotted` is written in it, where it is."""
+def at_line(exc: ConfigError, path: Path, dotted: str, named: bool = True) -> ConfigError:
+    """`exc` with the line where `dotted` is written in `path`, where it is (read again on this error
+    alone: a file gone or changed since only loses the line), and the file's name unless `exc` has it."""
     try:
         line = line_of(read_text_bounded(path, str(path)), dotted)
     except (OSError, UnicodeError, ConfigError):
         line = None
-    return exc if line is None else ConfigError(exc.field, f"{path} line {line}: {str(exc)[len(exc.field) + 2:]}")
+    where = f"{path} line" if named else "line"
+    return exc if line is None else ConfigError(exc.field, f"{where} {line}: {str(exc)[len(exc.field) + 2:]}")
 
 
 def read_text_bounded(path: Path, where: str, limit: int = MAX_TEXT) -> str:

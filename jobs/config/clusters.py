@@ -23,7 +23,7 @@ from typing import Any, Optional
 from common.errors import ConfigError, bounded_path, shown
 from common.fs import NotRegularFile, read_file
 from common.schema import from_dict, part_of, require, to_dict, unknown_key
-from common.yaml import MAX_TEXT, line_of, read_text_bounded, read_yaml
+from common.yaml import MAX_TEXT, at_line, read_yaml
 from containers.record import ImageSection
 from edf.environment import SAFE_NAME, Environment
 from jobs.config.sections import LaunchSection, SlurmSection
@@ -179,12 +179,7 @@ def find_profile(name: str, project_dir: Path, where: str = "--cluster") -> Clus
         try:
             settings = merged(settings, _checked(profile, f"{bounded_path(path)} {name}"))
         except ConfigError as exc:  # the file named once (in the field), the line beside it: "FILE KEY: line N: ..."
-            try:  # read again on this error alone; a file gone or changed since only loses the line
-                line = line_of(read_text_bounded(path, str(path), MAX_TEXT), exc.field.rsplit(" ", 1)[-1])
-            except (OSError, UnicodeError, ConfigError):
-                line = None
-            raise (exc if line is None else ConfigError(exc.field, f"line {line}: {str(exc)[len(exc.field) + 2:]}")) \
-                from None
+            raise at_line(exc, path, exc.field.rsplit(" ", 1)[-1], named=False) from None
     cluster = from_dict(ClusterSection, settings.pop("cluster", None), f"cluster {name}.cluster")
     return ClusterProfile(name, settings, cluster, tuple(str(p) for p, _ in found))
 
