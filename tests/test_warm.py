@@ -299,15 +299,19 @@ print(len(fds) - 3, flush=True)
 """
 
 
+STRING_REPORT = HOSTILE_RANK.replace('b"\\xff not json"', 'b\'{"imported": "csvx"}\'')  # a string, not a list
+
+
 def test_only_a_forked_rank_says_what_it_imported_and_garbage_there_ends_that_channel_only(server, tmp_path):
     """What the next ranks start with comes from the ranks' own report channels, made with each fork:
-    a proven client that claims imports is cut off with nothing learned; a rank that writes garbage
-    on its channel ends that channel only; a rank's real imports are held for the next one."""
+    a proven client that claims imports is cut off with nothing learned; a rank that writes garbage,
+    or a report that is no list, on its channel ends that channel only; a rank's real imports are
+    held for the next one."""
     sock = _proven(server, (server.folder / "41.secret").read_bytes())
     sock.send(json.dumps({"imported": ["wave"]}).encode())
     assert sock.recv(4096) == b""
     sock.close()
-    for name, text in (("hostile.py", HOSTILE_RANK), ("wave_user.py", "import wave\n"),
+    for name, text in (("hostile.py", HOSTILE_RANK), ("report_str.py", STRING_REPORT), ("wave_user.py", "import wave\n"),
                        ("held.py", "import sys\nprint('wave' in sys.modules)\n")):
         (tmp_path / name).write_text(text)
         out, err = server.client([PY, str(tmp_path / name)]).communicate(timeout=60)
@@ -318,7 +322,7 @@ def test_only_a_forked_rank_says_what_it_imported_and_garbage_there_ends_that_ch
             time.sleep(0.05)
         assert name != "hostile.py" or out == "1\n", (out, err)
     assert out == "True\n" and server.proc.poll() is None
-    assert server.log.read_text().count("a connection ended: ") == 2
+    assert server.log.read_text().count("a connection ended: ") == 3  # a report that is no list ends its channel too
 
 
 def test_another_allocations_client_gets_nothing(server, code, tmp_path):

@@ -3,8 +3,6 @@ the other heavy imports, each importing its run's own code (`slipway run`; docs/
 
     python3 .../trainer/warm.py serve SOCKET --code DIR    # one per node, allocation and key (a Slurm step)
 
-Each rank's task, the client, is trainer/warm_rank.py's.
-
 Run as a file: a warm process holds no module of trainer/ nor common/, only its own code
 (warm_rank.CODE: this file and warm_rank.py, a rank's side, imported from its folder). It binds
 SOCKET-NODE.sock in SOCKET's folder, the user's alone, beside the allocation's secret (JOB.secret,
@@ -14,9 +12,6 @@ starts warm only where it then starts as it would cold (`Warm.refusal`: its envi
 PER_LAUNCH, the modules its sys.path finds, unchanged on disk, no thread that outlives a fork),
 with its task's streams, environment, directory, umask, CPUs, sys.path and fresh global generators
 (an unset PYTHONHASHSEED draws one seed per warm process); else its task execs it cold, saying why.
-A client's `node` is the preflight's node check, asked from the host (jobs/slurm/verify_lib.sh): no container
-is entered for it, and it runs as the warm process is (its environment, directory and CPUs) with
-the run's code (RUNS_OWN); where the warm process does not take it, the batch script's node step does.
 """
 
 from __future__ import annotations
@@ -228,7 +223,9 @@ class Warm:
             if not isinstance(message := json.loads(data) if data else None, dict):
                 raise EOFError if not data else ValueError("a message that is no JSON object")
             if state == REPORT:
-                self.learned |= {name for name in message.get("imported", ()) if isinstance(name, str)}
+                if not isinstance(names := message.get("imported"), list):
+                    raise ValueError("a report that is no list of modules")
+                self.learned |= {name for name in names if isinstance(name, str)}
                 self.close(conn)
             elif isinstance(state, tuple):
                 if not hmac.compare_digest(str(message.get("answer")), mac(self.secret, state[0])):

@@ -4,9 +4,12 @@ each rank's task (the client) and the rank the warm process forks (`finish`).
     python3 -S .../trainer/warm_rank.py rank SOCKET -- python3 -m trainer --config ...   # each rank's task
     python3 -S .../trainer/warm_rank.py node SOCKET -- python3 -m trainer.preflight node ...  # from the host
 
-A client is on the way to every rank's start: it imports only what it uses, the standard library's
-lightest. In a warm process, warm.py imports this file from its own folder as `warm_rank`, never as
-a module of the trainer package (a warm process holds none of trainer/ nor common/).
+A client is on the way to every rank's start: it imports only what it uses. `node` is the
+preflight's node check asked from the host (jobs/slurm/verify_lib.sh): no container is entered for
+it, and it runs as the warm process is (its environment, directory and CPUs) with the run's code
+(warm.py's RUNS_OWN); where the warm process does not take it, the batch script's node step does.
+In a warm process, warm.py imports this file from its folder as `warm_rank`, never as a module of
+the trainer package (a warm process holds none of trainer/ nor common/).
 """
 
 from __future__ import annotations
