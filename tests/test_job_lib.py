@@ -805,7 +805,7 @@ def test_warm_up_keeps_one_key_and_starts_warm_processes_only_where_none_answers
         # Each node's warm process runs the preflight's node check with the verification (WARM_CHECK,
         # from the host): its lines are the node step's log, and no node step runs. A node whose warm
         # process did not take it (said in events.log) runs the node step, for every node.
-        check = ('WARM_CHECK=(bash -c \'if [ "$SLURMD_NODENAME" = "$0" ]; then echo "slipway-warm $0: the node '
+        check = ('WARM_CHECK=(10 /no/python3 bash -c \'if [ "$SLURMD_NODENAME" = "$0" ]; then echo "slipway-warm $0: the node '
                  'step runs in a step of its own: it stops" >&2; exit 3; fi; echo "slipway-preflight $SLURMD_NODENAME '
                  'ok: fine"\' {}); PREFLIGHT_LOG=$CALLS.pf; verify_nodes; ')
         r = lib.run(setting + check.format("none") + 'checked_warm && cat "$PREFLIGHT_LOG"')
@@ -814,8 +814,19 @@ def test_warm_up_keeps_one_key_and_starts_warm_processes_only_where_none_answers
         r = lib.run(setting + check.format("node2") + 'checked_warm || echo "node step"')
         assert r.stdout.strip() == "node step" and lib.events()[-1] == \
             "warm: on node2, the node step runs in a step of its own: it stops", (r, lib.events())
-        r = lib.run(setting + "WARM_CHECK=(/no/python3 -S warm.py); verify_nodes; checked_warm || echo node step")
+        r = lib.run(setting + "WARM_CHECK=(10 /no/python3 /no/python3 -S warm.py); verify_nodes; checked_warm || echo node step")
         assert r.returncode == 0 and r.stdout.strip() == "node step", r  # the host has no such interpreter
+        # The client by the interpreter slipway runs under, where the node has it (a PATH's python3
+        # can be a wrapper that costs more than the check), else by the fallback; each bounded by LIMIT.
+        lib.stand_in("mine", 'echo "slipway-preflight $SLURMD_NODENAME ok: by $0 $*"')
+        r = lib.run(setting + f'WARM_CHECK=(10 {tmp_path / "bin" / "mine"} /no/python3 -S w.py); PREFLIGHT_LOG=$CALLS.pf; '
+                    'verify_nodes; checked_warm && cat "$PREFLIGHT_LOG"')
+        assert r.stdout.split("\n")[:2] == [f"slipway-preflight node{i} ok: by {tmp_path / 'bin' / 'mine'} -S w.py"
+                                            for i in (1, 2)], r
+        r = lib.run(setting + "WARM_CHECK=(1 /no/python3 sleep 30); s=$SECONDS; verify_nodes; checked_warm || "
+                    'echo "node step after $((SECONDS - s)) s"')
+        took = r.stdout.strip().removeprefix("node step after ").removesuffix(" s")
+        assert took.isdigit() and int(took) < 20, r  # 1 s on each node, not the 30 s the check would take
         folder.chmod(0o755)
         os.chown(folder, 65534, 65534)  # the same sockets in a folder that is not the user's: none there
         r = lib.run(setting + 'verify_nodes; echo "cold: $WARM_COLD"')

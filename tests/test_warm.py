@@ -444,6 +444,8 @@ def _script(project: Path, *overrides: str) -> tuple[str, str]:
 
 
 def test_slipway_run_starts_its_ranks_and_node_step_through_the_warm_processes(project):
+    from jobs.config import interpreter
+
     text, key = _script(project)
     assert key
     lines = text.splitlines()
@@ -456,10 +458,16 @@ def test_slipway_run_starts_its_ranks_and_node_step_through_the_warm_processes(p
     check, node = [line for line in lines if "trainer.preflight node" in line]
     # The node check: asked of the warm process with the verification, from the host (no container
     # entered), bounded within the verification's bound; else the node step, through the client.
-    assert check.startswith("  WARM_CHECK=(timeout -k 5 150 ") and \
+    # Its client by the interpreter slipway runs under where the node has it, else launch.python (here
+    # slipway's own too), or the host's python3 under a container (no srun step enters it for the check).
+    mine = interpreter(sys.executable)
+    assert check.startswith(f"  WARM_CHECK=(150 {mine} {mine} -S ") and \
         '-S "$CODE_DIR"/trainer/warm_rank.py node "$WARM_SOCKET" -- ' in check and lines.index(check) == i + 3
     assert node.lstrip().startswith('"${WARM_CLIENT[@]}"')
     assert lines[lines.index(node) - 1].startswith("pf_t=$SECONDS; set +e; checked_warm || timeout -k 15 ")
+    (project / "a.sqsh").write_bytes(b"squashfs")
+    pyxis, _ = _script(project, "container.runtime=pyxis", f"container.image={project / 'a.sqsh'}")
+    assert f"  WARM_CHECK=(150 {mine} python3 -S " in pyxis
     start = text[text.index("warm_start() {"):]
     # The warm step: not of this run (a launcher sweeps its processes by these), one task per node.
     assert "env -u SLIPWAY_RUN_DIR -u SLIPWAY_JOB_TAG -u SLIPWAY_CODE -u SLIPWAY_EVENT_JOB setsid srun --overlap" in start

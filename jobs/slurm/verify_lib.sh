@@ -71,12 +71,13 @@ on_every_node() {
 ensure_container() { :; }
 
 # node_check CODE_DIR CODE_SHA256 IMAGE_FILE IMAGE_SHA256 IMAGE_SIZE IMAGE_MTIME [KEPT IDENTITY
-# [WARM_SOCKET [CHECK...]]] (on a node): one line, `slipway-verify NODE ok` (`ok warm`: the user's
-# warm process listens on WARM_SOCKET, and CHECK's lines follow; `ok cgroup`: Slurm tracks the
-# job's processes by cgroup), `... differs: WHAT` (not what was submitted) or `... node: WHAT`
-# (the kept container KEPT could not be readied).
+# [WARM_SOCKET [LIMIT PYTHON FALLBACK ARG...]]] (on a node): one line, `slipway-verify NODE ok` (`ok
+# warm`: the user's warm process listens on WARM_SOCKET, and the lines of its client's check follow,
+# run for at most LIMIT s by PYTHON, else by FALLBACK where this node has no PYTHON; `ok cgroup`:
+# Slurm tracks the job's processes by cgroup), `... differs: WHAT` (not what was submitted) or `...
+# node: WHAT` (the kept container KEPT could not be readied).
 node_check() {
-  local n=${SLURMD_NODENAME:-$(hostname)} why="" w
+  local n=${SLURMD_NODENAME:-$(hostname)} why="" w py
   w="${9:-}-$n.sock"
   if [ -n "$1" ] && ! why=$(verify_code "$1" "$2"); then echo "slipway-verify $n differs: $why"; return 0; fi
   if ! why=$(verify_image "$3" "$4" "$5" "$6"); then echo "slipway-verify $n differs: $why"; return 0; fi
@@ -85,7 +86,10 @@ node_check() {
   if [ -n "${9:-}" ] && [ ! -L "${w%/*}" ] && [ -O "${w%/*}" ] && [ -O "$w" ] && [ -S "$w" ] &&
     awk -v w="$w" '$NF == w { found = 1 } END { exit !found }' /proc/net/unix; then
     echo "slipway-verify $n ok warm${why:+, $why}"
-    if [ $# -gt 9 ]; then shift 9; "$@" 2>&1 || true; fi
+    if [ $# -gt 9 ]; then
+      shift 9; py=$2; [ -x "$py" ] || py=$3
+      timeout -k 5 "$1" "$py" "${@:4}" 2>&1 || true
+    fi
     return 0
   fi
   echo "slipway-verify $n ok${why:+, $why}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -21,7 +22,7 @@ from common.errors import ConfigError
 from common.rundir import CodeSnapshot, RunDir
 from edf import Environment, srun_flags
 from jobs import trainer_door
-from jobs.config import Config
+from jobs.config import Config, interpreter
 from jobs.slurm import preflight
 from jobs.slurm.client import job_steps, signal_steps, srun_argv
 from jobs.slurm.ranks import Expand, Value, container_args, words
@@ -80,15 +81,18 @@ def _cpus_per_node(cfg: Config) -> int:
 
 def settings(warm: Optional[WarmPlan], cfg: Config, paths: RunDir) -> list[str]:
     """The batch script's warm settings, set under `slipway run` alone: WARM_CHECK, the node check the
-    verification asks of the warm process, runs its client by the host's python3 (no srun step
-    enters the container for it), or launch.python's without a container."""
+    verification asks of the warm process from the host (no srun step enters the container for it).
+    Its client needs only the standard library: it runs by the interpreter slipway runs under where
+    a node has it (`python3` on a PATH can be a wrapper that costs more than the check: pyenv's shim
+    takes 0.15 s a start), else by the host's python3, or launch.python's without a container."""
     if warm is None:
         return []
     python = shlex.quote(cfg.launch.python)
     check = []
     if preflight.where(cfg):
         host = "python3" if warm.env.in_container else cfg.launch.python
-        check = [f'  WARM_CHECK=(timeout -k 5 {max(10, cfg.slurm.preflight_timeout // 2)} {shlex.quote(host)} -S '
+        check = [f"  WARM_CHECK=({max(10, cfg.slurm.preflight_timeout // 2)} {shlex.quote(interpreter(sys.executable))} "
+                 f"{shlex.quote(host)} -S "
                  f'"$CODE_DIR"/trainer/warm_rank.py node "$WARM_SOCKET" -- {words(preflight.node_command(cfg, paths))})']
     return [
         "# Warm ranks (`slipway run`, launch.warm; jobs/slurm/warm.py): each rank starts from the node's warm",
