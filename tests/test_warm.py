@@ -175,12 +175,23 @@ def test_a_changed_module_or_environment_starts_cold_and_a_changed_module_retire
     proc = server.client([PY, "-c", "0"], {"RANK": "3", "SLURM_STEP_ID": "9", "SLIPWAY_RUN_DIR": "/r", "MASTER_PORT": "1"})
     assert "its command is not" in proc.communicate(timeout=60)[1]  # the environment passed: -c is what is refused
     shadow = tmp_path / "shadow" / "torch"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("")
-    assert _cold(server, {"PYTHONPATH": f"{shadow.parent}:{server.env['PYTHONPATH']}"}) == \
+    shadow.parent.mkdir()
+    env = {"PYTHONPATH": f"{shadow.parent}:{server.env['PYTHONPATH']}"}
+    rank = tmp_path / "ppid.py"  # a rank that imports what the warm process does not hold: it learns it
+    rank.write_text("import colorsys, os, sys\nprint(os.getppid(), flush=True)\nsys.stdin.read()\n")
+    proc = server.client([PY, str(rank)], env, stdin=subprocess.PIPE)  # warm: what this sys.path finds is known
+    assert proc.stdout.readline().strip() == str(server.proc.pid)
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("")  # then, in the same launch, a folder on it changes: found again
+    assert _cold(server, env) == \
         f"its sys.path finds torch at {shadow / '__init__.py'}, not at {tmp_path / 'site' / 'torch' / '__init__.py'}"
     held = tmp_path / "site" / "torch" / "cuda.py"
-    held.write_text(held.read_text() + "# upgraded\n")
+    held.write_text(held.read_text() + "# upgraded\n")  # while the rank runs; after its end the warm process
+    proc.communicate(timeout=60)  # imports what it learned, and the file it holds stays the one it imported
+    deadline = time.monotonic() + 30
+    while " learned " not in server.log.read_text():
+        assert time.monotonic() < deadline, server.log.read_text()
+        time.sleep(0.05)
     assert _cold(server) == f"{held} changed on disk since the warm process imported it; it stops"
     assert server.proc.wait(timeout=30) == 0 and "stopped" in server.log.read_text()
 

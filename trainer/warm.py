@@ -156,6 +156,7 @@ class Warm:
     def __init__(self, listener: socket.socket, prefix: str, record: dict[str, str]):
         self.listener, self.prefix, self.record = listener, prefix, record  # record: the environment it started with
         self.secret, self.base_path = allocation_secret(prefix), _base_path(os.environ.get("PYTHONPATH", ""))
+        self.stamp: dict[str, tuple] = {}
         self.restamp()
         self.ranks: dict[int, "socket.socket | None"] = {}  # pid -> its client's connection (None: gone)
         # A connection -> its challenge and deadline while unproven, then its rank's pid (0 before the
@@ -204,9 +205,13 @@ class Warm:
                 elif (rank := self.receive(event.data, unsafe)) is not None:
                     return rank
 
-    def restamp(self) -> None:  # the files of the modules held, and the sys.path folders (an install changes one)
+    def restamp(self) -> None:
+        """Stamps for the files of the modules held and the sys.path folders (an install changes one)
+        that have none: a module held keeps the stamp of its import, or a file changed since (while a
+        rank ran, say) would pass for the one held."""
         modules = {f for f in (getattr(m, "__file__", None) for m in list(sys.modules.values())) if isinstance(f, str)}
-        self.stamp = _stamp(modules | set(self.base_path))
+        self.stamp = {**_stamp((modules | set(self.base_path)) - self.stamp.keys()), **self.stamp}
+        self.shadow: tuple = ((), "")  # the last `_shadowed`: (the sys.path a request built, its folders' stamps), its answer
 
     def close(self, conn: socket.socket) -> None:
         if self.conns.pop(conn, None) is not None:
@@ -299,7 +304,11 @@ class Warm:
         if changed := next((f for f in now if now[f] != self.stamp[f]), None):
             self.draining = True
             return f"{changed} changed on disk since the warm process imported it; it stops"
-        return _shadowed(request["path"]) or _fork_unsafe()
+        # The ranks of a launch build one sys.path: found once while no folder on it changes (the
+        # import system's own rule: a finder lists a folder again once its mtime moved).
+        if (key := tuple(_stamp(request["path"]).items())) != self.shadow[0]:
+            self.shadow = key, _shadowed(request["path"])
+        return self.shadow[1] or _fork_unsafe()
 
     def reap(self) -> None:
         with contextlib.suppress(ChildProcessError):
