@@ -143,7 +143,12 @@ def carry_bytecode(new: Path, listing: str, store: Path, mask: int) -> None:
     """Into snapshot `new` (being written), the bytecode the ranks compiled in the store's newest
     other snapshot for each module `new` holds byte for byte (its timestamp made the new file's): a
     code change recompiles what changed, as in a checkout, not every module on every node. Only
-    bytecode valid for the old file whose bytes are still the ones its listing recorded is taken."""
+    this user's bytecode (a teammate's runs root may hold snapshots their ranks compiled), in plain
+    files, valid for the old file whose bytes are still the ones its listing recorded, is taken."""
+    def mine(path: Path) -> bool:  # never a link, a FIFO (reading it would wait forever) or another's
+        st = path.lstat()
+        return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
     try:
         old = max((d for d in store.iterdir() if re.fullmatch(r"[0-9a-f]{16}", d.name)), key=lambda d: d.stat().st_mtime)
         had = {rel: digest for _, digest, rel in (line.split(" ", 2) for line in (old / LISTING).read_text().splitlines())}
@@ -159,9 +164,9 @@ def carry_bytecode(new: Path, listing: str, store: Path, mask: int) -> None:
             stamp = (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little") + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
             # Python's own check of a timestamped .pyc: flags 0, the source's mtime and size.
             found = [(pyc, data) for pyc in ([] if cache.is_symlink() else cache.iterdir())
-                     if re.fullmatch(rf"{stem}\.[^.]+(\.opt-\d)?\.pyc", pyc.name) and not pyc.is_symlink()
+                     if re.fullmatch(rf"{stem}\.[^.]+(\.opt-\d)?\.pyc", pyc.name) and mine(pyc)
                      and (data := pyc.read_bytes())[4:16] == bytes(4) + stamp]
-            if not found or not stat.S_ISREG(st.st_mode) or file_sha256(source) != digest:
+            if not found or not mine(source) or file_sha256(source) != digest:
                 continue
             mtime = (int((new / rel).stat().st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
             (dest := new / os.path.dirname(rel) / "__pycache__").mkdir(mode=0o755 & ~mask, exist_ok=True)
