@@ -22,6 +22,8 @@ fail every later Slurm test of the session.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import time
 import warnings
 from pathlib import Path
@@ -34,7 +36,8 @@ from jobs.devcluster import (ClusterSpec, LocalSlurmCluster, default_state_dir, 
 
 SLURM_NODES = 2
 MAX_ARRAY_SIZE = 4  # small, so that a sweep of five points takes two arrays (tests/test_sweep.py)
-_RUNNING: list[LocalSlurmCluster] = []  # the session's cluster, once started
+# The clusters up now (the session's, the pyxis tier's), each with the PATH its daemons start with.
+_RUNNING: list[tuple[LocalSlurmCluster, str]] = []
 
 
 @pytest.fixture(scope="session")
@@ -49,13 +52,25 @@ def slurm_cluster() -> Iterator[LocalSlurmCluster]:
                                             max_array_size=MAX_ARRAY_SIZE))
     atexit.register(cluster.down, check=False)
     cluster.up()
-    _RUNNING.append(cluster)
     try:
-        yield cluster
+        with kept_up(cluster, os.environ["PATH"]):
+            yield cluster
     finally:
-        _RUNNING.clear()
         cluster.down()
         atexit.unregister(cluster.down)
+
+
+@contextlib.contextmanager
+def kept_up(cluster: LocalSlurmCluster, path: str) -> Iterator[None]:
+    """While this lasts, a dead slurmd of `cluster` is started again before each test, ahead of its
+    fixtures, with `path` as its PATH (the pyxis tier's puts its enroot first: pyxis runs the one
+    its slurmd finds)."""
+    entry = (cluster, path)
+    _RUNNING.append(entry)
+    try:
+        yield
+    finally:
+        _RUNNING.remove(entry)
 
 
 @pytest.fixture
@@ -89,9 +104,11 @@ def restart_dead_nodes(cluster: LocalSlurmCluster, timeout: float = 60) -> list[
 
 
 def restart_dead_session_nodes() -> None:
-    """Bring back the session cluster's nodes whose slurmd died (see the module docstring)."""
-    for cluster in _RUNNING:
-        names = restart_dead_nodes(cluster)
+    """Bring back the nodes whose slurmd died, of every cluster kept up (see the module docstring)."""
+    for cluster, path in list(_RUNNING):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PATH", path)
+            names = restart_dead_nodes(cluster)
         if names:
             warnings.warn(f"slurmd of {', '.join(names)} had exited and was started again (its log: "
                           f"{cluster.spec.log_dir})", stacklevel=1)

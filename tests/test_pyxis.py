@@ -38,7 +38,7 @@ import pytest
 
 from conftest import default_signals
 from jobs.devcluster import ClusterSpec, LocalSlurmCluster, default_state_dir, read_registry, unavailable_reason
-from slurm_fixtures import restart_dead_nodes
+from slurm_fixtures import kept_up
 from test_dev_loop import checkout, mark_parent
 from test_e2e import FINISHED, complete_checkpoints, steps_logged, wait_for
 
@@ -90,8 +90,14 @@ class Lab:
         return self.cluster.spec.node_names
 
     def slipway(self, *args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, timeout=timeout,
-                              cwd=self.project, env=env or self.env)
+        try:
+            return subprocess.run([PY, "-m", "jobs", *args], capture_output=True, text=True, timeout=timeout,
+                                  cwd=self.project, env=env or self.env)
+        except subprocess.TimeoutExpired:  # say what the cluster was doing meanwhile
+            said = {argv[0]: subprocess.run(argv, env=self.env, capture_output=True, text=True).stdout
+                    for argv in (["squeue", "-o", "%i %T %R"], ["sinfo", "-N", "-o", "%N %T %E"])}
+            dead = [p["role"] for p in self.cluster.status().get("processes", []) if not p["alive"]]
+            pytest.fail(f"slipway {' '.join(args[:4])} ... ran past {timeout} s; {said}; daemons exited: {dead}")
 
     def submit(self, name: str, *args: str) -> str:
         """`slipway submit` of run `name` in the image, not followed: its job id."""
@@ -184,18 +190,11 @@ def lab(tmp_path_factory) -> Lab:
         cluster = LocalSlurmCluster(spec).up()
     try:
         named = f"pyxis_slipway-{Project.of(build_root(project, 'containers/Dockerfile')).token}-"
-        yield Lab(cluster, project, {**env, **cluster.env()}, image, record["squashfs"], record["hash"],
-                  f"{named}i{record['hash'][:16]}")
+        with kept_up(cluster, path):  # as the session cluster: before each test's fixtures, the readme's too
+            yield Lab(cluster, project, {**env, **cluster.env()}, image, record["squashfs"], record["hash"],
+                      f"{named}i{record['hash'][:16]}")
     finally:
         cluster.down()
-
-
-@pytest.fixture(autouse=True)
-def nodes_up(lab: Lab) -> None:
-    """A slurmd that died (Debian's 22.05 has aborted in glibc's heap check) is not under test."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PATH", lab.env["PATH"])
-        restart_dead_nodes(lab.cluster)
 
 
 def train_losses(run_dir: Path) -> list[tuple[int, float]]:
