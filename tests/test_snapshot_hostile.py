@@ -8,13 +8,11 @@ modes the store's files get under the user's umask.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -216,69 +214,6 @@ def test_a_snapshot_changed_in_place_is_found_and_rewritten(checkout):
     (snap / "common" / "__pycache__").unlink()
     (snap / "trainer" / "data.py").unlink()
     assert damage(snap, value.hash) == f"{snap / 'trainer' / 'data.py'} is missing"
-
-
-def _compiled_anew(snapshot: Path, modules: str) -> list[str]:
-    """Import `modules` from `snapshot` as a rank does (bytecode written beside the sources): the
-    files Python compiled, not taken from their bytecode."""
-    probe = ("import importlib.machinery as m, sys\nseen = []\nto_code = m.SourceFileLoader.source_to_code\n"
-             "m.SourceFileLoader.source_to_code = lambda self, data, path, **kw: seen.append(path) or to_code(self, data, path, **kw)\n"
-             f"import {modules}\nimport json\nprint(json.dumps(seen))\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"PYTHONPATH": str(snapshot)}
-    out = subprocess.run([sys.executable, "-c", probe], cwd="/", env=env, capture_output=True, text=True, check=True)
-    return [os.path.relpath(p, snapshot) for p in json.loads(out.stdout)]
-
-
-def test_a_code_change_compiles_only_what_changed(checkout):
-    """Each snapshot is a new folder: its ranks would compile every module again. The bytecode the
-    ranks compiled for the previous snapshot comes along for each module unchanged byte for byte,
-    only where it is valid for the file its listing names; the snapshot stays whole."""
-    store = checkout / "runs" / STORE
-    one = Path(plan_snapshot(store, None, checkout).write().dir)
-    assert _compiled_anew(one, "common.fs, common.tagged") == ["common/__init__.py", "common/fs.py", "common/tagged.py"]
-    init = checkout / "common" / "__init__.py"
-    init.write_text(init.read_text() + "# changed\n")
-    value = plan_snapshot(store, None, checkout).write()
-    two = Path(value.dir)
-    assert damage(two, value.hash) is None and not list(two.glob("common/__pycache__/__init__.*"))
-    assert _compiled_anew(two, "common.fs, common.tagged") == ["common/__init__.py"]
-    # Hostile: the newest snapshot's file changed in place, and compiled so, is not the one listed;
-    # bytecode recorded for another size or time of its file is stale; a cache that is a link is not
-    # the snapshot's. None of them comes along.
-    for path in (two / "common" / "tagged.py", two / "common" / "__pycache__"):
-        os.chmod(path, 0o755)
-    tagged = two / "common" / "tagged.py"
-    tagged.write_text(tagged.read_text().replace("The one", "THE ONE", 1))  # the same size
-    os.utime(tagged, (tagged.stat().st_mtime + 5,) * 2)  # Python tells bytecode by its source's size and second
-    assert _compiled_anew(two, "common.tagged") == ["common/tagged.py"]
-    fs = next((two / "common" / "__pycache__").glob("fs.*.pyc"))
-    fs.write_bytes(fs.read_bytes()[:12] + (1).to_bytes(4, "little") + fs.read_bytes()[16:])
-    init.write_text(init.read_text() + "# again\n")
-    three = Path(plan_snapshot(store, None, checkout).write().dir)
-    assert _compiled_anew(three, "common.fs, common.tagged") == ["common/__init__.py", "common/fs.py", "common/tagged.py"]
-    shutil.rmtree(three / "common" / "__pycache__")
-    (three / "common" / "__pycache__").symlink_to(one / "common" / "__pycache__")
-    init.write_text(init.read_text() + "# and again\n")
-    four = Path(plan_snapshot(store, None, checkout).write().dir)
-    assert not (four / "common" / "__pycache__").exists()
-    # A FIFO where bytecode would be is never read (it would wait forever); the rest comes along.
-    assert len(_compiled_anew(four, "common.fs, common.tagged")) == 3
-    fifo = next((four / "common" / "__pycache__").glob("fs.*.pyc"))
-    fifo.unlink()
-    os.mkfifo(fifo)
-    init.write_text(init.read_text() + "# a fourth time\n")
-    writer = threading.Thread(target=lambda: plan_snapshot(store, None, checkout).write(), daemon=True)
-    writer.start()
-    writer.join(60)
-    assert not writer.is_alive(), "the snapshot's write waited on a FIFO"
-    five = max((d for d in store.iterdir() if len(d.name) == 16), key=lambda d: d.stat().st_mtime)
-    assert _compiled_anew(five, "common.fs, common.tagged") == ["common/__init__.py", "common/fs.py"]
-    if os.geteuid() == 0:  # a teammate's snapshot in a shared runs root: what their ranks compiled stays theirs
-        for path in [five, *five.rglob("*")]:
-            os.lchown(path, 65534, 65534)
-        init.write_text(init.read_text() + "# a fifth time\n")
-        six = Path(plan_snapshot(store, None, checkout).write().dir)
-        assert not (six / "common" / "__pycache__").exists()
 
 
 def test_an_unreadable_directory_is_refused_naming_it(tmp_path):

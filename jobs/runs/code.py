@@ -23,7 +23,6 @@ import os
 import re
 import time
 import shutil
-import stat
 import tempfile
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -124,7 +123,6 @@ class Snapshot:
             mask = os.umask(0o022)
             os.umask(mask)
             copy_into(self._files, tmp, file_mode=0o444 & ~mask, exec_mode=0o555 & ~mask, dir_mode=0o755 & ~mask)
-            carry_bytecode(tmp, self._listing, target.parent, mask)
             (tmp / LISTING).write_text(self._listing)
             os.chmod(tmp / LISTING, 0o444 & ~mask)
             try:
@@ -137,42 +135,6 @@ class Snapshot:
         finally:
             if tmp.exists():
                 _remove(tmp)
-
-
-def carry_bytecode(new: Path, listing: str, store: Path, mask: int) -> None:
-    """Into snapshot `new` (being written), the bytecode the ranks compiled in the store's newest
-    other snapshot for each module `new` holds byte for byte (its timestamp made the new file's): a
-    code change recompiles what changed, as in a checkout, not every module on every node. Only
-    this user's bytecode (a teammate's runs root may hold snapshots their ranks compiled), in plain
-    files, valid for the old file whose bytes are still the ones its listing recorded, is taken."""
-    def mine(path: Path) -> bool:  # never a link, a FIFO (reading it would wait forever) or another's
-        st = path.lstat()
-        return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
-
-    try:
-        old = max((d for d in store.iterdir() if re.fullmatch(r"[0-9a-f]{16}", d.name)), key=lambda d: d.stat().st_mtime)
-        had = {rel: digest for _, digest, rel in (line.split(" ", 2) for line in (old / LISTING).read_text().splitlines())}
-    except (OSError, ValueError):  # no other snapshot, or not one to read
-        return
-    for kind, digest, rel in (line.split(" ", 2) for line in listing.splitlines()):
-        if kind == "l" or not rel.endswith(".py") or had.get(rel) != digest:
-            continue
-        source, cache = old / rel, old / os.path.dirname(rel) / "__pycache__"
-        stem = re.escape(os.path.basename(rel)[:-3])
-        with contextlib.suppress(OSError):
-            st = source.lstat()
-            stamp = (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little") + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
-            # Python's own check of a timestamped .pyc: flags 0, the source's mtime and size.
-            found = [(pyc, data) for pyc in ([] if cache.is_symlink() else cache.iterdir())
-                     if re.fullmatch(rf"{stem}\.[^.]+(\.opt-\d)?\.pyc", pyc.name) and mine(pyc)
-                     and (data := pyc.read_bytes())[4:16] == bytes(4) + stamp]
-            if not found or not mine(source) or file_sha256(source) != digest:
-                continue
-            mtime = (int((new / rel).stat().st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
-            (dest := new / os.path.dirname(rel) / "__pycache__").mkdir(mode=0o755 & ~mask, exist_ok=True)
-            for pyc, data in found:
-                (dest / pyc.name).write_bytes(data[:8] + mtime + data[12:])
-                os.chmod(dest / pyc.name, 0o644 & ~mask)
 
 
 def _remove(path: Path) -> None:
