@@ -341,6 +341,9 @@ def test_image_containers_prints_each_line_as_it_comes_and_says_it_is_alive(tmp_
     deleting = next(t for t, text in seen if "deleting the files" in text)
     assert deleting - t0 < seen[-1][0] - t0 - 1.0  # said before the deleting ended, not with the end
     assert (data / "pyxis_slipway-pbbbbbbbbbbbb-iold").is_dir() and not (data / f"pyxis_slipway-{token}-iold").exists()
+    # One node that cannot tell (no enroot there) must not cut the others' answers short: under
+    # KillOnBadExit=1, as the local cluster and many sites have it, srun would kill their tasks.
+    assert "--kill-on-bad-exit=0" in calls(bin_dir, "srun")[-1]["argv"]
 
 
 def quiet():

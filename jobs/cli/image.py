@@ -117,8 +117,9 @@ def containers(cfg: Config, *, nodes: str | None, remove: bool, console: Console
               '{ echo "$node: enroot is not on this node\'s PATH (the one this command runs with): its containers cannot be listed"; exit 1; }\n'
               f'{sweep} 2>&1 | {{ said=0; while IFS= read -r line; do said=1; printf "%s: %s\\n" "$node" "$line"; done; '
               '[ "$said" = 1 ] || echo "$node: none of this project\'s"; }')
+    # --kill-on-bad-exit=0: a node that cannot tell must not cut another's answer short (KillOnBadExit=1 is common).
     argv = srun_argv(nodes=len(names), cpus_per_task=1, account=cfg.slurm.account, partition=cfg.slurm.partition,
-                     extra=[f"--nodelist={','.join(names)}", "--job-name=slipway-containers", "bash", "-c", script])
+                     kill_on_bad_exit=False, extra=[f"--nodelist={','.join(names)}", "--job-name=slipway-containers", "bash", "-c", script])
     console.print(f"[bold]{'removing' if remove else 'listing'}[/] slipway's pyxis containers on "
                   f"{escape(','.join(names))}", highlight=False)
     lines: list[str] = []
