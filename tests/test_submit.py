@@ -132,6 +132,17 @@ def test_show_logs_exit_code_is_the_jobs(project, slurm_env):
     assert status.returncode == 0 and "fails" in status.stdout and "FAILED" in status.stdout
 
 
+@pytest.mark.slurm
+def test_show_logs_says_why_a_job_waits(project, slurm_env):
+    """A job that cannot start yet is followed with Slurm's reason (a node down, a hold, a start
+    time), not a bare PENDING that reads as a hang."""
+    r = slipway("submit", "tiny_cpu", "--run-name", "later", *task("print('ran at last')"),
+                "slurm.extra=[--begin=now+4]", "--show-logs")
+    assert r.returncode == 0 and "ran at last" in r.stdout, (r.stdout, r.stderr)
+    job = json.loads((project / "runs" / "later" / "manifest.json").read_text())["submissions"][0]["job_id"]
+    assert f"job {job}: PENDING (BeginTime)" in r.stdout, r.stdout
+
+
 def sleeper(project: Path, name: str) -> str:
     """A job of run `name` that trains nothing and sleeps, once its output says it is up: its id."""
     r = slipway("submit", "tiny_cpu", "--parsable", "--run-name", name,

@@ -124,7 +124,9 @@ def follow_logs(run: runs.Run, job_id: str, on_state: Optional[Callable[[str], N
         own = run.events_of(launch)
         settled = lifecycle.settled(launch, own)
         info = None if settled else slurm.job_info(job_id)
-        state = lifecycle.launch_state(launch, own).state if settled else info.state if info else "UNKNOWN"
+        # Slurm's reason with its state: a job that cannot start says why (a node down, held), not only "PENDING".
+        state = (lifecycle.launch_state(launch, own).state if settled else "UNKNOWN" if info is None else
+                 f"{info.state} ({info.reason})" if info.reason and info.active else info.state)
         if state != last_state and on_state:
             on_state(state)
         last_state = state
