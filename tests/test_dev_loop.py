@@ -468,6 +468,10 @@ def test_warm_ranks_in_an_allocation(project, slurm_env):
                    if Path(f"/proc/{pid}/stat").exists()}
         return [pid for pid, parent in parents.items() if parent not in found]
 
+    def left() -> list[str]:
+        """What of the allocation's is in the warm processes' folder on the nodes (this machine's /dev/shm)."""
+        return [p.name for p in Path(f"/dev/shm/slipway-warm-{os.getuid()}").glob(f"{job}[.-]*")]
+
     def starts(run_name: str) -> list[str]:
         return sorted(line.split(" warm: ", 1)[1] for line in (runs / run_name / "events.log").read_text().splitlines()
                       if " warm: rank " in line)
@@ -557,6 +561,7 @@ def test_warm_ranks_in_an_allocation(project, slurm_env):
         while warm_steps() or servers():
             assert time.monotonic() < deadline + 60, (warm_steps(), servers())
             time.sleep(0.5)
+        assert not left(), left()  # their sockets, locks and the allocation's secret
 
         # Started again, then the allocation ends: none outlives it.
         again = run("--run-name", "w4")
@@ -567,6 +572,7 @@ def test_warm_ranks_in_an_allocation(project, slurm_env):
     while servers():
         assert time.monotonic() < deadline, f"warm processes outlived allocation {job}: {servers()}"
         time.sleep(0.5)
+    assert not left(), left()
 
 
 @pytest.mark.slurm

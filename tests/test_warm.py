@@ -66,10 +66,10 @@ def test_the_warm_process_imports_what_the_code_imports_at_module_level_never_th
 class Server:
     """A warm process of allocation `job` on node n1 (a folder of the test's own for its socket)."""
 
-    def __init__(self, code: Path, tmp: Path, job: str = "41", folder: Path | None = None, **env: str):
+    def __init__(self, code: Path, tmp: Path, job: str = "41", folder: Path | None = None, key: str = "k1", **env: str):
         self.folder = folder or Path(tempfile.mkdtemp(prefix="slipway-warm-", dir="/tmp")) / "w"
-        self.prefix, self.log = f"{self.folder}/{job}-k1", tmp / f"warm-{job}.out"
-        self.env = {**os.environ, "PYTHONPATH": f"{code}:{tmp / 'site'}", "SLIPWAY_WARM_ID": "k1", "PYTHONSAFEPATH": "1",
+        self.prefix, self.log = f"{self.folder}/{job}-{key}", tmp / f"warm-{job}-{key}.out"
+        self.env = {**os.environ, "PYTHONPATH": f"{code}:{tmp / 'site'}", "SLIPWAY_WARM_ID": key, "PYTHONSAFEPATH": "1",
                     "SLURM_JOB_ID": job, "SLURMD_NODENAME": "n1", **env}
         self.proc = subprocess.Popen([PY, str(WARM), "serve", self.prefix, "--code", str(code)], env=self.env,
                                      stdout=self.log.open("w"), stderr=subprocess.STDOUT, cwd=tmp)
@@ -347,6 +347,49 @@ def test_another_allocations_client_gets_nothing(server, code, tmp_path):
         assert _cold(server, {"SLURM_JOB_ID": "43"}).startswith("no secret of this allocation's")
     finally:
         other.done()
+
+
+def test_a_warm_process_leaves_nothing_behind_and_sweeps_what_one_killed_outright_left(code, tmp_path):
+    """On a node's /dev/shm, allocation after allocation: a warm process that stops removes its files,
+    and the allocation's secret with the last of its warm processes there; what one killed outright
+    left (SIGKILL at its allocation's end) goes when a later allocation's warm process starts, and
+    never anything of an allocation whose warm process lives."""
+    killed = Server(code, tmp_path, job="40")
+    folder = killed.folder
+    live, servers = Server(code, tmp_path, job="41", folder=folder), [killed]
+    servers.append(live)
+    rank = tmp_path / "r.py"
+    rank.write_text("import os\nprint(os.getppid())\n")
+
+    def files() -> list[str]:
+        return sorted(p.name for p in folder.iterdir())
+
+    def stop(server: Server) -> None:
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0 and "stopped" in server.log.read_text()
+
+    try:
+        killed.proc.kill()
+        killed.proc.wait()
+        left = ["40-k1-n1.lock", "40-k1-n1.sock", "40.secret"]
+        assert files() == [*left, "41-k1-n1.lock", "41-k1-n1.sock", "41.secret"]
+        servers += [Server(code, tmp_path, job="42", folder=folder, key=key) for key in ("k1", "k2", "k3")]
+        assert files() == ["41-k1-n1.lock", "41-k1-n1.sock", "41.secret", "42-k1-n1.lock", "42-k1-n1.sock",
+                           "42-k2-n1.lock", "42-k2-n1.sock", "42-k3-n1.lock", "42-k3-n1.sock", "42.secret"]
+        proc = live.client([PY, str(rank)])
+        out, err = proc.communicate(timeout=60)
+        assert int(out) == live.proc.pid and "started warm" in err, (out, err)  # the live allocation's, untouched
+        servers[4].proc.kill()
+        servers[4].proc.wait()
+        stop(servers[2])
+        assert files() == ["41-k1-n1.lock", "41-k1-n1.sock", "41.secret", "42-k2-n1.lock", "42-k2-n1.sock",
+                           "42-k3-n1.lock", "42-k3-n1.sock", "42.secret"]
+        stop(servers[3])  # 42's last live warm process on the node: all of 42's goes, its killed sibling's too
+        stop(live)
+        assert files() == []
+    finally:
+        for server in servers:
+            server.done()
 
 
 def test_another_users_client_and_folder_are_refused(code, tmp_path, teammate):

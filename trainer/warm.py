@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import fcntl
+import glob
 import hmac
 import importlib.util
 import json
@@ -36,7 +37,7 @@ from pathlib import Path
 _rank_spec = importlib.util.spec_from_file_location("warm_rank", Path(__file__).with_name("warm_rank.py"))
 sys.modules["warm_rank"] = importlib.util.module_from_spec(_rank_spec)
 _rank_spec.loader.exec_module(sys.modules["warm_rank"])
-from warm_rank import CODE, MAX_MESSAGE, NODE, OWN, Cold, allocation_secret, finish, mac, say, send
+from warm_rank import CODE, MAX_MESSAGE, NODE, OWN, Cold, allocation_secret, finish, mac, say, secret_path, send
 
 PROOF_SECONDS = 10  # a connection that has not proved itself by then is closed
 REPORT = "report"  # a forked rank's channel back (Warm.conns)
@@ -321,24 +322,57 @@ class Warm:
                     self.close(conn)
 
 
+def _hold_secret(prefix: str) -> int:
+    """The allocation's secret made, then held shared for this process's life (`_clear`)."""
+    for _ in range(5):  # its last holder may remove it between the two
+        allocation_secret(prefix, create=True)
+        held = os.open(secret_path(prefix), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fcntl.flock(held, fcntl.LOCK_SH)
+        with contextlib.suppress(FileNotFoundError):
+            if os.fstat(held).st_ino == os.lstat(secret_path(prefix)).st_ino:
+                return held
+        os.close(held)
+    raise Cold("the allocation's secret was removed as soon as made")
+
+
+def _clear(folder: Path, job: str, fd: int) -> None:
+    """Allocation `job`'s files here gone where its secret (open as `fd`, then closed) can be held
+    alone: no warm process of it lives on this node, as each holds it shared, and one starting waits
+    for this, then makes a new secret before any file of its own. A warm process's end clears its
+    own allocation's (its last one here), its start others' (left by those killed outright: SIGKILL
+    at their allocation's end, the OOM killer)."""
+    secret = folder / f"{job}.secret"
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_ino == secret.lstat().st_ino:
+            for left in [*folder.glob(f"{glob.escape(job)}-*"), secret]:
+                left.unlink(missing_ok=True)
+    os.close(fd)
+
+
 def serve(prefix: str, code_dir: Path) -> "dict | None":
     """Serve SOCKET until SIGTERM and no rank is left (None), or return in a forked child (its request)."""
-    path = f"{prefix}-{NODE}.sock"
+    path, mine, held, lock = f"{prefix}-{NODE}.sock", Path(secret_path(prefix)), -1, -1
     try:
         with contextlib.suppress(FileExistsError):
             os.mkdir(Path(prefix).parent, 0o700)
-        allocation_secret(prefix, create=True)
+        allocation_secret(prefix, create=True)  # (the folder's owner and mode checked first)
+        for other in mine.parent.glob("*.secret"):
+            if other != mine and not other.name.startswith("."):
+                with contextlib.suppress(OSError):
+                    _clear(mine.parent, other.stem, os.open(other, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
+        held = _hold_secret(prefix)
         lock = os.open(path[:-5] + ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for life: one warm process per name
-        except BlockingIOError:
-            return say(" already served")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for life: one warm process per name
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # left by a warm process killed outright: the lock says none serves it
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(path)
     except (Cold, OSError) as exc:
-        return say(f" cannot serve: {exc}")
+        for fd in (lock, held):
+            if fd >= 0:
+                os.close(fd)
+        return say(" already served" if isinstance(exc, BlockingIOError) else f" cannot serve: {exc}")
     listener.listen(64)
     say(" bound")
     record, started, before = dict(os.environ), time.monotonic(), len(sys.modules)
@@ -346,8 +380,13 @@ def serve(prefix: str, code_dir: Path) -> "dict | None":
     unsafe = _fork_unsafe()
     say(f" ready: {len(sys.modules) - before} modules in {time.monotonic() - started:.1f} s"
          f"{'; every rank starts cold: ' + unsafe if unsafe else ''}")
-    if (rank := Warm(listener, prefix, record).serve(unsafe)) is not None:
-        os.close(lock)  # a rank must not hold the name: a warm process started after this one ends takes it
+    if (rank := Warm(listener, prefix, record).serve(unsafe)) is None:
+        with contextlib.suppress(OSError):  # (held: one starting under this name meanwhile says "already served")
+            os.unlink(path[:-5] + ".lock")
+        _clear(mine.parent, mine.stem, held)
+    else:  # a rank holds neither the name nor the secret: a warm process started after this one ends takes them
+        os.close(held)
+    os.close(lock)
     return rank
 
 

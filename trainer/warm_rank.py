@@ -59,14 +59,17 @@ def mac(secret: bytes, challenge: object) -> str:
     return hmac.new(secret, str(challenge).encode(), "sha256").hexdigest()
 
 
+def secret_path(prefix: str) -> str:
+    return os.path.join(os.path.dirname(prefix), f"{os.environ.get('SLURM_JOB_ID') or 'none'}.secret")
+
+
 def allocation_secret(prefix: str, create: bool = False) -> bytes:
     """This allocation's secret, in SOCKET's folder, which must be this user's alone; made once,
     whole under another name, then linked (never seen half made, whoever is first)."""
-    folder = os.path.dirname(prefix)
+    folder, path = os.path.dirname(prefix), secret_path(prefix)
     st = os.lstat(folder)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise Cold(f"{folder} is not a folder of this user's closed to others: not a warm process's")
-    path = os.path.join(folder, f"{os.environ.get('SLURM_JOB_ID') or 'none'}.secret")
     tmp = os.path.join(folder, f".{os.getpid()}.secret")
     if create and not os.path.exists(path):
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
