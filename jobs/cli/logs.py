@@ -104,11 +104,36 @@ class _Tail:
 
 LAST_LINES_SECONDS = 90.0  # the curves' step's bound (jobs/slurm/script.py), and its container's start
 POLL_SECONDS = 1.0
+GONE_POLLS = 5  # polls without any record of the job before its end is read from events.log
+
+
+class JobPoll:
+    """A Slurm job's state, poll after poll, as `watch`, `logs -f` and `submit --show-logs` follow it:
+    events.log's once it settles the end (Slurm no longer asked), else Slurm's, with its reason while
+    the job is active (a job that cannot start says why: a node down, a hold, not a bare PENDING);
+    where slurmctld forgot the job and there is no accounting, events.log's after GONE_POLLS polls."""
+
+    def __init__(self, run: runs.Run, job_id: str):
+        self.run, self.launch, self.gone = run, run.launch(job_id) or Launch(job_id=job_id), 0
+
+    def __call__(self) -> tuple[lifecycle.LaunchState, Optional[slurm.JobInfo], bool]:
+        """(the state, Slurm's record of the job if it was asked and has one, whether the job ended)."""
+        own = self.run.events_of(self.launch)
+        if lifecycle.settled(self.launch, own):
+            return lifecycle.launch_state(self.launch, own), None, True
+        if (info := slurm.job_info(self.launch.id)) is None:
+            self.gone += 1
+            ended = self.gone >= GONE_POLLS
+            return lifecycle.launch_state(self.launch, own) if ended else lifecycle.LaunchState(lifecycle.UNKNOWN), None, ended
+        self.gone = 0
+        if info.active:
+            return lifecycle.LaunchState(info.state, reason=info.reason), info, False
+        return lifecycle.launch_state(self.launch, own, info), info, True
 
 
 def follow_logs(run: runs.Run, job_id: str, on_state: Optional[Callable[[str], None]] = None) -> int:
     """Print the job's logs as they grow until it ends (their paths known before it starts: no line is
-    missed); its exit code. Slurm is asked once a poll, and no more once events.log settles the end."""
+    missed); its exit code. `on_state` is told each new state (`JobPoll`)."""
     tails = [_Tail(run.log_path(job_id, "output"), sys.stdout, run)]  # the streams of now, not of import time
     if (err_path := run.log_path(job_id, "error")) != tails[0].path:
         tails.append(_Tail(err_path, sys.stderr, run))
@@ -117,35 +142,25 @@ def follow_logs(run: runs.Run, job_id: str, on_state: Optional[Callable[[str], N
         for t in tails:
             t.pump()
 
-    launch = run.launch(job_id) or Launch(job_id=job_id)
-    last_state, gone = None, 0
+    poll, last_state = JobPoll(run, job_id), None
     while True:
         pump()
-        own = run.events_of(launch)
-        settled = lifecycle.settled(launch, own)
-        info = None if settled else slurm.job_info(job_id)
-        # Slurm's reason with its state: a job that cannot start says why (a node down, held), not only "PENDING".
-        state = (lifecycle.launch_state(launch, own).state if settled else "UNKNOWN" if info is None else
-                 f"{info.state} ({info.reason})" if info.reason and info.active else info.state)
-        if state != last_state and on_state:
-            on_state(state)
-        last_state = state
-        if settled or (info is not None and not info.active):
+        state, info, ended = poll()
+        shown = f"{state.state} ({state.reason})" if state.reason and not ended else state.state
+        if shown != last_state and on_state:
+            on_state(shown)
+        last_state = shown
+        if ended:
             # After its recorded end a job still writes its last lines (its curves, drawn in a
             # step of its own, then how it ended): followed while Slurm has it, for so long at most
             # after that end; an end recorded longer ago, or the log's last line, says they are written.
-            end = lifecycle.final_end(lifecycle.last_attempt(own)) if settled else None
-            ended = end.when if end is not None else None
+            end = lifecycle.final_end(lifecycle.last_attempt(run.events_of(poll.launch)))
             deadline = time.monotonic() + LAST_LINES_SECONDS - (
-                (datetime.now(timezone.utc) - ended).total_seconds() if ended else LAST_LINES_SECONDS)
+                (datetime.now(timezone.utc) - end.when).total_seconds() if end else LAST_LINES_SECONDS)
             while time.monotonic() < deadline and not tails[0].ended and getattr(slurm.job_info(job_id), "active", False):
                 pump()
                 time.sleep(POLL_SECONDS)
             time.sleep(POLL_SECONDS)  # the last lines may land just after the end
             pump()
-            return lifecycle.launch_state(launch, run.events_of(launch), info).final_exit
-        gone += info is None
-        if gone > 5:  # slurmctld forgot the job and there is no accounting: events.log tells
-            pump()
-            return run.state(launch, ask_slurm=False).final_exit
+            return lifecycle.launch_state(poll.launch, run.events_of(poll.launch), info).final_exit
         time.sleep(POLL_SECONDS)

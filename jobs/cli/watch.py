@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from jobs import runs, slurm
-from jobs.cli.logs import job_arg
+from jobs.cli.logs import JobPoll, job_arg
 from jobs.runs import lifecycle
 from jobs.runs.manifest import Launch
 from jobs.slurm.script import NODE_HEARTBEAT_SECONDS
@@ -34,7 +34,6 @@ EVENTS_SHOWN = 8
 GUTIL_TAIL_BYTES = 64 << 10  # the latest samples of up to 8 GPUs, many times over
 PROGRESS_BYTES = 64 << 10
 LOCAL = LOCAL_JOB  # the job id events.log gives launches on this machine
-GONE_POLLS = 5  # polls without any record of the job before its end is read from events.log
 _RED = lifecycle.FAILURE_KINDS | {EventKind.CANCELLED}
 _YELLOW = frozenset({EventKind.RETRY, EventKind.TIME_LIMIT_REQUEUE, EventKind.TIME_LIMIT_WARNING,
                      EventKind.TIME_LIMIT_STOP})
@@ -122,7 +121,7 @@ class Watcher:
 
     def __init__(self, run: runs.Run, job_id: str):
         self.run, self.job_id = run, job_id
-        self._gone = 0
+        self._poll = JobPoll(run, job_id)
         self._launch: Optional[Launch] = None  # the local launch watched: the latest when watching began
         self._hosts: dict[str, list[str]] = {}
         self.total_steps: Optional[int] = run.total_steps()
@@ -144,20 +143,8 @@ class Watcher:
 
     def _slurm(self) -> tuple[lifecycle.LaunchState, str, str, bool]:
         """(state, nodes, elapsed, ended) of the job."""
-        launch = self.run.launch(self.job_id) or Launch(job_id=self.job_id)
-        own = self.run.events_of(launch)
-        if lifecycle.settled(launch, own):
-            return lifecycle.launch_state(launch, own), "", "", True
-        info = slurm.job_info(self.job_id)
-        if info is None:  # slurmctld forgot the job and there is no accounting: events.log says
-            self._gone += 1
-            if self._gone < GONE_POLLS:
-                return lifecycle.LaunchState(lifecycle.UNKNOWN), "", "", False
-            return self.run.state(launch, ask_slurm=False), "", "", True
-        self._gone = 0
-        if info.active:
-            return lifecycle.LaunchState(info.state, reason=info.reason), info.nodes, info.elapsed, False
-        return self.run.state(launch, info), info.nodes, info.elapsed, True
+        state, info, ended = self._poll()
+        return state, info.nodes if info else "", info.elapsed if info else "", ended
 
     def _local(self) -> tuple[lifecycle.LaunchState, str, str, bool]:
         launches = [x for x in self.run.launches() if x.local]
