@@ -213,7 +213,7 @@ def test_a_rank_whose_cpus_size_the_thread_pools_otherwise_starts_cold(code, tmp
         pinned.done()
 
 
-def test_sigterm_drains_the_warm_process(server, tmp_path):
+def test_sigterm_drains_the_warm_process_and_frees_its_name_at_once(server, code, tmp_path):
     script = tmp_path / "slow.py"
     script.write_text("import time\nprint('up', flush=True)\ntime.sleep(1)\n")
     proc = server.client([PY, str(script)])
@@ -221,8 +221,19 @@ def test_sigterm_drains_the_warm_process(server, tmp_path):
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     assert server.proc.poll() is None  # its rank runs on
-    assert _cold(server) == "no warm process on this node"  # the name is free: a new warm process could take it
-    assert proc.wait(timeout=30) == 0 and server.proc.wait(timeout=30) == 0
+    assert _cold(server) == "no warm process on this node"
+    (tmp_path / "next").mkdir()
+    successor = Server(code, tmp_path / "next", folder=server.folder)  # the name is free: a new warm process takes it
+    try:
+        assert "already served" not in successor.log.read_text() and successor.proc.poll() is None
+        again = successor.client([PY, str(script)])
+        out, err = again.communicate(timeout=60)
+        assert "started warm" in err, (out, err)
+        assert proc.wait(timeout=30) == 0 and server.proc.wait(timeout=30) == 0
+        assert "stopped" in server.log.read_text()
+        assert sorted(p.name for p in server.folder.iterdir()) == ["41-k1-n1.lock", "41-k1-n1.sock", "41.secret"]
+    finally:
+        successor.done()
 
 
 def _node(server: Server, argv: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:

@@ -154,8 +154,9 @@ class Warm:
     """The warm process's loop: one thread, selectors over its socket, the clients' connections, each
     forked rank's report channel (what it imported, said at its end) and a self-pipe for SIGCHLD and SIGTERM."""
 
-    def __init__(self, listener: socket.socket, prefix: str, record: dict[str, str]):
+    def __init__(self, listener: socket.socket, prefix: str, record: dict[str, str], lock: int):
         self.listener, self.prefix, self.record = listener, prefix, record  # record: the environment it started with
+        self.lock = lock  # its name's, held while it listens
         self.secret, self.base_path = allocation_secret(prefix), _base_path(os.environ.get("PYTHONPATH", ""))
         self.stamp: dict[str, tuple] = {}
         self.restamp()
@@ -176,11 +177,13 @@ class Warm:
 
     def serve(self, unsafe: str) -> "dict | None":
         while True:
-            if self.draining and self.listener.fileno() >= 0:
+            if self.draining and self.listener.fileno() >= 0:  # the name is free: a new warm process may take it
                 self.sel.unregister(self.listener)
-                with contextlib.suppress(OSError):  # the name is free: a new warm process may take it
-                    os.unlink(f"{self.prefix}-{NODE}.sock")
+                for name in (".sock", ".lock"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(f"{self.prefix}-{NODE}{name}")
                 self.listener.close()
+                os.close(self.lock)
             if not self.ranks and self.learned:
                 came, self.learned = learn(self.learned), set()
                 unsafe = unsafe or _fork_unsafe()
@@ -273,7 +276,10 @@ class Warm:
         report, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         if (child := os.fork()) == 0:  # the rank: nothing of the loop's goes with it
             signal.set_wakeup_fd(-1)
-            for c in [*self.conns, report, *([self.listener] if self.listener.fileno() >= 0 else [])]:
+            if self.listener.fileno() >= 0:  # a rank holds neither its socket nor its name
+                self.listener.close()
+                os.close(self.lock)
+            for c in [*self.conns, report]:
                 c.close()
             self.sel.close()
             os.close(self.wake_r)
@@ -380,13 +386,10 @@ def serve(prefix: str, code_dir: Path) -> "dict | None":
     unsafe = _fork_unsafe()
     say(f" ready: {len(sys.modules) - before} modules in {time.monotonic() - started:.1f} s"
          f"{'; every rank starts cold: ' + unsafe if unsafe else ''}")
-    if (rank := Warm(listener, prefix, record).serve(unsafe)) is None:
-        with contextlib.suppress(OSError):  # (held: one starting under this name meanwhile says "already served")
-            os.unlink(path[:-5] + ".lock")
+    if (rank := Warm(listener, prefix, record, lock).serve(unsafe)) is None:
         _clear(mine.parent, mine.stem, held)
-    else:  # a rank holds neither the name nor the secret: a warm process started after this one ends takes them
+    else:  # a rank holds no secret: the last warm process of the allocation removes it
         os.close(held)
-    os.close(lock)
     return rank
 
 
