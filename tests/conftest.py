@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import difflib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,13 @@ import pytest
 # starts: bash cannot trap a signal ignored on entry, and Python starts with no KeyboardInterrupt.
 # Its processes start as from a terminal, so that the Ctrl-C paths are tested wherever it runs.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The warm processes the suite starts keep their sockets and secrets in a folder of its own under
+# /dev/shm (which containers share), never in the user's: a warm process clears what dead ones of
+# any allocation left in its folder, and the suite acts on nothing of another checkout's.
+WARM_DIR = tempfile.mkdtemp(prefix="slipway-tests-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+os.environ["SLIPWAY_WARM_DIR"] = WARM_DIR
+atexit.register(shutil.rmtree, WARM_DIR, ignore_errors=True)
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"

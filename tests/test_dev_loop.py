@@ -469,8 +469,8 @@ def test_warm_ranks_in_an_allocation(project, slurm_env):
         return [pid for pid, parent in parents.items() if parent not in found]
 
     def left() -> list[str]:
-        """What of the allocation's is in the warm processes' folder on the nodes (this machine's /dev/shm)."""
-        return [p.name for p in Path(f"/dev/shm/slipway-warm-{os.getuid()}").glob(f"{job}[.-]*")]
+        """What of the allocation's is in the warm processes' folder on the nodes (the suite's, tests/conftest.py)."""
+        return [p.name for p in (Path(os.environ["SLIPWAY_WARM_DIR"]) / f"slipway-warm-{os.getuid()}").glob(f"{job}[.-]*")]
 
     def starts(run_name: str) -> list[str]:
         return sorted(line.split(" warm: ", 1)[1] for line in (runs / run_name / "events.log").read_text().splitlines()
