@@ -153,6 +153,13 @@ def read_file(path: str | os.PathLike, limit: int) -> Optional[tuple[Optional[by
     return (None if len(data) > limit else data), st
 
 
+def existing_parent(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (where it would be made)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def read_json(path: str | os.PathLike, limit: int = 64 << 20) -> Optional[dict[str, Any]]:
     """The JSON object a state file of ours holds, read by `read_file`'s rules; None where it is
     missing, unreadable, larger than `limit` or damaged (anything but an object): "none" to each reader."""

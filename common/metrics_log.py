@@ -28,6 +28,11 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     if data is None:
         raise ConfigError("RUN", f"{path} is larger than {MAX_METRICS_BYTES >> 30} GiB, more than any run logs: "
                                  "check that it is the run's own")
+    return records_of(data)
+
+
+def records_of(data: bytes) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl's bytes `data`, without a line a crash cut."""
     records = []
     for line in data.decode(errors="replace").splitlines():
         try:

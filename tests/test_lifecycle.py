@@ -138,7 +138,7 @@ def test_a_run_reads_its_launches_and_the_events_of_each(tmp_path):
     assert [e.text for e in run.events_of(slurm_job)] == [START, "end exit 0"]
     assert [e.text for e in run.events_of(first)] == ["start on this machine", "end exit 0"]
     assert [e.text for e in run.events_of(second)] == ["start on this machine", "end exit 3"]
-    assert run.state(slurm_job, ask_slurm=False).state == "COMPLETED"
+    assert run.state(slurm_job).state == "COMPLETED"
     assert (run.state(second).state, run.state(second).exit_code) == ("FAILED", 3)
 
 

@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Optional
 
 from common.errors import human
+from common.fs import existing_parent
 
 
 def check_free_space(checkpoint_dir: Path, needed: int) -> tuple[bool, str]:
     """Room for one more checkpoint on the filesystem of `checkpoint_dir` (or its nearest existing parent)."""
-    where = checkpoint_dir
-    while not where.exists() and where != where.parent:
-        where = where.parent
+    where = existing_parent(checkpoint_dir)
     try:
         free = shutil.disk_usage(where).free
     except OSError as exc:

@@ -22,6 +22,7 @@ from jobs.config.sections import NODE_PRESETS
 from common.rundir import RunDir
 from common.environ import as_typed
 from common.errors import ConfigError, bounded
+from common.fs import existing_parent
 from common.layouts import layout_advice
 
 
@@ -221,9 +222,7 @@ def _edf_dir(directory: Optional[str], where: str) -> list[Result]:
         return []
     import tempfile
 
-    path = Path(directory)
-    while not path.exists() and path != path.parent:
-        path = path.parent
+    path = existing_parent(Path(directory))
     try:  # a file made and removed: permissions alone do not say (root, read-only mounts, /proc)
         with tempfile.TemporaryFile(prefix=".slipway-doctor-", dir=path):
             why = ""

@@ -6,7 +6,6 @@ or for a launch on this machine from its launcher's process. Ctrl-C stops watchi
 from __future__ import annotations
 
 import contextlib
-import json
 import shlex
 import time
 from dataclasses import dataclass, field, replace
@@ -25,7 +24,7 @@ from jobs.runs.manifest import Launch
 from jobs.slurm.script import NODE_HEARTBEAT_SECONDS
 from common.environ import as_typed
 from common.errors import ConfigError, one_line
-from common.fs import read_tail
+from common.fs import read_json, read_tail
 from common.metrics_log import format_duration
 from common.events import Event, EventKind
 from common.rundir import LOCAL_JOB
@@ -158,15 +157,12 @@ class Watcher:
         return shown, launch.host, lifecycle.elapsed(launch, state), state.ended
 
     def _progress(self, snap: Snapshot, now: float) -> None:
-        try:  # a few hundred bytes, rewritten whole at each step: more is no progress file
-            data = read_tail(self.run.paths.progress, PROGRESS_BYTES)
-            progress = json.loads(data) if data else {}
-        except (OSError, ValueError):
-            progress = {}
+        # A few hundred bytes, rewritten whole at each step: more is no progress file.
+        progress = read_json(self.run.paths.progress, PROGRESS_BYTES) or {}
         # A record in metrics.jsonl is written once a step completed: its last write bounds the
         # age too (the only figure for a trainer without the watchdog).
         ages = [_age(self.run.paths.metrics, now)]
-        if isinstance(progress, dict) and isinstance(progress.get("unix"), (int, float)):
+        if isinstance(progress.get("unix"), (int, float)):
             ages.append(max(0.0, now - progress["unix"]))
             snap.progress_step = progress.get("step") if isinstance(progress.get("step"), int) else None
             timeout = progress.get("hang_timeout")

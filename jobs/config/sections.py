@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
 from common.errors import ConfigError, shown
-from common.schema import FREE_TEXT, at_most, require
+from common.schema import FREE_TEXT, at_most, positive, require
 from common.secrets import OWN_TEXT, TEXT, find_secrets
 from edf.environment import ENV_NAME
 
@@ -131,7 +131,7 @@ class SlurmSection:
     prepare_time: str = "02:00:00"
 
     def check(self, where: str) -> None:
-        require(self.nodes > 0, f"{where}.nodes", f"must be > 0, got {self.nodes}")
+        positive(self, where, "nodes", "preflight_timeout")
         require(self.gpus_per_node >= 0, f"{where}.gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
         require(self.cpus_per_task is None or self.cpus_per_task > 0, f"{where}.cpus_per_task",
                 f"must be > 0, got {self.cpus_per_task}")
@@ -151,8 +151,6 @@ class SlurmSection:
                     f"lower signal_seconds to {limit // 10 if limit else 0} or raise slurm.time")
         require(self.max_requeues >= 0, f"{where}.max_requeues", f"must be >= 0, got {self.max_requeues}")
         require(self.max_retries >= 0, f"{where}.max_retries", f"must be >= 0 (0: never retry), got {self.max_retries}")
-        require(self.preflight_timeout > 0, f"{where}.preflight_timeout",
-                f"must be > 0 seconds, got {self.preflight_timeout}")
         require(self.prepare_cpus is None or self.prepare_cpus > 0, f"{where}.prepare_cpus",
                 f"must be > 0, got {self.prepare_cpus}")
         prepare_limit = _parsed(time_limit_seconds, self.prepare_time, f"{where}.prepare_time",

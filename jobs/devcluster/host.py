@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import resource
 import shlex
@@ -96,10 +95,7 @@ def registry_path(name: str) -> Path:
 
 
 def read_registry(name: str) -> dict | None:
-    try:
-        return json.loads(registry_path(name).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+    return fs.read_json(registry_path(name))
 
 
 def write_atomic(path: Path, text: str) -> None:

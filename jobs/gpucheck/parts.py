@@ -15,7 +15,7 @@ from typing import Any, Optional
 import yaml
 
 from common.errors import ConfigError, failure_line
-from common.fs import read_json, write_atomic
+from common.fs import existing_parent, read_json, write_atomic
 from common.metrics_log import read_metrics
 from common.rundir import RunDir, complete_checkpoints
 from jobs.gpucheck.check import BUDGETS, Check, Part, Plan
@@ -32,8 +32,8 @@ def gpu_check(out: Path, device: str = "auto", budgets: Optional[dict[str, float
     out = out.absolute()
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", f"{out} is a file: give a directory (it is created if missing)")
-    if not os.access(_existing_parent(out), os.W_OK):
-        raise ConfigError("--out", f"{_existing_parent(out)} is not writable here: give a directory you can write")
+    if not os.access(existing_parent(out), os.W_OK):
+        raise ConfigError("--out", f"{existing_parent(out)} is not writable here: give a directory you can write")
     check = GpuCheck(out, {**BUDGETS, **(budgets or {})}, console)
     with check.claimed():
         node, t0 = check.part("node"), time.monotonic()
@@ -51,12 +51,6 @@ def gpu_check(out: Path, device: str = "auto", budgets: Optional[dict[str, float
                            ("allreduce", check.plan_allreduce), ("speed", check.plan_speed)):
             check.run_part(name, plan())
     return 1 if any(not c["ok"] for p in check.parts for c in p.checks) else 0
-
-
-def _existing_parent(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 class GpuCheck(Check):

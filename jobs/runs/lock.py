@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 
 from common.errors import ConfigError
 from common.events import now_iso
-from common.fs import file_kind, pid_alive, read_tail
+from common.fs import file_kind, pid_alive, read_json
 from common.secrets import mask
 
 WAIT_SECONDS = 30.0  # how long a launch waits for another's submission to finish before it is refused
@@ -44,11 +44,8 @@ _held: dict[Path, Optional[int]] = {}  # this process's locks: their descriptors
 def holder(run_dir: Path) -> dict:
     """What the lock file says of its holder ({}: nothing readable), meaningful only while held (it keeps the last)."""
     for _ in range(5):  # a holder writes its record just after taking the lock: a moment to finish
-        try:  # a record is a line: more is no record of ours
-            record = json.loads(read_tail(lock_path(run_dir), 64 << 10) or b"null")
-        except (OSError, ValueError):
-            record = None
-        if isinstance(record, dict):
+        record = read_json(lock_path(run_dir), 64 << 10)  # a record is a line: more is no record of ours
+        if record is not None:
             return {} if _gone(record) else record
         time.sleep(POLL_SECONDS)
     return {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import stat
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from common import environ
 from common.errors import ConfigError, one_line, shown
 from common.events import Event, read_events
 from common.fs import NotRegularFile, file_kind, ownership, read_tail
-from common.metrics_log import latest_by_step
+from common.metrics_log import latest_by_step, records_of
 from common.rundir import RunDir
 
 
@@ -78,25 +77,15 @@ class Run:
         return lifecycle.events_of(launch, self.events() if events is None else events,
                                    self.launches() if launch.local else ())  # a local one's end: the next's start
 
-    def state(self, launch: Launch, info: Optional[slurm.JobInfo] = None, *, ask_slurm: bool = True) -> LaunchState:
-        """`lifecycle.observed_state` of `launch`, Slurm asked unless `info` is given or `ask_slurm` is off."""
-        own = self.events_of(launch)
-        if info is None and ask_slurm:  # none for a local launch
-            info = lifecycle.ask_slurm([(launch, own)]).get(launch.id)
-        return lifecycle.observed_state(launch, own, info)
+    def state(self, launch: Launch) -> LaunchState:
+        """What events.log says of `launch`: a local launch's whole state (a Slurm job's also needs
+        Slurm's word while it runs: jobs/cli/logs.py JobPoll)."""
+        return lifecycle.observed_state(launch, self.events_of(launch))
 
     def last_metrics(self, kind: str = "train") -> dict | None:
         """The latest record of `kind` (train, eval) of the history that stands, from the last 64 KiB of
         metrics.jsonl (1 MiB for the rarer eval); NotRegularFile or PermissionError where unreadable."""
-        data = read_tail(self.paths.metrics, 65536 if kind == "train" else 1 << 20)
-        records = []
-        for line in (data or b"").decode(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line a crash cut
-            if isinstance(record, dict):
-                records.append(record)
+        records = records_of(read_tail(self.paths.metrics, 65536 if kind == "train" else 1 << 20) or b"")
         return next((r for r in reversed(latest_by_step(records)) if r.get("kind") == kind), None)
 
     def total_steps(self, launch: Optional[Launch] = None) -> Optional[int]:
