@@ -10,7 +10,6 @@ replaced atomically. A build holds its tag's lock (containers/project.py) throug
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import hashlib
 import os
@@ -273,10 +272,6 @@ def build_image(cfg: ImageConfig, *, force: bool = False, do_import: bool = True
     timings = {"plan": time.perf_counter() - t0}
     if do_import and plan.exists and not force:
         record = BuildRecord.read(plan.sidecar) or build_record(plan, image_id=None, enroot_version=None)
-        if record.hash == plan.hash and record.inputs is None:
-            # A record from before slipway stored its inputs: the same hash means the same inputs.
-            record = dataclasses.replace(record, inputs=plan.inputs)
-            write_atomic(plan.sidecar, record.to_json())
         current = BuildRecord.read(plan.record)
         if not current or current.hash != plan.hash or not plan.link.is_symlink() \
                 or plan.link.resolve() != plan.squashfs.resolve():

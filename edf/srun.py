@@ -32,7 +32,7 @@ class SrunFlags:
         return args, {name: expand_host(value, f"container.env.{name}") for name, value in self.exports}
 
 
-def srun_flags(env: Environment, edf_file: Optional[Path] = None, edf_path: Optional[str] = None) -> SrunFlags:
+def srun_flags(env: Environment, edf_file: Optional[Path] = None) -> SrunFlags:
     """The srun flags for `env` by its runtime: `--environment=EDF_FILE` (absolute, so that srun never
     searches EDF_PATH for it), the pyxis flags, or none."""
     if env.runtime == "edf":
@@ -40,15 +40,15 @@ def srun_flags(env: Environment, edf_file: Optional[Path] = None, edf_path: Opti
             raise ValueError(f"runtime edf needs the absolute path of the EDF file, got {edf_file!r}")
         return SrunFlags([f"--environment={edf_file}"])
     if env.runtime == "pyxis":
-        return to_pyxis_args(env, edf_path)
+        return to_pyxis_args(env)
     return SrunFlags()
 
 
-def to_pyxis_args(env: Environment, edf_path: Optional[str] = None) -> SrunFlags:
+def to_pyxis_args(env: Environment) -> SrunFlags:
     """The pyxis flags for `env`, its bases resolved; what it leaves unspecified gets the Container
     Engine's default explicitly, so that both runtimes behave alike whatever the site's pyxis settings."""
     if env.base_environment:
-        env = resolve_base(env, edf_path)
+        env = resolve_base(env)
     env.check()
     w = env.origin
     if not env.image:

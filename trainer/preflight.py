@@ -158,14 +158,14 @@ def node_checks(run_dir: Path, checkpoint_dir: Path, needed_bytes: int, gpus: in
 # ---------------------------------------------------------------- the collective
 
 
-def all_reduce_check(megabytes: float, iters: int, timeout_s: float) -> tuple[bool, str]:
+def all_reduce_check(megabytes: float, timeout_s: float) -> tuple[bool, str]:
     """`sum_across_ranks` in a process group of its own (the separate step of a `train.script`)."""
     if (env_count("WORLD_SIZE") or env_count("SLURM_NTASKS") or 1) == 1:  # torchrun's, else Slurm's
         return True, "a single rank: no collective to test"
     from trainer.parallel import distributed_session
 
     with distributed_session(timedelta(seconds=timeout_s)) as env:
-        return sum_across_ranks(megabytes, iters, env.device)
+        return sum_across_ranks(megabytes, 3, env.device)
 
 
 def sum_across_ranks(megabytes: float, iters: int, device) -> tuple[bool, str]:
@@ -291,7 +291,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     node.add_argument("--numa-binding", action="store_true", help="the launch binds NUMA nodes: numactl must run")
     ar = sub.add_parser("allreduce", help="a short all-reduce across every rank, in a step of its own (a train.script's)")
     ar.add_argument("--megabytes", type=float, default=4.0)
-    ar.add_argument("--iters", type=int, default=3)
     ar.add_argument("--timeout", type=float, default=300.0, help="seconds the process group may take to form")
     args = parser.parse_args(argv)
     if args.what == "node":
@@ -299,7 +298,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"slipway-preflight {node_name()} {'ok' if ok else 'fail'}: {text}", flush=True)
         return 0 if ok else PREFLIGHT_EXIT
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    ok, text = _answer(lambda: all_reduce_check(args.megabytes, args.iters, args.timeout), rank)
+    ok, text = _answer(lambda: all_reduce_check(args.megabytes, args.timeout), rank)
     if rank == "0" or not ok:
         print(f"slipway-preflight-allreduce {'ok' if ok else 'fail'}: {text}", flush=True)
     return 0 if ok else PREFLIGHT_EXIT

@@ -31,7 +31,8 @@ def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.T
 
 class Runner:
     """Forward and backward over one step's micro batches, without waiting for the device: the mean
-    loss on ranks that compute it (the last pipeline stage), zero elsewhere (see `step_stats`)."""
+    loss on ranks that compute it (the last pipeline stage), zero elsewhere (see `step_stats`). A
+    subclass per layout gives `forward_backward(batches)` and `eval_step(batches)`."""
 
     def __init__(self, device: torch.device, autocast_dtype: Optional[torch.dtype], dims: ParallelDims):
         self.device, self.autocast_dtype, self.dims = device, autocast_dtype, dims
@@ -40,12 +41,6 @@ class Runner:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
-
-    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def eval_step(self, batches: list[Batch]) -> torch.Tensor:
-        raise NotImplementedError
 
 
 class AccumulationRunner(Runner):

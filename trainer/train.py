@@ -76,14 +76,9 @@ def unsupported_torch(version: str) -> Optional[str]:
 DataBuilder = Callable[[TrainerConfig, Path, int, int], tuple[Sampler, Optional[Sampler], int]]
 
 
-@dataclass
-class TrainResult:
-    step: int  # the last completed optimizer step
-    loss: Optional[float]  # the last logged training loss (mean over dp ranks)
-    requeue: bool  # stopped early by SIGUSR1/SIGTERM; exit REQUEUE_EXIT
-
-
-def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None) -> TrainResult:
+def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None) -> bool:
+    """Train `cfg` to its last step; True where a signal or the stop file stopped it early, saved
+    (exit REQUEUE_EXIT)."""
     run_dir = Path(run_dir)
     timeout = collective_timeout(cfg.train)  # longer than the hang watchdog's limits: it speaks first
     # The batch script's preflight all-reduce, first in this process group (trainer/preflight.py):
@@ -98,7 +93,6 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
             from trainer.data import build_data as data
         training = set_up(cfg, run_dir, env, timeout, data, closing)
         state, loop = training.state, Loop(first_step=training.state.step + 1)
-        result = TrainResult(state.step, None, requeue=False)
         while state.step < cfg.train.steps:
             state.step += 1
             last = state.step == cfg.train.steps
@@ -119,9 +113,9 @@ def train(cfg: TrainerConfig, run_dir: Path, data: Optional[DataBuilder] = None)
             training.watchdog.step_queued(state.step, step_marker(env.device))  # done once the device gets there
             if cfg.train.compile and state.step == loop.first_step and env.rank == 0:
                 log.info("%s", graph_break_report())
-            if sync and sync_step(training, loop, result, last, stopping):
-                break
-        return result
+            if sync and sync_step(training, loop, last, stopping):
+                return True
+        return False
 
 
 @dataclass(kw_only=True)
@@ -129,7 +123,6 @@ class Training:
     """What `set_up` builds for the loop (its helpers closed by the set-up's ExitStack)."""
 
     cfg: TrainerConfig
-    run_dir: Path
     env: DistEnv
     dims: ParallelDims
     tokens_per_step: int
@@ -178,7 +171,7 @@ def train_step(training: Training, batches: list[Batch]) -> tuple[int, float, to
     return training.state.step, lr, torch.cat([stats[:2], skipped[None]])
 
 
-def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, stopping: bool) -> bool:
+def sync_step(training: Training, loop: Loop, last: bool, stopping: bool) -> bool:
     """Read the steps since the last sync, log, evaluate and save when due; True when the run stops here."""
     cfg, state = training.cfg, training.state
     logging_due = state.step % cfg.logging.interval == 0 or last or stopping or state.step == loop.first_step
@@ -187,7 +180,6 @@ def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, s
     lr = loop.pending[-1][1]
     loop.pending.clear()
     if logging_due:
-        result.loss = loss
         elapsed = time.perf_counter() - loop.window_start
         warmup = state.step == loop.first_step  # a window of that one step: warm-up time, no throughput
         training.metrics.log_train(state.step, loss, lr, grad_norm, training.tokens_per_step * loop.window_steps,
@@ -201,18 +193,18 @@ def sync_step(training: Training, loop: Loop, result: TrainResult, last: bool, s
         with _compile_errors(cfg.train.compile):
             training.metrics.log_eval(state.step, evaluate(training.runner, training.val_data, training.val_start, cfg,
                                                            training.dims, training.env.device))
-    result.step, result.requeue = state.step, stopping and not last
-    if last or result.requeue or (loop.save_due and not nonfinite):
+    requeue = stopping and not last
+    if last or requeue or (loop.save_due and not nonfinite):
         training.checkpointer.save(state.step, training.states, final=last, step_s=loop.step_s)  # refuses non-finite values
         loop.save_due = False
     elif loop.save_due and state.nonfinite_streak == 1 and training.env.rank == 0:
         log.warning("step %d: checkpoint deferred to the next step with a finite loss and gradient norm", state.step)
     loop.window_start += time.perf_counter() - t_aside
-    if result.requeue:
+    if requeue:
         log.warning("stopping after step %d on %s: saved, exit %d (resumable: a job is requeued, a launch "
                     "started again resumes)", state.step, training.stop.received or "a request seen by another rank",
                     REQUEUE_EXIT)
-    return result.requeue
+    return requeue
 
 
 def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, data: DataBuilder,
@@ -254,7 +246,7 @@ def set_up(cfg: TrainerConfig, run_dir: Path, env: DistEnv, timeout: timedelta, 
     if cfg.train.compile:
         reset_graph_breaks()
     return Training(
-        cfg=cfg, run_dir=run_dir, env=env, dims=dims, tokens_per_step=tokens_per_step, model=model, runner=runner,
+        cfg=cfg, env=env, dims=dims, tokens_per_step=tokens_per_step, model=model, runner=runner,
         optimizer=optimizer, lr_scheduler=lr_scheduler, feeder=feeder, val_data=val_data, state=state, states=states,
         val_start=copy.deepcopy(val_data.state_dict()) if val_data is not None else None,
         update=SkippableStep(optimizer, cfg.train.max_nonfinite_steps, state.nonfinite_streak, env.device),
@@ -387,8 +379,8 @@ def main(argv: Optional[list[str]] = None, data: Optional[DataBuilder] = None) -
         shadowed = check_code(__file__)
         if shadowed:  # the launch named a code snapshot and this is not it: never train other code silently
             raise ConfigError("", shadowed)
-        result = train(load_trainer_config(args.config), args.config.resolve().parent, data=data)
-        return REQUEUE_EXIT if result.requeue else 0
+        stopped = train(load_trainer_config(args.config), args.config.resolve().parent, data=data)
+        return REQUEUE_EXIT if stopped else 0
 
     # One line from the first rank, not one a rank; a crash keeps its traceback for the log.
     first = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
