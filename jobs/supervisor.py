@@ -10,7 +10,6 @@ the log; what torch and torchrun say of processes ending (`Noise`) stays off the
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -25,7 +24,7 @@ from common.environ import as_typed
 from common.metrics_log import format_duration
 from common.errors import one_line
 from common.events import append_event
-from common.fs import read_tail
+from common.fs import read_json, read_tail
 from common.rundir import LOCAL_JOB, RunDir, SaveLine
 
 # Signals that stop a launch (a closed terminal's SIGHUP forwarded as SIGTERM, Slurm's stop signal).
@@ -280,8 +279,8 @@ class Heartbeat:
 
     def progress(self) -> Optional[tuple[int, float]]:
         """(the last step this launch completed, when); None before one."""
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):  # damaged: none
-            record = json.loads(RunDir(self.run_dir).progress.read_text())
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # damaged: none
+            record = read_json(RunDir(self.run_dir).progress, 1 << 16) or {}  # a FIFO there: none, no wait
             if record.get("job") == self.tag and record["step"] > 0:
                 return int(record["step"]), float(record["unix"])
         return None

@@ -142,6 +142,32 @@ def test_a_crashs_reason_is_its_last_exception_line():
     assert Noise().shown("some output of the user's own script\n")
 
 
+
+@pytest.mark.parametrize("how", ["record", "other job", "damaged", "fifo", "directory", "missing"])
+def test_a_silent_launch_reads_rank_0s_progress_without_waiting_on_whatever_stands_there(tmp_path, how):
+    """The heartbeat of `slipway local`/`run` reads progress.json from the output's thread: a FIFO
+    there (or anything not a record of this launch) is no progress, and never a wait."""
+    import threading
+
+    from jobs.supervisor import Heartbeat
+
+    path = tmp_path / "progress.json"
+    if how in ("record", "other job"):
+        path.write_text(json.dumps({"job": "local-1" if how == "record" else "77", "step": 12, "unix": 1700000000.5}))
+    elif how == "damaged":
+        path.write_text('{"job": "local-1", "step": "twelve"')
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "directory":
+        path.mkdir()
+    heartbeat = Heartbeat(tmp_path, "local-1", 2, steps=20, checkpoints=tmp_path / "checkpoints")
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(heartbeat.progress()), daemon=True)
+    reader.start()
+    reader.join(30)
+    assert not reader.is_alive(), "the heartbeat waits on progress.json"
+    assert seen == [(12, 1700000000.5) if how == "record" else None]
+
 # ---------------------------------------------------------------- Ctrl-C of slipway local
 
 
