@@ -591,7 +591,8 @@ def test_hub_names_that_cannot_be_loaded(tmp_path, offline_hub):
 def test_state_files_are_read_as_objects_never_blocking_never_whole_when_huge(tmp_path):
     """common/fs.py read_json, the one reader of the JSON state files in shared folders (the token
     cache's locks and error records, the build context's digests, the project's id): what is not an
-    object of ours in a regular file is "none", and a FIFO never blocks."""
+    object of ours in a regular file is "none", and a FIFO never blocks; the cache's index and resume
+    record go by the same rules (data_tokenize.read_record), a damaged index said."""
     import threading
 
     from common.fs import read_json
@@ -607,14 +608,18 @@ def test_state_files_are_read_as_objects_never_blocking_never_whole_when_huge(tm
     for name in ("missing", "list", "cut", "bytes", "fifo"):
         assert read_json(tmp_path / name) is None, name
     assert read_json(tmp_path / "huge", limit=1024) is None and read_json(tmp_path / "huge")
-    # Through a user's path: the status of a cache whose lock is a FIFO is read at once.
+    # Through a user's path: the status of a cache whose lock, index and resume record are FIFOs
+    # is read at once, the index said to be one with the fix.
     source, tok = _source_and_tok(tmp_path)
     paths = data_cache.cache_paths(source, tok, tmp_path / "c")
     paths.dir.mkdir(parents=True)
-    os.mkfifo(paths.lock)
+    for path in (paths.lock, paths.index, paths.progress):
+        os.mkfifo(path)
     found: list = []
     reader = threading.Thread(target=lambda: found.append(
         data_cache.entry_status("train", source, tok, tmp_path / "c")), daemon=True)
     reader.start()
     reader.join(60)
-    assert found and found[0].writer is None
+    assert found and found[0].writer is None and found[0].index is None and found[0].partial_tokens == 0
+    assert found[0].problem == (f"token cache index {paths.index} is a FIFO, not a regular file: delete it and "
+                                f"{paths.bin}, then rerun to tokenize again")
