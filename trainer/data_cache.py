@@ -324,8 +324,9 @@ class CacheEntry:
 
 def entry_status(role: str, source: TextSource, tokenizer: TokenizerSpec, cache_dir: Path) -> CacheEntry:
     paths = cache_paths(source, tokenizer, cache_dir)
-    index, problem = None, None
+    index, problem, writer = None, None, None
     try:
+        writer = _live_writer(paths.lock)  # its stat says what a read by fs's rules does not: the folder's state
         index = read_index(paths)
     except (DataCacheError, KeyError, TypeError) as exc:
         problem = str(exc)
@@ -333,7 +334,7 @@ def entry_status(role: str, source: TextSource, tokenizer: TokenizerSpec, cache_
         raise ConfigError("data.cache_dir", f"cannot read '{cache_dir}' ({exc.strerror}); "
                           "set data.cache_dir to a shared directory this user can write") from None
     return CacheEntry(role, source, tokenizer, paths, index, partial_tokens(paths) if index is None else 0,
-                      _live_writer(paths.lock), problem)
+                      writer, problem)
 
 
 def _live_writer(lock: Path) -> str | None:
