@@ -160,12 +160,18 @@ def existing_parent(path: Path) -> Path:
     return path
 
 
+def load_json(path: str | os.PathLike, limit: int = 64 << 20) -> Any:
+    """The JSON `path` holds, by `read_file`'s rules (None: no file): NotRegularFile at once for anything
+    but a regular file (a FIFO never blocks), ValueError where damaged or larger than `limit`."""
+    found = read_file(path, limit)
+    return None if found is None else json.loads(found[0] or b"")
+
+
 def read_json(path: str | os.PathLike, limit: int = 64 << 20) -> Optional[dict[str, Any]]:
-    """The JSON object a state file of ours holds, read by `read_file`'s rules; None where it is
-    missing, unreadable, larger than `limit` or damaged (anything but an object): "none" to each reader."""
+    """The JSON object a state file of ours holds, by `load_json`; None where it is missing, unreadable,
+    larger than `limit` or damaged (anything but an object): "none" to each reader."""
     try:
-        found = read_file(path, limit)
-        data = json.loads(found[0]) if found and found[0] is not None else None
+        data = load_json(path, limit)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

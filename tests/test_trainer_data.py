@@ -592,7 +592,7 @@ def test_state_files_are_read_as_objects_never_blocking_never_whole_when_huge(tm
     """common/fs.py read_json, the one reader of the JSON state files in shared folders (the token
     cache's locks and error records, the build context's digests, the project's id): what is not an
     object of ours in a regular file is "none", and a FIFO never blocks; the cache's index and resume
-    record go by the same rules (data_tokenize.read_record), a damaged index said."""
+    record go by the same rules (fs.load_json), a damaged index said."""
     import threading
 
     from common.fs import read_json

@@ -42,8 +42,8 @@ from common.errors import ConfigError
 from trainer.config import DataSection
 from trainer.data_sources import TextSource
 from trainer.data_tokenize import (FORMAT_VERSION, TOKEN_DTYPES, CachePaths, ProgressSink, TokenizerSpec, note,
-                                   partial_tokens, read_record, write_tokens)
-from common.fs import NotRegularFile, pid_alive, read_json, write_atomic
+                                   partial_tokens, write_tokens)
+from common.fs import NotRegularFile, load_json, pid_alive, read_json, write_atomic
 
 if TYPE_CHECKING:
     import numpy as np
@@ -176,7 +176,7 @@ def _holder(info: dict[str, Any]) -> str:
 def read_index(paths: CachePaths) -> dict[str, Any] | None:
     """The index of a complete entry, checked against its token file's size (no numpy); None when there is none."""
     try:
-        index = read_record(paths.index)
+        index = load_json(paths.index, 1 << 20)
     except (NotRegularFile, ValueError) as exc:
         what = exc.strerror if isinstance(exc, NotRegularFile) else "is not valid JSON"
         raise DataCacheError(f"token cache index {paths.index} {what}: delete it and {paths.bin}, "

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Union
 from common.errors import ConfigError
 from trainer.data_sources import (BUILTIN, BUILTIN_TOKENIZER, EOS_CANDIDATES, Batch, Reader, TextSource, expand_spec,
                                   hub_unreachable, looks_local)
-from common.fs import NotRegularFile, file_sha256, fsync_dir, read_file, write_atomic
+from common.fs import NotRegularFile, file_sha256, fsync_dir, load_json, write_atomic
 
 if TYPE_CHECKING:
     import numpy as np
@@ -199,17 +199,10 @@ class _State:
     n_chars: int = 0
 
 
-def read_record(path: Path) -> Any:
-    """The JSON a record of the cache's holds (None: no file), by common/fs.py's rules: anything but a
-    regular file there raises NotRegularFile at once (a FIFO never blocks), more than 1 MiB ValueError."""
-    found = read_file(path, 1 << 20)
-    return None if found is None else json.loads(found[0] or b"")
-
-
 def _read_record(paths: CachePaths, inputs: dict, dtype: np.dtype) -> _State | None:
     """The resume record, if it belongs to these inputs and its partial file is at least that long."""
     try:
-        record = read_record(paths.progress)
+        record = load_json(paths.progress, 1 << 20)
     except (NotRegularFile, ValueError):
         note(f"data: ignoring the unreadable resume record {paths.progress}; starting from the beginning")
         return None
@@ -237,7 +230,7 @@ def _checkpoint(f: Any, paths: CachePaths, state: _State, inputs: dict, dtype: n
 def partial_tokens(paths: CachePaths) -> int:
     """Tokens an interrupted writer recorded in `paths.progress` (0 when none)."""
     try:
-        return int(read_record(paths.progress)["n_tokens"])
+        return int(load_json(paths.progress, 1 << 20)["n_tokens"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0
 
