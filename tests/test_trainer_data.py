@@ -409,6 +409,34 @@ def test_local_tokenizer_by_file_or_directory(tmp_path, where):
     np.testing.assert_array_equal(all_tokens(train), expected_stream(DOCS))
 
 
+def _gpt2_files(where: Path) -> Path:
+    """The builtin tokenizer as GPT-2 ships its own: vocab.json + merges.txt, no tokenizer.json."""
+    model = json.loads(BUILTIN_TOKENIZER.read_text())["model"]
+    where.mkdir()
+    (where / "vocab.json").write_text(json.dumps(model["vocab"]))
+    (where / "merges.txt").write_text("#version: 0.2\n" + "".join(
+        (m if isinstance(m, str) else " ".join(m)) + "\n" for m in model["merges"]))
+    (where / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    return where
+
+
+def test_directory_without_tokenizer_json_is_converted_by_transformers(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    spec = str(_gpt2_files(tmp_path / "gpt2"))
+    data = str(write_jsonl(tmp_path / "d.jsonl", DOCS))
+    train, _, vocab = build_data(config(tmp_path, dataset=data, tokenizer=spec), tmp_path, 0, 1)
+    assert vocab == 4096
+    np.testing.assert_array_equal(all_tokens(train), expected_stream(DOCS))  # the builtin's very tokens
+
+    (tmp_path / "gpt2" / "merges.txt").write_text("not a merges file\n\x00")
+    with pytest.raises(ConfigError, match=r"^data.tokenizer: could not load tokenizer '.*gpt2': "):
+        load_tokenizer(resolve_tokenizer(spec))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # the login node's install has none
+    with pytest.raises(ConfigError, match=r"has no tokenizer.json and transformers is not installed to convert it; "
+                                          r"save it as tokenizer.json"):
+        load_tokenizer(resolve_tokenizer(spec))
+
+
 def test_local_data_never_touches_the_network(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("network access")

@@ -194,7 +194,8 @@ class DataSection:
     split: str = "train"
     # The column holding the text.
     text_column: str = "text"
-    # A Hugging Face tokenizer name, a local path, or builtin.
+    # A Hugging Face tokenizer name, a tokenizer.json, a folder holding one (or the vocab files
+    # transformers converts, where it is installed), or builtin.
     tokenizer: str = "builtin"
     # Tokens per training window.
     seq_len: int = 512
