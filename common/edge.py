@@ -6,9 +6,12 @@ one line saying it is one (`SLIPWAY_DEBUG=1`: the traceback). No torch, nothing 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import difflib
 import errno
 import os
+import re
 import sys
 from typing import Callable, Optional
 
@@ -140,3 +143,26 @@ class _Stdout:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, like every other slipway error: every entry point's parser."""
+
+    def error(self, message: str):
+        # argparse quotes what it could not read (`invalid int value: '999...'`): bounded, one line,
+        # masked by the secret policy and escaped; the help it points to as this shell runs slipway.
+        # A misspelt command or flag gets the nearest one (a stray's candidates: this command's help).
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        flags = re.findall(r"(?<![\w-])--?[a-z][\w-]*", self.format_help())
+        near = (_nearest(choice[1], re.findall(r"'([^']*)'", choice[2])) if choice else next(
+            (n for w in message.split()[2:] if w.startswith("-") and (n := _nearest(w.split("=")[0], flags))), "")
+            if message.startswith("unrecognized arguments: ") else "")
+        message = one_line(" ".join(bounded(message, 300).split())) + (f"; did you mean {near}?" if near else "")
+        name = "slipway" if self.prog.startswith("slipway") else self.prog
+        self.exit(BAD_INPUT_EXIT, f"{name}: error: {message} ({as_typed(f'see `{self.prog} --help`')})\n")
+
+
+def _nearest(word: str, candidates: list[str]) -> str:
+    """The candidate nearest to `word` (difflib's closest, `_` read as `-`), "" where none is near."""
+    near = difflib.get_close_matches(word.replace("_", "-"), candidates, n=1, cutoff=0.6)
+    return near[0] if near else ""

@@ -833,6 +833,35 @@ def test_train_on_continues_the_learning_rate_it_reached(project):
     assert all(lrs[s] == pytest.approx(lrs[20]) for s in range(21, 41)), lrs  # step 21 logs the new plan's too
 
 
+TOKEN = "ghp_" + "aZ3kQ9" * 6  # a GitHub token's form: what a stray paste into a flag's place brings
+
+
+@pytest.mark.parametrize("module, argv, said", [
+    ("jobs.devcluster.command", ["up", "--nodes", TOKEN],
+     "slipway: error: argument --nodes: invalid int value: '<hidden>' (see `"),
+    ("jobs.devcluster.command", ["upp"], "; did you mean up? (see `"),
+    ("trainer.hf", ["exprot"], "python -m trainer.hf: error: argument command: invalid choice: 'exprot' "),
+    ("trainer.train", [f"--token={TOKEN}"], "python -m trainer: error: the following arguments are required"),
+])
+def test_every_entry_points_bad_arguments_are_one_masked_line(module, argv, said, capsys):
+    """Not only `slipway`'s own parser: `slipway cluster`, handed its words before that parser, and the
+    trainer's modules, started by jobs and by hand, say a bad argument in one line, a secret masked."""
+    with pytest.raises(SystemExit) as exit_:
+        __import__(module, fromlist=["main"]).main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and TOKEN not in lines[0], lines
+    assert said in lines[0] and lines[0].endswith(" --help`)"), lines
+
+
+def test_every_parser_in_the_product_is_the_edges():
+    """The class, not the cases above: a module's own argparse.ArgumentParser prints argparse's usage
+    block and echoes a pasted secret. pip_requirements.py alone runs in the image build, outside slipway."""
+    root = Path(__file__).resolve().parents[1]
+    found = [str(p.relative_to(root)) for package in ("common", "jobs", "edf", "containers", "trainer")
+             for p in (root / package).rglob("*.py") if "ArgumentParser(" in p.read_text()]
+    assert found == ["containers/pip_requirements.py"], found
+
+
 @pytest.mark.slow
 def test_a_misspelt_command_flag_or_key_is_told_the_nearest(project, tmp_path):
     cases = {("lcoal", "tiny_cpu"): "; did you mean local? (see `slipway --help`)",

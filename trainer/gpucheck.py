@@ -13,7 +13,6 @@ line); the trainer's runs and the throughput cases (trainer/speed.py) it starts 
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import os
@@ -21,6 +20,7 @@ import platform
 import sys
 from typing import Any, Optional
 
+from common.edge import Parser
 from trainer.preflight import time_all_reduce
 from trainer.topology import cpu_ranges, gpu_numa_node, gpu_pci_addresses, numa_nodes, numactl_show, tool_output
 
@@ -154,7 +154,7 @@ def allreduce(sizes: list[float], iters: int) -> Optional[dict[str, Any]]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.gpucheck", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m trainer.gpucheck", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("node").set_defaults(run=lambda args: node())
     p = sub.add_parser("attention")

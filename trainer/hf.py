@@ -13,7 +13,6 @@ Command line (one-line errors, exit status 2 on bad input):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -28,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
 
-from common.edge import run_at_edge
+from common.edge import Parser, run_at_edge
 from common.errors import ConfigError
 from common.rundir import BAD_INPUT_EXIT
 from trainer.checkpoint import MODEL_KEY, quiet_single_process
@@ -361,7 +360,7 @@ def _export_run(run_dir: Path, step: Optional[int], out: Path, dtype: Optional[s
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.hf", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m trainer.hf", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser("export", help="write a run's checkpoint as an HF Llama directory")
     exp.add_argument("--run", type=Path, required=True, help="the run directory (holds config.yaml)")

@@ -8,7 +8,6 @@ nor the host side, so the login node (or a laptop with the run directory) can dr
 
 from __future__ import annotations
 
-import argparse
 import io
 import sys
 from pathlib import Path
@@ -93,9 +92,9 @@ def _save(plt, fig, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """`python -m trainer.plot RUN_DIR [--out PNG]`: the path drawn on stdout; bad input is one
     line, exit 2 (no matplotlib, no steps logged yet)."""
-    from common.edge import run_at_edge
+    from common.edge import Parser, run_at_edge
 
-    parser = argparse.ArgumentParser(prog="python -m trainer.plot", description=__doc__.split("\n")[0])
+    parser = Parser(prog="python -m trainer.plot", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path, help="the run directory (runs/RUN)")
     parser.add_argument("--out", type=Path, help="PNG path (default: RUN_DIR/curves.png)")
     args = parser.parse_args(argv)

@@ -16,7 +16,6 @@ Exit status: 0 passed, PREFLIGHT_EXIT (5) failed, 2 bad arguments.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -27,6 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
+from common.edge import Parser
 from common.environ import count as env_count
 from common.errors import human
 from common.events import append_event
@@ -281,7 +281,7 @@ class AllReduceGate:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.preflight", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m trainer.preflight", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     node = sub.add_parser("node", help="this node's checks (one task per node)")
     node.add_argument("--run-dir", type=Path, required=True)

@@ -15,7 +15,6 @@ In the image, for a preparation job: `python -m trainer.prepare --config runs/RU
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from dataclasses import dataclass
@@ -103,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.prepare",
-                                     description="Tokenize a run's data into its token cache (no GPU, no torch).")
+    from common.edge import Parser
+
+    parser = Parser(prog="python -m trainer.prepare",
+                    description="Tokenize a run's data into its token cache (no GPU, no torch).")
     parser.add_argument("--config", required=True, type=Path, help="runs/RUN/config.yaml (its folder is the run)")
     parser.add_argument("--cpus", type=int, default=None, help="tokenizer threads (default: data.num_proc, "
                         "0 = every core this process may use)")

@@ -15,7 +15,6 @@ gives a micro batch's time. A second or two in all.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
@@ -28,6 +27,7 @@ import torch  # noqa: E402 (after STARTED: its import counts)
 import torch.nn.functional as F
 from torch import nn
 
+from common.edge import Parser
 from common.layouts import block_flops_per_token
 from common.yaml import read_yaml
 from trainer.config import TrainerConfig, trainer_sections
@@ -78,7 +78,7 @@ def rates(cfg: TrainerConfig, dtype: torch.dtype) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.probe", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m trainer.probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="the threads a rank gets (OMP_NUM_THREADS)")
     torch.set_num_threads(parser.parse_args().threads)
     cfg = trainer_sections(read_yaml(sys.stdin.read(), "the config"), "the config")

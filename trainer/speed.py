@@ -17,7 +17,6 @@ Every case runs the same attention kernel (`flash_only`); bench/titan.py adds to
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -217,8 +216,10 @@ def case_bare(case: Any) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None, cases: Optional[dict[str, Any]] = None,
          prog: str = "python -m trainer.speed") -> int:
     """One case as a process; bench/titan.py runs its own case through here too."""
+    from common.edge import Parser
+
     cases = cases or {"ours": case_ours, "bare": case_bare}
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("case", choices=tuple(cases))
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--preset", default="tiny", help="tiny|small|base|large, or custom with the dimensions below")

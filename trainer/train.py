@@ -16,7 +16,6 @@ a run of skipped steps waits for the next good step, so they never rotate good c
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import logging
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.edge import run_at_edge
+from common.edge import Parser, run_at_edge
 from common.errors import ConfigError
 from common.layouts import checkpoint_bytes, layout_advice, memory_report, num_flops_per_token, resolve_reshard
 from common.rundir import (BAD_INPUT_EXIT, FAILED_EXIT, HANG_EXIT, NONFINITE_EXIT, REQUEUE_EXIT, RunDir,
@@ -366,7 +365,7 @@ def evaluate(runner: Runner, val_data: Sampler, val_start: dict, cfg: TrainerCon
 
 
 def main(argv: Optional[list[str]] = None, data: Optional[DataBuilder] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m trainer", description="Train the Llama decoder of a run.",
         epilog=f"exit status: 0 done; 1 failed (a checkpoint that does not fit: one error line); "
                f"{BAD_INPUT_EXIT} bad config or input; {NONFINITE_EXIT} stopped on non-finite numbers "

@@ -5,41 +5,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import functools
 import re
 import shlex
 import sys
 from pathlib import Path
 
+from common.edge import Parser
 from common.environ import as_typed
-from common.errors import ConfigError, bounded, one_line
+from common.errors import ConfigError, one_line
 from common.secrets import mask
 from jobs.cli.launch import (cluster_of, cmd_edf, cmd_local, cmd_prepare, cmd_run, cmd_shell, cmd_submit, load,
                              project_dir, rich_console)
 from jobs.config import BOOL_FLAGS, CLUSTER_FLAGS, NAMED_FLAGS
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors, like every other slipway error."""
-
-    def error(self, message: str):
-        # argparse quotes what it could not read (`invalid int value: '999...'`): bounded, one line,
-        # masked by the secret policy and escaped; the help it points to as this shell runs slipway.
-        # A misspelt command or flag gets the nearest one (a stray's candidates: this command's help).
-        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
-        flags = re.findall(r"(?<![\w-])--?[a-z][\w-]*", self.format_help())
-        near = (_nearest(choice[1], re.findall(r"'([^']*)'", choice[2])) if choice else next(
-            (n for w in message.split()[2:] if w.startswith("-") and (n := _nearest(w.split("=")[0], flags))), "")
-            if message.startswith("unrecognized arguments: ") else "")
-        message = one_line(" ".join(bounded(message, 300).split())) + (f"; did you mean {near}?" if near else "")
-        self.exit(2, f"slipway: error: {message} ({as_typed(f'see `{self.prog} --help`')})\n")
-
-
-def _nearest(word: str, candidates: list[str]) -> str:
-    """The candidate nearest to `word` (difflib's closest, `_` read as `-`), "" where none is near."""
-    near = difflib.get_close_matches(word.replace("_", "-"), candidates, n=1, cutoff=0.6)
-    return near[0] if near else ""
 
 
 def _config_args(p: argparse.ArgumentParser, optional: bool = False, cluster: bool = True, flags: bool = True) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -10,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.edge import Parser
 from common.environ import as_typed, invocation
 from jobs.devcluster.daemons import LocalSlurmCluster
 from jobs.devcluster.host import HOSTS, ClusterError, alive, leftovers, our_netns, read_registry, teardown
@@ -17,7 +17,7 @@ from jobs.devcluster.spec import ClusterSpec, default_state_dir, spec_of_running
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="slipway cluster", description="A real Slurm cluster on this machine: munged, "
+    ap = Parser(prog="slipway cluster", description="A real Slurm cluster on this machine: munged, "
                                                                      'slurmctld and N slurmd "nodes".')
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start a cluster (tearing down an earlier one of the same name)")

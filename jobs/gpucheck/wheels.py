@@ -8,7 +8,6 @@ node's scratch and a copy over a slow link bear).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -175,9 +174,9 @@ def _pip(args: list[str], what: str) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from common.edge import run_at_edge
+    from common.edge import Parser, run_at_edge
 
-    parser = argparse.ArgumentParser(prog="python -m jobs.gpucheck.wheels", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m jobs.gpucheck.wheels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the directory of wheels (made whole, or replaced)")
     parser.add_argument("--python-version", default=f"{sys.version_info[0]}.{sys.version_info[1]}",
                         help="the node's Python, 3.N (default: this one's)")
