@@ -170,6 +170,23 @@ def test_cancel_and_a_resubmission_ask_once_for_all_the_runs_jobs(mixed, project
     assert slurm.state_calls() == [" ".join(squeue_argv(["14"]))]
 
 
+def test_cancel_of_a_batch_shell_that_does_not_end_scancels_it_after_the_grace_saying_so(mixed, monkeypatch, capsys):
+    from jobs import runs
+    from jobs.cli import status
+
+    slurm, env, root = mixed
+    (slurm.root / "deaf").touch()  # USR2 reaches a batch shell whose trap never ends the job
+    monkeypatch.setattr(status, "CANCEL_GRACE_SECONDS", 7.0)
+    monkeypatch.setattr(status, "CANCEL_TOLD_AFTER", 0.0)
+    run = runs.find_run("running", root.parent)
+    with local.env(**env):
+        assert status.cancel_jobs([(run, run.launches())]) == ["14"]
+    assert slurm.calls("scancel") == ["scancel --signal=USR2 --batch 14", "scancel 14"]
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["waiting for job(s) 14 to save and record their end (scancel at 7 s)",
+                   "job(s) 14 did not end in 7 s: scancel"], err
+
+
 # ---------------------------------------------------------------- the listing record (jobs/runs/listing.py)
 
 RECORD = ".listing.json"

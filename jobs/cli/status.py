@@ -231,6 +231,7 @@ def _print_history(run: runs.Run, history: History, console) -> None:
 # How long `slipway cancel` lets a job's batch script record its end and remove its containers
 # (while the allocation still exists) before scancel ends it regardless.
 CANCEL_GRACE_SECONDS = 90.0
+CANCEL_TOLD_AFTER = 5.0
 
 
 def cancel(run: runs.Run, console) -> int:
@@ -269,9 +270,12 @@ def cancel_jobs(found: Sequence[tuple[runs.Run, Sequence[Launch]]]) -> list[str]
     def still_active() -> list[str]:
         return [j for j, info in slurm.jobs_info(active).items() if info.active]
 
-    def left_after(seconds: float) -> list[str]:
-        deadline = time.time() + seconds
-        while (left := still_active()) and time.time() < deadline:
+    def left_after(seconds: float, slow: str = "") -> list[str]:
+        start = time.time()
+        while (left := still_active()) and time.time() < start + seconds:
+            if slow and time.time() > start + CANCEL_TOLD_AFTER:  # a batch shell slow to end: said once
+                print(slow.format(", ".join(left)), file=sys.stderr)
+                slow = ""
             time.sleep(0.5)
         return left
 
@@ -283,7 +287,10 @@ def cancel_jobs(found: Sequence[tuple[runs.Run, Sequence[Launch]]]) -> list[str]
             append_event(owner[job].dir, job, "cancelled by slipway cancel")
     if running:
         _scancel(running, still_active, "USR2")
-    if left := left_after(CANCEL_GRACE_SECONDS if running else 0):
+    grace = CANCEL_GRACE_SECONDS if running else 0
+    if left := left_after(grace, f"waiting for job(s) {{}} to save and record their end (scancel at {grace:.0f} s)"):
+        if grace:
+            print(f"job(s) {', '.join(left)} did not end in {grace:.0f} s: scancel", file=sys.stderr)
         _scancel(left, still_active)
         left_after(30)
     return active
