@@ -236,6 +236,16 @@ def test_submit_a_run_that_has_no_job(project, shell, tmp_path):
         manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "submissions": []}))
 
 
+@covers("jobs/cli/logs.py: slipway status {pasteable(run.name)}")
+def test_status_lists_the_jobs_when_another_is_named(project, shell, tmp_path):
+    env = slurm(tmp_path, shell, "RUNNING")
+    assert slipway(shell, "submit", "tiny_cpu", extra=env).returncode == 0
+    r = slipway(shell, "logs", "tiny_cpu", "--job", "4141", extra=env)
+    assert r.returncode == 2 and "run tiny_cpu has no job 4141: its jobs are 4242 (`" in r.stderr, r.stderr
+    listed = pasted(hint(r.stderr, "status"), shell, env)
+    assert listed.returncode == 0 and "4242" in listed.stdout, (listed.stdout, listed.stderr)
+
+
 @covers("jobs/cli/watch.py: slipway cancel {run.name}")
 def test_cancel_after_watching(project, shell, tmp_path):
     env = slurm(tmp_path, shell, "RUNNING")

@@ -170,6 +170,19 @@ def test_cancel_and_a_resubmission_ask_once_for_all_the_runs_jobs(mixed, project
     assert slurm.state_calls() == [" ".join(squeue_argv(["14"]))]
 
 
+def test_logs_and_watch_take_the_job_ids_status_lists_and_only_the_runs(mixed):
+    slurm, env, _ = mixed
+    local = slipway("logs", "here", "--job", "local", env=env)  # the id `status here` shows
+    assert local.returncode == 0 and local.stdout == "trained here\n", local.stderr
+    assert slipway("watch", "here", "--job", "local", "--once", env=env).returncode == 0
+    for words, ids in ((["logs", "here", "--job", "123"], "local"), (["watch", "requeued", "--job", "14", "--once"], "9, 16"),
+                       (["logs", "requeued", "--job", "local"], "9, 16")):
+        r = slipway(*words, env=env)
+        assert r.returncode == 2 and f"--job: run {words[1]} has no job {words[3]}: its jobs are {ids} (`" in r.stderr \
+            and r.stderr.endswith(f"slipway status {words[1]}` lists them)\n"), r.stderr
+    assert slurm.calls() == []  # another job's state or log is never shown as the run's
+
+
 def test_cancel_of_a_batch_shell_that_does_not_end_scancels_it_after_the_grace_saying_so(mixed, monkeypatch, capsys):
     from jobs import runs
     from jobs.cli import status

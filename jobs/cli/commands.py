@@ -287,13 +287,13 @@ def _reading_commands(sub) -> None:
     p = _command(sub, "logs", cmd_logs, "print a run's job log")
     p.add_argument("run", metavar="RUN")
     p.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
-    p.add_argument("--job", help="job id (default: the latest)")
-    _switches(p, err="the error log instead of the output")
+    p.add_argument("--job", help="one of the job ids `status RUN` lists, `local` too (default: the latest)")
+    _switches(p, err="the error log instead of the output (a local or preparation job has one log of both)")
     p = _command(sub, "watch", cmd_watch, "a live view of a run's job (step, loss, tokens/s, MFU, ETA, time since "
                                           "the last step, per-node heartbeat and GPU use, events) until it ends; "
                                           "exits with the job's exit code")
     p.add_argument("run", metavar="RUN")
-    p.add_argument("--job", help="job id (default: the run's latest training job)")
+    p.add_argument("--job", help="one of the job ids `status RUN` lists (default: the run's latest training job)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
     _switches(p, once="print one frame and exit 0")
     p = _command(sub, "cancel", cmd_cancel, "scancel a run's active jobs (a sweep's: every task)")

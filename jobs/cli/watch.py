@@ -255,7 +255,7 @@ def watch(run: runs.Run, job_id: Optional[str] = None, *, interval: float = 2.0,
     """The job live until it ends; its exit code (`once`: one frame, exit 0). Into a pipe or a file: a
     frame at once, then one each time the step, the events or the job's state change."""
     console = console or Console(highlight=False)
-    watcher = Watcher(run, job_arg(job_id) or latest_job(run))
+    watcher = Watcher(run, job_arg(run, job_id) or latest_job(run))
     snap = watcher.snapshot()
     if once:
         console.print(render(snap))
