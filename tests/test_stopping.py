@@ -173,6 +173,24 @@ def test_a_silent_launch_reads_rank_0s_progress_without_waiting_on_whatever_stan
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+def test_a_local_sweep_goes_past_a_failed_point_and_ctrl_c_stops_it_saved_with_130(project):
+    """docs/runs.md: a failed point does not stop the others; Ctrl-C stops them all, its point saved."""
+    runs, second = project / "runs", project / "runs" / "f-lr1e-3"
+    with launched("sweep", "tiny_cpu", "--name", "f", *SMALL, "train.steps=2000", "train.max_nonfinite_steps=1",
+                  "train.lr=[1e9, 1e-3, 3e-3]", "--local") as launcher:  # 1e9: not finite by its second step
+        wait_for(lambda: (second / "metrics.jsonl").is_file() and len(losses(second)) >= 3, 240, "the second point")
+        os.killpg(launcher.pid, signal.SIGINT)  # Ctrl-C
+        out, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, out[-3000:]
+    assert "sweep f: 0 of 3 point(s) ended 0; f-lr1e9 exit 1, f-lr1e-3 exit 130" in " ".join(out.split()), out[-3000:]
+    assert "had a non-finite loss or gradient norm" in out  # the first point's own error, and then the others ran
+    assert (runs / "f-lr1e9" / "events.log").read_text().endswith("job local end exit 1\n")
+    assert checkpoints(second) == [max(losses(second))] and "INTERRUPTED" in slipway("status", "f-lr1e-3").stdout
+    assert "point 3/3" not in out and not (runs / "f-lr3e-3").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_ctrl_c_saves_at_the_step_says_so_in_two_lines_and_the_pasted_command_resumes_exactly(project):
     steps = "train.steps=200"
     reference = slipway("local", "tiny_cpu", "--run-name", "ref", *SMALL, steps)

@@ -338,6 +338,18 @@ def test_local_sweep_checks_every_point_fits_before_running_any(project):
     assert tree(project) == before
 
 
+def test_local_sweep_dry_run_is_the_local_plan_with_no_slurm_asked(project, standin):
+    slurm, env = standin
+    before = tree(project)
+    r = slipway("sweep", "tiny_cpu", "--name", "g", "train.lr=[3e-3, 1e-3]", "--local", "--dry-run", env=env)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    lines = r.stdout.splitlines()
+    assert lines[0] == "dry run: sweep g: 2 point(s): 2 new; 2 to run here; nothing written, nothing started"
+    assert lines[-3:] == ["one after another, each as slipway local runs it", "verdict: would be started",
+                          "dry run: nothing written; would be started"], lines
+    assert "array" not in r.stdout and slurm.calls() == [] and tree(project) == before
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_local_sweep_runs_each_point_through_slipway_local(project):

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from common.environ import as_typed
 from common.extras import require
 from common.errors import ConfigError, one_line
+from common.secrets import mask
 from common.rundir import INTERRUPTED_EXIT, RunDir
 from jobs.cli.launch import check_controller, cluster_of, config_sets, print_notes, project_dir, rich_console, verdict
 from jobs.cli.status import listing, listing_rows, tokens, width
@@ -57,7 +58,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                  given_args=given, dry_run=dry_run, force=args.force,
                                  view=here if args.local else None)
     if args.dry_run:
-        return _dry_run(plan(True), args.max_parallel, console)
+        return _dry_run(plan(True), args.max_parallel, console, here=args.local)
     with arrays.hold(project, name, f"slipway sweep {given}"):
         planned = plan(False)
         print_notes(console, planned.notes)
@@ -77,17 +78,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summary(plan: arrays.Plan) -> str:
+def _summary(plan: arrays.Plan, to: str = "submit") -> str:
     counts = {state: sum(p.state == state for p in plan.points)
               for state in (arrays.NEW, arrays.RESUME, arrays.FINISHED, arrays.ACTIVE, arrays.UNREADABLE)}
     told = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
     todo = plan.to_submit
     return (f"sweep {plan.sweep.name}: {len(plan.points)} point(s): {told}; "
-            + (f"{len(todo)} to submit" if todo else "nothing to submit"))
+            + (f"{len(todo)} to {to}" if todo else f"nothing to {to}"))
 
 
-def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console) -> int:
-    """Every point, the resources in all, the arrays and the verdict; nothing written."""
+def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console, here: bool = False) -> int:
+    """Every point, the resources in all, the arrays (`here`: none, no Slurm) and the verdict; nothing written."""
     from jobs import slurm
 
     rows, node_h, gpu_h, unbounded, limits = [], 0.0, 0.0, 0, {}
@@ -101,8 +102,12 @@ def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console) -> int:
             node_h += s.nodes * (seconds or 0) / 3600
             gpu_h += s.nodes * s.gpus_per_node * (seconds or 0) / 3600
     out = console.file
-    out.write(listing(f"dry run: {_summary(plan)}; nothing written, nothing submitted",
-                      rows, width(), ("point", "state", "nodes", "GPUs", "time", "values")))
+    out.write(listing(f"dry run: {_summary(plan, 'run here' if here else 'submit')}; nothing written, nothing "
+                      f"{'started' if here else 'submitted'}", rows, width(),
+                      ("point", "state", "nodes", "GPUs", "time", "values")))
+    if here:  # each point already checked to fit this machine's memory (the plan's view); no Slurm
+        out.write("one after another, each as slipway local runs it\n")
+        return verdict(console, [], "started", [str(r) for r in plan.refusals], plan.notes)
     out.write(f"at the time limit: {node_h:.1f} node-hours, {gpu_h:.1f} GPU-hours for the points to submit"
               + (f" ({unbounded} without a limit)" if unbounded else "") + "\n")
     try:
@@ -125,7 +130,7 @@ def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console) -> int:
 
 def _run_here(plan: arrays.Plan, project: Path, force: bool, console, *, yes: bool) -> int:
     """--local: each point through `slipway local`'s path, one after another; a failed point does
-    not stop the others, Ctrl-C stops them all. Exits with the first failure's code."""
+    not stop the others, Ctrl-C stops them all. Exits with the first failure's code (130 after Ctrl-C)."""
     from jobs import interactive
 
     if plan.refusals:
@@ -138,7 +143,7 @@ def _run_here(plan: arrays.Plan, project: Path, force: bool, console, *, yes: bo
         try:
             rc = interactive.run_local(p.cfg, project, force=force, console=console, rename=False, yes=yes)
         except ConfigError as exc:  # that point alone (a run launched meanwhile, a job of it queued)
-            print(f"slipway: error: {exc}", file=sys.stderr)
+            print(f"slipway: error: {mask(one_line(as_typed(str(exc))), values=True)}", file=sys.stderr)
             rc = 2
         ends.append((p.point.run, rc))
         if rc == INTERRUPTED_EXIT:
@@ -147,7 +152,8 @@ def _run_here(plan: arrays.Plan, project: Path, force: bool, console, *, yes: bo
     console.print(f"sweep {plan.sweep.name}: {len(ends) - len(failed)} of {len(plan.points)} point(s) ended 0"
                   + (f"; {', '.join(f'{run} exit {rc}' for run, rc in failed)}" if failed else ""), soft_wrap=True,
                   highlight=False)
-    return failed[0][1] if failed else 0
+    # Ctrl-C is said as such to a calling script (make, a shell loop), whatever failed before it.
+    return INTERRUPTED_EXIT if ends[-1:] and ends[-1][1] == INTERRUPTED_EXIT else failed[0][1] if failed else 0
 
 
 def show_sweep(project: Path, sweep: sweeps.Sweep, console) -> int:
