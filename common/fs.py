@@ -32,8 +32,9 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, 
     """`sync`: durable before it replaces the old file (not for a cache, which a reader checks)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
@@ -41,8 +42,11 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, 
                 os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):  # said of the file given (a folder in its place), not of our temporary one
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
     return path
 

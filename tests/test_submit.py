@@ -245,6 +245,14 @@ def test_plot(project):
     r = slipway("plot", "p1")
     assert r.returncode == 0, r.stderr
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = project / "figures" / "p1.png"  # --out: a folder made for it, its path said, nothing beside it
+    r = slipway("plot", "p1", "--out", str(out))
+    assert r.returncode == 0 and r.stdout == f"{out}\n" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stderr
+    assert sorted(p.name for p in out.parent.iterdir()) == ["p1.png"]
+    r = slipway("plot", "p1", "--out", str(out.parent))  # a folder given: named, not our temporary file
+    assert r.returncode == 2 and r.stderr == f"slipway: error: {out.parent}: Is a directory: check the path and its " \
+                                             "permissions\n", r.stderr
+    assert sorted(p.name for p in out.parent.iterdir()) == ["p1.png"]
 
 
 def test_image_subcommand_reaches_the_image_tool(project):
