@@ -525,6 +525,9 @@ def test_prepare_as_job_refused_by_an_existing_run_leaves_no_directories(project
     code, _, err = cli(*args, "train.steps=7")  # a different config for the same run: refused
     assert_refused_in_one_line(code, err)
     assert err.startswith("slipway: error: run.name:") and tree(project) == before
+    code, out, err = cli(*args, "train.steps=7", "--force", "--parsable")  # replaced; the job id alone on stdout
+    assert (code, out) == (0, "4242\n"), (out, err)
+    assert "steps: 7" in (project / "runs" / "p1" / "config.yaml").read_text()
 
 
 # --------------------------------------------------------------------------
