@@ -213,6 +213,12 @@ def test_image_is_pinned_to_the_content_addressed_file(project, slurm_stand_ins)
     status = slipway("status", "pinned", env=slurm_stand_ins)
     newer = json.loads(second.with_suffix(".json").read_text())["hash"][:12]
     assert f"uses build {record['hash'][:12]}; a resubmission would run {newer}" in status.stdout, status.stdout
+    dockerfile = project / "containers" / "Dockerfile"  # settings that no build has: the run stands as it is
+    dockerfile.write_text(dockerfile.read_text() + "# changed after the builds\n")
+    status = slipway("status", "pinned", env=slurm_stand_ins)
+    assert status.returncode == 0 and "image: a resubmission would be refused: container.image: no image is built " \
+        "for this config's image settings" in status.stdout and "the Dockerfile (image.dockerfile) changed" \
+        in status.stdout, status.stdout
 
     # naming the link in the config pins what it points to at submission
     r = slipway("submit", "tiny_cpu", *PYXIS, "--run-name", "linked", "container.image=./images/slipway.sqsh",
