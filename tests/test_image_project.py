@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from plumbum import local
 
 from containers.image import build_image, image_plan
 from containers.project import Project
@@ -344,6 +345,14 @@ def test_image_containers_prints_each_line_as_it_comes_and_says_it_is_alive(tmp_
     # One node that cannot tell (no enroot there) must not cut the others' answers short: under
     # KillOnBadExit=1, as the local cluster and many sites have it, srun would kill their tasks.
     assert "--kill-on-bad-exit=0" in calls(bin_dir, "srun")[-1]["argv"]
+    # No --nodes, and no node of the partition answers: one line naming the flag, no srun started.
+    (bin_dir / "sinfo").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "sinfo").chmod(0o755)
+    runs_before = len(calls(bin_dir, "srun"))
+    with local.env(PATH=os.environ["PATH"]), pytest.raises(  # plumbum's copy of PATH: the stand-ins first
+            ConfigError, match=r"^--nodes: no responding node in partition \(any\): name the nodes with --nodes NODELIST$"):
+        cli.containers(cfg_of(), nodes=None, remove=False, console=Console())
+    assert len(calls(bin_dir, "srun")) == runs_before
 
 
 def quiet():
