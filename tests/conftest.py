@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import difflib
 import os
 import shutil
@@ -20,10 +19,17 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The warm processes the suite starts keep their sockets and secrets in a folder of its own under
 # /dev/shm (which containers share), never in the user's: a warm process clears what dead ones of
-# any allocation left in its folder, and the suite acts on nothing of another checkout's.
-WARM_DIR = tempfile.mkdtemp(prefix="slipway-tests-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-os.environ["SLIPWAY_WARM_DIR"] = WARM_DIR
-atexit.register(shutil.rmtree, WARM_DIR, ignore_errors=True)
+# any allocation left in its folder, and the suite acts on nothing of another checkout's. Made by
+# the session and each xdist worker, not at import: a process that only imports a test module (a
+# spawn Pool's worker, ended by terminate() without its atexit functions) must leave no folder.
+def pytest_configure(config) -> None:
+    os.environ["SLIPWAY_WARM_DIR"] = tempfile.mkdtemp(prefix="slipway-tests-",
+                                                      dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(os.environ.pop("SLIPWAY_WARM_DIR"), ignore_errors=True)
+
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
