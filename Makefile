@@ -26,7 +26,7 @@ TORCH_PROBE_SECONDS ?= 4
 # (`make local STEPS=50`, `make local train.steps=50`): refused, naming the form that passes it to
 # slipway, ARGS. One door for slipway's settings, not a make variable for each of its flags.
 KNOWN_VARIABLES := PYTHON CONFIG ARGS NODES TORCH TORCH_SPEC TORCH_INDEX TORCH_PROBE_SECONDS TEST_WORKERS \
-                   OLDEST_TORCH BASE_IMAGE OUT WHEELS WHEELS_OUT PLATFORM PYTHON_VERSION TORCHTITAN HAVE PYXIS_SOURCES
+                   OLDEST_TORCH BASE_IMAGE OUT WHEELS WHEELS_OUT PLATFORM PYTHON_VERSION HAVE PYXIS_SOURCES GPU_CHECK_VENV
 GIVEN_UNKNOWN := $(strip $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(if $(filter $(v),$(KNOWN_VARIABLES)),,$(v)))))
 ARGS_FORM = $(if $(findstring .,$(1)),$(1)=$($(1)),$(if $(filter STEPS,$(1)),--train-steps $($(1))))
 GIVEN_FORM := $(strip $(ARGS) $(foreach v,$(GIVEN_UNKNOWN),$(call ARGS_FORM,$(v))))
@@ -50,7 +50,7 @@ help:
 	@echo "make status | doctor CONFIG=... | edf CONFIG=... | cluster-up | cluster-down | bench"
 	@echo "make pyxis [PYXIS_SOURCES=DIR]       enroot + pyxis from their release sources into .pyxis/ (pytest -m pyxis)"
 	@echo "make gpu-check [OUT=gpu-check] [WHEELS=DIR]   on a GPU node, offline, 10 min: does it train correctly and fast?"
-	@echo "make gpu-check-wheels [PYTHON_VERSION=3.12] [PLATFORM=manylinux_2_28_x86_64] [TORCHTITAN=1] [HAVE=FILE]"
+	@echo "make gpu-check-wheels [PYTHON_VERSION=3.12] [PLATFORM=manylinux_2_28_x86_64] [HAVE=FILE]"
 
 # pip's own Collecting / Downloading (size) / progress lines show what is being installed; each
 # phase says first what comes, so a long download or unpack never looks like a hang.
@@ -285,14 +285,19 @@ gpu-report: $(STAMP)
 # A GPU node's check, offline, in at most 10 minutes (docs/trainer.md, "checking a new cluster's GPU
 # node"): report.md and report.json in OUT. With WHEELS=DIR (`make gpu-check-wheels` on a login
 # node) it first makes .venv-gpucheck over this node's $(PYTHON) and its torch, from DIR alone.
+# The node's site-packages are added by a .pth file, not --system-site-packages: a node's python3
+# is often a venv itself, and a venv made from one sees the base interpreter's packages, not its.
 OUT ?= gpu-check
-GPU_CHECK_VENV := .venv-gpucheck
+GPU_CHECK_VENV ?= .venv-gpucheck
 .PHONY: gpu-check gpu-check-wheels
 ifdef WHEELS
 gpu-check:
-	$(PYTHON) -m venv --system-site-packages $(GPU_CHECK_VENV)
-	$(GPU_CHECK_VENV)/bin/python -m pip install --no-index --find-links '$(WHEELS)' -r '$(WHEELS)/requirements.txt'
-	$(GPU_CHECK_VENV)/bin/slipway gpu-check --out '$(OUT)' $(ARGS)
+	$(PYTHON) -m venv '$(GPU_CHECK_VENV)'
+	$(PYTHON) -c 'import site, sys; open(sys.argv[1] + "/slipway-node-site.pth", "w").write("".join( \
+		"import site; site.addsitedir(%r)\n" % p for p in site.getsitepackages()))' \
+		"$$('$(GPU_CHECK_VENV)/bin/python' -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+	'$(GPU_CHECK_VENV)/bin/python' -m pip install --no-index --find-links '$(WHEELS)' -r '$(WHEELS)/requirements.txt'
+	'$(GPU_CHECK_VENV)/bin/slipway' gpu-check --out '$(OUT)' $(ARGS)
 else
 gpu-check: $(STAMP)
 	$(PY) -m jobs gpu-check --out '$(OUT)' $(ARGS)

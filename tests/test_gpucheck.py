@@ -332,23 +332,22 @@ def test_the_bundle_installs_with_no_index_beside_an_existing_torch_and_the_chec
     with pytest.raises(ConfigError, match=r"MiB of wheels, over the 1 MiB this bundle may take \(largest, MiB: numpy"):
         wheels.gather(tmp_path / "small", python, "manylinux_2_28_x86_64", say=lambda text: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["wheels"]
-    # A node: a fresh venv whose Python sees torch (and what torch needs) already installed.
-    venv = tmp_path / "node venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)  # this pip installs
-    site = next((venv / "lib").glob("python3.*/site-packages"))
-    (site / "node_torch.pth").write_text(str(torch_only_site(tmp_path / "node site")) + "\n")
+    # A node: its python3 is a venv (as a cluster's often is) that sees torch, and what torch needs,
+    # through its own site-packages; `make gpu-check WHEELS=` builds the check's venv over it.
+    node = tmp_path / "node"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(node)], check=True)
+    node_site = next((node / "lib").glob("python3.*/site-packages"))
+    (node_site / "node_torch.pth").write_text(str(torch_only_site(tmp_path / "node site")) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV"))}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INPUT="1")  # no index, no find-links but the bundle's
-    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
-                              "--no-index", "--find-links", str(bundle), "-r", str(bundle / "requirements.txt")],
-                             capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+    venv, out = tmp_path / "check venv", tmp_path / "report"
+    proc = subprocess.run(["make", "--no-print-directory", "gpu-check", f"WHEELS={bundle}", f"OUT={out}",
+                           f"PYTHON={node / 'bin' / 'python'}", f"GPU_CHECK_VENV={venv}",
+                           "ARGS=--device cpu --budget allreduce=1 --budget speed=1"],
+                          capture_output=True, text=True, env={**env, "COLUMNS": "200"}, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    site = next((venv / "lib").glob("python3.*/site-packages"))
     assert not (site / "torch").exists() and (site / "jobs").is_dir()  # the node's torch stays the one
-    out = tmp_path / "report"
-    proc = subprocess.run([str(venv / "bin" / "slipway"), "gpu-check", "--device", "cpu", "--out", str(out),
-                           "--budget", "allreduce=1", "--budget", "speed=1"],
-                          capture_output=True, text=True, env={**env, "COLUMNS": "200"}, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
     assert [p["status"] for p in report["parts"]] == ["ok", "ok", "ok", "skipped", "skipped"], report["parts"]
     assert all(c["ok"] for p in report["parts"] for c in p["checks"])  # the trainer and slipway local, from wheels

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -116,8 +117,7 @@ def gather(out: Path, python_version: str, platform: str, have: Optional[Path] =
             os.replace(out, work / "old")
         os.replace(wheels, out)
         say(f"{out}: {len(list(out.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB (at most {MAX_BYTES // 2**20}); on the "
-            f"node: python3 -m venv --system-site-packages V && V/bin/pip install --no-index --find-links {out} "
-            f"-r {out}/requirements.txt")
+            f"node, from this checkout: make gpu-check WHEELS={shlex.quote(str(out))} OUT=report")
         return size
     finally:
         shutil.rmtree(work, ignore_errors=True)
