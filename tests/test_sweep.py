@@ -338,6 +338,20 @@ def test_local_sweep_checks_every_point_fits_before_running_any(project):
     assert tree(project) == before
 
 
+def test_a_numeric_key_given_values_by_commas_names_the_axis_form(project):
+    """Hydra's multirun form (`train.lr=1e-3,1e-2`) is one value to slipway: for a number or a flag
+    field, one line with the axis to paste; a string field keeps its commas."""
+    before = tree(project)
+    for given, axis in (("train.lr=1e-3,1e-2", "'train.lr=[1e-3, 1e-2]'"),
+                        ("train.steps= 10, 20", "'train.steps=[10, 20]'")):
+        r = slipway("sweep", "tiny_cpu", "--name", "g", given, "--dry-run")
+        one_error(r, f"{given.split('=')[0]}: ")
+        assert f"is one value, not an axis: give {axis}" in r.stderr, r.stderr
+    assert tree(project) == before
+    r = slipway("sweep", "tiny_cpu", "--name", "g", "train.lr=[3e-3, 1e-3]", "run.project=a,b", "--local", "--dry-run")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+
+
 def test_local_sweep_dry_run_is_the_local_plan_with_no_slurm_asked(project, standin):
     slurm, env = standin
     before = tree(project)
@@ -345,6 +359,8 @@ def test_local_sweep_dry_run_is_the_local_plan_with_no_slurm_asked(project, stan
     assert r.returncode == 0, (r.stdout, r.stderr)
     lines = r.stdout.splitlines()
     assert lines[0] == "dry run: sweep g: 2 point(s): 2 new; 2 to run here; nothing written, nothing started"
+    # No Slurm allocation, so no nodes, GPUs or time limit shown for a point
+    assert lines[1].split() == ["point", "state", "values"] and lines[2].split() == ["g-lr3e-3", "new", "lr=3e-3"]
     assert lines[-3:] == ["one after another, each as slipway local runs it", "verdict: would be started",
                           "dry run: nothing written; would be started"], lines
     assert "array" not in r.stdout and slurm.calls() == [] and tree(project) == before

@@ -96,7 +96,8 @@ def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console, here: bool
     for p in plan.points:  # points share the slurm section an axis leaves alone: its limit read once
         s = p.cfg.slurm
         seconds = limits[id(s)] if id(s) in limits else limits.setdefault(id(s), s.time_seconds())  # None: no limit
-        rows.append((p.point.run, p.state, str(s.nodes), str(s.nodes * s.gpus_per_node), s.time, p.point.label()))
+        slurm_asks = () if here else (str(s.nodes), str(s.nodes * s.gpus_per_node), s.time)  # no allocation here
+        rows.append((p.point.run, p.state, *slurm_asks, p.point.label()))
         if p.state in (arrays.NEW, arrays.RESUME):
             unbounded += seconds is None
             node_h += s.nodes * (seconds or 0) / 3600
@@ -104,7 +105,7 @@ def _dry_run(plan: arrays.Plan, max_parallel: Optional[int], console, here: bool
     out = console.file
     out.write(listing(f"dry run: {_summary(plan, 'run here' if here else 'submit')}; nothing written, nothing "
                       f"{'started' if here else 'submitted'}", rows, width(),
-                      ("point", "state", "nodes", "GPUs", "time", "values")))
+                      ("point", "state", *(() if here else ("nodes", "GPUs", "time")), "values")))
     if here:  # each point already checked to fit this machine's memory (the plan's view); no Slurm
         out.write("one after another, each as slipway local runs it\n")
         return verdict(console, [], "started", [str(r) for r in plan.refusals], plan.notes)

@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar, Optional, get_args, get_origin
 
-from common.errors import ConfigError, bounded_path, shown
+from common.errors import ConfigError, bounded_path, pasteable, shown
 from common.fs import write_atomic
 from common.rundir import RunDir
 from common.schema import config_fields, field_of, from_dict, to_dict
@@ -271,6 +271,9 @@ def split_axes(overrides: list[str]) -> tuple[list[Axis], list[str]]:
         key, sep, text = item.partition("=")
         key, stripped = key.strip(), text.strip()
         if not (sep and stripped.startswith("[") and stripped.endswith("]")):
+            if "," in stripped and field_type(key) in (int, float, bool):  # Hydra's multirun form, a=1,2
+                axis = f"{key}=[{', '.join(v.strip() for v in stripped.split(','))}]"
+                raise ConfigError(key, f"{shown(stripped)} is one value, not an axis: give {pasteable(axis)}")
             plain.append(item)
             continue
         if get_origin(field_type(key)) is list:
