@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import ConfigError
 from jobs.devcluster import host as cluster_host
 from slurm_fixtures import cluster_pids, restart_dead_nodes, sbatch, wait_job
-from jobs.devcluster import (ClusterError, ClusterSpec, LocalSlurmCluster, alive, default_state_dir, leftovers,
+from jobs.devcluster import (ClusterSpec, LocalSlurmCluster, alive, default_state_dir, leftovers,
                           read_registry, render_slurm_conf, unavailable_reason)
 
 pytestmark = [pytest.mark.slurm,
@@ -156,12 +157,12 @@ def test_hosts_block_is_replaced_and_removed_leaving_other_lines(tmp_path: Path,
 @pytest.mark.parametrize("bad, words", [
     ({"name": "Too-Long-Name"}, "interface names"),
     ({"subnet": "10.213"}, "first three octets"),
-    ({"nodes": 0}, "1..200"),
+    ({"nodes": 0}, "1 to 200"),
     ({"state_dir": Path("/tmp/has space")}, "slurm.conf cannot"),
     ({"state_dir": Path("/tmp/" + "d" * 75)}, "step sockets"),
 ])
 def test_spec_rejects_what_would_break_later(tmp_path: Path, bad: dict, words: str) -> None:
-    with pytest.raises(ClusterError, match=words):
+    with pytest.raises(ConfigError, match=words):
         ClusterSpec(**{"state_dir": tmp_path, **bad})
 
 

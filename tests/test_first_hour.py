@@ -316,6 +316,29 @@ def test_image_help_names_the_command_the_user_typed(capsys):
     assert out.startswith("usage: slipway image ") and "python -m containers" not in out
 
 
+@pytest.mark.parametrize("words, said", [
+    (["--nodes", "0"], "--nodes: 0: choose 1 to 200"),
+    (["--cpus", "0"], "--cpus: 0: give the CPUs each node declares, 1 to 4096"),
+    (["--name", "Bad-Name"], "--name: 'Bad-Name': use 1-8 lowercase letters and digits"),
+    (["--subnet", "10.1"], "--subnet: '10.1': give the first three octets of a /24"),
+    (["--ctld-port", "70000"], "--ctld-port: 70000: give a TCP port"),
+    (["--slurmd-port", "6917"], "--slurmd-port: 6917: give a TCP port, 1 to 65535, the controller's and the nodes' apart"),
+    (["--timeout", "nan"], "--timeout: nan: give the seconds to wait for idle nodes, more than 0"),
+    (["--max-array-size", "0"], "--max-array-size: 0: Slurm takes 1 to 4000001"),
+    (["--state-dir", "/tmp/with#hash"], "--state-dir: '/tmp/with#hash' holds a character slurm.conf cannot carry"),
+    (["--node-private", "relative/dir"], "--node-private: 'relative/dir': give absolute paths"),
+])
+def test_cluster_up_says_a_bad_flag_in_one_line_before_anything_starts(words, said, capsys, tmp_path):
+    """Bad input to `slipway cluster up`, as to every command: the flag named, exit 2, no daemon started
+    and no state written (not `slipway cluster up: ...` and exit 1, as a failed start says)."""
+    state = tmp_path / "state"
+    argv = ["cluster", "up", *(words if "--state-dir" in words else [*words, "--state-dir", str(state)])]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"slipway: error: {said}"), lines
+    assert not state.exists()
+
+
 def test_cluster_down_says_what_it_stopped(capsys):
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("the local cluster's commands run as root, with iproute2")

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from common.edge import Parser
+from common.errors import ConfigError
 from common.environ import as_typed, invocation
 from jobs.devcluster.daemons import LocalSlurmCluster
 from jobs.devcluster.host import HOSTS, ClusterError, alive, leftovers, our_netns, read_registry, teardown
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     named = "" if args.name == "slpw" else f" --name {shlex.quote(args.name)}"  # a suggestion names its cluster
     try:
         if args.cmd == "up":
+            if not args.timeout > 0:
+                raise ConfigError("--timeout", f"{args.timeout:g}: give the seconds to wait for idle nodes, more than 0")
             state_dir = args.state_dir or default_state_dir("" if args.name == "slpw" else args.name)
             spec = ClusterSpec(state_dir=Path(state_dir), nodes=args.nodes, cpus=args.cpus, name=args.name,
                                subnet=args.subnet, ctld_port=args.ctld_port, slurmd_port=args.slurmd_port,

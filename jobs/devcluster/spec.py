@@ -13,6 +13,7 @@ import re
 import tempfile
 from pathlib import Path
 
+from common.errors import ConfigError
 from jobs.devcluster.host import ClusterError, read_registry
 
 CONF_HEADER = "# Written by `slipway cluster up` for a local test cluster; rewritten on every `up`."
@@ -62,40 +63,45 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
         if not 1 <= self.nodes <= 200:
-            raise ClusterError(f"nodes={self.nodes}: choose 1..200 (addresses .11-.210 of the /24)")
+            raise ConfigError("--nodes", f"{self.nodes}: choose 1 to 200 (addresses .11-.210 of the /24)")
+        if not 1 <= self.cpus <= 4096:
+            raise ConfigError("--cpus", f"{self.cpus}: give the CPUs each node declares, 1 to 4096")
+        for flag, port in (("--ctld-port", self.ctld_port), ("--slurmd-port", self.slurmd_port)):
+            if not 1 <= port <= 65535 or (flag == "--slurmd-port" and port == self.ctld_port):
+                raise ConfigError(flag, f"{port}: give a TCP port, 1 to 65535, the controller's and the nodes' apart")
         if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", self.name):
-            raise ClusterError(f"name={self.name!r}: use 1-8 lowercase letters/digits "
-                               "(it prefixes interface names, which are capped at 15 chars)")
+            raise ConfigError("--name", f"{self.name!r}: use 1-8 lowercase letters and digits, a letter first "
+                                        "(it prefixes interface names, which are capped at 15 characters)")
         if not re.fullmatch(r"(25[0-5]|2[0-4]\d|1?\d?\d)(\.(25[0-5]|2[0-4]\d|1?\d?\d)){2}", self.subnet):
-            raise ClusterError(f"subnet={self.subnet!r}: give the first three octets of a /24, e.g. 10.213.0")
+            raise ConfigError("--subnet", f"{self.subnet!r}: give the first three octets of a /24, e.g. 10.213.0")
         for host in (self.node_prefix, self.ctl_host):
             if not re.fullmatch(r"[a-z][a-z0-9-]*", host):
                 raise ClusterError(f"host name {host!r}: use lowercase letters, digits and '-'")
         # slurm.conf has no quoting: a path with blanks, '#' or '=' would be cut there.
         if re.search(r"[\s#=\"'\\]", str(self.state_dir)):
-            raise ClusterError(f"state dir {str(self.state_dir)!r} holds a character slurm.conf cannot "
-                               "carry (blank, #, =, quote, backslash): pick a plain path")
+            raise ConfigError("--state-dir", f"{str(self.state_dir)!r} holds a character slurm.conf cannot "
+                                             "carry (blank, #, =, quote, backslash): pick a plain path")
         object.__setattr__(self, "node_private", tuple(self.node_private))
         if not 1 <= self.max_array_size <= 4_000_001:
-            raise ClusterError(f"max_array_size={self.max_array_size}: Slurm takes 1 to 4000001")
+            raise ConfigError("--max-array-size", f"{self.max_array_size}: Slurm takes 1 to 4000001")
         if self.cred_expire < 5:
             raise ClusterError(f"cred_expire={self.cred_expire}: Slurm takes 5 s or more")
         for d in self.node_private:
             if not d.startswith("/") or re.search(r"[\s'\"\\]", d):
-                raise ClusterError(f"node-private directory {d!r}: give absolute paths without blanks or quotes")
+                raise ConfigError("--node-private", f"{d!r}: give absolute paths without blanks or quotes")
         if self.plugstack is not None:
             object.__setattr__(self, "plugstack", Path(self.plugstack).absolute())
             if not self.plugstack.is_file() or re.search(r"[\s#=\"'\\]", str(self.plugstack)):
-                raise ClusterError(f"plugstack {self.plugstack}: give an existing file whose path slurm.conf can "
-                                   "carry (no blanks, #, =, quotes)")
+                raise ConfigError("--plugstack", f"{self.plugstack}: give an existing file whose path slurm.conf "
+                                                 "can carry (no blanks, #, =, quotes)")
         # slurmstepd makes a socket per step in the spool dir: SPOOL/NODE/NODE_JOBID.STEPID (108 bytes at most).
         step_socket = self.state_dir / "spool" / self.node_names[-1] / f"{self.node_names[-1]}_4294967291.4294967291"
         if len(str(step_socket)) > 107:
-            raise ClusterError(f"state dir {self.state_dir} is too long for slurmstepd's step sockets "
-                               f"({len(str(step_socket))} > 107 bytes): pick a shorter one")
+            raise ConfigError("--state-dir", f"{self.state_dir} is too long for slurmstepd's step sockets "
+                                             f"({len(str(step_socket))} > 107 bytes): pick a shorter one")
         if len(str(self.munge_socket)) > 100:
-            raise ClusterError(f"state dir {self.state_dir} is too long for a unix socket path "
-                               f"({self.munge_socket}): pick a shorter one")
+            raise ConfigError("--state-dir", f"{self.state_dir} is too long for a unix socket path "
+                                             f"({self.munge_socket}): pick a shorter one")
 
     # names and addresses
     @property
