@@ -183,6 +183,21 @@ def test_logs_and_watch_take_the_job_ids_status_lists_and_only_the_runs(mixed):
     assert slurm.calls() == []  # another job's state or log is never shown as the run's
 
 
+def test_logs_of_a_job_whose_log_is_gone_and_watch_of_an_earlier_job(mixed):
+    """A job with no log file (a deleted log, a job that never started) is one line naming the path
+    and the job's state; `watch --job` of a run's earlier, ended job says how it ended, from events.log."""
+    slurm, env, root = mixed
+    r = slipway("logs", "done", env=env)
+    assert r.returncode == 2 and r.stderr.startswith("slipway: error: RUN: no log yet at ") \
+        and r.stderr.endswith(" (job 11 is COMPLETED)\n") and str(root / "done" / "logs") in r.stderr, r.stderr
+    (root / "requeued" / "logs" / "9.out").write_text("the first attempt\n")
+    assert slipway("logs", "requeued", "--job", "9", env=env).stdout == "the first attempt\n"
+    asked = len(slurm.calls())
+    r = slipway("watch", "requeued", "--job", "9", "--once", env=env)
+    assert r.returncode == 0 and r.stdout.startswith("run requeued  job 9  COMPLETED\n"), r.stdout
+    assert r.stdout.rstrip().endswith("job 9 ended: COMPLETED, exit code 0") and len(slurm.calls()) == asked
+
+
 def test_cancel_of_a_batch_shell_that_does_not_end_scancels_it_after_the_grace_saying_so(mixed, monkeypatch, capsys):
     from jobs import runs
     from jobs.cli import status
