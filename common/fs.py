@@ -45,7 +45,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, 
     except BaseException as exc:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):  # said of the file given (a folder in its place), not of our temporary one
+        if isinstance(exc, OSError) and exc.errno is not None:  # said of the file given, not of our temporary one
             raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
     return path

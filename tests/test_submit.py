@@ -255,6 +255,24 @@ def test_plot(project):
     assert sorted(p.name for p in out.parent.iterdir()) == ["p1.png"]
 
 
+def test_write_atomic_keeps_an_os_error_that_names_no_errno(tmp_path, monkeypatch):
+    """An OSError with an errno is said of the caller's path (above); one without (a file object's
+    UnsupportedOperation) is no path problem and stays what it was. Either way nothing is left."""
+    import io
+
+    from common import fs
+
+    error = io.UnsupportedOperation("fsync is not supported here")
+
+    def fsync(fd):
+        raise error
+
+    monkeypatch.setattr(fs.os, "fsync", fsync)
+    with pytest.raises(io.UnsupportedOperation) as raised:
+        fs.write_atomic(tmp_path / "f.json", "{}")
+    assert raised.value is error and list(tmp_path.iterdir()) == []
+
+
 def test_image_subcommand_reaches_the_image_tool(project):
     r = slipway("image", "--help")
     assert r.returncode == 0 and "build" in r.stdout and "prune" in r.stdout
