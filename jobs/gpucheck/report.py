@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-# The issue-40 targets on one H100, for the tiny preset at seq 512 in bf16.
+# The target on one H100, for the tiny preset at seq 512 in bf16.
 TARGET_MFU = 0.40
 
 
@@ -127,11 +127,21 @@ def _speed(r: dict, report: dict) -> list[str]:
          _num(row.get("peak_memory_gib"), ".2f") + extra, _num(row.get("vs_bare"), ".3f")]
         for row, extra in zip(rows, reserved)])
     if report["device"] == "cuda":
+        bare = {row["case"].removeprefix("bare"): row.get("mfu") for row in rows if row["case"].startswith("bare")}
         lines += ["", f"The target on one H100: MFU >= {TARGET_MFU:.0%}:"]
-        lines += [f"- {row['case']}: MFU {_num(row.get('mfu') and 100 * row['mfu'], '.1f') or 'unknown'}% "
-                  f"({'met' if (row.get('mfu') or 0) >= TARGET_MFU else 'not met'})"
-                  for row in rows if row["case"].startswith("ours")]
+        for row in rows:
+            variant = row["case"].removeprefix("ours")
+            if variant == row["case"]:
+                continue
+            said = "met" if (row.get("mfu") or 0) >= TARGET_MFU else "not met"
+            if said == "not met" and variant in bare:  # a model too small for the GPU misses by the bare loop too
+                said += f"; the bare loop: {_percent(bare[variant])}"
+            lines.append(f"- {row['case']}: MFU {_percent(row.get('mfu'))} ({said})")
     return lines
+
+
+def _percent(fraction: Optional[float]) -> str:
+    return f"{_num(fraction and 100 * fraction, '.1f') or 'unknown'}%"
 
 
 SECTIONS = {"node": _node, "correctness": _correctness, "training": _training, "allreduce": _allreduce,
