@@ -331,8 +331,9 @@ def test_image_help_names_the_command_the_user_typed(capsys):
 def test_cluster_up_says_a_bad_flag_in_one_line_before_anything_starts(words, said, capsys, tmp_path):
     """Bad input to `slipway cluster up`, as to every command: the flag named, exit 2, no daemon started
     and no state written (not `slipway cluster up: ...` and exit 1, as a failed start says)."""
-    state = tmp_path / "state"
-    argv = ["cluster", "up", *(words if "--state-dir" in words else [*words, "--state-dir", str(state)])]
+    state = tmp_path / "state"  # and a name of its own: a check that let a case through tears no cluster down
+    argv = ["cluster", "up", *words, *([] if "--state-dir" in words else ["--state-dir", str(state)]),
+            *([] if "--name" in words else ["--name", "fhbad"])]
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"slipway: error: {said}"), lines
