@@ -22,14 +22,14 @@ from jobs.runs import lifecycle
 from jobs.runs.manifest import Launch
 
 
-def job_arg(run: runs.Run, job_id: Optional[str]) -> Optional[str]:
+def job_arg(run: runs.Run, job_id: Optional[str], launches: Optional[list[Launch]] = None) -> Optional[str]:
     """--job checked: a Slurm job id or `local` (it names a log file and goes to squeue), one of the
     run's (what `slipway status RUN` lists), never another job's log or state shown as the run's."""
     if job_id is None:
         return None
     if job_id != LOCAL_JOB and not re.fullmatch(r"[0-9]{1,12}(_[0-9]{1,9})?", job_id):
         raise ConfigError("--job", f"{shown(job_id)} is not a Slurm job id: give one that slipway status RUN lists")
-    launches = run.launches()
+    launches = run.launches() if launches is None else launches
     ids = [*(x.id for x in launches if not x.local), *([LOCAL_JOB] if any(x.local for x in launches) else [])]
     if job_id not in ids:
         raise ConfigError("--job", f"run {run.name} has no job {job_id}: its jobs are {', '.join(ids[-5:]) or 'none yet'} "
@@ -42,7 +42,7 @@ def show_logs(run: runs.Run, job_id: str | None, follow: bool, stream: str) -> i
     if not launches:
         raise ConfigError("RUN", f"run {run.name} has no job yet: `slipway submit {shlex.quote(str(run.paths.config))}` "
                                  "submits it")
-    job_id = job_arg(run, job_id)
+    job_id = job_arg(run, job_id, launches)
     if job_id == LOCAL_JOB or (job_id is None and launches[-1].local):
         return _show_local_log(run, [x for x in launches if x.local][-1], follow)
     job_id = job_id or launches[-1].id  # a Slurm job: the latest launch is no local one
