@@ -292,6 +292,22 @@ def test_a_gpu_nodes_report_renders_its_tables_and_targets():
     assert "- ours, eager: MFU 41.0% (met)\n- ours, compiled: MFU 36.0% (not met; the bare loop: 35.9%)\n" in md
 
 
+def test_a_speed_case_refuses_a_run_directory_that_holds_anything(tmp_path, capsys):
+    """A speed case's run removes its own checkpoints afterwards: a directory holding a run's files
+    (it would resume that run, mix its metrics and lose its saves) is refused, and left as it was."""
+    from trainer import speed
+
+    saved = tmp_path / "run" / "checkpoints" / "step-000003" / "COMPLETE"
+    saved.parent.mkdir(parents=True)
+    saved.write_text("{}")
+    assert speed.main(["ours", "--device", "cpu", "--preset", "custom", "--hidden", "64", "--layers", "2", "--heads",
+                       "2", "--vocab", "512", "--seq-len", "32", "--steps", "3", "--run-dir", str(saved.parents[2])]) == 2
+    assert capsys.readouterr().err == (f"speed ours: not run: --run-dir: {saved.parents[2]} is not empty: give a new "
+                                       "directory for the case's run\n")
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*")] == [
+        Path("run"), Path("run/checkpoints"), Path("run/checkpoints/step-000003"), saved.relative_to(tmp_path)]
+
+
 # ---- the wheels it needs, carried to a node without network --------------------------------
 
 

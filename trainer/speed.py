@@ -142,6 +142,7 @@ def rates(case: Any, out: dict[str, Any], world: int = 1) -> dict[str, Any]:
 def case_ours(case: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from common.errors import ConfigError
     from common.schema import from_dict
     from trainer.config import TrainerConfig
     from trainer.train import train
@@ -155,6 +156,8 @@ def case_ours(case: Any) -> dict[str, Any]:
     cfg = from_dict(TrainerConfig, raw)
     _sdpa_flash_only(case)
     run_dir = Path(case.run_dir) if case.run_dir else Path(tempfile.mkdtemp(prefix="slipway-speed-"))
+    if run_dir.is_dir() and any(run_dir.iterdir()):  # a run's own: it would resume it, mix its metrics, lose its saves
+        raise ConfigError("--run-dir", f"{run_dir} is not empty: give a new directory for the case's run")
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         train(cfg, run_dir, data=None if case.data == "builtin" else random_data)
@@ -216,6 +219,7 @@ def main(argv: Optional[list[str]] = None, cases: Optional[dict[str, Any]] = Non
          prog: str = "python -m trainer.speed") -> int:
     """One case as a process; bench/titan.py runs its own case through here too."""
     from common.edge import Parser
+    from common.errors import ConfigError
 
     cases = cases or {"ours": case_ours, "bare": case_bare}
     p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
@@ -243,7 +247,7 @@ def main(argv: Optional[list[str]] = None, cases: Optional[dict[str, Any]] = Non
         result = cases[case.case](case)
     except (RuntimeError, ValueError) as exc:  # a case's failure, or no steady window: one line
         print(f"speed {case.case}: not run: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, ConfigError) else 1
     if result:
         print("RESULT " + json.dumps(result), flush=True)
     return 0
