@@ -287,6 +287,8 @@ gpu-report: $(STAMP)
 # node) it first makes .venv-gpucheck over this node's $(PYTHON) and its torch, from DIR alone.
 # The node's site-packages are added by a .pth file, not --system-site-packages: a node's python3
 # is often a venv itself, and a venv made from one sees the base interpreter's packages, not its.
+# slipway's own wheel goes into the check's venv first, whatever slipway the node has (an older
+# checkout's `pip install .` is the same version): the check runs the bundle's code.
 OUT ?= gpu-check
 GPU_CHECK_VENV ?= .venv-gpucheck
 .PHONY: gpu-check gpu-check-wheels
@@ -296,6 +298,7 @@ gpu-check:
 	$(PYTHON) -c 'import site, sys; open(sys.argv[1] + "/slipway-node-site.pth", "w").write("".join( \
 		"import site; site.addsitedir(%r)\n" % p for p in site.getsitepackages()))' \
 		"$$('$(GPU_CHECK_VENV)/bin/python' -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+	'$(GPU_CHECK_VENV)/bin/python' -m pip install --no-index --no-deps --ignore-installed '$(WHEELS)'/slipway-*.whl
 	'$(GPU_CHECK_VENV)/bin/python' -m pip install --no-index --find-links '$(WHEELS)' -r '$(WHEELS)/requirements.txt'
 	'$(GPU_CHECK_VENV)/bin/slipway' gpu-check --out '$(OUT)' $(ARGS)
 else

@@ -362,6 +362,13 @@ def test_the_bundle_installs_with_no_index_beside_an_existing_torch_and_the_chec
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(node)], check=True)
     node_site = next((node / "lib").glob("python3.*/site-packages"))
     (node_site / "node_torch.pth").write_text(str(torch_only_site(tmp_path / "node site")) + "\n")
+    # ... and an older slipway of the same version (a checkout's `pip install .`), which pip would
+    # take for the bundle's: the check must run the bundle's code all the same.
+    (node_site / "jobs").mkdir()
+    (node_site / "jobs" / "__init__.py").write_text("raise ImportError('the node's older slipway')\n")
+    (node_site / "slipway-0.1.0.dist-info").mkdir()
+    (node_site / "slipway-0.1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: slipway\n"
+                                                                     "Version: 0.1.0\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV"))}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INPUT="1")  # no index, no find-links but the bundle's
     venv, out = tmp_path / "check venv", tmp_path / "report"
