@@ -70,7 +70,7 @@ def try_here(cfg: Config, project_dir: Path, *, force: bool, console, rename: bo
     if not why:
         console.print("[dim]measuring how fast this machine trains it (a few seconds)[/]", soft_wrap=True)
         speed, why = local_checks.measure(local)
-    result = local_checks.plan(cfg, local, sealed, reload or (lambda words: cfg), force=force, prepare=prepare,
+    result = local_checks.plan(cfg, local, sealed, reload, force=force, prepare=prepare,
                                speed=speed, rename=rename)
     console.print(f"[dim]{escape(result.said or f'expected step time here: not known ({why})')}[/]", soft_wrap=True)
     return sealed, result

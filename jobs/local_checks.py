@@ -176,11 +176,12 @@ def available_memory() -> Optional[int]:
     return min(found) if found else None
 
 
-def plan(original: Config, local: Config, sealed: runs.Sealed, reload: Callable[[list[str]], Config], *,
+def plan(original: Config, local: Config, sealed: runs.Sealed, reload: Optional[Callable[[list[str]], Config]], *,
          force: bool = False, prepare: bool = False, speed: Optional[Speed] = None, rename: bool = True,
          fix: bool = True) -> Plan:
     """Every blocker of the try `local` (`original`'s local view) at once, with the command that clears
-    them all, checked (`reload` loads a `slipway local` command line as typed)."""
+    them all, checked (`reload` loads a `slipway local` command line as typed; None: a sweep's point,
+    which no `slipway local` command stands for: its steps that fit are said instead)."""
     run_dir, blockers = sealed.paths.path, data_blockers(sealed, original, prepare)
     available, too_big = _memory(local)
     if too_big:
@@ -202,11 +203,19 @@ def plan(original: Config, local: Config, sealed: runs.Sealed, reload: Callable[
                        f"~{format_duration(result.step_s * left)} for {left} steps ({speed.said(local)}), after a "
                        "start of 5 to 40 s")
         if result.step_s * left > LOCAL_TRY_SECONDS:  # a terminal asks about it, once nothing else blocks
+            fits = try_steps(result.step_s)
             blockers.append(Blocker("train.steps", f"{left} steps of ~{format_duration(result.step_s, fine=True)} "
                                                    f"take ~{format_duration(result.step_s * left)} here, more than a "
-                                                   f"try on this machine ({format_duration(LOCAL_TRY_SECONDS)})",
+                                                   f"try on this machine ({format_duration(LOCAL_TRY_SECONDS)})" + (
+                "" if reload else f": train.steps={local.train.steps - left + fits} fits, or --yes starts it all the "
+                                  "same" if fits >= MIN_TRY_STEPS else ": --yes starts it all the same"),
                                     flags=("--yes",)))
-    return _fixed(result, original, sealed, reload, available, speed, rename) if fix and blockers else result
+    return _fixed(result, original, sealed, reload, available, speed, rename) if fix and blockers and reload else result
+
+
+def try_steps(step_s: float) -> int:
+    """The steps of `step_s` a try runs: half of LOCAL_TRY_SECONDS, so a busier machine measured next still fits them."""
+    return int(LOCAL_TRY_SECONDS / 2 // step_s)
 
 
 _FITS = ("train.micro_batch_size", "train.steps")  # the blockers a smaller try clears (`first_fit`)
@@ -382,7 +391,7 @@ def first_fit(original: Config, run_dir: Path, reload: Callable[[list[str]], Con
             done, step_s = _done(local, run_dir), speed.step_s(local) if speed else None
             left = max(0, local.train.steps - done)
             if step_s is not None and step_s * left > LOCAL_TRY_SECONDS:
-                steps = int(LOCAL_TRY_SECONDS / 2 // step_s)  # half: a busier machine measured next still fits it
+                steps = try_steps(step_s)
                 if steps < MIN_TRY_STEPS or "train.steps" in settings:
                     break
                 settings["train.steps"] = done + steps

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -382,6 +383,38 @@ def test_local_sweep_runs_each_point_through_slipway_local(project):
     assert again.returncode == 0 and "nothing to train" in again.stdout, again.stdout
     # Its hint repeats the point's own arguments: the axis replaced by the point's value.
     assert "train.lr=3e-3 --run-name g-lr3e-3 --train-steps 4 --force" in " ".join(again.stdout.split()), again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_local_sweep_longer_than_a_try_says_the_steps_that_fit_and_starts_with_yes(project):
+    """A point past a try's half hour, without a terminal to ask: refused, each point, with the
+    steps that fit (no `slipway local` command stands for a sweep's point); with --yes it starts,
+    and Ctrl-C stops the sweep there: the next point never starts."""
+    from test_first_hour import launch_reading
+    from test_stopping import losses, wait_for as waiting
+
+    args = ("sweep", "tiny_cpu", "--name", "g", *TINY, "train.eval_interval=0", "train.steps=1000000",
+            "train.lr=[3e-3, 1e-3]", "--local")
+    r = slipway(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    refused = [x for x in r.stderr.splitlines() if x.startswith("slipway: error: ")]
+    assert len(refused) == 2 and all(re.fullmatch(
+        r"slipway: error: train\.steps: 1000000 steps of ~\S+ take ~\S+ here, more than a try on this machine "
+        r"\(30m00s\): train\.steps=\d+ fits, or --yes starts it all the same", x) for x in refused), r.stderr
+    assert "nothing smaller" not in r.stderr and "sweep g: 0 of 2 point(s) ended 0" in r.stdout
+    assert not [p for p in (project / "runs").iterdir() if not p.name.startswith(".")]
+    proc = launch_reading(*args, "--yes")
+    try:
+        waiting(lambda: (project / "runs" / "g-lr3e-3" / "metrics.jsonl").is_file()
+                and len(losses(project / "runs" / "g-lr3e-3")) >= 1, 240, "the first point's first step")
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, proc.lines[-20:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not (project / "runs" / "g-lr1e-3").exists(), proc.lines[-20:]
+    assert any("sweep g: 0 of 2 point(s) ended 0; g-lr3e-3 exit 130" in x for x in proc.lines), proc.lines[-10:]
 
 
 # ------------------------------------------------------------------ the real local Slurm
