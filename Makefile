@@ -294,6 +294,8 @@ GPU_CHECK_VENV ?= .venv-gpucheck
 .PHONY: gpu-check gpu-check-wheels
 ifdef WHEELS
 gpu-check:
+	@test -f '$(WHEELS)/requirements.txt' || { echo 'make gpu-check: WHEELS=$(WHEELS): no bundle there (from make' \
+		'gpu-check-wheels on a login node)' >&2; exit 2; }
 	$(PYTHON) -m venv '$(GPU_CHECK_VENV)'
 	$(PYTHON) -c 'import site, sys; open(sys.argv[1] + "/slipway-node-site.pth", "w").write("".join( \
 		"import site; site.addsitedir(%r)\n" % p for p in site.getsitepackages()))' \

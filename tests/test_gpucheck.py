@@ -329,6 +329,17 @@ def test_the_bundle_is_for_the_nodes_python_and_glibc_and_leaves_out_what_it_has
         node_has(tmp_path / "missing.txt")
 
 
+def test_make_gpu_check_given_a_folder_without_a_bundle_says_so_and_makes_no_venv(tmp_path):
+    venv = tmp_path / "check venv"
+    for wheels in (tmp_path / "missing", tmp_path):  # none there, and a folder of something else
+        proc = subprocess.run(["make", "--no-print-directory", "gpu-check", f"WHEELS={wheels}", f"GPU_CHECK_VENV={venv}"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr)
+        assert proc.stderr.splitlines()[0] == (f"make gpu-check: WHEELS={wheels}: no bundle there (from make "
+                                               "gpu-check-wheels on a login node)"), proc.stderr
+        assert not venv.exists()
+
+
 @pytest.mark.slow
 def test_the_bundle_installs_with_no_index_beside_an_existing_torch_and_the_check_runs_from_it(tmp_path, monkeypatch):
     """`make gpu-check-wheels` for this Python, within 60 MiB; then a fresh venv that sees only a
