@@ -137,6 +137,12 @@ def test_points_file_is_a_sweep_that_is_no_grid(project, standin):
     assert "g-lr0.001-steps10" in r.stdout and "g-lr0.002 " in r.stdout
     (project / "bad.yaml").write_text("- 3\n")
     one_error(slipway("sweep", "tiny_cpu", "--points", "bad.yaml", env=env), "--points[0]")
+    # The same point twice (as a map or by its sections), and the same config by other numerals.
+    (project / "twice.yaml").write_text("- {train.lr: 0.001}\n- {model.num_layers: 3}\n- train: {lr: 0.001}\n")
+    one_error(slipway("sweep", "tiny_cpu", "--points", "twice.yaml", env=env), "--points[2]: is --points[0] again")
+    (project / "same.yaml").write_text("- {train.lr: 0.001}\n- {train.lr: 1e-3}\n")
+    one_error(slipway("sweep", "tiny_cpu", "--name", "g", "--points", "same.yaml", env=env),
+              "point g-lr1e-3: has the same config as point g-lr0.001 (lr=1e-3): drop one of the two")
     one_error(slipway("sweep", "tiny_cpu", "--points", str(project), env=env), "--points")
 
 

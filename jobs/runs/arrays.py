@@ -154,7 +154,7 @@ def _points(variants: Variants, points: Iterable[tuple[dict[str, Any], str]], ke
         same = tuple(repr(variants.typed(cfg, key, values.get(key))) for key in keys)  # the values typed by their fields
         if same in seen:
             raise ConfigError(f"point {run_name}", f"has the same config as point {seen[same]} ({point.label(120)}): "
-                                                   "drop one of the two values")
+                                                   "drop one of the two")
         seen[same] = run_name
         plans.append(PointPlan(point, sealed, NEW))
         # What it reads (the container's and Slurm's sections, train.script): once for the points that share them.

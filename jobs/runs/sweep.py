@@ -322,6 +322,8 @@ def read_points(path: str) -> list[dict[str, Any]]:
         walk(item, "")
         if "run.name" in flat:
             raise ConfigError(f"--points[{i}].run.name", "a sweep names its points itself: name the sweep with --name")
+        if flat in out:
+            raise ConfigError(f"--points[{i}]", f"is --points[{out.index(flat)}] again: give each point once")
         out.append(flat)
     return out
 
