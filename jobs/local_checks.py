@@ -403,9 +403,8 @@ def first_fit(original: Config, run_dir: Path, reload: Callable[[list[str]], Con
     return None
 
 
-def smaller_batch(cfg: Config, budget: float, command: bool = True) -> str:
-    """The `slipway local` command whose processes stay within `budget` bytes each (not `command`: a
-    sweep's point, which no command stands for: the settings), and what it keeps."""
+def smaller_batch(cfg: Config, budget: float) -> str:
+    """The `slipway local` command whose processes stay within `budget` bytes each, and what it keeps."""
     fit = fitting_batch(cfg, budget)
     if fit is None:
         return "not even micro batch 1 at a short seq_len fits: try the layout on a smaller model or fewer processes"
@@ -415,9 +414,8 @@ def smaller_batch(cfg: Config, budget: float, command: bool = True) -> str:
     if seq != cfg.data.seq_len:
         settings["data.seq_len"], keeps = seq, f"the layout, at seq_len {seq} instead of {cfg.data.seq_len}"
     world = cfg.launch.procs_per_node * cfg.slurm.nodes
-    given = f"`slipway local {cfg.config_args_setting(settings)}`" if command else \
-        " ".join(f"{key}={value}" for key, value in settings.items())
-    return f"{given} keeps {keeps} (~{world * process_memory(cfg, micro, seq) / 1e9:.1f} GB)"
+    return (f"`slipway local {cfg.config_args_setting(settings)}` keeps {keeps} "
+            f"(~{world * process_memory(cfg, micro, seq) / 1e9:.1f} GB)")
 
 
 def check_memory(local: Config) -> None:
@@ -426,7 +424,7 @@ def check_memory(local: Config) -> None:
     available, too_big = _memory(local)
     if too_big:
         budget = FIT_SHARE * available / local.launch.procs_per_node
-        raise ConfigError("train.micro_batch_size", f"{too_big}: {smaller_batch(local, budget, command=False)}")
+        raise ConfigError("train.micro_batch_size", f"{too_big}: {smaller_batch(local, budget)}")
 
 
 def _check_tokens(cfg: Config, status) -> None:

@@ -342,10 +342,6 @@ def test_local_sweep_checks_every_point_fits_before_running_any(project):
     r = slipway("sweep", "tiny_cpu", "--name", "g", "train.micro_batch_size=[2, 4096]", "data.seq_len=4096",
                 "model.max_position_embeddings=4096", "--local")
     one_error(r, "point g-micro_batch_size4096: train.micro_batch_size:")
-    # The batch that fits, as settings: no `slipway local` command stands for a sweep's point.
-    assert re.search(r": train\.micro_batch_size=\d+ train\.grad_accum_steps=\d+ keeps the layout and the global "
-                     r"batch \(~[\d.]+ GB\) \(micro_batch_size=4096\)$", r.stderr.strip()), r.stderr
-    assert "slipway local" not in r.stderr
     assert tree(project) == before
 
 
